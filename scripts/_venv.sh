@@ -1,0 +1,17 @@
+# Sourced by the other scripts: create .venv (once) and install headrace with every extra
+# its tests and benchmarks need. Idempotent: a second run only checks what is there.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HEADRACE_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+STAMP="$VENV/.headrace-installed"
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/setup.py" -nt "$STAMP" ]; then
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[${HEADRACE_EXTRAS:-dev,tf}]"
+    touch "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+cd "$ROOT"

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The whole test suite, from a clean clone: venv + every extra, lint, types, tests (parallel).
+source "$(dirname "$0")/_venv.sh"
+ruff check src tests benchmarks
+mypy
+python -m pytest -n "${HEADRACE_TEST_WORKERS:-2}" "$@"

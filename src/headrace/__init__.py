@@ -1,0 +1,48 @@
+"""headrace: tf.data-style input pipelines for data larger than RAM, under a hard byte budget.
+
+Everything public is listed in ``__all__`` below (and tested against it).
+"""
+
+from headrace.dataset import Dataset
+from headrace.errors import (
+    CheckpointError,
+    DataLossError,
+    ElementSpecError,
+    FileLimitError,
+    HeadraceError,
+    InvalidArgumentError,
+    IteratorClosedError,
+    MemoryBudgetError,
+    ParseError,
+    RecordTooLargeError,
+    WorkerError,
+)
+from headrace.iterator import DatasetIterator
+from headrace.node import INFINITE, UNKNOWN
+from headrace.options import AUTOTUNE, Options, parse_bytes
+from headrace.structure import TensorSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AUTOTUNE",
+    "INFINITE",
+    "UNKNOWN",
+    "CheckpointError",
+    "DataLossError",
+    "Dataset",
+    "DatasetIterator",
+    "ElementSpecError",
+    "FileLimitError",
+    "HeadraceError",
+    "InvalidArgumentError",
+    "IteratorClosedError",
+    "MemoryBudgetError",
+    "Options",
+    "ParseError",
+    "RecordTooLargeError",
+    "TensorSpec",
+    "WorkerError",
+    "__version__",
+    "parse_bytes",
+]

@@ -1,0 +1,337 @@
+"""``Dataset``: the immutable, picklable recipe users build pipelines with.
+
+Every method returns a new ``Dataset``; nothing runs until ``iter(dataset)``,
+which builds a :class:`~headrace.iterator.DatasetIterator` (threads, open
+files and budget live there, never here). Argument names and defaults follow
+``tf.data`` so that code ports by changing the import; where headrace
+differs, the method's docstring says so.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import InvalidArgumentError
+from headrace.iterator import DatasetIterator
+from headrace.node import INFINITE, UNKNOWN, Node
+from headrace.options import Options
+from headrace.sources.arrays import RangeNode, TensorSlicesNode, TensorsNode, load_npy
+from headrace.sources.generator import GeneratorNode
+from headrace.structure import flatten, map_structure, pack_as
+from headrace.transforms.batch import BatchNode, PaddedBatchNode, RebatchNode, UnbatchNode
+from headrace.transforms.enumerate import EnumerateNode
+from headrace.transforms.filter import FilterNode
+from headrace.transforms.map import MapNode
+from headrace.transforms.prefetch import PrefetchNode
+from headrace.transforms.repeat import RepeatNode
+from headrace.transforms.shard import ShardNode
+from headrace.transforms.shuffle import ShuffleNode
+from headrace.transforms.take import SkipNode, TakeNode
+from headrace.transforms.zip import ConcatenateNode, ZipNode
+
+__all__ = ["Dataset"]
+
+
+class _Cast:
+    """A picklable per-element dtype cast (``Dataset.cast``)."""
+
+    def __init__(self, dtypes: Any) -> None:
+        self.dtypes = dtypes
+        self.__qualname__ = f"cast({dtypes!r})"
+
+    def __call__(self, *components: Any) -> Any:
+        element: Any = components if len(components) != 1 else components[0]
+        if isinstance(self.dtypes, dict) and isinstance(element, dict):
+            return {
+                key: _cast_leaf(value, self.dtypes[key]) if key in self.dtypes else value
+                for key, value in element.items()
+            }
+        if isinstance(self.dtypes, tuple) and isinstance(element, tuple):
+            return tuple(
+                value if dtype is None else _cast_leaf(value, dtype)
+                for value, dtype in zip(element, self.dtypes, strict=True)
+            )
+        dtype = np.dtype(self.dtypes)
+        return map_structure(
+            lambda value: _cast_leaf(value, dtype) if _is_float(value) else value, element
+        )
+
+
+def _is_float(value: Any) -> bool:
+    return isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind == "f"
+
+
+def _cast_leaf(value: Any, dtype: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _cast_leaf(item, dtype) for key, item in value.items()}
+    return np.asarray(value).astype(dtype, copy=False)
+
+
+class Dataset:
+    """A recipe for a stream of elements, built tf.data-style and run under a byte budget.
+
+    Why a separate recipe and run: a recipe can be pickled, sent to workers
+    and iterated many times; all resources (threads, descriptors, buffers)
+    belong to one iterator and are freed with it.
+    """
+
+    __slots__ = ("_node", "_options")
+
+    def __init__(self, node: Node, options: Options | None = None) -> None:
+        self._node = node
+        self._options = options or Options()
+
+    # -- sources -------------------------------------------------------------------------
+    @staticmethod
+    def from_tensor_slices(tensors: Any) -> Dataset:
+        """One element per row of ``tensors`` (an array or a dict/tuple of arrays).
+
+        Rows are read-only **views** of your arrays: nothing is copied, and the
+        arrays' memory is not charged to the budget. ``np.memmap`` arrays work
+        for data larger than RAM. A *list* is one array (as in tf.data); a
+        tuple is a structure. Python ints become int64 (NumPy's rule; tf.data
+        would give int32 for small values). Bytes and strings become exact
+        Python objects in ``object`` arrays.
+        """
+        return Dataset(TensorSlicesNode(tensors))
+
+    @staticmethod
+    def from_tensors(tensors: Any) -> Dataset:
+        """A dataset of exactly one element: ``tensors`` itself (read-only views)."""
+        return Dataset(TensorsNode(tensors))
+
+    @staticmethod
+    def range(start: int, stop: int | None = None, step: int = 1) -> Dataset:
+        """int64 scalars like Python's ``range`` (``range(5)``, ``range(2, 10, 3)``)."""
+        return Dataset(RangeNode(start, stop, step))
+
+    @staticmethod
+    def from_generator(
+        generator: Callable[..., Any],
+        output_signature: Any = None,
+        args: Sequence[Any] | None = None,
+    ) -> Dataset:
+        """Elements from ``generator(*args)``, called anew for each epoch.
+
+        ``output_signature`` (a :class:`TensorSpec` or a nest of them) is
+        required: every yielded element is checked and converted against it,
+        and a mismatch names the element index and component. Resuming
+        replays the generator and skips what was already produced.
+        """
+        return Dataset(GeneratorNode(generator, output_signature, tuple(args or ())))
+
+    @staticmethod
+    def from_npy(path: str | os.PathLike[str]) -> Dataset:
+        """Rows of a ``.npy`` file, memory-mapped read-only: never read whole into RAM.
+
+        The file's pages are file-backed (the kernel can drop and re-read them),
+        so a 100 GB array streams through a 256 MiB budget.
+        """
+        return Dataset(_NpyNode(path))
+
+    # -- introspection -------------------------------------------------------------------
+    @property
+    def element_spec(self) -> Any:
+        """The nested :class:`TensorSpec` of each element (``None`` = unknown size)."""
+        return self._node.element_spec
+
+    def cardinality(self) -> int:
+        """Number of elements, or ``headrace.INFINITE`` / ``headrace.UNKNOWN`` (as tf.data)."""
+        return self._node.cardinality()
+
+    def __len__(self) -> int:
+        size = self.cardinality()
+        if size == INFINITE:
+            raise TypeError("the dataset is infinite")
+        if size == UNKNOWN:
+            raise TypeError("the dataset's length is unknown without reading it")
+        return size
+
+    @property
+    def options(self) -> Options:
+        """The options this dataset's iterators run with."""
+        return self._options
+
+    def fingerprint(self) -> str:
+        """A digest of the pipeline's structure; iterator states carry it."""
+        return self._node.fingerprint()
+
+    # -- running -------------------------------------------------------------------------
+    def __iter__(self) -> DatasetIterator:
+        return DatasetIterator(self._node, self._options)
+
+    def as_numpy_iterator(self) -> DatasetIterator:
+        """An iterator of NumPy elements (headrace's elements already are NumPy)."""
+        return iter(self)
+
+    def with_options(self, options: Options) -> Dataset:
+        """The same recipe with ``options`` merged over the current ones."""
+        if not isinstance(options, Options):
+            raise InvalidArgumentError(f"with_options needs an Options, got {options!r}")
+        return Dataset(self._node, self._options.merge(options))
+
+    def _wrap(self, node: Node) -> Dataset:
+        return Dataset(node, self._options)
+
+    # -- transformations -----------------------------------------------------------------
+    def map(
+        self,
+        map_func: Callable[..., Any],
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+    ) -> Dataset:
+        """Apply ``map_func`` to each element (a tuple is unpacked into arguments).
+
+        ``num_parallel_calls=N`` or ``AUTOTUNE`` runs calls on threads, with
+        the work in flight booked on the budget. ``deterministic=None`` means
+        the pipeline option (True by default): input order is kept.
+        """
+        return self._wrap(MapNode(self._node, map_func, num_parallel_calls, deterministic))
+
+    def filter(self, predicate: Callable[..., Any]) -> Dataset:
+        """Keep elements for which ``predicate`` returns a scalar True."""
+        return self._wrap(FilterNode(self._node, predicate))
+
+    def batch(self, batch_size: int, drop_remainder: bool = False) -> Dataset:
+        """Consecutive elements stacked along a new first axis.
+
+        On an array source a batch is one read-only slice (or one gather after
+        a shuffle): no per-row copy. The last partial batch is kept unless
+        ``drop_remainder``.
+        """
+        return self._wrap(BatchNode(self._node, batch_size, drop_remainder))
+
+    def padded_batch(
+        self,
+        batch_size: int,
+        padded_shapes: Any = None,
+        padding_values: Any = None,
+        drop_remainder: bool = False,
+    ) -> Dataset:
+        """Batch elements of different shapes, padding each component.
+
+        ``padded_shapes=None`` pads every dimension to the batch's largest;
+        a fixed size pads to that size (an element larger than it is an error
+        naming the element, as tf.data's "Attempted to pad to a smaller size").
+        Padding defaults to 0, ``b""``/``""`` or False.
+        """
+        return self._wrap(
+            PaddedBatchNode(self._node, batch_size, padded_shapes, padding_values, drop_remainder)
+        )
+
+    def unbatch(self) -> Dataset:
+        """Split each batched element back into its rows."""
+        return self._wrap(UnbatchNode(self._node))
+
+    def rebatch(self, batch_size: int | Sequence[int], drop_remainder: bool = False) -> Dataset:
+        """``unbatch().batch(N)`` in one step; a list of sizes is used in turn (tf.data)."""
+        return self._wrap(RebatchNode(self._node, batch_size, drop_remainder))
+
+    def shuffle(
+        self,
+        buffer_size: int,
+        seed: int | None = None,
+        reshuffle_each_iteration: bool = True,
+    ) -> Dataset:
+        """Randomly reorder elements through a buffer of ``buffer_size`` (tf.data's algorithm).
+
+        On a random-access source (arrays, ranges, indexed files) the buffer
+        holds indices, so even a full shuffle costs 8 bytes per element.
+        Otherwise a buffer larger than the budget allows shrinks to fit, with
+        one warning. Same seed and budget: same order; each new iterator
+        reshuffles unless ``reshuffle_each_iteration=False``.
+        """
+        return self._wrap(ShuffleNode(self._node, buffer_size, seed, reshuffle_each_iteration))
+
+    def prefetch(self, buffer_size: int) -> Dataset:
+        """Prepare up to ``buffer_size`` elements on a background thread.
+
+        ``AUTOTUNE`` grows the depth while the consumer waits, inside the
+        stage's share of the budget.
+        """
+        return self._wrap(PrefetchNode(self._node, buffer_size))
+
+    def repeat(self, count: int | None = None) -> Dataset:
+        """The dataset ``count`` times (``None``/-1: forever), a new pass each time."""
+        return self._wrap(RepeatNode(self._node, count))
+
+    def take(self, count: int) -> Dataset:
+        """At most the first ``count`` elements (-1: all)."""
+        return self._wrap(TakeNode(self._node, count))
+
+    def skip(self, count: int) -> Dataset:
+        """All but the first ``count`` elements (-1: skip all)."""
+        return self._wrap(SkipNode(self._node, count))
+
+    def shard(self, num_shards: int, index: int) -> Dataset:
+        """Elements ``index``, ``index + num_shards``, ... (tf.data's element-level shard)."""
+        return self._wrap(ShardNode(self._node, num_shards, index))
+
+    @staticmethod
+    def zip(*datasets: Any) -> Dataset:
+        """Elements of several datasets side by side, ending with the shortest.
+
+        Accepts ``zip(a, b)``, ``zip((a, b))`` or ``zip({"x": a, "y": b})``.
+        """
+        structure: Any = datasets[0] if len(datasets) == 1 else tuple(datasets)
+        leaves = flatten(_datasets_as_leaves(structure))
+        if not leaves or not all(isinstance(leaf, Dataset) for leaf in leaves):
+            raise InvalidArgumentError("zip needs Datasets (or a tuple/dict of Datasets)")
+        nodes = [leaf._node for leaf in leaves]
+        node = ZipNode(pack_as(structure, nodes), nodes)
+        return Dataset(node, leaves[0]._options)
+
+    def concatenate(self, dataset: Dataset) -> Dataset:
+        """This dataset's elements, then ``dataset``'s (same structure and dtypes)."""
+        return self._wrap(ConcatenateNode(self._node, dataset._node))
+
+    def enumerate(self, start: int = 0) -> Dataset:
+        """``(index, element)`` pairs, the index an int64 counting from ``start``."""
+        return self._wrap(EnumerateNode(self._node, start))
+
+    def cast(self, dtypes: Any) -> Dataset:
+        """Lower (or raise) precision of chosen components, e.g. float32 -> float16.
+
+        ``dtypes`` is one dtype (applied to every floating-point component),
+        a dict ``{key: dtype}`` for dict elements, or a tuple with ``None``
+        for components to leave alone. Halving float bytes halves what every
+        buffer after this stage holds.
+        """
+        return self._wrap(MapNode(self._node, _Cast(dtypes), None, None, stage="cast"))
+
+    def __repr__(self) -> str:
+        return f"<headrace.Dataset element_spec={self.element_spec!r}>"
+
+
+def _datasets_as_leaves(structure: Any) -> Any:
+    if isinstance(structure, Dataset):
+        return structure
+    if isinstance(structure, dict):
+        return {key: _datasets_as_leaves(value) for key, value in structure.items()}
+    if isinstance(structure, tuple):
+        return tuple(_datasets_as_leaves(value) for value in structure)
+    raise InvalidArgumentError(f"zip needs Datasets, got {type(structure).__name__}")
+
+
+class _NpyNode(TensorSlicesNode):
+    """A memory-mapped ``.npy`` file; pickles as its path, not its contents."""
+
+    stage = "from_npy"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        super().__init__(load_npy(self.path))
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.path, *super().params())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"])  # type: ignore[misc]
+

@@ -1,0 +1,236 @@
+"""The run side: iterator objects, the per-iterator context, and the public root iterator.
+
+``iter(dataset)`` turns the recipe (a tree of :class:`~headrace.node.Node`) into a
+tree of :class:`Iterator` objects — classes, not generators, because generators
+can neither checkpoint nor close deterministically. Each has ``__next__``,
+``close()``, ``get_state()`` and ``set_state()``. The root,
+:class:`DatasetIterator`, is what users hold: it owns the budget, checks the
+state's version and fingerprint, and is freed by garbage collection (with its
+threads, files and budget) when abandoned without ``close()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator as _PyIterator
+from typing import TYPE_CHECKING, Any
+
+from headrace.errors import CheckpointError, IteratorClosedError
+from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
+from headrace.memory.sizeof import sizeof
+from headrace.options import Options, available_memory
+
+if TYPE_CHECKING:
+    from headrace.node import Node
+
+__all__ = ["STATE_VERSION", "Context", "DatasetIterator", "Iterator", "default_budget"]
+
+#: Version of the state dicts; bumped when their layout changes incompatibly.
+STATE_VERSION = 1
+
+_default_budget: MemoryBudget | None = None
+_default_budget_lock = threading.Lock()
+
+
+def default_budget() -> MemoryBudget:
+    """The process-wide budget shared by every pipeline that sets none.
+
+    Half of the memory available to this process when first needed (cgroup
+    aware), like tf.data's ``ram_budget`` default — but enforced.
+    """
+    global _default_budget
+    with _default_budget_lock:
+        if _default_budget is None:
+            _default_budget = MemoryBudget(available_memory() // 2)
+        return _default_budget
+
+
+class Context:
+    """What every iterator of one pipeline run shares: options, budget, bookkeeping."""
+
+    def __init__(self, options: Options, budget: MemoryBudget) -> None:
+        self.options = options
+        self.budget = budget
+        self.deterministic = options.deterministic is not False
+        #: ids of owning buffers that existed before iteration (never charged).
+        self.preexisting: set[int] = set()
+        self._keepalive: list[object] = []
+        self._warned: set[str] = set()
+        self._accounts: dict[int, StageAccount] = {}
+
+    def register_preexisting(self, owner: object) -> None:
+        """Mark memory the user already had (views into it cost nothing)."""
+        self.preexisting.add(id(owner))
+        self._keepalive.append(owner)  # ids stay valid while this run lives
+
+    def account(self, key: object, name: str, *, weight: float) -> StageAccount:
+        """The share of the budget of one buffering stage.
+
+        ``key`` is the stage's recipe node: an iterator re-created for the same
+        node (a new epoch under ``repeat``) gets the same account back, so the
+        split made when the run started keeps holding.
+        """
+        account = self._accounts.get(id(key))
+        if account is None:
+            account = self.budget.account(name, weight=weight)
+            self._accounts[id(key)] = account
+            self._keepalive.append(key)
+        return account
+
+    def sizeof(self, element: Any) -> int:
+        """What ``element`` costs the budget (see :mod:`headrace.memory.sizeof`)."""
+        return sizeof(element, self.preexisting)
+
+    def warn_once(self, key: str, message: str) -> None:
+        """One warning per run and key: a shrink is worth saying once, not per element."""
+        if key in self._warned or not self.options.warn_on_shrink:
+            return
+        self._warned.add(key)
+        warnings.warn(message, ResourceWarning, stacklevel=3)
+
+
+class Iterator:
+    """Base of every iterator in the tree.
+
+    Subclasses implement ``__next__`` (raising ``StopIteration`` at the end,
+    again on every later call), ``get_state``/``set_state`` (small JSON-able
+    dicts: offsets, indices, counters — never buffer contents) and ``close``.
+    Buffering stages also override :meth:`next_reserved` so that an element's
+    budget booking travels with it.
+    """
+
+    stage = "iterator"
+
+    def __init__(self, *inputs: Iterator) -> None:
+        self.inputs = inputs
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> Any:
+        raise NotImplementedError
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        """The next element and the booking that holds it (none by default)."""
+        return next(self), NO_RESERVATION
+
+    def get_state(self) -> dict[str, Any]:
+        """Where this iterator is, as a small JSON-able dict."""
+        return {"inputs": [child.get_state() for child in self.inputs]}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from a state produced by :meth:`get_state` of the same pipeline."""
+        for child, child_state in zip(self.inputs, state["inputs"], strict=True):
+            child.set_state(child_state)
+
+    def close(self) -> None:
+        """Stop threads, close files, return budget; idempotent."""
+        for child in self.inputs:
+            child.close()
+
+    def walk(self) -> list[Iterator]:
+        """This iterator and all below it, for the profiler."""
+        out: list[Iterator] = [self]
+        for child in self.inputs:
+            out.extend(child.walk())
+        return out
+
+
+def _close_run(tree: Iterator, budget: MemoryBudget) -> None:
+    budget.close()
+    tree.close()
+
+
+class DatasetIterator(_PyIterator[Any]):
+    """What ``iter(dataset)`` returns: the root of one run of the pipeline.
+
+    Use it as a context manager, or call :meth:`close`, to stop its threads and
+    return its memory at once; an iterator dropped without either is freed by
+    garbage collection (no background thread keeps it alive).
+    """
+
+    def __init__(self, node: Node, options: Options) -> None:
+        self._node = node
+        explicit = options.budget_bytes
+        budget = MemoryBudget(explicit) if explicit is not None else default_budget().child()
+        self._context = Context(options, budget)
+        self._tree = node.make_iterator(self._context)
+        budget.allot()
+        self._closed = False
+        self._close = weakref.finalize(self, _close_run, self._tree, budget)
+
+    @property
+    def context(self) -> Context:
+        """The run's shared context (budget, options)."""
+        return self._context
+
+    def __iter__(self) -> DatasetIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise IteratorClosedError(
+                "this iterator was closed; create a new one with iter(dataset)"
+            )
+        element, reservation = self._tree.next_reserved()
+        reservation.release()
+        return element
+
+    def get_state(self) -> dict[str, Any]:
+        """A small JSON-able dict to resume exactly here with :meth:`set_state`."""
+        self._check_open()
+        return {
+            "format": "headrace.iterator",
+            "version": STATE_VERSION,
+            "fingerprint": self._node.fingerprint(),
+            "state": self._tree.get_state(),
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`get_state` of an iterator over the same pipeline.
+
+        Raises :class:`CheckpointError` if the state comes from another pipeline
+        (fingerprint mismatch) or another state format version.
+        """
+        self._check_open()
+        if not isinstance(state, dict) or state.get("format") != "headrace.iterator":
+            raise CheckpointError("not a headrace iterator state (missing 'format' marker)")
+        if state.get("version") != STATE_VERSION:
+            raise CheckpointError(
+                f"iterator state has format version {state.get('version')}, "
+                f"this headrace reads version {STATE_VERSION}"
+            )
+        fingerprint = self._node.fingerprint()
+        if state.get("fingerprint") != fingerprint:
+            raise CheckpointError(
+                "iterator state belongs to a different pipeline (fingerprint "
+                f"{state.get('fingerprint')!r}, this pipeline is {fingerprint!r}); "
+                "restoring it would feed the wrong data"
+            )
+        try:
+            self._tree.set_state(state["state"])
+        except (KeyError, TypeError, ValueError, IndexError) as error:
+            if isinstance(error, CheckpointError):
+                raise
+            raise CheckpointError(f"malformed iterator state: {error!r}") from error
+
+    def close(self) -> None:
+        """Stop threads, close files and return the budget now. Idempotent."""
+        self._closed = True
+        self._close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise IteratorClosedError("this iterator was closed")
+
+    def __enter__(self) -> DatasetIterator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def stages(self) -> list[Iterator]:
+        """Every iterator of the run, root first (for the profiler)."""
+        return self._tree.walk()

@@ -1,0 +1,232 @@
+"""The byte budget: one pool per pipeline, one account per buffering stage.
+
+Why shares and not one free-for-all pool: a stage that *waits while holding*
+(shuffle filling its buffer, batch assembling, a deterministic parallel map
+holding results that finished out of order) can deadlock a shared pool — it
+holds bytes that the producer it waits for needs. Giving every buffering
+stage its own share (a deterministic split of the budget made when the
+iterator is built, from the pipeline's structure alone) makes every wait a
+wait on the stage's *own* consumer, which always makes progress, so no
+configuration can deadlock; and because the shares depend only on the
+structure and the budget, so does every shrink decision — never on timing.
+
+Stages ask before they pull: :meth:`StageAccount.wait_for_room` blocks until
+the largest element seen so far would fit (or the stage holds nothing), then
+:meth:`StageAccount.charge` books what the element really costs. An element
+larger than the stage's whole share raises :class:`MemoryBudgetError` naming
+the stage: that is a minimum working set that cannot fit.
+
+Reservations move with their element (:class:`Reservation`): a stage that
+takes an element from a buffering stage books it on its own account first and
+then releases the upstream booking, so the element is never uncounted.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from headrace.errors import MemoryBudgetError
+from headrace.options import format_bytes
+
+__all__ = ["AccountStats", "MemoryBudget", "Reservation", "StageAccount"]
+
+
+class BudgetClosed(Exception):
+    """Raised inside a waiting producer when its iterator closes (internal)."""
+
+
+@dataclass(frozen=True)
+class AccountStats:
+    """A snapshot of one stage's bookings."""
+
+    name: str
+    limit: int
+    held: int
+    peak: int
+    elements: int
+    max_element: int
+
+
+class MemoryBudget:
+    """A pipeline's byte budget: the total its stages' shares are carved from.
+
+    Thread-safe; one condition serves the budget and all its accounts (bookings
+    are rare relative to the work they guard: once per element or batch).
+    """
+
+    def __init__(self, total: int, *, parent: MemoryBudget | None = None) -> None:
+        self.total = total
+        self.used = 0
+        self.peak = 0
+        self.parent = parent
+        self.accounts: list[StageAccount] = []
+        # Budgets drawn from a shared parent (the process-wide default) share its
+        # condition, so a release in one pipeline wakes a producer in another.
+        self.changed = parent.changed if parent is not None else threading.Condition()
+        self._closed = False
+
+    def child(self) -> MemoryBudget:
+        """A per-iterator budget drawing from this one (which caps them all together)."""
+        return MemoryBudget(self.total, parent=self)
+
+    def over_shared_cap(self, nbytes: int) -> bool:
+        """True when adding ``nbytes`` would take a shared parent budget over its total."""
+        return self.parent is not None and self.parent.used + nbytes > self.parent.total
+
+    def account(self, name: str, *, weight: float) -> StageAccount:
+        """Register a buffering stage; its share is set by :meth:`allot`."""
+        account = StageAccount(self, name, weight)
+        self.accounts.append(account)
+        return account
+
+    def allot(self) -> None:
+        """Split the total among the registered accounts by weight (deterministic)."""
+        weights = sum(account.weight for account in self.accounts)
+        for account in self.accounts:
+            account.limit = int(self.total * account.weight / weights) if weights else 0
+
+    def close(self) -> None:
+        """Wake every waiting producer so that it can exit."""
+        with self.changed:
+            self._closed = True
+            self.changed.notify_all()
+
+    def _add(self, nbytes: int) -> None:
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        if self.parent is not None:
+            self.parent._add(nbytes)
+
+
+class StageAccount:
+    """What one buffering stage holds, against its share (``limit``) of the budget."""
+
+    def __init__(self, budget: MemoryBudget, name: str, weight: float) -> None:
+        self.budget = budget
+        self.name = name
+        self.weight = weight
+        self.limit = 0
+        self.held = 0
+        self.peak = 0
+        self.elements = 0
+        self.max_element = 0
+        self.room = budget.changed
+
+    def _check_fits(self, nbytes: int) -> None:
+        if nbytes > self.limit:
+            shares = ", ".join(
+                f"{account.name}: {format_bytes(account.limit)}"
+                for account in self.budget.accounts
+            )
+            raise MemoryBudgetError(
+                f"stage {self.name!r} must hold {format_bytes(nbytes)} at once, more than "
+                f"its share of the memory budget ({format_bytes(self.limit)} of "
+                f"{format_bytes(self.budget.total)}; shares: {shares}). Raise "
+                f"Options(memory_budget=...), or make elements or batches smaller."
+            )
+
+    def wait_for_room(
+        self, estimate: int | None = None, *, cancelled: Callable[[], bool] | None = None
+    ) -> None:
+        """Block until an element of ``estimate`` bytes (default: the largest seen) fits.
+
+        A stage that holds nothing never waits: it may always hold one element,
+        which is what keeps every pipeline moving.
+        """
+        nbytes = self.max_element if estimate is None else estimate
+        with self.room:
+            while self.held and (
+                self.held + nbytes > self.limit or self.budget.over_shared_cap(nbytes)
+            ):
+                if self.budget._closed or (cancelled is not None and cancelled()):
+                    raise BudgetClosed
+                self.room.wait()
+            if self.budget._closed or (cancelled is not None and cancelled()):
+                raise BudgetClosed
+
+    def wake(self) -> None:
+        """Wake producers waiting for room (so they can notice a stop request)."""
+        with self.room:
+            self.room.notify_all()
+
+    def has_room(self, nbytes: int | None = None) -> bool:
+        """Whether an element of ``nbytes`` (default: the largest seen) fits now."""
+        estimate = self.max_element if nbytes is None else nbytes
+        return self.held == 0 or self.held + estimate <= self.limit
+
+    def charge(self, nbytes: int) -> Reservation:
+        """Book ``nbytes`` for one element now held by this stage."""
+        self._check_fits(nbytes)
+        with self.room:
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+            self.elements += 1
+            self.max_element = max(self.max_element, nbytes)
+            self.budget._add(nbytes)
+        return Reservation(self, nbytes)
+
+    def hold(self, nbytes: int, *, what: str) -> Reservation:
+        """Book bytes a stage must hold *together* (its minimum working set).
+
+        Unlike :meth:`charge`, the bytes already held count: if they cannot
+        fit beside them, no amount of waiting helps, so this raises
+        :class:`MemoryBudgetError` naming the stage and what it was assembling.
+        """
+        if self.held + nbytes > self.limit:
+            raise MemoryBudgetError(
+                f"stage {self.name!r} needs {format_bytes(self.held + nbytes)} at once for "
+                f"{what}, more than its share of the memory budget "
+                f"({format_bytes(self.limit)} of {format_bytes(self.budget.total)}). Raise "
+                "Options(memory_budget=...) or use a smaller batch."
+            )
+        return self.charge(nbytes)
+
+    def release(self, nbytes: int) -> None:
+        """Return ``nbytes`` to the stage's share and wake a waiting producer."""
+        if not nbytes:
+            return
+        with self.room:
+            self.held -= nbytes
+            self.budget._add(-nbytes)
+            self.room.notify_all()
+
+    def stats(self) -> AccountStats:
+        """A consistent snapshot, for the profiler."""
+        with self.room:
+            return AccountStats(
+                self.name, self.limit, self.held, self.peak, self.elements, self.max_element
+            )
+
+
+class Reservation:
+    """Bytes booked for one element on one stage's account; moves with the element."""
+
+    __slots__ = ("account", "nbytes")
+
+    def __init__(self, account: StageAccount | None, nbytes: int) -> None:
+        self.account = account
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        """Give the bytes back (the element left headrace's buffers)."""
+        if self.account is not None and self.nbytes:
+            self.account.release(self.nbytes)
+        self.nbytes = 0
+
+    def move_to(self, account: StageAccount, nbytes: int) -> Reservation:
+        """Book ``nbytes`` on ``account`` first, then release this booking."""
+        moved = account.charge(nbytes)
+        self.release()
+        return moved
+
+
+NO_RESERVATION = Reservation(None, 0)
+
+
+def release_all(reservations: Any) -> None:
+    """Release every reservation in an iterable (used by close paths)."""
+    for reservation in reservations:
+        reservation.release()

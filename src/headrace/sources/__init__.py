@@ -1,0 +1,1 @@
+"""Where elements come from: arrays and memmaps, ranges, generators, files."""

@@ -1,0 +1,233 @@
+"""In-memory and memory-mapped sources: tensor slices, tensors, ranges, ``.npy`` files.
+
+Slices are **read-only views**: nothing is copied, and a user's in-place edit
+of a batch cannot corrupt the source for the next epoch. A batch of an array
+source is one slice (or one gather when shuffled), not N element copies. Memory
+the arrays already occupied is never charged to the budget; a memory-mapped
+file's pages are file-backed and are not anonymous memory at all.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import InvalidArgumentError
+from headrace.iterator import Context
+from headrace.memory.sizeof import owner_of
+from headrace.node import Node, RandomAccess
+from headrace.structure import (
+    TensorSpec,
+    flatten,
+    leaf_spec,
+    pack_as,
+    structure_paths,
+    to_leaf_array,
+)
+
+__all__ = ["RangeNode", "TensorSlicesNode", "TensorsNode", "load_npy"]
+
+
+def _read_only(leaf: Any) -> Any:
+    """A read-only view of an array leaf (the user's array itself stays writable)."""
+    if isinstance(leaf, np.ndarray):
+        view = np.asarray(leaf).view(type=np.ndarray)
+        view.flags.writeable = False
+        return view
+    return leaf
+
+
+def _array_params(leaves: list[Any]) -> tuple[Any, ...]:
+    return tuple(
+        (type(leaf).__name__, getattr(leaf, "shape", None), str(getattr(leaf, "dtype", "")))
+        for leaf in leaves
+    )
+
+
+class _SlicesAccess(RandomAccess):
+    def __init__(self, structure: Any, leaves: list[Any], length: int) -> None:
+        self.structure = structure
+        self.leaves = leaves
+        self.length = length
+        self.single = not isinstance(structure, (dict, tuple))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def get(self, index: int) -> Any:
+        if self.single:
+            return self.leaves[0][index]
+        return pack_as(self.structure, [leaf[index] for leaf in self.leaves])
+
+    def get_many(self, indices: range | np.ndarray) -> Any:
+        if isinstance(indices, range) and indices.step == 1:
+            selector: Any = slice(indices.start, indices.stop)
+        else:
+            selector = np.asarray(indices, dtype=np.intp)
+        if self.single:
+            return self.leaves[0][selector]
+        return pack_as(self.structure, [leaf[selector] for leaf in self.leaves])
+
+    def prepare(self, ctx: Context) -> None:
+        for leaf in self.leaves:
+            ctx.register_preexisting(owner_of(leaf))
+
+
+class TensorSlicesNode(Node):
+    """``Dataset.from_tensor_slices``: element i is the i-th row of every component."""
+
+    stage = "from_tensor_slices"
+
+    def __init__(self, tensors: Any) -> None:
+        super().__init__()
+        self.structure = tensors
+        leaves = [to_leaf_array(leaf) for leaf in flatten(tensors)]
+        if not leaves:
+            raise InvalidArgumentError("from_tensor_slices needs at least one component")
+        for path, leaf in zip(structure_paths(tensors), leaves, strict=True):
+            if isinstance(leaf, (bytes, str)) or np.ndim(leaf) == 0:
+                raise InvalidArgumentError(
+                    f"from_tensor_slices: component {path} is a scalar; every component "
+                    "needs a first dimension to slice (use from_tensors for one element)"
+                )
+        sizes = {path: len(leaf) for path, leaf in zip(structure_paths(tensors), leaves, strict=True)}
+        if len(set(sizes.values())) > 1:
+            listed = ", ".join(f"{path}: {size}" for path, size in sizes.items())
+            raise InvalidArgumentError(
+                f"from_tensor_slices: components have different first dimensions ({listed}); "
+                "all components must have the same number of rows"
+            )
+        self.leaves = [_read_only(leaf) for leaf in leaves]
+        self.length = len(leaves[0])
+
+    def params(self) -> tuple[Any, ...]:
+        return _array_params(self.leaves)
+
+    @property
+    def element_spec(self) -> Any:
+        return pack_as(
+            self.structure,
+            [
+                TensorSpec(tuple(leaf.shape[1:]), *_dtype_kind(leaf))
+                for leaf in self.leaves
+            ],
+        )
+
+    def cardinality(self) -> int:
+        return self.length
+
+    def random_access(self) -> RandomAccess:
+        return _SlicesAccess(self.structure, self.leaves, self.length)
+
+
+def _dtype_kind(leaf: Any) -> tuple[np.dtype[Any], str]:
+    spec = leaf_spec(leaf[:1] if len(leaf) else leaf)
+    return spec.dtype, spec.kind
+
+
+class TensorsNode(Node):
+    """``Dataset.from_tensors``: the whole structure as one element."""
+
+    stage = "from_tensors"
+
+    def __init__(self, tensors: Any) -> None:
+        super().__init__()
+        self.structure = tensors
+        self.leaves = [_read_only(to_leaf_array(leaf)) for leaf in flatten(tensors)]
+
+    def params(self) -> tuple[Any, ...]:
+        return _array_params(self.leaves)
+
+    @property
+    def element_spec(self) -> Any:
+        return pack_as(self.structure, [leaf_spec(leaf) for leaf in self.leaves])
+
+    def cardinality(self) -> int:
+        return 1
+
+    def random_access(self) -> RandomAccess:
+        single = [np.expand_dims(leaf, 0) if isinstance(leaf, np.ndarray) else _boxed(leaf)
+                  for leaf in self.leaves]
+        return _TensorsAccess(self.structure, self.leaves, single)
+
+
+def _boxed(value: Any) -> Any:
+    box = np.empty(1, dtype=object)
+    box[0] = value
+    return box
+
+
+class _TensorsAccess(_SlicesAccess):
+    def __init__(self, structure: Any, leaves: list[Any], batched: list[Any]) -> None:
+        super().__init__(structure, batched, 1)
+        self.whole = leaves
+
+    def get(self, index: int) -> Any:
+        if index != 0:
+            raise IndexError(index)
+        return pack_as(self.structure, list(self.whole))
+
+
+class _RangeAccess(RandomAccess):
+    def __init__(self, start: int, step: int, length: int) -> None:
+        self.start, self.step, self.length = start, step, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def get(self, index: int) -> Any:
+        return np.int64(self.start + index * self.step)
+
+    def get_many(self, indices: range | np.ndarray) -> Any:
+        if isinstance(indices, range):
+            return np.arange(
+                self.start + indices.start * self.step,
+                self.start + indices.stop * self.step,
+                self.step * indices.step,
+                dtype=np.int64,
+            )[: len(indices)]
+        return self.start + np.asarray(indices, dtype=np.int64) * self.step
+
+
+class RangeNode(Node):
+    """``Dataset.range``: int64 scalars, like ``tf.data.Dataset.range``."""
+
+    stage = "range"
+
+    def __init__(self, start: int, stop: int | None, step: int) -> None:
+        super().__init__()
+        if stop is None:
+            start, stop = 0, start
+        for name, value in (("start", start), ("stop", stop), ("step", step)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise InvalidArgumentError(f"range: {name} must be an int, got {value!r}")
+        if step == 0:
+            raise InvalidArgumentError("range: step must not be zero")
+        self.start, self.stop, self.step = int(start), int(stop), int(step)
+        self.length = len(range(self.start, self.stop, self.step))
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.start, self.stop, self.step)
+
+    @property
+    def element_spec(self) -> Any:
+        return TensorSpec((), np.dtype(np.int64))
+
+    def cardinality(self) -> int:
+        return self.length
+
+    def random_access(self) -> RandomAccess:
+        return _RangeAccess(self.start, self.step, self.length)
+
+
+def load_npy(path: str | os.PathLike[str]) -> np.ndarray[Any, Any]:
+    """Memory-map a ``.npy`` file read-only: its pages stay file-backed, never anonymous."""
+    try:
+        array = np.load(os.fspath(path), mmap_mode="r", allow_pickle=False)
+    except ValueError as error:  # object arrays cannot be memory-mapped
+        raise InvalidArgumentError(f"from_npy: cannot memory-map {path}: {error}") from error
+    if array.ndim == 0:
+        raise InvalidArgumentError(f"from_npy: {path} holds a scalar; nothing to slice")
+    return array

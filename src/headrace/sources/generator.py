@@ -1,0 +1,162 @@
+"""``Dataset.from_generator``: elements from a Python generator, checked against a signature.
+
+The generator function is called again for every epoch (every new iterator),
+as in tf.data. Each element is checked against ``output_signature`` and
+converted to its dtypes; a mismatch is an error naming the component, what was
+expected and what came.
+
+Resuming. A generator cannot seek: the state counts the elements produced,
+and restoring calls the function again and skips that many — exact when the
+generator yields the same sequence every time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator as PyIterator
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import ElementSpecError, InvalidArgumentError
+from headrace.iterator import Context, Iterator
+from headrace.node import UNKNOWN, Node, function_name
+from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
+
+__all__ = ["GeneratorNode"]
+
+
+def _convert(value: Any, spec: TensorSpec, path: str, index: int) -> Any:
+    where = f"from_generator: element {index}, component {path}"
+    if spec.kind in ("bytes", "str"):
+        wanted = bytes if spec.kind == "bytes" else str
+        if not spec.shape:
+            if not isinstance(value, wanted):
+                raise ElementSpecError(
+                    f"{where}: expected {spec.kind}, got {type(value).__name__} {value!r:.60}"
+                )
+            return value
+        array = np.asarray(value, dtype=object)
+        if any(not isinstance(item, wanted) for item in array.flat):
+            raise ElementSpecError(f"{where}: expected an array of {spec.kind}, got {value!r:.60}")
+    else:
+        if isinstance(value, (bytes, str)):
+            raise ElementSpecError(
+                f"{where}: expected {spec.dtype}, got {type(value).__name__} {value!r:.60}"
+            )
+        array = np.asarray(value)
+        if array.dtype != spec.dtype:
+            if not np.can_cast(array.dtype, spec.dtype, casting="same_kind") or (
+                array.dtype.kind == "f" and spec.dtype.kind in "iu"
+            ):
+                raise ElementSpecError(
+                    f"{where}: expected dtype {spec.dtype}, got {array.dtype} (value {value!r:.60})"
+                )
+            array = array.astype(spec.dtype)
+    if array.ndim != len(spec.shape) or any(
+        want is not None and want != got for want, got in zip(spec.shape, array.shape, strict=True)
+    ):
+        raise ElementSpecError(f"{where}: expected shape {spec.shape}, got {array.shape}")
+    return array if array.ndim else array[()]
+
+
+class GeneratorNode(Node):
+    stage = "from_generator"
+
+    def __init__(
+        self,
+        generator: Callable[..., Any],
+        output_signature: Any,
+        args: tuple[Any, ...] | None,
+    ) -> None:
+        super().__init__()
+        if not callable(generator):
+            raise InvalidArgumentError(
+                f"from_generator: generator must be a callable returning an iterator, "
+                f"got {generator!r}"
+            )
+        if output_signature is None:
+            raise InvalidArgumentError(
+                "from_generator: output_signature is required (a TensorSpec or a "
+                "nested structure of them)"
+            )
+        for leaf in flatten(output_signature):
+            if not isinstance(leaf, TensorSpec):
+                raise InvalidArgumentError(
+                    f"from_generator: output_signature leaves must be TensorSpec, got {leaf!r}"
+                )
+        self.generator, self.signature, self.args = generator, output_signature, tuple(args or ())
+
+    def params(self) -> tuple[Any, ...]:
+        return (function_name(self.generator), repr(self.signature), len(self.args))
+
+    @property
+    def element_spec(self) -> Any:
+        return self.signature
+
+    def cardinality(self) -> int:
+        return UNKNOWN
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        return _GeneratorIterator(self)
+
+
+class _GeneratorIterator(Iterator):
+    stage = "from_generator"
+
+    def __init__(self, node: GeneratorNode) -> None:
+        super().__init__()
+        self.node = node
+        self.specs = flatten(node.signature)
+        self.paths = structure_paths(node.signature)
+        self.single = not isinstance(node.signature, (dict, tuple))
+        self.source: PyIterator[Any] | None = None
+        self.produced = 0
+
+    def _start(self) -> PyIterator[Any]:
+        result = self.node.generator(*self.node.args)
+        try:
+            return iter(result)
+        except TypeError:
+            raise ElementSpecError(
+                f"from_generator: {function_name(self.node.generator)} returned "
+                f"{type(result).__name__}, not an iterable"
+            ) from None
+
+    def __next__(self) -> Any:
+        if self.source is None:
+            self.source = self._start()
+        value = next(self.source)
+        index = self.produced
+        self.produced += 1
+        if self.single:
+            return _convert(value, self.specs[0], "element", index)
+        if not isinstance(value, (dict, tuple)) or structure_paths(value) != self.paths:
+            raise ElementSpecError(
+                f"from_generator: element {index} has the wrong structure: expected "
+                f"{self.node.signature}, got {value!r:.100}"
+            )
+        return pack_as(
+            self.node.signature,
+            [
+                _convert(leaf, spec, path, index)
+                for leaf, spec, path in zip(flatten(value), self.specs, self.paths, strict=True)
+            ],
+        )
+
+    def get_state(self) -> dict[str, Any]:
+        return {"produced": self.produced}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.close()
+        self.source = self._start()
+        target = int(state["produced"])
+        for _ in range(target):
+            next(self.source)
+        self.produced = target
+
+    def close(self) -> None:
+        if self.source is not None:
+            close = getattr(self.source, "close", None)
+            if close is not None:
+                close()
+            self.source = None

@@ -1,0 +1,253 @@
+"""Nested elements: flattening, packing, and the spec (shape + dtype) of each leaf.
+
+An element is a leaf (NumPy array or scalar, Python scalar, ``bytes``, ``str``)
+or a nest of dicts, tuples and namedtuples of elements. Following tf.data, a
+*list* is a leaf: ``from_tensor_slices([1, 2, 3])`` slices one array, while a
+tuple is a structure of components. Dict keys are visited in sorted order so
+that two dicts with the same keys always flatten the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import ElementSpecError
+
+__all__ = [
+    "TensorSpec",
+    "flatten",
+    "map_structure",
+    "pack_as",
+    "spec_of",
+    "structure_paths",
+]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The shape and dtype of one component; ``None`` in ``shape`` is an unknown size.
+
+    ``dtype`` is a NumPy dtype; strings and bytes are ``object`` (headrace never
+    squeezes them into fixed-width ``S``/``U`` dtypes, which drop trailing NULs),
+    with ``kind`` telling which of the two ("bytes" or "str").
+    """
+
+    shape: tuple[int | None, ...]
+    dtype: np.dtype[Any]
+    kind: str = "numeric"
+
+    def __init__(self, shape: Any = (), dtype: Any = np.float32, kind: str | None = None) -> None:
+        dims = () if shape is None else (shape,) if isinstance(shape, int) else tuple(shape)
+        object.__setattr__(
+            self, "shape", tuple(None if d is None or d == -1 else int(d) for d in dims)
+        )
+        if dtype in (bytes, "bytes", "string") or kind == "bytes":
+            resolved, resolved_kind = np.dtype(object), "bytes"
+        elif dtype in (str, "str") or kind == "str":
+            resolved, resolved_kind = np.dtype(object), "str"
+        else:
+            resolved, resolved_kind = np.dtype(dtype), kind or "numeric"
+            if resolved.kind in "SUO":
+                resolved_kind = "str" if resolved.kind == "U" else "bytes"
+                resolved = np.dtype(object)
+        object.__setattr__(self, "dtype", resolved)
+        object.__setattr__(self, "kind", resolved_kind)
+
+    def __repr__(self) -> str:
+        dtype = self.kind if self.kind in ("bytes", "str") else str(self.dtype)
+        return f"TensorSpec(shape={self.shape}, dtype={dtype})"
+
+    def is_compatible_with(self, value: Any) -> bool:
+        """True if ``value`` has this spec's dtype and a shape it allows."""
+        other = spec_of(value)
+        if other.kind != self.kind:
+            return False
+        if self.kind == "numeric" and other.dtype != self.dtype:
+            return False
+        if len(other.shape) != len(self.shape):
+            return False
+        return all(a is None or a == b for a, b in zip(self.shape, other.shape, strict=True))
+
+    def most_specific_common(self, other: TensorSpec) -> TensorSpec:
+        """The spec that admits both: differing sizes become ``None``."""
+        if len(self.shape) != len(other.shape):
+            raise ElementSpecError(f"rank differs: {self} vs {other}")
+        shape = tuple(a if a == b else None for a, b in zip(self.shape, other.shape, strict=True))
+        return TensorSpec(shape, self.dtype, self.kind)
+
+    def with_leading(self, size: int | None) -> TensorSpec:
+        """This spec with one more (outer) dimension, as after ``batch``."""
+        return TensorSpec((size, *self.shape), self.dtype, self.kind)
+
+    def without_leading(self) -> TensorSpec:
+        """This spec with its outer dimension removed, as after ``unbatch``."""
+        if not self.shape:
+            raise ElementSpecError(f"cannot remove a dimension from a scalar spec {self}")
+        return TensorSpec(self.shape[1:], self.dtype, self.kind)
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def is_nest(value: Any) -> bool:
+    """True for the containers that make a structure (dict, tuple, namedtuple)."""
+    return isinstance(value, (Mapping, tuple))
+
+
+def flatten(element: Any) -> list[Any]:
+    """The leaves of ``element`` in a fixed order (dicts by sorted key)."""
+    if isinstance(element, Mapping):
+        out: list[Any] = []
+        for key in sorted(element):
+            out.extend(flatten(element[key]))
+        return out
+    if isinstance(element, tuple):
+        out = []
+        for item in element:
+            out.extend(flatten(item))
+        return out
+    return [element]
+
+
+def pack_as(structure: Any, leaves: list[Any]) -> Any:
+    """Rebuild ``structure``'s nesting with ``leaves`` (the inverse of :func:`flatten`)."""
+    iterator = iter(leaves)
+    result = _pack(structure, iterator)
+    for _ in iterator:
+        raise ElementSpecError("more leaves than the structure has components")
+    return result
+
+
+def _pack(structure: Any, leaves: Any) -> Any:
+    if isinstance(structure, Mapping):
+        packed = {key: _pack(structure[key], leaves) for key in sorted(structure)}
+        return {key: packed[key] for key in structure}
+    if _is_namedtuple(structure):
+        return type(structure)(*[_pack(item, leaves) for item in structure])
+    if isinstance(structure, tuple):
+        return tuple(_pack(item, leaves) for item in structure)
+    try:
+        return next(leaves)
+    except StopIteration:
+        raise ElementSpecError("fewer leaves than the structure has components") from None
+
+
+def map_structure(fn: Callable[..., Any], *elements: Any) -> Any:
+    """Apply ``fn`` leaf-wise over one or more elements of the same structure."""
+    first = elements[0]
+    if isinstance(first, Mapping):
+        for other in elements[1:]:
+            if not isinstance(other, Mapping) or set(other) != set(first):
+                raise ElementSpecError(
+                    f"structures differ: dict keys {sorted(first)} vs "
+                    f"{sorted(other) if isinstance(other, Mapping) else type(other).__name__}"
+                )
+        return {key: map_structure(fn, *(e[key] for e in elements)) for key in first}
+    if isinstance(first, tuple):
+        for other in elements[1:]:
+            if not isinstance(other, tuple) or len(other) != len(first):
+                raise ElementSpecError(
+                    f"structures differ: tuple of {len(first)} vs {_describe(other)}"
+                )
+        items = [map_structure(fn, *parts) for parts in zip(*elements, strict=True)]
+        return type(first)(*items) if _is_namedtuple(first) else tuple(items)
+    for other in elements[1:]:
+        if is_nest(other):
+            raise ElementSpecError(f"structures differ: leaf vs {_describe(other)}")
+    return fn(*elements)
+
+
+def structure_paths(element: Any, prefix: str = "") -> list[str]:
+    """Human-readable path of every leaf, in :func:`flatten` order (for error messages)."""
+    if isinstance(element, Mapping):
+        out: list[str] = []
+        for key in sorted(element):
+            out.extend(structure_paths(element[key], f"{prefix}[{key!r}]"))
+        return out
+    if isinstance(element, tuple):
+        out = []
+        for index, item in enumerate(element):
+            out.extend(structure_paths(item, f"{prefix}[{index}]"))
+        return out
+    return [prefix or "element"]
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return f"dict with keys {sorted(value)}"
+    if isinstance(value, tuple):
+        return f"tuple of {len(value)}"
+    return type(value).__name__
+
+
+def leaf_spec(value: Any) -> TensorSpec:
+    """The spec of one leaf, using NumPy's dtype rules (a Python int becomes int64)."""
+    if isinstance(value, bytes):
+        return TensorSpec((), np.dtype(object), "bytes")
+    if isinstance(value, str):
+        return TensorSpec((), np.dtype(object), "str")
+    array = value if isinstance(value, (np.ndarray, np.generic)) else np.asarray(value)
+    if array.dtype.kind in "SO":
+        return TensorSpec(tuple(array.shape), np.dtype(object), _object_kind(array))
+    if array.dtype.kind == "U":
+        return TensorSpec(tuple(array.shape), np.dtype(object), "str")
+    return TensorSpec(tuple(array.shape), array.dtype)
+
+
+def _object_kind(array: Any) -> str:
+    if array.dtype.kind == "S":
+        return "bytes"
+    flat = np.asarray(array).ravel()
+    if flat.size and isinstance(flat[0], str):
+        return "str"
+    return "bytes"
+
+
+def spec_of(element: Any) -> Any:
+    """The nested spec of an element: same structure, a :class:`TensorSpec` per leaf."""
+    return map_structure(leaf_spec, element)
+
+
+def to_leaf_array(value: Any) -> Any:
+    """Convert a user-given leaf to an array, keeping bytes/str as exact Python objects."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind in "SU":
+            return _exact_object_array(value)
+        return value
+    if isinstance(value, (bytes, str)):
+        return value
+    array = np.asarray(value)
+    if array.dtype.kind in "SU":
+        return _object_array_from_nested(value, array.shape)
+    return array
+
+
+def _exact_object_array(array: Any) -> Any:
+    # Fixed-width 'S' arrays have already lost trailing NULs; 'U' arrays trailing
+    # '\0' characters. Converting preserves what is left, as Python objects.
+    out = np.empty(array.shape, dtype=object)
+    out[...] = array.tolist() if array.ndim else array.item()
+    return out
+
+
+def _object_array_from_nested(value: Any, shape: tuple[int, ...]) -> Any:
+    out = np.empty(shape, dtype=object)
+    if not shape:
+        out[()] = value
+        return out
+    flat = out.reshape(-1)
+    flat[:] = list(_iter_leaves(value))
+    return out
+
+
+def _iter_leaves(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _iter_leaves(item)
+    else:
+        yield value

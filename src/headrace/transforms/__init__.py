@@ -1,0 +1,1 @@
+"""One module per transformation: a recipe node plus its private iterator."""

@@ -1,0 +1,87 @@
+"""``enumerate(start=0)``: ``(index, element)`` pairs with an int64 index, as tf.data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import InvalidArgumentError
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import Reservation
+from headrace.node import Node, RandomAccess
+from headrace.structure import TensorSpec
+
+__all__ = ["EnumerateNode"]
+
+
+class EnumerateNode(Node):
+    stage = "enumerate"
+
+    def __init__(self, source: Node, start: int) -> None:
+        super().__init__(source)
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise InvalidArgumentError(f"enumerate: start must be an int, got {start!r}")
+        self.start = start
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.start,)
+
+    @property
+    def element_spec(self) -> Any:
+        return (TensorSpec((), np.int64), self.inputs[0].element_spec)
+
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()
+
+    def random_access(self) -> RandomAccess | None:
+        inner = self.inputs[0].random_access()
+        return None if inner is None else _EnumeratedAccess(inner, self.start)
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        if self.index_plan() is not None:
+            return super().make_iterator(ctx)
+        return _EnumerateIterator(self.inputs[0].make_iterator(ctx), self.start)
+
+
+class _EnumeratedAccess(RandomAccess):
+    def __init__(self, inner: RandomAccess, start: int) -> None:
+        self.inner, self.start = inner, start
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def get(self, index: int) -> Any:
+        return np.int64(self.start + index), self.inner.get(index)
+
+    def get_many(self, indices: range | Any) -> Any:
+        return self.start + np.asarray(indices, dtype=np.int64), self.inner.get_many(indices)
+
+    def prepare(self, ctx: Context) -> None:
+        self.inner.prepare(ctx)
+
+
+class _EnumerateIterator(Iterator):
+    stage = "enumerate"
+
+    def __init__(self, inner: Iterator, start: int) -> None:
+        super().__init__(inner)
+        self.inner, self.next_value = inner, start
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        element, reservation = self.inner.next_reserved()
+        value = np.int64(self.next_value)
+        self.next_value += 1
+        return (value, element), reservation
+
+    def __next__(self) -> Any:
+        element, reservation = self.next_reserved()
+        reservation.release()
+        return element
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.get_state(), "next": self.next_value}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.set_state(state["inner"])
+        self.next_value = int(state["next"])

@@ -1,0 +1,82 @@
+"""``filter(predicate)``: keep the elements for which the predicate is true.
+
+The predicate must return a scalar boolean (Python bool, NumPy bool or a
+0-d array), as in tf.data; anything else is an error naming what came back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import ElementSpecError, InvalidArgumentError
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import Reservation
+from headrace.node import UNKNOWN, Node, function_name
+from headrace.transforms.map import apply_fn
+
+__all__ = ["FilterNode"]
+
+
+def _as_bool(value: Any, name: str) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, np.ndarray) and value.shape == () and value.dtype == np.bool_:
+        return bool(value)
+    raise ElementSpecError(
+        f"filter({name}): the predicate must return a scalar bool, got {value!r} "
+        f"of type {type(value).__name__}"
+    )
+
+
+class FilterNode(Node):
+    stage = "filter"
+
+    def __init__(self, source: Node, predicate: Callable[..., Any]) -> None:
+        super().__init__(source)
+        if not callable(predicate):
+            raise InvalidArgumentError(f"filter: predicate must be callable, got {predicate!r}")
+        self.predicate = predicate
+
+    def params(self) -> tuple[Any, ...]:
+        return (function_name(self.predicate),)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.inputs[0].element_spec
+
+    def cardinality(self) -> int:
+        inner = self.inputs[0].cardinality()
+        return inner if inner < 0 or inner == 0 else UNKNOWN
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        return _FilterIterator(self.inputs[0].make_iterator(ctx), self.predicate)
+
+
+class _FilterIterator(Iterator):
+    stage = "filter"
+
+    def __init__(self, inner: Iterator, predicate: Callable[..., Any]) -> None:
+        super().__init__(inner)
+        self.inner, self.predicate = inner, predicate
+        self.name = function_name(predicate)
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        while True:
+            element, reservation = self.inner.next_reserved()
+            if _as_bool(apply_fn(self.predicate, element), self.name):
+                return element, reservation
+            reservation.release()
+
+    def __next__(self) -> Any:
+        element, reservation = self.next_reserved()
+        reservation.release()
+        return element
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.set_state(state["inner"])

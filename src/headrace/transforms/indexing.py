@@ -1,0 +1,260 @@
+"""Index streams over random-access sources, and the iterators that gather by index.
+
+Transformations that only choose *which* elements come and in what order
+(take, skip, shard, repeat, shuffle) act on a stream of indices when their
+input is random-access: nothing is read for the elements they drop, shuffle
+buffers hold 8-byte indices instead of elements, and resuming is O(1) or an
+index-only replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from headrace.iterator import Iterator
+from headrace.node import Indices, IndexStream, RandomAccess
+
+__all__ = [
+    "GatherBatchIterator",
+    "GatherIterator",
+    "RepeatIndices",
+    "SequentialIndices",
+    "ShardIndices",
+    "SkipIndices",
+    "TakeIndices",
+]
+
+
+class SequentialIndices(IndexStream):
+    """0, 1, ..., size-1."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.position = 0
+
+    def next_index(self) -> int:
+        position = self.position
+        if position >= self.size:
+            raise StopIteration
+        self.position = position + 1
+        return position
+
+    def take(self, count: int) -> Indices:
+        start = self.position
+        stop = min(start + count, self.size)
+        self.position = max(stop, start)
+        return range(start, max(stop, start))
+
+    def get_state(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
+def _concat(blocks: list[Indices]) -> Indices:
+    if len(blocks) == 1:
+        return blocks[0]
+    if all(isinstance(block, range) for block in blocks):
+        first, last = blocks[0], blocks[-1]
+        assert isinstance(first, range) and isinstance(last, range)
+        if all(
+            isinstance(a, range) and isinstance(b, range) and a.stop == b.start
+            for a, b in zip(blocks, blocks[1:])
+        ):
+            return range(first.start, last.stop)
+    return np.concatenate([np.asarray(block, dtype=np.int64) for block in blocks])
+
+
+def take_all(stream: IndexStream, count: int) -> Indices:
+    """Pull ``count`` indices from ``stream`` even across its internal blocks."""
+    blocks: list[Indices] = []
+    needed = count
+    while needed > 0:
+        block = stream.take(needed)
+        if len(block) == 0:
+            break
+        blocks.append(block)
+        needed -= len(block)
+    if not blocks:
+        return range(0)
+    return _concat(blocks)
+
+
+class TakeIndices(IndexStream):
+    """The first ``count`` indices of the inner stream."""
+
+    def __init__(self, inner: IndexStream, count: int) -> None:
+        self.inner, self.remaining = inner, count
+
+    def take(self, count: int) -> Indices:
+        block = self.inner.take(min(count, self.remaining))
+        self.remaining -= len(block)
+        return block
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.get_state(), "remaining": self.remaining}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.set_state(state["inner"])
+        self.remaining = int(state["remaining"])
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class SkipIndices(IndexStream):
+    """The inner stream without its first ``count`` indices (read nothing for them)."""
+
+    def __init__(self, inner: IndexStream, count: int) -> None:
+        self.inner, self.to_skip = inner, count
+
+    def take(self, count: int) -> Indices:
+        while self.to_skip:
+            skipped = self.inner.take(min(self.to_skip, 1 << 16))
+            if len(skipped) == 0:
+                self.to_skip = 0
+                break
+            self.to_skip -= len(skipped)
+        return self.inner.take(count)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.get_state(), "to_skip": self.to_skip}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.set_state(state["inner"])
+        self.to_skip = int(state["to_skip"])
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class ShardIndices(IndexStream):
+    """Every ``num_shards``-th index starting at ``index`` (tf.data's ``shard``)."""
+
+    def __init__(self, inner: IndexStream, num_shards: int, index: int) -> None:
+        self.inner, self.num_shards, self.index = inner, num_shards, index
+        self.seen = 0  # indices consumed from the inner stream
+
+    def take(self, count: int) -> Indices:
+        wanted = count * self.num_shards
+        block = take_all(self.inner, wanted)
+        offset = (self.index - self.seen) % self.num_shards
+        self.seen += len(block)
+        if isinstance(block, range):
+            return block[offset :: self.num_shards]
+        return block[offset :: self.num_shards]
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.get_state(), "seen": self.seen}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.set_state(state["inner"])
+        self.seen = int(state["seen"])
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class RepeatIndices(IndexStream):
+    """The inner stream again and again (a fresh inner stream per epoch)."""
+
+    def __init__(self, make_inner: Callable[[], IndexStream], count: int) -> None:
+        self.make_inner, self.count = make_inner, count  # count < 0: forever
+        self.epoch = 0
+        self.inner = make_inner()
+        self.produced_this_epoch = 0
+
+    def take(self, count: int) -> Indices:
+        while self.count < 0 or self.epoch < self.count:
+            block = self.inner.take(count)
+            if len(block):
+                self.produced_this_epoch += len(block)
+                return block
+            if self.produced_this_epoch == 0:  # an empty epoch: end, do not spin
+                self.epoch = self.count if self.count >= 0 else 0
+                self.count = 0
+                break
+            self._next_epoch()
+        return range(0)
+
+    def _next_epoch(self) -> None:
+        self.inner.close()
+        self.epoch += 1
+        self.produced_this_epoch = 0
+        self.inner = self.make_inner()
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "count": self.count,
+            "produced": self.produced_this_epoch,
+            "inner": self.inner.get_state(),
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.close()
+        self.count = int(state["count"])
+        self.epoch = int(state["epoch"])
+        self.produced_this_epoch = int(state["produced"])
+        self.inner = self.make_inner()
+        self.inner.set_state(state["inner"])
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class GatherIterator(Iterator):
+    """Elements of a random-access source, in the order of an index stream."""
+
+    stage = "gather"
+
+    def __init__(self, access: RandomAccess, stream: IndexStream) -> None:
+        super().__init__()
+        self.access, self.stream = access, stream
+        self.get = access.get
+        self.next_index = stream.next_index
+
+    def __next__(self) -> Any:
+        return self.get(self.next_index())
+
+    def get_state(self) -> dict[str, Any]:
+        return {"indices": self.stream.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.stream.set_state(state["indices"])
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class GatherBatchIterator(Iterator):
+    """Batches of a random-access source: one slice or one gather per batch, no per-row work."""
+
+    stage = "batch"
+
+    def __init__(
+        self, access: RandomAccess, stream: IndexStream, batch_size: int, drop_remainder: bool
+    ) -> None:
+        super().__init__()
+        self.access, self.stream = access, stream
+        self.batch_size, self.drop_remainder = batch_size, drop_remainder
+
+    def __next__(self) -> Any:
+        indices = take_all(self.stream, self.batch_size)
+        if len(indices) == 0 or (self.drop_remainder and len(indices) < self.batch_size):
+            raise StopIteration
+        return self.access.get_many(indices)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"indices": self.stream.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.stream.set_state(state["indices"])
+
+    def close(self) -> None:
+        self.stream.close()
+

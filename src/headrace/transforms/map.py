@@ -1,0 +1,266 @@
+"""``map(fn, num_parallel_calls=None, deterministic=None)``.
+
+As in tf.data, a tuple element is passed to ``fn`` as positional arguments and
+any other element (dict, array) as one argument. Sequentially, ``map`` keeps
+random access, so a later ``shuffle`` or ``shard`` still works on indices.
+
+With ``num_parallel_calls`` the calls run on a thread pool (NumPy, I/O and
+most decoders release the GIL; for Python-heavy functions use process
+workers). Work in flight is booked on the stage's share of the budget: a new
+call starts only while the largest element seen so far still fits, so
+``AUTOTUNE`` means "as many threads as cores, as many calls in flight as the
+budget allows". ``deterministic=True`` (the default) keeps input order;
+``False`` hands out whichever result is ready first, and its checkpoints are
+at-least-once (elements finished out of order may be seen again on resume).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from headrace.errors import InvalidArgumentError
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import Reservation, StageAccount
+from headrace.node import IndexPlan, Node, RandomAccess, function_name
+from headrace.options import AUTOTUNE
+from headrace.structure import TensorSpec, map_structure, spec_of
+
+__all__ = ["MapNode", "apply_fn"]
+
+
+def apply_fn(fn: Callable[..., Any], element: Any) -> Any:
+    """Call ``fn`` the way tf.data does: a tuple's components become the arguments."""
+    if isinstance(element, tuple):
+        return fn(*element)
+    return fn(element)
+
+
+def _relaxed(spec: Any) -> Any:
+    """Keep rank and dtype from a sample, forget sizes (another element may differ)."""
+    return map_structure(
+        lambda leaf: TensorSpec(tuple(None for _ in leaf.shape), leaf.dtype, leaf.kind), spec
+    )
+
+
+class MapNode(Node):
+    stage = "map"
+
+    def __init__(
+        self,
+        source: Node,
+        fn: Callable[..., Any],
+        num_parallel_calls: int | None,
+        deterministic: bool | None,
+        *,
+        stage: str | None = None,
+    ) -> None:
+        super().__init__(source)
+        if not callable(fn):
+            raise InvalidArgumentError(f"map: fn must be callable, got {fn!r}")
+        if num_parallel_calls is not None and (
+            isinstance(num_parallel_calls, bool)
+            or not isinstance(num_parallel_calls, int)
+            or (num_parallel_calls < 1 and num_parallel_calls != AUTOTUNE)
+        ):
+            raise InvalidArgumentError(
+                f"map: num_parallel_calls must be a positive int or AUTOTUNE, "
+                f"got {num_parallel_calls!r}"
+            )
+        self.fn = fn
+        self.num_parallel_calls = num_parallel_calls
+        self.deterministic = deterministic
+        self.stage = stage or f"map({function_name(fn)})"
+        self._spec: Any = None
+
+    def params(self) -> tuple[Any, ...]:
+        return (function_name(self.fn), self.num_parallel_calls, self.deterministic)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_spec"] = None
+        return state
+
+    @property
+    def element_spec(self) -> Any:
+        """Found by applying ``fn`` to the first input element (tf.data traces instead)."""
+        if self._spec is None:
+            from headrace.iterator import DatasetIterator
+            from headrace.options import Options
+
+            with DatasetIterator(self.inputs[0], Options(warn_on_shrink=False)) as iterator:
+                sample = apply_fn(self.fn, next(iterator))
+            self._spec = _relaxed(spec_of(sample))
+        return self._spec
+
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()
+
+    def random_access(self) -> RandomAccess | None:
+        if self.num_parallel_calls is not None:
+            return None
+        inner = self.inputs[0].random_access()
+        return None if inner is None else _MappedAccess(inner, self.fn)
+
+    def index_plan(self) -> IndexPlan | None:
+        if self.num_parallel_calls is not None:
+            return None
+        plan = self.inputs[0].index_plan()
+        if plan is None:
+            return None
+        access, make_stream = plan
+        return _MappedAccess(access, self.fn), make_stream
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        if self.index_plan() is not None:
+            return super().make_iterator(ctx)
+        inner = self.inputs[0].make_iterator(ctx)
+        if self.num_parallel_calls is None:
+            return _MapIterator(inner, self.fn, self.stage)
+        threads = (
+            (os.cpu_count() or 1)
+            if self.num_parallel_calls == AUTOTUNE
+            else self.num_parallel_calls
+        )
+        deterministic = (
+            ctx.deterministic if self.deterministic is None else bool(self.deterministic)
+        )
+        account = ctx.account(self, self.stage, weight=1)
+        return _ParallelMapIterator(
+            inner, self.fn, ctx, account, threads, deterministic, self.stage
+        )
+
+
+class _MappedAccess(RandomAccess):
+    def __init__(self, inner: RandomAccess, fn: Callable[..., Any]) -> None:
+        self.inner, self.fn = inner, fn
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def get(self, index: int) -> Any:
+        return apply_fn(self.fn, self.inner.get(index))
+
+    def prepare(self, ctx: Context) -> None:
+        self.inner.prepare(ctx)
+
+
+class _MapIterator(Iterator):
+    def __init__(self, inner: Iterator, fn: Callable[..., Any], stage: str) -> None:
+        super().__init__(inner)
+        self.inner, self.fn, self.stage = inner, fn, stage
+
+    def __next__(self) -> Any:
+        return apply_fn(self.fn, next(self.inner))
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        element, reservation = self.inner.next_reserved()
+        return apply_fn(self.fn, element), reservation
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.set_state(state["inner"])
+
+
+class _Call:
+    """One call in flight: its future, its input's booking, the input state before it."""
+
+    __slots__ = ("future", "reservation", "state_before")
+
+    def __init__(
+        self, future: Future[Any], reservation: Reservation, state_before: dict[str, Any]
+    ) -> None:
+        self.future, self.reservation, self.state_before = future, reservation, state_before
+
+
+class _ParallelMapIterator(Iterator):
+    def __init__(
+        self,
+        inner: Iterator,
+        fn: Callable[..., Any],
+        ctx: Context,
+        account: StageAccount,
+        threads: int,
+        deterministic: bool,
+        stage: str,
+    ) -> None:
+        super().__init__(inner)
+        self.inner, self.fn, self.ctx, self.account = inner, fn, ctx, account
+        self.threads, self.deterministic, self.stage = threads, deterministic, stage
+        self.pool: ThreadPoolExecutor | None = None
+        self.calls: deque[_Call] = deque()
+        self.exhausted = False
+        self.state_after_last_input = inner.get_state()
+
+    def _submit_more(self) -> None:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="headrace-map")
+        sizeof, account = self.ctx.sizeof, self.account
+        while (
+            not self.exhausted
+            and len(self.calls) < 2 * self.threads
+            and (not self.calls or account.has_room())
+        ):
+            try:
+                element, reservation = self.inner.next_reserved()
+            except StopIteration:
+                self.exhausted = True
+                return
+            booked = reservation.move_to(account, sizeof(element))
+            future = self.pool.submit(apply_fn, self.fn, element)
+            self.calls.append(_Call(future, booked, self.state_after_last_input))
+            self.state_after_last_input = self.inner.get_state()
+
+    def _take_call(self) -> _Call:
+        if self.deterministic or len(self.calls) == 1:
+            return self.calls.popleft()
+        wait([call.future for call in self.calls], return_when=FIRST_COMPLETED)
+        for call in self.calls:
+            if call.future.done():
+                self.calls.remove(call)
+                return call
+        raise AssertionError("wait() returned with no call done")
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        self._submit_more()
+        if not self.calls:
+            raise StopIteration
+        call = self._take_call()
+        try:
+            output = call.future.result()
+        finally:
+            call.reservation.release()
+        return output, self.account.charge(self.ctx.sizeof(output))
+
+    def __next__(self) -> Any:
+        element, reservation = self.next_reserved()
+        reservation.release()
+        return element
+
+    def get_state(self) -> dict[str, Any]:
+        state = self.calls[0].state_before if self.calls else self.state_after_last_input
+        return {"inner": state}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._drop_calls()
+        self.inner.set_state(state["inner"])
+        self.state_after_last_input = state["inner"]
+        self.exhausted = False
+
+    def _drop_calls(self) -> None:
+        while self.calls:
+            call = self.calls.popleft()
+            call.future.cancel()
+            call.reservation.release()
+
+    def close(self) -> None:
+        self._drop_calls()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+        super().close()

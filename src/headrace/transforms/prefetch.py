@@ -1,0 +1,156 @@
+"""``prefetch(buffer_size)``: a background thread keeps elements ready.
+
+The queue is bounded twice: by ``buffer_size`` elements and by the stage's
+share of the byte budget (the producer waits for room *before* it pulls the
+next element). ``AUTOTUNE`` starts at 1 element and doubles the depth each
+time the consumer finds the queue empty — but never past the budget share.
+
+The producer thread holds no reference to the public iterator, so an
+iterator dropped without ``close()`` is still garbage-collected; its
+finalizer stops the thread. An exception in the producer is re-raised in the
+consumer with its original traceback.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import BudgetClosed, Reservation, StageAccount, release_all
+from headrace.node import Node, check_positive
+from headrace.options import AUTOTUNE
+
+__all__ = ["PrefetchNode"]
+
+_MAX_AUTOTUNE_DEPTH = 1 << 16
+
+
+class PrefetchNode(Node):
+    stage = "prefetch"
+
+    def __init__(self, source: Node, buffer_size: int) -> None:
+        super().__init__(source)
+        if buffer_size != AUTOTUNE:
+            check_positive("prefetch: buffer_size", buffer_size)
+        self.buffer_size = buffer_size
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.buffer_size,)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.inputs[0].element_spec
+
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        account = ctx.account(self, "prefetch", weight=1)
+        return _PrefetchIterator(self.inputs[0].make_iterator(ctx), ctx, account, self.buffer_size)
+
+
+class _Producer:
+    """The thread's side: pulls from the input into the queue (no link to the iterator)."""
+
+    def __init__(self, inner: Iterator, ctx: Context, account: StageAccount, depth: int) -> None:
+        self.inner, self.ctx, self.account, self.depth = inner, ctx, account, depth
+        self.ready = threading.Condition()
+        self.queue: deque[tuple[Any, Reservation, dict[str, Any]]] = deque()
+        self.finished = False
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.thread = threading.Thread(target=self.run, name="headrace-prefetch", daemon=True)
+
+    def run(self) -> None:
+        try:
+            while self._wait_for_space():
+                element, reservation = self.inner.next_reserved()
+                state = self.inner.get_state()
+                booked = reservation.move_to(self.account, self.ctx.sizeof(element))
+                with self.ready:
+                    self.queue.append((element, booked, state))
+                    self.ready.notify_all()
+        except StopIteration:
+            pass
+        except BudgetClosed:
+            return
+        except BaseException as error:  # re-raised in the consumer
+            self.error = error
+        with self.ready:
+            self.finished = True
+            self.ready.notify_all()
+
+    def _wait_for_space(self) -> bool:
+        with self.ready:
+            while not self.stopping and len(self.queue) >= self.depth:
+                self.ready.wait()
+            if self.stopping:
+                return False
+        self.account.wait_for_room(cancelled=lambda: self.stopping)
+        return not self.stopping
+
+    def stop(self) -> None:
+        with self.ready:
+            self.stopping = True
+            self.ready.notify_all()
+        self.account.wake()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
+        release_all(reservation for _, reservation, _ in self.queue)
+        self.queue.clear()
+
+
+class _PrefetchIterator(Iterator):
+    stage = "prefetch"
+
+    def __init__(
+        self, inner: Iterator, ctx: Context, account: StageAccount, buffer_size: int
+    ) -> None:
+        super().__init__(inner)
+        self.inner, self.ctx, self.account = inner, ctx, account
+        self.autotune = buffer_size == AUTOTUNE
+        self.depth = 1 if self.autotune else buffer_size
+        self.producer: _Producer | None = None
+        self.state = inner.get_state()  # the input's state after the last element handed out
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        producer = self.producer
+        if producer is None:
+            producer = self.producer = _Producer(self.inner, self.ctx, self.account, self.depth)
+            producer.thread.start()
+        with producer.ready:
+            if not producer.queue and not producer.finished and self.autotune:
+                producer.depth = self.depth = min(self.depth * 2, _MAX_AUTOTUNE_DEPTH)
+            while not producer.queue and not producer.finished:
+                producer.ready.wait()
+            if not producer.queue:
+                if producer.error is not None:
+                    raise producer.error
+                raise StopIteration
+            element, reservation, self.state = producer.queue.popleft()
+            producer.ready.notify_all()
+        return element, reservation
+
+    def __next__(self) -> Any:
+        element, reservation = self.next_reserved()
+        reservation.release()
+        return element
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.state}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._stop()
+        self.inner.set_state(state["inner"])
+        self.state = state["inner"]
+
+    def _stop(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
+            self.producer = None
+
+    def close(self) -> None:
+        self._stop()
+        super().close()

@@ -1,0 +1,125 @@
+"""``repeat(count=None)``: the input again, with a fresh input iterator per epoch.
+
+``None`` or ``-1`` repeats forever, ``0`` gives nothing; an input that turns
+out empty ends the repetition instead of spinning (tf.data does the same).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from headrace.errors import InvalidArgumentError
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import Reservation
+from headrace.node import INFINITE, UNKNOWN, IndexPlan, IndexStream, Node
+from headrace.transforms.indexing import RepeatIndices
+
+__all__ = ["RepeatNode"]
+
+
+class RepeatNode(Node):
+    stage = "repeat"
+
+    def __init__(self, source: Node, count: int | None) -> None:
+        super().__init__(source)
+        if count is None:
+            count = -1
+        if isinstance(count, bool) or not isinstance(count, int) or count < -1:
+            raise InvalidArgumentError(
+                f"repeat: count must be None, -1 (forever) or >= 0, got {count!r}"
+            )
+        self.count = count
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.count,)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.inputs[0].element_spec
+
+    def cardinality(self) -> int:
+        inner = self.inputs[0].cardinality()
+        if self.count == 0 or inner == 0:
+            return 0
+        if inner == UNKNOWN:
+            return UNKNOWN
+        if self.count < 0 or inner == INFINITE:
+            return INFINITE
+        return inner * self.count
+
+    def index_plan(self) -> IndexPlan | None:
+        plan = self.inputs[0].index_plan()
+        if plan is None:
+            return None
+        access, make_inner = plan
+        count = self.count
+
+        def make(ctx: Context) -> IndexStream:
+            return RepeatIndices(lambda: make_inner(ctx), count)
+
+        return access, make
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        if self.index_plan() is not None:
+            return super().make_iterator(ctx)
+        return _RepeatIterator(self.inputs[0], ctx, self.count)
+
+
+class _RepeatIterator(Iterator):
+    stage = "repeat"
+
+    def __init__(self, source: Node, ctx: Context, count: int) -> None:
+        self.source, self.ctx, self.count = source, ctx, count
+        self.epoch = 0
+        self.produced_this_epoch = 0
+        self.inner: Iterator | None = source.make_iterator(ctx) if count != 0 else None
+        super().__init__(*([self.inner] if self.inner else []))
+
+    def _new_epoch(self) -> None:
+        assert self.inner is not None
+        self.inner.close()
+        self.epoch += 1
+        self.produced_this_epoch = 0
+        self.inner = self.source.make_iterator(self.ctx)
+        self.inputs = (self.inner,)
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        while self.inner is not None:
+            try:
+                pair = self.inner.next_reserved()
+            except StopIteration:
+                if self.produced_this_epoch == 0 or 0 <= self.count <= self.epoch + 1:
+                    self.inner.close()
+                    self.inner = None
+                    self.inputs = ()
+                    break
+                self._new_epoch()
+                continue
+            self.produced_this_epoch += 1
+            return pair
+        raise StopIteration
+
+    def __next__(self) -> Any:
+        element, reservation = self.next_reserved()
+        reservation.release()
+        return element
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "produced": self.produced_this_epoch,
+            "inner": None if self.inner is None else self.inner.get_state(),
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if self.inner is not None:
+            self.inner.close()
+        self.epoch = int(state["epoch"])
+        self.produced_this_epoch = int(state["produced"])
+        if state["inner"] is None:
+            self.inner = None
+            self.inputs = ()
+            return
+        self.inner = self.source.make_iterator(self.ctx)
+        self.inner.set_state(state["inner"])
+        self.inputs = (self.inner,)

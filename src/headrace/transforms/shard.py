@@ -1,0 +1,97 @@
+"""``shard(num_shards, index)``: every ``num_shards``-th element, as tf.data.
+
+tf.data reads and discards the other shards' elements; on a random-access
+input headrace selects indices instead, so a worker reads only its own rows.
+For files, shard the *file list* before reading (see ``headrace.auto_shard``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from headrace.errors import InvalidArgumentError
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import Reservation
+from headrace.node import INFINITE, UNKNOWN, IndexPlan, IndexStream, Node
+from headrace.transforms.indexing import ShardIndices
+
+__all__ = ["ShardNode"]
+
+
+class ShardNode(Node):
+    stage = "shard"
+
+    def __init__(self, source: Node, num_shards: int, index: int) -> None:
+        super().__init__(source)
+        for name, value in (("num_shards", num_shards), ("index", index)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(f"shard: {name} must be an int, got {value!r}")
+        if num_shards <= 0:
+            raise InvalidArgumentError(
+                f"shard: number of shards must be greater than zero, got {num_shards}"
+            )
+        if not 0 <= index < num_shards:
+            raise InvalidArgumentError(
+                f"shard: index must be between 0 and {num_shards - 1}, got {index}"
+            )
+        self.num_shards, self.index = num_shards, index
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.num_shards, self.index)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.inputs[0].element_spec
+
+    def cardinality(self) -> int:
+        inner = self.inputs[0].cardinality()
+        if inner in (INFINITE, UNKNOWN):
+            return inner
+        return inner // self.num_shards + (self.index < inner % self.num_shards)
+
+    def index_plan(self) -> IndexPlan | None:
+        plan = self.inputs[0].index_plan()
+        if plan is None:
+            return None
+        access, make_inner = plan
+        num_shards, index = self.num_shards, self.index
+
+        def make(ctx: Context) -> IndexStream:
+            return ShardIndices(make_inner(ctx), num_shards, index)
+
+        return access, make
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        if self.index_plan() is not None:
+            return super().make_iterator(ctx)
+        return _ShardIterator(self.inputs[0].make_iterator(ctx), self.num_shards, self.index)
+
+
+class _ShardIterator(Iterator):
+    stage = "shard"
+
+    def __init__(self, inner: Iterator, num_shards: int, index: int) -> None:
+        super().__init__(inner)
+        self.inner, self.num_shards, self.index = inner, num_shards, index
+        self.position = 0  # elements consumed from the input
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        while True:
+            element, reservation = self.inner.next_reserved()
+            position = self.position
+            self.position += 1
+            if position % self.num_shards == self.index:
+                return element, reservation
+            reservation.release()
+
+    def __next__(self) -> Any:
+        element, reservation = self.next_reserved()
+        reservation.release()
+        return element
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.get_state(), "position": self.position}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.set_state(state["inner"])
+        self.position = int(state["position"])

@@ -1,0 +1,351 @@
+"""``shuffle(buffer_size, seed=None, reshuffle_each_iteration=True)``.
+
+The algorithm is tf.data's fill-then-draw ring buffer: fill to ``buffer_size``
+elements, output a uniformly drawn one, move the oldest into its slot, refill.
+The random numbers come from NumPy's Philox generator (not TensorFlow's
+Philox4x32 stream), so orders match tf.data's *distribution*, not its exact
+sequence.
+
+Memory. On a random-access input the buffer holds 8-byte indices and elements
+are read when drawn, so a full shuffle of a 500 MB array costs ~1 MB. On a
+streaming input the buffer holds elements, each booked on the stage's share of
+the budget; a ``buffer_size`` that cannot fit shrinks — deterministically,
+from the element sizes and the share alone — with one warning.
+
+Resuming. The state is the input's state when this epoch's shuffle started,
+the seed and the number of draws: restoring replays the draws (for indices
+this reads no data; for a streaming input it re-reads the epoch up to the
+checkpoint, exact when the input is deterministic).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import CheckpointError
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import Reservation, StageAccount, release_all
+from headrace.node import IndexPlan, IndexStream, Indices, Node, check_positive
+from headrace.options import format_bytes
+
+__all__ = ["ShuffleNode"]
+
+_DRAW_BLOCK = 4096
+_INDEX_SLOT_BYTES = 8
+
+
+class _Draws:
+    """uint32 draws from Philox, generated in blocks; resumable by count."""
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+        self.count = 0
+        self._generator = np.random.Generator(np.random.Philox(key=key))
+        self._block: list[int] = []
+        self._position = 0
+
+    def next(self) -> int:
+        if self._position == len(self._block):
+            self._block = self._generator.integers(
+                0, 1 << 32, size=_DRAW_BLOCK, dtype=np.uint64
+            ).tolist()
+            self._position = 0
+        value = self._block[self._position]
+        self._position += 1
+        self.count += 1
+        return value
+
+
+def _epoch_key(seed: int, epoch: int) -> int:
+    words = np.random.SeedSequence([seed, epoch]).generate_state(2, dtype=np.uint64)
+    return int(words[0]) << 64 | int(words[1])
+
+
+class ShuffleNode(Node):
+    stage = "shuffle"
+
+    def __init__(
+        self, source: Node, buffer_size: int, seed: int | None, reshuffle_each_iteration: bool
+    ) -> None:
+        super().__init__(source)
+        self.buffer_size = check_positive("shuffle: buffer_size", buffer_size)
+        if seed is not None:
+            check_positive("shuffle: seed", seed, allow_zero=True)
+        self.seed = seed
+        self.base_seed = seed if seed is not None else secrets.randbits(63)
+        self.reshuffle = bool(reshuffle_each_iteration)
+        self._iterations = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_lock")
+        state["_iterations"] = 0
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.buffer_size, self.seed, self.reshuffle)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.inputs[0].element_spec
+
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()
+
+    def next_epoch(self) -> int:
+        """The epoch number of a new iterator (every iteration reshuffles by default)."""
+        if not self.reshuffle:
+            return 0
+        with self._lock:
+            epoch = self._iterations
+            self._iterations += 1
+            return epoch
+
+    def index_plan(self) -> IndexPlan | None:
+        plan = self.inputs[0].index_plan()
+        if plan is None:
+            return None
+        access, make_inner = plan
+
+        def make(ctx: Context) -> IndexStream:
+            account = ctx.account(self, "shuffle", weight=1)
+            return _ShuffledIndices(self, make_inner(ctx), account)
+
+        return access, make
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        if self.index_plan() is not None:
+            return super().make_iterator(ctx)
+        account = ctx.account(self, "shuffle", weight=4)
+        return _ShuffleIterator(self, self.inputs[0].make_iterator(ctx), ctx, account)
+
+
+class _Ring:
+    """tf.data's ring: slots ``start % capacity`` .. ``end % capacity``.
+
+    The list grows only while the ring first fills (tf.data draws only from a
+    full buffer), so it never holds more slots than elements it has held.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.slots: list[Any] = []
+        self.start = 0
+        self.end = 0
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def push(self, item: Any) -> None:
+        slot = self.end % self.capacity
+        if slot == len(self.slots):
+            self.slots.append(item)
+        else:
+            self.slots[slot] = item
+        self.end += 1
+
+    def shrink_to_current(self) -> None:
+        """Make the ring's capacity what it holds now (only before the first draw)."""
+        if self.start == 0 and self.end:
+            self.capacity = self.end
+
+    def pop_drawn(self, draw: int) -> Any:
+        slots, capacity = self.slots, self.capacity
+        start_slot = self.start % capacity
+        slot = (self.start + draw % (self.end - self.start)) % capacity
+        item = slots[slot]
+        slots[slot] = slots[start_slot]
+        slots[start_slot] = None
+        self.start += 1
+        return item
+
+    def items(self) -> list[Any]:
+        return [item for item in self.slots if item is not None]
+
+
+class _ShuffleState:
+    """The parts of the state both shuffle paths share: epoch, draws, input start."""
+
+    def __init__(self, node: ShuffleNode, inner_start: dict[str, Any]) -> None:
+        self.node = node
+        self.epoch = node.next_epoch()
+        self.draws = _Draws(_epoch_key(node.base_seed, self.epoch))
+        self.inner_start = inner_start
+
+    def as_dict(self, **extra: Any) -> dict[str, Any]:
+        return {
+            "seed": self.node.base_seed,
+            "epoch": self.epoch,
+            "drawn": self.draws.count,
+            "inner_start": self.inner_start,
+            **extra,
+        }
+
+    def restore(self, state: dict[str, Any]) -> int:
+        if self.node.seed is not None and int(state["seed"]) != self.node.seed:
+            raise CheckpointError("shuffle state was saved with another seed")
+        self.node.base_seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self.draws = _Draws(_epoch_key(self.node.base_seed, self.epoch))
+        self.inner_start = state["inner_start"]
+        return int(state["drawn"])
+
+
+class _ShuffledIndices(IndexStream):
+    def __init__(self, node: ShuffleNode, inner: IndexStream, account: StageAccount) -> None:
+        self.node, self.inner, self.account = node, inner, account
+        self.shared = _ShuffleState(node, inner.get_state())
+        self.ring = _Ring(node.buffer_size)
+        self.exhausted = False
+        self.booked = 0
+
+    def _fill(self) -> None:
+        ring = self.ring
+        while len(ring) < ring.capacity and not self.exhausted:
+            wanted = self._book_slots(len(ring) + min(ring.capacity - len(ring), 1 << 16))
+            if wanted <= len(ring):
+                return
+            block = self.inner.take(wanted - len(ring))
+            if len(block) == 0:
+                self.exhausted = True
+                return
+            for index in block:
+                ring.push(int(index))
+
+    def _book_slots(self, slots: int) -> int:
+        """Book the budget for ``slots`` index slots; shrink the ring if they cannot fit."""
+        slots = max(slots, len(self.ring.slots))
+        needed = slots * _INDEX_SLOT_BYTES - self.booked
+        if needed <= 0:
+            return slots
+        room = self.account.limit - self.account.held
+        if needed > room:
+            fits = max((self.booked + max(room, 0)) // _INDEX_SLOT_BYTES, 1)
+            if self.ring.start == 0:
+                self.ring.capacity = min(self.ring.capacity, fits)
+                _warn_shrink(self.node, self.account, fits, _INDEX_SLOT_BYTES)
+            slots = fits
+            needed = slots * _INDEX_SLOT_BYTES - self.booked
+        if needed > 0:
+            self.account.charge(needed)
+            self.booked += needed
+        return slots
+
+    def take(self, count: int) -> Indices:
+        out = []
+        ring, draws = self.ring, self.shared.draws
+        for _ in range(count):
+            if len(ring) < ring.capacity and not self.exhausted:
+                self._fill()
+            if not len(ring):
+                break
+            out.append(ring.pop_drawn(draws.next()))
+        return np.asarray(out, dtype=np.int64)
+
+    def get_state(self) -> dict[str, Any]:
+        return self.shared.as_dict(capacity=self.ring.capacity)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        drawn = self.shared.restore(state)
+        self.inner.set_state(self.shared.inner_start)
+        self.ring = _Ring(min(int(state["capacity"]), self.node.buffer_size))
+        self.exhausted = False
+        while drawn:
+            drawn -= len(self.take(min(drawn, 1 << 16)))
+
+    def close(self) -> None:
+        self.account.release(self.booked)
+        self.booked = 0
+        self.inner.close()
+
+
+def _warn_shrink(node: ShuffleNode, account: StageAccount, fits: int, element_bytes: int) -> None:
+    import warnings
+
+    warnings.warn(
+        f"shuffle: buffer_size={node.buffer_size} does not fit in this stage's share of the "
+        f"memory budget ({format_bytes(account.limit)} of {format_bytes(account.budget.total)}); "
+        f"at ~{format_bytes(element_bytes)} per element it shuffles within {fits} elements. "
+        "Raise Options(memory_budget=...) or shuffle a random-access source (indices cost 8 B).",
+        ResourceWarning,
+        stacklevel=4,
+    )
+
+
+class _ShuffleIterator(Iterator):
+    stage = "shuffle"
+
+    def __init__(
+        self, node: ShuffleNode, inner: Iterator, ctx: Context, account: StageAccount
+    ) -> None:
+        super().__init__(inner)
+        self.node, self.inner, self.ctx, self.account = node, inner, ctx, account
+        self.shared = _ShuffleState(node, inner.get_state())
+        self.ring = _Ring(node.buffer_size)
+        self.exhausted = False
+        self.shrunk_to: int | None = None
+
+    def _fill(self) -> None:
+        ring, account, sizeof = self.ring, self.account, self.ctx.sizeof
+        while len(ring) < ring.capacity and not self.exhausted:
+            if not account.has_room():
+                self._note_shrink(len(ring))
+                return
+            try:
+                element, reservation = self.inner.next_reserved()
+            except StopIteration:
+                self.exhausted = True
+                return
+            ring.push((element, reservation.move_to(account, sizeof(element))))
+
+    def _note_shrink(self, held: int) -> None:
+        if self.shrunk_to is None and self.ring.start == 0:
+            self.ring.shrink_to_current()
+            self.shrunk_to = self.ring.capacity
+            if self.ctx.options.warn_on_shrink:
+                _warn_shrink(self.node, self.account, held, self.account.max_element)
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        self._fill()
+        if not len(self.ring):
+            raise StopIteration
+        element, reservation = self.ring.pop_drawn(self.shared.draws.next())
+        return element, reservation
+
+    def __next__(self) -> Any:
+        element, reservation = self.next_reserved()
+        reservation.release()
+        return element
+
+    def get_state(self) -> dict[str, Any]:
+        return self.shared.as_dict(shrunk_to=self.shrunk_to)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        drawn = self.shared.restore(state)
+        self._clear()
+        self.inner.set_state(self.shared.inner_start)
+        self.shrunk_to = state.get("shrunk_to")
+        if self.shrunk_to is not None:
+            self.ring.capacity = int(self.shrunk_to)
+        self.exhausted = False
+        for _ in range(drawn):
+            _, reservation = self.next_reserved()
+            reservation.release()
+
+    def _clear(self) -> None:
+        release_all(reservation for _, reservation in self.ring.items())
+        self.ring = _Ring(self.node.buffer_size)
+
+    def close(self) -> None:
+        self._clear()
+        super().close()
+

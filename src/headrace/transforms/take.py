@@ -1,0 +1,162 @@
+"""``take(count)`` and ``skip(count)`` with tf.data's meaning of negative counts.
+
+``take(-1)`` takes everything; ``skip(-1)`` skips everything. On a
+random-access input both act on indices, so skipped elements are never read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from headrace.errors import InvalidArgumentError
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import Reservation
+from headrace.node import INFINITE, UNKNOWN, IndexPlan, IndexStream, Node
+from headrace.transforms.indexing import SkipIndices, TakeIndices
+
+__all__ = ["SkipNode", "TakeNode"]
+
+
+def _check_count(name: str, count: Any) -> int:
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise InvalidArgumentError(f"{name}: count must be an int, got {count!r}")
+    if count < -1:
+        raise InvalidArgumentError(f"{name}: count must be >= -1 (-1 means all), got {count}")
+    return count
+
+
+class TakeNode(Node):
+    stage = "take"
+
+    def __init__(self, source: Node, count: int) -> None:
+        super().__init__(source)
+        self.count = _check_count("take", count)
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.count,)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.inputs[0].element_spec
+
+    def cardinality(self) -> int:
+        inner = self.inputs[0].cardinality()
+        if self.count < 0:
+            return inner
+        if inner == UNKNOWN:
+            return UNKNOWN
+        return self.count if inner == INFINITE else min(inner, self.count)
+
+    def index_plan(self) -> IndexPlan | None:
+        plan = self.inputs[0].index_plan()
+        if plan is None or self.count < 0:
+            return plan
+        access, make_inner = plan
+        count = self.count
+
+        def make(ctx: Context) -> IndexStream:
+            return TakeIndices(make_inner(ctx), count)
+
+        return access, make
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        if self.index_plan() is not None:
+            return super().make_iterator(ctx)
+        return _TakeIterator(self.inputs[0].make_iterator(ctx), self.count)
+
+
+class _TakeIterator(Iterator):
+    stage = "take"
+
+    def __init__(self, inner: Iterator, count: int) -> None:
+        super().__init__(inner)
+        self.inner, self.remaining = inner, count
+
+    def __next__(self) -> Any:
+        if self.remaining == 0:
+            raise StopIteration
+        element = next(self.inner)
+        self.remaining -= 1
+        return element
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        if self.remaining == 0:
+            raise StopIteration
+        pair = self.inner.next_reserved()
+        self.remaining -= 1
+        return pair
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.get_state(), "remaining": self.remaining}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.set_state(state["inner"])
+        self.remaining = int(state["remaining"])
+
+
+class SkipNode(Node):
+    stage = "skip"
+
+    def __init__(self, source: Node, count: int) -> None:
+        super().__init__(source)
+        self.count = _check_count("skip", count)
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.count,)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.inputs[0].element_spec
+
+    def cardinality(self) -> int:
+        inner = self.inputs[0].cardinality()
+        if inner in (INFINITE, UNKNOWN):
+            return 0 if self.count < 0 and inner == INFINITE else inner
+        return 0 if self.count < 0 else max(inner - self.count, 0)
+
+    def index_plan(self) -> IndexPlan | None:
+        plan = self.inputs[0].index_plan()
+        if plan is None:
+            return None
+        access, make_inner = plan
+        count = self.count if self.count >= 0 else len(access)
+
+        def make(ctx: Context) -> IndexStream:
+            return SkipIndices(make_inner(ctx), count)
+
+        return access, make
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        if self.index_plan() is not None:
+            return super().make_iterator(ctx)
+        return _SkipIterator(self.inputs[0].make_iterator(ctx), self.count)
+
+
+class _SkipIterator(Iterator):
+    stage = "skip"
+
+    def __init__(self, inner: Iterator, count: int) -> None:
+        super().__init__(inner)
+        self.inner, self.to_skip = inner, count  # -1: skip everything
+
+    def _skip(self) -> None:
+        while self.to_skip != 0:
+            _, reservation = self.inner.next_reserved()
+            reservation.release()
+            if self.to_skip > 0:
+                self.to_skip -= 1
+
+    def __next__(self) -> Any:
+        self._skip()
+        return next(self.inner)
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        self._skip()
+        return self.inner.next_reserved()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.get_state(), "to_skip": self.to_skip}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.set_state(state["inner"])
+        self.to_skip = int(state["to_skip"])

@@ -1,0 +1,182 @@
+"""``zip`` and ``concatenate``, with tf.data's orders.
+
+``zip`` ends with its shortest input; its element has the nesting of the
+datasets it was given. ``concatenate`` needs inputs of the same structure and
+dtypes (sizes may differ: they become unknown in the spec).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from headrace.errors import ElementSpecError
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import Reservation
+from headrace.node import INFINITE, UNKNOWN, Node, RandomAccess
+from headrace.structure import flatten, map_structure, pack_as
+
+__all__ = ["ConcatenateNode", "ZipNode"]
+
+
+class ZipNode(Node):
+    stage = "zip"
+
+    def __init__(self, structure: Any, nodes: list[Node]) -> None:
+        super().__init__(*nodes)
+        self.structure = structure  # the user's nesting, with nodes as leaves
+
+    def params(self) -> tuple[Any, ...]:
+        return (repr(map_structure(lambda _: 0, self.structure)),)
+
+    @property
+    def element_spec(self) -> Any:
+        return pack_as(self.structure, [node.element_spec for node in self.inputs])
+
+    def cardinality(self) -> int:
+        sizes = [node.cardinality() for node in self.inputs]
+        finite = [size for size in sizes if size >= 0]
+        if finite:
+            return min(finite)
+        return UNKNOWN if UNKNOWN in sizes else INFINITE
+
+    def random_access(self) -> RandomAccess | None:
+        parts = [node.random_access() for node in self.inputs]
+        if any(part is None for part in parts):
+            return None
+        return _ZipAccess(self.structure, [part for part in parts if part is not None])
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        if self.index_plan() is not None:
+            return super().make_iterator(ctx)
+        return _ZipIterator(self.structure, [node.make_iterator(ctx) for node in self.inputs])
+
+
+class _ZipAccess(RandomAccess):
+    def __init__(self, structure: Any, parts: list[RandomAccess]) -> None:
+        self.structure, self.parts = structure, parts
+        self.length = min(len(part) for part in parts)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def get(self, index: int) -> Any:
+        return pack_as(self.structure, [part.get(index) for part in self.parts])
+
+    def get_many(self, indices: range | Any) -> Any:
+        return pack_as(self.structure, [part.get_many(indices) for part in self.parts])
+
+    def prepare(self, ctx: Context) -> None:
+        for part in self.parts:
+            part.prepare(ctx)
+
+
+class _ZipIterator(Iterator):
+    stage = "zip"
+
+    def __init__(self, structure: Any, inners: list[Iterator]) -> None:
+        super().__init__(*inners)
+        self.structure = structure
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        elements = []
+        for inner in self.inputs:
+            elements.append(next(inner))
+        return pack_as(self.structure, elements), Reservation(None, 0)
+
+    def __next__(self) -> Any:
+        return self.next_reserved()[0]
+
+
+def _check_compatible(first: Any, second: Any) -> Any:
+    left, right = flatten(first), flatten(second)
+    if len(left) != len(right) or repr(map_structure(lambda _: 0, first)) != repr(
+        map_structure(lambda _: 0, second)
+    ):
+        raise ElementSpecError(
+            f"concatenate: the datasets have different structures: {first} vs {second}"
+        )
+    merged = []
+    for a, b in zip(left, right, strict=True):
+        if a.dtype != b.dtype or a.kind != b.kind:
+            raise ElementSpecError(
+                f"concatenate: component dtypes differ: {a} vs {b}; cast one of them first"
+            )
+        merged.append(a.most_specific_common(b))
+    return pack_as(first, merged)
+
+
+class ConcatenateNode(Node):
+    stage = "concatenate"
+
+    def __init__(self, first: Node, second: Node) -> None:
+        super().__init__(first, second)
+        self.spec = _check_compatible(first.element_spec, second.element_spec)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.spec
+
+    def cardinality(self) -> int:
+        a, b = (node.cardinality() for node in self.inputs)
+        if INFINITE in (a, b):
+            return INFINITE
+        if UNKNOWN in (a, b):
+            return UNKNOWN
+        return a + b
+
+    def random_access(self) -> RandomAccess | None:
+        first, second = (node.random_access() for node in self.inputs)
+        if first is None or second is None:
+            return None
+        return _ConcatAccess(first, second)
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        if self.index_plan() is not None:
+            return super().make_iterator(ctx)
+        return _ConcatenateIterator([node.make_iterator(ctx) for node in self.inputs])
+
+
+class _ConcatAccess(RandomAccess):
+    def __init__(self, first: RandomAccess, second: RandomAccess) -> None:
+        self.first, self.second = first, second
+        self.split = len(first)
+
+    def __len__(self) -> int:
+        return self.split + len(self.second)
+
+    def get(self, index: int) -> Any:
+        if index < self.split:
+            return self.first.get(index)
+        return self.second.get(index - self.split)
+
+    def prepare(self, ctx: Context) -> None:
+        self.first.prepare(ctx)
+        self.second.prepare(ctx)
+
+
+class _ConcatenateIterator(Iterator):
+    stage = "concatenate"
+
+    def __init__(self, inners: list[Iterator]) -> None:
+        super().__init__(*inners)
+        self.current = 0
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        while self.current < len(self.inputs):
+            try:
+                return self.inputs[self.current].next_reserved()
+            except StopIteration:
+                self.current += 1
+        raise StopIteration
+
+    def __next__(self) -> Any:
+        element, reservation = self.next_reserved()
+        reservation.release()
+        return element
+
+    def get_state(self) -> dict[str, Any]:
+        return {**super().get_state(), "current": self.current}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        super().set_state(state)
+        self.current = int(state["current"])
