@@ -11,7 +11,10 @@ threads, files and budget) when abandoned without ``close()``.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterator as _PyIterator
@@ -24,6 +27,7 @@ from headrace.options import Options, available_memory
 
 if TYPE_CHECKING:
     from headrace.node import Node
+    from headrace.profiling.stats import RunStats
 
 __all__ = ["STATE_VERSION", "Context", "DatasetIterator", "Iterator", "default_budget"]
 
@@ -47,18 +51,39 @@ def default_budget() -> MemoryBudget:
         return _default_budget
 
 
-class Context:
-    """What every iterator of one pipeline run shares: options, budget, bookkeeping."""
+class _Run:
+    """Facts about one run that restoring a state may change (shared by context copies)."""
 
-    def __init__(self, options: Options, budget: MemoryBudget) -> None:
+    def __init__(self, iteration: int) -> None:
+        self.iteration = iteration
+
+
+class Context:
+    """What every iterator of one pipeline run shares: options, budget, bookkeeping.
+
+    ``epochs`` says which repetition of each enclosing ``repeat`` an iterator
+    belongs to; with ``run.iteration`` (how many iterators the dataset had
+    before this one) it seeds shuffles, so every epoch reshuffles and a
+    restored run reshuffles exactly as the original did.
+    """
+
+    def __init__(self, options: Options, budget: MemoryBudget, iteration: int = 0) -> None:
         self.options = options
         self.budget = budget
+        self.run = _Run(iteration)
+        self.epochs: tuple[int, ...] = ()
         self.deterministic = options.deterministic is not False
         #: ids of owning buffers that existed before iteration (never charged).
         self.preexisting: set[int] = set()
         self._keepalive: list[object] = []
         self._warned: set[str] = set()
         self._accounts: dict[int, StageAccount] = {}
+
+    def with_epoch(self, epoch: int) -> Context:
+        """This context for the iterator of one repetition of an enclosing ``repeat``."""
+        child = copy.copy(self)
+        child.epochs = (*self.epochs, epoch)
+        return child
 
     def register_preexisting(self, owner: object) -> None:
         """Mark memory the user already had (views into it cost nothing)."""
@@ -138,6 +163,18 @@ class Iterator:
         return out
 
 
+_iteration_counters_lock = threading.Lock()
+
+
+def _iterations(node: Node) -> itertools.count[int]:
+    """How many iterators this recipe has had: tf.data reshuffles on each new one."""
+    with _iteration_counters_lock:
+        counter: itertools.count[int] | None = node.__dict__.get("_iterations")
+        if counter is None:
+            counter = node.__dict__["_iterations"] = itertools.count()
+        return counter
+
+
 def _close_run(tree: Iterator, budget: MemoryBudget) -> None:
     budget.close()
     tree.close()
@@ -155,11 +192,14 @@ class DatasetIterator(_PyIterator[Any]):
         self._node = node
         explicit = options.budget_bytes
         budget = MemoryBudget(explicit) if explicit is not None else default_budget().child()
-        self._context = Context(options, budget)
+        self._context = Context(options, budget, next(_iterations(node)))
         self._tree = node.make_iterator(self._context)
         budget.allot()
         self._closed = False
         self._close = weakref.finalize(self, _close_run, self._tree, budget)
+        self._elements = 0
+        self._waited = 0.0
+        self._started: float | None = None
 
     @property
     def context(self) -> Context:
@@ -174,9 +214,21 @@ class DatasetIterator(_PyIterator[Any]):
             raise IteratorClosedError(
                 "this iterator was closed; create a new one with iter(dataset)"
             )
+        started = time.perf_counter()
+        if self._started is None:
+            self._started = started
         element, reservation = self._tree.next_reserved()
         reservation.release()
+        self._elements += 1
+        self._waited += time.perf_counter() - started
         return element
+
+    def stats(self) -> RunStats:
+        """A snapshot of this run: budget and per-stage bookings, throughput, process memory."""
+        from headrace.profiling.stats import RunStats
+
+        elapsed = 0.0 if self._started is None else time.perf_counter() - self._started
+        return RunStats.capture(self._context.budget, self._elements, elapsed, self._waited)
 
     def get_state(self) -> dict[str, Any]:
         """A small JSON-able dict to resume exactly here with :meth:`set_state`."""
@@ -185,6 +237,7 @@ class DatasetIterator(_PyIterator[Any]):
             "format": "headrace.iterator",
             "version": STATE_VERSION,
             "fingerprint": self._node.fingerprint(),
+            "iteration": self._context.run.iteration,
             "state": self._tree.get_state(),
         }
 
@@ -210,6 +263,7 @@ class DatasetIterator(_PyIterator[Any]):
                 "restoring it would feed the wrong data"
             )
         try:
+            self._context.run.iteration = int(state["iteration"])
             self._tree.set_state(state["state"])
         except (KeyError, TypeError, ValueError, IndexError) as error:
             if isinstance(error, CheckpointError):

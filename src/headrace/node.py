@@ -146,6 +146,7 @@ class Node:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_fingerprint", None)
+        state.pop("_iterations", None)
         return state
 
     # -- running --------------------------------------------------------------------------

@@ -162,10 +162,10 @@ class ShardIndices(IndexStream):
 class RepeatIndices(IndexStream):
     """The inner stream again and again (a fresh inner stream per epoch)."""
 
-    def __init__(self, make_inner: Callable[[], IndexStream], count: int) -> None:
+    def __init__(self, make_inner: Callable[[int], IndexStream], count: int) -> None:
         self.make_inner, self.count = make_inner, count  # count < 0: forever
         self.epoch = 0
-        self.inner = make_inner()
+        self.inner = make_inner(0)
         self.produced_this_epoch = 0
 
     def take(self, count: int) -> Indices:
@@ -185,7 +185,7 @@ class RepeatIndices(IndexStream):
         self.inner.close()
         self.epoch += 1
         self.produced_this_epoch = 0
-        self.inner = self.make_inner()
+        self.inner = self.make_inner(self.epoch)
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -200,7 +200,7 @@ class RepeatIndices(IndexStream):
         self.count = int(state["count"])
         self.epoch = int(state["epoch"])
         self.produced_this_epoch = int(state["produced"])
-        self.inner = self.make_inner()
+        self.inner = self.make_inner(self.epoch)
         self.inner.set_state(state["inner"])
 
     def close(self) -> None:

@@ -55,7 +55,7 @@ class RepeatNode(Node):
         count = self.count
 
         def make(ctx: Context) -> IndexStream:
-            return RepeatIndices(lambda: make_inner(ctx), count)
+            return RepeatIndices(lambda epoch: make_inner(ctx.with_epoch(epoch)), count)
 
         return access, make
 
@@ -72,7 +72,9 @@ class _RepeatIterator(Iterator):
         self.source, self.ctx, self.count = source, ctx, count
         self.epoch = 0
         self.produced_this_epoch = 0
-        self.inner: Iterator | None = source.make_iterator(ctx) if count != 0 else None
+        self.inner: Iterator | None = (
+            source.make_iterator(ctx.with_epoch(0)) if count != 0 else None
+        )
         super().__init__(*([self.inner] if self.inner else []))
 
     def _new_epoch(self) -> None:
@@ -80,7 +82,7 @@ class _RepeatIterator(Iterator):
         self.inner.close()
         self.epoch += 1
         self.produced_this_epoch = 0
-        self.inner = self.source.make_iterator(self.ctx)
+        self.inner = self.source.make_iterator(self.ctx.with_epoch(self.epoch))
         self.inputs = (self.inner,)
 
     def next_reserved(self) -> tuple[Any, Reservation]:
@@ -120,6 +122,6 @@ class _RepeatIterator(Iterator):
             self.inner = None
             self.inputs = ()
             return
-        self.inner = self.source.make_iterator(self.ctx)
+        self.inner = self.source.make_iterator(self.ctx.with_epoch(self.epoch))
         self.inner.set_state(state["inner"])
         self.inputs = (self.inner,)

@@ -21,7 +21,6 @@ checkpoint, exact when the input is deterministic).
 from __future__ import annotations
 
 import secrets
-import threading
 from typing import Any
 
 import numpy as np
@@ -60,8 +59,8 @@ class _Draws:
         return value
 
 
-def _epoch_key(seed: int, epoch: int) -> int:
-    words = np.random.SeedSequence([seed, epoch]).generate_state(2, dtype=np.uint64)
+def _epoch_key(seed: int, epoch: list[int]) -> int:
+    words = np.random.SeedSequence([seed, *epoch]).generate_state(2, dtype=np.uint64)
     return int(words[0]) << 64 | int(words[1])
 
 
@@ -78,18 +77,6 @@ class ShuffleNode(Node):
         self.seed = seed
         self.base_seed = seed if seed is not None else secrets.randbits(63)
         self.reshuffle = bool(reshuffle_each_iteration)
-        self._iterations = 0
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.pop("_lock")
-        state["_iterations"] = 0
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def params(self) -> tuple[Any, ...]:
         return (self.buffer_size, self.seed, self.reshuffle)
@@ -101,14 +88,9 @@ class ShuffleNode(Node):
     def cardinality(self) -> int:
         return self.inputs[0].cardinality()
 
-    def next_epoch(self) -> int:
-        """The epoch number of a new iterator (every iteration reshuffles by default)."""
-        if not self.reshuffle:
-            return 0
-        with self._lock:
-            epoch = self._iterations
-            self._iterations += 1
-            return epoch
+    def epoch_of(self, ctx: Context) -> list[int]:
+        """What seeds this iterator besides the seed: which iteration and repetition it is."""
+        return [ctx.run.iteration, *ctx.epochs] if self.reshuffle else []
 
     def index_plan(self) -> IndexPlan | None:
         plan = self.inputs[0].index_plan()
@@ -118,7 +100,7 @@ class ShuffleNode(Node):
 
         def make(ctx: Context) -> IndexStream:
             account = ctx.account(self, "shuffle", weight=1)
-            return _ShuffledIndices(self, make_inner(ctx), account)
+            return _ShuffledIndices(self, make_inner(ctx), account, ctx)
 
         return access, make
 
@@ -175,15 +157,16 @@ class _Ring:
 class _ShuffleState:
     """The parts of the state both shuffle paths share: epoch, draws, input start."""
 
-    def __init__(self, node: ShuffleNode, inner_start: dict[str, Any]) -> None:
+    def __init__(self, node: ShuffleNode, ctx: Context, inner_start: dict[str, Any]) -> None:
         self.node = node
-        self.epoch = node.next_epoch()
-        self.draws = _Draws(_epoch_key(node.base_seed, self.epoch))
+        self.seed = node.base_seed
+        self.epoch = node.epoch_of(ctx)
+        self.draws = _Draws(_epoch_key(self.seed, self.epoch))
         self.inner_start = inner_start
 
     def as_dict(self, **extra: Any) -> dict[str, Any]:
         return {
-            "seed": self.node.base_seed,
+            "seed": self.seed,
             "epoch": self.epoch,
             "drawn": self.draws.count,
             "inner_start": self.inner_start,
@@ -193,17 +176,19 @@ class _ShuffleState:
     def restore(self, state: dict[str, Any]) -> int:
         if self.node.seed is not None and int(state["seed"]) != self.node.seed:
             raise CheckpointError("shuffle state was saved with another seed")
-        self.node.base_seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
-        self.draws = _Draws(_epoch_key(self.node.base_seed, self.epoch))
+        self.seed = int(state["seed"])
+        self.epoch = [int(part) for part in state["epoch"]]
+        self.draws = _Draws(_epoch_key(self.seed, self.epoch))
         self.inner_start = state["inner_start"]
         return int(state["drawn"])
 
 
 class _ShuffledIndices(IndexStream):
-    def __init__(self, node: ShuffleNode, inner: IndexStream, account: StageAccount) -> None:
+    def __init__(
+        self, node: ShuffleNode, inner: IndexStream, account: StageAccount, ctx: Context
+    ) -> None:
         self.node, self.inner, self.account = node, inner, account
-        self.shared = _ShuffleState(node, inner.get_state())
+        self.shared = _ShuffleState(node, ctx, inner.get_state())
         self.ring = _Ring(node.buffer_size)
         self.exhausted = False
         self.booked = 0
@@ -289,7 +274,7 @@ class _ShuffleIterator(Iterator):
     ) -> None:
         super().__init__(inner)
         self.node, self.inner, self.ctx, self.account = node, inner, ctx, account
-        self.shared = _ShuffleState(node, inner.get_state())
+        self.shared = _ShuffleState(node, ctx, inner.get_state())
         self.ring = _Ring(node.buffer_size)
         self.exhausted = False
         self.shrunk_to: int | None = None

@@ -1,0 +1,1 @@
+"""Where memory and time go: process memory, per-stage bookings, throughput."""

@@ -1,0 +1,105 @@
+"""Frozen snapshots of a run: process memory, per-stage bookings, open files.
+
+Numbers a user can act on: which stage holds how much of the budget now and
+at its peak, what share it was given, how big its largest element was; and
+the process's anonymous, shared and file-backed memory separately (memmap
+pages are file-backed: the kernel can drop them, so they are not charged).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from headrace.memory.budget import AccountStats, MemoryBudget
+from headrace.options import format_bytes
+
+__all__ = ["ProcessMemory", "RunStats", "open_file_count", "process_memory"]
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """This process's resident memory by kind, in bytes (Linux /proc/self/status)."""
+
+    anonymous: int
+    shared: int
+    file_backed: int
+
+    @property
+    def charged(self) -> int:
+        """What the budget's measured guarantee covers: anonymous + shared memory."""
+        return self.anonymous + self.shared
+
+
+def process_memory() -> ProcessMemory:
+    """Current RssAnon, RssShmem and RssFile of this process."""
+    fields = {"RssAnon:": 0, "RssShmem:": 0, "RssFile:": 0}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                key = line.split(maxsplit=1)[0]
+                if key in fields:
+                    fields[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return ProcessMemory(fields["RssAnon:"], fields["RssShmem:"], fields["RssFile:"])
+
+
+def open_file_count() -> int:
+    """Descriptors this process has open (Linux), or -1 where unknown."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """A snapshot of one iterator: its budget, its stages, the process around it."""
+
+    budget_total: int
+    budget_used: int
+    budget_peak: int
+    stages: tuple[AccountStats, ...]
+    elements: int
+    seconds: float
+    wait_seconds: float
+    memory: ProcessMemory
+    open_files: int
+
+    @classmethod
+    def capture(
+        cls, budget: MemoryBudget, elements: int, seconds: float, wait_seconds: float
+    ) -> RunStats:
+        return cls(
+            budget_total=budget.total,
+            budget_used=budget.used,
+            budget_peak=budget.peak,
+            stages=tuple(account.stats() for account in budget.accounts),
+            elements=elements,
+            seconds=seconds,
+            wait_seconds=wait_seconds,
+            memory=process_memory(),
+            open_files=open_file_count(),
+        )
+
+    def format(self) -> str:
+        """A plain-text table for terminals and logs."""
+        rate = self.elements / self.seconds if self.seconds > 0 else 0.0
+        lines = [
+            f"budget {format_bytes(self.budget_total)}: holding {format_bytes(self.budget_used)},"
+            f" peak {format_bytes(self.budget_peak)}",
+            f"elements {self.elements} in {self.seconds:.2f} s ({rate:,.0f}/s); consumer waited"
+            f" {self.wait_seconds:.2f} s",
+            f"process: anonymous {format_bytes(self.memory.anonymous)}, shared "
+            f"{format_bytes(self.memory.shared)}, file-backed {format_bytes(self.memory.file_backed)}"
+            f"; open files {self.open_files}",
+            f"{'stage':<28}{'share':>12}{'held':>12}{'peak':>12}{'elements':>10}{'largest':>12}",
+        ]
+        for stage in self.stages:
+            lines.append(
+                f"{stage.name:<28}{format_bytes(stage.limit):>12}{format_bytes(stage.held):>12}"
+                f"{format_bytes(stage.peak):>12}{stage.elements:>10}"
+                f"{format_bytes(stage.max_element):>12}"
+            )
+        return "\n".join(lines)
