@@ -9,7 +9,8 @@ most decoders release the GIL; for Python-heavy functions use process
 workers). Work in flight is booked on the stage's share of the budget: a new
 call starts only while the largest element seen so far still fits, so
 ``AUTOTUNE`` means "as many threads as cores, as many calls in flight as the
-budget allows". ``deterministic=True`` (the default) keeps input order;
+budget allows" (each call in flight is booked at the largest output seen so
+far, and only one call runs until the first output is known). ``deterministic=True`` (the default) keeps input order;
 ``False`` hands out whichever result is ready first, and its checkpoints are
 at-least-once (elements finished out of order may be seen again on resume).
 """
@@ -215,6 +216,7 @@ class _ParallelMapIterator(Iterator):
         self.ready: deque[tuple[Any, Reservation, dict[str, Any]]] = deque()
         self.exhausted = False
         self.chunk = 1
+        self.output_estimate = 0  # the largest output so far: what a call in flight will need
         self.state_after_last_input = inner.get_state()
 
     def _submit_more(self) -> None:
@@ -222,8 +224,8 @@ class _ParallelMapIterator(Iterator):
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="headrace-map")
         while (
             not self.exhausted
-            and len(self.calls) < 2 * self.threads
-            and (not self.calls or self.account.has_room())
+            and len(self.calls) < (2 * self.threads if self.output_estimate else 1)
+            and (not self.calls or self.account.has_room(self.output_estimate))
         ):
             elements, reservations, states = self._pull_chunk()
             if elements:
@@ -235,14 +237,18 @@ class _ParallelMapIterator(Iterator):
         reservations: list[Reservation] = []
         states: list[dict[str, Any]] = []
         sizeof, account = self.ctx.sizeof, self.account
-        while len(elements) < self.chunk and (not elements or account.has_room()):
+        while len(elements) < self.chunk and (
+            not elements or account.has_room(self.output_estimate)
+        ):
             try:
                 element, reservation = self.inner.next_reserved()
             except StopIteration:
                 self.exhausted = True
                 break
             elements.append(element)
-            reservations.append(reservation.move_to(account, sizeof(element)))
+            # A call in flight will soon hold its output: book the larger of the two now.
+            booking = max(sizeof(element), self.output_estimate)
+            reservations.append(reservation.move_to(account, booking))
             states.append(self.state_after_last_input)
             self.state_after_last_input = self.inner.get_state()
         return elements, reservations, states
@@ -268,7 +274,9 @@ class _ParallelMapIterator(Iterator):
             self.chunk = max(1, min(_MAX_CHUNK, wanted))
         sizeof, account = self.ctx.sizeof, self.account
         for output, state in zip(outputs, call.states_before, strict=True):
-            self.ready.append((output, account.charge(sizeof(output)), state))
+            size = sizeof(output)
+            self.output_estimate = max(self.output_estimate, size)
+            self.ready.append((output, account.charge(size), state))
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         if not self.ready:

@@ -70,15 +70,18 @@ class _Producer:
                 state = self.inner.get_state()
                 booked = reservation.move_to(self.account, self.ctx.sizeof(element))
                 with self.ready:
+                    if self.stopping:  # stop() may already have emptied the queue
+                        booked.release()
+                        break
                     self.queue.append((element, booked, state))
                     self.ready.notify_all()
-        except StopIteration:
+        except (StopIteration, BudgetClosed):
             pass
-        except BudgetClosed:
-            return
         except BaseException as error:  # re-raised in the consumer
             self.error = error
         with self.ready:
+            # Always mark the end, also when stopped: a stage downstream may be
+            # waiting on this queue from another producer thread.
             self.finished = True
             self.ready.notify_all()
 
@@ -98,8 +101,9 @@ class _Producer:
         self.account.wake()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
-        release_all(reservation for _, reservation, _ in self.queue)
-        self.queue.clear()
+        with self.ready:
+            release_all(reservation for _, reservation, _ in self.queue)
+            self.queue.clear()
 
 
 class _PrefetchIterator(Iterator):

@@ -1,0 +1,178 @@
+"""The byte budget (G1): accounting, shrinking, minimum working sets, no deadlock."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import headrace as hr
+from headrace.memory.sizeof import sizeof
+from headrace.options import parse_bytes
+
+MiB = 1 << 20
+
+
+def megabyte_elements(count: int) -> hr.Dataset:
+    return hr.Dataset.from_generator(
+        lambda: (np.full(MiB, i % 256, np.uint8) for i in range(count)),
+        output_signature=hr.TensorSpec((MiB,), np.uint8),
+    )
+
+
+def drain(ds: hr.Dataset) -> tuple[int, hr.DatasetIterator]:
+    iterator = iter(ds)
+    count = sum(1 for _ in iterator)
+    return count, iterator
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("512MiB", 512 * MiB), ("2 GB", 2_000_000_000), ("1.5GiB", 3 * (1 << 29)), (4096, 4096)],
+)
+def test_parse_bytes(text, expected) -> None:
+    assert parse_bytes(text) == expected
+
+
+def test_sizeof_charges_owners_not_views_of_preexisting_memory() -> None:
+    data = np.zeros((100, 1000))
+    assert sizeof(data) >= data.nbytes
+    assert sizeof(data[3]) >= 8000  # a view held by a buffer costs what it spans
+    assert sizeof(data[3], {id(data)}) < 200  # but nothing when the owner predates the run
+    assert sizeof(12345) == sys.getsizeof(12345)  # ~28 B, not 8
+    assert sizeof({"a": b"xyz", "b": (1.0, "s")}) > sys.getsizeof(b"xyz") + sys.getsizeof("s")
+
+
+def test_shuffle_that_cannot_fit_shrinks_with_one_warning_and_keeps_the_cap() -> None:
+    ds = megabyte_elements(300).shuffle(1_000_000, seed=1).with_options(
+        hr.Options(memory_budget="64MiB")
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        count, iterator = drain(ds)
+    assert count == 300
+    shrink = [w for w in caught if "shuffle" in str(w.message)]
+    assert len(shrink) == 1
+    assert "buffer_size=1000000" in str(shrink[0].message)
+    budget = iterator.context.budget
+    assert budget.peak <= budget.total
+
+
+def test_shrunk_shuffle_order_depends_only_on_data_seed_and_budget() -> None:
+    def order() -> list[int]:
+        ds = megabyte_elements(120).shuffle(1000, seed=7).map(lambda a: int(a[0]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return list(ds.with_options(hr.Options(memory_budget="32MiB")))
+
+    first = order()
+    assert first == order()
+    assert sorted(first) == sorted(i % 256 for i in range(120))
+
+
+def test_stacked_buffers_never_exceed_the_budget() -> None:
+    ds = (
+        megabyte_elements(200)
+        .map(lambda a: a + 1, num_parallel_calls=8)
+        .prefetch(10_000)
+        .shuffle(100_000, seed=0)
+        .prefetch(hr.AUTOTUNE)
+        .with_options(hr.Options(memory_budget="48MiB", warn_on_shrink=False))
+    )
+    count, iterator = drain(ds)
+    assert count == 200
+    budget = iterator.context.budget
+    assert 0 < budget.peak <= budget.total
+    assert budget.used == 0  # everything handed out was released
+    for stage in iterator.stats().stages:
+        assert stage.peak <= stage.limit + stage.max_element
+
+
+def test_minimum_working_set_that_cannot_fit_names_the_stage() -> None:
+    ds = megabyte_elements(50).batch(40).with_options(hr.Options(memory_budget="16MiB"))
+    with pytest.raises(hr.MemoryBudgetError, match="'batch'.*a batch of 40 elements"):
+        list(ds)
+
+
+def test_an_element_larger_than_its_stage_share_is_an_error_not_an_overrun() -> None:
+    ds = megabyte_elements(5).prefetch(2).with_options(hr.Options(memory_budget="1MiB"))
+    with pytest.raises(hr.MemoryBudgetError, match="prefetch"):
+        list(ds)
+
+
+def test_no_configuration_deadlocks() -> None:
+    """Slow consumer, tiny budget, every buffering stage at once: must finish."""
+    result: list[int] = []
+
+    def run() -> None:
+        ds = (
+            megabyte_elements(60)
+            .prefetch(100)
+            .map(lambda a: a[:1000], num_parallel_calls=4)
+            .shuffle(1000, seed=0)
+            .batch(5)
+            .prefetch(100)
+            .unbatch()
+            .prefetch(hr.AUTOTUNE)
+            .with_options(hr.Options(memory_budget="12MiB", warn_on_shrink=False))
+        )
+        result.append(sum(1 for _ in ds))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the pipeline deadlocked"
+    assert result == [60]
+
+
+def test_default_budget_is_half_of_available_memory() -> None:
+    from headrace.iterator import default_budget
+    from headrace.options import available_memory
+
+    assert abs(default_budget().total - available_memory() // 2) < available_memory() // 4
+
+
+MEASURE = """
+import sys, time, warnings
+import numpy as np
+import headrace as hr
+from headrace.cli import _PeakSampler
+warnings.simplefilter("ignore")
+MiB = 1 << 20
+budget = int(sys.argv[1])
+def source():
+    return hr.Dataset.from_generator(
+        lambda: (np.full(MiB, i % 256, np.uint8) for i in range(400)),
+        output_signature=hr.TensorSpec((MiB,), np.uint8))
+pipelines = {
+    "shuffle": source().shuffle(1_000_000, seed=0),
+    "prefetch": source().prefetch(10_000),
+    "parallel_map": hr.Dataset.range(150).map(
+        lambda i: np.full(4 * MiB, i % 256, np.uint8), num_parallel_calls=16),
+    "stacked": source().prefetch(10_000).shuffle(1_000_000, seed=0)
+        .map(lambda a: np.repeat(a, 4), num_parallel_calls=16).prefetch(10_000),
+}
+ds = pipelines[sys.argv[2]].with_options(hr.Options(memory_budget=budget))
+with _PeakSampler(0.002) as sampler:
+    for element in ds:
+        time.sleep(0.002)  # a slow consumer, so every buffer fills
+print(sampler.growth)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline", ["shuffle", "prefetch", "parallel_map", "stacked"])
+def test_measured_memory_growth_stays_within_the_budget(pipeline: str) -> None:
+    import subprocess
+
+    budget = 64 * MiB
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(budget), pipeline],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    growth = int(out.stdout.strip())
+    assert growth <= budget + budget // 10 + 64 * MiB, f"{pipeline}: grew {growth / MiB:.0f} MiB"

@@ -1,0 +1,86 @@
+"""Clean shutdown (G6): close, context managers, abandoned iterators, worker errors."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import headrace as hr
+from headrace.iterator import default_budget
+
+
+def busy_pipeline() -> hr.Dataset:
+    return (
+        hr.Dataset.range(10_000)
+        .map(lambda x: np.full(256, x), num_parallel_calls=2)
+        .prefetch(8)
+        .shuffle(64)
+        .batch(4)
+        .prefetch(hr.AUTOTUNE)
+    )
+
+
+def headrace_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("headrace")]
+
+
+def test_hundreds_of_abandoned_iterators_are_freed(no_thread_leak) -> None:
+    dataset = busy_pipeline()
+    for _ in range(300):
+        iterator = iter(dataset)
+        next(iterator)
+        del iterator  # a `break` out of a loop, or Keras making a new iterator per epoch
+    gc.collect()
+    assert default_budget().used == 0
+
+
+def test_break_out_of_for_loop_frees_everything(no_thread_leak) -> None:
+    for _ in range(20):
+        for batch in busy_pipeline():
+            assert batch.shape == (4, 256)
+            break
+    gc.collect()
+    assert default_budget().used == 0
+
+
+def test_close_stops_threads_at_once() -> None:
+    iterator = iter(busy_pipeline())
+    next(iterator)
+    assert headrace_threads()
+    iterator.close()
+    gc.collect()
+    for _ in range(100):
+        if not [t for t in headrace_threads() if t.is_alive() and "prefetch" in t.name]:
+            break
+        threading.Event().wait(0.01)
+    assert not [t for t in headrace_threads() if "prefetch" in t.name]
+
+
+def test_context_manager_closes() -> None:
+    with iter(hr.Dataset.range(5).prefetch(2)) as iterator:
+        assert int(next(iterator)) == 0
+    with pytest.raises(hr.IteratorClosedError):
+        next(iterator)
+
+
+def test_exception_in_a_prefetch_thread_reaches_the_consumer_with_its_traceback() -> None:
+    def fail(x):
+        if x == 3:
+            raise ValueError("bad element 3")
+        return x
+
+    with pytest.raises(ValueError, match="bad element 3") as info:
+        list(hr.Dataset.range(10).map(fail).prefetch(4))
+    assert any("fail" in str(entry.name) for entry in info.traceback)
+
+
+def test_end_of_sequence_repeats() -> None:
+    iterator = iter(hr.Dataset.range(2).prefetch(1))
+    assert len(list(iterator)) == 2
+    with pytest.raises(StopIteration):
+        next(iterator)
+    with pytest.raises(StopIteration):
+        next(iterator)
