@@ -93,7 +93,7 @@ def test_stacked_buffers_never_exceed_the_budget() -> None:
 
 def test_minimum_working_set_that_cannot_fit_names_the_stage() -> None:
     ds = megabyte_elements(50).batch(40).with_options(hr.Options(memory_budget="16MiB"))
-    with pytest.raises(hr.MemoryBudgetError, match="'batch'.*a batch of 40 elements"):
+    with pytest.raises(hr.MemoryBudgetError, match=r"'batch'.*a batch of 40 elements"):
         list(ds)
 
 

@@ -65,7 +65,9 @@ class MemoryBudget:
         self.accounts: list[StageAccount] = []
         # Budgets drawn from a shared parent (the process-wide default) share its
         # condition, so a release in one pipeline wakes a producer in another.
-        self.changed = parent.changed if parent is not None else threading.Condition()
+        self.changed: threading.Condition = (
+            parent.changed if parent is not None else threading.Condition()
+        )
         self._closed = False
 
     def child(self) -> MemoryBudget:

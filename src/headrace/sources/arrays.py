@@ -228,6 +228,6 @@ def load_npy(path: str | os.PathLike[str]) -> np.ndarray[Any, Any]:
         array = np.load(os.fspath(path), mmap_mode="r", allow_pickle=False)
     except ValueError as error:  # object arrays cannot be memory-mapped
         raise InvalidArgumentError(f"from_npy: cannot memory-map {path}: {error}") from error
-    if array.ndim == 0:
+    if not isinstance(array, np.ndarray) or array.ndim == 0:
         raise InvalidArgumentError(f"from_npy: {path} holds a scalar; nothing to slice")
     return array

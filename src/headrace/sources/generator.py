@@ -12,7 +12,8 @@ generator yields the same sequence every time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator as PyIterator
+from collections.abc import Callable
+from collections.abc import Iterator as PyIterator
 from typing import Any
 
 import numpy as np

@@ -56,7 +56,7 @@ def _stack_leaf(values: list[Any], path: str, stage: str, first_index: int) -> A
         for row, value in enumerate(values):
             _check_same_shape(value, first, row, path, stage, first_index)
         raise
-    
+
 
 def _check_same_shape(
     value: Any, first: Any, row: int, path: str, stage: str, first_index: int
@@ -417,7 +417,8 @@ class _PaddedBatchIterator(_Assembler):
                     f"padded_batch: element {first + row}, component {path} has rank "
                     f"{array.ndim}, expected {len(shape)}"
                 )
-            out[(row, *(slice(0, n) for n in array.shape))] = array
+            region: tuple[Any, ...] = (row, *(slice(0, n) for n in array.shape))
+            out[region] = array
         return out
 
 

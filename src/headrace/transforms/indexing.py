@@ -9,13 +9,14 @@ index-only replay.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from headrace.iterator import Iterator
-from headrace.node import Indices, IndexStream, RandomAccess
+from headrace.node import IndexStream, Indices, RandomAccess
 
 __all__ = [
     "GatherBatchIterator",
@@ -63,7 +64,7 @@ def _concat(blocks: list[Indices]) -> Indices:
         assert isinstance(first, range) and isinstance(last, range)
         if all(
             isinstance(a, range) and isinstance(b, range) and a.stop == b.start
-            for a, b in zip(blocks, blocks[1:])
+            for a, b in itertools.pairwise(blocks)
         ):
             return range(first.start, last.stop)
     return np.concatenate([np.asarray(block, dtype=np.int64) for block in blocks])

@@ -1,0 +1,352 @@
+"""Protobuf wire format for tf.train.Example, in pure Python: encoding, decoding, and the
+column scan that the C extension (``_hrio.parse_example_columns``) mirrors exactly.
+
+Only what Example / SequenceExample need (``tensorflow/core/example/feature.proto``)::
+
+    Example         { Features features = 1; }
+    SequenceExample { Features context = 1; FeatureLists feature_lists = 2; }
+    Features        { map<string, Feature> feature = 1; }   entry: key = 1, value = 2
+    FeatureLists    { map<string, FeatureList> feature_list = 1; }
+    FeatureList     { repeated Feature feature = 1; }
+    Feature         { oneof kind { BytesList bytes_list = 1; FloatList float_list = 2;
+                                   Int64List int64_list = 3; } }
+    BytesList { repeated bytes value = 1; }   FloatList { repeated float value = 1 [packed]; }
+    Int64List { repeated int64 value = 1 [packed]; }
+
+Decoding rules (shared with the C twin, so both give identical results):
+
+* Unknown fields, and known fields with an unexpected wire type, are skipped; wire types
+  3/4 (groups) and 6/7 are malformed.
+* Lists accept both packed and unpacked encodings, concatenated in order.
+* In a Feature, the last ``kind`` field wins; a Feature without one counts as *missing*
+  (as ``tf.io.parse_example`` does).
+* A key repeated in one Features map: the last entry wins and earlier ones are ignored
+  entirely, not even type-checked (as ``tf.io.parse_example``'s fast path does).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+
+__all__ = [
+    "KIND_BYTES",
+    "KIND_FLOAT",
+    "KIND_INT64",
+    "KIND_NAMES",
+    "KIND_NONE",
+    "Malformed",
+    "ParseFailure",
+    "RawColumn",
+    "decode_feature_list_map",
+    "decode_features",
+    "encode_feature",
+    "encode_features",
+    "encode_message_field",
+    "scan_columns",
+]
+
+# Field numbers of Feature's oneof double as kind codes (also in the C extension).
+KIND_NONE = 0
+KIND_BYTES = 1
+KIND_FLOAT = 2
+KIND_INT64 = 3
+KIND_NAMES = {KIND_NONE: "none", KIND_BYTES: "bytes", KIND_FLOAT: "float", KIND_INT64: "int64"}
+
+# ParseFailure codes (also in the C extension).
+FAILURE_MALFORMED = 1
+FAILURE_KIND = 2
+
+_WIRE_VARINT = 0
+_WIRE_FIXED64 = 1
+_WIRE_LEN = 2
+_WIRE_FIXED32 = 5
+_UINT64 = (1 << 64) - 1
+_INT64_SIGN = 1 << 63
+
+
+class ParseFailure(ValueError):
+    """Internal, structured parse failure; :mod:`headrace.io.example` turns it into a
+    :class:`~headrace.errors.ParseError` with a readable message.
+
+    ``args`` = ``(code, record_index, key_index, position, found_kind)``; the C extension
+    raises its own class with the same ``args``.
+    """
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode_varint(value: int) -> bytes:
+    """Protobuf base-128 varint of ``value`` taken as uint64 (negatives use 10 bytes)."""
+    value &= _UINT64
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_message_field(field_number: int, payload: bytes) -> bytes:
+    """A length-delimited field: tag, length, payload."""
+    return encode_varint(field_number << 3 | _WIRE_LEN) + encode_varint(len(payload)) + payload
+
+
+def encode_feature(kind: int, payload: bytes) -> bytes:
+    """A Feature holding one list whose packed/repeated ``payload`` is already encoded.
+
+    An empty list is still written (as an empty sub-message): "present but empty" differs
+    from "missing" for ``parse_example``.
+    """
+    return encode_message_field(kind, payload)
+
+
+def encode_float_payload(raw_little_endian: bytes) -> bytes:
+    return encode_message_field(1, raw_little_endian) if raw_little_endian else b""
+
+
+def encode_int64_payload(values: Sequence[int]) -> bytes:
+    if not values:
+        return b""
+    return encode_message_field(1, b"".join(encode_varint(value) for value in values))
+
+
+def encode_bytes_payload(values: Sequence[bytes]) -> bytes:
+    return b"".join(encode_message_field(1, value) for value in values)
+
+
+def encode_features(encoded_features: dict[str, bytes]) -> bytes:
+    """A Features message; keys sorted, as protobuf's deterministic serialization sorts
+    map keys (TensorFlow's ``SerializeToString(deterministic=True)``)."""
+    entries = []
+    for key in sorted(encoded_features):
+        entry = encode_message_field(1, key.encode("utf-8")) + encode_message_field(
+            2, encoded_features[key]
+        )
+        entries.append(encode_message_field(1, entry))
+    return b"".join(entries)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+class Malformed(Exception):
+    """Raised at the byte position where decoding failed; converted by callers."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(position)
+        self.position = position
+
+
+def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    start = pos
+    result = 0
+    shift = 0
+    while True:
+        if pos >= end or shift >= 70:
+            raise Malformed(start)
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result & _UINT64, pos
+        shift += 7
+
+
+def _fields(buf: bytes, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """Yield ``(field_number, wire_type, value_start, value_end)`` for each field.
+
+    For varints the value range covers the varint bytes; for length-delimited fields it
+    covers the payload. Malformed input raises ``Malformed`` at the field's start.
+    """
+    while pos < end:
+        field_start = pos
+        tag, pos = _read_varint(buf, pos, end)
+        wire_type = tag & 7
+        field_number = tag >> 3
+        if wire_type == _WIRE_VARINT:
+            value_start = pos
+            _, pos = _read_varint(buf, pos, end)
+        elif wire_type == _WIRE_LEN:
+            length, value_start = _read_varint(buf, pos, end)
+            if length > end - value_start:
+                raise Malformed(field_start)
+            pos = value_start + length
+        elif wire_type in (_WIRE_FIXED64, _WIRE_FIXED32):
+            value_start = pos
+            pos += 8 if wire_type == _WIRE_FIXED64 else 4
+            if pos > end:
+                raise Malformed(field_start)
+        else:
+            raise Malformed(field_start)
+        if field_number == 0:
+            raise Malformed(field_start)
+        yield field_number, wire_type, value_start, pos
+
+
+def _map_entries(buf: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+    """Yield ``(key, value_start, value_end)`` of each entry of a Features-like map.
+
+    A missing key is ``b""``; a missing value is an empty range (a Feature with no kind).
+    """
+    for field_number, wire_type, entry_start, entry_end in _fields(buf, start, end):
+        if field_number != 1 or wire_type != _WIRE_LEN:
+            continue
+        key = b""
+        value_start = value_end = entry_end
+        for sub_number, sub_wire, sub_start, sub_end in _fields(buf, entry_start, entry_end):
+            if sub_wire != _WIRE_LEN:
+                continue
+            if sub_number == 1:
+                key = buf[sub_start:sub_end]
+            elif sub_number == 2:
+                value_start, value_end = sub_start, sub_end
+        yield key, value_start, value_end
+
+
+def _example_entries(buf: bytes, map_field: int) -> list[tuple[bytes, int, int]]:
+    """All map entries of every occurrence of message field ``map_field`` (merged, as
+    protobuf merges repeated occurrences of a singular message field)."""
+    entries: list[tuple[bytes, int, int]] = []
+    for field_number, wire_type, start, end in _fields(buf, 0, len(buf)):
+        if field_number == map_field and wire_type == _WIRE_LEN:
+            entries.extend(_map_entries(buf, start, end))
+    return entries
+
+
+def _feature_kind(buf: bytes, start: int, end: int) -> tuple[int, int, int]:
+    """Return ``(kind, list_start, list_end)`` of a Feature (last kind field wins)."""
+    kind, list_start, list_end = KIND_NONE, start, start
+    for field_number, wire_type, sub_start, sub_end in _fields(buf, start, end):
+        if wire_type == _WIRE_LEN and field_number in (KIND_BYTES, KIND_FLOAT, KIND_INT64):
+            kind, list_start, list_end = field_number, sub_start, sub_end
+    return kind, list_start, list_end
+
+
+def _append_list_values(
+    buf: bytes, kind: int, start: int, end: int, out: bytearray | list[bytes]
+) -> int:
+    """Append a list's values to ``out`` (raw little-endian for numbers); return the count."""
+    count = 0
+    for field_number, wire_type, value_start, value_end in _fields(buf, start, end):
+        if field_number != 1:
+            continue
+        if kind == KIND_BYTES:
+            if wire_type == _WIRE_LEN:
+                out.append(buf[value_start:value_end])  # type: ignore[arg-type]
+                count += 1
+        elif kind == KIND_FLOAT:
+            if wire_type == _WIRE_FIXED32 or (
+                wire_type == _WIRE_LEN and (value_end - value_start) % 4 == 0
+            ):
+                out.extend(buf[value_start:value_end])  # type: ignore[arg-type]
+                count += (value_end - value_start) // 4
+            elif wire_type == _WIRE_LEN:
+                raise Malformed(value_start)
+        elif wire_type in (_WIRE_VARINT, _WIRE_LEN):
+            count += _append_varints(buf, value_start, value_end, out)  # type: ignore[arg-type]
+    return count
+
+
+_INT64 = struct.Struct("<q")
+
+
+def _append_varints(buf: bytes, start: int, end: int, out: bytearray) -> int:
+    count = 0
+    pos = start
+    while pos < end:
+        value, pos = _read_varint(buf, pos, end)
+        out.extend(_INT64.pack(value - (1 << 64) if value & _INT64_SIGN else value))
+        count += 1
+    return count
+
+
+# --------------------------------------------------------------------------- columns
+
+RawColumn = tuple[bytearray | list[bytes], bytearray]
+"""``(values, counts)``: values as raw little-endian float32/int64 bytes or a list of
+bytes; counts as little-endian int64 per record, -1 where the feature is missing."""
+
+
+def scan_columns(
+    serialized: Sequence[bytes], keys: Sequence[bytes], kinds: Sequence[int]
+) -> list[RawColumn]:
+    """Gather the values of features ``keys`` (expected ``kinds``) across a batch.
+
+    Pure-Python twin of ``_hrio.parse_example_columns``. Raises :class:`ParseFailure`.
+    """
+    key_index = {key: index for index, key in enumerate(keys)}
+    columns: list[RawColumn] = [
+        ([] if kind == KIND_BYTES else bytearray(), bytearray()) for kind in kinds
+    ]
+    for record_index, record in enumerate(serialized):
+        try:
+            found = _scan_record(bytes(record), key_index, kinds, columns, record_index)
+        except Malformed as malformed:
+            raise ParseFailure(
+                FAILURE_MALFORMED, record_index, -1, malformed.position, KIND_NONE
+            ) from None
+        for index, count in enumerate(found):
+            columns[index][1].extend(_INT64.pack(count))
+    return columns
+
+
+def _scan_record(
+    record: bytes,
+    key_index: dict[bytes, int],
+    kinds: Sequence[int],
+    columns: list[RawColumn],
+    record_index: int,
+) -> list[int]:
+    counts = [-1] * len(kinds)
+    entries = _example_entries(record, 1)
+    for key, value_start, value_end in reversed(entries):
+        index = key_index.get(key)
+        if index is None or counts[index] != -1:
+            continue
+        kind, list_start, list_end = _feature_kind(record, value_start, value_end)
+        if kind == KIND_NONE:
+            continue
+        if kind != kinds[index]:
+            raise ParseFailure(FAILURE_KIND, record_index, index, value_start, kind)
+        counts[index] = _append_list_values(record, kind, list_start, list_end, columns[index][0])
+    return counts
+
+
+# --------------------------------------------------------------------------- inspection
+
+DecodedFeature = tuple[int, bytearray | list[bytes]]
+
+
+def _decode_feature(buf: bytes, start: int, end: int) -> DecodedFeature:
+    kind, list_start, list_end = _feature_kind(buf, start, end)
+    values: bytearray | list[bytes] = [] if kind == KIND_BYTES else bytearray()
+    if kind != KIND_NONE:
+        _append_list_values(buf, kind, list_start, list_end, values)
+    return kind, values
+
+
+def decode_features(buf: bytes, map_field: int = 1) -> dict[bytes, DecodedFeature]:
+    """Decode every feature of an Example (or a SequenceExample's context, field 1).
+
+    Raises ``Malformed`` (caught by the public wrapper)."""
+    decoded: dict[bytes, DecodedFeature] = {}
+    for key, start, end in _example_entries(buf, map_field):
+        decoded.pop(key, None)  # last entry wins, and takes its place in the order
+        decoded[key] = _decode_feature(buf, start, end)
+    return decoded
+
+
+def decode_feature_list_map(buf: bytes) -> dict[bytes, list[DecodedFeature]]:
+    """Decode a SequenceExample's feature_lists (field 2): key -> list of Features."""
+    decoded: dict[bytes, list[DecodedFeature]] = {}
+    for key, start, end in _example_entries(buf, 2):
+        features = [
+            _decode_feature(buf, sub_start, sub_end)
+            for number, wire, sub_start, sub_end in _fields(buf, start, end)
+            if number == 1 and wire == _WIRE_LEN
+        ]
+        decoded.pop(key, None)
+        decoded[key] = features
+    return decoded

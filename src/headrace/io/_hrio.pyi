@@ -1,0 +1,21 @@
+"""Type stub of the optional C extension built from ``_ext/hrio.c``."""
+
+from collections.abc import Sequence
+
+class ParseFailure(ValueError):
+    """args = (code, record_index, key_index, position, found_kind)."""
+
+def crc32c(data: bytes | bytearray | memoryview, crc: int = 0, /) -> int: ...
+def scan_records(
+    buf: bytes,
+    pos: int,
+    max_records: int,
+    max_bytes: int,
+    verify_crc: bool,
+    max_record_bytes: int,
+    /,
+) -> tuple[list[bytes], int, int, int]: ...
+def frame_records(records: list[bytes], /) -> bytes: ...
+def parse_example_columns(
+    serialized: Sequence[bytes], keys: Sequence[bytes], kinds: Sequence[int], /
+) -> list[tuple[bytearray | list[bytes], bytearray]]: ...

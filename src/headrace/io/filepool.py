@@ -1,0 +1,624 @@
+"""A process-wide pool of file descriptors with a hard cap (guarantee G2).
+
+Why: tf.data opens one descriptor per file it reads at once (``3 * cycle_length`` under a
+parallel interleave), and thousands of shards end in "Too many open files". Here every
+stream headrace reads goes through a :class:`FilePool`, which never has more than
+``max_open_files`` descriptors open, counting all threads and all pipelines. When a stream
+needs a descriptor and the pool is full, the pool *suspends* the least-recently-used idle
+stream (see :mod:`headrace.io.streams`), which resumes later at the same byte; if every
+descriptor is in the middle of a read, the caller waits on a condition variable until one
+is released.
+
+Pieces:
+
+* :class:`FilePool` — ``open(path, compression_type, *, limiter=, memory_account=)``
+  returns a :class:`PooledStream` (``read``/``tell``/``seek``/``close``, a context manager).
+* :meth:`FilePool.limiter` — a pipeline's share (``Options(max_open_files=...)``): streams
+  opened with it count against the limiter's cap *and* the pool's, so a pipeline can only
+  lower its share, never raise the process cap.
+* :class:`MemoryAccount` — where suspended compressed streams charge the state they keep
+  (zlib window, unread output), so the memory budget sees it.
+* :func:`get_default_pool` / :func:`set_max_open_files` — the process-wide pool, capped by
+  default at a quarter of the soft ``RLIMIT_NOFILE``, leaving the rest to the user's code.
+
+Locking (G1's fixed order, *budget first, then file pool*): the pool never waits for the
+budget. It calls ``MemoryAccount.charge``/``discharge`` while holding its own lock — so a
+charge and its discharge are never seen out of order — and requires them to be quick,
+non-blocking and never to call back into a pool. Handles never hold the pool's lock while
+reading: a read marks its stream *busy* under the lock, reads without it, then releases.
+
+Garbage collection (G6): a :class:`PooledStream` dropped without ``close()`` releases its
+descriptor through ``weakref.finalize``. The pool's bookkeeping references only the
+internal ``_Entry`` records, never the handles, so it cannot keep an abandoned handle alive.
+Finalizers can run inside any allocation, including while this thread holds the pool's
+lock, so they never block on it: they queue the entry, and whoever releases the lock next
+closes it (see :meth:`FilePool._close_abandoned_entries`).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol
+
+from headrace.errors import FileLimitError, InvalidArgumentError
+from headrace.io.streams import DEFAULT_BUFFER_SIZE, SuspendableStream, make_stream
+
+__all__ = [
+    "FileLimiter",
+    "FilePool",
+    "FilePoolStats",
+    "MemoryAccount",
+    "PooledStream",
+    "default_max_open_files",
+    "get_default_pool",
+    "set_max_open_files",
+]
+
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
+_UNLIMITED_NOFILE_FALLBACK = 4096
+"""Soft limit assumed when RLIMIT_NOFILE is unlimited or unknown: descriptors still cost
+kernel memory, so the default cap stays finite (a quarter of this)."""
+
+
+class MemoryAccount(Protocol):
+    """Where the pool charges the bytes a suspended stream keeps (a pipeline's budget).
+
+    The bytes already exist when they are charged (the state was live while the stream
+    was open), so an account records them and cannot refuse them. Both methods are called
+    with the pool's lock held: they must not block and must not call into a file pool.
+    """
+
+    def charge(self, nbytes: int) -> None: ...
+
+    def discharge(self, nbytes: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class FilePoolStats:
+    """A snapshot of a pool's counters, for the profiler."""
+
+    max_open_files: int
+    open_files: int
+    """Descriptors the pool has open (or is opening) right now."""
+    peak_open_files: int
+    streams: int
+    """Streams opened and not yet closed, with or without a descriptor."""
+    suspensions: int
+    resumptions: int
+    suspended_nbytes: int
+    """Bytes kept by suspended streams (decompressor state and unread output)."""
+
+
+def _check_max_open_files(max_open_files: int) -> int:
+    if (
+        isinstance(max_open_files, bool)
+        or not isinstance(max_open_files, int)
+        or max_open_files < 1
+    ):
+        raise InvalidArgumentError(f"max_open_files must be an int >= 1, got {max_open_files!r}")
+    return max_open_files
+
+
+class FileLimiter:
+    """A pipeline's share of a :class:`FilePool`; create it with :meth:`FilePool.limiter`.
+
+    Its cap can only lower the pool's: a stream opened with a limiter needs a free slot in
+    both. When the limiter is full, the pool suspends the least-recently-used idle stream
+    *of this limiter*, so one pipeline never takes descriptors from another to exceed its
+    own share.
+    """
+
+    def __init__(self, pool: FilePool, max_open_files: int) -> None:
+        self._pool = pool
+        self._max_open_files = _check_max_open_files(max_open_files)
+        # Guarded by the pool's lock:
+        self._open_files = 0
+        self._idle: collections.OrderedDict[_Entry, None] = collections.OrderedDict()
+
+    @property
+    def pool(self) -> FilePool:
+        return self._pool
+
+    @property
+    def max_open_files(self) -> int:
+        return self._max_open_files
+
+    @property
+    def open_files(self) -> int:
+        """Descriptors this limiter's streams hold right now."""
+        return self._open_files
+
+    def _is_full(self) -> bool:
+        return self._open_files >= self._max_open_files
+
+
+class _Entry:
+    """The pool's record of one stream. Holds the stream, never the handle (see module doc)."""
+
+    __slots__ = ("account", "busy", "closed", "ever_opened", "limiter", "saved_nbytes", "stream")
+
+    def __init__(
+        self,
+        stream: SuspendableStream,
+        limiter: FileLimiter | None,
+        account: MemoryAccount | None,
+    ) -> None:
+        self.stream = stream
+        self.limiter = limiter
+        self.account = account
+        self.busy = False  # a thread is using the stream; it must not be suspended
+        self.closed = False
+        self.ever_opened = False  # the first open is not a "resumption"
+        self.saved_nbytes = 0  # suspended state charged to ``account``
+
+
+class _LockThenSweep:
+    """``with pool._locked:`` — the pool's lock, closing streams abandoned meanwhile once it
+    is released. A class rather than a generator: it wraps every read."""
+
+    __slots__ = ("_lock", "_sweep")
+
+    def __init__(self, lock: threading.Lock, sweep: Callable[[], None]) -> None:
+        self._lock = lock
+        self._sweep = sweep
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._lock.release()
+        self._sweep()
+
+
+class FilePool:
+    """Descriptors for many streams, never more than ``max_open_files`` open at once.
+
+    Thread-safe. Most code uses the process-wide pool from :func:`get_default_pool`;
+    separate pools are for tests and for callers that want an isolated cap.
+    """
+
+    def __init__(self, max_open_files: int) -> None:
+        self._max_open_files = _check_max_open_files(max_open_files)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a slot freed or a stream idled
+        self._waiters = 0
+        self._idle: collections.OrderedDict[_Entry, None] = collections.OrderedDict()  # LRU
+        self._abandoned: collections.deque[_Entry] = collections.deque()
+        self._locked = _LockThenSweep(self._lock, self._close_abandoned_entries)
+        self._open_files = 0
+        self._peak_open_files = 0
+        self._streams = 0
+        self._suspensions = 0
+        self._resumptions = 0
+        self._suspended_nbytes = 0
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def max_open_files(self) -> int:
+        return self._max_open_files
+
+    def set_max_open_files(self, max_open_files: int) -> None:
+        """Change the cap; safe at any time, also with streams open.
+
+        Lowering it suspends idle streams at once and waits until streams busy in a read
+        have finished it and been suspended, so when this returns the new cap holds.
+        Must not be called from a thread that is itself inside a pooled read.
+        """
+        _check_max_open_files(max_open_files)
+        with self._locked:
+            self._max_open_files = max_open_files
+            self._suspend_idle_over_cap()
+            self._notify_change()
+            while self._open_files > self._max_open_files:
+                self._wait_for_change()
+
+    def limiter(self, max_open_files: int) -> FileLimiter:
+        """A share of this pool capped at ``max_open_files`` (for one pipeline)."""
+        return FileLimiter(self, max_open_files)
+
+    def open(
+        self,
+        path: str | os.PathLike[str],
+        compression_type: str | None = None,
+        *,
+        limiter: FileLimiter | None = None,
+        memory_account: MemoryAccount | None = None,
+        buffer_size: int = DEFAULT_BUFFER_SIZE,
+    ) -> PooledStream:
+        """Open ``path`` for reading its decompressed bytes through this pool.
+
+        The file is opened at once, so a missing file or a process out of descriptors
+        fails here (``FileNotFoundError``, :class:`~headrace.errors.FileLimitError`)
+        rather than at the first read. Blocks while every slot is busy in a read.
+        """
+        if limiter is not None and limiter.pool is not self:
+            raise InvalidArgumentError("the limiter belongs to a different FilePool")
+        entry = _Entry(
+            make_stream(path, compression_type, buffer_size=buffer_size), limiter, memory_account
+        )
+        with self._locked:
+            self._streams += 1
+        try:
+            self._check_out(entry, open_descriptor=True)
+        except BaseException:
+            self._close_entry(entry)
+            raise
+        self._check_in(entry)
+        return PooledStream(self, entry)
+
+    def stats(self) -> FilePoolStats:
+        with self._locked:
+            return FilePoolStats(
+                max_open_files=self._max_open_files,
+                open_files=self._open_files,
+                peak_open_files=self._peak_open_files,
+                streams=self._streams,
+                suspensions=self._suspensions,
+                resumptions=self._resumptions,
+                suspended_nbytes=self._suspended_nbytes,
+            )
+
+    # ------------------------------------------------------------------ check out / in
+    def _check_out(self, entry: _Entry, *, open_descriptor: bool) -> None:
+        """Mark ``entry`` busy (waiting while another thread uses it) and, if asked,
+        make sure it holds a descriptor. Pair with :meth:`_check_in`."""
+        with self._locked:
+            while entry.busy:
+                self._wait_for_change()
+            if entry.closed:
+                raise ValueError(f"I/O operation on closed stream of {entry.stream.path!r}")
+            entry.busy = True
+            self._forget_idle(entry)
+            if not open_descriptor or entry.stream.holds_descriptor:
+                return
+            try:
+                self._reserve_slot(entry.limiter)
+            except BaseException:
+                self._mark_not_busy(entry)
+                raise
+        try:
+            self._resume(entry)
+        except BaseException:
+            entry.stream.suspend()  # in case only the bookkeeping after the open failed
+            with self._locked:
+                self._release_slot(entry.limiter)
+                self._mark_not_busy(entry)
+            raise
+
+    def _check_in(self, entry: _Entry) -> None:
+        with self._locked:
+            self._mark_not_busy(entry)
+            if entry.stream.holds_descriptor:
+                self._mark_idle(entry)
+                self._suspend_idle_over_cap()
+
+    def _mark_not_busy(self, entry: _Entry) -> None:
+        entry.busy = False
+        self._notify_change()
+
+    # ------------------------------------------------------------------ slots
+    def _reserve_slot(self, limiter: FileLimiter | None) -> None:
+        """Count one more descriptor, suspending LRU idle streams or waiting for a slot."""
+        while self._is_full(limiter):
+            victim = self._choose_victim(limiter)
+            if victim is None:
+                self._wait_for_change()
+            else:
+                self._suspend(victim)
+        self._open_files += 1
+        self._peak_open_files = max(self._peak_open_files, self._open_files)
+        if limiter is not None:
+            limiter._open_files += 1
+
+    def _release_slot(self, limiter: FileLimiter | None) -> None:
+        self._open_files -= 1
+        if limiter is not None:
+            limiter._open_files -= 1
+        self._notify_change()
+
+    def _is_full(self, limiter: FileLimiter | None) -> bool:
+        return self._open_files >= self._max_open_files or (
+            limiter is not None and limiter._is_full()
+        )
+
+    def _choose_victim(self, limiter: FileLimiter | None) -> _Entry | None:
+        """The LRU idle stream whose suspension frees a slot this caller can use: the
+        limiter's own when the limiter is the bottleneck, else anyone's."""
+        idle = limiter._idle if limiter is not None and limiter._is_full() else self._idle
+        return next(iter(idle), None)
+
+    def _suspend_idle_over_cap(self) -> None:
+        """After the cap was lowered, get back under it as far as idle streams allow (busy
+        ones come back here when their read ends). Limiters' caps never change."""
+        while self._open_files > self._max_open_files and self._idle:
+            self._suspend(next(iter(self._idle)))
+
+    # ------------------------------------------------------------------ suspend / resume
+    def _suspend(self, entry: _Entry) -> None:
+        """Close an idle stream's descriptor and charge the state it keeps."""
+        self._forget_idle(entry)
+        try:
+            entry.stream.suspend()
+        finally:  # the descriptor is gone even if close() reported an error
+            self._release_slot(entry.limiter)
+        self._suspensions += 1
+        self._set_saved_nbytes(entry, entry.stream.suspended_nbytes)
+
+    def _resume(self, entry: _Entry) -> None:
+        """Reopen a busy entry's stream in its reserved slot, outside the lock (an open on a
+        network file system can be slow). If the process, not the pool, is out of
+        descriptors, give back the pool's own idle ones until the open succeeds."""
+        while True:
+            try:
+                entry.stream.resume()
+                break
+            except OSError as error:
+                if error.errno not in _OUT_OF_DESCRIPTORS:
+                    raise
+                with self._locked:
+                    if not self._idle:
+                        raise self._file_limit_error(entry.stream.path, error) from error
+                    self._suspend(next(iter(self._idle)))
+        with self._locked:
+            if entry.ever_opened:
+                self._resumptions += 1
+            entry.ever_opened = True
+            self._set_saved_nbytes(entry, 0)
+
+    def _set_saved_nbytes(self, entry: _Entry, nbytes: int) -> None:
+        """Move ``entry``'s charge to ``nbytes``: charge on suspend, discharge on resume/close."""
+        previous, entry.saved_nbytes = entry.saved_nbytes, nbytes
+        self._suspended_nbytes += nbytes - previous
+        if entry.account is not None:
+            if previous:
+                entry.account.discharge(previous)
+            if nbytes:
+                entry.account.charge(nbytes)
+
+    def _file_limit_error(self, path: str, error: OSError) -> FileLimitError:
+        soft, hard = _nofile_limits()
+        held_by_pool = self._open_files - 1  # minus the slot reserved for this very open
+        if error.errno == errno.ENFILE:
+            reason = "the system-wide table of open files is full (ENFILE, fs.file-max)"
+        else:
+            in_use = _count_process_descriptors()
+            if in_use is None:  # listing them needs a descriptor too
+                reason = (
+                    f"the process has all {soft} descriptors its soft RLIMIT_NOFILE allows open"
+                )
+            else:
+                reason = f"the process has {in_use} descriptors open, soft RLIMIT_NOFILE {soft}"
+        message = (
+            f"cannot open {path!r}: {reason} (hard limit {hard}). headrace's file pool holds "
+            f"{held_by_pool} of them (cap max_open_files={self._max_open_files}) and none "
+            f"is idle, so it cannot give one back; the rest are used elsewhere in the process. "
+            f"Fix: raise the limit (`ulimit -n <n>` before starting Python, up to the hard "
+            f"limit, or resource.setrlimit(resource.RLIMIT_NOFILE, ...)), or lower "
+            f"headrace's cap (headrace.io.filepool.set_max_open_files(n) or "
+            f"Options(max_open_files=n)) so the rest of the process keeps enough."
+        )
+        return FileLimitError(error.errno, message)  # no filename: the message names it
+
+    # ------------------------------------------------------------------ closing
+    def _close_entry(self, entry: _Entry) -> None:
+        """Close on request: wait for a read of this stream in another thread to finish."""
+        with self._locked:
+            while entry.busy:
+                self._wait_for_change()
+            self._close_entry_locked(entry)
+
+    def _suspend_on_request(self, entry: _Entry) -> None:
+        with self._locked:
+            while entry.busy:
+                self._wait_for_change()
+            if not entry.closed and entry.stream.holds_descriptor:
+                self._suspend(entry)
+
+    def _close_abandoned(self, entry: _Entry) -> None:
+        """``weakref.finalize`` callback of a handle collected without ``close()``.
+
+        May run in any thread, inside any allocation — also while this very thread holds
+        the lock — so it must not wait for the lock: it queues the entry and closes the
+        queue only if the lock is free; otherwise the holder closes it on release.
+        """
+        self._abandoned.append(entry)
+        self._close_abandoned_entries()
+
+    def _close_abandoned_entries(self) -> None:
+        # Queue first, try-lock second (in the finalizer); release first, check the queue
+        # second (in every lock holder): between them, no queued entry is ever missed.
+        while self._abandoned and self._lock.acquire(blocking=False):
+            try:
+                while self._abandoned:
+                    self._close_entry_locked(self._abandoned.popleft())
+            finally:
+                self._lock.release()
+
+    def _close_entry_locked(self, entry: _Entry) -> None:
+        if entry.closed:
+            return
+        entry.closed = True
+        self._streams -= 1
+        self._forget_idle(entry)
+        held_descriptor = entry.stream.holds_descriptor
+        try:
+            entry.stream.close()
+        finally:
+            if held_descriptor:
+                self._release_slot(entry.limiter)
+            self._set_saved_nbytes(entry, 0)
+            self._notify_change()
+
+    # ------------------------------------------------------------------ waiting
+    def _wait_for_change(self) -> None:
+        """Wait (lock held) until a slot frees, a stream idles or a cap changes."""
+        self._waiters += 1
+        try:
+            self._changed.wait()
+        finally:
+            self._waiters -= 1
+
+    def _notify_change(self) -> None:
+        # Skipping notify_all without waiters keeps the check-in after every read cheap.
+        if self._waiters:
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------------ LRU bookkeeping
+    def _mark_idle(self, entry: _Entry) -> None:
+        self._idle[entry] = None
+        if entry.limiter is not None:
+            entry.limiter._idle[entry] = None
+
+    def _forget_idle(self, entry: _Entry) -> None:
+        self._idle.pop(entry, None)
+        if entry.limiter is not None:
+            entry.limiter._idle.pop(entry, None)
+
+
+class PooledStream:
+    """A stream whose descriptor the pool may take back between calls.
+
+    Reads, ``tell`` and ``seek`` behave exactly as on :class:`~headrace.io.streams.SuspendableStream`;
+    suspension and resumption are invisible except in the pool's stats. Use one handle
+    from one thread at a time (concurrent calls on the same handle are serialized).
+    """
+
+    def __init__(self, pool: FilePool, entry: _Entry) -> None:
+        self._pool = pool
+        self._entry = entry
+        self._finalizer = weakref.finalize(self, pool._close_abandoned, entry)
+
+    @property
+    def path(self) -> str:
+        return self._entry.stream.path
+
+    @property
+    def compression_type(self) -> str:
+        return self._entry.stream.compression_type
+
+    @property
+    def closed(self) -> bool:
+        return self._entry.closed
+
+    @property
+    def holds_descriptor(self) -> bool:
+        """Whether the stream has a descriptor open now (False while suspended)."""
+        return self._entry.stream.holds_descriptor
+
+    def read(self, size: int = -1, /) -> bytes:
+        """The next ``size`` decompressed bytes; fewer only at the end of the stream."""
+        pool, entry = self._pool, self._entry
+        pool._check_out(entry, open_descriptor=True)
+        try:
+            return entry.stream.read(size)
+        finally:
+            pool._check_in(entry)
+
+    def tell(self) -> int:
+        """Decompressed bytes read so far; needs no descriptor."""
+        pool, entry = self._pool, self._entry
+        pool._check_out(entry, open_descriptor=False)
+        try:
+            return entry.stream.tell()
+        finally:
+            pool._check_in(entry)
+
+    def seek(self, offset: int, /) -> int:
+        """Move to decompressed byte ``offset``; compressed streams decompress to get there."""
+        pool, entry = self._pool, self._entry
+        pool._check_out(entry, open_descriptor=True)
+        try:
+            return entry.stream.seek(offset)
+        finally:
+            pool._check_in(entry)
+
+    def suspend(self) -> None:
+        """Give the descriptor back now, e.g. when this stream will not be read for a while."""
+        self._pool._suspend_on_request(self._entry)
+
+    def close(self) -> None:
+        """Free the descriptor and any charged bytes. Idempotent."""
+        if self._finalizer.detach() is not None:
+            self._pool._close_entry(self._entry)
+
+    def __enter__(self) -> PooledStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------- process-wide pool
+
+_default_pool: FilePool | None = None
+_default_pool_lock = threading.Lock()
+
+
+def _nofile_limits() -> tuple[int | str, int | str]:
+    """The soft and hard RLIMIT_NOFILE, as ints or ``"unlimited"``/``"unknown"``."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return "unknown", "unknown"
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, hard = ("unlimited" if value == resource.RLIM_INFINITY else value for value in limits)
+    return soft, hard
+
+
+def _count_process_descriptors() -> int | None:
+    """Descriptors the process has open, or None if it cannot tell (listing
+    ``/proc/self/fd`` needs a descriptor itself, which may be exactly what is missing)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # minus the one listing the directory
+    except OSError:
+        return None
+
+
+def default_max_open_files() -> int:
+    """A quarter of the soft RLIMIT_NOFILE (at least 1): headrace takes a bounded share and
+    leaves the rest to the user's code, sockets, and libraries."""
+    soft, _ = _nofile_limits()
+    return max(1, (soft if isinstance(soft, int) else _UNLIMITED_NOFILE_FALLBACK) // 4)
+
+
+def get_default_pool() -> FilePool:
+    """The process-wide pool every pipeline shares unless given another one."""
+    global _default_pool
+    with _default_pool_lock:
+        if _default_pool is None:
+            _default_pool = FilePool(default_max_open_files())
+        return _default_pool
+
+
+def set_max_open_files(max_open_files: int) -> None:
+    """Set the process-wide cap on descriptors headrace opens.
+
+    May be called at any time: best at start-up, before pipelines run. Called with streams
+    open it suspends idle ones at once and waits for busy reads to finish, so when it
+    returns the new cap holds. Not from inside a pooled read (it would wait for itself).
+    """
+    global _default_pool
+    _check_max_open_files(max_open_files)
+    with _default_pool_lock:
+        if _default_pool is None:
+            _default_pool = FilePool(max_open_files)
+            return
+        pool = _default_pool
+    pool.set_max_open_files(max_open_files)

@@ -1,0 +1,744 @@
+"""TFRecord framing: a batched, resumable, bounds-checked reader and an atomic writer.
+
+A TFRecord file (``tensorflow/core/lib/io/record_writer.h``) is a sequence of::
+
+    uint64 length (little-endian) | uint32 masked_crc32c(length bytes) | data | uint32 masked_crc32c(data)
+
+Compression (``"GZIP"`` / ``"ZLIB"``) applies to the *whole file stream*, as in TensorFlow,
+so offsets in compressed files count decompressed bytes and such files resume by
+re-reading and skipping.
+
+Why batched: per-record Python overhead is what makes record-at-a-time readers slow, so
+:meth:`TFRecordReader.read_batch` scans the framing of many records per call inside one
+256 KiB buffer (TensorFlow's default), in C when the extension is built.
+
+What can go wrong is never silent (design guarantee G5): a bad CRC or a truncated record
+raises :class:`~headrace.errors.DataLossError` naming the file and byte offset; a declared
+length above ``max_record_bytes`` raises :class:`~headrace.errors.RecordTooLargeError`
+before anything is allocated for it; ``skip_corrupt=True`` skips instead, and counts.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import secrets
+import struct
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from types import TracebackType
+from typing import IO, Protocol
+
+from headrace.errors import DataLossError, InvalidArgumentError, RecordTooLargeError
+from headrace.io._crc32c import masked_crc32c
+from headrace.io._native import native_module
+
+__all__ = [
+    "DEFAULT_BUFFER_SIZE",
+    "DEFAULT_MAX_RECORD_BYTES",
+    "RECORD_OVERHEAD_BYTES",
+    "SkippedSpan",
+    "TFRecordReader",
+    "TFRecordWriter",
+    "encode_records",
+    "normalize_compression_type",
+    "open_tfrecord",
+    "read_record_at",
+    "write_tfrecord",
+]
+
+#: TensorFlow's ``_DEFAULT_READER_BUFFER_SIZE_BYTES``.
+DEFAULT_BUFFER_SIZE = 256 * 1024
+#: Declared lengths above this are refused before allocation. 1 GiB holds any sane
+#: record (TensorFlow's protos are limited to 2 GiB) yet stops a garbage length of 2**60.
+DEFAULT_MAX_RECORD_BYTES = 1 << 30
+HEADER_BYTES = 12
+FOOTER_BYTES = 4
+#: Bytes of framing around each record's payload.
+RECORD_OVERHEAD_BYTES = HEADER_BYTES + FOOTER_BYTES
+# Reads for one oversized record are issued in pieces of at most this size, so that a
+# corrupt declared length allocates no more than the bytes that really exist.
+_MAX_READ_PIECE = 16 * 1024 * 1024
+
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_HEADER = struct.Struct("<QI")
+
+
+class ScanStatus(IntEnum):
+    """Why :func:`scan_records` stopped; shared with the C implementation."""
+
+    LIMIT = 0  # max_records or max_bytes reached
+    NEED_MORE = 1  # detail = bytes needed from the stop position to finish the next record
+    BAD_LENGTH_CRC = 2
+    BAD_DATA_CRC = 3  # detail = the record's payload length
+    TOO_LARGE = 4  # detail = the declared length
+
+
+ScanResult = tuple[list[bytes], int, int, int]
+
+
+def _scan_records_py(
+    buf: bytes,
+    pos: int,
+    max_records: int,
+    max_bytes: int,
+    verify_crc: bool,
+    max_record_bytes: int,
+) -> ScanResult:
+    """Cut complete records out of ``buf`` from ``pos``; the C twin is ``_hrio.scan_records``.
+
+    Returns ``(records, stop_position, status, detail)``. Records are taken while the batch
+    is empty or the payload total stays within ``max_bytes``.
+    """
+    records: list[bytes] = []
+    total = 0
+    end = len(buf)
+    while len(records) < max_records:
+        if end - pos < HEADER_BYTES:
+            return records, pos, ScanStatus.NEED_MORE, HEADER_BYTES
+        length, length_crc = _HEADER.unpack_from(buf, pos)
+        if verify_crc and masked_crc32c(buf[pos : pos + 8]) != length_crc:
+            return records, pos, ScanStatus.BAD_LENGTH_CRC, 0
+        if length > max_record_bytes:
+            return records, pos, ScanStatus.TOO_LARGE, length
+        if end - pos < RECORD_OVERHEAD_BYTES + length:
+            return records, pos, ScanStatus.NEED_MORE, RECORD_OVERHEAD_BYTES + length
+        if records and total + length > max_bytes:
+            break
+        data = buf[pos + HEADER_BYTES : pos + HEADER_BYTES + length]
+        if verify_crc:
+            (data_crc,) = _U32.unpack_from(buf, pos + HEADER_BYTES + length)
+            if masked_crc32c(data) != data_crc:
+                return records, pos, ScanStatus.BAD_DATA_CRC, length
+        records.append(data)
+        total += length
+        pos += RECORD_OVERHEAD_BYTES + length
+    return records, pos, ScanStatus.LIMIT, 0
+
+
+def scan_records(
+    buf: bytes,
+    pos: int,
+    max_records: int,
+    max_bytes: int,
+    verify_crc: bool,
+    max_record_bytes: int,
+) -> ScanResult:
+    """Scan TFRecord framing in a buffer: C when available, else pure Python (same results)."""
+    native = native_module()
+    if native is not None:
+        result: ScanResult = native.scan_records(
+            buf, pos, max_records, max_bytes, verify_crc, max_record_bytes
+        )
+        return result
+    return _scan_records_py(buf, pos, max_records, max_bytes, verify_crc, max_record_bytes)
+
+
+def _frame_record(record: bytes | bytearray | memoryview) -> bytes:
+    header = _U64.pack(len(record))
+    return b"".join(
+        (header, _U32.pack(masked_crc32c(header)), record, _U32.pack(masked_crc32c(record)))
+    )
+
+
+def encode_records(records: Sequence[bytes]) -> bytes:
+    """Return the TFRecord framing of ``records``, concatenated (what a file would hold)."""
+    native = native_module()
+    if native is not None:
+        framed: bytes = native.frame_records(list(records))
+        return framed
+    return b"".join(_frame_record(record) for record in records)
+
+
+# --------------------------------------------------------------------------- compression
+
+_COMPRESSION_TYPES = {None: "", "": "", "GZIP": "GZIP", "ZLIB": "ZLIB"}
+
+
+def normalize_compression_type(compression_type: str | None) -> str:
+    """Map TensorFlow's ``None | "" | "GZIP" | "ZLIB"`` to ``"" | "GZIP" | "ZLIB"``."""
+    try:
+        return _COMPRESSION_TYPES[compression_type]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"compression_type must be None, '', 'GZIP' or 'ZLIB' (as in TensorFlow), "
+            f"got {compression_type!r}"
+        ) from None
+
+
+class _Readable(Protocol):
+    def read(self, size: int = ..., /) -> bytes: ...
+
+
+class _ZlibReader:
+    """A minimal ``read(n)`` file over a zlib (RFC 1950) stream; stdlib has no zlib file.
+
+    Output per call is bounded by ``n`` (``max_length``), so a decompression bomb cannot
+    allocate more than the caller asked for.
+    """
+
+    def __init__(self, raw: _Readable, chunk_size: int = DEFAULT_BUFFER_SIZE) -> None:
+        self._raw = raw
+        self._chunk_size = chunk_size
+        self._decompressor = zlib.decompressobj()
+        self._pending = b""
+
+    def read(self, size: int = -1, /) -> bytes:
+        if size < 0:
+            size = 1 << 62
+        pieces: list[bytes] = []
+        produced = 0
+        while produced < size and not self._decompressor.eof:
+            if not self._pending:
+                self._pending = self._raw.read(self._chunk_size)
+                if not self._pending:
+                    raise EOFError("zlib stream ended before its end-of-stream marker")
+            piece = self._decompressor.decompress(self._pending, size - produced)
+            self._pending = self._decompressor.unconsumed_tail
+            pieces.append(piece)
+            produced += len(piece)
+        return b"".join(pieces)
+
+    def close(self) -> None:
+        close = getattr(self._raw, "close", None)
+        if close is not None:
+            close()
+
+
+def _decompression_errors() -> tuple[type[BaseException], ...]:
+    return (EOFError, zlib.error, gzip.BadGzipFile)
+
+
+# --------------------------------------------------------------------------- reader
+
+
+@dataclass(frozen=True)
+class SkippedSpan:
+    """Bytes that ``skip_corrupt=True`` dropped: where, how many, and why."""
+
+    offset: int
+    nbytes: int
+    reason: str
+
+
+class TFRecordReader:
+    """Reads TFRecord payloads from a binary stream, many per call.
+
+    ``stream`` gives the *decompressed* record stream through ``read(n)`` and must be
+    positioned at ``start_offset`` (use :func:`open_tfrecord` to open, decompress and
+    seek a path). ``path`` and ``compression_type`` only serve error messages.
+
+    ``next_offset`` is the stream offset of the next unread record: pass it back as
+    ``start_offset`` to resume. When an error interrupts a batch, the records before the
+    bad one are returned first and the error is raised by the next call, so
+    ``next_offset`` then points exactly at the bad record.
+
+    With ``skip_corrupt=True`` (opt-in), a bad data CRC skips that record; a bad length
+    CRC or a truncation skips the rest of the stream (the framing cannot be trusted
+    after it). Each skip is counted in ``skipped_records`` (one per skip event: how many
+    records the rest of a file held is unknowable), ``skipped_bytes`` and ``skipped``.
+    A length above ``max_record_bytes`` always raises: it is a limit, not corruption.
+    """
+
+    def __init__(
+        self,
+        stream: _Readable,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        start_offset: int = 0,
+        compression_type: str | None = None,
+        verify_crc: bool = True,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        skip_corrupt: bool = False,
+        buffer_size: int = DEFAULT_BUFFER_SIZE,
+        close_stream: bool = False,
+    ) -> None:
+        if start_offset < 0:
+            raise InvalidArgumentError(f"start_offset must be >= 0, got {start_offset}")
+        if max_record_bytes < 0:
+            raise InvalidArgumentError(f"max_record_bytes must be >= 0, got {max_record_bytes}")
+        if buffer_size <= 0:
+            raise InvalidArgumentError(f"buffer_size must be > 0, got {buffer_size}")
+        self._stream = stream
+        self.path = os.fspath(path) if path is not None else None
+        self.compression_type = normalize_compression_type(compression_type)
+        self.verify_crc = verify_crc
+        self.max_record_bytes = max_record_bytes
+        self.skip_corrupt = skip_corrupt
+        self.buffer_size = buffer_size
+        self._close_stream = close_stream
+        self._buf = b""
+        self._pos = 0
+        self._buf_offset = start_offset  # stream offset of self._buf[0]
+        self._stream_exhausted = False
+        self._done = False
+        self.skipped: list[SkippedSpan] = []
+
+    # -- public API ---------------------------------------------------------------------
+
+    @property
+    def next_offset(self) -> int:
+        """Offset (in the decompressed stream) of the next record this reader returns."""
+        return self._buf_offset + self._pos
+
+    @property
+    def skipped_records(self) -> int:
+        return len(self.skipped)
+
+    @property
+    def skipped_bytes(self) -> int:
+        return sum(span.nbytes for span in self.skipped)
+
+    def read_batch(self, max_records: int = 1024, max_bytes: int | None = None) -> list[bytes]:
+        """Return up to ``max_records`` payloads; an empty list means end of stream.
+
+        ``max_bytes`` bounds the payload total of the batch (at least one record is
+        returned, however large, up to ``max_record_bytes``).
+        """
+        if max_records <= 0:
+            raise InvalidArgumentError(f"max_records must be > 0, got {max_records}")
+        remaining_bytes = (1 << 62) if max_bytes is None else max_bytes
+        records: list[bytes] = []
+        while not self._done and len(records) < max_records:
+            start = self._pos
+            found, self._pos, status, detail = scan_records(
+                self._buf,
+                start,
+                max_records - len(records),
+                remaining_bytes,
+                self.verify_crc,
+                self.max_record_bytes,
+            )
+            records.extend(found)
+            remaining_bytes -= self._pos - start - RECORD_OVERHEAD_BYTES * len(found)
+            if status == ScanStatus.LIMIT:
+                break
+            if status == ScanStatus.NEED_MORE:
+                if not self._fill(detail):
+                    self._handle_short_stream(records)
+                    break
+            elif records:
+                break  # return what is good now; the next call meets the bad record again
+            else:
+                self._handle_bad_record(ScanStatus(status), detail)
+        return records
+
+    def read_record(self) -> bytes | None:
+        """Return the next payload, or None at the end of the stream."""
+        batch = self.read_batch(1)
+        return batch[0] if batch else None
+
+    def __iter__(self) -> Iterator[bytes]:
+        while batch := self.read_batch():
+            yield from batch
+
+    def close(self) -> None:
+        self._done = True
+        self._buf = b""
+        self._pos = 0
+        if self._close_stream:
+            close = getattr(self._stream, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> TFRecordReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- buffering ------------------------------------------------------------------------
+
+    def _available(self) -> int:
+        return len(self._buf) - self._pos
+
+    def _fill(self, needed: int) -> bool:
+        """Make ``needed`` bytes available from the current position; False at EOF.
+
+        Reads at least ``buffer_size`` at a time, and an oversized record in pieces of at
+        most 16 MiB, so memory grows with bytes that exist, not with a declared length.
+        """
+        if self._available() >= needed:
+            return True
+        pieces = [self._buf[self._pos :]]
+        have = len(pieces[0])
+        self._buf_offset += self._pos
+        self._pos = 0
+        while have < needed and not self._stream_exhausted:
+            want = min(max(self.buffer_size, needed - have), _MAX_READ_PIECE)
+            piece = self._read_stream(want)
+            if not piece:
+                self._stream_exhausted = True
+                break
+            pieces.append(piece)
+            have += len(piece)
+        self._buf = b"".join(pieces) if len(pieces) > 1 else pieces[0]
+        return have >= needed
+
+    def _read_stream(self, size: int) -> bytes:
+        try:
+            return self._stream.read(size)
+        except _decompression_errors() as error:
+            offset = self._buf_offset + len(self._buf)
+            raise DataLossError(
+                f"corrupted {self.compression_type} stream near offset {offset} "
+                f"{self._offset_note()}in file {self._display_path()}: {error}",
+                path=self.path,
+                offset=offset,
+            ) from error
+
+    # -- errors and skipping -----------------------------------------------------------
+
+    def _display_path(self) -> str:
+        return self.path if self.path is not None else "<stream>"
+
+    def _offset_note(self) -> str:
+        if not self.compression_type:
+            return ""
+        return f"(counting decompressed bytes of the {self.compression_type} stream) "
+
+    def _where(self) -> str:
+        return f"at offset {self.next_offset} {self._offset_note()}in file {self._display_path()}"
+
+    def _handle_short_stream(self, records: list[bytes]) -> None:
+        """At EOF: a clean end if nothing is left, else a truncated record."""
+        if self._available() == 0:
+            self._done = True
+        elif records:
+            return  # hand out the good records first; the next call raises
+        elif not self.skip_corrupt:
+            raise DataLossError(
+                f"truncated record {self._where()}", path=self.path, offset=self.next_offset
+            )
+        else:
+            self._skip_rest("truncated record")
+
+    def _handle_bad_record(self, status: ScanStatus, detail: int) -> None:
+        offset = self.next_offset
+        if status == ScanStatus.TOO_LARGE:
+            raise RecordTooLargeError(
+                f"record {self._where()} declares {detail} bytes, above "
+                f"max_record_bytes={self.max_record_bytes}; nothing was allocated "
+                "(raise max_record_bytes if the record is genuine)",
+                path=self.path,
+                offset=offset,
+            )
+        if not self.skip_corrupt:
+            part = "length" if status == ScanStatus.BAD_LENGTH_CRC else "data"
+            raise DataLossError(
+                f"corrupted record {self._where()} (bad {part} checksum)",
+                path=self.path,
+                offset=offset,
+            )
+        if status == ScanStatus.BAD_DATA_CRC:
+            record_bytes = RECORD_OVERHEAD_BYTES + detail
+            self.skipped.append(SkippedSpan(offset, record_bytes, "bad data checksum"))
+            self._pos += record_bytes
+        else:
+            self._skip_rest("bad length checksum")
+
+    def _skip_rest(self, reason: str) -> None:
+        """Drop everything up to EOF, counting it, in bounded reads."""
+        offset = self.next_offset
+        nbytes = self._available()
+        while not self._stream_exhausted:
+            piece = self._read_stream(self.buffer_size)
+            if not piece:
+                self._stream_exhausted = True
+            nbytes += len(piece)
+        self._buf_offset = offset + nbytes
+        self._buf = b""
+        self._pos = 0
+        self._done = True
+        self.skipped.append(SkippedSpan(offset, nbytes, f"{reason}; rest of file skipped"))
+
+
+def _wrap_decompressor(raw: IO[bytes], compression: str) -> _Readable:
+    if compression == "GZIP":
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if compression == "ZLIB":
+        return _ZlibReader(raw)
+    return raw
+
+
+def _skip_forward(stream: _Readable, nbytes: int, path: str) -> None:
+    left = nbytes
+    while left > 0:
+        piece = stream.read(min(left, _MAX_READ_PIECE))
+        if not piece:
+            raise DataLossError(
+                f"cannot resume at offset {nbytes} in file {path}: the decompressed "
+                f"stream ends at offset {nbytes - left}",
+                path=path,
+                offset=nbytes,
+            )
+        left -= len(piece)
+
+
+def _seek_uncompressed(raw: IO[bytes], offset: int, path: str) -> None:
+    size = os.fstat(raw.fileno()).st_size
+    if offset > size:
+        raise DataLossError(
+            f"cannot resume at offset {offset} in file {path}: it has {size} bytes",
+            path=path,
+            offset=offset,
+        )
+    raw.seek(offset)
+
+
+def open_tfrecord(
+    path: str | os.PathLike[str],
+    *,
+    compression_type: str | None = None,
+    offset: int = 0,
+    verify_crc: bool = True,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    skip_corrupt: bool = False,
+    buffer_size: int = DEFAULT_BUFFER_SIZE,
+) -> TFRecordReader:
+    """Open a TFRecord file for reading from ``offset``, decompressing as TensorFlow does.
+
+    Uncompressed files seek to ``offset``; compressed ones decompress and discard up to
+    it (``offset`` counts decompressed bytes), which is why they resume more slowly.
+    The returned reader owns the file: close it (or use ``with``).
+    """
+    compression = normalize_compression_type(compression_type)
+    path_str = os.fspath(path)
+    if offset < 0:
+        raise InvalidArgumentError(f"offset must be >= 0, got {offset}")
+    # Unbuffered: the reader does its own 256 KiB buffering, so no second copy is made.
+    raw = open(path_str, "rb", buffering=0)  # noqa: SIM115 - owned by the reader
+    try:
+        stream = _wrap_decompressor(raw, compression)
+        if compression:
+            _skip_forward(stream, offset, path_str)
+        else:
+            _seek_uncompressed(raw, offset, path_str)
+    except BaseException:
+        raw.close()
+        raise
+    return TFRecordReader(
+        stream,
+        path=path_str,
+        start_offset=offset,
+        compression_type=compression,
+        verify_crc=verify_crc,
+        max_record_bytes=max_record_bytes,
+        skip_corrupt=skip_corrupt,
+        buffer_size=buffer_size,
+        close_stream=True,
+    )
+
+
+def read_record_at(
+    file: IO[bytes],
+    offset: int,
+    *,
+    path: str | None = None,
+    verify_crc: bool = True,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> bytes:
+    """Read the one record that starts at ``offset`` of an uncompressed, seekable file.
+
+    The random-access primitive under index files: two reads, no buffering beyond the
+    record itself.
+    """
+    display = path if path is not None else getattr(file, "name", "<stream>")
+    file.seek(offset)
+    header = file.read(HEADER_BYTES)
+    if len(header) < HEADER_BYTES:
+        raise DataLossError(
+            f"truncated record at offset {offset} in file {display}", path=path, offset=offset
+        )
+    return _read_payload(file, header, offset, str(display), verify_crc, max_record_bytes)
+
+
+def _read_payload(
+    file: IO[bytes],
+    header: bytes,
+    offset: int,
+    display: str,
+    verify_crc: bool,
+    max_record_bytes: int,
+) -> bytes:
+    length, length_crc = _HEADER.unpack(header)
+    if verify_crc and masked_crc32c(header[:8]) != length_crc:
+        raise DataLossError(
+            f"corrupted record at offset {offset} in file {display} (bad length checksum)",
+            path=display,
+            offset=offset,
+        )
+    if length > max_record_bytes:
+        raise RecordTooLargeError(
+            f"record at offset {offset} in file {display} declares {length} bytes, above "
+            f"max_record_bytes={max_record_bytes}",
+            path=display,
+            offset=offset,
+        )
+    body = file.read(length + FOOTER_BYTES)
+    if len(body) < length + FOOTER_BYTES:
+        raise DataLossError(
+            f"truncated record at offset {offset} in file {display}", path=display, offset=offset
+        )
+    data = body[:length]
+    if verify_crc and masked_crc32c(data) != _U32.unpack_from(body, length)[0]:
+        raise DataLossError(
+            f"corrupted record at offset {offset} in file {display} (bad data checksum)",
+            path=display,
+            offset=offset,
+        )
+    return data
+
+
+# --------------------------------------------------------------------------- writer
+
+
+class _ZlibWriter:
+    """``write`` / ``close`` over a zlib (RFC 1950) compressor, as TensorFlow's ZLIB writes."""
+
+    def __init__(self, raw: IO[bytes], level: int) -> None:
+        self._raw = raw
+        self._compressor = zlib.compressobj(level)
+
+    def write(self, data: bytes) -> int:
+        self._raw.write(self._compressor.compress(data))
+        return len(data)
+
+    def close(self) -> None:
+        self._raw.write(self._compressor.flush())
+
+
+class TFRecordWriter:
+    """Writes a TFRecord file atomically: it appears under ``path`` only when complete.
+
+    Records go to a temporary file in the same directory (same file system, so the final
+    rename is atomic); :meth:`close` flushes, fsyncs and renames it to ``path``. An
+    exception inside ``with``, or :meth:`abort`, removes the temporary file and leaves any
+    previous ``path`` untouched, so a crashed write never looks complete (G5).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        compression_type: str | None = None,
+        *,
+        compression_level: int = 6,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.compression_type = normalize_compression_type(compression_type)
+        directory, name = os.path.split(os.path.abspath(self.path))
+        self._temp_path = os.path.join(
+            directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        )
+        descriptor = os.open(self._temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        self._file: IO[bytes] | None = open(descriptor, "wb", buffering=DEFAULT_BUFFER_SIZE)  # noqa: SIM115
+        self._sink: _ZlibWriter | gzip.GzipFile | IO[bytes] = self._file
+        if self.compression_type == "GZIP":
+            self._sink = gzip.GzipFile(
+                filename="", mode="wb", fileobj=self._file, compresslevel=compression_level, mtime=0
+            )
+        elif self.compression_type == "ZLIB":
+            self._sink = _ZlibWriter(self._file, compression_level)
+        self.records_written = 0
+
+    def write(self, record: bytes | bytearray | memoryview) -> None:
+        """Append one record."""
+        self._check_open()
+        self._sink.write(_frame_record(record))
+        self.records_written += 1
+
+    def write_many(self, records: Sequence[bytes]) -> None:
+        """Append many records with one framing pass (in C when available) and one write."""
+        self._check_open()
+        self._sink.write(encode_records(records))
+        self.records_written += len(records)
+
+    def close(self) -> None:
+        """Finish the file and move it to ``path``; a no-op when already closed."""
+        if self._file is None:
+            return
+        try:
+            if self._sink is not self._file:
+                self._sink.close()
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+            os.replace(self._temp_path, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
+
+    def abort(self) -> None:
+        """Discard everything written; ``path`` is not created or changed."""
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
+        if os.path.exists(self._temp_path):
+            os.unlink(self._temp_path)
+
+    def _check_open(self) -> None:
+        if self._file is None:
+            raise InvalidArgumentError(f"TFRecordWriter for {self.path} is closed")
+
+    def __enter__(self) -> TFRecordWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        # Never finished with close(): the file is incomplete, so it must not appear.
+        try:
+            if getattr(self, "_file", None) is not None:
+                self.abort()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename durable; some platforms cannot open directories, which is fine."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def write_tfrecord(
+    path: str | os.PathLike[str],
+    records: Iterable[bytes],
+    compression_type: str | None = None,
+) -> int:
+    """Write ``records`` to ``path`` atomically; return how many were written."""
+    with TFRecordWriter(path, compression_type) as writer:
+        batch: list[bytes] = []
+        for record in records:
+            batch.append(record)
+            if len(batch) == 1024:
+                writer.write_many(batch)
+                batch = []
+        writer.write_many(batch)
+        return writer.records_written

@@ -1,0 +1,270 @@
+"""Index files for uncompressed TFRecord shards: O(1) random access to record ``i``.
+
+An index is the byte offset of every record plus a cheap *fingerprint* of the shard
+(size, mtime_ns, CRC32 of its first and last 4 KiB), stored next to the shard as
+``<shard>.hrx``. The fingerprint is what makes an index safe to trust later: if the shard
+was rewritten, appended to or truncated, :func:`load_index` refuses the index and names
+both files, instead of reading records at wrong offsets (G5).
+
+File layout (all little-endian; 56-byte header, so the offsets are 8-byte aligned and can
+be memory-mapped)::
+
+    8s  magic b"HRTFRIDX"     u32 version (1)        u32 fingerprint window (4096)
+    u64 shard size            i64 shard mtime_ns     u32 CRC32 of the shard's head
+    u32 CRC32 of its tail     u64 record count       u32 CRC32 of the offsets  u32 0
+    u64 offsets[record count]
+
+Compressed shards cannot be indexed: their records cannot be reached without
+decompressing everything before them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from headrace.errors import DataLossError, RecordTooLargeError
+from headrace.io._crc32c import masked_crc32c
+from headrace.io.tfrecord import (
+    DEFAULT_MAX_RECORD_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    read_record_at,
+)
+
+__all__ = [
+    "INDEX_SUFFIX",
+    "StaleIndexError",
+    "TFRecordIndex",
+    "build_index",
+    "index_path_for",
+    "load_index",
+    "load_or_build_index",
+]
+
+INDEX_SUFFIX = ".hrx"
+_MAGIC = b"HRTFRIDX"
+_VERSION = 1
+_WINDOW = 4096
+_HEADER = struct.Struct("<8sIIQqIIQII")
+_LENGTH = struct.Struct("<Q")
+_LENGTH_CRC = struct.Struct("<I")
+
+
+class StaleIndexError(DataLossError):
+    """An index file is missing, unreadable, or no longer matches its shard.
+
+    Rebuild it with :func:`build_index` (or use :func:`load_or_build_index`).
+    """
+
+
+@dataclass(frozen=True)
+class _Fingerprint:
+    size: int
+    mtime_ns: int
+    head_crc: int
+    tail_crc: int
+
+
+def _fingerprint(file: IO[bytes]) -> _Fingerprint:
+    """Size, mtime and CRC32 of the first and last 4 KiB: cheap, and catches rewrites
+    that keep the size (a mtime can be preserved by copying tools; the bytes cannot)."""
+    stat = os.fstat(file.fileno())
+    file.seek(0)
+    head = file.read(_WINDOW)
+    file.seek(max(0, stat.st_size - _WINDOW))
+    tail = file.read(_WINDOW)
+    return _Fingerprint(stat.st_size, stat.st_mtime_ns, zlib.crc32(head), zlib.crc32(tail))
+
+
+def index_path_for(shard_path: str | os.PathLike[str]) -> str:
+    """Where the index of ``shard_path`` lives: next to it, with ``.hrx`` appended."""
+    return os.fspath(shard_path) + INDEX_SUFFIX
+
+
+@dataclass(frozen=True, eq=False)
+class TFRecordIndex:
+    """Offsets of every record of one shard; ``offsets`` is a read-only uint64 array."""
+
+    shard_path: str
+    offsets: npt.NDArray[np.uint64]
+    shard_size: int
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def payload_length(self, record_index: int) -> int:
+        """Payload bytes of record ``record_index``, from the offsets alone."""
+        end = (
+            int(self.offsets[record_index + 1])
+            if record_index + 1 < len(self.offsets)
+            else self.shard_size
+        )
+        return end - int(self.offsets[record_index]) - RECORD_OVERHEAD_BYTES
+
+    def read(self, file: IO[bytes], record_index: int, *, verify_crc: bool = True) -> bytes:
+        """Read record ``record_index`` from ``file`` (the shard, opened in binary mode)."""
+        return read_record_at(
+            file,
+            int(self.offsets[record_index]),
+            path=self.shard_path,
+            verify_crc=verify_crc,
+            max_record_bytes=self.payload_length(record_index),
+        )
+
+
+def _scan_offsets(view: Any, size: int, path: str, max_record_bytes: int) -> npt.NDArray[np.uint64]:
+    """Walk the framing only (headers, skipping payloads), checking each length's CRC."""
+    offsets: list[int] = []
+    position = 0
+    while position < size:
+        if size - position < RECORD_OVERHEAD_BYTES:
+            raise DataLossError(
+                f"truncated record at offset {position} in file {path}", path=path, offset=position
+            )
+        (length,) = _LENGTH.unpack_from(view, position)
+        (length_crc,) = _LENGTH_CRC.unpack_from(view, position + 8)
+        if masked_crc32c(view[position : position + 8]) != length_crc:
+            raise DataLossError(
+                f"corrupted record at offset {position} in file {path} (bad length checksum)",
+                path=path,
+                offset=position,
+            )
+        if length > max_record_bytes:
+            raise RecordTooLargeError(
+                f"record at offset {position} in file {path} declares {length} bytes, above "
+                f"max_record_bytes={max_record_bytes}",
+                path=path,
+                offset=position,
+            )
+        if length > size - position - RECORD_OVERHEAD_BYTES:
+            raise DataLossError(
+                f"truncated record at offset {position} in file {path}", path=path, offset=position
+            )
+        offsets.append(position)
+        position += RECORD_OVERHEAD_BYTES + length
+    return np.asarray(offsets, dtype=np.uint64)
+
+
+def _write_atomically(path: str, chunks: list[bytes]) -> None:
+    temp_path = os.path.join(
+        os.path.dirname(os.path.abspath(path)),
+        f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp",
+    )
+    try:
+        with open(temp_path, "xb") as file:
+            for chunk in chunks:
+                file.write(chunk)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp_path, path)
+    except BaseException:
+        if os.path.exists(temp_path):
+            os.unlink(temp_path)
+        raise
+
+
+def build_index(
+    shard_path: str | os.PathLike[str],
+    *,
+    write: bool = True,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> TFRecordIndex:
+    """Scan an uncompressed shard's framing and return (and by default save) its index.
+
+    Only headers are read and length checksums verified; payload checksums are checked
+    when records are read. Raises DataLossError for truncated or corrupt framing, and
+    StaleIndexError if the shard changes while it is scanned.
+    """
+    path = os.fspath(shard_path)
+    with open(path, "rb") as file:
+        before = _fingerprint(file)
+        if before.size == 0:
+            offsets = np.zeros(0, dtype=np.uint64)
+        else:
+            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                offsets = _scan_offsets(view, before.size, path, max_record_bytes)
+        if _fingerprint(file) != before:
+            raise StaleIndexError(f"file {path} changed while it was being indexed", path=path)
+    offsets_bytes = offsets.astype("<u8").tobytes()
+    if write:
+        header = _HEADER.pack(
+            _MAGIC,
+            _VERSION,
+            _WINDOW,
+            before.size,
+            before.mtime_ns,
+            before.head_crc,
+            before.tail_crc,
+            len(offsets),
+            zlib.crc32(offsets_bytes),
+            0,
+        )
+        _write_atomically(index_path_for(path), [header, offsets_bytes])
+    offsets.flags.writeable = False
+    return TFRecordIndex(path, offsets, before.size)
+
+
+def _stale(message: str, shard_path: str) -> StaleIndexError:
+    return StaleIndexError(
+        f"{message}; rebuild it with headrace.io.tfrecord_index.build_index({shard_path!r})",
+        path=shard_path,
+    )
+
+
+def load_index(
+    shard_path: str | os.PathLike[str], *, index_path: str | os.PathLike[str] | None = None
+) -> TFRecordIndex:
+    """Load the index of ``shard_path``, refusing it if it no longer matches the shard.
+
+    The offsets are memory-mapped, so loading costs O(1) memory however many records
+    the shard holds (their CRC is checked once, reading them sequentially).
+    """
+    path = os.fspath(shard_path)
+    index_file = os.fspath(index_path) if index_path is not None else index_path_for(path)
+    try:
+        with open(index_file, "rb") as file:
+            header = file.read(_HEADER.size)
+            index_size = os.fstat(file.fileno()).st_size
+    except FileNotFoundError:
+        raise _stale(f"no index file {index_file} for {path}", path) from None
+    if len(header) < _HEADER.size:
+        raise _stale(f"index file {index_file} is truncated", path)
+    magic, version, window, size, mtime_ns, head_crc, tail_crc, count, offsets_crc, _ = (
+        _HEADER.unpack(header)
+    )
+    if magic != _MAGIC or version != _VERSION or window != _WINDOW:
+        raise _stale(f"{index_file} is not a version-{_VERSION} headrace index", path)
+    if index_size != _HEADER.size + 8 * count:
+        raise _stale(f"index file {index_file} is truncated or has trailing bytes", path)
+    with open(path, "rb") as shard:
+        current = _fingerprint(shard)
+    if current != _Fingerprint(size, mtime_ns, head_crc, tail_crc):
+        raise _stale(
+            f"index file {index_file} is stale: {path} changed since it was indexed "
+            f"(size {size} -> {current.size}, mtime_ns {mtime_ns} -> {current.mtime_ns})",
+            path,
+        )
+    offsets: npt.NDArray[np.uint64] = (
+        np.memmap(index_file, dtype="<u8", mode="r", offset=_HEADER.size, shape=(count,))
+        if count
+        else np.zeros(0, dtype=np.uint64)
+    )
+    if zlib.crc32(offsets.data) != offsets_crc:
+        raise _stale(f"index file {index_file} is corrupt (offsets checksum)", path)
+    return TFRecordIndex(path, offsets, size)
+
+
+def load_or_build_index(shard_path: str | os.PathLike[str]) -> TFRecordIndex:
+    """Load the shard's index, rebuilding (and saving) it when missing or stale."""
+    try:
+        return load_index(shard_path)
+    except StaleIndexError:
+        return build_index(shard_path)
