@@ -1,0 +1,260 @@
+"""Examples are byte- and value-compatible with TensorFlow's protos and parse_example."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, event, given, settings
+from io_format_strategies import batches_and_specs, examples, headrace_spec
+
+from headrace.errors import HeadraceError
+from headrace.io import example as hx
+
+pytestmark = pytest.mark.tf
+
+TF_DTYPE = {"float_list": tf.float32, "int64_list": tf.int64, "bytes_list": tf.string}
+
+
+def tf_example(features: dict[str, tuple[str, list[Any]]]) -> tf.train.Example:
+    feature = {}
+    for name, (kind, values) in features.items():
+        list_type = {
+            "float_list": tf.train.FloatList,
+            "int64_list": tf.train.Int64List,
+            "bytes_list": tf.train.BytesList,
+        }[kind]
+        feature[name] = tf.train.Feature(**{kind: list_type(value=values)})
+    return tf.train.Example(features=tf.train.Features(feature=feature))
+
+
+def tf_spec(spec_type: str, kind: str, shape: tuple[int, ...], default: Any) -> Any:
+    dtype = TF_DTYPE[kind]
+    if spec_type == "fixed":
+        return tf.io.FixedLenFeature(shape, dtype, default_value=default)
+    if spec_type == "varlen":
+        return tf.io.VarLenFeature(dtype)
+    if spec_type == "sequence":
+        return tf.io.FixedLenSequenceFeature(
+            shape, dtype, allow_missing=True, default_value=default
+        )
+    return tf.io.RaggedFeature(dtype)
+
+
+def assert_same_dense(ours: Any, theirs: tf.Tensor) -> None:
+    expected = theirs.numpy()
+    assert isinstance(ours, np.ndarray)
+    assert ours.shape == expected.shape
+    if theirs.dtype == tf.string:
+        assert ours.dtype == object
+        assert all(type(item) is bytes for item in ours.reshape(-1))
+    else:
+        assert ours.dtype == expected.dtype
+    np.testing.assert_array_equal(ours, expected)
+
+
+def assert_same_output(ours: Any, theirs: Any) -> None:
+    if isinstance(theirs, tf.SparseTensor):
+        indices, values, dense_shape = ours.to_sparse()
+        np.testing.assert_array_equal(indices, theirs.indices.numpy())
+        np.testing.assert_array_equal(dense_shape, theirs.dense_shape.numpy())
+        assert_same_dense(values, theirs.values)
+    elif isinstance(theirs, tf.RaggedTensor):
+        assert ours.row_splits.dtype == theirs.row_splits.dtype.as_numpy_dtype
+        np.testing.assert_array_equal(ours.row_splits, theirs.row_splits.numpy())
+        assert_same_dense(ours.values, theirs.values)
+    else:
+        assert_same_dense(ours, theirs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(examples)
+def test_serialization_is_byte_identical_to_deterministic_tensorflow(
+    features: dict[str, tuple[str, list[Any]]],
+) -> None:
+    expected = tf_example(features).SerializeToString(deterministic=True)
+    assert hx.serialize_example(features) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(examples)
+def test_decodes_tensorflow_default_serialization(
+    features: dict[str, tuple[str, list[Any]]],
+) -> None:
+    decoded = hx.decode_example(tf_example(features).SerializeToString())
+    assert set(decoded) == set(features)
+    for name, (kind, values) in features.items():
+        assert decoded[name][0] == kind
+        expected = np.asarray(values, dtype=np.float32) if kind == "float_list" else values
+        assert decoded[name][1].tolist() == list(expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(examples)
+def test_tensorflow_parses_headrace_examples(features: dict[str, tuple[str, list[Any]]]) -> None:
+    parsed = tf.train.Example.FromString(hx.serialize_example(features))
+    assert parsed == tf_example(features)
+
+
+def test_numpy_and_python_values_match_tensorflow() -> None:
+    features = {
+        "x": np.arange(6, dtype=np.float64).reshape(2, 3),
+        "y": np.int32(-7),
+        "flag": True,
+        "id": "héllo",
+        "raw": [b"a\x00", b""],
+        "mixed": [1, 2.5],
+        "empty": ("bytes_list", []),
+    }
+    expected = tf.train.Example(
+        features=tf.train.Features(
+            feature={
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=range(6))),
+                "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[-7])),
+                "flag": tf.train.Feature(int64_list=tf.train.Int64List(value=[1])),
+                "id": tf.train.Feature(bytes_list=tf.train.BytesList(value=["héllo".encode()])),
+                "raw": tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"a\x00", b""])),
+                "mixed": tf.train.Feature(float_list=tf.train.FloatList(value=[1, 2.5])),
+                "empty": tf.train.Feature(bytes_list=tf.train.BytesList(value=[])),
+            }
+        )
+    )
+    assert hx.serialize_example(features) == expected.SerializeToString(deterministic=True)
+
+
+def test_sequence_example_is_byte_identical() -> None:
+    ours = hx.serialize_sequence_example(
+        context={"label": 3},
+        feature_lists={"tokens": [[1, 2], [3]], "words": [b"a", b"bc"]},
+    )
+    expected = tf.train.SequenceExample(
+        context=tf.train.Features(
+            feature={"label": tf.train.Feature(int64_list=tf.train.Int64List(value=[3]))}
+        ),
+        feature_lists=tf.train.FeatureLists(
+            feature_list={
+                "tokens": tf.train.FeatureList(
+                    feature=[
+                        tf.train.Feature(int64_list=tf.train.Int64List(value=[1, 2])),
+                        tf.train.Feature(int64_list=tf.train.Int64List(value=[3])),
+                    ]
+                ),
+                "words": tf.train.FeatureList(
+                    feature=[
+                        tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"a"])),
+                        tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"bc"])),
+                    ]
+                ),
+            }
+        ),
+    )
+    assert ours == expected.SerializeToString(deterministic=True)
+    context, lists = hx.decode_sequence_example(expected.SerializeToString())
+    assert context["label"][1].tolist() == [3]
+    assert [values.tolist() for _, values in lists["tokens"]] == [[1, 2], [3]]
+
+
+@pytest.mark.usefixtures("implementation")
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(batches_and_specs())
+def test_parse_example_matches_tensorflow(
+    batch_and_specs: tuple[list[dict[str, tuple[str, list[Any]]]], dict[str, Any]],
+) -> None:
+    batch, spec_args = batch_and_specs
+    serialized = [hx.serialize_example(features) for features in batch]
+    try:
+        expected = tf.io.parse_example(
+            serialized, {name: tf_spec(*args) for name, args in spec_args.items()}
+        )
+    except (tf.errors.InvalidArgumentError, ValueError):
+        event("TensorFlow refused the batch")
+        with pytest.raises(HeadraceError):
+            hx.parse_example(
+                serialized, {name: headrace_spec(*args) for name, args in spec_args.items()}
+            )
+        return
+    event("TensorFlow parsed the batch")
+    ours = hx.parse_example(
+        serialized, {name: headrace_spec(*args) for name, args in spec_args.items()}
+    )
+    assert set(ours) == set(expected)
+    for name in expected:
+        assert_same_output(ours[name], expected[name])
+
+
+def _lengths_batch() -> list[bytes]:
+    return [
+        hx.serialize_example({"v": [1, 2, 3, 4, 5, 6], "l": [2, 4]}),
+        hx.serialize_example({"v": [7, 8], "l": [0, 2]}),
+        hx.serialize_example({}),
+    ]
+
+
+@pytest.mark.usefixtures("implementation")
+@pytest.mark.parametrize("splits_dtype", [tf.int32, tf.int64])
+def test_ragged_partitions_match_tensorflow(splits_dtype: tf.DType) -> None:
+    batch = _lengths_batch()
+    expected = tf.io.parse_example(
+        batch,
+        {
+            "rows": tf.io.RaggedFeature(
+                tf.int64,
+                value_key="v",
+                partitions=[tf.io.RaggedFeature.RowLengths("l")],
+                row_splits_dtype=splits_dtype,
+            ),
+            "pairs": tf.io.RaggedFeature(
+                tf.int64,
+                value_key="v",
+                partitions=[tf.io.RaggedFeature.UniformRowLength(2)],
+                row_splits_dtype=splits_dtype,
+            ),
+        },
+    )
+    ours = hx.parse_example(
+        batch,
+        {
+            "rows": hx.RaggedFeature(
+                np.int64,
+                value_key="v",
+                partitions=(hx.RaggedFeature.RowLengths("l"),),
+                row_splits_dtype=splits_dtype.as_numpy_dtype,
+            ),
+            "pairs": hx.RaggedFeature(
+                np.int64,
+                value_key="v",
+                partitions=(hx.RaggedFeature.UniformRowLength(2),),
+                row_splits_dtype=splits_dtype.as_numpy_dtype,
+            ),
+        },
+    )
+    assert ours["rows"].to_list() == expected["rows"].to_list()
+    assert ours["rows"].row_splits.dtype == splits_dtype.as_numpy_dtype
+    assert ours["rows"].values.row_splits.dtype == splits_dtype.as_numpy_dtype
+    np.testing.assert_array_equal(ours["rows"].to_dense(), expected["rows"].to_tensor().numpy())
+    assert ours["pairs"].to_list() == expected["pairs"].to_list()
+    np.testing.assert_array_equal(ours["pairs"].values, expected["pairs"].values.numpy())
+    indices, values, shape = ours["rows"].to_sparse()
+    sparse = expected["rows"].to_sparse()
+    np.testing.assert_array_equal(indices, sparse.indices.numpy())
+    np.testing.assert_array_equal(values, sparse.values.numpy())
+    np.testing.assert_array_equal(shape, sparse.dense_shape.numpy())
+
+
+def test_fixed_len_sequence_requires_allow_missing_like_tensorflow() -> None:
+    batch = [hx.serialize_example({"v": [1]})]
+    with pytest.raises(ValueError, match="requires allow_missing to be True") as tf_error:
+        tf.io.parse_example(batch, {"v": tf.io.FixedLenSequenceFeature([], tf.int64)})
+    with pytest.raises(ValueError) as our_error:
+        hx.parse_example(batch, {"v": hx.FixedLenSequenceFeature([], np.int64)})
+    assert str(our_error.value) == str(tf_error.value)
+
+
+def test_accepts_tensorflow_dtypes_in_specs() -> None:
+    batch = [hx.serialize_example({"v": [1.5]})]
+    parsed = hx.parse_example(batch, {"v": hx.FixedLenFeature([], tf.float32)})
+    assert parsed["v"].dtype == np.float32

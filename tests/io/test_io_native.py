@@ -1,0 +1,120 @@
+"""The C extension and the pure-Python path give identical results, errors included."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from io_format_strategies import KINDS, NAMES, examples
+
+from headrace.io import _example_wire as wire
+from headrace.io import _native
+from headrace.io._crc32c import _crc32c_table
+from headrace.io.example import serialize_example
+from headrace.io.tfrecord import _frame_record, _scan_records_py
+
+native = _native._loaded_extension
+KIND_CODES = {
+    "bytes_list": wire.KIND_BYTES,
+    "float_list": wire.KIND_FLOAT,
+    "int64_list": wire.KIND_INT64,
+}
+
+
+def test_extension_is_built() -> None:
+    assert native is not None, "build it: python setup.py build_ext --inplace"
+
+
+def test_environment_variable_forces_pure_python() -> None:
+    code = "from headrace.io._native import native_module; print(native_module() is None)"
+    env = {**os.environ, "HEADRACE_PURE_PYTHON": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "True"
+
+
+def outcome(function: Any, *args: Any) -> Any:
+    """The result, or the exception's type name and args, for comparison."""
+    try:
+        return ("ok", function(*args))
+    except ValueError as error:
+        return ("error", error.args)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=2000), st.integers(0, 2**32 - 1))
+def test_crc32c(data: bytes, start: int) -> None:
+    assert native is not None
+    assert native.crc32c(data, start) == _crc32c_table(data, start)
+
+
+@st.composite
+def damaged_framing(draw: st.DrawFn) -> bytes:
+    records = draw(st.lists(st.binary(max_size=30), max_size=6))
+    framed = bytearray(b"".join(_frame_record(record) for record in records))
+    for _ in range(draw(st.integers(0, 2))):
+        if framed:
+            framed[draw(st.integers(0, len(framed) - 1))] ^= 1 << draw(st.integers(0, 7))
+    return bytes(framed[: draw(st.integers(0, len(framed)))])
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    damaged_framing(),
+    st.integers(1, 8),
+    st.integers(0, 100),
+    st.booleans(),
+    st.sampled_from([0, 5, 30, 2**62, 2**64 - 1]),
+)
+def test_scan_records(
+    data: bytes, max_records: int, max_bytes: int, verify: bool, max_record_bytes: int
+) -> None:
+    assert native is not None
+    bounded = min(max_record_bytes, 2**62)  # the C side caps the bound at 2**62
+    expected = _scan_records_py(data, 0, max_records, max_bytes, verify, bounded)
+    assert (
+        native.scan_records(data, 0, max_records, max_bytes, verify, max_record_bytes) == expected
+    )
+
+
+@given(st.lists(st.binary(max_size=50), max_size=10))
+def test_frame_records(records: list[bytes]) -> None:
+    assert native is not None
+    assert native.frame_records(records) == b"".join(map(_frame_record, records))
+
+
+@st.composite
+def damaged_examples(draw: st.DrawFn) -> bytes:
+    serialized = bytearray(serialize_example(draw(examples)))
+    action = draw(st.sampled_from(["none", "flip", "truncate", "insert"]))
+    if serialized and action == "flip":
+        serialized[draw(st.integers(0, len(serialized) - 1))] ^= 1 << draw(st.integers(0, 7))
+    elif action == "truncate":
+        serialized = serialized[: draw(st.integers(0, len(serialized)))]
+    elif action == "insert":
+        position = draw(st.integers(0, len(serialized)))
+        serialized[position:position] = draw(st.binary(min_size=1, max_size=4))
+    return bytes(serialized)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(damaged_examples(), max_size=4),
+    st.lists(
+        st.tuples(st.sampled_from(NAMES), st.sampled_from(KINDS)),
+        max_size=4,
+        unique_by=lambda t: t[0],
+    ),
+)
+def test_parse_example_columns(batch: list[bytes], wanted: list[tuple[str, str]]) -> None:
+    assert native is not None
+    keys = [name.encode() for name, _ in wanted]
+    kinds = [KIND_CODES[kind] for _, kind in wanted]
+    expected = outcome(wire.scan_columns, batch, keys, kinds)
+    got = outcome(native.parse_example_columns, batch, keys, kinds)
+    assert got == expected
