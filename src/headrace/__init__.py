@@ -3,7 +3,7 @@
 Everything public is listed in ``__all__`` below (and tested against it).
 """
 
-from headrace.dataset import Dataset
+from headrace.dataset import Dataset, TextLineDataset
 from headrace.errors import (
     CheckpointError,
     DataLossError,
@@ -42,6 +42,7 @@ __all__ = [
     "ParseError",
     "RecordTooLargeError",
     "TensorSpec",
+    "TextLineDataset",
     "WorkerError",
     "__version__",
     "parse_bytes",

@@ -18,13 +18,15 @@ import numpy as np
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import DatasetIterator
 from headrace.node import INFINITE, UNKNOWN, Node
-from headrace.options import Options
+from headrace.options import AUTOTUNE, Options
 from headrace.sources.arrays import RangeNode, TensorSlicesNode, TensorsNode, load_npy
+from headrace.sources.files import TextLineNode, list_files
 from headrace.sources.generator import GeneratorNode
 from headrace.structure import flatten, map_structure, pack_as
 from headrace.transforms.batch import BatchNode, PaddedBatchNode, RebatchNode, UnbatchNode
 from headrace.transforms.enumerate import EnumerateNode
 from headrace.transforms.filter import FilterNode
+from headrace.transforms.interleave import InterleaveNode
 from headrace.transforms.map import MapNode
 from headrace.transforms.prefetch import PrefetchNode
 from headrace.transforms.repeat import RepeatNode
@@ -33,7 +35,7 @@ from headrace.transforms.shuffle import ShuffleNode
 from headrace.transforms.take import SkipNode, TakeNode
 from headrace.transforms.zip import ConcatenateNode, ZipNode
 
-__all__ = ["Dataset"]
+__all__ = ["Dataset", "TextLineDataset"]
 
 
 class _Cast:
@@ -271,6 +273,50 @@ class Dataset:
         """Elements ``index``, ``index + num_shards``, ... (tf.data's element-level shard)."""
         return self._wrap(ShardNode(self._node, num_shards, index))
 
+    def interleave(
+        self,
+        map_func: Callable[..., Dataset],
+        cycle_length: int | None = None,
+        block_length: int | None = None,
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+    ) -> Dataset:
+        """Mix the datasets ``map_func`` makes of each element, in tf.data's exact order.
+
+        ``cycle_length`` inputs are open at once, ``block_length`` (default 1)
+        consecutive elements come from each. Left as ``None``, ``cycle_length``
+        depends on this machine's CPU count, as in tf.data (a warning says so):
+        pass it for an order that is the same everywhere. With
+        ``num_parallel_calls`` (<= cycle_length) slots read ahead on threads;
+        the order stays the sequential one unless ``deterministic=False``. All
+        inner pipelines share this stage's part of the budget, and their files
+        count against the process-wide cap on open files.
+        """
+        return self._wrap(
+            InterleaveNode(
+                self._node, map_func, cycle_length, block_length, num_parallel_calls, deterministic
+            )
+        )
+
+    def flat_map(self, map_func: Callable[..., Dataset]) -> Dataset:
+        """The datasets ``map_func`` makes of each element, one after another."""
+        return self.interleave(map_func, cycle_length=1, block_length=1)
+
+    @staticmethod
+    def list_files(
+        file_pattern: str | Sequence[str], shuffle: bool | None = None, seed: int | None = None
+    ) -> Dataset:
+        """Paths matching a glob pattern, as ``str``; shuffled unless ``shuffle=False`` (tf.data).
+
+        The list is sorted before any shuffle, so the same seed gives the same
+        order on every machine. No match is an error naming the pattern.
+        """
+        files = np.array(list_files(file_pattern), dtype=object)
+        dataset = Dataset.from_tensor_slices(files)
+        if shuffle is None or shuffle:
+            dataset = dataset.shuffle(len(files), seed=seed)
+        return dataset
+
     @staticmethod
     def zip(*datasets: Any) -> Dataset:
         """Elements of several datasets side by side, ending with the shortest.
@@ -335,3 +381,58 @@ class _NpyNode(TensorSlicesNode):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["path"])  # type: ignore[misc]
 
+
+
+class _PerFile:
+    """``map_func`` for ``num_parallel_reads``: one file's dataset (picklable)."""
+
+    def __init__(self, make: Callable[[str], Dataset]) -> None:
+        self.make = make
+        self.__qualname__ = f"per_file({getattr(make, '__qualname__', make)})"
+
+    def __call__(self, filename: str) -> Dataset:
+        return self.make(filename)
+
+
+def read_files_in_parallel(
+    filenames: Any, num_parallel_reads: int | None, make: Callable[[str], Dataset]
+) -> Dataset | None:
+    """tf.data's ``num_parallel_reads``: interleave one dataset per file, cycle = k, block 1."""
+    if num_parallel_reads is None:
+        return None
+    names = [filenames] if isinstance(filenames, (str, os.PathLike)) else list(filenames)
+    cycle = len(names) if num_parallel_reads == AUTOTUNE else num_parallel_reads
+    files = Dataset.from_tensor_slices(np.array([os.fspath(n) for n in names], dtype=object))
+    return files.interleave(
+        _PerFile(make), cycle_length=max(cycle, 1), block_length=1, num_parallel_calls=cycle
+    )
+
+
+class _TextFile:
+    def __init__(self, compression_type: str | None, buffer_size: int | None) -> None:
+        self.compression_type, self.buffer_size = compression_type, buffer_size
+        self.__qualname__ = "text_file"
+
+    def __call__(self, filename: str) -> Dataset:
+        return TextLineDataset(filename, self.compression_type, self.buffer_size)
+
+
+def TextLineDataset(  # noqa: N802 - named like the tf.data class it replaces
+    filenames: Any,
+    compression_type: str | None = None,
+    buffer_size: int | None = None,
+    num_parallel_reads: int | None = None,
+) -> Dataset:
+    """Lines of text files as ``bytes`` (split on ``\\n``, one trailing ``\\r`` stripped).
+
+    Like ``tf.data.TextLineDataset``: ``compression_type`` ``None``/``"GZIP"``/
+    ``"ZLIB"``; ``num_parallel_reads=k`` reads k files at once, interleaved
+    round-robin. Files are opened through the process-wide pool, so the cap
+    on open descriptors holds; resuming seeks to the saved byte offset.
+    """
+    parallel = read_files_in_parallel(
+        filenames, num_parallel_reads, _TextFile(compression_type, buffer_size)
+    )
+    if parallel is not None:
+        return parallel
+    return Dataset(TextLineNode(filenames, compression_type, buffer_size))

@@ -78,11 +78,20 @@ class Context:
         self._keepalive: list[object] = []
         self._warned: set[str] = set()
         self._accounts: dict[int, StageAccount] = {}
+        #: Run-wide objects created on first use (e.g. the pipeline's file limiter).
+        self.shared: dict[str, Any] = {}
 
     def with_epoch(self, epoch: int) -> Context:
         """This context for the iterator of one repetition of an enclosing ``repeat``."""
         child = copy.copy(self)
         child.epochs = (*self.epochs, epoch)
+        return child
+
+    def with_budget(self, budget: MemoryBudget) -> Context:
+        """This context for a nested pipeline with its own share (interleave's inputs)."""
+        child = copy.copy(self)
+        child.budget = budget
+        child._accounts = {}
         return child
 
     def register_preexisting(self, owner: object) -> None:

@@ -22,7 +22,7 @@ from headrace.memory.budget import BudgetClosed, Reservation, StageAccount, rele
 from headrace.node import Node, check_positive
 from headrace.options import AUTOTUNE
 
-__all__ = ["PrefetchNode"]
+__all__ = ["PrefetchIterator", "PrefetchNode"]
 
 _MAX_AUTOTUNE_DEPTH = 1 << 16
 
@@ -48,15 +48,24 @@ class PrefetchNode(Node):
 
     def make_iterator(self, ctx: Context) -> Iterator:
         account = ctx.account(self, "prefetch", weight=1)
-        return _PrefetchIterator(self.inputs[0].make_iterator(ctx), ctx, account, self.buffer_size)
+        return PrefetchIterator(self.inputs[0].make_iterator(ctx), ctx, account, self.buffer_size)
 
 
 class _Producer:
     """The thread's side: pulls from the input into the queue (no link to the iterator)."""
 
-    def __init__(self, inner: Iterator, ctx: Context, account: StageAccount, depth: int) -> None:
+    def __init__(
+        self,
+        inner: Iterator,
+        ctx: Context,
+        account: StageAccount,
+        depth: int,
+        gate: threading.Semaphore | None,
+        ready: threading.Condition | None,
+    ) -> None:
         self.inner, self.ctx, self.account, self.depth = inner, ctx, account, depth
-        self.ready = threading.Condition()
+        self.gate = gate  # bounds how many producers run their input at once
+        self.ready = ready or threading.Condition()
         self.queue: deque[tuple[Any, Reservation, dict[str, Any]]] = deque()
         self.finished = False
         self.error: BaseException | None = None
@@ -66,7 +75,11 @@ class _Producer:
     def run(self) -> None:
         try:
             while self._wait_for_space():
-                element, reservation = self.inner.next_reserved()
+                if self.gate is None:
+                    element, reservation = self.inner.next_reserved()
+                else:
+                    with self.gate:
+                        element, reservation = self.inner.next_reserved()
                 state = self.inner.get_state()
                 booked = reservation.move_to(self.account, self.ctx.sizeof(element))
                 with self.ready:
@@ -106,24 +119,43 @@ class _Producer:
             self.queue.clear()
 
 
-class _PrefetchIterator(Iterator):
+class PrefetchIterator(Iterator):
     stage = "prefetch"
 
     def __init__(
-        self, inner: Iterator, ctx: Context, account: StageAccount, buffer_size: int
+        self,
+        inner: Iterator,
+        ctx: Context,
+        account: StageAccount,
+        buffer_size: int,
+        *,
+        gate: threading.Semaphore | None = None,
+        ready: threading.Condition | None = None,
     ) -> None:
         super().__init__(inner)
         self.inner, self.ctx, self.account = inner, ctx, account
         self.autotune = buffer_size == AUTOTUNE
         self.depth = 1 if self.autotune else buffer_size
+        self.gate, self.ready = gate, ready
         self.producer: _Producer | None = None
         self.state = inner.get_state()  # the input's state after the last element handed out
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def start(self) -> _Producer:
+        """Start producing now (parallel interleave reads its slots ahead)."""
+        if self.producer is None:
+            self.producer = _Producer(
+                self.inner, self.ctx, self.account, self.depth, self.gate, self.ready
+            )
+            self.producer.thread.start()
+        return self.producer
+
+    def has_output(self) -> bool:
+        """Whether ``next`` would return (or end) without waiting; call holding ``ready``."""
         producer = self.producer
-        if producer is None:
-            producer = self.producer = _Producer(self.inner, self.ctx, self.account, self.depth)
-            producer.thread.start()
+        return producer is not None and bool(producer.queue or producer.finished)
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        producer = self.start()
         with producer.ready:
             if not producer.queue and not producer.finished and self.autotune:
                 producer.depth = self.depth = min(self.depth * 2, _MAX_AUTOTUNE_DEPTH)

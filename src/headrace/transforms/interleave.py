@@ -1,0 +1,326 @@
+"""``interleave`` and ``flat_map``, in tf.data's exact order.
+
+The sequential algorithm is tf.data's (``interleave_dataset_op.cc``): slots
+fill lazily in visit order; an exhausted input is noticed on a visit, which
+then moves on, and the slot is refilled only when the cycle comes back; an
+empty inner dataset costs a visit. With ``num_parallel_calls`` and
+``deterministic=True`` (the default) every slot reads ahead on its own thread,
+but elements are handed out in exactly that sequential order; with
+``deterministic=False`` the first slot with an element ready wins.
+
+Memory. The stage's share of the budget is split among the ``cycle_length``
+slots; each inner pipeline runs inside its slot's part (its own prefetches,
+shuffles and read-ahead queues included), so a cycle of 1,000 inner pipelines
+cannot hold more than the stage's share. Files opened by inner datasets go
+through the process-wide file pool, so the descriptor cap holds too.
+
+Resuming. The state keeps, per open slot, the input's state just before that
+slot's input element, plus the inner iterator's state: restoring re-reads the
+input element (a filename, typically) and resumes the inner iterator.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from headrace.errors import InvalidArgumentError
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
+from headrace.node import UNKNOWN, Node, check_positive, function_name
+from headrace.options import AUTOTUNE
+from headrace.transforms.map import apply_fn
+from headrace.transforms.prefetch import PrefetchIterator
+
+__all__ = ["InterleaveNode"]
+
+
+def _machine_cycle_length(num_parallel_calls: int | None) -> int:
+    """tf.data's default cycle_length, which depends on the machine's CPU count."""
+    cpus = os.cpu_count() or 1
+    if num_parallel_calls is None:
+        return cpus
+    if num_parallel_calls == AUTOTUNE:
+        return -(-cpus // 3)
+    return min(num_parallel_calls, cpus)
+
+
+class InterleaveNode(Node):
+    stage = "interleave"
+
+    def __init__(
+        self,
+        source: Node,
+        map_func: Callable[..., Any],
+        cycle_length: int | None,
+        block_length: int | None,
+        num_parallel_calls: int | None,
+        deterministic: bool | None,
+    ) -> None:
+        super().__init__(source)
+        if not callable(map_func):
+            raise InvalidArgumentError(f"interleave: map_func must be callable, got {map_func!r}")
+        if num_parallel_calls is not None and num_parallel_calls != AUTOTUNE:
+            check_positive("interleave: num_parallel_calls", num_parallel_calls)
+        if deterministic is not None and num_parallel_calls is None:
+            warnings.warn(
+                "interleave: `deterministic` has no effect without `num_parallel_calls`",
+                stacklevel=3,
+            )
+        if cycle_length is None or cycle_length == AUTOTUNE:
+            cycle_length = _machine_cycle_length(num_parallel_calls)
+            warnings.warn(
+                f"interleave: cycle_length defaults to {cycle_length} on this machine (it "
+                "depends on the CPU count, as in tf.data), so the order differs between "
+                "machines; pass cycle_length explicitly for a reproducible order",
+                stacklevel=3,
+            )
+        self.cycle_length = check_positive("interleave: cycle_length", cycle_length)
+        self.block_length = check_positive(
+            "interleave: block_length", 1 if block_length is None else block_length
+        )
+        if (
+            num_parallel_calls is not None
+            and num_parallel_calls != AUTOTUNE
+            and num_parallel_calls > self.cycle_length
+        ):
+            raise InvalidArgumentError(
+                f"interleave: num_parallel_calls ({num_parallel_calls}) must be <= "
+                f"cycle_length ({self.cycle_length})"
+            )
+        self.map_func = map_func
+        self.num_parallel_calls = num_parallel_calls
+        self.deterministic = deterministic
+
+    def params(self) -> tuple[Any, ...]:
+        return (
+            function_name(self.map_func),
+            self.cycle_length,
+            self.block_length,
+            self.num_parallel_calls,
+            self.deterministic,
+        )
+
+    @property
+    def element_spec(self) -> Any:
+        from headrace.iterator import DatasetIterator
+        from headrace.options import Options
+
+        with DatasetIterator(self.inputs[0], Options(warn_on_shrink=False)) as iterator:
+            return self.inner_node(next(iterator)).element_spec
+
+    def cardinality(self) -> int:
+        return 0 if self.inputs[0].cardinality() == 0 else UNKNOWN
+
+    def inner_node(self, element: Any) -> Node:
+        from headrace.dataset import Dataset
+
+        result = apply_fn(self.map_func, element)
+        if not isinstance(result, Dataset):
+            raise InvalidArgumentError(
+                f"interleave: {function_name(self.map_func)} must return a Dataset, "
+                f"got {type(result).__name__}"
+            )
+        return result._node
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        parallel = self.num_parallel_calls
+        threads = None
+        if parallel is not None:
+            threads = self.cycle_length if parallel == AUTOTUNE else parallel
+        deterministic = ctx.deterministic if self.deterministic is None else self.deterministic
+        account = ctx.account(self, "interleave", weight=2)
+        return _InterleaveIterator(
+            self, self.inputs[0].make_iterator(ctx), ctx, account, threads, deterministic
+        )
+
+
+class _Slot:
+    """One open inner pipeline: its iterator, its budget, where its input element was."""
+
+    def __init__(
+        self, iterator: Iterator, budget: MemoryBudget, input_before: dict[str, Any]
+    ) -> None:
+        self.iterator, self.budget, self.input_before = iterator, budget, input_before
+
+    def close(self) -> None:
+        self.budget.close()
+        self.iterator.close()
+
+
+class _InterleaveIterator(Iterator):
+    stage = "interleave"
+
+    def __init__(
+        self,
+        node: InterleaveNode,
+        inner: Iterator,
+        ctx: Context,
+        account: StageAccount,
+        threads: int | None,
+        deterministic: bool,
+    ) -> None:
+        super().__init__(inner)
+        self.node, self.input, self.ctx, self.account = node, inner, ctx, account
+        self.threads, self.deterministic = threads, deterministic
+        self.gate = threading.Semaphore(threads) if threads else None
+        self.ready = threading.Condition() if threads else None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.slots: list[_Slot | None] = [None] * self.node.cycle_length
+        self.cycle_index = 0
+        self.block_index = 0
+        self.end_of_input = False
+        self.num_open = 0
+
+    # -- slots -------------------------------------------------------------------------
+    def _open_slot(self, element: Any, input_before: dict[str, Any]) -> _Slot:
+        node = self.node
+        budget = MemoryBudget(
+            max(self.account.limit // node.cycle_length, 1), parent=self.ctx.budget
+        )
+        inner_ctx = self.ctx.with_budget(budget)
+        iterator = node.inner_node(element).make_iterator(inner_ctx)
+        if self.threads:
+            queue_account = budget.account("interleave slot", weight=1)
+            iterator = PrefetchIterator(
+                iterator, inner_ctx, queue_account, 2 * node.block_length + 1,
+                gate=self.gate, ready=self.ready,
+            )
+        budget.allot()
+        slot = _Slot(iterator, budget, input_before)
+        if isinstance(iterator, PrefetchIterator):
+            iterator.start()
+        return slot
+
+    def _pull_input(self) -> _Slot | None:
+        before = self.input.get_state()
+        try:
+            element = next(self.input)
+        except StopIteration:
+            self.end_of_input = True
+            return None
+        return self._open_slot(element, before)
+
+    def _advance(self) -> None:
+        self.block_index = 0
+        self.cycle_index = (self.cycle_index + 1) % self.node.cycle_length
+
+    def _close_slot(self, index: int) -> None:
+        slot = self.slots[index]
+        if slot is not None:
+            slot.close()
+            self.slots[index] = None
+            self.num_open -= 1
+
+    # -- the order -----------------------------------------------------------------------
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        if not self.deterministic and self.threads:
+            return self._next_first_ready()
+        while not self.end_of_input or self.num_open > 0:
+            slot = self.slots[self.cycle_index]
+            if slot is not None:
+                try:
+                    pair = slot.iterator.next_reserved()
+                except StopIteration:
+                    self._close_slot(self.cycle_index)
+                    self._advance()
+                    continue
+                self.block_index += 1
+                if self.block_index == self.node.block_length:
+                    self._advance()
+                return pair
+            if not self.end_of_input:
+                opened = self._pull_input()
+                if opened is not None:
+                    self.slots[self.cycle_index] = opened
+                    self.num_open += 1
+                continue
+            self._advance()
+        raise StopIteration
+
+    def _next_first_ready(self) -> tuple[Any, Reservation]:
+        assert self.ready is not None
+        while True:
+            for index, slot in enumerate(self.slots):
+                if slot is None and not self.end_of_input:
+                    opened = self._pull_input()
+                    if opened is not None:
+                        self.slots[index] = opened
+                        self.num_open += 1
+            if self.num_open == 0:
+                raise StopIteration
+            with self.ready:
+                chosen = self._first_ready_slot()
+                if chosen is None:
+                    self.ready.wait()
+                    continue
+            try:
+                pair = self.slots[chosen].iterator.next_reserved()  # type: ignore[union-attr]
+            except StopIteration:
+                self._close_slot(chosen)
+                continue
+            self.cycle_index = (chosen + 1) % self.node.cycle_length
+            return pair
+
+    def _first_ready_slot(self) -> int | None:
+        length = self.node.cycle_length
+        for step in range(length):
+            index = (self.cycle_index + step) % length
+            slot = self.slots[index]
+            if slot is not None and isinstance(slot.iterator, PrefetchIterator):
+                if slot.iterator.has_output():
+                    return index
+        return None
+
+    def __next__(self) -> Any:
+        element, reservation = self.next_reserved()
+        reservation.release()
+        return element
+
+    # -- state -----------------------------------------------------------------------------
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "input": self.input.get_state(),
+            "cycle_index": self.cycle_index,
+            "block_index": self.block_index,
+            "end_of_input": self.end_of_input,
+            "slots": [
+                None
+                if slot is None
+                else {"input_before": slot.input_before, "inner": slot.iterator.get_state()}
+                for slot in self.slots
+            ],
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._close_all()
+        self._reset()
+        for index, saved in enumerate(state["slots"]):
+            if saved is None:
+                continue
+            self.input.set_state(saved["input_before"])
+            slot = self._pull_input()
+            if slot is None:
+                raise InvalidArgumentError("interleave state refers to a missing input element")
+            slot.iterator.set_state(saved["inner"])
+            if isinstance(slot.iterator, PrefetchIterator):
+                slot.iterator.start()
+            self.slots[index] = slot
+            self.num_open += 1
+        self.input.set_state(state["input"])
+        self.cycle_index = int(state["cycle_index"])
+        self.block_index = int(state["block_index"])
+        self.end_of_input = bool(state["end_of_input"])
+
+    def _close_all(self) -> None:
+        for index in range(len(self.slots)):
+            self._close_slot(index)
+
+    def close(self) -> None:
+        self._close_all()
+        super().close()

@@ -1,0 +1,270 @@
+"""interleave / flat_map: tf.data's order, budget, file cap, resume."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import headrace as hr
+from headrace.testing import assert_checkpoint_roundtrip
+
+
+def lists_dataset(lists: list[list[int]]):
+    """map_func for an interleave over range(len(lists)): element i -> lists[i]."""
+
+    def inner(i):
+        values = lists[int(i)]
+        return hr.Dataset.from_tensor_slices(np.array(values, dtype=np.int64).reshape(-1))
+
+    return inner
+
+
+def sequential_reference(lists, cycle_length, block_length):
+    """tf.data's interleave_dataset_op.cc, transcribed."""
+    slots = [None] * cycle_length
+    cycle = block = 0
+    end = False
+    open_count = 0
+    next_input = 0
+    out = []
+    while not end or open_count:
+        slot = slots[cycle]
+        if slot is not None:
+            if slot:
+                out.append(slot.pop(0))
+                block += 1
+                if block == block_length:
+                    block, cycle = 0, (cycle + 1) % cycle_length
+                continue
+            slots[cycle] = None
+            open_count -= 1
+            block, cycle = 0, (cycle + 1) % cycle_length
+        elif not end:
+            if next_input < len(lists):
+                slots[cycle] = list(lists[next_input])
+                next_input += 1
+                open_count += 1
+            else:
+                end = True
+        else:
+            block, cycle = 0, (cycle + 1) % cycle_length
+    return out
+
+
+def run(lists, **kwargs) -> list[int]:
+    ds = hr.Dataset.range(len(lists)).interleave(lists_dataset(lists), **kwargs)
+    return [int(v) for v in ds]
+
+
+def test_documented_examples() -> None:
+    ds = hr.Dataset.range(1, 6).interleave(
+        lambda x: hr.Dataset.from_tensors(x).repeat(6), cycle_length=2, block_length=4
+    )
+    assert "".join(str(int(v)) for v in ds) == "111122221122333344443344555555"
+    # an inner dataset that ends on a block boundary is noticed one visit later
+    assert run([[1, 2], [11, 12, 13, 14], [21, 22]], cycle_length=2, block_length=2) == [
+        1, 2, 11, 12, 13, 14, 21, 22,
+    ]
+    # an empty inner dataset costs a visit
+    assert run([[], [11, 12, 13], [21], [31, 32]], cycle_length=2, block_length=1) == [
+        11, 21, 12, 13, 31, 32,
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lists=st.lists(st.lists(st.integers(0, 99), max_size=5), max_size=7),
+    cycle_length=st.integers(1, 4),
+    block_length=st.integers(1, 3),
+    parallel=st.sampled_from([None, 1, 2, "cycle"]),
+)
+def test_order_matches_tf_data_sequential_and_parallel(lists, cycle_length, block_length, parallel):
+    calls = cycle_length if parallel == "cycle" else parallel
+    if calls is not None and calls > cycle_length:
+        calls = cycle_length
+    expected = sequential_reference([list(x) for x in lists], cycle_length, block_length)
+    got = run(lists, cycle_length=cycle_length, block_length=block_length, num_parallel_calls=calls)
+    assert got == expected
+
+
+def test_nondeterministic_yields_each_element_once() -> None:
+    lists = [list(range(i * 10, i * 10 + i)) for i in range(8)]
+    got = run(lists, cycle_length=3, num_parallel_calls=3, deterministic=False)
+    assert sorted(got) == sorted(v for values in lists for v in values)
+
+
+def test_flat_map_concatenates() -> None:
+    assert run([[1, 2], [], [3]], cycle_length=1) == [1, 2, 3]
+    ds = hr.Dataset.range(3).flat_map(lambda i: hr.Dataset.range(int(i)))
+    assert [int(v) for v in ds] == [0, 0, 1]
+
+
+def test_invalid_arguments() -> None:
+    with pytest.raises(hr.InvalidArgumentError, match=r"num_parallel_calls \(3\) must be <="):
+        hr.Dataset.range(3).interleave(lambda x: hr.Dataset.range(1), cycle_length=2,
+                                       num_parallel_calls=3)
+    with pytest.raises(hr.InvalidArgumentError, match="block_length must be > 0"):
+        hr.Dataset.range(3).interleave(lambda x: hr.Dataset.range(1), cycle_length=2,
+                                       block_length=0)
+    with pytest.warns(UserWarning, match="depends on the CPU count"):
+        hr.Dataset.range(3).interleave(lambda x: hr.Dataset.range(1))
+    with pytest.raises(hr.InvalidArgumentError, match="must return a Dataset"):
+        list(hr.Dataset.range(3).interleave(lambda x: [1], cycle_length=1))
+
+
+@pytest.mark.parametrize("parallel", [None, 2])
+def test_checkpoint_roundtrip(parallel) -> None:
+    lists = [list(range(i * 10, i * 10 + (i % 4))) for i in range(9)]
+    ds = hr.Dataset.range(len(lists)).interleave(
+        lists_dataset(lists), cycle_length=3, block_length=2, num_parallel_calls=parallel
+    )
+    assert_checkpoint_roundtrip(ds)
+
+
+def test_inner_pipelines_draw_from_the_interleave_share() -> None:
+    def inner(i):
+        return hr.Dataset.from_generator(
+            lambda: (np.full(1 << 20, int(i), np.uint8) for _ in range(20)),
+            output_signature=hr.TensorSpec((1 << 20,), np.uint8),
+        ).prefetch(100)
+
+    ds = hr.Dataset.range(6).interleave(inner, cycle_length=3, num_parallel_calls=3)
+    ds = ds.with_options(hr.Options(memory_budget="24MiB"))
+    with iter(ds) as iterator:
+        assert sum(1 for _ in iterator) == 120
+        budget = iterator.context.budget
+        assert budget.peak <= budget.total
+
+
+# -- text files ---------------------------------------------------------------------
+
+
+def write(path, data: bytes, compression: str | None = None) -> str:
+    if compression == "GZIP":
+        data = gzip.compress(data)
+    elif compression == "ZLIB":
+        data = zlib.compress(data)
+    with open(path, "wb") as handle:
+        handle.write(data)
+    return str(path)
+
+
+@pytest.mark.parametrize("compression", [None, "GZIP", "ZLIB"])
+def test_text_lines_split_like_tf_data(tmp_path, compression) -> None:
+    path = write(tmp_path / "a.txt", b"a\r\nb\n\nc", compression)
+    assert list(hr.TextLineDataset(path, compression_type=compression)) == [b"a", b"b", b"", b"c"]
+    path = write(tmp_path / "b.txt", b"x\ny\n", compression)
+    assert list(hr.TextLineDataset(path, compression_type=compression)) == [b"x", b"y"]
+
+
+def test_num_parallel_reads_is_round_robin(tmp_path) -> None:
+    files = [
+        write(tmp_path / f"{i}.txt", "".join(f"{i}-{j}\n" for j in range(n)).encode())
+        for i, n in enumerate([3, 1, 2])
+    ]
+    got = [line.decode() for line in hr.TextLineDataset(files, num_parallel_reads=2)]
+    assert got == ["0-0", "1-0", "0-1", "0-2", "2-0", "2-1"]
+
+
+@pytest.mark.parametrize("compression", [None, "GZIP"])
+def test_text_lines_resume_at_byte_offsets(tmp_path, compression) -> None:
+    files = [
+        write(tmp_path / f"{i}.txt", "".join(f"{i}:{j}\n" for j in range(7)).encode(), compression)
+        for i in range(3)
+    ]
+    assert_checkpoint_roundtrip(hr.TextLineDataset(files, compression_type=compression))
+    assert_checkpoint_roundtrip(
+        hr.TextLineDataset(files, compression_type=compression, num_parallel_reads=2)
+    )
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_cap_of_two_files_with_cycle_eight_gives_the_uncapped_order(tmp_path) -> None:
+    files = [
+        write(tmp_path / f"{i}.txt", "".join(f"{i}:{j}\n" for j in range(5 + i)).encode(),
+              "GZIP" if i % 2 else None)
+        for i in range(12)
+    ]
+
+    def dataset(options):
+        names = hr.Dataset.from_tensor_slices(np.array(files, dtype=object))
+        ds = names.interleave(
+            lambda f: hr.TextLineDataset(f, compression_type="GZIP" if "1" in f[-5:-4] else None),
+            cycle_length=8,
+        )
+        return ds.with_options(options)
+
+    def by_suffix(f):
+        return "GZIP" if int(os.path.basename(f).split(".")[0]) % 2 else None
+
+    def build(options):
+        names = hr.Dataset.from_tensor_slices(np.array(files, dtype=object))
+        return names.interleave(
+            lambda f: hr.TextLineDataset(f, compression_type=by_suffix(f)), cycle_length=8
+        ).with_options(options)
+
+    uncapped = list(build(hr.Options()))
+    before = open_descriptors()
+    peak = [0]
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], open_descriptors() - before)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    capped = list(build(hr.Options(max_open_files=2)))
+    stop.set()
+    watcher.join()
+    assert capped == uncapped
+    assert len(uncapped) == sum(5 + i for i in range(12))
+    assert peak[0] <= 2 + 1  # the watcher's own listdir descriptor
+
+
+@pytest.mark.slow
+def test_ten_thousand_shards_under_rlimit_64(tmp_path) -> None:
+    directory = tmp_path / "shards"
+    directory.mkdir()
+    for i in range(10_000):
+        (directory / f"{i:05d}.txt").write_bytes(f"{i}\n".encode())
+    script = textwrap.dedent(
+        f"""
+        import os, resource, threading, numpy as np, headrace as hr
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        from headrace.io.filepool import get_default_pool
+        before = len(os.listdir("/proc/self/fd"))
+        peak = [0]; stop = threading.Event()
+        def watch():
+            while not stop.is_set():
+                peak[0] = max(peak[0], len(os.listdir("/proc/self/fd")) - before)
+        threading.Thread(target=watch, daemon=True).start()
+        files = hr.Dataset.list_files({str(directory)!r} + "/*.txt", shuffle=False)
+        lines = files.interleave(lambda f: hr.TextLineDataset(f), cycle_length=100,
+                                 num_parallel_calls=4)
+        seen = sorted(int(line) for line in lines)
+        stop.set()
+        assert seen == list(range(10_000)), "records lost or duplicated"
+        cap = get_default_pool().max_open_files
+        print(cap, peak[0])
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cap, peak = map(int, out.stdout.split())
+    assert cap == 16
+    assert peak <= cap + 2  # + the watcher's listdir and one pipe at most
