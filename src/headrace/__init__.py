@@ -3,7 +3,7 @@
 Everything public is listed in ``__all__`` below (and tested against it).
 """
 
-from headrace.dataset import Dataset, TextLineDataset
+from headrace.dataset import Dataset, TextLineDataset, TFRecordDataset
 from headrace.errors import (
     CheckpointError,
     DataLossError,
@@ -41,6 +41,7 @@ __all__ = [
     "Options",
     "ParseError",
     "RecordTooLargeError",
+    "TFRecordDataset",
     "TensorSpec",
     "TextLineDataset",
     "WorkerError",

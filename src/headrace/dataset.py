@@ -10,7 +10,7 @@ differs, the method's docstring says so.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from headrace.structure import flatten, map_structure, pack_as
 from headrace.transforms.batch import BatchNode, PaddedBatchNode, RebatchNode, UnbatchNode
 from headrace.transforms.enumerate import EnumerateNode
 from headrace.transforms.filter import FilterNode
+from headrace.transforms.global_shuffle import GlobalShuffleNode
 from headrace.transforms.interleave import InterleaveNode
 from headrace.transforms.map import MapNode
 from headrace.transforms.prefetch import PrefetchNode
@@ -35,7 +36,24 @@ from headrace.transforms.shuffle import ShuffleNode
 from headrace.transforms.take import SkipNode, TakeNode
 from headrace.transforms.zip import ConcatenateNode, ZipNode
 
-__all__ = ["Dataset", "TextLineDataset"]
+__all__ = ["Dataset", "TFRecordDataset", "TextLineDataset"]
+
+
+class _ParseExamples:
+    """A picklable batched parse (``Dataset.parse_examples``)."""
+
+    def __init__(self, features: Mapping[str, Any]) -> None:
+        self.features = dict(features)
+        self.__qualname__ = f"parse_examples({sorted(self.features)})"
+
+    def __call__(self, serialized: Any) -> Any:
+        from headrace.io.example import parse_example
+
+        if not isinstance(serialized, np.ndarray) or serialized.ndim != 1:
+            raise InvalidArgumentError(
+                "parse_examples expects batches of serialized records: apply it after batch()"
+            )
+        return parse_example(serialized.tolist(), self.features)
 
 
 class _Cast:
@@ -249,6 +267,30 @@ class Dataset:
         """
         return self._wrap(ShuffleNode(self._node, buffer_size, seed, reshuffle_each_iteration))
 
+    def global_shuffle(
+        self, seed: int | None = None, reshuffle_each_iteration: bool = True
+    ) -> Dataset:
+        """Every element exactly once, in a full random order, holding nothing.
+
+        Needs a random-access dataset (arrays, ranges, ``from_npy``, indexed
+        TFRecord files, and per-element maps of them). The order comes from a
+        keyed permutation, so there is no buffer to fill, no first-batch wait,
+        and resuming is O(1). Workers sharing a seed can ``shard`` it disjointly.
+        """
+        return self._wrap(GlobalShuffleNode(self._node, seed, reshuffle_each_iteration))
+
+    def parse_examples(self, features: Mapping[str, Any]) -> Dataset:
+        """Parse batches of serialized ``tf.train.Example`` records into dicts of columns.
+
+        Apply after ``batch``: one columnar parse per batch (C code when built)
+        instead of one Python call per record. ``features`` maps names to
+        ``FixedLenFeature``/``VarLenFeature``/``FixedLenSequenceFeature``/
+        ``RaggedFeature`` specs from :mod:`headrace.io.example`, as in
+        ``tf.io.parse_example``.
+        """
+        return self._wrap(MapNode(self._node, _ParseExamples(features), None, None,
+                                  stage="parse_examples"))
+
     def prefetch(self, buffer_size: int) -> Dataset:
         """Prepare up to ``buffer_size`` elements on a background thread.
 
@@ -349,6 +391,31 @@ class Dataset:
         """
         return self._wrap(MapNode(self._node, _Cast(dtypes), None, None, stage="cast"))
 
+    def save_tfrecords(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        num_shards: int = 1,
+        compression_type: str | None = None,
+        progress: bool = True,
+    ) -> list[str]:
+        """Write this dataset of dicts as ``tf.train.Example`` records across ``num_shards``.
+
+        Offline preprocessing: shards are atomic (they appear under their final
+        name only when complete), each gets a ``.hrx`` record index (so it can
+        be read by random access: global shuffle, O(1) resume), and a progress
+        bar shows how far it got. Returns the shard paths.
+        """
+        from headrace.writers import save_tfrecords
+
+        return save_tfrecords(
+            self,
+            path,
+            num_shards=num_shards,
+            compression_type=compression_type,
+            progress=progress,
+        )
+
     def __repr__(self) -> str:
         return f"<headrace.Dataset element_spec={self.element_spec!r}>"
 
@@ -436,3 +503,59 @@ def TextLineDataset(  # noqa: N802 - named like the tf.data class it replaces
     if parallel is not None:
         return parallel
     return Dataset(TextLineNode(filenames, compression_type, buffer_size))
+
+
+class _TFRecordFile:
+    def __init__(self, compression_type: str | None, buffer_size: int | None, **kwargs: Any):
+        self.compression_type, self.buffer_size, self.kwargs = compression_type, buffer_size, kwargs
+        self.__qualname__ = "tfrecord_file"
+
+    def __call__(self, filename: str) -> Dataset:
+        return TFRecordDataset(filename, self.compression_type, self.buffer_size, **self.kwargs)
+
+
+def TFRecordDataset(  # noqa: N802 - named like the tf.data class it replaces
+    filenames: Any,
+    compression_type: str | None = None,
+    buffer_size: int | None = None,
+    num_parallel_reads: int | None = None,
+    *,
+    indexed: bool = False,
+    build_missing_indexes: bool = True,
+    verify_crc: bool = True,
+    max_record_bytes: int | None = None,
+    skip_corrupt: bool = False,
+) -> Dataset:
+    """Serialized records of TFRecord files, byte-compatible with TensorFlow, no TF needed.
+
+    Same arguments as ``tf.data.TFRecordDataset``; ``num_parallel_reads=k``
+    interleaves k files round-robin. Every record's CRCs are checked
+    (``verify_crc=False`` skips that); a declared length over
+    ``max_record_bytes`` (default 1 GiB) is refused before anything is
+    allocated; a corrupt or truncated record raises :class:`DataLossError`
+    naming file and offset, unless ``skip_corrupt=True`` (a bad data CRC skips
+    the record, a bad length or truncation the rest of the file; counted).
+
+    ``indexed=True`` (uncompressed files) uses ``.hrx`` record indexes —
+    built when missing, refused when stale — to make the dataset
+    random-access: shuffles hold indices, ``global_shuffle`` permutes every
+    record, ``shard`` reads only its own, resume is O(1).
+    """
+    from headrace.sources.tfrecord import tfrecord_node
+
+    options = {
+        "indexed": indexed,
+        "build_missing_indexes": build_missing_indexes,
+        "verify_crc": verify_crc,
+        "max_record_bytes": max_record_bytes,
+        "skip_corrupt": skip_corrupt,
+    }
+    if not indexed:
+        parallel = read_files_in_parallel(
+            filenames,
+            num_parallel_reads,
+            _TFRecordFile(compression_type, buffer_size, **options),
+        )
+        if parallel is not None:
+            return parallel
+    return Dataset(tfrecord_node(filenames, compression_type, buffer_size, **options))

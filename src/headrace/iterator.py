@@ -237,7 +237,10 @@ class DatasetIterator(_PyIterator[Any]):
         from headrace.profiling.stats import RunStats
 
         elapsed = 0.0 if self._started is None else time.perf_counter() - self._started
-        return RunStats.capture(self._context.budget, self._elements, elapsed, self._waited)
+        skipped = tuple(self._context.shared.get("skipped", (0, 0)))
+        return RunStats.capture(
+            self._context.budget, self._elements, elapsed, self._waited, (skipped[0], skipped[1])
+        )
 
     def get_state(self) -> dict[str, Any]:
         """A small JSON-able dict to resume exactly here with :meth:`set_state`."""

@@ -73,6 +73,9 @@ class RandomAccess:
     def prepare(self, ctx: Context) -> None:
         """Called once per run: register pre-existing memory with the context."""
 
+    def close(self) -> None:
+        """Release what the run opened (files), when the iterator closes."""
+
 
 class IndexStream:
     """A resumable stream of indices into a :class:`RandomAccess` (iterator side)."""
@@ -170,6 +173,12 @@ class Node:
             return SequentialIndices(size)
 
         return access, sequential
+
+    def batched_iterator(
+        self, ctx: Context, batch_size: int, drop_remainder: bool
+    ) -> Iterator | None:
+        """An iterator of whole batches, where the node can batch better than ``batch`` can."""
+        return None
 
     def make_iterator(self, ctx: Context) -> Iterator:
         """Build this node's iterator (and its inputs') for one run."""

@@ -23,6 +23,10 @@ import numpy as np
 
 __all__ = ["ARRAY_HEADER_BYTES", "owner_of", "sizeof"]
 
+#: Leaf objects whose cost is exactly ``sys.getsizeof``.
+_FLAT_TYPES = frozenset({bytes, str, int, float, bool, type(None), np.int64, np.float32,
+                         np.float64, np.int32})
+
 #: What an ndarray object costs besides its data (measured: 112 B on CPython 3.11).
 ARRAY_HEADER_BYTES = sys.getsizeof(np.empty(0)) - 0
 
@@ -42,16 +46,18 @@ def _array_cost(array: np.ndarray[Any, Any], preexisting: frozenset[int] | set[i
         if id(owner) in preexisting or isinstance(owner, mmap.mmap):
             return cost
     if array.dtype.hasobject:
-        cost += array.nbytes
-        for item in array.flat:
-            cost += _object_cost(item, preexisting)
-        return cost
+        items = array.ravel().tolist()
+        if set(map(type, items)) <= _FLAT_TYPES:  # the common case: bytes/str, C-speed
+            return cost + array.nbytes + sum(map(sys.getsizeof, items))
+        return cost + array.nbytes + sum(_object_cost(item, preexisting) for item in items)
     return cost + array.nbytes
 
 
 def _object_cost(value: Any, preexisting: frozenset[int] | set[int]) -> int:
     if isinstance(value, np.ndarray):
         return _array_cost(value, preexisting)
+    if type(value) in _FLAT_TYPES:
+        return sys.getsizeof(value)
     if isinstance(value, Mapping):
         return sys.getsizeof(value) + sum(
             _object_cost(item, preexisting) for item in value.values()

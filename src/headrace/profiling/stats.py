@@ -66,10 +66,17 @@ class RunStats:
     wait_seconds: float
     memory: ProcessMemory
     open_files: int
+    skipped_records: int = 0
+    skipped_bytes: int = 0
 
     @classmethod
     def capture(
-        cls, budget: MemoryBudget, elements: int, seconds: float, wait_seconds: float
+        cls,
+        budget: MemoryBudget,
+        elements: int,
+        seconds: float,
+        wait_seconds: float,
+        skipped: tuple[int, int] = (0, 0),
     ) -> RunStats:
         return cls(
             budget_total=budget.total,
@@ -81,6 +88,8 @@ class RunStats:
             wait_seconds=wait_seconds,
             memory=process_memory(),
             open_files=open_file_count(),
+            skipped_records=skipped[0],
+            skipped_bytes=skipped[1],
         )
 
     def format(self) -> str:
@@ -94,6 +103,7 @@ class RunStats:
             f"process: anonymous {format_bytes(self.memory.anonymous)}, shared "
             f"{format_bytes(self.memory.shared)}, file-backed {format_bytes(self.memory.file_backed)}"
             f"; open files {self.open_files}",
+            f"corrupt records skipped: {self.skipped_records} ({format_bytes(self.skipped_bytes)})",
             f"{'stage':<28}{'share':>12}{'held':>12}{'peak':>12}{'elements':>10}{'largest':>12}",
         ]
         for stage in self.stages:

@@ -40,8 +40,11 @@ class RecordReader(Protocol):
     def read_record(self) -> bytes | None:
         """The next record, or None at the end of the file."""
 
+    def read_batch(self, max_records: int) -> list[bytes]:
+        """Up to ``max_records`` records; an empty list at the end of the file."""
+
     @property
-    def offset(self) -> int:
+    def next_offset(self) -> int:
         """Byte offset (in the decompressed stream) of the next unread record."""
 
 
@@ -62,8 +65,17 @@ class TextLineReader:
         self._eof = False
 
     @property
-    def offset(self) -> int:
+    def next_offset(self) -> int:
         return self._offset
+
+    def read_batch(self, max_records: int) -> list[bytes]:
+        lines = []
+        for _ in range(max_records):
+            line = self.read_record()
+            if line is None:
+                break
+            lines.append(line)
+        return lines
 
     def read_record(self) -> bytes | None:
         while True:
@@ -162,6 +174,38 @@ class FileRecordsNode(Node):
         account = ctx.account(self, f"{self.stage} (suspended streams)", weight=0.25)
         return _FileRecordsIterator(self, ctx, account)
 
+    def batched_iterator(self, ctx: Context, batch_size: int, drop_remainder: bool) -> Iterator:
+        """``batch`` pushed into the reader: many records per call, no per-record Python."""
+        return _RecordBatches(self.make_iterator(ctx), batch_size, drop_remainder)
+
+
+def _object_array(records: list[bytes]) -> np.ndarray[Any, Any]:
+    out = np.empty(len(records), dtype=object)
+    out[:] = records
+    return out
+
+
+class _RecordBatches(Iterator):
+    stage = "batch"
+
+    def __init__(self, inner: Iterator, batch_size: int, drop_remainder: bool) -> None:
+        super().__init__(inner)
+        assert isinstance(inner, _FileRecordsIterator)
+        self.records = inner
+        self.batch_size, self.drop_remainder = batch_size, drop_remainder
+
+    def __next__(self) -> Any:
+        records = self.records.read_many(self.batch_size)
+        if not records or (self.drop_remainder and len(records) < self.batch_size):
+            raise StopIteration
+        return _object_array(records)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"records": self.records.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.records.set_state(state["records"])
+
 
 class _FileRecordsIterator(Iterator):
     def __init__(self, node: FileRecordsNode, ctx: Context, account: StageAccount) -> None:
@@ -192,19 +236,39 @@ class _FileRecordsIterator(Iterator):
             record = reader.read_record()
             if record is not None:
                 return record
-            self._close_file()
-            self.file_index += 1
-            self.start_offset = 0
+            self._next_file()
         raise StopIteration
 
+    def read_many(self, count: int) -> list[bytes]:
+        """Up to ``count`` records, across file boundaries (fewer only at the very end)."""
+        records: list[bytes] = []
+        while len(records) < count and self.file_index < len(self.node.filenames):
+            reader = self.reader or self._open()
+            batch = reader.read_batch(count - len(records))
+            if batch:
+                records.extend(batch)
+            else:
+                self._next_file()
+        return records
+
+    def _next_file(self) -> None:
+        self._close_file()
+        self.file_index += 1
+        self.start_offset = 0
+
     def _close_file(self) -> None:
+        skipped = getattr(self.reader, "skipped", None)
+        if skipped is not None and skipped[0]:
+            totals = self.ctx.shared.setdefault("skipped", [0, 0])
+            totals[0] += skipped[0]
+            totals[1] += skipped[1]
         if self.stream is not None:
             self.stream.close()
         self.stream = None
         self.reader = None
 
     def get_state(self) -> dict[str, Any]:
-        offset = self.reader.offset if self.reader is not None else self.start_offset
+        offset = self.reader.next_offset if self.reader is not None else self.start_offset
         return {"file": self.file_index, "offset": offset}
 
     def set_state(self, state: dict[str, Any]) -> None:

@@ -119,13 +119,16 @@ class BatchNode(Node):
         if plan is not None:
             access, make_stream = plan
             access.prepare(ctx)
-            return _ChargedGather(
+            return _ChargedBatches(
                 GatherBatchIterator(
                     access, make_stream(ctx), self.batch_size, self.drop_remainder
                 ),
                 ctx,
                 account,
             )
+        pushed = self.inputs[0].batched_iterator(ctx, self.batch_size, self.drop_remainder)
+        if pushed is not None:
+            return _ChargedBatches(pushed, ctx, account)
         return _BatchIterator(
             self.inputs[0].make_iterator(ctx), ctx, account, self.batch_size, self.drop_remainder
         )
@@ -137,12 +140,12 @@ def _batched_cardinality(inner: int, batch_size: int, drop_remainder: bool) -> i
     return inner // batch_size if drop_remainder else -(-inner // batch_size)
 
 
-class _ChargedGather(Iterator):
-    """Books each gathered batch on the batch stage's share before handing it on."""
+class _ChargedBatches(Iterator):
+    """Books each batch made below (a gather, a reader) on the batch stage's share."""
 
     stage = "batch"
 
-    def __init__(self, inner: GatherBatchIterator, ctx: Context, account: StageAccount) -> None:
+    def __init__(self, inner: Iterator, ctx: Context, account: StageAccount) -> None:
         super().__init__(inner)
         self.inner, self.ctx, self.account = inner, ctx, account
 

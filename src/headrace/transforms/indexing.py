@@ -230,6 +230,7 @@ class GatherIterator(Iterator):
 
     def close(self) -> None:
         self.stream.close()
+        self.access.close()
 
 
 class GatherBatchIterator(Iterator):
@@ -258,4 +259,5 @@ class GatherBatchIterator(Iterator):
 
     def close(self) -> None:
         self.stream.close()
+        self.access.close()
 

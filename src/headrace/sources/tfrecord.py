@@ -1,0 +1,226 @@
+"""TFRecord sources: streamed file by file, or random access through ``.hrx`` indexes.
+
+Streaming (``TFRecordDataset``) reads through the process-wide file pool with
+the framing reader of :mod:`headrace.io.tfrecord` (CRC-checked, bounded by
+``max_record_bytes``, optionally skipping corrupt records); ``batch`` is
+pushed into the reader, so a batch of 1,024 records costs one call.
+
+Indexed (``TFRecordDataset(..., indexed=True)``) loads each shard's record
+offsets (building missing indexes, refusing stale ones): the dataset becomes
+random-access, so ``shuffle`` and ``global_shuffle`` hold indices instead of
+records, ``shard`` reads only its own records and resuming is O(1).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import InvalidArgumentError
+from headrace.io.filepool import PooledStream, get_default_pool
+from headrace.io.tfrecord import DEFAULT_MAX_RECORD_BYTES, TFRecordReader, read_record_at
+from headrace.io.tfrecord_index import TFRecordIndex, build_index, index_path_for, load_index
+from headrace.iterator import Context
+from headrace.node import Node, RandomAccess
+from headrace.sources.files import FileRecordsNode, RecordReader, _filenames, file_limiter
+from headrace.structure import TensorSpec
+
+__all__ = ["IndexedTFRecordNode", "TFRecordNode", "tfrecord_node"]
+
+#: A random read fetches one record: read ahead a page, not 256 KiB.
+_RANDOM_READ_BUFFER = 4096
+
+
+class TFRecordNode(FileRecordsNode):
+    """``TFRecordDataset`` over one or more files, read one after another."""
+
+    stage = "tfrecord"
+
+    def __init__(
+        self,
+        filenames: Any,
+        compression_type: str | None,
+        buffer_size: int | None,
+        *,
+        verify_crc: bool,
+        max_record_bytes: int,
+        skip_corrupt: bool,
+    ) -> None:
+        super().__init__(filenames, compression_type, buffer_size)
+        self.verify_crc = verify_crc
+        self.max_record_bytes = max_record_bytes
+        self.skip_corrupt = skip_corrupt
+
+    def params(self) -> tuple[Any, ...]:
+        return (*super().params(), self.verify_crc, self.skip_corrupt)
+
+    def open_reader(self, stream: PooledStream, start: int) -> RecordReader:
+        stream.seek(start)
+        return _TFRecordReaderAdapter(
+            TFRecordReader(
+                stream,
+                path=stream.path,
+                start_offset=start,
+                compression_type=self.compression_type,
+                verify_crc=self.verify_crc,
+                max_record_bytes=self.max_record_bytes,
+                skip_corrupt=self.skip_corrupt,
+                buffer_size=self.buffer_bytes,
+            )
+        )
+
+
+class _TFRecordReaderAdapter:
+    """The file source's reader protocol over :class:`TFRecordReader`."""
+
+    def __init__(self, reader: TFRecordReader) -> None:
+        self.reader = reader
+
+    def read_record(self) -> bytes | None:
+        return self.reader.read_record()
+
+    def read_batch(self, max_records: int) -> list[bytes]:
+        return self.reader.read_batch(max_records)
+
+    @property
+    def next_offset(self) -> int:
+        return self.reader.next_offset
+
+    @property
+    def skipped(self) -> tuple[int, int]:
+        """Corrupt records skipped (``skip_corrupt=True``) and their bytes."""
+        return self.reader.skipped_records, self.reader.skipped_bytes
+
+
+class _IndexedAccess(RandomAccess):
+    """Record ``i`` of a list of indexed shards: one offset lookup, one positioned read."""
+
+    def __init__(self, node: IndexedTFRecordNode) -> None:
+        self.node = node
+        self.indexes = [load_index(name) for name in node.filenames]
+        self.starts = np.cumsum([0] + [len(index) for index in self.indexes]).tolist()
+        self.streams: dict[int, PooledStream] = {}
+        self.ctx: Context | None = None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def prepare(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def _stream(self, shard: int) -> PooledStream:
+        stream = self.streams.get(shard)
+        if stream is None:
+            stream = get_default_pool().open(
+                self.node.filenames[shard],
+                limiter=file_limiter(self.ctx) if self.ctx is not None else None,
+                buffer_size=_RANDOM_READ_BUFFER,
+            )
+            self.streams[shard] = stream
+        return stream
+
+    def get(self, index: int) -> Any:
+        if not 0 <= index < len(self):
+            raise IndexError(f"record {index} of {len(self)}")
+        shard = bisect.bisect_right(self.starts, index) - 1
+        offset = int(self.indexes[shard].offsets[index - self.starts[shard]])
+        return read_record_at(
+            self._stream(shard),
+            offset,
+            path=self.node.filenames[shard],
+            verify_crc=self.node.verify_crc,
+            max_record_bytes=self.node.max_record_bytes,
+        )
+
+    def get_many(self, indices: range | np.ndarray[Any, Any]) -> Any:
+        out = np.empty(len(indices), dtype=object)
+        order = np.argsort(np.asarray(indices), kind="stable")  # read each shard front to back
+        for position in order.tolist():
+            out[position] = self.get(int(indices[position]))
+        return out
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.close()
+        self.streams.clear()
+
+
+class IndexedTFRecordNode(Node):
+    """Uncompressed TFRecord shards with ``.hrx`` indexes, as a random-access dataset."""
+
+    stage = "tfrecord_indexed"
+
+    def __init__(
+        self,
+        filenames: Any,
+        *,
+        build_missing: bool,
+        verify_crc: bool,
+        max_record_bytes: int,
+    ) -> None:
+        super().__init__()
+        self.filenames = _filenames(filenames)
+        self.verify_crc = verify_crc
+        self.max_record_bytes = max_record_bytes
+        # Check (and build) indexes now: a stale one is an error at build time.
+        self.counts = [len(_index_for(name, build_missing)) for name in self.filenames]
+
+    def params(self) -> tuple[Any, ...]:
+        return (tuple(self.filenames), tuple(self.counts), self.verify_crc)
+
+    @property
+    def element_spec(self) -> Any:
+        return TensorSpec((), bytes)
+
+    def cardinality(self) -> int:
+        return sum(self.counts)
+
+    def random_access(self) -> RandomAccess:
+        return _IndexedAccess(self)
+
+
+def _index_for(name: str, build_missing: bool) -> TFRecordIndex:
+    """A shard's index: built when missing (if allowed), refused when stale."""
+    if build_missing and not os.path.exists(index_path_for(name)):
+        return build_index(name)
+    return load_index(name)
+
+
+def tfrecord_node(
+    filenames: Any,
+    compression_type: str | None,
+    buffer_size: int | None,
+    *,
+    indexed: bool,
+    build_missing_indexes: bool,
+    verify_crc: bool,
+    max_record_bytes: int | None,
+    skip_corrupt: bool,
+) -> Node:
+    """The node behind ``TFRecordDataset`` for one set of arguments (checked here)."""
+    limit = DEFAULT_MAX_RECORD_BYTES if max_record_bytes is None else max_record_bytes
+    if indexed:
+        if compression_type not in (None, ""):
+            raise InvalidArgumentError(
+                "TFRecordDataset: indexed=True needs uncompressed files (a compressed "
+                "stream cannot seek to a record)"
+            )
+        if skip_corrupt:
+            raise InvalidArgumentError("TFRecordDataset: skip_corrupt needs indexed=False")
+        return IndexedTFRecordNode(
+            filenames,
+            build_missing=build_missing_indexes,
+            verify_crc=verify_crc,
+            max_record_bytes=limit,
+        )
+    return TFRecordNode(
+        filenames,
+        compression_type,
+        buffer_size,
+        verify_crc=verify_crc,
+        max_record_bytes=limit,
+        skip_corrupt=skip_corrupt,
+    )

@@ -1,0 +1,154 @@
+"""``global_shuffle(seed=None, reshuffle_each_iteration=True)``: a full permutation, O(1) memory.
+
+A buffered ``shuffle`` only mixes within its window. ``global_shuffle`` needs a
+random-access input (arrays, ranges, indexed TFRecord files) and visits every
+element exactly once in a pseudo-random order given by a keyed bijection of
+``[0, n)`` — a Feistel network with cycle-walking — so it holds no buffer and
+no index list at all, and the state is one position: resuming is O(1) even
+at record 900 million.
+
+Workers of a distributed job that use the same seed see the same permutation,
+so ``global_shuffle(seed).shard(num_workers, rank)`` splits it disjointly.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import InvalidArgumentError
+from headrace.iterator import Context
+from headrace.node import IndexPlan, Indices, IndexStream, Node, check_positive
+
+__all__ = ["FeistelPermutation", "GlobalShuffleNode"]
+
+_ROUNDS = 4
+_CACHE_POSITIONS = 4096
+_MASK64 = (1 << 64) - 1
+
+
+class FeistelPermutation:
+    """A keyed bijection of ``[0, size)``, evaluated on NumPy arrays of positions."""
+
+    def __init__(self, size: int, key: int) -> None:
+        self.size = size
+        bits = max((size - 1).bit_length(), 2)
+        self.half_bits = (bits + 1) // 2
+        self.half_mask = np.uint64((1 << self.half_bits) - 1)
+        generator = np.random.Generator(np.random.Philox(key=key))
+        self.round_keys = generator.integers(0, 1 << 63, size=_ROUNDS, dtype=np.uint64)
+
+    def _round(self, value: np.ndarray[Any, Any], key: np.uint64) -> np.ndarray[Any, Any]:
+        # splitmix64-style mixing of the half-block with the round key
+        mixed = (value ^ key) * np.uint64(0x9E3779B97F4A7C15)
+        mixed ^= mixed >> np.uint64(29)
+        mixed *= np.uint64(0xBF58476D1CE4E5B9)
+        mixed ^= mixed >> np.uint64(32)
+        return mixed & self.half_mask
+
+    def _encrypt(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        shift = np.uint64(self.half_bits)
+        left = positions >> shift
+        right = positions & self.half_mask
+        for key in self.round_keys:
+            left, right = right, left ^ self._round(right, key)
+        return (left << shift) | right
+
+    def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """The permuted index of each position (cycle-walking keeps values in range)."""
+        with np.errstate(over="ignore"):
+            values = self._encrypt(positions.astype(np.uint64))
+            outside = values >= np.uint64(self.size)
+            while outside.any():
+                values[outside] = self._encrypt(values[outside])
+                outside = values >= np.uint64(self.size)
+        return values.astype(np.int64)
+
+
+class GlobalShuffleNode(Node):
+    stage = "global_shuffle"
+
+    def __init__(self, source: Node, seed: int | None, reshuffle_each_iteration: bool) -> None:
+        super().__init__(source)
+        if source.random_access() is None:
+            raise InvalidArgumentError(
+                "global_shuffle needs a random-access dataset (from_tensor_slices, range, "
+                "from_npy, TFRecordDataset(..., indexed=True), optionally followed by map, "
+                "enumerate, zip); this pipeline streams. Use shuffle(buffer_size) instead, "
+                "or apply global_shuffle before the streaming stage."
+            )
+        if seed is not None:
+            check_positive("global_shuffle: seed", seed, allow_zero=True)
+        self.seed = seed
+        self.base_seed = seed if seed is not None else secrets.randbits(63)
+        self.reshuffle = bool(reshuffle_each_iteration)
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.seed, self.reshuffle)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.inputs[0].element_spec
+
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()
+
+    def index_plan(self) -> IndexPlan | None:
+        access = self.inputs[0].random_access()
+        assert access is not None
+        size = len(access)
+
+        def make(ctx: Context) -> IndexStream:
+            epoch = [ctx.run.iteration, *ctx.epochs] if self.reshuffle else []
+            return _PermutedIndices(size, self.base_seed, epoch)
+
+        return access, make
+
+
+class _PermutedIndices(IndexStream):
+    def __init__(self, size: int, seed: int, epoch: list[int]) -> None:
+        self.size, self.seed, self.epoch = size, seed, epoch
+        self.position = 0
+        self._permutation = self._build()
+        self._cache: tuple[int, np.ndarray[Any, Any]] = (0, np.empty(0, np.int64))
+
+    def _build(self) -> FeistelPermutation:
+        words = np.random.SeedSequence([self.seed, *self.epoch]).generate_state(2, np.uint64)
+        return FeistelPermutation(self.size, int(words[0]) << 64 | int(words[1]))
+
+    def _permuted(self, start: int, stop: int) -> np.ndarray[Any, Any]:
+        """Permuted indices of positions [start, stop), computed a block at a time."""
+        cache_start, cache = self._cache
+        if not (cache_start <= start and stop <= cache_start + len(cache)):
+            end = max(stop, min(start + _CACHE_POSITIONS, self.size))
+            cache = self._permutation(np.arange(start, end, dtype=np.uint64))
+            cache_start = start
+            self._cache = (cache_start, cache)
+        return cache[start - cache_start : stop - cache_start]
+
+    def take(self, count: int) -> Indices:
+        stop = min(self.position + count, self.size)
+        if stop <= self.position:
+            return range(0)
+        block = self._permuted(self.position, stop)
+        self.position = stop
+        return block
+
+    def next_index(self) -> int:
+        if self.position >= self.size:
+            raise StopIteration
+        index = int(self._permuted(self.position, self.position + 1)[0])
+        self.position += 1
+        return index
+
+    def get_state(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, "epoch": self.epoch}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        self.seed = int(state["seed"])
+        self.epoch = [int(part) for part in state["epoch"]]
+        self._permutation = self._build()
+        self._cache = (0, np.empty(0, np.int64))
