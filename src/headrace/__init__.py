@@ -4,6 +4,7 @@ Everything public is listed in ``__all__`` below (and tested against it).
 """
 
 from headrace.dataset import Dataset, TextLineDataset, TFRecordDataset
+from headrace.distribute import AutoShardPolicy, ShardInfo, auto_shard, shard_info
 from headrace.errors import (
     CheckpointError,
     DataLossError,
@@ -28,6 +29,7 @@ __all__ = [
     "AUTOTUNE",
     "INFINITE",
     "UNKNOWN",
+    "AutoShardPolicy",
     "CheckpointError",
     "DataLossError",
     "Dataset",
@@ -41,10 +43,13 @@ __all__ = [
     "Options",
     "ParseError",
     "RecordTooLargeError",
+    "ShardInfo",
     "TFRecordDataset",
     "TensorSpec",
     "TextLineDataset",
     "WorkerError",
     "__version__",
+    "auto_shard",
     "parse_bytes",
+    "shard_info",
 ]
