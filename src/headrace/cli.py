@@ -125,6 +125,42 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if verdict == "within" else 1
 
 
+def _index(args: argparse.Namespace) -> int:
+    """``headrace index``: build (or ``--check``) the ``.hrx`` index of each file."""
+    from headrace.tools.index import build_indexes, check_indexes
+
+    results = check_indexes(args.files) if args.check else build_indexes(args.files)
+    for result in results:
+        print(result.format(), file=sys.stdout if result.ok else sys.stderr)
+    bad = sum(not result.ok for result in results)
+    if args.check and len(results) > 1:
+        print(f"{len(results) - bad} of {len(results)} indexes ok")
+    return 1 if bad else 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """``headrace inspect``: count, schema, sizes, CRC check and first records per file."""
+    from headrace.tools.inspect import format_report, inspect_tfrecord
+
+    corrupt = 0
+    total_records = 0
+    for number, path in enumerate(args.files):
+        report = inspect_tfrecord(
+            path,
+            compression_type=args.compression_type,
+            verify_crc=not args.no_crc,
+            sample_records=args.records,
+        )
+        if number:
+            print()
+        print(format_report(report))
+        corrupt += not report.ok
+        total_records += report.records
+    if len(args.files) > 1:
+        print(f"\n{len(args.files)} files, {total_records:,} records, {corrupt} corrupt")
+    return 1 if corrupt else 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -137,6 +173,36 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--shuffle", type=int, default=10_000, help="shuffle buffer (elements)")
     demo.add_argument("--dir", help="keep the data file in this directory (reused next time)")
     demo.set_defaults(run=_demo)
+
+    index = commands.add_parser(
+        "index", help="build .hrx record indexes of TFRecord files (any writer), or check them"
+    )
+    index.add_argument("files", nargs="+", metavar="FILE", help="uncompressed TFRecord files")
+    index.add_argument(
+        "--check",
+        action="store_true",
+        help="verify existing indexes instead of writing; exit 1 if any is stale or missing",
+    )
+    index.set_defaults(run=_index)
+
+    inspect = commands.add_parser(
+        "inspect", help="record count, Example schema, sizes and CRC check of TFRecord files"
+    )
+    inspect.add_argument("files", nargs="+", metavar="FILE", help="TFRecord files")
+    inspect.add_argument(
+        "--compression-type",
+        type=str.upper,
+        choices=["GZIP", "ZLIB"],
+        default=None,
+        help="how the files are compressed (as in TensorFlow); default none",
+    )
+    inspect.add_argument(
+        "--records", type=int, default=3, metavar="N", help="records to print (default 3)"
+    )
+    inspect.add_argument(
+        "--no-crc", action="store_true", help="skip CRC32C checks (framing is still checked)"
+    )
+    inspect.set_defaults(run=_inspect)
     return parser
 
 

@@ -484,7 +484,7 @@ class _TextFile:
         return TextLineDataset(filename, self.compression_type, self.buffer_size)
 
 
-def TextLineDataset(  # noqa: N802 - named like the tf.data class it replaces
+def TextLineDataset(
     filenames: Any,
     compression_type: str | None = None,
     buffer_size: int | None = None,
@@ -514,7 +514,7 @@ class _TFRecordFile:
         return TFRecordDataset(filename, self.compression_type, self.buffer_size, **self.kwargs)
 
 
-def TFRecordDataset(  # noqa: N802 - named like the tf.data class it replaces
+def TFRecordDataset(
     filenames: Any,
     compression_type: str | None = None,
     buffer_size: int | None = None,

@@ -144,11 +144,19 @@ class Iterator:
         return self
 
     def __next__(self) -> Any:
-        raise NotImplementedError
+        element, reservation = self.next_reserved()
+        reservation.release()  # the element leaves headrace's buffers here
+        return element
 
     def next_reserved(self) -> tuple[Any, Reservation]:
-        """The next element and the booking that holds it (none by default)."""
-        return next(self), NO_RESERVATION
+        """The next element and the booking that holds it (none by default).
+
+        Subclasses override one of the two: ``__next__`` (stages that hold
+        nothing) or ``next_reserved`` (stages that book what they hold).
+        """
+        if type(self).__next__ is Iterator.__next__:
+            raise NotImplementedError(f"{type(self).__name__} must implement __next__ or next_reserved")
+        return type(self).__next__(self), NO_RESERVATION
 
     def get_state(self) -> dict[str, Any]:
         """Where this iterator is, as a small JSON-able dict."""

@@ -34,6 +34,7 @@ from typing import IO, Protocol
 from headrace.errors import DataLossError, InvalidArgumentError, RecordTooLargeError
 from headrace.io._crc32c import masked_crc32c
 from headrace.io._native import native_module
+from headrace.io.streams import normalize_compression_type, open_stream
 
 __all__ = [
     "DEFAULT_BUFFER_SIZE",
@@ -155,57 +156,8 @@ def encode_records(records: Sequence[bytes]) -> bytes:
 
 # --------------------------------------------------------------------------- compression
 
-_COMPRESSION_TYPES = {None: "", "": "", "GZIP": "GZIP", "ZLIB": "ZLIB"}
-
-
-def normalize_compression_type(compression_type: str | None) -> str:
-    """Map TensorFlow's ``None | "" | "GZIP" | "ZLIB"`` to ``"" | "GZIP" | "ZLIB"``."""
-    try:
-        return _COMPRESSION_TYPES[compression_type]
-    except KeyError:
-        raise InvalidArgumentError(
-            f"compression_type must be None, '', 'GZIP' or 'ZLIB' (as in TensorFlow), "
-            f"got {compression_type!r}"
-        ) from None
-
-
 class _Readable(Protocol):
     def read(self, size: int = ..., /) -> bytes: ...
-
-
-class _ZlibReader:
-    """A minimal ``read(n)`` file over a zlib (RFC 1950) stream; stdlib has no zlib file.
-
-    Output per call is bounded by ``n`` (``max_length``), so a decompression bomb cannot
-    allocate more than the caller asked for.
-    """
-
-    def __init__(self, raw: _Readable, chunk_size: int = DEFAULT_BUFFER_SIZE) -> None:
-        self._raw = raw
-        self._chunk_size = chunk_size
-        self._decompressor = zlib.decompressobj()
-        self._pending = b""
-
-    def read(self, size: int = -1, /) -> bytes:
-        if size < 0:
-            size = 1 << 62
-        pieces: list[bytes] = []
-        produced = 0
-        while produced < size and not self._decompressor.eof:
-            if not self._pending:
-                self._pending = self._raw.read(self._chunk_size)
-                if not self._pending:
-                    raise EOFError("zlib stream ended before its end-of-stream marker")
-            piece = self._decompressor.decompress(self._pending, size - produced)
-            self._pending = self._decompressor.unconsumed_tail
-            pieces.append(piece)
-            produced += len(piece)
-        return b"".join(pieces)
-
-    def close(self) -> None:
-        close = getattr(self._raw, "close", None)
-        if close is not None:
-            close()
 
 
 def _decompression_errors() -> tuple[type[BaseException], ...]:
@@ -461,39 +413,6 @@ class TFRecordReader:
         self.skipped.append(SkippedSpan(offset, nbytes, f"{reason}; rest of file skipped"))
 
 
-def _wrap_decompressor(raw: IO[bytes], compression: str) -> _Readable:
-    if compression == "GZIP":
-        return gzip.GzipFile(fileobj=raw, mode="rb")
-    if compression == "ZLIB":
-        return _ZlibReader(raw)
-    return raw
-
-
-def _skip_forward(stream: _Readable, nbytes: int, path: str) -> None:
-    left = nbytes
-    while left > 0:
-        piece = stream.read(min(left, _MAX_READ_PIECE))
-        if not piece:
-            raise DataLossError(
-                f"cannot resume at offset {nbytes} in file {path}: the decompressed "
-                f"stream ends at offset {nbytes - left}",
-                path=path,
-                offset=nbytes,
-            )
-        left -= len(piece)
-
-
-def _seek_uncompressed(raw: IO[bytes], offset: int, path: str) -> None:
-    size = os.fstat(raw.fileno()).st_size
-    if offset > size:
-        raise DataLossError(
-            f"cannot resume at offset {offset} in file {path}: it has {size} bytes",
-            path=path,
-            offset=offset,
-        )
-    raw.seek(offset)
-
-
 def open_tfrecord(
     path: str | os.PathLike[str],
     *,
@@ -514,16 +433,19 @@ def open_tfrecord(
     path_str = os.fspath(path)
     if offset < 0:
         raise InvalidArgumentError(f"offset must be >= 0, got {offset}")
-    # Unbuffered: the reader does its own 256 KiB buffering, so no second copy is made.
-    raw = open(path_str, "rb", buffering=0)  # noqa: SIM115 - owned by the reader
+    stream = open_stream(path_str, compression, buffer_size=buffer_size)
     try:
-        stream = _wrap_decompressor(raw, compression)
-        if compression:
-            _skip_forward(stream, offset, path_str)
-        else:
-            _seek_uncompressed(raw, offset, path_str)
+        if stream.seek(offset) != offset or (
+            not compression and offset > os.path.getsize(path_str)
+        ):
+            raise DataLossError(
+                f"cannot resume at offset {offset} in file {path_str}: the "
+                f"{'decompressed ' if compression else ''}stream is shorter",
+                path=path_str,
+                offset=offset,
+            )
     except BaseException:
-        raw.close()
+        stream.close()
         raise
     return TFRecordReader(
         stream,

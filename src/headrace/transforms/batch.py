@@ -20,7 +20,7 @@ import numpy as np
 
 from headrace.errors import DataLossError, ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
+from headrace.memory.budget import Reservation, StageAccount, release_all
 from headrace.node import INFINITE, UNKNOWN, IndexPlan, Node, check_positive
 from headrace.structure import (
     TensorSpec,
@@ -195,11 +195,6 @@ class _Assembler(Iterator):
         finally:
             release_all(reservations)
         return batch, booked
-
-    def __next__(self) -> Any:
-        element, reservation = self.next_reserved()
-        reservation.release()
-        return element
 
     def get_state(self) -> dict[str, Any]:
         return {"inner": self.inner.get_state(), "position": self.position}
@@ -549,9 +544,6 @@ class _UnbatchIterator(_RowSource):
     def __next__(self) -> Any:
         return self._advance_recording().row()
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
-        return next(self), NO_RESERVATION
-
 
 class RebatchNode(Node):
     stage = "rebatch"
@@ -625,11 +617,6 @@ class _RebatchIterator(_RowSource):
         ]
         batch = pack_as(structure, leaves)
         return batch, self.account.charge(self.ctx.sizeof(batch))
-
-    def __next__(self) -> Any:
-        element, reservation = self.next_reserved()
-        reservation.release()
-        return element
 
     def get_state(self) -> dict[str, Any]:
         return {**super().get_state(), "batch_number": self.batch_number}

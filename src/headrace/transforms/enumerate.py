@@ -74,11 +74,6 @@ class _EnumerateIterator(Iterator):
         self.next_value += 1
         return (value, element), reservation
 
-    def __next__(self) -> Any:
-        element, reservation = self.next_reserved()
-        reservation.release()
-        return element
-
     def get_state(self) -> dict[str, Any]:
         return {"inner": self.inner.get_state(), "next": self.next_value}
 

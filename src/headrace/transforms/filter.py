@@ -70,11 +70,6 @@ class _FilterIterator(Iterator):
                 return element, reservation
             reservation.release()
 
-    def __next__(self) -> Any:
-        element, reservation = self.next_reserved()
-        reservation.release()
-        return element
-
     def get_state(self) -> dict[str, Any]:
         return {"inner": self.inner.get_state()}
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context
-from headrace.node import IndexPlan, Indices, IndexStream, Node, check_positive
+from headrace.node import IndexPlan, IndexStream, Indices, Node, check_positive
 
 __all__ = ["FeistelPermutation", "GlobalShuffleNode"]
 

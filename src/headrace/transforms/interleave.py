@@ -277,11 +277,6 @@ class _InterleaveIterator(Iterator):
                     return index
         return None
 
-    def __next__(self) -> Any:
-        element, reservation = self.next_reserved()
-        reservation.release()
-        return element
-
     # -- state -----------------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
         return {

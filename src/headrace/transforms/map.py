@@ -288,11 +288,6 @@ class _ParallelMapIterator(Iterator):
         output, reservation, _ = self.ready.popleft()
         return output, reservation
 
-    def __next__(self) -> Any:
-        element, reservation = self.next_reserved()
-        reservation.release()
-        return element
-
     def get_state(self) -> dict[str, Any]:
         if self.ready:
             return {"inner": self.ready[0][2]}

@@ -169,11 +169,6 @@ class PrefetchIterator(Iterator):
             producer.ready.notify_all()
         return element, reservation
 
-    def __next__(self) -> Any:
-        element, reservation = self.next_reserved()
-        reservation.release()
-        return element
-
     def get_state(self) -> dict[str, Any]:
         return {"inner": self.state}
 

@@ -101,11 +101,6 @@ class _RepeatIterator(Iterator):
             return pair
         raise StopIteration
 
-    def __next__(self) -> Any:
-        element, reservation = self.next_reserved()
-        reservation.release()
-        return element
-
     def get_state(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,

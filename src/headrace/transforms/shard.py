@@ -84,11 +84,6 @@ class _ShardIterator(Iterator):
                 return element, reservation
             reservation.release()
 
-    def __next__(self) -> Any:
-        element, reservation = self.next_reserved()
-        reservation.release()
-        return element
-
     def get_state(self) -> dict[str, Any]:
         return {"inner": self.inner.get_state(), "position": self.position}
 

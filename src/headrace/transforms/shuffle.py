@@ -306,11 +306,6 @@ class _ShuffleIterator(Iterator):
         element, reservation = self.ring.pop_drawn(self.shared.draws.next())
         return element, reservation
 
-    def __next__(self) -> Any:
-        element, reservation = self.next_reserved()
-        reservation.release()
-        return element
-
     def get_state(self) -> dict[str, Any]:
         return self.shared.as_dict(shrunk_to=self.shrunk_to)
 

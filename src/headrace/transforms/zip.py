@@ -77,14 +77,8 @@ class _ZipIterator(Iterator):
         super().__init__(*inners)
         self.structure = structure
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
-        elements = []
-        for inner in self.inputs:
-            elements.append(next(inner))
-        return pack_as(self.structure, elements), Reservation(None, 0)
-
     def __next__(self) -> Any:
-        return self.next_reserved()[0]
+        return pack_as(self.structure, [next(inner) for inner in self.inputs])
 
 
 def _check_compatible(first: Any, second: Any) -> Any:
@@ -168,11 +162,6 @@ class _ConcatenateIterator(Iterator):
             except StopIteration:
                 self.current += 1
         raise StopIteration
-
-    def __next__(self) -> Any:
-        element, reservation = self.next_reserved()
-        reservation.release()
-        return element
 
     def get_state(self) -> dict[str, Any]:
         return {**super().get_state(), "current": self.current}

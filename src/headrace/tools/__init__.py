@@ -1,0 +1,9 @@
+"""Command-line tools over TFRecord files, kept out of the import path of ``headrace``.
+
+Each module returns plain results and formats text, so ``headrace.cli`` stays a thin
+argument parser and the tools can be used (and tested) from Python:
+
+* :mod:`headrace.tools.index` - build or check ``.hrx`` record indexes (``headrace index``);
+* :mod:`headrace.tools.inspect` - record count, Example schema, sizes, CRC check and a
+  preview of records (``headrace inspect``).
+"""
