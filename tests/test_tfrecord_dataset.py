@@ -111,7 +111,7 @@ def test_stale_index_is_refused(tmp_path) -> None:
     build_index(files[0])
     with open(files[0], "ab") as handle:  # the shard changed after it was indexed
         handle.write(b"x")
-    with pytest.raises(hr.DataLossError, match="stale|changed"):
+    with pytest.raises(hr.DataLossError, match=r"stale|changed"):
         hr.TFRecordDataset(files, indexed=True)
 
 

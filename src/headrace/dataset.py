@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -397,14 +397,18 @@ class Dataset:
         *,
         num_shards: int = 1,
         compression_type: str | None = None,
-        progress: bool = True,
+        progress: bool | Literal["always"] = True,
+        batched: bool = False,
     ) -> list[str]:
         """Write this dataset of dicts as ``tf.train.Example`` records across ``num_shards``.
 
-        Offline preprocessing: shards are atomic (they appear under their final
-        name only when complete), each gets a ``.hrx`` record index (so it can
-        be read by random access: global shuffle, O(1) resume), and a progress
-        bar shows how far it got. Returns the shard paths.
+        Offline preprocessing: shards are atomic (all appear under their final
+        names only when every one is complete), each uncompressed shard gets a
+        ``.hrx`` record index (so it can be read by random access: global
+        shuffle, O(1) resume), and a progress bar on a terminal shows how far it
+        got (``progress="always"`` forces it). ``batched=True`` writes each row
+        of batched elements as one Example — the fast path. Returns the paths.
+        See :func:`headrace.writers.save_tfrecords`.
         """
         from headrace.writers import save_tfrecords
 
@@ -414,6 +418,7 @@ class Dataset:
             num_shards=num_shards,
             compression_type=compression_type,
             progress=progress,
+            batched=batched,
         )
 
     def __repr__(self) -> str:
@@ -543,7 +548,7 @@ def TFRecordDataset(
     """
     from headrace.sources.tfrecord import tfrecord_node
 
-    options = {
+    options: dict[str, Any] = {
         "indexed": indexed,
         "build_missing_indexes": build_missing_indexes,
         "verify_crc": verify_crc,

@@ -21,6 +21,7 @@ from collections.abc import Iterator as _PyIterator
 from typing import TYPE_CHECKING, Any
 
 from headrace.errors import CheckpointError, IteratorClosedError
+from headrace.memory.allocator import tune_allocator
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
 from headrace.memory.sizeof import sizeof
 from headrace.options import Options, available_memory
@@ -206,6 +207,8 @@ class DatasetIterator(_PyIterator[Any]):
     """
 
     def __init__(self, node: Node, options: Options) -> None:
+        if options.tune_allocator:
+            tune_allocator()
         self._node = node
         explicit = options.budget_bytes
         budget = MemoryBudget(explicit) if explicit is not None else default_budget().child()

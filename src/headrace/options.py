@@ -134,12 +134,16 @@ class Options:
         deterministic: ``None`` means ``True``. ``False`` lets parallel stages
             emit whichever element is ready first.
         warn_on_shrink: warn once when a requested buffer is shrunk to fit.
+        tune_allocator: on glibc, fix malloc's mmap threshold (once per process)
+            so freed element buffers return to the OS instead of lingering in
+            per-thread arenas, where the budget cannot see them.
     """
 
     memory_budget: int | str | None = None
     max_open_files: int | None = None
     deterministic: bool | None = None
     warn_on_shrink: bool = True
+    tune_allocator: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:
@@ -165,6 +169,7 @@ class Options:
             for name in ("memory_budget", "max_open_files", "deterministic")
             if getattr(other, name) is not None
         }
-        if not other.warn_on_shrink:
-            updates["warn_on_shrink"] = False
+        for flag in ("warn_on_shrink", "tune_allocator"):
+            if not getattr(other, flag):
+                updates[flag] = False
         return replace(self, **updates)

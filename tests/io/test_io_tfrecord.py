@@ -152,7 +152,7 @@ def test_corrupt_gzip_stream_is_data_loss(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:60])
     with (
         open_tfrecord(path, compression_type="GZIP") as reader,
-        pytest.raises(DataLossError, match="(truncated|corrupted) GZIP stream"),
+        pytest.raises(DataLossError, match=r"(truncated|corrupted) GZIP stream"),
     ):
         list(reader)
 

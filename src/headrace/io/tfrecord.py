@@ -160,6 +160,10 @@ class _Readable(Protocol):
     def read(self, size: int = ..., /) -> bytes: ...
 
 
+class _SeekableReadable(_Readable, Protocol):
+    def seek(self, offset: int, /) -> int: ...
+
+
 def _decompression_errors() -> tuple[type[BaseException], ...]:
     return (EOFError, zlib.error, gzip.BadGzipFile)
 
@@ -461,7 +465,7 @@ def open_tfrecord(
 
 
 def read_record_at(
-    file: IO[bytes],
+    file: _SeekableReadable,
     offset: int,
     *,
     path: str | None = None,
@@ -484,7 +488,7 @@ def read_record_at(
 
 
 def _read_payload(
-    file: IO[bytes],
+    file: _SeekableReadable,
     header: bytes,
     offset: int,
     display: str,

@@ -275,9 +275,8 @@ class PaddedBatchNode(Node):
         spec_leaves = flatten(spec)
         paths = structure_paths(spec)
         if padded_shapes is None:
-            shapes: list[tuple[int | None, ...]] = [
-                tuple(None for _ in leaf.shape) for leaf in spec_leaves
-            ]
+            # Unknown sizes pad to the batch's largest; a statically known size is kept.
+            shapes: list[tuple[int | None, ...]] = [tuple(leaf.shape) for leaf in spec_leaves]
         else:
             given = (
                 [padded_shapes] if not isinstance(spec, (dict, tuple)) else flatten(
@@ -289,6 +288,7 @@ class PaddedBatchNode(Node):
                     f"padded_batch: padded_shapes has {len(given)} components, the elements "
                     f"have {len(spec_leaves)} ({spec})"
                 )
+            # Explicit None/-1 pad to the batch's largest and leave the size unknown (tf.data).
             shapes = [_normalize_shape(s, p) for s, p in zip(given, paths, strict=True)]
         for shape, leaf, path in zip(shapes, spec_leaves, paths, strict=True):
             if len(shape) != len(leaf.shape):
@@ -440,7 +440,12 @@ class UnbatchNode(Node):
 
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()
-        return inner if inner == INFINITE else UNKNOWN if inner else 0
+        if inner == INFINITE:
+            return INFINITE
+        rows = {leaf.shape[0] for leaf in flatten(self.inputs[0].element_spec)}
+        if inner >= 0 and len(rows) == 1 and None not in rows:
+            return inner * int(rows.pop())  # every batch has the same static size
+        return UNKNOWN
 
     def make_iterator(self, ctx: Context) -> Iterator:
         return _UnbatchIterator(
@@ -471,6 +476,10 @@ class _Rows:
             return self.leaves[0][index]
         return pack_as(self.structure, [leaf[index] for leaf in self.leaves])
 
+    def empty(self) -> list[Any]:
+        """A zero-row block with this batch's dtypes and row shapes."""
+        return [leaf[:0] for leaf in self.leaves]
+
     def block(self, count: int) -> list[Any]:
         start = self.position
         stop = min(start + count, self.size)
@@ -485,6 +494,7 @@ class _RowSource(Iterator):
         super().__init__(inner)
         self.inner, self.account = inner, account
         self.current: _Rows | None = None
+        self.last_rows: _Rows | None = None  # shapes for empty batches, after the data ends
         self.batches = 0  # batches fully or partly consumed, for resume
         self.rows_taken = 0  # rows consumed from the current batch
 
@@ -496,7 +506,7 @@ class _RowSource(Iterator):
             batch, reservation = self.inner.next_reserved()
             if reservation.account is not None:
                 reservation = reservation.move_to(self.account, reservation.nbytes)
-            self.current = _Rows(batch, reservation)
+            self.current = self.last_rows = _Rows(batch, reservation)
             self.batches += 1
         return self.current
 
@@ -553,7 +563,10 @@ class RebatchNode(Node):
         sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
         if not sizes:
             raise InvalidArgumentError("rebatch: batch_size must not be empty")
-        self.sizes = [check_positive("rebatch: batch_size", size) for size in sizes]
+        # Zeros in a list make empty batches (tf.data); all zeros would never end.
+        self.sizes = [check_positive("rebatch: batch_size", size, allow_zero=True) for size in sizes]
+        if not any(self.sizes):
+            raise InvalidArgumentError(f"rebatch: batch_size must have a size > 0, got {sizes}")
         self.drop_remainder = bool(drop_remainder)
         for leaf, path in zip(
             flatten(source.element_spec), structure_paths(source.element_spec), strict=True
@@ -569,10 +582,19 @@ class RebatchNode(Node):
 
     @property
     def element_spec(self) -> Any:
-        fixed = self.sizes[0] if self.drop_remainder and len(set(self.sizes)) == 1 else None
-        return map_structure(
-            lambda leaf: leaf.without_leading().with_leading(fixed), self.inputs[0].element_spec
-        )
+        spec = self.inputs[0].element_spec
+        return map_structure(lambda leaf: leaf.without_leading().with_leading(self._static()), spec)
+
+    def _static(self) -> int | None:
+        """The batch size every output has, if that is known without reading (tf.data's rule)."""
+        if len(set(self.sizes)) != 1:
+            return None
+        size = self.sizes[0]
+        if self.drop_remainder:
+            return size
+        rows = {leaf.shape[0] for leaf in flatten(self.inputs[0].element_spec)}
+        known = rows.pop() if len(rows) == 1 else None
+        return size if known is not None and known % size == 0 else None
 
     def make_iterator(self, ctx: Context) -> Iterator:
         return _RebatchIterator(
@@ -608,7 +630,9 @@ class _RebatchIterator(_RowSource):
             block = rows.block(wanted - have)
             have += len(block[0])
             pieces.append(block)
-        if have == 0 or (self.node.drop_remainder and have < wanted):
+        if wanted == 0 and self.last_rows is not None:  # an empty batch, shaped like the data
+            structure, pieces = self.last_rows.structure, [self.last_rows.empty()]
+        elif have == 0 or (self.node.drop_remainder and have < wanted):
             raise StopIteration
         self.batch_number += 1
         leaves = [

@@ -46,7 +46,8 @@ class FeistelPermutation:
         mixed ^= mixed >> np.uint64(29)
         mixed *= np.uint64(0xBF58476D1CE4E5B9)
         mixed ^= mixed >> np.uint64(32)
-        return mixed & self.half_mask
+        masked: np.ndarray[Any, Any] = mixed & self.half_mask
+        return masked
 
     def _encrypt(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         shift = np.uint64(self.half_bits)
@@ -54,7 +55,8 @@ class FeistelPermutation:
         right = positions & self.half_mask
         for key in self.round_keys:
             left, right = right, left ^ self._round(right, key)
-        return (left << shift) | right
+        joined: np.ndarray[Any, Any] = (left << shift) | right
+        return joined
 
     def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         """The permuted index of each position (cycle-walking keeps values in range)."""

@@ -272,9 +272,12 @@ class _InterleaveIterator(Iterator):
         for step in range(length):
             index = (self.cycle_index + step) % length
             slot = self.slots[index]
-            if slot is not None and isinstance(slot.iterator, PrefetchIterator):
-                if slot.iterator.has_output():
-                    return index
+            if (
+                slot is not None
+                and isinstance(slot.iterator, PrefetchIterator)
+                and slot.iterator.has_output()
+            ):
+                return index
         return None
 
     # -- state -----------------------------------------------------------------------------

@@ -41,10 +41,10 @@ class RepeatNode(Node):
         inner = self.inputs[0].cardinality()
         if self.count == 0 or inner == 0:
             return 0
+        if self.count < 0 or inner == INFINITE:
+            return INFINITE  # as tf.data, even for an input of unknown size
         if inner == UNKNOWN:
             return UNKNOWN
-        if self.count < 0 or inner == INFINITE:
-            return INFINITE
         return inner * self.count
 
     def index_plan(self) -> IndexPlan | None:

@@ -110,9 +110,12 @@ class SkipNode(Node):
 
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()
+        if self.count < 0:
+            # tf.data says INFINITE for an infinite input, yet yields nothing
+            return UNKNOWN if inner == UNKNOWN else 0
         if inner in (INFINITE, UNKNOWN):
-            return 0 if self.count < 0 and inner == INFINITE else inner
-        return 0 if self.count < 0 else max(inner - self.count, 0)
+            return inner
+        return max(inner - self.count, 0)
 
     def index_plan(self) -> IndexPlan | None:
         plan = self.inputs[0].index_plan()
@@ -127,9 +130,24 @@ class SkipNode(Node):
         return access, make
 
     def make_iterator(self, ctx: Context) -> Iterator:
+        if self.count < 0:
+            return _EmptyIterator()  # skip everything: never read the input (tf.data)
         if self.index_plan() is not None:
             return super().make_iterator(ctx)
         return _SkipIterator(self.inputs[0].make_iterator(ctx), self.count)
+
+
+class _EmptyIterator(Iterator):
+    stage = "skip"
+
+    def __next__(self) -> Any:
+        raise StopIteration
+
+    def get_state(self) -> dict[str, Any]:
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        pass
 
 
 class _SkipIterator(Iterator):
@@ -137,14 +155,13 @@ class _SkipIterator(Iterator):
 
     def __init__(self, inner: Iterator, count: int) -> None:
         super().__init__(inner)
-        self.inner, self.to_skip = inner, count  # -1: skip everything
+        self.inner, self.to_skip = inner, count
 
     def _skip(self) -> None:
-        while self.to_skip != 0:
+        while self.to_skip > 0:
             _, reservation = self.inner.next_reserved()
             reservation.release()
-            if self.to_skip > 0:
-                self.to_skip -= 1
+            self.to_skip -= 1
 
     def __next__(self) -> Any:
         self._skip()
