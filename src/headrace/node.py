@@ -192,6 +192,52 @@ class Node:
         return GatherIterator(access, make_stream(ctx))
 
 
+class UnaryNode(Node):
+    """A node over one input that keeps its element spec (take, shard, prefetch, ...).
+
+    Nodes that only choose *which* input elements come (take, skip, shard,
+    repeat) implement :meth:`wrap_indices` to work on indices when the input is
+    random-access, and :meth:`stream_iterator` otherwise.
+    """
+
+    def __init__(self, source: Node) -> None:
+        super().__init__(source)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.inputs[0].element_spec
+
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()
+
+    def wrap_indices(
+        self, make_inner: Callable[[Context], IndexStream], ctx: Context
+    ) -> IndexStream | None:
+        """This node's index stream over the input's; None if it cannot work on indices."""
+        return None
+
+    def index_plan(self) -> IndexPlan | None:
+        plan = self.inputs[0].index_plan()
+        if plan is None or type(self).wrap_indices is UnaryNode.wrap_indices:
+            return None
+        access, make_inner = plan
+
+        def make(ctx: Context) -> IndexStream:
+            stream = self.wrap_indices(make_inner, ctx)
+            return make_inner(ctx) if stream is None else stream
+
+        return access, make
+
+    def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
+        """This node's iterator over a streaming input."""
+        raise NotImplementedError
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        if self.index_plan() is not None:
+            return super().make_iterator(ctx)
+        return self.stream_iterator(self.inputs[0].make_iterator(ctx), ctx)
+
+
 def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> int:
     """Validate an integer argument at build time, with a message that says how to fix it."""
     from headrace.errors import InvalidArgumentError

@@ -14,7 +14,7 @@ import numpy as np
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import UNKNOWN, Node, function_name
+from headrace.node import UNKNOWN, Node, UnaryNode, function_name
 from headrace.transforms.map import apply_fn
 
 __all__ = ["FilterNode"]
@@ -31,7 +31,7 @@ def _as_bool(value: Any, name: str) -> bool:
     )
 
 
-class FilterNode(Node):
+class FilterNode(UnaryNode):
     stage = "filter"
 
     def __init__(self, source: Node, predicate: Callable[..., Any]) -> None:
@@ -42,10 +42,6 @@ class FilterNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return (function_name(self.predicate),)
-
-    @property
-    def element_spec(self) -> Any:
-        return self.inputs[0].element_spec
 
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()

@@ -20,7 +20,7 @@ import numpy as np
 
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context
-from headrace.node import IndexPlan, IndexStream, Indices, Node, check_positive
+from headrace.node import IndexPlan, IndexStream, Indices, Node, UnaryNode, check_positive
 
 __all__ = ["FeistelPermutation", "GlobalShuffleNode"]
 
@@ -69,7 +69,7 @@ class FeistelPermutation:
         return values.astype(np.int64)
 
 
-class GlobalShuffleNode(Node):
+class GlobalShuffleNode(UnaryNode):
     stage = "global_shuffle"
 
     def __init__(self, source: Node, seed: int | None, reshuffle_each_iteration: bool) -> None:
@@ -89,13 +89,6 @@ class GlobalShuffleNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return (self.seed, self.reshuffle)
-
-    @property
-    def element_spec(self) -> Any:
-        return self.inputs[0].element_spec
-
-    def cardinality(self) -> int:
-        return self.inputs[0].cardinality()
 
     def index_plan(self) -> IndexPlan | None:
         access = self.inputs[0].random_access()

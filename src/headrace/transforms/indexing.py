@@ -85,79 +85,65 @@ def take_all(stream: IndexStream, count: int) -> Indices:
     return _concat(blocks)
 
 
-class TakeIndices(IndexStream):
+class _CountingIndices(IndexStream):
+    """An index stream over another, plus one counter: what take/skip/shard keep."""
+
+    counter = "count"
+
+    def __init__(self, inner: IndexStream, value: int) -> None:
+        self.inner, self.value = inner, value
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.get_state(), self.counter: self.value}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.set_state(state["inner"])
+        self.value = int(state[self.counter])
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class TakeIndices(_CountingIndices):
     """The first ``count`` indices of the inner stream."""
 
-    def __init__(self, inner: IndexStream, count: int) -> None:
-        self.inner, self.remaining = inner, count
+    counter = "remaining"
 
     def take(self, count: int) -> Indices:
-        block = self.inner.take(min(count, self.remaining))
-        self.remaining -= len(block)
+        block = self.inner.take(min(count, self.value))
+        self.value -= len(block)
         return block
 
-    def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), "remaining": self.remaining}
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.remaining = int(state["remaining"])
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class SkipIndices(IndexStream):
+class SkipIndices(_CountingIndices):
     """The inner stream without its first ``count`` indices (read nothing for them)."""
 
-    def __init__(self, inner: IndexStream, count: int) -> None:
-        self.inner, self.to_skip = inner, count
+    counter = "to_skip"
 
     def take(self, count: int) -> Indices:
-        while self.to_skip:
-            skipped = self.inner.take(min(self.to_skip, 1 << 16))
+        while self.value:
+            skipped = self.inner.take(min(self.value, 1 << 16))
             if len(skipped) == 0:
-                self.to_skip = 0
+                self.value = 0
                 break
-            self.to_skip -= len(skipped)
+            self.value -= len(skipped)
         return self.inner.take(count)
 
-    def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), "to_skip": self.to_skip}
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.to_skip = int(state["to_skip"])
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class ShardIndices(IndexStream):
+class ShardIndices(_CountingIndices):
     """Every ``num_shards``-th index starting at ``index`` (tf.data's ``shard``)."""
 
+    counter = "seen"  # indices consumed from the inner stream
+
     def __init__(self, inner: IndexStream, num_shards: int, index: int) -> None:
-        self.inner, self.num_shards, self.index = inner, num_shards, index
-        self.seen = 0  # indices consumed from the inner stream
+        super().__init__(inner, 0)
+        self.num_shards, self.index = num_shards, index
 
     def take(self, count: int) -> Indices:
-        wanted = count * self.num_shards
-        block = take_all(self.inner, wanted)
-        offset = (self.index - self.seen) % self.num_shards
-        self.seen += len(block)
-        if isinstance(block, range):
-            return block[offset :: self.num_shards]
+        block = take_all(self.inner, count * self.num_shards)
+        offset = (self.index - self.value) % self.num_shards
+        self.value += len(block)
         return block[offset :: self.num_shards]
-
-    def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), "seen": self.seen}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.seen = int(state["seen"])
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class RepeatIndices(IndexStream):

@@ -19,7 +19,7 @@ from typing import Any
 
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import BudgetClosed, Reservation, StageAccount, release_all
-from headrace.node import Node, check_positive
+from headrace.node import Node, UnaryNode, check_positive
 from headrace.options import AUTOTUNE
 
 __all__ = ["PrefetchIterator", "PrefetchNode"]
@@ -27,7 +27,7 @@ __all__ = ["PrefetchIterator", "PrefetchNode"]
 _MAX_AUTOTUNE_DEPTH = 1 << 16
 
 
-class PrefetchNode(Node):
+class PrefetchNode(UnaryNode):
     stage = "prefetch"
 
     def __init__(self, source: Node, buffer_size: int) -> None:
@@ -38,13 +38,6 @@ class PrefetchNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return (self.buffer_size,)
-
-    @property
-    def element_spec(self) -> Any:
-        return self.inputs[0].element_spec
-
-    def cardinality(self) -> int:
-        return self.inputs[0].cardinality()
 
     def make_iterator(self, ctx: Context) -> Iterator:
         account = ctx.account(self, "prefetch", weight=1)

@@ -6,18 +6,19 @@ out empty ends the repetition instead of spinning (tf.data does the same).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import INFINITE, UNKNOWN, IndexPlan, IndexStream, Node
+from headrace.node import INFINITE, UNKNOWN, IndexStream, Node, UnaryNode
 from headrace.transforms.indexing import RepeatIndices
 
 __all__ = ["RepeatNode"]
 
 
-class RepeatNode(Node):
+class RepeatNode(UnaryNode):
     stage = "repeat"
 
     def __init__(self, source: Node, count: int | None) -> None:
@@ -33,10 +34,6 @@ class RepeatNode(Node):
     def params(self) -> tuple[Any, ...]:
         return (self.count,)
 
-    @property
-    def element_spec(self) -> Any:
-        return self.inputs[0].element_spec
-
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()
         if self.count == 0 or inner == 0:
@@ -47,21 +44,15 @@ class RepeatNode(Node):
             return UNKNOWN
         return inner * self.count
 
-    def index_plan(self) -> IndexPlan | None:
-        plan = self.inputs[0].index_plan()
-        if plan is None:
-            return None
-        access, make_inner = plan
-        count = self.count
-
-        def make(ctx: Context) -> IndexStream:
-            return RepeatIndices(lambda epoch: make_inner(ctx.with_epoch(epoch)), count)
-
-        return access, make
+    def wrap_indices(
+        self, make_inner: Callable[[Context], IndexStream], ctx: Context
+    ) -> IndexStream | None:
+        return RepeatIndices(lambda epoch: make_inner(ctx.with_epoch(epoch)), self.count)
 
     def make_iterator(self, ctx: Context) -> Iterator:
         if self.index_plan() is not None:
             return super().make_iterator(ctx)
+        # not stream_iterator: each epoch builds its own input iterator
         return _RepeatIterator(self.inputs[0], ctx, self.count)
 
 

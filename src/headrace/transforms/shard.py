@@ -7,18 +7,19 @@ For files, shard the *file list* before reading (see ``headrace.auto_shard``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import INFINITE, UNKNOWN, IndexPlan, IndexStream, Node
+from headrace.node import INFINITE, UNKNOWN, IndexStream, Node, UnaryNode
 from headrace.transforms.indexing import ShardIndices
 
 __all__ = ["ShardNode"]
 
 
-class ShardNode(Node):
+class ShardNode(UnaryNode):
     stage = "shard"
 
     def __init__(self, source: Node, num_shards: int, index: int) -> None:
@@ -39,32 +40,19 @@ class ShardNode(Node):
     def params(self) -> tuple[Any, ...]:
         return (self.num_shards, self.index)
 
-    @property
-    def element_spec(self) -> Any:
-        return self.inputs[0].element_spec
-
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()
         if inner in (INFINITE, UNKNOWN):
             return inner
         return inner // self.num_shards + (self.index < inner % self.num_shards)
 
-    def index_plan(self) -> IndexPlan | None:
-        plan = self.inputs[0].index_plan()
-        if plan is None:
-            return None
-        access, make_inner = plan
-        num_shards, index = self.num_shards, self.index
+    def wrap_indices(
+        self, make_inner: Callable[[Context], IndexStream], ctx: Context
+    ) -> IndexStream | None:
+        return ShardIndices(make_inner(ctx), self.num_shards, self.index)
 
-        def make(ctx: Context) -> IndexStream:
-            return ShardIndices(make_inner(ctx), num_shards, index)
-
-        return access, make
-
-    def make_iterator(self, ctx: Context) -> Iterator:
-        if self.index_plan() is not None:
-            return super().make_iterator(ctx)
-        return _ShardIterator(self.inputs[0].make_iterator(ctx), self.num_shards, self.index)
+    def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
+        return _ShardIterator(inner, self.num_shards, self.index)
 
 
 class _ShardIterator(Iterator):

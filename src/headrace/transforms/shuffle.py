@@ -28,7 +28,7 @@ import numpy as np
 from headrace.errors import CheckpointError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
-from headrace.node import IndexPlan, IndexStream, Indices, Node, check_positive
+from headrace.node import IndexPlan, IndexStream, Indices, Node, UnaryNode, check_positive
 from headrace.options import format_bytes
 
 __all__ = ["ShuffleNode"]
@@ -64,7 +64,7 @@ def _epoch_key(seed: int, epoch: list[int]) -> int:
     return int(words[0]) << 64 | int(words[1])
 
 
-class ShuffleNode(Node):
+class ShuffleNode(UnaryNode):
     stage = "shuffle"
 
     def __init__(
@@ -80,13 +80,6 @@ class ShuffleNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return (self.buffer_size, self.seed, self.reshuffle)
-
-    @property
-    def element_spec(self) -> Any:
-        return self.inputs[0].element_spec
-
-    def cardinality(self) -> int:
-        return self.inputs[0].cardinality()
 
     def epoch_of(self, ctx: Context) -> list[int]:
         """What seeds this iterator besides the seed: which iteration and repetition it is."""

@@ -6,12 +6,13 @@ random-access input both act on indices, so skipped elements are never read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import INFINITE, UNKNOWN, IndexPlan, IndexStream, Node
+from headrace.node import INFINITE, UNKNOWN, IndexStream, Node, UnaryNode
 from headrace.transforms.indexing import SkipIndices, TakeIndices
 
 __all__ = ["SkipNode", "TakeNode"]
@@ -25,7 +26,7 @@ def _check_count(name: str, count: Any) -> int:
     return count
 
 
-class TakeNode(Node):
+class TakeNode(UnaryNode):
     stage = "take"
 
     def __init__(self, source: Node, count: int) -> None:
@@ -35,10 +36,6 @@ class TakeNode(Node):
     def params(self) -> tuple[Any, ...]:
         return (self.count,)
 
-    @property
-    def element_spec(self) -> Any:
-        return self.inputs[0].element_spec
-
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()
         if self.count < 0:
@@ -47,22 +44,13 @@ class TakeNode(Node):
             return UNKNOWN
         return self.count if inner == INFINITE else min(inner, self.count)
 
-    def index_plan(self) -> IndexPlan | None:
-        plan = self.inputs[0].index_plan()
-        if plan is None or self.count < 0:
-            return plan
-        access, make_inner = plan
-        count = self.count
+    def wrap_indices(
+        self, make_inner: Callable[[Context], IndexStream], ctx: Context
+    ) -> IndexStream | None:
+        return None if self.count < 0 else TakeIndices(make_inner(ctx), self.count)
 
-        def make(ctx: Context) -> IndexStream:
-            return TakeIndices(make_inner(ctx), count)
-
-        return access, make
-
-    def make_iterator(self, ctx: Context) -> Iterator:
-        if self.index_plan() is not None:
-            return super().make_iterator(ctx)
-        return _TakeIterator(self.inputs[0].make_iterator(ctx), self.count)
+    def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
+        return inner if self.count < 0 else _TakeIterator(inner, self.count)
 
 
 class _TakeIterator(Iterator):
@@ -94,7 +82,7 @@ class _TakeIterator(Iterator):
         self.remaining = int(state["remaining"])
 
 
-class SkipNode(Node):
+class SkipNode(UnaryNode):
     stage = "skip"
 
     def __init__(self, source: Node, count: int) -> None:
@@ -103,10 +91,6 @@ class SkipNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return (self.count,)
-
-    @property
-    def element_spec(self) -> Any:
-        return self.inputs[0].element_spec
 
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()
@@ -117,24 +101,20 @@ class SkipNode(Node):
             return inner
         return max(inner - self.count, 0)
 
-    def index_plan(self) -> IndexPlan | None:
-        plan = self.inputs[0].index_plan()
-        if plan is None:
-            return None
-        access, make_inner = plan
-        count = self.count if self.count >= 0 else len(access)
-
-        def make(ctx: Context) -> IndexStream:
-            return SkipIndices(make_inner(ctx), count)
-
-        return access, make
+    def wrap_indices(
+        self, make_inner: Callable[[Context], IndexStream], ctx: Context
+    ) -> IndexStream | None:
+        if self.count < 0:
+            return TakeIndices(make_inner(ctx), 0)  # skip everything, read nothing
+        return SkipIndices(make_inner(ctx), self.count)
 
     def make_iterator(self, ctx: Context) -> Iterator:
         if self.count < 0:
-            return _EmptyIterator()  # skip everything: never read the input (tf.data)
-        if self.index_plan() is not None:
-            return super().make_iterator(ctx)
-        return _SkipIterator(self.inputs[0].make_iterator(ctx), self.count)
+            return _EmptyIterator()  # never read the input, as tf.data
+        return super().make_iterator(ctx)
+
+    def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
+        return _SkipIterator(inner, self.count)
 
 
 class _EmptyIterator(Iterator):
