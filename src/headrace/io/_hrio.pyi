@@ -1,6 +1,7 @@
 """Type stub of the optional C extension built from ``_ext/hrio.c``."""
 
 from collections.abc import Sequence
+from typing import Any
 
 class ParseFailure(ValueError):
     """args = (code, record_index, key_index, position, found_kind)."""
@@ -19,3 +20,13 @@ def frame_records(records: list[bytes], /) -> bytes: ...
 def parse_example_columns(
     serialized: Sequence[bytes], keys: Sequence[bytes], kinds: Sequence[int], /
 ) -> list[tuple[bytearray | list[bytes], bytearray]]: ...
+def shuffle_draw(
+    ring: Any,
+    capacity: int,
+    start: int,
+    end: int,
+    incoming: Any,
+    draws: Any,
+    out: Any,
+    /,
+) -> tuple[int, int, int, int]: ...

@@ -26,10 +26,12 @@ from typing import Any
 import numpy as np
 
 from headrace.errors import CheckpointError
+from headrace.io._native import native_module
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
 from headrace.node import IndexPlan, IndexStream, Indices, Node, UnaryNode, check_positive
 from headrace.options import format_bytes
+from headrace.transforms.indexing import take_all
 
 __all__ = ["ShuffleNode"]
 
@@ -38,25 +40,43 @@ _INDEX_SLOT_BYTES = 8
 
 
 class _Draws:
-    """uint32 draws from Philox, generated in blocks; resumable by count."""
+    """uint32 draws from Philox, generated in blocks of 4,096; resumable by count.
+
+    ``next`` serves one draw (the element path); ``peek``/``advance`` serve
+    many at once (the index path). Both read the same sequence.
+    """
 
     def __init__(self, key: int) -> None:
         self.key = key
         self.count = 0
         self._generator = np.random.Generator(np.random.Philox(key=key))
-        self._block: list[int] = []
+        self._block = np.empty(0, np.uint64)
+        self._listed: list[int] = []
         self._position = 0
 
+    def _new_block(self) -> np.ndarray[Any, Any]:
+        return self._generator.integers(0, 1 << 32, size=_DRAW_BLOCK, dtype=np.uint64)
+
     def next(self) -> int:
-        if self._position == len(self._block):
-            self._block = self._generator.integers(
-                0, 1 << 32, size=_DRAW_BLOCK, dtype=np.uint64
-            ).tolist()
+        if self._position == len(self._listed):
+            self._listed = self._new_block().tolist()
             self._position = 0
-        value = self._block[self._position]
+        value = self._listed[self._position]
         self._position += 1
         self.count += 1
         return value
+
+    def peek(self, count: int) -> np.ndarray[Any, Any]:
+        """The next ``count`` draws, without using them up."""
+        while len(self._block) - self._position < count:
+            self._block = np.concatenate([self._block[self._position :], self._new_block()])
+            self._position = 0
+        return self._block[self._position : self._position + count]
+
+    def advance(self, count: int) -> None:
+        """Use up ``count`` draws returned by :meth:`peek`."""
+        self._position += count
+        self.count += count
 
 
 def _epoch_key(seed: int, epoch: list[int]) -> int:
@@ -176,41 +196,82 @@ class _ShuffleState:
         return int(state["drawn"])
 
 
+def _draw_python(
+    ring: np.ndarray[Any, Any],
+    capacity: int,
+    start: int,
+    end: int,
+    incoming: np.ndarray[Any, Any],
+    draws: np.ndarray[Any, Any],
+    out: np.ndarray[Any, Any],
+) -> tuple[int, int, int, int]:
+    """The pure-Python twin of the C kernel ``shuffle_draw`` (identical results)."""
+    slots, arriving, drawn = ring.tolist(), incoming.tolist(), draws.tolist()
+    used = produced = 0
+    while produced < len(out):
+        if end - start < capacity and used < len(arriving):
+            slots[end % capacity] = arriving[used]
+            used += 1
+            end += 1
+        if end == start:
+            break
+        first = start % capacity
+        slot = (start + drawn[produced] % (end - start)) % capacity
+        out[produced] = slots[slot]
+        slots[slot] = slots[first]
+        start += 1
+        produced += 1
+    ring[:] = slots
+    return produced, start, end, used
+
+
 class _ShuffledIndices(IndexStream):
+    """tf.data's shuffle ring over indices: 8 bytes a slot, drawn in C a block at a time."""
+
     def __init__(
         self, node: ShuffleNode, inner: IndexStream, account: StageAccount, ctx: Context
     ) -> None:
         self.node, self.inner, self.account = node, inner, account
         self.shared = _ShuffleState(node, ctx, inner.get_state())
-        self.ring = _Ring(node.buffer_size)
-        self.exhausted = False
         self.booked = 0
+        self._reset(node.buffer_size)
+
+    def _reset(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.ring = np.empty(0, np.int64)
+        self.start = self.end = 0
+        self.pending = np.empty(0, np.int64)  # indices pulled but not yet in the ring
+        self.exhausted = False
+        self.filled = False
 
     def _fill(self) -> None:
-        ring = self.ring
-        while len(ring) < ring.capacity and not self.exhausted:
-            wanted = self._book_slots(len(ring) + min(ring.capacity - len(ring), 1 << 16))
-            if wanted <= len(ring):
-                return
-            block = self.inner.take(wanted - len(ring))
-            if len(block) == 0:
+        """The first fill: up to ``capacity`` indices, booked on the budget as they come."""
+        blocks: list[np.ndarray[Any, Any]] = []
+        held = 0
+        while held < self.capacity and not self.exhausted:
+            wanted = self._book_slots(held + min(self.capacity - held, 1 << 16)) - held
+            if wanted <= 0:
+                break
+            block = take_all(self.inner, wanted)
+            if len(block) < wanted:
                 self.exhausted = True
-                return
-            for index in block:
-                ring.push(int(index))
+            if len(block):
+                blocks.append(np.asarray(block, dtype=np.int64))
+                held += len(block)
+        self.ring = np.concatenate(blocks) if blocks else np.empty(0, np.int64)
+        self.end = held
+        self.filled = True
 
     def _book_slots(self, slots: int) -> int:
         """Book the budget for ``slots`` index slots; shrink the ring if they cannot fit."""
-        slots = max(slots, len(self.ring.slots))
         needed = slots * _INDEX_SLOT_BYTES - self.booked
         if needed <= 0:
             return slots
         room = self.account.limit - self.account.held
         if needed > room:
             fits = max((self.booked + max(room, 0)) // _INDEX_SLOT_BYTES, 1)
-            if self.ring.start == 0:
-                self.ring.capacity = min(self.ring.capacity, fits)
-                _warn_shrink(self.node, self.account, fits, _INDEX_SLOT_BYTES)
+            self.capacity = min(self.capacity, fits)
+            _warn_shrink(self.node, self.account, fits, _INDEX_SLOT_BYTES)
             slots = fits
             needed = slots * _INDEX_SLOT_BYTES - self.booked
         if needed > 0:
@@ -219,25 +280,32 @@ class _ShuffledIndices(IndexStream):
         return slots
 
     def take(self, count: int) -> Indices:
-        out = []
-        ring, draws = self.ring, self.shared.draws
-        for _ in range(count):
-            if len(ring) < ring.capacity and not self.exhausted:
-                self._fill()
-            if not len(ring):
-                break
-            out.append(ring.pop_drawn(draws.next()))
-        return np.asarray(out, dtype=np.int64)
+        if not self.filled:
+            self._fill()
+        if len(self.pending) < count and not self.exhausted:
+            block = take_all(self.inner, count - len(self.pending))
+            if len(block) < count - len(self.pending):
+                self.exhausted = True
+            self.pending = np.concatenate([self.pending, np.asarray(block, dtype=np.int64)])
+        out = np.empty(count, np.int64)
+        native = native_module()
+        kernel = native.shuffle_draw if native is not None else _draw_python
+        produced, self.start, self.end, used = kernel(
+            self.ring, self.capacity, self.start, self.end, self.pending,
+            self.shared.draws.peek(count), out,
+        )
+        self.shared.draws.advance(produced)
+        self.pending = self.pending[used:]
+        return out[:produced]
 
     def get_state(self) -> dict[str, Any]:
-        return self.shared.as_dict(capacity=self.ring.capacity)
+        return self.shared.as_dict(capacity=self.capacity)
 
     def set_state(self, state: dict[str, Any]) -> None:
         drawn = self.shared.restore(state)
         self.inner.set_state(self.shared.inner_start)
-        self.ring = _Ring(min(int(state["capacity"]), self.node.buffer_size))
-        self.exhausted = False
-        while drawn:
+        self._reset(min(int(state["capacity"]), self.node.buffer_size))
+        while drawn:  # replay the draws: indices only, no data is read
             drawn -= len(self.take(min(drawn, 1 << 16)))
 
     def close(self) -> None:

@@ -670,6 +670,63 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ shuffle */
+
+/* tf.data's fill-then-draw shuffle ring, over int64 indices: before each draw the
+ * ring is topped up from `incoming` while it holds fewer than `capacity`; a draw
+ * outputs slot (start + draw % held) % capacity and moves the oldest into it. */
+static PyObject *py_shuffle_draw(PyObject *self, PyObject *args)
+{
+    Py_buffer slots, incoming, draws, out;
+    Py_ssize_t capacity, start, end;
+    if (!PyArg_ParseTuple(args, "w*nnny*y*w*", &slots, &capacity, &start, &end, &incoming,
+                          &draws, &out))
+        return NULL;
+    PyObject *result = NULL;
+    int64_t *ring = (int64_t *)slots.buf;
+    const int64_t *in = (const int64_t *)incoming.buf;
+    const uint64_t *draw = (const uint64_t *)draws.buf;
+    int64_t *output = (int64_t *)out.buf;
+    Py_ssize_t ring_len = slots.len / 8, in_len = incoming.len / 8;
+    Py_ssize_t count = out.len / 8;
+    if (draws.len / 8 < count || capacity <= 0 || start < 0 || end < start) {
+        PyErr_SetString(PyExc_ValueError, "shuffle_draw: inconsistent arguments");
+        goto done;
+    }
+    Py_ssize_t used_in = 0, produced = 0;
+    while (produced < count) {
+        if (end - start < capacity && used_in < in_len) {
+            Py_ssize_t slot = end % capacity;
+            if (slot >= ring_len) {
+                PyErr_SetString(PyExc_ValueError, "shuffle_draw: ring smaller than capacity");
+                goto done;
+            }
+            ring[slot] = in[used_in++];
+            end++;
+        }
+        if (end == start)
+            break;
+        Py_ssize_t held = end - start;
+        Py_ssize_t first = start % capacity;
+        Py_ssize_t slot = (Py_ssize_t)((start + (Py_ssize_t)(draw[produced] % (uint64_t)held)) %
+                                       capacity);
+        if (slot >= ring_len || first >= ring_len) {
+            PyErr_SetString(PyExc_ValueError, "shuffle_draw: ring smaller than its contents");
+            goto done;
+        }
+        output[produced++] = ring[slot];
+        ring[slot] = ring[first];
+        start++;
+    }
+    result = Py_BuildValue("nnnn", produced, start, end, used_in);
+done:
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&incoming);
+    PyBuffer_Release(&draws);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef methods[] = {
@@ -680,6 +737,9 @@ static PyMethodDef methods[] = {
     {"frame_records", py_frame_records, METH_O, "frame_records(records) -> bytes (TFRecord)."},
     {"parse_example_columns", py_parse_example_columns, METH_VARARGS,
      "parse_example_columns(records, keys, kinds) -> [(values, counts)]"},
+    {"shuffle_draw", py_shuffle_draw, METH_VARARGS,
+     "shuffle_draw(ring, capacity, start, end, incoming, draws, out)"
+     " -> (produced, start, end, used_incoming)"},
     {NULL, NULL, 0, NULL},
 };
 
