@@ -1,0 +1,132 @@
+"""Write the README's performance table from the benchmark results (never by hand).
+
+Usage: ``python benchmarks/readme_table.py`` after ``bench_core.py`` (and
+``bench_tfrecord.py``, if run). Reads ``benchmarks/results/core.json`` and
+``benchmarks/results/tfrecord.json``, and replaces the text between the
+``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->`` markers in
+README.md with a table of ratios against tf.data and the machine they ran on.
+``--check`` exits 1 if the README's table is not what the results say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
+MiB = 1 << 20
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _rate(side: dict[str, Any]) -> float:
+    return float(side.get("rows_per_s") or 0.0)
+
+
+def _growth(side: dict[str, Any]) -> float:
+    return float(side.get("peak_growth") or 0.0) / MiB
+
+
+def _core_rows(core: dict[str, Any]) -> list[str]:
+    rows = []
+    for key, label in (
+        ("scenario1", "500 MB array -> batch(1000)"),
+        ("scenario2", "500 MB array -> shuffle(all) -> batch(1000)"),
+    ):
+        sides = core.get(key, {})
+        ours, theirs = sides.get("headrace", {}), sides.get("tf.data", {})
+        if _rate(ours) and _rate(theirs):
+            rows.append(
+                f"| {label} | {_rate(ours) / 1e6:.2f} M rows/s | "
+                f"{_rate(ours) / _rate(theirs):.0f}x | {_growth(ours):.0f} MiB | "
+                f"{_growth(theirs):,.0f} MiB |"
+            )
+    cells = [cell for cell in core.get("scenario3", []) if cell.get("headrace")]
+    if cells:
+        within = sum(
+            1 for cell in cells
+            if _growth(cell["headrace"]) * MiB <= cell["headrace"].get("bound", 0)
+        )
+        worst = max(cells, key=lambda c: c["headrace"]["peak_growth"] / c["headrace"]["bound"])
+        rows.append(
+            f"| budgets 64 MiB / 256 MiB / 1 GiB vs pipelines asking for far more "
+            f"({len(cells)} cells) | {within}/{len(cells)} within budget + 10% + 64 MiB | | "
+            f"worst: {_growth(worst['headrace']):.0f} MiB of {worst['headrace']['bound'] / MiB:.0f}"
+            f" MiB bound ({worst['budget_name']}, {worst['pipeline']}) | up to "
+            f"{max(_growth(c.get('tf.data', {})) for c in cells):,.0f} MiB |"
+        )
+    return rows
+
+
+def _tfrecord_rows(tfrecord: dict[str, Any]) -> list[str]:
+    rows = []
+    for entry in tfrecord.get("summary", []):
+        rows.append(
+            f"| {entry['label']} | {entry['headrace']} | {entry['ratio']} | "
+            f"{entry.get('headrace_memory', '')} | {entry.get('tf_memory', '')} |"
+        )
+    return rows
+
+
+def build_table() -> str:
+    core, tfrecord = _load("core"), _load("tfrecord")
+    if core is None:
+        raise SystemExit("no benchmarks/results/core.json: run benchmarks/bench_core.py first")
+    machine = core.get("machine", {})
+    lines = [
+        f"Measured on {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, "
+        f"{machine.get('ram_gib', '?')} GiB, Python {machine.get('python', '?')}, "
+        f"NumPy {machine.get('numpy', '?')}, TensorFlow {machine.get('tensorflow', '?')}; "
+        "each side in its own fresh process, best of several passes. Memory is the peak "
+        "growth of anonymous + shared memory during iteration.",
+        "",
+        "| scenario | headrace | vs tf.data | headrace memory | tf.data memory |",
+        "|---|---|---|---|---|",
+        *_core_rows(core),
+    ]
+    if tfrecord is not None:
+        lines += _tfrecord_rows(tfrecord)
+    scenario4 = core.get("scenario4", {})
+    ours, theirs = scenario4.get("headrace", {}), scenario4.get("tensorflow", {})
+    if ours and theirs:
+        lines.append(
+            f"| `import` | {ours['import_s'] * 1000:.0f} ms | "
+            f"{theirs['import_s'] / ours['import_s']:.0f}x faster | "
+            f"{ours['VmRSS'] / MiB:.0f} MiB RSS | {theirs['VmRSS'] / MiB:.0f} MiB RSS |"
+        )
+    lines.append("")
+    lines.append(
+        "Regenerate with `python benchmarks/bench_core.py && python benchmarks/bench_tfrecord.py "
+        "&& python benchmarks/readme_table.py`; full tables in `benchmarks/results/`."
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only compare, do not write")
+    args = parser.parse_args(argv)
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"README.md has no {START} ... {END} markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    updated = f"{head}{START}\n{build_table()}\n{END}{tail}"
+    if args.check:
+        return 0 if updated == text else 1
+    readme.write_text(updated)
+    print(build_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
