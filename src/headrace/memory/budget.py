@@ -68,6 +68,9 @@ class MemoryBudget:
         self.changed: threading.Condition = (
             parent.changed if parent is not None else threading.Condition()
         )
+        # Producers waiting on ``changed``, shared with the parent like the condition
+        # itself: releases skip notify_all() (its cost is per element) when none wait.
+        self.waiting: list[int] = parent.waiting if parent is not None else [0]
         self._closed = False
 
     def child(self) -> MemoryBudget:
@@ -98,7 +101,8 @@ class MemoryBudget:
 
     def _add(self, nbytes: int) -> None:
         self.used += nbytes
-        self.peak = max(self.peak, self.used)
+        if self.used > self.peak:
+            self.peak = self.used
         if self.parent is not None:
             self.parent._add(nbytes)
 
@@ -145,7 +149,11 @@ class StageAccount:
             ):
                 if self.budget._closed or (cancelled is not None and cancelled()):
                     raise BudgetClosed
-                self.room.wait()
+                self.budget.waiting[0] += 1
+                try:
+                    self.room.wait()
+                finally:
+                    self.budget.waiting[0] -= 1
             if self.budget._closed or (cancelled is not None and cancelled()):
                 raise BudgetClosed
 
@@ -163,12 +171,38 @@ class StageAccount:
         """Book ``nbytes`` for one element now held by this stage."""
         self._check_fits(nbytes)
         with self.room:
-            self.held += nbytes
-            self.peak = max(self.peak, self.held)
-            self.elements += 1
-            self.max_element = max(self.max_element, nbytes)
-            self.budget._add(nbytes)
+            self._book(nbytes)
         return Reservation(self, nbytes)
+
+    def _book(self, nbytes: int) -> None:
+        """Add one element's bytes (call holding the lock)."""
+        self.held += nbytes
+        if self.held > self.peak:
+            self.peak = self.held
+        self.elements += 1
+        if nbytes > self.max_element:
+            self.max_element = nbytes
+        self.budget._add(nbytes)
+
+    def _unbook(self, nbytes: int) -> None:
+        """Remove bytes and wake waiting producers (call holding the lock)."""
+        self.held -= nbytes
+        self.budget._add(-nbytes)
+        if self.budget.waiting[0]:
+            self.room.notify_all()
+
+    def charge_each(self, sizes: list[int]) -> list[Reservation]:
+        """Book several elements at once (one lock), one reservation each."""
+        for nbytes in sizes:
+            self._check_fits(nbytes)
+        total = sum(sizes)
+        with self.room:
+            self.held += total
+            self.peak = max(self.peak, self.held)
+            self.elements += len(sizes)
+            self.max_element = max(self.max_element, *sizes, 0)
+            self.budget._add(total)
+        return [Reservation(self, nbytes) for nbytes in sizes]
 
     def hold(self, nbytes: int, *, what: str) -> Reservation:
         """Book bytes a stage must hold *together* (its minimum working set).
@@ -191,9 +225,7 @@ class StageAccount:
         if not nbytes:
             return
         with self.room:
-            self.held -= nbytes
-            self.budget._add(-nbytes)
-            self.room.notify_all()
+            self._unbook(nbytes)
 
     def stats(self) -> AccountStats:
         """A consistent snapshot, for the profiler."""
@@ -219,10 +251,23 @@ class Reservation:
         self.nbytes = 0
 
     def move_to(self, account: StageAccount, nbytes: int) -> Reservation:
-        """Book ``nbytes`` on ``account`` first, then release this booking."""
-        moved = account.charge(nbytes)
-        self.release()
-        return moved
+        """Book ``nbytes`` on ``account`` and release this booking, as one step.
+
+        Stages of one pipeline share one lock, so the move is atomic: the
+        element is never counted twice or not at all.
+        """
+        source = self.account
+        if source is None or source.room is not account.room:
+            moved = account.charge(nbytes)
+            self.release()
+            return moved
+        account._check_fits(nbytes)
+        with account.room:
+            account._book(nbytes)
+            if self.nbytes:
+                source._unbook(self.nbytes)
+        self.nbytes = 0
+        return Reservation(account, nbytes)
 
 
 NO_RESERVATION = Reservation(None, 0)

@@ -176,25 +176,29 @@ def _apply_chunk(fn: Callable[..., Any], elements: list[Any]) -> tuple[list[Any]
 
 
 #: A call is given several elements when ``fn`` is quick, so that the fixed
-#: cost of a thread hand-off (~20 us) stays small against the work it carries.
-_TARGET_CALL_SECONDS = 2e-4
-_MAX_CHUNK = 64
+#: cost of a thread hand-off (20-200 us with the GIL contended) stays small against
+#: the work it carries.
+_TARGET_CALL_SECONDS = 2e-3
+_MAX_CHUNK = 256
 
 
 class _Call:
-    """Work in flight: a future over a chunk of elements, their bookings and input states."""
+    """Work in flight: a future over a chunk of elements, its bookings, where it started.
 
-    __slots__ = ("future", "reservations", "states_before")
+    ``state_before`` is the input's state before the chunk's first element: a
+    checkpoint inside a chunk restores it and skips the elements already out,
+    so the input's state is taken once per chunk, not once per element.
+    """
+
+    __slots__ = ("bookings", "future", "state_before")
 
     def __init__(
         self,
         future: Future[tuple[list[Any], float]],
-        reservations: list[Reservation],
-        states_before: list[dict[str, Any]],
+        bookings: list[Reservation],
+        state_before: dict[str, Any],
     ) -> None:
-        self.future = future
-        self.reservations = reservations
-        self.states_before = states_before
+        self.future, self.bookings, self.state_before = future, bookings, state_before
 
 
 class _ParallelMapIterator(Iterator):
@@ -213,7 +217,8 @@ class _ParallelMapIterator(Iterator):
         self.threads, self.deterministic, self.stage = threads, deterministic, stage
         self.pool: ThreadPoolExecutor | None = None
         self.calls: deque[_Call] = deque()
-        self.ready: deque[tuple[Any, Reservation, dict[str, Any]]] = deque()
+        # outputs ready to hand out, with (input state before their chunk, position in it)
+        self.ready: deque[tuple[Any, Reservation, dict[str, Any], int]] = deque()
         self.exhausted = False
         self.chunk = 1
         self.output_estimate = 0  # the largest output so far: what a call in flight will need
@@ -227,18 +232,25 @@ class _ParallelMapIterator(Iterator):
             and len(self.calls) < (2 * self.threads if self.output_estimate else 1)
             and (not self.calls or self.account.has_room(self.output_estimate))
         ):
-            elements, reservations, states = self._pull_chunk()
+            state_before = self.state_after_last_input
+            elements, bookings = self._pull_chunk()
             if elements:
                 future = self.pool.submit(_apply_chunk, self.fn, elements)
-                self.calls.append(_Call(future, reservations, states))
+                self.calls.append(_Call(future, bookings, state_before))
 
-    def _pull_chunk(self) -> tuple[list[Any], list[Reservation], list[dict[str, Any]]]:
+    def _pull_chunk(self) -> tuple[list[Any], list[Reservation]]:
+        """Up to ``chunk`` inputs, booked at their expected output size.
+
+        Inputs that a buffering stage booked move onto this stage's share at once
+        (holding them while waiting for that stage would deadlock it); the others
+        are booked together, with one lock, when the chunk is complete.
+        """
         elements: list[Any] = []
-        reservations: list[Reservation] = []
-        states: list[dict[str, Any]] = []
-        sizeof, account = self.ctx.sizeof, self.account
+        bookings: list[Reservation] = []
+        pending = 0
+        sizeof, estimate, account = self.ctx.sizeof, self.output_estimate, self.account
         while len(elements) < self.chunk and (
-            not elements or account.has_room(self.output_estimate)
+            not elements or account.held + pending + estimate <= account.limit
         ):
             try:
                 element, reservation = self.inner.next_reserved()
@@ -246,12 +258,17 @@ class _ParallelMapIterator(Iterator):
                 self.exhausted = True
                 break
             elements.append(element)
-            # A call in flight will soon hold its output: book the larger of the two now.
-            booking = max(sizeof(element), self.output_estimate)
-            reservations.append(reservation.move_to(account, booking))
-            states.append(self.state_after_last_input)
+            # A call in flight will soon hold its output: book the larger of the two.
+            size = max(sizeof(element), estimate)
+            if reservation.account is None:
+                pending += size
+            else:
+                bookings.append(reservation.move_to(account, size))
+        if elements:
             self.state_after_last_input = self.inner.get_state()
-        return elements, reservations, states
+        if pending:
+            bookings.append(account.charge(pending))
+        return elements, bookings
 
     def _take_call(self) -> _Call:
         if self.deterministic or len(self.calls) == 1:
@@ -267,16 +284,16 @@ class _ParallelMapIterator(Iterator):
         try:
             outputs, seconds = call.future.result()
         finally:
-            release_all(call.reservations)
+            release_all(call.bookings)
         per_element = seconds / max(len(outputs), 1)
         if per_element > 0:
             wanted = int(_TARGET_CALL_SECONDS / per_element) or 1
             self.chunk = max(1, min(_MAX_CHUNK, wanted))
-        sizeof, account = self.ctx.sizeof, self.account
-        for output, state in zip(outputs, call.states_before, strict=True):
-            size = sizeof(output)
-            self.output_estimate = max(self.output_estimate, size)
-            self.ready.append((output, account.charge(size), state))
+        sizes = [self.ctx.sizeof(output) for output in outputs]
+        self.output_estimate = max(self.output_estimate, *sizes)
+        bookings = self.account.charge_each(sizes)
+        for position, (output, booking) in enumerate(zip(outputs, bookings, strict=True)):
+            self.ready.append((output, booking, call.state_before, position))
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         if not self.ready:
@@ -285,29 +302,33 @@ class _ParallelMapIterator(Iterator):
                 raise StopIteration
             self._collect(self._take_call())
             self._submit_more()
-        output, reservation, _ = self.ready.popleft()
+        output, reservation, _, _ = self.ready.popleft()
         return output, reservation
 
     def get_state(self) -> dict[str, Any]:
         if self.ready:
-            return {"inner": self.ready[0][2]}
+            _, _, state, position = self.ready[0]
+            return {"inner": state, "skip": position}
         if self.calls:
-            return {"inner": self.calls[0].states_before[0]}
-        return {"inner": self.state_after_last_input}
+            return {"inner": self.calls[0].state_before, "skip": 0}
+        return {"inner": self.state_after_last_input, "skip": 0}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._drop_calls()
         self.inner.set_state(state["inner"])
-        self.state_after_last_input = state["inner"]
+        for _ in range(int(state["skip"])):  # outputs of the chunk already handed out
+            _, reservation = self.inner.next_reserved()
+            reservation.release()
+        self.state_after_last_input = self.inner.get_state()
         self.exhausted = False
 
     def _drop_calls(self) -> None:
-        release_all(reservation for _, reservation, _ in self.ready)
+        release_all(reservation for _, reservation, _, _ in self.ready)
         self.ready.clear()
         while self.calls:
             call = self.calls.popleft()
             call.future.cancel()
-            release_all(call.reservations)
+            release_all(call.bookings)
 
     def close(self) -> None:
         self._drop_calls()
