@@ -21,7 +21,12 @@ import numpy as np
 
 from headrace.errors import InvalidArgumentError
 from headrace.io.filepool import PooledStream, get_default_pool
-from headrace.io.tfrecord import DEFAULT_MAX_RECORD_BYTES, TFRecordReader, read_record_at
+from headrace.io.tfrecord import (
+    DEFAULT_MAX_RECORD_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    TFRecordReader,
+    read_record_at,
+)
 from headrace.io.tfrecord_index import TFRecordIndex, build_index, index_path_for, load_index
 from headrace.iterator import Context
 from headrace.node import Node, RandomAccess
@@ -73,21 +78,47 @@ class TFRecordNode(FileRecordsNode):
         )
 
 
+#: Records read per call when elements are pulled one at a time (interleave, map).
+_READ_AHEAD_RECORDS = 64
+
+
 class _TFRecordReaderAdapter:
-    """The file source's reader protocol over :class:`TFRecordReader`."""
+    """The file source's reader protocol over :class:`TFRecordReader`.
+
+    One record at a time is served from a small read-ahead list, so a pipeline
+    pulling single records (an interleave, a per-record map) still scans the
+    framing in C many records per call.
+    """
 
     def __init__(self, reader: TFRecordReader) -> None:
         self.reader = reader
+        self.ahead: list[bytes] = []
+        self.served = 0
 
     def read_record(self) -> bytes | None:
-        return self.reader.read_record()
+        if self.served == len(self.ahead):
+            self.ahead = self.reader.read_batch(_READ_AHEAD_RECORDS)
+            self.served = 0
+            if not self.ahead:
+                return None
+        record = self.ahead[self.served]
+        self.served += 1
+        return record
 
     def read_batch(self, max_records: int) -> list[bytes]:
+        if self.served < len(self.ahead):
+            records = self.ahead[self.served : self.served + max_records]
+            self.served += len(records)
+            return records
         return self.reader.read_batch(max_records)
 
     @property
     def next_offset(self) -> int:
-        return self.reader.next_offset
+        """The offset of the next record *served*: read-ahead records are framed after it."""
+        unserved = self.ahead[self.served :]
+        return self.reader.next_offset - sum(len(r) for r in unserved) - (
+            RECORD_OVERHEAD_BYTES * len(unserved)
+        )
 
     @property
     def skipped(self) -> tuple[int, int]:

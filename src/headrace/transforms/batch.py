@@ -18,10 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import DataLossError, ElementSpecError, InvalidArgumentError
+from headrace.errors import (
+    DataLossError,
+    ElementSpecError,
+    InvalidArgumentError,
+    MemoryBudgetError,
+)
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
 from headrace.node import INFINITE, UNKNOWN, IndexPlan, Node, check_positive
+from headrace.options import format_bytes
 from headrace.structure import (
     TensorSpec,
     flatten,
@@ -42,6 +48,10 @@ __all__ = [
 
 def _stack_leaf(values: list[Any], path: str, stage: str, first_index: int) -> Any:
     first = values[0]
+    if type(first) in (bytes, str) and all(type(value) is type(first) for value in values):
+        out = np.empty(len(values), dtype=object)  # scalars: no shapes to compare
+        out[:] = values
+        return out
     if isinstance(first, (bytes, str)) or (
         isinstance(first, np.ndarray) and first.dtype == object
     ):
@@ -166,23 +176,39 @@ class _Assembler(Iterator):
         self.position = 0  # elements consumed, for error messages
 
     def pull(self, count: int) -> tuple[list[Any], list[Reservation]]:
+        """Up to ``count`` elements, booked on this stage's share.
+
+        Elements a buffering stage booked move here at once (keeping them on
+        that stage's share while waiting for more would stall it); the others
+        are booked together at the end, with one lock.
+        """
         elements: list[Any] = []
         reservations: list[Reservation] = []
+        unbooked = 0
         sizeof, account = self.ctx.sizeof, self.account
+        what = f"a batch of {count} elements"
         try:
             for _ in range(count):
                 element, reservation = self.inner.next_reserved()
                 elements.append(element)
-                reservations.append(
-                    reservation.move_to(account, sizeof(element))
-                    if reservation.account is not None
-                    else account.hold(sizeof(element), what=f"a batch of {count} elements")
-                )
+                if reservation.account is None:
+                    unbooked += sizeof(element)
+                else:
+                    reservations.append(reservation.move_to(account, sizeof(element)))
+                if account.held + unbooked > account.limit:
+                    raise MemoryBudgetError(
+                        f"stage {account.name!r} needs more than its share of the memory "
+                        f"budget ({format_bytes(account.limit)} of "
+                        f"{format_bytes(account.budget.total)}) for {what}. Raise "
+                        "Options(memory_budget=...) or use a smaller batch."
+                    )
         except StopIteration:
             pass
         except BaseException:
             release_all(reservations)
             raise
+        if unbooked:
+            reservations.append(account.hold(unbooked, what=what))
         return elements, reservations
 
     def finish(

@@ -8,6 +8,13 @@ empty inner dataset costs a visit. With ``num_parallel_calls`` and
 but elements are handed out in exactly that sequential order; with
 ``deterministic=False`` the first slot with an element ready wins.
 
+Threads. In CPython, reading ahead on threads pays only when the inner
+pipelines wait on I/O or run code that releases the GIL (NumPy, decoders,
+network reads). headrace's TFRecord and text readers on a local disk are
+GIL-bound: for them the sequential interleave is the faster one (about 2x
+tf.data's parallel interleave on 1,000 small files here, against a third of
+it with threads — see benchmarks/results/tfrecord.md).
+
 Memory. The stage's share of the budget is split among the ``cycle_length``
 slots; each inner pipeline runs inside its slot's part (its own prefetches,
 shuffles and read-ahead queues included), so a cycle of 1,000 inner pipelines
@@ -36,6 +43,10 @@ from headrace.transforms.map import apply_fn
 from headrace.transforms.prefetch import PrefetchIterator
 
 __all__ = ["InterleaveNode"]
+
+#: Elements a slot reads ahead (tf.data: 2 * block_length + 1), bounded by the slot's
+#: part of the budget; more per hand-off keeps thread switches off the per-element path.
+_SLOT_DEPTH = 64
 
 
 def _machine_cycle_length(num_parallel_calls: int | None) -> int:
@@ -129,8 +140,9 @@ class InterleaveNode(Node):
     def make_iterator(self, ctx: Context) -> Iterator:
         parallel = self.num_parallel_calls
         threads = None
-        if parallel is not None:
-            threads = self.cycle_length if parallel == AUTOTUNE else parallel
+        if parallel is not None:  # AUTOTUNE: as many slots reading at once as cores (tf.data)
+            cpus = os.cpu_count() or 1
+            threads = min(cpus, self.cycle_length) if parallel == AUTOTUNE else parallel
         deterministic = ctx.deterministic if self.deterministic is None else self.deterministic
         account = ctx.account(self, "interleave", weight=2)
         return _InterleaveIterator(
@@ -167,7 +179,9 @@ class _InterleaveIterator(Iterator):
         self.node, self.input, self.ctx, self.account = node, inner, ctx, account
         self.threads, self.deterministic = threads, deterministic
         self.gate = threading.Semaphore(threads) if threads else None
-        self.ready = threading.Condition() if threads else None
+        # Only "first ready wins" needs one condition for all slots (the consumer waits
+        # for any of them); in order, each slot's own condition avoids waking them all.
+        self.ready = threading.Condition() if threads and not deterministic else None
         self._reset()
 
     def _reset(self) -> None:
@@ -188,7 +202,7 @@ class _InterleaveIterator(Iterator):
         if self.threads:
             queue_account = budget.account("interleave slot", weight=1)
             iterator = PrefetchIterator(
-                iterator, inner_ctx, queue_account, 2 * node.block_length + 1,
+                iterator, inner_ctx, queue_account, max(2 * node.block_length + 1, _SLOT_DEPTH),
                 gate=self.gate, ready=self.ready,
             )
         budget.allot()
@@ -244,7 +258,7 @@ class _InterleaveIterator(Iterator):
         raise StopIteration
 
     def _next_first_ready(self) -> tuple[Any, Reservation]:
-        assert self.ready is not None
+        assert self.ready is not None  # set for deterministic=False with threads
         while True:
             for index, slot in enumerate(self.slots):
                 if slot is None and not self.end_of_input:

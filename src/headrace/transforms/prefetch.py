@@ -25,6 +25,7 @@ from headrace.options import AUTOTUNE
 __all__ = ["PrefetchIterator", "PrefetchNode"]
 
 _MAX_AUTOTUNE_DEPTH = 1 << 16
+_CHUNK = 64
 
 
 class PrefetchNode(UnaryNode):
@@ -60,40 +61,65 @@ class _Producer:
         self.gate = gate  # bounds how many producers run their input at once
         self.ready = ready or threading.Condition()
         self.queue: deque[tuple[Any, Reservation, dict[str, Any]]] = deque()
+        self.outstanding = 0  # taken by the consumer but not handed out yet (counts as queued)
         self.finished = False
         self.error: BaseException | None = None
         self.stopping = False
         self.thread = threading.Thread(target=self.run, name="headrace-prefetch", daemon=True)
 
     def run(self) -> None:
+        items: list[tuple[Any, Reservation, dict[str, Any]]] = []
         try:
             while self._wait_for_space():
+                room = self.depth - len(self.queue) - self.outstanding
                 if self.gate is None:
-                    element, reservation = self.inner.next_reserved()
+                    self._pull(items, room)
                 else:
                     with self.gate:
-                        element, reservation = self.inner.next_reserved()
-                state = self.inner.get_state()
-                booked = reservation.move_to(self.account, self.ctx.sizeof(element))
-                with self.ready:
-                    if self.stopping:  # stop() may already have emptied the queue
-                        booked.release()
-                        break
-                    self.queue.append((element, booked, state))
-                    self.ready.notify_all()
+                        self._pull(items, room)
+                if not self._publish(items):
+                    break
         except (StopIteration, BudgetClosed):
             pass
-        except BaseException as error:  # re-raised in the consumer
+        except BaseException as error:  # re-raised in the consumer, after what came before
             self.error = error
+        self._publish(items)
         with self.ready:
             # Always mark the end, also when stopped: a stage downstream may be
             # waiting on this queue from another producer thread.
             self.finished = True
             self.ready.notify_all()
 
+    def _pull(self, items: list[tuple[Any, Reservation, dict[str, Any]]], room: int) -> None:
+        """Pull up to ``room`` elements (at most a chunk) while the budget share has room.
+
+        Handing elements over a chunk at a time keeps the thread hand-off — a
+        lock, a wake-up and a GIL switch — off the per-element path.
+        """
+        sizeof, account = self.ctx.sizeof, self.account
+        for _ in range(max(1, min(room, _CHUNK))):
+            element, reservation = self.inner.next_reserved()
+            items.append((element, reservation.move_to(account, sizeof(element)),
+                          self.inner.get_state()))
+            if not account.has_room():
+                break
+
+    def _publish(self, items: list[tuple[Any, Reservation, dict[str, Any]]]) -> bool:
+        """Queue what was pulled; False (and everything released) once stopping."""
+        with self.ready:
+            if self.stopping:  # stop() may already have emptied the queue
+                release_all(reservation for _, reservation, _ in items)
+                items.clear()
+                return False
+            if items:
+                self.queue.extend(items)
+                items.clear()
+                self.ready.notify_all()
+            return True
+
     def _wait_for_space(self) -> bool:
         with self.ready:
-            while not self.stopping and len(self.queue) >= self.depth:
+            while not self.stopping and len(self.queue) + self.outstanding >= self.depth:
                 self.ready.wait()
             if self.stopping:
                 return False
@@ -131,6 +157,7 @@ class PrefetchIterator(Iterator):
         self.depth = 1 if self.autotune else buffer_size
         self.gate, self.ready = gate, ready
         self.producer: _Producer | None = None
+        self.taken: deque[tuple[Any, Reservation, dict[str, Any]]] = deque()  # from the queue
         self.state = inner.get_state()  # the input's state after the last element handed out
 
     def start(self) -> _Producer:
@@ -145,9 +172,24 @@ class PrefetchIterator(Iterator):
     def has_output(self) -> bool:
         """Whether ``next`` would return (or end) without waiting; call holding ``ready``."""
         producer = self.producer
-        return producer is not None and bool(producer.queue or producer.finished)
+        return bool(self.taken) or (
+            producer is not None and bool(producer.queue or producer.finished)
+        )
 
     def next_reserved(self) -> tuple[Any, Reservation]:
+        if not self.taken:
+            self._take_all()
+        element, reservation, self.state = self.taken.popleft()
+        assert self.producer is not None
+        self.producer.outstanding -= 1
+        return element, reservation
+
+    def _take_all(self) -> None:
+        """Wait for the queue, then take everything in it with one lock.
+
+        Per-element locking between two threads costs a GIL hand-off each time;
+        taking the whole queue keeps that per batch of elements.
+        """
         producer = self.start()
         with producer.ready:
             if not producer.queue and not producer.finished and self.autotune:
@@ -158,9 +200,9 @@ class PrefetchIterator(Iterator):
                 if producer.error is not None:
                     raise producer.error
                 raise StopIteration
-            element, reservation, self.state = producer.queue.popleft()
+            self.taken, producer.queue = producer.queue, self.taken
+            producer.outstanding = len(self.taken)
             producer.ready.notify_all()
-        return element, reservation
 
     def get_state(self) -> dict[str, Any]:
         return {"inner": self.state}
@@ -171,6 +213,8 @@ class PrefetchIterator(Iterator):
         self.state = state["inner"]
 
     def _stop(self) -> None:
+        release_all(reservation for _, reservation, _ in self.taken)
+        self.taken.clear()
         if self.producer is not None:
             self.producer.stop()
             self.producer = None
