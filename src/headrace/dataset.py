@@ -23,17 +23,19 @@ from headrace.sources.arrays import RangeNode, TensorSlicesNode, TensorsNode, lo
 from headrace.sources.files import TextLineNode, list_files
 from headrace.sources.generator import GeneratorNode
 from headrace.structure import flatten, map_structure, pack_as
-from headrace.transforms.batch import BatchNode, PaddedBatchNode, RebatchNode, UnbatchNode
+from headrace.transforms.batch import BatchNode
 from headrace.transforms.enumerate import EnumerateNode
 from headrace.transforms.filter import FilterNode
 from headrace.transforms.global_shuffle import GlobalShuffleNode
 from headrace.transforms.interleave import InterleaveNode
 from headrace.transforms.map import MapNode
+from headrace.transforms.padded_batch import PaddedBatchNode
 from headrace.transforms.prefetch import PrefetchNode
 from headrace.transforms.repeat import RepeatNode
 from headrace.transforms.shard import ShardNode
 from headrace.transforms.shuffle import ShuffleNode
 from headrace.transforms.take import SkipNode, TakeNode
+from headrace.transforms.unbatch import RebatchNode, UnbatchNode
 from headrace.transforms.zip import ConcatenateNode, ZipNode
 
 __all__ = ["Dataset", "TFRecordDataset", "TextLineDataset"]

@@ -1,0 +1,214 @@
+"""``padded_batch(batch_size, padded_shapes=None, padding_values=None, drop_remainder=False)``.
+
+Elements of different shapes are padded per component: to the batch's largest
+size where the padded shape says ``None``/-1, to a fixed size where it gives
+one (an element larger than that is an error naming the element, like
+tf.data's "Attempted to pad to a smaller size than the input element").
+Padding defaults to 0, ``b""``/``""`` or False.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import DataLossError, ElementSpecError, InvalidArgumentError
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import Reservation, StageAccount, release_all
+from headrace.node import Node, check_positive
+from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
+from headrace.transforms.batch import Assembler, batched_cardinality
+
+__all__ = ["PaddedBatchNode"]
+
+
+def _normalize_shape(shape: Any, path: str) -> tuple[int | None, ...]:
+    if shape is None:
+        return ()
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        dims = tuple(None if d is None or d == -1 else int(d) for d in shape)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"padded_batch: padded shape for {path} must be a sequence of ints/None, got {shape!r}"
+        ) from None
+    return dims
+
+
+def _default_padding(spec: TensorSpec) -> Any:
+    if spec.kind == "bytes":
+        return b""
+    if spec.kind == "str":
+        return ""
+    if spec.dtype == np.bool_:
+        return False
+    return spec.dtype.type(0)
+
+
+class PaddedBatchNode(Node):
+    stage = "padded_batch"
+
+    def __init__(
+        self,
+        source: Node,
+        batch_size: int,
+        padded_shapes: Any,
+        padding_values: Any,
+        drop_remainder: bool,
+    ) -> None:
+        super().__init__(source)
+        self.batch_size = check_positive("padded_batch: batch_size", batch_size)
+        self.drop_remainder = bool(drop_remainder)
+        spec = source.element_spec
+        spec_leaves = flatten(spec)
+        paths = structure_paths(spec)
+        if padded_shapes is None:
+            # Unknown sizes pad to the batch's largest; a statically known size is kept.
+            shapes: list[tuple[int | None, ...]] = [tuple(leaf.shape) for leaf in spec_leaves]
+        else:
+            given = (
+                [padded_shapes]
+                if not isinstance(spec, (dict, tuple))
+                else flatten(_shape_structure(padded_shapes))
+            )
+            if len(given) != len(spec_leaves):
+                raise InvalidArgumentError(
+                    f"padded_batch: padded_shapes has {len(given)} components, the elements "
+                    f"have {len(spec_leaves)} ({spec})"
+                )
+            # Explicit None/-1 pad to the batch's largest and leave the size unknown (tf.data).
+            shapes = [_normalize_shape(s, p) for s, p in zip(given, paths, strict=True)]
+        for shape, leaf, path in zip(shapes, spec_leaves, paths, strict=True):
+            if len(shape) != len(leaf.shape):
+                raise InvalidArgumentError(
+                    f"padded_batch: padded shape {shape} for {path} has rank {len(shape)}, "
+                    f"but the component has rank {len(leaf.shape)} ({leaf})"
+                )
+            for fixed, known in zip(shape, leaf.shape, strict=True):
+                if fixed is not None and known is not None and known > fixed:
+                    raise InvalidArgumentError(
+                        f"padded_batch: padded shape {shape} for {path} is smaller than the "
+                        f"component's static shape {leaf.shape}"
+                    )
+        if padding_values is None:
+            pads = [_default_padding(leaf) for leaf in spec_leaves]
+        elif not isinstance(spec, (dict, tuple)):
+            pads = [padding_values]
+        else:
+            pads = flatten(padding_values)
+            if len(pads) == 1 and len(spec_leaves) > 1:
+                pads = pads * len(spec_leaves)
+            if len(pads) != len(spec_leaves):
+                raise InvalidArgumentError(
+                    f"padded_batch: padding_values has {len(pads)} components, the elements "
+                    f"have {len(spec_leaves)}"
+                )
+        self.shapes, self.pads, self.paths = shapes, pads, paths
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.batch_size, self.drop_remainder, tuple(self.shapes), repr(self.pads))
+
+    @property
+    def element_spec(self) -> Any:
+        spec = self.inputs[0].element_spec
+        size = self.batch_size if self.drop_remainder else None
+        leaves = [
+            TensorSpec((size, *shape), leaf.dtype, leaf.kind)
+            for shape, leaf in zip(self.shapes, flatten(spec), strict=True)
+        ]
+        return pack_as(spec, leaves)
+
+    def cardinality(self) -> int:
+        return batched_cardinality(
+            self.inputs[0].cardinality(), self.batch_size, self.drop_remainder
+        )
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        return _PaddedBatchIterator(
+            self.inputs[0].make_iterator(ctx),
+            ctx,
+            ctx.account(self, "padded_batch", weight=2),
+            self,
+        )
+
+
+def _shape_structure(padded_shapes: Any) -> Any:
+    """Treat list/tuple-of-int shapes as leaves when flattening a nested padded_shapes."""
+    if isinstance(padded_shapes, dict):
+        return {key: _shape_structure(value) for key, value in padded_shapes.items()}
+    if isinstance(padded_shapes, tuple) and not all(
+        d is None or isinstance(d, int) for d in padded_shapes
+    ):
+        return tuple(_shape_structure(value) for value in padded_shapes)
+    return _ShapeLeaf(padded_shapes)
+
+
+class _ShapeLeaf(list[Any]):
+    def __init__(self, shape: Any) -> None:
+        super().__init__(
+            [] if shape is None else list(shape) if not isinstance(shape, int) else [shape]
+        )
+
+
+class _PaddedBatchIterator(Assembler):
+    stage = "padded_batch"
+
+    def __init__(
+        self, inner: Iterator, ctx: Context, account: StageAccount, node: PaddedBatchNode
+    ) -> None:
+        super().__init__(inner, ctx, account)
+        self.node = node
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        node = self.node
+        elements, reservations = self.pull(node.batch_size)
+        first = self.position
+        self.position += len(elements)
+        if not elements or (node.drop_remainder and len(elements) < node.batch_size):
+            release_all(reservations)
+            raise StopIteration
+        try:
+            columns = zip(*(flatten(e) for e in elements), strict=True)
+            leaves = [
+                self._pad(list(column), shape, pad, path, first)
+                for column, shape, pad, path in zip(
+                    columns, node.shapes, node.pads, node.paths, strict=True
+                )
+            ]
+            batch = pack_as(elements[0], leaves)
+        except BaseException:
+            release_all(reservations)
+            raise
+        return self.finish(batch, reservations, len(elements))
+
+    @staticmethod
+    def _pad(
+        values: list[Any], shape: tuple[int | None, ...], pad: Any, path: str, first: int
+    ) -> Any:
+        arrays = [v if isinstance(v, np.ndarray) else np.asarray(v) for v in values]
+        sample = arrays[0]
+        dtype = object if sample.dtype.kind in "OSU" else sample.dtype
+        target = []
+        for axis, fixed in enumerate(shape):
+            largest = max(a.shape[axis] for a in arrays)
+            if fixed is not None and largest > fixed:
+                row = next(i for i, a in enumerate(arrays) if a.shape[axis] > fixed)
+                raise DataLossError(
+                    "padded_batch: Attempted to pad to a smaller size than the input element: "
+                    f"element {first + row}, component {path} has shape {arrays[row].shape}, "
+                    f"padded shape is {shape}"
+                )
+            target.append(largest if fixed is None else fixed)
+        out = np.empty((len(arrays), *target), dtype=dtype)
+        out[...] = pad
+        for row, array in enumerate(arrays):
+            if array.ndim != len(shape):
+                raise ElementSpecError(
+                    f"padded_batch: element {first + row}, component {path} has rank "
+                    f"{array.ndim}, expected {len(shape)}"
+                )
+            region: tuple[Any, ...] = (row, *(slice(0, n) for n in array.shape))
+            out[region] = array
+        return out

@@ -1,0 +1,253 @@
+"""``unbatch()`` and ``rebatch(batch_size, drop_remainder=False)``, with tf.data's orders.
+
+Both read rows out of batched elements. A batch stays booked on the stage's
+share while its rows go out. ``rebatch`` is ``unbatch().batch(N)`` in one
+step with N cycling through a list of sizes (zeros give empty batches), each
+row copied once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import ElementSpecError, InvalidArgumentError
+from headrace.iterator import Context, Iterator
+from headrace.memory.budget import Reservation, StageAccount
+from headrace.node import INFINITE, UNKNOWN, Node, check_positive
+from headrace.structure import flatten, map_structure, pack_as, structure_paths
+
+__all__ = ["RebatchNode", "UnbatchNode"]
+
+
+class UnbatchNode(Node):
+    stage = "unbatch"
+
+    def __init__(self, source: Node) -> None:
+        super().__init__(source)
+        for leaf, path in zip(
+            flatten(source.element_spec), structure_paths(source.element_spec), strict=True
+        ):
+            if not leaf.shape:
+                raise InvalidArgumentError(
+                    f"unbatch: component {path} is a scalar; the input must be batched "
+                    "(every component needs rank >= 1)"
+                )
+
+    @property
+    def element_spec(self) -> Any:
+        return map_structure(lambda leaf: leaf.without_leading(), self.inputs[0].element_spec)
+
+    def cardinality(self) -> int:
+        inner = self.inputs[0].cardinality()
+        if inner == INFINITE:
+            return INFINITE
+        rows = {leaf.shape[0] for leaf in flatten(self.inputs[0].element_spec)}
+        if inner >= 0 and len(rows) == 1 and None not in rows:
+            return inner * int(rows.pop())  # every batch has the same static size
+        return UNKNOWN
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        return _UnbatchIterator(
+            self.inputs[0].make_iterator(ctx), ctx.account(self, "unbatch", weight=1)
+        )
+
+
+class _Rows:
+    """Rows of one batched element, handed out one (or a block) at a time."""
+
+    def __init__(self, batch: Any, reservation: Reservation) -> None:
+        self.structure = batch
+        self.leaves = flatten(batch)
+        sizes = {len(leaf) for leaf in self.leaves}
+        if len(sizes) > 1:
+            raise ElementSpecError(
+                f"unbatch: components of one batch have different first dimensions {sorted(sizes)}"
+            )
+        self.size = sizes.pop()
+        self.position = 0
+        self.reservation = reservation
+        self.single = not isinstance(batch, (dict, tuple))
+
+    def row(self) -> Any:
+        index = self.position
+        self.position += 1
+        if self.single:
+            return self.leaves[0][index]
+        return pack_as(self.structure, [leaf[index] for leaf in self.leaves])
+
+    def empty(self) -> list[Any]:
+        """A zero-row block with this batch's dtypes and row shapes."""
+        return [leaf[:0] for leaf in self.leaves]
+
+    def block(self, count: int) -> list[Any]:
+        start = self.position
+        stop = min(start + count, self.size)
+        self.position = stop
+        return [leaf[start:stop] for leaf in self.leaves]
+
+
+class _RowSource(Iterator):
+    """Pulls batches from the input, keeping the current one booked while its rows go out."""
+
+    def __init__(self, inner: Iterator, account: StageAccount) -> None:
+        super().__init__(inner)
+        self.inner, self.account = inner, account
+        self.current: _Rows | None = None
+        self.last_rows: _Rows | None = None  # shapes for empty batches, after the data ends
+        self.batches = 0  # batches fully or partly consumed, for resume
+        self.rows_taken = 0  # rows consumed from the current batch
+
+    def _advance(self) -> _Rows:
+        while self.current is None or self.current.position >= self.current.size:
+            if self.current is not None:
+                self.current.reservation.release()
+                self.current = None
+            batch, reservation = self.inner.next_reserved()
+            if reservation.account is not None:
+                reservation = reservation.move_to(self.account, reservation.nbytes)
+            self.current = self.last_rows = _Rows(batch, reservation)
+            self.batches += 1
+        return self.current
+
+    def get_state(self) -> dict[str, Any]:
+        # The input's state *before* the current batch is what lets us re-read it.
+        return {
+            "inner_before_current": self._before_current,
+            "rows_taken": 0 if self.current is None else self.current.position,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.close_current()
+        self.inner.set_state(state["inner_before_current"])
+        self._before_current = state["inner_before_current"]
+        rows = int(state["rows_taken"])
+        if rows:
+            current = self._advance_recording()
+            current.position = rows
+
+    def _advance_recording(self) -> _Rows:
+        if self.current is None or self.current.position >= self.current.size:
+            self.close_current()
+            self._before_current = self.inner.get_state()
+        return self._advance()
+
+    _before_current: dict[str, Any]
+
+    def close_current(self) -> None:
+        if self.current is not None:
+            self.current.reservation.release()
+            self.current = None
+
+    def close(self) -> None:
+        self.close_current()
+        super().close()
+
+
+class _UnbatchIterator(_RowSource):
+    stage = "unbatch"
+
+    def __init__(self, inner: Iterator, account: StageAccount) -> None:
+        super().__init__(inner, account)
+        self._before_current = inner.get_state()
+
+    def __next__(self) -> Any:
+        return self._advance_recording().row()
+
+
+class RebatchNode(Node):
+    stage = "rebatch"
+
+    def __init__(self, source: Node, batch_size: int | Sequence[int], drop_remainder: bool) -> None:
+        super().__init__(source)
+        sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
+        if not sizes:
+            raise InvalidArgumentError("rebatch: batch_size must not be empty")
+        # Zeros in a list make empty batches (tf.data); all zeros would never end.
+        self.sizes = [
+            check_positive("rebatch: batch_size", size, allow_zero=True) for size in sizes
+        ]
+        if not any(self.sizes):
+            raise InvalidArgumentError(f"rebatch: batch_size must have a size > 0, got {sizes}")
+        self.drop_remainder = bool(drop_remainder)
+        for leaf, path in zip(
+            flatten(source.element_spec), structure_paths(source.element_spec), strict=True
+        ):
+            if not leaf.shape:
+                raise InvalidArgumentError(
+                    f"rebatch: component {path} is a scalar; the input must be batched (rank >= 1)"
+                )
+
+    def params(self) -> tuple[Any, ...]:
+        return (tuple(self.sizes), self.drop_remainder)
+
+    @property
+    def element_spec(self) -> Any:
+        spec = self.inputs[0].element_spec
+        return map_structure(lambda leaf: leaf.without_leading().with_leading(self._static()), spec)
+
+    def _static(self) -> int | None:
+        """The batch size every output has, if that is known without reading (tf.data's rule)."""
+        if len(set(self.sizes)) != 1:
+            return None
+        size = self.sizes[0]
+        if self.drop_remainder:
+            return size
+        rows = {leaf.shape[0] for leaf in flatten(self.inputs[0].element_spec)}
+        known = rows.pop() if len(rows) == 1 else None
+        return size if known is not None and known % size == 0 else None
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        return _RebatchIterator(
+            self.inputs[0].make_iterator(ctx), ctx, ctx.account(self, "rebatch", weight=2), self
+        )
+
+
+class _RebatchIterator(_RowSource):
+    """``unbatch().batch(N)`` with N cycling through the sizes, copying each row once."""
+
+    stage = "rebatch"
+
+    def __init__(
+        self, inner: Iterator, ctx: Context, account: StageAccount, node: RebatchNode
+    ) -> None:
+        super().__init__(inner, account)
+        self.ctx, self.node = ctx, node
+        self.batch_number = 0
+        self._before_current = inner.get_state()
+
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        sizes = self.node.sizes
+        wanted = sizes[self.batch_number % len(sizes)]
+        pieces: list[list[Any]] = []
+        structure: Any = None
+        have = 0
+        while have < wanted:
+            try:
+                rows = self._advance_recording()
+            except StopIteration:
+                break
+            structure = rows.structure
+            block = rows.block(wanted - have)
+            have += len(block[0])
+            pieces.append(block)
+        if wanted == 0 and self.last_rows is not None:  # an empty batch, shaped like the data
+            structure, pieces = self.last_rows.structure, [self.last_rows.empty()]
+        elif have == 0 or (self.node.drop_remainder and have < wanted):
+            raise StopIteration
+        self.batch_number += 1
+        leaves = [
+            np.concatenate([piece[k] for piece in pieces]) if len(pieces) > 1 else pieces[0][k]
+            for k in range(len(pieces[0]))
+        ]
+        batch = pack_as(structure, leaves)
+        return batch, self.account.charge(self.ctx.sizeof(batch))
+
+    def get_state(self) -> dict[str, Any]:
+        return {**super().get_state(), "batch_number": self.batch_number}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        super().set_state(state)
+        self.batch_number = int(state["batch_number"])
