@@ -52,7 +52,8 @@ def _core_rows(core: dict[str, Any]) -> list[str]:
     cells = [cell for cell in core.get("scenario3", []) if cell.get("headrace")]
     if cells:
         within = sum(
-            1 for cell in cells
+            1
+            for cell in cells
             if _growth(cell["headrace"]) * MiB <= cell["headrace"].get("bound", 0)
         )
         worst = max(cells, key=lambda c: c["headrace"]["peak_growth"] / c["headrace"]["bound"])
@@ -66,12 +67,50 @@ def _core_rows(core: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _fastest(sides: dict[str, Any], prefix: str) -> tuple[str, dict[str, Any]] | None:
+    """The fastest side whose name starts with ``prefix`` (by best pass time)."""
+    found = [
+        (name, side)
+        for name, side in sides.items()
+        if name.startswith(prefix) and side.get("best_s")
+    ]
+    return min(found, key=lambda item: item[1]["best_s"]) if found else None
+
+
 def _tfrecord_rows(tfrecord: dict[str, Any]) -> list[str]:
     rows = []
-    for entry in tfrecord.get("summary", []):
+    scenarios = (
+        ("scenario1", "headrace", "tf", "TFRecord read + parse, 200k x 200 B", "records"),
+        ("scenario2", "headrace", "tf-seq", "TFRecord read + parse, 20k x 100 KB", "bytes"),
+        (
+            "scenario3",
+            "headrace-batched",
+            "tf",
+            "TFRecord write, 200k Examples, 16 shards",
+            "records",
+        ),
+        ("scenario4", "headrace-seq", "tf", "interleave over 1,000 files, cycle 16", "records"),
+        (
+            "scenario4",
+            "headrace-autotune",
+            "tf",
+            "same, interleave with threads (AUTOTUNE)",
+            "records",
+        ),
+    )
+    for key, ours_name, theirs_prefix, label, unit in scenarios:
+        sides = tfrecord.get(key, {})
+        ours, theirs = sides.get(ours_name), _fastest(sides, theirs_prefix)
+        if not ours or not ours.get("best_s") or theirs is None:
+            continue
+        if unit == "bytes":
+            speed = f"{ours['file_bytes'] / ours['best_s'] / 1e9:.2f} GB/s"
+        else:
+            speed = f"{ours['records'] / ours['best_s'] / 1e6:.2f} M records/s"
         rows.append(
-            f"| {entry['label']} | {entry['headrace']} | {entry['ratio']} | "
-            f"{entry.get('headrace_memory', '')} | {entry.get('tf_memory', '')} |"
+            f"| {label} | {speed} | {theirs[1]['best_s'] / ours['best_s']:.2f}x "
+            f"(best tf: {theirs[0]}) | {ours['whole_peak_rss'] / MiB:.0f} MiB peak RSS | "
+            f"{theirs[1]['whole_peak_rss'] / MiB:.0f} MiB peak RSS |"
         )
     return rows
 

@@ -2,8 +2,10 @@
 
 The queue is bounded twice: by ``buffer_size`` elements and by the stage's
 share of the byte budget (the producer waits for room *before* it pulls the
-next element). ``AUTOTUNE`` starts at 1 element and doubles the depth each
-time the consumer finds the queue empty — but never past the budget share.
+next element). ``AUTOTUNE`` starts at 1 element and doubles the depth when the
+queue, having been full, runs empty (a burst outran it), up to ~64 MiB of
+elements and never past the budget share; a producer that is simply slower
+gets no deeper buffer.
 
 The producer thread holds no reference to the public iterator, so an
 iterator dropped without ``close()`` is still garbage-collected; its
@@ -25,6 +27,9 @@ from headrace.options import AUTOTUNE
 __all__ = ["PrefetchIterator", "PrefetchNode"]
 
 _MAX_AUTOTUNE_DEPTH = 1 << 16
+#: AUTOTUNE stops deepening once the queue could hold this much: past a few
+#: dozen MiB a deeper queue smooths nothing more, it only holds memory.
+_AUTOTUNE_BYTES = 64 << 20
 _CHUNK = 64
 
 
@@ -62,6 +67,7 @@ class _Producer:
         self.ready = ready or threading.Condition()
         self.queue: deque[tuple[Any, Reservation, dict[str, Any]]] = deque()
         self.outstanding = 0  # taken by the consumer but not handed out yet (counts as queued)
+        self.filled = False  # the queue was full since the depth last grew
         self.finished = False
         self.error: BaseException | None = None
         self.stopping = False
@@ -120,6 +126,7 @@ class _Producer:
     def _wait_for_space(self) -> bool:
         with self.ready:
             while not self.stopping and len(self.queue) + self.outstanding >= self.depth:
+                self.filled = True  # the consumer is the slower side, for now
                 self.ready.wait()
             if self.stopping:
                 return False
@@ -192,8 +199,18 @@ class PrefetchIterator(Iterator):
         """
         producer = self.start()
         with producer.ready:
-            if not producer.queue and not producer.finished and self.autotune:
+            if (
+                not producer.queue
+                and not producer.finished
+                and self.autotune
+                and producer.filled
+                and self.depth * self.account.max_element < _AUTOTUNE_BYTES
+            ):
+                # Full, then drained: a burst outran the buffer, so a deeper one helps. An
+                # empty queue that never filled means the producer is the slow side, where
+                # more depth would only hold more memory (tf.data's legacy autotuner rule).
                 producer.depth = self.depth = min(self.depth * 2, _MAX_AUTOTUNE_DEPTH)
+                producer.filled = False
             while not producer.queue and not producer.finished:
                 producer.ready.wait()
             if not producer.queue:
