@@ -81,7 +81,7 @@ def _tfrecord_rows(tfrecord: dict[str, Any]) -> list[str]:
     rows = []
     scenarios = (
         ("scenario1", "headrace", "tf", "TFRecord read + parse, 200k x 200 B", "records"),
-        ("scenario2", "headrace", "tf-seq", "TFRecord read + parse, 20k x 100 KB", "bytes"),
+        ("scenario2", "headrace", "tf", "TFRecord read + parse, 20k x 100 KB", "bytes"),
         (
             "scenario3",
             "headrace-batched",
