@@ -68,11 +68,11 @@ def _core_rows(core: dict[str, Any]) -> list[str]:
 
 
 def _fastest(sides: dict[str, Any], prefix: str) -> tuple[str, dict[str, Any]] | None:
-    """The fastest side whose name starts with ``prefix`` (by best pass time)."""
+    """The fastest side named ``prefix...`` (by best pass); sides that skip parsing excluded."""
     found = [
         (name, side)
         for name, side in sides.items()
-        if name.startswith(prefix) and side.get("best_s")
+        if name.startswith(prefix) and not name.endswith("noparse") and side.get("best_s")
     ]
     return min(found, key=lambda item: item[1]["best_s"]) if found else None
 
