@@ -177,6 +177,20 @@ def emit(result: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def child_main(config_json: str, children: dict[str, Any]) -> int:
+    """The child side of a benchmark script: run one side, emit its result or its error."""
+    import traceback
+
+    config = json.loads(config_json)
+    try:
+        result = children[config["kind"]](config)
+    except Exception as exc:  # the parent shows it as an ERROR cell, the run goes on
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    emit(result)
+    return 0
+
+
 # --------------------------------------------------------------------------- parent side
 
 

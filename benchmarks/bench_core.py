@@ -42,7 +42,7 @@ from _harness import (
     MIB,
     RESULT_TAG,
     MemorySampler,
-    emit,
+    child_main,
     fmt_mib,
     fmt_rate,
     loadavg,
@@ -695,14 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        cfg = json.loads(args.child)
-        try:
-            result = CHILDREN[cfg["kind"]](cfg)
-        except Exception as exc:
-            traceback.print_exc()
-            result = {"error": f"{type(exc).__name__}: {exc}"}
-        emit(result)
-        return 0
+        return child_main(args.child, CHILDREN)
     return parent(args)
 
 

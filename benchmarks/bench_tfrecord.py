@@ -41,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (
     MIB,
     MemorySampler,
-    emit,
+    child_main,
     fmt_mib,
     fmt_rate,
     loadavg,
@@ -941,14 +940,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        cfg = json.loads(args.child)
-        try:
-            result = CHILDREN[cfg["kind"]](cfg)
-        except Exception as exc:
-            traceback.print_exc()
-            result = {"error": f"{type(exc).__name__}: {exc}"}
-        emit(result)
-        return 0
+        return child_main(args.child, CHILDREN)
     return parent(args)
 
 
