@@ -71,7 +71,8 @@ def _augment(row: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """A typical per-example step: scale, shift and clip into a fresh float16 row."""
     out = np.multiply(row, 0.5, dtype=np.float32)
     np.clip(out, -3.0, 3.0, out=out)
-    return out.astype(np.float16)
+    half: np.ndarray[Any, Any] = out.astype(np.float16)
+    return half
 
 
 def _demo(args: argparse.Namespace) -> int:
