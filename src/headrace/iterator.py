@@ -15,7 +15,6 @@ import copy
 import itertools
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Iterator as _PyIterator
 from typing import TYPE_CHECKING, Any
@@ -77,7 +76,6 @@ class Context:
         #: ids of owning buffers that existed before iteration (never charged).
         self.preexisting: set[int] = set()
         self._keepalive: list[object] = []
-        self._warned: set[str] = set()
         self._accounts: dict[int, StageAccount] = {}
         #: Run-wide objects created on first use (e.g. the pipeline's file limiter).
         self.shared: dict[str, Any] = {}
@@ -118,12 +116,6 @@ class Context:
         """What ``element`` costs the budget (see :mod:`headrace.memory.sizeof`)."""
         return sizeof(element, self.preexisting)
 
-    def warn_once(self, key: str, message: str) -> None:
-        """One warning per run and key: a shrink is worth saying once, not per element."""
-        if key in self._warned or not self.options.warn_on_shrink:
-            return
-        self._warned.add(key)
-        warnings.warn(message, ResourceWarning, stacklevel=3)
 
 
 class Iterator:

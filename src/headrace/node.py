@@ -17,12 +17,10 @@ index buffer, not a copy of every row.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-from headrace.errors import ElementSpecError
 
 if TYPE_CHECKING:
     from headrace.iterator import Context, Iterator
@@ -248,13 +246,3 @@ def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> int:
         bound = ">= 0" if allow_zero else "> 0"
         raise InvalidArgumentError(f"{name} must be {bound}, got {value}")
     return int(value)
-
-
-def same_structure(specs: Sequence[Any], what: str) -> None:
-    """Raise if nested specs differ in structure (used by zip/concatenate checks)."""
-    from headrace.structure import flatten
-
-    first = flatten(specs[0])
-    for other in specs[1:]:
-        if len(flatten(other)) != len(first):
-            raise ElementSpecError(f"{what}: element structures differ: {specs[0]} vs {other}")

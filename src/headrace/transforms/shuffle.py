@@ -233,6 +233,7 @@ class _ShuffledIndices(IndexStream):
     ) -> None:
         self.node, self.inner, self.account = node, inner, account
         self.shared = _ShuffleState(node, ctx, inner.get_state())
+        self.warn = ctx.options.warn_on_shrink
         self.booked = 0
         self._reset(node.buffer_size)
 
@@ -271,7 +272,8 @@ class _ShuffledIndices(IndexStream):
         if needed > room:
             fits = max((self.booked + max(room, 0)) // _INDEX_SLOT_BYTES, 1)
             self.capacity = min(self.capacity, fits)
-            _warn_shrink(self.node, self.account, fits, _INDEX_SLOT_BYTES)
+            if self.warn:
+                _warn_shrink(self.node, self.account, fits, _INDEX_SLOT_BYTES)
             slots = fits
             needed = slots * _INDEX_SLOT_BYTES - self.booked
         if needed > 0:
