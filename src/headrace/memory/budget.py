@@ -167,21 +167,21 @@ class StageAccount:
         estimate = self.max_element if nbytes is None else nbytes
         return self.held == 0 or self.held + estimate <= self.limit
 
-    def charge(self, nbytes: int) -> Reservation:
-        """Book ``nbytes`` for one element now held by this stage."""
+    def charge(self, nbytes: int, *, elements: int = 1) -> Reservation:
+        """Book ``nbytes`` for ``elements`` elements (one, by default) now held by this stage."""
         self._check_fits(nbytes)
         with self.room:
-            self._book(nbytes)
+            self._book(nbytes, elements)
         return Reservation(self, nbytes)
 
-    def _book(self, nbytes: int) -> None:
-        """Add one element's bytes (call holding the lock)."""
+    def _book(self, nbytes: int, elements: int = 1) -> None:
+        """Add the bytes of ``elements`` elements (call holding the lock)."""
         self.held += nbytes
         if self.held > self.peak:
             self.peak = self.held
-        self.elements += 1
-        if nbytes > self.max_element:
-            self.max_element = nbytes
+        self.elements += elements
+        if nbytes // elements > self.max_element:
+            self.max_element = nbytes // elements
         self.budget._add(nbytes)
 
     def _unbook(self, nbytes: int) -> None:
@@ -204,7 +204,7 @@ class StageAccount:
             self.budget._add(total)
         return [Reservation(self, nbytes) for nbytes in sizes]
 
-    def hold(self, nbytes: int, *, what: str) -> Reservation:
+    def hold(self, nbytes: int, *, what: str, elements: int = 1) -> Reservation:
         """Book bytes a stage must hold *together* (its minimum working set).
 
         Unlike :meth:`charge`, the bytes already held count: if they cannot
@@ -218,7 +218,7 @@ class StageAccount:
                 f"({format_bytes(self.limit)} of {format_bytes(self.budget.total)}). Raise "
                 "Options(memory_budget=...) or use a smaller batch."
             )
-        return self.charge(nbytes)
+        return self.charge(nbytes, elements=elements)
 
     def release(self, nbytes: int) -> None:
         """Return ``nbytes`` to the stage's share and wake a waiting producer."""

@@ -171,7 +171,7 @@ class Assembler(Iterator):
         """
         elements: list[Any] = []
         reservations: list[Reservation] = []
-        unbooked = 0
+        unbooked = unbooked_count = 0
         sizeof, account = self.ctx.sizeof, self.account
         what = f"a batch of {count} elements"
         try:
@@ -180,6 +180,7 @@ class Assembler(Iterator):
                 elements.append(element)
                 if reservation.account is None:
                     unbooked += sizeof(element)
+                    unbooked_count += 1
                 else:
                     reservations.append(reservation.move_to(account, sizeof(element)))
                 if account.held + unbooked > account.limit:
@@ -195,7 +196,7 @@ class Assembler(Iterator):
             release_all(reservations)
             raise
         if unbooked:
-            reservations.append(account.hold(unbooked, what=what))
+            reservations.append(account.hold(unbooked, what=what, elements=unbooked_count))
         return elements, reservations
 
     def finish(

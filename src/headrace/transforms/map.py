@@ -247,7 +247,7 @@ class _ParallelMapIterator(Iterator):
         """
         elements: list[Any] = []
         bookings: list[Reservation] = []
-        pending = 0
+        pending = pending_count = 0
         sizeof, estimate, account = self.ctx.sizeof, self.output_estimate, self.account
         while len(elements) < self.chunk and (
             not elements or account.held + pending + estimate <= account.limit
@@ -262,12 +262,13 @@ class _ParallelMapIterator(Iterator):
             size = max(sizeof(element), estimate)
             if reservation.account is None:
                 pending += size
+                pending_count += 1
             else:
                 bookings.append(reservation.move_to(account, size))
         if elements:
             self.state_after_last_input = self.inner.get_state()
         if pending:
-            bookings.append(account.charge(pending))
+            bookings.append(account.charge(pending, elements=pending_count))
         return elements, bookings
 
     def _take_call(self) -> _Call:
