@@ -234,3 +234,10 @@ def test_full_shuffle_of_an_array_source_is_fast_and_exact() -> None:
     elapsed = time.perf_counter() - started
     assert sorted(seen.tolist()) == data.tolist()
     assert elapsed < 5  # ~0.05 s here; the per-row Python ring took ~0.5 s
+
+
+def test_asking_for_a_spec_does_not_change_the_next_shuffle_order() -> None:
+    shuffled = hr.Dataset.range(20).shuffle(20, seed=4)
+    expected = ints(hr.Dataset.range(20).shuffle(20, seed=4))
+    _ = shuffled.map(lambda x: x + 1).element_spec  # reads one element of `shuffled`
+    assert ints(shuffled) == expected

@@ -117,7 +117,6 @@ class Context:
         return sizeof(element, self.preexisting)
 
 
-
 class Iterator:
     """Base of every iterator in the tree.
 
@@ -148,7 +147,9 @@ class Iterator:
         nothing) or ``next_reserved`` (stages that book what they hold).
         """
         if type(self).__next__ is Iterator.__next__:
-            raise NotImplementedError(f"{type(self).__name__} must implement __next__ or next_reserved")
+            raise NotImplementedError(
+                f"{type(self).__name__} must implement __next__ or next_reserved"
+            )
         return type(self).__next__(self), NO_RESERVATION
 
     def get_state(self) -> dict[str, Any]:
@@ -198,13 +199,16 @@ class DatasetIterator(_PyIterator[Any]):
     garbage collection (no background thread keeps it alive).
     """
 
-    def __init__(self, node: Node, options: Options) -> None:
+    def __init__(self, node: Node, options: Options, *, probe: bool = False) -> None:
         if options.tune_allocator:
             tune_allocator()
         self._node = node
         explicit = options.budget_bytes
         budget = MemoryBudget(explicit) if explicit is not None else default_budget().child()
-        self._context = Context(options, budget, next(_iterations(node)))
+        # A probe (reading one element to learn a spec) must not count as an
+        # iteration: that would change which shuffle order the next real one gets.
+        iteration = 0 if probe else next(_iterations(node))
+        self._context = Context(options, budget, iteration)
         self._tree = node.make_iterator(self._context)
         budget.allot()
         self._closed = False

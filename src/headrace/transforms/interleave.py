@@ -120,7 +120,7 @@ class InterleaveNode(Node):
         from headrace.iterator import DatasetIterator
         from headrace.options import Options
 
-        with DatasetIterator(self.inputs[0], Options(warn_on_shrink=False)) as iterator:
+        with DatasetIterator(self.inputs[0], Options(warn_on_shrink=False), probe=True) as iterator:
             return self.inner_node(next(iterator)).element_spec
 
     def cardinality(self) -> int:
@@ -202,8 +202,12 @@ class _InterleaveIterator(Iterator):
         if self.threads:
             queue_account = budget.account("interleave slot", weight=1)
             iterator = PrefetchIterator(
-                iterator, inner_ctx, queue_account, max(2 * node.block_length + 1, _SLOT_DEPTH),
-                gate=self.gate, ready=self.ready,
+                iterator,
+                inner_ctx,
+                queue_account,
+                max(2 * node.block_length + 1, _SLOT_DEPTH),
+                gate=self.gate,
+                ready=self.ready,
             )
         budget.allot()
         slot = _Slot(iterator, budget, input_before)

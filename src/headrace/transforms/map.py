@@ -93,7 +93,9 @@ class MapNode(Node):
             from headrace.iterator import DatasetIterator
             from headrace.options import Options
 
-            with DatasetIterator(self.inputs[0], Options(warn_on_shrink=False)) as iterator:
+            with DatasetIterator(
+                self.inputs[0], Options(warn_on_shrink=False), probe=True
+            ) as iterator:
                 sample = apply_fn(self.fn, next(iterator))
             self._spec = _relaxed(spec_of(sample))
         return self._spec
