@@ -191,6 +191,23 @@ class StageAccount:
         if self.budget.waiting[0]:
             self.room.notify_all()
 
+    def charge_chunk(self, sizes: list[int]) -> list[Reservation]:
+        """Book several elements as one chunk: one lock now, one lock when all are gone.
+
+        Each element gets a :class:`ChunkPart`; releasing a part takes no lock
+        (an atomic ``list.pop``); the chunk's bytes return to the stage when its
+        last part is released. Until then the early parts' bytes stay booked —
+        an over-count of at most one chunk, which keeps the cap, and it takes the
+        per-element lock off the consumer's path.
+        """
+        for nbytes in sizes:
+            self._check_fits(nbytes)
+        total = sum(sizes)
+        with self.room:
+            self._book(total, len(sizes))
+        chunk = _Chunk(self, total, len(sizes))
+        return [ChunkPart(chunk, nbytes) for nbytes in sizes]
+
     def charge_each(self, sizes: list[int]) -> list[Reservation]:
         """Book several elements at once (one lock), one reservation each."""
         for nbytes in sizes:
@@ -268,6 +285,43 @@ class Reservation:
                 source._unbook(self.nbytes)
         self.nbytes = 0
         return Reservation(account, nbytes)
+
+
+class _Chunk:
+    """Bytes booked for a chunk of elements; returned when the last element is released."""
+
+    __slots__ = ("account", "nbytes", "tokens")
+
+    def __init__(self, account: StageAccount, nbytes: int, count: int) -> None:
+        self.account, self.nbytes = account, nbytes
+        # One token per element; list.pop() is atomic, and whoever pops token 0 (the
+        # last one left) releases the chunk: exactly once, whatever the threads.
+        self.tokens = list(range(count))
+
+    def release_one(self) -> None:
+        if self.tokens.pop() == 0:
+            self.account.release(self.nbytes)
+
+
+class ChunkPart(Reservation):
+    """One element's part of a chunk booking (see :meth:`StageAccount.charge_chunk`)."""
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk: _Chunk, nbytes: int) -> None:
+        super().__init__(chunk.account, nbytes)
+        self.chunk: _Chunk | None = chunk
+
+    def release(self) -> None:
+        chunk, self.chunk = self.chunk, None
+        if chunk is not None:
+            chunk.release_one()
+        self.nbytes = 0
+
+    def move_to(self, account: StageAccount, nbytes: int) -> Reservation:
+        moved = account.charge(nbytes)
+        self.release()
+        return moved
 
 
 NO_RESERVATION = Reservation(None, 0)

@@ -26,6 +26,7 @@ from headrace.options import AUTOTUNE
 
 __all__ = ["PrefetchIterator", "PrefetchNode"]
 
+_Item = tuple[Any, Reservation, dict[str, Any], int]
 _MAX_AUTOTUNE_DEPTH = 1 << 16
 #: AUTOTUNE stops deepening once the queue could hold this much: past a few
 #: dozen MiB a deeper queue smooths nothing more, it only holds memory.
@@ -65,7 +66,9 @@ class _Producer:
         self.inner, self.ctx, self.account, self.depth = inner, ctx, account, depth
         self.gate = gate  # bounds how many producers run their input at once
         self.ready = ready or threading.Condition()
-        self.queue: deque[tuple[Any, Reservation, dict[str, Any]]] = deque()
+        # (element, booking, the input's state before its chunk, its position in the chunk)
+        self.queue: deque[_Item] = deque()
+        self.state_before_chunk = inner.get_state()
         self.outstanding = 0  # taken by the consumer but not handed out yet (counts as queued)
         self.filled = False  # the queue was full since the depth last grew
         self.finished = False
@@ -74,7 +77,7 @@ class _Producer:
         self.thread = threading.Thread(target=self.run, name="headrace-prefetch", daemon=True)
 
     def run(self) -> None:
-        items: list[tuple[Any, Reservation, dict[str, Any]]] = []
+        items: list[_Item] = []
         try:
             while self._wait_for_space():
                 room = self.depth - len(self.queue) - self.outstanding
@@ -96,25 +99,46 @@ class _Producer:
             self.finished = True
             self.ready.notify_all()
 
-    def _pull(self, items: list[tuple[Any, Reservation, dict[str, Any]]], room: int) -> None:
+    def _pull(self, items: list[_Item], room: int) -> None:
         """Pull up to ``room`` elements (at most a chunk) while the budget share has room.
 
-        Handing elements over a chunk at a time keeps the thread hand-off — a
-        lock, a wake-up and a GIL switch — off the per-element path.
+        Per chunk, not per element: the thread hand-off (a lock, a wake-up, a
+        GIL switch), the booking of elements nobody booked yet (one lock), and
+        the input's state (a checkpoint inside the chunk replays from its start).
         """
         sizeof, account = self.ctx.sizeof, self.account
-        for _ in range(max(1, min(room, _CHUNK))):
-            element, reservation = self.inner.next_reserved()
-            items.append((element, reservation.move_to(account, sizeof(element)),
-                          self.inner.get_state()))
-            if not account.has_room():
-                break
+        state = self.state_before_chunk
+        elements: list[Any] = []
+        bookings: list[Reservation | None] = []
+        sizes: list[int] = []
+        try:
+            for _ in range(max(1, min(room, _CHUNK))):
+                element, reservation = self.inner.next_reserved()
+                size = sizeof(element)
+                elements.append(element)
+                if reservation.account is None:
+                    bookings.append(None)  # booked below, with the others, in one step
+                    sizes.append(size)
+                else:
+                    bookings.append(reservation.move_to(account, size))
+                if account.held + sum(sizes) + account.max_element > account.limit:
+                    break
+        finally:  # also at the end of the input: what was pulled is handed on
+            if elements:
+                self.state_before_chunk = self.inner.get_state()
+                booked = iter(account.charge_chunk(sizes)) if sizes else iter(())
+                items.extend(
+                    (element, booking if booking is not None else next(booked), state, position)
+                    for position, (element, booking) in enumerate(
+                        zip(elements, bookings, strict=True)
+                    )
+                )
 
-    def _publish(self, items: list[tuple[Any, Reservation, dict[str, Any]]]) -> bool:
+    def _publish(self, items: list[_Item]) -> bool:
         """Queue what was pulled; False (and everything released) once stopping."""
         with self.ready:
             if self.stopping:  # stop() may already have emptied the queue
-                release_all(reservation for _, reservation, _ in items)
+                release_all(item[1] for item in items)
                 items.clear()
                 return False
             if items:
@@ -141,7 +165,7 @@ class _Producer:
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
         with self.ready:
-            release_all(reservation for _, reservation, _ in self.queue)
+            release_all(item[1] for item in self.queue)
             self.queue.clear()
 
 
@@ -164,8 +188,10 @@ class PrefetchIterator(Iterator):
         self.depth = 1 if self.autotune else buffer_size
         self.gate, self.ready = gate, ready
         self.producer: _Producer | None = None
-        self.taken: deque[tuple[Any, Reservation, dict[str, Any]]] = deque()  # from the queue
-        self.state = inner.get_state()  # the input's state after the last element handed out
+        self.taken: deque[_Item] = deque()  # taken from the producer's queue at once
+        # After the last element handed out: the input's state before its chunk, and
+        # how many elements of that chunk are out.
+        self.state: tuple[dict[str, Any], int] = (inner.get_state(), 0)
 
     def start(self) -> _Producer:
         """Start producing now (parallel interleave reads its slots ahead)."""
@@ -186,7 +212,8 @@ class PrefetchIterator(Iterator):
     def next_reserved(self) -> tuple[Any, Reservation]:
         if not self.taken:
             self._take_all()
-        element, reservation, self.state = self.taken.popleft()
+        element, reservation, chunk_state, position = self.taken.popleft()
+        self.state = (chunk_state, position + 1)
         assert self.producer is not None
         self.producer.outstanding -= 1
         return element, reservation
@@ -222,15 +249,19 @@ class PrefetchIterator(Iterator):
             producer.ready.notify_all()
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.state}
+        chunk_state, handed_out = self.state
+        return {"inner": chunk_state, "skip": handed_out}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._stop()
         self.inner.set_state(state["inner"])
-        self.state = state["inner"]
+        for _ in range(int(state["skip"])):  # elements of the chunk already handed out
+            _, reservation = self.inner.next_reserved()
+            reservation.release()
+        self.state = (self.inner.get_state(), 0)
 
     def _stop(self) -> None:
-        release_all(reservation for _, reservation, _ in self.taken)
+        release_all(item[1] for item in self.taken)
         self.taken.clear()
         if self.producer is not None:
             self.producer.stop()
