@@ -176,3 +176,10 @@ def test_measured_memory_growth_stays_within_the_budget(pipeline: str) -> None:
     assert out.returncode == 0, out.stderr
     growth = int(out.stdout.strip())
     assert growth <= budget + budget // 10 + 64 * MiB, f"{pipeline}: grew {growth / MiB:.0f} MiB"
+
+
+def test_sizeof_of_a_batch_of_records_counts_every_byte() -> None:
+    records = np.empty(3, dtype=object)
+    records[:] = [b"", b"abc", b"x" * 1000]
+    expected = sys.getsizeof(b"") + sys.getsizeof(b"abc") + sys.getsizeof(b"x" * 1000)
+    assert sizeof(records) == sizeof(np.empty(0, dtype=object)) + records.nbytes + expected
