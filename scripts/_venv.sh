@@ -7,10 +7,14 @@ PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
-STAMP="$VENV/.headrace-installed"
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/setup.py" -nt "$STAMP" ]; then
+EXTRAS="${HEADRACE_EXTRAS:-dev,tf}"
+# One stamp per set of extras: the demo's lighter install must not stop the test
+# script from adding TensorFlow to the same venv later.
+STAMP="$VENV/.headrace-installed-${EXTRAS//,/-}"
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/setup.py" -nt "$STAMP" ] \
+        || [ "$ROOT/src/headrace/io/_ext/hrio.c" -nt "$STAMP" ]; then
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[${HEADRACE_EXTRAS:-dev,tf}]"
+    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$EXTRAS]"
     touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
