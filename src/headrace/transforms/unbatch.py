@@ -97,44 +97,33 @@ class _RowSource(Iterator):
         self.inner, self.account = inner, account
         self.current: _Rows | None = None
         self.last_rows: _Rows | None = None  # shapes for empty batches, after the data ends
-        self.batches = 0  # batches fully or partly consumed, for resume
-        self.rows_taken = 0  # rows consumed from the current batch
+        # The input's state before the current batch: what lets a restore re-read it.
+        self.state_before_current: dict[str, Any] = inner.get_state()
 
-    def _advance(self) -> _Rows:
+    def rows(self) -> _Rows:
+        """The batch rows come from now, pulling the next one when it is used up."""
         while self.current is None or self.current.position >= self.current.size:
-            if self.current is not None:
-                self.current.reservation.release()
-                self.current = None
+            self.close_current()
+            self.state_before_current = self.inner.get_state()
             batch, reservation = self.inner.next_reserved()
             if reservation.account is not None:
                 reservation = reservation.move_to(self.account, reservation.nbytes)
             self.current = self.last_rows = _Rows(batch, reservation)
-            self.batches += 1
         return self.current
 
     def get_state(self) -> dict[str, Any]:
-        # The input's state *before* the current batch is what lets us re-read it.
         return {
-            "inner_before_current": self._before_current,
+            "inner_before_current": self.state_before_current,
             "rows_taken": 0 if self.current is None else self.current.position,
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.close_current()
         self.inner.set_state(state["inner_before_current"])
-        self._before_current = state["inner_before_current"]
+        self.state_before_current = state["inner_before_current"]
         rows = int(state["rows_taken"])
         if rows:
-            current = self._advance_recording()
-            current.position = rows
-
-    def _advance_recording(self) -> _Rows:
-        if self.current is None or self.current.position >= self.current.size:
-            self.close_current()
-            self._before_current = self.inner.get_state()
-        return self._advance()
-
-    _before_current: dict[str, Any]
+            self.rows().position = rows
 
     def close_current(self) -> None:
         if self.current is not None:
@@ -151,10 +140,9 @@ class _UnbatchIterator(_RowSource):
 
     def __init__(self, inner: Iterator, account: StageAccount) -> None:
         super().__init__(inner, account)
-        self._before_current = inner.get_state()
 
     def __next__(self) -> Any:
-        return self._advance_recording().row()
+        return self.rows().row()
 
 
 class RebatchNode(Node):
@@ -216,7 +204,6 @@ class _RebatchIterator(_RowSource):
         super().__init__(inner, account)
         self.ctx, self.node = ctx, node
         self.batch_number = 0
-        self._before_current = inner.get_state()
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         sizes = self.node.sizes
@@ -226,7 +213,7 @@ class _RebatchIterator(_RowSource):
         have = 0
         while have < wanted:
             try:
-                rows = self._advance_recording()
+                rows = self.rows()
             except StopIteration:
                 break
             structure = rows.structure
