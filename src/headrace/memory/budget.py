@@ -200,26 +200,23 @@ class StageAccount:
         an over-count of at most one chunk, which keeps the cap, and it takes the
         per-element lock off the consumer's path.
         """
+        chunk = _Chunk(self, self._book_sizes(sizes), len(sizes))
+        return [ChunkPart(chunk, nbytes) for nbytes in sizes]
+
+    def charge_each(self, sizes: list[int]) -> list[Reservation]:
+        """Book several elements at once (one lock), one reservation each."""
+        self._book_sizes(sizes)
+        return [Reservation(self, nbytes) for nbytes in sizes]
+
+    def _book_sizes(self, sizes: list[int]) -> int:
+        """Book elements of these sizes under one lock; returns their total."""
         for nbytes in sizes:
             self._check_fits(nbytes)
         total = sum(sizes)
         with self.room:
             self._book(total, len(sizes))
-        chunk = _Chunk(self, total, len(sizes))
-        return [ChunkPart(chunk, nbytes) for nbytes in sizes]
-
-    def charge_each(self, sizes: list[int]) -> list[Reservation]:
-        """Book several elements at once (one lock), one reservation each."""
-        for nbytes in sizes:
-            self._check_fits(nbytes)
-        total = sum(sizes)
-        with self.room:
-            self.held += total
-            self.peak = max(self.peak, self.held)
-            self.elements += len(sizes)
             self.max_element = max(self.max_element, *sizes, 0)
-            self.budget._add(total)
-        return [Reservation(self, nbytes) for nbytes in sizes]
+        return total
 
     def hold(self, nbytes: int, *, what: str, elements: int = 1) -> Reservation:
         """Book bytes a stage must hold *together* (its minimum working set).
