@@ -268,3 +268,20 @@ def test_ten_thousand_shards_under_rlimit_64(tmp_path) -> None:
     cap, peak = map(int, out.stdout.split())
     assert cap == 16
     assert peak <= cap + 2  # + the watcher's listdir and one pipe at most
+
+
+def test_suspended_compressed_streams_are_booked_on_the_budget(tmp_path) -> None:
+    files = [write(tmp_path / f"{i}.gz", "".join(f"{i}:{j}\n" for j in range(50)).encode(),
+                   "GZIP") for i in range(6)]
+    names = hr.Dataset.from_tensor_slices(np.array(files, dtype=object))
+    ds = names.interleave(
+        lambda f: hr.TextLineDataset(f, compression_type="GZIP"), cycle_length=6
+    ).with_options(hr.Options(max_open_files=2, memory_budget="64MiB"))
+    with iter(ds) as iterator:
+        assert len(list(iterator)) == 300
+        held = {s.name: s for s in iterator.stats().stages}
+        budget = iterator.context.budget
+    assert budget.used == 0  # every suspension's decompressor state was given back
+    # interleave slots draw from the interleave's share: the pipeline saw the bookings
+    assert budget.peak >= 40 << 10  # at least one suspended zlib state (~40 KiB)
+    assert "interleave" in held
