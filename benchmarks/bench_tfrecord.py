@@ -100,7 +100,11 @@ class FdSampler:
     Two peaks, both minus the count before the timed passes: all of ``/proc/self/fd``
     (threads' eventfds and pipes too), and only descriptors on files under ``data_dir`` —
     what headrace's file cap governs (the memory sampler's transient ``/proc`` reads and
-    this thread's own ``listdir`` are excluded from the latter).
+    this thread's own ``listdir`` are excluded from the latter). A sample is not atomic:
+    a data file opened between the listing and the ``readlink`` pass can take the number
+    the listing's own descriptor had, and be counted twice — so a sampled peak can read
+    one over the truth. For headrace the pool's peak is exact; the suite proves the cap
+    by counting the open and close calls themselves.
     """
 
     def __init__(self, data_dir: str, interval: float = 0.002) -> None:

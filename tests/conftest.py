@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -25,3 +26,48 @@ def no_thread_leak() -> Iterator[None]:
         threading.Event().wait(0.01)
         gc.collect()
     raise AssertionError(f"threads left running: {[t.name for t in leaked]}")
+
+
+class DescriptorCounter:
+    """Counts, exactly, the descriptors headrace's file streams hold: every ``os.open``
+    and ``os.close`` of :mod:`headrace.io.streams` goes through it.
+
+    Sampling ``/proc/self/fd`` from a watcher thread cannot prove a cap while other
+    threads open and close files: the listing is not atomic, and a number freed by the
+    listing's own descriptor can be reused by a data file and counted twice. This counter
+    sees the system calls themselves, independently of the pool's own bookkeeping.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set[int] = set()
+        self.peak = 0
+
+    @property
+    def current(self) -> int:
+        return len(self._open)
+
+    def open(self, path: str, flags: int, *args: int) -> int:
+        descriptor = os.open(path, flags, *args)
+        with self._lock:
+            self._open.add(descriptor)
+            self.peak = max(self.peak, len(self._open))
+        return descriptor
+
+    def close(self, descriptor: int) -> None:
+        with self._lock:
+            self._open.discard(descriptor)
+        os.close(descriptor)
+
+    def __getattr__(self, name: str) -> object:  # every other os function, unchanged
+        return getattr(os, name)
+
+
+@pytest.fixture
+def stream_descriptors(monkeypatch: pytest.MonkeyPatch) -> DescriptorCounter:
+    """Route headrace.io.streams' ``os`` through a :class:`DescriptorCounter`."""
+    import headrace.io.streams as streams_module
+
+    counter = DescriptorCounter()
+    monkeypatch.setattr(streams_module, "os", counter)
+    return counter

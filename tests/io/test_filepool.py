@@ -16,6 +16,7 @@ import threading
 import weakref
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -101,19 +102,13 @@ class RecordingAccount:
 
 @pytest.mark.parametrize("max_open_files", [1, 2, 3])
 def test_interleaved_streams_give_exact_bytes_under_the_cap(
-    sample_files: list[tuple[Path, str]], max_open_files: int
+    sample_files: list[tuple[Path, str]], max_open_files: int, stream_descriptors: Any
 ) -> None:
     pool = FilePool(max_open_files)
     baseline = open_descriptors()
-    peak_extra = 0
-
-    def sample() -> None:
-        nonlocal peak_extra
-        peak_extra = max(peak_extra, open_descriptors() - baseline)
-
     handles = [pool.open(path, kind, buffer_size=300) for path, kind in sample_files]
-    assert read_round_robin(handles, 777, sample) == CONTENTS
-    assert peak_extra <= max_open_files
+    assert read_round_robin(handles, 777) == CONTENTS
+    assert stream_descriptors.peak == max_open_files
     stats = pool.stats()
     assert stats.peak_open_files == max_open_files
     assert stats.suspensions > 0 and stats.resumptions > 0
@@ -130,21 +125,16 @@ def test_cap_of_two_with_eight_streams(sample_files: list[tuple[Path, str]]) -> 
     assert pool.stats().peak_open_files == 2
 
 
-def test_cap_holds_across_threads(sample_files: list[tuple[Path, str]]) -> None:
+def test_cap_holds_across_threads(
+    sample_files: list[tuple[Path, str]], stream_descriptors: Any
+) -> None:
     pool = FilePool(4)
     baseline = open_descriptors()
-    sample_lock = threading.Lock()  # one listing of /proc/self/fd at a time
-    peak_extra = 0
     results: dict[int, list[bytes]] = {}
-
-    def sample() -> None:
-        nonlocal peak_extra
-        with sample_lock:
-            peak_extra = max(peak_extra, open_descriptors() - baseline)
 
     def worker(worker_index: int) -> None:
         handles = [pool.open(path, kind, buffer_size=256) for path, kind in sample_files]
-        results[worker_index] = read_round_robin(handles, 333, sample)
+        results[worker_index] = read_round_robin(handles, 333)
         for handle in handles:
             handle.close()
 
@@ -154,7 +144,7 @@ def test_cap_holds_across_threads(sample_files: list[tuple[Path, str]]) -> None:
     for thread in threads:
         thread.join()
     assert all(results[index] == CONTENTS for index in range(8))
-    assert peak_extra <= 4
+    assert stream_descriptors.peak <= 4
     assert pool.stats().peak_open_files <= 4
     assert open_descriptors() == baseline
 
