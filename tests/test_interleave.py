@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import zlib
 
 import numpy as np
@@ -121,13 +122,54 @@ def test_invalid_arguments() -> None:
         list(hr.Dataset.range(3).interleave(lambda x: [1], cycle_length=1))
 
 
-@pytest.mark.parametrize("parallel", [None, 2])
+@pytest.mark.parametrize("parallel", [None, 2, hr.AUTOTUNE])
 def test_checkpoint_roundtrip(parallel) -> None:
     lists = [list(range(i * 10, i * 10 + (i % 4))) for i in range(9)]
     ds = hr.Dataset.range(len(lists)).interleave(
         lists_dataset(lists), cycle_length=3, block_length=2, num_parallel_calls=parallel
     )
     assert_checkpoint_roundtrip(ds)
+
+
+def waiting_inner(i):
+    """An inner pipeline that waits 1 ms per element, as a slow disk or network would."""
+    return hr.Dataset.range(i * 1000, i * 1000 + 300).map(lambda x: (time.sleep(0.001), x)[1])
+
+
+def test_autotune_starts_threads_when_the_inner_pipelines_wait() -> None:
+    ds = hr.Dataset.range(4).interleave(
+        waiting_inner, cycle_length=4, num_parallel_calls=hr.AUTOTUNE
+    )
+    expected = [i * 1000 + j for j in range(300) for i in range(4)]  # round-robin, as tf
+    with iter(ds) as iterator:
+        interleave = iterator._tree
+        head = [int(next(iterator)) for _ in range(10)]
+        assert not interleave.threaded  # two windows of 20 ms of pulls come first
+        early_state = iterator.get_state()
+        rest = [int(x) for x in iterator]
+        assert interleave.threaded
+        assert head + rest == expected  # the switch changes timing, never the order
+        # a state saved before the switch restores into the switched iterator...
+        iterator.set_state(early_state)
+        assert [int(x) for x in iterator] == expected[10:]
+    with iter(ds) as iterator:
+        head = [int(next(iterator)) for _ in range(700)]
+        assert iterator._tree.threaded
+        late_state = iterator.get_state()
+    with iter(ds) as resumed:  # ...and one saved after it restores switched, mid-slot
+        resumed.set_state(late_state)
+        assert resumed._tree.threaded
+        assert head + [int(x) for x in resumed] == expected
+
+
+def test_autotune_stays_sequential_when_the_inner_pipelines_compute() -> None:
+    ds = hr.Dataset.range(8).interleave(
+        lambda i: hr.Dataset.range(i * 1000, i * 1000 + 1000), cycle_length=4,
+        num_parallel_calls=hr.AUTOTUNE,
+    )
+    with iter(ds) as iterator:
+        assert sum(1 for _ in iterator) == 8000
+        assert not iterator._tree.threaded  # threads would only add hand-offs here
 
 
 def test_inner_pipelines_draw_from_the_interleave_share() -> None:
@@ -227,7 +269,7 @@ def test_ten_thousand_shards_under_rlimit_64(tmp_path) -> None:
     directory = tmp_path / "shards"
     directory.mkdir()
     for i in range(10_000):
-        (directory / f"{i:05d}.txt").write_bytes(f"{i}\n".encode())
+        (directory / f"{i:05d}.txt").write_bytes(f"{i}\n{i}\n{i}\n".encode())
     script = textwrap.dedent(
         f"""
         import os, resource, threading, numpy as np, headrace as hr
@@ -248,21 +290,36 @@ def test_ten_thousand_shards_under_rlimit_64(tmp_path) -> None:
             def __getattr__(self, name):
                 return getattr(os, name)
         headrace.io.streams.os = CountingOS()
+        before = len(os.listdir("/proc/self/fd"))  # and what the process as a whole shows
+        proc_peak = [0]; stop = threading.Event()
+        def watch():
+            while not stop.is_set():
+                proc_peak[0] = max(proc_peak[0], len(os.listdir("/proc/self/fd")) - before)
+        watcher = threading.Thread(target=watch, daemon=True); watcher.start()
         files = hr.Dataset.list_files({str(directory)!r} + "/*.txt", shuffle=False)
-        lines = files.interleave(lambda f: hr.TextLineDataset(f), cycle_length=100,
-                                 num_parallel_calls=4)
-        seen = sorted(int(line) for line in lines)
-        assert seen == list(range(10_000)), "records lost or duplicated"
+        peaks = []
+        # sequential: each of the 100 slots keeps its file open between its lines (a
+        # 4-byte read buffer), so the cycle wants 100 files; then 4 threads reading ahead
+        for parallel in (None, 4):
+            peak[0] = 0
+            lines = files.interleave(lambda f: hr.TextLineDataset(f, buffer_size=4),
+                                     cycle_length=100, num_parallel_calls=parallel)
+            seen = sorted(int(line) for line in lines)
+            assert seen == sorted(list(range(10_000)) * 3), "records lost or duplicated"
+            peaks.append(peak[0])
+        stop.set(); watcher.join()
         cap = get_default_pool().max_open_files
-        print(cap, peak[0])
+        print(cap, *peaks, proc_peak[0])
         """
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    cap, peak = map(int, out.stdout.split())
+    cap, sequential_peak, threaded_peak, proc_peak = map(int, out.stdout.split())
     assert cap == 16
-    assert 1 <= peak <= cap
+    assert sequential_peak == cap  # 100 slots want a file each: they get the cap, no more
+    assert 1 <= threaded_peak <= cap
+    assert proc_peak <= cap
 
 
 def test_suspended_compressed_streams_are_booked_on_the_budget(tmp_path) -> None:

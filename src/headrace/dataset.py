@@ -471,14 +471,18 @@ class _PerFile:
 def read_files_in_parallel(
     filenames: Any, num_parallel_reads: int | None, make: Callable[[str], Dataset]
 ) -> Dataset | None:
-    """tf.data's ``num_parallel_reads``: interleave one dataset per file, cycle = k, block 1."""
+    """tf.data's ``num_parallel_reads``: interleave one dataset per file, cycle = k, block 1.
+
+    k files are open at once, in tf.data's order; whether they read ahead on threads
+    is AUTOTUNE's choice (threads only pay when the reads wait — see interleave).
+    """
     if num_parallel_reads is None:
         return None
     names = [filenames] if isinstance(filenames, (str, os.PathLike)) else list(filenames)
     cycle = len(names) if num_parallel_reads == AUTOTUNE else num_parallel_reads
     files = Dataset.from_tensor_slices(np.array([os.fspath(n) for n in names], dtype=object))
     return files.interleave(
-        _PerFile(make), cycle_length=max(cycle, 1), block_length=1, num_parallel_calls=cycle
+        _PerFile(make), cycle_length=max(cycle, 1), block_length=1, num_parallel_calls=AUTOTUNE
     )
 
 

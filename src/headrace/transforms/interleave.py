@@ -9,11 +9,17 @@ but elements are handed out in exactly that sequential order; with
 ``deterministic=False`` the first slot with an element ready wins.
 
 Threads. In CPython, reading ahead on threads pays only when the inner
-pipelines wait on I/O or run code that releases the GIL (NumPy, decoders,
-network reads). headrace's TFRecord and text readers on a local disk are
-GIL-bound: for them the sequential interleave is the faster one (about 2x
-tf.data's parallel interleave on 1,000 small files here, against a third of
-it with threads — see benchmarks/results/tfrecord.md).
+pipelines wait on I/O or run code that releases the GIL (network reads, a slow
+disk, NumPy, decoders). headrace's TFRecord and text readers reading from the
+page cache are GIL-bound: for them the sequential interleave is the faster one
+(about 2x tf.data's parallel interleave on 1,000 small files here, against half
+of it with threads — see benchmarks/results/tfrecord.md). So
+``num_parallel_calls=AUTOTUNE`` starts sequential and watches its pulls
+(see ``_WaitWatch``): once they spend most of their time waiting while the
+process is idle, every slot starts reading ahead on its own thread (up to
+``cycle_length`` at once: waiting costs no core). The switch is one-way, is
+kept in checkpoints, and changes no order, only timing. A number
+``num_parallel_calls=k`` always uses threads, k running at once.
 
 Memory. The stage's share of the budget is split among the ``cycle_length``
 slots; each inner pipeline runs inside its slot's part (its own prefetches,
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -42,11 +49,67 @@ from headrace.options import AUTOTUNE
 from headrace.transforms.map import apply_fn
 from headrace.transforms.prefetch import PrefetchIterator
 
+try:
+    import resource
+
+    _RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
+except ImportError:  # Windows
+    _RUSAGE_THREAD = None
+
 __all__ = ["InterleaveNode"]
 
 #: Elements a slot reads ahead (tf.data: 2 * block_length + 1), bounded by the slot's
 #: part of the budget; more per hand-off keeps thread switches off the per-element path.
 _SLOT_DEPTH = 64
+
+
+def _voluntary_switches() -> int:
+    """Times this thread gave up its core to wait (I/O, sleep, a lock); 0 if unknown."""
+    if _RUSAGE_THREAD is None:
+        return 0
+    return resource.getrusage(_RUSAGE_THREAD).ru_nvcsw
+
+
+class _WaitWatch:
+    """AUTOTUNE's evidence that slots reading ahead on threads would overlap waits.
+
+    Every pull's wall time is summed (one cheap clock read on each side). When a
+    window has spent ``WINDOW_SECONDS`` inside pulls, three conditions say the
+    pulls were waiting, not computing: this thread's CPU time over the window is
+    under half of that (so at least half of the pulls' time was not spent on this
+    core); the whole process used under half a core meanwhile (not other Python
+    threads holding the GIL: threads would not help then); and this thread went to
+    sleep in the kernel at least once (not merely preempted by a busy machine).
+    ``WINDOWS`` such windows in a row start the threads.
+    """
+
+    WINDOW_SECONDS = 0.02
+    WINDOWS = 2
+
+    def __init__(self) -> None:
+        self.waiting_windows = 0
+        self._start_window()
+
+    def _start_window(self) -> None:
+        self.pull_wall = 0.0
+        self.wall = time.perf_counter()
+        self.thread_cpu = time.thread_time()
+        self.process_cpu = time.process_time()
+        self.switches = _voluntary_switches()
+
+    def waiting_mostly(self) -> bool:
+        """At the end of a window (``pull_wall`` >= ``WINDOW_SECONDS``, summed by the
+        caller around each pull): whether enough windows in a row waited."""
+        wall = time.perf_counter() - self.wall
+        computing = time.thread_time() - self.thread_cpu
+        waited = (
+            self.pull_wall - computing > 0.5 * self.pull_wall
+            and time.process_time() - self.process_cpu < 0.5 * wall
+            and (_RUSAGE_THREAD is None or _voluntary_switches() > self.switches)
+        )
+        self.waiting_windows = self.waiting_windows + 1 if waited else 0
+        self._start_window()
+        return self.waiting_windows >= self.WINDOWS
 
 
 def _machine_cycle_length(num_parallel_calls: int | None) -> int:
@@ -138,25 +201,30 @@ class InterleaveNode(Node):
         return result._node
 
     def make_iterator(self, ctx: Context) -> Iterator:
-        parallel = self.num_parallel_calls
-        threads = None
-        if parallel is not None:  # AUTOTUNE: as many slots reading at once as cores (tf.data)
-            cpus = os.cpu_count() or 1
-            threads = min(cpus, self.cycle_length) if parallel == AUTOTUNE else parallel
         deterministic = ctx.deterministic if self.deterministic is None else self.deterministic
         account = ctx.account(self, "interleave", weight=2)
         return _InterleaveIterator(
-            self, self.inputs[0].make_iterator(ctx), ctx, account, threads, deterministic
+            self, self.inputs[0].make_iterator(ctx), ctx, account, deterministic
         )
 
 
 class _Slot:
-    """One open inner pipeline: its iterator, its budget, where its input element was."""
+    """One open inner pipeline: its iterator, its budget, where its input element was.
+
+    ``queue`` is the account of the read-ahead queue (registered whenever threads may
+    be used, so the budget's split never depends on timing); ``ctx`` the inner context.
+    """
 
     def __init__(
-        self, iterator: Iterator, budget: MemoryBudget, input_before: dict[str, Any]
+        self,
+        iterator: Iterator,
+        budget: MemoryBudget,
+        input_before: dict[str, Any],
+        ctx: Context,
+        queue: StageAccount | None,
     ) -> None:
         self.iterator, self.budget, self.input_before = iterator, budget, input_before
+        self.ctx, self.queue = ctx, queue
 
     def close(self) -> None:
         self.budget.close()
@@ -172,17 +240,35 @@ class _InterleaveIterator(Iterator):
         inner: Iterator,
         ctx: Context,
         account: StageAccount,
-        threads: int | None,
         deterministic: bool,
     ) -> None:
         super().__init__(inner)
         self.node, self.input, self.ctx, self.account = node, inner, ctx, account
-        self.threads, self.deterministic = threads, deterministic
-        self.gate = threading.Semaphore(threads) if threads else None
+        self.deterministic = deterministic
+        parallel = node.num_parallel_calls
+        self.may_thread = parallel is not None
+        # AUTOTUNE starts sequential and watches for waiting (see the module docstring).
+        self.watch = _WaitWatch() if parallel == AUTOTUNE else None
+        self.gate: threading.Semaphore | None = None
+        if parallel is not None and parallel != AUTOTUNE:
+            self.gate = threading.Semaphore(parallel)
         # Only "first ready wins" needs one condition for all slots (the consumer waits
         # for any of them); in order, each slot's own condition avoids waking them all.
-        self.ready = threading.Condition() if threads and not deterministic else None
+        self.ready = threading.Condition() if self.may_thread and not deterministic else None
         self._reset()
+
+    @property
+    def threaded(self) -> bool:
+        """Whether slots read ahead on threads (now; AUTOTUNE may switch them on)."""
+        return self.gate is not None
+
+    def _start_threads(self) -> None:
+        """AUTOTUNE's switch: from now on every slot, open or not, reads ahead."""
+        self.watch = None
+        self.gate = threading.Semaphore(self.node.cycle_length)
+        for slot in self.slots:
+            if slot is not None:
+                slot.iterator = self._read_ahead(slot.iterator, slot.ctx, slot.queue)
 
     def _reset(self) -> None:
         self.slots: list[_Slot | None] = [None] * self.node.cycle_length
@@ -192,37 +278,38 @@ class _InterleaveIterator(Iterator):
         self.num_open = 0
 
     # -- slots -------------------------------------------------------------------------
-    def _open_slot(self, element: Any, input_before: dict[str, Any]) -> _Slot:
+    def _open_slot(self, element: Any, input_before: dict[str, Any], *, start: bool) -> _Slot:
         node = self.node
         budget = MemoryBudget(
             max(self.account.limit // node.cycle_length, 1), parent=self.ctx.budget
         )
         inner_ctx = self.ctx.with_budget(budget)
         iterator = node.inner_node(element).make_iterator(inner_ctx)
-        if self.threads:
-            queue_account = budget.account("interleave slot", weight=1)
-            iterator = PrefetchIterator(
-                iterator,
-                inner_ctx,
-                queue_account,
-                max(2 * node.block_length + 1, _SLOT_DEPTH),
-                gate=self.gate,
-                ready=self.ready,
-            )
+        queue = budget.account("interleave slot", weight=1) if self.may_thread else None
         budget.allot()
-        slot = _Slot(iterator, budget, input_before)
-        if isinstance(iterator, PrefetchIterator):
-            iterator.start()
-        return slot
+        if self.threaded:
+            iterator = self._read_ahead(iterator, inner_ctx, queue, start=start)
+        return _Slot(iterator, budget, input_before, inner_ctx, queue)
 
-    def _pull_input(self) -> _Slot | None:
+    def _read_ahead(
+        self, iterator: Iterator, ctx: Context, queue: StageAccount | None, *, start: bool = True
+    ) -> PrefetchIterator:
+        """Wrap a slot's iterator so that it reads ahead on its own thread."""
+        assert queue is not None  # registered whenever threads may be used
+        depth = max(2 * self.node.block_length + 1, _SLOT_DEPTH)
+        ahead = PrefetchIterator(iterator, ctx, queue, depth, gate=self.gate, ready=self.ready)
+        if start:
+            ahead.start()
+        return ahead
+
+    def _pull_input(self, *, start: bool = True) -> _Slot | None:
         before = self.input.get_state()
         try:
             element = next(self.input)
         except StopIteration:
             self.end_of_input = True
             return None
-        return self._open_slot(element, before)
+        return self._open_slot(element, before, start=start)
 
     def _advance(self) -> None:
         self.block_index = 0
@@ -237,13 +324,23 @@ class _InterleaveIterator(Iterator):
 
     # -- the order -----------------------------------------------------------------------
     def next_reserved(self) -> tuple[Any, Reservation]:
-        if not self.deterministic and self.threads:
+        if not self.deterministic and self.threaded:
             return self._next_first_ready()
         while not self.end_of_input or self.num_open > 0:
             slot = self.slots[self.cycle_index]
             if slot is not None:
                 try:
-                    pair = slot.iterator.next_reserved()
+                    watch = self.watch
+                    if watch is None:
+                        pair = slot.iterator.next_reserved()
+                    else:  # inline: this runs for every element
+                        started = time.perf_counter()
+                        try:
+                            pair = slot.iterator.next_reserved()
+                        finally:
+                            watch.pull_wall += time.perf_counter() - started
+                        if watch.pull_wall >= watch.WINDOW_SECONDS and watch.waiting_mostly():
+                            self._start_threads()
                 except StopIteration:
                     self._close_slot(self.cycle_index)
                     self._advance()
@@ -301,6 +398,7 @@ class _InterleaveIterator(Iterator):
     # -- state -----------------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
         return {
+            "threaded": self.threaded,  # slots' states are read-ahead states then
             "input": self.input.get_state(),
             "cycle_index": self.cycle_index,
             "block_index": self.block_index,
@@ -316,14 +414,20 @@ class _InterleaveIterator(Iterator):
     def set_state(self, state: dict[str, Any]) -> None:
         self._close_all()
         self._reset()
+        saved_threaded = bool(state.get("threaded", self.threaded))
+        if saved_threaded and not self.threaded:  # AUTOTUNE had switched: switch again
+            self._start_threads()
         for index, saved in enumerate(state["slots"]):
             if saved is None:
                 continue
             self.input.set_state(saved["input_before"])
-            slot = self._pull_input()
+            slot = self._pull_input(start=False)
             if slot is None:
                 raise InvalidArgumentError("interleave state refers to a missing input element")
-            slot.iterator.set_state(saved["inner"])
+            inner = saved["inner"]
+            if self.threaded and not saved_threaded:  # saved before this iterator switched
+                inner = {"inner": inner, "skip": 0}
+            slot.iterator.set_state(inner)
             if isinstance(slot.iterator, PrefetchIterator):
                 slot.iterator.start()
             self.slots[index] = slot
