@@ -162,6 +162,16 @@ def test_autotune_starts_threads_when_the_inner_pipelines_wait() -> None:
         assert head + [int(x) for x in resumed] == expected
 
 
+def test_autotune_switch_with_deterministic_false_yields_each_element_once() -> None:
+    ds = hr.Dataset.range(6).interleave(
+        waiting_inner, cycle_length=3, num_parallel_calls=hr.AUTOTUNE, deterministic=False
+    )
+    with iter(ds) as iterator:
+        got = sorted(int(x) for x in iterator)
+        assert iterator._tree.threaded
+    assert got == sorted(i * 1000 + j for i in range(6) for j in range(300))
+
+
 def test_autotune_stays_sequential_when_the_inner_pipelines_compute() -> None:
     ds = hr.Dataset.range(8).interleave(
         lambda i: hr.Dataset.range(i * 1000, i * 1000 + 1000), cycle_length=4,

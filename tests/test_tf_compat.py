@@ -191,13 +191,26 @@ def build_source(source: tuple[str, Any]) -> tuple[tf.data.Dataset, hr.Dataset]:
     def generate() -> Any:
         yield from rows
 
-    tf_dtype = tf.string if dtype == "bytes" else tf.as_dtype(dtype)
     hr_dtype = bytes if dtype == "bytes" else np.dtype(dtype)
     return (
-        tf.data.Dataset.from_generator(
-            generate, output_signature=tf.TensorSpec(shape, tf_dtype)
-        ),
+        tf_variable_rows(dtype, trailing, rows),
         hr.Dataset.from_generator(generate, output_signature=hr.TensorSpec(shape, hr_dtype)),
+    )
+
+
+def tf_variable_rows(dtype: str, trailing: tuple[int, ...], rows: list[np.ndarray]) -> Any:
+    """tf.data's side of a generator of rows whose first dimension varies, without
+    ``tf.data.Dataset.from_generator``: its py_func crashed the test process (SIGSEGV
+    inside TensorFlow) once in CI under these random pipelines. Rows are slices of one
+    flat tensor; ``filter`` makes the cardinality unknown, like a generator's, and the
+    element spec is the same (shape ``(None, *trailing)``)."""
+    empty = np.empty((0, *trailing), dtype=object if dtype == "bytes" else dtype)
+    values = tf_constant(np.concatenate([empty, *rows]) if rows else empty)
+    splits = tf.constant(np.cumsum([0] + [len(row) for row in rows]), dtype=tf.int64)
+    return (
+        tf.data.Dataset.range(len(rows))
+        .map(lambda i: values[splits[i] : splits[i + 1]])
+        .filter(lambda _: True)
     )
 
 
