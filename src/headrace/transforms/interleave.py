@@ -426,7 +426,7 @@ class _InterleaveIterator(Iterator):
                 raise InvalidArgumentError("interleave state refers to a missing input element")
             inner = saved["inner"]
             if self.threaded and not saved_threaded:  # saved before this iterator switched
-                inner = {"inner": inner, "skip": 0}
+                inner = PrefetchIterator.state_at(inner)
             slot.iterator.set_state(inner)
             if isinstance(slot.iterator, PrefetchIterator):
                 slot.iterator.start()

@@ -252,6 +252,12 @@ class PrefetchIterator(Iterator):
         chunk_state, handed_out = self.state
         return {"inner": chunk_state, "skip": handed_out}
 
+    @staticmethod
+    def state_at(inner_state: dict[str, Any]) -> dict[str, Any]:
+        """The state of a read-ahead whose input is at ``inner_state``, nothing read ahead
+        (to restore a state saved before a read-ahead was put over the input)."""
+        return {"inner": inner_state, "skip": 0}
+
     def set_state(self, state: dict[str, Any]) -> None:
         self._stop()
         self.inner.set_state(state["inner"])
