@@ -158,3 +158,38 @@ def test_damaged_examples_raise_only_headrace_errors(features: dict, data: st.Da
     spec_args = data.draw(specs())
     with contextlib.suppress(HeadraceError):
         hx.parse_example([bytes(serialized)], {n: headrace_spec(*a) for n, a in spec_args.items()})
+
+
+@pytest.mark.parametrize(
+    ("kind", "partition", "message"),
+    [
+        ("RowSplits", [1, 3], r"RowSplits\(key='p'\) must start at 0"),
+        ("RowSplits", [0, 2], r"describes 2 values but the record has 3"),
+        ("RowSplits", [0, 2, 1, 3], r"gives a row a negative length"),
+        ("RowStarts", [2], r"RowStarts\(key='p'\) must start at 0"),
+        ("RowStarts", [0, 2, 1], r"gives a row a negative length"),
+        ("RowLimits", [1, 4], r"describes 4 values but the record has 3"),
+        ("RowLengths", [2, -1, 2], r"gives a row a negative length"),
+        ("ValueRowIds", [0, 1, 0], r"must not decrease"),
+        ("ValueRowIds", [-1, 0, 0], r"has a negative row id"),
+        ("ValueRowIds", [0, 1], r"describes 2 values but the record has 3"),
+    ],
+)
+def test_bad_ragged_partitions_name_feature_partition_and_record(
+    kind: str, partition: list[int], message: str
+) -> None:
+    good = hx.serialize_example({"v": [7], "p": {"RowSplits": [0, 1], "RowStarts": [0],
+                                                 "RowLimits": [1], "RowLengths": [1],
+                                                 "ValueRowIds": [0]}[kind]})
+    bad = hx.serialize_example({"v": [1, 2, 3], "p": partition})
+    spec = {"f": hx.RaggedFeature(np.int64, value_key="v",
+                                  partitions=(getattr(hx.RaggedFeature, kind)("p"),))}
+    assert hx.parse_example([good], spec)["f"].to_list() == [[[7]]]
+    with pytest.raises(ParseError, match=r"feature 'f' in record 1 of the batch: .*" + message):
+        hx.parse_example([good, bad], spec)
+
+
+def test_unknown_partition_is_an_invalid_argument() -> None:
+    spec = {"f": hx.RaggedFeature(np.int64, partitions=("RowSplits",))}
+    with pytest.raises(InvalidArgumentError, match=r"not one of RaggedFeature\.RowLengths"):
+        hx.parse_example([hx.serialize_example({"f": [1]})], spec)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from io_format_strategies import batches_and_specs, examples, headrace_spec
 
 from headrace.errors import HeadraceError
@@ -258,3 +260,85 @@ def test_accepts_tensorflow_dtypes_in_specs() -> None:
     batch = [hx.serialize_example({"v": [1.5]})]
     parsed = hx.parse_example(batch, {"v": hx.FixedLenFeature([], tf.float32)})
     assert parsed["v"].dtype == np.float32
+
+
+# -- every RaggedFeature partition, nested, against tf.io.parse_example -----------------
+PARTITIONS = ["RowLengths", "RowSplits", "RowStarts", "RowLimits", "ValueRowIds"]
+
+
+def encode_partition(kind: str, lengths: list[int], draw: Any) -> list[int]:
+    """One record's partition feature for rows of these lengths."""
+    offsets = np.cumsum([0, *lengths]).tolist()
+    if kind == "RowLengths":
+        return list(lengths)
+    if kind == "RowSplits":  # no rows: [0], or nothing at all (both mean zero rows)
+        return offsets if lengths or draw(st.booleans()) else []
+    if kind == "RowStarts":
+        return offsets[:-1]
+    if kind == "RowLimits":
+        return offsets[1:]
+    return [row for row, length in enumerate(lengths) for _ in range(length)]
+
+
+@st.composite
+def partitioned_batches(draw: Any) -> tuple[list[bytes], list[str]]:
+    """Records of values split into rows (and rows into outer rows), with the partition
+    features of randomly chosen kinds; the outermost partition comes first."""
+    kinds = draw(st.lists(st.sampled_from(PARTITIONS), min_size=1, max_size=2))
+    batch = []
+    for record in range(draw(st.integers(0, 5))):
+        features: dict[str, Any] = {}
+        count = draw(st.integers(0, 6))  # values of the innermost level
+        value_counts = count
+        # innermost partition first: split `value_counts` items into rows
+        for level in reversed(range(len(kinds))):
+            cuts = sorted(draw(st.lists(st.integers(0, value_counts), max_size=3)))
+            bounds = [0, *cuts, value_counts]
+            lengths = [b - a for a, b in itertools.pairwise(bounds)]
+            if not value_counts and draw(st.booleans()):
+                lengths = []  # no rows at all, rather than one empty row
+            if kinds[level] == "ValueRowIds":  # ids cannot express trailing empty rows
+                while lengths and lengths[-1] == 0:
+                    lengths.pop()
+            features[f"p{level}"] = ("int64_list", encode_partition(kinds[level], lengths, draw))
+            value_counts = len(lengths)
+        features["v"] = ("int64_list", [record * 100 + i for i in range(count)])
+        batch.append(tf_example(features).SerializeToString())
+    return batch, kinds
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(partitioned_batches(), st.sampled_from([tf.int32, tf.int64]))
+def test_every_ragged_partition_matches_tensorflow(
+    batch_and_kinds: tuple[list[bytes], list[str]], splits_dtype: tf.DType
+) -> None:
+    batch, kinds = batch_and_kinds
+    event(" > ".join(kinds))
+    theirs = tf.io.parse_example(
+        tf.constant(batch, dtype=tf.string, shape=[len(batch)]),
+        {
+            "f": tf.io.RaggedFeature(
+                tf.int64,
+                value_key="v",
+                partitions=[getattr(tf.io.RaggedFeature, k)(f"p{i}") for i, k in enumerate(kinds)],
+                row_splits_dtype=splits_dtype,
+            )
+        },
+    )["f"]
+    ours = hx.parse_example(
+        batch,
+        {
+            "f": hx.RaggedFeature(
+                np.int64,
+                value_key="v",
+                partitions=tuple(getattr(hx.RaggedFeature, k)(f"p{i}") for i, k in enumerate(kinds)),
+                row_splits_dtype=splits_dtype.as_numpy_dtype,
+            )
+        },
+    )["f"]
+    assert ours.to_list() == theirs.to_list()
+    for _ in range(len(kinds) + 1):  # the batch level, then each partition's
+        assert ours.row_splits.dtype == splits_dtype.as_numpy_dtype
+        np.testing.assert_array_equal(ours.row_splits, theirs.row_splits.numpy())
+        ours, theirs = ours.values, theirs.values
+    assert_same_dense(ours, theirs)

@@ -363,10 +363,42 @@ class _RowLengths:
 
 
 @dataclass(frozen=True)
+class _RowSplits:
+    """Partition: the int64 feature ``key`` holds the row splits (``0, ..., count``)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class _RowStarts:
+    """Partition: the int64 feature ``key`` holds where each row starts (first is 0)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class _RowLimits:
+    """Partition: the int64 feature ``key`` holds where each row ends (last is the count)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class _ValueRowIds:
+    """Partition: the int64 feature ``key`` holds each value's row (non-decreasing);
+    a record has ``max + 1`` rows."""
+
+    key: str
+
+
+@dataclass(frozen=True)
 class _UniformRowLength:
     """Partition: every inner row has ``length`` values."""
 
     length: int
+
+
+_KEYED_PARTITIONS = (_RowLengths, _RowSplits, _RowStarts, _RowLimits, _ValueRowIds)
 
 
 @dataclass(frozen=True)
@@ -374,9 +406,12 @@ class RaggedFeature:
     """A ragged feature, returned as a :class:`RaggedColumn` (``tf.io.RaggedFeature``).
 
     ``value_key`` defaults to the feature's name. ``partitions`` (outermost first) split
-    each record's values further: ``RaggedFeature.RowLengths(key)`` and
-    ``RaggedFeature.UniformRowLength(length)`` are supported. ``row_splits_dtype`` is
-    np.int32 (TensorFlow's default) or np.int64.
+    each record's values further, as in TensorFlow: ``RowLengths``, ``RowSplits``,
+    ``RowStarts``, ``RowLimits`` and ``ValueRowIds`` name an int64 feature of the same
+    record; ``UniformRowLength(length)`` takes a number. ``row_splits_dtype`` is
+    np.int32 (TensorFlow's default) or np.int64. Partitions are always checked (which
+    TensorFlow does only with ``validate=True``): one that does not describe the record's
+    values raises :class:`ParseError` naming the feature, the partition and the record.
     """
 
     dtype: Any
@@ -386,12 +421,17 @@ class RaggedFeature:
     validate: bool = False
 
     RowLengths = _RowLengths
+    RowSplits = _RowSplits
+    RowStarts = _RowStarts
+    RowLimits = _RowLimits
+    ValueRowIds = _ValueRowIds
     UniformRowLength = _UniformRowLength
 
 
 # So that reprs read like TensorFlow's spelling of the same partitions.
-_RowLengths.__qualname__ = "RaggedFeature.RowLengths"
-_UniformRowLength.__qualname__ = "RaggedFeature.UniformRowLength"
+for _partition in (*_KEYED_PARTITIONS, _UniformRowLength):
+    _partition.__qualname__ = "RaggedFeature." + _partition.__name__.lstrip("_")
+del _partition
 
 
 FeatureSpec = Union[FixedLenFeature, VarLenFeature, FixedLenSequenceFeature, RaggedFeature]  # noqa: UP007
@@ -448,12 +488,13 @@ def _plan(features: Mapping[str, FeatureSpec]) -> _Plan:
         plan.need(_value_key(name, spec), _kind_of_spec_dtype(spec.dtype), name)
         if isinstance(spec, RaggedFeature):
             for partition in spec.partitions:
-                if isinstance(partition, _RowLengths):
+                if isinstance(partition, _KEYED_PARTITIONS):
                     plan.need(partition.key, wire.KIND_INT64, name)
                 elif not isinstance(partition, _UniformRowLength):
                     raise InvalidArgumentError(
-                        f"feature {name!r}: partition {partition!r} is not supported; "
-                        "use RaggedFeature.RowLengths or RaggedFeature.UniformRowLength"
+                        f"feature {name!r}: partition {partition!r} is not one of "
+                        "RaggedFeature.RowLengths, RowSplits, RowStarts, RowLimits, "
+                        "ValueRowIds or UniformRowLength"
                     )
     return plan
 
@@ -584,7 +625,8 @@ def _ragged(name: str, spec: RaggedFeature, columns: dict[str, _Column]) -> Ragg
         if isinstance(partition, _UniformRowLength):
             inner, counts = _apply_uniform(name, partition.length, inner, counts)
         else:
-            inner, counts = _apply_row_lengths(name, columns[partition.key], inner, counts)
+            lengths, rows = _row_lengths(name, partition, columns[partition.key], counts)
+            inner, counts = _apply_row_lengths(name, partition, lengths, rows, inner, counts)
             inner = RaggedColumn(inner.values, inner.row_splits.astype(splits_dtype))
     return RaggedColumn(inner, _row_splits(counts, splits_dtype))
 
@@ -607,29 +649,80 @@ def _apply_uniform(
     return RaggedColumn(inner, splits.astype(inner.row_splits.dtype)), rows
 
 
+def _partition_error(name: str, partition: Any, record: int, what: str) -> ParseError:
+    return ParseError(
+        f"feature {name!r} in record {record} of the batch: {partition!r} {what}"
+    )
+
+
+def _row_lengths(name: str, partition: Any, column: _Column, counts: Array) -> tuple[Array, Array]:
+    """Any keyed partition as the lengths of its rows (flat, across the batch) and the
+    number of rows of each record. ``counts`` is how many values (or inner rows) each
+    record has, which the partition must describe exactly."""
+    given = column.values
+    per_record = np.maximum(column.counts, 0)
+    record_splits = _row_splits(per_record, np.int64)
+    owner = np.repeat(np.arange(len(per_record)), per_record)  # record of each entry
+    first = np.zeros(len(given), dtype=bool)
+    first[record_splits[:-1][per_record > 0]] = True
+    previous = np.concatenate([[0], given[:-1]]) if len(given) else given
+    previous = np.where(first, 0, previous)  # each record starts again from offset 0
+
+    def check(bad: Array, what: str) -> None:
+        if bad.any():
+            raise _partition_error(name, partition, int(owner[_first_record(bad)]), what)
+
+    if isinstance(partition, _RowLengths):
+        return given, per_record
+    if isinstance(partition, _RowLimits):
+        return given - previous, per_record
+    if isinstance(partition, _RowSplits | _RowStarts):
+        check(first & (given != 0), "must start at 0")
+        if isinstance(partition, _RowSplits):  # n + 1 splits make n rows
+            return (given - previous)[~first], np.maximum(per_record - 1, 0)
+        # a row runs to the next row's start, the record's last row to its end
+        ends = np.concatenate([given[1:], [0]]) if len(given) else given
+        last = np.zeros(len(given), dtype=bool)
+        last[record_splits[1:][per_record > 0] - 1] = True
+        ends = np.where(last, np.repeat(counts, per_record), ends)
+        return ends - given, per_record
+    # ValueRowIds: one id per value, non-decreasing; ids up to max + 1 rows per record
+    check(given < 0, "has a negative row id")
+    check(~first & (given < previous), "must not decrease")
+    present = per_record > 0
+    rows = np.zeros(len(per_record), dtype=np.int64)
+    rows[present] = given[record_splits[1:][present] - 1] + 1
+    offsets = _row_splits(rows, np.int64)
+    lengths = np.bincount(given + offsets[owner], minlength=int(offsets[-1]))
+    return lengths.astype(np.int64), rows
+
+
 def _apply_row_lengths(
-    name: str, lengths_column: _Column, inner: Array | RaggedColumn, counts: Array
+    name: str,
+    partition: Any,
+    lengths: Array,
+    rows: Array,
+    inner: Array | RaggedColumn,
+    counts: Array,
 ) -> tuple[RaggedColumn, Array]:
-    lengths = lengths_column.values
-    record_splits = _row_splits(lengths_column.counts, np.int64)
+    """Split each record's ``counts`` values into ``rows`` rows of these lengths."""
+    record_splits = _row_splits(rows, np.int64)
     negative = np.flatnonzero(lengths < 0)
     if len(negative):
         record = int(np.searchsorted(record_splits, negative[0], "right")) - 1
-        raise ParseError(
-            f"feature {name!r} in record {record} of the batch: negative row length in "
-            f"{lengths_column.key!r}"
-        )
+        raise _partition_error(name, partition, record, "gives a row a negative length")
     cumulative = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     totals = cumulative[record_splits[1:]] - cumulative[record_splits[:-1]]
     mismatch = totals != counts
     if mismatch.any():
         record = _first_record(mismatch)
-        raise ParseError(
-            f"feature {name!r} in record {record} of the batch has {counts[record]} values "
-            f"but its row lengths {lengths_column.key!r} add up to {totals[record]}"
+        raise _partition_error(
+            name,
+            partition,
+            record,
+            f"describes {totals[record]} values but the record has {counts[record]}",
         )
-    per_record_rows = np.diff(record_splits)
-    return RaggedColumn(inner, cumulative), per_record_rows
+    return RaggedColumn(inner, cumulative), rows
 
 
 def parse_example(
