@@ -106,6 +106,31 @@ def test_indexed_dataset_is_random_access(tmp_path) -> None:
     assert_checkpoint_roundtrip(indexed.global_shuffle(seed=3).batch(4))
 
 
+def test_indexed_reads_return_requested_records_in_order(tmp_path, monkeypatch) -> None:
+    import headrace.sources.tfrecord as source_module
+
+    files = make_shards(tmp_path, shards=2, records=40)
+    streamed = list(hr.TFRecordDataset(files))
+    access = hr.TFRecordDataset(files, indexed=True)._node.random_access()
+    wanted = np.array([79, 3, 4, 5, 41, 40, 3, 0, 39, 6, 7, 8, 9, 79])  # runs, repeats
+    for run_bytes in (4 << 20, 100):  # one read per run of neighbours, or a read per record
+        monkeypatch.setattr(source_module, "_MAX_RUN_BYTES", run_bytes)
+        assert list(access.get_many(wanted)) == [streamed[i] for i in wanted]
+        assert access.get(41) == streamed[41]
+    with pytest.raises(IndexError, match="record 80 of 80"):
+        access.get_many(np.array([1, 80]))
+    access.close()
+
+
+def test_indexed_corrupt_record_names_file_and_offset(tmp_path) -> None:
+    files = make_shards(tmp_path, records=5)
+    record_bytes = os.path.getsize(files[1]) // 5
+    corrupt(files[1], 3 * record_bytes + 20)  # a payload byte: indexing reads only framing
+    ds = hr.TFRecordDataset(files, indexed=True)
+    with pytest.raises(hr.DataLossError, match=rf"offset {3 * record_bytes} in file .*part-1.*data"):
+        list(ds.global_shuffle(seed=1).batch(8))
+
+
 def test_stale_index_is_refused(tmp_path) -> None:
     files = make_shards(tmp_path, shards=1)
     build_index(files[0])

@@ -542,3 +542,22 @@ def test_process_out_of_descriptors(tmp_path: Path) -> None:
         assert expected in message
     assert paths[4] in message
     assert result["open_files_after"] == 0
+
+
+def test_positioned_reads_leave_the_stream_where_it_was(
+    sample_files: list[tuple[Path, str]],
+) -> None:
+    pool = FilePool(1)
+    plain = pool.open(*sample_files[0])
+    assert plain.read(10) == CONTENTS[0][:10]
+    assert plain.pread_many([100, 0, len(CONTENTS[0]) - 5], [7, 3, 50]) == [
+        CONTENTS[0][100:107], CONTENTS[0][:3], CONTENTS[0][-5:],  # short only at the end
+    ]
+    assert plain.read(5) == CONTENTS[0][10:15]
+    compressed = pool.open(*sample_files[1])  # takes the only slot: plain is suspended
+    with pytest.raises(InvalidArgumentError, match="positioned reads need an uncompressed"):
+        compressed.pread_many([0], [1])
+    assert plain.pread_many([3], [2]) == [CONTENTS[0][3:5]]  # resumed for the read
+    plain.close()
+    compressed.close()
+    assert pool.stats().open_files == 0

@@ -526,6 +526,16 @@ class PooledStream:
         finally:
             pool._check_in(entry)
 
+    def pread_many(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
+        """Positioned reads (``sizes[i]`` bytes at ``offsets[i]``) of an uncompressed file,
+        all under one check-out of the descriptor; the stream's position does not move."""
+        pool, entry = self._pool, self._entry
+        pool._check_out(entry, open_descriptor=True)
+        try:
+            return entry.stream.pread_many(offsets, sizes)
+        finally:
+            pool._check_in(entry)
+
     def tell(self) -> int:
         """Decompressed bytes read so far; needs no descriptor."""
         pool, entry = self._pool, self._entry

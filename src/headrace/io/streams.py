@@ -184,6 +184,13 @@ class SuspendableStream:
         self._seek_to(offset)
         return self._position
 
+    def pread_many(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
+        """The ``sizes[i]`` bytes at each ``offsets[i]``, read in place (uncompressed only)."""
+        raise InvalidArgumentError(
+            f"positioned reads need an uncompressed file; {self._path!r} is "
+            f"{self.compression_type}"
+        )
+
     # ------------------------------------------------------------------ for subclasses
     def _read_chunk(self, descriptor: int, wanted: int) -> bytes:
         """Return the next decompressed bytes (at least one, up to about ``wanted``);
@@ -260,6 +267,22 @@ class _PlainStream(SuspendableStream):
     def _seek_to(self, offset: int) -> None:
         self._drop_buffer()
         self._file_offset = self._position = offset
+
+    def pread_many(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
+        """The ``sizes[i]`` bytes at each ``offsets[i]``, read where they are (fewer only at
+        the end of the file); the stream's own position and read-ahead are untouched."""
+        self._check_not_closed()
+        descriptor = self._require_descriptor()
+        out = []
+        for offset, size in zip(offsets, sizes, strict=True):
+            piece = os.pread(descriptor, size, offset)
+            while 0 < len(piece) < size:  # a short read before the end: ask for the rest
+                more = os.pread(descriptor, size - len(piece), offset + len(piece))
+                if not more:
+                    break
+                piece += more
+            out.append(piece)
+        return out
 
     def _save_for_suspension(self) -> None:
         # Re-reading the read-ahead on resume is cheaper than keeping up to 256 KiB per

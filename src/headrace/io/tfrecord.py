@@ -31,7 +31,12 @@ from enum import IntEnum
 from types import TracebackType
 from typing import IO, Protocol
 
-from headrace.errors import DataLossError, InvalidArgumentError, RecordTooLargeError
+from headrace.errors import (
+    DataLossError,
+    HeadraceError,
+    InvalidArgumentError,
+    RecordTooLargeError,
+)
 from headrace.io._crc32c import masked_crc32c
 from headrace.io._native import native_module
 from headrace.io.streams import normalize_compression_type, open_stream
@@ -461,6 +466,62 @@ def open_tfrecord(
         skip_corrupt=skip_corrupt,
         buffer_size=buffer_size,
         close_stream=True,
+    )
+
+
+def records_in_spans(
+    buffers: Sequence[bytes],
+    counts: Sequence[int],
+    offsets: Sequence[int],
+    *,
+    path: str,
+    verify_crc: bool = True,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> list[bytes]:
+    """The records framed back to back in each buffer (``counts[i]`` of them in
+    ``buffers[i]``, read from byte ``offsets[i]`` of ``path`` where an index says they
+    are): exactly those records, checked, or an error naming the file and the byte where
+    they go wrong. One loop for a whole batch: random access reads one record per buffer."""
+    native = native_module()
+    scan = native.scan_records if native is not None else _scan_records_py
+    out: list[bytes] = []
+    for buf, count, offset in zip(buffers, counts, offsets, strict=True):
+        found = scan(buf, 0, count, 1 << 62, verify_crc, max_record_bytes)
+        if len(found[0]) != count or found[1] != len(buf):
+            raise _span_error(found, buf, offset, path, max_record_bytes)
+        out += found[0]
+    return out
+
+
+def _span_error(
+    found: ScanResult, buf: bytes, offset: int, path: str, max_record_bytes: int
+) -> HeadraceError:
+    records, stop, status, detail = found
+    where = offset + stop
+    if status == ScanStatus.TOO_LARGE:
+        return RecordTooLargeError(
+            f"record at offset {where} in file {path} declares {detail} bytes, above "
+            f"max_record_bytes={max_record_bytes}",
+            path=path,
+            offset=where,
+        )
+    if status in (ScanStatus.BAD_LENGTH_CRC, ScanStatus.BAD_DATA_CRC):
+        part = "length" if status == ScanStatus.BAD_LENGTH_CRC else "data"
+        return DataLossError(
+            f"corrupted record at offset {where} in file {path} (bad {part} checksum)",
+            path=path,
+            offset=where,
+        )
+    if status == ScanStatus.NEED_MORE:
+        return DataLossError(
+            f"truncated record at offset {where} in file {path}", path=path, offset=where
+        )
+    return DataLossError(
+        f"record at offset {where - len(records[-1]) - RECORD_OVERHEAD_BYTES} in file {path} "
+        f"ends at byte {where}, not at byte {offset + len(buf)} where the index puts the "
+        "next record: the index does not describe this file",
+        path=path,
+        offset=where,
     )
 
 

@@ -13,7 +13,6 @@ records, ``shard`` reads only its own records and resuming is O(1).
 
 from __future__ import annotations
 
-import bisect
 import os
 from typing import Any
 
@@ -25,7 +24,7 @@ from headrace.io.tfrecord import (
     DEFAULT_MAX_RECORD_BYTES,
     RECORD_OVERHEAD_BYTES,
     TFRecordReader,
-    read_record_at,
+    records_in_spans,
 )
 from headrace.io.tfrecord_index import TFRecordIndex, build_index, index_path_for, load_index
 from headrace.iterator import Context
@@ -37,6 +36,8 @@ __all__ = ["IndexedTFRecordNode", "TFRecordNode", "tfrecord_node"]
 
 #: A random read fetches one record: read ahead a page, not 256 KiB.
 _RANDOM_READ_BUFFER = 4096
+#: Consecutive records are fetched by one positioned read of at most this many bytes.
+_MAX_RUN_BYTES = 4 << 20
 
 
 class TFRecordNode(FileRecordsNode):
@@ -126,6 +127,29 @@ class _TFRecordReaderAdapter:
         return self.reader.skipped_records, self.reader.skipped_bytes
 
 
+def _split_runs(
+    begins: np.ndarray[Any, Any],
+    ends: np.ndarray[Any, Any],
+    firsts: np.ndarray[Any, Any],
+    lasts: np.ndarray[Any, Any],
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Cut runs of consecutive records into reads of at most ``_MAX_RUN_BYTES`` (a record
+    larger than that is read alone)."""
+    starts: list[int] = []
+    sizes: list[int] = []
+    counts: list[int] = []
+    for first, last in zip(firsts.tolist(), lasts.tolist(), strict=True):
+        while first <= last:
+            end = first + 1
+            while end <= last and ends[end] - begins[first] <= _MAX_RUN_BYTES:
+                end += 1
+            starts.append(int(begins[first]))
+            sizes.append(int(ends[end - 1] - begins[first]))
+            counts.append(end - first)
+            first = end
+    return np.array(starts), np.array(sizes), np.array(counts)
+
+
 class _IndexedAccess(RandomAccess):
     """Record ``i`` of a list of indexed shards: one offset lookup, one positioned read."""
 
@@ -154,24 +178,51 @@ class _IndexedAccess(RandomAccess):
         return stream
 
     def get(self, index: int) -> Any:
-        if not 0 <= index < len(self):
-            raise IndexError(f"record {index} of {len(self)}")
-        shard = bisect.bisect_right(self.starts, index) - 1
-        offset = int(self.indexes[shard].offsets[index - self.starts[shard]])
-        return read_record_at(
-            self._stream(shard),
-            offset,
+        return self.get_many(np.array([index]))[0]
+
+    def get_many(self, indices: range | np.ndarray[Any, Any]) -> Any:
+        """Records at these indices, in this order: per shard front to back, consecutive
+        records in one positioned read, all of a shard's reads under one descriptor
+        check-out."""
+        wanted = np.asarray(indices, dtype=np.int64)
+        if len(wanted) and (wanted.min() < 0 or wanted.max() >= len(self)):
+            bad = wanted[(wanted < 0) | (wanted >= len(self))][0]
+            raise IndexError(f"record {bad} of {len(self)}")
+        unique, inverse = np.unique(wanted, return_inverse=True)  # sorted
+        shards = np.searchsorted(self.starts, unique, side="right") - 1
+        records: list[bytes] = []
+        for shard in np.unique(shards).tolist():
+            records += self._read_shard(shard, unique[shards == shard] - self.starts[shard])
+        found = np.empty(len(records), dtype=object)
+        found[:] = records
+        return found[inverse.reshape(-1)]
+
+    def _read_shard(self, shard: int, local: np.ndarray[Any, Any]) -> list[bytes]:
+        """Records ``local`` (sorted, distinct) of one shard."""
+        index = self.indexes[shard]
+        offsets, following = index.offsets, local + 1
+        begins = offsets[local].astype(np.int64)
+        ends = np.where(
+            following < len(offsets),
+            offsets[np.minimum(following, len(offsets) - 1)].astype(np.int64),
+            index.shard_size,
+        )
+        # runs of consecutive records, each fetched by one read
+        firsts = np.flatnonzero(np.concatenate([[True], np.diff(local) != 1]))
+        lasts = np.append(firsts[1:], len(local)) - 1
+        starts, sizes = begins[firsts], ends[lasts] - begins[firsts]
+        counts = lasts - firsts + 1
+        if (sizes > _MAX_RUN_BYTES).any():  # split long runs (rare: big, consecutive records)
+            starts, sizes, counts = _split_runs(begins, ends, firsts, lasts)
+        start_list = starts.tolist()
+        return records_in_spans(
+            self._stream(shard).pread_many(start_list, sizes.tolist()),
+            counts.tolist(),
+            start_list,
             path=self.node.filenames[shard],
             verify_crc=self.node.verify_crc,
             max_record_bytes=self.node.max_record_bytes,
         )
-
-    def get_many(self, indices: range | np.ndarray[Any, Any]) -> Any:
-        out = np.empty(len(indices), dtype=object)
-        order = np.argsort(np.asarray(indices), kind="stable")  # read each shard front to back
-        for position in order.tolist():
-            out[position] = self.get(int(indices[position]))
-        return out
 
     def close(self) -> None:
         for stream in self.streams.values():
