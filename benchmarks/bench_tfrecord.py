@@ -71,7 +71,13 @@ INTERLEAVE_FILES = 1000
 CYCLE = 16
 SMALL_CAP = 8  # a headrace side of scenario 4 runs under max_open_files=8 < cycle_length
 
-S1_SIDES = ("headrace", "tf-seq", "tf-seq-map-autotune", "tf-parallel-reads")
+S1_SIDES = (
+    "headrace",
+    "headrace-global-shuffle",
+    "tf-seq",
+    "tf-seq-map-autotune",
+    "tf-parallel-reads",
+)
 S2_SIDES = (
     "readinto-1MiB",
     "readinto-16MiB",
@@ -289,7 +295,7 @@ def _count_small(lib: str) -> Any:
 def _child_small(cfg: dict[str, Any]) -> dict[str, Any]:
     """Scenario 1: read + batch(1024) + parse of the 16 small-record files."""
     side, files = cfg["side"], _files(cfg["dir"])
-    if side == "headrace":
+    if side.startswith("headrace"):
         import headrace as hr
 
         spec = _small_spec("hr")
@@ -297,7 +303,11 @@ def _child_small(cfg: dict[str, Any]) -> dict[str, Any]:
         def make_iter() -> Any:
             # No prefetch: for small records a background thread costs (GIL hand-offs)
             # more than it overlaps. tf.data injects one; scenario 2 adds it.
-            return iter(hr.TFRecordDataset(files).batch(SMALL_BATCH).parse_examples(spec))
+            if side == "headrace-global-shuffle":  # an exact permutation of all records
+                ds = hr.TFRecordDataset(files, indexed=True).global_shuffle(seed=1)
+            else:
+                ds = hr.TFRecordDataset(files)
+            return iter(ds.batch(SMALL_BATCH).parse_examples(spec))
 
         consume = _count_small("hr")
     else:
@@ -826,7 +836,10 @@ def parent(args: argparse.Namespace) -> int:
                 f" on disk) in {SMALL_FILES} files, read + batch({SMALL_BATCH}) + parse",
                 "",
                 "headrace: `TFRecordDataset(files).batch(1024).parse_examples(spec)` (no prefetch: "
-                "for small records its thread costs more than it overlaps). tf-seq: "
+                "for small records its thread costs more than it overlaps). "
+                "headrace-global-shuffle: `TFRecordDataset(files, indexed=True).global_shuffle"
+                "(seed=1)`, then the same: every record in an exact random order, read by "
+                "offset (tf.data has no counterpart for TFRecord files). tf-seq: "
                 "`TFRecordDataset(files).batch(1024).map(parse_example)`; "
                 "tf-seq-map-autotune: same with `map(num_parallel_calls=AUTOTUNE).prefetch"
                 "(AUTOTUNE)`; tf-parallel-reads: plus `num_parallel_reads=AUTOTUNE`. Consumer: "
