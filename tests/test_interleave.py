@@ -172,6 +172,31 @@ def test_autotune_switch_with_deterministic_false_yields_each_element_once() -> 
     assert got == sorted(i * 1000 + j for i in range(6) for j in range(300))
 
 
+def test_autotune_threads_keep_the_file_cap_and_the_order(tmp_path, stream_descriptors) -> None:
+    files = [
+        write(tmp_path / f"{i}.txt", "".join(f"{i}:{j}\n" for j in range(40)).encode(),
+              "GZIP" if i % 2 else None)
+        for i in range(8)
+    ]
+
+    def slow_lines(f):  # a slow file system: every line waits
+        lines = hr.TextLineDataset(f, compression_type="GZIP" if int(f[-5]) % 2 else None,
+                                   buffer_size=16)
+        return lines.map(lambda line: (time.sleep(0.001), line)[1])
+
+    def build(parallel):
+        names = hr.Dataset.from_tensor_slices(np.array(files, dtype=object))
+        return names.interleave(slow_lines, cycle_length=6, num_parallel_calls=parallel)
+
+    expected = list(build(None))
+    stream_descriptors.peak = 0
+    ds = build(hr.AUTOTUNE).with_options(hr.Options(max_open_files=2))
+    with iter(ds) as iterator:
+        assert list(iterator) == expected
+        assert iterator._tree.threaded  # six slots reading ahead, two files open at most
+    assert stream_descriptors.peak <= 2
+
+
 def test_autotune_stays_sequential_when_the_inner_pipelines_compute() -> None:
     ds = hr.Dataset.range(8).interleave(
         lambda i: hr.Dataset.range(i * 1000, i * 1000 + 1000), cycle_length=4,
