@@ -29,35 +29,40 @@ def no_thread_leak() -> Iterator[None]:
 
 
 class DescriptorCounter:
-    """Counts, exactly, the descriptors headrace's file streams hold: every ``os.open``
-    and ``os.close`` of :mod:`headrace.io.streams` goes through it.
+    """Counts, exactly or over, the descriptors headrace's file streams hold: every
+    ``os.open`` and ``os.close`` of :mod:`headrace.io.streams` goes through it.
 
     Sampling ``/proc/self/fd`` from a watcher thread cannot prove a cap while other
     threads open and close files: the listing is not atomic, and a number freed by the
     listing's own descriptor can be reused by a data file and counted twice. This counter
-    sees the system calls themselves, independently of the pool's own bookkeeping.
+    sees the system calls themselves, independently of the pool's own bookkeeping. It
+    counts a descriptor from just before its open until just after its close, so it may
+    over-count for an instant but never under-counts: a peak within a cap proves it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: set[int] = set()
+        self.current = 0
         self.peak = 0
 
-    @property
-    def current(self) -> int:
-        return len(self._open)
+    def _add(self, delta: int) -> None:
+        with self._lock:
+            self.current += delta
+            self.peak = max(self.peak, self.current)
 
     def open(self, path: str, flags: int, *args: int) -> int:
-        descriptor = os.open(path, flags, *args)
-        with self._lock:
-            self._open.add(descriptor)
-            self.peak = max(self.peak, len(self._open))
-        return descriptor
+        self._add(1)
+        try:
+            return os.open(path, flags, *args)
+        except BaseException:
+            self._add(-1)
+            raise
 
     def close(self, descriptor: int) -> None:
-        with self._lock:
-            self._open.discard(descriptor)
-        os.close(descriptor)
+        try:
+            os.close(descriptor)
+        finally:
+            self._add(-1)
 
     def __getattr__(self, name: str) -> object:  # every other os function, unchanged
         return getattr(os, name)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import headrace as hr
 from headrace.testing import assert_checkpoint_roundtrip
+from headrace.transforms.interleave import _WaitWatch
 
 
 def lists_dataset(lists: list[list[int]]):
@@ -136,7 +137,9 @@ def waiting_inner(i):
     return hr.Dataset.range(i * 1000, i * 1000 + 300).map(lambda x: (time.sleep(0.001), x)[1])
 
 
-def test_autotune_starts_threads_when_the_inner_pipelines_wait() -> None:
+@pytest.mark.usefixtures("no_thread_leak")
+def test_autotune_starts_threads_when_the_inner_pipelines_wait(monkeypatch) -> None:
+    monkeypatch.setattr(_WaitWatch, "WINDOW_SECONDS", 0.05)
     ds = hr.Dataset.range(4).interleave(
         waiting_inner, cycle_length=4, num_parallel_calls=hr.AUTOTUNE
     )
@@ -144,7 +147,7 @@ def test_autotune_starts_threads_when_the_inner_pipelines_wait() -> None:
     with iter(ds) as iterator:
         interleave = iterator._tree
         head = [int(next(iterator)) for _ in range(10)]
-        assert not interleave.threaded  # two windows of 20 ms of pulls come first
+        assert not interleave.threaded  # two windows of 50 ms of pulls come first
         early_state = iterator.get_state()
         rest = [int(x) for x in iterator]
         assert interleave.threaded
@@ -162,6 +165,30 @@ def test_autotune_starts_threads_when_the_inner_pipelines_wait() -> None:
         assert head + [int(x) for x in resumed] == expected
 
 
+@pytest.mark.usefixtures("no_thread_leak")
+def test_checkpoints_across_the_autotune_switch(monkeypatch) -> None:
+    monkeypatch.setattr(_WaitWatch, "WINDOW_SECONDS", 0.002)  # switch after a few pulls
+
+    def inner(i):
+        return hr.Dataset.range(i * 10, i * 10 + 4).map(lambda x: (time.sleep(0.001), x)[1])
+
+    ds = hr.Dataset.range(5).interleave(
+        inner, cycle_length=3, block_length=2, num_parallel_calls=hr.AUTOTUNE
+    )
+    with iter(ds) as iterator:
+        expected = [int(x) for x in iterator]
+        assert len(expected) == 20 and iterator._tree.threaded
+    assert_checkpoint_roundtrip(ds)  # every step; fresh iterators switch again
+    with iter(ds) as iterator:  # a state without "threaded" (written before AUTOTUNE
+        head = [int(next(iterator)) for _ in range(12)]  # could stay sequential) is
+        state = iterator.get_state()  # a read-ahead state, as it was then
+        assert state["state"].pop("threaded") is True
+    with iter(ds) as resumed:
+        resumed.set_state(state)
+        assert head + [int(x) for x in resumed] == expected
+
+
+@pytest.mark.usefixtures("no_thread_leak")
 def test_autotune_switch_with_deterministic_false_yields_each_element_once() -> None:
     ds = hr.Dataset.range(6).interleave(
         waiting_inner, cycle_length=3, num_parallel_calls=hr.AUTOTUNE, deterministic=False
@@ -198,12 +225,12 @@ def test_autotune_threads_keep_the_file_cap_and_the_order(tmp_path, stream_descr
 
 
 def test_autotune_stays_sequential_when_the_inner_pipelines_compute() -> None:
-    ds = hr.Dataset.range(8).interleave(
+    ds = hr.Dataset.range(40).interleave(  # ~0.2 s of pulls: about ten windows
         lambda i: hr.Dataset.range(i * 1000, i * 1000 + 1000), cycle_length=4,
         num_parallel_calls=hr.AUTOTUNE,
     )
     with iter(ds) as iterator:
-        assert sum(1 for _ in iterator) == 8000
+        assert sum(1 for _ in iterator) == 40_000
         assert not iterator._tree.threaded  # threads would only add hand-offs here
 
 
@@ -311,17 +338,23 @@ def test_ten_thousand_shards_under_rlimit_64(tmp_path) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
         import headrace.io.streams
         from headrace.io.filepool import get_default_pool
-        lock = threading.Lock(); held = set(); peak = [0]
-        class CountingOS:  # sees every open and close of the file streams, exactly
+        lock = threading.Lock(); held = [0]; peak = [0]
+        class CountingOS:  # every open and close of the streams; never under-counts
+            def add(self, delta):
+                with lock:
+                    held[0] += delta; peak[0] = max(peak[0], held[0])
             def open(self, *args):
-                descriptor = os.open(*args)
-                with lock:
-                    held.add(descriptor); peak[0] = max(peak[0], len(held))
-                return descriptor
+                self.add(1)
+                try:
+                    return os.open(*args)
+                except BaseException:
+                    self.add(-1)
+                    raise
             def close(self, descriptor):
-                with lock:
-                    held.discard(descriptor)
-                os.close(descriptor)
+                try:
+                    os.close(descriptor)
+                finally:
+                    self.add(-1)
             def __getattr__(self, name):
                 return getattr(os, name)
         headrace.io.streams.os = CountingOS()
@@ -354,7 +387,9 @@ def test_ten_thousand_shards_under_rlimit_64(tmp_path) -> None:
     assert cap == 16
     assert sequential_peak == cap  # 100 slots want a file each: they get the cap, no more
     assert 1 <= threaded_peak <= cap
-    assert proc_peak <= cap
+    # /proc/self/fd, minus the count before: a listing is not atomic while threads open
+    # and close files (see tests/conftest.py), so it may read one over the exact count
+    assert proc_peak <= cap + 1
 
 
 def test_suspended_compressed_streams_are_booked_on_the_budget(tmp_path) -> None:

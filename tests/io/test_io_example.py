@@ -173,6 +173,8 @@ def test_damaged_examples_raise_only_headrace_errors(features: dict, data: st.Da
         ("ValueRowIds", [0, 1, 0], r"must not decrease"),
         ("ValueRowIds", [-1, 0, 0], r"has a negative row id"),
         ("ValueRowIds", [0, 1], r"describes 2 values but the record has 3"),
+        ("ValueRowIds", [0, 0, 1 << 40], r"implies more than 16,777,216 rows"),
+        ("ValueRowIds", [0, 0, (1 << 63) - 1], r"implies more than 16,777,216 rows"),
     ],
 )
 def test_bad_ragged_partitions_name_feature_partition_and_record(

@@ -649,6 +649,10 @@ def _apply_uniform(
     return RaggedColumn(inner, splits.astype(inner.row_splits.dtype)), rows
 
 
+#: At most this many rows per batch from ValueRowIds partitions (128 MiB of row splits).
+_MAX_ROWS = 1 << 24
+
+
 def _partition_error(name: str, partition: Any, record: int, what: str) -> ParseError:
     return ParseError(
         f"feature {name!r} in record {record} of the batch: {partition!r} {what}"
@@ -689,9 +693,16 @@ def _row_lengths(name: str, partition: Any, column: _Column, counts: Array) -> t
     # ValueRowIds: one id per value, non-decreasing; ids up to max + 1 rows per record
     check(given < 0, "has a negative row id")
     check(~first & (given < previous), "must not decrease")
+    # Rows between ids are empty, and each costs a row split: a corrupt or hostile id
+    # must not make the parser allocate without bound (TensorFlow would try).
+    too_many = f"implies more than {_MAX_ROWS:,} rows in the batch (8 bytes of row split each)"
+    check(given >= _MAX_ROWS, too_many)
     present = per_record > 0
     rows = np.zeros(len(per_record), dtype=np.int64)
     rows[present] = given[record_splits[1:][present] - 1] + 1
+    over = np.cumsum(rows) > _MAX_ROWS
+    if over.any():
+        raise _partition_error(name, partition, _first_record(over), too_many)
     offsets = _row_splits(rows, np.int64)
     lengths = np.bincount(given + offsets[owner], minlength=int(offsets[-1]))
     return lengths.astype(np.int64), rows

@@ -15,9 +15,9 @@ page cache are GIL-bound: for them the sequential interleave is the faster one
 (about 2x tf.data's parallel interleave on 1,000 small files here, against half
 of it with threads — see benchmarks/results/tfrecord.md). So
 ``num_parallel_calls=AUTOTUNE`` starts sequential and watches its pulls
-(see ``_WaitWatch``): once they spend most of their time waiting while the
-process is idle, every slot starts reading ahead on its own thread (up to
-``cycle_length`` at once: waiting costs no core). The switch is one-way, is
+(see ``_WaitWatch``): once they spend most of their time waiting — not on this
+thread's CPU, and not for the GIL — every slot starts reading ahead on its own
+thread (up to ``cycle_length`` at once: waiting costs no core). The switch is one-way, is
 kept in checkpoints, and changes no order, only timing. A number
 ``num_parallel_calls=k`` always uses threads, k running at once.
 
@@ -35,10 +35,12 @@ input element (a filename, typically) and resumes the inner iterator.
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 from headrace.errors import InvalidArgumentError
@@ -73,43 +75,65 @@ def _voluntary_switches() -> int:
 class _WaitWatch:
     """AUTOTUNE's evidence that slots reading ahead on threads would overlap waits.
 
-    Every pull's wall time is summed (one cheap clock read on each side). When a
-    window has spent ``WINDOW_SECONDS`` inside pulls, three conditions say the
-    pulls were waiting, not computing: this thread's CPU time over the window is
-    under half of that (so at least half of the pulls' time was not spent on this
-    core); the whole process used under half a core meanwhile (not other Python
-    threads holding the GIL: threads would not help then); and this thread went to
-    sleep in the kernel at least once (not merely preempted by a busy machine).
+    Every pull's wall time is summed (two cheap clock reads). One pull in eight, at
+    random, also reads this thread's CPU clock (a system call, too dear for every
+    pull); since a pull's CPU time varies little, eight times their sum estimates the
+    CPU all pulls used, while the wall time stays exact, rare long waits included.
+    When a window has spent ``WINDOW_SECONDS`` inside pulls, it counts as waiting if:
+    the pulls spent under half of that on this thread's CPU; this thread slept in the
+    kernel at least once (a preempted thread did not wait for I/O); and at the end of
+    the window the GIL is free — a ``sleep(0)`` gets it back within a millisecond — so
+    the waits were not for other Python threads, which more threads would not help.
     ``WINDOWS`` such windows in a row start the threads.
     """
 
     WINDOW_SECONDS = 0.02
     WINDOWS = 2
+    SAMPLE_EVERY = 8  # on average; at random, so no slot is always or never sampled
+    GIL_FREE_SECONDS = 0.001
 
     def __init__(self) -> None:
+        self.random = random.Random(0x5EED)  # its own: the user's random state is theirs
+        self.countdown = self.SAMPLE_EVERY  # pulls until the next sampled one
         self.waiting_windows = 0
         self._start_window()
 
     def _start_window(self) -> None:
         self.pull_wall = 0.0
-        self.wall = time.perf_counter()
-        self.thread_cpu = time.thread_time()
-        self.process_cpu = time.process_time()
+        self.sampled_cpu = 0.0
         self.switches = _voluntary_switches()
 
+    def sampled_pull(
+        self, next_reserved: Callable[[], tuple[Any, Reservation]]
+    ) -> tuple[Any, Reservation]:
+        """``next_reserved()`` timed on both clocks; picks the next pull to sample."""
+        self.countdown = self.random.randint(1, 2 * self.SAMPLE_EVERY - 1)  # mean 8
+        started, cpu = perf_counter(), time.thread_time()
+        try:
+            return next_reserved()
+        finally:
+            self.sampled_cpu += time.thread_time() - cpu
+            self.pull_wall += perf_counter() - started
+
     def waiting_mostly(self) -> bool:
-        """At the end of a window (``pull_wall`` >= ``WINDOW_SECONDS``, summed by the
-        caller around each pull): whether enough windows in a row waited."""
-        wall = time.perf_counter() - self.wall
-        computing = time.thread_time() - self.thread_cpu
+        """At the end of a window (``pull_wall`` >= ``WINDOW_SECONDS``): whether
+        ``WINDOWS`` windows in a row waited."""
+        computing = self.sampled_cpu * self.SAMPLE_EVERY
         waited = (
-            self.pull_wall - computing > 0.5 * self.pull_wall
-            and time.process_time() - self.process_cpu < 0.5 * wall
+            computing < 0.5 * self.pull_wall
             and (_RUSAGE_THREAD is None or _voluntary_switches() > self.switches)
+            and _gil_is_free(self.GIL_FREE_SECONDS)
         )
         self.waiting_windows = self.waiting_windows + 1 if waited else 0
         self._start_window()
         return self.waiting_windows >= self.WINDOWS
+
+
+def _gil_is_free(within: float) -> bool:
+    """Whether this thread gets the GIL back within ``within`` s after giving it up."""
+    started = time.perf_counter()
+    time.sleep(0)
+    return time.perf_counter() - started < within
 
 
 def _machine_cycle_length(num_parallel_calls: int | None) -> int:
@@ -263,12 +287,15 @@ class _InterleaveIterator(Iterator):
         return self.gate is not None
 
     def _start_threads(self) -> None:
-        """AUTOTUNE's switch: from now on every slot, open or not, reads ahead."""
-        self.watch = None
-        self.gate = threading.Semaphore(self.node.cycle_length)
+        """AUTOTUNE's switch: from now on every slot, open or not, reads ahead. The mode
+        (``threaded``) changes only once every open slot is wrapped, so a failure on the
+        way leaves a consistent sequential iterator."""
+        gate = threading.Semaphore(self.node.cycle_length)
         for slot in self.slots:
-            if slot is not None:
-                slot.iterator = self._read_ahead(slot.iterator, slot.ctx, slot.queue)
+            if slot is not None and not isinstance(slot.iterator, PrefetchIterator):
+                slot.iterator = self._read_ahead(slot.iterator, slot.ctx, slot.queue, gate)
+        self.watch = None
+        self.gate = gate
 
     def _reset(self) -> None:
         self.slots: list[_Slot | None] = [None] * self.node.cycle_length
@@ -287,17 +314,23 @@ class _InterleaveIterator(Iterator):
         iterator = node.inner_node(element).make_iterator(inner_ctx)
         queue = budget.account("interleave slot", weight=1) if self.may_thread else None
         budget.allot()
-        if self.threaded:
-            iterator = self._read_ahead(iterator, inner_ctx, queue, start=start)
+        if self.gate is not None:
+            iterator = self._read_ahead(iterator, inner_ctx, queue, self.gate, start=start)
         return _Slot(iterator, budget, input_before, inner_ctx, queue)
 
     def _read_ahead(
-        self, iterator: Iterator, ctx: Context, queue: StageAccount | None, *, start: bool = True
+        self,
+        iterator: Iterator,
+        ctx: Context,
+        queue: StageAccount | None,
+        gate: threading.Semaphore,
+        *,
+        start: bool = True,
     ) -> PrefetchIterator:
         """Wrap a slot's iterator so that it reads ahead on its own thread."""
         assert queue is not None  # registered whenever threads may be used
         depth = max(2 * self.node.block_length + 1, _SLOT_DEPTH)
-        ahead = PrefetchIterator(iterator, ctx, queue, depth, gate=self.gate, ready=self.ready)
+        ahead = PrefetchIterator(iterator, ctx, queue, depth, gate=gate, ready=self.ready)
         if start:
             ahead.start()
         return ahead
@@ -334,11 +367,15 @@ class _InterleaveIterator(Iterator):
                     if watch is None:
                         pair = slot.iterator.next_reserved()
                     else:  # inline: this runs for every element
-                        started = time.perf_counter()
-                        try:
-                            pair = slot.iterator.next_reserved()
-                        finally:
-                            watch.pull_wall += time.perf_counter() - started
+                        watch.countdown -= 1
+                        if watch.countdown:
+                            started = perf_counter()
+                            try:
+                                pair = slot.iterator.next_reserved()
+                            finally:
+                                watch.pull_wall += perf_counter() - started
+                        else:
+                            pair = watch.sampled_pull(slot.iterator.next_reserved)
                         if watch.pull_wall >= watch.WINDOW_SECONDS and watch.waiting_mostly():
                             self._start_threads()
                 except StopIteration:
@@ -414,9 +451,13 @@ class _InterleaveIterator(Iterator):
     def set_state(self, state: dict[str, Any]) -> None:
         self._close_all()
         self._reset()
-        saved_threaded = bool(state.get("threaded", self.threaded))
+        # States without the key come from before AUTOTUNE could stay sequential: slots
+        # read ahead whenever num_parallel_calls was set.
+        saved_threaded = bool(state.get("threaded", self.may_thread))
         if saved_threaded and not self.threaded:  # AUTOTUNE had switched: switch again
             self._start_threads()
+        elif self.watch is not None:  # not switched: watch afresh from here
+            self.watch = _WaitWatch()
         for index, saved in enumerate(state["slots"]):
             if saved is None:
                 continue
@@ -427,7 +468,11 @@ class _InterleaveIterator(Iterator):
             inner = saved["inner"]
             if self.threaded and not saved_threaded:  # saved before this iterator switched
                 inner = PrefetchIterator.state_at(inner)
-            slot.iterator.set_state(inner)
+            try:
+                slot.iterator.set_state(inner)
+            except BaseException:
+                slot.close()
+                raise
             if isinstance(slot.iterator, PrefetchIterator):
                 slot.iterator.start()
             self.slots[index] = slot
