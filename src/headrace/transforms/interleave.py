@@ -65,6 +65,16 @@ __all__ = ["InterleaveNode"]
 _SLOT_DEPTH = 64
 
 
+def _run_queue_seconds() -> float:
+    """Time this thread has spent runnable but not running (preempted by other work):
+    the second field of Linux's /proc/thread-self/schedstat; 0 where unavailable."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _voluntary_switches() -> int:
     """Times this thread gave up its core to wait (I/O, sleep, a lock); 0 if unknown."""
     if _RUSAGE_THREAD is None:
@@ -80,10 +90,12 @@ class _WaitWatch:
     pull); since a pull's CPU time varies little, eight times their sum estimates the
     CPU all pulls used, while the wall time stays exact, rare long waits included.
     When a window has spent ``WINDOW_SECONDS`` inside pulls, it counts as waiting if:
-    the pulls spent under half of that on this thread's CPU; this thread slept in the
-    kernel at least once (a preempted thread did not wait for I/O); and at the end of
-    the window the GIL is free — a ``sleep(0)`` gets it back within a millisecond — so
-    the waits were not for other Python threads, which more threads would not help.
+    more than half of that was neither this thread's CPU nor time it sat preempted on
+    a busy machine (Linux's schedstat run-queue time over the whole window, so at least
+    as much as inside the pulls); this thread slept in the kernel at least once; and at
+    the end of the window the GIL is free — a ``sleep(0)`` gets it back within a
+    millisecond — so the waits were not for other Python threads, which more threads
+    would not help.
     ``WINDOWS`` such windows in a row start the threads.
     """
 
@@ -102,6 +114,7 @@ class _WaitWatch:
         self.pull_wall = 0.0
         self.sampled_cpu = 0.0
         self.switches = _voluntary_switches()
+        self.run_queue = _run_queue_seconds()
 
     def sampled_pull(
         self, next_reserved: Callable[[], tuple[Any, Reservation]]
@@ -119,8 +132,9 @@ class _WaitWatch:
         """At the end of a window (``pull_wall`` >= ``WINDOW_SECONDS``): whether
         ``WINDOWS`` windows in a row waited."""
         computing = self.sampled_cpu * self.SAMPLE_EVERY
+        preempted = _run_queue_seconds() - self.run_queue  # over the window: at most
         waited = (
-            computing < 0.5 * self.pull_wall
+            self.pull_wall - computing - preempted > 0.5 * self.pull_wall
             and (_RUSAGE_THREAD is None or _voluntary_switches() > self.switches)
             and _gil_is_free(self.GIL_FREE_SECONDS)
         )
