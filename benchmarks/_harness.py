@@ -345,3 +345,81 @@ def fmt_rate(per_s: float | None) -> str:
     if per_s >= 1e6:
         return f"{per_s / 1e6:.2f} M/s"
     return f"{per_s / 1e3:.1f} k/s"
+
+
+def fmt_ratio(a: float | None, b: float | None) -> str:
+    """``a / b`` as ``1.23x``, or a dash when either is missing."""
+    return f"{a / b:.2f}x" if a and b else "—"
+
+
+def pass_fail(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+# --------------------------------------------------------------------------- parent runs
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def child_env() -> dict[str, str]:
+    """The children import headrace from this checkout's src, whatever is installed."""
+    env = dict(os.environ)
+    src = str(REPO / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quieter logs; no effect on speed
+    return env
+
+
+def spawn(script: str, python: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run one side of ``script`` (``--child <cfg>``) in a fresh ``python``, with progress
+    on stderr; paths in the config (``dir``, ``npy``, ``files``) are left out of it."""
+    argv = [python, str(Path(script).resolve()), "--child", json.dumps(cfg)]
+    label = " ".join(f"{k}={v}" for k, v in cfg.items() if k not in ("dir", "npy", "files"))
+    print(f"  running {label} ...", file=sys.stderr, flush=True)
+    result = run_child(argv, timeout=timeout, env=child_env())
+    if result.get("error"):
+        print(f"    -> {result['error']}\n{result.get('stderr_tail', '')}", file=sys.stderr)
+    elif "best_s" in result:
+        print(f"    -> best {result['best_s']:.3f} s", file=sys.stderr, flush=True)
+    return result
+
+
+def report_head(title: str, python: str, run_line: str) -> tuple[dict[str, Any], list[str]]:
+    """Machine info (with a fingerprint of the headrace source measured) and the opening
+    lines of a results page: title, when and how it ran, the machine."""
+    info = machine_info(python)
+    info["headrace_source"] = source_fingerprint(REPO / "src" / "headrace")
+    sections = [
+        f"# {title}",
+        "",
+        f"Run {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; {run_line}",
+        "",
+        "## Machine",
+        "",
+        "\n".join(f"- **{key}**: {value}" for key, value in info.items()),
+        "",
+    ]
+    return info, sections
+
+
+def write_report(
+    stem: str, sections: list[str], report: dict[str, Any], started: float
+) -> str:
+    """Close a results page with the run's wall time and the machine's load, print it,
+    and write ``results/<stem>.md`` and ``.json`` (every raw number)."""
+    total = time.perf_counter() - started
+    report["total_s"] = total
+    report["loadavg_1min_at_end"] = loadavg()
+    sections.append(
+        f"Total wall time: {total:.0f} s; 1-min load average at start "
+        f"{report['machine']['loadavg_1min_at_start']}, at end {report['loadavg_1min_at_end']} "
+        f"({os.cpu_count()} cores; above that, other jobs shared the CPUs)."
+    )
+    markdown = "\n".join(sections) + "\n"
+    print(markdown)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{stem}.md").write_text(markdown)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"wrote {RESULTS / (stem + '.md')} and .json", file=sys.stderr)
+    return markdown

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -42,18 +41,19 @@ from _harness import (
     MIB,
     RESULT_TAG,
     MemorySampler,
+    child_env,
     child_main,
     fmt_mib,
     fmt_rate,
-    loadavg,
-    machine_info,
+    fmt_ratio,
     md_table,
+    pass_fail,
+    report_head,
     run_child,
-    source_fingerprint,
+    spawn,
+    write_report,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 1000
 BUDGETS = {"64MiB": 64 * MIB, "256MiB": 256 * MIB, "1GiB": 1024 * MIB}
 ELEMENT_1MIB = 1 << 20
@@ -303,28 +303,8 @@ print({tag!r} + json.dumps({{"import_s": elapsed, **fields}}))
 # =========================================================================== parent
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    src = str(REPO / "src")
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quieter logs; no effect on speed
-    return env
-
-
 def _spawn(python: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
-    argv = [python, str(Path(__file__).resolve()), "--child", json.dumps(cfg)]
-    label = " ".join(f"{k}={v}" for k, v in cfg.items() if k not in ("npy",))
-    print(f"  running {label} ...", file=sys.stderr, flush=True)
-    result = run_child(argv, timeout=timeout, env=_child_env())
-    if result.get("error"):
-        print(f"    -> {result['error']}", file=sys.stderr, flush=True)
-    return result
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    if not a or not b:
-        return "—"
-    return f"{a / b:.2f}x"
+    return spawn(__file__, python, cfg, timeout)
 
 
 def run_arrays(python: str, npy: str, shuffle: bool, passes: int, timeout: float) -> dict[str, Any]:
@@ -359,10 +339,10 @@ def array_table(results: dict[str, Any]) -> str:
                 side,
                 fmt_rate(res["rows_per_s"]),
                 fmt_rate(res["rows_per_s_median"]),
-                _ratio(res["rows_per_s"], tf_rate),
-                _ratio(res["rows_per_s"], np_rate),
+                fmt_ratio(res["rows_per_s"], tf_rate),
+                fmt_ratio(res["rows_per_s"], np_rate),
                 fmt_rate(res["rows_per_cpu_s"]),
-                _ratio(res["rows_per_cpu_s"], np_cpu),
+                fmt_ratio(res["rows_per_cpu_s"], np_cpu),
                 fmt_mib(growth),
                 f"{100 * growth / res['array_bytes']:.1f}%",
                 fmt_mib(res.get("kernel_peak_rss_growth")),
@@ -470,7 +450,7 @@ def run_imports(python: str, repeats: int, timeout: float) -> dict[str, Any]:
         runs = []
         for _ in range(repeats):
             print(f"  running import {name} ...", file=sys.stderr, flush=True)
-            runs.append(run_child([python, "-c", code], timeout=timeout, env=_child_env()))
+            runs.append(run_child([python, "-c", code], timeout=timeout, env=child_env()))
         good = [r for r in runs if "import_s" in r]
         if not good:
             out[name] = {"error": runs[-1].get("error"), "stderr_tail": runs[-1].get("stderr_tail")}
@@ -539,17 +519,17 @@ def targets_table(s1: dict[str, Any] | None, s2: dict[str, Any] | None) -> str:
         growth = get(hr_res, "peak_growth")
         if hr_rate and tf_rate:
             ratio = hr_rate / tf_rate
-            rows.append(["S1 rows/s >= 20x tf.data", f"{ratio:.1f}x", _pf(ratio >= 20)])
+            rows.append(["S1 rows/s >= 20x tf.data", f"{ratio:.1f}x", pass_fail(ratio >= 20)])
         if hr_rate and np_rate:
             ratio = hr_rate / np_rate
-            rows.append(["S1 rows/s >= 0.8x NumPy loop", f"{ratio:.2f}x", _pf(ratio >= 0.8)])
+            rows.append(["S1 rows/s >= 0.8x NumPy loop", f"{ratio:.2f}x", pass_fail(ratio >= 0.8)])
         hr_cpu, np_cpu = get(hr_res, "rows_per_cpu_s"), get(np_res, "rows_per_cpu_s")
         if hr_cpu and np_cpu:
             ratio = hr_cpu / np_cpu
             rows.append(["S1 rows per CPU-s vs NumPy (noise check)", f"{ratio:.2f}x", "info"])
         if growth is not None:
             share = growth / hr_res["array_bytes"]
-            rows.append(["S1 growth < 5% of array", f"{100 * share:.2f}%", _pf(share < 0.05)])
+            rows.append(["S1 growth < 5% of array", f"{100 * share:.2f}%", pass_fail(share < 0.05)])
     if s2:
         hr_rate = get(s2["headrace"], "rows_per_s")
         tf_rate = get(s2["tf.data"], "rows_per_s")
@@ -569,32 +549,17 @@ def targets_table(s1: dict[str, Any] | None, s2: dict[str, Any] | None) -> str:
     return md_table(["target", "measured", "verdict"], rows)
 
 
-def _pf(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
-def _machine_md(info: dict[str, Any]) -> str:
-    return "\n".join(f"- **{key}**: {value}" for key, value in info.items())
-
-
 def parent(args: argparse.Namespace) -> int:
     only = {int(s) for s in args.only.split(",")} if args.only else {1, 2, 3, 4}
     python = args.python
-    info = machine_info(python)
-    info["headrace_source"] = source_fingerprint(REPO / "src" / "headrace")
+    info, sections = report_head(
+        f"headrace core benchmarks{' (--quick)' if args.quick else ''}",
+        python,
+        "each side in its own fresh process.",
+    )
     passes = 1 if args.quick else 5
     timeout = args.timeout or (180.0 if args.quick else 600.0)
     report: dict[str, Any] = {"machine": info, "quick": args.quick, "passes": passes}
-    sections = [
-        f"# headrace core benchmarks{' (--quick)' if args.quick else ''}",
-        "",
-        f"Run {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; each side in its own fresh process.",
-        "",
-        "## Machine",
-        "",
-        _machine_md(info),
-        "",
-    ]
     started = time.perf_counter()
     s1 = s2 = None
     if only & {1, 2}:
@@ -659,23 +624,10 @@ def parent(args: argparse.Namespace) -> int:
             import_table(imports),
             "",
         ]
-    total = time.perf_counter() - started
-    report["total_s"] = total
-    report["loadavg_1min_at_end"] = loadavg()
-    sections.append(
-        f"Total benchmark wall time: {total:.0f} s; 1-min load average at start "
-        f"{info['loadavg_1min_at_start']}, at end {report['loadavg_1min_at_end']} "
-        f"({os.cpu_count()} cores; a load above that means other jobs shared the CPUs)."
-    )
-    markdown = "\n".join(sections) + "\n"
-    print(markdown)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "core-quick" if args.quick else "core"
     if args.only:
         stem += "-only" + args.only.replace(",", "")
-    (RESULTS / f"{stem}.md").write_text(markdown)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    print(f"wrote {RESULTS / (stem + '.md')} and .json", file=sys.stderr)
+    write_report(stem, sections, report, started)
     return 0
 
 

@@ -22,7 +22,6 @@ Run: ``python benchmarks/bench_interleave_wait.py`` (about a minute); writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -32,9 +31,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import child_main, fmt_rate, machine_info, md_table, run_child
+from _harness import child_main, fmt_rate, fmt_ratio, md_table, report_head, spawn, write_report
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FILES, RECORDS_PER_FILE, CYCLE, BATCH = 32, 500, 16, 256
 WAIT_S = 0.0002
 SIDES = ["headrace-seq", "headrace-autotune", "tf-interleave-autotune"]
@@ -126,20 +124,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return child_main(args.child, {"interleave-wait": _child})
+    info, sections = report_head(
+        f"Interleave when every read waits {WAIT_S * 1e6:.0f} µs",
+        sys.executable,
+        f"each side in its own fresh process, best of {args.passes} passes.",
+    )
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
         files = _write_files(directory)
-        results = {}
-        for side in SIDES:
-            cfg = {"kind": "interleave-wait", "side": side, "files": files, "passes": args.passes}
-            print(f"  running {side} ...", file=sys.stderr, flush=True)
-            results[side] = run_child(
-                [sys.executable, __file__, "--child", json.dumps(cfg)], timeout=600
+        results = {
+            side: spawn(
+                __file__,
+                sys.executable,
+                {"kind": "interleave-wait", "side": side, "files": files, "passes": args.passes},
+                timeout=600,
             )
+            for side in SIDES
+        }
     total = FILES * RECORDS_PER_FILE
     floor = total * WAIT_S
-    tf_rate = None
-    if "error" not in results["tf-interleave-autotune"]:
-        tf_rate = total / results["tf-interleave-autotune"]["seconds"]
+    tf = results["tf-interleave-autotune"]
+    tf_rate = total / tf["seconds"] if "seconds" in tf else None
     rows = []
     for side, res in results.items():
         if "error" in res:
@@ -149,33 +154,22 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([
             side,
             fmt_rate(rate),
-            f"{rate / tf_rate:.2f}x" if tf_rate else "—",
+            fmt_ratio(rate, tf_rate),
             f"{floor / res['seconds']:.1f}x",
             {True: "yes", False: "no", None: "—"}[res["switched"]],
         ])
-    machine = machine_info(sys.executable)
-    markdown = "\n".join([
-        f"# Interleave when every read waits {WAIT_S * 1e6:.0f} µs",
-        "",
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB, "
-        f"Python {machine['python']}, TensorFlow {machine['tensorflow']}. {FILES} files x "
-        f"{RECORDS_PER_FILE} records, cycle_length {CYCLE}, batch({BATCH}); best of "
-        f"{args.passes} passes, each side in its own process. 'vs waits in a row': the "
-        f"sequential floor ({total} x {WAIT_S * 1e6:.0f} µs = {floor:.1f} s) over the "
-        "time taken.",
+    sections += [
+        f"{FILES} files x {RECORDS_PER_FILE} records, cycle_length {CYCLE}, batch({BATCH}). "
+        f"'vs waits in a row': the sequential floor ({total} x {WAIT_S * 1e6:.0f} µs = "
+        f"{floor:.1f} s) over the time taken.",
         "",
         md_table(
             ["side", "records/s", "vs tf", "vs waits in a row", "AUTOTUNE switched to threads"],
             rows,
         ),
         "",
-    ])
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "interleave-wait.md").write_text(markdown)
-    (RESULTS / "interleave-wait.json").write_text(
-        json.dumps({"machine": machine, "results": results}, indent=1) + "\n"
-    )
-    print(markdown)
+    ]
+    write_report("interleave-wait", sections, {"machine": info, "results": results}, started)
     return 0
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -52,16 +51,15 @@ from _harness import (
     child_main,
     fmt_mib,
     fmt_rate,
-    loadavg,
-    machine_info,
+    fmt_ratio,
     md_table,
+    pass_fail,
     read_status,
-    run_child,
-    source_fingerprint,
+    report_head,
+    spawn,
+    write_report,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).resolve().parent / "results"
 SMALL_FILES = 16
 SMALL_BATCH = 1024
 LARGE_FILES = 16
@@ -524,36 +522,12 @@ CHILDREN = {
 # =========================================================================== parent
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    src = str(REPO / "src")
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return env
-
-
 def _spawn(python: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
-    argv = [python, str(Path(__file__).resolve()), "--child", json.dumps(cfg)]
-    label = " ".join(f"{k}={v}" for k, v in cfg.items() if k != "dir")
-    print(f"  running {label} ...", file=sys.stderr, flush=True)
-    result = run_child(argv, timeout=timeout, env=_child_env())
-    if result.get("error"):
-        print(f"    -> {result['error']}\n{result.get('stderr_tail', '')}", file=sys.stderr)
-    else:
-        print(f"    -> best {result.get('best_s', 0):.3f} s", file=sys.stderr, flush=True)
-    return result
+    return spawn(__file__, python, cfg, timeout)
 
 
 def _ok(res: dict[str, Any] | None) -> bool:
     return bool(res) and not res.get("error")  # type: ignore[union-attr]
-
-
-def _pf(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
-def _x(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else "—"
 
 
 def _rate(res: dict[str, Any], key: str = "records") -> float:
@@ -588,7 +562,7 @@ def _rate_table(results: dict[str, Any], expected: int, ref: str | None) -> str:
                 side,
                 fmt_rate(_rate(res)),
                 fmt_rate(res["records"] / res["median_s"]),
-                _x(_rate(res), ref_rate),
+                fmt_ratio(_rate(res), ref_rate),
                 fmt_rate(res["records"] / res["best_cpu_s"]),
                 fmt_mib(res["whole_peak_rss"]),
                 fmt_mib(res["peak_growth"]),
@@ -622,12 +596,12 @@ def scenario1(results: dict[str, Any], gen: dict[str, Any]) -> tuple[list[str], 
         )
         rss = hr_res["whole_peak_rss"] / tf_res["whole_peak_rss"]
         targets += [
-            [f"S1 records/s >= 2x tf.data ({best})", f"{speed:.2f}x", _pf(speed >= 2)],
+            [f"S1 records/s >= 2x tf.data ({best})", f"{speed:.2f}x", pass_fail(speed >= 2)],
             ["S1 (info) records per CPU-s vs same tf config", f"{cpu_speed:.2f}x", "info"],
             [
                 "S1 whole-process peak RSS <= 1/5 of tf's",
                 f"{rss:.3f} (1/{1 / rss:.1f})",
-                _pf(rss <= 0.2),
+                pass_fail(rss <= 0.2),
             ],
         ]
         tf_growth = min(
@@ -637,7 +611,7 @@ def scenario1(results: dict[str, Any], gen: dict[str, Any]) -> tuple[list[str], 
             [
                 "S1 growth during iteration <= tf.data's (smallest tf config)",
                 f"{fmt_mib(hr_res['peak_growth'])} vs {fmt_mib(tf_growth)}",
-                _pf(hr_res["peak_growth"] <= tf_growth),
+                pass_fail(hr_res["peak_growth"] <= tf_growth),
             ]
         )
         bad = [s for s, r in results.items() if r.get("checksum_mismatch")]
@@ -673,7 +647,7 @@ def scenario2(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
                 f"{res['gb_per_s']:.2f}",
                 f"{res['gb_per_s_median']:.2f}",
                 f"{res['gb_per_cpu_s']:.2f}" if res["gb_per_cpu_s"] else "—",
-                _x(res["gb_per_s"], bandwidth),
+                fmt_ratio(res["gb_per_s"], bandwidth),
                 fmt_mib(res["whole_peak_rss"]),
                 fmt_mib(res["peak_growth"]),
                 note,
@@ -691,14 +665,14 @@ def scenario2(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
         best = max(tf_ok, key=lambda s: results[s]["gb_per_s"])
         ratio = hr_res["gb_per_s"] / results[best]["gb_per_s"]
         label = "read+batch+parse" if parse else "read+batch"
-        targets.append([f"S2 {label} GB/s >= tf.data ({best})", f"{ratio:.2f}x", _pf(ratio >= 1)])
+        targets.append([f"S2 {label} GB/s >= tf.data ({best})", f"{ratio:.2f}x", pass_fail(ratio >= 1)])
         if bandwidth:
             share = hr_res["gb_per_s"] / bandwidth
             targets.append(
                 [
                     f"S2 {label} >= 1/2 page-cache bandwidth ({bandwidth:.2f} GB/s)",
                     f"{share:.2f}",
-                    _pf(share >= 0.5),
+                    pass_fail(share >= 0.5),
                 ]
             )
     return lines, targets
@@ -747,7 +721,7 @@ def scenario4(results: dict[str, Any], records: int) -> tuple[list[str], list[li
                 side,
                 fmt_rate(_rate(res)),
                 fmt_rate(res["records"] / res["median_s"]),
-                _x(_rate(res), ref_rate),
+                fmt_ratio(_rate(res), ref_rate),
                 fmt_rate(res["records"] / res["best_cpu_s"]),
                 fmt_mib(res["whole_peak_rss"]),
                 fmt_mib(res["peak_growth"]),
@@ -769,12 +743,12 @@ def scenario4(results: dict[str, Any], records: int) -> tuple[list[str], list[li
         ratio = _rate(res) / _rate(tf_res)
         rss = res["whole_peak_rss"] / tf_res["whole_peak_rss"]
         targets += [
-            [f"S4 {side} records/s >= tf.data ({best})", f"{ratio:.2f}x", _pf(ratio >= 1)],
-            [f"S4 {side} whole-process peak RSS <= 1/3 of tf's", f"{rss:.3f}", _pf(rss <= 1 / 3)],
+            [f"S4 {side} records/s >= tf.data ({best})", f"{ratio:.2f}x", pass_fail(ratio >= 1)],
+            [f"S4 {side} whole-process peak RSS <= 1/3 of tf's", f"{rss:.3f}", pass_fail(rss <= 1 / 3)],
             [
                 f"S4 {side} open descriptors <= cap {res['cap']}",
                 f"data-file fds {res['peak_data_fds']}, pool peak {res['pool_peak_open_files']}",
-                _pf(max(res["peak_data_fds"], res["pool_peak_open_files"]) <= res["cap"]),
+                pass_fail(max(res["peak_data_fds"], res["pool_peak_open_files"]) <= res["cap"]),
             ],
         ]
     return lines, targets
@@ -783,24 +757,17 @@ def scenario4(results: dict[str, Any], records: int) -> tuple[list[str], list[li
 def parent(args: argparse.Namespace) -> int:
     only = {int(s) for s in args.only.split(",")} if args.only else {1, 2, 3, 4}
     python, quick = args.python, args.quick
-    info = machine_info(python)
-    info["headrace_source"] = source_fingerprint(REPO / "src" / "headrace")
     passes = args.passes or (1 if quick else 3)
+    info, sections = report_head(
+        f"headrace TFRecord benchmarks{' (--quick)' if quick else ''}",
+        python,
+        f"each side in its own fresh process, one warm-up pass then best of {passes} "
+        "timed passes.",
+    )
     timeout = args.timeout or (300.0 if quick else 900.0)
     scale = 10 if quick else 1
     small_n, large_n, many_n = 200_000 // scale, 20_000 // scale, 200_000 // scale
     report: dict[str, Any] = {"machine": info, "quick": quick, "passes": passes}
-    sections = [
-        f"# headrace TFRecord benchmarks{' (--quick)' if quick else ''}",
-        "",
-        f"Run {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; each side in its own fresh process, "
-        f"one warm-up pass then best of {passes} timed passes.",
-        "",
-        "## Machine",
-        "",
-        "\n".join(f"- **{key}**: {value}" for key, value in info.items()),
-        "",
-    ]
     targets: list[list[Any]] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="headrace-bench-tfr-", dir=args.tmpdir) as tmp:
@@ -917,24 +884,11 @@ def parent(args: argparse.Namespace) -> int:
                 "",
             ]
     sections += ["## Targets", "", md_table(["target", "measured", "verdict"], targets), ""]
-    total = time.perf_counter() - started
     report["targets"] = targets
-    report["total_s"] = total
-    report["loadavg_1min_at_end"] = loadavg()
-    sections.append(
-        f"Total wall time: {total:.0f} s; 1-min load average at start "
-        f"{info['loadavg_1min_at_start']}, at end {report['loadavg_1min_at_end']} "
-        f"({os.cpu_count()} cores; above that, other jobs shared the CPUs)."
-    )
-    markdown = "\n".join(sections) + "\n"
-    print(markdown)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "tfrecord-quick" if quick else "tfrecord"
     if args.only:
         stem += "-only" + args.only.replace(",", "")
-    (RESULTS / f"{stem}.md").write_text(markdown)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    print(f"wrote {RESULTS / (stem + '.md')} and .json", file=sys.stderr)
+    write_report(stem, sections, report, started)
     return 0
 
 
