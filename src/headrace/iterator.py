@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Iterator as _PyIterator
 from typing import TYPE_CHECKING, Any
 
+from headrace._closing import ClosesOnExit
 from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.memory.allocator import tune_allocator
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
@@ -191,7 +192,7 @@ def _close_run(tree: Iterator, budget: MemoryBudget) -> None:
     tree.close()
 
 
-class DatasetIterator(_PyIterator[Any]):
+class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
     """What ``iter(dataset)`` returns: the root of one run of the pipeline.
 
     Use it as a context manager, or call :meth:`close`, to stop its threads and
@@ -298,11 +299,6 @@ class DatasetIterator(_PyIterator[Any]):
         if self._closed:
             raise IteratorClosedError("this iterator was closed")
 
-    def __enter__(self) -> DatasetIterator:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def stages(self) -> list[Iterator]:
         """Every iterator of the run, root first (for the profiler)."""

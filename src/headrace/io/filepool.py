@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
+from headrace._closing import ClosesOnExit
 from headrace.errors import FileLimitError, InvalidArgumentError
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, SuspendableStream, make_stream
 
@@ -487,7 +488,7 @@ class FilePool:
             entry.limiter._idle.pop(entry, None)
 
 
-class PooledStream:
+class PooledStream(ClosesOnExit):
     """A stream whose descriptor the pool may take back between calls.
 
     Reads, ``tell`` and ``seek`` behave exactly as on :class:`~headrace.io.streams.SuspendableStream`;
@@ -563,16 +564,6 @@ class PooledStream:
         if self._finalizer.detach() is not None:
             self._pool._close_entry(self._entry)
 
-    def __enter__(self) -> PooledStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------- process-wide pool

@@ -27,8 +27,8 @@ from __future__ import annotations
 import os
 import sys
 import zlib
-from types import TracebackType
 
+from headrace._closing import ClosesOnExit
 from headrace.errors import DataLossError, InvalidArgumentError
 
 __all__ = [
@@ -73,7 +73,7 @@ def normalize_compression_type(compression_type: str | None) -> str:
         ) from None
 
 
-class SuspendableStream:
+class SuspendableStream(ClosesOnExit):
     """The decompressed bytes of one file, readable with ``read(n)``, suspendable at any byte.
 
     A new stream holds no descriptor: call :meth:`resume` (or use :func:`open_stream`).
@@ -149,16 +149,6 @@ class SuspendableStream:
         self._drop_saved_state()
         self._close_descriptor()
 
-    def __enter__(self) -> SuspendableStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ reading
     def read(self, size: int = -1, /) -> bytes:

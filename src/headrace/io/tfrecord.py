@@ -31,6 +31,7 @@ from enum import IntEnum
 from types import TracebackType
 from typing import IO, Protocol
 
+from headrace._closing import ClosesOnExit
 from headrace.errors import (
     DataLossError,
     HeadraceError,
@@ -185,7 +186,7 @@ class SkippedSpan:
     reason: str
 
 
-class TFRecordReader:
+class TFRecordReader(ClosesOnExit):
     """Reads TFRecord payloads from a binary stream, many per call.
 
     ``stream`` gives the *decompressed* record stream through ``read(n)`` and must be
@@ -305,16 +306,6 @@ class TFRecordReader:
             if close is not None:
                 close()
 
-    def __enter__(self) -> TFRecordReader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- buffering ------------------------------------------------------------------------
 
