@@ -356,39 +356,31 @@ class FixedLenSequenceFeature:
 
 
 @dataclass(frozen=True)
-class _RowLengths:
-    """Partition: the int64 feature ``key`` holds the length of each inner row."""
+class _KeyedPartition:
+    """A partition read from the int64 feature ``key`` of the same record."""
 
     key: str
 
 
-@dataclass(frozen=True)
-class _RowSplits:
-    """Partition: the int64 feature ``key`` holds the row splits (``0, ..., count``)."""
-
-    key: str
+class _RowLengths(_KeyedPartition):
+    """Partition: ``key`` holds the length of each inner row."""
 
 
-@dataclass(frozen=True)
-class _RowStarts:
-    """Partition: the int64 feature ``key`` holds where each row starts (first is 0)."""
-
-    key: str
+class _RowSplits(_KeyedPartition):
+    """Partition: ``key`` holds the row splits (``0, ..., count``)."""
 
 
-@dataclass(frozen=True)
-class _RowLimits:
-    """Partition: the int64 feature ``key`` holds where each row ends (last is the count)."""
-
-    key: str
+class _RowStarts(_KeyedPartition):
+    """Partition: ``key`` holds where each row starts (the first at 0)."""
 
 
-@dataclass(frozen=True)
-class _ValueRowIds:
-    """Partition: the int64 feature ``key`` holds each value's row (non-decreasing);
-    a record has ``max + 1`` rows."""
+class _RowLimits(_KeyedPartition):
+    """Partition: ``key`` holds where each row ends (the last at the count)."""
 
-    key: str
+
+class _ValueRowIds(_KeyedPartition):
+    """Partition: ``key`` holds each value's row (non-decreasing); a record has
+    ``max + 1`` rows."""
 
 
 @dataclass(frozen=True)
@@ -396,9 +388,6 @@ class _UniformRowLength:
     """Partition: every inner row has ``length`` values."""
 
     length: int
-
-
-_KEYED_PARTITIONS = (_RowLengths, _RowSplits, _RowStarts, _RowLimits, _ValueRowIds)
 
 
 @dataclass(frozen=True)
@@ -429,7 +418,7 @@ class RaggedFeature:
 
 
 # So that reprs read like TensorFlow's spelling of the same partitions.
-for _partition in (*_KEYED_PARTITIONS, _UniformRowLength):
+for _partition in (*_KeyedPartition.__subclasses__(), _UniformRowLength):
     _partition.__qualname__ = "RaggedFeature." + _partition.__name__.lstrip("_")
 del _partition
 
@@ -488,7 +477,7 @@ def _plan(features: Mapping[str, FeatureSpec]) -> _Plan:
         plan.need(_value_key(name, spec), _kind_of_spec_dtype(spec.dtype), name)
         if isinstance(spec, RaggedFeature):
             for partition in spec.partitions:
-                if isinstance(partition, _KEYED_PARTITIONS):
+                if isinstance(partition, _KeyedPartition):
                     plan.need(partition.key, wire.KIND_INT64, name)
                 elif not isinstance(partition, _UniformRowLength):
                     raise InvalidArgumentError(
