@@ -25,7 +25,7 @@ import os
 import secrets
 import struct
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from types import TracebackType
@@ -135,13 +135,13 @@ def scan_records(
     max_record_bytes: int,
 ) -> ScanResult:
     """Scan TFRecord framing in a buffer: C when available, else pure Python (same results)."""
+    return _scanner()(buf, pos, max_records, max_bytes, verify_crc, max_record_bytes)
+
+
+def _scanner() -> Callable[[bytes, int, int, int, bool, int], ScanResult]:
+    """The C scanner when the extension is enabled, else its pure-Python twin."""
     native = native_module()
-    if native is not None:
-        result: ScanResult = native.scan_records(
-            buf, pos, max_records, max_bytes, verify_crc, max_record_bytes
-        )
-        return result
-    return _scan_records_py(buf, pos, max_records, max_bytes, verify_crc, max_record_bytes)
+    return native.scan_records if native is not None else _scan_records_py
 
 
 def _frame_record(record: bytes | bytearray | memoryview) -> bytes:
@@ -473,8 +473,7 @@ def records_in_spans(
     ``buffers[i]``, read from byte ``offsets[i]`` of ``path`` where an index says they
     are): exactly those records, checked, or an error naming the file and the byte where
     they go wrong. One loop for a whole batch: random access reads one record per buffer."""
-    native = native_module()
-    scan = native.scan_records if native is not None else _scan_records_py
+    scan = _scanner()  # once per batch, not per buffer
     out: list[bytes] = []
     for buf, count, offset in zip(buffers, counts, offsets, strict=True):
         found = scan(buf, 0, count, 1 << 62, verify_crc, max_record_bytes)

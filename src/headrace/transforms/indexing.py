@@ -194,19 +194,13 @@ class RepeatIndices(IndexStream):
         self.inner.close()
 
 
-class GatherIterator(Iterator):
-    """Elements of a random-access source, in the order of an index stream."""
-
-    stage = "gather"
+class _Gather(Iterator):
+    """Reads a random-access source at the positions an index stream gives: the stream
+    is the whole state, and closing closes both."""
 
     def __init__(self, access: RandomAccess, stream: IndexStream) -> None:
         super().__init__()
         self.access, self.stream = access, stream
-        self.get = access.get
-        self.next_index = stream.next_index
-
-    def __next__(self) -> Any:
-        return self.get(self.next_index())
 
     def get_state(self) -> dict[str, Any]:
         return {"indices": self.stream.get_state()}
@@ -219,7 +213,21 @@ class GatherIterator(Iterator):
         self.access.close()
 
 
-class GatherBatchIterator(Iterator):
+class GatherIterator(_Gather):
+    """Elements of a random-access source, in the order of an index stream."""
+
+    stage = "gather"
+
+    def __init__(self, access: RandomAccess, stream: IndexStream) -> None:
+        super().__init__(access, stream)
+        self.get = access.get
+        self.next_index = stream.next_index
+
+    def __next__(self) -> Any:
+        return self.get(self.next_index())
+
+
+class GatherBatchIterator(_Gather):
     """Batches of a random-access source: one slice or one gather per batch, no per-row work."""
 
     stage = "batch"
@@ -227,8 +235,7 @@ class GatherBatchIterator(Iterator):
     def __init__(
         self, access: RandomAccess, stream: IndexStream, batch_size: int, drop_remainder: bool
     ) -> None:
-        super().__init__()
-        self.access, self.stream = access, stream
+        super().__init__(access, stream)
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
 
     def __next__(self) -> Any:
@@ -236,14 +243,4 @@ class GatherBatchIterator(Iterator):
         if len(indices) == 0 or (self.drop_remainder and len(indices) < self.batch_size):
             raise StopIteration
         return self.access.get_many(indices)
-
-    def get_state(self) -> dict[str, Any]:
-        return {"indices": self.stream.get_state()}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.stream.set_state(state["indices"])
-
-    def close(self) -> None:
-        self.stream.close()
-        self.access.close()
 
