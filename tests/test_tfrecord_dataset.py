@@ -113,7 +113,7 @@ def test_indexed_reads_return_requested_records_in_order(tmp_path, monkeypatch) 
     streamed = list(hr.TFRecordDataset(files))
     access = hr.TFRecordDataset(files, indexed=True)._node.random_access()
     wanted = np.array([79, 3, 4, 5, 41, 40, 3, 0, 39, 6, 7, 8, 9, 79])  # runs, repeats
-    for run_bytes in (4 << 20, 150, 10):  # a read per run, per 2 records (57 B each), per 1
+    for run_bytes in (1 << 20, 150, 10):  # a read per run, per 2 records (57 B each), per 1
         monkeypatch.setattr(source_module, "_MAX_RUN_BYTES", run_bytes)
         assert list(access.get_many(wanted)) == [streamed[i] for i in wanted]
         assert access.get(41) == streamed[41]

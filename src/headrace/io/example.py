@@ -579,18 +579,24 @@ def _var_len(column: _Column) -> RaggedColumn:
     return RaggedColumn(column.values, _row_splits(column.counts, np.int64))
 
 
-def _fixed_len_sequence(name: str, spec: FixedLenSequenceFeature, column: _Column) -> Array:
-    shape = _shape_tuple(spec.shape)
-    stride = math.prod(shape)
-    counts = np.maximum(column.counts, 0)
-    uneven = counts % stride != 0 if stride else counts != 0
+def _rows_of(name: str, counts: Array, width: int, what: str) -> Array:
+    """Each record's ``counts`` values as rows of ``width``; a count that is not a multiple
+    of it names the feature and the record."""
+    uneven = counts % width != 0 if width else counts != 0
     if uneven.any():
         record = _first_record(uneven)
         raise ParseError(
             f"feature {name!r} in record {record} of the batch has {counts[record]} values, "
-            f"not a multiple of {stride} (row shape {list(shape)})"
+            f"not a multiple of {width} {what}"
         )
-    rows = counts // stride if stride else np.zeros_like(counts)
+    return counts // width if width else np.zeros_like(counts)
+
+
+def _fixed_len_sequence(name: str, spec: FixedLenSequenceFeature, column: _Column) -> Array:
+    shape = _shape_tuple(spec.shape)
+    rows = _rows_of(
+        name, np.maximum(column.counts, 0), math.prod(shape), f"(row shape {list(shape)})"
+    )
     default = spec.default_value
     if default is not None:
         default_values = values_as_array(default, column.kind, name)
@@ -623,14 +629,7 @@ def _ragged(name: str, spec: RaggedFeature, columns: dict[str, _Column]) -> Ragg
 def _apply_uniform(
     name: str, length: int, inner: Array | RaggedColumn, counts: Array
 ) -> tuple[Array | RaggedColumn, Array]:
-    uneven = counts % length != 0 if length else counts != 0
-    if uneven.any():
-        record = _first_record(uneven)
-        raise ParseError(
-            f"feature {name!r} in record {record} of the batch has {counts[record]} values, "
-            f"not a multiple of its uniform row length {length}"
-        )
-    rows = counts // length if length else np.zeros_like(counts)
+    rows = _rows_of(name, counts, length, "(its uniform row length)")
     if isinstance(inner, np.ndarray):
         return inner.reshape((-1, length, *inner.shape[1:])), rows
     total_rows = int(rows.sum())

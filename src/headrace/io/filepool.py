@@ -45,11 +45,13 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from headrace._closing import ClosesOnExit
 from headrace.errors import FileLimitError, InvalidArgumentError
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, SuspendableStream, make_stream
+
+_T = TypeVar("_T")
 
 __all__ = [
     "FileLimiter",
@@ -520,38 +522,30 @@ class PooledStream(ClosesOnExit):
 
     def read(self, size: int = -1, /) -> bytes:
         """The next ``size`` decompressed bytes; fewer only at the end of the stream."""
-        pool, entry = self._pool, self._entry
-        pool._check_out(entry, open_descriptor=True)
-        try:
-            return entry.stream.read(size)
-        finally:
-            pool._check_in(entry)
+        return self._checked_out(lambda stream: stream.read(size))
 
     def pread_many(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
         """Positioned reads (``sizes[i]`` bytes at ``offsets[i]``) of an uncompressed file,
         all under one check-out of the descriptor; the stream's position does not move."""
-        pool, entry = self._pool, self._entry
-        pool._check_out(entry, open_descriptor=True)
-        try:
-            return entry.stream.pread_many(offsets, sizes)
-        finally:
-            pool._check_in(entry)
+        return self._checked_out(lambda stream: stream.pread_many(offsets, sizes))
 
     def tell(self) -> int:
         """Decompressed bytes read so far; needs no descriptor."""
-        pool, entry = self._pool, self._entry
-        pool._check_out(entry, open_descriptor=False)
-        try:
-            return entry.stream.tell()
-        finally:
-            pool._check_in(entry)
+        return self._checked_out(lambda stream: stream.tell(), open_descriptor=False)
 
     def seek(self, offset: int, /) -> int:
         """Move to decompressed byte ``offset``; compressed streams decompress to get there."""
+        return self._checked_out(lambda stream: stream.seek(offset))
+
+    def _checked_out(
+        self, use: Callable[[SuspendableStream], _T], *, open_descriptor: bool = True
+    ) -> _T:
+        """Run ``use`` on the stream while this thread has it checked out of the pool
+        (with a descriptor, unless told it needs none)."""
         pool, entry = self._pool, self._entry
-        pool._check_out(entry, open_descriptor=True)
+        pool._check_out(entry, open_descriptor=open_descriptor)
         try:
-            return entry.stream.seek(offset)
+            return use(entry.stream)
         finally:
             pool._check_in(entry)
 

@@ -40,7 +40,7 @@ from headrace.errors import (
 )
 from headrace.io._crc32c import masked_crc32c
 from headrace.io._native import native_module
-from headrace.io.streams import normalize_compression_type, open_stream
+from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type, open_stream
 
 __all__ = [
     "DEFAULT_BUFFER_SIZE",
@@ -56,8 +56,6 @@ __all__ = [
     "write_tfrecord",
 ]
 
-#: TensorFlow's ``_DEFAULT_READER_BUFFER_SIZE_BYTES``.
-DEFAULT_BUFFER_SIZE = 256 * 1024
 #: Declared lengths above this are refused before allocation. 1 GiB holds any sane
 #: record (TensorFlow's protos are limited to 2 GiB) yet stops a garbage length of 2**60.
 DEFAULT_MAX_RECORD_BYTES = 1 << 30

@@ -22,7 +22,7 @@ import numpy as np
 
 from headrace.errors import InvalidArgumentError
 from headrace.io.filepool import FileLimiter, FilePool, PooledStream, get_default_pool
-from headrace.io.streams import normalize_compression_type
+from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import StageAccount
 from headrace.node import UNKNOWN, Node
@@ -30,8 +30,6 @@ from headrace.structure import TensorSpec
 
 __all__ = ["FileRecordsNode", "RecordReader", "TextLineReader", "file_limiter", "list_files"]
 
-#: tf.data's default read buffer for TFRecord and text files.
-DEFAULT_BUFFER_BYTES = 256 << 10
 
 
 class RecordReader(Protocol):
@@ -155,7 +153,7 @@ class FileRecordsNode(Node):
             raise InvalidArgumentError(str(error)) from None
         if buffer_size is not None and (not isinstance(buffer_size, int) or buffer_size <= 0):
             raise InvalidArgumentError(f"buffer_size must be a positive int, got {buffer_size!r}")
-        self.buffer_bytes = buffer_size or DEFAULT_BUFFER_BYTES
+        self.buffer_bytes = buffer_size or DEFAULT_BUFFER_SIZE
 
     def params(self) -> tuple[Any, ...]:
         return (tuple(self.filenames), self.compression_type)

@@ -21,6 +21,7 @@ import numpy as np
 
 from headrace.errors import InvalidArgumentError
 from headrace.io.filepool import PooledStream, get_default_pool
+from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord import (
     DEFAULT_MAX_RECORD_BYTES,
     RECORD_OVERHEAD_BYTES,
@@ -37,8 +38,9 @@ __all__ = ["IndexedTFRecordNode", "TFRecordNode", "tfrecord_node"]
 
 #: A random read fetches one record: read ahead a page, not 256 KiB.
 _RANDOM_READ_BUFFER = 4096
-#: Consecutive records are fetched by one positioned read of at most this many bytes.
-_MAX_RUN_BYTES = 4 << 20
+#: Consecutive records are fetched by one positioned read of at most this many bytes:
+#: a streaming reader's buffer, so random access holds no more unbooked bytes than it.
+_MAX_RUN_BYTES = DEFAULT_BUFFER_SIZE
 
 
 class TFRecordNode(FileRecordsNode):
