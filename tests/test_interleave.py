@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import headrace as hr
 from headrace.testing import assert_checkpoint_roundtrip
-from headrace.transforms.interleave import _WaitWatch
+from headrace.transforms._wait_watch import WaitWatch
 
 
 def lists_dataset(lists: list[list[int]]):
@@ -139,7 +139,7 @@ def waiting_inner(i):
 
 @pytest.mark.usefixtures("no_thread_leak")
 def test_autotune_starts_threads_when_the_inner_pipelines_wait(monkeypatch) -> None:
-    monkeypatch.setattr(_WaitWatch, "WINDOW_SECONDS", 0.05)
+    monkeypatch.setattr(WaitWatch, "WINDOW_SECONDS", 0.05)
     ds = hr.Dataset.range(4).interleave(
         waiting_inner, cycle_length=4, num_parallel_calls=hr.AUTOTUNE
     )
@@ -167,7 +167,7 @@ def test_autotune_starts_threads_when_the_inner_pipelines_wait(monkeypatch) -> N
 
 @pytest.mark.usefixtures("no_thread_leak")
 def test_checkpoints_across_the_autotune_switch(monkeypatch) -> None:
-    monkeypatch.setattr(_WaitWatch, "WINDOW_SECONDS", 0.002)  # switch after a few pulls
+    monkeypatch.setattr(WaitWatch, "WINDOW_SECONDS", 0.002)  # switch after a few pulls
 
     def inner(i):
         return hr.Dataset.range(i * 10, i * 10 + 4).map(lambda x: (time.sleep(0.001), x)[1])

@@ -15,7 +15,7 @@ page cache are GIL-bound: for them the sequential interleave is the faster one
 (about 2x tf.data's parallel interleave on 1,000 small files here, against half
 of it with threads — see benchmarks/results/tfrecord.md). So
 ``num_parallel_calls=AUTOTUNE`` starts sequential and watches its pulls
-(see ``_WaitWatch``): once they spend most of their time waiting — not on this
+(see ``WaitWatch``): once they spend most of their time waiting — not on this
 thread's CPU, and not for the GIL — every slot starts reading ahead on its own
 thread (up to ``cycle_length`` at once: waiting costs no core). The switch is one-way, is
 kept in checkpoints, and changes no order, only timing. A number
@@ -35,9 +35,7 @@ input element (a filename, typically) and resumes the inner iterator.
 from __future__ import annotations
 
 import os
-import random
 import threading
-import time
 import warnings
 from collections.abc import Callable
 from time import perf_counter
@@ -48,121 +46,15 @@ from headrace.iterator import Context, Iterator
 from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
 from headrace.node import UNKNOWN, Node, check_positive, function_name
 from headrace.options import AUTOTUNE
+from headrace.transforms._wait_watch import WaitWatch
 from headrace.transforms.map import apply_fn
 from headrace.transforms.prefetch import PrefetchIterator
-
-try:
-    import resource
-
-    _RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
-except ImportError:  # Windows
-    _RUSAGE_THREAD = None
 
 __all__ = ["InterleaveNode"]
 
 #: Elements a slot reads ahead (tf.data: 2 * block_length + 1), bounded by the slot's
 #: part of the budget; more per hand-off keeps thread switches off the per-element path.
 _SLOT_DEPTH = 64
-
-
-def _run_queue_seconds() -> float:
-    """Time this thread has spent runnable but not running (preempted by other work):
-    the second field of Linux's /proc/thread-self/schedstat; 0 where unavailable."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as stat:
-            return int(stat.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def _voluntary_switches() -> int:
-    """Times this thread gave up its core to wait (I/O, sleep, a lock); 0 if unknown."""
-    if _RUSAGE_THREAD is None:
-        return 0
-    return resource.getrusage(_RUSAGE_THREAD).ru_nvcsw
-
-
-class _WaitWatch:
-    """AUTOTUNE's evidence that slots reading ahead on threads would overlap waits.
-
-    Every pull's wall time is summed (two cheap clock reads). One pull in eight, at
-    random, also reads this thread's CPU clock (a system call, too dear for every
-    pull); since a pull's CPU time varies little, eight times their sum estimates the
-    CPU all pulls used, while the wall time stays exact, rare long waits included.
-    When a window has spent ``WINDOW_SECONDS`` inside pulls, it counts as waiting if:
-    more than half of that was neither this thread's CPU nor time it sat preempted on
-    a busy machine (Linux's schedstat run-queue time over the whole window, so at least
-    as much as inside the pulls); this thread slept in the kernel at least once; and at
-    the end of the window the GIL is free — three ``sleep(0)`` get it back within a
-    millisecond each — so the waits were not for other Python threads, which more threads
-    would not help.
-    ``WINDOWS`` such windows in a row start the threads.
-    """
-
-    WINDOW_SECONDS = 0.02
-    WINDOWS = 2
-    SAMPLE_EVERY = 8  # on average; at random, so no slot is always or never sampled
-    GIL_FREE_SECONDS = 0.001
-    #: After this many computing windows in a row, watch one window in ``REST + 1``:
-    #: the clocks cost about a fifth of a page-cached pull, and storage rarely turns slow.
-    REST_AFTER = 10
-    REST = 7
-
-    def __init__(self) -> None:
-        self.random = random.Random(0x5EED)  # its own: the user's random state is theirs
-        self.countdown = self.SAMPLE_EVERY  # pulls until the next sampled one
-        self.waiting_windows = 0
-        self.computing_windows = 0
-        self.resting = 0  # pulls left to take unwatched
-        self._start_window()
-
-    def _start_window(self) -> None:
-        self.pull_wall = 0.0
-        self.sampled_cpu = 0.0
-        self.pulls = 0
-        self.switches = _voluntary_switches()
-        self.run_queue = _run_queue_seconds()
-
-    def sampled_pull(
-        self, next_reserved: Callable[[], tuple[Any, Reservation]]
-    ) -> tuple[Any, Reservation]:
-        """``next_reserved()`` timed on both clocks; picks the next pull to sample."""
-        self.countdown = 1 + int(self.random.random() * (2 * self.SAMPLE_EVERY - 1))
-        started, cpu = perf_counter(), time.thread_time()
-        try:
-            return next_reserved()
-        finally:
-            self.sampled_cpu += time.thread_time() - cpu
-            self.pull_wall += perf_counter() - started
-
-    def waiting_mostly(self) -> bool:
-        """At the end of a window (``pull_wall`` >= ``WINDOW_SECONDS``): whether
-        ``WINDOWS`` windows in a row waited."""
-        computing = self.sampled_cpu * self.SAMPLE_EVERY
-        preempted = _run_queue_seconds() - self.run_queue  # over the window: at most
-        waited = (
-            self.pull_wall - computing - preempted > 0.5 * self.pull_wall
-            and (_RUSAGE_THREAD is None or _voluntary_switches() > self.switches)
-            and _gil_is_free(self.GIL_FREE_SECONDS)
-        )
-        self.waiting_windows = self.waiting_windows + 1 if waited else 0
-        self.computing_windows = 0 if waited else self.computing_windows + 1
-        if self.computing_windows >= self.REST_AFTER:
-            self.computing_windows = 0
-            self.resting = self.REST * self.pulls
-        self._start_window()
-        return self.waiting_windows >= self.WINDOWS
-
-
-def _gil_is_free(within: float, probes: int = 3) -> bool:
-    """Whether this thread gets the GIL back within ``within`` s each time it gives it up
-    (``probes`` times: one quick return can be luck; the first slow one ends the test)."""
-    for _ in range(probes):
-        started = perf_counter()
-        time.sleep(0)
-        if perf_counter() - started >= within:
-            return False
-    return True
 
 
 def _machine_cycle_length(num_parallel_calls: int | None) -> int:
@@ -301,7 +193,7 @@ class _InterleaveIterator(Iterator):
         parallel = node.num_parallel_calls
         self.may_thread = parallel is not None
         # AUTOTUNE starts sequential and watches for waiting (see the module docstring).
-        self.watch = _WaitWatch() if parallel == AUTOTUNE else None
+        self.watch = WaitWatch() if parallel == AUTOTUNE else None
         self.gate: threading.Semaphore | None = None
         if parallel is not None and parallel != AUTOTUNE:
             self.gate = threading.Semaphore(parallel)
@@ -396,9 +288,7 @@ class _InterleaveIterator(Iterator):
                     if watch is None:
                         pair = slot.iterator.next_reserved()
                     elif watch.resting:
-                        watch.resting -= 1
-                        if not watch.resting:
-                            watch._start_window()  # baselines from the end of the rest
+                        watch.rest()
                         pair = slot.iterator.next_reserved()
                     else:  # inline: this runs for every watched element
                         watch.pulls += 1
@@ -492,7 +382,7 @@ class _InterleaveIterator(Iterator):
         if saved_threaded and not self.threaded:  # AUTOTUNE had switched: switch again
             self._start_threads()
         elif self.watch is not None:  # not switched: watch afresh from here
-            self.watch = _WaitWatch()
+            self.watch = WaitWatch()
         for index, saved in enumerate(state["slots"]):
             if saved is None:
                 continue
