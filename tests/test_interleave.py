@@ -224,6 +224,27 @@ def test_autotune_threads_keep_the_file_cap_and_the_order(tmp_path, stream_descr
     assert stream_descriptors.peak <= 2
 
 
+@pytest.mark.usefixtures("no_thread_leak")
+def test_autotune_notices_reads_that_turn_slow_after_it_rested(monkeypatch) -> None:
+    monkeypatch.setattr(WaitWatch, "REST_SECONDS", 0.2)
+
+    def inner(i):  # 50,000 quick elements (well over five windows), then 150 that wait
+        quick = hr.Dataset.range(i * 100_000, i * 100_000 + 50_000)
+        slow = hr.Dataset.range(i * 100_000 + 50_000, i * 100_000 + 50_150)
+        return quick.concatenate(slow.map(lambda x: (time.sleep(0.001), x)[1]))
+
+    ds = hr.Dataset.range(4).interleave(inner, cycle_length=4, num_parallel_calls=hr.AUTOTUNE)
+    with iter(ds) as iterator:
+        interleave = iterator._tree
+        quick = [int(next(iterator)) for _ in range(200_000)]
+        assert not interleave.threaded
+        assert interleave.watch.rest_until > 0  # it had stopped watching for a while
+        rest = [int(x) for x in iterator]
+        assert interleave.threaded
+    expected = [i * 100_000 + j for j in range(50_150) for i in range(4)]
+    assert quick + rest == expected
+
+
 def test_autotune_stays_sequential_when_the_inner_pipelines_compute() -> None:
     ds = hr.Dataset.range(40).interleave(  # ~0.2 s of pulls: about ten windows
         lambda i: hr.Dataset.range(i * 1000, i * 1000 + 1000), cycle_length=4,

@@ -64,30 +64,34 @@ class WaitWatch:
     WINDOWS = 2
     SAMPLE_EVERY = 8  # on average; at random, so no slot is always or never sampled
     GIL_FREE_SECONDS = 0.001
-    #: After this many computing windows in a row, watch one window in ``REST + 1``:
-    #: the clocks cost about a fifth of a page-cached pull, and storage rarely turns slow.
-    REST_AFTER = 10
-    REST = 7
+    #: After this many computing windows in a row, stop watching for ``REST_SECONDS``
+    #: (of wall time, read every ``REST_CHUNK`` pulls), then watch one window again: the
+    #: clocks cost about a fifth of a page-cached pull, and storage rarely turns slow —
+    #: when it does, threads start within about a second.
+    REST_AFTER = 5
+    REST_SECONDS = 1.0
+    REST_CHUNK = 256
 
     def __init__(self) -> None:
         self.random = random.Random(0x5EED)  # its own: the user's random state is theirs
         self.countdown = self.SAMPLE_EVERY  # pulls until the next sampled one
         self.waiting_windows = 0
         self.computing_windows = 0
-        self.resting = 0  # pulls left to take unwatched
+        self.resting = 0  # pulls left, in this chunk of the rest, to take unwatched
+        self.rest_until = 0.0
         self._start_window()
 
     def _start_window(self) -> None:
         self.pull_wall = 0.0
         self.sampled_cpu = 0.0
-        self.pulls = 0
         self.switches = _voluntary_switches()
         self.run_queue = _run_queue_seconds()
 
-    def rest(self) -> None:
-        """One pull taken unwatched; a fresh window starts when the rest is over."""
-        self.resting -= 1
-        if not self.resting:
+    def rest_chunk_done(self) -> None:
+        """A chunk of unwatched pulls is over: rest another, or watch a fresh window."""
+        if perf_counter() < self.rest_until:
+            self.resting = self.REST_CHUNK
+        else:
             self._start_window()
 
     def sampled_pull(
@@ -116,8 +120,9 @@ class WaitWatch:
         self.waiting_windows = self.waiting_windows + 1 if waited else 0
         self.computing_windows = 0 if waited else self.computing_windows + 1
         if self.computing_windows >= self.REST_AFTER:
-            self.computing_windows = 0
-            self.resting = self.REST * self.pulls
+            self.computing_windows = self.REST_AFTER - 1  # one more computing window: rest
+            self.resting = self.REST_CHUNK
+            self.rest_until = perf_counter() + self.REST_SECONDS
         self._start_window()
         return self.waiting_windows >= self.WINDOWS
 

@@ -288,10 +288,11 @@ class _InterleaveIterator(Iterator):
                     if watch is None:
                         pair = slot.iterator.next_reserved()
                     elif watch.resting:
-                        watch.rest()
+                        watch.resting -= 1
+                        if not watch.resting:
+                            watch.rest_chunk_done()
                         pair = slot.iterator.next_reserved()
                     else:  # inline: this runs for every watched element
-                        watch.pulls += 1
                         watch.countdown -= 1
                         if watch.countdown:
                             started = perf_counter()
