@@ -23,7 +23,7 @@ from headrace._closing import ClosesOnExit
 from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.memory.allocator import tune_allocator
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
-from headrace.memory.sizeof import sizeof
+from headrace.memory.sizeof import admit, sizeof
 from headrace.options import Options, available_memory
 
 if TYPE_CHECKING:
@@ -99,7 +99,9 @@ class Context:
         self.preexisting.add(id(owner))
         self._keepalive.append(owner)  # ids stay valid while this run lives
 
-    def account(self, key: object, name: str, *, weight: float) -> StageAccount:
+    def account(
+        self, key: object, name: str, *, weight: float, sets_order: bool = False
+    ) -> StageAccount:
         """The share of the budget of one buffering stage.
 
         ``key`` is the stage's recipe node: an iterator re-created for the same
@@ -108,7 +110,7 @@ class Context:
         """
         account = self._accounts.get(id(key))
         if account is None:
-            account = self.budget.account(name, weight=weight)
+            account = self.budget.account(name, weight=weight, sets_order=sets_order)
             self._accounts[id(key)] = account
             self._keepalive.append(key)
         return account
@@ -116,6 +118,14 @@ class Context:
     def sizeof(self, element: Any) -> int:
         """What ``element`` costs the budget (see :mod:`headrace.memory.sizeof`)."""
         return sizeof(element, self.preexisting)
+
+    def admit(self, element: Any) -> tuple[Any, int]:
+        """The element a buffering stage should keep, and its cost.
+
+        Views pinning a much larger owner are copied out first, so a buffer of
+        rows holds (and costs) the rows (see :func:`headrace.memory.sizeof.admit`).
+        """
+        return admit(element, self.preexisting)
 
 
 class Iterator:

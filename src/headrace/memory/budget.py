@@ -10,11 +10,26 @@ wait on the stage's *own* consumer, which always makes progress, so no
 configuration can deadlock; and because the shares depend only on the
 structure and the budget, so does every shrink decision — never on timing.
 
-Stages ask before they pull: :meth:`StageAccount.wait_for_room` blocks until
-the largest element seen so far would fit (or the stage holds nothing), then
-:meth:`StageAccount.charge` books what the element really costs. An element
-larger than the stage's whole share raises :class:`MemoryBudgetError` naming
-the stage: that is a minimum working set that cannot fit.
+The booking contract, for every stage: **nothing enters a buffer unless what
+the stage holds plus the element's cost fits its share.** A stage checks
+:meth:`StageAccount.fits` (or, on a producer thread, blocks in
+:meth:`StageAccount.wait_for_room`) with the element's real cost before it
+books it with :meth:`StageAccount.charge`. A stage that holds nothing may
+always take one element that fits its share alone — which is what keeps every
+pipeline moving — and an element that does not fit even that raises
+:class:`MemoryBudgetError` naming the stage. An element whose size could not
+be known before it existed (a user's function ran, a generator yielded) and
+that does not fit waits *outside* the buffer, unbooked: that one element per
+stage is the only memory beyond the shares.
+
+Minimum working sets. A stage that must hold several bytes at once (a batch
+being assembled, one batch in a prefetch queue) declares it with
+:meth:`StageAccount.require`. When that is more than its share, the budget
+splits itself again (:meth:`MemoryBudget.allot`): the stage gets its minimum
+and the others give up what they hold beyond theirs, stages whose share sets
+an order (shuffle) last. Shares still depend only on the budget, the
+structure and the data's sizes; :class:`MemoryBudgetError` is raised only
+when the minima together exceed the budget, and names each of them.
 
 Reservations move with their element (:class:`Reservation`): a stage that
 takes an element from a buffering stage books it on its own account first and
@@ -81,17 +96,67 @@ class MemoryBudget:
         """True when adding ``nbytes`` would take a shared parent budget over its total."""
         return self.parent is not None and self.parent.used + nbytes > self.parent.total
 
-    def account(self, name: str, *, weight: float) -> StageAccount:
-        """Register a buffering stage; its share is set by :meth:`allot`."""
-        account = StageAccount(self, name, weight)
+    def account(self, name: str, *, weight: float, sets_order: bool = False) -> StageAccount:
+        """Register a buffering stage; its share is set by :meth:`allot`.
+
+        ``sets_order``: the stage's share decides which elements come out in which
+        order (a shuffle buffer's size), so it is the last to give up bytes to
+        another stage's minimum working set.
+        """
+        account = StageAccount(self, name, weight, sets_order=sets_order)
         self.accounts.append(account)
         return account
 
     def allot(self) -> None:
-        """Split the total among the registered accounts by weight (deterministic)."""
-        weights = sum(account.weight for account in self.accounts)
-        for account in self.accounts:
-            account.limit = int(self.total * account.weight / weights) if weights else 0
+        """Split the total among the accounts: by weight, but each at least its minimum.
+
+        Deterministic: a function of the total, the weights (the structure) and
+        the declared minima (the data's sizes). Raises :class:`MemoryBudgetError`
+        naming every stage's minimum when they cannot all fit.
+        """
+        accounts = self.accounts
+        weights = sum(account.weight for account in accounts)
+        limits = [
+            int(self.total * account.weight / weights) if weights else 0 for account in accounts
+        ]
+        minima = [account.minimum for account in accounts]
+        if sum(minima) > self.total:
+            raise MemoryBudgetError(self._minima_message())
+        deficit = sum(max(0, low - limit) for low, limit in zip(minima, limits, strict=True))
+        limits = [max(low, limit) for low, limit in zip(minima, limits, strict=True)]
+        for order_setters in (False, True):
+            if deficit <= 0:
+                break
+            lenders = [
+                k for k, account in enumerate(accounts)
+                if account.sets_order is order_setters and limits[k] > minima[k]
+            ]
+            surplus = sum(limits[k] - minima[k] for k in lenders)
+            if not surplus:
+                continue
+            take = min(deficit, surplus)
+            for k in lenders:
+                spare = limits[k] - minima[k]
+                limits[k] -= min(spare, -(-take * spare // surplus))  # ceil: never short
+            deficit -= take
+        with self.changed:
+            for account, limit in zip(accounts, limits, strict=True):
+                account.limit = limit
+            self.changed.notify_all()
+
+    def _minima_message(self, first: str = "the pipeline's stages") -> str:
+        listed = ", ".join(
+            f"{account.name}: {format_bytes(account.minimum)}"
+            + (f" for {account.minimum_what}" if account.minimum_what else "")
+            for account in self.accounts
+            if account.minimum
+        )
+        needed = sum(account.minimum for account in self.accounts)
+        return (
+            f"{first} must hold {format_bytes(needed)} at once, more than the memory budget "
+            f"of {format_bytes(self.total)} (each stage's minimum working set: {listed}). "
+            "Raise Options(memory_budget=...), or make elements or batches smaller."
+        )
 
     def close(self) -> None:
         """Wake every waiting producer so that it can exit."""
@@ -110,29 +175,65 @@ class MemoryBudget:
 class StageAccount:
     """What one buffering stage holds, against its share (``limit``) of the budget."""
 
-    def __init__(self, budget: MemoryBudget, name: str, weight: float) -> None:
+    def __init__(
+        self, budget: MemoryBudget, name: str, weight: float, *, sets_order: bool = False
+    ) -> None:
         self.budget = budget
         self.name = name
         self.weight = weight
+        self.sets_order = sets_order
         self.limit = 0
+        #: The bytes this stage must be able to hold at once (see :meth:`require`).
+        self.minimum = 0
+        self.minimum_what = ""
         self.held = 0
         self.peak = 0
         self.elements = 0
         self.max_element = 0
         self.room = budget.changed
 
-    def _check_fits(self, nbytes: int) -> None:
+    def _check_fits(self, nbytes: int, what: str = "one element") -> None:
+        """Make room for ``nbytes`` held alone (a minimum), or raise naming the stage."""
         if nbytes > self.limit:
-            shares = ", ".join(
-                f"{account.name}: {format_bytes(account.limit)}"
-                for account in self.budget.accounts
-            )
-            raise MemoryBudgetError(
-                f"stage {self.name!r} must hold {format_bytes(nbytes)} at once, more than "
-                f"its share of the memory budget ({format_bytes(self.limit)} of "
-                f"{format_bytes(self.budget.total)}; shares: {shares}). Raise "
-                f"Options(memory_budget=...), or make elements or batches smaller."
-            )
+            self.require(nbytes, what=what)
+
+    def require(self, nbytes: int, *, what: str) -> None:
+        """Declare that this stage must be able to hold ``nbytes`` at once (its minimum).
+
+        Called when the minimum becomes known from the data (the first batch's
+        size, say), before the bytes are allocated. Past the stage's share, the
+        budget is split again so that it fits; if the minima of all the stages
+        cannot fit together, :class:`MemoryBudgetError` names them.
+        """
+        if nbytes <= self.minimum:
+            return
+        previous = self.minimum, self.minimum_what
+        self.minimum, self.minimum_what = nbytes, what
+        if nbytes > self.limit:
+            try:
+                self.budget.allot()
+            except MemoryBudgetError:
+                message = self.budget._minima_message(
+                    f"stage {self.name!r} needs {format_bytes(nbytes)} at once for {what}; "
+                    "with the other stages, the pipeline"
+                )
+                self.minimum, self.minimum_what = previous
+                raise MemoryBudgetError(message) from None
+
+    def fits(self, nbytes: int, *, pending: int = 0) -> bool:
+        """Whether an element of ``nbytes`` may enter this stage's buffer now.
+
+        True when it fits beside what the stage holds plus ``pending`` (bytes
+        it is about to book), also under a shared default budget's total, or
+        when the stage holds nothing and the element fits its share alone. An
+        element larger than the whole share first makes the budget split
+        itself again (:meth:`require`), or raises :class:`MemoryBudgetError`.
+        """
+        self._check_fits(nbytes)
+        held = self.held + pending
+        if not held:
+            return True
+        return held + nbytes <= self.limit and not self.budget.over_shared_cap(pending + nbytes)
 
     def wait_for_room(
         self, estimate: int | None = None, *, cancelled: Callable[[], bool] | None = None
@@ -143,6 +244,8 @@ class StageAccount:
         which is what keeps every pipeline moving.
         """
         nbytes = self.max_element if estimate is None else estimate
+        if estimate is not None:
+            self._check_fits(nbytes)
         with self.room:
             while self.held and (
                 self.held + nbytes > self.limit or self.budget.over_shared_cap(nbytes)
@@ -221,17 +324,12 @@ class StageAccount:
     def hold(self, nbytes: int, *, what: str, elements: int = 1) -> Reservation:
         """Book bytes a stage must hold *together* (its minimum working set).
 
-        Unlike :meth:`charge`, the bytes already held count: if they cannot
-        fit beside them, no amount of waiting helps, so this raises
+        Unlike :meth:`charge`, the bytes already held count: they and ``nbytes``
+        become the stage's declared minimum (see :meth:`require`), so the
+        budget splits itself again if it must, or raises
         :class:`MemoryBudgetError` naming the stage and what it was assembling.
         """
-        if self.held + nbytes > self.limit:
-            raise MemoryBudgetError(
-                f"stage {self.name!r} needs {format_bytes(self.held + nbytes)} at once for "
-                f"{what}, more than its share of the memory budget "
-                f"({format_bytes(self.limit)} of {format_bytes(self.budget.total)}). Raise "
-                "Options(memory_budget=...) or use a smaller batch."
-            )
+        self._check_fits(self.held + nbytes, what)
         return self.charge(nbytes, elements=elements)
 
     def release(self, nbytes: int) -> None:

@@ -1,37 +1,168 @@
-"""What an element really costs in memory.
+"""What an element really costs in memory, and making elements cost what they show.
 
 ``sys.getsizeof`` of an ndarray view is ~112 bytes whatever it points at, and
 ``arr.nbytes`` ignores Python object overhead (an 8-byte int costs ~28 bytes).
-The budget needs the truth, so:
+The budget needs the truth, so costs are *owner-based*:
 
 * an array that owns its data costs ``nbytes`` plus its header;
-* a view costs the bytes it spans, charged to whoever holds it; a view whose
-  owning buffer *predates the iteration* (the user's array, a memory-mapped
-  file) costs only its header — that memory is not the pipeline's to cap;
-* object arrays add each referenced object; bytes/str/scalars cost
-  ``sys.getsizeof``; dicts, tuples and lists add their own size to their items'.
+* a view keeps its owning buffer alive, so it costs the **owner's** bytes —
+  once per element however many views of it the element holds (the columns of
+  one batch, ``x`` and ``x[0]``) — unless that owner *predates the iteration*
+  (the user's array, registered by the sources) or is file-backed (a memory-map):
+  that memory is not the pipeline's to cap, and such a view costs its header;
+* containers are costed deeply: list, tuple, dict keys and values, set, an
+  object's ``__dict__`` and ``__slots__`` (dataclasses included), with a cycle
+  guard; ``memoryview`` by the buffer it exposes; object arrays by their items;
+* types registered with :func:`register_sizer` use their sizer (built in, and
+  installed only once their library is imported: torch tensors, PIL images,
+  pyarrow arrays, tables and buffers);
+* anything else costs ``sys.getsizeof`` and is warned about once, by type name.
+
+The cost of one element is bounded in time: a container of more than
+:data:`SAMPLE_ITEMS` items is costed from its first items and extrapolated
+(deterministically), so an element that is a list of a million objects costs
+microseconds, not seconds, to book.
+
+Owner-based costs are true, but a view that pins an owner much larger than
+itself (``big_temp[0]`` returned by a map, one row of an unbatched batch)
+makes a buffer of such views cost — and hold — far more than the rows it
+shows. :func:`admit` is what a buffering stage calls before it keeps an
+element: it *compacts* such views (copies the rows out, so the large owner
+can be freed as soon as the producer drops it) and returns the element with
+its cost. Views of memory that predates the iteration are never copied.
 """
 
 from __future__ import annotations
 
 import mmap
 import sys
-from collections.abc import Mapping
+import threading
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ARRAY_HEADER_BYTES", "owner_of", "sizeof"]
+__all__ = [
+    "ARRAY_HEADER_BYTES",
+    "SAMPLE_ITEMS",
+    "admit",
+    "owner_of",
+    "register_sizer",
+    "sizeof",
+]
 
 #: What a bytes object costs besides its payload (33 B on CPython 3.11).
 _BYTES_HEADER = sys.getsizeof(b"")
 
 #: Leaf objects whose cost is exactly ``sys.getsizeof``.
-_FLAT_TYPES = frozenset({bytes, str, int, float, bool, type(None), np.int64, np.float32,
-                         np.float64, np.int32})
+_FLAT_TYPES = frozenset(
+    {bytes, str, int, float, bool, complex, type(None), bytearray, range, slice, type(...)}
+    | {type(t(0)) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                            np.uint32, np.uint64, np.float16, np.float32, np.float64,
+                            np.bool_, np.complex64, np.complex128)}
+)
 
 #: What an ndarray object costs besides its data (measured: 112 B on CPython 3.11).
-ARRAY_HEADER_BYTES = sys.getsizeof(np.empty(0)) - 0
+ARRAY_HEADER_BYTES = sys.getsizeof(np.empty(0))
+
+#: Items of one container costed one by one; past this the rest is extrapolated.
+SAMPLE_ITEMS = 1024
+
+#: A view is copied out by :func:`admit` when its owner is more than this many times
+#: its own size, and the copy saves at least :data:`_COMPACT_MIN_SAVING` bytes.
+_COMPACT_RATIO = 2
+_COMPACT_MIN_SAVING = 64 << 10
+
+Sizer = Callable[[Any], int]
+_sizers: dict[type, Sizer] = {}
+_sizers_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def register_sizer(cls: type, sizer: Sizer) -> None:
+    """Tell the budget what objects of ``cls`` (and its subclasses) cost, in bytes.
+
+    Why: the budget can only cap what it can measure. headrace sizes NumPy,
+    Python containers and objects, and (once imported) torch, PIL and pyarrow;
+    a type from another library that keeps its payload outside the Python
+    heap (a C buffer, a GPU-staged tensor) is invisible to ``sys.getsizeof``.
+    ``sizer(obj)`` returns the bytes ``obj`` keeps alive, payload included.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register_sizer: cls must be a type, got {cls!r}")
+    if not callable(sizer):
+        raise TypeError(f"register_sizer: sizer must be callable, got {sizer!r}")
+    with _sizers_lock:
+        _sizers[cls] = sizer
+        _lookup_cache.clear()
+
+
+# -- sizers for libraries headrace does not depend on, installed when they are imported --
+
+
+def _torch_sizer(tensor: Any) -> int:
+    storage = tensor.untyped_storage()
+    return int(sys.getsizeof(tensor) + storage.nbytes())
+
+
+def _pil_sizer(image: Any) -> int:
+    bands = len(image.getbands())
+    bytes_per_band = 4 if image.mode in ("I", "F", "I;32") else 2 if image.mode.startswith("I;16") else 1
+    return int(sys.getsizeof(image) + image.width * image.height * bands * bytes_per_band)
+
+
+def _arrow_sizer(value: Any) -> int:
+    getter = getattr(value, "get_total_buffer_size", None)
+    nbytes = getter() if getter is not None else getattr(value, "size", 0)
+    return int(sys.getsizeof(value) + nbytes)
+
+
+def _install_optional() -> None:
+    """Register the optional libraries' sizers for those already imported (cheap to repeat)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "Tensor", None) is not None:
+        _sizers.setdefault(torch.Tensor, _torch_sizer)
+    image = sys.modules.get("PIL.Image")
+    if image is not None and getattr(image, "Image", None) is not None:
+        _sizers.setdefault(image.Image, _pil_sizer)
+    arrow = sys.modules.get("pyarrow")
+    if arrow is not None:
+        for name in ("Array", "ChunkedArray", "RecordBatch", "Table", "Buffer"):
+            cls = getattr(arrow, name, None)
+            if isinstance(cls, type):
+                _sizers.setdefault(cls, _arrow_sizer)
+
+
+_lookup_cache: dict[type, Sizer | None] = {}
+
+
+def _sizer_for(cls: type) -> Sizer | None:
+    try:
+        return _lookup_cache[cls]
+    except KeyError:
+        pass
+    with _sizers_lock:
+        _install_optional()
+        found = next((_sizers[base] for base in cls.__mro__ if base in _sizers), None)
+        # Only cache hits, and misses of types whose library cannot register later.
+        if found is not None or cls.__module__.split(".")[0] not in ("torch", "PIL", "pyarrow"):
+            _lookup_cache[cls] = found
+        return found
+
+
+def _warn_unsized(cls: type) -> None:
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if name in _warned:
+        return
+    _warned.add(name)
+    warnings.warn(
+        f"headrace cannot see inside {name} objects: they are booked at sys.getsizeof "
+        "(their Python header), which misses any payload they keep outside it. "
+        "Tell the budget their real size with headrace.register_sizer(type, fn).",
+        ResourceWarning,
+        stacklevel=4,
+    )
 
 
 def owner_of(array: np.ndarray[Any, Any]) -> object:
@@ -42,41 +173,182 @@ def owner_of(array: np.ndarray[Any, Any]) -> object:
     return base
 
 
-def _array_cost(array: np.ndarray[Any, Any], preexisting: frozenset[int] | set[int]) -> int:
-    cost = ARRAY_HEADER_BYTES
-    if array.base is not None:
-        owner = owner_of(array)
-        if id(owner) in preexisting or isinstance(owner, mmap.mmap):
-            return cost
-    if array.dtype.hasobject:
+def _is_file_backed(owner: object) -> bool:
+    return isinstance(owner, mmap.mmap)
+
+
+class _Costing:
+    """One element's costing: owners and objects seen once, views worth compacting found."""
+
+    __slots__ = ("compactable", "preexisting", "seen")
+
+    def __init__(self, preexisting: frozenset[int] | set[int]) -> None:
+        self.preexisting = preexisting
+        self.seen: set[int] = set()
+        self.compactable = False
+
+    def owner_cost(self, owner: object) -> int:
+        """Bytes of a view's owner, the first time this element refers to it."""
+        key = id(owner)
+        if key in self.seen or key in self.preexisting or _is_file_backed(owner):
+            return 0
+        self.seen.add(key)
+        if isinstance(owner, np.ndarray):
+            return ARRAY_HEADER_BYTES + owner.nbytes + self.object_items(owner)
+        if isinstance(owner, (bytes, bytearray)):
+            return sys.getsizeof(owner)
+        try:
+            with memoryview(owner) as view:  # type: ignore[arg-type]
+                return sys.getsizeof(owner) + view.nbytes
+        except TypeError:
+            return self.cost(owner)
+
+    def object_items(self, array: np.ndarray[Any, Any]) -> int:
+        if not array.dtype.hasobject:
+            return 0
         items = array.ravel().tolist()
-        types = set(map(type, items))
-        if types == {bytes}:  # a batch of records: getsizeof(b) is len(b) + a fixed header
-            return cost + array.nbytes + sum(map(len, items)) + _BYTES_HEADER * len(items)
-        if types <= _FLAT_TYPES:  # other scalars and str, still at C speed
-            return cost + array.nbytes + sum(map(sys.getsizeof, items))
-        return cost + array.nbytes + sum(_object_cost(item, preexisting) for item in items)
-    return cost + array.nbytes
+        types = set(map(type, items[:SAMPLE_ITEMS]))
+        if types == {bytes} and all(type(item) is bytes for item in items):
+            # a batch of records: getsizeof(b) is len(b) + a fixed header, at C speed
+            return sum(map(len, items)) + _BYTES_HEADER * len(items)
+        if types <= _FLAT_TYPES and all(type(item) in _FLAT_TYPES for item in items):
+            return sum(map(sys.getsizeof, items))
+        return self.items_cost(items)
 
+    def array_cost(self, array: np.ndarray[Any, Any]) -> int:
+        base = array.base
+        if base is None:
+            return ARRAY_HEADER_BYTES + array.nbytes + self.object_items(array)
+        owner = owner_of(array)
+        owned = self.owner_cost(owner)
+        if owned > _COMPACT_RATIO * array.nbytes + _COMPACT_MIN_SAVING:
+            self.compactable = True
+        return ARRAY_HEADER_BYTES + owned
 
-def _object_cost(value: Any, preexisting: frozenset[int] | set[int]) -> int:
-    if isinstance(value, np.ndarray):
-        return _array_cost(value, preexisting)
-    if type(value) in _FLAT_TYPES:
-        return sys.getsizeof(value)
-    if isinstance(value, Mapping):
-        return sys.getsizeof(value) + sum(
-            _object_cost(item, preexisting) for item in value.values()
-        )
-    if isinstance(value, (tuple, list)):
-        return sys.getsizeof(value) + sum(_object_cost(item, preexisting) for item in value)
-    return sys.getsizeof(value)
+    def items_cost(self, items: Any) -> int:
+        """The items of a container: one by one, or from a sample when there are many."""
+        count = len(items)
+        if count <= SAMPLE_ITEMS:
+            return sum(self.cost(item) for item in items)
+        sample = 0
+        for position, item in enumerate(items):
+            if position == SAMPLE_ITEMS:
+                break
+            sample += self.cost(item)
+        return sample * count // SAMPLE_ITEMS
+
+    def cost(self, value: Any) -> int:
+        cls = type(value)
+        if cls is np.ndarray:
+            return self.array_cost(value)
+        if cls in _FLAT_TYPES:
+            return sys.getsizeof(value)
+        key = id(value)
+        if key in self.seen:
+            return 0  # the same object twice in one element (or a cycle): counted once
+        self.seen.add(key)
+        if cls is dict or cls is tuple or cls is list:
+            own = sys.getsizeof(value)
+            if cls is dict:
+                return own + self.items_cost(value.keys()) + self.items_cost(value.values())
+            return own + self.items_cost(value)
+        return self.cost_other(value, cls)
+
+    def cost_other(self, value: Any, cls: type) -> int:
+        if isinstance(value, np.ndarray):  # subclasses: memmap, masked arrays
+            self.seen.discard(id(value))
+            return self.array_cost(value)
+        if isinstance(value, np.generic):
+            return sys.getsizeof(value)
+        sizer = _sizer_for(cls)
+        if sizer is not None:
+            return int(sizer(value))
+        if isinstance(value, memoryview):
+            return sys.getsizeof(value) + (
+                self.owner_cost(value.obj) if value.obj is not None else value.nbytes
+            )
+        if isinstance(value, Mapping):
+            return (
+                sys.getsizeof(value)
+                + self.items_cost(list(value.keys()))
+                + self.items_cost(list(value.values()))
+            )
+        if isinstance(value, (tuple, list, set, frozenset)):
+            return sys.getsizeof(value) + self.items_cost(list(value) if
+                                                           isinstance(value, (set, frozenset))
+                                                           else value)
+        if isinstance(value, (str, bytes, int, float)):
+            return sys.getsizeof(value)  # subclasses of the flat types (IntEnum, ...)
+        total = sys.getsizeof(value)
+        known = False
+        attributes = getattr(value, "__dict__", None)
+        if isinstance(attributes, dict):
+            known = True
+            total += self.cost(attributes)
+        for klass in cls.__mro__:
+            slots = klass.__dict__.get("__slots__")
+            if slots is None:
+                continue
+            known = True
+            for slot in (slots,) if isinstance(slots, str) else slots:
+                if slot in ("__dict__", "__weakref__"):
+                    continue
+                if hasattr(value, slot):
+                    total += self.cost(getattr(value, slot))
+        if not known and not callable(value):
+            _warn_unsized(cls)
+        return total
 
 
 def sizeof(element: Any, preexisting: frozenset[int] | set[int] = frozenset()) -> int:
-    """Bytes ``element`` holds, as the budget charges them.
+    """Bytes ``element`` keeps alive, as the budget charges them.
 
     ``preexisting`` holds the ``id`` of owning buffers that existed before the
     iteration started (registered by the sources); views into them are free.
     """
-    return _object_cost(element, preexisting)
+    return _Costing(preexisting).cost(element)
+
+
+def _compact(value: Any, costing: _Costing) -> Any:
+    """``value`` with its wasteful views copied out (containers rebuilt, others kept)."""
+    cls = type(value)
+    if isinstance(value, np.ndarray):
+        if value.base is None:
+            return value
+        owner = owner_of(value)
+        if id(owner) in costing.preexisting or _is_file_backed(owner):
+            return value
+        owner_bytes = owner.nbytes if isinstance(owner, np.ndarray) else sys.getsizeof(owner)
+        if owner_bytes <= _COMPACT_RATIO * value.nbytes + _COMPACT_MIN_SAVING:
+            return value
+        copied = np.array(value, copy=True, subok=True)
+        if not value.flags.writeable:
+            copied.flags.writeable = False  # a read-only view stays read-only (G5)
+        return copied
+    if cls is dict:
+        return {key: _compact(item, costing) for key, item in value.items()}
+    if cls is list:
+        return [_compact(item, costing) for item in value]
+    if isinstance(value, tuple):
+        items = [_compact(item, costing) for item in value]
+        if cls is tuple:
+            return tuple(items)
+        if hasattr(cls, "_fields"):  # a namedtuple
+            return cls(*items)
+        return value
+    return value
+
+
+def admit(element: Any, preexisting: frozenset[int] | set[int] = frozenset()) -> tuple[Any, int]:
+    """The element a buffering stage should keep, and what it costs.
+
+    Views that pin an owner much larger than themselves are copied out first
+    (see the module docstring), so a buffer of rows costs the rows. Elements
+    without such views are returned as they are, costed in one pass.
+    """
+    costing = _Costing(preexisting)
+    cost = costing.cost(element)
+    if not costing.compactable:
+        return element, cost
+    compacted = _compact(element, costing)
+    return compacted, sizeof(compacted, preexisting)

@@ -23,7 +23,8 @@ from headrace.errors import (
     MemoryBudgetError,
 )
 from headrace.iterator import Context, Iterator
-from headrace.memory.budget import Reservation, StageAccount, release_all
+from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
+from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.node import INFINITE, UNKNOWN, IndexPlan, Node, check_positive
 from headrace.options import format_bytes
 from headrace.structure import (
@@ -218,7 +219,54 @@ class Assembler(Iterator):
         self.position = int(state["position"])
 
 
+def _leaf_dtype(leaf: Any) -> np.dtype[Any]:
+    """The dtype ``np.stack`` would give this leaf (object for bytes, str, objects)."""
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return leaf.dtype
+    if type(leaf) in _PYTHON_SCALARS:
+        return _PYTHON_SCALARS[type(leaf)]
+    if isinstance(leaf, (bytes, str)):
+        return np.dtype(object)
+    return np.asarray(leaf).dtype
+
+
+_PYTHON_SCALARS: dict[type, np.dtype[Any]] = {
+    bool: np.dtype(np.bool_),
+    int: np.dtype(np.int64),
+    float: np.dtype(np.float64),
+    complex: np.dtype(np.complex128),
+}
+
+
+_KIND_ORDER = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
+class _Column:
+    """One component of a batch being assembled in place: its output array and row shape."""
+
+    __slots__ = ("dtype", "out", "path", "shape")
+
+    def __init__(self, leaf: Any, path: str) -> None:
+        dtype = _leaf_dtype(leaf)
+        self.dtype = np.dtype(object) if dtype.kind in "OSU" else dtype
+        self.shape: tuple[int, ...] = np.shape(leaf)
+        self.path = path
+        self.out: np.ndarray[Any, Any] | None = None
+
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
 class _BatchIterator(Assembler):
+    """Assembles each batch *in place*: the output is booked and allocated from the
+    first element's shapes, every element is copied into its row as it arrives and
+    its booking released at once. The working set is one batch (plus one element),
+    not a batch of inputs plus its output, and a batch that cannot fit raises
+    :class:`MemoryBudgetError` before anything is allocated. Components of Python
+    objects (bytes, str, object arrays) keep references to the elements' objects,
+    whose bookings stay with the batch.
+    """
+
     stage = "batch"
 
     def __init__(
@@ -231,17 +279,127 @@ class _BatchIterator(Assembler):
     ) -> None:
         super().__init__(inner, ctx, account)
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
+        self._booking = NO_RESERVATION
 
     def next_reserved(self) -> tuple[Any, Reservation]:
-        elements, reservations = self.pull(self.batch_size)
-        first = self.position
-        self.position += len(elements)
-        if not elements or (self.drop_remainder and len(elements) < self.batch_size):
-            release_all(reservations)
-            raise StopIteration
+        first, reservation = self.inner.next_reserved()  # StopIteration: no more batches
+        first_index = self.position
+        self.position += 1
+        structure = first
+        single = not isinstance(first, (dict, tuple))
+        leaves = [first] if single else flatten(first)
+        paths = ["element"] if single else structure_paths(first)
+        columns = [_Column(leaf, path) for leaf, path in zip(leaves, paths, strict=True)]
+        keeps_objects = any(column.dtype.hasobject for column in columns)
+        booking = self._allocate(columns)
+        self._booking = booking
+        count = 0
         try:
-            batch = stack_elements(elements, stage="batch", first_index=first)
+            while True:
+                self._place(columns, leaves, count, first_index)
+                if keeps_objects:  # its objects live on in the batch: so does their booking
+                    _merge(booking, self._keep(leaves, reservation))
+                else:
+                    reservation.release()
+                count += 1
+                if count == self.batch_size:
+                    break
+                try:
+                    element, reservation = self.inner.next_reserved()
+                except StopIteration:
+                    break
+                self.position += 1
+                leaves = [element] if single else flatten(element)
+                if len(leaves) != len(columns):
+                    raise ElementSpecError(
+                        f"batch: element {self.position - 1} has {len(leaves)} components, but "
+                        f"element {first_index} of the same batch has {len(columns)}"
+                    )
         except BaseException:
-            release_all(reservations)
+            reservation.release()
+            booking.release()
             raise
-        return self.finish(batch, reservations, len(elements))
+        if self.drop_remainder and count < self.batch_size:
+            booking.release()
+            raise StopIteration
+        outputs = [column.out[:count] if count < len(column.out) else column.out
+                   for column in columns if column.out is not None]
+        batch = outputs[0] if single else pack_as(structure, outputs)
+        return batch, booking
+
+    def _allocate(self, columns: list[_Column]) -> Reservation:
+        """Book, then allocate, every column's output for a whole batch."""
+        rows = self.batch_size
+        nbytes = sum(
+            ARRAY_HEADER_BYTES + rows * column.row_bytes() for column in columns
+        )
+        booking = self.account.hold(nbytes, what=f"a batch of {rows} elements")
+        try:
+            for column in columns:
+                column.out = np.empty((rows, *column.shape), dtype=column.dtype)
+        except BaseException:
+            booking.release()
+            raise
+        return booking
+
+    def _place(self, columns: list[_Column], leaves: list[Any], row: int, first: int) -> None:
+        for column, leaf in zip(columns, leaves, strict=True):
+            out = column.out
+            assert out is not None
+            if np.shape(leaf) != column.shape:
+                raise ElementSpecError(
+                    f"batch: element {self.position - 1} has shape {np.shape(leaf)} for "
+                    f"component {column.path}, but element {first} of the same batch has shape "
+                    f"{column.shape}; all elements of a batch need equal shapes (use "
+                    "padded_batch for variable sizes)"
+                )
+            dtype = _leaf_dtype(leaf)
+            # Python scalars are "weak" (NEP 50): they take the column's dtype unless
+            # their kind is wider (a float in an int column widens it, as np.stack does).
+            if (
+                type(leaf) in _PYTHON_SCALARS
+                and not column.dtype.hasobject
+                and _KIND_ORDER[dtype.kind] <= _KIND_ORDER.get(column.dtype.kind, 3)
+            ):
+                dtype = column.dtype
+            if dtype != column.dtype and not column.dtype.hasobject:
+                if dtype.kind in "OSU":
+                    raise ElementSpecError(
+                        f"batch: element {self.position - 1} has a {type(leaf).__name__} for "
+                        f"component {column.path}, but element {first} of the same batch has "
+                        f"{column.dtype} values"
+                    )
+                if not np.can_cast(dtype, column.dtype, "safe"):
+                    out = self._promote(column, np.result_type(column.dtype, dtype), row)
+            out[row] = leaf
+
+    def _promote(
+        self, column: _Column, dtype: np.dtype[Any], rows: int
+    ) -> np.ndarray[Any, Any]:
+        """Widen a column (an int column meeting a float), as np.stack would: booked first."""
+        assert column.out is not None
+        old = column.out
+        grown = self.account.hold(
+            len(old) * int(np.prod(column.shape, dtype=np.int64)) * dtype.itemsize,
+            what="a widened batch column",
+        )
+        column.out, column.dtype = np.empty(old.shape, dtype=dtype), dtype
+        column.out[:rows] = old[:rows]
+        _merge(self._booking, grown)
+        self._booking.nbytes -= old.nbytes
+        self.account.release(old.nbytes)
+        return column.out
+
+    def _keep(self, leaves: list[Any], reservation: Reservation) -> Reservation:
+        """The booking of an element whose objects the batch now references."""
+        if reservation.account is not None:
+            return reservation.move_to(self.account, reservation.nbytes)
+        cost = sum(self.ctx.sizeof(leaf) for leaf in leaves if _leaf_dtype(leaf).hasobject)
+        return self.account.hold(cost, what=f"the objects of a batch of {self.batch_size}")
+
+
+def _merge(booking: Reservation, other: Reservation) -> None:
+    """Add ``other``'s bytes (booked on the same account) to ``booking``."""
+    assert other.account is booking.account or not other.nbytes
+    booking.nbytes += other.nbytes
+    other.nbytes = 0

@@ -16,6 +16,7 @@ import numpy as np
 from headrace.errors import DataLossError, ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
+from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.node import Node, check_positive
 from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
 from headrace.transforms.batch import Assembler, batched_cardinality
@@ -170,26 +171,54 @@ class _PaddedBatchIterator(Assembler):
             release_all(reservations)
             raise StopIteration
         try:
-            columns = zip(*(flatten(e) for e in elements), strict=True)
-            leaves = [
-                self._pad(list(column), shape, pad, path, first)
-                for column, shape, pad, path in zip(
-                    columns, node.shapes, node.pads, node.paths, strict=True
-                )
+            columns = list(zip(*(flatten(e) for e in elements), strict=True))
+            plans = [
+                self._target(list(column), shape, path, first)
+                for column, shape, path in zip(columns, node.shapes, node.paths, strict=True)
             ]
-            batch = pack_as(elements[0], leaves)
+            # The output's size is known before it exists: book it first (G1).
+            nbytes = sum(
+                ARRAY_HEADER_BYTES + len(elements) * int(np.prod(target)) * dtype.itemsize
+                for _, target, dtype in plans
+            )
+            booking = self.account.hold(
+                nbytes, what=f"a batch of {len(elements)} elements plus its padded output"
+            )
         except BaseException:
             release_all(reservations)
             raise
-        return self.finish(batch, reservations, len(elements))
+        try:
+            leaves = [
+                self._fill(arrays, target, dtype, pad, shape, path, first)
+                for (arrays, target, dtype), pad, shape, path in zip(
+                    plans, node.pads, node.shapes, node.paths, strict=True
+                )
+            ]
+        except BaseException:
+            release_all(reservations)
+            booking.release()
+            raise
+        if any(dtype.hasobject for _, _, dtype in plans):
+            for reservation in reservations:  # the batch references the elements' objects
+                booking.nbytes += reservation.move_to(self.account, reservation.nbytes).nbytes
+        else:
+            release_all(reservations)
+        return pack_as(elements[0], leaves), booking
 
     @staticmethod
-    def _pad(
-        values: list[Any], shape: tuple[int | None, ...], pad: Any, path: str, first: int
-    ) -> Any:
+    def _target(
+        values: list[Any], shape: tuple[int | None, ...], path: str, first: int
+    ) -> tuple[list[np.ndarray[Any, Any]], tuple[int, ...], np.dtype[Any]]:
+        """The arrays of one component, the padded row shape, and the output dtype."""
         arrays = [v if isinstance(v, np.ndarray) else np.asarray(v) for v in values]
         sample = arrays[0]
-        dtype = object if sample.dtype.kind in "OSU" else sample.dtype
+        dtype = np.dtype(object) if sample.dtype.kind in "OSU" else sample.dtype
+        for row, array in enumerate(arrays):
+            if array.ndim != len(shape):
+                raise ElementSpecError(
+                    f"padded_batch: element {first + row}, component {path} has rank "
+                    f"{array.ndim}, expected {len(shape)}"
+                )
         target = []
         for axis, fixed in enumerate(shape):
             largest = max(a.shape[axis] for a in arrays)
@@ -201,14 +230,21 @@ class _PaddedBatchIterator(Assembler):
                     f"padded shape is {shape}"
                 )
             target.append(largest if fixed is None else fixed)
+        return arrays, tuple(target), dtype
+
+    @staticmethod
+    def _fill(
+        arrays: list[np.ndarray[Any, Any]],
+        target: tuple[int, ...],
+        dtype: np.dtype[Any],
+        pad: Any,
+        shape: tuple[int | None, ...],
+        path: str,
+        first: int,
+    ) -> np.ndarray[Any, Any]:
         out = np.empty((len(arrays), *target), dtype=dtype)
         out[...] = pad
         for row, array in enumerate(arrays):
-            if array.ndim != len(shape):
-                raise ElementSpecError(
-                    f"padded_batch: element {first + row}, component {path} has rank "
-                    f"{array.ndim}, expected {len(shape)}"
-                )
             region: tuple[Any, ...] = (row, *(slice(0, n) for n in array.shape))
             out[region] = array
         return out

@@ -74,6 +74,9 @@ class _Producer:
         self.finished = False
         self.error: BaseException | None = None
         self.stopping = False
+        # An element that did not fit the share yet, with its chunk coordinates:
+        # (element, its upstream booking, its cost, its chunk's input state, position).
+        self.aside: tuple[Any, Reservation, int, dict[str, Any], int] | None = None
         self.thread = threading.Thread(target=self.run, name="headrace-prefetch", daemon=True)
 
     def run(self) -> None:
@@ -100,32 +103,50 @@ class _Producer:
             self.ready.notify_all()
 
     def _pull(self, items: list[_Item], room: int) -> None:
-        """Pull up to ``room`` elements (at most a chunk) while the budget share has room.
+        """Pull up to ``room`` elements (at most a chunk) while each fits the budget share.
 
         Per chunk, not per element: the thread hand-off (a lock, a wake-up, a
         GIL switch), the booking of elements nobody booked yet (one lock), and
         the input's state (a checkpoint inside the chunk replays from its start).
+        Each element is costed (and compacted) before it enters; the first one
+        that does not fit beside the others waits in ``aside``, unbooked, until
+        the consumer has made room (:meth:`_wait_for_space`).
         """
-        sizeof, account = self.ctx.sizeof, self.account
+        account = self.account
+        if self.aside is not None:
+            element, reservation, cost, state, position = self.aside
+            if not account.fits(cost):
+                return
+            self.aside = None
+            items.append((element, reservation.move_to(account, cost), state, position))
+            room -= 1
+            if room <= 0:
+                return
         state = self.state_before_chunk
         elements: list[Any] = []
         bookings: list[Reservation | None] = []
         sizes: list[int] = []
+        pending = 0
+        pulled = False
         try:
             for _ in range(max(1, min(room, _CHUNK))):
                 element, reservation = self.inner.next_reserved()
-                size = sizeof(element)
+                pulled = True
+                element, cost = self.ctx.admit(element)
+                if not account.fits(cost, pending=pending):
+                    self.aside = (element, reservation, cost, state, len(elements))
+                    break
                 elements.append(element)
                 if reservation.account is None:
                     bookings.append(None)  # booked below, with the others, in one step
-                    sizes.append(size)
+                    sizes.append(cost)
+                    pending += cost
                 else:
-                    bookings.append(reservation.move_to(account, size))
-                if account.held + sum(sizes) + account.max_element > account.limit:
-                    break
+                    bookings.append(reservation.move_to(account, cost))
         finally:  # also at the end of the input: what was pulled is handed on
-            if elements:
+            if pulled:
                 self.state_before_chunk = self.inner.get_state()
+            if elements:
                 booked = iter(account.charge_chunk(sizes)) if sizes else iter(())
                 items.extend(
                     (element, booking if booking is not None else next(booked), state, position)
@@ -154,7 +175,8 @@ class _Producer:
                 self.ready.wait()
             if self.stopping:
                 return False
-        self.account.wait_for_room(cancelled=lambda: self.stopping)
+        estimate = self.aside[2] if self.aside is not None else None
+        self.account.wait_for_room(estimate, cancelled=lambda: self.stopping)
         return not self.stopping
 
     def stop(self) -> None:
@@ -167,6 +189,9 @@ class _Producer:
         with self.ready:
             release_all(item[1] for item in self.queue)
             self.queue.clear()
+        if self.aside is not None and not self.thread.is_alive():
+            self.aside[1].release()
+            self.aside = None
 
 
 class PrefetchIterator(Iterator):

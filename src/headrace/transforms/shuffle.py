@@ -112,7 +112,7 @@ class ShuffleNode(UnaryNode):
         access, make_inner = plan
 
         def make(ctx: Context) -> IndexStream:
-            account = ctx.account(self, "shuffle", weight=1)
+            account = ctx.account(self, "shuffle", weight=1, sets_order=True)
             return _ShuffledIndices(self, make_inner(ctx), account, ctx)
 
         return access, make
@@ -120,7 +120,7 @@ class ShuffleNode(UnaryNode):
     def make_iterator(self, ctx: Context) -> Iterator:
         if self.index_plan() is not None:
             return super().make_iterator(ctx)
-        account = ctx.account(self, "shuffle", weight=4)
+        account = ctx.account(self, "shuffle", weight=4, sets_order=True)
         return _ShuffleIterator(self, self.inputs[0].make_iterator(ctx), ctx, account)
 
 
@@ -341,26 +341,40 @@ class _ShuffleIterator(Iterator):
         self.ring = _Ring(node.buffer_size)
         self.exhausted = False
         self.shrunk_to: int | None = None
+        self.aside: tuple[Any, Reservation, int] | None = None
 
     def _fill(self) -> None:
-        ring, account, sizeof = self.ring, self.account, self.ctx.sizeof
-        while len(ring) < ring.capacity and not self.exhausted:
-            if not account.has_room():
+        """Fill the ring up to its capacity, as long as each next element fits the share.
+
+        An element is costed (and compacted) before it enters; one that does
+        not fit waits in ``aside`` — booked by the stage it came from, if any —
+        until draws have made room: the one element beyond the share.
+        """
+        ring, account = self.ring, self.account
+        while len(ring) < ring.capacity:
+            if self.aside is None:
+                if self.exhausted:
+                    return
+                try:
+                    element, reservation = self.inner.next_reserved()
+                except StopIteration:
+                    self.exhausted = True
+                    return
+                element, cost = self.ctx.admit(element)
+                self.aside = (element, reservation, cost)
+            element, reservation, cost = self.aside
+            if not account.fits(cost):
                 self._note_shrink(len(ring))
                 return
-            try:
-                element, reservation = self.inner.next_reserved()
-            except StopIteration:
-                self.exhausted = True
-                return
-            ring.push((element, reservation.move_to(account, sizeof(element))))
+            self.aside = None
+            ring.push((element, reservation.move_to(account, cost)))
 
     def _note_shrink(self, held: int) -> None:
         if self.shrunk_to is None and self.ring.start == 0:
             self.ring.shrink_to_current()
             self.shrunk_to = self.ring.capacity
             if self.ctx.options.warn_on_shrink:
-                _warn_shrink(self.node, self.account, held, self.account.max_element)
+                _warn_shrink(self.node, self.account, held, max(self.account.max_element, 1))
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         self._fill()
@@ -386,6 +400,9 @@ class _ShuffleIterator(Iterator):
 
     def _clear(self) -> None:
         release_all(reservation for _, reservation in self.ring.items())
+        if self.aside is not None:
+            self.aside[1].release()
+            self.aside = None
         self.ring = _Ring(self.node.buffer_size)
 
     def close(self) -> None:
