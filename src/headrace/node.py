@@ -68,6 +68,16 @@ class RandomAccess:
 
         return stack_elements([self.get(int(i)) for i in indices], stage="batch")
 
+    def gathers_batches(self) -> bool:
+        """Whether :meth:`get_many` makes a batch without holding its rows first.
+
+        True for sources that slice or gather (a batch costs only itself). The
+        default ``get_many`` gets every row, then stacks them — a batch of
+        inputs plus its output, allocated before the budget could see it — so
+        ``batch`` assembles such rows in place instead, booked first.
+        """
+        return type(self).get_many is not RandomAccess.get_many
+
     def prepare(self, ctx: Context) -> None:
         """Called once per run: register pre-existing memory with the context."""
 

@@ -46,11 +46,11 @@ def _cap_arenas() -> bool:
     if not sys.platform.startswith("linux") or "MALLOC_ARENA_MAX" in os.environ:
         return False
     import ctypes  # here, not at import time: it costs ~10 ms that most imports never need
-    import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # The process's own symbols (libc is loaded): no ctypes.util.find_library, which
+        # runs ldconfig in a subprocess on the first iterator's path.
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -216,11 +216,10 @@ class _Costing:
         return self.items_cost(items)
 
     def array_cost(self, array: np.ndarray[Any, Any]) -> int:
-        base = array.base
-        if base is None:
-            return ARRAY_HEADER_BYTES + array.nbytes + self.object_items(array)
-        owner = owner_of(array)
-        owned = self.owner_cost(owner)
+        if array.base is None:
+            owned = self.owner_cost(array)
+            return owned if owned else ARRAY_HEADER_BYTES  # seen already, or the user's
+        owned = self.owner_cost(owner_of(array))
         if owned > _COMPACT_RATIO * array.nbytes + _COMPACT_MIN_SAVING:
             self.compactable = True
         return ARRAY_HEADER_BYTES + owned

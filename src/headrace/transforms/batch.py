@@ -20,13 +20,11 @@ import numpy as np
 
 from headrace.errors import (
     ElementSpecError,
-    MemoryBudgetError,
 )
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.node import INFINITE, UNKNOWN, IndexPlan, Node, check_positive
-from headrace.options import format_bytes
 from headrace.structure import (
     flatten,
     map_structure,
@@ -118,6 +116,14 @@ class BatchNode(Node):
         plan = self.inputs[0].index_plan()
         if plan is not None:
             access, make_stream = plan
+            if not access.gathers_batches():  # rows are computed (a map): assemble in place
+                return _BatchIterator(
+                    self.inputs[0].make_iterator(ctx),
+                    ctx,
+                    account,
+                    self.batch_size,
+                    self.drop_remainder,
+                )
             access.prepare(ctx)
             return _ChargedBatches(
                 GatherBatchIterator(access, make_stream(ctx), self.batch_size, self.drop_remainder),
@@ -138,6 +144,11 @@ def batched_cardinality(inner: int, batch_size: int, drop_remainder: bool) -> in
     return inner // batch_size if drop_remainder else -(-inner // batch_size)
 
 
+#: A batch costing no more than this is views of memory that predates the run (array
+#: headers only): not booked, which keeps two lock round trips off the per-batch path.
+_HEADERS_ONLY = 16 * ARRAY_HEADER_BYTES
+
+
 class _ChargedBatches(Iterator):
     """Books each batch made below (a gather, a reader) on the batch stage's share."""
 
@@ -149,7 +160,10 @@ class _ChargedBatches(Iterator):
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         batch = next(self.inner)
-        return batch, self.account.hold(self.ctx.sizeof(batch), what="one batch")
+        cost = self.ctx.sizeof(batch)
+        if cost <= _HEADERS_ONLY:  # a slice of the user's memory: only array headers are new
+            return batch, NO_RESERVATION
+        return batch, self.account.hold(cost, what="one batch")
 
     def __next__(self) -> Any:
         return next(self.inner)
@@ -184,13 +198,8 @@ class Assembler(Iterator):
                     unbooked_count += 1
                 else:
                     reservations.append(reservation.move_to(account, sizeof(element)))
-                if account.held + unbooked > account.limit:
-                    raise MemoryBudgetError(
-                        f"stage {account.name!r} needs more than its share of the memory "
-                        f"budget ({format_bytes(account.limit)} of "
-                        f"{format_bytes(account.budget.total)}) for {what}. Raise "
-                        "Options(memory_budget=...) or use a smaller batch."
-                    )
+                if account.held + unbooked > account.limit:  # re-split, or name the minima
+                    account.require(account.held + unbooked, what=what)
         except StopIteration:
             pass
         except BaseException:

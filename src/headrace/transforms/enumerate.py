@@ -57,6 +57,9 @@ class _EnumeratedAccess(RandomAccess):
     def get_many(self, indices: range | Any) -> Any:
         return self.start + np.asarray(indices, dtype=np.int64), self.inner.get_many(indices)
 
+    def gathers_batches(self) -> bool:
+        return self.inner.gathers_batches()
+
     def prepare(self, ctx: Context) -> None:
         self.inner.prepare(ctx)
 

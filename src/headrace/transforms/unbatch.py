@@ -16,6 +16,7 @@ import numpy as np
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount
+from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.node import INFINITE, UNKNOWN, Node, check_positive
 from headrace.structure import flatten, map_structure, pack_as, structure_paths
 
@@ -225,12 +226,23 @@ class _RebatchIterator(_RowSource):
         elif have == 0 or (self.node.drop_remainder and have < wanted):
             raise StopIteration
         self.batch_number += 1
-        leaves = [
-            np.concatenate([piece[k] for piece in pieces]) if len(pieces) > 1 else pieces[0][k]
+        # The output's size is known from the pieces: book it before it is allocated (G1).
+        # Each output is a copy, so it never pins the input batch it came from.
+        nbytes = sum(
+            ARRAY_HEADER_BYTES
+            + sum(
+                piece[k].nbytes + (self.ctx.sizeof(piece[k]) if piece[k].dtype.hasobject else 0)
+                for piece in pieces
+            )
             for k in range(len(pieces[0]))
-        ]
-        batch = pack_as(structure, leaves)
-        return batch, self.account.charge(self.ctx.sizeof(batch))
+        )
+        booking = self.account.hold(nbytes, what=f"a batch of {have} rows")
+        try:
+            leaves = [np.concatenate([piece[k] for piece in pieces]) for k in range(len(pieces[0]))]
+        except BaseException:
+            booking.release()
+            raise
+        return pack_as(structure, leaves), booking
 
     def get_state(self) -> dict[str, Any]:
         return {**super().get_state(), "batch_number": self.batch_number}

@@ -65,6 +65,9 @@ class _ZipAccess(RandomAccess):
     def get_many(self, indices: range | Any) -> Any:
         return pack_as(self.structure, [part.get_many(indices) for part in self.parts])
 
+    def gathers_batches(self) -> bool:
+        return all(part.gathers_batches() for part in self.parts)
+
     def prepare(self, ctx: Context) -> None:
         for part in self.parts:
             part.prepare(ctx)

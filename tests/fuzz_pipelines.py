@@ -1,0 +1,327 @@
+"""The budget fuzzer: random pipelines, random element sizes, random budgets (G1).
+
+``random_spec(seed)`` draws a JSON-able description of one pipeline: a source
+(a generator, an array, interleaved inner generators), an element-size
+distribution (uniform, heavy-tailed, a sudden 100x jump, views of larger
+bases), a payload kind (arrays, lists, dicts, sets, objects, bytes,
+memoryviews) and a chain of transformations (sequential and parallel map,
+filter, shuffle, prefetch, batch, padded_batch, unbatch, rebatch, repeat,
+take, skip, zip), under a budget of 16-96 MiB.
+
+Run as a script, it reads a JSON list of specs on stdin and runs each in this
+(fresh) process with a slow consumer, printing one JSON result per spec:
+whether it finished or raised MemoryBudgetError, the accounted peak against
+the budget, every booking that put a stage over its share, and the growth of
+RssAnon + RssShmem from the start of the pipeline. ``tests/test_budget_fuzz.py``
+runs a small sweep in CI; ``benchmarks/bench_budget_fuzz.py`` a large one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import json
+import random
+import sys
+import threading
+import time
+from typing import Any
+
+MiB = 1 << 20
+
+PAYLOADS = ("array", "array", "array", "list", "dict", "set", "object", "bytes", "memoryview")
+DISTRIBUTIONS = ("uniform", "heavy", "jump", "views")
+
+
+def random_spec(seed: int) -> dict[str, Any]:
+    """One random pipeline, as plain data (reproducible from ``seed``)."""
+    rng = random.Random(seed)
+    budget_mib = rng.choice((16, 24, 32, 48, 64, 96))
+    distribution = rng.choice(DISTRIBUTIONS)
+    payload = rng.choice(PAYLOADS)
+    batchable = payload in ("array", "dict")
+    # Elements stay under a quarter of the budget even at the heavy tail's 64x (a single
+    # element the user's code made larger than the budget cannot be capped by anyone).
+    base = rng.choice([b for b in (4 << 10, 16 << 10, 64 << 10, 256 << 10)
+                       if b * 64 <= budget_mib * MiB // 4])
+    spec: dict[str, Any] = {
+        "seed": seed,
+        "budget_mib": budget_mib,
+        "source": rng.choice(("generator", "generator", "array", "interleave")),
+        "count": rng.randint(20, 300),
+        "distribution": distribution,
+        "base_bytes": base,
+        "payload": payload,
+        "ops": [],
+    }
+    if spec["source"] == "array":  # random-access rows: fixed size, views of user memory
+        spec["payload"], batchable = "array", True
+    ops: list[list[Any]] = []
+    batched = False
+    for _ in range(rng.randint(1, 6)):
+        choices = ["map", "pmap", "filter", "shuffle", "prefetch", "repeat", "take", "skip"]
+        if batchable and not batched:
+            choices += ["batch", "batch", "padded_batch"]
+        if batched:
+            choices += ["unbatch", "rebatch"]
+        if not batched and payload == "array":
+            choices.append("zip")
+        op = rng.choice(choices)
+        if op == "map":
+            ops.append(["map", rng.choice(("identity", "copy", "grow", "view_of_big"))])
+        elif op == "pmap":
+            ops.append(["pmap", rng.choice((1, 2, 4, 16)),
+                        rng.choice(("identity", "copy", "grow", "view_of_big"))])
+        elif op == "filter":
+            ops.append(["filter"])
+        elif op == "shuffle":
+            ops.append(["shuffle", rng.choice((2, 16, 1000, 1_000_000))])
+        elif op == "prefetch":
+            ops.append(["prefetch", rng.choice((1, 4, 64, 10_000, -1))])
+        elif op == "repeat":
+            ops.append(["repeat", 2])
+        elif op == "take":
+            ops.append(["take", rng.randint(1, 200)])
+        elif op == "skip":
+            ops.append(["skip", rng.randint(0, 20)])
+        elif op in ("batch", "padded_batch"):
+            ops.append([op, rng.choice((2, 4, 8, 32))])
+            batched = True
+        elif op == "unbatch":
+            ops.append(["unbatch"])
+            batched = False
+        elif op == "rebatch":
+            ops.append(["rebatch", rng.choice((1, 3, 16))])
+        elif op == "zip":
+            ops.append(["zip"])
+    spec["ops"] = ops
+    return spec
+
+
+# -- running one spec (in the child) --------------------------------------------------------
+
+
+def _size(spec: dict[str, Any], index: int) -> int:
+    base = spec["base_bytes"]
+    distribution = spec["distribution"]
+    if distribution == "uniform":
+        return base
+    if distribution == "heavy":  # Pareto tail, bounded at 64x
+        rng = random.Random(spec["seed"] * 1_000_003 + index)
+        return int(min(base * rng.paretovariate(1.2), base * 64))
+    if distribution == "jump":
+        return base // 16 if index < spec["count"] // 3 else base * 100 // 16
+    return base  # views: the size of the view; its base is 4x larger
+
+
+class Holder:
+    """An object whose payload is in its ``__dict__`` (sys.getsizeof sees ~56 B)."""
+
+    def __init__(self, payload: Any) -> None:
+        self.payload = payload
+
+
+def _element(spec: dict[str, Any], index: int, np: Any) -> Any:
+    nbytes = max(_size(spec, index), 1)
+    if spec["distribution"] == "views":
+        big = np.full(nbytes * 4, index % 251, np.uint8)
+        array = big[nbytes : 2 * nbytes]
+    else:
+        array = np.full(nbytes, index % 251, np.uint8)
+    if spec["payload"] == "dict":
+        return {"x": array, "i": np.int64(index)}
+    return array
+
+
+def _payload(spec: dict[str, Any], array: Any) -> Any:
+    """The element in the spec's payload kind (applied by a map: generators need a spec)."""
+    nbytes = len(array)
+    payload = spec["payload"]
+    if payload == "list":
+        return [array[: nbytes // 2].copy(), array[nbytes // 2 :].copy()]
+    if payload == "set":
+        return {bytes(array[: nbytes // 2]), nbytes}
+    if payload == "object":
+        return Holder(array)
+    if payload == "bytes":
+        return array.tobytes()
+    return memoryview(array.tobytes())
+
+
+def _map_fn(kind: str, np: Any) -> Any:
+    def identity(x: Any) -> Any:
+        return x
+
+    def copy(x: Any) -> Any:
+        return x.copy() if isinstance(x, np.ndarray) else x
+
+    def grow(x: Any) -> Any:  # outputs 4x the input: the in-flight estimate must catch up
+        if isinstance(x, np.ndarray) and x.ndim == 1 and x.dtype == np.uint8 and len(x) < 2 * MiB:
+            return np.concatenate([x, x, x, x])
+        return x
+
+    def view_of_big(x: Any) -> Any:  # a small view pinning a 4x temporary
+        if isinstance(x, np.ndarray) and x.ndim == 1 and x.dtype == np.uint8:
+            big = np.concatenate([x, x, x, x])
+            return big[: len(x)]
+        return x
+
+    fn = {"identity": identity, "copy": copy, "grow": grow, "view_of_big": view_of_big}[kind]
+
+    def on_first(*components: Any) -> Any:  # zip's tuples arrive as arguments
+        if len(components) == 1:
+            return fn(components[0])
+        return (fn(components[0]), *components[1:])
+
+    return on_first
+
+
+def build(spec: dict[str, Any]) -> Any:
+    import numpy as np
+
+    import headrace as hr
+
+    count = spec["count"]
+    element_spec: Any
+    payload = spec["payload"]
+    if payload == "dict":
+        element_spec = {"x": hr.TensorSpec((None,), np.uint8), "i": hr.TensorSpec((), np.int64)}
+    else:
+        element_spec = hr.TensorSpec((None,), np.uint8)
+
+    def generate(start: int = 0, stop: int = count) -> Any:
+        for index in range(int(start), int(stop)):
+            yield _element(spec, index, np)
+
+    if spec["source"] == "array":
+        rows = np.zeros((count, max(spec["base_bytes"] // 64, 1)), np.uint8)
+        ds = hr.Dataset.from_tensor_slices(rows)
+    elif spec["source"] == "interleave":
+        shards = 4
+        per = max(count // shards, 1)
+
+        def shard(i: Any) -> Any:
+            return hr.Dataset.from_generator(
+                generate, output_signature=element_spec, args=(int(i) * per, (int(i) + 1) * per)
+            )
+
+        ds = hr.Dataset.range(shards).interleave(
+            shard, cycle_length=2, num_parallel_calls=spec["seed"] % 2 or None
+        )
+    else:
+        ds = hr.Dataset.from_generator(generate, output_signature=element_spec)
+    if payload not in ("array", "dict"):
+        ds = ds.map(lambda array: _payload(spec, array))
+    for op in spec["ops"]:
+        name = op[0]
+        if name == "map":
+            ds = ds.map(_map_fn(op[1], np))
+        elif name == "pmap":
+            ds = ds.map(_map_fn(op[2], np), num_parallel_calls=op[1])
+        elif name == "filter":
+            ds = ds.filter(lambda *x: True)
+        elif name == "shuffle":
+            ds = ds.shuffle(op[1], seed=spec["seed"])
+        elif name == "prefetch":
+            ds = ds.prefetch(hr.AUTOTUNE if op[1] == -1 else op[1])
+        elif name == "repeat":
+            ds = ds.repeat(op[1])
+        elif name == "take":
+            ds = ds.take(op[1])
+        elif name == "skip":
+            ds = ds.skip(op[1])
+        elif name == "batch":
+            fixed = spec["distribution"] == "uniform" or spec["source"] == "array"
+            ds = ds.batch(op[1]) if fixed else ds.padded_batch(op[1])
+        elif name == "padded_batch":
+            ds = ds.padded_batch(op[1])
+        elif name == "unbatch":
+            ds = ds.unbatch()
+        elif name == "rebatch":
+            ds = ds.rebatch(op[1])
+        elif name == "zip":
+            ds = hr.Dataset.zip((ds, hr.Dataset.range(10**9)))
+    return ds.with_options(hr.Options(memory_budget=spec["budget_mib"] * MiB))
+
+
+def _charged() -> int:
+    fields = {"RssAnon:": 0, "RssShmem:": 0}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key = line.split(":", 1)[0] + ":"
+            if key in fields:
+                fields[key] = int(line.split()[1]) * 1024
+    return sum(fields.values())
+
+
+def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, Any]:
+    """Run one spec with a slow consumer; what it did to the budget and to RSS."""
+    import headrace as hr
+    from headrace.memory import budget as budget_module
+
+    violations: list[str] = []
+    original = budget_module.StageAccount._book
+
+    def checked(self: Any, nbytes: int, elements: int = 1) -> None:
+        original(self, nbytes, elements)
+        if self.held > self.limit:
+            violations.append(
+                f"{self.name}: held {self.held} > share {self.limit} after booking {nbytes}"
+            )
+
+    budget_module.StageAccount._book = checked  # type: ignore[method-assign]
+    gc.collect()
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    start = _charged()
+    peak = [start]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _charged())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    outcome, elements, accounted, total = "ok", 0, 0, spec["budget_mib"] * MiB
+    started = time.perf_counter()
+    try:
+        iterator = iter(build(spec))
+        with iterator:
+            for _ in iterator:
+                elements += 1
+                if elements < 300:
+                    time.sleep(consumer_delay)
+                peak[0] = max(peak[0], _charged())
+            accounted = iterator.context.budget.peak
+    except hr.MemoryBudgetError as error:
+        outcome = f"MemoryBudgetError: {error}"
+    except Exception as error:  # reported, so one bad pipeline does not end the sweep
+        outcome = f"error: {type(error).__name__}: {error}"
+    finally:
+        done.set()
+        sampler.join()
+        budget_module.StageAccount._book = original  # type: ignore[method-assign]
+    return {
+        "seed": spec["seed"],
+        "outcome": outcome,
+        "elements": elements,
+        "budget": total,
+        "accounted_peak": accounted,
+        "violations": violations[:5],
+        "growth": peak[0] - start,
+        "bound": int(total * 1.1) + 64 * MiB,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def main() -> None:
+    specs = json.load(sys.stdin)
+    for spec in specs:
+        print(json.dumps(run(spec)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
