@@ -49,6 +49,7 @@ __all__ = [
     "ParseError",
     "RecordTooLargeError",
     "WorkerError",
+    "add_note",
     "note_element_error",
 ]
 
@@ -125,7 +126,10 @@ class WorkerError(HeadraceError, RuntimeError):
 
 
 def note_element_error(error: Exception, stage: str, index: int) -> Exception:
-    """Say where a user function failed: ``stage`` and the element's ``index`` in its input.
+    """Say where a user function failed: ``stage`` and the element's ``index``.
+
+    The index counts from 0 the elements of the stage's input (for a source, the
+    elements it produced), since the start of the iteration, checkpoints included.
 
     Returns the error to raise: ``error`` itself with a PEP 678 note added (its type
     and traceback stay the user's, so their ``except`` clauses keep working), or, for
@@ -133,14 +137,19 @@ def note_element_error(error: Exception, stage: str, index: int) -> Exception:
     raised as is, a ``StopIteration`` would end the pipeline and silently drop the
     rest of the data (the same reason PEP 479 converts it in generators).
     """
-    where = f"headrace: raised in {stage} on element {index} of its input"
+    where = f"headrace: raised in {stage} on element {index}"
     if isinstance(error, StopIteration):
         converted = RuntimeError(f"{where}: StopIteration escaped the user function")
         converted.__cause__ = error
         return converted
-    add_note = getattr(error, "add_note", None)  # Python >= 3.11
-    if add_note is not None:
-        add_note(where)
-    else:  # Python 3.10: the attribute PEP 678 defines, for tools that show it
-        error.__notes__ = [*getattr(error, "__notes__", ()), where]  # type: ignore[attr-defined]
+    add_note(error, where)
     return error
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (PEP 678), also on Python 3.10, which lacks the method."""
+    method = getattr(error, "add_note", None)  # Python >= 3.11
+    if method is not None:
+        method(note)
+    else:  # Python 3.10: the attribute PEP 678 defines, for tools that show it
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]
