@@ -26,6 +26,13 @@ the builtin exception a Python user would expect in its place, so existing
 Errors carry the *where* (stage, file, offset, record, feature) in the message,
 because a user debugging a 2 TB input needs to find the bad byte without
 re-running anything.
+
+Errors raised by the user's own code (a ``map`` function, a ``filter``
+predicate, a generator) keep their type and traceback: headrace adds a PEP 678
+note naming the stage and the element (:func:`note_element_error`), so
+``except KeyError`` around a pipeline still works. Such an error takes its
+element's place in the stream: every earlier element was delivered before it,
+and the next ``next()`` continues with the following element, as in tf.data.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ __all__ = [
     "ParseError",
     "RecordTooLargeError",
     "WorkerError",
+    "add_note",
+    "note_element_error",
 ]
 
 
@@ -114,3 +123,33 @@ class IteratorClosedError(HeadraceError, RuntimeError):
 
 class WorkerError(HeadraceError, RuntimeError):
     """A user function raised inside a worker; the message carries its traceback."""
+
+
+def note_element_error(error: Exception, stage: str, index: int) -> Exception:
+    """Say where a user function failed: ``stage`` and the element's ``index``.
+
+    The index counts from 0 the elements of the stage's input (for a source, the
+    elements it produced), since the start of the iteration, checkpoints included.
+
+    Returns the error to raise: ``error`` itself with a PEP 678 note added (its type
+    and traceback stay the user's, so their ``except`` clauses keep working), or, for
+    a ``StopIteration`` escaping the user's code, a :class:`RuntimeError` caused by it —
+    raised as is, a ``StopIteration`` would end the pipeline and silently drop the
+    rest of the data (the same reason PEP 479 converts it in generators).
+    """
+    where = f"headrace: raised in {stage} on element {index}"
+    if isinstance(error, StopIteration):
+        converted = RuntimeError(f"{where}: StopIteration escaped the user function")
+        converted.__cause__ = error
+        return converted
+    add_note(error, where)
+    return error
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (PEP 678), also on Python 3.10, which lacks the method."""
+    method = getattr(error, "add_note", None)  # Python >= 3.11
+    if method is not None:
+        method(note)
+    else:  # Python 3.10: the attribute PEP 678 defines, for tools that show it
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, add_note
 from headrace.io.filepool import FileLimiter, FilePool, PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
 from headrace.iterator import Context, Iterator
@@ -231,7 +231,11 @@ class _FileRecordsIterator(Iterator):
     def __next__(self) -> Any:
         while self.file_index < len(self.node.filenames):
             reader = self.reader or self._open()
-            record = reader.read_record()
+            try:
+                record = reader.read_record()
+            except Exception as error:
+                self._skip_failed_file(error)
+                raise
             if record is not None:
                 return record
             self._next_file()
@@ -242,12 +246,29 @@ class _FileRecordsIterator(Iterator):
         records: list[bytes] = []
         while len(records) < count and self.file_index < len(self.node.filenames):
             reader = self.reader or self._open()
-            batch = reader.read_batch(count - len(records))
+            try:
+                batch = reader.read_batch(count - len(records))
+            except Exception as error:
+                if records:  # hand out the good records; the next call meets the error
+                    return records
+                self._skip_failed_file(error)
+                raise
             if batch:
                 records.extend(batch)
             else:
                 self._next_file()
         return records
+
+    def _skip_failed_file(self, error: Exception) -> None:
+        """After a read error, go on with the next file, as tf.data does (raised as is,
+        the error would come again on every later call and the files after it would
+        never be read). Every earlier record of the file was handed out."""
+        add_note(
+            error,
+            f"headrace: the rest of file {self.node.filenames[self.file_index]} is skipped; "
+            "the next element comes from the next file (as in tf.data)",
+        )
+        self._next_file()
 
     def _next_file(self) -> None:
         self._close_file()

@@ -5,6 +5,12 @@ as in tf.data. Each element is checked against ``output_signature`` and
 converted to its dtypes; a mismatch is an error naming the component, what was
 expected and what came.
 
+Errors. An exception raised by the generator reaches the consumer with its
+type and traceback and a note naming the element; a Python generator cannot
+resume after raising, so the dataset ends there (as in tf.data), and a state
+saved after it restores that end. An element that does not match the
+signature raises :class:`ElementSpecError` and the next element follows.
+
 Resuming. A generator cannot seek: the state counts the elements produced,
 and restoring calls the function again and skips that many — exact when the
 generator yields the same sequence every time.
@@ -18,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import ElementSpecError, InvalidArgumentError
+from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.iterator import Context, Iterator
 from headrace.node import UNKNOWN, Node, function_name
 from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
@@ -112,6 +118,8 @@ class _GeneratorIterator(Iterator):
         self.single = not isinstance(node.signature, (dict, tuple))
         self.source: PyIterator[Any] | None = None
         self.produced = 0
+        self.failed = False  # the generator raised: it cannot go on
+        self.stage_name = f"from_generator({function_name(node.generator)})"
 
     def _start(self) -> PyIterator[Any]:
         result = self.node.generator(*self.node.args)
@@ -124,9 +132,18 @@ class _GeneratorIterator(Iterator):
             ) from None
 
     def __next__(self) -> Any:
+        if self.failed:
+            raise StopIteration
         if self.source is None:
             self.source = self._start()
-        value = next(self.source)
+        try:
+            value = next(self.source)
+        except StopIteration:
+            raise
+        except Exception as error:
+            self.failed = True
+            self.close()
+            raise note_element_error(error, self.stage_name, self.produced)  # noqa: B904
         index = self.produced
         self.produced += 1
         if self.single:
@@ -145,15 +162,19 @@ class _GeneratorIterator(Iterator):
         )
 
     def get_state(self) -> dict[str, Any]:
+        if self.failed:
+            return {"produced": self.produced, "failed": True}
         return {"produced": self.produced}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.close()
+        self.produced = int(state["produced"])
+        self.failed = bool(state.get("failed", False))
+        if self.failed:  # ended by its error: nothing to replay
+            return
         self.source = self._start()
-        target = int(state["produced"])
-        for _ in range(target):
+        for _ in range(self.produced):
             next(self.source)
-        self.produced = target
 
     def close(self) -> None:
         if self.source is not None:

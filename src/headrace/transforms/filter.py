@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import ElementSpecError, InvalidArgumentError
+from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
 from headrace.node import UNKNOWN, Node, UnaryNode, function_name
@@ -58,16 +58,25 @@ class _FilterIterator(Iterator):
         super().__init__(inner)
         self.inner, self.predicate = inner, predicate
         self.name = function_name(predicate)
+        self.index = 0  # of the next input element (named in error notes)
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         while True:
             element, reservation = self.inner.next_reserved()
-            if _as_bool(apply_fn(self.predicate, element), self.name):
+            index = self.index
+            self.index = index + 1
+            try:
+                keep = _as_bool(apply_fn(self.predicate, element), self.name)
+            except Exception as error:  # the element is dropped; the next call goes on
+                reservation.release()
+                raise note_element_error(error, f"filter({self.name})", index)  # noqa: B904
+            if keep:
                 return element, reservation
             reservation.release()
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state()}
+        return {"inner": self.inner.get_state(), "index": self.index}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.inner.set_state(state["inner"])
+        self.index = int(state.get("index", 0))

@@ -27,6 +27,14 @@ shuffles and read-ahead queues included), so a cycle of 1,000 inner pipelines
 cannot hold more than the stage's share. Files opened by inner datasets go
 through the process-wide file pool, so the descriptor cap holds too.
 
+Errors. An error from an inner pipeline is raised at its element's place in
+the order; like tf.data's sequential interleave, it does not count as an
+element of the block (tf.data's *parallel* interleave counts it, so there the
+next element may come from the next slot): headrace keeps one order for both,
+so that AUTOTUNE's switch to threads changes no order around errors either. The
+next call continues with the same slot. An error from the input or from
+``map_func`` drops that input element; the next call pulls the next one.
+
 Resuming. The state keeps, per open slot, the input's state just before that
 slot's input element, plus the inner iterator's state: restoring re-reads the
 input element (a filename, typically) and resumes the inner iterator.
@@ -41,7 +49,7 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, note_element_error
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
 from headrace.node import UNKNOWN, Node, check_positive, function_name
@@ -224,6 +232,7 @@ class _InterleaveIterator(Iterator):
         self.block_index = 0
         self.end_of_input = False
         self.num_open = 0
+        self.input_index = 0  # of the next input element (named in error notes)
 
     # -- slots -------------------------------------------------------------------------
     def _open_slot(self, element: Any, input_before: dict[str, Any], *, start: bool) -> _Slot:
@@ -263,7 +272,13 @@ class _InterleaveIterator(Iterator):
         except StopIteration:
             self.end_of_input = True
             return None
-        return self._open_slot(element, before, start=start)
+        index = self.input_index
+        self.input_index = index + 1
+        try:
+            return self._open_slot(element, before, start=start)
+        except Exception as error:  # the input element is dropped; the next call goes on
+            stage = f"interleave({function_name(self.node.map_func)})"
+            raise note_element_error(error, stage, index)  # noqa: B904 - the same error
 
     def _advance(self) -> None:
         self.block_index = 0
@@ -366,6 +381,7 @@ class _InterleaveIterator(Iterator):
             "cycle_index": self.cycle_index,
             "block_index": self.block_index,
             "end_of_input": self.end_of_input,
+            "input_index": self.input_index,
             "slots": [
                 None
                 if slot is None
@@ -407,6 +423,7 @@ class _InterleaveIterator(Iterator):
         self.cycle_index = int(state["cycle_index"])
         self.block_index = int(state["block_index"])
         self.end_of_input = bool(state["end_of_input"])
+        self.input_index = int(state.get("input_index", 0))
 
     def _close_all(self) -> None:
         for index in range(len(self.slots)):

@@ -24,12 +24,13 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, note_element_error
 from headrace.iterator import Context, Iterator
-from headrace.memory.budget import Reservation, StageAccount, release_all
+from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
 from headrace.node import IndexPlan, Node, RandomAccess, function_name
 from headrace.options import AUTOTUNE
 from headrace.structure import TensorSpec, map_structure, spec_of
+from headrace.transforms._handoff import Handoff, restore_input
 
 __all__ = ["MapNode", "apply_fn"]
 
@@ -107,7 +108,7 @@ class MapNode(Node):
         if self.num_parallel_calls is not None:
             return None
         inner = self.inputs[0].random_access()
-        return None if inner is None else _MappedAccess(inner, self.fn)
+        return None if inner is None else _MappedAccess(inner, self.fn, self.stage)
 
     def index_plan(self) -> IndexPlan | None:
         if self.num_parallel_calls is not None:
@@ -116,7 +117,7 @@ class MapNode(Node):
         if plan is None:
             return None
         access, make_stream = plan
-        return _MappedAccess(access, self.fn), make_stream
+        return _MappedAccess(access, self.fn, self.stage), make_stream
 
     def make_iterator(self, ctx: Context) -> Iterator:
         if self.index_plan() is not None:
@@ -139,14 +140,18 @@ class MapNode(Node):
 
 
 class _MappedAccess(RandomAccess):
-    def __init__(self, inner: RandomAccess, fn: Callable[..., Any]) -> None:
-        self.inner, self.fn = inner, fn
+    def __init__(self, inner: RandomAccess, fn: Callable[..., Any], stage: str) -> None:
+        self.inner, self.fn, self.stage = inner, fn, stage
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def get(self, index: int) -> Any:
-        return apply_fn(self.fn, self.inner.get(index))
+        element = self.inner.get(index)
+        try:
+            return apply_fn(self.fn, element)
+        except Exception as error:
+            raise note_element_error(error, self.stage, index)  # noqa: B904 - same error
 
     def prepare(self, ctx: Context) -> None:
         self.inner.prepare(ctx)
@@ -156,25 +161,42 @@ class _MapIterator(Iterator):
     def __init__(self, inner: Iterator, fn: Callable[..., Any], stage: str) -> None:
         super().__init__(inner)
         self.inner, self.fn, self.stage = inner, fn, stage
-
-    def __next__(self) -> Any:
-        return apply_fn(self.fn, next(self.inner))
+        self.index = 0  # of the next input element (named in error notes)
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         element, reservation = self.inner.next_reserved()
-        return apply_fn(self.fn, element), reservation
+        index = self.index
+        self.index = index + 1
+        try:
+            return apply_fn(self.fn, element), reservation
+        except Exception as error:  # the element is dropped; the next call goes on
+            reservation.release()
+            raise note_element_error(error, self.stage, index)  # noqa: B904 - same error
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state()}
+        return {"inner": self.inner.get_state(), "index": self.index}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.inner.set_state(state["inner"])
+        self.index = int(state.get("index", 0))
 
 
-def _apply_chunk(fn: Callable[..., Any], elements: list[Any]) -> tuple[list[Any], float]:
+def _apply_chunk(
+    fn: Callable[..., Any], elements: list[Any]
+) -> tuple[list[Any], dict[int, Exception] | None, float]:
+    """``fn`` over a chunk; an element whose call raised leaves ``None`` and its error."""
     started = time.perf_counter()
-    outputs = [apply_fn(fn, element) for element in elements]
-    return outputs, time.perf_counter() - started
+    outputs: list[Any] = []
+    failed: dict[int, Exception] | None = None
+    for element in elements:
+        try:
+            outputs.append(apply_fn(fn, element))
+        except Exception as error:  # raised in the consumer, at this element's position
+            if failed is None:
+                failed = {}
+            failed[len(outputs)] = error
+            outputs.append(None)
+    return outputs, failed, time.perf_counter() - started
 
 
 #: A call is given several elements when ``fn`` is quick, so that the fixed
@@ -187,20 +209,25 @@ _MAX_CHUNK = 256
 class _Call:
     """Work in flight: a future over a chunk of elements, its bookings, where it started.
 
-    ``state_before`` is the input's state before the chunk's first element: a
-    checkpoint inside a chunk restores it and skips the elements already out,
-    so the input's state is taken once per chunk, not once per element.
+    ``state_before`` is the input's state before the chunk's first element and
+    ``first_index`` that element's index: a checkpoint inside a chunk restores the
+    state and skips the elements already out, so the input's state is taken once per
+    chunk, not once per element. ``error`` is what the input raised right after the
+    chunk's elements (the chunk ends there): it is handed out in that place.
     """
 
-    __slots__ = ("bookings", "future", "state_before")
+    __slots__ = ("bookings", "error", "first_index", "future", "state_before")
 
     def __init__(
         self,
-        future: Future[tuple[list[Any], float]],
+        future: Future[tuple[list[Any], dict[int, Exception] | None, float]],
         bookings: list[Reservation],
         state_before: dict[str, Any],
+        first_index: int,
+        error: Exception | None,
     ) -> None:
         self.future, self.bookings, self.state_before = future, bookings, state_before
+        self.first_index, self.error = first_index, error
 
 
 class _ParallelMapIterator(Iterator):
@@ -219,12 +246,12 @@ class _ParallelMapIterator(Iterator):
         self.threads, self.deterministic, self.stage = threads, deterministic, stage
         self.pool: ThreadPoolExecutor | None = None
         self.calls: deque[_Call] = deque()
-        # outputs ready to hand out, with (input state before their chunk, position in it)
-        self.ready: deque[tuple[Any, Reservation, dict[str, Any], int]] = deque()
+        self.ready: deque[Handoff] = deque()  # outputs (and errors) to hand out, in order
         self.exhausted = False
         self.chunk = 1
         self.output_estimate = 0  # the largest output so far: what a call in flight will need
         self.state_after_last_input = inner.get_state()
+        self.next_index = 0  # of the next input element to pull
 
     def _submit_more(self) -> None:
         if self.pool is None:
@@ -234,14 +261,15 @@ class _ParallelMapIterator(Iterator):
             and len(self.calls) < (2 * self.threads if self.output_estimate else 1)
             and (not self.calls or self.account.has_room(self.output_estimate))
         ):
-            state_before = self.state_after_last_input
-            elements, bookings = self._pull_chunk()
-            if elements:
+            state_before, first_index = self.state_after_last_input, self.next_index
+            elements, bookings, error = self._pull_chunk()
+            if elements or error is not None:
                 future = self.pool.submit(_apply_chunk, self.fn, elements)
-                self.calls.append(_Call(future, bookings, state_before))
+                self.calls.append(_Call(future, bookings, state_before, first_index, error))
 
-    def _pull_chunk(self) -> tuple[list[Any], list[Reservation]]:
-        """Up to ``chunk`` inputs, booked at their expected output size.
+    def _pull_chunk(self) -> tuple[list[Any], list[Reservation], Exception | None]:
+        """Up to ``chunk`` inputs, booked at their expected output size, and the error
+        the input raised after them (which ends the chunk), if any.
 
         Inputs that a buffering stage booked move onto this stage's share at once
         (holding them while waiting for that stage would deadlock it); the others
@@ -249,6 +277,7 @@ class _ParallelMapIterator(Iterator):
         """
         elements: list[Any] = []
         bookings: list[Reservation] = []
+        upstream_error: Exception | None = None
         pending = pending_count = 0
         sizeof, estimate, account = self.ctx.sizeof, self.output_estimate, self.account
         while len(elements) < self.chunk and (
@@ -259,6 +288,9 @@ class _ParallelMapIterator(Iterator):
             except StopIteration:
                 self.exhausted = True
                 break
+            except Exception as error:  # an upstream element's error: handed out in its place
+                upstream_error = error
+                break
             elements.append(element)
             # A call in flight will soon hold its output: book the larger of the two.
             size = max(sizeof(element), estimate)
@@ -267,11 +299,12 @@ class _ParallelMapIterator(Iterator):
                 pending_count += 1
             else:
                 bookings.append(reservation.move_to(account, size))
-        if elements:
+        if elements or upstream_error is not None:
             self.state_after_last_input = self.inner.get_state()
+            self.next_index += len(elements) + (upstream_error is not None)
         if pending:
             bookings.append(account.charge(pending, elements=pending_count))
-        return elements, bookings
+        return elements, bookings, upstream_error
 
     def _take_call(self) -> _Call:
         if self.deterministic or len(self.calls) == 1:
@@ -285,18 +318,38 @@ class _ParallelMapIterator(Iterator):
 
     def _collect(self, call: _Call) -> None:
         try:
-            outputs, seconds = call.future.result()
+            outputs, failed, seconds = call.future.result()
         finally:
             release_all(call.bookings)
         per_element = seconds / max(len(outputs), 1)
         if per_element > 0:
             wanted = int(_TARGET_CALL_SECONDS / per_element) or 1
             self.chunk = max(1, min(_MAX_CHUNK, wanted))
-        sizes = [self.ctx.sizeof(output) for output in outputs]
-        self.output_estimate = max(self.output_estimate, *sizes)
-        bookings = self.account.charge_each(sizes)
-        for position, (output, booking) in enumerate(zip(outputs, bookings, strict=True)):
-            self.ready.append((output, booking, call.state_before, position))
+        sizeof = self.ctx.sizeof
+        errors: dict[int, Exception] | None = None
+        if failed is None:
+            sizes = [sizeof(output) for output in outputs]
+            reservations = self.account.charge_each(sizes)
+        else:  # the failed positions hold no output and book nothing
+            good = [position for position in range(len(outputs)) if position not in failed]
+            sizes = [sizeof(outputs[position]) for position in good]
+            reservations = [NO_RESERVATION] * len(outputs)
+            for position, booking in zip(good, self.account.charge_each(sizes), strict=True):
+                reservations[position] = booking
+            errors = {
+                position: note_element_error(error, self.stage, call.first_index + position)
+                for position, error in failed.items()
+            }
+        if sizes:
+            self.output_estimate = max(self.output_estimate, *sizes)
+        if call.error is not None:
+            errors = errors or {}
+            errors[len(outputs)] = call.error
+            outputs.append(None)
+            reservations.append(NO_RESERVATION)
+        self.ready.append(
+            Handoff(outputs, reservations, call.state_before, errors, call.first_index)
+        )
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         if not self.ready:
@@ -305,28 +358,30 @@ class _ParallelMapIterator(Iterator):
                 raise StopIteration
             self._collect(self._take_call())
             self._submit_more()
-        output, reservation, _, _ = self.ready.popleft()
-        return output, reservation
+        chunk = self.ready[0]
+        if chunk.taken + 1 == len(chunk):
+            self.ready.popleft()
+        return chunk.take()
 
     def get_state(self) -> dict[str, Any]:
         if self.ready:
-            _, _, state, position = self.ready[0]
-            return {"inner": state, "skip": position}
+            chunk = self.ready[0]
+            return {**chunk.state(), "index": chunk.first_index + chunk.taken}
         if self.calls:
-            return {"inner": self.calls[0].state_before, "skip": 0}
-        return {"inner": self.state_after_last_input, "skip": 0}
+            call = self.calls[0]
+            return {"inner": call.state_before, "skip": 0, "index": call.first_index}
+        return {"inner": self.state_after_last_input, "skip": 0, "index": self.next_index}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._drop_calls()
-        self.inner.set_state(state["inner"])
-        for _ in range(int(state["skip"])):  # outputs of the chunk already handed out
-            _, reservation = self.inner.next_reserved()
-            reservation.release()
+        restore_input(self.inner, state)
         self.state_after_last_input = self.inner.get_state()
+        self.next_index = int(state.get("index", 0))
         self.exhausted = False
 
     def _drop_calls(self) -> None:
-        release_all(reservation for _, reservation, _, _ in self.ready)
+        for chunk in self.ready:
+            chunk.release()
         self.ready.clear()
         while self.calls:
             call = self.calls.popleft()

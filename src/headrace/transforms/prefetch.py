@@ -9,8 +9,10 @@ gets no deeper buffer.
 
 The producer thread holds no reference to the public iterator, so an
 iterator dropped without ``close()`` is still garbage-collected; its
-finalizer stops the thread. An exception in the producer is re-raised in the
-consumer with its original traceback.
+finalizer stops the thread. An exception the input raises is re-raised in the
+consumer with its original traceback, at its element's position: every
+element pulled before it comes first, and the next ``next()`` continues with
+the elements after it (see :mod:`headrace.transforms._handoff`).
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from collections import deque
 from typing import Any
 
 from headrace.iterator import Context, Iterator
-from headrace.memory.budget import BudgetClosed, Reservation, StageAccount, release_all
+from headrace.memory.budget import NO_RESERVATION, BudgetClosed, Reservation, StageAccount
 from headrace.node import Node, UnaryNode, check_positive
 from headrace.options import AUTOTUNE
+from headrace.transforms._handoff import Handoff, restore_input
 
 __all__ = ["PrefetchIterator", "PrefetchNode"]
 
-_Item = tuple[Any, Reservation, dict[str, Any], int]
 _MAX_AUTOTUNE_DEPTH = 1 << 16
 #: AUTOTUNE stops deepening once the queue could hold this much: past a few
 #: dozen MiB a deeper queue smooths nothing more, it only holds memory.
@@ -66,13 +68,13 @@ class _Producer:
         self.inner, self.ctx, self.account, self.depth = inner, ctx, account, depth
         self.gate = gate  # bounds how many producers run their input at once
         self.ready = ready or threading.Condition()
-        # (element, booking, the input's state before its chunk, its position in the chunk)
-        self.queue: deque[_Item] = deque()
+        self.queue: deque[Handoff] = deque()
+        self.queued = 0  # positions in the queue
         self.state_before_chunk = inner.get_state()
         self.outstanding = 0  # taken by the consumer but not handed out yet (counts as queued)
         self.filled = False  # the queue was full since the depth last grew
         self.finished = False
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # what ended the thread, not an element's error
         self.stopping = False
         # An element that did not fit the share yet, with its chunk coordinates:
         # (element, its upstream booking, its cost, its chunk's input state, position).
@@ -80,57 +82,76 @@ class _Producer:
         self.thread = threading.Thread(target=self.run, name="headrace-prefetch", daemon=True)
 
     def run(self) -> None:
-        items: list[_Item] = []
+        chunks: list[Handoff] = []
         try:
-            while self._wait_for_space():
-                room = self.depth - len(self.queue) - self.outstanding
+            ended = False
+            while not ended and self._wait_for_space():
+                room = self.depth - self.queued - self.outstanding
                 if self.gate is None:
-                    self._pull(items, room)
+                    ended = self._pull(chunks, room)
                 else:
                     with self.gate:
-                        self._pull(items, room)
-                if not self._publish(items):
+                        ended = self._pull(chunks, room)
+                if not self._publish(chunks):
                     break
-        except (StopIteration, BudgetClosed):
+        except BudgetClosed:
             pass
         except BaseException as error:  # re-raised in the consumer, after what came before
             self.error = error
-        self._publish(items)
+        self._publish(chunks)
         with self.ready:
             # Always mark the end, also when stopped: a stage downstream may be
             # waiting on this queue from another producer thread.
             self.finished = True
             self.ready.notify_all()
 
-    def _pull(self, items: list[_Item], room: int) -> None:
-        """Pull up to ``room`` elements (at most a chunk) while each fits the budget share.
+    def _pull(self, chunks: list[Handoff], room: int) -> bool:
+        """Pull up to ``room`` elements (at most a chunk) while each fits the budget share;
+        True at the end of the input.
 
         Per chunk, not per element: the thread hand-off (a lock, a wake-up, a
         GIL switch), the booking of elements nobody booked yet (one lock), and
         the input's state (a checkpoint inside the chunk replays from its start).
         Each element is costed (and compacted) before it enters; the first one
         that does not fit beside the others waits in ``aside``, unbooked, until
-        the consumer has made room (:meth:`_wait_for_space`).
+        the consumer has made room (:meth:`_wait_for_space`), then goes out as
+        the last position of its chunk. An error the input raises ends the
+        chunk and is handed out in its place; the next chunk continues after
+        it, as tf.data does.
         """
         account = self.account
         if self.aside is not None:
             element, reservation, cost, state, position = self.aside
             if not account.fits(cost):
-                return
+                return False
             self.aside = None
-            items.append((element, reservation.move_to(account, cost), state, position))
+            chunks.append(
+                Handoff.finishing(element, reservation.move_to(account, cost), state, position)
+            )
             room -= 1
             if room <= 0:
-                return
+                return False
         state = self.state_before_chunk
         elements: list[Any] = []
         bookings: list[Reservation | None] = []
         sizes: list[int] = []
         pending = 0
         pulled = False
+        errors: dict[int, Exception] | None = None
+        ended = False
         try:
             for _ in range(max(1, min(room, _CHUNK))):
-                element, reservation = self.inner.next_reserved()
+                try:
+                    element, reservation = self.inner.next_reserved()
+                except (StopIteration, BudgetClosed):
+                    ended = True
+                    break
+                except Exception as error:
+                    pulled = True
+                    errors = {len(elements): error}
+                    elements.append(None)
+                    bookings.append(NO_RESERVATION)
+                    break
                 pulled = True
                 element, cost = self.ctx.admit(element)
                 if not account.fits(cost, pending=pending):
@@ -143,34 +164,35 @@ class _Producer:
                     pending += cost
                 else:
                     bookings.append(reservation.move_to(account, cost))
-        finally:  # also at the end of the input: what was pulled is handed on
+        finally:  # also when booking fails: what was pulled is handed on
             if pulled:
                 self.state_before_chunk = self.inner.get_state()
             if elements:
                 booked = iter(account.charge_chunk(sizes)) if sizes else iter(())
-                items.extend(
-                    (element, booking if booking is not None else next(booked), state, position)
-                    for position, (element, booking) in enumerate(
-                        zip(elements, bookings, strict=True)
-                    )
-                )
+                reservations = [
+                    booking if booking is not None else next(booked) for booking in bookings
+                ]
+                chunks.append(Handoff(elements, reservations, state, errors))
+        return ended
 
-    def _publish(self, items: list[_Item]) -> bool:
+    def _publish(self, chunks: list[Handoff]) -> bool:
         """Queue what was pulled; False (and everything released) once stopping."""
         with self.ready:
             if self.stopping:  # stop() may already have emptied the queue
-                release_all(item[1] for item in items)
-                items.clear()
+                for chunk in chunks:
+                    chunk.release()
+                chunks.clear()
                 return False
-            if items:
-                self.queue.extend(items)
-                items.clear()
+            if chunks:
+                self.queue.extend(chunks)
+                self.queued += sum(chunk.pending() for chunk in chunks)
+                chunks.clear()
                 self.ready.notify_all()
             return True
 
     def _wait_for_space(self) -> bool:
         with self.ready:
-            while not self.stopping and len(self.queue) + self.outstanding >= self.depth:
+            while not self.stopping and self.queued + self.outstanding >= self.depth:
                 self.filled = True  # the consumer is the slower side, for now
                 self.ready.wait()
             if self.stopping:
@@ -187,8 +209,10 @@ class _Producer:
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
         with self.ready:
-            release_all(item[1] for item in self.queue)
+            for chunk in self.queue:
+                chunk.release()
             self.queue.clear()
+            self.queued = 0
         if self.aside is not None and not self.thread.is_alive():
             self.aside[1].release()
             self.aside = None
@@ -213,10 +237,9 @@ class PrefetchIterator(Iterator):
         self.depth = 1 if self.autotune else buffer_size
         self.gate, self.ready = gate, ready
         self.producer: _Producer | None = None
-        self.taken: deque[_Item] = deque()  # taken from the producer's queue at once
-        # After the last element handed out: the input's state before its chunk, and
-        # how many elements of that chunk are out.
-        self.state: tuple[dict[str, Any], int] = (inner.get_state(), 0)
+        self.taken: deque[Handoff] = deque()  # taken from the producer's queue at once
+        self.current: Handoff | None = None  # the chunk being handed out
+        self.state_at_start = inner.get_state()  # before the first chunk
 
     def start(self) -> _Producer:
         """Start producing now (parallel interleave reads its slots ahead)."""
@@ -229,19 +252,22 @@ class PrefetchIterator(Iterator):
 
     def has_output(self) -> bool:
         """Whether ``next`` would return (or end) without waiting; call holding ``ready``."""
-        producer = self.producer
-        return bool(self.taken) or (
-            producer is not None and bool(producer.queue or producer.finished)
+        producer, current = self.producer, self.current
+        return (
+            bool(self.taken)
+            or (current is not None and current.taken < len(current))
+            or (producer is not None and bool(producer.queue or producer.finished))
         )
 
     def next_reserved(self) -> tuple[Any, Reservation]:
-        if not self.taken:
-            self._take_all()
-        element, reservation, chunk_state, position = self.taken.popleft()
-        self.state = (chunk_state, position + 1)
+        chunk = self.current
+        if chunk is None or chunk.taken == len(chunk):
+            if not self.taken:
+                self._take_all()
+            chunk = self.current = self.taken.popleft()
         assert self.producer is not None
         self.producer.outstanding -= 1
-        return element, reservation
+        return chunk.take()  # raises the input's error at its position
 
     def _take_all(self) -> None:
         """Wait for the queue, then take everything in it with one lock.
@@ -270,12 +296,13 @@ class PrefetchIterator(Iterator):
                     raise producer.error
                 raise StopIteration
             self.taken, producer.queue = producer.queue, self.taken
-            producer.outstanding = len(self.taken)
+            producer.outstanding, producer.queued = producer.queued, 0
             producer.ready.notify_all()
 
     def get_state(self) -> dict[str, Any]:
-        chunk_state, handed_out = self.state
-        return {"inner": chunk_state, "skip": handed_out}
+        if self.current is None:
+            return self.state_at(self.state_at_start)
+        return self.current.state()
 
     @staticmethod
     def state_at(inner_state: dict[str, Any]) -> dict[str, Any]:
@@ -285,15 +312,16 @@ class PrefetchIterator(Iterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._stop()
-        self.inner.set_state(state["inner"])
-        for _ in range(int(state["skip"])):  # elements of the chunk already handed out
-            _, reservation = self.inner.next_reserved()
-            reservation.release()
-        self.state = (self.inner.get_state(), 0)
+        restore_input(self.inner, state)
+        self.state_at_start = self.inner.get_state()
 
     def _stop(self) -> None:
-        release_all(item[1] for item in self.taken)
+        for chunk in self.taken:
+            chunk.release()
         self.taken.clear()
+        if self.current is not None:
+            self.current.release()
+            self.current = None
         if self.producer is not None:
             self.producer.stop()
             self.producer = None
