@@ -50,12 +50,14 @@ def assert_within_budget(result: dict[str, Any]) -> None:
     where = f"pipeline seed {result['seed']}: {result}"
     assert not result["outcome"].startswith("error"), where
     assert not result["violations"], where
-    assert result["accounted_peak"] <= result["budget"], where
+    # Accounted bytes pass the budget only by overdrafts: outputs of calls in flight
+    # that outgrew their estimate, which exist whatever the books say.
+    assert result["accounted_peak"] <= result["budget"] + result["overdrawn_peak"], where
     assert result["growth"] <= result["bound"], where
 
 
 @pytest.mark.slow
-@settings(max_examples=3, deadline=None, derandomize=False)
+@settings(max_examples=6, deadline=None)
 @given(st.lists(st.integers(0, 2**31 - 1), min_size=8, max_size=8, unique=True))
 def test_random_pipelines_hold_the_budget(seeds: list[int]) -> None:
     for result in run_specs([random_spec(seed) for seed in seeds]):

@@ -190,6 +190,12 @@ class StageAccount:
         self.peak = 0
         self.elements = 0
         self.max_element = 0
+        #: Bytes held beyond the share by :meth:`book_existing` (outputs larger than
+        #: their estimate), now and at peak: the only way ``held`` may pass ``limit``.
+        self.overdrawn = 0
+        self.overdrawn_peak = 0
+        #: Bookings that took the stage past its share other than as an overdraft.
+        self.breaches = 0
         self.room = budget.changed
 
     def _check_fits(self, nbytes: int, what: str = "one element") -> None:
@@ -277,8 +283,20 @@ class StageAccount:
             self._book(nbytes, elements)
         return Reservation(self, nbytes)
 
-    def _book(self, nbytes: int, elements: int = 1) -> None:
-        """Add the bytes of ``elements`` elements (call holding the lock)."""
+    def _book(self, nbytes: int, elements: int = 1, *, overdraft: int = 0) -> None:
+        """Add the bytes of ``elements`` elements (call holding the lock).
+
+        ``overdraft``: the part of them booked past the share knowingly (see
+        :meth:`book_existing`). Any other booking that takes what the stage
+        holds past its share is a *breach* of the contract, counted (tests
+        assert there are none).
+        """
+        within = self.held - self.overdrawn
+        if overdraft:
+            self.overdrawn += overdraft
+            self.overdrawn_peak = max(self.overdrawn_peak, self.overdrawn)
+        if within + nbytes - overdraft > max(self.limit, within):
+            self.breaches += 1
         self.held += nbytes
         if self.held > self.peak:
             self.peak = self.held
@@ -332,6 +350,29 @@ class StageAccount:
         self._check_fits(self.held + nbytes, what)
         return self.charge(nbytes, elements=elements)
 
+    def book_existing(self, sizes: list[int]) -> list[Reservation]:
+        """Book elements that already exist (outputs of calls that were in flight).
+
+        Their memory is there whether or not it fits, so it is booked as it is:
+        what fits the share normally, the rest as an *overdraft* (counted in
+        ``overdrawn`` and in the stats) which stops the stage from starting new
+        work until it has drained. Bounded by the calls that were in flight when
+        outputs grew past their estimate.
+        """
+        out: list[Reservation] = []
+        for nbytes in sizes:
+            self._check_fits(nbytes)  # one alone past the share: split again, or refuse
+        with self.room:
+            for nbytes in sizes:
+                excess = max(0, min(nbytes, self.held + nbytes - self.limit))
+                out.append(Overdraft(self, nbytes, excess) if excess else Reservation(self, nbytes))
+                self._book(nbytes, overdraft=excess)
+        return out
+
+    def overdraw(self, nbytes: int) -> Reservation:
+        """Book bytes of work already in flight past the share (see :meth:`book_existing`)."""
+        return self.book_existing([nbytes])[0]
+
     def release(self, nbytes: int) -> None:
         """Return ``nbytes`` to the stage's share and wake a waiting producer."""
         if not nbytes:
@@ -380,6 +421,29 @@ class Reservation:
                 source._unbook(self.nbytes)
         self.nbytes = 0
         return Reservation(account, nbytes)
+
+
+class Overdraft(Reservation):
+    """A booking part of which lies beyond the stage's share (see ``book_existing``)."""
+
+    __slots__ = ("excess",)
+
+    def __init__(self, account: StageAccount, nbytes: int, excess: int) -> None:
+        super().__init__(account, nbytes)
+        self.excess = excess
+
+    def release(self) -> None:
+        account, excess = self.account, self.excess
+        self.excess = 0
+        if account is not None and excess:
+            with account.room:
+                account.overdrawn -= excess
+        super().release()
+
+    def move_to(self, account: StageAccount, nbytes: int) -> Reservation:
+        moved = account.charge(nbytes)
+        self.release()
+        return moved
 
 
 class _Chunk:

@@ -193,13 +193,14 @@ class Assembler(Iterator):
             for _ in range(count):
                 element, reservation = self.inner.next_reserved()
                 elements.append(element)
+                size = sizeof(element)
+                if account.held + unbooked + size > account.limit:  # re-split, or name minima
+                    account.require(account.held + unbooked + size, what=what)
                 if reservation.account is None:
-                    unbooked += sizeof(element)
+                    unbooked += size
                     unbooked_count += 1
                 else:
-                    reservations.append(reservation.move_to(account, sizeof(element)))
-                if account.held + unbooked > account.limit:  # re-split, or name the minima
-                    account.require(account.held + unbooked, what=what)
+                    reservations.append(reservation.move_to(account, size))
         except StopIteration:
             pass
         except BaseException:

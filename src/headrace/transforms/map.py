@@ -216,7 +216,7 @@ class _Call:
     chunk's elements (the chunk ends there): it is handed out in that place.
     """
 
-    __slots__ = ("bookings", "error", "first_index", "future", "state_before")
+    __slots__ = ("bookings", "count", "error", "first_index", "future", "state_before")
 
     def __init__(
         self,
@@ -228,6 +228,7 @@ class _Call:
     ) -> None:
         self.future, self.bookings, self.state_before = future, bookings, state_before
         self.first_index, self.error = first_index, error
+        self.count = 0  # elements in the chunk (set by the caller)
 
 
 class _ParallelMapIterator(Iterator):
@@ -259,13 +260,17 @@ class _ParallelMapIterator(Iterator):
         while (
             not self.exhausted
             and len(self.calls) < (2 * self.threads if self.output_estimate else 1)
-            and (not self.calls or self.account.has_room(self.output_estimate))
+            # Nothing in flight or ready: one call may always start (progress); otherwise
+            # only while its output, at the largest size seen, fits beside what is held.
+            and ((not self.calls and not self.ready) or self.account.has_room(self.output_estimate))
         ):
             state_before, first_index = self.state_after_last_input, self.next_index
             elements, bookings, error = self._pull_chunk()
             if elements or error is not None:
                 future = self.pool.submit(_apply_chunk, self.fn, elements)
-                self.calls.append(_Call(future, bookings, state_before, first_index, error))
+                call = _Call(future, bookings, state_before, first_index, error)
+                call.count = len(elements)
+                self.calls.append(call)
 
     def _pull_chunk(self) -> tuple[list[Any], list[Reservation], Exception | None]:
         """Up to ``chunk`` inputs, booked at their expected output size, and the error
@@ -297,13 +302,15 @@ class _ParallelMapIterator(Iterator):
             if reservation.account is None:
                 pending += size
                 pending_count += 1
-            else:
-                bookings.append(reservation.move_to(account, size))
+            else:  # it exists already: booked here as it is, then released upstream
+                bookings.extend(account.book_existing([size]))
+                reservation.release()
         if elements or upstream_error is not None:
             self.state_after_last_input = self.inner.get_state()
             self.next_index += len(elements) + (upstream_error is not None)
-        if pending:
-            bookings.append(account.charge(pending, elements=pending_count))
+        if pending:  # the inputs exist: booked as they are (past the share only if the
+            # chunk's first input alone did not fit beside what is held)
+            bookings.extend(account.book_existing([pending]))
         return elements, bookings, upstream_error
 
     def _take_call(self) -> _Call:
@@ -325,23 +332,24 @@ class _ParallelMapIterator(Iterator):
         if per_element > 0:
             wanted = int(_TARGET_CALL_SECONDS / per_element) or 1
             self.chunk = max(1, min(_MAX_CHUNK, wanted))
-        sizeof = self.ctx.sizeof
         errors: dict[int, Exception] | None = None
-        if failed is None:
-            sizes = [sizeof(output) for output in outputs]
-            reservations = self.account.charge_each(sizes)
-        else:  # the failed positions hold no output and book nothing
-            good = [position for position in range(len(outputs)) if position not in failed]
-            sizes = [sizeof(outputs[position]) for position in good]
-            reservations = [NO_RESERVATION] * len(outputs)
-            for position, booking in zip(good, self.account.charge_each(sizes), strict=True):
-                reservations[position] = booking
+        # the failed positions hold no output and book nothing
+        good = [p for p in range(len(outputs)) if failed is None or p not in failed]
+        sizes: list[int] = []
+        for position in good:  # compacted (a view of a big temporary is copied out), costed
+            outputs[position], size = self.ctx.admit(outputs[position])
+            sizes.append(size)
+        reservations = [NO_RESERVATION] * len(outputs)
+        # The outputs exist: booked as they are, beyond the share if they outgrew the estimate.
+        for position, booking in zip(good, self.account.book_existing(sizes), strict=True):
+            reservations[position] = booking
+        if failed is not None:
             errors = {
                 position: note_element_error(error, self.stage, call.first_index + position)
                 for position, error in failed.items()
             }
-        if sizes:
-            self.output_estimate = max(self.output_estimate, *sizes)
+        if sizes and max(sizes) > self.output_estimate:
+            self._rebook_in_flight(max(sizes))
         if call.error is not None:
             errors = errors or {}
             errors[len(outputs)] = call.error
@@ -350,6 +358,19 @@ class _ParallelMapIterator(Iterator):
         self.ready.append(
             Handoff(outputs, reservations, call.state_before, errors, call.first_index)
         )
+
+    def _rebook_in_flight(self, estimate: int) -> None:
+        """Outputs grew: calls in flight will need the new size, so book it now.
+
+        Their inputs were booked at the old estimate; the difference goes on the
+        books at once (past the share if it must: that work is already running),
+        and no new call starts until the stage is back within its share.
+        """
+        growth = estimate - self.output_estimate
+        self.output_estimate = estimate
+        for call in self.calls:
+            if call.count:
+                call.bookings.append(self.account.overdraw(growth * call.count))
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         if not self.ready:
