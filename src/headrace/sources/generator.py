@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace._state import StateReader, replay
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.node import UNKNOWN, Node, function_name
@@ -148,11 +149,12 @@ class _GeneratorIterator(Iterator):
         return {"produced": self.produced}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        target = StateReader(state, "from_generator").integer("produced")
         self.close()
-        self.source = self._start()
-        target = int(state["produced"])
-        for _ in range(target):
-            next(self.source)
+        source = self.source = self._start()
+        self.produced = 0
+        # a generator ending before ``target`` means the state is not of this data
+        replay(lambda: next(source), target, "from_generator", "produced")
         self.produced = target
 
     def close(self) -> None:

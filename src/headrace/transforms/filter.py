@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace._state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
@@ -70,4 +71,4 @@ class _FilterIterator(Iterator):
         return {"inner": self.inner.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
+        self.inner.set_state(StateReader(state, self.stage).child("inner"))

@@ -41,7 +41,8 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
-from headrace.errors import InvalidArgumentError
+from headrace._state import StateReader
+from headrace.errors import CheckpointError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
 from headrace.node import UNKNOWN, Node, check_positive, function_name
@@ -374,23 +375,44 @@ class _InterleaveIterator(Iterator):
             ],
         }
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._close_all()
-        self._reset()
+    def _read_state(self, state: dict[str, Any]) -> tuple[StateReader, list[Any], bool]:
+        """Check every field before anything is closed: the reader, the slots, threaded."""
+        node, reader = self.node, StateReader(state, "interleave")
         # States without the key come from before AUTOTUNE could stay sequential: slots
         # read ahead whenever num_parallel_calls was set.
-        saved_threaded = bool(state.get("threaded", self.may_thread))
+        threaded = reader.flag("threaded") if "threaded" in state else self.may_thread
+        if threaded and not self.may_thread:
+            raise reader.error("threaded", "is true, but this interleave has no num_parallel_calls")
+        reader.child("input")
+        reader.integer("cycle_index", high=node.cycle_length - 1, why="cycle_length")
+        reader.integer("block_index", high=node.block_length - 1, why="block_length")
+        reader.flag("end_of_input")
+        slots = reader.entries("slots", node.cycle_length)
+        for index, saved in enumerate(slots):
+            if saved is not None:
+                slot = StateReader(saved, f"interleave slot {index}")
+                slot.child("input_before")
+                slot.child("inner")
+        return reader, slots, threaded
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        reader, saved_slots, saved_threaded = self._read_state(state)
+        self._close_all()
+        self._reset()
         if saved_threaded and not self.threaded:  # AUTOTUNE had switched: switch again
             self._start_threads()
         elif self.watch is not None:  # not switched: watch afresh from here
             self.watch = WaitWatch()
-        for index, saved in enumerate(state["slots"]):
+        for index, saved in enumerate(saved_slots):
             if saved is None:
                 continue
             self.input.set_state(saved["input_before"])
             slot = self._pull_input(start=False)
             if slot is None:
-                raise InvalidArgumentError("interleave state refers to a missing input element")
+                raise CheckpointError(
+                    f"interleave: state field 'slots' [{index}] names an input element past "
+                    "the end of the input; the state belongs to other data"
+                )
             inner = saved["inner"]
             if self.threaded and not saved_threaded:  # saved before this iterator switched
                 inner = PrefetchIterator.state_at(inner)
@@ -403,10 +425,10 @@ class _InterleaveIterator(Iterator):
                 slot.iterator.start()
             self.slots[index] = slot
             self.num_open += 1
-        self.input.set_state(state["input"])
-        self.cycle_index = int(state["cycle_index"])
-        self.block_index = int(state["block_index"])
-        self.end_of_input = bool(state["end_of_input"])
+        self.input.set_state(reader.child("input"))
+        self.cycle_index = reader.integer("cycle_index")
+        self.block_index = reader.integer("block_index")
+        self.end_of_input = reader.flag("end_of_input")
 
     def _close_all(self) -> None:
         for index in range(len(self.slots)):

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from headrace._state import StateReader, replay
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
@@ -168,7 +169,7 @@ class _MapIterator(Iterator):
         return {"inner": self.inner.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
+        self.inner.set_state(StateReader(state, self.stage).child("inner"))
 
 
 def _apply_chunk(fn: Callable[..., Any], elements: list[Any]) -> tuple[list[Any], float]:
@@ -317,11 +318,13 @@ class _ParallelMapIterator(Iterator):
         return {"inner": self.state_after_last_input, "skip": 0}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, self.stage)
+        inner_state = reader.child("inner")
+        # outputs of the chunk already handed out: a position inside one chunk
+        skip = reader.integer("skip", high=_MAX_CHUNK, why="the largest chunk")
         self._drop_calls()
-        self.inner.set_state(state["inner"])
-        for _ in range(int(state["skip"])):  # outputs of the chunk already handed out
-            _, reservation = self.inner.next_reserved()
-            reservation.release()
+        self.inner.set_state(inner_state)
+        replay(lambda: self.inner.next_reserved()[1].release(), skip, self.stage, "skip")
         self.state_after_last_input = self.inner.get_state()
         self.exhausted = False
 

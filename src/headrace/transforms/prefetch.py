@@ -19,6 +19,7 @@ import threading
 from collections import deque
 from typing import Any
 
+from headrace._state import StateReader, replay
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import BudgetClosed, Reservation, StageAccount, release_all
 from headrace.node import Node, UnaryNode, check_positive
@@ -259,11 +260,13 @@ class PrefetchIterator(Iterator):
         return {"inner": inner_state, "skip": 0}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, "prefetch")
+        inner_state = reader.child("inner")
+        # elements of the chunk already handed out: a position inside one chunk
+        skip = reader.integer("skip", high=_CHUNK, why="the largest chunk")
         self._stop()
-        self.inner.set_state(state["inner"])
-        for _ in range(int(state["skip"])):  # elements of the chunk already handed out
-            _, reservation = self.inner.next_reserved()
-            reservation.release()
+        self.inner.set_state(inner_state)
+        replay(lambda: self.inner.next_reserved()[1].release(), skip, "prefetch", "skip")
         self.state = (self.inner.get_state(), 0)
 
     def _stop(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace._state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount
@@ -118,12 +119,24 @@ class _RowSource(Iterator):
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, self.stage)
+        before = reader.child("inner_before_current")
+        rows = reader.integer("rows_taken")
         self.close_current()
-        self.inner.set_state(state["inner_before_current"])
-        self.state_before_current = state["inner_before_current"]
-        rows = int(state["rows_taken"])
+        self.inner.set_state(before)
+        self.state_before_current = before
         if rows:
-            self.rows().position = rows
+            try:
+                current = self.rows()
+            except StopIteration:
+                raise reader.error(
+                    "rows_taken", f"= {rows}, but the input has no batch left to take rows from"
+                ) from None
+            if rows > current.size:
+                raise reader.error(
+                    "rows_taken", f"= {rows}, but the batch it counts in has {current.size} rows"
+                )
+            current.position = rows
 
     def close_current(self) -> None:
         if self.current is not None:
@@ -236,5 +249,5 @@ class _RebatchIterator(_RowSource):
         return {**super().get_state(), "batch_number": self.batch_number}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        self.batch_number = StateReader(state, "rebatch").integer("batch_number")
         super().set_state(state)
-        self.batch_number = int(state["batch_number"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from headrace._state import StateReader
 from headrace.errors import ElementSpecError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
@@ -167,5 +168,5 @@ class _ConcatenateIterator(Iterator):
         return {**super().get_state(), "current": self.current}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        self.current = StateReader(state, "concatenate").integer("current", high=len(self.inputs))
         super().set_state(state)
-        self.current = int(state["current"])
