@@ -21,7 +21,7 @@ import numpy as np
 from headrace._state import StateReader, replay
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
-from headrace.node import UNKNOWN, Node, function_name
+from headrace.node import UNKNOWN, Node, function_fingerprint, function_name
 from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
 
 __all__ = ["GeneratorNode"]
@@ -89,7 +89,11 @@ class GeneratorNode(Node):
         self.generator, self.signature, self.args = generator, output_signature, tuple(args or ())
 
     def params(self) -> tuple[Any, ...]:
-        return (function_name(self.generator), repr(self.signature), len(self.args))
+        return (
+            function_fingerprint(self.generator),
+            repr(self.signature),
+            function_fingerprint(self.args),
+        )
 
     @property
     def element_spec(self) -> Any:

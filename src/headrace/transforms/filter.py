@@ -15,7 +15,7 @@ from headrace._state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import UNKNOWN, Node, UnaryNode, function_name
+from headrace.node import UNKNOWN, Node, UnaryNode, function_fingerprint, function_name
 from headrace.transforms.map import apply_fn
 
 __all__ = ["FilterNode"]
@@ -42,7 +42,7 @@ class FilterNode(UnaryNode):
         self.predicate = predicate
 
     def params(self) -> tuple[Any, ...]:
-        return (function_name(self.predicate),)
+        return (function_fingerprint(self.predicate),)
 
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()

@@ -45,7 +45,7 @@ from headrace._state import StateReader
 from headrace.errors import CheckpointError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
-from headrace.node import UNKNOWN, Node, check_positive, function_name
+from headrace.node import UNKNOWN, Node, check_positive, function_fingerprint, function_name
 from headrace.options import AUTOTUNE
 from headrace.transforms._wait_watch import WaitWatch
 from headrace.transforms.map import apply_fn
@@ -117,7 +117,7 @@ class InterleaveNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return (
-            function_name(self.map_func),
+            function_fingerprint(self.map_func),
             self.cycle_length,
             self.block_length,
             self.num_parallel_calls,

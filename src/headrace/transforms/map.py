@@ -28,7 +28,7 @@ from headrace._state import StateReader, replay
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
-from headrace.node import IndexPlan, Node, RandomAccess, function_name
+from headrace.node import IndexPlan, Node, RandomAccess, function_fingerprint, function_name
 from headrace.options import AUTOTUNE
 from headrace.structure import TensorSpec, map_structure, spec_of
 
@@ -80,7 +80,7 @@ class MapNode(Node):
         self._spec: Any = None
 
     def params(self) -> tuple[Any, ...]:
-        return (function_name(self.fn), self.num_parallel_calls, self.deterministic)
+        return (function_fingerprint(self.fn), self.num_parallel_calls, self.deterministic)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
