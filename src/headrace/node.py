@@ -16,16 +16,20 @@ index buffer, not a copy of every row.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import types
 from collections.abc import Callable
+from collections.abc import Iterator as PyIterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     from headrace.iterator import Context, Iterator
+    from headrace.options import Options
 
 __all__ = [
     "INFINITE",
@@ -34,8 +38,14 @@ __all__ = [
     "IndexStream",
     "Node",
     "RandomAccess",
+    "SpecNeedsData",
+    "check_positive",
+    "check_signature",
+    "first_element",
     "function_fingerprint",
     "function_name",
+    "known_spec",
+    "spec_sampling",
 ]
 
 #: Cardinality of a dataset that never ends (same value as tf.data).
@@ -169,6 +179,74 @@ def _cell_values(fn: types.FunctionType) -> list[Any]:
         except ValueError:  # the enclosing function has not assigned it yet
             values.append("<unassigned cell>")
     return values
+
+
+# -- element specs that may need data ------------------------------------------------------
+#
+# A few nodes (map without output_signature, interleave) learn their element spec by
+# reading the first element. That must never happen by surprise: not for repr(), not
+# while a pipeline is being built, and when it does happen it runs under the
+# pipeline's own options (its memory budget), not the defaults. The mode below says
+# which: None (sample with default options), an Options (sample with those), or
+# _NO_SAMPLING (refuse: raise SpecNeedsData).
+
+_NO_SAMPLING: Any = object()
+_sampling: contextvars.ContextVar[Any] = contextvars.ContextVar("headrace_spec_sampling",
+                                                                 default=None)
+
+
+class SpecNeedsData(Exception):
+    """``element_spec`` would have to read data, and the caller asked it not to."""
+
+
+@contextlib.contextmanager
+def spec_sampling(options: Options | None) -> PyIterator[None]:
+    """Within this block, element specs that need data read it with ``options``."""
+    token = _sampling.set(options)
+    try:
+        yield
+    finally:
+        _sampling.reset(token)
+
+
+def known_spec(node: Node) -> Any | None:
+    """``node``'s element spec if it is known without reading any data, else None.
+
+    Constructors use it to validate what they can at build time, leaving the rest
+    for when the spec is asked for (building a pipeline never runs user code).
+    """
+    token = _sampling.set(_NO_SAMPLING)
+    try:
+        return node.element_spec
+    except SpecNeedsData:
+        return None
+    finally:
+        _sampling.reset(token)
+
+
+def first_element(source: Node, stage: str, hint: str = "") -> Any:
+    """The first element of ``source``, read to learn a spec (a probe: no iteration counted).
+
+    Raises :class:`SpecNeedsData` where sampling is off, and an
+    :class:`~headrace.errors.ElementSpecError` naming ``stage`` (plus ``hint``, how to
+    avoid the read) if the input is empty — never a bare ``StopIteration``.
+    """
+    from headrace.errors import ElementSpecError
+    from headrace.iterator import DatasetIterator
+    from headrace.options import Options
+
+    mode = _sampling.get()
+    if mode is _NO_SAMPLING:
+        raise SpecNeedsData(stage)
+    options = (mode or Options()).merge(Options(warn_on_shrink=False))
+    with DatasetIterator(source, options, probe=True) as iterator:
+        try:
+            return next(iterator)
+        except StopIteration:
+            raise ElementSpecError(
+                f"{stage}: its element_spec is found by applying the function to the first "
+                f"input element, but the input is empty{hint}"
+            ) from None
 
 
 class RandomAccess:
@@ -367,3 +445,16 @@ def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> int:
         bound = ">= 0" if allow_zero else "> 0"
         raise InvalidArgumentError(f"{name} must be {bound}, got {value}")
     return int(value)
+
+
+def check_signature(signature: Any, stage: str) -> Any:
+    """Validate an ``output_signature`` at build time: a TensorSpec or a nest of them."""
+    from headrace.errors import InvalidArgumentError
+    from headrace.structure import TensorSpec, flatten
+
+    for leaf in flatten(signature):
+        if not isinstance(leaf, TensorSpec):
+            raise InvalidArgumentError(
+                f"{stage}: output_signature leaves must be TensorSpec, got {leaf!r}"
+            )
+    return signature

@@ -21,7 +21,7 @@ import numpy as np
 from headrace._state import StateReader, replay
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
-from headrace.node import UNKNOWN, Node, function_fingerprint, function_name
+from headrace.node import UNKNOWN, Node, check_signature, function_fingerprint, function_name
 from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
 
 __all__ = ["GeneratorNode"]
@@ -81,11 +81,7 @@ class GeneratorNode(Node):
                 "from_generator: output_signature is required (a TensorSpec or a "
                 "nested structure of them)"
             )
-        for leaf in flatten(output_signature):
-            if not isinstance(leaf, TensorSpec):
-                raise InvalidArgumentError(
-                    f"from_generator: output_signature leaves must be TensorSpec, got {leaf!r}"
-                )
+        check_signature(output_signature, "from_generator")
         self.generator, self.signature, self.args = generator, output_signature, tuple(args or ())
 
     def params(self) -> tuple[Any, ...]:

@@ -45,7 +45,14 @@ from headrace._state import StateReader
 from headrace.errors import CheckpointError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
-from headrace.node import UNKNOWN, Node, check_positive, function_fingerprint, function_name
+from headrace.node import (
+    UNKNOWN,
+    Node,
+    check_positive,
+    first_element,
+    function_fingerprint,
+    function_name,
+)
 from headrace.options import AUTOTUNE
 from headrace.transforms._wait_watch import WaitWatch
 from headrace.transforms.map import apply_fn
@@ -126,11 +133,17 @@ class InterleaveNode(Node):
 
     @property
     def element_spec(self) -> Any:
-        from headrace.iterator import DatasetIterator
-        from headrace.options import Options
+        """The spec of the dataset ``map_func`` makes of the first input element."""
+        spec = self.__dict__.get("_spec")
+        if spec is None:
+            spec = self.inner_node(first_element(self.inputs[0], "interleave")).element_spec
+            self._spec = spec
+        return spec
 
-        with DatasetIterator(self.inputs[0], Options(warn_on_shrink=False), probe=True) as iterator:
-            return self.inner_node(next(iterator)).element_spec
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_spec", None)
+        return state
 
     def cardinality(self) -> int:
         return 0 if self.inputs[0].cardinality() == 0 else UNKNOWN

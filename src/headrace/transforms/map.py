@@ -28,7 +28,15 @@ from headrace._state import StateReader, replay
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
-from headrace.node import IndexPlan, Node, RandomAccess, function_fingerprint, function_name
+from headrace.node import (
+    IndexPlan,
+    Node,
+    RandomAccess,
+    check_signature,
+    first_element,
+    function_fingerprint,
+    function_name,
+)
 from headrace.options import AUTOTUNE
 from headrace.structure import TensorSpec, map_structure, spec_of
 
@@ -60,6 +68,7 @@ class MapNode(Node):
         deterministic: bool | None,
         *,
         stage: str | None = None,
+        output_signature: Any = None,
     ) -> None:
         super().__init__(source)
         if not callable(fn):
@@ -77,10 +86,18 @@ class MapNode(Node):
         self.num_parallel_calls = num_parallel_calls
         self.deterministic = deterministic
         self.stage = stage or f"map({function_name(fn)})"
+        self.signature = (
+            None if output_signature is None else check_signature(output_signature, self.stage)
+        )
         self._spec: Any = None
 
     def params(self) -> tuple[Any, ...]:
-        return (function_fingerprint(self.fn), self.num_parallel_calls, self.deterministic)
+        return (
+            function_fingerprint(self.fn),
+            self.num_parallel_calls,
+            self.deterministic,
+            repr(self.signature),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -89,16 +106,15 @@ class MapNode(Node):
 
     @property
     def element_spec(self) -> Any:
-        """Found by applying ``fn`` to the first input element (tf.data traces instead)."""
+        """The ``output_signature`` given, or else found by applying ``fn`` to the first
+        input element (tf.data traces instead), under the pipeline's options."""
+        if self.signature is not None:
+            return self.signature
         if self._spec is None:
-            from headrace.iterator import DatasetIterator
-            from headrace.options import Options
-
-            with DatasetIterator(
-                self.inputs[0], Options(warn_on_shrink=False), probe=True
-            ) as iterator:
-                sample = apply_fn(self.fn, next(iterator))
-            self._spec = _relaxed(spec_of(sample))
+            element = first_element(
+                self.inputs[0], self.stage, "; pass map(..., output_signature=...) to state it"
+            )
+            self._spec = _relaxed(spec_of(apply_fn(self.fn, element)))
         return self._spec
 
     def cardinality(self) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 from headrace.errors import DataLossError, ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
-from headrace.node import Node, check_positive
+from headrace.node import Node, check_positive, known_spec, spec_sampling
 from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
 from headrace.transforms.batch import Assembler, batched_cardinality
 
@@ -61,7 +61,17 @@ class PaddedBatchNode(Node):
         super().__init__(source)
         self.batch_size = check_positive("padded_batch: batch_size", batch_size)
         self.drop_remainder = bool(drop_remainder)
-        spec = source.element_spec
+        self.padded_shapes, self.padding_values = padded_shapes, padding_values
+        self.shapes: list[tuple[int | None, ...]] | None = None
+        # Checked now when the input's spec is known without reading data (building a
+        # pipeline never runs user code); otherwise when the spec is first needed.
+        spec = known_spec(source)
+        if spec is not None:
+            self._lay_out(spec)
+
+    def _lay_out(self, spec: Any) -> None:
+        """The padded shape, padding value and path of each component, from the input spec."""
+        padded_shapes, padding_values = self.padded_shapes, self.padding_values
         spec_leaves = flatten(spec)
         paths = structure_paths(spec)
         if padded_shapes is None:
@@ -108,11 +118,17 @@ class PaddedBatchNode(Node):
         self.shapes, self.pads, self.paths = shapes, pads, paths
 
     def params(self) -> tuple[Any, ...]:
-        return (self.batch_size, self.drop_remainder, tuple(self.shapes), repr(self.pads))
+        return (
+            self.batch_size, self.drop_remainder, repr(self.padded_shapes),
+            repr(self.padding_values),
+        )
 
     @property
     def element_spec(self) -> Any:
         spec = self.inputs[0].element_spec
+        if self.shapes is None:
+            self._lay_out(spec)
+        assert self.shapes is not None
         size = self.batch_size if self.drop_remainder else None
         leaves = [
             TensorSpec((size, *shape), leaf.dtype, leaf.kind)
@@ -126,6 +142,9 @@ class PaddedBatchNode(Node):
         )
 
     def make_iterator(self, ctx: Context) -> Iterator:
+        if self.shapes is None:
+            with spec_sampling(ctx.options):  # reads a first element, under this run's budget
+                self._lay_out(self.inputs[0].element_spec)
         return _PaddedBatchIterator(
             self.inputs[0].make_iterator(ctx),
             ctx,
@@ -159,7 +178,8 @@ class _PaddedBatchIterator(Assembler):
         self, inner: Iterator, ctx: Context, account: StageAccount, node: PaddedBatchNode
     ) -> None:
         super().__init__(inner, ctx, account)
-        self.node = node
+        assert node.shapes is not None  # laid out by make_iterator
+        self.node, self.shapes = node, node.shapes
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         node = self.node
@@ -174,7 +194,7 @@ class _PaddedBatchIterator(Assembler):
             leaves = [
                 self._pad(list(column), shape, pad, path, first)
                 for column, shape, pad, path in zip(
-                    columns, node.shapes, node.pads, node.paths, strict=True
+                    columns, self.shapes, node.pads, node.paths, strict=True
                 )
             ]
             batch = pack_as(elements[0], leaves)

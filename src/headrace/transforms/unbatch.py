@@ -17,10 +17,28 @@ from headrace._state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount
-from headrace.node import INFINITE, UNKNOWN, Node, check_positive
+from headrace.node import INFINITE, UNKNOWN, Node, check_positive, known_spec
 from headrace.structure import flatten, map_structure, pack_as, structure_paths
 
 __all__ = ["RebatchNode", "UnbatchNode"]
+
+
+def _check_batched(stage: str, spec: Any) -> Any:
+    """``spec`` if every component has rank >= 1 (something to take rows from)."""
+    for leaf, path in zip(flatten(spec), structure_paths(spec), strict=True):
+        if not leaf.shape:
+            raise InvalidArgumentError(
+                f"{stage}: component {path} is a scalar; the input must be batched "
+                "(every component needs rank >= 1)"
+            )
+    return spec
+
+
+def _static_rows(source: Node) -> int | None:
+    """The number of rows every input batch has, if known without reading data."""
+    spec = known_spec(source)
+    rows = {leaf.shape[0] if leaf.shape else None for leaf in flatten(spec)} if spec is not None else set()
+    return rows.pop() if len(rows) == 1 else None
 
 
 class UnbatchNode(Node):
@@ -28,26 +46,22 @@ class UnbatchNode(Node):
 
     def __init__(self, source: Node) -> None:
         super().__init__(source)
-        for leaf, path in zip(
-            flatten(source.element_spec), structure_paths(source.element_spec), strict=True
-        ):
-            if not leaf.shape:
-                raise InvalidArgumentError(
-                    f"unbatch: component {path} is a scalar; the input must be batched "
-                    "(every component needs rank >= 1)"
-                )
+        spec = known_spec(source)  # else checked when asked for: building reads no data
+        if spec is not None:
+            _check_batched("unbatch", spec)
 
     @property
     def element_spec(self) -> Any:
-        return map_structure(lambda leaf: leaf.without_leading(), self.inputs[0].element_spec)
+        spec = _check_batched("unbatch", self.inputs[0].element_spec)
+        return map_structure(lambda leaf: leaf.without_leading(), spec)
 
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()
         if inner == INFINITE:
             return INFINITE
-        rows = {leaf.shape[0] for leaf in flatten(self.inputs[0].element_spec)}
-        if inner >= 0 and len(rows) == 1 and None not in rows:
-            return inner * int(rows.pop())  # every batch has the same static size
+        rows = _static_rows(self.inputs[0])  # never reads data to count
+        if inner >= 0 and rows is not None:
+            return inner * rows  # every batch has the same static size
         return UNKNOWN
 
     def make_iterator(self, ctx: Context) -> Iterator:
@@ -173,20 +187,16 @@ class RebatchNode(Node):
         if not any(self.sizes):
             raise InvalidArgumentError(f"rebatch: batch_size must have a size > 0, got {sizes}")
         self.drop_remainder = bool(drop_remainder)
-        for leaf, path in zip(
-            flatten(source.element_spec), structure_paths(source.element_spec), strict=True
-        ):
-            if not leaf.shape:
-                raise InvalidArgumentError(
-                    f"rebatch: component {path} is a scalar; the input must be batched (rank >= 1)"
-                )
+        spec = known_spec(source)  # else checked when asked for: building reads no data
+        if spec is not None:
+            _check_batched("rebatch", spec)
 
     def params(self) -> tuple[Any, ...]:
         return (tuple(self.sizes), self.drop_remainder)
 
     @property
     def element_spec(self) -> Any:
-        spec = self.inputs[0].element_spec
+        spec = _check_batched("rebatch", self.inputs[0].element_spec)
         return map_structure(lambda leaf: leaf.without_leading().with_leading(self._static()), spec)
 
     def _static(self) -> int | None:
@@ -196,8 +206,7 @@ class RebatchNode(Node):
         size = self.sizes[0]
         if self.drop_remainder:
             return size
-        rows = {leaf.shape[0] for leaf in flatten(self.inputs[0].element_spec)}
-        known = rows.pop() if len(rows) == 1 else None
+        known = _static_rows(self.inputs[0])
         return size if known is not None and known % size == 0 else None
 
     def make_iterator(self, ctx: Context) -> Iterator:
