@@ -163,3 +163,19 @@ def test_unseeded_shuffle_restores_every_later_epoch(build: Any) -> None:
     with iter(restoring) as restored:
         restored.set_state(state)
         assert [int(x) for x in take_elements(restored, 100)] == expected
+
+
+def test_an_error_of_the_data_met_while_replaying_is_not_blamed_on_the_state() -> None:
+    failing: list[bool] = []
+
+    def check(x: np.int64) -> np.int64:
+        if failing and x == 2:
+            raise ValueError("bad element 2")
+        return x
+
+    ds = generator(9).map(check).shuffle(4, seed=1)  # restoring replays elements 0..6
+    state = state_after(ds, 3)
+    failing.append(True)
+    with iter(ds) as iterator, pytest.raises(ValueError, match="bad element 2") as info:
+        iterator.set_state(state)
+    assert type(info.value) is ValueError  # not wrapped as a CheckpointError

@@ -106,8 +106,9 @@ class Context:
 
     def restore_seed(self, node: object, seed: int) -> None:
         """Use ``seed`` for ``node`` for the rest of the run (all later epochs too)."""
+        if id(node) not in self.run.seeds:
+            self._keepalive.append(node)  # the id stays valid while this run lives
         self.run.seeds[id(node)] = seed
-        self._keepalive.append(node)  # the id stays valid while this run lives
 
     def register_preexisting(self, owner: object) -> None:
         """Mark memory the user already had (views into it cost nothing)."""
@@ -311,13 +312,14 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         tree_state = reader.child("state")
         self._context.run.iteration = iteration
         self._context.run.seeds.clear()
+        # Every stage checks its own fields (naming itself); errors of the data or of
+        # user functions met while replaying are raised as they are, not as the state's.
         try:
             self._tree.set_state(tree_state)
-        except CheckpointError:
-            raise
-        except (KeyError, TypeError, ValueError, IndexError, StopIteration) as error:
-            # A stage that reads a field unchecked: still the state's fault, say so.
-            raise CheckpointError(f"malformed iterator state: {error!r}") from error
+        except StopIteration:  # a replay off the input's end, in a stage that did not say
+            raise CheckpointError(
+                "iterator state points past the end of the input; it belongs to other data"
+            ) from None
 
     def close(self) -> None:
         """Stop threads, close files and return the budget now. Idempotent."""

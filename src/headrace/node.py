@@ -191,8 +191,9 @@ def _cell_values(fn: types.FunctionType) -> list[Any]:
 # _NO_SAMPLING (refuse: raise SpecNeedsData).
 
 _NO_SAMPLING: Any = object()
-_sampling: contextvars.ContextVar[Any] = contextvars.ContextVar("headrace_spec_sampling",
-                                                                 default=None)
+_sampling: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "headrace_spec_sampling", default=None
+)
 
 
 class SpecNeedsData(Exception):

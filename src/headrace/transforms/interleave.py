@@ -121,6 +121,7 @@ class InterleaveNode(Node):
         self.map_func = map_func
         self.num_parallel_calls = num_parallel_calls
         self.deterministic = deterministic
+        self._spec: Any = None  # learnt from the first input element, when asked for
 
     def params(self) -> tuple[Any, ...]:
         return (
@@ -134,15 +135,14 @@ class InterleaveNode(Node):
     @property
     def element_spec(self) -> Any:
         """The spec of the dataset ``map_func`` makes of the first input element."""
-        spec = self.__dict__.get("_spec")
-        if spec is None:
-            spec = self.inner_node(first_element(self.inputs[0], "interleave")).element_spec
-            self._spec = spec
-        return spec
+        if self._spec is None:
+            first = first_element(self.inputs[0], "interleave")
+            self._spec = self.inner_node(first).element_spec
+        return self._spec
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_spec", None)
+        state["_spec"] = None
         return state
 
     def cardinality(self) -> int:
