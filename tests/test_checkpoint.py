@@ -76,6 +76,17 @@ def test_state_is_small_json_and_never_holds_elements() -> None:
     with iter(ds) as iterator:
         next(iterator)
         state = iterator.get_state()
+
+    def leaves(value: object) -> list[object]:
+        if isinstance(value, dict):
+            return [leaf for item in value.values() for leaf in leaves(item)]
+        if isinstance(value, list):
+            return [leaf for item in value for leaf in leaves(item)]
+        return [value]
+
+    # offsets, counters, seeds and names only: no array, no buffered index list
+    assert all(isinstance(leaf, (int, str, bool, type(None))) for leaf in leaves(state))
+    assert len(leaves(state)) < 30
     assert len(json.dumps(state)) < 2000
 
 
@@ -104,18 +115,25 @@ def test_closed_iterator_raises() -> None:
 
 
 def test_shuffle_checkpoint_on_indices_reads_nothing_to_resume() -> None:
-    reads = []
+    """A shuffle over a random-access source replays its draws on indices: restoring
+    half-way through 100,000 rows reads no row, and the next batch reads its 1,000."""
+    reads: list[int] = []
 
-    class Source:
-        pass
+    def read(row: np.int64) -> np.int64:  # a per-element map keeps random access
+        reads.append(int(row))
+        return row
 
-    ds = hr.Dataset.range(100_000).shuffle(100_000, seed=5).batch(1000)
+    ds = hr.Dataset.range(100_000).map(read).shuffle(100_000, seed=5).batch(1000)
     with iter(ds) as iterator:
         for _ in range(50):
             next(iterator)
         state = iterator.get_state()
         expected = next(iterator)
+    assert len(reads) == 51_000  # the count is real: every batch read its rows
+    reads.clear()
     with iter(ds) as restored:
         restored.set_state(state)
-        np.testing.assert_array_equal(next(restored), expected)
-    assert not reads
+        assert reads == []
+        batch = next(restored)
+        np.testing.assert_array_equal(batch, expected)
+    assert sorted(reads) == sorted(expected.tolist())

@@ -757,11 +757,20 @@ def test_skip_all_of_infinite_input_ends_without_reading() -> None:
 
     tf_ds = _generator_tf().repeat().skip(-1).take(2)
     assert tf_elements(tf_ds) == []
+    reads: list[int] = []
+
+    def generate() -> Any:
+        for value in range(3):
+            reads.append(value)
+            yield value
+
+    hr_ds = hr.Dataset.from_generator(generate, output_signature=hr.TensorSpec((), np.int64))
     result: list[Any] = []
     worker = threading.Thread(
-        target=lambda: result.append(hr_elements(_generator_hr().repeat().skip(-1).take(2))),
+        target=lambda: result.append(hr_elements(hr_ds.repeat().skip(-1).take(2))),
         daemon=True,
     )
     worker.start()
     worker.join(timeout=10)
     assert result == [[]], "headrace's skip(-1) on an infinite input did not end within 10 s"
+    assert reads == []

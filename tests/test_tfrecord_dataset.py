@@ -163,14 +163,27 @@ def test_global_shuffle_is_a_full_permutation_reshuffled_each_epoch() -> None:
 
 
 def test_global_shuffle_resumes_in_constant_time() -> None:
+    import time
+
     ds = hr.Dataset.range(10**9).global_shuffle(seed=2).batch(1000)
     with iter(ds) as iterator:
         next(iterator)
         state = iterator.get_state()
         expected = next(iterator)
-    state["state"]["inputs"][0]["indices"]["position"] = 900_000_000
-    with iter(ds) as resumed:
-        resumed.set_state(state)
-        batch = next(resumed)
+
+    def resume_at(position: int) -> tuple[float, list[np.ndarray]]:
+        state["state"]["inputs"][0]["indices"]["position"] = position
+        with iter(ds) as resumed:
+            started = time.perf_counter()
+            resumed.set_state(state)
+            elapsed = time.perf_counter() - started
+            return elapsed, [next(resumed), next(resumed)]
+
+    _, (first, _) = resume_at(1000)
+    far, (batch, following) = resume_at(900_000_000)
+    np.testing.assert_array_equal(first, expected)  # the same permutation, resumed
+    assert far < 1.0  # ~1 ms: no replay of the 900 million before it (that takes minutes)
     assert batch.shape == (1000,) and batch.min() >= 0 and batch.max() < 10**9
-    assert not np.array_equal(batch, expected)
+    assert len(np.unique(np.concatenate([batch, following]))) == 2000  # a permutation
+    _, (again, _) = resume_at(900_001_000)
+    np.testing.assert_array_equal(again, following)

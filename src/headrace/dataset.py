@@ -17,7 +17,7 @@ import numpy as np
 
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import DatasetIterator
-from headrace.node import INFINITE, UNKNOWN, Node
+from headrace.node import INFINITE, UNKNOWN, Node, known_spec, spec_sampling
 from headrace.options import AUTOTUNE, Options
 from headrace.sources.arrays import RangeNode, TensorSlicesNode, TensorsNode, load_npy
 from headrace.sources.files import TextLineNode, list_files
@@ -158,8 +158,15 @@ class Dataset:
     # -- introspection -------------------------------------------------------------------
     @property
     def element_spec(self) -> Any:
-        """The nested :class:`TensorSpec` of each element (``None`` = unknown size)."""
-        return self._node.element_spec
+        """The nested :class:`TensorSpec` of each element (``None`` = unknown size).
+
+        Where a stage cannot know it without data (``map`` without
+        ``output_signature``, ``interleave``) the first element is read once, with
+        this dataset's options (its memory budget); an empty input is an
+        :class:`ElementSpecError`. Nothing else (building, ``repr``) reads data.
+        """
+        with spec_sampling(self._options):
+            return self._node.element_spec
 
     def cardinality(self) -> int:
         """Number of elements, or ``headrace.INFINITE`` / ``headrace.UNKNOWN`` (as tf.data)."""
@@ -205,14 +212,28 @@ class Dataset:
         map_func: Callable[..., Any],
         num_parallel_calls: int | None = None,
         deterministic: bool | None = None,
+        *,
+        output_signature: Any = None,
     ) -> Dataset:
         """Apply ``map_func`` to each element (a tuple is unpacked into arguments).
 
         ``num_parallel_calls=N`` or ``AUTOTUNE`` runs calls on threads, with
         the work in flight booked on the budget. ``deterministic=None`` means
         the pipeline option (True by default): input order is kept.
+
+        ``output_signature`` (a :class:`TensorSpec` or a nest of them) states
+        the spec of ``map_func``'s results. headrace does not trace functions as
+        tf.data does: without it, :attr:`element_spec` (and stages that need it,
+        such as ``padded_batch``) learn it by reading one input element and
+        calling ``map_func`` on it — avoid that for expensive functions or
+        inputs that cannot be read twice.
         """
-        return self._wrap(MapNode(self._node, map_func, num_parallel_calls, deterministic))
+        return self._wrap(
+            MapNode(
+                self._node, map_func, num_parallel_calls, deterministic,
+                output_signature=output_signature,
+            )
+        )
 
     def filter(self, predicate: Callable[..., Any]) -> Dataset:
         """Keep elements for which ``predicate`` returns a scalar True."""
@@ -424,7 +445,10 @@ class Dataset:
         )
 
     def __repr__(self) -> str:
-        return f"<headrace.Dataset element_spec={self.element_spec!r}>"
+        """Never reads data: a spec that would need it shows as not known yet."""
+        spec = known_spec(self._node)
+        shown = "<known after reading an element>" if spec is None else repr(spec)
+        return f"<headrace.Dataset element_spec={shown}>"
 
 
 def _datasets_as_leaves(structure: Any) -> Any:

@@ -20,6 +20,7 @@ from collections.abc import Iterator as _PyIterator
 from typing import TYPE_CHECKING, Any
 
 from headrace._closing import ClosesOnExit
+from headrace._state import StateReader
 from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.memory.allocator import tune_allocator
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
@@ -57,6 +58,10 @@ class _Run:
 
     def __init__(self, iteration: int) -> None:
         self.iteration = iteration
+        #: Random base seeds of unseeded stages (``shuffle(seed=None)``), by id of their
+        #: node, once a restored state has named them: every later epoch of the run
+        #: then draws from the saved seed, not from the one this process picked.
+        self.seeds: dict[int, int] = {}
 
 
 class Context:
@@ -93,6 +98,17 @@ class Context:
         child.budget = budget
         child._accounts = {}
         return child
+
+    def seed_of(self, node: object, default: int) -> int:
+        """The base seed of an unseeded random stage in this run: ``default`` unless a
+        restored state set another with :meth:`restore_seed`."""
+        return self.run.seeds.get(id(node), default)
+
+    def restore_seed(self, node: object, seed: int) -> None:
+        """Use ``seed`` for ``node`` for the rest of the run (all later epochs too)."""
+        if id(node) not in self.run.seeds:
+            self._keepalive.append(node)  # the id stays valid while this run lives
+        self.run.seeds[id(node)] = seed
 
     def register_preexisting(self, owner: object) -> None:
         """Mark memory the user already had (views into it cost nothing)."""
@@ -168,8 +184,14 @@ class Iterator:
         return {"inputs": [child.get_state() for child in self.inputs]}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Continue from a state produced by :meth:`get_state` of the same pipeline."""
-        for child, child_state in zip(self.inputs, state["inputs"], strict=True):
+        """Continue from a state produced by :meth:`get_state` of the same pipeline.
+
+        Implementations read ``state`` through :class:`~headrace._state.StateReader`,
+        so that a field of the wrong type or out of range is a ``CheckpointError``
+        naming this stage and the field.
+        """
+        children = StateReader(state, self.stage).entries("inputs", len(self.inputs))
+        for child, child_state in zip(self.inputs, children, strict=True):
             child.set_state(child_state)
 
     def close(self) -> None:
@@ -275,7 +297,10 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         """Resume from :meth:`get_state` of an iterator over the same pipeline.
 
         Raises :class:`CheckpointError` if the state comes from another pipeline
-        (fingerprint mismatch) or another state format version.
+        (fingerprint mismatch) or another state format version, or if any field
+        of any stage is of the wrong type or out of range (a counter past the end
+        of a finite input included). A refused state may leave this iterator
+        part-way restored: restore another state or make a new iterator.
         """
         self._check_open()
         if not isinstance(state, dict) or state.get("format") != "headrace.iterator":
@@ -292,13 +317,19 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
                 f"{state.get('fingerprint')!r}, this pipeline is {fingerprint!r}); "
                 "restoring it would feed the wrong data"
             )
+        reader = StateReader(state, "iterator")
+        iteration = reader.integer("iteration")
+        tree_state = reader.child("state")
+        self._context.run.iteration = iteration
+        self._context.run.seeds.clear()
+        # Every stage checks its own fields (naming itself); errors of the data or of
+        # user functions met while replaying are raised as they are, not as the state's.
         try:
-            self._context.run.iteration = int(state["iteration"])
-            self._tree.set_state(state["state"])
-        except (KeyError, TypeError, ValueError, IndexError) as error:
-            if isinstance(error, CheckpointError):
-                raise
-            raise CheckpointError(f"malformed iterator state: {error!r}") from error
+            self._tree.set_state(tree_state)
+        except StopIteration:  # a replay off the input's end, in a stage that did not say
+            raise CheckpointError(
+                "iterator state points past the end of the input; it belongs to other data"
+            ) from None
 
     def close(self) -> None:
         """Stop threads, close files and return the budget now. Idempotent."""

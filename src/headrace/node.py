@@ -16,14 +16,20 @@ index buffer, not a copy of every row.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import hashlib
+import types
 from collections.abc import Callable
+from collections.abc import Iterator as PyIterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     from headrace.iterator import Context, Iterator
+    from headrace.options import Options
 
 __all__ = [
     "INFINITE",
@@ -32,7 +38,14 @@ __all__ = [
     "IndexStream",
     "Node",
     "RandomAccess",
+    "SpecNeedsData",
+    "check_positive",
+    "check_signature",
+    "first_element",
+    "function_fingerprint",
     "function_name",
+    "known_spec",
+    "spec_sampling",
 ]
 
 #: Cardinality of a dataset that never ends (same value as tf.data).
@@ -48,6 +61,193 @@ def function_name(fn: Callable[..., Any]) -> str:
     module = getattr(fn, "__module__", None) or ""
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     return f"{module}.{name}" if module else name
+
+
+def function_fingerprint(fn: Any) -> str:
+    """A digest of what a user function computes, the same in every process.
+
+    A state saved from ``map(lambda x: x + 1)`` must not restore into
+    ``map(lambda x: x * 1000)``: both are ``<lambda>``, so the name alone
+    cannot tell them apart. The digest covers the bytecode (``co_code``, its
+    constants recursively, the names it uses), default arguments and the values
+    of closure cells; callable objects (``functools.partial``, instances with
+    ``__call__``) are described by their function and their attributes. Simple
+    values (numbers, strings, bytes, NumPy scalars and dtypes, and containers of
+    them) count by value; others by type (arrays by dtype and shape, datasets by
+    their fingerprint). Nothing depends on ``id()``, hash randomization, file
+    paths or line numbers, so a checkpoint restores in a new process, and
+    after an edit that only moves code around.
+    """
+    return hashlib.sha256(_Describer().describe(fn, 0).encode()).hexdigest()[:16]
+
+
+_SIMPLE = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), np.generic, np.dtype)
+
+
+class _Describer:
+    """Stable text for :func:`function_fingerprint`, bounded in depth and in total work
+    (a closure over a large object graph costs a few thousand steps, not a walk of it)."""
+
+    MAX_DEPTH = 6
+    MAX_ITEMS = 256  # a longer container counts by type and length only
+    MAX_STEPS = 20_000  # past this, values count by type only
+
+    def __init__(self) -> None:
+        self.active: set[int] = set()  # ids being described: a cycle counts by type
+        self.steps = 0
+
+    def describe(self, value: Any, depth: int) -> str:
+        self.steps += 1
+        if isinstance(value, _SIMPLE):
+            return repr(value)
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        if depth > self.MAX_DEPTH or self.steps > self.MAX_STEPS or id(value) in self.active:
+            return kind
+        if isinstance(value, np.ndarray):
+            return f"{kind}({value.dtype},{value.shape})"
+        if isinstance(value, type):
+            return f"class {value.__module__}.{value.__qualname__}"
+        if isinstance(value, types.ModuleType):
+            return f"module {value.__name__}"
+        if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+            owner = getattr(value, "__self__", None)
+            bound = owner is not None and not isinstance(owner, types.ModuleType)
+            prefix = f"{type(owner).__qualname__}." if bound else ""
+            return f"builtin {getattr(value, '__module__', '')}.{prefix}{value.__qualname__}"
+        node = value if isinstance(value, Node) else getattr(value, "_node", None)
+        if isinstance(node, Node):  # a Dataset captured by a function (zip, interleave)
+            return f"dataset {node.fingerprint()}"
+        self.active.add(id(value))
+        try:
+            return self._compound(value, kind, depth + 1)
+        finally:
+            self.active.discard(id(value))
+
+    def _compound(self, value: Any, kind: str, depth: int) -> str:
+        def each(items: Any) -> str:
+            return ",".join(self.describe(item, depth) for item in items)
+
+        if isinstance(value, (tuple, list, set, frozenset, dict)) and len(value) > self.MAX_ITEMS:
+            return f"{kind}[{len(value)}]"
+        if isinstance(value, (tuple, list)):
+            return f"{kind}({each(value)})"
+        if isinstance(value, (set, frozenset)):  # sorted: iteration order follows the hash seed
+            return f"{kind}({','.join(sorted(self.describe(v, depth) for v in value))})"
+        if isinstance(value, dict):
+            pairs = (f"{self.describe(k, depth)}:{self.describe(v, depth)}" for k, v in value.items())
+            return f"{kind}({','.join(sorted(pairs))})"
+        if isinstance(value, types.CodeType):
+            return (
+                f"code({value.co_name};{value.co_argcount};{value.co_kwonlyargcount};"
+                f"{value.co_code.hex()};{each(value.co_consts)};{','.join(value.co_names)};"
+                f"{','.join(value.co_varnames)})"
+            )
+        if isinstance(value, types.FunctionType):
+            return (
+                f"function {value.__module__}.{value.__qualname__}("
+                f"{self.describe(value.__code__, depth)};{each(_cell_values(value))};"
+                f"{self.describe(value.__defaults__, depth)};"
+                f"{self.describe(value.__kwdefaults__, depth)})"
+            )
+        if isinstance(value, types.MethodType):
+            return f"method({each((value.__func__, value.__self__))})"
+        if isinstance(value, functools.partial):
+            return f"partial({each((value.func, value.args, value.keywords))})"
+        # any other object: its class, what calling it runs, and its attributes
+        call = next(
+            (cls.__dict__["__call__"] for cls in type(value).__mro__ if "__call__" in cls.__dict__),
+            None,
+        )
+        fields = dict(getattr(value, "__dict__", None) or {})
+        for cls in type(value).__mro__:
+            slots = getattr(cls, "__slots__", ())
+            for name in [slots] if isinstance(slots, str) else slots:
+                if hasattr(value, name):
+                    fields[name] = getattr(value, name)
+        code = self.describe(call, depth) if isinstance(call, types.FunctionType) else ""
+        name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+        named = name if isinstance(name, str) else ""  # e.g. NumPy's ufuncs: add, multiply
+        return f"object {kind} {named}({code};{self.describe(fields, depth)})"
+
+
+def _cell_values(fn: types.FunctionType) -> list[Any]:
+    """The values of ``fn``'s closure cells (a cell not assigned yet counts as a marker)."""
+    values: list[Any] = []
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # the enclosing function has not assigned it yet
+            values.append("<unassigned cell>")
+    return values
+
+
+# -- element specs that may need data ------------------------------------------------------
+#
+# A few nodes (map without output_signature, interleave) learn their element spec by
+# reading the first element. That must never happen by surprise: not for repr(), not
+# while a pipeline is being built, and when it does happen it runs under the
+# pipeline's own options (its memory budget), not the defaults. The mode below says
+# which: None (sample with default options), an Options (sample with those), or
+# _NO_SAMPLING (refuse: raise SpecNeedsData).
+
+_NO_SAMPLING: Any = object()
+_sampling: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "headrace_spec_sampling", default=None
+)
+
+
+class SpecNeedsData(Exception):
+    """``element_spec`` would have to read data, and the caller asked it not to."""
+
+
+@contextlib.contextmanager
+def spec_sampling(options: Options | None) -> PyIterator[None]:
+    """Within this block, element specs that need data read it with ``options``."""
+    token = _sampling.set(options)
+    try:
+        yield
+    finally:
+        _sampling.reset(token)
+
+
+def known_spec(node: Node) -> Any | None:
+    """``node``'s element spec if it is known without reading any data, else None.
+
+    Constructors use it to validate what they can at build time, leaving the rest
+    for when the spec is asked for (building a pipeline never runs user code).
+    """
+    token = _sampling.set(_NO_SAMPLING)
+    try:
+        return node.element_spec
+    except SpecNeedsData:
+        return None
+    finally:
+        _sampling.reset(token)
+
+
+def first_element(source: Node, stage: str, hint: str = "") -> Any:
+    """The first element of ``source``, read to learn a spec (a probe: no iteration counted).
+
+    Raises :class:`SpecNeedsData` where sampling is off, and an
+    :class:`~headrace.errors.ElementSpecError` naming ``stage`` (plus ``hint``, how to
+    avoid the read) if the input is empty — never a bare ``StopIteration``.
+    """
+    from headrace.errors import ElementSpecError
+    from headrace.iterator import DatasetIterator
+    from headrace.options import Options
+
+    mode = _sampling.get()
+    if mode is _NO_SAMPLING:
+        raise SpecNeedsData(stage)
+    options = (mode or Options()).merge(Options(warn_on_shrink=False))
+    with DatasetIterator(source, options, probe=True) as iterator:
+        try:
+            return next(iterator)
+        except StopIteration:
+            raise ElementSpecError(
+                f"{stage}: its element_spec is found by applying the function to the first "
+                f"input element, but the input is empty{hint}"
+            ) from None
 
 
 class RandomAccess:
@@ -256,3 +456,16 @@ def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> int:
         bound = ">= 0" if allow_zero else "> 0"
         raise InvalidArgumentError(f"{name} must be {bound}, got {value}")
     return int(value)
+
+
+def check_signature(signature: Any, stage: str) -> Any:
+    """Validate an ``output_signature`` at build time: a TensorSpec or a nest of them."""
+    from headrace.errors import InvalidArgumentError
+    from headrace.structure import TensorSpec, flatten
+
+    for leaf in flatten(signature):
+        if not isinstance(leaf, TensorSpec):
+            raise InvalidArgumentError(
+                f"{stage}: output_signature leaves must be TensorSpec, got {leaf!r}"
+            )
+    return signature

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from headrace._state import StateReader
 from headrace.errors import InvalidArgumentError, add_note
 from headrace.io.filepool import FileLimiter, FilePool, PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
@@ -202,7 +203,7 @@ class _RecordBatches(Iterator):
         return {"records": self.records.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.records.set_state(state["records"])
+        self.records.set_state(StateReader(state, "batch").child("records"))
 
 
 class _FileRecordsIterator(Iterator):
@@ -291,12 +292,30 @@ class _FileRecordsIterator(Iterator):
         return {"file": self.file_index, "offset": offset}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, self.stage)
+        files = len(self.node.filenames)
+        file_index = reader.integer("file", high=files, why=f"there are {files} files")
+        offset = reader.integer("offset")
+        if file_index == files and offset:
+            raise reader.error("offset", f"= {offset}, but 'file' says every file was read")
+        if file_index < files and not self.node.compression_type:
+            name = self.node.filenames[file_index]
+            size = _size_or_none(name)
+            if size is not None and offset > size:  # compressed offsets count decompressed bytes
+                raise reader.error("offset", f"= {offset} is past the end of {name} ({size} bytes)")
         self._close_file()
-        self.file_index = int(state["file"])
-        self.start_offset = int(state["offset"])
+        self.file_index, self.start_offset = file_index, offset
 
     def close(self) -> None:
         self._close_file()
+
+
+def _size_or_none(path: str) -> int | None:
+    """The file's size; None if it cannot be read now (opening it will say why)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
 
 
 class TextLineNode(FileRecordsNode):

@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from headrace._state import StateReader, replay
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.iterator import Context, Iterator
-from headrace.node import UNKNOWN, Node, function_name
+from headrace.node import UNKNOWN, Node, check_signature, function_fingerprint, function_name
 from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
 
 __all__ = ["GeneratorNode"]
@@ -86,15 +87,15 @@ class GeneratorNode(Node):
                 "from_generator: output_signature is required (a TensorSpec or a "
                 "nested structure of them)"
             )
-        for leaf in flatten(output_signature):
-            if not isinstance(leaf, TensorSpec):
-                raise InvalidArgumentError(
-                    f"from_generator: output_signature leaves must be TensorSpec, got {leaf!r}"
-                )
+        check_signature(output_signature, "from_generator")
         self.generator, self.signature, self.args = generator, output_signature, tuple(args or ())
 
     def params(self) -> tuple[Any, ...]:
-        return (function_name(self.generator), repr(self.signature), len(self.args))
+        return (
+            function_fingerprint(self.generator),
+            repr(self.signature),
+            function_fingerprint(self.args),
+        )
 
     @property
     def element_spec(self) -> Any:
@@ -167,14 +168,17 @@ class _GeneratorIterator(Iterator):
         return {"produced": self.produced}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        target = StateReader(state, "from_generator").integer("produced")
         self.close()
-        self.produced = int(state["produced"])
         self.failed = bool(state.get("failed", False))
         if self.failed:  # ended by its error: nothing to replay
+            self.produced = target
             return
-        self.source = self._start()
-        for _ in range(self.produced):
-            next(self.source)
+        source = self.source = self._start()
+        self.produced = 0
+        # a generator ending before ``target`` means the state is not of this data
+        replay(lambda: next(source), target, "from_generator", "produced")
+        self.produced = target
 
     def close(self) -> None:
         if self.source is not None:

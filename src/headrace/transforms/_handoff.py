@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from headrace._state import past_end
 from headrace.iterator import Iterator
 from headrace.memory.budget import NO_RESERVATION, Reservation, release_all
 
@@ -95,20 +96,20 @@ class Handoff:
         self.errors = None
 
 
-def restore_input(inner: Iterator, state: dict[str, Any]) -> None:
-    """Restore ``inner`` to ``state["inner"]``, then pull the ``state["skip"]`` positions
-    that were already handed out (see :meth:`Handoff.state`).
+def restore_input(inner: Iterator, inner_state: dict[str, Any], skip: int, stage: str) -> None:
+    """Restore ``inner`` to ``inner_state``, then pull the ``skip`` positions that were
+    already handed out (see :meth:`Handoff.state`).
 
     An error met while skipping was delivered as that position in the original run:
-    it counts as one position and is not raised again. An input that ends early
-    (a stream that is not deterministic) simply ends.
+    it counts as one position and is not raised again. An input that ends before
+    ``skip`` positions means the state is not of this data: a CheckpointError.
     """
-    inner.set_state(state["inner"])
-    for _ in range(int(state["skip"])):
+    inner.set_state(inner_state)
+    for done in range(skip):
         try:
             _, reservation = inner.next_reserved()
         except StopIteration:
-            return
+            raise past_end(stage, "skip", skip, done) from None
         except Exception:  # delivered at this position before: it counts, once
             continue
         reservation.release()

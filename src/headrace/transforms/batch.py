@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace._state import StateReader
 from headrace.errors import (
     ElementSpecError,
 )
@@ -225,8 +226,9 @@ class Assembler(Iterator):
         return {"inner": self.inner.get_state(), "position": self.position}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.position = int(state["position"])
+        reader = StateReader(state, self.stage)
+        self.position = reader.integer("position")
+        self.inner.set_state(reader.child("inner"))
 
 
 def _leaf_dtype(leaf: Any) -> np.dtype[Any]:

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace._state import INT64_MAX, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
@@ -69,7 +70,7 @@ class _EnumerateIterator(Iterator):
 
     def __init__(self, inner: Iterator, start: int) -> None:
         super().__init__(inner)
-        self.inner, self.next_value = inner, start
+        self.inner, self.next_value, self.start = inner, start, start
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         element, reservation = self.inner.next_reserved()
@@ -81,5 +82,7 @@ class _EnumerateIterator(Iterator):
         return {"inner": self.inner.get_state(), "next": self.next_value}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.next_value = int(state["next"])
+        reader = StateReader(state, "enumerate")
+        # counts up from start; the value must still fit the int64 it is handed out as
+        self.next_value = reader.integer("next", low=self.start, high=INT64_MAX)
+        self.inner.set_state(reader.child("inner"))

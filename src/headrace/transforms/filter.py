@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from headrace._state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import UNKNOWN, Node, UnaryNode, function_name
+from headrace.node import UNKNOWN, Node, UnaryNode, function_fingerprint, function_name
 from headrace.transforms.map import apply_fn
 
 __all__ = ["FilterNode"]
@@ -41,7 +42,7 @@ class FilterNode(UnaryNode):
         self.predicate = predicate
 
     def params(self) -> tuple[Any, ...]:
-        return (function_name(self.predicate),)
+        return (function_fingerprint(self.predicate),)
 
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()
@@ -78,5 +79,6 @@ class _FilterIterator(Iterator):
         return {"inner": self.inner.get_state(), "index": self.index}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.index = int(state.get("index", 0))
+        reader = StateReader(state, self.stage)
+        self.inner.set_state(reader.child("inner"))
+        self.index = reader.integer("index") if "index" in state else 0

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace._state import INT64_MAX, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context
 from headrace.node import IndexPlan, IndexStream, Indices, Node, UnaryNode, check_positive
@@ -90,21 +91,26 @@ class GlobalShuffleNode(UnaryNode):
     def params(self) -> tuple[Any, ...]:
         return (self.seed, self.reshuffle)
 
+    def epoch_of(self, ctx: Context) -> list[int]:
+        """What keys the permutation besides the seed: which iteration and repetition it is."""
+        return [ctx.run.iteration, *ctx.epochs] if self.reshuffle else []
+
     def index_plan(self) -> IndexPlan | None:
         access = self.inputs[0].random_access()
         assert access is not None
         size = len(access)
 
         def make(ctx: Context) -> IndexStream:
-            epoch = [ctx.run.iteration, *ctx.epochs] if self.reshuffle else []
-            return _PermutedIndices(size, self.base_seed, epoch)
+            return _PermutedIndices(self, ctx, size, self.epoch_of(ctx))
 
         return access, make
 
 
 class _PermutedIndices(IndexStream):
-    def __init__(self, size: int, seed: int, epoch: list[int]) -> None:
-        self.size, self.seed, self.epoch = size, seed, epoch
+    def __init__(self, node: GlobalShuffleNode, ctx: Context, size: int, epoch: list[int]) -> None:
+        self.node, self.ctx = node, ctx
+        # seed=None: a restored run keeps the saved seed for every later epoch too
+        self.size, self.seed, self.epoch = size, ctx.seed_of(node, node.base_seed), epoch
         self.position = 0
         self._permutation = self._build()
         self._cache: tuple[int, np.ndarray[Any, Any]] = (0, np.empty(0, np.int64))
@@ -142,8 +148,19 @@ class _PermutedIndices(IndexStream):
         return {"position": self.position, "seed": self.seed, "epoch": self.epoch}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.position = int(state["position"])
-        self.seed = int(state["seed"])
-        self.epoch = [int(part) for part in state["epoch"]]
+        node, reader = self.node, StateReader(state, "global_shuffle")
+        position = reader.integer("position", high=self.size, why=f"the input has {self.size} elements")
+        seed = reader.integer("seed", high=max(INT64_MAX, node.seed or 0))
+        if node.seed is not None and seed != node.seed:
+            raise reader.error("seed", f"= {seed}, but this global_shuffle has seed={node.seed}")
+        epoch, expected = reader.integers("epoch"), node.epoch_of(self.ctx)
+        if epoch != expected:
+            raise reader.error(
+                "epoch", f"= {epoch}, but this iterator is at {expected} (its iteration "
+                "and the epoch of each enclosing repeat)"
+            )
+        if node.seed is None:
+            self.ctx.restore_seed(node, seed)
+        self.position, self.seed, self.epoch = position, seed, epoch
         self._permutation = self._build()
         self._cache = (0, np.empty(0, np.int64))

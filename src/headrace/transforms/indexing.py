@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace._state import StateReader
 from headrace.iterator import Iterator
 from headrace.node import IndexStream, Indices, RandomAccess
 
@@ -53,7 +54,9 @@ class SequentialIndices(IndexStream):
         return {"position": self.position}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.position = int(state["position"])
+        self.position = StateReader(state, "source").integer(
+            "position", high=self.size, why=f"the source has {self.size} elements"
+        )
 
 
 def _concat(blocks: list[Indices]) -> Indices:
@@ -86,19 +89,30 @@ def take_all(stream: IndexStream, count: int) -> Indices:
 
 
 class _CountingIndices(IndexStream):
-    """An index stream over another, plus one counter: what take/skip/shard keep."""
+    """An index stream over another, plus one counter: what take/skip/shard keep.
+
+    The counter only counts down from its start (take, skip); a restored one
+    must lie between 0 and that start. ``limit`` None: it counts up, unbounded.
+    """
 
     counter = "count"
+    stage = "index"
 
     def __init__(self, inner: IndexStream, value: int) -> None:
         self.inner, self.value = inner, value
+        self.limit: int | None = value
 
     def get_state(self) -> dict[str, Any]:
         return {"inner": self.inner.get_state(), self.counter: self.value}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.value = int(state[self.counter])
+        reader = StateReader(state, self.stage)
+        self.value = (
+            reader.integer(self.counter)
+            if self.limit is None
+            else reader.integer(self.counter, high=self.limit, why=f"{self.stage}({self.limit})")
+        )
+        self.inner.set_state(reader.child("inner"))
 
     def close(self) -> None:
         self.inner.close()
@@ -108,6 +122,7 @@ class TakeIndices(_CountingIndices):
     """The first ``count`` indices of the inner stream."""
 
     counter = "remaining"
+    stage = "take"
 
     def take(self, count: int) -> Indices:
         block = self.inner.take(min(count, self.value))
@@ -119,6 +134,7 @@ class SkipIndices(_CountingIndices):
     """The inner stream without its first ``count`` indices (read nothing for them)."""
 
     counter = "to_skip"
+    stage = "skip"
 
     def take(self, count: int) -> Indices:
         while self.value:
@@ -134,9 +150,11 @@ class ShardIndices(_CountingIndices):
     """Every ``num_shards``-th index starting at ``index`` (tf.data's ``shard``)."""
 
     counter = "seen"  # indices consumed from the inner stream
+    stage = "shard"
 
     def __init__(self, inner: IndexStream, num_shards: int, index: int) -> None:
         super().__init__(inner, 0)
+        self.limit = None
         self.num_shards, self.index = num_shards, index
 
     def take(self, count: int) -> Indices:
@@ -151,6 +169,7 @@ class RepeatIndices(IndexStream):
 
     def __init__(self, make_inner: Callable[[int], IndexStream], count: int) -> None:
         self.make_inner, self.count = make_inner, count  # count < 0: forever
+        self.initial_count = count
         self.epoch = 0
         self.inner = make_inner(0)
         self.produced_this_epoch = 0
@@ -183,12 +202,23 @@ class RepeatIndices(IndexStream):
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, "repeat")
+        count = self.initial_count
+        # an empty input ends the repetition by setting count to 0
+        saved_count = reader.integer("count", low=-1, high=max(count, 0))
+        if saved_count not in (count, 0):
+            raise reader.error("count", f"= {saved_count}, but this repeat has count={count}")
+        epoch = (
+            reader.integer("epoch")
+            if saved_count < 0
+            else reader.integer("epoch", high=max(count, 0), why=f"repeat({count})")
+        )
+        produced = reader.integer("produced")
+        inner_state = reader.child("inner")
         self.inner.close()
-        self.count = int(state["count"])
-        self.epoch = int(state["epoch"])
-        self.produced_this_epoch = int(state["produced"])
+        self.count, self.epoch, self.produced_this_epoch = saved_count, epoch, produced
         self.inner = self.make_inner(self.epoch)
-        self.inner.set_state(state["inner"])
+        self.inner.set_state(inner_state)
 
     def close(self) -> None:
         self.inner.close()
@@ -206,7 +236,7 @@ class _Gather(Iterator):
         return {"indices": self.stream.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.stream.set_state(state["indices"])
+        self.stream.set_state(StateReader(state, self.stage).child("indices"))
 
     def close(self) -> None:
         self.stream.close()

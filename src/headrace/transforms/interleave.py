@@ -49,10 +49,18 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
-from headrace.errors import InvalidArgumentError, note_element_error
+from headrace._state import StateReader
+from headrace.errors import CheckpointError, InvalidArgumentError, note_element_error
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
-from headrace.node import UNKNOWN, Node, check_positive, function_name
+from headrace.node import (
+    UNKNOWN,
+    Node,
+    check_positive,
+    first_element,
+    function_fingerprint,
+    function_name,
+)
 from headrace.options import AUTOTUNE
 from headrace.transforms._wait_watch import WaitWatch
 from headrace.transforms.map import apply_fn
@@ -121,10 +129,11 @@ class InterleaveNode(Node):
         self.map_func = map_func
         self.num_parallel_calls = num_parallel_calls
         self.deterministic = deterministic
+        self._spec: Any = None  # learnt from the first input element, when asked for
 
     def params(self) -> tuple[Any, ...]:
         return (
-            function_name(self.map_func),
+            function_fingerprint(self.map_func),
             self.cycle_length,
             self.block_length,
             self.num_parallel_calls,
@@ -133,11 +142,16 @@ class InterleaveNode(Node):
 
     @property
     def element_spec(self) -> Any:
-        from headrace.iterator import DatasetIterator
-        from headrace.options import Options
+        """The spec of the dataset ``map_func`` makes of the first input element."""
+        if self._spec is None:
+            first = first_element(self.inputs[0], "interleave")
+            self._spec = self.inner_node(first).element_spec
+        return self._spec
 
-        with DatasetIterator(self.inputs[0], Options(warn_on_shrink=False), probe=True) as iterator:
-            return self.inner_node(next(iterator)).element_spec
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_spec"] = None
+        return state
 
     def cardinality(self) -> int:
         return 0 if self.inputs[0].cardinality() == 0 else UNKNOWN
@@ -390,23 +404,44 @@ class _InterleaveIterator(Iterator):
             ],
         }
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._close_all()
-        self._reset()
+    def _read_state(self, state: dict[str, Any]) -> tuple[StateReader, list[Any], bool]:
+        """Check every field before anything is closed: the reader, the slots, threaded."""
+        node, reader = self.node, StateReader(state, "interleave")
         # States without the key come from before AUTOTUNE could stay sequential: slots
         # read ahead whenever num_parallel_calls was set.
-        saved_threaded = bool(state.get("threaded", self.may_thread))
+        threaded = reader.flag("threaded") if "threaded" in state else self.may_thread
+        if threaded and not self.may_thread:
+            raise reader.error("threaded", "is true, but this interleave has no num_parallel_calls")
+        reader.child("input")
+        reader.integer("cycle_index", high=node.cycle_length - 1, why="cycle_length")
+        reader.integer("block_index", high=node.block_length - 1, why="block_length")
+        reader.flag("end_of_input")
+        slots = reader.entries("slots", node.cycle_length)
+        for index, saved in enumerate(slots):
+            if saved is not None:
+                slot = StateReader(saved, f"interleave slot {index}")
+                slot.child("input_before")
+                slot.child("inner")
+        return reader, slots, threaded
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        reader, saved_slots, saved_threaded = self._read_state(state)
+        self._close_all()
+        self._reset()
         if saved_threaded and not self.threaded:  # AUTOTUNE had switched: switch again
             self._start_threads()
         elif self.watch is not None:  # not switched: watch afresh from here
             self.watch = WaitWatch()
-        for index, saved in enumerate(state["slots"]):
+        for index, saved in enumerate(saved_slots):
             if saved is None:
                 continue
             self.input.set_state(saved["input_before"])
             slot = self._pull_input(start=False)
             if slot is None:
-                raise InvalidArgumentError("interleave state refers to a missing input element")
+                raise CheckpointError(
+                    f"interleave: state field 'slots' [{index}] names an input element past "
+                    "the end of the input; the state belongs to other data"
+                )
             inner = saved["inner"]
             if self.threaded and not saved_threaded:  # saved before this iterator switched
                 inner = PrefetchIterator.state_at(inner)
@@ -419,11 +454,11 @@ class _InterleaveIterator(Iterator):
                 slot.iterator.start()
             self.slots[index] = slot
             self.num_open += 1
-        self.input.set_state(state["input"])
-        self.cycle_index = int(state["cycle_index"])
-        self.block_index = int(state["block_index"])
-        self.end_of_input = bool(state["end_of_input"])
-        self.input_index = int(state.get("input_index", 0))
+        self.input.set_state(reader.child("input"))
+        self.cycle_index = reader.integer("cycle_index")
+        self.block_index = reader.integer("block_index")
+        self.end_of_input = reader.flag("end_of_input")
+        self.input_index = reader.integer("input_index") if "input_index" in state else 0
 
     def _close_all(self) -> None:
         for index in range(len(self.slots)):

@@ -24,10 +24,19 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from headrace._state import StateReader
 from headrace.errors import InvalidArgumentError, note_element_error
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
-from headrace.node import IndexPlan, Node, RandomAccess, function_name
+from headrace.node import (
+    IndexPlan,
+    Node,
+    RandomAccess,
+    check_signature,
+    first_element,
+    function_fingerprint,
+    function_name,
+)
 from headrace.options import AUTOTUNE
 from headrace.structure import TensorSpec, map_structure, spec_of
 from headrace.transforms._handoff import Handoff, restore_input
@@ -60,6 +69,7 @@ class MapNode(Node):
         deterministic: bool | None,
         *,
         stage: str | None = None,
+        output_signature: Any = None,
     ) -> None:
         super().__init__(source)
         if not callable(fn):
@@ -77,10 +87,18 @@ class MapNode(Node):
         self.num_parallel_calls = num_parallel_calls
         self.deterministic = deterministic
         self.stage = stage or f"map({function_name(fn)})"
+        self.signature = (
+            None if output_signature is None else check_signature(output_signature, self.stage)
+        )
         self._spec: Any = None
 
     def params(self) -> tuple[Any, ...]:
-        return (function_name(self.fn), self.num_parallel_calls, self.deterministic)
+        return (
+            function_fingerprint(self.fn),
+            self.num_parallel_calls,
+            self.deterministic,
+            repr(self.signature),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -89,16 +107,15 @@ class MapNode(Node):
 
     @property
     def element_spec(self) -> Any:
-        """Found by applying ``fn`` to the first input element (tf.data traces instead)."""
+        """The ``output_signature`` given, or else found by applying ``fn`` to the first
+        input element (tf.data traces instead), under the pipeline's options."""
+        if self.signature is not None:
+            return self.signature
         if self._spec is None:
-            from headrace.iterator import DatasetIterator
-            from headrace.options import Options
-
-            with DatasetIterator(
-                self.inputs[0], Options(warn_on_shrink=False), probe=True
-            ) as iterator:
-                sample = apply_fn(self.fn, next(iterator))
-            self._spec = _relaxed(spec_of(sample))
+            element = first_element(
+                self.inputs[0], self.stage, "; pass map(..., output_signature=...) to state it"
+            )
+            self._spec = _relaxed(spec_of(apply_fn(self.fn, element)))
         return self._spec
 
     def cardinality(self) -> int:
@@ -177,8 +194,9 @@ class _MapIterator(Iterator):
         return {"inner": self.inner.get_state(), "index": self.index}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.index = int(state.get("index", 0))
+        reader = StateReader(state, self.stage)
+        self.inner.set_state(reader.child("inner"))
+        self.index = reader.integer("index") if "index" in state else 0
 
 
 def _apply_chunk(
@@ -394,10 +412,14 @@ class _ParallelMapIterator(Iterator):
         return {"inner": self.state_after_last_input, "skip": 0, "index": self.next_index}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, self.stage)
+        inner_state = reader.child("inner")
+        # outputs of the chunk already handed out: a position inside one chunk
+        skip = reader.integer("skip", high=_MAX_CHUNK + 1, why="the largest chunk and its error")
         self._drop_calls()
-        restore_input(self.inner, state)
+        restore_input(self.inner, inner_state, skip, self.stage)
         self.state_after_last_input = self.inner.get_state()
-        self.next_index = int(state.get("index", 0))
+        self.next_index = reader.integer("index") if "index" in state else 0
         self.exhausted = False
 
     def _drop_calls(self) -> None:

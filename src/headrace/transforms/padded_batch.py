@@ -17,7 +17,7 @@ from headrace.errors import DataLossError, ElementSpecError, InvalidArgumentErro
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
-from headrace.node import Node, check_positive
+from headrace.node import Node, check_positive, known_spec, spec_sampling
 from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
 from headrace.transforms.batch import Assembler, batched_cardinality
 
@@ -62,7 +62,17 @@ class PaddedBatchNode(Node):
         super().__init__(source)
         self.batch_size = check_positive("padded_batch: batch_size", batch_size)
         self.drop_remainder = bool(drop_remainder)
-        spec = source.element_spec
+        self.padded_shapes, self.padding_values = padded_shapes, padding_values
+        self.shapes: list[tuple[int | None, ...]] | None = None
+        # Checked now when the input's spec is known without reading data (building a
+        # pipeline never runs user code); otherwise when the spec is first needed.
+        spec = known_spec(source)
+        if spec is not None:
+            self._lay_out(spec)
+
+    def _lay_out(self, spec: Any) -> None:
+        """The padded shape, padding value and path of each component, from the input spec."""
+        padded_shapes, padding_values = self.padded_shapes, self.padding_values
         spec_leaves = flatten(spec)
         paths = structure_paths(spec)
         if padded_shapes is None:
@@ -109,11 +119,17 @@ class PaddedBatchNode(Node):
         self.shapes, self.pads, self.paths = shapes, pads, paths
 
     def params(self) -> tuple[Any, ...]:
-        return (self.batch_size, self.drop_remainder, tuple(self.shapes), repr(self.pads))
+        return (
+            self.batch_size, self.drop_remainder, repr(self.padded_shapes),
+            repr(self.padding_values),
+        )
 
     @property
     def element_spec(self) -> Any:
         spec = self.inputs[0].element_spec
+        if self.shapes is None:
+            self._lay_out(spec)
+        assert self.shapes is not None
         size = self.batch_size if self.drop_remainder else None
         leaves = [
             TensorSpec((size, *shape), leaf.dtype, leaf.kind)
@@ -127,6 +143,9 @@ class PaddedBatchNode(Node):
         )
 
     def make_iterator(self, ctx: Context) -> Iterator:
+        if self.shapes is None:
+            with spec_sampling(ctx.options):  # reads a first element, under this run's budget
+                self._lay_out(self.inputs[0].element_spec)
         return _PaddedBatchIterator(
             self.inputs[0].make_iterator(ctx),
             ctx,
@@ -160,7 +179,8 @@ class _PaddedBatchIterator(Assembler):
         self, inner: Iterator, ctx: Context, account: StageAccount, node: PaddedBatchNode
     ) -> None:
         super().__init__(inner, ctx, account)
-        self.node = node
+        assert node.shapes is not None  # laid out by make_iterator
+        self.node, self.shapes = node, node.shapes
 
     def next_reserved(self) -> tuple[Any, Reservation]:
         node = self.node
@@ -174,7 +194,7 @@ class _PaddedBatchIterator(Assembler):
             columns = list(zip(*(flatten(e) for e in elements), strict=True))
             plans = [
                 self._target(list(column), shape, path, first)
-                for column, shape, path in zip(columns, node.shapes, node.paths, strict=True)
+                for column, shape, path in zip(columns, self.shapes, node.paths, strict=True)
             ]
             # The output's size is known before it exists: book it first (G1).
             nbytes = sum(
@@ -191,7 +211,7 @@ class _PaddedBatchIterator(Assembler):
             leaves = [
                 self._fill(arrays, target, dtype, pad, shape, path, first)
                 for (arrays, target, dtype), pad, shape, path in zip(
-                    plans, node.pads, node.shapes, node.paths, strict=True
+                    plans, node.pads, self.shapes, node.paths, strict=True
                 )
             ]
         except BaseException:

@@ -21,6 +21,7 @@ import threading
 from collections import deque
 from typing import Any
 
+from headrace._state import StateReader
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import NO_RESERVATION, BudgetClosed, Reservation, StageAccount
 from headrace.node import Node, UnaryNode, check_positive
@@ -311,8 +312,12 @@ class PrefetchIterator(Iterator):
         return {"inner": inner_state, "skip": 0}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, "prefetch")
+        inner_state = reader.child("inner")
+        # elements of the chunk already handed out: a position inside one chunk
+        skip = reader.integer("skip", high=_CHUNK + 1, why="the largest chunk and its error")
         self._stop()
-        restore_input(self.inner, state)
+        restore_input(self.inner, inner_state, skip, "prefetch")
         self.state_at_start = self.inner.get_state()
 
     def _stop(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from headrace._state import StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
@@ -100,14 +101,25 @@ class _RepeatIterator(Iterator):
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, "repeat")
+        count = self.count
+        # a new epoch starts only while another is due: epoch < count
+        epoch = (
+            reader.integer("epoch")
+            if count < 0
+            else reader.integer("epoch", high=max(count - 1, 0), why=f"repeat({count})")
+        )
+        produced = reader.integer("produced")
+        inner_state = reader.optional_child("inner")
+        if count == 0 and inner_state is not None:
+            raise reader.error("inner", "must be null: repeat(0) has no input iterator")
         if self.inner is not None:
             self.inner.close()
-        self.epoch = int(state["epoch"])
-        self.produced_this_epoch = int(state["produced"])
-        if state["inner"] is None:
+        self.epoch, self.produced_this_epoch = epoch, produced
+        if inner_state is None:
             self.inner = None
             self.inputs = ()
             return
         self.inner = self.source.make_iterator(self.ctx.with_epoch(self.epoch))
-        self.inner.set_state(state["inner"])
         self.inputs = (self.inner,)
+        self.inner.set_state(inner_state)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from headrace._state import StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
@@ -76,5 +77,6 @@ class _ShardIterator(Iterator):
         return {"inner": self.inner.get_state(), "position": self.position}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.position = int(state["position"])
+        reader = StateReader(state, "shard")
+        self.position = reader.integer("position")
+        self.inner.set_state(reader.child("inner"))

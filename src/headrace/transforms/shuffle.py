@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import CheckpointError
+from headrace._state import INT64_MAX, StateReader, past_end, replay
 from headrace.io._native import native_module
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
@@ -171,8 +171,9 @@ class _ShuffleState:
     """The parts of the state both shuffle paths share: epoch, draws, input start."""
 
     def __init__(self, node: ShuffleNode, ctx: Context, inner_start: dict[str, Any]) -> None:
-        self.node = node
-        self.seed = node.base_seed
+        self.node, self.ctx = node, ctx
+        # seed=None: a restored run keeps the saved seed for every later epoch too
+        self.seed = ctx.seed_of(node, node.base_seed)
         self.epoch = node.epoch_of(ctx)
         self.draws = _Draws(_epoch_key(self.seed, self.epoch))
         self.inner_start = inner_start
@@ -186,14 +187,34 @@ class _ShuffleState:
             **extra,
         }
 
-    def restore(self, state: dict[str, Any]) -> int:
-        if self.node.seed is not None and int(state["seed"]) != self.node.seed:
-            raise CheckpointError("shuffle state was saved with another seed")
-        self.seed = int(state["seed"])
-        self.epoch = [int(part) for part in state["epoch"]]
-        self.draws = _Draws(_epoch_key(self.seed, self.epoch))
-        self.inner_start = state["inner_start"]
-        return int(state["drawn"])
+    def restore(self, state: dict[str, Any]) -> tuple[StateReader, int]:
+        """Check and take the shared fields; the reader (for the rest) and the draw count.
+
+        The draw count is bounded by the input's size when that is known, so a
+        forged count is refused at once instead of replaying for hours.
+        """
+        node, reader = self.node, StateReader(state, "shuffle")
+        seed = reader.integer("seed", high=max(INT64_MAX, node.seed or 0))
+        if node.seed is not None and seed != node.seed:
+            raise reader.error("seed", f"= {seed}, but this shuffle has seed={node.seed}")
+        epoch = reader.integers("epoch")
+        expected = node.epoch_of(self.ctx)
+        if epoch != expected:
+            raise reader.error(
+                "epoch", f"= {epoch}, but this iterator is at {expected} (its iteration "
+                "and the epoch of each enclosing repeat)"
+            )
+        size = node.inputs[0].cardinality()
+        drawn = (
+            reader.integer("drawn", high=size, why=f"the input has {size} elements")
+            if size >= 0 else reader.integer("drawn")
+        )
+        self.inner_start = reader.child("inner_start")
+        if node.seed is None:
+            self.ctx.restore_seed(node, seed)
+        self.seed, self.epoch = seed, epoch
+        self.draws = _Draws(_epoch_key(seed, epoch))
+        return reader, drawn
 
 
 def _draw_python(
@@ -304,11 +325,16 @@ class _ShuffledIndices(IndexStream):
         return self.shared.as_dict(capacity=self.capacity)
 
     def set_state(self, state: dict[str, Any]) -> None:
-        drawn = self.shared.restore(state)
+        reader, drawn = self.shared.restore(state)
+        capacity = reader.integer("capacity", 1, self.node.buffer_size, why="the buffer_size")
         self.inner.set_state(self.shared.inner_start)
-        self._reset(min(int(state["capacity"]), self.node.buffer_size))
-        while drawn:  # replay the draws: indices only, no data is read
-            drawn -= len(self.take(min(drawn, 1 << 16)))
+        self._reset(capacity)
+        done = 0
+        while done < drawn:  # replay the draws: indices only, no data is read
+            block = len(self.take(min(drawn - done, 1 << 16)))
+            if not block:
+                raise past_end("shuffle", "drawn", drawn, done)
+            done += block
 
     def close(self) -> None:
         self.account.release(self.booked)
@@ -387,16 +413,17 @@ class _ShuffleIterator(Iterator):
         return self.shared.as_dict(shrunk_to=self.shrunk_to)
 
     def set_state(self, state: dict[str, Any]) -> None:
-        drawn = self.shared.restore(state)
+        reader, drawn = self.shared.restore(state)
+        shrunk_to = reader.optional_integer(
+            "shrunk_to", 1, self.node.buffer_size, why="the buffer_size"
+        )
         self._clear()
         self.inner.set_state(self.shared.inner_start)
-        self.shrunk_to = state.get("shrunk_to")
-        if self.shrunk_to is not None:
-            self.ring.capacity = int(self.shrunk_to)
+        self.shrunk_to = shrunk_to
+        if shrunk_to is not None:
+            self.ring.capacity = shrunk_to
         self.exhausted = False
-        for _ in range(drawn):
-            _, reservation = self.next_reserved()
-            reservation.release()
+        replay(lambda: self.next_reserved()[1].release(), drawn, "shuffle", "drawn")
 
     def _clear(self) -> None:
         release_all(reservation for _, reservation in self.ring.items())

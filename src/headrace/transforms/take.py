@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from headrace._state import StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
@@ -58,7 +59,7 @@ class _TakeIterator(Iterator):
 
     def __init__(self, inner: Iterator, count: int) -> None:
         super().__init__(inner)
-        self.inner, self.remaining = inner, count
+        self.inner, self.remaining, self.count = inner, count, count
 
     def __next__(self) -> Any:
         if self.remaining == 0:
@@ -78,8 +79,9 @@ class _TakeIterator(Iterator):
         return {"inner": self.inner.get_state(), "remaining": self.remaining}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.remaining = int(state["remaining"])
+        reader = StateReader(state, "take")
+        self.remaining = reader.integer("remaining", high=self.count, why=f"take({self.count})")
+        self.inner.set_state(reader.child("inner"))
 
 
 class SkipNode(UnaryNode):
@@ -127,7 +129,7 @@ class _EmptyIterator(Iterator):
         return {}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        pass
+        StateReader(state, "skip")  # nothing to restore, but it must be a state
 
 
 class _SkipIterator(Iterator):
@@ -135,7 +137,7 @@ class _SkipIterator(Iterator):
 
     def __init__(self, inner: Iterator, count: int) -> None:
         super().__init__(inner)
-        self.inner, self.to_skip = inner, count
+        self.inner, self.to_skip, self.count = inner, count, count
 
     def _skip(self) -> None:
         while self.to_skip > 0:
@@ -155,5 +157,6 @@ class _SkipIterator(Iterator):
         return {"inner": self.inner.get_state(), "to_skip": self.to_skip}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.to_skip = int(state["to_skip"])
+        reader = StateReader(state, "skip")
+        self.to_skip = reader.integer("to_skip", high=self.count, why=f"skip({self.count})")
+        self.inner.set_state(reader.child("inner"))

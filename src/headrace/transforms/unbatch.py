@@ -13,14 +13,33 @@ from typing import Any
 
 import numpy as np
 
+from headrace._state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
-from headrace.node import INFINITE, UNKNOWN, Node, check_positive
+from headrace.node import INFINITE, UNKNOWN, Node, check_positive, known_spec
 from headrace.structure import flatten, map_structure, pack_as, structure_paths
 
 __all__ = ["RebatchNode", "UnbatchNode"]
+
+
+def _check_batched(stage: str, spec: Any) -> Any:
+    """``spec`` if every component has rank >= 1 (something to take rows from)."""
+    for leaf, path in zip(flatten(spec), structure_paths(spec), strict=True):
+        if not leaf.shape:
+            raise InvalidArgumentError(
+                f"{stage}: component {path} is a scalar; the input must be batched "
+                "(every component needs rank >= 1)"
+            )
+    return spec
+
+
+def _static_rows(source: Node) -> int | None:
+    """The number of rows every input batch has, if known without reading data."""
+    spec = known_spec(source)
+    rows = {leaf.shape[0] if leaf.shape else None for leaf in flatten(spec)} if spec is not None else set()
+    return rows.pop() if len(rows) == 1 else None
 
 
 class UnbatchNode(Node):
@@ -28,26 +47,22 @@ class UnbatchNode(Node):
 
     def __init__(self, source: Node) -> None:
         super().__init__(source)
-        for leaf, path in zip(
-            flatten(source.element_spec), structure_paths(source.element_spec), strict=True
-        ):
-            if not leaf.shape:
-                raise InvalidArgumentError(
-                    f"unbatch: component {path} is a scalar; the input must be batched "
-                    "(every component needs rank >= 1)"
-                )
+        spec = known_spec(source)  # else checked when asked for: building reads no data
+        if spec is not None:
+            _check_batched("unbatch", spec)
 
     @property
     def element_spec(self) -> Any:
-        return map_structure(lambda leaf: leaf.without_leading(), self.inputs[0].element_spec)
+        spec = _check_batched("unbatch", self.inputs[0].element_spec)
+        return map_structure(lambda leaf: leaf.without_leading(), spec)
 
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()
         if inner == INFINITE:
             return INFINITE
-        rows = {leaf.shape[0] for leaf in flatten(self.inputs[0].element_spec)}
-        if inner >= 0 and len(rows) == 1 and None not in rows:
-            return inner * int(rows.pop())  # every batch has the same static size
+        rows = _static_rows(self.inputs[0])  # never reads data to count
+        if inner >= 0 and rows is not None:
+            return inner * rows  # every batch has the same static size
         return UNKNOWN
 
     def make_iterator(self, ctx: Context) -> Iterator:
@@ -119,12 +134,24 @@ class _RowSource(Iterator):
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, self.stage)
+        before = reader.child("inner_before_current")
+        rows = reader.integer("rows_taken")
         self.close_current()
-        self.inner.set_state(state["inner_before_current"])
-        self.state_before_current = state["inner_before_current"]
-        rows = int(state["rows_taken"])
+        self.inner.set_state(before)
+        self.state_before_current = before
         if rows:
-            self.rows().position = rows
+            try:
+                current = self.rows()
+            except StopIteration:
+                raise reader.error(
+                    "rows_taken", f"= {rows}, but the input has no batch left to take rows from"
+                ) from None
+            if rows > current.size:
+                raise reader.error(
+                    "rows_taken", f"= {rows}, but the batch it counts in has {current.size} rows"
+                )
+            current.position = rows
 
     def close_current(self) -> None:
         if self.current is not None:
@@ -161,20 +188,16 @@ class RebatchNode(Node):
         if not any(self.sizes):
             raise InvalidArgumentError(f"rebatch: batch_size must have a size > 0, got {sizes}")
         self.drop_remainder = bool(drop_remainder)
-        for leaf, path in zip(
-            flatten(source.element_spec), structure_paths(source.element_spec), strict=True
-        ):
-            if not leaf.shape:
-                raise InvalidArgumentError(
-                    f"rebatch: component {path} is a scalar; the input must be batched (rank >= 1)"
-                )
+        spec = known_spec(source)  # else checked when asked for: building reads no data
+        if spec is not None:
+            _check_batched("rebatch", spec)
 
     def params(self) -> tuple[Any, ...]:
         return (tuple(self.sizes), self.drop_remainder)
 
     @property
     def element_spec(self) -> Any:
-        spec = self.inputs[0].element_spec
+        spec = _check_batched("rebatch", self.inputs[0].element_spec)
         return map_structure(lambda leaf: leaf.without_leading().with_leading(self._static()), spec)
 
     def _static(self) -> int | None:
@@ -184,8 +207,7 @@ class RebatchNode(Node):
         size = self.sizes[0]
         if self.drop_remainder:
             return size
-        rows = {leaf.shape[0] for leaf in flatten(self.inputs[0].element_spec)}
-        known = rows.pop() if len(rows) == 1 else None
+        known = _static_rows(self.inputs[0])
         return size if known is not None and known % size == 0 else None
 
     def make_iterator(self, ctx: Context) -> Iterator:
@@ -248,5 +270,5 @@ class _RebatchIterator(_RowSource):
         return {**super().get_state(), "batch_number": self.batch_number}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        self.batch_number = StateReader(state, "rebatch").integer("batch_number")
         super().set_state(state)
-        self.batch_number = int(state["batch_number"])

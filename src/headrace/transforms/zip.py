@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from headrace._state import StateReader
 from headrace.errors import ElementSpecError
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import INFINITE, UNKNOWN, Node, RandomAccess
+from headrace.node import INFINITE, UNKNOWN, Node, RandomAccess, known_spec
 from headrace.structure import flatten, map_structure, pack_as
 
 __all__ = ["ConcatenateNode", "ZipNode"]
@@ -107,10 +108,17 @@ class ConcatenateNode(Node):
 
     def __init__(self, first: Node, second: Node) -> None:
         super().__init__(first, second)
-        self.spec = _check_compatible(first.element_spec, second.element_spec)
+        # Checked now when both specs are known without reading data (building a
+        # pipeline never runs user code); otherwise when the spec is first asked for.
+        self.spec: Any = None
+        specs = known_spec(first), known_spec(second)
+        if specs[0] is not None and specs[1] is not None:
+            self.spec = _check_compatible(*specs)
 
     @property
     def element_spec(self) -> Any:
+        if self.spec is None:
+            self.spec = _check_compatible(*(node.element_spec for node in self.inputs))
         return self.spec
 
     def cardinality(self) -> int:
@@ -170,5 +178,5 @@ class _ConcatenateIterator(Iterator):
         return {**super().get_state(), "current": self.current}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        self.current = StateReader(state, "concatenate").integer("current", high=len(self.inputs))
         super().set_state(state)
-        self.current = int(state["current"])

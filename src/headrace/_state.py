@@ -1,0 +1,127 @@
+"""Reading iterator states back: every field checked for type and range (G4).
+
+A state handed to ``set_state`` may come from a file someone edited, from
+another version of a pipeline, or from a bug; restoring it blindly can hang
+(replaying 10**15 shuffle draws), feed wrong data silently (a negative
+``take`` counter that never reaches zero) or fail far from the cause (a bare
+``StopIteration`` when a counter points past the end of the input). So every
+``set_state`` reads its state through :class:`StateReader`, which raises
+:class:`~headrace.errors.CheckpointError` naming the stage and the field, and
+replays through :func:`replay`, which turns "the input ended first" into the
+same error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from headrace.errors import CheckpointError
+
+__all__ = ["INT64_MAX", "StateReader", "past_end", "replay"]
+
+#: Counters are int64 wherever NumPy touches them; anything larger is corrupt.
+INT64_MAX = (1 << 63) - 1
+
+_MISSING = object()
+
+
+class StateReader:
+    """One stage's state dict, read field by field with the checks each field needs.
+
+    ``stage`` names the stage in every error (``"shuffle"``, ``"take"``, ...),
+    so a user with a rejected checkpoint sees which part of which pipeline
+    disagreed and what value it held.
+    """
+
+    def __init__(self, state: Any, stage: str) -> None:
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"{stage}: its state must be a dict, got {type(state).__name__} {state!r:.60}"
+            )
+        self.state: dict[str, Any] = state
+        self.stage = stage
+
+    def error(self, key: str, problem: str) -> CheckpointError:
+        """The error for field ``key`` of this stage's state."""
+        return CheckpointError(f"{self.stage}: state field {key!r} {problem}")
+
+    def raw(self, key: str) -> Any:
+        """A field whatever its type; missing is an error."""
+        value = self.state.get(key, _MISSING)
+        if value is _MISSING:
+            raise CheckpointError(
+                f"{self.stage}: state has no field {key!r} (it has {sorted(self.state)})"
+            )
+        return value
+
+    def integer(self, key: str, low: int = 0, high: int = INT64_MAX, *, why: str = "") -> int:
+        """An int in ``[low, high]``; ``why`` explains the upper bound in the error."""
+        return self._check_int(key, self.raw(key), low, high, why)
+
+    def optional_integer(
+        self, key: str, low: int = 0, high: int = INT64_MAX, *, why: str = ""
+    ) -> int | None:
+        """Like :meth:`integer`, but ``None`` (or a missing key) is allowed."""
+        value = self.state.get(key)
+        return None if value is None else self._check_int(key, value, low, high, why)
+
+    def _check_int(self, key: str, value: Any, low: int, high: int, why: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(key, f"must be an int, got {type(value).__name__} {value!r:.60}")
+        if not low <= value <= high:
+            reason = f" ({why})" if why else ""
+            raise self.error(key, f"= {value} is out of range: it must be in [{low}, {high}]{reason}")
+        return value
+
+    def flag(self, key: str) -> bool:
+        value = self.raw(key)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {value!r:.60}")
+        return value
+
+    def child(self, key: str) -> dict[str, Any]:
+        """A nested state (an input's), checked to be a dict; its own stage checks the rest."""
+        value = self.raw(key)
+        if not isinstance(value, dict):
+            raise self.error(key, f"must be a state dict, got {type(value).__name__} {value!r:.60}")
+        return value
+
+    def optional_child(self, key: str) -> dict[str, Any] | None:
+        return None if self.raw(key) is None else self.child(key)
+
+    def entries(self, key: str, length: int | None = None) -> list[Any]:
+        value = self.raw(key)
+        if not isinstance(value, list):
+            raise self.error(key, f"must be a list, got {type(value).__name__} {value!r:.60}")
+        if length is not None and len(value) != length:
+            raise self.error(key, f"has {len(value)} entries, this pipeline needs {length}")
+        return value
+
+    def integers(
+        self, key: str, length: int | None = None, low: int = 0, high: int = INT64_MAX
+    ) -> list[int]:
+        values = self.entries(key, length)
+        return [self._check_int(f"{key}[{i}]", v, low, high, "") for i, v in enumerate(values)]
+
+
+def replay(pull: Callable[[], object], count: int, stage: str, key: str) -> None:
+    """Call ``pull`` ``count`` times to replay a stream up to its checkpoint.
+
+    ``pull`` raises ``StopIteration`` when the input ends: the state then
+    points past the end of this input, which is a :class:`CheckpointError`
+    (never a bare ``StopIteration`` escaping from ``set_state``).
+    """
+    for done in range(count):
+        try:
+            pull()
+        except StopIteration:
+            raise past_end(stage, key, count, done) from None
+
+
+def past_end(stage: str, key: str, count: int, done: int) -> CheckpointError:
+    """The error for a replay of ``count`` elements whose input ended after ``done``."""
+    return CheckpointError(
+        f"{stage}: state field {key!r} = {count} points past the end of the input, "
+        f"which ended after {done} elements; the state belongs to other data"
+    )

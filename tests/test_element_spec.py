@@ -1,0 +1,173 @@
+"""element_spec never reads data by surprise; when it must, it reads under the user's options."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import headrace as hr
+
+
+class Counting:
+    """A generator source and a map function that count how often they run."""
+
+    def __init__(self, n: int = 6) -> None:
+        self.n = n
+        self.generator_runs = 0
+        self.calls = 0
+
+    def source(self) -> hr.Dataset:
+        def generate() -> Any:
+            self.generator_runs += 1
+            yield from (np.arange(3, dtype=np.float32) + i for i in range(self.n))
+
+        return hr.Dataset.from_generator(
+            generate, output_signature=hr.TensorSpec((3,), np.float32)
+        )
+
+    def fn(self, x: Any) -> Any:
+        self.calls += 1
+        return x * 2
+
+
+# Every way a stage may want its input's spec while being built.
+STAGES: dict[str, Callable[[hr.Dataset], hr.Dataset]] = {
+    "batch": lambda ds: ds.batch(2),
+    "padded_batch": lambda ds: ds.padded_batch(2),
+    "padded_batch_shapes": lambda ds: ds.padded_batch(2, padded_shapes=[4]),
+    "unbatch": lambda ds: ds.unbatch(),
+    "rebatch": lambda ds: ds.batch(2).rebatch(3),
+    "concatenate": lambda ds: ds.concatenate(ds),
+    "zip": lambda ds: hr.Dataset.zip(ds, ds),
+    "enumerate": lambda ds: ds.enumerate(),
+    "shuffle": lambda ds: ds.shuffle(4, seed=1),
+    "prefetch": lambda ds: ds.prefetch(2),
+    "take": lambda ds: ds.take(3),
+    "filter": lambda ds: ds.filter(lambda x: True),
+    "interleave": lambda ds: ds.interleave(
+        lambda x: hr.Dataset.from_tensors(x), cycle_length=2
+    ),
+    "cast": lambda ds: ds.cast(np.float16),
+}
+
+
+@given(st.lists(st.sampled_from(sorted(STAGES)), min_size=1, max_size=4))
+@settings(max_examples=60, deadline=None)
+def test_building_a_pipeline_and_its_repr_run_no_user_code(stages: list[str]) -> None:
+    counting = Counting()
+    ds = counting.source().map(counting.fn)
+    for stage in stages:
+        ds = STAGES[stage](ds)
+    text = repr(ds)
+    assert (counting.generator_runs, counting.calls) == (0, 0), stages
+    assert "element_spec=<known after reading an element>" in text
+
+
+def test_repr_shows_a_spec_known_without_data() -> None:
+    ds = hr.Dataset.range(4).batch(2, drop_remainder=True)
+    assert repr(ds) == (
+        "<headrace.Dataset element_spec=TensorSpec(shape=(2,), dtype=int64)>"
+    )
+
+
+def test_element_spec_reads_one_element_when_it_must() -> None:
+    counting = Counting()
+    ds = counting.source().map(counting.fn).padded_batch(2)
+    spec = ds.element_spec
+    assert spec == hr.TensorSpec((None, None), np.float32)
+    assert counting.generator_runs == 1
+    assert counting.calls == 1  # one element, one call
+    assert ds.element_spec == spec and counting.calls == 1  # and only once
+
+
+def test_output_signature_states_the_spec_so_nothing_is_sampled() -> None:
+    counting = Counting()
+    signature = hr.TensorSpec((3,), np.float32)
+    ds = counting.source().map(counting.fn, output_signature=signature)
+    assert ds.element_spec == signature
+    assert ds.padded_batch(2, padded_shapes=[5]).element_spec == hr.TensorSpec(
+        (None, 5), np.float32
+    )
+    assert ds.unbatch().element_spec == hr.TensorSpec((), np.float32)
+    assert (counting.generator_runs, counting.calls) == (0, 0)
+    assert [b.shape for b in ds.padded_batch(4, padded_shapes=[5])] == [(4, 5), (2, 5)]
+    assert counting.calls == 6
+    other = counting.source().map(counting.fn, output_signature=hr.TensorSpec((3,), np.float64))
+    assert other.fingerprint() != ds.fingerprint()
+
+
+def test_output_signature_must_be_tensor_specs() -> None:
+    with pytest.raises(hr.InvalidArgumentError, match="output_signature leaves must be TensorSpec"):
+        hr.Dataset.range(3).map(lambda x: x, output_signature=(np.int64,))
+
+
+@pytest.mark.parametrize(
+    "build, hint",
+    [
+        (lambda ds: ds.map(lambda x: x), "output_signature"),
+        (lambda ds: ds.map(lambda x: x).batch(2), "output_signature"),
+        (lambda ds: ds.interleave(lambda x: hr.Dataset.from_tensors(x), cycle_length=1), ""),
+    ],
+)
+def test_an_empty_input_gives_a_clear_error_not_stop_iteration(
+    build: Callable[[hr.Dataset], hr.Dataset], hint: str
+) -> None:
+    empty = hr.Dataset.from_generator(lambda: iter([]), output_signature=hr.TensorSpec((), np.int64))
+    ds = build(empty)
+    with pytest.raises(hr.ElementSpecError, match=f"the input is empty.*{hint}"):
+        _ = ds.element_spec
+    assert "known after reading" in repr(ds)
+    assert list(ds) == []  # iterating an empty pipeline needs no spec
+
+
+def test_padded_batch_over_an_empty_unknown_spec_input_says_why_when_iterated() -> None:
+    empty = hr.Dataset.from_generator(lambda: iter([]), output_signature=hr.TensorSpec((), np.int64))
+    ds = empty.map(lambda x: x).padded_batch(2)  # builds: nothing is read
+    with pytest.raises(hr.ElementSpecError, match=r"map.*the input is empty"):
+        list(ds)
+
+
+def test_checks_that_need_the_spec_run_when_it_is_known() -> None:
+    counting = Counting()
+    ds = counting.source().map(counting.fn)
+    mixed = ds.concatenate(hr.Dataset.range(3))  # float32 rows vs int64 scalars
+    wrong = ds.padded_batch(2, padded_shapes=[4, 4])
+    scalar = counting.source().map(lambda x: x[0]).unbatch()
+    assert counting.calls == 0
+    with pytest.raises(hr.ElementSpecError, match=r"concatenate: component dtypes differ"):
+        _ = mixed.element_spec
+    with pytest.raises(
+        hr.InvalidArgumentError, match=r"padded shape \(4, 4\) for element has rank 2, but"
+    ):
+        _ = wrong.element_spec
+    with pytest.raises(hr.InvalidArgumentError, match="unbatch: component element is a scalar"):
+        _ = scalar.element_spec
+
+
+def test_sampling_a_spec_runs_under_the_pipelines_memory_budget() -> None:
+    """The probe that reads the first element fills the shuffle buffer: with the
+    user's 1 MiB budget it stops after a few 64 KiB elements; with the default
+    budget (half the machine) it would read all 1,000."""
+    pulled = []
+
+    def generate() -> Any:
+        for i in range(1000):
+            pulled.append(i)
+            yield np.full(1 << 16, i % 256, np.uint8)
+
+    ds = (
+        hr.Dataset.from_generator(generate, output_signature=hr.TensorSpec((1 << 16,), np.uint8))
+        .shuffle(1000, seed=1)
+        .map(lambda x: x[:2])
+        .with_options(hr.Options(memory_budget="1MiB"))
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the probe's shrink is not the user's business
+        assert ds.element_spec == hr.TensorSpec((None,), np.uint8)
+    assert 0 < len(pulled) < 40
