@@ -41,11 +41,11 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, MemoryBudgetError
 from headrace.iterator import Context, Iterator
-from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
+from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
 from headrace.node import UNKNOWN, Node, check_positive, function_name
-from headrace.options import AUTOTUNE
+from headrace.options import AUTOTUNE, format_bytes
 from headrace.transforms._wait_watch import WaitWatch
 from headrace.transforms.map import apply_fn
 from headrace.transforms.prefetch import PrefetchIterator
@@ -157,7 +157,9 @@ class _Slot:
     """One open inner pipeline: its iterator, its budget, where its input element was.
 
     ``queue`` is the account of the read-ahead queue (registered whenever threads may
-    be used, so the budget's split never depends on timing); ``ctx`` the inner context.
+    be used, so the budget's split never depends on timing); ``ctx`` the inner context;
+    ``owned`` books the arrays the inner recipe holds (made by the interleave function).
+    Closing the slot returns all of it: nothing of an inner pipeline outlives its slot.
     """
 
     def __init__(
@@ -167,13 +169,17 @@ class _Slot:
         input_before: dict[str, Any],
         ctx: Context,
         queue: StageAccount | None,
+        owned: Reservation,
     ) -> None:
         self.iterator, self.budget, self.input_before = iterator, budget, input_before
-        self.ctx, self.queue = ctx, queue
+        self.ctx, self.queue, self.owned = ctx, queue, owned
 
     def close(self) -> None:
         self.budget.close()
-        self.iterator.close()
+        try:
+            self.iterator.close()
+        finally:
+            self.owned.release()
 
 
 class _InterleaveIterator(Iterator):
@@ -228,16 +234,30 @@ class _InterleaveIterator(Iterator):
     # -- slots -------------------------------------------------------------------------
     def _open_slot(self, element: Any, input_before: dict[str, Any], *, start: bool) -> _Slot:
         node = self.node
-        budget = MemoryBudget(
-            max(self.account.limit // node.cycle_length, 1), parent=self.ctx.budget
-        )
+        share = max(self.account.limit // node.cycle_length, 1)
+        budget = MemoryBudget(share, parent=self.ctx.budget)
         inner_ctx = self.ctx.with_budget(budget)
         iterator = node.inner_node(element).make_iterator(inner_ctx)
+        # Arrays the function made for this inner dataset live as long as the slot: they
+        # are booked on the stage's account, and the slot's budget is the rest of its part.
+        owned_bytes = inner_ctx.owned_bytes
+        if owned_bytes >= share:
+            iterator.close()
+            raise MemoryBudgetError(
+                f"stage 'interleave': the dataset {function_name(node.map_func)} made holds "
+                f"{format_bytes(owned_bytes)} of arrays, more than one slot's part of the "
+                f"memory budget ({format_bytes(share)}: the stage's "
+                f"{format_bytes(self.account.limit)} / cycle_length {node.cycle_length}). "
+                "Raise Options(memory_budget=...), lower cycle_length, or make the inner "
+                "datasets smaller."
+            )
+        owned = self.account.charge(owned_bytes) if owned_bytes else NO_RESERVATION
+        budget.total = share - owned_bytes
         queue = budget.account("interleave slot", weight=1) if self.may_thread else None
         budget.allot()
         if self.gate is not None:
             iterator = self._read_ahead(iterator, inner_ctx, queue, self.gate, start=start)
-        return _Slot(iterator, budget, input_before, inner_ctx, queue)
+        return _Slot(iterator, budget, input_before, inner_ctx, queue, owned)
 
     def _read_ahead(
         self,
