@@ -28,7 +28,13 @@ from headrace.io.tfrecord import (
     TFRecordReader,
     records_in_spans,
 )
-from headrace.io.tfrecord_index import TFRecordIndex, build_index, index_path_for, load_index
+from headrace.io.tfrecord_index import (
+    StaleIndexError,
+    TFRecordIndex,
+    build_index,
+    index_path_for,
+    load_index,
+)
 from headrace.iterator import Context
 from headrace.node import Node, RandomAccess
 from headrace.sources.files import FileRecordsNode, RecordReader, _filenames, file_limiter
@@ -158,8 +164,10 @@ class _IndexedAccess(RandomAccess):
 
     def __init__(self, node: IndexedTFRecordNode) -> None:
         self.node = node
-        self.indexes = [load_index(name) for name in node.filenames]
-        self.starts = np.cumsum([0] + [len(index) for index in self.indexes]).tolist()
+        # Loaded on first use (a plan is made more often than it is read), checked again
+        # against the shard then; each costs 8 bytes a record and holds no descriptor.
+        self.loaded: dict[int, TFRecordIndex] = {}
+        self.starts = np.cumsum([0, *node.counts]).tolist()
         self.streams: dict[int, PooledStream] = {}
         self.ctx: Context | None = None
 
@@ -168,6 +176,19 @@ class _IndexedAccess(RandomAccess):
 
     def prepare(self, ctx: Context) -> None:
         self.ctx = ctx
+
+    def _index(self, shard: int) -> TFRecordIndex:
+        index = self.loaded.get(shard)
+        if index is None:
+            name = self.node.filenames[shard]
+            index = self.loaded[shard] = load_index(name)
+            if len(index) != self.node.counts[shard]:
+                raise StaleIndexError(
+                    f"index of {name} now lists {len(index)} records, "
+                    f"{self.node.counts[shard]} when the dataset was built",
+                    path=name,
+                )
+        return index
 
     def _stream(self, shard: int) -> PooledStream:
         stream = self.streams.get(shard)
@@ -185,7 +206,7 @@ class _IndexedAccess(RandomAccess):
         if not 0 <= index < len(self):
             raise IndexError(f"record {index} of {len(self)}")
         shard = bisect.bisect_right(self.starts, index) - 1
-        index_file, local = self.indexes[shard], index - self.starts[shard]
+        index_file, local = self._index(shard), index - self.starts[shard]
         offset = int(index_file.offsets[local])
         size = index_file.payload_length(local) + RECORD_OVERHEAD_BYTES
         (record,) = records_in_spans(
@@ -217,7 +238,7 @@ class _IndexedAccess(RandomAccess):
 
     def _read_shard(self, shard: int, local: np.ndarray[Any, Any]) -> list[bytes]:
         """Records ``local`` (sorted, distinct) of one shard."""
-        index = self.indexes[shard]
+        index = self._index(shard)
         offsets, following = index.offsets, local + 1
         begins = offsets[local].astype(np.int64)
         ends = np.where(
