@@ -36,8 +36,15 @@ from headrace.io.tfrecord_index import (
     load_index,
 )
 from headrace.iterator import Context
+from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.node import Node, RandomAccess
-from headrace.sources.files import FileRecordsNode, RecordReader, _filenames, file_limiter
+from headrace.sources.files import (
+    FileRecordsNode,
+    RecordReader,
+    _filenames,
+    file_limiter,
+    record_cost,
+)
 from headrace.structure import TensorSpec
 
 __all__ = ["IndexedTFRecordNode", "TFRecordNode", "tfrecord_node"]
@@ -88,7 +95,8 @@ class TFRecordNode(FileRecordsNode):
         )
 
 
-#: Records read per call when elements are pulled one at a time (interleave, map).
+#: Records read per call when elements are pulled one at a time (interleave, map), at
+#: most: the bytes read ahead are bounded by the room left on the stage's share too.
 _READ_AHEAD_RECORDS = 64
 
 
@@ -97,30 +105,66 @@ class _TFRecordReaderAdapter:
 
     One record at a time is served from a small read-ahead list, so a pipeline
     pulling single records (an interleave, a per-record map) still scans the
-    framing in C many records per call.
+    framing in C many records per call. The list is bounded in bytes by the room
+    left on the stage's account and booked on it (one chunk) before it is held:
+    the first record's length is read from its header and checked against the
+    share before its payload is read; the others stop at the room left. Each
+    served record carries its part of the booking downstream.
     """
 
     def __init__(self, reader: TFRecordReader) -> None:
         self.reader = reader
         self.ahead: list[bytes] = []
+        self.parts: list[Reservation] = []
         self.served = 0
 
-    def read_record(self) -> bytes | None:
+    def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         if self.served == len(self.ahead):
-            self.ahead = self.reader.read_batch(_READ_AHEAD_RECORDS)
-            self.served = 0
+            self._read_ahead(account)
             if not self.ahead:
                 return None
-        record = self.ahead[self.served]
+        index = self.served
         self.served += 1
-        return record
+        part, self.parts[index] = self.parts[index], NO_RESERVATION
+        return self.ahead[index], part
 
-    def read_batch(self, max_records: int) -> list[bytes]:
-        if self.served < len(self.ahead):
-            records = self.ahead[self.served : self.served + max_records]
-            self.served += len(records)
+    def _read_ahead(self, account: StageAccount) -> None:
+        self.release()
+        length = self.reader.next_length()
+        first = 0 if length is None else record_cost(length)
+        if first > account.limit:
+            account.charge(first)  # raises MemoryBudgetError: a record that cannot fit
+        room = account.limit - account.held
+        # one record always (held beside the rest only when other readers share the
+        # account: zip of a dataset with itself); more only within the room left
+        max_bytes = max(room - _READ_AHEAD_RECORDS * record_cost(0), 0)
+        records = self.reader.read_batch(_READ_AHEAD_RECORDS, max_bytes)
+        self.parts = account.charge_chunk([record_cost(len(r)) for r in records]) if records else []
+        self.ahead = records
+        self.served = 0
+
+    def read_batch(self, max_records: int, max_bytes: int) -> list[bytes]:
+        if self.served < len(self.ahead):  # served first; booked again by the caller
+            end = min(self.served + max_records, len(self.ahead))
+            records = self.ahead[self.served : end]
+            for index in range(self.served, end):
+                self.parts[index].release()
+            self.served = end
             return records
-        return self.reader.read_batch(max_records)
+        return self.reader.read_batch(max_records, max_bytes)
+
+    def next_length(self) -> int | None:
+        if self.served < len(self.ahead):
+            return None  # read_batch serves what was read ahead first
+        return self.reader.next_length()
+
+    def release(self) -> None:
+        """Give back the bookings of records read ahead and not served."""
+        for part in self.parts[self.served :]:
+            part.release()
+        self.ahead, self.parts, self.served = [], [], 0
+
+    close = release
 
     @property
     def next_offset(self) -> int:
