@@ -11,13 +11,19 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import headrace as hr
 from headrace.errors import MemoryBudgetError
+from headrace.io.tfrecord import write_tfrecord
 from headrace.memory.budget import MemoryBudget, StageAccount
 
 MiB = 1 << 20
@@ -33,22 +39,25 @@ def live(kind: type) -> int:
     return sum(1 for obj in gc.get_objects() if isinstance(obj, kind))
 
 
-def expected_interleave(inputs: list[int], make, cycle_length: int) -> list[int]:
-    """tf.data's interleave order for block_length 1 (a reference, in plain Python)."""
-    slots: list[list[int] | None] = [None] * cycle_length
-    pending, out, index = list(inputs), [], 0
+def expected_interleave(inputs: list[Any], make, cycle_length: int, block_length: int = 1) -> list:
+    """tf.data's interleave order (interleave_dataset_op.cc), in plain Python."""
+    slots: list[list[Any] | None] = [None] * cycle_length
+    pending = list(inputs)
+    out: list[Any] = []
+    cycle = block = 0
     while pending or any(slot is not None for slot in slots):
-        slot = slots[index]
+        slot = slots[cycle]
         if slot is None and pending:
-            slots[index] = slot = list(make(pending.pop(0)))
+            slots[cycle] = list(make(pending.pop(0)))
             continue
-        if slot is not None:
-            if slot:
-                out.append(slot.pop(0))
-                index = (index + 1) % cycle_length
+        if slot:
+            out.append(slot.pop(0))
+            block += 1
+            if block < block_length:
                 continue
-            slots[index] = None
-        index = (index + 1) % cycle_length
+        elif slot is not None:
+            slots[cycle] = None  # an exhausted input is noticed on a visit, which moves on
+        block, cycle = 0, (cycle + 1) % cycle_length
     return out
 
 
@@ -144,3 +153,80 @@ def test_memory_is_flat_across_epochs_measured(mode: str) -> None:
     assert count == 48 * 6 * 2
     # 48 more epochs made 288 arrays of 8 MB (2.3 GB): none of them may stay alive
     assert growth <= 48 * MiB, f"grew {growth / MiB:.0f} MiB"
+
+
+# ------------------------------------------------------------- random pipelines, random sizes
+
+
+@st.composite
+def record_files(draw: st.DrawFn) -> list[list[int]]:
+    """Record sizes per file: small ones, and in some files a sudden 100x jump."""
+    files = []
+    for _ in range(draw(st.integers(1, 4))):
+        sizes = draw(st.lists(st.integers(12, 3000), max_size=8))
+        if sizes and draw(st.booleans()):
+            jump = draw(st.integers(0, len(sizes) - 1))
+            sizes[jump:] = [size * 100 for size in sizes[jump:]]
+        files.append(sizes)
+    return files
+
+
+def write_files(directory: Path, kind: str, sizes: list[list[int]]) -> tuple[list[str], list]:
+    names, contents = [], []
+    for index, file_sizes in enumerate(sizes):
+        records = [(b"%d.%d:" % (index, j)).ljust(size, b"z") for j, size in enumerate(file_sizes)]
+        name = str(directory / f"{index}.{kind}")
+        if kind == "tfrecord":
+            write_tfrecord(name, records)
+        else:
+            Path(name).write_bytes(b"".join(record + b"\n" for record in records))
+        names.append(name)
+        contents.append(records)
+    return names, contents
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=record_files(),
+    kind=st.sampled_from(["tfrecord", "text"]),
+    shape=st.sampled_from(["direct", "interleave", "flat_map"]),
+    cycle_length=st.integers(1, 3),
+    block_length=st.integers(1, 3),
+    threads=st.sampled_from([None, 2]),
+    after=st.sampled_from(["none", "batch", "map_prefetch"]),
+    batch_size=st.integers(1, 4),
+    budget_mib=st.integers(8, 64),
+)
+def test_random_reader_pipelines_deliver_everything_in_order_within_the_budget(
+    sizes, kind, shape, cycle_length, block_length, threads, after, batch_size, budget_mib
+) -> None:
+    reader = hr.TFRecordDataset if kind == "tfrecord" else hr.TextLineDataset
+    with tempfile.TemporaryDirectory() as directory:
+        names, contents = write_files(Path(directory), kind, sizes)
+        by_name = dict(zip(names, contents, strict=True))
+        if shape == "direct":
+            ds = reader(names)
+            expected = [record for records in contents for record in records]
+        else:
+            files = hr.Dataset.from_tensor_slices(np.array(names, dtype=object))
+            if shape == "flat_map":
+                ds, cycle_length, block_length = files.flat_map(reader), 1, 1
+            else:
+                ds = files.interleave(
+                    reader, cycle_length=cycle_length, block_length=block_length,
+                    num_parallel_calls=min(threads, cycle_length) if threads else None,
+                )
+            expected = expected_interleave(names, by_name.__getitem__, cycle_length, block_length)
+        if after == "batch":
+            ds = ds.batch(batch_size).unbatch()
+        elif after == "map_prefetch":
+            ds = ds.map(bytes).prefetch(3)
+        ds = ds.with_options(hr.Options(memory_budget=budget_mib * MiB, warn_on_shrink=False))
+        with iter(ds) as iterator:
+            got = [bytes(record) for record in iterator]
+            budget = iterator.context.budget
+            assert budget.peak <= budget.total, (budget.peak, budget.total)
+            if expected:  # what the readers held was booked: the largest record at least
+                assert budget.peak >= max(map(len, expected)) + sys.getsizeof(b"")
+            assert budget.used == 0  # every booking was given back
+        assert got == expected  # every record once, in tf.data's order

@@ -271,7 +271,7 @@ class FileRecordsNode(Node):
         raise NotImplementedError
 
     def make_iterator(self, ctx: Context) -> Iterator:
-        account = ctx.account(self, f"{self.stage} (read-ahead)", weight=0.25)
+        account = ctx.account(self, f"{self.stage} (read-ahead)", weight=1)
         return _FileRecordsIterator(self, ctx, account)
 
     def batched_iterator(

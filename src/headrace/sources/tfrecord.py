@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, MemoryBudgetError
 from headrace.io.filepool import PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord import (
@@ -38,6 +38,7 @@ from headrace.io.tfrecord_index import (
 from headrace.iterator import Context
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.node import Node, RandomAccess
+from headrace.options import format_bytes
 from headrace.sources.files import (
     FileRecordsNode,
     RecordReader,
@@ -133,7 +134,13 @@ class _TFRecordReaderAdapter:
         length = self.reader.next_length()
         first = 0 if length is None else record_cost(length)
         if first > account.limit:
-            account.charge(first)  # raises MemoryBudgetError: a record that cannot fit
+            reader = self.reader
+            raise MemoryBudgetError(
+                f"record at offset {reader.next_offset} in file {reader.path} has {length} "
+                f"bytes: more than stage {account.name!r} may hold "
+                f"({format_bytes(account.limit)} of a {format_bytes(account.budget.total)} "
+                "budget), so it was not read. Raise Options(memory_budget=...)."
+            )
         room = account.limit - account.held
         # one record always (held beside the rest only when other readers share the
         # account: zip of a dataset with itself); more only within the room left

@@ -24,8 +24,12 @@ kept in checkpoints, and changes no order, only timing. A number
 Memory. The stage's share of the budget is split among the ``cycle_length``
 slots; each inner pipeline runs inside its slot's part (its own prefetches,
 shuffles and read-ahead queues included), so a cycle of 1,000 inner pipelines
-cannot hold more than the stage's share. Files opened by inner datasets go
-through the process-wide file pool, so the descriptor cap holds too.
+cannot hold more than the stage's share. Arrays the function makes (an inner
+``from_tensor_slices`` over a new array) are booked for as long as their slot
+lives, and the slot's budget is what is left of its part. Nothing of an inner
+pipeline (its iterators, accounts, arrays) outlives its slot, so memory does not
+grow with the number of inner datasets or epochs. Files opened by inner datasets
+go through the process-wide file pool, so the descriptor cap holds too.
 
 Resuming. The state keeps, per open slot, the input's state just before that
 slot's input element, plus the inner iterator's state: restoring re-reads the
