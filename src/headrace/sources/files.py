@@ -121,8 +121,14 @@ class TextLineReader:
         return None  # a line's length is known only once its newline is found
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
+        """The next line; one longer than the read buffer (gathered from several reads:
+        memory the buffer's bound does not cover) is booked on ``account``."""
         line = self.read_record()
-        return None if line is None else (line, account.charge(record_cost(len(line))))
+        if line is None:
+            return None
+        if len(line) < self.buffer_bytes:
+            return line, NO_RESERVATION
+        return line, account.charge(record_cost(len(line)))
 
     def read_batch(self, max_records: int, max_bytes: int = 1 << 62) -> list[bytes]:
         lines: list[bytes] = []

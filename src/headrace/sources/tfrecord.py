@@ -107,33 +107,33 @@ class _TFRecordReaderAdapter:
     One record at a time is served from a small read-ahead list, so a pipeline
     pulling single records (an interleave, a per-record map) still scans the
     framing in C many records per call. The list is bounded in bytes by the room
-    left on the stage's account and booked on it (one chunk) before it is held:
-    the first record's length is read from its header and checked against the
-    share before its payload is read; the others stop at the room left. Each
-    served record carries its part of the booking downstream.
+    left on the stage's account and booked on it (one booking, one lock, per
+    list) before it is held: the first record's length is read from its header
+    and checked against the share before its payload is read; the others stop at
+    the room left. The booking is returned when the list is used up (an
+    over-count of at most one list, which keeps the cap); a served record is the
+    next stage's to book, as any element that leaves a buffer.
     """
 
     def __init__(self, reader: TFRecordReader) -> None:
         self.reader = reader
         self.ahead: list[bytes] = []
-        self.parts: list[Reservation] = []
         self.served = 0
+        self.booking = NO_RESERVATION
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         if self.served == len(self.ahead):
             self._read_ahead(account)
             if not self.ahead:
                 return None
-        index = self.served
+        record = self.ahead[self.served]
         self.served += 1
-        part, self.parts[index] = self.parts[index], NO_RESERVATION
-        return self.ahead[index], part
+        return record, NO_RESERVATION
 
     def _read_ahead(self, account: StageAccount) -> None:
         self.release()
         length = self.reader.next_length()
-        first = 0 if length is None else record_cost(length)
-        if first > account.limit:
+        if length is not None and record_cost(length) > account.limit:
             reader = self.reader
             raise MemoryBudgetError(
                 f"record at offset {reader.next_offset} in file {reader.path} has {length} "
@@ -141,23 +141,21 @@ class _TFRecordReaderAdapter:
                 f"({format_bytes(account.limit)} of a {format_bytes(account.budget.total)} "
                 "budget), so it was not read. Raise Options(memory_budget=...)."
             )
-        room = account.limit - account.held
-        # one record always (held beside the rest only when other readers share the
-        # account: zip of a dataset with itself); more only within the room left
-        max_bytes = max(room - _READ_AHEAD_RECORDS * record_cost(0), 0)
-        records = self.reader.read_batch(_READ_AHEAD_RECORDS, max_bytes)
-        self.parts = account.charge_chunk([record_cost(len(r)) for r in records]) if records else []
+        # One record always (held beside others only when readers share the account:
+        # a zip of a dataset with itself); more only within the room left.
+        room = account.limit - account.held - _READ_AHEAD_RECORDS * record_cost(0)
+        records = self.reader.read_batch(_READ_AHEAD_RECORDS, max(room, 0))
+        if records:
+            nbytes = sum(map(len, records)) + record_cost(0) * len(records)
+            self.booking = account.charge(nbytes, elements=len(records))
         self.ahead = records
-        self.served = 0
 
     def read_batch(self, max_records: int, max_bytes: int) -> list[bytes]:
-        if self.served < len(self.ahead):  # served first; booked again by the caller
-            end = min(self.served + max_records, len(self.ahead))
-            records = self.ahead[self.served : end]
-            for index in range(self.served, end):
-                self.parts[index].release()
-            self.served = end
+        if self.served < len(self.ahead):  # what was read ahead first (the caller books it)
+            records = self.ahead[self.served : self.served + max_records]
+            self.served += len(records)
             return records
+        self.release()
         return self.reader.read_batch(max_records, max_bytes)
 
     def next_length(self) -> int | None:
@@ -166,10 +164,10 @@ class _TFRecordReaderAdapter:
         return self.reader.next_length()
 
     def release(self) -> None:
-        """Give back the bookings of records read ahead and not served."""
-        for part in self.parts[self.served :]:
-            part.release()
-        self.ahead, self.parts, self.served = [], [], 0
+        """Drop what was read ahead and give its booking back."""
+        self.booking.release()
+        self.booking = NO_RESERVATION
+        self.ahead, self.served = [], 0
 
     close = release
 
