@@ -26,7 +26,7 @@ from headrace.io.filepool import FileLimiter, FilePool, PooledStream, get_defaul
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
 from headrace.iterator import Context, Iterator
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
-from headrace.memory.sizeof import sizeof
+from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.node import UNKNOWN, Node
 from headrace.structure import TensorSpec
 
@@ -65,7 +65,8 @@ class RecordReader(Protocol):
     """
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
-        """The next record and its booking on ``account``, or None at the end of the file."""
+        """The next record and its booking on ``account`` (none when the reader keeps
+        the booking of what it read ahead), or None at the end of the file."""
 
     def read_batch(self, max_records: int, max_bytes: int) -> list[bytes]:
         """Up to ``max_records`` records; an empty list at the end of the file.
@@ -76,6 +77,10 @@ class RecordReader(Protocol):
 
     def next_length(self) -> int | None:
         """The payload length of the next record when known before reading it, else None."""
+
+    def close(self) -> None:
+        """Drop (and give back the booking of) whatever the reader holds; the caller
+        closes the stream."""
 
     @property
     def next_offset(self) -> int:
@@ -119,6 +124,9 @@ class TextLineReader:
 
     def next_length(self) -> int | None:
         return None  # a line's length is known only once its newline is found
+
+    def close(self) -> None:
+        self._buffer, self._position = b"", 0
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         """The next line; one longer than the read buffer (gathered from several reads:
@@ -315,7 +323,7 @@ class _RecordBatches(Iterator):
             booked.release()
             raise StopIteration
         try:
-            array_cost = sizeof(np.empty(0, dtype=object)) + 8 * len(records)
+            array_cost = ARRAY_HEADER_BYTES + 8 * len(records)  # the object array's pointers
             booked = _merge(
                 booked, self.account.hold(array_cost, what="one batch of records"), self.account
             )
@@ -385,9 +393,8 @@ class _FileRecordsIterator(Iterator):
             while len(records) < count and self.file_index < len(self.node.filenames):
                 reader = self.reader or self._open()
                 length = reader.next_length()
-                first = 0 if length is None else record_cost(length)
-                if first:
-                    booked = _merge(booked, account.hold(first, what=what), account)
+                if length is not None and account.held + record_cost(length) > account.limit:
+                    account.hold(record_cost(length), what=what)  # raises: it cannot fit
                 wanted = count - len(records)
                 room = account.limit - account.held - _BYTES_HEADER * wanted
                 batch = reader.read_batch(wanted, max(room, 0))
@@ -395,8 +402,8 @@ class _FileRecordsIterator(Iterator):
                     self._next_file()
                     continue
                 records.extend(batch)
-                rest = sum(map(len, batch)) + _BYTES_HEADER * len(batch) - first
-                booked = _merge(booked, account.hold(rest, what=what), account)
+                cost = sum(map(len, batch)) + _BYTES_HEADER * len(batch)
+                booked = _merge(booked, account.hold(cost, what=what), account)
         except BaseException:
             booked.release()
             raise
@@ -413,9 +420,8 @@ class _FileRecordsIterator(Iterator):
             totals = self.ctx.shared.setdefault("skipped", [0, 0])
             totals[0] += skipped[0]
             totals[1] += skipped[1]
-        close = getattr(self.reader, "close", None)
-        if close is not None:
-            close()  # gives back what it read ahead
+        if self.reader is not None:
+            self.reader.close()  # gives back what it read ahead
         if self.stream is not None:
             self.stream.close()
         self.stream = None
