@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import headrace as hr
 from headrace.errors import MemoryBudgetError
 from headrace.io.tfrecord import write_tfrecord
+from headrace.iterator import Iterator
 from headrace.memory.budget import MemoryBudget, StageAccount
 
 MiB = 1 << 20
@@ -112,7 +113,7 @@ def test_nothing_grows_with_inner_datasets_or_epochs(flat: bool, threads: int | 
     for count, _ in enumerate(iterator, 1):
         if count % (8 * 3 * 10) == 0:  # every 10 epochs
             samples.append(
-                (live(StageAccount), live(MemoryBudget), len(context._keepalive),
+                (live(StageAccount), live(MemoryBudget), live(Iterator), len(context._keepalive),
                  len(context.preexisting), len(context.budget.accounts))
             )
     assert count == 50 * 8 * 3

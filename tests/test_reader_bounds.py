@@ -18,6 +18,7 @@ from headrace.errors import MemoryBudgetError, RecordTooLargeError
 from headrace.io.filepool import PooledStream
 from headrace.io.tfrecord import write_tfrecord
 from headrace.sources.files import DEFAULT_MAX_LINE_BYTES
+from headrace.testing import assert_checkpoint_roundtrip
 
 SRC_DIR = Path(__file__).resolve().parents[1] / "src"
 MiB = 1 << 20
@@ -228,3 +229,19 @@ def test_a_very_long_line_reads_in_linear_time(tmp_path: Path) -> None:
     # Linear: 10x the bytes, plus page faults on 100 MB of fresh memory (about 0.7 ms
     # against 45 ms here). The old re-copying of the partial line took 4.3 s (700x).
     assert large < 20 * small + 0.15, (small, large)
+
+
+@pytest.mark.parametrize("kind", ["tfrecord", "text"])
+def test_bounded_readers_resume_exactly_under_a_tight_budget(tmp_path: Path, kind: str) -> None:
+    sizes = [100, 5000, 120_000, 30, 200_000, 7, 90_000, 64, 64]
+    records = [(b"%d:" % i).ljust(size, b"q") for i, size in enumerate(sizes)]
+    path = tmp_path / f"r.{kind}"
+    if kind == "tfrecord":
+        write_tfrecord(path, records)
+        ds = hr.TFRecordDataset([str(path), str(path)])
+    else:
+        path.write_bytes(b"".join(record + b"\n" for record in records))
+        ds = hr.TextLineDataset([str(path), str(path)], buffer_size=4096)
+    ds = ds.with_options(hr.Options(memory_budget=512 << 10))
+    assert [bytes(r) for r in ds] == records * 2  # a read-ahead list of one record at times
+    assert_checkpoint_roundtrip(ds, max_checkpoints=18)
