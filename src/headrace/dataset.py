@@ -511,12 +511,17 @@ def read_files_in_parallel(
 
 
 class _TextFile:
-    def __init__(self, compression_type: str | None, buffer_size: int | None) -> None:
+    def __init__(
+        self, compression_type: str | None, buffer_size: int | None, max_line_bytes: int | None
+    ) -> None:
         self.compression_type, self.buffer_size = compression_type, buffer_size
+        self.max_line_bytes = max_line_bytes
         self.__qualname__ = "text_file"
 
     def __call__(self, filename: str) -> Dataset:
-        return TextLineDataset(filename, self.compression_type, self.buffer_size)
+        return TextLineDataset(
+            filename, self.compression_type, self.buffer_size, max_line_bytes=self.max_line_bytes
+        )
 
 
 def TextLineDataset(
@@ -524,6 +529,8 @@ def TextLineDataset(
     compression_type: str | None = None,
     buffer_size: int | None = None,
     num_parallel_reads: int | None = None,
+    *,
+    max_line_bytes: int | None = None,
 ) -> Dataset:
     """Lines of text files as ``bytes`` (split on ``\\n``, one trailing ``\\r`` stripped).
 
@@ -531,13 +538,18 @@ def TextLineDataset(
     ``"ZLIB"``; ``num_parallel_reads=k`` reads k files at once, interleaved
     round-robin. Files are opened through the process-wide pool, so the cap
     on open descriptors holds; resuming seeks to the saved byte offset.
+
+    ``max_line_bytes`` (default 64 MiB) bounds one line: a longer one raises
+    :class:`RecordTooLargeError` naming the file and the line's byte offset,
+    after the lines before it were delivered, instead of reading a file with
+    no newlines (a binary file, a one-line dump) into memory.
     """
     parallel = read_files_in_parallel(
-        filenames, num_parallel_reads, _TextFile(compression_type, buffer_size)
+        filenames, num_parallel_reads, _TextFile(compression_type, buffer_size, max_line_bytes)
     )
     if parallel is not None:
         return parallel
-    return Dataset(TextLineNode(filenames, compression_type, buffer_size))
+    return Dataset(TextLineNode(filenames, compression_type, buffer_size, max_line_bytes))
 
 
 class _TFRecordFile:

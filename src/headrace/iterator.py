@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import copy
 import itertools
+import mmap
 import threading
 import time
 import weakref
 from collections.abc import Iterator as _PyIterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from headrace._closing import ClosesOnExit
 from headrace._state import StateReader
 from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.memory.allocator import tune_allocator
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
-from headrace.memory.sizeof import admit, sizeof
+from headrace.memory.sizeof import admit, owner_of, sizeof
 from headrace.options import Options, available_memory
 
 if TYPE_CHECKING:
@@ -71,6 +74,13 @@ class Context:
     belongs to; with ``run.iteration`` (how many iterators the dataset had
     before this one) it seeds shuffles, so every epoch reshuffles and a
     restored run reshuffles exactly as the original did.
+
+    Lifetimes. An epoch's context (:meth:`with_epoch`) shares everything with
+    its parent: a new epoch re-registers the same recipe nodes and arrays, which
+    are kept once (by ``id``), so nothing grows with epochs. A nested pipeline's
+    context (:meth:`with_budget`, one per interleave slot) has its own accounts,
+    its own registry of arrays and its own keep-alive list: all of it dies with
+    the slot, so nothing grows with the number of inner datasets either.
     """
 
     def __init__(self, options: Options, budget: MemoryBudget, iteration: int = 0) -> None:
@@ -79,9 +89,13 @@ class Context:
         self.run = _Run(iteration)
         self.epochs: tuple[int, ...] = ()
         self.deterministic = options.deterministic is not False
-        #: ids of owning buffers that existed before iteration (never charged).
+        #: ids of owning buffers that cost this run nothing (never charged).
         self.preexisting: set[int] = set()
-        self._keepalive: list[object] = []
+        #: Bytes of arrays a nested pipeline's recipe owns (see :meth:`register_preexisting`).
+        self.owned_bytes = 0
+        self._nested = False
+        #: Objects whose ``id`` is a key above, by id: kept once, alive while the run lives.
+        self._keepalive: dict[int, object] = {}
         self._accounts: dict[int, StageAccount] = {}
         #: Run-wide objects created on first use (e.g. the pipeline's file limiter).
         self.shared: dict[str, Any] = {}
@@ -93,9 +107,20 @@ class Context:
         return child
 
     def with_budget(self, budget: MemoryBudget) -> Context:
-        """This context for a nested pipeline with its own share (interleave's inputs)."""
+        """The context of a nested pipeline with its own share (an interleave slot).
+
+        Its registries are its own (copies of this one's ``preexisting``: the
+        outer run's arrays stay free inside), so they are freed with the slot.
+        Arrays the nested recipe holds that the outer run did not already have
+        were made while iterating (by the interleave function): they are
+        counted in ``owned_bytes``, for the slot to charge, not marked free.
+        """
         child = copy.copy(self)
         child.budget = budget
+        child.preexisting = set(self.preexisting)
+        child.owned_bytes = 0
+        child._nested = True
+        child._keepalive = {}
         child._accounts = {}
         return child
 
@@ -107,13 +132,28 @@ class Context:
     def restore_seed(self, node: object, seed: int) -> None:
         """Use ``seed`` for ``node`` for the rest of the run (all later epochs too)."""
         if id(node) not in self.run.seeds:
-            self._keepalive.append(node)  # the id stays valid while this run lives
+            self._keepalive[id(node)] = node  # the id stays valid while this run lives
         self.run.seeds[id(node)] = seed
 
-    def register_preexisting(self, owner: object) -> None:
-        """Mark memory the user already had (views into it cost nothing)."""
-        self.preexisting.add(id(owner))
-        self._keepalive.append(owner)  # ids stay valid while this run lives
+    def register_preexisting(self, array: object) -> None:
+        """Mark memory a source's recipe holds, so views into it are not charged again.
+
+        ``array`` is the array the source serves rows of (or its owning buffer).
+        In the outer run that memory is the user's, made before iteration: never
+        charged. In a nested pipeline (an interleave slot) memory the outer run
+        does not already have was made during iteration, by the interleave
+        function: the bytes the array spans are added to ``owned_bytes``, which
+        the slot books for as long as it lives; views into it then cost nothing
+        more.
+        """
+        owner = owner_of(array) if isinstance(array, np.ndarray) else array
+        key = id(owner)
+        if key in self.preexisting:
+            return
+        if self._nested and not isinstance(owner, mmap.mmap):
+            self.owned_bytes += int(getattr(array, "nbytes", 0))
+        self.preexisting.add(key)
+        self._keepalive[key] = owner  # ids stay valid while this run (or slot) lives
 
     def account(
         self, key: object, name: str, *, weight: float, sets_order: bool = False
@@ -128,7 +168,7 @@ class Context:
         if account is None:
             account = self.budget.account(name, weight=weight, sets_order=sets_order)
             self._accounts[id(key)] = account
-            self._keepalive.append(key)
+            self._keepalive[id(key)] = key
         return account
 
     def sizeof(self, element: Any) -> int:

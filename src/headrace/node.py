@@ -29,6 +29,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from headrace.iterator import Context, Iterator
+    from headrace.memory.budget import StageAccount
     from headrace.options import Options
 
 __all__ = [
@@ -383,9 +384,13 @@ class Node:
         return access, sequential
 
     def batched_iterator(
-        self, ctx: Context, batch_size: int, drop_remainder: bool
+        self, ctx: Context, batch_size: int, drop_remainder: bool, account: StageAccount
     ) -> Iterator | None:
-        """An iterator of whole batches, where the node can batch better than ``batch`` can."""
+        """An iterator of whole batches, where the node can batch better than ``batch`` can.
+
+        Each batch comes with its booking on ``account`` (the batch stage's share),
+        made while the batch is assembled, not after.
+        """
         return None
 
     def make_iterator(self, ctx: Context) -> Iterator:

@@ -304,3 +304,52 @@ def test_damaged_files_raise_only_headrace_errors(
         _read_everything(bytes(framed))
     if action != "huge":  # a genuine too-large length raises even when skipping
         _read_everything(bytes(framed), skip_corrupt=True)
+
+
+class _CountingStream(io.BytesIO):
+    """A stream that counts the bytes read from it."""
+
+    delivered = 0
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        data = super().read(size)
+        self.delivered += len(data)
+        return data
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    small=st.lists(st.integers(0, 200), min_size=1, max_size=6),
+    big=st.integers(5_000, 50_000),
+    bound=st.integers(0, 2_000),
+    verify_crc=st.booleans(),
+)
+def test_next_length_and_max_bytes_leave_an_over_bound_payload_unread(
+    small: list[int], big: int, bound: int, verify_crc: bool
+) -> None:
+    records = [b"s" * size for size in small] + [b"B" * big, b"t"]
+    stream = _CountingStream(encode_records(records))
+    reader = TFRecordReader(stream, buffer_size=64, verify_crc=verify_crc)  # type: ignore[arg-type]
+    served: list[bytes] = []
+    while len(served) < len(small):
+        assert reader.next_length() == len(records[len(served)])  # from the header alone
+        batch = reader.read_batch(64, max_bytes=bound)
+        assert batch and sum(map(len, batch[1:])) <= bound
+        served += batch
+    assert served == records[: len(small)]  # stopped before the big one, every time
+    assert stream.delivered < 16 * len(records) + sum(small) + 2 * 64 + 12
+    assert reader.next_length() == big  # its header is read; its payload still is not
+    assert stream.delivered < big
+    assert reader.read_batch(64, max_bytes=0) == [records[-2]]  # one record always comes
+    assert reader.read_batch(64) == [b"t"]
+    assert reader.next_length() is None and reader.read_batch(64) == []
+
+
+def test_next_length_leaves_bad_headers_to_read_batch() -> None:
+    data = bytearray(encode_records([b"abc"]))
+    data[8] ^= 0xFF  # the length's checksum
+    reader = reader_over(bytes(data))
+    assert reader.next_length() is None
+    with pytest.raises(DataLossError, match="offset 0"):
+        reader.read_batch(1)
+    assert reader_over(encode_records([b"x" * 100]), max_record_bytes=10).next_length() is None

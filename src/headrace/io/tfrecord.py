@@ -277,6 +277,8 @@ class TFRecordReader(ClosesOnExit):
             if status == ScanStatus.LIMIT:
                 break
             if status == ScanStatus.NEED_MORE:
+                if records and detail - RECORD_OVERHEAD_BYTES > remaining_bytes:
+                    break  # the next record is over the bound: leave its payload unread
                 if not self._fill(detail):
                     self._handle_short_stream(records)
                     break
@@ -284,7 +286,24 @@ class TFRecordReader(ClosesOnExit):
                 break  # return what is good now; the next call meets the bad record again
             else:
                 self._handle_bad_record(ScanStatus(status), detail)
+        if self._pos == len(self._buf) and self._buf:  # all consumed: keep no record's bytes
+            self._buf_offset += self._pos
+            self._buf, self._pos = b"", 0
         return records
+
+    def next_length(self) -> int | None:
+        """The payload length the next record's header declares, reading only the header.
+
+        Lets a caller check a record against its memory budget before the payload is
+        read. None at the end of the stream, and when the header is short, corrupt or
+        over ``max_record_bytes`` (then :meth:`read_batch` raises, or skips, as usual).
+        """
+        if self._done or not self._fill(HEADER_BYTES):
+            return None
+        length, length_crc = _HEADER.unpack_from(self._buf, self._pos)
+        if self.verify_crc and masked_crc32c(self._buf[self._pos : self._pos + 8]) != length_crc:
+            return None
+        return int(length) if length <= self.max_record_bytes else None
 
     def read_record(self) -> bytes | None:
         """Return the next payload, or None at the end of the stream."""

@@ -6,8 +6,7 @@ An index is the byte offset of every record plus a cheap *fingerprint* of the sh
 was rewritten, appended to or truncated, :func:`load_index` refuses the index and names
 both files, instead of reading records at wrong offsets (G5).
 
-File layout (all little-endian; 56-byte header, so the offsets are 8-byte aligned and can
-be memory-mapped)::
+File layout (all little-endian; 56-byte header, so the offsets are 8-byte aligned)::
 
     8s  magic b"HRTFRIDX"     u32 version (1)        u32 fingerprint window (4096)
     u64 shard size            i64 shard mtime_ns     u32 CRC32 of the shard's head
@@ -224,8 +223,10 @@ def load_index(
 ) -> TFRecordIndex:
     """Load the index of ``shard_path``, refusing it if it no longer matches the shard.
 
-    The offsets are memory-mapped, so loading costs O(1) memory however many records
-    the shard holds (their CRC is checked once, reading them sequentially).
+    The offsets are read into memory (8 bytes a record) and the index file is closed
+    at once: a memory map would hold a descriptor for as long as the index lives,
+    outside the file pool's cap, and 600 indexed shards would exhaust a
+    RLIMIT_NOFILE of 64 (G2). Their CRC is checked once, as they are read.
     """
     path = os.fspath(shard_path)
     index_file = os.fspath(index_path) if index_path is not None else index_path_for(path)
@@ -233,17 +234,20 @@ def load_index(
         with open(index_file, "rb") as file:
             header = file.read(_HEADER.size)
             index_size = os.fstat(file.fileno()).st_size
+            if len(header) < _HEADER.size:
+                raise _stale(f"index file {index_file} is truncated", path)
+            magic, version, window, size, mtime_ns, head_crc, tail_crc, count, offsets_crc, _ = (
+                _HEADER.unpack(header)
+            )
+            if magic != _MAGIC or version != _VERSION or window != _WINDOW:
+                raise _stale(f"{index_file} is not a version-{_VERSION} headrace index", path)
+            if index_size != _HEADER.size + 8 * count:
+                raise _stale(f"index file {index_file} is truncated or has trailing bytes", path)
+            offsets_bytes = file.read(8 * count)
     except FileNotFoundError:
         raise _stale(f"no index file {index_file} for {path}", path) from None
-    if len(header) < _HEADER.size:
-        raise _stale(f"index file {index_file} is truncated", path)
-    magic, version, window, size, mtime_ns, head_crc, tail_crc, count, offsets_crc, _ = (
-        _HEADER.unpack(header)
-    )
-    if magic != _MAGIC or version != _VERSION or window != _WINDOW:
-        raise _stale(f"{index_file} is not a version-{_VERSION} headrace index", path)
-    if index_size != _HEADER.size + 8 * count:
-        raise _stale(f"index file {index_file} is truncated or has trailing bytes", path)
+    if len(offsets_bytes) != 8 * count:
+        raise _stale(f"index file {index_file} is truncated (it shrank while read)", path)
     with open(path, "rb") as shard:
         current = _fingerprint(shard)
     if current != _Fingerprint(size, mtime_ns, head_crc, tail_crc):
@@ -252,13 +256,10 @@ def load_index(
             f"(size {size} -> {current.size}, mtime_ns {mtime_ns} -> {current.mtime_ns})",
             path,
         )
-    offsets: npt.NDArray[np.uint64] = (
-        np.memmap(index_file, dtype="<u8", mode="r", offset=_HEADER.size, shape=(count,))
-        if count
-        else np.zeros(0, dtype=np.uint64)
-    )
-    if zlib.crc32(offsets.data) != offsets_crc:
+    if zlib.crc32(offsets_bytes) != offsets_crc:
         raise _stale(f"index file {index_file} is corrupt (offsets checksum)", path)
+    # frombuffer over bytes: read-only, and no copy of the 8 bytes a record
+    offsets: npt.NDArray[np.uint64] = np.frombuffer(offsets_bytes, dtype="<u8")
     return TFRecordIndex(path, offsets, size)
 
 

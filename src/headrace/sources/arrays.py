@@ -16,7 +16,6 @@ import numpy as np
 
 from headrace.errors import InvalidArgumentError
 from headrace.iterator import Context
-from headrace.memory.sizeof import owner_of
 from headrace.node import Node, RandomAccess
 from headrace.structure import (
     TensorSpec,
@@ -72,7 +71,7 @@ class _SlicesAccess(RandomAccess):
 
     def prepare(self, ctx: Context) -> None:
         for leaf in self.leaves:
-            ctx.register_preexisting(owner_of(leaf))
+            ctx.register_preexisting(leaf)
 
 
 class TensorSlicesNode(Node):

@@ -15,32 +15,73 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from headrace._state import StateReader
-from headrace.errors import InvalidArgumentError, add_note
+from headrace.errors import InvalidArgumentError, MemoryBudgetError, RecordTooLargeError, add_note
 from headrace.io.filepool import FileLimiter, FilePool, PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
 from headrace.iterator import Context, Iterator
-from headrace.memory.budget import StageAccount
+from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
+from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.node import UNKNOWN, Node
 from headrace.structure import TensorSpec
 
-__all__ = ["FileRecordsNode", "RecordReader", "TextLineReader", "file_limiter", "list_files"]
+__all__ = [
+    "DEFAULT_MAX_LINE_BYTES",
+    "FileRecordsNode",
+    "RecordReader",
+    "TextLineReader",
+    "file_limiter",
+    "list_files",
+    "record_cost",
+]
 
+
+
+#: What a ``bytes`` record costs besides its payload (33 B on CPython 3.11).
+_BYTES_HEADER = sys.getsizeof(b"")
+#: Longest text line read by default: long enough for any sane line (a JSON document
+#: per line included), short enough that a file without newlines (a binary file, a
+#: one-line dump) fails fast instead of filling memory. It also bounds what a reader
+#: holds before a line can be booked, within G1's measured slack of 64 MiB.
+DEFAULT_MAX_LINE_BYTES = 64 << 20
+
+
+def record_cost(payload_bytes: int) -> int:
+    """What a record of ``payload_bytes`` costs the budget once read (a ``bytes`` object)."""
+    return payload_bytes + _BYTES_HEADER
 
 
 class RecordReader(Protocol):
-    """Reads records from one decompressed byte stream; knows the next record's offset."""
+    """Reads records from one decompressed byte stream; knows the next record's offset.
 
-    def read_record(self) -> bytes | None:
-        """The next record, or None at the end of the file."""
+    What a reader holds for its caller (records read ahead) is booked on the stage's
+    account (``account``) before it is held; what it holds for itself (its read buffer)
+    is bounded by its buffer size and the largest record it may return.
+    """
 
-    def read_batch(self, max_records: int) -> list[bytes]:
-        """Up to ``max_records`` records; an empty list at the end of the file."""
+    def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
+        """The next record and its booking on ``account`` (none when the reader keeps
+        the booking of what it read ahead), or None at the end of the file."""
+
+    def read_batch(self, max_records: int, max_bytes: int) -> list[bytes]:
+        """Up to ``max_records`` records; an empty list at the end of the file.
+
+        Their payloads total at most ``max_bytes``, except that one record is always
+        returned, however large (up to the reader's own limit).
+        """
+
+    def next_length(self) -> int | None:
+        """The payload length of the next record when known before reading it, else None."""
+
+    def close(self) -> None:
+        """Drop (and give back the booking of) whatever the reader holds; the caller
+        closes the stream."""
 
     @property
     def next_offset(self) -> int:
@@ -52,49 +93,124 @@ class TextLineReader:
 
     Split on ``\\n``; one trailing ``\\r`` is stripped; a final line without a
     newline is still a line; a trailing ``\\n`` does not add an empty one.
+
+    A line longer than ``max_line_bytes`` (its bytes before the ``\\n``) raises
+    :class:`RecordTooLargeError` naming the file and the line's byte offset, once
+    that many bytes were seen without a newline: memory stays bounded. The lines
+    before it are delivered first (a batch stops short of the bad line), and
+    ``next_offset`` stays at the bad line. Time is linear in the line's length:
+    a long line is gathered as a list of chunks and joined once.
     """
 
-    def __init__(self, stream: PooledStream, start: int, buffer_bytes: int) -> None:
+    def __init__(
+        self,
+        stream: PooledStream,
+        start: int,
+        buffer_bytes: int,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    ) -> None:
         self.stream = stream
         self.buffer_bytes = buffer_bytes
+        self.max_line_bytes = max_line_bytes
         stream.seek(start)
         self._offset = start
         self._buffer = b""
         self._position = 0
         self._eof = False
+        self._error: RecordTooLargeError | None = None
 
     @property
     def next_offset(self) -> int:
         return self._offset
 
-    def read_batch(self, max_records: int) -> list[bytes]:
-        lines = []
-        for _ in range(max_records):
-            line = self.read_record()
+    def next_length(self) -> int | None:
+        return None  # a line's length is known only once its newline is found
+
+    def close(self) -> None:
+        self._buffer, self._position = b"", 0
+
+    def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
+        """The next line; one longer than the read buffer (gathered from several reads:
+        memory the buffer's bound does not cover) is booked on ``account``."""
+        line = self.read_record()
+        if line is None:
+            return None
+        if len(line) < self.buffer_bytes:
+            return line, NO_RESERVATION
+        return line, account.charge(record_cost(len(line)))
+
+    def read_batch(self, max_records: int, max_bytes: int = 1 << 62) -> list[bytes]:
+        lines: list[bytes] = []
+        total = 0
+        while len(lines) < max_records and (not lines or total < max_bytes):
+            try:
+                line = self.read_record()
+            except RecordTooLargeError:
+                if lines:
+                    break  # deliver the lines before the bad one; it raises again next call
+                raise
             if line is None:
                 break
             lines.append(line)
+            total += len(line)
         return lines
 
     def read_record(self) -> bytes | None:
+        if self._error is not None:
+            raise self._error
+        newline = self._buffer.find(b"\n", self._position)
+        if newline < 0:
+            return self._read_spanning_line()
+        length = newline - self._position
+        if length > self.max_line_bytes:
+            raise self._too_long(length)
+        line = self._buffer[self._position : newline]
+        self._offset += length + 1
+        self._position = newline + 1
+        return line[:-1] if line.endswith(b"\r") else line
+
+    def _read_spanning_line(self) -> bytes | None:
+        """A line that does not end inside the buffer: gather chunks until its newline."""
+        pieces = [self._buffer[self._position :]]
+        length = len(pieces[0])
+        self._buffer, self._position = b"", 0
         while True:
-            newline = self._buffer.find(b"\n", self._position)
-            if newline >= 0:
-                line = self._buffer[self._position : newline]
-                self._offset += newline + 1 - self._position
-                self._position = newline + 1
-                return line[:-1] if line.endswith(b"\r") else line
-            if self._eof:
-                if self._position >= len(self._buffer):
+            if length > self.max_line_bytes:
+                raise self._too_long(length)  # kept: every later call raises it again
+            chunk = b"" if self._eof else self.stream.read(self.buffer_bytes)
+            if not chunk:
+                self._eof = True
+                if not length:
                     return None
-                line = self._buffer[self._position :]
-                self._offset += len(line)
-                self._position = len(self._buffer)
+                line = b"".join(pieces)
+                self._offset += length
                 return line[:-1] if line.endswith(b"\r") else line
-            chunk = self.stream.read(self.buffer_bytes)
-            self._buffer = self._buffer[self._position :] + chunk
-            self._position = 0
-            self._eof = not chunk
+            newline = chunk.find(b"\n")
+            if newline < 0:
+                pieces.append(chunk)
+                length += len(chunk)
+                continue
+            length += newline
+            if length > self.max_line_bytes:
+                raise self._too_long(length)
+            pieces.append(chunk[:newline])
+            self._buffer, self._position = chunk, newline + 1
+            line = b"".join(pieces)
+            self._offset += length + 1
+            return line[:-1] if line.endswith(b"\r") else line
+
+    def _too_long(self, length: int) -> RecordTooLargeError:
+        path = self.stream.path
+        compression = self.stream.compression_type
+        counted = f" (counting decompressed bytes of the {compression} stream)" if compression else ""
+        self._error = RecordTooLargeError(
+            f"line at offset {self._offset}{counted} in file {path} is longer than "
+            f"max_line_bytes={self.max_line_bytes} (at least {length} bytes without a "
+            "newline); pass TextLineDataset(..., max_line_bytes=...) to read longer lines",
+            path=path,
+            offset=self._offset,
+        )
+        return self._error
 
 
 class _BudgetCharge:
@@ -170,12 +286,18 @@ class FileRecordsNode(Node):
         raise NotImplementedError
 
     def make_iterator(self, ctx: Context) -> Iterator:
-        account = ctx.account(self, f"{self.stage} (suspended streams)", weight=0.25)
+        account = ctx.account(self, f"{self.stage} (read-ahead)", weight=1)
         return _FileRecordsIterator(self, ctx, account)
 
-    def batched_iterator(self, ctx: Context, batch_size: int, drop_remainder: bool) -> Iterator:
-        """``batch`` pushed into the reader: many records per call, no per-record Python."""
-        return _RecordBatches(self.make_iterator(ctx), batch_size, drop_remainder)
+    def batched_iterator(
+        self, ctx: Context, batch_size: int, drop_remainder: bool, account: StageAccount
+    ) -> Iterator:
+        """``batch`` pushed into the reader: many records per call, no per-record Python.
+
+        The batch is booked on ``account`` (the batch stage's) as it is read, each
+        record before its payload is read where its length is known (TFRecord).
+        """
+        return _RecordBatches(self.make_iterator(ctx), batch_size, drop_remainder, account)
 
 
 def _object_array(records: list[bytes]) -> np.ndarray[Any, Any]:
@@ -187,23 +309,42 @@ def _object_array(records: list[bytes]) -> np.ndarray[Any, Any]:
 class _RecordBatches(Iterator):
     stage = "batch"
 
-    def __init__(self, inner: Iterator, batch_size: int, drop_remainder: bool) -> None:
+    def __init__(
+        self, inner: Iterator, batch_size: int, drop_remainder: bool, account: StageAccount
+    ) -> None:
         super().__init__(inner)
         assert isinstance(inner, _FileRecordsIterator)
         self.records = inner
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
+        self.account = account
 
-    def __next__(self) -> Any:
-        records = self.records.read_many(self.batch_size)
+    def next_reserved(self) -> tuple[Any, Reservation]:
+        records, booked = self.records.read_many(self.batch_size, self.account)
         if not records or (self.drop_remainder and len(records) < self.batch_size):
+            booked.release()
             raise StopIteration
-        return _object_array(records)
+        try:
+            array_cost = ARRAY_HEADER_BYTES + 8 * len(records)  # the object array's pointers
+            booked = _merge(
+                booked, self.account.hold(array_cost, what="one batch of records"), self.account
+            )
+        except BaseException:
+            booked.release()
+            raise
+        return _object_array(records), booked
 
     def get_state(self) -> dict[str, Any]:
         return {"records": self.records.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.records.set_state(StateReader(state, "batch").child("records"))
+
+
+def _merge(first: Reservation, second: Reservation, account: StageAccount) -> Reservation:
+    """One reservation for the bytes of two bookings on ``account`` (nothing re-booked)."""
+    total = first.nbytes + second.nbytes
+    first.nbytes = second.nbytes = 0
+    return Reservation(account, total) if total else NO_RESERVATION
 
 
 class _FileRecordsIterator(Iterator):
@@ -229,36 +370,60 @@ class _FileRecordsIterator(Iterator):
         self.reader = node.open_reader(self.stream, self.start_offset)
         return self.reader
 
-    def __next__(self) -> Any:
+    def next_reserved(self) -> tuple[Any, Reservation]:
         while self.file_index < len(self.node.filenames):
             reader = self.reader or self._open()
             try:
-                record = reader.read_record()
+                pair = reader.read_reserved(self.account)
+            except MemoryBudgetError:
+                raise
             except Exception as error:
                 self._skip_failed_file(error)
                 raise
-            if record is not None:
-                return record
+            if pair is not None:
+                return pair
             self._next_file()
         raise StopIteration
 
-    def read_many(self, count: int) -> list[bytes]:
-        """Up to ``count`` records, across file boundaries (fewer only at the very end)."""
+    def read_many(self, count: int, account: StageAccount) -> tuple[list[bytes], Reservation]:
+        """Up to ``count`` records across file boundaries (fewer only at the very end),
+        booked together on ``account``: they are one batch, which must fit its share.
+
+        Each read is bounded by the room left on the share; a record whose length is
+        known before it is read (TFRecord) is booked first, so one that cannot fit
+        raises :class:`MemoryBudgetError` before its payload is read.
+        """
         records: list[bytes] = []
-        while len(records) < count and self.file_index < len(self.node.filenames):
-            reader = self.reader or self._open()
-            try:
-                batch = reader.read_batch(count - len(records))
-            except Exception as error:
-                if records:  # hand out the good records; the next call meets the error
-                    return records
-                self._skip_failed_file(error)
-                raise
-            if batch:
+        booked = NO_RESERVATION
+        what = f"a batch of {count} records"
+        try:
+            while len(records) < count and self.file_index < len(self.node.filenames):
+                reader = self.reader or self._open()
+                try:
+                    length = reader.next_length()
+                    if length is not None and account.held + record_cost(length) > account.limit:
+                        # its minimum: the budget splits again to make room, or refuses
+                        account.require(account.held + record_cost(length), what=what)
+                    wanted = count - len(records)
+                    room = account.limit - account.held - _BYTES_HEADER * wanted
+                    batch = reader.read_batch(wanted, max(room, 0))
+                except MemoryBudgetError:
+                    raise
+                except Exception as error:
+                    if records:  # hand out the good records; the next call meets the error
+                        return records, booked
+                    self._skip_failed_file(error)
+                    raise
+                if not batch:
+                    self._next_file()
+                    continue
                 records.extend(batch)
-            else:
-                self._next_file()
-        return records
+                cost = sum(map(len, batch)) + _BYTES_HEADER * len(batch)
+                booked = _merge(booked, account.hold(cost, what=what), account)
+        except BaseException:
+            booked.release()
+            raise
+        return records, booked
 
     def _skip_failed_file(self, error: Exception) -> None:
         """After a read error, go on with the next file, as tf.data does (raised as is,
@@ -282,6 +447,8 @@ class _FileRecordsIterator(Iterator):
             totals = self.ctx.shared.setdefault("skipped", [0, 0])
             totals[0] += skipped[0]
             totals[1] += skipped[1]
+        if self.reader is not None:
+            self.reader.close()  # gives back what it read ahead
         if self.stream is not None:
             self.stream.close()
         self.stream = None
@@ -323,8 +490,26 @@ class TextLineNode(FileRecordsNode):
 
     stage = "text_lines"
 
+    def __init__(
+        self,
+        filenames: Any,
+        compression_type: str | None,
+        buffer_size: int | None,
+        max_line_bytes: int | None = None,
+    ) -> None:
+        super().__init__(filenames, compression_type, buffer_size)
+        if max_line_bytes is None:
+            max_line_bytes = DEFAULT_MAX_LINE_BYTES
+        if isinstance(max_line_bytes, bool) or not isinstance(max_line_bytes, int) or (
+            max_line_bytes <= 0
+        ):
+            raise InvalidArgumentError(
+                f"TextLineDataset: max_line_bytes must be a positive int, got {max_line_bytes!r}"
+            )
+        self.max_line_bytes = max_line_bytes
+
     def open_reader(self, stream: PooledStream, start: int) -> RecordReader:
-        return TextLineReader(stream, start, self.buffer_bytes)
+        return TextLineReader(stream, start, self.buffer_bytes, self.max_line_bytes)
 
 
 def list_files(pattern: str | Sequence[str]) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, MemoryBudgetError
 from headrace.io.filepool import PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord import (
@@ -28,10 +28,24 @@ from headrace.io.tfrecord import (
     TFRecordReader,
     records_in_spans,
 )
-from headrace.io.tfrecord_index import TFRecordIndex, build_index, index_path_for, load_index
+from headrace.io.tfrecord_index import (
+    StaleIndexError,
+    TFRecordIndex,
+    build_index,
+    index_path_for,
+    load_index,
+)
 from headrace.iterator import Context
+from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.node import Node, RandomAccess
-from headrace.sources.files import FileRecordsNode, RecordReader, _filenames, file_limiter
+from headrace.options import format_bytes
+from headrace.sources.files import (
+    FileRecordsNode,
+    RecordReader,
+    _filenames,
+    file_limiter,
+    record_cost,
+)
 from headrace.structure import TensorSpec
 
 __all__ = ["IndexedTFRecordNode", "TFRecordNode", "tfrecord_node"]
@@ -82,7 +96,8 @@ class TFRecordNode(FileRecordsNode):
         )
 
 
-#: Records read per call when elements are pulled one at a time (interleave, map).
+#: Records read per call when elements are pulled one at a time (interleave, map), at
+#: most: the bytes read ahead are bounded by the room left on the stage's share too.
 _READ_AHEAD_RECORDS = 64
 
 
@@ -91,30 +106,70 @@ class _TFRecordReaderAdapter:
 
     One record at a time is served from a small read-ahead list, so a pipeline
     pulling single records (an interleave, a per-record map) still scans the
-    framing in C many records per call.
+    framing in C many records per call. The list is bounded in bytes by the room
+    left on the stage's account and booked on it (one booking, one lock, per
+    list) before it is held: the first record's length is read from its header
+    and checked against the share before its payload is read; the others stop at
+    the room left. The booking is returned when the list is used up (an
+    over-count of at most one list, which keeps the cap); a served record is the
+    next stage's to book, as any element that leaves a buffer.
     """
 
     def __init__(self, reader: TFRecordReader) -> None:
         self.reader = reader
         self.ahead: list[bytes] = []
         self.served = 0
+        self.booking = NO_RESERVATION
 
-    def read_record(self) -> bytes | None:
+    def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         if self.served == len(self.ahead):
-            self.ahead = self.reader.read_batch(_READ_AHEAD_RECORDS)
-            self.served = 0
+            self._read_ahead(account)
             if not self.ahead:
                 return None
         record = self.ahead[self.served]
         self.served += 1
-        return record
+        return record, NO_RESERVATION
 
-    def read_batch(self, max_records: int) -> list[bytes]:
-        if self.served < len(self.ahead):
+    def _read_ahead(self, account: StageAccount) -> None:
+        self.release()
+        length = self.reader.next_length()
+        if length is not None and record_cost(length) > account.limit:
+            reader = self.reader
+            raise MemoryBudgetError(
+                f"record at offset {reader.next_offset} in file {reader.path} has {length} "
+                f"bytes: more than stage {account.name!r} may hold "
+                f"({format_bytes(account.limit)} of a {format_bytes(account.budget.total)} "
+                "budget), so it was not read. Raise Options(memory_budget=...)."
+            )
+        # One record always (held beside others only when readers share the account:
+        # a zip of a dataset with itself); more only within the room left.
+        room = account.limit - account.held - _READ_AHEAD_RECORDS * record_cost(0)
+        records = self.reader.read_batch(_READ_AHEAD_RECORDS, max(room, 0))
+        if records:
+            nbytes = sum(map(len, records)) + record_cost(0) * len(records)
+            self.booking = account.charge(nbytes, elements=len(records))
+        self.ahead = records
+
+    def read_batch(self, max_records: int, max_bytes: int) -> list[bytes]:
+        if self.served < len(self.ahead):  # what was read ahead first (the caller books it)
             records = self.ahead[self.served : self.served + max_records]
             self.served += len(records)
             return records
-        return self.reader.read_batch(max_records)
+        self.release()
+        return self.reader.read_batch(max_records, max_bytes)
+
+    def next_length(self) -> int | None:
+        if self.served < len(self.ahead):
+            return None  # read_batch serves what was read ahead first
+        return self.reader.next_length()
+
+    def release(self) -> None:
+        """Drop what was read ahead and give its booking back."""
+        self.booking.release()
+        self.booking = NO_RESERVATION
+        self.ahead, self.served = [], 0
+
+    close = release
 
     @property
     def next_offset(self) -> int:
@@ -158,8 +213,10 @@ class _IndexedAccess(RandomAccess):
 
     def __init__(self, node: IndexedTFRecordNode) -> None:
         self.node = node
-        self.indexes = [load_index(name) for name in node.filenames]
-        self.starts = np.cumsum([0] + [len(index) for index in self.indexes]).tolist()
+        # Loaded on first use (a plan is made more often than it is read), checked again
+        # against the shard then; each costs 8 bytes a record and holds no descriptor.
+        self.loaded: dict[int, TFRecordIndex] = {}
+        self.starts = np.cumsum([0, *node.counts]).tolist()
         self.streams: dict[int, PooledStream] = {}
         self.ctx: Context | None = None
 
@@ -168,6 +225,19 @@ class _IndexedAccess(RandomAccess):
 
     def prepare(self, ctx: Context) -> None:
         self.ctx = ctx
+
+    def _index(self, shard: int) -> TFRecordIndex:
+        index = self.loaded.get(shard)
+        if index is None:
+            name = self.node.filenames[shard]
+            index = self.loaded[shard] = load_index(name)
+            if len(index) != self.node.counts[shard]:
+                raise StaleIndexError(
+                    f"index of {name} now lists {len(index)} records, "
+                    f"{self.node.counts[shard]} when the dataset was built",
+                    path=name,
+                )
+        return index
 
     def _stream(self, shard: int) -> PooledStream:
         stream = self.streams.get(shard)
@@ -185,7 +255,7 @@ class _IndexedAccess(RandomAccess):
         if not 0 <= index < len(self):
             raise IndexError(f"record {index} of {len(self)}")
         shard = bisect.bisect_right(self.starts, index) - 1
-        index_file, local = self.indexes[shard], index - self.starts[shard]
+        index_file, local = self._index(shard), index - self.starts[shard]
         offset = int(index_file.offsets[local])
         size = index_file.payload_length(local) + RECORD_OVERHEAD_BYTES
         (record,) = records_in_spans(
@@ -217,7 +287,7 @@ class _IndexedAccess(RandomAccess):
 
     def _read_shard(self, shard: int, local: np.ndarray[Any, Any]) -> list[bytes]:
         """Records ``local`` (sorted, distinct) of one shard."""
-        index = self.indexes[shard]
+        index = self._index(shard)
         offsets, following = index.offsets, local + 1
         begins = offsets[local].astype(np.int64)
         ends = np.where(

@@ -131,9 +131,11 @@ class BatchNode(Node):
                 ctx,
                 account,
             )
-        pushed = self.inputs[0].batched_iterator(ctx, self.batch_size, self.drop_remainder)
+        pushed = self.inputs[0].batched_iterator(
+            ctx, self.batch_size, self.drop_remainder, account
+        )
         if pushed is not None:
-            return _ChargedBatches(pushed, ctx, account)
+            return pushed  # books each batch on `account` as it reads it
         return _BatchIterator(
             self.inputs[0].make_iterator(ctx), ctx, account, self.batch_size, self.drop_remainder
         )

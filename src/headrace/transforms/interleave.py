@@ -24,8 +24,12 @@ kept in checkpoints, and changes no order, only timing. A number
 Memory. The stage's share of the budget is split among the ``cycle_length``
 slots; each inner pipeline runs inside its slot's part (its own prefetches,
 shuffles and read-ahead queues included), so a cycle of 1,000 inner pipelines
-cannot hold more than the stage's share. Files opened by inner datasets go
-through the process-wide file pool, so the descriptor cap holds too.
+cannot hold more than the stage's share. Arrays the function makes (an inner
+``from_tensor_slices`` over a new array) are booked for as long as their slot
+lives, and the slot's budget is what is left of its part. Nothing of an inner
+pipeline (its iterators, accounts, arrays) outlives its slot, so memory does not
+grow with the number of inner datasets or epochs. Files opened by inner datasets
+go through the process-wide file pool, so the descriptor cap holds too.
 
 Errors. An error from an inner pipeline is raised at its element's place in
 the order; like tf.data's sequential interleave, it does not count as an
@@ -50,9 +54,14 @@ from time import perf_counter
 from typing import Any
 
 from headrace._state import StateReader
-from headrace.errors import CheckpointError, InvalidArgumentError, note_element_error
+from headrace.errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    MemoryBudgetError,
+    note_element_error,
+)
 from headrace.iterator import Context, Iterator
-from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
+from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
 from headrace.node import (
     UNKNOWN,
     Node,
@@ -61,7 +70,7 @@ from headrace.node import (
     function_fingerprint,
     function_name,
 )
-from headrace.options import AUTOTUNE
+from headrace.options import AUTOTUNE, format_bytes
 from headrace.transforms._wait_watch import WaitWatch
 from headrace.transforms.map import apply_fn
 from headrace.transforms.prefetch import PrefetchIterator
@@ -179,7 +188,9 @@ class _Slot:
     """One open inner pipeline: its iterator, its budget, where its input element was.
 
     ``queue`` is the account of the read-ahead queue (registered whenever threads may
-    be used, so the budget's split never depends on timing); ``ctx`` the inner context.
+    be used, so the budget's split never depends on timing); ``ctx`` the inner context;
+    ``owned`` books the arrays the inner recipe holds (made by the interleave function).
+    Closing the slot returns all of it: nothing of an inner pipeline outlives its slot.
     """
 
     def __init__(
@@ -189,13 +200,17 @@ class _Slot:
         input_before: dict[str, Any],
         ctx: Context,
         queue: StageAccount | None,
+        owned: Reservation,
     ) -> None:
         self.iterator, self.budget, self.input_before = iterator, budget, input_before
-        self.ctx, self.queue = ctx, queue
+        self.ctx, self.queue, self.owned = ctx, queue, owned
 
     def close(self) -> None:
         self.budget.close()
-        self.iterator.close()
+        try:
+            self.iterator.close()
+        finally:
+            self.owned.release()
 
 
 class _InterleaveIterator(Iterator):
@@ -251,16 +266,30 @@ class _InterleaveIterator(Iterator):
     # -- slots -------------------------------------------------------------------------
     def _open_slot(self, element: Any, input_before: dict[str, Any], *, start: bool) -> _Slot:
         node = self.node
-        budget = MemoryBudget(
-            max(self.account.limit // node.cycle_length, 1), parent=self.ctx.budget
-        )
+        share = max(self.account.limit // node.cycle_length, 1)
+        budget = MemoryBudget(share, parent=self.ctx.budget)
         inner_ctx = self.ctx.with_budget(budget)
         iterator = node.inner_node(element).make_iterator(inner_ctx)
+        # Arrays the function made for this inner dataset live as long as the slot: they
+        # are booked on the stage's account, and the slot's budget is the rest of its part.
+        owned_bytes = inner_ctx.owned_bytes
+        if owned_bytes >= share:
+            iterator.close()
+            raise MemoryBudgetError(
+                f"stage 'interleave': the dataset {function_name(node.map_func)} made holds "
+                f"{format_bytes(owned_bytes)} of arrays, more than one slot's part of the "
+                f"memory budget ({format_bytes(share)}: the stage's "
+                f"{format_bytes(self.account.limit)} / cycle_length {node.cycle_length}). "
+                "Raise Options(memory_budget=...), lower cycle_length, or make the inner "
+                "datasets smaller."
+            )
+        owned = self.account.charge(owned_bytes) if owned_bytes else NO_RESERVATION
+        budget.total = share - owned_bytes
         queue = budget.account("interleave slot", weight=1) if self.may_thread else None
         budget.allot()
         if self.gate is not None:
             iterator = self._read_ahead(iterator, inner_ctx, queue, self.gate, start=start)
-        return _Slot(iterator, budget, input_before, inner_ctx, queue)
+        return _Slot(iterator, budget, input_before, inner_ctx, queue, owned)
 
     def _read_ahead(
         self,
