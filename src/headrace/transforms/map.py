@@ -325,16 +325,17 @@ class _ParallelMapIterator(Iterator):
         if per_element > 0:
             wanted = int(_TARGET_CALL_SECONDS / per_element) or 1
             self.chunk = max(1, min(_MAX_CHUNK, wanted))
-        sizeof = self.ctx.sizeof
+        sizeof, account = self.ctx.sizeof, self.account
         errors: dict[int, Exception] | None = None
         if failed is None:
             sizes = [sizeof(output) for output in outputs]
-            reservations = self.account.charge_each(sizes)
+            reservations = account.charge_each(sizes) if sizes else []
         else:  # the failed positions hold no output and book nothing
             good = [position for position in range(len(outputs)) if position not in failed]
             sizes = [sizeof(outputs[position]) for position in good]
             reservations = [NO_RESERVATION] * len(outputs)
-            for position, booking in zip(good, self.account.charge_each(sizes), strict=True):
+            booked = account.charge_each(sizes) if sizes else []
+            for position, booking in zip(good, booked, strict=True):
                 reservations[position] = booking
             errors = {
                 position: note_element_error(error, self.stage, call.first_index + position)
