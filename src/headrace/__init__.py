@@ -19,6 +19,7 @@ from headrace.errors import (
     WorkerError,
 )
 from headrace.iterator import DatasetIterator
+from headrace.memory.sizeof import register_sizer
 from headrace.node import INFINITE, UNKNOWN
 from headrace.options import AUTOTUNE, Options, parse_bytes
 from headrace.structure import TensorSpec
@@ -51,5 +52,6 @@ __all__ = [
     "__version__",
     "auto_shard",
     "parse_bytes",
+    "register_sizer",
     "shard_info",
 ]

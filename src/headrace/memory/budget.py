@@ -63,6 +63,8 @@ class AccountStats:
     peak: int
     elements: int
     max_element: int
+    #: Most bytes held past the share as an overdraft (outputs that outgrew their estimate).
+    overdrawn_peak: int = 0
 
 
 class MemoryBudget:
@@ -384,7 +386,13 @@ class StageAccount:
         """A consistent snapshot, for the profiler."""
         with self.room:
             return AccountStats(
-                self.name, self.limit, self.held, self.peak, self.elements, self.max_element
+                self.name,
+                self.limit,
+                self.held,
+                self.peak,
+                self.elements,
+                self.max_element,
+                self.overdrawn_peak,
             )
 
 
