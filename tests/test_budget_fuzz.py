@@ -57,7 +57,7 @@ def assert_within_budget(result: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=6, deadline=None, derandomize=True)  # reproducible in CI
 @given(st.lists(st.integers(0, 2**31 - 1), min_size=8, max_size=8, unique=True))
 def test_random_pipelines_hold_the_budget(seeds: list[int]) -> None:
     for result in run_specs([random_spec(seed) for seed in seeds]):
