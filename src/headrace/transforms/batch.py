@@ -360,6 +360,13 @@ class _BatchIterator(Assembler):
         for column, leaf in zip(columns, leaves, strict=True):
             out = column.out
             assert out is not None
+            if (
+                type(leaf) is np.ndarray
+                and leaf.dtype is column.dtype
+                and leaf.shape == column.shape
+            ):
+                out[row] = leaf  # the common case: same dtype object, same shape
+                continue
             if np.shape(leaf) != column.shape:
                 raise ElementSpecError(
                     f"batch: element {self.position - 1} has shape {np.shape(leaf)} for "
