@@ -241,3 +241,19 @@ def test_asking_for_a_spec_does_not_change_the_next_shuffle_order() -> None:
     expected = ints(hr.Dataset.range(20).shuffle(20, seed=4))
     _ = shuffled.map(lambda x: x + 1).element_spec  # reads one element of `shuffled`
     assert ints(shuffled) == expected
+
+
+def test_padded_batch_keeps_bytes_exact_with_trailing_nuls() -> None:
+    """G5: bytes scalars were stored as 0-d fixed-width arrays, which drop trailing NULs."""
+    values = [b"a\x00", b"bb", b"\x00"]
+    ds = hr.Dataset.from_generator(
+        lambda: iter(values), output_signature=hr.TensorSpec((), bytes)
+    ).padded_batch(3)
+    (batch,) = list(ds)
+    assert batch.dtype == object and batch.tolist() == values
+    assert all(type(item) is bytes for item in batch)
+    rows = hr.Dataset.from_generator(
+        lambda: iter([[b"a\x00"], [b"bb", b"\x00"]]),
+        output_signature=hr.TensorSpec((None,), bytes),
+    ).padded_batch(2)
+    assert next(iter(rows)).tolist() == [[b"a\x00", b""], [b"bb", b"\x00"]]

@@ -273,11 +273,6 @@ class StageAccount:
         with self.room:
             self.room.notify_all()
 
-    def has_room(self, nbytes: int | None = None) -> bool:
-        """Whether an element of ``nbytes`` (default: the largest seen) fits now."""
-        estimate = self.max_element if nbytes is None else nbytes
-        return self.held == 0 or self.held + estimate <= self.limit
-
     def charge(self, nbytes: int, *, elements: int = 1) -> Reservation:
         """Book ``nbytes`` for ``elements`` elements (one, by default) now held by this stage."""
         self._check_fits(nbytes)
@@ -325,11 +320,6 @@ class StageAccount:
         """
         chunk = _Chunk(self, self._book_sizes(sizes), len(sizes))
         return [ChunkPart(chunk, nbytes) for nbytes in sizes]
-
-    def charge_each(self, sizes: list[int]) -> list[Reservation]:
-        """Book several elements at once (one lock), one reservation each."""
-        self._book_sizes(sizes)
-        return [Reservation(self, nbytes) for nbytes in sizes]
 
     def _book_sizes(self, sizes: list[int]) -> int:
         """Book elements of these sizes under one lock; returns their total."""
@@ -405,6 +395,21 @@ class Reservation:
         self.account = account
         self.nbytes = nbytes
 
+    def absorb(self, other: Reservation) -> Reservation:
+        """Take over ``other``'s bytes, booked on the same account: one booking for both
+        (a batch holding the objects of its elements), nothing re-booked. Returns the
+        booking that now holds them (``self``, or a new one if ``self`` held nothing)."""
+        if not other.nbytes:
+            return self
+        if self.account is None:  # nothing booked yet (never mutate NO_RESERVATION)
+            moved = Reservation(other.account, other.nbytes)
+            other.nbytes = 0
+            return moved
+        assert other.account is self.account, "absorb: bookings on different accounts"
+        self.nbytes += other.nbytes
+        other.nbytes = 0
+        return self
+
     def release(self) -> None:
         """Give the bytes back (the element left headrace's buffers)."""
         if self.account is not None and self.nbytes:
@@ -440,18 +445,21 @@ class Overdraft(Reservation):
         super().__init__(account, nbytes)
         self.excess = excess
 
-    def release(self) -> None:
+    def _settle(self) -> None:
+        """The bytes leave the share's overdraft (they are released or moved on)."""
         account, excess = self.account, self.excess
         self.excess = 0
         if account is not None and excess:
             with account.room:
                 account.overdrawn -= excess
+
+    def release(self) -> None:
+        self._settle()
         super().release()
 
     def move_to(self, account: StageAccount, nbytes: int) -> Reservation:
-        moved = account.charge(nbytes)
-        self.release()
-        return moved
+        self._settle()
+        return super().move_to(account, nbytes)
 
 
 class _Chunk:

@@ -325,9 +325,7 @@ class _RecordBatches(Iterator):
             raise StopIteration
         try:
             array_cost = ARRAY_HEADER_BYTES + 8 * len(records)  # the object array's pointers
-            booked = _merge(
-                booked, self.account.hold(array_cost, what="one batch of records"), self.account
-            )
+            booked = booked.absorb(self.account.hold(array_cost, what="one batch of records"))
         except BaseException:
             booked.release()
             raise
@@ -338,13 +336,6 @@ class _RecordBatches(Iterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.records.set_state(StateReader(state, "batch").child("records"))
-
-
-def _merge(first: Reservation, second: Reservation, account: StageAccount) -> Reservation:
-    """One reservation for the bytes of two bookings on ``account`` (nothing re-booked)."""
-    total = first.nbytes + second.nbytes
-    first.nbytes = second.nbytes = 0
-    return Reservation(account, total) if total else NO_RESERVATION
 
 
 class _FileRecordsIterator(Iterator):
@@ -419,7 +410,7 @@ class _FileRecordsIterator(Iterator):
                     continue
                 records.extend(batch)
                 cost = sum(map(len, batch)) + _BYTES_HEADER * len(batch)
-                booked = _merge(booked, account.hold(cost, what=what), account)
+                booked = booked.absorb(account.hold(cost, what=what))
         except BaseException:
             booked.release()
             raise

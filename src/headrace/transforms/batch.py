@@ -213,17 +213,6 @@ class Assembler(Iterator):
             reservations.append(account.hold(unbooked, what=what, elements=unbooked_count))
         return elements, reservations
 
-    def finish(
-        self, batch: Any, reservations: list[Reservation], count: int
-    ) -> tuple[Any, Reservation]:
-        try:
-            booked = self.account.hold(
-                self.ctx.sizeof(batch), what=f"a batch of {count} elements plus its output"
-            )
-        finally:
-            release_all(reservations)
-        return batch, booked
-
     def get_state(self) -> dict[str, Any]:
         return {"inner": self.inner.get_state(), "position": self.position}
 
@@ -305,14 +294,14 @@ class _BatchIterator(Assembler):
         paths = ["element"] if single else structure_paths(first)
         columns = [_Column(leaf, path) for leaf, path in zip(leaves, paths, strict=True)]
         keeps_objects = any(column.dtype.hasobject for column in columns)
-        booking = self._allocate(columns)
-        self._booking = booking
+        # The batch's one booking (a widened column or kept objects add to it).
+        self._booking = self._allocate(columns)
         count = 0
         try:
             while True:
                 self._place(columns, leaves, count, first_index)
                 if keeps_objects:  # its objects live on in the batch: so does their booking
-                    _merge(booking, self._keep(leaves, reservation))
+                    self._booking = self._booking.absorb(self._keep(leaves, reservation))
                 else:
                     reservation.release()
                 count += 1
@@ -331,14 +320,15 @@ class _BatchIterator(Assembler):
                     )
         except BaseException:
             reservation.release()
-            booking.release()
+            self._booking.release()
             raise
         if self.drop_remainder and count < self.batch_size:
-            booking.release()
+            self._booking.release()
             raise StopIteration
         outputs = [column.out[:count] if count < len(column.out) else column.out
                    for column in columns if column.out is not None]
         batch = outputs[0] if single else pack_as(structure, outputs)
+        booking, self._booking = self._booking, NO_RESERVATION
         return batch, booking
 
     def _allocate(self, columns: list[_Column]) -> Reservation:
@@ -406,7 +396,7 @@ class _BatchIterator(Assembler):
         )
         column.out, column.dtype = np.empty(old.shape, dtype=dtype), dtype
         column.out[:rows] = old[:rows]
-        _merge(self._booking, grown)
+        self._booking = self._booking.absorb(grown)
         self._booking.nbytes -= old.nbytes
         self.account.release(old.nbytes)
         return column.out
@@ -418,9 +408,3 @@ class _BatchIterator(Assembler):
         cost = sum(self.ctx.sizeof(leaf) for leaf in leaves if _leaf_dtype(leaf).hasobject)
         return self.account.hold(cost, what=f"the objects of a batch of {self.batch_size}")
 
-
-def _merge(booking: Reservation, other: Reservation) -> None:
-    """Add ``other``'s bytes (booked on the same account) to ``booking``."""
-    assert other.account is booking.account or not other.nbytes
-    booking.nbytes += other.nbytes
-    other.nbytes = 0

@@ -280,7 +280,7 @@ class _ParallelMapIterator(Iterator):
             and len(self.calls) < (2 * self.threads if self.output_estimate else 1)
             # Nothing in flight or ready: one call may always start (progress); otherwise
             # only while its output, at the largest size seen, fits beside what is held.
-            and ((not self.calls and not self.ready) or self.account.has_room(self.output_estimate))
+            and ((not self.calls and not self.ready) or self.account.fits(self.output_estimate))
         ):
             state_before, first_index = self.state_after_last_input, self.next_index
             elements, bookings, error = self._pull_chunk()

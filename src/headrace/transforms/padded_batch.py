@@ -230,7 +230,7 @@ class _PaddedBatchIterator(Assembler):
         values: list[Any], shape: tuple[int | None, ...], path: str, first: int
     ) -> tuple[list[np.ndarray[Any, Any]], tuple[int, ...], np.dtype[Any]]:
         """The arrays of one component, the padded row shape, and the output dtype."""
-        arrays = [v if isinstance(v, np.ndarray) else np.asarray(v) for v in values]
+        arrays = [v if isinstance(v, np.ndarray) else _as_array(v) for v in values]
         sample = arrays[0]
         dtype = np.dtype(object) if sample.dtype.kind in "OSU" else sample.dtype
         for row, array in enumerate(arrays):
@@ -265,6 +265,18 @@ class _PaddedBatchIterator(Assembler):
         out = np.empty((len(arrays), *target), dtype=dtype)
         out[...] = pad
         for row, array in enumerate(arrays):
+            if not array.ndim:  # a scalar: store the item (a 0-d array would nest)
+                out[row] = array[()]
+                continue
             region: tuple[Any, ...] = (row, *(slice(0, n) for n in array.shape))
             out[region] = array
         return out
+
+
+def _as_array(value: Any) -> np.ndarray[Any, Any]:
+    """``value`` as an array; bytes and str stay exact Python objects (G5): NumPy's
+    fixed-width ``S``/``U`` dtypes would drop trailing NULs (b"a\\x00" -> b"a")."""
+    array = np.asarray(value)
+    if array.dtype.kind in "SU":
+        return np.array(value, dtype=object)
+    return array
