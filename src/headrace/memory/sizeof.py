@@ -272,10 +272,10 @@ class _Costing:
                 + self.items_cost(list(value.keys()))
                 + self.items_cost(list(value.values()))
             )
-        if isinstance(value, (tuple, list, set, frozenset)):
-            return sys.getsizeof(value) + self.items_cost(list(value) if
-                                                           isinstance(value, (set, frozenset))
-                                                           else value)
+        if isinstance(value, (tuple, list)):  # subclasses (namedtuples, ...)
+            return sys.getsizeof(value) + self.items_cost(value)
+        if isinstance(value, (set, frozenset)):  # items_cost needs len() and order
+            return sys.getsizeof(value) + self.items_cost(list(value))
         if isinstance(value, (str, bytes, int, float)):
             return sys.getsizeof(value)  # subclasses of the flat types (IntEnum, ...)
         total = sys.getsizeof(value)
