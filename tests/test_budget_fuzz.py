@@ -277,3 +277,18 @@ def test_minima_that_cannot_fit_together_name_every_stage() -> None:
     message = str(caught.value)
     assert "'batch'" in message or "batch:" in message
     assert "prefetch" in message and "24.0 MiB" in message
+
+
+def test_refusals_and_orders_do_not_depend_on_thread_timing() -> None:
+    """Found by the sweep: a parallel map declared a whole chunk's (timing-sized) inputs,
+    or a whole call's growth, as "one element", so a MemoryBudgetError came or not with
+    the timing; and a re-split that lent a shuffle's bytes changed its order."""
+    specs = [random_spec(seed) for seed in (100368, 100370, 100506)] * 3
+    results = run_specs(specs)
+    for result in results:
+        assert_within_budget(result)
+        assert result["outcome"] == "ok", result
+    by_seed: dict[int, set[tuple[int, int]]] = {}
+    for result in results:
+        by_seed.setdefault(result["seed"], set()).add((result["elements"], result["order"]))
+    assert all(len(runs) == 1 for runs in by_seed.values()), by_seed

@@ -27,9 +27,9 @@ being assembled, one batch in a prefetch queue) declares it with
 :meth:`StageAccount.require`. When that is more than its share, the budget
 splits itself again (:meth:`MemoryBudget.allot`): the stage gets its minimum
 and the others give up what they hold beyond theirs, stages whose share sets
-an order (shuffle) last. Shares still depend only on the budget, the
-structure and the data's sizes; :class:`MemoryBudgetError` is raised only
-when the minima together exceed the budget, and names each of them.
+an order (shuffle) never give. Shares still depend only on the budget, the
+structure and the data's sizes; :class:`MemoryBudgetError` names each
+stage's minimum when they cannot all fit.
 
 Reservations move with their element (:class:`Reservation`): a stage that
 takes an element from a buffering stage books it on its own account first and
@@ -102,8 +102,8 @@ class MemoryBudget:
         """Register a buffering stage; its share is set by :meth:`allot`.
 
         ``sets_order``: the stage's share decides which elements come out in which
-        order (a shuffle buffer's size), so it is the last to give up bytes to
-        another stage's minimum working set.
+        order (a shuffle buffer's size), so it never gives up bytes to another
+        stage's minimum working set (see :meth:`allot`).
         """
         account = StageAccount(self, name, weight, sets_order=sets_order)
         self.accounts.append(account)
@@ -126,21 +126,24 @@ class MemoryBudget:
             raise MemoryBudgetError(self._minima_message())
         deficit = sum(max(0, low - limit) for low, limit in zip(minima, limits, strict=True))
         limits = [max(low, limit) for low, limit in zip(minima, limits, strict=True)]
-        for order_setters in (False, True):
-            if deficit <= 0:
-                break
-            lenders = [
-                k for k, account in enumerate(accounts)
-                if account.sets_order is order_setters and limits[k] > minima[k]
-            ]
-            surplus = sum(limits[k] - minima[k] for k in lenders)
-            if not surplus:
-                continue
-            take = min(deficit, surplus)
+        # Stages whose share sets an order never lend: a re-split happens when a minimum
+        # becomes known, and with threads that moment is timing, so lending a shuffle's
+        # bytes would make its buffer, and so the order, depend on timing (G3).
+        lenders = [
+            k for k, account in enumerate(accounts)
+            if not account.sets_order and limits[k] > minima[k]
+        ]
+        surplus = sum(limits[k] - minima[k] for k in lenders)
+        if deficit > surplus:
+            raise MemoryBudgetError(
+                self._minima_message()
+                + " A shuffle's share is not lent to other stages (that would make the "
+                "order depend on timing): a smaller shuffle buffer_size frees it."
+            )
+        if deficit > 0:
             for k in lenders:
                 spare = limits[k] - minima[k]
-                limits[k] -= min(spare, -(-take * spare // surplus))  # ceil: never short
-            deficit -= take
+                limits[k] -= min(spare, -(-deficit * spare // surplus))  # ceil: never short
         with self.changed:
             for account, limit in zip(accounts, limits, strict=True):
                 account.limit = limit
@@ -351,19 +354,22 @@ class StageAccount:
         work until it has drained. Bounded by the calls that were in flight when
         outputs grew past their estimate.
         """
-        out: list[Reservation] = []
         for nbytes in sizes:
             self._check_fits(nbytes)  # one alone past the share: split again, or refuse
         with self.room:
-            for nbytes in sizes:
-                excess = max(0, min(nbytes, self.held + nbytes - self.limit))
-                out.append(Overdraft(self, nbytes, excess) if excess else Reservation(self, nbytes))
-                self._book(nbytes, overdraft=excess)
-        return out
+            return [self._book_existing(nbytes) for nbytes in sizes]
 
     def overdraw(self, nbytes: int) -> Reservation:
-        """Book bytes of work already in flight past the share (see :meth:`book_existing`)."""
-        return self.book_existing([nbytes])[0]
+        """Book more bytes for work already in flight (several elements' growth, each of
+        which passed :meth:`book_existing`'s check): past the share as an overdraft."""
+        with self.room:
+            return self._book_existing(nbytes)
+
+    def _book_existing(self, nbytes: int) -> Reservation:
+        """Book ``nbytes``; what passes the share is an overdraft (call holding the lock)."""
+        excess = max(0, min(nbytes, self.held + nbytes - self.limit))
+        self._book(nbytes, overdraft=excess)
+        return Overdraft(self, nbytes, excess) if excess else Reservation(self, nbytes)
 
     def release(self, nbytes: int) -> None:
         """Return ``nbytes`` to the stage's share and wake a waiting producer."""

@@ -301,10 +301,11 @@ class _ParallelMapIterator(Iterator):
         elements: list[Any] = []
         bookings: list[Reservation] = []
         upstream_error: Exception | None = None
-        pending = pending_count = 0
+        pending: list[int] = []  # sizes of inputs nobody booked, booked together below
+        pending_bytes = 0
         sizeof, estimate, account = self.ctx.sizeof, self.output_estimate, self.account
         while len(elements) < self.chunk and (
-            not elements or account.held + pending + estimate <= account.limit
+            not elements or account.held + pending_bytes + estimate <= account.limit
         ):
             try:
                 element, reservation = self.inner.next_reserved()
@@ -318,8 +319,8 @@ class _ParallelMapIterator(Iterator):
             # A call in flight will soon hold its output: book the larger of the two.
             size = max(sizeof(element), estimate)
             if reservation.account is None:
-                pending += size
-                pending_count += 1
+                pending.append(size)
+                pending_bytes += size
             else:  # it exists already: booked here as it is, then released upstream
                 bookings.extend(account.book_existing([size]))
                 reservation.release()
@@ -328,7 +329,7 @@ class _ParallelMapIterator(Iterator):
             self.next_index += len(elements) + (upstream_error is not None)
         if pending:  # the inputs exist: booked as they are (past the share only if the
             # chunk's first input alone did not fit beside what is held)
-            bookings.extend(account.book_existing([pending]))
+            bookings.extend(account.book_existing(pending))
         return elements, bookings, upstream_error
 
     def _take_call(self) -> _Call:
