@@ -3,7 +3,7 @@
 Usage: python benchmarks/bench_budget_fuzz.py [N=1000] [--start S]
 
 Uses the generator and runner of ``tests/fuzz_pipelines.py`` (the CI test runs a
-small sweep of the same). Writes ``benchmarks/results/budget_fuzz.md``: how many
+small sweep of the same); every pipeline runs twice, to check its order. Writes ``benchmarks/results/budget_fuzz.md``: how many
 pipelines finished, raised MemoryBudgetError, or failed; how many breached a
 share, passed the budget by more than their counted overdraft, or grew past
 budget + 10% + 64 MiB; and the worst growth against its bound.
@@ -53,9 +53,15 @@ def main() -> int:
     started = time.perf_counter()
     # One batch at a time: two concurrent children would measure each other's noise less
     # than their own growth, but they share the machine's memory bandwidth.
+    batches = [seeds[i:i + BATCH] for i in range(0, len(seeds), BATCH)]
     with ThreadPoolExecutor(1) as pool:
-        results = [r for batch in pool.map(run_batch, [seeds[i:i + BATCH]
-                   for i in range(0, len(seeds), BATCH)]) for r in batch]
+        results = [r for batch in pool.map(run_batch, batches) for r in batch]
+        # G3: every pipeline a second time, in another process: same elements, same order.
+        again = {r["seed"]: r for batch in pool.map(run_batch, batches) for r in batch}
+    unstable = [r for r in results
+                if (r["outcome"], r["elements"], r.get("order"))
+                != (again[r["seed"]]["outcome"], again[r["seed"]]["elements"],
+                    again[r["seed"]].get("order"))]
     elapsed = time.perf_counter() - started
     ok = [r for r in results if r["outcome"] == "ok"]
     refused = [r for r in results if r["outcome"].startswith("MemoryBudgetError")]
@@ -82,18 +88,19 @@ def main() -> int:
         f"| accounted bytes passed the budget beyond counted overdrafts | {len(over_books)} |",
         f"| parallel-map overdraft used (outputs outgrew their estimate) | {len(overdrafts)} |",
         f"| RssAnon+RssShmem growth > budget + 10% + 64 MiB | {len(over_rss)} |",
+        f"| a second run gave other elements or another order (G3) | {len(unstable)} |",
         "",
         f"Worst growth: {worst['growth'] / 2**20:.0f} MiB of a {worst['bound'] / 2**20:.0f} MiB "
         f"bound (seed {worst['seed']}).",
         "",
     ]
-    for r in (errors + breaches + over_books + over_rss)[:20]:
+    for r in (errors + breaches + over_books + over_rss + unstable)[:20]:
         lines.append(f"- seed {r['seed']}: {r['outcome'][:200]} {r['violations'][:1]} "
                      f"growth {r['growth'] >> 20} MiB / bound {r['bound'] >> 20} MiB")
     out = ROOT / "benchmarks" / "results" / "budget_fuzz.md"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 1 if errors or breaches or over_books or over_rss else 0
+    return 1 if errors or breaches or over_books or over_rss or unstable else 0
 
 
 if __name__ == "__main__":
