@@ -596,3 +596,16 @@ def test_random_pipelines_match_a_sequential_loop(n, stages, checkpoint_at) -> N
     with iter(ds) as restored:
         restored.set_state(state)
         assert head + drive(restored) == expected, f"restored after outcome {step}"
+
+
+def test_generator_element_of_the_wrong_type_is_an_error_then_the_next_follows() -> None:
+    # tf.data 2.21: a generator yielding 1, "a", 3 for int64 gives 1, an error, 3.
+    ds = hr.Dataset.from_generator(
+        lambda: iter([1, "a", 3]), output_signature=hr.TensorSpec((), "int64")
+    )
+    for wrapped in (ds, ds.prefetch(2), ds.map(lambda x: x, num_parallel_calls=2)):
+        with iter(wrapped) as iterator:
+            assert int(next(iterator)) == 1
+            with pytest.raises(hr.ElementSpecError, match="element 1"):
+                next(iterator)
+            assert [int(x) for x in iterator] == [3]

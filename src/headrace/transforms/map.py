@@ -13,6 +13,12 @@ budget allows" (each call in flight is booked at the largest output seen so
 far, and only one call runs until the first output is known). ``deterministic=True`` (the default) keeps input order;
 ``False`` hands out whichever result is ready first, and its checkpoints are
 at-least-once (elements finished out of order may be seen again on resume).
+
+Errors. When ``fn`` raises for element i, ``next()`` raises that exception
+(its own type and traceback, with a note naming the stage and i) after every
+earlier element, and the following ``next()`` returns element i+1's output:
+the failing element is dropped, the iteration goes on — tf.data's behaviour,
+whatever ``num_parallel_calls``. An error from the input comes the same way.
 """
 
 from __future__ import annotations
