@@ -609,3 +609,31 @@ def test_generator_element_of_the_wrong_type_is_an_error_then_the_next_follows()
             with pytest.raises(hr.ElementSpecError, match="element 1"):
                 next(iterator)
             assert [int(x) for x in iterator] == [3]
+
+
+class _Flaky:
+    """An iterator (not a generator) that fails on some elements and can go on, as a
+    reader over a network might: tf.data asks it for the next element after an error."""
+
+    def __init__(self, n: int, bad: set[int]) -> None:
+        self.values, self.bad = iter(range(n)), bad
+
+    def __iter__(self) -> _Flaky:
+        return self
+
+    def __next__(self) -> int:
+        value = next(self.values)
+        if value in self.bad:
+            raise Bad(value)
+        return value
+
+
+def test_an_iterator_that_can_go_on_after_an_error_does() -> None:
+    ds = hr.Dataset.from_generator(
+        lambda: _Flaky(8, {2, 5}), output_signature=hr.TensorSpec((), "int64")
+    )
+    expected = expected_map(list(range(8)), {2, 5})
+    assert drive_dataset(ds) == expected
+    assert drive_dataset(ds.prefetch(3)) == expected
+    assert_roundtrip_with_errors(ds)
+    assert_roundtrip_with_errors(ds.map(lambda x: x, num_parallel_calls=2))

@@ -6,10 +6,11 @@ converted to its dtypes; a mismatch is an error naming the component, what was
 expected and what came.
 
 Errors. An exception raised by the generator reaches the consumer with its
-type and traceback and a note naming the element; a Python generator cannot
-resume after raising, so the dataset ends there (as in tf.data), and a state
-saved after it restores that end. An element that does not match the
-signature raises :class:`ElementSpecError` and the next element follows.
+type and traceback and a note naming the element, in that element's place. A
+Python generator cannot resume after raising, so the dataset ends there (as in
+tf.data), and a state saved after it restores that end; any other iterator is
+asked for its next element, as tf.data does. An element that does not match
+the signature raises :class:`ElementSpecError` and the next element follows.
 
 Resuming. A generator cannot seek: the state counts the elements produced,
 and restoring calls the function again and skips that many — exact when the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Iterator as PyIterator
+from types import GeneratorType
 from typing import Any
 
 import numpy as np
@@ -119,7 +121,7 @@ class _GeneratorIterator(Iterator):
         self.single = not isinstance(node.signature, (dict, tuple))
         self.source: PyIterator[Any] | None = None
         self.produced = 0
-        self.failed = False  # the generator raised: it cannot go on
+        self.failed = False  # the Python generator raised: it cannot go on
         self.stage_name = f"from_generator({function_name(node.generator)})"
 
     def _start(self) -> PyIterator[Any]:
@@ -142,9 +144,12 @@ class _GeneratorIterator(Iterator):
         except StopIteration:
             raise
         except Exception as error:
-            self.failed = True
-            self.close()
-            raise note_element_error(error, self.stage_name, self.produced)  # noqa: B904
+            index = self.produced
+            self.produced += 1  # the error holds this position (a replay skips it)
+            if isinstance(self.source, GeneratorType):  # finished by raising
+                self.failed = True
+                self.close()
+            raise note_element_error(error, self.stage_name, index)  # noqa: B904
         index = self.produced
         self.produced += 1
         if self.single:
@@ -176,8 +181,17 @@ class _GeneratorIterator(Iterator):
             return
         source = self.source = self._start()
         self.produced = 0
+
+        def pull() -> None:
+            try:
+                next(source)
+            except StopIteration:
+                raise
+            except Exception:  # delivered at this position before: it counts, once
+                return
+
         # a generator ending before ``target`` means the state is not of this data
-        replay(lambda: next(source), target, "from_generator", "produced")
+        replay(pull, target, "from_generator", "produced")
         self.produced = target
 
     def close(self) -> None:
