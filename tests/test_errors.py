@@ -637,3 +637,18 @@ def test_an_iterator_that_can_go_on_after_an_error_does() -> None:
     assert drive_dataset(ds.prefetch(3)) == expected
     assert_roundtrip_with_errors(ds)
     assert_roundtrip_with_errors(ds.map(lambda x: x, num_parallel_calls=2))
+
+
+def test_batched_records_before_a_corrupt_one_all_come_out(tmp_path) -> None:
+    files = _tfrecord_files(tmp_path)
+    _corrupt_record(files[1], 2, 6)
+    size = os.path.getsize(files[1]) // 6
+    with iter(hr.TFRecordDataset(files).batch(4)) as iterator:
+        assert [[int(r) for r in next(iterator)] for _ in range(2)] == [
+            [0, 1, 2, 3],
+            [4, 5, 100, 101],  # the good records of the bad file, up to the bad one
+        ]
+        with pytest.raises(hr.DataLossError) as info:
+            next(iterator)
+        assert info.value.offset == 2 * size
+        assert [[int(r) for r in batch] for batch in iterator] == [[200, 201, 202, 203], [204, 205]]
