@@ -9,7 +9,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from headrace.errors import DataLossError, HeadraceError, InvalidArgumentError, RecordTooLargeError
@@ -318,6 +318,7 @@ class _CountingStream(io.BytesIO):
 
 
 @settings(max_examples=60, deadline=None)
+@example(small=[0, 21, 18], big=5000, bound=17, verify_crc=False)  # header refilled mid-batch
 @given(
     small=st.lists(st.integers(0, 200), min_size=1, max_size=6),
     big=st.integers(5_000, 50_000),

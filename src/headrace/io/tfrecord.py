@@ -282,6 +282,12 @@ class TFRecordReader(ClosesOnExit):
                 if not self._fill(detail):
                     self._handle_short_stream(records)
                     break
+                if records and detail == HEADER_BYTES:
+                    # Only the header was missing: the scan of the rest starts with an empty
+                    # list of its own and would take its first record whatever its size.
+                    following = self.next_length()
+                    if following is not None and following > remaining_bytes:
+                        break
             elif records:
                 break  # return what is good now; the next call meets the bad record again
             else:
