@@ -12,11 +12,20 @@ from headrace.cli import main
 
 def test_all_lists_exactly_the_public_names() -> None:
     public = {name for name in vars(hr) if not name.startswith("_")} - {
-        "dataset", "errors", "iterator", "node", "options", "structure", "memory",
+        "dataset", "errors", "core", "options", "structure", "memory",
         "sources", "transforms", "profiling", "testing", "io", "cli", "distribute", "writers",
         "tools",
     }
     assert public | {"__version__"} == set(hr.__all__)
+
+
+def test_the_extension_api_is_listed_and_documented() -> None:
+    import headrace.core as core
+
+    for name in core.__all__:
+        value = getattr(core, name)
+        if inspect.isclass(value) or inspect.isfunction(value):
+            assert inspect.getdoc(value), f"headrace.core.{name}"
 
 
 def test_every_public_callable_has_a_docstring() -> None:

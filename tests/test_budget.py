@@ -129,7 +129,7 @@ def test_no_configuration_deadlocks() -> None:
 
 
 def test_default_budget_is_half_of_available_memory() -> None:
-    from headrace.iterator import default_budget
+    from headrace.core.run import default_budget
     from headrace.options import available_memory
 
     assert abs(default_budget().total - available_memory() // 2) < available_memory() // 4

@@ -225,7 +225,7 @@ def test_map_over_an_array_source_then_batch_assembles_in_place() -> None:
 
 def test_pipelines_sharing_the_default_budget_are_capped_together(monkeypatch) -> None:
     """Class 5: 8 pipelines on a 64 MiB default budget booked 512 MiB (checked per chunk)."""
-    from headrace import iterator as iterator_module
+    from headrace.core import run as iterator_module
 
     shared = MemoryBudget(64 * MiB)
     monkeypatch.setattr(iterator_module, "_default_budget", shared)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-from headrace.node import function_fingerprint
+from headrace.core.fingerprint import function_fingerprint
 
 
 def test_lambdas_with_the_same_name_but_different_code_do_not_share_checkpoints() -> None:

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace.core.iterator import Iterator
 from headrace.errors import MemoryBudgetError
 from headrace.io.tfrecord import write_tfrecord
-from headrace.iterator import Iterator
 from headrace.memory.budget import MemoryBudget, StageAccount
 
 MiB = 1 << 20

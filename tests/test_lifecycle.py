@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.iterator import default_budget
+from headrace.core.run import default_budget
 
 
 def busy_pipeline() -> hr.Dataset:

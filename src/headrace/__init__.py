@@ -3,6 +3,8 @@
 Everything public is listed in ``__all__`` below (and tested against it).
 """
 
+from headrace.core.node import INFINITE, UNKNOWN
+from headrace.core.run import DatasetIterator
 from headrace.dataset import Dataset, TextLineDataset, TFRecordDataset
 from headrace.distribute import AutoShardPolicy, ShardInfo, auto_shard, shard_info
 from headrace.errors import (
@@ -18,9 +20,7 @@ from headrace.errors import (
     RecordTooLargeError,
     WorkerError,
 )
-from headrace.iterator import DatasetIterator
 from headrace.memory.sizeof import register_sizer
-from headrace.node import INFINITE, UNKNOWN
 from headrace.options import AUTOTUNE, Options, parse_bytes
 from headrace.structure import TensorSpec
 

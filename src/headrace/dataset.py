@@ -1,7 +1,7 @@
 """``Dataset``: the immutable, picklable recipe users build pipelines with.
 
 Every method returns a new ``Dataset``; nothing runs until ``iter(dataset)``,
-which builds a :class:`~headrace.iterator.DatasetIterator` (threads, open
+which builds a :class:`~headrace.core.iterator.DatasetIterator` (threads, open
 files and budget live there, never here). Argument names and defaults follow
 ``tf.data`` so that code ports by changing the import; where headrace
 differs, the method's docstring says so.
@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from headrace.core.node import INFINITE, UNKNOWN, Node, known_spec, spec_sampling
+from headrace.core.run import DatasetIterator
 from headrace.errors import InvalidArgumentError
-from headrace.iterator import DatasetIterator
-from headrace.node import INFINITE, UNKNOWN, Node, known_spec, spec_sampling
 from headrace.options import AUTOTUNE, Options
 from headrace.sources.arrays import RangeNode, TensorSlicesNode, TensorsNode, load_npy
 from headrace.sources.files import TextLineNode, list_files

@@ -18,9 +18,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from headrace.core.node import Node
 from headrace.dataset import Dataset
 from headrace.errors import InvalidArgumentError
-from headrace.node import Node
 from headrace.sources.arrays import TensorSlicesNode
 from headrace.sources.files import FileRecordsNode
 from headrace.sources.tfrecord import IndexedTFRecordNode

@@ -4,7 +4,7 @@ Options are attached to a dataset with :meth:`Dataset.with_options` and apply
 to every iterator created from it. They are part of the recipe, so they are
 picklable and take part in the pipeline fingerprint only where they change the
 output (``memory_budget`` may shrink a shuffle buffer; ``deterministic`` may
-reorder a parallel map) — see :mod:`headrace.iterator`.
+reorder a parallel map) — see :mod:`headrace.core.iterator`.
 """
 
 from __future__ import annotations

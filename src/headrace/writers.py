@@ -50,6 +50,7 @@ from typing import IO, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from headrace.core.node import INFINITE, UNKNOWN
 from headrace.errors import InvalidArgumentError
 from headrace.io import _example_wire as wire
 from headrace.io.example import _encode_feature_value, serialize_example
@@ -60,7 +61,6 @@ from headrace.io.tfrecord import (
     normalize_compression_type,
 )
 from headrace.io.tfrecord_index import build_index, index_path_for
-from headrace.node import INFINITE, UNKNOWN
 
 __all__ = ["ProgressBar", "encode_example_columns", "save_tfrecords", "shard_paths"]
 

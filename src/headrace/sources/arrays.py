@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.indexing import RandomAccess
+from headrace.core.iterator import Context
+from headrace.core.node import Node
 from headrace.errors import InvalidArgumentError
-from headrace.iterator import Context
-from headrace.node import Node, RandomAccess
 from headrace.structure import (
     TensorSpec,
     flatten,

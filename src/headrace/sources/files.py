@@ -21,14 +21,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from headrace._state import StateReader
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import UNKNOWN, Node
+from headrace.core.state import StateReader
 from headrace.errors import InvalidArgumentError, MemoryBudgetError, RecordTooLargeError, add_note
 from headrace.io.filepool import FileLimiter, FilePool, PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
-from headrace.iterator import Context, Iterator
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
-from headrace.node import UNKNOWN, Node
 from headrace.structure import TensorSpec
 
 __all__ = [
@@ -230,11 +230,10 @@ def file_limiter(ctx: Context) -> FileLimiter | None:
     """The pipeline's own cap on descriptors (``Options.max_open_files``), shared by its readers."""
     if ctx.options.max_open_files is None:
         return None
-    limiter: FileLimiter | None = ctx.shared.get("file_limiter")
-    if limiter is None:
-        limiter = get_default_pool().limiter(ctx.options.max_open_files)
-        ctx.shared["file_limiter"] = limiter
-    return limiter
+    run = ctx.run
+    if run.file_limiter is None:
+        run.file_limiter = get_default_pool().limiter(ctx.options.max_open_files)
+    return run.file_limiter
 
 
 def _filenames(filenames: Any) -> list[str]:
@@ -286,7 +285,7 @@ class FileRecordsNode(Node):
         raise NotImplementedError
 
     def make_iterator(self, ctx: Context) -> Iterator:
-        account = ctx.account(self, f"{self.stage} (read-ahead)", weight=1)
+        account = ctx.account(self, f"{self.stage} (read-ahead)")
         return _FileRecordsIterator(self, ctx, account)
 
     def batched_iterator(
@@ -318,7 +317,7 @@ class _RecordBatches(Iterator):
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
         self.account = account
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         records, booked = self.records.read_many(self.batch_size, self.account)
         if not records or (self.drop_remainder and len(records) < self.batch_size):
             booked.release()
@@ -361,7 +360,7 @@ class _FileRecordsIterator(Iterator):
         self.reader = node.open_reader(self.stream, self.start_offset)
         return self.reader
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         while self.file_index < len(self.node.filenames):
             reader = self.reader or self._open()
             try:
@@ -435,9 +434,8 @@ class _FileRecordsIterator(Iterator):
     def _close_file(self) -> None:
         skipped = getattr(self.reader, "skipped", None)
         if skipped is not None and skipped[0]:
-            totals = self.ctx.shared.setdefault("skipped", [0, 0])
-            totals[0] += skipped[0]
-            totals[1] += skipped[1]
+            self.ctx.run.skipped_records += skipped[0]
+            self.ctx.run.skipped_bytes += skipped[1]
         if self.reader is not None:
             self.reader.close()  # gives back what it read ahead
         if self.stream is not None:

@@ -26,10 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from headrace._state import StateReader, replay
+from headrace.core.fingerprint import function_fingerprint, function_name
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import UNKNOWN, Node, check_signature
+from headrace.core.state import StateReader, replay
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
-from headrace.iterator import Context, Iterator
-from headrace.node import UNKNOWN, Node, check_signature, function_fingerprint, function_name
+from headrace.memory.budget import NO_RESERVATION, Reservation
 from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
 
 __all__ = ["GeneratorNode"]
@@ -134,7 +136,10 @@ class _GeneratorIterator(Iterator):
                 f"{type(result).__name__}, not an iterable"
             ) from None
 
-    def __next__(self) -> Any:
+    def pull(self) -> tuple[Any, Reservation]:
+        return self._next_value(), NO_RESERVATION
+
+    def _next_value(self) -> Any:
         if self.failed:
             raise StopIteration
         if self.source is None:

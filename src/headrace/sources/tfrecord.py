@@ -19,6 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.indexing import RandomAccess
+from headrace.core.iterator import Context
+from headrace.core.node import Node
 from headrace.errors import InvalidArgumentError, MemoryBudgetError
 from headrace.io.filepool import PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
@@ -35,9 +38,7 @@ from headrace.io.tfrecord_index import (
     index_path_for,
     load_index,
 )
-from headrace.iterator import Context
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
-from headrace.node import Node, RandomAccess
 from headrace.options import format_bytes
 from headrace.sources.files import (
     FileRecordsNode,

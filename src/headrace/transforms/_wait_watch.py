@@ -95,13 +95,13 @@ class WaitWatch:
             self._start_window()
 
     def sampled_pull(
-        self, next_reserved: Callable[[], tuple[Any, Reservation]]
+        self, pull: Callable[[], tuple[Any, Reservation]]
     ) -> tuple[Any, Reservation]:
-        """``next_reserved()`` timed on both clocks; picks the next pull to sample."""
+        """``pull()`` timed on both clocks; picks the next pull to sample."""
         self.countdown = 1 + int(self.random.random() * (2 * self.SAMPLE_EVERY - 1))
         started, cpu = perf_counter(), time.thread_time()
         try:
-            return next_reserved()
+            return pull()
         finally:
             self.sampled_cpu += time.thread_time() - cpu
             self.pull_wall += perf_counter() - started

@@ -13,75 +13,27 @@ objects (fixed-width ``S``/``U`` would drop trailing NULs).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from headrace._state import StateReader
+from headrace.core.indexing import GatherBatchIterator, IndexPlan
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive
+from headrace.core.state import StateReader
 from headrace.errors import (
     ElementSpecError,
 )
-from headrace.iterator import Context, Iterator
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
-from headrace.node import INFINITE, UNKNOWN, IndexPlan, Node, check_positive
 from headrace.structure import (
     flatten,
     map_structure,
     pack_as,
     structure_paths,
 )
-from headrace.transforms.indexing import GatherBatchIterator
 
-__all__ = ["BatchNode", "batched_cardinality", "stack_elements"]
-
-
-def _stack_leaf(values: list[Any], path: str, stage: str, first_index: int) -> Any:
-    first = values[0]
-    if type(first) in (bytes, str) and all(type(value) is type(first) for value in values):
-        out = np.empty(len(values), dtype=object)  # scalars: no shapes to compare
-        out[:] = values
-        return out
-    if isinstance(first, (bytes, str)) or (isinstance(first, np.ndarray) and first.dtype == object):
-        out = np.empty((len(values), *np.shape(first)), dtype=object)
-        for row, value in enumerate(values):
-            _check_same_shape(value, first, row, path, stage, first_index)
-            out[row] = value
-        return out
-    try:
-        return np.stack(values)
-    except ValueError:
-        for row, value in enumerate(values):
-            _check_same_shape(value, first, row, path, stage, first_index)
-        raise
-
-
-def _check_same_shape(
-    value: Any, first: Any, row: int, path: str, stage: str, first_index: int
-) -> None:
-    if np.shape(value) != np.shape(first):
-        raise ElementSpecError(
-            f"{stage}: element {first_index + row} has shape {np.shape(value)} for component "
-            f"{path}, but element {first_index} of the same batch has shape {np.shape(first)}; "
-            "all elements of a batch need equal shapes (use padded_batch for variable sizes)"
-        )
-
-
-def stack_elements(elements: Sequence[Any], *, stage: str, first_index: int = 0) -> Any:
-    """One batched element from a list of elements of equal structure and shapes."""
-    structure = elements[0]
-    if not isinstance(structure, (dict, tuple)):
-        return _stack_leaf(list(elements), "element", stage, first_index)
-    columns = list(zip(*(flatten(element) for element in elements), strict=True))
-    paths = structure_paths(structure)
-    return pack_as(
-        structure,
-        [
-            _stack_leaf(list(column), path, stage, first_index)
-            for column, path in zip(columns, paths, strict=True)
-        ],
-    )
+__all__ = ["BatchNode", "batched_cardinality"]
 
 
 def _batched_spec(spec: Any, batch_size: int, drop_remainder: bool) -> Any:
@@ -91,6 +43,7 @@ def _batched_spec(spec: Any, batch_size: int, drop_remainder: bool) -> Any:
 
 class BatchNode(Node):
     stage = "batch"
+    budget_weight = 2
 
     def __init__(self, source: Node, batch_size: int, drop_remainder: bool) -> None:
         super().__init__(source)
@@ -113,7 +66,7 @@ class BatchNode(Node):
         return None  # a batch is one element made of many: not addressable by one index
 
     def make_iterator(self, ctx: Context) -> Iterator:
-        account = ctx.account(self, "batch", weight=2)
+        account = ctx.account(self)
         plan = self.inputs[0].index_plan()
         if plan is not None:
             access, make_stream = plan
@@ -161,15 +114,12 @@ class _ChargedBatches(Iterator):
         super().__init__(inner)
         self.inner, self.ctx, self.account = inner, ctx, account
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         batch = next(self.inner)
         cost = self.ctx.sizeof(batch)
         if cost <= _HEADERS_ONLY:  # a slice of the user's memory: only array headers are new
             return batch, NO_RESERVATION
         return batch, self.account.hold(cost, what="one batch")
-
-    def __next__(self) -> Any:
-        return next(self.inner)
 
 
 class Assembler(Iterator):
@@ -180,7 +130,7 @@ class Assembler(Iterator):
         self.inner, self.ctx, self.account = inner, ctx, account
         self.position = 0  # elements consumed, for error messages
 
-    def pull(self, count: int) -> tuple[list[Any], list[Reservation]]:
+    def pull_many(self, count: int) -> tuple[list[Any], list[Reservation]]:
         """Up to ``count`` elements, booked on this stage's share.
 
         Elements a buffering stage booked move here at once (keeping them on
@@ -194,7 +144,7 @@ class Assembler(Iterator):
         what = f"a batch of {count} elements"
         try:
             for _ in range(count):
-                element, reservation = self.inner.next_reserved()
+                element, reservation = self.inner.pull()
                 elements.append(element)
                 size = sizeof(element)
                 if account.held + unbooked + size > account.limit:  # re-split, or name minima
@@ -284,8 +234,8 @@ class _BatchIterator(Assembler):
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
         self._booking = NO_RESERVATION
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
-        first, reservation = self.inner.next_reserved()  # StopIteration: no more batches
+    def pull(self) -> tuple[Any, Reservation]:
+        first, reservation = self.inner.pull()  # StopIteration: no more batches
         first_index = self.position
         self.position += 1
         structure = first
@@ -308,7 +258,7 @@ class _BatchIterator(Assembler):
                 if count == self.batch_size:
                     break
                 try:
-                    element, reservation = self.inner.next_reserved()
+                    element, reservation = self.inner.pull()
                 except StopIteration:
                     break
                 self.position += 1

@@ -6,11 +6,12 @@ from typing import Any
 
 import numpy as np
 
-from headrace._state import INT64_MAX, StateReader
+from headrace.core.indexing import RandomAccess
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import Node
+from headrace.core.state import INT64_MAX, StateReader
 from headrace.errors import InvalidArgumentError
-from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import Node, RandomAccess
 from headrace.structure import TensorSpec
 
 __all__ = ["EnumerateNode"]
@@ -72,8 +73,8 @@ class _EnumerateIterator(Iterator):
         super().__init__(inner)
         self.inner, self.next_value, self.start = inner, start, start
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
-        element, reservation = self.inner.next_reserved()
+    def pull(self) -> tuple[Any, Reservation]:
+        element, reservation = self.inner.pull()
         value = np.int64(self.next_value)
         self.next_value += 1
         return (value, element), reservation

@@ -11,11 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from headrace._state import StateReader
+from headrace.core.fingerprint import function_fingerprint, function_name
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import UNKNOWN, Node, UnaryNode
+from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
-from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import UNKNOWN, Node, UnaryNode, function_fingerprint, function_name
 from headrace.transforms.map import apply_fn
 
 __all__ = ["FilterNode"]
@@ -61,9 +62,9 @@ class _FilterIterator(Iterator):
         self.name = function_name(predicate)
         self.index = 0  # of the next input element (named in error notes)
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         while True:
-            element, reservation = self.inner.next_reserved()
+            element, reservation = self.inner.pull()
             index = self.index
             self.index = index + 1
             try:

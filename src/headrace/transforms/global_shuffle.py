@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from headrace._state import INT64_MAX, StateReader
+from headrace.core.indexing import IndexPlan, IndexStream, Indices
+from headrace.core.iterator import Context
+from headrace.core.node import Node, UnaryNode, check_positive
+from headrace.core.state import INT64_MAX, StateReader
 from headrace.errors import InvalidArgumentError
-from headrace.iterator import Context
-from headrace.node import IndexPlan, IndexStream, Indices, Node, UnaryNode, check_positive
 
 __all__ = ["FeistelPermutation", "GlobalShuffleNode"]
 

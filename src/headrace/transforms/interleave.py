@@ -53,23 +53,17 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
-from headrace._state import StateReader
+from headrace.core.fingerprint import function_fingerprint, function_name
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import UNKNOWN, Node, check_positive, first_element
+from headrace.core.state import StateReader
 from headrace.errors import (
     CheckpointError,
     InvalidArgumentError,
     MemoryBudgetError,
     note_element_error,
 )
-from headrace.iterator import Context, Iterator
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
-from headrace.node import (
-    UNKNOWN,
-    Node,
-    check_positive,
-    first_element,
-    function_fingerprint,
-    function_name,
-)
 from headrace.options import AUTOTUNE, format_bytes
 from headrace.transforms._wait_watch import WaitWatch
 from headrace.transforms.map import apply_fn
@@ -94,6 +88,7 @@ def _machine_cycle_length(num_parallel_calls: int | None) -> int:
 
 class InterleaveNode(Node):
     stage = "interleave"
+    budget_weight = 2
 
     def __init__(
         self,
@@ -166,19 +161,19 @@ class InterleaveNode(Node):
         return 0 if self.inputs[0].cardinality() == 0 else UNKNOWN
 
     def inner_node(self, element: Any) -> Node:
-        from headrace.dataset import Dataset
-
         result = apply_fn(self.map_func, element)
-        if not isinstance(result, Dataset):
+        # A Dataset is the facade over its recipe node; the facade sits above this layer.
+        node = getattr(result, "_node", None)
+        if not isinstance(node, Node):
             raise InvalidArgumentError(
                 f"interleave: {function_name(self.map_func)} must return a Dataset, "
                 f"got {type(result).__name__}"
             )
-        return result._node
+        return node
 
     def make_iterator(self, ctx: Context) -> Iterator:
         deterministic = ctx.deterministic if self.deterministic is None else self.deterministic
-        account = ctx.account(self, "interleave", weight=2)
+        account = ctx.account(self)
         return _InterleaveIterator(
             self, self.inputs[0].make_iterator(ctx), ctx, account, deterministic
         )
@@ -335,7 +330,7 @@ class _InterleaveIterator(Iterator):
             self.num_open -= 1
 
     # -- the order -----------------------------------------------------------------------
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         if not self.deterministic and self.threaded:
             return self._next_first_ready()
         while not self.end_of_input or self.num_open > 0:
@@ -344,22 +339,22 @@ class _InterleaveIterator(Iterator):
                 try:
                     watch = self.watch
                     if watch is None:
-                        pair = slot.iterator.next_reserved()
+                        pair = slot.iterator.pull()
                     elif watch.resting:
                         watch.resting -= 1
                         if not watch.resting:
                             watch.rest_chunk_done()
-                        pair = slot.iterator.next_reserved()
+                        pair = slot.iterator.pull()
                     else:  # inline: this runs for every watched element
                         watch.countdown -= 1
                         if watch.countdown:
                             started = perf_counter()
                             try:
-                                pair = slot.iterator.next_reserved()
+                                pair = slot.iterator.pull()
                             finally:
                                 watch.pull_wall += perf_counter() - started
                         else:
-                            pair = watch.sampled_pull(slot.iterator.next_reserved)
+                            pair = watch.sampled_pull(slot.iterator.pull)
                         if watch.pull_wall >= watch.WINDOW_SECONDS and watch.waiting_mostly():
                             self._start_threads()
                 except StopIteration:
@@ -396,7 +391,7 @@ class _InterleaveIterator(Iterator):
                     self.ready.wait()
                     continue
             try:
-                pair = self.slots[chosen].iterator.next_reserved()  # type: ignore[union-attr]
+                pair = self.slots[chosen].iterator.pull()  # type: ignore[union-attr]
             except StopIteration:
                 self._close_slot(chosen)
                 continue

@@ -30,22 +30,16 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from headrace._state import StateReader
+from headrace.core.fingerprint import function_fingerprint, function_name
+from headrace.core.handoff import Handoff, restore_input
+from headrace.core.indexing import IndexPlan, RandomAccess
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import Node, check_signature, first_element
+from headrace.core.state import StateReader
 from headrace.errors import InvalidArgumentError, note_element_error
-from headrace.iterator import Context, Iterator
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
-from headrace.node import (
-    IndexPlan,
-    Node,
-    RandomAccess,
-    check_signature,
-    first_element,
-    function_fingerprint,
-    function_name,
-)
 from headrace.options import AUTOTUNE
 from headrace.structure import TensorSpec, map_structure, spec_of
-from headrace.transforms._handoff import Handoff, restore_input
 
 __all__ = ["MapNode", "apply_fn"]
 
@@ -156,7 +150,7 @@ class MapNode(Node):
         deterministic = (
             ctx.deterministic if self.deterministic is None else bool(self.deterministic)
         )
-        account = ctx.account(self, self.stage, weight=1)
+        account = ctx.account(self)
         return _ParallelMapIterator(
             inner, self.fn, ctx, account, threads, deterministic, self.stage
         )
@@ -186,8 +180,8 @@ class _MapIterator(Iterator):
         self.inner, self.fn, self.stage = inner, fn, stage
         self.index = 0  # of the next input element (named in error notes)
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
-        element, reservation = self.inner.next_reserved()
+    def pull(self) -> tuple[Any, Reservation]:
+        element, reservation = self.inner.pull()
         index = self.index
         self.index = index + 1
         try:
@@ -314,7 +308,7 @@ class _ParallelMapIterator(Iterator):
             not elements or account.held + pending_bytes + estimate <= account.limit
         ):
             try:
-                element, reservation = self.inner.next_reserved()
+                element, reservation = self.inner.pull()
             except StopIteration:
                 self.exhausted = True
                 break
@@ -397,7 +391,7 @@ class _ParallelMapIterator(Iterator):
             if call.count:
                 call.bookings.append(self.account.overdraw(growth * call.count))
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         if not self.ready:
             self._submit_more()
             if not self.calls:

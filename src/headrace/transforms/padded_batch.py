@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import Node, check_positive, known_spec, spec_sampling
 from headrace.errors import DataLossError, ElementSpecError, InvalidArgumentError
-from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
-from headrace.node import Node, check_positive, known_spec, spec_sampling
 from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
 from headrace.transforms.batch import Assembler, batched_cardinality
 
@@ -50,6 +50,7 @@ def _default_padding(spec: TensorSpec) -> Any:
 
 class PaddedBatchNode(Node):
     stage = "padded_batch"
+    budget_weight = 2
 
     def __init__(
         self,
@@ -149,7 +150,7 @@ class PaddedBatchNode(Node):
         return _PaddedBatchIterator(
             self.inputs[0].make_iterator(ctx),
             ctx,
-            ctx.account(self, "padded_batch", weight=2),
+            ctx.account(self),
             self,
         )
 
@@ -182,9 +183,9 @@ class _PaddedBatchIterator(Assembler):
         assert node.shapes is not None  # laid out by make_iterator
         self.node, self.shapes = node, node.shapes
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         node = self.node
-        elements, reservations = self.pull(node.batch_size)
+        elements, reservations = self.pull_many(node.batch_size)
         first = self.position
         self.position += len(elements)
         if not elements or (node.drop_remainder and len(elements) < node.batch_size):

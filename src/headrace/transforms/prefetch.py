@@ -12,7 +12,7 @@ iterator dropped without ``close()`` is still garbage-collected; its
 finalizer stops the thread. An exception the input raises is re-raised in the
 consumer with its original traceback, at its element's position: every
 element pulled before it comes first, and the next ``next()`` continues with
-the elements after it (see :mod:`headrace.transforms._handoff`).
+the elements after it (see :mod:`headrace.core.handoff`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import threading
 from collections import deque
 from typing import Any
 
-from headrace._state import StateReader
-from headrace.iterator import Context, Iterator
+from headrace.core.handoff import Handoff, restore_input
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import Node, UnaryNode, check_positive
+from headrace.core.state import StateReader
 from headrace.memory.budget import NO_RESERVATION, BudgetClosed, Reservation, StageAccount
-from headrace.node import Node, UnaryNode, check_positive
 from headrace.options import AUTOTUNE
-from headrace.transforms._handoff import Handoff, restore_input
 
 __all__ = ["PrefetchIterator", "PrefetchNode"]
 
@@ -50,7 +50,7 @@ class PrefetchNode(UnaryNode):
         return (self.buffer_size,)
 
     def make_iterator(self, ctx: Context) -> Iterator:
-        account = ctx.account(self, "prefetch", weight=1)
+        account = ctx.account(self)
         return PrefetchIterator(self.inputs[0].make_iterator(ctx), ctx, account, self.buffer_size)
 
 
@@ -143,7 +143,7 @@ class _Producer:
         try:
             for _ in range(max(1, min(room, _CHUNK))):
                 try:
-                    element, reservation = self.inner.next_reserved()
+                    element, reservation = self.inner.pull()
                 except (StopIteration, BudgetClosed):
                     ended = True
                     break
@@ -260,7 +260,7 @@ class PrefetchIterator(Iterator):
             or (producer is not None and bool(producer.queue or producer.finished))
         )
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         chunk = self.current
         if chunk is None or chunk.taken == len(chunk):
             if not self.taken:

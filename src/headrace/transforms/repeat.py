@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from headrace._state import StateReader
+from headrace.core.indexing import IndexStream, RepeatIndices
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
+from headrace.core.state import StateReader
 from headrace.errors import InvalidArgumentError
-from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import INFINITE, UNKNOWN, IndexStream, Node, UnaryNode
-from headrace.transforms.indexing import RepeatIndices
 
 __all__ = ["RepeatNode"]
 
@@ -77,10 +77,10 @@ class _RepeatIterator(Iterator):
         self.inner = self.source.make_iterator(self.ctx.with_epoch(self.epoch))
         self.inputs = (self.inner,)
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         while self.inner is not None:
             try:
-                pair = self.inner.next_reserved()
+                pair = self.inner.pull()
             except StopIteration:
                 if self.produced_this_epoch == 0 or 0 <= self.count <= self.epoch + 1:
                     self.inner.close()

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from headrace._state import StateReader
+from headrace.core.indexing import IndexStream, ShardIndices
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
+from headrace.core.state import StateReader
 from headrace.errors import InvalidArgumentError
-from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import INFINITE, UNKNOWN, IndexStream, Node, UnaryNode
-from headrace.transforms.indexing import ShardIndices
 
 __all__ = ["ShardNode"]
 
@@ -64,9 +64,9 @@ class _ShardIterator(Iterator):
         self.inner, self.num_shards, self.index = inner, num_shards, index
         self.position = 0  # elements consumed from the input
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         while True:
-            element, reservation = self.inner.next_reserved()
+            element, reservation = self.inner.pull()
             position = self.position
             self.position += 1
             if position % self.num_shards == self.index:

@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from headrace._state import INT64_MAX, StateReader, past_end, replay
+from headrace.core.indexing import IndexPlan, IndexStream, Indices, take_all
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import Node, UnaryNode, check_positive
+from headrace.core.state import INT64_MAX, StateReader, past_end, replay
 from headrace.io._native import native_module
-from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation, StageAccount, release_all
-from headrace.node import IndexPlan, IndexStream, Indices, Node, UnaryNode, check_positive
 from headrace.options import format_bytes
-from headrace.transforms.indexing import take_all
 
 __all__ = ["ShuffleNode"]
 
@@ -86,6 +86,8 @@ def _epoch_key(seed: int, epoch: list[int]) -> int:
 
 class ShuffleNode(UnaryNode):
     stage = "shuffle"
+    budget_weight = 4  # a buffer of elements; a buffer of indices weighs 1
+    sets_order = True
 
     def __init__(
         self, source: Node, buffer_size: int, seed: int | None, reshuffle_each_iteration: bool
@@ -112,7 +114,7 @@ class ShuffleNode(UnaryNode):
         access, make_inner = plan
 
         def make(ctx: Context) -> IndexStream:
-            account = ctx.account(self, "shuffle", weight=1, sets_order=True)
+            account = ctx.account(self, weight=1)
             return _ShuffledIndices(self, make_inner(ctx), account, ctx)
 
         return access, make
@@ -120,7 +122,7 @@ class ShuffleNode(UnaryNode):
     def make_iterator(self, ctx: Context) -> Iterator:
         if self.index_plan() is not None:
             return super().make_iterator(ctx)
-        account = ctx.account(self, "shuffle", weight=4, sets_order=True)
+        account = ctx.account(self)
         return _ShuffleIterator(self, self.inputs[0].make_iterator(ctx), ctx, account)
 
 
@@ -382,7 +384,7 @@ class _ShuffleIterator(Iterator):
                 if self.exhausted:
                     return
                 try:
-                    element, reservation = self.inner.next_reserved()
+                    element, reservation = self.inner.pull()
                 except StopIteration:
                     self.exhausted = True
                     return
@@ -402,7 +404,7 @@ class _ShuffleIterator(Iterator):
             if self.ctx.options.warn_on_shrink:
                 _warn_shrink(self.node, self.account, held, max(self.account.max_element, 1))
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         self._fill()
         if not len(self.ring):
             raise StopIteration
@@ -423,7 +425,7 @@ class _ShuffleIterator(Iterator):
         if shrunk_to is not None:
             self.ring.capacity = shrunk_to
         self.exhausted = False
-        replay(lambda: self.next_reserved()[1].release(), drawn, "shuffle", "drawn")
+        replay(lambda: self.pull()[1].release(), drawn, "shuffle", "drawn")
 
     def _clear(self) -> None:
         release_all(reservation for _, reservation in self.ring.items())

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from headrace._state import StateReader
+from headrace.core.indexing import IndexStream, SkipIndices, TakeIndices
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
+from headrace.core.state import StateReader
 from headrace.errors import InvalidArgumentError
-from headrace.iterator import Context, Iterator
 from headrace.memory.budget import Reservation
-from headrace.node import INFINITE, UNKNOWN, IndexStream, Node, UnaryNode
-from headrace.transforms.indexing import SkipIndices, TakeIndices
 
 __all__ = ["SkipNode", "TakeNode"]
 
@@ -61,17 +61,10 @@ class _TakeIterator(Iterator):
         super().__init__(inner)
         self.inner, self.remaining, self.count = inner, count, count
 
-    def __next__(self) -> Any:
+    def pull(self) -> tuple[Any, Reservation]:
         if self.remaining == 0:
             raise StopIteration
-        element = next(self.inner)
-        self.remaining -= 1
-        return element
-
-    def next_reserved(self) -> tuple[Any, Reservation]:
-        if self.remaining == 0:
-            raise StopIteration
-        pair = self.inner.next_reserved()
+        pair = self.inner.pull()
         self.remaining -= 1
         return pair
 
@@ -122,7 +115,7 @@ class SkipNode(UnaryNode):
 class _EmptyIterator(Iterator):
     stage = "skip"
 
-    def __next__(self) -> Any:
+    def pull(self) -> tuple[Any, Reservation]:
         raise StopIteration
 
     def get_state(self) -> dict[str, Any]:
@@ -141,17 +134,13 @@ class _SkipIterator(Iterator):
 
     def _skip(self) -> None:
         while self.to_skip > 0:
-            _, reservation = self.inner.next_reserved()
+            _, reservation = self.inner.pull()
             reservation.release()
             self.to_skip -= 1
 
-    def __next__(self) -> Any:
+    def pull(self) -> tuple[Any, Reservation]:
         self._skip()
-        return next(self.inner)
-
-    def next_reserved(self) -> tuple[Any, Reservation]:
-        self._skip()
-        return self.inner.next_reserved()
+        return self.inner.pull()
 
     def get_state(self) -> dict[str, Any]:
         return {"inner": self.inner.get_state(), "to_skip": self.to_skip}

@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from headrace._state import StateReader
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive, known_spec
+from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError
-from headrace.iterator import Context, Iterator
-from headrace.memory.budget import Reservation, StageAccount
+from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
-from headrace.node import INFINITE, UNKNOWN, Node, check_positive, known_spec
 from headrace.structure import flatten, map_structure, pack_as, structure_paths
 
 __all__ = ["RebatchNode", "UnbatchNode"]
@@ -67,7 +67,7 @@ class UnbatchNode(Node):
 
     def make_iterator(self, ctx: Context) -> Iterator:
         return _UnbatchIterator(
-            self.inputs[0].make_iterator(ctx), ctx.account(self, "unbatch", weight=1)
+            self.inputs[0].make_iterator(ctx), ctx.account(self)
         )
 
 
@@ -121,7 +121,7 @@ class _RowSource(Iterator):
         while self.current is None or self.current.position >= self.current.size:
             self.close_current()
             self.state_before_current = self.inner.get_state()
-            batch, reservation = self.inner.next_reserved()
+            batch, reservation = self.inner.pull()
             if reservation.account is not None:
                 reservation = reservation.move_to(self.account, reservation.nbytes)
             self.current = self.last_rows = _Rows(batch, reservation)
@@ -169,12 +169,13 @@ class _UnbatchIterator(_RowSource):
     def __init__(self, inner: Iterator, account: StageAccount) -> None:
         super().__init__(inner, account)
 
-    def __next__(self) -> Any:
-        return self.rows().row()
+    def pull(self) -> tuple[Any, Reservation]:
+        return self.rows().row(), NO_RESERVATION
 
 
 class RebatchNode(Node):
     stage = "rebatch"
+    budget_weight = 2
 
     def __init__(self, source: Node, batch_size: int | Sequence[int], drop_remainder: bool) -> None:
         super().__init__(source)
@@ -212,7 +213,7 @@ class RebatchNode(Node):
 
     def make_iterator(self, ctx: Context) -> Iterator:
         return _RebatchIterator(
-            self.inputs[0].make_iterator(ctx), ctx, ctx.account(self, "rebatch", weight=2), self
+            self.inputs[0].make_iterator(ctx), ctx, ctx.account(self), self
         )
 
 
@@ -228,7 +229,7 @@ class _RebatchIterator(_RowSource):
         self.ctx, self.node = ctx, node
         self.batch_number = 0
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         sizes = self.node.sizes
         wanted = sizes[self.batch_number % len(sizes)]
         pieces: list[list[Any]] = []

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from headrace._state import StateReader
+from headrace.core.indexing import RandomAccess
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import INFINITE, UNKNOWN, Node, known_spec
+from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError
-from headrace.iterator import Context, Iterator
-from headrace.memory.budget import Reservation
-from headrace.node import INFINITE, UNKNOWN, Node, RandomAccess, known_spec
+from headrace.memory.budget import NO_RESERVATION, Reservation
 from headrace.structure import flatten, map_structure, pack_as
 
 __all__ = ["ConcatenateNode", "ZipNode"]
@@ -81,8 +82,8 @@ class _ZipIterator(Iterator):
         super().__init__(*inners)
         self.structure = structure
 
-    def __next__(self) -> Any:
-        return pack_as(self.structure, [next(inner) for inner in self.inputs])
+    def pull(self) -> tuple[Any, Reservation]:
+        return pack_as(self.structure, [next(inner) for inner in self.inputs]), NO_RESERVATION
 
 
 def _check_compatible(first: Any, second: Any) -> Any:
@@ -166,10 +167,10 @@ class _ConcatenateIterator(Iterator):
         super().__init__(*inners)
         self.current = 0
 
-    def next_reserved(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:
         while self.current < len(self.inputs):
             try:
-                return self.inputs[self.current].next_reserved()
+                return self.inputs[self.current].pull()
             except StopIteration:
                 self.current += 1
         raise StopIteration

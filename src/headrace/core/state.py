@@ -18,10 +18,36 @@ from typing import Any
 
 from headrace.errors import CheckpointError
 
-__all__ = ["INT64_MAX", "StateReader", "past_end", "replay"]
+__all__ = [
+    "EPOCH",
+    "INNER",
+    "INPUTS",
+    "INT64_MAX",
+    "POSITION",
+    "PRODUCED",
+    "SKIP",
+    "StateReader",
+    "past_end",
+    "replay",
+]
 
 #: Counters are int64 wherever NumPy touches them; anything larger is corrupt.
 INT64_MAX = (1 << 63) - 1
+
+# Keys that more than one stage writes into its state. Each names one meaning
+# everywhere; a stage's own keys are constants in its module.
+#: The states of a stage's input iterators, in order (the base class's layout).
+INPUTS = "inputs"
+#: The state of the one input a stage wraps.
+INNER = "inner"
+#: Positions to pull again after restoring ``INNER`` (already handed out).
+SKIP = "skip"
+#: Index of the next element of a stream or index sequence.
+POSITION = "position"
+#: Elements produced so far (replayed on restore where the input cannot seek).
+PRODUCED = "produced"
+#: Which repetition of its input a stage is in.
+EPOCH = "epoch"
 
 _MISSING = object()
 

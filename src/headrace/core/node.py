@@ -18,33 +18,38 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import hashlib
-import types
 from collections.abc import Callable
 from collections.abc import Iterator as PyIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from headrace.core.indexing import (
+    GatherIterator,
+    IndexPlan,
+    IndexStream,
+    RandomAccess,
+    SequentialIndices,
+)
+from headrace.core.run import DatasetIterator
+from headrace.errors import ElementSpecError, InvalidArgumentError
+from headrace.options import Options
+from headrace.structure import TensorSpec, flatten
+
 if TYPE_CHECKING:
-    from headrace.iterator import Context, Iterator
+    from headrace.core.iterator import Context, Iterator
     from headrace.memory.budget import StageAccount
-    from headrace.options import Options
 
 __all__ = [
     "INFINITE",
     "UNKNOWN",
-    "IndexPlan",
-    "IndexStream",
     "Node",
-    "RandomAccess",
     "SpecNeedsData",
+    "UnaryNode",
     "check_positive",
     "check_signature",
     "first_element",
-    "function_fingerprint",
-    "function_name",
     "known_spec",
     "spec_sampling",
 ]
@@ -53,134 +58,6 @@ __all__ = [
 INFINITE = -1
 #: Cardinality that cannot be known without reading the data (same as tf.data).
 UNKNOWN = -2
-
-Indices = range | np.ndarray  # a block of indices; a range means "consecutive"
-
-
-def function_name(fn: Callable[..., Any]) -> str:
-    """A stable name for a user function, for fingerprints and stage names."""
-    module = getattr(fn, "__module__", None) or ""
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{module}.{name}" if module else name
-
-
-def function_fingerprint(fn: Any) -> str:
-    """A digest of what a user function computes, the same in every process.
-
-    A state saved from ``map(lambda x: x + 1)`` must not restore into
-    ``map(lambda x: x * 1000)``: both are ``<lambda>``, so the name alone
-    cannot tell them apart. The digest covers the bytecode (``co_code``, its
-    constants recursively, the names it uses), default arguments and the values
-    of closure cells; callable objects (``functools.partial``, instances with
-    ``__call__``) are described by their function and their attributes. Simple
-    values (numbers, strings, bytes, NumPy scalars and dtypes, and containers of
-    them) count by value; others by type (arrays by dtype and shape, datasets by
-    their fingerprint). Nothing depends on ``id()``, hash randomization, file
-    paths or line numbers, so a checkpoint restores in a new process, and
-    after an edit that only moves code around.
-    """
-    return hashlib.sha256(_Describer().describe(fn, 0).encode()).hexdigest()[:16]
-
-
-_SIMPLE = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), np.generic, np.dtype)
-
-
-class _Describer:
-    """Stable text for :func:`function_fingerprint`, bounded in depth and in total work
-    (a closure over a large object graph costs a few thousand steps, not a walk of it)."""
-
-    MAX_DEPTH = 6
-    MAX_ITEMS = 256  # a longer container counts by type and length only
-    MAX_STEPS = 20_000  # past this, values count by type only
-
-    def __init__(self) -> None:
-        self.active: set[int] = set()  # ids being described: a cycle counts by type
-        self.steps = 0
-
-    def describe(self, value: Any, depth: int) -> str:
-        self.steps += 1
-        if isinstance(value, _SIMPLE):
-            return repr(value)
-        kind = f"{type(value).__module__}.{type(value).__qualname__}"
-        if depth > self.MAX_DEPTH or self.steps > self.MAX_STEPS or id(value) in self.active:
-            return kind
-        if isinstance(value, np.ndarray):
-            return f"{kind}({value.dtype},{value.shape})"
-        if isinstance(value, type):
-            return f"class {value.__module__}.{value.__qualname__}"
-        if isinstance(value, types.ModuleType):
-            return f"module {value.__name__}"
-        if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)):
-            owner = getattr(value, "__self__", None)
-            bound = owner is not None and not isinstance(owner, types.ModuleType)
-            prefix = f"{type(owner).__qualname__}." if bound else ""
-            return f"builtin {getattr(value, '__module__', '')}.{prefix}{value.__qualname__}"
-        node = value if isinstance(value, Node) else getattr(value, "_node", None)
-        if isinstance(node, Node):  # a Dataset captured by a function (zip, interleave)
-            return f"dataset {node.fingerprint()}"
-        self.active.add(id(value))
-        try:
-            return self._compound(value, kind, depth + 1)
-        finally:
-            self.active.discard(id(value))
-
-    def _compound(self, value: Any, kind: str, depth: int) -> str:
-        def each(items: Any) -> str:
-            return ",".join(self.describe(item, depth) for item in items)
-
-        if isinstance(value, (tuple, list, set, frozenset, dict)) and len(value) > self.MAX_ITEMS:
-            return f"{kind}[{len(value)}]"
-        if isinstance(value, (tuple, list)):
-            return f"{kind}({each(value)})"
-        if isinstance(value, (set, frozenset)):  # sorted: iteration order follows the hash seed
-            return f"{kind}({','.join(sorted(self.describe(v, depth) for v in value))})"
-        if isinstance(value, dict):
-            pairs = (f"{self.describe(k, depth)}:{self.describe(v, depth)}" for k, v in value.items())
-            return f"{kind}({','.join(sorted(pairs))})"
-        if isinstance(value, types.CodeType):
-            return (
-                f"code({value.co_name};{value.co_argcount};{value.co_kwonlyargcount};"
-                f"{value.co_code.hex()};{each(value.co_consts)};{','.join(value.co_names)};"
-                f"{','.join(value.co_varnames)})"
-            )
-        if isinstance(value, types.FunctionType):
-            return (
-                f"function {value.__module__}.{value.__qualname__}("
-                f"{self.describe(value.__code__, depth)};{each(_cell_values(value))};"
-                f"{self.describe(value.__defaults__, depth)};"
-                f"{self.describe(value.__kwdefaults__, depth)})"
-            )
-        if isinstance(value, types.MethodType):
-            return f"method({each((value.__func__, value.__self__))})"
-        if isinstance(value, functools.partial):
-            return f"partial({each((value.func, value.args, value.keywords))})"
-        # any other object: its class, what calling it runs, and its attributes
-        call = next(
-            (cls.__dict__["__call__"] for cls in type(value).__mro__ if "__call__" in cls.__dict__),
-            None,
-        )
-        fields = dict(getattr(value, "__dict__", None) or {})
-        for cls in type(value).__mro__:
-            slots = getattr(cls, "__slots__", ())
-            for name in [slots] if isinstance(slots, str) else slots:
-                if hasattr(value, name):
-                    fields[name] = getattr(value, name)
-        code = self.describe(call, depth) if isinstance(call, types.FunctionType) else ""
-        name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
-        named = name if isinstance(name, str) else ""  # e.g. NumPy's ufuncs: add, multiply
-        return f"object {kind} {named}({code};{self.describe(fields, depth)})"
-
-
-def _cell_values(fn: types.FunctionType) -> list[Any]:
-    """The values of ``fn``'s closure cells (a cell not assigned yet counts as a marker)."""
-    values: list[Any] = []
-    for cell in fn.__closure__ or ():
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # the enclosing function has not assigned it yet
-            values.append("<unassigned cell>")
-    return values
-
 
 # -- element specs that may need data ------------------------------------------------------
 #
@@ -233,10 +110,6 @@ def first_element(source: Node, stage: str, hint: str = "") -> Any:
     :class:`~headrace.errors.ElementSpecError` naming ``stage`` (plus ``hint``, how to
     avoid the read) if the input is empty — never a bare ``StopIteration``.
     """
-    from headrace.errors import ElementSpecError
-    from headrace.iterator import DatasetIterator
-    from headrace.options import Options
-
     mode = _sampling.get()
     if mode is _NO_SAMPLING:
         raise SpecNeedsData(stage)
@@ -251,74 +124,17 @@ def first_element(source: Node, stage: str, hint: str = "") -> Any:
             ) from None
 
 
-class RandomAccess:
-    """Element ``i`` of a dataset, fetched directly.
-
-    ``get_many`` returns the *batched* element for a block of indices; the
-    default stacks ``get`` results, sources override it with one gather.
-    """
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def get(self, index: int) -> Any:
-        raise NotImplementedError
-
-    def get_many(self, indices: Indices) -> Any:
-        from headrace.transforms.batch import stack_elements
-
-        return stack_elements([self.get(int(i)) for i in indices], stage="batch")
-
-    def gathers_batches(self) -> bool:
-        """Whether :meth:`get_many` makes a batch without holding its rows first.
-
-        True for sources that slice or gather (a batch costs only itself). The
-        default ``get_many`` gets every row, then stacks them — a batch of
-        inputs plus its output, allocated before the budget could see it — so
-        ``batch`` assembles such rows in place instead, booked first.
-        """
-        return type(self).get_many is not RandomAccess.get_many
-
-    def prepare(self, ctx: Context) -> None:
-        """Called once per run: register pre-existing memory with the context."""
-
-    def close(self) -> None:
-        """Release what the run opened (files), when the iterator closes."""
-
-
-class IndexStream:
-    """A resumable stream of indices into a :class:`RandomAccess` (iterator side)."""
-
-    def next_index(self) -> int:
-        """The next index; ``StopIteration`` at the end."""
-        block = self.take(1)
-        if len(block) == 0:
-            raise StopIteration
-        return int(block[0])
-
-    def take(self, count: int) -> Indices:
-        """Up to ``count`` next indices (fewer only at the end, empty when done)."""
-        raise NotImplementedError
-
-    def get_state(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release any budget the stream's own buffers hold."""
-
-
-#: (random access, factory of a fresh index stream for one run)
-IndexPlan = tuple[RandomAccess, Callable[["Context"], IndexStream]]
-
-
 class Node:
     """Base of every recipe node. Subclasses set ``inputs`` and implement the hooks."""
 
     #: Stage name shown in errors, warnings and profiles.
     stage = "node"
+    #: A buffering stage's weight in the split of the budget (``Context.account``):
+    #: shares are proportional to it, before minimum working sets re-split them.
+    budget_weight: ClassVar[float] = 1.0
+    #: Whether the stage's buffer size sets the order of elements (shuffle): such a
+    #: share is never lent to another stage, so the order never depends on timing.
+    sets_order: ClassVar[bool] = False
 
     def __init__(self, *inputs: Node) -> None:
         self.inputs: tuple[Node, ...] = inputs
@@ -377,8 +193,6 @@ class Node:
         size = len(access)
 
         def sequential(ctx: Context) -> IndexStream:
-            from headrace.transforms.indexing import SequentialIndices
-
             return SequentialIndices(size)
 
         return access, sequential
@@ -398,8 +212,6 @@ class Node:
         plan = self.index_plan()
         if plan is None:
             raise NotImplementedError(f"{type(self).__name__} must implement make_iterator")
-        from headrace.transforms.indexing import GatherIterator
-
         access, make_stream = plan
         access.prepare(ctx)
         return GatherIterator(access, make_stream(ctx))
@@ -453,8 +265,6 @@ class UnaryNode(Node):
 
 def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> int:
     """Validate an integer argument at build time, with a message that says how to fix it."""
-    from headrace.errors import InvalidArgumentError
-
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
@@ -465,9 +275,6 @@ def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> int:
 
 def check_signature(signature: Any, stage: str) -> Any:
     """Validate an ``output_signature`` at build time: a TensorSpec or a nest of them."""
-    from headrace.errors import InvalidArgumentError
-    from headrace.structure import TensorSpec, flatten
-
     for leaf in flatten(signature):
         if not isinstance(leaf, TensorSpec):
             raise InvalidArgumentError(

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from headrace._state import past_end
-from headrace.iterator import Iterator
+from headrace.core.iterator import Iterator
+from headrace.core.state import past_end
 from headrace.memory.budget import NO_RESERVATION, Reservation, release_all
 
 __all__ = ["Handoff", "restore_input"]
@@ -107,7 +107,7 @@ def restore_input(inner: Iterator, inner_state: dict[str, Any], skip: int, stage
     inner.set_state(inner_state)
     for done in range(skip):
         try:
-            _, reservation = inner.next_reserved()
+            _, reservation = inner.pull()
         except StopIteration:
             raise past_end(stage, "skip", skip, done) from None
         except Exception:  # delivered at this position before: it counts, once

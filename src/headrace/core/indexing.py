@@ -11,23 +11,95 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from headrace._state import StateReader
-from headrace.iterator import Iterator
-from headrace.node import IndexStream, Indices, RandomAccess
+from headrace.core.iterator import Iterator
+from headrace.core.stack import stack_elements
+from headrace.core.state import StateReader
+from headrace.memory.budget import NO_RESERVATION, Reservation
+
+if TYPE_CHECKING:
+    from headrace.core.iterator import Context
 
 __all__ = [
     "GatherBatchIterator",
     "GatherIterator",
+    "IndexPlan",
+    "IndexStream",
+    "Indices",
+    "RandomAccess",
     "RepeatIndices",
     "SequentialIndices",
     "ShardIndices",
     "SkipIndices",
     "TakeIndices",
 ]
+
+
+Indices = range | np.ndarray  # a block of indices; a range means "consecutive"
+
+
+class RandomAccess:
+    """Element ``i`` of a dataset, fetched directly.
+
+    ``get_many`` returns the *batched* element for a block of indices; the
+    default stacks ``get`` results, sources override it with one gather.
+    """
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def get(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def get_many(self, indices: Indices) -> Any:
+        return stack_elements([self.get(int(i)) for i in indices], stage="batch")
+
+    def gathers_batches(self) -> bool:
+        """Whether :meth:`get_many` makes a batch without holding its rows first.
+
+        True for sources that slice or gather (a batch costs only itself). The
+        default ``get_many`` gets every row, then stacks them — a batch of
+        inputs plus its output, allocated before the budget could see it — so
+        ``batch`` assembles such rows in place instead, booked first.
+        """
+        return type(self).get_many is not RandomAccess.get_many
+
+    def prepare(self, ctx: Context) -> None:
+        """Called once per run: register pre-existing memory with the context."""
+
+    def close(self) -> None:
+        """Release what the run opened (files), when the iterator closes."""
+
+
+class IndexStream:
+    """A resumable stream of indices into a :class:`RandomAccess` (iterator side)."""
+
+    def next_index(self) -> int:
+        """The next index; ``StopIteration`` at the end."""
+        block = self.take(1)
+        if len(block) == 0:
+            raise StopIteration
+        return int(block[0])
+
+    def take(self, count: int) -> Indices:
+        """Up to ``count`` next indices (fewer only at the end, empty when done)."""
+        raise NotImplementedError
+
+    def get_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release any budget the stream's own buffers hold."""
+
+
+#: (random access, factory of a fresh index stream for one run)
+IndexPlan = tuple[RandomAccess, Callable[["Context"], IndexStream]]
 
 
 class SequentialIndices(IndexStream):
@@ -253,8 +325,8 @@ class GatherIterator(_Gather):
         self.get = access.get
         self.next_index = stream.next_index
 
-    def __next__(self) -> Any:
-        return self.get(self.next_index())
+    def pull(self) -> tuple[Any, Reservation]:
+        return self.get(self.next_index()), NO_RESERVATION
 
 
 class GatherBatchIterator(_Gather):
@@ -268,9 +340,9 @@ class GatherBatchIterator(_Gather):
         super().__init__(access, stream)
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
 
-    def __next__(self) -> Any:
+    def pull(self) -> tuple[Any, Reservation]:
         indices = take_all(self.stream, self.batch_size)
         if len(indices) == 0 or (self.drop_remainder and len(indices) < self.batch_size):
             raise StopIteration
-        return self.access.get_many(indices)
+        return self.access.get_many(indices), NO_RESERVATION
 

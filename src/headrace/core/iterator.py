@@ -1,0 +1,245 @@
+"""The run side of a stage: the iterator base class and the context a run shares.
+
+``iter(dataset)`` turns the recipe (a tree of :class:`~headrace.core.node.Node`)
+into a tree of :class:`Iterator` objects — classes, not generators, because
+generators can neither checkpoint nor close deterministically.
+
+The contract a stage implements is small: :meth:`Iterator.pull` returns the
+next element *with the reservation that books it* (``NO_RESERVATION`` when the
+stage holds nothing), ``get_state``/``set_state`` say where it is, ``close``
+stops its threads and returns its bookings. ``__next__`` belongs to the base
+class: it releases the reservation as the element leaves headrace, so no
+stage can forget to.
+"""
+
+from __future__ import annotations
+
+import copy
+import mmap
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from headrace.core.state import INPUTS, StateReader
+from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
+from headrace.memory.sizeof import admit, owner_of, sizeof
+from headrace.options import Options
+
+if TYPE_CHECKING:
+    from headrace.core.node import Node
+    from headrace.io.filepool import FileLimiter
+
+__all__ = ["Context", "Iterator", "RunFacts"]
+
+
+@dataclass
+class RunFacts:
+    """Facts about one run, shared by every context of it (epochs, interleave slots).
+
+    ``iteration`` (how many iterators the dataset had before this one) and
+    ``seeds`` are what restoring a state may change; the rest is run-wide
+    bookkeeping that the stages fill in.
+    """
+
+    iteration: int
+    #: Random base seeds of unseeded stages (``shuffle(seed=None)``), by id of their
+    #: node, once a restored state has named them: every later epoch of the run
+    #: then draws from the saved seed, not from the one this process picked.
+    seeds: dict[int, int] = field(default_factory=dict)
+    #: The pipeline's own cap on open descriptors (``Options.max_open_files``), made
+    #: by the first reader that needs it and shared by all of them.
+    file_limiter: FileLimiter | None = None
+    #: Corrupt records skipped (``skip_corrupt=True``) and their bytes, for ``stats()``.
+    skipped_records: int = 0
+    skipped_bytes: int = 0
+
+
+class Context:
+    """What every iterator of one pipeline run shares: options, budget, bookkeeping.
+
+    ``epochs`` says which repetition of each enclosing ``repeat`` an iterator
+    belongs to; with ``run.iteration`` (how many iterators the dataset had
+    before this one) it seeds shuffles, so every epoch reshuffles and a
+    restored run reshuffles exactly as the original did.
+
+    Lifetimes. An epoch's context (:meth:`with_epoch`) shares everything with
+    its parent: a new epoch re-registers the same recipe nodes and arrays, which
+    are kept once (by ``id``), so nothing grows with epochs. A nested pipeline's
+    context (:meth:`with_budget`, one per interleave slot) has its own accounts,
+    its own registry of arrays and its own keep-alive list: all of it dies with
+    the slot, so nothing grows with the number of inner datasets either.
+    """
+
+    def __init__(self, options: Options, budget: MemoryBudget, iteration: int = 0) -> None:
+        self.options = options
+        self.budget = budget
+        self.run = RunFacts(iteration)
+        self.epochs: tuple[int, ...] = ()
+        self.deterministic = options.deterministic is not False
+        #: ids of owning buffers that cost this run nothing (never charged).
+        self.preexisting: set[int] = set()
+        #: Bytes of arrays a nested pipeline's recipe owns (see :meth:`register_preexisting`).
+        self.owned_bytes = 0
+        self._nested = False
+        #: Objects whose ``id`` is a key above, by id: kept once, alive while the run lives.
+        self._keepalive: dict[int, object] = {}
+        self._accounts: dict[int, StageAccount] = {}
+
+    def with_epoch(self, epoch: int) -> Context:
+        """This context for the iterator of one repetition of an enclosing ``repeat``."""
+        child = copy.copy(self)
+        child.epochs = (*self.epochs, epoch)
+        return child
+
+    def with_budget(self, budget: MemoryBudget) -> Context:
+        """The context of a nested pipeline with its own share (an interleave slot).
+
+        Its registries are its own (copies of this one's ``preexisting``: the
+        outer run's arrays stay free inside), so they are freed with the slot.
+        Arrays the nested recipe holds that the outer run did not already have
+        were made while iterating (by the interleave function): they are
+        counted in ``owned_bytes``, for the slot to charge, not marked free.
+        """
+        child = copy.copy(self)
+        child.budget = budget
+        child.preexisting = set(self.preexisting)
+        child.owned_bytes = 0
+        child._nested = True
+        child._keepalive = {}
+        child._accounts = {}
+        return child
+
+    def seed_of(self, node: object, default: int) -> int:
+        """The base seed of an unseeded random stage in this run: ``default`` unless a
+        restored state set another with :meth:`restore_seed`."""
+        return self.run.seeds.get(id(node), default)
+
+    def restore_seed(self, node: object, seed: int) -> None:
+        """Use ``seed`` for ``node`` for the rest of the run (all later epochs too)."""
+        if id(node) not in self.run.seeds:
+            self._keepalive[id(node)] = node  # the id stays valid while this run lives
+        self.run.seeds[id(node)] = seed
+
+    def register_preexisting(self, array: object) -> None:
+        """Mark memory a source's recipe holds, so views into it are not charged again.
+
+        ``array`` is the array the source serves rows of (or its owning buffer).
+        In the outer run that memory is the user's, made before iteration: never
+        charged. In a nested pipeline (an interleave slot) memory the outer run
+        does not already have was made during iteration, by the interleave
+        function: the bytes the array spans are added to ``owned_bytes``, which
+        the slot books for as long as it lives; views into it then cost nothing
+        more.
+        """
+        owner = owner_of(array) if isinstance(array, np.ndarray) else array
+        key = id(owner)
+        if key in self.preexisting:
+            return
+        if self._nested and not isinstance(owner, mmap.mmap):
+            self.owned_bytes += int(getattr(array, "nbytes", 0))
+        self.preexisting.add(key)
+        self._keepalive[key] = owner  # ids stay valid while this run (or slot) lives
+
+    def account(
+        self, node: Node, name: str | None = None, *, weight: float | None = None
+    ) -> StageAccount:
+        """The share of the budget of one buffering stage.
+
+        ``node`` is the stage's recipe node. Its class declares how the budget
+        is split (:attr:`Node.budget_weight`, :attr:`Node.sets_order`); ``name``
+        and ``weight`` override the stage name and the weight where one class
+        buffers in two ways. An iterator re-created for the same node (a new
+        epoch under ``repeat``) gets the same account back, so the split made
+        when the run started keeps holding.
+        """
+        account = self._accounts.get(id(node))
+        if account is None:
+            kind = type(node)
+            account = self.budget.account(
+                node.stage if name is None else name,
+                weight=kind.budget_weight if weight is None else weight,
+                sets_order=kind.sets_order,
+            )
+            self._accounts[id(node)] = account
+            self._keepalive[id(node)] = node
+        return account
+
+    def sizeof(self, element: Any) -> int:
+        """What ``element`` costs the budget (see :mod:`headrace.memory.sizeof`)."""
+        return sizeof(element, self.preexisting)
+
+    def admit(self, element: Any) -> tuple[Any, int]:
+        """The element a buffering stage should keep, and its cost.
+
+        Views pinning a much larger owner are copied out first, so a buffer of
+        rows holds (and costs) the rows (see :func:`headrace.memory.sizeof.admit`).
+        """
+        return admit(element, self.preexisting)
+
+
+class Iterator:
+    """Base of every iterator in the tree.
+
+    A stage implements :meth:`pull` (the next element and the reservation that
+    books it; ``StopIteration`` at the end, again on every later call),
+    ``get_state``/``set_state`` (small JSON-able dicts: offsets, indices,
+    counters — never buffer contents) and ``close``. ``__next__`` is the base
+    class's: it releases the reservation as the element leaves headrace.
+
+    A stage that passes its input's elements through unchanged (take, shard,
+    filter) passes their reservations through too; one that makes a new
+    element (map) releases the input's and returns its own.
+    """
+
+    stage = "iterator"
+
+    def __init__(self, *inputs: Iterator) -> None:
+        self.inputs = inputs
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__next__" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__qualname__} overrides __next__; a stage implements pull() "
+                "(the element and its reservation) and the base class releases it"
+            )
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> Any:
+        element, reservation = self.pull()
+        reservation.release()  # the element leaves headrace's buffers here
+        return element
+
+    def pull(self) -> tuple[Any, Reservation]:
+        """The next element and the booking that holds it (``NO_RESERVATION`` if none)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pull()")
+
+    def get_state(self) -> dict[str, Any]:
+        """Where this iterator is, as a small JSON-able dict."""
+        return {INPUTS: [child.get_state() for child in self.inputs]}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from a state produced by :meth:`get_state` of the same pipeline.
+
+        Implementations read ``state`` through :class:`~headrace.core.state.StateReader`,
+        so that a field of the wrong type or out of range is a ``CheckpointError``
+        naming this stage and the field.
+        """
+        children = StateReader(state, self.stage).entries(INPUTS, len(self.inputs))
+        for child, child_state in zip(self.inputs, children, strict=True):
+            child.set_state(child_state)
+
+    def close(self) -> None:
+        """Stop threads, close files, return budget; idempotent."""
+        for child in self.inputs:
+            child.close()
+
+    def walk(self) -> list[Iterator]:
+        """This iterator and all below it, for the profiler."""
+        out: list[Iterator] = [self]
+        for child in self.inputs:
+            out.extend(child.walk())
+        return out

@@ -1,0 +1,195 @@
+"""One run of a pipeline: the iterator users hold, the default budget, the state envelope.
+
+:class:`DatasetIterator` is what ``iter(dataset)`` returns. It builds the
+iterator tree from the recipe, owns the run's budget (its own, or a child of
+the process-wide default), wraps the tree's state in a versioned,
+fingerprinted envelope and checks that envelope on restore, and is freed by
+garbage collection (with its threads, files and budget) when abandoned
+without ``close()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Iterator as _PyIterator
+from typing import TYPE_CHECKING, Any
+
+from headrace._closing import ClosesOnExit
+from headrace.core.iterator import Context, Iterator
+from headrace.core.state import StateReader
+from headrace.errors import CheckpointError, IteratorClosedError
+from headrace.memory.allocator import tune_allocator
+from headrace.memory.budget import MemoryBudget
+from headrace.options import Options, available_memory
+
+if TYPE_CHECKING:
+    from headrace.core.node import Node
+    from headrace.profiling.stats import RunStats
+
+__all__ = ["STATE_VERSION", "DatasetIterator", "default_budget"]
+
+#: Version of the state dicts; bumped when their layout or the fingerprints change
+#: (2: functions fingerprinted by code and closure values, checked state fields).
+STATE_VERSION = 2
+
+_default_budget: MemoryBudget | None = None
+_default_budget_lock = threading.Lock()
+
+
+def default_budget() -> MemoryBudget:
+    """The process-wide budget shared by every pipeline that sets none.
+
+    Half of the memory available to this process when first needed (cgroup
+    aware), like tf.data's ``ram_budget`` default — but enforced.
+    """
+    global _default_budget
+    with _default_budget_lock:
+        if _default_budget is None:
+            _default_budget = MemoryBudget(available_memory() // 2)
+        return _default_budget
+
+
+_iteration_counters_lock = threading.Lock()
+
+
+def _iterations(node: Node) -> itertools.count[int]:
+    """How many iterators this recipe has had: tf.data reshuffles on each new one."""
+    with _iteration_counters_lock:
+        counter: itertools.count[int] | None = node.__dict__.get("_iterations")
+        if counter is None:
+            counter = node.__dict__["_iterations"] = itertools.count()
+        return counter
+
+
+def _close_run(tree: Iterator, budget: MemoryBudget) -> None:
+    budget.close()
+    tree.close()
+
+
+class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
+    """What ``iter(dataset)`` returns: the root of one run of the pipeline.
+
+    Use it as a context manager, or call :meth:`close`, to stop its threads and
+    return its memory at once; an iterator dropped without either is freed by
+    garbage collection (no background thread keeps it alive).
+    """
+
+    def __init__(self, node: Node, options: Options, *, probe: bool = False) -> None:
+        if options.tune_allocator:
+            tune_allocator()
+        self._node = node
+        explicit = options.budget_bytes
+        budget = MemoryBudget(explicit) if explicit is not None else default_budget().child()
+        # A probe (reading one element to learn a spec) must not count as an
+        # iteration: that would change which shuffle order the next real one gets.
+        iteration = 0 if probe else next(_iterations(node))
+        self._context = Context(options, budget, iteration)
+        self._tree = node.make_iterator(self._context)
+        budget.allot()
+        self._closed = False
+        self._close = weakref.finalize(self, _close_run, self._tree, budget)
+        self._elements = 0
+        self._waited = 0.0
+        self._started: float | None = None
+
+    @property
+    def context(self) -> Context:
+        """The run's shared context (budget, options)."""
+        return self._context
+
+    def __iter__(self) -> DatasetIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise IteratorClosedError(
+                "this iterator was closed; create a new one with iter(dataset)"
+            )
+        started = time.perf_counter()
+        if self._started is None:
+            self._started = started
+        element, reservation = self._tree.pull()
+        reservation.release()
+        self._elements += 1
+        self._waited += time.perf_counter() - started
+        return element
+
+    def stats(self) -> RunStats:
+        """A snapshot of this run: budget and per-stage bookings, throughput, process memory."""
+        from headrace.profiling.stats import RunStats
+
+        elapsed = 0.0 if self._started is None else time.perf_counter() - self._started
+        run = self._context.run
+        return RunStats.capture(
+            self._context.budget,
+            self._elements,
+            elapsed,
+            self._waited,
+            (run.skipped_records, run.skipped_bytes),
+        )
+
+    def get_state(self) -> dict[str, Any]:
+        """A small JSON-able dict to resume exactly here with :meth:`set_state`."""
+        self._check_open()
+        return {
+            "format": "headrace.iterator",
+            "version": STATE_VERSION,
+            "fingerprint": self._node.fingerprint(),
+            "iteration": self._context.run.iteration,
+            "state": self._tree.get_state(),
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`get_state` of an iterator over the same pipeline.
+
+        Raises :class:`CheckpointError` if the state comes from another pipeline
+        (fingerprint mismatch) or another state format version, or if any field
+        of any stage is of the wrong type or out of range (a counter past the end
+        of a finite input included). A refused state may leave this iterator
+        part-way restored: restore another state or make a new iterator.
+        """
+        self._check_open()
+        if not isinstance(state, dict) or state.get("format") != "headrace.iterator":
+            raise CheckpointError("not a headrace iterator state (missing 'format' marker)")
+        if state.get("version") != STATE_VERSION:
+            raise CheckpointError(
+                f"iterator state has format version {state.get('version')}, "
+                f"this headrace reads version {STATE_VERSION}"
+            )
+        fingerprint = self._node.fingerprint()
+        if state.get("fingerprint") != fingerprint:
+            raise CheckpointError(
+                "iterator state belongs to a different pipeline (fingerprint "
+                f"{state.get('fingerprint')!r}, this pipeline is {fingerprint!r}); "
+                "restoring it would feed the wrong data"
+            )
+        reader = StateReader(state, "iterator")
+        iteration = reader.integer("iteration")
+        tree_state = reader.child("state")
+        self._context.run.iteration = iteration
+        self._context.run.seeds.clear()
+        # Every stage checks its own fields (naming itself); errors of the data or of
+        # user functions met while replaying are raised as they are, not as the state's.
+        try:
+            self._tree.set_state(tree_state)
+        except StopIteration:  # a replay off the input's end, in a stage that did not say
+            raise CheckpointError(
+                "iterator state points past the end of the input; it belongs to other data"
+            ) from None
+
+    def close(self) -> None:
+        """Stop threads, close files and return the budget now. Idempotent."""
+        self._closed = True
+        self._close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise IteratorClosedError("this iterator was closed")
+
+
+    def stages(self) -> list[Iterator]:
+        """Every iterator of the run, root first (for the profiler)."""
+        return self._tree.walk()
