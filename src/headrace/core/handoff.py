@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from headrace.core.iterator import Iterator
-from headrace.core.state import past_end
+from headrace.core.state import INNER, SKIP, past_end
 from headrace.memory.budget import NO_RESERVATION, Reservation, release_all
 
 __all__ = ["Handoff", "restore_input"]
@@ -88,7 +88,7 @@ class Handoff:
 
     def state(self) -> dict[str, Any]:
         """Where the consumer is: the input before this chunk, and positions handed out."""
-        return {"inner": self.state_before, "skip": self.taken}
+        return {INNER: self.state_before, SKIP: self.taken}
 
     def release(self) -> None:
         """Return the bookings of the positions not handed out (the chunk is dropped)."""
@@ -109,7 +109,7 @@ def restore_input(inner: Iterator, inner_state: dict[str, Any], skip: int, stage
         try:
             _, reservation = inner.pull()
         except StopIteration:
-            raise past_end(stage, "skip", skip, done) from None
+            raise past_end(stage, SKIP, skip, done) from None
         except Exception:  # delivered at this position before: it counts, once
             continue
         reservation.release()

@@ -17,7 +17,7 @@ import numpy as np
 
 from headrace.core.iterator import Iterator
 from headrace.core.stack import stack_elements
-from headrace.core.state import StateReader
+from headrace.core.state import EPOCH, INNER, POSITION, PRODUCED, StateReader
 from headrace.memory.budget import NO_RESERVATION, Reservation
 
 if TYPE_CHECKING:
@@ -123,11 +123,11 @@ class SequentialIndices(IndexStream):
         return range(start, max(stop, start))
 
     def get_state(self) -> dict[str, Any]:
-        return {"position": self.position}
+        return {POSITION: self.position}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.position = StateReader(state, "source").integer(
-            "position", high=self.size, why=f"the source has {self.size} elements"
+            POSITION, high=self.size, why=f"the source has {self.size} elements"
         )
 
 
@@ -175,7 +175,7 @@ class _CountingIndices(IndexStream):
         self.limit: int | None = value
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), self.counter: self.value}
+        return {INNER: self.inner.get_state(), self.counter: self.value}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, self.stage)
@@ -184,7 +184,7 @@ class _CountingIndices(IndexStream):
             if self.limit is None
             else reader.integer(self.counter, high=self.limit, why=f"{self.stage}({self.limit})")
         )
-        self.inner.set_state(reader.child("inner"))
+        self.inner.set_state(reader.child(INNER))
 
     def close(self) -> None:
         self.inner.close()
@@ -267,10 +267,10 @@ class RepeatIndices(IndexStream):
 
     def get_state(self) -> dict[str, Any]:
         return {
-            "epoch": self.epoch,
+            EPOCH: self.epoch,
             "count": self.count,
-            "produced": self.produced_this_epoch,
-            "inner": self.inner.get_state(),
+            PRODUCED: self.produced_this_epoch,
+            INNER: self.inner.get_state(),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -281,12 +281,12 @@ class RepeatIndices(IndexStream):
         if saved_count not in (count, 0):
             raise reader.error("count", f"= {saved_count}, but this repeat has count={count}")
         epoch = (
-            reader.integer("epoch")
+            reader.integer(EPOCH)
             if saved_count < 0
-            else reader.integer("epoch", high=max(count, 0), why=f"repeat({count})")
+            else reader.integer(EPOCH, high=max(count, 0), why=f"repeat({count})")
         )
-        produced = reader.integer("produced")
-        inner_state = reader.child("inner")
+        produced = reader.integer(PRODUCED)
+        inner_state = reader.child(INNER)
         self.inner.close()
         self.count, self.epoch, self.produced_this_epoch = saved_count, epoch, produced
         self.inner = self.make_inner(self.epoch)

@@ -29,7 +29,7 @@ import numpy as np
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, check_signature
-from headrace.core.state import StateReader, replay
+from headrace.core.state import PRODUCED, StateReader, replay
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.memory.budget import NO_RESERVATION, Reservation
 from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
@@ -174,11 +174,11 @@ class _GeneratorIterator(Iterator):
 
     def get_state(self) -> dict[str, Any]:
         if self.failed:
-            return {"produced": self.produced, "failed": True}
-        return {"produced": self.produced}
+            return {PRODUCED: self.produced, "failed": True}
+        return {PRODUCED: self.produced}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        target = StateReader(state, "from_generator").integer("produced")
+        target = StateReader(state, "from_generator").integer(PRODUCED)
         self.close()
         self.failed = bool(state.get("failed", False))
         if self.failed:  # ended by its error: nothing to replay
@@ -196,7 +196,7 @@ class _GeneratorIterator(Iterator):
                 return
 
         # a generator ending before ``target`` means the state is not of this data
-        replay(pull, target, "from_generator", "produced")
+        replay(pull, target, "from_generator", PRODUCED)
         self.produced = target
 
     def close(self) -> None:

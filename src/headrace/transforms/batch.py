@@ -20,7 +20,7 @@ import numpy as np
 from headrace.core.indexing import GatherBatchIterator, IndexPlan
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive
-from headrace.core.state import StateReader
+from headrace.core.state import INNER, POSITION, StateReader
 from headrace.errors import (
     ElementSpecError,
 )
@@ -164,12 +164,12 @@ class Assembler(Iterator):
         return elements, reservations
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), "position": self.position}
+        return {INNER: self.inner.get_state(), POSITION: self.position}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, self.stage)
-        self.position = reader.integer("position")
-        self.inner.set_state(reader.child("inner"))
+        self.position = reader.integer(POSITION)
+        self.inner.set_state(reader.child(INNER))
 
 
 def _leaf_dtype(leaf: Any) -> np.dtype[Any]:

@@ -9,7 +9,7 @@ import numpy as np
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node
-from headrace.core.state import INT64_MAX, StateReader
+from headrace.core.state import INNER, INT64_MAX, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.budget import Reservation
 from headrace.structure import TensorSpec
@@ -80,10 +80,10 @@ class _EnumerateIterator(Iterator):
         return (value, element), reservation
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), "next": self.next_value}
+        return {INNER: self.inner.get_state(), "next": self.next_value}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, "enumerate")
         # counts up from start; the value must still fit the int64 it is handed out as
         self.next_value = reader.integer("next", low=self.start, high=INT64_MAX)
-        self.inner.set_state(reader.child("inner"))
+        self.inner.set_state(reader.child(INNER))

@@ -14,7 +14,7 @@ import numpy as np
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, UnaryNode
-from headrace.core.state import StateReader
+from headrace.core.state import INNER, StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.memory.budget import Reservation
 from headrace.transforms.map import apply_fn
@@ -77,9 +77,9 @@ class _FilterIterator(Iterator):
             reservation.release()
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), "index": self.index}
+        return {INNER: self.inner.get_state(), "index": self.index}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, self.stage)
-        self.inner.set_state(reader.child("inner"))
+        self.inner.set_state(reader.child(INNER))
         self.index = reader.integer("index") if "index" in state else 0

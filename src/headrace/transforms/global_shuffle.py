@@ -21,7 +21,7 @@ import numpy as np
 from headrace.core.indexing import IndexPlan, IndexStream, Indices
 from headrace.core.iterator import Context
 from headrace.core.node import Node, UnaryNode, check_positive
-from headrace.core.state import INT64_MAX, StateReader
+from headrace.core.state import EPOCH, INT64_MAX, POSITION, StateReader
 from headrace.errors import InvalidArgumentError
 
 __all__ = ["FeistelPermutation", "GlobalShuffleNode"]
@@ -146,18 +146,18 @@ class _PermutedIndices(IndexStream):
         return index
 
     def get_state(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed, "epoch": self.epoch}
+        return {POSITION: self.position, "seed": self.seed, EPOCH: self.epoch}
 
     def set_state(self, state: dict[str, Any]) -> None:
         node, reader = self.node, StateReader(state, "global_shuffle")
-        position = reader.integer("position", high=self.size, why=f"the input has {self.size} elements")
+        position = reader.integer(POSITION, high=self.size, why=f"the input has {self.size} elements")
         seed = reader.integer("seed", high=max(INT64_MAX, node.seed or 0))
         if node.seed is not None and seed != node.seed:
             raise reader.error("seed", f"= {seed}, but this global_shuffle has seed={node.seed}")
-        epoch, expected = reader.integers("epoch"), node.epoch_of(self.ctx)
+        epoch, expected = reader.integers(EPOCH), node.epoch_of(self.ctx)
         if epoch != expected:
             raise reader.error(
-                "epoch", f"= {epoch}, but this iterator is at {expected} (its iteration "
+                EPOCH, f"= {epoch}, but this iterator is at {expected} (its iteration "
                 "and the epoch of each enclosing repeat)"
             )
         if node.seed is None:

@@ -56,7 +56,7 @@ from typing import Any
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, check_positive, first_element
-from headrace.core.state import StateReader
+from headrace.core.state import INNER, StateReader
 from headrace.errors import (
     CheckpointError,
     InvalidArgumentError,
@@ -423,7 +423,7 @@ class _InterleaveIterator(Iterator):
             "slots": [
                 None
                 if slot is None
-                else {"input_before": slot.input_before, "inner": slot.iterator.get_state()}
+                else {"input_before": slot.input_before, INNER: slot.iterator.get_state()}
                 for slot in self.slots
             ],
         }
@@ -445,7 +445,7 @@ class _InterleaveIterator(Iterator):
             if saved is not None:
                 slot = StateReader(saved, f"interleave slot {index}")
                 slot.child("input_before")
-                slot.child("inner")
+                slot.child(INNER)
         return reader, slots, threaded
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -466,7 +466,7 @@ class _InterleaveIterator(Iterator):
                     f"interleave: state field 'slots' [{index}] names an input element past "
                     "the end of the input; the state belongs to other data"
                 )
-            inner = saved["inner"]
+            inner = saved[INNER]
             if self.threaded and not saved_threaded:  # saved before this iterator switched
                 inner = PrefetchIterator.state_at(inner)
             try:

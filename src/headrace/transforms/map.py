@@ -35,7 +35,7 @@ from headrace.core.handoff import Handoff, restore_input
 from headrace.core.indexing import IndexPlan, RandomAccess
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, check_signature, first_element
-from headrace.core.state import StateReader
+from headrace.core.state import INNER, SKIP, StateReader
 from headrace.errors import InvalidArgumentError, note_element_error
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
 from headrace.options import AUTOTUNE
@@ -191,11 +191,11 @@ class _MapIterator(Iterator):
             raise note_element_error(error, self.stage, index)  # noqa: B904 - same error
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), "index": self.index}
+        return {INNER: self.inner.get_state(), "index": self.index}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, self.stage)
-        self.inner.set_state(reader.child("inner"))
+        self.inner.set_state(reader.child(INNER))
         self.index = reader.integer("index") if "index" in state else 0
 
 
@@ -409,14 +409,14 @@ class _ParallelMapIterator(Iterator):
             return {**chunk.state(), "index": chunk.first_index + chunk.taken}
         if self.calls:
             call = self.calls[0]
-            return {"inner": call.state_before, "skip": 0, "index": call.first_index}
-        return {"inner": self.state_after_last_input, "skip": 0, "index": self.next_index}
+            return {INNER: call.state_before, SKIP: 0, "index": call.first_index}
+        return {INNER: self.state_after_last_input, SKIP: 0, "index": self.next_index}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, self.stage)
-        inner_state = reader.child("inner")
+        inner_state = reader.child(INNER)
         # outputs of the chunk already handed out: a position inside one chunk
-        skip = reader.integer("skip", high=_MAX_CHUNK + 1, why="the largest chunk and its error")
+        skip = reader.integer(SKIP, high=_MAX_CHUNK + 1, why="the largest chunk and its error")
         self._drop_calls()
         restore_input(self.inner, inner_state, skip, self.stage)
         self.state_after_last_input = self.inner.get_state()

@@ -24,7 +24,7 @@ from typing import Any
 from headrace.core.handoff import Handoff, restore_input
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode, check_positive
-from headrace.core.state import StateReader
+from headrace.core.state import INNER, SKIP, StateReader
 from headrace.memory.budget import NO_RESERVATION, BudgetClosed, Reservation, StageAccount
 from headrace.options import AUTOTUNE
 
@@ -309,13 +309,13 @@ class PrefetchIterator(Iterator):
     def state_at(inner_state: dict[str, Any]) -> dict[str, Any]:
         """The state of a read-ahead whose input is at ``inner_state``, nothing read ahead
         (to restore a state saved before a read-ahead was put over the input)."""
-        return {"inner": inner_state, "skip": 0}
+        return {INNER: inner_state, SKIP: 0}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, "prefetch")
-        inner_state = reader.child("inner")
+        inner_state = reader.child(INNER)
         # elements of the chunk already handed out: a position inside one chunk
-        skip = reader.integer("skip", high=_CHUNK + 1, why="the largest chunk and its error")
+        skip = reader.integer(SKIP, high=_CHUNK + 1, why="the largest chunk and its error")
         self._stop()
         restore_input(self.inner, inner_state, skip, "prefetch")
         self.state_at_start = self.inner.get_state()

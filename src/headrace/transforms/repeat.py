@@ -12,7 +12,7 @@ from typing import Any
 from headrace.core.indexing import IndexStream, RepeatIndices
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
-from headrace.core.state import StateReader
+from headrace.core.state import EPOCH, INNER, PRODUCED, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.budget import Reservation
 
@@ -95,9 +95,9 @@ class _RepeatIterator(Iterator):
 
     def get_state(self) -> dict[str, Any]:
         return {
-            "epoch": self.epoch,
-            "produced": self.produced_this_epoch,
-            "inner": None if self.inner is None else self.inner.get_state(),
+            EPOCH: self.epoch,
+            PRODUCED: self.produced_this_epoch,
+            INNER: None if self.inner is None else self.inner.get_state(),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -105,14 +105,14 @@ class _RepeatIterator(Iterator):
         count = self.count
         # a new epoch starts only while another is due: epoch < count
         epoch = (
-            reader.integer("epoch")
+            reader.integer(EPOCH)
             if count < 0
-            else reader.integer("epoch", high=max(count - 1, 0), why=f"repeat({count})")
+            else reader.integer(EPOCH, high=max(count - 1, 0), why=f"repeat({count})")
         )
-        produced = reader.integer("produced")
-        inner_state = reader.optional_child("inner")
+        produced = reader.integer(PRODUCED)
+        inner_state = reader.optional_child(INNER)
         if count == 0 and inner_state is not None:
-            raise reader.error("inner", "must be null: repeat(0) has no input iterator")
+            raise reader.error(INNER, "must be null: repeat(0) has no input iterator")
         if self.inner is not None:
             self.inner.close()
         self.epoch, self.produced_this_epoch = epoch, produced

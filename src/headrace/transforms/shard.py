@@ -13,7 +13,7 @@ from typing import Any
 from headrace.core.indexing import IndexStream, ShardIndices
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
-from headrace.core.state import StateReader
+from headrace.core.state import INNER, POSITION, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.budget import Reservation
 
@@ -74,9 +74,9 @@ class _ShardIterator(Iterator):
             reservation.release()
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), "position": self.position}
+        return {INNER: self.inner.get_state(), POSITION: self.position}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, "shard")
-        self.position = reader.integer("position")
-        self.inner.set_state(reader.child("inner"))
+        self.position = reader.integer(POSITION)
+        self.inner.set_state(reader.child(INNER))

@@ -28,7 +28,7 @@ import numpy as np
 from headrace.core.indexing import IndexPlan, IndexStream, Indices, take_all
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode, check_positive
-from headrace.core.state import INT64_MAX, StateReader, past_end, replay
+from headrace.core.state import EPOCH, INT64_MAX, StateReader, past_end, replay
 from headrace.io._native import native_module
 from headrace.memory.budget import Reservation, StageAccount, release_all
 from headrace.options import format_bytes
@@ -183,7 +183,7 @@ class _ShuffleState:
     def as_dict(self, **extra: Any) -> dict[str, Any]:
         return {
             "seed": self.seed,
-            "epoch": self.epoch,
+            EPOCH: self.epoch,
             "drawn": self.draws.count,
             "inner_start": self.inner_start,
             **extra,
@@ -199,11 +199,11 @@ class _ShuffleState:
         seed = reader.integer("seed", high=max(INT64_MAX, node.seed or 0))
         if node.seed is not None and seed != node.seed:
             raise reader.error("seed", f"= {seed}, but this shuffle has seed={node.seed}")
-        epoch = reader.integers("epoch")
+        epoch = reader.integers(EPOCH)
         expected = node.epoch_of(self.ctx)
         if epoch != expected:
             raise reader.error(
-                "epoch", f"= {epoch}, but this iterator is at {expected} (its iteration "
+                EPOCH, f"= {epoch}, but this iterator is at {expected} (its iteration "
                 "and the epoch of each enclosing repeat)"
             )
         size = node.inputs[0].cardinality()

@@ -12,7 +12,7 @@ from typing import Any
 from headrace.core.indexing import IndexStream, SkipIndices, TakeIndices
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
-from headrace.core.state import StateReader
+from headrace.core.state import INNER, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.budget import Reservation
 
@@ -69,12 +69,12 @@ class _TakeIterator(Iterator):
         return pair
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), "remaining": self.remaining}
+        return {INNER: self.inner.get_state(), "remaining": self.remaining}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, "take")
         self.remaining = reader.integer("remaining", high=self.count, why=f"take({self.count})")
-        self.inner.set_state(reader.child("inner"))
+        self.inner.set_state(reader.child(INNER))
 
 
 class SkipNode(UnaryNode):
@@ -143,9 +143,9 @@ class _SkipIterator(Iterator):
         return self.inner.pull()
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), "to_skip": self.to_skip}
+        return {INNER: self.inner.get_state(), "to_skip": self.to_skip}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, "skip")
         self.to_skip = reader.integer("to_skip", high=self.count, why=f"skip({self.count})")
-        self.inner.set_state(reader.child("inner"))
+        self.inner.set_state(reader.child(INNER))
