@@ -6,6 +6,8 @@ import inspect
 import subprocess
 import sys
 
+import pytest
+
 import headrace as hr
 from headrace.cli import main
 
@@ -54,3 +56,20 @@ def test_demo_streams_more_than_its_budget(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "rows/s" in out and "within the bound" in out
     assert "shuffle" in out and "prefetch" in out
+
+
+def test_apply_chains_a_function_and_keeps_the_options() -> None:
+    ds = hr.Dataset.range(10).with_options(hr.Options(memory_budget="8MiB"))
+    evens = ds.apply(lambda d: d.filter(lambda x: x % 2 == 0)).apply(lambda d: d.take(3))
+    assert [int(x) for x in evens] == [0, 2, 4]
+    assert evens.options.memory_budget == ds.options.memory_budget
+    derived = ds.derive(ds.take(2).node)
+    assert derived.options == ds.options and [int(x) for x in derived] == [0, 1]
+
+
+def test_apply_and_derive_refuse_what_is_not_a_dataset_or_node() -> None:
+    ds = hr.Dataset.range(3)
+    with pytest.raises(hr.InvalidArgumentError, match="must return a Dataset, got list"):
+        ds.apply(lambda d: [1, 2])
+    with pytest.raises(hr.InvalidArgumentError, match=r"derive needs a headrace\.core\.Node"):
+        ds.derive(ds)  # type: ignore[arg-type]

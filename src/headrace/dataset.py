@@ -206,6 +206,42 @@ class Dataset:
     def _wrap(self, node: Node) -> Dataset:
         return Dataset(node, self._options)
 
+    # -- extending -----------------------------------------------------------------------
+    @property
+    def node(self) -> Node:
+        """The recipe this dataset is a facade over (a :class:`headrace.core.Node`).
+
+        A transformation written outside headrace builds its node over this one
+        and returns it with :meth:`derive`.
+        """
+        return self._node
+
+    def derive(self, node: Node) -> Dataset:
+        """A dataset over ``node`` with this dataset's options.
+
+        How a third-party transformation returns its result: the options (the
+        memory budget above all) carry over, as they do for built-in stages.
+        """
+        if not isinstance(node, Node):
+            raise InvalidArgumentError(
+                f"derive needs a headrace.core.Node, got {type(node).__name__}"
+            )
+        return self._wrap(node)
+
+    def apply(self, transformation_func: Callable[[Dataset], Dataset]) -> Dataset:
+        """``transformation_func(self)``: plug a reusable chain or a custom stage in fluently.
+
+        As tf.data's ``apply``: lets ``ds.apply(my_library.dedupe(...)).batch(32)``
+        read in order instead of ``dedupe(...)(ds).batch(32)``.
+        """
+        result = transformation_func(self)
+        if not isinstance(result, Dataset):
+            raise InvalidArgumentError(
+                f"apply: {getattr(transformation_func, '__qualname__', transformation_func)!r} "
+                f"must return a Dataset, got {type(result).__name__}"
+            )
+        return result
+
     # -- transformations -----------------------------------------------------------------
     def map(
         self,
