@@ -11,7 +11,7 @@ import pytest
 
 import headrace as hr
 from headrace.memory.sizeof import sizeof
-from headrace.options import parse_bytes
+from headrace.memory.units import parse_bytes
 
 MiB = 1 << 20
 
@@ -130,7 +130,7 @@ def test_no_configuration_deadlocks() -> None:
 
 def test_default_budget_is_half_of_available_memory() -> None:
     from headrace.core.run import default_budget
-    from headrace.options import available_memory
+    from headrace.memory.system import available_memory
 
     assert abs(default_budget().total - available_memory() // 2) < available_memory() // 4
 

@@ -21,7 +21,8 @@ from headrace.errors import (
     WorkerError,
 )
 from headrace.memory.sizeof import register_sizer
-from headrace.options import AUTOTUNE, Options, parse_bytes
+from headrace.memory.units import parse_bytes
+from headrace.options import AUTOTUNE, Options
 from headrace.structure import TensorSpec
 
 __version__ = "0.1.0"

@@ -26,7 +26,7 @@ class _PeakSampler:
     """Samples the process's charged memory (anonymous + shared) on a thread."""
 
     def __init__(self, interval: float = 0.005) -> None:
-        from headrace.profiling.stats import process_memory
+        from headrace.memory.system import process_memory
 
         self._read = process_memory
         self.start = process_memory()
@@ -77,7 +77,7 @@ def _augment(row: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 def _demo(args: argparse.Namespace) -> int:
     import headrace as hr
-    from headrace.options import format_bytes, parse_bytes
+    from headrace.memory.units import format_bytes, parse_bytes
 
     size = parse_bytes(args.size)
     budget = parse_bytes(args.budget)

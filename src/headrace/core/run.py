@@ -23,7 +23,8 @@ from headrace.core.state import StateReader
 from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.memory.allocator import tune_allocator
 from headrace.memory.budget import MemoryBudget
-from headrace.options import Options, available_memory
+from headrace.memory.system import available_memory
+from headrace.options import Options
 
 if TYPE_CHECKING:
     from headrace.core.node import Node

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from headrace.errors import MemoryBudgetError
-from headrace.options import format_bytes
+from headrace.memory.units import format_bytes
 
 __all__ = ["AccountStats", "MemoryBudget", "Reservation", "StageAccount"]
 

@@ -8,49 +8,13 @@ pages are file-backed: the kernel can drop them, so they are not charged).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from headrace.memory.budget import AccountStats, MemoryBudget
-from headrace.options import format_bytes
+from headrace.memory.system import ProcessMemory, open_file_count, process_memory
+from headrace.memory.units import format_bytes
 
-__all__ = ["ProcessMemory", "RunStats", "open_file_count", "process_memory"]
-
-
-@dataclass(frozen=True)
-class ProcessMemory:
-    """This process's resident memory by kind, in bytes (Linux /proc/self/status)."""
-
-    anonymous: int
-    shared: int
-    file_backed: int
-
-    @property
-    def charged(self) -> int:
-        """What the budget's measured guarantee covers: anonymous + shared memory."""
-        return self.anonymous + self.shared
-
-
-def process_memory() -> ProcessMemory:
-    """Current RssAnon, RssShmem and RssFile of this process."""
-    fields = {"RssAnon:": 0, "RssShmem:": 0, "RssFile:": 0}
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                key = line.split(maxsplit=1)[0]
-                if key in fields:
-                    fields[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return ProcessMemory(fields["RssAnon:"], fields["RssShmem:"], fields["RssFile:"])
-
-
-def open_file_count() -> int:
-    """Descriptors this process has open (Linux), or -1 where unknown."""
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return -1
+__all__ = ["RunStats"]
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from headrace.io.tfrecord_index import (
     load_index,
 )
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
-from headrace.options import format_bytes
+from headrace.memory.units import format_bytes
 from headrace.sources.files import (
     FileRecordsNode,
     RecordReader,

@@ -64,7 +64,8 @@ from headrace.errors import (
     note_element_error,
 )
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
-from headrace.options import AUTOTUNE, format_bytes
+from headrace.memory.units import format_bytes
+from headrace.options import AUTOTUNE
 from headrace.transforms._wait_watch import WaitWatch
 from headrace.transforms.map import apply_fn
 from headrace.transforms.prefetch import PrefetchIterator

@@ -31,7 +31,7 @@ from headrace.core.node import Node, UnaryNode, check_positive
 from headrace.core.state import EPOCH, INT64_MAX, StateReader, past_end, replay
 from headrace.io._native import native_module
 from headrace.memory.budget import Reservation, StageAccount, release_all
-from headrace.options import format_bytes
+from headrace.memory.units import format_bytes
 
 __all__ = ["ShuffleNode"]
 

@@ -1,0 +1,86 @@
+"""What the machine and this process have: memory available (cgroup-aware), memory in use."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["ProcessMemory", "available_memory", "open_file_count", "process_memory"]
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as handle:
+            text = handle.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def available_memory() -> int:
+    """Memory available to this process, in bytes.
+
+    Inside a cgroup v2 container with a ``memory.max`` limit, that limit minus
+    the cgroup's current usage (the host's MemAvailable would overstate it and
+    get the process OOM-killed); otherwise ``MemAvailable`` from /proc/meminfo.
+    The smaller of the two when both apply.
+    """
+    candidates = []
+    limit = _read_int("/sys/fs/cgroup/memory.max")
+    current = _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and current is not None:
+        candidates.append(max(limit - current, 0))
+    meminfo = _meminfo_available()
+    if meminfo is not None:
+        candidates.append(meminfo)
+    if not candidates:  # not Linux: fall back to the total physical memory
+        pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+        candidates.append(pages * os.sysconf("SC_PAGE_SIZE") if pages else 1 << 30)
+    return min(candidates)
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """This process's resident memory by kind, in bytes (Linux /proc/self/status)."""
+
+    anonymous: int
+    shared: int
+    file_backed: int
+
+    @property
+    def charged(self) -> int:
+        """What the budget's measured guarantee covers: anonymous + shared memory."""
+        return self.anonymous + self.shared
+
+
+def process_memory() -> ProcessMemory:
+    """Current RssAnon, RssShmem and RssFile of this process."""
+    fields = {"RssAnon:": 0, "RssShmem:": 0, "RssFile:": 0}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                key = line.split(maxsplit=1)[0]
+                if key in fields:
+                    fields[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return ProcessMemory(fields["RssAnon:"], fields["RssShmem:"], fields["RssFile:"])
+
+
+def open_file_count() -> int:
+    """Descriptors this process has open (Linux), or -1 where unknown."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
