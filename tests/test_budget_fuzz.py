@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import tracemalloc
 import warnings
 from dataclasses import dataclass
@@ -292,3 +293,35 @@ def test_refusals_and_orders_do_not_depend_on_thread_timing() -> None:
     for result in results:
         by_seed.setdefault(result["seed"], set()).add((result["elements"], result["order"]))
     assert all(len(runs) == 1 for runs in by_seed.values()), by_seed
+
+
+def test_interleave_slots_follow_a_re_split_of_the_stage_share() -> None:
+    """Found by the sweep (seed 100455): slot budgets were children of the pipeline's
+    budget, sized at open time, so a re-split that lowered interleave's share (a later
+    padded_batch's minimum became known) left the slots booking the old share: the
+    pipeline's bytes passed the budget with no stage over its own share."""
+    results = run_specs([random_spec(100455)])
+    assert_within_budget(results[0])
+    assert results[0]["violations"] == []
+
+
+def test_slot_bookings_are_the_interleave_stage_holding() -> None:
+    def inner(i: Any) -> hr.Dataset:  # made while iterating: nothing of it is "owned" up front
+        rows = lambda: (np.full(1 << 18, i, np.uint8) for _ in range(4))  # noqa: E731
+        spec = hr.TensorSpec((1 << 18,), "uint8")
+        return hr.Dataset.from_generator(rows, output_signature=spec).prefetch(3)
+
+    ds = hr.Dataset.range(6).interleave(inner, cycle_length=3, num_parallel_calls=3)
+    ds = ds.with_options(hr.Options(memory_budget="16MiB"))
+    with iter(ds) as iterator:
+        seen = [int(next(iterator)[0]) for _ in range(6)]
+        deadline = time.monotonic() + 10
+        while True:  # the slots' threads read ahead: wait until they have
+            stage = next(s for s in iterator.stats().stages if s.name == "interleave")
+            if stage.held >= 3 * (1 << 18) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        # three slots, each holding prefetched 256 KiB elements: all of it on the stage
+        assert stage.held >= 3 * (1 << 18) and stage.peak <= stage.limit
+        assert iterator.context.budget.used >= stage.held
+    assert seen == [0, 1, 2, 0, 1, 2]

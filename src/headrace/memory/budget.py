@@ -74,7 +74,7 @@ class MemoryBudget:
     are rare relative to the work they guard: once per element or batch).
     """
 
-    def __init__(self, total: int, *, parent: MemoryBudget | None = None) -> None:
+    def __init__(self, total: int, *, parent: MemoryBudget | StageAccount | None = None) -> None:
         self.total = total
         self.used = 0
         self.peak = 0
@@ -95,8 +95,19 @@ class MemoryBudget:
         return MemoryBudget(self.total, parent=self)
 
     def over_shared_cap(self, nbytes: int) -> bool:
-        """True when adding ``nbytes`` would take a shared parent budget over its total."""
-        return self.parent is not None and self.parent.used + nbytes > self.parent.total
+        """True when adding ``nbytes`` would take a budget this one draws from over its total.
+
+        The parent is the process-wide default budget (shared by pipelines), or
+        the account of the stage a nested pipeline runs in (an interleave slot's
+        budget draws from the interleave stage's share, which a re-split may
+        lower while the slot is open).
+        """
+        parent = self.parent
+        while parent is not None:
+            if parent.used + nbytes > parent.total:
+                return True
+            parent = parent.parent
+        return False
 
     def account(self, name: str, *, weight: float, sets_order: bool = False) -> StageAccount:
         """Register a buffering stage; its share is set by :meth:`allot`.
@@ -170,9 +181,9 @@ class MemoryBudget:
             self.changed.notify_all()
 
     def _add(self, nbytes: int) -> None:
-        self.used += nbytes
-        if self.used > self.peak:
-            self.peak = self.used
+        used = self.used = self.used + nbytes
+        if used > self.peak:
+            self.peak = used
         if self.parent is not None:
             self.parent._add(nbytes)
 
@@ -202,6 +213,36 @@ class StageAccount:
         #: Bookings that took the stage past its share other than as an overdraft.
         self.breaches = 0
         self.room = budget.changed
+
+    # -- as the parent of a nested pipeline's budget (an interleave slot's) ----------------
+    # Everything the nested stages book is this stage's holding: it shows in its stats,
+    # counts against its share (which re-splits may lower) and against the budget above.
+
+    @property
+    def used(self) -> int:
+        return self.held
+
+    @property
+    def total(self) -> int:
+        return self.limit
+
+    @property
+    def parent(self) -> MemoryBudget:
+        return self.budget
+
+    @property
+    def changed(self) -> threading.Condition:
+        return self.room
+
+    @property
+    def waiting(self) -> list[int]:
+        return self.budget.waiting
+
+    def _add(self, nbytes: int) -> None:
+        held = self.held = self.held + nbytes
+        if held > self.peak:
+            self.peak = held
+        self.budget._add(nbytes)
 
     def _check_fits(self, nbytes: int, what: str = "one element") -> None:
         """Make room for ``nbytes`` held alone (a minimum), or raise naming the stage."""

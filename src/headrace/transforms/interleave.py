@@ -263,7 +263,9 @@ class _InterleaveIterator(Iterator):
     def _open_slot(self, element: Any, input_before: dict[str, Any], *, start: bool) -> _Slot:
         node = self.node
         share = max(self.account.limit // node.cycle_length, 1)
-        budget = MemoryBudget(share, parent=self.ctx.budget)
+        # The slot's budget draws from the stage's account: what its stages hold is the
+        # interleave's holding, and a re-split that lowers the stage's share holds them too.
+        budget = MemoryBudget(share, parent=self.account)
         inner_ctx = self.ctx.with_budget(budget)
         iterator = node.inner_node(element).make_iterator(inner_ctx)
         # Arrays the function made for this inner dataset live as long as the slot: they
