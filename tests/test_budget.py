@@ -46,6 +46,20 @@ def test_sizeof_charges_owners_not_views_of_preexisting_memory() -> None:
     assert sizeof({"a": b"xyz", "b": (1.0, "s")}) > sys.getsizeof(b"xyz") + sys.getsizeof("s")
 
 
+def test_sizeof_fast_paths_agree_with_the_general_walk(tmp_path) -> None:
+    """Plain arrays and views of pre-existing or file-backed memory skip the walk: same cost."""
+    from headrace.memory.sizeof import _Costing
+
+    data = np.zeros((100, 1000))
+    np.save(tmp_path / "a.npy", data)
+    mapped = np.load(tmp_path / "a.npy", mmap_mode="r")
+    objects = np.array([b"x" * 100, b"y"], dtype=object)
+    views = [data[3], data[3:9][::2], data.T, mapped[3:5].view(np.ndarray), objects[:1]]
+    for preexisting in (set(), {id(data)}, {id(objects)}):
+        for element in [data, objects, *views]:
+            assert sizeof(element, preexisting) == _Costing(preexisting).cost(element)
+
+
 def test_shuffle_that_cannot_fit_shrinks_with_one_warning_and_keeps_the_cap() -> None:
     ds = megabyte_elements(300).shuffle(1_000_000, seed=1).with_options(
         hr.Options(memory_budget="64MiB")
