@@ -147,16 +147,19 @@ def _concat(blocks: list[Indices]) -> Indices:
 
 def take_all(stream: IndexStream, count: int) -> Indices:
     """Pull ``count`` indices from ``stream`` even across its internal blocks."""
-    blocks: list[Indices] = []
-    needed = count
+    first = stream.take(count)
+    if len(first) == count:  # the common case: one block was enough (no list, no concat)
+        return first
+    if len(first) == 0:
+        return range(0)
+    blocks: list[Indices] = [first]
+    needed = count - len(first)
     while needed > 0:
         block = stream.take(needed)
         if len(block) == 0:
             break
         blocks.append(block)
         needed -= len(block)
-    if not blocks:
-        return range(0)
     return _concat(blocks)
 
 
