@@ -118,9 +118,11 @@ class SequentialIndices(IndexStream):
 
     def take(self, count: int) -> Indices:
         start = self.position
-        stop = min(start + count, self.size)
-        self.position = max(stop, start)
-        return range(start, max(stop, start))
+        stop = start + count
+        if stop > self.size:  # the last block (no min/max calls on the per-batch path)
+            stop = max(self.size, start)
+        self.position = stop
+        return range(start, stop)
 
     def get_state(self) -> dict[str, Any]:
         return {POSITION: self.position}
