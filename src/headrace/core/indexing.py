@@ -344,10 +344,12 @@ class GatherBatchIterator(_Gather):
     ) -> None:
         super().__init__(access, stream)
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
+        self.get_many = access.get_many  # bound once: this runs per batch
 
     def pull(self) -> tuple[Any, Reservation]:
         indices = take_all(self.stream, self.batch_size)
-        if len(indices) == 0 or (self.drop_remainder and len(indices) < self.batch_size):
+        count = len(indices)
+        if count < self.batch_size and (count == 0 or self.drop_remainder):
             raise StopIteration
-        return self.access.get_many(indices), NO_RESERVATION
+        return self.get_many(indices), NO_RESERVATION
 

@@ -62,7 +62,7 @@ class _SlicesAccess(RandomAccess):
         return pack_as(self.structure, [leaf[index] for leaf in self.leaves])
 
     def get_many(self, indices: range | np.ndarray) -> Any:
-        if isinstance(indices, range) and indices.step == 1:
+        if type(indices) is range and indices.step == 1:
             selector: Any = slice(indices.start, indices.stop)
         else:
             selector = np.asarray(indices, dtype=np.intp)
