@@ -623,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.profile:
         sections += profile_batch_path(hr, args.quick)
+    notes = RESULTS / "overhead-analysis.md"  # hand-written: where the time goes, what changed
+    if notes.exists() and not args.quick:
+        sections += [notes.read_text().rstrip(), ""]
     total = time.perf_counter() - started
     sections.append(
         f"Total wall time: {total:.0f} s; 1-min load average at start "
