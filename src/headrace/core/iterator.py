@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from headrace.core.state import INPUTS, StateReader
-from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
+from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
 from headrace.memory.sizeof import admit, owner_of, sizeof
 from headrace.options import Options
 
@@ -210,7 +210,8 @@ class Iterator:
 
     def __next__(self) -> Any:
         element, reservation = self.pull()
-        reservation.release()  # the element leaves headrace's buffers here
+        if reservation is not NO_RESERVATION:
+            reservation.release()  # the element leaves headrace's buffers here
         return element
 
     def pull(self) -> tuple[Any, Reservation]:

@@ -22,7 +22,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.state import StateReader
 from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.memory.allocator import tune_allocator
-from headrace.memory.budget import MemoryBudget
+from headrace.memory.budget import NO_RESERVATION, MemoryBudget
 from headrace.memory.system import available_memory
 from headrace.options import Options
 
@@ -35,6 +35,8 @@ __all__ = ["STATE_VERSION", "DatasetIterator", "default_budget"]
 #: Version of the state dicts; bumped when their layout or the fingerprints change
 #: (2: functions fingerprinted by code and closure values, checked state fields).
 STATE_VERSION = 2
+
+_perf_counter = time.perf_counter  # a global, not an attribute lookup, twice per element
 
 _default_budget: MemoryBudget | None = None
 _default_budget_lock = threading.Lock()
@@ -89,6 +91,7 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         iteration = 0 if probe else next(_iterations(node))
         self._context = Context(options, budget, iteration)
         self._tree = node.make_iterator(self._context)
+        self._pull = self._tree.pull  # bound once: called per element
         budget.allot()
         self._closed = False
         self._close = weakref.finalize(self, _close_run, self._tree, budget)
@@ -109,13 +112,14 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
             raise IteratorClosedError(
                 "this iterator was closed; create a new one with iter(dataset)"
             )
-        started = time.perf_counter()
+        started = _perf_counter()
         if self._started is None:
             self._started = started
-        element, reservation = self._tree.pull()
-        reservation.release()
+        element, reservation = self._pull()
+        if reservation is not NO_RESERVATION:  # most batches of arrays book nothing
+            reservation.release()
         self._elements += 1
-        self._waited += time.perf_counter() - started
+        self._waited += _perf_counter() - started
         return element
 
     def stats(self) -> RunStats:
