@@ -82,8 +82,11 @@ class MemoryBudget:
         self.accounts: list[StageAccount] = []
         # Budgets drawn from a shared parent (the process-wide default) share its
         # condition, so a release in one pipeline wakes a producer in another.
+        # A plain lock (not the Condition's default RLock): taken per element, and the
+        # ``with`` of a bare lock costs a fraction of a Condition's (nothing re-enters it).
+        self.lock: threading.Lock = parent.lock if parent is not None else threading.Lock()
         self.changed: threading.Condition = (
-            parent.changed if parent is not None else threading.Condition()
+            parent.changed if parent is not None else threading.Condition(self.lock)
         )
         # Producers waiting on ``changed``, shared with the parent like the condition
         # itself: releases skip notify_all() (its cost is per element) when none wait.
@@ -213,6 +216,7 @@ class StageAccount:
         #: Bookings that took the stage past its share other than as an overdraft.
         self.breaches = 0
         self.room = budget.changed
+        self.lock = budget.lock  # the condition's lock: bookings take only this
 
     # -- as the parent of a nested pipeline's budget (an interleave slot's) ----------------
     # Everything the nested stages book is this stage's holding: it shows in its stats,
@@ -319,8 +323,9 @@ class StageAccount:
 
     def charge(self, nbytes: int, *, elements: int = 1) -> Reservation:
         """Book ``nbytes`` for ``elements`` elements (one, by default) now held by this stage."""
-        self._check_fits(nbytes)
-        with self.room:
+        if nbytes > self.limit:
+            self._check_fits(nbytes)
+        with self.lock:
             self._book(nbytes, elements)
         return Reservation(self, nbytes)
 
@@ -332,18 +337,21 @@ class StageAccount:
         holds past its share is a *breach* of the contract, counted (tests
         assert there are none).
         """
-        within = self.held - self.overdrawn
+        held = self.held
+        within = held - self.overdrawn
         if overdraft:
             self.overdrawn += overdraft
             self.overdrawn_peak = max(self.overdrawn_peak, self.overdrawn)
-        if within + nbytes - overdraft > max(self.limit, within):
+        limit = self.limit
+        if within + nbytes - overdraft > (limit if limit > within else within):
             self.breaches += 1
-        self.held += nbytes
-        if self.held > self.peak:
-            self.peak = self.held
+        held = self.held = held + nbytes
+        if held > self.peak:
+            self.peak = held
         self.elements += elements
-        if nbytes // elements > self.max_element:
-            self.max_element = nbytes // elements
+        per_element = nbytes if elements == 1 else nbytes // elements
+        if per_element > self.max_element:
+            self.max_element = per_element
         self.budget._add(nbytes)
 
     def _unbook(self, nbytes: int) -> None:
@@ -370,7 +378,7 @@ class StageAccount:
         for nbytes in sizes:
             self._check_fits(nbytes)
         total = sum(sizes)
-        with self.room:
+        with self.lock:
             self._book(total, len(sizes))
             self.max_element = max(self.max_element, *sizes, 0)
         return total
@@ -397,13 +405,13 @@ class StageAccount:
         """
         for nbytes in sizes:
             self._check_fits(nbytes)  # one alone past the share: split again, or refuse
-        with self.room:
+        with self.lock:
             return [self._book_existing(nbytes) for nbytes in sizes]
 
     def overdraw(self, nbytes: int) -> Reservation:
         """Book more bytes for work already in flight (several elements' growth, each of
         which passed :meth:`book_existing`'s check): past the share as an overdraft."""
-        with self.room:
+        with self.lock:
             return self._book_existing(nbytes)
 
     def _book_existing(self, nbytes: int) -> Reservation:
@@ -416,12 +424,12 @@ class StageAccount:
         """Return ``nbytes`` to the stage's share and wake a waiting producer."""
         if not nbytes:
             return
-        with self.room:
+        with self.lock:
             self._unbook(nbytes)
 
     def stats(self) -> AccountStats:
         """A consistent snapshot, for the profiler."""
-        with self.room:
+        with self.lock:
             return AccountStats(
                 self.name,
                 self.limit,
@@ -470,16 +478,17 @@ class Reservation:
         element is never counted twice or not at all.
         """
         source = self.account
-        if source is None or source.room is not account.room:
+        if source is None or source.lock is not account.lock:
             moved = account.charge(nbytes)
             self.release()
             return moved
-        account._check_fits(nbytes)
-        with account.room:
+        if nbytes > account.limit:
+            account._check_fits(nbytes)
+        old, self.nbytes = self.nbytes, 0
+        with account.lock:
             account._book(nbytes)
-            if self.nbytes:
-                source._unbook(self.nbytes)
-        self.nbytes = 0
+            if old:
+                source._unbook(old)
         return Reservation(account, nbytes)
 
 
@@ -497,7 +506,7 @@ class Overdraft(Reservation):
         account, excess = self.account, self.excess
         self.excess = 0
         if account is not None and excess:
-            with account.room:
+            with account.lock:
                 account.overdrawn -= excess
 
     def release(self) -> None:
