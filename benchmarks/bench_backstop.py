@@ -322,10 +322,10 @@ def _producer_consumer(size: int, read: Any, quick: bool) -> dict:
 
     def produce(n: int) -> None:
         for _ in range(n):
+            with lock:  # counted before it exists: RSS may only lag ``live`` here
+                live[0] += size
             arr = np.empty(size, np.uint8)
             arr.fill(1)
-            with lock:
-                live[0] += size
             q.put(arr)
 
     with Sampler(0.001, sample):
@@ -335,9 +335,9 @@ def _producer_consumer(size: int, read: Any, quick: bool) -> dict:
         for _ in range(2 * (count // 2)):
             arr = q.get()
             time.sleep(0.0002)  # the consumer's step
-            with lock:
-                live[0] -= size
             del arr
+            with lock:  # uncounted after it is freed: RSS above ``live`` is retention
+                live[0] -= size
         for thread in threads:
             thread.join()
     time.sleep(0.01)
