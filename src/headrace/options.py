@@ -35,9 +35,10 @@ class Options:
         deterministic: ``None`` means ``True``. ``False`` lets parallel stages
             emit whichever element is ready first.
         warn_on_shrink: warn once when a requested buffer is shrunk to fit.
-        tune_allocator: on glibc, fix malloc's mmap threshold (once per process)
-            so freed element buffers return to the OS instead of lingering in
-            per-thread arenas, where the budget cannot see them.
+        tune_allocator: on glibc, cap malloc's heap arenas at 2 (once per
+            process), so that buffers freed by one map thread are reused by the
+            others instead of lingering in per-thread arenas, where the budget
+            cannot see them (``MALLOC_ARENA_MAX`` in the environment wins).
     """
 
     memory_budget: int | str | None = None

@@ -23,7 +23,7 @@ from headrace.core.state import StateReader
 from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.memory.allocator import tune_allocator
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget
-from headrace.memory.system import available_memory
+from headrace.memory.system import available_memory, live_runs
 from headrace.options import Options
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ def _iterations(node: Node) -> itertools.count[int]:
 def _close_run(tree: Iterator, budget: MemoryBudget) -> None:
     budget.close()
     tree.close()
+    live_runs.stop(budget)
 
 
 class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
@@ -93,6 +94,8 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         self._tree = node.make_iterator(self._context)
         self._pull = self._tree.pull  # bound once: called per element
         budget.allot()
+        if not probe:
+            live_runs.start(budget)
         self._closed = False
         self._close = weakref.finalize(self, _close_run, self._tree, budget)
         self._elements = 0

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ProcessMemory", "available_memory", "open_file_count", "process_memory"]
+__all__ = [
+    "LiveRuns",
+    "ProcessMemory",
+    "available_memory",
+    "live_runs",
+    "open_file_count",
+    "process_memory",
+]
 
 
 def _read_int(path: str) -> int | None:
@@ -84,3 +94,44 @@ def open_file_count() -> int:
         return len(os.listdir("/proc/self/fd"))
     except OSError:
         return -1
+
+
+class LiveRuns:
+    """The budgets of the iterators alive in this process, and the memory they started from.
+
+    What ``stats()`` reports as *unaccounted*: the growth of this process's
+    anonymous + shared memory since the first of the live iterators started,
+    minus what all of them have booked. A per-iterator baseline cannot be
+    attributed (a training and an evaluation iterator reuse each other's freed
+    heap), so the figure is process-wide. It is an upper bound on memory the
+    budget does not see — the training loop's own allocations and the
+    allocator's slack are in it too — whose *trend* is what matters; see
+    benchmarks/results/backstop.md for why it is reported, not enforced.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._budgets: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._baseline = 0
+
+    def start(self, budget: Any) -> None:
+        """Count ``budget`` (an object with ``used``) as live; the first sets the baseline."""
+        with self._lock:
+            if not self._budgets:
+                self._baseline = process_memory().charged
+            self._budgets.add(budget)
+
+    def stop(self, budget: Any) -> None:
+        """``budget``'s iterator closed (a collected one leaves on its own)."""
+        with self._lock:
+            self._budgets.discard(budget)
+
+    def unaccounted(self, memory: ProcessMemory) -> int:
+        """Growth of ``memory`` since the baseline, less every live run's bookings (>= 0)."""
+        with self._lock:
+            booked: int = sum(budget.used for budget in self._budgets)
+            return max(0, memory.charged - self._baseline - booked)
+
+
+#: The one registry of this process.
+live_runs = LiveRuns()

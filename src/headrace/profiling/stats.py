@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headrace.memory.budget import AccountStats, MemoryBudget
-from headrace.memory.system import ProcessMemory, open_file_count, process_memory
+from headrace.memory.system import ProcessMemory, live_runs, open_file_count, process_memory
 from headrace.memory.units import format_bytes
 
 __all__ = ["RunStats"]
@@ -32,6 +32,10 @@ class RunStats:
     open_files: int
     skipped_records: int = 0
     skipped_bytes: int = 0
+    #: Growth of the process's anonymous + shared memory since the first live iterator
+    #: started, less the bookings of every live iterator: an upper bound on memory the
+    #: budget does not see (the training loop's own included). Watch its trend.
+    unaccounted: int = 0
 
     @classmethod
     def capture(
@@ -42,6 +46,7 @@ class RunStats:
         wait_seconds: float,
         skipped: tuple[int, int] = (0, 0),
     ) -> RunStats:
+        memory = process_memory()
         return cls(
             budget_total=budget.total,
             budget_used=budget.used,
@@ -50,10 +55,11 @@ class RunStats:
             elements=elements,
             seconds=seconds,
             wait_seconds=wait_seconds,
-            memory=process_memory(),
+            memory=memory,
             open_files=open_file_count(),
             skipped_records=skipped[0],
             skipped_bytes=skipped[1],
+            unaccounted=live_runs.unaccounted(memory),
         )
 
     def format(self) -> str:
@@ -66,7 +72,8 @@ class RunStats:
             f" {self.wait_seconds:.2f} s",
             f"process: anonymous {format_bytes(self.memory.anonymous)}, shared "
             f"{format_bytes(self.memory.shared)}, file-backed {format_bytes(self.memory.file_backed)}"
-            f"; open files {self.open_files}",
+            f"; open files {self.open_files}; not booked by any live pipeline (upper bound) "
+            f"{format_bytes(self.unaccounted)}",
             f"corrupt records skipped: {self.skipped_records} ({format_bytes(self.skipped_bytes)})",
             f"{'stage':<28}{'share':>12}{'held':>12}{'peak':>12}{'elements':>10}{'largest':>12}",
         ]
