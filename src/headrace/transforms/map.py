@@ -200,21 +200,31 @@ class _MapIterator(Iterator):
 
 
 def _apply_chunk(
-    fn: Callable[..., Any], elements: list[Any]
-) -> tuple[list[Any], dict[int, Exception] | None, float]:
-    """``fn`` over a chunk; an element whose call raised leaves ``None`` and its error."""
+    fn: Callable[..., Any], elements: list[Any], admit: Callable[[Any], tuple[Any, int]]
+) -> tuple[list[Any], list[int], dict[int, Exception] | None, float]:
+    """``fn`` over a chunk: the outputs as a buffer keeps them, their costs, the errors.
+
+    Each output is admitted (costed, and copied out if it is a small view of a
+    large temporary) as soon as ``fn`` returns it, in the worker: a chunk of
+    views would otherwise keep a chunk of temporaries alive until the consumer
+    collects it — memory no booking covers. An element whose call raised
+    leaves ``None``, cost 0, and its error.
+    """
     started = time.perf_counter()
     outputs: list[Any] = []
+    sizes: list[int] = []
     failed: dict[int, Exception] | None = None
     for element in elements:
         try:
-            outputs.append(apply_fn(fn, element))
+            output, size = admit(apply_fn(fn, element))
         except Exception as error:  # raised in the consumer, at this element's position
             if failed is None:
                 failed = {}
             failed[len(outputs)] = error
-            outputs.append(None)
-    return outputs, failed, time.perf_counter() - started
+            output, size = None, 0
+        outputs.append(output)
+        sizes.append(size)
+    return outputs, sizes, failed, time.perf_counter() - started
 
 
 #: A call is given several elements when ``fn`` is quick, so that the fixed
@@ -238,7 +248,7 @@ class _Call:
 
     def __init__(
         self,
-        future: Future[tuple[list[Any], dict[int, Exception] | None, float]],
+        future: Future[tuple[list[Any], list[int], dict[int, Exception] | None, float]],
         bookings: list[Reservation],
         state_before: dict[str, Any],
         first_index: int,
@@ -285,7 +295,7 @@ class _ParallelMapIterator(Iterator):
             state_before, first_index = self.state_after_last_input, self.next_index
             elements, bookings, error = self._pull_chunk()
             if elements or error is not None:
-                future = self.pool.submit(_apply_chunk, self.fn, elements)
+                future = self.pool.submit(_apply_chunk, self.fn, elements, self.ctx.admit)
                 call = _Call(future, bookings, state_before, first_index, error)
                 call.count = len(elements)
                 self.calls.append(call)
@@ -344,7 +354,7 @@ class _ParallelMapIterator(Iterator):
 
     def _collect(self, call: _Call) -> None:
         try:
-            outputs, failed, seconds = call.future.result()
+            outputs, costs, failed, seconds = call.future.result()
         finally:
             release_all(call.bookings)
         per_element = seconds / max(len(outputs), 1)
@@ -354,10 +364,7 @@ class _ParallelMapIterator(Iterator):
         errors: dict[int, Exception] | None = None
         # the failed positions hold no output and book nothing
         good = [p for p in range(len(outputs)) if failed is None or p not in failed]
-        sizes: list[int] = []
-        for position in good:  # compacted (a view of a big temporary is copied out), costed
-            outputs[position], size = self.ctx.admit(outputs[position])
-            sizes.append(size)
+        sizes = costs if failed is None else [costs[p] for p in good]
         reservations = [NO_RESERVATION] * len(outputs)
         # The outputs exist: booked as they are, beyond the share if they outgrew the estimate.
         for position, booking in zip(good, self.account.book_existing(sizes), strict=True):
