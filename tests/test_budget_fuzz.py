@@ -10,6 +10,7 @@ MemoryBudgetError (which must then have come before the allocation it refused).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -335,3 +336,22 @@ def test_parallel_map_compacts_views_in_the_worker() -> None:
     assert_within_budget(results[0])
     assert results[0]["outcome"] == "ok"
 
+
+
+def test_a_large_set_costs_the_same_in_every_process() -> None:
+    """A sample of a set follows hash randomization: sets of flat values are summed whole."""
+    code = (
+        "import sys; from headrace.memory.sizeof import sizeof; "
+        "print(sizeof({'k' * (i % 97) + str(i) for i in range(5000)}, set()))"
+    )
+    costs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True, text=True, check=True,
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(costs) == 1, costs
+    value = {"k" * (i % 97) + str(i) for i in range(5000)}
+    assert int(costs.pop()) == sys.getsizeof(value) + sum(map(sys.getsizeof, value))

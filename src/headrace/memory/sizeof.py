@@ -274,7 +274,12 @@ class _Costing:
             )
         if isinstance(value, (tuple, list)):  # subclasses (namedtuples, ...)
             return sys.getsizeof(value) + self.items_cost(value)
-        if isinstance(value, (set, frozenset)):  # items_cost needs len() and order
+        if isinstance(value, (set, frozenset)):
+            # A set's order follows str/bytes hash randomization, so a sample of it would
+            # cost differently in each process (and shares, and orders, would follow):
+            # sets of flat values are summed whole, at C speed.
+            if all(type(item) in _FLAT_TYPES for item in value):
+                return sys.getsizeof(value) + sum(map(sys.getsizeof, value))
             return sys.getsizeof(value) + self.items_cost(list(value))
         if isinstance(value, (str, bytes, int, float)):
             return sys.getsizeof(value)  # subclasses of the flat types (IntEnum, ...)
