@@ -321,14 +321,6 @@ def test_a_cap_of_two_files_with_cycle_eight_gives_the_uncapped_order(
         for i in range(12)
     ]
 
-    def dataset(options):
-        names = hr.Dataset.from_tensor_slices(np.array(files, dtype=object))
-        ds = names.interleave(
-            lambda f: hr.TextLineDataset(f, compression_type="GZIP" if "1" in f[-5:-4] else None),
-            cycle_length=8,
-        )
-        return ds.with_options(options)
-
     def by_suffix(f):
         return "GZIP" if int(os.path.basename(f).split(".")[0]) % 2 else None
 
