@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.core.run import default_budget
+from headrace.core.run import default_budget, join_abandoned
 
 
 def busy_pipeline() -> hr.Dataset:
@@ -34,6 +34,7 @@ def test_hundreds_of_abandoned_iterators_are_freed(no_thread_leak) -> None:
         next(iterator)
         del iterator  # a `break` out of a loop, or Keras making a new iterator per epoch
     gc.collect()
+    assert join_abandoned()  # each close runs on a thread of its own (see _close_abandoned)
     assert default_budget().used == 0
 
 
@@ -43,6 +44,7 @@ def test_break_out_of_for_loop_frees_everything(no_thread_leak) -> None:
             assert batch.shape == (4, 256)
             break
     gc.collect()
+    assert join_abandoned()  # each close runs on a thread of its own (see _close_abandoned)
     assert default_budget().used == 0
 
 
@@ -84,3 +86,32 @@ def test_end_of_sequence_repeats() -> None:
         next(iterator)
     with pytest.raises(StopIteration):
         next(iterator)
+
+
+def test_collecting_an_iterator_inside_a_booking_does_not_deadlock() -> None:
+    """Garbage collection runs finalizers inside whatever allocation triggers it: here,
+    while this thread holds the budget lock that the dropped iterator's close needs
+    (pipelines on the default budget share one). It hung; now the close runs apart."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import gc
+        import headrace as hr
+        from headrace.core.run import default_budget, join_abandoned
+
+        iterator = iter(hr.Dataset.range(1000).map(lambda x: x, num_parallel_calls=2))
+        next(iterator)
+        iterator.cycle = iterator  # only the cycle collector frees it
+        del iterator
+        with default_budget().lock:  # as in the middle of a booking
+            gc.collect()
+        assert join_abandoned()
+        assert default_budget().used == 0
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr

@@ -52,9 +52,15 @@ def test_every_live_run_bookings_are_subtracted_from_one_baseline() -> None:
     assert runs.unaccounted(ProcessMemory(90 * MiB, 0, 0)) == 0  # never negative
 
 
-def test_closed_iterators_leave_the_registry() -> None:
+def test_closed_and_dropped_iterators_leave_the_registry() -> None:
+    budgets = []
     for _ in range(3):
         with iter(_pipeline()) as iterator:
             next(iterator)
-    gc.collect()
-    assert len(live_runs._budgets) == 0
+            budgets.append(iterator.context.budget)
+            assert iterator.context.budget in live_runs._budgets
+    dropped = iter(_pipeline())  # dropped without close(), as a loop that breaks
+    next(dropped)
+    budgets.append(dropped.context.budget)
+    del dropped
+    assert all(budget not in live_runs._budgets for budget in budgets)

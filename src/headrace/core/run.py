@@ -10,6 +10,7 @@ without ``close()``.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from headrace.core.node import Node
     from headrace.profiling.stats import RunStats
 
-__all__ = ["STATE_VERSION", "DatasetIterator", "default_budget"]
+__all__ = ["STATE_VERSION", "DatasetIterator", "default_budget", "join_abandoned"]
 
 #: Version of the state dicts; bumped when their layout or the fingerprints change
 #: (2: functions fingerprinted by code and closure values, checked state fields).
@@ -73,6 +74,57 @@ def _close_run(tree: Iterator, budget: MemoryBudget) -> None:
     live_runs.stop(budget)
 
 
+def _close_abandoned(tree: Iterator, budget: MemoryBudget) -> None:
+    """Finalizer of an iterator dropped without ``close()``.
+
+    Dropped by its last reference (a ``for`` loop that ended or broke, a
+    ``del``), it closes here and now, so its files and memory are back when the
+    statement is done. Collected by the cycle collector, it runs inside
+    whatever allocation triggered the collection, in any thread — also one in
+    the middle of a booking, holding the lock the close needs (pipelines on the
+    default budget share one) — so then it takes no lock: the close runs on a
+    short thread of its own, which waits its turn.
+    """
+    if not _collecting:
+        _close_run(tree, budget)
+        return
+    closer = threading.Thread(
+        target=_close_run, args=(tree, budget), name="headrace-close", daemon=True
+    )
+    try:
+        closer.start()
+    except RuntimeError:  # the interpreter is shutting down: nothing else runs any more
+        _close_run(tree, budget)
+        return
+    _closers.add(closer)
+
+
+_collecting = False
+
+
+def _track_collections(phase: str, info: dict[str, Any]) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+gc.callbacks.append(_track_collections)
+
+#: Closes of abandoned iterators still running (see :func:`join_abandoned`).
+_closers: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def join_abandoned(timeout: float = 10.0) -> bool:
+    """Wait until every iterator collected so far is closed; False on timeout.
+
+    For tests and for code that must see the memory of dropped iterators
+    returned at a precise point (after ``gc.collect()``).
+    """
+    deadline = time.monotonic() + timeout
+    for closer in list(_closers):
+        closer.join(max(0.0, deadline - time.monotonic()))
+    return not any(closer.is_alive() for closer in list(_closers))
+
+
 class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
     """What ``iter(dataset)`` returns: the root of one run of the pipeline.
 
@@ -97,7 +149,7 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         if not probe:
             live_runs.start(budget)
         self._closed = False
-        self._close = weakref.finalize(self, _close_run, self._tree, budget)
+        self._close = weakref.finalize(self, _close_abandoned, self._tree, budget)
         self._elements = 0
         self._waited = 0.0
         self._started: float | None = None
@@ -191,7 +243,8 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
     def close(self) -> None:
         """Stop threads, close files and return the budget now. Idempotent."""
         self._closed = True
-        self._close()
+        if self._close.detach() is not None:  # not closed yet: close here, and now
+            _close_run(self._tree, self._context.budget)
 
     def _check_open(self) -> None:
         if self._closed:
