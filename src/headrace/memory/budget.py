@@ -187,8 +187,9 @@ class MemoryBudget:
         used = self.used = self.used + nbytes
         if used > self.peak:
             self.peak = used
-        if self.parent is not None:
-            self.parent._add(nbytes)
+        parent = self.parent
+        if parent is not None:
+            parent._add(nbytes)
 
 
 class StageAccount:
@@ -407,6 +408,16 @@ class StageAccount:
             self._check_fits(nbytes)  # one alone past the share: split again, or refuse
         with self.lock:
             return [self._book_existing(nbytes) for nbytes in sizes]
+
+    def book_existing_total(self, sizes: list[int]) -> Reservation:
+        """:meth:`book_existing` for elements released together: one booking for all."""
+        for nbytes in sizes:
+            self._check_fits(nbytes)
+        total = sum(sizes)
+        with self.lock:
+            excess = max(0, min(total, self.held + total - self.limit))
+            self._book(total, len(sizes) or 1, overdraft=excess)
+        return Overdraft(self, total, excess) if excess else Reservation(self, total)
 
     def overdraw(self, nbytes: int) -> Reservation:
         """Book more bytes for work already in flight (several elements' growth, each of

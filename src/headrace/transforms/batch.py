@@ -200,7 +200,7 @@ _KIND_ORDER = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 class _Column:
     """One component of a batch being assembled in place: its output array and row shape."""
 
-    __slots__ = ("dtype", "out", "path", "shape")
+    __slots__ = ("dtype", "out", "path", "scalar", "shape")
 
     def __init__(self, leaf: Any, path: str) -> None:
         dtype = _leaf_dtype(leaf)
@@ -208,6 +208,11 @@ class _Column:
         self.shape: tuple[int, ...] = np.shape(leaf)
         self.path = path
         self.out: np.ndarray[Any, Any] | None = None
+        #: The NumPy scalar type a row of a scalar column is (np.int64 for range's
+        #: elements): such a row goes in as it is, without the general checks.
+        self.scalar: type | None = (
+            self.dtype.type if self.shape == () and not self.dtype.hasobject else None
+        )
 
     def row_bytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
@@ -309,6 +314,9 @@ class _BatchIterator(Assembler):
                 and leaf.shape == column.shape
             ):
                 out[row] = leaf  # the common case: same dtype object, same shape
+                continue
+            if type(leaf) is column.scalar:
+                out[row] = leaf  # a NumPy scalar of the column's own type
                 continue
             if np.shape(leaf) != column.shape:
                 raise ElementSpecError(

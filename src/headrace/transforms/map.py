@@ -331,15 +331,17 @@ class _ParallelMapIterator(Iterator):
             if reservation.account is None:
                 pending.append(size)
                 pending_bytes += size
-            else:  # it exists already: booked here as it is, then released upstream
-                bookings.extend(account.book_existing([size]))
+            else:  # booked upstream: it moves here at once (the stage above may be waiting
+                # for that room to give us the next input), booked as it is
+                bookings.append(account.book_existing_total([size]))
                 reservation.release()
         if elements or upstream_error is not None:
             self.state_after_last_input = self.inner.get_state()
             self.next_index += len(elements) + (upstream_error is not None)
         if pending:  # the inputs exist: booked as they are (past the share only if the
-            # chunk's first input alone did not fit beside what is held)
-            bookings.extend(account.book_existing(pending))
+            # chunk's first input alone did not fit beside what is held), as one booking
+            # for the call: they are released together when it is collected
+            bookings.append(account.book_existing_total(pending))
         return elements, bookings, upstream_error
 
     def _take_call(self) -> _Call:
