@@ -156,6 +156,13 @@ class Dataset:
         return Dataset(_NpyNode(path))
 
     # -- introspection -------------------------------------------------------------------
+    @staticmethod
+    def from_csv(filenames: Any, batch_size: int, **options: Any) -> Dataset:
+        """Batches of CSV rows as ``{column: NumPy array}`` (see :func:`headrace.csv_datasets.read_csv`)."""
+        from headrace.csv_datasets import read_csv
+
+        return read_csv(filenames, batch_size, **options)
+
     @property
     def element_spec(self) -> Any:
         """The nested :class:`TensorSpec` of each element (``None`` = unknown size).
