@@ -230,7 +230,10 @@ class _BlockReader:
             self._fill(want)
             if not self._buffer and self._eof:
                 return None
-            block = self._parse(self._buffer, self._eof)
+            # Cut from the first `want` bytes only, whatever else was read ahead: a block
+            # is then the same after a restore, which reads from its start (G4).
+            final = self._eof and len(self._buffer) <= want
+            block = self._parse(self._buffer[:want] if not final else self._buffer, final)
             if block is not None:
                 return block
             if self._eof:
