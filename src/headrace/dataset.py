@@ -163,6 +163,13 @@ class Dataset:
 
         return read_csv(filenames, batch_size, **options)
 
+    @staticmethod
+    def from_sql(query: str, params: Any = (), **options: Any) -> Dataset:
+        """Rows of a SQL query in batches of ``{column: NumPy array}`` (see :func:`headrace.sql.from_sql`)."""
+        from headrace.sql import from_sql
+
+        return from_sql(query, params, **options)
+
     @property
     def element_spec(self) -> Any:
         """The nested :class:`TensorSpec` of each element (``None`` = unknown size).
