@@ -38,7 +38,7 @@ def test_edge_cases_have_values(tmp_path: Any, engine: str) -> None:
         b'2,"two\nlines",\r\n'  # embedded newline; an empty float takes its default
         b"3,plain,-1e3"  # no final newline
     )
-    ds = hr.Dataset.from_csv(str(path), 2, column_defaults=[[0], [""], [9.0]], engine=engine)
+    ds = hr.read_csv(str(path), 2, column_defaults=[[0], [""], [9.0]], engine=engine)
     rows = rows_of(ds)
     assert [r["id"] for r in rows] == [1, 2, 3]
     assert [r["text"] for r in rows] == [b'a, quoted "field"', b"two\nlines", b"plain"]
@@ -50,7 +50,7 @@ def test_edge_cases_have_values(tmp_path: Any, engine: str) -> None:
 def test_ragged_rows_and_bad_numbers_name_file_row_and_column(tmp_path: Any, engine: str) -> None:
     path = tmp_path / "bad.csv"
     path.write_text("a,b\n1,2\n3\n4,x\n5,6\n")
-    ds = hr.Dataset.from_csv(str(path), 10, column_defaults=[[0], [0]], engine=engine)
+    ds = hr.read_csv(str(path), 10, column_defaults=[[0], [0]], engine=engine)
     it = iter(ds)
     assert next(it)["a"].tolist() == [1]  # the good record before the bad one comes first
     with pytest.raises(hr.CsvError) as ragged:
@@ -80,7 +80,7 @@ def test_engines_agree_on_generated_files(tmp_path_factory: Any, rows: list[list
     path.write_text("a,b,c\n" + "\n".join(",".join(r) for r in rows) + "\n")
     results = {}
     for engine in ENGINES:
-        ds = hr.Dataset.from_csv(str(path), batch, column_defaults=[[0.0], [np.float64(1)], [""]],
+        ds = hr.read_csv(str(path), batch, column_defaults=[[0.0], [np.float64(1)], [""]],
                                  na_value="NA", engine=engine, block_bytes=block_bytes)
         got: list[Any] = []
         it = iter(ds)
@@ -175,7 +175,7 @@ def test_memory_stays_within_budget_on_a_file_ten_times_larger(tmp_path: Any, en
                 if line.startswith(("RssAnon:", "RssShmem:")):
                     total += int(line.split()[1]) * 1024
             return total
-        ds = hr.Dataset.from_csv({str(path)!r}, 1024, column_defaults=[[0.0]] * 16,
+        ds = hr.read_csv({str(path)!r}, 1024, column_defaults=[[0.0]] * 16,
                                  engine={engine!r}).prefetch(4).with_options(
             hr.Options(memory_budget="32MiB"))
         start = charged(); peak = 0; rows = 0

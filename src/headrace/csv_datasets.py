@@ -8,7 +8,7 @@
   ``(features_dict, label)`` batches, column names from the header, types
   inferred from the first rows, shuffled and repeated by default, as in
   TensorFlow (the shuffle order is headrace's, not TensorFlow's).
-* :func:`read_csv` (``Dataset.from_csv``) — headrace's own: batches as dicts
+* :func:`read_csv` — headrace's own: batches as dicts
   of NumPy arrays by column name, parsed a block at a time (pyarrow's parser
   with the ``[arrow]`` extra, the pure parser otherwise; the same values).
 """

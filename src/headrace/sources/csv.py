@@ -361,7 +361,9 @@ class _CsvCursor:
         while block.taken >= block.good:
             assert block.error is not None
             if not self.spec.ignore_errors:
-                raise block.error  # the caller says when it was raised (error_raised)
+                # a fresh copy each time: a kept exception would collect tracebacks that
+                # hold this cursor alive (the caller says when it was raised: error_raised)
+                raise block.error.located()
             block.error_raised = True
             self.ctx.run.skipped_records += 1
             block = self.current()

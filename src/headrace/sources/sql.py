@@ -1,6 +1,7 @@
 """SQL queries as a source: batches of ``{column: NumPy array}``, resumable by key.
 
-``Dataset.from_sql(query, params, connection=..., key=...)`` reads a query's
+``Dataset.from_sql(query, params, connection=..., key=...)`` (this module's
+:class:`SqlNode`) reads a query's
 rows in batches. ``connection`` is a URL — ``sqlite:///path.db`` (the
 standard library's sqlite3: embedded, no server) or ``postgresql://...``
 (the ``[postgres]`` extra) — or a picklable zero-argument function returning a
@@ -49,13 +50,12 @@ import numpy as np
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, first_element
 from headrace.core.state import StateReader
-from headrace.dataset import Dataset
 from headrace.errors import HeadraceError, InvalidArgumentError
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.memory.sizeof import sizeof
 from headrace.structure import TensorSpec
 
-__all__ = ["SqlError", "SqlNode", "from_sql"]
+__all__ = ["SqlError", "SqlNode", "quote_identifier"]
 
 
 class SqlError(HeadraceError, OSError):
@@ -573,28 +573,3 @@ class _SqlIterator(Iterator):
         self._release_page()
         self.__dict__.pop("_arrow_reader", None)
         self._drop_connection()
-
-
-def from_sql(
-    query: str,
-    params: Sequence[Any] = (),
-    *,
-    connection: Any,
-    key: str | None = None,
-    batch_size: int = 1024,
-    page_rows: int = 65536,
-    null_defaults: Mapping[str, Any] | None = None,
-    dtypes: Mapping[str, Any] | None = None,
-    max_retries: int = 3,
-    retry_delay: float = 0.2,
-) -> Dataset:
-    """Rows of ``query`` in batches of ``{column: NumPy array}`` (see the module doc).
-
-    ``params`` are the query's own parameters, in the driver's style (``?``
-    for SQLite, ``$1`` for PostgreSQL) — never format values into ``query``.
-    ``key`` names a unique, sortable column: reads are then paged by key
-    (``page_rows`` per page), resumable from the last key, and shardable with
-    ``auto_shard(..., policy="data")``.
-    """
-    return Dataset(SqlNode(query, params, connection, key, batch_size, page_rows,
-                           null_defaults or {}, dtypes or {}, max_retries, retry_delay))
