@@ -52,6 +52,7 @@ def charged():
             t += int(line.split()[1]) * 1024
     return t
 PATH, COLS = {path!r}, {cols}
+{imports}
 start = time.perf_counter(); base = charged()
 {body}
 seconds = time.perf_counter() - start
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TF_CPP_MIN_LOG_LEVEL": "3"}
     for side in args.sides.split(","):
-        code = RUNNER.format(path=path, cols=args.cols, body=SIDES[side])
+        imports, _, body = SIDES[side].strip().partition("\n")
+        code = RUNNER.format(path=path, cols=args.cols, imports=imports, body=body)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=env, check=True)
         results[side] = json.loads(out.stdout.strip().splitlines()[-1])
