@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a clean clone: venv + every extra, lint, types, tests (parallel).
 source "$(dirname "$0")/_venv.sh"
+source "$(dirname "$0")/postgres.sh"   # a throwaway PostgreSQL server for tests/test_sql_postgres.py
 ruff check src tests benchmarks
 mypy
 python -m pytest -n "${HEADRACE_TEST_WORKERS:-2}" "$@"

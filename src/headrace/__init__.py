@@ -5,6 +5,7 @@ Everything public is listed in ``__all__`` below (and tested against it).
 
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.core.run import DatasetIterator
+from headrace.csv_datasets import CsvDataset, decode_csv, make_csv_dataset, read_csv
 from headrace.dataset import Dataset, TextLineDataset, TFRecordDataset
 from headrace.distribute import AutoShardPolicy, ShardInfo, auto_shard, shard_info
 from headrace.errors import (
@@ -20,9 +21,11 @@ from headrace.errors import (
     RecordTooLargeError,
     WorkerError,
 )
+from headrace.io.csv import CsvError
 from headrace.memory.sizeof import register_sizer
 from headrace.memory.units import parse_bytes
 from headrace.options import AUTOTUNE, Options
+from headrace.sources.sql import SqlError
 from headrace.structure import TensorSpec
 
 __version__ = "0.1.0"
@@ -33,6 +36,8 @@ __all__ = [
     "UNKNOWN",
     "AutoShardPolicy",
     "CheckpointError",
+    "CsvDataset",
+    "CsvError",
     "DataLossError",
     "Dataset",
     "DatasetIterator",
@@ -46,13 +51,17 @@ __all__ = [
     "ParseError",
     "RecordTooLargeError",
     "ShardInfo",
+    "SqlError",
     "TFRecordDataset",
     "TensorSpec",
     "TextLineDataset",
     "WorkerError",
     "__version__",
     "auto_shard",
+    "decode_csv",
+    "make_csv_dataset",
     "parse_bytes",
+    "read_csv",
     "register_sizer",
     "shard_info",
 ]

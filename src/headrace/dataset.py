@@ -156,6 +156,37 @@ class Dataset:
         return Dataset(_NpyNode(path))
 
     # -- introspection -------------------------------------------------------------------
+    @staticmethod
+    def from_sql(
+        query: str,
+        params: Sequence[Any] = (),
+        *,
+        connection: Any,
+        key: str | None = None,
+        batch_size: int = 1024,
+        page_rows: int = 65536,
+        null_defaults: Mapping[str, Any] | None = None,
+        dtypes: Mapping[str, Any] | None = None,
+        max_retries: int = 3,
+        retry_delay: float = 0.2,
+    ) -> Dataset:
+        """Rows of a SQL query in batches of ``{column: NumPy array}``.
+
+        ``connection``: ``"sqlite:///path.db"``, ``"postgresql://..."`` (the
+        ``[postgres]`` extra) or a picklable function returning a sqlite3 or ADBC
+        PostgreSQL connection. ``params`` are the query's own parameters (``?`` for
+        SQLite, ``$1`` for PostgreSQL) — never format values into ``query``. With
+        ``key`` (a unique, sortable column) reads are paged by key (``page_rows``
+        a page, booked on the budget), resume from the last key, retry a dropped
+        connection from it up to ``max_retries`` times, and shard by key under
+        ``auto_shard(..., policy="data")``. NULLs take ``null_defaults[column]`` or
+        raise naming the column, row and key. See :mod:`headrace.sources.sql`.
+        """
+        from headrace.sources.sql import SqlNode
+
+        return Dataset(SqlNode(query, params, connection, key, batch_size, page_rows,
+                               null_defaults or {}, dtypes or {}, max_retries, retry_delay))
+
     @property
     def element_spec(self) -> Any:
         """The nested :class:`TensorSpec` of each element (``None`` = unknown size).

@@ -144,6 +144,19 @@ def _file_list_below(node: Node, info: ShardInfo) -> Node | None:
     return None
 
 
+def _shard_rows(node: Node, info: ShardInfo) -> Node | None:
+    """``node`` with the source below it reading only this worker's rows, where the
+    source can filter them itself (``from_sql`` with a key: ``WHERE key % n = i``)."""
+    shard_rows = getattr(node, "shard_rows", None)
+    if shard_rows is not None and getattr(node, "key", None) is not None:
+        sharded: Node = shard_rows(info.num_shards, info.index)
+        return sharded
+    if len(node.inputs) == 1:
+        inner = _shard_rows(node.inputs[0], info)
+        return None if inner is None else _with_inputs(node, (inner,))
+    return None
+
+
 def _check_enough(files: int, info: ShardInfo) -> None:
     if files < info.num_shards:
         raise InvalidArgumentError(
@@ -174,6 +187,9 @@ def auto_shard(
     if info.num_shards == 1:
         return dataset
     if chosen is AutoShardPolicy.DATA:
+        by_key = _shard_rows(dataset._node, info)  # a SQL source: a WHERE on its key
+        if by_key is not None:
+            return Dataset(by_key, dataset.options)
         return dataset.shard(info.num_shards, info.index)
     sharded = _shard_files(dataset._node, info)
     if sharded is None:

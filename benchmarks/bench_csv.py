@@ -1,0 +1,105 @@
+"""CSV -> batches of 1024: headrace (arrow and pure engines) vs tf.data's routes vs raw pyarrow.
+
+Each side runs in its own fresh process (peak RSS growth is per process). Usage:
+    python benchmarks/bench_csv.py [--rows 1000000] [--cols 20]
+Writes benchmarks/results/csv.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+SIDES = {
+    "headrace-arrow": """
+import headrace as hr
+ds = hr.read_csv(PATH, 1024, column_defaults=[[0.0]] * COLS, engine="arrow")
+rows = sum(len(b["c0"]) for b in ds)""",
+    "headrace-pure": """
+import headrace as hr
+ds = hr.read_csv(PATH, 1024, column_defaults=[[0.0]] * COLS, engine="pure")
+rows = sum(len(b["c0"]) for b in ds)""",
+    "tf-textline-decode": """
+import tensorflow as tf
+ds = tf.data.TextLineDataset(PATH).skip(1).batch(1024).map(
+    lambda l: tf.io.decode_csv(l, [[0.0]] * COLS), num_parallel_calls=tf.data.AUTOTUNE
+).prefetch(tf.data.AUTOTUNE)
+rows = sum(int(b[0].shape[0]) for b in ds)""",
+    "tf-csvdataset": """
+import tensorflow as tf
+ds = tf.data.experimental.CsvDataset(PATH, [[0.0]] * COLS, header=True).batch(1024)
+rows = sum(int(b[0].shape[0]) for b in ds)""",
+    "pyarrow-raw": """
+import pyarrow as pa, pyarrow.csv as pc
+reader = pc.open_csv(PATH, convert_options=pc.ConvertOptions(
+    column_types={f"c{i}": pa.float32() for i in range(COLS)}))
+rows = 0
+for batch in reader:
+    cols = [batch.column(i).to_numpy() for i in range(COLS)]
+    rows += batch.num_rows""",
+}
+
+RUNNER = """
+import time, resource, json
+def charged():
+    t = 0
+    for line in open("/proc/self/status"):
+        if line.startswith(("RssAnon:", "RssShmem:")):
+            t += int(line.split()[1]) * 1024
+    return t
+PATH, COLS = {path!r}, {cols}
+{imports}
+start = time.perf_counter(); base = charged()
+{body}
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({{"rows": rows, "seconds": seconds, "peak_rss": peak}}))
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--cols", type=int, default=20)
+    parser.add_argument("--sides", default=",".join(SIDES))
+    args = parser.parse_args(argv)
+    import numpy as np
+
+    directory = tempfile.mkdtemp()
+    path = os.path.join(directory, "data.csv")
+    rng = np.random.default_rng(0)
+    with open(path, "w") as handle:
+        handle.write(",".join(f"c{i}" for i in range(args.cols)) + "\n")
+        for start in range(0, args.rows, 100_000):
+            block = rng.random((min(100_000, args.rows - start), args.cols)).astype(np.float32)
+            np.savetxt(handle, block, fmt="%.6g", delimiter=",")
+    results = {}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    for side in args.sides.split(","):
+        imports, _, body = SIDES[side].strip().partition("\n")
+        code = RUNNER.format(path=path, cols=args.cols, imports=imports, body=body)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, check=True)
+        results[side] = json.loads(out.stdout.strip().splitlines()[-1])
+        r = results[side]
+        print(f"{side:20s} {r['rows'] / r['seconds'] / 1e6:6.3f} M rows/s  "
+              f"peak RSS {r['peak_rss'] / 2**20:6.0f} MiB", flush=True)
+    lines = [f"# CSV {args.rows:,} rows x {args.cols} float columns -> batches of 1024",
+             "", f"Machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}; "
+             "each side in its own process.", "",
+             "| side | M rows/s | peak RSS (MiB) |", "|---|---|---|"]
+    for side, r in results.items():
+        lines.append(f"| {side} | {r['rows'] / r['seconds'] / 1e6:.3f} | "
+                     f"{r['peak_rss'] / 2**20:.0f} |")
+    out_path = os.path.join(os.path.dirname(__file__), "results", "csv.md")
+    with open(out_path, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

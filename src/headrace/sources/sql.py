@@ -1,0 +1,575 @@
+"""SQL queries as a source: batches of ``{column: NumPy array}``, resumable by key.
+
+``Dataset.from_sql(query, params, connection=..., key=...)`` (this module's
+:class:`SqlNode`) reads a query's
+rows in batches. ``connection`` is a URL — ``sqlite:///path.db`` (the
+standard library's sqlite3: embedded, no server) or ``postgresql://...``
+(the ``[postgres]`` extra) — or a picklable zero-argument function returning a
+``sqlite3`` or ADBC PostgreSQL connection. The recipe keeps the URL or the
+function, never a live connection.
+
+PostgreSQL goes through ADBC's libpq driver (``adbc-driver-postgresql``),
+which receives rows in PostgreSQL's binary COPY format and decodes them in
+C++ into Arrow columns: NumPy arrays come out without a Python object per
+value. ``benchmarks/bench_sql.py`` measures it against a psycopg 3
+server-side cursor and psycopg's binary COPY parsed with NumPy.
+
+Pages (G1, G4): with a ``key`` column (unique, sortable), rows are read in
+pages of ``page_rows`` by keyset pagination — ``SELECT * FROM (query) WHERE
+key > :last ORDER BY key LIMIT :page_rows`` — each page booked on the stage's
+share of the budget before it is held, so a table of any size streams in
+flat memory. The iterator's state holds the last key handed out; a restore
+asks for the rows after it. Without a key the query is read once through a
+cursor (``fetchmany``), and a restore re-runs it and skips the rows already
+delivered — exact only if the query's order is deterministic.
+
+Values only ever travel as query parameters (``params``, the last key, the
+page size, the shard numbers); the key column's name is quoted as an
+identifier. A dropped connection is retried from the last key up to
+``max_retries`` times, then :class:`SqlError` says what failed, how often,
+and from which key; nothing is delivered twice or skipped.
+
+Types come from the result's column types (PostgreSQL), or from the first
+page's values (SQLite, whose columns have no fixed type): integers int64,
+reals float64, booleans bool, text ``str`` and blobs ``bytes`` in ``object``
+arrays. A NULL takes ``null_defaults[column]``, or raises naming the column,
+the row and its key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sqlite3
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import UNKNOWN, Node, first_element
+from headrace.core.state import StateReader
+from headrace.errors import HeadraceError, InvalidArgumentError
+from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
+from headrace.memory.sizeof import sizeof
+from headrace.structure import TensorSpec
+
+__all__ = ["SqlError", "SqlNode", "quote_identifier"]
+
+
+class SqlError(HeadraceError, OSError):
+    """The database could not be read: a connection that failed after its retries, a
+    login refused, a value of the wrong type, a NULL without a default."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+_IDENTIFIER = re.compile(r"[^\x00]+")
+
+
+def quote_identifier(name: str) -> str:
+    """``name`` as a quoted SQL identifier (``"a""b"`` for ``a"b``): never a value."""
+    if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
+        raise InvalidArgumentError(f"from_sql: key must be a column name, got {name!r}")
+    return '"' + name.replace('"', '""') + '"'
+
+
+# -- connections ----------------------------------------------------------------------------
+class _Dialect:
+    """How one driver takes parameters and reports lost connections."""
+
+    name = "sqlite"
+
+    def placeholders(self, first: int, count: int) -> list[str]:
+        return ["?"] * count
+
+    def mod(self, column: str, first: int, shards: int, index: int) -> tuple[str, list[int]]:
+        """``column`` is ``index`` modulo ``shards`` (negative keys too), and its parameters."""
+        d1, d2, d3, r = self.placeholders(first, 4)
+        return f"((({column} % {d1}) + {d2}) % {d3}) = {r}", [shards, shards, shards, index]
+
+    def lost(self, error: BaseException) -> bool:
+        return isinstance(error, sqlite3.OperationalError) and "locked" not in str(error)
+
+
+class _PostgresDialect(_Dialect):
+    name = "postgresql"
+
+    def placeholders(self, first: int, count: int) -> list[str]:
+        return [f"${first + i}" for i in range(count)]
+
+    def mod(self, column: str, first: int, shards: int, index: int) -> tuple[str, list[int]]:
+        d, r = self.placeholders(first, 2)
+        return f"mod(mod({column}, {d}) + {d}, {d}) = {r}", [shards, index]
+
+    def lost(self, error: BaseException) -> bool:
+        try:
+            import adbc_driver_manager
+        except ImportError:  # pragma: no cover - the route needs it
+            return False
+        if isinstance(error, (adbc_driver_manager.ProgrammingError, adbc_driver_manager.DataError,
+                              adbc_driver_manager.IntegrityError,
+                              adbc_driver_manager.NotSupportedError)):
+            return False  # the query is wrong, not the connection: retrying cannot help
+        return isinstance(error, (adbc_driver_manager.Error, ConnectionError, OSError))
+
+
+def _connect(connection: Any) -> tuple[Any, _Dialect]:
+    """A live connection and its dialect, from a URL or a function."""
+    if isinstance(connection, str):
+        if connection.startswith("sqlite:///"):
+            return sqlite3.connect(connection[len("sqlite:///"):]), _Dialect()
+        if connection.startswith(("postgresql://", "postgres://")):
+            try:
+                import adbc_driver_postgresql.dbapi as adbc_pg
+            except ImportError:
+                raise InvalidArgumentError(
+                    "PostgreSQL needs the [postgres] extra: pip install 'headrace[postgres]'"
+                ) from None
+            return adbc_pg.connect(connection), _PostgresDialect()
+        raise InvalidArgumentError(
+            f"from_sql: connection must be 'sqlite:///path', 'postgresql://...' or a function "
+            f"returning a connection, got {connection!r:.60}"
+        )
+    if callable(connection):
+        live = connection()
+        if isinstance(live, sqlite3.Connection):
+            return live, _Dialect()
+        if type(live).__module__.startswith("adbc_driver_manager"):
+            return live, _PostgresDialect()
+        raise InvalidArgumentError(
+            f"from_sql: the connection function returned {type(live).__name__}; "
+            "expected a sqlite3 or ADBC PostgreSQL connection"
+        )
+    raise InvalidArgumentError(f"from_sql: connection must be a URL or a function, got {connection!r:.60}")
+
+
+def _shown(connection: Any) -> str:
+    """The connection for messages, without a password."""
+    if isinstance(connection, str):
+        return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", connection)
+    return getattr(connection, "__qualname__", repr(connection))
+
+
+# -- columns -----------------------------------------------------------------------------------
+def _column_from_values(name: str, values: Sequence[Any], dtype: Any | None) -> np.dtype[Any]:
+    if dtype is not None:
+        resolved: np.dtype[Any] = np.dtype(dtype)
+        return resolved
+    kinds = {type(v) for v in values if v is not None}
+    if not kinds:
+        return np.dtype(object)
+    if kinds <= {int, bool}:
+        return np.dtype(bool) if kinds == {bool} else np.dtype(np.int64)
+    if kinds <= {int, float}:
+        return np.dtype(np.float64)
+    return np.dtype(object)
+
+
+class _Columns:
+    """Turns pages of rows (SQLite tuples, or Arrow tables) into NumPy columns."""
+
+    def __init__(self, names: list[str], null_defaults: Mapping[str, Any],
+                 dtypes: Mapping[str, Any]) -> None:
+        self.names = names
+        self.null_defaults = null_defaults
+        self.dtypes = dict(dtypes)
+        self.fixed: dict[str, np.dtype[Any]] = {}
+
+    def _null_error(self, name: str, row: int, key: Any) -> SqlError:
+        at = f" (key {key!r})" if key is not None else ""
+        return SqlError(
+            f"from_sql: NULL in column {name!r} at row {row}{at} of the query, and no default; "
+            f"pass null_defaults={{{name!r}: ...}} or filter the NULLs in SQL"
+        )
+
+    def from_rows(self, rows: list[tuple[Any, ...]], first_row: int,
+                  keys: Sequence[Any] | None) -> dict[str, np.ndarray[Any, Any]]:
+        by_column = list(zip(*rows, strict=True)) if rows else [() for _ in self.names]
+        out = {}
+        for index, name in enumerate(self.names):
+            values = list(by_column[index])
+            if name not in self.fixed:
+                self.fixed[name] = _column_from_values(name, values, self.dtypes.get(name))
+            dtype = self.fixed[name]
+            for position, value in enumerate(values):
+                if value is None:
+                    if name not in self.null_defaults:
+                        key = keys[position] if keys is not None else None
+                        raise self._null_error(name, first_row + position, key)
+                    values[position] = self.null_defaults[name]
+            if dtype == np.dtype(object):
+                column = np.empty(len(values), dtype=object)
+                column[:] = values
+            else:
+                try:
+                    column = np.array(values, dtype=dtype)
+                    bad = None
+                except (TypeError, ValueError, OverflowError):
+                    bad = next(i for i, v in enumerate(values) if not _fits(v, dtype))
+                if bad is not None:
+                    raise SqlError(
+                        f"from_sql: column {name!r} row {first_row + bad}: {values[bad]!r} is not "
+                        f"{dtype} (the type its first values had); pass dtypes={{{name!r}: ...}}"
+                    )
+            out[name] = column
+        return out
+
+    def from_arrow(self, table: Any, first_row: int, key: str | None) -> dict[str, Any]:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        out = {}
+        for index, name in enumerate(self.names):
+            column = table.column(index).combine_chunks() if table.num_rows else table.column(index)
+            if column.null_count:
+                if name not in self.null_defaults:
+                    row = int(pc.index(pc.is_null(column), True).as_py())
+                    key_value = table.column(key)[row].as_py() if key is not None else None
+                    raise self._null_error(name, first_row + row, key_value)
+                default = self.null_defaults[name]
+                column = column.fill_null(pa.scalar(default, column.type)
+                                          if not pa.types.is_decimal(column.type) else default)
+            kind = column.type
+            wanted = self.dtypes.get(name)
+            metadata = table.schema.field(index).metadata or {}
+            if metadata.get(b"POSTGRESQL:type") == b"numeric":  # ADBC sends it as text
+                wanted = wanted or np.float64
+            if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(
+                    kind) or pa.types.is_large_binary(kind) or pa.types.is_decimal(kind):
+                values = column.to_pylist()
+                if pa.types.is_decimal(kind):
+                    array = np.array([float(v) for v in values], dtype=np.float64)
+                else:
+                    array = np.empty(len(values), dtype=object)
+                    array[:] = values
+            else:
+                array = column.to_numpy(zero_copy_only=False)
+            if wanted is not None:
+                array = array.astype(wanted)
+            out[name] = array
+        return out
+
+
+def _fits(value: Any, dtype: np.dtype[Any]) -> bool:
+    try:
+        np.array([value], dtype=dtype)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return True
+
+
+# -- the recipe node ----------------------------------------------------------------------------
+class SqlNode(Node):
+    """The rows of a query, in batches of dicts of NumPy arrays (a streaming source)."""
+
+    stage = "from_sql"
+    budget_weight = 1.0
+
+    def __init__(self, query: str, params: Sequence[Any], connection: Any, key: str | None,
+                 batch_size: int, page_rows: int, null_defaults: Mapping[str, Any],
+                 dtypes: Mapping[str, Any], max_retries: int, retry_delay: float,
+                 shard: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        if not isinstance(query, str) or not query.strip():
+            raise InvalidArgumentError("from_sql: query must be a non-empty string")
+        if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+            raise InvalidArgumentError(
+                f"from_sql: params must be a sequence of values, got {params!r:.60}"
+            )
+        for name, value in (("batch_size", batch_size), ("page_rows", page_rows),
+                            ("max_retries", max_retries + 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(f"from_sql: {name} must be a positive int, got {value!r}")
+        self.query = query.strip().rstrip(";")
+        self.query_params = tuple(params)
+        self.connection = connection
+        self.key = key
+        self.quoted_key = quote_identifier(key) if key is not None else None
+        self.batch_size, self.page_rows = batch_size, max(page_rows, batch_size)
+        self.null_defaults = dict(null_defaults)
+        self.dtypes = dict(dtypes)
+        self.max_retries, self.retry_delay = max_retries, retry_delay
+        if shard is not None and key is None:
+            raise InvalidArgumentError("from_sql: sharding by key needs key=...")
+        self.shard = shard
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.query, self.query_params, _shown(self.connection), self.key, self.batch_size,
+                self.page_rows, self.shard)
+
+    @property
+    def element_spec(self) -> Any:
+        """Known once the query runs: found from the first batch, once, when asked for."""
+        first = first_element(self, self.stage)
+        return {name: TensorSpec((None, *column.shape[1:]), column.dtype,
+                                 "str" if column.dtype == object and column.size and isinstance(
+                                     column[0], str) else None)
+                for name, column in first.items()}
+
+    def cardinality(self) -> int:
+        return UNKNOWN
+
+    def shard_rows(self, num_shards: int, index: int) -> SqlNode:
+        """This query with a ``WHERE`` on the key: worker ``index`` of ``num_shards`` reads
+        the rows whose key is ``index`` modulo ``num_shards`` (integer keys)."""
+        if self.key is None:
+            raise InvalidArgumentError(
+                "from_sql: sharding rows across workers needs key=... (an integer column)"
+            )
+        return SqlNode(self.query, self.query_params, self.connection, self.key, self.batch_size,
+                       self.page_rows, self.null_defaults, self.dtypes, self.max_retries,
+                       self.retry_delay, shard=(num_shards, index))
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        return _SqlIterator(self, ctx, ctx.account(self, f"{self.stage} (page)"))
+
+
+class _SqlIterator(Iterator):
+    stage = "from_sql"
+
+    def __init__(self, node: SqlNode, ctx: Context, account: StageAccount) -> None:
+        super().__init__()
+        self.node, self.ctx, self.account = node, ctx, account
+        self.live: Any = None
+        self.dialect: _Dialect = _Dialect()
+        self.cursor: Any = None  # keyless: one cursor for the whole query
+        self.columns: _Columns | None = None
+        self.page: dict[str, np.ndarray[Any, Any]] | None = None
+        self.page_rows = 0
+        self.page_taken = 0
+        self.booking: Reservation = NO_RESERVATION
+        self.exhausted = False
+        self.last_key: Any = None  # of the last row handed out
+        self.read_key: Any = None  # of the last row read (the next page starts after it)
+        self.delivered = 0  # rows handed out (keyless resume: skip this many)
+        self.to_skip = 0
+
+    # -- connections ---------------------------------------------------------------------------
+    def _connection(self) -> Any:
+        if self.live is None:
+            try:
+                self.live, self.dialect = _connect(self.node.connection)
+            except InvalidArgumentError:
+                raise
+            except Exception as error:
+                raise SqlError(
+                    f"from_sql: cannot connect to {_shown(self.node.connection)}: {error}"
+                ) from error
+        return self.live
+
+    def _drop_connection(self) -> None:
+        for thing in (self.cursor, self.live):
+            if thing is not None:
+                with contextlib.suppress(Exception):  # a dead connection may fail to close
+                    thing.close()
+        self.cursor = None
+        self.live = None
+
+    def _with_retries(self, read: Callable[[], Any]) -> Any:
+        node = self.node
+        attempt = 0
+        while True:
+            try:
+                self._connection()
+                return read()
+            except SqlError as error:  # could not connect
+                if not isinstance(error.__cause__, Exception):
+                    raise
+                if attempt >= node.max_retries:
+                    raise self._gave_up(attempt, error) from error
+                failure: BaseException = error
+            except Exception as error:
+                if not self.dialect.lost(error) or attempt >= node.max_retries:
+                    self._drop_connection()
+                    if isinstance(error, InvalidArgumentError):
+                        raise
+                    raise self._gave_up(attempt, error) from error
+                failure = error
+            attempt += 1
+            self._drop_connection()
+            if attempt > node.max_retries:  # pragma: no cover - guarded above
+                raise failure
+            time.sleep(node.retry_delay * attempt)
+
+    def _gave_up(self, attempts: int, error: BaseException) -> SqlError:
+        node = self.node
+        where = (f" after the row with key {self.last_key!r}" if node.key
+                 else f" after {self.delivered} rows")
+        return SqlError(
+            f"from_sql: reading {_shown(node.connection)} failed{where} "
+            f"({attempts} retries): {error}"
+        )
+
+    # -- queries --------------------------------------------------------------------------------
+    def _page_query(self) -> tuple[str, list[Any]]:
+        node = self.node
+        dialect = self.dialect
+        assert node.quoted_key is not None
+        params: list[Any] = list(node.query_params)
+        conditions = []
+        if self.read_key is not None:
+            (mark,) = dialect.placeholders(len(params) + 1, 1)
+            conditions.append(f"{node.quoted_key} > {mark}")
+            params.append(self.read_key)
+        if node.shard is not None:
+            condition, values = dialect.mod(node.quoted_key, len(params) + 1, *node.shard)
+            conditions.append(condition)
+            params.extend(values)
+        (limit,) = dialect.placeholders(len(params) + 1, 1)
+        params.append(node.page_rows)
+        where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
+        sql = (f"SELECT * FROM ({node.query}) AS headrace_query{where} "
+               f"ORDER BY {node.quoted_key} LIMIT {limit}")
+        return sql, params
+
+    def _read_page(self) -> dict[str, np.ndarray[Any, Any]] | None:
+        """The next page, booked; None at the end."""
+        node = self.node
+
+        def read() -> tuple[Any, list[str]]:
+            live = self._connection()
+            if node.key is not None:
+                sql, params = self._page_query()
+                cursor = live.cursor()
+                try:
+                    cursor.execute(sql, params)
+                    return self._fetch(cursor, None)
+                finally:
+                    cursor.close()
+            if self.cursor is None:
+                self.cursor = live.cursor()
+                self.cursor.execute(node.query, list(node.query_params))
+                self._skip_delivered()
+            return self._fetch(self.cursor, node.page_rows)
+
+        result, names = self._with_retries(read)
+        if node.key is not None and node.key not in names:
+            # (SQLite reads an unknown "quoted" name as a string: check it is a column)
+            raise SqlError(f"from_sql: the query has no column named {node.key!r} (key)")
+        if self.columns is None:
+            self.columns = _Columns(names, node.null_defaults, node.dtypes)
+        if self.dialect.name == "postgresql":
+            rows = result.num_rows
+            if not rows:
+                return None
+            page = self.columns.from_arrow(result, self.delivered, node.key)
+        else:
+            rows = len(result)
+            if not rows:
+                return None
+            keys = None
+            if node.key is not None:
+                key_index = names.index(node.key)
+                keys = [row[key_index] for row in result]
+            page = self.columns.from_rows(result, self.delivered, keys)
+        if node.key is not None:
+            value = page[node.key][-1]
+            self.read_key = value.item() if isinstance(value, np.generic) else value
+        self.booking = self.account.hold(sizeof(page), what=f"one page of {rows} rows")
+        self.page, self.page_rows, self.page_taken = page, rows, 0
+        return page
+
+    def _fetch(self, cursor: Any, count: int | None) -> tuple[Any, list[str]]:
+        names = [d[0] for d in cursor.description]
+        if self.dialect.name == "postgresql":
+            if count is None:
+                return cursor.fetch_arrow_table(), names
+            reader = getattr(self, "_arrow_reader", None)
+            if reader is None:
+                reader = self._arrow_reader = cursor.fetch_record_batch()
+            import pyarrow as pa
+
+            batches, rows = [], 0
+            while rows < count:
+                try:
+                    batch = reader.read_next_batch()
+                except StopIteration:
+                    break
+                batches.append(batch)
+                rows += batch.num_rows
+            table = pa.Table.from_batches(batches, schema=reader.schema)
+            return table, names
+        return cursor.fetchmany(count) if count is not None else cursor.fetchall(), names
+
+    def _skip_delivered(self) -> None:
+        """Keyless restore: re-run the query and drop the rows already handed out."""
+        skip = self.to_skip
+        while skip > 0:
+            result, _ = self._fetch(self.cursor, min(skip, self.node.page_rows))
+            got = result.num_rows if self.dialect.name == "postgresql" else len(result)
+            if not got:
+                break
+            skip -= got
+        self.to_skip = 0
+
+    # -- the iterator contract -------------------------------------------------------------------
+    def pull(self) -> tuple[Any, Reservation]:
+        """The next ``batch_size`` rows (fewer only at the end), across pages: batches do
+        not depend on where pages start, so a restore gives the same batches."""
+        pieces: list[dict[str, np.ndarray[Any, Any]]] = []
+        rows = 0
+        wanted = self.node.batch_size
+        while rows < wanted:
+            if self.page is None or self.page_taken >= self.page_rows:
+                self._release_page()
+                if self.exhausted or self._read_page() is None:
+                    self.exhausted = True
+                    break
+            assert self.page is not None
+            first = self.page_taken
+            last = min(self.page_rows, first + wanted - rows)
+            pieces.append({name: column[first:last] for name, column in self.page.items()})
+            self.page_taken = last
+            rows += last - first
+            if self.node.key is not None and self.page_rows < self.node.page_rows and (
+                    self.page_taken >= self.page_rows):
+                self.exhausted = True  # a short page was the last one
+        if not rows:
+            raise StopIteration
+        names = list(pieces[0])
+        batch = {name: np.concatenate([piece[name] for piece in pieces]) if len(pieces) > 1
+                 else pieces[0][name].copy() for name in names}
+        self.delivered += rows
+        if self.node.key is not None:
+            value = batch[self.node.key][-1]
+            self.last_key = value.item() if isinstance(value, np.generic) else value
+        return batch, self.account.charge(sizeof(batch))
+
+    def _release_page(self) -> None:
+        self.booking.release()
+        self.booking = NO_RESERVATION
+        self.page = None
+
+    def get_state(self) -> dict[str, Any]:
+        key = self.last_key
+        if key is not None and not isinstance(key, (int, float, str)):
+            raise SqlError(
+                f"from_sql: the key {self.node.key!r} has values of type {type(key).__name__}, "
+                "which a checkpoint cannot hold; use an integer or text key"
+            )
+        return {"delivered": self.delivered, "last_key": key, "done": self.exhausted and (
+            self.page is None or self.page_taken >= self.page_rows)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, self.stage)
+        delivered = reader.integer("delivered")
+        done = reader.flag("done")
+        key = reader.raw("last_key")
+        if key is not None and not isinstance(key, (int, float, str)):
+            raise reader.error("last_key", f"= {key!r} is not an int, float or str")
+        if self.node.key is None and key is not None:
+            raise reader.error("last_key", "is set, but this query has no key")
+        self._release_page()
+        self._drop_connection()
+        self.__dict__.pop("_arrow_reader", None)
+        self.delivered, self.last_key, self.exhausted = delivered, key, done
+        self.read_key = key
+        self.to_skip = delivered if self.node.key is None else 0
+
+    def close(self) -> None:
+        self._release_page()
+        self.__dict__.pop("_arrow_reader", None)
+        self._drop_connection()

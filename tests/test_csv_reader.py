@@ -1,0 +1,193 @@
+"""The columnar CSV reader: edge cases, both engines agree, resume, budget, file cap."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import headrace as hr
+from headrace.testing import assert_checkpoint_roundtrip
+
+ENGINES = ["pure", "arrow"]
+
+
+def rows_of(dataset: hr.Dataset) -> list[dict[str, Any]]:
+    out = []
+    for batch in dataset:
+        n = len(next(iter(batch.values())))
+        out.extend({k: v[i] for k, v in batch.items()} for i in range(n))
+    return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_edge_cases_have_values(tmp_path: Any, engine: str) -> None:
+    path = tmp_path / "edge.csv"
+    path.write_bytes(
+        b"\xef\xbb\xbfid,text,score\r\n"  # UTF-8 BOM and CRLF
+        b'1,"a, quoted ""field""",0.5\r\n'  # embedded delimiter and quotes
+        b'2,"two\nlines",\r\n'  # embedded newline; an empty float takes its default
+        b"3,plain,-1e3"  # no final newline
+    )
+    ds = hr.read_csv(str(path), 2, column_defaults=[[0], [""], [9.0]], engine=engine)
+    rows = rows_of(ds)
+    assert [r["id"] for r in rows] == [1, 2, 3]
+    assert [r["text"] for r in rows] == [b'a, quoted "field"', b"two\nlines", b"plain"]
+    assert [float(r["score"]) for r in rows] == [0.5, 9.0, -1000.0]
+    assert rows[0]["score"].dtype == np.float32
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_ragged_rows_and_bad_numbers_name_file_row_and_column(tmp_path: Any, engine: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text("a,b\n1,2\n3\n4,x\n5,6\n")
+    ds = hr.read_csv(str(path), 10, column_defaults=[[0], [0]], engine=engine)
+    it = iter(ds)
+    assert next(it)["a"].tolist() == [1]  # the good record before the bad one comes first
+    with pytest.raises(hr.CsvError) as ragged:
+        next(it)
+    assert ragged.value.message == "Expect 2 fields but have 1 in record"
+    assert (ragged.value.path, ragged.value.record, ragged.value.line) == (str(path), 1, 3)
+    with pytest.raises(hr.CsvError) as bad:
+        next(it)
+    assert bad.value.message == "Field 1 in record is not a valid int32: x"
+    assert (bad.value.record, bad.value.line, bad.value.column, bad.value.column_name) == (
+        2, 4, 1, "b")
+    assert next(it)["a"].tolist() == [5]
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+CELL = st.one_of(st.integers(-10**9, 10**9).map(str), st.floats(allow_nan=False, width=32).map(repr),
+                 st.sampled_from(["", " 7 ", "nan", "inf", "1e5", "0x1p2", "NA"]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(CELL, min_size=3, max_size=3), min_size=1, max_size=60),
+       st.sampled_from([64, 256, 4096]), st.sampled_from([1, 7, 64]))
+def test_engines_agree_on_generated_files(tmp_path_factory: Any, rows: list[list[str]],
+                                          block_bytes: int, batch: int) -> None:
+    path = tmp_path_factory.mktemp("agree") / "data.csv"
+    path.write_text("a,b,c\n" + "\n".join(",".join(r) for r in rows) + "\n")
+    results = {}
+    for engine in ENGINES:
+        ds = hr.read_csv(str(path), batch, column_defaults=[[0.0], [np.float64(1)], [""]],
+                                 na_value="NA", engine=engine, block_bytes=block_bytes)
+        got: list[Any] = []
+        it = iter(ds)
+        while True:
+            try:
+                got.append({k: v.tolist() for k, v in next(it).items()})
+            except StopIteration:
+                break
+            except hr.CsvError as error:
+                got.append(str(error))
+        results[engine] = json.dumps(got, default=repr)
+    assert results["pure"] == results["arrow"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("compression", [None, "GZIP"])
+def test_resume_mid_file_from_a_checkpoint(tmp_path: Any, engine: str, compression: Any) -> None:
+    text = "x,y\n" + "".join(f"{i},{i * 0.5}\n" for i in range(300))
+    paths = []
+    for f in range(2):
+        path = tmp_path / f"part{f}.csv"
+        data = text.encode()
+        if compression:
+            data = gzip.compress(data)
+        path.write_bytes(data)
+        paths.append(str(path))
+    records = hr.CsvDataset(paths, [[0], [0.0]], header=True, compression_type=compression,
+                            engine=engine, block_bytes=256)
+    assert_checkpoint_roundtrip(records, max_checkpoints=25)
+    assert_checkpoint_roundtrip(records.batch(37), max_checkpoints=25)
+    assert_checkpoint_roundtrip(records.take(5).repeat(2).batch(3), max_checkpoints=25)
+
+
+def test_resume_after_an_error_goes_on_with_the_next_record(tmp_path: Any) -> None:
+    path = tmp_path / "e.csv"
+    path.write_text("1\n2\nbad\n4\n")
+    ds = hr.CsvDataset(str(path), [[0]], block_bytes=64)
+    it = iter(ds)
+    assert [next(it), next(it)] == [(1,), (2,)]
+    before = it.get_state()
+    with pytest.raises(hr.CsvError):
+        next(it)
+    after = it.get_state()
+    restored = iter(ds)
+    restored.set_state(before)
+    with pytest.raises(hr.CsvError):
+        next(restored)  # the error is where it was: nothing skipped
+    restored.set_state(after)
+    assert next(restored) == (4,)
+
+
+def test_ignore_errors_skips_and_counts(tmp_path: Any) -> None:
+    path = tmp_path / "e.csv"
+    path.write_text("a,b\n1,2\n3\n4,x\n5,6\n")
+    ds = hr.make_csv_dataset(str(path), 10, shuffle=False, num_epochs=1, ignore_errors=True,
+                             column_defaults=[[0], [0]])
+    with iter(ds) as it:
+        batches = list(it)
+        assert it.stats().skipped_records == 2
+    assert batches[0]["a"].tolist() == [1, 5]
+
+
+def test_files_go_through_the_pool_under_its_cap(tmp_path: Any, stream_descriptors: Any) -> None:
+    paths = []
+    for f in range(20):
+        path = tmp_path / f"f{f}.csv"
+        path.write_text("".join(f"{f},{i}\n" for i in range(50)))
+        paths.append(str(path))
+    files = hr.Dataset.from_tensor_slices(np.array(paths, dtype=object))
+    ds = files.interleave(lambda p: hr.CsvDataset(p, [[0], [0]]), cycle_length=10).with_options(
+        hr.Options(max_open_files=3))
+    assert len(list(ds)) == 1000
+    assert 0 < stream_descriptors.peak <= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_memory_stays_within_budget_on_a_file_ten_times_larger(tmp_path: Any, engine: str) -> None:
+    """RSS growth while streaming a 320 MB CSV through a 32 MiB budget (fresh process)."""
+    path = tmp_path / "big.csv"
+    rng = np.random.default_rng(0)
+    block = "\n".join(",".join(f"{v:.6f}" for v in row) for row in rng.random((20000, 16))) + "\n"
+    with open(path, "w") as handle:
+        handle.write(",".join(f"c{i}" for i in range(16)) + "\n")
+        while handle.tell() < 320 << 20:
+            handle.write(block)
+    code = textwrap.dedent(f"""
+        import headrace as hr, numpy as np
+        def charged():
+            total = 0
+            for line in open("/proc/self/status"):
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) * 1024
+            return total
+        ds = hr.read_csv({str(path)!r}, 1024, column_defaults=[[0.0]] * 16,
+                                 engine={engine!r}).prefetch(4).with_options(
+            hr.Options(memory_budget="32MiB"))
+        start = charged(); peak = 0; rows = 0
+        with iter(ds) as it:
+            for batch in it:
+                rows += len(batch["c0"]); peak = max(peak, charged() - start)
+            booked = it.stats().budget_peak
+        print(rows, peak, booked)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    rows, peak, booked = (int(v) for v in out.stdout.split())
+    assert rows > 20000 * 100
+    assert booked <= 32 << 20
+    assert peak <= (32 << 20) * 1.1 + (64 << 20), f"RSS grew by {peak / 2**20:.0f} MiB"
