@@ -774,3 +774,39 @@ def test_skip_all_of_infinite_input_ends_without_reading() -> None:
     worker.join(timeout=10)
     assert result == [[]], "headrace's skip(-1) on an infinite input did not end within 10 s"
     assert reads == []
+
+
+def _outcomes(iterator: Any, limit: int = 20) -> list[Any]:
+    """Every outcome up to the end: elements, and errors (by position) which tf.data and
+    headrace both continue after."""
+    out: list[Any] = []
+    while len(out) < limit:
+        try:
+            out.append(to_python(next(iterator)))
+        except StopIteration:
+            return out
+        except Exception:
+            out.append("error")
+    return out
+
+
+@pytest.mark.parametrize(("batch_size", "drop"), [(5, True), (3, False), (3, True), (2, False)])
+def test_a_batch_of_unequal_shapes_fails_whole_and_a_dropped_one_silently(
+    batch_size: int, drop: bool
+) -> None:
+    """tf.data takes a batch's elements, then finds the shapes differ: the error comes
+    after the whole batch, and a short last batch under drop_remainder is dropped
+    without one (found by the random pipelines: headrace raised at the element)."""
+    rows = [[1], [1, 2], [1, 2, 3], [4], [5, 6], [7], [8, 9], [1]]
+
+    def generate() -> Any:
+        for row in rows:
+            yield np.array(row, np.int64)
+
+    tf_ds = tf.data.Dataset.from_generator(
+        generate, output_signature=tf.TensorSpec([None], tf.int64)
+    ).batch(batch_size, drop)
+    hr_ds = hr.Dataset.from_generator(
+        generate, output_signature=hr.TensorSpec((None,), "int64")
+    ).batch(batch_size, drop)
+    assert _outcomes(iter(hr_ds)) == _outcomes(tf_ds.as_numpy_iterator())

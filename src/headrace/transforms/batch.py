@@ -255,10 +255,17 @@ class _BatchIterator(Assembler):
         # The batch's one booking (a widened column or kept objects add to it).
         self._booking = self._allocate(columns)
         count = 0
+        failure: ElementSpecError | None = None  # an element that does not fit the batch
         try:
             while True:
-                self._place(columns, leaves, count, first_index)
-                if keeps_objects:  # its objects live on in the batch: so does their booking
+                if failure is None:
+                    try:
+                        self._place(columns, leaves, count, first_index)
+                    except ElementSpecError as error:
+                        # tf.data takes the whole batch before it finds out (and drops a
+                        # short last one under drop_remainder without a word): so do we
+                        failure = error
+                if keeps_objects and failure is None:  # its objects live on in the batch
                     self._booking = self._booking.absorb(self._keep(leaves, reservation))
                 else:
                     reservation.release()
@@ -271,8 +278,8 @@ class _BatchIterator(Assembler):
                     break
                 self.position += 1
                 leaves = [element] if single else flatten(element)
-                if len(leaves) != len(columns):
-                    raise ElementSpecError(
+                if failure is None and len(leaves) != len(columns):
+                    failure = ElementSpecError(
                         f"batch: element {self.position - 1} has {len(leaves)} components, but "
                         f"element {first_index} of the same batch has {len(columns)}"
                     )
@@ -283,6 +290,9 @@ class _BatchIterator(Assembler):
         if self.drop_remainder and count < self.batch_size:
             self._booking.release()
             raise StopIteration
+        if failure is not None:
+            self._booking.release()
+            raise failure
         outputs = [column.out[:count] if count < len(column.out) else column.out
                    for column in columns if column.out is not None]
         batch = outputs[0] if single else pack_as(structure, outputs)
