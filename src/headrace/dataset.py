@@ -511,6 +511,38 @@ class Dataset:
             batched=batched,
         )
 
+    # -- frameworks ----------------------------------------------------------------------
+    def to_tf(self) -> Any:
+        """A ``tf.data.Dataset`` with an output signature built from :attr:`element_spec`.
+
+        For code that needs one (legacy input functions, ``tf.distribute``);
+        each pass runs a fresh headrace iterator. See :mod:`headrace.adapters.tf`.
+        """
+        from headrace.adapters.tf import to_tf
+
+        return to_tf(self)
+
+    def to_torch(self, *, worker_sharding: str = "auto", copy_readonly: bool = False) -> Any:
+        """A ``torch.utils.data.IterableDataset`` of tensors sharing the batches' memory.
+
+        Use it in ``DataLoader(..., batch_size=None)``; with ``num_workers > 0``
+        each worker reads a disjoint part. See :mod:`headrace.adapters.torch`.
+        """
+        from headrace.adapters.torch import to_torch
+
+        return to_torch(
+            self, worker_sharding=worker_sharding, copy_readonly=copy_readonly  # type: ignore[arg-type]
+        )
+
+    def to_keras(self) -> Any:
+        """This dataset for Keras 3's ``fit``/``evaluate``/``predict``, one epoch per pass.
+
+        See :mod:`headrace.adapters.keras`.
+        """
+        from headrace.adapters.keras import to_keras
+
+        return to_keras(self)
+
     def __repr__(self) -> str:
         """Never reads data: a spec that would need it shows as not known yet."""
         spec = known_spec(self._node)

@@ -1,0 +1,196 @@
+"""Keras 3: ``model.fit(ds.to_keras())``, and the :class:`MemoryMonitor` callback.
+
+How Keras 3 recognises inputs (``keras.src.trainers.data_adapters.get_data_adapter``):
+arrays, ``tf.data.Dataset``, ``keras.utils.PyDataset``, a torch ``DataLoader``,
+Grain datasets, Python generators — and any ``DataAdapter`` instance, passed
+through as is. A generator cannot restart (epoch 2 finds it empty, hence the
+``.repeat()`` + ``steps_per_epoch`` workaround) and a ``PyDataset`` is
+indexed by batch number (Keras shuffles those numbers), which a stream cannot
+honour. A ``DataAdapter`` is the route that fits: Keras asks it for a fresh
+iterator per epoch in the backend's own form, and for the number of batches.
+:func:`to_keras` returns one, so on every backend:
+
+* one epoch is one pass over a finite dataset (a known cardinality is the
+  number of steps, no ``.repeat()`` or ``steps_per_epoch``); an infinite one
+  needs ``steps_per_epoch``, as in Keras; an unknown cardinality is learned
+  by Keras at the end of the first epoch (it warns once that the input ran
+  out, as it does for a ``tf.data`` dataset of unknown length);
+* ``validation_data=val.to_keras()``, ``evaluate`` and ``predict`` work alike;
+* on the JAX, torch and NumPy backends the NumPy batches are handed over
+  as they are (torch: tensors sharing their memory, see ``to_torch``); on the
+  TensorFlow backend Keras needs a ``tf.data.Dataset`` (``to_tf``), whose
+  generator converts each batch into a tensor.
+
+``MemoryMonitor`` is a callback for any ``fit``, whatever its input.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import keras
+from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+
+from headrace.core.node import INFINITE, UNKNOWN
+from headrace.memory.system import process_memory
+from headrace.memory.units import parse_bytes
+
+if TYPE_CHECKING:
+    from headrace.dataset import Dataset
+
+__all__ = ["KerasAdapter", "MemoryGrowthWarning", "MemoryMonitor", "MemoryTrend", "to_keras"]
+
+
+class KerasAdapter(DataAdapter):  # type: ignore[misc]
+    """A Keras 3 ``DataAdapter`` over a headrace dataset: a fresh iterator per epoch."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def _elements(self) -> Generator[Any, None, None]:
+        with iter(self.dataset) as elements:  # closed when Keras drops the epoch's iterator
+            yield from elements
+
+    def get_numpy_iterator(self) -> Generator[Any, None, None]:
+        return self._elements()
+
+    def get_jax_iterator(self) -> Generator[Any, None, None]:
+        return self._elements()  # Keras's JAX trainer puts NumPy batches on devices itself
+
+    def get_tf_dataset(self) -> Any:
+        return self.dataset.to_tf()
+
+    def get_torch_dataloader(self) -> Any:
+        import torch
+
+        return torch.utils.data.DataLoader(self.dataset.to_torch(), batch_size=None)
+
+    @property
+    def num_batches(self) -> int | None:
+        size = self.dataset.cardinality()
+        return None if size in (INFINITE, UNKNOWN) else size
+
+    @property
+    def batch_size(self) -> int | None:
+        return None  # headrace batches; Keras needs no batch size for a dataset
+
+    @property
+    def has_partial_batch(self) -> bool | None:
+        return None
+
+    @property
+    def partial_batch_size(self) -> int | None:
+        return None
+
+
+def to_keras(dataset: Dataset) -> KerasAdapter:
+    """``dataset`` as an input for ``model.fit``/``evaluate``/``predict`` (see module doc)."""
+    return KerasAdapter(dataset)
+
+
+class MemoryGrowthWarning(UserWarning):
+    """The process's memory grew steadily across epochs: something keeps what it should drop."""
+
+
+@dataclass(frozen=True)
+class MemoryTrend:
+    """A least-squares line through the memory at each epoch's end.
+
+    ``slope`` and ``stderr`` are in bytes per epoch; ``leaking`` is whether the
+    slope exceeds the monitor's ``min_growth`` by more than ``z`` standard errors.
+    """
+
+    epochs: int
+    slope: float
+    stderr: float
+    first: int
+    last: int
+    leaking: bool
+
+
+def fit_trend(values: list[int], min_growth: float, z: float) -> MemoryTrend:
+    """The trend of ``values`` (one per epoch): slope, its standard error, and the verdict."""
+    n = len(values)
+    if n < 3:
+        return MemoryTrend(n, 0.0, math.inf, values[0] if values else 0,
+                           values[-1] if values else 0, False)
+    mean_x = (n - 1) / 2
+    mean_y = sum(values) / n
+    sxx = sum((i - mean_x) ** 2 for i in range(n))
+    slope = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(values)) / sxx
+    residuals = [y - (mean_y + slope * (i - mean_x)) for i, y in enumerate(values)]
+    stderr = math.sqrt(sum(r * r for r in residuals) / (n - 2) / sxx)
+    leaking = slope > min_growth and slope - z * stderr > 0
+    return MemoryTrend(n, slope, stderr, values[0], values[-1], leaking)
+
+
+class MemoryMonitor(keras.callbacks.Callback):  # type: ignore[misc]
+    """Record this process's memory per epoch and every ``every_n_steps``; warn on growth.
+
+    Memory is RssAnon + RssShmem (what a leak grows; file-backed pages of
+    memmaps and the page cache are left out). After each epoch past
+    ``warmup_epochs`` (the first epoch builds graphs and caches), a line is
+    fitted through the epoch-end values; when its slope is above
+    ``min_growth`` bytes per epoch and more than ``z`` standard errors above
+    zero, one :class:`MemoryGrowthWarning` gives the slope and its
+    uncertainty. Works with any ``fit`` input (tf.data, arrays, headrace).
+    ``steps`` and ``epochs`` hold the samples; :meth:`trend` the verdict.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 100,
+        *,
+        min_growth: int | str = "2MiB",
+        warmup_epochs: int = 1,
+        min_epochs: int = 3,
+        z: float = 3.0,
+    ) -> None:
+        super().__init__()
+        self.every_n_steps = max(int(every_n_steps), 1)
+        self.min_growth = parse_bytes(min_growth)
+        self.warmup_epochs = warmup_epochs
+        self.min_epochs = max(min_epochs, 3)
+        self.z = z
+        self.steps: list[tuple[int, int, int]] = []  # (epoch, step, bytes)
+        self.epochs: list[tuple[int, int]] = []  # (epoch, bytes at its end)
+        self.warned = False
+        self._epoch = 0
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self.steps.clear()
+        self.epochs.clear()
+        self.warned = False
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if (batch + 1) % self.every_n_steps == 0:
+            self.steps.append((self._epoch, batch + 1, process_memory().charged))
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.epochs.append((epoch, process_memory().charged))
+        trend = self.trend()
+        if trend.leaking and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"memory grew by {trend.slope / 2**20:.1f} ± {trend.stderr / 2**20:.1f} MiB "
+                f"per epoch over {trend.epochs} epochs (RssAnon+RssShmem "
+                f"{trend.first / 2**20:.0f} -> {trend.last / 2**20:.0f} MiB): something keeps "
+                "what each epoch should drop (an iterator per epoch never closed, a growing "
+                "list, a cache); a headrace pipeline's own stages show in iterator.stats()",
+                MemoryGrowthWarning,
+                stacklevel=2,
+            )
+
+    def trend(self) -> MemoryTrend:
+        """The fitted trend over the epochs seen so far, after the warm-up ones."""
+        values = [value for _, value in self.epochs[self.warmup_epochs :]]
+        if len(values) < self.min_epochs:
+            return MemoryTrend(len(values), 0.0, math.inf, 0, 0, False)
+        return fit_trend(values, self.min_growth, self.z)
