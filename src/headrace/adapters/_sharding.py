@@ -21,7 +21,7 @@ random-access source, where only indices are skipped).
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal
+from typing import Literal
 
 from headrace.core.node import Node
 from headrace.dataset import Dataset

@@ -60,7 +60,10 @@ class DeviceIterator:
         if self.sharding is not None:
             sharding = self.sharding
             return map_structure(
-                lambda leaf: jax.make_array_from_process_local_data(sharding, leaf), element
+                lambda leaf: jax.make_array_from_process_local_data(  # type: ignore[no-untyped-call]
+                    sharding, leaf
+                ),
+                element,
             )
         return jax.device_put(element, self.device)  # asynchronous: returns at once
 

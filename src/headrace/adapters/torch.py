@@ -52,7 +52,7 @@ def as_tensor(value: Any, *, copy_readonly: bool = False) -> Any:
         return torch.from_numpy(value.copy())
     if any(stride < 0 for stride in value.strides):  # torch refuses negative strides
         return torch.from_numpy(value.copy())
-    return torch.from_dlpack(value)  # read-only: shared, and no warning from torch
+    return torch.utils.dlpack.from_dlpack(value)  # read-only: shared, and no warning from torch
 
 
 class TorchIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]

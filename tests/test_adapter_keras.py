@@ -1,0 +1,72 @@
+"""Keras 3 ``model.fit/evaluate/predict`` on headrace datasets, on two backends, and the
+MemoryMonitor callback (a deliberate leak is flagged, a clean run is not)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from headrace.adapters.keras import fit_trend
+
+pytest.importorskip("keras")
+SCRIPT = Path(__file__).parent / "scripts" / "keras_fit.py"
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _run(backend: str) -> dict[str, object]:
+    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": str(SRC),
+           "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True,
+                          text=True, timeout=280)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result: dict[str, object] = json.loads(lines[-1][len("RESULT "):])
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
+def test_fit_evaluate_predict_and_memory_monitor(backend: str) -> None:
+    if backend != "tensorflow":
+        pytest.importorskip(backend)
+    out = _run(backend)
+    assert out["backend"] == backend
+    # One pass per epoch: 24,000 rows / 500 = 48 steps, every epoch, no .repeat().
+    assert out["steps_per_epoch"] == [48] * 5
+    assert out["fit_warnings"] == []  # neither "ran out of data" nor a memory warning
+    accuracy = out["accuracy"]
+    assert isinstance(accuracy, list) and accuracy[-1] > 0.75  # it really learned
+    assert len(out["val_loss"]) == 5  # type: ignore[arg-type]
+    assert out["predict_shape"] == [2000, 1]
+    assert set(out["evaluate"]) >= {"loss", "accuracy"}  # type: ignore[arg-type]
+    assert out["infinite_steps"] == [7, 7]
+    # 48 MiB of data through a 16 MiB budget, memory flat across epochs.
+    memory = out["epoch_memory_mib"]
+    assert isinstance(memory, list) and max(memory[1:]) - min(memory[1:]) < 16, memory
+    assert out["step_samples"] == 5 * 4  # every 10 steps: 4 per epoch
+    # The leak (24 MiB per epoch) is flagged with its slope; the clean run is not.
+    assert len(out["leak_warnings"]) == 1, out  # type: ignore[arg-type]
+    assert "MiB per epoch" in out["leak_warnings"][0]  # type: ignore[index]
+    assert 20 < out["leak_slope_mib"] < 28  # type: ignore[operator]
+    assert out["clean_warnings"] == [], out
+
+
+def test_trend_flags_growth_only_beyond_its_noise() -> None:
+    import random
+
+    rng = random.Random(0)
+    for case in range(200):
+        slope = rng.choice([0.0, 0.0, 1.0, 30.0]) * 2**20
+        noise = rng.choice([0.1, 1.0, 4.0]) * 2**20
+        values = [int(100 * 2**20 + slope * i + rng.gauss(0, noise)) for i in range(8)]
+        trend = fit_trend(values, min_growth=2 * 2**20, z=3.0)
+        if slope == 0:
+            assert not trend.leaking, (case, trend)
+        if slope >= 30 * 2**20:
+            assert trend.leaking and abs(trend.slope - slope) < 3 * noise, (case, trend)
+    assert not fit_trend([1, 2], 0, 3.0).leaking  # too few epochs to say
