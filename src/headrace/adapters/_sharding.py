@@ -21,10 +21,9 @@ random-access source, where only indices are skipped).
 from __future__ import annotations
 
 import copy
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from headrace.core.node import Node
-from headrace.dataset import Dataset
 from headrace.errors import InvalidArgumentError
 from headrace.options import Options
 from headrace.sources.files import FileRecordsNode
@@ -41,6 +40,9 @@ from headrace.transforms.shard import ShardNode
 from headrace.transforms.shuffle import ShuffleNode
 from headrace.transforms.unbatch import RebatchNode, UnbatchNode
 from headrace.transforms.zip import ConcatenateNode, ZipNode
+
+if TYPE_CHECKING:
+    from headrace.dataset import Dataset
 
 __all__ = ["WorkerSharding", "resolve_sharding", "shard_for_worker", "source_blocker"]
 
@@ -140,7 +142,7 @@ def shard_for_worker(
     if num_workers == 1:
         return dataset
     if resolve_sharding(dataset, policy) == "source":
-        part = Dataset(_shard_sources(dataset.node, num_workers, worker), dataset.options)
+        part = dataset.derive(_shard_sources(dataset.node, num_workers, worker))
     else:
         part = dataset.shard(num_workers, worker)
     budget = dataset.options.budget_bytes
