@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
 ROWS, SHAPE, BATCH = 20_000, (32, 32, 3), 256  # 61 MiB of uint8 images
 
