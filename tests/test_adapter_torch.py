@@ -63,6 +63,19 @@ def _ids(loader: DataLoader) -> list[int]:  # type: ignore[type-arg]
     return out
 
 
+def _double(e: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"id": e["id"], "x": e["x"] * 2}
+
+
+def _keep(e: dict[str, np.ndarray]) -> bool:
+    return bool(e["id"] % 3 != 1)
+
+
+#: Workers start from a clean server process: forking a pytest worker that has loaded
+#: TensorFlow or JAX (threads) can crash the child. The dataset is pickled, hence no lambdas.
+CONTEXT = "forkserver"
+
+
 def _random_pipeline(rng: random.Random, n: int) -> hr.Dataset:
     data = {"id": np.arange(n), "x": np.arange(n, dtype=np.float32)}
     ds = hr.Dataset.from_tensor_slices(data)
@@ -70,9 +83,9 @@ def _random_pipeline(rng: random.Random, n: int) -> hr.Dataset:
         step = rng.choice(["map", "filter", "shuffle", "batch", "prefetch", "take", "skip"])
         batched = isinstance(ds.element_spec["id"].shape, tuple) and ds.element_spec["id"].shape
         if step == "map":
-            ds = ds.map(lambda e: {"id": e["id"], "x": e["x"] * 2})
+            ds = ds.map(_double)
         elif step == "filter" and not batched:
-            ds = ds.filter(lambda e: e["id"] % 3 != 1)
+            ds = ds.filter(_keep)
         elif step == "shuffle":
             ds = ds.shuffle(rng.randint(1, 50), seed=rng.randint(0, 9),
                             reshuffle_each_iteration=False)
@@ -97,7 +110,7 @@ def test_workers_read_disjoint_parts_none_missing(seed: int) -> None:
     for policy in ("auto", "output"):
         workers = rng.choice([2, 3])
         got = _ids(DataLoader(ds.to_torch(worker_sharding=policy), batch_size=None,
-                              num_workers=workers))
+                              num_workers=workers, multiprocessing_context=CONTEXT))
         duplicates = [k for k, c in collections.Counter(got).items() if c > 1]
         assert not duplicates, f"{policy}, {workers} workers: duplicated {duplicates[:5]}"
         assert sorted(got) == sorted(expected), f"{policy}, {workers} workers: missing"
@@ -127,6 +140,7 @@ def test_source_sharding_splits_files_between_workers(tmp_path: object) -> None:
 def test_loader_with_workers_end_to_end() -> None:
     x = np.arange(4000, dtype=np.float32).reshape(1000, 4)
     ds = hr.Dataset.from_tensor_slices({"id": np.arange(1000), "x": x}).shuffle(1000, seed=3)
-    loader = DataLoader(ds.batch(50).to_torch(), batch_size=None, num_workers=2)
+    loader = DataLoader(ds.batch(50).to_torch(), batch_size=None, num_workers=2,
+                        multiprocessing_context=CONTEXT)
     rows = sorted(int(i) for batch in loader for i in batch["id"])
     assert rows == list(range(1000))

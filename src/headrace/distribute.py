@@ -10,7 +10,6 @@ comes from the environment of the job — torch.distributed's ``WORLD_SIZE`` /
 
 from __future__ import annotations
 
-import copy
 import enum
 import json
 import os
@@ -18,17 +17,16 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from headrace._rewrite import with_files, with_inputs
 from headrace.core.node import Node
 from headrace.dataset import Dataset
 from headrace.errors import InvalidArgumentError
 from headrace.sources.arrays import TensorSlicesNode
 from headrace.sources.files import FileRecordsNode
 from headrace.sources.tfrecord import IndexedTFRecordNode
-from headrace.structure import pack_as
 from headrace.transforms.interleave import InterleaveNode
 from headrace.transforms.shard import ShardNode
 from headrace.transforms.shuffle import ShuffleNode
-from headrace.transforms.zip import ZipNode
 
 __all__ = ["AutoShardPolicy", "ShardInfo", "auto_shard", "shard_info"]
 
@@ -93,41 +91,21 @@ def shard_info(num_shards: int | None = None, index: int | None = None) -> Shard
     return info
 
 
-def _with_inputs(node: Node, inputs: tuple[Node, ...]) -> Node:
-    clone = copy.copy(node)
-    clone.__dict__.pop("_fingerprint", None)
-    clone.inputs = inputs
-    if isinstance(clone, ZipNode):  # zip also keeps its inputs inside the user's nesting
-        clone.structure = pack_as(clone.structure, list(inputs))
-    return clone
-
-
 def _shard_files(node: Node, info: ShardInfo) -> Node | None:
     """``node`` with its file list sharded, or None if no file list is found below it."""
     if isinstance(node, (FileRecordsNode, IndexedTFRecordNode)):
-        files = node.filenames[info.index :: info.num_shards]
         _check_enough(len(node.filenames), info)
-        if isinstance(node, IndexedTFRecordNode):
-            return IndexedTFRecordNode(
-                files,
-                build_missing=False,
-                verify_crc=node.verify_crc,
-                max_record_bytes=node.max_record_bytes,
-            )
-        clone = copy.copy(node)
-        clone.__dict__.pop("_fingerprint", None)
-        clone.filenames = files
-        return clone
+        return with_files(node, node.filenames[info.index :: info.num_shards])
     if isinstance(node, InterleaveNode):
         file_list = _file_list_below(node.inputs[0], info)
         if file_list is not None:
-            return _with_inputs(node, (file_list,))
+            return with_inputs(node, (file_list,))
     for position, child in enumerate(node.inputs):
         sharded = _shard_files(child, info)
         if sharded is not None:
             inputs = list(node.inputs)
             inputs[position] = sharded
-            return _with_inputs(node, tuple(inputs))
+            return with_inputs(node, tuple(inputs))
     return None
 
 
@@ -135,7 +113,7 @@ def _file_list_below(node: Node, info: ShardInfo) -> Node | None:
     """Shard the list of names an interleave reads (before any shuffle of the list)."""
     if isinstance(node, ShuffleNode):
         inner = _file_list_below(node.inputs[0], info)
-        return None if inner is None else _with_inputs(node, (inner,))
+        return None if inner is None else with_inputs(node, (inner,))
     if isinstance(node, TensorSlicesNode) and len(node.leaves) == 1:
         leaf = node.leaves[0]
         if leaf.dtype == object and all(isinstance(name, (str, bytes)) for name in leaf[:8]):

@@ -20,15 +20,14 @@ random-access source, where only indices are skipped).
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Literal
 
+from headrace._rewrite import with_files, with_inputs
 from headrace.core.node import Node
 from headrace.errors import InvalidArgumentError
 from headrace.options import Options
 from headrace.sources.files import FileRecordsNode
 from headrace.sources.tfrecord import IndexedTFRecordNode
-from headrace.structure import pack_as
 from headrace.transforms.batch import BatchNode
 from headrace.transforms.filter import FilterNode
 from headrace.transforms.interleave import InterleaveNode
@@ -99,34 +98,14 @@ def resolve_sharding(dataset: Dataset, policy: str) -> Literal["source", "output
     return "output"
 
 
-def _with_inputs(node: Node, inputs: tuple[Node, ...]) -> Node:
-    clone = copy.copy(node)
-    clone.__dict__.pop("_fingerprint", None)
-    clone.inputs = inputs
-    if isinstance(clone, ZipNode):  # zip also keeps its inputs inside the user's nesting
-        clone.structure = pack_as(clone.structure, list(inputs))
-    return clone
-
-
 def _shard_sources(node: Node, num_shards: int, index: int) -> Node:
     if not node.inputs:
         if isinstance(node, (FileRecordsNode, IndexedTFRecordNode)) and (
             len(node.filenames) >= num_shards
         ):
-            files = node.filenames[index::num_shards]  # this worker opens only its files
-            if isinstance(node, IndexedTFRecordNode):
-                return IndexedTFRecordNode(
-                    files,
-                    build_missing=False,
-                    verify_crc=node.verify_crc,
-                    max_record_bytes=node.max_record_bytes,
-                )
-            clone = copy.copy(node)
-            clone.__dict__.pop("_fingerprint", None)
-            clone.filenames = files
-            return clone
+            return with_files(node, node.filenames[index::num_shards])  # only its own files
         return ShardNode(node, num_shards, index)
-    return _with_inputs(
+    return with_inputs(
         node, tuple(_shard_sources(child, num_shards, index) for child in node.inputs)
     )
 
