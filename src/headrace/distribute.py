@@ -131,7 +131,7 @@ def _shard_rows(node: Node, info: ShardInfo) -> Node | None:
         return sharded
     if len(node.inputs) == 1:
         inner = _shard_rows(node.inputs[0], info)
-        return None if inner is None else _with_inputs(node, (inner,))
+        return None if inner is None else with_inputs(node, (inner,))
     return None
 
 
