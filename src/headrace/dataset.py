@@ -24,6 +24,7 @@ from headrace.sources.files import TextLineNode, list_files
 from headrace.sources.generator import GeneratorNode
 from headrace.structure import flatten, map_structure, pack_as
 from headrace.transforms.batch import BatchNode
+from headrace.transforms.cache import CacheNode
 from headrace.transforms.enumerate import EnumerateNode
 from headrace.transforms.filter import FilterNode
 from headrace.transforms.global_shuffle import GlobalShuffleNode
@@ -392,6 +393,19 @@ class Dataset:
     def repeat(self, count: int | None = None) -> Dataset:
         """The dataset ``count`` times (``None``/-1: forever), a new pass each time."""
         return self._wrap(RepeatNode(self._node, count))
+
+    def cache(self, filename: str | os.PathLike[str] = "") -> Dataset:
+        """Read the input once; every later epoch (of a ``repeat``) reads the cache.
+
+        ``filename=""``: in memory while it fits this stage's share of the
+        budget, then spilled to a temporary directory (one warning; removed when
+        the iterator closes), so it never passes the budget. ``filename``:
+        tf.data's persistent cache, complete only at the end of the input, reused
+        by later runs of the same pipeline. Stopping early (``cache().take(k)``)
+        discards the partial cache, as tf.data does: write ``take(k).cache()``.
+        See :mod:`headrace.transforms.cache`.
+        """
+        return self._wrap(CacheNode(self._node, filename))
 
     def take(self, count: int) -> Dataset:
         """At most the first ``count`` elements (-1: all)."""

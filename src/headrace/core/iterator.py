@@ -53,6 +53,9 @@ class RunFacts:
     #: Corrupt records skipped (``skip_corrupt=True``) and their bytes, for ``stats()``.
     skipped_records: int = 0
     skipped_bytes: int = 0
+    #: True for a probe run (one element read to learn a spec): stages with side
+    #: effects beyond the run (a cache writing files) stay out of its way.
+    probe: bool = False
 
 
 class Context:

@@ -143,6 +143,7 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         # iteration: that would change which shuffle order the next real one gets.
         iteration = 0 if probe else next(_iterations(node))
         self._context = Context(options, budget, iteration)
+        self._context.run.probe = probe
         self._tree = node.make_iterator(self._context)
         self._pull = self._tree.pull  # bound once: called per element
         budget.allot()

@@ -92,6 +92,8 @@ class MemoryBudget:
         # itself: releases skip notify_all() (its cost is per element) when none wait.
         self.waiting: list[int] = parent.waiting if parent is not None else [0]
         self._closed = False
+        #: Called once when the run this budget belongs to closes (a cache's spill files).
+        self._on_close: list[Callable[[], None]] = []
 
     def child(self) -> MemoryBudget:
         """A per-iterator budget drawing from this one (which caps them all together)."""
@@ -177,11 +179,19 @@ class MemoryBudget:
             "Raise Options(memory_budget=...), or make elements or batches smaller."
         )
 
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the run closes: for what outlives one stage's iterator
+        but not the run (a cache kept between the epochs of a ``repeat``)."""
+        self._on_close.append(callback)
+
     def close(self) -> None:
-        """Wake every waiting producer so that it can exit."""
+        """Wake every waiting producer so that it can exit; run the close callbacks."""
         with self.changed:
             self._closed = True
             self.changed.notify_all()
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback()
 
     def _add(self, nbytes: int) -> None:
         used = self.used = self.used + nbytes

@@ -1,0 +1,435 @@
+"""A safe binary encoding of one pipeline element, for caches and saved datasets.
+
+Why not pickle: a cache or a saved dataset is a file someone else may hand
+you, and unpickling runs whatever code the file names. This encoding can only
+ever produce NumPy arrays and scalars (never of ``object`` dtype from raw
+bytes), Python numbers, ``bytes``, ``str``, ``None`` and dicts, tuples, lists
+and namedtuples of them; anything else is refused when *writing*, naming the
+component and its type.
+
+One element is one payload (framed as a TFRecord record by the writers, so
+every record carries CRCs and corruption is found with its file and offset)::
+
+    u32 skeleton length | skeleton (JSON, UTF-8) | leaf data, in skeleton order
+
+The skeleton describes the structure and each leaf's kind, dtype and shape;
+elements of one dataset usually share it, so decoding parses it once and
+caches a compiled decoder. Leaf data:
+
+- array (``"a"``, dtype string with byte order, shape): the raw C-order bytes;
+  decoded as a read-only view of the record (no copy).
+- NumPy scalar (``"g"``, dtype string): its ``itemsize`` bytes.
+- arrays of ``bytes`` / ``str`` objects (``"ab"`` / ``"as"``, shape): int64
+  lengths, then the bytes (UTF-8 with ``surrogatepass`` for ``str``, so any
+  Python string round-trips exactly — trailing NULs included).
+- ``bytes`` / ``bytearray`` / ``str`` (``"y"`` / ``"Y"`` / ``"s"``): u64 length
+  and the bytes; ``int`` (``"i"``: int64, ``"I"``: a decimal string beyond int64),
+  ``float`` (``"f"``), ``complex`` (``"c"``), ``bool`` (``"b"``), ``None`` (``"n"``).
+
+Namedtuples decode to the class that wrote them when it is known in this
+process, otherwise to a plain :func:`collections.namedtuple` of the same name
+and fields: a file never names code to import.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import DataLossError, ElementSpecError
+from headrace.structure import TensorSpec
+
+__all__ = [
+    "ELEMENTS_FORMAT",
+    "decode_element",
+    "encode_element",
+    "spec_from_json",
+    "spec_to_json",
+]
+
+#: Name and version of this encoding, written into manifests that use it.
+ELEMENTS_FORMAT = "headrace.elements/1"
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
+_C128 = struct.Struct("<dd")
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+# dtype kinds whose bytes mean the same thing in any process: no object pointers,
+# no structured fields whose names ``dtype.str`` would drop.
+_SAFE_KINDS = frozenset("biufcSUmM")
+_MAX_DECODERS = 4096
+
+# Namedtuple classes seen by the encoder in this process, by (typename, fields): a
+# decoder hands back the user's own class, never one a file could name.
+_namedtuples: dict[tuple[str, tuple[str, ...]], type] = {}
+# Skeletons (as hashable trees of tuples) already turned into their JSON head.
+_heads: dict[Any, bytes] = {}
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode_element(element: Any) -> bytes:
+    """The payload of ``element``; raises ElementSpecError for what cannot be stored."""
+    parts: list[Any] = []
+    tree = _encode(element, parts, "")
+    head = _heads.get(tree)
+    if head is None:
+        skeleton = json.dumps(tree, separators=(",", ":")).encode()
+        head = _U32.pack(len(skeleton)) + skeleton
+        if len(_heads) >= _MAX_DECODERS:
+            _heads.clear()
+        _heads[tree] = head
+    parts[0:0] = (head,)
+    return b"".join(parts)
+
+
+def _refuse(path: str, value: Any, why: str = "") -> ElementSpecError:
+    where = f"component {path!r}" if path else "the element"
+    return ElementSpecError(
+        f"cannot store {where} of type {type(value).__name__}{why}: the on-disk format holds "
+        "NumPy arrays (numbers, bool, bytes, str), Python numbers, bytes, str, None, and "
+        "dicts (str keys), tuples, lists and namedtuples of them"
+    )
+
+
+def _encode(value: Any, parts: list[Any], path: str) -> Any:
+    if isinstance(value, np.ndarray):
+        return _encode_array(value, parts, path)
+    if isinstance(value, np.generic):
+        dtype = value.dtype
+        if dtype.kind not in _SAFE_KINDS:
+            raise _refuse(path, value, f" (dtype {dtype})")
+        parts.append(value.tobytes())
+        return ("g", dtype.str)
+    if isinstance(value, bool):
+        parts.append(b"\x01" if value else b"\x00")
+        return "b"
+    if isinstance(value, int):
+        if _INT64_MIN <= value <= _INT64_MAX:
+            parts.append(_I64.pack(value))
+            return "i"
+        text = str(value).encode()
+        parts.append(_U64.pack(len(text)))
+        parts.append(text)
+        return "I"
+    if isinstance(value, float):
+        parts.append(_F64.pack(value))
+        return "f"
+    if isinstance(value, bytes):
+        parts.append(_U64.pack(len(value)))
+        parts.append(value)
+        return "y"
+    if isinstance(value, str):
+        data = value.encode("utf-8", "surrogatepass")
+        parts.append(_U64.pack(len(data)))
+        parts.append(data)
+        return "s"
+    if value is None:
+        return "n"
+    if isinstance(value, dict):
+        keys = list(value)
+        for key in keys:
+            if not isinstance(key, str):
+                raise _refuse(f"{path}[{key!r}]", value, " (a dict key that is not a str)")
+        return ("d", tuple(keys), tuple([_encode(value[key], parts, f"{path}/{key}") for key in keys]))
+    if isinstance(value, tuple):
+        children = tuple([_encode(item, parts, f"{path}/{k}") for k, item in enumerate(value)])
+        fields = getattr(value, "_fields", None)
+        if fields is None:
+            return ("t", children)
+        kind = type(value)
+        _namedtuples.setdefault((kind.__name__, tuple(fields)), kind)
+        return ("N", kind.__name__, tuple(fields), children)
+    if isinstance(value, list):
+        return ("l", tuple([_encode(item, parts, f"{path}/{k}") for k, item in enumerate(value)]))
+    if isinstance(value, bytearray):
+        parts.append(_U64.pack(len(value)))
+        parts.append(bytes(value))
+        return "Y"
+    if isinstance(value, complex):
+        parts.append(_C128.pack(value.real, value.imag))
+        return "c"
+    raise _refuse(path, value)
+
+
+def _encode_array(array: np.ndarray[Any, Any], parts: list[Any], path: str) -> Any:
+    dtype = array.dtype
+    shape = array.shape
+    if dtype.kind == "O":
+        flat = array.ravel().tolist()
+        if all(isinstance(item, bytes) for item in flat):
+            kind, data = "ab", flat
+        elif all(isinstance(item, str) for item in flat):
+            kind, data = "as", [item.encode("utf-8", "surrogatepass") for item in flat]
+        else:
+            odd = next(item for item in flat if not isinstance(item, (bytes, str)))
+            raise _refuse(
+                path, array, f" (an object array holding {type(odd).__name__}, or bytes and "
+                "str mixed)"
+            )
+        parts.append(np.fromiter(map(len, data), dtype="<i8", count=len(data)).tobytes())
+        parts.extend(data)
+        return (kind, shape)
+    if dtype.kind not in _SAFE_KINDS or dtype.fields is not None:
+        raise _refuse(path, array, f" (dtype {dtype})")
+    parts.append(np.ascontiguousarray(array).tobytes() if array.ndim else array.tobytes())
+    return ("a", dtype.str, shape)
+
+
+# --------------------------------------------------------------------------- decoding
+
+# A compiled decoder: (payload, position) -> (value, next position).
+_Decoder = Callable[[bytes, int], tuple[Any, int]]
+_decoders: dict[bytes, _Decoder] = {}
+
+
+class _Corrupt(Exception):
+    """A payload that does not decode; the caller names the file and offset."""
+
+
+def decode_element(payload: bytes, *, path: str = "<memory>", offset: int | None = None) -> Any:
+    """The element ``payload`` encodes.
+
+    ``path`` and ``offset`` (of the record holding it) only serve the error a
+    malformed payload raises: :class:`~headrace.errors.DataLossError` naming them.
+    """
+    try:
+        if len(payload) < 4:
+            raise _Corrupt(f"{len(payload)} bytes, shorter than a skeleton length")
+        (length,) = _U32.unpack_from(payload, 0)
+        end = 4 + length
+        if end > len(payload):
+            raise _Corrupt(f"skeleton of {length} bytes runs past the payload's {len(payload)}")
+        skeleton = payload[4:end]
+        decoder = _decoders.get(skeleton)
+        if decoder is None:
+            decoder = _compile_skeleton(skeleton)
+        value, position = decoder(payload, end)
+        if position != len(payload):
+            raise _Corrupt(f"{len(payload) - position} bytes left after the element")
+        return value
+    except (_Corrupt, ValueError, TypeError, KeyError, IndexError, struct.error) as error:
+        where = f"record at offset {offset} in file {path}" if offset is not None else path
+        raise DataLossError(
+            f"cannot decode the element in the {where}: {error}", path=path, offset=offset
+        ) from None
+
+
+def _compile_skeleton(skeleton: bytes) -> _Decoder:
+    try:
+        tree = json.loads(skeleton)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise _Corrupt(f"unreadable skeleton ({error})") from None
+    decoder = _compile(tree)
+    if len(_decoders) >= _MAX_DECODERS:  # ragged data: every shape its own skeleton
+        _decoders.clear()
+    _decoders[skeleton] = decoder
+    return decoder
+
+
+def _take(payload: bytes, position: int, size: int) -> int:
+    end = position + size
+    if end > len(payload):
+        raise _Corrupt(f"a component of {size} bytes runs past the payload's end")
+    return end
+
+
+def _fixed(unpack: Callable[[bytes, int], tuple[Any, ...]], size: int, wrap: Any) -> _Decoder:
+    def decode(payload: bytes, position: int) -> tuple[Any, int]:
+        end = _take(payload, position, size)
+        return wrap(unpack(payload, position)), end
+
+    return decode
+
+
+def _sized(convert: Callable[[bytes], Any]) -> _Decoder:
+    def decode(payload: bytes, position: int) -> tuple[Any, int]:
+        start = _take(payload, position, 8)
+        (length,) = _U64.unpack_from(payload, position)
+        end = _take(payload, start, length)
+        return convert(payload[start:end]), end
+
+    return decode
+
+
+def _shape(raw: Any) -> tuple[int, ...]:
+    if not isinstance(raw, list) or not all(isinstance(d, int) and d >= 0 for d in raw):
+        raise _Corrupt(f"bad shape {raw!r}")
+    return tuple(raw)
+
+
+def _dtype(raw: Any) -> np.dtype[Any]:
+    if not isinstance(raw, str):
+        raise _Corrupt(f"bad dtype {raw!r}")
+    dtype = np.dtype(raw)
+    if dtype.kind not in _SAFE_KINDS or dtype.fields is not None:
+        raise _Corrupt(f"dtype {raw!r} is not one this format writes")
+    return dtype
+
+
+def _compile(tree: Any) -> _Decoder:  # noqa: C901 - one branch per leaf kind, flat on purpose
+    if tree == "i":
+        return _fixed(_I64.unpack_from, 8, lambda found: found[0])
+    if tree == "f":
+        return _fixed(_F64.unpack_from, 8, lambda found: found[0])
+    if tree == "b":
+        return _fixed(lambda payload, at: (payload[at],), 1, lambda found: found[0] != 0)
+    if tree == "c":
+        return _fixed(_C128.unpack_from, 16, lambda found: complex(*found))
+    if tree == "n":
+        return lambda payload, position: (None, position)
+    if tree == "y":
+        return _sized(bytes)
+    if tree == "Y":
+        return _sized(bytearray)
+    if tree == "s":
+        return _sized(lambda data: data.decode("utf-8", "surrogatepass"))
+    if tree == "I":
+        return _sized(lambda data: int(data.decode("ascii")))
+    if not isinstance(tree, list) or not tree:
+        raise _Corrupt(f"unknown component {tree!r:.60}")
+    kind = tree[0]
+    if kind == "a" and len(tree) == 3:
+        return _array_decoder(_dtype(tree[1]), _shape(tree[2]))
+    if kind == "g" and len(tree) == 2:
+        dtype = _dtype(tree[1])
+
+        def scalar(payload: bytes, position: int) -> tuple[Any, int]:
+            end = _take(payload, position, dtype.itemsize)
+            return np.frombuffer(payload, dtype, 1, position)[0], end
+
+        return scalar
+    if kind in ("ab", "as") and len(tree) == 2:
+        return _object_array_decoder(kind == "as", _shape(tree[1]))
+    if kind == "d" and len(tree) == 3 and isinstance(tree[1], list):
+        keys = tree[1]
+        if not all(isinstance(key, str) for key in keys):
+            raise _Corrupt("dict keys must be str")
+        children = _children(tree[2], len(keys))
+
+        def mapping(payload: bytes, position: int) -> tuple[Any, int]:
+            out = {}
+            for key, child in zip(keys, children):  # noqa: B905 - lengths checked
+                out[key], position = child(payload, position)
+            return out, position
+
+        return mapping
+    if kind in ("t", "l") and len(tree) == 2:
+        children = _children(tree[1], None)
+        make: Callable[[list[Any]], Any] = tuple if kind == "t" else list
+        return _sequence(children, make)
+    if kind == "N" and len(tree) == 4:
+        name, fields = tree[1], tree[2]
+        if not isinstance(name, str) or not isinstance(fields, list):
+            raise _Corrupt("bad namedtuple")
+        if not all(isinstance(field, str) for field in fields):
+            raise _Corrupt("namedtuple fields must be str")
+        cls = _namedtuples.get((name, tuple(fields)))
+        if cls is None:
+            cls = collections.namedtuple(name, fields, rename=True)  # type: ignore[misc]
+            _namedtuples[(name, tuple(fields))] = cls
+        children = _children(tree[3], len(fields))
+        return _sequence(children, lambda items: cls(*items))
+    raise _Corrupt(f"unknown component {tree!r:.60}")
+
+
+def _children(raw: Any, count: int | None) -> list[_Decoder]:
+    if not isinstance(raw, list) or (count is not None and len(raw) != count):
+        raise _Corrupt("children do not match their container")
+    return [_compile(child) for child in raw]
+
+
+def _sequence(children: list[_Decoder], make: Callable[[list[Any]], Any]) -> _Decoder:
+    def decode(payload: bytes, position: int) -> tuple[Any, int]:
+        items = []
+        for child in children:
+            item, position = child(payload, position)
+            items.append(item)
+        return make(items), position
+
+    return decode
+
+
+def _array_decoder(dtype: np.dtype[Any], shape: tuple[int, ...]) -> _Decoder:
+    count = int(np.prod(shape, dtype=np.int64))
+    size = count * dtype.itemsize
+
+    def array(payload: bytes, position: int) -> tuple[Any, int]:
+        end = _take(payload, position, size)
+        # a read-only view of the record: no copy, and an in-place edit cannot
+        # change what a later epoch reads
+        return np.frombuffer(payload, dtype, count, position).reshape(shape), end
+
+    return array
+
+
+def _object_array_decoder(text: bool, shape: tuple[int, ...]) -> _Decoder:
+    count = int(np.prod(shape, dtype=np.int64))
+
+    def objects(payload: bytes, position: int) -> tuple[Any, int]:
+        start = _take(payload, position, 8 * count)
+        lengths = np.frombuffer(payload, "<i8", count, position)
+        if count and lengths.min() < 0:
+            raise _Corrupt("negative string length")
+        end = _take(payload, start, int(lengths.sum()))
+        out = np.empty(count, dtype=object)
+        at = start
+        for k, length in enumerate(lengths.tolist()):
+            data = payload[at : at + length]
+            out[k] = data.decode("utf-8", "surrogatepass") if text else data
+            at += length
+        return out.reshape(shape), end
+
+    return objects
+
+
+# --------------------------------------------------------------------------- specs
+
+
+def spec_to_json(spec: Any) -> Any:
+    """A JSON-able description of a nested element spec (for manifests)."""
+    if isinstance(spec, TensorSpec):
+        dtype = spec.kind if spec.kind in ("bytes", "str") else spec.dtype.str
+        return {"spec": [list(spec.shape), dtype]}
+    if isinstance(spec, dict):
+        return {"dict": {str(key): spec_to_json(value) for key, value in spec.items()}}
+    if isinstance(spec, tuple) and hasattr(spec, "_fields"):
+        return {
+            "namedtuple": type(spec).__name__,
+            "fields": list(spec._fields),
+            "items": [spec_to_json(item) for item in spec],
+        }
+    if isinstance(spec, tuple):
+        return {"tuple": [spec_to_json(item) for item in spec]}
+    raise ElementSpecError(f"cannot describe element spec component {spec!r}")
+
+
+def spec_from_json(raw: Any) -> Any:
+    """The nested element spec :func:`spec_to_json` described."""
+    if not isinstance(raw, dict) or len(raw) not in (1, 3):
+        raise ValueError(f"bad element spec entry {raw!r:.80}")
+    if "spec" in raw:
+        shape, dtype = raw["spec"]
+        if dtype in ("bytes", "str"):
+            return TensorSpec(shape, dtype)
+        return TensorSpec(shape, _dtype(dtype))
+    if "dict" in raw:
+        return {key: spec_from_json(value) for key, value in raw["dict"].items()}
+    if "tuple" in raw:
+        return tuple(spec_from_json(item) for item in raw["tuple"])
+    if "namedtuple" in raw:
+        name, fields = raw["namedtuple"], tuple(raw["fields"])
+        cls = _namedtuples.get((name, fields))
+        if cls is None:
+            cls = collections.namedtuple(name, fields, rename=True)  # type: ignore[misc]
+            _namedtuples[(name, fields)] = cls
+        return cls(*(spec_from_json(item) for item in raw["items"]))
+    raise ValueError(f"bad element spec entry {raw!r:.80}")
