@@ -557,6 +557,47 @@ class Dataset:
 
         return to_keras(self)
 
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        shard_func: Callable[..., Any] | None = None,
+        compression: str | None = None,
+        checkpoint_args: dict[str, Any] | None = None,
+        *,
+        num_shards: int | None = None,
+    ) -> None:
+        """Write this dataset to the directory ``path``, for :meth:`load` (tf.data's meaning).
+
+        ``shard_func(element) -> int`` picks each element's shard (default: round
+        robin over ``num_shards``, up to 8 by the CPU count); shards are written in
+        parallel; ``compression`` is None, ``"GZIP"`` or ``"ZLIB"``;
+        ``checkpoint_args={"checkpoint_interval": n}`` makes an interrupted save
+        continue from its last checkpoint when called again. The directory is
+        complete only once its manifest is written, last. No pickle: see
+        :mod:`headrace.saved`.
+        """
+        from headrace.saved import save
+
+        save(self, path, shard_func, compression, checkpoint_args, num_shards=num_shards)
+
+    @staticmethod
+    def load(
+        path: str | os.PathLike[str],
+        element_spec: Any = None,
+        reader_func: Callable[[Dataset], Dataset] | None = None,
+    ) -> Dataset:
+        """The dataset :meth:`save` wrote at ``path``.
+
+        Uncompressed and with the default ``reader_func`` (shards interleaved one
+        element at a time: the saved order, under default sharding) it is a
+        random-access source: ``global_shuffle``, ``shard`` and resume work on
+        indices. ``reader_func`` receives a dataset whose elements are the shards'
+        datasets, as in tf.data (``lambda shards: shards.interleave(lambda s: s)``).
+        """
+        from headrace.saved import load
+
+        return load(path, element_spec, reader_func)
+
     def __repr__(self) -> str:
         """Never reads data: a spec that would need it shows as not known yet."""
         spec = known_spec(self._node)

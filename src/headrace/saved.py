@@ -1,0 +1,638 @@
+"""``Dataset.save`` / ``Dataset.load``: a preprocessed dataset on disk, with tf.data's meaning.
+
+A saved dataset is a directory of shards plus the element spec::
+
+    headrace-dataset.json          the manifest: element spec, shards, counts (written last)
+    shard-00000-00000.tfrecord     elements of shard 0, TFRecord-framed (CRCs), in parts
+    shard-00000-00000.tfrecord.hrx its record index (uncompressed shards)
+    ...
+
+Elements are encoded with :mod:`headrace.io.elements` (no pickle: loading a
+dataset someone sent you runs no code). Shards are written in parallel, each
+by a writer thread, from batches booked on the budget. The manifest is
+written last and atomically, so a save that stopped never looks complete;
+``load`` says so. Every shard part appears under its name only when complete.
+
+As in tf.data, ``shard_func(element)`` picks each element's shard (default:
+round robin), and ``load``'s default ``reader_func`` interleaves the shards
+one element at a time — with the default sharding that is the original
+order. Uncompressed, a loaded dataset is a *random-access* source (through
+the ``.hrx`` indexes): ``global_shuffle``, ``shard`` and resume act on indices.
+
+Resumable while writing: with ``checkpoint_args={"checkpoint_interval": n}``
+the writer closes its current parts every ``n`` elements and records the
+input's iterator state beside them (``.save-progress.json``); calling
+``save`` again with the same pipeline continues from the last checkpoint
+instead of starting over.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from headrace.core.fingerprint import function_fingerprint
+from headrace.core.indexing import RandomAccess
+from headrace.core.iterator import Context
+from headrace.core.node import Node
+from headrace.errors import DataLossError, InvalidArgumentError
+from headrace.io.elements import (
+    ELEMENTS_FORMAT,
+    decode_element,
+    encode_element,
+    spec_from_json,
+    spec_to_json,
+)
+from headrace.io.streams import normalize_compression_type
+from headrace.io.tfrecord import TFRecordWriter
+from headrace.io.tfrecord_index import build_index, index_path_for
+from headrace.memory.budget import Reservation, StageAccount
+from headrace.sources.tfrecord import IndexedTFRecordNode
+
+if TYPE_CHECKING:
+    from headrace.dataset import Dataset
+
+__all__ = ["MANIFEST_NAME", "load", "save"]
+
+MANIFEST_NAME = "headrace-dataset.json"
+PROGRESS_NAME = ".save-progress.json"
+_FORMAT = "headrace.saved"
+_VERSION = 1
+_PART = "shard-{shard:05d}-{part:05d}.tfrecord"
+_BATCH_BYTES = 1 << 20
+_CHECKPOINT_KEYS = frozenset({"checkpoint_interval"})
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _default_num_shards() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def _check_checkpoint_args(checkpoint_args: Any) -> int | None:
+    if checkpoint_args is None:
+        return None
+    if not isinstance(checkpoint_args, dict):
+        raise InvalidArgumentError(
+            f"save: checkpoint_args must be a dict, got {type(checkpoint_args).__name__}"
+        )
+    unknown = sorted(set(checkpoint_args) - _CHECKPOINT_KEYS)
+    if unknown:
+        raise InvalidArgumentError(
+            f"save: checkpoint_args keys {unknown} are not supported; headrace takes "
+            "{'checkpoint_interval': n} (a checkpoint every n elements)"
+        )
+    interval = checkpoint_args.get("checkpoint_interval")
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+        raise InvalidArgumentError(
+            f"save: checkpoint_args['checkpoint_interval'] must be an int > 0, got {interval!r}"
+        )
+    return interval
+
+
+class _ShardWriter:
+    """One shard's current part: a TFRecordWriter under a temporary name until closed."""
+
+    def __init__(self, directory: str, shard: int, compression: str, parts: list[int]) -> None:
+        self.directory, self.shard, self.compression = directory, shard, compression
+        #: element counts of the parts already complete (published under their names)
+        self.parts = parts
+        self.writer: TFRecordWriter | None = None
+        self.count = 0
+
+    def write(self, records: list[bytes]) -> None:
+        if self.writer is None:
+            name = _PART.format(shard=self.shard, part=len(self.parts))
+            self.writer = TFRecordWriter(
+                os.path.join(self.directory, name), self.compression or None
+            )
+        self.writer.write_many(records)
+        self.count += len(records)
+
+    def close_part(self) -> None:
+        """Publish the current part (and its index) under its name."""
+        writer, self.writer = self.writer, None
+        if writer is None:
+            return
+        writer.close()
+        if not self.compression:
+            build_index(writer.path)
+        self.parts.append(self.count)
+        self.count = 0
+
+    def abort(self) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.abort()
+        self.count = 0
+
+
+class _Workers:
+    """Writer threads, each owning the shards ``shard % threads``; batches booked until
+    written, at most two queued per thread (backpressure on the reading loop)."""
+
+    def __init__(self, writers: list[_ShardWriter], account: StageAccount) -> None:
+        self.writers = writers
+        self.account = account
+        count = max(1, min(len(writers), 4))
+        self.queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=2) for _ in range(count)]
+        self.error: BaseException | None = None
+        self.threads = [
+            threading.Thread(target=self._run, args=(q,), name="headrace-save", daemon=True)
+            for q in self.queues
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, tasks: queue.Queue[Any]) -> None:
+        while True:
+            task = tasks.get()
+            try:
+                if task is None:
+                    return
+                action, shard, records, booking = task
+                if self.error is None:
+                    writer = self.writers[shard]
+                    if action == "write":
+                        writer.write(records)
+                    else:
+                        writer.close_part()
+                if booking is not None:
+                    booking.release()
+            except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+                if self.error is None:
+                    self.error = error
+                if task is not None and task[3] is not None:
+                    task[3].release()
+            finally:
+                tasks.task_done()
+
+    def submit(self, action: str, shard: int, records: list[bytes], booking: Any) -> None:
+        self.check()
+        self.queues[shard % len(self.queues)].put((action, shard, records, booking))
+
+    def drain(self) -> None:
+        for tasks in self.queues:
+            tasks.join()
+        self.check()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        for tasks in self.queues:
+            tasks.put(None)
+        for thread in self.threads:
+            thread.join()
+
+
+def _our_files(path: str) -> list[str]:
+    pattern = os.path.join(glob.escape(path), "shard-*-*.tfrecord")
+    found = glob.glob(pattern) + glob.glob(pattern + ".hrx")
+    found += glob.glob(os.path.join(glob.escape(path), ".shard-*.tmp"))
+    return found
+
+
+def _remove(paths: list[str]) -> None:
+    for name in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def _write_json(path: str, content: dict[str, Any]) -> None:
+    temp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temp, "w", encoding="utf-8") as file:
+            json.dump(content, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+
+
+def _save_identity(
+    dataset: Dataset, shard_func: Callable[..., Any] | None, compression: str, num_shards: int
+) -> str:
+    digest = hashlib.sha256()
+    digest.update(dataset.fingerprint().encode())
+    digest.update(repr((compression, num_shards)).encode())
+    if shard_func is not None:
+        digest.update(function_fingerprint(shard_func).encode())
+    return digest.hexdigest()[:20]
+
+
+def _shard_of(shard_func: Callable[..., Any], element: Any, index: int) -> int:
+    value = shard_func(*element) if isinstance(element, tuple) else shard_func(element)
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidArgumentError(
+            f"save: shard_func must return an int >= 0 for each element, got {value!r} "
+            f"for element {index}"
+        )
+    return int(value)
+
+
+def save(
+    dataset: Dataset,
+    path: str | os.PathLike[str],
+    shard_func: Callable[..., Any] | None = None,
+    compression: str | None = None,
+    checkpoint_args: dict[str, Any] | None = None,
+    *,
+    num_shards: int | None = None,
+) -> None:
+    """Write ``dataset`` to the directory ``path`` (see the module docstring)."""
+    directory = os.fspath(path)
+    codec = normalize_compression_type(compression)
+    interval = _check_checkpoint_args(checkpoint_args)
+    shards = _default_num_shards() if num_shards is None else num_shards
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards <= 0:
+        raise InvalidArgumentError(f"save: num_shards must be an int > 0, got {num_shards!r}")
+    os.makedirs(directory, exist_ok=True)
+    identity = _save_identity(dataset, shard_func, codec, shards)
+    progress_path = os.path.join(directory, PROGRESS_NAME)
+    manifest_path = os.path.join(directory, MANIFEST_NAME)
+    resumed = _read_progress(progress_path, identity) if interval is not None else None
+    # never a complete-looking mix of old and new shards: the manifest goes first
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(manifest_path)
+    parts: list[list[int]] = [[] for _ in range(shards)]
+    if resumed is not None:
+        parts = resumed["parts"]
+        keep = {
+            os.path.join(directory, _PART.format(shard=s, part=p) + suffix)
+            for s, counts in enumerate(parts)
+            for p in range(len(counts))
+            for suffix in ("", ".hrx")
+        }
+        _remove([name for name in _our_files(directory) if name not in keep])
+    else:
+        _remove([*_our_files(directory), progress_path])
+    writers = [_ShardWriter(directory, s, codec, parts[s]) for s in range(len(parts))]
+    iterator = iter(dataset)
+    try:
+        if resumed is not None:
+            iterator.set_state(resumed["state"])
+        done = 0 if resumed is None else int(resumed["elements"])
+        _write_all(iterator, writers, shard_func, interval, done, progress_path, identity)
+        counts = [list(writer.parts) for writer in writers]
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    finally:
+        iterator.close()
+    spec = _spec_json(dataset)
+    _write_json(
+        manifest_path,
+        {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "elements_format": ELEMENTS_FORMAT,
+            "element_spec": spec,
+            "compression": codec,
+            "num_shards": len(counts),
+            "parts": counts,
+            "elements": sum(sum(c) for c in counts),
+            "fingerprint": dataset.fingerprint(),
+        },
+    )
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(progress_path)
+
+
+def _spec_json(dataset: Dataset) -> Any:
+    try:
+        return spec_to_json(dataset.element_spec)
+    except Exception:  # noqa: BLE001 - an empty dataset's map spec: load infers nothing
+        return None
+
+
+def _read_progress(path: str, identity: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as file:
+            progress = json.load(file)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(progress, dict) or progress.get("identity") != identity:
+        return None  # another pipeline's (or arguments'): start over
+    return progress
+
+
+def _write_all(
+    iterator: Any,
+    writers: list[_ShardWriter],
+    shard_func: Callable[..., Any] | None,
+    interval: int | None,
+    done: int,
+    progress_path: str,
+    identity: str,
+) -> None:
+    account = iterator.context.account(_SAVE_NODE)
+    iterator.context.budget.allot()
+    workers = _Workers(writers, account)
+    pending: dict[int, list[bytes]] = {}
+    pending_bytes: dict[int, int] = {}
+    limit = max(64 << 10, min(_BATCH_BYTES, account.limit // (2 * len(workers.queues) + 2)))
+
+    def send(shard: int) -> None:
+        records = pending.pop(shard, [])
+        nbytes = pending_bytes.pop(shard, 0)
+        if records:
+            workers.submit("write", shard, records, Reservation(account, nbytes))
+
+    try:
+        for element in iterator:
+            shard = (done % len(writers)) if shard_func is None else _shard_of(
+                shard_func, element, done
+            )
+            while shard >= len(writers):  # custom sharding: shards appear as used
+                writers.append(_ShardWriter(writers[0].directory, len(writers), writers[0].compression, []))
+            record = encode_element(element)
+            size = len(record) + 33
+            account.charge(size).nbytes = 0  # moves into the batch's booking
+            pending.setdefault(shard, []).append(record)
+            pending_bytes[shard] = pending_bytes.get(shard, 0) + size
+            if pending_bytes[shard] >= limit:
+                send(shard)
+            done += 1
+            if interval is not None and done % interval == 0:
+                _checkpoint(iterator, writers, workers, send, pending, done, progress_path, identity)
+        for shard in list(pending):
+            send(shard)
+        for shard in range(len(writers)):
+            workers.submit("close", shard, [], None)
+        workers.drain()
+    finally:
+        for shard in list(pending):
+            account.release(pending_bytes.pop(shard, 0))
+        pending.clear()
+        workers.stop()
+
+
+def _checkpoint(
+    iterator: Any,
+    writers: list[_ShardWriter],
+    workers: _Workers,
+    send: Callable[[int], None],
+    pending: dict[int, list[bytes]],
+    done: int,
+    progress_path: str,
+    identity: str,
+) -> None:
+    """Publish every shard's current part and record where the input is."""
+    for shard in list(pending):
+        send(shard)
+    for shard in range(len(writers)):
+        workers.submit("close", shard, [], None)
+    workers.drain()
+    _write_json(
+        progress_path,
+        {
+            "identity": identity,
+            "elements": done,
+            "parts": [list(writer.parts) for writer in writers],
+            "state": iterator.get_state(),
+        },
+    )
+
+
+class _SaveStage(Node):
+    """Stands for the save's writer in the budget's split (never iterated)."""
+
+    stage = "save"
+    budget_weight = 0.5
+
+
+_SAVE_NODE = _SaveStage()
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _read_manifest(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, MANIFEST_NAME)
+    try:
+        with open(path, encoding="utf-8") as file:
+            manifest = json.load(file)
+    except FileNotFoundError:
+        if os.path.exists(os.path.join(directory, PROGRESS_NAME)):
+            why = (
+                "a save into it stopped before the end (call save again with the same "
+                "pipeline and checkpoint_args to finish it)"
+            )
+        elif os.path.isdir(directory):
+            why = f"it has no {MANIFEST_NAME} (a save that did not finish leaves none)"
+        else:
+            why = "no such directory"
+        raise FileNotFoundError(f"load: {directory} is not a complete saved dataset: {why}") from None
+    except ValueError as error:
+        raise DataLossError(f"load: {path} is not valid JSON ({error})", path=path) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+        raise DataLossError(f"load: {path} is not a headrace saved-dataset manifest", path=path)
+    if manifest.get("version") != _VERSION or manifest.get("elements_format") != ELEMENTS_FORMAT:
+        raise DataLossError(
+            f"load: {path} has format version {manifest.get('version')} "
+            f"({manifest.get('elements_format')}); this headrace reads version {_VERSION} "
+            f"({ELEMENTS_FORMAT})",
+            path=path,
+        )
+    return manifest
+
+
+def _part_files(directory: str, parts: list[list[int]]) -> list[list[str]]:
+    return [
+        [os.path.join(directory, _PART.format(shard=s, part=p)) for p in range(len(counts))]
+        for s, counts in enumerate(parts)
+    ]
+
+
+class _Decode:
+    """Record bytes to element (a map function, for compressed shards)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, record: bytes) -> Any:
+        return decode_element(record, path=self.directory)
+
+
+class LoadNode(Node):
+    """An uncompressed saved dataset as a random-access source, in the default read order."""
+
+    stage = "load"
+
+    def __init__(self, directory: str, manifest: dict[str, Any], element_spec: Any) -> None:
+        super().__init__()
+        self.directory = directory
+        self.parts: list[list[int]] = manifest["parts"]
+        self.spec = element_spec
+        files = [name for shard in _part_files(directory, self.parts) for name in shard]
+        self.records = IndexedTFRecordNode(
+            files, build_missing=False, verify_crc=True, max_record_bytes=1 << 31
+        )
+        counts = [c for shard in self.parts for c in shard]
+        if counts != self.records.counts:
+            raise DataLossError(
+                f"load: the shards in {directory} hold {self.records.counts} records, the "
+                f"manifest says {counts}",
+                path=directory,
+            )
+        self.digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:20]
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.directory, self.digest)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.spec
+
+    def cardinality(self) -> int:
+        return sum(sum(shard) for shard in self.parts)
+
+    def random_access(self) -> RandomAccess:
+        return _LoadedAccess(self)
+
+
+class _LoadedAccess(RandomAccess):
+    """Element ``i`` of the shards interleaved one at a time: shard-major record ``order[i]``."""
+
+    def __init__(self, node: LoadNode) -> None:
+        self.node = node
+        self.records = node.records.random_access()
+        totals = [sum(shard) for shard in node.parts]
+        self.shard_starts = np.cumsum([0, *totals])
+        self.file_starts = np.cumsum([0, *node.records.counts]).tolist()
+        self.totals = np.asarray(totals, dtype=np.int64)
+        self._order: np.ndarray[Any, Any] | None = None
+
+    def __len__(self) -> int:
+        return int(self.shard_starts[-1])
+
+    def prepare(self, ctx: Context) -> None:
+        self.records.prepare(ctx)
+
+    def _record_numbers(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        totals = self.totals
+        if _round_robin(totals):
+            # round robin (the default sharding): element i is shard i % n, row i // n
+            n = len(totals)
+            shard, row = indices % n, indices // n
+            return np.asarray(self.shard_starts[shard] + row, dtype=np.int64)
+        if self._order is None:  # uneven shards: the interleave order, computed once
+            keys = np.concatenate(
+                [np.arange(t, dtype=np.int64) * len(totals) + s for s, t in enumerate(totals)]
+            )
+            keys.sort()
+            shard, row = keys % len(totals), keys // len(totals)
+            self._order = np.asarray(self.shard_starts[shard] + row, dtype=np.int64)
+        order: np.ndarray[Any, Any] = self._order[indices]
+        return order
+
+    def get(self, index: int) -> Any:
+        if not 0 <= index < len(self):
+            raise IndexError(f"element {index} of {len(self)}")
+        (number,) = self._record_numbers(np.asarray([index], dtype=np.int64)).tolist()
+        return self._decode(self.records.get(number), number)
+
+    def _decode(self, record: bytes, number: int) -> Any:
+        file_number = bisect.bisect_right(self.file_starts, number) - 1
+        path = self.node.records.filenames[file_number]
+        try:
+            return decode_element(record, path=path)
+        except DataLossError:
+            local = number - self.file_starts[file_number]
+            offset = int(self.records._index(file_number).offsets[local])  # type: ignore[attr-defined]
+            return decode_element(record, path=path, offset=offset)
+
+    def close(self) -> None:
+        self.records.close()
+
+
+def _round_robin(totals: np.ndarray[Any, Any]) -> bool:
+    """Shard sizes round robin leaves: the first k shards one longer than the rest."""
+    if not len(totals):
+        return True
+    high = totals[0]
+    return bool(((totals == high) | (totals == high - 1)).all() and (np.diff(totals) <= 0).all())
+
+
+def load(
+    path: str | os.PathLike[str],
+    element_spec: Any = None,
+    reader_func: Callable[[Dataset], Dataset] | None = None,
+) -> Dataset:
+    """The dataset saved at ``path`` (see the module docstring)."""
+    from headrace.dataset import Dataset, TFRecordDataset
+
+    directory = os.fspath(path)
+    manifest = _read_manifest(directory)
+    spec = element_spec
+    if spec is None:
+        raw = manifest.get("element_spec")
+        if raw is None:
+            raise InvalidArgumentError(
+                f"load: {directory} records no element spec (it was saved empty); pass "
+                "element_spec"
+            )
+        spec = spec_from_json(raw)
+    files = _part_files(directory, manifest["parts"])
+    compression = manifest.get("compression") or None
+    if reader_func is None and compression is None:
+        return Dataset(LoadNode(directory, manifest, spec))
+    shards = [
+        TFRecordDataset(shard, compression_type=compression, indexed=compression is None)
+        .map(_Decode(directory), output_signature=spec)
+        for shard in files
+    ]
+    if reader_func is None:
+        return _interleave_shards(shards)
+    result = reader_func(_ShardsDataset.of(shards))
+    if not isinstance(result, Dataset):
+        raise InvalidArgumentError(
+            f"load: reader_func must return a Dataset, got {type(result).__name__}"
+        )
+    return result
+
+
+def _interleave_shards(shards: list[Dataset]) -> Dataset:
+    from headrace.dataset import Dataset
+
+    if not shards:
+        return Dataset.range(0)
+    return Dataset.range(len(shards)).interleave(
+        _ShardsDataset(shards), cycle_length=len(shards), block_length=1
+    )
+
+
+class _ShardsDataset:
+    """Shard index to that shard's dataset (the function reader_func's input maps with)."""
+
+    def __init__(self, shards: list[Dataset]) -> None:
+        self.shards = shards
+
+    def __call__(self, index: Any) -> Dataset:
+        return self.shards[int(index)]
+
+    @staticmethod
+    def of(shards: list[Dataset]) -> Dataset:
+        """tf.data's input to ``reader_func``: a dataset whose elements are the shards."""
+        from headrace.dataset import Dataset
+
+        return Dataset.range(len(shards)).map(_ShardsDataset(shards), output_signature=None)
