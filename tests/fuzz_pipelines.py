@@ -6,7 +6,7 @@ distribution (uniform, heavy-tailed, a sudden 100x jump, views of larger
 bases), a payload kind (arrays, lists, dicts, sets, objects, bytes,
 memoryviews) and a chain of transformations (sequential and parallel map,
 filter, shuffle, prefetch, batch, padded_batch, unbatch, rebatch, repeat,
-take, skip, zip), under a budget of 16-96 MiB.
+take, skip, zip, cache), under a budget of 16-96 MiB.
 
 Run as a script, it reads a JSON list of specs on stdin and runs each in this
 (fresh) process with a slow consumer, printing one JSON result per spec:
@@ -103,6 +103,13 @@ def random_spec(seed: int) -> dict[str, Any]:
             ops.append(["rebatch", rng.choice((1, 3, 16))])
         elif op == "zip":
             ops.append(["zip"])
+    # cache() (in memory, spilling to disk past its share) at a random place, drawn from
+    # an RNG of its own so that the other draws of a seed stay what they were; only for
+    # payloads its on-disk format stores (not sets, objects or memoryviews).
+    extra = random.Random(seed ^ 0x5EED_CAC4E)
+    if spec["payload"] in ("array", "dict", "bytes", "list") and extra.random() < 0.4:
+        at = extra.randint(0, len(ops))
+        ops[at:at] = [["cache"]] + ([["repeat", 2]] if extra.random() < 0.5 else [])
     spec["ops"] = ops
     return spec
 
@@ -250,6 +257,8 @@ def build(spec: dict[str, Any]) -> Any:
             ds = ds.rebatch(op[1])
         elif name == "zip":
             ds = hr.Dataset.zip((ds, hr.Dataset.range(10**9)))
+        elif name == "cache":
+            ds = ds.cache()
     return ds.with_options(hr.Options(memory_budget=spec["budget_mib"] * MiB))
 
 

@@ -105,6 +105,11 @@ def _encode(value: Any, parts: list[Any], path: str) -> Any:
         return _encode_array(value, parts, path)
     if isinstance(value, np.generic):
         dtype = value.dtype
+        if dtype.kind in "SU":  # np.bytes_ / np.str_: their Python value, exactly
+            data = bytes(value) if dtype.kind == "S" else str(value).encode("utf-8", "surrogatepass")
+            parts.append(_U64.pack(len(data)))
+            parts.append(data)
+            return "gS" if dtype.kind == "S" else "gU"
         if dtype.kind not in _SAFE_KINDS:
             raise _refuse(path, value, f" (dtype {dtype})")
         parts.append(value.tobytes())
@@ -294,6 +299,10 @@ def _compile(tree: Any) -> _Decoder:  # noqa: C901 - one branch per leaf kind, f
         return _sized(lambda data: data.decode("utf-8", "surrogatepass"))
     if tree == "I":
         return _sized(lambda data: int(data.decode("ascii")))
+    if tree == "gS":
+        return _sized(np.bytes_)
+    if tree == "gU":
+        return _sized(lambda data: np.str_(data.decode("utf-8", "surrogatepass")))
     if not isinstance(tree, list) or not tree:
         raise _Corrupt(f"unknown component {tree!r:.60}")
     kind = tree[0]
@@ -364,6 +373,10 @@ def _array_decoder(dtype: np.dtype[Any], shape: tuple[int, ...]) -> _Decoder:
 
     def array(payload: bytes, position: int) -> tuple[Any, int]:
         end = _take(payload, position, size)
+        if not dtype.itemsize:  # 'S0' / 'U0': nothing to view
+            empty = np.zeros(shape, dtype)
+            empty.flags.writeable = False
+            return empty, end
         # a read-only view of the record: no copy, and an in-place edit cannot
         # change what a later epoch reads
         return np.frombuffer(payload, dtype, count, position).reshape(shape), end

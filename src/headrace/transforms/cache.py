@@ -384,7 +384,11 @@ class _MemoryStore(_Store):
         if self.spill is None:
             self._start_spill(cost)
         assert self.spill is not None
-        self.spill.append(encode_element(element))
+        try:
+            self.spill.append(encode_element(element))
+        except BaseException:
+            self.discard()  # a full disk or an element it cannot store: no files left
+            raise
         self.count += 1
         return element, upstream
 
@@ -808,7 +812,7 @@ class _CacheIterator(Iterator):
     def _stop(self, *, warn: bool) -> None:
         store = self.store
         if self.writing and store is not None and not store.complete:
-            if warn:
+            if warn and self.position:  # one that read nothing truncated nothing
                 warnings.warn(f"cache: {PARTIAL_CACHE_ADVICE}", UserWarning, stacklevel=3)
             store.discard()
         if self.upstream is not None:

@@ -1,0 +1,387 @@
+"""cache(): in memory within its share, spilling to disk past it; cache(filename) with
+tf.data's persistent-cache semantics; checkpoints at every step; disk full; corruption."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import glob
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import headrace as hr
+from headrace.io import tfrecord as tfrecord_module
+from headrace.testing import assert_checkpoint_roundtrip, assert_elements_equal
+from headrace.transforms.cache import PARTIAL_CACHE_ADVICE
+
+MiB = 1 << 20
+
+
+class Counted:
+    """A generator source that counts the elements it produced (the 'source touched' probe)."""
+
+    def __init__(self, count: int, nbytes: int = 32) -> None:
+        self.count, self.nbytes, self.produced = count, nbytes, 0
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        for i in range(self.count):
+            self.produced += 1
+            yield {"x": np.full(self.nbytes // 8, i, np.float64), "i": np.int64(i)}
+
+    def dataset(self) -> hr.Dataset:
+        return hr.Dataset.from_generator(
+            self,
+            output_signature={
+                "x": hr.TensorSpec((self.nbytes // 8,), np.float64),
+                "i": hr.TensorSpec((), np.int64),
+            },
+        )
+
+
+def ids(elements: Any) -> list[int]:
+    return [int(e["i"]) for e in elements]
+
+
+def spill_dirs() -> set[str]:
+    import tempfile
+
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"headrace-cache-{os.getpid()}-*")))
+
+
+# --------------------------------------------------------------------------- in memory
+
+
+def test_later_epochs_read_only_the_cache() -> None:
+    source = Counted(20)
+    ds = source.dataset().cache().repeat(3).with_options(hr.Options(memory_budget="16MiB"))
+    assert ids(ds) == list(range(20)) * 3
+    assert source.produced == 20
+
+
+def test_cached_arrays_are_read_only_so_an_edit_cannot_change_the_next_epoch() -> None:
+    ds = hr.Dataset.range(4).map(lambda i: np.full(3, i)).cache().repeat(2)
+    with iter(ds) as iterator:
+        first = next(iterator)
+        with pytest.raises(ValueError):
+            first[0] = 99
+        rest = [int(e[0]) for e in iterator]
+    assert rest == [1, 2, 3, 0, 1, 2, 3]
+
+
+def test_a_dataset_three_times_the_budget_spills_once_stays_within_its_share() -> None:
+    budget = 8 * MiB
+    source = Counted(3 * budget // (64 << 10), nbytes=64 << 10)  # 3x the budget in rows
+    ds = source.dataset().cache().repeat(2).with_options(hr.Options(memory_budget=budget))
+    before = spill_dirs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with iter(ds) as iterator:
+            seen = ids(iterator)
+            made = spill_dirs() - before
+            account = next(a for a in iterator.context.budget.accounts if a.name == "cache")
+            assert account.breaches == 0 and account.peak <= account.limit
+            assert iterator.context.budget.peak <= budget
+    assert seen == list(range(source.count)) * 2
+    assert source.produced == source.count  # the second epoch read only the cache
+    spills = [str(w.message) for w in caught if "spill" in str(w.message)]
+    assert len(spills) == 1, spills
+    (directory,) = made
+    assert directory in spills[0] and "MiB" in spills[0] and "elements" in spills[0]
+    assert not os.path.exists(directory)  # removed when the iterator closed
+
+
+def test_spill_directory_is_removed_after_an_exception_and_for_an_abandoned_iterator() -> None:
+    def boom(e: Any) -> Any:
+        if int(e["i"]) == 150:
+            raise KeyError("boom")
+        return e
+
+    source = Counted(200, nbytes=64 << 10)
+    ds = source.dataset().cache().map(boom).with_options(hr.Options(memory_budget="4MiB"))
+    before = spill_dirs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(KeyError), iter(ds) as iterator:
+            for _ in iterator:
+                pass
+        assert spill_dirs() == before
+        iterator = iter(ds)
+        for _ in range(120):
+            next(iterator)
+        assert spill_dirs() - before
+        del iterator
+        gc.collect()
+        hr.DatasetIterator  # noqa: B018 - (keeps the import used)
+        from headrace.core.run import join_abandoned
+
+        assert join_abandoned()
+    assert spill_dirs() == before
+
+
+def test_partial_cache_is_discarded_with_tf_datas_advice() -> None:
+    source = Counted(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ids(source.dataset().cache().take(3).repeat(2))
+    assert got == [0, 1, 2, 0, 1, 2]
+    assert source.produced == 6  # nothing partial was served: the input was read again
+    advice = [str(w.message) for w in caught if PARTIAL_CACHE_ADVICE in str(w.message)]
+    assert len(advice) == 2
+    assert "dataset.take(k).cache().repeat()" in advice[0]
+
+
+def test_take_of_the_whole_cardinality_completes_the_cache_as_in_tf_data() -> None:
+    calls: list[int] = []
+
+    def note(i: Any) -> Any:
+        calls.append(int(i))
+        return i
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no partial-cache warning
+        got = [int(x) for x in hr.Dataset.range(5).map(note).cache().take(5).repeat(2)]
+    assert got == [0, 1, 2, 3, 4] * 2 and calls == [0, 1, 2, 3, 4]
+
+
+def test_elements_the_format_cannot_store_fail_when_they_spill_naming_the_component() -> None:
+    ds = hr.Dataset.range(100).map(lambda i: {"s": {int(i)}, "pad": np.zeros(8192)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(hr.ElementSpecError, match="'/s' of type set"):
+            list(ds.cache().with_options(hr.Options(memory_budget="2MiB")))
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+STEPS = {
+    "memory": lambda ds: ds.cache().repeat(2),
+    "memory_mapped": lambda ds: ds.map(lambda e: e).cache().shuffle(4, seed=3).repeat(2),
+    "spill": lambda ds: ds.cache().repeat(2),
+    "inside_repeat": lambda ds: ds.shuffle(5, seed=1).cache().repeat(3).take(40),
+}
+
+
+@pytest.mark.parametrize("pipeline", list(STEPS))
+def test_checkpoint_round_trip_at_every_step(pipeline: str) -> None:
+    nbytes = (96 << 10) if pipeline == "spill" else 32
+    ds = STEPS[pipeline](Counted(16, nbytes).dataset())
+    ds = ds.with_options(hr.Options(memory_budget="1MiB" if pipeline == "spill" else "16MiB"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_checkpoint_roundtrip(ds, max_checkpoints=40)
+
+
+def test_restored_reading_phase_rebuilds_then_reads_from_the_cache() -> None:
+    source = Counted(10)
+    ds = source.dataset().cache().repeat(3)
+    with iter(ds) as iterator:
+        for _ in range(14):  # into the second epoch: reading the cache
+            next(iterator)
+        state = iterator.get_state()
+    assert state["state"]["inner"]["mode"] == "read"
+    source.produced = 0
+    with iter(ds) as restored:
+        restored.set_state(json.loads(json.dumps(state)))
+        assert ids(restored) == list(range(4, 10)) + list(range(10))
+    assert source.produced == 10  # rebuilt once by replay, then only the cache
+
+
+def test_tampered_cache_state_is_refused_naming_the_field() -> None:
+    ds = hr.Dataset.range(5).cache()
+    with iter(ds) as iterator:
+        next(iterator)
+        state = iterator.get_state()
+    bad = json.loads(json.dumps(state))
+    bad["state"]["mode"] = "sideways"
+    with iter(ds) as other, pytest.raises(hr.CheckpointError, match="cache: state field 'mode'"):
+        other.set_state(bad)
+    bad = json.loads(json.dumps(state))
+    bad["state"]["position"] = 50
+    with iter(ds) as other, pytest.raises(hr.CheckpointError, match="past the end"):
+        other.set_state(bad)
+
+
+# --------------------------------------------------------------------------- cache(filename)
+
+
+def cache_files(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_file_cache_is_complete_only_at_the_end_and_reused_by_the_next_run(
+    tmp_path: Path,
+) -> None:
+    prefix = str(tmp_path / "c")
+    source = Counted(12)
+    ds = source.dataset().cache(prefix)
+    with iter(ds) as iterator:
+        for _ in range(5):
+            next(iterator)
+        assert not os.path.exists(prefix + ".hrcache.json")  # not complete yet
+        assert os.path.exists(prefix + ".lockfile")
+        assert ids(iterator) == list(range(5, 12))
+    assert cache_files(tmp_path) == ["c.hrcache", "c.hrcache.json"]
+    source.produced = 0
+    assert ids(ds.repeat(2)) == list(range(12)) * 2
+    assert source.produced == 0  # a later run reads only the files
+
+
+def test_partial_file_cache_leaves_nothing_behind(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "c")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [int(x) for x in hr.Dataset.range(10).cache(prefix).take(2)] == [0, 1]
+    assert cache_files(tmp_path) == []  # as tf.data: no files remain after take(2)
+    assert any(PARTIAL_CACHE_ADVICE in str(w.message) for w in caught)
+
+
+def test_a_second_concurrent_writer_gets_an_error_naming_the_lock(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "c")
+    ds = hr.Dataset.range(10).cache(prefix)
+    with iter(ds) as first:
+        next(first)
+        with pytest.raises(FileExistsError, match="concurrent caching iterator") as raised:
+            iter(ds)
+        assert prefix + ".lockfile" in str(raised.value)
+        assert f"pid {os.getpid()}" in str(raised.value)
+        assert [int(x) for x in first] == list(range(1, 10))
+    assert [int(x) for x in ds] == list(range(10))
+
+
+def test_a_crashed_writers_leftovers_never_count_as_complete(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "c")
+    script = textwrap.dedent(
+        f"""
+        import os, numpy as np, headrace as hr
+        it = iter(hr.Dataset.range(100000).map(lambda i: np.full(64, i)).cache({prefix!r}))
+        for _ in range(50000):
+            next(it)
+        os._exit(3)  # killed mid-write: no close, no cleanup
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, check=False)
+    assert done.returncode == 3
+    left = cache_files(tmp_path)
+    assert "c.hrcache.json" not in left and any(name.endswith(".tmp") for name in left)
+    source = Counted(6)
+    assert ids(source.dataset().cache(prefix)) == list(range(6))  # rebuilt, not read
+    assert source.produced == 6
+    assert cache_files(tmp_path) == ["c.hrcache", "c.hrcache.json"]  # leftovers removed
+
+
+def test_a_cache_from_another_pipeline_is_rebuilt_with_a_message(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "c")
+    assert [int(x) for x in hr.Dataset.range(5).map(lambda i: i * 2).cache(prefix)] == [
+        0, 2, 4, 6, 8,
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [int(x) for x in hr.Dataset.range(5).map(lambda i: i * 3).cache(prefix)]
+    assert got == [0, 3, 6, 9, 12]
+    assert any("different pipeline" in str(w.message) and "rebuilding" in str(w.message)
+               for w in caught)
+    assert [int(x) for x in hr.Dataset.range(5).map(lambda i: i * 3).cache(prefix)] == got
+
+
+def test_corrupt_file_cache_names_the_file_and_offset(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "c")
+    ds = hr.Dataset.range(50).map(lambda i: np.full(10, i)).cache(prefix)
+    list(ds)
+    data = prefix + ".hrcache"
+    raw = bytearray(Path(data).read_bytes())
+    record = len(raw) // 50
+    raw[record * 20 + 30] ^= 0xFF  # inside the 21st record's payload
+    Path(data).write_bytes(bytes(raw))
+    with pytest.raises(hr.DataLossError, match=f"offset {record * 20} in file {data}") as raised:
+        list(ds)
+    assert raised.value.path == data and raised.value.offset == record * 20
+
+
+@pytest.mark.parametrize("leave_files", [False, True])
+def test_file_cache_checkpoint_round_trip_in_the_writing_phase(
+    tmp_path: Path, leave_files: bool
+) -> None:
+    prefix = str(tmp_path / "c")
+    ds = Counted(9).dataset().cache(prefix).repeat(2)
+
+    def wipe() -> None:
+        for name in glob.glob(prefix + ".*"):
+            os.unlink(name)
+
+    for step in range(0, 19):
+        wipe()
+        with iter(ds) as original:
+            for _ in range(step):
+                next(original)
+            state = json.loads(json.dumps(original.get_state()))
+            expected = list(original)
+        if not leave_files:
+            wipe()
+        with iter(ds) as restored:
+            restored.set_state(state)
+            actual = list(restored)
+        assert len(actual) == len(expected), step
+        for a, e in zip(actual, expected, strict=True):
+            assert_elements_equal(a, e, where=f"step {step}")
+
+
+def test_file_cache_checkpoint_round_trip_in_the_reading_phase(tmp_path: Path) -> None:
+    ds = Counted(9).dataset().cache(str(tmp_path / "c")).repeat(2)
+    list(ds)  # complete on disk: every run reads it
+    assert_checkpoint_roundtrip(ds)
+
+
+# --------------------------------------------------------------------------- disk full
+
+
+class FullDisk:
+    """TFRecordWriter.write_many failing with ENOSPC after ``allowed`` calls (the file layer)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, allowed: int) -> None:
+        original = tfrecord_module.TFRecordWriter.write_many
+        calls = [0]
+
+        def write_many(writer: Any, records: Any) -> None:
+            calls[0] += 1
+            if calls[0] > allowed:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            original(writer, records)
+
+        monkeypatch.setattr(tfrecord_module.TFRecordWriter, "write_many", write_many)
+
+
+def test_full_disk_while_spilling_is_a_clear_error_and_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    FullDisk(monkeypatch, allowed=2)
+    before = spill_dirs()
+    ds = Counted(300, nbytes=64 << 10).dataset().cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(OSError, match="no space left on the device writing") as raised:
+            list(ds.with_options(hr.Options(memory_budget="4MiB")))
+    assert raised.value.errno == errno.ENOSPC
+    assert spill_dirs() == before
+
+
+def test_full_disk_writing_a_file_cache_leaves_no_complete_looking_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    FullDisk(monkeypatch, allowed=1)
+    prefix = str(tmp_path / "c")
+    ds = Counted(400, nbytes=4096).dataset().cache(prefix)
+    with pytest.raises(OSError, match=f"no space left on the device writing {prefix}.hrcache"):
+        list(ds)
+    assert cache_files(tmp_path) == []
