@@ -29,6 +29,7 @@ instead of starting over.
 from __future__ import annotations
 
 import bisect
+import errno
 import contextlib
 import glob
 import hashlib
@@ -44,7 +45,7 @@ import numpy as np
 from headrace.core.fingerprint import function_fingerprint
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
-from headrace.core.node import Node
+from headrace.core.node import Node, known_spec
 from headrace.errors import DataLossError, InvalidArgumentError
 from headrace.io.elements import (
     ELEMENTS_FORMAT,
@@ -58,6 +59,7 @@ from headrace.io.tfrecord import TFRecordWriter
 from headrace.io.tfrecord_index import build_index, index_path_for
 from headrace.memory.budget import Reservation, StageAccount
 from headrace.sources.tfrecord import IndexedTFRecordNode
+from headrace.structure import TensorSpec, map_structure, spec_of
 
 if TYPE_CHECKING:
     from headrace.dataset import Dataset
@@ -71,6 +73,7 @@ _VERSION = 1
 _PART = "shard-{shard:05d}-{part:05d}.tfrecord"
 _BATCH_BYTES = 1 << 20
 _CHECKPOINT_KEYS = frozenset({"checkpoint_interval"})
+_NOTHING: Any = object()
 
 
 # --------------------------------------------------------------------------- save
@@ -120,8 +123,11 @@ class _ShardWriter:
         self.writer.write_many(records)
         self.count += len(records)
 
-    def close_part(self) -> None:
-        """Publish the current part (and its index) under its name."""
+    def close_part(self, *, last: bool = False) -> None:
+        """Publish the current part (and its index) under its name; the last close of a
+        shard that got no element publishes an empty part (every shard has a file)."""
+        if last and self.writer is None and not self.parts:
+            self.write([])
         writer, self.writer = self.writer, None
         if writer is None:
             return
@@ -136,6 +142,21 @@ class _ShardWriter:
         if writer is not None:
             writer.abort()
         self.count = 0
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _disk_error(error: OSError, writer: _ShardWriter) -> OSError:
+    if error.errno not in _FULL:
+        return error
+    return OSError(
+        error.errno,
+        f"save: no space left on the device writing shard {writer.shard} in "
+        f"{writer.directory} ({error.strerror}): the save is not complete (no "
+        f"{MANIFEST_NAME} is written) and its partial files are removed",
+        writer.directory,
+    )
 
 
 class _Workers:
@@ -165,9 +186,12 @@ class _Workers:
                 if self.error is None:
                     writer = self.writers[shard]
                     if action == "write":
-                        writer.write(records)
+                        try:
+                            writer.write(records)
+                        except OSError as error:
+                            raise _disk_error(error, writer) from error
                     else:
-                        writer.close_part()
+                        writer.close_part(last=action == "finish")
                 if booking is not None:
                     booking.release()
             except BaseException as error:  # noqa: BLE001 - re-raised in the caller
@@ -290,7 +314,7 @@ def save(
         if resumed is not None:
             iterator.set_state(resumed["state"])
         done = 0 if resumed is None else int(resumed["elements"])
-        _write_all(iterator, writers, shard_func, interval, done, progress_path, identity)
+        first = _write_all(iterator, writers, shard_func, interval, done, progress_path, identity)
         counts = [list(writer.parts) for writer in writers]
     except BaseException:
         for writer in writers:
@@ -298,7 +322,7 @@ def save(
         raise
     finally:
         iterator.close()
-    spec = _spec_json(dataset)
+    spec = _spec_json(dataset, first)
     _write_json(
         manifest_path,
         {
@@ -317,11 +341,17 @@ def save(
         os.unlink(progress_path)
 
 
-def _spec_json(dataset: Dataset) -> Any:
-    try:
-        return spec_to_json(dataset.element_spec)
-    except Exception:  # noqa: BLE001 - an empty dataset's map spec: load infers nothing
-        return None
+def _spec_json(dataset: Dataset, first: Any) -> Any:
+    """The element spec to record: the pipeline's when known without data; else that of
+    the first element written, sizes unknown (as map's sampled spec) — never a second
+    read of the input; None for an empty dataset whose spec needs data."""
+    spec = known_spec(dataset.node)
+    if spec is None and first is not _NOTHING:
+        spec = map_structure(
+            lambda leaf: TensorSpec((None,) * len(leaf.shape), leaf.dtype, leaf.kind),
+            spec_of(first),
+        )
+    return None if spec is None else spec_to_json(spec)
 
 
 def _read_progress(path: str, identity: str) -> dict[str, Any] | None:
@@ -343,7 +373,9 @@ def _write_all(
     done: int,
     progress_path: str,
     identity: str,
-) -> None:
+) -> Any:
+    """Write every element; returns the first one written (``_NOTHING`` if none)."""
+    first: Any = _NOTHING
     account = iterator.context.account(_SAVE_NODE)
     iterator.context.budget.allot()
     workers = _Workers(writers, account)
@@ -359,6 +391,8 @@ def _write_all(
 
     try:
         for element in iterator:
+            if first is _NOTHING:
+                first = element
             shard = (done % len(writers)) if shard_func is None else _shard_of(
                 shard_func, element, done
             )
@@ -377,13 +411,14 @@ def _write_all(
         for shard in list(pending):
             send(shard)
         for shard in range(len(writers)):
-            workers.submit("close", shard, [], None)
+            workers.submit("finish", shard, [], None)
         workers.drain()
     finally:
         for shard in list(pending):
             account.release(pending_bytes.pop(shard, 0))
         pending.clear()
         workers.stop()
+    return first
 
 
 def _checkpoint(
