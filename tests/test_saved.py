@@ -94,7 +94,7 @@ def test_an_unfinished_save_is_not_loadable_and_says_why(tmp_path: Path) -> None
 
     with pytest.raises(RuntimeError):
         rows(60).map(boom).save(tmp_path)
-    with pytest.raises(FileNotFoundError, match="not a complete saved dataset.*no headrace-dataset.json"):
+    with pytest.raises(FileNotFoundError, match=r"not a complete saved dataset.*no headrace-dataset\.json"):
         hr.Dataset.load(tmp_path)
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 

@@ -594,9 +594,27 @@ class Dataset:
         indices. ``reader_func`` receives a dataset whose elements are the shards'
         datasets, as in tf.data (``lambda shards: shards.interleave(lambda s: s)``).
         """
-        from headrace.saved import load
+        from headrace.saved import DecodeRecord, LoadNode, ShardsAsDatasets, load_plan
 
-        return load(path, element_spec, reader_func)
+        directory, manifest, spec, files, compression = load_plan(path, element_spec)
+        if reader_func is None and compression is None:
+            return Dataset(LoadNode(directory, manifest, spec))
+        shards = [
+            TFRecordDataset(names, compression_type=compression, indexed=compression is None)
+            .map(DecodeRecord(directory), output_signature=spec)
+            for names in files
+        ]
+        indices = Dataset.range(len(shards))
+        if reader_func is None:  # tf.data's default: the shards interleaved one at a time
+            return indices.interleave(
+                ShardsAsDatasets(shards), cycle_length=max(len(shards), 1), block_length=1
+            )
+        result = reader_func(indices.map(ShardsAsDatasets(shards)))
+        if not isinstance(result, Dataset):
+            raise InvalidArgumentError(
+                f"load: reader_func must return a Dataset, got {type(result).__name__}"
+            )
+        return result
 
     def __repr__(self) -> str:
         """Never reads data: a spec that would need it shows as not known yet."""

@@ -29,8 +29,8 @@ instead of starting over.
 from __future__ import annotations
 
 import bisect
-import errno
 import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -56,7 +56,7 @@ from headrace.io.elements import (
 )
 from headrace.io.streams import normalize_compression_type
 from headrace.io.tfrecord import TFRecordWriter
-from headrace.io.tfrecord_index import build_index, index_path_for
+from headrace.io.tfrecord_index import build_index
 from headrace.memory.budget import Reservation, StageAccount
 from headrace.sources.tfrecord import IndexedTFRecordNode
 from headrace.structure import TensorSpec, map_structure, spec_of
@@ -64,7 +64,7 @@ from headrace.structure import TensorSpec, map_structure, spec_of
 if TYPE_CHECKING:
     from headrace.dataset import Dataset
 
-__all__ = ["MANIFEST_NAME", "load", "save"]
+__all__ = ["MANIFEST_NAME", "DecodeRecord", "LoadNode", "ShardsAsDatasets", "load_plan", "save"]
 
 MANIFEST_NAME = "headrace-dataset.json"
 PROGRESS_NAME = ".save-progress.json"
@@ -194,7 +194,7 @@ class _Workers:
                         writer.close_part(last=action == "finish")
                 if booking is not None:
                     booking.release()
-            except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+            except BaseException as error:
                 if self.error is None:
                     self.error = error
                 if task is not None and task[3] is not None:
@@ -498,7 +498,7 @@ def _part_files(directory: str, parts: list[list[int]]) -> list[list[str]]:
     ]
 
 
-class _Decode:
+class DecodeRecord:
     """Record bytes to element (a map function, for compressed shards)."""
 
     def __init__(self, directory: str) -> None:
@@ -608,14 +608,22 @@ def _round_robin(totals: np.ndarray[Any, Any]) -> bool:
     return bool(((totals == high) | (totals == high - 1)).all() and (np.diff(totals) <= 0).all())
 
 
-def load(
-    path: str | os.PathLike[str],
-    element_spec: Any = None,
-    reader_func: Callable[[Dataset], Dataset] | None = None,
-) -> Dataset:
-    """The dataset saved at ``path`` (see the module docstring)."""
-    from headrace.dataset import Dataset, TFRecordDataset
+class ShardsAsDatasets:
+    """Shard index to that shard's dataset: the function that turns a dataset of shard
+    indices into tf.data's input of ``reader_func``, a dataset of datasets."""
 
+    def __init__(self, shards: list[Dataset]) -> None:
+        self.shards = shards
+
+    def __call__(self, index: Any) -> Dataset:
+        return self.shards[int(index)]
+
+
+def load_plan(
+    path: str | os.PathLike[str], element_spec: Any
+) -> tuple[str, dict[str, Any], Any, list[list[str]], str | None]:
+    """What ``Dataset.load`` needs: the directory, its manifest, the element spec (given
+    or recorded), each shard's part files and the compression."""
     directory = os.fspath(path)
     manifest = _read_manifest(directory)
     spec = element_spec
@@ -628,46 +636,4 @@ def load(
             )
         spec = spec_from_json(raw)
     files = _part_files(directory, manifest["parts"])
-    compression = manifest.get("compression") or None
-    if reader_func is None and compression is None:
-        return Dataset(LoadNode(directory, manifest, spec))
-    shards = [
-        TFRecordDataset(shard, compression_type=compression, indexed=compression is None)
-        .map(_Decode(directory), output_signature=spec)
-        for shard in files
-    ]
-    if reader_func is None:
-        return _interleave_shards(shards)
-    result = reader_func(_ShardsDataset.of(shards))
-    if not isinstance(result, Dataset):
-        raise InvalidArgumentError(
-            f"load: reader_func must return a Dataset, got {type(result).__name__}"
-        )
-    return result
-
-
-def _interleave_shards(shards: list[Dataset]) -> Dataset:
-    from headrace.dataset import Dataset
-
-    if not shards:
-        return Dataset.range(0)
-    return Dataset.range(len(shards)).interleave(
-        _ShardsDataset(shards), cycle_length=len(shards), block_length=1
-    )
-
-
-class _ShardsDataset:
-    """Shard index to that shard's dataset (the function reader_func's input maps with)."""
-
-    def __init__(self, shards: list[Dataset]) -> None:
-        self.shards = shards
-
-    def __call__(self, index: Any) -> Dataset:
-        return self.shards[int(index)]
-
-    @staticmethod
-    def of(shards: list[Dataset]) -> Dataset:
-        """tf.data's input to ``reader_func``: a dataset whose elements are the shards."""
-        from headrace.dataset import Dataset
-
-        return Dataset.range(len(shards)).map(_ShardsDataset(shards), output_signature=None)
+    return directory, manifest, spec, files, manifest.get("compression") or None

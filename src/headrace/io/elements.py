@@ -106,7 +106,7 @@ def _encode(value: Any, parts: list[Any], path: str) -> Any:
     if isinstance(value, np.generic):
         dtype = value.dtype
         if dtype.kind in "SU":  # np.bytes_ / np.str_: their Python value, exactly
-            data = bytes(value) if dtype.kind == "S" else str(value).encode("utf-8", "surrogatepass")
+            data = value.item() if dtype.kind == "S" else str(value).encode("utf-8", "surrogatepass")
             parts.append(_U64.pack(len(data)))
             parts.append(data)
             return "gS" if dtype.kind == "S" else "gU"
@@ -280,7 +280,7 @@ def _dtype(raw: Any) -> np.dtype[Any]:
     return dtype
 
 
-def _compile(tree: Any) -> _Decoder:  # noqa: C901 - one branch per leaf kind, flat on purpose
+def _compile(tree: Any) -> _Decoder:
     if tree == "i":
         return _fixed(_I64.unpack_from, 8, lambda found: found[0])
     if tree == "f":
@@ -341,13 +341,20 @@ def _compile(tree: Any) -> _Decoder:  # noqa: C901 - one branch per leaf kind, f
             raise _Corrupt("bad namedtuple")
         if not all(isinstance(field, str) for field in fields):
             raise _Corrupt("namedtuple fields must be str")
-        cls = _namedtuples.get((name, tuple(fields)))
-        if cls is None:
-            cls = collections.namedtuple(name, fields, rename=True)  # type: ignore[misc]
-            _namedtuples[(name, tuple(fields))] = cls
+        cls = _namedtuple_class(name, tuple(fields))
         children = _children(tree[3], len(fields))
         return _sequence(children, lambda items: cls(*items))
     raise _Corrupt(f"unknown component {tree!r:.60}")
+
+
+def _namedtuple_class(name: str, fields: tuple[str, ...]) -> Any:
+    """The class that wrote these fields in this process, else a plain namedtuple."""
+    cls = _namedtuples.get((name, fields))
+    if cls is None:
+        cls = _namedtuples[(name, fields)] = collections.namedtuple(  # type: ignore[misc]
+            name, fields, rename=True
+        )
+    return cls
 
 
 def _children(raw: Any, count: int | None) -> list[_Decoder]:
@@ -439,10 +446,6 @@ def spec_from_json(raw: Any) -> Any:
     if "tuple" in raw:
         return tuple(spec_from_json(item) for item in raw["tuple"])
     if "namedtuple" in raw:
-        name, fields = raw["namedtuple"], tuple(raw["fields"])
-        cls = _namedtuples.get((name, fields))
-        if cls is None:
-            cls = collections.namedtuple(name, fields, rename=True)  # type: ignore[misc]
-            _namedtuples[(name, fields)] = cls
+        cls = _namedtuple_class(raw["namedtuple"], tuple(raw["fields"]))
         return cls(*(spec_from_json(item) for item in raw["items"]))
     raise ValueError(f"bad element spec entry {raw!r:.80}")

@@ -61,13 +61,13 @@ from headrace.core.state import POSITION, StateReader, past_end
 from headrace.errors import CheckpointError, InvalidArgumentError
 from headrace.io.elements import ELEMENTS_FORMAT, decode_element, encode_element
 from headrace.io.filepool import get_default_pool
-from headrace.io.tfrecord import RECORD_OVERHEAD_BYTES, TFRecordReader, TFRecordWriter
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
+from headrace.io.tfrecord import RECORD_OVERHEAD_BYTES, TFRecordReader, TFRecordWriter
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.memory.units import format_bytes
 from headrace.sources.files import file_limiter
 
-__all__ = ["CacheNode", "PARTIAL_CACHE_ADVICE"]
+__all__ = ["PARTIAL_CACHE_ADVICE", "CacheNode"]
 
 #: tf.data's warning for a cache an iterator stopped reading before the end.
 PARTIAL_CACHE_ADVICE = (
@@ -362,7 +362,7 @@ class _MemoryStore(_Store):
         self.spill: _RecordWriter | None = None
         self.spill_path: str | None = None
         self.directory: str | None = None
-        self._cleanup: weakref.finalize | None = None
+        self._cleanup: weakref.finalize[Any, Any] | None = None
         self.lock = threading.Lock()
         self.discarded = False
 
