@@ -56,6 +56,7 @@ from headrace.io.elements import (
 )
 from headrace.io.streams import normalize_compression_type
 from headrace.io.tfrecord import TFRecordWriter
+from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.io.tfrecord_index import build_index
 from headrace.memory.budget import Reservation, StageAccount
 from headrace.sources.tfrecord import IndexedTFRecordNode
@@ -236,17 +237,7 @@ def _remove(paths: list[str]) -> None:
 
 
 def _write_json(path: str, content: dict[str, Any]) -> None:
-    temp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(temp, "w", encoding="utf-8") as file:
-            json.dump(content, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
+    write_atomically(path, [json.dumps(content).encode()])
 
 
 def _save_identity(

@@ -63,6 +63,7 @@ from headrace.io.elements import ELEMENTS_FORMAT, decode_element, encode_element
 from headrace.io.filepool import get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord import RECORD_OVERHEAD_BYTES, TFRecordReader, TFRecordWriter
+from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.memory.units import format_bytes
 from headrace.sources.files import file_limiter
@@ -521,7 +522,7 @@ class _FileStore(_Store):
                 "bytes": os.path.getsize(self.paths.data),
                 "created": time.time(),
             }
-            _write_json_atomically(self.paths.manifest, manifest)
+            write_atomically(self.paths.manifest, [json.dumps(manifest).encode()])
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.paths.data)
@@ -576,21 +577,6 @@ class _CachePaths:
         self.data = f"{filename}.hrcache"
         self.manifest = f"{filename}.hrcache.json"
         self.lock = f"{filename}.lockfile"
-
-
-def _write_json_atomically(path: str, content: dict[str, Any]) -> None:
-    directory, name = os.path.split(os.path.abspath(path))
-    temp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
-    try:
-        with open(temp, "w", encoding="utf-8") as file:
-            json.dump(content, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
 
 
 def _acquire_lock(paths: _CachePaths) -> int:
