@@ -50,7 +50,7 @@ class _ParseExamples:
         self.__qualname__ = f"parse_examples({sorted(self.features)})"
 
     def __call__(self, serialized: Any) -> Any:
-        from headrace.io.example import parse_example
+        from headrace.io.example.parsing import parse_example
 
         if not isinstance(serialized, np.ndarray) or serialized.ndim != 1:
             raise InvalidArgumentError(

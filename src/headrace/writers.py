@@ -13,7 +13,7 @@
   ``num_shards`` must not exceed the process's file cap
   (``headrace.io.filepool.get_default_pool().max_open_files``).
 * **All or nothing (G5).** Every shard is written to a hidden staging file (through
-  :class:`~headrace.io.tfrecord.TFRecordWriter`: temp file, fsync, rename) and indexed
+  :class:`~headrace.io.tfrecord.writer.TFRecordWriter`: temp file, fsync, rename) and indexed
   there; only when *every* shard is complete are they renamed to their final names. An
   exception anywhere before that - an element that cannot be serialized, a dataset that
   raises midway, a full disk - removes the staging files and propagates, so no file with
@@ -25,15 +25,10 @@
   Compressed (GZIP/ZLIB) shards cannot be indexed - a record cannot be reached without
   decompressing everything before it - so they get none, and a stale ``.hrx`` left under
   the same name by an earlier uncompressed run is removed.
-* **Speed.** Per-element Python work is the bottleneck of Example writers (TensorFlow's
-  ``tf.train.Example(...).SerializeToString()`` loop manages ~30 k records/s). Here rows
-  are grouped in chunks and encoded *column by column*: numeric columns with one dtype and
-  shape are converted in one NumPy call (floats as one ``tobytes``, int64 varints
-  vectorized), and the fixed protobuf headers around each value are computed once per
-  distinct length. The output is byte-identical to
-  :func:`headrace.io.example.serialize_example` (tests check it), which remains the
-  fallback for anything irregular (lists, ragged shapes, mixed types). Framing is the io
-  layer's ``write_many`` (in C).
+* **Speed.** Rows are grouped in chunks and encoded *column by column* by
+  :func:`headrace.io.example.encoding.encode_example_columns` (byte-identical to
+  :func:`~headrace.io.example.encoding.serialize_example` row by row, many times faster);
+  framing is the io layer's ``write_many`` (in C).
 """
 
 from __future__ import annotations
@@ -44,27 +39,21 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping
 from typing import IO, Any, Literal
 
 import numpy as np
-import numpy.typing as npt
 
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.errors import InvalidArgumentError
-from headrace.io import _example_wire as wire
-from headrace.io.example import _encode_feature_value, serialize_example
-from headrace.io.tfrecord import (
-    RECORD_OVERHEAD_BYTES,
-    TFRecordWriter,
-    _fsync_directory,
-    normalize_compression_type,
-)
+from headrace.io.example.encoding import encode_example_columns, serialize_example
+from headrace.io.streams import normalize_compression_type
+from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES
+from headrace.io.tfrecord.writer import TFRecordWriter, fsync_directory
 from headrace.io.tfrecord_index import build_index, index_path_for
 
-__all__ = ["ProgressBar", "encode_example_columns", "save_tfrecords", "shard_paths"]
+__all__ = ["ProgressBar", "save_tfrecords", "shard_paths"]
 
-Array = npt.NDArray[Any]
 ProgressSetting = bool | Literal["always"]
 
 #: Elements encoded per chunk when ``batched=False``: large enough that NumPy's per-call
@@ -73,9 +62,6 @@ CHUNK_ELEMENTS = 1024
 _STAGING_SUFFIX = ".staging"
 _DEFAULT_SHARD_NAME = "part-{shard:05d}-of-{num_shards:05d}.tfrecord"
 
-_LEN = 2  # protobuf wire type "length-delimited"
-_BYTES_VALUE_TAG = wire.encode_varint(1 << 3 | _LEN)  # BytesList.value / packed field 1
-_UINT64_SHIFTS = np.arange(0, 70, 7, dtype=np.uint64)  # the 10 varint groups of a uint64
 
 
 # --------------------------------------------------------------------------- paths
@@ -110,250 +96,6 @@ def shard_paths(path: str | os.PathLike[str], num_shards: int) -> list[str]:
     if len(set(paths)) != num_shards:
         raise InvalidArgumentError(f"the pattern {text!r} gives several shards the same name")
     return paths
-
-
-# --------------------------------------------------------------------------- encoding
-
-
-def _varint_lengths(values: Array) -> Array:
-    """Bytes of each uint64's varint (1..10)."""
-    lengths: Array = 1 + (values[:, None] >= (np.uint64(1) << _UINT64_SHIFTS[1:])).sum(axis=1)
-    return lengths
-
-
-def _encode_varints(values: Array) -> tuple[bytes, Array]:
-    """Varints of int64 ``values`` (negatives as 10-byte uint64, as protobuf), concatenated,
-    and the length of each, in one vectorized pass."""
-    unsigned = values.astype(np.int64, copy=False).view(np.uint64).reshape(-1)
-    lengths = _varint_lengths(unsigned)
-    groups = ((unsigned[:, None] >> _UINT64_SHIFTS) & np.uint64(0x7F)).astype(np.uint8)
-    positions = np.arange(10)
-    groups[positions < (lengths[:, None] - 1)] |= 0x80
-    return groups[positions < lengths[:, None]].tobytes(), lengths
-
-
-class _EntryHeads:
-    """The bytes before a value in one ``Features.feature`` map entry, cached by length.
-
-    An entry is ``{1: key, 2: Feature{kind: list payload}}``; everything but the payload
-    depends only on the key, the kind and the payload's length, so it is computed once per
-    distinct length instead of once per record.
-    """
-
-    def __init__(self, key: str, kind: int) -> None:
-        self._key_field = wire.encode_message_field(1, key.encode("utf-8"))
-        self._kind_tag = wire.encode_varint(kind << 3 | _LEN)
-        self._cache: dict[int, bytes] = {}
-
-    def feature_head(self, feature_length: int) -> bytes:
-        """Head of an entry whose encoded ``Feature`` message has ``feature_length`` bytes."""
-        value_head = wire.encode_varint(2 << 3 | _LEN) + wire.encode_varint(feature_length)
-        entry_length = len(self._key_field) + len(value_head) + feature_length
-        return (
-            wire.encode_varint(1 << 3 | _LEN)
-            + wire.encode_varint(entry_length)
-            + self._key_field
-            + value_head
-        )
-
-    def __call__(self, payload_length: int) -> bytes:
-        """Head of an entry whose list payload (inside the Feature) has this length."""
-        head = self._cache.get(payload_length)
-        if head is None:
-            kind_head = self._kind_tag + wire.encode_varint(payload_length)
-            head = self.feature_head(len(kind_head) + payload_length) + kind_head
-            self._cache[payload_length] = head
-        return head
-
-
-def _packed_head(raw_length: int) -> bytes:
-    """Head of a packed list (FloatList/Int64List field 1); empty lists are written empty."""
-    return _BYTES_VALUE_TAG + wire.encode_varint(raw_length) if raw_length else b""
-
-
-def _float_entries(key: str, rows: Array) -> list[bytes]:
-    count = len(rows)
-    width = 4 * (rows.size // count)
-    if width == 0:
-        return [_EntryHeads(key, wire.KIND_FLOAT)(0)] * count
-    raw = np.ascontiguousarray(rows, dtype="<f4").tobytes()
-    packed = _packed_head(width)
-    head = _EntryHeads(key, wire.KIND_FLOAT)(len(packed) + width) + packed
-    return [head + raw[start : start + width] for start in range(0, count * width, width)]
-
-
-def _int64_entries(key: str, rows: Array) -> list[bytes]:
-    if rows.dtype == np.uint64 and rows.size and rows.max() > np.iinfo(np.int64).max:
-        raise InvalidArgumentError(f"feature {key!r}: uint64 value above int64 range")
-    count = len(rows)
-    raw, lengths = _encode_varints(rows.astype(np.int64, copy=False))
-    per_row = rows.size // count
-    ends = np.cumsum(lengths.reshape(count, per_row).sum(axis=1)).tolist()
-    heads = _EntryHeads(key, wire.KIND_INT64)
-    full_heads: dict[int, bytes] = {}  # raw length -> entry head + packed head
-    entries = []
-    start = 0
-    for end in ends:
-        length = end - start
-        head = full_heads.get(length)
-        if head is None:
-            packed = _packed_head(length)
-            head = full_heads[length] = heads(len(packed) + length) + packed
-        entries.append(head + raw[start:end])
-        start = end
-    return entries
-
-
-def _bytes_entries(key: str, rows: list[list[bytes]] | list[bytes]) -> list[bytes]:
-    """Entries of a BytesList column: ``rows`` holds one bytes per row, or a list per row."""
-    heads = _EntryHeads(key, wire.KIND_BYTES)
-    entries = []
-    single_cache: dict[int, bytes] = {}
-    for row in rows:
-        if isinstance(row, bytes):  # the common case: one value, head cached by its length
-            head = single_cache.get(len(row))
-            if head is None:
-                value_head = _BYTES_VALUE_TAG + wire.encode_varint(len(row))
-                head = heads(len(value_head) + len(row)) + value_head
-                single_cache[len(row)] = head
-            entries.append(head + row)
-        else:
-            payload = wire.encode_bytes_payload(row)
-            entries.append(heads(len(payload)) + payload)
-    return entries
-
-
-def _as_bytes_list(values: list[Any]) -> list[bytes] | None:
-    """``values`` as bytes (str encoded as UTF-8), or None if any is not bytes/str."""
-    out = []
-    for value in values:
-        if isinstance(value, bytes):
-            out.append(bytes(value) if type(value) is not bytes else value)
-        elif isinstance(value, str):
-            out.append(value.encode("utf-8"))
-        else:
-            return None
-    return out
-
-
-def _array_entries(key: str, rows: Array) -> list[bytes] | None:
-    """Entries of a stacked column ``(rows, *shape)``; None when only the slow path can."""
-    kind = rows.dtype.kind
-    if kind == "f":
-        return _float_entries(key, rows)
-    if kind in "iub":
-        return _int64_entries(key, rows)
-    if kind in "SUO" and rows.ndim >= 1:
-        flat = rows.reshape(len(rows), -1)
-        if flat.shape[1] == 1:
-            scalars = _as_bytes_list(flat[:, 0].tolist())
-            return None if scalars is None else _bytes_entries(key, scalars)
-        lists = [_as_bytes_list(row) for row in flat.tolist()]
-        if any(row is None for row in lists):
-            return None
-        return _bytes_entries(key, [row for row in lists if row is not None])
-    return None
-
-
-_NUMPY_VALUE = (np.ndarray, np.generic)
-
-
-def _stack(values: Sequence[Any]) -> Array | None:
-    """Stack one column's per-row values into ``(rows, *shape)`` if they share a type,
-    dtype and shape (so one conversion gives what per-value serialization would)."""
-    first = values[0]
-    first_type = type(first)
-    if any(type(value) is not first_type for value in values):
-        return None
-    if first_type is float:
-        return np.asarray(values, dtype=np.float64)
-    if first_type is int or first_type is bool:
-        try:
-            return np.asarray(values, dtype=np.int64)
-        except OverflowError:
-            return None
-    if isinstance(first, _NUMPY_VALUE):
-        dtype, shape = first.dtype, first.shape
-        if dtype.kind == "O" or any(
-            value.dtype != dtype or value.shape != shape for value in values
-        ):
-            return None
-        return np.stack(values)
-    return None
-
-
-def _slow_entries(key: str, values: Sequence[Any], describe: Callable[[int], str]) -> list[bytes]:
-    """Per-value encoding through :mod:`headrace.io.example`: anything it accepts."""
-    heads = _EntryHeads(key, wire.KIND_NONE)
-    entries = []
-    for row, value in enumerate(values):
-        try:
-            feature = _encode_feature_value(value, key)
-        except InvalidArgumentError as error:
-            raise InvalidArgumentError(f"{describe(row)}: {error}") from error
-        entries.append(heads.feature_head(len(feature)) + feature)
-    return entries
-
-
-def _column_entries(
-    key: str, values: Array | Sequence[Any], describe: Callable[[int], str]
-) -> list[bytes]:
-    """One column's map entries, one per row: fast paths first, the slow path otherwise."""
-    try:
-        if isinstance(values, np.ndarray):
-            stacked: Array | None = values
-        else:
-            scalars = _as_bytes_list(list(values))
-            if scalars is not None:
-                return _bytes_entries(key, scalars)
-            stacked = _stack(values)
-        if stacked is not None:
-            entries = _array_entries(key, stacked)
-            if entries is not None:
-                return entries
-    except InvalidArgumentError:
-        pass  # the slow path raises the same error, naming the row
-    rows = list(values) if isinstance(values, np.ndarray) else values
-    return _slow_entries(key, rows, describe)
-
-
-def encode_example_columns(
-    columns: Mapping[str, Array | Sequence[Any]],
-    *,
-    describe: Callable[[int], str] = lambda row: f"row {row}",
-) -> list[bytes]:
-    """Serialize rows given as columns (``{name: values}``, one value per row) as Examples.
-
-    Byte-identical to ``[serialize_example(row) for row in rows]``, many times faster for
-    regular columns. Every column must hold the same number of rows; ``describe(row)`` is
-    how an error names a failing row.
-    """
-    if not columns:
-        raise InvalidArgumentError("encode_example_columns needs at least one column")
-    for name in columns:
-        if not isinstance(name, str):
-            raise InvalidArgumentError(f"feature names must be str, got {name!r}")
-    names = sorted(columns)
-    counts = {name: len(columns[name]) for name in names}
-    if len(set(counts.values())) != 1:
-        raise InvalidArgumentError(f"all columns must have the same number of rows, got {counts}")
-    if not counts[names[0]]:
-        return []
-    per_column = [_column_entries(name, columns[name], describe) for name in names]
-    bodies = (
-        [b"".join(entries) for entries in zip(*per_column, strict=True)]
-        if len(names) > 1
-        else per_column[0]
-    )
-    example_tag = wire.encode_varint(1 << 3 | _LEN)
-    heads: dict[int, bytes] = {}
-    records = []
-    for body in bodies:
-        head = heads.get(len(body))
-        if head is None:
-            head = heads[len(body)] = example_tag + wire.encode_varint(len(body))
-        records.append(head + body)
-    return records
 
 
 # --------------------------------------------------------------------------- elements
@@ -535,7 +277,7 @@ class _Shards:
             else:
                 os.replace(index_path_for(self.staging[shard]), index_path_for(final))
         for directory in sorted({os.path.dirname(os.path.abspath(p)) for p in self.finals}):
-            _fsync_directory(directory)
+            fsync_directory(directory)
 
     def abort(self) -> None:
         """Discard everything this save wrote; final names are never touched."""

@@ -15,7 +15,7 @@ from headrace.io import _example_wire as wire
 from headrace.io import _native
 from headrace.io._crc32c import _crc32c_table
 from headrace.io.example import serialize_example
-from headrace.io.tfrecord import _frame_record, _scan_records_py
+from headrace.io.tfrecord.framing import frame_record, scan_records_py
 
 native = _native._loaded_extension
 KIND_CODES = {
@@ -56,7 +56,7 @@ def test_crc32c(data: bytes, start: int) -> None:
 @st.composite
 def damaged_framing(draw: st.DrawFn) -> bytes:
     records = draw(st.lists(st.binary(max_size=30), max_size=6))
-    framed = bytearray(b"".join(_frame_record(record) for record in records))
+    framed = bytearray(b"".join(frame_record(record) for record in records))
     for _ in range(draw(st.integers(0, 2))):
         if framed:
             framed[draw(st.integers(0, len(framed) - 1))] ^= 1 << draw(st.integers(0, 7))
@@ -76,16 +76,16 @@ def test_scan_records(
 ) -> None:
     assert native is not None
     bounded = min(max_record_bytes, 2**62)  # the C side caps the bound at 2**62
-    expected = _scan_records_py(data, 0, max_records, max_bytes, verify, bounded)
+    expected = scan_records_py(data, 0, max_records, max_bytes, verify, bounded)
     assert (
         native.scan_records(data, 0, max_records, max_bytes, verify, max_record_bytes) == expected
     )
 
 
 @given(st.lists(st.binary(max_size=50), max_size=10))
-def test_frame_records(records: list[bytes]) -> None:
+def testframe_records(records: list[bytes]) -> None:
     assert native is not None
-    assert native.frame_records(records) == b"".join(map(_frame_record, records))
+    assert native.frame_records(records) == b"".join(map(frame_record, records))
 
 
 @st.composite

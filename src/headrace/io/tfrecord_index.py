@@ -32,11 +32,8 @@ import numpy.typing as npt
 
 from headrace.errors import DataLossError, RecordTooLargeError
 from headrace.io._crc32c import masked_crc32c
-from headrace.io.tfrecord import (
-    DEFAULT_MAX_RECORD_BYTES,
-    RECORD_OVERHEAD_BYTES,
-    read_record_at,
-)
+from headrace.io.tfrecord.framing import DEFAULT_MAX_RECORD_BYTES, RECORD_OVERHEAD_BYTES
+from headrace.io.tfrecord.reader import read_record_at
 
 __all__ = [
     "INDEX_SUFFIX",

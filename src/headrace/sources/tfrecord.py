@@ -1,7 +1,7 @@
 """TFRecord sources: streamed file by file, or random access through ``.hrx`` indexes.
 
 Streaming (``TFRecordDataset``) reads through the process-wide file pool with
-the framing reader of :mod:`headrace.io.tfrecord` (CRC-checked, bounded by
+the framing reader of :mod:`headrace.io.tfrecord.reader` (CRC-checked, bounded by
 ``max_record_bytes``, optionally skipping corrupt records); ``batch`` is
 pushed into the reader, so a batch of 1,024 records costs one call.
 
@@ -25,12 +25,8 @@ from headrace.core.node import Node
 from headrace.errors import InvalidArgumentError, MemoryBudgetError
 from headrace.io.filepool import PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
-from headrace.io.tfrecord import (
-    DEFAULT_MAX_RECORD_BYTES,
-    RECORD_OVERHEAD_BYTES,
-    TFRecordReader,
-    records_in_spans,
-)
+from headrace.io.tfrecord.framing import DEFAULT_MAX_RECORD_BYTES, RECORD_OVERHEAD_BYTES
+from headrace.io.tfrecord.reader import TFRecordReader, records_in_spans
 from headrace.io.tfrecord_index import (
     StaleIndexError,
     TFRecordIndex,

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from headrace.errors import DataLossError, ParseError
-from headrace.io.example import DecodedFeature, decode_example
-from headrace.io.tfrecord import RECORD_OVERHEAD_BYTES, open_tfrecord
+from headrace.io.example.parsing import DecodedFeature, decode_example
+from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES
+from headrace.io.tfrecord.reader import open_tfrecord
 from headrace.tools.index import sniff_compression
 
 __all__ = ["FeatureStats", "FileReport", "format_report", "inspect_tfrecord"]

@@ -2,7 +2,7 @@
  * headrace.io._hrio: the hot loops of the TFRecord / Example format layer.
  *
  * Each function has a pure-Python twin that gives identical results (including error
- * positions); see tfrecord.py (_scan_records_py, _frame_record) and _example_wire.py
+ * positions); see tfrecord/framing.py (scan_records_py, frame_record) and _example_wire.py
  * (scan_columns). Keep the two in step: tests compare them on random and corrupt input.
  *
  * Safety rules followed throughout: every read is bounds-checked against the end of

@@ -1,8 +1,4 @@
-"""TFRecord framing: a batched, resumable, bounds-checked reader and an atomic writer.
-
-A TFRecord file (``tensorflow/core/lib/io/record_writer.h``) is a sequence of::
-
-    uint64 length (little-endian) | uint32 masked_crc32c(length bytes) | data | uint32 masked_crc32c(data)
+"""TFRecord reading: a batched, resumable, bounds-checked reader, and random access.
 
 Compression (``"GZIP"`` / ``"ZLIB"``) applies to the *whole file stream*, as in TensorFlow,
 so offsets in compressed files count decompressed bytes and such files resume by
@@ -22,14 +18,10 @@ from __future__ import annotations
 
 import gzip
 import os
-import secrets
-import struct
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
-from types import TracebackType
-from typing import IO, Protocol
+from typing import Protocol
 
 from headrace._closing import ClosesOnExit
 from headrace.errors import (
@@ -39,126 +31,32 @@ from headrace.errors import (
     RecordTooLargeError,
 )
 from headrace.io._crc32c import masked_crc32c
-from headrace.io._native import native_module
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type, open_stream
+from headrace.io.tfrecord.framing import (
+    DEFAULT_MAX_RECORD_BYTES,
+    FOOTER_BYTES,
+    HEADER,
+    HEADER_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    U32,
+    ScanResult,
+    ScanStatus,
+    scan_records,
+    scanner,
+)
 
 __all__ = [
-    "DEFAULT_BUFFER_SIZE",
-    "DEFAULT_MAX_RECORD_BYTES",
-    "RECORD_OVERHEAD_BYTES",
     "SkippedSpan",
     "TFRecordReader",
-    "TFRecordWriter",
-    "encode_records",
-    "normalize_compression_type",
     "open_tfrecord",
     "read_record_at",
-    "write_tfrecord",
+    "records_in_spans",
 ]
 
-#: Declared lengths above this are refused before allocation. 1 GiB holds any sane
-#: record (TensorFlow's protos are limited to 2 GiB) yet stops a garbage length of 2**60.
-DEFAULT_MAX_RECORD_BYTES = 1 << 30
-HEADER_BYTES = 12
-FOOTER_BYTES = 4
-#: Bytes of framing around each record's payload.
-RECORD_OVERHEAD_BYTES = HEADER_BYTES + FOOTER_BYTES
 # Reads for one oversized record are issued in pieces of at most this size, so that a
 # corrupt declared length allocates no more than the bytes that really exist.
 _MAX_READ_PIECE = 16 * 1024 * 1024
 
-_U64 = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
-_HEADER = struct.Struct("<QI")
-
-
-class ScanStatus(IntEnum):
-    """Why :func:`scan_records` stopped; shared with the C implementation."""
-
-    LIMIT = 0  # max_records or max_bytes reached
-    NEED_MORE = 1  # detail = bytes needed from the stop position to finish the next record
-    BAD_LENGTH_CRC = 2
-    BAD_DATA_CRC = 3  # detail = the record's payload length
-    TOO_LARGE = 4  # detail = the declared length
-
-
-ScanResult = tuple[list[bytes], int, int, int]
-
-
-def _scan_records_py(
-    buf: bytes,
-    pos: int,
-    max_records: int,
-    max_bytes: int,
-    verify_crc: bool,
-    max_record_bytes: int,
-) -> ScanResult:
-    """Cut complete records out of ``buf`` from ``pos``; the C twin is ``_hrio.scan_records``.
-
-    Returns ``(records, stop_position, status, detail)``. Records are taken while the batch
-    is empty or the payload total stays within ``max_bytes``.
-    """
-    records: list[bytes] = []
-    total = 0
-    end = len(buf)
-    while len(records) < max_records:
-        if end - pos < HEADER_BYTES:
-            return records, pos, ScanStatus.NEED_MORE, HEADER_BYTES
-        length, length_crc = _HEADER.unpack_from(buf, pos)
-        if verify_crc and masked_crc32c(buf[pos : pos + 8]) != length_crc:
-            return records, pos, ScanStatus.BAD_LENGTH_CRC, 0
-        if length > max_record_bytes:
-            return records, pos, ScanStatus.TOO_LARGE, length
-        if end - pos < RECORD_OVERHEAD_BYTES + length:
-            return records, pos, ScanStatus.NEED_MORE, RECORD_OVERHEAD_BYTES + length
-        if records and total + length > max_bytes:
-            break
-        data = buf[pos + HEADER_BYTES : pos + HEADER_BYTES + length]
-        if verify_crc:
-            (data_crc,) = _U32.unpack_from(buf, pos + HEADER_BYTES + length)
-            if masked_crc32c(data) != data_crc:
-                return records, pos, ScanStatus.BAD_DATA_CRC, length
-        records.append(data)
-        total += length
-        pos += RECORD_OVERHEAD_BYTES + length
-    return records, pos, ScanStatus.LIMIT, 0
-
-
-def scan_records(
-    buf: bytes,
-    pos: int,
-    max_records: int,
-    max_bytes: int,
-    verify_crc: bool,
-    max_record_bytes: int,
-) -> ScanResult:
-    """Scan TFRecord framing in a buffer: C when available, else pure Python (same results)."""
-    return _scanner()(buf, pos, max_records, max_bytes, verify_crc, max_record_bytes)
-
-
-def _scanner() -> Callable[[bytes, int, int, int, bool, int], ScanResult]:
-    """The C scanner when the extension is enabled, else its pure-Python twin."""
-    native = native_module()
-    return native.scan_records if native is not None else _scan_records_py
-
-
-def _frame_record(record: bytes | bytearray | memoryview) -> bytes:
-    header = _U64.pack(len(record))
-    return b"".join(
-        (header, _U32.pack(masked_crc32c(header)), record, _U32.pack(masked_crc32c(record)))
-    )
-
-
-def encode_records(records: Sequence[bytes]) -> bytes:
-    """Return the TFRecord framing of ``records``, concatenated (what a file would hold)."""
-    native = native_module()
-    if native is not None:
-        framed: bytes = native.frame_records(list(records))
-        return framed
-    return b"".join(_frame_record(record) for record in records)
-
-
-# --------------------------------------------------------------------------- compression
 
 class _Readable(Protocol):
     def read(self, size: int = ..., /) -> bytes: ...
@@ -306,7 +204,7 @@ class TFRecordReader(ClosesOnExit):
         """
         if self._done or not self._fill(HEADER_BYTES):
             return None
-        length, length_crc = _HEADER.unpack_from(self._buf, self._pos)
+        length, length_crc = HEADER.unpack_from(self._buf, self._pos)
         if self.verify_crc and masked_crc32c(self._buf[self._pos : self._pos + 8]) != length_crc:
             return None
         return int(length) if length <= self.max_record_bytes else None
@@ -496,7 +394,7 @@ def records_in_spans(
     ``buffers[i]``, read from byte ``offsets[i]`` of ``path`` where an index says they
     are): exactly those records, checked, or an error naming the file and the byte where
     they go wrong. One loop for a whole batch: random access reads one record per buffer."""
-    scan = _scanner()  # once per batch, not per buffer
+    scan = scanner()  # once per batch, not per buffer
     out: list[bytes] = []
     for buf, count, offset in zip(buffers, counts, offsets, strict=True):
         found = scan(buf, 0, count, 1 << 62, verify_crc, max_record_bytes)
@@ -569,7 +467,7 @@ def _read_payload(
     verify_crc: bool,
     max_record_bytes: int,
 ) -> bytes:
-    length, length_crc = _HEADER.unpack(header)
+    length, length_crc = HEADER.unpack(header)
     if verify_crc and masked_crc32c(header[:8]) != length_crc:
         raise DataLossError(
             f"corrupted record at offset {offset} in file {display} (bad length checksum)",
@@ -589,7 +487,7 @@ def _read_payload(
             f"truncated record at offset {offset} in file {display}", path=display, offset=offset
         )
     data = body[:length]
-    if verify_crc and masked_crc32c(data) != _U32.unpack_from(body, length)[0]:
+    if verify_crc and masked_crc32c(data) != U32.unpack_from(body, length)[0]:
         raise DataLossError(
             f"corrupted record at offset {offset} in file {display} (bad data checksum)",
             path=display,
@@ -597,148 +495,3 @@ def _read_payload(
         )
     return data
 
-
-# --------------------------------------------------------------------------- writer
-
-
-class _ZlibWriter:
-    """``write`` / ``close`` over a zlib (RFC 1950) compressor, as TensorFlow's ZLIB writes."""
-
-    def __init__(self, raw: IO[bytes], level: int) -> None:
-        self._raw = raw
-        self._compressor = zlib.compressobj(level)
-
-    def write(self, data: bytes) -> int:
-        self._raw.write(self._compressor.compress(data))
-        return len(data)
-
-    def close(self) -> None:
-        self._raw.write(self._compressor.flush())
-
-
-class TFRecordWriter:
-    """Writes a TFRecord file atomically: it appears under ``path`` only when complete.
-
-    Records go to a temporary file in the same directory (same file system, so the final
-    rename is atomic); :meth:`close` flushes, fsyncs and renames it to ``path``. An
-    exception inside ``with``, or :meth:`abort`, removes the temporary file and leaves any
-    previous ``path`` untouched, so a crashed write never looks complete (G5).
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        compression_type: str | None = None,
-        *,
-        compression_level: int = 6,
-    ) -> None:
-        self.path = os.fspath(path)
-        self.compression_type = normalize_compression_type(compression_type)
-        directory, name = os.path.split(os.path.abspath(self.path))
-        self._temp_path = os.path.join(
-            directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        )
-        descriptor = os.open(self._temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        self._file: IO[bytes] | None = open(descriptor, "wb", buffering=DEFAULT_BUFFER_SIZE)  # noqa: SIM115
-        self._sink: _ZlibWriter | gzip.GzipFile | IO[bytes] = self._file
-        if self.compression_type == "GZIP":
-            self._sink = gzip.GzipFile(
-                filename="", mode="wb", fileobj=self._file, compresslevel=compression_level, mtime=0
-            )
-        elif self.compression_type == "ZLIB":
-            self._sink = _ZlibWriter(self._file, compression_level)
-        self.records_written = 0
-
-    def write(self, record: bytes | bytearray | memoryview) -> None:
-        """Append one record."""
-        self._check_open()
-        self._sink.write(_frame_record(record))
-        self.records_written += 1
-
-    def write_many(self, records: Sequence[bytes]) -> None:
-        """Append many records with one framing pass (in C when available) and one write."""
-        self._check_open()
-        self._sink.write(encode_records(records))
-        self.records_written += len(records)
-
-    def close(self) -> None:
-        """Finish the file and move it to ``path``; a no-op when already closed."""
-        if self._file is None:
-            return
-        try:
-            if self._sink is not self._file:
-                self._sink.close()
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
-            os.replace(self._temp_path, self.path)
-        except BaseException:
-            self.abort()
-            raise
-        _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
-
-    def abort(self) -> None:
-        """Discard everything written; ``path`` is not created or changed."""
-        file, self._file = self._file, None
-        if file is not None:
-            file.close()
-        if os.path.exists(self._temp_path):
-            os.unlink(self._temp_path)
-
-    def _check_open(self) -> None:
-        if self._file is None:
-            raise InvalidArgumentError(f"TFRecordWriter for {self.path} is closed")
-
-    def __enter__(self) -> TFRecordWriter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-    def __del__(self) -> None:
-        # Never finished with close(): the file is incomplete, so it must not appear.
-        try:
-            if getattr(self, "_file", None) is not None:
-                self.abort()
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make the rename durable; some platforms cannot open directories, which is fine."""
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
-
-
-def write_tfrecord(
-    path: str | os.PathLike[str],
-    records: Iterable[bytes],
-    compression_type: str | None = None,
-) -> int:
-    """Write ``records`` to ``path`` atomically; return how many were written."""
-    with TFRecordWriter(path, compression_type) as writer:
-        batch: list[bytes] = []
-        for record in records:
-            batch.append(record)
-            if len(batch) == 1024:
-                writer.write_many(batch)
-                batch = []
-        writer.write_many(batch)
-        return writer.records_written

@@ -1,19 +1,11 @@
-"""tf.train.Example without TensorFlow or protobuf: build, serialize, inspect, and parse
-batches of Examples into NumPy columns.
+"""Parsing tf.train.Example protos into NumPy columns, and decoding them for inspection.
 
-* :func:`serialize_example` / :func:`serialize_sequence_example` build the wire bytes from
-  a dict. Map keys are sorted, so the output is deterministic and byte-identical to
-  TensorFlow's ``SerializeToString(deterministic=True)``; TensorFlow's default
-  serialization orders map entries by hash instead, which parses to equal content.
-* :func:`decode_example` / :func:`decode_sequence_example` decode everything, for
-  inspection (``headrace inspect``).
 * :func:`parse_example` is ``tf.io.parse_example`` for a batch: one pass over the batch
   (in C when the extension is built) gathers each requested feature's values into one flat
-  buffer, then NumPy reshapes them. Specs are this module's :class:`FixedLenFeature`,
-  :class:`VarLenFeature`, :class:`FixedLenSequenceFeature` and :class:`RaggedFeature`,
-  with tf.io's names and arguments.
+  buffer, then NumPy reshapes them. Specs come from :mod:`.specs`.
+* :func:`decode_example` / :func:`decode_sequence_example` decode everything, for
+  inspection (``headrace inspect``).
 
-Dtypes: ``np.float32`` (FloatList), ``np.int64`` (Int64List), ``bytes`` (BytesList).
 Bytes come back as object arrays of exact ``bytes`` - never fixed-width ``'S'`` arrays,
 which would drop trailing NUL bytes (G5).
 
@@ -27,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -36,19 +28,30 @@ from headrace.errors import InvalidArgumentError, ParseError
 from headrace.io import _example_wire as wire
 from headrace.io._native import native_module
 from headrace.io._ragged import RaggedColumn
+from headrace.io.example.encoding import bytes_array, values_as_array
+from headrace.io.example.specs import (
+    NAME_OF_KIND,
+    TF_DTYPE_NAMES,
+    FeatureSpec,
+    FixedLenFeature,
+    FixedLenSequenceFeature,
+    RaggedFeature,
+    VarLenFeature,
+    _KeyedPartition,
+    _RowLengths,
+    _RowLimits,
+    _RowSplits,
+    _RowStarts,
+    _UniformRowLength,
+    kind_of_spec_dtype,
+    shape_tuple,
+)
 
 __all__ = [
-    "FeatureSpec",
-    "FixedLenFeature",
-    "FixedLenSequenceFeature",
-    "RaggedColumn",
-    "RaggedFeature",
-    "VarLenFeature",
+    "DecodedFeature",
     "decode_example",
     "decode_sequence_example",
     "parse_example",
-    "serialize_example",
-    "serialize_sequence_example",
 ]
 
 Array = npt.NDArray[Any]
@@ -56,190 +59,19 @@ Array = npt.NDArray[Any]
 #: ``"bytes_list"``, ``"float_list"``, ``"int64_list"`` (the proto's oneof names).
 DecodedFeature = tuple[str, Array]
 
-_KIND_OF_NAME = {
-    "bytes_list": wire.KIND_BYTES,
-    "float_list": wire.KIND_FLOAT,
-    "int64_list": wire.KIND_INT64,
-}
-_NAME_OF_KIND = {kind: name for name, kind in _KIND_OF_NAME.items()}
-_DTYPE_OF_KIND: dict[int, np.dtype[Any]] = {
-    wire.KIND_FLOAT: np.dtype(np.float32),
-    wire.KIND_INT64: np.dtype(np.int64),
-    wire.KIND_BYTES: np.dtype(object),
-}
-_TF_DTYPE_NAMES = {wire.KIND_FLOAT: "float", wire.KIND_INT64: "int64", wire.KIND_BYTES: "string"}
-
-# --------------------------------------------------------------------------- values
-
-
-def _bytes_array(values: Sequence[bytes]) -> Array:
-    """An object array holding exactly these bytes objects (no 'S' truncation)."""
-    out = np.empty(len(values), dtype=object)
-    out[:] = values
-    return out
-
-
-def _as_bytes(value: Any, name: str) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    if isinstance(value, (bytearray, memoryview, np.bytes_)):
-        return bytes(value)
-    raise InvalidArgumentError(
-        f"feature {name!r}: cannot store {type(value).__name__} in a BytesList"
-    )
-
-
-def _kind_of_dtype(dtype: np.dtype[Any], name: str) -> int:
-    if dtype.kind == "f":
-        return wire.KIND_FLOAT
-    if dtype.kind in "iub":
-        return wire.KIND_INT64
-    if dtype.kind in "SUO":
-        return wire.KIND_BYTES
-    raise InvalidArgumentError(f"feature {name!r}: unsupported dtype {dtype}")
-
-
-def _infer_kind(value: Any, name: str) -> int:
-    """The list kind a Python/NumPy value maps to (float -> FloatList, int/bool ->
-    Int64List, bytes/str -> BytesList)."""
-    if isinstance(value, np.ndarray | np.generic):
-        return _kind_of_dtype(value.dtype, name)
-    if isinstance(value, bytes | bytearray | memoryview | str):
-        return wire.KIND_BYTES
-    if isinstance(value, bool | int):
-        return wire.KIND_INT64
-    if isinstance(value, float):
-        return wire.KIND_FLOAT
-    if isinstance(value, list | tuple):
-        if not value:
-            raise InvalidArgumentError(
-                f"feature {name!r}: an empty list has no type; pass an empty NumPy array "
-                "with a dtype, or ('float_list' | 'int64_list' | 'bytes_list', [])"
-            )
-        kinds = {_infer_kind(item, name) for item in value}
-        if kinds == {wire.KIND_FLOAT, wire.KIND_INT64}:
-            return wire.KIND_FLOAT  # [1, 2.5] is a float list, as in NumPy
-        if len(kinds) > 1:
-            raise InvalidArgumentError(f"feature {name!r}: values mix bytes and numbers")
-        return kinds.pop()
-    raise InvalidArgumentError(
-        f"feature {name!r}: cannot store {type(value).__name__} in an Example"
-    )
-
-
-def _flat_items(value: Any) -> list[Any]:
-    if isinstance(value, np.ndarray):
-        return list(value.reshape(-1))
-    if isinstance(value, list | tuple):
-        return [item for element in value for item in _flat_items(element)]
-    return [value]
-
-
-def values_as_array(value: Any, kind: int, name: str) -> Array:
-    """Flatten ``value`` (row-major) into the 1-D array a list of ``kind`` holds."""
-    if kind == wire.KIND_BYTES:
-        return _bytes_array([_as_bytes(item, name) for item in _flat_items(value)])
-    dtype = _DTYPE_OF_KIND[kind]
-    too_big_for_int64 = (
-        isinstance(value, np.ndarray)
-        and value.dtype == np.uint64
-        and value.size > 0
-        and value.max() > np.iinfo(np.int64).max
-    )
-    if kind == wire.KIND_INT64 and too_big_for_int64:
-        raise InvalidArgumentError(f"feature {name!r}: uint64 value above int64 range")
-    try:
-        return np.asarray(value, dtype=dtype).reshape(-1)
-    except (TypeError, ValueError, OverflowError) as error:
-        raise InvalidArgumentError(f"feature {name!r}: {error}") from None
-
-
-def _kind_and_values(value: Any, name: str) -> tuple[int, Array]:
-    if (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and isinstance(value[0], str)
-        and value[0] in _KIND_OF_NAME
-    ):
-        kind = _KIND_OF_NAME[value[0]]
-        return kind, values_as_array(value[1], kind, name)
-    kind = _infer_kind(value, name)
-    return kind, values_as_array(value, kind, name)
-
-
-# --------------------------------------------------------------------------- serialize
-
-
-def _encode_feature_value(value: Any, name: str) -> bytes:
-    kind, values = _kind_and_values(value, name)
-    if kind == wire.KIND_FLOAT:
-        payload = wire.encode_float_payload(values.astype("<f4").tobytes())
-    elif kind == wire.KIND_INT64:
-        payload = wire.encode_int64_payload(values.tolist())
-    else:
-        payload = wire.encode_bytes_payload(values.tolist())
-    return wire.encode_feature(kind, payload)
-
-
-def _encode_features(features: Mapping[str, Any]) -> bytes:
-    encoded = {}
-    for name, value in features.items():
-        if not isinstance(name, str):
-            raise InvalidArgumentError(f"feature names must be str, got {name!r}")
-        encoded[name] = _encode_feature_value(value, name)
-    return wire.encode_features(encoded)
-
-
-def serialize_example(features: Mapping[str, Any]) -> bytes:
-    """Serialize ``{name: value}`` as a tf.train.Example.
-
-    A value is a NumPy array or scalar (floating -> FloatList as float32; integer/bool ->
-    Int64List; bytes/str/object -> BytesList), a Python scalar or (nested) list of them,
-    or an explicit ``(kind, values)`` pair such as ``("float_list", [])`` - the only way
-    to write an empty Python list, whose type cannot be guessed. Arrays of rank >= 2 are
-    flattened row-major, as example.proto prescribes.
-    """
-    return wire.encode_message_field(1, _encode_features(features))
-
-
-def serialize_sequence_example(
-    context: Mapping[str, Any] | None = None,
-    feature_lists: Mapping[str, Sequence[Any]] | None = None,
-) -> bytes:
-    """Serialize a tf.train.SequenceExample: ``context`` features plus, per name in
-    ``feature_lists``, a sequence of feature values (one Feature per time step)."""
-    lists = []
-    for name in sorted(feature_lists or {}):
-        steps = (feature_lists or {})[name]
-        if isinstance(steps, np.ndarray) and steps.ndim == 0:
-            raise InvalidArgumentError(f"feature list {name!r} must be a sequence of steps")
-        feature_list = b"".join(
-            wire.encode_message_field(1, _encode_feature_value(step, name)) for step in steps
-        )
-        entry = wire.encode_message_field(1, name.encode("utf-8")) + wire.encode_message_field(
-            2, feature_list
-        )
-        lists.append(wire.encode_message_field(1, entry))
-    return wire.encode_message_field(1, _encode_features(context or {})) + (
-        wire.encode_message_field(2, b"".join(lists))
-    )
-
-
 # --------------------------------------------------------------------------- decode
 
 
 def _decoded_array(kind: int, values: bytearray | list[bytes]) -> Array:
     if isinstance(values, list):
-        return _bytes_array(values)
+        return bytes_array(values)
     if kind == wire.KIND_NONE:
         return np.empty(0, dtype=np.float32)
     return np.frombuffer(values, dtype="<f4" if kind == wire.KIND_FLOAT else "<i8")
 
 
 def _decoded_feature(kind: int, values: bytearray | list[bytes]) -> DecodedFeature:
-    return _NAME_OF_KIND.get(kind, "none"), _decoded_array(kind, values)
+    return NAME_OF_KIND.get(kind, "none"), _decoded_array(kind, values)
 
 
 def _decode_key(key: bytes, position_hint: str) -> str:
@@ -288,144 +120,6 @@ def decode_sequence_example(
     )
 
 
-# --------------------------------------------------------------------------- specs
-
-
-def _kind_of_spec_dtype(dtype: Any) -> int:
-    """Accept NumPy dtypes, ``bytes``/``str``/``object``, names, and tf.DType objects."""
-    if isinstance(dtype, str) and dtype in ("string", "bytes"):
-        return wire.KIND_BYTES
-    if dtype in (bytes, str, object):
-        return wire.KIND_BYTES
-    numpy_type = getattr(dtype, "as_numpy_dtype", dtype)  # a tf.DType
-    try:
-        normalized = np.dtype(numpy_type)
-    except TypeError:
-        normalized = None
-    for kind, allowed in _DTYPE_OF_KIND.items():
-        if normalized == allowed:
-            return kind
-    raise InvalidArgumentError(
-        f"unsupported feature dtype {dtype!r}: use np.float32, np.int64 or bytes "
-        "(the three list types an Example can hold)"
-    )
-
-
-def _shape_tuple(shape: Any) -> tuple[int, ...]:
-    if isinstance(shape, int):
-        shape = (shape,)
-    dims = tuple(shape)
-    if any(not isinstance(dim, int | np.integer) or dim < 0 for dim in dims):
-        raise InvalidArgumentError(
-            f"feature shape must be fully defined non-negative ints, got {shape!r}"
-        )
-    return tuple(int(dim) for dim in dims)
-
-
-@dataclass(frozen=True)
-class FixedLenFeature:
-    """A dense feature of fixed ``shape``; required unless ``default_value`` is given.
-
-    The default is reshaped (not broadcast) to ``shape``, so it must hold exactly
-    ``prod(shape)`` values, as in ``tf.io.FixedLenFeature``.
-    """
-
-    shape: Any
-    dtype: Any
-    default_value: Any = None
-
-
-@dataclass(frozen=True)
-class VarLenFeature:
-    """A variable-length feature, returned as a :class:`RaggedColumn` (``to_sparse()`` is
-    the ``tf.SparseTensor`` that ``tf.io.VarLenFeature`` gives). Missing = empty row."""
-
-    dtype: Any
-
-
-@dataclass(frozen=True)
-class FixedLenSequenceFeature:
-    """Rows of ``shape``, as many per record as it holds, padded to the batch's longest
-    record with ``default_value`` (0 / b"" when None). Example parsing needs
-    ``allow_missing=True``, as in TensorFlow."""
-
-    shape: Any
-    dtype: Any
-    allow_missing: bool = False
-    default_value: Any = None
-
-
-@dataclass(frozen=True)
-class _KeyedPartition:
-    """A partition read from the int64 feature ``key`` of the same record."""
-
-    key: str
-
-
-class _RowLengths(_KeyedPartition):
-    """Partition: ``key`` holds the length of each inner row."""
-
-
-class _RowSplits(_KeyedPartition):
-    """Partition: ``key`` holds the row splits (``0, ..., count``)."""
-
-
-class _RowStarts(_KeyedPartition):
-    """Partition: ``key`` holds where each row starts (the first at 0)."""
-
-
-class _RowLimits(_KeyedPartition):
-    """Partition: ``key`` holds where each row ends (the last at the count)."""
-
-
-class _ValueRowIds(_KeyedPartition):
-    """Partition: ``key`` holds each value's row (non-decreasing); a record has
-    ``max + 1`` rows."""
-
-
-@dataclass(frozen=True)
-class _UniformRowLength:
-    """Partition: every inner row has ``length`` values."""
-
-    length: int
-
-
-@dataclass(frozen=True)
-class RaggedFeature:
-    """A ragged feature, returned as a :class:`RaggedColumn` (``tf.io.RaggedFeature``).
-
-    ``value_key`` defaults to the feature's name. ``partitions`` (outermost first) split
-    each record's values further, as in TensorFlow: ``RowLengths``, ``RowSplits``,
-    ``RowStarts``, ``RowLimits`` and ``ValueRowIds`` name an int64 feature of the same
-    record; ``UniformRowLength(length)`` takes a number. ``row_splits_dtype`` is
-    np.int32 (TensorFlow's default) or np.int64. Partitions are always checked (which
-    TensorFlow does only with ``validate=True``): one that does not describe the record's
-    values raises :class:`ParseError` naming the feature, the partition and the record.
-    """
-
-    dtype: Any
-    value_key: str | None = None
-    partitions: tuple[Any, ...] = ()
-    row_splits_dtype: Any = np.int32
-    validate: bool = False
-
-    RowLengths = _RowLengths
-    RowSplits = _RowSplits
-    RowStarts = _RowStarts
-    RowLimits = _RowLimits
-    ValueRowIds = _ValueRowIds
-    UniformRowLength = _UniformRowLength
-
-
-# So that reprs read like TensorFlow's spelling of the same partitions.
-for _partition in (*_KeyedPartition.__subclasses__(), _UniformRowLength):
-    _partition.__qualname__ = "RaggedFeature." + _partition.__name__.lstrip("_")
-del _partition
-
-
-FeatureSpec = Union[FixedLenFeature, VarLenFeature, FixedLenSequenceFeature, RaggedFeature]  # noqa: UP007
-
-
 # --------------------------------------------------------------------------- parse
 
 
@@ -449,8 +143,8 @@ class _Plan:
         previous = self.kinds.setdefault(key, kind)
         if previous != kind:
             raise InvalidArgumentError(
-                f"feature {key!r} is requested as {_TF_DTYPE_NAMES[previous]} and as "
-                f"{_TF_DTYPE_NAMES[kind]} (by {user!r})"
+                f"feature {key!r} is requested as {TF_DTYPE_NAMES[previous]} and as "
+                f"{TF_DTYPE_NAMES[kind]} (by {user!r})"
             )
 
 
@@ -467,14 +161,14 @@ def _plan(features: Mapping[str, FeatureSpec]) -> _Plan:
             spec, FixedLenFeature | VarLenFeature | FixedLenSequenceFeature | RaggedFeature
         ):
             raise InvalidArgumentError(
-                f"feature {name!r}: unsupported spec {spec!r}; use headrace.io.example's "
+                f"feature {name!r}: unsupported spec {spec!r}; use headrace.io.example "
                 "FixedLenFeature, VarLenFeature, FixedLenSequenceFeature or RaggedFeature"
             )
         if isinstance(spec, FixedLenSequenceFeature) and not spec.allow_missing:
             raise InvalidArgumentError(
                 "Unsupported: FixedLenSequenceFeature requires allow_missing to be True."
             )
-        plan.need(_value_key(name, spec), _kind_of_spec_dtype(spec.dtype), name)
+        plan.need(_value_key(name, spec), kind_of_spec_dtype(spec.dtype), name)
         if isinstance(spec, RaggedFeature):
             for partition in spec.partitions:
                 if isinstance(partition, _KeyedPartition):
@@ -492,7 +186,7 @@ def _failure_message(args: tuple[Any, ...], keys: Sequence[str], batch_size: int
     code, record_index, key_index, position, found_kind = args
     if code == wire.FAILURE_KIND:
         key = keys[key_index]
-        found = _TF_DTYPE_NAMES.get(found_kind, "none")
+        found = TF_DTYPE_NAMES.get(found_kind, "none")
         return (
             f"feature {key!r} in record {record_index} of the batch: data types don't match, "
             f"found {found} at byte {position}"
@@ -544,14 +238,14 @@ def _first_record(mask: Array) -> int:
 
 
 def _fixed_len(name: str, spec: FixedLenFeature, column: _Column) -> Array:
-    shape = _shape_tuple(spec.shape)
+    shape = shape_tuple(spec.shape)
     size = math.prod(shape)
     batch = len(column.counts)
     missing = column.counts < 0
     default = None if spec.default_value is None else _default_array(spec, name, column.kind, shape)
     if default is None and missing.any():
         raise ParseError(
-            f"feature {name!r} (data type: {_TF_DTYPE_NAMES[column.kind]}) is required but "
+            f"feature {name!r} (data type: {TF_DTYPE_NAMES[column.kind]}) is required but "
             f"missing in record {_first_record(missing)} of the batch"
         )
     wrong = ~missing & (column.counts != size)
@@ -559,7 +253,7 @@ def _fixed_len(name: str, spec: FixedLenFeature, column: _Column) -> Array:
         record = _first_record(wrong)
         raise ParseError(
             f"feature {name!r} in record {record} of the batch has {column.counts[record]} "
-            f"{_TF_DTYPE_NAMES[column.kind]} values, expected {size} (shape {list(shape)})"
+            f"{TF_DTYPE_NAMES[column.kind]} values, expected {size} (shape {list(shape)})"
         )
     if not missing.any():
         return column.values.reshape((batch, *shape))
@@ -593,7 +287,7 @@ def _rows_of(name: str, counts: Array, width: int, what: str) -> Array:
 
 
 def _fixed_len_sequence(name: str, spec: FixedLenSequenceFeature, column: _Column) -> Array:
-    shape = _shape_tuple(spec.shape)
+    shape = shape_tuple(spec.shape)
     rows = _rows_of(
         name, np.maximum(column.counts, 0), math.prod(shape), f"(row shape {list(shape)})"
     )
