@@ -33,7 +33,7 @@ from headrace.structure import (
     structure_paths,
 )
 
-__all__ = ["BatchNode", "batched_cardinality"]
+__all__ = ["BatchNode", "batch_iterator", "batched_cardinality"]
 
 
 def _batched_spec(spec: Any, batch_size: int, drop_remainder: bool) -> Any:
@@ -66,32 +66,37 @@ class BatchNode(Node):
         return None  # a batch is one element made of many: not addressable by one index
 
     def make_iterator(self, ctx: Context) -> Iterator:
-        account = ctx.account(self)
-        plan = self.inputs[0].index_plan()
-        if plan is not None:
-            access, make_stream = plan
-            if not access.gathers_batches():  # rows are computed (a map): assemble in place
-                return _BatchIterator(
-                    self.inputs[0].make_iterator(ctx),
-                    ctx,
-                    account,
-                    self.batch_size,
-                    self.drop_remainder,
-                )
-            access.prepare(ctx)
-            return _ChargedBatches(
-                GatherBatchIterator(access, make_stream(ctx), self.batch_size, self.drop_remainder),
-                ctx,
-                account,
+        return batch_iterator(
+            self.inputs[0], ctx, ctx.account(self), self.batch_size, self.drop_remainder
+        )
+
+
+def batch_iterator(
+    source: Node, ctx: Context, account: StageAccount, batch_size: int, drop_remainder: bool
+) -> Iterator:
+    """Batches of ``source``'s elements, booked on ``account``, by the best route: one
+    gather per batch of a random-access source, a batch the source makes itself (a
+    reader; a map that parses a batch at once), or assembled element by element."""
+    plan = source.index_plan()
+    if plan is not None:
+        access, make_stream = plan
+        if not access.gathers_batches():  # rows are computed (a map): assemble in place
+            pushed = source.batched_iterator(ctx, batch_size, drop_remainder, account)
+            if pushed is not None:
+                return pushed
+            return _BatchIterator(
+                source.make_iterator(ctx), ctx, account, batch_size, drop_remainder
             )
-        pushed = self.inputs[0].batched_iterator(
-            ctx, self.batch_size, self.drop_remainder, account
+        access.prepare(ctx)
+        return _ChargedBatches(
+            GatherBatchIterator(access, make_stream(ctx), batch_size, drop_remainder),
+            ctx,
+            account,
         )
-        if pushed is not None:
-            return pushed  # books each batch on `account` as it reads it
-        return _BatchIterator(
-            self.inputs[0].make_iterator(ctx), ctx, account, self.batch_size, self.drop_remainder
-        )
+    pushed = source.batched_iterator(ctx, batch_size, drop_remainder, account)
+    if pushed is not None:
+        return pushed  # books each batch on `account` as it reads it
+    return _BatchIterator(source.make_iterator(ctx), ctx, account, batch_size, drop_remainder)
 
 
 def batched_cardinality(inner: int, batch_size: int, drop_remainder: bool) -> int:

@@ -40,6 +40,8 @@ from headrace.errors import InvalidArgumentError, note_element_error
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
 from headrace.options import AUTOTUNE
 from headrace.structure import TensorSpec, map_structure, spec_of
+from headrace.transforms.batch import batch_iterator
+from headrace.transforms.parse_fusion import FusedParse, FusedParseIterator, fused_parse
 
 __all__ = ["MapNode", "apply_fn"]
 
@@ -91,6 +93,8 @@ class MapNode(Node):
             None if output_signature is None else check_signature(output_signature, self.stage)
         )
         self._spec: Any = None
+        self._fused: FusedParse | None = None
+        self._traced = False
 
     def params(self) -> tuple[Any, ...]:
         return (
@@ -103,6 +107,7 @@ class MapNode(Node):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_spec"] = None
+        state["_fused"], state["_traced"] = None, False
         return state
 
     @property
@@ -135,6 +140,18 @@ class MapNode(Node):
             return None
         access, make_stream = plan
         return _MappedAccess(access, self.fn, self.stage), make_stream
+
+    def batched_iterator(
+        self, ctx: Context, batch_size: int, drop_remainder: bool, account: StageAccount
+    ) -> Iterator | None:
+        """A map that only parses its record, then ``batch``: one columnar parse per batch
+        (see :mod:`headrace.transforms.parse_fusion`)."""
+        if not self._traced:  # once per recipe, as tf.data traces once
+            self._fused, self._traced = fused_parse(self.fn), True
+        if self._fused is None:
+            return None
+        records = batch_iterator(self.inputs[0], ctx, account, batch_size, drop_remainder)
+        return FusedParseIterator(records, self._fused, self.fn, self.stage, ctx, account)
 
     def make_iterator(self, ctx: Context) -> Iterator:
         if self.index_plan() is not None:

@@ -8,6 +8,7 @@ submodule that defines a name.
 """
 
 from headrace.io._ragged import RaggedColumn
+from headrace.io._sparse import SparseColumn
 from headrace.io.example.encoding import (
     encode_example_columns,
     serialize_example,
@@ -18,12 +19,16 @@ from headrace.io.example.parsing import (
     decode_example,
     decode_sequence_example,
     parse_example,
+    parse_sequence_example,
+    parse_single_example,
+    parse_single_sequence_example,
 )
 from headrace.io.example.specs import (
     FeatureSpec,
     FixedLenFeature,
     FixedLenSequenceFeature,
     RaggedFeature,
+    SparseFeature,
     VarLenFeature,
 )
 
@@ -34,11 +39,16 @@ __all__ = [
     "FixedLenSequenceFeature",
     "RaggedColumn",
     "RaggedFeature",
+    "SparseColumn",
+    "SparseFeature",
     "VarLenFeature",
     "decode_example",
     "decode_sequence_example",
     "encode_example_columns",
     "parse_example",
+    "parse_sequence_example",
+    "parse_single_example",
+    "parse_single_sequence_example",
     "serialize_example",
     "serialize_sequence_example",
 ]

@@ -28,14 +28,18 @@ from headrace.errors import InvalidArgumentError, ParseError
 from headrace.io import _example_wire as wire
 from headrace.io._native import native_module
 from headrace.io._ragged import RaggedColumn
+from headrace.io._sparse import SparseColumn
+from headrace.io.example.deferred import DeferredRecord
 from headrace.io.example.encoding import bytes_array, values_as_array
 from headrace.io.example.specs import (
+    DTYPE_OF_KIND,
     NAME_OF_KIND,
     TF_DTYPE_NAMES,
     FeatureSpec,
     FixedLenFeature,
     FixedLenSequenceFeature,
     RaggedFeature,
+    SparseFeature,
     VarLenFeature,
     _KeyedPartition,
     _RowLengths,
@@ -52,6 +56,9 @@ __all__ = [
     "decode_example",
     "decode_sequence_example",
     "parse_example",
+    "parse_sequence_example",
+    "parse_single_example",
+    "parse_single_sequence_example",
 ]
 
 Array = npt.NDArray[Any]
@@ -151,24 +158,34 @@ class _Plan:
 def _value_key(name: str, spec: FeatureSpec) -> str:
     if isinstance(spec, RaggedFeature) and spec.value_key is not None:
         return spec.value_key
+    if isinstance(spec, SparseFeature):
+        return spec.value_key
     return name
+
+
+_SPEC_TYPES = (
+    FixedLenFeature, VarLenFeature, FixedLenSequenceFeature, RaggedFeature, SparseFeature
+)
 
 
 def _plan(features: Mapping[str, FeatureSpec]) -> _Plan:
     plan = _Plan()
     for name, spec in features.items():
-        if not isinstance(
-            spec, FixedLenFeature | VarLenFeature | FixedLenSequenceFeature | RaggedFeature
-        ):
+        if not isinstance(spec, _SPEC_TYPES):
             raise InvalidArgumentError(
-                f"feature {name!r}: unsupported spec {spec!r}; use headrace.io.example "
-                "FixedLenFeature, VarLenFeature, FixedLenSequenceFeature or RaggedFeature"
+                f"feature {name!r}: unsupported spec {spec!r}; use headrace.io.example's "
+                "FixedLenFeature, VarLenFeature, FixedLenSequenceFeature, RaggedFeature or "
+                "SparseFeature"
             )
         if isinstance(spec, FixedLenSequenceFeature) and not spec.allow_missing:
             raise InvalidArgumentError(
                 "Unsupported: FixedLenSequenceFeature requires allow_missing to be True."
             )
         plan.need(_value_key(name, spec), kind_of_spec_dtype(spec.dtype), name)
+        if isinstance(spec, SparseFeature):
+            spec.dense_size  # noqa: B018 - checks the index keys against the size
+            for index_key in spec.index_keys:
+                plan.need(index_key, wire.KIND_INT64, name)
         if isinstance(spec, RaggedFeature):
             for partition in spec.partitions:
                 if isinstance(partition, _KeyedPartition):
@@ -418,23 +435,49 @@ def _apply_row_lengths(
     return RaggedColumn(inner, cumulative), rows
 
 
+def _sparse(name: str, spec: SparseFeature, columns: dict[str, _Column]) -> SparseColumn:
+    """Indices from the record's own index features, sorted row-major (stably) unless
+    ``already_sorted``; not checked against ``size`` and duplicates kept, as TensorFlow."""
+    values = columns[spec.value_key]
+    counts = np.maximum(values.counts, 0)
+    index_columns = [columns[key] for key in spec.index_keys]
+    for key, column in zip(spec.index_keys, index_columns, strict=True):
+        mismatch = np.maximum(column.counts, 0) != counts
+        if mismatch.any():
+            record = _first_record(mismatch)
+            raise ParseError(
+                f"feature {name!r} (SparseFeature) in record {record} of the batch: index "
+                f"feature {key!r} has {max(int(column.counts[record]), 0)} values but value "
+                f"feature {spec.value_key!r} has {int(counts[record])}; they must be as many"
+            )
+    rows = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    indices = np.stack([rows, *(column.values for column in index_columns)], axis=1)
+    flat = values.values
+    if not spec.already_sorted and len(rows):
+        order = np.lexsort(indices.T[::-1])  # stable: equal indices keep record order
+        indices, flat = indices[order], flat[order]
+    dense_shape = np.array([len(counts), *spec.dense_size], dtype=np.int64)
+    return SparseColumn(indices.astype(np.int64, copy=False), flat, dense_shape)
+
+
 def parse_example(
     serialized: Sequence[bytes],
     features: Mapping[str, FeatureSpec],
-) -> dict[str, Array | RaggedColumn]:
+) -> dict[str, Array | RaggedColumn | SparseColumn]:
     """Parse a batch of serialized Examples into columns, like ``tf.io.parse_example``.
 
     Returns, per name in ``features``: ``FixedLenFeature`` -> array ``(batch, *shape)``;
     ``FixedLenSequenceFeature`` -> array ``(batch, longest, *shape)`` padded with its
     default; ``VarLenFeature`` -> :class:`RaggedColumn` with int64 row splits;
-    ``RaggedFeature`` -> :class:`RaggedColumn` (nested for ``RowLengths`` partitions).
+    ``RaggedFeature`` -> :class:`RaggedColumn` (nested for ``RowLengths`` partitions);
+    ``SparseFeature`` -> :class:`SparseColumn` (``tf.SparseTensor``).
     Numeric arrays may be read-only views of one shared buffer.
     """
     if isinstance(serialized, bytes | bytearray | memoryview):
         raise InvalidArgumentError("parse_example takes a batch (a sequence of bytes)")
     records = serialized if isinstance(serialized, list | tuple) else list(serialized)
     columns = _gather(records, _plan(features))
-    parsed: dict[str, Array | RaggedColumn] = {}
+    parsed: dict[str, Array | RaggedColumn | SparseColumn] = {}
     for name, spec in features.items():
         column = columns[_value_key(name, spec)]
         if isinstance(spec, FixedLenFeature):
@@ -443,6 +486,285 @@ def parse_example(
             parsed[name] = _var_len(column)
         elif isinstance(spec, FixedLenSequenceFeature):
             parsed[name] = _fixed_len_sequence(name, spec, column)
+        elif isinstance(spec, SparseFeature):
+            parsed[name] = _sparse(name, spec, columns)
         else:
             parsed[name] = _ragged(name, spec, columns)
     return parsed
+
+
+# --------------------------------------------------------------------------- one record
+
+
+def _single_bytes(serialized: Any, what: str) -> bytes:
+    if isinstance(serialized, np.ndarray) and serialized.ndim == 0:
+        serialized = serialized.item()
+    if isinstance(serialized, bytes | bytearray | memoryview):
+        return bytes(serialized)
+    raise InvalidArgumentError(
+        f"{what} takes one serialized record (bytes), got {type(serialized).__name__}; for a "
+        "batch of records use parse_example (or Dataset.batch(n).parse_examples(spec))"
+    )
+
+
+def _first_row(value: Array | RaggedColumn | SparseColumn) -> Any:
+    """A one-record batch's only row, as parse_single_example gives it."""
+    return value[0]
+
+
+def _count_of(kind: int, values: bytearray | list[bytes]) -> int:
+    if isinstance(values, list):
+        return len(values)
+    return len(values) // (4 if kind == wire.KIND_FLOAT else 8)
+
+
+def _single_record_error(
+    serialized: bytes, features: Mapping[str, FeatureSpec], batch_error: ParseError, prefix: str
+) -> ParseError:
+    """What was wrong with the one record, in tf.io.parse_single_example's words.
+
+    Runs only after the columnar parse refused the record: it decodes the record whole
+    and checks each feature in the order of ``features``.
+    """
+    try:
+        decoded = wire.decode_features(serialized)
+    except wire.Malformed as malformed:
+        preview = serialized[:32] + (b"..." if len(serialized) > 32 else b"")
+        return ParseError(
+            f"{prefix}Could not parse example input, value: {preview!r} (truncated or "
+            f"malformed protobuf at byte {malformed.position} of {len(serialized)})"
+        )
+    for name, spec in features.items():
+        key = _value_key(name, spec)
+        expected = kind_of_spec_dtype(spec.dtype)
+        expected_name = TF_DTYPE_NAMES[expected]
+        kind, values = decoded.get(key.encode("utf-8"), (wire.KIND_NONE, bytearray()))
+        found = kind != wire.KIND_NONE
+        if found and kind != expected:
+            actual = TF_DTYPE_NAMES[kind]
+            if isinstance(spec, FixedLenFeature):
+                return ParseError(
+                    f"{prefix}Key: {key}.  Data types don't match. Data type: {actual} but "
+                    f"expected type: {expected_name}"
+                )
+            return ParseError(
+                f"{prefix}Key: {key}.  Data types don't match. Expected type: {expected_name}, "
+                f"Actual type: {actual}"
+            )
+        count = _count_of(kind, values) if found else 0
+        if isinstance(spec, FixedLenFeature):
+            shape = shape_tuple(spec.shape)
+            if not found and spec.default_value is None:
+                return ParseError(
+                    f"{prefix}Feature: {key} (data type: {expected_name}) is required but could "
+                    "not be found."
+                )
+            if found and count != math.prod(shape):
+                return ParseError(
+                    f"{prefix}Key: {key}.  Number of {expected_name} values != expected.  "
+                    f"Values size: {count} but output shape: {list(shape)}"
+                )
+        elif isinstance(spec, FixedLenSequenceFeature):
+            shape = shape_tuple(spec.shape)
+            stride = math.prod(shape)
+            if (count % stride if stride else count) != 0:
+                dims = ",".join(["?", *map(str, shape)])
+                return ParseError(
+                    f"{prefix}Key: {key}.  Number of {expected_name} values is not a multiple "
+                    f"of stride length. Saw {count} values but output shape is: [{dims}]"
+                )
+    message = str(batch_error).replace(" in record 0 of the batch", "")
+    return ParseError(prefix + message.replace("record 0 of the batch (1 records)", "the record"))
+
+
+def parse_single_example(
+    serialized: Any,
+    features: Mapping[str, FeatureSpec],
+    example_names: Any = None,
+    name: str | None = None,
+) -> dict[str, Any]:
+    """Parse one serialized Example, like ``tf.io.parse_single_example``.
+
+    Returns, per name: ``FixedLenFeature`` -> array of its ``shape``;
+    ``VarLenFeature`` -> a 1-D array of the values (TensorFlow's SparseTensor holds
+    exactly these, at indices 0..n-1); ``FixedLenSequenceFeature`` -> array
+    ``(rows, *shape)``; ``RaggedFeature`` -> array, or :class:`RaggedColumn` with
+    partitions; ``SparseFeature`` -> :class:`SparseColumn` of rank ``len(size)``. Errors
+    are :class:`~headrace.errors.ParseError` with TensorFlow's wording (``"Feature: a (data
+    type: float) is required but could not be found."``); ``example_names`` (one name)
+    prefixes them as ``"Name: <name>, "``. ``name`` (a TensorFlow op name) is ignored.
+
+    Written as ``dataset.map(lambda r: parse_single_example(r, spec)).batch(n)``, the
+    parse runs once per batch, columnar: see ``Dataset.map``.
+    """
+    if isinstance(serialized, DeferredRecord):
+        _plan(features)  # a spec mistake shows now, as it would on the first record
+        return serialized.parse(features)
+    record = _single_bytes(serialized, "parse_single_example")
+    try:
+        batch = parse_example([record], features)
+    except ParseError as error:
+        prefix = "" if example_names is None else f"Name: {_single_name(example_names)}, "
+        raise _single_record_error(record, features, error, prefix) from None
+    return {key: _first_row(value) for key, value in batch.items()}
+
+
+def _single_name(example_names: Any) -> str:
+    if isinstance(example_names, bytes):
+        return example_names.decode("utf-8", "replace")
+    if isinstance(example_names, str):
+        return example_names
+    names = list(np.asarray(example_names, dtype=object).reshape(-1))
+    if len(names) != 1:
+        raise InvalidArgumentError("parse_single_example: example_names must name one record")
+    return _single_name(names[0])
+
+
+# --------------------------------------------------------------------------- sequences
+
+
+def _step_arrays(
+    key: str, kind: int, steps: list[wire.DecodedFeature], record: int
+) -> list[Array]:
+    arrays = []
+    for step_kind, values in steps:
+        if step_kind not in (kind, wire.KIND_NONE):
+            raise ParseError(
+                f"Name: <unknown>, Feature list: {key}, Index: {record}.  Data types don't "
+                f"match. Expected type: {TF_DTYPE_NAMES[kind]}"
+            )
+        if step_kind == wire.KIND_NONE:
+            arrays.append(np.empty(0, dtype=DTYPE_OF_KIND[kind]))
+        else:
+            arrays.append(_decoded_array(kind, values))
+    return arrays
+
+
+def _concatenated(kind: int, arrays: list[Array]) -> Array:
+    if not arrays:
+        return np.empty(0, dtype=DTYPE_OF_KIND[kind])
+    if kind == wire.KIND_BYTES:
+        return bytes_array([item for array in arrays for item in array])
+    return np.concatenate(arrays)
+
+
+def _feature_lists(records: Sequence[bytes]) -> list[dict[bytes, list[wire.DecodedFeature]]]:
+    decoded = []
+    for index, record in enumerate(records):
+        data = bytes(record)
+        try:
+            decoded.append(wire.decode_feature_list_map(data))
+        except wire.Malformed as malformed:
+            raise ParseError(
+                f"record {index} of the batch is not a valid SequenceExample: truncated or "
+                f"malformed protobuf at byte {malformed.position} of {len(data)}"
+            ) from None
+    return decoded
+
+
+def _sequence_column(
+    name: str,
+    spec: FeatureSpec,
+    lists: list[dict[bytes, list[wire.DecodedFeature]]],
+) -> tuple[Array | RaggedColumn, Array | None]:
+    """One sequence feature across the batch, and its lengths (FixedLenSequence only)."""
+    if isinstance(spec, RaggedFeature) and spec.partitions:
+        raise InvalidArgumentError(
+            f"sequence feature {name!r}: RaggedFeature partitions are not supported in "
+            "sequence_features (parse the record's steps with a plain RaggedFeature)"
+        )
+    if not isinstance(spec, FixedLenSequenceFeature | VarLenFeature | RaggedFeature):
+        raise InvalidArgumentError(
+            f"sequence feature {name!r}: use FixedLenSequenceFeature, VarLenFeature or "
+            f"RaggedFeature in sequence_features, got {type(spec).__name__}"
+        )
+    key = _value_key(name, spec)
+    kind = kind_of_spec_dtype(spec.dtype)
+    per_record: list[list[Array]] = []
+    for record, decoded in enumerate(lists):
+        steps = decoded.get(key.encode("utf-8"))
+        if steps is None and isinstance(spec, FixedLenSequenceFeature) and not spec.allow_missing:
+            raise ParseError(
+                f"Name: <unknown>, Feature list '{key}' is required but could not be found "
+                f"(in record {record} of the batch); pass allow_missing=True to treat a "
+                "missing list as empty"
+            )
+        per_record.append(_step_arrays(key, kind, steps or [], record))
+    if isinstance(spec, FixedLenSequenceFeature):
+        shape = shape_tuple(spec.shape)
+        stride = math.prod(shape)
+        totals = np.array([sum(len(a) for a in arrays) for arrays in per_record], dtype=np.int64)
+        for total in totals.tolist():
+            if (total % stride if stride else total) != 0:
+                dims = ",".join(["?", *map(str, shape)])
+                raise ParseError(
+                    f"Feature list '{key}' has an unexpected number of values.  Total values "
+                    f"size: {total} is not consistent with output shape: [{dims}]"
+                )
+        rows = totals // stride if stride else np.zeros_like(totals)
+        flat = _concatenated(kind, [a for arrays in per_record for a in arrays])
+        dense = RaggedColumn(flat.reshape((-1, *shape)), _row_splits(rows, np.int64))
+        return dense.to_dense(None), rows
+    splits_dtype: Any = np.int64
+    if isinstance(spec, RaggedFeature):
+        splits_dtype = np.dtype(
+            getattr(spec.row_splits_dtype, "as_numpy_dtype", spec.row_splits_dtype)
+        )
+    step_lengths = np.array([len(a) for arrays in per_record for a in arrays], dtype=np.int64)
+    step_counts = np.array([len(arrays) for arrays in per_record], dtype=np.int64)
+    flat = _concatenated(kind, [a for arrays in per_record for a in arrays])
+    inner = RaggedColumn(flat, _row_splits(step_lengths, splits_dtype))
+    return RaggedColumn(inner, _row_splits(step_counts, splits_dtype)), None
+
+
+def parse_sequence_example(
+    serialized: Sequence[bytes],
+    context_features: Mapping[str, FeatureSpec] | None = None,
+    sequence_features: Mapping[str, FeatureSpec] | None = None,
+    example_names: Any = None,
+    name: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Array]]:
+    """Parse a batch of SequenceExamples, like ``tf.io.parse_sequence_example``.
+
+    Returns ``(context, feature_lists, lengths)``. Context features parse as in
+    :func:`parse_example`. Sequence features: ``FixedLenSequenceFeature`` ->
+    ``(batch, longest, *shape)`` padded with 0 / b"" (a record's values across its steps,
+    in rows of ``shape``), its row counts in ``lengths``; ``VarLenFeature`` /
+    ``RaggedFeature`` -> a :class:`RaggedColumn` of records, of steps, of values (the
+    ``SparseTensor`` / ``RaggedTensor`` TensorFlow gives). Feature lists are decoded in
+    Python (context features by the columnar parser).
+    """
+    if isinstance(serialized, bytes | bytearray | memoryview):
+        raise InvalidArgumentError(
+            "parse_sequence_example takes a batch (a sequence of bytes); for one record use "
+            "parse_single_sequence_example"
+        )
+    records = list(serialized)
+    context = dict(parse_example(records, context_features)) if context_features else {}
+    lists = _feature_lists(records) if sequence_features else []
+    columns: dict[str, Any] = {}
+    lengths: dict[str, Array] = {}
+    for feature_name, spec in (sequence_features or {}).items():
+        column, rows = _sequence_column(feature_name, spec, lists)
+        columns[feature_name] = column
+        if rows is not None:
+            lengths[feature_name] = rows
+    return context, columns, lengths
+
+
+def parse_single_sequence_example(
+    serialized: Any,
+    context_features: Mapping[str, FeatureSpec] | None = None,
+    sequence_features: Mapping[str, FeatureSpec] | None = None,
+    example_name: Any = None,
+    name: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One SequenceExample, like ``tf.io.parse_single_sequence_example``: ``(context,
+    feature_lists)`` without the batch dimension (a VarLen or Ragged feature list is a
+    :class:`RaggedColumn` of steps)."""
+    record = _single_bytes(serialized, "parse_single_sequence_example")
+    context, columns, _ = parse_sequence_example([record], context_features, sequence_features)
+    return (
+        {key: _first_row(value) for key, value in context.items()},
+        {key: _first_row(value) for key, value in columns.items()},
+    )

@@ -28,6 +28,7 @@ __all__ = [
     "FixedLenFeature",
     "FixedLenSequenceFeature",
     "RaggedFeature",
+    "SparseFeature",
     "VarLenFeature",
     "kind_of_spec_dtype",
     "shape_tuple",
@@ -180,4 +181,39 @@ for _partition in (*_KeyedPartition.__subclasses__(), _UniformRowLength):
 del _partition
 
 
-FeatureSpec = Union[FixedLenFeature, VarLenFeature, FixedLenSequenceFeature, RaggedFeature]  # noqa: UP007
+@dataclass(frozen=True)
+class SparseFeature:
+    """A sparse feature built from the record's own indices (``tf.io.SparseFeature``),
+    parsed to a :class:`~headrace.io._sparse.SparseColumn`.
+
+    ``index_key`` names the int64 feature(s) holding each value's index (a list of names
+    for a ``size`` of several dimensions), ``value_key`` the values; both must hold as
+    many entries as each other in every record. Indices are sorted (row-major) unless
+    ``already_sorted``; as in TensorFlow they are not checked against ``size``, and
+    duplicates are kept.
+    """
+
+    index_key: Any
+    value_key: str
+    dtype: Any
+    size: Any
+    already_sorted: bool = False
+
+    @property
+    def index_keys(self) -> tuple[str, ...]:
+        return (self.index_key,) if isinstance(self.index_key, str) else tuple(self.index_key)
+
+    @property
+    def dense_size(self) -> tuple[int, ...]:
+        sizes = shape_tuple(self.size)
+        if len(sizes) != len(self.index_keys):
+            raise InvalidArgumentError(
+                f"SparseFeature: {len(self.index_keys)} index keys but size {list(sizes)} has "
+                f"{len(sizes)} dimensions; give one size per index key"
+            )
+        return sizes
+
+
+FeatureSpec = Union[  # noqa: UP007
+    FixedLenFeature, VarLenFeature, FixedLenSequenceFeature, RaggedFeature, SparseFeature
+]
