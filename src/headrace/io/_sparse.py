@@ -47,8 +47,8 @@ class SparseColumn:
         return int(self.dense_shape[0])
 
     def to_dense(self, default_value: Any = None) -> Array:
-        """``tf.sparse.to_dense``: ``default_value`` (0 / b"") where no index names a cell;
-        a later duplicate index overwrites an earlier one."""
+        """``tf.sparse.to_dense``: ``default_value`` (0 / b"") where no index names a cell.
+        An index out of bounds or named twice is an error, as in TensorFlow."""
         fill = default_value
         if fill is None:
             fill = b"" if self.values.dtype == object else 0
@@ -61,6 +61,14 @@ class SparseColumn:
                 raise InvalidArgumentError(
                     f"index {self.indices[entry].tolist()} (entry {entry}) is out of bounds "
                     f"for dense shape {list(shape)}"
+                )
+            flat = np.ravel_multi_index(tuple(self.indices.T), shape)
+            _, first, counts = np.unique(flat, return_index=True, return_counts=True)
+            if (counts > 1).any():
+                repeated = np.flatnonzero(flat == flat[first[counts > 1][0]])[1]
+                raise InvalidArgumentError(
+                    f"indices[{repeated}] = [{','.join(map(str, self.indices[repeated].tolist()))}]"
+                    " is repeated"
                 )
             out[tuple(self.indices.T)] = self.values
         return out

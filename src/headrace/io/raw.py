@@ -84,7 +84,7 @@ def decode_raw(
                 f"({dtype.itemsize})"
             )
         strings = [item[:fixed_length].ljust(fixed_length, b"\0") for item in strings]
-    length = len(strings[0]) if strings else 0
+    length = len(strings[0]) if strings else (fixed_length or 0)
     for index, item in enumerate(strings):
         if len(item) != length:
             raise InvalidArgumentError(

@@ -21,8 +21,10 @@ recipe written that way - ``records.map(lambda r: parse_single_example(r, spec))
   :class:`SparseColumn`).
 * **Errors.** When the columnar parse refuses a batch, the map function runs on its
   records one by one and the first error it raises is raised - the same exception,
-  message and note (stage, element index) as without fusion, after the whole batch was
-  taken (tf.data's behaviour, and headrace's, for an error inside a batch).
+  message and note (stage, element index) as without fusion. The whole batch is taken
+  first, so the next batch starts after it: tf.data's default behaviour, whose
+  map_and_batch_fusion does the same (unfused, both start the next batch right after the
+  failing record).
 * **Checkpoints.** The state is the batch's input state plus the count of records
   consumed; fusion depends only on the recipe, so a state restores into the same
   pipeline on any process.

@@ -508,7 +508,10 @@ def _single_bytes(serialized: Any, what: str) -> bytes:
 
 
 def _first_row(value: Array | RaggedColumn | SparseColumn) -> Any:
-    """A one-record batch's only row, as parse_single_example gives it."""
+    """A one-record batch's only row, as parse_single_example gives it (an array, also
+    for a scalar feature: 0-d, like TensorFlow's scalar tensor)."""
+    if isinstance(value, np.ndarray):
+        return value[0, ...]
     return value[0]
 
 
