@@ -114,7 +114,7 @@ def test_error_messages_are_tensorflows(features: Any, args: Any, message: str) 
     with pytest.raises(ParseError) as ours:
         hx.parse_single_example(record, {"a": headrace_spec(*args)})
     assert str(ours.value) == message
-    with pytest.raises(ParseError, match="^Name: rec7, "):
+    with pytest.raises(ParseError, match=r"^Name: rec7, "):
         hx.parse_single_example(record, {"a": headrace_spec(*args)}, example_names=["rec7"])
 
 
