@@ -55,7 +55,7 @@ from headrace.io.elements import (
     spec_to_json,
 )
 from headrace.io.streams import normalize_compression_type
-from headrace.io.tfrecord import TFRecordWriter
+from headrace.io.tfrecord.writer import TFRecordWriter
 from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.io.tfrecord_index import build_index
 from headrace.memory.budget import Reservation, StageAccount

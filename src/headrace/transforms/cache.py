@@ -62,7 +62,9 @@ from headrace.errors import CheckpointError, InvalidArgumentError
 from headrace.io.elements import ELEMENTS_FORMAT, decode_element, encode_element
 from headrace.io.filepool import get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
-from headrace.io.tfrecord import RECORD_OVERHEAD_BYTES, TFRecordReader, TFRecordWriter
+from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES
+from headrace.io.tfrecord.reader import TFRecordReader
+from headrace.io.tfrecord.writer import TFRecordWriter
 from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.memory.units import format_bytes
