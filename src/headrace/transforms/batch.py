@@ -13,6 +13,7 @@ objects (fixed-width ``S``/``U`` would drop trailing NULs).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -108,6 +109,10 @@ def batched_cardinality(inner: int, batch_size: int, drop_remainder: bool) -> in
 #: A batch costing no more than this is views of memory that predates the run (array
 #: headers only): not booked, which keeps two lock round trips off the per-batch path.
 _HEADERS_ONLY = 16 * ARRAY_HEADER_BYTES
+#: The objects (bytes, str) a batch keeps of elements nobody booked are booked in
+#: groups of about this many bytes: one lock per group, not per 200-byte record; at
+#: most this much is held unbooked, for the time it takes to assemble a group.
+_KEEP_GROUP_BYTES = 64 << 10
 
 
 class _ChargedBatches(Iterator):
@@ -215,9 +220,11 @@ class _Column:
         self.out: np.ndarray[Any, Any] | None = None
         #: The NumPy scalar type a row of a scalar column is (np.int64 for range's
         #: elements): such a row goes in as it is, without the general checks.
-        self.scalar: type | None = (
-            self.dtype.type if self.shape == () and not self.dtype.hasobject else None
-        )
+        self.scalar: type | None = None
+        if self.shape == ():
+            self.scalar = type(leaf) if type(leaf) in (bytes, str) else (
+                None if self.dtype.hasobject else self.dtype.type
+            )
 
     def row_bytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
@@ -260,6 +267,7 @@ class _BatchIterator(Assembler):
         # The batch's one booking (a widened column or kept objects add to it).
         self._booking = self._allocate(columns)
         count = 0
+        unbooked = 0  # bytes of kept objects not booked yet (see _KEEP_GROUP_BYTES)
         failure: ElementSpecError | None = None  # an element that does not fit the batch
         try:
             while True:
@@ -271,7 +279,15 @@ class _BatchIterator(Assembler):
                         # short last one under drop_remainder without a word): so do we
                         failure = error
                 if keeps_objects and failure is None:  # its objects live on in the batch
-                    self._booking = self._booking.absorb(self._keep(leaves, reservation))
+                    if reservation.account is not None:  # booked above: it moves here now
+                        self._booking = self._booking.absorb(
+                            reservation.move_to(self.account, reservation.nbytes)
+                        )
+                    else:
+                        unbooked += self._objects_cost(leaves)
+                        if unbooked >= _KEEP_GROUP_BYTES:
+                            self._booking = self._booking.absorb(self._hold_objects(unbooked))
+                            unbooked = 0
                 else:
                     reservation.release()
                 count += 1
@@ -292,6 +308,8 @@ class _BatchIterator(Assembler):
             reservation.release()
             self._booking.release()
             raise
+        if unbooked and failure is None:
+            self._booking = self._booking.absorb(self._hold_objects(unbooked))
         if self.drop_remainder and count < self.batch_size:
             self._booking.release()
             raise StopIteration
@@ -331,7 +349,7 @@ class _BatchIterator(Assembler):
                 out[row] = leaf  # the common case: same dtype object, same shape
                 continue
             if type(leaf) is column.scalar:
-                out[row] = leaf  # a NumPy scalar of the column's own type
+                out[row] = leaf  # a NumPy scalar of the column's own type, or bytes/str
                 continue
             if np.shape(leaf) != column.shape:
                 raise ElementSpecError(
@@ -377,10 +395,16 @@ class _BatchIterator(Assembler):
         self.account.release(old.nbytes)
         return column.out
 
-    def _keep(self, leaves: list[Any], reservation: Reservation) -> Reservation:
-        """The booking of an element whose objects the batch now references."""
-        if reservation.account is not None:
-            return reservation.move_to(self.account, reservation.nbytes)
-        cost = sum(self.ctx.sizeof(leaf) for leaf in leaves if _leaf_dtype(leaf).hasobject)
-        return self.account.hold(cost, what=f"the objects of a batch of {self.batch_size}")
+    def _objects_cost(self, leaves: list[Any]) -> int:
+        """What the objects of an element that the batch keeps a reference to cost."""
+        total = 0
+        for leaf in leaves:
+            if type(leaf) is bytes or type(leaf) is str:
+                total += sys.getsizeof(leaf)
+            elif _leaf_dtype(leaf).hasobject:
+                total += self.ctx.sizeof(leaf)
+        return total
+
+    def _hold_objects(self, nbytes: int) -> Reservation:
+        return self.account.hold(nbytes, what=f"the objects of a batch of {self.batch_size}")
 
