@@ -295,3 +295,27 @@ def test_decode_raw_matches_tensorflow(
     ours_array = decode_raw(strings, dtype, little_endian=little, fixed_length=fixed)
     assert ours_array.shape == expected.shape and ours_array.dtype == expected.dtype
     np.testing.assert_array_equal(ours_array, expected)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "sequence", "varlen"])
+@pytest.mark.parametrize("values", [[], [1.0], [1.0, 2.0]])
+def test_a_type_mismatch_is_worded_as_tensorflow_words_it(kind: str, values: list[float]) -> None:
+    """Dense features (FixedLen and FixedLenSequence) say "Data type: X but expected type:
+    Y"; sparse ones "Expected type: Y, Actual type: X" (hypothesis found the sequence
+    case worded as a sparse one)."""
+    ours, theirs = {
+        "fixed": (hx.FixedLenFeature((), np.int64), tf.io.FixedLenFeature([], tf.int64)),
+        "sequence": (
+            hx.FixedLenSequenceFeature((), np.int64, allow_missing=True),
+            tf.io.FixedLenSequenceFeature([], tf.int64, allow_missing=True),
+        ),
+        "varlen": (hx.VarLenFeature(np.int64), tf.io.VarLenFeature(tf.int64)),
+    }[kind]
+    record = hx.serialize_example({"a": np.asarray(values, np.float32)})
+    with pytest.raises(tf.errors.InvalidArgumentError) as expected:
+        tf.io.parse_single_example(record, {"a": theirs})
+    with pytest.raises(ParseError) as got:
+        hx.parse_single_example(record, {"a": ours})
+    message = str(expected.value)
+    wanted = message[message.index("Key:") : message.index(" [Op")]
+    assert wanted in str(got.value)

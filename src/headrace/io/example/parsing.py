@@ -545,7 +545,7 @@ def _single_record_error(
         found = kind != wire.KIND_NONE
         if found and kind != expected:
             actual = TF_DTYPE_NAMES[kind]
-            if isinstance(spec, FixedLenFeature):
+            if isinstance(spec, (FixedLenFeature, FixedLenSequenceFeature)):  # dense, in TF
                 return ParseError(
                     f"{prefix}Key: {key}.  Data types don't match. Data type: {actual} but "
                     f"expected type: {expected_name}"
