@@ -32,6 +32,14 @@ from headrace.sources.generator import GeneratorNode
 from headrace.structure import flatten, map_structure, pack_as
 from headrace.transforms.batch import BatchNode
 from headrace.transforms.cache import CacheNode
+from headrace.transforms.composed import (
+    bucket_by_sequence_length_impl,
+    choose_from_datasets_impl,
+    dataset_of,
+    generator_signature,
+    reduce_impl,
+    sample_from_datasets_impl,
+)
 from headrace.transforms.enumerate import EnumerateNode
 from headrace.transforms.filter import FilterNode
 from headrace.transforms.global_shuffle import GlobalShuffleNode
@@ -45,14 +53,6 @@ from headrace.transforms.shuffle import ShuffleNode
 from headrace.transforms.take import SkipNode, TakeNode
 from headrace.transforms.unbatch import RebatchNode, UnbatchNode
 from headrace.transforms.zip import ConcatenateNode, ZipNode
-from headrace.transforms.composed import (
-    bucket_by_sequence_length_impl,
-    choose_from_datasets_impl,
-    dataset_of,
-    generator_signature,
-    reduce_impl,
-    sample_from_datasets_impl,
-)
 
 __all__ = ["Dataset", "TFRecordDataset", "TextLineDataset"]
 
@@ -610,7 +610,7 @@ class Dataset:
         from headrace.transforms.window import WindowNode
 
         return self._wrap(
-            WindowNode(self._node, size, shift, stride, drop_remainder, dataset_of)
+            WindowNode(self._node, size, shift, stride, drop_remainder, _dataset_of)
         )
 
     def group_by_window(
@@ -626,7 +626,7 @@ class Dataset:
 
         return self._wrap(
             GroupByWindowNode(
-                self._node, key_func, reduce_func, window_size, window_size_func, dataset_of
+                self._node, key_func, reduce_func, window_size, window_size_func, _dataset_of
             )
         )
 
@@ -653,7 +653,7 @@ class Dataset:
         datasets: Sequence[Dataset], choice_dataset: Dataset, stop_on_empty_dataset: bool = True
     ) -> Dataset:
         """Element ``i`` from ``datasets[choice_i]``, the choices an int64 dataset (tf.data)."""
-        return choose_from_datasets_impl(datasets, choice_dataset, stop_on_empty_dataset)
+        return choose_from_datasets_impl(Dataset, datasets, choice_dataset, stop_on_empty_dataset)
 
     @staticmethod
     def sample_from_datasets(
@@ -665,7 +665,7 @@ class Dataset:
     ) -> Dataset:
         """Elements drawn at random from ``datasets`` in proportion to ``weights`` (tf.data)."""
         return sample_from_datasets_impl(
-            datasets, weights, seed, stop_on_empty_dataset, rerandomize_each_iteration
+            Dataset, datasets, weights, seed, stop_on_empty_dataset, rerandomize_each_iteration
         )
 
     def cast(self, dtypes: Any) -> Dataset:
@@ -804,6 +804,11 @@ class Dataset:
         spec = known_spec(self._node)
         shown = "<known after reading an element>" if spec is None else repr(spec)
         return f"<headrace.Dataset element_spec={shown}>"
+
+
+def _dataset_of(elements: list[Any]) -> Dataset:
+    """A window's or group's elements as a small dataset (window, group_by_window)."""
+    return dataset_of(Dataset, elements)
 
 
 def _datasets_as_leaves(structure: Any) -> Any:

@@ -19,8 +19,8 @@ from headrace.core.iterator import Context
 from headrace.core.node import Node
 from headrace.errors import InvalidArgumentError
 from headrace.structure import (
-    encode_str,
     TensorSpec,
+    encode_str,
     flatten,
     leaf_spec,
     pack_as,

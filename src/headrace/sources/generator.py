@@ -32,7 +32,14 @@ from headrace.core.node import UNKNOWN, Node, check_signature
 from headrace.core.state import PRODUCED, StateReader, replay
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.memory.budget import NO_RESERVATION, Reservation
-from headrace.structure import TensorSpec, encode_str, flatten, pack_as, shape_allows, structure_paths
+from headrace.structure import (
+    TensorSpec,
+    encode_str,
+    flatten,
+    pack_as,
+    shape_allows,
+    structure_paths,
+)
 
 __all__ = ["GeneratorNode"]
 

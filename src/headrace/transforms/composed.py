@@ -4,7 +4,8 @@
 padded batch per window (tf.data builds it the same way); ``reduce`` is a run
 of ``scan``; ``choose_from_datasets``/``sample_from_datasets`` build their nodes
 from facades. They work on :class:`~headrace.Dataset` facades handed in, and
-import the facade lazily (``dataset.py`` imports this module, not the reverse).
+are handed the facade's class where they must build one (``dataset.py`` imports
+this module, never the reverse).
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ __all__ = [
 ]
 
 
-def dataset_of(elements: list[Any]) -> Dataset:
+def dataset_of(facade: type[Dataset], elements: list[Any]) -> Dataset:
     """A small dataset over ``elements`` (a window, a group): sliced views of one stacked
     copy when their shapes agree, else a list replayed with a relaxed spec."""
-    from headrace.dataset import Dataset
     from headrace.sources.arrays import TensorSlicesNode
 
     leaves = [flatten(element) for element in elements]
@@ -51,8 +51,8 @@ def dataset_of(elements: list[Any]) -> Dataset:
             spec = map_structure(
                 lambda a, b: a.most_specific_common(b), spec, spec_of(element)
             )
-        return Dataset.from_generator(_Replay(elements), output_signature=spec)
-    return Dataset(TensorSlicesNode(pack_as(elements[0], stacked)))
+        return facade.from_generator(_Replay(elements), output_signature=spec)
+    return facade(TensorSlicesNode(pack_as(elements[0], stacked)))
 
 
 class _Replay:
@@ -128,45 +128,45 @@ def reduce_impl(dataset: Dataset, initial_state: Any, reduce_func: Callable[...,
 
 
 def choose_from_datasets_impl(
-    datasets: Sequence[Dataset], choice_dataset: Dataset, stop_on_empty_dataset: bool
+    facade: type[Dataset],
+    datasets: Sequence[Dataset],
+    choice_dataset: Dataset,
+    stop_on_empty_dataset: bool,
 ) -> Dataset:
-    from headrace.dataset import Dataset
     from headrace.transforms.choose import ChooseNode
 
-    nodes = _nodes(datasets, "choose_from_datasets")
-    if not isinstance(choice_dataset, Dataset):
+    nodes = _nodes(facade, datasets, "choose_from_datasets")
+    if not isinstance(choice_dataset, facade):
         raise InvalidArgumentError("choose_from_datasets: choice_dataset must be a Dataset")
-    spec = choice_dataset._node.element_spec if choice_dataset.cardinality() != 0 else None
+    spec = choice_dataset.node.element_spec if choice_dataset.cardinality() != 0 else None
     if spec is not None and (
         not isinstance(spec, TensorSpec) or spec.shape != () or spec.dtype != np.int64
     ):
         raise ElementSpecError(
             f"choose_from_datasets: choice_dataset must be a dataset of int64 scalars, got {spec}"
         )
-    node = ChooseNode(nodes, choice_dataset._node, stop_on_empty_dataset)
-    return Dataset(node, datasets[0].options)
+    node = ChooseNode(nodes, choice_dataset.node, stop_on_empty_dataset)
+    return datasets[0].derive(node)
 
 
 def sample_from_datasets_impl(
+    facade: type[Dataset],
     datasets: Sequence[Dataset],
     weights: Sequence[float] | None,
     seed: int | None,
     stop_on_empty_dataset: bool,
     rerandomize_each_iteration: bool | None,
 ) -> Dataset:
-    from headrace.dataset import Dataset
     from headrace.transforms.choose import SampleNode
 
-    nodes = _nodes(datasets, "sample_from_datasets")
+    nodes = _nodes(facade, datasets, "sample_from_datasets")
     node = SampleNode(nodes, weights, seed, stop_on_empty_dataset, rerandomize_each_iteration)
-    return Dataset(node, datasets[0].options)
+    return datasets[0].derive(node)
 
 
-def _nodes(datasets: Sequence[Dataset], stage: str) -> list[Any]:
-    from headrace.dataset import Dataset
-
+def _nodes(facade: type[Dataset], datasets: Sequence[Dataset], stage: str) -> list[Any]:
     datasets = list(datasets)
-    if not datasets or not all(isinstance(d, Dataset) for d in datasets):
+    if not datasets or not all(isinstance(d, facade) for d in datasets):
         raise InvalidArgumentError(f"{stage}: datasets must be a non-empty list of Datasets")
     return [d.node for d in datasets]
 
