@@ -530,3 +530,20 @@ def test_from_generator_output_types_and_shapes() -> None:
     with pytest.raises(hr.InvalidArgumentError, match="not both"):
         hr.Dataset.from_generator(gen, output_types=np.int64,
                                   output_signature=hr.TensorSpec((), np.int64))
+
+
+# -- rebatch with empty splits (rebatch_test.py: testEmptySplits) --------------------------
+@given(
+    count=st.integers(1, 20), batch=st.integers(1, 6),
+    sizes=st.lists(st.integers(0, 4), min_size=1, max_size=5).filter(any),
+)
+@SWEEP
+def test_rebatch_with_empty_splits_matches_tf(count: int, batch: int, sizes: list[int]) -> None:
+    """Empty batches where a size is 0, a leading one too, none once the input ended."""
+    tf_ds = tf.data.Dataset.range(count).batch(batch).rebatch(sizes)
+    hr_ds = hr.Dataset.range(count).batch(batch).rebatch(sizes)
+    assert hr_list(hr_ds) == tf_list(tf_ds)
+
+
+def test_rebatch_with_empty_splits_checkpoints() -> None:
+    assert_checkpoint_roundtrip(hr.Dataset.range(9).batch(4).rebatch([0, 2, 0, 3]))
