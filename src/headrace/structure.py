@@ -21,6 +21,7 @@ __all__ = [
     "TensorSpec",
     "encode_str",
     "flatten",
+    "integer_scalar",
     "map_structure",
     "pack_as",
     "spec_of",
@@ -313,3 +314,19 @@ def encode_str(value: Any) -> Any:
     if isinstance(value, list):
         return [encode_str(item) for item in value]
     return value
+
+
+def integer_scalar(value: Any, what: str) -> int:
+    """``value`` (a Python or NumPy integer, or a 0-d integer array) as an int.
+
+    Anything else is an :class:`ElementSpecError` saying ``what`` had to be an
+    integer scalar and what it was: keys, choices and lengths returned by user
+    functions are checked where they are used, as tf.data checks their dtype.
+    """
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ElementSpecError(
+            f"{what} must be an integer scalar, got {type(value).__name__} {value!r:.60}"
+        )
+    return int(value)

@@ -23,9 +23,9 @@ import numpy as np
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node
 from headrace.core.state import INPUTS, StateReader
-from headrace.errors import ElementSpecError, InvalidArgumentError
+from headrace.errors import InvalidArgumentError
 from headrace.memory.budget import Reservation
-from headrace.structure import flatten
+from headrace.structure import flatten, integer_scalar
 from headrace.transforms._random import RandomStream, SeededNode
 
 __all__ = ["ChooseNode", "SampleNode"]
@@ -156,13 +156,7 @@ class _Choices:
         element, reservation = self.inner.pull()
         reservation.release()
         self.position += 1
-        if isinstance(element, np.ndarray) and element.shape == ():
-            element = element[()]
-        if isinstance(element, bool) or not isinstance(element, (int, np.integer)):
-            raise ElementSpecError(
-                f"choose_from_datasets: choice {self.position - 1} must be an integer scalar, "
-                f"got {type(element).__name__} {element!r:.60}"
-            )
+        element = integer_scalar(element, f"choose_from_datasets: choice {self.position - 1}")
         if not 0 <= element < self.count:
             raise InvalidArgumentError(
                 f"choose_from_datasets: choice {self.position - 1} = {int(element)} is out of "

@@ -18,7 +18,14 @@ import numpy as np
 
 from headrace.core.fingerprint import function_name
 from headrace.errors import ElementSpecError, InvalidArgumentError
-from headrace.structure import TensorSpec, flatten, map_structure, pack_as, spec_of
+from headrace.structure import (
+    TensorSpec,
+    flatten,
+    integer_scalar,
+    map_structure,
+    pack_as,
+    spec_of,
+)
 from headrace.transforms.map import apply_fn
 from headrace.transforms.scan import scan_step
 
@@ -183,16 +190,12 @@ class _BucketKey:
 
     def __call__(self, *components: Any) -> Any:
         element = components[0] if len(components) == 1 else components
-        length = apply_fn(self.length_func, element)
-        if isinstance(length, np.ndarray) and length.shape == ():
-            length = length[()]
-        if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
-            raise ElementSpecError(
-                f"bucket_by_sequence_length: element_length_func must return an integer "
-                f"scalar, got {type(length).__name__} {length!r:.60}"
-            )
+        length = integer_scalar(
+            apply_fn(self.length_func, element),
+            "bucket_by_sequence_length: what element_length_func returns",
+        )
         # tf.data: bucket i holds lengths in [boundaries[i-1], boundaries[i])
-        return np.int64(bisect.bisect_right(self.boundaries, int(length)))
+        return np.int64(bisect.bisect_right(self.boundaries, length))
 
 
 class _BucketSize:

@@ -25,8 +25,9 @@ from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, check_positive, first_element
 from headrace.core.state import StateReader
-from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
+from headrace.errors import InvalidArgumentError, note_element_error
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation
+from headrace.structure import integer_scalar
 from headrace.transforms._replay import ReplayedInput
 from headrace.transforms.map import apply_fn
 
@@ -99,14 +100,8 @@ class GroupByWindowNode(Node):
         except Exception as error:
             name = f"group_by_window({function_name(self.key_func)})"
             raise note_element_error(error, name, index)  # noqa: B904
-        if isinstance(key, np.ndarray) and key.shape == ():
-            key = key[()]
-        if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
-            raise ElementSpecError(
-                f"group_by_window: key_func {function_name(self.key_func)} must return an "
-                f"integer scalar (tf.int64), got {type(key).__name__} {key!r:.60}"
-            )
-        return np.int64(key)
+        what = f"group_by_window: what key_func {function_name(self.key_func)} returns"
+        return np.int64(integer_scalar(key, what))
 
     def size_of(self, key: np.int64) -> int:
         if self.window_size is not None:
