@@ -6,7 +6,9 @@ distribution (uniform, heavy-tailed, a sudden 100x jump, views of larger
 bases), a payload kind (arrays, lists, dicts, sets, objects, bytes,
 memoryviews) and a chain of transformations (sequential and parallel map,
 filter, shuffle, prefetch, batch, padded_batch, unbatch, rebatch, repeat,
-take, skip, zip, cache), under a budget of 16-96 MiB.
+take, skip, zip, cache, and tf.data's wider surface: window, group_by_window,
+ragged_batch, unique, scan, take_while, ignore_errors, sample_from_datasets),
+under a budget of 16-96 MiB.
 
 Run as a script, it reads a JSON list of specs on stdin and runs each in this
 (fresh) process with a slow consumer, printing one JSON result per spec:
@@ -35,8 +37,12 @@ PAYLOADS = ("array", "array", "array", "list", "dict", "set", "object", "bytes",
 DISTRIBUTIONS = ("uniform", "heavy", "jump", "views")
 
 
-def random_spec(seed: int) -> dict[str, Any]:
-    """One random pipeline, as plain data (reproducible from ``seed``)."""
+def random_spec(seed: int, *, wider: bool = True) -> dict[str, Any]:
+    """One random pipeline, as plain data (reproducible from ``seed``).
+
+    ``wider=False`` leaves out tf.data's wider surface (window, group_by_window, ...):
+    the pipeline a seed named by a regression test had when the test was written.
+    """
     rng = random.Random(seed)
     budget_mib = rng.choice((16, 24, 32, 48, 64, 96))
     distribution = rng.choice(DISTRIBUTIONS)
@@ -110,6 +116,22 @@ def random_spec(seed: int) -> dict[str, Any]:
     if spec["payload"] in ("array", "dict", "bytes", "list") and extra.random() < 0.4:
         at = extra.randint(0, len(ops))
         ops[at:at] = [["cache"]] + ([["repeat", 2]] if extra.random() < 0.5 else [])
+    # tf.data's wider surface, from an RNG of its own too (earlier seeds keep their
+    # pipelines), appended last, where the stream's kind (rows or batches) is known.
+    draw = random.Random(seed ^ 0x7F5EED)
+    if wider and draw.random() < 0.5:
+        kinds = ["scan", "take_while", "ignore_errors", "unique"]
+        if not batched and spec["payload"] == "array":
+            kinds += ["window", "group_by_window", "ragged_batch", "sample"]
+        kind = draw.choice(kinds)
+        if kind == "window":
+            ops.append(["window", draw.choice((2, 4, 16)), draw.choice((1, 2, 5))])
+        elif kind == "group_by_window":
+            ops.append(["group_by_window", draw.choice((2, 3)), draw.choice((2, 8))])
+        elif kind == "ragged_batch":
+            ops.append(["ragged_batch", draw.choice((2, 8, 32))])
+        else:
+            ops.append([kind])
     spec["ops"] = ops
     return spec
 
@@ -192,6 +214,62 @@ def _map_fn(kind: str, np: Any) -> Any:
     return on_first
 
 
+def _fixed_rows(spec: dict[str, Any]) -> bool:
+    return bool(spec["distribution"] == "uniform" or spec["source"] == "array")
+
+
+def _window(ds: Any, op: list[Any], spec: dict[str, Any]) -> Any:
+    size, shift, fixed = op[1], op[2], _fixed_rows(spec)
+
+    def batched(window: Any) -> Any:
+        return window.batch(size) if fixed else window.padded_batch(size)
+
+    return ds.window(size, shift=shift).flat_map(batched)
+
+
+def _group_by_window(ds: Any, op: list[Any], spec: dict[str, Any]) -> Any:
+    import headrace as hr
+
+    groups, size, fixed = op[1], op[2], _fixed_rows(spec)
+
+    def batched(key: Any, window: Any) -> Any:
+        rows = window.map(lambda x, i: x)
+        return rows.batch(size) if fixed else rows.padded_batch(size)
+
+    return hr.Dataset.zip((ds, hr.Dataset.range(10**9))).group_by_window(
+        lambda x, i: i % groups, batched, window_size=size
+    )
+
+
+def _sample(ds: Any, op: list[Any], spec: dict[str, Any]) -> Any:
+    import numpy as np
+
+    import headrace as hr
+
+    # a second input of its own (two iterators of one recipe node would share its account)
+    other = hr.Dataset.from_tensor_slices(np.zeros((50, max(spec["base_bytes"] // 64, 1)), np.uint8))
+    return hr.Dataset.sample_from_datasets([ds, other], seed=spec["seed"])
+
+
+def _unique(ds: Any, op: list[Any], spec: dict[str, Any]) -> Any:
+    import headrace as hr
+
+    # distinct indices: the set of values seen grows all along
+    return hr.Dataset.zip((ds, hr.Dataset.range(10**9).unique())).map(lambda x, i: x)
+
+
+_WIDER: dict[str, Any] = {
+    "window": _window,
+    "group_by_window": _group_by_window,
+    "ragged_batch": lambda ds, op, spec: ds.ragged_batch(op[1]),
+    "sample": _sample,
+    "scan": lambda ds, op, spec: ds.scan(0, lambda state, x: (state + 1, x)),
+    "take_while": lambda ds, op, spec: ds.take_while(lambda *x: True),
+    "ignore_errors": lambda ds, op, spec: ds.ignore_errors(),
+    "unique": _unique,
+}
+
+
 def build(spec: dict[str, Any]) -> Any:
     import numpy as np
 
@@ -259,6 +337,8 @@ def build(spec: dict[str, Any]) -> Any:
             ds = hr.Dataset.zip((ds, hr.Dataset.range(10**9)))
         elif name == "cache":
             ds = ds.cache()
+        elif name in _WIDER:
+            ds = _WIDER[name](ds, op, spec)
     return ds.with_options(hr.Options(memory_budget=spec["budget_mib"] * MiB))
 
 

@@ -285,7 +285,7 @@ def test_refusals_and_orders_do_not_depend_on_thread_timing() -> None:
     """Found by the sweep: a parallel map declared a whole chunk's (timing-sized) inputs,
     or a whole call's growth, as "one element", so a MemoryBudgetError came or not with
     the timing; and a re-split that lent a shuffle's bytes changed its order."""
-    specs = [random_spec(seed) for seed in (100368, 100370, 100506)] * 3
+    specs = [random_spec(seed, wider=False) for seed in (100368, 100370, 100506)] * 3
     results = run_specs(specs)
     for result in results:
         assert_within_budget(result)
@@ -301,7 +301,7 @@ def test_interleave_slots_follow_a_re_split_of_the_stage_share() -> None:
     budget, sized at open time, so a re-split that lowered interleave's share (a later
     padded_batch's minimum became known) left the slots booking the old share: the
     pipeline's bytes passed the budget with no stage over its own share."""
-    results = run_specs([random_spec(100455)])
+    results = run_specs([random_spec(100455, wider=False)])
     assert_within_budget(results[0])
     assert results[0]["violations"] == []
 
@@ -332,7 +332,7 @@ def test_parallel_map_compacts_views_in_the_worker() -> None:
     """Found by the sweep (seed 100725): a parallel map's chunk of outputs that were small
     views of 4x temporaries kept every temporary alive until the consumer collected the
     chunk (up to 256 per call, several calls in flight): 256 MiB grown under 96 MiB."""
-    results = run_specs([random_spec(100725)])
+    results = run_specs([random_spec(100725, wider=False)])
     assert_within_budget(results[0])
     assert results[0]["outcome"] == "ok"
 

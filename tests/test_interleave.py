@@ -321,8 +321,8 @@ def test_a_cap_of_two_files_with_cycle_eight_gives_the_uncapped_order(
         for i in range(12)
     ]
 
-    def by_suffix(f):
-        return "GZIP" if int(os.path.basename(f).split(".")[0]) % 2 else None
+    def by_suffix(f):  # file names come as bytes, as from tf.data
+        return "GZIP" if int(os.path.basename(os.fsdecode(f)).split(".")[0]) % 2 else None
 
     def build(options):
         names = hr.Dataset.from_tensor_slices(np.array(files, dtype=object))

@@ -91,10 +91,16 @@ def test_generator_elements_are_checked_against_the_signature() -> None:
     with pytest.raises(hr.ElementSpecError, match=r"element 1, component \[0\]: expected shape"):
         list(hr.Dataset.from_generator(bad_shape, output_signature=signature))
 
-    def bad_type():
-        yield np.zeros(2), "text"
+    def str_for_bytes():  # tf.data encodes it, as UTF-8
+        yield np.zeros(2), "text é"
 
-    with pytest.raises(hr.ElementSpecError, match=r"component \[1\]: expected bytes, got str"):
+    (element,) = list(hr.Dataset.from_generator(str_for_bytes, output_signature=signature))
+    assert element[1] == "text é".encode()
+
+    def bad_type():
+        yield np.zeros(2), 7
+
+    with pytest.raises(hr.ElementSpecError, match=r"component \[1\]: expected bytes, got int"):
         list(hr.Dataset.from_generator(bad_type, output_signature=signature))
 
     def bad_structure():

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace.testing import assert_checkpoint_roundtrip
 
 pytestmark = pytest.mark.tf
 
@@ -725,14 +726,43 @@ def test_unbatch_of_mismatched_first_dimensions_raises_on_both() -> None:
 
 # -- documented differences --------------------------------------------------------------
 @pytest.mark.parametrize("method", ["take", "skip", "repeat"])
-def test_counts_below_minus_one_are_rejected(method: str) -> None:
-    """Documented difference: tf.data accepts counts < -1 (take(-5) takes all, skip(-5)
-    skips all, repeat(-2) repeats forever, with cardinality reported as e.g. -5); its docs
-    only define -1. headrace rejects them with an error naming the valid range."""
-    tf_ds = getattr(tf.data.Dataset.range(4), method)(-5)
-    assert len(tf_elements(tf_ds.take(6))) in (0, 4, 6)
-    with pytest.raises(hr.InvalidArgumentError, match="-1"):
-        getattr(hr.Dataset.range(4), method)(-5)
+@pytest.mark.parametrize("count", [-1, -2, -5, np.int64(-3)])
+def test_any_negative_count_means_all(method: str, count: Any) -> None:
+    """tf.data reads every negative count as -1: take all, skip all, repeat forever."""
+    tf_ds = getattr(tf.data.Dataset.range(4), method)(count).take(6)
+    hr_ds = getattr(hr.Dataset.range(4), method)(count).take(6)
+    assert hr_elements(hr_ds) == tf_elements(tf_ds)
+
+
+def test_take_of_a_negative_count_keeps_the_input_cardinality() -> None:
+    """Documented difference: tf.data reports min(n, count) for take(count < -1) (-5 for
+    take(-5), not a cardinality), though it yields all n; headrace reports n."""
+    assert int(tf.data.Dataset.range(4).take(-5).cardinality()) == -5
+    assert hr.Dataset.range(4).take(-5).cardinality() == 4
+    assert int(tf.data.Dataset.range(4).repeat(-2).cardinality()) == hr.INFINITE
+    assert hr.Dataset.range(4).repeat(-2).cardinality() == hr.INFINITE
+
+
+@pytest.mark.parametrize("value", [np.int64(2), np.int32(3), 2])
+def test_numpy_integer_arguments(value: Any) -> None:
+    """repeat(x)/take/skip/enumerate(start) accept NumPy integers (a count read from data)."""
+    for method in ("repeat", "take", "skip", "enumerate", "batch", "shard_by"):
+        tf_ds, hr_ds = tf.data.Dataset.range(5), hr.Dataset.range(5)
+        if method == "shard_by":
+            tf_ds, hr_ds = tf_ds.shard(value, 1), hr_ds.shard(value, 1)
+        else:
+            tf_ds, hr_ds = getattr(tf_ds, method)(value), getattr(hr_ds, method)(value)
+        assert hr_elements(hr_ds) == tf_elements(tf_ds), method
+
+
+@pytest.mark.parametrize("buffer_size", [0, None, 1, hr.AUTOTUNE])
+def test_prefetch_sizes_tf_accepts(buffer_size: Any) -> None:
+    """prefetch(0) prefetches nothing, prefetch(None) is AUTOTUNE: both give the input."""
+    tf_ds = tf.data.Dataset.range(7).prefetch(buffer_size)
+    hr_ds = hr.Dataset.range(7).map(lambda x: x * 2).prefetch(buffer_size)
+    assert hr_elements(hr_ds) == [to_python(np.int64(2 * i)) for i in range(7)]
+    assert len(tf_elements(tf_ds)) == 7
+    assert_checkpoint_roundtrip(hr_ds)
 
 
 def test_python_int_lists_become_int64() -> None:

@@ -171,9 +171,9 @@ def test_prefetch_autotune(source) -> None:
     [
         (lambda: hr.Dataset.range(3).batch(0), "batch_size must be > 0"),
         (lambda: hr.Dataset.range(3).shuffle(0), "buffer_size must be > 0"),
-        (lambda: hr.Dataset.range(3).prefetch(0), "buffer_size must be > 0"),
-        (lambda: hr.Dataset.range(3).take(-2), "count must be >= -1"),
-        (lambda: hr.Dataset.range(3).repeat(-3), "repeat: count"),
+        (lambda: hr.Dataset.range(3).prefetch(-3), "buffer_size must be >= 0"),
+        (lambda: hr.Dataset.range(3).take(1.5), "count must be an int"),
+        (lambda: hr.Dataset.range(3).repeat("2"), "repeat: count"),
         (lambda: hr.Dataset.range(3).map(lambda x: x, num_parallel_calls=0), "num_parallel_calls"),
         (lambda: hr.Options(memory_budget="lots"), "cannot parse byte size 'lots'"),
         (lambda: hr.Options(memory_budget=-5), "must be positive"),

@@ -15,7 +15,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-from headrace.core.node import INFINITE, UNKNOWN, Node, known_spec, spec_sampling
+from headrace.core.node import (
+    INFINITE,
+    UNKNOWN,
+    Node,
+    check_positive,
+    known_spec,
+    spec_sampling,
+)
 from headrace.core.run import DatasetIterator
 from headrace.errors import InvalidArgumentError
 from headrace.options import AUTOTUNE, Options
@@ -25,6 +32,14 @@ from headrace.sources.generator import GeneratorNode
 from headrace.structure import flatten, map_structure, pack_as
 from headrace.transforms.batch import BatchNode
 from headrace.transforms.cache import CacheNode
+from headrace.transforms.composed import (
+    bucket_by_sequence_length_impl,
+    choose_from_datasets_impl,
+    dataset_of,
+    generator_signature,
+    reduce_impl,
+    sample_from_datasets_impl,
+)
 from headrace.transforms.enumerate import EnumerateNode
 from headrace.transforms.filter import FilterNode
 from headrace.transforms.global_shuffle import GlobalShuffleNode
@@ -128,24 +143,47 @@ class Dataset:
         return Dataset(TensorsNode(tensors))
 
     @staticmethod
-    def range(start: int, stop: int | None = None, step: int = 1) -> Dataset:
-        """int64 scalars like Python's ``range`` (``range(5)``, ``range(2, 10, 3)``)."""
-        return Dataset(RangeNode(start, stop, step))
+    def range(
+        start: int, stop: int | None = None, step: int = 1, *, output_type: Any = np.int64
+    ) -> Dataset:
+        """int64 scalars like Python's ``range`` (``range(5)``, ``range(2, 10, 3)``).
+
+        ``output_type`` (a NumPy or TensorFlow dtype) gives scalars of another type.
+        """
+        return Dataset(RangeNode(start, stop, step, output_type))
+
+    @staticmethod
+    def random(
+        seed: int | None = None, rerandomize_each_iteration: bool | None = None
+    ) -> Dataset:
+        """An infinite stream of random int64 values in ``[0, 2**32)``, as tf.data's.
+
+        Same seed, same sequence (NumPy's Philox: not TensorFlow's sequence); each
+        iteration repeats it unless ``rerandomize_each_iteration``. Resumable.
+        """
+        from headrace.sources.random import RandomNode
+
+        return Dataset(RandomNode(seed, rerandomize_each_iteration))
 
     @staticmethod
     def from_generator(
         generator: Callable[..., Any],
-        output_signature: Any = None,
+        output_types: Any = None,
+        output_shapes: Any = None,
         args: Sequence[Any] | None = None,
+        output_signature: Any = None,
     ) -> Dataset:
         """Elements from ``generator(*args)``, called anew for each epoch.
 
-        ``output_signature`` (a :class:`TensorSpec` or a nest of them) is
-        required: every yielded element is checked and converted against it,
-        and a mismatch names the element index and component. Resuming
-        replays the generator and skips what was already produced.
+        ``output_signature`` (a :class:`TensorSpec` or a nest of them), or
+        tf.data's older ``output_types`` (+ ``output_shapes``, unknown rank when
+        left out), is required: every yielded element is checked and converted
+        against it (``str`` declared bytes is UTF-8 encoded, as tf.data does),
+        and a mismatch names the element index and component. Resuming replays
+        the generator and skips what was already produced.
         """
-        return Dataset(GeneratorNode(generator, output_signature, tuple(args or ())))
+        signature = generator_signature(output_types, output_shapes, output_signature)
+        return Dataset(GeneratorNode(generator, signature, tuple(args or ())))
 
     @staticmethod
     def from_npy(path: str | os.PathLike[str]) -> Dataset:
@@ -307,14 +345,38 @@ class Dataset:
         """Keep elements for which ``predicate`` returns a scalar True."""
         return self._wrap(FilterNode(self._node, predicate))
 
-    def batch(self, batch_size: int, drop_remainder: bool = False) -> Dataset:
+    def batch(
+        self,
+        batch_size: int,
+        drop_remainder: bool = False,
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+        name: str | None = None,
+    ) -> Dataset:
         """Consecutive elements stacked along a new first axis.
 
         On an array source a batch is one read-only slice (or one gather after
         a shuffle): no per-row copy. The last partial batch is kept unless
-        ``drop_remainder``.
+        ``drop_remainder``. ``num_parallel_calls`` and ``deterministic`` are
+        accepted for tf.data's signature and checked; a batch is one NumPy
+        copy (or none), so headrace assembles batches in order on the
+        consumer's thread, and the order is always tf.data's deterministic one.
         """
+        if num_parallel_calls is not None and num_parallel_calls != AUTOTUNE:
+            check_positive("batch: num_parallel_calls", num_parallel_calls)
         return self._wrap(BatchNode(self._node, batch_size, drop_remainder))
+
+    def ragged_batch(
+        self, batch_size: int, drop_remainder: bool = False, row_splits_dtype: Any = np.int64
+    ) -> Dataset:
+        """Batch elements whose first dimension differs, unpadded: see
+        :mod:`headrace.transforms.ragged_batch` (components of rank >= 1 become
+        ``RaggedColumn``\\ s — the values and row splits of a ``tf.RaggedTensor``)."""
+        from headrace.transforms.ragged_batch import RaggedBatchNode
+
+        return self._wrap(
+            RaggedBatchNode(self._node, batch_size, drop_remainder, row_splits_dtype)
+        )
 
     def padded_batch(
         self,
@@ -382,16 +444,17 @@ class Dataset:
         return self._wrap(MapNode(self._node, _ParseExamples(features), None, None,
                                   stage="parse_examples"))
 
-    def prefetch(self, buffer_size: int) -> Dataset:
+    def prefetch(self, buffer_size: int | None) -> Dataset:
         """Prepare up to ``buffer_size`` elements on a background thread.
 
-        ``AUTOTUNE`` grows the depth while the consumer waits, inside the
-        stage's share of the budget.
+        ``AUTOTUNE`` (or ``None``, as in tf.data) grows the depth while the
+        consumer waits, inside the stage's share of the budget; ``0`` prefetches
+        nothing.
         """
         return self._wrap(PrefetchNode(self._node, buffer_size))
 
     def repeat(self, count: int | None = None) -> Dataset:
-        """The dataset ``count`` times (``None``/-1: forever), a new pass each time."""
+        """The dataset ``count`` times (``None`` or negative: forever), a new pass each time."""
         return self._wrap(RepeatNode(self._node, count))
 
     def cache(self, filename: str | os.PathLike[str] = "") -> Dataset:
@@ -408,11 +471,11 @@ class Dataset:
         return self._wrap(CacheNode(self._node, filename))
 
     def take(self, count: int) -> Dataset:
-        """At most the first ``count`` elements (-1: all)."""
+        """At most the first ``count`` elements (negative: all)."""
         return self._wrap(TakeNode(self._node, count))
 
     def skip(self, count: int) -> Dataset:
-        """All but the first ``count`` elements (-1: skip all)."""
+        """All but the first ``count`` elements (negative: skip all)."""
         return self._wrap(SkipNode(self._node, count))
 
     def shard(self, num_shards: int, index: int) -> Dataset:
@@ -458,7 +521,7 @@ class Dataset:
         order on every machine. No match is an error naming the pattern.
         """
         files = np.array(list_files(file_pattern), dtype=object)
-        dataset = Dataset.from_tensor_slices(files)
+        dataset = Dataset(TensorSlicesNode(files, keep_str=True))
         if shuffle is None or shuffle:
             dataset = dataset.shuffle(len(files), seed=seed)
         return dataset
@@ -484,6 +547,126 @@ class Dataset:
     def enumerate(self, start: int = 0) -> Dataset:
         """``(index, element)`` pairs, the index an int64 counting from ``start``."""
         return self._wrap(EnumerateNode(self._node, start))
+
+    # -- tf.data's other transformations (each in its own module) ------------------------
+    def take_while(self, predicate: Callable[..., Any]) -> Dataset:
+        """Elements up to the first for which ``predicate`` is False (input not read past it)."""
+        from headrace.transforms.take_while import TakeWhileNode
+
+        return self._wrap(TakeWhileNode(self._node, predicate))
+
+    def ignore_errors(self, log_warning: bool = False) -> Dataset:
+        """Drop the elements whose production raised (see :mod:`headrace.transforms.ignore_errors`)."""
+        from headrace.transforms.ignore_errors import IgnoreErrorsNode
+
+        return self._wrap(IgnoreErrorsNode(self._node, log_warning))
+
+    def unique(self) -> Dataset:
+        """Each distinct element once, in order of first appearance; the set of values
+        seen is booked on the budget (see :mod:`headrace.transforms.unique`)."""
+        from headrace.transforms.unique import UniqueNode
+
+        return self._wrap(UniqueNode(self._node))
+
+    def scan(self, initial_state: Any, scan_func: Callable[[Any, Any], Any]) -> Dataset:
+        """Carry a state: ``scan_func(state, element) -> (new_state, output)`` emits ``output``.
+
+        A checkpoint is a count: restoring re-runs ``scan_func`` over the input so far.
+        """
+        from headrace.transforms.scan import ScanNode
+
+        return self._wrap(ScanNode(self._node, initial_state, scan_func))
+
+    def reduce(self, initial_state: Any, reduce_func: Callable[[Any, Any], Any]) -> Any:
+        """``reduce_func(state, element) -> new_state`` over every element; the final state."""
+        return reduce_impl(self, initial_state, reduce_func)
+
+    def get_single_element(self) -> Any:
+        """The one element of this dataset; an error if it has none or more than one."""
+        with iter(self) as iterator:
+            try:
+                element = next(iterator)
+            except StopIteration:
+                raise InvalidArgumentError(
+                    "get_single_element: the dataset was empty; it must have exactly one element"
+                ) from None
+            try:
+                next(iterator)
+            except StopIteration:
+                return element
+        raise InvalidArgumentError(
+            "get_single_element: the dataset had more than one element; it must have exactly one"
+        )
+
+    def window(
+        self,
+        size: int,
+        shift: int | None = None,
+        stride: int = 1,
+        drop_remainder: bool = False,
+    ) -> Dataset:
+        """Windows of ``size`` elements, each a dataset per component, as tf.data's
+        (use ``flat_map(lambda w: w.batch(size))``); see :mod:`headrace.transforms.window`."""
+        from headrace.transforms.window import WindowNode
+
+        return self._wrap(
+            WindowNode(self._node, size, shift, stride, drop_remainder, _dataset_of)
+        )
+
+    def group_by_window(
+        self,
+        key_func: Callable[..., Any],
+        reduce_func: Callable[[Any, Dataset], Dataset],
+        window_size: int | None = None,
+        window_size_func: Callable[[Any], Any] | None = None,
+    ) -> Dataset:
+        """Group elements by ``key_func`` into windows reduced by ``reduce_func``, in
+        tf.data's order; see :mod:`headrace.transforms.group_by_window`."""
+        from headrace.transforms.group_by_window import GroupByWindowNode
+
+        return self._wrap(
+            GroupByWindowNode(
+                self._node, key_func, reduce_func, window_size, window_size_func, _dataset_of
+            )
+        )
+
+    def bucket_by_sequence_length(
+        self,
+        element_length_func: Callable[..., Any],
+        bucket_boundaries: Sequence[int],
+        bucket_batch_sizes: Sequence[int],
+        padded_shapes: Any = None,
+        padding_values: Any = None,
+        pad_to_bucket_boundary: bool = False,
+        no_padding: bool = False,
+        drop_remainder: bool = False,
+    ) -> Dataset:
+        """Batch elements of similar length together, as tf.data (``group_by_window``
+        keyed by bucket, each bucket's batches padded to its longest or boundary)."""
+        return bucket_by_sequence_length_impl(
+            self, element_length_func, bucket_boundaries, bucket_batch_sizes, padded_shapes,
+            padding_values, pad_to_bucket_boundary, no_padding, drop_remainder,
+        )
+
+    @staticmethod
+    def choose_from_datasets(
+        datasets: Sequence[Dataset], choice_dataset: Dataset, stop_on_empty_dataset: bool = True
+    ) -> Dataset:
+        """Element ``i`` from ``datasets[choice_i]``, the choices an int64 dataset (tf.data)."""
+        return choose_from_datasets_impl(Dataset, datasets, choice_dataset, stop_on_empty_dataset)
+
+    @staticmethod
+    def sample_from_datasets(
+        datasets: Sequence[Dataset],
+        weights: Sequence[float] | None = None,
+        seed: int | None = None,
+        stop_on_empty_dataset: bool = False,
+        rerandomize_each_iteration: bool | None = None,
+    ) -> Dataset:
+        """Elements drawn at random from ``datasets`` in proportion to ``weights`` (tf.data)."""
+        return sample_from_datasets_impl(
+            Dataset, datasets, weights, seed, stop_on_empty_dataset, rerandomize_each_iteration
+        )
 
     def cast(self, dtypes: Any) -> Dataset:
         """Lower (or raise) precision of chosen components, e.g. float32 -> float16.
@@ -621,6 +804,11 @@ class Dataset:
         spec = known_spec(self._node)
         shown = "<known after reading an element>" if spec is None else repr(spec)
         return f"<headrace.Dataset element_spec={shown}>"
+
+
+def _dataset_of(elements: list[Any]) -> Dataset:
+    """A window's or group's elements as a small dataset (window, group_by_window)."""
+    return dataset_of(Dataset, elements)
 
 
 def _datasets_as_leaves(structure: Any) -> Any:

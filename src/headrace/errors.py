@@ -23,6 +23,13 @@ the builtin exception a Python user would expect in its place, so existing
     └── WorkerError (RuntimeError)            a user function failed in a worker
                                               thread or process; carries its traceback
 
+Warnings are one class, :class:`HeadraceWarning` (a ``UserWarning``, so Python
+shows it by default): a pipeline that silently did less than asked — a shuffle
+buffer shrunk to fit the budget, an order that depends on the machine — is a
+bug report waiting to happen. Each says what changed and how to avoid it, and
+comes once per iterator and stage; silence them by class with
+``warnings.filterwarnings("ignore", category=headrace.HeadraceWarning)``.
+
 Errors carry the *where* (stage, file, offset, record, feature) in the message,
 because a user debugging a 2 TB input needs to find the bad byte without
 re-running anything.
@@ -43,6 +50,7 @@ __all__ = [
     "ElementSpecError",
     "FileLimitError",
     "HeadraceError",
+    "HeadraceWarning",
     "InvalidArgumentError",
     "IteratorClosedError",
     "MemoryBudgetError",
@@ -56,6 +64,14 @@ __all__ = [
 
 class HeadraceError(Exception):
     """Base class of every error headrace raises deliberately."""
+
+
+class HeadraceWarning(UserWarning):
+    """Base class of every warning headrace issues: visible by default, filterable by class.
+
+    Not a ``ResourceWarning`` (hidden by default): a user whose ``shuffle(10000)``
+    became a shuffle within 2,686 elements must be told.
+    """
 
 
 class MemoryBudgetError(HeadraceError, MemoryError):

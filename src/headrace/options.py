@@ -10,6 +10,7 @@ reorder a parallel map) — see :mod:`headrace.core.iterator`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from headrace.errors import InvalidArgumentError
 from headrace.memory.units import parse_bytes
@@ -20,9 +21,18 @@ __all__ = ["AUTOTUNE", "Options"]
 #: inside the memory budget. Same value as ``tf.data.AUTOTUNE``.
 AUTOTUNE = -1
 
-@dataclass(frozen=True)
+_FIELDS = ("memory_budget", "max_open_files", "deterministic", "warn_on_shrink", "tune_allocator")
+
+
+@dataclass
 class Options:
     """How a pipeline may use the machine.
+
+    Fields can be set after construction, tf.data style (``options =
+    Options(); options.deterministic = False; ds.with_options(options)``);
+    each is checked when set, and ``with_options`` takes a copy, so later
+    edits never change a dataset already built. ``experimental_deterministic``
+    is tf.data's older name of ``deterministic``.
 
     Args:
         memory_budget: hard cap in bytes (or a string like ``"512MiB"``) on what
@@ -47,17 +57,34 @@ class Options:
     warn_on_shrink: bool = True
     tune_allocator: bool = True
 
-    def __post_init__(self) -> None:
-        if self.memory_budget is not None:
-            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
-        if self.max_open_files is not None and (
-            isinstance(self.max_open_files, bool)
-            or not isinstance(self.max_open_files, int)
-            or self.max_open_files < 1
-        ):
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "experimental_deterministic":
+            name = "deterministic"
+        if name not in _FIELDS:
             raise InvalidArgumentError(
-                f"max_open_files must be a positive int, got {self.max_open_files!r}"
+                f"Options has no option {name!r}; headrace's options are {', '.join(_FIELDS)} "
+                "(tf.data's threading, autotune and optimization options have no effect here)"
             )
+        if name == "memory_budget" and value is not None:
+            value = parse_bytes(value)
+        elif name == "max_open_files" and value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise InvalidArgumentError(f"max_open_files must be a positive int, got {value!r}")
+        elif name == "deterministic" and value is not None and not isinstance(value, bool):
+            raise InvalidArgumentError(f"deterministic must be None, True or False, got {value!r}")
+        elif name in ("warn_on_shrink", "tune_allocator") and not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+        object.__setattr__(self, name, value)
+
+    @property
+    def experimental_deterministic(self) -> bool | None:
+        """tf.data's older name of :attr:`deterministic`."""
+        return self.deterministic
+
+    @experimental_deterministic.setter
+    def experimental_deterministic(self, value: bool | None) -> None:
+        self.deterministic = value
 
     @property
     def budget_bytes(self) -> int | None:

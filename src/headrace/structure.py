@@ -19,7 +19,9 @@ from headrace.errors import ElementSpecError
 
 __all__ = [
     "TensorSpec",
+    "encode_str",
     "flatten",
+    "integer_scalar",
     "map_structure",
     "pack_as",
     "spec_of",
@@ -27,24 +29,46 @@ __all__ = [
 ]
 
 
+def _numpy_dtype(dtype: Any) -> Any:
+    """A NumPy dtype, or ``bytes`` for strings, from what a user may pass as a dtype.
+
+    TensorFlow's dtypes (``tf.float32``, ``tf.string``) are accepted by duck typing
+    (``as_numpy_dtype``), so a spec written for tf.data ports without importing
+    TensorFlow here; ``tf.string`` is ``bytes``, as tf.data yields it.
+    """
+    numpy_type = getattr(dtype, "as_numpy_dtype", None)
+    if numpy_type is not None and not isinstance(dtype, (type, np.dtype)):
+        if getattr(dtype, "name", None) == "string":
+            return bytes
+        return numpy_type
+    return dtype
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """The shape and dtype of one component; ``None`` in ``shape`` is an unknown size.
 
-    ``dtype`` is a NumPy dtype; strings and bytes are ``object`` (headrace never
-    squeezes them into fixed-width ``S``/``U`` dtypes, which drop trailing NULs),
-    with ``kind`` telling which of the two ("bytes" or "str").
+    ``shape=None`` is an unknown rank (tf.data's ``TensorSpec(shape=None)``): any
+    shape matches. ``dtype`` is a NumPy dtype (or a TensorFlow one, converted);
+    strings and bytes are ``object`` (headrace never squeezes them into
+    fixed-width ``S``/``U`` dtypes, which drop trailing NULs), with ``kind``
+    telling which of the two ("bytes" or "str").
     """
 
-    shape: tuple[int | None, ...]
+    shape: tuple[int | None, ...] | None
     dtype: np.dtype[Any]
     kind: str = "numeric"
 
     def __init__(self, shape: Any = (), dtype: Any = np.float32, kind: str | None = None) -> None:
-        dims = () if shape is None else (shape,) if isinstance(shape, int) else tuple(shape)
-        object.__setattr__(
-            self, "shape", tuple(None if d is None or d == -1 else int(d) for d in dims)
-        )
+        dims: tuple[int | None, ...] | None
+        if shape is None or getattr(shape, "rank", 0) is None:  # also tf.TensorShape(None)
+            dims = None
+        else:
+            raw = shape.as_list() if hasattr(shape, "as_list") else shape
+            raw = (raw,) if isinstance(raw, (int, np.integer)) else tuple(raw)
+            dims = tuple(None if d is None or d == -1 else int(d) for d in raw)
+        object.__setattr__(self, "shape", dims)
+        dtype = _numpy_dtype(dtype)
         if dtype in (bytes, "bytes", "string") or kind == "bytes":
             resolved, resolved_kind = np.dtype(object), "bytes"
         elif dtype in (str, "str") or kind == "str":
@@ -61,6 +85,11 @@ class TensorSpec:
         dtype = self.kind if self.kind in ("bytes", "str") else str(self.dtype)
         return f"TensorSpec(shape={self.shape}, dtype={dtype})"
 
+    @property
+    def rank(self) -> int | None:
+        """The number of dimensions, or None when unknown."""
+        return None if self.shape is None else len(self.shape)
+
     def is_compatible_with(self, value: Any) -> bool:
         """True if ``value`` has this spec's dtype and a shape it allows."""
         other = spec_of(value)
@@ -68,26 +97,37 @@ class TensorSpec:
             return False
         if self.kind == "numeric" and other.dtype != self.dtype:
             return False
-        if len(other.shape) != len(self.shape):
-            return False
-        return all(a is None or a == b for a, b in zip(self.shape, other.shape, strict=True))
+        return shape_allows(self.shape, other.shape)
 
     def most_specific_common(self, other: TensorSpec) -> TensorSpec:
-        """The spec that admits both: differing sizes become ``None``."""
-        if len(self.shape) != len(other.shape):
-            raise ElementSpecError(f"rank differs: {self} vs {other}")
+        """The spec that admits both: differing sizes become ``None``, differing ranks unknown."""
+        if self.shape is None or other.shape is None or len(self.shape) != len(other.shape):
+            return TensorSpec(None, self.dtype, self.kind)
         shape = tuple(a if a == b else None for a, b in zip(self.shape, other.shape, strict=True))
         return TensorSpec(shape, self.dtype, self.kind)
 
     def with_leading(self, size: int | None) -> TensorSpec:
         """This spec with one more (outer) dimension, as after ``batch``."""
+        if self.shape is None:
+            return self
         return TensorSpec((size, *self.shape), self.dtype, self.kind)
 
     def without_leading(self) -> TensorSpec:
         """This spec with its outer dimension removed, as after ``unbatch``."""
+        if self.shape is None:
+            return self
         if not self.shape:
             raise ElementSpecError(f"cannot remove a dimension from a scalar spec {self}")
         return TensorSpec(self.shape[1:], self.dtype, self.kind)
+
+
+def shape_allows(want: tuple[int | None, ...] | None, got: tuple[int | None, ...] | None) -> bool:
+    """Whether a spec shape ``want`` (None: any rank; None sizes: any size) admits ``got``."""
+    if want is None:
+        return True
+    if got is None or len(want) != len(got):
+        return False
+    return all(a is None or a == b for a, b in zip(want, got, strict=True))
 
 
 def _is_namedtuple(value: Any) -> bool:
@@ -251,3 +291,42 @@ def _iter_leaves(value: Any) -> Any:
             yield from _iter_leaves(item)
     else:
         yield value
+
+
+def encode_str(value: Any) -> Any:
+    """``value`` with ``str`` (alone, in lists, in arrays) encoded as UTF-8 ``bytes``.
+
+    tf.data has one string type, bytes: a Python ``str`` given as a component,
+    a padding value or a generator's output declared bytes comes out encoded.
+    """
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind == "U" or (
+            value.dtype.kind == "O" and any(isinstance(item, str) for item in value.flat)
+        ):
+            out = np.empty(value.shape, dtype=object)
+            out.reshape(-1)[:] = [
+                item.encode() if isinstance(item, str) else item for item in value.flat
+            ]
+            return out
+        return value
+    if isinstance(value, list):
+        return [encode_str(item) for item in value]
+    return value
+
+
+def integer_scalar(value: Any, what: str) -> int:
+    """``value`` (a Python or NumPy integer, or a 0-d integer array) as an int.
+
+    Anything else is an :class:`ElementSpecError` saying ``what`` had to be an
+    integer scalar and what it was: keys, choices and lengths returned by user
+    functions are checked where they are used, as tf.data checks their dtype.
+    """
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ElementSpecError(
+            f"{what} must be an integer scalar, got {type(value).__name__} {value!r:.60}"
+        )
+    return int(value)

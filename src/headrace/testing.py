@@ -33,6 +33,11 @@ def assert_elements_equal(actual: Any, expected: Any, *, where: str = "element")
         for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_elements_equal(a, e, where=f"{where}[{index}]")
         return
+    if hasattr(expected, "row_splits") and hasattr(expected, "values"):  # a RaggedColumn
+        assert type(actual) is type(expected), f"{where}: expected {type(expected).__name__}"
+        assert_elements_equal(actual.row_splits, expected.row_splits, where=f"{where}.row_splits")
+        assert_elements_equal(actual.values, expected.values, where=f"{where}.values")
+        return
     actual_array, expected_array = np.asarray(actual), np.asarray(expected)
     assert actual_array.shape == expected_array.shape, (
         f"{where}: shape {actual_array.shape} != {expected_array.shape}"

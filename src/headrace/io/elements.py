@@ -418,7 +418,8 @@ def spec_to_json(spec: Any) -> Any:
     """A JSON-able description of a nested element spec (for manifests)."""
     if isinstance(spec, TensorSpec):
         dtype = spec.kind if spec.kind in ("bytes", "str") else spec.dtype.str
-        return {"spec": [list(spec.shape), dtype]}
+        shape = None if spec.shape is None else list(spec.shape)  # None: unknown rank
+        return {"spec": [shape, dtype]}
     if isinstance(spec, dict):
         return {"dict": {str(key): spec_to_json(value) for key, value in spec.items()}}
     if isinstance(spec, tuple) and hasattr(spec, "_fields"):

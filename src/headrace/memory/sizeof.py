@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from headrace.errors import HeadraceWarning
+
 __all__ = [
     "ARRAY_HEADER_BYTES",
     "SAMPLE_ITEMS",
@@ -160,7 +162,7 @@ def _warn_unsized(cls: type) -> None:
         f"headrace cannot see inside {name} objects: they are booked at sys.getsizeof "
         "(their Python header), which misses any payload they keep outside it. "
         "Tell the budget their real size with headrace.register_sizer(type, fn).",
-        ResourceWarning,
+        HeadraceWarning,
         stacklevel=4,
     )
 

@@ -20,6 +20,7 @@ from headrace.core.node import Node
 from headrace.errors import InvalidArgumentError
 from headrace.structure import (
     TensorSpec,
+    encode_str,
     flatten,
     leaf_spec,
     pack_as,
@@ -80,10 +81,14 @@ class TensorSlicesNode(Node):
 
     stage = "from_tensor_slices"
 
-    def __init__(self, tensors: Any) -> None:
+    def __init__(self, tensors: Any, *, keep_str: bool = False) -> None:
         super().__init__()
         self.structure = tensors
-        leaves = [to_leaf_array(leaf) for leaf in flatten(tensors)]
+        # tf.data's strings are bytes: str components come out UTF-8 encoded, except
+        # where headrace documents str (list_files' paths pass keep_str)
+        leaves = [
+            to_leaf_array(leaf if keep_str else encode_str(leaf)) for leaf in flatten(tensors)
+        ]
         if not leaves:
             raise InvalidArgumentError("from_tensor_slices needs at least one component")
         for path, leaf in zip(structure_paths(tensors), leaves, strict=True):
@@ -135,7 +140,7 @@ class TensorsNode(Node):
     def __init__(self, tensors: Any) -> None:
         super().__init__()
         self.structure = tensors
-        self.leaves = [_read_only(to_leaf_array(leaf)) for leaf in flatten(tensors)]
+        self.leaves = [_read_only(to_leaf_array(encode_str(leaf))) for leaf in flatten(tensors)]
 
     def params(self) -> tuple[Any, ...]:
         return _array_params(self.leaves)
@@ -171,24 +176,28 @@ class _TensorsAccess(_SlicesAccess):
 
 
 class _RangeAccess(RandomAccess):
-    def __init__(self, start: int, step: int, length: int) -> None:
+    def __init__(self, start: int, step: int, length: int, dtype: np.dtype[Any]) -> None:
         self.start, self.step, self.length = start, step, length
+        self.dtype = dtype
+        self.scalar = dtype.type
 
     def __len__(self) -> int:
         return self.length
 
     def get(self, index: int) -> Any:
-        return np.int64(self.start + index * self.step)
+        return self.scalar(self.start + index * self.step)
 
     def get_many(self, indices: range | np.ndarray) -> Any:
         if isinstance(indices, range):
-            return np.arange(
+            values = np.arange(
                 self.start + indices.start * self.step,
                 self.start + indices.stop * self.step,
                 self.step * indices.step,
                 dtype=np.int64,
             )[: len(indices)]
-        return self.start + np.asarray(indices, dtype=np.int64) * self.step
+        else:
+            values = self.start + np.asarray(indices, dtype=np.int64) * self.step
+        return values if self.dtype == np.int64 else values.astype(self.dtype)
 
 
 class RangeNode(Node):
@@ -196,8 +205,16 @@ class RangeNode(Node):
 
     stage = "range"
 
-    def __init__(self, start: int, stop: int | None, step: int) -> None:
+    def __init__(
+        self, start: int, stop: int | None, step: int, output_type: Any = np.int64
+    ) -> None:
         super().__init__()
+        spec = TensorSpec((), output_type)
+        if spec.kind != "numeric" or spec.dtype.kind not in "iuf":
+            raise InvalidArgumentError(
+                f"range: output_type must be an integer or float dtype, got {output_type!r}"
+            )
+        self.dtype = spec.dtype
         if stop is None:
             start, stop = 0, start
         for name, value in (("start", start), ("stop", stop), ("step", step)):
@@ -209,17 +226,17 @@ class RangeNode(Node):
         self.length = len(range(self.start, self.stop, self.step))
 
     def params(self) -> tuple[Any, ...]:
-        return (self.start, self.stop, self.step)
+        return (self.start, self.stop, self.step, str(self.dtype))
 
     @property
     def element_spec(self) -> Any:
-        return TensorSpec((), np.dtype(np.int64))
+        return TensorSpec((), self.dtype)
 
     def cardinality(self) -> int:
         return self.length
 
     def random_access(self) -> RandomAccess:
-        return _RangeAccess(self.start, self.step, self.length)
+        return _RangeAccess(self.start, self.step, self.length, self.dtype)
 
 
 def load_npy(path: str | os.PathLike[str]) -> np.ndarray[Any, Any]:

@@ -88,11 +88,18 @@ class RecordReader(Protocol):
         """Byte offset (in the decompressed stream) of the next unread record."""
 
 
+def _without_cr(line: bytes) -> bytes:
+    """``line`` with every carriage return dropped, as TensorFlow's ``ReadLine`` does."""
+    return line.replace(b"\r", b"") if b"\r" in line else line
+
+
 class TextLineReader:
     """Lines of a byte stream as tf.data's TextLineDataset splits them.
 
-    Split on ``\\n``; one trailing ``\\r`` is stripped; a final line without a
-    newline is still a line; a trailing ``\\n`` does not add an empty one.
+    Split on ``\\n``; every ``\\r`` is dropped (TensorFlow's line reader keeps no
+    carriage return, lone ones inside a line included); a final line without a
+    newline is still a line unless nothing but ``\\r`` is left of it; a trailing
+    ``\\n`` does not add an empty one.
 
     A line longer than ``max_line_bytes`` (its bytes before the ``\\n``) raises
     :class:`RecordTooLargeError` naming the file and the line's byte offset, once
@@ -167,7 +174,7 @@ class TextLineReader:
         line = self._buffer[self._position : newline]
         self._offset += length + 1
         self._position = newline + 1
-        return line[:-1] if line.endswith(b"\r") else line
+        return _without_cr(line)
 
     def _read_spanning_line(self) -> bytes | None:
         """A line that does not end inside the buffer: gather chunks until its newline."""
@@ -182,9 +189,9 @@ class TextLineReader:
                 self._eof = True
                 if not length:
                     return None
-                line = b"".join(pieces)
+                line = _without_cr(b"".join(pieces))
                 self._offset += length
-                return line[:-1] if line.endswith(b"\r") else line
+                return line or None  # only carriage returns after the last newline
             newline = chunk.find(b"\n")
             if newline < 0:
                 pieces.append(chunk)
@@ -197,7 +204,7 @@ class TextLineReader:
             self._buffer, self._position = chunk, newline + 1
             line = b"".join(pieces)
             self._offset += length + 1
-            return line[:-1] if line.endswith(b"\r") else line
+            return _without_cr(line)
 
     def _too_long(self, length: int) -> RecordTooLargeError:
         path = self.stream.path
@@ -267,9 +274,17 @@ class FileRecordsNode(Node):
             self.compression_type = normalize_compression_type(compression_type)
         except ValueError as error:
             raise InvalidArgumentError(str(error)) from None
-        if buffer_size is not None and (not isinstance(buffer_size, int) or buffer_size <= 0):
-            raise InvalidArgumentError(f"buffer_size must be a positive int, got {buffer_size!r}")
-        self.buffer_bytes = buffer_size or DEFAULT_BUFFER_SIZE
+        if buffer_size is not None and (
+            isinstance(buffer_size, bool)
+            or not isinstance(buffer_size, (int, np.integer))
+            or buffer_size < 0
+        ):
+            raise InvalidArgumentError(
+                f"buffer_size must be an int >= 0 (0 or None: the default), got {buffer_size!r}"
+            )
+        # tf.data reads 0 as "no read buffer"; the size of headrace's read buffer changes
+        # no byte of the output, so 0 means the default here.
+        self.buffer_bytes = int(buffer_size or DEFAULT_BUFFER_SIZE)
 
     def params(self) -> tuple[Any, ...]:
         return (tuple(self.filenames), self.compression_type)

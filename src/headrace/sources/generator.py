@@ -32,7 +32,14 @@ from headrace.core.node import UNKNOWN, Node, check_signature
 from headrace.core.state import PRODUCED, StateReader, replay
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.memory.budget import NO_RESERVATION, Reservation
-from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
+from headrace.structure import (
+    TensorSpec,
+    encode_str,
+    flatten,
+    pack_as,
+    shape_allows,
+    structure_paths,
+)
 
 __all__ = ["GeneratorNode"]
 
@@ -41,7 +48,9 @@ def _convert(value: Any, spec: TensorSpec, path: str, index: int) -> Any:
     where = f"from_generator: element {index}, component {path}"
     if spec.kind in ("bytes", "str"):
         wanted = bytes if spec.kind == "bytes" else str
-        if not spec.shape:
+        if spec.kind == "bytes":  # tf.data encodes str components as UTF-8 bytes
+            value = encode_str(value)
+        if spec.shape is not None and not spec.shape:
             if not isinstance(value, wanted):
                 raise ElementSpecError(
                     f"{where}: expected {spec.kind}, got {type(value).__name__} {value!r:.60}"
@@ -64,9 +73,7 @@ def _convert(value: Any, spec: TensorSpec, path: str, index: int) -> Any:
                     f"{where}: expected dtype {spec.dtype}, got {array.dtype} (value {value!r:.60})"
                 )
             array = array.astype(spec.dtype)
-    if array.ndim != len(spec.shape) or any(
-        want is not None and want != got for want, got in zip(spec.shape, array.shape, strict=True)
-    ):
+    if not shape_allows(spec.shape, tuple(array.shape)):
         raise ElementSpecError(f"{where}: expected shape {spec.shape}, got {array.shape}")
     return array if array.ndim else array[()]
 

@@ -22,9 +22,9 @@ class EnumerateNode(Node):
 
     def __init__(self, source: Node, start: int) -> None:
         super().__init__(source)
-        if isinstance(start, bool) or not isinstance(start, int):
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
             raise InvalidArgumentError(f"enumerate: start must be an int, got {start!r}")
-        self.start = start
+        self.start = int(start)
 
     def params(self) -> tuple[Any, ...]:
         return (self.start,)

@@ -19,16 +19,17 @@ from headrace.errors import ElementSpecError, InvalidArgumentError, note_element
 from headrace.memory.budget import Reservation
 from headrace.transforms.map import apply_fn
 
-__all__ = ["FilterNode"]
+__all__ = ["FilterNode", "as_bool"]
 
 
-def _as_bool(value: Any, name: str) -> bool:
+def as_bool(value: Any, name: str) -> bool:
+    """A predicate's result as a bool; anything but a scalar bool is an error naming it."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     if isinstance(value, np.ndarray) and value.shape == () and value.dtype == np.bool_:
         return bool(value)
     raise ElementSpecError(
-        f"filter({name}): the predicate must return a scalar bool, got {value!r} "
+        f"{name}: the predicate must return a scalar bool, got {value!r} "
         f"of type {type(value).__name__}"
     )
 
@@ -68,7 +69,7 @@ class _FilterIterator(Iterator):
             index = self.index
             self.index = index + 1
             try:
-                keep = _as_bool(apply_fn(self.predicate, element), self.name)
+                keep = as_bool(apply_fn(self.predicate, element), f"filter({self.name})")
             except Exception as error:  # the element is dropped; the next call goes on
                 reservation.release()
                 raise note_element_error(error, f"filter({self.name})", index)  # noqa: B904

@@ -55,10 +55,11 @@ from typing import Any
 
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, check_positive, first_element
+from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive, first_element
 from headrace.core.state import INNER, StateReader
 from headrace.errors import (
     CheckpointError,
+    HeadraceWarning,
     InvalidArgumentError,
     MemoryBudgetError,
     note_element_error,
@@ -107,15 +108,21 @@ class InterleaveNode(Node):
             check_positive("interleave: num_parallel_calls", num_parallel_calls)
         if deterministic is not None and num_parallel_calls is None:
             warnings.warn(
-                "interleave: `deterministic` has no effect without `num_parallel_calls`",
+                "interleave: `deterministic` has no effect without `num_parallel_calls` "
+                "(a sequential interleave always keeps its order); drop it or pass "
+                "num_parallel_calls",
+                HeadraceWarning,
                 stacklevel=3,
             )
-        if cycle_length is None or cycle_length == AUTOTUNE:
+        if cycle_length == AUTOTUNE:  # asked for explicitly: the user chose the machine's
+            cycle_length = _machine_cycle_length(num_parallel_calls)
+        elif cycle_length is None:
             cycle_length = _machine_cycle_length(num_parallel_calls)
             warnings.warn(
                 f"interleave: cycle_length defaults to {cycle_length} on this machine (it "
                 "depends on the CPU count, as in tf.data), so the order differs between "
                 "machines; pass cycle_length explicitly for a reproducible order",
+                HeadraceWarning,
                 stacklevel=3,
             )
         self.cycle_length = check_positive("interleave: cycle_length", cycle_length)
@@ -159,7 +166,14 @@ class InterleaveNode(Node):
         return state
 
     def cardinality(self) -> int:
-        return 0 if self.inputs[0].cardinality() == 0 else UNKNOWN
+        inner = self.inputs[0].cardinality()
+        if inner == 0:
+            return 0
+        # tf.data's rule: a parallel interleave of an infinite input is infinite; a
+        # sequential one (and any other) is unknown
+        if inner == INFINITE and self.num_parallel_calls is not None:
+            return INFINITE
+        return UNKNOWN
 
     def inner_node(self, element: Any) -> Node:
         result = apply_fn(self.map_func, element)

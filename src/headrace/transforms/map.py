@@ -39,7 +39,7 @@ from headrace.core.state import INNER, SKIP, StateReader
 from headrace.errors import InvalidArgumentError, note_element_error
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
 from headrace.options import AUTOTUNE
-from headrace.structure import TensorSpec, map_structure, spec_of
+from headrace.structure import TensorSpec, flatten, map_structure, spec_of
 from headrace.transforms.batch import batch_iterator
 from headrace.transforms.parse_fusion import FusedParse, FusedParseIterator, fused_parse
 
@@ -53,11 +53,37 @@ def apply_fn(fn: Callable[..., Any], element: Any) -> Any:
     return fn(element)
 
 
-def _relaxed(spec: Any) -> Any:
-    """Keep rank and dtype from a sample, forget sizes (another element may differ)."""
-    return map_structure(
-        lambda leaf: TensorSpec(tuple(None for _ in leaf.shape), leaf.dtype, leaf.kind), spec
-    )
+def _relaxed(spec: Any, input_spec: Any) -> Any:
+    """The output spec from one sample, keeping the sizes tf.data's shape inference would know.
+
+    tf.data traces the function: with inputs of fully known shape, shape
+    inference gives the outputs' sizes (what one sample shows, for the
+    shape-preserving ops a map is made of). Where an input size is unknown,
+    an output size is kept only where an input of the same rank knows that
+    size at that position (``x * 2`` over ``(None, 3)`` is ``(None, 3)``); the
+    others become ``None``, as another element may differ.
+    """
+    inputs = [leaf for leaf in flatten(input_spec) if isinstance(leaf, TensorSpec)]
+    if inputs and all(
+        leaf.shape is not None and None not in leaf.shape for leaf in inputs
+    ):
+        return spec
+    known: dict[int, list[tuple[int | None, ...]]] = {}
+    for leaf in inputs:
+        if leaf.shape is not None:
+            known.setdefault(len(leaf.shape), []).append(leaf.shape)
+
+    def relax(leaf: TensorSpec) -> TensorSpec:
+        if leaf.shape is None:
+            return leaf
+        shapes = known.get(len(leaf.shape), [])
+        dims = tuple(
+            size if any(shape[i] == size for shape in shapes) else None
+            for i, size in enumerate(leaf.shape)
+        )
+        return TensorSpec(dims, leaf.dtype, leaf.kind)
+
+    return map_structure(relax, spec)
 
 
 class MapNode(Node):
@@ -120,7 +146,9 @@ class MapNode(Node):
             element = first_element(
                 self.inputs[0], self.stage, "; pass map(..., output_signature=...) to state it"
             )
-            self._spec = _relaxed(spec_of(apply_fn(self.fn, element)))
+            self._spec = _relaxed(
+                spec_of(apply_fn(self.fn, element)), self.inputs[0].element_spec
+            )
         return self._spec
 
     def cardinality(self) -> int:

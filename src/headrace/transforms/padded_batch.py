@@ -78,6 +78,12 @@ class PaddedBatchNode(Node):
         paths = structure_paths(spec)
         if padded_shapes is None:
             # Unknown sizes pad to the batch's largest; a statically known size is kept.
+            for leaf, path in zip(spec_leaves, paths, strict=True):
+                if leaf.shape is None:
+                    raise InvalidArgumentError(
+                        f"padded_batch: component {path} has an unknown rank; pass "
+                        "padded_shapes, or a spec with a known rank"
+                    )
             shapes: list[tuple[int | None, ...]] = [tuple(leaf.shape) for leaf in spec_leaves]
         else:
             given = (
@@ -117,6 +123,11 @@ class PaddedBatchNode(Node):
                     f"padded_batch: padding_values has {len(pads)} components, the elements "
                     f"have {len(spec_leaves)}"
                 )
+        # a str padding value for bytes components is encoded, as tf.data's strings are bytes
+        pads = [
+            pad.encode() if isinstance(pad, str) and leaf.kind == "bytes" else pad
+            for pad, leaf in zip(pads, spec_leaves, strict=True)
+        ]
         self.shapes, self.pads, self.paths = shapes, pads, paths
 
     def params(self) -> tuple[Any, ...]:

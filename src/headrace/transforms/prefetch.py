@@ -40,16 +40,20 @@ _CHUNK = 64
 class PrefetchNode(UnaryNode):
     stage = "prefetch"
 
-    def __init__(self, source: Node, buffer_size: int) -> None:
+    def __init__(self, source: Node, buffer_size: int | None) -> None:
         super().__init__(source)
+        if buffer_size is None:  # tf.data: None means AUTOTUNE
+            buffer_size = AUTOTUNE
         if buffer_size != AUTOTUNE:
-            check_positive("prefetch: buffer_size", buffer_size)
+            buffer_size = check_positive("prefetch: buffer_size", buffer_size, allow_zero=True)
         self.buffer_size = buffer_size
 
     def params(self) -> tuple[Any, ...]:
         return (self.buffer_size,)
 
     def make_iterator(self, ctx: Context) -> Iterator:
+        if self.buffer_size == 0:  # tf.data: prefetch(0) prefetches nothing
+            return self.inputs[0].make_iterator(ctx)
         account = ctx.account(self)
         return PrefetchIterator(self.inputs[0].make_iterator(ctx), ctx, account, self.buffer_size)
 

@@ -1,6 +1,6 @@
 """``repeat(count=None)``: the input again, with a fresh input iterator per epoch.
 
-``None`` or ``-1`` repeats forever, ``0`` gives nothing; an input that turns
+``None`` or any negative count repeats forever (tf.data's rule), ``0`` gives nothing; an input that turns
 out empty ends the repetition instead of spinning (tf.data does the same).
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from headrace.core.indexing import IndexStream, RepeatIndices
 from headrace.core.iterator import Context, Iterator
@@ -26,11 +28,11 @@ class RepeatNode(UnaryNode):
         super().__init__(source)
         if count is None:
             count = -1
-        if isinstance(count, bool) or not isinstance(count, int) or count < -1:
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
             raise InvalidArgumentError(
-                f"repeat: count must be None, -1 (forever) or >= 0, got {count!r}"
+                f"repeat: count must be None, an int >= 0, or negative (forever), got {count!r}"
             )
-        self.count = count
+        self.count = -1 if count < 0 else int(count)
 
     def params(self) -> tuple[Any, ...]:
         return (self.count,)

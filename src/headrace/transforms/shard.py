@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from headrace.core.indexing import IndexStream, ShardIndices
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
@@ -26,7 +28,7 @@ class ShardNode(UnaryNode):
     def __init__(self, source: Node, num_shards: int, index: int) -> None:
         super().__init__(source)
         for name, value in (("num_shards", num_shards), ("index", index)):
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise InvalidArgumentError(f"shard: {name} must be an int, got {value!r}")
         if num_shards <= 0:
             raise InvalidArgumentError(
@@ -36,7 +38,7 @@ class ShardNode(UnaryNode):
             raise InvalidArgumentError(
                 f"shard: index must be between 0 and {num_shards - 1}, got {index}"
             )
-        self.num_shards, self.index = num_shards, index
+        self.num_shards, self.index = int(num_shards), int(index)
 
     def params(self) -> tuple[Any, ...]:
         return (self.num_shards, self.index)

@@ -29,6 +29,7 @@ from headrace.core.indexing import IndexPlan, IndexStream, Indices, take_all
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode, check_positive
 from headrace.core.state import EPOCH, INT64_MAX, StateReader, past_end, replay
+from headrace.errors import HeadraceWarning
 from headrace.io._native import native_module
 from headrace.memory.budget import Reservation, StageAccount, release_all
 from headrace.memory.units import format_bytes
@@ -296,6 +297,7 @@ class _ShuffledIndices(IndexStream):
             fits = max((self.booked + max(room, 0)) // _INDEX_SLOT_BYTES, 1)
             self.capacity = min(self.capacity, fits)
             if self.warn:
+                self.warn = False  # once per iterator
                 _warn_shrink(self.node, self.account, fits, _INDEX_SLOT_BYTES)
             slots = fits
             needed = slots * _INDEX_SLOT_BYTES - self.booked
@@ -352,7 +354,7 @@ def _warn_shrink(node: ShuffleNode, account: StageAccount, fits: int, element_by
         f"memory budget ({format_bytes(account.limit)} of {format_bytes(account.budget.total)}); "
         f"at ~{format_bytes(element_bytes)} per element it shuffles within {fits} elements. "
         "Raise Options(memory_budget=...) or shuffle a random-access source (indices cost 8 B).",
-        ResourceWarning,
+        HeadraceWarning,
         stacklevel=4,
     )
 

@@ -1,6 +1,7 @@
 """``take(count)`` and ``skip(count)`` with tf.data's meaning of negative counts.
 
-``take(-1)`` takes everything; ``skip(-1)`` skips everything. On a
+Any negative count means "all": ``take(-2)`` takes everything, ``skip(-2)``
+skips everything, as in tf.data. On a
 random-access input both act on indices, so skipped elements are never read.
 """
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from headrace.core.indexing import IndexStream, SkipIndices, TakeIndices
 from headrace.core.iterator import Context, Iterator
@@ -20,11 +23,10 @@ __all__ = ["SkipNode", "TakeNode"]
 
 
 def _check_count(name: str, count: Any) -> int:
-    if isinstance(count, bool) or not isinstance(count, int):
+    """An int count (NumPy integers too); negative ones all mean "all", as in tf.data."""
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
         raise InvalidArgumentError(f"{name}: count must be an int, got {count!r}")
-    if count < -1:
-        raise InvalidArgumentError(f"{name}: count must be >= -1 (-1 means all), got {count}")
-    return count
+    return -1 if count < 0 else int(count)
 
 
 class TakeNode(UnaryNode):

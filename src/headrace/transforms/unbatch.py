@@ -228,6 +228,7 @@ class _RebatchIterator(_RowSource):
         super().__init__(inner, account)
         self.ctx, self.node = ctx, node
         self.batch_number = 0
+        self.ended = False
 
     def pull(self) -> tuple[Any, Reservation]:
         sizes = self.node.sizes
@@ -235,10 +236,18 @@ class _RebatchIterator(_RowSource):
         pieces: list[list[Any]] = []
         structure: Any = None
         have = 0
+        if self.ended:  # tf.data: once the input is seen to end, not even empty batches
+            raise StopIteration
+        if wanted == 0 and self.last_rows is None:  # a leading empty batch: its shape
+            try:  # comes from the first input batch, read now (tf.data emits it too)
+                self.rows()
+            except StopIteration:
+                raise StopIteration from None
         while have < wanted:
             try:
                 rows = self.rows()
             except StopIteration:
+                self.ended = True
                 break
             structure = rows.structure
             block = rows.block(wanted - have)
@@ -268,8 +277,10 @@ class _RebatchIterator(_RowSource):
         return pack_as(structure, leaves), booking
 
     def get_state(self) -> dict[str, Any]:
-        return {**super().get_state(), "batch_number": self.batch_number}
+        return {**super().get_state(), "batch_number": self.batch_number, "ended": self.ended}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.batch_number = StateReader(state, "rebatch").integer("batch_number")
+        reader = StateReader(state, "rebatch")
+        self.batch_number = reader.integer("batch_number")
+        self.ended = reader.flag("ended") if "ended" in state else False
         super().set_state(state)

@@ -36,10 +36,10 @@ class ZipNode(Node):
 
     def cardinality(self) -> int:
         sizes = [node.cardinality() for node in self.inputs]
+        if UNKNOWN in sizes:  # tf.data's rule: the unknown one may be the shortest
+            return UNKNOWN
         finite = [size for size in sizes if size >= 0]
-        if finite:
-            return min(finite)
-        return UNKNOWN if UNKNOWN in sizes else INFINITE
+        return min(finite) if finite else INFINITE
 
     def random_access(self) -> RandomAccess | None:
         parts = [node.random_access() for node in self.inputs]

@@ -1,0 +1,82 @@
+"""``ignore_errors(log_warning=False)``: drop the elements whose production raised.
+
+An error raised at an element's position upstream (a map function, a parse, a
+corrupt record read with a reader that goes on) is swallowed and the next
+element is pulled, as tf.data's ``ignore_errors``. ``log_warning=True`` issues a
+:class:`~headrace.errors.HeadraceWarning` naming each error. Errors of headrace's
+own machinery that end the stream for good (a closed iterator, an exhausted
+memory budget, a bad checkpoint) are not swallowed: skipping them would spin.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import Node, UnaryNode
+from headrace.core.state import INNER, StateReader
+from headrace.errors import (
+    CheckpointError,
+    HeadraceWarning,
+    IteratorClosedError,
+    MemoryBudgetError,
+)
+from headrace.memory.budget import Reservation
+
+__all__ = ["IgnoreErrorsNode"]
+
+_FATAL = (CheckpointError, IteratorClosedError, MemoryBudgetError)
+
+
+class IgnoreErrorsNode(UnaryNode):
+    stage = "ignore_errors"
+
+    def __init__(self, source: Node, log_warning: bool) -> None:
+        super().__init__(source)
+        self.log_warning = bool(log_warning)
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.log_warning,)
+
+    def cardinality(self) -> int:
+        inner = self.inputs[0].cardinality()
+        return inner if inner <= 0 else -2  # UNKNOWN: any element may be dropped
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        return _IgnoreErrorsIterator(self.inputs[0].make_iterator(ctx), self.log_warning)
+
+
+class _IgnoreErrorsIterator(Iterator):
+    stage = "ignore_errors"
+
+    def __init__(self, inner: Iterator, log_warning: bool) -> None:
+        super().__init__(inner)
+        self.inner, self.log_warning = inner, log_warning
+        self.ignored = 0
+
+    def pull(self) -> tuple[Any, Reservation]:
+        while True:
+            try:
+                return self.inner.pull()
+            except StopIteration:
+                raise
+            except _FATAL:
+                raise
+            except Exception as error:
+                self.ignored += 1
+                if self.log_warning:
+                    warnings.warn(
+                        f"ignore_errors: dropped an element that raised "
+                        f"{type(error).__name__}: {error}",
+                        HeadraceWarning,
+                        stacklevel=3,
+                    )
+
+    def get_state(self) -> dict[str, Any]:
+        return {INNER: self.inner.get_state(), "ignored": self.ignored}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, self.stage)
+        self.inner.set_state(reader.child(INNER))
+        self.ignored = reader.integer("ignored")
