@@ -46,10 +46,12 @@ def test_import_is_light() -> None:
     scenario 4, beside TensorFlow's: a timed assertion here would fail on a busy machine)."""
     heavy = ["tensorflow", "torch", "jax", "keras", "ray", "pyarrow", "psycopg",
              "adbc_driver_manager", "PIL", "pandas", "scipy"]
+    # VmHWM, not ru_maxrss: the latter survives exec, so a child forked from a large
+    # test worker would report the worker's size.
     code = (
-        "import sys, resource; import headrace;"
+        "import sys; import headrace;"
         f"print([m for m in {heavy!r} if m in sys.modules]);"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded, peak_kib = out.stdout.split("\n")[:2]
