@@ -1,7 +1,8 @@
 """PostgreSQL table -> NumPy batches: the three routes from NumPy's point of view.
 
 Routes, each in its own fresh process (rows/s and peak RSS):
-  headrace          Dataset.from_sql over ADBC (binary COPY decoded to Arrow in C++), keyset pages
+  headrace          Dataset.from_sql over ADBC: a keyed query without parameters streams through
+                    ADBC's binary COPY reader (decoded to Arrow in C++), pages of page_rows rows
   psycopg-fetchmany a psycopg 3 server-side cursor, fetchmany(65536), rows -> np.array per column
   psycopg-copy      psycopg 3 COPY (FORMAT BINARY), fixed-width rows parsed with one NumPy view
 Usage: HEADRACE_TEST_POSTGRES=postgresql://... python benchmarks/bench_sql.py --rows 1000000 5000000
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -83,28 +85,54 @@ def make_table(url: str, rows: int) -> str:
     return name
 
 
+def drop_table(url: str, name: str) -> None:
+    import adbc_driver_postgresql.dbapi as pg
+
+    with pg.connect(url) as db, db.cursor() as cur:
+        cur.execute(f"DROP TABLE {name}")
+        db.commit()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 5_000_000])
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each route, interleaved; the median is reported")
     args = parser.parse_args(argv)
     url = os.environ["HEADRACE_TEST_POSTGRES"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    lines = ["# PostgreSQL table (id + 9 float8 columns) -> NumPy batches", "",
-             f"Machine: {os.cpu_count()} cores; server on loopback; each route in its own process.",
-             "", "| rows | route | M rows/s | peak RSS (MiB) |", "|---|---|---|---|"]
+    load_before = os.getloadavg()[0]
+    lines = ["| rows | route | M rows/s (median) | runs | peak RSS (MiB) |",
+             "|---|---|---|---|---|"]
+    ratios = []
     for count in args.rows:
         table = make_table(url, count)
-        for side, body in SIDES.items():
-            imports, _, rest = body.strip().partition("\n")
-            code = RUNNER.format(url=url, imports=imports, body=rest.replace("TABLE", table))
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                 env=env, check=True)
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            assert r["rows"] == count, (side, r)
-            line = (f"| {count:,} | {side} | {count / r['seconds'] / 1e6:.3f} | "
-                    f"{r['peak_rss'] / 2**20:.0f} |")
-            print(line, flush=True)
-            lines.append(line)
+        runs: dict[str, list[dict[str, float]]] = {}
+        for _ in range(args.repeats):  # interleaved: a burst of load hits every route alike
+            for side, body in SIDES.items():
+                imports, _, rest = body.strip().partition("\n")
+                code = RUNNER.format(url=url, imports=imports, body=rest.replace("TABLE", table))
+                out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                     text=True, env=env, check=True)
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                assert r["rows"] == count, (side, r)
+                runs.setdefault(side, []).append(r)
+                print(f"{count:,} {side}: {count / r['seconds'] / 1e6:.3f} M rows/s, "
+                      f"{r['peak_rss'] / 2**20:.0f} MiB", flush=True)
+        rate = {side: statistics.median(count / r["seconds"] / 1e6 for r in rs)
+                for side, rs in runs.items()}
+        for side, rs in runs.items():
+            each = " ".join(f"{count / r['seconds'] / 1e6:.2f}" for r in rs)
+            lines.append(f"| {count:,} | {side} | {rate[side]:.3f} | {each} | "
+                         f"{max(r['peak_rss'] for r in rs) / 2**20:.0f} |")
+        ratios.append(f"{count:,} rows: headrace {rate['headrace'] / rate['psycopg-fetchmany']:.1f}x "
+                      "psycopg fetchmany (target >= 3x)")
+        drop_table(url, table)
+    lines = ["# PostgreSQL table (id + 9 float8 columns) -> NumPy batches", "",
+             f"Machine: {os.cpu_count()} cores; server on loopback; each route in its own "
+             f"process, {args.repeats} interleaved runs; load average {load_before:.1f} before, "
+             f"{os.getloadavg()[0]:.1f} after (the machine is shared).", "", *lines, "",
+             *ratios]
     with open(os.path.join(os.path.dirname(__file__), "results", "sql.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     return 0

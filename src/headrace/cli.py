@@ -163,6 +163,37 @@ def _inspect(args: argparse.Namespace) -> int:
     return 1 if corrupt else 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    """``headrace convert``: CSV / SQL / .npy -> TFRecord shards, or TFRecord -> CSV."""
+    from headrace.errors import HeadraceError
+    from headrace.tools.convert import source_kind, tfrecords_to_csv, to_tfrecords
+
+    progress: Any = {"auto": True, "always": "always", "never": False}[args.progress]
+    try:
+        if source_kind(args.source[0]) == "tfrecord":
+            summary = tfrecords_to_csv(list(args.source), args.dest, compression_type=args.compression_type,
+                                       limit=args.limit, progress=progress)
+        else:
+            if len(args.source) > 1:
+                print(f"headrace convert: one source at a time, got {args.source}",
+                      file=sys.stderr)
+                return 2
+            summary = to_tfrecords(
+                args.source[0], args.dest, num_shards=args.shards, query=args.query,
+                table=args.table, key=args.key, params=args.param or (), feature=args.feature,
+                batch_size=args.batch_size, field_delim=args.delimiter,
+                infer_rows=args.infer_rows or None, compression_type=args.compression_type,
+                memory_budget=args.memory_budget, progress=progress,
+            )
+    except (HeadraceError, OSError) as error:
+        print(f"headrace convert: error: {error}", file=sys.stderr)
+        print("nothing was written", file=sys.stderr)
+        return 1
+    if args.dest != "-":
+        print(summary.format())
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -205,6 +236,39 @@ def _parser() -> argparse.ArgumentParser:
         "--no-crc", action="store_true", help="skip CRC32C checks (framing is still checked)"
     )
     inspect.set_defaults(run=_inspect)
+
+    convert = commands.add_parser(
+        "convert",
+        help="a CSV file, a SQL query or a .npy file -> TFRecord shards of tf.train.Example "
+        "(indexed); TFRecord files -> CSV",
+        description="SOURCE: a .csv/.csv.gz file, a .npy file, a 'sqlite:///path.db' or "
+        "'postgresql://...' URL (with --query or --table) -> TFRecord shards in DEST (a "
+        "directory, or a pattern with {shard}); or TFRecord files -> DEST.csv ('-': stdout).",
+    )
+    convert.add_argument("source", nargs="+", metavar="SOURCE")
+    convert.add_argument("dest", metavar="DEST")
+    convert.add_argument("--shards", type=int, default=1, metavar="N",
+                         help="number of TFRecord shards (default 1)")
+    convert.add_argument("--query", help="SQL source: the query (values only via --param)")
+    convert.add_argument("--table", help="SQL source: a whole table, instead of --query")
+    convert.add_argument("--param", action="append", metavar="VALUE",
+                         help="SQL source: a query parameter, as text (repeat for each)")
+    convert.add_argument("--key", help="SQL source: a unique column to page the read by")
+    convert.add_argument("--feature", default="x",
+                         help=".npy source: the feature name of a plain array (default x)")
+    convert.add_argument("--delimiter", default=",", help="CSV source: field delimiter")
+    convert.add_argument("--infer-rows", type=int, default=1000, metavar="N",
+                         help="CSV source: rows read to infer column types (0: all)")
+    convert.add_argument("--batch-size", type=int, default=4096, metavar="ROWS",
+                         help="rows read and encoded at once (default 4096)")
+    convert.add_argument("--memory-budget", help="memory budget of the read, e.g. 256MiB")
+    convert.add_argument("--compression-type", type=str.upper, choices=["GZIP", "ZLIB"],
+                         default=None, help="compression of the TFRecord files (default none)")
+    convert.add_argument("--limit", type=int, metavar="N",
+                         help="TFRecord -> CSV: write the first N records only")
+    convert.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                         help="progress bar on stderr (auto: when it is a terminal)")
+    convert.set_defaults(run=_convert)
     return parser
 
 

@@ -392,6 +392,7 @@ def save_tfrecords(
     compression_type: str | None = None,
     progress: ProgressSetting = True,
     batched: bool = False,
+    num_records: int | None = None,
 ) -> list[str]:
     """Write a dataset of dicts as ``tf.train.Example`` records in ``num_shards`` TFRecord
     files that TensorFlow reads as its own; return the shard paths in order.
@@ -409,7 +410,9 @@ def save_tfrecords(
     only when all of them are complete; on any exception nothing with a final name is
     created and the error propagates. Uncompressed shards get a ``.hrx`` index; GZIP/ZLIB
     shards cannot be indexed. ``progress``: True shows a bar on stderr when it is a
-    terminal, ``"always"`` forces it, False hides it.
+    terminal, ``"always"`` forces it, False hides it. ``num_records``: with
+    ``batched=True``, the number of rows when known up front (an array's length), so that
+    shards hold contiguous blocks as for a dataset of known cardinality.
     """
     if progress not in (True, False, "always"):
         raise InvalidArgumentError(f"progress must be True, False or 'always', got {progress!r}")
@@ -418,7 +421,14 @@ def save_tfrecords(
     cardinality = dataset.cardinality() if hasattr(dataset, "cardinality") else UNKNOWN
     if cardinality == INFINITE:
         raise InvalidArgumentError("cannot save an infinite dataset; apply .take(n) first")
-    contiguous = not batched and cardinality >= 0
+    if num_records is not None:
+        if not batched or isinstance(num_records, bool) or not isinstance(num_records, int) or (
+                num_records < 0):
+            raise InvalidArgumentError(
+                f"num_records must be an int >= 0, and only with batched=True; got {num_records!r}"
+            )
+        cardinality = num_records
+    contiguous = cardinality >= 0 and (not batched or num_records is not None)
     if not contiguous:
         _check_round_robin_fits(num_shards)
     for directory in {os.path.dirname(os.path.abspath(p)) for p in finals}:

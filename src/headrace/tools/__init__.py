@@ -5,5 +5,7 @@ argument parser and the tools can be used (and tested) from Python:
 
 * :mod:`headrace.tools.index` - build or check ``.hrx`` record indexes (``headrace index``);
 * :mod:`headrace.tools.inspect` - record count, Example schema, sizes, CRC check and a
-  preview of records (``headrace inspect``).
+  preview of records (``headrace inspect``);
+* :mod:`headrace.tools.convert` - CSV files, SQL queries and ``.npy`` arrays to TFRecord
+  shards of Examples, and TFRecord back to CSV (``headrace convert``).
 """

@@ -1,0 +1,399 @@
+"""``headrace convert``: CSV files, SQL queries and ``.npy`` arrays to TFRecord shards of
+``tf.train.Example``; TFRecord shards back to CSV, for inspection.
+
+Why it exists: a table is read once, written as shards that any TFRecord reader
+(TensorFlow included) takes, with ``.hrx`` indexes for random access and O(1) resume.
+Decisions, and why:
+
+* **Every source is read as a headrace dataset** (``read_csv``, ``Dataset.from_sql``,
+  ``Dataset.from_npy``) in batches, under a memory budget, so a table larger than RAM
+  converts in flat memory, and its values, types and errors are the readers' own: a bad
+  CSV field names its file, record, line and column; a NULL names its column, row and key.
+* **Writing is** :func:`headrace.writers.save_tfrecords` with ``batched=True``: one
+  Example per row, encoded column by column, all shards published atomically (an error
+  leaves no file under a final name) and indexed. Rows go round-robin over the shards
+  (row ``i`` to shard ``i % N``) when their count is not known up front (CSV, SQL); an
+  array's length is known, so its shards hold contiguous blocks.
+* **Types.** An Example holds three kinds of list: integers (and booleans) become
+  ``int64_list``, floats ``float_list`` - float32, so float64 columns lose precision,
+  and the summary says which did - and strings or bytes ``bytes_list`` (UTF-8).
+* **TFRecord to CSV** reads the files twice: once for the feature names (the header must
+  come first and an Example may lack features others have), once to write the rows.
+  A feature with one value is written as that value, an empty or missing one as an empty
+  field, a longer list as ``[v1, v2, ...]`` (strings quoted as JSON). Floats are written
+  in the shortest form that reads back as the same float32. The CSV is written to a
+  hidden file and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import numpy as np
+
+from headrace.errors import InvalidArgumentError, ParseError
+from headrace.io.tfrecord import normalize_compression_type, open_tfrecord
+from headrace.io.tfrecord_index import load_index
+from headrace.memory.units import format_bytes
+from headrace.writers import ProgressBar, ProgressSetting
+
+__all__ = [
+    "ConvertSummary",
+    "ShardSummary",
+    "source_kind",
+    "tfrecords_to_csv",
+    "to_tfrecords",
+]
+
+_SQL_SCHEMES = ("sqlite:///", "postgresql://", "postgres://")
+_CSV_SUFFIXES = {".csv": None, ".csv.gz": "GZIP", ".csv.zz": "ZLIB"}
+_TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords", ".tfr")
+_BATCH_RECORDS = 1024
+
+
+def source_kind(source: str) -> str:
+    """``"sql"``, ``"csv"``, ``"npy"`` or ``"tfrecord"``, from a URL scheme or a file suffix."""
+    if source.startswith(_SQL_SCHEMES):
+        return "sql"
+    lower = source.lower()
+    if lower.endswith(tuple(_CSV_SUFFIXES)):
+        return "csv"
+    if lower.endswith(".npy"):
+        return "npy"
+    if lower.endswith(_TFRECORD_SUFFIXES) or any(
+        lower.endswith(suffix + ext) for suffix in _TFRECORD_SUFFIXES for ext in (".gz", ".zz")
+    ):
+        return "tfrecord"
+    raise InvalidArgumentError(
+        f"convert: cannot tell what {source!r} is: give a .csv (or .csv.gz) file, a .npy "
+        "file, a 'sqlite:///path.db' or 'postgresql://...' URL with --query, or .tfrecord "
+        "files (to convert to CSV)"
+    )
+
+
+@dataclass(frozen=True)
+class ShardSummary:
+    """One written file: its path, records (None where no index counts them) and bytes."""
+
+    path: str
+    records: int | None
+    nbytes: int
+
+
+@dataclass
+class ConvertSummary:
+    """What a conversion read and wrote, for the closing lines of ``headrace convert``."""
+
+    source: str
+    kind: str
+    records: int = 0
+    #: column name -> "dtype -> list kind" (or the CSV header for TFRecord -> CSV)
+    columns: dict[str, str] = field(default_factory=dict)
+    files: list[ShardSummary] = field(default_factory=list)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def format(self) -> str:
+        total = sum(f.nbytes for f in self.files)
+        rate = self.records / self.seconds if self.seconds > 0 else 0.0
+        lines = [
+            f"converted {self.kind} {self.source}: {self.records:,} records in "
+            f"{self.seconds:.2f} s ({rate:,.0f} records/s) -> {len(self.files)} "
+            f"file{'s' if len(self.files) != 1 else ''}, {format_bytes(total)}"
+        ]
+        if self.columns:
+            lines.append("columns:")
+            lines.extend(f"  {name}: {what}" for name, what in self.columns.items())
+        lines.append("files:")
+        for shard in self.files:
+            count = f"{shard.records:,} records, " if shard.records is not None else ""
+            lines.append(f"  {shard.path}: {count}{format_bytes(shard.nbytes)}")
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- to TFRecord
+
+
+def _list_kind(dtype: np.dtype[Any]) -> str:
+    if dtype.kind == "f":
+        return "float_list"
+    if dtype.kind in "iub":
+        return "int64_list"
+    return "bytes_list"
+
+
+class _Counted:
+    """The batches of a dataset, counting rows and noting each column's dtype on the way."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.rows = 0
+        self.dtypes: dict[str, np.dtype[Any]] = {}
+
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
+        iterator = iter(self.dataset)
+        try:
+            for batch in iterator:
+                if not self.dtypes:
+                    self.dtypes = {name: np.asarray(value).dtype for name, value in batch.items()}
+                self.rows += len(next(iter(batch.values())))
+                yield batch
+        finally:
+            iterator.close()
+
+
+class _StructuredFields:
+    """A batch of a structured array as ``{field: column}`` (a picklable map function)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+
+    def __call__(self, batch: np.ndarray[Any, Any]) -> dict[str, Any]:
+        return {name: batch[name] for name in self.names}
+
+
+class _Named:
+    """A batch of a plain array as ``{feature: batch}`` (a picklable map function)."""
+
+    def __init__(self, feature: str) -> None:
+        self.feature = feature
+
+    def __call__(self, batch: np.ndarray[Any, Any]) -> dict[str, Any]:
+        return {self.feature: batch}
+
+
+def _npy_dataset(path: str, feature: str, batch_size: int) -> tuple[Any, int]:
+    import headrace as hr
+
+    header = np.load(path, mmap_mode="r")
+    if header.ndim == 0:
+        raise InvalidArgumentError(f"convert: {path} holds a 0-d array: it has no rows")
+    rows = int(header.shape[0])
+    names = header.dtype.names
+    del header
+    batches = hr.Dataset.from_npy(path).batch(batch_size)
+    if names:
+        return batches.map(_StructuredFields(names)), rows
+    return batches.map(_Named(feature)), rows
+
+
+def _source_dataset(
+    source: str, kind: str, *, query: str | None, table: str | None, key: str | None,
+    params: Sequence[Any], feature: str, batch_size: int, field_delim: str,
+    infer_rows: int | None,
+) -> tuple[Any, int | None]:
+    """The source as batches of ``{column: array}``, and its row count when known."""
+    import headrace as hr
+
+    if kind == "csv":
+        suffix = next(s for s in _CSV_SUFFIXES if source.lower().endswith(s))
+        return hr.read_csv(source, batch_size, field_delim=field_delim,
+                           compression_type=_CSV_SUFFIXES[suffix],
+                           num_rows_for_inference=infer_rows), None
+    if kind == "sql":
+        if (query is None) == (table is None):
+            raise InvalidArgumentError(
+                "convert: a SQL source needs --query 'SELECT ...' or --table NAME (one of them)"
+            )
+        if table is not None:
+            from headrace.sources.sql import quote_identifier
+
+            query = f"SELECT * FROM {quote_identifier(table)}"
+        assert query is not None
+        return hr.Dataset.from_sql(query, params, connection=source, key=key,
+                                   batch_size=batch_size), None
+    if kind == "npy":
+        return _npy_dataset(source, feature, batch_size)
+    raise InvalidArgumentError(
+        f"convert: {source} is already TFRecord; its destination must be a .csv file"
+    )
+
+
+def _shard_summaries(paths: Sequence[str], compressed: bool) -> list[ShardSummary]:
+    return [
+        ShardSummary(path, None if compressed else len(load_index(path)),
+                     os.path.getsize(path))
+        for path in paths
+    ]
+
+
+def to_tfrecords(
+    source: str,
+    dest: str,
+    *,
+    num_shards: int = 1,
+    query: str | None = None,
+    table: str | None = None,
+    key: str | None = None,
+    params: Sequence[Any] = (),
+    feature: str = "x",
+    batch_size: int = 4096,
+    field_delim: str = ",",
+    infer_rows: int | None = 1000,
+    compression_type: str | None = None,
+    memory_budget: int | str | None = None,
+    progress: ProgressSetting = True,
+) -> ConvertSummary:
+    """Convert a CSV file, a SQL query or a ``.npy`` file to ``num_shards`` TFRecord shards
+    of Examples (one per row) under ``dest`` (a directory or a ``{shard}`` pattern).
+
+    CSV: the header names the columns; types come from the first ``infer_rows`` rows
+    (None: all of them) as ``make_csv_dataset`` infers them. SQL: ``source`` is the
+    connection URL, with ``query`` (values in ``params``, never in the text) or ``table``;
+    ``key`` pages the read by that column. ``.npy``: a structured array gives one feature
+    per field, any other array one feature named ``feature`` (rows of several values as
+    lists). Nothing is written under a final name unless every shard is complete.
+    """
+    import headrace as hr
+    from headrace.writers import save_tfrecords
+
+    kind = source_kind(source)
+    if kind != "sql" and not os.path.exists(source):
+        raise InvalidArgumentError(f"convert: {source} does not exist")
+    dataset, rows = _source_dataset(
+        source, kind, query=query, table=table, key=key, params=params, feature=feature,
+        batch_size=batch_size, field_delim=field_delim, infer_rows=infer_rows,
+    )
+    if memory_budget is not None:
+        dataset = dataset.with_options(hr.Options(memory_budget=memory_budget))
+    counted = _Counted(dataset)
+    started = time.perf_counter()
+    paths = save_tfrecords(counted, dest, num_shards=num_shards,
+                           compression_type=compression_type, progress=progress,
+                           batched=True, num_records=rows)
+    summary = ConvertSummary(source, kind, counted.rows, seconds=time.perf_counter() - started)
+    summary.columns = {name: f"{dtype} -> {_list_kind(dtype)}"
+                       for name, dtype in counted.dtypes.items()}
+    summary.files = _shard_summaries(paths, bool(normalize_compression_type(compression_type)))
+    for name, dtype in counted.dtypes.items():
+        if dtype.kind == "f" and dtype.itemsize > 4:
+            summary.notes.append(
+                f"column {name!r} is {dtype}: written as float32 (an Example's float_list "
+                "holds float32 only)"
+            )
+    return summary
+
+
+# --------------------------------------------------------------------------- to CSV
+
+
+def _records(paths: Sequence[str], compression_type: str | None,
+             limit: int | None) -> Iterator[tuple[str, int, bytes]]:
+    """(path, record index in its file, record) of the files in order, ``limit`` in all."""
+    left = limit
+    for path in paths:
+        index = 0
+        with open_tfrecord(path, compression_type=compression_type) as reader:
+            while left is None or left > 0:
+                batch = reader.read_batch(_BATCH_RECORDS if left is None
+                                          else min(left, _BATCH_RECORDS))
+                if not batch:
+                    break
+                for record in batch:
+                    yield path, index, record
+                    index += 1
+                if left is not None:
+                    left -= len(batch)
+        if left == 0:
+            return
+
+
+def _decode(path: str, index: int, record: bytes) -> dict[str, tuple[str, Any]]:
+    from headrace.io.example import decode_example
+
+    try:
+        return decode_example(record)
+    except ParseError as error:
+        raise ParseError(f"{path} record {index}: not a tf.train.Example: {error}") from None
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="backslashreplace")
+    return str(value)  # NumPy scalars: the shortest text that reads back as the same value
+
+
+def _cell(kind: str, values: Any) -> str:
+    if len(values) == 0:
+        return ""
+    if len(values) == 1:
+        return _text(values[0])
+    if kind == "bytes_list":
+        return "[" + ", ".join(json.dumps(_text(v), ensure_ascii=False) for v in values) + "]"
+    return "[" + ", ".join(map(str, values)) + "]"
+
+
+@contextlib.contextmanager
+def _atomic_text(dest: str) -> Iterator[IO[str]]:
+    """A text file that appears under ``dest`` only when the block completes."""
+    if dest == "-":
+        yield sys.stdout
+        return
+    directory = os.path.dirname(os.path.abspath(dest))
+    os.makedirs(directory, exist_ok=True)
+    staging = os.path.join(directory, f".{os.path.basename(dest)}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(staging, "w", newline="", encoding="utf-8") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, dest)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
+        raise
+
+
+def tfrecords_to_csv(
+    sources: Sequence[str],
+    dest: str,
+    *,
+    compression_type: str | None = None,
+    limit: int | None = None,
+    progress: ProgressSetting = True,
+) -> ConvertSummary:
+    """Write the Examples of TFRecord files as CSV (``dest``, or ``"-"`` for stdout): one
+    row per Example, one column per feature name (sorted), ``limit`` rows at most."""
+    if not sources:
+        raise InvalidArgumentError("convert: no TFRecord files given")
+    if limit is not None and (isinstance(limit, bool) or limit < 0):
+        raise InvalidArgumentError(f"convert: --limit must be >= 0, got {limit!r}")
+    if dest != "-" and not dest.lower().endswith(".csv"):
+        raise InvalidArgumentError(
+            f"convert: TFRecord files convert to CSV: the destination must end with .csv "
+            f"(or be '-' for stdout), got {dest!r}"
+        )
+    started = time.perf_counter()
+    kinds: dict[str, str] = {}
+    for path, index, record in _records(sources, compression_type, limit):
+        for name, (kind, _) in _decode(path, index, record).items():
+            if kinds.setdefault(name, kind) != kind and kind != "none":
+                kinds[name] = kind if kinds[name] == "none" else "mixed"
+    names = sorted(kinds)
+    bar = ProgressBar(enabled=progress, label="converting")
+    rows = 0
+    with _atomic_text(dest) as handle:
+        writer = csv.writer(handle, lineterminator="\n")
+        writer.writerow(names)
+        for path, index, record in _records(sources, compression_type, limit):
+            decoded = _decode(path, index, record)
+            writer.writerow([_cell(*decoded[name]) if name in decoded else "" for name in names])
+            rows += 1
+            bar.update(1, len(record))
+    bar.close(f" -> {dest}")
+    summary = ConvertSummary(", ".join(sources), "tfrecord", rows,
+                             seconds=time.perf_counter() - started)
+    summary.columns = dict(sorted(kinds.items()))
+    if dest != "-":
+        summary.files = [ShardSummary(dest, rows, os.path.getsize(dest))]
+    return summary
