@@ -76,7 +76,9 @@ def _spec_bytes(spec: Any) -> int | None:
             return None
         if any(dim is None for dim in leaf.shape):
             return None
-        total += int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
+        total += int(np.prod([int(dim or 0) for dim in leaf.shape], dtype=np.int64)) * (
+            leaf.dtype.itemsize
+        )
     return total
 
 

@@ -14,6 +14,7 @@ what killing the process would return, which RSS overstates with workers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -52,10 +53,8 @@ def descriptors() -> Descriptors:
             continue
         if target.startswith("/memfd:") or target.startswith("/dev/shm/"):
             shm += 1
-            try:
+            with contextlib.suppress(OSError):
                 shm_bytes += os.fstat(int(name)).st_size
-            except OSError:
-                pass
         elif target.startswith("socket:"):
             sockets += 1
         elif target.startswith("pipe:"):

@@ -16,6 +16,7 @@ then the stage table, the decisions, warnings and lint findings.
 from __future__ import annotations
 
 import html
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -130,7 +131,7 @@ def memory_chart(profile: Profile) -> str:
     x_max = samples[-1].seconds if samples else 1.0
     stacked_top = [sum(samples[k].held) for k in picked]
     y_max = max(
-        [profile.budget_total * 1.05 if profile.budget_total < 4 * max(stacked_top + [1]) else 0]
+        [profile.budget_total * 1.05 if profile.budget_total < 4 * max([*stacked_top, 1]) else 0]
         + [max(0, samples[k].growth) * 1.05 for k in picked]
         + [top * 1.1 for top in stacked_top]
         + [1.0]
@@ -197,7 +198,7 @@ def throughput_chart(profile: Profile) -> str:
     series: list[tuple[int, list[tuple[float, float]]]] = []
     for stage in range(len(names)):
         points = []
-        for previous, current in zip(picked, picked[1:], strict=False):
+        for previous, current in itertools.pairwise(picked):
             a, b = samples[previous], samples[current]
             span = b.seconds - a.seconds
             if span <= 0 or stage >= len(b.elements):
