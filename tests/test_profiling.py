@@ -258,7 +258,7 @@ def test_doctor_reports_descriptors_not_returned(tmp_path: Path) -> None:
 
     def opens(row: Any) -> Any:
         if int(row[0]) == 0:
-            _HANDLES.append(open(path))  # one descriptor per epoch, never closed
+            _HANDLES.append(open(path))  # noqa: SIM115 -- one descriptor per epoch, never closed
         return row
 
     try:
