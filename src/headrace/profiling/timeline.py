@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -112,12 +113,16 @@ class Sampler:
         self.decisions: list[Decision] = []
         self.stage_names: list[str] = []
         self._stage_keys: list[int] = []
-        self._iterator: DatasetIterator | None = None
+        # A weak reference: sampling never keeps an abandoned iterator (and its threads,
+        # files and budget) alive; the sampler stops once its iterator is gone.
+        self._iterator: weakref.ref[DatasetIterator] | None = None
         self._epoch = 0
         self._knobs: dict[tuple[int, str], Any] = {}
         self._changes: dict[tuple[int, str], int] = {}
         self._started = time.perf_counter()
-        self._start_memory = snapshot(detailed=True)
+        # The cheap read (one /proc file): a sampler per iterator must not make building
+        # an iterator slower; the first tick on the thread takes the detailed one.
+        self._start_memory = snapshot(detailed=False)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -130,7 +135,7 @@ class Sampler:
     def watch(self, iterator: DatasetIterator, epoch: int = 0) -> None:
         """Follow ``iterator`` from now on (a new one each epoch)."""
         with self._lock:
-            self._iterator, self._epoch = iterator, epoch
+            self._iterator, self._epoch = weakref.ref(iterator), epoch
             self._knobs.clear()  # new iterators: their knobs start afresh
 
     def start(self) -> None:
@@ -153,12 +158,14 @@ class Sampler:
     def now(self) -> float:
         return time.perf_counter() - self._started
 
-    def _sync_stages(self) -> None:
+    def _current(self) -> DatasetIterator | None:
+        return None if self._iterator is None else self._iterator()
+
+    def _sync_stages(self, iterator: DatasetIterator | None) -> None:
         if self.instrumenter is not None:
             for record in self.instrumenter.records[len(self._stage_keys):]:
                 self._stage_keys.append(id(record.node))
                 self.stage_names.append(record.name)
-        iterator = self._iterator
         if iterator is not None:
             for key, account in list(_accounts_by_node(iterator).items()):
                 if key not in self._stage_keys:
@@ -169,8 +176,10 @@ class Sampler:
         """Take one sample now (also called by the profile at the end of each epoch)."""
         with self._lock:
             self._ticks += 1
-            self._sync_stages()
-            iterator, epoch = self._iterator, self._epoch
+            iterator, epoch = self._current(), self._epoch
+            if iterator is None and self._iterator is not None:
+                self._stop.set()  # the iterator was dropped: nothing left to watch
+            self._sync_stages(iterator)
             seconds = self.now()
             counts: dict[int, int] = {}
             if self.instrumenter is not None:
