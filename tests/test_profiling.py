@@ -374,3 +374,14 @@ def test_cli_profile_and_doctor(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "LEAK" in out and "leaky_step" in out
     with pytest.raises(SystemExit, match="no function 'missing'"):
         main(["doctor", f"{module}:missing"])
+
+
+@pytest.mark.parametrize("parallel", [2, hr.AUTOTUNE])
+def test_parallel_map_books_each_element_once_in_stats(parallel: int) -> None:
+    ds = _rows(500).map(lambda r: np.repeat(r, 1 + int(r[0]) % 50), num_parallel_calls=parallel)
+    with iter(ds) as iterator:
+        produced = sum(1 for _ in iterator)
+        (stage,) = [s for s in iterator.stats().stages if s.name.startswith("map")]
+    assert produced == 500
+    assert stage.elements == 500  # was 1,000: the inputs' bookings counted as elements too
+    assert stage.max_element >= 49 * 4 * 8  # outputs grew past their estimate: still tracked
