@@ -551,6 +551,33 @@ def profile_batch_path(hr: Any, quick: bool) -> list[str]:
 # --------------------------------------------------------------------------- main
 
 
+def _stats_on(hr: Any, mode: str) -> None:
+    """Make every ``iter(dataset)`` of the passes run with a sampler (and probes, for
+    ``profile``), as a user leaving stats on would."""
+    from headrace.profiling.probe import Instrumenter
+    from headrace.profiling.timeline import Sampler
+
+    plain_iter = hr.Dataset.__iter__
+
+    def with_stats(dataset: Any) -> Any:
+        instrumenter = None
+        if mode == "profile":
+            instrumenter = Instrumenter(dataset.node)
+            instrumenter.attach()
+            instrumenter.expect_run()
+        try:
+            iterator = plain_iter(dataset)
+        finally:
+            if instrumenter is not None:
+                instrumenter.detach()
+        sampler = Sampler(instrumenter, interval=0.05)
+        sampler.watch(iterator)
+        sampler.start()
+        return iterator  # the sampler stops itself once the iterator is gone
+
+    hr.Dataset.__iter__ = with_stats
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--src", help="import headrace from this source tree (put first on sys.path)")
@@ -559,15 +586,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated substrings of stage names")
     parser.add_argument("--profile", action="store_true", help="add the batch-path profile")
     parser.add_argument("--out", default=None, help="results stem (default overhead[-quick])")
+    parser.add_argument(
+        "--stats", choices=["off", "monitor", "profile"], default="off",
+        help="run every headrace pass with stats on: 'monitor' samples over time (no "
+        "per-element cost), 'profile' also counts and times every pull of every stage",
+    )
     args = parser.parse_args(argv)
     src = Path(args.src).resolve() if args.src else REPO / "src"
     sys.path.insert(0, str(src))
     import headrace as hr
 
+    if args.stats != "off":
+        _stats_on(hr, args.stats)
+
     started = time.perf_counter()
     passes = args.passes or (3 if args.quick else 7)
     info = _harness.machine_info(sys.executable)
     info["headrace_source"] = {"path": str(src), **_harness.source_fingerprint(src / "headrace")}
+    info["stats"] = args.stats
     info["headrace_imported_from"] = os.path.dirname(hr.__file__)
     with tempfile.TemporaryDirectory(prefix="hr-overhead-") as tmpdir:
         stages = build_stages(hr, args.quick, tmpdir)

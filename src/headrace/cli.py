@@ -194,6 +194,92 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_pipeline(target: str) -> Any:
+    """Call ``module:function`` (or ``path/to/file.py:function``) and return its dataset."""
+    import importlib
+    import importlib.util
+
+    module_name, sep, function_name = target.rpartition(":")
+    if not sep or not module_name or not function_name:
+        raise SystemExit(f"headrace: expected module:function, got {target!r}")
+    if module_name.endswith(".py") or os.sep in module_name:
+        spec = importlib.util.spec_from_file_location("_headrace_target", module_name)
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"headrace: cannot load {module_name!r}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as `python -m` would: the current directory
+        module = importlib.import_module(module_name)
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise SystemExit(f"headrace: {module_name} has no function {function_name!r}")
+    return function()
+
+
+def _is_tf_dataset(value: Any) -> bool:
+    return any(
+        klass.__module__.startswith("tensorflow") and klass.__name__ == "DatasetV2"
+        for klass in type(value).__mro__
+    )
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """``headrace profile``: run a pipeline, print the stage table, write the HTML report."""
+    import headrace as hr
+    from headrace.profiling.profiler import profile
+
+    dataset = _load_pipeline(args.target)
+    if not isinstance(dataset, hr.Dataset):
+        raise SystemExit(
+            f"headrace profile: {args.target} returned {type(dataset).__name__}, not a "
+            "headrace.Dataset (for a tf.data.Dataset, use `headrace doctor`)"
+        )
+    if args.budget:
+        dataset = dataset.with_options(hr.Options(memory_budget=args.budget))
+    result = profile(dataset, steps=args.steps, epochs=args.epochs, progress=args.progress,
+                     title=f"headrace profile {args.target}")
+    print(result.format())
+    if args.html:
+        result.write_html(args.html)
+        print(f"\nHTML report: {args.html}")
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """``headrace doctor``: lint, then run several epochs looking for leaks (exit 1 if any)."""
+    import headrace as hr
+
+    dataset = _load_pipeline(args.target)
+    title = f"headrace doctor {args.target}"
+
+    def progress(measure: Any) -> None:
+        if args.progress:
+            print(f"  epoch {measure.epoch}: {measure.elements:,} elements in "
+                  f"{measure.seconds:.2f} s", file=sys.stderr, flush=True)
+
+    if _is_tf_dataset(dataset):
+        from headrace.profiling.tfgraph import diagnose_tf
+
+        diagnosis = diagnose_tf(dataset, epochs=args.epochs, steps=args.steps, title=title,
+                                budget=args.budget, on_epoch=progress)
+    elif isinstance(dataset, hr.Dataset):
+        from headrace.profiling.doctor import diagnose
+
+        if args.budget:
+            dataset = dataset.with_options(hr.Options(memory_budget=args.budget))
+        diagnosis = diagnose(dataset, epochs=args.epochs, steps=args.steps, title=title,
+                             on_epoch=progress)
+    else:
+        raise SystemExit(
+            f"headrace doctor: {args.target} returned {type(dataset).__name__}, not a "
+            "headrace.Dataset or a tf.data.Dataset"
+        )
+    print(diagnosis.format())
+    return 0 if diagnosis.healthy else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -269,6 +355,32 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
                          help="progress bar on stderr (auto: when it is a terminal)")
     convert.set_defaults(run=_convert)
+    prof = commands.add_parser(
+        "profile", help="run module:function's dataset; per-stage table and an HTML report"
+    )
+    prof.add_argument("target", metavar="MODULE:FUNCTION",
+                      help="a function returning a headrace.Dataset (or path/file.py:function)")
+    prof.add_argument("--steps", type=int, default=None, help="elements per epoch (default all)")
+    prof.add_argument("--epochs", type=int, default=1)
+    prof.add_argument("--budget", default=None, help="memory budget (e.g. 256MiB)")
+    prof.add_argument("--html", default="headrace-profile.html",
+                      help="where to write the report ('' for none)")
+    prof.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                      help="live progress line (default: when stderr is a terminal)")
+    prof.set_defaults(run=_profile)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="lint module:function's pipeline (headrace or tf.data) and look for leaks; "
+        "exit 1 if something leaks",
+    )
+    doctor.add_argument("target", metavar="MODULE:FUNCTION",
+                        help="a function returning a headrace.Dataset or a tf.data.Dataset")
+    doctor.add_argument("--epochs", type=int, default=8)
+    doctor.add_argument("--steps", type=int, default=None, help="elements per epoch")
+    doctor.add_argument("--budget", default=None, help="memory budget to judge against")
+    doctor.add_argument("--progress", action="store_true", help="a line per epoch on stderr")
+    doctor.set_defaults(run=_doctor)
     return parser
 
 

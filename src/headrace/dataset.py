@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from headrace.transforms.shuffle import ShuffleNode
 from headrace.transforms.take import SkipNode, TakeNode
 from headrace.transforms.unbatch import RebatchNode, UnbatchNode
 from headrace.transforms.zip import ConcatenateNode, ZipNode
+
+if TYPE_CHECKING:
+    from headrace.profiling.profiler import Profile
 
 __all__ = ["Dataset", "TFRecordDataset", "TextLineDataset"]
 
@@ -266,6 +269,31 @@ class Dataset:
     def as_numpy_iterator(self) -> DatasetIterator:
         """An iterator of NumPy elements (headrace's elements already are NumPy)."""
         return iter(self)
+
+    def profile(
+        self,
+        steps: int | None = None,
+        epochs: int = 1,
+        *,
+        report: str | os.PathLike[str] | None = None,
+        progress: bool | None = None,
+    ) -> Profile:
+        """Run the pipeline and measure every stage: a :class:`~headrace.profiling.Profile`.
+
+        ``epochs`` iterators (as Keras makes one per epoch), each for ``steps``
+        elements or to the end. Per stage: elements in and out, time waiting on
+        its input vs working, throughput, inflation, share, held and peak bytes;
+        over time: memory by stage against the budget and the process's own
+        measure, and the decisions taken (shrinks, AUTOTUNE). ``report``: also
+        write the self-contained HTML report there. ``print(profile.format())``
+        shows the table.
+        """
+        from headrace.profiling.profiler import profile
+
+        result = profile(self, steps=steps, epochs=epochs, progress=progress)
+        if report is not None:
+            result.write_html(os.fspath(report))
+        return result
 
     def with_options(self, options: Options) -> Dataset:
         """The same recipe with ``options`` merged over the current ones."""

@@ -82,9 +82,11 @@ class MemoryBudget:
         self.accounts: list[StageAccount] = []
         # Budgets drawn from a shared parent (the process-wide default) share its
         # condition, so a release in one pipeline wakes a producer in another.
-        # A plain lock (not the Condition's default RLock): taken per element, and the
-        # ``with`` of a bare lock costs a fraction of a Condition's (nothing re-enters it).
-        self.lock: threading.Lock = parent.lock if parent is not None else threading.Lock()
+        # A bare lock (the ``with`` of one costs a fraction of a Condition's), but
+        # re-entrant: garbage collection can run inside a booking (it allocates) and
+        # finalize an abandoned iterator of another pipeline on the same default budget,
+        # whose close takes this lock again on the same thread. A plain Lock deadlocked.
+        self.lock: threading.RLock = parent.lock if parent is not None else threading.RLock()
         self.changed: threading.Condition = (
             parent.changed if parent is not None else threading.Condition(self.lock)
         )
@@ -360,8 +362,9 @@ class StageAccount:
         if held > self.peak:
             self.peak = held
         self.elements += elements
-        per_element = nbytes if elements == 1 else nbytes // elements
-        if per_element > self.max_element:
+        # elements=0: bytes booked ahead for work in flight, or its growth (not an element)
+        per_element = nbytes if elements <= 1 else nbytes // elements
+        if elements and per_element > self.max_element:
             self.max_element = per_element
         self.budget._add(nbytes)
 
@@ -405,7 +408,7 @@ class StageAccount:
         self._check_fits(self.held + nbytes, what)
         return self.charge(nbytes, elements=elements)
 
-    def book_existing(self, sizes: list[int]) -> list[Reservation]:
+    def book_existing(self, sizes: list[int], *, count: bool = True) -> list[Reservation]:
         """Book elements that already exist (outputs of calls that were in flight).
 
         Their memory is there whether or not it fits, so it is booked as it is:
@@ -416,29 +419,34 @@ class StageAccount:
         """
         for nbytes in sizes:
             self._check_fits(nbytes)  # one alone past the share: split again, or refuse
+        elements = 1 if count else 0  # count=False: bytes booked ahead for work in flight
         with self.lock:
-            return [self._book_existing(nbytes) for nbytes in sizes]
+            return [self._book_existing(nbytes, elements) for nbytes in sizes]
 
-    def book_existing_total(self, sizes: list[int]) -> Reservation:
-        """:meth:`book_existing` for elements released together: one booking for all."""
+    def book_existing_total(self, sizes: list[int], *, count: bool = True) -> Reservation:
+        """:meth:`book_existing` for elements released together: one booking for all.
+
+        ``count=False``: bytes booked ahead for work in flight (a parallel map's
+        inputs, at their expected output size), not elements of this stage's own.
+        """
         for nbytes in sizes:
             self._check_fits(nbytes)
         total = sum(sizes)
         with self.lock:
             excess = max(0, min(total, self.held + total - self.limit))
-            self._book(total, len(sizes) or 1, overdraft=excess)
+            self._book(total, (len(sizes) or 1) if count else 0, overdraft=excess)
         return Overdraft(self, total, excess) if excess else Reservation(self, total)
 
     def overdraw(self, nbytes: int) -> Reservation:
         """Book more bytes for work already in flight (several elements' growth, each of
         which passed :meth:`book_existing`'s check): past the share as an overdraft."""
         with self.lock:
-            return self._book_existing(nbytes)
+            return self._book_existing(nbytes, 0)  # growth of elements already counted
 
-    def _book_existing(self, nbytes: int) -> Reservation:
+    def _book_existing(self, nbytes: int, elements: int = 1) -> Reservation:
         """Book ``nbytes``; what passes the share is an overdraft (call holding the lock)."""
         excess = max(0, min(nbytes, self.held + nbytes - self.limit))
-        self._book(nbytes, overdraft=excess)
+        self._book(nbytes, elements, overdraft=excess)
         return Overdraft(self, nbytes, excess) if excess else Reservation(self, nbytes)
 
     def release(self, nbytes: int) -> None:

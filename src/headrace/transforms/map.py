@@ -378,7 +378,7 @@ class _ParallelMapIterator(Iterator):
                 pending_bytes += size
             else:  # booked upstream: it moves here at once (the stage above may be waiting
                 # for that room to give us the next input), booked as it is
-                bookings.append(account.book_existing_total([size]))
+                bookings.append(account.book_existing_total([size], count=False))
                 reservation.release()
         if elements or upstream_error is not None:
             self.state_after_last_input = self.inner.get_state()
@@ -386,7 +386,7 @@ class _ParallelMapIterator(Iterator):
         if pending:  # the inputs exist: booked as they are (past the share only if the
             # chunk's first input alone did not fit beside what is held), as one booking
             # for the call: they are released together when it is collected
-            bookings.append(account.book_existing_total(pending))
+            bookings.append(account.book_existing_total(pending, count=False))
         return elements, bookings, upstream_error
 
     def _take_call(self) -> _Call:

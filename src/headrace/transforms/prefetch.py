@@ -295,6 +295,11 @@ class PrefetchIterator(Iterator):
                 producer.depth = self.depth = min(self.depth * 2, _MAX_AUTOTUNE_DEPTH)
                 producer.filled = False
             while not producer.queue and not producer.finished:
+                # The producer may be asleep in _wait_for_space, having checked while the
+                # elements taken last time still counted as outstanding; they are all
+                # handed out now (pull() lowers the count without the lock): wake it, or
+                # both wait for each other.
+                producer.ready.notify_all()
                 producer.ready.wait()
             if not producer.queue:
                 if producer.error is not None:

@@ -1,0 +1,407 @@
+"""``headrace doctor``: lint a recipe, then run it for several epochs and look for leaks.
+
+Each epoch makes a new iterator and *drops* it without ``close()`` — what
+Keras does — then collects garbage and measures: memory traced by Python's
+allocator (``tracemalloc``: every NumPy array and Python object), the
+process's anonymous + shared memory, each stage's booked bytes, headrace's
+threads still alive, descriptors and shared-memory segments open, iterators
+still alive.
+
+Real growth vs noise. The first ``warmup`` epochs are left out (allocator
+pools, caches and lazily built state grow once). Over the rest, the slope per
+epoch is fitted twice: least squares, with its standard error, and Theil-Sen
+(the median of the slopes between every pair of epochs), which one outlying
+epoch cannot move. Growth is a leak when the robust slope passes a floor
+(``min_leak`` bytes per epoch) *and* the least-squares slope is more than
+``sigmas`` standard errors above zero. A clean pipeline's memory wanders but
+does not climb with the epoch count; a leak adds about the same bytes every
+epoch, which both fits see.
+
+Which stage. Where the traced memory grew is read from ``tracemalloc``'s
+tracebacks: the innermost frame that lies in a function of the recipe (a
+map's function, a filter's predicate, a generator) or in a transformation's
+own module names the stage.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import statistics
+import time
+import tracemalloc
+import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from headrace.memory.units import format_bytes
+from headrace.profiling.lint import Finding
+from headrace.profiling.probe import recipe_nodes
+from headrace.profiling.process import snapshot
+
+if TYPE_CHECKING:
+    from headrace.core.node import Node
+    from headrace.dataset import Dataset
+
+__all__ = ["Diagnosis", "EpochMeasure", "Trend", "diagnose", "fit_trend"]
+
+
+@dataclass(frozen=True)
+class Trend:
+    """Growth per epoch of one measure: robust and least-squares slopes, with uncertainty."""
+
+    what: str
+    slope: float  # Theil-Sen: median of pairwise slopes
+    ols: float
+    stderr: float
+    points: int
+
+    def significant(self, floor: float, sigmas: float = 4.0) -> bool:
+        """Growth beyond noise: the robust slope passes ``floor`` and the fitted slope is
+        ``sigmas`` standard errors above zero."""
+        return self.points >= 3 and self.slope > floor and self.ols > sigmas * self.stderr
+
+    def format(self, unit: str = "bytes") -> str:
+        if unit == "bytes":
+            return (f"{self.what}: {_signed_bytes(self.slope)}/epoch (least squares "
+                    f"{_signed_bytes(self.ols)} ± {format_bytes(int(self.stderr))})")
+        return f"{self.what}: {self.slope:+.2f}/epoch (least squares {self.ols:+.2f} ± {self.stderr:.2f})"
+
+
+def _signed_bytes(value: float) -> str:
+    return ("-" if value < 0 else "+") + format_bytes(int(abs(value)))
+
+
+def fit_trend(what: str, values: list[float]) -> Trend:
+    """Fit the slope of ``values`` (one per epoch) both ways (see the module doc)."""
+    n = len(values)
+    if n < 2:
+        return Trend(what, 0.0, 0.0, 0.0, n)
+    xs = list(range(n))
+    pairwise = [
+        (values[j] - values[i]) / (j - i) for i in range(n) for j in range(i + 1, n)
+    ]
+    robust = statistics.median(pairwise)
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(values)
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    ols = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, values, strict=True)) / sxx
+    residuals = [y - (mean_y + ols * (x - mean_x)) for x, y in zip(xs, values, strict=True)]
+    stderr = (
+        (sum(r * r for r in residuals) / (n - 2) / sxx) ** 0.5 if n > 2 else float("inf")
+    )
+    return Trend(what, robust, ols, stderr, n)
+
+
+@dataclass(frozen=True)
+class EpochMeasure:
+    """What one epoch left behind, measured after its iterator was dropped and collected."""
+
+    epoch: int
+    elements: int
+    seconds: float
+    traced: int
+    charged: int
+    descriptors: int
+    shared_memory_segments: int
+    headrace_threads: int
+    live_iterators: int
+    #: Bytes each stage had booked at the end of the epoch (before the drop).
+    held: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StageGrowth:
+    """Traced memory that grew across epochs, attributed to one stage."""
+
+    stage: str
+    bytes_per_epoch: float
+    where: str  # file:line of the allocation
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The doctor's verdict: lint findings, per-epoch measures, trends, leaks."""
+
+    title: str
+    findings: tuple[Finding, ...]
+    stage_names: tuple[str, ...]
+    epochs: tuple[EpochMeasure, ...]
+    warmup: int
+    traced: Trend
+    charged: Trend
+    stage_trends: tuple[Trend, ...]
+    leak: bool
+    growth: tuple[StageGrowth, ...]
+    resources: tuple[str, ...]
+    min_leak: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.leak and not self.resources
+
+    @property
+    def leaking_stages(self) -> tuple[str, ...]:
+        names: list[str] = []
+        for item in self.growth:
+            if item.stage not in names:
+                names.append(item.stage)
+        return tuple(names)
+
+    def format(self) -> str:
+        lines = [f"{self.title}"]
+        if self.extra.get("pipeline"):
+            lines += ["", str(self.extra["pipeline"])]
+        if self.findings:
+            lines += ["", "recipe findings:"] + [f.format() for f in self.findings]
+        else:
+            lines += ["", "recipe findings: none"]
+        lines += ["", f"{len(self.epochs)} epochs (the first {self.warmup} are warm-up, "
+                  "not fitted); after each, the iterator was dropped without close():"]
+        lines.append(f"  {'epoch':>5} {'elements':>9} {'s':>6} {'traced':>11} {'anon+shm':>11}"
+                     f" {'fds':>5} {'threads':>8} {'live iters':>10}")
+        for m in self.epochs:
+            lines.append(
+                f"  {m.epoch:>5} {m.elements:>9,} {m.seconds:>6.2f} {format_bytes(m.traced):>11}"
+                f" {format_bytes(m.charged):>11} {m.descriptors:>5} {m.headrace_threads:>8}"
+                f" {m.live_iterators:>10}"
+            )
+        lines += ["", "  " + self.traced.format(), "  " + self.charged.format()]
+        for trend in self.stage_trends:
+            if trend.significant(self.min_leak):
+                lines.append("  " + trend.format() + "  <- grows")
+        if self.leak:
+            lines += ["", f"LEAK: memory grows by ~{format_bytes(int(max(self.traced.slope, self.charged.slope)))} "
+                      "per epoch, beyond noise."]
+            for item in self.growth:
+                lines.append(
+                    f"  {item.stage}: ~{format_bytes(int(item.bytes_per_epoch))}/epoch, "
+                    f"allocated at {item.where}"
+                )
+            if not self.growth:
+                lines.append("  (not traced to a stage: native code, or the consumer's own)")
+        else:
+            lines += ["", f"no leak: growth per epoch is within noise (floor "
+                      f"{format_bytes(self.min_leak)}/epoch)."]
+        if self.resources:
+            lines += ["", "not returned:"] + [f"  {text}" for text in self.resources]
+        return "\n".join(lines)
+
+
+# -- which stage: code ranges of the recipe's functions and transformations ------------------
+
+
+def _code_of(value: Any) -> types.CodeType | None:
+    if isinstance(value, types.FunctionType):
+        return value.__code__
+    if isinstance(value, types.MethodType):
+        return _code_of(value.__func__)
+    func = getattr(value, "func", None)  # functools.partial
+    if func is not None and func is not value:
+        return _code_of(func)
+    call = vars(type(value)).get("__call__")
+    if isinstance(call, types.FunctionType) and not isinstance(value, type):
+        return call.__code__
+    return None
+
+
+def _lines(code: types.CodeType) -> tuple[str, int, int]:
+    numbers = [line for _, _, line in code.co_lines() if line is not None]
+    first = min(numbers, default=code.co_firstlineno)
+    last = max(numbers, default=code.co_firstlineno)
+    for const in code.co_consts:  # nested functions and lambdas
+        if isinstance(const, types.CodeType):
+            _, low, high = _lines(const)
+            first, last = min(first, low), max(last, high)
+    return code.co_filename, first, last
+
+
+def _stage_locator(nodes: list[Node]) -> Callable[[str, int], str | None]:
+    """A function (file, line) -> the stage whose code that is, or None."""
+    ranges: list[tuple[str, int, int, str]] = []
+    modules: dict[str, str] = {}
+    for node in nodes:
+        name = str(getattr(node, "stage", type(node).__name__))
+        for value in vars(node).values():
+            code = _code_of(value) if callable(value) else None
+            if code is not None:
+                ranges.append((*_lines(code), name))
+        module = getattr(__import__(type(node).__module__, fromlist=["_"]), "__file__", None)
+        if module and "headrace" in module:
+            modules.setdefault(module, name)
+
+    def locate(filename: str, line: int) -> str | None:
+        for path, first, last, name in ranges:
+            if path == filename and first <= line <= last:
+                return name
+        return modules.get(filename)
+
+    return locate
+
+
+def _attribute(
+    before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, epochs: int,
+    locate: Callable[[str, int], str | None], floor: int,
+) -> list[StageGrowth]:
+    by_stage: dict[str, list[Any]] = {}
+    for stat in after.compare_to(before, "traceback"):
+        if stat.size_diff <= 0:
+            continue
+        for frame in reversed(stat.traceback):  # innermost first
+            stage = locate(frame.filename, frame.lineno)
+            if stage is not None:
+                entry = by_stage.setdefault(stage, [0, {}])
+                entry[0] += stat.size_diff
+                where = f"{frame.filename}:{frame.lineno}"
+                entry[1][where] = entry[1].get(where, 0) + stat.size_diff
+                break
+    out = []
+    for stage, (total, places) in by_stage.items():
+        per_epoch = total / max(epochs, 1)
+        if per_epoch >= floor / 2:
+            where = max(places.items(), key=lambda item: item[1])[0]
+            out.append(StageGrowth(stage, per_epoch, where))
+    out.sort(key=lambda item: -item.bytes_per_epoch)
+    return out
+
+
+def _resources(measures: list[EpochMeasure]) -> list[str]:
+    """Iterators, threads, descriptors or shared memory that every epoch leaves behind."""
+    out = []
+    checks = (
+        ("iterators still alive after collection", [m.live_iterators for m in measures]),
+        ("headrace threads still running", [m.headrace_threads for m in measures]),
+        ("open descriptors", [m.descriptors for m in measures]),
+        ("shared-memory segments open", [m.shared_memory_segments for m in measures]),
+    )
+    for what, values in checks:
+        if len(values) >= 3 and values[-1] - values[0] >= len(values) - 2 and all(
+            b >= a for a, b in itertools.pairwise(values)
+        ):
+            out.append(f"{what}: {values[0]} after the first epoch, {values[-1]} after the "
+                       f"last (+{(values[-1] - values[0]) / (len(values) - 1):.1f} per epoch); "
+                       "close iterators (`with iter(ds) as it:`) or find what keeps them")
+    return out
+
+
+def _accounts(iterator: Any) -> dict[int, Any]:
+    accounts: dict[int, Any] = getattr(iterator.context, "_accounts", {})
+    return accounts
+
+
+def diagnose(
+    dataset: Dataset,
+    *,
+    epochs: int = 8,
+    steps: int | None = None,
+    warmup: int = 2,
+    min_leak: int = 64 << 10,
+    min_rss_leak: int = 2 << 20,
+    sigmas: float = 4.0,
+    lint: bool = True,
+    trace: bool = True,
+    title: str = "headrace doctor",
+    on_epoch: Callable[[EpochMeasure], None] | None = None,
+) -> Diagnosis:
+    """Lint ``dataset``'s recipe and run it ``epochs`` times looking for leaks.
+
+    ``steps`` caps the elements per epoch. ``min_leak``: the least growth per
+    epoch of traced memory reported as a leak (``min_rss_leak`` for the
+    process's anonymous + shared memory, which allocators make noisier).
+    """
+    from headrace.core.run import DatasetIterator
+
+    if epochs < warmup + 3:
+        raise ValueError(f"doctor: needs at least warmup + 3 = {warmup + 3} epochs, got {epochs}")
+    findings = tuple(lint_recipe_safe(dataset)) if lint else ()
+    nodes = recipe_nodes(dataset.node)
+    names = [str(getattr(node, "stage", type(node).__name__)) for node in nodes]
+    started_tracing = trace and not tracemalloc.is_tracing()
+    if started_tracing:
+        tracemalloc.start(16)
+    alive: list[weakref.ref[DatasetIterator]] = []
+    measures: list[EpochMeasure] = []
+    baseline: tracemalloc.Snapshot | None = None
+    last: tracemalloc.Snapshot | None = None
+    try:
+        for epoch in range(epochs):
+            started = time.perf_counter()
+            iterator = iter(dataset)
+            count = 0
+            for element in iterator:
+                count += 1
+                del element
+                if steps is not None and count >= steps:
+                    break
+            accounts = _accounts(iterator)
+            held = tuple(
+                accounts[id(node)].held if id(node) in accounts else 0 for node in nodes
+            )
+            alive.append(weakref.ref(iterator))
+            del iterator, accounts  # dropped, not closed: as Keras does
+            gc.collect()
+            seconds = time.perf_counter() - started
+            memory = snapshot(detailed=True)
+            traced_now = tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else 0
+            measure = EpochMeasure(
+                epoch, count, seconds, traced_now, memory.charged, memory.descriptors.total,
+                memory.descriptors.shared_memory, memory.headrace_threads,
+                sum(ref() is not None for ref in alive), held,
+            )
+            measures.append(measure)
+            if on_epoch is not None:
+                on_epoch(measure)
+            if tracemalloc.is_tracing():
+                if epoch == warmup - 1 or (warmup == 0 and epoch == 0):
+                    baseline = tracemalloc.take_snapshot()
+                elif epoch == epochs - 1:
+                    last = tracemalloc.take_snapshot()
+    finally:
+        if started_tracing:
+            tracemalloc.stop()
+    fitted = measures[warmup:]
+    traced = fit_trend("traced memory", [float(m.traced) for m in fitted])
+    charged = fit_trend("anonymous + shared memory", [float(m.charged) for m in fitted])
+    stage_trends = tuple(
+        fit_trend(f"{name} booked", [float(m.held[k]) for m in fitted])
+        for k, name in enumerate(names)
+    )
+    leak = (
+        (trace and traced.significant(min_leak, sigmas))
+        or charged.significant(min_rss_leak, sigmas)
+        or any(t.significant(min_leak, sigmas) for t in stage_trends)
+    )
+    growth: list[StageGrowth] = []
+    if leak and baseline is not None and last is not None:
+        span = (epochs - 1) - max(warmup - 1, 0)  # epochs between the two snapshots
+        growth = _attribute(baseline, last, span, _stage_locator(nodes), min_leak)
+    for trend, name in zip(stage_trends, names, strict=True):
+        if trend.significant(min_leak, sigmas) and name not in [g.stage for g in growth]:
+            growth.append(StageGrowth(name, trend.slope, "its booked bytes"))
+    return Diagnosis(
+        title=title,
+        findings=findings,
+        stage_names=tuple(names),
+        epochs=tuple(measures),
+        warmup=warmup,
+        traced=traced,
+        charged=charged,
+        stage_trends=stage_trends,
+        leak=bool(leak),
+        growth=tuple(growth),
+        resources=tuple(_resources(measures[warmup:] or measures)),
+        min_leak=min_leak,
+    )
+
+
+def lint_recipe_safe(dataset: Dataset) -> list[Finding]:
+    """The recipe's findings, sampling a few elements where sizes are needed."""
+    from headrace.profiling.lint import lint_recipe
+
+    try:
+        return lint_recipe(dataset, sample=4)
+    except Exception as error:  # lint must never stop the diagnosis
+        return [Finding("lint-failed", "pipeline", f"could not read the recipe: {error}",
+                        "report this as a headrace bug", severity="info")]

@@ -1,0 +1,167 @@
+"""The process around a pipeline: memory by kind, USS, descriptors, shared memory, workers.
+
+Everything here reads ``/proc`` (Linux) and degrades to zeros elsewhere. The
+cheap reads (``/proc/self/status``: a few µs) run at every sample of a
+timeline; the dearer ones (``smaps_rollup`` of this process and its children,
+one ``readlink`` per descriptor) run every few samples.
+
+Why these figures: the budget's measured guarantee (G1) is about anonymous +
+shared memory (``RssAnon + RssShmem``); file-backed pages (memmaps, page
+cache) are reported but not charged. USS (memory only this process holds)
+and PSS (its proportional share of pages shared with workers) tell a user
+what killing the process would return, which RSS overstates with workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+
+from headrace.memory.system import process_memory
+
+__all__ = ["Descriptors", "ProcessSnapshot", "descriptors", "headrace_threads", "snapshot"]
+
+
+@dataclass(frozen=True)
+class Descriptors:
+    """Open descriptors of this process by kind (-1 in ``total`` where unknown)."""
+
+    total: int
+    files: int = 0
+    sockets: int = 0
+    pipes: int = 0
+    #: memfd segments and files under /dev/shm: shared memory a descriptor keeps alive.
+    shared_memory: int = 0
+    shared_memory_bytes: int = 0
+    other: int = 0
+
+
+def descriptors() -> Descriptors:
+    """Classify ``/proc/self/fd`` (one ``readlink`` per descriptor)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return Descriptors(-1)
+    files = sockets = pipes = shm = other = 0
+    shm_bytes = 0
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile (the listing's own descriptor, say)
+            continue
+        if target.startswith("/memfd:") or target.startswith("/dev/shm/"):
+            shm += 1
+            with contextlib.suppress(OSError):
+                shm_bytes += os.fstat(int(name)).st_size
+        elif target.startswith("socket:"):
+            sockets += 1
+        elif target.startswith("pipe:"):
+            pipes += 1
+        elif target.startswith("/"):
+            files += 1
+        else:
+            other += 1
+    return Descriptors(files + sockets + pipes + shm + other, files, sockets, pipes, shm,
+                       shm_bytes, other)
+
+
+def _smaps_rollup(pid: int | str) -> dict[str, int]:
+    """Fields of ``/proc/PID/smaps_rollup`` in bytes ({} where unreadable)."""
+    fields: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as handle:
+            for line in handle:
+                parts = line.split()
+                if len(parts) >= 3 and parts[0].endswith(":") and parts[1].isdigit():
+                    fields[parts[0][:-1]] = int(parts[1]) * 1024
+    except OSError:
+        return {}
+    return fields
+
+
+def _children(pid: int | str) -> list[int]:
+    """Direct child processes of ``pid`` (every thread's ``children`` file)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as handle:
+                out.extend(int(child) for child in handle.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def _descendants(pid: int | str) -> list[int]:
+    found: list[int] = []
+    pending = _children(pid)
+    while pending:
+        child = pending.pop()
+        found.append(child)
+        pending.extend(_children(child))
+    return found
+
+
+def headrace_threads() -> int:
+    """Threads of this process started by headrace (named ``headrace-*``)."""
+    return sum(thread.name.startswith("headrace") for thread in threading.enumerate())
+
+
+@dataclass(frozen=True)
+class ProcessSnapshot:
+    """This process's memory by kind, in bytes, with its workers and descriptors.
+
+    ``uss`` and the ``pss_*`` fields are 0 where ``smaps_rollup`` is not
+    available (non-Linux, or a snapshot taken with ``detailed=False``).
+    """
+
+    anonymous: int
+    shared: int
+    file_backed: int
+    uss: int = 0
+    pss_anonymous: int = 0
+    pss_shared: int = 0
+    #: Proportional anonymous + shared memory of every descendant process (workers).
+    workers: int = 0
+    worker_count: int = 0
+    descriptors: Descriptors = Descriptors(-1)
+    threads: int = 0
+    headrace_threads: int = 0
+
+    @property
+    def charged(self) -> int:
+        """What the budget's measured guarantee covers: anonymous + shared, workers' share too."""
+        return self.anonymous + self.shared + self.workers
+
+
+def snapshot(*, detailed: bool = True) -> ProcessSnapshot:
+    """Read this process's memory; ``detailed`` adds USS/PSS, workers and descriptors."""
+    basic = process_memory()
+    if not detailed:
+        return ProcessSnapshot(basic.anonymous, basic.shared, basic.file_backed,
+                               threads=threading.active_count(),
+                               headrace_threads=headrace_threads())
+    rollup = _smaps_rollup("self")
+    workers = 0
+    pids = _descendants(os.getpid())
+    for pid in pids:
+        child = _smaps_rollup(pid)
+        workers += child.get("Pss_Anon", 0) + child.get("Pss_Shmem", 0)
+    return ProcessSnapshot(
+        basic.anonymous,
+        basic.shared,
+        basic.file_backed,
+        uss=rollup.get("Private_Clean", 0) + rollup.get("Private_Dirty", 0),
+        pss_anonymous=rollup.get("Pss_Anon", 0),
+        pss_shared=rollup.get("Pss_Shmem", 0),
+        workers=workers,
+        worker_count=len(pids),
+        descriptors=descriptors(),
+        threads=threading.active_count(),
+        headrace_threads=headrace_threads(),
+    )

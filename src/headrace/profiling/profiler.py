@@ -1,0 +1,323 @@
+"""``Dataset.profile``: run a pipeline, count and time every stage, sample it over time.
+
+The result (:class:`Profile`, frozen) prints as a terminal table per stage
+(:meth:`Profile.format`) and writes a self-contained HTML report with plots
+(:meth:`Profile.write_html`, see :mod:`headrace.profiling.report`).
+
+Per stage: elements in and out, time its consumer spent in its pulls and how
+much of that went on pulling its inputs (the rest is its own work; for a
+stage that pulls its input on threads — prefetch, a parallel map — its pulls
+are the consumer *waiting* for those threads), throughput, the inflation
+factor (payload bytes out / bytes in: decoding inflates, projections
+shrink), and its share, held and peak bytes. Over time: the samples and
+decisions of :mod:`headrace.profiling.timeline`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TextIO
+
+from headrace.core.node import INFINITE
+from headrace.errors import InvalidArgumentError
+from headrace.memory.units import format_bytes
+from headrace.profiling.probe import Instrumenter, StageRecord
+from headrace.profiling.process import ProcessSnapshot
+from headrace.profiling.timeline import Decision, Sample, Sampler
+
+if TYPE_CHECKING:
+    from headrace.dataset import Dataset
+    from headrace.profiling.lint import Finding
+
+__all__ = ["Profile", "StageProfile", "profile"]
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """One stage of a profiled pipeline, over every epoch profiled."""
+
+    name: str
+    depth: int
+    elements_in: int
+    elements_out: int
+    errors: int
+    #: Time its consumer spent inside its pulls.
+    seconds: float
+    #: Of which, pulling its inputs (on the same thread; see ``asynchronous``).
+    input_seconds: float
+    #: Its inputs are pulled on other threads: ``seconds`` is then waiting for them.
+    asynchronous: bool
+    #: Elements out per second of the profile's wall time.
+    throughput: float
+    mean_bytes_out: float
+    #: Payload bytes out / bytes in (None for a source, or with nothing sampled).
+    inflation: float | None
+    share: int
+    held: int
+    peak: int
+    #: Recipe stages this one runs inside its own iterator (read by index, say).
+    fused: tuple[str, ...] = ()
+    #: ``id`` of the stage's recipe node while the profile ran (links findings to stages).
+    key: int = 0
+    #: False for a stage that reads no other stage (a source, or a chain run by index).
+    has_inputs: bool = True
+
+    @property
+    def own_seconds(self) -> float | None:
+        """Time in its own work (None where its input runs on other threads)."""
+        if self.asynchronous:
+            return None
+        return max(0.0, self.seconds - self.input_seconds)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What :func:`profile` measured. Frozen: safe to keep, compare and render."""
+
+    stages: tuple[StageProfile, ...]
+    stage_names: tuple[str, ...]
+    samples: tuple[Sample, ...]
+    decisions: tuple[Decision, ...]
+    warnings: tuple[str, ...]
+    findings: tuple[Finding, ...]
+    budget_total: int
+    budget_peak: int
+    elements: int
+    epochs: int
+    seconds: float
+    start_memory: ProcessSnapshot
+    end_memory: ProcessSnapshot
+    title: str = "headrace profile"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        return self.elements / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def peak_growth(self) -> int:
+        """Largest growth of anonymous + shared memory seen, from the start."""
+        return max((sample.growth for sample in self.samples), default=0)
+
+    @property
+    def peak_unaccounted(self) -> int:
+        return max((sample.unaccounted for sample in self.samples), default=0)
+
+    def format(self) -> str:
+        """A terminal table per stage, then process memory, decisions and findings."""
+        lines = [
+            f"{self.title}: {self.elements:,} elements in {self.epochs} epoch(s), "
+            f"{self.seconds:.2f} s ({self.throughput:,.0f}/s)",
+            f"budget {format_bytes(self.budget_total)}, peak booked "
+            f"{format_bytes(self.budget_peak)}; process growth (anonymous + shared) peak "
+            f"{format_bytes(self.peak_growth)}, of which no stage accounts for "
+            f"{format_bytes(max(self.peak_unaccounted, 0))}",
+            f"process at end: anonymous {format_bytes(self.end_memory.anonymous)}, shared "
+            f"{format_bytes(self.end_memory.shared)}, file-backed "
+            f"{format_bytes(self.end_memory.file_backed)}, USS {format_bytes(self.end_memory.uss)}"
+            f"; open descriptors {self.end_memory.descriptors.total}, threads "
+            f"{self.end_memory.threads}",
+            "",
+            f"{'stage':<32}{'in':>10}{'out':>10}{'out/s':>11}{'pull s':>9}{'input s':>9}"
+            f"{'own s':>8}{'infl.':>7}{'share':>11}{'held':>11}{'peak':>11}",
+        ]
+        for stage in self.stages:
+            name = ("  " * stage.depth + stage.name)[:31]
+            own = "async" if stage.own_seconds is None else f"{stage.own_seconds:.2f}"
+            inflation = "" if stage.inflation is None else f"{stage.inflation:.2f}"
+            lines.append(
+                f"{name:<32}{_count_in(stage):>10}{stage.elements_out:>10,}"
+                f"{stage.throughput:>11,.0f}{stage.seconds:>9.2f}{stage.input_seconds:>9.2f}"
+                f"{own:>8}{inflation:>7}{_bytes_or_dash(stage.share):>11}"
+                f"{_bytes_or_dash(stage.held):>11}{_bytes_or_dash(stage.peak):>11}"
+            )
+            if stage.fused:
+                lines.append(f"{'':<4}{'  ' * stage.depth}(runs {', '.join(stage.fused)} inside)")
+        if self.decisions:
+            lines += ["", "decisions taken while running:"]
+            lines += ["  " + decision.format() for decision in self.decisions[:30]]
+            if len(self.decisions) > 30:
+                lines.append(f"  ... and {len(self.decisions) - 30} more (see the HTML report)")
+        if self.warnings:
+            lines += ["", "warnings:"] + [f"  {text}" for text in self.warnings]
+        if self.findings:
+            lines += ["", "findings:"] + [finding.format() for finding in self.findings]
+        return "\n".join(lines)
+
+    def to_html(self) -> str:
+        """The self-contained HTML report (no external scripts, opens offline)."""
+        from headrace.profiling.report import render_html
+
+        return render_html(self)
+
+    def write_html(self, path: str) -> str:
+        """Write :meth:`to_html` to ``path``; returns the path."""
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(self.to_html())
+        return path
+
+
+def _count_in(stage: StageProfile) -> str:
+    return f"{stage.elements_in:,}" if stage.has_inputs else "-"
+
+
+def _bytes_or_dash(nbytes: int) -> str:
+    return format_bytes(nbytes) if nbytes else "-"
+
+
+class _Progress:
+    """One live line on a terminal: epoch, elements, rate, budget used, growth."""
+
+    def __init__(self, stream: TextIO, every: float = 0.25) -> None:
+        self.stream, self.every = stream, every
+        self.last = 0.0
+        self.elements: list[int] = [0]
+        self.started = time.perf_counter()
+
+    def __call__(self, sample: Sample) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        done = self.elements[0]
+        rate = done / max(now - self.started, 1e-9)
+        self.stream.write(
+            f"\r  epoch {sample.epoch + 1}: {done:,} elements, {rate:,.0f}/s, budget "
+            f"{format_bytes(sample.budget_used)} of {format_bytes(sample.budget_total)}, "
+            f"process +{format_bytes(max(sample.growth, 0))}   "
+        )
+        self.stream.flush()
+
+    def finish(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def profile(
+    dataset: Dataset,
+    *,
+    steps: int | None = None,
+    epochs: int = 1,
+    interval: float = 0.05,
+    progress: bool | None = None,
+    stream: TextIO | None = None,
+    lint: bool = True,
+    title: str | None = None,
+) -> Profile:
+    """Run ``dataset`` for ``epochs`` epochs (``steps`` elements each, or to its end).
+
+    Each epoch uses a new iterator, as Keras does. ``progress`` prints a live
+    line to ``stream`` (default: stderr, when it is a terminal). ``lint`` adds
+    the recipe's findings (:mod:`headrace.profiling.lint`), measured ones
+    included.
+    """
+    if epochs < 1:
+        raise InvalidArgumentError(f"profile: epochs must be >= 1, got {epochs}")
+    if steps is not None and steps < 1:
+        raise InvalidArgumentError(f"profile: steps must be >= 1 or None, got {steps}")
+    if steps is None and dataset.cardinality() == INFINITE:
+        raise InvalidArgumentError(
+            "profile: this dataset is infinite; pass steps=N to profile N elements per epoch"
+        )
+    out = stream if stream is not None else sys.stderr
+    show = progress if progress is not None else bool(getattr(out, "isatty", lambda: False)())
+    instrumenter = Instrumenter(dataset.node)
+    reporter = _Progress(out) if show else None
+    sampler = Sampler(instrumenter, interval=interval, on_sample=reporter)
+    caught: list[warnings.WarningMessage] = []
+    elements = 0
+    budget_total = budget_peak = 0
+    held: dict[int, tuple[int, int, int]] = {}
+    instrumenter.attach()
+    started = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            sampler.start()
+            for epoch in range(epochs):
+                instrumenter.expect_run()
+                with iter(dataset) as iterator:
+                    sampler.watch(iterator, epoch)
+                    for _ in iterator:
+                        elements += 1
+                        if reporter is not None:
+                            reporter.elements[0] = elements
+                        if steps is not None and elements >= steps * (epoch + 1):
+                            break
+                    sampler.sample()
+                    budget = iterator.context.budget
+                    budget_total, budget_peak = budget.total, max(budget_peak, budget.peak)
+                    accounts = getattr(iterator.context, "_accounts", {})
+                    for key, account in accounts.items():
+                        _, _, peak = held.get(key, (0, 0, 0))
+                        held[key] = (account.limit, account.held, max(peak, account.peak))
+            seconds = time.perf_counter() - started
+            sampler.stop()
+    finally:
+        instrumenter.detach()
+        if reporter is not None:
+            reporter.finish()
+    stages = tuple(_stage_profiles(instrumenter, held, seconds))
+    findings: tuple[Finding, ...] = ()
+    if lint:
+        from headrace.profiling.lint import lint_recipe
+
+        findings = tuple(lint_recipe(dataset, measured=stages))
+    return Profile(
+        stages=stages,
+        stage_names=tuple(sampler.stage_names),
+        samples=tuple(sampler.samples),
+        decisions=tuple(sampler.decisions),
+        warnings=tuple(str(w.message) for w in caught),
+        findings=findings,
+        budget_total=budget_total,
+        budget_peak=budget_peak,
+        elements=elements,
+        epochs=epochs,
+        seconds=seconds,
+        start_memory=sampler.start_memory,
+        end_memory=sampler.samples[-1].memory if sampler.samples else sampler.start_memory,
+        title=title or "headrace profile",
+    )
+
+
+def _stage_profiles(
+    instrumenter: Instrumenter, held: dict[int, tuple[int, int, int]], seconds: float
+) -> list[StageProfile]:
+    out = []
+    for depth, record in instrumenter.depth_order():
+        share, now, peak = held.get(id(record.node), (0, 0, 0))
+        out.append(
+            StageProfile(
+                name=record.name,
+                depth=depth,
+                elements_in=record.elements_in,
+                elements_out=record.count,
+                errors=record.errors,
+                seconds=record.seconds,
+                input_seconds=record.input_seconds,
+                asynchronous=record.asynchronous,
+                throughput=record.count / seconds if seconds > 0 else 0.0,
+                mean_bytes_out=record.mean_bytes,
+                inflation=_inflation(record),
+                share=share,
+                held=now,
+                peak=peak,
+                fused=tuple(instrumenter.fused_into(record)),
+                key=id(record.node),
+                has_inputs=bool(record.children),
+            )
+        )
+    return out
+
+
+def _inflation(record: StageRecord) -> float | None:
+    if not record.children or not record.sampled:
+        return None
+    bytes_in = sum(child.mean_bytes * child.count for child in record.children)
+    if bytes_in <= 0:
+        return None
+    return record.mean_bytes * record.count / bytes_in

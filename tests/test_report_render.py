@@ -1,0 +1,117 @@
+"""The HTML report as a user sees it: opened in headless Chromium, offline.
+
+``scripts/install_chromium.sh`` (run by ``scripts/test.sh``) installs the
+browser; without it this test fails, saying so — it never skips.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+import headrace as hr
+from headrace.profiling import profile
+
+
+def _browser() -> str:
+    for name in ("chromium-headless-shell", "chromium", "chromium-browser"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise AssertionError("no headless Chromium: run scripts/install_chromium.sh")
+
+
+def _decode_png(data: bytes) -> tuple[int, int, np.ndarray]:
+    """(width, height, RGB pixels) of an 8-bit RGB/RGBA PNG (what Chromium writes)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    position, chunks, header = 8, [], b""
+    while position < len(data):
+        (length,) = struct.unpack(">I", data[position : position + 4])
+        kind = data[position + 4 : position + 8]
+        body = data[position + 8 : position + 8 + length]
+        if kind == b"IHDR":
+            header = body
+        elif kind == b"IDAT":
+            chunks.append(body)
+        position += 12 + length
+    width, height, depth, color = struct.unpack(">IIBB", header[:10])
+    assert depth == 8 and color in (2, 6), (depth, color)
+    channels = 3 if color == 2 else 4
+    raw = zlib.decompress(b"".join(chunks))
+    stride = width * channels
+    rows = np.zeros((height, stride), np.int32)
+    previous = np.zeros(stride, np.int32)
+    for y in range(height):
+        start = y * (stride + 1)
+        kind = raw[start]
+        line = np.frombuffer(raw, np.uint8, stride, start + 1).astype(np.int32)
+        out = np.zeros(stride, np.int32)
+        for x in range(stride):  # PNG filters, byte by byte (small images only)
+            left = out[x - channels] if x >= channels else 0
+            up = previous[x]
+            corner = previous[x - channels] if x >= channels else 0
+            if kind == 0:
+                predicted = 0
+            elif kind == 1:
+                predicted = left
+            elif kind == 2:
+                predicted = up
+            elif kind == 3:
+                predicted = (left + up) // 2
+            else:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                predicted = left if pa <= pb and pa <= pc else up if pb <= pc else corner
+            out[x] = (line[x] + predicted) & 0xFF
+        rows[y] = previous = out
+    pixels = rows.reshape(height, width, channels)[:, :, :3]
+    return width, height, pixels
+
+
+def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
+    ds = (
+        hr.Dataset.from_generator(
+            lambda: (np.full(256, i, np.float32) for i in range(4000)),
+            output_signature=hr.TensorSpec((256,), np.float32),
+        )
+        .map(lambda r: r * 2, num_parallel_calls=2)
+        .shuffle(1000, seed=0)
+        .batch(16)
+        .prefetch(hr.AUTOTUNE)
+        .with_options(hr.Options(memory_budget="2MiB"))
+    )
+    report = profile(ds, epochs=2, interval=0.002, progress=False).write_html(
+        str(tmp_path / "report.html")
+    )
+    browser = _browser()
+    url = Path(report).as_uri()
+    common = [browser, "--no-sandbox", "--disable-gpu", "--headless", "--hide-scrollbars",
+              "--enable-logging=stderr", "--v=0"]
+    dom = subprocess.run(
+        [*common, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True
+    )
+    # the browser parsed every chart and its parts
+    assert dom.stdout.count("<svg") == 3
+    for marker in ('id="memory-chart"', 'class="stage-area"', 'class="budget-line"',
+                   'class="measured-line"', 'class="throughput-line"', 'class="time-bar"',
+                   'id="stages"', 'id="decisions"'):
+        assert marker in dom.stdout, marker
+    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console  # no console errors (there is no script to fail)
+    # A screenshot of the first chart: not blank, and the stacked areas drew in colour.
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [*common, f"--screenshot={shot}", "--window-size=900,560", url],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    width, height, pixels = _decode_png(shot.read_bytes())
+    assert (width, height) == (900, 560)
+    spread = pixels.max(axis=2) - pixels.min(axis=2)
+    coloured = int((spread > 60).sum())
+    assert coloured > 2000, f"only {coloured} coloured pixels: the charts did not draw"
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20  # not a blank page
