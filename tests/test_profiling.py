@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
+import tempfile
 import textwrap
 import warnings
 from pathlib import Path
@@ -315,6 +317,16 @@ def test_lint_rules_fire_and_their_fixes_silence_them() -> None:
     )
     assert "no-prefetch" in _codes(_rows(10).batch(2))
     assert "no-prefetch" not in _codes(_rows(10).batch(2).prefetch(hr.AUTOTUNE))
+
+    # 400 elements of 128 KiB (50 MiB) cached in memory under an 8 MiB budget: it spills
+    cached = hr.Dataset.from_tensor_slices(np.zeros((400, 1 << 17), np.uint8)).cache()
+    assert "cache-too-big" in _codes(cached.prefetch(1).with_options(budget))
+    small = hr.Dataset.from_tensor_slices(np.zeros((400, 64), np.uint8)).cache()
+    assert "cache-too-big" not in _codes(small.prefetch(1).with_options(budget))
+    assert "cache-too-big" not in _codes(  # the fix: a cache on disk
+        hr.Dataset.from_tensor_slices(np.zeros((400, 1 << 17), np.uint8))
+        .cache(os.path.join(tempfile.mkdtemp(), "c")).prefetch(1).with_options(budget)
+    )
 
 
 def _python_heavy(row: Any) -> Any:

@@ -74,9 +74,10 @@ def _spec_bytes(spec: Any) -> int | None:
     for leaf in flatten(spec):
         if not isinstance(leaf, TensorSpec) or leaf.kind != "numeric":
             return None
-        if any(dim is None for dim in leaf.shape):
+        shape = leaf.shape
+        if shape is None or any(dim is None for dim in shape):  # unknown rank or size
             return None
-        total += int(np.prod([int(dim or 0) for dim in leaf.shape], dtype=np.int64)) * (
+        total += int(np.prod([int(dim or 0) for dim in shape], dtype=np.int64)) * (
             leaf.dtype.itemsize
         )
     return total
@@ -200,6 +201,7 @@ def lint_recipe(
     run). ``sample``: read that many elements where a size is needed and no
     measurement or spec gives it (runs the pipeline's functions on them).
     """
+    from headrace.transforms.cache import CacheNode
     from headrace.transforms.filter import FilterNode
     from headrace.transforms.interleave import InterleaveNode
     from headrace.transforms.map import MapNode
@@ -225,6 +227,10 @@ def lint_recipe(
                 ))
         elif isinstance(node, FilterNode):
             finding = _filter_finding(recipe, node)
+            if finding is not None:
+                findings.append(finding)
+        elif isinstance(node, CacheNode) and not node.filename:
+            finding = _cache_finding(recipe, node)
             if finding is not None:
                 findings.append(finding)
         if isinstance(node, (MapNode, InterleaveNode)):
@@ -290,6 +296,24 @@ def _shuffle_findings(recipe: _Recipe, node: Any) -> list[Finding]:
                 "num_parallel_calls=hr.AUTOTUNE)",
             ))
     return findings
+
+
+def _cache_finding(recipe: _Recipe, node: Any) -> Finding | None:
+    """An in-memory cache of more than its share spills to disk: say so before the run."""
+    size = recipe.size(node.inputs[0])
+    count = node.inputs[0].cardinality()
+    share = recipe.shares.get(id(node), 0)
+    if not size or count < 0 or not share or size * count <= share:
+        return None
+    need = int(size * count)
+    return Finding(
+        "cache-too-big", node.stage,
+        f"cache() of {count:,} elements of ~{format_bytes(int(size))} holds "
+        f"~{format_bytes(need)}, more than its share {format_bytes(share)} of the budget: "
+        "the rest spills to a temporary directory, and later epochs read it back from disk",
+        "cache(filename) on a fast disk, cache after a map or filter that shrinks the "
+        "elements, or a larger Options(memory_budget=...)",
+    )
 
 
 def _filter_finding(recipe: _Recipe, node: Any) -> Finding | None:

@@ -113,7 +113,8 @@ class CacheNode(UnaryNode):
         return (self.filename,)
 
     def make_iterator(self, ctx: Context) -> Iterator:
-        if ctx.run.probe:  # reading one element for a spec: neither cache nor warn
+        if ctx.run.probe:  # reading one element for a spec: neither cache nor warn,
+            ctx.account(self)  # but split the budget as a real run does
             return self.inputs[0].make_iterator(ctx)
         return _CacheIterator(self, ctx)
 

@@ -54,20 +54,17 @@ def apply_fn(fn: Callable[..., Any], element: Any) -> Any:
 
 
 def _relaxed(spec: Any, input_spec: Any) -> Any:
-    """The output spec from one sample, keeping the sizes tf.data's shape inference would know.
+    """The output spec from one sample, keeping the sizes that cannot depend on the data.
 
-    tf.data traces the function: with inputs of fully known shape, shape
-    inference gives the outputs' sizes (what one sample shows, for the
-    shape-preserving ops a map is made of). Where an input size is unknown,
-    an output size is kept only where an input of the same rank knows that
-    size at that position (``x * 2`` over ``(None, 3)`` is ``(None, 3)``); the
-    others become ``None``, as another element may differ.
+    tf.data traces the function and its shape inference knows the outputs' sizes;
+    one sample cannot tell a size fixed by the code from one that depends on the
+    element (``r[: r[0]]``, a filter by mask), and a size wrongly fixed breaks
+    ``padded_batch`` on the next element. So an output size is kept only where an
+    input of the same rank has that size at that position (``x * 2`` over
+    ``(None, 3)`` is ``(None, 3)``, over ``(4, 3)`` is ``(4, 3)``); the others
+    become ``None``. ``map(..., output_signature=...)`` states them exactly.
     """
     inputs = [leaf for leaf in flatten(input_spec) if isinstance(leaf, TensorSpec)]
-    if inputs and all(
-        leaf.shape is not None and None not in leaf.shape for leaf in inputs
-    ):
-        return spec
     known: dict[int, list[tuple[int | None, ...]]] = {}
     for leaf in inputs:
         if leaf.shape is not None:
