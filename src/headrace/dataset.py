@@ -395,11 +395,13 @@ class Dataset:
         return self._wrap(RepeatNode(self._node, count))
 
     def cache(self, filename: str | os.PathLike[str] = "") -> Dataset:
-        """Read the input once; every later epoch (of a ``repeat``) reads the cache.
+        """Read the input once; every later epoch (of a ``repeat``, or a new ``iter()``)
+        reads the cache.
 
         ``filename=""``: in memory while it fits this stage's share of the
-        budget, then spilled to a temporary directory (one warning; removed when
-        the iterator closes), so it never passes the budget. ``filename``:
+        budget, then spilled to a temporary directory (one warning), so it never
+        passes the budget; kept, booked, with the dataset (freed when the dataset
+        is garbage-collected), as tf.data keeps it. ``filename``:
         tf.data's persistent cache, complete only at the end of the input, reused
         by later runs of the same pipeline. Stopping early (``cache().take(k)``)
         discards the partial cache, as tf.data does: write ``take(k).cache()``.
