@@ -35,6 +35,7 @@ from headrace.transforms.prefetch import PrefetchNode
 from headrace.transforms.repeat import RepeatNode
 from headrace.transforms.shard import ShardNode
 from headrace.transforms.shuffle import ShuffleNode
+from headrace.transforms.snapshot import SnapshotNode
 from headrace.transforms.take import SkipNode, TakeNode
 from headrace.transforms.unbatch import RebatchNode, UnbatchNode
 from headrace.transforms.zip import ConcatenateNode, ZipNode
@@ -408,6 +409,15 @@ class Dataset:
         See :mod:`headrace.transforms.cache`.
         """
         return self._wrap(CacheNode(self._node, filename))
+
+    def snapshot(
+        self, path: str | os.PathLike[str], compression: str | None = "AUTO"
+    ) -> Dataset:
+        """tf.data's ``snapshot``: the first complete pass is saved under ``path`` (in a
+        directory named by this pipeline's fingerprint), later passes — in any process —
+        read it. See :mod:`headrace.transforms.snapshot` for the differences.
+        """
+        return self._wrap(SnapshotNode(self._node, path, compression))
 
     def take(self, count: int) -> Dataset:
         """At most the first ``count`` elements (-1: all)."""

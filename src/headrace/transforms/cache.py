@@ -114,6 +114,11 @@ class CacheNode(UnaryNode):
 
     stage = "cache"
     budget_weight = 1.0
+    #: Whether an iterator that finds another one writing the file reads its input
+    #: without writing (snapshot) instead of raising tf.data's lock error (cache).
+    passthrough_when_locked = False
+    #: Whether stopping before the end warns with tf.data's partial-cache advice.
+    warns_partial = True
 
     def __init__(self, source: Node, filename: str | os.PathLike[str] = "") -> None:
         super().__init__(source)
@@ -397,6 +402,9 @@ class _RecordReader:
 class _Store:
     """Where one cache's elements go while it is written, and how it is read."""
 
+    #: Whether stopping before the end discards cached elements (and so warns).
+    partial = True
+
     def __init__(self, epochs: tuple[int, ...]) -> None:
         #: The epochs (of enclosing repeats) of the iterator that wrote it: a rebuild
         #: replays the input as that iterator saw it.
@@ -415,6 +423,22 @@ class _Store:
 
     def reader(self) -> _StoreReader:
         raise NotImplementedError
+
+
+class _PassThrough(_Store):
+    """Another iterator writes the file: pass the input's elements on, write nothing."""
+
+    partial = False
+
+    def append(self, element: Any, upstream: Reservation) -> tuple[Any, Reservation]:
+        self.count += 1
+        return element, upstream
+
+    def finish(self) -> None:
+        """Nothing was written, so nothing completes: later passes look for the file."""
+
+    def discard(self) -> None:
+        """Nothing to remove."""
 
 
 class _StoreReader:
@@ -925,7 +949,12 @@ class _CacheIterator(Iterator):
         """Start writing a new cache, reading the input with ``ctx`` (the writer's epochs)."""
         epochs = ctx.epochs
         if self.node.filename:
-            store: _Store = _FileStore(self.node, ctx, self.account, epochs)
+            try:
+                store: _Store = _FileStore(self.node, ctx, self.account, epochs)
+            except FileExistsError:
+                if not self.node.passthrough_when_locked:
+                    raise
+                store = _PassThrough(epochs)
         else:
             store = _MemoryStore(self.node, ctx, self.account, epochs)
         self.store, self.writing, self.position = store, True, 0
@@ -1039,7 +1068,8 @@ class _CacheIterator(Iterator):
     def _stop(self, *, warn: bool) -> None:
         store = self.store
         if self.writing and store is not None and not store.complete:
-            if warn and self.position:  # one that read nothing truncated nothing
+            if warn and self.position and self.node.warns_partial and store.partial:
+                # (one that read nothing truncated nothing)
                 warnings.warn(f"cache: {PARTIAL_CACHE_ADVICE}", UserWarning, stacklevel=3)
             store.discard()
         if self.upstream is not None:
