@@ -97,3 +97,68 @@ def test_save_load_round_trips_like_tf_datas(
         for e in tf.data.Dataset.load(str(theirs)).as_numpy_iterator()
     ]
     assert got == want == [(row.tolist(), k) for k, row in enumerate(data["x"])]
+
+
+# --------------------------------------------------------------------------- kept caches
+
+ITERATORS = st.lists(
+    st.one_of(st.just("full"), st.just("both"), st.integers(0, 8)), min_size=1, max_size=5
+)
+
+
+def _run_iterators(
+    ds: Any, operations: list[Any], to_int: Any, reads: list[int]
+) -> tuple[list[list[int]], list[bool]]:
+    """Each operation with new iterators of ``ds``: a full pass, two iterators in
+    lockstep, or the first k elements of one that is then dropped. Returns the elements
+    and, per operation, whether it read the source (``reads[0]`` counts its elements)."""
+    out: list[list[int]] = []
+    touched: list[bool] = []
+    for operation in operations:
+        before = reads[0]
+        if operation == "full":
+            out.append([to_int(x) for x in iter(ds)])
+        elif operation == "both":
+            pairs = list(zip(iter(ds), iter(ds), strict=True))
+            out.append([to_int(a) for a, _ in pairs] + [to_int(b) for _, b in pairs])
+        else:
+            iterator = iter(ds)
+            out.append([to_int(next(iterator)) for _ in range(min(operation, 6))])
+            del iterator
+        touched.append(reads[0] > before)
+    return out, touched
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations=ITERATORS)
+def test_the_memory_cache_outlives_its_iterator_as_in_tf_data(operations: list[Any]) -> None:
+    """Separate iter() calls over one cached dataset (full, partial, two at once): the
+    same elements as tf.data, and the source read by exactly the same operations."""
+
+    def counting(reads: list[int]) -> Any:
+        def gen() -> Any:
+            for i in range(6):
+                reads[0] += 1
+                yield i
+
+        return gen
+
+    ours_reads, theirs_reads = [0], [0]
+    ours = hr.Dataset.from_generator(
+        counting(ours_reads), output_signature=hr.TensorSpec((), np.int64)
+    ).cache()
+    theirs = tf.data.Dataset.from_generator(
+        counting(theirs_reads), output_signature=tf.TensorSpec((), tf.int64)
+    ).cache()
+    # tf.data's hidden prefetch (inject_prefetch) may read past a partial iterator's
+    # last element to the end, completing the cache by timing: compared without it
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = False
+    theirs = theirs.with_options(options)
+    operations = [*operations, "full", "full"]  # the last one reads the cache in both
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _run_iterators(ours, operations, int, ours_reads)
+    expected = _run_iterators(theirs, operations, lambda x: int(x.numpy()), theirs_reads)
+    assert got == expected
+    assert got[1][-1] is False

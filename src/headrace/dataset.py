@@ -50,6 +50,7 @@ from headrace.transforms.prefetch import PrefetchNode
 from headrace.transforms.repeat import RepeatNode
 from headrace.transforms.shard import ShardNode
 from headrace.transforms.shuffle import ShuffleNode
+from headrace.transforms.snapshot import SnapshotNode
 from headrace.transforms.take import SkipNode, TakeNode
 from headrace.transforms.unbatch import RebatchNode, UnbatchNode
 from headrace.transforms.zip import ConcatenateNode, ZipNode
@@ -486,17 +487,28 @@ class Dataset:
         return self._wrap(RepeatNode(self._node, count))
 
     def cache(self, filename: str | os.PathLike[str] = "") -> Dataset:
-        """Read the input once; every later epoch (of a ``repeat``) reads the cache.
+        """Read the input once; every later epoch (of a ``repeat``, or a new ``iter()``)
+        reads the cache.
 
         ``filename=""``: in memory while it fits this stage's share of the
-        budget, then spilled to a temporary directory (one warning; removed when
-        the iterator closes), so it never passes the budget. ``filename``:
+        budget, then spilled to a temporary directory (one warning), so it never
+        passes the budget; kept, booked, with the dataset (freed when the dataset
+        is garbage-collected), as tf.data keeps it. ``filename``:
         tf.data's persistent cache, complete only at the end of the input, reused
         by later runs of the same pipeline. Stopping early (``cache().take(k)``)
         discards the partial cache, as tf.data does: write ``take(k).cache()``.
         See :mod:`headrace.transforms.cache`.
         """
         return self._wrap(CacheNode(self._node, filename))
+
+    def snapshot(
+        self, path: str | os.PathLike[str], compression: str | None = "AUTO"
+    ) -> Dataset:
+        """tf.data's ``snapshot``: the first complete pass is saved under ``path`` (in a
+        directory named by this pipeline's fingerprint), later passes — in any process —
+        read it. See :mod:`headrace.transforms.snapshot` for the differences.
+        """
+        return self._wrap(SnapshotNode(self._node, path, compression))
 
     def take(self, count: int) -> Dataset:
         """At most the first ``count`` elements (negative: all)."""

@@ -15,6 +15,7 @@ import itertools
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from collections.abc import Iterator as _PyIterator
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,13 @@ if TYPE_CHECKING:
     from headrace.core.node import Node
     from headrace.profiling.stats import RunStats
 
-__all__ = ["STATE_VERSION", "DatasetIterator", "default_budget", "join_abandoned"]
+__all__ = [
+    "STATE_VERSION",
+    "DatasetIterator",
+    "call_outside_collection",
+    "default_budget",
+    "join_abandoned",
+]
 
 #: Version of the state dicts; bumped when their layout or the fingerprints change
 #: (2: functions fingerprinted by code and closure values, checked state fields).
@@ -83,18 +90,23 @@ def _close_abandoned(tree: Iterator, budget: MemoryBudget) -> None:
     whatever allocation triggered the collection, in any thread — also one in
     the middle of a booking, holding the lock the close needs (pipelines on the
     default budget share one) — so then it takes no lock: the close runs on a
-    short thread of its own, which waits its turn.
+    short thread of its own, which waits its turn (:func:`call_outside_collection`).
     """
+    call_outside_collection(_close_run, tree, budget)
+
+
+def call_outside_collection(function: Callable[..., None], *args: Any) -> None:
+    """Call ``function(*args)`` now, or on a short thread of its own when the cycle
+    collector is running (a finalizer that releases budget must not take the budget's
+    lock inside a collection: the thread it interrupted may hold it)."""
     if not _collecting:
-        _close_run(tree, budget)
+        function(*args)
         return
-    closer = threading.Thread(
-        target=_close_run, args=(tree, budget), name="headrace-close", daemon=True
-    )
+    closer = threading.Thread(target=function, args=args, name="headrace-close", daemon=True)
     try:
         closer.start()
     except RuntimeError:  # the interpreter is shutting down: nothing else runs any more
-        _close_run(tree, budget)
+        function(*args)
         return
     _closers.add(closer)
 

@@ -200,26 +200,41 @@ class _Corrupt(Exception):
     """A payload that does not decode; the caller names the file and offset."""
 
 
-def decode_element(payload: bytes, *, path: str = "<memory>", offset: int | None = None) -> Any:
-    """The element ``payload`` encodes.
+def decode_element(
+    payload: bytes,
+    *,
+    path: str = "<memory>",
+    offset: int | None = None,
+    start: int = 0,
+    stop: int | None = None,
+) -> Any:
+    """The element ``payload[start:stop]`` encodes.
 
+    ``start``/``stop`` decode a record inside a larger buffer (a framed record as read
+    from its file) without copying it out: arrays are views into ``payload``.
     ``path`` and ``offset`` (of the record holding it) only serve the error a
     malformed payload raises: :class:`~headrace.errors.DataLossError` naming them.
     """
     try:
-        if len(payload) < 4:
-            raise _Corrupt(f"{len(payload)} bytes, shorter than a skeleton length")
-        (length,) = _U32.unpack_from(payload, 0)
-        end = 4 + length
-        if end > len(payload):
-            raise _Corrupt(f"skeleton of {length} bytes runs past the payload's {len(payload)}")
-        skeleton = payload[4:end]
+        stop = len(payload) if stop is None else stop
+        size = stop - start
+        if size < 4:
+            raise _Corrupt(f"{size} bytes, shorter than a skeleton length")
+        (length,) = _U32.unpack_from(payload, start)
+        end = start + 4 + length
+        if end > stop:
+            raise _Corrupt(f"skeleton of {length} bytes runs past the payload's {size}")
+        skeleton = payload[start + 4 : end]
         decoder = _decoders.get(skeleton)
         if decoder is None:
             decoder = _compile_skeleton(skeleton)
         value, position = decoder(payload, end)
-        if position != len(payload):
-            raise _Corrupt(f"{len(payload) - position} bytes left after the element")
+        if position != stop:
+            raise _Corrupt(
+                f"{stop - position} bytes left after the element"
+                if position < stop
+                else f"the element runs {position - stop} bytes past its record"
+            )
         return value
     except (_Corrupt, ValueError, TypeError, KeyError, IndexError, struct.error) as error:
         where = f"record at offset {offset} in file {path}" if offset is not None else path

@@ -43,6 +43,7 @@ __all__ = [
     "index_path_for",
     "load_index",
     "load_or_build_index",
+    "write_index",
 ]
 
 INDEX_SUFFIX = ".hrx"
@@ -189,23 +190,39 @@ def build_index(
                 offsets = _scan_offsets(view, before.size, path, max_record_bytes)
         if _fingerprint(file) != before:
             raise StaleIndexError(f"file {path} changed while it was being indexed", path=path)
-    offsets_bytes = offsets.astype("<u8").tobytes()
     if write:
-        header = _HEADER.pack(
-            _MAGIC,
-            _VERSION,
-            _WINDOW,
-            before.size,
-            before.mtime_ns,
-            before.head_crc,
-            before.tail_crc,
-            len(offsets),
-            zlib.crc32(offsets_bytes),
-            0,
-        )
-        _write_atomically(index_path_for(path), [header, offsets_bytes])
+        _save(path, offsets, before)
     offsets.flags.writeable = False
     return TFRecordIndex(path, offsets, before.size)
+
+
+def _save(path: str, offsets: npt.NDArray[np.uint64], fingerprint: _Fingerprint) -> None:
+    offsets_bytes = offsets.astype("<u8").tobytes()
+    header = _HEADER.pack(
+        _MAGIC,
+        _VERSION,
+        _WINDOW,
+        fingerprint.size,
+        fingerprint.mtime_ns,
+        fingerprint.head_crc,
+        fingerprint.tail_crc,
+        len(offsets),
+        zlib.crc32(offsets_bytes),
+        0,
+    )
+    _write_atomically(index_path_for(path), [header, offsets_bytes])
+
+
+def write_index(shard_path: str | os.PathLike[str], offsets: npt.ArrayLike) -> None:
+    """Save the index of a shard its writer just finished, from the offsets it wrote at.
+
+    No scan: the writer knows where every record starts. The shard's fingerprint is
+    taken now, so the index is refused later if the shard changes.
+    """
+    path = os.fspath(shard_path)
+    with open(path, "rb") as file:
+        fingerprint = _fingerprint(file)
+    _save(path, np.asarray(offsets, dtype=np.uint64), fingerprint)
 
 
 def _stale(message: str, shard_path: str) -> StaleIndexError:
@@ -216,9 +233,17 @@ def _stale(message: str, shard_path: str) -> StaleIndexError:
 
 
 def load_index(
-    shard_path: str | os.PathLike[str], *, index_path: str | os.PathLike[str] | None = None
+    shard_path: str | os.PathLike[str],
+    *,
+    index_path: str | os.PathLike[str] | None = None,
+    size_only: bool = False,
 ) -> TFRecordIndex:
     """Load the index of ``shard_path``, refusing it if it no longer matches the shard.
+
+    ``size_only``: compare only the shard's size, not its mtime and the CRCs of its
+    first and last 4 KiB — for a reader that checks every record's framing and CRCs
+    against the index anyway (a cache reading its own file), so that a flipped byte is
+    reported at its record's offset rather than as a stale index.
 
     The offsets are read into memory (8 bytes a record) and the index file is closed
     at once: a memory map would hold a descriptor for as long as the index lives,
@@ -247,7 +272,8 @@ def load_index(
         raise _stale(f"index file {index_file} is truncated (it shrank while read)", path)
     with open(path, "rb") as shard:
         current = _fingerprint(shard)
-    if current != _Fingerprint(size, mtime_ns, head_crc, tail_crc):
+    recorded = _Fingerprint(size, mtime_ns, head_crc, tail_crc)
+    if current.size != size or (not size_only and current != recorded):
         raise _stale(
             f"index file {index_file} is stale: {path} changed since it was indexed "
             f"(size {size} -> {current.size}, mtime_ns {mtime_ns} -> {current.mtime_ns})",

@@ -5,9 +5,17 @@ elements in memory only while they fit in the stage's share of the budget
 (G1): when the next one would not, it and every later element *spill* to an
 on-disk cache in a temporary directory (one warning names the sizes and the
 directory), so a dataset several times the budget caches without passing it.
-The cache lives as long as the run (the ``DatasetIterator``): the epochs of a
-``repeat`` after it read only the cache, never the input; the temporary files
-are removed when the iterator closes (also after an exception, or at exit).
+As in tf.data, a complete cache belongs to the dataset, not to the iterator
+that wrote it: the epochs of a ``repeat`` after it and every later ``iter()``
+of the dataset (Keras makes one per epoch) read only the cache, never the
+input. Its bytes stay booked while it lives — on the process-wide default
+budget, and on the cache stage's share of each run with its own
+``memory_budget`` that reads it (see "kept memory caches" below) — and it is
+freed, spill files included, when the dataset is garbage-collected (or at
+exit). A cache that is not complete is freed when its iterator closes (also
+after an exception). Two iterators that start before either completes each
+read the input; the first to complete is kept and both read it afterwards
+(tf.data's rule).
 
 ``cache(filename)`` is tf.data's persistent cache: ``<filename>.hrcache``
 (elements, TFRecord-framed, CRC-checked) and ``<filename>.hrcache.json``, the
@@ -29,15 +37,18 @@ bytes, str, None and dicts/tuples/lists of them. Elements that stay in memory
 are kept as they are, with their arrays made read-only views, so an in-place
 edit by a consumer cannot change what the next epoch reads.
 
-Checkpoints (G4) hold the mode (writing or reading), the position and the
-epochs of the writing iterator, never cached data. Restored in a run that
-does not have the cache (a new process), the cache is rebuilt by replaying
-the input from its start — exact for a deterministic input, like any replay —
+Checkpoints (G4) hold the mode (writing or reading), the position, and which
+iterator wrote the cache (its repeat epochs and its number, which seed a
+reshuffling shuffle above the cache), never cached data. A kept cache that
+iterator wrote is read from the position; without one (a new process, or a
+cache another iterator wrote) the cache is rebuilt by replaying the input as
+that iterator read it — exact for a deterministic input, like any replay —
 while a complete ``cache(filename)`` is simply read from the position.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import copy
 import errno
@@ -46,6 +57,8 @@ import glob
 import json
 import os
 import shutil
+import struct
+import sys
 import tempfile
 import threading
 import time
@@ -57,16 +70,19 @@ import numpy as np
 
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode
+from headrace.core.run import call_outside_collection, default_budget
 from headrace.core.state import POSITION, StateReader, past_end
-from headrace.errors import CheckpointError, InvalidArgumentError
+from headrace.errors import CheckpointError, DataLossError, InvalidArgumentError
+from headrace.io._crc32c import masked_crc32c
 from headrace.io.elements import ELEMENTS_FORMAT, decode_element, encode_element
 from headrace.io.filepool import get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES
-from headrace.io.tfrecord.reader import TFRecordReader
+from headrace.io.tfrecord.reader import records_in_spans
 from headrace.io.tfrecord.writer import TFRecordWriter
 from headrace.io.tfrecord_index import _write_atomically as write_atomically
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
+from headrace.io.tfrecord_index import index_path_for, load_index, write_index
+from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
 from headrace.memory.units import format_bytes
 from headrace.sources.files import file_limiter
 
@@ -85,8 +101,12 @@ MODE = "mode"
 WRITE = "write"
 READ = "read"
 EPOCHS = "epochs"
+#: Which iterator of the dataset wrote the cache (seeds a reshuffling shuffle above it).
+WRITER_ITERATION = "writer_iteration"
 _MANIFEST_FORMAT = "headrace.cache"
 _BYTES_OVERHEAD = 33  # what a bytes object costs beyond its payload (sys.getsizeof(b""))
+_FRAME_HEADER = struct.Struct("<QI")  # a TFRecord's length and its masked CRC
+_FRAME_FOOTER = struct.Struct("<I")  # its data's masked CRC
 
 
 class CacheNode(UnaryNode):
@@ -94,6 +114,11 @@ class CacheNode(UnaryNode):
 
     stage = "cache"
     budget_weight = 1.0
+    #: Whether an iterator that finds another one writing the file reads its input
+    #: without writing (snapshot) instead of raising tf.data's lock error (cache).
+    passthrough_when_locked = False
+    #: Whether stopping before the end warns with tf.data's partial-cache advice.
+    warns_partial = True
 
     def __init__(self, source: Node, filename: str | os.PathLike[str] = "") -> None:
         super().__init__(source)
@@ -174,7 +199,9 @@ _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class _RecordWriter:
-    """Encoded elements appended to one file, in batches; its buffers booked."""
+    """Encoded elements appended to one file, in batches; its buffers booked. At the end
+    the file gets its ``.hrx`` index (from the offsets written, no scan), so readers
+    fetch records with positioned reads (see :class:`_RecordReader`)."""
 
     def __init__(self, path: str, account: StageAccount) -> None:
         self.path = path
@@ -188,6 +215,9 @@ class _RecordWriter:
         self.batch_bytes = 0
         self.count = 0
         self.nbytes = 0
+        #: Where each record starts (8 bytes a record, booked as it grows).
+        self.offsets = array.array("q")
+        self.offsets_booking = account.charge(0)
 
     def append(self, payload: bytes) -> None:
         self.batch.append(payload)
@@ -200,6 +230,10 @@ class _RecordWriter:
         if not self.batch or self.writer is None:
             return
         batch, self.batch = self.batch, []
+        more = 8 * len(batch)
+        self.offsets_booking = self.offsets_booking.absorb(
+            _book(self.account, more, "the cache's record offsets")
+        )
         try:
             self.writer.write_many(batch)
         except OSError as error:
@@ -207,93 +241,149 @@ class _RecordWriter:
             if error.errno in _FULL:
                 raise _disk_full(error, self.path, self.count, self.nbytes) from error
             raise
-        self.nbytes += self.batch_bytes + RECORD_OVERHEAD_BYTES * len(batch)
+        position = self.nbytes
+        for payload in batch:
+            self.offsets.append(position)
+            position += len(payload) + RECORD_OVERHEAD_BYTES
+        self.nbytes = position
         self.batch_bytes = 0
 
     def finish(self) -> None:
-        """Write what is left and move the file to its name (atomic, fsynced)."""
+        """Write what is left, move the file to its name (atomic, fsynced), index it."""
         self.flush()
         writer, self.writer = self.writer, None
         if writer is not None:
             try:
                 writer.close()
+                write_index(self.path, self.offsets)
             except OSError as error:
-                self.booking.release()
+                self._release()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
                 if error.errno in _FULL:
                     raise _disk_full(error, self.path, self.count, self.nbytes) from error
                 raise
-        self.booking.release()
+        self._release()
 
     def abort(self) -> None:
         writer, self.writer = self.writer, None
         self.batch = []
         if writer is not None:
             writer.abort()
+        self._release()
+
+    def _release(self) -> None:
         self.booking.release()
+        self.offsets_booking.release()
+        self.offsets = array.array("q")
 
 
 class _RecordReader:
-    """Encoded elements of one file, read in order: its buffer and the records read
-    ahead booked on the stage's account, each element booked as it is handed on."""
+    """Encoded elements of one indexed file, in order, fetched with positioned reads.
+
+    The ``.hrx`` index (refused if the file's size changed) says
+    where every record starts, so reading is one ``pread`` per run of consecutive
+    records up to the stage's chunk, and skipping is free. A record that fills a read
+    alone (large records) is decoded where it was read: its arrays are views into the
+    buffer the kernel copied the page cache into — no other copy. Smaller ones are
+    split out of their shared buffer (one small copy each), so that an element never
+    pins its neighbours. The index (8 bytes a record), the records read ahead and each
+    element handed on are booked on the stage's account.
+    """
 
     def __init__(self, path: str, ctx: Context, account: StageAccount) -> None:
         self.path, self.ctx, self.account = path, ctx, account
         self.chunk = _chunk_bytes(account)
-        # the pooled stream's buffer and the record reader's
-        self.base = _book(account, 2 * self.chunk, "the cache's read buffers")
-        stream = get_default_pool().open(path, limiter=file_limiter(ctx), buffer_size=self.chunk)
-        self.reader = TFRecordReader(stream, path=path, buffer_size=self.chunk, close_stream=True)
-        self.pending: list[tuple[bytes, int]] = []  # (record, offset), next first
+        index = load_index(path, size_only=True)  # every record is checked as it is read
+        self.offsets = index.offsets
+        self.size = index.shard_size
+        self.index_booking = _book(account, self.offsets.nbytes, "the cache file's index")
+        self.stream = get_default_pool().open(
+            path, limiter=file_limiter(ctx), buffer_size=4096  # positioned reads: unused
+        )
+        self.next = 0  # the next record to hand on
+        #: Records read, next first: (buffer, payload start, stop, bytes booked for it).
+        self.pending: list[tuple[bytes, int, int, int]] = []
         self.pending_booked = 0
         self.next_pending = 0
 
+    def _end(self, record: int) -> int:
+        return int(self.offsets[record + 1]) if record + 1 < len(self.offsets) else self.size
+
     def _refill(self) -> bool:
-        length = self.reader.next_length()
-        if length is not None and length > self.chunk:  # one record beyond the buffer
-            self.account.require(self.account.held + length, what="one cached element")
-        start = self.reader.next_offset
-        records = self.reader.read_batch(256, self.chunk)
-        if not records:
+        first = self.next
+        if first >= len(self.offsets):
             return False
+        begin = int(self.offsets[first])
+        last = first
+        while last + 1 < len(self.offsets) and self._end(last + 1) - begin <= self.chunk:
+            last += 1
+        size = self._end(last) - begin
+        if size > self.chunk:  # one record beyond the chunk
+            self.account.require(self.account.held + size, what="one cached element")
         self._release_pending()
-        self.pending_booked = sum(len(record) for record in records) + _BYTES_OVERHEAD * len(
-            records
-        )
-        _book(self.account, self.pending_booked, "cached elements read ahead").nbytes = 0
-        offsets = []
-        for record in records:
-            offsets.append(start)
-            start += len(record) + RECORD_OVERHEAD_BYTES
-        self.pending = list(zip(records, offsets, strict=True))
+        _book(self.account, size + _BYTES_OVERHEAD, "cached elements read ahead")
+        self.pending_booked = size + _BYTES_OVERHEAD
+        (buffer,) = self.stream.pread_many([begin], [size])
+        if last == first:  # decoded in place: the element's arrays are views of ``buffer``
+            self.pending = [(buffer, *self._check_one(buffer, begin), self.pending_booked)]
+        else:
+            records = records_in_spans([buffer], [last - first + 1], [begin], path=self.path)
+            del buffer
+            self.pending = [
+                (record, 0, len(record), len(record) + _BYTES_OVERHEAD) for record in records
+            ]
         self.next_pending = 0
         return True
 
-    def _take(self) -> tuple[bytes, int]:
+    def _check_one(self, buffer: bytes, offset: int) -> tuple[int, int]:
+        """Check one framed record in place (length, both CRCs); its payload's bounds."""
+        view = memoryview(buffer)
+        problem = ""
+        if len(buffer) < RECORD_OVERHEAD_BYTES:
+            problem = "truncated record"
+        else:
+            length, length_crc = _FRAME_HEADER.unpack_from(buffer, 0)
+            if masked_crc32c(view[:8]) != length_crc:
+                problem = "corrupted record (bad length checksum)"
+            elif length != len(buffer) - RECORD_OVERHEAD_BYTES:
+                problem = f"record of {length} bytes where the index says {len(buffer) - 16}"
+            else:
+                (data_crc,) = _FRAME_FOOTER.unpack_from(buffer, 12 + length)
+                if masked_crc32c(view[12 : 12 + length]) != data_crc:
+                    problem = "corrupted record (bad data checksum)"
+        if problem:
+            raise DataLossError(
+                f"{problem} at offset {offset} in file {self.path}", path=self.path, offset=offset
+            )
+        return 12, 12 + length
+
+    def _take(self) -> tuple[bytes, int, int, int]:
+        """The next record (buffer, payload bounds, offset), its read-ahead booking returned."""
         if self.next_pending >= len(self.pending) and not self._refill():
             raise StopIteration
-        record, offset = self.pending[self.next_pending]
-        self.pending[self.next_pending] = (b"", offset)
+        buffer, start, stop, share = self.pending[self.next_pending]
+        self.pending[self.next_pending] = (b"", 0, 0, 0)
         self.next_pending += 1
-        share = len(record) + _BYTES_OVERHEAD
         self.pending_booked -= share
-        self.account.release(share)
-        return record, offset
+        self.account.release(share)  # booked again as the element it becomes
+        offset = int(self.offsets[self.next])
+        self.next += 1
+        return buffer, start, stop, offset
 
     def pull(self) -> tuple[Any, Reservation]:
-        record, offset = self._take()
-        element = decode_element(record, path=self.path, offset=offset)
-        del record
+        buffer, start, stop, offset = self._take()
+        element = decode_element(buffer, path=self.path, offset=offset, start=start, stop=stop)
+        del buffer
         cost = self.ctx.sizeof(element)
         return element, _book(self.account, cost, "one cached element")
 
     def skip(self, count: int) -> int:
-        """Skip ``count`` elements without decoding them; returns how many there were."""
-        for done in range(count):
-            try:
-                self._take()
-            except StopIteration:
-                return done
-        return count
+        """Skip ``count`` elements without reading them; returns how many there were."""
+        self._release_pending()
+        done = min(count, len(self.offsets) - self.next)
+        self.next += done
+        return done
 
     def _release_pending(self) -> None:
         self.account.release(self.pending_booked)
@@ -303,8 +393,8 @@ class _RecordReader:
 
     def close(self) -> None:
         self._release_pending()
-        self.reader.close()
-        self.base.release()
+        self.stream.close()
+        self.index_booking.release()
 
 
 # --------------------------------------------------------------------------- stores
@@ -312,6 +402,9 @@ class _RecordReader:
 
 class _Store:
     """Where one cache's elements go while it is written, and how it is read."""
+
+    #: Whether stopping before the end discards cached elements (and so warns).
+    partial = True
 
     def __init__(self, epochs: tuple[int, ...]) -> None:
         #: The epochs (of enclosing repeats) of the iterator that wrote it: a rebuild
@@ -333,6 +426,22 @@ class _Store:
         raise NotImplementedError
 
 
+class _PassThrough(_Store):
+    """Another iterator writes the file: pass the input's elements on, write nothing."""
+
+    partial = False
+
+    def append(self, element: Any, upstream: Reservation) -> tuple[Any, Reservation]:
+        self.count += 1
+        return element, upstream
+
+    def finish(self) -> None:
+        """Nothing was written, so nothing completes: later passes look for the file."""
+
+    def discard(self) -> None:
+        """Nothing to remove."""
+
+
 class _StoreReader:
     def pull(self) -> tuple[Any, Reservation]:
         raise NotImplementedError
@@ -344,46 +453,130 @@ class _StoreReader:
         """Nothing to release by default."""
 
 
-# Memory stores by the cache stage's account: one per cache node and run (and per
-# interleave slot), kept between the epochs of a repeat.
-_memory_stores: weakref.WeakKeyDictionary[StageAccount, _MemoryStore] = (
-    weakref.WeakKeyDictionary()
-)
+# --------------------------------------------------------------------------- kept memory caches
+#
+# A complete in-memory cache belongs to its recipe node, as tf.data's memory cache
+# belongs to its dataset: every later iterator of the dataset (and of datasets built
+# on it: a map after it, with_options) reads it, never the input — Keras makes a new
+# iterator per epoch. It lives until the node is garbage-collected.
+#
+# Its bytes stay booked while it lives:
+# * on the process-wide default budget, always (the "kept" booking, taken when the
+#   cache completes): it is memory headrace holds in this process outside any run, and
+#   every pipeline without its own memory_budget draws from that budget, so they leave
+#   room for it, between runs too;
+# * on the cache stage's share of each run that reads it, unless that run draws from
+#   the default budget itself (where it is already booked): a pipeline with its own
+#   memory_budget B still holds at most B, the kept cache included.
+# The spilled part is on disk: a run reading it books its read buffers only.
+
+_kept_lock = threading.Lock()
+#: The complete in-memory cache of each cache node (weak: dies with the node).
+_kept: weakref.WeakKeyDictionary[CacheNode, _KeptMemory] = weakref.WeakKeyDictionary()
+#: What each run has booked of a kept cache, by the run's cache account (one booking
+#: per run and node, however many epochs of a ``repeat`` read it).
+_run_bookings: weakref.WeakKeyDictionary[
+    StageAccount, tuple[weakref.ref[_KeptMemory], Reservation]
+] = weakref.WeakKeyDictionary()
+_keepers: weakref.WeakKeyDictionary[MemoryBudget, StageAccount] = weakref.WeakKeyDictionary()
+
+
+def _keeper(budget: MemoryBudget) -> StageAccount:
+    """The account of ``budget`` (the default one) that books kept caches.
+
+    Outside the budget's split (a kept cache is memory that exists: it is booked as
+    it is, never refused), it still counts in the budget's ``used``, which every
+    pipeline drawing from that budget checks before it buffers more.
+    """
+    with _kept_lock:
+        account = _keepers.get(budget)
+        if account is None:
+            account = _keepers[budget] = StageAccount(budget, "cache (kept)", 0.0)
+            account.limit = sys.maxsize
+        return account
+
+
+def _drawn_from_default(account: StageAccount) -> bool:
+    return account.budget.parent is default_budget()
+
+
+class _KeptResources:
+    """What a kept cache must give back when it dies (no reference to the cache itself,
+    so that its finalizer cannot keep it alive)."""
+
+    def __init__(self) -> None:
+        self.directory: str | None = None
+        self.kept: Reservation = NO_RESERVATION
+
+    def free(self) -> None:
+        kept, self.kept = self.kept, NO_RESERVATION
+        directory, self.directory = self.directory, None
+        if kept is not NO_RESERVATION or directory is not None:
+            call_outside_collection(_free, kept, directory)
+
+
+def _free(kept: Reservation, directory: str | None) -> None:
+    kept.release()
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class _KeptMemory:
+    """The elements of one in-memory cache: the first ones in memory, the rest in a
+    spill file. Holds no run (no context, no account), so keeping it keeps nothing else."""
+
+    def __init__(self, epochs: tuple[int, ...], iteration: int) -> None:
+        #: Which iterator wrote it (the epochs of enclosing repeats, the iterator's
+        #: number): a restored state reads it only if it was written by the same one.
+        self.epochs, self.iteration = epochs, iteration
+        self.items: list[Any] = []
+        self.booked = 0  # the in-memory items' bytes
+        self.count = 0
+        self.spill_path: str | None = None
+        self.resources = _KeptResources()
+        # removed when collected, and at exit (weakref.finalize runs atexit)
+        self._finalizer = weakref.finalize(self, self.resources.free)
+
+    def free(self) -> None:
+        self.items = []
+        self._finalizer()
 
 
 class _MemoryStore(_Store):
-    """Elements in memory while they fit three quarters of the share, then a spill file.
+    """Writes a :class:`_KeptMemory`: elements in memory while they fit three quarters
+    of the share, then a spill file; kept by the node once complete.
 
-    The last quarter stays free for reading the spill file back (its buffer and one
-    element at a time), so reading never needs more than the share.
+    The last quarter of the share stays free for reading the spill file back (its
+    buffer and one element at a time), so reading never needs more than the share.
     """
 
-    def __init__(self, ctx: Context, account: StageAccount, epochs: tuple[int, ...]) -> None:
+    def __init__(
+        self, node: CacheNode, ctx: Context, account: StageAccount, epochs: tuple[int, ...]
+    ) -> None:
         super().__init__(epochs)
-        self.ctx, self.account = ctx, account
-        self.items: list[Any] = []
-        self.booked = 0
+        self.node, self.ctx, self.account = node, ctx, account
+        self.data = _KeptMemory(epochs, ctx.run.iteration)
         self.spill: _RecordWriter | None = None
-        self.spill_path: str | None = None
-        self.directory: str | None = None
-        self._cleanup: weakref.finalize[Any, Any] | None = None
         self.lock = threading.Lock()
         self.discarded = False
+        #: The cache later epochs read: this one, or one another iterator completed first.
+        self.kept: _KeptMemory | None = None
 
     def _fits_in_memory(self, cost: int) -> bool:
         account = self.account
         room = account.limit - _reserve(account)
-        return self.booked + cost <= room and not account.budget.over_shared_cap(cost)
+        return self.data.booked + cost <= room and not account.budget.over_shared_cap(cost)
 
     def append(self, element: Any, upstream: Reservation) -> tuple[Any, Reservation]:
         element, cost = self.ctx.admit(element)
+        data = self.data
         if self.spill is None and self._fits_in_memory(cost):
             element = _read_only(element)
             self.account.charge(cost).nbytes = 0  # held by the store, released in bulk
-            self.booked += cost
+            data.booked += cost
             upstream.release()
-            self.items.append(element)
-            self.count += 1
+            data.items.append(element)
+            data.count = self.count = self.count + 1
             return element, NO_RESERVATION
         if self.spill is None:
             self._start_spill(cost)
@@ -393,27 +586,26 @@ class _MemoryStore(_Store):
         except BaseException:
             self.discard()  # a full disk or an element it cannot store: no files left
             raise
-        self.count += 1
+        data.count = self.count = self.count + 1
         return element, upstream
 
     def _start_spill(self, cost: int) -> None:
         directory = tempfile.mkdtemp(prefix=f"headrace-cache-{os.getpid()}-")
-        self.directory = directory
-        # removed at exit too if nothing closed the run (weakref.finalize runs atexit)
-        self._cleanup = weakref.finalize(self, shutil.rmtree, directory, True)
-        self.spill_path = os.path.join(directory, "spill.hrcache")
+        self.data.resources.directory = directory
+        self.data.spill_path = os.path.join(directory, "spill.hrcache")
         account = self.account
         warnings.warn(
             f"cache: the elements cached so far ({self.count} elements, "
-            f"{format_bytes(self.booked)}) fill the in-memory part of the stage's share "
+            f"{format_bytes(self.data.booked)}) fill the in-memory part of the stage's share "
             f"({format_bytes(account.limit)} of the {format_bytes(account.budget.total)} "
             f"memory budget); the next element ({format_bytes(cost)}) and all later ones "
-            f"spill to an on-disk cache in {directory} (removed when the iterator closes)",
+            f"spill to an on-disk cache in {directory} (removed with the dataset, or at "
+            "exit)",
             ResourceWarning,
             stacklevel=6,
         )
         try:
-            self.spill = _RecordWriter(self.spill_path, account)
+            self.spill = _RecordWriter(self.data.spill_path, account)
         except BaseException:
             self.discard()
             raise
@@ -426,54 +618,105 @@ class _MemoryStore(_Store):
                 self.discard()
                 raise
         self.complete = True
+        self.kept = self._publish()
+
+    def _publish(self) -> _KeptMemory:
+        """Give the complete cache to the node, and move its booking where a kept cache's
+        goes (see above); if another iterator completed one first, read that one (as
+        tf.data does) and free this one."""
+        data, account = self.data, self.account
+        with _kept_lock:
+            kept = _kept.get(self.node)
+            if kept is None:
+                _kept[self.node] = data
+        if kept is not None:
+            self.discard()
+            return kept
+        data.resources.kept = _keeper(default_budget()).charge(data.booked)
+        if _drawn_from_default(account):
+            account.release(data.booked)  # booked on the default budget above instead
+        else:
+            held = Reservation(account, data.booked)
+            _run_bookings[account] = (weakref.ref(data), held)
+            self.ctx.budget.on_close(held.release)
+        return data
 
     def discard(self) -> None:
         with self.lock:
-            if self.discarded:
+            if self.discarded or self.kept is not None:
                 return
             self.discarded = True
         if self.spill is not None:
             self.spill.abort()
-        self.items = []
-        self.account.release(self.booked)
-        self.booked = 0
-        if self._cleanup is not None:
-            self._cleanup()
-        if _memory_stores.get(self.account) is self:
-            del _memory_stores[self.account]
+        data = self.data
+        self.account.release(data.booked)
+        data.booked = 0
+        data.free()
 
     def reader(self) -> _StoreReader:
-        return _MemoryReader(self)
+        assert self.kept is not None
+        return _MemoryReader(self.kept, self.ctx, self.account)
+
+
+def _book_for_run(data: _KeptMemory, ctx: Context, account: StageAccount) -> None:
+    """Book a kept cache on a run that reads it, once per run (see above)."""
+    if _drawn_from_default(account):
+        return
+    booked = _run_bookings.get(account)
+    if booked is not None and booked[0]() is data:
+        return
+    held = _book(account, data.booked, "the kept in-memory cache")
+    _run_bookings[account] = (weakref.ref(data), held)
+    ctx.budget.on_close(held.release)
+
+
+class _KeptStore(_Store):
+    """A kept in-memory cache, as a later iterator of the dataset finds it."""
+
+    def __init__(self, data: _KeptMemory, ctx: Context, account: StageAccount) -> None:
+        super().__init__(data.epochs)
+        self.data, self.ctx, self.account = data, ctx, account
+        self.complete = True
+        self.count = data.count
+        _book_for_run(data, ctx, account)
+
+    def reader(self) -> _StoreReader:
+        return _MemoryReader(self.data, self.ctx, self.account)
+
+    def discard(self) -> None:
+        """A kept cache lives as long as its node."""
 
 
 class _MemoryReader(_StoreReader):
-    def __init__(self, store: _MemoryStore) -> None:
-        self.store = store
+    def __init__(self, data: _KeptMemory, ctx: Context, account: StageAccount) -> None:
+        self.data, self.ctx, self.account = data, ctx, account
         self.next = 0
         self.spill: _RecordReader | None = None
 
+    def _spill(self) -> _RecordReader:
+        if self.spill is None:
+            assert self.data.spill_path is not None
+            self.spill = _RecordReader(self.data.spill_path, self.ctx, self.account)
+        return self.spill
+
     def pull(self) -> tuple[Any, Reservation]:
-        items = self.store.items
+        items = self.data.items
         if self.next < len(items):
             element = items[self.next]
             self.next += 1
-            return element, NO_RESERVATION  # booked by the store
-        if self.store.spill_path is None or self.store.discarded:
+            return element, NO_RESERVATION  # booked with the cache
+        if self.data.spill_path is None:
             raise StopIteration
-        if self.spill is None:
-            self.spill = _RecordReader(self.store.spill_path, self.store.ctx, self.store.account)
-        pair = self.spill.pull()
+        pair = self._spill().pull()
         self.next += 1
         return pair
 
     def skip(self, count: int) -> int:
-        in_memory = min(count, max(0, len(self.store.items) - self.next))
+        in_memory = min(count, max(0, len(self.data.items) - self.next))
         self.next += in_memory
-        if in_memory == count or self.store.spill_path is None:
+        if in_memory == count or self.data.spill_path is None:
             return in_memory
-        if self.spill is None:
-            self.spill = _RecordReader(self.store.spill_path, self.store.ctx, self.store.account)
-        skipped = self.spill.skip(count - in_memory)
+        skipped = self._spill().skip(count - in_memory)
         self.next += skipped
         return in_memory + skipped
 
@@ -618,7 +861,7 @@ def _remove_leftovers(paths: _CachePaths) -> None:
     for leftover in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}*.tmp")):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(leftover)
-    for path in (paths.manifest, paths.data):
+    for path in (paths.manifest, paths.data, index_path_for(paths.data)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
@@ -652,6 +895,8 @@ def _find_complete(node: CacheNode, ctx: Context, account: StageAccount) -> _Com
         return None
     if not isinstance(count, int) or size != nbytes:
         return None
+    if not os.path.exists(index_path_for(paths.data)):  # written before the manifest
+        return None
     return _CompleteFile(paths.data, ctx, account, count)
 
 
@@ -670,6 +915,8 @@ class _CacheIterator(Iterator):
         self.source: _StoreReader | None = None
         self.writing = False
         self.position = 0
+        #: Which iterator wrote (or writes) the cache read here: its epochs and number.
+        self.writer: tuple[tuple[int, ...], int] = (ctx.epochs, ctx.run.iteration)
         self.cardinality = node.inputs[0].cardinality()
         complete = self._complete_store()
         if complete is not None:
@@ -678,31 +925,41 @@ class _CacheIterator(Iterator):
             self._write(ctx)
 
     # -- modes ---------------------------------------------------------------------------
-    def _complete_store(self) -> _Store | None:
+    def _complete_store(
+        self, writer: tuple[tuple[int, ...], int] | None = None
+    ) -> _Store | None:
+        """The complete cache to read, if there is one; ``writer`` (a restored state's
+        epochs and iteration): only an in-memory cache that iterator wrote."""
         if self.node.filename:
             return _find_complete(self.node, self.ctx, self.account)
-        store = _memory_stores.get(self.account)
-        return store if store is not None and store.complete else None
+        data = _kept.get(self.node)
+        if data is None or (writer is not None and writer != (data.epochs, data.iteration)):
+            return None
+        return _KeptStore(data, self.ctx, self.account)
 
     def _read(self, store: _Store) -> None:
         self.store, self.writing, self.position = store, False, 0
         self.source = store.reader()
         self.inputs = ()
+        if isinstance(store, _KeptStore):
+            self.writer = (store.data.epochs, store.data.iteration)
+        else:  # a cache file: any iterator rebuilds it alike
+            self.writer = (self.ctx.epochs, self.ctx.run.iteration)
 
     def _write(self, ctx: Context) -> None:
         """Start writing a new cache, reading the input with ``ctx`` (the writer's epochs)."""
         epochs = ctx.epochs
         if self.node.filename:
-            store: _Store = _FileStore(self.node, ctx, self.account, epochs)
+            try:
+                store: _Store = _FileStore(self.node, ctx, self.account, epochs)
+            except FileExistsError:
+                if not self.node.passthrough_when_locked:
+                    raise
+                store = _PassThrough(epochs)
         else:
-            previous = _memory_stores.get(self.account)
-            if previous is not None:
-                previous.discard()
-            memory = _MemoryStore(ctx, self.account, epochs)
-            _memory_stores[self.account] = memory
-            ctx.budget.on_close(memory.discard)
-            store = memory
+            store = _MemoryStore(self.node, ctx, self.account, epochs)
         self.store, self.writing, self.position = store, True, 0
+        self.writer = (epochs, ctx.run.iteration)
         try:
             self.upstream = self.node.inputs[0].make_iterator(ctx)
         except BaseException:
@@ -735,17 +992,13 @@ class _CacheIterator(Iterator):
     # -- checkpoints -----------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
         assert self.store is not None
+        epochs, iteration = self.writer
         return {
             MODE: WRITE if self.writing else READ,
             POSITION: self.position,
-            EPOCHS: list(self.store.epochs if self.writing else self._writer_epochs()),
+            EPOCHS: list(epochs),
+            WRITER_ITERATION: iteration,
         }
-
-    def _writer_epochs(self) -> tuple[int, ...]:
-        store = self.store
-        if store is not None and not isinstance(store, _CompleteFile):
-            return store.epochs
-        return self.ctx.epochs  # a cache from an earlier run: any epochs rebuild it alike
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, self.stage)
@@ -753,17 +1006,16 @@ class _CacheIterator(Iterator):
         if mode not in (WRITE, READ):
             raise reader.error(MODE, f"must be {WRITE!r} or {READ!r}, got {mode!r:.40}")
         position = reader.integer(POSITION)
-        epochs = reader.integers(EPOCHS, len(self.ctx.epochs))
+        epochs = tuple(reader.integers(EPOCHS, len(self.ctx.epochs)))
+        iteration = reader.integer(WRITER_ITERATION)
         self._stop(warn=False)
-        complete = self._complete_store()
+        complete = self._complete_store((epochs, iteration))
         if complete is not None:
             self._read(complete)
             self._skip(position)
             return
-        # No complete cache in this run: rebuild it as the writing iterator read its input.
-        writer_ctx = copy.copy(self.ctx)
-        writer_ctx.epochs = tuple(epochs)
-        self._write(writer_ctx)
+        # No complete cache here: rebuild it as the writing iterator read its input.
+        self._write(self._writer_context(epochs, iteration))
         if mode == WRITE:
             for done in range(position):
                 try:
@@ -781,8 +1033,24 @@ class _CacheIterator(Iterator):
         assert store is not None
         if not store.complete:
             raise CheckpointError(f"{self.stage}: the cache could not be rebuilt")
-        self._read(store if not self.node.filename else self._complete_or_fail())
+        if self.node.filename:
+            self._read(self._complete_or_fail())
+        else:
+            assert isinstance(store, _MemoryStore) and store.kept is not None
+            self._read(_KeptStore(store.kept, self.ctx, self.account))
         self._skip(position)
+
+    def _writer_context(self, epochs: tuple[int, ...], iteration: int) -> Context:
+        """A context in which the input reads as it did for the iterator that wrote the
+        cache: its repeat epochs, and its iterator number (what seeds a reshuffling
+        shuffle above the cache), which may be an earlier iterator's than this run's."""
+        ctx = copy.copy(self.ctx)
+        ctx.epochs = epochs
+        if iteration != ctx.run.iteration:
+            file_limiter(ctx)  # made now, so the copy below shares the run's limiter
+            ctx.run = copy.copy(ctx.run)
+            ctx.run.iteration = iteration
+        return ctx
 
     def _complete_or_fail(self) -> _Store:
         complete = self._complete_store()
@@ -801,7 +1069,8 @@ class _CacheIterator(Iterator):
     def _stop(self, *, warn: bool) -> None:
         store = self.store
         if self.writing and store is not None and not store.complete:
-            if warn and self.position:  # one that read nothing truncated nothing
+            if warn and self.position and self.node.warns_partial and store.partial:
+                # (one that read nothing truncated nothing)
                 warnings.warn(f"cache: {PARTIAL_CACHE_ADVICE}", UserWarning, stacklevel=3)
             store.discard()
         if self.upstream is not None:

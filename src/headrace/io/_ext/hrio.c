@@ -61,11 +61,110 @@ static uint32_t crc32c_software(uint32_t crc, const uint8_t *data, size_t len)
 }
 
 #ifdef HRIO_HAVE_SSE42
+/* Three streams at once. The crc32 instruction's latency is three cycles and its
+ * throughput one a cycle, so one stream runs at a third of what the core can do
+ * (~8 GB/s). Three blocks are checksummed side by side and combined: the CRC register
+ * is linear over GF(2), so the register after block A then block B is the register
+ * after A advanced over len(B) zero bytes (a 32x32 matrix, applied with four table
+ * lookups) XOR the register of B started from zero. M. Adler's method (crc32c.c,
+ * zlib licence), written anew here. */
+#define CRC_LONG 8192
+#define CRC_SHORT 256
+static uint32_t crc_long_shift[4][256];
+static uint32_t crc_short_shift[4][256];
+
+static uint32_t gf2_times(const uint32_t *matrix, uint32_t vector)
+{
+    uint32_t sum = 0;
+    while (vector) {
+        if (vector & 1)
+            sum ^= *matrix;
+        vector >>= 1;
+        matrix++;
+    }
+    return sum;
+}
+
+static void gf2_square(uint32_t *square, const uint32_t *matrix)
+{
+    for (int n = 0; n < 32; n++)
+        square[n] = gf2_times(matrix, matrix[n]);
+}
+
+/* The operator that advances a register over ``len`` zero bytes (a power of two). */
+static void crc_zeros_operator(uint32_t *even, size_t len)
+{
+    uint32_t odd[32];
+    uint32_t row = 1;
+    odd[0] = 0x82F63B78u; /* one zero bit: the reflected Castagnoli polynomial */
+    for (int n = 1; n < 32; n++) {
+        odd[n] = row;
+        row <<= 1;
+    }
+    gf2_square(even, odd); /* two zero bits */
+    gf2_square(odd, even); /* four */
+    do {
+        gf2_square(even, odd); /* eight bits: one byte, then doubling */
+        len >>= 1;
+        if (len == 0)
+            return;
+        gf2_square(odd, even);
+        len >>= 1;
+    } while (len);
+    memcpy(even, odd, sizeof(odd));
+}
+
+static void crc_zeros_tables(uint32_t tables[4][256], size_t len)
+{
+    uint32_t op[32];
+    crc_zeros_operator(op, len);
+    for (uint32_t n = 0; n < 256; n++) {
+        tables[0][n] = gf2_times(op, n);
+        tables[1][n] = gf2_times(op, n << 8);
+        tables[2][n] = gf2_times(op, n << 16);
+        tables[3][n] = gf2_times(op, n << 24);
+    }
+}
+
+static uint32_t crc_shift(uint32_t tables[4][256], uint32_t crc)
+{
+    return tables[0][crc & 0xFF] ^ tables[1][(crc >> 8) & 0xFF] ^ tables[2][(crc >> 16) & 0xFF] ^
+           tables[3][crc >> 24];
+}
+
+__attribute__((target("sse4.2"))) static uint64_t crc_three_streams(uint64_t c, const uint8_t **data,
+                                                                    size_t *len, size_t block,
+                                                                    uint32_t tables[4][256])
+{
+    while (*len >= 3 * block) {
+        const uint8_t *p = *data;
+        const uint8_t *stop = p + block;
+        uint64_t c1 = 0, c2 = 0;
+        do {
+            uint64_t w0, w1, w2;
+            memcpy(&w0, p, 8);
+            memcpy(&w1, p + block, 8);
+            memcpy(&w2, p + 2 * block, 8);
+            c = _mm_crc32_u64(c, w0);
+            c1 = _mm_crc32_u64(c1, w1);
+            c2 = _mm_crc32_u64(c2, w2);
+            p += 8;
+        } while (p < stop);
+        c = crc_shift(tables, (uint32_t)c) ^ (uint32_t)c1;
+        c = crc_shift(tables, (uint32_t)c) ^ (uint32_t)c2;
+        *data += 3 * block;
+        *len -= 3 * block;
+    }
+    return c;
+}
+
 /* The crc32 instruction; compiled for SSE4.2 but only called when the CPU has it. */
 __attribute__((target("sse4.2"))) static uint32_t crc32c_sse42(uint32_t crc, const uint8_t *data,
                                                                size_t len)
 {
     uint64_t c = (uint32_t)~crc;
+    c = crc_three_streams(c, &data, &len, CRC_LONG, crc_long_shift);
+    c = crc_three_streams(c, &data, &len, CRC_SHORT, crc_short_shift);
     while (len >= 8) {
         uint64_t word;
         memcpy(&word, data, 8);
@@ -753,8 +852,11 @@ PyMODINIT_FUNC PyInit__hrio(void)
     init_crc_tables();
 #ifdef HRIO_HAVE_SSE42
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("sse4.2"))
+    if (__builtin_cpu_supports("sse4.2")) {
+        crc_zeros_tables(crc_long_shift, CRC_LONG);
+        crc_zeros_tables(crc_short_shift, CRC_SHORT);
         crc32c_impl = crc32c_sse42;
+    }
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -1,0 +1,72 @@
+"""``snapshot(path)``: tf.data's snapshot — the first complete pass is saved, later
+passes (in this process or any other) read it.
+
+It falls out of ``cache(filename)``: a snapshot is a persistent cache whose file
+lives in a directory named by the fingerprint of the pipeline above it,
+``<path>/<fingerprint>/snapshot.hrcache`` (plus its ``.hrx`` index and the
+manifest that marks it complete). So, as in tf.data, one ``path`` holds the
+snapshots of several pipelines side by side, and editing the pipeline makes a
+new snapshot instead of reading a stale one. The first iterator writes while it
+passes the elements on; the snapshot is complete only at the end of the input
+(a pass stopped early leaves nothing that counts, and the next pass writes
+again); a complete one is read with positioned reads, never the input.
+
+Differences from tf.data, on purpose: one file per snapshot (tf.data writes
+shards, in parallel, and its ``reader_func``/``shard_func`` pick them); an
+iterator that finds another one writing the same snapshot reads its input and
+passes the elements on without writing (tf.data's *passthrough*), instead of the
+lock error ``cache(filename)`` gives. Compression is not supported (the reader
+fetches records by offset): ``compression`` accepts ``None``, ``"AUTO"`` and
+``"NONE"`` only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import Node
+from headrace.errors import InvalidArgumentError
+from headrace.transforms.cache import CacheNode
+
+__all__ = ["SnapshotNode"]
+
+_COMPRESSIONS = (None, "AUTO", "NONE", "")
+
+
+class SnapshotNode(CacheNode):
+    """The recipe of ``snapshot(path)`` (a persistent cache keyed by fingerprint)."""
+
+    stage = "snapshot"
+    passthrough_when_locked = True
+    warns_partial = False
+
+    def __init__(
+        self, source: Node, path: str | os.PathLike[str], compression: str | None = "AUTO"
+    ) -> None:
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise InvalidArgumentError(
+                f"snapshot: path must be a non-empty str or os.PathLike, got {path!r:.80}"
+            )
+        if compression not in _COMPRESSIONS:
+            raise InvalidArgumentError(
+                f"snapshot: compression {compression!r} is not supported (snapshots are "
+                "read by record offset): use None, 'AUTO' or 'NONE'"
+            )
+        self.path = os.fspath(path)
+        parent = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(parent):
+            raise InvalidArgumentError(
+                f"snapshot: the directory of path {self.path!r} does not exist"
+            )
+        super().__init__(source)  # its directory is made by the first iterator
+        self.filename = os.path.join(self.path, source.fingerprint(), "snapshot")
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.path,)
+
+    def make_iterator(self, ctx: Context) -> Iterator:
+        if not ctx.run.probe:
+            os.makedirs(os.path.dirname(self.filename), exist_ok=True)
+        return super().make_iterator(ctx)
