@@ -72,7 +72,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode
 from headrace.core.run import call_outside_collection, default_budget
 from headrace.core.state import POSITION, StateReader, past_end
-from headrace.errors import CheckpointError, DataLossError, InvalidArgumentError
+from headrace.errors import CheckpointError, DataLossError, HeadraceWarning, InvalidArgumentError
 from headrace.io._crc32c import masked_crc32c
 from headrace.io.elements import ELEMENTS_FORMAT, decode_element, encode_element
 from headrace.io.filepool import get_default_pool
@@ -601,7 +601,7 @@ class _MemoryStore(_Store):
             f"memory budget); the next element ({format_bytes(cost)}) and all later ones "
             f"spill to an on-disk cache in {directory} (removed with the dataset, or at "
             "exit)",
-            ResourceWarning,
+            HeadraceWarning,
             stacklevel=6,
         )
         try:
