@@ -11,13 +11,13 @@ import tensorflow as tf
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from io_format_strategies import batches_and_specs, examples, headrace_spec
+from tf_specs import tf_spec
 
 from headrace.errors import HeadraceError
 from headrace.io import example as hx
 
 pytestmark = pytest.mark.tf
 
-TF_DTYPE = {"float_list": tf.float32, "int64_list": tf.int64, "bytes_list": tf.string}
 
 
 def tf_example(features: dict[str, tuple[str, list[Any]]]) -> tf.train.Example:
@@ -30,19 +30,6 @@ def tf_example(features: dict[str, tuple[str, list[Any]]]) -> tf.train.Example:
         }[kind]
         feature[name] = tf.train.Feature(**{kind: list_type(value=values)})
     return tf.train.Example(features=tf.train.Features(feature=feature))
-
-
-def tf_spec(spec_type: str, kind: str, shape: tuple[int, ...], default: Any) -> Any:
-    dtype = TF_DTYPE[kind]
-    if spec_type == "fixed":
-        return tf.io.FixedLenFeature(shape, dtype, default_value=default)
-    if spec_type == "varlen":
-        return tf.io.VarLenFeature(dtype)
-    if spec_type == "sequence":
-        return tf.io.FixedLenSequenceFeature(
-            shape, dtype, allow_missing=True, default_value=default
-        )
-    return tf.io.RaggedFeature(dtype)
 
 
 def assert_same_dense(ours: Any, theirs: tf.Tensor) -> None:

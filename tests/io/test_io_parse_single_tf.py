@@ -11,6 +11,7 @@ import tensorflow as tf
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from io_format_strategies import VALUE_STRATEGY, conforming_example, headrace_spec, specs
+from tf_specs import TF_DTYPE, tf_spec
 
 from headrace.errors import HeadraceError, InvalidArgumentError, ParseError
 from headrace.io import example as hx
@@ -18,22 +19,9 @@ from headrace.io.raw import decode_raw
 
 pytestmark = pytest.mark.tf
 
-TF_DTYPE = {"float_list": tf.float32, "int64_list": tf.int64, "bytes_list": tf.string}
 SETTINGS = settings(
     max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-
-
-def tf_spec(spec_type: str, kind: str, shape: tuple[int, ...], default: Any) -> Any:
-    dtype = TF_DTYPE[kind]
-    if spec_type == "fixed":
-        return tf.io.FixedLenFeature(shape, dtype, default_value=default)
-    if spec_type == "varlen":
-        return tf.io.VarLenFeature(dtype)
-    if spec_type == "sequence":
-        return tf.io.FixedLenSequenceFeature(shape, dtype, allow_missing=True,
-                                             default_value=default)
-    return tf.io.RaggedFeature(dtype)
 
 
 def tf_message(error: Exception) -> str:
