@@ -73,6 +73,34 @@ def test_random_pipelines_hold_the_budget(seeds: list[int]) -> None:
         ), f"seed {result['seed']} is not deterministic"
 
 
+@pytest.mark.slow
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=6, max_size=6, unique=True))
+def test_random_pipelines_with_process_maps_hold_the_budget(seeds: list[int]) -> None:
+    """The same checks with maps on worker processes among the stages: their shared
+    memory is booked, and the workers' own growth counts in the measured bound."""
+    specs = [random_spec(seed, processes=True) for seed in seeds]
+    assert any(op[0] == "xmap" for spec in specs for op in spec["ops"])
+    first, again = run_specs(specs), run_specs(specs)
+    for result, repeat in zip(first, again, strict=True):
+        assert_within_budget(result)
+        assert (repeat["outcome"], repeat["elements"], repeat["order"]) == (
+            result["outcome"], result["elements"], result["order"]
+        ), f"seed {result['seed']} is not deterministic"
+
+
+def test_process_maps_in_the_fuzzer_keep_budget_and_order() -> None:
+    results = run_specs([
+        spec(ops=[["xmap", 2, "grow"], ["shuffle", 1_000_000]]),
+        spec(payload="dict", distribution="jump", ops=[["xmap", 2, "view_of_big"],
+                                                        ["batch", 4]]),
+        spec(source="interleave", ops=[["xmap", 1, "copy"], ["prefetch", -1]]),
+    ])
+    for result in results:
+        assert result["outcome"] == "ok", result
+        assert_within_budget(result)
+
+
 def spec(**fields: Any) -> dict[str, Any]:
     base = {
         "seed": 1, "budget_mib": 64, "source": "generator", "count": 200,

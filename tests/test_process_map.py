@@ -30,7 +30,7 @@ from headrace.workers import shm
 from headrace.workers.memory import worker_memory
 
 sys.path.insert(0, str(Path(__file__).parent))
-import process_fns  # noqa: E402
+import process_fns
 
 MiB = 1 << 20
 

@@ -71,7 +71,7 @@ def tree_charged(pid: int) -> int:
     """Pss_Anon + Pss_Shmem of ``pid`` and all its descendants (the measured bound's
     figure with worker processes: pages shared among them are counted once)."""
     total = 0
-    for child in _descendants(pid) + [pid]:
+    for child in [*_descendants(pid), pid]:
         memory = worker_memory(child)
         if memory is not None:
             total += memory.charged

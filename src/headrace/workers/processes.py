@@ -189,7 +189,7 @@ def _receive_inputs(packet: Packet) -> Any:
 
 
 class _Worker:
-    __slots__ = ("index", "pending", "process", "results", "tasks", "freed", "dropped", "idle")
+    __slots__ = ("dropped", "freed", "idle", "index", "pending", "process", "results", "tasks")
 
     def __init__(self, index: int, process: Any, tasks: Connection, results: Connection) -> None:
         self.index, self.process, self.tasks, self.results = index, process, tasks, results
@@ -236,7 +236,7 @@ class ProcessPool:
         for index in range(self.count):
             task_read, task_write = context.Pipe(duplex=False)
             result_read, result_write = context.Pipe(duplex=False)
-            process = context.Process(
+            process = context.Process(  # type: ignore[attr-defined]
                 target=_worker_main,
                 args=(task_read, result_write, self.handler_bytes, self.owner, index),
                 name=f"headrace-worker-{index}",
@@ -292,10 +292,8 @@ class ProcessPool:
             worker.pending.append((call_id, future, names, len(elements)))
             freed, dropped = worker.freed, worker.dropped
             worker.freed, worker.dropped = [], []
-        try:
+        with contextlib.suppress(OSError):  # the worker is gone: the collector reports why
             worker.tasks.send(("task", call_id, packet, freed, dropped))
-        except OSError:  # the worker is gone: the collector reports why
-            pass
         return future
 
     def recycle(self) -> None:
@@ -339,16 +337,16 @@ class ProcessPool:
             return
         try:
             outputs = maps.unpack(packet)
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer
-            future.set_exception(error)
+        except BaseException as unpack_error:
+            future.set_exception(unpack_error)
             return
         failed: dict[int, BaseException] | None = None
         if errors:
             failed = {}
-            for position, (error, text) in errors.items():
-                error.__cause__ = _RemoteTraceback(text)
-                add_note(error, f"headrace: raised in worker process {worker.process.pid}")
-                failed[position] = error
+            for position, (raised, text) in errors.items():
+                raised.__cause__ = _RemoteTraceback(text)
+                add_note(raised, f"headrace: raised in worker process {worker.process.pid}")
+                failed[position] = raised
         slack = packet.shared_bytes - sum(length for _, length in packet.spans)
         with contextlib.suppress(Exception):  # cancelled meanwhile
             future.set_result((outputs, failed, seconds, slack))
