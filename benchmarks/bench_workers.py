@@ -244,7 +244,7 @@ def side_unique_memory(name: str, workers: int, strings: int) -> dict[str, Any]:
             pass
         end = worker_uss()
     return {"source_bytes": source_bytes, "uss_start": start, "uss_end": end,
-            "growth_per_worker": [e - s for s, e in zip(sorted(start), sorted(end))]}
+            "growth_per_worker": [e - s for s, e in zip(sorted(start), sorted(end), strict=False)]}
 
 
 # -- driver -------------------------------------------------------------------------------

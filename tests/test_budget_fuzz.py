@@ -92,8 +92,8 @@ def test_random_pipelines_with_process_maps_hold_the_budget(seeds: list[int]) ->
 def test_process_maps_in_the_fuzzer_keep_budget_and_order() -> None:
     results = run_specs([
         spec(ops=[["xmap", 2, "grow"], ["shuffle", 1_000_000]]),
-        spec(payload="dict", distribution="jump", ops=[["xmap", 2, "view_of_big"],
-                                                        ["batch", 4]]),
+        spec(payload="dict", distribution="heavy", base_bytes=16 << 10,
+             ops=[["xmap", 2, "view_of_big"], ["batch", 4]]),
         spec(source="interleave", ops=[["xmap", 1, "copy"], ["prefetch", -1]]),
     ])
     for result in results:

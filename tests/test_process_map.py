@@ -319,7 +319,8 @@ def test_workers_grow_no_copy_of_a_large_in_memory_source() -> None:
     ):
         ds = source.map(process_fns.pid_of, num_parallel_calls=2, workers="processes")
         with iter(ds) as iterator:
-            next(iterator)
+            for _ in range(5_000):  # both workers started and warm (imports, first chunks)
+                next(iterator)
             (stats,) = iterator.stats().workers
             before = {p.pid: p.uss for p in stats.processes}
             for _ in iterator:

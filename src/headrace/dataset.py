@@ -305,6 +305,8 @@ class Dataset:
         calling ``map_func`` on it — avoid that for expensive functions or
         inputs that cannot be read twice.
         """
+        if workers is not None and workers != "threads":  # registers the process iterator
+            import headrace.transforms.process_map  # noqa: F401
         return self._wrap(
             MapNode(
                 self._node, map_func, num_parallel_calls, deterministic,

@@ -43,7 +43,12 @@ from headrace.structure import TensorSpec, map_structure, spec_of
 from headrace.transforms.batch import batch_iterator
 from headrace.transforms.parse_fusion import FusedParse, FusedParseIterator, fused_parse
 
-__all__ = ["MapNode", "apply_fn"]
+__all__ = ["MapNode", "apply_fn", "process_iterator"]
+
+#: Builds the iterator of a map on worker processes (``workers="processes"`` or
+#: ``"auto"``). Set by :mod:`headrace.transforms.process_map`, which the facade imports:
+#: that module builds on this one, so this one does not import it.
+process_iterator: Callable[..., Iterator] | None = None
 
 
 def apply_fn(fn: Callable[..., Any], element: Any) -> Any:
@@ -87,8 +92,8 @@ class MapNode(Node):
                 f"got {num_parallel_calls!r}"
             )
         self.stage = stage or f"map({function_name(fn)})"
-        if workers is not None:
-            from headrace.transforms.process_map import check_workers
+        if workers is not None:  # (imported here: multiprocessing costs import time)
+            from headrace.workers.processes import check_workers
 
             check_workers(workers, num_parallel_calls, fn, self.stage)
         self.workers = workers
@@ -175,9 +180,8 @@ class MapNode(Node):
         )
         account = ctx.account(self)
         if self.workers in ("processes", "auto"):
-            from headrace.transforms.process_map import process_map_iterator
-
-            return process_map_iterator(self, inner, ctx, account, deterministic)
+            assert process_iterator is not None, "headrace.transforms.process_map not imported"
+            return process_iterator(self, inner, ctx, account, deterministic)
         return _ParallelMapIterator(
             inner, self.fn, ctx, account, threads, deterministic, self.stage
         )

@@ -49,19 +49,13 @@ from headrace.core.iterator import Context, Iterator
 from headrace.errors import InvalidArgumentError
 from headrace.memory.budget import Reservation, StageAccount
 from headrace.options import AUTOTUNE
+from headrace.transforms import map as map_module
 from headrace.transforms.map import MapNode, _apply_chunk, _ParallelMapIterator, apply_fn
 from headrace.workers.memory import WorkerStats
 from headrace.workers.processes import ChunkResult, ProcessPool, check_picklable
 
-__all__ = [
-    "MIN_PROCESS_CALL_SECONDS",
-    "WORKER_KINDS",
-    "check_workers",
-    "cpu_count",
-    "process_map_iterator",
-]
+__all__ = ["MIN_PROCESS_CALL_SECONDS", "cpu_count", "process_map_iterator"]
 
-WORKER_KINDS = ("threads", "processes", "auto")
 #: ``auto`` sends a function to processes only if one call takes at least this long: a
 #: chunk's trip to a worker and back costs some 100 us, which quicker calls cannot repay.
 MIN_PROCESS_CALL_SECONDS = 50e-6
@@ -72,7 +66,7 @@ _SAMPLE_CALLS = 64
 _GIL_BOUND = 0.5
 #: ... and the share of its wall time the calling thread spent on a CPU (low on a
 #: machine so busy that the probe is late for want of a core, not of the GIL).
-_CPU_BOUND = 0.3
+_CPU_BOUND = 0.1
 
 _MapResult = tuple[list[Any], list[int], dict[int, Exception] | None, float]
 
@@ -83,21 +77,6 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def check_workers(workers: Any, num_parallel_calls: Any, fn: Any, stage: str) -> None:
-    """Validate ``workers`` at build time; a process map's function must pickle."""
-    if workers not in WORKER_KINDS:
-        raise InvalidArgumentError(
-            f"{stage}: workers must be one of {', '.join(map(repr, WORKER_KINDS))}, "
-            f"got {workers!r}"
-        )
-    if num_parallel_calls is None:
-        raise InvalidArgumentError(
-            f"{stage}: workers={workers!r} needs num_parallel_calls (a number or AUTOTUNE)"
-        )
-    if workers == "processes":
-        check_picklable(fn, "the map function", stage)
 
 
 def process_map_iterator(
@@ -293,3 +272,6 @@ class _AutoMapIterator(ProcessMapIterator):
             self.probe.stop()
             self.probe = None
         super().close()
+
+
+map_module.process_iterator = process_map_iterator

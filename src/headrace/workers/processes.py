@@ -57,7 +57,17 @@ from headrace.workers.shm import (
     unlink_segment,
 )
 
-__all__ = ["ChunkResult", "ProcessPool", "check_picklable", "start_method"]
+__all__ = [
+    "WORKER_KINDS",
+    "ChunkResult",
+    "ProcessPool",
+    "check_picklable",
+    "check_workers",
+    "start_method",
+]
+
+#: Where a parallel stage's calls may run (``map(..., workers=...)``).
+WORKER_KINDS = ("threads", "processes", "auto")
 
 #: How often the collector looks at the workers when no message comes (worker deaths are
 #: also woken on at once through their sentinels; this only bounds a missed wake-up).
@@ -112,6 +122,21 @@ def check_picklable(obj: Any, what: str, stage: str) -> bytes:
             "arguments with functools.partial, keep locks and open files out of it — or use "
             "workers='threads'."
         ) from error
+
+
+def check_workers(workers: Any, num_parallel_calls: Any, fn: Any, stage: str) -> None:
+    """Validate ``workers`` at build time; a process map's function must pickle."""
+    if workers not in WORKER_KINDS:
+        raise InvalidArgumentError(
+            f"{stage}: workers must be one of {', '.join(map(repr, WORKER_KINDS))}, "
+            f"got {workers!r}"
+        )
+    if num_parallel_calls is None:
+        raise InvalidArgumentError(
+            f"{stage}: workers={workers!r} needs num_parallel_calls (a number or AUTOTUNE)"
+        )
+    if workers == "processes":
+        check_picklable(fn, "the map function", stage)
 
 
 # -- the worker's side -------------------------------------------------------------------
