@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import io
 import itertools
 import mmap
 import os
@@ -172,6 +173,22 @@ def _aligned(size: int) -> int:
 Allocate = Callable[[int], tuple[int, str, int, mmap.mmap]]
 
 
+class _Pickler(pickle.Pickler):
+    """Pickle, plus memoryviews (which pickle refuses): sent as buffers, received as
+    memoryviews of the segment (or of bytes, when small); and large ``bytes`` out of
+    band too (received as a copy out of the segment): in band, a chunk of records
+    would cost a pickle of its size on each side besides the records themselves."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is bytes and len(obj) >= OUT_OF_BAND_BYTES:
+            return bytes, (pickle.PickleBuffer(obj),)
+        if type(obj) is memoryview:
+            if obj.contiguous:
+                return memoryview, (pickle.PickleBuffer(obj),)
+            return memoryview, (obj.tobytes(),)
+        return NotImplemented
+
+
 def pack(obj: Any, allocate: Allocate) -> Packet:
     """Pickle ``obj`` with its large buffers written into a segment from ``allocate``.
 
@@ -187,7 +204,9 @@ def pack(obj: Any, allocate: Allocate) -> Packet:
         buffers.append(raw)
         return False
 
-    payload = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band)
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=out_of_band).dump(obj)
+    payload = stream.getvalue()
     if not buffers:
         return Packet(payload)
     total = sum(_aligned(raw.nbytes) for raw in buffers)
