@@ -37,11 +37,13 @@ PAYLOADS = ("array", "array", "array", "list", "dict", "set", "object", "bytes",
 DISTRIBUTIONS = ("uniform", "heavy", "jump", "views")
 
 
-def random_spec(seed: int, *, wider: bool = True) -> dict[str, Any]:
+def random_spec(seed: int, *, wider: bool = True, processes: bool = False) -> dict[str, Any]:
     """One random pipeline, as plain data (reproducible from ``seed``).
 
     ``wider=False`` leaves out tf.data's wider surface (window, group_by_window, ...):
     the pipeline a seed named by a regression test had when the test was written.
+    ``processes=True`` adds maps on worker processes (``xmap``) to the choices; off,
+    a seed draws the same pipeline as before they existed.
     """
     rng = random.Random(seed)
     budget_mib = rng.choice((16, 24, 32, 48, 64, 96))
@@ -70,6 +72,8 @@ def random_spec(seed: int, *, wider: bool = True) -> dict[str, Any]:
     rows_fixed = False
     for _ in range(rng.randint(1, 6)):
         choices = ["map", "pmap", "filter", "shuffle", "prefetch", "repeat", "take", "skip"]
+        if processes:
+            choices += ["xmap", "xmap"]
         if batchable and not batched:
             choices += ["batch", "batch", "padded_batch"]
         if batched:
@@ -83,6 +87,9 @@ def random_spec(seed: int, *, wider: bool = True) -> dict[str, Any]:
             ops.append(["map", rng.choice(("identity", "copy", "grow", "view_of_big"))])
         elif op == "pmap":
             ops.append(["pmap", rng.choice((1, 2, 4, 16)),
+                        rng.choice(("identity", "copy", "grow", "view_of_big"))])
+        elif op == "xmap":
+            ops.append(["xmap", rng.choice((1, 2)),
                         rng.choice(("identity", "copy", "grow", "view_of_big"))])
         elif op == "filter":
             ops.append(["filter"])
@@ -270,6 +277,18 @@ _WIDER: dict[str, Any] = {
 }
 
 
+class MapFn:
+    """:func:`_map_fn` as a picklable object, for maps on worker processes."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __call__(self, *components: Any) -> Any:
+        import numpy as np
+
+        return _map_fn(self.kind, np)(*components)
+
+
 def build(spec: dict[str, Any]) -> Any:
     import numpy as np
 
@@ -312,6 +331,8 @@ def build(spec: dict[str, Any]) -> Any:
             ds = ds.map(_map_fn(op[1], np))
         elif name == "pmap":
             ds = ds.map(_map_fn(op[2], np), num_parallel_calls=op[1])
+        elif name == "xmap":
+            ds = ds.map(MapFn(op[2]), num_parallel_calls=op[1], workers="processes")
         elif name == "filter":
             ds = ds.filter(lambda *x: True)
         elif name == "shuffle":
@@ -365,7 +386,7 @@ def _fingerprint(element: Any) -> Any:
     return repr(element)
 
 
-def _charged() -> int:
+def _self_charged() -> int:
     fields = {"RssAnon:": 0, "RssShmem:": 0}
     with open("/proc/self/status") as status:
         for line in status:
@@ -373,6 +394,30 @@ def _charged() -> int:
             if key in fields:
                 fields[key] = int(line.split()[1]) * 1024
     return sum(fields.values())
+
+
+#: The least anonymous memory each worker process was seen to hold: its interpreter and
+#: imports, which are its start, not the pipeline's growth.
+_worker_floor: dict[int, int] = {}
+
+
+def _charged() -> int:
+    """This process's RssAnon + RssShmem plus each worker process's growth: its Pss_Anon
+    above the least it was seen to hold (its shared memory is mapped here too, and
+    counted here whole)."""
+    import os
+
+    from headrace.workers.memory import _descendants, worker_memory
+
+    total = _self_charged()
+    for pid in _descendants(os.getpid()):
+        memory = worker_memory(pid)
+        if memory is None:
+            continue
+        floor = min(_worker_floor.get(pid, memory.pss_anon), memory.pss_anon)
+        _worker_floor[pid] = floor
+        total += memory.pss_anon - floor
+    return total
 
 
 def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, Any]:
@@ -453,6 +498,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
 
 
 def main() -> None:
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     specs = json.load(sys.stdin)
     for spec in specs:
         print(json.dumps(run(spec)), flush=True)

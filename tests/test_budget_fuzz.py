@@ -62,7 +62,11 @@ def assert_within_budget(result: dict[str, Any]) -> None:
 @settings(max_examples=6, deadline=None, derandomize=True)  # reproducible in CI
 @given(st.lists(st.integers(0, 2**31 - 1), min_size=8, max_size=8, unique=True))
 def test_random_pipelines_hold_the_budget(seeds: list[int]) -> None:
-    specs = [random_spec(seed) for seed in seeds]
+    assert_sweep_holds([random_spec(seed) for seed in seeds])
+
+
+def assert_sweep_holds(specs: list[dict[str, Any]]) -> None:
+    """Run ``specs`` twice: every run within the budget, both runs in the same order."""
     first, again = run_specs(specs), run_specs(specs)
     for result, repeat in zip(first, again, strict=True):
         assert_within_budget(result)
@@ -71,6 +75,37 @@ def test_random_pipelines_hold_the_budget(seeds: list[int]) -> None:
         assert (repeat["outcome"], repeat["elements"], repeat["order"]) == (
             result["outcome"], result["elements"], result["order"]
         ), f"seed {result['seed']} is not deterministic"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="known breach found by this sweep, not fixed yet: seed 700 (padded_batch of "
+    "heavy-tailed bytes, then a process map) grows the measured memory to ~135 MiB "
+    "against a 90 MiB bound (17 MiB with threads), with accounted peak 11 MiB",
+)
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=6, max_size=6, unique=True))
+def test_random_pipelines_with_process_maps_hold_the_budget(seeds: list[int]) -> None:
+    """The same checks with maps on worker processes among the stages: their shared
+    memory is booked, and the workers' own growth counts in the measured bound."""
+    specs = [random_spec(seed, processes=True) for seed in seeds]
+    for drawn in specs:  # every pipeline of this sweep has one process stage at least
+        if not any(op[0] == "xmap" for op in drawn["ops"]):
+            drawn["ops"].insert(0, ["xmap", 1 + drawn["seed"] % 2, "copy"])
+    assert_sweep_holds(specs)
+
+
+def test_process_maps_in_the_fuzzer_keep_budget_and_order() -> None:
+    results = run_specs([
+        spec(ops=[["xmap", 2, "grow"], ["shuffle", 1_000_000]]),
+        spec(payload="dict", distribution="heavy", base_bytes=16 << 10,
+             ops=[["xmap", 2, "view_of_big"], ["batch", 4]]),
+        spec(source="interleave", ops=[["xmap", 1, "copy"], ["prefetch", -1]]),
+    ])
+    for result in results:
+        assert result["outcome"] == "ok", result
+        assert_within_budget(result)
 
 
 def spec(**fields: Any) -> dict[str, Any]:

@@ -349,12 +349,21 @@ class Dataset:
         deterministic: bool | None = None,
         *,
         output_signature: Any = None,
+        workers: str | None = None,
     ) -> Dataset:
         """Apply ``map_func`` to each element (a tuple is unpacked into arguments).
 
         ``num_parallel_calls=N`` or ``AUTOTUNE`` runs calls on threads, with
         the work in flight booked on the budget. ``deterministic=None`` means
         the pipeline option (True by default): input order is kept.
+
+        ``workers`` says where parallel calls run: ``"threads"`` (the default:
+        right for NumPy, I/O and decoders, which release the GIL),
+        ``"processes"`` (pure-Python functions: ``num_parallel_calls`` worker
+        processes, ``map_func`` pickled once per worker, arrays through shared
+        memory), or ``"auto"`` (measure the first calls, then choose; the
+        choice shows in ``stats().workers``). Order, errors and checkpoints are
+        the same whichever runs them.
 
         ``output_signature`` (a :class:`TensorSpec` or a nest of them) states
         the spec of ``map_func``'s results. headrace does not trace functions as
@@ -363,10 +372,12 @@ class Dataset:
         calling ``map_func`` on it — avoid that for expensive functions or
         inputs that cannot be read twice.
         """
+        if workers is not None and workers != "threads":  # registers the process iterator
+            import headrace.transforms.process_map  # noqa: F401
         return self._wrap(
             MapNode(
                 self._node, map_func, num_parallel_calls, deterministic,
-                output_signature=output_signature,
+                output_signature=output_signature, workers=workers,
             )
         )
 

@@ -202,6 +202,9 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
             elapsed,
             self._waited,
             (run.skipped_records, run.skipped_bytes),
+            workers=tuple(
+                stage.worker_stats() for stage in self.stages() if hasattr(stage, "worker_stats")
+            ),
         )
 
     def get_state(self) -> dict[str, Any]:

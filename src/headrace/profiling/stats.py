@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from headrace.memory.budget import AccountStats, MemoryBudget
 from headrace.memory.system import ProcessMemory, live_runs, open_file_count, process_memory
 from headrace.memory.units import format_bytes
+from headrace.workers.memory import WorkerStats
 
 __all__ = ["RunStats"]
 
@@ -36,6 +37,9 @@ class RunStats:
     #: started, less the bookings of every live iterator: an upper bound on memory the
     #: budget does not see (the training loop's own included). Watch its trend.
     unaccounted: int = 0
+    #: Per parallel stage with process workers (or ``workers="auto"``): what it runs on,
+    #: why, and each worker process's unique and proportional memory now.
+    workers: tuple[WorkerStats, ...] = ()
 
     @classmethod
     def capture(
@@ -45,6 +49,8 @@ class RunStats:
         seconds: float,
         wait_seconds: float,
         skipped: tuple[int, int] = (0, 0),
+        *,
+        workers: tuple[WorkerStats, ...] = (),
     ) -> RunStats:
         memory = process_memory()
         return cls(
@@ -60,6 +66,7 @@ class RunStats:
             skipped_records=skipped[0],
             skipped_bytes=skipped[1],
             unaccounted=live_runs.unaccounted(memory),
+            workers=workers,
         )
 
     def format(self) -> str:
@@ -82,5 +89,11 @@ class RunStats:
                 f"{stage.name:<28}{format_bytes(stage.limit):>12}{format_bytes(stage.held):>12}"
                 f"{format_bytes(stage.peak):>12}{stage.elements:>10}"
                 f"{format_bytes(stage.max_element):>12}"
+            )
+        for workers in self.workers:
+            lines.append(
+                f"{workers.stage}: {workers.count} {workers.kind} ({workers.reason}); worker "
+                f"processes {len(workers.processes)}, unique {format_bytes(workers.uss)}, "
+                f"proportional anonymous + shared {format_bytes(workers.charged)}"
             )
         return "\n".join(lines)

@@ -43,7 +43,12 @@ from headrace.structure import TensorSpec, flatten, map_structure, spec_of
 from headrace.transforms.batch import batch_iterator
 from headrace.transforms.parse_fusion import FusedParse, FusedParseIterator, fused_parse
 
-__all__ = ["MapNode", "apply_fn"]
+__all__ = ["MapNode", "apply_fn", "process_iterator"]
+
+#: Builds the iterator of a map on worker processes (``workers="processes"`` or
+#: ``"auto"``). Set by :mod:`headrace.transforms.process_map`, which the facade imports:
+#: that module builds on this one, so this one does not import it.
+process_iterator: Callable[..., Iterator] | None = None
 
 
 def apply_fn(fn: Callable[..., Any], element: Any) -> Any:
@@ -95,6 +100,7 @@ class MapNode(Node):
         *,
         stage: str | None = None,
         output_signature: Any = None,
+        workers: str | None = None,
     ) -> None:
         super().__init__(source)
         if not callable(fn):
@@ -108,10 +114,15 @@ class MapNode(Node):
                 f"map: num_parallel_calls must be a positive int or AUTOTUNE, "
                 f"got {num_parallel_calls!r}"
             )
+        self.stage = stage or f"map({function_name(fn)})"
+        if workers is not None:  # (imported here: multiprocessing costs import time)
+            from headrace.workers.processes import check_workers
+
+            check_workers(workers, num_parallel_calls, fn, self.stage)
+        self.workers = workers
         self.fn = fn
         self.num_parallel_calls = num_parallel_calls
         self.deterministic = deterministic
-        self.stage = stage or f"map({function_name(fn)})"
         self.signature = (
             None if output_signature is None else check_signature(output_signature, self.stage)
         )
@@ -193,6 +204,9 @@ class MapNode(Node):
             ctx.deterministic if self.deterministic is None else bool(self.deterministic)
         )
         account = ctx.account(self)
+        if self.workers in ("processes", "auto"):
+            assert process_iterator is not None, "headrace.transforms.process_map not imported"
+            return process_iterator(self, inner, ctx, account, deterministic)
         return _ParallelMapIterator(
             inner, self.fn, ctx, account, threads, deterministic, self.stage
         )
@@ -324,9 +338,15 @@ class _ParallelMapIterator(Iterator):
         self.state_after_last_input = inner.get_state()
         self.next_index = 0  # of the next input element to pull
 
-    def _submit_more(self) -> None:
+    def _start_call(
+        self, elements: list[Any]
+    ) -> Future[tuple[list[Any], list[int], dict[int, Exception] | None, float]]:
+        """Run ``fn`` over a chunk in the background (process workers override this)."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="headrace-map")
+        return self.pool.submit(_apply_chunk, self.fn, elements, self.ctx.admit)
+
+    def _submit_more(self) -> None:
         while (
             not self.exhausted
             and len(self.calls) < (2 * self.threads if self.output_estimate else 1)
@@ -337,7 +357,7 @@ class _ParallelMapIterator(Iterator):
             state_before, first_index = self.state_after_last_input, self.next_index
             elements, bookings, error = self._pull_chunk()
             if elements or error is not None:
-                future = self.pool.submit(_apply_chunk, self.fn, elements, self.ctx.admit)
+                future = self._start_call(elements)
                 call = _Call(future, bookings, state_before, first_index, error)
                 call.count = len(elements)
                 self.calls.append(call)

@@ -1,0 +1,340 @@
+"""Process workers (issue 10): side by side with tf.data, PyTorch's DataLoader and pickling.
+
+Scenarios, each side in a fresh interpreter, one after the other:
+
+1. ``python_map``: a pure-Python function of about 1 ms per element over 400
+   elements: headrace on 1 thread (sequential map), headrace with 2 worker
+   processes, tf.data's ``map(py_function, num_parallel_calls=2)``, and PyTorch's
+   DataLoader with 2 workers. Target: 2 processes >= 1.8x one thread.
+2. ``move_arrays``: a worker makes three 1 GiB arrays and hands them to the
+   consumer: headrace (shared memory) vs ``multiprocessing.Queue`` (pickling).
+   Time and peak of the process tree's RssAnon + RssShmem.
+3. ``unique_memory``: unique memory (USS) of each worker after one epoch over an
+   in-memory list of path strings, 1 vs 2 workers: headrace vs PyTorch's DataLoader.
+
+Wall times on this shared 2-core machine are noisy; each side's CPU time (the
+whole process tree's) is reported beside them. Run:
+
+    PYTHONPATH=src python benchmarks/bench_workers.py [--quick]
+
+and it writes benchmarks/results/workers.md and workers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def python_work(x: Any) -> Any:
+    """About 1 ms of pure Python here (holds the GIL throughout)."""
+    total = 0
+    for i in range(25_000):
+        total += i ^ 7
+    return x
+
+
+def make_gib(i: Any) -> Any:
+    import numpy as np
+
+    array = np.empty(GIB, np.uint8)
+    array.fill(int(i) + 1)
+    return array
+
+
+def path_length(path: Any) -> int:
+    return len(path)
+
+
+# -- process tree measurements ----------------------------------------------------------
+
+
+def tree_pids() -> list[int]:
+    import psutil
+
+    me = psutil.Process()
+    return [me.pid] + [child.pid for child in me.children(recursive=True)]
+
+
+def tree_cpu() -> float:
+    import psutil
+
+    total = 0.0
+    for pid in tree_pids():
+        try:
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def tree_charged() -> int:
+    total = 0
+    for pid in tree_pids():
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as rollup:
+                for line in rollup:
+                    if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+class PeakSampler:
+    def __init__(self) -> None:
+        self.start = tree_charged()
+        self.peak = self.start
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, tree_charged())
+            time.sleep(0.01)
+
+    def stop(self) -> int:
+        self.done.set()
+        self.thread.join()
+        return self.peak - self.start
+
+
+# -- sides (run in a fresh child) -------------------------------------------------------
+
+
+def side_python_map(name: str, count: int) -> dict[str, Any]:
+    cpu0 = time.process_time()
+    if name.startswith("headrace"):
+        import headrace as hr
+
+        ds = hr.Dataset.range(count)
+        if name == "headrace 1 thread":
+            ds = ds.map(python_work)
+        else:
+            ds = ds.map(python_work, num_parallel_calls=2, workers="processes")
+        iterator = iter(ds)
+        next(iterator)  # workers started: start-up is outside the clock for every side
+        started, cpu0 = time.perf_counter(), tree_cpu()
+        n = 1 + sum(1 for _ in iterator)
+    elif name == "tf.data py_function x2":
+        import tensorflow as tf
+
+        ds = tf.data.Dataset.range(count).map(
+            lambda x: tf.py_function(python_work, [x], tf.int64), num_parallel_calls=2
+        )
+        iterator = iter(ds)
+        next(iterator)
+        started, cpu0 = time.perf_counter(), tree_cpu()
+        n = 1 + sum(1 for _ in iterator)
+    else:  # torch DataLoader, 2 workers
+        import torch.utils.data as tud
+
+        class Items(tud.Dataset[int]):
+            def __len__(self) -> int:
+                return count
+
+            def __getitem__(self, index: int) -> int:
+                return int(python_work(index))
+
+        loader = tud.DataLoader(
+            Items(), batch_size=None, num_workers=2, multiprocessing_context="fork"
+        )
+        iterator = iter(loader)
+        next(iterator)
+        started, cpu0 = time.perf_counter(), tree_cpu()
+        n = 1 + sum(1 for _ in iterator)
+    seconds = time.perf_counter() - started
+    return {"elements": n, "seconds": seconds, "per_s": (n - 1) / seconds,
+            "cpu_seconds": tree_cpu() - cpu0}
+
+
+def side_move_arrays(name: str, count: int) -> dict[str, Any]:
+    sampler = PeakSampler()
+    started = time.perf_counter()
+    checksum = 0
+    if name == "headrace shared memory":
+        import headrace as hr
+
+        ds = hr.Dataset.range(count).map(make_gib, num_parallel_calls=1, workers="processes")
+        with iter(ds.with_options(hr.Options(memory_budget="3GiB"))) as iterator:
+            for array in iterator:
+                checksum += int(array[-1])
+                del array
+    else:
+        import multiprocessing as mp
+
+        context = mp.get_context("forkserver")
+        queue = context.Queue(maxsize=1)
+        process = context.Process(target=_queue_producer, args=(queue, count))
+        process.start()
+        for _ in range(count):
+            array = queue.get()
+            checksum += int(array[-1])
+            del array
+        process.join()
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "gib_per_s": count / seconds, "peak_growth": sampler.stop(),
+            "checksum": checksum}
+
+
+def _queue_producer(queue: Any, count: int) -> None:
+    for i in range(count):
+        queue.put(make_gib(i))
+
+
+def side_unique_memory(name: str, workers: int, strings: int) -> dict[str, Any]:
+    from headrace.workers.memory import worker_memory
+
+    paths = [f"/data/train/shard-{i % 1000:04d}/image-{i:09d}.jpeg" for i in range(strings)]
+    source_bytes = sum(map(sys.getsizeof, paths)) + sys.getsizeof(paths)
+    import psutil
+
+    def worker_uss() -> list[int]:
+        me = psutil.Process()
+        found = []
+        for child in me.children(recursive=True):
+            memory = worker_memory(child.pid)
+            # the forkserver and resource tracker are not workers: they never imported numpy
+            if memory is not None and memory.uss > 15 * MIB:
+                found.append(memory.uss)
+        return found
+
+    if name == "headrace":
+        import headrace as hr
+
+        ds = hr.Dataset.from_generator(
+            lambda: iter(paths), output_signature=hr.TensorSpec((), str)
+        ).map(path_length, num_parallel_calls=workers, workers="processes")
+        iterator = iter(ds)
+        next(iterator)
+        start = worker_uss()
+        for _ in iterator:
+            pass
+        end = worker_uss()
+        iterator.close()
+    else:
+        import torch.utils.data as tud
+
+        class Paths(tud.Dataset[int]):
+            def __len__(self) -> int:
+                return len(paths)
+
+            def __getitem__(self, index: int) -> int:
+                return len(paths[index])
+
+        loader = tud.DataLoader(Paths(), batch_size=256, num_workers=workers,
+                                multiprocessing_context="fork")
+        iterator = iter(loader)
+        next(iterator)
+        start = worker_uss()
+        for _ in iterator:
+            pass
+        end = worker_uss()
+    return {"source_bytes": source_bytes, "uss_start": start, "uss_end": end,
+            "growth_per_worker": [e - s for s, e in zip(sorted(start), sorted(end), strict=False)]}
+
+
+# -- driver -------------------------------------------------------------------------------
+
+
+def child(argv: list[str]) -> None:
+    config = json.loads(argv[0])
+    scenario = config.pop("scenario")
+    result = {"python_map": side_python_map, "move_arrays": side_move_arrays,
+              "unique_memory": side_unique_memory}[scenario](**config)
+    print("@@RESULT@@ " + json.dumps(result), flush=True)
+
+
+def run(config: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__)), "--child", json.dumps(config)],
+        capture_output=True, text=True, env=env, timeout=1200, check=False,
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith("@@RESULT@@ "):
+            return {**config, **json.loads(line[len("@@RESULT@@ "):])}
+    return {**config, "error": done.stderr[-2000:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child", nargs=1)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    results: list[dict[str, Any]] = []
+    count = 200 if args.quick else 400
+    for name in ("headrace 1 thread", "headrace 2 processes", "tf.data py_function x2",
+                 "torch DataLoader 2 workers"):
+        results.append(run({"scenario": "python_map", "name": name, "count": count}))
+        print(results[-1], flush=True)
+    arrays = 2 if args.quick else 3
+    for name in ("headrace shared memory", "multiprocessing.Queue pickling"):
+        results.append(run({"scenario": "move_arrays", "name": name, "count": arrays}))
+        print(results[-1], flush=True)
+    strings = 1_000_000 if args.quick else 3_000_000
+    for name in ("headrace", "torch DataLoader"):
+        for workers in (1, 2):
+            results.append(run({"scenario": "unique_memory", "name": name, "workers": workers,
+                                "strings": strings}))
+            print(results[-1], flush=True)
+    out = HERE / "results"
+    (out / "workers.json").write_text(json.dumps(results, indent=1))
+    lines = [
+        "# Process workers (benchmarks/bench_workers.py)", "",
+        f"Machine: {os.cpu_count()} CPUs, shared with other engineers' jobs (noisy); "
+        f"load average at the end {os.getloadavg()[0]:.1f}. Python {sys.version.split()[0]}.",
+        "", "## 1. Pure-Python map, ~1 ms per element", "",
+        "| side | elements/s | wall s | CPU s (process tree) | vs 1 thread |", "|---|---|---|---|---|",
+    ]
+    base = next(r for r in results if r.get("name") == "headrace 1 thread").get("per_s")
+    for r in results:
+        if r["scenario"] == "python_map":
+            if "error" in r:
+                lines.append(f"| {r['name']} | error | | | |")
+                continue
+            lines.append(f"| {r['name']} | {r['per_s']:.0f} | {r['seconds']:.2f} | "
+                         f"{r['cpu_seconds']:.2f} | {r['per_s'] / base:.2f}x |")
+    lines += ["", "## 2. Moving 1 GiB arrays from a worker to the consumer", "",
+              "| side | arrays | GiB/s | peak growth of tree Pss_Anon+Pss_Shmem |",
+              "|---|---|---|---|"]
+    for r in results:
+        if r["scenario"] == "move_arrays":
+            if "error" in r:
+                lines.append(f"| {r['name']} | error | | |")
+                continue
+            lines.append(f"| {r['name']} | {r['count']} | {r['gib_per_s']:.2f} | "
+                         f"{r['peak_growth'] / MIB:.0f} MiB |")
+    lines += ["", "## 3. Unique memory of the workers over an in-memory list of path strings",
+              "", "| side | workers | source | USS growth per worker in one epoch |",
+              "|---|---|---|---|"]
+    for r in results:
+        if r["scenario"] == "unique_memory":
+            if "error" in r:
+                lines.append(f"| {r['name']} | {r['workers']} | error | |")
+                continue
+            growth = ", ".join(f"{g / MIB:.1f} MiB" for g in r["growth_per_worker"])
+            lines.append(f"| {r['name']} | {r['workers']} | {r['strings']:,} strings, "
+                         f"{r['source_bytes'] / MIB:.0f} MiB | {growth} |")
+    (out / "workers.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""``map(fn, num_parallel_calls, workers="processes" | "auto")``: a map on worker processes.
+
+Why processes: in CPython a pure-Python function holds the GIL, so threads run
+it on one core whatever ``num_parallel_calls`` says. ``workers="processes"``
+runs it in ``num_parallel_calls`` worker processes (``AUTOTUNE``: one per
+CPU this process may use) started by forkserver/spawn (see
+:mod:`headrace.workers.processes`), with NumPy payloads through shared memory
+both ways (see :mod:`headrace.workers.shm`).
+
+Everything else is the threaded map's (``_ParallelMapIterator``): which
+input elements go into which call, the bookings of work in flight, the
+order (kept unless ``deterministic=False``), errors in their element's place,
+and checkpoints — a checkpoint of a threaded map restores into a process map
+and back (the fingerprint does not include ``workers``: the output is the same).
+Only where a call runs differs: the input stays in this process (workers never
+see the source, so they cannot grow a copy of it — no copy-on-read), a chunk
+of inputs goes to the least busy worker, and its outputs come back as views
+of a pooled shared-memory segment.
+
+Memory. Outputs are booked as the threaded map books them (their arrays'
+bytes, which now live in shared memory) plus the part of their segment that
+no array covers; segments kept idle for reuse (at most two per worker) are
+booked while idle, or dropped when the stage's share has no room for them.
+The workers' own memory (interpreter, the function's temporaries) is not in
+any booking: ``stats().workers`` reports it (USS and PSS per worker) and the
+measured bound counts it (see ``headrace.workers.memory.tree_charged``).
+
+``workers="auto"`` measures before it chooses: the first calls run on this
+thread while a probe thread checks how long it waits for the GIL (and the
+calls' CPU time is measured). A function that holds the GIL most of the time
+and keeps a CPU busy (pure Python), costs at least
+:data:`MIN_PROCESS_CALL_SECONDS` per element and can be pickled goes to
+processes; anything else (NumPy, I/O, decoders that release the GIL, or
+functions too quick to pay for the trip) to threads. ``AUTOTUNE`` then means
+one worker per CPU, fewer when the budget cannot keep that many calls in
+flight. The choice and why show in ``stats().workers``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from headrace.core.iterator import Context, Iterator
+from headrace.errors import InvalidArgumentError
+from headrace.memory.budget import Reservation, StageAccount
+from headrace.options import AUTOTUNE
+from headrace.transforms import map as map_module
+from headrace.transforms.map import MapNode, _apply_chunk, _ParallelMapIterator, apply_fn
+from headrace.workers.memory import WorkerStats
+from headrace.workers.processes import ChunkResult, ProcessPool, check_picklable
+
+__all__ = ["MIN_PROCESS_CALL_SECONDS", "cpu_count", "process_map_iterator"]
+
+#: ``auto`` sends a function to processes only if one call takes at least this long: a
+#: chunk's trip to a worker and back costs some 100 us, which quicker calls cannot repay.
+MIN_PROCESS_CALL_SECONDS = 50e-6
+#: ``auto`` samples calls on this thread for at least this long (or this many calls).
+_SAMPLE_SECONDS = 0.05
+_SAMPLE_CALLS = 64
+#: Share of the sampled time spent waiting for the GIL above which the function is GIL-bound.
+_GIL_BOUND = 0.5
+#: ... and the share of its wall time the calling thread spent on a CPU (low on a
+#: machine so busy that the probe is late for want of a core, not of the GIL).
+_CPU_BOUND = 0.1
+
+_MapResult = tuple[list[Any], list[int], dict[int, Exception] | None, float]
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def process_map_iterator(
+    node: MapNode, inner: Iterator, ctx: Context, account: StageAccount, deterministic: bool
+) -> Iterator:
+    """The iterator of a map whose ``workers`` is ``"processes"`` or ``"auto"``."""
+    count = cpu_count() if node.num_parallel_calls == AUTOTUNE else int(node.num_parallel_calls or 1)
+    if node.workers == "auto":
+        return _AutoMapIterator(inner, node.fn, ctx, account, count, deterministic, node.stage)
+    return ProcessMapIterator(inner, node.fn, ctx, account, count, deterministic, node.stage)
+
+
+class ProcessMapIterator(_ParallelMapIterator):
+    """The threaded map's iterator, its calls run by a :class:`ProcessPool`."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.processes: ProcessPool | None = None
+        self.kind = "processes"
+        self.reason = "workers='processes'"
+
+    def _book_idle(self, nbytes: int) -> Reservation | None:
+        account = self.account
+        if account.held + nbytes > account.limit:
+            return None
+        return account.charge(nbytes)
+
+    def _start_call(self, elements: list[Any]) -> Future[_MapResult]:
+        outer: Future[_MapResult] = Future()
+        if not elements:  # a chunk that is only an upstream error: nothing to compute
+            outer.set_result(([], [], None, 0.0))
+            return outer
+        if self.processes is None:
+            self.processes = ProcessPool(
+                functools.partial(apply_fn, self.fn),
+                self.threads,
+                self.stage,
+                what="the map function",
+                book_idle=self._book_idle,
+            )
+        inner = self.processes.submit(elements)
+        admit = self.ctx.admit
+
+        def costed(done: Future[ChunkResult]) -> None:
+            if done.cancelled():
+                return
+            error = done.exception()
+            if error is not None:
+                if not outer.done():
+                    outer.set_exception(error)
+                return
+            outputs, failed, seconds, slack = done.result()
+            sizes: list[int] = []
+            kept: list[Any] = []
+            for position, output in enumerate(outputs):
+                if failed is not None and position in failed:
+                    kept.append(None)
+                    sizes.append(0)
+                    continue
+                output, size = admit(output)
+                kept.append(output)
+                sizes.append(size + slack)
+                slack = 0  # the segment's uncovered bytes ride on its first output
+            errors = None if failed is None else {p: e for p, e in failed.items() if isinstance(e, Exception)}
+            if not outer.done():
+                outer.set_result((kept, sizes, errors, seconds))
+
+        def cancel_inner(done: Future[_MapResult]) -> None:
+            if done.cancelled():
+                inner.cancel()
+
+        outer.add_done_callback(cancel_inner)
+        inner.add_done_callback(costed)
+        return outer
+
+    def worker_stats(self) -> WorkerStats:
+        """What this stage runs on, and its worker processes' memory now."""
+        memory = () if self.processes is None else self.processes.memory()
+        return WorkerStats(self.stage, self.kind, self.threads, self.reason, memory)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.processes is not None:
+                self.processes.shutdown()
+
+
+class _GilProbe:
+    """How long a second thread waits for the GIL while ``fn`` runs on this one.
+
+    The probe sleeps 0.2 ms at a time; waking, it must take the GIL back. If the
+    function holds it, that takes up to the switch interval (5 ms); if the
+    function released it (NumPy, I/O), microseconds. The share of the probe's
+    time inside calls that it spent late is the share the function held the GIL.
+    """
+
+    _NAP = 0.0002
+
+    def __init__(self) -> None:
+        self.in_call = False
+        self.late = 0.0  # of the naps that began and ended inside a call
+        self.spent = 0.0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="headrace-gil-probe", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        clock, nap = time.perf_counter, self._NAP
+        while not self.stopped.is_set():
+            started_in_call = self.in_call
+            start = clock()
+            time.sleep(nap)
+            if started_in_call and self.in_call:
+                took = clock() - start
+                self.late += max(0.0, took - nap)
+                self.spent += took
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+class _AutoMapIterator(ProcessMapIterator):
+    """``workers="auto"``: samples the first calls here, then threads or processes."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.wanted = self.threads
+        self.threads = 1  # while sampling: one call at a time, on this thread
+        self.kind = "sampling"
+        self.reason = "not decided yet"
+        self.sampled_seconds = 0.0
+        self.sampled_cpu = 0.0  # of this thread, while in the sampled calls
+        self.sampled_calls = 0
+        self.probe: _GilProbe | None = None
+
+    def _start_call(self, elements: list[Any]) -> Future[_MapResult]:
+        if self.kind == "processes":
+            return super()._start_call(elements)
+        if self.kind == "threads":
+            return _ParallelMapIterator._start_call(self, elements)
+        if self.probe is None:
+            self.probe = _GilProbe()
+        self.probe.in_call = True
+        cpu = time.thread_time()
+        try:
+            result = _apply_chunk(self.fn, elements, self.ctx.admit)
+        finally:
+            self.probe.in_call = False
+        self.sampled_cpu += time.thread_time() - cpu
+        self.sampled_seconds += result[3]
+        self.sampled_calls += len(elements)
+        if self.sampled_seconds >= _SAMPLE_SECONDS or self.sampled_calls >= _SAMPLE_CALLS:
+            self._decide()
+        done: Future[_MapResult] = Future()
+        done.set_result(result)
+        return done
+
+    def _decide(self) -> None:
+        assert self.probe is not None
+        self.probe.stop()
+        probe = self.probe
+        held = probe.late / probe.spent if probe.spent else 0.0
+        self.probe = None
+        per_call = self.sampled_seconds / max(self.sampled_calls, 1)
+        busy = self.sampled_cpu / self.sampled_seconds if self.sampled_seconds else 0.0
+        measured = (
+            f"fn held the GIL {held:.0%} and a CPU {busy:.0%} of {self.sampled_calls} "
+            f"sampled calls of {per_call * 1e3:.3f} ms"
+        )
+        count = self.wanted
+        if self.output_estimate:  # AUTOTUNE: no more workers than the budget keeps busy
+            count = max(1, min(count, self.account.limit // (2 * self.output_estimate)))
+        kind, why = "threads", "it releases the GIL"
+        # A probe kept late by a busy machine (not by the GIL) is told apart by the CPU
+        # time of the calls: a function that waits (I/O, sleep) uses little of it.
+        if held >= _GIL_BOUND and busy >= _CPU_BOUND:
+            why = "calls are too quick to pay for a trip to a process"
+            if per_call >= MIN_PROCESS_CALL_SECONDS:
+                why = "only one CPU is available"
+                if cpu_count() > 1 and count > 1:
+                    try:
+                        check_picklable(self.fn, "the map function", self.stage)
+                        kind, why = "processes", "GIL-bound"
+                    except InvalidArgumentError as error:
+                        why = f"the function cannot be pickled ({error.__cause__})"
+        self.kind, self.threads = kind, count
+        self.reason = f"{measured}: {kind} ({why})"
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.stop()
+            self.probe = None
+        super().close()
+
+
+map_module.process_iterator = process_map_iterator

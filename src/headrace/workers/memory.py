@@ -1,0 +1,93 @@
+"""Memory of worker processes: unique (USS) and proportional (PSS) sizes, from /proc.
+
+RSS double-counts pages that processes share (copy-on-write pages of a forked
+parent, a shared-memory segment mapped by a worker and by the consumer); PSS
+divides each shared page among the processes mapping it, so the PSS of a
+process tree sums to the memory it really occupies, and USS is what each
+process alone holds (what a copy-on-read leak grows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["WorkerMemory", "WorkerStats", "tree_charged", "worker_memory"]
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    """One process's memory (bytes): unique, and proportional anonymous + shared."""
+
+    pid: int
+    uss: int
+    pss_anon: int
+    pss_shmem: int
+
+    @property
+    def charged(self) -> int:
+        """What the measured bound (G1) counts for a worker: Pss_Anon + Pss_Shmem."""
+        return self.pss_anon + self.pss_shmem
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """What a parallel stage chose to run on, why, and what its workers hold now."""
+
+    stage: str
+    kind: str  # "threads" or "processes"
+    count: int
+    reason: str
+    processes: tuple[WorkerMemory, ...] = ()
+
+    @property
+    def uss(self) -> int:
+        return sum(process.uss for process in self.processes)
+
+    @property
+    def charged(self) -> int:
+        return sum(process.charged for process in self.processes)
+
+
+def worker_memory(pid: int) -> WorkerMemory | None:
+    """``pid``'s USS and PSS parts from ``/proc/<pid>/smaps_rollup``; None if it is gone."""
+    fields = {"Private_Clean:": 0, "Private_Dirty:": 0, "Pss_Anon:": 0, "Pss_Shmem:": 0}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                parts = line.split()
+                if parts and parts[0] in fields:
+                    fields[parts[0]] = int(parts[1]) * 1024
+    except OSError:
+        return None
+    return WorkerMemory(
+        pid,
+        fields["Private_Clean:"] + fields["Private_Dirty:"],
+        fields["Pss_Anon:"],
+        fields["Pss_Shmem:"],
+    )
+
+
+def tree_charged(pid: int) -> int:
+    """Pss_Anon + Pss_Shmem of ``pid`` and all its descendants (the measured bound's
+    figure with worker processes: pages shared among them are counted once)."""
+    total = 0
+    for child in [*_descendants(pid), pid]:
+        memory = worker_memory(child)
+        if memory is not None:
+            total += memory.charged
+    return total
+
+
+def _descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            with open(f"/proc/{parent}/task/{parent}/children") as handle:
+                children = [int(text) for text in handle.read().split()]
+        except OSError:
+            continue
+        found.extend(children)
+        frontier.extend(children)
+    return found

@@ -1,0 +1,513 @@
+"""A pool of worker processes that run a stage's function on chunks of elements.
+
+Start method. Workers come from a ``forkserver`` (``spawn`` where there is
+none), never from a plain ``fork``: forking a process that has TensorFlow,
+JAX or any other threaded runtime loaded copies locks held by threads that do
+not exist in the child, and the child hangs or crashes. The consequence: the
+function is *pickled* — once per worker, when the worker starts, not per
+element — so it must be picklable (a module-level function or class
+instance, a ``functools.partial`` of one); a function that is not raises
+:class:`~headrace.errors.InvalidArgumentError` naming the part that could not
+be pickled.
+
+Data. A chunk of inputs travels as one :class:`~headrace.workers.shm.Packet`
+(large inputs in a one-shot shared segment); the outputs come back the same
+way through the worker's pooled segments, and the consumer's arrays view the
+segment (no copy). Which segment is free again is told back to the worker
+with its next task.
+
+Failures. An exception raised by the function travels back in its element's
+place, with the worker's traceback as its ``__cause__``. A worker that dies
+(killed by a signal, ``os._exit``) is noticed by the collector thread within
+a second, and every call in flight fails with :class:`WorkerError` naming the
+worker and the signal; the pool is then broken and shuts its other workers
+down. ``close`` stops every worker (they also exit on their own when the
+consumer's end of their pipe closes, e.g. when it is SIGKILLed), and workers
+ignore SIGINT, so a Ctrl-C reaches only the consumer, whose close stops them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from headrace.errors import InvalidArgumentError, WorkerError, add_note
+from headrace.workers.memory import WorkerMemory, worker_memory
+from headrace.workers.shm import (
+    Packet,
+    SegmentMaps,
+    SegmentPool,
+    create_segment,
+    open_segment,
+    pack,
+    segment_name,
+    sweep_stale,
+    unlink_segment,
+)
+
+__all__ = [
+    "WORKER_KINDS",
+    "ChunkResult",
+    "ProcessPool",
+    "check_picklable",
+    "check_workers",
+    "start_method",
+]
+
+#: Where a parallel stage's calls may run (``map(..., workers=...)``).
+WORKER_KINDS = ("threads", "processes", "auto")
+
+#: How often the collector looks at the workers when no message comes (worker deaths are
+#: also woken on at once through their sentinels; this only bounds a missed wake-up).
+_POLL_SECONDS = 0.5
+#: Idle result segments a worker keeps for reuse (each booked while it is kept).
+IDLE_SEGMENTS = 2
+
+#: (outputs, errors by position, seconds the worker spent, bytes of the result segment
+#: that no output array covers: alignment and the unused end of a reused segment)
+ChunkResult = tuple[list[Any], dict[int, BaseException] | None, float, int]
+
+
+def start_method() -> str:
+    """``forkserver`` where the platform has it (Linux, macOS), else ``spawn``."""
+    methods = multiprocessing.get_all_start_methods()
+    return "forkserver" if "forkserver" in methods else "spawn"
+
+
+def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> str:
+    """The deepest part of ``obj`` that pickle refuses, as a path like ``fn.__closure__[0]``."""
+    if depth > 6:
+        return path
+    parts: list[tuple[str, Any]] = []
+    if isinstance(obj, functools.partial):
+        parts = [(f"{path}.func", obj.func)]
+        parts += [(f"{path}.args[{i}]", arg) for i, arg in enumerate(obj.args)]
+        parts += [(f"{path}.keywords[{k!r}]", v) for k, v in obj.keywords.items()]
+    elif isinstance(obj, dict):
+        parts = [(f"{path}[{key!r}]", value) for key, value in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        parts = [(f"{path}[{i}]", value) for i, value in enumerate(obj)]
+    elif hasattr(obj, "__dict__") and not callable(getattr(obj, "__code__", None)):
+        parts = [(f"{path}.{key}", value) for key, value in vars(obj).items()]
+    for where, part in parts:
+        try:
+            pickle.dumps(part)
+        except Exception:
+            return _find_unpicklable(part, where, depth + 1)
+    return path
+
+
+def check_picklable(obj: Any, what: str, stage: str) -> bytes:
+    """``obj`` pickled, or an :class:`InvalidArgumentError` naming what could not be."""
+    try:
+        return pickle.dumps(obj, protocol=5)
+    except Exception as error:
+        where = _find_unpicklable(obj, what)
+        raise InvalidArgumentError(
+            f"{stage}: {where} cannot be sent to worker processes ({type(error).__name__}: "
+            f"{error}). Process workers start by forkserver/spawn and receive the function "
+            "pickled: define it at module level (not a lambda or a nested function), bind "
+            "arguments with functools.partial, keep locks and open files out of it — or use "
+            "workers='threads'."
+        ) from error
+
+
+def check_workers(workers: Any, num_parallel_calls: Any, fn: Any, stage: str) -> None:
+    """Validate ``workers`` at build time; a process map's function must pickle."""
+    if workers not in WORKER_KINDS:
+        raise InvalidArgumentError(
+            f"{stage}: workers must be one of {', '.join(map(repr, WORKER_KINDS))}, "
+            f"got {workers!r}"
+        )
+    if num_parallel_calls is None:
+        raise InvalidArgumentError(
+            f"{stage}: workers={workers!r} needs num_parallel_calls (a number or AUTOTUNE)"
+        )
+    if workers == "processes":
+        check_picklable(fn, "the map function", stage)
+
+
+# -- the worker's side -------------------------------------------------------------------
+
+
+def _apply_all(handler: Callable[[Any], Any], elements: list[Any]) -> tuple[list[Any], dict[int, Any]]:
+    outputs: list[Any] = []
+    errors: dict[int, Any] = {}
+    for position, element in enumerate(elements):
+        try:
+            outputs.append(handler(element))
+        except Exception as error:
+            outputs.append(None)
+            text = traceback.format_exc()
+            try:
+                pickle.dumps(error)
+                errors[position] = (error, text)
+            except Exception:  # an exception that cannot travel: its text does
+                errors[position] = (WorkerError(f"{type(error).__qualname__}: {error}"), text)
+    return outputs, errors
+
+
+def _worker_main(
+    tasks: Connection, results: Connection, handler_bytes: bytes, owner: int, index: int
+) -> None:
+    """Run in each worker: unpickle the handler once, then serve chunks until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
+    try:
+        handler = pickle.loads(handler_bytes)
+    except BaseException:
+        results.send(("init_error", traceback.format_exc()))
+        return
+    pool = SegmentPool(owner, tag=f"w{index}-")
+    try:
+        while True:
+            try:
+                message = tasks.recv()
+            except (EOFError, OSError):  # the consumer is gone
+                return
+            if message[0] == "stop":
+                return
+            _, call_id, packet, freed, dropped = message
+            for key in freed:
+                pool.free(key)
+            for key in dropped:
+                pool.drop(key)
+            started = time.perf_counter()
+            elements = _receive_inputs(packet)
+            outputs, errors = _apply_all(handler, elements)
+            del elements
+            try:
+                result = pack(outputs, pool.allocate)
+            except Exception as error:  # an output that cannot be pickled: every position
+                text = traceback.format_exc()
+                failure = WorkerError(f"an output cannot be sent back: {type(error).__name__}: {error}")
+                errors = {p: (failure, text) for p in range(len(outputs))}
+                result = pack([None] * len(outputs), pool.allocate)
+            del outputs
+            results.send(("done", call_id, result, errors or None, time.perf_counter() - started))
+    finally:
+        pool.close()
+
+
+def _receive_inputs(packet: Packet) -> Any:
+    if packet.segment is None:
+        return pickle.loads(packet.payload)
+    _, name, capacity = packet.segment
+    mapping = open_segment(name, capacity)
+    from headrace.workers.shm import unpack
+
+    return unpack(packet, mapping, lambda view: None)
+
+
+# -- the consumer's side -----------------------------------------------------------------
+
+
+class _Worker:
+    __slots__ = ("dropped", "freed", "idle", "index", "pending", "process", "results", "tasks")
+
+    def __init__(self, index: int, process: Any, tasks: Connection, results: Connection) -> None:
+        self.index, self.process, self.tasks, self.results = index, process, tasks, results
+        self.pending: deque[tuple[int, Future[ChunkResult], list[str], int]] = deque()
+        self.freed: list[int] = []  # segment keys to report free with the next task
+        self.dropped: list[int] = []
+        self.idle: dict[int, Any] = {}  # key -> the reservation booking it while idle
+
+
+class ProcessPool:
+    """``count`` worker processes running ``handler(element)`` over chunks, by futures.
+
+    ``book_idle(nbytes)`` books a result segment kept idle for reuse and returns
+    its reservation (or None: then the segment is dropped instead).
+    """
+
+    def __init__(
+        self,
+        handler: Any,
+        count: int,
+        stage: str,
+        *,
+        what: str = "the function",
+        book_idle: Callable[[int], Any] | None = None,
+    ) -> None:
+        self.stage, self.count = stage, count
+        self.handler_bytes = check_picklable(handler, what, stage)
+        self.book_idle = book_idle
+        self.owner = os.getpid()
+        self.broken: WorkerError | None = None
+        self.closed = False
+        self.workers: list[_Worker] = []
+        self.maps: dict[int, SegmentMaps] = {}
+        self.lock = threading.Lock()
+        self._ids = 0
+        self._started = False
+        self._collector: threading.Thread | None = None
+
+    # -- starting ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        self._started = True
+        sweep_stale()
+        context = multiprocessing.get_context(start_method())
+        for index in range(self.count):
+            task_read, task_write = context.Pipe(duplex=False)
+            result_read, result_write = context.Pipe(duplex=False)
+            process = context.Process(  # type: ignore[attr-defined]
+                target=_worker_main,
+                args=(task_read, result_write, self.handler_bytes, self.owner, index),
+                name=f"headrace-worker-{index}",
+                daemon=True,
+            )
+            process.start()
+            task_read.close()
+            result_write.close()
+            self.workers.append(_Worker(index, process, task_write, result_read))
+            self.maps[index] = SegmentMaps()
+        self._collector = threading.Thread(
+            target=_collect, args=(self,), name="headrace-collector", daemon=True
+        )
+        self._collector.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers if w.process.pid is not None]
+
+    def memory(self) -> tuple[WorkerMemory, ...]:
+        found = (worker_memory(pid) for pid in self.pids)
+        return tuple(m for m in found if m is not None)
+
+    # -- work -------------------------------------------------------------------------------
+    def submit(self, elements: list[Any]) -> Future[ChunkResult]:
+        """Run the handler over ``elements`` in a worker; a future of the outputs."""
+        if self.closed:
+            raise WorkerError(f"{self.stage}: the worker pool is closed")
+        if self.broken is not None:
+            raise self.broken
+        if not self._started:
+            self._start()
+        self.recycle()
+        names: list[str] = []
+
+        def allocate(nbytes: int) -> tuple[int, str, int, Any]:
+            name = segment_name(self.owner, "in-")
+            size = max(nbytes, 1)
+            mapping = create_segment(name, size)
+            names.append(name)
+            return 0, name, size, mapping
+
+        packet = pack(elements, allocate)
+        future: Future[ChunkResult] = Future()
+        with self.lock:
+            if self.broken is not None:
+                for name in names:
+                    unlink_segment(name)
+                raise self.broken
+            worker = min(self.workers, key=lambda w: len(w.pending))
+            self._ids += 1
+            call_id = self._ids
+            worker.pending.append((call_id, future, names, len(elements)))
+            freed, dropped = worker.freed, worker.dropped
+            worker.freed, worker.dropped = [], []
+        with contextlib.suppress(OSError):  # the worker is gone: the collector reports why
+            worker.tasks.send(("task", call_id, packet, freed, dropped))
+        return future
+
+    def recycle(self) -> None:
+        """Turn result segments whose views are all gone into idle ones (booked) or drop them."""
+        for worker in self.workers:
+            maps = self.maps[worker.index]
+            for key in maps.released():
+                capacity = maps.maps[key][1] if key in maps.maps else 0
+                booking = None
+                if self.book_idle is not None and len(worker.idle) < IDLE_SEGMENTS:
+                    booking = self.book_idle(capacity)
+                with self.lock:
+                    if booking is not None:
+                        worker.idle[key] = booking
+                        worker.freed.append(key)
+                    else:
+                        maps.forget(key)
+                        worker.dropped.append(key)
+
+    def _finish(self, worker: _Worker, message: tuple[Any, ...]) -> None:
+        """A ``done`` message: unpack it into its future (collector thread)."""
+        _, call_id, packet, errors, seconds = message
+        with self.lock:
+            entry = worker.pending.popleft()
+            assert entry[0] == call_id, "results come back in the order sent"
+            if packet.segment is not None:
+                booking = worker.idle.pop(packet.segment[0], None)
+                if booking is not None:
+                    booking.release()
+        _, future, names, _ = entry
+        for name in names:
+            unlink_segment(name)
+        maps = self.maps[worker.index]
+        if future.cancelled():
+            if packet.segment is not None:  # never looked at: straight back to the worker
+                key, name, capacity = packet.segment
+                if name:
+                    maps.maps[key] = (open_segment(name, capacity), capacity)
+                with self.lock:
+                    worker.freed.append(key)
+            return
+        try:
+            outputs = maps.unpack(packet)
+        except BaseException as unpack_error:
+            future.set_exception(unpack_error)
+            return
+        failed: dict[int, BaseException] | None = None
+        if errors:
+            failed = {}
+            for position, (raised, text) in errors.items():
+                raised.__cause__ = _RemoteTraceback(text)
+                add_note(raised, f"headrace: raised in worker process {worker.process.pid}")
+                failed[position] = raised
+        slack = packet.shared_bytes - sum(length for _, length in packet.spans)
+        with contextlib.suppress(Exception):  # cancelled meanwhile
+            future.set_result((outputs, failed, seconds, slack))
+
+    def _fail(self, error: WorkerError) -> None:
+        """Fail every call in flight and stop the workers (collector thread)."""
+        with self.lock:
+            if self.broken is None:
+                self.broken = error
+            entries = [entry for worker in self.workers for entry in worker.pending]
+            for worker in self.workers:
+                worker.pending.clear()
+        for _, future, names, _ in entries:
+            for name in names:
+                unlink_segment(name)
+            with contextlib.suppress(Exception):
+                future.set_exception(error)
+        self._stop_workers()
+
+    def _died(self, worker: _Worker) -> WorkerError:
+        code = worker.process.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
+            if code == 1:
+                how += (
+                    " (if it failed while starting: workers start by forkserver and import "
+                    "the main module, so a script must start its pipeline under "
+                    "`if __name__ == '__main__':`)"
+                )
+        busy = sum(entry[3] for entry in worker.pending)
+        return WorkerError(
+            f"{self.stage}: worker process {worker.process.pid} {how} while {busy} elements "
+            "were in flight; the stage's workers are shut down (create a new iterator, and "
+            "restore a checkpoint, to go on)"
+        )
+
+    # -- stopping ---------------------------------------------------------------------------
+    def _stop_workers(self) -> None:
+        for worker in self.workers:
+            with contextlib.suppress(OSError, ValueError):
+                worker.tasks.send(("stop",))
+        deadline = time.monotonic() + 2.0
+        for worker in self.workers:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(1.0)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop every worker, return idle segments' bookings, free the pool's segments."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self._started:
+            return
+        self._stop_workers()
+        if self._collector is not None and self._collector is not threading.current_thread():
+            self._collector.join(_POLL_SECONDS * 4)
+        with self.lock:
+            entries = [entry for worker in self.workers for entry in worker.pending]
+            for worker in self.workers:
+                worker.pending.clear()
+                for booking in worker.idle.values():
+                    booking.release()
+                worker.idle.clear()
+        for _, future, names, _ in entries:
+            for name in names:
+                unlink_segment(name)
+            future.cancel()
+        for worker in self.workers:
+            for connection in (worker.tasks, worker.results):
+                with contextlib.suppress(OSError):
+                    connection.close()
+            with contextlib.suppress(Exception):
+                worker.process.close()
+        for maps in self.maps.values():
+            maps.close()
+
+
+class _RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process (its ``__cause__``)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f"\n\nTraceback in the worker process:\n{self.text}"
+
+
+def _collect(pool: ProcessPool) -> None:
+    """The collector thread: results into futures, dead workers into WorkerError."""
+    by_results = {id(worker.results): worker for worker in pool.workers}
+    by_sentinel = {worker.process.sentinel: worker for worker in pool.workers}
+    while not pool.closed and pool.broken is None:
+        try:
+            ready = wait([w.results for w in pool.workers] + list(by_sentinel), _POLL_SECONDS)
+        except OSError:
+            return
+        dead: list[_Worker] = []
+        for item in ready:
+            if isinstance(item, int):
+                dead.append(by_sentinel[item])
+                continue
+            assert isinstance(item, Connection)
+            worker = by_results[id(item)]
+            try:
+                message = item.recv()
+            except (EOFError, OSError):
+                dead.append(worker)
+                continue
+            if message[0] == "done":
+                pool._finish(worker, message)
+            elif message[0] == "init_error":
+                pool._fail(
+                    WorkerError(
+                        f"{pool.stage}: a worker process could not load the function it was "
+                        f"sent:\n{message[1]}"
+                    )
+                )
+                return
+        for worker in dead:
+            if pool.closed:
+                return
+            # Results it sent before dying are still in the pipe: deliver them first.
+            with contextlib.suppress(EOFError, OSError):
+                while worker.results.poll():
+                    message = worker.results.recv()
+                    if message[0] == "done":
+                        pool._finish(worker, message)
+            worker.process.join(1.0)
+            # A worker leaves only when told to (close): any other exit breaks the pool.
+            pool._fail(pool._died(worker))
+            return

@@ -1,0 +1,340 @@
+"""Shared-memory segments that carry NumPy payloads between processes, and their sweep.
+
+Why not pickled bytes: pickling a 1 GB array copies it four times (pickle,
+pipe write, pipe read, unpickle) and ``multiprocessing`` connections refuse
+messages over 2 GiB. Here a message is pickled with protocol 5: every large
+buffer (a NumPy array's data) goes *out of band* into a shared-memory segment,
+only the small pickle travels through the pipe, and the receiver's arrays are
+views of the segment — one copy in all, any size.
+
+Segments. A segment is a file in ``/dev/shm`` created with owner-only
+permissions (0600) under a recognizable name,
+``headrace-<owner pid>-<creator pid>-<n>``, where the owner is the process
+that runs the pipeline. The receiver unlinks the name as soon as it has mapped
+the segment, so the kernel frees the memory with the last mapping and a name
+exists only between creation and the receiver's first look. If the owner is
+SIGKILLed in that window the name is left behind: :func:`sweep_stale` (run by
+every pool that starts) removes segments whose owner process is dead.
+
+Pooling. Result segments are reused: a worker writes a chunk of outputs into
+one of its idle segments, the consumer maps it once (:class:`SegmentMaps`) and
+reports it idle again when the last array viewing it is gone (a finalizer on
+the views), so a steady stream maps no new memory. Input segments (large
+inputs sent to a worker) are one-shot.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import itertools
+import mmap
+import os
+import pickle
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "OUT_OF_BAND_BYTES",
+    "SHM_DIR",
+    "Packet",
+    "SegmentMaps",
+    "SegmentPool",
+    "create_segment",
+    "open_segment",
+    "pack",
+    "segment_name",
+    "sweep_stale",
+    "unpack",
+]
+
+#: Where POSIX shared memory lives on Linux (``shm_open`` creates its files here).
+SHM_DIR = "/dev/shm"
+#: Buffers at least this large travel through shared memory; smaller ones in the pickle
+#: (a segment costs a page at least, and a system call or two).
+OUT_OF_BAND_BYTES = 32 << 10
+_PREFIX = "headrace-"
+_ALIGN = 64  # each buffer starts on a cache line: NumPy's SIMD loops prefer it
+_counter = itertools.count()
+
+
+def segment_name(owner: int, tag: str = "") -> str:
+    """A fresh name for a segment of ``owner``'s pipeline, made by this process."""
+    return f"{_PREFIX}{owner}-{os.getpid()}-{tag}{next(_counter)}"
+
+
+def create_segment(name: str, size: int) -> mmap.mmap:
+    """A new owner-only segment of ``size`` bytes, mapped read-write."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_segment(name: str, size: int) -> mmap.mmap:
+    """Map the segment ``name`` made by another process, and unlink its name.
+
+    From here on the memory lives exactly as long as some process maps it.
+    """
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment's name if it is still there (its receiver never mapped it)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Remove headrace segments whose owner process is dead; returns their names.
+
+    Only this user's segments are touched (the files are 0600 anyway), and only
+    when the owner PID named in the file name no longer exists.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        if not name.startswith(_PREFIX):
+            continue
+        owner = name[len(_PREFIX) :].split("-", 1)[0]
+        if not owner.isdigit() or _alive(int(owner)):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid != uid:
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
+
+
+# -- messages -------------------------------------------------------------------------------
+
+
+@dataclass
+class Packet:
+    """An object on its way to another process: a small pickle plus where its buffers lie.
+
+    ``segment`` is ``(key, name, capacity)`` of the segment holding the large
+    buffers (``name`` is empty when the receiver has it mapped already), and
+    ``spans`` the ``(offset, length)`` of each buffer in it, in pickle order.
+    """
+
+    payload: bytes
+    segment: tuple[int, str, int] | None = None
+    spans: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the segment this packet occupies (its capacity)."""
+        return 0 if self.segment is None else self.segment[2]
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+Allocate = Callable[[int], tuple[int, str, int, mmap.mmap]]
+
+
+class _Pickler(pickle.Pickler):
+    """Pickle, plus memoryviews (which pickle refuses): sent as buffers, received as
+    memoryviews of the segment (or of bytes, when small); and large ``bytes`` out of
+    band too (received as a copy out of the segment): in band, a chunk of records
+    would cost a pickle of its size on each side besides the records themselves."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is bytes and len(obj) >= OUT_OF_BAND_BYTES:
+            return bytes, (pickle.PickleBuffer(obj),)
+        if type(obj) is memoryview:
+            if obj.contiguous:
+                return memoryview, (pickle.PickleBuffer(obj),)
+            return memoryview, (obj.tobytes(),)
+        return NotImplemented
+
+
+def pack(obj: Any, allocate: Allocate) -> Packet:
+    """Pickle ``obj`` with its large buffers written into a segment from ``allocate``.
+
+    ``allocate(nbytes)`` returns ``(key, name, capacity, mapping)`` of a segment of
+    at least ``nbytes`` (``name`` empty if the receiver knows it already).
+    """
+    buffers: list[memoryview] = []
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        raw = buffer.raw()
+        if raw.nbytes < OUT_OF_BAND_BYTES:
+            return True  # in band
+        buffers.append(raw)
+        return False
+
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=out_of_band).dump(obj)
+    payload = stream.getvalue()
+    if not buffers:
+        return Packet(payload)
+    total = sum(_aligned(raw.nbytes) for raw in buffers)
+    key, name, capacity, mapping = allocate(total)
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    with memoryview(mapping) as target:
+        for raw in buffers:
+            length = raw.nbytes
+            target[offset : offset + length] = raw
+            spans.append((offset, length))
+            offset += _aligned(length)
+            raw.release()
+    return Packet(payload, (key, name, capacity), tuple(spans))
+
+
+def unpack(packet: Packet, mapping: mmap.mmap | None, on_view: Callable[[Any], None]) -> Any:
+    """The object of ``packet``, its arrays viewing ``mapping`` (no copy).
+
+    ``on_view`` is called with each view handed to the unpickler: a view lives
+    exactly as long as the arrays made from it, so a finalizer on it tells
+    when the segment is free again.
+    """
+    if not packet.spans:
+        return pickle.loads(packet.payload)
+    assert mapping is not None
+    views = [np.frombuffer(mapping, np.uint8, length, offset) for offset, length in packet.spans]
+    for view in views:
+        on_view(view)
+    return pickle.loads(packet.payload, buffers=views)
+
+
+class SegmentPool:
+    """The segments one process writes packets into, reused once the receiver is done.
+
+    ``owner`` is the pipeline's process (named in the segments). A segment
+    handed out is busy until :meth:`free` (the receiver dropped every view);
+    :meth:`drop` unmaps it for good. Names not yet reported mapped are
+    unlinked by :meth:`close`, so nothing is left if the receiver died.
+    """
+
+    def __init__(self, owner: int, *, tag: str = "") -> None:
+        self.owner, self.tag = owner, tag
+        self.segments: dict[int, tuple[mmap.mmap, int, str]] = {}  # key -> mapping, size, name
+        self.idle: set[int] = set()
+        self.announced: set[int] = set()  # keys whose name the receiver has seen
+        self._keys = itertools.count(1)
+
+    def allocate(self, nbytes: int) -> tuple[int, str, int, mmap.mmap]:
+        """The smallest idle segment of at least ``nbytes``, or a new one."""
+        fitting = [key for key in self.idle if self.segments[key][1] >= nbytes]
+        if fitting:
+            key = min(fitting, key=lambda k: self.segments[k][1])
+            self.idle.discard(key)
+            mapping, size, _ = self.segments[key]
+            return key, "", size, mapping
+        size = max(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
+        key = next(self._keys)
+        name = segment_name(self.owner, self.tag)
+        mapping = create_segment(name, size)
+        self.segments[key] = (mapping, size, name)
+        self.announced.add(key)
+        return key, name, size, mapping
+
+    def free(self, key: int) -> None:
+        if key in self.segments:
+            self.idle.add(key)
+
+    def drop(self, key: int) -> None:
+        entry = self.segments.pop(key, None)
+        self.idle.discard(key)
+        if entry is not None:
+            unlink_segment(entry[2])  # normally gone: the receiver unlinked it
+            with contextlib.suppress(BufferError):
+                entry[0].close()
+
+    def close(self) -> None:
+        for key in list(self.segments):
+            self.drop(key)
+
+
+class SegmentMaps:
+    """The receiver's side of a :class:`SegmentPool`: mappings by key, and which are free.
+
+    ``live`` counts the views of each segment still alive; finalizers (which may
+    run on any thread) queue a key whenever one dies, and :meth:`released` turns
+    the queue into the keys whose last view is gone.
+    """
+
+    def __init__(self) -> None:
+        self.maps: dict[int, tuple[mmap.mmap, int]] = {}
+        self.live: dict[int, int] = {}
+        self._dead: collections.deque[int] = collections.deque()
+        self._lock = threading.Lock()
+
+    def unpack(self, packet: Packet) -> Any:
+        if packet.segment is None:
+            return pickle.loads(packet.payload)
+        key, name, capacity = packet.segment
+        if name:
+            self.maps[key] = (open_segment(name, capacity), capacity)
+        mapping = self.maps[key][0]
+        dead = self._dead
+
+        def on_view(view: Any) -> None:
+            with self._lock:
+                self.live[key] = self.live.get(key, 0) + 1
+            weakref.finalize(view, dead.append, key)
+
+        return unpack(packet, mapping, on_view)
+
+    def released(self) -> list[int]:
+        """Keys whose views are all gone since the last call (their segment may be reused)."""
+        done: list[int] = []
+        with self._lock:
+            while self._dead:
+                key = self._dead.popleft()
+                left = self.live[key] - 1
+                if left:
+                    self.live[key] = left
+                else:
+                    del self.live[key]
+                    done.append(key)
+        return done
+
+    def forget(self, key: int) -> None:
+        """Drop the mapping (views still alive keep the memory until they go)."""
+        self.maps.pop(key, None)
+
+    def close(self) -> None:
+        self.maps.clear()

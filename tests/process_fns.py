@@ -1,0 +1,72 @@
+"""Functions for process-worker tests: module-level, so worker processes can unpickle them.
+
+(Importable as ``process_fns`` once the tests directory is on ``sys.path``; a function
+defined in a test module imported by pytest's importlib mode is not.)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+
+class Failing(Exception):
+    """Raised by :func:`fail_on` for the chosen elements."""
+
+
+def square(x: Any) -> Any:
+    return x * x
+
+
+def fail_on(bad: frozenset[int], x: Any) -> Any:
+    """``x * 10``, or :class:`Failing` for the elements in ``bad``."""
+    if int(x) in bad:
+        raise Failing(f"bad element {int(x)}")
+    return x * 10
+
+
+def python_work(x: Any, loops: int = 20_000) -> Any:
+    """Pure-Python work holding the GIL (about 1 ms for 20,000 loops here)."""
+    total = 0
+    for i in range(loops):
+        total += i ^ int(x)
+    return x
+
+
+def sleepy(x: Any) -> Any:
+    time.sleep(0.002)  # releases the GIL
+    return x
+
+
+def row_array(x: Any, size: int = 100_000) -> Any:
+    return {"x": np.full(size, int(x), np.float32), "i": x, "name": f"row {int(x)}"}
+
+
+def block_forever(x: Any) -> Any:
+    if int(x) == 3:
+        time.sleep(3600)
+    return x
+
+
+def die_on(x: Any, target: int = 5) -> Any:
+    if int(x) == target:
+        os._exit(3)
+    return x
+
+
+def pid_of(x: Any) -> Any:
+    return os.getpid()
+
+
+def huge(x: Any, nbytes: int) -> Any:
+    """A large array that costs no RAM until written (calloc'd pages)."""
+    array = np.zeros(nbytes, np.uint8)
+    array[-1] = int(x) + 1
+    return array
+
+
+def lookup(table: Any, x: Any) -> Any:
+    return len(table[int(x) % len(table)])

@@ -1,0 +1,352 @@
+"""map(workers="processes" | "auto"): order, errors, checkpoints, failures, memory, shm.
+
+The functions live in ``process_fns`` (module level), because worker processes start by
+forkserver and receive them pickled.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import headrace as hr
+from headrace.testing import assert_checkpoint_roundtrip, assert_elements_equal
+from headrace.workers import shm
+from headrace.workers.memory import worker_memory
+
+sys.path.insert(0, str(Path(__file__).parent))
+import process_fns
+
+MiB = 1 << 20
+
+
+def own_segments() -> list[str]:
+    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"headrace-{os.getpid()}-")]
+
+
+def wait_dead(pids: list[int], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(worker_memory(pid) is None for pid in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def outputs(ds: hr.Dataset) -> list[Any]:
+    """Every position: the element, or the error's type and message, in order."""
+    got: list[Any] = []
+    with iter(ds) as iterator:
+        while True:
+            try:
+                got.append(next(iterator))
+            except StopIteration:
+                return got
+            except process_fns.Failing as error:
+                got.append(("error", str(error)))
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(
+    count=st.integers(0, 120),
+    bad=st.frozensets(st.integers(0, 119), max_size=6),
+    workers=st.integers(1, 3),
+    deterministic_input=st.booleans(),
+)
+def test_same_elements_errors_and_order_as_sequential(
+    count: int, bad: frozenset[int], workers: int, deterministic_input: bool
+) -> None:
+    fn = functools.partial(process_fns.fail_on, bad)
+    source = hr.Dataset.range(count)
+    if deterministic_input:
+        source = source.map(lambda x: x)  # a streaming input (not random access)
+    expected = outputs(source.map(fn))
+    got = outputs(source.map(fn, num_parallel_calls=workers, workers="processes"))
+    assert got == expected
+    assert own_segments() == []
+
+
+def test_worker_exception_has_its_traceback_and_iteration_goes_on() -> None:
+    fn = functools.partial(process_fns.fail_on, frozenset({3}))
+    ds = hr.Dataset.range(6).map(fn, num_parallel_calls=2, workers="processes")
+    with iter(ds) as iterator:
+        assert [next(iterator) for _ in range(3)] == [0, 10, 20]
+        with pytest.raises(process_fns.Failing, match="bad element 3") as caught:
+            next(iterator)
+        cause = str(caught.value.__cause__)
+        assert "Traceback in the worker process" in cause and "fail_on" in cause
+        notes = "\n".join(getattr(caught.value, "__notes__", []))
+        assert "element 3" in notes and "worker process" in notes
+        assert list(iterator) == [40, 50]
+
+
+def test_arrays_come_back_through_shared_memory_and_are_booked() -> None:
+    ds = (
+        hr.Dataset.range(40)
+        .map(process_fns.row_array, num_parallel_calls=2, workers="processes")
+        .with_options(hr.Options(memory_budget="32MiB"))
+    )
+    with iter(ds) as iterator:
+        got = list(iterator)
+        stats = iterator.stats()
+        assert iterator.context.budget.used <= 2 * 4 * MiB  # only idle segments kept
+    for i, element in enumerate(got):
+        assert element["x"].shape == (100_000,) and element["x"][0] == i
+        assert element["x"].flags.writeable and element["name"] == f"row {i}"
+        base = element["x"]
+        while isinstance(base, np.ndarray):
+            base = base.base
+        assert isinstance(base, memoryview)  # a view of the segment, not a copy
+    assert stats.budget_peak <= 32 * MiB
+    (stage,) = [s for s in stats.stages if s.name.startswith("map")]
+    assert stage.max_element >= 400_000  # each output's array bytes are booked
+    assert stats.workers[0].kind == "processes" and len(stats.workers[0].processes) == 2
+    assert all(p.uss > 0 for p in stats.workers[0].processes)
+    del got, element, base
+    gc.collect()
+    assert own_segments() == []
+
+
+@pytest.mark.parametrize("into", ["processes", "threads"])
+def test_checkpoints_round_trip_and_move_between_threads_and_processes(into: str) -> None:
+    fn = functools.partial(process_fns.fail_on, frozenset({7, 8, 30}))
+    source = hr.Dataset.range(40).map(lambda x: x).shuffle(10, seed=3)
+    saved = source.map(fn, num_parallel_calls=2, workers="processes")
+    assert_checkpoint_roundtrip(
+        source.map(process_fns.square, num_parallel_calls=2, workers="processes"),
+        max_checkpoints=6,
+    )
+    restored_ds = source.map(fn, num_parallel_calls=2, workers=into)
+
+    def drain(iterator: Any, count: int | None = None) -> list[Any]:
+        got: list[Any] = []
+        while count is None or len(got) < count:
+            try:
+                got.append(next(iterator))
+            except StopIteration:
+                break
+            except process_fns.Failing as error:
+                got.append(("error", str(error)))
+        return got
+
+    with iter(saved) as original:
+        drain(original, 12)
+        state = json.loads(json.dumps(original.get_state()))
+        expected = drain(original)
+    with iter(restored_ds) as restored:
+        restored.set_state(state)
+        assert drain(restored) == expected
+    assert any(item[0] == "error" for item in expected if isinstance(item, tuple))
+
+
+def test_unpicklable_function_is_named() -> None:
+    lock = threading.Lock()
+    with pytest.raises(hr.InvalidArgumentError, match=r"the map function\.args\[0\]"):
+        hr.Dataset.range(3).map(
+            functools.partial(process_fns.fail_on, lock), num_parallel_calls=2,
+            workers="processes",
+        )
+    with pytest.raises(hr.InvalidArgumentError, match="lambda"):
+        hr.Dataset.range(3).map(lambda x: x, num_parallel_calls=2, workers="processes")
+    with pytest.raises(hr.InvalidArgumentError, match="needs num_parallel_calls"):
+        hr.Dataset.range(3).map(process_fns.square, workers="processes")
+    with pytest.raises(hr.InvalidArgumentError, match="workers must be one of"):
+        hr.Dataset.range(3).map(process_fns.square, num_parallel_calls=2, workers="fork")
+
+
+def test_killed_worker_is_a_worker_error_within_seconds_and_everything_stops() -> None:
+    ds = hr.Dataset.range(100_000).map(process_fns.sleepy, num_parallel_calls=2,
+                                       workers="processes")
+    iterator = iter(ds)
+    assert [next(iterator) for _ in range(3)] == [0, 1, 2]
+    (stats,) = iterator.stats().workers
+    pids = [p.pid for p in stats.processes]
+    victim = pids[1]
+    os.kill(victim, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(hr.WorkerError, match=rf"worker process {victim} killed by SIGKILL"):
+        while True:
+            next(iterator)
+    assert time.monotonic() - started < 5
+    with pytest.raises(hr.WorkerError):
+        next(iterator)
+    iterator.close()
+    assert wait_dead(pids)
+    assert own_segments() == []
+
+
+def test_worker_that_exits_is_a_worker_error() -> None:
+    ds = hr.Dataset.range(20).map(process_fns.die_on, num_parallel_calls=2, workers="processes")
+    with iter(ds) as iterator, pytest.raises(hr.WorkerError, match="exited with status 3"):
+        list(iterator)
+
+
+def test_close_and_garbage_collection_stop_the_workers() -> None:
+    ds = hr.Dataset.range(1000).map(process_fns.pid_of, num_parallel_calls=2,
+                                    workers="processes")
+    iterator = iter(ds)
+    pids = {next(iterator) for _ in range(50)}
+    iterator.close()
+    assert wait_dead(list(pids))
+    iterator = iter(ds)
+    pids = {next(iterator) for _ in range(50)}
+    del iterator
+    gc.collect()
+    hr_join = __import__("headrace.core.run", fromlist=["join_abandoned"]).join_abandoned
+    assert hr_join()
+    assert wait_dead(list(pids))
+    assert own_segments() == []
+
+
+def test_keyboard_interrupt_stops_the_workers(tmp_path: Path) -> None:
+    script = tmp_path / "interrupted.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, os
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import headrace as hr, process_fns
+        ds = hr.Dataset.range(10**6).map(process_fns.pid_of, num_parallel_calls=2,
+                                         workers="processes")
+        if __name__ == "__main__":  # workers start by forkserver and import this module
+            try:
+                with iter(ds) as iterator:
+                    pids = {{next(iterator) for _ in range(100)}}
+                    print(*pids, flush=True)
+                    for _ in iterator:
+                        pass
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+    """))
+    child = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert child.stdout is not None
+    pids = [int(p) for p in child.stdout.readline().split()]
+    child.send_signal(signal.SIGINT)
+    assert child.stdout.readline().strip() == "interrupted"
+    assert child.wait(10) == 0
+    assert wait_dead(pids)
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"headrace-{child.pid}-")]
+
+
+def test_segments_of_a_dead_owner_are_swept_and_owner_only() -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    name = f"headrace-{dead_pid}-{dead_pid}-7"
+    mapping = shm.create_segment(name, 4096)
+    mapping.close()
+    path = Path(shm.SHM_DIR, name)
+    assert path.stat().st_mode & 0o777 == 0o600
+    mine = shm.create_segment(shm.segment_name(os.getpid()), 4096)  # owner alive: kept
+    try:
+        removed = shm.sweep_stale()
+        assert name in removed and not path.exists()
+        assert len(own_segments()) == 1
+    finally:
+        mine.close()
+        for leftover in own_segments():
+            shm.unlink_segment(leftover)
+
+
+def test_consumer_killed_leaves_segments_that_the_next_start_sweeps(tmp_path: Path) -> None:
+    script = tmp_path / "victim.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, os
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from headrace.workers import shm
+        mapping = shm.create_segment(shm.segment_name(os.getpid()), 1 << 20)
+        print(os.getpid(), flush=True)
+        sys.stdin.read()
+    """))
+    child = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    pid = int(child.stdout.readline())
+    assert any(n.startswith(f"headrace-{pid}-") for n in os.listdir(shm.SHM_DIR))
+    child.kill()
+    child.wait()
+    ds = hr.Dataset.range(4).map(process_fns.square, num_parallel_calls=2, workers="processes")
+    assert list(ds) == [0, 1, 4, 9]  # the pool's start sweeps
+    assert not any(n.startswith(f"headrace-{pid}-") for n in os.listdir(shm.SHM_DIR))
+
+
+def test_auto_picks_processes_for_python_and_threads_for_gil_free_work() -> None:
+    gil_bound = hr.Dataset.range(120).map(
+        process_fns.python_work, num_parallel_calls=hr.AUTOTUNE, workers="auto"
+    )
+    with iter(gil_bound) as iterator:
+        assert list(iterator) == list(range(120))
+        (choice,) = iterator.stats().workers
+    assert choice.kind == "processes", choice.reason
+    assert "GIL" in choice.reason and choice.count == 2
+    sleeping = hr.Dataset.range(60).map(process_fns.sleepy, num_parallel_calls=4, workers="auto")
+    with iter(sleeping) as iterator:
+        assert list(iterator) == list(range(60))
+        (choice,) = iterator.stats().workers
+    assert choice.kind == "threads" and "releases the GIL" in choice.reason
+    lambdas = hr.Dataset.range(80).map(lambda x: process_fns.python_work(x),
+                                       num_parallel_calls=2, workers="auto")
+    with iter(lambdas) as iterator:
+        assert list(iterator) == list(range(80))
+        (choice,) = iterator.stats().workers
+    assert choice.kind == "threads"
+
+
+def test_workers_grow_no_copy_of_a_large_in_memory_source() -> None:
+    """Workers see chunks, never the source: their unique memory does not grow with it."""
+    paths = [f"/data/shard-{i:07d}/image-{i:09d}.jpeg" for i in range(400_000)]
+    table = np.arange(8 * MiB, dtype=np.float64).reshape(-1, 64)  # 64 MiB of rows
+    for source, size in (
+        (hr.Dataset.from_generator(lambda: iter(paths), output_signature=hr.TensorSpec((), str)),
+         sum(map(sys.getsizeof, paths))),
+        (hr.Dataset.from_tensor_slices(table), table.nbytes),
+    ):
+        ds = source.map(process_fns.pid_of, num_parallel_calls=2, workers="processes")
+        with iter(ds) as iterator:
+            for _ in range(5_000):  # both workers started and warm (imports, first chunks)
+                next(iterator)
+            (stats,) = iterator.stats().workers
+            before = {p.pid: p.uss for p in stats.processes}
+            for _ in iterator:
+                pass
+            (stats,) = iterator.stats().workers
+            for process in stats.processes:
+                assert process.uss - before[process.pid] < 0.1 * size, (process, size)
+
+
+def assert_same(a: Any, b: Any) -> None:
+    assert_elements_equal(a, b)
+
+
+@pytest.mark.slow
+def test_an_element_over_2_gib() -> None:
+    nbytes = (2 << 30) + 4096
+    ds = (
+        hr.Dataset.range(2)
+        .map(functools.partial(process_fns.huge, nbytes=nbytes), num_parallel_calls=1,
+             workers="processes")
+        .with_options(hr.Options(memory_budget="6GiB"))
+    )
+    with iter(ds) as iterator:
+        first = next(iterator)
+        assert first.nbytes == nbytes and first[-1] == 1 and first[0] == 0
+        del first
+        second = next(iterator)
+        assert second[-1] == 2
+        del second
