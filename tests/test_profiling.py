@@ -17,8 +17,8 @@ import pytest
 import headrace as hr
 from headrace.cli import main
 from headrace.profiling import diagnose, lint_recipe, profile
-from headrace.profiling.doctor import fit_trend
 from headrace.profiling.probe import recipe_nodes
+from headrace.profiling.trend import fit_trend, t_critical
 
 # -- counters ---------------------------------------------------------------------------------
 
@@ -283,6 +283,38 @@ def test_trend_fit_separates_slope_from_noise() -> None:
     assert trend.slope == pytest.approx(2 << 20, rel=0.5)
     spike = [0.0] * 6 + [50e6, 0.0]  # one outlying epoch is not a trend
     assert not fit_trend("x", spike).significant(64 << 10)
+
+
+@pytest.mark.parametrize(("df", "sigmas", "table"), [
+    (1, 1.6448536, 6.314), (2, 1.6448536, 2.920), (4, 1.6448536, 2.132),
+    (10, 1.6448536, 1.812), (1, 2.3263479, 31.821), (5, 2.3263479, 3.365),
+    (30, 2.3263479, 2.457), (3, 3.0902323, 10.215), (1000, 3.0, 3.008),
+])
+def test_t_critical_matches_the_printed_tables(df: int, sigmas: float, table: float) -> None:
+    # One-sided 5%, 1% and 0.1% points of Student's t, as printed in every table.
+    assert t_critical(df, sigmas) == pytest.approx(table, abs=2e-3)
+
+
+@pytest.mark.parametrize("points", [3, 4, 6, 8])
+def test_pure_noise_is_rarely_called_growth_whatever_the_number_of_epochs(points: int) -> None:
+    # A flat measure with allocator-like noise: at 3 sigmas, about 0.13% false alarms at
+    # any epoch count (a normal threshold gave ~10% with three epochs, as CI once saw).
+    rng = random.Random(points)
+    runs = 4000
+    alarms = sum(
+        fit_trend("x", [rng.gauss(200e6, 2e6) for _ in range(points)]).significant(0, 3.0)
+        for _ in range(runs)
+    )
+    assert alarms / runs < 0.006, alarms
+    # ...and a steady leak of 4x the noise per epoch is seen from six epochs on (with
+    # four, one time in five: the price of few epochs, which MemoryMonitor's docs state).
+    if points >= 6:
+        seen = sum(
+            fit_trend("x", [rng.gauss(200e6 + 8e6 * k, 2e6) for k in range(points)])
+            .significant(2e6, 3.0)
+            for _ in range(200)
+        )
+        assert seen / 200 > 0.95, seen
 
 
 # -- lint ------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.memory.system import process_memory
 from headrace.memory.units import parse_bytes
+from headrace.profiling.trend import fit_trend as trend_of
 
 if TYPE_CHECKING:
     from headrace.dataset import Dataset
@@ -101,7 +102,8 @@ class MemoryTrend:
     """A least-squares line through the memory at each epoch's end.
 
     ``slope`` and ``stderr`` are in bytes per epoch; ``leaking`` is whether the
-    slope exceeds the monitor's ``min_growth`` by more than ``z`` standard errors.
+    slope passes the monitor's ``min_growth`` and lies above zero by more than
+    the Student-t critical value at ``z`` (see :mod:`headrace.profiling.trend`).
     """
 
     epochs: int
@@ -113,19 +115,11 @@ class MemoryTrend:
 
 
 def fit_trend(values: list[int], min_growth: float, z: float) -> MemoryTrend:
-    """The trend of ``values`` (one per epoch): slope, its standard error, and the verdict."""
-    n = len(values)
-    if n < 3:
-        return MemoryTrend(n, 0.0, math.inf, values[0] if values else 0,
-                           values[-1] if values else 0, False)
-    mean_x = (n - 1) / 2
-    mean_y = sum(values) / n
-    sxx = sum((i - mean_x) ** 2 for i in range(n))
-    slope = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(values)) / sxx
-    residuals = [y - (mean_y + slope * (i - mean_x)) for i, y in enumerate(values)]
-    stderr = math.sqrt(sum(r * r for r in residuals) / (n - 2) / sxx)
-    leaking = slope > min_growth and slope - z * stderr > 0
-    return MemoryTrend(n, slope, stderr, values[0], values[-1], leaking)
+    """The trend of ``values`` (one per epoch): slope, its standard error, and the verdict
+    (:mod:`headrace.profiling.trend`'s test, as ``headrace doctor`` makes it)."""
+    trend = trend_of("memory", [float(value) for value in values])
+    return MemoryTrend(len(values), trend.ols, trend.stderr, values[0] if values else 0,
+                       values[-1] if values else 0, trend.significant(min_growth, z))
 
 
 class MemoryMonitor(keras.callbacks.Callback):  # type: ignore[misc]
@@ -135,8 +129,10 @@ class MemoryMonitor(keras.callbacks.Callback):  # type: ignore[misc]
     memmaps and the page cache are left out). After each epoch past
     ``warmup_epochs`` (the first epoch builds graphs and caches), a line is
     fitted through the epoch-end values; when its slope is above
-    ``min_growth`` bytes per epoch and more than ``z`` standard errors above
-    zero, one :class:`MemoryGrowthWarning` gives the slope and its
+    ``min_growth`` bytes per epoch and above zero beyond the noise (``z``
+    sigmas, as a Student-t test, so that a few epochs of allocator noise are
+    not a leak: a steady leak is certain from six fitted epochs, while over
+    three it must be near-exact), one :class:`MemoryGrowthWarning` gives the slope and its
     uncertainty. Works with any ``fit`` input (tf.data, arrays, headrace).
     ``steps`` and ``epochs`` hold the samples; :meth:`trend` the verdict.
     """

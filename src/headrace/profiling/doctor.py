@@ -8,14 +8,12 @@ threads still alive, descriptors and shared-memory segments open, iterators
 still alive.
 
 Real growth vs noise. The first ``warmup`` epochs are left out (allocator
-pools, caches and lazily built state grow once). Over the rest, the slope per
-epoch is fitted twice: least squares, with its standard error, and Theil-Sen
-(the median of the slopes between every pair of epochs), which one outlying
-epoch cannot move. Growth is a leak when the robust slope passes a floor
-(``min_leak`` bytes per epoch) *and* the least-squares slope is more than
-``sigmas`` standard errors above zero. A clean pipeline's memory wanders but
-does not climb with the epoch count; a leak adds about the same bytes every
-epoch, which both fits see.
+pools, caches and lazily built state grow once). Over the rest, each measure's
+slope per epoch is tested by :mod:`headrace.profiling.trend`: a robust slope
+past a floor (``min_leak`` bytes per epoch) and a least-squares slope above
+zero by more than the Student-t critical value at ``sigmas``. A clean
+pipeline's memory wanders but does not climb with the epoch count; a leak adds
+about the same bytes every epoch, which both fits see.
 
 Which stage. Where the traced memory grew is read from ``tracemalloc``'s
 tracebacks: the innermost frame that lies in a function of the recipe (a
@@ -27,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import statistics
 import time
 import tracemalloc
 import types
@@ -40,58 +37,13 @@ from headrace.memory.units import format_bytes
 from headrace.profiling.lint import Finding
 from headrace.profiling.probe import recipe_nodes
 from headrace.profiling.process import snapshot
+from headrace.profiling.trend import Trend, fit_trend
 
 if TYPE_CHECKING:
     from headrace.core.node import Node
     from headrace.dataset import Dataset
 
 __all__ = ["Diagnosis", "EpochMeasure", "Trend", "diagnose", "fit_trend"]
-
-
-@dataclass(frozen=True)
-class Trend:
-    """Growth per epoch of one measure: robust and least-squares slopes, with uncertainty."""
-
-    what: str
-    slope: float  # Theil-Sen: median of pairwise slopes
-    ols: float
-    stderr: float
-    points: int
-
-    def significant(self, floor: float, sigmas: float = 4.0) -> bool:
-        """Growth beyond noise: the robust slope passes ``floor`` and the fitted slope is
-        ``sigmas`` standard errors above zero."""
-        return self.points >= 3 and self.slope > floor and self.ols > sigmas * self.stderr
-
-    def format(self, unit: str = "bytes") -> str:
-        if unit == "bytes":
-            return (f"{self.what}: {_signed_bytes(self.slope)}/epoch (least squares "
-                    f"{_signed_bytes(self.ols)} ± {format_bytes(int(self.stderr))})")
-        return f"{self.what}: {self.slope:+.2f}/epoch (least squares {self.ols:+.2f} ± {self.stderr:.2f})"
-
-
-def _signed_bytes(value: float) -> str:
-    return ("-" if value < 0 else "+") + format_bytes(int(abs(value)))
-
-
-def fit_trend(what: str, values: list[float]) -> Trend:
-    """Fit the slope of ``values`` (one per epoch) both ways (see the module doc)."""
-    n = len(values)
-    if n < 2:
-        return Trend(what, 0.0, 0.0, 0.0, n)
-    xs = list(range(n))
-    pairwise = [
-        (values[j] - values[i]) / (j - i) for i in range(n) for j in range(i + 1, n)
-    ]
-    robust = statistics.median(pairwise)
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(values)
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    ols = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, values, strict=True)) / sxx
-    residuals = [y - (mean_y + ols * (x - mean_x)) for x, y in zip(xs, values, strict=True)]
-    stderr = (
-        (sum(r * r for r in residuals) / (n - 2) / sxx) ** 0.5 if n > 2 else float("inf")
-    )
-    return Trend(what, robust, ols, stderr, n)
 
 
 @dataclass(frozen=True)
@@ -136,6 +88,7 @@ class Diagnosis:
     growth: tuple[StageGrowth, ...]
     resources: tuple[str, ...]
     min_leak: int
+    sigmas: float = 4.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -170,7 +123,7 @@ class Diagnosis:
             )
         lines += ["", "  " + self.traced.format(), "  " + self.charged.format()]
         for trend in self.stage_trends:
-            if trend.significant(self.min_leak):
+            if trend.significant(self.min_leak, self.sigmas):
                 lines.append("  " + trend.format() + "  <- grows")
         if self.leak:
             lines += ["", f"LEAK: memory grows by ~{format_bytes(int(max(self.traced.slope, self.charged.slope)))} "
@@ -393,6 +346,7 @@ def diagnose(
         growth=tuple(growth),
         resources=tuple(_resources(measures[warmup:] or measures)),
         min_leak=min_leak,
+        sigmas=sigmas,
     )
 
 
