@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import headrace as hr
 from headrace.testing import assert_checkpoint_roundtrip
+from headrace.transforms import _wait_watch
 from headrace.transforms._wait_watch import WaitWatch
 
 
@@ -132,12 +133,22 @@ def test_checkpoint_roundtrip(parallel) -> None:
     assert_checkpoint_roundtrip(ds)
 
 
+@pytest.fixture
+def quiet_machine(monkeypatch):
+    """For tests of AUTOTUNE's windows and of what happens after it starts threads: the
+    waits the inner pipelines make (sleeps) decide, not how busy the machine running the
+    suite is (preempted time and a contended GIL rightly keep it sequential, see WaitWatch;
+    the compute-bound test below runs on the real clocks)."""
+    monkeypatch.setattr(_wait_watch, "_run_queue_seconds", lambda: 0.0)
+    monkeypatch.setattr(_wait_watch, "_gil_is_free", lambda within, probes=3: True)
+
+
 def waiting_inner(i):
     """An inner pipeline that waits 1 ms per element, as a slow disk or network would."""
     return hr.Dataset.range(i * 1000, i * 1000 + 300).map(lambda x: (time.sleep(0.001), x)[1])
 
 
-@pytest.mark.usefixtures("no_thread_leak")
+@pytest.mark.usefixtures("no_thread_leak", "quiet_machine")
 def test_autotune_starts_threads_when_the_inner_pipelines_wait(monkeypatch) -> None:
     monkeypatch.setattr(WaitWatch, "WINDOW_SECONDS", 0.05)
     ds = hr.Dataset.range(4).interleave(
@@ -165,7 +176,7 @@ def test_autotune_starts_threads_when_the_inner_pipelines_wait(monkeypatch) -> N
         assert head + [int(x) for x in resumed] == expected
 
 
-@pytest.mark.usefixtures("no_thread_leak")
+@pytest.mark.usefixtures("no_thread_leak", "quiet_machine")
 def test_checkpoints_across_the_autotune_switch(monkeypatch) -> None:
     monkeypatch.setattr(WaitWatch, "WINDOW_SECONDS", 0.002)  # switch after a few pulls
 
@@ -188,7 +199,7 @@ def test_checkpoints_across_the_autotune_switch(monkeypatch) -> None:
         assert head + [int(x) for x in resumed] == expected
 
 
-@pytest.mark.usefixtures("no_thread_leak")
+@pytest.mark.usefixtures("no_thread_leak", "quiet_machine")
 def test_autotune_switch_with_deterministic_false_yields_each_element_once() -> None:
     ds = hr.Dataset.range(6).interleave(
         waiting_inner, cycle_length=3, num_parallel_calls=hr.AUTOTUNE, deterministic=False
@@ -199,6 +210,7 @@ def test_autotune_switch_with_deterministic_false_yields_each_element_once() -> 
     assert got == sorted(i * 1000 + j for i in range(6) for j in range(300))
 
 
+@pytest.mark.usefixtures("quiet_machine")
 def test_autotune_threads_keep_the_file_cap_and_the_order(tmp_path, stream_descriptors) -> None:
     files = [
         write(tmp_path / f"{i}.txt", "".join(f"{i}:{j}\n" for j in range(40)).encode(),
@@ -224,7 +236,7 @@ def test_autotune_threads_keep_the_file_cap_and_the_order(tmp_path, stream_descr
     assert stream_descriptors.peak <= 2
 
 
-@pytest.mark.usefixtures("no_thread_leak")
+@pytest.mark.usefixtures("no_thread_leak", "quiet_machine")
 def test_autotune_notices_reads_that_turn_slow_after_it_rested(monkeypatch) -> None:
     monkeypatch.setattr(WaitWatch, "REST_SECONDS", 0.2)
 
