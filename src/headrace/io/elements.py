@@ -37,7 +37,7 @@ import collections
 import json
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -48,6 +48,7 @@ __all__ = [
     "ELEMENTS_FORMAT",
     "decode_element",
     "encode_element",
+    "encode_element_parts",
     "spec_from_json",
     "spec_to_json",
 ]
@@ -78,6 +79,29 @@ _heads: dict[Any, bytes] = {}
 
 def encode_element(element: Any) -> bytes:
     """The payload of ``element``; raises ElementSpecError for what cannot be stored."""
+    return b"".join(encode_element_parts(element).parts)
+
+
+class EncodedParts(NamedTuple):
+    """An element's payload as the pieces it is made of, not yet joined.
+
+    The data of contiguous arrays (and of ``bytes`` values) are *views* of the element,
+    not copies: a writer that frames and writes the pieces one after another (see
+    :meth:`headrace.io.tfrecord.writer.TFRecordWriter.write_parts`) stores a large
+    element without ever holding a second copy of it in memory.
+    """
+
+    #: The skeleton's head first, then each leaf's bytes (``bytes`` or 1-D byte views).
+    parts: list[bytes | memoryview]
+    #: The payload's length (the sum of the parts' lengths).
+    nbytes: int
+    #: Bytes of the parts made while encoding (copies, lengths, scalars): what encoding
+    #: costs in memory beyond the element itself.
+    copied: int
+
+
+def encode_element_parts(element: Any) -> EncodedParts:
+    """:func:`encode_element`'s payload as parts (views of the element's arrays)."""
     parts: list[Any] = []
     tree = _encode(element, parts, "")
     head = _heads.get(tree)
@@ -88,7 +112,12 @@ def encode_element(element: Any) -> bytes:
             _heads.clear()
         _heads[tree] = head
     parts[0:0] = (head,)
-    return b"".join(parts)
+    nbytes = copied = 0
+    for part in parts:
+        nbytes += len(part)
+        if not isinstance(part, memoryview):
+            copied += len(part)
+    return EncodedParts(parts, nbytes, copied)
 
 
 def _refuse(path: str, value: Any, why: str = "") -> ElementSpecError:
@@ -130,7 +159,7 @@ def _encode(value: Any, parts: list[Any], path: str) -> Any:
         return "f"
     if isinstance(value, bytes):
         parts.append(_U64.pack(len(value)))
-        parts.append(value)
+        parts.append(memoryview(value))  # the element's own bytes, not a copy
         return "y"
     if isinstance(value, str):
         data = value.encode("utf-8", "surrogatepass")
@@ -185,7 +214,10 @@ def _encode_array(array: np.ndarray[Any, Any], parts: list[Any], path: str) -> A
         return (kind, shape)
     if dtype.kind not in _SAFE_KINDS or dtype.fields is not None:
         raise _refuse(path, array, f" (dtype {dtype})")
-    parts.append(np.ascontiguousarray(array).tobytes() if array.ndim else array.tobytes())
+    if array.ndim and array.flags.c_contiguous:  # a view of its data: no copy
+        parts.append(memoryview(array.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+    else:
+        parts.append(np.ascontiguousarray(array).tobytes() if array.ndim else array.tobytes())
     return ("a", dtype.str, shape)
 
 

@@ -74,7 +74,7 @@ from headrace.core.run import call_outside_collection, default_budget
 from headrace.core.state import POSITION, StateReader, past_end
 from headrace.errors import CheckpointError, DataLossError, HeadraceWarning, InvalidArgumentError
 from headrace.io._crc32c import masked_crc32c
-from headrace.io.elements import ELEMENTS_FORMAT, decode_element, encode_element
+from headrace.io.elements import ELEMENTS_FORMAT, EncodedParts, decode_element, encode_element_parts
 from headrace.io.filepool import get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES
@@ -199,16 +199,24 @@ _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class _RecordWriter:
-    """Encoded elements appended to one file, in batches; its buffers booked. At the end
-    the file gets its ``.hrx`` index (from the offsets written, no scan), so readers
-    fetch records with positioned reads (see :class:`_RecordReader`)."""
+    """Encoded elements appended to one file; its buffers booked. At the end the file
+    gets its ``.hrx`` index (from the offsets written, no scan), so readers fetch
+    records with positioned reads (see :class:`_RecordReader`).
+
+    Small records are joined into batches of up to a chunk and framed together (one
+    write); the batch and its framed copy are booked. A record of a chunk or more is
+    written alone, framed around its parts (:meth:`TFRecordWriter.write_parts`): its
+    arrays go from the element to the file with no copy in between, so writing it
+    costs only what encoding copied (booked while it is written) — never the two extra
+    copies of the element (joined payload, framed record) that once went unbooked.
+    """
 
     def __init__(self, path: str, account: StageAccount) -> None:
         self.path = path
         self.account = account
         self.batch_limit = _chunk_bytes(account)
         self.booking = _book(
-            account, DEFAULT_BUFFER_SIZE + self.batch_limit, "the cache's write buffers"
+            account, DEFAULT_BUFFER_SIZE + 2 * self.batch_limit, "the cache's write buffers"
         )
         self.writer: TFRecordWriter | None = TFRecordWriter(path)
         self.batch: list[bytes] = []
@@ -219,21 +227,45 @@ class _RecordWriter:
         self.offsets = array.array("q")
         self.offsets_booking = account.charge(0)
 
-    def append(self, payload: bytes) -> None:
-        self.batch.append(payload)
-        self.batch_bytes += len(payload)
-        self.count += 1
-        if self.batch_bytes >= self.batch_limit:
+    def append(self, encoded: EncodedParts) -> None:
+        size = encoded.nbytes + _BYTES_OVERHEAD
+        if self.batch_bytes + size > self.batch_limit:
             self.flush()
+        self.count += 1
+        if size <= self.batch_limit:
+            self.batch.append(b"".join(encoded.parts))
+            self.batch_bytes += size
+            return
+        self._write_alone(encoded)
+
+    def _write_alone(self, encoded: EncodedParts) -> None:
+        """Write one large record from its parts (what encoding copied booked meanwhile)."""
+        assert self.writer is not None
+        copies = _book(self.account, encoded.copied, "one cached element being encoded")
+        try:
+            self._grow_offsets(1)
+            try:
+                written = self.writer.write_parts(encoded.parts)
+            except OSError as error:
+                self.abort()
+                if error.errno in _FULL:
+                    raise _disk_full(error, self.path, self.count, self.nbytes) from error
+                raise
+        finally:
+            copies.release()
+        self.offsets.append(self.nbytes)
+        self.nbytes += written
+
+    def _grow_offsets(self, records: int) -> None:
+        self.offsets_booking = self.offsets_booking.absorb(
+            _book(self.account, 8 * records, "the cache's record offsets")
+        )
 
     def flush(self) -> None:
         if not self.batch or self.writer is None:
             return
         batch, self.batch = self.batch, []
-        more = 8 * len(batch)
-        self.offsets_booking = self.offsets_booking.absorb(
-            _book(self.account, more, "the cache's record offsets")
-        )
+        self._grow_offsets(len(batch))
         try:
             self.writer.write_many(batch)
         except OSError as error:
@@ -582,7 +614,7 @@ class _MemoryStore(_Store):
             self._start_spill(cost)
         assert self.spill is not None
         try:
-            self.spill.append(encode_element(element))
+            self.spill.append(encode_element_parts(element))
         except BaseException:
             self.discard()  # a full disk or an element it cannot store: no files left
             raise
@@ -747,7 +779,7 @@ class _FileStore(_Store):
     def append(self, element: Any, upstream: Reservation) -> tuple[Any, Reservation]:
         assert self.writer is not None
         try:
-            self.writer.append(encode_element(element))
+            self.writer.append(encode_element_parts(element))
         except BaseException:
             self.discard()
             raise

@@ -6,16 +6,20 @@ from __future__ import annotations
 import gzip
 import os
 import secrets
+import struct
 import zlib
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import IO
 
 from headrace.errors import InvalidArgumentError
+from headrace.io._crc32c import crc32c, mask_crc, masked_crc32c
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
-from headrace.io.tfrecord.framing import encode_records, frame_record
+from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES, U32, encode_records, frame_record
 
 __all__ = ["TFRecordWriter", "fsync_directory", "write_tfrecord"]
+
+_U64 = struct.Struct("<Q")
 
 
 class _ZlibWriter:
@@ -25,7 +29,7 @@ class _ZlibWriter:
         self._raw = raw
         self._compressor = zlib.compressobj(level)
 
-    def write(self, data: bytes) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         self._raw.write(self._compressor.compress(data))
         return len(data)
 
@@ -77,6 +81,23 @@ class TFRecordWriter:
         self._check_open()
         self._sink.write(encode_records(records))
         self.records_written += len(records)
+
+    def write_parts(self, parts: Sequence[bytes | memoryview]) -> int:
+        """Append one record made of ``parts`` (bytes or 1-D byte views), framed around
+        them and written piece by piece: a large record is never joined into one more
+        copy in memory. Returns the bytes the record takes in the file (uncompressed)."""
+        self._check_open()
+        length = sum(len(part) for part in parts)
+        header = _U64.pack(length)
+        crc = 0
+        for part in parts:
+            crc = crc32c(part, crc)
+        self._sink.write(header + U32.pack(masked_crc32c(header)))
+        for part in parts:
+            self._sink.write(part)
+        self._sink.write(U32.pack(mask_crc(crc)))
+        self.records_written += 1
+        return length + RECORD_OVERHEAD_BYTES
 
     def close(self) -> None:
         """Finish the file and move it to ``path``; a no-op when already closed."""
