@@ -306,3 +306,70 @@ def test_g1_three_times_the_budget_iterated_by_three_iterators_reads_the_source_
     assert result["produced"] == rows
     assert result["sums"] == [float(rows * (rows - 1) // 2)] * 3
     assert result["peak"] <= result["bound"], result
+
+
+# --------------------------------------------------------------------------- stats (G7)
+
+
+def test_stats_name_the_kept_cache_and_the_default_budget_that_carries_it(
+    small_default_budget: MemoryBudget,
+) -> None:
+    source = Counted(40, nbytes=1024)
+    ds = source.dataset().cache()
+    with iter(ds) as writer:
+        assert len(ids(writer)) == 40
+        (written,) = writer.stats().kept  # the run that wrote it shows it too
+    with iter(ds) as reader:
+        assert len(ids(reader)) == 40
+        stats = reader.stats()
+    (kept,) = stats.kept
+    assert kept == written
+    assert kept.name == "cache (kept)"
+    assert kept.booked_on == "the default budget"
+    assert kept.held == small_default_budget.used  # every byte the default budget holds
+    assert (kept.elements, kept.spilled_elements, kept.spilled_bytes) == (40, 0, 0)
+    assert "cache (kept): " in stats.format() and "booked on the default budget" in stats.format()
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    count=st.integers(1, 120),
+    nbytes=st.sampled_from((256, 4096, 32 << 10)),
+    budget_kib=st.sampled_from((512, 1024, 4096)),
+)
+def test_stats_of_a_run_with_its_own_budget_account_for_every_cached_element(
+    count: int, nbytes: int, budget_kib: int
+) -> None:
+    source = Counted(count, nbytes=nbytes)
+    ds = source.dataset().cache().with_options(hr.Options(memory_budget=budget_kib << 10))
+    for _ in range(2):
+        with iter(ds) as iterator:
+            assert ids(iterator) == list(range(count))
+            (kept,) = iterator.stats().kept
+            account = next(a for a in iterator.context.budget.accounts if a.name == "cache")
+            # what the cache stage holds at the end: the kept cache, and in a run that
+            # read the spill file, its index while the reader is open (8 bytes a record)
+            assert account.held - kept.held in (0, 8 * kept.spilled_elements)
+            assert account.held <= account.limit
+            assert kept.booked_on == "this run's 'cache' share"
+            assert kept.elements + kept.spilled_elements == count
+            if kept.spilled_elements:
+                assert kept.spill_path is not None
+                assert os.path.getsize(kept.spill_path) == kept.spilled_bytes
+                assert f"{kept.spilled_elements} elements" in kept.format()
+            else:
+                assert kept.spilled_bytes == 0 and kept.spill_path is None
+    assert source.produced == count
+
+
+def test_a_partial_cache_is_not_reported_kept_and_a_profile_shows_the_kept_one() -> None:
+    source = Counted(30, nbytes=1024)
+    ds = source.dataset().cache()
+    with iter(ds) as iterator:
+        next(iterator)
+        assert iterator.stats().kept == ()  # not complete: nothing outlives the run
+    profile = ds.profile(epochs=2)
+    (kept,) = profile.kept
+    assert kept.elements == 30 and kept.held > 30 * 1024
+    assert "kept beyond the run (belongs to the dataset):" in profile.format()
+    assert "cache (kept): " in profile.format()

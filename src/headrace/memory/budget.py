@@ -46,7 +46,7 @@ from typing import Any
 from headrace.errors import MemoryBudgetError
 from headrace.memory.units import format_bytes
 
-__all__ = ["AccountStats", "MemoryBudget", "Reservation", "StageAccount"]
+__all__ = ["AccountStats", "KeptStats", "MemoryBudget", "Reservation", "StageAccount"]
 
 
 class BudgetClosed(Exception):
@@ -65,6 +65,45 @@ class AccountStats:
     max_element: int
     #: Most bytes held past the share as an overdraft (outputs that outgrew their estimate).
     overdrawn_peak: int = 0
+
+
+@dataclass(frozen=True)
+class KeptStats:
+    """Memory a stage keeps beyond the run that made it, and where it is booked.
+
+    A complete in-memory ``cache()`` belongs to its dataset (tf.data's rule: Keras's
+    next epoch reads it), so it outlives the iterator that wrote it and stays booked —
+    on the process-wide default budget, or on the cache stage's share of a run with its
+    own ``memory_budget``. Each run that reads it reports it here by name, so its bytes
+    are not mistaken for a leak or for the stage's working buffers.
+    """
+
+    #: The stage that keeps it (``"cache (kept)"``).
+    name: str
+    #: Bytes it holds in memory, booked on ``booked_on``.
+    held: int
+    #: Elements it holds in memory.
+    elements: int
+    #: Elements and bytes it spilled to disk (not booked: a reader books its buffers).
+    spilled_elements: int
+    spilled_bytes: int
+    #: Which budget carries ``held``: ``"the default budget"`` or ``"this run's 'cache'
+    #: share"``.
+    booked_on: str
+    #: The spill file, if any.
+    spill_path: str | None = None
+
+    def format(self) -> str:
+        line = (
+            f"{self.name}: {format_bytes(self.held)} in memory ({self.elements} elements), "
+            f"booked on {self.booked_on}"
+        )
+        if self.spilled_elements:
+            line += (
+                f"; {self.spilled_elements} elements ({format_bytes(self.spilled_bytes)}) "
+                f"on disk in {self.spill_path}"
+            )
+        return line
 
 
 class MemoryBudget:
@@ -96,6 +135,20 @@ class MemoryBudget:
         self._closed = False
         #: Called once when the run this budget belongs to closes (a cache's spill files).
         self._on_close: list[Callable[[], None]] = []
+        #: What stages keep beyond this run (kept caches it reads), by key: each call
+        #: describes it now, or gives None once it is gone.
+        self._kept: dict[int, Callable[[], KeptStats | None]] = {}
+
+    def report_kept(self, key: int, describe: Callable[[], KeptStats | None]) -> None:
+        """Have this run's stats show memory a stage keeps beyond it (see KeptStats)."""
+        with self.lock:
+            self._kept[key] = describe
+
+    def kept_stats(self) -> tuple[KeptStats, ...]:
+        """What the stages of this run keep beyond it, as it is now."""
+        with self.lock:
+            describers = list(self._kept.values())
+        return tuple(stats for stats in (describe() for describe in describers) if stats)
 
     def child(self) -> MemoryBudget:
         """A per-iterator budget drawing from this one (which caps them all together)."""

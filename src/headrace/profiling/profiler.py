@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from headrace.core.node import INFINITE
 from headrace.errors import InvalidArgumentError
+from headrace.memory.budget import KeptStats
 from headrace.memory.units import format_bytes
 from headrace.profiling.probe import Instrumenter, StageRecord
 from headrace.profiling.process import ProcessSnapshot
@@ -92,6 +93,9 @@ class Profile:
     end_memory: ProcessSnapshot
     title: str = "headrace profile"
     extra: dict[str, Any] = field(default_factory=dict)
+    #: What stages keep beyond the run, as the last epoch saw it (a complete in-memory
+    #: cache belongs to its dataset): bytes that stay booked, and on which budget.
+    kept: tuple[KeptStats, ...] = ()
 
     @property
     def throughput(self) -> float:
@@ -136,6 +140,9 @@ class Profile:
             )
             if stage.fused:
                 lines.append(f"{'':<4}{'  ' * stage.depth}(runs {', '.join(stage.fused)} inside)")
+        if self.kept:
+            lines += ["", "kept beyond the run (belongs to the dataset):"]
+            lines += [f"  {kept.format()}" for kept in self.kept]
         if self.decisions:
             lines += ["", "decisions taken while running:"]
             lines += ["  " + decision.format() for decision in self.decisions[:30]]
@@ -231,6 +238,7 @@ def profile(
     elements = 0
     budget_total = budget_peak = 0
     held: dict[int, tuple[int, int, int]] = {}
+    kept: tuple[KeptStats, ...] = ()
     instrumenter.attach()
     started = time.perf_counter()
     try:
@@ -250,6 +258,7 @@ def profile(
                     sampler.sample()
                     budget = iterator.context.budget
                     budget_total, budget_peak = budget.total, max(budget_peak, budget.peak)
+                    kept = budget.kept_stats()
                     accounts = getattr(iterator.context, "_accounts", {})
                     for key, account in accounts.items():
                         _, _, peak = held.get(key, (0, 0, 0))
@@ -281,6 +290,7 @@ def profile(
         start_memory=sampler.start_memory,
         end_memory=sampler.samples[-1].memory if sampler.samples else sampler.start_memory,
         title=title or "headrace profile",
+        kept=kept,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headrace.memory.budget import AccountStats, MemoryBudget
+from headrace.memory.budget import AccountStats, KeptStats, MemoryBudget
 from headrace.memory.system import ProcessMemory, live_runs, open_file_count, process_memory
 from headrace.memory.units import format_bytes
 from headrace.workers.memory import WorkerStats
@@ -40,6 +40,9 @@ class RunStats:
     #: Per parallel stage with process workers (or ``workers="auto"``): what it runs on,
     #: why, and each worker process's unique and proportional memory now.
     workers: tuple[WorkerStats, ...] = ()
+    #: What stages keep beyond this run (a complete in-memory cache belongs to its
+    #: dataset): bytes booked for as long as the dataset lives, and on which budget.
+    kept: tuple[KeptStats, ...] = ()
 
     @classmethod
     def capture(
@@ -67,6 +70,7 @@ class RunStats:
             skipped_bytes=skipped[1],
             unaccounted=live_runs.unaccounted(memory),
             workers=workers,
+            kept=budget.kept_stats(),
         )
 
     def format(self) -> str:
@@ -90,6 +94,7 @@ class RunStats:
                 f"{format_bytes(stage.peak):>12}{stage.elements:>10}"
                 f"{format_bytes(stage.max_element):>12}"
             )
+        lines.extend(kept.format() for kept in self.kept)
         for workers in self.workers:
             lines.append(
                 f"{workers.stage}: {workers.count} {workers.kind} ({workers.reason}); worker "

@@ -82,7 +82,13 @@ from headrace.io.tfrecord.reader import records_in_spans
 from headrace.io.tfrecord.writer import TFRecordWriter
 from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.io.tfrecord_index import index_path_for, load_index, write_index
-from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
+from headrace.memory.budget import (
+    NO_RESERVATION,
+    KeptStats,
+    MemoryBudget,
+    Reservation,
+    StageAccount,
+)
 from headrace.memory.units import format_bytes
 from headrace.sources.files import file_limiter
 
@@ -365,6 +371,14 @@ class _RecordReader:
             self.pending = [
                 (record, 0, len(record), len(record) + _BYTES_OVERHEAD) for record in records
             ]
+            # book exactly what the records' shares will return (the buffer's booking
+            # counted framing, theirs count each object's overhead)
+            shares = sum(share for *_, share in self.pending)
+            if shares > self.pending_booked:
+                _book(self.account, shares - self.pending_booked, "cached elements read ahead")
+            else:
+                self.account.release(self.pending_booked - shares)
+            self.pending_booked = shares
         self.next_pending = 0
         return True
 
@@ -565,6 +579,7 @@ class _KeptMemory:
         self.booked = 0  # the in-memory items' bytes
         self.count = 0
         self.spill_path: str | None = None
+        self.spill_bytes = 0  # the spill file's size, once complete
         self.resources = _KeptResources()
         # removed when collected, and at exit (weakref.finalize runs atexit)
         self._finalizer = weakref.finalize(self, self.resources.free)
@@ -572,6 +587,36 @@ class _KeptMemory:
     def free(self) -> None:
         self.items = []
         self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+
+def _report_kept(data: _KeptMemory, ctx: Context, account: StageAccount) -> None:
+    """Show the kept cache in the stats of the run that reads it (G7): its bytes are
+    booked for as long as the dataset lives, and the user should see where they went."""
+    ref = weakref.ref(data)
+    booked_on = (
+        "the default budget" if _drawn_from_default(account) else f"this run's {account.name!r} share"
+    )
+
+    def describe() -> KeptStats | None:
+        kept = ref()
+        if kept is None or not kept.alive:
+            return None
+        in_memory = len(kept.items)
+        return KeptStats(
+            name=f"{account.name} (kept)",
+            held=kept.booked,
+            elements=in_memory,
+            spilled_elements=kept.count - in_memory,
+            spilled_bytes=kept.spill_bytes,
+            booked_on=booked_on,
+            spill_path=kept.spill_path,
+        )
+
+    ctx.budget.report_kept(id(data), describe)
 
 
 class _MemoryStore(_Store):
@@ -649,8 +694,10 @@ class _MemoryStore(_Store):
             except BaseException:
                 self.discard()
                 raise
+            self.data.spill_bytes = self.spill.nbytes
         self.complete = True
         self.kept = self._publish()
+        _report_kept(self.kept, self.ctx, self.account)
 
     def _publish(self) -> _KeptMemory:
         """Give the complete cache to the node, and move its booking where a kept cache's
@@ -711,6 +758,7 @@ class _KeptStore(_Store):
         self.complete = True
         self.count = data.count
         _book_for_run(data, ctx, account)
+        _report_kept(data, ctx, account)
 
     def reader(self) -> _StoreReader:
         return _MemoryReader(self.data, self.ctx, self.account)
