@@ -49,6 +49,7 @@ while a complete ``cache(filename)`` is simply read from the position.
 from __future__ import annotations
 
 import array
+import bisect
 import contextlib
 import copy
 import errno
@@ -74,12 +75,13 @@ from headrace.core.run import call_outside_collection, default_budget
 from headrace.core.state import POSITION, StateReader, past_end
 from headrace.errors import CheckpointError, DataLossError, HeadraceWarning, InvalidArgumentError
 from headrace.io._crc32c import masked_crc32c
+from headrace.io.blocks import BLOCK_CODECS, BlockCodec, block_codec
 from headrace.io.elements import ELEMENTS_FORMAT, EncodedParts, decode_element, encode_element_parts
 from headrace.io.filepool import get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
-from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES
+from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES, encode_records
 from headrace.io.tfrecord.reader import records_in_spans
-from headrace.io.tfrecord.writer import TFRecordWriter
+from headrace.io.tfrecord.writer import TFRecordWriter, record_frame
 from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.io.tfrecord_index import index_path_for, load_index, write_index
 from headrace.memory.budget import (
@@ -125,6 +127,8 @@ class CacheNode(UnaryNode):
     passthrough_when_locked = False
     #: Whether stopping before the end warns with tf.data's partial-cache advice.
     warns_partial = True
+    #: How the file is compressed (:mod:`headrace.io.blocks`; None: not at all).
+    compression: str | None = None
 
     def __init__(self, source: Node, filename: str | os.PathLike[str] = "") -> None:
         super().__init__(source)
@@ -217,13 +221,17 @@ class _RecordWriter:
     copies of the element (joined payload, framed record) that once went unbooked.
     """
 
-    def __init__(self, path: str, account: StageAccount) -> None:
+    def __init__(self, path: str, account: StageAccount, codec: BlockCodec | None = None) -> None:
         self.path = path
         self.account = account
+        self.codec = codec
         self.batch_limit = _chunk_bytes(account)
-        self.booking = _book(
-            account, DEFAULT_BUFFER_SIZE + 2 * self.batch_limit, "the cache's write buffers"
-        )
+        # the batch, its framed copy, and (compressed) the block made of it
+        buffers = (3 if codec is not None else 2) * self.batch_limit
+        self.booking = _book(account, DEFAULT_BUFFER_SIZE + buffers, "the cache's write buffers")
+        #: With a codec, per block (``offsets`` are the blocks'): its records and its size
+        #: decompressed (see :mod:`headrace.io.blocks`).
+        self.blocks: list[tuple[int, int]] = []
         self.writer: TFRecordWriter | None = TFRecordWriter(path)
         self.batch: list[bytes] = []
         self.batch_bytes = 0
@@ -247,11 +255,18 @@ class _RecordWriter:
     def _write_alone(self, encoded: EncodedParts) -> None:
         """Write one large record from its parts (what encoding copied booked meanwhile)."""
         assert self.writer is not None
-        copies = _book(self.account, encoded.copied, "one cached element being encoded")
+        work = encoded.copied
+        if self.codec is not None:
+            work += self.codec.work_bytes(encoded.nbytes + RECORD_OVERHEAD_BYTES)
+        copies = _book(self.account, work, "one cached element being encoded")
         try:
             self._grow_offsets(1)
             try:
-                written = self.writer.write_parts(encoded.parts)
+                if self.codec is None:
+                    written = self.writer.write_parts(encoded.parts)
+                else:
+                    head, foot = record_frame(encoded.parts)
+                    written = self._write_block([head, *encoded.parts, foot], 1)
             except OSError as error:
                 self.abort()
                 if error.errno in _FULL:
@@ -262,6 +277,13 @@ class _RecordWriter:
         self.offsets.append(self.nbytes)
         self.nbytes += written
 
+    def _write_block(self, framed: list[bytes | memoryview], records: int) -> int:
+        """Write framed records as one compressed block; the bytes it takes in the file."""
+        assert self.writer is not None and self.codec is not None
+        block = self.codec.compress(framed)
+        self.blocks.append((records, sum(len(part) for part in framed)))
+        return self.writer.write_parts([block])
+
     def _grow_offsets(self, records: int) -> None:
         self.offsets_booking = self.offsets_booking.absorb(
             _book(self.account, 8 * records, "the cache's record offsets")
@@ -271,6 +293,19 @@ class _RecordWriter:
         if not self.batch or self.writer is None:
             return
         batch, self.batch = self.batch, []
+        if self.codec is not None:  # one block: one offset, and its records and size
+            self._grow_offsets(2)
+            try:
+                written = self._write_block([encode_records(batch)], len(batch))
+            except OSError as error:
+                self.abort()
+                if error.errno in _FULL:
+                    raise _disk_full(error, self.path, self.count, self.nbytes) from error
+                raise
+            self.offsets.append(self.nbytes)
+            self.nbytes += written
+            self.batch_bytes = 0
+            return
         self._grow_offsets(len(batch))
         try:
             self.writer.write_many(batch)
@@ -314,6 +349,30 @@ class _RecordWriter:
         self.booking.release()
         self.offsets_booking.release()
         self.offsets = array.array("q")
+
+
+def _check_frame(buffer: bytes, offset: int, path: str, stream: str = "") -> tuple[int, int]:
+    """Check one framed record in place (length, both CRCs); its payload's bounds.
+    ``stream``: what the offset counts in, when not the file's bytes."""
+    view = memoryview(buffer)
+    problem = ""
+    if len(buffer) < RECORD_OVERHEAD_BYTES:
+        problem = "truncated record"
+    else:
+        length, length_crc = _FRAME_HEADER.unpack_from(buffer, 0)
+        if masked_crc32c(view[:8]) != length_crc:
+            problem = "corrupted record (bad length checksum)"
+        elif length != len(buffer) - RECORD_OVERHEAD_BYTES:
+            problem = f"record of {length} bytes where the index says {len(buffer) - 16}"
+        else:
+            (data_crc,) = _FRAME_FOOTER.unpack_from(buffer, 12 + length)
+            if masked_crc32c(view[12 : 12 + length]) != data_crc:
+                problem = "corrupted record (bad data checksum)"
+    if problem:
+        raise DataLossError(
+            f"{problem} at offset {offset}{stream} in file {path}", path=path, offset=offset
+        )
+    return 12, 12 + length
 
 
 class _RecordReader:
@@ -371,38 +430,22 @@ class _RecordReader:
             self.pending = [
                 (record, 0, len(record), len(record) + _BYTES_OVERHEAD) for record in records
             ]
-            # book exactly what the records' shares will return (the buffer's booking
-            # counted framing, theirs count each object's overhead)
-            shares = sum(share for *_, share in self.pending)
-            if shares > self.pending_booked:
-                _book(self.account, shares - self.pending_booked, "cached elements read ahead")
-            else:
-                self.account.release(self.pending_booked - shares)
-            self.pending_booked = shares
+            self._rebook_pending()
         self.next_pending = 0
         return True
 
-    def _check_one(self, buffer: bytes, offset: int) -> tuple[int, int]:
-        """Check one framed record in place (length, both CRCs); its payload's bounds."""
-        view = memoryview(buffer)
-        problem = ""
-        if len(buffer) < RECORD_OVERHEAD_BYTES:
-            problem = "truncated record"
+    def _rebook_pending(self) -> None:
+        """Book exactly what the pending records' shares will return (the buffers read
+        were booked with their framing; the records count each object's overhead)."""
+        shares = sum(share for *_, share in self.pending)
+        if shares > self.pending_booked:
+            _book(self.account, shares - self.pending_booked, "cached elements read ahead")
         else:
-            length, length_crc = _FRAME_HEADER.unpack_from(buffer, 0)
-            if masked_crc32c(view[:8]) != length_crc:
-                problem = "corrupted record (bad length checksum)"
-            elif length != len(buffer) - RECORD_OVERHEAD_BYTES:
-                problem = f"record of {length} bytes where the index says {len(buffer) - 16}"
-            else:
-                (data_crc,) = _FRAME_FOOTER.unpack_from(buffer, 12 + length)
-                if masked_crc32c(view[12 : 12 + length]) != data_crc:
-                    problem = "corrupted record (bad data checksum)"
-        if problem:
-            raise DataLossError(
-                f"{problem} at offset {offset} in file {self.path}", path=self.path, offset=offset
-            )
-        return 12, 12 + length
+            self.account.release(self.pending_booked - shares)
+        self.pending_booked = shares
+
+    def _check_one(self, buffer: bytes, offset: int) -> tuple[int, int]:
+        return _check_frame(buffer, offset, self.path)
 
     def _take(self) -> tuple[bytes, int, int, int]:
         """The next record (buffer, payload bounds, offset), its read-ahead booking returned."""
@@ -441,6 +484,106 @@ class _RecordReader:
         self._release_pending()
         self.stream.close()
         self.index_booking.release()
+
+
+class _BlockReader(_RecordReader):
+    """Encoded elements of a compressed cache file (:mod:`headrace.io.blocks`), in order:
+    one positioned read and one decompression per block, every check before any use.
+
+    The ``.hrx`` index gives the blocks' offsets and the manifest each block's records
+    and decompressed size, so skipping is still free (to the block that holds the
+    position). The compressed block, the decompressed one and each element handed on
+    are booked; an error names the file and the block's offset (and, inside a block,
+    that the offset counts in its decompressed bytes).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        ctx: Context,
+        account: StageAccount,
+        codec: BlockCodec,
+        blocks: list[tuple[int, int]],
+    ) -> None:
+        super().__init__(path, ctx, account)
+        self.codec = codec
+        self.blocks = blocks
+        if len(blocks) != len(self.offsets):
+            self.close()
+            raise DataLossError(
+                f"cache: the index of {path} lists {len(self.offsets)} blocks where its "
+                f"manifest lists {len(blocks)}",
+                path=path,
+            )
+        #: The first element of each block (and the total, last).
+        self.starts = [0]
+        for records, _ in blocks:
+            self.starts.append(self.starts[-1] + records)
+        self.pending_first = 0  # the element number of ``pending[0]``
+        self.block_offset = 0  # of the block ``pending`` came from
+
+    def _refill(self) -> bool:
+        if self.next >= self.starts[-1]:
+            return False
+        block = bisect.bisect_right(self.starts, self.next) - 1
+        begin = int(self.offsets[block])
+        size = self._end(block) - begin
+        records, raw_size = self.blocks[block]
+        self._release_pending()
+        work = size + raw_size + 2 * _BYTES_OVERHEAD
+        if work > self.chunk:  # a large element's block: beyond the chunk
+            self.account.require(self.account.held + work, what="one cached element")
+        _book(self.account, work, "a compressed block read ahead")
+        self.pending_booked = work
+        (buffer,) = self.stream.pread_many([begin], [size])
+        start, stop = _check_frame(buffer, begin, self.path)
+        raw = self.codec.decompress(
+            memoryview(buffer)[start:stop], raw_size, path=self.path, offset=begin
+        )
+        del buffer
+        stream = f" of the {self.codec.name} block at offset {begin}, decompressed,"
+        if records == 1:  # decoded in place: the element's arrays are views of ``raw``
+            bounds = _check_frame(raw, 0, self.path, stream)
+            self.pending = [(raw, *bounds, raw_size + _BYTES_OVERHEAD)]
+        else:
+            try:
+                split = records_in_spans([raw], [records], [0], path=self.path)
+            except DataLossError as error:
+                raise DataLossError(
+                    f"{error} (the offset counts in the {self.codec.name} block at offset "
+                    f"{begin}, decompressed)",
+                    path=self.path,
+                    offset=begin,
+                ) from None
+            del raw
+            self.pending = [(record, 0, len(record), len(record) + _BYTES_OVERHEAD) for record in split]
+        self._rebook_pending()  # the compressed block is gone: the records' shares stay
+        self.pending_first = self.starts[block]
+        self.block_offset = begin
+        self.next_pending = self.next - self.pending_first
+        for dropped in range(self.next_pending):  # before a skipped-to position
+            *_, share = self.pending[dropped]
+            self.pending[dropped] = (b"", 0, 0, 0)
+            self.pending_booked -= share
+            self.account.release(share)
+        return True
+
+    def _take(self) -> tuple[bytes, int, int, int]:
+        if self.next_pending >= len(self.pending) and not self._refill():
+            raise StopIteration
+        buffer, start, stop, share = self.pending[self.next_pending]
+        self.pending[self.next_pending] = (b"", 0, 0, 0)
+        self.next_pending += 1
+        self.pending_booked -= share
+        self.account.release(share)  # booked again as the element it becomes
+        self.next += 1
+        return buffer, start, stop, self.block_offset
+
+    def skip(self, count: int) -> int:
+        self._release_pending()
+        done = min(count, self.starts[-1] - self.next)
+        self.next += done
+        return done
 
 
 # --------------------------------------------------------------------------- stores
@@ -816,10 +959,14 @@ class _FileStore(_Store):
         self.ctx, self.account = ctx, account
         self.paths = _CachePaths(node.filename)
         self.fingerprint = node.inputs[0].fingerprint()
+        self.codec = block_codec(node.compression)
+        self.blocks: list[tuple[int, int]] = []
         self.lock_fd = _acquire_lock(self.paths)
         try:
             _remove_leftovers(self.paths)
-            self.writer: _RecordWriter | None = _RecordWriter(self.paths.data, account)
+            self.writer: _RecordWriter | None = _RecordWriter(
+                self.paths.data, account, self.codec
+            )
         except BaseException:
             _release_lock(self.paths, self.lock_fd)
             raise
@@ -840,7 +987,8 @@ class _FileStore(_Store):
             return
         try:
             writer.finish()
-            manifest = {
+            self.blocks = writer.blocks
+            manifest: dict[str, Any] = {
                 "format": _MANIFEST_FORMAT,
                 "elements_format": ELEMENTS_FORMAT,
                 "fingerprint": self.fingerprint,
@@ -848,6 +996,9 @@ class _FileStore(_Store):
                 "bytes": os.path.getsize(self.paths.data),
                 "created": time.time(),
             }
+            if self.codec is not None:  # what a reader needs to find and check each block
+                manifest["compression"] = self.codec.name
+                manifest["blocks"] = [list(block) for block in self.blocks]
             write_atomically(self.paths.manifest, [json.dumps(manifest).encode()])
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -864,12 +1015,23 @@ class _FileStore(_Store):
             _release_lock(self.paths, self.lock_fd)
 
     def reader(self) -> _StoreReader:
-        return _FileReader(self.paths.data, self.ctx, self.account)
+        return _FileReader(self.paths.data, self.ctx, self.account, self.codec, self.blocks)
 
 
 class _FileReader(_StoreReader):
-    def __init__(self, path: str, ctx: Context, account: StageAccount) -> None:
-        self.records = _RecordReader(path, ctx, account)
+    def __init__(
+        self,
+        path: str,
+        ctx: Context,
+        account: StageAccount,
+        codec: BlockCodec | None = None,
+        blocks: list[tuple[int, int]] | None = None,
+    ) -> None:
+        self.records = (
+            _RecordReader(path, ctx, account)
+            if codec is None
+            else _BlockReader(path, ctx, account, codec, blocks or [])
+        )
 
     def pull(self) -> tuple[Any, Reservation]:
         return self.records.pull()
@@ -884,14 +1046,23 @@ class _FileReader(_StoreReader):
 class _CompleteFile(_Store):
     """A complete ``cache(filename)`` found on disk."""
 
-    def __init__(self, path: str, ctx: Context, account: StageAccount, count: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        ctx: Context,
+        account: StageAccount,
+        count: int,
+        codec: BlockCodec | None,
+        blocks: list[tuple[int, int]],
+    ) -> None:
         super().__init__(())
         self.path, self.ctx, self.account = path, ctx, account
         self.complete = True
         self.count = count
+        self.codec, self.blocks = codec, blocks
 
     def reader(self) -> _StoreReader:
-        return _FileReader(self.path, self.ctx, self.account)
+        return _FileReader(self.path, self.ctx, self.account, self.codec, self.blocks)
 
     def discard(self) -> None:
         """A complete cache stays on disk."""
@@ -977,7 +1148,30 @@ def _find_complete(node: CacheNode, ctx: Context, account: StageAccount) -> _Com
         return None
     if not os.path.exists(index_path_for(paths.data)):  # written before the manifest
         return None
-    return _CompleteFile(paths.data, ctx, account, count)
+    compression = manifest.get("compression")  # detected: whatever this run would write
+    if compression is None:
+        return _CompleteFile(paths.data, ctx, account, count, None, [])
+    blocks = manifest.get("blocks")
+    if (
+        compression not in BLOCK_CODECS
+        or not isinstance(blocks, list)
+        or not all(
+            isinstance(block, list)
+            and len(block) == 2
+            and all(isinstance(n, int) and n >= 0 for n in block)
+            for block in blocks
+        )
+        or sum(block[0] for block in blocks) != count
+    ):
+        raise DataLossError(
+            f"cache: the manifest {paths.manifest} is corrupted (compression "
+            f"{compression!r:.40} with blocks that do not add up to its {count} elements)",
+            path=paths.manifest,
+        )
+    codec = block_codec(compression)  # SNAPPY without cramjam: says what to install
+    return _CompleteFile(
+        paths.data, ctx, account, count, codec, [(int(n), int(raw)) for n, raw in blocks]
+    )
 
 
 # --------------------------------------------------------------------------- iterator

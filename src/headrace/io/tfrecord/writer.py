@@ -17,7 +17,7 @@ from headrace.io._crc32c import crc32c, mask_crc, masked_crc32c
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
 from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES, U32, encode_records, frame_record
 
-__all__ = ["TFRecordWriter", "fsync_directory", "write_tfrecord"]
+__all__ = ["TFRecordWriter", "fsync_directory", "record_frame", "write_tfrecord"]
 
 _U64 = struct.Struct("<Q")
 
@@ -35,6 +35,16 @@ class _ZlibWriter:
 
     def close(self) -> None:
         self._raw.write(self._compressor.flush())
+
+
+def record_frame(parts: Sequence[bytes | memoryview]) -> tuple[bytes, bytes]:
+    """The TFRecord header (length, its CRC) and footer (the data's CRC) of one record
+    made of ``parts``, computed over the parts in place."""
+    header = _U64.pack(sum(len(part) for part in parts))
+    crc = 0
+    for part in parts:
+        crc = crc32c(part, crc)
+    return header + U32.pack(masked_crc32c(header)), U32.pack(mask_crc(crc))
 
 
 class TFRecordWriter:
@@ -87,17 +97,13 @@ class TFRecordWriter:
         them and written piece by piece: a large record is never joined into one more
         copy in memory. Returns the bytes the record takes in the file (uncompressed)."""
         self._check_open()
-        length = sum(len(part) for part in parts)
-        header = _U64.pack(length)
-        crc = 0
-        for part in parts:
-            crc = crc32c(part, crc)
-        self._sink.write(header + U32.pack(masked_crc32c(header)))
+        header, footer = record_frame(parts)
+        self._sink.write(header)
         for part in parts:
             self._sink.write(part)
-        self._sink.write(U32.pack(mask_crc(crc)))
+        self._sink.write(footer)
         self.records_written += 1
-        return length + RECORD_OVERHEAD_BYTES
+        return sum(len(part) for part in parts) + RECORD_OVERHEAD_BYTES
 
     def close(self) -> None:
         """Finish the file and move it to ``path``; a no-op when already closed."""
