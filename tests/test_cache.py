@@ -413,3 +413,43 @@ def test_full_disk_writing_a_file_cache_leaves_no_complete_looking_file(
     with pytest.raises(OSError, match=f"no space left on the device writing {prefix}.hrcache"):
         list(ds)
     assert cache_files(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- read path
+
+
+@pytest.mark.parametrize("sizes", [[100_000] * 60, [50, 100_000, 70, 40_000, 3, 200_000] * 10])
+def test_large_records_are_read_in_runs_each_into_a_buffer_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sizes: list[int]
+) -> None:
+    from headrace.io.streams import SuspendableStream
+
+    def make(i: Any) -> Any:
+        return np.full(sizes[int(i)], int(i) % 251, np.uint8)
+
+    ds = hr.Dataset.range(len(sizes)).map(make).cache(str(tmp_path / "c")).with_options(
+        hr.Options(memory_budget="64MiB")
+    )
+    list(ds)  # writes the file
+    calls: list[int] = []
+    original = SuspendableStream.pread_many
+
+    def counted(self: Any, offsets: list[int], lengths: list[int]) -> list[bytes]:
+        calls.append(len(offsets))
+        return original(self, offsets, lengths)
+
+    monkeypatch.setattr(SuspendableStream, "pread_many", counted)
+    elements = list(ds)
+    assert [int(e[0]) if len(e) else None for e in elements] == [
+        i % 251 if sizes[i] else None for i in range(len(sizes))
+    ]
+    for element, size in zip(elements, sizes, strict=True):
+        assert element.shape == (size,) and not element.flags.writeable
+        if size >= 32 << 10:  # decoded where it was read: its own buffer, no neighbour's
+            owner = element.base
+            while getattr(owner, "base", None) is not None:
+                owner = owner.base
+            assert isinstance(owner, (bytes, memoryview)) or hasattr(owner, "obj")
+            assert len(bytes(memoryview(owner))) < size + 1024
+    # the chunk follows the stage's share (1 MiB here): runs of records, not one each
+    assert len(calls) <= len(sizes) // 4, calls

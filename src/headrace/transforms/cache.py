@@ -115,6 +115,9 @@ _MANIFEST_FORMAT = "headrace.cache"
 _BYTES_OVERHEAD = 33  # what a bytes object costs beyond its payload (sys.getsizeof(b""))
 _FRAME_HEADER = struct.Struct("<QI")  # a TFRecord's length and its masked CRC
 _FRAME_FOOTER = struct.Struct("<I")  # its data's masked CRC
+#: Records at least this large are read each into a buffer of its own and decoded
+#: there (no copy); smaller ones are read in runs and split out (one small copy each).
+_IN_PLACE_BYTES = 32 << 10
 
 
 class CacheNode(UnaryNode):
@@ -390,7 +393,6 @@ class _RecordReader:
 
     def __init__(self, path: str, ctx: Context, account: StageAccount) -> None:
         self.path, self.ctx, self.account = path, ctx, account
-        self.chunk = _chunk_bytes(account)
         index = load_index(path, size_only=True)  # every record is checked as it is read
         self.offsets = index.offsets
         self.size = index.shard_size
@@ -404,6 +406,13 @@ class _RecordReader:
         self.pending_booked = 0
         self.next_pending = 0
 
+    @property
+    def chunk(self) -> int:
+        # Read when reading, not when made: a reader made while the iterator tree is
+        # built (a complete cache file) sees its stage's share only once the budget is
+        # split, and a chunk fixed then (16 KiB) read 100 KB records one call each.
+        return _chunk_bytes(self.account)
+
     def _end(self, record: int) -> int:
         return int(self.offsets[record + 1]) if record + 1 < len(self.offsets) else self.size
 
@@ -412,6 +421,8 @@ class _RecordReader:
         if first >= len(self.offsets):
             return False
         begin = int(self.offsets[first])
+        if self._end(first) - begin >= _IN_PLACE_BYTES:
+            return self._refill_large(first)
         last = first
         while last + 1 < len(self.offsets) and self._end(last + 1) - begin <= self.chunk:
             last += 1
@@ -434,6 +445,39 @@ class _RecordReader:
         self.next_pending = 0
         return True
 
+    def _refill_large(self, first: int) -> bool:
+        """Read the run of large records from ``first`` (up to a chunk, or one beyond it),
+        each into a buffer of its own, with one call (one file-pool check-out): each is
+        decoded where it was read, its arrays views of its own buffer — the kernel's copy
+        from the page cache is the only one — and no element pins another's bytes."""
+        starts = [int(self.offsets[first])]
+        sizes = [self._end(first) - starts[0]]
+        total = sizes[0]
+        record = first + 1
+        while record < len(self.offsets):
+            start = int(self.offsets[record])
+            size = self._end(record) - start
+            if size < _IN_PLACE_BYTES or total + size > self.chunk:
+                break
+            starts.append(start)
+            sizes.append(size)
+            total += size
+            record += 1
+        if total > self.chunk:  # one record beyond the chunk
+            self.account.require(self.account.held + total, what="one cached element")
+        self._release_pending()
+        booked = total + _BYTES_OVERHEAD * len(sizes)
+        _book(self.account, booked, "cached elements read ahead")
+        self.pending_booked = booked
+        buffers = self.stream.pread_many(starts, sizes)
+        self.pending = [
+            (buffer, *_check_frame(buffer, start, self.path), len(buffer) + _BYTES_OVERHEAD)
+            for buffer, start in zip(buffers, starts, strict=True)
+        ]
+        self._rebook_pending()  # (a short read at a truncated end books less)
+        self.next_pending = 0
+        return True
+
     def _rebook_pending(self) -> None:
         """Book exactly what the pending records' shares will return (the buffers read
         were booked with their framing; the records count each object's overhead)."""
@@ -451,14 +495,24 @@ class _RecordReader:
         """The next record (buffer, payload bounds, offset), its read-ahead booking returned."""
         if self.next_pending >= len(self.pending) and not self._refill():
             raise StopIteration
-        buffer, start, stop, share = self.pending[self.next_pending]
-        self.pending[self.next_pending] = (b"", 0, 0, 0)
+        offset = self._offset(self.next)
+        buffer, start, stop = self._hand_on(self.next_pending)
         self.next_pending += 1
-        self.pending_booked -= share
-        self.account.release(share)  # booked again as the element it becomes
-        offset = int(self.offsets[self.next])
         self.next += 1
         return buffer, start, stop, offset
+
+    def _hand_on(self, index: int) -> tuple[bytes, int, int]:
+        """Pending record ``index`` out of the read-ahead, its share returned (booked
+        again as the element it becomes)."""
+        buffer, start, stop, share = self.pending[index]
+        self.pending[index] = (b"", 0, 0, 0)
+        self.pending_booked -= share
+        self.account.release(share)
+        return buffer, start, stop
+
+    def _offset(self, record: int) -> int:
+        """Where an error in ``record`` is reported: its offset in the file."""
+        return int(self.offsets[record])
 
     def pull(self) -> tuple[Any, Reservation]:
         buffer, start, stop, offset = self._take()
@@ -562,22 +616,11 @@ class _BlockReader(_RecordReader):
         self.block_offset = begin
         self.next_pending = self.next - self.pending_first
         for dropped in range(self.next_pending):  # before a skipped-to position
-            *_, share = self.pending[dropped]
-            self.pending[dropped] = (b"", 0, 0, 0)
-            self.pending_booked -= share
-            self.account.release(share)
+            self._hand_on(dropped)
         return True
 
-    def _take(self) -> tuple[bytes, int, int, int]:
-        if self.next_pending >= len(self.pending) and not self._refill():
-            raise StopIteration
-        buffer, start, stop, share = self.pending[self.next_pending]
-        self.pending[self.next_pending] = (b"", 0, 0, 0)
-        self.next_pending += 1
-        self.pending_booked -= share
-        self.account.release(share)  # booked again as the element it becomes
-        self.next += 1
-        return buffer, start, stop, self.block_offset
+    def _offset(self, record: int) -> int:
+        return self.block_offset  # (the message says the offset counts in the block)
 
     def skip(self, count: int) -> int:
         self._release_pending()
