@@ -228,10 +228,10 @@ class _RecordWriter:
         self.path = path
         self.account = account
         self.codec = codec
-        self.batch_limit = _chunk_bytes(account)
-        # the batch, its framed copy, and (compressed) the block made of it
-        buffers = (3 if codec is not None else 2) * self.batch_limit
-        self.booking = _book(account, DEFAULT_BUFFER_SIZE + buffers, "the cache's write buffers")
+        #: Fixed, and its buffers booked, at the first element: a writer made while the
+        #: iterator tree is built (cache(filename)) sees its stage's share only then.
+        self.batch_limit = 0
+        self.booking = NO_RESERVATION
         #: With a codec, per block (``offsets`` are the blocks'): its records and its size
         #: decompressed (see :mod:`headrace.io.blocks`).
         self.blocks: list[tuple[int, int]] = []
@@ -244,7 +244,17 @@ class _RecordWriter:
         self.offsets = array.array("q")
         self.offsets_booking = account.charge(0)
 
+    def _start(self) -> None:
+        self.batch_limit = _chunk_bytes(self.account)
+        # the batch, its framed copy, and (compressed) the block made of it
+        buffers = (3 if self.codec is not None else 2) * self.batch_limit
+        self.booking = _book(
+            self.account, DEFAULT_BUFFER_SIZE + buffers, "the cache's write buffers"
+        )
+
     def append(self, encoded: EncodedParts) -> None:
+        if not self.batch_limit:
+            self._start()
         size = encoded.nbytes + _BYTES_OVERHEAD
         if self.batch_bytes + size > self.batch_limit:
             self.flush()
@@ -349,7 +359,8 @@ class _RecordWriter:
         self._release()
 
     def _release(self) -> None:
-        self.booking.release()
+        booking, self.booking = self.booking, NO_RESERVATION
+        booking.release()
         self.offsets_booking.release()
         self.offsets = array.array("q")
 
