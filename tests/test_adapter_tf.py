@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
@@ -81,3 +81,53 @@ def test_random_pipelines_match_headrace(
         assert gx.dtype == ex.dtype
         np.testing.assert_array_equal(gx, ex)
         np.testing.assert_array_equal(gi, ei)
+
+
+def test_str_components_arrive_as_utf8() -> None:
+    words = np.array(["é", "", "naïve", "x\x00"], object)
+    got = [v.numpy() for v in hr.Dataset.from_tensor_slices(words).to_tf()]
+    assert got == [w.encode() for w in words]
+
+
+def test_two_passes_at_once_are_independent() -> None:
+    out = hr.Dataset.range(5).to_tf()
+    first, second = iter(out), iter(out)
+    pairs = [(int(next(first)), int(next(second))) for _ in range(5)]
+    assert pairs == [(v, v) for v in range(5)]
+
+
+def test_an_error_in_the_pipeline_reaches_tensorflow_with_its_message() -> None:
+    def bad(v: np.ndarray) -> np.ndarray:
+        if int(v) == 2:
+            raise ValueError("row two is bad")
+        return v
+
+    out = hr.Dataset.range(4).map(bad).to_tf()
+    with pytest.raises(tf.errors.OpError, match="row two is bad"):
+        list(out)
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # checked once, at the end
+@given(stops=st.lists(st.integers(0, 12), min_size=1, max_size=4), batch=st.integers(1, 5))
+def test_abandoned_and_finished_passes_give_back_their_budget(
+    stops: list[int], batch: int, no_thread_leak: None
+) -> None:
+    # TensorFlow drops an iterator mid-pass (a `break`, steps_per_epoch) or runs it out:
+    # either way the headrace iterator closes, so its threads stop and its bytes return.
+    import gc
+
+    from headrace.core.run import default_budget, join_abandoned
+
+    gc.collect()
+    before = default_budget().used
+    ds = hr.Dataset.range(40).map(lambda v: np.full(64, v)).prefetch(4).batch(batch).prefetch(2)
+    out = ds.to_tf()
+    for stop in stops:
+        iterator = iter(out)
+        seen = [next(iterator).numpy() for _ in range(min(stop, ds.cardinality()))]
+        assert [int(b[0, 0]) for b in seen] == [i * batch for i in range(len(seen))]
+        del iterator
+    gc.collect()
+    assert join_abandoned()
+    assert default_budget().used == before

@@ -18,8 +18,10 @@ iterator per epoch in the backend's own form, and for the number of batches.
 * ``validation_data=val.to_keras()``, ``evaluate`` and ``predict`` work alike;
 * on the JAX, torch and NumPy backends the NumPy batches are handed over
   as they are (torch: tensors sharing their memory, see ``to_torch``); on the
-  TensorFlow backend Keras needs a ``tf.data.Dataset`` (``to_tf``), whose
-  generator converts each batch into a tensor.
+  TensorFlow backend Keras needs a ``tf.data.Dataset``: ``to_tf`` (one
+  ``numpy_function`` call per batch), built once per adapter, with one batch
+  prefetched on TensorFlow's side — the only element held outside the
+  pipeline's budget, as a training loop holds the batch it works on.
 
 ``MemoryMonitor`` is a callback for any ``fit``, whatever its input.
 """
@@ -51,6 +53,7 @@ class KerasAdapter(DataAdapter):  # type: ignore[misc]
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
+        self._tf_dataset: Any = None
 
     def _elements(self) -> Generator[Any, None, None]:
         with iter(self.dataset) as elements:  # closed when Keras drops the epoch's iterator
@@ -63,7 +66,15 @@ class KerasAdapter(DataAdapter):  # type: ignore[misc]
         return self._elements()  # Keras's JAX trainer puts NumPy batches on devices itself
 
     def get_tf_dataset(self) -> Any:
-        return self.dataset.to_tf()
+        # Keras asks once per fit/evaluate/predict call; building the tf.data graph
+        # (tracing its functions) takes tens of ms, so one is built and reused: every
+        # pass over it still runs a fresh headrace iterator. One batch is taken ahead on
+        # TensorFlow's side, so that handing it over (a Python call under the GIL, which
+        # the pipeline's own threads and Keras's loop also want) overlaps the step
+        # instead of delaying it: without it fit ran at 0.84x tf.data's steps/s.
+        if self._tf_dataset is None:
+            self._tf_dataset = self.dataset.to_tf().prefetch(1)
+        return self._tf_dataset
 
     def get_torch_dataloader(self) -> Any:
         import torch
