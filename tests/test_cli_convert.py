@@ -352,3 +352,123 @@ def test_save_tfrecords_takes_a_row_count_only_for_batches(tmp_path: Path) -> No
     with pytest.raises(InvalidArgumentError, match="more elements than"):
         save_tfrecords(batches, tmp_path / "c", batched=True, num_records=6, progress=False)
     assert nothing_final(tmp_path / "c")
+
+
+# --------------------------------------------------------------------------- --null-default
+
+_CELL = st.one_of(st.none(), st.integers(-1000, 1000))
+
+
+@pytest.mark.tf
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.lists(st.tuples(_CELL, st.one_of(st.none(), _FLOAT), st.sampled_from(["", "w"])),
+                  min_size=1, max_size=30),
+    every=st.sampled_from([None, "-7", "2.5"]),
+    own=st.fixed_dictionaries({}, optional={"i": st.sampled_from(["3", "-1"]),
+                                            "s": st.sampled_from(["none", "x=y"])}),
+)
+def test_csv_empty_fields_take_the_null_default_or_fail_naming_where(
+    tmp_path_factory: pytest.TempPathFactory, capsys: Capture,
+    rows: list[tuple[int | None, float | None, str]], every: str | None, own: dict[str, str],
+) -> None:
+    tmp = tmp_path_factory.mktemp("nulls")
+    source = tmp / "t.csv"
+    # row 0 fixes each column's inferred type (int, float, text), whatever follows
+    table = [(1, 0.5, "w"), *rows]
+    with open(source, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["i", "f", "s"])
+        for i, f, s in table:
+            writer.writerow(["" if i is None else i, "" if f is None else repr(f), s])
+    specs = ([every] if every is not None else []) + [f"{k}={v}" for k, v in own.items()]
+    argv = ["convert", str(source), str(tmp / "out"), "--progress", "never", "--batch-size", "8"]
+    for spec in specs:
+        argv += ["--null-default", spec]
+    code = main(argv)
+    err = capsys.readouterr().err
+
+    int_default = own.get("i", every)
+    if int_default is not None and "." in int_default:  # 2.5 is no int: refused up front
+        assert code == 1 and "'2.5' for column 'i'" in err and "not a int32 value" in err
+        assert nothing_final(tmp / "out")
+        return
+    missing = [(r, c) for r, row in enumerate(table) for c, v in enumerate(row[:2]) if v is None
+               and (own.get("i" if c == 0 else "f", every) is None)]
+    if missing:
+        record, column = missing[0]
+        assert code == 1, err
+        assert f"Field {column} is required but missing" in err and "--null-default" in err
+        assert f"record {record}" in err and str(source) in err
+        assert nothing_final(tmp / "out")
+        return
+    assert code == 0, err
+    (parsed,) = read_with_tf(shard_files(tmp / "out"), {
+        "i": tf.io.FixedLenFeature([], tf.int64), "f": tf.io.FixedLenFeature([], tf.float32),
+        "s": tf.io.FixedLenFeature([], tf.string)})
+    f_default = own.get("f", every)
+    assert parsed["i"].tolist() == [int(int_default) if i is None else i  # type: ignore[arg-type]
+                                    for i, _, _ in table]
+    assert parsed["f"].tolist() == [np.float32(float(f_default) if f is None else f)  # type: ignore[arg-type]
+                                    for _, f, _ in table]
+    # an empty text field is the empty string, a value: only the column's own default replaces it
+    assert parsed["s"].tolist() == [(own.get("s", "") if s == "" else s).encode()
+                                    for _, _, s in table]
+
+
+def make_sqlite_nulls(path: Path) -> str:
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, n INTEGER, x REAL, name TEXT)")
+        db.executemany("INSERT INTO t VALUES (?, ?, ?, ?)",
+                       [(i, None if i % 3 == 0 else i, None if i % 4 == 1 else i / 2,
+                         None if i % 5 == 2 else f"n{i}") for i in range(40)])
+    return f"sqlite:///{path}"
+
+
+@pytest.mark.tf
+def test_sql_nulls_take_the_null_default_parsed_per_column(tmp_path: Path, capsys: Capture) -> None:
+    url = make_sqlite_nulls(tmp_path / "db.sqlite")
+    assert main(["convert", url, str(tmp_path / "out"), "--table", "t", "--key", "id",
+                 "--batch-size", "7", "--progress", "never", "--null-default", "-1",
+                 "--null-default", "name=unknown"]) == 0, capsys.readouterr().err
+    (parsed,) = read_with_tf(shard_files(tmp_path / "out"), {
+        "n": tf.io.FixedLenFeature([], tf.int64), "x": tf.io.FixedLenFeature([], tf.float32),
+        "name": tf.io.FixedLenFeature([], tf.string)})
+    assert parsed["n"].tolist() == [-1 if i % 3 == 0 else i for i in range(40)]
+    assert parsed["x"].tolist() == [-1.0 if i % 4 == 1 else i / 2 for i in range(40)]
+    assert parsed["name"].tolist() == [b"unknown" if i % 5 == 2 else f"n{i}".encode()
+                                       for i in range(40)]
+
+
+def test_a_null_default_that_is_not_the_column_type_names_the_column(
+    tmp_path: Path, capsys: Capture
+) -> None:
+    url = make_sqlite_nulls(tmp_path / "db.sqlite")
+    out = tmp_path / "out"
+    assert main(["convert", url, str(out), "--table", "t", "--progress", "never",
+                 "--null-default", "NA"]) == 1
+    err = capsys.readouterr().err
+    assert "NULL default 'NA' for column 'n' is not a int value" in err and "nothing was written" in err
+    assert nothing_final(out)
+
+
+@pytest.mark.parametrize(("specs", "message"), [
+    (["=5"], "names no column"),
+    (["a=1", "a=2"], "given twice for 'a'"),
+    (["1", "*=2"], "given twice for '*'"),
+])
+def test_bad_null_default_specs_are_refused(specs: list[str], message: str) -> None:
+    from headrace.errors import InvalidArgumentError
+    from headrace.tools.convert import parse_null_defaults
+
+    with pytest.raises(InvalidArgumentError, match=message):
+        parse_null_defaults(specs)
+    assert parse_null_defaults(["0", "s=a=b"]) == {"*": "0", "s": "a=b"}
+
+
+def test_null_default_for_a_column_the_csv_lacks_is_refused(tmp_path: Path, capsys: Capture) -> None:
+    source = tmp_path / "t.csv"
+    source.write_text("a,b\n1,2\n")
+    assert main(["convert", str(source), str(tmp_path / "out"), "--null-default", "c=1",
+                 "--progress", "never"]) == 1
+    assert "--null-default for ['c']" in capsys.readouterr().err

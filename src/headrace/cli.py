@@ -184,6 +184,7 @@ def _convert(args: argparse.Namespace) -> int:
                 batch_size=args.batch_size, field_delim=args.delimiter,
                 infer_rows=args.infer_rows or None, compression_type=args.compression_type,
                 memory_budget=args.memory_budget, progress=progress,
+                null_defaults=args.null_default or (),
             )
     except (HeadraceError, OSError) as error:
         print(f"headrace convert: error: {error}", file=sys.stderr)
@@ -340,6 +341,10 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--param", action="append", metavar="VALUE",
                          help="SQL source: a query parameter, as text (repeat for each)")
     convert.add_argument("--key", help="SQL source: a unique column to page the read by")
+    convert.add_argument("--null-default", action="append", metavar="[COLUMN=]VALUE",
+                         help="value for SQL NULLs and empty numeric CSV fields (errors "
+                              "without one), parsed as the column's type; COLUMN=VALUE for "
+                              "one column, VALUE for all others; repeatable")
     convert.add_argument("--feature", default="x",
                          help=".npy source: the feature name of a plain array (default x)")
     convert.add_argument("--delimiter", default=",", help="CSV source: field delimiter")

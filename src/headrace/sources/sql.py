@@ -32,8 +32,11 @@ and from which key; nothing is delivered twice or skipped.
 Types come from the result's column types (PostgreSQL), or from the first
 page's values (SQLite, whose columns have no fixed type): integers int64,
 reals float64, booleans bool, text ``str`` and blobs ``bytes`` in ``object``
-arrays. A NULL takes ``null_defaults[column]``, or raises naming the column,
-the row and its key.
+arrays. A NULL takes ``null_defaults[column]`` (or ``null_defaults["*"]``, for
+every column without an entry of its own), or raises naming the column, the
+row and its key. A default given as :class:`TextDefault` (what ``headrace
+convert --null-default`` passes) is parsed as each column's type where it is
+used, so one value serves integer, float and text columns alike.
 """
 
 from __future__ import annotations
@@ -55,7 +58,19 @@ from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.memory.sizeof import sizeof
 from headrace.structure import TensorSpec
 
-__all__ = ["SqlError", "SqlNode", "quote_identifier"]
+__all__ = ["ALL_COLUMNS", "SqlError", "SqlNode", "TextDefault", "quote_identifier"]
+
+#: The ``null_defaults`` key whose value serves every column without an entry of its own.
+ALL_COLUMNS = "*"
+
+
+class TextDefault(str):
+    """A NULL default given as text, parsed as the type of the column it fills.
+
+    Integer columns take ``int(text)``, float and numeric ones ``float(text)``,
+    booleans ``true/false/1/0``, text columns the text and blobs its UTF-8 bytes;
+    text that is not the column's type raises :class:`SqlError` naming both.
+    """
 
 
 class SqlError(HeadraceError, OSError):
@@ -178,6 +193,37 @@ class _Columns:
         self.dtypes = dict(dtypes)
         self.fixed: dict[str, np.dtype[Any]] = {}
 
+    def _has_default(self, name: str) -> bool:
+        return name in self.null_defaults or ALL_COLUMNS in self.null_defaults
+
+    def _default(self, name: str, kind: str) -> Any:
+        """``name``'s NULL default as a value of ``kind`` (int, float, bool, text, bytes,
+        decimal): a :class:`TextDefault` is parsed, anything else is used as given."""
+        value = self.null_defaults.get(name, self.null_defaults.get(ALL_COLUMNS))
+        if not isinstance(value, TextDefault):
+            return value
+        text = str(value)
+        try:
+            if kind == "int":
+                return int(text)
+            if kind == "float":
+                return float(text)
+            if kind == "decimal":
+                import decimal
+
+                return decimal.Decimal(text)  # a bad one raises InvalidOperation, an ArithmeticError
+            if kind == "bool":
+                flag = {"true": True, "1": True, "false": False, "0": False}.get(text.lower())
+                if flag is None:
+                    raise ValueError(text)
+                return flag
+        except (ValueError, ArithmeticError):
+            raise SqlError(
+                f"from_sql: the NULL default {text!r} for column {name!r} is not a {kind} "
+                f"value; give that column a default of its own ('{name}=...')"
+            ) from None
+        return text.encode() if kind == "bytes" else text
+
     def _null_error(self, name: str, row: int, key: Any) -> SqlError:
         at = f" (key {key!r})" if key is not None else ""
         return SqlError(
@@ -196,10 +242,10 @@ class _Columns:
             dtype = self.fixed[name]
             for position, value in enumerate(values):
                 if value is None:
-                    if name not in self.null_defaults:
+                    if not self._has_default(name):
                         key = keys[position] if keys is not None else None
                         raise self._null_error(name, first_row + position, key)
-                    values[position] = self.null_defaults[name]
+                    values[position] = self._default(name, _kind_of(dtype, values))
             if dtype == np.dtype(object):
                 column = np.empty(len(values), dtype=object)
                 column[:] = values
@@ -225,11 +271,11 @@ class _Columns:
         for index, name in enumerate(self.names):
             column = table.column(index).combine_chunks() if table.num_rows else table.column(index)
             if column.null_count:
-                if name not in self.null_defaults:
+                if not self._has_default(name):
                     row = int(pc.index(pc.is_null(column), True).as_py())
                     key_value = table.column(key)[row].as_py() if key is not None else None
                     raise self._null_error(name, first_row + row, key_value)
-                default = self.null_defaults[name]
+                default = self._default(name, _arrow_kind(column.type))
                 column = column.fill_null(pa.scalar(default, column.type)
                                           if not pa.types.is_decimal(column.type) else default)
             kind = column.type
@@ -251,6 +297,29 @@ class _Columns:
                 array = array.astype(wanted)
             out[name] = array
         return out
+
+
+def _kind_of(dtype: np.dtype[Any], values: Sequence[Any]) -> str:
+    """What a SQLite column holds, for parsing a :class:`TextDefault`."""
+    if dtype.kind == "b":
+        return "bool"
+    if dtype.kind in "iu":
+        return "int"
+    if dtype.kind == "f":
+        return "float"
+    return "bytes" if any(isinstance(v, bytes) for v in values) else "text"
+
+
+def _arrow_kind(kind: Any) -> str:
+    """What an Arrow (PostgreSQL) column holds, for parsing a :class:`TextDefault`."""
+    import pyarrow as pa
+
+    for test, name in ((pa.types.is_boolean, "bool"), (pa.types.is_integer, "int"),
+                       (pa.types.is_floating, "float"), (pa.types.is_decimal, "decimal"),
+                       (pa.types.is_binary, "bytes"), (pa.types.is_large_binary, "bytes")):
+        if test(kind):
+            return name
+    return "text"
 
 
 def _fits(value: Any, dtype: np.dtype[Any]) -> bool:

@@ -14,6 +14,15 @@ Decisions, and why:
   leaves no file under a final name) and indexed. Rows go round-robin over the shards
   (row ``i`` to shard ``i % N``) when their count is not known up front (CSV, SQL); an
   array's length is known, so its shards hold contiguous blocks.
+* **Missing values.** A SQL NULL, or an empty field in a numeric CSV column, is an error
+  naming the column and row (file, record and line for CSV) unless ``--null-default``
+  gives it a value: ``COLUMN=VALUE`` for one column, a bare ``VALUE`` (or ``*=VALUE``)
+  for every column without its own, written as text and parsed as each column's type (a
+  value that is not, e.g. ``NA`` for an integer column, is refused up front for CSV, at
+  the first NULL it would fill for SQL). Writing zeros for what was absent - what
+  ``make_csv_dataset``'s inferred defaults do - would make a missing value look like a
+  measured one. An empty field in a CSV *text* column is the empty string, a value;
+  only that column's own default replaces it.
 * **Types.** An Example holds three kinds of list: integers (and booleans) become
   ``int64_list``, floats ``float_list`` - float32, so float64 columns lose precision,
   and the summary says which did - and strings or bytes ``bytes_list`` (UTF-8).
@@ -49,6 +58,7 @@ from headrace.writers import ProgressBar, ProgressSetting
 __all__ = [
     "ConvertSummary",
     "ShardSummary",
+    "parse_null_defaults",
     "source_kind",
     "tfrecords_to_csv",
     "to_tfrecords",
@@ -187,19 +197,101 @@ def _npy_dataset(path: str, feature: str, batch_size: int) -> tuple[Any, int]:
     return batches.map(_Named(feature)), rows
 
 
+def parse_null_defaults(specs: Sequence[str]) -> dict[str, str]:
+    """``--null-default`` arguments as ``{column: text}`` (``"*"``: every other column).
+
+    ``COLUMN=VALUE`` is one column's; a bare ``VALUE`` (or ``*=VALUE``, for a value
+    holding ``=``) every column's. A column given twice is an error.
+    """
+    from headrace.sources.sql import ALL_COLUMNS
+
+    defaults: dict[str, str] = {}
+    for spec in specs:
+        column, equals, value = spec.partition("=")
+        if not equals:
+            column, value = ALL_COLUMNS, spec
+        if not column:
+            raise InvalidArgumentError(
+                f"convert: --null-default {spec!r} names no column: use COLUMN=VALUE, or "
+                "VALUE alone for every column"
+            )
+        if column in defaults:
+            raise InvalidArgumentError(f"convert: --null-default given twice for {column!r}")
+        defaults[column] = value
+    return defaults
+
+
+def _csv_column_defaults(dataset: Any, defaults: Mapping[str, str],
+                         source: str) -> list[Any]:
+    """``record_defaults`` for ``read_csv`` from the inferred column types: numeric
+    columns required unless a default applies (parsed here, so a bad one fails before
+    anything is read), text columns ``""`` unless they have their own default."""
+    from headrace.sources.sql import ALL_COLUMNS
+
+    spec = dataset.element_spec
+    unknown = sorted(set(defaults) - set(spec) - {ALL_COLUMNS})
+    if unknown:
+        raise InvalidArgumentError(
+            f"convert: --null-default for {unknown}, which {source} has no column of; its "
+            f"columns are {list(spec)}"
+        )
+    record_defaults: list[Any] = []
+    for name, column in spec.items():
+        if column.kind != "numeric":
+            record_defaults.append(defaults.get(name, "").encode())
+            continue
+        text = defaults.get(name, defaults.get(ALL_COLUMNS))
+        if text is None:
+            record_defaults.append(np.array([], column.dtype))  # required: empty is an error
+            continue
+        try:
+            value = column.dtype.type(int(text) if column.dtype.kind in "iu" else float(text))
+        except (ValueError, OverflowError):
+            raise InvalidArgumentError(
+                f"convert: the --null-default {text!r} for column {name!r} of {source} is not "
+                f"a {column.dtype} value; give that column its own ({name}=...)"
+            ) from None
+        record_defaults.append(value)
+    return record_defaults
+
+
+class _MissingHint:
+    """The batches of a CSV read, with a missing numeric field's error saying what to do."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
+        iterator = iter(self.dataset)
+        try:
+            yield from iterator
+        except ParseError as error:
+            if "is required but missing" not in str(error):
+                raise
+            raise type(error)(
+                f"{error}; an empty field is a missing value: give it one with "
+                "--null-default COLUMN=VALUE (or VALUE for every column)"
+            ) from error
+        finally:
+            iterator.close()
+
+
 def _source_dataset(
     source: str, kind: str, *, query: str | None, table: str | None, key: str | None,
     params: Sequence[Any], feature: str, batch_size: int, field_delim: str,
-    infer_rows: int | None,
+    infer_rows: int | None, null_defaults: Mapping[str, str],
 ) -> tuple[Any, int | None]:
     """The source as batches of ``{column: array}``, and its row count when known."""
     import headrace as hr
 
     if kind == "csv":
         suffix = next(s for s in _CSV_SUFFIXES if source.lower().endswith(s))
-        return hr.read_csv(source, batch_size, field_delim=field_delim,
-                           compression_type=_CSV_SUFFIXES[suffix],
-                           num_rows_for_inference=infer_rows), None
+        options: dict[str, Any] = {"field_delim": field_delim,
+                                   "compression_type": _CSV_SUFFIXES[suffix]}
+        inferred = hr.read_csv(source, batch_size, num_rows_for_inference=infer_rows, **options)
+        column_defaults = _csv_column_defaults(inferred, null_defaults, source)
+        return hr.read_csv(source, batch_size, column_defaults=column_defaults,
+                           **options), None
     if kind == "sql":
         if (query is None) == (table is None):
             raise InvalidArgumentError(
@@ -210,8 +302,12 @@ def _source_dataset(
 
             query = f"SELECT * FROM {quote_identifier(table)}"
         assert query is not None
-        return hr.Dataset.from_sql(query, params, connection=source, key=key,
-                                   batch_size=batch_size), None
+        from headrace.sources.sql import TextDefault
+
+        return hr.Dataset.from_sql(
+            query, params, connection=source, key=key, batch_size=batch_size,
+            null_defaults={name: TextDefault(text) for name, text in null_defaults.items()},
+        ), None
     if kind == "npy":
         return _npy_dataset(source, feature, batch_size)
     raise InvalidArgumentError(
@@ -243,6 +339,7 @@ def to_tfrecords(
     compression_type: str | None = None,
     memory_budget: int | str | None = None,
     progress: ProgressSetting = True,
+    null_defaults: Sequence[str] = (),
 ) -> ConvertSummary:
     """Convert a CSV file, a SQL query or a ``.npy`` file to ``num_shards`` TFRecord shards
     of Examples (one per row) under ``dest`` (a directory or a ``{shard}`` pattern).
@@ -252,7 +349,10 @@ def to_tfrecords(
     connection URL, with ``query`` (values in ``params``, never in the text) or ``table``;
     ``key`` pages the read by that column. ``.npy``: a structured array gives one feature
     per field, any other array one feature named ``feature`` (rows of several values as
-    lists). Nothing is written under a final name unless every shard is complete.
+    lists). ``null_defaults``: ``--null-default`` specs (``COLUMN=VALUE``, or ``VALUE``
+    for every column) for SQL NULLs and empty numeric CSV fields, which are errors
+    without one (see the module doc). Nothing is written under a final name unless
+    every shard is complete.
     """
     import headrace as hr
     from headrace.writers import save_tfrecords
@@ -260,13 +360,18 @@ def to_tfrecords(
     kind = source_kind(source)
     if kind != "sql" and not os.path.exists(source):
         raise InvalidArgumentError(f"convert: {source} does not exist")
+    defaults = parse_null_defaults(null_defaults)
+    if defaults and kind == "npy":
+        raise InvalidArgumentError("convert: --null-default is for CSV and SQL sources; an "
+                                   "array has no missing values")
     dataset, rows = _source_dataset(
         source, kind, query=query, table=table, key=key, params=params, feature=feature,
         batch_size=batch_size, field_delim=field_delim, infer_rows=infer_rows,
+        null_defaults=defaults,
     )
     if memory_budget is not None:
         dataset = dataset.with_options(hr.Options(memory_budget=memory_budget))
-    counted = _Counted(dataset)
+    counted = _Counted(_MissingHint(dataset) if kind == "csv" else dataset)
     started = time.perf_counter()
     paths = save_tfrecords(counted, dest, num_shards=num_shards,
                            compression_type=compression_type, progress=progress,
