@@ -864,8 +864,12 @@ def arrow_parse_block(
     select_cols: Sequence[int],
     exclude_cols: Sequence[int],
     expected_rows: int,
+    end: int | None = None,
 ) -> list[np.ndarray[Any, Any]] | None:
     """The block's columns parsed by pyarrow, or None where the pure path must decide.
+
+    ``end``: parse ``block[:end]`` only, without copying it out (the records end there;
+    the checks below may look at the bytes after it, which only makes them stricter).
 
     Only blocks where pyarrow and TensorFlow read every value alike get here:
     ``block`` holds whole records with no quote character and no ``0x`` (pyarrow
@@ -898,7 +902,7 @@ def arrow_parse_block(
              for c, col in zip(wanted, columns, strict=True)}
     try:
         table = pacsv.read_csv(
-            pa.py_buffer(block),
+            pa.py_buffer(block if end is None else memoryview(block)[:end]),
             # One Arrow block (it is already cut at a record boundary), its columns
             # converted in parallel by Arrow's thread pool: the conversion of text to
             # numbers is most of the work, and it runs without the GIL.

@@ -250,8 +250,8 @@ class _BlockReader:
             if end <= 0:
                 return None
             count = _count_newlines(data, end) + (0 if data[end - 1:end] == b"\n" else 1)
-            columns = csvfmt.arrow_parse_block(data[:end], spec.columns, fmt, spec.select_cols,
-                                               spec.exclude_cols, count)
+            columns = csvfmt.arrow_parse_block(data, spec.columns, fmt, spec.select_cols,
+                                               spec.exclude_cols, count, end)
             if columns is not None:
                 return self._finish(columns, count, None, end, count)
         scanned = csvfmt.scan_records(data, fmt, final=final)
