@@ -472,3 +472,43 @@ def test_null_default_for_a_column_the_csv_lacks_is_refused(tmp_path: Path, caps
     assert main(["convert", str(source), str(tmp_path / "out"), "--null-default", "c=1",
                  "--progress", "never"]) == 1
     assert "--null-default for ['c']" in capsys.readouterr().err
+
+
+@pytest.mark.tf
+def test_postgresql_nulls_take_the_null_default_parsed_per_column(
+    tmp_path: Path, capsys: Capture
+) -> None:
+    # PostgreSQL's columns arrive as Arrow: the default is parsed as each Arrow type
+    url = os.environ.get("HEADRACE_TEST_POSTGRES", "")
+    assert url, "HEADRACE_TEST_POSTGRES is not set: run the tests with scripts/test.sh"
+    import adbc_driver_postgresql.dbapi as pg
+
+    name = f"conv_{uuid.uuid4().hex[:10]}"
+    with pg.connect(url) as db, db.cursor() as cur:
+        cur.execute(f"CREATE TABLE {name} (id bigint PRIMARY KEY, n integer, f double precision, "
+                    "b boolean, s text)")
+        cur.execute(f"INSERT INTO {name} SELECT g, CASE WHEN g % 3 = 0 THEN NULL ELSE g END, "
+                    "CASE WHEN g % 4 = 1 THEN NULL ELSE g * 0.5 END, "
+                    "CASE WHEN g % 5 = 2 THEN NULL ELSE g % 2 = 0 END, "
+                    "CASE WHEN g % 7 = 3 THEN NULL ELSE 'r' || g END FROM generate_series(0, 99) g")
+        db.commit()
+    try:
+        refused = main(["convert", url, str(tmp_path / "bad"), "--table", name, "--key", "id",
+                        "--progress", "never", "--null-default", "NA"])
+        assert refused == 1
+        assert "NULL default 'NA' for column 'n' is not a int value" in capsys.readouterr().err
+        assert nothing_final(tmp_path / "bad")
+        assert main(["convert", url, str(tmp_path / "out"), "--table", name, "--key", "id",
+                     "--progress", "never", "--null-default", "1", "--null-default", "s=none",
+                     "--null-default", "f=-2.5"]) == 0, capsys.readouterr().err
+    finally:
+        with pg.connect(url) as db, db.cursor() as cur:
+            cur.execute(f"DROP TABLE {name}")
+            db.commit()
+    (parsed,) = read_with_tf(shard_files(tmp_path / "out"), {
+        "n": tf.io.FixedLenFeature([], tf.int64), "f": tf.io.FixedLenFeature([], tf.float32),
+        "b": tf.io.FixedLenFeature([], tf.int64), "s": tf.io.FixedLenFeature([], tf.string)})
+    assert parsed["n"].tolist() == [1 if g % 3 == 0 else g for g in range(100)]
+    assert parsed["f"].tolist() == [-2.5 if g % 4 == 1 else g * 0.5 for g in range(100)]
+    assert parsed["b"].tolist() == [1 if g % 5 == 2 else int(g % 2 == 0) for g in range(100)]
+    assert parsed["s"].tolist() == [b"none" if g % 7 == 3 else f"r{g}".encode() for g in range(100)]
