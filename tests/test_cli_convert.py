@@ -4,11 +4,13 @@ name the file and row and leave nothing written."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import os
 import sqlite3
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +237,26 @@ def make_sqlite(path: Path, rows: int, null_at: int | None = None) -> str:
     return f"sqlite:///{path}"
 
 
+@contextlib.contextmanager
+def postgres_table(columns: str, rows_query: str) -> Iterator[tuple[str, str]]:
+    """(server URL, name) of a throwaway table filled by ``rows_query``; dropped after."""
+    url = os.environ.get("HEADRACE_TEST_POSTGRES", "")
+    assert url, "HEADRACE_TEST_POSTGRES is not set: run the tests with scripts/test.sh"
+    import adbc_driver_postgresql.dbapi as pg
+
+    name = f"conv_{uuid.uuid4().hex[:10]}"
+    with pg.connect(url) as db, db.cursor() as cur:
+        cur.execute(f"CREATE TABLE {name} ({columns})")
+        cur.execute(f"INSERT INTO {name} {rows_query}")
+        db.commit()
+    try:
+        yield url, name
+    finally:
+        with pg.connect(url) as db, db.cursor() as cur:
+            cur.execute(f"DROP TABLE {name}")
+            db.commit()
+
+
 @pytest.mark.tf
 def test_sqlite_query_to_shards(tmp_path: Path, capsys: Capture) -> None:
     url = make_sqlite(tmp_path / "db.sqlite", 500)
@@ -265,22 +287,10 @@ def test_a_sql_null_names_column_and_row_and_writes_nothing(tmp_path: Path, caps
 
 @pytest.mark.tf
 def test_postgresql_query_to_shards(tmp_path: Path) -> None:
-    url = os.environ.get("HEADRACE_TEST_POSTGRES", "")
-    assert url, "HEADRACE_TEST_POSTGRES is not set: run the tests with scripts/test.sh"
-    import adbc_driver_postgresql.dbapi as pg
-
-    name = f"conv_{uuid.uuid4().hex[:10]}"
-    with pg.connect(url) as db, db.cursor() as cur:
-        cur.execute(f"CREATE TABLE {name} (id bigint PRIMARY KEY, f real, s text)")
-        cur.execute(f"INSERT INTO {name} SELECT g, g * 0.5, 'r' || g FROM generate_series(0, 999) g")
-        db.commit()
-    try:
+    with postgres_table("id bigint PRIMARY KEY, f real, s text",
+                        "SELECT g, g * 0.5, 'r' || g FROM generate_series(0, 999) g") as (url, name):
         assert main(["convert", url, str(tmp_path / "out"), "--table", name, "--key", "id",
                      "--shards", "3", "--progress", "never"]) == 0
-    finally:
-        with pg.connect(url) as db, db.cursor() as cur:
-            cur.execute(f"DROP TABLE {name}")
-            db.commit()
     parsed = read_with_tf(shard_files(tmp_path / "out"), {
         "id": tf.io.FixedLenFeature([], tf.int64), "f": tf.io.FixedLenFeature([], tf.float32),
         "s": tf.io.FixedLenFeature([], tf.string)})
@@ -479,20 +489,13 @@ def test_postgresql_nulls_take_the_null_default_parsed_per_column(
     tmp_path: Path, capsys: Capture
 ) -> None:
     # PostgreSQL's columns arrive as Arrow: the default is parsed as each Arrow type
-    url = os.environ.get("HEADRACE_TEST_POSTGRES", "")
-    assert url, "HEADRACE_TEST_POSTGRES is not set: run the tests with scripts/test.sh"
-    import adbc_driver_postgresql.dbapi as pg
-
-    name = f"conv_{uuid.uuid4().hex[:10]}"
-    with pg.connect(url) as db, db.cursor() as cur:
-        cur.execute(f"CREATE TABLE {name} (id bigint PRIMARY KEY, n integer, f double precision, "
-                    "b boolean, s text)")
-        cur.execute(f"INSERT INTO {name} SELECT g, CASE WHEN g % 3 = 0 THEN NULL ELSE g END, "
-                    "CASE WHEN g % 4 = 1 THEN NULL ELSE g * 0.5 END, "
-                    "CASE WHEN g % 5 = 2 THEN NULL ELSE g % 2 = 0 END, "
-                    "CASE WHEN g % 7 = 3 THEN NULL ELSE 'r' || g END FROM generate_series(0, 99) g")
-        db.commit()
-    try:
+    with postgres_table(
+        "id bigint PRIMARY KEY, n integer, f double precision, b boolean, s text",
+        "SELECT g, CASE WHEN g % 3 = 0 THEN NULL ELSE g END, "
+        "CASE WHEN g % 4 = 1 THEN NULL ELSE g * 0.5 END, "
+        "CASE WHEN g % 5 = 2 THEN NULL ELSE g % 2 = 0 END, "
+        "CASE WHEN g % 7 = 3 THEN NULL ELSE 'r' || g END FROM generate_series(0, 99) g",
+    ) as (url, name):
         refused = main(["convert", url, str(tmp_path / "bad"), "--table", name, "--key", "id",
                         "--progress", "never", "--null-default", "NA"])
         assert refused == 1
@@ -501,10 +504,6 @@ def test_postgresql_nulls_take_the_null_default_parsed_per_column(
         assert main(["convert", url, str(tmp_path / "out"), "--table", name, "--key", "id",
                      "--progress", "never", "--null-default", "1", "--null-default", "s=none",
                      "--null-default", "f=-2.5"]) == 0, capsys.readouterr().err
-    finally:
-        with pg.connect(url) as db, db.cursor() as cur:
-            cur.execute(f"DROP TABLE {name}")
-            db.commit()
     (parsed,) = read_with_tf(shard_files(tmp_path / "out"), {
         "n": tf.io.FixedLenFeature([], tf.int64), "f": tf.io.FixedLenFeature([], tf.float32),
         "b": tf.io.FixedLenFeature([], tf.int64), "s": tf.io.FixedLenFeature([], tf.string)})
