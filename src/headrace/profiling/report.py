@@ -280,6 +280,45 @@ td:first-child,th:first-child{text-align:left;white-space:pre}
 """
 
 
+def _workers_section(profile: Profile) -> str:
+    """Maps on worker processes: each worker's memory, compute against transfer, traffic."""
+    stages = profile.worker_stages
+    if not stages:
+        return ""
+    peaks = profile.peak_worker_rss()
+    segments, segment_bytes = profile.peak_shm
+    stage_rows = []
+    worker_rows = []
+    for stage in stages:
+        workers = stage.workers
+        assert workers is not None
+        moving = workers.compute_seconds + workers.transfer_seconds
+        stage_rows.append((
+            stage.name, workers.count, workers.reason, f"{workers.chunks:,}",
+            f"{workers.elements:,}", f"{workers.compute_seconds:.3f}",
+            f"{workers.transfer_seconds:.3f}",
+            f"{workers.transfer_seconds / moving:.0%}" if moving > 0 else "-",
+            format_bytes(workers.sent_bytes), format_bytes(workers.received_bytes),
+        ))
+        worker_rows += [
+            (stage.name, worker.pid, format_bytes(worker.rss),
+             format_bytes(peaks.get(worker.pid, worker.rss)), format_bytes(worker.uss),
+             format_bytes(worker.pss_anon), format_bytes(worker.pss_shmem))
+            for worker in workers.processes
+        ]
+    return "".join([
+        "<h2>Worker processes</h2>",
+        f"<p>Shared-memory segments of this pipeline: at most {segments} at once, "
+        f"{_esc(format_bytes(segment_bytes))}.</p>",
+        _table(["stage", "processes", "why", "chunks", "elements", "compute s", "transfer s",
+                "transfer share", "sent", "received"], stage_rows, "workers"),
+        '<p class="muted">Compute: the function in the workers. Transfer: moving elements '
+        "both ways (pickling, shared-memory copies), in the workers and in this process.</p>",
+        _table(["stage", "pid", "RSS", "peak RSS", "USS", "PSS anonymous", "PSS shared"],
+               worker_rows, "worker-memory"),
+    ])
+
+
 def render_html(profile: Profile) -> str:
     """The whole report as one HTML string (see the module doc)."""
     end = profile.end_memory
@@ -340,6 +379,7 @@ def render_html(profile: Profile) -> str:
         throughput_chart(profile),
         "<h2>Time per stage</h2>",
         time_chart(profile),
+        _workers_section(profile),
         "<h2>Stages</h2>",
         _table(
             ["stage", "in", "out", "out/s", "pull s", "input s", "own s", "inflation",
