@@ -388,6 +388,8 @@ def _stage_profiles(
     out = []
     for depth, record in instrumenter.depth_order():
         share, now, peak = held.get(id(record.node), (0, 0, 0))
+        if record.accounts:  # an interleave's inner stage: over its slots' accounts
+            now, share, peak = record.inner_held
         out.append(
             StageProfile(
                 name=record.name,
