@@ -115,3 +115,53 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     coloured = int((spread > 60).sum())
     assert coloured > 2000, f"only {coloured} coloured pixels: the charts did not draw"
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20  # not a blank page
+
+
+def test_doctor_page_renders_in_headless_chromium(tmp_path: Path) -> None:
+    from headrace.cli import main
+
+    module = tmp_path / "doctor_pipeline.py"
+    module.write_text(
+        "import numpy as np\nimport headrace as hr\nKEPT = []\n"
+        "def keep(r):\n    KEPT.append(np.ones(1024))\n    return r\n"
+        "def leaky():\n    return (hr.Dataset.range(200).map(keep)"
+        ".map(lambda i: np.full(256, i)).shuffle(50, seed=0).batch(8))\n"
+    )
+    page = tmp_path / "doctor.html"
+    assert main(["doctor", f"{module}:leaky", "--epochs", "7", "--html", str(page)]) == 1
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") and "<script" not in text
+    assert "https://" not in text and "http://" not in text.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")
+    browser = _browser()
+    url = page.as_uri()
+    common = [browser, "--no-sandbox", "--disable-gpu", "--headless", "--hide-scrollbars",
+              "--enable-logging=stderr", "--v=0"]
+    dom = subprocess.run(
+        [*common, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert dom.stdout.count("<svg") == 2
+    for marker in ('id="epoch-chart"', 'class="epoch-line"', 'class="trend-line"',
+                   'class="warmup"', 'id="stage-chart"', 'class="stage-line"', 'id="growth"',
+                   'id="epochs"', "LEAK"):
+        assert marker in dom.stdout, marker
+    # the verdict names the stage and who keeps the memory
+    assert "map(_headrace_target.keep)" in dom.stdout and "kept in KEPT" in dom.stdout
+    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [*common, f"--screenshot={shot}", "--window-size=900,600", url],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    width, height, pixels = _decode_png(shot.read_bytes())
+    assert (width, height) == (900, 600)
+    spread = pixels.max(axis=2) - pixels.min(axis=2)
+    coloured = int((spread > 60).sum())
+    assert coloured > 1500, f"only {coloured} coloured pixels: the charts did not draw"
+    # a clean pipeline's page says so, and shows no growth table
+    clean = hr.Dataset.range(200).map(lambda i: np.full(256, i)).batch(8).prefetch(1)
+    from headrace.profiling import diagnose
+
+    healthy = diagnose(clean, epochs=6).to_html()
+    assert "No leak" in healthy and 'id="growth"' not in healthy

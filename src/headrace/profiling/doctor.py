@@ -138,9 +138,10 @@ class Diagnosis:
             lines += ["", f"LEAK: memory grows by ~{format_bytes(int(max(self.traced.slope, self.charged.slope)))} "
                       "per epoch, beyond noise."]
             for item in self.growth:
+                where = item.where if item.where.startswith(("kept in", "its booked")) else (
+                    f"allocated at {item.where}")
                 lines.append(
-                    f"  {item.stage}: ~{format_bytes(int(item.bytes_per_epoch))}/epoch, "
-                    f"allocated at {item.where}"
+                    f"  {item.stage}: ~{format_bytes(int(item.bytes_per_epoch))}/epoch, {where}"
                 )
             if not self.growth:
                 lines.append("  (not traced to a stage: native code, or the consumer's own)")
@@ -150,6 +151,18 @@ class Diagnosis:
         if self.resources:
             lines += ["", "not returned:"] + [f"  {text}" for text in self.resources]
         return "\n".join(lines)
+
+    def to_html(self) -> str:
+        """A self-contained HTML page: the per-epoch charts, the verdict, the findings."""
+        from headrace.profiling.doctor_report import render_diagnosis
+
+        return render_diagnosis(self)
+
+    def write_html(self, path: str) -> str:
+        """Write :meth:`to_html` to ``path``; returns the path."""
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(self.to_html())
+        return path
 
 
 # -- which stage: code ranges of the recipe's functions and transformations ------------------

@@ -68,7 +68,7 @@ class _Axes:
     def y(self, value: float) -> float:
         return _TOP + self.plot_h * (1 - value / self.y_max)
 
-    def frame(self, y_label: str, y_format: str = "bytes") -> list[str]:
+    def frame(self, y_label: str, y_format: str = "bytes", x_format: str = "seconds") -> list[str]:
         parts = [
             f'<rect class="plot" x="{_LEFT}" y="{_TOP}" width="{self.plot_w}" '
             f'height="{self.plot_h}" fill="#fafafa" stroke="#ccc"/>'
@@ -82,12 +82,14 @@ class _Axes:
                 f'stroke="#e5e5e5"/><text x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end" '
                 f'font-size="11">{_esc(text)}</text>'
             )
-        for k in range(6):
-            value = self.x_max * k / 5
+        ticks = ([float(k) for k in range(int(self.x_max) + 1)]
+                 if x_format == "epoch" and self.x_max <= 20
+                 else [self.x_max * k / 5 for k in range(6)])
+        for value in ticks:
             x = self.x(value)
             parts.append(
                 f'<text x="{x:.1f}" y="{_TOP + self.plot_h + 16}" text-anchor="middle" '
-                f'font-size="11">{value:.2f} s</text>'
+                f'font-size="11">{_x_label(value, x_format)}</text>'
             )
         parts.append(
             f'<text x="14" y="{_TOP + self.plot_h / 2:.0f}" font-size="12" '
@@ -95,6 +97,10 @@ class _Axes:
             f'text-anchor="middle">{_esc(y_label)}</text>'
         )
         return parts
+
+
+def _x_label(value: float, x_format: str) -> str:
+    return f"{value:.2f} s" if x_format == "seconds" else f"{value:.0f}"
 
 
 def _legend(entries: Sequence[tuple[str, str, str]]) -> list[str]:
