@@ -14,6 +14,13 @@ over the same recipe running meanwhile, is not counted. Stages a node fused
 into one iterator (a map read by index inside a batch's gather) are reported
 as part of the stage that runs them.
 
+Inside interleave (and flat_map): the datasets its function makes are new
+recipes each time; while profiled, each is instrumented as it is made, and
+every stage at one place of the inner recipe (position and name) counts into
+one record, ``"<stage> [inner]"``, a child of the interleave's; its bytes are
+the sum over the slots' own accounts (each inner dataset books under its
+slot's budget). They are detached with the rest.
+
 Cost: one extra Python call and two clock reads per pull per stage (about
 0.3 µs), and a payload size of 1 element in 64 — nothing at all outside a
 profile. ``benchmarks/bench_overhead.py --stats`` measures it.
