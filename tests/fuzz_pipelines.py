@@ -263,7 +263,10 @@ def _fixed_rows(spec: dict[str, Any]) -> bool:
 def _window(ds: Any, op: list[Any], spec: dict[str, Any]) -> Any:
     size, shift, fixed = op[1], op[2], _fixed_rows(spec)
 
-    def batched(window: Any) -> Any:
+    def batched(*windows: Any) -> Any:  # a zipped stream's windows come as a tuple
+        import headrace as hr
+
+        window = windows[0] if len(windows) == 1 else hr.Dataset.zip(windows)
         return window.batch(size) if fixed else window.padded_batch(size)
 
     return ds.window(size, shift=shift).flat_map(batched)
@@ -324,7 +327,9 @@ class MapFn:
         return _map_fn(self.kind, np)(*components)
 
 
-def build(spec: dict[str, Any]) -> Any:
+def build(spec: dict[str, Any], custom: dict[str, Any] | None = None) -> Any:
+    """The pipeline ``spec`` describes; ``custom`` maps further op names to
+    ``(dataset, op, spec) -> dataset`` (the doctor's sweep injects leaks with it)."""
     import numpy as np
 
     import headrace as hr
@@ -395,6 +400,8 @@ def build(spec: dict[str, Any]) -> Any:
             ds = ds.cache()
         elif name in _WIDER:
             ds = _WIDER[name](ds, op, spec)
+        elif custom is not None and name in custom:
+            ds = custom[name](ds, op, spec)
     return ds.with_options(hr.Options(memory_budget=spec["budget_mib"] * MiB))
 
 

@@ -278,6 +278,8 @@ def _doctor(args: argparse.Namespace) -> int:
             "headrace.Dataset or a tf.data.Dataset"
         )
     print(diagnosis.format())
+    if args.html:
+        print(f"\nreport written to {diagnosis.write_html(args.html)}")
     return 0 if diagnosis.healthy else 1
 
 
@@ -385,6 +387,8 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--steps", type=int, default=None, help="elements per epoch")
     doctor.add_argument("--budget", default=None, help="memory budget to judge against")
     doctor.add_argument("--progress", action="store_true", help="a line per epoch on stderr")
+    doctor.add_argument("--html", default=None, metavar="FILE",
+                        help="also write the diagnosis as a self-contained HTML page")
     doctor.set_defaults(run=_doctor)
     return parser
 

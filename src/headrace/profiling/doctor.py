@@ -15,19 +15,28 @@ zero by more than the Student-t critical value at ``sigmas``. A clean
 pipeline's memory wanders but does not climb with the epoch count; a leak adds
 about the same bytes every epoch, which both fits see.
 
-Which stage. Where the traced memory grew is read from ``tracemalloc``'s
-tracebacks: the innermost frame that lies in a function of the recipe (a
-map's function, a filter's predicate, a generator) or in a transformation's
-own module names the stage.
+Which stage. First, who *keeps* it: the mutable state each stage's functions
+can reach (closures, defaults, the globals they name, a callable object's
+attributes) is costed after the warm-up and after the last epoch; a holder
+that grew names its stage ("kept in SEEN (global of remember)"). A map that
+appends its elements to a list keeps memory that the stage which made them
+allocated, so allocation alone would blame the source. Then, where it was
+*allocated*, read from ``tracemalloc``'s tracebacks: the innermost frame that
+lies in a function of the recipe (a map's function, a filter's predicate, a
+generator) or in a transformation's own module names the stage.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import gc
 import itertools
 import time
 import tracemalloc
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,9 +138,10 @@ class Diagnosis:
             lines += ["", f"LEAK: memory grows by ~{format_bytes(int(max(self.traced.slope, self.charged.slope)))} "
                       "per epoch, beyond noise."]
             for item in self.growth:
+                where = item.where if item.where.startswith(("kept in", "its booked")) else (
+                    f"allocated at {item.where}")
                 lines.append(
-                    f"  {item.stage}: ~{format_bytes(int(item.bytes_per_epoch))}/epoch, "
-                    f"allocated at {item.where}"
+                    f"  {item.stage}: ~{format_bytes(int(item.bytes_per_epoch))}/epoch, {where}"
                 )
             if not self.growth:
                 lines.append("  (not traced to a stage: native code, or the consumer's own)")
@@ -141,6 +151,18 @@ class Diagnosis:
         if self.resources:
             lines += ["", "not returned:"] + [f"  {text}" for text in self.resources]
         return "\n".join(lines)
+
+    def to_html(self) -> str:
+        """A self-contained HTML page: the per-epoch charts, the verdict, the findings."""
+        from headrace.profiling.doctor_report import render_diagnosis
+
+        return render_diagnosis(self)
+
+    def write_html(self, path: str) -> str:
+        """Write :meth:`to_html` to ``path``; returns the path."""
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(self.to_html())
+        return path
 
 
 # -- which stage: code ranges of the recipe's functions and transformations ------------------
@@ -192,6 +214,97 @@ def _stage_locator(nodes: list[Node]) -> Callable[[str, int], str | None]:
         return modules.get(filename)
 
     return locate
+
+
+# -- which stage keeps it: state a recipe function can reach ----------------------------------
+
+_CONTAINERS = (list, dict, set, bytearray, collections.deque)
+
+
+def _names_of(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_of(const)
+    return names
+
+
+def _state_of(value: Any, depth: int = 0) -> list[tuple[str, Any]]:
+    """Mutable objects a callable can keep things in: its closure, defaults, the globals
+    it names, its own attributes (a callable object, a bound method's ``self``)."""
+    if depth > 2:
+        return []
+    out: list[tuple[str, Any]] = []
+    if isinstance(value, types.MethodType):
+        return [(f"{type(value.__self__).__name__} (self)", value.__self__),
+                *_state_of(value.__func__, depth + 1)]
+    if isinstance(value, functools.partial):
+        return [*[("partial argument", arg) for arg in (*value.args, *value.keywords.values())],
+                *_state_of(value.func, depth + 1)]
+    if isinstance(value, types.FunctionType):
+        code = value.__code__
+        for name, cell in zip(code.co_freevars, value.__closure__ or (), strict=False):
+            with contextlib.suppress(ValueError):  # an empty cell
+                out.append((f"{name} (closure of {code.co_name})", cell.cell_contents))
+        for default in value.__defaults__ or ():
+            out.append((f"a default of {code.co_name}", default))
+        for name in sorted(_names_of(code)):
+            if name in value.__globals__:
+                out.append((f"{name} (global of {code.co_name})", value.__globals__[name]))
+        return out
+    if callable(value) and not isinstance(value, type) and hasattr(value, "__dict__"):
+        return [(f"{type(value).__name__} instance", value)]
+    return out
+
+
+def _holders(nodes: list[Node]) -> list[tuple[str, str, Any]]:
+    """(stage, what, object) for the mutable state each stage's functions can reach."""
+    seen: set[int] = set()
+    out: list[tuple[str, str, Any]] = []
+    for node in nodes:
+        stage = str(getattr(node, "stage", type(node).__name__))
+        for value in vars(node).values():
+            if not callable(value) or isinstance(value, type) or hasattr(value, "make_iterator"):
+                continue
+            for what, held in _state_of(value):
+                if id(held) in seen or isinstance(held, (types.ModuleType, type)):
+                    continue
+                if isinstance(held, _CONTAINERS) or (
+                    hasattr(held, "__dict__") and not callable(held)
+                    and not isinstance(held, types.FunctionType)
+                ) or what.endswith(" instance"):
+                    seen.add(id(held))
+                    out.append((stage, what, held))
+    return out
+
+
+def _retained(holders: list[tuple[str, str, Any]]) -> list[int]:
+    """Bytes each holder keeps, as the budget would cost them."""
+    from headrace.memory.sizeof import sizeof
+
+    sizes = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # objects sizeof cannot size (locks, threads)
+        for _, _, held in holders:
+            try:
+                sizes.append(sizeof(vars(held) if hasattr(held, "__dict__")
+                                    and not isinstance(held, _CONTAINERS) else held))
+            except Exception:  # a holder sizeof cannot walk: not attributable
+                sizes.append(0)
+    return sizes
+
+
+def _kept(
+    holders: list[tuple[str, str, Any]], before: list[int], after: list[int], epochs: int,
+    floor: int,
+) -> list[StageGrowth]:
+    out = []
+    for (stage, what, _), low, high in zip(holders, before, after, strict=True):
+        per_epoch = (high - low) / max(epochs, 1)
+        if per_epoch >= floor / 2:
+            out.append(StageGrowth(stage, per_epoch, f"kept in {what}"))
+    out.sort(key=lambda item: -item.bytes_per_epoch)
+    return out
 
 
 def _attribute(
@@ -274,6 +387,9 @@ def diagnose(
     started_tracing = trace and not tracemalloc.is_tracing()
     if started_tracing:
         tracemalloc.start(16)
+    holders = _holders(nodes)
+    kept_before: list[int] = []
+    kept_after: list[int] = []
     alive: list[weakref.ref[DatasetIterator]] = []
     measures: list[EpochMeasure] = []
     baseline: tracemalloc.Snapshot | None = None
@@ -306,6 +422,10 @@ def diagnose(
             measures.append(measure)
             if on_epoch is not None:
                 on_epoch(measure)
+            if epoch == warmup - 1 or (warmup == 0 and epoch == 0):
+                kept_before = _retained(holders)
+            elif epoch == epochs - 1:
+                kept_after = _retained(holders)
             if tracemalloc.is_tracing():
                 if epoch == warmup - 1 or (warmup == 0 and epoch == 0):
                     baseline = tracemalloc.take_snapshot()
@@ -327,9 +447,15 @@ def diagnose(
         or any(t.significant(min_leak, sigmas) for t in stage_trends)
     )
     growth: list[StageGrowth] = []
+    span = (epochs - 1) - max(warmup - 1, 0)  # epochs between the two measures
+    if leak and kept_before and kept_after:
+        # who keeps it first: a list a map appends elements to holds memory allocated by
+        # the stage that made them, which is all the allocation's traceback can name
+        growth = _kept(holders, kept_before, kept_after, span, min_leak)
     if leak and baseline is not None and last is not None:
-        span = (epochs - 1) - max(warmup - 1, 0)  # epochs between the two snapshots
-        growth = _attribute(baseline, last, span, _stage_locator(nodes), min_leak)
+        for item in _attribute(baseline, last, span, _stage_locator(nodes), min_leak):
+            if item.stage not in [g.stage for g in growth]:
+                growth.append(item)
     for trend, name in zip(stage_trends, names, strict=True):
         if trend.significant(min_leak, sigmas) and name not in [g.stage for g in growth]:
             growth.append(StageGrowth(name, trend.slope, "its booked bytes"))

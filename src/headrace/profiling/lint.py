@@ -46,6 +46,9 @@ __all__ = ["Finding", "lint_recipe", "python_share"]
 
 #: Elements at or above this size make decoding before a shuffle worth a finding.
 LARGE_ELEMENT = 32 << 10
+#: A cache over an input of unknown length gets a conditional finding when its share holds
+#: fewer elements than this (a longer input would spill).
+_UNKNOWN_LENGTH_FITS = 100_000
 #: Seconds one Python line costs, roughly, on these machines (for ``python_share``).
 _SECONDS_PER_LINE = 45e-9
 
@@ -84,15 +87,18 @@ def _spec_bytes(spec: Any) -> int | None:
 
 
 def _sample_bytes(node: Node, count: int, options: Any) -> float | None:
-    """Mean payload of the first ``count`` elements of ``node`` (a probe: no iteration counted)."""
+    """Mean cost of the first ``count`` elements of ``node`` (a probe: no iteration counted)."""
     from headrace.core.run import DatasetIterator
+    from headrace.memory.sizeof import admit
     from headrace.options import Options
 
     sizes = []
     opts = (options or Options()).merge(Options(warn_on_shrink=False))
     with DatasetIterator(node, opts, probe=True) as iterator:
         for element in iterator:
-            sizes.append(payload_bytes(element))
+            # what a buffer books for it: objects' attributes counted (payload_bytes sees
+            # a Holder's 56 B), views of a larger owner as the rows a buffer copies out
+            sizes.append(max(payload_bytes(element), admit(element)[1]))
             if len(sizes) >= count:
                 break
     return sum(sizes) / len(sizes) if sizes else None
@@ -133,12 +139,14 @@ class _Recipe:
     """The recipe's nodes with their consumers, shares and element sizes."""
 
     def __init__(
-        self, dataset: Dataset, measured: Sequence[StageProfile] | None, sample: int
+        self, dataset: Dataset, measured: Sequence[StageProfile] | None, sample: int,
+        epochs: int = 1,
     ) -> None:
         self.dataset = dataset
         self.root = dataset.node
         self.nodes = recipe_nodes(self.root)
         self.measured = {stage.key: stage for stage in measured or ()}
+        self.epochs = max(epochs, 1)
         self.sample = sample
         self.shares = self._shares()
         self._sizes: dict[int, float | None] = {}
@@ -178,6 +186,20 @@ class _Recipe:
         self._sizes[key] = size
         return size
 
+    def count(self, node: Node) -> int | None:
+        """Elements ``node`` yields per pass: its cardinality, else measured per epoch, else None.
+
+        A buffer fills to at most this many: a shuffle of 1,000,000 over 300
+        elements holds 300, and saying it "will shrink" would be false.
+        """
+        cardinality = node.cardinality()
+        if cardinality >= 0:
+            return cardinality
+        stage = self.measured.get(id(node))
+        if stage is not None:  # per iterator it made: a repeat above makes one per pass
+            return -(-stage.elements_out // max(stage.iterators, self.epochs, 1))
+        return None
+
     def chain_below(self, node: Node) -> list[Node]:
         """The single-input chain under ``node`` down to a source or a multi-input node."""
         out = []
@@ -194,12 +216,18 @@ def lint_recipe(
     measured: Sequence[StageProfile] | None = None,
     sample: int = 0,
     cpu_count: int | None = None,
+    epochs: int = 1,
 ) -> list[Finding]:
     """The hazards of ``dataset``'s recipe, each with a fix (see the module doc).
 
     ``measured``: a profile's stages (sizes and drop rates then come from the
-    run). ``sample``: read that many elements where a size is needed and no
-    measurement or spec gives it (runs the pipeline's functions on them).
+    run; ``epochs``: how many epochs it measured). ``sample``: read that many
+    elements where a size is needed and no measurement or spec gives it (runs
+    the pipeline's functions on them).
+
+    A finding about a buffer whose input's length is unknown (a generator, a
+    filter) is worded as a condition ("once more than N elements have
+    arrived"): the recipe alone cannot tell whether it ever fills.
     """
     from headrace.transforms.cache import CacheNode
     from headrace.transforms.filter import FilterNode
@@ -209,7 +237,7 @@ def lint_recipe(
     from headrace.transforms.shard import ShardNode
     from headrace.transforms.shuffle import ShuffleNode
 
-    recipe = _Recipe(dataset, measured, sample)
+    recipe = _Recipe(dataset, measured, sample, epochs)
     cpus = cpu_count or os.cpu_count() or 1
     findings: list[Finding] = []
     for node in recipe.nodes:
@@ -257,40 +285,41 @@ def lint_recipe(
 
 
 def _shuffle_findings(recipe: _Recipe, node: Any) -> list[Finding]:
-    from headrace.transforms.map import MapNode
-
     findings: list[Finding] = []
     size = recipe.size(node.inputs[0])
     share = recipe.shares.get(id(node), 0)
-    if size:
-        need = node.buffer_size * size
-        if share and need > share:
-            fits = max(int(share // size), 1)
-            findings.append(Finding(
-                "shuffle-too-big", node.stage,
-                f"shuffle(buffer_size={node.buffer_size:,}) of ~{format_bytes(int(size))} "
-                f"elements holds ~{format_bytes(int(need))}, more than its share "
-                f"{format_bytes(share)} of the budget: it will shrink to ~{fits:,} elements",
-                "shuffle something small and random-access instead (from_tensor_slices or an "
-                "indexed TFRecordDataset shuffles indices, not elements; or shuffle file names "
-                f"before interleave), or buffer_size={fits:,}, or a larger "
-                "Options(memory_budget=...)",
-            ))
-    maps = [n for n in recipe.chain_below(node) if isinstance(n, MapNode)]
-    if maps and size and size >= LARGE_ELEMENT:
-        decoder = maps[0]
-        before = recipe.size(decoder.inputs[0])
-        stage = recipe.measured.get(id(decoder))
-        inflation = (
-            stage.inflation if stage is not None and stage.inflation is not None
-            else (size / before if before else None)
+    if not size:
+        return findings
+    count = recipe.count(node.inputs[0])
+    fill = node.buffer_size if count is None else min(node.buffer_size, count)
+    need = fill * size
+    if share and need > share:
+        fits = max(int(share // size), 1)
+        outcome = (
+            f"it will shrink to ~{fits:,} elements" if count is not None
+            else f"once more than ~{fits:,} elements have arrived it stops filling and "
+            f"shuffles within ~{fits:,} (its input's length is unknown)"
         )
-        if inflation is not None and inflation >= 1.5:
+        findings.append(Finding(
+            "shuffle-too-big", node.stage,
+            f"shuffle(buffer_size={node.buffer_size:,}) of ~{format_bytes(int(size))} "
+            f"elements holds ~{format_bytes(int(need))}, more than its share "
+            f"{format_bytes(share)} of the budget: {outcome}",
+            "shuffle something small and random-access instead (from_tensor_slices or an "
+            "indexed TFRecordDataset shuffles indices, not elements; or shuffle file names "
+            f"before interleave), or buffer_size={fits:,}, or a larger "
+            "Options(memory_budget=...)",
+        ))
+    # Decoded data in the buffer matters when the buffer is large: a quarter of its share
+    # or more (a shuffle of 2 elements holds two decoded elements, and that is fine).
+    if size >= LARGE_ELEMENT and (not share or need >= share / 4):
+        decoder, inflation = _decoder_below(recipe, node)
+        if decoder is not None and inflation is not None:
             findings.append(Finding(
                 "decode-before-shuffle", node.stage,
-                f"{decoder.stage} inflates elements {inflation:.1f}x (to "
-                f"~{format_bytes(int(size))}) before shuffle(buffer_size={node.buffer_size:,}): "
-                "the buffer holds decoded data",
+                f"{decoder.stage} inflates elements {inflation:.1f}x before "
+                f"shuffle(buffer_size={node.buffer_size:,}) of ~{format_bytes(int(size))} "
+                "elements: the buffer holds decoded data",
                 f"shuffle the encoded elements first and decode after: "
                 f".shuffle({node.buffer_size}).map({decoder.stage[4:-1] or 'decode'}, "
                 "num_parallel_calls=hr.AUTOTUNE)",
@@ -298,21 +327,62 @@ def _shuffle_findings(recipe: _Recipe, node: Any) -> list[Finding]:
     return findings
 
 
+def _decoder_below(recipe: _Recipe, node: Node) -> tuple[Node | None, float | None]:
+    """The nearest map under ``node`` that itself inflates elements 1.5x or more.
+
+    Its own inflation: its output against its own input (a batch between it
+    and the shuffle multiplies the size without decoding anything).
+    """
+    from headrace.transforms.map import MapNode
+
+    for below in recipe.chain_below(node):
+        if not isinstance(below, MapNode):
+            continue
+        stage = recipe.measured.get(id(below))
+        if stage is not None and stage.inflation is not None:
+            inflation: float | None = stage.inflation
+        else:
+            out, before = recipe.size(below), recipe.size(below.inputs[0])
+            inflation = out / before if out and before else None
+        if inflation is not None and inflation >= 1.5:
+            return below, inflation
+    return None, None
+
+
 def _cache_finding(recipe: _Recipe, node: Any) -> Finding | None:
     """An in-memory cache of more than its share spills to disk: say so before the run."""
+    from headrace.transforms.cache import in_memory_room
+
     size = recipe.size(node.inputs[0])
-    count = node.inputs[0].cardinality()
+    count = recipe.count(node.inputs[0])
     share = recipe.shares.get(id(node), 0)
-    if not size or count < 0 or not share or size * count <= share:
+    if not size or not share:
+        return None
+    room = in_memory_room(share)  # the rest of the share is the spill's buffers
+    fix = ("cache(filename) on a fast disk, cache after a map or filter that shrinks the "
+           "elements, or a larger Options(memory_budget=...)")
+    if count is None:  # a generator, a filter: the recipe cannot tell whether it fits
+        fits = int(room // size)
+        if fits >= _UNKNOWN_LENGTH_FITS:
+            return None
+        return Finding(
+            "cache-too-big", node.stage,
+            f"cache() of an input of unknown length: the in-memory part of its share "
+            f"({format_bytes(room)} of {format_bytes(share)}) holds ~{fits:,} elements of ~{format_bytes(int(size))}; if the input is "
+            "longer, the rest spills to a temporary directory, and later epochs read it back "
+            "from disk",
+            fix, severity="info",
+        )
+    if size * count <= room:
         return None
     need = int(size * count)
     return Finding(
         "cache-too-big", node.stage,
         f"cache() of {count:,} elements of ~{format_bytes(int(size))} holds "
-        f"~{format_bytes(need)}, more than its share {format_bytes(share)} of the budget: "
+        f"~{format_bytes(need)}, more than the in-memory part of its share "
+        f"({format_bytes(room)} of {format_bytes(share)}) of the budget: "
         "the rest spills to a temporary directory, and later epochs read it back from disk",
-        "cache(filename) on a fast disk, cache after a map or filter that shrinks the "
-        "elements, or a larger Options(memory_budget=...)",
+        fix,
     )
 
 

@@ -14,6 +14,13 @@ over the same recipe running meanwhile, is not counted. Stages a node fused
 into one iterator (a map read by index inside a batch's gather) are reported
 as part of the stage that runs them.
 
+Inside interleave (and flat_map): the datasets its function makes are new
+recipes each time; while profiled, each is instrumented as it is made, and
+every stage at one place of the inner recipe (position and name) counts into
+one record, ``"<stage> [inner]"``, a child of the interleave's; its bytes are
+the sum over the slots' own accounts (each inner dataset books under its
+slot's budget). They are detached with the rest.
+
 Cost: one extra Python call and two clock reads per pull per stage (about
 0.3 µs), and a payload size of 1 element in 64 — nothing at all outside a
 profile. ``benchmarks/bench_overhead.py --stats`` measures it.
@@ -88,10 +95,12 @@ class StageRecord:
     """
 
     __slots__ = (
+        "accounts",
         "children",
         "count",
         "errors",
         "index",
+        "inner_of",
         "iterators",
         "name",
         "node",
@@ -113,6 +122,26 @@ class StageRecord:
         self.sampled_bytes = 0
         self.threads: set[int] = set()
         self.iterators = 0
+        #: For a stage of the pipelines an interleave makes per element: that interleave's
+        #: record. Every inner dataset's stage at the same place adds to one record.
+        self.inner_of: StageRecord | None = None
+        #: The accounts of its inner iterators still holding bytes (each inner dataset
+        #: books under its slot's budget), and what closed ones held at most.
+        self.accounts: list[Any] = []
+
+    @property
+    def inner_held(self) -> tuple[int, int, int]:
+        """(held now, shares now, largest peak) over its inner iterators' accounts (with
+        none open, the largest share one had)."""
+        live = [a for a in self.accounts if a.held > 0 or a.peak == 0]
+        held = sum(a.held for a in live)
+        share = sum(a.limit for a in live) or max((a.limit for a in self.accounts), default=0)
+        peak = max((a.peak for a in self.accounts), default=0)
+        if len(self.accounts) > 64:  # keep the largest closed one for its peak
+            closed = [a for a in self.accounts if a not in live]
+            keep = max(closed, key=lambda a: a.peak) if closed else None
+            self.accounts = live + ([keep] if keep is not None else [])
+        return held, share, peak
 
     @property
     def mean_bytes(self) -> float:
@@ -201,6 +230,10 @@ class Instrumenter:
         self._runs: list[RunFacts] = []
         self._expect_root = False
         self._lock = threading.Lock()
+        #: Inner recipes' nodes instrumented while running (detached at the end), and the
+        #: record of each place in an interleave's inner recipe.
+        self._inner_nodes: list[Node] = []
+        self._inner_records: dict[tuple[int, int, str], StageRecord] = {}
 
     def attach(self) -> None:
         for node in self.nodes:
@@ -211,10 +244,54 @@ class Instrumenter:
                 )
         for node in self.nodes:
             node.__dict__["make_iterator"] = self._wrap(node)
+            if callable(getattr(type(node), "inner_node", None)):
+                node.__dict__["inner_node"] = self._wrap_inner(node)
 
     def detach(self) -> None:
         for node in self.nodes:
             node.__dict__.pop("make_iterator", None)
+            node.__dict__.pop("inner_node", None)
+        with self._lock:
+            inner, self._inner_nodes = self._inner_nodes, []
+        for node in inner:
+            node.__dict__.pop("make_iterator", None)
+
+    def _wrap_inner(self, owner: Node) -> Callable[[Any], Node]:
+        """``owner.inner_node`` that also instruments the inner recipe it returns: each
+        stage of it counts into the record of its place (position and name) under ``owner``."""
+        original: Callable[[Any], Node] = type(owner).inner_node.__get__(owner)  # type: ignore[attr-defined]
+
+        def inner_node(element: Any) -> Node:
+            root = original(element)
+            mine = {id(node) for node in self.nodes}
+            for position, node in enumerate(recipe_nodes(root)):
+                if id(node) in mine or "make_iterator" in node.__dict__:
+                    continue  # the outer recipe's own, or an inner node already counted
+                record = self._inner_record(owner, position, node)
+                node.__dict__["make_iterator"] = self._wrap(node, record)
+                with self._lock:
+                    self._inner_nodes.append(node)
+            return root
+
+        return inner_node
+
+    def _inner_record(self, owner: Node, position: int, node: Node) -> StageRecord:
+        name = str(getattr(node, "stage", type(node).__name__))
+        key = (id(owner), position, name)
+        with self._lock:
+            record = self._inner_records.get(key)
+            if record is not None:
+                return record
+            record = StageRecord(node, len(self.records))
+            record.name = f"{name} [inner]"
+            record.inner_of = self._by_node.get(id(owner))
+            self.records.append(record)
+            self._inner_records[key] = record
+        if position == 0:  # the inner root: what the interleave pulls from
+            parent = self.record(owner)
+            if record not in parent.children:
+                parent.children.append(record)
+        return record
 
     def expect_run(self) -> None:
         """The next iterator built over the root is one of the profiled runs."""
@@ -233,7 +310,7 @@ class Instrumenter:
         run = ctx.run
         return any(run is mine for mine in self._runs)
 
-    def _wrap(self, node: Node) -> Callable[[Context], Iterator]:
+    def _wrap(self, node: Node, inner: StageRecord | None = None) -> Callable[[Context], Iterator]:
         original: Callable[[Context], Iterator] = type(node).make_iterator.__get__(node)
 
         def make_iterator(ctx: Context) -> Iterator:
@@ -242,7 +319,11 @@ class Instrumenter:
                 self._runs.append(ctx.run)
             iterator = original(ctx)
             if self._profiled(ctx) and record_of(iterator) is None:
-                record = self.record(node)
+                record = self.record(node) if inner is None else inner
+                if inner is not None:
+                    account = getattr(ctx, "_accounts", {}).get(id(node))
+                    if account is not None and account not in inner.accounts:
+                        inner.accounts.append(account)
                 for child in _child_records(iterator, record):
                     if child not in record.children:
                         record.children.append(child)

@@ -20,8 +20,16 @@ import threading
 from dataclasses import dataclass
 
 from headrace.memory.system import process_memory
+from headrace.workers.memory import WorkerMemory, worker_memory
 
-__all__ = ["Descriptors", "ProcessSnapshot", "descriptors", "headrace_threads", "snapshot"]
+__all__ = [
+    "Descriptors",
+    "ProcessSnapshot",
+    "descriptors",
+    "headrace_threads",
+    "shared_memory_segments",
+    "snapshot",
+]
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,12 @@ class ProcessSnapshot:
     descriptors: Descriptors = Descriptors(-1)
     threads: int = 0
     headrace_threads: int = 0
+    #: Each descendant process (worker) by itself: RSS, USS and proportional sizes.
+    worker_processes: tuple[WorkerMemory, ...] = ()
+    #: Shared-memory segments of this process's pipelines (process maps' inputs and
+    #: outputs, in /dev/shm), whichever process made them, and their bytes.
+    shm_segments: int = 0
+    shm_bytes: int = 0
 
     @property
     def charged(self) -> int:
@@ -147,11 +161,9 @@ def snapshot(*, detailed: bool = True) -> ProcessSnapshot:
                                threads=threading.active_count(),
                                headrace_threads=headrace_threads())
     rollup = _smaps_rollup("self")
-    workers = 0
     pids = _descendants(os.getpid())
-    for pid in pids:
-        child = _smaps_rollup(pid)
-        workers += child.get("Pss_Anon", 0) + child.get("Pss_Shmem", 0)
+    processes = tuple(m for m in map(worker_memory, pids) if m is not None)
+    segments, segment_bytes = shared_memory_segments()
     return ProcessSnapshot(
         basic.anonymous,
         basic.shared,
@@ -159,9 +171,34 @@ def snapshot(*, detailed: bool = True) -> ProcessSnapshot:
         uss=rollup.get("Private_Clean", 0) + rollup.get("Private_Dirty", 0),
         pss_anonymous=rollup.get("Pss_Anon", 0),
         pss_shared=rollup.get("Pss_Shmem", 0),
-        workers=workers,
+        workers=sum(m.charged for m in processes),
         worker_count=len(pids),
         descriptors=descriptors(),
         threads=threading.active_count(),
         headrace_threads=headrace_threads(),
+        worker_processes=processes,
+        shm_segments=segments,
+        shm_bytes=segment_bytes,
     )
+
+
+def shared_memory_segments(owner: int | None = None) -> tuple[int, int]:
+    """Segments in /dev/shm of ``owner``'s pipelines (default: this process) and their bytes.
+
+    Process maps name every segment ``headrace-<owner>-<maker>-...``; one that
+    outlives its pipeline is what ``headrace doctor`` reports as not returned.
+    """
+    from headrace.workers.shm import SHM_DIR
+
+    prefix = f"headrace-{os.getpid() if owner is None else owner}-"
+    count = total = 0
+    try:
+        with os.scandir(SHM_DIR) as entries:
+            for entry in entries:
+                if entry.name.startswith(prefix):
+                    with contextlib.suppress(OSError):  # unlinked meanwhile
+                        total += entry.stat().st_size
+                        count += 1
+    except OSError:
+        return 0, 0
+    return count, total

@@ -28,6 +28,7 @@ from headrace.memory.units import format_bytes
 from headrace.profiling.probe import Instrumenter, StageRecord
 from headrace.profiling.process import ProcessSnapshot
 from headrace.profiling.timeline import Decision, Sample, Sampler
+from headrace.workers.memory import WorkerStats
 
 if TYPE_CHECKING:
     from headrace.dataset import Dataset
@@ -65,6 +66,11 @@ class StageProfile:
     key: int = 0
     #: False for a stage that reads no other stage (a source, or a chain run by index).
     has_inputs: bool = True
+    #: Iterators it made over the profile (one per epoch; more under a ``repeat``).
+    iterators: int = 0
+    #: A map on worker processes: its workers' memory at the end, and its traffic (chunks,
+    #: compute against transfer seconds, bytes through shared memory) over every epoch.
+    workers: WorkerStats | None = None
 
     @property
     def own_seconds(self) -> float | None:
@@ -131,7 +137,7 @@ class Profile:
         for stage in self.stages:
             name = ("  " * stage.depth + stage.name)[:31]
             own = "async" if stage.own_seconds is None else f"{stage.own_seconds:.2f}"
-            inflation = "" if stage.inflation is None else f"{stage.inflation:.2f}"
+            inflation = "" if stage.inflation is None else _ratio(stage.inflation)
             lines.append(
                 f"{name:<32}{_count_in(stage):>10}{stage.elements_out:>10,}"
                 f"{stage.throughput:>11,.0f}{stage.seconds:>9.2f}{stage.input_seconds:>9.2f}"
@@ -143,6 +149,7 @@ class Profile:
         if self.kept:
             lines += ["", "kept beyond the run (belongs to the dataset):"]
             lines += [f"  {kept.format()}" for kept in self.kept]
+        lines += self._format_workers()
         if self.decisions:
             lines += ["", "decisions taken while running:"]
             lines += ["  " + decision.format() for decision in self.decisions[:30]]
@@ -153,6 +160,59 @@ class Profile:
         if self.findings:
             lines += ["", "findings:"] + [finding.format() for finding in self.findings]
         return "\n".join(lines)
+
+    @property
+    def worker_stages(self) -> tuple[StageProfile, ...]:
+        """The stages that ran on worker processes."""
+        return tuple(s for s in self.stages if s.workers is not None and s.workers.kind == "processes")
+
+    @property
+    def peak_shm(self) -> tuple[int, int]:
+        """Most shared-memory segments of this pipeline seen at once, and most bytes."""
+        detailed = [s.memory for s in self.samples]
+        return (max((m.shm_segments for m in detailed), default=0),
+                max((m.shm_bytes for m in detailed), default=0))
+
+    def peak_worker_rss(self) -> dict[int, int]:
+        """Each worker process's largest RSS seen (by pid), over the samples and the end."""
+        peaks: dict[int, int] = {}
+        for memory in [s.memory for s in self.samples]:
+            for worker in memory.worker_processes:
+                peaks[worker.pid] = max(peaks.get(worker.pid, 0), worker.rss)
+        for stage in self.worker_stages:
+            assert stage.workers is not None
+            for worker in stage.workers.processes:
+                peaks[worker.pid] = max(peaks.get(worker.pid, 0), worker.rss)
+        return peaks
+
+    def _format_workers(self) -> list[str]:
+        stages = self.worker_stages
+        if not stages:
+            return []
+        segments, segment_bytes = self.peak_shm
+        lines = ["", f"worker processes (shared memory at most {segments} segments, "
+                 f"{format_bytes(segment_bytes)}):"]
+        peaks = self.peak_worker_rss()
+        for stage in stages:
+            workers = stage.workers
+            assert workers is not None
+            moving = workers.compute_seconds + workers.transfer_seconds
+            share = workers.transfer_seconds / moving if moving > 0 else 0.0
+            lines.append(
+                f"  {stage.name}: {workers.count} processes ({workers.reason}); "
+                f"{workers.chunks:,} chunks of {workers.elements:,} elements; compute "
+                f"{workers.compute_seconds:.2f} s, transfer {workers.transfer_seconds:.2f} s "
+                f"({share:.0%} of their time); sent {format_bytes(workers.sent_bytes)}, "
+                f"received {format_bytes(workers.received_bytes)}"
+            )
+            for worker in workers.processes:
+                lines.append(
+                    f"    pid {worker.pid}: RSS {format_bytes(worker.rss)} (peak "
+                    f"{format_bytes(peaks.get(worker.pid, worker.rss))}), unique "
+                    f"{format_bytes(worker.uss)}, proportional anonymous + shared "
+                    f"{format_bytes(worker.charged)}"
+                )
+        return lines
 
     def to_html(self) -> str:
         """The self-contained HTML report (no external scripts, opens offline)."""
@@ -165,6 +225,11 @@ class Profile:
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(self.to_html())
         return path
+
+
+def _ratio(value: float) -> str:
+    """A ratio in at most 6 characters (a decoder from 8-byte indices inflates 50,000x)."""
+    return f"{value:.2f}" if value < 100 else f"{value:.3g}"
 
 
 def _count_in(stage: StageProfile) -> str:
@@ -239,6 +304,7 @@ def profile(
     budget_total = budget_peak = 0
     held: dict[int, tuple[int, int, int]] = {}
     kept: tuple[KeptStats, ...] = ()
+    workers: dict[int, WorkerStats] = {}
     instrumenter.attach()
     started = time.perf_counter()
     try:
@@ -263,18 +329,19 @@ def profile(
                     for key, account in accounts.items():
                         _, _, peak = held.get(key, (0, 0, 0))
                         held[key] = (account.limit, account.held, max(peak, account.peak))
+                    _add_workers(workers, iterator)
             seconds = time.perf_counter() - started
             sampler.stop()
     finally:
         instrumenter.detach()
         if reporter is not None:
             reporter.finish()
-    stages = tuple(_stage_profiles(instrumenter, held, seconds))
+    stages = tuple(_stage_profiles(instrumenter, held, seconds, workers))
     findings: tuple[Finding, ...] = ()
     if lint:
         from headrace.profiling.lint import lint_recipe
 
-        findings = tuple(lint_recipe(dataset, measured=stages))
+        findings = tuple(lint_recipe(dataset, measured=stages, epochs=epochs))
     return Profile(
         stages=stages,
         stage_names=tuple(sampler.stage_names),
@@ -294,12 +361,45 @@ def profile(
     )
 
 
+def _add_workers(found: dict[int, WorkerStats], iterator: Any) -> None:
+    """Add one epoch's worker figures to ``found`` (by ``id`` of the stage's recipe node):
+    traffic adds up over epochs, memory is the latest epoch's."""
+    from dataclasses import replace
+
+    from headrace.profiling.probe import record_of
+
+    for stage in iterator.stages():
+        if not hasattr(stage, "worker_stats"):
+            continue
+        record = record_of(stage)
+        if record is None:
+            continue
+        now: WorkerStats = stage.worker_stats()
+        before = found.get(id(record.node))
+        if before is not None:
+            now = replace(
+                now,
+                chunks=before.chunks + now.chunks,
+                elements=before.elements + now.elements,
+                compute_seconds=before.compute_seconds + now.compute_seconds,
+                transfer_seconds=before.transfer_seconds + now.transfer_seconds,
+                sent_bytes=before.sent_bytes + now.sent_bytes,
+                received_bytes=before.received_bytes + now.received_bytes,
+                segments=before.segments + now.segments,
+                processes=now.processes or before.processes,
+            )
+        found[id(record.node)] = now
+
+
 def _stage_profiles(
-    instrumenter: Instrumenter, held: dict[int, tuple[int, int, int]], seconds: float
+    instrumenter: Instrumenter, held: dict[int, tuple[int, int, int]], seconds: float,
+    workers: dict[int, WorkerStats],
 ) -> list[StageProfile]:
     out = []
     for depth, record in instrumenter.depth_order():
         share, now, peak = held.get(id(record.node), (0, 0, 0))
+        if record.accounts:  # an interleave's inner stage: over its slots' accounts
+            now, share, peak = record.inner_held
         out.append(
             StageProfile(
                 name=record.name,
@@ -319,6 +419,8 @@ def _stage_profiles(
                 fused=tuple(instrumenter.fused_into(record)),
                 key=id(record.node),
                 has_inputs=bool(record.children),
+                iterators=record.iterators,
+                workers=workers.get(id(record.node)),
             )
         )
     return out

@@ -68,7 +68,7 @@ class _Axes:
     def y(self, value: float) -> float:
         return _TOP + self.plot_h * (1 - value / self.y_max)
 
-    def frame(self, y_label: str, y_format: str = "bytes") -> list[str]:
+    def frame(self, y_label: str, y_format: str = "bytes", x_format: str = "seconds") -> list[str]:
         parts = [
             f'<rect class="plot" x="{_LEFT}" y="{_TOP}" width="{self.plot_w}" '
             f'height="{self.plot_h}" fill="#fafafa" stroke="#ccc"/>'
@@ -82,12 +82,14 @@ class _Axes:
                 f'stroke="#e5e5e5"/><text x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end" '
                 f'font-size="11">{_esc(text)}</text>'
             )
-        for k in range(6):
-            value = self.x_max * k / 5
+        ticks = ([float(k) for k in range(int(self.x_max) + 1)]
+                 if x_format == "epoch" and self.x_max <= 20
+                 else [self.x_max * k / 5 for k in range(6)])
+        for value in ticks:
             x = self.x(value)
             parts.append(
                 f'<text x="{x:.1f}" y="{_TOP + self.plot_h + 16}" text-anchor="middle" '
-                f'font-size="11">{value:.2f} s</text>'
+                f'font-size="11">{_x_label(value, x_format)}</text>'
             )
         parts.append(
             f'<text x="14" y="{_TOP + self.plot_h / 2:.0f}" font-size="12" '
@@ -95,6 +97,10 @@ class _Axes:
             f'text-anchor="middle">{_esc(y_label)}</text>'
         )
         return parts
+
+
+def _x_label(value: float, x_format: str) -> str:
+    return f"{value:.2f} s" if x_format == "seconds" else f"{value:.0f}"
 
 
 def _legend(entries: Sequence[tuple[str, str, str]]) -> list[str]:
@@ -280,6 +286,45 @@ td:first-child,th:first-child{text-align:left;white-space:pre}
 """
 
 
+def _workers_section(profile: Profile) -> str:
+    """Maps on worker processes: each worker's memory, compute against transfer, traffic."""
+    stages = profile.worker_stages
+    if not stages:
+        return ""
+    peaks = profile.peak_worker_rss()
+    segments, segment_bytes = profile.peak_shm
+    stage_rows = []
+    worker_rows = []
+    for stage in stages:
+        workers = stage.workers
+        assert workers is not None
+        moving = workers.compute_seconds + workers.transfer_seconds
+        stage_rows.append((
+            stage.name, workers.count, workers.reason, f"{workers.chunks:,}",
+            f"{workers.elements:,}", f"{workers.compute_seconds:.3f}",
+            f"{workers.transfer_seconds:.3f}",
+            f"{workers.transfer_seconds / moving:.0%}" if moving > 0 else "-",
+            format_bytes(workers.sent_bytes), format_bytes(workers.received_bytes),
+        ))
+        worker_rows += [
+            (stage.name, worker.pid, format_bytes(worker.rss),
+             format_bytes(peaks.get(worker.pid, worker.rss)), format_bytes(worker.uss),
+             format_bytes(worker.pss_anon), format_bytes(worker.pss_shmem))
+            for worker in workers.processes
+        ]
+    return "".join([
+        "<h2>Worker processes</h2>",
+        f"<p>Shared-memory segments of this pipeline: at most {segments} at once, "
+        f"{_esc(format_bytes(segment_bytes))}.</p>",
+        _table(["stage", "processes", "why", "chunks", "elements", "compute s", "transfer s",
+                "transfer share", "sent", "received"], stage_rows, "workers"),
+        '<p class="muted">Compute: the function in the workers. Transfer: moving elements '
+        "both ways (pickling, shared-memory copies), in the workers and in this process.</p>",
+        _table(["stage", "pid", "RSS", "peak RSS", "USS", "PSS anonymous", "PSS shared"],
+               worker_rows, "worker-memory"),
+    ])
+
+
 def render_html(profile: Profile) -> str:
     """The whole report as one HTML string (see the module doc)."""
     end = profile.end_memory
@@ -340,6 +385,7 @@ def render_html(profile: Profile) -> str:
         throughput_chart(profile),
         "<h2>Time per stage</h2>",
         time_chart(profile),
+        _workers_section(profile),
         "<h2>Stages</h2>",
         _table(
             ["stage", "in", "out", "out/s", "pull s", "input s", "own s", "inflation",

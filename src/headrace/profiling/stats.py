@@ -100,5 +100,9 @@ class RunStats:
                 f"{workers.stage}: {workers.count} {workers.kind} ({workers.reason}); worker "
                 f"processes {len(workers.processes)}, unique {format_bytes(workers.uss)}, "
                 f"proportional anonymous + shared {format_bytes(workers.charged)}"
+                + (f"; {workers.chunks} chunks, compute {workers.compute_seconds:.2f} s, "
+                   f"transfer {workers.transfer_seconds:.2f} s, sent "
+                   f"{format_bytes(workers.sent_bytes)}, received "
+                   f"{format_bytes(workers.received_bytes)}" if workers.chunks else "")
             )
         return "\n".join(lines)

@@ -185,9 +185,17 @@ class Sampler:
             if self.instrumenter is not None:
                 counts = {id(r.node): r.count for r in self.instrumenter.records}
             accounts = _accounts_by_node(iterator) if iterator is not None else {}
+            inner = {} if self.instrumenter is None else {
+                id(r.node): r.inner_held for r in self.instrumenter.records if r.accounts
+            }  # the stages of an interleave's inner datasets book under their slots' budgets
             held, shares = [], []
             for key in self._stage_keys:
                 account = accounts.get(key)
+                if account is None and key in inner:
+                    now, share, _ = inner[key]
+                    held.append(now)
+                    shares.append(share)
+                    continue
                 held.append(account.held if account is not None else 0)
                 shares.append(account.limit if account is not None else 0)
             budget = iterator.context.budget if iterator is not None else None

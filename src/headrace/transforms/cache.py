@@ -197,6 +197,13 @@ def _reserve(account: StageAccount) -> int:
     return max(account.limit // 4, DEFAULT_BUFFER_SIZE + 3 * _chunk_bytes(account))
 
 
+def in_memory_room(share: int) -> int:
+    """Bytes of elements a cache with this share keeps in memory before it spills (lint
+    predicts the spill from it)."""
+    chunk = max(16 << 10, min(1 << 20, share // 16))
+    return max(share - max(share // 4, DEFAULT_BUFFER_SIZE + 3 * chunk), 0)
+
+
 def _disk_full(error: OSError, path: str, count: int, nbytes: int) -> OSError:
     return OSError(
         error.errno,

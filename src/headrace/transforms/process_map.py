@@ -154,8 +154,17 @@ class ProcessMapIterator(_ParallelMapIterator):
 
     def worker_stats(self) -> WorkerStats:
         """What this stage runs on, and its worker processes' memory now."""
-        memory = () if self.processes is None else self.processes.memory()
-        return WorkerStats(self.stage, self.kind, self.threads, self.reason, memory)
+        if self.processes is None:
+            return WorkerStats(self.stage, self.kind, self.threads, self.reason)
+        traffic = self.processes.traffic
+        with traffic.lock:
+            return WorkerStats(
+                self.stage, self.kind, self.threads, self.reason, self.processes.memory(),
+                chunks=traffic.chunks, elements=traffic.elements,
+                compute_seconds=traffic.compute_seconds,
+                transfer_seconds=traffic.transfer_seconds, sent_bytes=traffic.sent_bytes,
+                received_bytes=traffic.received_bytes, segments=traffic.segments,
+            )
 
     def close(self) -> None:
         try:

@@ -22,6 +22,8 @@ class WorkerMemory:
     uss: int
     pss_anon: int
     pss_shmem: int
+    #: Resident set, pages shared with this process and other workers counted whole.
+    rss: int = 0
 
     @property
     def charged(self) -> int:
@@ -38,6 +40,18 @@ class WorkerStats:
     count: int
     reason: str
     processes: tuple[WorkerMemory, ...] = ()
+    #: Chunks of elements sent to the workers, and the elements in them.
+    chunks: int = 0
+    elements: int = 0
+    #: Seconds the function ran in the workers, against seconds spent moving elements
+    #: (pickling, shared-memory copies; in the workers and in this process).
+    compute_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    #: Bytes sent to the workers and received back (shared memory and pickles), and the
+    #: shared-memory segments made for inputs.
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    segments: int = 0
 
     @property
     def uss(self) -> int:
@@ -50,7 +64,8 @@ class WorkerStats:
 
 def worker_memory(pid: int) -> WorkerMemory | None:
     """``pid``'s USS and PSS parts from ``/proc/<pid>/smaps_rollup``; None if it is gone."""
-    fields = {"Private_Clean:": 0, "Private_Dirty:": 0, "Pss_Anon:": 0, "Pss_Shmem:": 0}
+    fields = {"Private_Clean:": 0, "Private_Dirty:": 0, "Pss_Anon:": 0, "Pss_Shmem:": 0,
+              "Rss:": 0}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as rollup:
             for line in rollup:
@@ -64,6 +79,7 @@ def worker_memory(pid: int) -> WorkerMemory | None:
         fields["Private_Clean:"] + fields["Private_Dirty:"],
         fields["Pss_Anon:"],
         fields["Pss_Shmem:"],
+        fields["Rss:"],
     )
 
 

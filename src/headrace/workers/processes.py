@@ -61,6 +61,7 @@ __all__ = [
     "WORKER_KINDS",
     "ChunkResult",
     "ProcessPool",
+    "Traffic",
     "check_picklable",
     "check_workers",
     "start_method",
@@ -185,7 +186,9 @@ def _worker_main(
                 pool.drop(key)
             started = time.perf_counter()
             elements = _receive_inputs(packet)
+            computing = time.perf_counter()
             outputs, errors = _apply_all(handler, elements)
+            compute = time.perf_counter() - computing
             del elements
             try:
                 result = pack(outputs, pool.allocate)
@@ -195,7 +198,8 @@ def _worker_main(
                 errors = {p: (failure, text) for p in range(len(outputs))}
                 result = pack([None] * len(outputs), pool.allocate)
             del outputs
-            results.send(("done", call_id, result, errors or None, time.perf_counter() - started))
+            results.send(("done", call_id, result, errors or None, time.perf_counter() - started,
+                          compute))
     finally:
         pool.close()
 
@@ -224,6 +228,45 @@ class _Worker:
         self.idle: dict[int, Any] = {}  # key -> the reservation booking it while idle
 
 
+class Traffic:
+    """Where a process pool's time goes: the function's own work in the workers against
+    moving elements (pickling, shared-memory copies) both ways, and the bytes moved.
+
+    ``compute_seconds`` is the function in the workers; ``transfer_seconds`` the rest of
+    a chunk's time there (unpacking its inputs, packing its outputs) plus what this
+    process spends packing inputs and unpacking outputs.
+    """
+
+    __slots__ = ("chunks", "compute_seconds", "elements", "lock", "received_bytes", "segments",
+                 "sent_bytes", "transfer_seconds")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # tasks are packed on map threads, results unpacked
+        self.chunks = self.elements = self.segments = 0
+        self.sent_bytes = self.received_bytes = 0
+        self.compute_seconds = self.transfer_seconds = 0.0
+
+    def add_task(self, elements: int, seconds: float, nbytes: int, segments: int) -> None:
+        with self.lock:
+            self._add_task(elements, seconds, nbytes, segments)
+
+    def _add_task(self, elements: int, seconds: float, nbytes: int, segments: int) -> None:
+        self.chunks += 1
+        self.elements += elements
+        self.transfer_seconds += seconds
+        self.sent_bytes += nbytes
+        self.segments += segments
+
+    def add_result(self, seconds: float, compute: float, unpacking: float, nbytes: int) -> None:
+        with self.lock:
+            self._add_result(seconds, compute, unpacking, nbytes)
+
+    def _add_result(self, seconds: float, compute: float, unpacking: float, nbytes: int) -> None:
+        self.compute_seconds += compute
+        self.transfer_seconds += max(seconds - compute, 0.0) + unpacking
+        self.received_bytes += nbytes
+
+
 class ProcessPool:
     """``count`` worker processes running ``handler(element)`` over chunks, by futures.
 
@@ -250,6 +293,7 @@ class ProcessPool:
         self.maps: dict[int, SegmentMaps] = {}
         self.lock = threading.Lock()
         self._ids = 0
+        self.traffic = Traffic()
         self._started = False
         self._collector: threading.Thread | None = None
 
@@ -304,7 +348,10 @@ class ProcessPool:
             names.append(name)
             return 0, name, size, mapping
 
+        packing = time.perf_counter()
         packet = pack(elements, allocate)
+        self.traffic.add_task(len(elements), time.perf_counter() - packing,
+                              packet.shared_bytes + len(packet.payload), len(names))
         future: Future[ChunkResult] = Future()
         with self.lock:
             if self.broken is not None:
@@ -340,7 +387,8 @@ class ProcessPool:
 
     def _finish(self, worker: _Worker, message: tuple[Any, ...]) -> None:
         """A ``done`` message: unpack it into its future (collector thread)."""
-        _, call_id, packet, errors, seconds = message
+        _, call_id, packet, errors, seconds, compute = message
+        received = time.perf_counter()
         with self.lock:
             entry = worker.pending.popleft()
             assert entry[0] == call_id, "results come back in the order sent"
@@ -365,6 +413,8 @@ class ProcessPool:
         except BaseException as unpack_error:
             future.set_exception(unpack_error)
             return
+        self.traffic.add_result(seconds, compute, time.perf_counter() - received,
+                                packet.shared_bytes + len(packet.payload))
         failed: dict[int, BaseException] | None = None
         if errors:
             failed = {}
