@@ -70,3 +70,12 @@ def huge(x: Any, nbytes: int) -> Any:
 
 def lookup(table: Any, x: Any) -> Any:
     return len(table[int(x) % len(table)])
+
+
+def record_bytes(x: Any, nbytes: int = 1 << 20) -> Any:
+    """A ``bytes`` record of ``nbytes`` (what a TFRecord reader or ``tobytes`` gives)."""
+    return bytes([int(x) % 251]) * nbytes
+
+
+def same(x: Any) -> Any:
+    return x
