@@ -431,3 +431,40 @@ def test_process_map_outputs_are_freed_without_the_cyclic_gc() -> None:
         gc.enable()
     # 64 MiB went through; what stays is what the 16 MiB budget lets be in flight
     assert peak < 20 * MiB, f"{peak / MiB:.0f} MiB of Python objects at peak"
+
+
+def test_input_segments_are_pooled_booked_and_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from headrace.workers import processes
+
+    events: list[str] = []  # "call" per chunk sent, "segment" per segment made here
+    create, submit = shm.create_segment, processes.ProcessPool.submit
+
+    def counted(name: str, size: int) -> Any:
+        events.append("segment")
+        return create(name, size)
+
+    def counted_submit(self: Any, elements: list[Any]) -> Any:
+        events.append("call")
+        return submit(self, elements)
+
+    monkeypatch.setattr(shm, "create_segment", counted)
+    monkeypatch.setattr(processes, "create_segment", counted)
+    monkeypatch.setattr(processes.ProcessPool, "submit", counted_submit)
+    rows = np.arange(1000 * 8_000, dtype=np.float64).reshape(1000, 8_000)  # 64 KB rows
+    ds = (
+        hr.Dataset.from_tensor_slices(rows)
+        .map(process_fns.same, num_parallel_calls=2, workers="processes")
+        .with_options(hr.Options(memory_budget="64MiB"))
+    )
+    with iter(ds) as iterator:
+        for row, expected in zip(iterator, rows, strict=True):
+            assert np.array_equal(row, expected)
+        budget = iterator.context.budget
+    # This process makes only input segments: a few per worker while the chunks grow
+    # (the map learns the function's speed), then none: the pooled ones are reused.
+    calls = events.count("call")
+    later = events[len(events) // 2 :]
+    assert calls > 20 and events.count("segment") <= 24 and "segment" not in later, events
+    assert budget.used == 0  # the pooled segments' bookings went back with close
+    gc.collect()
+    assert own_segments() == []

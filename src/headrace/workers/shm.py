@@ -20,7 +20,8 @@ Pooling. Result segments are reused: a worker writes a chunk of outputs into
 one of its idle segments, the consumer maps it once (:class:`SegmentMaps`) and
 reports it idle again when the last array viewing it is gone (a finalizer on
 the views), so a steady stream maps no new memory. Input segments (large
-inputs sent to a worker) are one-shot.
+inputs sent to a worker) are pooled the same way, the other way round (see
+:mod:`headrace.workers.processes`).
 """
 
 from __future__ import annotations
@@ -300,15 +301,25 @@ class SegmentPool:
         self.announced: set[int] = set()  # keys whose name the receiver has seen
         self._keys = itertools.count(1)
 
-    def allocate(self, nbytes: int) -> tuple[int, str, int, mmap.mmap]:
-        """The smallest idle segment of at least ``nbytes``, or a new one."""
+    def has_idle(self, nbytes: int) -> bool:
+        """Whether an idle segment of at least ``nbytes`` is there to reuse."""
+        return any(self.segments[key][1] >= nbytes for key in self.idle)
+
+    @staticmethod
+    def capacity_for(nbytes: int) -> int:
+        """The size a new segment for ``nbytes`` gets (whole pages)."""
+        return max(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
+
+    def allocate(self, nbytes: int, capacity: int = 0) -> tuple[int, str, int, mmap.mmap]:
+        """The smallest idle segment of at least ``nbytes``, or a new one (of ``capacity``
+        bytes if that is more)."""
         fitting = [key for key in self.idle if self.segments[key][1] >= nbytes]
         if fitting:
             key = min(fitting, key=lambda k: self.segments[k][1])
             self.idle.discard(key)
             mapping, size, _ = self.segments[key]
             return key, "", size, mapping
-        size = max(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
+        size = self.capacity_for(max(nbytes, capacity))
         key = next(self._keys)
         name = segment_name(self.owner, self.tag)
         mapping = create_segment(name, size)
