@@ -97,6 +97,19 @@ def start_method() -> str:
     return "forkserver" if "forkserver" in methods else "spawn"
 
 
+#: What the forkserver imports before it forks any worker: each worker then starts with
+#: NumPy and headrace's worker side already in memory, as pages it shares with the server
+#: and its siblings (counted once between them, by PSS), instead of importing them anew
+#: (~16 MiB of unique memory and a few hundred ms per worker).
+FORKSERVER_PRELOAD = ("__main__", "numpy", "headrace.workers.processes")
+
+
+def _preload_forkserver(context: Any) -> None:
+    """Ask the forkserver (before it starts; later calls change nothing) to preload."""
+    if context.get_start_method() == "forkserver":
+        context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+
+
 def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> str:
     """The deepest part of ``obj`` that pickle refuses, as a path like ``fn.__closure__[0]``."""
     if depth > 6:
@@ -289,6 +302,7 @@ class ProcessPool:
         self._started = True
         sweep_stale()
         context = multiprocessing.get_context(start_method())
+        _preload_forkserver(context)
         for index in range(self.count):
             task_read, task_write = context.Pipe(duplex=False)
             result_read, result_write = context.Pipe(duplex=False)
