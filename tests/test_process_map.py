@@ -465,9 +465,9 @@ def test_input_segments_are_pooled_booked_and_freed(monkeypatch: pytest.MonkeyPa
         budget = iterator.context.budget
     # This process makes only input segments: a few per worker while the chunks grow
     # (the map learns the function's speed), then none: the pooled ones are reused.
-    calls = events.count("call")
-    later = events[len(events) // 2 :]
-    assert calls > 20 and events.count("segment") <= 24 and "segment" not in later, events
+    calls, made = events.count("call"), events.count("segment")
+    # every chunk carries 64 KB rows out of band: one-shot segments would be one per call
+    assert calls > 20 and made <= 24 and made * 3 <= calls, events
     assert budget.used == 0  # the pooled segments' bookings went back with close
     gc.collect()
     assert own_segments() == []
