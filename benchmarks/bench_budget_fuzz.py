@@ -12,6 +12,7 @@ budget + 10% + 64 MiB; and the worst growth against its bound.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import subprocess
@@ -22,15 +23,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from fuzz_pipelines import random_spec  # noqa: E402
+from fuzz_pipelines import process_spec, random_spec  # noqa: E402
 
 BATCH = 25
 
 
-def run_batch(seeds: list[int]) -> list[dict]:
+def run_batch(seeds: list[int], processes: bool = False) -> list[dict]:
+    draw = process_spec if processes else random_spec
     done = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "fuzz_pipelines.py")],
-        input=json.dumps([random_spec(seed) for seed in seeds]),
+        input=json.dumps([draw(seed) for seed in seeds]),
         capture_output=True, text=True, timeout=1800, check=False,
     )
     results = [json.loads(line) for line in done.stdout.splitlines()]
@@ -48,16 +50,19 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("count", nargs="?", type=int, default=1000)
     parser.add_argument("--start", type=int, default=100_000)
+    parser.add_argument("--processes", action="store_true",
+                        help="pipelines with maps on worker processes (tests' process_spec)")
     args = parser.parse_args()
+    run = functools.partial(run_batch, processes=args.processes)
     seeds = list(range(args.start, args.start + args.count))
     started = time.perf_counter()
     # One batch at a time: two concurrent children would measure each other's noise less
     # than their own growth, but they share the machine's memory bandwidth.
     batches = [seeds[i:i + BATCH] for i in range(0, len(seeds), BATCH)]
     with ThreadPoolExecutor(1) as pool:
-        results = [r for batch in pool.map(run_batch, batches) for r in batch]
+        results = [r for batch in pool.map(run, batches) for r in batch]
         # G3: every pipeline a second time, in another process: same elements, same order.
-        again = {r["seed"]: r for batch in pool.map(run_batch, batches) for r in batch}
+        again = {r["seed"]: r for batch in pool.map(run, batches) for r in batch}
     unstable = [r for r in results
                 if (r["outcome"], r["elements"], r.get("order"))
                 != (again[r["seed"]]["outcome"], again[r["seed"]]["elements"],
@@ -73,11 +78,12 @@ def main() -> int:
     over_rss = [r for r in results if r["growth"] > r["bound"]]
     worst = max(results, key=lambda r: r["growth"] / r["bound"])
     lines = [
-        "# Budget fuzzer sweep",
+        "# Budget fuzzer sweep" + (" (process maps)" if args.processes else ""),
         "",
         f"{len(results)} random pipelines (seeds {seeds[0]}..{seeds[-1]}), "
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, "
-        f"{elapsed:.0f} s. Reproduce: `python benchmarks/bench_budget_fuzz.py {args.count}`.",
+        f"{elapsed:.0f} s. Reproduce: `python benchmarks/bench_budget_fuzz.py {args.count} "
+        f"--start {args.start}{' --processes' if args.processes else ''}`.",
         "",
         "| outcome | pipelines |",
         "|---|---|",
@@ -97,7 +103,9 @@ def main() -> int:
     for r in (errors + breaches + over_books + over_rss + unstable)[:20]:
         lines.append(f"- seed {r['seed']}: {r['outcome'][:200]} {r['violations'][:1]} "
                      f"growth {r['growth'] >> 20} MiB / bound {r['bound'] >> 20} MiB")
-    out = ROOT / "benchmarks" / "results" / "budget_fuzz.md"
+    out = ROOT / "benchmarks" / "results" / (
+        "budget_fuzz-processes.md" if args.processes else "budget_fuzz.md"
+    )
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 1 if errors or breaches or over_books or over_rss or unstable else 0

@@ -178,6 +178,15 @@ def cache_spec(seed: int) -> dict[str, Any]:
     }
 
 
+def process_spec(seed: int) -> dict[str, Any]:
+    """``random_spec(seed, processes=True)`` with one process map at least (first, if
+    the draw had none): the pipelines of the process-stage sweeps."""
+    spec = random_spec(seed, processes=True)
+    if not any(op[0] == "xmap" for op in spec["ops"]):
+        spec["ops"].insert(0, ["xmap", 1 + seed % 2, "copy"])
+    return spec
+
+
 # -- running one spec (in the child) --------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ defined in a test module imported by pytest's importlib mode is not.)
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -70,3 +71,36 @@ def huge(x: Any, nbytes: int) -> Any:
 
 def lookup(table: Any, x: Any) -> Any:
     return len(table[int(x) % len(table)])
+
+
+def record_bytes(x: Any, nbytes: int = 1 << 20) -> Any:
+    """A ``bytes`` record of ``nbytes`` (what a TFRecord reader or ``tobytes`` gives)."""
+    return bytes([int(x) % 251]) * nbytes
+
+
+def same(x: Any) -> Any:
+    return x
+
+
+def shard_dataset(i: Any, sizes: tuple[int, ...] = (5, 0, 3, 7), bad: int = -1) -> Any:
+    """An inner dataset for interleave tests: ``sizes[i % len]`` elements ``i * 100 + j``;
+    element ``bad`` (if it is one of them) raises :class:`Failing` in its place."""
+    import headrace as hr
+
+    count = sizes[int(i) % len(sizes)]
+    ds = hr.Dataset.range(int(i) * 100, int(i) * 100 + count)
+    return ds.map(functools.partial(fail_on_value, bad))
+
+
+def fail_on_value(bad: int, x: Any) -> Any:
+    if int(x) == bad:
+        raise Failing(f"bad element {int(x)}")
+    return x
+
+
+def shard_arrays(i: Any, rows: int = 20, width: int = 5_000) -> Any:
+    """An inner dataset of ``rows`` float64 rows (40 KB each) made in the worker."""
+    import headrace as hr
+
+    base = np.arange(rows * width, dtype=np.float64).reshape(rows, width) + int(i) * 1e6
+    return hr.Dataset.from_tensor_slices(base)

@@ -540,6 +540,8 @@ class Dataset:
         block_length: int | None = None,
         num_parallel_calls: int | None = None,
         deterministic: bool | None = None,
+        *,
+        workers: str = "threads",
     ) -> Dataset:
         """Mix the datasets ``map_func`` makes of each element, in tf.data's exact order.
 
@@ -551,10 +553,17 @@ class Dataset:
         the order stays the sequential one unless ``deterministic=False``. All
         inner pipelines share this stage's part of the budget, and their files
         count against the process-wide cap on open files.
+
+        ``workers="processes"`` runs the inner pipelines (reading and parsing
+        shards) in ``num_parallel_calls`` worker processes instead, so GIL-bound
+        readers use every core; ``map_func`` must then be picklable, and the
+        order is the sequential one always (see
+        :mod:`headrace.transforms.process_interleave`).
         """
         return self._wrap(
             InterleaveNode(
-                self._node, map_func, cycle_length, block_length, num_parallel_calls, deterministic
+                self._node, map_func, cycle_length, block_length, num_parallel_calls,
+                deterministic, workers,
             )
         )
 

@@ -142,8 +142,8 @@ class ProcessSnapshot:
     headrace_threads: int = 0
     #: Each descendant process (worker) by itself: RSS, USS and proportional sizes.
     worker_processes: tuple[WorkerMemory, ...] = ()
-    #: Shared-memory segments of this process's pipelines (process maps' inputs and
-    #: outputs, in /dev/shm), whichever process made them, and their bytes.
+    #: Live shared-memory segments of this process's pipelines (process maps' inputs and
+    #: outputs: named in /dev/shm or mapped here or by a worker) and their bytes.
     shm_segments: int = 0
     shm_bytes: int = 0
 
@@ -163,7 +163,7 @@ def snapshot(*, detailed: bool = True) -> ProcessSnapshot:
     rollup = _smaps_rollup("self")
     pids = _descendants(os.getpid())
     processes = tuple(m for m in map(worker_memory, pids) if m is not None)
-    segments, segment_bytes = shared_memory_segments()
+    segments, segment_bytes = shared_memory_segments(pids=tuple(pids))
     return ProcessSnapshot(
         basic.anonymous,
         basic.shared,
@@ -182,23 +182,44 @@ def snapshot(*, detailed: bool = True) -> ProcessSnapshot:
     )
 
 
-def shared_memory_segments(owner: int | None = None) -> tuple[int, int]:
-    """Segments in /dev/shm of ``owner``'s pipelines (default: this process) and their bytes.
+def shared_memory_segments(
+    owner: int | None = None, pids: tuple[int, ...] = ()
+) -> tuple[int, int]:
+    """Live segments of ``owner``'s pipelines (default: this process) and their bytes.
 
-    Process maps name every segment ``headrace-<owner>-<maker>-...``; one that
-    outlives its pipeline is what ``headrace doctor`` reports as not returned.
+    Process maps name every segment ``headrace-<owner>-<maker>-...`` and the
+    receiver unlinks the name once it has mapped it, so a live segment is one
+    still named in /dev/shm (made, not yet mapped: what ``headrace doctor``
+    reports when it outlives its pipeline) or one mapped by the owner or by one
+    of ``pids`` (its workers), read from their ``/proc/PID/maps``.
     """
     from headrace.workers.shm import SHM_DIR
 
-    prefix = f"headrace-{os.getpid() if owner is None else owner}-"
-    count = total = 0
+    owner = os.getpid() if owner is None else owner
+    prefix = f"headrace-{owner}-"
+    sizes: dict[str, int] = {}
     try:
         with os.scandir(SHM_DIR) as entries:
             for entry in entries:
                 if entry.name.startswith(prefix):
                     with contextlib.suppress(OSError):  # unlinked meanwhile
-                        total += entry.stat().st_size
-                        count += 1
+                        sizes[entry.name] = entry.stat().st_size
     except OSError:
-        return 0, 0
-    return count, total
+        pass
+    marker = f"{SHM_DIR.rstrip('/')}/{prefix}"
+    for pid in (owner, *pids):
+        mapped: dict[str, int] = {}
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    at = line.find(marker)
+                    if at < 0:
+                        continue
+                    name = line[at + len(marker) - len(prefix):].split()[0]
+                    low, high = line.split(None, 1)[0].split("-")
+                    mapped[name] = mapped.get(name, 0) + int(high, 16) - int(low, 16)
+        except (OSError, ValueError):
+            continue  # gone, or not ours to read
+        for name, size in mapped.items():
+            sizes[name] = max(sizes.get(name, 0), size)
+    return len(sizes), sum(sizes.values())

@@ -100,10 +100,21 @@ class InterleaveNode(Node):
         block_length: int | None,
         num_parallel_calls: int | None,
         deterministic: bool | None,
+        workers: str = "threads",
     ) -> None:
         super().__init__(source)
         if not callable(map_func):
             raise InvalidArgumentError(f"interleave: map_func must be callable, got {map_func!r}")
+        if workers != "threads":  # (imported here: multiprocessing costs import time)
+            from headrace.workers.processes import check_workers
+
+            if workers == "auto":
+                raise InvalidArgumentError(
+                    "interleave: workers must be 'threads' or 'processes' (an interleave "
+                    "cannot measure its inner pipelines before it opens them), got 'auto'"
+                )
+            check_workers(workers, num_parallel_calls, map_func, "interleave")
+        self.workers = workers
         if num_parallel_calls is not None and num_parallel_calls != AUTOTUNE:
             check_positive("interleave: num_parallel_calls", num_parallel_calls)
         if deterministic is not None and num_parallel_calls is None:
@@ -150,6 +161,9 @@ class InterleaveNode(Node):
             self.block_length,
             self.num_parallel_calls,
             self.deterministic,
+            # a slot's state differs in a worker (a chunk's start and a count): no
+            # checkpoint moves between the two
+            *(("processes",) if self.workers == "processes" else ()),
         )
 
     @property
@@ -189,9 +203,8 @@ class InterleaveNode(Node):
     def make_iterator(self, ctx: Context) -> Iterator:
         deterministic = ctx.deterministic if self.deterministic is None else self.deterministic
         account = ctx.account(self)
-        return _InterleaveIterator(
-            self, self.inputs[0].make_iterator(ctx), ctx, account, deterministic
-        )
+        kind = _ProcessInterleaveIterator if self.workers == "processes" else _InterleaveIterator
+        return kind(self, self.inputs[0].make_iterator(ctx), ctx, account, deterministic)
 
 
 class _Slot:
@@ -236,8 +249,10 @@ class _InterleaveIterator(Iterator):
     ) -> None:
         super().__init__(inner)
         self.node, self.input, self.ctx, self.account = node, inner, ctx, account
-        self.deterministic = deterministic
-        parallel = node.num_parallel_calls
+        self.processes: Any = None  # the worker pool of workers="processes", once started
+        remote = node.workers == "processes"
+        self.deterministic = deterministic or remote  # processes keep the order always
+        parallel = None if remote else node.num_parallel_calls
         self.may_thread = parallel is not None
         # AUTOTUNE starts sequential and watches for waiting (see the module docstring).
         self.watch = WaitWatch() if parallel == AUTOTUNE else None
@@ -281,6 +296,8 @@ class _InterleaveIterator(Iterator):
         # interleave's holding, and a re-split that lowers the stage's share holds them too.
         budget = MemoryBudget(share, parent=self.account)
         inner_ctx = self.ctx.with_budget(budget)
+        if node.workers == "processes":
+            return self._open_remote_slot(element, input_before, budget, inner_ctx, share)
         iterator = node.inner_node(element).make_iterator(inner_ctx)
         # Arrays the function made for this inner dataset live as long as the slot: they
         # are booked on the stage's account, and the slot's budget is the rest of its part.
@@ -302,6 +319,31 @@ class _InterleaveIterator(Iterator):
         if self.gate is not None:
             iterator = self._read_ahead(iterator, inner_ctx, queue, self.gate, start=start)
         return _Slot(iterator, budget, input_before, inner_ctx, queue, owned)
+
+    def _open_remote_slot(
+        self,
+        element: Any,
+        input_before: dict[str, Any],
+        budget: MemoryBudget,
+        inner_ctx: Context,
+        share: int,
+    ) -> _Slot:
+        """A slot whose inner pipeline runs in a worker process (workers="processes")."""
+        from headrace.transforms.process_interleave import RemoteSlotIterator, slot_pool
+        from headrace.transforms.process_map import cpu_count
+
+        node = self.node
+        if self.processes is None:
+            parallel = node.num_parallel_calls
+            count = cpu_count() if parallel == AUTOTUNE else int(parallel or 1)
+            stage = f"interleave({function_name(node.map_func)})"
+            self.processes = slot_pool(node, self.ctx.options, share, count, stage)
+        account = budget.account("interleave slot", weight=1)
+        budget.allot()
+        iterator = RemoteSlotIterator(
+            self.processes, element, inner_ctx, account, budget.total, "interleave slot"
+        )
+        return _Slot(iterator, budget, input_before, inner_ctx, account, NO_RESERVATION)
 
     def _read_ahead(
         self,
@@ -506,5 +548,21 @@ class _InterleaveIterator(Iterator):
             self._close_slot(index)
 
     def close(self) -> None:
-        self._close_all()
-        super().close()
+        try:
+            self._close_all()
+            super().close()
+        finally:
+            if self.processes is not None:
+                self.processes.shutdown()
+
+
+class _ProcessInterleaveIterator(_InterleaveIterator):
+    """workers="processes": the same order and state, slots in worker processes."""
+
+    def worker_stats(self) -> Any:
+        """What the slots run on, and the worker processes' memory now."""
+        from headrace.workers.memory import WorkerStats
+
+        count = self.processes.count if self.processes is not None else 0
+        memory = self.processes.memory() if self.processes is not None else ()
+        return WorkerStats(self.stage, "processes", count, "workers='processes'", memory)

@@ -42,6 +42,7 @@ import functools
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Any
 
@@ -144,9 +145,16 @@ class ProcessMapIterator(_ParallelMapIterator):
             if not outer.done():
                 outer.set_result((kept, sizes, errors, seconds))
 
+        # Weakly: ``costed`` (a callback of ``inner``) holds ``outer``, and a strong
+        # reference back would make a cycle of the two futures and their callbacks that
+        # keeps a whole chunk of outputs alive, unbooked, until the cyclic GC happens to
+        # run (large outputs are few objects, so it runs late: seed 700 of the fuzzer).
+        inner_ref = weakref.ref(inner)
+
         def cancel_inner(done: Future[_MapResult]) -> None:
-            if done.cancelled():
-                inner.cancel()
+            running = inner_ref()
+            if done.cancelled() and running is not None:
+                running.cancel()
 
         outer.add_done_callback(cancel_inner)
         inner.add_done_callback(costed)

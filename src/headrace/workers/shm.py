@@ -20,7 +20,8 @@ Pooling. Result segments are reused: a worker writes a chunk of outputs into
 one of its idle segments, the consumer maps it once (:class:`SegmentMaps`) and
 reports it idle again when the last array viewing it is gone (a finalizer on
 the views), so a steady stream maps no new memory. Input segments (large
-inputs sent to a worker) are one-shot.
+inputs sent to a worker) are pooled the same way, the other way round (see
+:mod:`headrace.workers.processes`).
 """
 
 from __future__ import annotations
@@ -159,6 +160,13 @@ class Packet:
     payload: bytes
     segment: tuple[int, str, int] | None = None
     spans: tuple[tuple[int, int], ...] = ()
+    copied: tuple[int, ...] = ()  # positions in ``spans`` of bytes received as copies
+
+    @property
+    def viewed_bytes(self) -> int:
+        """Bytes of the segment that the receiver's objects keep viewing."""
+        copied = set(self.copied)
+        return sum(length for i, (_, length) in enumerate(self.spans) if i not in copied)
 
     @property
     def shared_bytes(self) -> int:
@@ -174,14 +182,32 @@ Allocate = Callable[[int], tuple[int, str, int, mmap.mmap]]
 
 
 class _Pickler(pickle.Pickler):
-    """Pickle, plus memoryviews (which pickle refuses): sent as buffers, received as
-    memoryviews of the segment (or of bytes, when small); and large ``bytes`` out of
-    band too (received as a copy out of the segment): in band, a chunk of records
-    would cost a pickle of its size on each side besides the records themselves."""
+    """Pickle, plus memoryviews (which pickle refuses) and large ``bytes`` out of band.
+
+    A memoryview is sent as a buffer and received as a memoryview of the segment
+    (or of bytes, when small). Large ``bytes`` go into the segment too and are
+    received as a copy out of it: in band, a chunk of records would cost a pickle
+    of its size on each side (and one more inside the pipe's message) besides the
+    records themselves — copies that no booking covers. They are diverted by
+    ``persistent_id``, the only hook the C pickler consults before its fast path
+    for ``bytes`` (``reducer_override`` never sees them).
+    """
+
+    def __init__(
+        self,
+        stream: io.BytesIO,
+        out_of_band: Callable[[pickle.PickleBuffer], bool],
+        divert: Callable[[bytes], int],
+    ) -> None:
+        super().__init__(stream, protocol=5, buffer_callback=out_of_band)
+        self._divert = divert
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is bytes and len(obj) >= OUT_OF_BAND_BYTES:
+            return self._divert(obj)
+        return None
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is bytes and len(obj) >= OUT_OF_BAND_BYTES:
-            return bytes, (pickle.PickleBuffer(obj),)
         if type(obj) is memoryview:
             if obj.contiguous:
                 return memoryview, (pickle.PickleBuffer(obj),)
@@ -196,6 +222,7 @@ def pack(obj: Any, allocate: Allocate) -> Packet:
     at least ``nbytes`` (``name`` empty if the receiver knows it already).
     """
     buffers: list[memoryview] = []
+    copied: list[int] = []  # positions in ``buffers`` of diverted bytes
 
     def out_of_band(buffer: pickle.PickleBuffer) -> bool:
         raw = buffer.raw()
@@ -204,8 +231,13 @@ def pack(obj: Any, allocate: Allocate) -> Packet:
         buffers.append(raw)
         return False
 
+    def divert(data: bytes) -> int:
+        copied.append(len(buffers))
+        buffers.append(memoryview(data))
+        return len(buffers) - 1
+
     stream = io.BytesIO()
-    _Pickler(stream, protocol=5, buffer_callback=out_of_band).dump(obj)
+    _Pickler(stream, out_of_band, divert).dump(obj)
     payload = stream.getvalue()
     if not buffers:
         return Packet(payload)
@@ -220,7 +252,18 @@ def pack(obj: Any, allocate: Allocate) -> Packet:
             spans.append((offset, length))
             offset += _aligned(length)
             raw.release()
-    return Packet(payload, (key, name, capacity), tuple(spans))
+    return Packet(payload, (key, name, capacity), tuple(spans), tuple(copied))
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads what :class:`_Pickler` wrote: diverted ``bytes`` come back as copies."""
+
+    def __init__(self, stream: io.BytesIO, buffers: list[Any], views: list[Any]) -> None:
+        super().__init__(stream, buffers=buffers)
+        self._views = views
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._views[pid].tobytes()
 
 
 def unpack(packet: Packet, mapping: mmap.mmap | None, on_view: Callable[[Any], None]) -> Any:
@@ -228,15 +271,18 @@ def unpack(packet: Packet, mapping: mmap.mmap | None, on_view: Callable[[Any], N
 
     ``on_view`` is called with each view handed to the unpickler: a view lives
     exactly as long as the arrays made from it, so a finalizer on it tells
-    when the segment is free again.
+    when the segment is free again. Diverted ``bytes`` are copied out (a
+    ``bytes`` owns its memory), so no view of them outlives this call.
     """
     if not packet.spans:
         return pickle.loads(packet.payload)
     assert mapping is not None
     views = [np.frombuffer(mapping, np.uint8, length, offset) for offset, length in packet.spans]
-    for view in views:
+    copied = set(packet.copied)
+    handed = [view for position, view in enumerate(views) if position not in copied]
+    for view in handed:
         on_view(view)
-    return pickle.loads(packet.payload, buffers=views)
+    return _Unpickler(io.BytesIO(packet.payload), handed, views).load()
 
 
 class SegmentPool:
@@ -255,15 +301,25 @@ class SegmentPool:
         self.announced: set[int] = set()  # keys whose name the receiver has seen
         self._keys = itertools.count(1)
 
-    def allocate(self, nbytes: int) -> tuple[int, str, int, mmap.mmap]:
-        """The smallest idle segment of at least ``nbytes``, or a new one."""
+    def has_idle(self, nbytes: int) -> bool:
+        """Whether an idle segment of at least ``nbytes`` is there to reuse."""
+        return any(self.segments[key][1] >= nbytes for key in self.idle)
+
+    @staticmethod
+    def capacity_for(nbytes: int) -> int:
+        """The size a new segment for ``nbytes`` gets (whole pages)."""
+        return max(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
+
+    def allocate(self, nbytes: int, capacity: int = 0) -> tuple[int, str, int, mmap.mmap]:
+        """The smallest idle segment of at least ``nbytes``, or a new one (of ``capacity``
+        bytes if that is more)."""
         fitting = [key for key in self.idle if self.segments[key][1] >= nbytes]
         if fitting:
             key = min(fitting, key=lambda k: self.segments[k][1])
             self.idle.discard(key)
             mapping, size, _ = self.segments[key]
             return key, "", size, mapping
-        size = max(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
+        size = self.capacity_for(max(nbytes, capacity))
         key = next(self._keys)
         name = segment_name(self.owner, self.tag)
         mapping = create_segment(name, size)
@@ -310,13 +366,20 @@ class SegmentMaps:
             self.maps[key] = (open_segment(name, capacity), capacity)
         mapping = self.maps[key][0]
         dead = self._dead
+        viewed = [False]
 
         def on_view(view: Any) -> None:
+            viewed[0] = True
             with self._lock:
                 self.live[key] = self.live.get(key, 0) + 1
             weakref.finalize(view, dead.append, key)
 
-        return unpack(packet, mapping, on_view)
+        obj = unpack(packet, mapping, on_view)
+        if not viewed[0]:  # only copies came out (bytes): the segment is free at once
+            with self._lock:
+                self.live[key] = self.live.get(key, 0) + 1
+            dead.append(key)
+        return obj
 
     def released(self) -> list[int]:
         """Keys whose views are all gone since the last call (their segment may be reused)."""

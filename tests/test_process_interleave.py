@@ -1,0 +1,212 @@
+"""interleave(..., workers="processes"): inner pipelines in worker processes.
+
+Order, errors and checkpoints are checked against the sequential interleave
+(itself checked against tf.data in test_interleave_tf.py) over generated
+shapes; faults (an error in an inner pipeline, a killed worker) and shutdown
+against what a user relies on: the element's place, WorkerError within
+seconds, no worker and no segment left.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import headrace as hr
+from headrace.io.tfrecord.writer import write_tfrecord
+from headrace.workers import shm
+from headrace.workers.memory import worker_memory
+
+sys.path.insert(0, str(Path(__file__).parent))
+import process_fns
+
+MiB = 1 << 20
+
+
+def own_segments() -> list[str]:
+    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"headrace-{os.getpid()}-")]
+
+
+def outputs(iterator: Any, limit: int = 10_000) -> list[Any]:
+    """Every position: the element, or the error's message, in order."""
+    got: list[Any] = []
+    while len(got) < limit:
+        try:
+            got.append(int(next(iterator)))
+        except StopIteration:
+            return got
+        except process_fns.Failing as error:
+            got.append(("error", str(error)))
+    return got
+
+
+def interleaved(
+    inputs: int, sizes: tuple[int, ...], bad: int, cycle: int, block: int, workers: int | None
+) -> hr.Dataset:
+    fn = functools.partial(process_fns.shard_dataset, sizes=sizes, bad=bad)
+    extra: dict[str, Any] = {}
+    if workers is not None:
+        extra = {"num_parallel_calls": workers, "workers": "processes"}
+    return hr.Dataset.range(inputs).interleave(fn, cycle_length=cycle, block_length=block, **extra)
+
+
+shapes = {
+    "inputs": st.integers(0, 9),
+    "sizes": st.lists(st.integers(0, 90), min_size=1, max_size=4).map(tuple),
+    "bad": st.integers(-1, 400),
+    "cycle": st.integers(1, 4),
+    "block": st.integers(1, 3),
+    "workers": st.integers(1, 2),
+}
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 3 elements: slots cross many chunks, and chunks move between workers."""
+    from headrace.transforms import process_interleave
+
+    monkeypatch.setattr(process_interleave, "CHUNK_ELEMENTS", 3)
+
+
+@settings(max_examples=5, deadline=None, derandomize=True)
+@given(**shapes)
+def test_same_elements_errors_and_order_as_the_sequential_interleave(
+    inputs: int, sizes: tuple[int, ...], bad: int, cycle: int, block: int, workers: int
+) -> None:
+    with iter(interleaved(inputs, sizes, bad, cycle, block, None)) as sequential:
+        expected = outputs(sequential)
+    with iter(interleaved(inputs, sizes, bad, cycle, block, workers)) as remote:
+        assert outputs(remote) == expected
+    assert own_segments() == []
+
+
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(**shapes, at=st.floats(0, 1))
+def test_checkpoints_resume_exactly(
+    inputs: int, sizes: tuple[int, ...], bad: int, cycle: int, block: int, workers: int,
+    at: float,
+) -> None:
+    ds = interleaved(inputs, sizes, bad, cycle, block, workers)
+    with iter(ds) as reference:
+        everything = outputs(reference)
+    step = int(at * len(everything))
+    with iter(ds) as original:
+        assert outputs(original, step) == everything[:step]
+        state = json.loads(json.dumps(original.get_state()))
+    with iter(ds) as restored:
+        restored.set_state(state)
+        assert outputs(restored) == everything[step:]
+
+
+def test_an_error_in_an_inner_pipeline_has_the_workers_traceback_and_iteration_goes_on() -> None:
+    ds = interleaved(2, (4,), 101, 2, 1, 2)  # element 101 of input 1 fails
+    with iter(ds) as iterator:
+        assert [int(next(iterator)) for _ in range(3)] == [0, 100, 1]
+        with pytest.raises(process_fns.Failing, match="bad element 101") as caught:
+            next(iterator)
+        cause = str(caught.value.__cause__)
+        assert "Traceback in the worker process" in cause and "fail_on_value" in cause
+        # as in tf.data's sequential interleave, the error is not an element of the block:
+        # the same slot goes on
+        assert [int(x) for x in iterator] == [102, 2, 103, 3]
+
+
+def test_a_checkpoint_of_a_threaded_interleave_is_refused_clearly() -> None:
+    threaded = interleaved(3, (4,), -1, 2, 1, None)
+    with iter(threaded) as iterator:
+        next(iterator)
+        state = iterator.get_state()
+    with iter(interleaved(3, (4,), -1, 2, 1, 2)) as remote, pytest.raises(hr.CheckpointError):
+        remote.set_state(state)
+
+
+def test_arrays_come_back_booked_and_everything_is_returned_at_close() -> None:
+    ds = (
+        hr.Dataset.range(6)
+        .interleave(process_fns.shard_arrays, cycle_length=3, num_parallel_calls=2,
+                    workers="processes")
+        .with_options(hr.Options(memory_budget="32MiB"))
+    )
+    with iter(ds) as iterator:
+        got = [row.copy() for row in iterator]
+        stats = iterator.stats()
+        budget = iterator.context.budget
+    assert len(got) == 120 and stats.budget_peak <= 32 * MiB
+    # shard i's rows, in the interleave's order: 0, 1, 2 alternate, then 3, 4, 5
+    assert got[0][0] == 0 and got[1][0] == 1e6 and got[2][0] == 2e6 and got[60][0] == 3e6
+    (choice,) = stats.workers
+    assert choice.kind == "processes" and len(choice.processes) == 2
+    assert budget.used == 0
+    gc.collect()
+    assert own_segments() == []
+
+
+def test_a_killed_worker_is_a_worker_error_within_seconds_and_everything_stops() -> None:
+    ds = hr.Dataset.range(4).interleave(
+        functools.partial(process_fns.shard_dataset, sizes=(10_000,)),
+        cycle_length=2, num_parallel_calls=2, workers="processes",
+    )
+    iterator = iter(ds)
+    next(iterator)
+    (choice,) = iterator.stats().workers
+    pids = [p.pid for p in choice.processes]
+    os.kill(pids[0], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(hr.WorkerError, match="killed by SIGKILL"):
+        for _ in range(100_000):
+            next(iterator)
+    assert time.monotonic() - started < 5
+    with pytest.raises(hr.WorkerError):  # it stays broken, clearly
+        next(iterator)
+    iterator.close()
+    deadline = time.monotonic() + 5
+    while any(worker_memory(pid) is not None for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(worker_memory(pid) is None for pid in pids)
+    gc.collect()
+    assert own_segments() == []
+
+
+def test_the_function_must_pickle_and_auto_is_refused() -> None:
+    with pytest.raises(hr.InvalidArgumentError, match="cannot be sent to worker processes"):
+        hr.Dataset.range(2).interleave(
+            lambda i: hr.Dataset.range(3), cycle_length=1, num_parallel_calls=1,
+            workers="processes",
+        )
+    with pytest.raises(hr.InvalidArgumentError, match="'threads' or 'processes'"):
+        hr.Dataset.range(2).interleave(
+            process_fns.shard_dataset, cycle_length=1, num_parallel_calls=1, workers="auto"
+        )
+    with pytest.raises(hr.InvalidArgumentError, match="needs num_parallel_calls"):
+        hr.Dataset.range(2).interleave(process_fns.shard_dataset, cycle_length=1,
+                                       workers="processes")
+
+
+def test_shards_on_disk_read_in_workers_match_threads(tmp_path: Path) -> None:
+    """TFRecord shards opened and parsed in the workers (the case the stage is for)."""
+    paths = []
+    for shard in range(4):
+        path = tmp_path / f"part-{shard}.tfrecord"
+        write_tfrecord(path, [f"{shard}:{i}".encode() for i in range(50)])
+        paths.append(str(path))
+    files = hr.Dataset.from_tensor_slices(np.array(paths, dtype=object))
+    expected = [bytes(r) for r in files.interleave(hr.TFRecordDataset, cycle_length=3)]
+    got = [
+        bytes(r)
+        for r in files.interleave(
+            hr.TFRecordDataset, cycle_length=3, num_parallel_calls=2, workers="processes"
+        )
+    ]
+    assert got == expected and len(got) == 200
