@@ -129,3 +129,148 @@ def test_rebatch_sweep_with_empty_inputs(count: int, batch: int, drop: bool, siz
 def test_rebatch_empty_splits_checkpoint_at_every_position() -> None:
     assert_checkpoint_roundtrip(hr.Dataset.range(0).batch(4).rebatch([0, 2]))
     assert_checkpoint_roundtrip(hr.Dataset.range(5).batch(4).rebatch([0, 2, 0], drop_remainder=True))
+
+
+# -- 2. global_shuffle: what tf.data 2.21 accepts in its input, and what it refuses ----------
+def tf_global_shuffle(ds: tf.data.Dataset, seed: int = 1) -> tf.data.Dataset:
+    """tf.data 2.21's global_shuffle (not yet a Dataset method there).
+
+    Its map-and-batch fusion turns ``map(f).batch(n)`` into a stage without random
+    access — an optimizer artifact, not a semantic rule — so it is off here; headrace
+    reads through ``map(f).batch(n, drop_remainder=True)`` (README: differences).
+    """
+    from tensorflow.python.data.experimental.ops import global_shuffle_op
+
+    options = tf.data.Options()
+    options.experimental_optimization.map_and_batch_fusion = False
+    return global_shuffle_op._global_shuffle(ds.with_options(options), seed=seed)
+
+
+def shuffled(D: Any, ds: Any) -> Any:
+    return tf_global_shuffle(ds) if D is tf.data.Dataset else ds.global_shuffle(seed=1)
+
+
+def _map_double(D: Any) -> Any:
+    return D.range(10).map(lambda x: x * 2, num_parallel_calls=2)
+
+
+ACCEPTED = {  # what tf.data 2.21's global_shuffle reads through (checked there too)
+    "range": lambda D: D.range(2, 20, 3),
+    "from_tensor_slices": lambda D: D.from_tensor_slices((np.arange(6), np.arange(6.0))),
+    "from_tensors": lambda D: D.from_tensors(np.arange(3)),
+    "prefetch": lambda D: D.range(10).prefetch(2),
+    "prefetch AUTOTUNE": lambda D: D.range(10).prefetch(-1),
+    "shard": lambda D: D.range(10).shard(3, 1),
+    "take": lambda D: D.range(10).take(4),
+    "take(-1)": lambda D: D.range(10).take(-1),
+    "take past the end": lambda D: D.range(10).take(40),
+    "skip": lambda D: D.range(10).skip(4),
+    "repeat(3)": lambda D: D.range(5).repeat(3),
+    "map": lambda D: D.range(10).map(lambda x: x + 1),
+    "parallel map": _map_double,
+    "batch(drop_remainder=True)": lambda D: D.range(10).batch(3, drop_remainder=True),
+    "zip": lambda D: D.zip((D.range(10), D.range(10, 25))),
+    "concatenate": lambda D: D.range(3).concatenate(D.range(10, 13)),
+    "cache": lambda D: D.range(10).cache(),
+    "prefetch shard take repeat": lambda D: D.range(20).prefetch(2).shard(2, 0).take(6).repeat(2),
+    "zip of take and shard": lambda D: D.zip((D.range(8).take(5), D.range(20).shard(4, 3))),
+    "global_shuffle inside": lambda D: shuffled(D, D.range(10)).map(lambda x: x + 1),
+}
+
+REFUSED = {  # (pipeline, the stage headrace names); tf.data refuses each as well
+    "infinite repeat": (lambda D: D.range(5).repeat(), "repeat"),
+    "batch keeping a partial batch": (lambda D: D.range(10).batch(3), "batch"),
+    "filter": (lambda D: D.range(10).filter(lambda x: x % 2 == 0), "filter"),
+    "shuffle": (lambda D: D.range(10).shuffle(3).map(lambda x: x), "shuffle"),
+    "interleave": (lambda D: D.range(3).interleave(lambda x: D.range(x), cycle_length=2), "interleave"),
+    "unbatch": (lambda D: D.range(10).batch(2).unbatch().take(3), "unbatch"),
+    "padded_batch": (lambda D: D.range(10).padded_batch(3), "padded_batch"),
+    "rebatch": (lambda D: D.range(10).batch(4).rebatch(2), "rebatch"),
+    "take_while": (lambda D: D.range(10).take_while(lambda x: x < 5), "take_while"),
+    "ignore_errors": (lambda D: D.range(10).ignore_errors(), "ignore_errors"),
+}
+
+
+def _sorted(elements: list[Any]) -> list[Any]:
+    return sorted(elements, key=repr)
+
+
+@pytest.mark.parametrize("case", sorted(ACCEPTED))
+def test_global_shuffle_accepts_what_tf_accepts(case: str) -> None:
+    """The same elements as tf.data's global_shuffle, each once, and the same cardinality
+    (the permutations themselves are each library's own)."""
+    expected, got = both(lambda D: shuffled(D, ACCEPTED[case](D)))
+    assert _sorted(got) == _sorted(expected)
+    tf_card = int(tf_global_shuffle(ACCEPTED[case](tf.data.Dataset)).cardinality())
+    assert ACCEPTED[case](hr.Dataset).global_shuffle(seed=1).cardinality() == tf_card
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_global_shuffle_refuses_what_tf_refuses(case: str) -> None:
+    build, stage = REFUSED[case]
+    with pytest.raises(tf.errors.OpError, match=r"random access|non-empty finite cardinality"):
+        list(tf_global_shuffle(build(tf.data.Dataset)))
+    with pytest.raises(hr.InvalidArgumentError, match=rf"; {stage} does not support random access"):
+        build(hr.Dataset).global_shuffle(seed=1)
+
+
+def test_global_shuffle_refuses_an_empty_input_like_tf() -> None:
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-empty"):
+        list(tf_global_shuffle(tf.data.Dataset.range(0)))
+    with pytest.raises(hr.InvalidArgumentError, match="non-empty input"):
+        hr.Dataset.range(10).take(0).global_shuffle(seed=1)
+
+
+def test_global_shuffle_through_stages_is_a_full_permutation_each_epoch() -> None:
+    ds = hr.Dataset.range(200).prefetch(4).shard(2, 1).take(80).repeat(2)
+    shuffled_ds = ds.global_shuffle(seed=3).repeat(2)
+    first, second = (
+        [int(x) for x in epoch]
+        for epoch in (list(shuffled_ds.take(160)), list(shuffled_ds.skip(160)))
+    )
+    expected = sorted([int(x) for x in ds] * 1)
+    assert sorted(first) == expected and sorted(second) == expected
+    assert first != [int(x) for x in ds] and first != second  # shuffled, and again
+
+
+@pytest.mark.parametrize("case", ["prefetch shard take repeat", "batch(drop_remainder=True)",
+                                  "parallel map", "zip of take and shard"])
+def test_global_shuffle_through_stages_checkpoints(case: str) -> None:
+    assert_checkpoint_roundtrip(ACCEPTED[case](hr.Dataset).global_shuffle(seed=5))
+
+
+STAGES = st.sampled_from(["take", "skip", "shard", "repeat", "prefetch", "map", "batch"])
+
+
+@given(size=st.integers(1, 40), ops=st.lists(st.tuples(STAGES, st.integers(1, 5)), max_size=4))
+@SWEEP
+def test_global_shuffle_random_chains_match_tf(size: int, ops: list[tuple[str, int]]) -> None:
+    """Random chains of the addressable stages: the same multiset as tf.data, or both refuse."""
+
+    def build(D: Any) -> Any:
+        ds = D.range(size)
+        for op, n in ops:
+            if op == "shard":
+                ds = ds.shard(n, n - 1)
+            elif op == "prefetch":
+                ds = ds.prefetch(n)
+            elif op == "map":
+                ds = ds.map(lambda x: x * 3)
+            elif op == "batch":
+                ds = ds.batch(n, drop_remainder=True).map(lambda x: x[0])
+            else:
+                ds = getattr(ds, op)(n)
+        return ds
+
+    expected_error = None
+    try:
+        expected = [py(x) for x in tf_global_shuffle(build(tf.data.Dataset))]
+    except tf.errors.InvalidArgumentError as error:
+        expected_error = error
+    if expected_error is not None:  # only an empty input is refused here
+        assert "non-empty" in str(expected_error)
+        with pytest.raises(hr.InvalidArgumentError, match="non-empty"):
+            build(hr.Dataset).global_shuffle(seed=1)
+        return
+    got = [py(x) for x in build(hr.Dataset).global_shuffle(seed=1)]
+    assert _sorted(got) == _sorted(expected)

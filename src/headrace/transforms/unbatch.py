@@ -257,7 +257,7 @@ class _RebatchIterator(_RowSource):
             block = rows.block(wanted - have)
             have += len(next(leaf for leaf in block if leaf is not None))
             pieces.append(block)
-        if have == 0 and wanted > 0 or (self.node.drop_remainder and have < wanted):
+        if (have == 0 and wanted > 0) or (self.node.drop_remainder and have < wanted):
             raise StopIteration
         self.batch_number += 1
         if wanted == 0:
