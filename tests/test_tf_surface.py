@@ -7,6 +7,7 @@ and rebatch's empty splits — compared element for element with TensorFlow 2.21
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -274,3 +275,142 @@ def test_global_shuffle_random_chains_match_tf(size: int, ops: list[tuple[str, i
         return
     got = [py(x) for x in build(hr.Dataset).global_shuffle(seed=1)]
     assert _sorted(got) == _sorted(expected)
+
+
+# -- 3. map(deterministic=False) reorders around a slow element ------------------------------
+def _slow_at(slow: int, seconds: float = 0.4) -> Any:
+    def fn(x: Any) -> Any:
+        if int(x) == slow:
+            time.sleep(seconds)
+        return x
+
+    return fn
+
+
+def _order(D: Any, n: int, slow: int, deterministic: bool) -> list[int]:
+    fn = _slow_at(slow)
+    if D is tf.data.Dataset:
+        ds = D.range(n).map(
+            lambda x: tf.py_function(fn, [x], tf.int64), num_parallel_calls=4,
+            deterministic=deterministic,
+        )
+    else:
+        ds = D.range(n).map(fn, num_parallel_calls=4, deterministic=deterministic)
+    return [int(x) for x in ds]
+
+
+@pytest.mark.parametrize("n, slow", [(60, 5), (2000, 500)])
+def test_map_out_of_order_lets_later_elements_pass_a_slow_one_like_tf(n: int, slow: int) -> None:
+    """tf.data: the slow element comes out last, the next one long before it. The quick
+    elements here are so quick that headrace gives calls chunks of them: the chunk
+    holding the slow element gives up the rest, so its neighbours pass too."""
+    for D in (tf.data.Dataset, hr.Dataset):
+        order = _order(D, n, slow, deterministic=False)
+        assert sorted(order) == list(range(n))
+        assert order.index(slow) > n // 2, D  # it came out long after its place
+        assert order.index(slow + 1) < order.index(slow), D
+
+
+@pytest.mark.parametrize("n, slow", [(60, 5), (600, 300)])
+def test_map_keeps_order_by_default_and_when_asked(n: int, slow: int) -> None:
+    for deterministic in (True, None):
+        ds = hr.Dataset.range(n).map(_slow_at(slow, 0.1), num_parallel_calls=4,
+                                     deterministic=deterministic)
+        assert [int(x) for x in ds] == list(range(n))
+    options = hr.Options()
+    options.deterministic = False  # the pipeline option, as tf.data's
+    ds = hr.Dataset.range(n).map(_slow_at(slow, 0.3), num_parallel_calls=4)
+    order = [int(x) for x in ds.with_options(options)]
+    assert order.index(slow) > order.index(slow + 1)
+
+
+def test_map_out_of_order_books_what_it_holds_while_splitting() -> None:
+    """The split chunk's elements are booked again for their new call (never less):
+    the stage stays within its share plus one element, and every byte comes back."""
+    payload = np.ones(20_000)
+
+    def fn(x: Any) -> Any:
+        if int(x) == 50:
+            time.sleep(0.2)
+        return payload * float(x)
+
+    ds = hr.Dataset.range(400).map(fn, num_parallel_calls=4, deterministic=False)
+    iterator = iter(ds.with_options(hr.Options(memory_budget="8MiB")))
+    seen = sorted(int(x[1]) for x in iterator)
+    assert seen == list(range(400))
+    budget = iterator.context.budget
+    assert budget.used == 0
+    for stage in iterator.stats().stages:  # a map may overdraw by the output it just made
+        assert stage.peak <= stage.limit + stage.max_element
+
+
+@given(slow=st.sets(st.integers(0, 199), max_size=4), errors=st.sets(st.integers(0, 199), max_size=3))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_map_out_of_order_loses_nothing(slow: set[int], errors: set[int]) -> None:
+    """Random slow elements and failing ones: every output once, every error once."""
+
+    def fn(x: Any) -> Any:
+        if int(x) in slow:
+            time.sleep(0.02)
+        if int(x) in errors:
+            raise ValueError(f"bad {int(x)}")
+        return x
+
+    it = iter(hr.Dataset.range(200).map(fn, num_parallel_calls=3, deterministic=False))
+    got, failed = [], []
+    while True:
+        try:
+            got.append(int(next(it)))
+        except StopIteration:
+            break
+        except ValueError as error:
+            failed.append(int(str(error).split()[1]))
+    assert sorted(got) == sorted(set(range(200)) - errors)
+    assert sorted(failed) == sorted(errors)
+
+
+# -- 4. a generator is released when take ends -----------------------------------------------
+def _logged_generator(log: list[str]) -> Any:
+    def gen() -> Any:
+        try:
+            yield from range(10)
+        finally:
+            log.append("closed")
+
+    return gen
+
+
+@pytest.mark.parametrize("tail", ["none", "map", "prefetch", "parallel map", "prefetch before"])
+def test_take_releases_its_generator_when_it_ends_like_tf(tail: str) -> None:
+    for library in (tf, hr):
+        log: list[str] = []
+        D = library.data.Dataset if library is tf else hr.Dataset
+        spec = library.TensorSpec((), np.int64)
+        ds = D.from_generator(_logged_generator(log), output_signature=spec)
+        ds = ds.prefetch(2).take(3) if tail == "prefetch before" else ds.take(3)
+        if tail == "map":
+            ds = ds.map(lambda x: x)
+        elif tail == "prefetch":
+            ds = ds.prefetch(1)
+        elif tail == "parallel map":
+            ds = ds.map(lambda x: x, num_parallel_calls=2)
+        iterator = iter(ds)
+        assert [int(x) for x in iterator] == [0, 1, 2]
+        assert log == ["closed"], library.__name__  # the iterator itself is still alive
+        del iterator
+
+
+def test_take_release_keeps_state_and_each_epoch_releases_its_own() -> None:
+    log: list[str] = []
+    spec = hr.TensorSpec((), np.int64)
+    ds = hr.Dataset.from_generator(_logged_generator(log), output_signature=spec).take(3)
+    iterator = iter(ds)
+    start = iterator.get_state()
+    assert [int(x) for x in iterator] == [0, 1, 2] and log == ["closed"]
+    assert iterator.get_state()["state"] == {"inner": {"produced": 3}, "remaining": 0}
+    iterator.set_state(start)  # the closed input reopens
+    assert [int(x) for x in iterator] == [0, 1, 2] and log == ["closed", "closed"]
+    log.clear()
+    epochs = [int(x) for x in ds.repeat(3)]
+    assert epochs == [0, 1, 2] * 3 and log == ["closed"] * 3
+    assert_checkpoint_roundtrip(ds.repeat(2))
