@@ -7,7 +7,9 @@ and rebatch's empty splits — compared element for element with TensorFlow 2.21
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,34 +21,14 @@ from hypothesis import strategies as st
 import headrace as hr
 from headrace.testing import assert_checkpoint_roundtrip
 
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: for tf_compare
+from tf_compare import both, py
+
 pytestmark = pytest.mark.tf
 
 SWEEP = settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-
-
-def py(value: Any) -> Any:
-    """A nested value as Python data with dtype names and shapes, the same for both."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return {key: py(item) for key, item in value.items()}
-    if isinstance(value, tuple):
-        return tuple(py(item) for item in value)
-    if isinstance(value, tf.Tensor):
-        value = value.numpy()
-    array = np.asarray(value)
-    kind = "bytes" if array.dtype.kind in "OSU" else array.dtype.name
-    return (kind, array.shape, array.tolist())
-
-
-def both(build: Any) -> tuple[list[Any], list[Any]]:
-    """``build(Dataset)`` under TensorFlow and headrace, as lists of Python data."""
-    return (
-        [py(element) for element in build(tf.data.Dataset)],
-        [py(element) for element in build(hr.Dataset)],
-    )
 
 
 # -- 1. unbatch / rebatch of elements with None components -----------------------------------

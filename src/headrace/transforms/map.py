@@ -45,7 +45,13 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, check_signature, first_element
 from headrace.core.state import INNER, SKIP, StateReader
 from headrace.errors import InvalidArgumentError, note_element_error
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
+from headrace.memory.budget import (
+    NO_RESERVATION,
+    Overdraft,
+    Reservation,
+    StageAccount,
+    release_all,
+)
 from headrace.options import AUTOTUNE
 from headrace.structure import TensorSpec, flatten, map_structure, spec_of
 from headrace.transforms.batch import batch_iterator
@@ -347,7 +353,7 @@ class _Call:
     """
 
     __slots__ = (
-        "bookings", "count", "elements", "error", "first_index", "future", "group", "progress",
+        "bookings", "count", "elements", "error", "first_index", "future", "progress",
         "state_before",
     )
 
@@ -364,9 +370,25 @@ class _Call:
         self.count = 0  # elements in the chunk (set by the caller)
         self.elements: list[Any] = []  # kept only where the chunk may be split
         self.progress: _Progress | None = None
-        # The calls one chunk was split into: the first holds the chunk's bookings,
-        # handed on to a sibling still in flight when it is collected.
-        self.group: list[_Call] = [self]
+
+
+def _carve(bookings: list[Reservation], nbytes: int) -> Reservation:
+    """Up to ``nbytes`` of ``bookings`` as a booking of their own: the part of a chunk's
+    bookings that its split-off tail's inputs were booked with. Nothing is booked or
+    released — the bytes change hands, so the split books exactly what the chunk did
+    (an overdraft's excess stays with it)."""
+    carved: Reservation = NO_RESERVATION
+    for booking in bookings:
+        if nbytes <= 0:
+            break
+        movable = booking.nbytes - (booking.excess if isinstance(booking, Overdraft) else 0)
+        take = min(movable, nbytes)
+        if take <= 0 or booking.account is None:
+            continue
+        booking.nbytes -= take
+        nbytes -= take
+        carved = carved.absorb(Reservation(booking.account, take))
+    return carved
 
 
 def _announce(finished: SimpleQueue[_Call], call: _Call, _: Future[Any]) -> None:
@@ -439,12 +461,13 @@ class _ParallelMapIterator(Iterator):
             tail = call.elements[given_up.start : given_up.stop]
             call.count -= len(tail)
             error, call.error = call.error, None  # an input error comes after the tail
-            # The tail's inputs stay booked in the chunk's bookings, which pass from
-            # call to call of the group until its last is collected: booked as before.
-            self._launch(tail, [], call.state_before, call.first_index + given_up.start, error)
-            split = self.calls[-1]
-            split.group = call.group
-            call.group.append(split)
+            booking = _carve(
+                call.bookings,
+                sum(max(self.ctx.sizeof(element), self.output_estimate) for element in tail),
+            )
+            self._launch(
+                tail, [booking], call.state_before, call.first_index + given_up.start, error
+            )
 
     def _submit_more(self) -> None:
         while (
@@ -520,7 +543,7 @@ class _ParallelMapIterator(Iterator):
         try:
             outputs, costs, failed, seconds = call.future.result()
         finally:
-            self._release_inputs(call)
+            release_all(call.bookings)
         per_element = seconds / max(len(outputs), 1)
         if per_element > 0:
             wanted = int(_TARGET_CALL_SECONDS / per_element) or 1
@@ -548,16 +571,6 @@ class _ParallelMapIterator(Iterator):
         self.ready.append(
             Handoff(outputs, reservations, call.state_before, errors, call.first_index)
         )
-
-    def _release_inputs(self, call: _Call) -> None:
-        """Release a collected call's input bookings, or hand them to a sibling split
-        off the same chunk that is still in flight (its inputs are among them)."""
-        call.group.remove(call)
-        if call.group and call.bookings:
-            call.group[0].bookings.extend(call.bookings)
-        else:
-            release_all(call.bookings)
-        call.bookings = []
 
     def _rebook_in_flight(self, estimate: int) -> None:
         """Outputs grew: calls in flight will need the new size, so book it now.
