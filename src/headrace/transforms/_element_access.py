@@ -144,14 +144,16 @@ class _Batched(RandomAccess):
         self.inner.close()
 
 
-def element_access(node: Node) -> RandomAccess | Refusal:
-    """Random access to ``node``'s elements in their order, or why there is none."""
-    from headrace.transforms.global_shuffle import GlobalShuffleNode
+def element_access(node: Node, transparent: tuple[type[Node], ...] = ()) -> RandomAccess | Refusal:
+    """Random access to ``node``'s elements in their order, or why there is none.
 
-    if isinstance(node, (PrefetchNode, CacheNode, GlobalShuffleNode)):
-        return element_access(node.inputs[0])
+    ``transparent``: further node classes read straight through (``global_shuffle``
+    passes its own class: this module cannot import it without an import cycle).
+    """
+    if isinstance(node, (PrefetchNode, CacheNode, *transparent)):
+        return element_access(node.inputs[0], transparent)
     if isinstance(node, (ZipNode, ConcatenateNode, EnumerateNode, MapNode)):
-        parts = [element_access(child) for child in node.inputs]
+        parts = [element_access(child, transparent) for child in node.inputs]
         for part in parts:
             if isinstance(part, Refusal):
                 return part
@@ -171,7 +173,7 @@ def element_access(node: Node) -> RandomAccess | Refusal:
         return Refusal(node, "an infinite repeat has no element i to shuffle to")
     if isinstance(node, BatchNode) and not node.drop_remainder:
         return Refusal(node, "only with drop_remainder=True: a partial last batch")
-    inner = element_access(node.inputs[0])
+    inner = element_access(node.inputs[0], transparent)
     if isinstance(inner, Refusal):
         return inner
     size = len(inner)

@@ -79,7 +79,7 @@ class GlobalShuffleNode(UnaryNode):
 
     def __init__(self, source: Node, seed: int | None, reshuffle_each_iteration: bool) -> None:
         super().__init__(source)
-        access = element_access(source)
+        access = element_access(source, (GlobalShuffleNode,))
         if isinstance(access, Refusal):
             raise InvalidArgumentError(access.message())
         if len(access) == 0:  # tf.data's rule: nothing to permute is a mistake upstream
@@ -101,7 +101,7 @@ class GlobalShuffleNode(UnaryNode):
         return [ctx.run.iteration, *ctx.epochs] if self.reshuffle else []
 
     def index_plan(self) -> IndexPlan | None:
-        access = element_access(self.inputs[0])
+        access = element_access(self.inputs[0], (GlobalShuffleNode,))
         assert isinstance(access, RandomAccess)
         size = len(access)
 
