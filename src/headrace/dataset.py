@@ -466,7 +466,10 @@ class Dataset:
         """Every element exactly once, in a full random order, holding nothing.
 
         Needs a random-access dataset (arrays, ranges, ``from_npy``, indexed
-        TFRecord files, and per-element maps of them). The order comes from a
+        TFRecord files), read through what tf.data 2.21 reads through: map, zip,
+        concatenate, enumerate, take, skip, shard, a finite repeat,
+        ``batch(drop_remainder=True)``, prefetch, cache; other stages and an
+        empty input are refused, naming the stage. The order comes from a
         keyed permutation, so there is no buffer to fill, no first-batch wait,
         and resuming is O(1). Workers sharing a seed can ``shard`` it disjointly.
         """

@@ -52,7 +52,9 @@ class TensorSpec:
     shape matches. ``dtype`` is a NumPy dtype (or a TensorFlow one, converted);
     strings and bytes are ``object`` (headrace never squeezes them into
     fixed-width ``S``/``U`` dtypes, which drop trailing NULs), with ``kind``
-    telling which of the two ("bytes" or "str").
+    telling which of the two ("bytes" or "str"). A ``None`` component has kind
+    "none" (tf.data's ``NoneTensorSpec``): it has no dimensions to batch or
+    unbatch, so it passes through those unchanged.
     """
 
     shape: tuple[int | None, ...] | None
@@ -69,7 +71,9 @@ class TensorSpec:
             dims = tuple(None if d is None or d == -1 else int(d) for d in raw)
         object.__setattr__(self, "shape", dims)
         dtype = _numpy_dtype(dtype)
-        if dtype in (bytes, "bytes", "string") or kind == "bytes":
+        if kind == "none":
+            resolved, resolved_kind = np.dtype(object), "none"
+        elif dtype in (bytes, "bytes", "string") or kind == "bytes":
             resolved, resolved_kind = np.dtype(object), "bytes"
         elif dtype in (str, "str") or kind == "str":
             resolved, resolved_kind = np.dtype(object), "str"
@@ -82,6 +86,8 @@ class TensorSpec:
         object.__setattr__(self, "kind", resolved_kind)
 
     def __repr__(self) -> str:
+        if self.kind == "none":
+            return "NoneTensorSpec()"
         dtype = self.kind if self.kind in ("bytes", "str") else str(self.dtype)
         return f"TensorSpec(shape={self.shape}, dtype={dtype})"
 
@@ -114,7 +120,7 @@ class TensorSpec:
 
     def without_leading(self) -> TensorSpec:
         """This spec with its outer dimension removed, as after ``unbatch``."""
-        if self.shape is None:
+        if self.shape is None or self.kind == "none":
             return self
         if not self.shape:
             raise ElementSpecError(f"cannot remove a dimension from a scalar spec {self}")
@@ -227,6 +233,8 @@ def _describe(value: Any) -> str:
 
 def leaf_spec(value: Any) -> TensorSpec:
     """The spec of one leaf, using NumPy's dtype rules (a Python int becomes int64)."""
+    if value is None:
+        return TensorSpec((), np.dtype(object), "none")
     if isinstance(value, bytes):
         return TensorSpec((), np.dtype(object), "bytes")
     if isinstance(value, str):
@@ -255,6 +263,8 @@ def spec_of(element: Any) -> Any:
 
 def to_leaf_array(value: Any) -> Any:
     """Convert a user-given leaf to an array, keeping bytes/str as exact Python objects."""
+    if value is None:  # a None component stays None (tf.data's NoneTensorSpec)
+        return None
     if isinstance(value, np.ndarray):
         if value.dtype.kind in "SU":
             return _exact_object_array(value)

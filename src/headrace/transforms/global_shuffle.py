@@ -1,7 +1,9 @@
 """``global_shuffle(seed=None, reshuffle_each_iteration=True)``: a full permutation, O(1) memory.
 
 A buffered ``shuffle`` only mixes within its window. ``global_shuffle`` needs a
-random-access input (arrays, ranges, indexed TFRecord files) and visits every
+random-access input (arrays, ranges, indexed TFRecord files, through the
+stages tf.data 2.21 addresses: see :mod:`headrace.transforms._element_access`;
+an empty input is refused, as in tf.data) and visits every
 element exactly once in a pseudo-random order given by a keyed bijection of
 ``[0, n)`` — a Feistel network with cycle-walking — so it holds no buffer and
 no index list at all, and the state is one position: resuming is O(1) even
@@ -18,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from headrace.core.indexing import IndexPlan, IndexStream, Indices
+from headrace.core.indexing import IndexPlan, IndexStream, Indices, RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node, UnaryNode, check_positive
 from headrace.core.state import EPOCH, INT64_MAX, POSITION, StateReader
 from headrace.errors import InvalidArgumentError
+from headrace.transforms._element_access import Refusal, element_access
 
 __all__ = ["FeistelPermutation", "GlobalShuffleNode"]
 
@@ -76,12 +79,13 @@ class GlobalShuffleNode(UnaryNode):
 
     def __init__(self, source: Node, seed: int | None, reshuffle_each_iteration: bool) -> None:
         super().__init__(source)
-        if source.random_access() is None:
+        access = element_access(source, (GlobalShuffleNode,))
+        if isinstance(access, Refusal):
+            raise InvalidArgumentError(access.message())
+        if len(access) == 0:  # tf.data's rule: nothing to permute is a mistake upstream
             raise InvalidArgumentError(
-                "global_shuffle needs a random-access dataset (from_tensor_slices, range, "
-                "from_npy, TFRecordDataset(..., indexed=True), optionally followed by map, "
-                "enumerate, zip); this pipeline streams. Use shuffle(buffer_size) instead, "
-                "or apply global_shuffle before the streaming stage."
+                "global_shuffle needs a non-empty input (tf.data refuses an empty one too); "
+                "this one has no elements"
             )
         if seed is not None:
             check_positive("global_shuffle: seed", seed, allow_zero=True)
@@ -97,8 +101,8 @@ class GlobalShuffleNode(UnaryNode):
         return [ctx.run.iteration, *ctx.epochs] if self.reshuffle else []
 
     def index_plan(self) -> IndexPlan | None:
-        access = self.inputs[0].random_access()
-        assert access is not None
+        access = element_access(self.inputs[0], (GlobalShuffleNode,))
+        assert isinstance(access, RandomAccess)
         size = len(access)
 
         def make(ctx: Context) -> IndexStream:

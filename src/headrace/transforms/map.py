@@ -13,6 +13,11 @@ budget allows" (each call in flight is booked at the largest output seen so
 far, and only one call runs until the first output is known). ``deterministic=True`` (the default) keeps input order;
 ``False`` hands out whichever result is ready first, and its checkpoints are
 at-least-once (elements finished out of order may be seen again on resume).
+Calls take chunks of quick elements (fewer hand-offs); with
+``deterministic=False`` a chunk whose element runs long gives up the elements
+after it to a new call, so one slow element holds back no later one, as in
+tf.data — except the very first element: its output's size is what calls in
+flight are booked at, so nothing starts beside it.
 
 Errors. When ``fn`` raises for element i, ``next()`` raises that exception
 (its own type and traceback, with a note naming the stage and i) after every
@@ -23,11 +28,14 @@ whatever ``num_parallel_calls``. An error from the input comes the same way.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
+from queue import Empty, SimpleQueue
 from typing import Any
 
 from headrace.core.fingerprint import function_fingerprint, function_name
@@ -37,7 +45,13 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, check_signature, first_element
 from headrace.core.state import INNER, SKIP, StateReader
 from headrace.errors import InvalidArgumentError, note_element_error
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
+from headrace.memory.budget import (
+    NO_RESERVATION,
+    Overdraft,
+    Reservation,
+    StageAccount,
+    release_all,
+)
 from headrace.options import AUTOTUNE
 from headrace.structure import TensorSpec, flatten, map_structure, spec_of
 from headrace.transforms.batch import batch_iterator
@@ -255,8 +269,41 @@ class _MapIterator(Iterator):
         self.index = reader.integer("index") if "index" in state else 0
 
 
+class _Progress:
+    """Where a chunk's worker is, so that the elements after a slow one can be taken away.
+
+    The worker claims each element under the lock; :meth:`split` lowers ``limit``
+    to just past the element being computed and returns the positions given up.
+    """
+
+    __slots__ = ("limit", "lock", "position", "since")
+
+    def __init__(self, limit: int) -> None:
+        self.lock = threading.Lock()
+        self.limit, self.position, self.since = limit, -1, 0.0
+
+    def claim(self, position: int) -> bool:
+        with self.lock:
+            if position >= self.limit:
+                return False
+            self.position, self.since = position, time.perf_counter()
+            return True
+
+    def split(self, older_than: float) -> range:
+        with self.lock:
+            running = self.position
+            if running < 0 or running + 1 >= self.limit or self.since > older_than:
+                return range(0)
+            given_up = range(running + 1, self.limit)
+            self.limit = running + 1
+            return given_up
+
+
 def _apply_chunk(
-    fn: Callable[..., Any], elements: list[Any], admit: Callable[[Any], tuple[Any, int]]
+    fn: Callable[..., Any],
+    elements: list[Any],
+    admit: Callable[[Any], tuple[Any, int]],
+    progress: _Progress | None = None,
 ) -> tuple[list[Any], list[int], dict[int, Exception] | None, float]:
     """``fn`` over a chunk: the outputs as a buffer keeps them, their costs, the errors.
 
@@ -270,7 +317,9 @@ def _apply_chunk(
     outputs: list[Any] = []
     sizes: list[int] = []
     failed: dict[int, Exception] | None = None
-    for element in elements:
+    for position, element in enumerate(elements):
+        if progress is not None and not progress.claim(position):
+            break  # the rest was given to another call
         try:
             output, size = admit(apply_fn(fn, element))
         except Exception as error:  # raised in the consumer, at this element's position
@@ -288,6 +337,9 @@ def _apply_chunk(
 #: the work it carries.
 _TARGET_CALL_SECONDS = 2e-3
 _MAX_CHUNK = 256
+#: With ``deterministic=False``, an element running this long gives up the rest of its
+#: chunk (a few target calls: quick elements never pay for it).
+_SPLIT_AFTER_SECONDS = 4 * _TARGET_CALL_SECONDS
 
 
 class _Call:
@@ -300,7 +352,10 @@ class _Call:
     chunk's elements (the chunk ends there): it is handed out in that place.
     """
 
-    __slots__ = ("bookings", "count", "error", "first_index", "future", "state_before")
+    __slots__ = (
+        "bookings", "count", "elements", "error", "first_index", "future", "progress",
+        "state_before",
+    )
 
     def __init__(
         self,
@@ -313,6 +368,31 @@ class _Call:
         self.future, self.bookings, self.state_before = future, bookings, state_before
         self.first_index, self.error = first_index, error
         self.count = 0  # elements in the chunk (set by the caller)
+        self.elements: list[Any] = []  # kept only where the chunk may be split
+        self.progress: _Progress | None = None
+
+
+def _carve(bookings: list[Reservation], nbytes: int) -> Reservation:
+    """Up to ``nbytes`` of ``bookings`` as a booking of their own: the part of a chunk's
+    bookings that its split-off tail's inputs were booked with. Nothing is booked or
+    released — the bytes change hands, so the split books exactly what the chunk did
+    (an overdraft's excess stays with it)."""
+    carved: Reservation = NO_RESERVATION
+    for booking in bookings:
+        if nbytes <= 0:
+            break
+        movable = booking.nbytes - (booking.excess if isinstance(booking, Overdraft) else 0)
+        take = min(movable, nbytes)
+        if take <= 0 or booking.account is None:
+            continue
+        booking.nbytes -= take
+        nbytes -= take
+        carved = carved.absorb(Reservation(booking.account, take))
+    return carved
+
+
+def _announce(finished: SimpleQueue[_Call], call: _Call, _: Future[Any]) -> None:
+    finished.put(call)
 
 
 class _ParallelMapIterator(Iterator):
@@ -334,17 +414,60 @@ class _ParallelMapIterator(Iterator):
         self.ready: deque[Handoff] = deque()  # outputs (and errors) to hand out, in order
         self.exhausted = False
         self.chunk = 1
+        # Out of order, finished calls announce themselves here (one queue get per
+        # call, not a wait() over every call in flight).
+        self.max_chunk = _MAX_CHUNK
+        self.finished: SimpleQueue[_Call] | None = None if deterministic else SimpleQueue()
         self.output_estimate = 0  # the largest output so far: what a call in flight will need
         self.state_after_last_input = inner.get_state()
         self.next_index = 0  # of the next input element to pull
 
     def _start_call(
-        self, elements: list[Any]
+        self, elements: list[Any], progress: _Progress | None = None
     ) -> Future[tuple[list[Any], list[int], dict[int, Exception] | None, float]]:
-        """Run ``fn`` over a chunk in the background (process workers override this)."""
+        """Run ``fn`` over a chunk in the background (process workers override this
+        and never split a chunk: ``progress`` is ignored there)."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="headrace-map")
-        return self.pool.submit(_apply_chunk, self.fn, elements, self.ctx.admit)
+        return self.pool.submit(_apply_chunk, self.fn, elements, self.ctx.admit, progress)
+
+    def _launch(
+        self,
+        elements: list[Any],
+        bookings: list[Reservation],
+        state_before: dict[str, Any],
+        first_index: int,
+        error: Exception | None,
+    ) -> None:
+        progress = _Progress(len(elements)) if self.finished is not None and elements else None
+        future = self._start_call(elements, progress)
+        call = _Call(future, bookings, state_before, first_index, error)
+        call.count = len(elements)
+        if progress is not None:
+            call.elements, call.progress = elements, progress
+        self.calls.append(call)
+        if self.finished is not None:  # (the queue, not self: threads must not
+            future.add_done_callback(functools.partial(_announce, self.finished, call))
+
+    def _split_slow_calls(self) -> None:
+        """Out of order only: give the elements after a long-running one to a new call."""
+        older_than = time.perf_counter() - _SPLIT_AFTER_SECONDS
+        for call in list(self.calls):
+            if call.progress is None:
+                continue
+            given_up = call.progress.split(older_than)
+            if not given_up:
+                continue
+            tail = call.elements[given_up.start : given_up.stop]
+            call.count -= len(tail)
+            error, call.error = call.error, None  # an input error comes after the tail
+            booking = _carve(
+                call.bookings,
+                sum(max(self.ctx.sizeof(element), self.output_estimate) for element in tail),
+            )
+            self._launch(
+                tail, [booking], call.state_before, call.first_index + given_up.start, error
+            )
 
     def _submit_more(self) -> None:
         while (
@@ -357,10 +480,7 @@ class _ParallelMapIterator(Iterator):
             state_before, first_index = self.state_after_last_input, self.next_index
             elements, bookings, error = self._pull_chunk()
             if elements or error is not None:
-                future = self._start_call(elements)
-                call = _Call(future, bookings, state_before, first_index, error)
-                call.count = len(elements)
-                self.calls.append(call)
+                self._launch(elements, bookings, state_before, first_index, error)
 
     def _pull_chunk(self) -> tuple[list[Any], list[Reservation], Exception | None]:
         """Up to ``chunk`` inputs, booked at their expected output size, and the error
@@ -407,14 +527,17 @@ class _ParallelMapIterator(Iterator):
         return elements, bookings, upstream_error
 
     def _take_call(self) -> _Call:
-        if self.deterministic or len(self.calls) == 1:
+        if self.finished is None:
             return self.calls.popleft()
-        wait([call.future for call in self.calls], return_when=FIRST_COMPLETED)
-        for call in self.calls:
-            if call.future.done():
+        while True:  # calls dropped by a restore may still announce themselves: skip them
+            self._split_slow_calls()
+            try:
+                call = self.finished.get(timeout=_SPLIT_AFTER_SECONDS)
+            except Empty:
+                continue
+            if any(live is call for live in self.calls):
                 self.calls.remove(call)
                 return call
-        raise AssertionError("wait() returned with no call done")
 
     def _collect(self, call: _Call) -> None:
         try:
@@ -424,7 +547,7 @@ class _ParallelMapIterator(Iterator):
         per_element = seconds / max(len(outputs), 1)
         if per_element > 0:
             wanted = int(_TARGET_CALL_SECONDS / per_element) or 1
-            self.chunk = max(1, min(_MAX_CHUNK, wanted))
+            self.chunk = max(1, min(self.max_chunk, wanted))
         errors: dict[int, Exception] | None = None
         # the failed positions hold no output and book nothing
         good = [p for p in range(len(outputs)) if failed is None or p not in failed]

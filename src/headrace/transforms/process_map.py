@@ -105,7 +105,7 @@ class ProcessMapIterator(_ParallelMapIterator):
             return None
         return account.charge(nbytes)
 
-    def _start_call(self, elements: list[Any]) -> Future[_MapResult]:
+    def _start_call(self, elements: list[Any], progress: Any = None) -> Future[_MapResult]:
         outer: Future[_MapResult] = Future()
         if not elements:  # a chunk that is only an upstream error: nothing to compute
             outer.set_result(([], [], None, 0.0))
@@ -231,11 +231,11 @@ class _AutoMapIterator(ProcessMapIterator):
         self.sampled_calls = 0
         self.probe: _GilProbe | None = None
 
-    def _start_call(self, elements: list[Any]) -> Future[_MapResult]:
+    def _start_call(self, elements: list[Any], progress: Any = None) -> Future[_MapResult]:
         if self.kind == "processes":
             return super()._start_call(elements)
         if self.kind == "threads":
-            return _ParallelMapIterator._start_call(self, elements)
+            return _ParallelMapIterator._start_call(self, elements, progress)
         if self.probe is None:
             self.probe = _GilProbe()
         self.probe.in_call = True

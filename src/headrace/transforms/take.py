@@ -62,21 +62,29 @@ class _TakeIterator(Iterator):
     def __init__(self, inner: Iterator, count: int) -> None:
         super().__init__(inner)
         self.inner, self.remaining, self.count = inner, count, count
+        # Once take has ended, its input is closed (tf.data releases it: a generator's
+        # ``finally`` runs, files close); this is where the input stood then.
+        self.released: dict[str, Any] | None = None
 
     def pull(self) -> tuple[Any, Reservation]:
         if self.remaining == 0:
+            if self.released is None:
+                self.released = self.inner.get_state()
+                self.inner.close()
             raise StopIteration
         pair = self.inner.pull()
         self.remaining -= 1
         return pair
 
     def get_state(self) -> dict[str, Any]:
-        return {INNER: self.inner.get_state(), "remaining": self.remaining}
+        inner = self.released if self.released is not None else self.inner.get_state()
+        return {INNER: inner, "remaining": self.remaining}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, "take")
         self.remaining = reader.integer("remaining", high=self.count, why=f"take({self.count})")
-        self.inner.set_state(reader.child(INNER))
+        self.inner.set_state(reader.child(INNER))  # a closed input reopens as it restores
+        self.released = None
 
 
 class SkipNode(UnaryNode):

@@ -3,7 +3,8 @@
 Both read rows out of batched elements. A batch stays booked on the stage's
 share while its rows go out. ``rebatch`` is ``unbatch().batch(N)`` in one
 step with N cycling through a list of sizes (zeros give empty batches), each
-row copied once.
+row copied once. ``None`` components have no rows: they pass through as
+``None`` (tf.data's ``NoneTensorSpec``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ __all__ = ["RebatchNode", "UnbatchNode"]
 
 
 def _check_batched(stage: str, spec: Any) -> Any:
-    """``spec`` if every component has rank >= 1 (something to take rows from)."""
-    for leaf, path in zip(flatten(spec), structure_paths(spec), strict=True):
-        if not leaf.shape:
+    """``spec`` if every component but ``None`` ones has rank >= 1 (rows to take)."""
+    leaves = flatten(spec)
+    if all(leaf.kind == "none" for leaf in leaves):
+        raise InvalidArgumentError(
+            f"{stage}: every component is None; the input must have a batched component"
+        )
+    for leaf, path in zip(leaves, structure_paths(spec), strict=True):
+        if leaf.kind != "none" and not leaf.shape:
             raise InvalidArgumentError(
                 f"{stage}: component {path} is a scalar; the input must be batched "
                 "(every component needs rank >= 1)"
@@ -38,7 +44,8 @@ def _check_batched(stage: str, spec: Any) -> Any:
 def _static_rows(source: Node) -> int | None:
     """The number of rows every input batch has, if known without reading data."""
     spec = known_spec(source)
-    rows = {leaf.shape[0] if leaf.shape else None for leaf in flatten(spec)} if spec is not None else set()
+    leaves = [leaf for leaf in flatten(spec) if leaf.kind != "none"] if spec is not None else []
+    rows = {leaf.shape[0] if leaf.shape else None for leaf in leaves}
     return rows.pop() if len(rows) == 1 else None
 
 
@@ -77,11 +84,13 @@ class _Rows:
     def __init__(self, batch: Any, reservation: Reservation) -> None:
         self.structure = batch
         self.leaves = flatten(batch)
-        sizes = {len(leaf) for leaf in self.leaves}
+        sizes = {len(leaf) for leaf in self.leaves if leaf is not None}
         if len(sizes) > 1:
             raise ElementSpecError(
                 f"unbatch: components of one batch have different first dimensions {sorted(sizes)}"
             )
+        if not sizes:
+            raise ElementSpecError("unbatch: every component of this batch is None; no rows to take")
         self.size = sizes.pop()
         self.position = 0
         self.reservation = reservation
@@ -92,17 +101,15 @@ class _Rows:
         self.position += 1
         if self.single:
             return self.leaves[0][index]
-        return pack_as(self.structure, [leaf[index] for leaf in self.leaves])
-
-    def empty(self) -> list[Any]:
-        """A zero-row block with this batch's dtypes and row shapes."""
-        return [leaf[:0] for leaf in self.leaves]
+        return pack_as(
+            self.structure, [None if leaf is None else leaf[index] for leaf in self.leaves]
+        )
 
     def block(self, count: int) -> list[Any]:
         start = self.position
         stop = min(start + count, self.size)
         self.position = stop
-        return [leaf[start:stop] for leaf in self.leaves]
+        return [None if leaf is None else leaf[start:stop] for leaf in self.leaves]
 
 
 class _RowSource(Iterator):
@@ -112,7 +119,6 @@ class _RowSource(Iterator):
         super().__init__(inner)
         self.inner, self.account = inner, account
         self.current: _Rows | None = None
-        self.last_rows: _Rows | None = None  # shapes for empty batches, after the data ends
         # The input's state before the current batch: what lets a restore re-read it.
         self.state_before_current: dict[str, Any] = inner.get_state()
 
@@ -124,7 +130,7 @@ class _RowSource(Iterator):
             batch, reservation = self.inner.pull()
             if reservation.account is not None:
                 reservation = reservation.move_to(self.account, reservation.nbytes)
-            self.current = self.last_rows = _Rows(batch, reservation)
+            self.current = _Rows(batch, reservation)
         return self.current
 
     def get_state(self) -> dict[str, Any]:
@@ -231,18 +237,16 @@ class _RebatchIterator(_RowSource):
         self.ended = False
 
     def pull(self) -> tuple[Any, Reservation]:
+        # tf.data's RebatchDatasetV2: a size of 0 reads nothing and yields an empty
+        # batch, even before any data or when there is none (range(0).batch(4)
+        # .rebatch([0, 2]) yields one); once the input is seen to end, nothing more.
+        if self.ended:
+            raise StopIteration
         sizes = self.node.sizes
         wanted = sizes[self.batch_number % len(sizes)]
         pieces: list[list[Any]] = []
         structure: Any = None
         have = 0
-        if self.ended:  # tf.data: once the input is seen to end, not even empty batches
-            raise StopIteration
-        if wanted == 0 and self.last_rows is None:  # a leading empty batch: its shape
-            try:  # comes from the first input batch, read now (tf.data emits it too)
-                self.rows()
-            except StopIteration:
-                raise StopIteration from None
         while have < wanted:
             try:
                 rows = self.rows()
@@ -251,13 +255,14 @@ class _RebatchIterator(_RowSource):
                 break
             structure = rows.structure
             block = rows.block(wanted - have)
-            have += len(block[0])
+            have += len(next(leaf for leaf in block if leaf is not None))
             pieces.append(block)
-        if wanted == 0 and self.last_rows is not None:  # an empty batch, shaped like the data
-            structure, pieces = self.last_rows.structure, [self.last_rows.empty()]
-        elif have == 0 or (self.node.drop_remainder and have < wanted):
+        if (have == 0 and wanted > 0) or (self.node.drop_remainder and have < wanted):
             raise StopIteration
         self.batch_number += 1
+        if wanted == 0:
+            structure, leaves = self._empty_batch()
+            return pack_as(structure, leaves), NO_RESERVATION
         # The output's size is known from the pieces: book it before it is allocated (G1).
         # Each output is a copy, so it never pins the input batch it came from.
         nbytes = sum(
@@ -267,14 +272,33 @@ class _RebatchIterator(_RowSource):
                 for piece in pieces
             )
             for k in range(len(pieces[0]))
+            if pieces[0][k] is not None
         )
         booking = self.account.hold(nbytes, what=f"a batch of {have} rows")
         try:
-            leaves = [np.concatenate([piece[k] for piece in pieces]) for k in range(len(pieces[0]))]
+            leaves = [
+                None if pieces[0][k] is None else np.concatenate([piece[k] for piece in pieces])
+                for k in range(len(pieces[0]))
+            ]
         except BaseException:
             booking.release()
             raise
         return pack_as(structure, leaves), booking
+
+    def _empty_batch(self) -> tuple[Any, list[Any]]:
+        """A zero-row batch built from the input's spec, as tf.data builds it from its
+        output shapes: unknown sizes are 0, whatever the data's rows had."""
+        spec = self.node.inputs[0].element_spec
+        leaves = [
+            None
+            if leaf.kind == "none"
+            else np.empty(
+                (0,) if leaf.shape is None else (0, *(size or 0 for size in leaf.shape[1:])),
+                dtype=leaf.dtype,
+            )
+            for leaf in flatten(spec)
+        ]
+        return spec, leaves
 
     def get_state(self) -> dict[str, Any]:
         return {**super().get_state(), "batch_number": self.batch_number, "ended": self.ended}
