@@ -394,6 +394,32 @@ def test_large_bytes_travel_out_of_band_and_come_back_equal(
         assert np.array_equal(back["x"], obj["x"])
 
 
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(1, 200_000), min_size=1, max_size=8))
+def test_outputs_sharing_a_segment_each_cost_their_own_bytes(sizes: list[int]) -> None:
+    # A chunk's outputs come back in one segment; each array must pin (and be booked
+    # at) its own span: a view of the whole mapping made each cost the whole segment,
+    # so a chunk of n booked n times its bytes and the map overdrew its share.
+    import mmap
+
+    from headrace.memory.sizeof import admit
+
+    arrays = [np.full(size, i, np.uint8) for i, size in enumerate(sizes)]
+    mappings: list[Any] = []
+
+    def allocate(nbytes: int) -> tuple[int, str, int, Any]:
+        mappings.append(mmap.mmap(-1, max(nbytes, 1)))
+        return 0, "", nbytes, mappings[-1]
+
+    packet = shm.pack(arrays, allocate)
+    back = shm.unpack(packet, mappings[-1] if mappings else None, lambda view: None)
+    for array, got in zip(arrays, back, strict=True):
+        assert np.array_equal(array, got)
+        kept, cost = admit(got)
+        assert kept is got and array.nbytes <= cost <= array.nbytes + 512, (sizes, cost)
+    del back, kept, got
+
+
 def test_a_segment_of_bytes_only_is_free_again_at_once() -> None:
     maps = shm.SegmentMaps()
     pool = shm.SegmentPool(os.getpid(), tag="test-")

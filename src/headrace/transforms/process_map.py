@@ -132,6 +132,12 @@ class ProcessMapIterator(_ParallelMapIterator):
             outputs, failed, seconds, slack = done.result()
             sizes: list[int] = []
             kept: list[Any] = []
+            good = len(outputs) - (0 if failed is None else len(failed))
+            # The segment's bytes no output covers ride on the outputs in equal parts:
+            # all on one would make it look several outputs large, and the map's
+            # estimate for the calls in flight (its largest output) would jump with
+            # each chunk's slack, booking them past the share (an overdraft).
+            share, extra = divmod(slack, good) if good else (0, 0)
             for position, output in enumerate(outputs):
                 if failed is not None and position in failed:
                     kept.append(None)
@@ -139,8 +145,8 @@ class ProcessMapIterator(_ParallelMapIterator):
                     continue
                 output, size = admit(output)
                 kept.append(output)
-                sizes.append(size + slack)
-                slack = 0  # the segment's uncovered bytes ride on its first output
+                sizes.append(size + share + extra)
+                extra = 0
             errors = None if failed is None else {p: e for p, e in failed.items() if isinstance(e, Exception)}
             if not outer.done():
                 outer.set_result((kept, sizes, errors, seconds))

@@ -277,7 +277,12 @@ def unpack(packet: Packet, mapping: mmap.mmap | None, on_view: Callable[[Any], N
     if not packet.spans:
         return pickle.loads(packet.payload)
     assert mapping is not None
-    views = [np.frombuffer(mapping, np.uint8, length, offset) for offset, length in packet.spans]
+    # Each view over a memoryview of its own span, not of the whole mapping: an array
+    # made from it then pins (and is costed at, see memory/sizeof.py) its own bytes; a
+    # view of the mapping made every output of a chunk cost the whole segment.
+    with memoryview(mapping) as whole:
+        views = [np.frombuffer(whole[offset : offset + length], np.uint8)
+                 for offset, length in packet.spans]
     copied = set(packet.copied)
     handed = [view for position, view in enumerate(views) if position not in copied]
     for view in handed:
