@@ -88,7 +88,7 @@ def decoders(scale: int) -> dict[str, Callable[[bytes], np.ndarray]]:
     except ImportError:
         pass
     try:
-        from turbojpeg import TurboJPEG
+        from turbojpeg import TJPF_RGB, TurboJPEG
 
         try:
             turbo = TurboJPEG()
@@ -96,7 +96,8 @@ def decoders(scale: int) -> dict[str, Callable[[bytes], np.ndarray]]:
             turbo = TurboJPEG("/usr/lib/x86_64-linux-gnu/libturbojpeg.so.0")
 
         def pyturbojpeg(data: bytes) -> np.ndarray:
-            return turbo.decode(data, scaling_factor=None if scale == 1 else (1, scale))
+            return turbo.decode(data, pixel_format=TJPF_RGB,
+                                scaling_factor=None if scale == 1 else (1, scale))
 
         pyturbojpeg(synthetic_jpegs(1)[0])
         found["pyturbojpeg"] = pyturbojpeg

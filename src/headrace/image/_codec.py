@@ -361,7 +361,9 @@ def decode_jpeg(
 
     ``channels`` 0 keeps the file's (1 or 3), 1 gives luma, 3 RGB. ``ratio`` 1, 2, 4
     or 8 decodes at that fraction of the size in the DCT (much less work, and the
-    output is ``ceil(h / ratio)`` x ``ceil(w / ratio)`` as TensorFlow's). PNG, GIF
+    output is ``ceil(h / ratio)`` x ``ceil(w / ratio)`` as TensorFlow's; the pixels are
+    TensorFlow's for images of at least ``8 * ratio`` pixels a side, below which
+    several DCT scales give the same size and simplejpeg takes the smallest). PNG, GIF
     and BMP bytes are decoded too, as TensorFlow's op does. A truncated JPEG raises
     :class:`InvalidImageError` unless ``try_recover_truncated`` (missing rows grey).
     """

@@ -87,10 +87,11 @@ def convert_image_dtype(image: Any, dtype: Any, saturate: bool = False,
         return up
     if source.kind == "f" and target.kind == "f":
         return array.astype(target)
-    if source.kind in "ui":
-        result: Array = array.astype(target) * target.type(1.0 / np.iinfo(source).max)
-        return result
-    scaled = array * source.type(np.iinfo(target).max + 0.5)
+    with np.errstate(over="ignore", invalid="ignore"):  # float16 overflows as TensorFlow's
+        if source.kind in "ui":
+            result: Array = array.astype(target) * target.type(1.0 / np.iinfo(source).max)
+            return result
+        scaled = array * source.type(np.iinfo(target).max + 0.5)
     return _cast(scaled, target, saturate)
 
 
@@ -101,11 +102,15 @@ def _cast(array: Array, target: np.dtype[Any], saturate: bool) -> Array:
         if not saturate:
             return array.astype(target)
         info = np.iinfo(target)
-        if array.dtype.kind == "f":
-            clipped = np.clip(array, info.min, info.max)
-            out = clipped.astype(target)
-            out[clipped >= float(info.max)] = info.max  # max is not exact in the float
-            return out
+        if array.dtype.kind == "f":  # saturate_cast clips, in the float type, to the
+            # floats that fit the integer type (32767 is 32752 in float16)
+            kind = array.dtype.type
+            high, low = kind(info.max), kind(info.min)
+            if float(high) > info.max:
+                high = np.nextafter(high, kind(0))
+            if float(low) < info.min:
+                low = np.nextafter(low, kind(0))
+            return np.clip(array, low, high).astype(target)
         source = np.iinfo(array.dtype)
         return np.clip(array, max(info.min, source.min), min(info.max, source.max)).astype(target)
 
@@ -221,6 +226,12 @@ def resize(
         factor = min(np.float32(height) / in_h, np.float32(width) / in_w)
         height = int(np.round(np.float32(factor * in_h)))
         width = int(np.round(np.float32(factor * in_w)))
+        if height == 0 or width == 0:
+            raise InvalidArgumentError(
+                f"{op}: preserving the aspect ratio of {batch.shape[1]}x{batch.shape[2]} in "
+                f"{target[0]}x{target[1]} gives {height}x{width}: output dimensions must be "
+                "positive"
+            )
     out = [_resize_one(image, height, width, method, antialias) for image in batch]
     stacked = np.stack(out) if len(out) != 1 else out[0][None]
     return stacked if array.ndim == 4 else stacked[0]
