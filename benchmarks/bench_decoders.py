@@ -43,7 +43,7 @@ def synthetic_jpegs(count: int, seed: int = 0, quality: int = 90) -> list[bytes]
         y, x = np.mgrid[0:height, 0:width].astype(np.float32)
         image = np.empty((height, width, 3), np.float32)
         for c in range(3):
-            fx, fy, phase = rng.uniform(0.005, 0.05, 2).tolist() + [rng.uniform(0, 6.3)]
+            fx, fy, phase = [*rng.uniform(0.005, 0.05, 2).tolist(), rng.uniform(0, 6.3)]
             image[..., c] = 128 + 80 * np.sin(x * fx + phase) * np.cos(y * fy)
         for _ in range(6):
             cy, cx, r = rng.integers(0, height), rng.integers(0, width), rng.integers(10, 120)
@@ -101,7 +101,7 @@ def decoders(scale: int) -> dict[str, Callable[[bytes], np.ndarray]]:
 
         pyturbojpeg(synthetic_jpegs(1)[0])
         found["pyturbojpeg"] = pyturbojpeg
-    except Exception:  # noqa: BLE001 - the system library may be missing
+    except Exception:
         pass
     try:
         import cv2

@@ -29,7 +29,7 @@ import headrace.image as hi
 import headrace.tf_compat as htf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from image_fns import encode, jpeg, photo  # noqa: E402
+from image_fns import encode, jpeg, photo
 
 SETTINGS = settings(max_examples=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -56,8 +56,7 @@ def test_decode_jpeg_gives_tensorflows_pixels(
     # else: libjpeg's 1/2..1/8 scales give the same tiny size, and simplejpeg picks the
     # smallest scale (documented): same shape, pixels from a coarser DCT
     assert hi.decoded_nbytes(data, channels, ratio=ratio) == mine.nbytes
-    assert list(hi.extract_jpeg_shape(data)) == list(tf.io.extract_jpeg_shape(data).numpy()[:2]) + [
-        1 if grey else 3]
+    assert list(hi.extract_jpeg_shape(data)) == [*list(tf.io.extract_jpeg_shape(data).numpy()[:2]), 1 if grey else 3]
 
 
 @SETTINGS
@@ -199,5 +198,5 @@ def test_tf_compat_names_are_headraces() -> None:
     assert htf.image.resize is hi.resize
     assert htf.image.convert_image_dtype is hi.convert_image_dtype
     assert htf.image.stateless_random_flip_left_right is hi.stateless_random_flip_left_right
-    with pytest.raises(htf.NotSupportedError, match="tf.image.rgb_to_hsv"):
+    with pytest.raises(htf.NotSupportedError, match=r"tf\.image\.rgb_to_hsv"):
         htf.image.rgb_to_hsv  # noqa: B018

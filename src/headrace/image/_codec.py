@@ -248,10 +248,12 @@ def _check_pixels(header: ImageHeader, max_pixels: int | None, op: str) -> None:
 
 
 def decoded_nbytes(
-    contents: Any, channels: int = 0, dtype: Any = np.uint8, *, ratio: int = 1
+    contents: Any, channels: int = 0, dtype: Any = np.uint8, *, ratio: int = 1,
+    max_pixels: int | None = MAX_PIXELS,
 ) -> int:
-    """Bytes the decoded image will take, from its header (0 if the header cannot be read:
-    the decoder then raises the error in the element's place).
+    """Bytes the decoded image will take, from its header: 0 if the header cannot be read
+    or declares more than ``max_pixels`` (the decoder refuses those, raising the error
+    in the element's place; booking a bomb's 10 GiB would stop the whole pipeline).
 
     Pass it to ``map(..., output_nbytes=...)`` so that a map decoding images books each
     decoded image before it exists.
@@ -259,6 +261,8 @@ def decoded_nbytes(
     try:
         header = read_header(contents, "decoded_nbytes")
     except InvalidArgumentError:
+        return 0
+    if max_pixels is not None and header.pixels > max_pixels:
         return 0
     height, width = -(-header.height // ratio), -(-header.width // ratio)
     frames = header.frames if header.format == "gif" else 1

@@ -71,8 +71,10 @@ def _generator(seed: Any, op: str) -> np.random.Generator:
         if key not in _STATEFUL:
             _STATEFUL[key] = np.random.default_rng([int(seed), _SALT[op]])
         return _STATEFUL[key]
-    pair = np.asarray(seed).reshape(-1)
-    if pair.shape != (2,) or pair.dtype.kind not in "ui":
+    pair = list(seed) if isinstance(seed, tuple | list) else np.asarray(seed).reshape(-1).tolist()
+    if len(pair) != 2 or not all(
+        isinstance(v, int | np.integer) and not isinstance(v, bool) for v in pair
+    ):
         raise InvalidArgumentError(
             f"{op}: seed must be None, an int or a pair of ints (a stateless seed such as "
             f"(pipeline_seed, element_index)), got {seed!r}"
@@ -82,7 +84,7 @@ def _generator(seed: Any, op: str) -> np.random.Generator:
 
 
 def _stateless(seed: Any, op: str) -> Any:
-    if seed is None or np.asarray(seed).reshape(-1).shape != (2,):
+    if seed is None or isinstance(seed, int | np.integer):
         raise InvalidArgumentError(f"stateless_random_{op}: seed must be a pair of ints, got {seed!r}")
     return seed
 
@@ -317,10 +319,10 @@ def random_resized_crop(
                 while factor < 8 and h // (factor * 2) >= out_h and w // (factor * 2) >= out_w:
                     factor *= 2
             pixels = _jpeg_pixels(data, header, channels, factor, True, True, "", op)
-            if factor > 1:  # the box in the reduced image's pixels (rounded outwards)
-                top, left = y // factor, x // factor
-                bottom = min(-(-(y + h) // factor), pixels.shape[0])
-                right = min(-(-(x + w) // factor), pixels.shape[1])
+            if factor > 1:  # the box in the reduced image's pixels (nearest edges)
+                top, left = round(y / factor), round(x / factor)
+                bottom = max(min(round((y + h) / factor), pixels.shape[0]), top + 1)
+                right = max(min(round((x + w) / factor), pixels.shape[1]), left + 1)
                 y, x, h, w = top, left, bottom - top, right - left
         else:
             pixels = decode_image(data, channels, expand_animations=False, max_pixels=max_pixels)
