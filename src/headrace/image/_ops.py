@@ -133,35 +133,31 @@ def _bilinear_weights(in_size: int, out_size: int) -> Array:
 
 
 def _area_weights(in_size: int, out_size: int) -> Array:
+    """ResizeArea's weights: each output averages the input pixels its span
+    ``[o * scale, (o + 1) * scale)`` overlaps, by the overlap (spans past the last
+    pixel, from float rounding, count on the last pixel, as TensorFlow clamps)."""
     scale = np.float32(in_size) / np.float32(out_size)
-    weights = np.zeros((out_size, in_size), np.float64)
-    for out in range(out_size):
-        start, end = np.float32(out * scale), np.float32((out + 1) * scale)
-        for source in range(math.floor(start), math.ceil(end)):
-            part = min(source + 1.0, float(end)) - max(float(source), float(start))
-            weights[out, min(source, in_size - 1)] += part
+    outs = np.arange(out_size, dtype=np.float32)
+    start = (outs * scale).astype(np.float64)[:, None]
+    end = ((outs + np.float32(1)) * scale).astype(np.float64)[:, None]
+    sources = np.arange(in_size + 2, dtype=np.float64)[None, :]
+    overlap = np.maximum(0.0, np.minimum(sources + 1, end) - np.maximum(sources, start))
+    weights = overlap[:, :in_size].copy()
+    weights[:, -1] += overlap[:, in_size:].sum(axis=1)
     return (weights / float(scale)).astype(np.float32)
 
 
 def _triangle_weights(in_size: int, out_size: int) -> Array:
-    """ScaleAndTranslate's spans for the triangle kernel, antialiased (kernel widened
-    by the downscale factor), each row normalized to sum 1."""
-    inv_scale = 1.0 / (np.float32(out_size) / np.float32(in_size))
-    kernel_scale = max(float(inv_scale), 1.0)
-    weights = np.zeros((out_size, in_size), np.float64)
-    for out in range(out_size):
-        sample = (out + 0.5) * inv_scale
-        if sample < 0 or sample > in_size:
-            continue
-        start = min(max(math.ceil(sample - kernel_scale - 0.5), 0), in_size - 1)
-        end = min(max(math.floor(sample + kernel_scale - 0.5), 0), in_size - 1) + 1
-        sources = np.arange(start, end)
-        row = np.maximum(0.0, 1.0 - np.abs((sources + 0.5 - sample) / kernel_scale))
-        total = row.sum()
-        if abs(total) >= 1000.0 * np.finfo(np.float32).tiny:
-            row = row / total
-        weights[out, start:end] = row
-    return weights.astype(np.float32)
+    """ScaleAndTranslate's weights for the triangle kernel, antialiased (the kernel
+    widened by the downscale factor), each row normalized to sum 1."""
+    inv_scale = 1.0 / float(np.float32(out_size) / np.float32(in_size))
+    kernel_scale = max(inv_scale, 1.0)
+    samples = ((np.arange(out_size) + 0.5) * inv_scale)[:, None]
+    sources = np.arange(in_size)[None, :] + 0.5
+    weights = np.maximum(0.0, 1.0 - np.abs((sources - samples) / kernel_scale))
+    totals = weights.sum(axis=1, keepdims=True)
+    usable = np.abs(totals) >= 1000.0 * np.finfo(np.float32).tiny
+    return np.where(usable, weights / np.where(usable, totals, 1.0), weights).astype(np.float32)
 
 
 def _nearest_indices(in_size: int, out_size: int) -> Array:
@@ -174,21 +170,48 @@ def _nearest_indices(in_size: int, out_size: int) -> Array:
 _WEIGHTS = {"bilinear": _bilinear_weights, "area": _area_weights}
 
 
+def _bilinear_taps(in_size: int, out_size: int) -> tuple[Array, Array, Array]:
+    """ResizeBilinear's two taps per output (lower, upper, lerp), half-pixel centres."""
+    scale = np.float32(in_size) / np.float32(out_size)
+    position = (np.arange(out_size, dtype=np.float32) + np.float32(0.5)) * scale - np.float32(0.5)
+    floor = np.floor(position)
+    lower = np.maximum(floor, 0).astype(np.intp)
+    upper = np.minimum(np.ceil(position), in_size - 1).astype(np.intp)
+    return lower, upper, (position - floor).astype(np.float32)
+
+
+def _bilinear(pixels: Array, height: int, width: int) -> Array:
+    """Two taps per axis, gathered (no weight matrix): ``top + (bottom - top) * lerp``
+    per axis, as TensorFlow's kernel computes it."""
+    lower, upper, lerp = _bilinear_taps(pixels.shape[0], height)
+    top = np.take(pixels, lower, axis=0).astype(np.float32)
+    rows = np.take(pixels, upper, axis=0).astype(np.float32)
+    rows -= top
+    rows *= lerp[:, None, None]
+    rows += top
+    lower, upper, lerp = _bilinear_taps(pixels.shape[1], width)
+    out: Array = np.take(rows, upper, axis=1)
+    left = np.take(rows, lower, axis=1)
+    out -= left
+    out *= lerp[None, :, None]
+    out += left
+    return out
+
+
 def _resize_one(image: Array, height: int, width: int, method: str, antialias: bool) -> Array:
     in_h, in_w = image.shape[:2]
     if method == "nearest":
         return image[_nearest_indices(in_h, height)][:, _nearest_indices(in_w, width)]
-    build = _triangle_weights if (method == "bilinear" and antialias) else _WEIGHTS[method]
+    if method == "bilinear" and not antialias:
+        return np.ascontiguousarray(_bilinear(image, height, width), dtype=np.float32)
+    build = _triangle_weights if method == "bilinear" else _WEIGHTS[method]
     rows, cols = build(in_h, height), build(in_w, width)
     pixels = image.astype(np.float32, copy=False)
     channels = pixels.shape[2]
-    # the axis that shrinks more goes first: the second product then has less to do
-    if height * in_w <= in_h * width:
-        tall = (rows @ pixels.reshape(in_h, in_w * channels)).reshape(height, in_w, channels)
-        out = np.matmul(cols, tall)  # (width, in_w) @ (height, in_w, channels)
-    else:
-        wide = np.matmul(cols, pixels)  # (in_h, width, channels)
-        out = (rows @ wide.reshape(in_h, width * channels)).reshape(height, width, channels)
+    # two plain matrix products (one BLAS call each), rows first
+    tall = (rows @ pixels.reshape(in_h, in_w * channels)).reshape(height, in_w, channels)
+    across = tall.transpose(1, 0, 2).reshape(in_w, height * channels)
+    out = (cols @ across).reshape(width, height, channels).transpose(1, 0, 2)
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
