@@ -121,9 +121,19 @@ def test_random_resized_crop_from_jpeg_bytes_decodes_small_and_keeps_the_box() -
         decoded = hi.random_resized_crop(hi.decode_jpeg(data), (48, 48), seed=seed)
         assert fast.shape == full.shape == (48, 48, 3) and fast.dtype == np.float32
         assert np.array_equal(full, decoded)  # bytes and pixels: the same box
-        # a reduced DCT: the same crop, smoother, its edges on the reduced grid (on a noisy
-        # photo the full-size path aliases the noise, and they differ more)
-        assert np.mean(np.abs(fast - full)) < 5
+        y0, x0, h, w = hi.random_resized_crop_box(600, 800, seed=seed)
+        exact = hi.resize(hi.decode_jpeg(data)[y0 : y0 + h, x0 : x0 + w], (48, 48),
+                          antialias=True)
+        # Pillow's resampler, rounded to uint8; on the border it also weighs the pixels
+        # just outside the box (the crop-then-resize sees none)
+        assert np.abs(full - exact)[1:-1, 1:-1].max() <= 1
+        assert np.abs(full - exact).max() <= 4
+        plain = hi.random_resized_crop(data, (48, 48), seed=seed, antialias=False,
+                                       reduced_decode=False)
+        assert np.array_equal(plain, hi.resize(hi.decode_jpeg(data)[y0 : y0 + h, x0 : x0 + w],
+                                               (48, 48)))
+        # a reduced DCT: the same box, resampled at its sub-pixel place in the smaller image
+        assert np.mean(np.abs(fast - exact)) < 1.5
 
 
 # --------------------------------------------------------------------------- G3 / G4
@@ -258,11 +268,16 @@ def test_a_parallel_decode_is_booked_at_its_decoded_size_before_it_runs() -> Non
             assert held[0][0] < held[0][1]
 
 
-def test_shuffle_of_decoded_images_and_deep_prefetch_hold_the_budget() -> None:
+@pytest.mark.parametrize("workers, budget_mib", [("threads", 24), ("processes", 24)])
+def test_shuffle_of_decoded_images_and_deep_prefetch_hold_the_budget(
+    workers: str, budget_mib: int
+) -> None:
     """In a fresh process: 80 decoded images of ~1.4 MiB (112 MiB in all) through a
-    shuffle of 1000 and a prefetch of 1000 on a 24 MiB budget, decoded on 2 worker
-    processes: booked bytes never past the budget, and the measured growth of the
-    process tree's Pss_Anon + Pss_Shmem within budget + 10% + 64 MiB."""
+    shuffle of 1000 and a prefetch of 1000 on a 24 MiB budget, decoded on 2 threads or
+    2 worker processes: booked bytes never past the budget, and the measured growth of
+    the process tree's Pss_Anon + Pss_Shmem within budget + 10% + 64 MiB — plus, with
+    processes, the workers' own interpreters (numpy, Pillow, simplejpeg imported: about
+    25 MiB each), which no booking covers (see headrace.transforms.process_map)."""
     script = textwrap.dedent(
         """
         import json, threading, time, warnings, os
@@ -274,10 +289,10 @@ def test_shuffle_of_decoded_images_and_deep_prefetch_hold_the_budget() -> None:
 
         records = np.empty(80, object)
         records[:] = [image_fns.jpeg(600 + i % 5, 800, seed=i % 7) for i in range(80)]
-        budget = 24 << 20
+        budget = BUDGET << 20
         ds = (
             hr.Dataset.from_tensor_slices(records)
-            .map(image_fns.decode_rgb, num_parallel_calls=2, workers="processes",
+            .map(image_fns.decode_rgb, num_parallel_calls=2, workers=WORKERS,
                  output_nbytes=image_fns.rgb_nbytes)
             .shuffle(1000, seed=1)
             .prefetch(1000)
@@ -301,12 +316,13 @@ def test_shuffle_of_decoded_images_and_deep_prefetch_hold_the_budget() -> None:
                 time.sleep(0.002)
             booked = iterator.context.budget.peak
             total = iterator.context.budget.total
+            interpreters = sum(w.uss for s in iterator.stats().workers for w in s.processes)
         done.set()
         sampler.join()
         print(json.dumps({"count": count, "peak": peak[0], "booked": booked, "total": total,
-                          "bound": int(budget * 1.1) + (64 << 20)}))
+                          "bound": int(budget * 1.1) + (64 << 20) + interpreters}))
         """
-    )
+    ).replace("BUDGET", str(budget_mib)).replace("WORKERS", repr(workers))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=env, timeout=240, cwd=str(Path(__file__).parent))
