@@ -42,6 +42,7 @@ from headrace.image._ops import (
     resize,
 )
 from headrace.image._random import (
+    InceptionCrop,
     random_brightness,
     random_contrast,
     random_crop,
@@ -61,6 +62,7 @@ from headrace.image._random import (
 __all__ = [
     "MAX_PIXELS",
     "ImageHeader",
+    "InceptionCrop",
     "InvalidImageError",
     "ResizeMethod",
     "adjust_brightness",

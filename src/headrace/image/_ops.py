@@ -13,7 +13,6 @@ only when asked).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -144,7 +143,8 @@ def _area_weights(in_size: int, out_size: int) -> Array:
     overlap = np.maximum(0.0, np.minimum(sources + 1, end) - np.maximum(sources, start))
     weights = overlap[:, :in_size].copy()
     weights[:, -1] += overlap[:, in_size:].sum(axis=1)
-    return (weights / float(scale)).astype(np.float32)
+    normalized: Array = (weights / float(scale)).astype(np.float32)
+    return normalized
 
 
 def _triangle_weights(in_size: int, out_size: int) -> Array:

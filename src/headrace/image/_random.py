@@ -37,6 +37,7 @@ from headrace.image._codec import (
 from headrace.image._ops import _image, adjust_brightness, adjust_contrast, resize
 
 __all__ = [
+    "InceptionCrop",
     "random_brightness",
     "random_contrast",
     "random_crop",
@@ -362,6 +363,60 @@ def random_resized_crop(
         raise InvalidImageError(f"{op}: empty image {array.shape}")
     y, x, h, w = random_resized_crop_box(array.shape[0], array.shape[1], scale, ratio, seed)
     return _crop_and_resize(array, (y, x, y + h, x + w), out_h, out_w, method, antialias)
+
+
+class InceptionCrop:
+    """The usual ImageNet training augmentation as one picklable map function: encoded
+    image -> :func:`random_resized_crop` (from the header, DCT-reduced decode) ->
+    random left-right flip -> float32 in [0, 1] (``mean``/``std`` normalize it further).
+
+    Call it on ``(index, element)``, as ``Dataset.enumerate().map(InceptionCrop(...))``
+    does: ``seed=(seed, index)`` makes each element's augmentation independent of the
+    workers and of restores. ``element`` is the encoded image, or a dict whose ``key``
+    holds it (the other entries pass through, the index is dropped). A class, not a
+    closure, so that ``workers="processes"`` can pickle it.
+    """
+
+    def __init__(
+        self,
+        size: Any,
+        seed: int,
+        *,
+        key: str = "image",
+        scale: Any = (0.08, 1.0),
+        ratio: Any = (3 / 4, 4 / 3),
+        flip: bool = True,
+        mean: Any = None,
+        std: Any = None,
+        max_pixels: int | None = MAX_PIXELS,
+    ) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+            raise InvalidArgumentError(f"InceptionCrop: seed must be an int >= 0, got {seed!r}")
+        self.size = tuple(int(v) for v in np.asarray(size).reshape(-1))
+        self.seed, self.key, self.scale, self.ratio = int(seed), key, scale, ratio
+        self.flip, self.max_pixels = flip, max_pixels
+        self.mean = None if mean is None else np.asarray(mean, np.float32)
+        self.std = None if std is None else np.asarray(std, np.float32)
+
+    def augment(self, index: int, encoded: Any) -> Array:
+        """One element's augmentation: the same for the same ``(seed, index)``."""
+        seed = (self.seed, int(index))
+        image = random_resized_crop(encoded, self.size, self.scale, self.ratio, seed,
+                                    max_pixels=self.max_pixels)
+        if self.flip:
+            image = random_flip_left_right(image, seed)
+        scaled: Array = np.ascontiguousarray(image)
+        image = np.multiply(scaled, np.float32(1 / 255), out=scaled)
+        if self.mean is not None:
+            image -= self.mean
+        if self.std is not None:
+            image /= self.std
+        return image
+
+    def __call__(self, index: Any, element: Any) -> Any:
+        if isinstance(element, dict):
+            return {**element, self.key: self.augment(index, element[self.key])}
+        return self.augment(index, element)
 
 
 # --------------------------------------------------------------------------- stateless names
