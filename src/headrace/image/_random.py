@@ -406,12 +406,12 @@ class InceptionCrop:
         if self.flip:
             image = random_flip_left_right(image, seed)
         scaled: Array = np.ascontiguousarray(image)
-        image = np.multiply(scaled, np.float32(1 / 255), out=scaled)
+        scaled *= np.float32(1 / 255)
         if self.mean is not None:
-            image -= self.mean
+            scaled -= self.mean
         if self.std is not None:
-            image /= self.std
-        return image
+            scaled /= self.std
+        return scaled
 
     def __call__(self, index: Any, element: Any) -> Any:
         if isinstance(element, dict):
