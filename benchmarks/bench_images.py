@@ -84,61 +84,9 @@ def make_shards(directory: Path, images: int) -> list[str]:
     return paths
 
 
-# -- measurements of the process tree ---------------------------------------------------
+# -- measurements of the process tree: bench_workers' (Pss of the tree, CPU of the tree)
 
-
-def tree_pids() -> list[int]:
-    import psutil
-
-    me = psutil.Process()
-    return [me.pid] + [child.pid for child in me.children(recursive=True)]
-
-
-def tree_cpu() -> float:
-    import psutil
-
-    total = 0.0
-    for pid in tree_pids():
-        try:
-            times = psutil.Process(pid).cpu_times()
-            total += times.user + times.system + times.children_user + times.children_system
-        except psutil.Error:
-            pass
-    return total
-
-
-def tree_charged() -> int:
-    total = 0
-    for pid in tree_pids():
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as rollup:
-                for line in rollup:
-                    if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
-                        total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
-
-
-class PeakSampler:
-    def __init__(self) -> None:
-        import threading
-
-        self.peak = tree_charged()
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.done.is_set():
-            self.peak = max(self.peak, tree_charged())
-            time.sleep(0.02)
-
-    def stop(self) -> int:
-        self.done.set()
-        self.thread.join()
-        return max(self.peak, tree_charged())
-
+from bench_workers import PeakSampler, tree_cpu  # noqa: E402
 
 # -- the three sides --------------------------------------------------------------------
 
@@ -292,7 +240,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         timed += count_of(batch)
     seconds = time.perf_counter() - started
     cpu = tree_cpu() - cpu0
-    peak = sampler.stop()
+    peak = sampler.stop() + sampler.start  # the tree's peak itself, not its growth
     shape = tuple(first[0].shape)
     return {"images": images + timed, "timed_images": timed, "seconds": seconds,
             "images_per_s": timed / seconds, "cpu_s_per_image": cpu / max(timed, 1),
