@@ -350,6 +350,7 @@ class Dataset:
         *,
         output_signature: Any = None,
         workers: str | None = None,
+        output_nbytes: Callable[[Any], int] | None = None,
     ) -> Dataset:
         """Apply ``map_func`` to each element (a tuple is unpacked into arguments).
 
@@ -371,6 +372,11 @@ class Dataset:
         such as ``padded_batch``) learn it by reading one input element and
         calling ``map_func`` on it — avoid that for expensive functions or
         inputs that cannot be read twice.
+
+        ``output_nbytes(element)`` says how many bytes ``map_func``'s output for that
+        input will take (e.g. :func:`headrace.image.decoded_nbytes` from an image's
+        header): parallel calls are then booked at that size *before* they run,
+        instead of at the largest output seen so far.
         """
         if workers is not None and workers != "threads":  # registers the process iterator
             import headrace.transforms.process_map  # noqa: F401
@@ -378,6 +384,7 @@ class Dataset:
             MapNode(
                 self._node, map_func, num_parallel_calls, deterministic,
                 output_signature=output_signature, workers=workers,
+                output_nbytes=output_nbytes,
             )
         )
 

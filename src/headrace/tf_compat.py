@@ -38,6 +38,7 @@ import numpy.typing as npt
 from headrace import csv_datasets as _csv
 from headrace import dataset as _dataset
 from headrace import errors as _errors
+from headrace import image as _image
 from headrace.core import node as _node
 from headrace.core.run import DatasetIterator as _DatasetIterator
 from headrace.io import _example_wire as wire
@@ -167,6 +168,22 @@ def _numpy_dtype(dtype: Any) -> np.dtype[Any]:
 
 # --------------------------------------------------------------------------- values
 
+#: headrace.image functions exposed as tf.io.* and tf.image.*, under TensorFlow's names.
+_IO_IMAGE = (
+    "decode_jpeg", "decode_png", "decode_image", "decode_gif", "decode_bmp",
+    "decode_and_crop_jpeg", "extract_jpeg_shape", "is_jpeg",
+)
+_TF_IMAGE = (
+    *_IO_IMAGE, "ResizeMethod", "resize", "convert_image_dtype", "central_crop",
+    "crop_to_bounding_box", "flip_left_right", "flip_up_down", "adjust_brightness",
+    "adjust_contrast", "per_image_standardization", "random_crop", "random_flip_left_right",
+    "random_flip_up_down", "random_brightness", "random_contrast",
+    "sample_distorted_bounding_box", "stateless_random_crop",
+    "stateless_random_flip_left_right", "stateless_random_flip_up_down",
+    "stateless_random_brightness", "stateless_random_contrast",
+    "stateless_sample_distorted_bounding_box",
+)
+
 
 class EagerArray(np.ndarray):  # type: ignore[type-arg]
     """An ``np.ndarray`` that also answers ``.numpy()``, as an eager TensorFlow tensor."""
@@ -205,28 +222,6 @@ convert_to_tensor = constant
 def cast(x: Any, dtype: Any, name: str | None = None) -> Any:
     """``tf.cast``: ``x`` as a NumPy array of ``dtype``."""
     return np.asarray(x).astype(_numpy_dtype(dtype), copy=False)
-
-
-def _convert_image_dtype(
-    image: Any, dtype: Any, saturate: Any = False, name: str | None = None
-) -> Array:
-    """``tf.image.convert_image_dtype``: integers scale to [0, 1] floats (by the integer
-    type's maximum), floats to integers by the reverse; float to float only casts."""
-    array = np.asarray(image)
-    target = _numpy_dtype(dtype)
-    if array.dtype == target:
-        return array
-    if array.dtype.kind in "ui" and target.kind == "f":
-        # as TensorFlow: cast, then multiply by 1/max rounded to the target type
-        scaled: Array = array.astype(target) * target.type(1.0 / np.iinfo(array.dtype).max)
-        return scaled
-    if array.dtype.kind == "f" and target.kind in "ui":
-        scaled = array.astype(np.float64) * (np.iinfo(target).max + 0.5)
-        return np.clip(scaled, np.iinfo(target).min, np.iinfo(target).max).astype(target)
-    if array.dtype.kind in "ui" and target.kind in "ui":
-        factor = (np.iinfo(target).max + 1) / (np.iinfo(array.dtype).max + 1)
-        return (array.astype(np.float64) * factor).astype(target)
-    return array.astype(target)
 
 
 def _sparse_to_dense(sp_input: Any, default_value: Any = None, validate_indices: Any = True,
@@ -664,6 +659,7 @@ io = _Namespace(
     decode_raw=_decode_raw,
     decode_csv=_csv.decode_csv,
     TFRecordWriter=TFRecordWriter,
+    **{name: getattr(_image, name) for name in _IO_IMAGE},
 )
 
 def _clear_session(*args: Any, **kwargs: Any) -> None:
@@ -671,7 +667,7 @@ def _clear_session(*args: Any, **kwargs: Any) -> None:
     when it is closed or collected."""
 
 
-image = _Namespace("tf.image", convert_image_dtype=_convert_image_dtype)
+image = _Namespace("tf.image", **{name: getattr(_image, name) for name in _TF_IMAGE})
 keras = _Namespace(
     "tf.keras", backend=_Namespace("tf.keras.backend", clear_session=_clear_session)
 )

@@ -115,6 +115,7 @@ class MapNode(Node):
         stage: str | None = None,
         output_signature: Any = None,
         workers: str | None = None,
+        output_nbytes: Callable[[Any], int] | None = None,
     ) -> None:
         super().__init__(source)
         if not callable(fn):
@@ -133,6 +134,12 @@ class MapNode(Node):
             from headrace.workers.processes import check_workers
 
             check_workers(workers, num_parallel_calls, fn, self.stage)
+        if output_nbytes is not None and not callable(output_nbytes):
+            raise InvalidArgumentError(
+                f"{self.stage}: output_nbytes must be a function of the input element, "
+                f"got {output_nbytes!r}"
+            )
+        self.output_nbytes = output_nbytes
         self.workers = workers
         self.fn = fn
         self.num_parallel_calls = num_parallel_calls
@@ -222,7 +229,8 @@ class MapNode(Node):
             assert process_iterator is not None, "headrace.transforms.process_map not imported"
             return process_iterator(self, inner, ctx, account, deterministic)
         return _ParallelMapIterator(
-            inner, self.fn, ctx, account, threads, deterministic, self.stage
+            inner, self.fn, ctx, account, threads, deterministic, self.stage,
+            self.output_nbytes,
         )
 
 
@@ -405,9 +413,11 @@ class _ParallelMapIterator(Iterator):
         threads: int,
         deterministic: bool,
         stage: str,
+        output_nbytes: Callable[[Any], int] | None = None,
     ) -> None:
         super().__init__(inner)
         self.inner, self.fn, self.ctx, self.account = inner, fn, ctx, account
+        self.output_nbytes = output_nbytes
         self.threads, self.deterministic, self.stage = threads, deterministic, stage
         self.pool: ThreadPoolExecutor | None = None
         self.calls: deque[_Call] = deque()
@@ -463,7 +473,8 @@ class _ParallelMapIterator(Iterator):
             error, call.error = call.error, None  # an input error comes after the tail
             booking = _carve(
                 call.bookings,
-                sum(max(self.ctx.sizeof(element), self.output_estimate) for element in tail),
+                sum(max(self.ctx.sizeof(element),
+                        self._expected_output(element, self.output_estimate)) for element in tail),
             )
             self._launch(
                 tail, [booking], call.state_before, call.first_index + given_up.start, error
@@ -508,8 +519,9 @@ class _ParallelMapIterator(Iterator):
                 upstream_error = error
                 break
             elements.append(element)
-            # A call in flight will soon hold its output: book the larger of the two.
-            size = max(sizeof(element), estimate)
+            # A call in flight will soon hold its output: book the larger of the two
+            # (the output's size from the input itself, where output_nbytes says it).
+            size = max(sizeof(element), self._expected_output(element, estimate))
             if reservation.account is None:
                 pending.append(size)
                 pending_bytes += size
@@ -525,6 +537,19 @@ class _ParallelMapIterator(Iterator):
             # for the call: they are released together when it is collected
             bookings.append(account.book_existing_total(pending, count=False))
         return elements, bookings, upstream_error
+
+    def _expected_output(self, element: Any, estimate: int) -> int:
+        """What the call on ``element`` will hold: ``output_nbytes(element)`` (an image's
+        decoded size from its header, before it is decoded) or the largest output so far.
+
+        A hint that fails books the estimate: the call itself then raises in the
+        element's place."""
+        if self.output_nbytes is None:
+            return estimate
+        try:
+            return int(self.output_nbytes(element))
+        except Exception:
+            return estimate
 
     def _take_call(self) -> _Call:
         if self.finished is None:

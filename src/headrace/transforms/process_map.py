@@ -85,9 +85,10 @@ def process_map_iterator(
 ) -> Iterator:
     """The iterator of a map whose ``workers`` is ``"processes"`` or ``"auto"``."""
     count = cpu_count() if node.num_parallel_calls == AUTOTUNE else int(node.num_parallel_calls or 1)
+    args = (inner, node.fn, ctx, account, count, deterministic, node.stage, node.output_nbytes)
     if node.workers == "auto":
-        return _AutoMapIterator(inner, node.fn, ctx, account, count, deterministic, node.stage)
-    return ProcessMapIterator(inner, node.fn, ctx, account, count, deterministic, node.stage)
+        return _AutoMapIterator(*args)
+    return ProcessMapIterator(*args)
 
 
 class ProcessMapIterator(_ParallelMapIterator):

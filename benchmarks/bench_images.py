@@ -1,0 +1,321 @@
+"""The image pipeline end to end: headrace vs tf.data vs PyTorch's DataLoader.
+
+Synthetic ImageNet-like data made here (``--images`` JPEGs of about 500x375,
+quality 90, in 16 TFRecord shards of ``tf.train.Example``s with
+``image/encoded`` and ``image/class/label``; ``--full`` makes 20,000), read
+to 224x224 float32 batches of 128 with an Inception-style random resized crop
+and a random flip, scaled to [0, 1]. Each side runs in its own fresh process,
+one after the other, for ``--epochs`` epochs:
+
+* **headrace**: list_files -> interleave(TFRecordDataset) -> enumerate ->
+  map(parse + ``headrace.image.random_resized_crop`` from the JPEG bytes
+  (crop box from the header, DCT-reduced decode) + flip, 2 worker processes)
+  -> batch(128) -> prefetch(AUTOTUNE), budget 256 MiB.
+* **tf.data**: TFRecordDataset(num_parallel_reads=AUTOTUNE) -> map(parse +
+  extract_jpeg_shape + sample_distorted_bounding_box + decode_and_crop_jpeg +
+  resize + flip, AUTOTUNE) -> batch(128) -> prefetch(AUTOTUNE): TensorFlow's
+  own fastest form of this pipeline (its official ResNet preprocessing).
+* **torch**: DataLoader(2 workers) over an IterableDataset reading the same
+  TFRecords (the ``tfrecord`` package, files split between the workers) with
+  Pillow transforms (torchvision's RandomResizedCrop and flip, written with
+  Pillow: torchvision is not installed) and default collation.
+
+Reported: images/s (the first batch, i.e. start-up, outside the clock), the
+CPU-seconds per image of the whole process tree (the machine is shared: CPU
+time is what load does not inflate), and the peak of the tree's Pss_Anon +
+Pss_Shmem (worker processes included, shared pages once).
+
+    PYTHONPATH=src python benchmarks/bench_images.py [--images 2000] [--full] [--epochs 2]
+
+writes benchmarks/results/images.md and images.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+MIB = 1 << 20
+SIZE = 224
+BATCH = 128
+SHARDS = 16
+SEED = 2024
+BUDGET = "256MiB"
+
+
+# -- data -------------------------------------------------------------------------------
+
+
+def make_shards(directory: Path, images: int) -> list[str]:
+    """``images`` synthetic JPEGs in 16 TFRecord shards of Examples (made once per size)."""
+    from bench_decoders import synthetic_jpegs
+    from headrace.io.example import serialize_example
+    from headrace.io.tfrecord import write_tfrecord
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [str(directory / f"train-{i:05d}-of-{SHARDS:05d}.tfrecord") for i in range(SHARDS)]
+    if all(os.path.exists(p) for p in paths):
+        return paths
+    import numpy as np
+
+    per_shard = math.ceil(images / SHARDS)
+    made = 0
+    for index, path in enumerate(paths):
+        count = min(per_shard, images - made)
+        jpegs = synthetic_jpegs(count, seed=index)
+        records = [
+            serialize_example({"image/encoded": data,
+                               "image/class/label": np.int64((made + i) % 1000)})
+            for i, data in enumerate(jpegs)
+        ]
+        write_tfrecord(path, records)
+        made += count
+    return paths
+
+
+# -- measurements of the process tree: bench_workers' (Pss of the tree, CPU of the tree)
+
+from bench_workers import PeakSampler, tree_cpu  # noqa: E402
+
+# -- the three sides --------------------------------------------------------------------
+
+
+def headrace_augment(index: int, record: bytes) -> Any:
+    """Parse one Example, crop from the JPEG header, decode reduced, resize, flip, [0, 1]."""
+    import numpy as np
+
+    import headrace.image as hi
+    from headrace.io.example import decode_example
+
+    features = decode_example(record)
+    encoded = features["image/encoded"][1][0]
+    seed = (SEED, index)
+    image = hi.random_resized_crop(encoded, (SIZE, SIZE), seed=seed)
+    image = hi.random_flip_left_right(image, seed=seed)
+    image *= np.float32(1 / 255)
+    return image, np.int64(features["image/class/label"][1][0])
+
+
+def side_headrace(files: list[str], epochs: int, workers: str = "processes",
+                  calls: int = 2) -> Any:
+    import headrace as hr
+
+    ds = (
+        hr.Dataset.from_tensor_slices(files)
+        .interleave(lambda path: hr.TFRecordDataset(path), cycle_length=4,
+                    num_parallel_calls=2)
+        .repeat(epochs)
+        .enumerate()
+        .map(headrace_augment, num_parallel_calls=calls, workers=workers)
+        .batch(BATCH)
+        .prefetch(hr.AUTOTUNE)
+        .with_options(hr.Options(memory_budget=BUDGET))
+    )
+    return iter(ds), lambda batch: len(batch[1])
+
+
+def side_tf(files: list[str], epochs: int, crop_decode: bool = True) -> Any:
+    import tensorflow as tf
+
+    features = {"image/encoded": tf.io.FixedLenFeature((), tf.string),
+                "image/class/label": tf.io.FixedLenFeature((), tf.int64)}
+
+    def augment(record: Any) -> Any:
+        parsed = tf.io.parse_single_example(record, features)
+        encoded = parsed["image/encoded"]
+        shape = tf.io.extract_jpeg_shape(encoded)
+        begin, size, _ = tf.image.sample_distorted_bounding_box(
+            shape, tf.constant([0.0, 0.0, 1.0, 1.0], shape=[1, 1, 4]),
+            min_object_covered=0.1, aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0),
+            max_attempts=10, use_image_if_no_bounding_boxes=True)
+        y, x, _ = tf.unstack(begin)
+        h, w, _ = tf.unstack(size)
+        if crop_decode:  # decode only the window (libjpeg skips rows and columns)
+            image = tf.io.decode_and_crop_jpeg(encoded, tf.stack([y, x, h, w]), channels=3)
+        else:  # the issue's form: decode_jpeg, then crop
+            image = tf.io.decode_jpeg(encoded, channels=3)[y : y + h, x : x + w]
+        image = tf.image.resize(image, (SIZE, SIZE))
+        image = tf.image.random_flip_left_right(image)
+        return image / 255.0, parsed["image/class/label"]
+
+    ds = (
+        tf.data.TFRecordDataset(files, num_parallel_reads=tf.data.AUTOTUNE)
+        .repeat(epochs)
+        .map(augment, num_parallel_calls=tf.data.AUTOTUNE)
+        .batch(BATCH)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    return iter(ds), lambda batch: int(batch[1].shape[0])
+
+
+class _TorchImages:
+    """An IterableDataset over the TFRecords, the files split between the workers (its
+    base class is added when torch is imported: the other sides never import torch)."""
+
+    def __init__(self, files: list[str], epochs: int) -> None:
+        self.files, self.epochs = files, epochs
+
+    def __iter__(self) -> Any:
+        import io
+
+        import numpy as np
+        import torch
+        from PIL import Image
+        from tfrecord.reader import tfrecord_loader
+
+        info = torch.utils.data.get_worker_info()
+        mine = self.files if info is None else self.files[info.id :: info.num_workers]
+        rng = random.Random(SEED + (0 if info is None else info.id))
+        for _ in range(self.epochs):
+            for path in mine:
+                for example in tfrecord_loader(path, None, {"image/encoded": "byte",
+                                                            "image/class/label": "int"}):
+                    image = Image.open(io.BytesIO(example["image/encoded"]))
+                    image = image.convert("RGB")
+                    y, x, h, w = _torch_box(image.height, image.width, rng)
+                    image = image.resize((SIZE, SIZE), Image.BILINEAR, box=(x, y, x + w, y + h))
+                    if rng.random() < 0.5:
+                        image = image.transpose(Image.FLIP_LEFT_RIGHT)
+                    array = np.asarray(image, np.float32) * np.float32(1 / 255)
+                    yield torch.from_numpy(array).permute(2, 0, 1), int(
+                        example["image/class/label"][0])
+
+
+def _torch_box(height: int, width: int, rng: random.Random) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop.get_params."""
+    area = height * width
+    for _ in range(10):
+        target = area * rng.uniform(0.08, 1.0)
+        aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    return 0, 0, height, width
+
+
+def side_torch(files: list[str], epochs: int) -> Any:
+    import torch
+
+    dataset_class = type("TorchImages", (_TorchImages, torch.utils.data.IterableDataset), {})
+    loader = torch.utils.data.DataLoader(
+        dataset_class(files, epochs), batch_size=BATCH, num_workers=2,
+        multiprocessing_context="fork",
+    )
+    return iter(loader), lambda batch: len(batch[1])
+
+
+SIDES = {
+    "headrace (2 processes)": side_headrace,
+    "headrace (4 threads)": lambda files, epochs: side_headrace(files, epochs, "threads", 4),
+    "tf.data (decode_and_crop_jpeg)": side_tf,
+    "tf.data (decode_jpeg + crop)": lambda files, epochs: side_tf(files, epochs, False),
+    "torch DataLoader (2 workers)": side_torch,
+}
+BASELINE = "tf.data (decode_jpeg + crop)"
+
+
+def child(cfg: dict[str, Any]) -> dict[str, Any]:
+    if cfg["side"].startswith("headrace"):  # one BLAS thread per worker: two workers fill two cores
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sampler = PeakSampler()
+    iterator, count_of = SIDES[cfg["side"]](cfg["files"], cfg["epochs"])
+    first = next(iterator)  # start-up (imports, workers, first fill) outside the clock
+    images = count_of(first)
+    started, cpu0 = time.perf_counter(), tree_cpu()
+    timed = 0
+    for batch in iterator:
+        timed += count_of(batch)
+    seconds = time.perf_counter() - started
+    cpu = tree_cpu() - cpu0
+    peak = sampler.stop() + sampler.start  # the tree's peak itself, not its growth
+    shape = tuple(first[0].shape)
+    return {"images": images + timed, "timed_images": timed, "seconds": seconds,
+            "images_per_s": timed / seconds, "cpu_s_per_image": cpu / max(timed, 1),
+            "peak_pss_mib": peak / MIB, "batch_shape": list(shape)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from _harness import child_env, fmt_ratio, md_table, report_head, run_child, write_report
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--full", action="store_true", help="20,000 images (the issue's size)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the three sides")
+    parser.add_argument("--dir", default=None, help="where the shards go (kept between runs)")
+    parser.add_argument("--child", default=None)
+    args = parser.parse_args(argv)
+    if args.child:
+        cfg = json.loads(args.child)
+        print("@@RESULT@@ " + json.dumps(child(cfg)), flush=True)
+        return 0
+    images = 20_000 if args.full else args.images
+    started = time.perf_counter()
+    directory = Path(args.dir or Path(tempfile.gettempdir()) / f"headrace-bench-images-{images}")
+    print(f"making {images} JPEGs in {SHARDS} shards under {directory} ...", file=sys.stderr)
+    files = make_shards(directory, images)
+    shard_bytes = sum(os.path.getsize(p) for p in files)
+    run_line = (f"`PYTHONPATH=src python benchmarks/bench_images.py --images {images} "
+                f"--epochs {args.epochs} --repeats {args.repeats}`")
+    info, sections = report_head("Image pipeline: headrace vs tf.data vs PyTorch", sys.executable,
+                                 run_line)
+    results: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    for _ in range(args.repeats):
+        for side in SIDES:
+            cfg = {"side": side, "files": files, "epochs": args.epochs}
+            argv_child = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(cfg)]
+            print(f"  running {side} ...", file=sys.stderr, flush=True)
+            result = run_child(argv_child, timeout=3600, env=child_env())
+            if result.get("error"):
+                print(result["error"], result.get("stderr_tail", ""), file=sys.stderr)
+            results[side].append(result)
+
+    def best(side: str, key: str) -> float | None:
+        values = [r[key] for r in results[side] if key in r]
+        if not values:
+            return None
+        values.sort()
+        return values[len(values) // 2]
+
+    rows = []
+    for side in SIDES:
+        rate, cpu, peak = (best(side, "images_per_s"), best(side, "cpu_s_per_image"),
+                           best(side, "peak_pss_mib"))
+        rows.append([side, f"{rate:.0f}" if rate else "error",
+                     f"{cpu * 1e3:.2f}" if cpu else "", f"{peak:.0f}" if peak else "",
+                     fmt_ratio(rate, best(BASELINE, "images_per_s")),
+                     fmt_ratio(peak, best(BASELINE, "peak_pss_mib"))])
+    sections += [
+        "## Results",
+        "",
+        f"{images} JPEGs ({shard_bytes / images / 1024:.0f} KB on average, {SHARDS} shards), "
+        f"{args.epochs} epochs, batches of {BATCH} x {SIZE}x{SIZE}x3 float32; medians of "
+        f"{args.repeats} round(s).",
+        "",
+        md_table(["side", "images/s", "CPU ms / image (tree)", "peak Pss anon+shmem MiB (tree)",
+                  "images/s vs tf.data", "peak vs tf.data"], rows),
+        "",
+        f"Ratios against {BASELINE} (the issue's tf.data pipeline). Targets (issue 14): "
+        f"headrace >= 2x tf.data's images/s, <= 0.5x its peak memory, budget {BUDGET} held.",
+        "",
+    ]
+    report = {"machine": info, "images": images, "epochs": args.epochs, "results": results}
+    write_report("images", sections, report, started)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""Image helpers shared by the image tests (module-level so worker processes can pickle them)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+import headrace.image as hi
+
+SEED = 1234
+
+
+def photo(height: int, width: int, channels: int = 3, seed: int = 0) -> np.ndarray:
+    """A photo-like uint8 image: smooth colour fields, an edge, some noise (JPEG-friendly,
+    yet every pixel differs)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    image = np.empty((height, width, channels), np.float32)
+    for c in range(channels):
+        fx, fy = rng.uniform(0.02, 0.3, 2)
+        image[..., c] = 128 + 90 * np.sin(x * fx + c) * np.cos(y * fy)
+    image[: height // 2, : width // 3] = rng.uniform(0, 255, channels)
+    image += rng.normal(0, 8, image.shape)
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+def encode(image: np.ndarray, fmt: str = "JPEG", **options: Any) -> bytes:
+    from PIL import Image
+
+    pixels = image[..., 0] if image.shape[-1] == 1 else image
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def jpeg(height: int, width: int, seed: int = 0, quality: int = 90) -> bytes:
+    return encode(photo(height, width, 3, seed), "JPEG", quality=quality)
+
+
+def augment(index: int, contents: bytes) -> np.ndarray:
+    """The training augmentation of the tests: Inception crop from the header, flip, [0, 1]."""
+    seed = (SEED, index)
+    image = hi.random_resized_crop(contents, (24, 24), seed=seed)
+    image = hi.random_flip_left_right(image, seed=seed)
+    return image / np.float32(255)
+
+
+def decode_rgb(contents: bytes) -> np.ndarray:
+    return hi.decode_jpeg(contents, channels=3)
+
+
+def rgb_nbytes(contents: bytes) -> int:
+    return hi.decoded_nbytes(contents, channels=3)
