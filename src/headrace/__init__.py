@@ -26,6 +26,7 @@ from headrace.io.csv import CsvError
 from headrace.memory.sizeof import register_sizer
 from headrace.memory.units import parse_bytes
 from headrace.options import AUTOTUNE, Options
+from headrace.served import ProducerError, ServedIterator, Server, connect, serve
 from headrace.sources.sql import SqlError
 from headrace.structure import TensorSpec
 
@@ -51,8 +52,11 @@ __all__ = [
     "MemoryBudgetError",
     "Options",
     "ParseError",
+    "ProducerError",
     "RecordTooLargeError",
     "ShardInfo",
+    "ServedIterator",
+    "Server",
     "SqlError",
     "TFRecordDataset",
     "TensorSpec",
@@ -60,10 +64,12 @@ __all__ = [
     "WorkerError",
     "__version__",
     "auto_shard",
+    "connect",
     "decode_csv",
     "make_csv_dataset",
     "parse_bytes",
     "read_csv",
     "register_sizer",
+    "serve",
     "shard_info",
 ]

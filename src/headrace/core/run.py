@@ -23,6 +23,7 @@ from headrace._closing import ClosesOnExit
 from headrace.core.iterator import Context, Iterator
 from headrace.core.state import StateReader
 from headrace.errors import CheckpointError, IteratorClosedError
+from headrace.io.filepool import FileLimiter
 from headrace.memory.allocator import tune_allocator
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget
 from headrace.memory.system import available_memory, live_runs
@@ -145,17 +146,31 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
     garbage collection (no background thread keeps it alive).
     """
 
-    def __init__(self, node: Node, options: Options, *, probe: bool = False) -> None:
+    def __init__(
+        self,
+        node: Node,
+        options: Options,
+        *,
+        probe: bool = False,
+        shared_budget: MemoryBudget | None = None,
+        file_limiter: FileLimiter | None = None,
+    ) -> None:
         if options.tune_allocator:
             tune_allocator()
         self._node = node
+        # ``shared_budget``/``file_limiter``: runs that must share one budget and one
+        # descriptor cap (the consumers' streams of one headrace.serve producer).
         explicit = options.budget_bytes
-        budget = MemoryBudget(explicit) if explicit is not None else default_budget().child()
+        if shared_budget is not None:
+            budget = shared_budget.child()
+        else:
+            budget = MemoryBudget(explicit) if explicit is not None else default_budget().child()
         # A probe (reading one element to learn a spec) must not count as an
         # iteration: that would change which shuffle order the next real one gets.
         iteration = 0 if probe else next(_iterations(node))
         self._context = Context(options, budget, iteration)
         self._context.run.probe = probe
+        self._context.run.file_limiter = file_limiter
         self._tree = node.make_iterator(self._context)
         self._pull = self._tree.pull  # bound once: called per element
         budget.allot()
