@@ -47,7 +47,6 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Client, Connection, Listener
-from types import TracebackType
 from typing import Any
 
 from headrace._closing import ClosesOnExit
@@ -180,13 +179,6 @@ class Server(ClosesOnExit):
         with contextlib.suppress(OSError):
             self._listener.close()
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- serving -----------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -407,13 +399,6 @@ class ServedIterator(ClosesOnExit):
         if self._closed:
             raise IteratorClosedError(f"consumer {self.index}'s connection to {self.address!r} is closed")
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _dial(path: str, authkey: bytes | None, deadline: float, timeout: float) -> Connection:

@@ -235,10 +235,10 @@ class _BudgetCharge:
 
 def file_limiter(ctx: Context) -> FileLimiter | None:
     """The pipeline's own cap on descriptors (``Options.max_open_files``), shared by its readers."""
-    if ctx.options.max_open_files is None:
-        return None
     run = ctx.run
-    if run.file_limiter is None:
+    if run.file_limiter is None:  # (a served run is given its producer's shared one)
+        if ctx.options.max_open_files is None:
+            return None
         run.file_limiter = get_default_pool().limiter(ctx.options.max_open_files)
     return run.file_limiter
 

@@ -1,0 +1,298 @@
+"""One producer serving several consumers (headrace.serve / headrace.connect), issue 10.
+
+Consumers run in real processes (forkserver, as the process stages) where what is
+tested is about processes: death, descriptors, segments; the property test of which
+elements each consumer gets drives the same protocol from threads, to try many
+random pipelines quickly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import headrace as hr
+from headrace.io.tfrecord import write_tfrecord
+from headrace.workers import shm
+from headrace.workers.processes import start_method
+
+sys.path.insert(0, str(Path(__file__).parent))
+import served_fns
+
+KEY = b"served-tests"
+CONTEXT = multiprocessing.get_context(start_method())
+
+
+def our_segments(pid: int | None = None) -> list[str]:
+    owner = os.getpid() if pid is None else pid
+    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"headrace-{owner}-")]
+
+
+def read_lines(path: Path) -> list[int]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_until(condition: Any, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return bool(condition())
+
+
+# -- which elements each consumer gets ----------------------------------------------------
+
+
+@st.composite
+def pipelines(draw: st.DrawFn) -> tuple[hr.Dataset, int]:
+    n = draw(st.integers(0, 40))
+    dataset = served_fns.ranged(n)
+    if draw(st.booleans()):
+        dataset = hr.Dataset.range(n).shuffle(draw(st.integers(1, 16)), seed=draw(st.integers(0, 9)))
+        dataset = dataset.map(served_fns.as_array)
+    if draw(st.booleans()):
+        dataset = dataset.prefetch(draw(st.integers(1, 4)))
+    return dataset, draw(st.integers(1, 3))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=pipelines())
+def test_consumers_get_disjoint_deterministic_parts_whose_union_is_the_stream(
+    case: tuple[hr.Dataset, int], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    dataset, k = case
+    stream = [served_fns.value(e) for e in dataset]
+    address = str(tmp_path_factory.mktemp("served") / "s.sock")
+    parts: dict[int, list[int]] = {}
+
+    def read(index: int) -> None:
+        with hr.connect(address, index, authkey=KEY) as part:
+            parts[index] = [served_fns.value(e) for e in part]
+
+    with hr.serve(dataset, k, address, authkey=KEY):
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(k)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    for index in range(k):  # in the stream's order: every k-th element from the index-th
+        assert parts[index] == stream[index::k]
+    assert Counter(v for part in parts.values() for v in part) == Counter(stream)
+    assert our_segments() == []
+
+
+def test_three_consumer_processes_share_one_reader_under_its_descriptor_cap(
+    tmp_path: Path,
+) -> None:
+    files = []
+    for f in range(6):
+        path = tmp_path / f"part-{f}.tfrecord"
+        write_tfrecord(path, [f"{f}:{r}".encode() for r in range(30)])
+        files.append(str(path))
+    dataset = hr.Dataset.list_files(str(tmp_path / "*.tfrecord"), shuffle=False).interleave(
+        hr.TFRecordDataset, cycle_length=4
+    )
+    stream = [bytes(e).decode() for e in dataset]
+    address = str(tmp_path / "reader.sock")
+    open_now: list[int] = []
+    stop = threading.Event()
+
+    def count_descriptors() -> None:  # the producer's (this process's) open data files
+        while not stop.is_set():
+            fds = 0
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError):
+                    fds += os.readlink(f"/proc/self/fd/{fd}").endswith(".tfrecord")
+            open_now.append(fds)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=count_descriptors, daemon=True)
+    watcher.start()
+    outs = [tmp_path / f"out-{i}.json" for i in range(3)]
+    with hr.serve(dataset.map(served_fns.record_array), 3, address, authkey=KEY,
+                  max_open_files=2) as server:
+        procs = [CONTEXT.Process(target=served_fns.consume_records,
+                                 args=(address, i, KEY, str(outs[i]))) for i in range(3)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(60)
+        assert [proc.exitcode for proc in procs] == [0, 0, 0]
+        assert [server.finished(i) for i in range(3)] == [1, 1, 1]
+        assert wait_until(lambda: server.connected == [])
+    stop.set()
+    watcher.join()
+    parts = [json.loads(out.read_text()) for out in outs]
+    for index, part in enumerate(parts):
+        assert part == stream[index::3]
+    assert sorted(v for part in parts for v in part) == sorted(stream)
+    assert max(open_now) <= 2 and max(open_now) >= 1  # the cap all three parts share
+    assert our_segments() == []
+
+
+# -- independence: a consumer dies, the others go on --------------------------------------
+
+
+def test_a_killed_consumer_never_stalls_the_others_and_its_index_can_reconnect(
+    tmp_path: Path,
+) -> None:
+    n = 60
+    address = str(tmp_path / "s.sock")
+    outs = [tmp_path / "victim.json", tmp_path / "other.json", tmp_path / "again.json"]
+    with hr.serve(served_fns.ranged(n), 2, address, authkey=KEY) as server:
+        victim = CONTEXT.Process(target=served_fns.consume, args=(address, 0, KEY, str(outs[0]), 3))
+        victim.start()
+        victim.join(30)
+        assert victim.exitcode == -signal.SIGKILL
+        assert read_lines(outs[0]) == [0, 2, 4]
+        other = CONTEXT.Process(target=served_fns.consume, args=(address, 1, KEY, str(outs[1])))
+        other.start()
+        other.join(30)
+        assert other.exitcode == 0 and read_lines(outs[1]) == list(range(1, n, 2))
+        assert wait_until(lambda: 0 not in server.connected, 5)
+        again = CONTEXT.Process(target=served_fns.consume, args=(address, 0, KEY, str(outs[2])))
+        again.start()
+        again.join(30)
+        assert again.exitcode == 0 and read_lines(outs[2]) == list(range(0, n, 2))
+    assert our_segments() == []
+
+
+def test_a_consumer_that_stops_reading_does_not_stall_another(tmp_path: Path) -> None:
+    address = str(tmp_path / "s.sock")
+    with hr.serve(served_fns.ranged(40).prefetch(2), 2, address, authkey=KEY):
+        idle = hr.connect(address, 0, authkey=KEY)
+        assert served_fns.value(next(idle)) == 0  # then reads nothing more
+        with hr.connect(address, 1, authkey=KEY) as busy:
+            assert [served_fns.value(e) for e in busy] == list(range(1, 40, 2))
+        idle.close()
+
+
+# -- checkpoints -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [3, None])
+def test_a_consumer_resumes_exactly_from_its_checkpoint_on_a_new_producer(
+    tmp_path: Path, seed: int | None
+) -> None:
+    dataset = hr.Dataset.range(50).shuffle(20, seed=seed).map(served_fns.as_array)
+    first = str(tmp_path / "first.sock")
+    with hr.serve(dataset, 3, first, authkey=KEY), hr.connect(first, 2, authkey=KEY) as part:
+        head = [served_fns.value(next(part)) for _ in range(5)]
+        state = json.loads(json.dumps(part.get_state()))  # JSON-able
+        rest_here = [served_fns.value(e) for e in part]
+    second = str(tmp_path / "second.sock")
+    with hr.serve(dataset, 3, second, authkey=KEY):
+        for _ in range(2):  # a new producer, whatever it served before
+            with hr.connect(second, 0, authkey=KEY) as other:
+                list(other)
+        with hr.connect(second, 2, authkey=KEY, state=state) as resumed:
+            assert [served_fns.value(e) for e in resumed] == rest_here
+        with hr.connect(second, 1, authkey=KEY) as wrong, pytest.raises(
+            hr.CheckpointError, match="consumer 2 of 3's; this is consumer 1 of 3"
+        ):
+            wrong.set_state(state)
+    if seed is not None:
+        assert head + rest_here == [served_fns.value(e) for e in dataset][2::3]
+
+
+# -- the producer dies -------------------------------------------------------------------
+
+
+def test_a_dead_producer_is_a_clear_error_within_seconds_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    address = str(tmp_path / "s.sock")
+    producer = CONTEXT.Process(target=served_fns.produce, args=(address, 2, 100, KEY, 3))
+    producer.start()
+    try:
+        part = hr.connect(address, 1, authkey=KEY, timeout=30)
+        assert served_fns.value(next(part)) == 1
+        assert served_fns.value(next(part)) == 3
+        # Element 5 is stuck in the producer: kill it while this consumer waits.
+        assert producer.pid is not None
+        threading.Timer(0.5, os.kill, (producer.pid, signal.SIGKILL)).start()
+        started = time.monotonic()
+        with pytest.raises(hr.ProducerError, match=rf"producer \(pid {producer.pid}\).*is gone"):
+            next(part)
+        assert time.monotonic() - started < 5
+        with pytest.raises(hr.IteratorClosedError):
+            next(part)
+        part.close()
+    finally:
+        producer.kill()
+        producer.join(10)
+    shm.sweep_stale()
+    assert our_segments(producer.pid) == []
+    # A new producer takes over the stale socket.
+    with hr.serve(served_fns.ranged(4), 2, address, authkey=KEY), hr.connect(
+        address, 1, authkey=KEY
+    ) as part:
+        assert [served_fns.value(e) for e in part] == [1, 3]
+
+
+# -- refusals and errors -----------------------------------------------------------------
+
+
+def test_refusals_say_why(tmp_path: Path) -> None:
+    address = str(tmp_path / "s.sock")
+    with pytest.raises(hr.ProducerError, match=r"no headrace producer listens on .* 0\.2 s"):
+        hr.connect(address, 0, authkey=KEY, timeout=0.2)
+    with hr.serve(served_fns.ranged(6), 2, address, authkey=KEY):
+        with pytest.raises(hr.ProducerError, match=r"refused consumer 2: consumer index 2 is not in 0\.\.1"):
+            hr.connect(address, 2, authkey=KEY)
+        with pytest.raises(hr.ProducerError, match="refused the connection"):
+            hr.connect(address, 0, authkey=b"wrong")
+        with hr.connect(address, 0, authkey=KEY), pytest.raises(
+            hr.ProducerError, match="consumer 0 is already connected"
+        ):
+            hr.connect(address, 0, authkey=KEY, timeout=0.3)
+    with pytest.raises(hr.InvalidArgumentError, match="consumers must be an integer >= 1"):
+        hr.serve(served_fns.ranged(6), 0, address)
+
+
+def test_a_pipeline_error_reaches_its_consumer_which_can_go_on(tmp_path: Path) -> None:
+    def check(x: Any) -> Any:
+        if int(x) == 4:
+            raise ValueError("element four is bad")
+        return served_fns.as_array(x)
+
+    address = str(tmp_path / "s.sock")
+    with hr.serve(hr.Dataset.range(8).map(check), 2, address, authkey=KEY), hr.connect(
+        address, 0, authkey=KEY
+    ) as part:
+        got = [served_fns.value(next(part)), served_fns.value(next(part))]
+        with pytest.raises(ValueError, match="element four is bad"):
+            next(part)
+        got += [served_fns.value(e) for e in part]
+    assert got == [0, 2, 6]
+
+
+def test_all_consumers_draw_from_one_budget(tmp_path: Path) -> None:
+    budget = 4 << 20
+    dataset = served_fns.ranged(200).prefetch(8).with_options(hr.Options(memory_budget=budget))
+    address = str(tmp_path / "s.sock")
+    with hr.serve(dataset, 3, address, authkey=KEY) as server:
+        parts = [hr.connect(address, i, authkey=KEY) for i in range(3)]
+        for _ in range(10):
+            for part in parts:
+                next(part)
+        assert server.budget.total == budget
+        assert 0 < server.budget.peak <= budget
+        for part in parts:
+            part.close()
