@@ -20,7 +20,12 @@ process without the key is refused) carries small messages; each element's
 arrays travel in shared-memory segments of a per-consumer pool
 (:mod:`headrace.workers.shm`), which the consumer maps once and reports free
 again when the last array viewing it is gone — the payloads are copied once,
-into the segment, whatever their size.
+into the segment, whatever their size. Every segment is booked on the shared
+budget (account ``served segments``) from its creation until its consumer's
+connection ends: what consumers hold counts against the producer's budget, so
+its readers slow down rather than overrun it; a consumer that keeps more than
+the budget gets its elements all the same, booked as an overdraft (its memory
+exists either way), never a hang.
 
 Independence. A consumer is served by a thread of its own that pulls only when
 that consumer asks for its next element, so a slow, stopped or dead consumer
@@ -39,6 +44,7 @@ over the same recipe, resumes exactly there with :meth:`ServedIterator.set_state
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import pickle
 import socket
@@ -55,7 +61,7 @@ from headrace.core.state import StateReader
 from headrace.dataset import Dataset
 from headrace.errors import CheckpointError, InvalidArgumentError, IteratorClosedError, WorkerError
 from headrace.io.filepool import FileLimiter, get_default_pool
-from headrace.memory.budget import MemoryBudget
+from headrace.memory.budget import MemoryBudget, Reservation
 from headrace.workers.shm import SegmentMaps, SegmentPool, pack, sweep_stale
 
 __all__ = ["ProducerError", "ServedIterator", "Server", "connect", "serve"]
@@ -135,6 +141,10 @@ class Server(ClosesOnExit):
         self.file_limiter: FileLimiter | None = (
             None if cap is None else get_default_pool().limiter(cap)
         )
+        #: The shared-memory segments each consumer's elements travel in, booked on the
+        #: same budget from creation until dropped (G1): what consumers hold counts.
+        self.segments = self.budget.account("served segments", weight=1.0)
+        self.budget.allot()
         self._lock = threading.Lock()
         self._connections: dict[int, Connection] = {}
         self._threads: list[threading.Thread] = []
@@ -226,6 +236,14 @@ class Server(ClosesOnExit):
         index: int | None = None
         run: DatasetIterator | None = None
         pool = SegmentPool(os.getpid(), tag="serve")
+        booked: list[Reservation] = []
+
+        def allocate(nbytes: int) -> tuple[int, str, int, mmap.mmap]:
+            key, name, capacity, mapping = pool.allocate(nbytes)
+            if name:  # a new segment: it exists (in both processes) until the pool closes
+                booked.append(self.segments.overdraw(capacity))
+            return key, name, capacity, mapping
+
         try:
             index = self._hello(conn)
             if index is None:
@@ -250,7 +268,7 @@ class Server(ClosesOnExit):
                     except Exception as error:  # the pipeline's error: the consumer's too
                         conn.send(("error", _portable(error)))
                         continue
-                    conn.send(("element", pack(element, pool.allocate)))
+                    conn.send(("element", pack(element, allocate)))
                 elif kind == "get_state":
                     conn.send(("state", run.get_state()))
                 elif kind == "set_state":
@@ -268,6 +286,8 @@ class Server(ClosesOnExit):
             if run is not None:
                 run.close()
             pool.close()
+            for reservation in booked:
+                reservation.release()
             with self._lock:
                 if index is not None and self._connections.get(index) is conn:
                     del self._connections[index]
