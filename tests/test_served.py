@@ -113,12 +113,12 @@ def test_three_consumer_processes_share_one_reader_under_its_descriptor_cap(
     open_now: list[int] = []
     stop = threading.Event()
 
-    def count_descriptors() -> None:  # the producer's (this process's) open data files
+    def count_descriptors() -> None:  # the producer's (this process's) open files of ours
         while not stop.is_set():
             fds = 0
             for fd in os.listdir("/proc/self/fd"):
                 with contextlib.suppress(OSError):
-                    fds += os.readlink(f"/proc/self/fd/{fd}").endswith(".tfrecord")
+                    fds += os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path))
             open_now.append(fds)
             time.sleep(0.002)
 
