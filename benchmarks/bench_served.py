@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-import headrace as hr  # noqa: E402
-from headrace.workers.processes import start_method  # noqa: E402
+import headrace as hr
+from headrace.workers.processes import start_method
 
 KEY = b"bench-served"
 
