@@ -36,7 +36,7 @@ KEY = b"bench-served"
 
 
 def make_array(width: int, i: Any) -> Any:
-    return np.full(width, i, dtype=np.uint8)
+    return np.full(width, int(i) % 251, dtype=np.uint8)
 
 
 def served_consumer(address: str, index: int) -> None:
