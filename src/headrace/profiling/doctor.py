@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from headrace.memory.allocator import release_free_heap
 from headrace.memory.units import format_bytes
 from headrace.profiling.lint import Finding
 from headrace.profiling.probe import recipe_nodes
@@ -411,6 +412,7 @@ def diagnose(
             alive.append(weakref.ref(iterator))
             del iterator, accounts  # dropped, not closed: as Keras does
             gc.collect()
+            release_free_heap()  # resident memory then counts live blocks, not free ones
             seconds = time.perf_counter() - started
             memory = snapshot(detailed=True)
             traced_now = tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else 0

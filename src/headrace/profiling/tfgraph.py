@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from headrace.memory.allocator import release_free_heap
 from headrace.memory.system import available_memory
 from headrace.memory.units import format_bytes, parse_bytes
 from headrace.profiling.doctor import Diagnosis, EpochMeasure, fit_trend
@@ -409,6 +410,7 @@ def diagnose_tf(
                 break
         del iterator
         gc.collect()
+        release_free_heap()  # resident memory then counts live blocks, not free ones
         memory = snapshot(detailed=True)
         measure = EpochMeasure(epoch, count, time.perf_counter() - started, 0, memory.charged,
                                memory.descriptors.total, memory.descriptors.shared_memory,
