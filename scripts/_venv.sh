@@ -11,8 +11,16 @@ EXTRAS="${HEADRACE_EXTRAS:-dev,tf,torch,arrow,postgres,keras,jax,ray,bench,snapp
 # One stamp per set of extras: the demo's lighter install must not stop the test
 # script from adding TensorFlow to the same venv later.
 STAMP="$VENV/.headrace-installed-${EXTRAS//,/-}"
+# headrace.image's C extension links the system's libjpeg-turbo: without its headers the
+# build skips it (headrace then decodes whole images through simplejpeg)
+if [ ! -f /usr/include/jpeglib.h ] && command -v apt-get >/dev/null; then
+    SUDO=""; if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libjpeg-dev >/dev/null
+    rm -f "$STAMP"
+fi
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/setup.py" -nt "$STAMP" ] \
-        || [ "$ROOT/src/headrace/io/_ext/hrio.c" -nt "$STAMP" ]; then
+        || [ "$ROOT/src/headrace/io/_ext/hrio.c" -nt "$STAMP" ] \
+        || [ "$ROOT/src/headrace/image/_ext/jpeg.c" -nt "$STAMP" ]; then
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$EXTRAS]"
     touch "$STAMP"

@@ -283,6 +283,14 @@ def _check_channels(channels: int, allowed: tuple[int, ...], op: str) -> None:
         raise InvalidArgumentError(f"{op}: channels must be one of {allowed}, got {channels!r}")
 
 
+def _invalid_jpeg(op: str, data: bytes | memoryview, header: ImageHeader,
+                  error: Exception) -> InvalidImageError:
+    return InvalidImageError(
+        f"{op}: invalid or truncated JPEG ({len(data)} bytes, header "
+        f"{header.height}x{header.width}x{header.channels}): {error}"
+    )
+
+
 def _simplejpeg() -> Any:
     try:
         import simplejpeg
@@ -330,14 +338,13 @@ def _jpeg_pixels(
             if ratio > 1:
                 image.draft(image.mode, (width, height))
             image.load()
+            if image.size != (width, height):  # Pillow's draft stops at a larger scale
+                image = image.resize((width, height), _pillow(op).Resampling.BOX)
             pixels = np.asarray(image.convert("L" if out_channels == 1 else "RGB"))
     except InvalidArgumentError:
         raise
     except Exception as error:
-        raise InvalidImageError(
-            f"{op}: invalid or truncated JPEG ({len(data)} bytes, header "
-            f"{header.height}x{header.width}x{header.channels}): {error}"
-        ) from error
+        raise _invalid_jpeg(op, data, header, error) from error
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
     if pixels.shape[:2] != (height, width):

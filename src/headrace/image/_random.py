@@ -27,14 +27,18 @@ import numpy as np
 from headrace.errors import InvalidArgumentError
 from headrace.image._codec import (
     MAX_PIXELS,
+    ImageHeader,
     InvalidImageError,
     _bytes_of,
     _check_pixels,
+    _invalid_jpeg,
     _jpeg_pixels,
+    _output_channels,
     decode_image,
     read_header,
 )
 from headrace.image._ops import _image, adjust_brightness, adjust_contrast, resize
+from headrace.io._native import jpeg_module
 
 __all__ = [
     "InceptionCrop",
@@ -281,13 +285,23 @@ def random_resized_crop_box(
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def _pillow_resize(pixels: Array, box: tuple[float, float, float, float], out_h: int,
-                   out_w: int) -> Array | None:
-    """Pillow's bilinear resize of the sub-pixel ``box`` (top, left, bottom, right): the
-    antialiased triangle filter of ``resize(..., antialias=True)`` in C, rounded to
-    uint8 (within 1 level of the float result). None where Pillow cannot do it."""
+def _fast_resize(pixels: Array, box: tuple[float, float, float, float], out_h: int,
+                 out_w: int) -> Array | None:
+    """The antialiased bilinear resample of the sub-pixel ``box`` (top, left, bottom,
+    right) of uint8 pixels — the triangle filter of ``resize(..., antialias=True)`` — in
+    C: headrace's extension (float, the same code as the windowed JPEG path, so bytes
+    and their decoded pixels give the same values), else Pillow's resampler (rounded to
+    uint8, within 1 level). None where neither can do it."""
     if pixels.dtype != np.uint8 or pixels.shape[2] not in (1, 3, 4):
         return None
+    native = jpeg_module()
+    if native is not None and pixels.shape[2] in (1, 3):
+        source = np.ascontiguousarray(pixels)
+        out = np.empty((out_h, out_w, pixels.shape[2]), np.float32)
+        ones = [1.0] * pixels.shape[2]
+        native.resample(source, source.shape, out, box, out.shape, True, False, ones,
+                        [0.0] * pixels.shape[2])
+        return out
     try:
         from PIL import Image
     except ImportError:
@@ -296,20 +310,98 @@ def _pillow_resize(pixels: Array, box: tuple[float, float, float, float], out_h:
     image = Image.fromarray(pixels[:, :, 0] if pixels.shape[2] == 1 else pixels)
     resized = image.resize((out_w, out_h), Image.Resampling.BILINEAR,
                            box=(left, top, right, bottom))
-    out = np.asarray(resized, dtype=np.float32)
-    return out[:, :, None] if out.ndim == 2 else out
+    array = np.asarray(resized, dtype=np.float32)
+    return array[:, :, None] if array.ndim == 2 else array
 
 
 def _crop_and_resize(pixels: Array, box: tuple[float, float, float, float], out_h: int,
                      out_w: int, method: str, antialias: bool) -> Array:
     if method == "bilinear" and antialias:
-        fast = _pillow_resize(pixels, box, out_h, out_w)
+        fast = _fast_resize(pixels, box, out_h, out_w)
         if fast is not None:
             return fast
     top, left = round(box[0]), round(box[1])
     bottom = max(min(round(box[2]), pixels.shape[0]), top + 1)
     right = max(min(round(box[3]), pixels.shape[1]), left + 1)
     return resize(pixels[top:bottom, left:right], (out_h, out_w), method, antialias=antialias)
+
+
+def _windowed_jpeg(
+    data: bytes | memoryview,
+    header: ImageHeader,
+    box: tuple[float, float, float, float],
+    factor: int,
+    out_h: int,
+    out_w: int,
+    channels: int,
+    antialias: bool,
+    flip: bool = False,
+    mul: Any = 1.0,
+    add: Any = 0.0,
+    op: str = "random_resized_crop",
+) -> Array | None:
+    """The crop + bilinear resize of a JPEG in C (``headrace.image._jpeg``): only the
+    rows and iMCU columns the resample reads are decoded, the decoder stops after the
+    window's last row, and the flip and ``v * mul + add`` happen in the last pass, all
+    without the GIL. Pillow's filter in float, so within 1 level of the Pillow path
+    (which rounds to uint8). None where it does not apply (not built, CMYK): the
+    caller takes the Python path."""
+    native = jpeg_module()
+    out_c = _output_channels(header, channels)
+    if native is None or header.channels not in (1, 3) or out_c not in (1, 3):
+        return None
+    out = np.empty((out_h, out_w, out_c), np.float32)
+    per_channel = [np.broadcast_to(np.asarray(v, np.float32), (out_c,)).tolist()
+                   for v in (mul, add)]
+    try:
+        done = native.crop_resize(data, out, box, (out_h, out_w, out_c), factor, antialias,
+                                  flip, per_channel[0], per_channel[1], True)
+    except ValueError as error:
+        raise _invalid_jpeg(op, data, header, error) from error
+    return out if done else None
+
+
+def _resized_crop_of_encoded(
+    data: bytes | memoryview,
+    size: tuple[int, int],
+    scale: Any,
+    ratio: Any,
+    seed: Any,
+    method: str,
+    antialias: bool,
+    channels: int,
+    reduced_decode: bool,
+    max_pixels: int | None,
+    flip_seed: Any = None,
+    mul: Any = 1.0,
+    add: Any = 0.0,
+) -> tuple[Array, bool]:
+    """random_resized_crop of encoded bytes; with ``flip_seed`` the left-right flip and
+    ``v * mul + add`` fused into the C path. Returns the image and whether those two
+    were applied (the Python paths leave them to the caller)."""
+    op = "random_resized_crop"
+    out_h, out_w = size
+    header = read_header(data, op)
+    _check_pixels(header, max_pixels, op)
+    y, x, h, w = random_resized_crop_box(header.height, header.width, scale, ratio, seed)
+    if header.format != "jpeg":
+        pixels = decode_image(data, channels, expand_animations=False, max_pixels=max_pixels)
+        return _crop_and_resize(pixels, (y, x, y + h, x + w), out_h, out_w, method,
+                                antialias), False
+    factor = 1
+    if reduced_decode:
+        while factor < 8 and h // (factor * 2) >= out_h and w // (factor * 2) >= out_w:
+            factor *= 2
+    box = (y / factor, x / factor, (y + h) / factor, (x + w) / factor)
+    if method == "bilinear" and antialias:  # (without: tf's resize of the integer crop)
+        flip = flip_seed is not None and _generator(flip_seed, "flip_left_right").random() < 0.5
+        fused = flip_seed is not None
+        image = _windowed_jpeg(data, header, box, factor, out_h, out_w, channels, antialias,
+                               flip, mul if fused else 1.0, add if fused else 0.0)
+        if image is not None:
+            return image, fused
+    pixels = _jpeg_pixels(data, header, channels, factor, True, True, "", op)
+    return _crop_and_resize(pixels, box, out_h, out_w, method, antialias), False
 
 
 def random_resized_crop(
@@ -330,8 +422,9 @@ def random_resized_crop(
 
     The box is :func:`random_resized_crop_box`'s (torchvision's RandomResizedCrop);
     the resize is ``resize(crop, size, method, antialias=antialias)`` — antialiased
-    bilinear by default, as torchvision's; for uint8 pixels that one runs in
-    Pillow's C resampler (within 1 level of the NumPy result, several times faster).
+    bilinear by default, as torchvision's; for uint8 pixels that one runs in C
+    (headrace's extension, else Pillow's resampler: within 1 level of the NumPy
+    result, several times faster).
 
     ``image`` is a decoded ``(h, w, c)`` array or the *encoded bytes*. Given JPEG
     bytes, the box is drawn from the header's size, and with ``reduced_decode``
@@ -339,25 +432,19 @@ def random_resized_crop(
     leaves the crop at least ``size`` — the decoder does 4-64x less work for a
     small output from a large crop, and the box is resampled at its exact
     sub-pixel position in the reduced image (``reduced_decode=False`` decodes at
-    full size). Other encoded formats are decoded whole, then cropped.
+    full size). With headrace's C extension (built where libjpeg-turbo's headers
+    are), only the window is decoded: the rows above it are skipped without colour
+    conversion, only the iMCU columns around it are reconstructed, and the decoder
+    stops after its last row (a file lacking its end marker is read to the end, so
+    truncation is still an error), the resample running on the rows as they come,
+    without the GIL. Other encoded formats are decoded whole, then cropped.
     """
     op = "random_resized_crop"
     out_h, out_w = (int(v) for v in np.asarray(size).reshape(-1))
     if not isinstance(image, np.ndarray) or image.ndim < 2:  # encoded bytes
-        data = _bytes_of(image, op)
-        header = read_header(data, op)
-        _check_pixels(header, max_pixels, op)
-        y, x, h, w = random_resized_crop_box(header.height, header.width, scale, ratio, seed)
-        factor = 1
-        if header.format == "jpeg":
-            if reduced_decode:
-                while factor < 8 and h // (factor * 2) >= out_h and w // (factor * 2) >= out_w:
-                    factor *= 2
-            pixels = _jpeg_pixels(data, header, channels, factor, True, True, "", op)
-        else:
-            pixels = decode_image(data, channels, expand_animations=False, max_pixels=max_pixels)
-        box = (y / factor, x / factor, (y + h) / factor, (x + w) / factor)
-        return _crop_and_resize(pixels, box, out_h, out_w, method, antialias)
+        return _resized_crop_of_encoded(_bytes_of(image, op), (out_h, out_w), scale, ratio,
+                                        seed, method, antialias, channels, reduced_decode,
+                                        max_pixels)[0]
     array = _image(image, op, (3,))
     if array.shape[0] == 0 or array.shape[1] == 0:
         raise InvalidImageError(f"{op}: empty image {array.shape}")
@@ -393,6 +480,9 @@ class InceptionCrop:
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
             raise InvalidArgumentError(f"InceptionCrop: seed must be an int >= 0, got {seed!r}")
         self.size = tuple(int(v) for v in np.asarray(size).reshape(-1))
+        if len(self.size) != 2:
+            raise InvalidArgumentError(f"InceptionCrop: size must be (height, width), got {size!r}")
+        self.out_size = (self.size[0], self.size[1])
         self.seed, self.key, self.scale, self.ratio = int(seed), key, scale, ratio
         self.flip, self.max_pixels = flip, max_pixels
         self.mean = None if mean is None else np.asarray(mean, np.float32)
@@ -401,8 +491,21 @@ class InceptionCrop:
     def augment(self, index: int, encoded: Any) -> Array:
         """One element's augmentation: the same for the same ``(seed, index)``."""
         seed = (self.seed, int(index))
-        image = random_resized_crop(encoded, self.size, self.scale, self.ratio, seed,
-                                    max_pixels=self.max_pixels)
+        mean = np.float32(0) if self.mean is None else self.mean
+        std = np.float32(1) if self.std is None else self.std
+        if not isinstance(encoded, np.ndarray) or encoded.ndim < 2:
+            # one C pass where it applies: window decode, resize, flip, normalise
+            image, fused = _resized_crop_of_encoded(
+                _bytes_of(encoded, "InceptionCrop"), self.out_size, self.scale, self.ratio, seed,
+                "bilinear", True, 3, True, self.max_pixels,
+                flip_seed=seed if self.flip else None,
+                mul=np.float32(1 / 255) / std, add=-mean / std,
+            )
+            if fused:
+                return image
+        else:
+            image = random_resized_crop(encoded, self.size, self.scale, self.ratio, seed,
+                                        max_pixels=self.max_pixels)
         if self.flip:
             image = random_flip_left_right(image, seed)
         scaled: Array = np.ascontiguousarray(image)
