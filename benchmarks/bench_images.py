@@ -92,27 +92,52 @@ from bench_workers import PeakSampler, tree_cpu  # noqa: E402
 # -- the three sides --------------------------------------------------------------------
 
 
-_CROP: Any = None
+_CROPS: dict[bool, Any] = {}
 
 
-def headrace_augment(index: int, record: bytes) -> Any:
+def _crop(antialias: bool = True) -> Any:
+    import headrace.image as hi
+
+    if antialias not in _CROPS:
+        _CROPS[antialias] = hi.InceptionCrop((SIZE, SIZE), seed=SEED, antialias=antialias)
+    return _CROPS[antialias]
+
+
+def headrace_augment(index: int, record: bytes, antialias: bool = True) -> Any:
     """Parse one Example, then ``headrace.image.InceptionCrop``: crop box from the JPEG
-    header, only the window decoded, resized, flipped and scaled to [0, 1] in one C pass."""
+    header, only the window decoded, resized, flipped and scaled to [0, 1] in one C pass
+    (antialiased, as torchvision's RandomResizedCrop)."""
     import numpy as np
 
-    import headrace.image as hi
     from headrace.io.example import decode_example
 
-    global _CROP
-    if _CROP is None:
-        _CROP = hi.InceptionCrop((SIZE, SIZE), seed=SEED)
     features = decode_example(record)
-    image = _CROP(index, features["image/encoded"][1][0])
+    image = _crop(antialias)(index, features["image/encoded"][1][0])
     return image, np.int64(features["image/class/label"][1][0])
 
 
-def side_headrace(files: list[str], epochs: int, workers: str = "processes",
-                  calls: int = 2) -> Any:
+def headrace_augment_plain(index: int, record: bytes) -> Any:
+    """The same with plain bilinear (``antialias=False``): tf.image.resize of the crop,
+    the very work of the tf.data side."""
+    return headrace_augment(index, record, antialias=False)
+
+
+def headrace_augment_batch(indices: Any, records: Any) -> Any:
+    """The same augmentation on a whole batch: the Examples parsed as columns, each image
+    written by ``InceptionCrop.batch`` straight into the batch's array."""
+    import numpy as np
+
+    from headrace.io.example import FixedLenFeature, parse_example
+
+    parsed = parse_example(list(records), {
+        "image/encoded": FixedLenFeature((), "string"),
+        "image/class/label": FixedLenFeature((), "int64"),
+    })
+    labels = np.asarray(parsed["image/class/label"], np.int64)
+    return _crop().batch(indices, parsed["image/encoded"]), labels
+
+
+def side_headrace_batched(files: list[str], epochs: int, calls: int = 2) -> Any:
     import headrace as hr
 
     ds = (
@@ -121,7 +146,25 @@ def side_headrace(files: list[str], epochs: int, workers: str = "processes",
                     num_parallel_calls=2)
         .repeat(epochs)
         .enumerate()
-        .map(headrace_augment, num_parallel_calls=calls, workers=workers)
+        .batch(BATCH)
+        .map(headrace_augment_batch, num_parallel_calls=calls, workers="threads")
+        .prefetch(hr.AUTOTUNE)
+        .with_options(hr.Options(memory_budget=BUDGET))
+    )
+    return iter(ds), lambda batch: len(batch[1])
+
+
+def side_headrace(files: list[str], epochs: int, workers: str = "processes",
+                  calls: int = 2, augment: Any = headrace_augment) -> Any:
+    import headrace as hr
+
+    ds = (
+        hr.Dataset.from_tensor_slices(files)
+        .interleave(lambda path: hr.TFRecordDataset(path), cycle_length=4,
+                    num_parallel_calls=2)
+        .repeat(epochs)
+        .enumerate()
+        .map(augment, num_parallel_calls=calls, workers=workers)
         .batch(BATCH)
         .prefetch(hr.AUTOTUNE)
         .with_options(hr.Options(memory_budget=BUDGET))
@@ -223,6 +266,9 @@ def side_torch(files: list[str], epochs: int) -> Any:
 SIDES = {
     "headrace (2 processes)": side_headrace,
     "headrace (3 threads)": lambda files, epochs: side_headrace(files, epochs, "threads", 3),
+    "headrace (batch -> map on 2 threads)": side_headrace_batched,
+    "headrace (3 threads; plain bilinear as tf.data)": lambda files, epochs: side_headrace(
+        files, epochs, "threads", 3, headrace_augment_plain),
     "tf.data (decode_and_crop_jpeg)": side_tf,
     "tf.data (decode_jpeg + crop)": lambda files, epochs: side_tf(files, epochs, False),
     "torch DataLoader (2 workers)": side_torch,
@@ -238,13 +284,14 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     iterator, count_of = SIDES[cfg["side"]](cfg["files"], cfg["epochs"])
     first = next(iterator)  # start-up (imports, workers, first fill) outside the clock
     images = count_of(first)
-    started, cpu0 = time.perf_counter(), tree_cpu()
+    started, cpu0, sampler_cpu0 = time.perf_counter(), tree_cpu(), sampler.cpu
     timed = 0
     for batch in iterator:
         timed += count_of(batch)
     seconds = time.perf_counter() - started
     cpu = tree_cpu() - cpu0
     peak = sampler.stop() + sampler.start  # the tree's peak itself, not its growth
+    cpu -= sampler.cpu - sampler_cpu0  # the memory sampler's own CPU is not the side's
     shape = tuple(first[0].shape)
     return {"images": images + timed, "timed_images": timed, "seconds": seconds,
             "images_per_s": timed / seconds, "cpu_s_per_image": cpu / max(timed, 1),

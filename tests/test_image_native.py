@@ -63,10 +63,11 @@ def boxes(draw: st.DrawFn, height: int, width: int) -> tuple[float, float, float
 
 @SETTINGS
 @given(case=jpegs(), data=st.data(), out_h=st.integers(1, 96), out_w=st.integers(1, 96),
-       denom=st.sampled_from([1, 2, 4, 8]), flip=st.booleans(), channels=st.sampled_from([1, 3]))
+       denom=st.sampled_from([1, 2, 4, 8]), flip=st.booleans(), channels=st.sampled_from([1, 3]),
+       antialias=st.booleans())
 def test_window_decode_equals_the_resample_of_the_whole_decode(
     case: tuple[bytes, np.ndarray, int], data: st.DataObject, out_h: int, out_w: int,
-    denom: int, flip: bool, channels: int,
+    denom: int, flip: bool, channels: int, antialias: bool,
 ) -> None:
     """Decoding only the window (skipped rows, cropped iMCU columns, early stop) changes
     no value: the result is the resample of the whole image decoded at that scale."""
@@ -77,10 +78,11 @@ def test_window_decode_equals_the_resample_of_the_whole_decode(
     mul = data.draw(st.lists(st.floats(-2, 2), min_size=channels, max_size=channels))
     add = data.draw(st.lists(st.floats(-2, 2), min_size=channels, max_size=channels))
     window = np.empty((out_h, out_w, channels), np.float32)
-    assert native.crop_resize(encoded, window, box, window.shape, denom, True, flip, mul, add,
-                              True)
+    assert native.crop_resize(encoded, window, box, window.shape, denom, antialias, flip, mul,
+                              add, True)
     expected = np.empty_like(window)
-    native.resample(whole, whole.shape, expected, box, expected.shape, True, flip, mul, add)
+    native.resample(whole, whole.shape, expected, box, expected.shape, antialias, flip, mul,
+                    add)
     np.testing.assert_array_equal(window, expected)
 
 
@@ -120,6 +122,44 @@ def footprint_inside(count: int, low: int, high: int) -> list[int]:
 
 
 @SETTINGS
+@given(height=st.integers(1, 120), width=st.integers(1, 120), out_h=st.integers(1, 64),
+       out_w=st.integers(1, 64), channels=st.sampled_from([1, 3]), data=st.data())
+def test_plain_bilinear_resample_is_tf_resize_of_the_integer_crop(
+    height: int, width: int, out_h: int, out_w: int, channels: int, data: st.DataObject
+) -> None:
+    """Without antialias the box is a crop: TensorFlow's half-pixel bilinear resize of the
+    box's pixels alone (edge pixels repeat at the crop's border, not the image's)."""
+    assert native is not None
+    pixels = photo(height, width, channels, seed=height + width)
+    top = data.draw(st.integers(0, height - 1))
+    left = data.draw(st.integers(0, width - 1))
+    bottom = data.draw(st.integers(top + 1, height))
+    right = data.draw(st.integers(left + 1, width))
+    out = np.empty((out_h, out_w, channels), np.float32)
+    native.resample(pixels, pixels.shape, out, (top, left, bottom, right), out.shape, False,
+                    False, [1.0] * channels, [0.0] * channels)
+    expected = hi.resize(pixels[top:bottom, left:right], (out_h, out_w))
+    np.testing.assert_allclose(out, expected, atol=2e-3)
+
+
+@SETTINGS
+@given(case=jpegs(), indices=st.lists(st.integers(0, 10**6), min_size=1, max_size=6),
+       antialias=st.booleans(), flip=st.booleans())
+def test_inception_crop_of_a_batch_is_the_stack_of_its_elements(
+    case: tuple[bytes, np.ndarray, int], indices: list[int], antialias: bool, flip: bool
+) -> None:
+    encoded, _, _ = case
+    crop = hi.InceptionCrop((20, 24), seed=5, antialias=antialias, flip=flip, mean=0.5, std=0.25)
+    images = np.empty(len(indices), object)
+    images[:] = [encoded] * len(indices)
+    batch = crop.batch(np.asarray(indices), images)
+    assert batch.shape == (len(indices), 20, 24, 3) and batch.dtype == np.float32
+    np.testing.assert_array_equal(batch, np.stack([crop(i, encoded) for i in indices]))
+    with pytest.raises(InvalidArgumentError, match="2 indices for 1 images"):
+        crop.batch([1, 2], images[:1])
+
+
+@SETTINGS
 @given(case=jpegs(), index=st.integers(0, 10**6), size=st.integers(1, 80))
 def test_random_resized_crop_and_inception_crop_agree_with_the_python_path(
     case: tuple[bytes, np.ndarray, int], index: int, size: int
@@ -128,15 +168,20 @@ def test_random_resized_crop_and_inception_crop_agree_with_the_python_path(
     seed = (3, index)
     crop = hi.InceptionCrop((size, size + 1), seed=11, mean=[0.5, 0.4, 0.3], std=[0.2, 0.3, 0.1])
     fast = hi.random_resized_crop(encoded, (size, size + 1), seed=seed)
+    fast_plain = hi.random_resized_crop(encoded, (size, size + 1), seed=seed, antialias=False)
     fast_inception = crop(index, encoded)
     previous = set_native_enabled(False)
     try:
         slow = hi.random_resized_crop(encoded, (size, size + 1), seed=seed)
+        slow_plain = hi.random_resized_crop(encoded, (size, size + 1), seed=seed,
+                                            antialias=False)
         slow_inception = crop(index, encoded)
     finally:
         set_native_enabled(previous)
     # Pillow rounds its result to uint8; the C path keeps the float
     assert fast.shape == slow.shape and np.abs(fast - slow).max() <= 1.0 + 1e-3
+    # NumPy's resize of the integer crop, float64 against float32
+    np.testing.assert_allclose(fast_plain, slow_plain, atol=2e-3)
     assert np.abs(fast_inception - slow_inception).max() <= (1.0 + 1e-3) / 255 / 0.1
     assert fast_inception.dtype == np.float32 and fast_inception.shape == (size, size + 1, 3)
 

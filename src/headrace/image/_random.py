@@ -314,15 +314,21 @@ def _fast_resize(pixels: Array, box: tuple[float, float, float, float], out_h: i
     return array[:, :, None] if array.ndim == 2 else array
 
 
+def _integer_box(box: tuple[float, float, float, float], height: int,
+                 width: int) -> tuple[int, int, int, int]:
+    """The whole pixels of a sub-pixel box: what a crop-then-resize crops."""
+    top, left = round(box[0]), round(box[1])
+    return (top, left, max(min(round(box[2]), height), top + 1),
+            max(min(round(box[3]), width), left + 1))
+
+
 def _crop_and_resize(pixels: Array, box: tuple[float, float, float, float], out_h: int,
                      out_w: int, method: str, antialias: bool) -> Array:
     if method == "bilinear" and antialias:
         fast = _fast_resize(pixels, box, out_h, out_w)
         if fast is not None:
             return fast
-    top, left = round(box[0]), round(box[1])
-    bottom = max(min(round(box[2]), pixels.shape[0]), top + 1)
-    right = max(min(round(box[3]), pixels.shape[1]), left + 1)
+    top, left, bottom, right = _integer_box(box, pixels.shape[0], pixels.shape[1])
     return resize(pixels[top:bottom, left:right], (out_h, out_w), method, antialias=antialias)
 
 
@@ -339,18 +345,21 @@ def _windowed_jpeg(
     mul: Any = 1.0,
     add: Any = 0.0,
     op: str = "random_resized_crop",
+    out: Array | None = None,
 ) -> Array | None:
     """The crop + bilinear resize of a JPEG in C (``headrace.image._jpeg``): only the
     rows and iMCU columns the resample reads are decoded, the decoder stops after the
     window's last row, and the flip and ``v * mul + add`` happen in the last pass, all
     without the GIL. Pillow's filter in float, so within 1 level of the Pillow path
     (which rounds to uint8). None where it does not apply (not built, CMYK): the
-    caller takes the Python path."""
+    caller takes the Python path. ``out``: a C-contiguous float32 array of the result's
+    shape to write into (a row of a batch), else a new one."""
     native = jpeg_module()
     out_c = _output_channels(header, channels)
     if native is None or header.channels not in (1, 3) or out_c not in (1, 3):
         return None
-    out = np.empty((out_h, out_w, out_c), np.float32)
+    if out is None:
+        out = np.empty((out_h, out_w, out_c), np.float32)
     per_channel = [np.broadcast_to(np.asarray(v, np.float32), (out_c,)).tolist()
                    for v in (mul, add)]
     try:
@@ -375,10 +384,11 @@ def _resized_crop_of_encoded(
     flip_seed: Any = None,
     mul: Any = 1.0,
     add: Any = 0.0,
+    out: Array | None = None,
 ) -> tuple[Array, bool]:
     """random_resized_crop of encoded bytes; with ``flip_seed`` the left-right flip and
     ``v * mul + add`` fused into the C path. Returns the image and whether those two
-    were applied (the Python paths leave them to the caller)."""
+    were applied (the Python paths leave them to the caller, and ignore ``out``)."""
     op = "random_resized_crop"
     out_h, out_w = size
     header = read_header(data, op)
@@ -393,11 +403,13 @@ def _resized_crop_of_encoded(
         while factor < 8 and h // (factor * 2) >= out_h and w // (factor * 2) >= out_w:
             factor *= 2
     box = (y / factor, x / factor, (y + h) / factor, (x + w) / factor)
-    if method == "bilinear" and antialias:  # (without: tf's resize of the integer crop)
+    if method == "bilinear":
         flip = flip_seed is not None and _generator(flip_seed, "flip_left_right").random() < 0.5
         fused = flip_seed is not None
-        image = _windowed_jpeg(data, header, box, factor, out_h, out_w, channels, antialias,
-                               flip, mul if fused else 1.0, add if fused else 0.0)
+        window = box if antialias else _integer_box(box, -(-header.height // factor),
+                                                    -(-header.width // factor))
+        image = _windowed_jpeg(data, header, window, factor, out_h, out_w, channels, antialias,
+                               flip, mul if fused else 1.0, add if fused else 0.0, out=out)
         if image is not None:
             return image, fused
     pixels = _jpeg_pixels(data, header, channels, factor, True, True, "", op)
@@ -461,7 +473,11 @@ class InceptionCrop:
     does: ``seed=(seed, index)`` makes each element's augmentation independent of the
     workers and of restores. ``element`` is the encoded image, or a dict whose ``key``
     holds it (the other entries pass through, the index is dropped). A class, not a
-    closure, so that ``workers="processes"`` can pickle it.
+    closure, so that ``workers="processes"`` can pickle it. ``antialias=False`` resizes
+    the integer crop with plain bilinear interpolation, as TensorFlow's ResNet
+    preprocessing does (``tf.image.resize`` of the crop): less work per image than
+    torchvision's antialiased filter (the default), and aliasing on large crops.
+    ``batch`` does a whole batch into one array (``enumerate().batch(n).map(crop.batch)``).
     """
 
     def __init__(
@@ -475,10 +491,12 @@ class InceptionCrop:
         flip: bool = True,
         mean: Any = None,
         std: Any = None,
+        antialias: bool = True,
         max_pixels: int | None = MAX_PIXELS,
     ) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
             raise InvalidArgumentError(f"InceptionCrop: seed must be an int >= 0, got {seed!r}")
+        self.antialias = bool(antialias)
         self.size = tuple(int(v) for v in np.asarray(size).reshape(-1))
         if len(self.size) != 2:
             raise InvalidArgumentError(f"InceptionCrop: size must be (height, width), got {size!r}")
@@ -490,6 +508,25 @@ class InceptionCrop:
 
     def augment(self, index: int, encoded: Any) -> Array:
         """One element's augmentation: the same for the same ``(seed, index)``."""
+        return self._augment(index, encoded, None)
+
+    def batch(self, indices: Any, images: Any) -> Array:
+        """The augmentation of a whole batch, written straight into one
+        ``(n, h, w, 3)`` float32 array: ``Dataset.enumerate().batch(n).map(crop.batch)``
+        gives the same values as ``.map(crop).batch(n)`` (each image is still seeded by
+        its own index), without a 600 KB array per image that the batch then copies,
+        and with one map call per batch instead of per image."""
+        index_list = [int(v) for v in np.asarray(indices).reshape(-1)]
+        if len(index_list) != len(images):
+            raise InvalidArgumentError(
+                f"InceptionCrop.batch: {len(index_list)} indices for {len(images)} images"
+            )
+        out = np.empty((len(index_list), *self.out_size, 3), np.float32)
+        for row, (index, encoded) in enumerate(zip(index_list, images, strict=True)):
+            self._augment(index, encoded, out[row])
+        return out
+
+    def _augment(self, index: int, encoded: Any, out: Array | None) -> Array:
         seed = (self.seed, int(index))
         mean = np.float32(0) if self.mean is None else self.mean
         std = np.float32(1) if self.std is None else self.std
@@ -497,18 +534,20 @@ class InceptionCrop:
             # one C pass where it applies: window decode, resize, flip, normalise
             image, fused = _resized_crop_of_encoded(
                 _bytes_of(encoded, "InceptionCrop"), self.out_size, self.scale, self.ratio, seed,
-                "bilinear", True, 3, True, self.max_pixels,
+                "bilinear", self.antialias, 3, True, self.max_pixels,
                 flip_seed=seed if self.flip else None,
-                mul=np.float32(1 / 255) / std, add=-mean / std,
+                mul=np.float32(1 / 255) / std, add=-mean / std, out=out,
             )
             if fused:
                 return image
         else:
             image = random_resized_crop(encoded, self.size, self.scale, self.ratio, seed,
-                                        max_pixels=self.max_pixels)
+                                        antialias=self.antialias, max_pixels=self.max_pixels)
         if self.flip:
             image = random_flip_left_right(image, seed)
-        scaled: Array = np.ascontiguousarray(image)
+        scaled: Array = np.array(image, np.float32) if out is None else out
+        if out is not None:
+            out[...] = image
         scaled *= np.float32(1 / 255)
         if self.mean is not None:
             scaled -= self.mean
