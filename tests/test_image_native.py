@@ -187,6 +187,23 @@ def test_random_resized_crop_and_inception_crop_agree_with_the_python_path(
 
 
 @SETTINGS
+@given(case=jpegs(), data=st.data(), ratio=st.sampled_from([1, 2, 4, 8]),
+       channels=st.sampled_from([0, 1, 3]))
+def test_decode_and_crop_decodes_the_window_to_the_same_pixels(
+    case: tuple[bytes, np.ndarray, int], data: st.DataObject, ratio: int, channels: int
+) -> None:
+    encoded, _, _ = case
+    whole = hi.decode_jpeg(encoded, channels=channels, ratio=ratio)
+    y = data.draw(st.integers(0, whole.shape[0] - 1))
+    x = data.draw(st.integers(0, whole.shape[1] - 1))
+    h = data.draw(st.integers(1, whole.shape[0] - y))
+    w = data.draw(st.integers(1, whole.shape[1] - x))
+    window = hi.decode_and_crop_jpeg(encoded, [y, x, h, w], channels=channels, ratio=ratio)
+    assert window.dtype == np.uint8
+    np.testing.assert_array_equal(window, whole[y : y + h, x : x + w])
+
+
+@SETTINGS
 @given(case=jpegs(), data=st.data())
 def test_a_truncated_jpeg_is_an_error_wherever_the_window_lies(
     case: tuple[bytes, np.ndarray, int], data: st.DataObject
@@ -197,6 +214,8 @@ def test_a_truncated_jpeg_is_an_error_wherever_the_window_lies(
     index = data.draw(st.integers(0, 1000))
     with pytest.raises(hi.InvalidImageError, match=r"JPEG|image format|header"):
         hi.random_resized_crop(encoded[:cut], (16, 16), seed=(1, index))
+    with pytest.raises(hi.InvalidImageError, match=r"JPEG|image format|header"):
+        hi.decode_and_crop_jpeg(encoded[:cut], [0, 0, 1, 1])
 
 
 @SETTINGS

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from headrace.errors import InvalidArgumentError
+from headrace.io._native import jpeg_module
 
 __all__ = [
     "MAX_PIXELS",
@@ -309,6 +310,29 @@ def _pillow(op: str) -> Any:
     return Image
 
 
+def _native_window(data: bytes | memoryview, header: ImageHeader,
+                   window: tuple[int, int, int, int], channels: int, ratio: int, strict: bool,
+                   op: str) -> Array | None:
+    """The pixels of ``window`` (y, x, height, width in the image decoded at 1/ratio)
+    through the C extension, decoding only the window (libjpeg's own scaled IDCT, as
+    TensorFlow's decode_jpeg with ``ratio``), with the fast integer IDCT and fancy
+    upsampling. None where it does not apply (not built, CMYK)."""
+    native = jpeg_module()
+    if native is None or header.channels not in (1, 3) or channels not in (1, 3) \
+            or ratio not in (1, 2, 4, 8):
+        return None
+    y, x, height, width = window
+    # the resample of a whole-pixel box at scale 1 without antialias is the crop itself:
+    # one tap of weight 1 per pixel, exact in float
+    out = np.empty((height, width, channels), np.float32)
+    try:
+        done = native.crop_resize(data, out, (y, x, y + height, x + width), out.shape, ratio,
+                                  False, False, [1.0] * channels, [0.0] * channels, strict)
+    except ValueError as error:
+        raise _invalid_jpeg(op, data, header, error) from error
+    return out.astype(np.uint8) if done else None
+
+
 def _jpeg_pixels(
     data: bytes | memoryview,
     header: ImageHeader,
@@ -321,6 +345,13 @@ def _jpeg_pixels(
 ) -> Array:
     out_channels = _output_channels(header, channels)
     height, width = -(-header.height // ratio), -(-header.width // ratio)
+    if ratio > 1 and fancy_upscaling and dct_method != "INTEGER_ACCURATE":
+        # libjpeg's scale 1/ratio, as TensorFlow: simplejpeg picks the smallest scale
+        # giving at least this size, a larger one for images of a few pixels
+        reduced = _native_window(data, header, (0, 0, height, width), out_channels, ratio,
+                                 strict, op)
+        if reduced is not None:
+            return reduced
     codec = _simplejpeg()
     try:
         if codec is not None and header.channels in (1, 3):
@@ -411,10 +442,12 @@ def decode_and_crop_jpeg(
     """``tf.image.decode_and_crop_jpeg``: the window ``[y, x, height, width]`` of the image.
 
     The window is checked against the header before decoding (TensorFlow's error:
-    the window must lie inside the image). The decoder produces whole rows, so the
-    image is decoded and the window copied out (the full image is freed at once);
-    decode at a ``ratio`` (the window then counts in the reduced image's pixels) to
-    decode less.
+    the window must lie inside the image). With headrace's C extension, only the
+    window is decoded, as TensorFlow does: the rows above it are skipped, only the
+    iMCU columns around it are reconstructed and the decoder stops after it (a file
+    lacking its end marker is read to the end, so truncation stays an error).
+    Without it, the image is decoded and the window copied out. Decode at a
+    ``ratio`` (the window then counts in the reduced image's pixels) to decode less.
     """
     op = "decode_and_crop_jpeg"
     window = [int(v) for v in np.asarray(crop_window).reshape(-1)]
@@ -429,6 +462,12 @@ def decode_and_crop_jpeg(
         raise InvalidImageError(
             f"{op}: crop window {window} is not inside the {full_h}x{full_w} image"
         )
+    if (header.format == "jpeg" and fancy_upscaling and dct_method in ("", "INTEGER_FAST")
+            and not try_recover_truncated):
+        window_pixels = _native_window(data, header, (y, x, height, width),
+                                       _output_channels(header, channels), ratio, True, op)
+        if window_pixels is not None:
+            return window_pixels
     image = decode_jpeg(data, channels, ratio, fancy_upscaling, try_recover_truncated,
                         acceptable_fraction, dct_method, max_pixels=max_pixels)
     return np.ascontiguousarray(image[y : y + height, x : x + width])
