@@ -137,7 +137,8 @@ def headrace_augment_batch(indices: Any, records: Any) -> Any:
     return _crop().batch(indices, parsed["image/encoded"]), labels
 
 
-def side_headrace_batched(files: list[str], epochs: int, calls: int = 2) -> Any:
+def side_headrace_batched(files: list[str], epochs: int, calls: int = 2,
+                          workers: str = "threads") -> Any:
     import headrace as hr
 
     ds = (
@@ -147,7 +148,7 @@ def side_headrace_batched(files: list[str], epochs: int, calls: int = 2) -> Any:
         .repeat(epochs)
         .enumerate()
         .batch(BATCH)
-        .map(headrace_augment_batch, num_parallel_calls=calls, workers="threads")
+        .map(headrace_augment_batch, num_parallel_calls=calls, workers=workers)
         .prefetch(hr.AUTOTUNE)
         .with_options(hr.Options(memory_budget=BUDGET))
     )
@@ -267,6 +268,8 @@ SIDES = {
     "headrace (2 processes)": side_headrace,
     "headrace (3 threads)": lambda files, epochs: side_headrace(files, epochs, "threads", 3),
     "headrace (batch -> map on 2 threads)": side_headrace_batched,
+    "headrace (batch -> map on 2 processes)": lambda files, epochs: side_headrace_batched(
+        files, epochs, 2, "processes"),
     "headrace (3 threads; plain bilinear as tf.data)": lambda files, epochs: side_headrace(
         files, epochs, "threads", 3, headrace_augment_plain),
     "tf.data (decode_and_crop_jpeg)": side_tf,

@@ -258,6 +258,9 @@ def test_bad_arguments_are_clear_errors() -> None:
         ((0, 0, 20, 20), (5, 4, 3), 1, "out must hold"),
         ((5, 0, 5, 20), (4, 4, 3), 1, "empty box"),
         ((0, 0, 20, 20), (4, 4, 3), 3, "denom must be"),
+        ((0, 0, 21, 20), (4, 4, 3), 1, r"box \(0, 0, 21, 20\) is not inside the 20x20 image"),
+        ((-1, 0, 10, 20), (4, 4, 3), 1, "is not inside the 20x20 image"),
+        ((0, 0, 20, 20), (4, 4, 3), 2, "is not inside the 10x10 image"),
     ]:
         with pytest.raises(ValueError, match=message):
             native.crop_resize(encoded, out, box, shape, denom, True, False, [1] * 3, [0] * 3,

@@ -134,7 +134,7 @@ typedef struct {
     float *wide;   /* one input row's samples as float, 4 of zero padding after */
     JSAMPLE *line;
     /* outputs */
-    int failed;      /* 1: error (message), 2: unsupported here (use another path) */
+    int failed; /* 1: bad data or box, 2: unsupported here (use another path), 3: no memory */
     char message[JMSG_LENGTH_MAX + 128];
 } Job;
 
@@ -185,16 +185,31 @@ static float *scratch_get(size_t bytes, int *owned) {
     return scratch->data;
 }
 
-/* The resample's weights for an input of in_h x in_w and its buffer of row results. */
+/* The resample's weights for an input of in_h x in_w and its buffer of row results.
+ * Returns -1 (box not inside the image) or -2 (out of memory) with job->message set. */
 static int prepare(Job *job, int in_h, int in_w) {
-    if (axis_init(&job->rows, in_h, job->top, job->bottom, job->out_h, job->antialias) ||
-        axis_init(&job->cols, in_w, job->left, job->right, job->out_w, job->antialias))
+    const double slack = 1e-6;
+    if (job->top < -slack || job->left < -slack || job->bottom > in_h + slack ||
+        job->right > in_w + slack) {
+        snprintf(job->message, sizeof job->message,
+                 "the box (%g, %g, %g, %g) is not inside the %dx%d image", job->top, job->left,
+                 job->bottom, job->right, in_h, in_w);
         return -1;
+    }
+    if (axis_init(&job->rows, in_h, job->top, job->bottom, job->out_h, job->antialias) ||
+        axis_init(&job->cols, in_w, job->left, job->right, job->out_w, job->antialias)) {
+        snprintf(job->message, sizeof job->message, "out of memory for the resample");
+        return -2;
+    }
     job->tmp = scratch_get(sizeof(float) * (size_t)(job->rows.hi - job->rows.lo) *
                            (size_t)job->out_w * (size_t)job->channels, &job->tmp_owned);
     job->wide = malloc(sizeof(float) *
                        ((size_t)(job->cols.hi - job->cols.lo) * (size_t)job->channels + 4));
-    return job->tmp && job->wide ? 0 : -1;
+    if (!job->tmp || !job->wide) {
+        snprintf(job->message, sizeof job->message, "out of memory for the resample");
+        return -2;
+    }
+    return 0;
 }
 
 /* Horizontal pass of input row `r` (an index into the rows the resample reads), whose
@@ -261,9 +276,9 @@ static void release(Job *job) {
 
 /* The resample of decoded pixels (h, w, channels) uint8, C-contiguous. */
 static void run_pixels(Job *job, const JSAMPLE *pixels, int in_h, int in_w) {
-    if (prepare(job, in_h, in_w)) {
-        job->failed = 1;
-        snprintf(job->message, sizeof job->message, "out of memory for the resample");
+    const int prepared = prepare(job, in_h, in_w);
+    if (prepared) {
+        job->failed = prepared == -2 ? 3 : 1;
     } else {
         const size_t stride = (size_t)in_w * (size_t)job->channels;
         for (int r = 0; r < job->rows.hi - job->rows.lo; r++)
@@ -308,9 +323,9 @@ static void run_jpeg(Job *job) {
         job->failed = 2;
         goto done;
     }
-    if (prepare(job, in_h, in_w)) {
-        job->failed = 1;
-        snprintf(job->message, sizeof job->message, "out of memory for the resample");
+    const int prepared = prepare(job, in_h, in_w);
+    if (prepared) {
+        job->failed = prepared == -2 ? 3 : 1;
         goto done;
     }
     /* one iMCU column of margin each side: fancy upsampling treats the window's edges as
@@ -322,7 +337,7 @@ static void run_jpeg(Job *job) {
     if (lo > 0 || hi < in_w) jpeg_crop_scanline(&cinfo, &xoff, &width);
     job->line = malloc((size_t)width * (size_t)C);
     if (!job->line) {
-        job->failed = 1;
+        job->failed = 3;
         snprintf(job->message, sizeof job->message, "out of memory for the window");
         goto done;
     }
@@ -407,7 +422,8 @@ PyDoc_STRVAR(crop_resize_doc,
 "resample into `out` (C-contiguous float32 of `shape` (h, w, channels)), mirrored\n"
 "left-right if `flip`, each channel c mapped to v * mul[c] + add[c]. Returns False when\n"
 "this decoder does not handle the image (CMYK): use another path. Raises ValueError\n"
-"with libjpeg's message for corrupt data (with `strict`, warnings included).");
+"with libjpeg's message for corrupt data (with `strict`, warnings included) or a box\n"
+"outside the image, MemoryError when the scratch buffers cannot be allocated.");
 
 static PyObject *crop_resize(PyObject *self, PyObject *args) {
     Py_buffer data, out;
@@ -430,8 +446,8 @@ static PyObject *crop_resize(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         run_jpeg(&job);
         Py_END_ALLOW_THREADS
-        if (job.failed == 1)
-            PyErr_SetString(PyExc_ValueError, job.message);
+        if (job.failed == 1 || job.failed == 3)
+            PyErr_SetString(job.failed == 1 ? PyExc_ValueError : PyExc_MemoryError, job.message);
         else
             result = PyBool_FromLong(job.failed == 0);
     }
@@ -464,8 +480,8 @@ static PyObject *resample(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         run_pixels(&job, pixels.buf, in_h, in_w);
         Py_END_ALLOW_THREADS
-        if (job.failed == 1) {
-            PyErr_SetString(PyExc_MemoryError, job.message);
+        if (job.failed) {
+            PyErr_SetString(job.failed == 3 ? PyExc_MemoryError : PyExc_ValueError, job.message);
         } else {
             Py_INCREF(Py_None);
             result = Py_None;
