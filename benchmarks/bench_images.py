@@ -297,7 +297,10 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     cpu -= sampler.cpu - sampler_cpu0  # the memory sampler's own CPU is not the side's
     shape = tuple(first[0].shape)
     return {"images": images + timed, "timed_images": timed, "seconds": seconds,
-            "images_per_s": timed / seconds, "cpu_s_per_image": cpu / max(timed, 1),
+            "images_per_s": timed / seconds,
+            # None where the tree's CPU is unknown: DataLoader workers exit with the last
+            # epoch, before the tree is read, taking their CPU time with them
+            "cpu_s_per_image": cpu / max(timed, 1) if cpu > 0 else None,
             "peak_pss_mib": peak / MIB, "batch_shape": list(shape)}
 
 
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             results[side].append(result)
 
     def best(side: str, key: str) -> float | None:
-        values = [r[key] for r in results.get(side, []) if key in r]
+        values = [r[key] for r in results.get(side, []) if r.get(key) is not None]
         if not values:
             return None
         values.sort()
