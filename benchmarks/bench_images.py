@@ -137,16 +137,25 @@ def headrace_augment_batch(indices: Any, records: Any) -> Any:
     return _crop().batch(indices, parsed["image/encoded"]), labels
 
 
-def side_headrace_batched(files: list[str], epochs: int, calls: int = 2,
-                          workers: str = "threads") -> Any:
+def _indexed_records(files: list[str], epochs: int) -> Any:
+    """(index, record) of the shards, 4 files interleaved: both headrace sides' input."""
     import headrace as hr
 
-    ds = (
+    return (
         hr.Dataset.from_tensor_slices(files)
         .interleave(lambda path: hr.TFRecordDataset(path), cycle_length=4,
                     num_parallel_calls=2)
         .repeat(epochs)
         .enumerate()
+    )
+
+
+def side_headrace_batched(files: list[str], epochs: int, calls: int = 2,
+                          workers: str = "threads") -> Any:
+    import headrace as hr
+
+    ds = (
+        _indexed_records(files, epochs)
         .batch(BATCH)
         .map(headrace_augment_batch, num_parallel_calls=calls, workers=workers)
         .prefetch(hr.AUTOTUNE)
@@ -160,11 +169,7 @@ def side_headrace(files: list[str], epochs: int, workers: str = "processes",
     import headrace as hr
 
     ds = (
-        hr.Dataset.from_tensor_slices(files)
-        .interleave(lambda path: hr.TFRecordDataset(path), cycle_length=4,
-                    num_parallel_calls=2)
-        .repeat(epochs)
-        .enumerate()
+        _indexed_records(files, epochs)
         .map(augment, num_parallel_calls=calls, workers=workers)
         .batch(BATCH)
         .prefetch(hr.AUTOTUNE)
