@@ -337,7 +337,7 @@ class _InterleaveIterator(Iterator):
             parallel = node.num_parallel_calls
             count = cpu_count() if parallel == AUTOTUNE else int(parallel or 1)
             stage = f"interleave({function_name(node.map_func)})"
-            self.processes = slot_pool(node, self.ctx.options, share, count, stage)
+            self.processes = slot_pool(node, self.ctx.options, share, count, stage, self.account)
         account = budget.account("interleave slot", weight=1)
         budget.allot()
         iterator = RemoteSlotIterator(

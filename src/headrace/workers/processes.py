@@ -56,6 +56,7 @@ from headrace.workers.shm import (
     SegmentMaps,
     SegmentPool,
     create_segment,
+    loads,
     open_segment,
     pack,
     segment_name,
@@ -196,21 +197,28 @@ def _worker_main(
         return
     pool = SegmentPool(owner, tag=f"w{index}-")
     inputs = SegmentMaps()  # the consumer's pooled input segments, mapped here
+    queued: deque[tuple[Any, ...]] = deque()
     try:
         while True:
             try:
-                message = tasks.recv()
+                # Take in every message that has arrived: a task's news of segments the
+                # consumer is done with applies at once, not after the tasks queued before
+                # it (with several queued, those would each make a fresh segment).
+                while not queued or tasks.poll():
+                    message = tasks.recv()
+                    if message[0] == "stop":
+                        return
+                    _, _, _, freed, dropped, dropped_inputs = message
+                    for key in freed:
+                        pool.free(key)
+                    for key in dropped:
+                        pool.drop(key)
+                    for key in dropped_inputs:
+                        inputs.forget(key)
+                    queued.append(message)
             except (EOFError, OSError):  # the consumer is gone
                 return
-            if message[0] == "stop":
-                return
-            _, call_id, packet, freed, dropped, dropped_inputs = message
-            for key in freed:
-                pool.free(key)
-            for key in dropped:
-                pool.drop(key)
-            for key in dropped_inputs:
-                inputs.forget(key)
+            _, call_id, packet, _, _, _ = queued.popleft()
             started = time.perf_counter()
             elements = _receive_inputs(packet, inputs)
             computing = time.perf_counter()
@@ -236,7 +244,7 @@ def _worker_main(
 
 def _receive_inputs(packet: Packet, inputs: SegmentMaps) -> Any:
     if packet.segment is None:
-        return pickle.loads(packet.payload)
+        return loads(packet.payload)
     key, name, capacity = packet.segment
     if key:  # a pooled input segment: kept mapped, reported free when its views are gone
         return inputs.unpack(packet)
@@ -337,6 +345,7 @@ class ProcessPool:
         self.lock = threading.Lock()
         self._ids = 0
         self.traffic = Traffic()
+        self.assigned = [0] * count  # callers bound to each worker (see assign)
         self._started = False
         self._collector: threading.Thread | None = None
 
@@ -374,8 +383,22 @@ class ProcessPool:
         return tuple(m for m in found if m is not None)
 
     # -- work -------------------------------------------------------------------------------
-    def submit(self, elements: list[Any]) -> Future[ChunkResult]:
-        """Run the handler over ``elements`` in a worker; a future of the outputs."""
+    def assign(self) -> int:
+        """A worker for a caller whose calls must run in order in one process (an
+        interleave slot): the one with the fewest such callers; give it back with
+        :meth:`unassign`."""
+        with self.lock:
+            index = min(range(self.count), key=self.assigned.__getitem__)
+            self.assigned[index] += 1
+        return index
+
+    def unassign(self, index: int) -> None:
+        with self.lock:
+            self.assigned[index] -= 1
+
+    def submit(self, elements: list[Any], *, worker: int | None = None) -> Future[ChunkResult]:
+        """Run the handler over ``elements`` in a worker (the least busy, or the one
+        numbered ``worker``: its calls run in the order submitted); a future of the outputs."""
         if self.closed:
             raise WorkerError(f"{self.stage}: the worker pool is closed")
         if self.broken is not None:
@@ -384,7 +407,13 @@ class ProcessPool:
             self._start()
         self.recycle()
         with self.lock:
-            worker = min(self.workers, key=lambda w: len(w.pending))
+            if worker is None:
+                chosen = min(self.workers, key=lambda w: len(w.pending))
+            else:
+                chosen = self.workers[worker]
+        return self._submit_to(chosen, elements)
+
+    def _submit_to(self, worker: _Worker, elements: list[Any]) -> Future[ChunkResult]:
         names: list[str] = []
         packing = time.perf_counter()
         packet = pack(elements, functools.partial(self._allocate_input, worker, names))
@@ -508,7 +537,11 @@ class ProcessPool:
                 raised.__cause__ = _RemoteTraceback(text)
                 add_note(raised, f"headrace: raised in worker process {worker.process.pid}")
                 failed[position] = raised
-        slack = packet.shared_bytes - sum(length for _, length in packet.spans)
+        # the segment's bytes that no output views: alignment, the unused end of a reused
+        # segment, and buffers received as copies (large bytes, bytes columns); nothing
+        # when no output views it (it is free again at once)
+        viewed = packet.viewed_bytes
+        slack = packet.shared_bytes - viewed if viewed else 0
         with contextlib.suppress(Exception):  # cancelled meanwhile
             future.set_result((outputs, failed, seconds, slack))
 
