@@ -74,6 +74,7 @@ __all__ = [
     "READ_AHEAD",
     "RemoteSlotIterator",
     "SlotReader",
+    "kept_iterators",
     "slot_pool",
 ]
 
@@ -115,14 +116,14 @@ class SlotReader:
 
     def _iterator(self, request: tuple[Any, ...]) -> Iterator | None:
         token, position, element, state, skip, _, _, iteration, epochs, follow = request
-        kept = self.kept.pop(token, None)
+        kept = self.kept.get(token)
         if kept is not None and kept[2] == position:  # it stands exactly there
-            self.kept[token] = kept
+            self.kept.move_to_end(token)
             return kept[0]
-        if kept is not None:  # stale (the slot was restored, or moved on elsewhere)
-            self._close(kept)
-        if follow:  # no state to rebuild from: the consumer asks again with it
+        if follow:  # no state to rebuild from (and nothing to undo): the consumer asks again
             return None
+        if kept is not None:  # stale (the slot was restored, or moved on elsewhere)
+            self._close(self.kept.pop(token))
         budget = MemoryBudget(self.share)
         ctx = Context(self.options, budget, iteration)
         ctx.epochs = tuple(epochs)
@@ -176,6 +177,12 @@ class SlotReader:
         return elements, state, ended, error, False
 
 
+def kept_iterators(node: Node) -> int:
+    """How many slots' iterators a worker keeps: every slot of the interleave (a slot
+    always reads on the same worker), at least :data:`_KEPT_ITERATORS`."""
+    return max(_KEPT_ITERATORS, int(getattr(node, "cycle_length", 0) or 0))
+
+
 def slot_pool(
     node: Node, options: Options, share: int, count: int, stage: str, account: StageAccount
 ) -> ProcessPool:
@@ -186,8 +193,7 @@ def slot_pool(
     more than the copy into it), each booked on the stage's ``account`` while it
     waits; when the account has no room the segment is dropped instead.
     """
-    keep = max(_KEPT_ITERATORS, int(getattr(node, "cycle_length", 0) or 0))
-    reader = SlotReader(node, options, share, keep)
+    reader = SlotReader(node, options, share, kept_iterators(node))
 
     def book_idle(nbytes: int) -> Reservation | None:
         return account.charge(nbytes) if account.held + nbytes <= account.limit else None

@@ -520,6 +520,7 @@ class ProcessPool:
                 key, name, capacity = packet.segment
                 if name:
                     maps.maps[key] = (open_segment(name, capacity), capacity)
+                    maps.opened += 1
                 with self.lock:
                     worker.freed.append(key)
             return

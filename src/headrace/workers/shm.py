@@ -303,13 +303,12 @@ def _column(shape: tuple[int, ...], values: Any, offsets: Any) -> np.ndarray[Any
     """The object array a column id stands for: its own (not a view: it is costed and
     kept as the owner of its items)."""
     items = split_bytes(values, offsets)
+    if len(shape) == 1 and shape[0] == len(items):
+        return np.fromiter(items, object, len(items))  # ~1.5x faster than out[:] = items
     out = np.empty(shape, dtype=object)
     if out.size != len(items):
         raise ValueError(f"a bytes column of {len(items)} items cannot fill shape {shape}")
-    if out.ndim == 1:
-        out[:] = items
-    else:
-        out.reshape(-1)[:] = items
+    out.reshape(-1)[:] = items
     return out
 
 
@@ -433,6 +432,7 @@ class SegmentMaps:
 
     def __init__(self) -> None:
         self.maps: dict[int, tuple[mmap.mmap, int]] = {}
+        self.opened = 0  # segments mapped by name: the sender made each one afresh
         self.live: dict[int, int] = {}
         self._dead: collections.deque[int] = collections.deque()
         self._lock = threading.Lock()
@@ -443,6 +443,7 @@ class SegmentMaps:
         key, name, capacity = packet.segment
         if name:
             self.maps[key] = (open_segment(name, capacity), capacity)
+            self.opened += 1
         mapping = self.maps[key][0]
         dead = self._dead
         viewed = [False]
