@@ -343,3 +343,19 @@ def test_parsed_batches_stay_in_the_budget_and_reuse_their_segments(tmp_path: Pa
     assert budget.used == 0
     gc.collect()
     assert own_segments() == []
+
+
+@pytest.mark.parametrize("cycle", [1, 3])
+def test_autotune_starts_a_worker_per_cpu_but_no_more_than_the_slots(cycle: int) -> None:
+    from headrace.transforms.process_map import cpu_count
+
+    ds = hr.Dataset.range(4).interleave(
+        process_fns.shard_dataset, cycle_length=cycle, num_parallel_calls=hr.AUTOTUNE,
+        workers="processes",
+    )
+    with iter(ds) as iterator:
+        got = [int(x) for x in iterator]
+        (choice,) = iterator.stats().workers
+    with iter(hr.Dataset.range(4).interleave(process_fns.shard_dataset, cycle_length=cycle)) as local:
+        assert got == [int(x) for x in local]
+    assert choice.count == min(cpu_count(), cycle)

@@ -335,7 +335,9 @@ class _InterleaveIterator(Iterator):
         node = self.node
         if self.processes is None:
             parallel = node.num_parallel_calls
-            count = cpu_count() if parallel == AUTOTUNE else int(parallel or 1)
+            # AUTOTUNE: a worker per CPU, but no more than there are slots (each slot
+            # reads on one worker, so a worker past cycle_length would never get work)
+            count = min(cpu_count(), node.cycle_length) if parallel == AUTOTUNE else int(parallel or 1)
             stage = f"interleave({function_name(node.map_func)})"
             self.processes = slot_pool(node, self.ctx.options, share, count, stage, self.account)
         account = budget.account("interleave slot", weight=1)
@@ -563,6 +565,18 @@ class _ProcessInterleaveIterator(_InterleaveIterator):
         """What the slots run on, and the worker processes' memory now."""
         from headrace.workers.memory import WorkerStats
 
-        count = self.processes.count if self.processes is not None else 0
-        memory = self.processes.memory() if self.processes is not None else ()
-        return WorkerStats(self.stage, "processes", count, "workers='processes'", memory)
+        node = self.node
+        reason = "workers='processes'"
+        if node.num_parallel_calls == AUTOTUNE:
+            reason += f", AUTOTUNE: one per CPU, at most cycle_length ({node.cycle_length})"
+        if self.processes is None:
+            return WorkerStats(self.stage, "processes", 0, reason)
+        traffic = self.processes.traffic
+        with traffic.lock:  # chunks are the slots' requests; elements, the same count
+            return WorkerStats(
+                self.stage, "processes", self.processes.count, reason, self.processes.memory(),
+                chunks=traffic.chunks, elements=traffic.elements,
+                compute_seconds=traffic.compute_seconds,
+                transfer_seconds=traffic.transfer_seconds, sent_bytes=traffic.sent_bytes,
+                received_bytes=traffic.received_bytes, segments=traffic.segments,
+            )
