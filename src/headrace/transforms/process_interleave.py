@@ -245,11 +245,13 @@ class RemoteSlotIterator(Iterator):
         if not self.account.fits(self.max_bytes) and (follow or self.ready):
             return False  # no room to read ahead: the next chunk is asked for on demand
         booking = self.account.charge(self.max_bytes)
+        # A slot's first chunk is one element: the cycle waits for a new slot, so its
+        # first answer should be quick; the follow requests behind it read full chunks.
+        elements = 1 if self.asked == 0 else CHUNK_ELEMENTS
         request = (
             self.token, (self.restores, self.asked), self.element,
             None if follow else self.next_state, 0 if follow else self.next_skip,
-            CHUNK_ELEMENTS, self.max_bytes, self.ctx.run.iteration, list(self.ctx.epochs),
-            follow,
+            elements, self.max_bytes, self.ctx.run.iteration, list(self.ctx.epochs), follow,
         )
         try:
             future = self.pool.submit([request], worker=self.worker)
@@ -265,6 +267,7 @@ class RemoteSlotIterator(Iterator):
         while True:
             if not self.pending:
                 self._request()
+                self._top_up()  # queued behind it before its answer is in
             future, booking = self.pending.popleft()
             try:
                 outputs, failed, _, slack = future.result()
@@ -300,9 +303,12 @@ class RemoteSlotIterator(Iterator):
             raised.__cause__ = _RemoteTraceback(text)
             add_note(raised, "headrace: raised in an interleave slot in a worker process")
             self.error = raised
-        # keep the worker busy: the next chunks are read while this one is handed out
-        # (a request that fails here, e.g. on a broken pool, is made again on demand,
-        # after this chunk's elements, and raises there in their place)
+        self._top_up()  # the worker reads the next chunks while this one is handed out
+
+    def _top_up(self) -> None:
+        """Queue follow requests up to :data:`READ_AHEAD` (as the budget allows). One
+        that fails here (a broken pool) is made again on demand, after the elements
+        already received, and raises there in its place."""
         with contextlib.suppress(Exception):
             while not self.ended and len(self.pending) <= READ_AHEAD and self._request():
                 pass
