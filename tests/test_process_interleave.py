@@ -359,3 +359,43 @@ def test_autotune_starts_a_worker_per_cpu_but_no_more_than_the_slots(cycle: int)
     with iter(hr.Dataset.range(4).interleave(process_fns.shard_dataset, cycle_length=cycle)) as local:
         assert got == [int(x) for x in local]
     assert choice.count == min(cpu_count(), cycle)
+
+
+def _interleave_stage(iterator: Any) -> Any:
+    (stage,) = [s for s in iterator.stages() if hasattr(s, "ahead")]
+    return stage
+
+
+def test_the_next_inputs_slot_opens_ahead_and_a_checkpoint_then_reopens_it() -> None:
+    ds = interleaved(4, (6,), -1, 1, 1, 1)  # one slot: inputs strictly one after another
+    with iter(ds) as reference:
+        everything = outputs(reference)
+    with iter(ds) as iterator:
+        stage = _interleave_stage(iterator)
+        got = []
+        while not stage.ahead:  # until the first slot's last chunk is in
+            got.append(int(next(iterator)))
+        assert len(got) < 6 and stage.ahead[0].slot is not None  # opened before its turn
+        taken = len(got)
+        state = json.loads(json.dumps(iterator.get_state()))
+        got += outputs(iterator)
+    assert got == everything
+    with iter(ds) as restored:
+        restored.set_state(state)
+        assert outputs(restored) == everything[taken:]
+
+
+def test_an_input_error_met_while_opening_ahead_is_raised_in_its_turn() -> None:
+    def build(workers: int | None) -> hr.Dataset:
+        inputs = hr.Dataset.range(6).map(functools.partial(process_fns.fail_on_value, 2))
+        fn = functools.partial(process_fns.shard_dataset, sizes=(4, 1, 6))
+        extra: dict[str, Any] = {}
+        if workers is not None:
+            extra = {"num_parallel_calls": workers, "workers": "processes"}
+        return inputs.interleave(fn, cycle_length=2, **extra)
+
+    with iter(build(None)) as sequential:
+        expected = outputs(sequential)
+    assert ("error", "bad element 2") in expected
+    with iter(build(2)) as remote:
+        assert outputs(remote) == expected

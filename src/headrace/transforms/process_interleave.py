@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -217,14 +218,19 @@ class RemoteSlotIterator(Iterator):
         account: StageAccount,
         share: int,
         stage: str,
+        *,
+        prefer: int | None = None,
     ) -> None:
         super().__init__()
         self.pool, self.element, self.ctx, self.account = pool, element, ctx, account
+        #: Called with this slot's worker when its last chunk has come in (the interleave
+        #: opens the next input's slot ahead then).
+        self.on_ended: Callable[[int | None], None] | None = None
         # a chunk asked for, one handed out and READ_AHEAD queued fit the slot's share
         self.max_bytes = max(min(share // (READ_AHEAD + 2), CHUNK_BYTES), 1)
         self.stage = stage
         self.token = next(_tokens)
-        self.worker: int | None = pool.assign()  # every chunk of this slot is read there
+        self.worker: int | None = pool.assign(prefer)  # every chunk of this slot is read there
         self.ready: deque[tuple[Any, Reservation]] = deque()
         self.error: BaseException | None = None  # raised after the ready elements
         self.ended = False
@@ -304,6 +310,17 @@ class RemoteSlotIterator(Iterator):
             add_note(raised, "headrace: raised in an interleave slot in a worker process")
             self.error = raised
         self._top_up()  # the worker reads the next chunks while this one is handed out
+        if ended and self.on_ended is not None:
+            self.on_ended(self.worker)
+
+    def start(self) -> None:
+        """Ask for the first chunks now, as far as the budget has room (a slot opened
+        ahead of its turn: nothing is booked past the share for it)."""
+        if self.pending or self.ready or self.ended or not self.account.fits(self.max_bytes):
+            return
+        with contextlib.suppress(Exception):  # asked again on demand, raising there
+            self._request()
+        self._top_up()
 
     def _top_up(self) -> None:
         """Queue follow requests up to :data:`READ_AHEAD` (as the budget allows). One

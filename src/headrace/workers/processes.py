@@ -408,12 +408,16 @@ class ProcessPool:
         return tuple(m for m in found if m is not None)
 
     # -- work -------------------------------------------------------------------------------
-    def assign(self) -> int:
+    def assign(self, prefer: int | None = None) -> int:
         """A worker for a caller whose calls must run in order in one process (an
-        interleave slot): the one with the fewest such callers; give it back with
+        interleave slot): the one with the fewest such callers, ``prefer`` (a worker
+        about to lose one) on a tie with it counted one less; give it back with
         :meth:`unassign`."""
         with self.lock:
-            index = min(range(self.count), key=self.assigned.__getitem__)
+            def load(index: int) -> tuple[int, bool]:
+                return self.assigned[index] - (index == prefer), index != prefer
+
+            index = min(range(self.count), key=load)
             self.assigned[index] += 1
         return index
 
