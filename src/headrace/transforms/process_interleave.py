@@ -15,7 +15,8 @@ carries the input element, the inner iterator's state before the chunk (None:
 from the start) and how many elements to skip after restoring it; the worker
 answers with up to :data:`CHUNK_ELEMENTS` elements (no more than
 :data:`CHUNK_BYTES`, nor a share of the slot's budget, in bytes), the inner
-state after them, and the error that ended the chunk, if any. Up to
+state after them, and the error that ended the chunk, if any (a slot's first
+chunk is one element: the cycle waits for a new slot, so it comes back fast). Up to
 :data:`READ_AHEAD` further requests are queued behind it before its answer is
 in: such a *follow* request names only the chunk's position (which restore of
 the slot, which chunk since), and the worker, which serves its requests in
@@ -25,7 +26,10 @@ does not idle the workers of the others. A worker keeps the iterators of the
 slots it serves; a request that finds none at its position (evicted, or the
 slot was restored) rebuilds the inner pipeline from the state it carries — a
 follow request carries none, so it answers *lost*, and the consumer asks again
-with the state it has by then: correct either way, only slower.
+with the state it has by then: correct either way, only slower. When a
+slot's last chunk is in, the interleave opens the next input's slot ahead of
+its turn on the same worker (see ``_ProcessInterleaveIterator`` in
+:mod:`headrace.transforms.interleave`).
 
 Data. A chunk's elements come back through the worker's pooled shared-memory
 segments (see :mod:`headrace.workers.shm`): arrays as views of the segment,
@@ -47,8 +51,10 @@ part of the stage's share, so its own buffers are capped there; chunks are
 booked on the slot's account in this process — each chunk asked for at its
 largest size from the request on, the chunk being handed out at its elements'
 sizes plus the part of its segment that no element views (alignment, the
-bytes columns' buffers, the unused end of a reused segment), shared equally. The workers' own memory is reported by
-``stats().workers`` and counted by the measured bound (see
+bytes columns' buffers, the unused end of a reused segment), shared equally.
+Result segments the consumer is done with wait for reuse booked on the
+stage's account (or are dropped when it has no room). The workers' own memory
+is reported by ``stats().workers`` and counted by the measured bound (see
 :mod:`headrace.workers.memory`).
 """
 
