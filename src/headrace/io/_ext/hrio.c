@@ -835,40 +835,42 @@ done:
  * and what sizeof uses to cost such a column. Twins: headrace/io/columns.py.
  */
 
+/* The sum of a list's items' lengths; -1 if an item is not exactly bytes; -2 (with an
+ * exception set) if it is not a list */
+static Py_ssize_t exact_bytes_total(PyObject *list, const char *who)
+{
+    if (!PyList_Check(list)) {
+        PyErr_Format(PyExc_TypeError, "%s expects a list", who);
+        return -2;
+    }
+    const Py_ssize_t count = PyList_GET_SIZE(list);
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (!PyBytes_CheckExact(item))
+            return -1;
+        total += PyBytes_GET_SIZE(item);
+    }
+    return total;
+}
+
 /* bytes_total(list) -> the sum of the items' lengths, or -1 if an item is not exactly bytes */
 static PyObject *py_bytes_total(PyObject *self, PyObject *arg)
 {
-    if (!PyList_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "bytes_total expects a list");
-        return NULL;
-    }
-    const Py_ssize_t count = PyList_GET_SIZE(arg);
-    Py_ssize_t total = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PyList_GET_ITEM(arg, i);
-        if (!PyBytes_CheckExact(item))
-            return PyLong_FromLong(-1);
-        total += PyBytes_GET_SIZE(item);
-    }
-    return PyLong_FromSsize_t(total);
+    const Py_ssize_t total = exact_bytes_total(arg, "bytes_total");
+    return total == -2 ? NULL : PyLong_FromSsize_t(total);
 }
 
 /* join_bytes(list) -> (data, offsets) with offsets count+1 native int64, or None if an item
  * is not exactly bytes */
 static PyObject *py_join_bytes(PyObject *self, PyObject *arg)
 {
-    if (!PyList_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "join_bytes expects a list");
+    const Py_ssize_t total = exact_bytes_total(arg, "join_bytes");
+    if (total == -2)
         return NULL;
-    }
+    if (total == -1)
+        Py_RETURN_NONE;
     const Py_ssize_t count = PyList_GET_SIZE(arg);
-    Py_ssize_t total = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PyList_GET_ITEM(arg, i);
-        if (!PyBytes_CheckExact(item))
-            Py_RETURN_NONE;
-        total += PyBytes_GET_SIZE(item);
-    }
     PyObject *data = PyBytes_FromStringAndSize(NULL, total);
     if (data == NULL)
         return NULL;
