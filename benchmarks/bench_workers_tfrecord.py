@@ -11,6 +11,8 @@ median of the rounds is reported. Sides:
   num_parallel_calls=2, workers="processes")`` where ``shard(f)`` is
   ``TFRecordDataset(f).batch(1024).parse_examples(spec)``: two worker
   processes read and parse, batches come back through shared memory;
+- ``headrace-2proc-autotune``: the same with ``num_parallel_calls=AUTOTUNE`` (the
+  worker count AUTOTUNE chose is reported);
 - ``headrace``: the same pipeline in this process (``TFRecordDataset(files)``);
 - ``tf-parallel-reads``, ``tf-seq-map-autotune``: tf.data's best configurations
   of bench_tfrecord.py (``num_parallel_reads=AUTOTUNE``, parallel parse map,
@@ -40,7 +42,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-SIDES = ("headrace-2proc", "headrace", "tf-parallel-reads", "tf-seq-map-autotune")
+SIDES = (
+    "headrace-2proc", "headrace-2proc-autotune", "headrace", "tf-parallel-reads",
+    "tf-seq-map-autotune",
+)
 BATCH = 1024
 
 
@@ -79,7 +84,7 @@ def run_side(side: str, directory: str) -> dict[str, Any]:
     from bench_tfrecord import _files, _small_spec
 
     files = _files(directory)
-    records = total = 0
+    records = total = workers = 0
     worker_cpu = 0.0
     if side.startswith("headrace"):
         import numpy as np
@@ -87,9 +92,10 @@ def run_side(side: str, directory: str) -> dict[str, Any]:
         import headrace as hr
 
         spec = _small_spec("hr")
-        if side == "headrace-2proc":
+        if side.startswith("headrace-2proc"):
+            parallel = hr.AUTOTUNE if side.endswith("autotune") else 2
             ds = hr.Dataset.from_tensor_slices(np.array(files, dtype=object)).interleave(
-                functools.partial(shard, spec=spec), cycle_length=2, num_parallel_calls=2,
+                functools.partial(shard, spec=spec), cycle_length=2, num_parallel_calls=parallel,
                 workers="processes",
             )
         else:
@@ -100,7 +106,10 @@ def run_side(side: str, directory: str) -> dict[str, Any]:
             for batch in iterator:
                 records += len(batch["y"])
                 total += int(batch["y"].sum())
+            # the clocks stop before the workers are asked for their CPU and shut down
+            wall, own_cpu = time.perf_counter() - started, time.process_time() - cpu
             after = _workers_cpu(iterator)
+            workers = sum(w.count for w in iterator.stats().workers)
         worker_cpu = sum(after[pid] - before.get(pid, 0.0) for pid in after)
     else:
         import tensorflow as tf
@@ -124,11 +133,10 @@ def run_side(side: str, directory: str) -> dict[str, Any]:
             y = batch["y"].numpy()
             records += len(y)
             total += int(y.sum())
-    wall = time.perf_counter() - started
-    own_cpu = time.process_time() - cpu
+        wall, own_cpu = time.perf_counter() - started, time.process_time() - cpu
     return {
         "side": side, "records": records, "y_sum": total, "wall_s": wall, "timed": records - BATCH,
-        "cpu_s": own_cpu + worker_cpu, "worker_cpu_s": worker_cpu,
+        "cpu_s": own_cpu + worker_cpu, "worker_cpu_s": worker_cpu, "workers": workers,
     }
 
 
@@ -136,6 +144,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--records", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="workers-tfrecord",
+                        help="name of the results files in benchmarks/results/ (.md, .json)")
     parser.add_argument("--side")
     parser.add_argument("--dir")
     args = parser.parse_args()
@@ -143,6 +153,7 @@ def main() -> int:
         print(json.dumps(run_side(args.side, args.dir)))
         return 0
     env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         gen = subprocess.run(
             [sys.executable, "-c",
@@ -174,36 +185,52 @@ def main() -> int:
         f"{args.repeats} interleaved rounds, each side in a fresh process, timed after its "
         "first batch (worker start-up and graph tracing left out). "
         f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
-        f"load average at the end {load[0]:.1f} (a shared machine: other jobs ran beside). "
+        f"load average {load_before[0]:.1f} at the start, {load[0]:.1f} at the end (a "
+        "shared machine: other jobs ran beside, so wall-clock rates are noisy; CPU time "
+        "per record, of the whole process tree, is the steadier number). "
         f"Reproduce: `python benchmarks/bench_workers_tfrecord.py --records {args.records} "
         f"--repeats {args.repeats}`.",
         "",
-        "| side | records/s (wall) | vs best tf.data | CPU us / record | vs best tf.data |",
+        "| side | records/s (wall) | vs best tf.data | CPU us / record (consumer + workers) "
+        "| records per CPU-second vs best tf.data |",
         "|---|---|---|---|---|",
     ]
     med = {
         side: (
             statistics.median(r["timed"] / r["wall_s"] for r in results),
             statistics.median(r["cpu_s"] / r["timed"] * 1e6 for r in results),
+            statistics.median(r["worker_cpu_s"] / r["timed"] * 1e6 for r in results),
         )
         for side, results in rounds.items()
     }
     best_tf = max((s for s in SIDES if s.startswith("tf")), key=lambda s: med[s][0])
     for side in SIDES:
-        rate, cpu = med[side]
+        rate, cpu, workers_cpu = med[side]
+        split = f" ({cpu - workers_cpu:.2f} + {workers_cpu:.2f})" if workers_cpu else ""
         lines.append(
-            f"| {side} | {rate:,.0f} | {rate / med[best_tf][0]:.2f}x | {cpu:.2f} | "
-            f"{med[best_tf][1] / cpu:.2f}x less |"
+            f"| {side} | {rate:,.0f} | {rate / med[best_tf][0]:.2f}x | {cpu:.2f}{split} | "
+            f"{med[best_tf][1] / cpu:.2f}x |"
         )
+    chosen = sorted({r["workers"] for r in rounds["headrace-2proc-autotune"]})
+    cpus = os.cpu_count() or 1
+    bound = cpus / (med["headrace-2proc"][1] * 1e-6)
+    tf_cores = med[best_tf][0] * med[best_tf][1] * 1e-6  # CPUs tf.data kept busy
     lines += [
         "",
         f"Best tf.data configuration: {best_tf}. Target (issue 10): headrace-2proc >= 5x "
-        "tf.data's best records/s.",
+        "tf.data's best records/s. AUTOTUNE chose "
+        f"{' or '.join(map(str, chosen))} worker process(es) (cycle_length 2, {cpus} CPUs).",
+        "",
+        f"CPU-time bound: with all {cpus} CPUs busy and nothing else running, "
+        f"headrace-2proc's CPU per record allows at most {bound:,.0f} records/s — a bound "
+        f"from CPU time, not a measurement. tf.data's best kept {tf_cores:.2f} CPUs busy "
+        f"here; were it one full CPU, 5x its rate on {cpus} CPUs would need at most "
+        f"{cpus * med[best_tf][1] / 5:.2f} CPU us per record from headrace-2proc.",
         "",
     ]
-    out = HERE / "results" / "workers-tfrecord.md"
+    out = HERE / "results" / f"{args.out}.md"
     out.write_text("\n".join(lines))
-    (HERE / "results" / "workers-tfrecord.json").write_text(json.dumps(rounds, indent=1))
+    (HERE / "results" / f"{args.out}.json").write_text(json.dumps(rounds, indent=1))
     print("\n".join(lines))
     return 0
 

@@ -104,3 +104,17 @@ def shard_arrays(i: Any, rows: int = 20, width: int = 5_000) -> Any:
 
     base = np.arange(rows * width, dtype=np.float64).reshape(rows, width) + int(i) * 1e6
     return hr.Dataset.from_tensor_slices(base)
+
+
+def example_batches(path: Any, batch: int = 7) -> Any:
+    """One TFRecord shard of Examples (``x`` float32[4], ``y`` int64, ``id`` bytes),
+    batched and parsed: benchmark 2's inner pipeline, small."""
+    import headrace as hr
+    from headrace.io.example import FixedLenFeature
+
+    spec = {
+        "x": FixedLenFeature((4,), np.float32),
+        "y": FixedLenFeature((), np.int64),
+        "id": FixedLenFeature((), bytes),
+    }
+    return hr.TFRecordDataset(os.fsdecode(path)).batch(batch).parse_examples(spec)

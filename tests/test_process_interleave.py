@@ -210,3 +210,192 @@ def test_shards_on_disk_read_in_workers_match_threads(tmp_path: Path) -> None:
         )
     ]
     assert got == expected and len(got) == 200
+
+
+# -- batches of parsed Examples read in the workers (benchmark 2's pipeline) -------------
+
+
+def example_shards(directory: Path, counts: list[int]) -> list[str]:
+    """TFRecord shards of Examples; record j of shard i has y = i * 1000 + j."""
+    from headrace.io.example import serialize_example
+
+    paths = []
+    for shard, count in enumerate(counts):
+        path = directory / f"ex-{shard}.tfrecord"
+        write_tfrecord(path, [
+            serialize_example({
+                "x": np.full(4, shard + j / 100, np.float32),
+                "y": shard * 1000 + j,
+                "id": b"r-%d-%d\x00" % (shard, j) * (j % 3),  # empty, NULs, varied lengths
+            })
+            for j in range(count)
+        ])
+        paths.append(str(path))
+    return paths
+
+
+def parsed(paths: list[str], cycle: int, block: int, batch: int, workers: int | None) -> hr.Dataset:
+    extra: dict[str, Any] = {}
+    if workers is not None:
+        extra = {"num_parallel_calls": workers, "workers": "processes"}
+    files = hr.Dataset.from_tensor_slices(np.array(paths, dtype=object))
+    fn = functools.partial(process_fns.example_batches, batch=batch)
+    return files.interleave(fn, cycle_length=cycle, block_length=block, **extra)
+
+
+def batches(iterator: Any, limit: int = 10_000) -> list[tuple[list[float], list[int], list[bytes]]]:
+    got = []
+    for batch in iterator:
+        assert batch["id"].dtype == object and all(type(b) is bytes for b in batch["id"])
+        got.append((batch["x"].tolist(), batch["y"].tolist(), batch["id"].tolist()))
+        if len(got) == limit:
+            break
+    return got
+
+
+example_shapes = {
+    "counts": st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    "cycle": st.integers(1, 3),
+    "block": st.integers(1, 2),
+    "batch": st.integers(1, 9),
+    "workers": st.integers(1, 2),
+}
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(**example_shapes, at=st.floats(0, 1))
+def test_parsed_example_batches_from_workers_equal_the_in_process_pipeline_and_resume(
+    tmp_path_factory: pytest.TempPathFactory, counts: list[int], cycle: int, block: int,
+    batch: int, workers: int, at: float,
+) -> None:
+    paths = example_shards(tmp_path_factory.mktemp("ex"), counts)
+    with iter(parsed(paths, cycle, block, batch, None)) as local:
+        expected = batches(local)
+    remote = parsed(paths, cycle, block, batch, min(workers, cycle))
+    with iter(remote) as iterator:
+        assert batches(iterator) == expected
+    step = int(at * len(expected))
+    with iter(remote) as original:
+        assert batches(original, step) == expected[:step] if step else True
+        state = json.loads(json.dumps(original.get_state()))
+    with iter(remote) as restored:
+        restored.set_state(state)
+        assert batches(restored) == expected[step:]
+    assert own_segments() == []
+
+
+def test_follow_requests_that_find_no_iterator_are_asked_again_with_the_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker keeping one iterator for three slots loses its place for every queued
+    request: each is answered 'lost' and asked again from its state — same batches."""
+    from headrace.transforms import process_interleave
+
+    monkeypatch.setattr(process_interleave, "kept_iterators", lambda node: 1)
+    paths = example_shards(tmp_path, [30, 25, 0, 31, 12])
+    with iter(parsed(paths, 3, 1, 4, None)) as local:
+        expected = batches(local)
+    with iter(parsed(paths, 3, 1, 4, 1)) as remote:
+        assert batches(remote) == expected
+
+
+def test_slot_reader_continues_only_at_the_exact_position() -> None:
+    from headrace.options import Options
+    from headrace.transforms.process_interleave import SlotReader
+
+    node = interleaved(1, (7,), -1, 1, 1, 1).node
+    reader = SlotReader(node, Options(), 1 << 20, 2)
+
+    def ask(position: tuple[int, int], state: Any, follow: bool) -> Any:
+        return reader((1, position, 0, state, 0, 3, 1 << 20, 0, [], follow))
+
+    first, state, ended, error, lost = ask((0, 0), None, False)
+    assert [int(x) for x in first] == [0, 1, 2] and not ended and error is None and not lost
+    assert ask((0, 2), None, True) == ([], None, False, None, True)  # not where it stands
+    second, _, _, _, lost = ask((0, 1), None, True)  # exactly where it stands
+    assert [int(x) for x in second] == [3, 4, 5] and not lost
+    third, after, ended, _, _ = ask((1, 0), state, False)  # a restore: rebuilt from state
+    assert [int(x) for x in third] == [3, 4, 5] and after is not None and not ended
+    last, _, ended, _, _ = ask((1, 1), None, True)
+    assert [int(x) for x in last] == [6] and ended
+    assert ask((1, 2), None, True)[4]  # ended: nothing kept
+
+
+def test_parsed_batches_stay_in_the_budget_and_reuse_their_segments(tmp_path: Path) -> None:
+    """Many chunks through a 16 MiB budget: the peak booked stays inside it, a handful of
+    result segments per worker serve the whole stream, and close returns everything."""
+    from headrace.transforms import process_interleave
+
+    paths = example_shards(tmp_path, [2000] * 6)  # batches' id columns go by segment
+    ds = parsed(paths, 2, 1, 300, 2).with_options(hr.Options(memory_budget="16MiB"))
+    with iter(ds) as iterator:
+        got = batches(iterator)
+        stats = iterator.stats()
+        budget = iterator.context.budget
+        (pool,) = [s.processes for s in iterator.stages() if getattr(s, "processes", None)]
+        chunks = pool.traffic.chunks
+        opened = [maps.opened for maps in pool.maps.values()]
+    assert sum(len(b[1]) for b in got) == 12_000
+    assert stats.budget_peak <= 16 * MiB
+    # every chunk came back in a segment, but few segments were ever made
+    assert chunks >= 20 and all(0 < n <= 3 + process_interleave.READ_AHEAD * 2 for n in opened), (
+        chunks, opened)
+    assert budget.used == 0
+    gc.collect()
+    assert own_segments() == []
+
+
+@pytest.mark.parametrize("cycle", [1, 3])
+def test_autotune_starts_a_worker_per_cpu_but_no_more_than_the_slots(cycle: int) -> None:
+    from headrace.transforms.process_map import cpu_count
+
+    ds = hr.Dataset.range(4).interleave(
+        process_fns.shard_dataset, cycle_length=cycle, num_parallel_calls=hr.AUTOTUNE,
+        workers="processes",
+    )
+    with iter(ds) as iterator:
+        got = [int(x) for x in iterator]
+        (choice,) = iterator.stats().workers
+    with iter(hr.Dataset.range(4).interleave(process_fns.shard_dataset, cycle_length=cycle)) as local:
+        assert got == [int(x) for x in local]
+    assert choice.count == min(cpu_count(), cycle)
+
+
+def _interleave_stage(iterator: Any) -> Any:
+    (stage,) = [s for s in iterator.stages() if hasattr(s, "ahead")]
+    return stage
+
+
+def test_the_next_inputs_slot_opens_ahead_and_a_checkpoint_then_reopens_it() -> None:
+    ds = interleaved(4, (6,), -1, 1, 1, 1)  # one slot: inputs strictly one after another
+    with iter(ds) as reference:
+        everything = outputs(reference)
+    with iter(ds) as iterator:
+        stage = _interleave_stage(iterator)
+        got = []
+        while not stage.ahead:  # until the first slot's last chunk is in
+            got.append(int(next(iterator)))
+        assert len(got) < 6 and stage.ahead[0].slot is not None  # opened before its turn
+        taken = len(got)
+        state = json.loads(json.dumps(iterator.get_state()))
+        got += outputs(iterator)
+    assert got == everything
+    with iter(ds) as restored:
+        restored.set_state(state)
+        assert outputs(restored) == everything[taken:]
+
+
+def test_an_input_error_met_while_opening_ahead_is_raised_in_its_turn() -> None:
+    def build(workers: int | None) -> hr.Dataset:
+        inputs = hr.Dataset.range(6).map(functools.partial(process_fns.fail_on_value, 2))
+        fn = functools.partial(process_fns.shard_dataset, sizes=(4, 1, 6))
+        extra: dict[str, Any] = {}
+        if workers is not None:
+            extra = {"num_parallel_calls": workers, "workers": "processes"}
+        return inputs.interleave(fn, cycle_length=2, **extra)
+
+    with iter(build(None)) as sequential:
+        expected = outputs(sequential)
+    assert ("error", "bad element 2") in expected
+    with iter(build(2)) as remote:
+        assert outputs(remote) == expected

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from headrace.errors import HeadraceWarning
+from headrace.io.columns import bytes_total
 
 __all__ = [
     "ARRAY_HEADER_BYTES",
@@ -209,11 +210,12 @@ class _Costing:
         if not array.dtype.hasobject:
             return 0
         items = array.ravel().tolist()
-        types = set(map(type, items[:SAMPLE_ITEMS]))
-        if types == {bytes} and all(type(item) is bytes for item in items):
-            # a batch of records: getsizeof(b) is len(b) + a fixed header, at C speed
-            return sum(map(len, items)) + _BYTES_HEADER * len(items)
-        if types <= _FLAT_TYPES and all(type(item) in _FLAT_TYPES for item in items):
+        # A batch of records: getsizeof(b) is len(b) + a fixed header, summed in one C
+        # pass (a generator over the items cost ~0.1 us each, as much as parsing them).
+        total = bytes_total(items)
+        if total >= 0:
+            return total + _BYTES_HEADER * len(items)
+        if set(map(type, items)) <= _FLAT_TYPES:
             return sum(map(sys.getsizeof, items))
         return self.items_cost(items)
 

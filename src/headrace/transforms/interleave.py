@@ -49,6 +49,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections import deque
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
@@ -335,14 +336,18 @@ class _InterleaveIterator(Iterator):
         node = self.node
         if self.processes is None:
             parallel = node.num_parallel_calls
-            count = cpu_count() if parallel == AUTOTUNE else int(parallel or 1)
+            # AUTOTUNE: a worker per CPU, but no more than there are slots (each slot
+            # reads on one worker, so a worker past cycle_length would never get work)
+            count = min(cpu_count(), node.cycle_length) if parallel == AUTOTUNE else int(parallel or 1)
             stage = f"interleave({function_name(node.map_func)})"
-            self.processes = slot_pool(node, self.ctx.options, share, count, stage)
+            self.processes = slot_pool(node, self.ctx.options, share, count, stage, self.account)
         account = budget.account("interleave slot", weight=1)
         budget.allot()
         iterator = RemoteSlotIterator(
-            self.processes, element, inner_ctx, account, budget.total, "interleave slot"
+            self.processes, element, inner_ctx, account, budget.total, "interleave slot",
+            prefer=getattr(self, "worker_hint", None),
         )
+        iterator.on_ended = getattr(self, "open_ahead", None)
         return _Slot(iterator, budget, input_before, inner_ctx, account, NO_RESERVATION)
 
     def _read_ahead(
@@ -556,13 +561,120 @@ class _InterleaveIterator(Iterator):
                 self.processes.shutdown()
 
 
+class _Ahead:
+    """An input element's slot opened before its turn, or the error opening it raised
+    (raised in its turn, as the sequential interleave would)."""
+
+    __slots__ = ("before", "error", "index", "pulled", "slot")
+
+    def __init__(
+        self,
+        slot: _Slot | None,
+        before: dict[str, Any],
+        index: int,
+        error: BaseException | None,
+        *,
+        pulled: bool = True,
+    ) -> None:
+        self.slot, self.before, self.index, self.error = slot, before, index, error
+        self.pulled = pulled  # False: the input itself raised (no element was taken)
+
+
 class _ProcessInterleaveIterator(_InterleaveIterator):
-    """workers="processes": the same order and state, slots in worker processes."""
+    """workers="processes": the same order and state, slots in worker processes.
+
+    A slot whose last chunk has come in (its inner pipeline ended in the worker)
+    opens the next input element's slot *ahead* of its turn, on the same worker,
+    so that the new slot's first chunks are read while the ending slot hands out
+    the rest of its own — every file boundary would otherwise stall the cycle for
+    a chunk's read (tf.data's parallel interleave prefetches input elements too).
+    Slots opened ahead enter the cycle in input order exactly where the sequential
+    interleave would open them; until then the state names the input from before
+    them, so a checkpoint reopens them, and an error opening one is raised in its
+    turn.
+    """
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.ahead: deque[_Ahead] = deque()
+        self.input_done = False  # the input ended while opening ahead (not yet in turn)
+        self.worker_hint: int | None = None
+
+    def open_ahead(self, worker: int | None = None) -> None:
+        """Open the next input element's slot now (a slot's last chunk is in)."""
+        if (
+            self.input_done or self.end_of_input
+            or len(self.ahead) >= self.node.cycle_length
+            or any(entry.error is not None for entry in self.ahead)
+        ):
+            return
+        before = self.input.get_state()
+        index = self.input_index + len(self.ahead)
+        try:
+            element = next(self.input)
+        except StopIteration:
+            self.input_done = True
+            return
+        except Exception as error:  # the input's own error: raised in its turn
+            self.ahead.append(_Ahead(None, before, index, error, pulled=False))
+            return
+        self.worker_hint = worker
+        try:
+            slot = self._open_slot(element, before, start=True)
+        except Exception as error:
+            stage = f"interleave({function_name(self.node.map_func)})"
+            self.ahead.append(_Ahead(None, before, index, note_element_error(error, stage, index)))
+            return
+        finally:
+            self.worker_hint = None
+        slot.iterator.start()  # type: ignore[attr-defined]
+        self.ahead.append(_Ahead(slot, before, index, None))
+
+    def _pull_input(self, *, start: bool = True) -> _Slot | None:
+        if self.ahead:
+            entry = self.ahead.popleft()
+            if entry.pulled:  # the input element was taken (its slot, or its open failed)
+                self.input_index += 1
+            if entry.error is not None:
+                raise entry.error
+            return entry.slot
+        if self.input_done:
+            self.end_of_input = True
+            return None
+        return super()._pull_input(start=start)
+
+    def get_state(self) -> dict[str, Any]:
+        state = super().get_state()
+        if self.ahead:  # not in the cycle yet: a restore reads the input from before them
+            state["input"] = self.ahead[0].before
+            state["input_index"] = self.ahead[0].index
+        return state
+
+    def _close_all(self) -> None:
+        try:
+            super()._close_all()
+        finally:
+            while self.ahead:
+                slot = self.ahead.popleft().slot
+                if slot is not None:
+                    slot.close()
 
     def worker_stats(self) -> Any:
         """What the slots run on, and the worker processes' memory now."""
         from headrace.workers.memory import WorkerStats
 
-        count = self.processes.count if self.processes is not None else 0
-        memory = self.processes.memory() if self.processes is not None else ()
-        return WorkerStats(self.stage, "processes", count, "workers='processes'", memory)
+        node = self.node
+        reason = "workers='processes'"
+        if node.num_parallel_calls == AUTOTUNE:
+            reason += f", AUTOTUNE: one per CPU, at most cycle_length ({node.cycle_length})"
+        if self.processes is None:
+            return WorkerStats(self.stage, "processes", 0, reason)
+        traffic = self.processes.traffic
+        with traffic.lock:  # chunks are the slots' requests; elements, the same count
+            return WorkerStats(
+                self.stage, "processes", self.processes.count, reason, self.processes.memory(),
+                chunks=traffic.chunks, elements=traffic.elements,
+                compute_seconds=traffic.compute_seconds,
+                transfer_seconds=traffic.transfer_seconds, sent_bytes=traffic.sent_bytes,
+                received_bytes=traffic.received_bytes, segments=traffic.segments,
+            )

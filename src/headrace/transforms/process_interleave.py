@@ -8,19 +8,34 @@ function pickled once per worker, results through pooled shared memory,
 errors with their worker's traceback, a killed worker a
 :class:`~headrace.errors.WorkerError` within a second).
 
-How a slot reads. The consumer's slot is a :class:`RemoteSlotIterator`. It
-asks a worker for a *chunk* of its inner pipeline: the request carries the
-input element, the inner iterator's state before the chunk (None: from the
-start) and how many elements to skip after restoring it; the worker answers
-with up to :data:`CHUNK_ELEMENTS` elements (no more than a quarter of the
-slot's share in bytes), the inner state after them, and the error that ended
-the chunk, if any. While the consumer hands out one chunk the next one is
-already being read, so every open slot reads ahead in a process of its own.
-A worker keeps the iterators it served (a few per worker), each with the
-position it reached (which restore of the slot, how many chunks): a request
-for exactly that position reuses it; any other (a restore, a slot whose
-previous chunk another worker read) rebuilds the inner pipeline from the
-state — correct either way, only slower.
+How a slot reads. The consumer's slot is a :class:`RemoteSlotIterator`, bound
+to one worker for its life (the worker with the fewest slots when it opened).
+It asks that worker for *chunks* of its inner pipeline: the first request
+carries the input element, the inner iterator's state before the chunk (None:
+from the start) and how many elements to skip after restoring it; the worker
+answers with up to :data:`CHUNK_ELEMENTS` elements (no more than
+:data:`CHUNK_BYTES`, nor a share of the slot's budget, in bytes), the inner
+state after them, and the error that ended the chunk, if any (a slot's first
+chunk is one element: the cycle waits for a new slot, so it comes back fast). Up to
+:data:`READ_AHEAD` further requests are queued behind it before its answer is
+in: such a *follow* request names only the chunk's position (which restore of
+the slot, which chunk since), and the worker, which serves its requests in
+order, continues the iterator it kept standing exactly there. So a worker
+never waits for the consumer to ask again, and a file boundary in one slot
+does not idle the workers of the others. A worker keeps the iterators of the
+slots it serves; a request that finds none at its position (evicted, or the
+slot was restored) rebuilds the inner pipeline from the state it carries — a
+follow request carries none, so it answers *lost*, and the consumer asks again
+with the state it has by then: correct either way, only slower. When a
+slot's last chunk is in, the interleave opens the next input's slot ahead of
+its turn on the same worker (see ``_ProcessInterleaveIterator`` in
+:mod:`headrace.transforms.interleave`).
+
+Data. A chunk's elements come back through the worker's pooled shared-memory
+segments (see :mod:`headrace.workers.shm`): arrays as views of the segment,
+object arrays of ``bytes`` (a batch's ids or records) as one column each, so
+nothing crosses per record; a chunk of parsed batches costs the consumer one
+message, one unpickling and one booking.
 
 Order, errors, state. The order is the sequential interleave's (tf.data's)
 whatever the timing: a slot's chunks are handed out in order, and the cycle
@@ -33,10 +48,13 @@ that chunk's elements were handed out: small, JSON-able, exact (G4).
 
 Memory. Each inner pipeline runs in its worker under a budget of its slot's
 part of the stage's share, so its own buffers are capped there; chunks are
-booked on the slot's account in this process — the chunk being read at its
-largest size (a quarter of the share) from the request on, the chunk being
-handed out at its elements' sizes. The workers' own memory is reported by
-``stats().workers`` and counted by the measured bound (see
+booked on the slot's account in this process — each chunk asked for at its
+largest size from the request on, the chunk being handed out at its elements'
+sizes plus the part of its segment that no element views (alignment, the
+bytes columns' buffers, the unused end of a reused segment), shared equally.
+Result segments the consumer is done with wait for reuse booked on the
+stage's account (or are dropped when it has no room). The workers' own memory
+is reported by ``stats().workers`` and counted by the measured bound (see
 :mod:`headrace.workers.memory`).
 """
 
@@ -45,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -56,11 +75,26 @@ from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
 from headrace.options import Options
 from headrace.workers.processes import ProcessPool, _RemoteTraceback
 
-__all__ = ["CHUNK_ELEMENTS", "RemoteSlotIterator", "SlotReader", "slot_pool"]
+__all__ = [
+    "CHUNK_BYTES",
+    "CHUNK_ELEMENTS",
+    "READ_AHEAD",
+    "RemoteSlotIterator",
+    "SlotReader",
+    "kept_iterators",
+    "slot_pool",
+]
 
 #: Elements a worker reads for a slot per request (fewer when they pass the byte cap).
 CHUNK_ELEMENTS = 64
-#: Iterators a worker keeps for slots it may be asked to continue.
+#: Bytes a chunk stops at (besides a share of the slot's budget): large enough that a
+#: chunk's message and booking are a small part of its cost, small enough that chunks
+#: flow (the consumer starts on one while the next is read) and stay in cache.
+CHUNK_BYTES = 1 << 20
+#: Requests a slot keeps queued at its worker beyond the one it waits for.
+READ_AHEAD = 2
+#: Iterators a worker keeps for slots it may be asked to continue (at least; a pool
+#: keeps as many as the interleave has slots).
 _KEPT_ITERATORS = 8
 
 
@@ -68,37 +102,42 @@ class SlotReader:
     """The worker's handler: a request for a slot's next chunk -> the chunk.
 
     A request is ``(token, position, element, state, skip, max_elements, max_bytes,
-    iteration, epochs)``; the answer ``(elements, state_after, ended, error)`` where
-    ``error`` is ``(exception, traceback text)`` or None. ``position`` names the
-    chunk asked for (the slot's restores so far, its chunks received since).
+    iteration, epochs, follow)``; the answer ``(elements, state_after, ended, error,
+    lost)`` where ``error`` is ``(exception, traceback text)`` or None. ``position``
+    names the chunk asked for (the slot's restores so far, its chunks asked for
+    since). A ``follow`` request was sent before the previous chunk's answer: it
+    carries no state, and when no iterator stands at its position the answer is
+    ``lost`` (nothing read; the consumer asks again with the state).
     """
 
-    def __init__(self, node: Node, options: Options, share: int) -> None:
-        self.node, self.options, self.share = node, options, share
+    def __init__(self, node: Node, options: Options, share: int, keep: int = _KEPT_ITERATORS) -> None:
+        self.node, self.options, self.share, self.keep = node, options, share, keep
         # token -> the slot's iterator, its budget, the position of the chunk it reads next
         self.kept: OrderedDict[int, tuple[Iterator, MemoryBudget, Any]] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"node": self.node, "options": self.options, "share": self.share}
+        return {"node": self.node, "options": self.options, "share": self.share, "keep": self.keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["node"], state["options"], state["share"])  # type: ignore[misc]
+        self.__init__(state["node"], state["options"], state["share"], state["keep"])  # type: ignore[misc]
 
-    def _iterator(self, request: tuple[Any, ...]) -> Iterator:
-        token, position, element, state, skip, _, _, iteration, epochs = request
-        kept = self.kept.pop(token, None)
+    def _iterator(self, request: tuple[Any, ...]) -> Iterator | None:
+        token, position, element, state, skip, _, _, iteration, epochs, follow = request
+        kept = self.kept.get(token)
         if kept is not None and kept[2] == position:  # it stands exactly there
-            self.kept[token] = kept
+            self.kept.move_to_end(token)
             return kept[0]
+        if follow:  # no state to rebuild from (and nothing to undo): the consumer asks again
+            return None
         if kept is not None:  # stale (the slot was restored, or moved on elsewhere)
-            self._close(kept)
+            self._close(self.kept.pop(token))
         budget = MemoryBudget(self.share)
         ctx = Context(self.options, budget, iteration)
         ctx.epochs = tuple(epochs)
         iterator: Iterator = self.node.inner_node(element).make_iterator(ctx)  # type: ignore[attr-defined]
         budget.allot()
         self.kept[token] = (iterator, budget, position)
-        while len(self.kept) > _KEPT_ITERATORS:
+        while len(self.kept) > self.keep:
             self._close(self.kept.popitem(last=False)[1])
         if state is not None:
             iterator.set_state(state)
@@ -114,10 +153,12 @@ class SlotReader:
         finally:
             kept[1].close()
 
-    def __call__(self, request: tuple[Any, ...]) -> tuple[list[Any], Any, bool, Any]:
+    def __call__(self, request: tuple[Any, ...]) -> tuple[list[Any], Any, bool, Any, bool]:
         from headrace.memory.sizeof import sizeof
 
         iterator = self._iterator(request)
+        if iterator is None:
+            return [], None, False, None, True
         token, (restores, chunks) = request[0], request[1]
         max_elements, max_bytes = request[5], request[6]
         elements: list[Any] = []
@@ -140,12 +181,31 @@ class SlotReader:
         else:  # where it stands now: the slot's next chunk
             kept = self.kept[token]
             self.kept[token] = (kept[0], kept[1], (restores, chunks + 1))
-        return elements, state, ended, error
+        return elements, state, ended, error, False
 
 
-def slot_pool(node: Node, options: Options, share: int, count: int, stage: str) -> ProcessPool:
-    """The worker processes that read an interleave's slots."""
-    return ProcessPool(SlotReader(node, options, share), count, stage, what="the interleave function")
+def kept_iterators(node: Node) -> int:
+    """How many slots' iterators a worker keeps: every slot of the interleave (a slot
+    always reads on the same worker), at least :data:`_KEPT_ITERATORS`."""
+    return max(_KEPT_ITERATORS, int(getattr(node, "cycle_length", 0) or 0))
+
+
+def slot_pool(
+    node: Node, options: Options, share: int, count: int, stage: str, account: StageAccount
+) -> ProcessPool:
+    """The worker processes that read an interleave's slots.
+
+    Result segments the consumer is done with go back to their worker for the next
+    chunks (a fresh segment per chunk cost its pages' first touch on both sides,
+    more than the copy into it), each booked on the stage's ``account`` while it
+    waits; when the account has no room the segment is dropped instead.
+    """
+    reader = SlotReader(node, options, share, kept_iterators(node))
+
+    def book_idle(nbytes: int) -> Reservation | None:
+        return account.charge(nbytes) if account.held + nbytes <= account.limit else None
+
+    return ProcessPool(reader, count, stage, what="the interleave function", book_idle=book_idle)
 
 
 _tokens = iter(range(1, 1 << 62))
@@ -164,64 +224,90 @@ class RemoteSlotIterator(Iterator):
         account: StageAccount,
         share: int,
         stage: str,
+        *,
+        prefer: int | None = None,
     ) -> None:
         super().__init__()
         self.pool, self.element, self.ctx, self.account = pool, element, ctx, account
-        self.max_bytes = max(share // 4, 1)
+        #: Called with this slot's worker when its last chunk has come in (the interleave
+        #: opens the next input's slot ahead then).
+        self.on_ended: Callable[[int | None], None] | None = None
+        # a chunk asked for, one handed out and READ_AHEAD queued fit the slot's share
+        self.max_bytes = max(min(share // (READ_AHEAD + 2), CHUNK_BYTES), 1)
         self.stage = stage
         self.token = next(_tokens)
+        self.worker: int | None = pool.assign(prefer)  # every chunk of this slot is read there
         self.ready: deque[tuple[Any, Reservation]] = deque()
         self.error: BaseException | None = None  # raised after the ready elements
         self.ended = False
         # the inner state before the chunk being handed out, and how many of it are out
         self.state_before: dict[str, Any] | None = None
         self.handed = 0
-        self.next_state: dict[str, Any] | None = None  # where the next request starts
+        self.next_state: dict[str, Any] | None = None  # where the next chunk starts
         self.next_skip = 0
         self.restores = 0  # set_state calls: a chunk's position is (restores, chunks)
         self.chunks = 0  # chunks received since the last restore
-        self.pending: tuple[Future[Any], Reservation] | None = None
+        self.asked = 0  # chunks asked for since the last restore
+        self.pending: deque[tuple[Future[Any], Reservation]] = deque()
 
     # -- requests ---------------------------------------------------------------------------
-    def _request(self) -> None:
-        booking = (
-            self.account.charge(self.max_bytes)
-            if self.account.fits(self.max_bytes) or not self.ready
-            else None
-        )
-        if booking is None:  # no room to read ahead: the next chunk is asked for on demand
-            return
+    def _request(self) -> bool:
+        """Ask for the next chunk (booked at its largest); False when there is no room."""
+        follow = bool(self.pending)  # sent before the answer it continues
+        if not self.account.fits(self.max_bytes) and (follow or self.ready):
+            return False  # no room to read ahead: the next chunk is asked for on demand
+        booking = self.account.charge(self.max_bytes)
+        # A slot's first chunk is one element: the cycle waits for a new slot, so its
+        # first answer should be quick; the follow requests behind it read full chunks.
+        elements = 1 if self.asked == 0 else CHUNK_ELEMENTS
         request = (
-            self.token, (self.restores, self.chunks), self.element, self.next_state,
-            self.next_skip, CHUNK_ELEMENTS, self.max_bytes, self.ctx.run.iteration,
-            list(self.ctx.epochs),
+            self.token, (self.restores, self.asked), self.element,
+            None if follow else self.next_state, 0 if follow else self.next_skip,
+            elements, self.max_bytes, self.ctx.run.iteration, list(self.ctx.epochs), follow,
         )
-        self.pending = (self.pool.submit([request]), booking)
+        try:
+            future = self.pool.submit([request], worker=self.worker)
+        except BaseException:
+            booking.release()
+            raise
+        self.pending.append((future, booking))
+        self.asked += 1
+        return True
 
     def _receive(self) -> None:
-        """The chunk in flight (asked for now if none is): into ``ready``."""
-        if self.pending is None:
-            self._request()
-        assert self.pending is not None
-        future, booking = self.pending
-        self.pending = None
-        try:
-            outputs, failed, _, _ = future.result()
-        finally:
-            booking.release()
-        if failed:
-            raise failed[0]  # the reply could not travel (e.g. an unpicklable element)
-        elements, state_after, ended, error = outputs[0]
+        """The next chunk (asked for now if none is in flight): into ``ready``."""
+        while True:
+            if not self.pending:
+                self._request()
+                self._top_up()  # queued behind it before its answer is in
+            future, booking = self.pending.popleft()
+            try:
+                outputs, failed, _, slack = future.result()
+            finally:
+                booking.release()
+            if failed:
+                self._cancel_pending()
+                raise failed[0]  # the reply could not travel (e.g. an unpicklable element)
+            elements, state_after, ended, error, lost = outputs[0]
+            if not lost:
+                break
+            # its worker kept no iterator at that position: ask again, with the state
+            self._cancel_pending()
         self.state_before, self.handed = self.next_state, self.next_skip
         self.next_state, self.next_skip = state_after, 0
         self.chunks += 1
         self.ended = ended
+        if ended:  # what was queued behind it reads nothing
+            self._cancel_pending()
         admit = self.ctx.admit
         sizes, kept = [], []
+        # the segment's bytes no element views ride on the elements in equal parts
+        part, extra = divmod(slack, len(elements)) if elements else (0, 0)
         for element in elements:
             element, size = admit(element)
             kept.append(element)
-            sizes.append(size)
+            sizes.append(size + part + extra)
+            extra = 0
         for element, reservation in zip(kept, self.account.book_existing(sizes), strict=True):
             self.ready.append((element, reservation))
         if error is not None:
@@ -229,8 +315,26 @@ class RemoteSlotIterator(Iterator):
             raised.__cause__ = _RemoteTraceback(text)
             add_note(raised, "headrace: raised in an interleave slot in a worker process")
             self.error = raised
-        if not ended:
-            self._request()  # read the next chunk while this one is handed out
+        self._top_up()  # the worker reads the next chunks while this one is handed out
+        if ended and self.on_ended is not None:
+            self.on_ended(self.worker)
+
+    def start(self) -> None:
+        """Ask for the first chunks now, as far as the budget has room (a slot opened
+        ahead of its turn: nothing is booked past the share for it)."""
+        if self.pending or self.ready or self.ended or not self.account.fits(self.max_bytes):
+            return
+        with contextlib.suppress(Exception):  # asked again on demand, raising there
+            self._request()
+        self._top_up()
+
+    def _top_up(self) -> None:
+        """Queue follow requests up to :data:`READ_AHEAD` (as the budget allows). One
+        that fails here (a broken pool) is made again on demand, after the elements
+        already received, and raises there in its place."""
+        with contextlib.suppress(Exception):
+            while not self.ended and len(self.pending) <= READ_AHEAD and self._request():
+                pass
 
     def pull(self) -> tuple[Any, Reservation]:
         if not self.ready and self.error is None:
@@ -260,20 +364,26 @@ class RemoteSlotIterator(Iterator):
         self._drop()
         self.state_before, self.handed = saved, skip
         self.next_state, self.next_skip = saved, skip
-        self.restores, self.chunks = self.restores + 1, 0
+        self.restores, self.chunks, self.asked = self.restores + 1, 0, 0
         self.ended = ended
+
+    def _cancel_pending(self) -> None:
+        """Forget the requests in flight (their answers, if any, are dropped unread)."""
+        while self.pending:
+            future, booking = self.pending.popleft()
+            future.cancel()
+            booking.release()
+        self.asked = self.chunks
 
     def _drop(self) -> None:
         while self.ready:
             self.ready.popleft()[1].release()
         self.error = None
-        if self.pending is not None:
-            future, booking = self.pending
-            self.pending = None
-            future.cancel()
-            booking.release()
+        self._cancel_pending()
 
     def close(self) -> None:
         self._drop()
+        if self.worker is not None:
+            self.pool.unassign(self.worker)
+            self.worker = None
         super().close()
-

@@ -56,6 +56,7 @@ from headrace.workers.shm import (
     SegmentMaps,
     SegmentPool,
     create_segment,
+    loads,
     open_segment,
     pack,
     segment_name,
@@ -184,11 +185,36 @@ def _apply_all(handler: Callable[[Any], Any], elements: list[Any]) -> tuple[list
     return outputs, errors
 
 
+#: Bytes glibc keeps at the top of a worker's heap when it grows or trims it (see
+#: :func:`_keep_heap_top`); also what a worker's heap may hold unused past its peak.
+HEAP_TOP_PAD = 4 << 20
+
+
+def _keep_heap_top() -> None:
+    """Keep a worker's chunk-to-chunk churn inside its heap (glibc; elsewhere nothing).
+
+    A worker builds a chunk of outputs (a process interleave's are about a MiB,
+    its CHUNK_BYTES), copies them into a segment and frees them; glibc then gives the
+    top of the heap back to the kernel, and the next chunk faults the same pages
+    in again. In benchmark 2 that was 2x the in-process pipeline's page faults
+    and a quarter of a worker's CPU. A top pad of :data:`HEAP_TOP_PAD` keeps them.
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS): its allocator decides
+        return
+    m_top_pad = -2  # glibc's M_TOP_PAD
+    mallopt(m_top_pad, HEAP_TOP_PAD)
+
+
 def _worker_main(
     tasks: Connection, results: Connection, handler_bytes: bytes, owner: int, index: int
 ) -> None:
     """Run in each worker: unpickle the handler once, then serve chunks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
+    _keep_heap_top()
     try:
         handler = pickle.loads(handler_bytes)
     except BaseException:
@@ -196,21 +222,28 @@ def _worker_main(
         return
     pool = SegmentPool(owner, tag=f"w{index}-")
     inputs = SegmentMaps()  # the consumer's pooled input segments, mapped here
+    queued: deque[tuple[Any, ...]] = deque()
     try:
         while True:
             try:
-                message = tasks.recv()
+                # Take in every message that has arrived: a task's news of segments the
+                # consumer is done with applies at once, not after the tasks queued before
+                # it (with several queued, those would each make a fresh segment).
+                while not queued or tasks.poll():
+                    message = tasks.recv()
+                    if message[0] == "stop":
+                        return
+                    _, _, _, freed, dropped, dropped_inputs = message
+                    for key in freed:
+                        pool.free(key)
+                    for key in dropped:
+                        pool.drop(key)
+                    for key in dropped_inputs:
+                        inputs.forget(key)
+                    queued.append(message)
             except (EOFError, OSError):  # the consumer is gone
                 return
-            if message[0] == "stop":
-                return
-            _, call_id, packet, freed, dropped, dropped_inputs = message
-            for key in freed:
-                pool.free(key)
-            for key in dropped:
-                pool.drop(key)
-            for key in dropped_inputs:
-                inputs.forget(key)
+            _, call_id, packet, _, _, _ = queued.popleft()
             started = time.perf_counter()
             elements = _receive_inputs(packet, inputs)
             computing = time.perf_counter()
@@ -236,7 +269,7 @@ def _worker_main(
 
 def _receive_inputs(packet: Packet, inputs: SegmentMaps) -> Any:
     if packet.segment is None:
-        return pickle.loads(packet.payload)
+        return loads(packet.payload)
     key, name, capacity = packet.segment
     if key:  # a pooled input segment: kept mapped, reported free when its views are gone
         return inputs.unpack(packet)
@@ -337,6 +370,7 @@ class ProcessPool:
         self.lock = threading.Lock()
         self._ids = 0
         self.traffic = Traffic()
+        self.assigned = [0] * count  # callers bound to each worker (see assign)
         self._started = False
         self._collector: threading.Thread | None = None
 
@@ -374,8 +408,26 @@ class ProcessPool:
         return tuple(m for m in found if m is not None)
 
     # -- work -------------------------------------------------------------------------------
-    def submit(self, elements: list[Any]) -> Future[ChunkResult]:
-        """Run the handler over ``elements`` in a worker; a future of the outputs."""
+    def assign(self, prefer: int | None = None) -> int:
+        """A worker for a caller whose calls must run in order in one process (an
+        interleave slot): the one with the fewest such callers, ``prefer`` (a worker
+        about to lose one) on a tie with it counted one less; give it back with
+        :meth:`unassign`."""
+        with self.lock:
+            def load(index: int) -> tuple[int, bool]:
+                return self.assigned[index] - (index == prefer), index != prefer
+
+            index = min(range(self.count), key=load)
+            self.assigned[index] += 1
+        return index
+
+    def unassign(self, index: int) -> None:
+        with self.lock:
+            self.assigned[index] -= 1
+
+    def submit(self, elements: list[Any], *, worker: int | None = None) -> Future[ChunkResult]:
+        """Run the handler over ``elements`` in a worker (the least busy, or the one
+        numbered ``worker``: its calls run in the order submitted); a future of the outputs."""
         if self.closed:
             raise WorkerError(f"{self.stage}: the worker pool is closed")
         if self.broken is not None:
@@ -384,7 +436,13 @@ class ProcessPool:
             self._start()
         self.recycle()
         with self.lock:
-            worker = min(self.workers, key=lambda w: len(w.pending))
+            if worker is None:
+                chosen = min(self.workers, key=lambda w: len(w.pending))
+            else:
+                chosen = self.workers[worker]
+        return self._submit_to(chosen, elements)
+
+    def _submit_to(self, worker: _Worker, elements: list[Any]) -> Future[ChunkResult]:
         names: list[str] = []
         packing = time.perf_counter()
         packet = pack(elements, functools.partial(self._allocate_input, worker, names))
@@ -491,6 +549,7 @@ class ProcessPool:
                 key, name, capacity = packet.segment
                 if name:
                     maps.maps[key] = (open_segment(name, capacity), capacity)
+                    maps.opened += 1
                 with self.lock:
                     worker.freed.append(key)
             return
@@ -508,7 +567,11 @@ class ProcessPool:
                 raised.__cause__ = _RemoteTraceback(text)
                 add_note(raised, f"headrace: raised in worker process {worker.process.pid}")
                 failed[position] = raised
-        slack = packet.shared_bytes - sum(length for _, length in packet.spans)
+        # the segment's bytes that no output views: alignment, the unused end of a reused
+        # segment, and buffers received as copies (large bytes, bytes columns); nothing
+        # when no output views it (it is free again at once)
+        viewed = packet.viewed_bytes
+        slack = packet.shared_bytes - viewed if viewed else 0
         with contextlib.suppress(Exception):  # cancelled meanwhile
             future.set_result((outputs, failed, seconds, slack))
 

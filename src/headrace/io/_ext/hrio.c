@@ -828,6 +828,123 @@ done:
 
 /* ------------------------------------------------------------------ module */
 
+/* ------------------------------------------------------------------ bytes columns */
+/*
+ * A column of bytes objects (an object array of records, ids, JPEGs) as one buffer plus
+ * int64 offsets, and back: what worker processes send instead of pickling each object,
+ * and what sizeof uses to cost such a column. Twins: headrace/io/columns.py.
+ */
+
+/* The sum of a list's items' lengths; -1 if an item is not exactly bytes; -2 (with an
+ * exception set) if it is not a list */
+static Py_ssize_t exact_bytes_total(PyObject *list, const char *who)
+{
+    if (!PyList_Check(list)) {
+        PyErr_Format(PyExc_TypeError, "%s expects a list", who);
+        return -2;
+    }
+    const Py_ssize_t count = PyList_GET_SIZE(list);
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (!PyBytes_CheckExact(item))
+            return -1;
+        total += PyBytes_GET_SIZE(item);
+    }
+    return total;
+}
+
+/* bytes_total(list) -> the sum of the items' lengths, or -1 if an item is not exactly bytes */
+static PyObject *py_bytes_total(PyObject *self, PyObject *arg)
+{
+    const Py_ssize_t total = exact_bytes_total(arg, "bytes_total");
+    return total == -2 ? NULL : PyLong_FromSsize_t(total);
+}
+
+/* join_bytes(list) -> (data, offsets) with offsets count+1 native int64, or None if an item
+ * is not exactly bytes */
+static PyObject *py_join_bytes(PyObject *self, PyObject *arg)
+{
+    const Py_ssize_t total = exact_bytes_total(arg, "join_bytes");
+    if (total == -2)
+        return NULL;
+    if (total == -1)
+        Py_RETURN_NONE;
+    const Py_ssize_t count = PyList_GET_SIZE(arg);
+    PyObject *data = PyBytes_FromStringAndSize(NULL, total);
+    if (data == NULL)
+        return NULL;
+    PyObject *offsets = PyBytes_FromStringAndSize(NULL, (count + 1) * (Py_ssize_t)sizeof(int64_t));
+    if (offsets == NULL) {
+        Py_DECREF(data);
+        return NULL;
+    }
+    char *out = PyBytes_AS_STRING(data);
+    int64_t *ends = (int64_t *)PyBytes_AS_STRING(offsets);
+    int64_t at = 0;
+    ends[0] = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(arg, i);  /* the list is ours: no item changed */
+        const Py_ssize_t length = PyBytes_GET_SIZE(item);
+        memcpy(out + at, PyBytes_AS_STRING(item), (size_t)length);
+        at += length;
+        ends[i + 1] = at;
+    }
+    PyObject *pair = PyTuple_Pack(2, data, offsets);
+    Py_DECREF(data);
+    Py_DECREF(offsets);
+    return pair;
+}
+
+/* split_bytes(data, offsets) -> list of bytes: data[offsets[i]:offsets[i+1]] each; the
+ * offsets (native int64) must start at 0, never decrease and end within data */
+static PyObject *py_split_bytes(PyObject *self, PyObject *args)
+{
+    Py_buffer data, offsets;
+    if (!PyArg_ParseTuple(args, "y*y*", &data, &offsets))
+        return NULL;
+    PyObject *out = NULL;
+    if (offsets.len % (Py_ssize_t)sizeof(int64_t) || offsets.len == 0) {
+        PyErr_SetString(PyExc_ValueError, "split_bytes: offsets is not a non-empty int64 array");
+        goto done;
+    }
+    const Py_ssize_t count = offsets.len / (Py_ssize_t)sizeof(int64_t) - 1;
+    int64_t previous = 0;
+    const char *ends = (const char *)offsets.buf;
+    int64_t first;
+    memcpy(&first, ends, sizeof first);
+    if (first != 0) {
+        PyErr_SetString(PyExc_ValueError, "split_bytes: offsets do not start at 0");
+        goto done;
+    }
+    out = PyList_New(count);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t end;
+        memcpy(&end, ends + (i + 1) * (Py_ssize_t)sizeof(int64_t), sizeof end);
+        if (end < previous || end > (int64_t)data.len) {
+            PyErr_Format(PyExc_ValueError,
+                         "split_bytes: offset %zd (%lld) is out of order or past the data "
+                         "(%zd bytes)", i + 1, (long long)end, data.len);
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyObject *item = PyBytes_FromStringAndSize((const char *)data.buf + previous,
+                                                   (Py_ssize_t)(end - previous));
+        if (item == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, item);
+        previous = end;
+    }
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&offsets);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int: CRC32C, continuing crc."},
     {"scan_records", py_scan_records, METH_VARARGS,
@@ -839,6 +956,12 @@ static PyMethodDef methods[] = {
     {"shuffle_draw", py_shuffle_draw, METH_VARARGS,
      "shuffle_draw(ring, capacity, start, end, incoming, draws, out)"
      " -> (produced, start, end, used_incoming)"},
+    {"bytes_total", py_bytes_total, METH_O,
+     "bytes_total(list) -> sum of lengths, or -1 if an item is not exactly bytes"},
+    {"join_bytes", py_join_bytes, METH_O,
+     "join_bytes(list) -> (data, int64 offsets), or None if an item is not exactly bytes"},
+    {"split_bytes", py_split_bytes, METH_VARARGS,
+     "split_bytes(data, offsets) -> list of bytes between consecutive int64 offsets"},
     {NULL, NULL, 0, NULL},
 };
 
