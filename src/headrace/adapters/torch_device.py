@@ -29,12 +29,17 @@ slow or failing test backends:
   iterator dropped without ``close()`` is closed by garbage collection (the
   threads hold no reference to it).
 
-Random-access pipelines of arrays (``from_tensor_slices(...).shuffle(...)
-.batch(n)``, with take/skip/shard/repeat) take the fast route: the pipeline
-hands out only the batch's *indices*, and the workers gather the rows with
+Random-access pipelines of arrays ending in ``batch`` (``from_tensor_slices(...)
+.shuffle(...).repeat().batch(n)``: take/skip/shard/repeat/shuffle below the
+batch, a ``prefetch`` after it) take the fast route: the pipeline hands out
+only the batch's *indices*, and the workers gather the rows with
 ``np.take(..., out=pinned)`` — one copy from the source into pinned memory,
-on several threads. Other pipelines hand out NumPy batches, which the workers
-copy into the ring.
+on several threads. Other pipelines (a ``map``, a file reader, a ``repeat``
+*after* the batch) hand out NumPy batches, made on one thread at a time, which
+the workers copy into the ring.
+
+torch's caching host allocator keeps a closed ring's pinned blocks for the
+next iterator (the next epoch reuses them instead of pinning memory again).
 
 The CUDA backend is a thin layer over :class:`TransferBackend`; without CUDA
 nothing of it runs (see :func:`backend_for`).
@@ -326,10 +331,14 @@ def _gather(leaf: np.ndarray, selector: Any) -> Callable[[np.ndarray], None]:
 
 
 def _index_source(node: Any, ctx: Context) -> _IndexSource | None:
-    """The fast route, when ``node`` batches a random-access source of numeric arrays."""
+    """The fast route, when ``node`` batches a random-access source of numeric arrays
+    (a ``prefetch`` after the batch is dropped: the ring already works ahead)."""
     from headrace.sources.arrays import _SlicesAccess
     from headrace.transforms.batch import BatchNode
+    from headrace.transforms.prefetch import PrefetchNode
 
+    while type(node) is PrefetchNode:
+        node = node.inputs[0]
     if type(node) is not BatchNode:
         return None
     plan = node.inputs[0].index_plan()
