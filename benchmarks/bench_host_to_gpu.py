@@ -24,7 +24,6 @@ numbers mean nothing about a GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -43,17 +42,6 @@ def _images(cfg: dict[str, Any]) -> Any:
 
     rng = np.random.default_rng(0)
     return rng.integers(0, 255, (cfg["rows"], *cfg["shape"]), dtype=np.uint8)
-
-
-def _tree_cpu() -> float:
-    import psutil
-
-    me = psutil.Process()
-    total = sum(me.cpu_times()[:2])
-    for child in me.children(recursive=True):
-        with contextlib.suppress(psutil.Error):  # a worker that just exited
-            total += sum(child.cpu_times()[:2])
-    return float(total)
 
 
 def _batches(cfg: dict[str, Any], images: Any) -> Any:
@@ -107,7 +95,7 @@ def child_stream(cfg: dict[str, Any]) -> dict[str, Any]:
     sync()
     warmup_checksum = float(acc)  # the same images in the same order give the same sum
     nbytes, batches = 0, 0
-    cpu0, start = _tree_cpu(), time.perf_counter()
+    cpu0, start = h.tree_cpu_seconds(), time.perf_counter()
     while time.perf_counter() - start < cfg["seconds"]:
         batch = next(stream)
         acc += batch[:, ::16, ::16].float().mean()  # the trivial step, on the device
@@ -115,7 +103,7 @@ def child_stream(cfg: dict[str, Any]) -> dict[str, Any]:
         batches += 1
     sync()
     wall = time.perf_counter() - start
-    cpu = _tree_cpu() - cpu0
+    cpu = h.tree_cpu_seconds() - cpu0
     checksum = float(acc)
     stream.close()
     return {"best_s": wall, "batches": batches, "bytes": nbytes, "gb_per_s": nbytes / wall / 1e9,

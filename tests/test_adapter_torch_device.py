@@ -53,10 +53,11 @@ class SlowBackend(TransferBackend):
     busy stream. Each copy checksums its host memory when issued and again when it
     reads it: a ring that overwrote a buffer in use shows up as a torn copy."""
 
-    def __init__(self, seed: int = 0, max_delay: float = 0.004, fail_at: int | None = None):
+    def __init__(self, seed: int = 0, max_delay: float = 0.004,
+                 fail_first: set[int] | None = None):
         self.rng = random.Random(seed)
         self.max_delay = max_delay
-        self.fail_at = fail_at
+        self.fail_first = fail_first or set()  # fail the copy of a batch starting so
         self.copies = 0
         self.torn: list[int] = []
         self.in_flight = 0
@@ -75,10 +76,11 @@ class SlowBackend(TransferBackend):
             delay = self.rng.random() * self.max_delay
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        if number == self.fail_at:
+        first = int(host[0].reshape(-1)[0]) if host and host[0].numel() else None
+        if first in self.fail_first:
             with self.lock:
                 self.in_flight -= 1
-            raise RuntimeError(f"injected copy failure at copy {number}")
+            raise RuntimeError(f"injected copy failure at the batch starting {first}")
         before = [zlib.crc32(t.numpy().tobytes()) for t in host]
         out = [torch.empty_like(t) for t in host]
 
@@ -198,12 +200,58 @@ def test_a_buffer_is_not_reused_before_its_copy_completed() -> None:
 
 def test_a_failed_copy_raises_at_its_batch_and_iteration_goes_on() -> None:
     ds = hr.Dataset.from_tensor_slices(np.arange(100)).batch(10)
-    backend = SlowBackend(fail_at=3)
+    backend = SlowBackend(fail_first={30})
     with iter(_device(ds, backend, threads=2, depth=2)) as it:
         assert [int(next(it)[0]) for _ in range(3)] == [0, 10, 20]
-        with pytest.raises(RuntimeError, match="injected copy failure at copy 3"):
+        with pytest.raises(RuntimeError, match="injected copy failure at the batch starting 30"):
             next(it)
         assert [int(b[0]) for b in it] == [40, 50, 60, 70, 80, 90]
+    assert not _ring_threads()
+
+
+def _outcomes(it: Any, limit: int = 1000) -> list[Any]:
+    """Every batch (as a list) or error (its message) an iterator gives, in order."""
+    out: list[Any] = []
+    for _ in range(limit):
+        try:
+            batch = next(it)
+        except StopIteration:
+            return out
+        except (RuntimeError, ValueError) as error:
+            out.append(f"{type(error).__name__}: {error}")
+            continue
+        out.append(np.asarray(_numpy(batch)).tolist())
+    raise AssertionError("the iterator did not end")
+
+
+class _FailOn:
+    def __init__(self, values: set[int]) -> None:
+        self.values = values
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if int(x) in self.values:
+            raise ValueError(f"bad element {int(x)}")
+        return x
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_faults_raise_at_their_batches_and_nothing_else_changes(seed: int) -> None:
+    rng = random.Random(seed)
+    n, size = rng.randint(20, 200), rng.randint(1, 16)
+    ds = hr.Dataset.from_tensor_slices(np.arange(n, dtype=np.int64)).shuffle(n, seed=seed)
+    if rng.random() < 0.5:  # faults in the pipeline too, raised on a drawing thread
+        ds = ds.map(_FailOn(set(rng.sample(range(n), rng.randint(1, 3)))))
+    ds = ds.batch(size)
+    plain = _outcomes(iter(ds))
+    firsts = [b[0] for b in plain if isinstance(b, list)]
+    failing = set(rng.sample(firsts, rng.randint(0, min(4, len(firsts)))))
+    backend = SlowBackend(seed, max_delay=rng.choice([0.0, 0.003]), fail_first=failing)
+    with iter(_device(ds, backend, threads=rng.randint(1, 4), depth=rng.randint(1, 3))) as it:
+        got = _outcomes(it)
+    want = [f"RuntimeError: injected copy failure at the batch starting {b[0]}"
+            if isinstance(b, list) and b[0] in failing else b for b in plain]
+    assert got == want
+    assert backend.torn == []
     assert not _ring_threads()
 
 

@@ -506,8 +506,10 @@ class _Ring:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
+        current = threading.current_thread()
         for thread in self.threads:
-            thread.join()
+            if thread is not current:  # garbage collection may run on a worker
+                thread.join()
         self.threads.clear()
         for slot in self.slots:
             if slot.transfer is not None:
@@ -568,7 +570,10 @@ def _spec_bytes(spec: Any, batch_rows: int | None) -> int:
     for leaf in flatten(spec):
         shape = getattr(leaf, "shape", None)
         dtype = getattr(leaf, "dtype", None)
-        if shape is None or dtype is None or np.dtype(dtype) == object:
+        try:
+            if shape is None or dtype is None or np.dtype(dtype).kind == "O":
+                return 0
+        except TypeError:  # not a NumPy dtype (a ragged or nested spec)
             return 0
         dims = list(shape)
         if dims and dims[0] is None and batch_rows:
