@@ -362,3 +362,28 @@ def test_to_torch_device_arguments() -> None:
             ds.to_torch(device="cuda", pin_memory=True)
     meta = next(iter(ds.to_torch(device="meta")))  # no pinning: a plain .to(device)
     assert meta.device.type == "meta" and meta.shape == (4,)
+
+
+def test_leaves_torch_has_no_dtype_for_pass_through_and_big_endian_lands_native() -> None:
+    data = {"be": np.arange(12, dtype=">i4").reshape(6, 2),
+            "u": np.array(["a", "bb", "c", "d", "e", "f"]),  # bytes after slicing: NumPy
+            "x": np.arange(6, dtype=np.float64)}
+    ds = hr.Dataset.from_tensor_slices(data).batch(4)
+    with iter(_device(ds, SlowBackend(), threads=2, depth=2)) as it:
+        first = next(it)
+    assert first["be"].dtype == torch.int32 and first["be"].tolist() == [[0, 1], [2, 3],
+                                                                          [4, 5], [6, 7]]
+    assert isinstance(first["u"], np.ndarray) and first["u"].tolist() == [b"a", b"bb", b"c",
+                                                                          b"d"]
+    assert first["x"].dtype == torch.float64
+
+
+def test_the_gather_refuses_an_index_out_of_range() -> None:
+    from headrace.adapters.torch_device import _gather
+
+    leaf = np.arange(10)
+    out = np.empty(2, leaf.dtype)
+    _gather(leaf, np.array([9, 0]))(out)
+    assert out.tolist() == [9, 0]
+    with pytest.raises(IndexError, match="index out of range 0..9"):
+        _gather(leaf, np.array([3, 10]))(out)
