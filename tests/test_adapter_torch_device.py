@@ -385,5 +385,13 @@ def test_the_gather_refuses_an_index_out_of_range() -> None:
     out = np.empty(2, leaf.dtype)
     _gather(leaf, np.array([9, 0]))(out)
     assert out.tolist() == [9, 0]
-    with pytest.raises(IndexError, match="index out of range 0..9"):
+    with pytest.raises(IndexError, match=r"index out of range 0\.\.9"):
         _gather(leaf, np.array([3, 10]))(out)
+
+
+def test_a_device_dataset_refuses_to_run_in_a_dataloader_worker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = hr.Dataset.range(8).batch(4).to_torch(device="meta")
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+    with pytest.raises(hr.InvalidArgumentError, match="runs in a DataLoader worker"):
+        iter(ds)

@@ -149,6 +149,8 @@ class CudaBackend(TransferBackend):
     """Pinned host buffers, copies on one dedicated stream, an event per batch."""
 
     def __init__(self, device: torch.device) -> None:
+        if device.index is None:  # "cuda" is the caller's current device, not the workers'
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
