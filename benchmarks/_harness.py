@@ -59,6 +59,35 @@ def charged(status: dict[str, int]) -> int:
     return status.get("RssAnon", 0) + status.get("RssShmem", 0)
 
 
+def read_proportional(pid: int | str = "self") -> int:
+    """``Pss_Anon + Pss_Shmem`` of ``pid`` (``/proc/<pid>/smaps_rollup``), in bytes: pages
+    a forked worker shares copy-on-write with its parent count once across the tree,
+    where ``RssAnon`` counts them in every process."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                key, _, rest = line.partition(":")
+                if key in ("Pss_Anon", "Pss_Shmem"):
+                    total += int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return total
+
+
+def tree_cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its live descendants (all threads)."""
+    total = sum(os.times()[:2])
+    for pid in _descendants():
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass  # a worker that just exited
+    return total
+
+
 def _descendants() -> list[int]:
     """PIDs of all descendant processes (worker processes count against G1)."""
     pids: list[int] = []
@@ -99,6 +128,9 @@ class MemorySampler:
     """
 
     interval: float = 0.005
+    #: Count every process of the tree by its proportional share (G1's measure with
+    #: worker processes) instead of its RssAnon + RssShmem.
+    proportional: bool = False
     baseline: dict[str, int] = field(default_factory=dict)
     peak_charged: int = 0
     peak_file: int = 0
@@ -110,9 +142,11 @@ class MemorySampler:
     def _total(self, pids: Sequence[int]) -> tuple[int, int]:
         own = read_status()
         anon_shm, file_backed = charged(own), own.get("RssFile", 0)
+        if self.proportional:
+            anon_shm = read_proportional()
         for pid in pids:
             child = read_status(pid)
-            anon_shm += charged(child)
+            anon_shm += read_proportional(pid) if self.proportional else charged(child)
             file_backed += child.get("RssFile", 0)
         return anon_shm, file_backed
 

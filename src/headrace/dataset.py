@@ -789,16 +789,21 @@ class Dataset:
 
         return to_tf(self)
 
-    def to_torch(self, *, worker_sharding: str = "auto", copy_readonly: bool = False) -> Any:
+    def to_torch(
+        self, *, worker_sharding: str = "auto", copy_readonly: bool = False, **device: Any
+    ) -> Any:
         """A ``torch.utils.data.IterableDataset`` of tensors sharing the batches' memory.
 
         Use it in ``DataLoader(..., batch_size=None)``; with ``num_workers > 0``
-        each worker reads a disjoint part. See :mod:`headrace.adapters.torch`.
+        each worker reads a disjoint part. ``device="cuda", pin_memory=True``
+        (with ``num_threads``, ``buffers``) delivers batches on the GPU through
+        reused pinned buffers. See :mod:`headrace.adapters.torch`.
         """
         from headrace.adapters.torch import to_torch
 
         return to_torch(
-            self, worker_sharding=worker_sharding, copy_readonly=copy_readonly  # type: ignore[arg-type]
+            self, worker_sharding=worker_sharding, copy_readonly=copy_readonly,  # type: ignore[arg-type]
+            **device,
         )
 
     def to_keras(self) -> Any:

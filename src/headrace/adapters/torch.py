@@ -12,13 +12,26 @@ Inside a ``DataLoader(..., batch_size=None, num_workers=n)`` each worker runs
 its own part of the pipeline (see :mod:`headrace.adapters._sharding` for the
 ``worker_sharding`` policies): together they deliver every element exactly
 once, and an explicit memory budget is split among them. ``batch_size=None``
-keeps headrace's batches as they are. ``pin_memory=True`` makes the
-DataLoader copy each batch into page-locked memory for fast, asynchronous
-``.to("cuda", non_blocking=True)``; on a CPU-only machine leave it off.
+keeps headrace's batches as they are.
+
+**To a GPU.** ``to_torch(device="cuda", pin_memory=True)`` delivers the
+batches already on the device: worker threads gather each batch straight into
+one of a small ring of reused, budget-booked pinned host buffers and copy it
+on a dedicated CUDA stream, overlapping the copies with your training step
+(see :mod:`headrace.adapters.torch_device`). Iterate it directly, not through
+a ``DataLoader`` (CUDA belongs to the main process); the iterator checkpoints
+(``get_state``/``set_state``) at the last batch it handed over.
+``device=...`` with ``pin_memory=False`` copies each batch with a plain
+``tensor.to(device)`` on your thread. ``device="cpu"`` (or None) with
+``pin_memory=True`` does what torch's ``DataLoader`` does without an
+accelerator: it warns once and delivers ordinary CPU tensors, so a script
+written for a GPU still runs on a laptop. ``DataLoader(pin_memory=True)`` over
+``to_torch()`` still works as before, at the cost of one more copy per batch.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator as PyIterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +40,8 @@ import torch
 
 from headrace.adapters._sharding import WorkerSharding, resolve_sharding, shard_for_worker
 from headrace.core.node import INFINITE, UNKNOWN, Node
+from headrace.errors import InvalidArgumentError
+from headrace.options import AUTOTUNE
 from headrace.structure import map_structure
 from headrace.transforms.batch import BatchNode
 from headrace.transforms.padded_batch import PaddedBatchNode
@@ -65,11 +80,22 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
     known and does not depend on the number of workers.
     """
 
-    def __init__(self, dataset: Dataset, worker_sharding: str, copy_readonly: bool) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        worker_sharding: str,
+        copy_readonly: bool,
+        device: torch.device | None = None,
+        pin_memory: bool = False,
+        num_threads: int = AUTOTUNE,
+        buffers: int = AUTOTUNE,
+    ) -> None:
         super().__init__()
         self.dataset = dataset
         self.copy_readonly = copy_readonly
         self.worker_sharding = resolve_sharding(dataset, worker_sharding)
+        self.device, self.pin_memory = device, pin_memory
+        self.num_threads, self.buffers = num_threads, buffers
 
     def part(self) -> Dataset:
         """What this process reads: the whole dataset, or this DataLoader worker's part."""
@@ -79,10 +105,31 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
         return shard_for_worker(self.dataset, self.worker_sharding, info.num_workers, info.id)
 
     def __iter__(self) -> PyIterator[Any]:
+        device = self.device
+        if device is not None and device.type != "cpu":
+            if torch.utils.data.get_worker_info() is not None:
+                raise InvalidArgumentError(
+                    f"to_torch(device={str(device)!r}) runs in a DataLoader worker; iterate it "
+                    "in the main process (it copies to the device itself), or leave device unset"
+                )
+            if self.pin_memory:
+                from headrace.adapters.torch_device import DeviceTransferNode
+
+                node = DeviceTransferNode(
+                    self.dataset.node, str(device), threads=self.num_threads, depth=self.buffers
+                )
+                return iter(self.dataset.derive(node))
+        return self._elements(device)
+
+    def _elements(self, device: torch.device | None) -> PyIterator[Any]:
         copy_readonly = self.copy_readonly
+        to_device = device is not None and device.type != "cpu"
 
         def convert(leaf: Any) -> Any:
-            return as_tensor(leaf, copy_readonly=copy_readonly)
+            tensor = as_tensor(leaf, copy_readonly=copy_readonly)
+            if to_device and isinstance(tensor, torch.Tensor):
+                return tensor.to(device)
+            return tensor
 
         with iter(self.part()) as elements:
             for element in elements:
@@ -112,6 +159,38 @@ def to_torch(
     *,
     worker_sharding: WorkerSharding = "auto",
     copy_readonly: bool = False,
+    device: str | torch.device | None = None,
+    pin_memory: bool = False,
+    num_threads: int = AUTOTUNE,
+    buffers: int = AUTOTUNE,
 ) -> TorchIterableDataset:
-    """``dataset`` as a torch ``IterableDataset``; see the module docstring."""
-    return TorchIterableDataset(dataset, worker_sharding, copy_readonly)
+    """``dataset`` as a torch ``IterableDataset``; see the module docstring.
+
+    ``num_threads`` (gather threads) and ``buffers`` (the ring's pinned buffers,
+    each booked on the budget) apply to ``device=<accelerator>, pin_memory=True``;
+    AUTOTUNE picks half the cores (at most 8) and one buffer per thread plus two,
+    fewer if the budget's share cannot hold them.
+    """
+    resolved = None if device is None else torch.device(device)
+    if pin_memory:
+        if resolved is None or resolved.type == "cpu":
+            warnings.warn(
+                "to_torch: pin_memory=True has no effect without an accelerator device "
+                f"(device={None if resolved is None else str(resolved)!r}); the batches "
+                "stay ordinary CPU tensors",
+                UserWarning,
+                stacklevel=3,
+            )
+        else:
+            from headrace.adapters.torch_device import check_device
+
+            check_device(resolved)
+    for name, value in (("num_threads", num_threads), ("buffers", buffers)):
+        if value != AUTOTUNE and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise InvalidArgumentError(
+                f"to_torch: {name} must be a positive int or AUTOTUNE, got {value!r}"
+            )
+    return TorchIterableDataset(
+        dataset, worker_sharding, copy_readonly, resolved, pin_memory, num_threads, buffers
+    )
