@@ -46,6 +46,22 @@ def test_sizeof_charges_owners_not_views_of_preexisting_memory() -> None:
     assert sizeof({"a": b"xyz", "b": (1.0, "s")}) > sys.getsizeof(b"xyz") + sys.getsizeof("s")
 
 
+def test_sizeof_charges_a_view_of_a_non_buffer_owner_its_owner() -> None:
+    """A zero-copy NumPy view of a pyarrow column (its base chain ends in a ChunkedArray,
+    not a buffer) costs the column's bytes: it cost nothing while the owner was marked seen
+    before it was costed, so CSV blocks parsed by pyarrow were booked at ~300 bytes."""
+    pa = pytest.importorskip("pyarrow")
+    column = pa.chunked_array([np.arange(100_000, dtype=np.float32)])
+    view = column.to_numpy()
+    assert view.base is not None
+    assert sizeof(view) >= 400_000
+    assert sizeof(view[:10]) >= 400_000  # a slice pins, and costs, the whole column
+    assert sizeof([view, view[5:]]) < 2 * 400_000  # the owner once per element
+    for whole in (column, column.chunk(0), pa.table({"x": column}), column.chunk(0).buffers()[1]):
+        assert 400_000 <= sizeof(whole) < 401_000  # the buffers once (pyarrow's __sizeof__
+        # counts them already; the sizer added them again)
+
+
 def test_sizeof_fast_paths_agree_with_the_general_walk(tmp_path) -> None:
     """Plain arrays and views of pre-existing or file-backed memory skip the walk: same cost."""
     from headrace.memory.sizeof import _Costing

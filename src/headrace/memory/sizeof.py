@@ -118,7 +118,9 @@ def _pil_sizer(image: Any) -> int:
 def _arrow_sizer(value: Any) -> int:
     getter = getattr(value, "get_total_buffer_size", None)
     nbytes = getter() if getter is not None else getattr(value, "size", 0)
-    return int(sys.getsizeof(value) + nbytes)
+    # The object's own header: pyarrow's __sizeof__ (so sys.getsizeof) already adds the
+    # buffers of arrays and tables (not of a Buffer), which would count them twice.
+    return int(object.__sizeof__(value) + nbytes)
 
 
 def _install_optional() -> None:
@@ -204,6 +206,10 @@ class _Costing:
             with memoryview(owner) as view:  # type: ignore[arg-type]
                 return sys.getsizeof(owner) + view.nbytes
         except TypeError:
+            # Not a buffer (a pyarrow ChunkedArray behind a zero-copy column, a torch
+            # tensor): costed as an object. `cost` skips what `seen` holds, so the mark
+            # set above must go first, or the owner would cost nothing.
+            self.seen.discard(key)
             return self.cost(owner)
 
     def object_items(self, array: np.ndarray[Any, Any]) -> int:
