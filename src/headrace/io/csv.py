@@ -847,10 +847,12 @@ def arrow_available() -> bool:
     return True
 
 
-def _has_hex_prefix(block: bytes) -> bool:
-    """Whether ``0x``/``0X`` occurs: a one-byte search first (memchr, tens of GB/s), as a
-    two-byte search runs at a few hundred MB/s and would cost more than the parse."""
-    return (b"x" in block and b"0x" in block) or (b"X" in block and b"0X" in block)
+def _has_hex_prefix(block: bytes, start: int = 0, end: int | None = None) -> bool:
+    """Whether ``0x``/``0X`` occurs in ``block[start:end]``: a one-byte search first
+    (memchr, tens of GB/s), as a two-byte search runs at a few hundred MB/s and would
+    cost more than the parse."""
+    return any(block.find(one, start, end) >= 0 and block.find(two, start, end) >= 0
+               for one, two in ((b"x", b"0x"), (b"X", b"0X")))
 
 
 _ARROW_TYPES = {"int32": "int32", "int64": "int64", "float32": "float32",
@@ -863,13 +865,18 @@ def arrow_parse_block(
     fmt: CsvFormat,
     select_cols: Sequence[int],
     exclude_cols: Sequence[int],
-    expected_rows: int,
+    expected_rows: int | None = None,
+    *,
+    start: int = 0,
     end: int | None = None,
 ) -> list[np.ndarray[Any, Any]] | None:
     """The block's columns parsed by pyarrow, or None where the pure path must decide.
 
-    ``end``: parse ``block[:end]`` only, without copying it out (the records end there;
-    the checks below may look at the bytes after it, which only makes them stricter).
+    ``start``/``end``: parse ``block[start:end]`` only, in place (pyarrow reads a
+    zero-copy view; the records end there). ``expected_rows``: the caller's count of
+    records, or None when the block's lines are its records (no quote, no ``\\r``:
+    then pyarrow's rows are the lines, a ragged or empty line being an error or, in a
+    one-column file, an empty value).
 
     Only blocks where pyarrow and TensorFlow read every value alike get here:
     ``block`` holds whole records with no quote character and no ``0x`` (pyarrow
@@ -880,13 +887,15 @@ def arrow_parse_block(
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    if fmt.field_delim[0] >= 0x80 or _has_hex_prefix(block):
+    stop = len(block) if end is None else end
+    if fmt.field_delim[0] >= 0x80 or _has_hex_prefix(block, start, stop):
         return None
     try:
         nulls = [fmt.na_value.decode()] if fmt.na_value else []
     except UnicodeDecodeError:
         return None
-    first_line = block[: block.find(b"\n")] if b"\n" in block else block
+    newline = block.find(b"\n", start, stop)
+    first_line = block[start: newline if newline >= 0 else stop]
     total = first_line.count(fmt.field_delim) + 1
     if select_cols:
         wanted = list(select_cols)
@@ -902,12 +911,13 @@ def arrow_parse_block(
              for c, col in zip(wanted, columns, strict=True)}
     try:
         table = pacsv.read_csv(
-            pa.py_buffer(block if end is None else memoryview(block)[:end]),
+            pa.py_buffer(block if start == 0 and stop == len(block)
+                         else memoryview(block)[start:stop]),
             # One Arrow block (it is already cut at a record boundary), its columns
             # converted in parallel by Arrow's thread pool: the conversion of text to
             # numbers is most of the work, and it runs without the GIL.
             read_options=pacsv.ReadOptions(column_names=names, use_threads=True,
-                                           block_size=max(len(block) + 1, 1 << 16)),
+                                           block_size=max(stop - start + 1, 1 << 16)),
             parse_options=pacsv.ParseOptions(delimiter=fmt.field_delim.decode(),
                                              quote_char=False, ignore_empty_lines=False),
             convert_options=pacsv.ConvertOptions(
@@ -918,7 +928,7 @@ def arrow_parse_block(
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeDecodeError):
         return None
-    if table.num_rows != expected_rows:
+    if expected_rows is not None and table.num_rows != expected_rows:
         return None
     outputs = []
     for index, column in enumerate(columns):
