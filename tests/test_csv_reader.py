@@ -95,16 +95,17 @@ def test_engines_agree_on_generated_files(tmp_path_factory: Any, rows: list[list
     assert results["pure"] == results["arrow"]
 
 
-LINE_CELL = st.sampled_from(["", "1", "-2.5", " 3 ", "x", "NA", "1e3", "0x10", "7", "inf"])
+LINE_CELL = st.sampled_from(["", "1", "-2.5", " 3 ", "x", "NA", "1e3", "0x10", "0x1p3", "7",
+                             "inf", "99999999999"])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 3), st.lists(st.lists(LINE_CELL, min_size=1, max_size=4), max_size=50),
        st.booleans(), st.sampled_from([None, "GZIP"]), st.sampled_from([16, 64, 512]),
-       st.sampled_from([1, 5, 32]))
+       st.sampled_from([1, 5, 32]), st.sampled_from([0.0, 0, np.int64(0)]))
 def test_engines_agree_line_by_line_across_block_edges(
     tmp_path_factory: Any, width: int, rows: list[list[str]], final_newline: bool,
-    compression: Any, block_bytes: int, batch: int,
+    compression: Any, block_bytes: int, batch: int, default: Any,
 ) -> None:
     """The arrow path trusts pyarrow's row count to be the line count of a quote- and
     CR-free block (empty lines, ragged lines and bad values included), and reads each block
@@ -118,7 +119,7 @@ def test_engines_agree_line_by_line_across_block_edges(
     failed = False
     for engine in ENGINES:
         ds = hr.read_csv(str(path), batch, column_names=[f"c{i}" for i in range(width)],
-                         column_defaults=[[0.0]] * width, header=False, na_value="NA",
+                         column_defaults=[[default]] * width, header=False, na_value="NA",
                          engine=engine, block_bytes=block_bytes,
                          compression_type=compression)
         got: list[Any] = []
@@ -134,7 +135,7 @@ def test_engines_agree_line_by_line_across_block_edges(
         results[engine] = json.dumps(got, default=repr)
     assert results["pure"] == results["arrow"]
     if not failed:
-        records = hr.CsvDataset(str(path), [[0.0]] * width, na_value="NA", engine="arrow",
+        records = hr.CsvDataset(str(path), [[default]] * width, na_value="NA", engine="arrow",
                                 block_bytes=block_bytes, compression_type=compression)
         assert_checkpoint_roundtrip(records.batch(batch), max_checkpoints=8)
 

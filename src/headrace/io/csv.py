@@ -879,8 +879,9 @@ def arrow_parse_block(
     one-column file, an empty value).
 
     Only blocks where pyarrow and TensorFlow read every value alike get here:
-    ``block`` holds whole records with no quote character and no ``0x`` (pyarrow
-    reads hexadecimal ints, TensorFlow does not); pyarrow refuses what TensorFlow
+    ``block`` holds whole records with no quote character, and no ``0x`` where an
+    int column is read (pyarrow reads hexadecimal ints, TensorFlow does not; it
+    refuses hexadecimal floats, which TensorFlow reads); pyarrow refuses what TensorFlow
     refuses on such input (ragged rows, bad numbers); a required column with a
     missing value, or a row count that differs from the scanner's, returns None.
     """
@@ -888,7 +889,11 @@ def arrow_parse_block(
     import pyarrow.csv as pacsv
 
     stop = len(block) if end is None else end
-    if fmt.field_delim[0] >= 0x80 or _has_hex_prefix(block, start, stop):
+    if fmt.field_delim[0] >= 0x80:
+        return None
+    # pyarrow reads `0x10` as 16 in an int column (TensorFlow refuses it) and refuses any
+    # hexadecimal in a float column (then the pure path decides): only ints need the scan.
+    if any(c.kind.startswith("int") for c in columns) and _has_hex_prefix(block, start, stop):
         return None
     try:
         nulls = [fmt.na_value.decode()] if fmt.na_value else []
