@@ -201,6 +201,51 @@ def test_files_go_through_the_pool_under_its_cap(tmp_path: Any, stream_descripto
     assert 0 < stream_descriptors.peak <= 3
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("compression", [None, "GZIP"])
+def test_block_text_and_parsed_block_are_booked_and_kept_batches_pin_no_block(
+    tmp_path: Any, engine: str, compression: Any,
+) -> None:
+    """The CSV stage books the text it parses (an uncompressed file's reused read buffer)
+    and the parsed block's columns at their real size (pyarrow-backed columns included),
+    gives both back when the iterator closes, and hands out batches that own their rows:
+    a consumer that keeps every batch pins no block, and the budget holds meanwhile."""
+    from headrace.memory.sizeof import owner_of, sizeof
+
+    path = tmp_path / "data.csv"
+    rng = np.random.default_rng(3)
+    text = "\n".join(",".join(f"{v:.5f}" for v in row) for row in rng.random((6000, 8))) + "\n"
+    data = ("".join(f"c{i}," for i in range(7)) + "c7\n" + text).encode()
+    path.write_bytes(gzip.compress(data) if compression else data)
+    block_bytes = 64 << 10
+    ds = hr.read_csv(str(path), 100, column_defaults=[[0.0]] * 8, engine=engine,
+                     block_bytes=block_bytes, compression_type=compression).with_options(
+        hr.Options(memory_budget="8MiB"))
+    kept = []
+    with iter(ds) as it:
+        first = next(it)
+        kept.append(first)
+        csv_stage = [s for s in it.stats().stages if "parsed block" in s.name]
+        assert len(csv_stage) == 1
+        rows_in_block = block_bytes // len(text.splitlines()[0]) // 2  # at least this many
+        parsed = rows_in_block * 8 * 4
+        text_held = block_bytes if compression is None and engine == "arrow" else 0
+        assert csv_stage[0].held >= parsed + text_held
+        for batch in it:
+            kept.append(batch)
+        stats = it.stats()
+        assert stats.budget_peak <= 8 << 20
+    after = [s for s in it.stats().stages if "parsed block" in s.name]
+    assert after[0].held == 0  # text buffer and block given back at close
+    assert sum(len(b["c0"]) for b in kept) == 6000
+    for batch in kept:
+        for column in batch.values():
+            owner = owner_of(column)
+            assert owner is column or (isinstance(owner, np.ndarray) and owner.nbytes
+                                       == column.nbytes)  # no view of a parsed block
+        assert sizeof(batch) < 8 * (100 * 4 + 200) + 2000
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_memory_stays_within_budget_on_a_file_ten_times_larger(tmp_path: Any, engine: str) -> None:

@@ -558,6 +558,15 @@ def test_positioned_reads_leave_the_stream_where_it_was(
     with pytest.raises(InvalidArgumentError, match="positioned reads need an uncompressed"):
         compressed.pread_many([0], [1])
     assert plain.pread_many([3], [2]) == [CONTENTS[0][3:5]]  # resumed for the read
+    scratch = bytearray(b"#" * 64)
+    assert plain.pread_into(100, memoryview(scratch)[:7]) == 7  # into a reused buffer
+    assert bytes(scratch[:7]) == CONTENTS[0][100:107] and scratch[7:] == b"#" * 57
+    end = len(CONTENTS[0]) - 5
+    assert plain.pread_into(end, memoryview(scratch)) == 5  # short only at the end
+    assert bytes(scratch[:5]) == CONTENTS[0][-5:]
+    assert plain.read(5) == CONTENTS[0][15:20]  # the stream's position did not move
+    with pytest.raises(InvalidArgumentError, match="positioned reads need an uncompressed"):
+        compressed.pread_into(0, memoryview(scratch))
     plain.close()
     compressed.close()
     assert pool.stats().open_files == 0

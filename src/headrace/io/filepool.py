@@ -529,6 +529,11 @@ class PooledStream(ClosesOnExit):
         all under one check-out of the descriptor; the stream's position does not move."""
         return self._checked_out(lambda stream: stream.pread_many(offsets, sizes))
 
+    def pread_into(self, offset: int, buffer: memoryview) -> int:
+        """A positioned read into ``buffer`` of an uncompressed file (see
+        :meth:`~headrace.io.streams.SuspendableStream.pread_into`); the position stays."""
+        return self._checked_out(lambda stream: stream.pread_into(offset, buffer))
+
     def tell(self) -> int:
         """Decompressed bytes read so far; needs no descriptor."""
         return self._checked_out(lambda stream: stream.tell(), open_descriptor=False)

@@ -181,6 +181,15 @@ class SuspendableStream(ClosesOnExit):
             f"{self.compression_type}"
         )
 
+    def pread_into(self, offset: int, buffer: memoryview) -> int:
+        """Read the bytes at ``offset`` into ``buffer`` (uncompressed only); how many were
+        read, fewer than ``len(buffer)`` only at the end of the file. The stream's own
+        position and read-ahead are untouched."""
+        raise InvalidArgumentError(
+            f"positioned reads need an uncompressed file; {self._path!r} is "
+            f"{self.compression_type}"
+        )
+
     # ------------------------------------------------------------------ for subclasses
     def _read_chunk(self, descriptor: int, wanted: int) -> bytes:
         """Return the next decompressed bytes (at least one, up to about ``wanted``);
@@ -273,6 +282,19 @@ class _PlainStream(SuspendableStream):
                 piece += more
             out.append(piece)
         return out
+
+    def pread_into(self, offset: int, buffer: memoryview) -> int:
+        """Read the bytes at ``offset`` into ``buffer`` (a caller's reused buffer: no
+        allocation, so no fresh pages to fault in per read); fewer only at the end."""
+        self._check_not_closed()
+        descriptor = self._require_descriptor()
+        total, size = 0, len(buffer)
+        while total < size:  # a short read before the end: ask for the rest
+            count = os.preadv(descriptor, [buffer[total:]], offset + total)
+            if not count:
+                break
+            total += count
+        return total
 
     def _save_for_suspension(self) -> None:
         # Re-reading the read-ahead on resume is cheaper than keeping up to 256 KiB per

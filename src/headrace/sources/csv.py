@@ -162,62 +162,93 @@ class _Block:
 class _BlockReader:
     """Blocks of whole records from one stream, from ``offset`` on.
 
-    The bytes not yet parsed are ``_buffer[_start:]``: parsing reads them in place
-    (pyarrow gets a zero-copy view), and consuming a block moves ``_start``, so a
-    block's bytes are never copied before the parse. An uncompressed stream seeks
-    for free, so each block is one fresh read from its first byte (the partial
-    record left over from the last block is read again, rather than joined to the
-    next read, which would copy the whole block).
+    The bytes not yet parsed are ``_buffer[_start:_stop]``: parsing reads them in
+    place (pyarrow gets a zero-copy view), and consuming a block moves ``_start``,
+    so a block's text is never copied before the parse. An uncompressed file is
+    read a block at a time straight into one reused buffer, from the block's first
+    byte (the partial record left by the last block is read again rather than
+    joined to the next read): no allocation per block, so no fresh pages to fault
+    in (a 4 MiB read into new memory costs as much again as the read). That buffer
+    lives as long as the reader and is booked on the stage's account (G1).
     """
 
     def __init__(self, stream: PooledStream, spec: CsvSpec, path: str, offset: int,
-                 record: int, line: int) -> None:
+                 record: int, line: int, account: StageAccount) -> None:
         self.stream, self.spec, self.path = stream, spec, path
         self.offset, self.record, self.line = offset, record, line
-        stream.seek(offset)
-        self._buffer = b""
-        self._start = 0
+        self.account = account
+        self._buffer: bytes | bytearray = b""
+        self._start = self._stop = 0
         self._eof = False
+        self._scratch = bytearray()
+        self._scratch_booking: Reservation = NO_RESERVATION
         self._seekable = not stream.compression_type
+        if not self._seekable:
+            stream.seek(offset)
         if offset == 0:
-            self._skip_bom_and_header()
+            try:
+                self._skip_bom_and_header()
+            except BaseException:
+                self.close()  # the caller never gets this reader to close
+                raise
+
+    def close(self) -> None:
+        self._buffer = self._scratch = bytearray()
+        self._scratch_booking.release()
+        self._scratch_booking = NO_RESERVATION
 
     def _fill(self, at_least: int) -> None:
         """Read until ``at_least`` bytes are unparsed or the stream ends."""
-        have = len(self._buffer) - self._start
+        have = self._stop - self._start
         if have >= at_least or self._eof:
             return
-        if self._seekable and self._start:
-            self.stream.seek(self.offset)  # read the leftover again, in the same read
-            self._buffer, self._start, have = b"", 0, 0
-        pieces = [self._buffer[self._start:]] if have else []
-        size = have
-        while size < at_least and not self._eof:
-            chunk = self.stream.read(max(at_least - size, self.spec.block_bytes))
+        size = max(at_least, self.spec.block_bytes)
+        if self._seekable:
+            if len(self._scratch) < size:
+                self._scratch_booking.release()
+                self._scratch = bytearray()
+                self._scratch_booking = self.account.hold(
+                    size + ARRAY_HEADER_BYTES, what="the text of one CSV block")
+                self._scratch = bytearray(size)
+            count = self.stream.pread_into(self.offset, memoryview(self._scratch)[:size])
+            self._buffer, self._start, self._stop = self._scratch, 0, count
+            self._eof = count < size
+            return
+        pieces = [self._buffer[self._start:self._stop]] if have else []
+        read = have
+        while read < at_least and not self._eof:
+            chunk = self.stream.read(max(at_least - read, self.spec.block_bytes))
             if not chunk:
                 self._eof = True
                 break
             pieces.append(chunk)
-            size += len(chunk)
+            read += len(chunk)
         self._buffer = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        self._start = 0
+        self._start, self._stop = 0, len(self._buffer)
 
     def _consume(self, nbytes: int, records: int, lines: int) -> None:
         self._start += nbytes
         self.offset += nbytes
         self.record += records
         self.line += lines
+        if not self._seekable and self._start:
+            # keep only the leftover: the consumed block's text is not held between pulls
+            self._buffer = self._buffer[self._start:self._stop]
+            self._start, self._stop = 0, len(self._buffer)
+
+    def _unparsed(self) -> bytes:
+        return bytes(memoryview(self._buffer)[self._start:self._stop])
 
     def _skip_bom_and_header(self) -> None:
         self._fill(len(_BOM))
-        if self._buffer.startswith(_BOM, self._start):
+        if self._buffer.startswith(_BOM, self._start, self._stop):
             self._consume(len(_BOM), 0, 0)
         if not self.spec.header:
             return
         want = self.spec.block_bytes
         while True:
             self._fill(want)
-            unparsed = self._buffer[self._start:]
+            unparsed = self._unparsed()
             scanned = csvfmt.scan_records(unparsed, self.spec.fmt, final=self._eof,
                                           max_records=1)
             if scanned.ends:
@@ -232,7 +263,7 @@ class _BlockReader:
         raise CsvError("Can't read header of file", path=self.path, offset=0, line=1)
 
     def _grow(self, want: int) -> int:
-        if len(self._buffer) - self._start >= self.spec.max_record_bytes:
+        if self._stop - self._start >= self.spec.max_record_bytes:
             raise RecordTooLargeError(
                 f"CSV record at offset {self.offset} in file {self.path} is longer than "
                 f"max_record_bytes={self.spec.max_record_bytes} (an unclosed quote?); pass "
@@ -247,7 +278,7 @@ class _BlockReader:
         want = spec.block_bytes if spec.use_arrow else max(spec.block_bytes // 4, 1 << 16)
         while True:
             self._fill(want)
-            start, size = self._start, len(self._buffer)
+            start, size = self._start, self._stop
             if start >= size and self._eof:
                 return None
             # Cut from the first `want` bytes only, whatever else was read ahead: a block
@@ -260,7 +291,8 @@ class _BlockReader:
                 return None
             want = self._grow(max(want, size - start + 1))
 
-    def _parse(self, data: bytes, start: int, stop: int, final: bool) -> _Block | None:
+    def _parse(self, data: bytes | bytearray, start: int, stop: int,
+               final: bool) -> _Block | None:
         """Parse the records that end in ``data[start:stop]`` (searched in place)."""
         spec = self.spec
         fmt = spec.fmt
@@ -276,7 +308,7 @@ class _BlockReader:
                 # Without quotes or \r, a record is a line: pyarrow's rows are the lines.
                 count = len(columns[0])
                 return self._finish(columns, count, None, end - start, count)
-        piece = data[start:stop]
+        piece = bytes(memoryview(data)[start:stop])
         scanned = csvfmt.scan_records(piece, fmt, final=final)
         if not scanned.ends:
             return None
@@ -347,7 +379,7 @@ class _CsvCursor:
         )
         offset, record, line = self.start
         self.reader = _BlockReader(self.stream, self.spec, node.filenames[self.file_index],
-                                   offset, record, line)
+                                   offset, record, line, self.account)
         return self.reader
 
     def current(self) -> _Block | None:
@@ -417,6 +449,8 @@ class _CsvCursor:
         self.start = (0, 0, 1)
 
     def _close_file(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
         if self.stream is not None:
             self.stream.close()
         self.stream = None
