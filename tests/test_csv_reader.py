@@ -177,6 +177,22 @@ def test_resume_after_an_error_goes_on_with_the_next_record(tmp_path: Any) -> No
     assert next(restored) == (4,)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_header_longer_than_the_first_look_is_read_whole(tmp_path: Any, engine: str) -> None:
+    """The header is looked for in a 64 KiB window first, grown until it holds the header
+    (here a quoted name of 90 KB, with a line break in it)."""
+    long_name = "n\n" + "x" * 90_000
+    path = tmp_path / "h.csv"
+    path.write_text(f'"{long_name}",b\n1,2\n3,4\n')
+    ds = hr.read_csv(str(path), 5, column_defaults=[[0], [0]], engine=engine,
+                     block_bytes=1 << 20)
+    (batch,) = list(ds)
+    assert list(batch) == [long_name, "b"]
+    assert batch["b"].tolist() == [2, 4]
+    records = hr.CsvDataset(str(path), [[0], [0]], header=True, engine=engine)
+    assert list(records) == [(1, 2), (3, 4)]
+
+
 def test_ignore_errors_skips_and_counts(tmp_path: Any) -> None:
     path = tmp_path / "e.csv"
     path.write_text("a,b\n1,2\n3\n4,x\n5,6\n")

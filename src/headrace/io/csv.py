@@ -728,6 +728,15 @@ def _scan_simple(
 ) -> BlockRecords:
     """No quotes, no ``\\r``: records are the lines, fields the pieces between delimiters."""
     end = len(data) if final else data.rfind(b"\n", start) + 1
+    if max_records is not None:  # split only as far as needed (a header: one line)
+        cut = start
+        for _ in range(max_records):
+            newline = data.find(b"\n", cut, end)
+            if newline < 0:
+                break
+            cut = newline + 1
+        else:
+            end = cut
     if end <= start:
         return out
     body = data[start:end]

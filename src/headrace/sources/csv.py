@@ -236,20 +236,19 @@ class _BlockReader:
             self._buffer = self._buffer[self._start:self._stop]
             self._start, self._stop = 0, len(self._buffer)
 
-    def _unparsed(self) -> bytes:
-        return bytes(memoryview(self._buffer)[self._start:self._stop])
-
     def _skip_bom_and_header(self) -> None:
         self._fill(len(_BOM))
         if self._buffer.startswith(_BOM, self._start, self._stop):
             self._consume(len(_BOM), 0, 0)
         if not self.spec.header:
             return
-        want = self.spec.block_bytes
+        want = min(self.spec.block_bytes, 1 << 16)  # a header is short: copy little
         while True:
             self._fill(want)
-            unparsed = self._unparsed()
-            scanned = csvfmt.scan_records(unparsed, self.spec.fmt, final=self._eof,
+            stop = min(self._stop, self._start + want)
+            unparsed = bytes(memoryview(self._buffer)[self._start:stop])
+            whole = self._eof and stop == self._stop
+            scanned = csvfmt.scan_records(unparsed, self.spec.fmt, final=whole,
                                           max_records=1)
             if scanned.ends:
                 if scanned.errors[0] is not None:
@@ -257,13 +256,15 @@ class _BlockReader:
                 end = scanned.ends[0]
                 self._consume(end, 0, unparsed.count(b"\n", 0, end) or 1)
                 return
-            if self._eof:
+            if whole:
                 break
             want = self._grow(want)
         raise CsvError("Can't read header of file", path=self.path, offset=0, line=1)
 
     def _grow(self, want: int) -> int:
-        if self._stop - self._start >= self.spec.max_record_bytes:
+        """The next, larger window to look for a whole record in (the one of ``want``
+        bytes held none), unless the record is past ``max_record_bytes``."""
+        if min(self._stop - self._start, want) >= self.spec.max_record_bytes:
             raise RecordTooLargeError(
                 f"CSV record at offset {self.offset} in file {self.path} is longer than "
                 f"max_record_bytes={self.spec.max_record_bytes} (an unclosed quote?); pass "
@@ -537,8 +538,27 @@ class _CsvBatches(Iterator):
         self.account = account
         self._pending: BaseException | None = None
         self._container_cost: int | None = None
+        columns = cursor.spec.columns
+        # A whole batch of numbers cut from one block costs the same every time.
+        self._whole_cost = None if any(c.dtype.hasobject for c in columns) else (
+            sizeof(cursor.spec.pack([None] * len(columns)))
+            + sum(ARRAY_HEADER_BYTES + batch_size * c.dtype.itemsize for c in columns))
+        self._whole_what = f"one batch of {batch_size} CSV records"
 
     def pull(self) -> tuple[Any, Reservation]:
+        block = self.cursor.block
+        if block is not None and self._whole_cost is not None and self._pending is None:
+            first = block.taken
+            last = first + self.batch_size
+            if last <= block.good:  # the common case, without the general loop below
+                booking = self.account.hold(self._whole_cost, what=self._whole_what)
+                try:
+                    batch = [column[first:last].copy() for column in block.columns]
+                except BaseException:
+                    booking.release()
+                    raise
+                block.taken = last
+                return self.cursor.spec.pack(batch), booking
         if self._pending is not None:
             error, self._pending = self._pending, None
             self.cursor.error_raised()
