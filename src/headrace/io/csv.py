@@ -856,7 +856,7 @@ def arrow_available() -> bool:
     return True
 
 
-def _has_hex_prefix(block: bytes, start: int = 0, end: int | None = None) -> bool:
+def _has_hex_prefix(block: bytes | bytearray, start: int = 0, end: int | None = None) -> bool:
     """Whether ``0x``/``0X`` occurs in ``block[start:end]``: a one-byte search first
     (memchr, tens of GB/s), as a two-byte search runs at a few hundred MB/s and would
     cost more than the parse."""
@@ -869,7 +869,7 @@ _ARROW_TYPES = {"int32": "int32", "int64": "int64", "float32": "float32",
 
 
 def arrow_parse_block(
-    block: bytes,
+    block: bytes | bytearray,
     columns: Sequence[CsvColumn],
     fmt: CsvFormat,
     select_cols: Sequence[int],
