@@ -178,6 +178,29 @@ def test_resume_after_an_error_goes_on_with_the_next_record(tmp_path: Any) -> No
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("text", [",\n\n", "1,2\n\n3,4\n", "\n1,2\n", "1,\n,2\n\n"])
+def test_an_empty_line_in_a_wider_file_is_a_record_of_one_field(
+    tmp_path: Any, engine: str, text: str,
+) -> None:
+    """pyarrow reads an empty line as a row of nulls (defaults, here); CsvDataset reads a
+    record of one field, an error: the arrow path hands such blocks to the pure parser."""
+    path = tmp_path / "e.csv"
+    path.write_text(text)
+    ds = hr.read_csv(str(path), 1, column_names=["a", "b"], column_defaults=[[0.0], [0.0]],
+                     header=False, engine=engine)
+    outcomes = []
+    it = iter(ds)
+    while True:
+        try:
+            outcomes.append(next(it)["a"].tolist())
+        except StopIteration:
+            break
+        except hr.CsvError as error:
+            outcomes.append(error.message)
+    assert "Expect 2 fields but have 1 in record" in outcomes
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_header_longer_than_the_first_look_is_read_whole(tmp_path: Any, engine: str) -> None:
     """The header is looked for in a 64 KiB window first, grown until it holds the header
     (here a quoted name of 90 KB, with a line break in it)."""

@@ -944,6 +944,11 @@ def arrow_parse_block(
         return None
     if expected_rows is not None and table.num_rows != expected_rows:
         return None
+    if total > 1 and any(table.column(i).null_count for i in range(table.num_columns)) and (
+            block.startswith(b"\n", start, stop) or block.find(b"\n\n", start, stop) >= 0):
+        # pyarrow reads an empty line as a row of nulls; to TensorFlow it is a record of
+        # one field, an error in a wider file. Only a block with nulls can hold one.
+        return None
     outputs = []
     for index, column in enumerate(columns):
         chunked = table.column(index)

@@ -1,13 +1,17 @@
 """CSV files as a source: ``CsvDataset`` records, or columnar batches, under the budget.
 
 Files are read through the process-wide file pool (G2) in *blocks* of whole
-records (``block_bytes``, 1 MiB by default): each block is parsed at once into
+records (``block_bytes``, 4 MiB by default): each block is parsed at once into
 one NumPy array per column — by pyarrow's C++ parser when the ``[arrow]``
 extra is installed and the block is one it reads exactly as TensorFlow does,
 otherwise by :mod:`headrace.io.csv`'s pure parser — and the parsed block is
-booked on the stage's share of the budget before it is held (G1). Records
-are handed out from the block one by one (``CsvDataset``) or, when a
-``batch`` follows, as slices copied into each batch (no per-record Python).
+booked on the stage's share of the budget before it is held (G1), as is the
+reused buffer an uncompressed file's text is read into. Records are handed
+out from the block one by one (``CsvDataset``) or, when a ``batch`` follows,
+as slices copied into each batch (no per-record Python). Batches are copies,
+not views of the block: a consumer that keeps some batches keeps their rows,
+never a whole block per batch (a view would pin, and by the core's rule cost,
+its whole block; the copy is ~4% of the time of the parse).
 
 Where it is (G4): the byte offset of the block's first record, the index of
 that record in its file, and how many of the block's records were handed
