@@ -57,6 +57,10 @@ def test_sizeof_charges_a_view_of_a_non_buffer_owner_its_owner() -> None:
     assert sizeof(view) >= 400_000
     assert sizeof(view[:10]) >= 400_000  # a slice pins, and costs, the whole column
     assert sizeof([view, view[5:]]) < 2 * 400_000  # the owner once per element
+    converted = pa.array(np.arange(100_000) % 2 == 0).to_numpy(zero_copy_only=False)
+    with warnings.catch_warnings():  # its owner is a PyCapsule: no "cannot see inside"
+        warnings.simplefilter("error")
+        assert 100_000 <= sizeof(converted[10:20]) < 101_000  # the converted buffer
     for whole in (column, column.chunk(0), pa.table({"x": column}), column.chunk(0).buffers()[1]):
         assert 400_000 <= sizeof(whole) < 401_000  # the buffers once (pyarrow's __sizeof__
         # counts them already; the sizer added them again)

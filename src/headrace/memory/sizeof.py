@@ -34,6 +34,7 @@ its cost. Views of memory that predates the iteration are never copied.
 
 from __future__ import annotations
 
+import datetime
 import mmap
 import sys
 import threading
@@ -178,6 +179,21 @@ def owner_of(array: np.ndarray[Any, Any]) -> object:
     return base
 
 
+_CAPSULE = type(datetime.datetime_CAPI)
+
+
+def _costed_owner(array: np.ndarray[Any, Any]) -> object:
+    """What a view is costed by: its owner, or where the owner is an opaque capsule (a C
+    library's buffer handed to NumPy: pyarrow's converted columns) the outermost array
+    over it, which spans the buffer the capsule keeps alive."""
+    base: object = array
+    outermost = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        outermost = base
+        base = base.base
+    return outermost if type(base) is _CAPSULE else base
+
+
 def _is_file_backed(owner: object) -> bool:
     return isinstance(owner, mmap.mmap)
 
@@ -229,7 +245,7 @@ class _Costing:
         if array.base is None:
             owned = self.owner_cost(array)
             return owned if owned else ARRAY_HEADER_BYTES  # seen already, or the user's
-        owned = self.owner_cost(owner_of(array))
+        owned = self.owner_cost(_costed_owner(array))
         if owned > _COMPACT_RATIO * array.nbytes + _COMPACT_MIN_SAVING:
             self.compactable = True
         return ARRAY_HEADER_BYTES + owned
