@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import json
 import random
@@ -37,13 +38,21 @@ PAYLOADS = ("array", "array", "array", "list", "dict", "set", "object", "bytes",
 DISTRIBUTIONS = ("uniform", "heavy", "jump", "views")
 
 
-def random_spec(seed: int, *, wider: bool = True, processes: bool = False) -> dict[str, Any]:
+def random_spec(
+    seed: int, *, wider: bool = True, processes: bool = False, newer: bool = False
+) -> dict[str, Any]:
     """One random pipeline, as plain data (reproducible from ``seed``).
 
     ``wider=False`` leaves out tf.data's wider surface (window, group_by_window, ...):
     the pipeline a seed named by a regression test had when the test was written.
     ``processes=True`` adds maps on worker processes (``xmap``) to the choices; off,
     a seed draws the same pipeline as before they existed.
+    ``newer=True`` adds, each from an RNG of its own (the other draws of a seed stay
+    what they were): JPEG elements decoded by a parallel map that books the decoded
+    size from the header first (``map(..., output_nbytes=decoded_nbytes)``, issue 14)
+    and, with ``processes``, interleaves whose inner pipelines run in worker processes
+    (``interleave(..., workers="processes")``): as the source (shards read in workers)
+    and as a stage (each element expanded in a worker).
     """
     rng = random.Random(seed)
     budget_mib = rng.choice((16, 24, 32, 48, 64, 96))
@@ -140,7 +149,43 @@ def random_spec(seed: int, *, wider: bool = True, processes: bool = False) -> di
         else:
             ops.append([kind])
     spec["ops"] = ops
+    if newer:
+        _newer_stages(spec, seed, processes=processes)
     return spec
+
+
+#: Ops of tf.data's wider surface that need 1-D rows (a decoded image is 3-D).
+_ROWS_ONLY = ("window", "group_by_window", "ragged_batch", "sample")
+
+
+def _newer_stages(spec: dict[str, Any], seed: int, *, processes: bool) -> None:
+    """Add the stages of ``random_spec(newer=True)`` to ``spec`` (see there)."""
+    ops = spec["ops"]
+    images = random.Random(seed ^ 0x1A9E_DEC0)
+    if spec["payload"] == "array" and spec["source"] != "array" and images.random() < 0.35:
+        # JPEGs whose decoded size follows the spec's distribution (jumps, heavy tails,
+        # crops that are views of the decoded image), decoded first thing
+        spec["payload"] = "jpeg"
+        where = images.choice(("threads", "processes")) if processes else "threads"
+        spec["ops"] = ops = [op for op in ops if op[0] not in _ROWS_ONLY]
+        ops.insert(0, ["decode", images.choice((1, 2, 4)), where,
+                       images.choice(("plain", "plain", "crop"))])
+    if not processes:
+        return
+    workers = random.Random(seed ^ 0x3C_1EAF)
+    if spec["source"] in ("generator", "interleave") and workers.random() < 0.4:
+        spec["source"] = "xinterleave"  # shards opened and read in worker processes
+        cycle = workers.choice((1, 2, 3))  # cycle, block, workers (at most cycle)
+        spec["interleave"] = [cycle, workers.choice((1, 2)), min(workers.choice((1, 2)), cycle)]
+    if spec["payload"] in ("array", "dict", "bytes", "list") and workers.random() < 0.3:
+        # each element expanded (1-2 copies) by an inner pipeline in a worker, at a place
+        # where the stream is rows (before any batch)
+        batched_at = next((k for k, op in enumerate(ops)
+                           if op[0] in ("batch", "padded_batch", "window")), len(ops))
+        at = workers.randint(1 if ops and ops[0][0] == "decode" else 0, max(batched_at, 0))
+        cycle = workers.choice((1, 2, 4))  # cycle, copies, workers (at most cycle)
+        ops.insert(at, ["xinterleave", cycle, workers.choice((1, 2)),
+                        min(workers.choice((1, 2)), cycle)])
 
 
 def cache_spec(seed: int) -> dict[str, Any]:
@@ -178,12 +223,36 @@ def cache_spec(seed: int) -> dict[str, Any]:
     }
 
 
-def process_spec(seed: int) -> dict[str, Any]:
-    """``random_spec(seed, processes=True)`` with one process map at least (first, if
-    the draw had none): the pipelines of the process-stage sweeps."""
-    spec = random_spec(seed, processes=True)
+def process_spec(seed: int, *, newer: bool = True) -> dict[str, Any]:
+    """``random_spec(seed, processes=True, newer=...)`` with one process map at least
+    (first, if the draw had none): the pipelines of the process-stage sweeps.
+    ``newer=False``: the pipeline a seed had before process interleaves and image decodes
+    were drawn (the seeds regression tests name)."""
+    spec = random_spec(seed, processes=True, newer=newer)
     if not any(op[0] == "xmap" for op in spec["ops"]):
-        spec["ops"].insert(0, ["xmap", 1 + seed % 2, "copy"])
+        spec["ops"].insert(1 if spec["ops"] and spec["ops"][0][0] == "decode" else 0,
+                           ["xmap", 1 + seed % 2, "copy"])
+    return spec
+
+
+def newer_spec(seed: int) -> dict[str, Any]:
+    """``process_spec(seed)`` with a process interleave and an image decode at least
+    (added where the draw had none): the sweep of the stages ``newer`` adds."""
+    spec = process_spec(seed)
+    rng = random.Random(seed ^ 0x7E57)
+    if spec["source"] == "array":
+        spec["source"] = "generator"
+    if spec["payload"] not in ("array", "jpeg"):
+        spec["payload"] = "array"
+    if spec["payload"] == "array":
+        spec["payload"] = "jpeg"
+        spec["ops"] = [op for op in spec["ops"] if op[0] not in _ROWS_ONLY]
+        spec["ops"].insert(0, ["decode", rng.choice((1, 2, 4)),
+                               rng.choice(("threads", "processes")), rng.choice(("plain", "crop"))])
+    if spec["source"] != "xinterleave" and not any(op[0] == "xinterleave" for op in spec["ops"]):
+        spec["source"] = "xinterleave"
+        cycle = rng.choice((1, 2, 3))
+        spec["interleave"] = [cycle, rng.choice((1, 2)), min(rng.choice((1, 2)), cycle)]
     return spec
 
 
@@ -234,7 +303,96 @@ def _payload(spec: dict[str, Any], array: Any) -> Any:
         return Holder(array)
     if payload == "bytes":
         return array.tobytes()
+    if payload == "jpeg":
+        return _jpeg(nbytes, int(array[0]) if nbytes else 0)
     return memoryview(array.tobytes())
+
+
+def _image_shape(nbytes: int) -> tuple[int, int]:
+    """A near-square RGB image of about ``nbytes`` decoded (at least 8x8 pixels)."""
+    width = max(8, int((nbytes / 3) ** 0.5))
+    return max(8, nbytes // (3 * width)), width
+
+
+def _jpeg(nbytes: int, value: int) -> bytes:
+    """A JPEG decoding to about ``nbytes``: a colour ramp from ``value`` (cached by size)."""
+    return _jpeg_of(*_image_shape(nbytes), value)
+
+
+@functools.lru_cache(maxsize=64)
+def _jpeg_of(height: int, width: int, value: int) -> bytes:
+    import numpy as np
+    import simplejpeg
+
+    ramp = (np.arange(width, dtype=np.uint16) * 7 + value) % 256
+    image = np.empty((height, width, 3), np.uint8)
+    image[...] = ramp.astype(np.uint8)[None, :, None]
+    return bytes(simplejpeg.encode_jpeg(image, quality=80))
+
+
+class Decode:
+    """The decode of a ``decode`` op: ``headrace.image.decode_jpeg`` to RGB; ``crop``: then
+    the centre half, a view pinning the whole decoded image (as a crop of a decode is)."""
+
+    def __init__(self, crop: bool) -> None:
+        self.crop = crop
+
+    def __call__(self, contents: Any) -> Any:
+        import headrace.image as hi
+
+        image = hi.decode_jpeg(contents, channels=3)
+        return image[image.shape[0] // 4 :][: max(image.shape[0] // 2, 1)] if self.crop else image
+
+
+def decoded_rgb_nbytes(contents: Any) -> int:
+    """The decoded size from the JPEG's header (before decoding): ``output_nbytes``."""
+    import headrace.image as hi
+
+    return hi.decoded_nbytes(contents, channels=3)
+
+
+class Shard:
+    """The inner pipeline of shard ``i`` of the ``xinterleave`` source: elements
+    ``i*per .. (i+1)*per`` of the spec, generated in the worker process reading it."""
+
+    def __init__(self, spec: dict[str, Any], per: int) -> None:
+        self.spec, self.per = spec, per
+
+    def __call__(self, i: Any) -> Any:
+        import numpy as np
+
+        import headrace as hr
+
+        spec, start = self.spec, int(i) * self.per
+
+        def generate() -> Any:
+            for index in range(start, start + self.per):
+                yield _element(spec, index, np)
+
+        return hr.Dataset.from_generator(generate, output_signature=_element_spec(spec))
+
+
+class Copies:
+    """The inner pipeline of an ``xinterleave`` op: the element, ``copies`` times."""
+
+    def __init__(self, copies: int) -> None:
+        self.copies = copies
+
+    def __call__(self, *element: Any) -> Any:
+        import headrace as hr
+
+        value = element[0] if len(element) == 1 else element
+        return hr.Dataset.from_tensors(value).repeat(self.copies)
+
+
+def _element_spec(spec: dict[str, Any]) -> Any:
+    import numpy as np
+
+    import headrace as hr
+
+    if spec["payload"] == "dict":
+        return {"x": hr.TensorSpec((None,), np.uint8), "i": hr.TensorSpec((), np.int64)}
+    return hr.TensorSpec((None,), np.uint8)
 
 
 def _map_fn(kind: str, np: Any) -> Any:
@@ -344,12 +502,8 @@ def build(spec: dict[str, Any], custom: dict[str, Any] | None = None) -> Any:
     import headrace as hr
 
     count = spec["count"]
-    element_spec: Any
     payload = spec["payload"]
-    if payload == "dict":
-        element_spec = {"x": hr.TensorSpec((None,), np.uint8), "i": hr.TensorSpec((), np.int64)}
-    else:
-        element_spec = hr.TensorSpec((None,), np.uint8)
+    element_spec = _element_spec(spec)
 
     def generate(start: int = 0, stop: int = count) -> Any:
         for index in range(int(start), int(stop)):
@@ -370,6 +524,13 @@ def build(spec: dict[str, Any], custom: dict[str, Any] | None = None) -> Any:
         ds = hr.Dataset.range(shards).interleave(
             shard, cycle_length=2, num_parallel_calls=spec["seed"] % 2 or None
         )
+    elif spec["source"] == "xinterleave":
+        cycle, block, workers = spec["interleave"]
+        shards = 4
+        ds = hr.Dataset.range(shards).interleave(
+            Shard(spec, max(count // shards, 1)), cycle_length=cycle, block_length=block,
+            num_parallel_calls=workers, workers="processes",
+        )
     else:
         ds = hr.Dataset.from_generator(generate, output_signature=element_spec)
     if payload not in ("array", "dict"):
@@ -382,6 +543,12 @@ def build(spec: dict[str, Any], custom: dict[str, Any] | None = None) -> Any:
             ds = ds.map(_map_fn(op[2], np), num_parallel_calls=op[1])
         elif name == "xmap":
             ds = ds.map(MapFn(op[2]), num_parallel_calls=op[1], workers="processes")
+        elif name == "decode":
+            ds = ds.map(Decode(op[3] == "crop"), num_parallel_calls=op[1], workers=op[2],
+                        output_nbytes=decoded_rgb_nbytes)
+        elif name == "xinterleave":
+            ds = ds.interleave(Copies(op[2]), cycle_length=op[1], num_parallel_calls=op[3],
+                               workers="processes")
         elif name == "filter":
             ds = ds.filter(lambda *x: True)
         elif name == "shuffle":
@@ -515,6 +682,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
     outcome, elements, accounted, total = "ok", 0, 0, spec["budget_mib"] * MiB
     order = zlib.crc32(b"")  # of every element's summary, in order: G3 across runs
     started = time.perf_counter()
+    iterator: Any = None
     try:
         iterator = iter(build(spec))
         with iterator:
@@ -533,6 +701,11 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
         done.set()
         sampler.join()
         budget_module.StageAccount._book = original  # type: ignore[method-assign]
+    # overdrafts by stage: a map told each output's size (output_nbytes) should need none
+    by_stage = {} if iterator is None else {
+        account.name: account.overdrawn_peak
+        for account in iterator.context.budget.accounts if account.overdrawn_peak
+    }
     return {
         "seed": spec["seed"],
         "outcome": outcome,
@@ -542,6 +715,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
         "accounted_peak": accounted,
         "violations": violations[:5],
         "overdrawn_peak": overdrawn[0],
+        "overdrawn_by_stage": by_stage,
         "growth": peak[0] - start,
         "bound": int(total * 1.1) + 64 * MiB,
         "seconds": round(time.perf_counter() - started, 3),

@@ -118,3 +118,47 @@ def example_batches(path: Any, batch: int = 7) -> Any:
         "id": FixedLenFeature((), bytes),
     }
     return hr.TFRecordDataset(os.fsdecode(path)).batch(batch).parse_examples(spec)
+
+
+def big_rows(i: Any, kib: int = 1024, count: int = 3) -> Any:
+    """An inner dataset of ``count`` arrays of ``kib`` KiB (an interleave's slot contents)."""
+    import headrace as hr
+
+    return hr.Dataset.range(count).map(functools.partial(_row_of, int(i), kib * 1024))
+
+
+def _row_of(i: int, nbytes: int, j: Any) -> Any:
+    return np.full(nbytes, i, np.uint8)
+
+
+def sized_shard(
+    i: Any, lengths: tuple[int, ...], nbytes: int, grow_at: int, inner: str = "plain"
+) -> Any:
+    """An inner dataset of random shape for checkpoint generators: ``lengths[i % len]``
+    elements of shard ``i``, arrays of ``nbytes`` that grow 8x from element ``grow_at``
+    on (mid-stream), every third one a view of a larger array; ``inner`` adds a stage
+    inside the worker's pipeline: ``"shuffle"`` (its RNG state travels in the slot's
+    checkpoint) or ``"prefetch"`` (its buffer is dropped and re-read on restore)."""
+    import headrace as hr
+
+    count = lengths[int(i) % len(lengths)]
+    ds = hr.Dataset.range(count).map(
+        functools.partial(_sized_row, int(i), nbytes, grow_at),
+        output_signature=hr.TensorSpec((None,), np.uint8),
+    )
+    if inner == "shuffle":
+        ds = ds.shuffle(3, seed=int(i))
+    elif inner == "prefetch":
+        ds = ds.prefetch(2)
+    return ds
+
+
+def _sized_row(shard: int, nbytes: int, grow_at: int, j: Any) -> Any:
+    size = nbytes * (8 if int(j) >= grow_at else 1)
+    if int(j) % 3 == 2:  # a view of the middle of an array four times its size
+        big = np.full(size * 4, shard, np.uint8)
+        row = big[size : 2 * size]
+    else:
+        row = np.full(size, shard, np.uint8)
+    row[:1] = int(j) % 251
+    return row

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -79,3 +80,68 @@ def consume_records(address: str, index: int, authkey: bytes, out: str) -> None:
         got = [bytes(e[: int(e[-1])]).decode() for e in part]
     with open(out, "w") as sink:
         json.dump(got, sink)
+
+
+def shard_of(n: int, i: Any) -> hr.Dataset:
+    """Shard ``i`` of ``range(n)`` (every third element from the i-th) as arrays: the
+    inner pipeline of a producer's process interleave."""
+    return hr.Dataset.range(int(i), n, 3).map(as_array)
+
+
+def sized(x: Any, nbytes: int = 64 << 10, grow_at: int = 1 << 62) -> Any:
+    """Element ``x`` as an array of ``nbytes`` (8x from element ``grow_at`` on), carrying
+    ``x`` in its first 8 bytes; every third one a view of an array 4x its size."""
+    size = nbytes * (8 if int(x) >= grow_at else 1)
+    if int(x) % 3 == 2:
+        row = np.zeros(size * 4, np.uint8)[size : 2 * size]
+    else:
+        row = np.zeros(size, np.uint8)
+    row[:8] = np.frombuffer(np.int64(int(x)).tobytes(), np.uint8)
+    return row
+
+
+def number(element: Any) -> int:
+    """The ``x`` a :func:`sized` element carries."""
+    return int(np.frombuffer(np.asarray(element)[:8].tobytes(), np.int64)[0])
+
+
+def charged() -> int:
+    """This process's RssAnon + RssShmem (what the measured bound of G1 counts)."""
+    total = 0
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(("RssAnon:", "RssShmem:")):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def consume_until(
+    address: str, index: int, authkey: bytes, state_in: str, out: str, stop: int, die: bool
+) -> None:
+    """One life of a consumer: connect (resuming from the state in ``state_in``, if that
+    file exists), read up to ``stop`` elements of its part, then write what it read, its
+    state and its memory growth (RssAnon + RssShmem) to ``out``; then close or, with
+    ``die``, SIGKILL itself without closing anything."""
+    state = json.loads(Path(state_in).read_text()) if os.path.exists(state_in) else None
+    start = peak = charged()
+    got: list[int] = []
+    part = hr.connect(address, index, authkey=authkey, state=state)
+    ended = True
+    for element in part:
+        got.append(number(element))
+        del element
+        peak = max(peak, charged())
+        if len(got) >= stop:
+            ended = False
+            break
+    result = {"values": got, "state": part.get_state(), "ended": ended, "growth": peak - start}
+    Path(out).write_text(json.dumps(result))
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    part.close()
+
+
+def half_of(dataset: hr.Dataset, i: Any) -> hr.Dataset:
+    """Half ``i`` of ``dataset`` (its elements ``i, i + 2, ...``): an inner pipeline that
+    re-reads a served stream inside a process interleave's worker."""
+    return dataset.shard(2, int(i))

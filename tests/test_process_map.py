@@ -510,3 +510,29 @@ def test_input_segments_are_pooled_booked_and_freed(monkeypatch: pytest.MonkeyPa
     assert budget.used == 0  # the pooled segments' bookings went back with close
     gc.collect()
     assert own_segments() == []
+
+
+def test_the_collector_survives_the_segment_of_a_cancelled_call_vanishing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the process sweep (seed 200014, refused mid-run): a call cancelled by the
+    pipeline's close came back in a new segment that the closing worker had unlinked
+    already; opening it raised FileNotFoundError in the collector thread, which died."""
+    from headrace.workers import processes
+
+    def vanished(name: str, size: int) -> Any:
+        raise FileNotFoundError(name)
+
+    pool = processes.ProcessPool(functools.partial(process_fns.huge, nbytes=1 << 20), 1, "test")
+    try:
+        monkeypatch.setattr(processes, "open_segment", vanished)
+        cancelled = pool.submit([1])
+        assert cancelled.cancel()
+        deadline = time.monotonic() + 10
+        while pool.workers[0].pending and time.monotonic() < deadline:
+            time.sleep(0.01)  # the worker answers; the collector meets the missing name
+        monkeypatch.undo()
+        outputs, failed, _, _ = pool.submit([2]).result(timeout=10)
+        assert failed is None and outputs[0][-1] == 3 and len(outputs[0]) == 1 << 20
+    finally:
+        pool.shutdown()

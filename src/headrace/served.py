@@ -149,6 +149,7 @@ class Server(ClosesOnExit):
         self._connections: dict[int, Connection] = {}
         self._threads: list[threading.Thread] = []
         self._served: dict[int, int] = dict.fromkeys(range(consumers), 0)  # runs finished
+        self._runs: dict[int, DatasetIterator] = {}  # the connected consumers' runs
         self._closed = False
         sweep_stale()
         _remove_stale_socket(self.address)
@@ -172,6 +173,21 @@ class Server(ClosesOnExit):
         """How many times consumer ``index`` has read its part to the end."""
         with self._lock:
             return self._served[index]
+
+    def booked(self) -> dict[int, int]:
+        """Bytes each connected consumer's run books now on the shared budget (its
+        buffers; the segments its elements travel in are the ``segments`` account's)."""
+        with self._lock:
+            runs = dict(self._runs)
+        return {index: run.context.budget.used for index, run in runs.items()}
+
+    def overdrawn(self) -> int:
+        """Bytes booked past their stages' shares now, as counted overdrafts: segments a
+        hoarding consumer keeps, outputs of parallel calls that outgrew their estimate."""
+        with self._lock:
+            runs = list(self._runs.values())
+        accounts = [self.segments] + [a for run in runs for a in run.context.budget.accounts]
+        return sum(account.overdrawn for account in accounts)
 
     def close(self) -> None:
         """Stop listening, end every connection, close every consumer's run. Idempotent."""
@@ -252,6 +268,8 @@ class Server(ClosesOnExit):
             run = DatasetIterator(
                 part.node, part.options, shared_budget=self.budget, file_limiter=self.file_limiter
             )
+            with self._lock:
+                self._runs[index] = run
             while True:
                 request = conn.recv()
                 kind = request[0]
@@ -284,6 +302,9 @@ class Server(ClosesOnExit):
             return  # the consumer went away (exited, died, or we hung up on close)
         finally:
             if run is not None:
+                with self._lock:
+                    if index is not None and self._runs.get(index) is run:
+                        del self._runs[index]
                 run.close()
             pool.close()
             for reservation in booked:

@@ -8,7 +8,7 @@ iterator, and verify that the rest of the stream is identical.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -69,7 +69,11 @@ def _checkpoints(total: int, max_checkpoints: int) -> list[int]:
 
 
 def assert_checkpoint_roundtrip(
-    dataset: Dataset, *, max_elements: int = 10_000, max_checkpoints: int = 60
+    dataset: Dataset | None = None,
+    *,
+    max_elements: int = 10_000,
+    max_checkpoints: int = 60,
+    open_iterator: Callable[[], Any] | None = None,
 ) -> None:
     """Checkpoint at many steps, restore into a fresh iterator, compare the rest.
 
@@ -79,15 +83,27 @@ def assert_checkpoint_roundtrip(
     exactly the same remaining elements. Steps cover the start, the end and
     (with ``repeat``) epoch boundaries. Infinite datasets are cut at
     ``max_elements``.
+
+    ``open_iterator``: makes the fresh iterators instead of ``iter(dataset)``, for
+    iterators made otherwise (a served consumer's ``headrace.connect(...)``): each
+    must have ``get_state``/``set_state`` and be a context manager.
     """
-    with iter(dataset) as reference_iterator:
+    if open_iterator is None:
+        if dataset is None:
+            raise TypeError("assert_checkpoint_roundtrip needs a dataset or open_iterator")
+        source = dataset
+
+        def open_iterator() -> Any:
+            return iter(source)
+
+    with open_iterator() as reference_iterator:
         total = len(take_elements(reference_iterator, max_elements))
     for step in _checkpoints(total, max_checkpoints):
-        with iter(dataset) as original:
+        with open_iterator() as original:
             take_elements(original, step)
             state = json.loads(json.dumps(original.get_state()))
             expected = take_elements(original, total - step)
-        with iter(dataset) as restored:
+        with open_iterator() as restored:
             restored.set_state(state)
             actual = take_elements(restored, total - step)
         assert len(actual) == len(expected), (

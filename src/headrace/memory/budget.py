@@ -49,6 +49,17 @@ from headrace.memory.units import format_bytes
 __all__ = ["AccountStats", "KeptStats", "MemoryBudget", "Reservation", "StageAccount"]
 
 
+#: Why minima that fit the total together are refused all the same.
+_NOT_LENT = (
+    " A shuffle's share is not lent to other stages (that would make the order depend on "
+    "timing): a smaller shuffle buffer_size frees it."
+)
+
+
+class _RefusedAbove(MemoryBudgetError):
+    """A nested budget could not widen: the stage holding it was refused (its message)."""
+
+
 class BudgetClosed(Exception):
     """Raised inside a waiting producer when its iterator closes (internal)."""
 
@@ -138,6 +149,10 @@ class MemoryBudget:
         #: What stages keep beyond this run (kept caches it reads), by key: each call
         #: describes it now, or gives None once it is gone.
         self._kept: dict[int, Callable[[], KeptStats | None]] = {}
+        #: For a nested budget (an interleave slot's): called with what its stages'
+        #: minima add up to when that passes ``total``; makes room in the stage above
+        #: and returns the new total, or raises MemoryBudgetError naming that stage.
+        self.widen: Callable[[int], int] | None = None
 
     def report_kept(self, key: int, describe: Callable[[], KeptStats | None]) -> None:
         """Have this run's stats show memory a stage keeps beyond it (see KeptStats)."""
@@ -186,36 +201,46 @@ class MemoryBudget:
         Deterministic: a function of the total, the weights (the structure) and
         the declared minima (the data's sizes). Raises :class:`MemoryBudgetError`
         naming every stage's minimum when they cannot all fit.
+
+        Under the budget's lock from reading the minima to writing the shares: a
+        stage that checks its holding against its share and books under the same
+        lock (:meth:`StageAccount.hold`, ``move_to(..., together=...)``) can never
+        see its share lowered below that holding in between (fuzz seed 200014).
         """
-        accounts = self.accounts
-        weights = sum(account.weight for account in accounts)
-        limits = [
-            int(self.total * account.weight / weights) if weights else 0 for account in accounts
-        ]
-        minima = [account.minimum for account in accounts]
-        if sum(minima) > self.total:
-            raise MemoryBudgetError(self._minima_message())
-        deficit = sum(max(0, low - limit) for low, limit in zip(minima, limits, strict=True))
-        limits = [max(low, limit) for low, limit in zip(minima, limits, strict=True)]
-        # Stages whose share sets an order never lend: a re-split happens when a minimum
-        # becomes known, and with threads that moment is timing, so lending a shuffle's
-        # bytes would make its buffer, and so the order, depend on timing (G3).
-        lenders = [
-            k for k, account in enumerate(accounts)
-            if not account.sets_order and limits[k] > minima[k]
-        ]
-        surplus = sum(limits[k] - minima[k] for k in lenders)
-        if deficit > surplus:
-            raise MemoryBudgetError(
-                self._minima_message()
-                + " A shuffle's share is not lent to other stages (that would make the "
-                "order depend on timing): a smaller shuffle buffer_size frees it."
-            )
-        if deficit > 0:
-            for k in lenders:
-                spare = limits[k] - minima[k]
-                limits[k] -= min(spare, -(-deficit * spare // surplus))  # ceil: never short
         with self.changed:
+            accounts = self.accounts
+            weights = sum(account.weight for account in accounts)
+            limits = [
+                int(self.total * account.weight / weights) if weights else 0 for account in accounts
+            ]
+            minima = [account.minimum for account in accounts]
+            if sum(minima) > self.total and self.widen is not None:
+                try:
+                    self.total = max(self.total, self.widen(sum(minima)))
+                except MemoryBudgetError as error:  # the stage above is refused: its words
+                    raise _RefusedAbove(str(error)) from None
+                limits = [
+                    int(self.total * account.weight / weights) if weights else 0
+                    for account in accounts
+                ]
+            if sum(minima) > self.total:
+                raise MemoryBudgetError(self._minima_message())
+            deficit = sum(max(0, low - limit) for low, limit in zip(minima, limits, strict=True))
+            limits = [max(low, limit) for low, limit in zip(minima, limits, strict=True)]
+            # Stages whose share sets an order never lend: a re-split happens when a minimum
+            # becomes known, and with threads that moment is timing, so lending a shuffle's
+            # bytes would make its buffer, and so the order, depend on timing (G3).
+            lenders = [
+                k for k, account in enumerate(accounts)
+                if not account.sets_order and limits[k] > minima[k]
+            ]
+            surplus = sum(limits[k] - minima[k] for k in lenders)
+            if deficit > surplus:
+                raise MemoryBudgetError(self._minima_message() + _NOT_LENT)
+            if deficit > 0:
+                for k in lenders:
+                    spare = limits[k] - minima[k]
+                    limits[k] -= min(spare, -(-deficit * spare // surplus))  # ceil: never short
             for account, limit in zip(accounts, limits, strict=True):
                 account.limit = limit
             self.changed.notify_all()
@@ -334,11 +359,17 @@ class StageAccount:
         if nbytes > self.limit:
             try:
                 self.budget.allot()
-            except MemoryBudgetError:
+            except _RefusedAbove as error:
+                self.minimum, self.minimum_what = previous
+                raise MemoryBudgetError(str(error)) from None
+            except MemoryBudgetError as error:
                 message = self.budget._minima_message(
                     f"stage {self.name!r} needs {format_bytes(nbytes)} at once for {what}; "
                     "with the other stages, the pipeline"
                 )
+                if str(error).endswith(_NOT_LENT):  # the minima fit; the shuffle's share not
+                    message = message.replace(", more than the memory budget", " within the "
+                                              "memory budget") + _NOT_LENT
                 self.minimum, self.minimum_what = previous
                 raise MemoryBudgetError(message) from None
 
@@ -458,8 +489,17 @@ class StageAccount:
         budget splits itself again if it must, or raises
         :class:`MemoryBudgetError` naming the stage and what it was assembling.
         """
-        self._check_fits(self.held + nbytes, what)
-        return self.charge(nbytes, elements=elements)
+        with self.lock:  # checked and booked as one step (see allot)
+            self._check_fits(self.held + nbytes, what)
+            self._book(nbytes, elements)
+        return Reservation(self, nbytes)
+
+    def _fit_together(self, nbytes: int, what: str) -> None:
+        """Make the share hold what the stage holds plus ``nbytes`` at once (call holding
+        the lock): its minimum grows to that, or :class:`MemoryBudgetError`."""
+        needed = self.held + nbytes
+        if needed > self.limit:
+            self.require(needed, what=what)
 
     def book_existing(self, sizes: list[int], *, count: bool = True) -> list[Reservation]:
         """Book elements that already exist (outputs of calls that were in flight).
@@ -553,21 +593,32 @@ class Reservation:
             self.account.release(self.nbytes)
         self.nbytes = 0
 
-    def move_to(self, account: StageAccount, nbytes: int) -> Reservation:
+    def move_to(
+        self, account: StageAccount, nbytes: int, *, together: str | None = None
+    ) -> Reservation:
         """Book ``nbytes`` on ``account`` and release this booking, as one step.
 
         Stages of one pipeline share one lock, so the move is atomic: the
-        element is never counted twice or not at all.
+        element is never counted twice or not at all. ``together``: the stage
+        must hold the element together with what it holds already (the rows of a
+        batch being assembled), which is then its minimum working set, checked
+        and booked under the lock as :meth:`StageAccount.hold` does; the text
+        says what is assembled, for the error when it cannot fit.
         """
         source = self.account
         if source is None or source.lock is not account.lock:
-            moved = account.charge(nbytes)
+            moved = (
+                account.charge(nbytes) if together is None
+                else account.hold(nbytes, what=together)
+            )
             self.release()
             return moved
         if nbytes > account.limit:
             account._check_fits(nbytes)
-        old, self.nbytes = self.nbytes, 0
         with account.lock:
+            if together is not None:
+                account._fit_together(nbytes, together)
+            old, self.nbytes = self.nbytes, 0
             account._book(nbytes)
             if old:
                 source._unbook(old)
@@ -595,9 +646,11 @@ class Overdraft(Reservation):
         self._settle()
         super().release()
 
-    def move_to(self, account: StageAccount, nbytes: int) -> Reservation:
+    def move_to(
+        self, account: StageAccount, nbytes: int, *, together: str | None = None
+    ) -> Reservation:
         self._settle()
-        return super().move_to(account, nbytes)
+        return super().move_to(account, nbytes, together=together)
 
 
 class _Chunk:
@@ -631,8 +684,12 @@ class ChunkPart(Reservation):
             chunk.release_one()
         self.nbytes = 0
 
-    def move_to(self, account: StageAccount, nbytes: int) -> Reservation:
-        moved = account.charge(nbytes)
+    def move_to(
+        self, account: StageAccount, nbytes: int, *, together: str | None = None
+    ) -> Reservation:
+        moved = (
+            account.charge(nbytes) if together is None else account.hold(nbytes, what=together)
+        )
         self.release()
         return moved
 

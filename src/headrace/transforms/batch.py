@@ -165,8 +165,8 @@ class Assembler(Iterator):
                 if reservation.account is None:
                     unbooked += size
                     unbooked_count += 1
-                else:
-                    reservations.append(reservation.move_to(account, size))
+                else:  # held together with the batch's other rows: checked as it is booked
+                    reservations.append(reservation.move_to(account, size, together=what))
         except StopIteration:
             pass
         except BaseException:
@@ -279,10 +279,14 @@ class _BatchIterator(Assembler):
                         # short last one under drop_remainder without a word): so do we
                         failure = error
                 if keeps_objects and failure is None:  # its objects live on in the batch
-                    if reservation.account is not None:  # booked above: it moves here now
-                        self._booking = self._booking.absorb(
-                            reservation.move_to(self.account, reservation.nbytes)
-                        )
+                    if reservation.account is not None:  # booked above: it moves here now,
+                        # held with the batch's other rows: the stage's minimum grows to
+                        # them all, checked as it is booked (a re-split on another thread
+                        # once lowered the share under a half-built batch: seed 200014)
+                        self._booking = self._booking.absorb(reservation.move_to(
+                            self.account, reservation.nbytes,
+                            together=f"the objects of a batch of {self.batch_size}",
+                        ))
                     else:
                         unbooked += self._objects_cost(leaves)
                         if unbooked >= _KEEP_GROUP_BYTES:

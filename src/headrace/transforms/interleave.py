@@ -46,6 +46,7 @@ input element (a filename, typically) and resumes the inner iterator.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -315,11 +316,30 @@ class _InterleaveIterator(Iterator):
             )
         owned = self.account.charge(owned_bytes) if owned_bytes else NO_RESERVATION
         budget.total = share - owned_bytes
+        budget.widen = functools.partial(self._widen_slot, owned_bytes)
         queue = budget.account("interleave slot", weight=1) if self.may_thread else None
         budget.allot()
         if self.gate is not None:
             iterator = self._read_ahead(iterator, inner_ctx, queue, self.gate, start=start)
         return _Slot(iterator, budget, input_before, inner_ctx, queue, owned)
+
+    def _widen_slot(self, owned_bytes: int, needed: int) -> int:
+        """A slot's stages must hold ``needed`` bytes at once (its first large element),
+        more than its part of the stage's share: any slot may, so the stage's minimum
+        becomes ``cycle_length`` such parts, and the pipeline's budget is split again
+        to fit them (or MemoryBudgetError names the interleave). The slot's new total.
+
+        Before, a slot refused an element larger than its part outright, with a
+        message naming the slot's part as "the memory budget", even where the
+        pipeline's budget held such slots easily (budget fuzzer seed 300004 of
+        ``newer_spec``, with threads and processes alike).
+        """
+        cycle = self.node.cycle_length
+        self.account.require(
+            (needed + owned_bytes) * cycle,
+            what=f"{cycle} interleave slots of {format_bytes(needed + owned_bytes)}",
+        )
+        return max(needed, self.account.limit // cycle - owned_bytes)
 
     def _open_remote_slot(
         self,
@@ -342,6 +362,7 @@ class _InterleaveIterator(Iterator):
             stage = f"interleave({function_name(node.map_func)})"
             self.processes = slot_pool(node, self.ctx.options, share, count, stage, self.account)
         account = budget.account("interleave slot", weight=1)
+        budget.widen = functools.partial(self._widen_slot, 0)
         budget.allot()
         iterator = RemoteSlotIterator(
             self.processes, element, inner_ctx, account, budget.total, "interleave slot",

@@ -548,7 +548,10 @@ class ProcessPool:
             if packet.segment is not None:  # never looked at: straight back to the worker
                 key, name, capacity = packet.segment
                 if name:
-                    maps.maps[key] = (open_segment(name, capacity), capacity)
+                    try:
+                        maps.maps[key] = (open_segment(name, capacity), capacity)
+                    except FileNotFoundError:  # the worker is closing and unlinked it
+                        return  # (its pool drops names not reported mapped): nothing to give
                     maps.opened += 1
                 with self.lock:
                     worker.freed.append(key)
