@@ -674,8 +674,11 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
 
     def sample() -> None:
         while not done.is_set():
+            began = time.perf_counter()
             peak[0] = max(peak[0], _charged())
-            time.sleep(0.002)
+            # every 2 ms, or less often where a sample itself is slow (each worker
+            # process's smaps read costs ~1 ms): at most a third of a core on it
+            time.sleep(max(0.002, 2 * (time.perf_counter() - began)))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -691,7 +694,8 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
                 elements += 1
                 if elements < 300:
                     time.sleep(consumer_delay)
-                peak[0] = max(peak[0], _charged())
+                if elements % 8 == 0 or not _worker_floor:  # (with workers, the sampler
+                    peak[0] = max(peak[0], _charged())  # thread does most of it)
             accounted = iterator.context.budget.peak
     except hr.MemoryBudgetError as error:
         outcome = f"MemoryBudgetError: {error}"

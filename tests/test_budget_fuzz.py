@@ -32,7 +32,7 @@ from headrace.memory.sizeof import admit, register_sizer, sizeof
 MiB = 1 << 20
 RUNNER = Path(__file__).with_name("fuzz_pipelines.py")
 sys.path.insert(0, str(RUNNER.parent))
-from fuzz_pipelines import process_spec, random_spec  # noqa: E402
+from fuzz_pipelines import newer_spec, process_spec, random_spec  # noqa: E402
 
 
 def run_specs(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -78,12 +78,73 @@ def assert_sweep_holds(specs: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @settings(max_examples=2, deadline=None, derandomize=True)
 @given(st.lists(st.integers(0, 2**31 - 1), min_size=6, max_size=6, unique=True))
 def test_random_pipelines_with_process_maps_hold_the_budget(seeds: list[int]) -> None:
     """The same checks with maps on worker processes among the stages: their shared
-    memory is booked, and the workers' own growth counts in the measured bound."""
+    memory is booked, and the workers' own growth counts in the measured bound. Process
+    interleaves and image decodes booked from their headers are drawn among them."""
     assert_sweep_holds([process_spec(seed) for seed in seeds])
+
+
+@settings(max_examples=1, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=3, max_size=3, unique=True))
+def test_process_interleaves_and_image_decodes_hold_the_budget(seeds: list[int]) -> None:
+    """A few random pipelines, each with a process interleave and a parallel map decoding
+    JPEGs that books their decoded size from the header (``output_nbytes``), in the
+    default run; the slow sweep above and ``bench_budget_fuzz.py --processes`` draw many."""
+    assert_sweep_holds([newer_spec(seed) for seed in seeds])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=6, max_size=6, unique=True))
+def test_many_process_interleaves_and_image_decodes_hold_the_budget(seeds: list[int]) -> None:
+    assert_sweep_holds([newer_spec(seed) for seed in seeds])
+
+
+def test_a_decode_booked_from_the_header_is_not_rebooked_at_the_largest_output() -> None:
+    """Fuzz seed 300003 of ``newer_spec`` (heavy-tailed JPEGs decoded on a thread, under
+    64 MiB): when an output grew past the largest so far, the map booked that growth for
+    every call in flight, though each was booked at its own decoded size from the header:
+    a 12 MB overdraft of bytes nobody held, which stopped new calls for nothing."""
+    (result,) = run_specs([newer_spec(300003)])
+    assert result["outcome"] == "ok", result
+    assert_within_budget(result)
+    decode = [name for name in result["overdrawn_by_stage"] if "Decode" in name]
+    assert decode == [], result["overdrawn_by_stage"]  # booked exactly: no overdraft
+
+
+def test_an_element_larger_than_an_interleave_slots_part_widens_the_stage() -> None:
+    """Fuzz seed 300004 of ``newer_spec`` (a process interleave of heavy-tailed shards
+    under 24 MiB): a 4 MiB element in a slot whose part of the stage's share was 4 MiB
+    was refused ("more than the memory budget of 4.0 MiB", the slot's part) after 128
+    elements, where the pipeline's budget held two such slots easily. The stage's
+    minimum now grows to cycle_length such slots, by a re-split (threaded slots had the
+    same limit: see the next test)."""
+    case = newer_spec(300004)
+    threads = {**case, "source": "interleave", "seed": 300004}
+    for result in run_specs([case, threads]):
+        assert result["outcome"] == "ok", result
+        assert_within_budget(result)
+
+
+def test_an_interleave_refused_for_its_slots_says_so() -> None:
+    import functools
+
+    import process_fns
+
+    for workers in ("threads", "processes"):  # two slots of 12.7 MiB cannot fit 24 MiB
+        ds = hr.Dataset.range(4).interleave(
+            functools.partial(process_fns.big_rows, kib=13_000), cycle_length=2,
+            num_parallel_calls=2, workers=workers,
+        ).with_options(hr.Options(memory_budget=24 * MiB))
+        with pytest.raises(hr.MemoryBudgetError, match=(
+            r"stage 'interleave' needs 25.4 MiB at once for 2 interleave slots of 12.7 MiB"
+        )), iter(ds) as iterator:
+            list(iterator)
 
 
 @pytest.mark.slow
@@ -94,7 +155,7 @@ def test_the_process_map_breach_of_seed_700_is_gone() -> None:
     cycle of the call's two futures kept every chunk of outputs until the cyclic GC
     ran; large bytes travelled in the pickle (twice copied in the parent per chunk);
     and a result segment holding only bytes was never given back to its worker."""
-    assert_sweep_holds([process_spec(700)])
+    assert_sweep_holds([process_spec(700, newer=False)])
 
 
 def test_process_maps_in_the_fuzzer_keep_budget_and_order() -> None:
@@ -422,7 +483,7 @@ def test_the_batch_breach_of_process_seed_200014_is_gone(where: str) -> None:
     rebatch(16), shuffle under 16 MiB: the batch went 57 KB past its share (see the test
     above). The pipeline's minima do not fit beside the shuffle's share, so it is refused;
     now without a breach, and with the refusal saying that the shuffle's share is not lent."""
-    case = process_spec(200014)
+    case = process_spec(200014, newer=False)
     if where == "threads":
         case["ops"][0] = ["pmap", 1, "copy"]
     (result,) = run_specs([case])
