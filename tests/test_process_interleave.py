@@ -399,3 +399,21 @@ def test_an_input_error_met_while_opening_ahead_is_raised_in_its_turn() -> None:
     assert ("error", "bad element 2") in expected
     with iter(build(2)) as remote:
         assert outputs(remote) == expected
+
+
+def test_a_process_map_inside_a_slots_pipeline_runs_in_the_worker() -> None:
+    """Found by the served-consumer fuzz case: a slot's inner pipeline holding a map on
+    processes, unpickled in a worker that had never imported the process map's module,
+    failed there ("headrace.transforms.process_map not imported"). The node now pickles
+    as a call into that module, so unpickling it registers the process map; and since a
+    worker (daemonic) may not start processes, the map runs its calls on threads there."""
+    inner = hr.Dataset.range(12).map(process_fns.square, num_parallel_calls=2,
+                                      workers="processes")
+    halves = functools.partial(process_fns.half_of, inner)
+    sequential = hr.Dataset.range(2).interleave(halves, cycle_length=2)
+    remote = hr.Dataset.range(2).interleave(halves, cycle_length=2, num_parallel_calls=2,
+                                            workers="processes")
+    expected = [int(x) for x in sequential]
+    assert expected == [0, 1, 4, 9, 16, 25, 36, 49, 64, 81, 100, 121]
+    with iter(remote) as iterator:
+        assert [int(x) for x in iterator] == expected

@@ -57,12 +57,17 @@ from headrace.structure import TensorSpec, flatten, map_structure, spec_of
 from headrace.transforms.batch import batch_iterator
 from headrace.transforms.parse_fusion import FusedParse, FusedParseIterator, fused_parse
 
-__all__ = ["MapNode", "apply_fn", "process_iterator"]
+__all__ = ["MapNode", "apply_fn", "process_iterator", "restore_process_node"]
 
 #: Builds the iterator of a map on worker processes (``workers="processes"`` or
 #: ``"auto"``). Set by :mod:`headrace.transforms.process_map`, which the facade imports:
 #: that module builds on this one, so this one does not import it.
 process_iterator: Callable[..., Iterator] | None = None
+#: Set by the same module: rebuilds a pickled map node whose calls run on processes.
+#: Such a node pickles as a call of it, so that unpickling the node anywhere (a worker
+#: process reading an interleave's slot, say) imports that module, which registers
+#: :data:`process_iterator` there too.
+restore_process_node: Callable[..., Any] | None = None
 
 
 def apply_fn(fn: Callable[..., Any], element: Any) -> Any:
@@ -164,6 +169,15 @@ class MapNode(Node):
         state["_spec"] = None
         state["_fused"], state["_traced"] = None, False
         return state
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self.workers in ("processes", "auto") and restore_process_node is not None:
+            # unpickled in a worker that never built a process map: the import that the
+            # restore function's pickle makes registers it (else make_iterator failed
+            # there with "process_map not imported": served fuzz, a process map inside
+            # a process interleave's inner pipeline)
+            return (restore_process_node, (type(self), self.__getstate__()))
+        return super().__reduce_ex__(protocol)
 
     @property
     def element_spec(self) -> Any:

@@ -39,6 +39,7 @@ flight. The choice and why show in ``stats().workers``.
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import threading
 import time
@@ -55,7 +56,7 @@ from headrace.transforms.map import MapNode, _apply_chunk, _ParallelMapIterator,
 from headrace.workers.memory import WorkerStats
 from headrace.workers.processes import ChunkResult, ProcessPool, check_picklable
 
-__all__ = ["MIN_PROCESS_CALL_SECONDS", "cpu_count", "process_map_iterator"]
+__all__ = ["MIN_PROCESS_CALL_SECONDS", "cpu_count", "process_map_iterator", "restore_process_node"]
 
 #: ``auto`` sends a function to processes only if one call takes at least this long: a
 #: chunk's trip to a worker and back costs some 100 us, which quicker calls cannot repay.
@@ -86,6 +87,11 @@ def process_map_iterator(
     """The iterator of a map whose ``workers`` is ``"processes"`` or ``"auto"``."""
     count = cpu_count() if node.num_parallel_calls == AUTOTUNE else int(node.num_parallel_calls or 1)
     args = (inner, node.fn, ctx, account, count, deterministic, node.stage, node.output_nbytes)
+    if multiprocessing.current_process().daemon:
+        # Inside a worker process (an inner pipeline of a process interleave): it may not
+        # start processes of its own, and it is one of the parallel processes already.
+        # Threads give the same elements, order and checkpoints.
+        return _ParallelMapIterator(*args)
     if node.workers == "auto":
         return _AutoMapIterator(*args)
     return ProcessMapIterator(*args)
@@ -298,4 +304,12 @@ class _AutoMapIterator(ProcessMapIterator):
         super().close()
 
 
+def restore_process_node(cls: type[MapNode], state: dict[str, Any]) -> MapNode:
+    """A pickled map node on processes, rebuilt (see ``map.restore_process_node``)."""
+    node = cls.__new__(cls)
+    node.__dict__.update(state)
+    return node
+
+
 map_module.process_iterator = process_map_iterator
+map_module.restore_process_node = restore_process_node
