@@ -34,6 +34,7 @@ import served_fns
 
 KEY = b"served-tests"
 CONTEXT = multiprocessing.get_context(start_method())
+MiB = 1 << 20
 
 
 def our_segments(pid: int | None = None) -> list[str]:
@@ -304,3 +305,46 @@ def test_all_consumers_draw_from_one_budget_which_books_their_segments(tmp_path:
             part.close()
         assert wait_until(lambda: server.connected == [])
         assert server.segments.held == 0 and server.budget.used == 0
+
+
+@pytest.mark.parametrize("workers", ["sequential", "threads"])
+def test_consumers_runs_and_segments_together_stay_within_the_one_budget(
+    tmp_path: Path, workers: str
+) -> None:
+    """Found by the served fuzz case (tests/test_served_fuzz.py): every consumer's run
+    drew on the whole budget, so 3 runs plus the segments booked up to 27 MB under
+    16 MiB, with no overdraft counted. The budget is now split in k + 1 parts: one per
+    run (its stages' shares add up to it) and one for the segments."""
+    import functools
+
+    budget = 16 * MiB
+    element = functools.partial(served_fns.sized, nbytes=128 << 10, grow_at=10)  # 1 MiB from 10
+    ds = hr.Dataset.range(60)
+    ds = ds.map(element) if workers == "sequential" else ds.map(element, num_parallel_calls=2)
+    ds = ds.prefetch(-1).with_options(hr.Options(memory_budget=budget))
+    address = str(tmp_path / "s.sock")
+    excess: list[int] = []
+    done = threading.Event()
+    with hr.serve(ds, 3, address, authkey=KEY) as server:
+        assert server.part == budget // 4 and server.segments.limit == budget - 3 * server.part
+
+        def sample() -> None:
+            while not done.is_set():
+                excess.append(server.budget.used - budget - server.overdrawn())
+                time.sleep(0.001)
+
+        def read(index: int) -> None:
+            with hr.connect(address, index, authkey=KEY) as part:
+                for _ in part:
+                    time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(60)
+        done.set()
+        sampler.join()
+    assert len(excess) > 10 and max(excess) <= 0, max(excess)

@@ -54,27 +54,34 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
     grow_at = draw(st.integers(0, n + 1))
     element = functools.partial(served_fns.sized, nbytes=nbytes, grow_at=grow_at)
     ds = hr.Dataset.range(n)
+    described = [f"range({n}) of {nbytes} B, 8x from {grow_at}"]
     if draw(st.booleans()):
-        ds = ds.shuffle(draw(st.integers(1, 20)), seed=draw(st.integers(0, 9)))
+        size, seed = draw(st.integers(1, 20)), draw(st.integers(0, 9))
+        ds = ds.shuffle(size, seed=seed)
+        described.append(f"shuffle({size}, seed={seed})")
     where = draw(st.sampled_from(["sequential", "threads", "processes"]))
     if where == "sequential":
         ds = ds.map(element)
     else:
         ds = ds.map(element, num_parallel_calls=2, workers=where)
+    described.append(f"map on {where}")
     if draw(st.booleans()):  # the stream read again through a process interleave
         ds = hr.Dataset.range(2).interleave(
             functools.partial(served_fns.half_of, ds), cycle_length=2, num_parallel_calls=2,
             workers="processes",
         )
+        described.append("process interleave of its halves")
     if draw(st.booleans()):
-        ds = ds.prefetch(draw(st.sampled_from([1, 4, -1])))
+        depth = draw(st.sampled_from([1, 4, -1]))
+        ds = ds.prefetch(depth)
+        described.append(f"prefetch({depth})")
     k = draw(st.integers(1, 3))
     lives = [
         [(draw(st.integers(1, 12)), draw(st.booleans())) for _ in range(draw(st.integers(0, 3)))]
         for _ in range(k)
     ]
     return {"dataset": ds.with_options(hr.Options(memory_budget=budget)), "k": k,
-            "budget": budget, "lives": lives}
+            "budget": budget, "lives": lives, "pipeline": " -> ".join(described)}
 
 
 def run_consumer(

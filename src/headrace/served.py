@@ -141,10 +141,17 @@ class Server(ClosesOnExit):
         self.file_limiter: FileLimiter | None = (
             None if cap is None else get_default_pool().limiter(cap)
         )
+        #: The budget is split in ``consumers + 1`` equal parts: one for each consumer's
+        #: run (its stages' shares add up to it), one for the segments. Each run drawing
+        #: on the whole budget let k runs plus the segments book up to (k + 1) times it
+        #: (27 MB booked under 16 MiB for 3 consumers: the served fuzz case).
+        self.part = self.budget.total // (consumers + 1)
         #: The shared-memory segments each consumer's elements travel in, booked on the
-        #: same budget from creation until dropped (G1): what consumers hold counts.
+        #: same budget from creation until dropped (G1): what consumers hold counts; past
+        #: their part, as an overdraft (a consumer that keeps what it got).
         self.segments = self.budget.account("served segments", weight=1.0)
         self.budget.allot()
+        self.segments.limit = self.budget.total - consumers * self.part
         self._lock = threading.Lock()
         self._connections: dict[int, Connection] = {}
         self._threads: list[threading.Thread] = []
@@ -266,7 +273,8 @@ class Server(ClosesOnExit):
                 return
             part = self._parts[index]
             run = DatasetIterator(
-                part.node, part.options, shared_budget=self.budget, file_limiter=self.file_limiter
+                part.node, part.options, shared_budget=self.budget, shared_part=self.part,
+                file_limiter=self.file_limiter,
             )
             with self._lock:
                 self._runs[index] = run

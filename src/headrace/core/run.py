@@ -153,16 +153,22 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         *,
         probe: bool = False,
         shared_budget: MemoryBudget | None = None,
+        shared_part: int | None = None,
         file_limiter: FileLimiter | None = None,
     ) -> None:
         if options.tune_allocator:
             tune_allocator()
         self._node = node
         # ``shared_budget``/``file_limiter``: runs that must share one budget and one
-        # descriptor cap (the consumers' streams of one headrace.serve producer).
+        # descriptor cap (the consumers' streams of one headrace.serve producer);
+        # ``shared_part``: this run's part of the shared budget (its stages' shares add
+        # up to it), by default the whole.
         explicit = options.budget_bytes
         if shared_budget is not None:
-            budget = shared_budget.child()
+            budget = (
+                shared_budget.child() if shared_part is None
+                else MemoryBudget(shared_part, parent=shared_budget)
+            )
         else:
             budget = MemoryBudget(explicit) if explicit is not None else default_budget().child()
         # A probe (reading one element to learn a spec) must not count as an
