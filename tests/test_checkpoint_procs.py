@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest

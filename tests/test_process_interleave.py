@@ -417,3 +417,26 @@ def test_a_process_map_inside_a_slots_pipeline_runs_in_the_worker() -> None:
     assert expected == [0, 1, 4, 9, 16, 25, 36, 49, 64, 81, 100, 121]
     with iter(remote) as iterator:
         assert [int(x) for x in iterator] == expected
+
+
+def test_the_recipe_before_a_process_interleave_need_not_pickle() -> None:
+    """Budget fuzzer seeds 200003, 200008, 200037, ... (an interleave on processes after a
+    from_generator of a local generator, or a map of a lambda): the workers were sent the
+    whole interleave node, its input recipe included, which they never read, so a recipe
+    that could not pickle was refused. Only the interleave function travels now."""
+
+    def numbers() -> Any:
+        yield from range(6)
+
+    upstream = hr.Dataset.from_generator(
+        numbers, output_signature=hr.TensorSpec((), np.int64)
+    ).map(lambda x: x * 2)
+    ds = upstream.interleave(
+        functools.partial(process_fns.shard_dataset, sizes=(2,)), cycle_length=2,
+        num_parallel_calls=2, workers="processes",
+    )
+    expected = [int(x) for x in upstream.interleave(
+        functools.partial(process_fns.shard_dataset, sizes=(2,)), cycle_length=2)]
+    assert expected[:4] == [0, 200, 1, 201]
+    with iter(ds) as iterator:
+        assert [int(x) for x in iterator] == expected

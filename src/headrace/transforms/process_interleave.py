@@ -61,6 +61,7 @@ is reported by ``stats().workers`` and counted by the measured bound (see
 from __future__ import annotations
 
 import contextlib
+import copy
 import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -116,7 +117,12 @@ class SlotReader:
         self.kept: OrderedDict[int, tuple[Iterator, MemoryBudget, Any]] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"node": self.node, "options": self.options, "share": self.share, "keep": self.keep}
+        # Only the interleave function travels: the recipe upstream of the interleave is
+        # read in the consumer's process, and need not pickle (a from_generator of a local
+        # generator before it was refused: budget fuzzer seeds 200003, 200008, ...).
+        bare = copy.copy(self.node)
+        bare.inputs = ()
+        return {"node": bare, "options": self.options, "share": self.share, "keep": self.keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["node"], state["options"], state["share"], state["keep"])  # type: ignore[misc]
