@@ -126,15 +126,19 @@ def consume_until(
     start = peak = charged()
     got: list[int] = []
     part = hr.connect(address, index, authkey=authkey, state=state)
-    ended = True
-    for element in part:
-        got.append(number(element))
-        del element
-        peak = max(peak, charged())
-        if len(got) >= stop:
-            ended = False
-            break
-    result = {"values": got, "state": part.get_state(), "ended": ended, "growth": peak - start}
+    ended, refused = True, None
+    try:
+        for element in part:
+            got.append(number(element))
+            del element
+            peak = max(peak, charged())
+            if len(got) >= stop:
+                ended = False
+                break
+    except hr.MemoryBudgetError as error:  # its part of the budget cannot hold the pipeline
+        refused = str(error)
+    result = {"values": got, "state": None if refused else part.get_state(), "ended": ended,
+              "growth": peak - start, "refused": refused}
     Path(out).write_text(json.dumps(result))
     if die:
         os.kill(os.getpid(), signal.SIGKILL)

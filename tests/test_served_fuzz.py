@@ -8,7 +8,8 @@ state, then closes or dies by SIGKILL, and the next life takes over. Checked:
 
 - coverage: each consumer's values, across its lives, are exactly its part of the
   stream (``stream[i::k]``, in order), so the parts are disjoint and together are
-  the stream, whatever the stops, deaths and timing;
+  the stream, whatever the stops, deaths and timing (or, where its part of the
+  budget cannot hold the pipeline, a prefix of it and a MemoryBudgetError);
 - booked: sampled all along in the producer, the bytes booked on its one budget
   (every consumer's run and the segments) stay within the budget plus the
   overdrafts it counts, and each consumer's run within the budget;
@@ -86,8 +87,9 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
 
 def run_consumer(
     address: str, index: int, lives: list[tuple[int, bool]], tmp: Path
-) -> tuple[list[int], list[int]]:
-    """Consumer ``index``'s chain of lives, one process each; its values and growths."""
+) -> tuple[list[int], list[int], str | None]:
+    """Consumer ``index``'s chain of lives, one process each: its values, growths, and
+    the MemoryBudgetError that refused its run, if one did."""
     state = tmp / f"state-{index}.json"
     values: list[int] = []
     growths: list[int] = []
@@ -101,10 +103,12 @@ def run_consumer(
         result = json.loads(out.read_text())
         values += result["values"]
         growths.append(result["growth"])
+        if result["refused"]:
+            return values, growths, result["refused"]
         state.write_text(json.dumps(result["state"]))
         if result["ended"]:
             break
-    return values, growths
+    return values, growths, None
 
 
 def check(case: dict[str, Any], tmp: Path) -> None:
@@ -116,7 +120,7 @@ def check(case: dict[str, Any], tmp: Path) -> None:
     done = threading.Event()
     start = served_fns.charged()
     producer_peak = [start]
-    results: dict[int, tuple[list[int], list[int]]] = {}
+    results: dict[int, tuple[list[int], list[int], str | None]] = {}
     with hr.serve(dataset, k, address, authkey=KEY) as server:
 
         def sample() -> None:  # the producer's books and memory, all along
@@ -150,10 +154,16 @@ def check(case: dict[str, Any], tmp: Path) -> None:
         assert server.budget.used == 0 and server.segments.held == 0
     assert problems == [], problems[:5]
     for index in range(k):
-        values, growths = results[index]
-        assert values == stream[index::k], f"consumer {index} of {k}, lives {case['lives'][index]}"
+        values, growths, refused = results[index]
+        where = f"consumer {index} of {k}, lives {case['lives'][index]}"
+        if refused is None:
+            assert values == stream[index::k], where
+        else:  # its part of the budget (1/(k+1)) cannot hold the pipeline's minima: a clear
+            # refusal, after nothing but a prefix of its part
+            assert "MiB at once" in refused and values == stream[index::k][: len(values)], where
         assert max(growths) <= bound, (index, growths, bound)
-    assert sorted(v for values, _ in results.values() for v in values) == sorted(stream)
+    if not any(refused for _, _, refused in results.values()):
+        assert sorted(v for values, _, _ in results.values() for v in values) == sorted(stream)
     assert producer_peak[0] - start <= bound
     gone = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"headrace-{os.getpid()}-serve")]
     assert gone == []
