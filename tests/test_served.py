@@ -348,3 +348,24 @@ def test_consumers_runs_and_segments_together_stay_within_the_one_budget(
         done.set()
         sampler.join()
     assert len(excess) > 10 and max(excess) <= 0, max(excess)
+
+
+def test_a_refused_run_returns_every_byte_it_booked(tmp_path: Path) -> None:
+    """Found by the served fuzz case: a prefetch refused (MemoryBudgetError) an element
+    a parallel map had booked, and dropped it without returning its booking: 1 MiB per
+    consumer stayed booked on the producer's budget after every run closed. A refused
+    element's booking now comes back (in prefetch, and in any refused move)."""
+    import functools
+
+    element = functools.partial(served_fns.sized, nbytes=128 << 10, grow_at=0)  # 1 MiB
+    ds = hr.Dataset.range(1).map(element, num_parallel_calls=2).prefetch(1)
+    address = str(tmp_path / "s.sock")
+    with hr.serve(ds.with_options(hr.Options(memory_budget=8 * MiB)), 3, address,
+                  authkey=KEY) as server:  # parts of 2 MiB: map + prefetch need more
+        for index in range(3):
+            with hr.connect(address, index, authkey=KEY) as part, pytest.raises(
+                hr.MemoryBudgetError, match="stage 'prefetch' needs 1.0 MiB at once"
+            ):
+                list(part)
+        assert wait_until(lambda: server.connected == [])
+        assert server.budget.used == 0 and server.segments.held == 0

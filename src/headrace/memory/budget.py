@@ -606,22 +606,26 @@ class Reservation:
         says what is assembled, for the error when it cannot fit.
         """
         source = self.account
-        if source is None or source.lock is not account.lock:
-            moved = (
-                account.charge(nbytes) if together is None
-                else account.hold(nbytes, what=together)
-            )
+        try:
+            if source is None or source.lock is not account.lock:
+                moved = (
+                    account.charge(nbytes) if together is None
+                    else account.hold(nbytes, what=together)
+                )
+                self.release()
+                return moved
+            if nbytes > account.limit:
+                account._check_fits(nbytes)
+            with account.lock:
+                if together is not None:
+                    account._fit_together(nbytes, together)
+                old, self.nbytes = self.nbytes, 0
+                account._book(nbytes)
+                if old:
+                    source._unbook(old)
+        except MemoryBudgetError:  # refused: the element goes nowhere, its bytes come back
             self.release()
-            return moved
-        if nbytes > account.limit:
-            account._check_fits(nbytes)
-        with account.lock:
-            if together is not None:
-                account._fit_together(nbytes, together)
-            old, self.nbytes = self.nbytes, 0
-            account._book(nbytes)
-            if old:
-                source._unbook(old)
+            raise
         return Reservation(account, nbytes)
 
 

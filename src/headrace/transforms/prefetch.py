@@ -159,7 +159,12 @@ class _Producer:
                     break
                 pulled = True
                 element, cost = self.ctx.admit(element)
-                if not account.fits(cost, pending=pending):
+                try:
+                    fits = account.fits(cost, pending=pending)
+                except BaseException:  # refused (MemoryBudgetError): the element goes no
+                    reservation.release()  # further, and its booking upstream is returned
+                    raise  # (it stayed booked after the run closed: served fuzz case)
+                if not fits:
                     self.aside = (element, reservation, cost, state, len(elements))
                     break
                 elements.append(element)
