@@ -364,7 +364,7 @@ def test_a_refused_run_returns_every_byte_it_booked(tmp_path: Path) -> None:
                   authkey=KEY) as server:  # parts of 2 MiB: map + prefetch need more
         for index in range(3):
             with hr.connect(address, index, authkey=KEY) as part, pytest.raises(
-                hr.MemoryBudgetError, match="stage 'prefetch' needs 1.0 MiB at once"
+                hr.MemoryBudgetError, match=r"stage 'prefetch' needs 1\.0 MiB at once"
             ):
                 list(part)
         assert wait_until(lambda: server.connected == [])
