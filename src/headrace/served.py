@@ -10,8 +10,10 @@ Parts. Consumer ``i`` of ``k`` gets ``dataset.shard(k, i)``: every k-th element
 of the stream from the i-th on, in the stream's order, so the parts are
 disjoint, their union is the stream, and which elements a consumer sees never
 depends on timing or on the other consumers. The producer runs one iterator
-per connected consumer, all under **one** memory budget (each run's budget is
-a child of the producer's; together they never exceed it) and **one**
+per connected consumer, all under **one** memory budget, split in ``k + 1``
+equal parts: one for each consumer's run (a child budget of the producer's,
+whose stages' shares add up to its part) and one for the segments, so that
+together they never exceed it (a consumer's pipeline must fit its part) and **one**
 descriptor cap (``Options(max_open_files=...)`` of the dataset, or
 ``max_open_files=``, shared by every consumer's readers).
 
