@@ -23,13 +23,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from fuzz_pipelines import process_spec, random_spec  # noqa: E402
+from fuzz_pipelines import newer_spec, process_spec, random_spec  # noqa: E402
 
 BATCH = 25
 
 
-def run_batch(seeds: list[int], processes: bool = False) -> list[dict]:
-    draw = process_spec if processes else random_spec
+def run_batch(seeds: list[int], processes: bool = False, newer: bool = False) -> list[dict]:
+    draw = newer_spec if newer else process_spec if processes else random_spec
     done = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "fuzz_pipelines.py")],
         input=json.dumps([draw(seed) for seed in seeds]),
@@ -53,8 +53,11 @@ def main() -> int:
     parser.add_argument("--processes", action="store_true",
                         help="pipelines with maps on worker processes (tests' process_spec), "
                         "process interleaves and image decodes booked from their headers")
+    parser.add_argument("--newer", action="store_true",
+                        help="every pipeline with a process interleave and an image decode "
+                        "(tests' newer_spec)")
     args = parser.parse_args()
-    run = functools.partial(run_batch, processes=args.processes)
+    run = functools.partial(run_batch, processes=args.processes, newer=args.newer)
     seeds = list(range(args.start, args.start + args.count))
     started = time.perf_counter()
     # One batch at a time: two concurrent children would measure each other's noise less
@@ -79,12 +82,14 @@ def main() -> int:
     over_rss = [r for r in results if r["growth"] > r["bound"]]
     worst = max(results, key=lambda r: r["growth"] / r["bound"])
     lines = [
-        "# Budget fuzzer sweep" + (" (process maps)" if args.processes else ""),
+        "# Budget fuzzer sweep" + (" (process interleaves and image decodes)" if args.newer
+                                   else " (process maps)" if args.processes else ""),
         "",
         f"{len(results)} random pipelines (seeds {seeds[0]}..{seeds[-1]}), "
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, "
         f"{elapsed:.0f} s. Reproduce: `python benchmarks/bench_budget_fuzz.py {args.count} "
-        f"--start {args.start}{' --processes' if args.processes else ''}`.",
+        f"--start {args.start}{' --processes' if args.processes else ''}"
+        f"{' --newer' if args.newer else ''}`.",
         "",
         "| outcome | pipelines |",
         "|---|---|",
@@ -105,7 +110,8 @@ def main() -> int:
         lines.append(f"- seed {r['seed']}: {r['outcome'][:200]} {r['violations'][:1]} "
                      f"growth {r['growth'] >> 20} MiB / bound {r['bound'] >> 20} MiB")
     out = ROOT / "benchmarks" / "results" / (
-        "budget_fuzz-processes.md" if args.processes else "budget_fuzz.md"
+        "budget_fuzz-newer.md" if args.newer
+        else "budget_fuzz-processes.md" if args.processes else "budget_fuzz.md"
     )
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
