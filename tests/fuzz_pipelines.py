@@ -545,7 +545,8 @@ def build(spec: dict[str, Any], custom: dict[str, Any] | None = None) -> Any:
             ds = ds.map(MapFn(op[2]), num_parallel_calls=op[1], workers="processes")
         elif name == "decode":
             ds = ds.map(Decode(op[3] == "crop"), num_parallel_calls=op[1], workers=op[2],
-                        output_nbytes=decoded_rgb_nbytes)
+                        output_nbytes=decoded_rgb_nbytes,  # (a spec learned from one image
+                        output_signature=hr.TensorSpec((None, None, 3), np.uint8))  # is fixed)
         elif name == "xinterleave":
             ds = ds.interleave(Copies(op[2]), cycle_length=op[1], num_parallel_calls=op[3],
                                workers="processes")
