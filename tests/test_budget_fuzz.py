@@ -97,16 +97,28 @@ def test_process_interleaves_and_image_decodes_hold_the_budget(seeds: list[int])
     assert_sweep_holds([newer_spec(seed) for seed in seeds])
 
 
+#: newer_spec's seed with an open, unexplained growth: its own strict xfail below
+OPEN_GROWTH_SEED = 2147483646
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=False, reason=(
-    "open, not yet root-caused: newer_spec(2147483646) (JPEG decodes on processes, then "
-    "padded_batch, under 48 MiB) grew 199 MB against a 117 MB bound in a run refused with "
-    "MemoryBudgetError after 2 elements (found at the end of the fuzz-procs session)"))
 @settings(max_examples=2, deadline=None, derandomize=True)
 @given(st.lists(st.integers(0, 2**31 - 1), min_size=6, max_size=6, unique=True))
 def test_many_process_interleaves_and_image_decodes_hold_the_budget(seeds: list[int]) -> None:
-    assert_sweep_holds([newer_spec(seed) for seed in seeds])
+    assert_sweep_holds([newer_spec(seed) for seed in seeds if seed != OPEN_GROWTH_SEED])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open, not root-caused: newer_spec(2147483646) (a process interleave of JPEGs decoded "
+    "on threads, a cache, padded_batch and two process maps of views of big arrays, under "
+    "48 MiB) is refused with MemoryBudgetError after 2 elements, yet the tree grows "
+    "~190-200 MB against a 117 MiB bound: ~45 MB of it the forkserver's and the workers' "
+    "start-up (sampled before their imports), ~150 MB the consumer's own RssAnon + RssShmem "
+    "while the books show no stage over its share"))
+def test_open_growth_of_newer_seed_2147483646() -> None:
+    (result,) = run_specs([newer_spec(OPEN_GROWTH_SEED)])
+    assert result["growth"] <= result["bound"], result
 
 
 def test_a_decode_booked_from_the_header_is_not_rebooked_at_the_largest_output() -> None:
