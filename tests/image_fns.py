@@ -27,10 +27,14 @@ def photo(height: int, width: int, channels: int = 3, seed: int = 0) -> np.ndarr
 
 
 def encode(image: np.ndarray, fmt: str = "JPEG", **options: Any) -> bytes:
-    from PIL import Image
+    from PIL import Image, ImageFile
 
     pixels = image[..., 0] if image.shape[-1] == 1 else image
     buffer = io.BytesIO()
+    # a progressive JPEG that outgrows Pillow's guess of its size (width x height bytes:
+    # small noisy images do) needs a file descriptor ("broken data stream") unless the
+    # encoder's block holds the whole file
+    ImageFile.MAXBLOCK = max(ImageFile.MAXBLOCK, 2 * image.size + (1 << 16))
     Image.fromarray(pixels).save(buffer, fmt, **options)
     return buffer.getvalue()
 

@@ -84,6 +84,11 @@ def test_window_decode_equals_the_resample_of_the_whole_decode(
     native.resample(whole, whole.shape, expected, box, expected.shape, antialias, flip, mul,
                     add)
     np.testing.assert_array_equal(window, expected)
+    # a uint8 output is the float one rounded and clamped (no float image to convert)
+    small = np.empty(window.shape, np.uint8)
+    assert native.crop_resize(encoded, small, box, small.shape, denom, antialias, flip, mul,
+                              add, True)
+    np.testing.assert_array_equal(small, np.clip(np.floor(window + np.float32(0.5)), 0, 255))
 
 
 @SETTINGS
@@ -110,7 +115,8 @@ def test_resample_is_the_antialiased_bilinear_resize_of_the_crop(
     np.testing.assert_allclose(fast[rows][:, cols], exact[rows][:, cols], atol=2e-3)
     if (top, left, bottom, right) == (0, 0, height, width):
         np.testing.assert_allclose(fast, exact, atol=2e-3)
-    assert fast.min() >= 0 and fast.max() <= 255
+    # non-negative weights summing to 1: within the input's range, up to float32 rounding
+    assert fast.min() >= 0 and fast.max() <= np.float32(255) * (1 + 4e-7)
 
 
 def footprint_inside(count: int, low: int, high: int) -> list[int]:
@@ -255,7 +261,7 @@ def test_bad_arguments_are_clear_errors() -> None:
     out = np.empty((4, 4, 3), np.float32)
     for box, shape, denom, message in [
         ((0, 0, 20, 20), (4, 4, 2), 1, "channels must be 1 or 3"),
-        ((0, 0, 20, 20), (5, 4, 3), 1, "out must hold"),
+        ((0, 0, 20, 20), (5, 4, 3), 1, r"out must hold h \* w \* channels float32 or uint8"),
         ((5, 0, 5, 20), (4, 4, 3), 1, "empty box"),
         ((0, 0, 20, 20), (4, 4, 3), 3, "denom must be"),
         ((0, 0, 21, 20), (4, 4, 3), 1, r"box \(0, 0, 21, 20\) is not inside the 20x20 image"),

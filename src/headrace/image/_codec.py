@@ -310,27 +310,53 @@ def _pillow(op: str) -> Any:
     return Image
 
 
-def _native_window(data: bytes | memoryview, header: ImageHeader,
-                   window: tuple[int, int, int, int], channels: int, ratio: int, strict: bool,
-                   op: str) -> Array | None:
-    """The pixels of ``window`` (y, x, height, width in the image decoded at 1/ratio)
-    through the C extension, decoding only the window (libjpeg's own scaled IDCT, as
-    TensorFlow's decode_jpeg with ``ratio``), with the fast integer IDCT and fancy
-    upsampling. None where it does not apply (not built, CMYK)."""
+def _native_crop_resize(
+    data: bytes | memoryview,
+    header: ImageHeader,
+    box: tuple[float, float, float, float],
+    out: Array,
+    ratio: int,
+    antialias: bool,
+    strict: bool,
+    op: str,
+    flip: bool = False,
+    mul: Any = 1.0,
+    add: Any = 0.0,
+) -> Array | None:
+    """The bilinear resample of ``box`` (top, left, bottom, right in the image decoded at
+    1/ratio) of a JPEG into ``out`` ((h, w, channels) float32, or uint8 rounded) by the C
+    extension (``headrace.image._jpeg``): only the rows and iMCU columns the resample
+    reads are decoded (libjpeg's own scaled IDCT, the fast integer IDCT and fancy
+    upsampling, TensorFlow's defaults), the decoder stops after the window's last row,
+    the flip and ``v * mul + add`` happen in the last pass, all without the GIL.
+    ``antialias``: Pillow's filter, the box at its place in the image; without, the
+    taps stop at the box's edges (tf.image.resize of the crop). None where it does not
+    apply (not built, CMYK): the caller takes the Python path."""
     native = jpeg_module()
+    channels = out.shape[2]
     if native is None or header.channels not in (1, 3) or channels not in (1, 3) \
             or ratio not in (1, 2, 4, 8):
         return None
-    y, x, height, width = window
-    # the resample of a whole-pixel box at scale 1 without antialias is the crop itself:
-    # one tap of weight 1 per pixel, exact in float
-    out = np.empty((height, width, channels), np.float32)
+    per_channel = [np.broadcast_to(np.asarray(v, np.float32), (channels,)).tolist()
+                   for v in (mul, add)]
     try:
-        done = native.crop_resize(data, out, (y, x, y + height, x + width), out.shape, ratio,
-                                  False, False, [1.0] * channels, [0.0] * channels, strict)
+        done = native.crop_resize(data, out, box, out.shape, ratio, antialias, flip,
+                                  per_channel[0], per_channel[1], strict)
     except ValueError as error:
         raise _invalid_jpeg(op, data, header, error) from error
-    return out.astype(np.uint8) if done else None
+    return out if done else None
+
+
+def _native_window(data: bytes | memoryview, header: ImageHeader,
+                   window: tuple[int, int, int, int], channels: int, ratio: int, strict: bool,
+                   op: str) -> Array | None:
+    """The uint8 pixels of ``window`` (y, x, height, width in the image decoded at
+    1/ratio), decoding only the window: the resample of a whole-pixel box at scale 1
+    without antialias is the crop itself (one tap of weight 1 per pixel, exact)."""
+    y, x, height, width = window
+    return _native_crop_resize(data, header, (y, x, y + height, x + width),
+                               np.empty((height, width, channels), np.uint8), ratio, False,
+                               strict, op)
 
 
 def _jpeg_pixels(
@@ -403,9 +429,10 @@ def decode_jpeg(
 
     ``channels`` 0 keeps the file's (1 or 3), 1 gives luma, 3 RGB. ``ratio`` 1, 2, 4
     or 8 decodes at that fraction of the size in the DCT (much less work, and the
-    output is ``ceil(h / ratio)`` x ``ceil(w / ratio)`` as TensorFlow's; the pixels are
-    TensorFlow's for images of at least ``8 * ratio`` pixels a side, below which
-    several DCT scales give the same size and simplejpeg takes the smallest). PNG, GIF
+    output is ``ceil(h / ratio)`` x ``ceil(w / ratio)`` as TensorFlow's; with headrace's
+    C extension the pixels are TensorFlow's at every size, without it only for images
+    of at least ``8 * ratio`` pixels a side, below which several DCT scales give the
+    same size and simplejpeg takes the smallest). PNG, GIF
     and BMP bytes are decoded too, as TensorFlow's op does. A truncated JPEG raises
     :class:`InvalidImageError` unless ``try_recover_truncated`` (missing rows grey).
     """

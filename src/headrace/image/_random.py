@@ -27,12 +27,11 @@ import numpy as np
 from headrace.errors import InvalidArgumentError
 from headrace.image._codec import (
     MAX_PIXELS,
-    ImageHeader,
     InvalidImageError,
     _bytes_of,
     _check_pixels,
-    _invalid_jpeg,
     _jpeg_pixels,
+    _native_crop_resize,
     _output_channels,
     decode_image,
     read_header,
@@ -332,44 +331,6 @@ def _crop_and_resize(pixels: Array, box: tuple[float, float, float, float], out_
     return resize(pixels[top:bottom, left:right], (out_h, out_w), method, antialias=antialias)
 
 
-def _windowed_jpeg(
-    data: bytes | memoryview,
-    header: ImageHeader,
-    box: tuple[float, float, float, float],
-    factor: int,
-    out_h: int,
-    out_w: int,
-    channels: int,
-    antialias: bool,
-    flip: bool = False,
-    mul: Any = 1.0,
-    add: Any = 0.0,
-    op: str = "random_resized_crop",
-    out: Array | None = None,
-) -> Array | None:
-    """The crop + bilinear resize of a JPEG in C (``headrace.image._jpeg``): only the
-    rows and iMCU columns the resample reads are decoded, the decoder stops after the
-    window's last row, and the flip and ``v * mul + add`` happen in the last pass, all
-    without the GIL. Pillow's filter in float, so within 1 level of the Pillow path
-    (which rounds to uint8). None where it does not apply (not built, CMYK): the
-    caller takes the Python path. ``out``: a C-contiguous float32 array of the result's
-    shape to write into (a row of a batch), else a new one."""
-    native = jpeg_module()
-    out_c = _output_channels(header, channels)
-    if native is None or header.channels not in (1, 3) or out_c not in (1, 3):
-        return None
-    if out is None:
-        out = np.empty((out_h, out_w, out_c), np.float32)
-    per_channel = [np.broadcast_to(np.asarray(v, np.float32), (out_c,)).tolist()
-                   for v in (mul, add)]
-    try:
-        done = native.crop_resize(data, out, box, (out_h, out_w, out_c), factor, antialias,
-                                  flip, per_channel[0], per_channel[1], True)
-    except ValueError as error:
-        raise _invalid_jpeg(op, data, header, error) from error
-    return out if done else None
-
-
 def _resized_crop_of_encoded(
     data: bytes | memoryview,
     size: tuple[int, int],
@@ -408,8 +369,11 @@ def _resized_crop_of_encoded(
         fused = flip_seed is not None
         window = box if antialias else _integer_box(box, -(-header.height // factor),
                                                     -(-header.width // factor))
-        image = _windowed_jpeg(data, header, window, factor, out_h, out_w, channels, antialias,
-                               flip, mul if fused else 1.0, add if fused else 0.0, out=out)
+        target = out if out is not None else np.empty(
+            (out_h, out_w, _output_channels(header, channels)), np.float32)
+        image = _native_crop_resize(data, header, window, target, factor, antialias, True,
+                                    "random_resized_crop", flip, mul if fused else 1.0,
+                                    add if fused else 0.0)
         if image is not None:
             return image, fused
     pixels = _jpeg_pixels(data, header, channels, factor, True, True, "", op)
@@ -505,6 +469,10 @@ class InceptionCrop:
         self.flip, self.max_pixels = flip, max_pixels
         self.mean = None if mean is None else np.asarray(mean, np.float32)
         self.std = None if std is None else np.asarray(std, np.float32)
+        # [0, 1] then (v - mean) / std as one v * mul + add, fused into the C pass
+        scale = np.float32(1) if self.std is None else self.std
+        self._mul = np.float32(1 / 255) / scale
+        self._add = (np.float32(0) if self.mean is None else -self.mean) / scale
 
     def augment(self, index: int, encoded: Any) -> Array:
         """One element's augmentation: the same for the same ``(seed, index)``."""
@@ -528,15 +496,13 @@ class InceptionCrop:
 
     def _augment(self, index: int, encoded: Any, out: Array | None) -> Array:
         seed = (self.seed, int(index))
-        mean = np.float32(0) if self.mean is None else self.mean
-        std = np.float32(1) if self.std is None else self.std
         if not isinstance(encoded, np.ndarray) or encoded.ndim < 2:
             # one C pass where it applies: window decode, resize, flip, normalise
             image, fused = _resized_crop_of_encoded(
                 _bytes_of(encoded, "InceptionCrop"), self.out_size, self.scale, self.ratio, seed,
                 "bilinear", self.antialias, 3, True, self.max_pixels,
                 flip_seed=seed if self.flip else None,
-                mul=np.float32(1 / 255) / std, add=-mean / std, out=out,
+                mul=self._mul, add=self._add, out=out,
             )
             if fused:
                 return image

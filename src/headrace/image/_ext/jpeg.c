@@ -126,12 +126,14 @@ typedef struct {
     double top, left, bottom, right; /* the box, in the scaled image's pixels */
     int out_h, out_w, channels, denom, antialias, flip, strict;
     float mul[4], add[4];
-    float *out;
+    float *out;             /* the float32 output, or NULL where out_u8 is given */
+    unsigned char *out_u8;  /* a uint8 output (rounded, clamped), for plain crops */
     /* scratch, here (not in run_jpeg's frame) so that it survives libjpeg's longjmp */
     Axis rows, cols;
     float *tmp;
     int tmp_owned; /* tmp is this call's own, not the thread's scratch */
     float *wide;   /* one input row's samples as float, 4 of zero padding after */
+    float *acc;    /* one output row in float, where the output is uint8 */
     JSAMPLE *line;
     /* outputs */
     int failed; /* 1: bad data or box, 2: unsupported here (use another path), 3: no memory */
@@ -146,8 +148,9 @@ static int has_end_marker(const unsigned char *data, size_t size) {
 /* The buffer of row results, reused across calls on one thread: a fresh malloc of this
  * size (about 1 MB for a 224x224 output) is a fresh mmap whose pages the kernel zeroes
  * on first touch, every call, which cost more than the vertical pass. Freed when the
- * thread exits; one larger than SCRATCH_KEEP is allocated for its call alone. */
-#define SCRATCH_KEEP ((size_t)16 << 20)
+ * thread exits; one larger than SCRATCH_KEEP (2 MiB, so that what a thread keeps
+ * outside the pipeline's budget stays small) is allocated for its call alone. */
+#define SCRATCH_KEEP ((size_t)2 << 20)
 
 typedef struct {
     float *data;
@@ -205,7 +208,9 @@ static int prepare(Job *job, int in_h, int in_w) {
                            (size_t)job->out_w * (size_t)job->channels, &job->tmp_owned);
     job->wide = malloc(sizeof(float) *
                        ((size_t)(job->cols.hi - job->cols.lo) * (size_t)job->channels + 4));
-    if (!job->tmp || !job->wide) {
+    job->acc = job->out_u8 ? malloc(sizeof(float) * (size_t)job->out_w * (size_t)job->channels)
+                           : NULL;
+    if (!job->tmp || !job->wide || (job->out_u8 && !job->acc)) {
         snprintf(job->message, sizeof job->message, "out of memory for the resample");
         return -2;
     }
@@ -255,7 +260,7 @@ static void vertical(Job *job) {
     for (int i = 0; i < job->out_h; i++) {
         const float *k = rows->weights + (size_t)i * (size_t)rows->ksize;
         const float *src = job->tmp + (size_t)(rows->first[i] - rows->lo) * stride;
-        float *o = job->out + (size_t)i * stride;
+        float *o = job->out_u8 ? job->acc : job->out + (size_t)i * stride;
         for (size_t p = 0; p < stride; p++) o[p] = 0.f;
         for (int y = 0; y < rows->count[i]; y++, src += stride) {
             const float w = k[y];
@@ -263,6 +268,11 @@ static void vertical(Job *job) {
         }
         for (size_t p = 0; p < stride; p += (size_t)C)
             for (int c = 0; c < C; c++) o[p + c] = o[p + c] * job->mul[c] + job->add[c];
+        if (job->out_u8) {
+            unsigned char *u = job->out_u8 + (size_t)i * stride;
+            for (size_t p = 0; p < stride; p++)
+                u[p] = o[p] <= 0.f ? 0 : o[p] >= 255.f ? 255 : (unsigned char)(o[p] + 0.5f);
+        }
     }
 }
 
@@ -271,6 +281,7 @@ static void release(Job *job) {
     axis_free(&job->cols);
     if (job->tmp_owned) free(job->tmp);
     free(job->wide);
+    free(job->acc);
     free(job->line);
 }
 
@@ -398,8 +409,9 @@ static int fill_job(Job *job, Py_buffer *out, double box[4], int out_h, int out_
         PyErr_SetString(PyExc_ValueError, "channels must be 1 or 3");
         return -1;
     }
-    if (out_h <= 0 || out_w <= 0 || out->len != (Py_ssize_t)out_h * out_w * channels * 4) {
-        PyErr_SetString(PyExc_ValueError, "out must hold h * w * channels float32");
+    const Py_ssize_t values = (Py_ssize_t)out_h * out_w * channels;
+    if (out_h <= 0 || out_w <= 0 || (out->len != values * 4 && out->len != values)) {
+        PyErr_SetString(PyExc_ValueError, "out must hold h * w * channels float32 or uint8");
         return -1;
     }
     if (!(box[2] > box[0]) || !(box[3] > box[1])) {
@@ -411,7 +423,11 @@ static int fill_job(Job *job, Py_buffer *out, double box[4], int out_h, int out_
     job->top = box[0], job->left = box[1], job->bottom = box[2], job->right = box[3];
     job->out_h = out_h, job->out_w = out_w, job->channels = channels;
     job->antialias = antialias, job->flip = flip;
-    job->out = out->buf;
+    /* uint8 (rounded, clamped): a crop, without a float image 4 times its size */
+    if (out->len == values)
+        job->out_u8 = out->buf;
+    else
+        job->out = out->buf;
     return 0;
 }
 
@@ -419,7 +435,8 @@ PyDoc_STRVAR(crop_resize_doc,
 "crop_resize(data, out, box, shape, denom, antialias, flip, mul, add, strict) -> bool\n\n"
 "Decode the part of JPEG `data` that the bilinear resample of `box` (top, left, bottom,\n"
 "right in the pixels of the image decoded at scale 1/denom) reads, and write the\n"
-"resample into `out` (C-contiguous float32 of `shape` (h, w, channels)), mirrored\n"
+"resample into `out` (C-contiguous float32 or uint8 of `shape` (h, w, channels); uint8\n"
+"is rounded and clamped), mirrored\n"
 "left-right if `flip`, each channel c mapped to v * mul[c] + add[c]. Returns False when\n"
 "this decoder does not handle the image (CMYK): use another path. Raises ValueError\n"
 "with libjpeg's message for corrupt data (with `strict`, warnings included) or a box\n"
