@@ -54,6 +54,18 @@ def test_fit_evaluate_predict_and_memory_monitor(backend: str) -> None:
     assert "MiB per epoch" in out["leak_warnings"][0]  # type: ignore[index]
     assert 20 < out["leak_slope_mib"] < 28  # type: ignore[operator]
     assert out["clean_warnings"] == [], out
+    if backend == "tensorflow":
+        # Keras's defaults (one replica, one step per call) take the NumPy batches as
+        # they are; several replicas or steps per call get a tf.data.Dataset. Both
+        # routes train on the same batches in the same order: the same weights.
+        assert (out["tf_route"], out["route_spe1"], out["route_spe2"]) == (
+            "numpy", "numpy", "tf.data")
+        assert out["max_weight_diff"] < 1e-5
+        # Two CPU replicas on the tf.data route, over read-only memmap batches (handed
+        # to TensorFlow as views, they crashed this step with SIGSEGV).
+        assert (out["mirrored_route"], out["mirrored_steps"]) == ("tf.data", [12])
+        # Unknown cardinality ends each epoch at the end of the data, as tf.data does.
+        assert out["unknown_steps"] == [12, 12, 12]
 
 
 def test_trend_flags_growth_only_beyond_its_noise() -> None:

@@ -131,3 +131,39 @@ def test_abandoned_and_finished_passes_give_back_their_budget(
     gc.collect()
     assert join_abandoned()
     assert default_budget().used == before
+
+
+def test_arrays_someone_else_holds_reach_tensorflow_as_copies(tmp_path: pytest.TempPathFactory) -> None:
+    # TensorFlow owns the buffer of an array it is handed and may write an op's result
+    # into it: a view of a read-only memmap then crashed fit with SIGSEGV (seen under a
+    # MirroredStrategy), and a view of the user's array or a cached batch would be
+    # overwritten. Writing into what TensorFlow got stands in for such an op.
+    from headrace.adapters.tf import _Feed
+
+    source = np.arange(512 * 8, dtype=np.float32).reshape(512, 8)
+    np.save(tmp_path / "x.npy", source)  # type: ignore[operator]
+    cases = {
+        "view of the user's array": hr.Dataset.from_tensor_slices(source).batch(64),
+        "view of a memmap": hr.Dataset.from_npy(tmp_path / "x.npy").batch(64),  # type: ignore[operator]
+        "cached batch": hr.Dataset.from_tensor_slices(source).map(lambda r: r + 0).batch(64).cache(),
+    }
+    for name, dataset in cases.items():
+        feed = _Feed(dataset)
+        for _ in range(2):  # the cache's second pass reads what the first one stored
+            key = int(feed.start())
+            for step in range(8):
+                batch = feed.pull(key)[0]
+                np.testing.assert_array_equal(batch, source[step * 64 : (step + 1) * 64], name)
+                assert batch.flags.writeable, name
+                batch[...] = -1  # what a forwarded TensorFlow op may do
+            feed.finish(key)
+        np.testing.assert_array_equal(source, np.arange(512 * 8).reshape(512, 8), name)
+    # A fresh batch (shuffled: gathered into a new array) crosses without a copy.
+    seen: list[int] = []
+    fresh = hr.Dataset.from_tensor_slices(source).shuffle(512, seed=0).batch(64).map(
+        lambda b: seen.append(b.ctypes.data) or b)
+    feed = _Feed(fresh)
+    key = int(feed.start())
+    handed = [feed.pull(key)[0].ctypes.data for _ in range(8)]
+    feed.finish(key)
+    assert handed == seen[:8]  # (the pipeline may have made the next batch already)

@@ -18,7 +18,13 @@ import keras
 import numpy as np
 
 import headrace as hr
-from headrace.adapters.keras import MemoryGrowthWarning, MemoryMonitor
+from headrace.adapters.keras import KerasAdapter, MemoryGrowthWarning, MemoryMonitor
+
+if keras.backend.backend() == "tensorflow":  # two CPU replicas for a MirroredStrategy below
+    import tensorflow as tf
+
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 
 ROWS, WIDTH = 24_000, 512  # 48 MiB of float32 features, through a 16 MiB budget
 tmp = tempfile.mkdtemp()
@@ -63,10 +69,12 @@ def model() -> keras.Model:
 out: dict[str, object] = {"backend": keras.backend.backend()}
 steps, monitor = Steps(), MemoryMonitor(every_n_steps=10)
 net = model()
+adapter = train.to_keras()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    history = net.fit(train.to_keras(), epochs=5, validation_data=val.to_keras(), verbose=0,
+    history = net.fit(adapter, epochs=5, validation_data=val.to_keras(), verbose=0,
                       callbacks=[steps, monitor])
+out["tf_route"] = adapter.tf_route
 out["steps_per_epoch"] = steps.per_epoch
 out["val_loss"] = history.history["val_loss"]
 out["accuracy"] = history.history["accuracy"]
@@ -84,6 +92,51 @@ out["predict_shape"] = list(net.predict(val.to_keras(), verbose=0).shape)
 steps = Steps()
 net.fit(train.repeat().to_keras(), epochs=2, steps_per_epoch=7, verbose=0, callbacks=[steps])
 out["infinite_steps"] = steps.per_epoch
+
+
+
+def routes_agree() -> dict[str, object]:
+    """TF backend: the direct NumPy route, the tf.data route (steps_per_execution=2) and
+    a two-replica MirroredStrategy see the same batches in the same order: same weights."""
+    # unshuffled: each route starts its iterators (and so its epochs' shuffle orders)
+    # at its own time, tf.data's prefetch ahead of Keras's first call
+    first = hr.Dataset.zip((hr.Dataset.from_npy(os.path.join(tmp, "x.npy")),
+                            hr.Dataset.from_npy(os.path.join(tmp, "y.npy")))).batch(500).take(12)
+    weights = model().get_weights()
+    result: dict[str, object] = {}
+    trained = {}
+    for name, spe in (("numpy", 1), ("tf.data", 2)):
+        net = model()
+        net.compile(keras.optimizers.SGD(0.01), "binary_crossentropy", steps_per_execution=spe)
+        net.set_weights(weights)
+        adapter = first.to_keras()
+        net.fit(adapter, epochs=2, verbose=0)
+        result[f"route_spe{spe}"] = adapter.tf_route
+        trained[name] = net.get_weights()
+    result["max_weight_diff"] = max(float(np.abs(a - b).max())
+                                    for a, b in zip(trained["numpy"], trained["tf.data"]))
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        net = model()
+    adapter = first.to_keras()
+    steps = Steps()
+    net.fit(adapter, epochs=1, verbose=0, callbacks=[steps])
+    result["mirrored_route"], result["mirrored_steps"] = adapter.tf_route, steps.per_epoch
+    # Unknown cardinality (a filter): each epoch ends where the data does.
+    steps = Steps()
+    unknown = first.filter(lambda x, y: x.shape[0] > 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model().fit(unknown.to_keras(), epochs=3, verbose=0, callbacks=[steps])
+    result["unknown_steps"] = steps.per_epoch
+    result["unknown_warnings"] = sorted({str(w.message)[:60] for w in caught
+                                         if "ran out" in str(w.message)})
+    return result
+
+
+if keras.backend.backend() == "tensorflow":
+    out.update(routes_agree())
+else:
+    assert KerasAdapter(train).tf_route is None
 
 # A deliberate leak: every epoch keeps 24 MiB it never drops.
 small = hr.Dataset.from_tensor_slices(

@@ -30,6 +30,7 @@ what overlaps reading with training.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,23 @@ class _Feed:
         if iterator is None:
             raise StopIteration  # finished already; TensorFlow reads this as the end
         leaves = flatten(next(iterator))  # StopIteration ends the pass, as TensorFlow expects
+        self._check(leaves)
+        for index in range(len(leaves)):
+            value = leaves[index]
+            # TensorFlow wraps an aligned array's buffer without copying it and then
+            # owns it: an op may write its result into it (buffer forwarding). A
+            # read-only page (a batch that is a view of a memmap) then kills the
+            # process with SIGSEGV, and an array someone else still holds (a view of
+            # the user's source array, a cached batch) would be overwritten. Only an
+            # array nothing else references (a fresh batch: this list, `value` and
+            # getrefcount's argument) is handed over as it is.
+            if isinstance(value, np.ndarray) and value.dtype != object and not (
+                value.flags.owndata and value.flags.writeable and sys.getrefcount(value) <= 3
+            ):
+                leaves[index] = value.copy()
+        return leaves
+
+    def _check(self, leaves: list[Any]) -> None:
         for index, (leaf, spec) in enumerate(zip(leaves, self.specs, strict=True)):
             if spec.kind == "numeric" and isinstance(leaf, np.ndarray) and (
                 leaf.dtype != spec.dtype or not shape_allows(spec.shape, leaf.shape)
@@ -112,7 +130,6 @@ class _Feed:
                     f"to_tf: component {self.paths[index]} is {leaf.dtype}{list(leaf.shape)}, "
                     f"but the element spec says {spec}"
                 )
-        return leaves
 
     def elements(self) -> Generator[Any, None, None]:
         """For ``from_generator`` (the fallback route): one fresh iterator per pass."""
