@@ -136,6 +136,8 @@ class MemorySampler:
     peak_file: int = 0
     samples: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
+    _ready: threading.Event = field(default_factory=threading.Event)
+    _go: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _kernel_peak_ok: bool = False
 
@@ -151,7 +153,13 @@ class MemorySampler:
         return anon_shm, file_backed
 
     def _run(self) -> None:
-        pids: list[int] = []
+        # The thread's own first allocations (its stack pages, the allocator arena of a
+        # new thread, the /proc readers' buffers) happen before the baseline is taken:
+        # the sampler's memory is not the measured code's. start() waits for this.
+        pids = _descendants()
+        self._total(pids)
+        self._ready.set()
+        self._go.wait()
         next_scan = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
@@ -168,14 +176,18 @@ class MemorySampler:
         self.samples += 1
 
     def start(self) -> MemorySampler:
+        self._stop.clear()
+        self._ready.clear()
+        self._go.clear()
+        self._thread = threading.Thread(target=self._run, name="mem-sampler", daemon=True)
+        self._thread.start()
+        self._ready.wait()
         self._kernel_peak_ok = reset_kernel_peak()
         own = read_status()
         anon_shm, file_backed = self._total(_descendants())
         self.baseline = {"charged": anon_shm, "file": file_backed, "rss": own.get("VmRSS", 0)}
         self.peak_charged, self.peak_file = anon_shm, file_backed
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="mem-sampler", daemon=True)
-        self._thread.start()
+        self._go.set()
         return self
 
     def stop(self) -> dict[str, Any]:
