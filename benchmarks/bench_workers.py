@@ -205,17 +205,13 @@ def side_unique_memory(name: str, workers: int, strings: int) -> dict[str, Any]:
 
     paths = [f"/data/train/shard-{i % 1000:04d}/image-{i:09d}.jpeg" for i in range(strings)]
     source_bytes = sum(map(sys.getsizeof, paths)) + sys.getsizeof(paths)
-    import psutil
 
-    def worker_uss() -> list[int]:
-        me = psutil.Process()
-        found = []
-        for child in me.children(recursive=True):
-            memory = worker_memory(child.pid)
-            # the forkserver and resource tracker are not workers: they never imported numpy
-            if memory is not None and memory.uss > 15 * MIB:
-                found.append(memory.uss)
-        return found
+    def worker_uss(pids: list[int]) -> list[int]:
+        # the workers by their pids (the forkserver and resource tracker are children too;
+        # a size filter stopped working once the forkserver preloaded numpy for them)
+        found = [worker_memory(pid) for pid in pids]
+        assert all(memory is not None for memory in found) and found, pids
+        return [memory.uss for memory in found if memory is not None]
 
     if name == "headrace":
         import headrace as hr
@@ -225,10 +221,11 @@ def side_unique_memory(name: str, workers: int, strings: int) -> dict[str, Any]:
         ).map(path_length, num_parallel_calls=workers, workers="processes")
         iterator = iter(ds)
         next(iterator)
-        start = worker_uss()
+        pids = [memory.pid for memory in iterator.stats().workers[0].processes]
+        start = worker_uss(pids)
         for _ in iterator:
             pass
-        end = worker_uss()
+        end = worker_uss(pids)
         iterator.close()
     else:
         import torch.utils.data as tud
@@ -244,10 +241,11 @@ def side_unique_memory(name: str, workers: int, strings: int) -> dict[str, Any]:
                                 multiprocessing_context="fork")
         iterator = iter(loader)
         next(iterator)
-        start = worker_uss()
+        pids = [worker.pid for worker in iterator._workers]  # type: ignore[attr-defined]
+        start = worker_uss(pids)
         for _ in iterator:
             pass
-        end = worker_uss()
+        end = worker_uss(pids)
     return {"source_bytes": source_bytes, "uss_start": start, "uss_end": end,
             "growth_per_worker": [e - s for s, e in zip(sorted(start), sorted(end), strict=False)]}
 

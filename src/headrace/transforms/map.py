@@ -438,6 +438,8 @@ class _ParallelMapIterator(Iterator):
         self.ready: deque[Handoff] = deque()  # outputs (and errors) to hand out, in order
         self.exhausted = False
         self.chunk = 1
+        #: How long one call should run: chunks grow to it (process workers set more).
+        self.target_call_seconds = _TARGET_CALL_SECONDS
         # Out of order, finished calls announce themselves here (one queue get per
         # call, not a wait() over every call in flight).
         self.max_chunk = _MAX_CHUNK
@@ -585,7 +587,7 @@ class _ParallelMapIterator(Iterator):
             release_all(call.bookings)
         per_element = seconds / max(len(outputs), 1)
         if per_element > 0:
-            wanted = int(_TARGET_CALL_SECONDS / per_element) or 1
+            wanted = int(self.target_call_seconds / per_element) or 1
             self.chunk = max(1, min(self.max_chunk, wanted))
         errors: dict[int, Exception] | None = None
         # the failed positions hold no output and book nothing

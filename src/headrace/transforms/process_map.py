@@ -61,6 +61,13 @@ __all__ = ["MIN_PROCESS_CALL_SECONDS", "cpu_count", "process_map_iterator", "res
 #: ``auto`` sends a function to processes only if one call takes at least this long: a
 #: chunk's trip to a worker and back costs some 100 us, which quicker calls cannot repay.
 MIN_PROCESS_CALL_SECONDS = 50e-6
+#: How long a call to a worker process should run (a thread's call: 2 ms). A trip to a
+#: process costs more than a hand-off to a thread (pickling the chunk, two pipe
+#: messages, the collector's wake-up, ~50 us of CPU on either side): with 2 ms calls
+#: two workers ran a ~0.8 ms pure-Python map at 1.6-1.7x one thread on 2 CPUs, with
+#: 10 ms calls at 2.0x (benchmarks/bench_workers.py). The chunk's outputs are booked
+#: before the call starts, as for threads, so the budget still bounds what is in flight.
+PROCESS_CALL_SECONDS = 10e-3
 #: ``auto`` samples calls on this thread for at least this long (or this many calls).
 _SAMPLE_SECONDS = 0.05
 _SAMPLE_CALLS = 64
@@ -104,6 +111,7 @@ class ProcessMapIterator(_ParallelMapIterator):
         super().__init__(*args)
         self.processes: ProcessPool | None = None
         self.kind = "processes"
+        self.target_call_seconds = PROCESS_CALL_SECONDS
         self.reason = "workers='processes'"
 
     def _book_idle(self, nbytes: int) -> Reservation | None:
@@ -238,6 +246,7 @@ class _AutoMapIterator(ProcessMapIterator):
         self.wanted = self.threads
         self.threads = 1  # while sampling: one call at a time, on this thread
         self.kind = "sampling"
+        self.target_call_seconds = map_module._TARGET_CALL_SECONDS  # until processes are chosen
         self.reason = "not decided yet"
         self.sampled_seconds = 0.0
         self.sampled_cpu = 0.0  # of this thread, while in the sampled calls
@@ -295,6 +304,8 @@ class _AutoMapIterator(ProcessMapIterator):
                     except InvalidArgumentError as error:
                         why = f"the function cannot be pickled ({error.__cause__})"
         self.kind, self.threads = kind, count
+        if kind == "processes":
+            self.target_call_seconds = PROCESS_CALL_SECONDS
         self.reason = f"{measured}: {kind} ({why})"
 
     def close(self) -> None:
