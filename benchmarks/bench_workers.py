@@ -2,7 +2,7 @@
 
 Scenarios, each side in a fresh interpreter, one after the other:
 
-1. ``python_map``: a pure-Python function of about 1 ms per element over 400
+1. ``python_map``: a pure-Python function of about 1 ms per element over 2,000
    elements: headrace on 1 thread (sequential map), headrace with 2 worker
    processes, tf.data's ``map(py_function, num_parallel_calls=2)``, and PyTorch's
    DataLoader with 2 workers. Target: 2 processes >= 1.8x one thread.
@@ -237,8 +237,9 @@ def side_unique_memory(name: str, workers: int, strings: int) -> dict[str, Any]:
             def __getitem__(self, index: int) -> int:
                 return len(paths[index])
 
+        # persistent: the workers outlive the epoch, so their memory can be read at its end
         loader = tud.DataLoader(Paths(), batch_size=256, num_workers=workers,
-                                multiprocessing_context="fork")
+                                multiprocessing_context="fork", persistent_workers=True)
         iterator = iter(loader)
         next(iterator)
         pids = [worker.pid for worker in iterator._workers]  # type: ignore[attr-defined]
@@ -277,28 +278,33 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", nargs=1)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--strings", type=int, default=None,
+                        help="path strings in scenario 3's source (default 3 M; 21 M is ~2 GiB)")
+    parser.add_argument("--only", choices=("python_map", "move_arrays", "unique_memory"),
+                        help="one scenario; the report goes to workers-<scenario>.md/.json")
     args = parser.parse_args()
     if args.child:
         child(args.child)
         return
     results: list[dict[str, Any]] = []
-    count = 200 if args.quick else 400
-    for name in ("headrace 1 thread", "headrace 2 processes", "tf.data py_function x2",
-                 "torch DataLoader 2 workers"):
-        results.append(run({"scenario": "python_map", "name": name, "count": count}))
-        print(results[-1], flush=True)
+    count = 400 if args.quick else 2000  # ~2 s on one thread: start-up noise amortised
+    configs = [{"scenario": "python_map", "name": name, "count": count}
+               for name in ("headrace 1 thread", "headrace 2 processes",
+                            "tf.data py_function x2", "torch DataLoader 2 workers")]
     arrays = 2 if args.quick else 3
-    for name in ("headrace shared memory", "multiprocessing.Queue pickling"):
-        results.append(run({"scenario": "move_arrays", "name": name, "count": arrays}))
-        print(results[-1], flush=True)
-    strings = 1_000_000 if args.quick else 3_000_000
-    for name in ("headrace", "torch DataLoader"):
-        for workers in (1, 2):
-            results.append(run({"scenario": "unique_memory", "name": name, "workers": workers,
-                                "strings": strings}))
+    configs += [{"scenario": "move_arrays", "name": name, "count": arrays}
+                for name in ("headrace shared memory", "multiprocessing.Queue pickling")]
+    strings = args.strings or (1_000_000 if args.quick else 3_000_000)
+    configs += [{"scenario": "unique_memory", "name": name, "workers": workers,
+                 "strings": strings}
+                for name in ("headrace", "torch DataLoader") for workers in (1, 2)]
+    for config in configs:
+        if args.only in (None, config["scenario"]):
+            results.append(run(config))
             print(results[-1], flush=True)
     out = HERE / "results"
-    (out / "workers.json").write_text(json.dumps(results, indent=1))
+    stem = f"workers-{args.only}" if args.only else "workers"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     lines = [
         "# Process workers (benchmarks/bench_workers.py)", "",
         f"Machine: {os.cpu_count()} CPUs, shared with other engineers' jobs (noisy); "
@@ -306,7 +312,7 @@ def main() -> None:
         "", "## 1. Pure-Python map, ~1 ms per element", "",
         "| side | elements/s | wall s | CPU s (process tree) | vs 1 thread |", "|---|---|---|---|---|",
     ]
-    base = next(r for r in results if r.get("name") == "headrace 1 thread").get("per_s")
+    base = next((r.get("per_s") for r in results if r.get("name") == "headrace 1 thread"), 1)
     for r in results:
         if r["scenario"] == "python_map":
             if "error" in r:
@@ -335,7 +341,7 @@ def main() -> None:
             growth = ", ".join(f"{g / MIB:.1f} MiB" for g in r["growth_per_worker"])
             lines.append(f"| {r['name']} | {r['workers']} | {r['strings']:,} strings, "
                          f"{r['source_bytes'] / MIB:.0f} MiB | {growth} |")
-    (out / "workers.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

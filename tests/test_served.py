@@ -147,6 +147,59 @@ def test_three_consumer_processes_share_one_reader_under_its_descriptor_cap(
     assert our_segments() == []
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])
+@given(files=st.integers(1, 7), records=st.lists(st.integers(0, 6), min_size=7, max_size=7),
+       k=st.integers(1, 3), cycle=st.integers(1, 3), listed=st.booleans())
+def test_file_sharding_gives_each_consumer_only_its_own_files(
+    files: int, records: list[int], k: int, cycle: int, listed: bool,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``shard_policy="file"``: consumer i reads files i, i+k, ... only (each file read once
+    for all consumers, not k times), in that sub-pipeline's order; fewer files than
+    consumers is a clear error, as for auto_shard."""
+    directory = tmp_path_factory.mktemp("files")
+    paths = []
+    for f in range(files):
+        paths.append(str(directory / f"part-{f}.tfrecord"))
+        write_tfrecord(paths[-1], [f"{f}:{r}".encode() for r in range(records[f])])
+    if listed:
+        dataset = hr.Dataset.list_files(str(directory / "*.tfrecord"), shuffle=False).interleave(
+            hr.TFRecordDataset, cycle_length=cycle)
+    else:
+        dataset = hr.TFRecordDataset(paths)
+    address = str(directory / "s.sock")
+    if files < k:
+        with pytest.raises(hr.InvalidArgumentError, match="fewer|files"):
+            hr.serve(dataset, k, address, authkey=KEY, shard_policy="file")
+        return
+    parts: dict[int, list[str]] = {}
+
+    def read(index: int) -> None:
+        with hr.connect(address, index, authkey=KEY) as part:
+            parts[index] = [bytes(e).decode() for e in part]
+
+    with hr.serve(dataset, k, address, authkey=KEY, shard_policy="file"):
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(k)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    stream = [bytes(e).decode() for e in dataset]
+    for index in range(k):
+        expected = [bytes(e).decode() for e in hr.auto_shard(dataset, "file", num_shards=k,
+                                                             index=index)]
+        assert parts[index] == expected
+        assert {int(v.split(":")[0]) % k for v in parts[index]} <= {index}  # its files only
+    assert Counter(v for part in parts.values() for v in part) == Counter(stream)
+    assert our_segments() == []
+
+
+def test_a_shard_policy_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(hr.InvalidArgumentError, match="shard_policy must be 'data' or 'file'"):
+        hr.serve(hr.Dataset.range(4), 2, str(tmp_path / "s.sock"), shard_policy="rows")
+
+
 # -- independence: a consumer dies, the others go on --------------------------------------
 
 

@@ -9,7 +9,13 @@ index and receives its own disjoint, deterministic part of the stream.
 Parts. Consumer ``i`` of ``k`` gets ``dataset.shard(k, i)``: every k-th element
 of the stream from the i-th on, in the stream's order, so the parts are
 disjoint, their union is the stream, and which elements a consumer sees never
-depends on timing or on the other consumers. The producer runs one iterator
+depends on timing or on the other consumers. Each part's iterator reads and
+parses the whole stream to keep its k-th of it; with ``shard_policy="file"``
+consumer ``i`` gets ``auto_shard(dataset, "file", num_shards=k, index=i)``
+instead: the pipeline's file list split round-robin, so each part reads only
+its own files and the producer reads everything once, not k times (the parts
+are still disjoint and deterministic; their union is the stream's elements, in
+another order). The producer runs one iterator
 per connected consumer, all under **one** memory budget, split in ``k + 1``
 equal parts: one for each consumer's run (a child budget of the producer's,
 whose stages' shares add up to its part) and one for the segments, so that
@@ -61,6 +67,7 @@ from headrace._closing import ClosesOnExit
 from headrace.core.run import DatasetIterator, default_budget
 from headrace.core.state import StateReader
 from headrace.dataset import Dataset
+from headrace.distribute import AutoShardPolicy, auto_shard
 from headrace.errors import CheckpointError, InvalidArgumentError, IteratorClosedError, WorkerError
 from headrace.io.filepool import FileLimiter, get_default_pool
 from headrace.memory.budget import MemoryBudget, Reservation
@@ -125,6 +132,7 @@ class Server(ClosesOnExit):
         *,
         authkey: bytes | None = None,
         max_open_files: int | None = None,
+        shard_policy: AutoShardPolicy | str = AutoShardPolicy.DATA,
     ) -> None:
         if not isinstance(dataset, Dataset):
             raise InvalidArgumentError(f"serve needs a headrace Dataset, got {type(dataset).__name__}")
@@ -132,7 +140,19 @@ class Server(ClosesOnExit):
             raise InvalidArgumentError(f"serve: consumers must be an integer >= 1, got {consumers!r}")
         self.address = os.fspath(address)
         self.consumers = consumers
-        self._parts = [dataset.shard(consumers, index) for index in range(consumers)]
+        try:
+            by_file = AutoShardPolicy(
+                shard_policy.lower() if isinstance(shard_policy, str) else shard_policy
+            ) is AutoShardPolicy.FILE
+        except ValueError:
+            raise InvalidArgumentError(
+                f"serve: shard_policy must be 'data' or 'file', got {shard_policy!r}"
+            ) from None
+        self._parts = [
+            auto_shard(dataset, AutoShardPolicy.FILE, num_shards=consumers, index=index)
+            if by_file and consumers > 1 else dataset.shard(consumers, index)
+            for index in range(consumers)
+        ]
         self._fingerprints = [part.fingerprint() for part in self._parts]
         options = dataset.options
         explicit = options.budget_bytes
@@ -343,10 +363,13 @@ def serve(
     *,
     authkey: bytes | None = None,
     max_open_files: int | None = None,
+    shard_policy: AutoShardPolicy | str = AutoShardPolicy.DATA,
 ) -> Server:
     """Serve ``dataset`` to ``consumers`` processes on this host; returns the :class:`Server`.
 
-    Consumer ``i`` (see :func:`connect`) gets ``dataset.shard(consumers, i)``.
+    Consumer ``i`` (see :func:`connect`) gets ``dataset.shard(consumers, i)``, or with
+    ``shard_policy="file"`` its round-robin part of the pipeline's files (each file
+    read once for all consumers; see :func:`headrace.auto_shard` and the module doc).
     ``address`` is the path of the Unix socket to listen on (a stale socket left
     by a dead producer is replaced). ``authkey``: the shared secret consumers
     must present; by default this process's ``multiprocessing`` authkey, which
@@ -356,7 +379,8 @@ def serve(
     ``Options(max_open_files=...)``). Use as a context manager, or call
     :meth:`Server.close`.
     """
-    return Server(dataset, consumers, os.fspath(address), authkey=authkey, max_open_files=max_open_files)
+    return Server(dataset, consumers, os.fspath(address), authkey=authkey,
+                  max_open_files=max_open_files, shard_policy=shard_policy)
 
 
 class ServedIterator(ClosesOnExit):

@@ -114,7 +114,7 @@ def routes_agree() -> dict[str, object]:
         result[f"route_spe{spe}"] = adapter.tf_route
         trained[name] = net.get_weights()
     result["max_weight_diff"] = max(float(np.abs(a - b).max())
-                                    for a, b in zip(trained["numpy"], trained["tf.data"]))
+                                    for a, b in zip(trained["numpy"], trained["tf.data"], strict=True))
     with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
         net = model()
     adapter = first.to_keras()
