@@ -24,8 +24,9 @@ iterator per epoch in the backend's own form, and for the number of batches.
   the NumPy batches directly, wrapped as a ``DistributedDataset`` so that
   Keras does not re-distribute them. Nothing is held outside the pipeline's
   budget, and no ``numpy_function`` hop or tf.data graph sits between the
-  pipeline and the step (1.3x tf.data's steps/s at 0.7x its CPU per step on a
-  small model, where the hop made it 0.7x). Under a strategy with several
+  pipeline and the step (``fit`` at 1.2x the steps/s of the same pipeline in
+  tf.data in benchmarks/bench_frameworks.py, where the hop made it 0.9x). Under
+  a strategy with several
   replicas, or ``steps_per_execution > 1``, Keras needs a real
   ``tf.data.Dataset`` (to split batches across replicas, to loop inside one
   call): ``to_tf`` then, built once per adapter, with one batch prefetched on
