@@ -309,38 +309,30 @@ def main() -> None:
         "# Process workers (benchmarks/bench_workers.py)", "",
         f"Machine: {os.cpu_count()} CPUs, shared with other engineers' jobs (noisy); "
         f"load average at the end {os.getloadavg()[0]:.1f}. Python {sys.version.split()[0]}.",
-        "", "## 1. Pure-Python map, ~1 ms per element", "",
-        "| side | elements/s | wall s | CPU s (process tree) | vs 1 thread |", "|---|---|---|---|---|",
     ]
     base = next((r.get("per_s") for r in results if r.get("name") == "headrace 1 thread"), 1)
-    for r in results:
-        if r["scenario"] == "python_map":
-            if "error" in r:
-                lines.append(f"| {r['name']} | error | | | |")
-                continue
-            lines.append(f"| {r['name']} | {r['per_s']:.0f} | {r['seconds']:.2f} | "
-                         f"{r['cpu_seconds']:.2f} | {r['per_s'] / base:.2f}x |")
-    lines += ["", "## 2. Moving 1 GiB arrays from a worker to the consumer", "",
-              "| side | arrays | GiB/s | peak growth of tree Pss_Anon+Pss_Shmem |",
-              "|---|---|---|---|"]
-    for r in results:
-        if r["scenario"] == "move_arrays":
-            if "error" in r:
-                lines.append(f"| {r['name']} | error | | |")
-                continue
-            lines.append(f"| {r['name']} | {r['count']} | {r['gib_per_s']:.2f} | "
-                         f"{r['peak_growth'] / MIB:.0f} MiB |")
-    lines += ["", "## 3. Unique memory of the workers over an in-memory list of path strings",
-              "", "| side | workers | source | USS growth per worker in one epoch |",
-              "|---|---|---|---|"]
-    for r in results:
-        if r["scenario"] == "unique_memory":
-            if "error" in r:
-                lines.append(f"| {r['name']} | {r['workers']} | error | |")
-                continue
-            growth = ", ".join(f"{g / MIB:.1f} MiB" for g in r["growth_per_worker"])
-            lines.append(f"| {r['name']} | {r['workers']} | {r['strings']:,} strings, "
-                         f"{r['source_bytes'] / MIB:.0f} MiB | {growth} |")
+    sections = {
+        "python_map": ("1. Pure-Python map, ~1 ms per element",
+                       "| side | elements/s | wall s | CPU s (process tree) | vs 1 thread |",
+                       lambda r: f"| {r['name']} | {r['per_s']:.0f} | {r['seconds']:.2f} | "
+                                 f"{r['cpu_seconds']:.2f} | {r['per_s'] / base:.2f}x |"),
+        "move_arrays": ("2. Moving 1 GiB arrays from a worker to the consumer",
+                        "| side | arrays | GiB/s | peak growth of tree Pss_Anon+Pss_Shmem |",
+                        lambda r: f"| {r['name']} | {r['count']} | {r['gib_per_s']:.2f} | "
+                                  f"{r['peak_growth'] / MIB:.0f} MiB |"),
+        "unique_memory": (
+            "3. Unique memory of the workers over an in-memory list of path strings",
+            "| side | workers | source | USS growth per worker in one epoch |",
+            lambda r: f"| {r['name']} | {r['workers']} | {r['strings']:,} strings, "
+                      f"{r['source_bytes'] / MIB:.0f} MiB | "
+                      + ", ".join(f"{g / MIB:.1f} MiB" for g in r["growth_per_worker"]) + " |"),
+    }
+    for scenario, (title, header, row) in sections.items():
+        mine = [r for r in results if r["scenario"] == scenario]
+        if not mine:
+            continue
+        lines += ["", f"## {title}", "", header, "|" + "---|" * header.count(" | ") + "---|"]
+        lines += [f"| {r['name']} | error |" if "error" in r else row(r) for r in mine]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
