@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from headrace.core.state import INPUTS, StateReader
+from headrace.errors import Origin
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
 from headrace.memory.sizeof import admit, owner_of, sizeof
 from headrace.options import Options
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from headrace.core.node import Node
     from headrace.io.filepool import FileLimiter
 
-__all__ = ["Context", "Iterator", "RunFacts"]
+__all__ = ["Context", "Iterator", "RunFacts", "origin_probe"]
 
 
 @dataclass
@@ -196,6 +197,11 @@ class Iterator:
     """
 
     stage = "iterator"
+    #: True where every element this stage returns is the one its (single) input
+    #: returned last, or made from it alone, with nothing held between (map, filter,
+    #: take, shard): the origin of its last element is its input's. A buffering stage
+    #: (shuffle, prefetch, a parallel map) leaves it False, or overrides :meth:`origin`.
+    passes_origin = False
 
     def __init__(self, *inputs: Iterator) -> None:
         self.inputs = inputs
@@ -220,6 +226,19 @@ class Iterator:
     def pull(self) -> tuple[Any, Reservation]:
         """The next element and the booking that holds it (``NO_RESERVATION`` if none)."""
         raise NotImplementedError(f"{type(self).__name__} must implement pull()")
+
+    def origin(self) -> Origin | None:
+        """Where the element this iterator returned last came from (file, record, byte
+        offset), or None where it cannot say.
+
+        Asked only when a user function fails on that element (a sequential map asks
+        its input right then, so the fast path costs nothing); a stage that holds
+        elements between pulling and handing them out (a parallel map) takes
+        :func:`origin_probe` of its input once and asks it per element pulled.
+        """
+        if self.passes_origin and len(self.inputs) == 1:
+            return self.inputs[0].origin()
+        return None
 
     def get_state(self) -> dict[str, Any]:
         """Where this iterator is, as a small JSON-able dict."""
@@ -247,3 +266,18 @@ class Iterator:
         for child in self.inputs:
             out.extend(child.walk())
         return out
+
+
+def origin_probe(iterator: Iterator) -> Any:
+    """The bound ``origin`` method of the iterator that answers for ``iterator``'s
+    elements (past stages that pass origins through), or None where none can.
+
+    A stage that pulls elements ahead of using them calls the probe once per element
+    pulled, so the chain of pass-through stages is walked once, here, not per element.
+    """
+    current = iterator
+    while type(current).origin is Iterator.origin:
+        if not (current.passes_origin and len(current.inputs) == 1):
+            return None
+        current = current.inputs[0]
+    return current.origin

@@ -24,7 +24,13 @@ import numpy as np
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node
 from headrace.core.state import StateReader
-from headrace.errors import InvalidArgumentError, MemoryBudgetError, RecordTooLargeError, add_note
+from headrace.errors import (
+    InvalidArgumentError,
+    MemoryBudgetError,
+    Origin,
+    RecordTooLargeError,
+    add_note,
+)
 from headrace.io.filepool import FileLimiter, FilePool, PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
@@ -87,6 +93,10 @@ class RecordReader(Protocol):
     def next_offset(self) -> int:
         """Byte offset (in the decompressed stream) of the next unread record."""
 
+    def last_offset(self) -> int | None:
+        """Byte offset of the record :meth:`read_reserved` returned last (None before
+        any): asked when an element fails downstream, to name where it came from."""
+
 
 def _without_cr(line: bytes) -> bytes:
     """``line`` with every carriage return dropped, as TensorFlow's ``ReadLine`` does."""
@@ -121,6 +131,7 @@ class TextLineReader:
         self.max_line_bytes = max_line_bytes
         stream.seek(start)
         self._offset = start
+        self._last_offset: int | None = None
         self._buffer = b""
         self._position = 0
         self._eof = False
@@ -133,12 +144,16 @@ class TextLineReader:
     def next_length(self) -> int | None:
         return None  # a line's length is known only once its newline is found
 
+    def last_offset(self) -> int | None:
+        return self._last_offset
+
     def close(self) -> None:
         self._buffer, self._position = b"", 0
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         """The next line; one longer than the read buffer (gathered from several reads:
         memory the buffer's bound does not cover) is booked on ``account``."""
+        self._last_offset = self._offset
         line = self.read_record()
         if line is None:
             return None
@@ -360,6 +375,9 @@ class _FileRecordsIterator(Iterator):
         self.pool: FilePool = get_default_pool()
         self.file_index = 0
         self.start_offset = 0
+        #: Index in its file of the next record served; -1 when unknown (a state saved
+        #: before states carried it), and then no origin names a record index.
+        self.record = 0
         self.stream: PooledStream | None = None
         self.reader: RecordReader | None = None
 
@@ -386,9 +404,26 @@ class _FileRecordsIterator(Iterator):
                 self._skip_failed_file(error)
                 raise
             if pair is not None:
+                if self.record >= 0:
+                    self.record += 1
                 return pair
             self._next_file()
         raise StopIteration
+
+    def origin(self) -> Origin | None:
+        """The file, index and byte offset of the record :meth:`pull` returned last."""
+        reader = self.reader
+        offset = None if reader is None else reader.last_offset()
+        if offset is None or self.record < 0:
+            return None
+        skipped = getattr(reader, "skipped", None)  # corrupt records skipped before it
+        return Origin(
+            self.node.filenames[self.file_index],
+            self.record - 1 + (skipped[0] if skipped else 0),
+            offset,
+            1,
+            bool(self.node.compression_type),
+        )
 
     def read_many(self, count: int, account: StageAccount) -> tuple[list[bytes], Reservation]:
         """Up to ``count`` records across file boundaries (fewer only at the very end),
@@ -423,6 +458,8 @@ class _FileRecordsIterator(Iterator):
                     self._next_file()
                     continue
                 records.extend(batch)
+                if self.record >= 0:
+                    self.record += len(batch)
                 cost = sum(map(len, batch)) + _BYTES_HEADER * len(batch)
                 booked = booked.absorb(account.hold(cost, what=what))
         except BaseException:
@@ -445,6 +482,7 @@ class _FileRecordsIterator(Iterator):
         self._close_file()
         self.file_index += 1
         self.start_offset = 0
+        self.record = 0
 
     def _close_file(self) -> None:
         skipped = getattr(self.reader, "skipped", None)
@@ -460,13 +498,14 @@ class _FileRecordsIterator(Iterator):
 
     def get_state(self) -> dict[str, Any]:
         offset = self.reader.next_offset if self.reader is not None else self.start_offset
-        return {"file": self.file_index, "offset": offset}
+        return {"file": self.file_index, "offset": offset, "record": self.record}
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, self.stage)
         files = len(self.node.filenames)
         file_index = reader.integer("file", high=files, why=f"there are {files} files")
         offset = reader.integer("offset")
+        record = reader.integer("record", low=-1) if "record" in state else -1
         if file_index == files and offset:
             raise reader.error("offset", f"= {offset}, but 'file' says every file was read")
         if file_index < files and not self.node.compression_type:
@@ -476,6 +515,7 @@ class _FileRecordsIterator(Iterator):
                 raise reader.error("offset", f"= {offset} is past the end of {name} ({size} bytes)")
         self._close_file()
         self.file_index, self.start_offset = file_index, offset
+        self.record = 0 if offset == 0 else record
 
     def close(self) -> None:
         self._close_file()

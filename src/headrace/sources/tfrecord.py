@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
-from headrace.errors import InvalidArgumentError, MemoryBudgetError
+from headrace.errors import InvalidArgumentError, MemoryBudgetError, Origin
 from headrace.io.filepool import PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord.framing import DEFAULT_MAX_RECORD_BYTES, RECORD_OVERHEAD_BYTES
@@ -117,6 +118,10 @@ class _TFRecordReaderAdapter:
         self.ahead: list[bytes] = []
         self.served = 0
         self.booking = NO_RESERVATION
+        #: Offset of ``ahead[0]``, and the offsets of all of ``ahead`` once asked for
+        #: (an element failed downstream, or a parallel map probes origins).
+        self.ahead_offset = 0
+        self.offsets: list[int] | None = None
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         if self.served == len(self.ahead):
@@ -141,11 +146,26 @@ class _TFRecordReaderAdapter:
         # One record always (held beside others only when readers share the account:
         # a zip of a dataset with itself); more only within the room left.
         room = account.limit - account.held - _READ_AHEAD_RECORDS * record_cost(0)
+        self.ahead_offset, self.offsets = self.reader.next_offset, None
+        skipped = self.reader.skipped_records
         records = self.reader.read_batch(_READ_AHEAD_RECORDS, max(room, 0))
+        if self.reader.skipped_records != skipped:
+            self.ahead_offset = -1  # corrupt records skipped among these: offsets unknown
         if records:
             nbytes = sum(map(len, records)) + record_cost(0) * len(records)
             self.booking = account.charge(nbytes, elements=len(records))
         self.ahead = records
+
+    def last_offset(self) -> int | None:
+        """The offset of the record served last (one pass over the read-ahead list's
+        lengths, once per list)."""
+        if not self.served or self.ahead_offset < 0:
+            return None
+        offsets = self.offsets
+        if offsets is None:
+            sizes = [len(record) + RECORD_OVERHEAD_BYTES for record in self.ahead]
+            offsets = self.offsets = list(accumulate(sizes, initial=self.ahead_offset))
+        return offsets[self.served - 1]
 
     def read_batch(self, max_records: int, max_bytes: int) -> list[bytes]:
         if self.served < len(self.ahead):  # what was read ahead first (the caller books it)
@@ -264,6 +284,14 @@ class _IndexedAccess(RandomAccess):
             max_record_bytes=self.node.max_record_bytes,
         )
         return record
+
+    def origin(self, index: int) -> Origin | None:
+        if not 0 <= index < len(self):
+            return None
+        shard = bisect.bisect_right(self.starts, index) - 1
+        local = index - self.starts[shard]
+        offset = int(self._index(shard).offsets[local])
+        return Origin(self.node.filenames[shard], local, offset)
 
     def get_many(self, indices: range | np.ndarray[Any, Any]) -> Any:
         """Records at these indices, in this order: per shard front to back, consecutive

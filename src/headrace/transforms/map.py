@@ -41,10 +41,10 @@ from typing import Any
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.handoff import Handoff, restore_input
 from headrace.core.indexing import IndexPlan, RandomAccess
-from headrace.core.iterator import Context, Iterator
+from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, check_signature, first_element
 from headrace.core.state import INNER, SKIP, StateReader
-from headrace.errors import InvalidArgumentError, note_element_error
+from headrace.errors import InvalidArgumentError, Origin, note_element_error
 from headrace.memory.budget import (
     NO_RESERVATION,
     Overdraft,
@@ -260,13 +260,19 @@ class _MappedAccess(RandomAccess):
         try:
             return apply_fn(self.fn, element)
         except Exception as error:
-            raise note_element_error(error, self.stage, index)  # noqa: B904 - same error
+            origin = self.inner.origin(index)
+            raise note_element_error(error, self.stage, index, origin)  # noqa: B904
+
+    def origin(self, index: int) -> Origin | None:
+        return self.inner.origin(index)
 
     def prepare(self, ctx: Context) -> None:
         self.inner.prepare(ctx)
 
 
 class _MapIterator(Iterator):
+    passes_origin = True
+
     def __init__(self, inner: Iterator, fn: Callable[..., Any], stage: str) -> None:
         super().__init__(inner)
         self.inner, self.fn, self.stage = inner, fn, stage
@@ -280,7 +286,8 @@ class _MapIterator(Iterator):
             return apply_fn(self.fn, element), reservation
         except Exception as error:  # the element is dropped; the next call goes on
             reservation.release()
-            raise note_element_error(error, self.stage, index)  # noqa: B904 - same error
+            origin = self.inner.origin()  # the element's, asked now: the input is still on it
+            raise note_element_error(error, self.stage, index, origin)  # noqa: B904
 
     def get_state(self) -> dict[str, Any]:
         return {INNER: self.inner.get_state(), "index": self.index}
@@ -375,8 +382,8 @@ class _Call:
     """
 
     __slots__ = (
-        "bookings", "count", "elements", "error", "first_index", "future", "progress",
-        "state_before",
+        "bookings", "count", "elements", "error", "first_index", "future", "origins",
+        "progress", "state_before",
     )
 
     def __init__(
@@ -392,6 +399,8 @@ class _Call:
         self.count = 0  # elements in the chunk (set by the caller)
         self.elements: list[Any] = []  # kept only where the chunk may be split
         self.progress: _Progress | None = None
+        #: Where each element came from, where the input can say (for error notes).
+        self.origins: list[Origin | None] | None = None
 
 
 def _carve(bookings: list[Reservation], nbytes: int) -> Reservation:
@@ -447,6 +456,10 @@ class _ParallelMapIterator(Iterator):
         self.output_estimate = 0  # the largest output so far: what a call in flight will need
         self.state_after_last_input = inner.get_state()
         self.next_index = 0  # of the next input element to pull
+        # Where the input's elements come from: asked per element pulled (a call ahead
+        # of their failing), so the chain of stages passing it through is walked once.
+        self.origin_of_input = origin_probe(inner)
+        self.pulled_origins: list[Origin | None] | None = None  # of the last chunk pulled
 
     def _start_call(
         self, elements: list[Any], progress: _Progress | None = None
@@ -464,11 +477,12 @@ class _ParallelMapIterator(Iterator):
         state_before: dict[str, Any],
         first_index: int,
         error: Exception | None,
+        origins: list[Origin | None] | None = None,
     ) -> None:
         progress = _Progress(len(elements)) if self.finished is not None and elements else None
         future = self._start_call(elements, progress)
         call = _Call(future, bookings, state_before, first_index, error)
-        call.count = len(elements)
+        call.count, call.origins = len(elements), origins
         if progress is not None:
             call.elements, call.progress = elements, progress
         self.calls.append(call)
@@ -492,8 +506,10 @@ class _ParallelMapIterator(Iterator):
                 sum(max(self.ctx.sizeof(element),
                         self._expected_output(element, self.output_estimate)) for element in tail),
             )
+            origins = call.origins
             self._launch(
-                tail, [booking], call.state_before, call.first_index + given_up.start, error
+                tail, [booking], call.state_before, call.first_index + given_up.start, error,
+                None if origins is None else origins[given_up.start : given_up.stop],
             )
 
     def _submit_more(self) -> None:
@@ -507,7 +523,9 @@ class _ParallelMapIterator(Iterator):
             state_before, first_index = self.state_after_last_input, self.next_index
             elements, bookings, error = self._pull_chunk()
             if elements or error is not None:
-                self._launch(elements, bookings, state_before, first_index, error)
+                self._launch(
+                    elements, bookings, state_before, first_index, error, self.pulled_origins
+                )
 
     def _pull_chunk(self) -> tuple[list[Any], list[Reservation], Exception | None]:
         """Up to ``chunk`` inputs, booked at their expected output size, and the error
@@ -523,6 +541,9 @@ class _ParallelMapIterator(Iterator):
         pending: list[int] = []  # sizes of inputs nobody booked, booked together below
         pending_bytes = 0
         sizeof, estimate, account = self.ctx.sizeof, self.output_estimate, self.account
+        probe = self.origin_of_input
+        origins: list[Origin | None] | None = None if probe is None else []
+        self.pulled_origins = origins
         while len(elements) < self.chunk and (
             not elements or account.held + pending_bytes + estimate <= account.limit
         ):
@@ -535,6 +556,8 @@ class _ParallelMapIterator(Iterator):
                 upstream_error = error
                 break
             elements.append(element)
+            if origins is not None:
+                origins.append(probe())
             # A call in flight will soon hold its output: book the larger of the two
             # (the output's size from the input itself, where output_nbytes says it).
             size = max(sizeof(element), self._expected_output(element, estimate))
@@ -598,8 +621,12 @@ class _ParallelMapIterator(Iterator):
         for position, booking in zip(good, self.account.book_existing(sizes), strict=True):
             reservations[position] = booking
         if failed is not None:
+            origins = call.origins
             errors = {
-                position: note_element_error(error, self.stage, call.first_index + position)
+                position: note_element_error(
+                    error, self.stage, call.first_index + position,
+                    None if origins is None else origins[position],
+                )
                 for position, error in failed.items()
             }
         if sizes and max(sizes) > self.output_estimate:

@@ -15,7 +15,7 @@ from headrace.core.indexing import IndexStream, RepeatIndices
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
 from headrace.core.state import EPOCH, INNER, PRODUCED, StateReader
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, Origin
 from headrace.memory.budget import Reservation
 
 __all__ = ["RepeatNode"]
@@ -94,6 +94,9 @@ class _RepeatIterator(Iterator):
             self.produced_this_epoch += 1
             return pair
         raise StopIteration
+
+    def origin(self) -> Origin | None:
+        return None if self.inner is None else self.inner.origin()
 
     def get_state(self) -> dict[str, Any]:
         return {
