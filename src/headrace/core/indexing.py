@@ -342,7 +342,13 @@ class GatherIterator(_Gather):
         return self.get(index), NO_RESERVATION
 
     def origin(self) -> Origin | None:
-        return None if self.last < 0 else self.access.origin(self.last)
+        return self.origin_of(self.last)
+
+    def origin_token(self) -> int:
+        return self.last
+
+    def origin_of(self, token: Any) -> Origin | None:
+        return None if token < 0 else self.access.origin(token)
 
 
 class GatherBatchIterator(_Gather):

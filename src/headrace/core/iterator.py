@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -234,11 +235,22 @@ class Iterator:
         Asked only when a user function fails on that element (a sequential map asks
         its input right then, so the fast path costs nothing); a stage that holds
         elements between pulling and handing them out (a parallel map) takes
-        :func:`origin_probe` of its input once and asks it per element pulled.
+        :func:`origin_probe` of its input once and asks it for a token per element
+        pulled (:meth:`origin_token`), which it turns into an origin on failure only.
         """
         if self.passes_origin and len(self.inputs) == 1:
             return self.inputs[0].origin()
         return None
+
+    def origin_token(self) -> Any:
+        """A cheap stand-in for :meth:`origin` of the element returned last (a tuple of
+        ints, say), which :meth:`origin_of` turns into the :class:`Origin` later, after
+        this iterator moved on. Sources override both, to keep per-element work small."""
+        return self.origin()
+
+    def origin_of(self, token: Any) -> Origin | None:
+        """The origin a token of :meth:`origin_token` stands for."""
+        return token if isinstance(token, Origin) else None
 
     def get_state(self) -> dict[str, Any]:
         """Where this iterator is, as a small JSON-able dict."""
@@ -268,16 +280,22 @@ class Iterator:
         return out
 
 
-def origin_probe(iterator: Iterator) -> Any:
-    """The bound ``origin`` method of the iterator that answers for ``iterator``'s
-    elements (past stages that pass origins through), or None where none can.
+def origin_probe(
+    iterator: Iterator,
+) -> tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None:
+    """The bound ``origin_token`` and ``origin_of`` of the iterator that answers for
+    ``iterator``'s elements (past stages that pass origins through), or None where none
+    can.
 
-    A stage that pulls elements ahead of using them calls the probe once per element
-    pulled, so the chain of pass-through stages is walked once, here, not per element.
+    A stage that pulls elements ahead of using them calls the first once per element
+    pulled and the second only for an element that failed, so the chain of
+    pass-through stages is walked once, here, not per element.
     """
     current = iterator
-    while type(current).origin is Iterator.origin:
+    while type(current).origin is Iterator.origin and (
+        type(current).origin_token is Iterator.origin_token
+    ):
         if not (current.passes_origin and len(current.inputs) == 1):
             return None
         current = current.inputs[0]
-    return current.origin
+    return current.origin_token, current.origin_of

@@ -412,17 +412,20 @@ class _FileRecordsIterator(Iterator):
 
     def origin(self) -> Origin | None:
         """The file, index and byte offset of the record :meth:`pull` returned last."""
+        return self.origin_of(self.origin_token())
+
+    def origin_token(self) -> tuple[int, int, int | None] | None:
         reader = self.reader
-        offset = None if reader is None else reader.last_offset()
-        if offset is None or self.record < 0:
+        if reader is None or self.record < 0:
             return None
-        skipped = getattr(reader, "skipped", None)  # corrupt records skipped before it
+        return self.file_index, self.record - 1, reader.last_offset()
+
+    def origin_of(self, token: Any) -> Origin | None:
+        if token is None or token[2] is None:
+            return None
+        file_index, record, offset = token
         return Origin(
-            self.node.filenames[self.file_index],
-            self.record - 1 + (skipped[0] if skipped else 0),
-            offset,
-            1,
-            bool(self.node.compression_type),
+            self.node.filenames[file_index], record, offset, 1, bool(self.node.compression_type)
         )
 
     def read_many(self, count: int, account: StageAccount) -> tuple[list[bytes], Reservation]:

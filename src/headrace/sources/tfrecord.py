@@ -122,6 +122,7 @@ class _TFRecordReaderAdapter:
         #: (an element failed downstream, or a parallel map probes origins).
         self.ahead_offset = 0
         self.offsets: list[int] | None = None
+        self.skipped_any = False  # corrupt records skipped (skip_corrupt=True) in the file
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         if self.served == len(self.ahead):
@@ -146,11 +147,13 @@ class _TFRecordReaderAdapter:
         # One record always (held beside others only when readers share the account:
         # a zip of a dataset with itself); more only within the room left.
         room = account.limit - account.held - _READ_AHEAD_RECORDS * record_cost(0)
-        self.ahead_offset, self.offsets = self.reader.next_offset, None
+        self.ahead_offset = self.reader.next_offset
         skipped = self.reader.skipped_records
         records = self.reader.read_batch(_READ_AHEAD_RECORDS, max(room, 0))
         if self.reader.skipped_records != skipped:
-            self.ahead_offset = -1  # corrupt records skipped among these: offsets unknown
+            self.skipped_any = True
+        if self.skipped_any:  # record indexes and offsets after a skip: unknown
+            self.ahead_offset = -1
         if records:
             nbytes = sum(map(len, records)) + record_cost(0) * len(records)
             self.booking = account.charge(nbytes, elements=len(records))
@@ -158,11 +161,11 @@ class _TFRecordReaderAdapter:
 
     def last_offset(self) -> int | None:
         """The offset of the record served last (one pass over the read-ahead list's
-        lengths, once per list)."""
-        if not self.served or self.ahead_offset < 0:
-            return None
+        lengths, once per list: a parallel map asks this for every record)."""
         offsets = self.offsets
         if offsets is None:
+            if not self.served or self.ahead_offset < 0:
+                return None
             sizes = [len(record) + RECORD_OVERHEAD_BYTES for record in self.ahead]
             offsets = self.offsets = list(accumulate(sizes, initial=self.ahead_offset))
         return offsets[self.served - 1]
@@ -184,7 +187,7 @@ class _TFRecordReaderAdapter:
         """Drop what was read ahead and give its booking back."""
         self.booking.release()
         self.booking = NO_RESERVATION
-        self.ahead, self.served = [], 0
+        self.ahead, self.served, self.offsets = [], 0, None
 
     close = release
 

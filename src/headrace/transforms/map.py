@@ -399,8 +399,9 @@ class _Call:
         self.count = 0  # elements in the chunk (set by the caller)
         self.elements: list[Any] = []  # kept only where the chunk may be split
         self.progress: _Progress | None = None
-        #: Where each element came from, where the input can say (for error notes).
-        self.origins: list[Origin | None] | None = None
+        #: Where each element came from, where the input can say: tokens of
+        #: ``Iterator.origin_token``, made into origins for error notes only.
+        self.origins: list[Any] | None = None
 
 
 def _carve(bookings: list[Reservation], nbytes: int) -> Reservation:
@@ -458,8 +459,8 @@ class _ParallelMapIterator(Iterator):
         self.next_index = 0  # of the next input element to pull
         # Where the input's elements come from: asked per element pulled (a call ahead
         # of their failing), so the chain of stages passing it through is walked once.
-        self.origin_of_input = origin_probe(inner)
-        self.pulled_origins: list[Origin | None] | None = None  # of the last chunk pulled
+        self.origin_probe = origin_probe(inner)
+        self.pulled_origins: list[Any] | None = None  # tokens of the last chunk pulled
 
     def _start_call(
         self, elements: list[Any], progress: _Progress | None = None
@@ -477,7 +478,7 @@ class _ParallelMapIterator(Iterator):
         state_before: dict[str, Any],
         first_index: int,
         error: Exception | None,
-        origins: list[Origin | None] | None = None,
+        origins: list[Any] | None = None,
     ) -> None:
         progress = _Progress(len(elements)) if self.finished is not None and elements else None
         future = self._start_call(elements, progress)
@@ -541,8 +542,8 @@ class _ParallelMapIterator(Iterator):
         pending: list[int] = []  # sizes of inputs nobody booked, booked together below
         pending_bytes = 0
         sizeof, estimate, account = self.ctx.sizeof, self.output_estimate, self.account
-        probe = self.origin_of_input
-        origins: list[Origin | None] | None = None if probe is None else []
+        probe = None if self.origin_probe is None else self.origin_probe[0]
+        origins: list[Any] | None = None if probe is None else []
         self.pulled_origins = origins
         while len(elements) < self.chunk and (
             not elements or account.held + pending_bytes + estimate <= account.limit
@@ -556,8 +557,8 @@ class _ParallelMapIterator(Iterator):
                 upstream_error = error
                 break
             elements.append(element)
-            if origins is not None:
-                origins.append(probe())
+            if probe is not None:
+                origins.append(probe())  # type: ignore[union-attr]
             # A call in flight will soon hold its output: book the larger of the two
             # (the output's size from the input itself, where output_nbytes says it).
             size = max(sizeof(element), self._expected_output(element, estimate))
@@ -621,11 +622,11 @@ class _ParallelMapIterator(Iterator):
         for position, booking in zip(good, self.account.book_existing(sizes), strict=True):
             reservations[position] = booking
         if failed is not None:
-            origins = call.origins
+            origins, probe = call.origins, self.origin_probe
             errors = {
                 position: note_element_error(
                     error, self.stage, call.first_index + position,
-                    None if origins is None else origins[position],
+                    None if origins is None or probe is None else probe[1](origins[position]),
                 )
                 for position, error in failed.items()
             }

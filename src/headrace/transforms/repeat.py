@@ -98,6 +98,13 @@ class _RepeatIterator(Iterator):
     def origin(self) -> Origin | None:
         return None if self.inner is None else self.inner.origin()
 
+    def origin_token(self) -> Any:
+        return None if self.inner is None else self.inner.origin_token()
+
+    def origin_of(self, token: Any) -> Origin | None:
+        # every epoch's iterator reads the same recipe: the current one can say
+        return None if self.inner is None or token is None else self.inner.origin_of(token)
+
     def get_state(self) -> dict[str, Any]:
         return {
             EPOCH: self.epoch,
