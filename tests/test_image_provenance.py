@@ -115,38 +115,59 @@ def _run(ds: hr.Dataset) -> tuple[list[Any], list[BaseException]]:
                 errors.append(error)
 
 
-def _check(paths: list[str], content: list[list[bytes]], op: Any, ds_of: Any) -> None:
+def _same(got: list[Any], wanted: list[Any], ordered: bool) -> None:
+    assert len(got) == len(wanted)
+    if not ordered:  # a shuffle: the same outputs, each once
+        def key(array: Any) -> tuple[Any, ...]:
+            return (array.shape, array.tobytes())
+
+        got, wanted = sorted(got, key=key), sorted(wanted, key=key)
+    for output, expected in zip(got, wanted, strict=True):
+        np.testing.assert_array_equal(output, expected)
+
+
+def _check(
+    paths: list[str], content: list[list[bytes]], op: Any, ds_of: Any, ordered: bool = True
+) -> None:
     wanted, bad = _expected(paths, content, op)
     outputs, errors = _run(ds_of(False))
-    assert [element_origin(error) for error in errors] == bad
+    origins = [element_origin(error) for error in errors]
+    assert (origins if ordered else sorted(origins)) == bad  # type: ignore[type-var]
+    if not ordered:
+        by_origin = dict(zip(origins, errors, strict=True))
+        errors = [by_origin[origin] for origin in bad]
     for error, origin in zip(errors, bad, strict=True):
         notes = " ".join(getattr(error, "__notes__", []))
         assert f"record {origin.record} (at byte offset {origin.offset}) of file {origin.path}" \
             in notes, notes
-    assert len(outputs) == len(wanted)
-    for got, expected in zip(outputs, wanted, strict=True):
-        np.testing.assert_array_equal(got, expected)
+    _same(outputs, wanted, ordered)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         kept, errors = _run(ds_of(True))
-    assert not errors and len(kept) == len(wanted)  # nothing else lost, nothing twice
-    for got, expected in zip(kept, wanted, strict=True):
-        np.testing.assert_array_equal(got, expected)
+    assert not errors
+    _same(kept, wanted, ordered)  # nothing else lost, nothing twice
     dropped = [str(w.message) for w in caught if "ignore_errors" in str(w.message)]
     assert len(dropped) == len(bad)
+    if not ordered:
+        dropped.sort(key=lambda m: bad.index(next(o for o in bad if _named(o, m))))
     for message, origin in zip(dropped, bad, strict=True):
         assert f"record {origin.record} (at byte offset {origin.offset}) of file " \
             f"{origin.path}" in message, message
+
+
+def _named(origin: Origin, text: str) -> bool:
+    return f"record {origin.record} (at byte offset {origin.offset}) of file {origin.path}" in text
 
 
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(content=shards(), op_name=st.sampled_from(sorted(PROVENANCE_OPS)),
        parallel=st.sampled_from([None, 1, 3]), native=st.booleans(),
-       batched_prefix=st.booleans(), data=st.data())
+       between=st.sampled_from(["nothing", "pass-through stages", "shuffle"]),
+       seed=st.integers(0, 1000))
 def test_bad_images_in_shards_name_file_record_and_offset(
     tmp_path_factory: pytest.TempPathFactory, content: list[list[bytes]], op_name: str,
-    parallel: int | None, native: bool, batched_prefix: bool, data: Any,
+    parallel: int | None, native: bool, between: str, seed: int,
 ) -> None:
     paths = _write(tmp_path_factory.mktemp("shards"), content)
     op = PROVENANCE_OPS[op_name]
@@ -154,12 +175,14 @@ def test_bad_images_in_shards_name_file_record_and_offset(
     try:
         def ds_of(ignore: bool) -> hr.Dataset:
             ds = hr.TFRecordDataset(paths)
-            if batched_prefix:  # stages that pass origins through
+            if between == "pass-through stages":
                 ds = ds.filter(lambda r: len(r) > 0).take(10_000)
+            elif between == "shuffle":  # a buffer that keeps each record's origin token
+                ds = ds.shuffle(5, seed=seed)
             ds = ds.map(op, num_parallel_calls=parallel)
             return ds.ignore_errors(log_warning=True) if ignore else ds
 
-        _check(paths, content, op, ds_of)
+        _check(paths, content, op, ds_of, ordered=between != "shuffle")
     finally:
         set_native_enabled(before)
 
@@ -223,6 +246,19 @@ def test_shuffled_indexed_shards_name_the_record(tmp_path: Path) -> None:
         outputs, errors = _run(ds)
         assert len(outputs) == 10
         assert sorted(element_origin(e) for e in errors) == sorted(bad)  # type: ignore[type-var]
+
+
+def test_a_shuffle_under_repeat_keeps_origins_in_every_epoch(tmp_path: Path) -> None:
+    content = [[image_fns.jpeg(16, 16, seed=i) for i in range(4)]]
+    content[0][2] = content[0][2][:150]
+    paths = _write(tmp_path, content)
+    _, bad = _expected(paths, content, image_fns.op_decode_jpeg)
+    for parallel in (None, 2):
+        ds = hr.TFRecordDataset(paths).repeat(2).shuffle(3, seed=1).map(
+            image_fns.op_decode_jpeg, num_parallel_calls=parallel)
+        outputs, errors = _run(ds)
+        assert len(outputs) == 6
+        assert [element_origin(e) for e in errors] == bad * 2
 
 
 def test_origins_of_text_lines_and_arrays(tmp_path: Path) -> None:

@@ -252,6 +252,14 @@ class Iterator:
         """The origin a token of :meth:`origin_token` stands for."""
         return token if isinstance(token, Origin) else None
 
+    def track_origins(self) -> bool:
+        """Called through :func:`origin_probe` by a stage that will ask for origins (a
+        map, when it starts): a stage that must pay to remember them (a shuffle buffer
+        keeps a token beside each element) starts doing so only then. Returns whether
+        :meth:`origin_token` and :meth:`origin_of` can answer; a source that overrides
+        them can."""
+        return type(self).origin_token is not Iterator.origin_token
+
     def get_state(self) -> dict[str, Any]:
         """Where this iterator is, as a small JSON-able dict."""
         return {INPUTS: [child.get_state() for child in self.inputs]}
@@ -292,10 +300,10 @@ def origin_probe(
     pass-through stages is walked once, here, not per element.
     """
     current = iterator
-    while type(current).origin is Iterator.origin and (
+    while current.passes_origin and len(current.inputs) == 1 and (
         type(current).origin_token is Iterator.origin_token
     ):
-        if not (current.passes_origin and len(current.inputs) == 1):
-            return None
         current = current.inputs[0]
+    if not current.track_origins():
+        return None
     return current.origin_token, current.origin_of
