@@ -12,7 +12,8 @@ until its function raises).
 
 1. ``TFRecordDataset`` of 200,000 records of 100 bytes -> ``map(len, 2 threads)``
 2. the same -> ``map(len)`` (sequential)
-3. ``from_tensor_slices`` of 200,000 rows -> ``shuffle`` -> ``map(2 threads)``
+3. the same with ``shuffle(1000)`` before the map (its buffer keeps a token per element)
+4. ``from_tensor_slices`` of 200,000 rows -> ``shuffle`` -> ``map(2 threads)``
    (an index-gathering source: the origin is the row's index)
 """
 
@@ -32,6 +33,7 @@ RECORDS = 200_000
 SCENARIOS = {
     "tfrecord-map-threads": "TFRecordDataset -> map(len, num_parallel_calls=2)",
     "tfrecord-map-seq": "TFRecordDataset -> map(len)",
+    "tfrecord-shuffle-map-seq": "TFRecordDataset -> shuffle(1000) -> map(len)",
     "slices-shuffle-map-threads": "from_tensor_slices -> shuffle -> map(2 threads)",
 }
 
@@ -43,6 +45,8 @@ def child(scenario: str, path: str) -> dict[str, float]:
 
     if scenario.startswith("tfrecord"):
         ds = hr.TFRecordDataset(path)
+        if "shuffle" in scenario:
+            ds = ds.shuffle(1000, seed=1)
         parallel = 2 if scenario.endswith("threads") else None
         ds = ds.map(len, num_parallel_calls=parallel)
     else:

@@ -252,12 +252,13 @@ class Iterator:
         """The origin a token of :meth:`origin_token` stands for."""
         return token if isinstance(token, Origin) else None
 
-    def track_origins(self) -> bool:
+    def track_origins(self, tokens: bool = True) -> bool:
         """Called through :func:`origin_probe` by a stage that will ask for origins (a
         map, when it starts): a stage that must pay to remember them (a shuffle buffer
-        keeps a token beside each element) starts doing so only then. Returns whether
-        :meth:`origin_token` and :meth:`origin_of` can answer; a source that overrides
-        them can."""
+        keeps a token beside each element, a file source a log of offsets) starts doing
+        so only then. ``tokens``: the caller will hold :meth:`origin_token` values
+        (else it asks :meth:`origin` right after a pull). Returns whether this iterator
+        can answer; a source that overrides those methods can."""
         return type(self).origin_token is not Iterator.origin_token
 
     def get_state(self) -> dict[str, Any]:
@@ -289,7 +290,7 @@ class Iterator:
 
 
 def origin_probe(
-    iterator: Iterator,
+    iterator: Iterator, tokens: bool = True
 ) -> tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None:
     """The bound ``origin_token`` and ``origin_of`` of the iterator that answers for
     ``iterator``'s elements (past stages that pass origins through), or None where none
@@ -297,13 +298,15 @@ def origin_probe(
 
     A stage that pulls elements ahead of using them calls the first once per element
     pulled and the second only for an element that failed, so the chain of
-    pass-through stages is walked once, here, not per element.
+    pass-through stages is walked once, here, not per element. ``tokens=False``: the
+    caller asks ``origin()`` of its input right after pulling instead (a sequential
+    map), so only the buffers below must remember origins, not the source.
     """
     current = iterator
     while current.passes_origin and len(current.inputs) == 1 and (
         type(current).origin_token is Iterator.origin_token
     ):
         current = current.inputs[0]
-    if not current.track_origins():
+    if not current.track_origins(tokens):
         return None
     return current.origin_token, current.origin_of

@@ -13,9 +13,11 @@ decompresses up to it (a compressed stream cannot seek).
 
 from __future__ import annotations
 
+import bisect
 import glob
 import os
 import sys
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -40,6 +42,7 @@ from headrace.structure import TensorSpec
 __all__ = [
     "DEFAULT_MAX_LINE_BYTES",
     "FileRecordsNode",
+    "OriginLog",
     "RecordReader",
     "TextLineReader",
     "file_limiter",
@@ -69,7 +72,14 @@ class RecordReader(Protocol):
     What a reader holds for its caller (records read ahead) is booked on the stage's
     account (``account``) before it is held; what it holds for itself (its read buffer)
     is bounded by its buffer size and the largest record it may return.
+
+    ``log`` (None until the source tracks origins) is where the reader notes the
+    offsets of the records it reads (:meth:`OriginLog.span`), numbering them from
+    ``log_serial``.
     """
+
+    log: OriginLog | None
+    log_serial: int
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         """The next record and its booking on ``account`` (none when the reader keeps
@@ -132,6 +142,10 @@ class TextLineReader:
         stream.seek(start)
         self._offset = start
         self._last_offset: int | None = None
+        #: Set by the file source once origins are tracked: each line read is logged.
+        self.log: OriginLog | None = None
+        self.log_serial = 0  # the source's serial of this reader's first line
+        self.lines = 0
         self._buffer = b""
         self._position = 0
         self._eof = False
@@ -153,10 +167,13 @@ class TextLineReader:
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         """The next line; one longer than the read buffer (gathered from several reads:
         memory the buffer's bound does not cover) is booked on ``account``."""
-        self._last_offset = self._offset
+        self._last_offset = offset = self._offset
         line = self.read_record()
         if line is None:
             return None
+        if self.log is not None:
+            self.log.span(self.log_serial + self.lines, offset, None, 0)
+            self.lines += 1
         if len(line) < self.buffer_bytes:
             return line, NO_RESERVATION
         return line, account.charge(record_cost(len(line)))
@@ -367,6 +384,58 @@ class _RecordBatches(Iterator):
         self.records.set_state(StateReader(state, "batch").child("records"))
 
 
+#: Read-ahead lists (or lines) whose offsets an :class:`OriginLog` keeps: records further
+#: back than this from the newest have no offset, only a file and a record index.
+_SPANS_KEPT = 4096
+
+
+class OriginLog:
+    """Where the records a file source served came from, kept once a stage above holds
+    origin tokens (a shuffle, a parallel map): records are numbered by ``serial`` (how
+    many the source served before them), and the log maps a serial to its file, its
+    index in the file and its byte offset.
+
+    ``files``: (first serial, file index, index of its first record or -1 if unknown),
+    one entry per opening. ``spans``: (first serial, byte offset of that record (-1:
+    unknown), payload lengths of the following records or None for one record, framing
+    bytes around each), one per read-ahead list (TFRecord) or per line (text), the last
+    :data:`_SPANS_KEPT`. A reader appends spans through :meth:`span` as it reads.
+    """
+
+    def __init__(self) -> None:
+        self.files: list[tuple[int, int, int]] = []
+        self.spans: deque[tuple[int, int, list[int] | None, int]] = deque(maxlen=_SPANS_KEPT)
+
+    def opened(self, serial: int, file_index: int, first_record: int) -> None:
+        if self.files and self.files[-1][0] == serial:
+            self.files.pop()  # nothing was served from the previous opening
+        self.files.append((serial, file_index, first_record))
+
+    def span(self, serial: int, offset: int, lengths: list[int] | None, framing: int) -> None:
+        self.spans.append((serial, offset, lengths, framing))
+
+    def find(self, serial: int) -> tuple[int, int, int] | None:
+        """(file index, record index, byte offset) of record ``serial``, where known."""
+        at = bisect.bisect_right(self.files, serial, key=lambda entry: entry[0]) - 1
+        if at < 0:
+            return None
+        first_serial, file_index, first_record = self.files[at]
+        if first_record < 0:
+            return None
+        for start, offset, lengths, framing in reversed(self.spans):
+            if start > serial:
+                continue
+            position = serial - start
+            if offset < 0 or (lengths is None and position) or (
+                lengths is not None and position >= len(lengths)
+            ):
+                return None
+            if lengths is not None:
+                offset += sum(lengths[:position]) + framing * position
+            return file_index, first_record + serial - first_serial, offset
+        return None
+
+
 class _FileRecordsIterator(Iterator):
     def __init__(self, node: FileRecordsNode, ctx: Context, account: StageAccount) -> None:
         super().__init__()
@@ -375,9 +444,12 @@ class _FileRecordsIterator(Iterator):
         self.pool: FilePool = get_default_pool()
         self.file_index = 0
         self.start_offset = 0
-        #: Index in its file of the next record served; -1 when unknown (a state saved
-        #: before states carried it), and then no origin names a record index.
+        #: Index in its file of the next record served; unknown (``record_known``) after
+        #: restoring a state saved before states carried it: no origin is named then.
         self.record = 0
+        self.record_known = True
+        self.served = 0  # records served by this iterator: the origin tokens
+        self.log: OriginLog | None = None  # kept once a stage above asks for tokens
         self.stream: PooledStream | None = None
         self.reader: RecordReader | None = None
 
@@ -390,8 +462,11 @@ class _FileRecordsIterator(Iterator):
             memory_account=_BudgetCharge(self.account),
             buffer_size=node.buffer_bytes,
         )
-        self.reader = node.open_reader(self.stream, self.start_offset)
-        return self.reader
+        self.reader = reader = node.open_reader(self.stream, self.start_offset)
+        if self.log is not None:
+            self.log.opened(self.served, self.file_index, self.record if self.record_known else -1)
+            reader.log, reader.log_serial = self.log, self.served
+        return reader
 
     def pull(self) -> tuple[Any, Reservation]:
         while self.file_index < len(self.node.filenames):
@@ -404,29 +479,39 @@ class _FileRecordsIterator(Iterator):
                 self._skip_failed_file(error)
                 raise
             if pair is not None:
-                if self.record >= 0:
-                    self.record += 1
+                self.record += 1
+                self.served += 1
                 return pair
             self._next_file()
         raise StopIteration
 
     def origin(self) -> Origin | None:
         """The file, index and byte offset of the record :meth:`pull` returned last."""
-        return self.origin_of(self.origin_token())
-
-    def origin_token(self) -> tuple[int, int, int | None] | None:
         reader = self.reader
-        if reader is None or self.record < 0:
+        offset = None if reader is None else reader.last_offset()
+        if offset is None or not self.record_known:
             return None
-        return self.file_index, self.record - 1, reader.last_offset()
+        return self._origin(self.file_index, self.record - 1, offset)
 
-    def origin_of(self, token: Any) -> Origin | None:
-        if token is None or token[2] is None:
-            return None
-        file_index, record, offset = token
+    def _origin(self, file_index: int, record: int, offset: int) -> Origin:
         return Origin(
             self.node.filenames[file_index], record, offset, 1, bool(self.node.compression_type)
         )
+
+    def track_origins(self, tokens: bool = True) -> bool:
+        """With ``tokens``, keep an :class:`OriginLog`: a token is then the count of
+        records served (an attribute read), and the log says where each came from."""
+        if tokens and self.log is None:
+            # (a map asks as the pipeline starts; a file opened before has no log)
+            self.log = OriginLog()
+        return True
+
+    def origin_token(self) -> int:
+        return self.served
+
+    def origin_of(self, token: Any) -> Origin | None:
+        found = None if self.log is None or not token else self.log.find(token - 1)
+        return None if found is None else self._origin(*found)
 
     def read_many(self, count: int, account: StageAccount) -> tuple[list[bytes], Reservation]:
         """Up to ``count`` records across file boundaries (fewer only at the very end),
@@ -461,8 +546,8 @@ class _FileRecordsIterator(Iterator):
                     self._next_file()
                     continue
                 records.extend(batch)
-                if self.record >= 0:
-                    self.record += len(batch)
+                self.record += len(batch)
+                self.served += len(batch)
                 cost = sum(map(len, batch)) + _BYTES_HEADER * len(batch)
                 booked = booked.absorb(account.hold(cost, what=what))
         except BaseException:
@@ -501,7 +586,11 @@ class _FileRecordsIterator(Iterator):
 
     def get_state(self) -> dict[str, Any]:
         offset = self.reader.next_offset if self.reader is not None else self.start_offset
-        return {"file": self.file_index, "offset": offset, "record": self.record}
+        return {
+            "file": self.file_index,
+            "offset": offset,
+            "record": self.record if self.record_known else -1,
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, self.stage)
@@ -518,7 +607,8 @@ class _FileRecordsIterator(Iterator):
                 raise reader.error("offset", f"= {offset} is past the end of {name} ({size} bytes)")
         self._close_file()
         self.file_index, self.start_offset = file_index, offset
-        self.record = 0 if offset == 0 else record
+        self.record = 0 if offset == 0 else max(record, 0)
+        self.record_known = offset == 0 or record >= 0
 
     def close(self) -> None:
         self._close_file()

@@ -39,6 +39,7 @@ from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.memory.units import format_bytes
 from headrace.sources.files import (
     FileRecordsNode,
+    OriginLog,
     RecordReader,
     _filenames,
     file_limiter,
@@ -123,6 +124,10 @@ class _TFRecordReaderAdapter:
         self.ahead_offset = 0
         self.offsets: list[int] | None = None
         self.skipped_any = False  # corrupt records skipped (skip_corrupt=True) in the file
+        #: Set by the file source once origins are tracked: each list read ahead is logged.
+        self.log: OriginLog | None = None
+        self.log_serial = 0  # the source's serial of this reader's first record
+        self.read_count = 0  # records read ahead (all served: lists are served in order)
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         if self.served == len(self.ahead):
@@ -154,6 +159,10 @@ class _TFRecordReaderAdapter:
             self.skipped_any = True
         if self.skipped_any:  # record indexes and offsets after a skip: unknown
             self.ahead_offset = -1
+        if self.log is not None and records:
+            self.log.span(self.log_serial + self.read_count, self.ahead_offset,
+                          list(map(len, records)), RECORD_OVERHEAD_BYTES)
+            self.read_count += len(records)
         if records:
             nbytes = sum(map(len, records)) + record_cost(0) * len(records)
             self.booking = account.charge(nbytes, elements=len(records))

@@ -277,8 +277,8 @@ class _MapIterator(Iterator):
         super().__init__(inner)
         self.inner, self.fn, self.stage = inner, fn, stage
         self.index = 0  # of the next input element (named in error notes)
-        # asked on failure only; taking it now makes a shuffle below keep origins
-        self.origin_probe = origin_probe(inner)
+        # origin() is asked on failure only; probing now makes a shuffle below keep them
+        origin_probe(inner, tokens=False)
 
     def pull(self) -> tuple[Any, Reservation]:
         element, reservation = self.inner.pull()
@@ -288,8 +288,7 @@ class _MapIterator(Iterator):
             return apply_fn(self.fn, element), reservation
         except Exception as error:  # the element is dropped; the next call goes on
             reservation.release()
-            probe = self.origin_probe  # the input is still on the element: ask it now
-            origin = None if probe is None else probe[1](probe[0]())
+            origin = self.inner.origin()  # the input is still on the element: ask it now
             raise note_element_error(error, self.stage, index, origin)  # noqa: B904
 
     def get_state(self) -> dict[str, Any]:

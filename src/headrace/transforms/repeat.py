@@ -69,7 +69,7 @@ class _RepeatIterator(Iterator):
         self.inner: Iterator | None = (
             source.make_iterator(ctx.with_epoch(0)) if count != 0 else None
         )
-        self.tracking = False
+        self.tracking = self.tokens = False
         self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
         super().__init__(*([self.inner] if self.inner else []))
 
@@ -81,7 +81,7 @@ class _RepeatIterator(Iterator):
         self.inner = self.source.make_iterator(self.ctx.with_epoch(self.epoch))
         self.inputs = (self.inner,)
         if self.tracking:  # a stage above asks for origins: this epoch's input remembers them
-            self.probe = origin_probe(self.inner)
+            self.probe = origin_probe(self.inner, self.tokens)
 
     def pull(self) -> tuple[Any, Reservation]:
         while self.inner is not None:
@@ -111,9 +111,9 @@ class _RepeatIterator(Iterator):
         probe = self.probe
         return None if probe is None or token is None else probe[1](token)
 
-    def track_origins(self) -> bool:
-        self.tracking = True
-        self.probe = None if self.inner is None else origin_probe(self.inner)
+    def track_origins(self, tokens: bool = True) -> bool:
+        self.tracking, self.tokens = True, self.tokens or tokens
+        self.probe = None if self.inner is None else origin_probe(self.inner, self.tokens)
         return self.probe is not None
 
     def get_state(self) -> dict[str, Any]:
@@ -146,5 +146,5 @@ class _RepeatIterator(Iterator):
         self.inner = self.source.make_iterator(self.ctx.with_epoch(self.epoch))
         self.inputs = (self.inner,)
         if self.tracking:  # a stage above asks for origins: this epoch's input remembers them
-            self.probe = origin_probe(self.inner)
+            self.probe = origin_probe(self.inner, self.tokens)
         self.inner.set_state(inner_state)

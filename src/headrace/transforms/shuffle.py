@@ -422,8 +422,12 @@ class _ShuffleIterator(Iterator):
         item = self.ring.pop_drawn(self.shared.draws.next())
         if self.probe is None:
             return item  # type: ignore[no-any-return]
-        self.last_token = item[2] if len(item) == 3 else None  # (in before tracking began)
-        return item[0], item[1]
+        try:
+            element, reservation, self.last_token = item
+        except ValueError:  # (it came in before tracking began)
+            element, reservation = item
+            self.last_token = None
+        return element, reservation
 
     def origin(self) -> Origin | None:
         return self.origin_of(self.origin_token())
@@ -434,7 +438,7 @@ class _ShuffleIterator(Iterator):
     def origin_of(self, token: Any) -> Origin | None:
         return None if self.probe is None or token is None else self.probe[1](token)
 
-    def track_origins(self) -> bool:
+    def track_origins(self, tokens: bool = True) -> bool:
         """Keep each element's origin token beside it from now on (elements already in
         the buffer have none: a map asks when the pipeline starts, before any is)."""
         if self.probe is None:
