@@ -36,8 +36,10 @@ re-running anything.
 
 Errors raised by the user's own code (a ``map`` function, a ``filter``
 predicate, a generator) keep their type and traceback: headrace adds a PEP 678
-note naming the stage and the element (:func:`note_element_error`), so
-``except KeyError`` around a pipeline still works. Such an error takes its
+note naming the stage and the element (:func:`note_element_error`) and, where the
+source knows it, the element's :class:`Origin` — file, record index, byte offset
+(:func:`element_origin`) — so ``except KeyError`` around a pipeline still works
+and a bad JPEG in shard 731 of 1,000 is found without re-running anything. Such an error takes its
 element's place in the stream: every earlier element was delivered before it,
 and the next ``next()`` continues with the following element, as in tf.data.
 """
