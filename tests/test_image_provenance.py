@@ -286,3 +286,16 @@ def test_origins_of_text_lines_and_arrays(tmp_path: Path) -> None:
             next(iterator)
     assert element_origin(caught.value) == Origin(None, 1)
     assert "element 1 of the source" in " ".join(caught.value.__notes__)
+
+
+def test_a_batched_inception_crop_names_the_row_that_failed(tmp_path: Path) -> None:
+    records = [image_fns.jpeg(30, 40, seed=i) for i in range(6)]
+    records[4] = records[4][:200]
+    paths = _write(tmp_path, [records])
+    ds = hr.TFRecordDataset(paths).enumerate().batch(3).map(image_fns.INCEPTION.batch)
+    outputs, errors = _run(ds)
+    assert [o.shape for o in outputs] == [(3, 16, 16, 3)]
+    (error,) = errors
+    notes = " ".join(error.__notes__)
+    assert "InceptionCrop.batch failed on row 1 of 3, the element of index 4" in notes
+    assert "on element 1" in notes  # the batch's index at the map
