@@ -163,7 +163,8 @@ def _named(origin: Origin, text: str) -> bool:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(content=shards(), op_name=st.sampled_from(sorted(PROVENANCE_OPS)),
        parallel=st.sampled_from([None, 1, 3]), native=st.booleans(),
-       between=st.sampled_from(["nothing", "pass-through stages", "shuffle"]),
+       between=st.sampled_from(
+           ["nothing", "pass-through stages", "shuffle", "interleave", "interleave+shuffle"]),
        seed=st.integers(0, 1000))
 def test_bad_images_in_shards_name_file_record_and_offset(
     tmp_path_factory: pytest.TempPathFactory, content: list[list[bytes]], op_name: str,
@@ -174,15 +175,19 @@ def test_bad_images_in_shards_name_file_record_and_offset(
     before = set_native_enabled(native)
     try:
         def ds_of(ignore: bool) -> hr.Dataset:
-            ds = hr.TFRecordDataset(paths)
+            if between.startswith("interleave"):  # files read in turn, as in the README
+                ds = hr.Dataset.from_tensor_slices(paths).interleave(
+                    hr.TFRecordDataset, cycle_length=2, block_length=2)
+            else:
+                ds = hr.TFRecordDataset(paths)
             if between == "pass-through stages":
                 ds = ds.filter(lambda r: len(r) > 0).take(10_000)
-            elif between == "shuffle":  # a buffer that keeps each record's origin token
+            elif between.endswith("shuffle"):  # a buffer keeps each record's origin token
                 ds = ds.shuffle(5, seed=seed)
             ds = ds.map(op, num_parallel_calls=parallel)
             return ds.ignore_errors(log_warning=True) if ignore else ds
 
-        _check(paths, content, op, ds_of, ordered=between != "shuffle")
+        _check(paths, content, op, ds_of, ordered=between in ("nothing", "pass-through stages"))
     finally:
         set_native_enabled(before)
 
@@ -222,14 +227,19 @@ def test_bad_images_through_worker_processes_name_their_record(
             records.append(data)
         content.append(records)
     paths = _write(tmp_path, content)
-    for op_name in ("decode_image", "random_resized_crop"):
+    for op_name, interleaved in (("decode_image", False), ("random_resized_crop", True)):
         op = PROVENANCE_OPS[op_name]
 
-        def ds_of(ignore: bool, op: Any = op) -> hr.Dataset:
-            ds = hr.TFRecordDataset(paths).map(op, num_parallel_calls=2, workers=workers)
+        def ds_of(ignore: bool, op: Any = op, interleaved: bool = interleaved) -> hr.Dataset:
+            if interleaved:
+                ds = hr.Dataset.from_tensor_slices(paths).interleave(
+                    hr.TFRecordDataset, cycle_length=3).shuffle(4, seed=2)
+            else:
+                ds = hr.TFRecordDataset(paths)
+            ds = ds.map(op, num_parallel_calls=2, workers=workers)
             return ds.ignore_errors(log_warning=True) if ignore else ds
 
-        _check(paths, content, op, ds_of)
+        _check(paths, content, op, ds_of, ordered=not interleaved)
 
 
 def test_shuffled_indexed_shards_name_the_record(tmp_path: Path) -> None:
