@@ -51,6 +51,23 @@ def augment(index: int, contents: bytes) -> np.ndarray:
     return image / np.float32(255)
 
 
+def drain(ds: Any, errors: type[BaseException] = hi.InvalidImageError) -> tuple[
+    list[Any], list[BaseException]
+]:
+    """Every output of ``ds`` in order, and the ``errors`` raised in elements' places
+    (the iteration goes on after each, as in tf.data)."""
+    outputs: list[Any] = []
+    raised: list[BaseException] = []
+    with iter(ds) as iterator:
+        while True:
+            try:
+                outputs.append(next(iterator))
+            except StopIteration:
+                return outputs, raised
+            except errors as error:
+                raised.append(error)
+
+
 def decode_rgb(contents: bytes) -> np.ndarray:
     return hi.decode_jpeg(contents, channels=3)
 

@@ -26,7 +26,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-import headrace.image as hi
 from headrace.errors import Origin, element_origin
 from headrace.io._native import set_native_enabled
 from headrace.io.tfrecord.writer import write_tfrecord
@@ -102,17 +101,7 @@ def _expected(paths: list[str], content: list[list[bytes]], op: Any) -> tuple[
     return outputs, bad
 
 
-def _run(ds: hr.Dataset) -> tuple[list[Any], list[BaseException]]:
-    outputs: list[Any] = []
-    errors: list[BaseException] = []
-    with iter(ds) as iterator:
-        while True:
-            try:
-                outputs.append(next(iterator))
-            except StopIteration:
-                return outputs, errors
-            except hi.InvalidImageError as error:
-                errors.append(error)
+_run = image_fns.drain
 
 
 def _same(got: list[Any], wanted: list[Any], ordered: bool) -> None:
@@ -278,15 +267,7 @@ def test_origins_of_text_lines_and_arrays(tmp_path: Path) -> None:
     def to_int(line: bytes) -> int:
         return int(line)
 
-    outputs, errors = [], []
-    with iter(hr.TextLineDataset(str(path)).map(to_int)) as iterator:
-        while True:
-            try:
-                outputs.append(next(iterator))
-            except StopIteration:
-                break
-            except ValueError as error:
-                errors.append(error)
+    outputs, errors = image_fns.drain(hr.TextLineDataset(str(path)).map(to_int), ValueError)
     assert outputs == [1, 2, 4]
     assert [element_origin(e) for e in errors] == [Origin(str(path), 2, 4)]
     ds = hr.Dataset.from_tensor_slices(np.array([b"1", b"y", b"3"], dtype=object)).map(to_int)
