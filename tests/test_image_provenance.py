@@ -13,6 +13,7 @@ exactly those records and nothing else, in order.
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 import sys
@@ -290,3 +291,32 @@ def test_a_batched_inception_crop_names_the_row_that_failed(tmp_path: Path) -> N
     notes = " ".join(error.__notes__)
     assert "InceptionCrop.batch failed on row 1 of 3, the element of index 4" in notes
     assert "on element 1" in notes  # the batch's index at the map
+
+
+@pytest.mark.parametrize("parallel", [None, 2])
+def test_a_restored_iterator_names_the_same_record(tmp_path: Path, parallel: int | None) -> None:
+    """The state carries the record index, so origins after a restore count right."""
+    records = [image_fns.jpeg(16, 16, seed=i) for i in range(9)]
+    records[6] = records[6][:120]
+    paths = _write(tmp_path, [records])
+    (bad,) = _expected(paths, [records], image_fns.op_decode_jpeg)[1]
+    ds = hr.TFRecordDataset(paths).map(image_fns.op_decode_jpeg, num_parallel_calls=parallel)
+    with iter(ds) as iterator:
+        for _ in range(4):
+            next(iterator)
+        state = iterator.get_state()
+    restored = iter(ds)
+    restored.set_state(state)
+    outputs, errors = _run(restored)
+    assert len(outputs) == 4
+    assert [element_origin(e) for e in errors] == [bad]
+    if parallel:  # (its state names the start of a chunk: the file's start, record 0)
+        return
+    # a state from before states carried the record index
+    legacy = json.loads(re.sub(r'"record": \d+', '"record": -1', json.dumps(state)))
+    assert legacy != state
+    restored = iter(ds)
+    restored.set_state(legacy)
+    outputs, errors = _run(restored)
+    assert len(outputs) == 4 and len(errors) == 1
+    assert element_origin(errors[0]) is None  # unknown, rather than wrong

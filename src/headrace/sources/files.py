@@ -446,9 +446,13 @@ class _FileRecordsIterator(Iterator):
         self.start_offset = 0
         #: Index in its file of the next record served; unknown (``record_known``) after
         #: restoring a state saved before states carried it: no origin is named then.
-        self.record = 0
-        self.record_known = True
         self.served = 0  # records served by this iterator: the origin tokens
+        #: The file's records are counted from ``served`` as it was when the file was
+        #: started (or restored at record ``first_record``): one counter per record.
+        #: Unknown (``record_known``) after restoring a state saved before states
+        #: carried the record index: no origin is named then.
+        self.first_record, self.first_serial = 0, 0
+        self.record_known = True
         self.log: OriginLog | None = None  # kept once a stage above asks for tokens
         self.stream: PooledStream | None = None
         self.reader: RecordReader | None = None
@@ -479,11 +483,15 @@ class _FileRecordsIterator(Iterator):
                 self._skip_failed_file(error)
                 raise
             if pair is not None:
-                self.record += 1
                 self.served += 1
                 return pair
             self._next_file()
         raise StopIteration
+
+    @property
+    def record(self) -> int:
+        """The index in its file of the next record served."""
+        return self.first_record + self.served - self.first_serial
 
     def origin(self) -> Origin | None:
         """The file, index and byte offset of the record :meth:`pull` returned last."""
@@ -546,7 +554,6 @@ class _FileRecordsIterator(Iterator):
                     self._next_file()
                     continue
                 records.extend(batch)
-                self.record += len(batch)
                 self.served += len(batch)
                 cost = sum(map(len, batch)) + _BYTES_HEADER * len(batch)
                 booked = booked.absorb(account.hold(cost, what=what))
@@ -570,7 +577,7 @@ class _FileRecordsIterator(Iterator):
         self._close_file()
         self.file_index += 1
         self.start_offset = 0
-        self.record = 0
+        self.first_record, self.first_serial = 0, self.served
 
     def _close_file(self) -> None:
         skipped = getattr(self.reader, "skipped", None)
@@ -607,7 +614,7 @@ class _FileRecordsIterator(Iterator):
                 raise reader.error("offset", f"= {offset} is past the end of {name} ({size} bytes)")
         self._close_file()
         self.file_index, self.start_offset = file_index, offset
-        self.record = 0 if offset == 0 else max(record, 0)
+        self.first_record, self.first_serial = (0 if offset == 0 else max(record, 0)), self.served
         self.record_known = offset == 0 or record >= 0
 
     def close(self) -> None:
