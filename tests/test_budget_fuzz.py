@@ -126,6 +126,16 @@ def test_image_augmentations_hold_the_budget() -> None:
     assert_sweep_holds([newer_spec(seed) for seed in seeds])
 
 
+def test_decoded_images_through_a_process_interleave_pad_per_batch() -> None:
+    """Seed 400085 of ``newer_spec`` (JPEGs of heavy-tailed sizes decoded on threads,
+    a process interleave, padded_batch): found by the sweep with augmentations; it raised
+    "Attempted to pad to a smaller size" (the interleave's spec fixed the first image's
+    size). It now finishes within the budget."""
+    (result,) = run_specs([newer_spec(400085)])
+    assert result["outcome"] == "ok", result
+    assert_within_budget(result)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_many_image_augmentations_hold_the_budget() -> None:

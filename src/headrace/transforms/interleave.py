@@ -71,7 +71,7 @@ from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, St
 from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE
 from headrace.transforms._wait_watch import WaitWatch
-from headrace.transforms.map import apply_fn
+from headrace.transforms.map import _relaxed, apply_fn
 from headrace.transforms.prefetch import PrefetchIterator
 
 __all__ = ["InterleaveNode"]
@@ -174,7 +174,11 @@ class InterleaveNode(Node):
         """The spec of the dataset ``map_func`` makes of the first input element."""
         if self._spec is None:
             first = first_element(self.inputs[0], "interleave")
-            self._spec = self.inner_node(first).element_spec
+            # sizes only one sample fixed become None (tf.data traces map_func over the
+            # input's spec): from_tensors of a (None, None, 3) image is not (74, 74, 3)
+            self._spec = _relaxed(
+                self.inner_node(first).element_spec, self.inputs[0].element_spec
+            )
         return self._spec
 
     def __getstate__(self) -> dict[str, Any]:
