@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+import headrace.image as hi
 from headrace.errors import Origin, element_origin
 from headrace.io._native import set_native_enabled
 from headrace.io.tfrecord.writer import write_tfrecord
@@ -320,3 +321,20 @@ def test_a_restored_iterator_names_the_same_record(tmp_path: Path, parallel: int
     outputs, errors = _run(restored)
     assert len(outputs) == 4 and len(errors) == 1
     assert element_origin(errors[0]) is None  # unknown, rather than wrong
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_windowed_decode_errors_name_their_op_on_both_paths(native: bool) -> None:
+    """The Pillow path of decode_and_crop_jpeg decoded through decode_jpeg, and its
+    errors said "decode_jpeg:"; both paths say what was wrong: bytes, header, reason."""
+    lying = _lying(image_fns.jpeg(64, 64, seed=1), 10)
+    before = set_native_enabled(native)
+    try:
+        with pytest.raises(hi.InvalidImageError, match=(
+            r"^decode_and_crop_jpeg: invalid or truncated JPEG \(\d+ bytes, header 640x64x3\)"
+        )):
+            hi.decode_and_crop_jpeg(lying, [600, 0, 20, 20])
+        with pytest.raises(hr.InvalidArgumentError, match=r"^decode_and_crop_jpeg: channels"):
+            hi.decode_and_crop_jpeg(lying, [0, 0, 2, 2], channels=2)
+    finally:
+        set_native_enabled(before)
