@@ -70,8 +70,9 @@ from headrace.errors import (
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
 from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE
+from headrace.structure import TensorSpec, flatten, map_structure
 from headrace.transforms._wait_watch import WaitWatch
-from headrace.transforms.map import _relaxed, apply_fn
+from headrace.transforms.map import apply_fn
 from headrace.transforms.prefetch import PrefetchIterator
 
 __all__ = ["InterleaveNode"]
@@ -174,10 +175,8 @@ class InterleaveNode(Node):
         """The spec of the dataset ``map_func`` makes of the first input element."""
         if self._spec is None:
             first = first_element(self.inputs[0], "interleave")
-            # sizes only one sample fixed become None (tf.data traces map_func over the
-            # input's spec): from_tensors of a (None, None, 3) image is not (74, 74, 3)
-            self._spec = _relaxed(
-                self.inner_node(first).element_spec, self.inputs[0].element_spec
+            self._spec = _open_sizes_stay_open(
+                self.inner_node(first).element_spec, first, self.inputs[0].element_spec
             )
         return self._spec
 
@@ -212,6 +211,39 @@ class InterleaveNode(Node):
         account = ctx.account(self)
         kind = _ProcessInterleaveIterator if self.workers == "processes" else _InterleaveIterator
         return kind(self, self.inputs[0].make_iterator(ctx), ctx, account, deterministic)
+
+
+def _open_sizes_stay_open(spec: Any, first: Any, input_spec: Any) -> Any:
+    """The inner dataset's spec of the first input element, with None where a size came
+    from that element: tf.data traces ``map_func`` over the input's spec, so
+    ``from_tensors`` of a (None, None, 3) image is (None, None, 3), not the first
+    image's (74, 74, 3) (fixed, it made ``padded_batch`` pad later images to it). A
+    size is taken to come from the element where the element has it, at that position
+    in a leaf of that rank, and the input's spec leaves it open (None); declared and
+    constant sizes stay.
+    """
+    opened: set[tuple[int, int, int]] = set()
+    for leaf_spec, leaf in zip(flatten(input_spec), flatten(first), strict=False):
+        shape = getattr(leaf, "shape", None)
+        if not isinstance(leaf_spec, TensorSpec) or leaf_spec.shape is None or shape is None:
+            continue
+        if len(shape) != len(leaf_spec.shape):
+            continue
+        for position, (declared, size) in enumerate(zip(leaf_spec.shape, shape, strict=True)):
+            if declared is None:
+                opened.add((len(shape), position, int(size)))
+    if not opened:
+        return spec
+
+    def reopen(leaf: TensorSpec) -> TensorSpec:
+        if leaf.shape is None:
+            return leaf
+        rank = len(leaf.shape)
+        dims = tuple(None if (rank, i, size) in opened else size
+                     for i, size in enumerate(leaf.shape))
+        return TensorSpec(dims, leaf.dtype, leaf.kind)
+
+    return map_structure(reopen, spec)
 
 
 class _Slot:
