@@ -39,7 +39,8 @@ DISTRIBUTIONS = ("uniform", "heavy", "jump", "views")
 
 
 def random_spec(
-    seed: int, *, wider: bool = True, processes: bool = False, newer: bool = False
+    seed: int, *, wider: bool = True, processes: bool = False, newer: bool = False,
+    augment: bool = True,
 ) -> dict[str, Any]:
     """One random pipeline, as plain data (reproducible from ``seed``).
 
@@ -53,6 +54,9 @@ def random_spec(
     and, with ``processes``, interleaves whose inner pipelines run in worker processes
     (``interleave(..., workers="processes")``): as the source (shards read in workers)
     and as a stage (each element expanded in a worker).
+    ``augment`` (with ``newer``): the image decode may be an augmentation instead (see
+    :data:`AUGMENTATIONS`), from an RNG of its own; ``False`` keeps the plain decodes
+    a seed had before augmentations were drawn (the seeds regression tests name).
     """
     rng = random.Random(seed)
     budget_mib = rng.choice((16, 24, 32, 48, 64, 96))
@@ -151,7 +155,25 @@ def random_spec(
     spec["ops"] = ops
     if newer:
         _newer_stages(spec, seed, processes=processes)
+        if augment:
+            _augment(spec, seed)
     return spec
+
+
+#: The image ops a ``decode`` op may be instead of a plain decode (issue 14), each booked
+#: from the JPEG's header before it runs (:class:`AugmentNbytes`): the fused random
+#: resized crop, InceptionCrop on (index, bytes) after ``enumerate``, the windowed
+#: ``decode_and_crop_jpeg``, a decode then ``resize``, a decode then a random flip.
+AUGMENTATIONS = ("rrc", "inception", "window", "resize", "flip")
+
+
+def _augment(spec: dict[str, Any], seed: int) -> None:
+    """Turn about half the drawn image decodes into augmentations (RNG of its own)."""
+    draw = random.Random(seed ^ 0xA06_C0DE)
+    for op in spec["ops"]:
+        if op[0] == "decode" and draw.random() < 0.6:
+            op[3] = draw.choice(AUGMENTATIONS)
+            op.append(draw.choice((8, 24, 64)))  # the output side of crops and resizes
 
 
 #: Ops of tf.data's wider surface that need 1-D rows (a decoded image is 3-D).
@@ -223,22 +245,23 @@ def cache_spec(seed: int) -> dict[str, Any]:
     }
 
 
-def process_spec(seed: int, *, newer: bool = True) -> dict[str, Any]:
+def process_spec(seed: int, *, newer: bool = True, augment: bool = True) -> dict[str, Any]:
     """``random_spec(seed, processes=True, newer=...)`` with one process map at least
     (first, if the draw had none): the pipelines of the process-stage sweeps.
     ``newer=False``: the pipeline a seed had before process interleaves and image decodes
     were drawn (the seeds regression tests name)."""
-    spec = random_spec(seed, processes=True, newer=newer)
+    spec = random_spec(seed, processes=True, newer=newer, augment=augment)
     if not any(op[0] == "xmap" for op in spec["ops"]):
         spec["ops"].insert(1 if spec["ops"] and spec["ops"][0][0] == "decode" else 0,
                            ["xmap", 1 + seed % 2, "copy"])
     return spec
 
 
-def newer_spec(seed: int) -> dict[str, Any]:
+def newer_spec(seed: int, *, augment: bool = True) -> dict[str, Any]:
     """``process_spec(seed)`` with a process interleave and an image decode at least
-    (added where the draw had none): the sweep of the stages ``newer`` adds."""
-    spec = process_spec(seed)
+    (added where the draw had none): the sweep of the stages ``newer`` adds.
+    ``augment=False``: the plain decodes the seed had before augmentations were drawn."""
+    spec = process_spec(seed, augment=augment)
     rng = random.Random(seed ^ 0x7E57)
     if spec["source"] == "array":
         spec["source"] = "generator"
@@ -249,6 +272,8 @@ def newer_spec(seed: int) -> dict[str, Any]:
         spec["ops"] = [op for op in spec["ops"] if op[0] not in _ROWS_ONLY]
         spec["ops"].insert(0, ["decode", rng.choice((1, 2, 4)),
                                rng.choice(("threads", "processes")), rng.choice(("plain", "crop"))])
+        if augment:
+            _augment({"ops": spec["ops"][:1]}, seed ^ 0x5A)
     if spec["source"] != "xinterleave" and not any(op[0] == "xinterleave" for op in spec["ops"]):
         spec["source"] = "xinterleave"
         cycle = rng.choice((1, 2, 3))
@@ -342,6 +367,53 @@ class Decode:
 
         image = hi.decode_jpeg(contents, channels=3)
         return image[image.shape[0] // 4 :][: max(image.shape[0] // 2, 1)] if self.crop else image
+
+
+class Augment:
+    """An augmentation of a ``decode`` op (see :data:`AUGMENTATIONS`) to ``side`` x
+    ``side``: each element's random draws are seeded from its bytes (the same output in
+    every run, whatever the workers), InceptionCrop's from its index."""
+
+    def __init__(self, kind: str, side: int) -> None:
+        import headrace.image as hi
+
+        self.kind, self.side = kind, side
+        self.inception = hi.InceptionCrop((side, side), seed=7) if kind == "inception" else None
+
+    def __call__(self, *element: Any) -> Any:
+        import headrace.image as hi
+
+        if self.inception is not None:
+            return self.inception(*element)
+        (contents,) = element
+        seed = (3, len(contents))
+        if self.kind == "rrc":
+            return hi.random_resized_crop(contents, (self.side, self.side), seed=seed)
+        if self.kind == "window":
+            header = hi.read_header(contents)
+            window = [header.height // 4, header.width // 4,
+                      max(header.height // 2, 1), max(header.width // 2, 1)]
+            return hi.decode_and_crop_jpeg(contents, window, channels=3)
+        image = hi.decode_jpeg(contents, channels=3)
+        if self.kind == "resize":
+            return hi.resize(image, (self.side, self.side))
+        return hi.random_flip_left_right(image, seed=seed)  # "flip": a view, or the image
+
+    def float_output(self) -> bool:
+        return self.kind in ("rrc", "inception", "resize")
+
+
+class AugmentNbytes:
+    """``output_nbytes`` of an :class:`Augment`: what its call may hold at most, from the
+    JPEG's header before decoding — the decoded image (the Python paths decode it whole;
+    the C path only a window of it) and a float32 output of ``side`` x ``side``."""
+
+    def __init__(self, augment: Augment) -> None:
+        self.extra = augment.side * augment.side * 3 * 4 if augment.float_output() else 0
+
+    def __call__(self, element: Any) -> int:  # (index, bytes) for InceptionCrop
+        contents = element[-1] if isinstance(element, tuple) else element
+        return decoded_rgb_nbytes(contents) + self.extra
 
 
 def decoded_rgb_nbytes(contents: Any) -> int:
@@ -543,6 +615,14 @@ def build(spec: dict[str, Any], custom: dict[str, Any] | None = None) -> Any:
             ds = ds.map(_map_fn(op[2], np), num_parallel_calls=op[1])
         elif name == "xmap":
             ds = ds.map(MapFn(op[2]), num_parallel_calls=op[1], workers="processes")
+        elif name == "decode" and op[3] in AUGMENTATIONS:
+            augment = Augment(op[3], op[4])
+            if op[3] == "inception":
+                ds = ds.enumerate()
+            ds = ds.map(augment, num_parallel_calls=op[1], workers=op[2],
+                        output_nbytes=AugmentNbytes(augment),
+                        output_signature=hr.TensorSpec(
+                            (None, None, 3), np.float32 if augment.float_output() else np.uint8))
         elif name == "decode":
             ds = ds.map(Decode(op[3] == "crop"), num_parallel_calls=op[1], workers=op[2],
                         output_nbytes=decoded_rgb_nbytes,  # (a spec learned from one image

@@ -51,9 +51,62 @@ def augment(index: int, contents: bytes) -> np.ndarray:
     return image / np.float32(255)
 
 
+def drain(ds: Any, errors: type[BaseException] = hi.InvalidImageError) -> tuple[
+    list[Any], list[BaseException]
+]:
+    """Every output of ``ds`` in order, and the ``errors`` raised in elements' places
+    (the iteration goes on after each, as in tf.data)."""
+    outputs: list[Any] = []
+    raised: list[BaseException] = []
+    with iter(ds) as iterator:
+        while True:
+            try:
+                outputs.append(next(iterator))
+            except StopIteration:
+                return outputs, raised
+            except errors as error:
+                raised.append(error)
+
+
 def decode_rgb(contents: bytes) -> np.ndarray:
     return hi.decode_jpeg(contents, channels=3)
 
 
 def rgb_nbytes(contents: bytes) -> int:
     return hi.decoded_nbytes(contents, channels=3)
+
+
+#: The decodes the provenance tests draw, by name: each takes the encoded bytes (an
+#: InceptionCrop takes (index, bytes)); small limits so that a "bomb" is cheap to make.
+PROVENANCE_MAX_PIXELS = 40_000
+
+
+def op_decode_image(contents: bytes) -> np.ndarray:
+    return hi.decode_image(contents, channels=3, max_pixels=PROVENANCE_MAX_PIXELS)
+
+
+def op_decode_jpeg(contents: bytes) -> np.ndarray:
+    return hi.decode_jpeg(contents, channels=3, max_pixels=PROVENANCE_MAX_PIXELS)
+
+
+def op_decode_and_crop(contents: bytes) -> np.ndarray:
+    header = hi.read_header(contents)
+    height, width = header.height, header.width
+    window = [height // 4, width // 4, max(1, height // 2), max(1, width // 2)]
+    return hi.decode_and_crop_jpeg(contents, window, channels=3,
+                                   max_pixels=PROVENANCE_MAX_PIXELS)
+
+
+def op_random_resized_crop(contents: bytes) -> np.ndarray:
+    return hi.random_resized_crop(contents, (16, 16), seed=(7, 11),
+                                  max_pixels=PROVENANCE_MAX_PIXELS)
+
+
+INCEPTION = hi.InceptionCrop((16, 16), seed=5, max_pixels=PROVENANCE_MAX_PIXELS)
+
+PROVENANCE_OPS = {
+    "decode_image": op_decode_image,
+    "decode_jpeg": op_decode_jpeg,
+    "decode_and_crop_jpeg": op_decode_and_crop,
+    "random_resized_crop": op_random_resized_crop,
+}

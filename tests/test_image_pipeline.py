@@ -212,16 +212,7 @@ def test_bad_images_raise_in_their_place_naming_the_element_and_nothing_is_lost(
         image_fns.decode_rgb, num_parallel_calls=2 if workers else None, workers=workers,
         output_nbytes=image_fns.rgb_nbytes,
     )
-    outputs: list[Any] = []
-    errors: list[BaseException] = []
-    with iter(ds) as iterator:
-        while True:
-            try:
-                outputs.append(next(iterator))
-            except StopIteration:
-                break
-            except hi.InvalidImageError as error:
-                errors.append(error)
+    outputs, errors = image_fns.drain(ds)
     assert [o.shape for o in outputs] == [(20, 30, 3)] * len(good)
     for output, data in zip(outputs, good, strict=True):
         assert np.array_equal(output, hi.decode_jpeg(data))

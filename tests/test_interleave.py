@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 import zlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -432,3 +433,25 @@ def test_suspended_compressed_streams_are_booked_on_the_budget(tmp_path) -> None
     # interleave slots draw from the interleave's share: the pipeline saw the bookings
     assert budget.peak >= 40 << 10  # at least one suspended zlib state (~40 KiB)
     assert "interleave" in held
+
+
+def test_sizes_one_sample_fixed_stay_unknown_so_padded_batch_pads_each_batch() -> None:
+    """Budget fuzzer seeds 400019/400042/400085 (``newer_spec``): decoded images of
+    varying sizes through an interleave, then ``padded_batch``, raised "Attempted to pad
+    to a smaller size": the interleave's spec came from the first image's inner dataset
+    ((2, 2, 3) here) where tf.data, tracing over the input's spec, has (None, None, 3)."""
+    def images() -> Any:
+        for side in (2, 5, 3):
+            yield np.full((side, side, 3), side, np.uint8)
+
+    ds = hr.Dataset.from_generator(
+        images, output_signature=hr.TensorSpec((None, None, 3), np.uint8)
+    ).interleave(hr.Dataset.from_tensors, cycle_length=1)
+    assert ds.element_spec == hr.TensorSpec((None, None, 3), np.uint8)
+    (batch,) = list(ds.padded_batch(3))
+    assert batch.shape == (3, 5, 5, 3)
+    assert [int(batch[i, 0, 0, 0]) for i in range(3)] == [2, 5, 3]
+    # a size every input has is kept: rows of 4 stay rows of 4
+    rows = hr.Dataset.from_tensor_slices(np.zeros((3, 4), np.float32)).interleave(
+        hr.Dataset.from_tensors, cycle_length=2)
+    assert rows.element_spec == hr.TensorSpec((4,), np.float32)

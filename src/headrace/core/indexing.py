@@ -18,6 +18,7 @@ import numpy as np
 from headrace.core.iterator import Iterator
 from headrace.core.stack import stack_elements
 from headrace.core.state import EPOCH, INNER, POSITION, PRODUCED, StateReader
+from headrace.errors import Origin
 from headrace.memory.budget import NO_RESERVATION, Reservation
 
 if TYPE_CHECKING:
@@ -66,6 +67,11 @@ class RandomAccess:
         ``batch`` assembles such rows in place instead, booked first.
         """
         return type(self).get_many is not RandomAccess.get_many
+
+    def origin(self, index: int) -> Origin | None:
+        """Where element ``index`` comes from (file, record, byte offset), or None where
+        this access cannot say; asked only when a user function failed on it."""
+        return None
 
     def prepare(self, ctx: Context) -> None:
         """Called once per run: register pre-existing memory with the context."""
@@ -329,9 +335,20 @@ class GatherIterator(_Gather):
         super().__init__(access, stream)
         self.get = access.get
         self.next_index = stream.next_index
+        self.last = -1  # the index of the element returned last (for its origin)
 
     def pull(self) -> tuple[Any, Reservation]:
-        return self.get(self.next_index()), NO_RESERVATION
+        index = self.last = self.next_index()
+        return self.get(index), NO_RESERVATION
+
+    def origin(self) -> Origin | None:
+        return self.origin_of(self.last)
+
+    def origin_token(self) -> int:
+        return self.last
+
+    def origin_of(self, token: Any) -> Origin | None:
+        return None if token < 0 else self.access.origin(token)
 
 
 class GatherBatchIterator(_Gather):

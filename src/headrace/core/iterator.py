@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import copy
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from headrace.core.state import INPUTS, StateReader
+from headrace.errors import Origin
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
 from headrace.memory.sizeof import admit, owner_of, sizeof
 from headrace.options import Options
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from headrace.core.node import Node
     from headrace.io.filepool import FileLimiter
 
-__all__ = ["Context", "Iterator", "RunFacts"]
+__all__ = ["Context", "Iterator", "RunFacts", "origin_probe"]
 
 
 @dataclass
@@ -196,6 +198,11 @@ class Iterator:
     """
 
     stage = "iterator"
+    #: True where every element this stage returns is the one its (single) input
+    #: returned last, or made from it alone, with nothing held between (map, filter,
+    #: take, shard): the origin of its last element is its input's. A buffering stage
+    #: (shuffle, prefetch, a parallel map) leaves it False, or overrides :meth:`origin`.
+    passes_origin = False
 
     def __init__(self, *inputs: Iterator) -> None:
         self.inputs = inputs
@@ -220,6 +227,39 @@ class Iterator:
     def pull(self) -> tuple[Any, Reservation]:
         """The next element and the booking that holds it (``NO_RESERVATION`` if none)."""
         raise NotImplementedError(f"{type(self).__name__} must implement pull()")
+
+    def origin(self) -> Origin | None:
+        """Where the element this iterator returned last came from (file, record, byte
+        offset), or None where it cannot say.
+
+        Asked only when a user function fails on that element (a sequential map asks
+        its input right then, so the fast path costs nothing); a stage that holds
+        elements between pulling and handing them out (a parallel map) takes
+        :func:`origin_probe` of its input once and asks it for a token per element
+        pulled (:meth:`origin_token`), which it turns into an origin on failure only.
+        """
+        if self.passes_origin and len(self.inputs) == 1:
+            return self.inputs[0].origin()
+        return None
+
+    def origin_token(self) -> Any:
+        """A cheap stand-in for :meth:`origin` of the element returned last (a tuple of
+        ints, say), which :meth:`origin_of` turns into the :class:`Origin` later, after
+        this iterator moved on. Sources override both, to keep per-element work small."""
+        return self.origin()
+
+    def origin_of(self, token: Any) -> Origin | None:
+        """The origin a token of :meth:`origin_token` stands for."""
+        return token if isinstance(token, Origin) else None
+
+    def track_origins(self, tokens: bool = True) -> bool:
+        """Called through :func:`origin_probe` by a stage that will ask for origins (a
+        map, when it starts): a stage that must pay to remember them (a shuffle buffer
+        keeps a token beside each element, a file source a log of offsets) starts doing
+        so only then. ``tokens``: the caller will hold :meth:`origin_token` values
+        (else it asks :meth:`origin` right after a pull). Returns whether this iterator
+        can answer; a source that overrides those methods can."""
+        return type(self).origin_token is not Iterator.origin_token
 
     def get_state(self) -> dict[str, Any]:
         """Where this iterator is, as a small JSON-able dict."""
@@ -247,3 +287,26 @@ class Iterator:
         for child in self.inputs:
             out.extend(child.walk())
         return out
+
+
+def origin_probe(
+    iterator: Iterator, tokens: bool = True
+) -> tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None:
+    """The bound ``origin_token`` and ``origin_of`` of the iterator that answers for
+    ``iterator``'s elements (past stages that pass origins through), or None where none
+    can.
+
+    A stage that pulls elements ahead of using them calls the first once per element
+    pulled and the second only for an element that failed, so the chain of
+    pass-through stages is walked once, here, not per element. ``tokens=False``: the
+    caller asks ``origin()`` of its input right after pulling instead (a sequential
+    map), so only the buffers below must remember origins, not the source.
+    """
+    current = iterator
+    while current.passes_origin and len(current.inputs) == 1 and (
+        type(current).origin_token is Iterator.origin_token
+    ):
+        current = current.inputs[0]
+    if not current.track_origins(tokens):
+        return None
+    return current.origin_token, current.origin_of

@@ -477,6 +477,9 @@ def decode_and_crop_jpeg(
     ``ratio`` (the window then counts in the reduced image's pixels) to decode less.
     """
     op = "decode_and_crop_jpeg"
+    _check_channels(channels, (0, 1, 3), op)
+    if ratio not in (1, 2, 4, 8):
+        raise InvalidArgumentError(f"{op}: ratio must be 1, 2, 4 or 8, got {ratio!r}")
     window = [int(v) for v in np.asarray(crop_window).reshape(-1)]
     if len(window) != 4:
         raise InvalidArgumentError(f"{op}: crop_window must be [y, x, height, width], got {window}")
@@ -495,8 +498,12 @@ def decode_and_crop_jpeg(
                                        _output_channels(header, channels), ratio, True, op)
         if window_pixels is not None:
             return window_pixels
-    image = decode_jpeg(data, channels, ratio, fancy_upscaling, try_recover_truncated,
-                        acceptable_fraction, dct_method, max_pixels=max_pixels)
+    if header.format == "jpeg":  # (its errors then name this op, not decode_jpeg)
+        image = _jpeg_pixels(data, header, channels, ratio, fancy_upscaling,
+                             not try_recover_truncated, dct_method, op)
+    else:
+        image = decode_jpeg(data, channels, ratio, fancy_upscaling, try_recover_truncated,
+                            acceptable_fraction, dct_method, max_pixels=max_pixels)
     return np.ascontiguousarray(image[y : y + height, x : x + width])
 
 

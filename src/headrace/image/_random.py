@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, add_note
 from headrace.image._codec import (
     MAX_PIXELS,
     InvalidImageError,
@@ -491,7 +491,12 @@ class InceptionCrop:
             )
         out = np.empty((len(index_list), *self.out_size, 3), np.float32)
         for row, (index, encoded) in enumerate(zip(index_list, images, strict=True)):
-            self._augment(index, encoded, out[row])
+            try:
+                self._augment(index, encoded, out[row])
+            except Exception as error:  # which image of the batch: the map names the batch
+                add_note(error, f"headrace: InceptionCrop.batch failed on row {row} of "
+                                f"{len(index_list)}, the element of index {index}")
+                raise
         return out
 
     def _augment(self, index: int, encoded: Any, out: Array | None) -> Array:

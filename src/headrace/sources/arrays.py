@@ -17,7 +17,7 @@ import numpy as np
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, Origin
 from headrace.structure import (
     TensorSpec,
     encode_str,
@@ -70,6 +70,9 @@ class _SlicesAccess(RandomAccess):
         if self.single:
             return self.leaves[0][selector]
         return pack_as(self.structure, [leaf[selector] for leaf in self.leaves])
+
+    def origin(self, index: int) -> Origin | None:
+        return Origin(None, index)
 
     def prepare(self, ctx: Context) -> None:
         for leaf in self.leaves:

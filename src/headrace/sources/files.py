@@ -13,9 +13,11 @@ decompresses up to it (a compressed stream cannot seek).
 
 from __future__ import annotations
 
+import bisect
 import glob
 import os
 import sys
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -24,7 +26,13 @@ import numpy as np
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node
 from headrace.core.state import StateReader
-from headrace.errors import InvalidArgumentError, MemoryBudgetError, RecordTooLargeError, add_note
+from headrace.errors import (
+    InvalidArgumentError,
+    MemoryBudgetError,
+    Origin,
+    RecordTooLargeError,
+    add_note,
+)
 from headrace.io.filepool import FileLimiter, FilePool, PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
@@ -34,6 +42,7 @@ from headrace.structure import TensorSpec
 __all__ = [
     "DEFAULT_MAX_LINE_BYTES",
     "FileRecordsNode",
+    "OriginLog",
     "RecordReader",
     "TextLineReader",
     "file_limiter",
@@ -63,7 +72,14 @@ class RecordReader(Protocol):
     What a reader holds for its caller (records read ahead) is booked on the stage's
     account (``account``) before it is held; what it holds for itself (its read buffer)
     is bounded by its buffer size and the largest record it may return.
+
+    ``log`` (None until the source tracks origins) is where the reader notes the
+    offsets of the records it reads (:meth:`OriginLog.span`), numbering them from
+    ``log_serial``.
     """
+
+    log: OriginLog | None
+    log_serial: int
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         """The next record and its booking on ``account`` (none when the reader keeps
@@ -86,6 +102,10 @@ class RecordReader(Protocol):
     @property
     def next_offset(self) -> int:
         """Byte offset (in the decompressed stream) of the next unread record."""
+
+    def last_offset(self) -> int | None:
+        """Byte offset of the record :meth:`read_reserved` returned last (None before
+        any): asked when an element fails downstream, to name where it came from."""
 
 
 def _without_cr(line: bytes) -> bytes:
@@ -121,6 +141,11 @@ class TextLineReader:
         self.max_line_bytes = max_line_bytes
         stream.seek(start)
         self._offset = start
+        self._last_offset: int | None = None
+        #: Set by the file source once origins are tracked: each line read is logged.
+        self.log: OriginLog | None = None
+        self.log_serial = 0  # the source's serial of this reader's first line
+        self.lines = 0
         self._buffer = b""
         self._position = 0
         self._eof = False
@@ -133,15 +158,22 @@ class TextLineReader:
     def next_length(self) -> int | None:
         return None  # a line's length is known only once its newline is found
 
+    def last_offset(self) -> int | None:
+        return self._last_offset
+
     def close(self) -> None:
         self._buffer, self._position = b"", 0
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         """The next line; one longer than the read buffer (gathered from several reads:
         memory the buffer's bound does not cover) is booked on ``account``."""
+        self._last_offset = offset = self._offset
         line = self.read_record()
         if line is None:
             return None
+        if self.log is not None:
+            self.log.span(self.log_serial + self.lines, offset, None, 0)
+            self.lines += 1
         if len(line) < self.buffer_bytes:
             return line, NO_RESERVATION
         return line, account.charge(record_cost(len(line)))
@@ -352,6 +384,58 @@ class _RecordBatches(Iterator):
         self.records.set_state(StateReader(state, "batch").child("records"))
 
 
+#: Read-ahead lists (or lines) whose offsets an :class:`OriginLog` keeps: records further
+#: back than this from the newest have no offset, only a file and a record index.
+_SPANS_KEPT = 4096
+
+
+class OriginLog:
+    """Where the records a file source served came from, kept once a stage above holds
+    origin tokens (a shuffle, a parallel map): records are numbered by ``serial`` (how
+    many the source served before them), and the log maps a serial to its file, its
+    index in the file and its byte offset.
+
+    ``files``: (first serial, file index, index of its first record or -1 if unknown),
+    one entry per opening. ``spans``: (first serial, byte offset of that record (-1:
+    unknown), payload lengths of the following records or None for one record, framing
+    bytes around each), one per read-ahead list (TFRecord) or per line (text), the last
+    :data:`_SPANS_KEPT`. A reader appends spans through :meth:`span` as it reads.
+    """
+
+    def __init__(self) -> None:
+        self.files: list[tuple[int, int, int]] = []
+        self.spans: deque[tuple[int, int, list[int] | None, int]] = deque(maxlen=_SPANS_KEPT)
+
+    def opened(self, serial: int, file_index: int, first_record: int) -> None:
+        if self.files and self.files[-1][0] == serial:
+            self.files.pop()  # nothing was served from the previous opening
+        self.files.append((serial, file_index, first_record))
+
+    def span(self, serial: int, offset: int, lengths: list[int] | None, framing: int) -> None:
+        self.spans.append((serial, offset, lengths, framing))
+
+    def find(self, serial: int) -> tuple[int, int, int] | None:
+        """(file index, record index, byte offset) of record ``serial``, where known."""
+        at = bisect.bisect_right(self.files, serial, key=lambda entry: entry[0]) - 1
+        if at < 0:
+            return None
+        first_serial, file_index, first_record = self.files[at]
+        if first_record < 0:
+            return None
+        for start, offset, lengths, framing in reversed(self.spans):
+            if start > serial:
+                continue
+            position = serial - start
+            if offset < 0 or (lengths is None and position) or (
+                lengths is not None and position >= len(lengths)
+            ):
+                return None
+            if lengths is not None:
+                offset += sum(lengths[:position]) + framing * position
+            return file_index, first_record + serial - first_serial, offset
+        return None
+
+
 class _FileRecordsIterator(Iterator):
     def __init__(self, node: FileRecordsNode, ctx: Context, account: StageAccount) -> None:
         super().__init__()
@@ -360,6 +444,16 @@ class _FileRecordsIterator(Iterator):
         self.pool: FilePool = get_default_pool()
         self.file_index = 0
         self.start_offset = 0
+        #: Index in its file of the next record served; unknown (``record_known``) after
+        #: restoring a state saved before states carried it: no origin is named then.
+        self.served = 0  # records served by this iterator: the origin tokens
+        #: The file's records are counted from ``served`` as it was when the file was
+        #: started (or restored at record ``first_record``): one counter per record.
+        #: Unknown (``record_known``) after restoring a state saved before states
+        #: carried the record index: no origin is named then.
+        self.first_record, self.first_serial = 0, 0
+        self.record_known = True
+        self.log: OriginLog | None = None  # kept once a stage above asks for tokens
         self.stream: PooledStream | None = None
         self.reader: RecordReader | None = None
 
@@ -372,8 +466,11 @@ class _FileRecordsIterator(Iterator):
             memory_account=_BudgetCharge(self.account),
             buffer_size=node.buffer_bytes,
         )
-        self.reader = node.open_reader(self.stream, self.start_offset)
-        return self.reader
+        self.reader = reader = node.open_reader(self.stream, self.start_offset)
+        if self.log is not None:
+            self.log.opened(self.served, self.file_index, self.record if self.record_known else -1)
+            reader.log, reader.log_serial = self.log, self.served
+        return reader
 
     def pull(self) -> tuple[Any, Reservation]:
         while self.file_index < len(self.node.filenames):
@@ -386,9 +483,43 @@ class _FileRecordsIterator(Iterator):
                 self._skip_failed_file(error)
                 raise
             if pair is not None:
+                self.served += 1
                 return pair
             self._next_file()
         raise StopIteration
+
+    @property
+    def record(self) -> int:
+        """The index in its file of the next record served."""
+        return self.first_record + self.served - self.first_serial
+
+    def origin(self) -> Origin | None:
+        """The file, index and byte offset of the record :meth:`pull` returned last."""
+        reader = self.reader
+        offset = None if reader is None else reader.last_offset()
+        if offset is None or not self.record_known:
+            return None
+        return self._origin(self.file_index, self.record - 1, offset)
+
+    def _origin(self, file_index: int, record: int, offset: int) -> Origin:
+        return Origin(
+            self.node.filenames[file_index], record, offset, 1, bool(self.node.compression_type)
+        )
+
+    def track_origins(self, tokens: bool = True) -> bool:
+        """With ``tokens``, keep an :class:`OriginLog`: a token is then the count of
+        records served (an attribute read), and the log says where each came from."""
+        if tokens and self.log is None:
+            # (a map asks as the pipeline starts; a file opened before has no log)
+            self.log = OriginLog()
+        return True
+
+    def origin_token(self) -> int:
+        return self.served
+
+    def origin_of(self, token: Any) -> Origin | None:
+        found = None if self.log is None or not token else self.log.find(token - 1)
+        return None if found is None else self._origin(*found)
 
     def read_many(self, count: int, account: StageAccount) -> tuple[list[bytes], Reservation]:
         """Up to ``count`` records across file boundaries (fewer only at the very end),
@@ -423,6 +554,7 @@ class _FileRecordsIterator(Iterator):
                     self._next_file()
                     continue
                 records.extend(batch)
+                self.served += len(batch)
                 cost = sum(map(len, batch)) + _BYTES_HEADER * len(batch)
                 booked = booked.absorb(account.hold(cost, what=what))
         except BaseException:
@@ -445,6 +577,7 @@ class _FileRecordsIterator(Iterator):
         self._close_file()
         self.file_index += 1
         self.start_offset = 0
+        self.first_record, self.first_serial = 0, self.served
 
     def _close_file(self) -> None:
         skipped = getattr(self.reader, "skipped", None)
@@ -460,13 +593,18 @@ class _FileRecordsIterator(Iterator):
 
     def get_state(self) -> dict[str, Any]:
         offset = self.reader.next_offset if self.reader is not None else self.start_offset
-        return {"file": self.file_index, "offset": offset}
+        return {
+            "file": self.file_index,
+            "offset": offset,
+            "record": self.record if self.record_known else -1,
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, self.stage)
         files = len(self.node.filenames)
         file_index = reader.integer("file", high=files, why=f"there are {files} files")
         offset = reader.integer("offset")
+        record = reader.integer("record", low=-1) if "record" in state else -1
         if file_index == files and offset:
             raise reader.error("offset", f"= {offset}, but 'file' says every file was read")
         if file_index < files and not self.node.compression_type:
@@ -476,6 +614,8 @@ class _FileRecordsIterator(Iterator):
                 raise reader.error("offset", f"= {offset} is past the end of {name} ({size} bytes)")
         self._close_file()
         self.file_index, self.start_offset = file_index, offset
+        self.first_record, self.first_serial = (0 if offset == 0 else max(record, 0)), self.served
+        self.record_known = offset == 0 or record >= 0
 
     def close(self) -> None:
         self._close_file()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
-from headrace.errors import InvalidArgumentError, MemoryBudgetError
+from headrace.errors import InvalidArgumentError, MemoryBudgetError, Origin
 from headrace.io.filepool import PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord.framing import DEFAULT_MAX_RECORD_BYTES, RECORD_OVERHEAD_BYTES
@@ -38,6 +39,7 @@ from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.memory.units import format_bytes
 from headrace.sources.files import (
     FileRecordsNode,
+    OriginLog,
     RecordReader,
     _filenames,
     file_limiter,
@@ -117,6 +119,15 @@ class _TFRecordReaderAdapter:
         self.ahead: list[bytes] = []
         self.served = 0
         self.booking = NO_RESERVATION
+        #: Offset of ``ahead[0]``, and the offsets of all of ``ahead`` once asked for
+        #: (an element failed downstream, or a parallel map probes origins).
+        self.ahead_offset = 0
+        self.offsets: list[int] | None = None
+        self.skipped_any = False  # corrupt records skipped (skip_corrupt=True) in the file
+        #: Set by the file source once origins are tracked: each list read ahead is logged.
+        self.log: OriginLog | None = None
+        self.log_serial = 0  # the source's serial of this reader's first record
+        self.read_count = 0  # records read ahead (all served: lists are served in order)
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         if self.served == len(self.ahead):
@@ -141,11 +152,32 @@ class _TFRecordReaderAdapter:
         # One record always (held beside others only when readers share the account:
         # a zip of a dataset with itself); more only within the room left.
         room = account.limit - account.held - _READ_AHEAD_RECORDS * record_cost(0)
+        self.ahead_offset = self.reader.next_offset
+        skipped = self.reader.skipped_records
         records = self.reader.read_batch(_READ_AHEAD_RECORDS, max(room, 0))
+        if self.reader.skipped_records != skipped:
+            self.skipped_any = True
+        if self.skipped_any:  # record indexes and offsets after a skip: unknown
+            self.ahead_offset = -1
+        if self.log is not None and records:
+            self.log.span(self.log_serial + self.read_count, self.ahead_offset,
+                          list(map(len, records)), RECORD_OVERHEAD_BYTES)
+            self.read_count += len(records)
         if records:
             nbytes = sum(map(len, records)) + record_cost(0) * len(records)
             self.booking = account.charge(nbytes, elements=len(records))
         self.ahead = records
+
+    def last_offset(self) -> int | None:
+        """The offset of the record served last (one pass over the read-ahead list's
+        lengths, once per list: a parallel map asks this for every record)."""
+        offsets = self.offsets
+        if offsets is None:
+            if not self.served or self.ahead_offset < 0:
+                return None
+            sizes = [len(record) + RECORD_OVERHEAD_BYTES for record in self.ahead]
+            offsets = self.offsets = list(accumulate(sizes, initial=self.ahead_offset))
+        return offsets[self.served - 1]
 
     def read_batch(self, max_records: int, max_bytes: int) -> list[bytes]:
         if self.served < len(self.ahead):  # what was read ahead first (the caller books it)
@@ -164,7 +196,7 @@ class _TFRecordReaderAdapter:
         """Drop what was read ahead and give its booking back."""
         self.booking.release()
         self.booking = NO_RESERVATION
-        self.ahead, self.served = [], 0
+        self.ahead, self.served, self.offsets = [], 0, None
 
     close = release
 
@@ -264,6 +296,14 @@ class _IndexedAccess(RandomAccess):
             max_record_bytes=self.node.max_record_bytes,
         )
         return record
+
+    def origin(self, index: int) -> Origin | None:
+        if not 0 <= index < len(self):
+            return None
+        shard = bisect.bisect_right(self.starts, index) - 1
+        local = index - self.starts[shard]
+        offset = int(self._index(shard).offsets[local])
+        return Origin(self.node.filenames[shard], local, offset)
 
     def get_many(self, indices: range | np.ndarray[Any, Any]) -> Any:
         """Records at these indices, in this order: per shard front to back, consecutive

@@ -24,6 +24,7 @@ import numpy as np
 
 from headrace.core.indexing import Indices, RandomAccess
 from headrace.core.node import Node
+from headrace.errors import Origin
 from headrace.transforms.batch import BatchNode
 from headrace.transforms.cache import CacheNode
 from headrace.transforms.enumerate import EnumerateNode, _EnumeratedAccess
@@ -78,6 +79,9 @@ class _Reindexed(RandomAccess):
 
     def get_many(self, indices: Indices) -> Any:
         return self.inner.get_many(self.position(np.asarray(indices, dtype=np.int64)))
+
+    def origin(self, index: int) -> Origin | None:
+        return self.inner.origin(int(self.position(np.asarray([index], dtype=np.int64))[0]))
 
     def gathers_batches(self) -> bool:
         return self.inner.gathers_batches()

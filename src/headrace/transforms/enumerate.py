@@ -68,6 +68,7 @@ class _EnumeratedAccess(RandomAccess):
 
 class _EnumerateIterator(Iterator):
     stage = "enumerate"
+    passes_origin = True
 
     def __init__(self, inner: Iterator, start: int) -> None:
         super().__init__(inner)

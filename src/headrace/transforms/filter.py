@@ -56,6 +56,7 @@ class FilterNode(UnaryNode):
 
 class _FilterIterator(Iterator):
     stage = "filter"
+    passes_origin = True
 
     def __init__(self, inner: Iterator, predicate: Callable[..., Any]) -> None:
         super().__init__(inner)

@@ -49,6 +49,7 @@ class IgnoreErrorsNode(UnaryNode):
 
 class _IgnoreErrorsIterator(Iterator):
     stage = "ignore_errors"
+    passes_origin = True
 
     def __init__(self, inner: Iterator, log_warning: bool) -> None:
         super().__init__(inner)
@@ -66,9 +67,13 @@ class _IgnoreErrorsIterator(Iterator):
             except Exception as error:
                 self.ignored += 1
                 if self.log_warning:
+                    notes = "".join(
+                        f"; {note}" for note in getattr(error, "__notes__", ())
+                        if isinstance(note, str) and note.startswith("headrace:")
+                    )  # where it failed: the stage, the element and its file and record
                     warnings.warn(
                         f"ignore_errors: dropped an element that raised "
-                        f"{type(error).__name__}: {error}",
+                        f"{type(error).__name__}: {error}{notes}",
                         HeadraceWarning,
                         stacklevel=3,
                     )

@@ -56,7 +56,7 @@ from time import perf_counter
 from typing import Any
 
 from headrace.core.fingerprint import function_fingerprint, function_name
-from headrace.core.iterator import Context, Iterator
+from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive, first_element
 from headrace.core.state import INNER, StateReader
 from headrace.errors import (
@@ -64,11 +64,13 @@ from headrace.errors import (
     HeadraceWarning,
     InvalidArgumentError,
     MemoryBudgetError,
+    Origin,
     note_element_error,
 )
 from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
 from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE
+from headrace.structure import TensorSpec, flatten, map_structure
 from headrace.transforms._wait_watch import WaitWatch
 from headrace.transforms.map import apply_fn
 from headrace.transforms.prefetch import PrefetchIterator
@@ -173,7 +175,9 @@ class InterleaveNode(Node):
         """The spec of the dataset ``map_func`` makes of the first input element."""
         if self._spec is None:
             first = first_element(self.inputs[0], "interleave")
-            self._spec = self.inner_node(first).element_spec
+            self._spec = _open_sizes_stay_open(
+                self.inner_node(first).element_spec, first, self.inputs[0].element_spec
+            )
         return self._spec
 
     def __getstate__(self) -> dict[str, Any]:
@@ -209,6 +213,39 @@ class InterleaveNode(Node):
         return kind(self, self.inputs[0].make_iterator(ctx), ctx, account, deterministic)
 
 
+def _open_sizes_stay_open(spec: Any, first: Any, input_spec: Any) -> Any:
+    """The inner dataset's spec of the first input element, with None where a size came
+    from that element: tf.data traces ``map_func`` over the input's spec, so
+    ``from_tensors`` of a (None, None, 3) image is (None, None, 3), not the first
+    image's (74, 74, 3) (fixed, it made ``padded_batch`` pad later images to it). A
+    size is taken to come from the element where the element has it, at that position
+    in a leaf of that rank, and the input's spec leaves it open (None); declared and
+    constant sizes stay.
+    """
+    opened: set[tuple[int, int, int]] = set()
+    for leaf_spec, leaf in zip(flatten(input_spec), flatten(first), strict=False):
+        shape = getattr(leaf, "shape", None)
+        if not isinstance(leaf_spec, TensorSpec) or leaf_spec.shape is None or shape is None:
+            continue
+        if len(shape) != len(leaf_spec.shape):
+            continue
+        for position, (declared, size) in enumerate(zip(leaf_spec.shape, shape, strict=True)):
+            if declared is None:
+                opened.add((len(shape), position, int(size)))
+    if not opened:
+        return spec
+
+    def reopen(leaf: TensorSpec) -> TensorSpec:
+        if leaf.shape is None:
+            return leaf
+        rank = len(leaf.shape)
+        dims = tuple(None if (rank, i, size) in opened else size
+                     for i, size in enumerate(leaf.shape))
+        return TensorSpec(dims, leaf.dtype, leaf.kind)
+
+    return map_structure(reopen, spec)
+
+
 class _Slot:
     """One open inner pipeline: its iterator, its budget, where its input element was.
 
@@ -229,6 +266,9 @@ class _Slot:
     ) -> None:
         self.iterator, self.budget, self.input_before = iterator, budget, input_before
         self.ctx, self.queue, self.owned = ctx, queue, owned
+        #: ``origin_probe`` of the inner pipeline, while its elements come straight from
+        #: it (not through a read-ahead thread) and a stage above asks for origins.
+        self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
 
     def close(self) -> None:
         self.budget.close()
@@ -264,6 +304,7 @@ class _InterleaveIterator(Iterator):
         # Only "first ready wins" needs one condition for all slots (the consumer waits
         # for any of them); in order, each slot's own condition avoids waking them all.
         self.ready = threading.Condition() if self.may_thread and not deterministic else None
+        self.tracking = self.origin_tokens = False  # a stage above asks for origins
         self._reset()
 
     @property
@@ -279,11 +320,13 @@ class _InterleaveIterator(Iterator):
         for slot in self.slots:
             if slot is not None and not isinstance(slot.iterator, PrefetchIterator):
                 slot.iterator = self._read_ahead(slot.iterator, slot.ctx, slot.queue, gate)
+                slot.probe = None  # its source now runs ahead of what is handed out
         self.watch = None
         self.gate = gate
 
     def _reset(self) -> None:
         self.slots: list[_Slot | None] = [None] * self.node.cycle_length
+        self.last_slot: _Slot | None = None  # the slot of the element returned last
         self.cycle_index = 0
         self.block_index = 0
         self.end_of_input = False
@@ -319,9 +362,14 @@ class _InterleaveIterator(Iterator):
         budget.widen = functools.partial(self._widen_slot, owned_bytes)
         queue = budget.account("interleave slot", weight=1) if self.may_thread else None
         budget.allot()
+        probe = None
         if self.gate is not None:
             iterator = self._read_ahead(iterator, inner_ctx, queue, self.gate, start=start)
-        return _Slot(iterator, budget, input_before, inner_ctx, queue, owned)
+        elif self.tracking:
+            probe = origin_probe(iterator, self.origin_tokens)
+        slot = _Slot(iterator, budget, input_before, inner_ctx, queue, owned)
+        slot.probe = probe
+        return slot
 
     def _widen_slot(self, owned_bytes: int, needed: int) -> int:
         """A slot's stages must hold ``needed`` bytes at once (its first large element),
@@ -413,6 +461,8 @@ class _InterleaveIterator(Iterator):
             slot.close()
             self.slots[index] = None
             self.num_open -= 1
+            if slot is self.last_slot:  # (its budget's widen refers back to this iterator:
+                self.last_slot = None  # kept, the pair would wait for the cyclic collector)
 
     # -- the order -----------------------------------------------------------------------
     def pull(self) -> tuple[Any, Reservation]:
@@ -446,6 +496,7 @@ class _InterleaveIterator(Iterator):
                     self._close_slot(self.cycle_index)
                     self._advance()
                     continue
+                self.last_slot = slot
                 self.block_index += 1
                 if self.block_index == self.node.block_length:
                     self._advance()
@@ -458,6 +509,29 @@ class _InterleaveIterator(Iterator):
                 continue
             self._advance()
         raise StopIteration
+
+    def origin(self) -> Origin | None:
+        """The origin of the last element, asked of its inner pipeline: only where slots
+        are read in turn (not by read-ahead threads, whose sources run ahead)."""
+        slot = self.last_slot
+        if slot is None or isinstance(slot.iterator, PrefetchIterator):
+            return None
+        return slot.iterator.origin()
+
+    def origin_token(self) -> Any:
+        slot = self.last_slot
+        probe = None if slot is None else slot.probe
+        return None if probe is None else (probe[1], probe[0]())
+
+    def origin_of(self, token: Any) -> Origin | None:
+        return None if token is None else token[0](token[1])  # type: ignore[no-any-return]
+
+    def track_origins(self, tokens: bool = True) -> bool:
+        self.tracking, self.origin_tokens = True, self.origin_tokens or tokens
+        for slot in self.slots:
+            if slot is not None and not isinstance(slot.iterator, PrefetchIterator):
+                slot.probe = origin_probe(slot.iterator, self.origin_tokens)
+        return True
 
     def _next_first_ready(self) -> tuple[Any, Reservation]:
         assert self.ready is not None  # set for deterministic=False with threads

@@ -24,6 +24,12 @@ Errors. When ``fn`` raises for element i, ``next()`` raises that exception
 earlier element, and the following ``next()`` returns element i+1's output:
 the failing element is dropped, the iteration goes on — tf.data's behaviour,
 whatever ``num_parallel_calls``. An error from the input comes the same way.
+Where the input knows where its elements come from (a TFRecord or text file, an
+array, through pass-through stages and shuffles: ``Iterator.origin``), the note
+names the file, the record's index in it and its byte offset too, and
+:func:`headrace.errors.element_origin` returns them. A sequential map asks its
+input only when ``fn`` raises; a parallel one (threads or processes) keeps a token
+per element in flight (an int for a file source), made into an origin on failure.
 """
 
 from __future__ import annotations
@@ -41,10 +47,10 @@ from typing import Any
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.handoff import Handoff, restore_input
 from headrace.core.indexing import IndexPlan, RandomAccess
-from headrace.core.iterator import Context, Iterator
+from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, check_signature, first_element
 from headrace.core.state import INNER, SKIP, StateReader
-from headrace.errors import InvalidArgumentError, note_element_error
+from headrace.errors import InvalidArgumentError, Origin, note_element_error
 from headrace.memory.budget import (
     NO_RESERVATION,
     Overdraft,
@@ -260,17 +266,25 @@ class _MappedAccess(RandomAccess):
         try:
             return apply_fn(self.fn, element)
         except Exception as error:
-            raise note_element_error(error, self.stage, index)  # noqa: B904 - same error
+            origin = self.inner.origin(index)
+            raise note_element_error(error, self.stage, index, origin)  # noqa: B904
+
+    def origin(self, index: int) -> Origin | None:
+        return self.inner.origin(index)
 
     def prepare(self, ctx: Context) -> None:
         self.inner.prepare(ctx)
 
 
 class _MapIterator(Iterator):
+    passes_origin = True
+
     def __init__(self, inner: Iterator, fn: Callable[..., Any], stage: str) -> None:
         super().__init__(inner)
         self.inner, self.fn, self.stage = inner, fn, stage
         self.index = 0  # of the next input element (named in error notes)
+        # origin() is asked on failure only; probing now makes a shuffle below keep them
+        origin_probe(inner, tokens=False)
 
     def pull(self) -> tuple[Any, Reservation]:
         element, reservation = self.inner.pull()
@@ -280,7 +294,8 @@ class _MapIterator(Iterator):
             return apply_fn(self.fn, element), reservation
         except Exception as error:  # the element is dropped; the next call goes on
             reservation.release()
-            raise note_element_error(error, self.stage, index)  # noqa: B904 - same error
+            origin = self.inner.origin()  # the input is still on the element: ask it now
+            raise note_element_error(error, self.stage, index, origin)  # noqa: B904
 
     def get_state(self) -> dict[str, Any]:
         return {INNER: self.inner.get_state(), "index": self.index}
@@ -375,8 +390,8 @@ class _Call:
     """
 
     __slots__ = (
-        "bookings", "count", "elements", "error", "first_index", "future", "progress",
-        "state_before",
+        "bookings", "count", "elements", "error", "first_index", "future", "origins",
+        "progress", "state_before",
     )
 
     def __init__(
@@ -392,6 +407,9 @@ class _Call:
         self.count = 0  # elements in the chunk (set by the caller)
         self.elements: list[Any] = []  # kept only where the chunk may be split
         self.progress: _Progress | None = None
+        #: Where each element came from, where the input can say: tokens of
+        #: ``Iterator.origin_token``, made into origins for error notes only.
+        self.origins: list[Any] | None = None
 
 
 def _carve(bookings: list[Reservation], nbytes: int) -> Reservation:
@@ -447,6 +465,10 @@ class _ParallelMapIterator(Iterator):
         self.output_estimate = 0  # the largest output so far: what a call in flight will need
         self.state_after_last_input = inner.get_state()
         self.next_index = 0  # of the next input element to pull
+        # Where the input's elements come from: asked per element pulled (a call ahead
+        # of their failing), so the chain of stages passing it through is walked once.
+        self.origin_probe = origin_probe(inner)
+        self.pulled_origins: list[Any] | None = None  # tokens of the last chunk pulled
 
     def _start_call(
         self, elements: list[Any], progress: _Progress | None = None
@@ -464,11 +486,12 @@ class _ParallelMapIterator(Iterator):
         state_before: dict[str, Any],
         first_index: int,
         error: Exception | None,
+        origins: list[Any] | None = None,
     ) -> None:
         progress = _Progress(len(elements)) if self.finished is not None and elements else None
         future = self._start_call(elements, progress)
         call = _Call(future, bookings, state_before, first_index, error)
-        call.count = len(elements)
+        call.count, call.origins = len(elements), origins
         if progress is not None:
             call.elements, call.progress = elements, progress
         self.calls.append(call)
@@ -492,8 +515,10 @@ class _ParallelMapIterator(Iterator):
                 sum(max(self.ctx.sizeof(element),
                         self._expected_output(element, self.output_estimate)) for element in tail),
             )
+            origins = call.origins
             self._launch(
-                tail, [booking], call.state_before, call.first_index + given_up.start, error
+                tail, [booking], call.state_before, call.first_index + given_up.start, error,
+                None if origins is None else origins[given_up.start : given_up.stop],
             )
 
     def _submit_more(self) -> None:
@@ -507,7 +532,9 @@ class _ParallelMapIterator(Iterator):
             state_before, first_index = self.state_after_last_input, self.next_index
             elements, bookings, error = self._pull_chunk()
             if elements or error is not None:
-                self._launch(elements, bookings, state_before, first_index, error)
+                self._launch(
+                    elements, bookings, state_before, first_index, error, self.pulled_origins
+                )
 
     def _pull_chunk(self) -> tuple[list[Any], list[Reservation], Exception | None]:
         """Up to ``chunk`` inputs, booked at their expected output size, and the error
@@ -523,6 +550,9 @@ class _ParallelMapIterator(Iterator):
         pending: list[int] = []  # sizes of inputs nobody booked, booked together below
         pending_bytes = 0
         sizeof, estimate, account = self.ctx.sizeof, self.output_estimate, self.account
+        probe = None if self.origin_probe is None else self.origin_probe[0]
+        origins: list[Any] | None = None if probe is None else []
+        self.pulled_origins = origins
         while len(elements) < self.chunk and (
             not elements or account.held + pending_bytes + estimate <= account.limit
         ):
@@ -535,6 +565,8 @@ class _ParallelMapIterator(Iterator):
                 upstream_error = error
                 break
             elements.append(element)
+            if probe is not None:
+                origins.append(probe())  # type: ignore[union-attr]
             # A call in flight will soon hold its output: book the larger of the two
             # (the output's size from the input itself, where output_nbytes says it).
             size = max(sizeof(element), self._expected_output(element, estimate))
@@ -598,8 +630,12 @@ class _ParallelMapIterator(Iterator):
         for position, booking in zip(good, self.account.book_existing(sizes), strict=True):
             reservations[position] = booking
         if failed is not None:
+            origins, probe = call.origins, self.origin_probe
             errors = {
-                position: note_element_error(error, self.stage, call.first_index + position)
+                position: note_element_error(
+                    error, self.stage, call.first_index + position,
+                    None if origins is None or probe is None else probe[1](origins[position]),
+                )
                 for position, error in failed.items()
             }
         if sizes and max(sizes) > self.output_estimate:

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from headrace.core.indexing import IndexStream, RepeatIndices
-from headrace.core.iterator import Context, Iterator
+from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
 from headrace.core.state import EPOCH, INNER, PRODUCED, StateReader
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, Origin
 from headrace.memory.budget import Reservation
 
 __all__ = ["RepeatNode"]
@@ -69,6 +69,8 @@ class _RepeatIterator(Iterator):
         self.inner: Iterator | None = (
             source.make_iterator(ctx.with_epoch(0)) if count != 0 else None
         )
+        self.tracking = self.tokens = False
+        self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
         super().__init__(*([self.inner] if self.inner else []))
 
     def _new_epoch(self) -> None:
@@ -78,6 +80,8 @@ class _RepeatIterator(Iterator):
         self.produced_this_epoch = 0
         self.inner = self.source.make_iterator(self.ctx.with_epoch(self.epoch))
         self.inputs = (self.inner,)
+        if self.tracking:  # a stage above asks for origins: this epoch's input remembers them
+            self.probe = origin_probe(self.inner, self.tokens)
 
     def pull(self) -> tuple[Any, Reservation]:
         while self.inner is not None:
@@ -94,6 +98,23 @@ class _RepeatIterator(Iterator):
             self.produced_this_epoch += 1
             return pair
         raise StopIteration
+
+    def origin(self) -> Origin | None:
+        return None if self.inner is None else self.inner.origin()
+
+    def origin_token(self) -> Any:
+        probe = self.probe
+        return None if probe is None or self.inner is None else probe[0]()
+
+    def origin_of(self, token: Any) -> Origin | None:
+        # every epoch's iterator reads the same recipe: the current one's probe can say
+        probe = self.probe
+        return None if probe is None or token is None else probe[1](token)
+
+    def track_origins(self, tokens: bool = True) -> bool:
+        self.tracking, self.tokens = True, self.tokens or tokens
+        self.probe = None if self.inner is None else origin_probe(self.inner, self.tokens)
+        return self.probe is not None
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -124,4 +145,6 @@ class _RepeatIterator(Iterator):
             return
         self.inner = self.source.make_iterator(self.ctx.with_epoch(self.epoch))
         self.inputs = (self.inner,)
+        if self.tracking:  # a stage above asks for origins: this epoch's input remembers them
+            self.probe = origin_probe(self.inner, self.tokens)
         self.inner.set_state(inner_state)

@@ -74,6 +74,7 @@ class ScanNode(UnaryNode):
 
 class _ScanIterator(Iterator):
     stage = "scan"
+    passes_origin = True
 
     def __init__(self, node: ScanNode, inner: Iterator) -> None:
         super().__init__(inner)

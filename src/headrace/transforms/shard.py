@@ -60,6 +60,7 @@ class ShardNode(UnaryNode):
 
 class _ShardIterator(Iterator):
     stage = "shard"
+    passes_origin = True
 
     def __init__(self, inner: Iterator, num_shards: int, index: int) -> None:
         super().__init__(inner)

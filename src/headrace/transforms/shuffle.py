@@ -21,15 +21,16 @@ checkpoint, exact when the input is deterministic).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from headrace.core.indexing import IndexPlan, IndexStream, Indices, take_all
-from headrace.core.iterator import Context, Iterator
+from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, UnaryNode, check_positive
 from headrace.core.state import EPOCH, INT64_MAX, StateReader, past_end, replay
-from headrace.errors import HeadraceWarning
+from headrace.errors import HeadraceWarning, Origin
 from headrace.io._native import native_module
 from headrace.memory.budget import Reservation, StageAccount, release_all
 from headrace.memory.units import format_bytes
@@ -371,7 +372,11 @@ class _ShuffleIterator(Iterator):
         self.ring = _Ring(node.buffer_size)
         self.exhausted = False
         self.shrunk_to: int | None = None
-        self.aside: tuple[Any, Reservation, int] | None = None
+        self.aside: tuple[Any, Reservation, int, Any] | None = None
+        #: The input's origin probe, once a stage above asked for origins: each slot of
+        #: the ring then keeps the token of its element (else slots are pairs).
+        self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
+        self.last_token: Any = None
 
     def _fill(self) -> None:
         """Fill the ring up to its capacity, as long as each next element fits the share.
@@ -381,6 +386,7 @@ class _ShuffleIterator(Iterator):
         until draws have made room: the one element beyond the share.
         """
         ring, account = self.ring, self.account
+        probe = None if self.probe is None else self.probe[0]
         while len(ring) < ring.capacity:
             if self.aside is None:
                 if self.exhausted:
@@ -391,13 +397,16 @@ class _ShuffleIterator(Iterator):
                     self.exhausted = True
                     return
                 element, cost = self.ctx.admit(element)
-                self.aside = (element, reservation, cost)
-            element, reservation, cost = self.aside
+                self.aside = (element, reservation, cost, None if probe is None else probe())
+            element, reservation, cost, token = self.aside
             if not account.fits(cost):
                 self._note_shrink(len(ring))
                 return
             self.aside = None
-            ring.push((element, reservation.move_to(account, cost)))
+            if probe is None:
+                ring.push((element, reservation.move_to(account, cost)))
+            else:
+                ring.push((element, reservation.move_to(account, cost), token))
 
     def _note_shrink(self, held: int) -> None:
         if self.shrunk_to is None and self.ring.start == 0:
@@ -410,8 +419,31 @@ class _ShuffleIterator(Iterator):
         self._fill()
         if not len(self.ring):
             raise StopIteration
-        element, reservation = self.ring.pop_drawn(self.shared.draws.next())
+        item = self.ring.pop_drawn(self.shared.draws.next())
+        if self.probe is None:
+            return item  # type: ignore[no-any-return]
+        try:
+            element, reservation, self.last_token = item
+        except ValueError:  # (it came in before tracking began)
+            element, reservation = item
+            self.last_token = None
         return element, reservation
+
+    def origin(self) -> Origin | None:
+        return self.origin_of(self.origin_token())
+
+    def origin_token(self) -> Any:
+        return self.last_token
+
+    def origin_of(self, token: Any) -> Origin | None:
+        return None if self.probe is None or token is None else self.probe[1](token)
+
+    def track_origins(self, tokens: bool = True) -> bool:
+        """Keep each element's origin token beside it from now on (elements already in
+        the buffer have none: a map asks when the pipeline starts, before any is)."""
+        if self.probe is None:
+            self.probe = origin_probe(self.inner)
+        return self.probe is not None
 
     def get_state(self) -> dict[str, Any]:
         return self.shared.as_dict(shrunk_to=self.shrunk_to)
@@ -430,7 +462,7 @@ class _ShuffleIterator(Iterator):
         replay(lambda: self.pull()[1].release(), drawn, "shuffle", "drawn")
 
     def _clear(self) -> None:
-        release_all(reservation for _, reservation in self.ring.items())
+        release_all(item[1] for item in self.ring.items())
         if self.aside is not None:
             self.aside[1].release()
             self.aside = None

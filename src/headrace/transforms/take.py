@@ -58,6 +58,7 @@ class TakeNode(UnaryNode):
 
 class _TakeIterator(Iterator):
     stage = "take"
+    passes_origin = True
 
     def __init__(self, inner: Iterator, count: int) -> None:
         super().__init__(inner)
@@ -137,6 +138,7 @@ class _EmptyIterator(Iterator):
 
 class _SkipIterator(Iterator):
     stage = "skip"
+    passes_origin = True
 
     def __init__(self, inner: Iterator, count: int) -> None:
         super().__init__(inner)

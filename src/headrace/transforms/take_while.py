@@ -42,6 +42,7 @@ class TakeWhileNode(UnaryNode):
 
 class _TakeWhileIterator(Iterator):
     stage = "take_while"
+    passes_origin = True
 
     def __init__(self, inner: Iterator, predicate: Callable[..., Any]) -> None:
         super().__init__(inner)

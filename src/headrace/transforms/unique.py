@@ -71,6 +71,7 @@ def _key(element: Any) -> Any:
 
 class _UniqueIterator(Iterator):
     stage = "unique"
+    passes_origin = True
 
     def __init__(self, node: UniqueNode, inner: Iterator, ctx: Context) -> None:
         super().__init__(inner)
