@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=1.0)
     parser.add_argument("--count", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--records", type=int, default=400_000,
+    parser.add_argument("--records", type=int, default=1_600_000,
                         help="records of the shard-policy scenario (16 files)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "served.md"))
     args = parser.parse_args()
@@ -171,7 +171,8 @@ def main() -> None:
         f"{args.repeats} runs (wall time includes starting the consumers).",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs), "
         f"Python {platform.python_version()}, start method {start_method()}.",
-        f"Command: `python benchmarks/bench_served.py --mib {args.mib:g} --count {args.count}`",
+        f"Command: `python benchmarks/bench_served.py --mib {args.mib:g} --count {args.count} "
+        f"--records {args.records}`",
         "",
         "| k | served s | served GB/s | mp.Queue s | mp.Queue GB/s | queue / served |",
         "| --- | --- | --- | --- | --- | --- |",
