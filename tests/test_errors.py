@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace.core.handoff import TRACEBACK_NOTE
 from headrace.io.tfrecord import write_tfrecord
 
 Outcome = tuple[str, Any]
@@ -147,11 +148,17 @@ def test_error_keeps_its_type_and_traceback_and_names_stage_and_element(
         with pytest.raises(KeyError, match="boom at 5") as info:
             next(iterator)
         assert [int(x) for x in iterator] == [6, 7, 8, 9]
-    assert notes(info.value) == [
-        "headrace: raised in map(tests.test_errors.explode) on element 5"
-    ]
+    where = "headrace: raised in map(tests.test_errors.explode) on element 5"
+    shown = "".join(traceback.format_exception(info.value))
+    assert 'in explode\n    raise KeyError("boom at 5")' in shown  # the user's own frame
     frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
-    assert "explode" in frames  # the user's own frame is kept
+    if num_parallel_calls is None:  # raised where it happened: the frames themselves
+        assert notes(info.value) == [where]
+        assert "explode" in frames
+    else:  # held until its turn: its frames as text (frames would keep the chunk alive)
+        assert notes(info.value)[1:] == [where]
+        assert notes(info.value)[0].startswith(TRACEBACK_NOTE)
+        assert "explode" not in frames
 
 
 def test_note_counts_elements_across_a_checkpoint() -> None:
