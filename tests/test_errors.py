@@ -8,10 +8,12 @@ come, after every earlier element, and the elements after it must follow.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -659,3 +661,58 @@ def test_batched_records_before_a_corrupt_one_all_come_out(tmp_path) -> None:
             next(iterator)
         assert info.value.offset == 2 * size
         assert [[int(r) for r in batch] for batch in iterator] == [[200, 201, 202, 203], [204, 205]]
+
+
+# -- a held error pins no memory (G1) ------------------------------------------------------
+
+
+class _Payload:
+    """Stands for an element (weakly referenceable, unlike a list)."""
+
+
+def test_a_held_error_keeps_no_frame_and_so_no_element_alive() -> None:
+    """An error a stage keeps for its element's turn: its traceback's frames held their
+    locals, and each frame its caller (f_back) with the locals that caller had when it
+    returned — a parallel map's whole chunk of inputs. ``unpin`` drops the frames, keeps
+    their lines as one note (merged when the error is held again after it was raised),
+    and does the same for the error's cause."""
+    from headrace.core.handoff import unpin
+
+    refs: list[Any] = []
+
+    def raising() -> None:
+        temporary = _Payload()  # the function's own temporary
+        refs.append(weakref.ref(temporary))
+        try:
+            raise KeyError("inner")
+        except KeyError as cause:
+            raise ValueError("bad element") from cause
+
+    def catcher() -> BaseException:
+        chunk = [_Payload()]  # what the catching stage held: it returns meanwhile
+        refs.append(weakref.ref(chunk[0]))
+        try:
+            raising()
+        except ValueError as error:
+            return unpin(error)
+        raise AssertionError("did not raise")
+
+    error = catcher()
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]
+    assert error.__traceback__ is None and error.__cause__ is not None
+    assert error.__cause__.__traceback__ is None
+    (note,) = notes(error)
+    assert note.startswith(TRACEBACK_NOTE)
+    assert 'in raising\n    raise ValueError("bad element") from cause' in note
+    assert 'raise KeyError("inner")' in notes(error.__cause__)[0]
+
+    def handing_out() -> None:
+        raise error
+
+    try:
+        handing_out()
+    except ValueError as again:  # raised in its turn, then held by a stage further on
+        unpin(again)
+    (merged,) = notes(error)
+    assert merged.index("in handing_out") < merged.index("in raising")  # outermost first
