@@ -281,6 +281,59 @@ def newer_spec(seed: int, *, augment: bool = True) -> dict[str, Any]:
     return spec
 
 
+def error_spec(seed: int) -> dict[str, Any]:
+    """One pipeline whose errors a read-ahead stage holds before handing them out: the
+    family of ``newer_spec(2147483646)``'s growth.
+
+    An error keeps the frames it passed through, with their locals: the input of a map
+    function that raised and its temporaries (``fail``: a map, on threads or processes,
+    that makes a temporary of ``factor`` times its input and raises on every
+    ``period``-th element), or the rows a ``padded_batch`` had pulled when the budget
+    refused its batch. Read-ahead stages above (parallel maps on threads or processes,
+    prefetch, process interleaves) keep such errors while more calls run; ignore_errors
+    at the end drops the functions' errors, so the run goes on past them.
+    """
+    rng = random.Random(seed)
+    budget_mib = rng.choice((16, 24, 32, 48))
+    base = rng.choice((64 << 10, 128 << 10, 256 << 10))
+    ops: list[list[Any]] = []
+    kind = rng.choice(("fail", "refuse", "both"))
+    if kind in ("fail", "both"):
+        where = rng.choice(("pmap", "pmap", "xmap", "map"))  # (each worker process starts
+        calls = rng.choice((1, 2) if where == "xmap" else (2, 4, 8))  # an interpreter)
+        # the temporary stays under a quarter of the budget (one the user's function makes
+        # larger is the function's own peak, which no stage can cap)
+        ops.append(["fail", where, calls, rng.choice((2, 3)), rng.choice((8, 16)),
+                    budget_mib * MiB // 4])
+    if kind in ("refuse", "both"):  # batches of 16-64 rows: some cannot fit the budget
+        ops.append(["padded_batch", rng.choice((16, 32, 64))])
+    processes = sum(op[0] == "fail" and op[1] == "xmap" for op in ops)
+    for _ in range(rng.randint(1, 3)):  # read-ahead stages above, that hold the errors
+        stage = rng.choice(("pmap", "pmap", "pmap", "xmap", "prefetch", "xinterleave"))
+        if stage in ("xmap", "xinterleave") and processes >= 2:
+            stage = "pmap"  # (at most two process stages: each starts interpreters)
+        if stage == "pmap":
+            ops.append(["pmap", rng.choice((2, 4, 8)), "identity"])
+        elif stage == "xmap":
+            ops.append(["xmap", rng.choice((1, 2)), "identity"])
+        elif stage == "prefetch":
+            ops.append(["prefetch", rng.choice((1, 4, 64, -1))])
+        elif not any(op[0] == "padded_batch" for op in ops):  # (rows only)
+            ops.append(["xinterleave", rng.choice((1, 2)), 1, 1])
+        processes += stage in ("xmap", "xinterleave")
+    ops.append(["ignore_errors"])
+    return {
+        "seed": seed,
+        "budget_mib": budget_mib,
+        "source": rng.choice(("generator", "generator", "interleave")),
+        "count": rng.randint(100, 300),
+        "distribution": rng.choice(("uniform", "heavy", "views")),
+        "base_bytes": base,
+        "payload": "array",
+        "ops": ops,
+    }
+
+
 # -- running one spec (in the child) --------------------------------------------------------
 
 
@@ -554,6 +607,24 @@ _WIDER: dict[str, Any] = {
 }
 
 
+class Fail:
+    """The function of a ``fail`` op: a temporary of ``factor`` times the input (at most
+    ``cap`` bytes, unless the input alone is larger), then a
+    ValueError on every ``period``-th element (by its first byte, ``index % 251``), else
+    a copy of the input. The error's frame holds the input and the temporary."""
+
+    def __init__(self, period: int, factor: int, cap: int) -> None:
+        self.period, self.factor, self.cap = period, factor, cap
+
+    def __call__(self, x: Any) -> Any:
+        import numpy as np
+
+        scratch = np.concatenate([x] * max(1, min(self.factor, self.cap // max(len(x), 1))))
+        if int(scratch[0]) % self.period == 0:
+            raise ValueError(f"element starting with {int(scratch[0])} is refused")
+        return x.copy()
+
+
 class MapFn:
     """:func:`_map_fn` as a picklable object, for maps on worker processes."""
 
@@ -623,6 +694,11 @@ def build(spec: dict[str, Any], custom: dict[str, Any] | None = None) -> Any:
                         output_nbytes=AugmentNbytes(augment),
                         output_signature=hr.TensorSpec(
                             (None, None, 3), np.float32 if augment.float_output() else np.uint8))
+        elif name == "fail":
+            where, calls = op[1], op[2]
+            ds = ds.map(Fail(*op[3:6]), num_parallel_calls=None if where == "map" else calls,
+                        workers="processes" if where == "xmap" else None,
+                        output_signature=element_spec)  # (not learned: element 0 raises)
         elif name == "decode":
             ds = ds.map(Decode(op[3] == "crop"), num_parallel_calls=op[1], workers=op[2],
                         output_nbytes=decoded_rgb_nbytes,  # (a spec learned from one image

@@ -8,10 +8,12 @@ come, after every earlier element, and the elements after it must follow.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace.core.handoff import TRACEBACK_NOTE
 from headrace.io.tfrecord import write_tfrecord
 
 Outcome = tuple[str, Any]
@@ -147,11 +150,17 @@ def test_error_keeps_its_type_and_traceback_and_names_stage_and_element(
         with pytest.raises(KeyError, match="boom at 5") as info:
             next(iterator)
         assert [int(x) for x in iterator] == [6, 7, 8, 9]
-    assert notes(info.value) == [
-        "headrace: raised in map(tests.test_errors.explode) on element 5"
-    ]
+    where = "headrace: raised in map(tests.test_errors.explode) on element 5"
+    shown = "".join(traceback.format_exception(info.value))
+    assert 'in explode\n    raise KeyError("boom at 5")' in shown  # the user's own frame
     frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
-    assert "explode" in frames  # the user's own frame is kept
+    if num_parallel_calls is None:  # raised where it happened: the frames themselves
+        assert notes(info.value) == [where]
+        assert "explode" in frames
+    else:  # held until its turn: its frames as text (frames would keep the chunk alive)
+        assert notes(info.value)[1:] == [where]
+        assert notes(info.value)[0].startswith(TRACEBACK_NOTE)
+        assert "explode" not in frames
 
 
 def test_note_counts_elements_across_a_checkpoint() -> None:
@@ -652,3 +661,58 @@ def test_batched_records_before_a_corrupt_one_all_come_out(tmp_path) -> None:
             next(iterator)
         assert info.value.offset == 2 * size
         assert [[int(r) for r in batch] for batch in iterator] == [[200, 201, 202, 203], [204, 205]]
+
+
+# -- a held error pins no memory (G1) ------------------------------------------------------
+
+
+class _Payload:
+    """Stands for an element (weakly referenceable, unlike a list)."""
+
+
+def test_a_held_error_keeps_no_frame_and_so_no_element_alive() -> None:
+    """An error a stage keeps for its element's turn: its traceback's frames held their
+    locals, and each frame its caller (f_back) with the locals that caller had when it
+    returned — a parallel map's whole chunk of inputs. ``unpin`` drops the frames, keeps
+    their lines as one note (merged when the error is held again after it was raised),
+    and does the same for the error's cause."""
+    from headrace.core.handoff import unpin
+
+    refs: list[Any] = []
+
+    def raising() -> None:
+        temporary = _Payload()  # the function's own temporary
+        refs.append(weakref.ref(temporary))
+        try:
+            raise KeyError("inner")
+        except KeyError as cause:
+            raise ValueError("bad element") from cause
+
+    def catcher() -> BaseException:
+        chunk = [_Payload()]  # what the catching stage held: it returns meanwhile
+        refs.append(weakref.ref(chunk[0]))
+        try:
+            raising()
+        except ValueError as error:
+            return unpin(error)
+        raise AssertionError("did not raise")
+
+    error = catcher()
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]
+    assert error.__traceback__ is None and error.__cause__ is not None
+    assert error.__cause__.__traceback__ is None
+    (note,) = notes(error)
+    assert note.startswith(TRACEBACK_NOTE)
+    assert 'in raising\n    raise ValueError("bad element") from cause' in note
+    assert 'raise KeyError("inner")' in notes(error.__cause__)[0]
+
+    def handing_out() -> None:
+        raise error
+
+    try:
+        handing_out()
+    except ValueError as again:  # raised in its turn, then held by a stage further on
+        unpin(again)
+    (merged,) = notes(error)
+    assert merged.index("in handing_out") < merged.index("in raising")  # outermost first

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from headrace.core.fingerprint import function_fingerprint
+from headrace.core.handoff import unpin
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node, known_spec
@@ -197,7 +198,7 @@ class _Workers:
                     booking.release()
             except BaseException as error:
                 if self.error is None:
-                    self.error = error
+                    self.error = unpin(error)
                 if task is not None and task[3] is not None:
                     task[3].release()
             finally:

@@ -66,6 +66,7 @@ from headrace.core import (
     StateReader,
     UnaryNode,
 )
+from headrace.core.handoff import unpin
 from headrace.core.indexing import IndexStream, take_all
 from headrace.errors import InvalidArgumentError
 from headrace.options import AUTOTUNE
@@ -428,7 +429,7 @@ class _Ring:
                         self.cond.notify_all()
                     return
                 except BaseException as error:  # handed over at its batch
-                    payload, result.error = None, error
+                    payload, result.error = None, unpin(error)
                 result.state = self.source.state()
             try:
                 if result.error is None:
@@ -436,7 +437,7 @@ class _Ring:
             except _Stop:
                 return
             except BaseException as error:
-                result.error = error
+                result.error = unpin(error)
             finally:
                 del payload
                 upstream.release()  # the batch now lives in the slot (or failed)

@@ -56,6 +56,7 @@ from time import perf_counter
 from typing import Any
 
 from headrace.core.fingerprint import function_fingerprint, function_name
+from headrace.core.handoff import unpin
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive, first_element
 from headrace.core.state import INNER, StateReader
@@ -711,14 +712,15 @@ class _ProcessInterleaveIterator(_InterleaveIterator):
             self.input_done = True
             return
         except Exception as error:  # the input's own error: raised in its turn
-            self.ahead.append(_Ahead(None, before, index, error, pulled=False))
+            self.ahead.append(_Ahead(None, before, index, unpin(error), pulled=False))
             return
         self.worker_hint = worker
         try:
             slot = self._open_slot(element, before, start=True)
         except Exception as error:
             stage = f"interleave({function_name(self.node.map_func)})"
-            self.ahead.append(_Ahead(None, before, index, note_element_error(error, stage, index)))
+            error = unpin(note_element_error(error, stage, index))
+            self.ahead.append(_Ahead(None, before, index, error))
             return
         finally:
             self.worker_hint = None

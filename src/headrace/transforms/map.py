@@ -45,7 +45,7 @@ from queue import Empty, SimpleQueue
 from typing import Any
 
 from headrace.core.fingerprint import function_fingerprint, function_name
-from headrace.core.handoff import Handoff, restore_input
+from headrace.core.handoff import Handoff, restore_input, unpin
 from headrace.core.indexing import IndexPlan, RandomAccess
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, check_signature, first_element
@@ -362,7 +362,7 @@ def _apply_chunk(
         except Exception as error:  # raised in the consumer, at this element's position
             if failed is None:
                 failed = {}
-            failed[len(outputs)] = error
+            failed[len(outputs)] = unpin(error)  # held until handed out: pins nothing
             output, size = None, 0
         outputs.append(output)
         sizes.append(size)
@@ -562,7 +562,7 @@ class _ParallelMapIterator(Iterator):
                 self.exhausted = True
                 break
             except Exception as error:  # an upstream element's error: handed out in its place
-                upstream_error = error
+                upstream_error = unpin(error)  # held by the call: must pin no element
                 break
             elements.append(element)
             if probe is not None:

@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from headrace.core.handoff import Handoff, restore_input
+from headrace.core.handoff import Handoff, restore_input, unpin
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode, check_positive
 from headrace.core.state import INNER, SKIP, StateReader
@@ -102,7 +102,7 @@ class _Producer:
         except BudgetClosed:
             pass
         except BaseException as error:  # re-raised in the consumer, after what came before
-            self.error = error
+            self.error = unpin(error)
         self._publish(chunks)
         with self.ready:
             # Always mark the end, also when stopped: a stage downstream may be
@@ -153,7 +153,7 @@ class _Producer:
                     break
                 except Exception as error:
                     pulled = True
-                    errors = {len(elements): error}
+                    errors = {len(elements): unpin(error)}  # handed out later
                     elements.append(None)
                     bookings.append(NO_RESERVATION)
                     break

@@ -68,6 +68,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from headrace.core.handoff import drop_frames
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node
 from headrace.core.state import StateReader
@@ -176,7 +177,8 @@ class SlotReader:
                 ended = True
                 break
             except Exception as raised:  # ends the chunk; raised in the consumer in its place
-                error = (raised, traceback.format_exc())
+                text = traceback.format_exc()  # (before its frames go: they held this
+                error = (drop_frames(raised), text)  # slot's elements until the chunk is sent)
                 break
             reservation.release()  # it leaves this process's pipeline with the chunk
             elements.append(element)

@@ -49,6 +49,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from headrace.core.handoff import drop_frames
 from headrace.errors import InvalidArgumentError, WorkerError, add_note
 from headrace.workers.memory import WorkerMemory, worker_memory
 from headrace.workers.shm import (
@@ -177,6 +178,9 @@ def _apply_all(handler: Callable[[Any], Any], elements: list[Any]) -> tuple[list
         except Exception as error:
             outputs.append(None)
             text = traceback.format_exc()
+            # held until the chunk is sent: its frames would keep the input and the
+            # function's temporaries alive meanwhile (the text has what they show)
+            drop_frames(error)
             try:
                 pickle.dumps(error)
                 errors[position] = (error, text)
