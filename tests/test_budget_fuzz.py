@@ -41,13 +41,13 @@ from fuzz_pipelines import (  # noqa: E402
 )
 
 
-def run_specs(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def run_specs(specs: list[dict[str, Any]], timeout: float = 600) -> list[dict[str, Any]]:
     done = subprocess.run(
         [sys.executable, str(RUNNER)],
         input=json.dumps(specs),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -575,3 +575,21 @@ def test_the_batch_breach_of_process_seed_200014_is_gone(where: str) -> None:
     assert_within_budget(result)
     assert result["outcome"].startswith("MemoryBudgetError"), result
     assert "shuffle's share is not lent" in result["outcome"], result
+
+
+def test_a_prefetch_whose_bookings_are_all_downstream_never_waits_for_them() -> None:
+    """The first ``error_spec`` (seed 89) hung for good: the consumer, inside a map's
+    pull of its next input, waited on an interleave's prefetch; the prefetch thread
+    waited for room in its account, whose bytes were the bookings of elements in the
+    process map's calls above, which only that consumer would collect. A prefetch
+    whose own queue is empty while its consumer waits now takes one element as an
+    overdraft. (16 MiB is too small for this pipeline: it ends with a clear
+    MemoryBudgetError, in well under a second.)"""
+    spec = {"seed": 89, "budget_mib": 16, "source": "interleave", "count": 103,
+            "distribution": "heavy", "base_bytes": 131072, "payload": "array",
+            "ops": [["fail", "xmap", 1, 2, 8, 4194304], ["pmap", 4, "identity"],
+                    ["xmap", 1, "identity"], ["ignore_errors"]]}
+    (result,) = run_specs([spec], timeout=120)
+    assert result["outcome"] == "ok" or result["outcome"].startswith("MemoryBudgetError"), result
+    assert not result["violations"], result
+    assert result["growth"] <= result["bound"], result

@@ -389,12 +389,21 @@ class StageAccount:
         return held + nbytes <= self.limit and not self.budget.over_shared_cap(pending + nbytes)
 
     def wait_for_room(
-        self, estimate: int | None = None, *, cancelled: Callable[[], bool] | None = None
+        self,
+        estimate: int | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+        starving: Callable[[], bool] | None = None,
     ) -> None:
         """Block until an element of ``estimate`` bytes (default: the largest seen) fits.
 
         A stage that holds nothing never waits: it may always hold one element,
-        which is what keeps every pipeline moving.
+        which is what keeps every pipeline moving. ``starving``: the stage's own
+        buffer is empty and its consumer waits on it, while what the account holds
+        are elements handed on downstream (a booking travels with its element): the
+        stage may then take one element too, as an overdraft, since the stages
+        holding those bookings may be waiting on the very consumer it feeds. Callers
+        wake waiters (:meth:`wake`) when that becomes true.
         """
         nbytes = self.max_element if estimate is None else estimate
         if estimate is not None:
@@ -403,6 +412,8 @@ class StageAccount:
             while self.held and (
                 self.held + nbytes > self.limit or self.budget.over_shared_cap(nbytes)
             ):
+                if starving is not None and starving():
+                    break
                 if self.budget._closed or (cancelled is not None and cancelled()):
                     raise BudgetClosed
                 self.budget.waiting[0] += 1

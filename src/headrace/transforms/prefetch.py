@@ -84,6 +84,7 @@ class _Producer:
         # An element that did not fit the share yet, with its chunk coordinates:
         # (element, its upstream booking, its cost, its chunk's input state, position).
         self.aside: tuple[Any, Reservation, int, dict[str, Any], int] | None = None
+        self.consumer_waiting = False  # the consumer waits for this queue (see starving)
         self.thread = threading.Thread(target=self.run, name="headrace-prefetch", daemon=True)
 
     def run(self) -> None:
@@ -127,14 +128,15 @@ class _Producer:
         account = self.account
         if self.aside is not None:
             element, reservation, cost, state, position = self.aside
-            if not account.fits(cost):
+            starved = not account.fits(cost)
+            if starved and not self.starving():
                 return False
             self.aside = None
-            chunks.append(
-                Handoff.finishing(element, reservation.move_to(account, cost), state, position)
-            )
+            booking = self._overdraw(reservation, cost) if starved else reservation.move_to(
+                account, cost)
+            chunks.append(Handoff.finishing(element, booking, state, position))
             room -= 1
-            if room <= 0:
+            if room <= 0 or starved:  # one element past the share, no more
                 return False
         state = self.state_before_chunk
         elements: list[Any] = []
@@ -165,7 +167,11 @@ class _Producer:
                     reservation.release()  # further, and its booking upstream is returned
                     raise  # (it stayed booked after the run closed: served fuzz case)
                 if not fits:
-                    self.aside = (element, reservation, cost, state, len(elements))
+                    if elements or not self.starving():
+                        self.aside = (element, reservation, cost, state, len(elements))
+                        break
+                    elements.append(element)  # one element past the share, no more
+                    bookings.append(self._overdraw(reservation, cost))
                     break
                 elements.append(element)
                 if reservation.account is None:
@@ -184,6 +190,14 @@ class _Producer:
                 ]
                 chunks.append(Handoff(elements, reservations, state, errors))
         return ended
+
+    def _overdraw(self, reservation: Reservation, cost: int) -> Reservation:
+        """Book an element taken only because the consumer starves (see :meth:`starving`):
+        past the share, as an overdraft, which keeps the stage from taking more until it
+        has drained."""
+        (booking,) = self.account.book_existing([cost])
+        reservation.release()
+        return booking
 
     def _publish(self, chunks: list[Handoff]) -> bool:
         """Queue what was pulled; False (and everything released) once stopping."""
@@ -208,8 +222,19 @@ class _Producer:
             if self.stopping:
                 return False
         estimate = self.aside[2] if self.aside is not None else None
-        self.account.wait_for_room(estimate, cancelled=lambda: self.stopping)
+        self.account.wait_for_room(
+            estimate, cancelled=lambda: self.stopping, starving=self.starving
+        )
         return not self.stopping
+
+    def starving(self) -> bool:
+        """Nothing of this stage's is queued or being handed out and the consumer waits
+        for it: what its account holds is downstream (a parallel map's calls in flight
+        keep their inputs' bookings), and those stages may be waiting on the consumer
+        that waits here. One element then goes out as an overdraft: without it, fuzz
+        spec error_spec seed 89 (an interleave's prefetch under two process maps and a
+        thread map, 16 MiB) hung for good."""
+        return self.consumer_waiting and self.queued + self.outstanding == 0
 
     def stop(self) -> None:
         with self.ready:
@@ -303,9 +328,13 @@ class PrefetchIterator(Iterator):
                 # The producer may be asleep in _wait_for_space, having checked while the
                 # elements taken last time still counted as outstanding; they are all
                 # handed out now (pull() lowers the count without the lock): wake it, or
-                # both wait for each other.
+                # both wait for each other. It may be waiting for room too, which only
+                # stages downstream of this consumer can give back: see starving().
+                producer.consumer_waiting = True
                 producer.ready.notify_all()
+                self.account.wake()
                 producer.ready.wait()
+            producer.consumer_waiting = False
             if not producer.queue:
                 if producer.error is not None:
                     raise producer.error
