@@ -57,6 +57,15 @@ def wait_until(condition: Any, seconds: float = 10.0) -> bool:
     return bool(condition())
 
 
+def read_all(read: Any, consumers: int, seconds: float = 30) -> None:
+    """``read(i)`` for every consumer index, each on a thread of its own, all at once."""
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(consumers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds)
+
+
 # -- which elements each consumer gets ----------------------------------------------------
 
 
@@ -87,11 +96,7 @@ def test_consumers_get_disjoint_deterministic_parts_whose_union_is_the_stream(
             parts[index] = [served_fns.value(e) for e in part]
 
     with hr.serve(dataset, k, address, authkey=KEY):
-        threads = [threading.Thread(target=read, args=(i,)) for i in range(k)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
+        read_all(read, k)
     for index in range(k):  # in the stream's order: every k-th element from the index-th
         assert parts[index] == stream[index::k]
     assert Counter(v for part in parts.values() for v in part) == Counter(stream)
@@ -180,11 +185,7 @@ def test_file_sharding_gives_each_consumer_only_its_own_files(
             parts[index] = [bytes(e).decode() for e in part]
 
     with hr.serve(dataset, k, address, authkey=KEY, shard_policy="file"):
-        threads = [threading.Thread(target=read, args=(i,)) for i in range(k)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
+        read_all(read, k)
     stream = [bytes(e).decode() for e in dataset]
     for index in range(k):
         expected = [bytes(e).decode() for e in hr.auto_shard(dataset, "file", num_shards=k,
@@ -393,11 +394,7 @@ def test_consumers_runs_and_segments_together_stay_within_the_one_budget(
 
         sampler = threading.Thread(target=sample)
         sampler.start()
-        readers = [threading.Thread(target=read, args=(i,)) for i in range(3)]
-        for reader in readers:
-            reader.start()
-        for reader in readers:
-            reader.join(60)
+        read_all(read, 3, seconds=60)
         done.set()
         sampler.join()
     assert len(excess) > 10 and max(excess) <= 0, max(excess)
@@ -422,3 +419,31 @@ def test_a_refused_run_returns_every_byte_it_booked(tmp_path: Path) -> None:
                 list(part)
         assert wait_until(lambda: server.connected == [])
         assert server.budget.used == 0 and server.segments.held == 0
+
+
+def test_a_file_sharded_consumer_resumes_from_its_checkpoint_and_refuses_a_data_one(
+    tmp_path: Path,
+) -> None:
+    """A part under ``shard_policy="file"`` is its own pipeline (its files only): its
+    checkpoint resumes on a new producer with the same policy, and a state taken under
+    the other policy is refused by its fingerprint, not replayed into the wrong part."""
+    for f in range(4):
+        write_tfrecord(tmp_path / f"part-{f}.tfrecord", [f"{f}:{r}".encode() for r in range(9)])
+    dataset = hr.Dataset.list_files(str(tmp_path / "*.tfrecord"), shuffle=False).interleave(
+        hr.TFRecordDataset, cycle_length=2)
+    first, second = str(tmp_path / "first.sock"), str(tmp_path / "second.sock")
+    with hr.serve(dataset, 2, first, authkey=KEY, shard_policy="file"), hr.connect(
+        first, 1, authkey=KEY
+    ) as part:
+        head = [bytes(next(part)) for _ in range(4)]
+        state = json.loads(json.dumps(part.get_state()))
+        rest_here = [bytes(e) for e in part]
+    assert {v.split(b":")[0] for v in head + rest_here} == {b"1", b"3"}  # its files only
+    with hr.serve(dataset, 2, second, authkey=KEY, shard_policy="file"), hr.connect(
+        second, 1, authkey=KEY, state=state
+    ) as resumed:
+        assert [bytes(e) for e in resumed] == rest_here
+    third = str(tmp_path / "third.sock")
+    with hr.serve(dataset, 2, third, authkey=KEY), hr.connect(third, 1, authkey=KEY) as other, \
+            pytest.raises(hr.CheckpointError):
+        other.set_state(state)
