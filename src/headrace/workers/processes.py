@@ -83,7 +83,8 @@ WORKER_KINDS = ("threads", "processes", "auto")
 #: How often the collector looks at the workers when no message comes (worker deaths are
 #: also woken on at once through their sentinels; this only bounds a missed wake-up).
 _POLL_SECONDS = 0.5
-#: Idle result segments a worker keeps for reuse (each booked while it is kept).
+#: Idle result segments a worker keeps for reuse (each booked while it is kept), unless
+#: its pool is told otherwise (an interleave's pool keeps enough for its slots' chunks).
 IDLE_SEGMENTS = 2
 #: Input segments pooled per worker (each booked for as long as it is pooled): a worker
 #: has about two calls in flight (the map keeps 2 x workers calls going).
@@ -351,7 +352,8 @@ class ProcessPool:
     """``count`` worker processes running ``handler(element)`` over chunks, by futures.
 
     ``book_idle(nbytes)`` books a result segment kept idle for reuse and returns
-    its reservation (or None: then the segment is dropped instead).
+    its reservation (or None: then the segment is dropped instead); each worker
+    keeps up to ``idle_segments`` of them.
     """
 
     def __init__(
@@ -362,8 +364,9 @@ class ProcessPool:
         *,
         what: str = "the function",
         book_idle: Callable[[int], Any] | None = None,
+        idle_segments: int = IDLE_SEGMENTS,
     ) -> None:
-        self.stage, self.count = stage, count
+        self.stage, self.count, self.idle_segments = stage, count, idle_segments
         self.handler_bytes = check_picklable(handler, what, stage)
         self.book_idle = book_idle
         self.owner = os.getpid()
@@ -522,7 +525,7 @@ class ProcessPool:
             for key in maps.released():
                 capacity = maps.maps[key][1] if key in maps.maps else 0
                 booking = None
-                if self.book_idle is not None and len(worker.idle) < IDLE_SEGMENTS:
+                if self.book_idle is not None and len(worker.idle) < self.idle_segments:
                     booking = self.book_idle(capacity)
                 with self.lock:
                     if booking is not None:
