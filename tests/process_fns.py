@@ -69,6 +69,11 @@ def huge(x: Any, nbytes: int) -> Any:
     return array
 
 
+def zeros_of(x: Any) -> Any:
+    """``x`` zero bytes: outputs of the size asked for."""
+    return np.zeros(int(x), np.uint8)
+
+
 def lookup(table: Any, x: Any) -> Any:
     return len(table[int(x) % len(table)])
 

@@ -512,6 +512,35 @@ def test_input_segments_are_pooled_booked_and_freed(monkeypatch: pytest.MonkeyPa
     assert own_segments() == []
 
 
+def test_idle_segments_too_small_for_grown_outputs_make_room_for_larger_ones() -> None:
+    """Two small chunks leave two idle segments (a worker's quota); then the outputs grow.
+    The worker drops the small idle segments and the consumer unbooks them, so one larger
+    segment serves the rest. Before, the small ones held the quota for good and every
+    later chunk went into a fresh segment (a process map made one per chunk)."""
+    from headrace.memory.budget import MemoryBudget
+    from headrace.workers import processes
+
+    budget = MemoryBudget(64 * MiB)
+    account = budget.account("test", weight=1)
+    budget.allot()
+    pool = processes.ProcessPool(process_fns.zeros_of, 1, "test", book_idle=account.charge)
+    try:
+        small = [pool.submit([64 << 10]), pool.submit([64 << 10])]  # two segments at once
+        assert [len(f.result(timeout=10)[0][0]) for f in small] == [64 << 10] * 2
+        del small
+        for _ in range(10):
+            outputs = pool.submit([256 << 10]).result(timeout=10)[0]
+            assert len(outputs[0]) == 256 << 10
+            del outputs
+            gc.collect()
+        assert pool.maps[0].opened == 3, pool.maps[0].opened
+        assert len(pool.workers[0].idle) <= processes.IDLE_SEGMENTS
+        assert account.held == sum(256 << 10 for _ in pool.workers[0].idle)
+    finally:
+        pool.shutdown()
+    assert account.held == 0
+
+
 def test_the_collector_survives_the_segment_of_a_cancelled_call_vanishing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

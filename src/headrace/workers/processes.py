@@ -226,6 +226,12 @@ def _worker_main(
         results.send(("init_error", traceback.format_exc()))
         return
     pool = SegmentPool(owner, tag=f"w{index}-")
+    evicted: list[int] = []  # idle segments dropped since the last result (see allocate)
+
+    def allocate(nbytes: int) -> tuple[int, str, int, mmap.mmap]:
+        evicted.extend(pool.evict_smaller(nbytes))
+        return pool.allocate(nbytes)
+
     inputs = SegmentMaps()  # the consumer's pooled input segments, mapped here
     queued: deque[tuple[Any, ...]] = deque()
     try:
@@ -256,17 +262,20 @@ def _worker_main(
             compute = time.perf_counter() - computing
             del elements
             try:
-                result = pack(outputs, pool.allocate)
+                result = pack(outputs, allocate)
             except Exception as error:  # an output that cannot be pickled: every position
                 text = traceback.format_exc()
                 failure = WorkerError(f"an output cannot be sent back: {type(error).__name__}: {error}")
                 errors = {p: (failure, text) for p in range(len(outputs))}
-                result = pack([None] * len(outputs), pool.allocate)
+                result = pack([None] * len(outputs), allocate)
             del outputs
             seconds = time.perf_counter() - started
             # input segments whose every view is gone (the outputs are copied out by now)
             free_inputs = inputs.released()
-            results.send(("done", call_id, result, errors or None, seconds, compute, free_inputs))
+            results.send(
+                ("done", call_id, result, errors or None, seconds, compute, free_inputs, evicted[:])
+            )
+            evicted.clear()
     finally:
         pool.close()
         inputs.close()
@@ -537,20 +546,24 @@ class ProcessPool:
 
     def _finish(self, worker: _Worker, message: tuple[Any, ...]) -> None:
         """A ``done`` message: unpack it into its future (collector thread)."""
-        _, call_id, packet, errors, seconds, compute, free_inputs = message
+        _, call_id, packet, errors, seconds, compute, free_inputs, evicted = message
         received = time.perf_counter()
         self._inputs_free(worker, free_inputs)
+        maps = self.maps[worker.index]
         with self.lock:
             entry = worker.pending.popleft()
             assert entry[0] == call_id, "results come back in the order sent"
-            if packet.segment is not None:
-                booking = worker.idle.pop(packet.segment[0], None)
+            # idle segments the worker dropped (too small), and the one it used
+            used = [] if packet.segment is None else [packet.segment[0]]
+            for key in [*evicted, *used]:
+                booking = worker.idle.pop(key, None)
                 if booking is not None:
                     booking.release()
+        for key in evicted:
+            maps.forget(key)
         _, future, names, _ = entry
         for name in names:
             unlink_segment(name)
-        maps = self.maps[worker.index]
         if future.cancelled():
             if packet.segment is not None:  # never looked at: straight back to the worker
                 key, name, capacity = packet.segment

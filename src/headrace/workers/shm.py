@@ -405,6 +405,21 @@ class SegmentPool:
         self.announced.add(key)
         return key, name, size, mapping
 
+    def evict_smaller(self, nbytes: int) -> list[int]:
+        """Drop the idle segments, when none holds ``nbytes``; their keys.
+
+        Outputs grew past them (a map's chunks lengthen as it tunes them; a slot's
+        first chunk is one element). Kept, they would fill the receiver's quota of
+        idle segments for good, and every later chunk would go into a fresh segment
+        (a process map made one per chunk). The receiver must be told, to unbook them.
+        """
+        if any(self.segments[key][1] >= nbytes for key in self.idle):
+            return []
+        evicted = list(self.idle)
+        for key in evicted:
+            self.drop(key)
+        return evicted
+
     def free(self, key: int) -> None:
         if key in self.segments:
             self.idle.add(key)
