@@ -316,6 +316,66 @@ class _CountingStream(io.BytesIO):
         self.delivered += len(data)
         return data
 
+    def readinto(self, buffer: object, /) -> int:  # the reader's path for plain streams
+        count = super().readinto(buffer)  # type: ignore[arg-type]
+        self.delivered += count
+        return count
+
+
+class _ReadOnlyStream:
+    """A stream with ``read`` only (no ``readinto``): the reader joins what it reads."""
+
+    def __init__(self, data: bytes) -> None:
+        self.inner = io.BytesIO(data)
+
+    def read(self, size: int = -1, /) -> bytes:
+        return self.inner.read(size)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 700), min_size=0, max_size=30),
+    limits=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 900)), min_size=1, max_size=8),
+    buffer_size=st.integers(1, 300),
+)
+def test_refills_into_a_reused_buffer_read_what_joined_reads_read(
+    tmp_path_factory: pytest.TempPathFactory,
+    sizes: list[int],
+    limits: list[tuple[int, int]],
+    buffer_size: int,
+) -> None:
+    """The same records, batches and offsets whether the reader refills a reused buffer
+    (``readinto``: a BytesIO, a file through the pool) or joins reads (``read`` only),
+    with records smaller and larger than the buffer; the reused buffer stays at
+    ``buffer_size`` after a larger record (that one's buffer is not kept)."""
+    from headrace.io.filepool import get_default_pool
+
+    records = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+    data = encode_records(records)
+    path = tmp_path_factory.mktemp("refill") / "r.tfrecord"
+    path.write_bytes(data)
+    pooled = get_default_pool().open(str(path), None, buffer_size=buffer_size)
+    streams = [io.BytesIO(data), _ReadOnlyStream(data), pooled]
+    results = []
+    with pooled:
+        for stream in streams:
+            reader = TFRecordReader(stream, buffer_size=buffer_size)  # type: ignore[arg-type]
+            got, step = [], 0
+            while True:
+                count, bound = limits[step % len(limits)]
+                step += 1
+                before = reader.next_offset
+                batch = reader.read_batch(count, max_bytes=bound)
+                if not batch:
+                    break
+                got.append((before, batch))
+                assert reader._area is None or len(reader._area) == buffer_size
+            results.append(got)
+    assert results[0] == results[1] == results[2]
+    assert [r for _, batch in results[0] for r in batch] == records
+
+
+
 
 @settings(max_examples=60, deadline=None)
 @example(small=[0, 21, 18], big=5000, bound=17, verify_crc=False)  # header refilled mid-batch

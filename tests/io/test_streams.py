@@ -145,6 +145,49 @@ def test_suspending_anywhere_yields_the_same_bytes(
     assert b"".join(pieces) == DATA
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    compression_type=st.sampled_from(COMPRESSION_TYPES),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["read", "readinto", "seek", "suspend"]),
+            st.integers(min_value=0, max_value=3 * SMALL_BUFFER),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+)
+def test_readinto_mixed_with_reads_seeks_and_suspensions_yields_the_same_bytes(
+    sample_files: dict[str, Path], compression_type: str, steps: list[tuple[str, int]]
+) -> None:
+    """``readinto`` (which a TFRecord reader refills its reused buffer with) continues
+    exactly where ``read`` left off — its read-ahead first — and ``read`` after it, across
+    seeks and suspensions; it is short only at the end of the stream."""
+    stream = open_stream(sample_files[compression_type], compression_type, buffer_size=SMALL_BUFFER)
+    position = 0
+    with stream:
+        for kind, size in steps:
+            if kind == "seek":
+                position = stream.seek(size * 7 % (len(DATA) + 10))
+                assert position == min(size * 7 % (len(DATA) + 10), len(DATA))
+                continue
+            if kind == "suspend":
+                stream.suspend()
+                stream.resume()
+                continue
+            if kind == "read":
+                got = stream.read(size)
+            else:
+                area = bytearray(b"\xff" * (size + 3))
+                count = stream.readinto(memoryview(area)[:size])
+                assert area[size:] == b"\xff" * 3  # nothing written past the view
+                got = bytes(area[:count])
+            expected = DATA[position : position + size]
+            assert got == expected, (kind, position, size)
+            position += len(got)
+            assert stream.tell() == position
+
+
 def test_suspended_stream_holds_no_descriptor(sample_files: dict[str, Path]) -> None:
     before = open_descriptors()
     stream = open_stream(sample_files["GZIP"], "GZIP")

@@ -8,7 +8,7 @@ class ParseFailure(ValueError):
 
 def crc32c(data: bytes | bytearray | memoryview, crc: int = 0, /) -> int: ...
 def scan_records(
-    buf: bytes,
+    buf: bytes | memoryview,
     pos: int,
     max_records: int,
     max_bytes: int,

@@ -524,6 +524,10 @@ class PooledStream(ClosesOnExit):
         """The next ``size`` decompressed bytes; fewer only at the end of the stream."""
         return self._checked_out(lambda stream: stream.read(size))
 
+    def readinto(self, buffer: memoryview, /) -> int:
+        """Read the next bytes into ``buffer``; how many (fewer only at the end)."""
+        return self._checked_out(lambda stream: stream.readinto(buffer))
+
     def pread_many(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
         """Positioned reads (``sizes[i]`` bytes at ``offsets[i]``) of an uncompressed file,
         all under one check-out of the descriptor; the stream's position does not move."""

@@ -161,6 +161,14 @@ class SuspendableStream(ClosesOnExit):
         self._advance(size if size >= 0 else sys.maxsize, pieces)
         return b"".join(pieces)
 
+    def readinto(self, buffer: memoryview, /) -> int:
+        """Read the next bytes into ``buffer``; how many, fewer than its length only at
+        the end of the stream. An uncompressed stream reads straight into it (see
+        :class:`_PlainStream`); here the bytes are read, then copied."""
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
     def tell(self) -> int:
         """The logical offset: decompressed bytes returned (or skipped) so far."""
         self._check_not_closed()
@@ -266,6 +274,24 @@ class _PlainStream(SuspendableStream):
     def _seek_to(self, offset: int) -> None:
         self._drop_buffer()
         self._file_offset = self._position = offset
+
+    def readinto(self, buffer: memoryview, /) -> int:
+        """Read the next bytes into ``buffer`` (a caller's reused buffer): the read-ahead
+        of an earlier :meth:`read` first, then one positioned read into the rest — no
+        bytes object is made, so there are no fresh pages to fault in per read and no
+        copy to join a record's start with its end (a TFRecord reader's refills)."""
+        self._check_not_closed()
+        total = min(self._unread_nbytes(), len(buffer))
+        if total:
+            start = self._buffer_start
+            buffer[:total] = memoryview(self._buffer)[start : start + total]
+            self._buffer_start += total
+        if total < len(buffer):
+            count = self.pread_into(self._file_offset, buffer[total:])
+            self._file_offset += count
+            total += count
+        self._position += total
+        return total
 
     def pread_many(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
         """The ``sizes[i]`` bytes at each ``offsets[i]``, read where they are (fewer only at

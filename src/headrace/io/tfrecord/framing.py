@@ -61,7 +61,7 @@ ScanResult = tuple[list[bytes], int, int, int]
 
 
 def scan_records_py(
-    buf: bytes,
+    buf: bytes | memoryview,
     pos: int,
     max_records: int,
     max_bytes: int,
@@ -88,7 +88,7 @@ def scan_records_py(
             return records, pos, ScanStatus.NEED_MORE, RECORD_OVERHEAD_BYTES + length
         if records and total + length > max_bytes:
             break
-        data = buf[pos + HEADER_BYTES : pos + HEADER_BYTES + length]
+        data = bytes(buf[pos + HEADER_BYTES : pos + HEADER_BYTES + length])
         if verify_crc:
             (data_crc,) = U32.unpack_from(buf, pos + HEADER_BYTES + length)
             if masked_crc32c(data) != data_crc:
@@ -100,7 +100,7 @@ def scan_records_py(
 
 
 def scan_records(
-    buf: bytes,
+    buf: bytes | memoryview,
     pos: int,
     max_records: int,
     max_bytes: int,
@@ -111,7 +111,7 @@ def scan_records(
     return scanner()(buf, pos, max_records, max_bytes, verify_crc, max_record_bytes)
 
 
-def scanner() -> Callable[[bytes, int, int, int, bool, int], ScanResult]:
+def scanner() -> Callable[[bytes | memoryview, int, int, int, bool, int], ScanResult]:
     """The C scanner when the extension is enabled, else its pure-Python twin."""
     native = native_module()
     return native.scan_records if native is not None else scan_records_py

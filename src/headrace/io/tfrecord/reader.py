@@ -19,7 +19,7 @@ from __future__ import annotations
 import gzip
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,7 +128,10 @@ class TFRecordReader(ClosesOnExit):
         self.skip_corrupt = skip_corrupt
         self.buffer_size = buffer_size
         self._close_stream = close_stream
-        self._buf = b""
+        #: The bytes read and not yet scanned past: bytes, or a view of ``_area``.
+        self._buf: bytes | memoryview = b""
+        #: The buffer an uncompressed stream is read into, reused from refill to refill.
+        self._area: bytearray | None = None
         self._pos = 0
         self._buf_offset = start_offset  # stream offset of self._buf[0]
         self._stream_exhausted = False
@@ -221,6 +224,7 @@ class TFRecordReader(ClosesOnExit):
     def close(self) -> None:
         self._done = True
         self._buf = b""
+        self._area = None
         self._pos = 0
         if self._close_stream:
             close = getattr(self._stream, "close", None)
@@ -241,6 +245,9 @@ class TFRecordReader(ClosesOnExit):
         """
         if self._available() >= needed:
             return True
+        readinto = None if self.compression_type else getattr(self._stream, "readinto", None)
+        if readinto is not None:
+            return self._fill_into(readinto, needed)
         pieces = [self._buf[self._pos :]]
         have = len(pieces[0])
         self._buf_offset += self._pos
@@ -254,6 +261,36 @@ class TFRecordReader(ClosesOnExit):
             pieces.append(piece)
             have += len(piece)
         self._buf = b"".join(pieces) if len(pieces) > 1 else pieces[0]
+        return have >= needed
+
+    def _fill_into(self, readinto: Callable[[memoryview], int], needed: int) -> bool:
+        """:meth:`_fill` for an uncompressed stream: the unscanned end moves to the front
+        of a reused buffer and the stream reads straight into the rest of it.
+
+        Joining the end with a fresh read copied the whole read, and allocating it
+        faulted its pages in: a tenth of the CPU of reading and parsing 200-byte
+        Examples. The buffer is ``buffer_size`` bytes, or a larger record's ``needed``
+        for that one refill (not kept: the next refill makes a ``buffer_size`` one).
+        """
+        size = max(self.buffer_size, needed)
+        rest = bytes(self._buf[self._pos :])  # (a copy: it may overlap where it goes)
+        area = self._area
+        if area is None or len(area) != size:
+            self._buf = b""  # (a view of the old buffer would keep it)
+            area = bytearray(size)
+        self._area = area if size == self.buffer_size else None
+        have = len(rest)
+        area[:have] = rest
+        view = memoryview(area)
+        self._buf_offset += self._pos
+        self._pos = 0
+        while have < needed and not self._stream_exhausted:
+            count = readinto(view[have:])
+            if not count:
+                self._stream_exhausted = True
+                break
+            have += count
+        self._buf = view[:have]
         return have >= needed
 
     def _read_stream(self, size: int) -> bytes:
