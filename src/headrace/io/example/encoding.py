@@ -49,9 +49,9 @@ _UINT64_SHIFTS = np.arange(0, 70, 7, dtype=np.uint64)  # the 10 varint groups of
 
 def bytes_array(values: Sequence[bytes]) -> Array:
     """An object array holding exactly these bytes objects (no 'S' truncation)."""
-    out = np.empty(len(values), dtype=object)
-    out[:] = values
-    return out
+    # (``np.empty`` + slice assignment looks at each item for a nested sequence first:
+    # ~1.4x the time of fromiter, which a parsed batch's bytes column pays every batch)
+    return np.fromiter(values, object, len(values))
 
 
 def _as_bytes(value: Any, name: str) -> bytes:

@@ -258,6 +258,8 @@ def _fixed_len(name: str, spec: FixedLenFeature, column: _Column) -> Array:
     shape = shape_tuple(spec.shape)
     size = math.prod(shape)
     batch = len(column.counts)
+    if (column.counts == size).all():  # every record has it, at its size: one check
+        return column.values.reshape((batch, *shape))
     missing = column.counts < 0
     default = None if spec.default_value is None else _default_array(spec, name, column.kind, shape)
     if default is None and missing.any():
