@@ -155,7 +155,9 @@ def _named(origin: Origin, text: str) -> bool:
 @given(content=shards(), op_name=st.sampled_from(sorted(PROVENANCE_OPS)),
        parallel=st.sampled_from([None, 1, 3]), native=st.booleans(),
        between=st.sampled_from(
-           ["nothing", "pass-through stages", "shuffle", "interleave", "interleave+shuffle"]),
+           ["nothing", "pass-through stages", "shuffle", "interleave", "interleave+shuffle",
+            "prefetch", "threaded interleave", "threaded interleave, any order",
+            "threaded interleave+shuffle+prefetch"]),
        seed=st.integers(0, 1000))
 def test_bad_images_in_shards_name_file_record_and_offset(
     tmp_path_factory: pytest.TempPathFactory, content: list[list[bytes]], op_name: str,
@@ -169,18 +171,117 @@ def test_bad_images_in_shards_name_file_record_and_offset(
             if between.startswith("interleave"):  # files read in turn, as in the README
                 ds = hr.Dataset.from_tensor_slices(paths).interleave(
                     hr.TFRecordDataset, cycle_length=2, block_length=2)
+            elif between.startswith("threaded interleave"):  # slots read ahead on threads
+                ds = hr.Dataset.from_tensor_slices(paths).interleave(
+                    hr.TFRecordDataset, cycle_length=2, block_length=2, num_parallel_calls=2,
+                    deterministic="any order" not in between)
             else:
                 ds = hr.TFRecordDataset(paths)
             if between == "pass-through stages":
                 ds = ds.filter(lambda r: len(r) > 0).take(10_000)
-            elif between.endswith("shuffle"):  # a buffer keeps each record's origin token
+            elif "shuffle" in between:  # a buffer keeps each record's origin token
                 ds = ds.shuffle(5, seed=seed)
+            if "prefetch" in between:  # a thread reads ahead of the map
+                ds = ds.prefetch(1 + seed % 4)
             ds = ds.map(op, num_parallel_calls=parallel)
             return ds.ignore_errors(log_warning=True) if ignore else ds
 
-        _check(paths, content, op, ds_of, ordered=between in ("nothing", "pass-through stages"))
+        _check(paths, content, op, ds_of,
+               ordered=between in ("nothing", "pass-through stages", "prefetch"))
     finally:
         set_native_enabled(before)
+
+
+def _bad_jpeg_shards(tmp: Path, shards: int, per_shard: int, rng: np.random.Generator) -> tuple[
+    list[str], list[list[bytes]]
+]:
+    """``shards`` shards of small JPEGs, one to three of them corrupt at random places
+    (cut inside their headers: any decode of any crop window fails)."""
+    content = [[image_fns.jpeg(20, 24, seed=100 * s + i) for i in range(per_shard)]
+               for s in range(shards)]
+    for _ in range(int(rng.integers(1, 4))):
+        shard, record = int(rng.integers(shards)), int(rng.integers(per_shard))
+        content[shard][record] = content[shard][record][: int(rng.integers(30, 150))]
+    return _write(tmp, content), content
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_readme_image_pipeline_names_the_corrupt_jpegs_record(
+    tmp_path: Path, seed: int
+) -> None:
+    """The README's worked example, exactly its shape: TFRecords of JPEGs -> interleave
+    with read-ahead threads -> shuffle -> InceptionCrop in worker processes -> batch ->
+    prefetch. A corrupt JPEG's error names its file, record and byte offset, though the
+    slots' threads read ahead of the shuffle, the shuffle reorders and a process decodes."""
+    rng = np.random.default_rng(seed)
+    paths, content = _bad_jpeg_shards(tmp_path, 4, 12, rng)
+    _, bad = _expected(paths, content, lambda r: image_fns.INCEPTION(0, r))
+    assert bad
+    files = hr.Dataset.list_files(str(tmp_path / "*.tfrecord"), shuffle=False)
+    pipeline = (
+        files.interleave(hr.TFRecordDataset, cycle_length=2, num_parallel_calls=2,
+                         deterministic=bool(seed % 2))
+        .shuffle(16, seed=seed)
+        .enumerate()
+        .map(image_fns.INCEPTION, num_parallel_calls=2, workers="processes")
+        .ignore_errors(log_warning=True)  # (the training loop goes on past a bad image)
+        .batch(8)
+        .prefetch(2)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches, errors = _run(pipeline)
+    assert not errors
+    assert sum(len(b) for b in batches) == 48 - len(bad)
+    dropped = [str(w.message) for w in caught if "ignore_errors" in str(w.message)]
+    assert sorted(bad) == sorted(o for o in bad for m in dropped if _named(o, m))
+    # and raised, not dropped: element_origin says it, the note too
+    unbatched = (
+        files.interleave(hr.TFRecordDataset, cycle_length=2, num_parallel_calls=2,
+                         deterministic=bool(seed % 2))
+        .shuffle(16, seed=seed).enumerate()
+        .map(image_fns.INCEPTION, num_parallel_calls=2, workers="processes")
+        .prefetch(2)
+    )
+    outputs, errors = _run(unbatched)
+    assert len(outputs) == 48 - len(bad)
+    origins = [element_origin(error) for error in errors]
+    assert sorted(origins) == sorted(bad)  # type: ignore[type-var]
+    for error, origin in zip(errors, origins, strict=True):
+        assert origin is not None and _named(origin, " ".join(error.__notes__))
+
+
+def test_an_autotune_interleave_keeps_origins_across_its_switch_to_threads(
+    tmp_path: Path,
+) -> None:
+    """AUTOTUNE starts sequential and wraps every open slot in a read-ahead when its
+    pulls wait (forced here mid-slot): origins before and after the switch are exact."""
+    rng = np.random.default_rng(5)
+    paths, content = _bad_jpeg_shards(tmp_path, 3, 10, rng)
+    content[0][7] = content[0][7][:100]  # after the switch, in a slot opened before it
+    content[2][1] = content[2][1][:100]  # before it
+    paths = _write(tmp_path, content)
+    _, bad = _expected(paths, content, image_fns.op_decode_jpeg)
+    for parallel in (None, 2):
+        ds = hr.Dataset.from_tensor_slices(paths).interleave(
+            hr.TFRecordDataset, cycle_length=3, num_parallel_calls=hr.AUTOTUNE
+        ).map(image_fns.op_decode_jpeg, num_parallel_calls=parallel)
+        outputs, errors = [], []
+        with iter(ds) as iterator:
+            (interleave,) = [it for it in iterator._tree.walk() if it.stage == "interleave"]
+            for step in range(40):
+                if step == 9:
+                    assert not interleave.threaded
+                    interleave._start_threads()
+                try:
+                    outputs.append(next(iterator))
+                except StopIteration:
+                    break
+                except hi.InvalidImageError as error:
+                    errors.append(error)
+        assert interleave.threaded
+        assert len(outputs) + len(errors) == 30
+        assert sorted(element_origin(e) for e in errors) == sorted(bad)  # type: ignore[type-var]
 
 
 def test_inception_crop_after_enumerate_names_the_record(tmp_path: Path) -> None:

@@ -81,6 +81,10 @@ class RecordReader(Protocol):
     log: OriginLog | None
     log_serial: int
 
+    def attach_log(self, log: OriginLog, serial: int) -> None:
+        """Log from the next record served on, numbered ``serial`` (origins asked for
+        while the file was open: an interleave's slot that starts reading ahead)."""
+
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         """The next record and its booking on ``account`` (none when the reader keeps
         the booking of what it read ahead), or None at the end of the file."""
@@ -163,6 +167,9 @@ class TextLineReader:
 
     def close(self) -> None:
         self._buffer, self._position = b"", 0
+
+    def attach_log(self, log: OriginLog, serial: int) -> None:
+        self.log, self.log_serial, self.lines = log, serial, 0
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         """The next line; one longer than the read buffer (gathered from several reads:
@@ -415,14 +422,19 @@ class OriginLog:
         self.spans.append((serial, offset, lengths, framing))
 
     def find(self, serial: int) -> tuple[int, int, int] | None:
-        """(file index, record index, byte offset) of record ``serial``, where known."""
-        at = bisect.bisect_right(self.files, serial, key=lambda entry: entry[0]) - 1
+        """(file index, record index, byte offset) of record ``serial``, where known.
+
+        Asked on failure only, maybe while a read-ahead thread (a prefetch above the
+        source) appends: both are copied first (in C, under the GIL), since a deque
+        mutated while Python code iterates it raises."""
+        files, spans = list(self.files), tuple(self.spans)
+        at = bisect.bisect_right(files, serial, key=lambda entry: entry[0]) - 1
         if at < 0:
             return None
-        first_serial, file_index, first_record = self.files[at]
+        first_serial, file_index, first_record = files[at]
         if first_record < 0:
             return None
-        for start, offset, lengths, framing in reversed(self.spans):
+        for start, offset, lengths, framing in reversed(spans):
             if start > serial:
                 continue
             position = serial - start
@@ -510,8 +522,13 @@ class _FileRecordsIterator(Iterator):
         """With ``tokens``, keep an :class:`OriginLog`: a token is then the count of
         records served (an attribute read), and the log says where each came from."""
         if tokens and self.log is None:
-            # (a map asks as the pipeline starts; a file opened before has no log)
             self.log = OriginLog()
+            if self.reader is not None:  # asked with a file open (an interleave's slot
+                # that starts reading ahead): logged from its next record on
+                self.log.opened(
+                    self.served, self.file_index, self.record if self.record_known else -1
+                )
+                self.reader.attach_log(self.log, self.served)
         return True
 
     def origin_token(self) -> int:
