@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from headrace.core.iterator import Context, Iterator
+from headrace.core.iterator import BatchToken, Context, Iterator
 from headrace.core.node import UNKNOWN, Node
 from headrace.core.state import StateReader
 from headrace.errors import (
@@ -188,7 +188,9 @@ class TextLineReader:
     def read_batch(self, max_records: int, max_bytes: int = 1 << 62) -> list[bytes]:
         lines: list[bytes] = []
         total = 0
+        log = self.log
         while len(lines) < max_records and (not lines or total < max_bytes):
+            offset = self._offset
             try:
                 line = self.read_record()
             except RecordTooLargeError:
@@ -199,6 +201,9 @@ class TextLineReader:
                 break
             lines.append(line)
             total += len(line)
+            if log is not None:  # (a batch's rows: their origins)
+                log.span(self.log_serial + self.lines, offset, None, 0)
+                self.lines += 1
         return lines
 
     def read_record(self) -> bytes | None:
@@ -370,9 +375,24 @@ class _RecordBatches(Iterator):
         self.records = inner
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
         self.account = account
+        self.last = range(0)  # the source's tokens of the records of the last batch
+
+    def origin(self) -> Origin | None:
+        return self.origin_of(self.origin_token())
+
+    def origin_token(self) -> BatchToken:
+        return BatchToken(self.records.origin_of, self.last)
+
+    def origin_of(self, token: Any) -> Origin | None:
+        return token.origin() if isinstance(token, BatchToken) else None
+
+    def track_origins(self, tokens: bool = True) -> bool:
+        return self.records.track_origins(True)  # a batch's rows: the log says where
 
     def pull(self) -> tuple[Any, Reservation]:
+        served = self.records.served
         records, booked = self.records.read_many(self.batch_size, self.account)
+        self.last = range(served + 1, self.records.served + 1)  # (tokens count from 1)
         if not records or (self.drop_remainder and len(records) < self.batch_size):
             booked.release()
             raise StopIteration

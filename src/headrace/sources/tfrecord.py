@@ -197,7 +197,17 @@ class _TFRecordReaderAdapter:
             self.served += len(records)
             return records
         self.release()
-        return self.reader.read_batch(max_records, max_bytes)
+        if self.log is None:
+            return self.reader.read_batch(max_records, max_bytes)
+        offset, skipped = self.reader.next_offset, self.reader.skipped_records
+        records = self.reader.read_batch(max_records, max_bytes)
+        if self.reader.skipped_records != skipped:
+            self.skipped_any = True
+        if records:  # a batch's rows: where each came from
+            self.log.span(self.log_serial + self.read_count, -1 if self.skipped_any else offset,
+                          list(map(len, records)), RECORD_OVERHEAD_BYTES)
+            self.read_count += len(records)
+        return records
 
     def next_length(self) -> int | None:
         if self.served < len(self.ahead):
