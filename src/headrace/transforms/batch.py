@@ -281,7 +281,8 @@ class _BatchIterator(Assembler):
         first_index = self.position
         self.position += 1
         probe = self.probe
-        tokens = None if probe is None else [probe[0]()]
+        take = None if probe is None else probe[0]  # (bound once: it runs per row)
+        tokens = None if take is None else [take()]
         structure = first
         single = not isinstance(first, (dict, tuple))
         leaves = [first] if single else flatten(first)
@@ -327,7 +328,7 @@ class _BatchIterator(Assembler):
                     break
                 self.position += 1
                 if tokens is not None:
-                    tokens.append(probe[0]())  # type: ignore[index]
+                    tokens.append(take())  # type: ignore[misc]
                 leaves = [element] if single else flatten(element)
                 if failure is None and len(leaves) != len(columns):
                     failure = ElementSpecError(

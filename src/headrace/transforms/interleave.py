@@ -39,6 +39,13 @@ so that AUTOTUNE's switch to threads changes no order around errors either. The
 next call continues with the same slot. An error from the input or from
 ``map_func`` drops that input element; the next call pulls the next one.
 
+Origins. Once a stage above asks for them (a map), each element's origin is its
+slot's: asked of the inner pipeline where slots are read in turn, and of the
+slot's read-ahead where a thread reads it (that one takes the inner pipeline's
+token right after each pull and hands it out with the element), so a failing
+element names its file and record in either mode, across AUTOTUNE's switch, and in
+any order (``deterministic=False``). Slots in worker processes name none yet.
+
 Resuming. The state keeps, per open slot, the input's state just before that
 slot's input element, plus the inner iterator's state: restoring re-reads the
 input element (a filename, typically) and resumes the inner iterator.
