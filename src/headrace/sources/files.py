@@ -454,18 +454,19 @@ class OriginLog:
         first_serial, file_index, first_record = files[at]
         if first_record < 0:
             return None
-        for start, offset, lengths, framing in reversed(spans):
-            if start > serial:
-                continue
-            position = serial - start
-            if offset < 0 or (lengths is None and position) or (
-                lengths is not None and position >= len(lengths)
-            ):
-                return None
-            if lengths is not None:
-                offset += sum(lengths[:position]) + framing * position
-            return file_index, first_record + serial - first_serial, offset
-        return None
+        # the last span starting at or before it (spans are appended in serial order)
+        at = bisect.bisect_right(spans, serial, key=lambda entry: entry[0]) - 1
+        if at < 0:
+            return None
+        start, offset, lengths, framing = spans[at]
+        position = serial - start
+        if offset < 0 or (lengths is None and position) or (
+            lengths is not None and position >= len(lengths)
+        ):
+            return None
+        if lengths is not None:
+            offset += sum(lengths[:position]) + framing * position
+        return file_index, first_record + serial - first_serial, offset
 
 
 class _FileRecordsIterator(Iterator):
