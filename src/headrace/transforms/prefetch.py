@@ -300,10 +300,8 @@ class PrefetchIterator(Iterator):
         self.taken: deque[Handoff] = deque()  # taken from the producer's queue at once
         self.current: Handoff | None = None  # the chunk being handed out
         self.state_at_start = inner.get_state()  # before the first chunk
-        #: The input's ``origin_probe``, once a stage above asks for origins, and the
-        #: token of the element handed out last.
+        #: The input's ``origin_probe``, once a stage above asks for origins.
         self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
-        self.last_token: Any = None
 
     def start(self) -> _Producer:
         """Start producing now (parallel interleave reads its slots ahead)."""
@@ -332,16 +330,17 @@ class PrefetchIterator(Iterator):
             chunk = self.current = self.taken.popleft()
         assert self.producer is not None
         self.producer.outstanding -= 1
-        tokens = chunk.tokens
-        if tokens is not None:
-            self.last_token = tokens[chunk.taken]
         return chunk.take()  # raises the input's error at its position
 
     def origin(self) -> Origin | None:
-        return self.origin_of(self.last_token)
+        return self.origin_of(self.origin_token())
 
     def origin_token(self) -> Any:
-        return self.last_token
+        """The token of the element handed out last: read from its chunk when asked,
+        so that handing elements out costs nothing more."""
+        chunk = self.current
+        tokens = None if chunk is None else chunk.tokens
+        return None if tokens is None or not chunk.taken else tokens[chunk.taken - 1]  # type: ignore[union-attr]
 
     def origin_of(self, token: Any) -> Origin | None:
         probe = self.probe
