@@ -15,6 +15,14 @@ until its function raises).
 3. the same with ``shuffle(1000)`` before the map (its buffer keeps a token per element)
 4. ``from_tensor_slices`` of 200,000 rows -> ``shuffle`` -> ``map(2 threads)``
    (an index-gathering source: the origin is the row's index)
+5. ``TFRecordDataset -> prefetch(64) -> map(len)``, sequential and on 2 threads (the
+   read-ahead thread takes a token per element and hands it out with it)
+6. the same records in 4 files -> ``interleave(cycle_length=2, num_parallel_calls=2)``
+   -> ``map(len)`` (each slot's read-ahead keeps tokens)
+7. ``TFRecordDataset -> shuffle(1000) -> batch(64) -> unbatch -> map(len)`` (the batch
+   keeps its rows' tokens, the unbatch one per batch)
+8. ``TFRecordDataset -> prefetch(64) -> batch(64)``: nothing asks for origins, so
+   nothing may be paid
 """
 
 from __future__ import annotations
@@ -35,7 +43,14 @@ SCENARIOS = {
     "tfrecord-map-seq": "TFRecordDataset -> map(len)",
     "tfrecord-shuffle-map-seq": "TFRecordDataset -> shuffle(1000) -> map(len)",
     "slices-shuffle-map-threads": "from_tensor_slices -> shuffle -> map(2 threads)",
+    "tfrecord-prefetch-map-seq": "TFRecordDataset -> prefetch(64) -> map(len)",
+    "tfrecord-prefetch-map-threads": "TFRecordDataset -> prefetch(64) -> map(len, 2 threads)",
+    "interleave-threads-map-seq": "4 files -> interleave(2 threads) -> map(len)",
+    "tfrecord-shuffle-batch-unbatch-map-seq":
+        "TFRecordDataset -> shuffle(1000) -> batch(64) -> unbatch -> map(len)",
+    "tfrecord-prefetch-batch-no-origins": "TFRecordDataset -> prefetch(64) -> batch(64) (no map)",
 }
+PARTS = 4
 
 
 def child(scenario: str, path: str) -> dict[str, float]:
@@ -43,12 +58,24 @@ def child(scenario: str, path: str) -> dict[str, float]:
 
     import headrace as hr
 
-    if scenario.startswith("tfrecord"):
+    parallel = 2 if scenario.endswith("threads") else None
+    if scenario.startswith("interleave"):
+        parts = [f"{path}.part{i}" for i in range(PARTS)]
+        ds = hr.Dataset.from_tensor_slices(parts).interleave(
+            hr.TFRecordDataset, cycle_length=2, num_parallel_calls=2
+        ).map(len, num_parallel_calls=parallel)
+    elif scenario.startswith("tfrecord"):
         ds = hr.TFRecordDataset(path)
         if "shuffle" in scenario:
             ds = ds.shuffle(1000, seed=1)
-        parallel = 2 if scenario.endswith("threads") else None
-        ds = ds.map(len, num_parallel_calls=parallel)
+        if "prefetch" in scenario:
+            ds = ds.prefetch(64)
+        if "batch" in scenario:
+            ds = ds.batch(64)
+        if "unbatch" in scenario:
+            ds = ds.unbatch()
+        if "no-origins" not in scenario:
+            ds = ds.map(len, num_parallel_calls=parallel)
     else:
         ds = hr.Dataset.from_tensor_slices(np.arange(RECORDS)).shuffle(1000, seed=1).map(
             lambda x: x + 1, num_parallel_calls=2)
@@ -56,8 +83,8 @@ def child(scenario: str, path: str) -> dict[str, float]:
     for _ in ds.take(1000):  # warm-up: imports, thread start, chunk size
         pass
     before, started = time.process_time(), time.perf_counter()  # (every thread's CPU)
-    for _ in ds:
-        count += 1
+    for element in ds:
+        count += len(element) if "no-origins" in scenario else 1
     wall = time.perf_counter() - started
     cpu = time.process_time() - before
     return {"us_cpu_per_element": 1e6 * cpu / count, "k_elements_per_s": count / wall / 1e3}
@@ -69,6 +96,7 @@ def main() -> None:
     parser.add_argument("--after", required=True)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--child", nargs=2)
+    parser.add_argument("--only", nargs="*", help="scenario names (default: all)")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
@@ -79,8 +107,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "records.tfrecord")
         write_tfrecord(path, (b"r" * 100 for _ in range(RECORDS)))
+        for part in range(PARTS):
+            write_tfrecord(f"{path}.part{part}", (b"r" * 100 for _ in range(RECORDS // PARTS)))
         results: dict[str, dict[str, list[dict[str, float]]]] = {}
-        for scenario in SCENARIOS:
+        for scenario in args.only or SCENARIOS:
             for _ in range(args.rounds):
                 for side, tree in (("before", args.before), ("after", args.after)):
                     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}

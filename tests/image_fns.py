@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 import headrace.image as hi
+from headrace.errors import mark_batch_row
 
 SEED = 1234
 
@@ -110,3 +111,27 @@ PROVENANCE_OPS = {
     "decode_and_crop_jpeg": op_decode_and_crop,
     "random_resized_crop": op_random_resized_crop,
 }
+
+
+class BatchedOp:
+    """One of the decodes above over a whole batch of encoded images, as a user's batched
+    function is written: a loop over the rows. On a failing row it says which
+    (``mark``: :func:`headrace.errors.mark_batch_row`, so the map names that row's
+    record) and, for the test, which bytes failed (``failed_record``). Picklable, for
+    worker processes."""
+
+    def __init__(self, op_name: str, mark: bool) -> None:
+        self.op_name, self.mark = op_name, mark
+
+    def __call__(self, records: Any) -> np.ndarray:
+        op = PROVENANCE_OPS[self.op_name]
+        out = []
+        for row, record in enumerate(records):
+            try:
+                out.append(op(record))
+            except ValueError as error:
+                error.failed_record = record  # type: ignore[attr-defined]
+                if self.mark:
+                    mark_batch_row(error, row)
+                raise
+        return np.asarray([image.size for image in out], np.int64)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
@@ -155,7 +155,10 @@ def _named(origin: Origin, text: str) -> bool:
 @given(content=shards(), op_name=st.sampled_from(sorted(PROVENANCE_OPS)),
        parallel=st.sampled_from([None, 1, 3]), native=st.booleans(),
        between=st.sampled_from(
-           ["nothing", "pass-through stages", "shuffle", "interleave", "interleave+shuffle"]),
+           ["nothing", "pass-through stages", "shuffle", "interleave", "interleave+shuffle",
+            "prefetch", "threaded interleave", "threaded interleave, any order",
+            "threaded interleave+shuffle+prefetch", "batch, unbatch", "shuffle, batch, unbatch",
+            "threaded interleave, any order+batch, prefetch, unbatch"]),
        seed=st.integers(0, 1000))
 def test_bad_images_in_shards_name_file_record_and_offset(
     tmp_path_factory: pytest.TempPathFactory, content: list[list[bytes]], op_name: str,
@@ -169,18 +172,254 @@ def test_bad_images_in_shards_name_file_record_and_offset(
             if between.startswith("interleave"):  # files read in turn, as in the README
                 ds = hr.Dataset.from_tensor_slices(paths).interleave(
                     hr.TFRecordDataset, cycle_length=2, block_length=2)
+            elif between.startswith("threaded interleave"):  # slots read ahead on threads
+                ds = hr.Dataset.from_tensor_slices(paths).interleave(
+                    hr.TFRecordDataset, cycle_length=2, block_length=2, num_parallel_calls=2,
+                    deterministic="any order" not in between)
             else:
                 ds = hr.TFRecordDataset(paths)
             if between == "pass-through stages":
                 ds = ds.filter(lambda r: len(r) > 0).take(10_000)
-            elif between.endswith("shuffle"):  # a buffer keeps each record's origin token
+            elif "shuffle" in between:  # a buffer keeps each record's origin token
                 ds = ds.shuffle(5, seed=seed)
+            if "batch" in between:  # rows' origins: their batch's rows'
+                ds = ds.batch(1 + seed % 4)
+            if "prefetch" in between:  # a thread reads ahead of the map
+                ds = ds.prefetch(1 + seed % 4)
+            if "unbatch" in between:
+                ds = ds.unbatch()
             ds = ds.map(op, num_parallel_calls=parallel)
             return ds.ignore_errors(log_warning=True) if ignore else ds
 
-        _check(paths, content, op, ds_of, ordered=between in ("nothing", "pass-through stages"))
+        _check(paths, content, op, ds_of,
+               ordered=between in ("nothing", "pass-through stages", "prefetch", "batch, unbatch"))
     finally:
         set_native_enabled(before)
+
+
+def _where(paths: list[str], content: list[list[bytes]]) -> dict[bytes, Origin]:
+    """Each record's origin, by its bytes (the generator's records are distinct)."""
+    where = {}
+    for path, records in zip(paths, content, strict=True):
+        offset = 0
+        for number, record in enumerate(records):
+            where[record] = Origin(path, number, offset)
+            offset += len(record) + _OVERHEAD
+    return where
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(content=shards(), op_name=st.sampled_from(sorted(PROVENANCE_OPS)),
+       parallel=st.sampled_from([None, 2, "processes"]), mark=st.booleans(),
+       before=st.sampled_from(["file", "shuffle", "prefetch", "threaded interleave, any order",
+                               "threaded interleave+shuffle"]),
+       batch_size=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_a_map_over_a_batch_names_the_batchs_records_or_the_failing_rows(
+    tmp_path_factory: pytest.TempPathFactory, content: list[list[bytes]], op_name: str,
+    parallel: int | str | None, mark: bool, before: str, batch_size: int, seed: int,
+) -> None:
+    """A function over a whole batch that fails: the origin is the batch's, every row's
+    record in row order (consecutive ones read "records a-b of file X"); where the
+    function says which row failed (``mark_batch_row``), exactly that row's record."""
+    records = [record for shard in content for record in shard]
+    assume(len(set(records)) == len(records))
+    paths = _write(tmp_path_factory.mktemp("shards"), content)
+    where = _where(paths, content)
+    op = PROVENANCE_OPS[op_name]
+    bad = {record for record in records if _fails(op, record)}
+    if before.startswith("threaded interleave"):
+        ds = hr.Dataset.from_tensor_slices(paths).interleave(
+            hr.TFRecordDataset, cycle_length=2, num_parallel_calls=2,
+            deterministic="any order" not in before)
+    else:
+        ds = hr.TFRecordDataset(paths)
+    if "shuffle" in before:
+        ds = ds.shuffle(4, seed=seed)
+    if before == "prefetch":
+        ds = ds.prefetch(2)
+    batched = image_fns.BatchedOp(op_name, mark)
+    ds = ds.batch(batch_size)
+    ds = ds.map(batched) if parallel is None else ds.map(
+        batched, num_parallel_calls=2, workers="processes" if parallel == "processes" else "threads")
+    outputs, errors = _run(ds, ValueError)
+    rows_out = sum(len(output) for output in outputs)
+    named: set[bytes] = set()
+    for error in errors:
+        failed = error.failed_record  # type: ignore[attr-defined]
+        assert failed in bad
+        origin = element_origin(error)
+        notes = " ".join(error.__notes__)
+        assert origin is not None, notes
+        if mark:
+            assert origin == where[failed]
+            assert re.search(rf"row \d+ of a batch of \d+, {re.escape(str(origin))}", notes)
+        else:
+            assert where[failed] in origin.rows and len(origin.rows) == origin.span
+            assert str(origin) in notes
+            ordered = before in ("file", "prefetch")
+            if ordered:  # a slice of the records in file order, named as one range per file
+                start = records.index(next(r for r in records if where[r] == origin.rows[0]))
+                assert [where[r] for r in records[start:start + origin.span]] == list(origin.rows)
+                if len({row.path for row in origin.rows}) == 1:
+                    assert f"records {origin.record}-{origin.record + origin.span - 1}" in notes \
+                        or origin.span == 1
+            assert not named & {r for r in records if where[r] in origin.rows}
+            named |= {r for r in records if where[r] in origin.rows}
+    if not mark:  # the failed batches' rows and the delivered ones: every record, once
+        assert bad <= named
+        assert rows_out + len(named) == len(records)
+    else:
+        assert rows_out + len(errors) * batch_size >= len(records) - len(bad)
+
+
+def _fails(op: Any, record: bytes) -> bool:
+    try:
+        op(record)
+    except ValueError:
+        return True
+    return False
+
+
+def _bad_jpeg_shards(tmp: Path, shards: int, per_shard: int, rng: np.random.Generator) -> tuple[
+    list[str], list[list[bytes]]
+]:
+    """``shards`` shards of small JPEGs, one to three of them corrupt at random places
+    (cut inside their headers: any decode of any crop window fails)."""
+    content = [[image_fns.jpeg(20, 24, seed=100 * s + i) for i in range(per_shard)]
+               for s in range(shards)]
+    for _ in range(int(rng.integers(1, 4))):
+        shard, record = int(rng.integers(shards)), int(rng.integers(per_shard))
+        content[shard][record] = content[shard][record][: int(rng.integers(30, 150))]
+    return _write(tmp, content), content
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_readme_image_pipeline_names_the_corrupt_jpegs_record(
+    tmp_path: Path, seed: int
+) -> None:
+    """The README's worked example, exactly its shape: TFRecords of JPEGs -> interleave
+    with read-ahead threads -> shuffle -> InceptionCrop in worker processes -> batch ->
+    prefetch. A corrupt JPEG's error names its file, record and byte offset, though the
+    slots' threads read ahead of the shuffle, the shuffle reorders and a process decodes."""
+    rng = np.random.default_rng(seed)
+    paths, content = _bad_jpeg_shards(tmp_path, 4, 12, rng)
+    _, bad = _expected(paths, content, lambda r: image_fns.INCEPTION(0, r))
+    assert bad
+    files = hr.Dataset.list_files(str(tmp_path / "*.tfrecord"), shuffle=False)
+    pipeline = (
+        files.interleave(hr.TFRecordDataset, cycle_length=2, num_parallel_calls=2,
+                         deterministic=bool(seed % 2))
+        .shuffle(16, seed=seed)
+        .enumerate()
+        .map(image_fns.INCEPTION, num_parallel_calls=2, workers="processes")
+        .ignore_errors(log_warning=True)  # (the training loop goes on past a bad image)
+        .batch(8)
+        .prefetch(2)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches, errors = _run(pipeline)
+    assert not errors
+    assert sum(len(b) for b in batches) == 48 - len(bad)
+    dropped = [str(w.message) for w in caught if "ignore_errors" in str(w.message)]
+    assert sorted(bad) == sorted(o for o in bad for m in dropped if _named(o, m))
+    # and raised, not dropped: element_origin says it, the note too
+    unbatched = (
+        files.interleave(hr.TFRecordDataset, cycle_length=2, num_parallel_calls=2,
+                         deterministic=bool(seed % 2))
+        .shuffle(16, seed=seed).enumerate()
+        .map(image_fns.INCEPTION, num_parallel_calls=2, workers="processes")
+        .prefetch(2)
+    )
+    outputs, errors = _run(unbatched)
+    assert len(outputs) == 48 - len(bad)
+    origins = [element_origin(error) for error in errors]
+    assert sorted(origins) == sorted(bad)  # type: ignore[type-var]
+    for error, origin in zip(errors, origins, strict=True):
+        assert origin is not None and _named(origin, " ".join(error.__notes__))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_readme_pipeline_with_a_columnar_parse_names_each_bad_record(
+    tmp_path: Path, seed: int
+) -> None:
+    """The README's example as written: Examples of JPEGs -> auto_shard -> interleave
+    with threads -> shuffle -> batch(16).parse_examples(spec).unbatch() -> enumerate ->
+    InceptionCrop in processes -> batch -> prefetch. A corrupt JPEG names its Example's
+    record through the batch, the parse and the unbatch; a record that is no Example
+    makes the columnar parse fail on its batch, and the error names that record (the
+    parser says which row), not only the batch."""
+    from headrace.io.example import FixedLenFeature, serialize_example
+
+    rng = np.random.default_rng(seed)
+    content = [[serialize_example({"image": image_fns.jpeg(20, 24, seed=100 * s + i),
+                                   "label": np.int64(i)}) for i in range(12)]
+               for s in range(4)]
+    jpeg_at = (int(rng.integers(4)), int(rng.integers(12)))
+    content[jpeg_at[0]][jpeg_at[1]] = serialize_example(
+        {"image": image_fns.jpeg(20, 24, seed=1)[:100], "label": np.int64(0)})
+    while (junk_at := (int(rng.integers(4)), int(rng.integers(12)))) == jpeg_at:
+        pass
+    content[junk_at[0]][junk_at[1]] = b"\x0a\xff\xff not an Example"
+    paths = _write(tmp_path, content)
+    where = _where(paths, content)
+    features = {"image": FixedLenFeature((), bytes), "label": FixedLenFeature((), np.int64)}
+    files = hr.Dataset.list_files(str(tmp_path / "*.tfrecord"), shuffle=False)
+    records = files.interleave(hr.TFRecordDataset, cycle_length=2, num_parallel_calls=2)
+    pipeline = (
+        hr.auto_shard(records, num_shards=1, index=0)
+        .shuffle(32, seed=seed)
+        .batch(16).parse_examples(features).unbatch()
+        .enumerate()
+        .map(image_fns.INCEPTION, num_parallel_calls=2, workers="processes")
+        .prefetch(2)
+    )
+    outputs, errors = _run(pipeline, ValueError)
+    by_type = {type(error).__name__: error for error in errors}
+    assert sorted(by_type) == ["InvalidImageError", "ParseError"], errors
+    bad_jpeg, bad_example = by_type["InvalidImageError"], by_type["ParseError"]
+    assert element_origin(bad_jpeg) == where[content[jpeg_at[0]][jpeg_at[1]]]
+    assert element_origin(bad_example) == where[content[junk_at[0]][junk_at[1]]]
+    for error in errors:
+        assert _named(element_origin(error), " ".join(error.__notes__))  # type: ignore[arg-type]
+    assert re.search(r"raised in parse_examples on element \d+, row \d+ of a batch of 16, ",
+                     " ".join(bad_example.__notes__))
+    # the batch that failed to parse is lost whole (its other 15 rows too), nothing else
+    assert len(outputs) == 48 - 16 - 1 or len(outputs) == 48 - 16  # (the JPEG may share it)
+
+
+def test_an_autotune_interleave_keeps_origins_across_its_switch_to_threads(
+    tmp_path: Path,
+) -> None:
+    """AUTOTUNE starts sequential and wraps every open slot in a read-ahead when its
+    pulls wait (forced here mid-slot): origins before and after the switch are exact."""
+    rng = np.random.default_rng(5)
+    paths, content = _bad_jpeg_shards(tmp_path, 3, 10, rng)
+    content[0][7] = content[0][7][:100]  # after the switch, in a slot opened before it
+    content[2][1] = content[2][1][:100]  # before it
+    paths = _write(tmp_path, content)
+    _, bad = _expected(paths, content, image_fns.op_decode_jpeg)
+    for parallel in (None, 2):
+        ds = hr.Dataset.from_tensor_slices(paths).interleave(
+            hr.TFRecordDataset, cycle_length=3, num_parallel_calls=hr.AUTOTUNE
+        ).map(image_fns.op_decode_jpeg, num_parallel_calls=parallel)
+        outputs, errors = [], []
+        with iter(ds) as iterator:
+            (interleave,) = [it for it in iterator._tree.walk() if it.stage == "interleave"]
+            for step in range(40):
+                if step == 9:
+                    assert not interleave.threaded
+                    interleave._start_threads()
+                try:
+                    outputs.append(next(iterator))
+                except StopIteration:
+                    break
+                except hi.InvalidImageError as error:
+                    errors.append(error)
+        assert interleave.threaded
+        assert len(outputs) + len(errors) == 30
+        assert sorted(element_origin(e) for e in errors) == sorted(bad)  # type: ignore[type-var]
 
 
 def test_inception_crop_after_enumerate_names_the_record(tmp_path: Path) -> None:
@@ -338,3 +577,59 @@ def test_windowed_decode_errors_name_their_op_on_both_paths(native: bool) -> Non
             hi.decode_and_crop_jpeg(lying, [0, 0, 2, 2], channels=2)
     finally:
         set_native_enabled(before)
+
+
+def test_batched_origins_of_arrays_text_lines_and_shuffled_indices(tmp_path: Path) -> None:
+    """Each batching route keeps its rows' origins: a slice or a gather of a random-access
+    source (its indices), a file source's batch read at once, an assembled batch."""
+    def fails_on_six(batch: Any) -> Any:
+        rows = np.asarray(batch).tolist()
+        if 6 in rows:
+            error = ValueError("six")
+            error.rows = rows  # type: ignore[attr-defined]
+            raise error
+        return batch
+
+    values = np.arange(10)
+    for ds in (hr.Dataset.from_tensor_slices(values).batch(4),  # a slice per batch
+               hr.Dataset.from_tensor_slices(values).shuffle(10, seed=3).batch(4),  # a gather
+               hr.Dataset.from_tensor_slices(values).filter(lambda v: v >= 0).batch(4)):
+        outputs, errors = image_fns.drain(ds.map(fails_on_six), ValueError)
+        (error,) = errors
+        origin = element_origin(error)
+        assert origin is not None
+        failed_batch = error.rows  # type: ignore[attr-defined]
+        assert [row.record for row in origin.rows] == failed_batch  # the indices, row order
+        assert origin.span == len(failed_batch) and origin.path is None
+        if origin.consecutive:
+            assert f"elements {failed_batch[0]}-{failed_batch[-1]} of the source" in str(origin)
+        else:
+            assert str(origin).startswith(f"a batch of {origin.span} records: element ")
+    path = tmp_path / "lines.txt"
+    path.write_bytes(b"1\n22\nx\n4\n")
+    lines = hr.TextLineDataset(str(path))
+
+    def to_int(line: bytes) -> int:
+        return int(line)
+
+    _, errors = image_fns.drain(lines.batch(3).map(lambda b: [int(v) for v in b]), ValueError)
+    assert element_origin(errors[0]) == Origin.of_rows(
+        [Origin(str(path), 0, 0), Origin(str(path), 1, 2), Origin(str(path), 2, 5)])
+    assert "records 0-2 (from byte offset 0) of file" in " ".join(errors[0].__notes__)
+    outputs, errors = image_fns.drain(lines.batch(3).unbatch().map(to_int), ValueError)
+    assert outputs == [1, 22, 4]
+    assert element_origin(errors[0]) == Origin(str(path), 2, 5)
+
+
+def test_mark_batch_row_reads_the_parsers_record_index() -> None:
+    from headrace.errors import mark_batch_row
+
+    error = mark_batch_row(ValueError("feature 'x' in record 12 of the batch has 2 values"))
+    assert error.headrace_batch_row == 12  # type: ignore[attr-defined]
+    assert not hasattr(mark_batch_row(ValueError("no row named")), "headrace_batch_row")
+    rows = [Origin("f", 3, 30), Origin("g", 0, 0)]
+    noted = hr.errors.note_element_error(mark_batch_row(KeyError("k"), 1), "map(f)", 7,
+                                         Origin.of_rows(rows))
+    assert element_origin(noted) == rows[1]
+    assert noted.__notes__ == ["headrace: raised in map(f) on element 7, row 1 of a batch of 2, "
+                               "record 0 (at byte offset 0) of file g"]

@@ -47,6 +47,8 @@ and the next ``next()`` continues with the following element, as in tf.data.
 from __future__ import annotations
 
 import contextlib
+import re
+from collections.abc import Sequence
 from typing import NamedTuple
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "WorkerError",
     "add_note",
     "element_origin",
+    "mark_batch_row",
     "note_element_error",
 ]
 
@@ -155,9 +158,17 @@ class Origin(NamedTuple):
     TFRecords) says it through :meth:`headrace.core.Iterator.origin`; a stage whose
     user function fails on an element names it in the error's note, and
     :func:`element_origin` returns it. ``path`` is None for an in-memory source
-    (``record`` is then the element's index in it); ``span`` > 1 for a batch of
-    consecutive records (``record`` and ``offset`` are its first's); ``offset`` counts
-    decompressed bytes where ``compressed``.
+    (``record`` is then the element's index in it); ``offset`` counts decompressed
+    bytes where ``compressed``.
+
+    A batched element (``batch``, then a map over the batch) has ``span`` records:
+    ``rows`` holds each row's origin, in row order, and ``path``, ``record`` and
+    ``offset`` are its first row's (see :meth:`of_rows`). Rows that are consecutive
+    records of one file read "records 40-71 (from byte offset 2600) of file X";
+    others (a shuffle before the batch) name the first few rows and count the rest.
+    A function that fails on one row of the batch and says which
+    (:func:`mark_batch_row`: ``parse_examples``, ``InceptionCrop.batch``) gets that
+    row's own origin.
     """
 
     path: str | None
@@ -165,8 +176,30 @@ class Origin(NamedTuple):
     offset: int | None = None
     span: int = 1
     compressed: bool = False
+    rows: tuple[Origin, ...] = ()
+
+    @classmethod
+    def of_rows(cls, rows: Sequence[Origin]) -> Origin:
+        """The origin of a batch whose rows came from ``rows`` (at least one)."""
+        first = rows[0]
+        return cls(first.path, first.record, first.offset, len(rows), first.compressed,
+                   tuple(rows))
+
+    @property
+    def consecutive(self) -> bool:
+        """Whether the element's records follow each other in one file (or source)."""
+        first = self.rows[0] if self.rows else self
+        return all(
+            row.path == first.path and row.record == first.record + at and row.span == 1
+            for at, row in enumerate(self.rows)
+        )
 
     def __str__(self) -> str:
+        if not self.consecutive:
+            shown = ", ".join(str(row) for row in self.rows[:_ROWS_NAMED])
+            more = len(self.rows) - _ROWS_NAMED
+            return f"a batch of {self.span} records: {shown}" + (
+                f" and {more} more" if more > 0 else "")
         last = self.record + self.span - 1
         if self.path is None:
             which = f"element {self.record}" if self.span == 1 else f"elements {self.record}-{last}"
@@ -177,6 +210,29 @@ class Origin(NamedTuple):
             at = "at" if self.span == 1 else "from"
             which += f" ({at} {unit} offset {self.offset})"
         return f"{which} of file {self.path}"
+
+
+#: Rows of a batch of scattered records named in its origin's text (the rest counted).
+_ROWS_NAMED = 3
+#: The attribute :func:`mark_batch_row` sets on an error.
+_BATCH_ROW = "headrace_batch_row"
+#: How headrace's batched parsers name the record that failed in their messages.
+_RECORD_OF_BATCH = re.compile(r"\brecord (\d+) of the batch\b")
+
+
+def mark_batch_row(error: BaseException, row: int | None = None) -> BaseException:
+    """Say that ``error``, raised by a function over a whole batch, is about row ``row``
+    of it (None: the row that headrace's batched parsers name in the message, as in
+    "record 3 of the batch", if any). A map over the batch then names that row's own
+    origin (file, record, offset), not the batch's. Returns ``error``."""
+    if row is None:
+        found = _RECORD_OF_BATCH.search(str(error))
+        if found is None:
+            return error
+        row = int(found.group(1))
+    with contextlib.suppress(AttributeError):
+        setattr(error, _BATCH_ROW, row)
+    return error
 
 
 def element_origin(error: BaseException) -> Origin | None:
@@ -195,7 +251,8 @@ def note_element_error(
     The index counts from 0 the elements of the stage's input (for a source, the
     elements it produced), since the start of the iteration, checkpoints included.
     The origin is kept on the error too (:func:`element_origin`), for a program to
-    read rather than parse.
+    read rather than parse. Where the element is a batch and the error names its row
+    (:func:`mark_batch_row`), the origin is that row's.
 
     Returns the error to raise: ``error`` itself with a PEP 678 note added (its type
     and traceback stay the user's, so their ``except`` clauses keep working), or, for
@@ -204,6 +261,11 @@ def note_element_error(
     rest of the data (the same reason PEP 479 converts it in generators).
     """
     where = f"headrace: raised in {stage} on element {index}"
+    if origin is not None and origin.rows:
+        row = getattr(error, _BATCH_ROW, None)
+        if isinstance(row, int) and 0 <= row < len(origin.rows):
+            where += f", row {row} of a batch of {origin.span}"
+            origin = origin.rows[row]
     if origin is not None:
         where += f", {origin}"
     if isinstance(error, StopIteration):

@@ -120,10 +120,15 @@ class Handoff:
 
     ``errors`` maps a position to the exception raised there (its element slot
     holds ``None``, its reservation is empty). ``first_index`` is the index, in
-    the stage's input, of position 0 (for error notes and checkpoints).
+    the stage's input, of position 0 (for error notes and checkpoints). ``tokens``,
+    where a stage above asks for origins, holds each position's origin token
+    (:meth:`~headrace.core.iterator.Iterator.origin_token` of the input, taken by the
+    producer right after its pull: the input runs ahead of what is handed out).
     """
 
-    __slots__ = ("elements", "errors", "first_index", "reservations", "state_before", "taken")
+    __slots__ = (
+        "elements", "errors", "first_index", "reservations", "state_before", "taken", "tokens",
+    )
 
     def __init__(
         self,
@@ -134,8 +139,9 @@ class Handoff:
         first_index: int = 0,
         *,
         start: int = 0,
+        tokens: list[Any] | None = None,
     ) -> None:
-        self.elements, self.reservations = elements, reservations
+        self.elements, self.reservations, self.tokens = elements, reservations, tokens
         self.state_before, self.errors, self.first_index = state_before, errors, first_index
         # Positions handed out. ``start`` > 0: the chunk's first positions went out in an
         # earlier Handoff (an element that waited for room finishes its chunk alone).
@@ -159,14 +165,21 @@ class Handoff:
 
     @classmethod
     def finishing(
-        cls, element: Any, reservation: Reservation, state_before: dict[str, Any], position: int
+        cls,
+        element: Any,
+        reservation: Reservation,
+        state_before: dict[str, Any],
+        position: int,
+        token: Any = None,
     ) -> Handoff:
-        """Position ``position`` of a chunk whose earlier positions were handed on already."""
+        """Position ``position`` of a chunk whose earlier positions were handed on already
+        (``token``: its origin token, where origins are tracked)."""
         return cls(
             [None] * position + [element],
             [NO_RESERVATION] * position + [reservation],
             state_before,
             start=position,
+            tokens=None if token is None else [None] * position + [token],
         )
 
     def pending(self) -> int:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from headrace.core.iterator import Iterator
+from headrace.core.iterator import BatchToken, Iterator
 from headrace.core.stack import stack_elements
 from headrace.core.state import EPOCH, INNER, POSITION, PRODUCED, StateReader
 from headrace.errors import Origin
@@ -362,11 +362,24 @@ class GatherBatchIterator(_Gather):
         super().__init__(access, stream)
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
         self.get_many = access.get_many  # bound once: this runs per batch
+        self.last: Any = ()  # the indices of the batch returned last (for its origin)
 
     def pull(self) -> tuple[Any, Reservation]:
-        indices = take_all(self.stream, self.batch_size)
+        indices = self.last = take_all(self.stream, self.batch_size)
         count = len(indices)
         if count < self.batch_size and (count == 0 or self.drop_remainder):
             raise StopIteration
         return self.get_many(indices), NO_RESERVATION
+
+    def origin(self) -> Origin | None:
+        return self.origin_of(self.origin_token())
+
+    def origin_token(self) -> BatchToken:
+        return BatchToken(self._origin_at, self.last)
+
+    def origin_of(self, token: Any) -> Origin | None:
+        return token.origin() if isinstance(token, BatchToken) else None
+
+    def _origin_at(self, index: Any) -> Origin | None:
+        return self.access.origin(int(index))
 

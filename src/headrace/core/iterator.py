@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import copy
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from headrace.core.node import Node
     from headrace.io.filepool import FileLimiter
 
-__all__ = ["Context", "Iterator", "RunFacts", "origin_probe"]
+__all__ = ["BatchToken", "Context", "Iterator", "RunFacts", "origin_probe", "row_origin"]
 
 
 @dataclass
@@ -287,6 +287,40 @@ class Iterator:
         for child in self.inputs:
             out.extend(child.walk())
         return out
+
+
+class BatchToken(NamedTuple):
+    """The origin token of a batched element: one token per row (``tokens``, maybe a
+    ``range`` of a file source's serials or a batch's row indices) and the function
+    that makes one into an :class:`Origin`. Made per batch only where a stage above
+    asks for origins; read (:meth:`origin`, :func:`row_origin`) only on failure."""
+
+    origin_of: Callable[[Any], Origin | None]
+    tokens: Sequence[Any]
+
+    def origin(self) -> Origin | None:
+        """The batch's origin (every row's; None where any row's is unknown)."""
+        rows = []
+        for token in self.tokens:
+            row = self.origin_of(token)
+            if row is None:
+                return None
+            rows.append(row)
+        return Origin.of_rows(rows) if rows else None
+
+
+def row_origin(
+    token: Any, origin_of: Callable[[Any], Origin | None], row: int
+) -> Origin | None:
+    """The origin of row ``row`` of a batched element whose origin token is ``token``
+    (``origin_of`` turns the token into the batch's origin): exact where the token
+    is a batch's (:class:`BatchToken`), or its origin names its rows; else None."""
+    if isinstance(token, BatchToken):
+        return token.origin_of(token.tokens[row]) if 0 <= row < len(token.tokens) else None
+    origin = None if token is None else origin_of(token)
+    if origin is not None and 0 <= row < len(origin.rows):
+        return origin.rows[row]
+    return None
 
 
 def origin_probe(

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import InvalidArgumentError, add_note
+from headrace.errors import InvalidArgumentError, add_note, mark_batch_row
 from headrace.image._codec import (
     MAX_PIXELS,
     InvalidImageError,
@@ -496,6 +496,7 @@ class InceptionCrop:
             except Exception as error:  # which image of the batch: the map names the batch
                 add_note(error, f"headrace: InceptionCrop.batch failed on row {row} of "
                                 f"{len(index_list)}, the element of index {index}")
+                mark_batch_row(error, row)  # the map names that row's origin
                 raise
         return out
 

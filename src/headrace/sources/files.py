@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from headrace.core.iterator import Context, Iterator
+from headrace.core.iterator import BatchToken, Context, Iterator
 from headrace.core.node import UNKNOWN, Node
 from headrace.core.state import StateReader
 from headrace.errors import (
@@ -80,6 +80,10 @@ class RecordReader(Protocol):
 
     log: OriginLog | None
     log_serial: int
+
+    def attach_log(self, log: OriginLog, serial: int) -> None:
+        """Log from the next record served on, numbered ``serial`` (origins asked for
+        while the file was open: an interleave's slot that starts reading ahead)."""
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         """The next record and its booking on ``account`` (none when the reader keeps
@@ -164,6 +168,9 @@ class TextLineReader:
     def close(self) -> None:
         self._buffer, self._position = b"", 0
 
+    def attach_log(self, log: OriginLog, serial: int) -> None:
+        self.log, self.log_serial, self.lines = log, serial, 0
+
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         """The next line; one longer than the read buffer (gathered from several reads:
         memory the buffer's bound does not cover) is booked on ``account``."""
@@ -181,7 +188,9 @@ class TextLineReader:
     def read_batch(self, max_records: int, max_bytes: int = 1 << 62) -> list[bytes]:
         lines: list[bytes] = []
         total = 0
+        log = self.log
         while len(lines) < max_records and (not lines or total < max_bytes):
+            offset = self._offset
             try:
                 line = self.read_record()
             except RecordTooLargeError:
@@ -192,6 +201,9 @@ class TextLineReader:
                 break
             lines.append(line)
             total += len(line)
+            if log is not None:  # (a batch's rows: their origins)
+                log.span(self.log_serial + self.lines, offset, None, 0)
+                self.lines += 1
         return lines
 
     def read_record(self) -> bytes | None:
@@ -363,9 +375,24 @@ class _RecordBatches(Iterator):
         self.records = inner
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
         self.account = account
+        self.last = range(0)  # the source's tokens of the records of the last batch
+
+    def origin(self) -> Origin | None:
+        return self.origin_of(self.origin_token())
+
+    def origin_token(self) -> BatchToken:
+        return BatchToken(self.records.origin_of, self.last)
+
+    def origin_of(self, token: Any) -> Origin | None:
+        return token.origin() if isinstance(token, BatchToken) else None
+
+    def track_origins(self, tokens: bool = True) -> bool:
+        return self.records.track_origins(True)  # a batch's rows: the log says where
 
     def pull(self) -> tuple[Any, Reservation]:
+        served = self.records.served
         records, booked = self.records.read_many(self.batch_size, self.account)
+        self.last = range(served + 1, self.records.served + 1)  # (tokens count from 1)
         if not records or (self.drop_remainder and len(records) < self.batch_size):
             booked.release()
             raise StopIteration
@@ -415,25 +442,31 @@ class OriginLog:
         self.spans.append((serial, offset, lengths, framing))
 
     def find(self, serial: int) -> tuple[int, int, int] | None:
-        """(file index, record index, byte offset) of record ``serial``, where known."""
-        at = bisect.bisect_right(self.files, serial, key=lambda entry: entry[0]) - 1
+        """(file index, record index, byte offset) of record ``serial``, where known.
+
+        Asked on failure only, maybe while a read-ahead thread (a prefetch above the
+        source) appends: both are copied first (in C, under the GIL), since a deque
+        mutated while Python code iterates it raises."""
+        files, spans = list(self.files), tuple(self.spans)
+        at = bisect.bisect_right(files, serial, key=lambda entry: entry[0]) - 1
         if at < 0:
             return None
-        first_serial, file_index, first_record = self.files[at]
+        first_serial, file_index, first_record = files[at]
         if first_record < 0:
             return None
-        for start, offset, lengths, framing in reversed(self.spans):
-            if start > serial:
-                continue
-            position = serial - start
-            if offset < 0 or (lengths is None and position) or (
-                lengths is not None and position >= len(lengths)
-            ):
-                return None
-            if lengths is not None:
-                offset += sum(lengths[:position]) + framing * position
-            return file_index, first_record + serial - first_serial, offset
-        return None
+        # the last span starting at or before it (spans are appended in serial order)
+        at = bisect.bisect_right(spans, serial, key=lambda entry: entry[0]) - 1
+        if at < 0:
+            return None
+        start, offset, lengths, framing = spans[at]
+        position = serial - start
+        if offset < 0 or (lengths is None and position) or (
+            lengths is not None and position >= len(lengths)
+        ):
+            return None
+        if lengths is not None:
+            offset += sum(lengths[:position]) + framing * position
+        return file_index, first_record + serial - first_serial, offset
 
 
 class _FileRecordsIterator(Iterator):
@@ -510,8 +543,13 @@ class _FileRecordsIterator(Iterator):
         """With ``tokens``, keep an :class:`OriginLog`: a token is then the count of
         records served (an attribute read), and the log says where each came from."""
         if tokens and self.log is None:
-            # (a map asks as the pipeline starts; a file opened before has no log)
             self.log = OriginLog()
+            if self.reader is not None:  # asked with a file open (an interleave's slot
+                # that starts reading ahead): logged from its next record on
+                self.log.opened(
+                    self.served, self.file_index, self.record if self.record_known else -1
+                )
+                self.reader.attach_log(self.log, self.served)
         return True
 
     def origin_token(self) -> int:

@@ -129,6 +129,18 @@ class _TFRecordReaderAdapter:
         self.log_serial = 0  # the source's serial of this reader's first record
         self.read_count = 0  # records read ahead (all served: lists are served in order)
 
+    def attach_log(self, log: OriginLog, serial: int) -> None:
+        """Log from the next record served on: the rest of the list read ahead first."""
+        self.log, self.log_serial, self.read_count = log, serial, 0
+        rest = self.ahead[self.served :]
+        if rest:
+            offset = self.ahead_offset
+            if offset >= 0:
+                offset += sum(map(len, self.ahead[: self.served])) + (
+                    RECORD_OVERHEAD_BYTES * self.served)
+            log.span(serial, offset, list(map(len, rest)), RECORD_OVERHEAD_BYTES)
+            self.read_count = len(rest)
+
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
         if self.served == len(self.ahead):
             self._read_ahead(account)
@@ -185,7 +197,17 @@ class _TFRecordReaderAdapter:
             self.served += len(records)
             return records
         self.release()
-        return self.reader.read_batch(max_records, max_bytes)
+        if self.log is None:
+            return self.reader.read_batch(max_records, max_bytes)
+        offset, skipped = self.reader.next_offset, self.reader.skipped_records
+        records = self.reader.read_batch(max_records, max_bytes)
+        if self.reader.skipped_records != skipped:
+            self.skipped_any = True
+        if records:  # a batch's rows: where each came from
+            self.log.span(self.log_serial + self.read_count, -1 if self.skipped_any else offset,
+                          list(map(len, records)), RECORD_OVERHEAD_BYTES)
+            self.read_count += len(records)
+        return records
 
     def next_length(self) -> int | None:
         if self.served < len(self.ahead):

@@ -14,16 +14,18 @@ objects (fixed-width ``S``/``U`` would drop trailing NULs).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from headrace.core.indexing import GatherBatchIterator, IndexPlan
-from headrace.core.iterator import Context, Iterator
+from headrace.core.iterator import BatchToken, Context, Iterator, origin_probe
 from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive
 from headrace.core.state import INNER, POSITION, StateReader
 from headrace.errors import (
     ElementSpecError,
+    Origin,
 )
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
@@ -119,6 +121,7 @@ class _ChargedBatches(Iterator):
     """Books each batch made below (a gather, a reader) on the batch stage's share."""
 
     stage = "batch"
+    passes_origin = True  # (the batch's origin is its maker's)
 
     def __init__(self, inner: Iterator, ctx: Context, account: StageAccount) -> None:
         super().__init__(inner)
@@ -253,11 +256,33 @@ class _BatchIterator(Assembler):
         super().__init__(inner, ctx, account)
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
         self._booking = NO_RESERVATION
+        #: The input's origin probe, once a stage above asks for origins: each row's
+        #: token is taken as it is pulled, and the batch's token holds them all.
+        self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
+        self.last_token: BatchToken | None = None
+
+    def origin(self) -> Origin | None:
+        token = self.last_token
+        return None if token is None else token.origin()
+
+    def origin_token(self) -> Any:
+        return self.last_token
+
+    def origin_of(self, token: Any) -> Origin | None:
+        return token.origin() if isinstance(token, BatchToken) else None
+
+    def track_origins(self, tokens: bool = True) -> bool:
+        if self.probe is None:
+            self.probe = origin_probe(self.inner)
+        return self.probe is not None
 
     def pull(self) -> tuple[Any, Reservation]:
         first, reservation = self.inner.pull()  # StopIteration: no more batches
         first_index = self.position
         self.position += 1
+        probe = self.probe
+        take = None if probe is None else probe[0]  # (bound once: it runs per row)
+        tokens = None if take is None else [take()]
         structure = first
         single = not isinstance(first, (dict, tuple))
         leaves = [first] if single else flatten(first)
@@ -302,6 +327,8 @@ class _BatchIterator(Assembler):
                 except StopIteration:
                     break
                 self.position += 1
+                if tokens is not None:
+                    tokens.append(take())  # type: ignore[misc]
                 leaves = [element] if single else flatten(element)
                 if failure is None and len(leaves) != len(columns):
                     failure = ElementSpecError(
@@ -324,6 +351,8 @@ class _BatchIterator(Assembler):
                    for column in columns if column.out is not None]
         batch = outputs[0] if single else pack_as(structure, outputs)
         booking, self._booking = self._booking, NO_RESERVATION
+        if tokens is not None:
+            self.last_token = BatchToken(probe[1], tokens)  # type: ignore[index]
         return batch, booking
 
     def _allocate(self, columns: list[_Column]) -> Reservation:

@@ -39,6 +39,13 @@ so that AUTOTUNE's switch to threads changes no order around errors either. The
 next call continues with the same slot. An error from the input or from
 ``map_func`` drops that input element; the next call pulls the next one.
 
+Origins. Once a stage above asks for them (a map), each element's origin is its
+slot's: asked of the inner pipeline where slots are read in turn, and of the
+slot's read-ahead where a thread reads it (that one takes the inner pipeline's
+token right after each pull and hands it out with the element), so a failing
+element names its file and record in either mode, across AUTOTUNE's switch, and in
+any order (``deterministic=False``). Slots in worker processes name none yet.
+
 Resuming. The state keeps, per open slot, the input's state just before that
 slot's input element, plus the inner iterator's state: restoring re-reads the
 input element (a filename, typically) and resumes the inner iterator.
@@ -267,8 +274,8 @@ class _Slot:
     ) -> None:
         self.iterator, self.budget, self.input_before = iterator, budget, input_before
         self.ctx, self.queue, self.owned = ctx, queue, owned
-        #: ``origin_probe`` of the inner pipeline, while its elements come straight from
-        #: it (not through a read-ahead thread) and a stage above asks for origins.
+        #: ``origin_probe`` of the inner pipeline (of its read-ahead, where a thread reads
+        #: it: that one hands out each element's token), once a stage above asks for origins.
         self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
 
     def close(self) -> None:
@@ -321,7 +328,8 @@ class _InterleaveIterator(Iterator):
         for slot in self.slots:
             if slot is not None and not isinstance(slot.iterator, PrefetchIterator):
                 slot.iterator = self._read_ahead(slot.iterator, slot.ctx, slot.queue, gate)
-                slot.probe = None  # its source now runs ahead of what is handed out
+                if self.tracking:  # its source now runs ahead: the read-ahead keeps tokens
+                    slot.probe = origin_probe(slot.iterator, self.origin_tokens)
         self.watch = None
         self.gate = gate
 
@@ -366,7 +374,7 @@ class _InterleaveIterator(Iterator):
         probe = None
         if self.gate is not None:
             iterator = self._read_ahead(iterator, inner_ctx, queue, self.gate, start=start)
-        elif self.tracking:
+        if self.tracking:
             probe = origin_probe(iterator, self.origin_tokens)
         slot = _Slot(iterator, budget, input_before, inner_ctx, queue, owned)
         slot.probe = probe
@@ -433,6 +441,8 @@ class _InterleaveIterator(Iterator):
         assert queue is not None  # registered whenever threads may be used
         depth = max(2 * self.node.block_length + 1, _SLOT_DEPTH)
         ahead = PrefetchIterator(iterator, ctx, queue, depth, gate=gate, ready=self.ready)
+        if self.tracking:  # before its thread starts: each element read ahead has its token
+            ahead.track_origins()
         if start:
             ahead.start()
         return ahead
@@ -512,12 +522,10 @@ class _InterleaveIterator(Iterator):
         raise StopIteration
 
     def origin(self) -> Origin | None:
-        """The origin of the last element, asked of its inner pipeline: only where slots
-        are read in turn (not by read-ahead threads, whose sources run ahead)."""
+        """The origin of the last element, asked of its slot's pipeline (of its
+        read-ahead, where a thread reads the slot: it keeps each element's token)."""
         slot = self.last_slot
-        if slot is None or isinstance(slot.iterator, PrefetchIterator):
-            return None
-        return slot.iterator.origin()
+        return None if slot is None else slot.iterator.origin()
 
     def origin_token(self) -> Any:
         slot = self.last_slot
@@ -530,7 +538,7 @@ class _InterleaveIterator(Iterator):
     def track_origins(self, tokens: bool = True) -> bool:
         self.tracking, self.origin_tokens = True, self.origin_tokens or tokens
         for slot in self.slots:
-            if slot is not None and not isinstance(slot.iterator, PrefetchIterator):
+            if slot is not None:
                 slot.probe = origin_probe(slot.iterator, self.origin_tokens)
         return True
 
@@ -550,11 +558,14 @@ class _InterleaveIterator(Iterator):
                 if chosen is None:
                     self.ready.wait()
                     continue
+            slot = self.slots[chosen]
+            assert slot is not None
             try:
-                pair = self.slots[chosen].iterator.pull()  # type: ignore[union-attr]
+                pair = slot.iterator.pull()
             except StopIteration:
                 self._close_slot(chosen)
                 continue
+            self.last_slot = slot  # (whose element this is: its origin)
             self.cycle_index = (chosen + 1) % self.node.cycle_length
             return pair
 

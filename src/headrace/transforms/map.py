@@ -25,11 +25,14 @@ earlier element, and the following ``next()`` returns element i+1's output:
 the failing element is dropped, the iteration goes on — tf.data's behaviour,
 whatever ``num_parallel_calls``. An error from the input comes the same way.
 Where the input knows where its elements come from (a TFRecord or text file, an
-array, through pass-through stages and shuffles: ``Iterator.origin``), the note
+array, through pass-through stages, shuffles, prefetches, interleaves (their
+read-ahead threads too) and batch -> unbatch: ``Iterator.origin``), the note
 names the file, the record's index in it and its byte offset too, and
-:func:`headrace.errors.element_origin` returns them. A sequential map asks its
-input only when ``fn`` raises; a parallel one (threads or processes) keeps a token
-per element in flight (an int for a file source), made into an origin on failure.
+:func:`headrace.errors.element_origin` returns them; for a batch, its rows' records,
+or the one row the error names (:func:`headrace.errors.mark_batch_row`). A
+sequential map asks its input only when ``fn`` raises; a parallel one (threads or
+processes) keeps a token per element in flight (an int for a file source), made
+into an origin on failure.
 """
 
 from __future__ import annotations

@@ -13,18 +13,27 @@ finalizer stops the thread. An exception the input raises is re-raised in the
 consumer with its original traceback, at its element's position: every
 element pulled before it comes first, and the next ``next()`` continues with
 the elements after it (see :mod:`headrace.core.handoff`).
+
+Origins. The producer pulls ahead of what is handed out, so the input's
+"origin of the element returned last" is not the consumer's. Once a stage above
+asks for origins (``track_origins``: a map, when it starts), the producer takes
+the input's origin token right after each pull and the chunk carries it beside
+the element; the iterator answers ``origin_token`` for the element it handed out
+last. Until then no token is taken: a pipeline that never asks pays nothing.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from headrace.core.handoff import Handoff, restore_input, unpin
-from headrace.core.iterator import Context, Iterator
+from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, UnaryNode, check_positive
 from headrace.core.state import INNER, SKIP, StateReader
+from headrace.errors import Origin
 from headrace.memory.budget import NO_RESERVATION, BudgetClosed, Reservation, StageAccount
 from headrace.options import AUTOTUNE
 
@@ -69,8 +78,12 @@ class _Producer:
         depth: int,
         gate: threading.Semaphore | None,
         ready: threading.Condition | None,
+        probe: Callable[[], Any] | None = None,
     ) -> None:
         self.inner, self.ctx, self.account, self.depth = inner, ctx, account, depth
+        #: The input's ``origin_token``, once a stage above asks for origins: taken
+        #: after each pull, carried in the chunk beside the element.
+        self.probe = probe
         self.gate = gate  # bounds how many producers run their input at once
         self.ready = ready or threading.Condition()
         self.queue: deque[Handoff] = deque()
@@ -82,8 +95,9 @@ class _Producer:
         self.error: BaseException | None = None  # what ended the thread, not an element's error
         self.stopping = False
         # An element that did not fit the share yet, with its chunk coordinates:
-        # (element, its upstream booking, its cost, its chunk's input state, position).
-        self.aside: tuple[Any, Reservation, int, dict[str, Any], int] | None = None
+        # (element, its upstream booking, its cost, its chunk's input state, position,
+        # its origin token).
+        self.aside: tuple[Any, Reservation, int, dict[str, Any], int, Any] | None = None
         self.consumer_waiting = False  # the consumer waits for this queue (see starving)
         self.thread = threading.Thread(target=self.run, name="headrace-prefetch", daemon=True)
 
@@ -127,14 +141,14 @@ class _Producer:
         """
         account = self.account
         if self.aside is not None:
-            element, reservation, cost, state, position = self.aside
+            element, reservation, cost, state, position, token = self.aside
             starved = not account.fits(cost)
             if starved and not self.starving():
                 return False
             self.aside = None
             booking = self._overdraw(reservation, cost) if starved else reservation.move_to(
                 account, cost)
-            chunks.append(Handoff.finishing(element, booking, state, position))
+            chunks.append(Handoff.finishing(element, booking, state, position, token))
             room -= 1
             if room <= 0 or starved:  # one element past the share, no more
                 return False
@@ -146,6 +160,9 @@ class _Producer:
         pulled = False
         errors: dict[int, Exception] | None = None
         ended = False
+        probe = self.probe
+        tokens: list[Any] | None = None if probe is None else []
+        token = None
         try:
             for _ in range(max(1, min(room, _CHUNK))):
                 try:
@@ -158,8 +175,12 @@ class _Producer:
                     errors = {len(elements): unpin(error)}  # handed out later
                     elements.append(None)
                     bookings.append(NO_RESERVATION)
+                    if tokens is not None:
+                        tokens.append(None)
                     break
                 pulled = True
+                if probe is not None:  # the input is still on this element: ask it now
+                    token = probe()
                 element, cost = self.ctx.admit(element)
                 try:
                     fits = account.fits(cost, pending=pending)
@@ -168,12 +189,16 @@ class _Producer:
                     raise  # (it stayed booked after the run closed: served fuzz case)
                 if not fits:
                     if elements or not self.starving():
-                        self.aside = (element, reservation, cost, state, len(elements))
+                        self.aside = (element, reservation, cost, state, len(elements), token)
                         break
                     elements.append(element)  # one element past the share, no more
                     bookings.append(self._overdraw(reservation, cost))
+                    if tokens is not None:
+                        tokens.append(token)
                     break
                 elements.append(element)
+                if tokens is not None:
+                    tokens.append(token)
                 if reservation.account is None:
                     bookings.append(None)  # booked below, with the others, in one step
                     sizes.append(cost)
@@ -188,7 +213,7 @@ class _Producer:
                 reservations = [
                     booking if booking is not None else next(booked) for booking in bookings
                 ]
-                chunks.append(Handoff(elements, reservations, state, errors))
+                chunks.append(Handoff(elements, reservations, state, errors, tokens=tokens))
         return ended
 
     def _overdraw(self, reservation: Reservation, cost: int) -> Reservation:
@@ -275,12 +300,15 @@ class PrefetchIterator(Iterator):
         self.taken: deque[Handoff] = deque()  # taken from the producer's queue at once
         self.current: Handoff | None = None  # the chunk being handed out
         self.state_at_start = inner.get_state()  # before the first chunk
+        #: The input's ``origin_probe``, once a stage above asks for origins.
+        self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
 
     def start(self) -> _Producer:
         """Start producing now (parallel interleave reads its slots ahead)."""
         if self.producer is None:
             self.producer = _Producer(
-                self.inner, self.ctx, self.account, self.depth, self.gate, self.ready
+                self.inner, self.ctx, self.account, self.depth, self.gate, self.ready,
+                None if self.probe is None else self.probe[0],
             )
             self.producer.thread.start()
         return self.producer
@@ -303,6 +331,31 @@ class PrefetchIterator(Iterator):
         assert self.producer is not None
         self.producer.outstanding -= 1
         return chunk.take()  # raises the input's error at its position
+
+    def origin(self) -> Origin | None:
+        return self.origin_of(self.origin_token())
+
+    def origin_token(self) -> Any:
+        """The token of the element handed out last: read from its chunk when asked,
+        so that handing elements out costs nothing more."""
+        chunk = self.current
+        tokens = None if chunk is None else chunk.tokens
+        return None if tokens is None or not chunk.taken else tokens[chunk.taken - 1]  # type: ignore[union-attr]
+
+    def origin_of(self, token: Any) -> Origin | None:
+        probe = self.probe
+        return None if probe is None or token is None else probe[1](token)
+
+    def track_origins(self, tokens: bool = True) -> bool:
+        """From now on the producer takes each element's origin token right after its
+        pull (it runs ahead: the input's own answer is about a later element), and
+        the chunk hands it out with the element. Asked before the thread starts (a
+        map asks as the pipeline starts); elements pulled before carry none."""
+        if self.probe is None:
+            self.probe = origin_probe(self.inner)
+            if self.probe is not None and self.producer is not None:
+                self.producer.probe = self.probe[0]
+        return self.probe is not None
 
     def _take_all(self) -> None:
         """Wait for the queue, then take everything in it with one lock.

@@ -9,15 +9,15 @@ row copied once. ``None`` components have no rows: they pass through as
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from headrace.core.iterator import Context, Iterator
+from headrace.core.iterator import Context, Iterator, origin_probe, row_origin
 from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive, known_spec
 from headrace.core.state import StateReader
-from headrace.errors import ElementSpecError, InvalidArgumentError
+from headrace.errors import ElementSpecError, InvalidArgumentError, Origin
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.structure import flatten, map_structure, pack_as, structure_paths
@@ -121,6 +121,10 @@ class _RowSource(Iterator):
         self.current: _Rows | None = None
         # The input's state before the current batch: what lets a restore re-read it.
         self.state_before_current: dict[str, Any] = inner.get_state()
+        #: The input's origin probe once a stage above asks for origins, and the token
+        #: of the current batch: a row's origin is its batch's row (``row_origin``).
+        self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
+        self.batch_token: Any = None
 
     def rows(self) -> _Rows:
         """The batch rows come from now, pulling the next one when it is used up."""
@@ -128,6 +132,8 @@ class _RowSource(Iterator):
             self.close_current()
             self.state_before_current = self.inner.get_state()
             batch, reservation = self.inner.pull()
+            if self.probe is not None:
+                self.batch_token = self.probe[0]()
             if reservation.account is not None:
                 reservation = reservation.move_to(self.account, reservation.nbytes)
             self.current = _Rows(batch, reservation)
@@ -177,6 +183,27 @@ class _UnbatchIterator(_RowSource):
 
     def pull(self) -> tuple[Any, Reservation]:
         return self.rows().row(), NO_RESERVATION
+
+    def origin(self) -> Origin | None:
+        return self.origin_of(self.origin_token())
+
+    def origin_token(self) -> Any:
+        """The current batch's token and the row handed out last (nothing per row)."""
+        current = self.current
+        return None if current is None else (self.batch_token, current.position - 1)
+
+    def origin_of(self, token: Any) -> Origin | None:
+        probe = self.probe
+        if probe is None or token is None:
+            return None
+        return row_origin(token[0], probe[1], token[1])
+
+    def track_origins(self, tokens: bool = True) -> bool:
+        """Take the token of each batch pulled from now on: its rows' origins are its
+        rows' (exact where the batch was made by a ``batch`` that kept them)."""
+        if self.probe is None:
+            self.probe = origin_probe(self.inner)
+        return self.probe is not None
 
 
 class RebatchNode(Node):

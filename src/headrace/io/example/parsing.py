@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from headrace.errors import InvalidArgumentError, ParseError
+from headrace.errors import InvalidArgumentError, ParseError, mark_batch_row
 from headrace.io import _example_wire as wire
 from headrace.io._native import native_module
 from headrace.io._ragged import RaggedColumn
@@ -478,6 +478,15 @@ def parse_example(
     if isinstance(serialized, bytes | bytearray | memoryview):
         raise InvalidArgumentError("parse_example takes a batch (a sequence of bytes)")
     records = serialized if isinstance(serialized, list | tuple) else list(serialized)
+    try:
+        return _parse_columns(records, features)
+    except ParseError as error:  # "record 3 of the batch": a map names that row's origin
+        raise mark_batch_row(error)  # noqa: B904 - the same error
+
+
+def _parse_columns(
+    records: Sequence[bytes], features: Mapping[str, FeatureSpec]
+) -> dict[str, Array | RaggedColumn | SparseColumn]:
     columns = _gather(records, _plan(features))
     parsed: dict[str, Array | RaggedColumn | SparseColumn] = {}
     for name, spec in features.items():
