@@ -48,6 +48,42 @@ def test_join_then_split_gives_the_same_bytes_on_both_paths(items: list[bytes]) 
     assert results[0][3] == sum(map(len, items))
 
 
+@settings(max_examples=60, deadline=None)
+@given(items=items_lists)
+def test_lengths_are_the_items_lengths_on_both_paths(items: list[bytes]) -> None:
+    """What an origin log keeps of a batch of records: 8 bytes per record, no Python int."""
+    for native in (True, False):
+        previous = set_native_enabled(native)
+        try:
+            got = columns.lengths(items)
+        finally:
+            set_native_enabled(previous)
+        assert list(got) == [len(item) for item in items] and got.itemsize == 8
+        assert sum(got[:3]) == sum(map(len, items[:3]))
+
+
+def test_lengths_refuses_what_is_not_bytes() -> None:
+    with pytest.raises(TypeError, match="item 1 is not bytes"):
+        columns.lengths([b"a", bytearray(b"b")])
+
+
+def test_an_origin_log_keeps_the_offsets_of_its_newest_records_only() -> None:
+    """Bounded by records, not spans: whole batches of 1,024 logged for hours keep the
+    offsets of the last ``_RECORDS_KEPT`` records (older ones: None), in bounded memory."""
+    from headrace.sources import files
+
+    log = files.OriginLog()
+    log.opened(0, 0, 0)
+    batches = 3 * files._RECORDS_KEPT // 1024
+    for b in range(batches):
+        log.span(b * 1024, b * 1024 * 116, columns.lengths([b"x" * 100] * 1024), 16)
+    assert log.records <= files._RECORDS_KEPT and len(log.spans) <= files._RECORDS_KEPT // 1024
+    last = batches * 1024 - 1
+    assert log.find(last) == (0, last, last * 116)
+    assert log.find(last - files._RECORDS_KEPT + 1) is not None
+    assert log.find(0) is None  # its span was dropped: no offset
+
+
 @pytest.mark.parametrize("odd", [bytearray(b"x"), memoryview(b"x"), np.bytes_(b"x"), "x", 1, None])
 def test_anything_but_exact_bytes_is_left_to_pickle(path: str, odd: Any) -> None:
     items = [b"a", odd, b"c"]

@@ -20,7 +20,7 @@ import numpy as np
 
 from headrace.io._native import native_module
 
-__all__ = ["bytes_total", "join_bytes", "split_bytes"]
+__all__ = ["bytes_total", "join_bytes", "lengths", "split_bytes"]
 
 
 def bytes_total(items: list[Any]) -> int:
@@ -31,6 +31,15 @@ def bytes_total(items: list[Any]) -> int:
     if set(map(type, items)) - {bytes}:
         return -1
     return sum(map(len, items))
+
+
+def lengths(items: list[bytes]) -> memoryview:
+    """The items' lengths as a read-only int64 view (8 bytes each, no Python int per
+    item): what an origin log keeps of a batch of records."""
+    native = native_module()
+    packed = native.lengths(items) if native is not None else (
+        np.fromiter(map(len, items), np.int64, len(items)).tobytes())
+    return memoryview(packed).cast("q")
 
 
 def join_bytes(items: list[Any]) -> tuple[bytes, bytes] | None:

@@ -411,9 +411,11 @@ class _RecordBatches(Iterator):
         self.records.set_state(StateReader(state, "batch").child("records"))
 
 
-#: Read-ahead lists (or lines) whose offsets an :class:`OriginLog` keeps: records further
-#: back than this from the newest have no offset, only a file and a record index.
-_SPANS_KEPT = 4096
+#: Records (or lines) whose offsets an :class:`OriginLog` keeps, counted back from the
+#: newest: records further back have no offset, only a file and a record index. Bounded
+#: by records, not spans: a span is a read-ahead list (up to 64 records), a line, or a
+#: whole batch read at once (its lengths kept as 8 bytes each: 2 MiB at most in all).
+_RECORDS_KEPT = 1 << 18
 
 
 class OriginLog:
@@ -424,22 +426,30 @@ class OriginLog:
 
     ``files``: (first serial, file index, index of its first record or -1 if unknown),
     one entry per opening. ``spans``: (first serial, byte offset of that record (-1:
-    unknown), payload lengths of the following records or None for one record, framing
-    bytes around each), one per read-ahead list (TFRecord) or per line (text), the last
-    :data:`_SPANS_KEPT`. A reader appends spans through :meth:`span` as it reads.
+    unknown), payload lengths of the following records (an int64 view, see
+    :func:`headrace.io.columns.lengths`) or None for one record, framing bytes around
+    each), one per read-ahead list or batch read (TFRecord) or per line (text), those
+    of the last :data:`_RECORDS_KEPT` records. A reader appends spans through
+    :meth:`span` as it reads.
     """
 
     def __init__(self) -> None:
         self.files: list[tuple[int, int, int]] = []
-        self.spans: deque[tuple[int, int, list[int] | None, int]] = deque(maxlen=_SPANS_KEPT)
+        self.spans: deque[tuple[int, int, Sequence[int] | None, int]] = deque()
+        self.records = 0  # how many the spans cover
 
     def opened(self, serial: int, file_index: int, first_record: int) -> None:
         if self.files and self.files[-1][0] == serial:
             self.files.pop()  # nothing was served from the previous opening
         self.files.append((serial, file_index, first_record))
 
-    def span(self, serial: int, offset: int, lengths: list[int] | None, framing: int) -> None:
-        self.spans.append((serial, offset, lengths, framing))
+    def span(self, serial: int, offset: int, lengths: Sequence[int] | None, framing: int) -> None:
+        spans = self.spans
+        spans.append((serial, offset, lengths, framing))
+        self.records += 1 if lengths is None else len(lengths)
+        while self.records > _RECORDS_KEPT and len(spans) > 1:
+            dropped = spans.popleft()[2]
+            self.records -= 1 if dropped is None else len(dropped)
 
     def find(self, serial: int) -> tuple[int, int, int] | None:
         """(file index, record index, byte offset) of record ``serial``, where known.

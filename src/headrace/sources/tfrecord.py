@@ -24,6 +24,7 @@ from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
 from headrace.errors import InvalidArgumentError, MemoryBudgetError, Origin
+from headrace.io.columns import lengths
 from headrace.io.filepool import PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord.framing import DEFAULT_MAX_RECORD_BYTES, RECORD_OVERHEAD_BYTES
@@ -138,7 +139,7 @@ class _TFRecordReaderAdapter:
             if offset >= 0:
                 offset += sum(map(len, self.ahead[: self.served])) + (
                     RECORD_OVERHEAD_BYTES * self.served)
-            log.span(serial, offset, list(map(len, rest)), RECORD_OVERHEAD_BYTES)
+            log.span(serial, offset, lengths(rest), RECORD_OVERHEAD_BYTES)
             self.read_count = len(rest)
 
     def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
@@ -173,7 +174,7 @@ class _TFRecordReaderAdapter:
             self.ahead_offset = -1
         if self.log is not None and records:
             self.log.span(self.log_serial + self.read_count, self.ahead_offset,
-                          list(map(len, records)), RECORD_OVERHEAD_BYTES)
+                          lengths(records), RECORD_OVERHEAD_BYTES)
             self.read_count += len(records)
         if records:
             nbytes = sum(map(len, records)) + record_cost(0) * len(records)
@@ -205,7 +206,7 @@ class _TFRecordReaderAdapter:
             self.skipped_any = True
         if records:  # a batch's rows: where each came from
             self.log.span(self.log_serial + self.read_count, -1 if self.skipped_any else offset,
-                          list(map(len, records)), RECORD_OVERHEAD_BYTES)
+                          lengths(records), RECORD_OVERHEAD_BYTES)
             self.read_count += len(records)
         return records
 

@@ -861,6 +861,31 @@ static PyObject *py_bytes_total(PyObject *self, PyObject *arg)
     return total == -2 ? NULL : PyLong_FromSsize_t(total);
 }
 
+/* lengths(list) -> bytes: each item's length (exactly bytes: TypeError otherwise) as native
+ * int64, a record batch's lengths for an origin log without a Python int per record */
+static PyObject *py_lengths(PyObject *self, PyObject *arg)
+{
+    if (!PyList_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "lengths expects a list");
+        return NULL;
+    }
+    const Py_ssize_t count = PyList_GET_SIZE(arg);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL)
+        return NULL;
+    int64_t *lengths = (int64_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(arg, i);
+        if (!PyBytes_CheckExact(item)) {
+            Py_DECREF(out);
+            PyErr_Format(PyExc_TypeError, "lengths: item %zd is not bytes", i);
+            return NULL;
+        }
+        lengths[i] = PyBytes_GET_SIZE(item);
+    }
+    return out;
+}
+
 /* join_bytes(list) -> (data, offsets) with offsets count+1 native int64, or None if an item
  * is not exactly bytes */
 static PyObject *py_join_bytes(PyObject *self, PyObject *arg)
@@ -958,6 +983,8 @@ static PyMethodDef methods[] = {
      " -> (produced, start, end, used_incoming)"},
     {"bytes_total", py_bytes_total, METH_O,
      "bytes_total(list) -> sum of lengths, or -1 if an item is not exactly bytes"},
+    {"lengths", py_lengths, METH_O,
+     "lengths(list of bytes) -> bytes of the items' lengths as native int64"},
     {"join_bytes", py_join_bytes, METH_O,
      "join_bytes(list) -> (data, int64 offsets), or None if an item is not exactly bytes"},
     {"split_bytes", py_split_bytes, METH_VARARGS,
