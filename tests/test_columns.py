@@ -68,8 +68,9 @@ def test_lengths_refuses_what_is_not_bytes() -> None:
 
 
 def test_an_origin_log_keeps_the_offsets_of_its_newest_records_only() -> None:
-    """Bounded by records, not spans: whole batches of 1,024 logged for hours keep the
-    offsets of the last ``_RECORDS_KEPT`` records (older ones: None), in bounded memory."""
+    """Bounded by records and by spans: whole batches of 1,024 logged for hours keep the
+    offsets of the last ``_RECORDS_KEPT`` records (older ones: None), lines (a span
+    each) of the last ``_SPANS_KEPT``: bounded memory either way."""
     from headrace.sources import files
 
     log = files.OriginLog()
@@ -82,6 +83,10 @@ def test_an_origin_log_keeps_the_offsets_of_its_newest_records_only() -> None:
     assert log.find(last) == (0, last, last * 116)
     assert log.find(last - files._RECORDS_KEPT + 1) is not None
     assert log.find(0) is None  # its span was dropped: no offset
+    lines = files.OriginLog()  # one span per line: at most _SPANS_KEPT of them
+    for serial in range(2 * files._SPANS_KEPT):
+        lines.span(serial, serial * 10, None, 0)
+    assert len(lines.spans) == files._SPANS_KEPT and lines.records == files._SPANS_KEPT
 
 
 @pytest.mark.parametrize("odd", [bytearray(b"x"), memoryview(b"x"), np.bytes_(b"x"), "x", 1, None])

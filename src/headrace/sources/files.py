@@ -411,10 +411,11 @@ class _RecordBatches(Iterator):
         self.records.set_state(StateReader(state, "batch").child("records"))
 
 
-#: Records (or lines) whose offsets an :class:`OriginLog` keeps, counted back from the
-#: newest: records further back have no offset, only a file and a record index. Bounded
-#: by records, not spans: a span is a read-ahead list (up to 64 records), a line, or a
-#: whole batch read at once (its lengths kept as 8 bytes each: 2 MiB at most in all).
+#: Spans an :class:`OriginLog` keeps (a read-ahead list of up to 64 records, a line, or
+#: a whole batch read at once), and records they may cover together (a batch's lengths
+#: are kept as 8 bytes each: 2 MiB at most in all), counted back from the newest: records
+#: further back have no offset, only a file and a record index.
+_SPANS_KEPT = 4096
 _RECORDS_KEPT = 1 << 18
 
 
@@ -428,9 +429,9 @@ class OriginLog:
     one entry per opening. ``spans``: (first serial, byte offset of that record (-1:
     unknown), payload lengths of the following records (an int64 view, see
     :func:`headrace.io.columns.lengths`) or None for one record, framing bytes around
-    each), one per read-ahead list or batch read (TFRecord) or per line (text), those
-    of the last :data:`_RECORDS_KEPT` records. A reader appends spans through
-    :meth:`span` as it reads.
+    each), one per read-ahead list or batch read (TFRecord) or per line (text), the last
+    :data:`_SPANS_KEPT` of them covering no more than :data:`_RECORDS_KEPT` records. A
+    reader appends spans through :meth:`span` as it reads.
     """
 
     def __init__(self) -> None:
@@ -447,7 +448,7 @@ class OriginLog:
         spans = self.spans
         spans.append((serial, offset, lengths, framing))
         self.records += 1 if lengths is None else len(lengths)
-        while self.records > _RECORDS_KEPT and len(spans) > 1:
+        while len(spans) > 1 and (self.records > _RECORDS_KEPT or len(spans) > _SPANS_KEPT):
             dropped = spans.popleft()[2]
             self.records -= 1 if dropped is None else len(dropped)
 
