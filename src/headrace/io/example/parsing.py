@@ -581,7 +581,12 @@ def _single_record_error(
         elif isinstance(spec, FixedLenSequenceFeature):
             shape = shape_tuple(spec.shape)
             stride = math.prod(shape)
-            if (count % stride if stride else count) != 0:
+            if stride and count % stride:  # tf.io.parse_single_example's own words
+                return ParseError(
+                    f"{prefix}Error while parsing feature with key {key}: number of elements "
+                    f"should be divisible by {stride}, found {count} instead"
+                )
+            if not stride and count:  # (TensorFlow divides by zero here: SIGFPE)
                 dims = ",".join(["?", *map(str, shape)])
                 return ParseError(
                     f"{prefix}Key: {key}.  Number of {expected_name} values is not a multiple "
