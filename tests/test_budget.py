@@ -6,8 +6,12 @@ import sys
 import threading
 import warnings
 
+from typing import Any
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import headrace as hr
 from headrace.memory.sizeof import sizeof
@@ -66,18 +70,76 @@ def test_sizeof_charges_a_view_of_a_non_buffer_owner_its_owner() -> None:
         # counts them already; the sizer added them again)
 
 
-def test_sizeof_fast_paths_agree_with_the_general_walk(tmp_path) -> None:
-    """Plain arrays and views of pre-existing or file-backed memory skip the walk: same cost."""
-    from headrace.memory.sizeof import _Costing
-
+def _sizing_pool(tmp_path: Any) -> tuple[dict[str, Any], set[int]]:
+    """Arrays of every kind the sizing fast paths take or refuse, and the ids of the
+    owners that predate the run (a source's arrays)."""
     data = np.zeros((100, 1000))
     np.save(tmp_path / "a.npy", data)
     mapped = np.load(tmp_path / "a.npy", mmap_mode="r")
     objects = np.array([b"x" * 100, b"y"], dtype=object)
-    views = [data[3], data[3:9][::2], data.T, mapped[3:5].view(np.ndarray), objects[:1]]
-    for preexisting in (set(), {id(data)}, {id(objects)}):
-        for element in [data, objects, *views]:
-            assert sizeof(element, preexisting) == _Costing(preexisting).cost(element)
+    mixed = np.array([b"x", "s", 3], dtype=object)
+    segment = memoryview(bytearray(400_000))  # as a worker's result arrives: span views
+    span = np.frombuffer(segment[:4000], np.float32)
+    wide = np.frombuffer(segment, np.uint8)[:100]  # pins 400 KB for 100 B: compacted
+    pool = {
+        "owned": np.arange(50.0), "data": data, "objects": objects, "mixed": mixed,
+        "row": data[3], "strided": data[3:9][::2], "transposed": data.T,
+        "mapped": mapped[3:5].view(np.ndarray), "object_view": objects[:1],
+        "parsed": np.frombuffer(bytearray(4096), np.float32).reshape(32, 32),
+        "column": objects.reshape(2), "mixed_view": mixed.reshape(3),
+        "owned_view": np.arange(10.0).reshape(2, 5), "slice_of_big": np.arange(1e5)[:10],
+        "from_bytes": np.frombuffer(bytes(800), np.int64)[1:],
+        "span": span, "span_again": span[::2], "wide": wide, "segment_bytes": np.frombuffer(
+            segment, np.uint8), "empty": np.empty(0), "scalar": np.float32(1.5),
+    }
+    return pool, {id(data), id(objects)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_sizeof_fast_paths_agree_with_the_general_walk(tmp_path_factory: Any, data: Any) -> None:
+    """Plain arrays, views of pre-existing, file-backed or segment memory, and dicts of
+    them (a parsed batch, as it arrives from a worker) skip the walk: the same cost, and
+    admit compacts exactly what the walk would."""
+    from headrace.memory.sizeof import _compact, _Costing, admit
+
+    pool, owners = _sizing_pool(tmp_path_factory.mktemp("sizing"))
+    names = sorted(pool)
+    preexisting = data.draw(st.sampled_from([set(), owners, {min(owners)}]))
+    keys = st.one_of(st.text(max_size=3), st.integers(0, 3))
+    element = data.draw(st.one_of(
+        st.sampled_from(names).map(pool.get),
+        st.dictionaries(keys, st.sampled_from(names).map(pool.get), max_size=6),
+        st.lists(st.sampled_from(names).map(pool.get), max_size=3),
+    ))
+    walk = _Costing(preexisting)
+    walked = walk.cost(element)
+    assert sizeof(element, preexisting) == walked
+    kept, cost = admit(element, preexisting)
+    if walk.compactable:
+        expected = _compact(element, walk)
+        assert cost == _Costing(preexisting).cost(expected)
+        assert type(kept) is type(expected)
+    else:
+        assert kept is element
+        assert cost == walked
+
+
+def test_a_small_view_of_a_large_buffer_is_compacted_when_buffered() -> None:
+    """A row viewing a 400 KB buffer through a memoryview (as arrays from a worker's
+    segment, or np.frombuffer of a read, do) is copied out, not kept pinning it: the
+    compaction measured the memoryview's header (~200 B) instead of its bytes."""
+    from headrace.memory.sizeof import admit
+
+    buffer = memoryview(bytearray(400_000))
+    row = np.frombuffer(buffer, np.uint8)[:100]
+    assert sizeof(row) > 400_000
+    for element in (row, {"row": row}, [row]):
+        kept, cost = admit(element)
+        assert cost < 2_000
+        copied = kept if isinstance(kept, np.ndarray) else next(iter(
+            kept.values() if isinstance(kept, dict) else kept))
+        assert copied.base is None and np.array_equal(copied, row)
 
 
 def test_shuffle_that_cannot_fit_shrinks_with_one_warning_and_keeps_the_cap() -> None:

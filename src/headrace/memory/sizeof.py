@@ -336,33 +336,98 @@ def sizeof(element: Any, preexisting: frozenset[int] | set[int] = frozenset()) -
     ``preexisting`` holds the ``id`` of owning buffers that existed before the
     iteration started (registered by the sources); views into them are free.
     """
-    fast = _plain_array_cost(element, preexisting)
+    fast = _plain_cost(element, preexisting)
     if fast is not None:
         return fast
     return _Costing(preexisting).cost(element)
 
 
-def _plain_array_cost(element: Any, preexisting: frozenset[int] | set[int]) -> int | None:
+def _plain_cost(element: Any, preexisting: frozenset[int] | set[int]) -> int | None:
     """The cost of the commonest elements without the general walk (which is ~0.5 us of
-    per-batch or per-element overhead); None for anything else.
+    per-element overhead, and several us for a batch of columns); exactly what the walk
+    gives them, or None for anything else: a plain array (:func:`_plain_array`) or a
+    dict of them under ``str`` keys (a parsed batch)."""
+    if type(element) is not dict:
+        plain = _plain_array(element, preexisting)
+        return None if plain is None else plain[0]
+    # The walk samples larger dicts, and counts an owner met twice once: those go to it.
+    if len(element) > SAMPLE_ITEMS:
+        return None
+    total = sys.getsizeof(element)
+    owners = set()
+    for key, value in element.items():
+        plain = _plain_array(value, preexisting) if type(key) is str else None
+        if plain is None:
+            return None
+        cost, owner = plain
+        if owner:
+            if owner in owners:
+                return None
+            owners.add(owner)
+        total += sys.getsizeof(key) + cost
+    return total
 
-    Two cases: an array owning numeric data (its bytes), and a view of memory that
-    predates the run or is file-backed (a batch or row sliced from the user's array:
-    its header only, exactly what :meth:`_Costing.array_cost` gives it, since the
-    owner costs nothing and such a view is never worth compacting).
+
+def _plain_array(element: Any, preexisting: frozenset[int] | set[int]) -> tuple[int, int] | None:
+    """``(cost, id of the owner it counts or 0)`` of an array of the commonest kinds, as
+    :meth:`_Costing.array_cost` gives it; None for anything else.
+
+    An array owning its data (numeric, or ``bytes`` objects: its bytes and theirs); a
+    view of memory that predates the run or is file-backed (a batch or row sliced from
+    the user's array: its header only, since the owner costs nothing and such a view
+    is never worth compacting); a view of an array or buffer not much larger than
+    itself (a parsed column reshapes its array, or views the parser's bytearray; an
+    array received from a worker process views its own span of a segment).
     """
     if type(element) is not np.ndarray:
         return None
     base = element.base
     if base is None:
-        if element.dtype.hasobject or id(element) in preexisting:
-            return None
-        return ARRAY_HEADER_BYTES + element.nbytes
+        owned = None if id(element) in preexisting else _owned_array_bytes(element)
+        return None if owned is None else (owned, id(element))
     while isinstance(base, np.ndarray) and base.base is not None:  # owner_of, inlined
         base = base.base
     if id(base) in preexisting or isinstance(base, mmap.mmap):
-        return ARRAY_HEADER_BYTES
-    return None
+        return ARRAY_HEADER_BYTES, 0
+    owner = type(base)
+    if owner is np.ndarray:
+        owned = _owned_array_bytes(base)
+        if owned is None:
+            return None
+    elif owner is memoryview or owner is bytes or owner is bytearray:
+        owned = sys.getsizeof(base) + (base.nbytes if owner is memoryview else 0)
+    else:
+        return None
+    if owned > _COMPACT_RATIO * element.nbytes + _COMPACT_MIN_SAVING:
+        return None  # worth compacting: the walk does it
+    return ARRAY_HEADER_BYTES + owned, id(base)
+
+
+def _owned_array_bytes(array: np.ndarray[Any, Any]) -> int | None:
+    """What :meth:`_Costing.owner_cost` gives an array that owns its data, when its items
+    are numbers or exactly ``bytes`` (a column of ids or records, summed in C); None
+    for other objects."""
+    if not array.dtype.hasobject:
+        return ARRAY_HEADER_BYTES + array.nbytes
+    items = array.ravel().tolist()
+    total = bytes_total(items)
+    if total < 0:
+        return None
+    return ARRAY_HEADER_BYTES + array.nbytes + total + _BYTES_HEADER * len(items)
+
+
+def _owner_bytes(owner: object) -> int:
+    """The bytes a view's owner holds: an array's data, or a buffer's (a memoryview's
+    header alone said ~200 B, so a row viewing a 400 KB segment was never compacted)."""
+    if isinstance(owner, np.ndarray):
+        return owner.nbytes
+    if isinstance(owner, (bytes, bytearray)):
+        return sys.getsizeof(owner)
+    try:
+        with memoryview(owner) as view:  # type: ignore[arg-type]
+            return view.nbytes
+    except TypeError:
+        return sys.getsizeof(owner)
 
 
 def _compact(value: Any, costing: _Costing) -> Any:
@@ -374,8 +439,7 @@ def _compact(value: Any, costing: _Costing) -> Any:
         owner = owner_of(value)
         if id(owner) in costing.preexisting or _is_file_backed(owner):
             return value
-        owner_bytes = owner.nbytes if isinstance(owner, np.ndarray) else sys.getsizeof(owner)
-        if owner_bytes <= _COMPACT_RATIO * value.nbytes + _COMPACT_MIN_SAVING:
+        if _owner_bytes(owner) <= _COMPACT_RATIO * value.nbytes + _COMPACT_MIN_SAVING:
             return value
         copied = np.array(value, copy=True, subok=True)
         if not value.flags.writeable:
@@ -402,7 +466,7 @@ def admit(element: Any, preexisting: frozenset[int] | set[int] = frozenset()) ->
     (see the module docstring), so a buffer of rows costs the rows. Elements
     without such views are returned as they are, costed in one pass.
     """
-    fast = _plain_array_cost(element, preexisting)
+    fast = _plain_cost(element, preexisting)
     if fast is not None:
         return element, fast
     costing = _Costing(preexisting)
