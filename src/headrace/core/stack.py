@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from headrace.errors import ElementSpecError
+from headrace.io.columns import object_array
 from headrace.structure import flatten, pack_as, structure_paths
 
 __all__ = ["stack_elements"]
@@ -16,9 +17,7 @@ __all__ = ["stack_elements"]
 def _stack_leaf(values: list[Any], path: str, stage: str, first_index: int) -> Any:
     first = values[0]
     if type(first) in (bytes, str) and all(type(value) is type(first) for value in values):
-        out = np.empty(len(values), dtype=object)  # scalars: no shapes to compare
-        out[:] = values
-        return out
+        return object_array(values)  # scalars: no shapes to compare
     if isinstance(first, (bytes, str)) or (isinstance(first, np.ndarray) and first.dtype == object):
         out = np.empty((len(values), *np.shape(first)), dtype=object)
         for row, value in enumerate(values):

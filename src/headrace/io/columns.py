@@ -14,13 +14,21 @@ Each function uses the C extension when it is built and switched on (see
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from headrace.io._native import native_module
 
-__all__ = ["bytes_total", "join_bytes", "lengths", "split_bytes"]
+__all__ = ["bytes_total", "join_bytes", "lengths", "object_array", "split_bytes"]
+
+
+def object_array(items: Sequence[Any]) -> np.ndarray[Any, Any]:
+    """A 1-D object array holding exactly these items (``bytes`` or ``str``: never an 'S'
+    array that would drop trailing NULs). ``np.empty`` + slice assignment looks at each
+    item for a nested sequence first: ~1.4x the time, paid per batch of records."""
+    return np.fromiter(items, object, len(items))
 
 
 def bytes_total(items: list[Any]) -> int:

@@ -33,6 +33,7 @@ from headrace.errors import (
     RecordTooLargeError,
     add_note,
 )
+from headrace.io.columns import object_array
 from headrace.io.filepool import FileLimiter, FilePool, PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
@@ -358,12 +359,6 @@ class FileRecordsNode(Node):
         return _RecordBatches(self.make_iterator(ctx), batch_size, drop_remainder, account)
 
 
-def _object_array(records: list[bytes]) -> np.ndarray[Any, Any]:
-    out = np.empty(len(records), dtype=object)
-    out[:] = records
-    return out
-
-
 class _RecordBatches(Iterator):
     stage = "batch"
 
@@ -402,7 +397,7 @@ class _RecordBatches(Iterator):
         except BaseException:
             booked.release()
             raise
-        return _object_array(records), booked
+        return object_array(records), booked
 
     def get_state(self) -> dict[str, Any]:
         return {"records": self.records.get_state()}

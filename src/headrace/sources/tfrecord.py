@@ -24,7 +24,7 @@ from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
 from headrace.errors import InvalidArgumentError, MemoryBudgetError, Origin
-from headrace.io.columns import lengths
+from headrace.io.columns import lengths, object_array
 from headrace.io.filepool import PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord.framing import DEFAULT_MAX_RECORD_BYTES, RECORD_OVERHEAD_BYTES
@@ -341,9 +341,7 @@ class _IndexedAccess(RandomAccess):
         records: list[bytes] = []
         for shard in np.unique(shards).tolist():
             records += self._read_shard(shard, unique[shards == shard] - self.starts[shard])
-        found = np.empty(len(records), dtype=object)
-        found[:] = records
-        return found[inverse.reshape(-1)]
+        return object_array(records)[inverse.reshape(-1)]
 
     def _read_shard(self, shard: int, local: np.ndarray[Any, Any]) -> list[bytes]:
         """Records ``local`` (sorted, distinct) of one shard."""

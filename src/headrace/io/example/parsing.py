@@ -29,8 +29,9 @@ from headrace.io import _example_wire as wire
 from headrace.io._native import native_module
 from headrace.io._ragged import RaggedColumn
 from headrace.io._sparse import SparseColumn
+from headrace.io.columns import object_array
 from headrace.io.example.deferred import DeferredRecord
-from headrace.io.example.encoding import bytes_array, values_as_array
+from headrace.io.example.encoding import values_as_array
 from headrace.io.example.specs import (
     DTYPE_OF_KIND,
     NAME_OF_KIND,
@@ -71,7 +72,7 @@ DecodedFeature = tuple[str, Array]
 
 def _decoded_array(kind: int, values: bytearray | list[bytes]) -> Array:
     if isinstance(values, list):
-        return bytes_array(values)
+        return object_array(values)
     if kind == wire.KIND_NONE:
         return np.empty(0, dtype=np.float32)
     return np.frombuffer(values, dtype="<f4" if kind == wire.KIND_FLOAT else "<i8")
@@ -663,7 +664,7 @@ def _concatenated(kind: int, arrays: list[Array]) -> Array:
     if not arrays:
         return np.empty(0, dtype=DTYPE_OF_KIND[kind])
     if kind == wire.KIND_BYTES:
-        return bytes_array([item for array in arrays for item in array])
+        return object_array([item for array in arrays for item in array])
     return np.concatenate(arrays)
 
 
