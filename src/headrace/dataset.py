@@ -67,15 +67,21 @@ class _ParseExamples:
     def __init__(self, features: Mapping[str, Any]) -> None:
         self.features = dict(features)
         self.__qualname__ = f"parse_examples({sorted(self.features)})"
+        self._parser: Any = None  # planned at the first batch (a spec error raises there)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_parser": None}
 
     def __call__(self, serialized: Any) -> Any:
-        from headrace.io.example.parsing import parse_example
+        from headrace.io.example.parsing import BatchParser
 
         if not isinstance(serialized, np.ndarray) or serialized.ndim != 1:
             raise InvalidArgumentError(
                 "parse_examples expects batches of serialized records: apply it after batch()"
             )
-        return parse_example(serialized.tolist(), self.features)
+        if self._parser is None:
+            self._parser = BatchParser(self.features)
+        return self._parser(serialized.tolist())
 
 
 class _Cast:

@@ -64,6 +64,35 @@ def test_wrong_count_names_feature_record_expected_and_got() -> None:
         hx.parse_example(BATCH, {"x": hx.FixedLenFeature([4], np.float32)})
 
 
+@pytest.mark.parametrize("records", [3, 16384, 16385, 40000])
+@pytest.mark.parametrize("bad", [None, 0, -1])
+def test_a_planned_parser_checks_every_record_of_any_batch_size(records: int, bad: int | None) -> None:
+    """The dataset's parser, planned once and pickled to workers, gives parse_example's
+    columns, and its fast "every record has it at its size" check (a cached pattern up
+    to 16,384 records, NumPy past it) still finds the one record that differs."""
+    import pickle
+
+    from headrace.io.example.parsing import BatchParser
+
+    spec = {"x": hx.FixedLenFeature([2], np.float32), "id": hx.FixedLenFeature([], bytes)}
+    batch = [hx.serialize_example({"x": ("float_list", [i, -i]), "id": ("bytes_list", [b"%d" % i])})
+             for i in range(records)]
+    if bad is not None:
+        batch[bad] = hx.serialize_example({"x": ("float_list", [1.0]), "id": ("bytes_list", [b""])})
+    parser = pickle.loads(pickle.dumps(BatchParser(spec)))
+    for _ in range(2):  # the second batch meets the cached pattern
+        if bad is not None:
+            row = bad % records
+            with pytest.raises(ParseError, match=f"feature 'x' in record {row} of the batch has 1"):
+                parser(batch)
+            continue
+        parsed = parser(batch)
+        assert parsed["x"].shape == (records, 2)
+        np.testing.assert_array_equal(parsed["x"][:, 0], np.arange(records, dtype=np.float32))
+        assert parsed["id"].tolist() == [b"%d" % i for i in range(records)]
+        np.testing.assert_array_equal(parsed["x"], hx.parse_example(batch, spec)["x"])
+
+
 def test_wrong_kind_names_feature_record_and_types() -> None:
     with pytest.raises(
         ParseError,
