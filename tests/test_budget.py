@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-
 from typing import Any
 
 import numpy as np
