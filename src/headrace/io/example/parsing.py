@@ -239,13 +239,7 @@ def _failure_message(args: tuple[Any, ...], keys: Sequence[str], batch_size: int
     )
 
 
-def _gather(serialized: Sequence[bytes], plan: _Plan) -> dict[str, _Column]:
-    keys = list(plan.kinds)
-    return _gather_keys(serialized, keys, [plan.kinds[key] for key in keys],
-                        [key.encode("utf-8") for key in keys])
-
-
-def _gather_keys(
+def _gather(
     serialized: Sequence[bytes], keys: list[str], kinds: list[int], encoded_keys: list[bytes]
 ) -> dict[str, _Column]:
     native = native_module()
@@ -543,7 +537,7 @@ class BatchParser:
             raise mark_batch_row(error)  # noqa: B904 - the same error
 
     def _parse(self, records: Sequence[bytes]) -> dict[str, Array | RaggedColumn | SparseColumn]:
-        columns = _gather_keys(records, self.keys, self.kinds, self.encoded_keys)
+        columns = _gather(records, self.keys, self.kinds, self.encoded_keys)
         parsed: dict[str, Array | RaggedColumn | SparseColumn] = {}
         for name, spec, key, shape in self.steps:
             if shape is not None:
