@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,25 @@ def _interleave_wait_rows(report: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _workers_rows(rounds: dict[str, list[dict[str, Any]]] | None) -> list[str]:
+    """bench_workers_tfrecord.py at 1 M records: read + parse in 2 worker processes against
+    tf.data's best configuration, medians of the interleaved rounds."""
+    if not rounds or not rounds.get("headrace-2proc"):
+        return []
+
+    def median_rate(side: str) -> float:
+        return statistics.median(r["timed"] / r["wall_s"] for r in rounds[side])
+
+    ours = median_rate("headrace-2proc")
+    best, theirs = max((median_rate(side), side) for side in rounds if side.startswith("tf-"))
+    records = rounds["headrace-2proc"][0]["records"]
+    return [
+        f"| TFRecord read + parse, {records / 1e6:g}M x 200 B, 2 worker processes "
+        f"(`workers=\"processes\"`) | {ours / 1e6:.2f} M records/s | {ours / best:.2f}x "
+        f"(best tf: {theirs}) | — | — |"
+    ]
+
+
 def build_table() -> str:
     core, tfrecord = _load("core"), _load("tfrecord")
     if core is None:
@@ -149,6 +169,7 @@ def build_table() -> str:
     ]
     if tfrecord is not None:
         lines += _tfrecord_rows(tfrecord)
+    lines += _workers_rows(_load("workers-tfrecord-1m"))
     lines += _interleave_wait_rows(_load("interleave-wait"))
     scenario4 = core.get("scenario4", {})
     ours, theirs = scenario4.get("headrace", {}), scenario4.get("tensorflow", {})
@@ -161,8 +182,9 @@ def build_table() -> str:
     lines.append("")
     lines.append(
         "Regenerate with `python benchmarks/bench_core.py && python benchmarks/bench_tfrecord.py "
-        "&& python benchmarks/bench_interleave_wait.py && python benchmarks/readme_table.py`; "
-        "full tables in `benchmarks/results/`."
+        "&& python benchmarks/bench_workers_tfrecord.py --records 1000000 --repeats 5 --out "
+        "workers-tfrecord-1m && python benchmarks/bench_interleave_wait.py && python "
+        "benchmarks/readme_table.py`; full tables in `benchmarks/results/`."
     )
     return "\n".join(lines)
 
