@@ -53,6 +53,24 @@ def test_checkpoint_roundtrip_streaming(tmp_path, compression) -> None:
     assert_checkpoint_roundtrip(hr.TFRecordDataset(files, compression_type=compression).batch(4))
 
 
+def test_parse_examples_fingerprint_holds_once_batches_are_parsed(tmp_path) -> None:
+    """A checkpoint taken after parse_examples has parsed batches restores into a pipeline
+    built afresh: the parse's fingerprint is the same before and after it has run (its
+    plan, made once, was set on the first batch and changed the fingerprint)."""
+    files = make_shards(tmp_path)
+
+    def make() -> hr.Dataset:
+        return hr.TFRecordDataset(files).batch(4).parse_examples(SPEC)
+
+    used = make()
+    with iter(used) as iterator:
+        next(iterator)
+        assert used.fingerprint() == make().fingerprint()
+    assert_checkpoint_roundtrip(make())
+    with pytest.raises(hr.InvalidArgumentError, match="unsupported spec"):
+        hr.TFRecordDataset(files).batch(4).parse_examples({"x": "not a spec"})
+
+
 def corrupt(path: str, at: int) -> None:
     with open(path, "r+b") as handle:
         handle.seek(at)

@@ -65,23 +65,20 @@ class _ParseExamples:
     """A picklable batched parse (``Dataset.parse_examples``)."""
 
     def __init__(self, features: Mapping[str, Any]) -> None:
-        self.features = dict(features)
-        self.__qualname__ = f"parse_examples({sorted(self.features)})"
-        self._parser: Any = None  # planned at the first batch (a spec error raises there)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_parser": None}
-
-    def __call__(self, serialized: Any) -> Any:
         from headrace.io.example.parsing import BatchParser
 
+        # Planned now, once (a spec mistake raises here), never mid-run: the pipeline's
+        # fingerprint describes this object's attributes, and must not change once a
+        # batch has been parsed (a checkpoint would no longer restore into a new one).
+        self.parser = BatchParser(features)
+        self.__qualname__ = f"parse_examples({sorted(self.parser.features)})"
+
+    def __call__(self, serialized: Any) -> Any:
         if not isinstance(serialized, np.ndarray) or serialized.ndim != 1:
             raise InvalidArgumentError(
                 "parse_examples expects batches of serialized records: apply it after batch()"
             )
-        if self._parser is None:
-            self._parser = BatchParser(self.features)
-        return self._parser(serialized.tolist())
+        return self.parser(serialized.tolist())
 
 
 class _Cast:
