@@ -562,6 +562,30 @@ def test_rows_moved_into_a_batch_are_its_minimum_so_a_re_split_never_breaches() 
     assert rows[4].nbytes == 0 and upstream.held == 0
 
 
+def test_a_move_within_one_account_never_counts_the_element_twice() -> None:
+    """A padded batch of bytes keeps its rows' bookings, moved into the batch's own on the
+    same account. The move booked the row before unbooking it: for that instant, inside
+    the lock, the stage held the row twice, and a 5.6 MB row under a 10 MB share counted
+    as a breach and lifted the peaks (budget sweep seed 100462)."""
+    budget = MemoryBudget(100_000)
+    stage = budget.account("padded_batch", weight=1.0)
+    budget.allot()
+    row = stage.charge(stage.limit * 3 // 4)
+    elements, peak = stage.elements, stage.peak
+    moved = row.move_to(stage, row.nbytes)
+    assert stage.breaches == 0 and stage.held == moved.nbytes and row.nbytes == 0
+    assert stage.peak == peak and budget.peak == peak and stage.elements == elements
+    grown = moved.move_to(stage, moved.nbytes + 1_000, together="a batch")  # resized in place
+    assert stage.held == grown.nbytes and stage.breaches == 0
+    grown.release()
+    assert stage.held == 0 and budget.used == 0
+    case = random_spec(100462)  # skip, padded_batch(4), prefetch, cache, unbatch, scan
+    assert [op[0] for op in case["ops"]][:2] == ["skip", "batch"]
+    (result,) = run_specs([case])
+    assert_within_budget(result)
+    assert result["outcome"] == "ok" and not result["violations"], result
+
+
 @pytest.mark.parametrize("where", ["processes", "threads"])
 def test_the_batch_breach_of_process_seed_200014_is_gone(where: str) -> None:
     """A process (or thread) map of 64 KiB bytes, batch(32), prefetch, shuffle, prefetch,

@@ -628,12 +628,15 @@ class Reservation:
             if nbytes > account.limit:
                 account._check_fits(nbytes)
             with account.lock:
-                if together is not None:
-                    account._fit_together(nbytes, together)
+                # Unbooked before it is booked again: a move within one account (the rows a
+                # padded batch keeps) never counts the element twice, not even inside the
+                # lock, where the breach count and the peaks saw it (budget sweep seed 100462).
                 old, self.nbytes = self.nbytes, 0
-                account._book(nbytes)
                 if old:
                     source._unbook(old)
+                if together is not None:
+                    account._fit_together(nbytes, together)
+                account._book(nbytes, 0 if source is account else 1)
         except MemoryBudgetError:  # refused: the element goes nowhere, its bytes come back
             self.release()
             raise
