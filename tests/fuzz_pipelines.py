@@ -583,8 +583,11 @@ def _sample(ds: Any, op: list[Any], spec: dict[str, Any]) -> Any:
 
     import headrace as hr
 
-    # a second input of its own (two iterators of one recipe node would share its account)
+    # a second input of its own (two iterators of one recipe node would share its account),
+    # of the stream's structure: rows, or (row, index) pairs after a ``zip`` (seed 110015)
     other = hr.Dataset.from_tensor_slices(np.zeros((50, max(spec["base_bytes"] // 64, 1)), np.uint8))
+    if any(op[0] == "zip" for op in spec["ops"]):
+        other = hr.Dataset.zip((other, hr.Dataset.range(10**9)))
     return hr.Dataset.sample_from_datasets([ds, other], seed=spec["seed"])
 
 
