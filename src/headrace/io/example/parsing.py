@@ -274,10 +274,7 @@ def _first_record(mask: Array) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def _fixed_len(
-    name: str, spec: FixedLenFeature, column: _Column, shape: tuple[int, ...] | None = None
-) -> Array:
-    shape = shape_tuple(spec.shape) if shape is None else shape
+def _fixed_len(name: str, spec: FixedLenFeature, column: _Column, shape: tuple[int, ...]) -> Array:
     size = math.prod(shape)
     batch = len(column.raw_counts) // 8
     if column.uniform(size):  # every record has it, at its size: one check
