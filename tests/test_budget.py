@@ -69,9 +69,11 @@ def test_sizeof_charges_a_view_of_a_non_buffer_owner_its_owner() -> None:
         # counts them already; the sizer added them again)
 
 
-def _sizing_pool(tmp_path: Any) -> tuple[dict[str, Any], set[int]]:
+@pytest.fixture(scope="module")
+def sizing_pool(tmp_path_factory: Any) -> tuple[dict[str, Any], set[int]]:
     """Arrays of every kind the sizing fast paths take or refuse, and the ids of the
-    owners that predate the run (a source's arrays)."""
+    owners that predate the run (a source's arrays). Made once: the test only reads them."""
+    tmp_path = tmp_path_factory.mktemp("sizing")
     data = np.zeros((100, 1000))
     np.save(tmp_path / "a.npy", data)
     mapped = np.load(tmp_path / "a.npy", mmap_mode="r")
@@ -96,13 +98,15 @@ def _sizing_pool(tmp_path: Any) -> tuple[dict[str, Any], set[int]]:
 
 @settings(max_examples=300, deadline=None)
 @given(st.data())
-def test_sizeof_fast_paths_agree_with_the_general_walk(tmp_path_factory: Any, data: Any) -> None:
+def test_sizeof_fast_paths_agree_with_the_general_walk(
+    sizing_pool: tuple[dict[str, Any], set[int]], data: Any
+) -> None:
     """Plain arrays, views of pre-existing, file-backed or segment memory, and dicts of
     them (a parsed batch, as it arrives from a worker) skip the walk: the same cost, and
     admit compacts exactly what the walk would."""
     from headrace.memory.sizeof import _compact, _Costing, admit
 
-    pool, owners = _sizing_pool(tmp_path_factory.mktemp("sizing"))
+    pool, owners = sizing_pool
     names = sorted(pool)
     preexisting = data.draw(st.sampled_from([set(), owners, {min(owners)}]))
     keys = st.one_of(st.text(max_size=3), st.integers(0, 3))
