@@ -492,7 +492,8 @@ class Dataset:
         instead of one Python call per record. ``features`` maps names to
         ``FixedLenFeature``/``VarLenFeature``/``FixedLenSequenceFeature``/
         ``RaggedFeature`` specs from :mod:`headrace.io.example`, as in
-        ``tf.io.parse_example``.
+        ``tf.io.parse_example``. The spec is checked and planned here, once: a mistake in
+        it raises now, not at the first batch.
         """
         return self._wrap(MapNode(self._node, _ParseExamples(features), None, None,
                                   stage="parse_examples"))
