@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -160,20 +161,24 @@ def test_arrays_someone_else_holds_reach_tensorflow_as_copies(tmp_path: pytest.T
                 batch[...] = -1  # what a forwarded TensorFlow op may do
             feed.finish(key)
         np.testing.assert_array_equal(source, np.arange(512 * 8).reshape(512, 8), name)
-    # A fresh batch (shuffled: gathered into a new array) crosses without a copy.
-    seen: list[int] = []
+    # A fresh batch (shuffled: gathered into a new array) crosses without a copy: what
+    # the feed hands on is the very array the map returned. Weak references, not
+    # addresses: a freed batch's address is reused by the next one, and the map's
+    # call on the first element for the element spec must not count as a batch.
+    made: list[weakref.ref[np.ndarray]] = []
     fresh = hr.Dataset.from_tensor_slices(source).shuffle(512, seed=0).batch(64).map(
-        lambda b: seen.append(b.ctypes.data) or b)
+        lambda b: made.append(weakref.ref(b)) or b)
     feed = _Feed(fresh)
+    made.clear()  # the element spec's call
     key = int(feed.start())
     # Under a tracer (a debugger, coverage, a test runner's) frames keep snapshots of
     # their locals, so every array looks held and is copied: safe, only slower.
     previous = sys.gettrace()
     sys.settrace(None)
     try:
-        handed = [feed.pull(key)[0].ctypes.data for _ in range(8)]
+        handed = [feed.pull(key)[0] for _ in range(8)]
     finally:
         sys.settrace(previous)
     feed.finish(key)
     # (the pipeline may have made the next batch already)
-    assert handed == seen[:8], (previous, sys.getprofile())
+    assert [array is ref() for array, ref in zip(handed, made[:8], strict=True)] == [True] * 8
