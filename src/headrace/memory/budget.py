@@ -661,8 +661,14 @@ class Overdraft(Reservation):
                 account.overdrawn -= excess
 
     def release(self) -> None:
-        self._settle()
-        super().release()
+        if self.account is None:
+            super().release()
+            return
+        # One step: a reader of the budget's use and the overdraft never sees the
+        # overdraft gone while its bytes are still in use.
+        with self.account.lock:
+            super().release()
+            self._settle()
 
     def move_to(
         self, account: StageAccount, nbytes: int, *, together: str | None = None
