@@ -122,7 +122,8 @@ def test_abandoned_and_finished_passes_give_back_their_budget(
 
     from headrace.core.run import default_budget, join_abandoned
 
-    gc.collect()
+    gc.collect()  # earlier tests' abandoned iterators close (on threads of their own)
+    assert join_abandoned()  # before the baseline is read, not after
     before = default_budget().used
     ds = hr.Dataset.range(40).map(lambda v: np.full(64, v)).prefetch(4).batch(batch).prefetch(2)
     out = ds.to_tf()

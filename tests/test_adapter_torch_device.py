@@ -300,9 +300,13 @@ def test_the_ring_is_booked_and_returned() -> None:
         hr.Options(memory_budget="16MiB"))
     with iter(_device(ds, SlowBackend(), threads=2, depth=3)) as it:
         next(it)
-        time.sleep(0.05)
-        stage = next(s for s in it.stats().stages if s.name == "to_device")
         slot = 64_000 + (-64_000) % 512
+        deadline = time.monotonic() + 10  # the worker threads fill the ring's 3 slots
+        while True:
+            stage = next(s for s in it.stats().stages if s.name == "to_device")
+            if stage.held >= 3 * slot or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
         assert stage.held == 3 * slot  # every slot allocated so far is booked...
         list(it)
     assert it.stats().budget_used == 0  # ...and closing gives it all back

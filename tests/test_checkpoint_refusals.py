@@ -33,11 +33,12 @@ def state_after(ds: hr.Dataset, steps: int) -> dict[str, Any]:
 
 
 def refused(ds: hr.Dataset, state: dict[str, Any], match: str) -> None:
-    """Restoring ``state`` raises CheckpointError matching ``match`` within a second."""
+    """Restoring ``state`` raises CheckpointError matching ``match`` at once (milliseconds
+    of work: the bound leaves room for a loaded machine, not for a replay)."""
     started = time.perf_counter()
     with iter(ds) as iterator, pytest.raises(hr.CheckpointError, match=match):
         iterator.set_state(state)
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < 5.0
 
 
 @pytest.mark.parametrize("drawn", [10**15, 101, -1])

@@ -31,7 +31,8 @@ def headrace_threads() -> list[threading.Thread]:
 def test_hundreds_of_abandoned_iterators_are_freed(no_thread_leak) -> None:
     # what other tests' live datasets keep booked there (a complete cache() lives as
     # long as its dataset) is not these iterators' to return
-    gc.collect()
+    gc.collect()  # earlier tests' abandoned iterators close (on threads of their own)
+    assert join_abandoned()  # before the baseline is read, not after
     before = default_budget().used
     dataset = busy_pipeline()
     for _ in range(300):
@@ -44,7 +45,8 @@ def test_hundreds_of_abandoned_iterators_are_freed(no_thread_leak) -> None:
 
 
 def test_break_out_of_for_loop_frees_everything(no_thread_leak) -> None:
-    gc.collect()
+    gc.collect()  # earlier tests' abandoned iterators close (on threads of their own)
+    assert join_abandoned()  # before the baseline is read, not after
     before = default_budget().used
     for _ in range(20):
         for batch in busy_pipeline():

@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace.core.run import join_abandoned
 from headrace.io.tfrecord.writer import write_tfrecord
 from headrace.workers import shm
 from headrace.workers.memory import worker_memory
@@ -150,6 +151,7 @@ def test_arrays_come_back_booked_and_everything_is_returned_at_close() -> None:
     assert choice.kind == "processes" and len(choice.processes) == 2
     assert budget.used == 0
     gc.collect()
+    assert join_abandoned()  # also an earlier test's iterator that this collection closed
     assert own_segments() == []
 
 
@@ -176,6 +178,7 @@ def test_a_killed_worker_is_a_worker_error_within_seconds_and_everything_stops()
         time.sleep(0.05)
     assert all(worker_memory(pid) is None for pid in pids)
     gc.collect()
+    assert join_abandoned()  # also an earlier test's iterator that this collection closed
     assert own_segments() == []
 
 
@@ -342,6 +345,7 @@ def test_parsed_batches_stay_in_the_budget_and_reuse_their_segments(tmp_path: Pa
         chunks, opened)
     assert budget.used == 0
     gc.collect()
+    assert join_abandoned()  # also an earlier test's iterator that this collection closed
     assert own_segments() == []
 
 
@@ -365,6 +369,7 @@ def test_slots_one_after_another_reuse_the_same_few_segments() -> None:
     assert chunks >= 100 and all(0 < n <= process_interleave.READ_AHEAD + 3 for n in opened), (
         chunks, opened)
     gc.collect()
+    assert join_abandoned()  # also an earlier test's iterator that this collection closed
     assert own_segments() == []
 
 

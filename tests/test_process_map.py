@@ -27,6 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace.core.run import join_abandoned
 from headrace.testing import assert_checkpoint_roundtrip, assert_elements_equal
 from headrace.workers import shm
 from headrace.workers.memory import worker_memory
@@ -121,6 +122,7 @@ def test_arrays_come_back_through_shared_memory_and_are_booked() -> None:
     assert all(p.uss > 0 for p in stats.workers[0].processes)
     del got, element, base
     gc.collect()
+    assert join_abandoned()  # also an earlier test's iterator that this collection closed
     assert own_segments() == []
 
 
@@ -212,8 +214,7 @@ def test_close_and_garbage_collection_stop_the_workers() -> None:
     pids = {next(iterator) for _ in range(50)}
     del iterator
     gc.collect()
-    hr_join = __import__("headrace.core.run", fromlist=["join_abandoned"]).join_abandoned
-    assert hr_join()
+    assert join_abandoned()
     assert wait_dead(list(pids))
     assert own_segments() == []
 
@@ -511,6 +512,7 @@ def test_input_segments_are_pooled_booked_and_freed(monkeypatch: pytest.MonkeyPa
     assert calls >= 250 and made <= 12 and events[second_half:].count("segment") == 0, (made, trace)
     assert budget.used == 0  # the pooled segments' bookings went back with close
     gc.collect()
+    assert join_abandoned()  # also an earlier test's iterator that this collection closed
     assert own_segments() == []
 
 

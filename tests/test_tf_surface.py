@@ -8,6 +8,7 @@ and rebatch's empty splits — compared element for element with TensorFlow 2.21
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -269,16 +270,32 @@ def _slow_at(slow: int, seconds: float = 0.4) -> Any:
     return fn
 
 
-def _order(D: Any, n: int, slow: int, deterministic: bool) -> list[int]:
-    fn = _slow_at(slow)
+def _order(D: Any, n: int, slow: int) -> list[int]:
+    """The order an unordered map of ``n`` elements hands out, where element ``slow``
+    waits until more than half of them came out (at most 30 s: a map that waits for
+    it then shows it in its place). An event, not a sleep: on a loaded machine the
+    quick elements' pace must not decide the test."""
+    passed = threading.Event()
+
+    def fn(x: Any) -> Any:
+        if int(x) == slow:
+            passed.wait(30)
+        return x
+
     if D is tf.data.Dataset:
         ds = D.range(n).map(
             lambda x: tf.py_function(fn, [x], tf.int64), num_parallel_calls=4,
-            deterministic=deterministic,
+            deterministic=False,
         )
     else:
-        ds = D.range(n).map(fn, num_parallel_calls=4, deterministic=deterministic)
-    return [int(x) for x in ds]
+        ds = D.range(n).map(fn, num_parallel_calls=4, deterministic=False)
+    order: list[int] = []
+    for x in ds:
+        order.append(int(x))
+        if len(order) > n // 2 + 1:
+            passed.set()
+    passed.set()
+    return order
 
 
 @pytest.mark.parametrize("n, slow", [(60, 5), (2000, 500)])
@@ -287,7 +304,7 @@ def test_map_out_of_order_lets_later_elements_pass_a_slow_one_like_tf(n: int, sl
     elements here are so quick that headrace gives calls chunks of them: the chunk
     holding the slow element gives up the rest, so its neighbours pass too."""
     for D in (tf.data.Dataset, hr.Dataset):
-        order = _order(D, n, slow, deterministic=False)
+        order = _order(D, n, slow)
         assert sorted(order) == list(range(n))
         assert order.index(slow) > n // 2, D  # it came out long after its place
         assert order.index(slow + 1) < order.index(slow), D

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from descriptors import open_descriptors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,10 +44,6 @@ def write_sample(directory: Path, kind: str, content: bytes, name: str) -> Path:
     path = directory / f"{name}.{kind or 'raw'}"
     path.write_bytes(encoded)
     return path
-
-
-def open_descriptors() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +102,7 @@ def test_interleaved_streams_give_exact_bytes_under_the_cap(
     sample_files: list[tuple[Path, str]], max_open_files: int, stream_descriptors: Any
 ) -> None:
     pool = FilePool(max_open_files)
-    baseline = open_descriptors()
+    baseline = open_descriptors(sample_files[0][0].parent)
     handles = [pool.open(path, kind, buffer_size=300) for path, kind in sample_files]
     assert read_round_robin(handles, 777) == CONTENTS
     assert stream_descriptors.peak == max_open_files
@@ -114,7 +111,7 @@ def test_interleaved_streams_give_exact_bytes_under_the_cap(
     assert stats.suspensions > 0 and stats.resumptions > 0
     for handle in handles:
         handle.close()
-    assert open_descriptors() == baseline
+    assert open_descriptors(sample_files[0][0].parent) == baseline
     assert pool.stats().open_files == 0
 
 
@@ -129,7 +126,7 @@ def test_cap_holds_across_threads(
     sample_files: list[tuple[Path, str]], stream_descriptors: Any
 ) -> None:
     pool = FilePool(4)
-    baseline = open_descriptors()
+    baseline = open_descriptors(sample_files[0][0].parent)
     results: dict[int, list[bytes]] = {}
 
     def worker(worker_index: int) -> None:
@@ -146,7 +143,7 @@ def test_cap_holds_across_threads(
     assert all(results[index] == CONTENTS for index in range(8))
     assert stream_descriptors.peak <= 4
     assert pool.stats().peak_open_files <= 4
-    assert open_descriptors() == baseline
+    assert open_descriptors(sample_files[0][0].parent) == baseline
 
 
 @settings(max_examples=30, deadline=None)
@@ -273,12 +270,12 @@ def test_max_open_files_is_validated(bad: object) -> None:
 
 def test_lowering_the_cap_with_streams_open(sample_files: list[tuple[Path, str]]) -> None:
     pool = FilePool(6)
-    baseline = open_descriptors()
+    baseline = open_descriptors(sample_files[0][0].parent)
     handles = [pool.open(path, kind) for path, kind in sample_files[:6]]
     prefixes = [handle.read(100) for handle in handles]
-    assert open_descriptors() == baseline + 6
+    assert open_descriptors(sample_files[0][0].parent) == baseline + 6
     pool.set_max_open_files(2)
-    assert open_descriptors() == baseline + 2
+    assert open_descriptors(sample_files[0][0].parent) == baseline + 2
     assert pool.stats().open_files == 2
     rests = read_round_robin(handles, 700)
     assert [a + b for a, b in zip(prefixes, rests, strict=True)] == CONTENTS[:6]
@@ -308,12 +305,12 @@ def test_set_max_open_files_sets_the_default_pool(monkeypatch: pytest.MonkeyPatc
 
 def test_close_and_context_manager_free_the_slot(sample_files: list[tuple[Path, str]]) -> None:
     pool = FilePool(1)
-    baseline = open_descriptors()
+    baseline = open_descriptors(sample_files[0][0].parent)
     with pool.open(*sample_files[0]) as handle:
         assert handle.read(10) == CONTENTS[0][:10]
     assert handle.closed
     handle.close()  # idempotent
-    assert open_descriptors() == baseline
+    assert open_descriptors(sample_files[0][0].parent) == baseline
     assert pool.stats().open_files == 0 and pool.stats().streams == 0
     with pytest.raises(ValueError, match="closed"):
         handle.read(1)
@@ -323,7 +320,7 @@ def test_garbage_collected_streams_release_their_slots(
     sample_files: list[tuple[Path, str]],
 ) -> None:
     pool = FilePool(2)
-    baseline = open_descriptors()
+    baseline = open_descriptors(sample_files[0][0].parent)
     handle = pool.open(*sample_files[1])
     handle.read(10)
     collected = weakref.ref(handle)
@@ -336,7 +333,7 @@ def test_garbage_collected_streams_release_their_slots(
     del cyclic
     gc.collect()
     assert pool.stats().streams == 0
-    assert open_descriptors() == baseline
+    assert open_descriptors(sample_files[0][0].parent) == baseline
 
 
 def test_streams_collected_while_the_pool_lock_is_held_are_closed_on_release(
