@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-from headrace.memory.budget import MemoryBudget
+from headrace.memory.budget import MemoryBudget, StageAccount
 from headrace.memory.sizeof import admit, register_sizer, sizeof
 
 MiB = 1 << 20
@@ -584,6 +584,29 @@ def test_a_move_within_one_account_never_counts_the_element_twice() -> None:
     (result,) = run_specs([case])
     assert_within_budget(result)
     assert result["outcome"] == "ok" and not result["violations"], result
+
+
+def test_an_overdraft_leaves_the_budget_with_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Releasing an overdraft lowered the overdraft, then, under a second lock, the bytes
+    in use: a reader in between (the served tests' samplers) saw bytes past the budget
+    that no overdraft explained. Both now change in one step."""
+    budget = MemoryBudget(100_000)
+    stage = budget.account("map", weight=1.0)
+    budget.allot()
+    within = stage.charge(stage.limit - 10_000)
+    (outgrown,) = stage.book_existing([30_000])  # an output that outgrew its estimate
+    assert stage.overdrawn == 20_000 and budget.used == budget.total + 20_000
+    unexplained: list[int] = []
+    unbook = StageAccount._unbook
+
+    def watched(self: StageAccount, nbytes: int) -> None:
+        unexplained.append(budget.used - budget.total - stage.overdrawn)
+        unbook(self, nbytes)
+
+    monkeypatch.setattr(StageAccount, "_unbook", watched)
+    outgrown.release()
+    assert unexplained and max(unexplained) <= 0, unexplained
+    assert stage.overdrawn == 0 and budget.used == within.nbytes
 
 
 @pytest.mark.parametrize("where", ["processes", "threads"])
