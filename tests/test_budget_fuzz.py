@@ -586,6 +586,21 @@ def test_a_move_within_one_account_never_counts_the_element_twice() -> None:
     assert result["outcome"] == "ok" and not result["violations"], result
 
 
+def test_a_parallel_map_books_larger_inputs_at_the_growth_its_outputs_showed() -> None:
+    """Seed 130361: a 16-call thread map growing each element 4x, whose inputs jump 100x
+    (4 KB to 400 KB) a third of the way in. Quick small elements had made its chunks
+    long, and each input was booked at the largest output so far (16 KB) or its own
+    size: the chunks in flight made 4x what they booked, 90 MB of overdraft on a 24 MB
+    share, and the process grew 150 MB (bound 117). Inputs are now booked at their
+    size times the largest output/input ratio seen."""
+    case = random_spec(130361)
+    assert case["distribution"] == "jump" and ["pmap", 16, "grow"] in case["ops"]
+    (result,) = run_specs([case])
+    assert_within_budget(result)
+    assert result["outcome"] == "ok", result
+    assert result["overdrawn_peak"] <= result["budget"] // 4, result  # was 2x the budget
+
+
 def test_an_overdraft_leaves_the_budget_with_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Releasing an overdraft lowered the overdraft, then, under a second lock, the bytes
     in use: a reader in between (the served tests' samplers) saw bytes past the budget

@@ -44,6 +44,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from operator import truediv
 from queue import Empty, SimpleQueue
 from typing import Any
 
@@ -393,8 +394,8 @@ class _Call:
     """
 
     __slots__ = (
-        "bookings", "count", "elements", "error", "first_index", "future", "origins",
-        "progress", "state_before",
+        "booked", "bookings", "count", "elements", "error", "first_index", "future", "inputs",
+        "origins", "progress", "state_before",
     )
 
     def __init__(
@@ -408,6 +409,10 @@ class _Call:
         self.future, self.bookings, self.state_before = future, bookings, state_before
         self.first_index, self.error = first_index, error
         self.count = 0  # elements in the chunk (set by the caller)
+        #: Each input's own size, and what the chunk's expected outputs were booked at
+        #: (set by the caller): an estimate that grows rebooks the difference.
+        self.inputs: list[int] = []
+        self.booked = 0
         self.elements: list[Any] = []  # kept only where the chunk may be split
         self.progress: _Progress | None = None
         #: Where each element came from, where the input can say: tokens of
@@ -466,6 +471,10 @@ class _ParallelMapIterator(Iterator):
         self.max_chunk = _MAX_CHUNK
         self.finished: SimpleQueue[_Call] | None = None if deterministic else SimpleQueue()
         self.output_estimate = 0  # the largest output so far: what a call in flight will need
+        # The largest output/input size ratio so far: what an input larger than those
+        # seen will need (a chunk of small inputs sized the calls, then large ones came).
+        self.output_ratio = 0.0
+        self.pulled_inputs: list[int] = []  # sizes of the last chunk pulled's inputs
         self.state_after_last_input = inner.get_state()
         self.next_index = 0  # of the next input element to pull
         # Where the input's elements come from: asked per element pulled (a call ahead
@@ -489,12 +498,15 @@ class _ParallelMapIterator(Iterator):
         state_before: dict[str, Any],
         first_index: int,
         error: Exception | None,
-        origins: list[Any] | None = None,
+        origins: list[Any] | None,
+        inputs: list[int],
+        booked: int,
     ) -> None:
         progress = _Progress(len(elements)) if self.finished is not None and elements else None
         future = self._start_call(elements, progress)
         call = _Call(future, bookings, state_before, first_index, error)
         call.count, call.origins = len(elements), origins
+        call.inputs, call.booked = inputs, booked
         if progress is not None:
             call.elements, call.progress = elements, progress
         self.calls.append(call)
@@ -511,17 +523,20 @@ class _ParallelMapIterator(Iterator):
             if not given_up:
                 continue
             tail = call.elements[given_up.start : given_up.stop]
+            inputs = call.inputs[given_up.start : given_up.stop]
             call.count -= len(tail)
+            call.inputs = call.inputs[: given_up.start]
             error, call.error = call.error, None  # an input error comes after the tail
-            booking = _carve(
-                call.bookings,
-                sum(max(self.ctx.sizeof(element),
-                        self._expected_output(element, self.output_estimate)) for element in tail),
-            )
+            estimate = self.output_estimate
+            booking = _carve(call.bookings, sum(
+                max(nbytes, self._expected_output(element, estimate, nbytes))
+                for element, nbytes in zip(tail, inputs, strict=True)))
+            call.booked -= booking.nbytes
             origins = call.origins
             self._launch(
                 tail, [booking], call.state_before, call.first_index + given_up.start, error,
-                None if origins is None else origins[given_up.start : given_up.stop],
+                None if origins is None else origins[given_up.start : given_up.stop], inputs,
+                booking.nbytes,
             )
 
     def _submit_more(self) -> None:
@@ -536,7 +551,8 @@ class _ParallelMapIterator(Iterator):
             elements, bookings, error = self._pull_chunk()
             if elements or error is not None:
                 self._launch(
-                    elements, bookings, state_before, first_index, error, self.pulled_origins
+                    elements, bookings, state_before, first_index, error, self.pulled_origins,
+                    self.pulled_inputs, sum(booking.nbytes for booking in bookings),
                 )
 
     def _pull_chunk(self) -> tuple[list[Any], list[Reservation], Exception | None]:
@@ -556,6 +572,10 @@ class _ParallelMapIterator(Iterator):
         probe = None if self.origin_probe is None else self.origin_probe[0]
         origins: list[Any] | None = None if probe is None else []
         self.pulled_origins = origins
+        inputs: list[int] = []
+        self.pulled_inputs = inputs
+        # (_expected_output without a hint, inlined: this runs per element)
+        hinted, ratio, limit = self.output_nbytes is not None, self.output_ratio, account.limit
         while len(elements) < self.chunk and (
             not elements or account.held + pending_bytes + estimate <= account.limit
         ):
@@ -572,7 +592,12 @@ class _ParallelMapIterator(Iterator):
                 origins.append(probe())  # type: ignore[union-attr]
             # A call in flight will soon hold its output: book the larger of the two
             # (the output's size from the input itself, where output_nbytes says it).
-            size = max(sizeof(element), self._expected_output(element, estimate))
+            nbytes = sizeof(element)
+            inputs.append(nbytes or 1)  # (a registered sizer may say 0: a ratio's divisor)
+            if hinted:
+                size = max(nbytes, self._expected_output(element, estimate, nbytes))
+            else:
+                size = max(nbytes, estimate, min(int(nbytes * ratio), limit))
             if reservation.account is None:
                 pending.append(size)
                 pending_bytes += size
@@ -589,14 +614,16 @@ class _ParallelMapIterator(Iterator):
             bookings.append(account.book_existing_total(pending, count=False))
         return elements, bookings, upstream_error
 
-    def _expected_output(self, element: Any, estimate: int) -> int:
-        """What the call on ``element`` will hold: ``output_nbytes(element)`` (an image's
-        decoded size from its header, before it is decoded) or the largest output so far.
+    def _expected_output(self, element: Any, estimate: int, nbytes: int) -> int:
+        """What the call on ``element`` (of ``nbytes``) will hold: ``output_nbytes(element)``
+        (an image's decoded size from its header, before it is decoded), or else the
+        largest output so far or the input's size at the largest output/input ratio so
+        far, whichever is larger (at most the stage's share: a guess must not refuse).
 
         A hint that fails books the estimate: the call itself then raises in the
         element's place."""
         if self.output_nbytes is None:
-            return estimate
+            return max(estimate, min(int(nbytes * self.output_ratio), self.account.limit))
         try:
             return int(self.output_nbytes(element))
         except Exception:
@@ -641,8 +668,9 @@ class _ParallelMapIterator(Iterator):
                 )
                 for position, error in failed.items()
             }
-        if sizes and max(sizes) > self.output_estimate:
-            self._rebook_in_flight(max(sizes))
+        if sizes:
+            inputs = call.inputs if failed is None else [call.inputs[p] for p in good]
+            self._learn(max(sizes), max(map(truediv, sizes, inputs), default=0.0))
         if call.error is not None:
             errors = errors or {}
             errors[len(outputs)] = call.error
@@ -652,26 +680,41 @@ class _ParallelMapIterator(Iterator):
             Handoff(outputs, reservations, call.state_before, errors, call.first_index)
         )
 
-    def _rebook_in_flight(self, estimate: int) -> None:
-        """Outputs grew: calls in flight will need the new size, so book it now.
-
-        Their inputs were booked at the old estimate; the difference goes on the
-        books at once (past the share if it must: that work is already running),
-        and no new call starts until the stage is back within its share.
+    def _learn(self, largest: int, ratio: float) -> None:
+        """Outputs came in, the ``largest`` of them and the largest output/input size
+        ``ratio`` among them: raise the estimates they pass, and book the calls in
+        flight at the new ones now (past the share if it must: that work is already
+        running; no new call starts until the stage is back within its share).
 
         Not with ``output_nbytes``: each call in flight was booked at its own
-        outputs' sizes, told by the hint, not at the largest output so far, so a
-        large output says nothing about theirs. Rebooking them at it double-booked
-        them as an overdraft (12 MB for a map decoding heavy-tailed JPEGs, budget
-        fuzzer seed 300003 of ``newer_spec``), which held the stage back for nothing.
+        outputs' sizes, told by the hint, so a large output says nothing about
+        theirs. Rebooking them at it double-booked them as an overdraft (12 MB for
+        a map decoding heavy-tailed JPEGs, budget fuzzer seed 300003 of
+        ``newer_spec``), which held the stage back for nothing.
+
+        Why the ratio: calls are sized (chunked) by how quick the elements so far
+        were, and booked at the largest output so far. Inputs 100x larger than the
+        first ones, each growing 4x, then filled chunks booked at their inputs'
+        size that made 4x that: 90 MB of overdraft on a 24 MB share (budget fuzzer
+        seed 130361).
         """
-        growth = estimate - self.output_estimate
-        self.output_estimate = estimate
+        grew = largest > self.output_estimate
+        self.output_estimate = max(self.output_estimate, largest)
         if self.output_nbytes is not None:
             return
+        if ratio > self.output_ratio:
+            self.output_ratio, grew = ratio, True
+        if not grew:
+            return
+        estimate = self.output_estimate
         for call in self.calls:
-            if call.count:
-                call.bookings.append(self.account.overdraw(growth * call.count))
+            if not call.count:
+                continue
+            need = sum(max(nbytes, self._expected_output(None, estimate, nbytes))
+                       for nbytes in call.inputs[: call.count])
+            if need > call.booked:
+                call.bookings.append(self.account.overdraw(need - call.booked))
+                call.booked = need
 
     def pull(self) -> tuple[Any, Reservation]:
         if not self.ready:
