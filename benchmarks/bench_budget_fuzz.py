@@ -106,9 +106,14 @@ def main() -> int:
         f"bound (seed {worst['seed']}): measured/bound {worst['growth'] / worst['bound']:.2f}.",
         "",
     ]
-    for r in (errors + breaches + over_books + over_rss + unstable)[:20]:
+    for r in (errors + breaches + over_books + over_rss)[:20]:
         lines.append(f"- seed {r['seed']}: {r['outcome'][:200]} {r['violations'][:1]} "
                      f"growth {r['growth'] >> 20} MiB / bound {r['bound'] >> 20} MiB")
+    for r in unstable[:20]:
+        second = again[r["seed"]]
+        lines.append(f"- seed {r['seed']} (G3): {r['elements']} elements, then "
+                     f"{r['outcome'][:80]}; run again: {second['elements']} elements, then "
+                     f"{second['outcome'][:80]}")
     out = ROOT / "benchmarks" / "results" / (
         "budget_fuzz-newer.md" if args.newer
         else "budget_fuzz-processes.md" if args.processes else "budget_fuzz.md"
