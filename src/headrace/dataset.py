@@ -379,7 +379,8 @@ class Dataset:
         ``output_nbytes(element)`` says how many bytes ``map_func``'s output for that
         input will take (e.g. :func:`headrace.image.decoded_nbytes` from an image's
         header): parallel calls are then booked at that size *before* they run,
-        instead of at the largest output seen so far.
+        instead of at what the outputs so far suggest (the largest of them, or the
+        input's size times the largest output/input ratio).
         """
         if workers is not None and workers != "threads":  # registers the process iterator
             import headrace.transforms.process_map  # noqa: F401

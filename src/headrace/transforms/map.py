@@ -10,7 +10,8 @@ workers). Work in flight is booked on the stage's share of the budget: a new
 call starts only while the largest element seen so far still fits, so
 ``AUTOTUNE`` means "as many threads as cores, as many calls in flight as the
 budget allows" (each call in flight is booked at the largest output seen so
-far, and only one call runs until the first output is known). ``deterministic=True`` (the default) keeps input order;
+far, or at its input's size times the largest output/input ratio seen, whichever
+is larger; only one call runs until the first output is known). ``deterministic=True`` (the default) keeps input order;
 ``False`` hands out whichever result is ready first, and its checkpoints are
 at-least-once (elements finished out of order may be seen again on resume).
 Calls take chunks of quick elements (fewer hand-offs); with
@@ -669,8 +670,11 @@ class _ParallelMapIterator(Iterator):
                 for position, error in failed.items()
             }
         if sizes:
-            inputs = call.inputs if failed is None else [call.inputs[p] for p in good]
-            self._learn(max(sizes), max(map(truediv, sizes, inputs), default=0.0))
+            ratio = 0.0  # (unused where a hint tells each output's size)
+            if self.output_nbytes is None:
+                inputs = call.inputs if failed is None else [call.inputs[p] for p in good]
+                ratio = max(map(truediv, sizes, inputs), default=0.0)
+            self._learn(max(sizes), ratio)
         if call.error is not None:
             errors = errors or {}
             errors[len(outputs)] = call.error
