@@ -112,6 +112,29 @@ def charged() -> int:
     return _self_charged()
 
 
+def exit_code(proc: Any, timeout: float = 60.0) -> int | None:
+    """``proc``'s exit code once it has ended, or None where it cannot be known.
+
+    A process started by the forkserver learns its exit code from the forkserver.
+    Under load that server can fail and close the status pipes of the children
+    it started (CPython gh-140867, seen once in CI here): ``exitcode`` is then 255
+    at once, whatever the child does. That case waits until the child is gone
+    and returns None; the caller then judges the child by what it wrote.
+    """
+    proc.join(timeout)
+    code: int | None = proc.exitcode
+    if code != 255:
+        return code
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(proc.pid, 0)
+        except ProcessLookupError:
+            return None
+        time.sleep(0.01)
+    return code
+
+
 def consume_until(
     address: str, index: int, authkey: bytes, state_in: str, out: str, stop: int, die: bool
 ) -> None:
