@@ -197,6 +197,41 @@ def test_killed_worker_is_a_worker_error_within_seconds_and_everything_stops() -
     assert own_segments() == []
 
 
+@pytest.mark.parametrize("then_kill_a_worker", [False, True])
+def test_workers_outlive_a_failed_forkserver(then_kill_a_worker: bool) -> None:
+    """A forkserver that fails (under load: CPython gh-140867, seen in CI) closes the
+    status pipes of the workers it started: their sentinels fired and the stage raised
+    WorkerError ("exited with status 255") while every worker still ran. The pipeline
+    now goes on; a worker that really dies afterwards is still a WorkerError within
+    seconds; close stops them all; the next pipeline gets a new forkserver."""
+    from multiprocessing import forkserver
+
+    n = 100_000 if then_kill_a_worker else 400
+    ds = hr.Dataset.range(n).map(process_fns.sleepy, num_parallel_calls=2, workers="processes")
+    iterator = iter(ds)
+    got = [int(next(iterator)) for _ in range(20)]
+    (stats,) = iterator.stats().workers
+    pids = [p.pid for p in stats.processes]
+    os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    if then_kill_a_worker:
+        got += [int(next(iterator)) for _ in range(50)]  # the sentinels fired meanwhile
+        os.kill(pids[1], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(hr.WorkerError, match=rf"worker process {pids[1]} "):
+            while True:
+                got.append(int(next(iterator)))
+        assert time.monotonic() - started < 5
+        assert got == list(range(len(got)))  # nothing lost or reordered before it
+    else:
+        got += [int(x) for x in iterator]
+        assert got == list(range(n))
+    iterator.close()
+    assert wait_dead(pids)
+    assert own_segments() == []
+    again = hr.Dataset.range(10).map(process_fns.square, num_parallel_calls=2, workers="processes")
+    assert [int(x) for x in again] == [x * x for x in range(10)]
+
+
 def test_worker_that_exits_is_a_worker_error() -> None:
     ds = hr.Dataset.range(20).map(process_fns.die_on, num_parallel_calls=2, workers="processes")
     with iter(ds) as iterator, pytest.raises(hr.WorkerError, match="exited with status 3"):

@@ -622,6 +622,8 @@ class ProcessPool:
                 how = f"killed by signal {-code}"
         else:
             how = f"exited with status {code}"
+            if code == _STATUS_LOST:
+                how += " (or ended after the forkserver that started it failed)"
             if code == 1:
                 how += (
                     " (if it failed while starting: workers start by forkserver and import "
@@ -642,10 +644,10 @@ class ProcessPool:
                 worker.tasks.send(("stop",))
         deadline = time.monotonic() + 2.0
         for worker in self.workers:
-            worker.process.join(max(0.0, deadline - time.monotonic()))
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join(1.0)
+            if not _wait_ended(worker.process, deadline):
+                with contextlib.suppress(ProcessLookupError):  # (Process.kill does nothing
+                    os.kill(worker.process.pid, signal.SIGKILL)  # once its status is lost)
+                _wait_ended(worker.process, time.monotonic() + 1.0)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop every worker, return idle segments' bookings, free the pool's segments."""
@@ -691,6 +693,43 @@ class _RemoteTraceback(Exception):
         return f"\n\nTraceback in the worker process:\n{self.text}"
 
 
+#: What ``Process.exitcode`` says where the forkserver could not tell a child's status.
+_STATUS_LOST = 255
+
+
+def _ended(process: Any) -> bool:
+    """Whether a worker process has ended.
+
+    A forkserver that fails (under load: CPython gh-140867; or killed) closes the
+    status pipes of the children it started: their sentinels fire and ``exitcode``
+    says 255 at once, while they still run and still serve their calls. Such a
+    worker is judged by its pid. (A worker that really ended also closes its
+    results pipe, which the collector sees.)
+    """
+    code = process.exitcode
+    if code is None:
+        return False
+    if code != _STATUS_LOST:
+        return True
+    try:
+        os.kill(process.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # the pid was taken by another user's process
+        return True
+    return False
+
+
+def _wait_ended(process: Any, deadline: float) -> bool:
+    """Wait until ``process`` has ended (see :func:`_ended`) or ``deadline`` passes."""
+    process.join(max(0.0, deadline - time.monotonic()))
+    while not _ended(process):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _collect(pool: ProcessPool) -> None:
     """The collector thread: results into futures, dead workers into WorkerError."""
     by_results = {id(worker.results): worker for worker in pool.workers}
@@ -703,7 +742,10 @@ def _collect(pool: ProcessPool) -> None:
         dead: list[_Worker] = []
         for item in ready:
             if isinstance(item, int):
-                dead.append(by_sentinel[item])
+                if _ended(by_sentinel[item].process):
+                    dead.append(by_sentinel[item])
+                else:  # its status was lost: its results pipe still tells when it ends
+                    del by_sentinel[item]
                 continue
             assert isinstance(item, Connection)
             worker = by_results[id(item)]
