@@ -380,7 +380,10 @@ class Dataset:
         input will take (e.g. :func:`headrace.image.decoded_nbytes` from an image's
         header): parallel calls are then booked at that size *before* they run,
         instead of at what the outputs so far suggest (the largest of them, or the
-        input's size times the largest output/input ratio).
+        input's size times the largest output/input ratio), and a call whose output
+        does not fit beside what the stage holds waits for room. What outputs are
+        seen to cost beyond the hint (an array's header, where the hint counts its
+        data) is added to it.
         """
         if workers is not None and workers != "threads":  # registers the process iterator
             import headrace.transforms.process_map  # noqa: F401
