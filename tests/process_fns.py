@@ -42,6 +42,12 @@ def sleepy(x: Any) -> Any:
     return x
 
 
+def slow_on_multiples(every: int, x: Any) -> int:
+    """``x``, 5 ms late where ``every`` divides it: calls end out of their order."""
+    time.sleep(0.005 if int(x) % every == 0 else 0.0002)
+    return int(x)
+
+
 def row_array(x: Any, size: int = 100_000) -> Any:
     return {"x": np.full(size, int(x), np.float32), "i": x, "name": f"row {int(x)}"}
 
