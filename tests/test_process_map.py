@@ -257,7 +257,10 @@ def test_close_and_garbage_collection_stop_the_workers() -> None:
 def test_keyboard_interrupt_stops_the_workers(tmp_path: Path) -> None:
     script = tmp_path / "interrupted.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, os
+        import signal, sys, os
+        # Ctrl-C as at a terminal: a suite started in the background (``cmd &`` in a
+        # script) passes SIGINT ignored to its children, and Python then keeps it so
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import headrace as hr, process_fns
         ds = hr.Dataset.range(10**6).map(process_fns.pid_of, num_parallel_calls=2,
