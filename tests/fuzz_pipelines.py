@@ -805,6 +805,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
 
     violations: list[str] = []
     overdrawn = [0]
+    pipeline_budget: list[Any] = [None]  # the run's own budget, once it is made
     original = budget_module.StageAccount._book
 
     def checked(self: Any, nbytes: int, elements: int = 1, **overdraft: int) -> None:
@@ -812,7 +813,9 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
         original(self, nbytes, elements, **overdraft)
         # Bytes past a share that the budget knows about: overdrafts, and a lender's holding
         # above the share a re-split just lowered (it admits nothing until it drains).
-        budget = self.budget
+        # Checked on the pipeline's budget also where a nested one (an interleave slot's)
+        # booked: its bytes count there too, through the interleave's account.
+        budget = pipeline_budget[0] or self.budget
         if budget.used > budget.total:
             excess = sum(max(a.overdrawn, a.held - a.limit) for a in budget.accounts)
             if budget.used - budget.total > excess:
@@ -848,6 +851,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
     iterator: Any = None
     try:
         iterator = iter(build(spec))
+        pipeline_budget[0] = iterator.context.budget
         with iterator:
             for element in iterator:
                 order = zlib.crc32(repr(_fingerprint(element)).encode(), order)
