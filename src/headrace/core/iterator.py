@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import mmap
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -52,6 +53,9 @@ class RunFacts:
     #: The pipeline's own cap on open descriptors (``Options.max_open_files``), made
     #: by the first reader that needs it and shared by all of them.
     file_limiter: FileLimiter | None = None
+    #: Stages handing out elements out of order (``deterministic=False``), for the
+    #: check of ``get_state`` (see :func:`headrace.core.state.mark_out_of_order`).
+    out_of_order: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     #: Corrupt records skipped (``skip_corrupt=True``) and their bytes, for ``stats()``.
     skipped_records: int = 0
     skipped_bytes: int = 0

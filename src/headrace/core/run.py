@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from headrace._closing import ClosesOnExit
 from headrace.core.iterator import Context, Iterator
-from headrace.core.state import StateReader
+from headrace.core.state import OUT_OF_ORDER, StateReader, stale_out_of_order
 from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.io.filepool import FileLimiter
 from headrace.memory.allocator import tune_allocator
@@ -229,15 +229,50 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         )
 
     def get_state(self) -> dict[str, Any]:
-        """A small JSON-able dict to resume exactly here with :meth:`set_state`."""
+        """A small JSON-able dict to resume exactly here with :meth:`set_state`.
+
+        Raises :class:`CheckpointError` where a stage runs out of order
+        (``deterministic=False``) below a stage that kept its state from before
+        the elements it has counted since (a batch being assembled, a prefetch's
+        chunk): a restore replays those elements in another order, so the count
+        would skip elements never seen. A checkpoint there would lose data; one
+        where only stateless stages (``filter``, a sequential ``map``) sit above
+        the out-of-order stage is at-least-once.
+        """
         self._check_open()
+        tree_state = self._tree.get_state()
+        self._refuse_stale_out_of_order(tree_state)
         return {
             "format": "headrace.iterator",
             "version": STATE_VERSION,
             "fingerprint": self._node.fingerprint(),
             "iteration": self._context.run.iteration,
-            "state": self._tree.get_state(),
+            "state": tree_state,
         }
+
+    def _refuse_stale_out_of_order(self, tree_state: dict[str, Any]) -> None:
+        stages = list(self._context.run.out_of_order)  # (interleave slots' stages too)
+        if not stages:
+            return
+        pending: list[Any] = [tree_state]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, dict):
+                mark = value.get(OUT_OF_ORDER)
+                for stage in stages:
+                    if mark is not None and stale_out_of_order(stage, mark):
+                        raise CheckpointError(
+                            f"get_state: {stage.stage} runs out of order "
+                            "(deterministic=False) and a stage above it resumes by "
+                            "counting the elements it took since an earlier state; a "
+                            "restore would replay them in another order and lose some. "
+                            "Use deterministic=True in a pipeline you checkpoint, or "
+                            "checkpoint where only stateless stages follow the "
+                            "out-of-order one."
+                        )
+                pending.extend(value.values())
+            elif isinstance(value, list):
+                pending.extend(value)
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`get_state` of an iterator over the same pipeline.

@@ -42,6 +42,9 @@ INPUTS = "inputs"
 INNER = "inner"
 #: Positions to pull again after restoring ``INNER`` (already handed out).
 SKIP = "skip"
+#: Marks the state of a stage running out of order (``deterministic=False``): which
+#: iterator took it, after how many elements (see :func:`mark_out_of_order`).
+OUT_OF_ORDER = "out_of_order"
 #: Index of the next element of a stream or index sequence.
 POSITION = "position"
 #: Elements produced so far (replayed on restore where the input cannot seek).
@@ -151,3 +154,18 @@ def past_end(stage: str, key: str, count: int, done: int) -> CheckpointError:
         f"{stage}: state field {key!r} = {count} points past the end of the input, "
         f"which ended after {done} elements; the state belongs to other data"
     )
+
+
+def mark_out_of_order(state: dict[str, Any], iterator: Any) -> dict[str, Any]:
+    """Mark ``state`` as taken from ``iterator``, a stage handing out elements out of
+    order, after its ``handed`` elements. ``Run.get_state`` refuses a checkpoint that
+    holds such a state while elements went out after it (:func:`stale_out_of_order`)."""
+    state[OUT_OF_ORDER] = [id(iterator), iterator.handed]
+    return state
+
+
+def stale_out_of_order(iterator: Any, mark: Any) -> bool:
+    """Whether ``mark`` (of :func:`mark_out_of_order`) is ``iterator``'s and elements went
+    out since: a stage above that kept the state counts positions past it, which a
+    restore (another order) would not give back the same."""
+    return isinstance(mark, list) and mark[0] == id(iterator) and mark[1] != iterator.handed

@@ -66,7 +66,7 @@ from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.handoff import unpin
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive, first_element
-from headrace.core.state import INNER, StateReader
+from headrace.core.state import INNER, StateReader, mark_out_of_order
 from headrace.errors import (
     CheckpointError,
     HeadraceWarning,
@@ -312,6 +312,9 @@ class _InterleaveIterator(Iterator):
         # Only "first ready wins" needs one condition for all slots (the consumer waits
         # for any of them); in order, each slot's own condition avoids waking them all.
         self.ready = threading.Condition() if self.may_thread and not deterministic else None
+        self.handed = 0  # elements handed out, where the order may be the first ready's
+        if self.ready is not None:
+            ctx.run.out_of_order.add(self)
         self.tracking = self.origin_tokens = False  # a stage above asks for origins
         self._reset()
 
@@ -511,6 +514,8 @@ class _InterleaveIterator(Iterator):
                 self.block_index += 1
                 if self.block_index == self.node.block_length:
                     self._advance()
+                if self.ready is not None:  # (AUTOTUNE in order until threads start)
+                    self.handed += 1
                 return pair
             if not self.end_of_input:
                 opened = self._pull_input()
@@ -567,6 +572,7 @@ class _InterleaveIterator(Iterator):
                 continue
             self.last_slot = slot  # (whose element this is: its origin)
             self.cycle_index = (chosen + 1) % self.node.cycle_length
+            self.handed += 1
             return pair
 
     def _first_ready_slot(self) -> int | None:
@@ -584,7 +590,7 @@ class _InterleaveIterator(Iterator):
 
     # -- state -----------------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
-        return {
+        state = {
             "threaded": self.threaded,  # slots' states are read-ahead states then
             "input": self.input.get_state(),
             "cycle_index": self.cycle_index,
@@ -598,6 +604,7 @@ class _InterleaveIterator(Iterator):
                 for slot in self.slots
             ],
         }
+        return state if self.ready is None else mark_out_of_order(state, self)
 
     def _read_state(self, state: dict[str, Any]) -> tuple[StateReader, list[Any], bool]:
         """Check every field before anything is closed: the reader, the slots, threaded."""

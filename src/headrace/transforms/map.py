@@ -15,7 +15,8 @@ is larger; only one call runs until the first output is known; an input whose
 expected output does not fit beside what the stage holds waits for room, its
 upstream booking kept). ``deterministic=True`` (the default) keeps input order;
 ``False`` hands out whichever result is ready first, and its checkpoints are
-at-least-once (elements finished out of order may be seen again on resume).
+at-least-once (elements finished out of order may be seen again on resume;
+one that a stage above would turn into a loss is refused: ``Run.get_state``).
 Calls take chunks of quick elements (fewer hand-offs); with
 ``deterministic=False`` a chunk whose element runs long gives up the elements
 after it to a new call, so one slow element holds back no later one, as in
@@ -56,7 +57,7 @@ from headrace.core.handoff import Handoff, restore_input, unpin
 from headrace.core.indexing import IndexPlan, RandomAccess
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, check_signature, first_element
-from headrace.core.state import INNER, SKIP, StateReader
+from headrace.core.state import INNER, SKIP, StateReader, mark_out_of_order
 from headrace.errors import InvalidArgumentError, Origin, note_element_error
 from headrace.memory.budget import (
     NO_RESERVATION,
@@ -490,6 +491,8 @@ class _ParallelMapIterator(Iterator):
         # call, not a wait() over every call in flight).
         self.max_chunk = _MAX_CHUNK
         self.finished: SimpleQueue[_Call] | None = None if deterministic else SimpleQueue()
+        if not deterministic:
+            ctx.run.out_of_order.add(self)
         self.output_estimate = 0  # the largest output so far: what a call in flight will need
         # The largest output/input size ratio so far: what an input larger than those
         # seen will need (a chunk of small inputs sized the calls, then large ones came).
@@ -510,6 +513,7 @@ class _ParallelMapIterator(Iterator):
         #: beside what the stage holds: it starts once it fits (its upstream booking
         #: kept until then), as the last position of its chunk.
         self.aside: _Aside | None = None
+        self.handed = 0  # elements handed out: whether a state taken out of order is stale
 
     def _start_call(
         self, elements: list[Any], progress: _Progress | None = None
@@ -807,6 +811,7 @@ class _ParallelMapIterator(Iterator):
         chunk = self.ready[0]
         if chunk.taken + 1 == len(chunk):
             self.ready.popleft()
+        self.handed += 1
         return chunk.take()
 
     def get_state(self) -> dict[str, Any]:
@@ -828,9 +833,11 @@ class _ParallelMapIterator(Iterator):
             aside = self.aside
             earliest.append((aside.first_index + aside.position, aside.state_before, aside.position))
         if not earliest:
-            return {INNER: self.state_after_last_input, SKIP: 0, "index": self.next_index}
-        index, state_before, skip = min(earliest, key=lambda where: where[0])
-        return {INNER: state_before, SKIP: skip, "index": index}
+            state = {INNER: self.state_after_last_input, SKIP: 0, "index": self.next_index}
+        else:
+            index, state_before, skip = min(earliest, key=lambda where: where[0])
+            state = {INNER: state_before, SKIP: skip, "index": index}
+        return state if self.finished is None else mark_out_of_order(state, self)
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, self.stage)
