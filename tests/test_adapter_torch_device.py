@@ -399,3 +399,29 @@ def test_a_device_dataset_refuses_to_run_in_a_dataloader_worker(
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
     with pytest.raises(hr.InvalidArgumentError, match="runs in a DataLoader worker"):
         iter(ds)
+
+
+def _slow_on_sevens(batch: Any) -> Any:
+    time.sleep(0.004 if int(batch["id"][0]) % 7 == 0 else 0.0002)
+    return batch
+
+
+@pytest.mark.parametrize("stop", [0, 2, 5])
+def test_a_ring_over_an_out_of_order_map_checkpoints_at_least_once(stop: int) -> None:
+    """The ring keeps the state after each batch it drew and restores it as it is: below
+    it, a map handing out batches out of order resumes from the earliest it had not
+    handed out, so the checkpoint is allowed (the workers have drawn batches since) and
+    nothing is lost."""
+    ds = hr.Dataset.from_tensor_slices(
+        {"id": np.arange(96), "x": np.ones((96, 3), np.float32)}
+    ).batch(4).map(_slow_on_sevens, num_parallel_calls=3, deterministic=False)
+    device = _device(ds, SlowBackend(max_delay=0.002), threads=2, depth=3)
+    with iter(device) as it:
+        head = [int(next(it)["id"][0]) for _ in range(stop)]
+        time.sleep(0.05)  # the workers run ahead of the state
+        state = it.get_state()
+    with iter(device) as it:
+        it.set_state(state)
+        rest = [int(b["id"][0]) for b in it]
+    assert len(set(rest)) == len(rest)
+    assert set(range(0, 96, 4)) - set(head) <= set(rest)

@@ -446,3 +446,17 @@ def test_a_file_sharded_consumer_resumes_from_its_checkpoint_and_refuses_a_data_
     with hr.serve(dataset, 2, third, authkey=KEY), hr.connect(third, 1, authkey=KEY) as other, \
             pytest.raises(hr.CheckpointError):
         other.set_state(state)
+
+
+def test_a_refused_checkpoint_reaches_the_consumer_and_serving_goes_on(tmp_path: Path) -> None:
+    """A producer whose checkpoint is refused (an unbatch half-way through rows a map gave
+    out of order) sends the CheckpointError to the consumer that asked, and serves on."""
+    dataset = hr.Dataset.range(40).map(
+        served_fns.as_array, num_parallel_calls=3, deterministic=False).batch(4).unbatch()
+    address = str(tmp_path / "s.sock")
+    with hr.serve(dataset, 1, address, authkey=KEY), hr.connect(address, 0, authkey=KEY) as part:
+        got = [served_fns.value(next(part)) for _ in range(2)]
+        with pytest.raises(hr.CheckpointError, match="runs out of order"):
+            part.get_state()
+        got += [served_fns.value(e) for e in part]
+    assert sorted(got) == list(range(40))

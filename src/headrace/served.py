@@ -318,7 +318,12 @@ class Server(ClosesOnExit):
                         continue
                     conn.send(("element", pack(element, allocate)))
                 elif kind == "get_state":
-                    conn.send(("state", run.get_state()))
+                    try:  # a refused checkpoint (CheckpointError) is the consumer's to see
+                        state = run.get_state()
+                    except Exception as error:
+                        conn.send(("error", _portable(error)))
+                        continue
+                    conn.send(("state", state))
                 elif kind == "set_state":
                     try:
                         run.set_state(request[1])

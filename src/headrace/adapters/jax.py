@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from headrace.distribute import AutoShardPolicy, auto_shard
-from headrace.errors import InvalidArgumentError
+from headrace.errors import CheckpointError, InvalidArgumentError
 from headrace.structure import map_structure
 
 if TYPE_CHECKING:
@@ -53,8 +53,17 @@ class DeviceIterator:
         self.device = device
         self.sharding = sharding
         self._elements: DatasetIterator = iter(self.dataset)
-        self._ahead: collections.deque[tuple[Any, dict[str, Any]]] = collections.deque()
-        self._state = self._elements.get_state()
+        self._ahead: collections.deque[tuple[Any, dict[str, Any] | CheckpointError]] = (
+            collections.deque())
+        self._state: dict[str, Any] | CheckpointError = self._state_now()
+
+    def _state_now(self) -> dict[str, Any] | CheckpointError:
+        """The state here, or why there is none: a checkpoint refused (a stage above one
+        running out of order) is raised when one is asked for, not while iterating."""
+        try:
+            return self._elements.get_state()
+        except CheckpointError as error:
+            return error
 
     def _put(self, element: Any) -> Any:
         if self.sharding is not None:
@@ -73,7 +82,7 @@ class DeviceIterator:
                 element = next(self._elements)
             except StopIteration:
                 return
-            self._ahead.append((self._put(element), self._elements.get_state()))
+            self._ahead.append((self._put(element), self._state_now()))
 
     def __iter__(self) -> DeviceIterator:
         return self
@@ -89,13 +98,15 @@ class DeviceIterator:
 
     def get_state(self) -> dict[str, Any]:
         """The headrace state after the last batch returned (prefetched ones not counted)."""
+        if isinstance(self._state, CheckpointError):
+            raise CheckpointError(str(self._state))
         return self._state
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Resume after the batch that ``state`` was taken at; drops what was prefetched."""
         self._ahead.clear()
         self._elements.set_state(state)
-        self._state = self._elements.get_state()
+        self._state = self._state_now()
 
     def close(self) -> None:
         self._ahead.clear()

@@ -68,6 +68,7 @@ from headrace.core import (
 )
 from headrace.core.handoff import unpin
 from headrace.core.indexing import IndexStream, take_all
+from headrace.core.state import settle_out_of_order
 from headrace.errors import InvalidArgumentError
 from headrace.options import AUTOTUNE
 from headrace.structure import flatten, pack_as
@@ -225,7 +226,7 @@ class DeviceTransferNode(UnaryNode):
         inner: Iterator | None = None
         if source is None:
             inner = self.inputs[0].make_iterator(ctx)
-            source = _ElementSource(inner)
+            source = _ElementSource(inner, ctx)
         threads = self.threads if self.threads != AUTOTUNE else _auto_threads()
         return DeviceIterator(self, ctx, source, inner, backend, threads)
 
@@ -264,14 +265,16 @@ class _Source:
 
 
 class _ElementSource(_Source):
-    def __init__(self, inner: Iterator) -> None:
-        self.inner = inner
+    def __init__(self, inner: Iterator, ctx: Context) -> None:
+        self.inner, self.ctx = inner, ctx
 
     def draw(self) -> tuple[Any, Reservation]:
         return self.inner.pull()
 
     def state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state()}
+        # kept to restore as it is, at a batch boundary: at-least-once below a stage
+        # out of order, whatever the ring draws after it
+        return {"inner": settle_out_of_order(self.inner.get_state(), self.ctx.run.out_of_order)}
 
     def set_state(self, state: StateReader) -> None:
         self.inner.set_state(state.child("inner"))

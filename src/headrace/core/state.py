@@ -169,3 +169,24 @@ def stale_out_of_order(iterator: Any, mark: Any) -> bool:
     out since: a stage above that kept the state counts positions past it, which a
     restore (another order) would not give back the same."""
     return isinstance(mark, list) and mark[0] == id(iterator) and mark[1] != iterator.handed
+
+
+def settle_out_of_order(state: dict[str, Any], stages: Any) -> dict[str, Any]:
+    """``state``, taken now to be restored as it is (no count of elements taken after
+    it: a batch boundary a device ring keeps), without the marks of out-of-order
+    ``stages`` that are current: restoring it is at-least-once whatever comes out
+    after. Stale marks (a stage below kept an earlier state) stay, to be refused."""
+    stages = list(stages)
+    if not stages:
+        return state
+    pending: list[Any] = [state]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            mark = value.get(OUT_OF_ORDER)
+            if mark is not None and not any(stale_out_of_order(s, mark) for s in stages):
+                del value[OUT_OF_ORDER]
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return state
