@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from headrace._closing import ClosesOnExit
 from headrace.core.iterator import Context, Iterator
-from headrace.core.state import OUT_OF_ORDER, StateReader, stale_out_of_order
+from headrace.core.state import (
+    OUT_OF_ORDER,
+    StateReader,
+    out_of_order_marked,
+    stale_out_of_order,
+)
 from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.io.filepool import FileLimiter
 from headrace.memory.allocator import tune_allocator
@@ -254,25 +259,18 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         stages = list(self._context.run.out_of_order)  # (interleave slots' stages too)
         if not stages:
             return
-        pending: list[Any] = [tree_state]
-        while pending:
-            value = pending.pop()
-            if isinstance(value, dict):
-                mark = value.get(OUT_OF_ORDER)
-                for stage in stages:
-                    if mark is not None and stale_out_of_order(stage, mark):
-                        raise CheckpointError(
-                            f"get_state: {stage.stage} runs out of order "
-                            "(deterministic=False) and a stage above it resumes by "
-                            "counting the elements it took since an earlier state; a "
-                            "restore would replay them in another order and lose some. "
-                            "Use deterministic=True in a pipeline you checkpoint, or "
-                            "checkpoint where only stateless stages follow the "
-                            "out-of-order one."
-                        )
-                pending.extend(value.values())
-            elif isinstance(value, list):
-                pending.extend(value)
+        for marked in out_of_order_marked(tree_state):
+            for stage in stages:
+                if stale_out_of_order(stage, marked[OUT_OF_ORDER]):
+                    raise CheckpointError(
+                        f"get_state: {stage.stage} runs out of order "
+                        "(deterministic=False) and a stage above it resumes by "
+                        "counting the elements it took since an earlier state; a "
+                        "restore would replay them in another order and lose some. "
+                        "Use deterministic=True in a pipeline you checkpoint, or "
+                        "checkpoint where only stateless stages follow the "
+                        "out-of-order one."
+                    )
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`get_state` of an iterator over the same pipeline.

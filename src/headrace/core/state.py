@@ -177,16 +177,23 @@ def settle_out_of_order(state: dict[str, Any], stages: Any) -> dict[str, Any]:
     ``stages`` that are current: restoring it is at-least-once whatever comes out
     after. Stale marks (a stage below kept an earlier state) stay, to be refused."""
     stages = list(stages)
-    if not stages:
-        return state
+    if stages:
+        for marked in out_of_order_marked(state):
+            if not any(stale_out_of_order(stage, marked[OUT_OF_ORDER]) for stage in stages):
+                del marked[OUT_OF_ORDER]
+    return state
+
+
+def out_of_order_marked(state: Any) -> list[dict[str, Any]]:
+    """Every dict in ``state`` (nested dicts and lists) with an ``OUT_OF_ORDER`` mark."""
+    found: list[dict[str, Any]] = []
     pending: list[Any] = [state]
     while pending:
         value = pending.pop()
         if isinstance(value, dict):
-            mark = value.get(OUT_OF_ORDER)
-            if mark is not None and not any(stale_out_of_order(s, mark) for s in stages):
-                del value[OUT_OF_ORDER]
+            if OUT_OF_ORDER in value:
+                found.append(value)
             pending.extend(value.values())
         elif isinstance(value, list):
             pending.extend(value)
-    return state
+    return found
