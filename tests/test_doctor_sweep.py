@@ -17,11 +17,15 @@ sweep checks what a user acts on:
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -77,13 +81,32 @@ def _runnable_spec(seed: int, kind: str | None = None) -> dict[str, Any]:
 # -- clean pipelines: no false leak ----------------------------------------------------------
 
 
+_DIAGNOSE_ALONE = """
+import json, sys, warnings
+sys.path.insert(0, sys.argv[1])
+import fuzz_pipelines
+from headrace.profiling import diagnose
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    diagnosis = diagnose(fuzz_pipelines.build(json.loads(sys.argv[2])), epochs=8, lint=False)
+print(json.dumps({"healthy": diagnosis.healthy, "report": diagnosis.format()}))
+"""
+
+
 @pytest.mark.parametrize("seed", CLEAN_SEEDS)
 def test_clean_random_pipelines_are_never_called_leaking(seed: int) -> None:
+    """Each diagnosis runs in a fresh interpreter, as a user's training script would: it
+    measures the whole process and its children, which another test's leftovers in a
+    shared test worker move (CI once saw +7.6 MiB per epoch that no stage traced)."""
     spec = _runnable_spec(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        diagnosis = diagnose(_quiet_build(spec), epochs=8, lint=False)
-    assert diagnosis.healthy, f"seed {spec['seed']} {spec['ops']}:\n{diagnosis.format()}"
+    done = subprocess.run(
+        [sys.executable, "-c", _DIAGNOSE_ALONE, str(Path(__file__).parent), json.dumps(spec)],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    diagnosis = json.loads(done.stdout.strip().splitlines()[-1])
+    assert diagnosis["healthy"], f"seed {spec['seed']} {spec['ops']}:\n{diagnosis['report']}"
 
 
 # -- lint: findings are true, and measured lint misses nothing --------------------------------
