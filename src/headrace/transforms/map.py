@@ -42,6 +42,7 @@ into an origin on failure.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 import time
@@ -822,21 +823,21 @@ class _ParallelMapIterator(Iterator):
         restoring at the first chunk ready lost the earlier one's elements, so the
         earliest of all is taken, and what came out after it comes again
         (at-least-once)."""
-        earliest = [
-            (chunk.first_index + chunk.taken, chunk.state_before, chunk.taken)
-            for chunk in self.ready
-        ]
-        earliest += [
-            (call.first_index + call.start, call.state_before, call.start) for call in self.calls
-        ]
-        if self.aside is not None:
-            aside = self.aside
-            earliest.append((aside.first_index + aside.position, aside.state_before, aside.position))
-        if not earliest:
-            state = {INNER: self.state_after_last_input, SKIP: 0, "index": self.next_index}
+        aside = self.aside
+        pending = itertools.chain(  # (index, the chunk's input state, position in it)
+            ((chunk.first_index + chunk.taken, chunk.state_before, chunk.taken)
+             for chunk in self.ready),
+            ((call.first_index + call.start, call.state_before, call.start)
+             for call in self.calls),
+            () if aside is None else
+            ((aside.first_index + aside.position, aside.state_before, aside.position),),
+        )
+        if self.finished is None:  # in order: the first is the earliest
+            earliest = next(pending, None)
         else:
-            index, state_before, skip = min(earliest, key=lambda where: where[0])
-            state = {INNER: state_before, SKIP: skip, "index": index}
+            earliest = min(pending, key=lambda where: where[0], default=None)
+        index, state_before, skip = earliest or (self.next_index, self.state_after_last_input, 0)
+        state = {INNER: state_before, SKIP: skip, "index": index}
         return state if self.finished is None else mark_out_of_order(state, self)
 
     def set_state(self, state: dict[str, Any]) -> None:
