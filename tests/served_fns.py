@@ -121,18 +121,11 @@ def exit_code(proc: Any, timeout: float = 60.0) -> int | None:
     at once, whatever the child does. That case waits until the child is gone
     and returns None; the caller then judges the child by what it wrote.
     """
-    proc.join(timeout)
+    from headrace.workers.processes import _STATUS_LOST, _wait_ended
+
+    ended = _wait_ended(proc, time.monotonic() + timeout)  # (the pool's own judgement)
     code: int | None = proc.exitcode
-    if code != 255:
-        return code
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(proc.pid, 0)
-        except ProcessLookupError:
-            return None
-        time.sleep(0.01)
-    return code
+    return None if ended and code == _STATUS_LOST else code
 
 
 def consume_until(
