@@ -8,7 +8,8 @@ driven by a :class:`~headrace.core.run.DatasetIterator`.
 
 To write a transformation: subclass :class:`Node` (or :class:`UnaryNode`),
 give it a ``stage`` name, its element spec, cardinality and ``params()`` (for
-the checkpoint fingerprint), and build an :class:`Iterator` whose ``pull()``
+the checkpoint fingerprint), its ``shard_role()`` (where sharding may pass it;
+the default keeps sharding above it), and build an :class:`Iterator` whose ``pull()``
 returns ``(element, reservation)``. A stage that buffers elements declares
 ``budget_weight`` on its node class, asks ``ctx.account(node)`` for its share
 and books each element on it before holding it. ``Dataset.apply`` plugs a
@@ -22,7 +23,7 @@ from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.handoff import Handoff, restore_input
 from headrace.core.indexing import IndexPlan, IndexStream, Indices, RandomAccess
 from headrace.core.iterator import Context, Iterator, RunFacts
-from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
+from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, UnaryNode
 from headrace.core.run import STATE_VERSION, DatasetIterator, default_budget
 from headrace.core.state import StateReader
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
@@ -43,6 +44,7 @@ __all__ = [
     "RandomAccess",
     "Reservation",
     "RunFacts",
+    "ShardRole",
     "StageAccount",
     "StateReader",
     "UnaryNode",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 import hashlib
 from collections.abc import Callable
 from collections.abc import Iterator as PyIterator
@@ -45,8 +46,10 @@ __all__ = [
     "INFINITE",
     "UNKNOWN",
     "Node",
+    "ShardRole",
     "SpecNeedsData",
     "UnaryNode",
+    "batching_role",
     "check_positive",
     "check_signature",
     "first_element",
@@ -124,6 +127,49 @@ def first_element(source: Node, stage: str, hint: str = "") -> Any:
             ) from None
 
 
+class ShardRole(enum.Enum):
+    """What a stage does with element *positions*: where sharding may split a pipeline.
+
+    Sharding (DataLoader workers, :func:`headrace.auto_shard`) is pushed down
+    towards the sources only through stages whose output, over a partitioned
+    input, is the partition of their output: then every worker reads only its
+    own data and all workers together deliver the unsharded elements, each
+    intact. Each node class answers :meth:`Node.shard_role` itself; a stage
+    that does not is taken as :attr:`POSITIONAL` (the safe answer).
+    """
+
+    #: Output element ``k`` is made from input element ``k`` alone (map, prefetch):
+    #: sharding the input at some positions shards the output at the same positions.
+    ONE_TO_ONE = "one_to_one"
+    #: The outputs do not depend on where an element sits in the stream (filter,
+    #: shuffle, repeat, concatenate, interleave, batch keeping its remainder):
+    #: over disjoint parts of the input, all workers' outputs together hold the
+    #: same elements as the unsharded output, in another order or grouping.
+    BY_CONTENT = "by_content"
+    #: Combines its inputs position by position (zip): sharding its inputs apart
+    #: would pair elements of different positions. It is sharded as one stream,
+    #: or every input at the same positions (the same files, one-to-one below).
+    PAIRS = "pairs"
+    #: Counts, selects or drops elements by position (take, skip, enumerate,
+    #: window, a batch dropping its remainder): it must see the whole stream, so
+    #: sharding cannot go below it.
+    POSITIONAL = "positional"
+
+
+def batching_role(source: Node, drop_remainder: bool) -> ShardRole:
+    """The :class:`ShardRole` of a stage that groups ``source``'s elements into batches.
+
+    Keeping its remainder, a batch stage only regroups: BY_CONTENT. Dropping
+    it, each worker would drop a partial batch of its own part, so the workers
+    together would deliver fewer elements than the unsharded pipeline (1000
+    rows in batches of 64: 960 unsharded, 896 over two workers): POSITIONAL,
+    unless the input never ends, where nothing is ever dropped.
+    """
+    if drop_remainder and source.cardinality() != INFINITE:
+        return ShardRole.POSITIONAL
+    return ShardRole.BY_CONTENT
+
+
 class Node:
     """Base of every recipe node. Subclasses set ``inputs`` and implement the hooks."""
 
@@ -148,6 +194,10 @@ class Node:
     def cardinality(self) -> int:
         """Number of elements, or :data:`INFINITE` / :data:`UNKNOWN`."""
         return UNKNOWN
+
+    def shard_role(self) -> ShardRole:
+        """How sharding may pass this stage (see :class:`ShardRole`); sources have no say."""
+        return ShardRole.POSITIONAL
 
     # -- identity ------------------------------------------------------------------------
     def params(self) -> tuple[Any, ...]:

@@ -21,7 +21,14 @@ import numpy as np
 
 from headrace.core.indexing import GatherBatchIterator, IndexPlan
 from headrace.core.iterator import BatchToken, Context, Iterator, origin_probe
-from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive
+from headrace.core.node import (
+    INFINITE,
+    UNKNOWN,
+    Node,
+    ShardRole,
+    batching_role,
+    check_positive,
+)
 from headrace.core.state import INNER, POSITION, StateReader
 from headrace.errors import (
     ElementSpecError,
@@ -52,6 +59,9 @@ class BatchNode(Node):
         super().__init__(source)
         self.batch_size = check_positive("batch: batch_size", batch_size)
         self.drop_remainder = bool(drop_remainder)
+
+    def shard_role(self) -> ShardRole:
+        return batching_role(self.inputs[0], self.drop_remainder)
 
     def params(self) -> tuple[Any, ...]:
         return (self.batch_size, self.drop_remainder)

@@ -13,7 +13,7 @@ import numpy as np
 
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, UnaryNode
+from headrace.core.node import UNKNOWN, Node, ShardRole, UnaryNode
 from headrace.core.state import INNER, StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.memory.budget import Reservation
@@ -42,6 +42,9 @@ class FilterNode(UnaryNode):
         if not callable(predicate):
             raise InvalidArgumentError(f"filter: predicate must be callable, got {predicate!r}")
         self.predicate = predicate
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.BY_CONTENT
 
     def params(self) -> tuple[Any, ...]:
         return (function_fingerprint(self.predicate),)

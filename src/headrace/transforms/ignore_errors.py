@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import Node, UnaryNode
+from headrace.core.node import Node, ShardRole, UnaryNode
 from headrace.core.state import INNER, StateReader
 from headrace.errors import (
     CheckpointError,
@@ -35,6 +35,9 @@ class IgnoreErrorsNode(UnaryNode):
     def __init__(self, source: Node, log_warning: bool) -> None:
         super().__init__(source)
         self.log_warning = bool(log_warning)
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.BY_CONTENT
 
     def params(self) -> tuple[Any, ...]:
         return (self.log_warning,)

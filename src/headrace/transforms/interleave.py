@@ -65,7 +65,14 @@ from typing import Any
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.handoff import unpin
 from headrace.core.iterator import Context, Iterator, origin_probe
-from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive, first_element
+from headrace.core.node import (
+    INFINITE,
+    UNKNOWN,
+    Node,
+    ShardRole,
+    check_positive,
+    first_element,
+)
 from headrace.core.state import INNER, StateReader, mark_out_of_order
 from headrace.errors import (
     CheckpointError,
@@ -165,6 +172,10 @@ class InterleaveNode(Node):
         self.num_parallel_calls = num_parallel_calls
         self.deterministic = deterministic
         self._spec: Any = None  # learnt from the first input element, when asked for
+
+    def shard_role(self) -> ShardRole:
+        # each input element's inner dataset is read whole, wherever the element sits
+        return ShardRole.BY_CONTENT
 
     def params(self) -> tuple[Any, ...]:
         return (

@@ -57,7 +57,7 @@ from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.handoff import Handoff, restore_input, unpin
 from headrace.core.indexing import IndexPlan, RandomAccess
 from headrace.core.iterator import Context, Iterator, origin_probe
-from headrace.core.node import Node, check_signature, first_element
+from headrace.core.node import Node, ShardRole, check_signature, first_element
 from headrace.core.state import INNER, SKIP, StateReader, mark_out_of_order
 from headrace.errors import InvalidArgumentError, Origin, note_element_error
 from headrace.memory.budget import (
@@ -170,6 +170,11 @@ class MapNode(Node):
         self._spec: Any = None
         self._fused: FusedParse | None = None
         self._traced = False
+
+    def shard_role(self) -> ShardRole:
+        # deterministic=False lets outputs overtake each other: position k is no longer
+        # input k's result (None follows the pipeline's option, True by default)
+        return ShardRole.BY_CONTENT if self.deterministic is False else ShardRole.ONE_TO_ONE
 
     def params(self) -> tuple[Any, ...]:
         return (

@@ -14,7 +14,14 @@ from typing import Any
 import numpy as np
 
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import Node, check_positive, known_spec, spec_sampling
+from headrace.core.node import (
+    Node,
+    ShardRole,
+    batching_role,
+    check_positive,
+    known_spec,
+    spec_sampling,
+)
 from headrace.errors import DataLossError, ElementSpecError, InvalidArgumentError
 from headrace.memory.budget import Reservation, StageAccount, release_all
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
@@ -70,6 +77,9 @@ class PaddedBatchNode(Node):
         spec = known_spec(source)
         if spec is not None:
             self._lay_out(spec)
+
+    def shard_role(self) -> ShardRole:
+        return batching_role(self.inputs[0], self.drop_remainder)
 
     def _lay_out(self, spec: Any) -> None:
         """The padded shape, padding value and path of each component, from the input spec."""

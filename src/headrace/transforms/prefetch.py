@@ -31,7 +31,7 @@ from typing import Any
 
 from headrace.core.handoff import Handoff, restore_input, unpin
 from headrace.core.iterator import Context, Iterator, origin_probe
-from headrace.core.node import Node, UnaryNode, check_positive
+from headrace.core.node import Node, ShardRole, UnaryNode, check_positive
 from headrace.core.state import INNER, SKIP, StateReader
 from headrace.errors import Origin
 from headrace.memory.budget import NO_RESERVATION, BudgetClosed, Reservation, StageAccount
@@ -56,6 +56,9 @@ class PrefetchNode(UnaryNode):
         if buffer_size != AUTOTUNE:
             buffer_size = check_positive("prefetch: buffer_size", buffer_size, allow_zero=True)
         self.buffer_size = buffer_size
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.ONE_TO_ONE
 
     def params(self) -> tuple[Any, ...]:
         return (self.buffer_size,)

@@ -18,7 +18,15 @@ from typing import Any
 import numpy as np
 
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode, check_positive
+from headrace.core.node import (
+    INFINITE,
+    UNKNOWN,
+    Node,
+    ShardRole,
+    UnaryNode,
+    batching_role,
+    check_positive,
+)
 from headrace.core.state import INNER, StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.io._ragged import RaggedColumn
@@ -44,6 +52,9 @@ class RaggedBatchNode(UnaryNode):
                 f"ragged_batch: row_splits_dtype must be int32 or int64, got {row_splits_dtype!r}"
             )
         self.row_splits_dtype = dtype
+
+    def shard_role(self) -> ShardRole:
+        return batching_role(self.inputs[0], self.drop_remainder)
 
     def params(self) -> tuple[Any, ...]:
         return (self.batch_size, self.drop_remainder, str(self.row_splits_dtype))

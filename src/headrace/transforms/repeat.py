@@ -13,7 +13,7 @@ import numpy as np
 
 from headrace.core.indexing import IndexStream, RepeatIndices
 from headrace.core.iterator import Context, Iterator, origin_probe
-from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
+from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, UnaryNode
 from headrace.core.state import EPOCH, INNER, PRODUCED, StateReader
 from headrace.errors import InvalidArgumentError, Origin
 from headrace.memory.budget import Reservation
@@ -33,6 +33,9 @@ class RepeatNode(UnaryNode):
                 f"repeat: count must be None, an int >= 0, or negative (forever), got {count!r}"
             )
         self.count = -1 if count < 0 else int(count)
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.BY_CONTENT
 
     def params(self) -> tuple[Any, ...]:
         return (self.count,)

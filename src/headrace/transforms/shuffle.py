@@ -28,7 +28,7 @@ import numpy as np
 
 from headrace.core.indexing import IndexPlan, IndexStream, Indices, take_all
 from headrace.core.iterator import Context, Iterator, origin_probe
-from headrace.core.node import Node, UnaryNode, check_positive
+from headrace.core.node import Node, ShardRole, UnaryNode, check_positive
 from headrace.core.state import EPOCH, INT64_MAX, StateReader, past_end, replay
 from headrace.errors import HeadraceWarning, Origin
 from headrace.io._native import native_module
@@ -101,6 +101,9 @@ class ShuffleNode(UnaryNode):
         self.seed = seed
         self.base_seed = seed if seed is not None else secrets.randbits(63)
         self.reshuffle = bool(reshuffle_each_iteration)
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.BY_CONTENT
 
     def params(self) -> tuple[Any, ...]:
         return (self.buffer_size, self.seed, self.reshuffle)

@@ -15,7 +15,15 @@ from typing import Any
 import numpy as np
 
 from headrace.core.iterator import Context, Iterator, origin_probe, row_origin
-from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive, known_spec
+from headrace.core.node import (
+    INFINITE,
+    UNKNOWN,
+    Node,
+    ShardRole,
+    batching_role,
+    check_positive,
+    known_spec,
+)
 from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, Origin
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
@@ -57,6 +65,9 @@ class UnbatchNode(Node):
         spec = known_spec(source)  # else checked when asked for: building reads no data
         if spec is not None:
             _check_batched("unbatch", spec)
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.BY_CONTENT
 
     @property
     def element_spec(self) -> Any:
@@ -225,6 +236,9 @@ class RebatchNode(Node):
         spec = known_spec(source)  # else checked when asked for: building reads no data
         if spec is not None:
             _check_batched("rebatch", spec)
+
+    def shard_role(self) -> ShardRole:
+        return batching_role(self.inputs[0], self.drop_remainder)
 
     def params(self) -> tuple[Any, ...]:
         return (tuple(self.sizes), self.drop_remainder)

@@ -11,7 +11,7 @@ from typing import Any
 
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import INFINITE, UNKNOWN, Node, known_spec
+from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, known_spec
 from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError
 from headrace.memory.budget import NO_RESERVATION, Reservation
@@ -26,6 +26,9 @@ class ZipNode(Node):
     def __init__(self, structure: Any, nodes: list[Node]) -> None:
         super().__init__(*nodes)
         self.structure = structure  # the user's nesting, with nodes as leaves
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.PAIRS
 
     def params(self) -> tuple[Any, ...]:
         return (repr(map_structure(lambda _: 0, self.structure)),)
@@ -115,6 +118,9 @@ class ConcatenateNode(Node):
         specs = known_spec(first), known_spec(second)
         if specs[0] is not None and specs[1] is not None:
             self.spec = _check_compatible(*specs)
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.BY_CONTENT
 
     @property
     def element_spec(self) -> Any:
