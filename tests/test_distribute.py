@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import collections
 import json
+import random
+import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import headrace as hr
+from headrace.adapters._sharding import shard_for_worker
+
+sys.path.insert(0, str(Path(__file__).parent))
+import shard_cases as sc
 
 
 def write_files(directory, count: int) -> list[str]:
@@ -94,3 +103,119 @@ def test_indexed_tfrecord_file_sharding(tmp_path) -> None:
     assert [r.decode() for r in part] == [f"{i}-{j}" for i in (0, 2) for j in range(3)]
     assert part.cardinality() == 6
     assert np.all(np.isin([r.decode() for r in part], [r.decode() for r in ds]))
+
+
+# -- sharding never splits an element: the unsharded pipeline is the oracle ---------------
+
+#: Every way a pipeline is split among workers: auto_shard's two policies (hosts) and the
+#: three worker_sharding policies of DataLoader workers (run here in-process: the same code).
+POLICIES = ("data", "file", "auto", "source", "output")
+
+
+def _part(ds: hr.Dataset, policy: str, num_shards: int, index: int) -> hr.Dataset:
+    if policy in ("data", "file"):
+        return hr.auto_shard(ds, policy, num_shards=num_shards, index=index)
+    return shard_for_worker(ds, policy, num_shards, index, split_budget=False)
+
+
+def _check_refusal(error: Exception, policy: str, ds: hr.Dataset) -> None:
+    """A refusal is allowed only where the policy promises one, and names a stage present."""
+    assert policy in ("file", "source"), f"{policy} refused: {error}"
+    named = re.search(r"the '([^']+)' (?:stage|source)", str(error))
+    assert named is not None, f"the refusal names no stage: {error}"
+    assert named.group(1) in sc.stages(ds.node), f"names a stage not in the pipeline: {error}"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_every_policy_delivers_the_unsharded_tuples_whole(tmp_path, seed: int) -> None:
+    """Random pipelines (zips of file readers, arrays and generators, nested zips, filter,
+    batch with and without drop_remainder, concatenate, interleave over files, take/skip,
+    enumerate), random worker counts, every policy: over all workers, exactly the unsharded
+    pipeline's rows, each tuple paired as unsharded; each worker's part the same twice."""
+    env = sc.make_env(str(tmp_path), seed)
+    rng = random.Random(seed)
+    for case_number in range(4):
+        case = sc.random_case(rng, env)
+        expected = sc.multiset(sc.rows(case.dataset, case.batched))
+        for policy in POLICIES:
+            workers = rng.randint(1, 4)
+            where = f"case {case_number} {sc.describe(case.dataset.node)}, {policy}, {workers} workers"
+            try:
+                parts = [_part(case.dataset, policy, workers, i) for i in range(workers)]
+            except hr.InvalidArgumentError as error:
+                _check_refusal(error, policy, case.dataset)
+                continue
+            got = [sc.rows(part, case.batched) for part in parts]
+            union = sum((sc.multiset(part) for part in got), collections.Counter())
+            assert union == expected, (
+                f"{where}: missing {list((expected - union).elements())[:5]}, "
+                f"extra {list((union - expected).elements())[:5]}"
+            )
+            for part, first in zip(parts, got, strict=True):
+                assert sc.rows(part, case.batched) == first, f"{where}: not deterministic"
+
+
+def _int_files(directory, counts: list[int]) -> list[str]:
+    from headrace.io.tfrecord import write_tfrecord
+
+    paths, value = [], 0
+    for i, count in enumerate(counts):
+        path = str(directory / f"ints-{i}.tfrecord")
+        write_tfrecord(path, [str(value + j).encode() for j in range(count)])
+        value += count
+        paths.append(path)
+    return paths
+
+
+def test_file_policy_refusals_name_the_stage(tmp_path) -> None:
+    """Where splitting by file would pair, drop or count elements differently than the
+    unsharded pipeline, FILE refuses and says which stage and what to do instead."""
+    files = _int_files(tmp_path, [3, 5, 2, 4])
+    records = hr.TFRecordDataset(files).map(sc.to_int, output_signature=sc.INT)
+    labels = hr.Dataset.from_tensor_slices(np.arange(14) * 10)
+    refused = {
+        "'zip' stage pairs its inputs by position": hr.Dataset.zip(records, labels),
+        "'batch' stage counts elements by position (drop_remainder=True": records.batch(
+            4, drop_remainder=True
+        ),
+        "'take' stage counts elements by position": records.take(5),
+        "'from_tensor_slices' source reads no list of files": records.concatenate(labels),
+    }
+    for message, ds in refused.items():
+        with pytest.raises(hr.InvalidArgumentError, match=re.escape(message)) as caught:
+            hr.auto_shard(ds, "file", num_shards=2, index=0)
+        assert "AutoShardPolicy.DATA" in str(caught.value)
+        # ... and DATA shards them whole: the same rows, each once, pairs kept
+        parts = [hr.auto_shard(ds, "data", num_shards=2, index=i) for i in range(2)]
+        batched = "batch" in message
+        union = sc.multiset(sc.rows(parts[0], batched) + sc.rows(parts[1], batched))
+        assert union == sc.multiset(sc.rows(ds, batched))
+
+
+def test_file_policy_shards_a_zip_of_the_same_files_alike(tmp_path) -> None:
+    """Inputs reading the same files through one-to-one stages: each worker opens only its
+    own files, in every input, and the pairs stay aligned; a remainder batch is kept."""
+    files = _int_files(tmp_path, [3, 0, 5, 2, 4])
+    records = hr.TFRecordDataset(files).map(sc.to_int, output_signature=sc.INT)
+    ds = hr.Dataset.zip(records, records.map(sc.plus_one)).filter(sc.keep).batch(3)
+    expected = sc.multiset(sc.rows(ds, batched=True))
+    parts = [hr.auto_shard(ds, num_shards=2, index=i) for i in range(2)]
+    got = [sc.rows(part, batched=True) for part in parts]
+    assert sc.multiset(got[0] + got[1]) == expected
+    assert all(b == a + 1 for a, b in got[0] + got[1])
+    assert {a for a, _ in got[0]} <= set(range(8)) | set(range(10, 14))  # files 0, 2, 4
+    assert {a for a, _ in got[1]} <= {8, 9}  # files 1 (empty) and 3
+
+
+def test_dropping_the_remainder_keeps_the_unsharded_count() -> None:
+    """1000 rows in batches of 64 dropping the remainder are 960 rows: so they stay over
+    two workers (the issue saw 896: each worker dropped a partial batch of its own)."""
+    ds = hr.Dataset.zip(
+        hr.Dataset.range(1000), hr.Dataset.from_tensor_slices(np.arange(1000) * 2)
+    ).batch(64, drop_remainder=True)
+    for policy in ("auto", "output", "data"):
+        parts = [_part(ds, policy, 2, i) for i in range(2)]
+        pairs = [pair for part in parts for pair in sc.rows(part, batched=True)]
+        assert len(pairs) == 960 and all(b == 2 * a for a, b in pairs), policy
+    with pytest.raises(hr.InvalidArgumentError, match="'batch' stage counts elements"):
+        _part(ds, "source", 2, 0)

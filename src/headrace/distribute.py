@@ -3,7 +3,9 @@
 ``FILE`` sharding splits the *list of files* before anything is read, so a
 worker never opens (or even lists records of) another worker's files;
 ``DATA`` sharding keeps every file and takes every n-th element, the
-fallback when there are fewer files than workers. ``(num_shards, index)``
+fallback when there are fewer files than workers. Either way a worker's part
+is never made by sharding a zip's inputs apart: sharding only passes stages
+whose :meth:`~headrace.core.Node.shard_role` allows it. ``(num_shards, index)``
 comes from the environment of the job — torch.distributed's ``WORLD_SIZE`` /
 ``RANK``, TensorFlow's ``TF_CONFIG``, JAX's process index — or is given.
 """
@@ -17,16 +19,21 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from headrace._rewrite import with_files, with_inputs
-from headrace.core.node import Node
+from headrace._rewrite import (
+    aligned_sources,
+    blocker_text,
+    is_file_source,
+    same_files,
+    with_files,
+    with_inputs,
+    with_sources,
+)
+from headrace.core.node import Node, ShardRole
 from headrace.dataset import Dataset
 from headrace.errors import InvalidArgumentError
 from headrace.sources.arrays import TensorSlicesNode
-from headrace.sources.files import FileRecordsNode
-from headrace.sources.tfrecord import IndexedTFRecordNode
 from headrace.transforms.interleave import InterleaveNode
 from headrace.transforms.shard import ShardNode
-from headrace.transforms.shuffle import ShuffleNode
 
 __all__ = ["AutoShardPolicy", "ShardInfo", "auto_shard", "shard_info"]
 
@@ -91,45 +98,73 @@ def shard_info(num_shards: int | None = None, index: int | None = None) -> Shard
     return info
 
 
-def _shard_files(node: Node, info: ShardInfo) -> Node | None:
-    """``node`` with its file list sharded, or None if no file list is found below it."""
-    if isinstance(node, (FileRecordsNode, IndexedTFRecordNode)):
+def _shard_files(node: Node, info: ShardInfo, *, names: bool = False) -> Node:
+    """``node`` reading only this worker's files; a clear refusal where that would not
+    deliver, over all workers, exactly the unsharded elements with every tuple intact.
+
+    ``names``: ``node`` feeds an interleave, so a list of strings is a list of files.
+    """
+    if is_file_source(node):
         _check_enough(len(node.filenames), info)
         return with_files(node, node.filenames[info.index :: info.num_shards])
-    if isinstance(node, InterleaveNode):
-        file_list = _file_list_below(node.inputs[0], info)
-        if file_list is not None:
-            return with_inputs(node, (file_list,))
-    for position, child in enumerate(node.inputs):
-        sharded = _shard_files(child, info)
-        if sharded is not None:
-            inputs = list(node.inputs)
-            inputs[position] = sharded
-            return with_inputs(node, tuple(inputs))
-    return None
-
-
-def _file_list_below(node: Node, info: ShardInfo) -> Node | None:
-    """Shard the list of names an interleave reads (before any shuffle of the list)."""
-    if isinstance(node, ShuffleNode):
-        inner = _file_list_below(node.inputs[0], info)
-        return None if inner is None else with_inputs(node, (inner,))
-    if isinstance(node, TensorSlicesNode) and len(node.leaves) == 1:
-        leaf = node.leaves[0]
-        if leaf.dtype == object and all(isinstance(name, (str, bytes)) for name in leaf[:8]):
-            _check_enough(node.length, info)
+    if not node.inputs:
+        if names and _is_name_list(node):
+            _check_enough(node.cardinality(), info)
             return ShardNode(node, info.num_shards, info.index)
-    return None
+        raise _refusal(
+            f"the {node.stage!r} source reads no list of files (FILE shards TFRecordDataset, "
+            "TextLineDataset, or list_files(...).interleave(...)), so every worker would "
+            "read all of it"
+        )
+    role = node.shard_role()
+    if role is ShardRole.POSITIONAL:
+        raise _refusal(
+            f"{blocker_text(node)}, so splitting the files below it would change what it "
+            "delivers (call auto_shard before that stage)"
+        )
+    if role is ShardRole.PAIRS:
+        sources = aligned_sources(node)
+        files = None if sources is None else same_files(sources)
+        if files is None:
+            raise _refusal(
+                f"the {node.stage!r} stage pairs its inputs by position, and they do not all "
+                "read the same files record by record through one-to-one stages (map, "
+                "prefetch), so splitting their files would pair elements of different "
+                "positions"
+            )
+        _check_enough(len(files), info)
+        mine = files[info.index :: info.num_shards]
+        return with_sources(node, lambda source: with_files(source, mine))  # type: ignore[arg-type]
+    names = names or isinstance(node, InterleaveNode)
+    return with_inputs(node, tuple(_shard_files(child, info, names=names) for child in node.inputs))
+
+
+def _is_name_list(node: Node) -> bool:
+    """A ``list_files``-like source: one column of file names."""
+    if not isinstance(node, TensorSlicesNode) or len(node.leaves) != 1:
+        return False
+    leaf = node.leaves[0]
+    return leaf.dtype == object and all(isinstance(name, (str, bytes)) for name in leaf[:8])
+
+
+def _refusal(reason: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"cannot apply FILE sharding: {reason}; use policy=AutoShardPolicy.DATA"
+    )
 
 
 def _shard_rows(node: Node, info: ShardInfo) -> Node | None:
     """``node`` with the source below it reading only this worker's rows, where the
-    source can filter them itself (``from_sql`` with a key: ``WHERE key % n = i``)."""
+    source can filter them itself (``from_sql`` with a key: ``WHERE key % n = i``).
+
+    The rows are split by content, not position, so only stages that see elements
+    one at a time or by content may lie between (not take, skip, enumerate...).
+    """
     shard_rows = getattr(node, "shard_rows", None)
     if shard_rows is not None and getattr(node, "key", None) is not None:
         sharded: Node = shard_rows(info.num_shards, info.index)
         return sharded
-    if len(node.inputs) == 1:
+    if len(node.inputs) == 1 and node.shard_role() in (ShardRole.ONE_TO_ONE, ShardRole.BY_CONTENT):
         inner = _shard_rows(node.inputs[0], info)
         return None if inner is None else with_inputs(node, (inner,))
     return None
@@ -151,14 +186,27 @@ def auto_shard(
     num_shards: int | None = None,
     index: int | None = None,
 ) -> Dataset:
-    """This worker's share of ``dataset``.
+    """This worker's share of ``dataset``: all workers together deliver exactly the
+    unsharded pipeline's elements, each once and whole (a zip's parts stay paired).
 
-    ``FILE``: the file list feeding the pipeline (``TFRecordDataset``/
+    ``FILE``: the file lists feeding the pipeline (``TFRecordDataset``/
     ``TextLineDataset`` files, or the names an ``interleave`` reads, e.g. from
-    ``list_files``) is split round-robin, so each worker opens only its own
-    files; an error if there are fewer files than shards. ``DATA``: every
-    ``num_shards``-th element of the output. With one shard the dataset is
-    returned unchanged.
+    ``list_files``) are split round-robin, so each worker opens only its own
+    files; an error if there are fewer files than shards. Every source must read
+    files, and the stages above them must treat elements one at a time or by
+    content (map, filter, shuffle, interleave, concatenate, repeat, batch: each
+    worker then batches its own part). Refused, with an error naming the stage:
+    a stage counting positions (take, skip, enumerate, or a batch with
+    ``drop_remainder=True``, which would drop a partial batch in *every* worker
+    and so lose elements the unsharded pipeline delivers: shard before batching),
+    and a ``zip`` whose inputs do not read the same files record by record.
+
+    ``DATA``: every ``num_shards``-th element of the output; over a batched
+    pipeline, every ``num_shards``-th batch, so the workers together deliver
+    exactly the unsharded batches (``drop_remainder`` drops what it drops
+    unsharded). A ``from_sql`` source with a ``key`` reads only its rows
+    (``WHERE key % n = i``) where no positional stage lies above it. With one
+    shard the dataset is returned unchanged.
     """
     chosen = AutoShardPolicy(policy.lower() if isinstance(policy, str) else policy)
     info = shard_info(num_shards, index)
@@ -169,11 +217,4 @@ def auto_shard(
         if by_key is not None:
             return Dataset(by_key, dataset.options)
         return dataset.shard(info.num_shards, info.index)
-    sharded = _shard_files(dataset._node, info)
-    if sharded is None:
-        raise InvalidArgumentError(
-            "cannot apply FILE sharding: no list of files found in this pipeline "
-            "(TFRecordDataset, TextLineDataset, or list_files(...).interleave(...)); "
-            "use policy=AutoShardPolicy.DATA"
-        )
-    return Dataset(sharded, dataset.options)
+    return Dataset(_shard_files(dataset._node, info), dataset.options)

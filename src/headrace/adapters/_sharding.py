@@ -7,9 +7,18 @@ every element exactly once:
 list of files an ``interleave`` or ``TFRecordDataset`` reads): each worker
 reads and transforms only its own data. Allowed when every stage between the
 sources and the output treats elements one at a time or by content (map,
-filter, batch, shuffle, prefetch, repeat, interleave, zip, concatenate...),
+filter, shuffle, prefetch, repeat, interleave, concatenate, batch keeping its
+remainder...; each node says so in :meth:`~headrace.core.Node.shard_role`),
 so that the union over workers is the single-process stream; batches are then
 formed per worker (each may end with a partial batch) and the order differs.
+A ``zip`` is sharded as *one* stream, never branch by branch: where every
+branch reaches its source through one-to-one stages (map, prefetch), each
+source is sharded at the same positions (or by the same files, if all read
+the same files), else the zip's output is; either way every tuple stays
+intact. A stage that counts positions (take, skip, enumerate, a batch with
+``drop_remainder=True``, which would drop a partial batch in every worker)
+forbids it: ``"auto"`` then falls back to ``"output"``, ``"source"`` refuses
+naming the stage.
 
 ``"output"`` keeps the whole pipeline in every worker and lets worker ``i``
 deliver elements ``i, i + n, i + 2n, ...``: with PyTorch's round-robin over
@@ -22,23 +31,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from headrace._rewrite import with_files, with_inputs
-from headrace.core.node import Node
+from headrace._rewrite import (
+    aligned_sources,
+    blocker_text,
+    is_file_source,
+    same_files,
+    with_files,
+    with_inputs,
+    with_sources,
+)
+from headrace.core.node import Node, ShardRole
 from headrace.errors import InvalidArgumentError
 from headrace.options import Options
-from headrace.sources.files import FileRecordsNode
-from headrace.sources.tfrecord import IndexedTFRecordNode
-from headrace.transforms.batch import BatchNode
-from headrace.transforms.filter import FilterNode
-from headrace.transforms.interleave import InterleaveNode
-from headrace.transforms.map import MapNode
-from headrace.transforms.padded_batch import PaddedBatchNode
-from headrace.transforms.prefetch import PrefetchNode
-from headrace.transforms.repeat import RepeatNode
 from headrace.transforms.shard import ShardNode
-from headrace.transforms.shuffle import ShuffleNode
-from headrace.transforms.unbatch import RebatchNode, UnbatchNode
-from headrace.transforms.zip import ConcatenateNode, ZipNode
 
 if TYPE_CHECKING:
     from headrace.dataset import Dataset
@@ -47,30 +52,15 @@ __all__ = ["WorkerSharding", "resolve_sharding", "shard_for_worker", "source_blo
 
 WorkerSharding = Literal["auto", "source", "output"]
 
-#: Stages under which sharding the sources keeps "every element exactly once":
-#: they see each element alone (or by content), never by its position in the stream.
-_POSITION_FREE: tuple[type[Node], ...] = (
-    MapNode,
-    FilterNode,
-    BatchNode,
-    PaddedBatchNode,
-    UnbatchNode,
-    RebatchNode,
-    ShuffleNode,
-    PrefetchNode,
-    RepeatNode,
-    InterleaveNode,
-    ZipNode,
-    ConcatenateNode,
-)
-
-
 def source_blocker(node: Node) -> Node | None:
     """The first stage that forbids sharding at the sources (take, skip, enumerate...)."""
     if not node.inputs:
         return None
-    if not isinstance(node, _POSITION_FREE):
+    role = node.shard_role()
+    if role is ShardRole.POSITIONAL:
         return node
+    if role is ShardRole.PAIRS:
+        return None  # sharded as one stream: nothing below it sees a part
     for child in node.inputs:
         blocker = source_blocker(child)
         if blocker is not None:
@@ -91,23 +81,34 @@ def resolve_sharding(dataset: Dataset, policy: str) -> Literal["source", "output
         return "source"
     if policy == "source":
         raise InvalidArgumentError(
-            f"worker_sharding='source': the {blocker.stage!r} stage counts elements by "
-            "position, so sharding the sources would change what it does; use "
-            "worker_sharding='output'"
+            f"worker_sharding='source': {blocker_text(blocker)}, so sharding the sources "
+            "would change what it delivers; use worker_sharding='output'"
         )
     return "output"
 
 
 def _shard_sources(node: Node, num_shards: int, index: int) -> Node:
     if not node.inputs:
-        if isinstance(node, (FileRecordsNode, IndexedTFRecordNode)) and (
-            len(node.filenames) >= num_shards
-        ):
+        if is_file_source(node) and len(node.filenames) >= num_shards:
             return with_files(node, node.filenames[index::num_shards])  # only its own files
         return ShardNode(node, num_shards, index)
+    if node.shard_role() is ShardRole.PAIRS:
+        return _shard_pairs(node, num_shards, index)
     return with_inputs(
         node, tuple(_shard_sources(child, num_shards, index) for child in node.inputs)
     )
+
+
+def _shard_pairs(node: Node, num_shards: int, index: int) -> Node:
+    """A zip's part: the same positions of every input, so no element meets another's pair."""
+    sources = aligned_sources(node)
+    if sources is None:
+        return ShardNode(node, num_shards, index)  # the combined stream, as one
+    files = same_files(sources)
+    if files is not None and len(files) >= num_shards:
+        mine = files[index::num_shards]
+        return with_sources(node, lambda source: with_files(source, mine))  # type: ignore[arg-type]
+    return with_sources(node, lambda source: ShardNode(source, num_shards, index))
 
 
 def shard_for_worker(
