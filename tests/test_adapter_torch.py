@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import collections
 import random
+import sys
 import warnings
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +17,9 @@ import headrace as hr
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import shard_cases as sc  # noqa: E402
 
 
 def test_batches_share_memory_readonly_ones_without_warning() -> None:
@@ -42,8 +48,9 @@ def test_nested_elements_and_strings() -> None:
 def test_length_follows_cardinality() -> None:
     assert len(hr.Dataset.range(10).to_torch()) == 10
     assert len(hr.Dataset.range(10).batch(3).to_torch(worker_sharding="output")) == 4
-    with pytest.raises(TypeError, match="depends on the number of DataLoader workers"):
-        len(hr.Dataset.range(10).batch(3).to_torch())
+    for grouped in (hr.Dataset.range(10).batch(3), hr.Dataset.range(9).ragged_batch(3)):
+        with pytest.raises(TypeError, match="depends on the number of DataLoader workers"):
+            len(grouped.to_torch())  # 9 rows over 2 workers: 2 + 2 batches, not 3
     with pytest.raises(TypeError, match="not known"):
         len(hr.Dataset.range(10).repeat().to_torch())
 
@@ -144,3 +151,31 @@ def test_loader_with_workers_end_to_end() -> None:
                         multiprocessing_context=CONTEXT)
     rows = sorted(int(i) for batch in loader for i in batch["id"])
     assert rows == list(range(1000))
+
+
+def _as_tuples(element: Any) -> Any:
+    """A DataLoader element with its lists (torch's collate turns tuples into them) as tuples."""
+    if isinstance(element, (list, tuple)):
+        return tuple(_as_tuples(part) for part in element)
+    return element
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("seed", [1])  # each DataLoader starts processes: few and small
+def test_loader_workers_keep_every_pair_and_every_row(tmp_path: Any, seed: int) -> None:
+    """A real DataLoader with workers, default worker_sharding: the issue's zip of TFRecord
+    files with a label array (filtered, batches dropping their remainder), then a drawn
+    pipeline; all workers together give the unsharded rows with every tuple intact."""
+    env = sc.make_env(str(tmp_path), seed)
+    rng = random.Random(seed)
+    records = hr.TFRecordDataset(env.files).map(sc.to_int, output_signature=sc.INT)
+    labels = hr.Dataset.from_tensor_slices(np.arange(env.total, dtype=np.int64) * 10)
+    issue = hr.Dataset.zip(records, labels).filter(sc.keep).batch(2, drop_remainder=True)
+    for case in (sc.Case(issue, True), sc.random_case(rng, env)):
+        expected = sc.multiset(sc.rows(case.dataset, case.batched))
+        workers = rng.randint(2, 3)
+        loader = DataLoader(case.dataset.to_torch(), batch_size=None, num_workers=workers,
+                            multiprocessing_context=CONTEXT)
+        got = sc.multiset(sc.rows(map(_as_tuples, loader), case.batched))
+        assert got == expected, f"{sc.describe(case.dataset.node)}, {workers} workers"

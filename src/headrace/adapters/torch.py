@@ -45,6 +45,7 @@ from headrace.options import AUTOTUNE
 from headrace.structure import map_structure
 from headrace.transforms.batch import BatchNode
 from headrace.transforms.padded_batch import PaddedBatchNode
+from headrace.transforms.ragged_batch import RaggedBatchNode
 from headrace.transforms.unbatch import RebatchNode
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
 
 def _batches(node: Node) -> bool:
     """Whether a stage below groups elements (then source sharding changes the count)."""
-    if isinstance(node, (BatchNode, PaddedBatchNode, RebatchNode)):
+    if isinstance(node, (BatchNode, PaddedBatchNode, RaggedBatchNode, RebatchNode)):
         return True
     return any(_batches(child) for child in node.inputs)
 
