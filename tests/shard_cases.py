@@ -4,7 +4,7 @@ Module level so that DataLoader workers (forkserver) can unpickle the pipelines
 (importable as ``shard_cases`` once ``tests`` is on ``sys.path``).
 
 The pipelines pair elements by position (zip of TFRecord files with an array, a
-generator, another file reader, nested zips), filter, map, shuffle, repeat,
+generator, another file reader, nested zips, a sub-pipeline zipped with itself), filter, map, shuffle, repeat,
 concatenate, interleave over files, take/skip/enumerate, and end with a batch
 (with or without ``drop_remainder``) or not. Every element is a nest of int64
 scalars, so a row is a tuple of ints: a tuple whose parts were paired from
@@ -107,12 +107,16 @@ STEPS = ["map"] * 3 + ["filter"] * 3 + ["shuffle"] * 2 + [
 def _rows_dataset(rng: random.Random, env: Env, depth: int) -> hr.Dataset:
     """Unbatched elements: a nest of int64 scalars."""
     roll = rng.random()
-    if depth < 2 and roll < 0.55:
+    if depth < 2 and roll < 0.45:
         branches = [_rows_dataset(rng, env, depth + 1) for _ in range(rng.randint(2, 3))]
         ds = hr.Dataset.zip(tuple(branches))
-    elif depth < 2 and roll < 0.65:
+    elif depth < 2 and roll < 0.65:  # one stream read twice, zipped with itself
+        shared = _rows_dataset(rng, env, depth + 1)
+        ds = hr.Dataset.zip(shared, shared.map(plus_one, output_signature=shared.element_spec))
+    elif depth < 2 and roll < 0.75:
         ds = _rows_dataset(rng, env, depth + 1)
-        other = ds.map(plus_one) if rng.random() < 0.5 else ds.take(rng.randint(0, 6))
+        other = (ds.map(plus_one, output_signature=ds.element_spec) if rng.random() < 0.5
+                 else ds.take(rng.randint(0, 6)))
         ds = ds.concatenate(other)
     else:
         ds = _source(rng, env)

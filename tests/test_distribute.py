@@ -205,6 +205,13 @@ def test_file_policy_shards_a_zip_of_the_same_files_alike(tmp_path) -> None:
     assert all(b == a + 1 for a, b in got[0] + got[1])
     assert {a for a, _ in got[0]} <= set(range(8)) | set(range(10, 14))  # files 0, 2, 4
     assert {a for a, _ in got[1]} <= {8, 9}  # files 1 (empty) and 3
+    # one stream zipped with itself (here an interleave over the names): its files split once
+    mixed = hr.TFRecordDataset(files, num_parallel_reads=2).map(sc.to_int, output_signature=sc.INT)
+    twice = hr.Dataset.zip(mixed, mixed.map(sc.plus_one))
+    parts = [hr.auto_shard(twice, num_shards=2, index=i) for i in range(2)]
+    got = [sc.rows(part, batched=False) for part in parts]
+    assert sc.multiset(got[0] + got[1]) == sc.multiset(sc.rows(twice, batched=False))
+    assert {a for a, _ in got[1]} == {8, 9}
 
 
 def test_dropping_the_remainder_keeps_the_unsharded_count() -> None:

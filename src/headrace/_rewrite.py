@@ -17,13 +17,13 @@ from headrace.structure import pack_as
 from headrace.transforms.zip import ZipNode
 
 __all__ = [
-    "aligned_sources",
+    "aligned_roots",
+    "alike",
     "blocker_text",
     "is_file_source",
-    "same_files",
     "with_files",
     "with_inputs",
-    "with_sources",
+    "with_roots",
 ]
 
 
@@ -57,49 +57,40 @@ def is_file_source(node: Node) -> TypeGuard[FileRecordsNode | IndexedTFRecordNod
     return isinstance(node, (FileRecordsNode, IndexedTFRecordNode))
 
 
-def aligned_sources(node: Node) -> list[Node] | None:
-    """The sources whose positions are ``node``'s positions, or None if some are not.
+def aligned_roots(node: Node) -> list[Node]:
+    """Where ``node``'s positions stop being its inputs' positions: the stages feeding it
+    through one-to-one stages (map, prefetch) and zips, or sources.
 
     Below a zip, element ``k`` is made of element ``k`` of every input; through
-    one-to-one stages (map, prefetch) and nested zips that is element ``k`` of
-    every source. Sharding each of those sources at the same positions (or by
-    the same files, where they read the same files the same way) then shards
-    the zip at those positions, with every tuple intact. Any other stage on the
-    way (filter, repeat, shuffle, batch...) moves positions: then None.
+    one-to-one stages and nested zips that is element ``k`` of each root. Sharding
+    every root at the same positions therefore shards the zip at those positions
+    with every tuple intact, and so does sharding *alike* roots the same way
+    (see :func:`alike`).
     """
-    if not node.inputs:
-        return [node]
-    if node.shard_role() not in (ShardRole.ONE_TO_ONE, ShardRole.PAIRS):
-        return None
-    sources: list[Node] = []
-    for child in node.inputs:
-        below = aligned_sources(child)
-        if below is None:
-            return None
-        sources.extend(below)
-    return sources
+    if node.inputs and node.shard_role() in (ShardRole.ONE_TO_ONE, ShardRole.PAIRS):
+        return [root for child in node.inputs for root in aligned_roots(child)]
+    return [node]
 
 
-def same_files(sources: list[Node]) -> list[str] | None:
-    """The file list every one of ``sources`` reads, record for record the same way, or None.
+def alike(roots: list[Node]) -> bool:
+    """Whether ``roots`` give the same stream, so that one way of sharding them keeps it so.
 
-    Two file sources are read alike only if they are the same kind of reader with
-    the same arguments (a text reader and a TFRecord reader over one file do not
-    agree on what record ``k`` is): the same fingerprint.
+    The same node (``zip(ds, ds.map(f))``), or file readers of the same kind with the
+    same arguments over the same files (a text reader and a TFRecord reader of one
+    file do not agree on what record ``k`` is): the same fingerprint. Other equal
+    fingerprints are not enough, as a fingerprint does not see every input's content.
     """
-    first = sources[0]
-    if not is_file_source(first):
-        return None
-    if not all(is_file_source(s) and s.fingerprint() == first.fingerprint() for s in sources):
-        return None
-    return list(first.filenames)
+    first = roots[0]
+    if all(root is first for root in roots):
+        return True
+    return all(is_file_source(r) and r.fingerprint() == first.fingerprint() for r in roots)
 
 
-def with_sources(node: Node, rewrite: Callable[[Node], Node]) -> Node:
-    """``node`` with every source below it replaced by ``rewrite(source)``."""
-    if not node.inputs:
-        return rewrite(node)
-    return with_inputs(node, tuple(with_sources(child, rewrite) for child in node.inputs))
+def with_roots(node: Node, rewrite: Callable[[Node], Node]) -> Node:
+    """``node`` with every one of its :func:`aligned_roots` replaced by ``rewrite(root)``."""
+    if node.inputs and node.shard_role() in (ShardRole.ONE_TO_ONE, ShardRole.PAIRS):
+        return with_inputs(node, tuple(with_roots(child, rewrite) for child in node.inputs))
+    return rewrite(node)
 
 
 def blocker_text(node: Node) -> str:

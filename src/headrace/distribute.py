@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from headrace._rewrite import (
-    aligned_sources,
+    aligned_roots,
+    alike,
     blocker_text,
     is_file_source,
-    same_files,
     with_files,
     with_inputs,
-    with_sources,
+    with_roots,
 )
 from headrace.core.node import Node, ShardRole
 from headrace.dataset import Dataset
@@ -123,18 +123,15 @@ def _shard_files(node: Node, info: ShardInfo, *, names: bool = False) -> Node:
             "delivers (call auto_shard before that stage)"
         )
     if role is ShardRole.PAIRS:
-        sources = aligned_sources(node)
-        files = None if sources is None else same_files(sources)
-        if files is None:
+        roots = aligned_roots(node)
+        if not alike(roots):
             raise _refusal(
-                f"the {node.stage!r} stage pairs its inputs by position, and they do not all "
-                "read the same files record by record through one-to-one stages (map, "
+                f"the {node.stage!r} stage pairs its inputs by position, and they do not "
+                "all read the same files the same way through one-to-one stages (map, "
                 "prefetch), so splitting their files would pair elements of different "
                 "positions"
             )
-        _check_enough(len(files), info)
-        mine = files[info.index :: info.num_shards]
-        return with_sources(node, lambda source: with_files(source, mine))  # type: ignore[arg-type]
+        return with_roots(node, lambda root: _shard_files(root, info, names=names))
     names = names or isinstance(node, InterleaveNode)
     return with_inputs(node, tuple(_shard_files(child, info, names=names) for child in node.inputs))
 

@@ -11,11 +11,12 @@ filter, shuffle, prefetch, repeat, interleave, concatenate, batch keeping its
 remainder...; each node says so in :meth:`~headrace.core.Node.shard_role`),
 so that the union over workers is the single-process stream; batches are then
 formed per worker (each may end with a partial batch) and the order differs.
-A ``zip`` is sharded as *one* stream, never branch by branch: where every
-branch reaches its source through one-to-one stages (map, prefetch), each
-source is sharded at the same positions (or by the same files, if all read
-the same files), else the zip's output is; either way every tuple stays
-intact. A stage that counts positions (take, skip, enumerate, a batch with
+A ``zip`` is sharded as *one* stream, never branch by branch: where its
+branches are one stream read twice (``zip(ds, ds.map(f))``, or readers of the
+same files) reached through one-to-one stages (map, prefetch), that stream is
+sharded once, the same way for every branch; where each branch reaches a
+source through such stages, every source is sharded at the same positions;
+else the zip's output is. Either way every tuple stays intact. A stage that counts positions (take, skip, enumerate, a batch with
 ``drop_remainder=True``, which would drop a partial batch in every worker)
 forbids it: ``"auto"`` then falls back to ``"output"``, ``"source"`` refuses
 naming the stage.
@@ -32,13 +33,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from headrace._rewrite import (
-    aligned_sources,
+    aligned_roots,
+    alike,
     blocker_text,
     is_file_source,
-    same_files,
     with_files,
     with_inputs,
-    with_sources,
+    with_roots,
 )
 from headrace.core.node import Node, ShardRole
 from headrace.errors import InvalidArgumentError
@@ -60,7 +61,7 @@ def source_blocker(node: Node) -> Node | None:
     if role is ShardRole.POSITIONAL:
         return node
     if role is ShardRole.PAIRS:
-        return None  # sharded as one stream: nothing below it sees a part
+        return None  # at worst sharded as one stream: nothing below it sees a part
     for child in node.inputs:
         blocker = source_blocker(child)
         if blocker is not None:
@@ -101,14 +102,12 @@ def _shard_sources(node: Node, num_shards: int, index: int) -> Node:
 
 def _shard_pairs(node: Node, num_shards: int, index: int) -> Node:
     """A zip's part: the same positions of every input, so no element meets another's pair."""
-    sources = aligned_sources(node)
-    if sources is None:
-        return ShardNode(node, num_shards, index)  # the combined stream, as one
-    files = same_files(sources)
-    if files is not None and len(files) >= num_shards:
-        mine = files[index::num_shards]
-        return with_sources(node, lambda source: with_files(source, mine))  # type: ignore[arg-type]
-    return with_sources(node, lambda source: ShardNode(source, num_shards, index))
+    roots = aligned_roots(node)
+    if alike(roots) and source_blocker(roots[0]) is None:  # one stream: the same part of it
+        return with_roots(node, lambda root: _shard_sources(root, num_shards, index))
+    if all(not root.inputs for root in roots):
+        return with_roots(node, lambda source: ShardNode(source, num_shards, index))
+    return ShardNode(node, num_shards, index)  # the combined stream, as one
 
 
 def shard_for_worker(
