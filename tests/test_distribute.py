@@ -190,6 +190,11 @@ def test_file_policy_refusals_name_the_stage(tmp_path) -> None:
         batched = "batch" in message
         union = sc.multiset(sc.rows(parts[0], batched) + sc.rows(parts[1], batched))
         assert union == sc.multiset(sc.rows(ds, batched))
+    # over an endless input nothing is ever dropped: FILE shards below such a batch
+    endless = hr.auto_shard(records.repeat().batch(4, drop_remainder=True), num_shards=2,
+                            index=1)
+    seen = {row[0] for row in sc.rows(endless.take(10), batched=True)}
+    assert seen == set(range(3, 8)) | set(range(10, 14))  # files 1 and 3 only
 
 
 def test_file_policy_shards_a_zip_of_the_same_files_alike(tmp_path) -> None:
