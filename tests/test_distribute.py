@@ -231,3 +231,38 @@ def test_dropping_the_remainder_keeps_the_unsharded_count() -> None:
         assert len(pairs) == 960 and all(b == 2 * a for a, b in pairs), policy
     with pytest.raises(hr.InvalidArgumentError, match="'batch' stage counts elements"):
         _part(ds, "source", 2, 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_data_policy_pushes_a_sql_key_only_through_stages_that_allow_it(tmp_path, seed) -> None:
+    """DATA over ``from_sql(key=...)`` becomes a WHERE on the key, which splits rows by
+    content: under take/skip/enumerate that would change what they select (each worker
+    taking its own first rows), so the shard stays above them there."""
+    import sqlite3
+
+    path = tmp_path / "t.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v INTEGER)")
+    db.executemany("INSERT INTO t VALUES (?, ?)", [(i, 3 * i) for i in range(60)])
+    db.commit()
+    db.close()
+    rng = random.Random(seed)
+    base = hr.Dataset.from_sql("SELECT id, v FROM t", connection=f"sqlite:///{path}", key="id",
+                               batch_size=rng.randint(1, 9)).unbatch()
+    for _ in range(3):
+        ds = base
+        for step in rng.sample(["take", "skip", "filter", "enumerate", "shuffle"], 2):
+            if step == "take":
+                ds = ds.take(rng.randint(0, 40))
+            elif step == "skip":
+                ds = ds.skip(rng.randint(0, 20))
+            elif step == "filter":
+                ds = ds.filter(sc.keep)
+            elif step == "enumerate":
+                ds = ds.enumerate()
+            else:
+                ds = ds.shuffle(8, seed=1, reshuffle_each_iteration=False)
+        workers = rng.randint(2, 4)
+        parts = [hr.auto_shard(ds, "data", num_shards=workers, index=i) for i in range(workers)]
+        union = sum((sc.multiset(sc.rows(part, False)) for part in parts), collections.Counter())
+        assert union == sc.multiset(sc.rows(ds, False)), sc.describe(ds.node)
