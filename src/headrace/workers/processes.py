@@ -751,7 +751,13 @@ class ProcessPool:
                 if self.book_idle is not None and len(worker.idle) < self.idle_segments:
                     booking = self.book_idle(capacity)
                 with self.lock:
-                    if booking is not None:
+                    if self.maps[worker.index] is not maps:
+                        # its worker died meanwhile: the key means nothing to the successor
+                        # (whose own segment of that key may be busy), so nothing is told
+                        maps.forget(key)
+                        if booking is not None:
+                            booking.release()
+                    elif booking is not None:
                         worker.idle[key] = booking
                         worker.freed.append(key)
                     else:
