@@ -89,7 +89,13 @@ def outcomes(
 
 
 def build(
-    n: int, map_fn: Any, shuffle: int | None, after: list[str], ignore: bool, workers: int | None
+    n: int,
+    map_fn: Any,
+    shuffle: int | None,
+    after: list[str],
+    ignore: bool,
+    workers: int | None,
+    deterministic: bool = True,
 ) -> hr.Dataset:
     ds = hr.Dataset.range(n)
     if shuffle is not None:
@@ -97,7 +103,8 @@ def build(
     if workers is None:
         ds = ds.map(map_fn)
     else:
-        ds = ds.map(map_fn, num_parallel_calls=workers, workers="processes")
+        ds = ds.map(map_fn, num_parallel_calls=workers, workers="processes",
+                    deterministic=deterministic)
     for op in after:
         if op == "thread_map":
             ds = ds.map(np.negative, num_parallel_calls=2)
@@ -125,6 +132,8 @@ def fault_cases(draw: st.DrawFn) -> dict[str, Any]:
         "ignore": draw(st.booleans()),
         "workers": draw(st.integers(1, 2)),
         "cut": draw(st.integers(0, n)),
+        # out of order: the same multiset (batches would differ: no batch then)
+        "deterministic": draw(st.booleans()),
     }
 
 
@@ -137,12 +146,18 @@ def check_fault_case(case: dict[str, Any]) -> None:
     limit = len(expected) + 20  # a broken stage raising forever must not loop here
     with tempfile.TemporaryDirectory() as markers, warnings.catch_warnings():
         warnings.simplefilter("ignore", hr.HeadraceWarning)  # "worker ... replaced"
+        deterministic = case["deterministic"] or "batch" in case["after"]
         ds = build(n, functools.partial(process_fns.faulty, plan, markers, size), *shape,
-                   case["workers"])
+                   case["workers"], deterministic)
         states: dict[int, Any] = {}
         with iter(ds) as iterator:
-            got = outcomes(iterator, limit, states, frozenset({case["cut"]}))
-        assert got == expected, f"plan {plan}"
+            got = outcomes(iterator, limit, states if deterministic else None,
+                           frozenset({case["cut"]}))
+        if not deterministic:  # each element or its error once, in any order (no resume:
+            # out of order, a state is at-least-once)
+            assert sorted(map(repr, got)) == sorted(map(repr, expected)), f"plan {plan}"
+        else:
+            assert got == expected, f"plan {plan}"
         # resume right after the first error, and at the drawn cut: the rest, exactly once
         after_error = [p for p, o in enumerate(got, 1) if isinstance(o, tuple) and o[:1] == ("error",)]
         for position in sorted({*after_error[:1], case["cut"]} & set(states)):
@@ -153,7 +168,7 @@ def check_fault_case(case: dict[str, Any]) -> None:
     assert own_segments() == []
 
 
-@settings(max_examples=3, deadline=None, derandomize=True,
+@settings(max_examples=2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(fault_cases())
 def test_faults_in_process_maps_lose_nothing(case: dict[str, Any]) -> None:
@@ -249,7 +264,7 @@ def check_broken_case(case: dict[str, Any]) -> None:
     assert own_segments() == []
 
 
-@settings(max_examples=4, deadline=None, derandomize=True,
+@settings(max_examples=2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(broken_cases())
 def test_a_broken_pool_raises_for_good_and_resumes_exactly(case: dict[str, Any]) -> None:
