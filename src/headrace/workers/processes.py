@@ -449,9 +449,9 @@ class _Task:
 
 class _Worker:
     __slots__ = (
-        "dropped", "dropped_inputs", "freed", "idle", "index", "input_bookings", "inputs",
-        "owner", "pending", "process", "progress", "ready", "results", "send_lock", "tasks",
-        "watched",
+        "backlog", "dropped", "dropped_inputs", "freed", "idle", "index", "input_bookings",
+        "inputs", "owner", "pending", "process", "progress", "ready", "results", "send_lock",
+        "tasks", "watched",
     )
 
     def __init__(self, index: int, owner: int) -> None:
@@ -469,6 +469,8 @@ class _Worker:
         #: tasks reach the worker in the order of ``pending``.
         self.send_lock = threading.RLock()
         self.pending: deque[_Task] = deque()
+        #: A dead predecessor's tasks, to be sent before any other (see ProcessPool._send).
+        self.backlog: deque[_Task] = deque()
         self.freed: list[int] = []  # segment keys to report free with the next task
         self.dropped: list[int] = []
         self.idle: dict[int, Any] = {}  # key -> the reservation booking it while idle
@@ -654,7 +656,7 @@ class ProcessPool:
         self.recycle()
         with self.lock:
             if worker is None:
-                chosen = min(self.workers, key=lambda w: len(w.pending))
+                chosen = min(self.workers, key=lambda w: len(w.pending) + len(w.backlog))
             else:
                 chosen = self.workers[worker]
         return self._submit_to(chosen, elements)
@@ -664,11 +666,29 @@ class ProcessPool:
         self._send(worker, task)
         return task.future
 
-    def _send(self, worker: _Worker, task: _Task) -> None:
-        """Pack ``task``'s elements for ``worker``, queue the task there and send it.
+    def _send(self, worker: _Worker, task: _Task | None) -> None:
+        """Pack ``task``'s elements for ``worker``, queue the task there and send it,
+        after the tasks of a dead predecessor still waiting in ``worker.backlog``.
 
         Its elements stay with the task until its result is in: a worker that dies
-        meanwhile has its tasks sent again to its successor (see :meth:`_replace`)."""
+        meanwhile has its tasks sent again to its successor (see :meth:`_replace`).
+        Never on the collector thread: a send may wait for the worker to read, which
+        may wait for the collector to read its results."""
+        with worker.send_lock:
+            while True:
+                with self.lock:
+                    queued = worker.backlog.popleft() if worker.backlog else None
+                if queued is None:
+                    break
+                try:
+                    self._send_now(worker, queued)
+                except Exception as error:  # broken or closed meanwhile
+                    with contextlib.suppress(Exception):
+                        queued.future.set_exception(error)
+            if task is not None:
+                self._send_now(worker, task)
+
+    def _send_now(self, worker: _Worker, task: _Task) -> None:
         with worker.send_lock:
             names: list[str] = []
             packing = time.perf_counter()
@@ -823,9 +843,11 @@ class ProcessPool:
         with self.lock:
             if self.broken is None:
                 self.broken = error
-            tasks = [task for worker in self.workers for task in worker.pending]
+            tasks = [task for worker in self.workers
+                     for task in (*worker.pending, *worker.backlog)]
             for worker in self.workers:
                 worker.pending.clear()
+                worker.backlog.clear()
         for task in tasks:
             for name in task.names:
                 unlink_segment(name)
@@ -853,10 +875,12 @@ class ProcessPool:
 
         A death is a fault of the machine (a signal, the OOM killer, a crash in a
         native library), not of the data: the calls run again and nothing is lost. The
-        call it was running is blamed: a chunk of several elements runs again one
-        element at a time, and a one-element call that was blamed before (it killed
-        two workers) becomes its element's :class:`WorkerError` — so one poisonous
-        element costs two restarts and its own place, never the stream. A worker that
+        element it was running (told by its progress cell) is blamed: its chunk runs
+        again as three calls (the elements before it, it alone, the rest), and a
+        one-element call blamed before that kills again becomes its element's
+        :class:`WorkerError` — so one poisonous element costs two restarts and its
+        own place, never the stream. The calls are sent by a short-lived thread, not
+        the collector (see :meth:`_send`). A worker that
         dies before it loaded the function (it cannot start) breaks the pool
         (:class:`WorkerPoolError`), as does failing to start a successor.
         """
@@ -919,12 +943,11 @@ class ProcessPool:
                     HeadraceWarning,
                     stacklevel=2,
                 )
-                for task in again:
-                    try:
-                        self._send(worker, task)
-                    except Exception as error:  # broken or closed meanwhile
-                        with contextlib.suppress(Exception):
-                            task.future.set_exception(error)
+                with self.lock:  # sent before anything else to this worker (see _send)
+                    worker.backlog.extend(again)
+                if again:  # (not from here: see _send)
+                    threading.Thread(target=self._send, args=(worker, None),
+                                     name="headrace-resend", daemon=True).start()
             else:
                 with self.lock:
                     worker.pending.extend(tasks)
@@ -1008,9 +1031,11 @@ class ProcessPool:
         if self._collector is not None and self._collector is not threading.current_thread():
             self._collector.join(_POLL_SECONDS * 4)
         with self.lock:
-            tasks = [task for worker in self.workers for task in worker.pending]
+            tasks = [task for worker in self.workers
+                     for task in (*worker.pending, *worker.backlog)]
             for worker in self.workers:
                 worker.pending.clear()
+                worker.backlog.clear()
                 for booking in [*worker.idle.values(), *worker.input_bookings.values()]:
                     booking.release()
                 worker.idle.clear()
