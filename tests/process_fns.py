@@ -179,3 +179,49 @@ def half_of(dataset: Any, i: Any) -> Any:
     """Half ``i`` of ``dataset`` (elements ``i, i + 2, ...``): an inner pipeline made from a
     pickled dataset, in the worker process that reads the slot."""
     return dataset.shard(2, int(i))
+
+
+class Unsendable:
+    """An output that cannot be pickled back from a worker (a lock, an open socket...)."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("Unsendable cannot be pickled")
+
+
+def faulty(plan: tuple[tuple[int, str], ...], markers: str, size: int, x: Any) -> Any:
+    """``np.full(size, x)``, or the fault ``plan`` names for element value ``x``:
+
+    ``raise`` (:class:`Failing`), ``kill_once`` (SIGKILL this worker the first time,
+    a marker file in ``markers`` remembers it), ``kill_always`` (SIGKILL every time),
+    ``unsendable`` (an output that cannot be pickled). ``oracle_faulty`` is what a
+    fault-free run gives for the same plan."""
+    import signal
+
+    kind = dict(plan).get(int(x))
+    time.sleep(0.0005)  # chunks of a few elements: a kill hits a chunk in flight
+    if kind == "raise":
+        raise Failing(f"bad element {int(x)}")
+    if kind == "kill_once":
+        marker = os.path.join(markers, f"killed-{int(x)}")
+        if not os.path.exists(marker):
+            with open(marker, "w"):
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "kill_always":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "unsendable":
+        return Unsendable()
+    return np.full(size, int(x), np.int64)
+
+
+def oracle_faulty(plan: tuple[tuple[int, str], ...], size: int, x: Any) -> Any:
+    """What :func:`faulty` must amount to: kills once are invisible, an element that
+    kills every worker and an unsendable output are that element's WorkerError."""
+    import headrace as hr
+
+    kind = dict(plan).get(int(x))
+    if kind == "raise":
+        raise Failing(f"bad element {int(x)}")
+    if kind in ("kill_always", "unsendable"):
+        raise hr.WorkerError(f"element {int(x)}: {kind}")
+    return np.full(size, int(x), np.int64)

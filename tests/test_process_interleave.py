@@ -3,8 +3,8 @@
 Order, errors and checkpoints are checked against the sequential interleave
 (itself checked against tf.data in test_interleave_tf.py) over generated
 shapes; faults (an error in an inner pipeline, a killed worker) and shutdown
-against what a user relies on: the element's place, WorkerError within
-seconds, no worker and no segment left.
+against what a user relies on: the element's place, a killed worker replaced
+with nothing lost, no worker and no segment left.
 """
 
 from __future__ import annotations
@@ -155,23 +155,24 @@ def test_arrays_come_back_booked_and_everything_is_returned_at_close() -> None:
     assert own_segments() == []
 
 
-def test_a_killed_worker_is_a_worker_error_within_seconds_and_everything_stops() -> None:
-    ds = hr.Dataset.range(4).interleave(
-        functools.partial(process_fns.shard_dataset, sizes=(10_000,)),
-        cycle_length=2, num_parallel_calls=2, workers="processes",
-    )
+def test_a_killed_worker_is_replaced_and_its_slots_go_on() -> None:
+    """A worker killed from outside: its successor is sent the slots' requests again
+    (a follow request finds no iterator there and the slot asks again with its state),
+    so the stream is the sequential interleave's, whole and in order."""
+    fn = functools.partial(process_fns.shard_dataset, sizes=(600,))
+    ds = hr.Dataset.range(4).interleave(fn, cycle_length=2, num_parallel_calls=2,
+                                        workers="processes")
+    expected = [int(x) for x in hr.Dataset.range(4).interleave(fn, cycle_length=2)]
     iterator = iter(ds)
-    next(iterator)
+    got = [int(next(iterator))]
     (choice,) = iterator.stats().workers
     pids = [p.pid for p in choice.processes]
-    os.kill(pids[0], signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(hr.WorkerError, match="killed by SIGKILL"):
-        for _ in range(100_000):
-            next(iterator)
-    assert time.monotonic() - started < 5
-    with pytest.raises(hr.WorkerError):  # it stays broken, clearly
-        next(iterator)
+    with pytest.warns(hr.HeadraceWarning, match=rf"worker process {pids[0]} killed by SIGKILL"):
+        os.kill(pids[0], signal.SIGKILL)
+        got += [int(x) for x in iterator]
+    assert got == expected
+    (choice,) = iterator.stats().workers
+    pids += [p.pid for p in choice.processes]
     iterator.close()
     deadline = time.monotonic() + 5
     while any(worker_memory(pid) is not None for pid in pids) and time.monotonic() < deadline:

@@ -173,27 +173,27 @@ def test_unpicklable_function_is_named() -> None:
         hr.Dataset.range(3).map(process_fns.square, num_parallel_calls=2, workers="fork")
 
 
-def test_killed_worker_is_a_worker_error_within_seconds_and_everything_stops() -> None:
-    ds = hr.Dataset.range(100_000).map(process_fns.sleepy, num_parallel_calls=2,
-                                       workers="processes")
+def test_a_killed_worker_is_replaced_and_its_calls_run_again() -> None:
+    """A worker killed from outside (the OOM killer) is a fault of the machine, not of
+    an element: its successor runs its calls again, the stream loses nothing, and the
+    user is told once (issue 22: the stage broke, and a state lost 4 elements)."""
+    n = 1_000
+    ds = hr.Dataset.range(n).map(process_fns.sleepy, num_parallel_calls=2,
+                                 workers="processes")
     iterator = iter(ds)
-    assert [next(iterator) for _ in range(3)] == [0, 1, 2]
+    got = [int(next(iterator)) for _ in range(3)]
     (stats,) = iterator.stats().workers
     pids = [p.pid for p in stats.processes]
     victim = pids[1]
-    os.kill(victim, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(hr.WorkerError, match=rf"worker process {victim} killed by SIGKILL"):
-        while True:
-            next(iterator)
-    assert time.monotonic() - started < 5
-    # it stays broken: outputs the live worker finished before may still come out (in
-    # their places), then WorkerError again, never the end of the data or a hang
-    with pytest.raises(hr.WorkerError):
-        for _ in range(1_000):
-            next(iterator)
+    with pytest.warns(hr.HeadraceWarning, match=rf"worker process {victim} killed by SIGKILL"):
+        os.kill(victim, signal.SIGKILL)
+        got += [int(x) for x in iterator]
+    assert got == list(range(n))
+    (stats,) = iterator.stats().workers
+    now = [p.pid for p in stats.processes]
+    assert victim not in now and len(now) == 2
     iterator.close()
-    assert wait_dead(pids)
+    assert wait_dead(pids + now)
     assert own_segments() == []
 
 
@@ -216,15 +216,15 @@ def test_workers_outlive_a_failed_forkserver(then_kill_a_worker: bool) -> None:
     if then_kill_a_worker:
         got += [int(next(iterator)) for _ in range(50)]  # the sentinels fired meanwhile
         os.kill(pids[1], signal.SIGKILL)
-        started = time.monotonic()
-        with pytest.raises(hr.WorkerError, match=rf"worker process {pids[1]} "):
-            while True:
-                got.append(int(next(iterator)))
-        assert time.monotonic() - started < 5
-        assert got == list(range(len(got)))  # nothing lost or reordered before it
+        # noticed through its results pipe, and replaced (by a new forkserver)
+        with pytest.warns(hr.HeadraceWarning, match=rf"worker process {pids[1]} "):
+            got += [int(next(iterator)) for _ in range(500)]
+        (stats,) = iterator.stats().workers
+        pids += [p.pid for p in stats.processes]
     else:
         got += [int(x) for x in iterator]
-        assert got == list(range(n))
+    assert got == list(range(len(got)))  # nothing lost or reordered
+    assert len(got) == (570 if then_kill_a_worker else n)
     iterator.close()
     assert wait_dead(pids)
     assert own_segments() == []
@@ -232,10 +232,27 @@ def test_workers_outlive_a_failed_forkserver(then_kill_a_worker: bool) -> None:
     assert [int(x) for x in again] == [x * x for x in range(10)]
 
 
-def test_worker_that_exits_is_a_worker_error() -> None:
+def test_an_element_that_ends_two_workers_is_its_own_error() -> None:
+    """``os._exit(3)`` on element 5, whichever worker runs it: once in its chunk, once
+    alone, then it is that element's WorkerError (its place, its status) and the
+    stream goes on; ``ignore_errors`` drops that one element and no other."""
     ds = hr.Dataset.range(20).map(process_fns.die_on, num_parallel_calls=2, workers="processes")
-    with iter(ds) as iterator, pytest.raises(hr.WorkerError, match="exited with status 3"):
-        list(iterator)
+    got: list[Any] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hr.HeadraceWarning)
+        with iter(ds) as iterator:
+            while True:
+                try:
+                    got.append(int(next(iterator)))
+                except StopIteration:
+                    break
+                except hr.WorkerError as error:
+                    assert not isinstance(error, hr.WorkerPoolError)
+                    assert "exited with status 3" in str(error)
+                    assert "on element 5" in "".join(error.__notes__)
+                    got.append("error")
+        assert got == [*range(5), "error", *range(6, 20)]
+        assert [int(x) for x in ds.ignore_errors()] == [x for x in range(20) if x != 5]
 
 
 def test_close_and_garbage_collection_stop_the_workers() -> None:

@@ -21,6 +21,7 @@ from headrace.errors import (
     ParseError,
     RecordTooLargeError,
     WorkerError,
+    WorkerPoolError,
 )
 from headrace.io.csv import CsvError
 from headrace.memory.sizeof import register_sizer
@@ -62,6 +63,7 @@ __all__ = [
     "TensorSpec",
     "TextLineDataset",
     "WorkerError",
+    "WorkerPoolError",
     "__version__",
     "auto_shard",
     "connect",

@@ -21,7 +21,9 @@ the builtin exception a Python user would expect in its place, so existing
     │                                         pipeline or format version
     ├── IteratorClosedError (RuntimeError)    next() on a closed iterator
     └── WorkerError (RuntimeError)            a user function failed in a worker
-                                              thread or process; carries its traceback
+        │                                     thread or process; carries its traceback
+        └── WorkerPoolError                   a stage's worker processes cannot go on
+                                              (one cannot start, or the pool is closed)
 
 Warnings are one class, :class:`HeadraceWarning` (a ``UserWarning``, so Python
 shows it by default): a pipeline that silently did less than asked — a shuffle
@@ -65,6 +67,7 @@ __all__ = [
     "ParseError",
     "RecordTooLargeError",
     "WorkerError",
+    "WorkerPoolError",
     "add_note",
     "element_origin",
     "mark_batch_row",
@@ -148,7 +151,24 @@ class IteratorClosedError(HeadraceError, RuntimeError):
 
 
 class WorkerError(HeadraceError, RuntimeError):
-    """A user function raised inside a worker; the message carries its traceback."""
+    """A user function raised inside a worker; the message carries its traceback.
+
+    Also the error of one element whose call killed a worker process twice (see
+    :class:`WorkerPoolError` for a stage that cannot go on at all): it takes that
+    element's place like any error of the function, and ``ignore_errors`` drops it.
+    """
+
+
+class WorkerPoolError(WorkerError):
+    """A stage's worker processes cannot go on: a worker could not start (or died
+    while starting), its function could not be loaded there, or the pool was closed.
+
+    A worker that dies while it runs calls is not this: it is restarted and its
+    calls run again (see :mod:`headrace.workers.processes`). This error is the
+    stage's, not an element's: it is raised again at every ``next()`` (never the
+    end of the data), ``ignore_errors`` does not swallow it, and a state taken
+    after it still starts at the first element not handed out.
+    """
 
 
 class Origin(NamedTuple):

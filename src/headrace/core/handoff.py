@@ -38,10 +38,12 @@ from typing import Any, TypeVar
 
 from headrace.core.iterator import Iterator
 from headrace.core.state import INNER, SKIP, past_end
-from headrace.errors import add_note
+from headrace.errors import WorkerPoolError, add_note
 from headrace.memory.budget import NO_RESERVATION, Reservation, release_all
 
-__all__ = ["TRACEBACK_NOTE", "Handoff", "drop_frames", "restore_input", "unpin"]
+__all__ = [
+    "TRACEBACK_NOTE", "Handoff", "drop_frames", "holds_a_place", "restore_input", "unpin",
+]
 
 _Error = TypeVar("_Error", bound=BaseException)
 
@@ -113,6 +115,17 @@ def _note_traceback(error: BaseException, lines: str) -> None:
                 notes[at] = TRACEBACK_NOTE + lines + note[len(TRACEBACK_NOTE):]
                 return
     add_note(error, TRACEBACK_NOTE + lines.rstrip("\n"))
+
+
+def holds_a_place(error: BaseException) -> bool:
+    """Whether an error an input raised stands in an element's place (the input moved
+    past that element: a stage above counts it as one position, and a state taken
+    after it resumes after it), or is the input's own failure, which moved it
+    nowhere: :class:`~headrace.errors.WorkerPoolError`, raised at every ``next()``
+    until the iterator is closed. A stage that counted that as a position would
+    skip a real element on resume (issue 22: prefetch over a broken process map).
+    """
+    return not isinstance(error, WorkerPoolError)
 
 
 class Handoff:

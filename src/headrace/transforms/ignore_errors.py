@@ -5,7 +5,15 @@ corrupt record read with a reader that goes on) is swallowed and the next
 element is pulled, as tf.data's ``ignore_errors``. ``log_warning=True`` issues a
 :class:`~headrace.errors.HeadraceWarning` naming each error. Errors of headrace's
 own machinery that end the stream for good (a closed iterator, an exhausted
-memory budget, a bad checkpoint) are not swallowed: skipping them would spin.
+memory budget, a bad checkpoint, a stage whose worker processes cannot go on:
+:class:`~headrace.errors.WorkerPoolError`) are not swallowed: skipping them
+would spin, or end the epoch early with elements silently lost.
+
+A worker process that dies (a signal, the OOM killer) is no element's error: it
+is replaced and its calls run again, so nothing is dropped here for it. The one
+exception is an element whose call killed a worker twice (once in its chunk, once
+alone): that is its own :class:`~headrace.errors.WorkerError`, in its place, and
+like any error of the function it is dropped here (and counted).
 """
 
 from __future__ import annotations
@@ -21,12 +29,13 @@ from headrace.errors import (
     HeadraceWarning,
     IteratorClosedError,
     MemoryBudgetError,
+    WorkerPoolError,
 )
 from headrace.memory.budget import Reservation
 
 __all__ = ["IgnoreErrorsNode"]
 
-_FATAL = (CheckpointError, IteratorClosedError, MemoryBudgetError)
+_FATAL = (CheckpointError, IteratorClosedError, MemoryBudgetError, WorkerPoolError)
 
 
 class IgnoreErrorsNode(UnaryNode):

@@ -27,7 +27,11 @@ Errors. When ``fn`` raises for element i, ``next()`` raises that exception
 (its own type and traceback, with a note naming the stage and i) after every
 earlier element, and the following ``next()`` returns element i+1's output:
 the failing element is dropped, the iteration goes on — tf.data's behaviour,
-whatever ``num_parallel_calls``. An error from the input comes the same way.
+whatever ``num_parallel_calls``. On worker processes, a worker that dies is
+replaced and its calls run again (an element that ends two workers is that
+element's :class:`~headrace.errors.WorkerError`); a stage whose workers cannot
+go on raises :class:`~headrace.errors.WorkerPoolError` at every ``next()``, and a
+state taken then still starts at its first element not handed out. An error from the input comes the same way.
 Where the input knows where its elements come from (a TFRecord or text file, an
 array, through pass-through stages, shuffles, prefetches, interleaves (their
 read-ahead threads too) and batch -> unbatch: ``Iterator.origin``), the note
@@ -543,7 +547,14 @@ class _ParallelMapIterator(Iterator):
         start: int = 0,
     ) -> None:
         progress = _Progress(len(elements)) if self.finished is not None and elements else None
-        future = self._start_call(elements, progress)
+        try:
+            future = self._start_call(elements, progress)
+        except Exception as refused:
+            # The stage cannot run calls (its worker pool is broken): the chunk stays
+            # pending with its elements' place and input state, and raises when its turn
+            # comes, so a state taken now starts at it and nothing pulled is lost.
+            future = Future()
+            future.set_exception(refused)
         call = _Call(future, bookings, state_before, first_index, error, start)
         call.count, call.origins = len(elements), origins
         call.inputs, call.booked = inputs, booked
@@ -709,8 +720,9 @@ class _ParallelMapIterator(Iterator):
             return estimate
 
     def _take_call(self) -> _Call:
+        """The next call to collect (still in ``calls``: :meth:`_collect` removes it)."""
         if self.finished is None:
-            return self.calls.popleft()
+            return self.calls[0]
         while True:  # calls dropped by a restore may still announce themselves: skip them
             self._split_slow_calls()
             try:
@@ -718,14 +730,26 @@ class _ParallelMapIterator(Iterator):
             except Empty:
                 continue
             if any(live is call for live in self.calls):
-                self.calls.remove(call)
                 return call
 
     def _collect(self, call: _Call) -> None:
+        """A call's outputs (and errors) into ``ready``.
+
+        A call that failed as a whole (its worker pool is broken: the elements' own
+        errors come in ``failed``) stays where it is, bookings and all, and raises
+        again at the next pull: a state taken after the error starts at its first
+        element, which is not lost (issue 22: popped first, four elements were)."""
         try:
             outputs, costs, failed, seconds = call.future.result()
-        finally:
-            release_all(call.bookings)
+        except BaseException:
+            if self.finished is not None:
+                self.finished.put(call)  # announced again: taken (and raised) again
+            raise
+        if self.calls[0] is call:
+            self.calls.popleft()
+        else:
+            self.calls.remove(call)
+        release_all(call.bookings)
         per_element = seconds / max(len(outputs), 1)
         if per_element > 0:
             wanted = int(self.target_call_seconds / per_element) or 1

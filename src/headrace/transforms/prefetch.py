@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from headrace.core.handoff import Handoff, restore_input, unpin
+from headrace.core.handoff import Handoff, holds_a_place, restore_input, unpin
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, ShardRole, UnaryNode, check_positive
 from headrace.core.state import INNER, SKIP, StateReader
@@ -174,6 +174,8 @@ class _Producer:
                     ended = True
                     break
                 except Exception as error:
+                    if not holds_a_place(error):  # the input's own failure: no position;
+                        raise  # it ends this thread, after the elements pulled before it
                     pulled = True
                     errors = {len(elements): unpin(error)}  # handed out later
                     elements.append(None)

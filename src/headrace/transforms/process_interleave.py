@@ -301,8 +301,17 @@ class RemoteSlotIterator(Iterator):
             finally:
                 booking.release()
             if failed:
+                # The reply could not travel (an element that cannot be pickled), or the
+                # request killed two workers (see ProcessPool._replace): asked again, it
+                # would fail again, so the rest of this slot is given up, in its place.
                 self._cancel_pending()
-                raise failed[0]  # the reply could not travel (e.g. an unpicklable element)
+                self.ended = True
+                error = failed[0]
+                add_note(error, "headrace: the rest of this interleave slot's inner "
+                                "pipeline is skipped")
+                if self.on_ended is not None:
+                    self.on_ended(self.worker)
+                raise error
             elements, state_after, ended, error, lost = outputs[0]
             if not lost:
                 break

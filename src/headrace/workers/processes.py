@@ -22,11 +22,26 @@ Reusing segments saves creating, mapping and first-touching new pages on both
 sides for every chunk: for a 1 MiB chunk that was ~4x the cost of the copy.
 
 Failures. An exception raised by the function travels back in its element's
-place, with the worker's traceback as its ``__cause__``. A worker that dies
-(killed by a signal, ``os._exit``) is noticed by the collector thread within
-a second, and every call in flight fails with :class:`WorkerError` naming the
-worker and the signal; the pool is then broken and shuts its other workers
-down. ``close`` stops every worker (they also exit on their own when the
+place, with the worker's traceback as its ``__cause__``; so does an output
+that cannot be pickled back (a :class:`WorkerError` for that element alone,
+not its chunk). A worker that dies (a signal, the OOM killer, ``os._exit``, a
+crash in native code) is a fault of the machine, not of the data: the collector
+thread notices it within a second, starts a successor (with a
+:class:`~headrace.errors.HeadraceWarning`) and sends it the dead worker's calls
+again, in their order, so nothing is lost and nothing comes twice. Each worker
+writes which call and element it is running into a small shared cell, so the
+element a worker died on is known: its chunk runs again in three parts (the
+elements before it, it alone, the rest), and an element that ends a second
+worker is dropped as its own :class:`WorkerError` (naming both workers and how
+they ended), in its place, like any error of the function (``ignore_errors``
+drops it). A chunk whose workers keep dying while none of its elements runs
+(:data:`_MAX_TRIES` times) fails its elements the same way. A worker that dies
+before it loaded the function, a successor that cannot start, or a function
+that cannot be loaded break the pool: every call in flight and every later
+``submit`` raise :class:`~headrace.errors.WorkerPoolError` (which ``ignore_errors``
+does not swallow). Calls keep their elements until their results are in (for
+the map they are booked on its share until then, as a thread's call holds them).
+``close`` stops every worker (they also exit on their own when the
 consumer's end of their pipe closes, e.g. when it is SIGKILLed), and workers
 ignore SIGINT, so a Ctrl-C reaches only the consumer, whose close stops them.
 """
@@ -40,9 +55,11 @@ import multiprocessing
 import os
 import pickle
 import signal
+import struct
 import threading
 import time
 import traceback
+import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -50,7 +67,13 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from headrace.core.handoff import drop_frames
-from headrace.errors import InvalidArgumentError, WorkerError, add_note
+from headrace.errors import (
+    HeadraceWarning,
+    InvalidArgumentError,
+    WorkerError,
+    WorkerPoolError,
+    add_note,
+)
 from headrace.workers.memory import WorkerMemory, worker_memory
 from headrace.workers.shm import (
     Packet,
@@ -60,7 +83,9 @@ from headrace.workers.shm import (
     loads,
     open_segment,
     pack,
+    pack_error,
     segment_name,
+    sweep_process,
     sweep_stale,
     unlink_segment,
     unpack,
@@ -170,10 +195,18 @@ def check_workers(workers: Any, num_parallel_calls: Any, fn: Any, stage: str) ->
 # -- the worker's side -------------------------------------------------------------------
 
 
-def _apply_all(handler: Callable[[Any], Any], elements: list[Any]) -> tuple[list[Any], dict[int, Any]]:
+#: The progress cell's layout: the call being run and the position in its chunk (the
+#: chunk's length while its outputs are packed). Read by the consumer when the worker died.
+_PROGRESS = struct.Struct("qq")
+
+
+def _apply_all(
+    handler: Callable[[Any], Any], elements: list[Any], mark: Callable[[int], None]
+) -> tuple[list[Any], dict[int, Any]]:
     outputs: list[Any] = []
     errors: dict[int, Any] = {}
     for position, element in enumerate(elements):
+        mark(position)
         try:
             outputs.append(handler(element))
         except Exception as error:
@@ -188,6 +221,38 @@ def _apply_all(handler: Callable[[Any], Any], elements: list[Any]) -> tuple[list
             except Exception:  # an exception that cannot travel: its text does
                 errors[position] = (WorkerError(f"{type(error).__qualname__}: {error}"), text)
     return outputs, errors
+
+
+def _unsendable(outputs: list[Any], errors: dict[int, Any]) -> dict[int, Any]:
+    """The chunk's errors plus one for each output that cannot be packed (pickle refuses
+    a part of it), which becomes ``None`` in ``outputs``: one bad output fails its own
+    element, not the chunk. Should the chunk still not pack (a cause no single output
+    shows), every position fails with that error."""
+    for position, output in enumerate(outputs):
+        if position in errors:
+            continue
+        refused = pack_error(output)
+        if refused is not None:
+            outputs[position] = None
+            errors[position] = (
+                WorkerError(
+                    f"the function's output cannot be sent back from the worker process "
+                    f"({type(refused).__name__}: {refused}); return NumPy arrays, bytes, "
+                    "numbers, strings or containers of them"
+                ),
+                "".join(traceback.format_exception(refused)),
+            )
+    pack_error_all = pack_error(outputs)
+    if pack_error_all is not None:
+        failure = WorkerError(
+            f"the chunk's outputs cannot be sent back: {type(pack_error_all).__name__}: "
+            f"{pack_error_all}"
+        )
+        text = "".join(traceback.format_exception(pack_error_all))
+        for position in range(len(outputs)):
+            outputs[position] = None
+            errors[position] = (failure, text)
+    return errors
 
 
 #: Bytes glibc keeps at the top of a worker's heap when it grows or trims it (see
@@ -215,16 +280,25 @@ def _keep_heap_top() -> None:
 
 
 def _worker_main(
-    tasks: Connection, results: Connection, handler_bytes: bytes, owner: int, index: int
+    tasks: Connection,
+    results: Connection,
+    handler_bytes: bytes,
+    owner: int,
+    index: int,
+    progress_name: str,
 ) -> None:
     """Run in each worker: unpickle the handler once, then serve chunks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     _keep_heap_top()
+    # where this worker is: which call, which element (see ProcessPool._replace)
+    progress = open_segment(progress_name, _PROGRESS.size)
     try:
         handler = pickle.loads(handler_bytes)
     except BaseException:
         results.send(("init_error", traceback.format_exc()))
         return
+    # From here on a death is blamed on the calls it ran, not on starting (see _replace).
+    results.send(("ready",))
     pool = SegmentPool(owner, tag=f"w{index}-")
     evicted: list[int] = []  # idle segments dropped since the last result (see allocate)
 
@@ -258,16 +332,16 @@ def _worker_main(
             started = time.perf_counter()
             elements = _receive_inputs(packet, inputs)
             computing = time.perf_counter()
-            outputs, errors = _apply_all(handler, elements)
+            mark = functools.partial(_PROGRESS.pack_into, progress, 0, call_id)
+            outputs, errors = _apply_all(handler, elements, mark)
             compute = time.perf_counter() - computing
+            mark(len(elements))  # packing: no element's fault
             del elements
             try:
                 result = pack(outputs, allocate)
-            except Exception as error:  # an output that cannot be pickled: every position
-                text = traceback.format_exc()
-                failure = WorkerError(f"an output cannot be sent back: {type(error).__name__}: {error}")
-                errors = {p: (failure, text) for p in range(len(outputs))}
-                result = pack([None] * len(outputs), allocate)
+            except Exception:  # an output that cannot be sent back: that one fails alone
+                errors = _unsendable(outputs, errors)
+                result = pack(outputs, allocate)
             del outputs
             seconds = time.perf_counter() - started
             # input segments whose every view is gone (the outputs are copied out by now)
@@ -299,23 +373,120 @@ def _input_capacity(nbytes: int) -> int:
     return max(1 << (max(nbytes, 1) - 1).bit_length(), mmap.PAGESIZE)
 
 
-class _Worker:
-    __slots__ = (
-        "dropped", "dropped_inputs", "freed", "idle", "index", "input_bookings", "inputs",
-        "pending", "process", "results", "tasks",
-    )
+class _Rejoin:
+    """The parts a chunk was split into, after a worker died running it, joined back
+    into the chunk's own future (in the chunk's order)."""
+
+    __slots__ = ("errors", "left", "lock", "outputs", "owner", "seconds", "slack")
+
+    def __init__(self, owner: _Task, parts: int) -> None:
+        self.owner, self.left = owner, parts
+        self.outputs: list[Any] = [None] * len(owner.elements)
+        self.errors: dict[int, BaseException] = {}
+        self.seconds, self.slack = 0.0, 0
+        self.lock = threading.Lock()
+
+    def part(self, start: int, done: Future[ChunkResult]) -> None:
+        """The part from position ``start`` is done (a callback, on the collector thread)."""
+        if done.cancelled():
+            return
+        future = self.owner.future
+        error = done.exception()
+        if error is not None:
+            with contextlib.suppress(Exception):  # (done already)
+                future.set_exception(error)
+            return
+        outputs, failed, seconds, slack = done.result()
+        with self.lock:
+            self.outputs[start : start + len(outputs)] = outputs
+            for position, raised in (failed or {}).items():
+                self.errors[start + position] = raised
+            self.seconds += seconds
+            self.slack += slack
+            self.left -= 1
+            finished = self.left == 0
+        if finished:
+            with contextlib.suppress(Exception):  # cancelled meanwhile
+                future.set_result((self.outputs, self.errors or None, self.seconds, self.slack))
+
+
+class _Task:
+    """A chunk in a worker's hands, kept with its elements until its result is in: the
+    calls of a worker that dies run again on its successor.
+
+    ``blame`` is ``(pid, how)`` of a worker that died running this task's one element
+    (the worker says which element it is on: see ``_PROGRESS``); such a task that
+    kills a worker again is that element's error. A chunk whose element killed a
+    worker runs again in parts (``rejoin`` joins them): the elements before it, it
+    alone (blamed), the elements after it. ``tries`` counts deaths while this task
+    was sent but no element of it was running (its outputs being packed).
+    """
+
+    __slots__ = ("blame", "call_id", "elements", "future", "names", "rejoin", "tries")
 
     def __init__(
-        self, index: int, process: Any, tasks: Connection, results: Connection, owner: int
+        self,
+        future: Future[ChunkResult],
+        elements: list[Any],
+        blame: tuple[int, str] | None = None,
+        rejoin: _Rejoin | None = None,
     ) -> None:
-        self.index, self.process, self.tasks, self.results = index, process, tasks, results
-        self.pending: deque[tuple[int, Future[ChunkResult], list[str], int]] = deque()
+        self.future, self.elements, self.blame, self.rejoin = future, elements, blame, rejoin
+        self.call_id = 0
+        self.tries = 0
+        self.names: list[str] = []  # segments made for it, unlinked when it ends
+
+    def cancelled(self) -> bool:
+        """Whether nobody waits for the result any more."""
+        return self.future.cancelled() or (
+            self.rejoin is not None and self.rejoin.owner.cancelled())
+
+    def cancel(self) -> None:
+        self.future.cancel()
+        if self.rejoin is not None:
+            self.rejoin.owner.cancel()
+
+
+class _Worker:
+    __slots__ = (
+        "backlog", "dropped", "dropped_inputs", "freed", "idle", "index", "input_bookings",
+        "inputs", "owner", "pending", "process", "progress", "ready", "results", "send_lock",
+        "tasks", "watched",
+    )
+
+    def __init__(self, index: int, owner: int) -> None:
+        self.index, self.owner = index, owner
+        self.process: Any = None
+        #: A small segment the worker writes (call id, position) into before each element.
+        self.progress: mmap.mmap | None = None
+        self.tasks: Connection | None = None
+        self.results: Connection | None = None
+        #: The worker loaded the function: a death from now on is blamed on its calls.
+        self.ready = False
+        #: Its sentinel tells its death (False once the forkserver lost its status).
+        self.watched = True
+        #: Held while a task is packed, queued and sent (and while the worker is replaced):
+        #: tasks reach the worker in the order of ``pending``.
+        self.send_lock = threading.RLock()
+        self.pending: deque[_Task] = deque()
+        #: A dead predecessor's tasks, to be sent before any other (see ProcessPool._send).
+        self.backlog: deque[_Task] = deque()
         self.freed: list[int] = []  # segment keys to report free with the next task
         self.dropped: list[int] = []
         self.idle: dict[int, Any] = {}  # key -> the reservation booking it while idle
         self.inputs = SegmentPool(owner, tag=f"in{index}-")  # this worker's input segments
         self.input_bookings: dict[int, Any] = {}  # key -> its reservation (while pooled)
         self.dropped_inputs: list[int] = []  # input keys the worker should unmap
+
+    def forget_segments(self) -> list[Any]:
+        """Forget every segment shared with this worker (it died); the bookings to release."""
+        bookings = [*self.idle.values(), *self.input_bookings.values()]
+        self.idle.clear()
+        self.input_bookings.clear()
+        self.freed, self.dropped, self.dropped_inputs = [], [], []
+        self.inputs.close()
+        self.inputs = SegmentPool(self.owner, tag=f"in{self.index}-")
+        return bookings
 
 
 class Traffic:
@@ -389,31 +560,63 @@ class ProcessPool:
         self.assigned = [0] * count  # callers bound to each worker (see assign)
         self._started = False
         self._collector: threading.Thread | None = None
+        self._context: Any = None
+        #: Held while a dead worker is replaced: ``shutdown`` waits for it (and then stops
+        #: the new worker too) rather than racing it.
+        self._restart_lock = threading.RLock()
+        #: Workers that died while serving and were replaced (see :meth:`_replace`).
+        self.restarts = 0
+        #: The receiving side of replaced workers' segments: views of them may live on
+        #: (outputs handed out); each is unmapped once its views are gone, never reused.
+        self.retired: list[SegmentMaps] = []
+        self._progress_names: list[str] = []  # unlinked at shutdown, if a worker did not
 
     # -- starting ---------------------------------------------------------------------------
     def _start(self) -> None:
         self._started = True
         sweep_stale()
-        context = multiprocessing.get_context(start_method())
-        _preload_forkserver(context)
+        self._context = multiprocessing.get_context(start_method())
+        _preload_forkserver(self._context)
         for index in range(self.count):
-            task_read, task_write = context.Pipe(duplex=False)
-            result_read, result_write = context.Pipe(duplex=False)
-            process = context.Process(  # type: ignore[attr-defined]
-                target=_worker_main,
-                args=(task_read, result_write, self.handler_bytes, self.owner, index),
-                name=f"headrace-worker-{index}",
-                daemon=True,
-            )
-            process.start()
-            task_read.close()
-            result_write.close()
-            self.workers.append(_Worker(index, process, task_write, result_read, self.owner))
+            worker = _Worker(index, self.owner)
+            self._spawn(worker)
+            self.workers.append(worker)
             self.maps[index] = SegmentMaps()
         self._collector = threading.Thread(
             target=_collect, args=(self,), name="headrace-collector", daemon=True
         )
         self._collector.start()
+
+    def _spawn(self, worker: _Worker) -> None:
+        """Start ``worker``'s process (again, for one that died) with fresh pipes."""
+        context = self._context
+        progress_name = segment_name(self.owner, f"p{worker.index}-")
+        progress = create_segment(progress_name, _PROGRESS.size)
+        _PROGRESS.pack_into(progress, 0, 0, -1)
+        task_read, task_write = context.Pipe(duplex=False)
+        result_read, result_write = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_worker_main,
+            args=(task_read, result_write, self.handler_bytes, self.owner, worker.index,
+                  progress_name),
+            name=f"headrace-worker-{worker.index}",
+            daemon=True,
+        )
+        try:
+            process.start()
+        except BaseException:
+            task_write.close()
+            result_read.close()
+            progress.close()
+            raise
+        finally:
+            task_read.close()
+            result_write.close()
+            # the worker unlinks it once it mapped it; one that never did leaves it here
+            self._progress_names.append(progress_name)
+        worker.process, worker.tasks, worker.results = process, task_write, result_read
+        worker.progress = progress
+        worker.ready, worker.watched = False, True
 
     @property
     def pids(self) -> list[int]:
@@ -445,7 +648,7 @@ class ProcessPool:
         """Run the handler over ``elements`` in a worker (the least busy, or the one
         numbered ``worker``: its calls run in the order submitted); a future of the outputs."""
         if self.closed:
-            raise WorkerError(f"{self.stage}: the worker pool is closed")
+            raise WorkerPoolError(f"{self.stage}: the worker pool is closed")
         if self.broken is not None:
             raise self.broken
         if not self._started:
@@ -453,31 +656,59 @@ class ProcessPool:
         self.recycle()
         with self.lock:
             if worker is None:
-                chosen = min(self.workers, key=lambda w: len(w.pending))
+                chosen = min(self.workers, key=lambda w: len(w.pending) + len(w.backlog))
             else:
                 chosen = self.workers[worker]
         return self._submit_to(chosen, elements)
 
     def _submit_to(self, worker: _Worker, elements: list[Any]) -> Future[ChunkResult]:
-        names: list[str] = []
-        packing = time.perf_counter()
-        packet = pack(elements, functools.partial(self._allocate_input, worker, names))
-        self.traffic.add_task(len(elements), time.perf_counter() - packing,
-                              packet.shared_bytes + len(packet.payload), len(names))
-        future: Future[ChunkResult] = Future()
-        with self.lock:
-            if self.broken is not None:
-                for name in names:
-                    unlink_segment(name)
-                raise self.broken
-            self._ids += 1
-            call_id = self._ids
-            worker.pending.append((call_id, future, names, len(elements)))
-            freed, dropped, dropped_inputs = worker.freed, worker.dropped, worker.dropped_inputs
-            worker.freed, worker.dropped, worker.dropped_inputs = [], [], []
-        with contextlib.suppress(OSError):  # the worker is gone: the collector reports why
-            worker.tasks.send(("task", call_id, packet, freed, dropped, dropped_inputs))
-        return future
+        task = _Task(Future(), elements)
+        self._send(worker, task)
+        return task.future
+
+    def _send(self, worker: _Worker, task: _Task | None) -> None:
+        """Pack ``task``'s elements for ``worker``, queue the task there and send it,
+        after the tasks of a dead predecessor still waiting in ``worker.backlog``.
+
+        Its elements stay with the task until its result is in: a worker that dies
+        meanwhile has its tasks sent again to its successor (see :meth:`_replace`).
+        Never on the collector thread: a send may wait for the worker to read, which
+        may wait for the collector to read its results."""
+        with worker.send_lock:
+            while True:
+                with self.lock:
+                    queued = worker.backlog.popleft() if worker.backlog else None
+                if queued is None:
+                    break
+                try:
+                    self._send_now(worker, queued)
+                except Exception as error:  # broken or closed meanwhile
+                    with contextlib.suppress(Exception):
+                        queued.future.set_exception(error)
+            if task is not None:
+                self._send_now(worker, task)
+
+    def _send_now(self, worker: _Worker, task: _Task) -> None:
+        with worker.send_lock:
+            names: list[str] = []
+            packing = time.perf_counter()
+            packet = pack(task.elements, functools.partial(self._allocate_input, worker, names))
+            self.traffic.add_task(len(task.elements), time.perf_counter() - packing,
+                                  packet.shared_bytes + len(packet.payload), len(names))
+            with self.lock:
+                if self.broken is not None or self.closed:
+                    for name in names:
+                        unlink_segment(name)
+                    raise self.broken or WorkerPoolError(f"{self.stage}: the worker pool is closed")
+                self._ids += 1
+                task.call_id, task.names = self._ids, names
+                worker.pending.append(task)
+                freed, dropped, dropped_inputs = (
+                    worker.freed, worker.dropped, worker.dropped_inputs)
+                worker.freed, worker.dropped, worker.dropped_inputs = [], [], []
+            assert worker.tasks is not None
+            with contextlib.suppress(OSError):  # the worker is gone: the collector replaces it
+                worker.tasks.send(("task", task.call_id, packet, freed, dropped, dropped_inputs))
 
     def _allocate_input(
         self, worker: _Worker, names: list[str], nbytes: int
@@ -529,6 +760,9 @@ class ProcessPool:
 
     def recycle(self) -> None:
         """Turn result segments whose views are all gone into idle ones (booked) or drop them."""
+        for retired in self.retired:  # a dead worker's: never reused
+            for key in retired.released():
+                retired.forget(key)
         for worker in self.workers:
             maps = self.maps[worker.index]
             for key in maps.released():
@@ -537,7 +771,13 @@ class ProcessPool:
                 if self.book_idle is not None and len(worker.idle) < self.idle_segments:
                     booking = self.book_idle(capacity)
                 with self.lock:
-                    if booking is not None:
+                    if self.maps[worker.index] is not maps:
+                        # its worker died meanwhile: the key means nothing to the successor
+                        # (whose own segment of that key may be busy), so nothing is told
+                        maps.forget(key)
+                        if booking is not None:
+                            booking.release()
+                    elif booking is not None:
                         worker.idle[key] = booking
                         worker.freed.append(key)
                     else:
@@ -551,8 +791,8 @@ class ProcessPool:
         self._inputs_free(worker, free_inputs)
         maps = self.maps[worker.index]
         with self.lock:
-            entry = worker.pending.popleft()
-            assert entry[0] == call_id, "results come back in the order sent"
+            task = worker.pending.popleft()
+            assert task.call_id == call_id, "results come back in the order sent"
             # idle segments the worker dropped (too small), and the one it used
             used = [] if packet.segment is None else [packet.segment[0]]
             for key in [*evicted, *used]:
@@ -561,10 +801,10 @@ class ProcessPool:
                     booking.release()
         for key in evicted:
             maps.forget(key)
-        _, future, names, _ = entry
-        for name in names:
+        future = task.future
+        for name in task.names:
             unlink_segment(name)
-        if future.cancelled():
+        if task.cancelled():
             if packet.segment is not None:  # never looked at: straight back to the worker
                 key, name, capacity = packet.segment
                 if name:
@@ -603,45 +843,175 @@ class ProcessPool:
         with self.lock:
             if self.broken is None:
                 self.broken = error
-            entries = [entry for worker in self.workers for entry in worker.pending]
+            tasks = [task for worker in self.workers
+                     for task in (*worker.pending, *worker.backlog)]
             for worker in self.workers:
                 worker.pending.clear()
-        for _, future, names, _ in entries:
-            for name in names:
+                worker.backlog.clear()
+        for task in tasks:
+            for name in task.names:
                 unlink_segment(name)
             with contextlib.suppress(Exception):
-                future.set_exception(error)
+                task.future.set_exception(error)
         self._stop_workers()
 
-    def _died(self, worker: _Worker) -> WorkerError:
+    @staticmethod
+    def _how(worker: _Worker) -> str:
+        """How a worker's process ended: "killed by SIGKILL", "exited with status 3"."""
         code = worker.process.exitcode
         if code is not None and code < 0:
             try:
-                how = f"killed by {signal.Signals(-code).name}"
+                return f"killed by {signal.Signals(-code).name}"
             except ValueError:
-                how = f"killed by signal {-code}"
-        else:
-            how = f"exited with status {code}"
-            if code == _STATUS_LOST:
-                how += " (or ended after the forkserver that started it failed)"
-            if code == 1:
-                how += (
-                    " (if it failed while starting: workers start by forkserver and import "
-                    "the main module, so a script must start its pipeline under "
-                    "`if __name__ == '__main__':`)"
+                return f"killed by signal {-code}"
+        how = f"exited with status {code}"
+        if code == _STATUS_LOST:
+            how += " (or ended after the forkserver that started it failed)"
+        return how
+
+    def _replace(self, worker: _Worker) -> None:
+        """A worker died (collector thread): start its successor and send it the calls the
+        dead one had (in their order: an interleave slot's calls must stay on one worker).
+
+        A death is a fault of the machine (a signal, the OOM killer, a crash in a
+        native library), not of the data: the calls run again and nothing is lost. The
+        element it was running (told by its progress cell) is blamed: its chunk runs
+        again as three calls (the elements before it, it alone, the rest), and a
+        one-element call blamed before that kills again becomes its element's
+        :class:`WorkerError` — so one poisonous element costs two restarts and its
+        own place, never the stream. The calls are sent by a short-lived thread, not
+        the collector (see :meth:`_send`). A worker that
+        dies before it loaded the function (it cannot start) breaks the pool
+        (:class:`WorkerPoolError`), as does failing to start a successor.
+        """
+        pid, how = worker.process.pid, self._how(worker)
+        if not worker.ready:
+            hint = ""
+            if worker.process.exitcode == 1:
+                hint = (
+                    " (workers start by forkserver and import the main module, so a script "
+                    "must start its pipeline under `if __name__ == '__main__':`)"
                 )
-        busy = sum(entry[3] for entry in worker.pending)
-        return WorkerError(
-            f"{self.stage}: worker process {worker.process.pid} {how} while {busy} elements "
-            "were in flight; the stage's workers are shut down (create a new iterator, and "
-            "restore a checkpoint, to go on)"
-        )
+            self._fail(WorkerPoolError(
+                f"{self.stage}: worker process {pid} {how} while starting{hint}; the "
+                "stage's workers are shut down (create a new iterator, and restore a "
+                "checkpoint, to go on)"
+            ))
+            return
+        failure: WorkerPoolError | None = None
+        with self._restart_lock, worker.send_lock:
+            if self.closed:
+                return
+            where: tuple[int, int] = (0, -1)
+            if worker.progress is not None:
+                where = _PROGRESS.unpack_from(worker.progress, 0)
+                worker.progress.close()
+                worker.progress = None
+            with self.lock:
+                tasks = list(worker.pending)
+                worker.pending.clear()
+                bookings = worker.forget_segments()
+                self.retired.append(self.maps[worker.index])
+                self.maps[worker.index] = SegmentMaps()
+            for booking in bookings:
+                booking.release()
+            for task in tasks:
+                for name in task.names:
+                    unlink_segment(name)
+                task.names = []
+            for connection in (worker.tasks, worker.results):
+                with contextlib.suppress(OSError):
+                    assert connection is not None
+                    connection.close()
+            dead = worker.process
+            sweep_process(self.owner, pid)  # a result segment it was filling
+            try:
+                self._spawn(worker)
+                with contextlib.suppress(Exception):
+                    dead.close()
+            except Exception as error:
+                failure = WorkerPoolError(
+                    f"{self.stage}: worker process {pid} {how}, and a worker to replace it "
+                    f"could not start ({type(error).__name__}: {error})"
+                )
+            if failure is None:
+                self.restarts += 1
+                again = self._blame(tasks, pid, how, where)
+                warnings.warn(
+                    f"{self.stage}: worker process {pid} {how}; it was replaced by "
+                    f"{worker.process.pid}, which runs its {len(again)} calls again",
+                    HeadraceWarning,
+                    stacklevel=2,
+                )
+                with self.lock:  # sent before anything else to this worker (see _send)
+                    worker.backlog.extend(again)
+                if again:  # (not from here: see _send)
+                    threading.Thread(target=self._send, args=(worker, None),
+                                     name="headrace-resend", daemon=True).start()
+            else:
+                with self.lock:
+                    worker.pending.extend(tasks)
+        if failure is not None:
+            self._fail(failure)
+
+    def _blame(
+        self, tasks: list[_Task], pid: int, how: str, where: tuple[int, int]
+    ) -> list[_Task]:
+        """The tasks to send again after worker ``pid`` died; ``where`` is the call and
+        position it said it was running (see ``_PROGRESS``)."""
+        if not tasks:
+            return []
+        head, rest = tasks[0], [task for task in tasks[1:] if not task.cancelled()]
+        if head.cancelled():
+            return rest
+        call_id, position = where
+        count = len(head.elements)
+        if call_id != head.call_id or not 0 <= position < count:
+            # between elements (packing the outputs, or the call not begun): no element
+            # is to blame, but a chunk that keeps ending workers there fails at last
+            head.tries += 1
+            if head.tries <= _MAX_TRIES:
+                return [head, *rest]
+            self._drop_task(head, WorkerError(
+                f"{self.stage}: {head.tries} worker processes ended while this element's "
+                f"chunk was sent or its outputs packed (the last, {pid}, {how}); its "
+                f"{count} elements are dropped as their errors"))
+            return rest
+        if head.blame is not None and count == 1:  # it killed a worker before, and now this one
+            first_pid, first_how = head.blame
+            self._drop_task(head, WorkerError(
+                f"{self.stage}: the call on this element ended worker process {first_pid} "
+                f"({first_how}) and, run again, worker process {pid} ({how}); the element "
+                "is dropped as its own error, and the stage goes on with the next"))
+            return rest
+        blame = (pid, how)
+        if count == 1:
+            head.blame = blame
+            return [head, *rest]
+        spans = [(a, b) for a, b in ((0, position), (position, position + 1),
+                                     (position + 1, count)) if a < b]
+        rejoin = _Rejoin(head, len(spans))
+        parts = []
+        for start, stop in spans:
+            part = _Task(Future(), head.elements[start:stop],
+                         blame if start == position else None, rejoin)
+            part.future.add_done_callback(functools.partial(rejoin.part, start))
+            parts.append(part)
+        return [*parts, *rest]
+
+    @staticmethod
+    def _drop_task(task: _Task, error: WorkerError) -> None:
+        """Complete ``task`` with ``error`` in each of its elements' places."""
+        count = len(task.elements)
+        with contextlib.suppress(Exception):  # cancelled meanwhile
+            task.future.set_result(([None] * count, dict.fromkeys(range(count), error), 0.0, 0))
 
     # -- stopping ---------------------------------------------------------------------------
     def _stop_workers(self) -> None:
         for worker in self.workers:
             with contextlib.suppress(OSError, ValueError):
-                worker.tasks.send(("stop",))
+                if worker.tasks is not None:
+                    worker.tasks.send(("stop",))
         deadline = time.monotonic() + 2.0
         for worker in self.workers:
             if not _wait_ended(worker.process, deadline):
@@ -653,33 +1023,43 @@ class ProcessPool:
         """Stop every worker, return idle segments' bookings, free the pool's segments."""
         if self.closed:
             return
-        self.closed = True
+        with self._restart_lock:  # a worker being replaced is started first, then stopped
+            self.closed = True
         if not self._started:
             return
         self._stop_workers()
         if self._collector is not None and self._collector is not threading.current_thread():
             self._collector.join(_POLL_SECONDS * 4)
         with self.lock:
-            entries = [entry for worker in self.workers for entry in worker.pending]
+            tasks = [task for worker in self.workers
+                     for task in (*worker.pending, *worker.backlog)]
             for worker in self.workers:
                 worker.pending.clear()
+                worker.backlog.clear()
                 for booking in [*worker.idle.values(), *worker.input_bookings.values()]:
                     booking.release()
                 worker.idle.clear()
                 worker.input_bookings.clear()
                 worker.inputs.close()
-        for _, future, names, _ in entries:
-            for name in names:
+        for task in tasks:
+            for name in task.names:
                 unlink_segment(name)
-            future.cancel()
+            task.cancel()
         for worker in self.workers:
             for connection in (worker.tasks, worker.results):
                 with contextlib.suppress(OSError):
-                    connection.close()
+                    if connection is not None:
+                        connection.close()
             with contextlib.suppress(Exception):
                 worker.process.close()
-        for maps in self.maps.values():
+        for maps in [*self.maps.values(), *self.retired]:
             maps.close()
+        for worker in self.workers:
+            if worker.progress is not None:
+                worker.progress.close()
+                worker.progress = None
+        for name in self._progress_names:  # (a worker that never mapped its cell)
+            unlink_segment(name)
 
 
 class _RemoteTraceback(Exception):
@@ -693,6 +1073,9 @@ class _RemoteTraceback(Exception):
         return f"\n\nTraceback in the worker process:\n{self.text}"
 
 
+#: Times a chunk is sent again after workers died while no element of it was running
+#: (killed from outside between calls, or while packing its outputs).
+_MAX_TRIES = 3
 #: What ``Process.exitcode`` says where the forkserver could not tell a child's status.
 _STATUS_LOST = 255
 
@@ -731,49 +1114,61 @@ def _wait_ended(process: Any, deadline: float) -> bool:
 
 
 def _collect(pool: ProcessPool) -> None:
-    """The collector thread: results into futures, dead workers into WorkerError."""
-    by_results = {id(worker.results): worker for worker in pool.workers}
-    by_sentinel = {worker.process.sentinel: worker for worker in pool.workers}
+    """The collector thread: results into futures; a dead worker is replaced."""
     while not pool.closed and pool.broken is None:
+        workers = list(pool.workers)
+        by_results = {id(worker.results): worker for worker in workers}
+        by_sentinel = {worker.process.sentinel: worker for worker in workers if worker.watched}
         try:
-            ready = wait([w.results for w in pool.workers] + list(by_sentinel), _POLL_SECONDS)
+            ready = wait([w.results for w in workers] + list(by_sentinel), _POLL_SECONDS)
         except OSError:
             return
-        dead: list[_Worker] = []
+        dead: dict[_Worker, None] = {}  # (in order, once: its sentinel and its pipe both tell)
         for item in ready:
             if isinstance(item, int):
-                if _ended(by_sentinel[item].process):
-                    dead.append(by_sentinel[item])
+                worker = by_sentinel[item]
+                if _ended(worker.process):
+                    dead[worker] = None
                 else:  # its status was lost: its results pipe still tells when it ends
-                    del by_sentinel[item]
+                    worker.watched = False
                 continue
             assert isinstance(item, Connection)
             worker = by_results[id(item)]
             try:
                 message = item.recv()
             except (EOFError, OSError):
-                dead.append(worker)
+                dead[worker] = None
                 continue
-            if message[0] == "done":
-                pool._finish(worker, message)
-            elif message[0] == "init_error":
-                pool._fail(
-                    WorkerError(
-                        f"{pool.stage}: a worker process could not load the function it was "
-                        f"sent:\n{message[1]}"
-                    )
-                )
+            if not _dispatch(pool, worker, message):
                 return
         for worker in dead:
             if pool.closed:
                 return
             # Results it sent before dying are still in the pipe: deliver them first.
+            assert worker.results is not None
             with contextlib.suppress(EOFError, OSError):
                 while worker.results.poll():
-                    message = worker.results.recv()
-                    if message[0] == "done":
-                        pool._finish(worker, message)
+                    if not _dispatch(pool, worker, worker.results.recv()):
+                        return
             worker.process.join(1.0)
-            # A worker leaves only when told to (close): any other exit breaks the pool.
-            pool._fail(pool._died(worker))
-            return
+            # A worker leaves only when told to (close): any other exit is replaced.
+            pool._replace(worker)
+            if pool.broken is not None:
+                return
+
+
+def _dispatch(pool: ProcessPool, worker: _Worker, message: tuple[Any, ...]) -> bool:
+    """Act on a worker's message; False when the pool cannot go on."""
+    if message[0] == "done":
+        pool._finish(worker, message)
+    elif message[0] == "ready":
+        worker.ready = True
+    elif message[0] == "init_error":
+        pool._fail(
+            WorkerPoolError(
+                f"{pool.stage}: a worker process could not load the function it was "
+                f"sent:\n{message[1]}"
+            )
+        )
+        return False
+    return True

@@ -54,7 +54,9 @@ __all__ = [
     "loads",
     "open_segment",
     "pack",
+    "pack_error",
     "segment_name",
+    "sweep_process",
     "sweep_stale",
     "unpack",
 ]
@@ -302,6 +304,35 @@ def pack(obj: Any, allocate: Allocate) -> Packet:
             offset += _aligned(length)
             raw.release()
     return Packet(payload, (key, name, capacity), tuple(spans), tuple(copied))
+
+
+def pack_error(obj: Any) -> Exception | None:
+    """Why ``obj`` cannot be packed (a part of it that pickle refuses), or None.
+
+    Large buffers are not copied (they would go out of band): a worker asks this of
+    each output of a chunk that failed to pack, to fail only the outputs at fault.
+    """
+    try:
+        _Pickler(io.BytesIO(), lambda buffer: False, lambda data: 0).dump(obj)
+    except Exception as error:
+        return error
+    return None
+
+
+def sweep_process(owner: int, pid: int) -> list[str]:
+    """Remove the segments that process ``pid`` made for ``owner``'s pipeline and that
+    nobody mapped yet (``pid`` died: a killed worker's result segment in the making)."""
+    prefix = f"{_PREFIX}{owner}-{pid}-"
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(prefix):
+            unlink_segment(name)
+            removed.append(name)
+    return removed
 
 
 def _column_id(
