@@ -600,7 +600,8 @@ class Dataset:
         """Paths matching a glob pattern, as ``str``; shuffled unless ``shuffle=False`` (tf.data).
 
         The list is sorted before any shuffle, so the same seed gives the same
-        order on every machine. No match is an error naming the pattern.
+        order on every machine. No match is an error naming the pattern, and so is
+        a file name without wildcards that names no file (tf.data leaves it out).
         """
         files = np.array(list_files(file_pattern), dtype=object)
         dataset = Dataset(TensorSlicesNode(files, keep_str=True))
