@@ -317,3 +317,123 @@ def test_memory_stays_within_budget_on_a_file_ten_times_larger(tmp_path: Any, en
     assert rows > 20000 * 100
     assert booked <= 32 << 20
     assert peak <= (32 << 20) * 1.1 + (64 << 20), f"RSS grew by {peak / 2**20:.0f} MiB"
+
+
+# -- issue 22: every CSV error names the file and the line ------------------------------------
+CORRUPTIONS = ["huge", "huge_over_budget", "latin1", "latin1_header", "ragged", "unclosed",
+               "directory", "missing"]
+
+
+@st.composite
+def corrupted_csv(draw: Any, corruption: str, api: str) -> dict[str, Any]:
+    """1-3 clean CSV files (int and text columns, a header) and one corruption of one of
+    them at a random line: a huge text field, one over the budget, a Latin-1 byte in a
+    field or in the header, a ragged row, an unclosed quote; or a directory or a missing
+    file in the list."""
+    kinds = draw(st.lists(st.sampled_from(["int", "text"]), min_size=1, max_size=4))
+    if "text" not in kinds:
+        kinds[draw(st.integers(0, len(kinds) - 1))] = "text"
+    files = []
+    for _ in range(draw(st.integers(1, 3))):
+        rows = draw(st.lists(st.tuples(*[
+            st.integers(-999, 999).map(str) if kind == "int"
+            else st.text("abcxyz ", min_size=1, max_size=6) for kind in kinds]),
+            min_size=1, max_size=40))
+        files.append([list(row) for row in rows])
+    return {"kinds": kinds, "files": files, "which": draw(st.integers(0, len(files) - 1)),
+            "corruption": corruption, "row": draw(st.integers(0, 10_000)), "api": api,
+            "size": draw(st.integers(150_000, 400_000))}
+
+
+def _write_case(folder: Any, case: dict[str, Any]) -> tuple[list[str], str, int | None]:
+    """The files (paths), the bad one, and the line (from 1) the corruption is on."""
+    kinds, names = case["kinds"], [f"c{i}" for i in range(len(case["kinds"]))]
+    text_column = kinds.index("text")
+    paths: list[str] = []
+    bad_line = None
+    for index, rows in enumerate(case["files"]):
+        path = os.path.join(folder, f"part{index}.csv")
+        paths.append(path)
+        header = ",".join(names).encode()
+        lines = [",".join(row).encode() for row in rows]
+        if index == case["which"]:
+            row = case["row"] % len(rows)
+            bad_line = row + 2
+            fields = [f.encode() for f in rows[row]]
+            corruption = case["corruption"]
+            if corruption in ("huge", "huge_over_budget"):
+                size = case["size"] * (8 if corruption == "huge_over_budget" else 1)
+                fields[text_column] = b"h" * size
+                rows[row][text_column] = "h" * size
+            elif corruption == "latin1":
+                fields[text_column] += b"caf\xe9"
+                rows[row][text_column] += "caf\xe9"
+            elif corruption == "latin1_header":
+                header = header.replace(b"c0", b"\xe9t\xe9", 1)
+                bad_line = 1
+            elif corruption == "ragged":
+                fields.append(b"7")
+            elif corruption == "unclosed":
+                fields[text_column] = b'"' + fields[text_column]
+            lines[row] = b",".join(fields)
+        if index == case["which"] and case["corruption"] == "directory":
+            os.mkdir(path)
+            continue
+        if index == case["which"] and case["corruption"] == "missing":
+            continue
+        with open(path, "wb") as f:
+            f.write(header + b"\n" + b"\n".join(lines) + b"\n")
+    return paths, paths[case["which"]], bad_line
+
+
+def _read(case: dict[str, Any], paths: list[str]) -> list[list[Any]]:
+    """Every row read through the case's API, as lists of Python values."""
+    kinds = case["kinds"]
+    budget = hr.Options(memory_budget="1MiB")
+    if case["api"] == "read_csv":
+        ds = hr.read_csv(paths, 16, block_bytes=1 << 16)
+    elif case["api"] == "make_csv_dataset":
+        ds = hr.make_csv_dataset(paths, 16, num_epochs=1, shuffle=False)
+    else:
+        defaults = [[0] if kind == "int" else [""] for kind in kinds]
+        ds = hr.CsvDataset(paths, defaults, header=True, block_bytes=1 << 16).batch(16)
+    if case["corruption"] == "huge_over_budget" and case["api"] != "make_csv_dataset":
+        ds = ds.with_options(budget)
+    out: list[list[Any]] = []
+    for batch in ds:
+        columns = list(batch.values()) if isinstance(batch, dict) else list(batch)
+        out.extend([column[i] for column in columns] for i in range(len(columns[0])))
+    return out
+
+
+@pytest.mark.parametrize("api", ["read_csv", "make_csv_dataset", "CsvDataset"])
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+@settings(max_examples=5, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_corrupt_csv_reads_or_fails_naming_the_file_and_line(
+        tmp_path_factory: Any, corruption: str, api: str, data: Any) -> None:
+    """Oracle: the rows as written. A huge field (under max_record_bytes) or a Latin-1
+    byte in a field reads as written (text columns are bytes); anything else is an error
+    that names the file, and the line where it has one — never a bare csv.Error,
+    UnicodeDecodeError or "[Errno 21]"."""
+    case = data.draw(corrupted_csv(corruption, api))
+    folder = tmp_path_factory.mktemp("csv")
+    paths, bad, line = _write_case(folder, case)
+    readable = corruption in ("huge", "latin1") or (
+        corruption == "huge_over_budget" and api == "make_csv_dataset") or (
+        corruption == "latin1_header" and api == "CsvDataset")  # (its header is skipped)
+    try:
+        got = _read(case, paths)
+    except (hr.HeadraceError, OSError) as error:
+        assert not readable, f"{corruption}: {error!r}"
+        text = str(error)
+        assert bad in text, f"{corruption}: the error does not name {bad}: {text}"
+        if corruption not in ("directory", "missing"):
+            assert f"line {line}" in text, f"{corruption}: not line {line}: {text}"
+        return
+    assert readable, f"{corruption} in {bad} read without an error"
+    expected = [[int(v) if kind == "int" else v.encode("latin-1")
+                 for v, kind in zip(row, case["kinds"], strict=True)]
+                for rows in case["files"] for row in rows]
+    assert [[v.item() if isinstance(v, np.generic) else v for v in row] for row in got] == expected

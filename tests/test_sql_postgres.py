@@ -207,3 +207,104 @@ def test_a_table_larger_than_the_budget_streams_within_it(table: str) -> None:
     with iter(ds) as it:
         assert sum(len(batch["k"]) for batch in it) == 300_000  # ~4.8 MB of values
         assert 0 < it.stats().budget_peak <= 2 << 20
+
+
+# -- issue 22: keys that are not unique, trailing comments, final errors ----------------------
+def _key_values(seed: int, rows: int, pattern: str) -> list[int | None]:
+    rng = np.random.default_rng(seed)
+    if pattern == "runs":
+        values = np.repeat(np.arange(rows), rng.integers(1, 300, rows))[:rows]
+    elif pattern == "few":
+        values = rng.integers(0, max(1, rows // 50 + 1), rows)
+    else:
+        values = rng.permutation(rows * 3)[:rows] - rows
+        if pattern == "some_dups" and rows > 1:
+            values[rng.integers(rows)] = values[rng.integers(rows)]
+    keys: list[int | None] = [int(v) for v in rng.permutation(values)]
+    if pattern == "nulls" and rows:
+        keys[int(rng.integers(rows))] = None
+    return keys
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_keyset_pages_deliver_every_row_or_refuse_the_key(seed: int) -> None:
+    """Random key columns (unique, runs, few values, one duplicate, a NULL), random pages,
+    streamed (no parameters) or paged (a parameter), sharded or not. Oracle: the table
+    read directly; a key that is not unique or holds a NULL is a SqlError, and no row
+    came twice before it."""
+    assert URL
+    import adbc_driver_postgresql.dbapi as pg
+
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(0, 900))
+    pattern = ["unique", "runs", "few", "some_dups", "nulls", "unique"][seed % 6]
+    keys = _key_values(seed, rows, pattern)
+    name = f"k_{uuid.uuid4().hex[:10]}"
+    with pg.connect(URL) as db, db.cursor() as cur:
+        cur.execute(f"CREATE TABLE {name} (id bigint PRIMARY KEY, k bigint, v text)")
+        cur.adbc_ingest(name, __import__("pyarrow").table(
+            {"id": list(range(rows)), "k": keys, "v": [f"v{i}" for i in range(rows)]}),
+            mode="append")
+        db.commit()
+    try:
+        oracle = sorted((i, k, f"v{i}") for i, k in enumerate(keys))
+        paged = bool(rng.integers(2))
+        query = f"SELECT * FROM {name}" + (" WHERE id >= $1" if paged else "")
+        ds = hr.Dataset.from_sql(query, (0,) if paged else (), connection=URL, key="k",
+                                 page_rows=int(rng.integers(1, 200)),
+                                 batch_size=int(rng.integers(1, 90)), max_retries=0)
+        shards = int(rng.integers(1, 4))
+        parts = [ds] if shards == 1 else [
+            hr.auto_shard(ds, "data", num_shards=shards, index=i) for i in range(shards)]
+        fine = None not in keys and len(set(keys)) == len(keys)
+        got: list[tuple[Any, ...]] = []
+        try:
+            for part in parts:
+                out = all_rows(part)
+                got.extend(zip(out.get("id", []), out.get("k", []), out.get("v", []),
+                               strict=True))
+        except SqlError as error:
+            assert not fine, f"a unique key was refused: {error}"
+            assert "'k'" in str(error) and ("not unique" in str(error) or "NULL" in str(error))
+            assert len(set(got)) == len(got) and set(got) <= set(oracle)
+            return
+        assert fine, f"{pattern}: no error over keys with duplicates or NULLs"
+        assert sorted(got) == oracle
+    finally:
+        with pg.connect(URL) as db, db.cursor() as cur:
+            cur.execute(f"DROP TABLE {name}")
+            db.commit()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_queries_with_trailing_comments_and_semicolons_read_their_rows(
+        table: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    pieces = [" ", "\n", ";", "-- done\n", "-- a ) b ; c ' d", "/* x ; ) */", "/* /* */ */",
+              "--;", "/* ' $$ */"]
+    tail = "".join(rng.choice(pieces, int(rng.integers(1, 6))))
+    odd = ", E'--;\\'' AS odd, $q$ -- ; $q$ AS dollar" if rng.integers(2) else ""
+    core = f"SELECT id{odd} FROM {table} WHERE id % 7 = 1"
+    key = "id" if rng.integers(2) else None
+    ds = hr.Dataset.from_sql(core + tail, connection=URL, key=key, batch_size=50,
+                             page_rows=int(rng.integers(1, 120)), max_retries=0)
+    rows = all_rows(ds)
+    got = rows["id"] if key else sorted(rows["id"])  # (keyless: the table's own order)
+    assert got == list(range(1, 3000, 7)), tail
+    if odd:
+        assert set(rows["odd"]) == {"--;'"} and set(rows["dollar"]) == {" -- ; "}
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ("SELECT id FROM no_such_table", "does not exist"),
+    ("SELEC id FROM {t}", "syntax error"),
+    ("SELECT nope FROM {t}", "does not exist"),
+    ("SELECT id / 0 AS z FROM {t}", "division by zero"),
+])
+def test_a_wrong_query_fails_at_once_with_the_databases_message(
+        table: str, query: str, message: str) -> None:
+    query = query.format(t=table)
+    ds = hr.Dataset.from_sql(query, connection=URL, max_retries=3, retry_delay=5)
+    with pytest.raises(SqlError, match=message) as caught:
+        list(ds)
+    assert "not retried" in str(caught.value) and repr(query) in str(caught.value)

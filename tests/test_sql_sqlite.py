@@ -4,6 +4,7 @@ keyset resume, keyless resume, sharding by key, retries, budget."""
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from typing import Any
 
@@ -163,3 +164,148 @@ def test_pages_are_booked_within_the_budget(tmp_path: Any) -> None:
         assert sum(len(b["id"]) for b in it) == 5000
         stats = it.stats()
     assert 0 < stats.budget_peak <= 4 << 20
+
+
+# -- issue 22: keys that are not unique, queries with trailing comments, final errors ---------
+@st.composite
+def key_columns(draw: Any) -> list[Any]:
+    """A key column's values, in random order: unique, runs of equal values of random
+    lengths, a few distinct values, one value, or unique with a few duplicates or NULLs."""
+    rows = draw(st.integers(0, 260))
+    pattern = draw(st.sampled_from(["unique", "runs", "few", "one", "some_dups", "nulls"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if pattern == "runs":
+        values = np.repeat(np.arange(rows), rng.integers(1, 300, rows))[:rows]
+    elif pattern == "few":
+        values = rng.integers(0, max(1, rows // 50 + 1), rows)
+    elif pattern == "one":
+        values = np.full(rows, 7)
+    else:
+        values = rng.permutation(rows * 3)[:rows] - rows
+        if pattern == "some_dups" and rows > 1:
+            for _ in range(int(rng.integers(1, 4))):
+                values[rng.integers(rows)] = values[rng.integers(rows)]
+    keys: list[Any] = [int(v) for v in rng.permutation(values)]
+    if pattern == "nulls" and rows:
+        for _ in range(int(rng.integers(1, 4))):
+            keys[int(rng.integers(rows))] = None
+    return keys
+
+
+def _keyed_table(path: Any, keys: list[Any]) -> str:
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, k INTEGER, v TEXT)")
+    db.executemany("INSERT INTO t VALUES (?, ?, ?)",
+                   [(i, k, f"v{i}") for i, k in enumerate(keys)])
+    db.commit()
+    db.close()
+    return f"sqlite:///{path}"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key_columns(), st.integers(1, 70), st.integers(1, 40), st.sampled_from([None, 1, 2, 3]),
+       st.booleans())
+def test_keyset_pages_deliver_every_row_or_refuse_the_key(
+        tmp_path_factory: Any, keys: list[Any], page_rows: int, batch_size: int,
+        shards: int | None, params: bool) -> None:
+    """Oracle: the table read directly with sqlite3. Over a unique, non-NULL key every
+    row comes once (sharded: once over all shards); otherwise SqlError says the key is
+    not unique or holds a NULL, and no row came twice before it."""
+    url = _keyed_table(tmp_path_factory.mktemp("db") / "t.db", keys)
+    oracle = sorted((i, k, f"v{i}") for i, k in enumerate(keys))
+    query, args = ("SELECT * FROM t WHERE id >= ?", (0,)) if params else ("SELECT * FROM t", ())
+    ds = hr.Dataset.from_sql(query, args, connection=url, key="k", page_rows=page_rows,
+                             batch_size=batch_size, max_retries=0)
+    parts = [ds] if shards is None else [
+        hr.auto_shard(ds, "data", num_shards=shards, index=i) for i in range(shards)]
+    fine = None not in keys and len(set(keys)) == len(keys)
+    got: list[tuple[Any, ...]] = []
+    try:
+        for part in parts:
+            rows = all_rows(part)
+            got.extend(zip(rows.get("id", []), rows.get("k", []), rows.get("v", []),
+                           strict=True))
+    except SqlError as error:
+        assert not fine, f"a unique key was refused: {error}"
+        assert ("is not unique" in str(error)) == (None not in keys) or "NULL" in str(error)
+        assert "'k'" in str(error)
+        assert len(set(got)) == len(got) and set(got) <= set(oracle)  # nothing twice
+        return
+    assert fine, f"keys {keys} have duplicates or NULLs, and no error was raised"
+    assert sorted(got) == oracle
+
+
+@st.composite
+def trailing_text(draw: Any) -> str:
+    """What may follow a valid query: whitespace, ';', -- and /* */ comments holding the
+    characters that would break a naive strip (';', ')', quotes, '--', '*/' halves)."""
+    pieces = st.sampled_from([
+        " ", "\n", "\t", ";", " ;", "-- done\n", "-- a ) b ; c ' d", "/* x ; ) */",
+        "/* -- */", "/**/", "--;", "\r\n", "-- 'unclosed\n", "/* ' */"])
+    return "".join(draw(st.lists(pieces, max_size=6)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trailing_text(), st.sampled_from([None, "id"]), st.booleans(), st.integers(1, 30))
+def test_queries_with_trailing_comments_and_semicolons_read_their_rows(
+        tmp_path_factory: Any, tail: str, key: str | None, literal: bool, page_rows: int) -> None:
+    """Oracle: the query (without its tail) run directly with sqlite3."""
+    path = tmp_path_factory.mktemp("db") / "t.db"
+    url = make_db(path, rows=45)
+    select = "SELECT id, s, '--;' AS odd" if literal else "SELECT id, s"
+    core = f"{select} FROM t WHERE id % ? = 1"
+    oracle = sqlite3.connect(path).execute(core, (2,)).fetchall()
+    ds = hr.Dataset.from_sql(core + tail, (2,), connection=url, key=key, page_rows=page_rows,
+                             batch_size=7, max_retries=0)
+    rows = all_rows(ds)
+    assert list(zip(*rows.values(), strict=True)) == oracle
+
+
+class CountingConnect:
+    """Connects to a SQLite file, counting the queries run (to see retries)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.calls = 0
+
+    def __call__(self) -> sqlite3.Connection:
+        connection = sqlite3.connect(self.path)
+        connection.set_trace_callback(self._traced)
+        return connection
+
+    def _traced(self, sql: str) -> None:
+        self.calls += 1
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([
+    ("SELECT id FROM no_such_table", "no such table"),
+    ("SELECT id, nope FROM t", "no such column"),
+    ("SELEC id FROM t", "syntax error"),
+    ("SELECT id FROM t WHERE", "incomplete input|syntax error"),
+    ("SELECT id FROM t; DELETE FROM t", "more than one statement"),
+]), st.sampled_from([None, "id"]), st.integers(1, 4))
+def test_a_wrong_query_fails_at_once_with_the_databases_message(
+        tmp_path_factory: Any, case: tuple[str, str], key: str | None, retries: int) -> None:
+    path = tmp_path_factory.mktemp("db") / "t.db"
+    make_db(path, rows=5)
+    query, message = case
+    connect = CountingConnect(str(path))
+    ds = hr.Dataset.from_sql(query, connection=connect, key=key, max_retries=retries,
+                             retry_delay=0.5)
+    with pytest.raises(SqlError) as caught:
+        list(ds)
+    text = str(caught.value)
+    assert re.search(message, text) and "retries" not in text
+    if "statement" not in message:
+        assert repr(query) in text  # the query, as given
+        assert connect.calls <= 1  # (SQLite traces only statements that ran)
+    assert sqlite3.connect(path).execute("SELECT count(*) FROM t").fetchone()[0] == 5
+
+
+def test_a_missing_database_file_is_named_and_not_created(tmp_path: Any) -> None:
+    missing = tmp_path / "typo.db"
+    ds = hr.Dataset.from_sql("SELECT 1 AS one", connection=f"sqlite:///{missing}")
+    with pytest.raises(SqlError, match=r"no SQLite database at '.*typo\.db': no such file"):
+        list(ds)
+    assert not missing.exists()

@@ -15,9 +15,6 @@
 
 from __future__ import annotations
 
-import csv
-import gzip
-import io
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -28,16 +25,20 @@ from headrace.dataset import Dataset, read_files_in_parallel
 from headrace.errors import InvalidArgumentError
 from headrace.io.csv import (
     CsvColumn,
+    CsvError,
     CsvFormat,
     check_select_cols,
     columns_from_defaults,
     decode_csv,
 )
 from headrace.options import AUTOTUNE
-from headrace.sources.csv import DEFAULT_BLOCK_BYTES, CsvNode, CsvSpec
+from headrace.sources.csv import DEFAULT_BLOCK_BYTES, CsvNode, CsvSpec, read_first_record
 from headrace.sources.files import list_files
 
 __all__ = ["CsvDataset", "decode_csv", "make_csv_dataset", "read_csv"]
+
+#: Text parsed at once while inferring types: the first rows are usually few.
+_PROBE_BLOCK_BYTES = 1 << 16
 
 
 def _check_cols(cols: Sequence[int] | None, name: str) -> tuple[int, ...]:
@@ -82,34 +83,27 @@ def CsvDataset(
     return Dataset(CsvNode(filenames, compression_type, buffer_size, spec))
 
 
-def _open_text(path: str, compression_type: str | None, encoding: str) -> io.TextIOBase:
-    if compression_type == "GZIP":
-        return gzip.open(path, "rt", encoding=encoding, newline="")  # type: ignore[return-value]
-    if compression_type == "ZLIB":
-        raise InvalidArgumentError(
-            f"`compression_type` {compression_type} is not supported for probing columns."
-        )
-    return open(path, encoding=encoding, newline="")
-
-
-def _reader(handle: io.TextIOBase, field_delim: str, use_quote_delim: bool) -> Any:
-    if use_quote_delim:
-        return csv.reader(handle, delimiter=field_delim, quoting=csv.QUOTE_MINIMAL)
-    return csv.reader(handle, delimiter=field_delim, quoting=csv.QUOTE_NONE)
-
-
-def _header_names(filenames: list[str], field_delim: str, use_quote_delim: bool,
-                  compression_type: str | None, encoding: str) -> list[str]:
+def _header_names(filenames: list[str], fmt: CsvFormat, compression_type: str | None,
+                  encoding: str, caller: str) -> list[str]:
+    """Column names from each file's first record (read as ``CsvDataset`` reads records,
+    through the file pool); every file must have the same ones."""
     names: list[str] | None = None
     for path in filenames:
-        with _open_text(path, compression_type, encoding) as handle:
-            try:
-                row = next(_reader(handle, field_delim, use_quote_delim))
-            except StopIteration:
-                raise InvalidArgumentError(
-                    f"Failed when reading the header line of {path}. Is it an empty file?"
-                ) from None
-        row = [row[0].lstrip("\ufeff"), *row[1:]] if row else row
+        fields = read_first_record(path, compression_type, fmt)
+        if fields is None:
+            raise InvalidArgumentError(
+                f"Failed when reading the header line of {path}. Is it an empty file?"
+            )
+        try:
+            row = [field.decode(encoding) for field in fields]
+        except UnicodeDecodeError as error:
+            hint = ("pass encoding=..." if caller == "make_csv_dataset"
+                    else "pass column_names=... and header=True to skip it")
+            raise CsvError(
+                f"the header is not valid {encoding} text ({error.reason}: byte "
+                f"{error.object[error.start:error.start + 1]!r}); {hint}",
+                path=path, record=0, line=1,
+            ) from None
         if names is None:
             names = row
         elif row != names:
@@ -147,33 +141,42 @@ def _infer_kind(text: str, na_value: str, previous: str | None) -> str | None:
     return "string"
 
 
-def _infer_defaults(filenames: list[str], width: int, field_delim: str, use_quote_delim: bool,
-                    na_value: str, header: bool, rows_for_inference: int | None,
-                    select: Sequence[int], compression_type: str | None,
-                    encoding: str) -> list[CsvColumn]:
+def _infer_defaults(filenames: list[str], width: int, fmt: CsvFormat, header: bool,
+                    rows_for_inference: int | None, select: Sequence[int],
+                    compression_type: str | None, encoding: str,
+                    ignore_errors: bool = False) -> list[CsvColumn]:
+    """Each selected column's type, from the first ``rows_for_inference`` records of the
+    files (all of them with None), by TensorFlow's rules (``make_csv_dataset``).
+
+    The records are read by a ``CsvDataset`` of ``width`` text columns: the same
+    records, the same file pool, budget and errors as the read that follows (a
+    malformed or ragged record is a :class:`CsvError` naming its file, record, line and
+    column; a field of any length up to ``max_record_bytes`` is read). A field that is
+    not ``encoding`` text cannot be a number: its column is text (read as bytes).
+    """
     kinds: list[str | None] = [None] * len(select)
-    seen = 0
-    for path in filenames:
-        with _open_text(path, compression_type, encoding) as handle:
-            reader = _reader(handle, field_delim, use_quote_delim)
-            row_number = 1
-            if header:
-                next(reader, None)
-                row_number += 1
-            for row in reader:
-                if rows_for_inference is not None and seen >= rows_for_inference:
-                    break
-                if len(row) != width:
-                    raise InvalidArgumentError(
-                        f"Problem inferring types: CSV row {row_number} has {len(row)} number "
-                        f"of fields. Expected: {width}."
-                    )
-                for j, index in enumerate(select):
-                    kinds[j] = _infer_kind(row[index], na_value, kinds[j])
-                row_number += 1
-                seen += 1
-        if rows_for_inference is not None and seen >= rows_for_inference:
-            break
+    spec = CsvSpec(columns=tuple(CsvColumn("string", b"") for _ in range(width)), fmt=fmt,
+                   header=header, ignore_errors=ignore_errors, block_bytes=_PROBE_BLOCK_BYTES)
+    records = Dataset(CsvNode(filenames, compression_type, None, spec))
+    if rows_for_inference is not None:
+        records = records.take(rows_for_inference)
+    missing = (b"", fmt.na_value)
+    with iter(records.batch(1024)) as batches:
+        for batch in batches:
+            for j, index in enumerate(select):
+                kind = kinds[j]
+                for field in batch[index]:
+                    if field in missing:
+                        continue
+                    try:
+                        text = field.decode(encoding)
+                    except UnicodeDecodeError:
+                        kind = "string"
+                    else:
+                        kind = _infer_kind(text, "", kind)
+                    if kind == "string":
+                        break
+                kinds[j] = kind
     columns = []
     for kind in kinds:
         resolved = kind or "string"
@@ -262,7 +265,10 @@ def make_csv_dataset(
     ``shuffle_buffer_size``, repeated ``num_epochs`` times (None: forever, with
     ``drop_remainder=True`` as TensorFlow does), batched, turned into a dict by
     column name, prefetched. Names come from the header and types from the
-    first ``num_rows_for_inference`` rows unless given. Shuffles use
+    first ``num_rows_for_inference`` rows unless given, read as ``CsvDataset``
+    reads records: a malformed or ragged row, a directory or a missing file is
+    an error naming the file (and line), and a field that is not ``encoding``
+    text makes its column text (``bytes``, as read). Shuffles use
     headrace's generator: same seed, same order every run, but not
     TensorFlow's order. ``sloppy=True`` lets the interleave go out of order.
     """
@@ -280,8 +286,8 @@ def make_csv_dataset(
             raise InvalidArgumentError(
                 "Expected `column_names` or `header` arguments. Neither is provided."
             )
-        names = _header_names(filenames, field_delim, use_quote_delim, compression_type or None,
-                              encoding)
+        names = _header_names(filenames, fmt, compression_type or None, encoding,
+                              "make_csv_dataset")
     else:
         names = list(column_names)
     if len(names) != len(set(names)):
@@ -294,10 +300,9 @@ def make_csv_dataset(
     if column_defaults is not None:
         columns = columns_from_defaults(column_defaults)
     else:
-        columns = _infer_defaults(filenames, len(names), field_delim, use_quote_delim, na_value,
-                                  header, num_rows_for_inference,
+        columns = _infer_defaults(filenames, len(names), fmt, header, num_rows_for_inference,
                                   select if select is not None else range(len(names)),
-                                  compression_type or None, encoding)
+                                  compression_type or None, encoding, bool(ignore_errors))
     if select is not None and len(columns) != len(select):
         raise InvalidArgumentError(
             "If specified, `column_defaults` and `select_columns` must have the same length: "
@@ -355,7 +360,8 @@ def read_csv(
     Names come from the header (or ``column_names``), types and defaults from
     ``column_defaults`` (as ``record_defaults``) or are inferred from the
     first rows as ``make_csv_dataset`` does. Values, missing-field rules and
-    errors are ``CsvDataset``'s. ``engine="auto"`` uses pyarrow's parser when
+    errors are ``CsvDataset``'s, for the inference too: each names the file
+    and, where it has one, the line. ``engine="auto"`` uses pyarrow's parser when
     the ``[arrow]`` extra is installed, ``"pure"`` never does; both give the
     same arrays.
     """
@@ -367,16 +373,18 @@ def read_csv(
     if names_given:
         names = list(column_names or ())
     elif header:
-        names = _header_names(filenames_list, field_delim, use_quote_delim,
-                              compression_type or None, "utf-8")
+        names = _header_names(filenames_list, CsvFormat.make(field_delim, use_quote_delim,
+                                                             na_value),
+                              compression_type or None, "utf-8", "read_csv")
     else:
         raise InvalidArgumentError("read_csv: give column_names, or header=True")
     select = _sorted_indices(select_columns, names) if select_columns is not None else None
     if column_defaults is not None:
         columns = columns_from_defaults(column_defaults)
     else:
-        columns = _infer_defaults(filenames_list, len(names), field_delim, use_quote_delim,
-                                  na_value, header, num_rows_for_inference,
+        columns = _infer_defaults(filenames_list, len(names),
+                                  CsvFormat.make(field_delim, use_quote_delim, na_value), header,
+                                  num_rows_for_inference,
                                   select if select is not None else range(len(names)),
                                   compression_type or None, "utf-8")
     if select is not None:

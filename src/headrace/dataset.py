@@ -221,12 +221,16 @@ class Dataset:
         ``connection``: ``"sqlite:///path.db"``, ``"postgresql://..."`` (the
         ``[postgres]`` extra) or a picklable function returning a sqlite3 or ADBC
         PostgreSQL connection. ``params`` are the query's own parameters (``?`` for
-        SQLite, ``$1`` for PostgreSQL) — never format values into ``query``. With
-        ``key`` (a unique, sortable column) reads are paged by key (``page_rows``
-        a page, booked on the budget), resume from the last key, retry a dropped
-        connection from it up to ``max_retries`` times, and shard by key under
-        ``auto_shard(..., policy="data")``. NULLs take ``null_defaults[column]`` or
-        raise naming the column, row and key. See :mod:`headrace.sources.sql`.
+        SQLite, ``$1`` for PostgreSQL) — never format values into ``query``, which
+        is one statement (a trailing ``;`` or comment is fine). With ``key`` (a
+        column whose values are unique and never NULL, sortable) reads are paged by
+        key (``page_rows`` a page, booked on the budget), resume from the last key,
+        retry a lost connection from it up to ``max_retries`` times, and shard by
+        key under ``auto_shard(..., policy="data")``; a key found not unique or
+        NULL while reading raises :class:`SqlError` (pages would skip rows). A
+        wrong query fails at once with the database's message, never retried.
+        NULLs take ``null_defaults[column]`` or raise naming the column, row and
+        key. See :mod:`headrace.sources.sql`.
         """
         from headrace.sources.sql import SqlNode
 
@@ -596,7 +600,8 @@ class Dataset:
         """Paths matching a glob pattern, as ``str``; shuffled unless ``shuffle=False`` (tf.data).
 
         The list is sorted before any shuffle, so the same seed gives the same
-        order on every machine. No match is an error naming the pattern.
+        order on every machine. No match is an error naming the pattern, and so is
+        a file name without wildcards that names no file (tf.data leaves it out).
         """
         files = np.array(list_files(file_pattern), dtype=object)
         dataset = Dataset(TensorSlicesNode(files, keep_str=True))

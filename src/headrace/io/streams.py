@@ -24,7 +24,9 @@ offset, so no hidden file position has to be restored on resume (POSIX only).
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sys
 import zlib
 
@@ -125,12 +127,19 @@ class SuspendableStream(ClosesOnExit):
     def resume(self) -> None:
         """Open the descriptor again (no-op if open); reading continues at the same byte.
 
-        Raises whatever ``os.open`` raises (``FileNotFoundError``, ``OSError(EMFILE)``);
+        Raises whatever ``os.open`` raises (``FileNotFoundError``, ``OSError(EMFILE)``), or
+        ``IsADirectoryError`` naming the path (a directory opens, but cannot be read);
         the stream stays suspended and intact in that case, so the call can be retried.
         """
         self._check_not_closed()
         if self._descriptor is None:
-            self._descriptor = os.open(self._path, os.O_RDONLY)
+            descriptor = os.open(self._path, os.O_RDONLY)
+            if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+                # (Linux opens a directory for reading; the first read would then fail
+                # with EISDIR and no file name)
+                os.close(descriptor)
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self._path)
+            self._descriptor = descriptor
 
     def suspend(self) -> None:
         """Close the descriptor, keeping what is needed to resume at the same byte."""

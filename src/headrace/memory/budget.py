@@ -150,9 +150,9 @@ class MemoryBudget:
         #: describes it now, or gives None once it is gone.
         self._kept: dict[int, Callable[[], KeptStats | None]] = {}
         #: For a nested budget (an interleave slot's): called with what its stages'
-        #: minima add up to when that passes ``total``; makes room in the stage above
+        #: minima add up to when that passes ``total``, and those minima in words; makes room in the stage above
         #: and returns the new total, or raises MemoryBudgetError naming that stage.
-        self.widen: Callable[[int], int] | None = None
+        self.widen: Callable[[int, str], int] | None = None
 
     def report_kept(self, key: int, describe: Callable[[], KeptStats | None]) -> None:
         """Have this run's stats show memory a stage keeps beyond it (see KeptStats)."""
@@ -216,7 +216,7 @@ class MemoryBudget:
             minima = [account.minimum for account in accounts]
             if sum(minima) > self.total and self.widen is not None:
                 try:
-                    self.total = max(self.total, self.widen(sum(minima)))
+                    self.total = max(self.total, self.widen(sum(minima), self._listing()))
                 except MemoryBudgetError as error:  # the stage above is refused: its words
                     raise _RefusedAbove(str(error)) from None
                 limits = [
@@ -245,13 +245,17 @@ class MemoryBudget:
                 account.limit = limit
             self.changed.notify_all()
 
-    def _minima_message(self, first: str = "the pipeline's stages") -> str:
-        listed = ", ".join(
+    def _listing(self) -> str:
+        """Each stage's minimum working set and what it is for, in words."""
+        return ", ".join(
             f"{account.name}: {format_bytes(account.minimum)}"
             + (f" for {account.minimum_what}" if account.minimum_what else "")
             for account in self.accounts
             if account.minimum
         )
+
+    def _minima_message(self, first: str = "the pipeline's stages") -> str:
+        listed = self._listing()
         needed = sum(account.minimum for account in self.accounts)
         return (
             f"{first} must hold {format_bytes(needed)} at once, more than the memory budget "

@@ -46,10 +46,11 @@ from headrace.io.csv import CsvColumn, CsvError, CsvFormat
 from headrace.io.filepool import FilePool, PooledStream, get_default_pool
 from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
+from headrace.memory.units import format_bytes
 from headrace.sources.files import FileRecordsNode, _BudgetCharge, file_limiter
 from headrace.structure import TensorSpec
 
-__all__ = ["DEFAULT_BLOCK_BYTES", "ENGINES", "CsvNode", "CsvSpec"]
+__all__ = ["DEFAULT_BLOCK_BYTES", "ENGINES", "CsvNode", "CsvSpec", "read_first_record"]
 
 #: Bytes of text parsed at once. Large enough for pyarrow to run at full speed, small
 #: enough that the parse's temporaries stay well inside G1's measured slack.
@@ -146,6 +147,45 @@ class CsvNode(FileRecordsNode):
                            account)
 
 
+def read_first_record(path: str, compression_type: str | None, fmt: CsvFormat, *,
+                      max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> list[bytes] | None:
+    """The fields of the first record of ``path`` (a header), split as ``CsvDataset``
+    splits records, a UTF-8 byte-order mark skipped; None for an empty file.
+
+    Read through the file pool (G2) in growing windows, so a header of any length up
+    to ``max_record_bytes`` is read whole; errors name the file (a missing file or a
+    directory: ``OSError`` with its name; a malformed or endless record: :class:`CsvError`
+    or :class:`RecordTooLargeError` with the file, line and byte offset).
+    """
+    stream = get_default_pool().open(path, compression_type)
+    try:
+        data = b""
+        want = 1 << 16
+        while True:
+            chunk = stream.read(want - len(data))
+            data += chunk
+            whole = len(data) < want
+            start = len(_BOM) if data.startswith(_BOM) else 0
+            scanned = csvfmt.scan_records(data, fmt, start=start, final=whole, max_records=1)
+            if scanned.ends:
+                if scanned.errors[0] is not None:
+                    column, message = scanned.errors[0]
+                    raise CsvError(message, path=path, record=0, line=1, column=column,
+                                   offset=start)
+                return scanned.fields[0]
+            if whole:
+                return None
+            if want >= max_record_bytes:
+                raise RecordTooLargeError(
+                    f"the first CSV record (the header) of {path} is longer than "
+                    f"max_record_bytes={max_record_bytes} (an unclosed quote?)",
+                    path=path, offset=0,
+                )
+            want *= 2
+    finally:
+        stream.close()
+
+
 @dataclass
 class _Block:
     """Parsed records of one block: the good ones, then maybe one bad one's error."""
@@ -212,7 +252,7 @@ class _BlockReader:
                 self._scratch_booking.release()
                 self._scratch = bytearray()
                 self._scratch_booking = self.account.hold(
-                    size + ARRAY_HEADER_BYTES, what="the text of one CSV block")
+                    size + ARRAY_HEADER_BYTES, what=self.where(size))
                 self._scratch = bytearray(size)
             count = self.stream.pread_into(self.offset, memoryview(self._scratch)[:size])
             self._buffer, self._start, self._stop = self._scratch, 0, count
@@ -229,6 +269,14 @@ class _BlockReader:
             read += len(chunk)
         self._buffer = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         self._start, self._stop = 0, len(self._buffer)
+
+    def where(self, size: int) -> str:
+        """What a booking of ``size`` bytes of this file's text is for, with where the
+        block starts (a MemoryBudgetError then names the file and the line)."""
+        long = (f": a record of more than {format_bytes(size // 2)}"
+                if size > self.spec.block_bytes else "")
+        return (f"the text of one CSV block of {self.path} from line {self.line} "
+                f"(byte offset {self.offset}){long}")
 
     def _consume(self, nbytes: int, records: int, lines: int) -> None:
         self._start += nbytes
@@ -403,7 +451,10 @@ class _CsvCursor:
                 self._next_file()
                 continue
             try:
-                block.booking = self.account.hold(sizeof(block.columns), what="one parsed block")
+                block.booking = self.account.hold(
+                    sizeof(block.columns), what=f"the parsed CSV block of "
+                    f"{self.node.filenames[self.file_index]} from line {block.line} (byte "
+                    f"offset {block.offset})")
             except BaseException:
                 self.start = (block.offset, block.record, block.line)
                 raise

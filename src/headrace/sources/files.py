@@ -701,9 +701,15 @@ class TextLineNode(FileRecordsNode):
 
 
 def list_files(pattern: str | Sequence[str]) -> list[str]:
-    """Paths matching a glob pattern (or several), sorted; an error if none match."""
+    """Paths matching a glob pattern (or several), sorted; an error if none match, or if a
+    pattern without wildcards (a file's name) names no file: it would be left out in
+    silence, and its rows with it."""
     patterns = [pattern] if isinstance(pattern, (str, os.PathLike)) else list(pattern)
     matches = sorted({path for p in patterns for path in glob.glob(os.fspath(p))})
     if not matches:
         raise InvalidArgumentError(f"list_files: no files match {patterns!r}")
+    for named in patterns:
+        name = os.fspath(named)
+        if not glob.has_magic(name) and not os.path.lexists(name):
+            raise InvalidArgumentError(f"list_files: no file {name!r} (of {patterns!r})")
     return matches

@@ -14,20 +14,36 @@ C++ into Arrow columns: NumPy arrays come out without a Python object per
 value. ``benchmarks/bench_sql.py`` measures it against a psycopg 3
 server-side cursor and psycopg's binary COPY parsed with NumPy.
 
-Pages (G1, G4): with a ``key`` column (unique, sortable), rows are read in
-pages of ``page_rows`` by keyset pagination — ``SELECT * FROM (query) WHERE
-key > :last ORDER BY key LIMIT :page_rows`` — each page booked on the stage's
-share of the budget before it is held, so a table of any size streams in
-flat memory. The iterator's state holds the last key handed out; a restore
-asks for the rows after it. Without a key the query is read once through a
-cursor (``fetchmany``), and a restore re-runs it and skips the rows already
-delivered — exact only if the query's order is deterministic.
+Pages (G1, G4): with a ``key`` column (unique, non-NULL, sortable), rows are
+read in pages of ``page_rows`` by keyset pagination — ``SELECT * FROM (query)
+WHERE key >= :last ORDER BY key LIMIT :page_rows + 1``, the row of the last key
+dropped — each page booked on the stage's share of the budget before it is
+held, so a table of any size streams in flat memory. The iterator's state
+holds the last key handed out; a restore asks for the rows after it. Keyset
+pages are exact only over a unique key: rows sharing a key with the last row
+of a page would be skipped, and NULL keys never reached. So the key is checked
+as it is read — two rows with one key side by side in a page, a second row of
+the last key at the start of the next, a NULL key (and, where pages could not
+see one, one query for ``key IS NULL`` at the end) raise :class:`SqlError`
+naming the key: the rows before it were delivered once, none is skipped in
+silence. (A unique index or primary key is not required, only unique values;
+headrace cannot tell, from a query, which table a column comes from.) Without
+a key the query is read once through a cursor (``fetchmany``), and a restore
+re-runs it and skips the rows already delivered — exact only if the query's
+order is deterministic.
 
-Values only ever travel as query parameters (``params``, the last key, the
-page size, the shard numbers); the key column's name is quoted as an
-identifier. A dropped connection is retried from the last key up to
-``max_retries`` times, then :class:`SqlError` says what failed, how often,
-and from which key; nothing is delivered twice or skipped.
+The query is one statement; it may end with ``;``, whitespace and comments,
+which are dropped (tokenized as the database does, strings and quoted names
+left alone) before it is nested as ``(query)``. Values only ever travel as
+query parameters (``params``, the last key, the page size, the shard
+numbers); the key column's name is quoted as an identifier. A lost
+connection (an I/O error, SQLSTATE class 08, a server shutting down) is
+retried from the last key up to ``max_retries`` times, then
+:class:`SqlError` says what failed, how often, and from which key; nothing is
+delivered twice or skipped. Anything else — no such table or column, a
+syntax error, a refused permission, a bad value — fails at once with the
+database's message and the query. A ``sqlite:///`` path that is not a file
+is refused (sqlite3 would create an empty database there).
 
 Types come from the result's column types (PostgreSQL), or from the first
 page's values (SQLite, whose columns have no fixed type): integers int64,
@@ -42,6 +58,7 @@ used, so one value serves integer, float and text columns alike.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import sqlite3
 import time
@@ -91,7 +108,95 @@ def quote_identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+# -- the query's text ------------------------------------------------------------------------
+_DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_\x80-\U0010ffff][A-Za-z0-9_\x80-\U0010ffff]*)?\$")
+
+
+def one_statement(query: str, postgres: bool) -> str:
+    """``query`` without what may follow its last token: whitespace, comments and ``;``.
+
+    The query is read inside ``SELECT * FROM (query) ...``, where a trailing
+    ``-- comment`` would comment out the closing parenthesis and a ``;`` would end
+    the statement early. The text is tokenized as the database does (strings with
+    ``''``, quoted identifiers, ``--`` and ``/* */`` comments, and for PostgreSQL
+    ``E'...'`` escapes, ``$tag$...$tag$`` strings and nested block comments), so a
+    ``--`` or ``;`` inside a string is left alone. Text that is not one statement (a
+    ``;`` followed by more code) raises :class:`SqlError`; text this cannot tokenize
+    (an unterminated string) is returned as it is, for the database to report.
+    """
+    i, n = 0, len(query)
+    end = 0  # just past the last token that is code, not a ';'
+    semicolon: int | None = None  # the first ';' after `end`
+    while i < n:
+        c = query[i]
+        if c.isspace():
+            i += 1
+            continue
+        if query.startswith("--", i):
+            stop = query.find("\n", i)
+            i = n if stop < 0 else stop + 1
+            continue
+        if query.startswith("/*", i):
+            depth, j = 1, i + 2
+            while j < n and depth:
+                if query.startswith("*/", j):
+                    depth, j = depth - 1, j + 2
+                elif postgres and query.startswith("/*", j):
+                    depth, j = depth + 1, j + 2
+                else:
+                    j += 1
+            i = j  # (an unterminated comment runs to the end, as SQLite reads it)
+            continue
+        if c == ";":
+            if semicolon is None:
+                semicolon = i
+            i += 1
+            continue
+        if semicolon is not None:
+            raise SqlError(
+                f"from_sql: the query holds more than one statement (code after the ';' at "
+                f"character {semicolon}); give one SELECT: {query!r:.200}"
+            )
+        if c in ("'\"" if postgres else "'\"[`"):  # (PostgreSQL's [ is a subscript)
+            close = {"[": "]"}.get(c, c)
+            backslash = postgres and c == "'" and i > 0 and query[i - 1] in "eE" and (
+                i < 2 or not (query[i - 2].isalnum() or query[i - 2] in "_$"))
+            j = i + 1
+            while j < n:
+                if backslash and query[j] == "\\":
+                    j += 2
+                elif query[j] == close:
+                    if close != "]" and query.startswith(close * 2, j):
+                        j += 2  # a doubled quote is one quote character
+                    else:
+                        break
+                else:
+                    j += 1
+            if j >= n:
+                return query.strip()  # unterminated: the database says where
+            i = end = j + 1
+            continue
+        if postgres and c == "$":
+            tag = _DOLLAR_TAG.match(query, i)
+            if tag is not None and not (i > 0 and (query[i - 1].isalnum() or query[i - 1] == "_")):
+                stop = query.find(tag.group(), tag.end())
+                if stop < 0:
+                    return query.strip()
+                i = end = stop + len(tag.group())
+                continue
+        i = end = i + 1
+    return query[:end]
+
+
 # -- connections ----------------------------------------------------------------------------
+#: SQLite's primary result codes that mean the file could not be read: SQLITE_IOERR,
+#: SQLITE_CANTOPEN. Everything else (SQLITE_ERROR: no such table, a syntax error...) is final.
+_SQLITE_LOST = frozenset({10, 14})
+#: PostgreSQL SQLSTATEs, besides class 08 (connection exception), of a server going away.
+_POSTGRES_LOST = frozenset({"57P01", "57P02", "57P03"})
+_SQLSTATE = re.compile(r"SQLSTATE: ([0-9A-Z]{5})")
+
+
 class _Dialect:
     """How one driver takes parameters and reports lost connections."""
 
@@ -106,7 +211,15 @@ class _Dialect:
         return f"((({column} % {d1}) + {d2}) % {d3}) = {r}", [shards, shards, shards, index]
 
     def lost(self, error: BaseException) -> bool:
-        return isinstance(error, sqlite3.OperationalError) and "locked" not in str(error)
+        """Whether the database file could not be read (I/O, or it went away): only that is
+        retried. A missing table, a syntax error, a locked or corrupt database fail at once
+        (SQLite reports them all as OperationalError; its error code tells them apart)."""
+        if not isinstance(error, sqlite3.OperationalError):
+            return False
+        code = getattr(error, "sqlite_errorcode", None)
+        if code is not None:
+            return code & 0xFF in _SQLITE_LOST
+        return str(error).startswith(("disk I/O error", "unable to open database file"))
 
 
 class _PostgresDialect(_Dialect):
@@ -120,9 +233,22 @@ class _PostgresDialect(_Dialect):
         return f"mod(mod({column}, {d}) + {d}, {d}) = {r}", [shards, index]
 
     def lost(self, error: BaseException) -> bool:
+        """Whether the connection failed (SQLSTATE class 08, a server shutting down, or a
+        socket error without SQLSTATE): only that is retried, never a wrong query, a
+        missing table or a refused permission."""
         try:
             import adbc_driver_manager
         except ImportError:  # pragma: no cover - the route needs it
+            return False
+        state = getattr(error, "sqlstate", None)
+        if not isinstance(state, str) or not state or state == "00000":
+            found = _SQLSTATE.search(str(error))
+            state = found.group(1) if found else None
+        if state is not None:
+            return state.startswith("08") or state in _POSTGRES_LOST
+        if "ERROR:  " in str(error):
+            # libpq's prefix of an error the server sent back (a row that failed while
+            # streaming arrives as a bare OSError): the server is there, the query is wrong
             return False
         if isinstance(error, (adbc_driver_manager.ProgrammingError, adbc_driver_manager.DataError,
                               adbc_driver_manager.IntegrityError,
@@ -135,7 +261,12 @@ def _connect(connection: Any) -> tuple[Any, _Dialect]:
     """A live connection and its dialect, from a URL or a function."""
     if isinstance(connection, str):
         if connection.startswith("sqlite:///"):
-            return sqlite3.connect(connection[len("sqlite:///"):]), _Dialect()
+            path = connection[len("sqlite:///"):]
+            if path != ":memory:" and not os.path.isfile(path):
+                # (sqlite3 would create an empty database there, then say "no such table")
+                raise SqlError(f"from_sql: no SQLite database at {path!r}: "
+                               f"{'it is not a file' if os.path.exists(path) else 'no such file'}")
+            return sqlite3.connect(path), _Dialect()
         if connection.startswith(("postgresql://", "postgres://")):
             try:
                 import adbc_driver_postgresql.dbapi as adbc_pg
@@ -159,6 +290,19 @@ def _connect(connection: Any) -> tuple[Any, _Dialect]:
             "expected a sqlite3 or ADBC PostgreSQL connection"
         )
     raise InvalidArgumentError(f"from_sql: connection must be a URL or a function, got {connection!r:.60}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two key values are equal as the database orders them (NaN equals NaN)."""
+    if a is None or b is None:
+        return False
+    return bool(a == b) or (a != a and b != b)
+
+
+def _refused_login(error: BaseException) -> bool:
+    """A login the server refused, or a database that does not exist: retrying cannot help."""
+    state = getattr(error, "sqlstate", None)
+    return isinstance(state, str) and state.startswith(("28", "3D"))
 
 
 def _shown(connection: Any) -> str:
@@ -358,7 +502,7 @@ class SqlNode(Node):
                             ("max_retries", max_retries + 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"from_sql: {name} must be a positive int, got {value!r}")
-        self.query = query.strip().rstrip(";")
+        self.query = query.strip()  # (trailing ';' and comments go when it runs: one_statement)
         self.query_params = tuple(params)
         self.connection = connection
         self.key = key
@@ -420,13 +564,14 @@ class _SqlIterator(Iterator):
         self.last_key: Any = None  # of the last row handed out
         self.read_key: Any = None  # of the last row read (the next page starts after it)
         self.delivered = 0  # rows handed out (keyless resume: skip this many)
+        self.read_rows = 0  # rows of the query read into pages (for the row numbers of errors)
 
     # -- connections ---------------------------------------------------------------------------
     def _connection(self) -> Any:
         if self.live is None:
             try:
                 self.live, self.dialect = _connect(self.node.connection)
-            except InvalidArgumentError:
+            except (InvalidArgumentError, SqlError):
                 raise
             except Exception as error:
                 raise SqlError(
@@ -452,16 +597,20 @@ class _SqlIterator(Iterator):
                 self._connection()
                 return read()
             except SqlError as error:  # could not connect
-                if not isinstance(error.__cause__, Exception):
+                if not isinstance(error.__cause__, Exception) or _refused_login(error.__cause__):
                     raise
                 if attempt >= node.max_retries:
                     raise self._gave_up(attempt, error) from error
                 failure: BaseException = error
             except Exception as error:
-                if not self.dialect.lost(error) or attempt >= node.max_retries:
+                self_made = isinstance(error, (InvalidArgumentError, SqlError))
+                if self_made or not self.dialect.lost(error):
                     self._drop_connection()
-                    if isinstance(error, InvalidArgumentError):
+                    if self_made:
                         raise
+                    raise self._failed(error) from error
+                if attempt >= node.max_retries:
+                    self._drop_connection()
                     raise self._gave_up(attempt, error) from error
                 failure = error
             attempt += 1
@@ -469,6 +618,14 @@ class _SqlIterator(Iterator):
             if attempt > node.max_retries:  # pragma: no cover - guarded above
                 raise failure
             time.sleep(node.retry_delay * attempt)
+
+    def _failed(self, error: BaseException) -> SqlError:
+        """The database refused the query (not a lost connection: never retried)."""
+        return SqlError(
+            f"from_sql: the query failed on {_shown(self.node.connection)} (not retried: "
+            f"the query or the data is wrong, not the connection): {error}\n"
+            f"  query: {self.node.query!r:.300}"
+        )
 
     def _gave_up(self, attempts: int, error: BaseException) -> SqlError:
         node = self.node
@@ -487,33 +644,130 @@ class _SqlIterator(Iterator):
         params: list[Any] = list(node.query_params)
         conditions = []
         if self.read_key is not None:
+            # >=, not >: the row of the last key comes again, and a second one with that
+            # key shows the key is not unique (_check_keys), instead of being skipped
             (mark,) = dialect.placeholders(len(params) + 1, 1)
-            conditions.append(f"{node.quoted_key} > {mark}")
+            conditions.append(f"{node.quoted_key} >= {mark}")
             params.append(self.read_key)
         if node.shard is not None:
             condition, values = dialect.mod(node.quoted_key, len(params) + 1, *node.shard)
             conditions.append(condition)
             params.extend(values)
         (limit,) = dialect.placeholders(len(params) + 1, 1)
-        params.append(node.page_rows)
+        params.append(node.page_rows + (self.read_key is not None))
         where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
-        sql = (f"SELECT * FROM ({node.query}) AS headrace_query{where} "
+        sql = (f"SELECT * FROM ({self._query()}) AS headrace_query{where} "
                f"ORDER BY {node.quoted_key} LIMIT {limit}")
         return sql, params
+
+    def _query(self) -> str:
+        """The user's query as one statement, ready to nest (after the connection told
+        which database reads it)."""
+        postgres = self.dialect.name == "postgresql"
+        cached = self.__dict__.get("_statement")
+        if cached is None or cached[0] != postgres:
+            cached = self._statement = (postgres, one_statement(self.node.query, postgres))
+        return cached[1]
+
+    def _check_keys(self, result: Any, names: list[str], paged: bool, first_row: int) -> Any:
+        """The page's rows after the key's checks, without the row of the last key read.
+
+        Keyset pages are exact only over a unique, non-NULL key: a NULL key would never
+        be read (``key >= last`` is not true of NULL), and of rows sharing a key only
+        those in the same page as the first of them would. So a NULL key, two equal keys
+        side by side in a page, or a page that starts with a second row of the last key
+        read (paged queries ask for ``key >= last``) raise :class:`SqlError`: every row
+        before the error was delivered once, none is skipped in silence.
+        """
+        node = self.node
+        assert node.key is not None
+        index = names.index(node.key)
+        arrow = self.dialect.name == "postgresql"
+        count = result.num_rows if arrow else len(result)
+        if arrow:
+            import pyarrow.compute as pc
+
+            column = result.column(index)
+            null_at = int(pc.index(pc.is_null(column), True).as_py()) if column.null_count else -1
+        else:
+            keys = [row[index] for row in result]
+            null_at = next((i for i, key in enumerate(keys) if key is None), -1)
+        if null_at >= 0:
+            raise SqlError(
+                f"from_sql: NULL in the key column {node.key!r} at row {first_row + null_at} of "
+                f"the query: a key must never be NULL (pages by key cannot reach NULL keys); "
+                f"filter them out (WHERE {node.quoted_key} IS NOT NULL) or use another key"
+            )
+        allowed = 1 if paged and self.read_key is not None else 0
+        head = (column.slice(0, allowed + 1).to_pylist() if arrow else keys[:allowed + 1])
+        again = 0
+        while again < len(head) and _same(head[again], self.read_key):
+            again += 1
+        if again > allowed:
+            raise self._not_unique(self.read_key, first_row)
+        if arrow:
+            if count - again > 1:
+                rest = column.slice(again)
+                equal = pc.equal(rest.slice(1), rest.slice(0, len(rest) - 1))
+                if pc.any(equal).as_py():
+                    at = int(pc.index(equal, True).as_py())
+                    raise self._not_unique(rest[at].as_py(), first_row + at + 1)
+            result = result.slice(again, min(count - again, node.page_rows))
+        else:
+            for at in range(again + 1, count):
+                if _same(keys[at], keys[at - 1]):
+                    raise self._not_unique(keys[at], first_row + at - again)
+            result = result[again:again + node.page_rows]
+        return result
+
+    def _not_unique(self, value: Any, row: int) -> SqlError:
+        key = self.node.key
+        return SqlError(
+            f"from_sql: the key column {key!r} is not unique: more than one row has the key "
+            f"{value!r} (row {row} of the query); pages by key would skip rows. Give a key "
+            f"whose values are unique (a primary key, or a column with a UNIQUE index), or "
+            f"key=None to read the query once in its own order"
+        )
+
+    def _check_no_null_key(self) -> None:
+        """The rows with a NULL key, which pages never reach (and no shard's ``mod``
+        selects): the last page of a paged read asks whether there are any."""
+        node = self.node
+
+        def read() -> Any:
+            cursor = self._connection().cursor()
+            try:
+                cursor.execute(f"SELECT 1 AS headrace_null FROM ({self._query()}) AS "
+                               f"headrace_query WHERE {node.quoted_key} IS NULL LIMIT 1",
+                               list(node.query_params))
+                return cursor.fetchall()
+            finally:
+                cursor.close()
+
+        if self._with_retries(read):
+            raise SqlError(
+                f"from_sql: the key column {node.key!r} holds NULLs: a key must never be NULL "
+                f"(pages by key cannot reach NULL keys, and those rows were not read); filter "
+                f"them out (WHERE {node.quoted_key} IS NOT NULL) or use another key"
+            )
 
     def _read_page(self) -> dict[str, np.ndarray[Any, Any]] | None:
         """The next page, booked; None at the end."""
         node = self.node
 
+        paged = False
+
         def read() -> tuple[Any, list[str]]:
+            nonlocal paged
             live = self._connection()
+            paged = node.key is not None and not self._streams()
             if node.key is not None and self._streams():
                 if self.cursor is None:
                     self.cursor = live.cursor()
                     with contextlib.suppress(Exception):  # a hint: older drivers lack it
                         self.cursor.adbc_statement.set_options(
                             **{_BATCH_HINT: str(self._stream_batch_bytes())})
-                    self.cursor.execute(f"SELECT * FROM ({node.query}) AS headrace_query "
+                    self.cursor.execute(f"SELECT * FROM ({self._query()}) AS headrace_query "
                                         f"ORDER BY {node.quoted_key}")
                 return self._fetch(self.cursor, node.page_rows)
             if node.key is not None:
@@ -526,7 +780,7 @@ class _SqlIterator(Iterator):
                     cursor.close()
             if self.cursor is None:
                 self.cursor = live.cursor()
-                self.cursor.execute(node.query, list(node.query_params))
+                self.cursor.execute(self._query(), list(node.query_params))
                 self._skip_delivered()
             return self._fetch(self.cursor, node.page_rows)
 
@@ -534,22 +788,26 @@ class _SqlIterator(Iterator):
         if node.key is not None and node.key not in names:
             # (SQLite reads an unknown "quoted" name as a string: check it is a column)
             raise SqlError(f"from_sql: the query has no column named {node.key!r} (key)")
+        first_row = self.read_rows
+        if node.key is not None:
+            result = self._check_keys(result, names, paged, first_row)
+        postgres = self.dialect.name == "postgresql"
+        rows = result.num_rows if postgres else len(result)
+        if paged and rows < node.page_rows and (postgres or node.shard is not None):
+            self._check_no_null_key()  # (SQLite sorts NULLs first: the first page has them)
+        if not rows:
+            return None
         if self.columns is None:
             self.columns = _Columns(names, node.null_defaults, node.dtypes)
-        if self.dialect.name == "postgresql":
-            rows = result.num_rows
-            if not rows:
-                return None
-            page = self.columns.from_arrow(result, self.delivered, node.key)
+        if postgres:
+            page = self.columns.from_arrow(result, first_row, node.key)
         else:
-            rows = len(result)
-            if not rows:
-                return None
             keys = None
             if node.key is not None:
                 key_index = names.index(node.key)
                 keys = [row[key_index] for row in result]
-            page = self.columns.from_rows(result, self.delivered, keys)
+            page = self.columns.from_rows(result, first_row, keys)
+        self.read_rows += rows
         if node.key is not None:
             value = page[node.key][-1]
             self.read_key = value.item() if isinstance(value, np.generic) else value
@@ -685,6 +943,7 @@ class _SqlIterator(Iterator):
         self._drop_connection()
         self.__dict__.pop("_arrow_reader", None)
         self.delivered, self.last_key, self.exhausted = delivered, key, done
+        self.read_rows = delivered
         self.read_key = key
 
     def close(self) -> None:

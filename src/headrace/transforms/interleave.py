@@ -394,11 +394,12 @@ class _InterleaveIterator(Iterator):
         slot.probe = probe
         return slot
 
-    def _widen_slot(self, owned_bytes: int, needed: int) -> int:
+    def _widen_slot(self, owned_bytes: int, needed: int, what: str = "") -> int:
         """A slot's stages must hold ``needed`` bytes at once (its first large element),
         more than its part of the stage's share: any slot may, so the stage's minimum
         becomes ``cycle_length`` such parts, and the pipeline's budget is split again
-        to fit them (or MemoryBudgetError names the interleave). The slot's new total.
+        to fit them (or MemoryBudgetError names the interleave, and ``what`` the slot's
+        stages need: the file and record that did not fit). The slot's new total.
 
         Before, a slot refused an element larger than its part outright, with a
         message naming the slot's part as "the memory budget", even where the
@@ -408,7 +409,8 @@ class _InterleaveIterator(Iterator):
         cycle = self.node.cycle_length
         self.account.require(
             (needed + owned_bytes) * cycle,
-            what=f"{cycle} interleave slots of {format_bytes(needed + owned_bytes)}",
+            what=f"{cycle} interleave slots of {format_bytes(needed + owned_bytes)}"
+            + (f" (in a slot, {what})" if what else ""),
         )
         return max(needed, self.account.limit // cycle - owned_bytes)
 
