@@ -32,11 +32,11 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
-from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from headrace.adapters._elements import ConvertedElements
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.errors import InvalidArgumentError
 from headrace.structure import TensorSpec, flatten, map_structure, shape_allows, structure_paths
@@ -131,10 +131,10 @@ class _Feed:
                     f"but the element spec says {spec}"
                 )
 
-    def elements(self) -> Generator[Any, None, None]:
-        """For ``from_generator`` (the fallback route): one fresh iterator per pass."""
-        with iter(self.dataset) as elements:
-            yield from elements
+    def elements(self) -> ConvertedElements:
+        """For ``from_generator`` (the fallback route): one fresh iterator per pass (an
+        iterator object: a generator would end the pass at an element's error)."""
+        return ConvertedElements(self.dataset)
 
 
 def _generator_dataset_class() -> Any:
