@@ -150,7 +150,8 @@ def _numpy_batches_for_tf(dataset: Dataset) -> Any:
             return ConvertedElements(dataset, end=_out_of_range)
 
     def _out_of_range() -> BaseException:
-        return tf.errors.OutOfRangeError(None, None, "end of the headrace dataset")
+        error: BaseException = tf.errors.OutOfRangeError(None, None, "end of the headrace dataset")
+        return error
 
     return NumpyBatches()
 
