@@ -202,3 +202,32 @@ def test_a_state_taken_anywhere_resumes_exactly(adapter: str, seed: int) -> None
         assert drive(resumed, limit, end) == oracle[position:], (
             f"{adapter}, seed {seed}, resumed at {position}: {ds.node!r}"
         )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_failed_transfer_to_jax_is_that_batch_error_only(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The device transfer itself fails for random batches (a device out of memory, a
+    # leaf JAX has no type for): those positions become errors, nothing else changes.
+    from headrace.adapters import jax as jax_adapter
+
+    ds, oracle, _, limit = _case(seed)
+    rng = random.Random(seed)
+    values = [k for k, (what, _) in enumerate(oracle) if what == "value"]
+    failing = {repr(oracle[k][1]) for k in rng.sample(values, min(len(values), 3))}
+    put = jax_adapter.DeviceIterator._put
+
+    def flaky_put(self: Any, element: Any) -> Any:
+        if repr(_plain(element)) in failing:
+            raise MemoryError("fault 0 at map 0: the device is full")
+        return put(self, element)
+
+    monkeypatch.setattr(jax_adapter.DeviceIterator, "_put", flaky_put)
+    expected = [
+        ("error", "fault 0 at map 0") if what == "value" and repr(value) in failing
+        else (what, value)
+        for what, value in oracle
+    ]
+    got = drive(to_jax(ds, prefetch=rng.randint(1, 4), shard_policy=None), limit)
+    assert got == expected, f"seed {seed}: {ds.node!r}"
