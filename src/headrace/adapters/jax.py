@@ -12,6 +12,14 @@ of one global array (``jax.make_array_from_process_local_data``).
 batches already on the device are not counted as consumed — so it can be
 saved with the training state (e.g. in an Orbax/JSON checkpoint) and
 ``set_state()`` resumes exactly there.
+
+Errors keep their place. The read-ahead holds positions, not just batches: a
+batch the pipeline (or the transfer) failed to produce is held as its error,
+in its place, with the state after it. ``next()`` raises it only after every
+earlier batch was handed out, and the following ``next()`` continues with the
+batch after it, as headrace's own iterator does — nothing is lost or repeated
+around an error, and a ``get_state()`` taken right after it resumes after the
+failed batch, exactly where a plain ``iter(dataset)`` would.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from headrace.core.handoff import unpin
 from headrace.distribute import AutoShardPolicy, auto_shard
 from headrace.errors import CheckpointError, InvalidArgumentError
 from headrace.structure import map_structure
@@ -30,6 +39,11 @@ if TYPE_CHECKING:
     from headrace.dataset import Dataset
 
 __all__ = ["DeviceIterator", "to_jax"]
+
+
+#: One position of the read-ahead: the device batch (None for a failed one), the state
+#: after it (or why there is none), and the error raised in its place (None if none).
+_Position = tuple[Any, dict[str, Any] | CheckpointError, Exception | None]
 
 
 class DeviceIterator:
@@ -53,8 +67,8 @@ class DeviceIterator:
         self.device = device
         self.sharding = sharding
         self._elements: DatasetIterator = iter(self.dataset)
-        self._ahead: collections.deque[tuple[Any, dict[str, Any] | CheckpointError]] = (
-            collections.deque())
+        self._ahead: collections.deque[_Position] = collections.deque()
+        self._ended = False  # the pipeline said StopIteration: ask it no more
         self._state: dict[str, Any] | CheckpointError = self._state_now()
 
     def _state_now(self) -> dict[str, Any] | CheckpointError:
@@ -76,24 +90,39 @@ class DeviceIterator:
             )
         return jax.device_put(element, self.device)  # asynchronous: returns at once
 
-    def _fill(self) -> None:
-        while len(self._ahead) < max(self.prefetch, 1):
+    def _fill(self, depth: int) -> None:
+        """Read ahead until ``depth`` positions wait. A batch that fails (in the
+        pipeline or in the transfer) takes its position as its error, so that it is
+        raised in order and the batches pulled after it are not lost."""
+        while not self._ended and len(self._ahead) < depth:
             try:
-                element = next(self._elements)
+                element = self._put(next(self._elements))
             except StopIteration:
+                self._ended = True
                 return
-            self._ahead.append((self._put(element), self._state_now()))
+            except Exception as error:  # raised by __next__ at this position, not here
+                self._ahead.append((None, self._state_now(), unpin(error)))
+                continue
+            self._ahead.append((element, self._state_now(), None))
 
     def __iter__(self) -> DeviceIterator:
         return self
 
     def __next__(self) -> Any:
-        self._fill()
+        self._fill(1)
         if not self._ahead:
             raise StopIteration
-        element, state = self._ahead.popleft()
-        self._state = state
-        self._fill()  # the next transfers start while the caller computes on this batch
+        position = self._ahead.popleft()
+        element, state, error = position
+        before, self._state = self._state, state
+        if error is not None:
+            raise error
+        try:  # the next transfers start while the caller computes on this batch
+            self._fill(self.prefetch)
+        except BaseException:  # an interrupt while reading ahead: this batch stays next
+            self._ahead.appendleft(position)
+            self._state = before
+            raise
         return element
 
     def get_state(self) -> dict[str, Any]:
@@ -105,6 +134,7 @@ class DeviceIterator:
     def set_state(self, state: dict[str, Any]) -> None:
         """Resume after the batch that ``state`` was taken at; drops what was prefetched."""
         self._ahead.clear()
+        self._ended = False
         self._elements.set_state(state)
         self._state = self._state_now()
 

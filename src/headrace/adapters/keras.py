@@ -40,13 +40,13 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import keras
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
+from headrace.adapters._elements import ConvertedElements
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.memory.system import process_memory
 from headrace.memory.units import parse_bytes
@@ -68,14 +68,14 @@ class KerasAdapter(DataAdapter):  # type: ignore[misc]
         #: ``"numpy"`` (directly) or ``"tf.data"`` (see the module doc).
         self.tf_route: str | None = None
 
-    def _elements(self) -> Generator[Any, None, None]:
-        with iter(self.dataset) as elements:  # closed when Keras drops the epoch's iterator
-            yield from elements
+    def _elements(self) -> ConvertedElements:
+        # freed when Keras drops the epoch's iterator; an element's error leaves it usable
+        return ConvertedElements(self.dataset)
 
-    def get_numpy_iterator(self) -> Generator[Any, None, None]:
+    def get_numpy_iterator(self) -> ConvertedElements:
         return self._elements()
 
-    def get_jax_iterator(self) -> Generator[Any, None, None]:
+    def get_jax_iterator(self) -> ConvertedElements:
         return self._elements()  # Keras's JAX trainer puts NumPy batches on devices itself
 
     def get_tf_dataset(self) -> Any:
@@ -143,13 +143,15 @@ def _numpy_batches_for_tf(dataset: Dataset) -> Any:
         # strategy.experimental_distribute_dataset (which wants tf.data); its iterator
         # is then "not a tf.data iterator" to the train function, which calls the
         # compiled step on each batch it yields.
-        def __iter__(self) -> Generator[Any, None, None]:
-            with iter(dataset) as elements:
-                yield from elements
+        def __iter__(self) -> ConvertedElements:
             # Keras's TF train function takes one batch per call and stops an epoch of
             # unknown length on OutOfRangeError, as a tf.data iterator would raise; a
             # StopIteration there would leave its step's outputs undefined.
-            raise tf.errors.OutOfRangeError(None, None, "end of the headrace dataset")
+            return ConvertedElements(dataset, end=_out_of_range)
+
+    def _out_of_range() -> BaseException:
+        error: BaseException = tf.errors.OutOfRangeError(None, None, "end of the headrace dataset")
+        return error
 
     return NumpyBatches()
 

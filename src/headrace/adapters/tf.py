@@ -25,6 +25,21 @@ once per batch. ``GeneratorDataset`` is private to TensorFlow (it is what
 ``from_generator`` is used, with the same values. No buffer is added on the
 TensorFlow side: the pipeline's own ``prefetch`` (booked on its budget) is
 what overlaps reading with training.
+
+Errors keep their place. An element's error (from the pipeline or the spec
+check) is raised by TensorFlow at that element's position, and the next
+``get_next`` continues with the element after it, as headrace's own iterator
+does. With a known cardinality the failed element still counts as one: the
+pull hands TensorFlow a marker for it, which passes the cardinality assertion
+and is raised by a ``map`` after it (a ``tf.cond``, so ordinary elements pay no
+Python call for it). Without that, ``assert_cardinality`` would count only the
+good elements and end every pass that had an error with
+``FailedPreconditionError``, again on every later ``get_next``: a loop that
+catches errors (or ``.ignore_errors()``) would never end. One case remains
+TensorFlow's: an error *inside* a ``batch`` adds a position (the batch after it
+starts afresh, as in tf.data), so that pass has more positions than the
+cardinality TensorFlow was told, and ``assert_cardinality`` raises
+``FailedPreconditionError`` for the extra one and at the end of that pass.
 """
 
 from __future__ import annotations
@@ -32,11 +47,12 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
-from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from headrace.adapters._elements import ConvertedElements
+from headrace.core.handoff import unpin
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.errors import InvalidArgumentError
 from headrace.structure import TensorSpec, flatten, map_structure, shape_allows, structure_paths
@@ -87,6 +103,9 @@ class _Feed:
         self.open: dict[int, Any] = {}
         self._keys = itertools.count()
         self._lock = threading.Lock()
+        #: errors waiting for :meth:`fail` to raise them, by marker (see :meth:`pull_marked`)
+        self.failed: dict[int, Exception] = {}
+        self._markers = itertools.count(1)
 
     def start(self) -> Any:
         with self._lock:
@@ -121,6 +140,27 @@ class _Feed:
                 leaves[index] = value.copy()
         return leaves
 
+    def pull_marked(self, key: Any) -> list[Any]:
+        """:meth:`pull` with a marker first: 0 and the leaves, or, for an element that
+        failed, the error's marker and placeholder leaves (never handed to the user:
+        :meth:`fail` raises the error in the element's place)."""
+        try:
+            return [np.int64(0), *self.pull(key)]
+        except StopIteration:
+            raise
+        except Exception as error:
+            with self._lock:
+                marker = next(self._markers)
+            self.failed[marker] = unpin(error)
+            return [np.int64(marker), *[_placeholder(spec) for spec in self.specs]]
+
+    def fail(self, marker: Any) -> Any:
+        """Raise the error that :meth:`pull_marked` kept under ``marker``."""
+        error = self.failed.pop(int(marker), None)
+        if error is None:  # pragma: no cover - a marker is raised once
+            raise InvalidArgumentError(f"to_tf: no error kept under marker {int(marker)}")
+        raise error
+
     def _check(self, leaves: list[Any]) -> None:
         for index, (leaf, spec) in enumerate(zip(leaves, self.specs, strict=True)):
             if spec.kind == "numeric" and isinstance(leaf, np.ndarray) and (
@@ -131,10 +171,19 @@ class _Feed:
                     f"but the element spec says {spec}"
                 )
 
-    def elements(self) -> Generator[Any, None, None]:
-        """For ``from_generator`` (the fallback route): one fresh iterator per pass."""
-        with iter(self.dataset) as elements:
-            yield from elements
+    def elements(self) -> ConvertedElements:
+        """For ``from_generator`` (the fallback route): one fresh iterator per pass (an
+        iterator object: a generator would end the pass at an element's error)."""
+        return ConvertedElements(self.dataset)
+
+
+def _placeholder(spec: TensorSpec) -> np.ndarray:
+    """A value of ``spec``'s dtype standing in for a failed element until its error is
+    raised (a scalar: TensorFlow checks the dtype of what a ``numpy_function``
+    returns, and the shape only where the element is handed out, which this one never is)."""
+    if spec.kind in ("bytes", "str"):
+        return np.array(b"", dtype=object)
+    return np.zeros((), dtype=spec.dtype)
 
 
 def _generator_dataset_class() -> Any:
@@ -152,30 +201,65 @@ def to_tf(dataset: Dataset) -> Any:
     signature = tf_signature(dataset.element_spec)
     flat_signature = tf.nest.flatten(signature)
     feed = _Feed(dataset)
-    generator_dataset = _generator_dataset_class()
-    if generator_dataset is None or len(flat_signature) != len(feed.specs):
-        result = tf.data.Dataset.from_generator(feed.elements, output_signature=signature)
-    else:
-        out_types = [spec.dtype for spec in flat_signature]
-
-        def start(_: Any) -> Any:
-            return tf.numpy_function(feed.start, [], tf.int64, stateful=True)
-
-        def pull(key: Any) -> Any:
-            leaves = tf.numpy_function(feed.pull, [key], out_types, stateful=True)
-            for leaf, spec in zip(leaves, flat_signature, strict=True):
-                leaf.set_shape(spec.shape)
-            return tf.nest.pack_sequence_as(signature, leaves)
-
-        def finish(key: Any) -> Any:
-            return tf.numpy_function(feed.finish, [key], tf.int64, stateful=True)
-
-        result = generator_dataset(
-            tf.constant(0, tf.int64), start, pull, finish, signature, name="headrace"
-        )
     cardinality = dataset.cardinality()
+    generator_dataset = _generator_dataset_class()
+    if generator_dataset is not None and len(flat_signature) == len(feed.specs):
+        return _pulled(feed, signature, flat_signature, generator_dataset, cardinality)
+    result = tf.data.Dataset.from_generator(feed.elements, output_signature=signature)
     if cardinality == INFINITE:
         result = result.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
     elif cardinality != UNKNOWN:
         result = result.apply(tf.data.experimental.assert_cardinality(cardinality))
     return result
+
+
+def _pulled(
+    feed: _Feed, signature: Any, flat_signature: list[Any], generator_dataset: Any,
+    cardinality: int,
+) -> Any:
+    """The ``GeneratorDataset`` route (see the module doc); with a finite known
+    cardinality, failed elements travel as markers through ``assert_cardinality``
+    and are raised by the ``map`` after it."""
+    import tensorflow as tf
+
+    out_types = [spec.dtype for spec in flat_signature]
+    marked = cardinality >= 0
+
+    def start(_: Any) -> Any:
+        return tf.numpy_function(feed.start, [], tf.int64, stateful=True)
+
+    def pull(key: Any) -> Any:
+        if not marked:
+            leaves = tf.numpy_function(feed.pull, [key], out_types, stateful=True)
+        else:
+            marker, *leaves = tf.numpy_function(
+                feed.pull_marked, [key], [tf.int64, *out_types], stateful=True
+            )
+        for leaf, spec in zip(leaves, flat_signature, strict=True):
+            leaf.set_shape(spec.shape)
+        element = tf.nest.pack_sequence_as(signature, leaves)
+        return (marker, element) if marked else element
+
+    def finish(key: Any) -> Any:
+        return tf.numpy_function(feed.finish, [key], tf.int64, stateful=True)
+
+    output = (tf.TensorSpec([], tf.int64), signature) if marked else signature
+    result = generator_dataset(
+        tf.constant(0, tf.int64), start, pull, finish, output, name="headrace"
+    )
+    if cardinality == INFINITE:
+        return result.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
+    if not marked:
+        return result
+    result = result.apply(tf.data.experimental.assert_cardinality(cardinality))
+
+    def raise_failed(marker: Any, element: Any) -> Any:
+        checked = tf.cond(
+            marker > 0,
+            lambda: tf.numpy_function(feed.fail, [marker], tf.int64, stateful=True),
+            lambda: marker,
+        )
+        with tf.control_dependencies([checked]):
+            return tf.nest.map_structure(tf.identity, element)
+
+    return result.map(raise_failed)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from headrace.adapters._elements import ConvertedElements
 from headrace.adapters._sharding import WorkerSharding, resolve_sharding, shard_for_worker
 from headrace.core.node import INFINITE, UNKNOWN, Node
 from headrace.errors import InvalidArgumentError
@@ -76,7 +77,11 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
 
     ``iter()`` runs a fresh headrace iterator (a new epoch) and yields its
     elements with every NumPy leaf as a tensor sharing its memory. In a
-    ``DataLoader`` with workers, each worker reads a disjoint part.
+    ``DataLoader`` with workers, each worker reads a disjoint part. An
+    element's error is raised at its position and the next ``next()`` goes on
+    with the element after it, as ``iter(dataset)`` does (nothing after an
+    error is lost); in the main process the iterator also has
+    ``get_state``/``set_state``/``close``.
     ``len()`` is the number of elements when the dataset's cardinality is
     known and does not depend on the number of workers.
     """
@@ -122,19 +127,21 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
                 return iter(self.dataset.derive(node))
         return self._elements(device)
 
-    def _elements(self, device: torch.device | None) -> PyIterator[Any]:
+    def _elements(self, device: torch.device | None) -> ConvertedElements:
         copy_readonly = self.copy_readonly
         to_device = device is not None and device.type != "cpu"
 
-        def convert(leaf: Any) -> Any:
+        def convert(element: Any) -> Any:
+            return map_structure(leaf_to_tensor, element)
+
+        def leaf_to_tensor(leaf: Any) -> Any:
             tensor = as_tensor(leaf, copy_readonly=copy_readonly)
             if to_device and isinstance(tensor, torch.Tensor):
                 return tensor.to(device)
             return tensor
 
-        with iter(self.part()) as elements:
-            for element in elements:
-                yield map_structure(convert, element)
+        # an iterator object, not a generator: an element's error leaves it usable
+        return ConvertedElements(self.part(), convert)
 
     def __len__(self) -> int:
         size = self.dataset.cardinality()
