@@ -135,6 +135,22 @@ def test_padded_batch_over_an_empty_unknown_spec_input_yields_nothing() -> None:
         _ = ds.element_spec  # only asking for a spec no element can show fails
 
 
+def test_padded_batch_lays_out_from_its_first_element_when_the_probe_saw_none() -> None:
+    runs: list[int] = []
+
+    def generate() -> Any:  # empty when the spec is sampled, rows when iterated
+        runs.append(1)
+        if len(runs) > 1:
+            yield from (np.arange(n, dtype=np.int64) for n in (2, 3, 1))
+
+    source = hr.Dataset.from_generator(
+        generate, output_signature=hr.TensorSpec((None,), np.int64)
+    )
+    batches = [b.tolist() for b in source.map(lambda x: x + 1).padded_batch(2)]
+    assert batches == [[[1, 2, 0], [1, 2, 3]], [[1]]]
+    assert len(runs) == 2  # one probe, one run
+
+
 # -- empty inputs anywhere: tf.data is the oracle ---------------------------------------
 #
 # Each step is built twice, in headrace and in tf.data, from the same description. The
