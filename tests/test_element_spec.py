@@ -127,11 +127,133 @@ def test_an_empty_input_gives_a_clear_error_not_stop_iteration(
     assert list(ds) == []  # iterating an empty pipeline needs no spec
 
 
-def test_padded_batch_over_an_empty_unknown_spec_input_says_why_when_iterated() -> None:
+def test_padded_batch_over_an_empty_unknown_spec_input_yields_nothing() -> None:
     empty = hr.Dataset.from_generator(lambda: iter([]), output_signature=hr.TensorSpec((), np.int64))
     ds = empty.map(lambda x: x).padded_batch(2)  # builds: nothing is read
-    with pytest.raises(hr.ElementSpecError, match=r"map.*the input is empty"):
-        list(ds)
+    assert list(ds) == []  # as tf.data: an empty stream is no error
+    with pytest.raises(hr.errors.EmptyInputError, match=r"map.*the input is empty"):
+        _ = ds.element_spec  # only asking for a spec no element can show fails
+
+
+def test_padded_batch_lays_out_from_its_first_element_when_the_probe_saw_none() -> None:
+    runs: list[int] = []
+
+    def generate() -> Any:  # empty when the spec is sampled, rows when iterated
+        runs.append(1)
+        if len(runs) > 1:
+            yield from (np.arange(n, dtype=np.int64) for n in (2, 3, 1))
+
+    source = hr.Dataset.from_generator(
+        generate, output_signature=hr.TensorSpec((None,), np.int64)
+    )
+    batches = [b.tolist() for b in source.map(lambda x: x + 1).padded_batch(2)]
+    assert batches == [[[1, 2, 0], [1, 2, 3]], [[1]]]
+    assert len(runs) == 2  # one probe, one run
+
+
+# -- empty inputs anywhere: tf.data is the oracle ---------------------------------------
+#
+# Each step is built twice, in headrace and in tf.data, from the same description. The
+# maps have no output_signature, so headrace learns their spec from a first element;
+# the filters, ranges and interleaves make that element missing at random places.
+
+
+def _hr_fill(x: Any) -> Any:
+    return np.full(int(x) % 3, x, dtype=np.int64)
+
+
+def _tf_step(tf: Any, step: tuple[Any, ...]) -> Callable[[Any], Any]:
+    kind, a, b = step
+    if kind == "double":
+        return lambda ds: ds.map(lambda x: x * 2)
+    if kind == "filter":  # keep x % a == b; a = 0 drops everything
+        return lambda ds: ds.filter(lambda x: (x % a == b) if a else tf.constant(False))
+    if kind == "interleave":  # range(x % a) doubled, so x % a == 0 is an empty inner one
+        return lambda ds: ds.interleave(
+            lambda x: tf.data.Dataset.range(x % a).map(lambda y: y * 2), cycle_length=b
+        )
+    if kind == "take":
+        return lambda ds: ds.take(a)
+    if kind == "fill":
+        return lambda ds: ds.map(lambda x: tf.fill([x % 3], x))
+    if kind == "padded_batch":
+        return lambda ds: ds.padded_batch(a, drop_remainder=b)
+    if kind == "batch":
+        return lambda ds: ds.batch(a, drop_remainder=b)
+    raise AssertionError(kind)
+
+
+def _hr_step(step: tuple[Any, ...]) -> Callable[[hr.Dataset], hr.Dataset]:
+    kind, a, b = step
+    if kind == "double":
+        return lambda ds: ds.map(lambda x: x * 2)
+    if kind == "filter":
+        return lambda ds: ds.filter(lambda x: bool(x % a == b) if a else False)
+    if kind == "interleave":
+        return lambda ds: ds.interleave(
+            lambda x: hr.Dataset.range(int(x) % a).map(lambda y: y * 2), cycle_length=b
+        )
+    if kind == "take":
+        return lambda ds: ds.take(a)
+    if kind == "fill":
+        return lambda ds: ds.map(_hr_fill)
+    if kind == "padded_batch":
+        return lambda ds: ds.padded_batch(a, drop_remainder=b)
+    if kind == "batch":
+        return lambda ds: ds.batch(a, drop_remainder=b)
+    raise AssertionError(kind)
+
+
+_scalar_steps = st.one_of(
+    st.tuples(st.just("double"), st.none(), st.none()),
+    st.tuples(st.just("filter"), st.integers(0, 3), st.integers(0, 1)).filter(
+        lambda s: s[1] == 0 or s[2] < s[1]
+    ),
+    st.tuples(st.just("interleave"), st.integers(1, 4), st.integers(1, 3)),
+    st.tuples(st.just("take"), st.integers(0, 3), st.none()),
+)
+_last_steps = st.one_of(
+    st.tuples(st.just("fill"), st.none(), st.none()).map(
+        lambda fill: [fill, ("padded_batch", 2, False)]
+    ),
+    st.tuples(st.sampled_from(["padded_batch", "batch"]), st.integers(1, 3), st.booleans()).map(
+        lambda last: [("double", None, None), last]
+    ),
+    st.just([("double", None, None)]),
+)
+
+
+@pytest.mark.tf
+@given(
+    n=st.integers(0, 7),
+    steps=st.lists(_scalar_steps, max_size=3),
+    last=_last_steps,
+)
+@settings(max_examples=40, deadline=None)
+def test_empty_inputs_anywhere_yield_what_tf_data_yields(
+    n: int, steps: list[tuple[Any, ...]], last: list[tuple[Any, ...]]
+) -> None:
+    tf = pytest.importorskip("tensorflow")
+    ours, theirs = hr.Dataset.range(n), tf.data.Dataset.range(n)
+    for step in [*steps, *last]:
+        ours, theirs = _hr_step(step)(ours), _tf_step(tf, step)(theirs)
+    expected = [np.asarray(e) for e in theirs.as_numpy_iterator()]
+    got = [np.asarray(e) for e in ours]
+    assert [(e.shape, e.tolist()) for e in got] == [(e.shape, e.tolist()) for e in expected]
+
+
+def test_an_interleave_looks_past_empty_inner_datasets_for_its_spec() -> None:
+    ds = hr.Dataset.range(5).interleave(
+        lambda x: hr.Dataset.range(int(x) % 3).map(lambda y: np.full(int(y) + 1, y)),
+        cycle_length=2,
+    )
+    assert ds.element_spec == hr.TensorSpec((None,), np.int64)
+    empty = hr.Dataset.range(3).interleave(
+        lambda x: hr.Dataset.range(0).map(lambda y: y), cycle_length=2
+    )
+    with pytest.raises(hr.errors.EmptyInputError, match=r"all 3 it made .* are empty"):
+        _ = empty.element_spec
+    assert list(empty.padded_batch(2)) == []
 
 
 def test_checks_that_need_the_spec_run_when_it_is_known() -> None:

@@ -4,12 +4,22 @@
 than the memory budget, streams it through a realistic pipeline
 (map -> shuffle -> batch -> prefetch) and prints throughput, memory growth
 against the budget, and what each stage held.
+
+Every subcommand fails the same way: exit status 1 (2 for a bad argument) and one
+line on stderr saying what was wrong and where (the file, the value); the traceback
+only with ``--debug``. Paths that must be whole files (``inspect``, ``index``,
+``convert``) are refused unless they are regular files: ``/dev/zero`` never ends, a
+FIFO blocks its reader, and an index is never written next to a device. ``demo``
+removes its temporary data file whatever happens.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
+import shutil
 import sys
 import tempfile
 import threading
@@ -20,6 +30,63 @@ from typing import Any
 import numpy as np
 
 __all__ = ["console_main", "main"]
+
+
+class _CommandError(Exception):
+    """A failure the command explains itself: printed as its one line, no type name."""
+
+
+class _UsageError(Exception):
+    """A bad command line (argparse's complaint, as one line)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line and an exit status, not usage text and
+    ``SystemExit`` (``main`` returns the status; tests call it in-process)."""
+
+    def error(self, message: str) -> Any:  # argparse's hook: must not return
+        raise _UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+def _byte_size(text: str) -> int:
+    """An argparse type: a positive byte size such as ``512MiB``."""
+    from headrace.memory.units import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _count(minimum: int) -> Any:
+    """An argparse type: an int of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = "count"
+    return parse
+
+
+def _one_line(error: BaseException, command: str) -> str:
+    """``error`` as one line: its message (with its type where it is not one of
+    headrace's or an OSError, whose messages say what they are), the first line of a
+    longer one, without a repeat of the ``command: `` the line starts with."""
+    from headrace.errors import HeadraceError
+
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1:
+        text += " [...]"
+    if not isinstance(error, (HeadraceError, OSError, _CommandError)) or not text:
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text.removeprefix(f"{command}: ")
 
 
 class _PeakSampler:
@@ -56,15 +123,28 @@ class _PeakSampler:
 
 
 def _write_npy(path: str, rows: int, width: int) -> None:
-    """Write a float32 (rows, width) ``.npy`` chunk by chunk: never whole in memory."""
-    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, width))
-    rng = np.random.default_rng(0)
-    chunk = max(1, (16 << 20) // (width * 4))
-    for start in range(0, rows, chunk):
-        stop = min(start + chunk, rows)
-        out[start:stop] = rng.standard_normal((stop - start, width), dtype=np.float32)
-    out.flush()
-    del out
+    """Write a float32 (rows, width) ``.npy`` chunk by chunk: never whole in memory.
+
+    Written under a temporary name and renamed when complete: a write that fails (a
+    full disk, Ctrl-C) leaves nothing that a later ``--dir`` run would take as data.
+    """
+    partial = f"{path}.{secrets.token_hex(4)}.partial"
+    try:
+        out = np.lib.format.open_memmap(
+            partial, mode="w+", dtype=np.float32, shape=(rows, width)
+        )
+        rng = np.random.default_rng(0)
+        chunk = max(1, (16 << 20) // (width * 4))
+        for start in range(0, rows, chunk):
+            stop = min(start + chunk, rows)
+            out[start:stop] = rng.standard_normal((stop - start, width), dtype=np.float32)
+        out.flush()
+        del out
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise
 
 
 def _augment(row: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -76,14 +156,23 @@ def _augment(row: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import headrace as hr
-    from headrace.memory.units import format_bytes, parse_bytes
+    if args.dir and not os.path.isdir(args.dir):
+        raise _CommandError(f"--dir {args.dir}: not a directory")
+    directory = args.dir or tempfile.mkdtemp(prefix="headrace-demo-")
+    try:
+        return _run_demo(args, directory)
+    finally:
+        if not args.dir:  # the temporary data file goes, whether the run worked or not
+            shutil.rmtree(directory, ignore_errors=True)
 
-    size = parse_bytes(args.size)
-    budget = parse_bytes(args.budget)
+
+def _run_demo(args: argparse.Namespace, directory: str) -> int:
+    import headrace as hr
+    from headrace.memory.units import format_bytes
+
+    size, budget = args.size, args.budget
     width = 1024
     rows = -(-size // (width * 4))
-    directory = args.dir or tempfile.mkdtemp(prefix="headrace-demo-")
     path = os.path.join(directory, "demo.npy")
     if not os.path.exists(path) or os.path.getsize(path) < rows * width * 4:
         print(f"writing {format_bytes(rows * width * 4)} to {path} ...", flush=True)
@@ -121,9 +210,6 @@ def _demo(args: argparse.Namespace) -> int:
     )
     print("\nwhat each stage held:")
     print(stats.format())
-    if not args.dir:
-        os.remove(path)
-        os.rmdir(directory)
     return 0 if verdict == "within" else 1
 
 
@@ -146,16 +232,23 @@ def _inspect(args: argparse.Namespace) -> int:
 
     corrupt = 0
     total_records = 0
-    for number, path in enumerate(args.files):
+    printed = False
+    for path in args.files:
         report = inspect_tfrecord(
             path,
             compression_type=args.compression_type,
             verify_crc=not args.no_crc,
             sample_records=args.records,
         )
-        if number:
-            print()
-        print(format_report(report))
+        if report.readable:  # the report on stdout; what is wrong, one line on stderr
+            if printed:
+                print()
+            print(format_report(report))
+            printed = True
+        if report.corruption is not None:
+            message = " ".join(report.corruption[1].split()).removeprefix("inspect: ")
+            where = "" if path in message else f"{path}: "
+            print(f"headrace inspect: {where}{message}", file=sys.stderr)
         corrupt += not report.ok
         total_records += report.records
     if len(args.files) > 1:
@@ -175,7 +268,7 @@ def _convert(args: argparse.Namespace) -> int:
                                        limit=args.limit, progress=progress)
         else:
             if len(args.source) > 1:
-                print(f"headrace convert: one source at a time, got {args.source}",
+                print(f"headrace convert: error: one source at a time, got {args.source}",
                       file=sys.stderr)
                 return 2
             summary = to_tfrecords(
@@ -187,8 +280,8 @@ def _convert(args: argparse.Namespace) -> int:
                 null_defaults=args.null_default or (),
             )
     except (HeadraceError, OSError) as error:
-        print(f"headrace convert: error: {error}", file=sys.stderr)
-        print("nothing was written", file=sys.stderr)
+        print(f"headrace convert: error: {_one_line(error, 'convert')}; nothing was written",
+              file=sys.stderr)
         return 1
     if args.dest != "-":
         print(summary.format())
@@ -196,26 +289,50 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _load_pipeline(target: str) -> Any:
-    """Call ``module:function`` (or ``path/to/file.py:function``) and return its dataset."""
+    """Call ``module:function`` (or ``path/to/file.py:function``) and return its dataset.
+
+    What fails in the user's code (a syntax error, an exception while importing or
+    calling) is one line naming ``target``; ``--debug`` shows its traceback.
+    """
+    try:
+        return _call_target(target)
+    except (_CommandError, OSError):
+        raise
+    except Exception as error:
+        raise _CommandError(f"{target}: {_one_line(error, '')}") from error
+
+
+def _call_target(target: str) -> Any:
     import importlib
     import importlib.util
 
     module_name, sep, function_name = target.rpartition(":")
     if not sep or not module_name or not function_name:
-        raise SystemExit(f"headrace: expected module:function, got {target!r}")
+        raise _CommandError(f"expected MODULE:FUNCTION (or path/file.py:FUNCTION), got {target!r}")
     if module_name.endswith(".py") or os.sep in module_name:
+        from headrace.io.files import require_regular_file
+
+        require_regular_file(module_name, "the pipeline's file")
         spec = importlib.util.spec_from_file_location("_headrace_target", module_name)
         if spec is None or spec.loader is None:
-            raise SystemExit(f"headrace: cannot load {module_name!r}")
+            raise _CommandError(f"cannot load {module_name!r} as a Python file")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # as `python -m` would: the current directory
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name is None or not module_name.startswith(error.name):
+                raise  # the module exists; something it imports does not
+            raise _CommandError(
+                f"no module named {error.name!r} (for {target!r}: run from the directory "
+                "that holds it, or give path/to/file.py:FUNCTION)"
+            ) from None
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise SystemExit(f"headrace: {module_name} has no function {function_name!r}")
+        raise _CommandError(f"{module_name} has no function {function_name!r}")
     return function()
 
 
@@ -233,8 +350,8 @@ def _profile(args: argparse.Namespace) -> int:
 
     dataset = _load_pipeline(args.target)
     if not isinstance(dataset, hr.Dataset):
-        raise SystemExit(
-            f"headrace profile: {args.target} returned {type(dataset).__name__}, not a "
+        raise _CommandError(
+            f"{args.target} returned {type(dataset).__name__}, not a "
             "headrace.Dataset (for a tf.data.Dataset, use `headrace doctor`)"
         )
     if args.budget:
@@ -273,8 +390,8 @@ def _doctor(args: argparse.Namespace) -> int:
         diagnosis = diagnose(dataset, epochs=args.epochs, steps=args.steps, title=title,
                              on_epoch=progress)
     else:
-        raise SystemExit(
-            f"headrace doctor: {args.target} returned {type(dataset).__name__}, not a "
+        raise _CommandError(
+            f"{args.target} returned {type(dataset).__name__}, not a "
             "headrace.Dataset or a tf.data.Dataset"
         )
     print(diagnosis.format())
@@ -284,20 +401,31 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="headrace", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="headrace", description=__doc__.splitlines()[0])
+    debug_help = "on failure, show the traceback instead of one line"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    # accepted after the subcommand too; SUPPRESS keeps it from resetting the one above
+    debug = _Parser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help=debug_help)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
-        "demo", help="stream a dataset larger than its budget and print the profile"
+        "demo", help="stream a dataset larger than its budget and print the profile",
+        parents=[debug],
     )
-    demo.add_argument("--size", default="1GiB", help="size of the .npy file to stream")
-    demo.add_argument("--budget", default="256MiB", help="memory budget of the pipeline")
-    demo.add_argument("--batch-size", type=int, default=256)
-    demo.add_argument("--shuffle", type=int, default=10_000, help="shuffle buffer (elements)")
+    demo.add_argument("--size", type=_byte_size, default="1GiB",
+                      help="size of the .npy file to stream")
+    demo.add_argument("--budget", type=_byte_size, default="256MiB",
+                      help="memory budget of the pipeline")
+    demo.add_argument("--batch-size", type=_count(1), default=256)
+    demo.add_argument("--shuffle", type=_count(1), default=10_000,
+                      help="shuffle buffer (elements)")
     demo.add_argument("--dir", help="keep the data file in this directory (reused next time)")
     demo.set_defaults(run=_demo)
 
     index = commands.add_parser(
-        "index", help="build .hrx record indexes of TFRecord files (any writer), or check them"
+        "index", help="build .hrx record indexes of TFRecord files (any writer), or check them",
+        parents=[debug],
     )
     index.add_argument("files", nargs="+", metavar="FILE", help="uncompressed TFRecord files")
     index.add_argument(
@@ -308,7 +436,8 @@ def _parser() -> argparse.ArgumentParser:
     index.set_defaults(run=_index)
 
     inspect = commands.add_parser(
-        "inspect", help="record count, Example schema, sizes and CRC check of TFRecord files"
+        "inspect", help="record count, Example schema, sizes and CRC check of TFRecord files",
+        parents=[debug],
     )
     inspect.add_argument("files", nargs="+", metavar="FILE", help="TFRecord files")
     inspect.add_argument(
@@ -319,7 +448,8 @@ def _parser() -> argparse.ArgumentParser:
         help="how the files are compressed (as in TensorFlow); default none",
     )
     inspect.add_argument(
-        "--records", type=int, default=3, metavar="N", help="records to print (default 3)"
+        "--records", type=_count(0), default=3, metavar="N",
+        help="records to print (default 3)"
     )
     inspect.add_argument(
         "--no-crc", action="store_true", help="skip CRC32C checks (framing is still checked)"
@@ -333,10 +463,11 @@ def _parser() -> argparse.ArgumentParser:
         description="SOURCE: a .csv/.csv.gz file, a .npy file, a 'sqlite:///path.db' or "
         "'postgresql://...' URL (with --query or --table) -> TFRecord shards in DEST (a "
         "directory, or a pattern with {shard}); or TFRecord files -> DEST.csv ('-': stdout).",
+        parents=[debug],
     )
     convert.add_argument("source", nargs="+", metavar="SOURCE")
     convert.add_argument("dest", metavar="DEST")
-    convert.add_argument("--shards", type=int, default=1, metavar="N",
+    convert.add_argument("--shards", type=_count(1), default=1, metavar="N",
                          help="number of TFRecord shards (default 1)")
     convert.add_argument("--query", help="SQL source: the query (values only via --param)")
     convert.add_argument("--table", help="SQL source: a whole table, instead of --query")
@@ -350,26 +481,30 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--feature", default="x",
                          help=".npy source: the feature name of a plain array (default x)")
     convert.add_argument("--delimiter", default=",", help="CSV source: field delimiter")
-    convert.add_argument("--infer-rows", type=int, default=1000, metavar="N",
+    convert.add_argument("--infer-rows", type=_count(0), default=1000, metavar="N",
                          help="CSV source: rows read to infer column types (0: all)")
-    convert.add_argument("--batch-size", type=int, default=4096, metavar="ROWS",
+    convert.add_argument("--batch-size", type=_count(1), default=4096, metavar="ROWS",
                          help="rows read and encoded at once (default 4096)")
-    convert.add_argument("--memory-budget", help="memory budget of the read, e.g. 256MiB")
+    convert.add_argument("--memory-budget", type=_byte_size,
+                         help="memory budget of the read, e.g. 256MiB")
     convert.add_argument("--compression-type", type=str.upper, choices=["GZIP", "ZLIB"],
                          default=None, help="compression of the TFRecord files (default none)")
-    convert.add_argument("--limit", type=int, metavar="N",
+    convert.add_argument("--limit", type=_count(0), metavar="N",
                          help="TFRecord -> CSV: write the first N records only")
     convert.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
                          help="progress bar on stderr (auto: when it is a terminal)")
     convert.set_defaults(run=_convert)
     prof = commands.add_parser(
-        "profile", help="run module:function's dataset; per-stage table and an HTML report"
+        "profile", help="run module:function's dataset; per-stage table and an HTML report",
+        parents=[debug],
     )
     prof.add_argument("target", metavar="MODULE:FUNCTION",
                       help="a function returning a headrace.Dataset (or path/file.py:function)")
-    prof.add_argument("--steps", type=int, default=None, help="elements per epoch (default all)")
-    prof.add_argument("--epochs", type=int, default=1)
-    prof.add_argument("--budget", default=None, help="memory budget (e.g. 256MiB)")
+    prof.add_argument("--steps", type=_count(1), default=None,
+                      help="elements per epoch (default all)")
+    prof.add_argument("--epochs", type=_count(1), default=1)
+    prof.add_argument("--budget", type=_byte_size, default=None,
+                      help="memory budget (e.g. 256MiB)")
     prof.add_argument("--html", default="headrace-profile.html",
                       help="where to write the report ('' for none)")
     prof.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -380,12 +515,14 @@ def _parser() -> argparse.ArgumentParser:
         "doctor",
         help="lint module:function's pipeline (headrace or tf.data) and look for leaks; "
         "exit 1 if something leaks",
+        parents=[debug],
     )
     doctor.add_argument("target", metavar="MODULE:FUNCTION",
                         help="a function returning a headrace.Dataset or a tf.data.Dataset")
-    doctor.add_argument("--epochs", type=int, default=8)
-    doctor.add_argument("--steps", type=int, default=None, help="elements per epoch")
-    doctor.add_argument("--budget", default=None, help="memory budget to judge against")
+    doctor.add_argument("--epochs", type=_count(1), default=8)
+    doctor.add_argument("--steps", type=_count(1), default=None, help="elements per epoch")
+    doctor.add_argument("--budget", type=_byte_size, default=None,
+                        help="memory budget to judge against")
     doctor.add_argument("--progress", action="store_true", help="a line per epoch on stderr")
     doctor.add_argument("--html", default=None, metavar="FILE",
                         help="also write the diagnosis as a self-contained HTML page")
@@ -394,10 +531,36 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code."""
-    args = _parser().parse_args(argv)
+    """Run the CLI; returns the process exit status.
+
+    0: done; 1: the command failed (one line on stderr says what and where; the
+    traceback too with ``--debug``); 2: a bad command line; 130: interrupted.
+    """
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as error:
+        print(error, file=sys.stderr)
+        return 2
+    except SystemExit as done:  # --help, --version: argparse printed them
+        return done.code if isinstance(done.code, int) else 0
     run: Any = args.run
-    code: int = run(args)
+    try:
+        code: int = run(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"headrace {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if args.debug:
+            raise
+        from headrace.errors import HeadraceError
+
+        expected = isinstance(error, (HeadraceError, OSError, _CommandError))
+        hint = "" if expected else " (--debug shows the traceback)"
+        print(f"headrace {args.command}: error: {_one_line(error, args.command)}{hint}",
+              file=sys.stderr)
+        return 1
     return code
 
 

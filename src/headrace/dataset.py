@@ -244,7 +244,9 @@ class Dataset:
         Where a stage cannot know it without data (``map`` without
         ``output_signature``, ``interleave``) the first element is read once, with
         this dataset's options (its memory budget); an empty input is an
-        :class:`ElementSpecError`. Nothing else (building, ``repr``) reads data.
+        :class:`~headrace.errors.EmptyInputError` (an :class:`ElementSpecError`) here
+        only: iterating never needs the spec, and an empty stream yields nothing, as
+        in tf.data. Nothing else (building, ``repr``) reads data.
         """
         with spec_sampling(self._options):
             return self._node.element_spec

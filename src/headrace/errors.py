@@ -11,7 +11,9 @@ the builtin exception a Python user would expect in its place, so existing
     │                                         outside headrace's own cap
     ├── InvalidArgumentError (ValueError)     bad arguments, raised at build time
     ├── ElementSpecError (TypeError)          an element does not match the declared
-    │                                         structure / dtype / shape
+    │   │                                     structure / dtype / shape
+    │   └── EmptyInputError                   a spec learnt from the first element, of
+    │                                         an input that has none
     ├── DataLossError (OSError)               corrupt or truncated input; names the
     │   │                                     file and the byte offset
     │   └── RecordTooLargeError               a declared length over max_record_bytes
@@ -57,6 +59,7 @@ __all__ = [
     "CheckpointError",
     "DataLossError",
     "ElementSpecError",
+    "EmptyInputError",
     "FileLimitError",
     "HeadraceError",
     "HeadraceWarning",
@@ -107,6 +110,17 @@ class InvalidArgumentError(HeadraceError, ValueError):
 
 class ElementSpecError(HeadraceError, TypeError):
     """An element does not match the structure, dtype or shape it must have."""
+
+
+class EmptyInputError(ElementSpecError):
+    """``element_spec`` had to be learnt from an element (``map`` without
+    ``output_signature``, ``interleave``, ``scan``), and the input has none.
+
+    Only asking for the spec raises it: iterating such a pipeline never needs the
+    spec, and an empty stream yields nothing, as in tf.data (whose tracing knows the
+    spec without data). Stages that want the spec to run (``padded_batch``) catch it
+    and lay out from the first element they are given instead.
+    """
 
 
 class DataLossError(HeadraceError, OSError):

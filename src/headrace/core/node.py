@@ -34,7 +34,7 @@ from headrace.core.indexing import (
     SequentialIndices,
 )
 from headrace.core.run import DatasetIterator
-from headrace.errors import ElementSpecError, InvalidArgumentError
+from headrace.errors import EmptyInputError, InvalidArgumentError
 from headrace.options import Options
 from headrace.structure import TensorSpec, flatten
 
@@ -54,6 +54,7 @@ __all__ = [
     "check_signature",
     "first_element",
     "known_spec",
+    "probe_elements",
     "spec_sampling",
 ]
 
@@ -106,22 +107,34 @@ def known_spec(node: Node) -> Any | None:
         _sampling.reset(token)
 
 
-def first_element(source: Node, stage: str, hint: str = "") -> Any:
-    """The first element of ``source``, read to learn a spec (a probe: no iteration counted).
+@contextlib.contextmanager
+def probe_elements(source: Node, stage: str) -> PyIterator[DatasetIterator]:
+    """An iterator over ``source``'s elements, to learn a spec (a probe: no iteration
+    counted), under the options :func:`spec_sampling` set; for a stage that may need
+    to look past the first element (an interleave whose first inner datasets are empty).
 
-    Raises :class:`SpecNeedsData` where sampling is off, and an
-    :class:`~headrace.errors.ElementSpecError` naming ``stage`` (plus ``hint``, how to
-    avoid the read) if the input is empty — never a bare ``StopIteration``.
+    Raises :class:`SpecNeedsData` where sampling is off.
     """
     mode = _sampling.get()
     if mode is _NO_SAMPLING:
         raise SpecNeedsData(stage)
     options = (mode or Options()).merge(Options(warn_on_shrink=False))
     with DatasetIterator(source, options, probe=True) as iterator:
+        yield iterator
+
+
+def first_element(source: Node, stage: str, hint: str = "") -> Any:
+    """The first element of ``source``, read to learn a spec (a probe: no iteration counted).
+
+    Raises :class:`SpecNeedsData` where sampling is off, and an
+    :class:`~headrace.errors.EmptyInputError` naming ``stage`` (plus ``hint``, how to
+    avoid the read) if the input is empty — never a bare ``StopIteration``.
+    """
+    with probe_elements(source, stage) as iterator:
         try:
             return next(iterator)
         except StopIteration:
-            raise ElementSpecError(
+            raise EmptyInputError(
                 f"{stage}: its element_spec is found by applying the function to the first "
                 f"input element, but the input is empty{hint}"
             ) from None

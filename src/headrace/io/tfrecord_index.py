@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from headrace.errors import DataLossError, RecordTooLargeError
 from headrace.io._crc32c import masked_crc32c
+from headrace.io.files import require_regular_file
 from headrace.io.tfrecord.framing import DEFAULT_MAX_RECORD_BYTES, RECORD_OVERHEAD_BYTES
 from headrace.io.tfrecord.reader import read_record_at
 
@@ -177,10 +178,16 @@ def build_index(
     """Scan an uncompressed shard's framing and return (and by default save) its index.
 
     Only headers are read and length checksums verified; payload checksums are checked
-    when records are read. Raises DataLossError for truncated or corrupt framing, and
-    StaleIndexError if the shard changes while it is scanned.
+    when records are read. Raises DataLossError for truncated or corrupt framing,
+    StaleIndexError if the shard changes while it is scanned, and InvalidArgumentError
+    for a path that is not a regular file (a device, a FIFO: nothing is written next
+    to it).
     """
     path = os.fspath(shard_path)
+    require_regular_file(
+        path, "build_index",
+        " (an index is written next to the file it indexes and gives offsets into it)",
+    )
     with open(path, "rb") as file:
         before = _fingerprint(file)
         if before.size == 0:

@@ -48,7 +48,10 @@ def parse_bytes(value: int | str) -> int:
             f"cannot parse byte size {value!r}: expected a number with an optional unit "
             f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '512MiB'"
         )
-    size = int(float(match.group(1)) * _UNITS[unit])
+    number = float(match.group(1)) * _UNITS[unit]
+    if number == float("inf"):  # 400 digits: no size, and int() would overflow
+        raise InvalidArgumentError(f"byte size {value[:40]!r} is too large")
+    size = int(number)
     if size <= 0:
         raise InvalidArgumentError(f"a byte size must be positive, got {value!r}")
     return size

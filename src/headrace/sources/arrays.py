@@ -17,7 +17,8 @@ import numpy as np
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
-from headrace.errors import InvalidArgumentError, Origin
+from headrace.errors import DataLossError, InvalidArgumentError, Origin
+from headrace.io.files import require_regular_file
 from headrace.structure import (
     TensorSpec,
     encode_str,
@@ -242,11 +243,57 @@ class RangeNode(Node):
         return _RangeAccess(self.start, self.step, self.length, self.dtype)
 
 
+def _npy_header(path: str) -> tuple[tuple[int, ...], np.dtype[Any], int]:
+    """Shape, dtype and data offset of a ``.npy`` file, read and checked before mapping
+    it, so a corrupt or truncated file is named as such: NumPy alone says "contains
+    pickled data" for any file without the magic, "mmap length is greater than file
+    size" for a short one."""
+    fmt = np.lib.format
+    size = require_regular_file(path, "from_npy").st_size
+    with open(path, "rb") as file:
+        try:
+            version = fmt.read_magic(file)
+        except ValueError:
+            raise DataLossError(
+                f"from_npy: {path} is not a .npy file (it does not start with the .npy "
+                "magic bytes)", path=path, offset=0
+            ) from None
+        try:
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, fortran, dtype = read(file)
+        except ValueError as error:
+            raise DataLossError(
+                f"from_npy: {path} has a corrupt or truncated .npy header: {error}",
+                path=path, offset=file.tell(),
+            ) from None
+        offset = file.tell()
+    if dtype.hasobject:
+        raise InvalidArgumentError(
+            f"from_npy: cannot memory-map {path}: it holds Python objects ({dtype}), "
+            "which are pickled, not stored as bytes"
+        )
+    needed = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size < needed:
+        raise DataLossError(
+            f"from_npy: {path} is truncated: its header says {shape} {dtype} "
+            f"({needed:,} bytes with the header), the file has {size:,}",
+            path=path, offset=size,
+        )
+    del fortran
+    return shape, dtype, offset
+
+
 def load_npy(path: str | os.PathLike[str]) -> np.ndarray[Any, Any]:
-    """Memory-map a ``.npy`` file read-only: its pages stay file-backed, never anonymous."""
+    """Memory-map a ``.npy`` file read-only: its pages stay file-backed, never anonymous.
+
+    A path that is not a regular file, a file that is not ``.npy``, a corrupt header or
+    a truncated file raise (``InvalidArgumentError``, ``DataLossError``) naming it.
+    """
+    name = os.fspath(path)
+    _npy_header(name)
     try:
-        array = np.load(os.fspath(path), mmap_mode="r", allow_pickle=False)
-    except ValueError as error:  # object arrays cannot be memory-mapped
+        array = np.load(name, mmap_mode="r", allow_pickle=False)
+    except ValueError as error:
         raise InvalidArgumentError(f"from_npy: cannot memory-map {path}: {error}") from error
     if not isinstance(array, np.ndarray) or array.ndim == 0:
         raise InvalidArgumentError(f"from_npy: {path} holds a scalar; nothing to slice")

@@ -50,6 +50,7 @@ from typing import IO, Any
 import numpy as np
 
 from headrace.errors import InvalidArgumentError, ParseError
+from headrace.io.files import describe_file_type, require_regular_file
 from headrace.io.tfrecord import normalize_compression_type, open_tfrecord
 from headrace.io.tfrecord_index import load_index
 from headrace.memory.units import format_bytes
@@ -184,10 +185,9 @@ class _Named:
 
 def _npy_dataset(path: str, feature: str, batch_size: int) -> tuple[Any, int]:
     import headrace as hr
+    from headrace.sources.arrays import load_npy
 
-    header = np.load(path, mmap_mode="r")
-    if header.ndim == 0:
-        raise InvalidArgumentError(f"convert: {path} holds a 0-d array: it has no rows")
+    header = load_npy(path)  # a corrupt or truncated file is refused here, naming it
     rows = int(header.shape[0])
     names = header.dtype.names
     del header
@@ -315,6 +315,26 @@ def _source_dataset(
     )
 
 
+def _check_source(source: str) -> None:
+    """Refuse a source file that is missing or not a regular file (a FIFO would block the
+    read, /dev/zero never end), before anything is read or created."""
+    try:
+        require_regular_file(source, "convert")
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"convert: {source} does not exist") from None
+
+
+def _check_dest(dest: str, expected: str, fits: Any) -> None:
+    """Refuse a destination that exists and is not what is written there (a device, a
+    FIFO): nothing is ever written into or beside it."""
+    if dest == "-" or not os.path.exists(dest) or fits(dest):
+        return
+    kind = describe_file_type(os.stat(dest).st_mode)
+    raise InvalidArgumentError(
+        f"convert: the destination {dest} is {kind}; it must be {expected}"
+    )
+
+
 def _shard_summaries(paths: Sequence[str], compressed: bool) -> list[ShardSummary]:
     return [
         ShardSummary(path, None if compressed else len(load_index(path)),
@@ -358,8 +378,10 @@ def to_tfrecords(
     from headrace.writers import save_tfrecords
 
     kind = source_kind(source)
-    if kind != "sql" and not os.path.exists(source):
-        raise InvalidArgumentError(f"convert: {source} does not exist")
+    if kind != "sql":
+        _check_source(source)
+    _check_dest(dest, "a directory (or a {shard} pattern)",
+                lambda path: os.path.isdir(path) or os.path.isfile(path))
     defaults = parse_null_defaults(null_defaults)
     if defaults and kind == "npy":
         raise InvalidArgumentError("convert: --null-default is for CSV and SQL sources; an "
@@ -478,6 +500,9 @@ def tfrecords_to_csv(
             f"convert: TFRecord files convert to CSV: the destination must end with .csv "
             f"(or be '-' for stdout), got {dest!r}"
         )
+    for source in sources:
+        _check_source(source)
+    _check_dest(dest, "a .csv file", os.path.isfile)
     started = time.perf_counter()
     kinds: dict[str, str] = {}
     for path, index, record in _records(sources, compression_type, limit):

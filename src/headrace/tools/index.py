@@ -9,12 +9,12 @@ refused with the file and what changed, never used to read records at wrong offs
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from headrace.errors import DataLossError
+from headrace.errors import DataLossError, InvalidArgumentError
+from headrace.io.files import require_regular_file
 from headrace.io.tfrecord_index import (
     StaleIndexError,
     build_index,
@@ -84,6 +84,8 @@ def build_indexes(paths: list[str]) -> list[IndexResult]:
             index = build_index(path)
         except DataLossError as error:
             results.append(IndexResult(path, "error", message=f"{error}{compression_hint(path)}"))
+        except InvalidArgumentError as error:  # not a regular file: nothing written beside it
+            results.append(IndexResult(path, "error", message=str(error)))
         except OSError as error:
             results.append(IndexResult(path, "error", message=f"cannot read: {error}"))
         else:
@@ -92,8 +94,12 @@ def build_indexes(paths: list[str]) -> list[IndexResult]:
 
 
 def _check_one(path: str) -> IndexResult:
-    if not os.path.exists(path):
+    try:
+        require_regular_file(path, "index --check")
+    except FileNotFoundError:
         return IndexResult(path, "error", message="no such file")
+    except (InvalidArgumentError, OSError) as error:
+        return IndexResult(path, "error", message=str(error))
     try:
         index = load_index(path)
         # The fingerprint matched; also compare with the framing itself, so an index that

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import DataLossError, ParseError
+from headrace.errors import DataLossError, InvalidArgumentError, ParseError
 from headrace.io.example.parsing import DecodedFeature, decode_example
+from headrace.io.files import require_regular_file
 from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES
 from headrace.io.tfrecord.reader import open_tfrecord
 from headrace.tools.index import sniff_compression
@@ -69,6 +70,9 @@ class FileReport:
     not_examples: int = 0
     first_not_example: tuple[int, str] | None = None
     corruption: tuple[int | None, str] | None = None  # (offset, message)
+    #: False when the file could not be read at all (missing, a directory, a device,
+    #: a FIFO): ``corruption`` then says why, and there is nothing else to report
+    readable: bool = True
     samples: list[tuple[int, int, dict[str, DecodedFeature] | str]] = field(default_factory=list)
 
     @property
@@ -112,11 +116,18 @@ def inspect_tfrecord(
     sample_records: int = 3,
 ) -> FileReport:
     """Read a whole TFRecord file and return its :class:`FileReport` (never raises for bad
-    data: corruption and unreadable files are recorded in ``report.corruption``)."""
+    data: corruption and unreadable files are recorded in ``report.corruption``; a path
+    that is not a regular file is not opened, and ``report.readable`` is False)."""
     path_str = os.fspath(path)
     report = FileReport(path_str, (compression_type or "").upper(), verify_crc)
     try:
-        report.file_bytes = os.path.getsize(path_str)
+        # Only a regular file has an end: /dev/zero with checksums off is endless empty
+        # records, and opening a FIFO blocks until someone writes to it.
+        report.file_bytes = require_regular_file(path_str, "inspect").st_size
+    except (InvalidArgumentError, OSError) as error:
+        report.corruption, report.readable = (None, str(error)), False
+        return report
+    try:
         with open_tfrecord(
             path_str, compression_type=compression_type, verify_crc=verify_crc
         ) as reader:

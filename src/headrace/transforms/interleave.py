@@ -71,11 +71,12 @@ from headrace.core.node import (
     Node,
     ShardRole,
     check_positive,
-    first_element,
+    probe_elements,
 )
 from headrace.core.state import INNER, StateReader, mark_out_of_order
 from headrace.errors import (
     CheckpointError,
+    EmptyInputError,
     HeadraceWarning,
     InvalidArgumentError,
     MemoryBudgetError,
@@ -191,12 +192,35 @@ class InterleaveNode(Node):
 
     @property
     def element_spec(self) -> Any:
-        """The spec of the dataset ``map_func`` makes of the first input element."""
+        """The spec of the dataset ``map_func`` makes of the first input element whose
+        dataset's spec can be known. An inner dataset that learns its spec from its own
+        first element (a ``map`` without ``output_signature``) and is empty is passed
+        over for the next one: tf.data traces ``map_func`` and never sees that it is
+        empty, so a first empty inner dataset must not stop the pipeline."""
         if self._spec is None:
-            first = first_element(self.inputs[0], "interleave")
-            self._spec = _open_sizes_stay_open(
-                self.inner_node(first).element_spec, first, self.inputs[0].element_spec
-            )
+            empty = 0
+            with probe_elements(self.inputs[0], "interleave") as elements:
+                for element in elements:
+                    try:
+                        spec = self.inner_node(element).element_spec
+                    except EmptyInputError:
+                        empty += 1
+                        continue
+                    self._spec = _open_sizes_stay_open(
+                        spec, element, self.inputs[0].element_spec
+                    )
+                    break
+            if self._spec is None:
+                if not empty:
+                    raise EmptyInputError(
+                        "interleave: its element_spec is that of the dataset map_func makes "
+                        "of an input element, but the input is empty"
+                    )
+                raise EmptyInputError(
+                    f"interleave: its element_spec is that of the datasets map_func makes, "
+                    f"but all {empty} it made of the input's elements are empty and know "
+                    "their spec only from an element"
+                )
         return self._spec
 
     def __getstate__(self) -> dict[str, Any]:

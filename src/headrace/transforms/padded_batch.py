@@ -9,7 +9,7 @@ Padding defaults to 0, ``b""``/``""`` or False.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,10 +22,17 @@ from headrace.core.node import (
     known_spec,
     spec_sampling,
 )
-from headrace.errors import DataLossError, ElementSpecError, InvalidArgumentError
+from headrace.errors import DataLossError, ElementSpecError, EmptyInputError, InvalidArgumentError
 from headrace.memory.budget import Reservation, StageAccount, release_all
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
-from headrace.structure import TensorSpec, flatten, pack_as, structure_paths
+from headrace.structure import (
+    TensorSpec,
+    flatten,
+    map_structure,
+    pack_as,
+    spec_of,
+    structure_paths,
+)
 from headrace.transforms.batch import Assembler, batched_cardinality
 
 __all__ = ["PaddedBatchNode"]
@@ -55,6 +62,15 @@ def _default_padding(spec: TensorSpec) -> Any:
     return spec.dtype.type(0)
 
 
+class _Layout(NamedTuple):
+    """Per component: the padded shape (None: the batch's largest), the padding value
+    and the path named in errors."""
+
+    shapes: list[tuple[int | None, ...]]
+    pads: list[Any]
+    paths: list[str]
+
+
 class PaddedBatchNode(Node):
     stage = "padded_batch"
     budget_weight = 2
@@ -71,17 +87,17 @@ class PaddedBatchNode(Node):
         self.batch_size = check_positive("padded_batch: batch_size", batch_size)
         self.drop_remainder = bool(drop_remainder)
         self.padded_shapes, self.padding_values = padded_shapes, padding_values
-        self.shapes: list[tuple[int | None, ...]] | None = None
+        self.layout: _Layout | None = None
         # Checked now when the input's spec is known without reading data (building a
         # pipeline never runs user code); otherwise when the spec is first needed.
         spec = known_spec(source)
         if spec is not None:
-            self._lay_out(spec)
+            self.layout = self._lay_out(spec)
 
     def shard_role(self) -> ShardRole:
         return batching_role(self.inputs[0], self.drop_remainder)
 
-    def _lay_out(self, spec: Any) -> None:
+    def _lay_out(self, spec: Any) -> _Layout:
         """The padded shape, padding value and path of each component, from the input spec."""
         padded_shapes, padding_values = self.padded_shapes, self.padding_values
         spec_leaves = flatten(spec)
@@ -138,7 +154,7 @@ class PaddedBatchNode(Node):
             pad.encode() if isinstance(pad, str) and leaf.kind == "bytes" else pad
             for pad, leaf in zip(pads, spec_leaves, strict=True)
         ]
-        self.shapes, self.pads, self.paths = shapes, pads, paths
+        return _Layout(shapes, pads, paths)
 
     def params(self) -> tuple[Any, ...]:
         return (
@@ -149,15 +165,25 @@ class PaddedBatchNode(Node):
     @property
     def element_spec(self) -> Any:
         spec = self.inputs[0].element_spec
-        if self.shapes is None:
-            self._lay_out(spec)
-        assert self.shapes is not None
+        if self.layout is None:
+            self.layout = self._lay_out(spec)
         size = self.batch_size if self.drop_remainder else None
         leaves = [
             TensorSpec((size, *shape), leaf.dtype, leaf.kind)
-            for shape, leaf in zip(self.shapes, flatten(spec), strict=True)
+            for shape, leaf in zip(self.layout.shapes, flatten(spec), strict=True)
         ]
         return pack_as(spec, leaves)
+
+    def lay_out_from(self, element: Any) -> _Layout:
+        """The layout where the input's spec could not be learnt (its input was empty
+        when sampled, yet this run has an element): from ``element``'s structure,
+        dtypes and ranks, every size open, so each batch pads to its own largest."""
+
+        def opened(leaf: TensorSpec) -> TensorSpec:
+            shape = None if leaf.shape is None else (None,) * len(leaf.shape)
+            return TensorSpec(shape, leaf.dtype, leaf.kind)
+
+        return self._lay_out(map_structure(opened, spec_of(element)))
 
     def cardinality(self) -> int:
         return batched_cardinality(
@@ -165,9 +191,15 @@ class PaddedBatchNode(Node):
         )
 
     def make_iterator(self, ctx: Context) -> Iterator:
-        if self.shapes is None:
-            with spec_sampling(ctx.options):  # reads a first element, under this run's budget
-                self._lay_out(self.inputs[0].element_spec)
+        if self.layout is None:
+            try:
+                with spec_sampling(ctx.options):  # reads a first element, under this run's budget
+                    self.layout = self._lay_out(self.inputs[0].element_spec)
+            except EmptyInputError:
+                # The spec is learnt from an element and the input has none: the stream
+                # is empty and yields nothing, as in tf.data; should an element come
+                # after all, the iterator lays out from it.
+                pass
         return _PaddedBatchIterator(
             self.inputs[0].make_iterator(ctx),
             ctx,
@@ -201,8 +233,8 @@ class _PaddedBatchIterator(Assembler):
         self, inner: Iterator, ctx: Context, account: StageAccount, node: PaddedBatchNode
     ) -> None:
         super().__init__(inner, ctx, account)
-        assert node.shapes is not None  # laid out by make_iterator
-        self.node, self.shapes = node, node.shapes
+        self.node = node
+        self.layout = node.layout  # None: laid out from the first element pulled
 
     def pull(self) -> tuple[Any, Reservation]:
         node = self.node
@@ -213,10 +245,14 @@ class _PaddedBatchIterator(Assembler):
             release_all(reservations)
             raise StopIteration
         try:
+            if self.layout is None:
+                self.layout = node.lay_out_from(elements[0])
+            layout = self.layout
             columns = list(zip(*(flatten(e) for e in elements), strict=True))
             plans = [
                 self._target(list(column), shape, path, first)
-                for column, shape, path in zip(columns, self.shapes, node.paths, strict=True)
+                for column, shape, path in zip(columns, layout.shapes, layout.paths,
+                                               strict=True)
             ]
             # The output's size is known before it exists: book it first (G1).
             nbytes = sum(
@@ -233,7 +269,7 @@ class _PaddedBatchIterator(Assembler):
             leaves = [
                 self._fill(arrays, target, dtype, pad, shape, path, first)
                 for (arrays, target, dtype), pad, shape, path in zip(
-                    plans, node.pads, self.shapes, node.paths, strict=True
+                    plans, layout.pads, layout.shapes, layout.paths, strict=True
                 )
             ]
         except BaseException:
