@@ -249,7 +249,7 @@ def test_file_cache_is_complete_only_at_the_end_and_reused_by_the_next_run(
         assert not os.path.exists(prefix + ".hrcache.json")  # not complete yet
         assert os.path.exists(prefix + ".lockfile")
         assert ids(iterator) == list(range(5, 12))
-    assert cache_files(tmp_path) == ["c.hrcache", "c.hrcache.hrx", "c.hrcache.json"]
+    assert cache_files(tmp_path) == ["c.hrcache", "c.hrcache.crc", "c.hrcache.hrx", "c.hrcache.json"]
     source.produced = 0
     assert ids(ds.repeat(2)) == list(range(12)) * 2
     assert source.produced == 0  # a later run reads only the files
@@ -296,7 +296,7 @@ def test_a_crashed_writers_leftovers_never_count_as_complete(tmp_path: Path) -> 
     source = Counted(6)
     assert ids(source.dataset().cache(prefix)) == list(range(6))  # rebuilt, not read
     assert source.produced == 6
-    assert cache_files(tmp_path) == ["c.hrcache", "c.hrcache.hrx", "c.hrcache.json"]  # leftovers removed
+    assert cache_files(tmp_path) == ["c.hrcache", "c.hrcache.crc", "c.hrcache.hrx", "c.hrcache.json"]  # leftovers removed
 
 
 def test_a_cache_from_another_pipeline_is_rebuilt_with_a_message(tmp_path: Path) -> None:
@@ -375,19 +375,20 @@ def test_file_cache_checkpoint_round_trip_in_the_reading_phase(tmp_path: Path) -
 
 
 class FullDisk:
-    """TFRecordWriter.write_many failing with ENOSPC after ``allowed`` calls (the file layer)."""
+    """TFRecordWriter.write_framed (how the cache writes its framed records) failing with
+    ENOSPC after ``allowed`` calls (the file layer)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, allowed: int) -> None:
-        original = tfrecord_module.TFRecordWriter.write_many
+        original = tfrecord_module.TFRecordWriter.write_framed
         calls = [0]
 
-        def write_many(writer: Any, records: Any) -> None:
+        def write_framed(writer: Any, pieces: Any, records: int) -> int:
             calls[0] += 1
             if calls[0] > allowed:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            original(writer, records)
+            return original(writer, pieces, records)
 
-        monkeypatch.setattr(tfrecord_module.TFRecordWriter, "write_many", write_many)
+        monkeypatch.setattr(tfrecord_module.TFRecordWriter, "write_framed", write_framed)
 
 
 def test_full_disk_while_spilling_is_a_clear_error_and_leaves_nothing(

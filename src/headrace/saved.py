@@ -245,7 +245,7 @@ def _save_identity(
     dataset: Dataset, shard_func: Callable[..., Any] | None, compression: str, num_shards: int
 ) -> str:
     digest = hashlib.sha256()
-    digest.update(dataset.fingerprint().encode())
+    digest.update(dataset.node.data_fingerprint().encode())  # a changed input starts over
     digest.update(repr((compression, num_shards)).encode())
     if shard_func is not None:
         digest.update(function_fingerprint(shard_func).encode())
@@ -326,7 +326,7 @@ def save(
             "num_shards": len(counts),
             "parts": counts,
             "elements": sum(sum(c) for c in counts),
-            "fingerprint": dataset.fingerprint(),
+            "fingerprint": dataset.node.data_fingerprint(),
         },
     )
     with contextlib.suppress(FileNotFoundError):
@@ -525,6 +525,9 @@ class LoadNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return (self.directory, self.digest)
+
+    def content(self) -> tuple[Any, ...]:
+        return self.records.content()  # a directory saved again is another dataset
 
     @property
     def element_spec(self) -> Any:

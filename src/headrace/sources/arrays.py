@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.fingerprint import array_digest
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
@@ -113,6 +114,9 @@ class TensorSlicesNode(Node):
     def params(self) -> tuple[Any, ...]:
         return _array_params(self.leaves)
 
+    def content(self) -> tuple[Any, ...]:
+        return tuple(array_digest(leaf) for leaf in self.leaves)
+
     @property
     def element_spec(self) -> Any:
         return pack_as(
@@ -147,6 +151,9 @@ class TensorsNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return _array_params(self.leaves)
+
+    def content(self) -> tuple[Any, ...]:
+        return tuple(array_digest(leaf) for leaf in self.leaves)
 
     @property
     def element_spec(self) -> Any:
