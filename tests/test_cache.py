@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
+from headrace.core.state import seal
 from headrace.io import tfrecord as tfrecord_module
 from headrace.testing import assert_checkpoint_roundtrip, assert_elements_equal
 from headrace.transforms.cache import PARTIAL_CACHE_ADVICE
@@ -222,10 +223,12 @@ def test_tampered_cache_state_is_refused_naming_the_field() -> None:
         state = iterator.get_state()
     bad = json.loads(json.dumps(state))
     bad["state"]["mode"] = "sideways"
+    with iter(ds) as other, pytest.raises(hr.CheckpointError, match="checksum"):
+        other.set_state(bad)  # edited: refused as a whole
+    seal(bad)  # as a buggy producer would have made it: the field's own check
     with iter(ds) as other, pytest.raises(hr.CheckpointError, match="cache: state field 'mode'"):
         other.set_state(bad)
-    bad = json.loads(json.dumps(state))
-    bad["state"]["position"] = 50
+    bad = seal(json.loads(json.dumps(state)) | {"state": {**state["state"], "position": 50}})
     with iter(ds) as other, pytest.raises(hr.CheckpointError, match="past the end"):
         other.set_state(bad)
 
