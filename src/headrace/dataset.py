@@ -859,15 +859,21 @@ class Dataset:
         random-access source: ``global_shuffle``, ``shard`` and resume work on
         indices. ``reader_func`` receives a dataset whose elements are the shards'
         datasets, as in tf.data (``lambda shards: shards.interleave(lambda s: s)``).
+
+        A manifest that is not valid (missing or garbage fields, a spec nested past
+        reason) raises :class:`DataLossError` naming it; so does an element whose
+        structure, dtype or shape is not the element spec's (the manifest's, or
+        ``element_spec`` given here), as it is read.
         """
-        from headrace.saved import DecodeRecord, LoadNode, ShardsAsDatasets, load_plan
+        from headrace.saved import DecodeRecord, LoadNode, ShardsAsDatasets, SpecCheck, load_plan
 
         directory, manifest, spec, files, compression = load_plan(path, element_spec)
+        check = SpecCheck(spec, given=element_spec is not None)  # each element, as decoded
         if reader_func is None and compression is None:
-            return Dataset(LoadNode(directory, manifest, spec))
+            return Dataset(LoadNode(directory, manifest, spec, check))
         shards = [
             TFRecordDataset(names, compression_type=compression, indexed=compression is None)
-            .map(DecodeRecord(directory), output_signature=spec)
+            .map(DecodeRecord(directory, check), output_signature=spec)
             for names in files
         ]
         indices = Dataset.range(len(shards))
