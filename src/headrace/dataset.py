@@ -524,7 +524,9 @@ class Dataset:
         passes the budget; kept, booked, with the dataset (freed when the dataset
         is garbage-collected), as tf.data keeps it. ``filename``:
         tf.data's persistent cache, complete only at the end of the input, reused
-        by later runs of the same pipeline. Stopping early (``cache().take(k)``)
+        by later runs of the same pipeline over the same data (keyed by content:
+        a digest of its arrays, the identity of its files; a changed input rebuilds
+        it). Stopping early (``cache().take(k)``)
         discards the partial cache, as tf.data does: write ``take(k).cache()``.
         See :mod:`headrace.transforms.cache`.
         """
@@ -534,8 +536,10 @@ class Dataset:
         self, path: str | os.PathLike[str], compression: str | None = "AUTO"
     ) -> Dataset:
         """tf.data's ``snapshot``: the first complete pass is saved under ``path`` (in a
-        directory named by this pipeline's fingerprint), later passes — in any process —
-        read it. See :mod:`headrace.transforms.snapshot` for the differences.
+        directory named by this pipeline's content fingerprint: its structure, a digest
+        of its arrays, the identity of its files, so a changed input makes a new
+        snapshot), later passes — in any process — read it. See
+        :mod:`headrace.transforms.snapshot` for the differences.
         """
         return self._wrap(SnapshotNode(self._node, path, compression))
 

@@ -22,9 +22,15 @@ read the input; the first to complete is kept and both read it afterwards
 manifest that marks it complete. Both are written atomically and only at the
 end of the input (or once the input's cardinality is reached, as in tf.data),
 so a crashed or interrupted writer never leaves a cache that looks complete.
-The manifest records the fingerprint of the pipeline above the cache: a run
-of another pipeline rebuilds the cache (with a warning) instead of reading
-stale data. One writer at a time: ``<filename>.lockfile`` is held with
+The manifest records the *content* fingerprint of the pipeline above the cache
+(:meth:`~headrace.core.node.Node.data_fingerprint`: its structure, a digest of its
+in-memory arrays and of those its functions capture, the identity of its files):
+a run of another pipeline, or of this one over changed data, rebuilds the cache
+(with a warning) instead of reading stale data. It also vouches for the data
+file: ``<filename>.hrcache.crc`` holds each record's data CRC as written (the
+manifest holds its digest), and every record read is compared with it before it
+is used, so a data file from another cache or changed since is refused with
+:class:`~headrace.errors.DataLossError` naming it, at no extra read. One writer at a time: ``<filename>.lockfile`` is held with
 ``flock`` (released by the kernel if the writer dies), and a second writer
 gets tf.data's error naming it.
 
