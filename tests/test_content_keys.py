@@ -26,7 +26,7 @@ import headrace as hr
 from headrace.io.tfrecord.writer import write_tfrecord
 from headrace.testing import assert_elements_equal
 
-SOURCES = ["slices", "closure", "npy", "tfrecord"]
+SOURCES = ["slices", "closure", "npy", "tfrecord", "tfrecord_parallel", "list_files"]
 SINKS = ["cache", "snapshot", "snapshot_gzip"]
 
 
@@ -60,9 +60,20 @@ def _pipeline(kind: str, values: np.ndarray[Any, Any], work: Path) -> hr.Dataset
         path = work / "input.npy"
         _rewrite(path, lambda p: np.save(p, values))
         return hr.Dataset.from_npy(path)
-    path = work / "input.tfrecord"
-    _rewrite(path, lambda p: write_tfrecord(str(p), [row.tobytes() for row in values]))
-    return hr.TFRecordDataset(str(path))
+    if kind == "tfrecord":
+        path = work / "input.tfrecord"
+        _rewrite(path, lambda p: write_tfrecord(str(p), [row.tobytes() for row in values]))
+        return hr.TFRecordDataset(str(path))
+    # files opened inside an interleave: keyed by the identities of the listed files
+    paths = [work / f"part-{i}.tfrecord" for i in range(2)]
+    for i, path in enumerate(paths):
+        rows = [row.tobytes() for row in values[i::2]]
+        _rewrite(path, lambda p, rows=rows: write_tfrecord(str(p), rows))
+    if kind == "tfrecord_parallel":
+        return hr.TFRecordDataset([str(p) for p in paths], num_parallel_reads=2)
+    return hr.Dataset.list_files(str(work / "part-*.tfrecord"), shuffle=False).interleave(
+        hr.TFRecordDataset, cycle_length=2
+    )
 
 
 def _rewrite(path: Path, write: Callable[[Path], None]) -> None:

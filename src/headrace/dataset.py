@@ -603,7 +603,7 @@ class Dataset:
         order on every machine. No match is an error naming the pattern.
         """
         files = np.array(list_files(file_pattern), dtype=object)
-        dataset = Dataset(TensorSlicesNode(files, keep_str=True))
+        dataset = Dataset(TensorSlicesNode(files, keep_str=True, paths=True))
         if shuffle is None or shuffle:
             dataset = dataset.shuffle(len(files), seed=seed)
         return dataset
@@ -957,7 +957,10 @@ def read_files_in_parallel(
         return None
     names = [filenames] if isinstance(filenames, (str, os.PathLike)) else list(filenames)
     cycle = len(names) if num_parallel_reads == AUTOTUNE else num_parallel_reads
-    files = Dataset.from_tensor_slices(np.array([os.fspath(n) for n in names], dtype=object))
+    # (paths=True: the files' identities key a cache or snapshot of what is read)
+    files = Dataset(
+        TensorSlicesNode(np.array([os.fspath(n) for n in names], dtype=object), paths=True)
+    )
     return files.interleave(
         _PerFile(make), cycle_length=max(cycle, 1), block_length=1, num_parallel_calls=AUTOTUNE
     )
