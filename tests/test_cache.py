@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
+from headrace.core.state import seal
 from headrace.io import tfrecord as tfrecord_module
 from headrace.testing import assert_checkpoint_roundtrip, assert_elements_equal
 from headrace.transforms.cache import PARTIAL_CACHE_ADVICE
@@ -222,10 +223,12 @@ def test_tampered_cache_state_is_refused_naming_the_field() -> None:
         state = iterator.get_state()
     bad = json.loads(json.dumps(state))
     bad["state"]["mode"] = "sideways"
+    with iter(ds) as other, pytest.raises(hr.CheckpointError, match="checksum"):
+        other.set_state(bad)  # edited: refused as a whole
+    seal(bad)  # as a buggy producer would have made it: the field's own check
     with iter(ds) as other, pytest.raises(hr.CheckpointError, match="cache: state field 'mode'"):
         other.set_state(bad)
-    bad = json.loads(json.dumps(state))
-    bad["state"]["position"] = 50
+    bad = seal(json.loads(json.dumps(state)) | {"state": {**state["state"], "position": 50}})
     with iter(ds) as other, pytest.raises(hr.CheckpointError, match="past the end"):
         other.set_state(bad)
 
@@ -249,7 +252,7 @@ def test_file_cache_is_complete_only_at_the_end_and_reused_by_the_next_run(
         assert not os.path.exists(prefix + ".hrcache.json")  # not complete yet
         assert os.path.exists(prefix + ".lockfile")
         assert ids(iterator) == list(range(5, 12))
-    assert cache_files(tmp_path) == ["c.hrcache", "c.hrcache.hrx", "c.hrcache.json"]
+    assert cache_files(tmp_path) == ["c.hrcache", "c.hrcache.crc", "c.hrcache.hrx", "c.hrcache.json"]
     source.produced = 0
     assert ids(ds.repeat(2)) == list(range(12)) * 2
     assert source.produced == 0  # a later run reads only the files
@@ -296,7 +299,7 @@ def test_a_crashed_writers_leftovers_never_count_as_complete(tmp_path: Path) -> 
     source = Counted(6)
     assert ids(source.dataset().cache(prefix)) == list(range(6))  # rebuilt, not read
     assert source.produced == 6
-    assert cache_files(tmp_path) == ["c.hrcache", "c.hrcache.hrx", "c.hrcache.json"]  # leftovers removed
+    assert cache_files(tmp_path) == ["c.hrcache", "c.hrcache.crc", "c.hrcache.hrx", "c.hrcache.json"]  # leftovers removed
 
 
 def test_a_cache_from_another_pipeline_is_rebuilt_with_a_message(tmp_path: Path) -> None:
@@ -375,19 +378,20 @@ def test_file_cache_checkpoint_round_trip_in_the_reading_phase(tmp_path: Path) -
 
 
 class FullDisk:
-    """TFRecordWriter.write_many failing with ENOSPC after ``allowed`` calls (the file layer)."""
+    """TFRecordWriter.write_framed (how the cache writes its framed records) failing with
+    ENOSPC after ``allowed`` calls (the file layer)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, allowed: int) -> None:
-        original = tfrecord_module.TFRecordWriter.write_many
+        original = tfrecord_module.TFRecordWriter.write_framed
         calls = [0]
 
-        def write_many(writer: Any, records: Any) -> None:
+        def write_framed(writer: Any, pieces: Any, records: int) -> int:
             calls[0] += 1
             if calls[0] > allowed:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            original(writer, records)
+            return original(writer, pieces, records)
 
-        monkeypatch.setattr(tfrecord_module.TFRecordWriter, "write_many", write_many)
+        monkeypatch.setattr(tfrecord_module.TFRecordWriter, "write_framed", write_framed)
 
 
 def test_full_disk_while_spilling_is_a_clear_error_and_leaves_nothing(

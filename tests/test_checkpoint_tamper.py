@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace.core.state import seal
 from headrace.testing import assert_elements_equal, take_elements
 
 #: A refusal must come at once; a valid mutated state must resume this fast too. The
@@ -189,6 +190,9 @@ def test_a_tampered_state_is_refused_promptly_or_resumes_without_hanging(
     path = data.draw(st.sampled_from(candidates), label="path")
     how = data.draw(st.sampled_from([*MUTATIONS, DELETE]), label="mutation")
     mutate(state, path, how)
+    # Sealed again: a state a buggy producer made, so that each stage's own field checks
+    # (not the checksum, tests/test_state_integrity.py) are what must refuse it.
+    seal(state)
     iterator = iter(ds)
     try:
         started = time.perf_counter()
@@ -220,6 +224,7 @@ def test_every_mutation_of_a_shuffled_batched_pipeline_is_handled(how: str) -> N
     for path in [("iteration",)] + [("state", *p) for p in paths(state["state"])]:
         tampered = copy.deepcopy(state)
         mutate(tampered, path, how)
+        seal(tampered)  # (as above: the fields' checks, not the checksum)
         with iter(ds) as iterator:
             started = time.perf_counter()
             try:

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import headrace as hr
 import headrace.image as hi
+from headrace.core.state import seal
 from headrace.errors import Origin, element_origin
 from headrace.io._native import set_native_enabled
 from headrace.io.tfrecord.writer import write_tfrecord
@@ -556,7 +557,7 @@ def test_a_restored_iterator_names_the_same_record(tmp_path: Path, parallel: int
     legacy = json.loads(re.sub(r'"record": \d+', '"record": -1', json.dumps(state)))
     assert legacy != state
     restored = iter(ds)
-    restored.set_state(legacy)
+    restored.set_state(seal(legacy))  # (sealed: the field's meaning is what is tested)
     outputs, errors = _run(restored)
     assert len(outputs) == 4 and len(errors) == 1
     assert element_origin(errors[0]) is None  # unknown, rather than wrong

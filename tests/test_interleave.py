@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace.core.state import seal
 from headrace.testing import assert_checkpoint_roundtrip
 from headrace.transforms import _wait_watch
 from headrace.transforms._wait_watch import WaitWatch
@@ -195,6 +196,7 @@ def test_checkpoints_across_the_autotune_switch(monkeypatch) -> None:
         head = [int(next(iterator)) for _ in range(12)]  # could stay sequential) is
         state = iterator.get_state()  # a read-ahead state, as it was then
         assert state["state"].pop("threaded") is True
+        seal(state)
     with iter(ds) as resumed:
         resumed.set_state(state)
         assert head + [int(x) for x in resumed] == expected

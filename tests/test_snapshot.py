@@ -29,9 +29,10 @@ def test_the_first_complete_pass_is_saved_later_passes_read_it(tmp_path: Path) -
     ds = source.dataset().snapshot(tmp_path / "snap")
     assert ids(ds) == list(range(15)) and source.produced == 15
     (fingerprint,) = snapshot_dirs(tmp_path / "snap")
-    assert fingerprint == source.dataset().node.fingerprint()
+    assert fingerprint == source.dataset().node.data_fingerprint()
     assert snapshot_dirs(tmp_path / "snap" / fingerprint) == [
         "snapshot.hrcache",
+        "snapshot.hrcache.crc",
         "snapshot.hrcache.hrx",
         "snapshot.hrcache.json",
     ]

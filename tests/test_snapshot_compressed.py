@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.test_cache import Counted, ids
@@ -142,6 +143,20 @@ def _rewrite_block(data: Path, block: int, payload: bytes) -> None:
     raw[offset + 12 : offset + 12 + length] = payload
     struct.pack_into("<I", raw, offset + 12 + length, masked_crc32c(payload))
     data.write_bytes(bytes(raw))  # same size: the index still holds
+    _record_checksums(data)
+
+
+def _record_checksums(data: Path) -> None:
+    """Record the file's blocks as its writer would have (``.crc`` and the manifest's
+    digest of it): a writer that wrote bad blocks, not a file swapped afterwards, so
+    that the codec's checks are the ones that must find them."""
+    raw = data.read_bytes()
+    offsets = [int(o) for o in load_index(data, size_only=True).offsets] + [len(raw)]
+    crcs = b"".join(raw[end - 4 : end] for end in offsets[1:])
+    Path(f"{data}.crc").write_bytes(crcs)
+    manifest = json.loads(Path(f"{data}.json").read_text())
+    manifest["checksums"] = xxhash.xxh3_128_hexdigest(crcs)
+    Path(f"{data}.json").write_text(json.dumps(manifest))
 
 
 def _block(data: Path, block: int) -> bytes:
@@ -205,6 +220,7 @@ def _rewrite_block_any_length(data: Path, manifest: dict[str, Any], payload: byt
     Path(f"{data}.json").write_text(json.dumps(manifest))
     Path(index_path_for(data)).unlink()
     build_index(data)
+    _record_checksums(data)
 
 
 def test_snappy_without_cramjam_says_what_to_install(

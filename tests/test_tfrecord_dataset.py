@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
+from headrace.core.state import seal
 from headrace.io.example import FixedLenFeature, serialize_example
 from headrace.io.tfrecord import write_tfrecord
 from headrace.io.tfrecord_index import build_index
@@ -191,6 +192,7 @@ def test_global_shuffle_resumes_in_constant_time() -> None:
 
     def resume_at(position: int) -> tuple[float, list[np.ndarray]]:
         state["state"]["inputs"][0]["indices"]["position"] = position
+        seal(state)  # a position far ahead, as if taken there (the state's own checksum)
         with iter(ds) as resumed:
             started = time.perf_counter()
             resumed.set_state(state)

@@ -530,7 +530,9 @@ class Dataset:
         passes the budget; kept, booked, with the dataset (freed when the dataset
         is garbage-collected), as tf.data keeps it. ``filename``:
         tf.data's persistent cache, complete only at the end of the input, reused
-        by later runs of the same pipeline. Stopping early (``cache().take(k)``)
+        by later runs of the same pipeline over the same data (keyed by content:
+        a digest of its arrays, the identity of its files; a changed input rebuilds
+        it). Stopping early (``cache().take(k)``)
         discards the partial cache, as tf.data does: write ``take(k).cache()``.
         See :mod:`headrace.transforms.cache`.
         """
@@ -540,8 +542,10 @@ class Dataset:
         self, path: str | os.PathLike[str], compression: str | None = "AUTO"
     ) -> Dataset:
         """tf.data's ``snapshot``: the first complete pass is saved under ``path`` (in a
-        directory named by this pipeline's fingerprint), later passes — in any process —
-        read it. See :mod:`headrace.transforms.snapshot` for the differences.
+        directory named by this pipeline's content fingerprint: its structure, a digest
+        of its arrays, the identity of its files, so a changed input makes a new
+        snapshot), later passes — in any process — read it. See
+        :mod:`headrace.transforms.snapshot` for the differences.
         """
         return self._wrap(SnapshotNode(self._node, path, compression))
 
@@ -606,7 +610,7 @@ class Dataset:
         a file name without wildcards that names no file (tf.data leaves it out).
         """
         files = np.array(list_files(file_pattern), dtype=object)
-        dataset = Dataset(TensorSlicesNode(files, keep_str=True))
+        dataset = Dataset(TensorSlicesNode(files, keep_str=True, paths=True))
         if shuffle is None or shuffle:
             dataset = dataset.shuffle(len(files), seed=seed)
         return dataset
@@ -866,15 +870,21 @@ class Dataset:
         random-access source: ``global_shuffle``, ``shard`` and resume work on
         indices. ``reader_func`` receives a dataset whose elements are the shards'
         datasets, as in tf.data (``lambda shards: shards.interleave(lambda s: s)``).
+
+        A manifest that is not valid (missing or garbage fields, a spec nested past
+        reason) raises :class:`DataLossError` naming it; so does an element whose
+        structure, dtype or shape is not the element spec's (the manifest's, or
+        ``element_spec`` given here), as it is read.
         """
-        from headrace.saved import DecodeRecord, LoadNode, ShardsAsDatasets, load_plan
+        from headrace.saved import DecodeRecord, LoadNode, ShardsAsDatasets, SpecCheck, load_plan
 
         directory, manifest, spec, files, compression = load_plan(path, element_spec)
+        check = SpecCheck(spec, given=element_spec is not None)  # each element, as decoded
         if reader_func is None and compression is None:
-            return Dataset(LoadNode(directory, manifest, spec))
+            return Dataset(LoadNode(directory, manifest, spec, check))
         shards = [
             TFRecordDataset(names, compression_type=compression, indexed=compression is None)
-            .map(DecodeRecord(directory), output_signature=spec)
+            .map(DecodeRecord(directory, check), output_signature=spec)
             for names in files
         ]
         indices = Dataset.range(len(shards))
@@ -954,7 +964,10 @@ def read_files_in_parallel(
         return None
     names = [filenames] if isinstance(filenames, (str, os.PathLike)) else list(filenames)
     cycle = len(names) if num_parallel_reads == AUTOTUNE else num_parallel_reads
-    files = Dataset.from_tensor_slices(np.array([os.fspath(n) for n in names], dtype=object))
+    # (paths=True: the files' identities key a cache or snapshot of what is read)
+    files = Dataset(
+        TensorSlicesNode(np.array([os.fspath(n) for n in names], dtype=object), paths=True)
+    )
     return files.interleave(
         _PerFile(make), cycle_length=max(cycle, 1), block_length=1, num_parallel_calls=AUTOTUNE
     )

@@ -61,12 +61,20 @@ from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.io.tfrecord_index import build_index
 from headrace.memory.budget import Reservation, StageAccount
 from headrace.sources.tfrecord import IndexedTFRecordNode
-from headrace.structure import TensorSpec, map_structure, spec_of
+from headrace.structure import TensorSpec, flatten, leaf_spec, map_structure, spec_of
 
 if TYPE_CHECKING:
     from headrace.dataset import Dataset
 
-__all__ = ["MANIFEST_NAME", "DecodeRecord", "LoadNode", "ShardsAsDatasets", "load_plan", "save"]
+__all__ = [
+    "MANIFEST_NAME",
+    "DecodeRecord",
+    "LoadNode",
+    "ShardsAsDatasets",
+    "SpecCheck",
+    "load_plan",
+    "save",
+]
 
 MANIFEST_NAME = "headrace-dataset.json"
 PROGRESS_NAME = ".save-progress.json"
@@ -245,7 +253,7 @@ def _save_identity(
     dataset: Dataset, shard_func: Callable[..., Any] | None, compression: str, num_shards: int
 ) -> str:
     digest = hashlib.sha256()
-    digest.update(dataset.fingerprint().encode())
+    digest.update(dataset.node.data_fingerprint().encode())  # a changed input starts over
     digest.update(repr((compression, num_shards)).encode())
     if shard_func is not None:
         digest.update(function_fingerprint(shard_func).encode())
@@ -326,7 +334,7 @@ def save(
             "num_shards": len(counts),
             "parts": counts,
             "elements": sum(sum(c) for c in counts),
-            "fingerprint": dataset.fingerprint(),
+            "fingerprint": dataset.node.data_fingerprint(),
         },
     )
     with contextlib.suppress(FileNotFoundError):
@@ -469,7 +477,7 @@ def _read_manifest(directory: str) -> dict[str, Any]:
         else:
             why = "no such directory"
         raise FileNotFoundError(f"load: {directory} is not a complete saved dataset: {why}") from None
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # (nested past what json can read)
         raise DataLossError(f"load: {path} is not valid JSON ({error})", path=path) from None
     if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
         raise DataLossError(f"load: {path} is not a headrace saved-dataset manifest", path=path)
@@ -480,7 +488,32 @@ def _read_manifest(directory: str) -> dict[str, Any]:
             f"({ELEMENTS_FORMAT})",
             path=path,
         )
+    _check_manifest(manifest, path)
     return manifest
+
+
+def _check_manifest(manifest: dict[str, Any], path: str) -> None:
+    """Every field ``load`` uses, of the type and range ``save`` writes: DataLossError
+    naming the manifest otherwise (never a KeyError or TypeError further on)."""
+
+    def bad(problem: str) -> DataLossError:
+        return DataLossError(f"load: the manifest {path} is corrupted: {problem}", path=path)
+
+    parts = manifest.get("parts")
+    if not isinstance(parts, list) or not all(
+        isinstance(shard, list) and all(type(n) is int and n >= 0 for n in shard)
+        for shard in parts
+    ):
+        raise bad(f"'parts' must list each shard's part sizes, got {parts!r:.80}")
+    elements = manifest.get("elements")
+    if type(elements) is not int or elements != sum(sum(shard) for shard in parts):
+        raise bad(f"'elements' = {elements!r:.40} is not the sum of its parts")
+    if manifest.get("num_shards") != len(parts):
+        raise bad(f"'num_shards' = {manifest.get('num_shards')!r:.40}, it lists {len(parts)}")
+    if manifest.get("compression") not in ("", None, "GZIP", "ZLIB"):
+        raise bad(f"unknown 'compression' {manifest.get('compression')!r:.40}")
+    if "element_spec" not in manifest:
+        raise bad("it has no 'element_spec'")
 
 
 def _part_files(directory: str, parts: list[list[int]]) -> list[list[str]]:
@@ -490,14 +523,56 @@ def _part_files(directory: str, parts: list[list[int]]) -> list[list[str]]:
     ]
 
 
+class SpecCheck:
+    """Refuse a decoded element that does not have the element spec ``load`` promised
+    (the manifest's, or the one given): a manifest that does not match its data is a
+    DataLossError naming the file, never elements of another shape passed on."""
+
+    def __init__(self, spec: Any, given: bool) -> None:
+        self.spec = spec
+        self.given = given
+        self.skeleton = _skeleton(spec)
+        self.leaves: list[TensorSpec] = flatten(spec)
+
+    def __call__(self, element: Any, path: str, offset: int | None = None) -> Any:
+        problem = ""
+        if _skeleton(element) != self.skeleton:
+            problem = "its structure differs"
+        else:
+            for index, (want, leaf) in enumerate(zip(self.leaves, flatten(element), strict=True)):
+                if not want.is_compatible_with(leaf):
+                    problem = f"component {index} is {leaf_spec(leaf)}, not {want}"
+                    break
+        if problem:
+            where = "" if offset is None else f" at offset {offset}"
+            whose = "the element_spec given to load" if self.given else "its manifest's spec"
+            raise DataLossError(
+                f"load: the element{where} in {path} does not match {whose} ({problem})",
+                path=path,
+                offset=offset,
+            )
+        return element
+
+
+def _skeleton(value: Any) -> Any:
+    """The nesting of an element or spec, without its leaves."""
+    if isinstance(value, dict):
+        return ("dict", tuple((key, _skeleton(value[key])) for key in sorted(value)))
+    if isinstance(value, tuple):
+        return ("tuple", tuple(_skeleton(item) for item in value))
+    return None
+
+
 class DecodeRecord:
     """Record bytes to element (a map function, for compressed shards)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, check: SpecCheck | None = None) -> None:
         self.directory = directory
+        self.check = check
 
     def __call__(self, record: bytes) -> Any:
-        return decode_element(record, path=self.directory)
+        element = decode_element(record, path=self.directory)
+        return element if self.check is None else self.check(element, self.directory)
 
 
 class LoadNode(Node):
@@ -505,11 +580,18 @@ class LoadNode(Node):
 
     stage = "load"
 
-    def __init__(self, directory: str, manifest: dict[str, Any], element_spec: Any) -> None:
+    def __init__(
+        self,
+        directory: str,
+        manifest: dict[str, Any],
+        element_spec: Any,
+        check: SpecCheck | None = None,
+    ) -> None:
         super().__init__()
         self.directory = directory
         self.parts: list[list[int]] = manifest["parts"]
         self.spec = element_spec
+        self.check = check
         files = [name for shard in _part_files(directory, self.parts) for name in shard]
         self.records = IndexedTFRecordNode(
             files, build_missing=False, verify_crc=True, max_record_bytes=1 << 31
@@ -525,6 +607,9 @@ class LoadNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return (self.directory, self.digest)
+
+    def content(self) -> tuple[Any, ...]:
+        return self.records.content()  # a directory saved again is another dataset
 
     @property
     def element_spec(self) -> Any:
@@ -582,11 +667,13 @@ class _LoadedAccess(RandomAccess):
         file_number = bisect.bisect_right(self.file_starts, number) - 1
         path = self.node.records.filenames[file_number]
         try:
-            return decode_element(record, path=path)
+            element = decode_element(record, path=path)
+            return element if self.node.check is None else self.node.check(element, path)
         except DataLossError:
             local = number - self.file_starts[file_number]
             offset = int(self.records._index(file_number).offsets[local])  # type: ignore[attr-defined]
-            return decode_element(record, path=path, offset=offset)
+            element = decode_element(record, path=path, offset=offset)
+            return element if self.node.check is None else self.node.check(element, path, offset)
 
     def close(self) -> None:
         self.records.close()
@@ -626,6 +713,12 @@ def load_plan(
                 f"load: {directory} records no element spec (it was saved empty); pass "
                 "element_spec"
             )
-        spec = spec_from_json(raw)
+        manifest_path = os.path.join(directory, MANIFEST_NAME)
+        try:
+            spec = spec_from_json(raw)
+        except ValueError as error:
+            raise DataLossError(
+                f"load: the manifest {manifest_path} is corrupted: {error}", path=manifest_path
+            ) from None
     files = _part_files(directory, manifest["parts"])
     return directory, manifest, spec, files, manifest.get("compression") or None

@@ -1,18 +1,160 @@
-"""Stable identities of user functions, for pipeline fingerprints and stage names."""
+"""Stable identities of user functions and data, for pipeline fingerprints and stage names.
+
+Two identities, for two uses:
+
+* the *structure* fingerprint (:meth:`Node.fingerprint`, the one iterator states
+  carry): what the pipeline computes — arrays by dtype and shape, files by name —
+  so a checkpoint restores after the data was copied to another disk or reloaded
+  in a new process;
+* the *content* fingerprint (:meth:`Node.data_fingerprint`, what ``cache(filename)``,
+  ``snapshot`` and ``save`` key their files by): the structure plus what the data
+  is — a digest of every in-memory array the pipeline reads or a function captures
+  (:func:`array_digest`), and the identity of every file it reads
+  (:func:`file_identity`: path, size, mtime, inode) — so a changed input never
+  serves an old cache, as tf.data starts a new snapshot.
+
+Digests use XXH3-128 (the ``xxhash`` package, BSD-2-Clause, no dependencies):
+about 12 GB/s on one core of a small VM, so a 1 GB array costs ~0.1 s, once per
+pipeline (the node keeps its digest). A memory-mapped array is identified by its
+file (identity and offset), never read whole.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
+import mmap
+import os
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from headrace.core.node import Node
 
-__all__ = ["function_fingerprint", "function_name"]
+__all__ = [
+    "array_digest",
+    "describing_content",
+    "file_identity",
+    "function_fingerprint",
+    "function_name",
+]
+
+#: While a content fingerprint is computed: the digests made so far, by ``id`` (with the
+#: array, so that the id stays its own); None while a structure fingerprint is.
+_content: contextvars.ContextVar[dict[int, tuple[Any, str]] | None] = contextvars.ContextVar(
+    "headrace_fingerprint_content", default=None
+)
+
+#: Bytes hashed per call for an array that is not contiguous (one copy of this size).
+_CHUNK_BYTES = 16 << 20
+
+
+@contextlib.contextmanager
+def describing_content(content: bool = True) -> Iterator[None]:
+    """Describe arrays by their contents (``content``) or by dtype and shape only,
+    within the block: how :meth:`Node.data_fingerprint` and :meth:`Node.fingerprint`
+    share every ``params()``. Nested content blocks share one digest memo."""
+    current = _content.get()
+    memo = (current if current is not None else {}) if content else None
+    token = _content.set(memo)
+    try:
+        yield
+    finally:
+        _content.reset(token)
+
+
+def content_mode() -> bool:
+    """Whether a content fingerprint is being computed (see :func:`describing_content`)."""
+    return _content.get() is not None
+
+
+def file_identity(path: str | os.PathLike[str]) -> tuple[Any, ...]:
+    """What tells one version of a file from another without reading it: its absolute
+    path, size, modification time (ns), inode and device. A file rewritten in place
+    (same size) changes its mtime; one replaced by a rename changes its inode. A file
+    that cannot be stat'ed counts as missing (reading it raises later, naming it)."""
+    name = os.path.abspath(os.fspath(path))
+    try:
+        info = os.stat(name)
+    except OSError as error:
+        return ("missing", name, error.errno)
+    return ("file", name, info.st_size, info.st_mtime_ns, info.st_ino, info.st_dev)
+
+
+def array_digest(value: Any) -> str:
+    """A digest of what an array (or a leaf: bytes, str, a scalar, None) holds.
+
+    In-memory arrays are hashed (XXH3-128 over their bytes, with dtype and shape);
+    a view of a memory-mapped file is identified by :func:`file_identity` of the file
+    plus its offset, shape and strides, so a 100 GB ``.npy`` costs one ``stat``.
+    Object arrays (bytes and str components) are hashed element by element. Within a
+    content fingerprint, each array is hashed once however often it appears.
+    """
+    memo = _content.get()
+    if memo is not None:
+        known = memo.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+    digest = _array_digest(value)
+    if memo is not None:
+        memo[id(value)] = (value, digest)
+    return digest
+
+
+def _array_digest(value: Any) -> str:
+    if not isinstance(value, np.ndarray):
+        if isinstance(value, (bytes, str, type(None), bool, int, float, complex, np.generic)):
+            return f"{type(value).__name__}:{xxhash.xxh3_128_hexdigest(repr(value).encode())}"
+        return _Describer().describe(value, 0)
+    head = f"{value.dtype.str}{value.shape}"
+    mapped = _mapped_file(value)
+    if mapped is not None:
+        path, offset = mapped
+        return f"mapped {head}{value.strides}@{offset} {file_identity(path)}"
+    hasher = xxhash.xxh3_128(head.encode())
+    if value.dtype.hasobject:
+        describer = _Describer()
+        for item in value.flat:
+            if isinstance(item, (bytes, str)):
+                data = item.encode() if isinstance(item, str) else item
+                hasher.update(f"{type(item).__name__}{len(data)}:".encode())
+                hasher.update(data)
+            elif isinstance(item, np.ndarray):
+                hasher.update(f"array {array_digest(item)};".encode())
+            else:
+                hasher.update(f"{describer.describe(item, 1)};".encode())
+    elif value.flags.c_contiguous:
+        hasher.update(_raw(value))
+    else:
+        rows = max(1, _CHUNK_BYTES // max(1, value[:1].nbytes)) if value.ndim else 1
+        for start in range(0, len(value) if value.ndim else 1, rows):
+            hasher.update(_raw(np.ascontiguousarray(value[start : start + rows] if value.ndim else value)))
+    return f"array {hasher.hexdigest()}"
+
+
+def _raw(array: np.ndarray[Any, Any]) -> memoryview:
+    """The bytes of a C-contiguous array, in place."""
+    return array.reshape(-1).view(np.uint8).data if array.size else memoryview(b"")
+
+
+def _mapped_file(array: np.ndarray[Any, Any]) -> tuple[str, int] | None:
+    """The file and byte offset an array views, where it is (a view of) an ``np.memmap``."""
+    root = None
+    base: Any = array
+    while isinstance(base, np.ndarray):
+        if isinstance(base, np.memmap) and isinstance(base.base, mmap.mmap):
+            root = base  # made by np.memmap(): its first byte is the file's ``offset``
+        base = base.base
+    if root is None or not isinstance(getattr(root, "filename", None), str):
+        return None
+    start = int(array.__array_interface__["data"][0])
+    origin = int(root.__array_interface__["data"][0])
+    return root.filename, int(root.offset) + start - origin
 
 
 def function_name(fn: Callable[..., Any]) -> str:
@@ -63,6 +205,8 @@ class _Describer:
         if depth > self.MAX_DEPTH or self.steps > self.MAX_STEPS or id(value) in self.active:
             return kind
         if isinstance(value, np.ndarray):
+            if content_mode():
+                return f"{kind}({array_digest(value)})"
             return f"{kind}({value.dtype},{value.shape})"
         if isinstance(value, type):
             return f"class {value.__module__}.{value.__qualname__}"
@@ -75,7 +219,8 @@ class _Describer:
             return f"builtin {getattr(value, '__module__', '')}.{prefix}{value.__qualname__}"
         node = value if isinstance(value, Node) else getattr(value, "_node", None)
         if isinstance(node, Node):  # a Dataset captured by a function (zip, interleave)
-            return f"dataset {node.fingerprint()}"
+            content = content_mode()
+            return f"dataset {node.data_fingerprint() if content else node.fingerprint()}"
         self.active.add(id(value))
         try:
             return self._compound(value, kind, depth + 1)

@@ -217,22 +217,54 @@ class Node:
         """What distinguishes this node from another of its class (for the fingerprint)."""
         return ()
 
+    def content(self) -> tuple[Any, ...]:
+        """What this node reads beyond its arguments (for :meth:`data_fingerprint`):
+        digests of its in-memory arrays, identities of its files. Sources override it."""
+        return ()
+
     def fingerprint(self) -> str:
         """A digest of the pipeline's structure and arguments (not its data).
 
         Restoring an iterator state checks it, so a state saved from one
-        pipeline is never fed into another.
+        pipeline is never fed into another. Arrays count by dtype and shape and
+        files by name, so a checkpoint restores over the same data in a new
+        process or on another disk (see :meth:`data_fingerprint` for what the data is).
         """
-        cached: str | None = getattr(self, "_fingerprint", None)
-        if cached is None:
+        return self._identity(content=False)
+
+    def data_fingerprint(self) -> str:
+        """A digest of the pipeline *and of what it reads*: the key of ``cache(filename)``,
+        ``snapshot`` and ``save`` files.
+
+        On top of :meth:`fingerprint`: a content digest of every in-memory array (the
+        sources' and those captured by functions) and the identity (path, size, mtime,
+        inode) of every file a source reads, so that a changed input makes a new
+        snapshot or cache rather than serving the old one. Computed once per node (an
+        array edited in place afterwards is not seen: build the dataset again, as
+        tf.data, which copies arrays when the dataset is built).
+        """
+        return self._identity(content=True)
+
+    def _identity(self, *, content: bool) -> str:
+        # Both digests live in ``_fingerprint`` (one attribute, which copies that
+        # rewrite a node's inputs or files drop, and pickling drops).
+        cached: dict[str, str] | None = self.__dict__.get("_fingerprint")
+        kind = "content" if content else "structure"
+        if cached is not None and kind in cached:
+            return cached[kind]
+        from headrace.core.fingerprint import describing_content
+
+        with describing_content(content):
             digest = hashlib.sha256()
             digest.update(type(self).__qualname__.encode())
             digest.update(repr(self.params()).encode())
+            if content:
+                digest.update(repr(self.content()).encode())
             for child in self.inputs:
-                digest.update(child.fingerprint().encode())
-            cached = digest.hexdigest()[:20]
-            self._fingerprint = cached
-        return cached
+                digest.update(child._identity(content=content).encode())
+        value = digest.hexdigest()[:20]
+        self.__dict__.setdefault("_fingerprint", {})[kind] = value
+        return value
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

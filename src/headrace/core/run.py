@@ -24,7 +24,9 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.state import (
     OUT_OF_ORDER,
     StateReader,
+    check_seal,
     out_of_order_marked,
+    seal,
     stale_out_of_order,
 )
 from headrace.errors import CheckpointError, IteratorClosedError
@@ -47,8 +49,9 @@ __all__ = [
 ]
 
 #: Version of the state dicts; bumped when their layout or the fingerprints change
-#: (2: functions fingerprinted by code and closure values, checked state fields).
-STATE_VERSION = 2
+#: (2: functions fingerprinted by code and closure values, checked state fields;
+#: 3: a checksum over every field, :func:`headrace.core.state.seal`).
+STATE_VERSION = 3
 
 _perf_counter = time.perf_counter  # a global, not an attribute lookup, twice per element
 
@@ -247,13 +250,15 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         self._check_open()
         tree_state = self._tree.get_state()
         self._refuse_stale_out_of_order(tree_state)
-        return {
-            "format": "headrace.iterator",
-            "version": STATE_VERSION,
-            "fingerprint": self._node.fingerprint(),
-            "iteration": self._context.run.iteration,
-            "state": tree_state,
-        }
+        return seal(
+            {
+                "format": "headrace.iterator",
+                "version": STATE_VERSION,
+                "fingerprint": self._node.fingerprint(),
+                "iteration": self._context.run.iteration,
+                "state": tree_state,
+            }
+        )
 
     def _refuse_stale_out_of_order(self, tree_state: dict[str, Any]) -> None:
         stages = list(self._context.run.out_of_order)  # (interleave slots' stages too)
@@ -276,7 +281,9 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         """Resume from :meth:`get_state` of an iterator over the same pipeline.
 
         Raises :class:`CheckpointError` if the state comes from another pipeline
-        (fingerprint mismatch) or another state format version, or if any field
+        (fingerprint mismatch) or another state format version, if it was changed
+        after :meth:`get_state` made it (its checksum: integrity, not security — see
+        :mod:`headrace.core.state`), or if any field
         of any stage is of the wrong type or out of range (a counter past the end
         of a finite input included). A refused state may leave this iterator
         part-way restored: restore another state or make a new iterator.
@@ -289,6 +296,7 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
                 f"iterator state has format version {state.get('version')}, "
                 f"this headrace reads version {STATE_VERSION}"
             )
+        check_seal(state, "iterator state")
         fingerprint = self._node.fingerprint()
         if state.get("fingerprint") != fingerprint:
             raise CheckpointError(

@@ -9,16 +9,28 @@ another version of a pipeline, or from a bug; restoring it blindly can hang
 :class:`~headrace.errors.CheckpointError` naming the stage and the field, and
 replays through :func:`replay`, which turns "the input ended first" into the
 same error.
+
+Before any field is read, :func:`check_seal` checks the checksum :func:`seal`
+put over the whole state when it was taken: a state edited by hand (a position
+moved forward, which would skip elements silently where the edited value is
+still in range) or damaged in storage is refused as a whole. This is
+*integrity*, not security: the checksum has no key, so whoever edits a state on
+purpose can seal it again; it catches mistakes and corruption, and the field
+checks above still guard against a producer's bugs.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
+
+import xxhash
 
 from headrace.errors import CheckpointError
 
 __all__ = [
+    "CHECKSUM",
     "EPOCH",
     "INNER",
     "INPUTS",
@@ -27,8 +39,10 @@ __all__ = [
     "PRODUCED",
     "SKIP",
     "StateReader",
+    "check_seal",
     "past_end",
     "replay",
+    "seal",
 ]
 
 #: Counters are int64 wherever NumPy touches them; anything larger is corrupt.
@@ -53,6 +67,51 @@ PRODUCED = "produced"
 EPOCH = "epoch"
 
 _MISSING = object()
+
+#: The field of a sealed state that holds the checksum over all its other fields.
+CHECKSUM = "checksum"
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` as JSON would give it back (tuples as lists, keys as str), so a state
+    checks the same before and after a round trip through ``json``."""
+    if isinstance(value, dict):
+        return {str(key): _canonical(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item) for item in value]
+    return value
+
+
+def _checksum(state: dict[str, Any]) -> str:
+    fields = {key: value for key, value in state.items() if key != CHECKSUM}
+    text = json.dumps(_canonical(fields), sort_keys=True, separators=(",", ":"), default=repr)
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def seal(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with a checksum over all its fields (:data:`CHECKSUM`), in place.
+
+    Integrity, not security (there is no key): :func:`check_seal` refuses a state
+    changed since, by hand or by damage, before any of its fields is believed."""
+    state[CHECKSUM] = _checksum(state)
+    return state
+
+
+def check_seal(state: dict[str, Any], what: str) -> None:
+    """Refuse ``state`` (a dict :func:`seal` made; ``what`` names it) with a
+    :class:`CheckpointError` if its checksum is missing or no longer matches."""
+    recorded = state.get(CHECKSUM)
+    if not isinstance(recorded, str):
+        raise CheckpointError(
+            f"{what} has no {CHECKSUM!r} field: it was not made by get_state (or by a "
+            "headrace that did not seal its states)"
+        )
+    if recorded != _checksum(state):
+        raise CheckpointError(
+            f"{what} does not match its checksum: a field was changed after get_state "
+            "made it (edited, or damaged in storage); resuming from it could skip or "
+            "repeat elements silently. The checksum guards integrity, not security."
+        )
 
 
 class StateReader:

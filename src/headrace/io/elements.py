@@ -480,20 +480,53 @@ def spec_to_json(spec: Any) -> Any:
     raise ElementSpecError(f"cannot describe element spec component {spec!r}")
 
 
-def spec_from_json(raw: Any) -> Any:
-    """The nested element spec :func:`spec_to_json` described."""
+#: Nesting a spec may have (what a manifest could hold before Python's recursion does).
+MAX_SPEC_DEPTH = 64
+
+
+def spec_from_json(raw: Any, depth: int = 0) -> Any:
+    """The nested element spec :func:`spec_to_json` described.
+
+    Raises ``ValueError`` saying what is wrong for anything else — a missing or
+    extra field, a wrong type, a dtype this format never writes, a shape that is not
+    a list of sizes, nesting deeper than :data:`MAX_SPEC_DEPTH` — never a bare
+    KeyError, TypeError or RecursionError (a manifest is data someone may have
+    edited)."""
+    if depth > MAX_SPEC_DEPTH:
+        raise ValueError(f"element spec nested deeper than {MAX_SPEC_DEPTH} levels")
     if not isinstance(raw, dict) or len(raw) not in (1, 3):
         raise ValueError(f"bad element spec entry {raw!r:.80}")
-    if "spec" in raw:
-        shape, dtype = raw["spec"]
+    if set(raw) == {"spec"}:
+        entry = raw["spec"]
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise ValueError(f"bad tensor spec {entry!r:.80}: expected [shape, dtype]")
+        shape, dtype = entry
+        if shape is not None and not (
+            isinstance(shape, list)
+            and all(d is None or (type(d) is int and d >= 0) for d in shape)
+        ):
+            raise ValueError(f"bad shape {shape!r:.80} in the element spec")
         if dtype in ("bytes", "str"):
             return TensorSpec(shape, dtype)
-        return TensorSpec(shape, _dtype(dtype))
-    if "dict" in raw:
-        return {key: spec_from_json(value) for key, value in raw["dict"].items()}
-    if "tuple" in raw:
-        return tuple(spec_from_json(item) for item in raw["tuple"])
-    if "namedtuple" in raw:
-        cls = _namedtuple_class(raw["namedtuple"], tuple(raw["fields"]))
-        return cls(*(spec_from_json(item) for item in raw["items"]))
+        try:
+            return TensorSpec(shape, _dtype(dtype))
+        except (_Corrupt, TypeError) as error:
+            raise ValueError(f"bad dtype {dtype!r:.40} in the element spec ({error})") from None
+    if set(raw) == {"dict"} and isinstance(raw["dict"], dict):
+        return {key: spec_from_json(value, depth + 1) for key, value in raw["dict"].items()}
+    if set(raw) == {"tuple"} and isinstance(raw["tuple"], list):
+        return tuple(spec_from_json(item, depth + 1) for item in raw["tuple"])
+    if set(raw) == {"namedtuple", "fields", "items"}:
+        name, fields, items = raw["namedtuple"], raw["fields"], raw["items"]
+        if not (
+            isinstance(name, str)
+            and name.isidentifier()
+            and isinstance(fields, list)
+            and all(isinstance(field, str) for field in fields)
+            and isinstance(items, list)
+            and len(items) == len(fields)
+        ):
+            raise ValueError(f"bad namedtuple entry in the element spec {raw!r:.80}")
+        cls = _namedtuple_class(name, tuple(fields))
+        return cls(*(spec_from_json(item, depth + 1) for item in items))
     raise ValueError(f"bad element spec entry {raw!r:.80}")

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.fingerprint import array_digest, file_identity
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
@@ -85,9 +86,12 @@ class TensorSlicesNode(Node):
 
     stage = "from_tensor_slices"
 
-    def __init__(self, tensors: Any, *, keep_str: bool = False) -> None:
+    def __init__(self, tensors: Any, *, keep_str: bool = False, paths: bool = False) -> None:
         super().__init__()
         self.structure = tensors
+        #: Whether the rows are paths of files the pipeline reads (list_files, a reader's
+        #: num_parallel_reads): then the files' identities are part of its content.
+        self.paths = paths
         # tf.data's strings are bytes: str components come out UTF-8 encoded, except
         # where headrace documents str (list_files' paths pass keep_str)
         leaves = [
@@ -113,6 +117,13 @@ class TensorSlicesNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return _array_params(self.leaves)
+
+    def content(self) -> tuple[Any, ...]:
+        digests = tuple(array_digest(leaf) for leaf in self.leaves)
+        if not self.paths:
+            return digests
+        names = [os.fsdecode(name) for leaf in self.leaves for name in np.asarray(leaf).flat]
+        return (*digests, *(file_identity(name) for name in names))
 
     @property
     def element_spec(self) -> Any:
@@ -148,6 +159,9 @@ class TensorsNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return _array_params(self.leaves)
+
+    def content(self) -> tuple[Any, ...]:
+        return tuple(array_digest(leaf) for leaf in self.leaves)
 
     @property
     def element_spec(self) -> Any:

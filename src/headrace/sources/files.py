@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from headrace.core.fingerprint import file_identity
 from headrace.core.iterator import BatchToken, Context, Iterator
 from headrace.core.node import UNKNOWN, Node
 from headrace.core.state import StateReader
@@ -333,6 +334,9 @@ class FileRecordsNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return (tuple(self.filenames), self.compression_type)
+
+    def content(self) -> tuple[Any, ...]:
+        return tuple(file_identity(name) for name in self.filenames)
 
     @property
     def element_spec(self) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.fingerprint import file_identity
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
@@ -398,6 +399,9 @@ class IndexedTFRecordNode(Node):
 
     def params(self) -> tuple[Any, ...]:
         return (tuple(self.filenames), tuple(self.counts), self.verify_crc)
+
+    def content(self) -> tuple[Any, ...]:
+        return tuple(file_identity(name) for name in self.filenames)
 
     @property
     def element_spec(self) -> Any:

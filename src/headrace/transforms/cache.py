@@ -22,9 +22,15 @@ read the input; the first to complete is kept and both read it afterwards
 manifest that marks it complete. Both are written atomically and only at the
 end of the input (or once the input's cardinality is reached, as in tf.data),
 so a crashed or interrupted writer never leaves a cache that looks complete.
-The manifest records the fingerprint of the pipeline above the cache: a run
-of another pipeline rebuilds the cache (with a warning) instead of reading
-stale data. One writer at a time: ``<filename>.lockfile`` is held with
+The manifest records the *content* fingerprint of the pipeline above the cache
+(:meth:`~headrace.core.node.Node.data_fingerprint`: its structure, a digest of its
+in-memory arrays and of those its functions capture, the identity of its files):
+a run of another pipeline, or of this one over changed data, rebuilds the cache
+(with a warning) instead of reading stale data. It also vouches for the data
+file: ``<filename>.hrcache.crc`` holds each record's data CRC as written (the
+manifest holds its digest), and every record read is compared with it before it
+is used, so a data file from another cache or changed since is refused with
+:class:`~headrace.errors.DataLossError` naming it, at no extra read. One writer at a time: ``<filename>.lockfile`` is held with
 ``flock`` (released by the kernel if the writer dies), and a second writer
 gets tf.data's error naming it.
 
@@ -68,6 +74,7 @@ import weakref
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode
@@ -112,6 +119,8 @@ EPOCHS = "epochs"
 #: Which iterator of the dataset wrote the cache (seeds a reshuffling shuffle above it).
 WRITER_ITERATION = "writer_iteration"
 _MANIFEST_FORMAT = "headrace.cache"
+#: 2: content fingerprints, and each record's CRC recorded (``<file>.crc``).
+_MANIFEST_VERSION = 2
 _BYTES_OVERHEAD = 33  # what a bytes object costs beyond its payload (sys.getsizeof(b""))
 _FRAME_HEADER = struct.Struct("<QI")  # a TFRecord's length and its masked CRC
 _FRAME_FOOTER = struct.Struct("<I")  # its data's masked CRC
@@ -139,13 +148,14 @@ class CacheNode(UnaryNode):
             raise InvalidArgumentError(
                 f"cache: filename must be a str or os.PathLike, got {type(filename).__name__}"
             )
-        self.filename = os.fspath(filename)
-        if self.filename:
-            directory = os.path.dirname(os.path.abspath(self.filename))
+        name = os.fspath(filename)
+        if name:
+            directory = os.path.dirname(os.path.abspath(name))
             if not os.path.isdir(directory):
                 raise InvalidArgumentError(
-                    f"cache: the directory of filename {self.filename!r} does not exist"
+                    f"cache: the directory of filename {name!r} does not exist"
                 )
+        self.filename = name
 
     def params(self) -> tuple[Any, ...]:
         return (self.filename,)
@@ -249,6 +259,9 @@ class _RecordWriter:
         self.nbytes = 0
         #: Where each record starts (8 bytes a record, booked as it grows).
         self.offsets = array.array("q")
+        #: Each record's (block's) data CRC, as its footer holds it (4 bytes a record,
+        #: booked with the offsets): the manifest's record of what the file must hold.
+        self.crcs = array.array("I")
         self.offsets_booking = account.charge(0)
 
     def _start(self) -> None:
@@ -282,10 +295,11 @@ class _RecordWriter:
         try:
             self._grow_offsets(1)
             try:
+                head, foot = record_frame(encoded.parts)
                 if self.codec is None:
-                    written = self.writer.write_parts(encoded.parts)
+                    written = self.writer.write_framed([head, *encoded.parts, foot], 1)
+                    self.crcs.append(_FRAME_FOOTER.unpack(foot)[0])
                 else:
-                    head, foot = record_frame(encoded.parts)
                     written = self._write_block([head, *encoded.parts, foot], 1)
             except OSError as error:
                 self.abort()
@@ -302,11 +316,13 @@ class _RecordWriter:
         assert self.writer is not None and self.codec is not None
         block = self.codec.compress(framed)
         self.blocks.append((records, sum(len(part) for part in framed)))
-        return self.writer.write_parts([block])
+        head, foot = record_frame([block])
+        self.crcs.append(_FRAME_FOOTER.unpack(foot)[0])
+        return self.writer.write_framed([head, block, foot], 1)
 
     def _grow_offsets(self, records: int) -> None:
         self.offsets_booking = self.offsets_booking.absorb(
-            _book(self.account, 8 * records, "the cache's record offsets")
+            _book(self.account, 12 * records, "the cache's record offsets and checksums")
         )
 
     def flush(self) -> None:
@@ -327,8 +343,12 @@ class _RecordWriter:
             self.batch_bytes = 0
             return
         self._grow_offsets(len(batch))
+        framed = encode_records(batch)
+        ends = np.cumsum([len(payload) + RECORD_OVERHEAD_BYTES for payload in batch])
+        footers = np.frombuffer(framed, dtype=np.uint8)[(ends - 4)[:, None] + np.arange(4)]
+        self.crcs.extend(footers.copy().view("<u4").reshape(-1).tolist())
         try:
-            self.writer.write_many(batch)
+            self.writer.write_framed([framed], len(batch))
         except OSError as error:
             self.abort()
             if error.errno in _FULL:
@@ -344,6 +364,8 @@ class _RecordWriter:
     def finish(self) -> None:
         """Write what is left, move the file to its name (atomic, fsynced), index it."""
         self.flush()
+        #: What the manifest records of the complete file (each record's data CRC).
+        self.final_crcs = self.crcs
         writer, self.writer = self.writer, None
         if writer is not None:
             try:
@@ -370,6 +392,32 @@ class _RecordWriter:
         booking.release()
         self.offsets_booking.release()
         self.offsets = array.array("q")
+        self.crcs = array.array("I")
+
+
+class _Expected:
+    """What a complete cache file must hold, as its manifest recorded it: the data CRC
+    of each record (each block, compressed), from ``<file>.crc`` (whose digest the
+    manifest holds). Each record is compared as it is read, before it is used: a data
+    file of another cache, or one changed since, is refused at its first record that
+    differs — no element of it is ever served, and no extra read is needed."""
+
+    def __init__(self, crcs: Any, manifest: str) -> None:
+        self.crcs = np.asarray(crcs, dtype=np.uint32)
+        self.manifest = manifest
+
+    def mismatch(self, path: str, problem: str, offset: int | None = None) -> DataLossError:
+        return DataLossError(
+            f"cache: {path} is not the file its manifest {self.manifest} describes "
+            f"({problem}): it belongs to another cache or was changed after it was "
+            "written; delete the cache's files to rebuild it",
+            path=path,
+            offset=offset,
+        )
+
+
+def _checksums_digest(crcs: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(crcs)
 
 
 def _check_frame(buffer: bytes, offset: int, path: str, stream: str = "") -> tuple[int, int]:
@@ -409,12 +457,25 @@ class _RecordReader:
     element handed on are booked on the stage's account.
     """
 
-    def __init__(self, path: str, ctx: Context, account: StageAccount) -> None:
+    def __init__(
+        self,
+        path: str,
+        ctx: Context,
+        account: StageAccount,
+        expected: _Expected | None = None,
+    ) -> None:
         self.path, self.ctx, self.account = path, ctx, account
         index = load_index(path, size_only=True)  # every record is checked as it is read
         self.offsets = index.offsets
         self.size = index.shard_size
-        self.index_booking = _book(account, self.offsets.nbytes, "the cache file's index")
+        self.expected = expected
+        if expected is not None and len(expected.crcs) != len(self.offsets):
+            raise expected.mismatch(
+                path, f"its index lists {len(self.offsets)} records where the manifest "
+                f"recorded {len(expected.crcs)}"
+            )
+        nbytes = self.offsets.nbytes + (0 if expected is None else expected.crcs.nbytes)
+        self.index_booking = _book(account, nbytes, "the cache file's index")
         self.stream = get_default_pool().open(
             path, limiter=file_limiter(ctx), buffer_size=4096  # positioned reads: unused
         )
@@ -453,8 +514,11 @@ class _RecordReader:
         (buffer,) = self.stream.pread_many([begin], [size])
         if last == first:  # decoded in place: the element's arrays are views of ``buffer``
             self.pending = [(buffer, *self._check_one(buffer, begin), self.pending_booked)]
+            self._check_entry(buffer, len(buffer), first)
         else:
             records = records_in_spans([buffer], [last - first + 1], [begin], path=self.path)
+            for entry in range(first, last + 1):
+                self._check_entry(buffer, self._end(entry) - begin, entry)
             del buffer
             self.pending = [
                 (record, 0, len(record), len(record) + _BYTES_OVERHEAD) for record in records
@@ -492,6 +556,8 @@ class _RecordReader:
             (buffer, *_check_frame(buffer, start, self.path), len(buffer) + _BYTES_OVERHEAD)
             for buffer, start in zip(buffers, starts, strict=True)
         ]
+        for entry, buffer in enumerate(buffers, first):
+            self._check_entry(buffer, len(buffer), entry)
         self._rebook_pending()  # (a short read at a truncated end books less)
         self.next_pending = 0
         return True
@@ -508,6 +574,20 @@ class _RecordReader:
 
     def _check_one(self, buffer: bytes, offset: int) -> tuple[int, int]:
         return _check_frame(buffer, offset, self.path)
+
+    def _check_entry(self, buffer: bytes, stop: int, entry: int) -> None:
+        """Refuse index entry ``entry`` (its frame ends at ``stop`` in ``buffer``, its
+        CRCs already checked) unless its data CRC is the one the manifest recorded."""
+        expected = self.expected
+        if expected is None:
+            return
+        (crc,) = _FRAME_FOOTER.unpack_from(buffer, stop - _FRAME_FOOTER.size)
+        if crc != expected.crcs[entry]:
+            offset = int(self.offsets[entry])
+            raise expected.mismatch(
+                self.path, f"record {entry} at offset {offset} is not the one written there",
+                offset,
+            )
 
     def _take(self) -> tuple[bytes, int, int, int]:
         """The next record (buffer, payload bounds, offset), its read-ahead booking returned."""
@@ -576,8 +656,9 @@ class _BlockReader(_RecordReader):
         account: StageAccount,
         codec: BlockCodec,
         blocks: list[tuple[int, int]],
+        expected: _Expected | None = None,
     ) -> None:
-        super().__init__(path, ctx, account)
+        super().__init__(path, ctx, account, expected)
         self.codec = codec
         self.blocks = blocks
         if len(blocks) != len(self.offsets):
@@ -609,6 +690,7 @@ class _BlockReader(_RecordReader):
         self.pending_booked = work
         (buffer,) = self.stream.pread_many([begin], [size])
         start, stop = _check_frame(buffer, begin, self.path)
+        self._check_entry(buffer, len(buffer), block)
         raw = self.codec.decompress(
             memoryview(buffer)[start:stop], raw_size, path=self.path, offset=begin
         )
@@ -1019,7 +1101,8 @@ class _FileStore(_Store):
         super().__init__(epochs)
         self.ctx, self.account = ctx, account
         self.paths = _CachePaths(node.filename)
-        self.fingerprint = node.inputs[0].fingerprint()
+        self.fingerprint = node.inputs[0].data_fingerprint()
+        self.expected: _Expected | None = None
         self.codec = block_codec(node.compression)
         self.blocks: list[tuple[int, int]] = []
         self.lock_fd = _acquire_lock(self.paths)
@@ -1049,12 +1132,17 @@ class _FileStore(_Store):
         try:
             writer.finish()
             self.blocks = writer.blocks
+            checksums = np.asarray(writer.final_crcs, dtype="<u4").tobytes()
+            write_atomically(self.paths.checksums, [checksums])
+            self.expected = _Expected(writer.final_crcs, self.paths.manifest)
             manifest: dict[str, Any] = {
                 "format": _MANIFEST_FORMAT,
+                "version": _MANIFEST_VERSION,
                 "elements_format": ELEMENTS_FORMAT,
                 "fingerprint": self.fingerprint,
                 "elements": self.count,
                 "bytes": os.path.getsize(self.paths.data),
+                "checksums": _checksums_digest(checksums),
                 "created": time.time(),
             }
             if self.codec is not None:  # what a reader needs to find and check each block
@@ -1062,8 +1150,9 @@ class _FileStore(_Store):
                 manifest["blocks"] = [list(block) for block in self.blocks]
             write_atomically(self.paths.manifest, [json.dumps(manifest).encode()])
         except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.paths.data)
+            for path in (self.paths.data, self.paths.checksums):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             _release_lock(self.paths, self.lock_fd)
             raise
         _release_lock(self.paths, self.lock_fd)
@@ -1076,7 +1165,9 @@ class _FileStore(_Store):
             _release_lock(self.paths, self.lock_fd)
 
     def reader(self) -> _StoreReader:
-        return _FileReader(self.paths.data, self.ctx, self.account, self.codec, self.blocks)
+        return _FileReader(
+            self.paths.data, self.ctx, self.account, self.codec, self.blocks, self.expected
+        )
 
 
 class _FileReader(_StoreReader):
@@ -1087,11 +1178,12 @@ class _FileReader(_StoreReader):
         account: StageAccount,
         codec: BlockCodec | None = None,
         blocks: list[tuple[int, int]] | None = None,
+        expected: _Expected | None = None,
     ) -> None:
         self.records = (
-            _RecordReader(path, ctx, account)
+            _RecordReader(path, ctx, account, expected)
             if codec is None
-            else _BlockReader(path, ctx, account, codec, blocks or [])
+            else _BlockReader(path, ctx, account, codec, blocks or [], expected)
         )
 
     def pull(self) -> tuple[Any, Reservation]:
@@ -1115,15 +1207,19 @@ class _CompleteFile(_Store):
         count: int,
         codec: BlockCodec | None,
         blocks: list[tuple[int, int]],
+        expected: _Expected,
     ) -> None:
         super().__init__(())
         self.path, self.ctx, self.account = path, ctx, account
         self.complete = True
         self.count = count
         self.codec, self.blocks = codec, blocks
+        self.expected = expected
 
     def reader(self) -> _StoreReader:
-        return _FileReader(self.path, self.ctx, self.account, self.codec, self.blocks)
+        return _FileReader(
+            self.path, self.ctx, self.account, self.codec, self.blocks, self.expected
+        )
 
     def discard(self) -> None:
         """A complete cache stays on disk."""
@@ -1134,6 +1230,8 @@ class _CachePaths:
         self.prefix = filename
         self.data = f"{filename}.hrcache"
         self.manifest = f"{filename}.hrcache.json"
+        #: Each record's data CRC, as written (its digest is in the manifest).
+        self.checksums = f"{filename}.hrcache.crc"
         self.lock = f"{filename}.lockfile"
 
 
@@ -1170,10 +1268,11 @@ def _remove_leftovers(paths: _CachePaths) -> None:
     """Under the lock: what a crashed writer left (temporary files, a manifest-less data
     file) is never complete, so it goes; so does a manifest that is about to be stale."""
     directory, name = os.path.split(os.path.abspath(paths.data))
-    for leftover in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}*.tmp")):
+    pattern = f".{glob.escape(name)}*.tmp"  # the data file's, its index's, its checksums'
+    for leftover in glob.glob(os.path.join(glob.escape(directory), pattern)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(leftover)
-    for path in (paths.manifest, paths.data, index_path_for(paths.data)):
+    for path in (paths.manifest, paths.data, index_path_for(paths.data), paths.checksums):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
@@ -1190,7 +1289,9 @@ def _find_complete(node: CacheNode, ctx: Context, account: StageAccount) -> _Com
         return None  # unreadable: not complete; the writer replaces it
     if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
         return None
-    fingerprint = node.inputs[0].fingerprint()
+    if manifest.get("version") != _MANIFEST_VERSION:
+        return None  # an older headrace's (keyed by structure only): rebuilt
+    fingerprint = node.inputs[0].data_fingerprint()
     if manifest.get("fingerprint") != fingerprint:
         warnings.warn(
             f"cache: {paths.manifest} was written by a different pipeline (fingerprint "
@@ -1209,9 +1310,10 @@ def _find_complete(node: CacheNode, ctx: Context, account: StageAccount) -> _Com
         return None
     if not os.path.exists(index_path_for(paths.data)):  # written before the manifest
         return None
+    expected = _read_checksums(paths, manifest)
     compression = manifest.get("compression")  # detected: whatever this run would write
     if compression is None:
-        return _CompleteFile(paths.data, ctx, account, count, None, [])
+        return _CompleteFile(paths.data, ctx, account, count, None, [], expected)
     blocks = manifest.get("blocks")
     if (
         compression not in BLOCK_CODECS
@@ -1231,8 +1333,32 @@ def _find_complete(node: CacheNode, ctx: Context, account: StageAccount) -> _Com
         )
     codec = block_codec(compression)  # SNAPPY without cramjam: says what to install
     return _CompleteFile(
-        paths.data, ctx, account, count, codec, [(int(n), int(raw)) for n, raw in blocks]
+        paths.data, ctx, account, count, codec, [(int(n), int(raw)) for n, raw in blocks],
+        expected,
     )
+
+
+def _read_checksums(paths: _CachePaths, manifest: dict[str, Any]) -> _Expected:
+    """The records' CRCs a complete cache's manifest vouches for (``<file>.crc``, checked
+    against the digest the manifest holds); DataLossError naming the file otherwise."""
+    try:
+        with open(paths.checksums, "rb") as file:
+            checksums = file.read()
+    except OSError as error:
+        raise DataLossError(
+            f"cache: {paths.checksums}, the record checksums of the complete cache "
+            f"{paths.data}, cannot be read ({error.strerror}); delete the cache's files "
+            "to rebuild it",
+            path=paths.checksums,
+        ) from None
+    if len(checksums) % 4 or _checksums_digest(checksums) != manifest.get("checksums"):
+        raise DataLossError(
+            f"cache: {paths.checksums} is not the checksum file its manifest "
+            f"{paths.manifest} describes (it belongs to another cache or was changed); "
+            "delete the cache's files to rebuild it",
+            path=paths.checksums,
+        )
+    return _Expected(np.frombuffer(checksums, dtype="<u4"), paths.manifest)
 
 
 # --------------------------------------------------------------------------- iterator

@@ -2,11 +2,14 @@
 passes (in this process or any other) read it.
 
 It falls out of ``cache(filename)``: a snapshot is a persistent cache whose file
-lives in a directory named by the fingerprint of the pipeline above it,
-``<path>/<fingerprint>/snapshot.hrcache`` (plus its ``.hrx`` index and the
-manifest that marks it complete). So, as in tf.data, one ``path`` holds the
-snapshots of several pipelines side by side, and editing the pipeline makes a
-new snapshot instead of reading a stale one. The first iterator writes while it
+lives in a directory named by the *content* fingerprint of the pipeline above it
+(:meth:`~headrace.core.node.Node.data_fingerprint`: its structure, a digest of its
+in-memory arrays and of those its functions capture, the identity of its files),
+``<path>/<fingerprint>/snapshot.hrcache`` (plus its ``.hrx`` index, the records'
+checksums and the manifest that marks it complete). So, as in tf.data, one
+``path`` holds the snapshots of several pipelines side by side, and editing the
+pipeline or changing its input makes a new snapshot instead of reading a stale
+one; a data file that is not the one written there is refused (DataLossError). The first iterator writes while it
 passes the elements on; the snapshot is complete only at the end of the input
 (a pass stopped early leaves nothing that counts, and the next pass writes
 again); a complete one is read with positioned reads, never the input.
@@ -73,7 +76,16 @@ class SnapshotNode(CacheNode):
             )
         super().__init__(source)  # its directory is made by the first iterator
         self.compression = None if codec is None else codec.name
-        self.filename = os.path.join(self.path, source.fingerprint(), "snapshot")
+
+    @property  # type: ignore[override]
+    def filename(self) -> str:
+        """``<path>/<content fingerprint of the input>/snapshot``: found when first asked
+        (the input's arrays are hashed once, not when the recipe is built)."""
+        return os.path.join(self.path, self.inputs[0].data_fingerprint(), "snapshot")
+
+    @filename.setter
+    def filename(self, value: str) -> None:
+        """(CacheNode's constructor sets the in-memory cache's ``""``: derived here.)"""
 
     def params(self) -> tuple[Any, ...]:
         return (self.path,)

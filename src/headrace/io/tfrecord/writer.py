@@ -105,6 +105,16 @@ class TFRecordWriter:
         self.records_written += 1
         return sum(len(part) for part in parts) + RECORD_OVERHEAD_BYTES
 
+    def write_framed(self, pieces: Sequence[bytes | memoryview], records: int) -> int:
+        """Append ``records`` records already framed (headers, payloads, footers, in
+        ``pieces``, written as they are): for a writer that keeps each record's footer
+        (its data CRC). Returns the bytes written (uncompressed)."""
+        self._check_open()
+        for piece in pieces:
+            self._sink.write(piece)
+        self.records_written += records
+        return sum(len(piece) for piece in pieces)
+
     def close(self) -> None:
         """Finish the file and move it to ``path``; a no-op when already closed."""
         if self._file is None:
