@@ -451,9 +451,9 @@ def _cmyk_jpeg_pixels(
         raise InvalidImageError(
             f"{op}: the JPEG header says {height}x{width}x4 at ratio {ratio}, the decoder "
             f"produced {cmyk.shape}")
-    wide = cmyk.astype(np.uint16)
-    rgb = wide[:, :, :3] * wide[:, :, 3:] // 255
-    return rgb.astype(np.uint8)
+    wide: Array = np.asarray(cmyk, np.uint16)
+    rgb: Array = (wide[:, :, :3] * wide[:, :, 3:] // 255).astype(np.uint8)
+    return rgb
 
 
 def decode_jpeg(
@@ -683,7 +683,7 @@ def _png_samples(data: bytes | memoryview, header: ImageHeader, png: _PngFile,
     if png.bits == 16 and png.colour != 0:
         # Pillow keeps only the high byte of 16-bit colour: pypng reads every bit
         try:
-            import png as pypng
+            import png as pypng  # type: ignore[import-untyped]
         except ImportError:
             raise InvalidArgumentError(
                 f"{op}: a 16-bit colour PNG needs pypng: pip install 'headrace[image]'"
@@ -898,8 +898,8 @@ def decode_bmp(contents: Any, channels: int = 0, name: str | None = None, *,
             f"{op}: {'truncated' if short > 0 else 'corrupt'} BMP: its header says "
             f"{rows}x{width}x{stored} from byte {offset}, {offset + stride * rows:,} bytes "
             f"in all; it has {len(data):,}")
-    pixels = np.frombuffer(data, np.uint8, stride * rows, offset).reshape(rows, stride)
-    pixels = pixels[:, : width * stored].reshape(rows, width, stored)
+    lines = np.frombuffer(data, np.uint8, stride * rows, offset).reshape(rows, stride)
+    pixels: Array = lines[:, : width * stored].reshape(rows, width, stored)
     if height > 0:  # bottom-up
         pixels = pixels[::-1]
     if stored >= 3:  # BGR(A) -> RGB(A)
