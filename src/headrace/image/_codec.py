@@ -733,6 +733,8 @@ def _png_pixels(samples: Array, png: _PngFile, channels: int, wide: bool) -> Arr
     has_trns = png.transparency is not None
     if channels == 0:
         channels = (4 if has_trns else 3) if colour == 3 else _PNG_SAMPLES[colour]
+    if colour != 3 and channels == _PNG_SAMPLES[colour] and (bits == 16) == wide:
+        return np.ascontiguousarray(samples)  # as stored (tRNS ignored): nothing to do
     want_alpha = channels % 2 == 0
     depth = 16 if bits == 16 else 8
     top = (1 << depth) - 1
