@@ -23,6 +23,12 @@ after it to a new call, so one slow element holds back no later one, as in
 tf.data — except the very first element: its output's size is what calls in
 flight are booked at, so nothing starts beside it.
 
+Positions. While ``fn`` runs, the element's position (its index in the map's input,
+counted the same sequentially, on threads and on processes, and the epoch of each
+enclosing ``repeat``) is published to it (:mod:`headrace.core.position`): random
+image ops seeded with an int draw from it, so augmentations do not depend on who
+ran the element (G3) and come again after a restore (G4).
+
 Errors. When ``fn`` raises for element i, ``next()`` raises that exception
 (its own type and traceback, with a note naming the stage and i) after every
 earlier element, and the following ``next()`` returns element i+1's output:
