@@ -53,7 +53,7 @@ def _stage(ds: hr.Dataset, stage: str) -> hr.Dataset:
     if stage == "repeat":
         return ds.repeat(2)
     assert stage == "batch"
-    return ds.batch(3)
+    return ds.batch(3, drop_remainder=True)  # (a batch of batches needs equal sizes)
 
 
 def _outputs(ds: hr.Dataset, restore_at: int | None = None) -> list[np.ndarray]:
