@@ -3,11 +3,15 @@
 Decoders read the header first (:func:`read_header`), so a decoded image can be
 booked on the pipeline's budget before its pixels exist
 (``Dataset.map(decode, ..., output_nbytes=decoded_nbytes)``) and a decompression
-bomb is refused from its declared size (``max_pixels``). Random operations are
-stateless: pass ``seed=(pipeline_seed, element_index)`` (``Dataset.enumerate()``
-gives the index) and the augmentation of an element is the same whatever the
-number of workers, and again after a restore. ``headrace.tf_compat`` exposes
-them as ``tf.image.*`` and ``tf.io.decode_*``.
+bomb is refused from its declared size (``max_pixels``); the pixels are
+TensorFlow's, bit for bit (PNG of any depth and colour type, grey/RGB/CMYK JPEG,
+BMP). Random operations are deterministic per element: inside a map, an int
+``seed`` (``seed=42``, as tf.data users write it) is combined with the element's
+position in the map's input and the epoch of each enclosing ``repeat``; anywhere,
+``seed=(pipeline_seed, element_index)`` (``Dataset.enumerate()`` gives the index)
+is the stateless pair itself. Either way the augmentation of an element is the
+same whatever the number of workers, and again after a restore.
+``headrace.tf_compat`` exposes them as ``tf.image.*`` and ``tf.io.decode_*``.
 
 Needs the ``[image]`` extra (simplejpeg for JPEG, Pillow for PNG/GIF/BMP) for
 decoding; everything else is NumPy.

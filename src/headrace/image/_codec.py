@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,14 +148,14 @@ def _png_header(data: bytes | memoryview, op: str) -> ImageHeader:
         raise InvalidImageError(
             f"{op}: corrupt PNG header: {width}x{height}, colour type {colour}"
         )
-    # a tRNS chunk (before the first IDAT) adds an alpha channel, as libpng expands it
+    # a palette's tRNS chunk (before the first IDAT) makes its decode RGBA, as TensorFlow's
     position = 33
     while position + 8 <= len(data):
         (length,) = struct.unpack_from(">I", data, position)
         kind = bytes(data[position + 4 : position + 8])
         if kind == b"IDAT":
             break
-        if kind == b"tRNS" and channels in (1, 3):
+        if kind == b"tRNS" and colour == 3:  # (TensorFlow adds it for a palette only)
             channels += 1
             break
         position += 12 + length
@@ -379,6 +380,9 @@ def _jpeg_pixels(
         if reduced is not None:
             return reduced
     codec = _simplejpeg()
+    if header.channels == 4:
+        return _cmyk_jpeg_pixels(codec, data, header, out_channels, height, width, ratio,
+                                 fancy_upscaling, strict, dct_method, op)
     try:
         if codec is not None and header.channels in (1, 3):
             pixels = codec.decode_jpeg(
@@ -411,6 +415,45 @@ def _jpeg_pixels(
         )
     decoded: Array = pixels
     return decoded
+
+
+def _cmyk_jpeg_pixels(
+    codec: Any, data: bytes | memoryview, header: ImageHeader, out_channels: int,
+    height: int, width: int, ratio: int, fancy_upscaling: bool, strict: bool,
+    dct_method: str, op: str,
+) -> Array:
+    """A CMYK (or YCCK) JPEG as TensorFlow decodes it: libjpeg's CMYK, then
+    ``R = C * K // 255`` (and G, B from M, Y): Adobe's inverted CMYK, which every
+    CMYK JPEG in practice is. RGB only: TensorFlow refuses luma (channels=1)."""
+    if out_channels != 3:
+        raise InvalidImageError(
+            f"{op}: a CMYK JPEG decodes to RGB only (channels 0 or 3), channels="
+            f"{out_channels} was asked (TensorFlow refuses it too)")
+    try:
+        if codec is not None:
+            cmyk = codec.decode_jpeg(
+                data, colorspace="CMYK", fastdct=dct_method != "INTEGER_ACCURATE",
+                fastupsample=not fancy_upscaling, min_height=height if ratio > 1 else 0,
+                min_width=width if ratio > 1 else 0, strict=strict)
+        else:  # Pillow: its accurate IDCT, within a few levels of TensorFlow's
+            image = _pillow(op).open(io.BytesIO(bytes(data)))
+            if ratio > 1:
+                image.draft(image.mode, (width, height))
+            image.load()
+            if image.size != (width, height):
+                image = image.resize((width, height), _pillow(op).Resampling.BOX)
+            cmyk = 255 - np.asarray(image)  # Pillow un-inverts Adobe CMYK
+    except InvalidArgumentError:
+        raise
+    except Exception as error:
+        raise _invalid_jpeg(op, data, header, error) from error
+    if cmyk.shape[:2] != (height, width) or cmyk.shape[2] != 4:
+        raise InvalidImageError(
+            f"{op}: the JPEG header says {height}x{width}x4 at ratio {ratio}, the decoder "
+            f"produced {cmyk.shape}")
+    wide: Array = np.asarray(cmyk, np.uint16)
+    rgb: Array = (wide[:, :, :3] * wide[:, :, 3:] // 255).astype(np.uint8)
+    return rgb
 
 
 def decode_jpeg(
@@ -527,6 +570,223 @@ def _pillow_decode(data: bytes | memoryview, header: ImageHeader, op: str) -> An
 
 _MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}
 
+# --------------------------------------------------------------------------- PNG
+
+
+@dataclass(frozen=True)
+class _PngFile:
+    """What a PNG's chunks say before any pixel is decoded."""
+
+    width: int
+    height: int
+    bits: int
+    colour: int
+    interlaced: bool
+    palette: bytes
+    transparency: bytes | None
+    idat: list[bytes | memoryview]
+
+
+_PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # samples per pixel, by colour type
+_PNG_CRITICAL = (b"IHDR", b"PLTE", b"IDAT", b"IEND")
+
+
+def _png_file(data: bytes | memoryview, op: str) -> _PngFile:
+    """Walk a PNG's chunks (IHDR, PLTE, tRNS, the IDATs) up to IEND."""
+    size = len(data)
+    width, height, bits, colour = struct.unpack_from(">IIBB", data, 16)
+    interlaced = data[28] == 1
+    if _PNG_SAMPLES.get(colour) is None or bits not in (1, 2, 4, 8, 16) or (
+            colour in (2, 4, 6) and bits < 8) or (colour == 3 and bits == 16):
+        raise InvalidImageError(
+            f"{op}: corrupt PNG header: bit depth {bits} with colour type {colour}")
+    palette, transparency = b"", None
+    idat: list[bytes | memoryview] = []
+    position = 8
+    while True:
+        if position + 8 > size:
+            raise InvalidImageError(
+                f"{op}: truncated PNG: the data stops at byte {size}, inside the chunk "
+                f"header at byte {position} (no IEND chunk)")
+        (length,) = struct.unpack_from(">I", data, position)
+        kind = bytes(data[position + 4 : position + 8])
+        body = position + 8
+        if body + length + 4 > size:
+            raise InvalidImageError(
+                f"{op}: truncated PNG: its {kind.decode('latin-1')} chunk at byte {position} "
+                f"declares {length} bytes and a CRC, the data stops "
+                f"{body + length + 4 - size} bytes short")
+        if kind in _PNG_CRITICAL:  # libpng refuses a critical chunk whose CRC is wrong
+            (crc,) = struct.unpack_from(">I", data, body + length)
+            if zlib.crc32(data[body : body + length], zlib.crc32(kind)) != crc:
+                raise InvalidImageError(
+                    f"{op}: corrupt PNG: CRC error in its {kind.decode('latin-1')} chunk at "
+                    f"byte {position}")
+        if kind == b"IDAT":
+            idat.append(data[body : body + length])
+        elif kind == b"PLTE":
+            palette = bytes(data[body : body + length])
+        elif kind == b"tRNS":
+            transparency = bytes(data[body : body + length])
+        elif kind == b"IEND":
+            break
+        position = body + length + 4  # (the CRC)
+    if colour == 3 and not palette:
+        raise InvalidImageError(f"{op}: corrupt PNG: a palette image without a PLTE chunk")
+    return _PngFile(width, height, bits, colour, interlaced, palette, transparency, idat)
+
+
+def _png_raw_size(png: _PngFile) -> int:
+    """Bytes of the filtered scanlines the IDAT stream must inflate to."""
+    samples = _PNG_SAMPLES[png.colour] * png.bits
+
+    def rows(width: int, height: int) -> int:
+        return 0 if width == 0 or height == 0 else height * (1 + (width * samples + 7) // 8)
+
+    if not png.interlaced:
+        return rows(png.width, png.height)
+    total = 0
+    for y0, x0, dy, dx in ((0, 0, 8, 8), (0, 4, 8, 8), (4, 0, 8, 4), (0, 2, 4, 4),
+                           (2, 0, 4, 2), (0, 1, 2, 2), (1, 0, 2, 1)):
+        total += rows(max(0, -(-(png.width - x0) // dx)), max(0, -(-(png.height - y0) // dy)))
+    return total
+
+
+def _check_png_data(png: _PngFile, op: str) -> None:
+    """The IDAT stream inflates to every scanline, as libpng requires: a PNG whose data
+    stops early is an error (Pillow decodes it with the missing rows black)."""
+    expected = _png_raw_size(png)
+    inflater = zlib.decompressobj()
+    produced = 0
+    try:
+        for part in png.idat:
+            pending = part
+            while pending and produced < expected:
+                produced += len(inflater.decompress(pending, 1 << 20))
+                pending = inflater.unconsumed_tail
+            if produced >= expected:
+                break
+    except zlib.error as error:
+        raise InvalidImageError(f"{op}: corrupt PNG image data (zlib: {error})") from error
+    if produced < expected:
+        line = 1 + (png.width * _PNG_SAMPLES[png.colour] * png.bits + 7) // 8
+        where = "" if png.interlaced else f" ({produced // line} of {png.height} rows)"
+        raise InvalidImageError(
+            f"{op}: truncated PNG: its image data inflates to {produced:,} of the "
+            f"{expected:,} bytes its {png.height}x{png.width} header needs{where}")
+
+
+def _png_samples(data: bytes | memoryview, header: ImageHeader, png: _PngFile,
+                 op: str) -> Array:
+    """The stored samples, ``(h, w, samples)``: uint8 (greys of 1, 2 or 4 bits scaled to
+    8, as libpng's expand; palette indices), or uint16 for 16-bit images."""
+    if png.bits == 16 and png.colour != 0:
+        # Pillow keeps only the high byte of 16-bit colour: pypng reads every bit
+        try:
+            import png as pypng  # type: ignore[import-untyped]
+        except ImportError:
+            raise InvalidArgumentError(
+                f"{op}: a 16-bit colour PNG needs pypng: pip install 'headrace[image]'"
+            ) from None
+        try:
+            width, height, rows, _ = pypng.Reader(bytes=bytes(data)).read()
+            stored = np.vstack([np.asarray(row, np.uint16) for row in rows])
+        except Exception as error:
+            raise InvalidImageError(
+                f"{op}: invalid 16-bit PNG ({len(data)} bytes, header "
+                f"{header.height}x{header.width}): {error}") from error
+        return stored.reshape(height, width, _PNG_SAMPLES[png.colour])
+    image = _pillow_decode(data, header, op)
+    if png.bits == 16:
+        pixels = np.asarray(image).astype(np.uint16)
+    elif png.colour == 3:
+        pixels = np.asarray(image) if image.mode == "P" else np.asarray(image.convert("P"))
+    elif png.colour == 0:
+        pixels = np.asarray(image.convert("L") if image.mode == "1" else image)
+    else:
+        pixels = np.asarray(image)
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    if pixels.shape != (png.height, png.width, _PNG_SAMPLES[png.colour]):
+        raise InvalidImageError(
+            f"{op}: the PNG header says {png.height}x{png.width}x"
+            f"{_PNG_SAMPLES[png.colour]}, the decoder produced {pixels.shape}")
+    return pixels
+
+
+#: libpng's fixed-point luma weights for png_set_rgb_to_gray(..., 0.299, 0.587), as
+#: TensorFlow asks them: 0.299 and 0.587 of 32768 truncated, blue the rest.
+_LUMA = (9797, 19234, 32768 - 9797 - 19234)
+
+
+def _png_pixels(samples: Array, png: _PngFile, channels: int, wide: bool) -> Array:
+    """TensorFlow's decode_png of stored samples: libpng's transforms as TensorFlow sets
+    them up (tensorflow/core/lib/png/png_io.cc), in libpng's order.
+
+    ``channels`` 0 is the file's (a palette: RGB, RGBA with tRNS; a grey or RGB image
+    with tRNS stays without alpha). Alpha, where wanted and the file has none, comes
+    from tRNS, else libpng's filler ``2**bit_depth - 1`` — 3 for a 2-bit grey, as
+    TensorFlow gives. Luma from colour uses libpng's weights (truncated for 8 bits,
+    rounded for 16, exact greys kept). 16 bits go to 8 by their high byte; 8 to 16
+    by ``v * 257``."""
+    colour, bits = png.colour, png.bits
+    has_trns = png.transparency is not None
+    if channels == 0:
+        channels = (4 if has_trns else 3) if colour == 3 else _PNG_SAMPLES[colour]
+    if colour != 3 and channels == _PNG_SAMPLES[colour] and (bits == 16) == wide:
+        return np.ascontiguousarray(samples)  # as stored (tRNS ignored): nothing to do
+    want_alpha = channels % 2 == 0
+    depth = 16 if bits == 16 else 8
+    top = (1 << depth) - 1
+    values = samples.astype(np.int64)
+    alpha: Array | None = None
+    if colour == 3:  # palette -> RGB, tRNS -> alpha per entry
+        entries = np.zeros((256, 3), np.int64)
+        table = np.frombuffer(png.palette[: len(png.palette) // 3 * 3], np.uint8)
+        entries[: len(table) // 3] = table.reshape(-1, 3)
+        index = values[:, :, 0]
+        if want_alpha and has_trns:
+            opacity = np.full(256, 255, np.int64)
+            given = np.frombuffer(png.transparency or b"", np.uint8)[:256]
+            opacity[: len(given)] = given
+            alpha = opacity[index][:, :, None]
+        values = entries[index]
+    elif colour in (0, 2):
+        if want_alpha and has_trns:
+            words = np.frombuffer((png.transparency or b"")[: 2 * _PNG_SAMPLES[colour]], ">u2")
+            key = words.astype(np.int64)
+            if colour == 0 and bits < 8:
+                key = (key & ((1 << bits) - 1)) * (255 // ((1 << bits) - 1))
+            elif depth == 8:
+                key = key & 0xFF
+            if len(key) == _PNG_SAMPLES[colour]:
+                alpha = np.where(np.all(values == key, axis=2), 0, top)[:, :, None]
+            else:
+                alpha = np.full((*values.shape[:2], 1), top, np.int64)
+    else:  # grey+alpha, RGBA: the file's own alpha
+        alpha = values[:, :, -1:] if want_alpha else None
+        values = values[:, :, :-1]
+    if channels < 3 and values.shape[2] == 3:  # RGB -> grey (libpng's rgb_to_gray)
+        red, green, blue = values[:, :, 0], values[:, :, 1], values[:, :, 2]
+        mixed = _LUMA[0] * red + _LUMA[1] * green + _LUMA[2] * blue + (16384 if depth == 16 else 0)
+        grey = np.where((red == green) & (green == blue), red, mixed >> 15)
+        values = grey[:, :, None]
+    elif channels >= 3 and values.shape[2] == 1:  # grey -> RGB
+        values = np.repeat(values, 3, axis=2)
+    if depth == 16 and not wide:  # png_set_strip_16: the high byte
+        values >>= 8
+        alpha = None if alpha is None else alpha >> 8
+        depth = 8
+    if want_alpha:
+        if alpha is None:  # png_set_add_alpha(2**bit_depth - 1), written in the row's depth
+            alpha = np.full((*values.shape[:2], 1), ((1 << bits) - 1) & ((1 << depth) - 1),
+                            np.int64)
+        values = np.concatenate([values, alpha], axis=2)
+    if wide and depth == 8:  # TensorFlow's 8 -> 16 bits: v * 257
+        values = values * 257
+    return np.ascontiguousarray(values, np.uint16 if wide else np.uint8)
+
+
 
 def _to_array(image: Any, channels: int) -> Array:
     if image.mode in ("I;16", "I;16B", "I;16L", "I") and channels == 1:
@@ -545,27 +805,44 @@ def decode_png(
     *,
     max_pixels: int | None = MAX_PIXELS,
 ) -> Array:
-    """``tf.io.decode_png``: ``(height, width, channels)``, ``uint8`` (or ``uint16`` for a
-    16-bit greyscale PNG). ``channels`` 0 keeps the file's (1-4). JPEG, GIF and BMP
-    bytes are decoded too, as TensorFlow's op does."""
+    """``tf.io.decode_png``: ``(height, width, channels)`` ``uint8`` or ``uint16``, the
+    pixels TensorFlow gives, bit for bit.
+
+    ``channels`` 0 keeps the file's (a palette decodes to RGB, or RGBA with a tRNS
+    chunk; a grey or RGB image with tRNS keeps 1 or 3), 1 luma, 3 RGB, 4 RGBA (2 is
+    refused, as TensorFlow refuses it). ``dtype=uint16`` gives a 16-bit PNG's stored
+    values and an 8-bit one's times 257; ``uint8`` a 16-bit one's high byte. Greys of 1,
+    2 and 4 bits are scaled to 0-255; alpha comes from the file, else from tRNS, else
+    is libpng's filler ``2**bit_depth - 1`` (TensorFlow's: 3 for a 2-bit grey). Luma
+    from colour uses libpng's fixed-point weights (a file with a gAMA chunk is
+    decoded without gamma: TensorFlow's libpng may apply it there). A PNG whose image
+    data stops before its last row raises :class:`InvalidImageError`, as TensorFlow's
+    does (Pillow alone decodes it with the missing rows black). 16-bit colour PNGs are
+    read by pypng (Pillow keeps 8 of their bits): correct, some 10x slower than
+    Pillow. JPEG, GIF and BMP bytes are decoded too, as TensorFlow's op does."""
     op = "decode_png"
-    _check_channels(channels, (0, 1, 2, 3, 4), op)
+    _check_channels(channels, (0, 1, 3, 4), op)
     target = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
     if target not in (np.dtype(np.uint8), np.dtype(np.uint16)):
         raise InvalidArgumentError(f"{op}: dtype must be uint8 or uint16, got {target}")
     data = _bytes_of(contents, op)
     header = read_header(data, op)
     _check_pixels(header, max_pixels, op)
+    if header.format == "png":
+        png = _png_file(data, op)
+        _check_png_data(png, op)
+        return _png_pixels(_png_samples(data, header, png, op), png, channels,
+                           target == np.dtype(np.uint16))
     if header.format == "jpeg":
-        if channels in (2, 4):
+        if channels == 4:
             raise InvalidImageError(f"{op}: a JPEG has no alpha channel (channels={channels})")
         pixels = decode_jpeg(data, channels, max_pixels=max_pixels)
+    elif header.format == "bmp":
+        pixels = decode_bmp(data, channels, max_pixels=max_pixels)
     else:
         pixels = _to_array(_pillow_decode(data, header, op), _output_channels(header, channels))
-    if pixels.dtype == np.uint16 and target == np.uint8:
-        return (pixels >> 8).astype(np.uint8)
-    if pixels.dtype == np.uint8 and target == np.uint16:
-        return pixels.astype(np.uint16) * 257
+    if target == np.uint16:  # TensorFlow's 8 -> 16 bits for these formats: v * 256
+        return pixels.astype(np.uint16) << 8
     return pixels
 
 
@@ -591,15 +868,53 @@ def decode_gif(contents: Any, name: str | None = None, *,
 
 def decode_bmp(contents: Any, channels: int = 0, name: str | None = None, *,
                max_pixels: int | None = MAX_PIXELS) -> Array:
-    """``tf.io.decode_bmp``: ``(height, width, channels)`` uint8."""
+    """``tf.io.decode_bmp``: ``(height, width, channels)`` uint8, TensorFlow's pixels.
+
+    TensorFlow's decoder, exactly: uncompressed 8, 24 and 32 bits per pixel (the 8-bit
+    bytes are the values, a palette is not applied; the 32-bit fourth byte is the
+    alpha), rows bottom-up unless the height is negative, and a file whose size is not
+    exactly its header plus its rows is refused (truncated, or trailing bytes).
+    ``channels`` 0 keeps the file's (1, 3 or 4), 3 and 4 convert (alpha 255 where the
+    file has none); 1 is refused, as TensorFlow refuses it."""
     op = "decode_bmp"
-    _check_channels(channels, (0, 1, 3, 4), op)
+    _check_channels(channels, (0, 3, 4), op)
     data = _bytes_of(contents, op)
     header = read_header(data, op)
     _check_pixels(header, max_pixels, op)
     if header.format != "bmp":
         raise InvalidImageError(f"{op}: not a BMP ({header.format.upper()})")
-    return _to_array(_pillow_decode(data, header, op), _output_channels(header, channels))
+    offset, width, height = struct.unpack_from("<iii", data, 10)[0], *struct.unpack_from(
+        "<ii", data, 18)
+    (bits,) = struct.unpack_from("<H", data, 28)
+    stored = bits // 8
+    if stored not in (1, 3, 4) or bits % 8:
+        raise InvalidImageError(
+            f"{op}: a BMP of {bits} bits per pixel; 8, 24 and 32 are decoded (as TensorFlow)")
+    if offset < 0:
+        raise InvalidImageError(f"{op}: corrupt BMP: pixel data offset {offset}")
+    rows = abs(height)
+    stride = (stored * width + 3) // 4 * 4
+    if len(data) != offset + stride * rows:
+        short = offset + stride * rows - len(data)
+        raise InvalidImageError(
+            f"{op}: {'truncated' if short > 0 else 'corrupt'} BMP: its header says "
+            f"{rows}x{width}x{stored} from byte {offset}, {offset + stride * rows:,} bytes "
+            f"in all; it has {len(data):,}")
+    lines = np.frombuffer(data, np.uint8, stride * rows, offset).reshape(rows, stride)
+    pixels: Array = lines[:, : width * stored].reshape(rows, width, stored)
+    if height > 0:  # bottom-up
+        pixels = pixels[::-1]
+    if stored >= 3:  # BGR(A) -> RGB(A)
+        pixels = pixels[:, :, [2, 1, 0, 3][:stored]]
+    wanted = channels or stored
+    if wanted != stored:
+        if stored == 1:
+            pixels = np.repeat(pixels, 3, axis=2)
+        if wanted == 3:
+            pixels = pixels[:, :, :3]
+        elif pixels.shape[2] == 3:
+            pixels = np.concatenate([pixels, np.full((rows, width, 1), 255, np.uint8)], axis=2)
+    return np.ascontiguousarray(pixels)
 
 
 def decode_image(
@@ -626,8 +941,9 @@ def decode_image(
     if header.format == "jpeg":
         pixels = decode_jpeg(contents, wanted, max_pixels=max_pixels)
     elif header.format == "png":
-        pixels = decode_png(contents, wanted, np.uint16 if np.dtype(
-            getattr(dtype, "as_numpy_dtype", dtype)) == np.uint16 else np.uint8,
+        # TensorFlow decodes a PNG at 16 bits for any dtype but uint8
+        pixels = decode_png(contents, wanted, np.uint8 if np.dtype(
+            getattr(dtype, "as_numpy_dtype", dtype)) == np.uint8 else np.uint16,
             max_pixels=max_pixels)
     elif header.format == "gif":
         pixels = decode_gif(contents, max_pixels=max_pixels)

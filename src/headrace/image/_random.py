@@ -10,8 +10,16 @@ depend on who ran which element. Here every random op takes ``seed``:
   augmentation again (G4). Each op draws from its own Philox stream of the pair,
   so a flip and a crop seeded alike are not correlated;
 * ``None``: fresh entropy (TensorFlow's unseeded ops);
-* an int: a generator per seed in this process (TensorFlow's op-level seed: a
-  repeatable sequence in one process, *not* worker-independent).
+* an int (what a tf.image user writes, ``seed=42``): inside a pipeline's map, combined
+  with the element's position (:func:`headrace.core.position.element_position`: its
+  index in the map's input, and the epoch of each ``repeat`` around the map), so the
+  augmentation of an element is the same whatever the number of threads or worker
+  processes, their timing, or a restore from a checkpoint (G3, G4), and differs from
+  epoch to epoch. At element ``i`` with no repeat around the map it is the pair
+  ``(seed, i)``; in epoch ``e`` the pair ``(seed, hash(e, i))``. Each iteration over the
+  dataset draws the same again (tf.data's seeded ops do too). Outside a pipeline (no
+  element position): a generator per seed in this process (TensorFlow's eager
+  op-level seed: a repeatable sequence in one process).
 
 The draws are not TensorFlow's (a different generator); the distributions and
 the algorithms (``sample_distorted_bounding_box``'s rejection sampling) are.
@@ -24,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.position import element_position
 from headrace.errors import InvalidArgumentError, add_note, mark_batch_row
 from headrace.image._codec import (
     MAX_PIXELS,
@@ -65,12 +74,16 @@ _SALT = {
     "bounding_box": 6, "resized_crop": 7,
 }
 _STATEFUL: dict[int, np.random.Generator] = {}
+_MASK64 = (1 << 64) - 1
 
 
 def _generator(seed: Any, op: str) -> np.random.Generator:
     if seed is None:
         return np.random.default_rng()
     if isinstance(seed, int | np.integer) and not isinstance(seed, bool):
+        position = element_position()
+        if position is not None:  # in a pipeline: the element's own draw (G3)
+            return _generator((int(seed), _position_word(position)), op)
         key = int(seed) * 16 + _SALT[op]
         if key not in _STATEFUL:
             _STATEFUL[key] = np.random.default_rng([int(seed), _SALT[op]])
@@ -85,6 +98,20 @@ def _generator(seed: Any, op: str) -> np.random.Generator:
         )
     a, b = (int(v) & 0xFFFFFFFFFFFFFFFF for v in pair)
     return np.random.Generator(np.random.Philox(key=a << 64 | b, counter=_SALT[op] << 192))
+
+
+def _position_word(position: tuple[int, ...]) -> int:
+    """One word for an element's position: its index where no repeat encloses the map
+    (so ``seed=s`` there is ``seed=(s, index)``), else a hash of epochs and index."""
+    if len(position) == 1:
+        return position[0]
+    word = len(position)
+    for part in position:  # splitmix64 over the parts (a SeedSequence costs 10x more)
+        word = (word + 0x9E3779B97F4A7C15 + (part & _MASK64)) & _MASK64
+        word = ((word ^ (word >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        word = ((word ^ (word >> 27)) * 0x94D049BB133111EB) & _MASK64
+        word ^= word >> 31
+    return word
 
 
 def _stateless(seed: Any, op: str) -> Any:

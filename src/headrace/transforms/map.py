@@ -23,6 +23,12 @@ after it to a new call, so one slow element holds back no later one, as in
 tf.data — except the very first element: its output's size is what calls in
 flight are booked at, so nothing starts beside it.
 
+Positions. While ``fn`` runs, the element's position (its index in the map's input,
+counted the same sequentially, on threads and on processes, and the epoch of each
+enclosing ``repeat``) is published to it (:mod:`headrace.core.position`): random
+image ops seeded with an int draw from it, so augmentations do not depend on who
+ran the element (G3) and come again after a restore (G4).
+
 Errors. When ``fn`` raises for element i, ``next()`` raises that exception
 (its own type and traceback, with a note naming the stage and i) after every
 earlier element, and the following ``next()`` returns element i+1's output:
@@ -59,9 +65,10 @@ from typing import Any, NamedTuple
 
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.handoff import Handoff, restore_input, unpin
-from headrace.core.indexing import IndexPlan, RandomAccess
+from headrace.core.indexing import IndexPlan, RandomAccess, SequentialIndices
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, ShardRole, check_signature, first_element
+from headrace.core.position import _POSITION
 from headrace.core.state import INNER, SKIP, StateReader, mark_out_of_order
 from headrace.errors import InvalidArgumentError, Origin, note_element_error
 from headrace.memory.budget import (
@@ -76,7 +83,10 @@ from headrace.structure import TensorSpec, flatten, map_structure, spec_of
 from headrace.transforms.batch import batch_iterator
 from headrace.transforms.parse_fusion import FusedParse, FusedParseIterator, fused_parse
 
-__all__ = ["MapNode", "apply_fn", "process_iterator", "restore_process_node"]
+__all__ = [
+    "MapNode", "PositionedCall", "apply_fn", "call_at", "process_iterator",
+    "restore_process_node",
+]
 
 #: Builds the iterator of a map on worker processes (``workers="processes"`` or
 #: ``"auto"``). Set by :mod:`headrace.transforms.process_map`, which the facade imports:
@@ -94,6 +104,37 @@ def apply_fn(fn: Callable[..., Any], element: Any) -> Any:
     if isinstance(element, tuple):
         return fn(*element)
     return fn(element)
+
+
+def call_at(fn: Callable[..., Any], element: Any, position: tuple[int, ...]) -> Any:
+    """``apply_fn`` with the element's position published to the function (see
+    :mod:`headrace.core.position`): random ops seeded with an int draw from it."""
+    token = _POSITION.set(position)
+    try:
+        if isinstance(element, tuple):
+            return fn(*element)
+        return fn(element)
+    finally:
+        _POSITION.reset(token)
+
+
+class PositionedCall:
+    """``fn`` over ``(position, element)`` pairs: how a chunk goes to a worker process
+    with its elements' positions. Picklable where ``fn`` is."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, item: tuple[tuple[int, ...], Any]) -> Any:
+        return call_at(self.fn, item[1], item[0])
+
+    def __getstate__(self) -> Callable[..., Any]:
+        return self.fn
+
+    def __setstate__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
 
 
 def _relaxed(spec: Any, input_spec: Any) -> Any:
@@ -213,8 +254,8 @@ class MapNode(Node):
             element = first_element(
                 self.inputs[0], self.stage, "; pass map(..., output_signature=...) to state it"
             )
-            self._spec = _relaxed(
-                spec_of(apply_fn(self.fn, element)), self.inputs[0].element_spec
+            self._spec = _relaxed(  # (as element 0: a seeded random op draws as it will)
+                spec_of(call_at(self.fn, element, (0,))), self.inputs[0].element_spec
             )
         return self._spec
 
@@ -228,13 +269,17 @@ class MapNode(Node):
         return None if inner is None else _MappedAccess(inner, self.fn, self.stage)
 
     def index_plan(self) -> IndexPlan | None:
-        if self.num_parallel_calls is not None:
+        """Random access read in order, where the input is addressable element by
+        element (its element ``i`` is at index ``i``). Not over an input read through
+        index stages (shuffle, take, skip, shard, repeat below the map): there the
+        index an element is read at is not its position in the map's input, which is
+        what a random op seeded with an int draws from (G3: the same as when the map
+        runs on threads or processes), so the map streams."""
+        access = self.random_access()
+        if access is None:
             return None
-        plan = self.inputs[0].index_plan()
-        if plan is None:
-            return None
-        access, make_stream = plan
-        return _MappedAccess(access, self.fn, self.stage), make_stream
+        size = len(access)
+        return access, lambda ctx: SequentialIndices(size)
 
     def batched_iterator(
         self, ctx: Context, batch_size: int, drop_remainder: bool, account: StageAccount
@@ -253,7 +298,7 @@ class MapNode(Node):
             return super().make_iterator(ctx)
         inner = self.inputs[0].make_iterator(ctx)
         if self.num_parallel_calls is None:
-            return _MapIterator(inner, self.fn, self.stage)
+            return _MapIterator(inner, self.fn, self.stage, ctx.epochs)
         threads = (
             (os.cpu_count() or 1)
             if self.num_parallel_calls == AUTOTUNE
@@ -273,8 +318,13 @@ class MapNode(Node):
 
 
 class _MappedAccess(RandomAccess):
+    """Element ``i`` is ``fn`` of the input's element ``i``, called at position
+    ``(*epochs, i)``: the epochs of the run it was prepared for (a repeat above a map
+    streams, so that each epoch's access knows its epoch)."""
+
     def __init__(self, inner: RandomAccess, fn: Callable[..., Any], stage: str) -> None:
         self.inner, self.fn, self.stage = inner, fn, stage
+        self.epochs: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -282,7 +332,7 @@ class _MappedAccess(RandomAccess):
     def get(self, index: int) -> Any:
         element = self.inner.get(index)
         try:
-            return apply_fn(self.fn, element)
+            return call_at(self.fn, element, (*self.epochs, index))
         except Exception as error:
             origin = self.inner.origin(index)
             raise note_element_error(error, self.stage, index, origin)  # noqa: B904
@@ -291,25 +341,34 @@ class _MappedAccess(RandomAccess):
         return self.inner.origin(index)
 
     def prepare(self, ctx: Context) -> None:
+        self.epochs = ctx.epochs
         self.inner.prepare(ctx)
 
 
 class _MapIterator(Iterator):
     passes_origin = True
 
-    def __init__(self, inner: Iterator, fn: Callable[..., Any], stage: str) -> None:
+    def __init__(self, inner: Iterator, fn: Callable[..., Any], stage: str,
+                 epochs: tuple[int, ...] = ()) -> None:
         super().__init__(inner)
-        self.inner, self.fn, self.stage = inner, fn, stage
-        self.index = 0  # of the next input element (named in error notes)
+        self.inner, self.fn, self.stage, self.epochs = inner, fn, stage, epochs
+        # of the next input element (named in error notes; the function's position)
+        self.index = 0
         # origin() is asked on failure only; probing now makes a shuffle below keep them
         origin_probe(inner, tokens=False)
 
     def pull(self) -> tuple[Any, Reservation]:
-        element, reservation = self.inner.pull()
         index = self.index
+        try:
+            element, reservation = self.inner.pull()
+        except StopIteration:
+            raise
+        except Exception:  # an input element's error takes its position, as in parallel
+            self.index = index + 1
+            raise
         self.index = index + 1
         try:
-            return apply_fn(self.fn, element), reservation
+            return call_at(self.fn, element, (*self.epochs, index)), reservation
         except Exception as error:  # the element is dropped; the next call goes on
             reservation.release()
             origin = self.inner.origin()  # the input is still on the element: ask it now
@@ -359,6 +418,8 @@ def _apply_chunk(
     elements: list[Any],
     admit: Callable[[Any], tuple[Any, int]],
     progress: _Progress | None = None,
+    first: int = 0,
+    epochs: tuple[int, ...] = (),
 ) -> tuple[list[Any], list[int], dict[int, Exception] | None, float]:
     """``fn`` over a chunk: the outputs as a buffer keeps them, their costs, the errors.
 
@@ -366,7 +427,8 @@ def _apply_chunk(
     large temporary) as soon as ``fn`` returns it, in the worker: a chunk of
     views would otherwise keep a chunk of temporaries alive until the consumer
     collects it — memory no booking covers. An element whose call raised
-    leaves ``None``, cost 0, and its error.
+    leaves ``None``, cost 0, and its error. ``first``: the position in the map's input
+    of ``elements[0]`` (in ``epochs``), published to ``fn`` (:func:`call_at`).
     """
     started = time.perf_counter()
     outputs: list[Any] = []
@@ -376,7 +438,7 @@ def _apply_chunk(
         if progress is not None and not progress.claim(position):
             break  # the rest was given to another call
         try:
-            output, size = admit(apply_fn(fn, element))
+            output, size = admit(call_at(fn, element, (*epochs, first + position)))
         except Exception as error:  # raised in the consumer, at this element's position
             if failed is None:
                 failed = {}
@@ -526,13 +588,15 @@ class _ParallelMapIterator(Iterator):
         self.handed = 0  # elements handed out: whether a state taken out of order is stale
 
     def _start_call(
-        self, elements: list[Any], progress: _Progress | None = None
+        self, elements: list[Any], progress: _Progress | None = None, first: int = 0
     ) -> Future[tuple[list[Any], list[int], dict[int, Exception] | None, float]]:
         """Run ``fn`` over a chunk in the background (process workers override this
-        and never split a chunk: ``progress`` is ignored there)."""
+        and never split a chunk: ``progress`` is ignored there). ``first``: the position
+        of ``elements[0]`` in the map's input."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="headrace-map")
-        return self.pool.submit(_apply_chunk, self.fn, elements, self.ctx.admit, progress)
+        return self.pool.submit(_apply_chunk, self.fn, elements, self.ctx.admit, progress,
+                                first, self.ctx.epochs)
 
     def _launch(
         self,
@@ -548,7 +612,7 @@ class _ParallelMapIterator(Iterator):
     ) -> None:
         progress = _Progress(len(elements)) if self.finished is not None and elements else None
         try:
-            future = self._start_call(elements, progress)
+            future = self._start_call(elements, progress, first_index + start)
         except Exception as refused:
             # The stage cannot run calls (its worker pool is broken): the chunk stays
             # pending with its elements' place and input state, and raises when its turn

@@ -38,7 +38,6 @@ flight. The choice and why show in ``stats().workers``.
 
 from __future__ import annotations
 
-import functools
 import multiprocessing
 import os
 import threading
@@ -52,7 +51,7 @@ from headrace.errors import InvalidArgumentError
 from headrace.memory.budget import Reservation, StageAccount
 from headrace.options import AUTOTUNE
 from headrace.transforms import map as map_module
-from headrace.transforms.map import MapNode, _apply_chunk, _ParallelMapIterator, apply_fn
+from headrace.transforms.map import MapNode, PositionedCall, _apply_chunk, _ParallelMapIterator
 from headrace.workers.memory import WorkerStats
 from headrace.workers.processes import ChunkResult, ProcessPool, check_picklable
 
@@ -120,20 +119,23 @@ class ProcessMapIterator(_ParallelMapIterator):
             return None
         return account.charge(nbytes)
 
-    def _start_call(self, elements: list[Any], progress: Any = None) -> Future[_MapResult]:
+    def _start_call(self, elements: list[Any], progress: Any = None,
+                    first: int = 0) -> Future[_MapResult]:
         outer: Future[_MapResult] = Future()
         if not elements:  # a chunk that is only an upstream error: nothing to compute
             outer.set_result(([], [], None, 0.0))
             return outer
         if self.processes is None:
             self.processes = ProcessPool(
-                functools.partial(apply_fn, self.fn),
+                PositionedCall(self.fn),  # each element with its position (seeded ops)
                 self.threads,
                 self.stage,
                 what="the map function",
                 book_idle=self._book_idle,
             )
-        inner = self.processes.submit(elements)
+        epochs = self.ctx.epochs
+        inner = self.processes.submit(
+            [((*epochs, first + k), element) for k, element in enumerate(elements)])
         admit = self.ctx.admit
 
         def costed(done: Future[ChunkResult]) -> None:
@@ -253,17 +255,19 @@ class _AutoMapIterator(ProcessMapIterator):
         self.sampled_calls = 0
         self.probe: _GilProbe | None = None
 
-    def _start_call(self, elements: list[Any], progress: Any = None) -> Future[_MapResult]:
+    def _start_call(self, elements: list[Any], progress: Any = None,
+                    first: int = 0) -> Future[_MapResult]:
         if self.kind == "processes":
-            return super()._start_call(elements)
+            return super()._start_call(elements, None, first)
         if self.kind == "threads":
-            return _ParallelMapIterator._start_call(self, elements, progress)
+            return _ParallelMapIterator._start_call(self, elements, progress, first)
         if self.probe is None:
             self.probe = _GilProbe()
         self.probe.in_call = True
         cpu = time.thread_time()
         try:
-            result = _apply_chunk(self.fn, elements, self.ctx.admit)
+            result = _apply_chunk(self.fn, elements, self.ctx.admit, None, first,
+                                  self.ctx.epochs)
         finally:
             self.probe.in_call = False
         self.sampled_cpu += time.thread_time() - cpu

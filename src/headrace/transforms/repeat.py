@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.core.indexing import IndexStream, RepeatIndices
+from headrace.core.indexing import IndexPlan, IndexStream, RepeatIndices
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, UnaryNode
 from headrace.core.state import EPOCH, INNER, PRODUCED, StateReader
@@ -19,6 +19,19 @@ from headrace.errors import InvalidArgumentError, Origin
 from headrace.memory.budget import Reservation
 
 __all__ = ["RepeatNode"]
+
+
+def _maps_below(node: Node) -> bool:
+    """Whether a map runs in ``node``'s recipe (its own inputs, not nested datasets)."""
+    from headrace.transforms.map import MapNode  # (map imports this module's neighbours)
+
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, MapNode):
+            return True
+        pending.extend(current.inputs)
+    return False
 
 
 class RepeatNode(UnaryNode):
@@ -49,6 +62,15 @@ class RepeatNode(UnaryNode):
         if inner == UNKNOWN:
             return UNKNOWN
         return inner * self.count
+
+    def index_plan(self) -> IndexPlan | None:
+        """Indices repeated, unless a map is below: one random access serves every epoch
+        of an index plan, and a map's function must know its epoch (an int-seeded
+        random op draws anew each epoch, as tf.data's do): each epoch then builds its
+        own input iterator, which knows it (see :mod:`headrace.core.position`)."""
+        if _maps_below(self.inputs[0]):
+            return None
+        return super().index_plan()
 
     def wrap_indices(
         self, make_inner: Callable[[Context], IndexStream], ctx: Context
