@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import builtins
 import collections
+import functools
 import hashlib
 import hmac
 import json
+import math
 import mmap
 import re
 import secrets
@@ -78,6 +80,10 @@ class WireError(Exception):
     """The peer sent something that is not this protocol (or too much of it)."""
 
 
+class Busy(EOFError):
+    """The producer hung up before its challenge: too many handshakes under way."""
+
+
 # -- frames ------------------------------------------------------------------------------
 
 
@@ -97,7 +103,8 @@ def _recv_exact(sock: socket.socket, count: int, deadline: float | None) -> byte
     view = memoryview(out)
     got = 0
     while got < count:
-        sock.settimeout(_remaining(deadline))
+        if deadline is not None:  # (settimeout is a system call: not when blocking)
+            sock.settimeout(_remaining(deadline))
         n = sock.recv_into(view[got:])
         if n == 0:
             raise EOFError("the peer hung up")
@@ -115,10 +122,24 @@ def recv_frame(sock: socket.socket, cap: int, deadline: float | None = None) -> 
 
 def send_frame(sock: socket.socket, data: bytes | bytearray | memoryview,
                deadline: float | None = None) -> None:
-    sock.settimeout(_remaining(deadline))
-    sock.sendall(_LENGTH.pack(len(data)))
-    if len(data):
-        sock.sendall(data)
+    send_frames(sock, [data], deadline)
+
+
+def send_frames(sock: socket.socket, frames: list[bytes | bytearray | memoryview],
+                deadline: float | None = None) -> None:
+    """``frames``, each with its length prefix, in one system call when they are small
+    (a copy of up to 64 KiB costs less than a call)."""
+    if deadline is not None:
+        sock.settimeout(_remaining(deadline))
+    parts: list[bytes | bytearray | memoryview] = []
+    for data in frames:
+        parts += [_LENGTH.pack(len(data)), data]
+    if sum(len(part) for part in parts) <= 64 << 10:
+        sock.sendall(b"".join(parts))
+        return
+    for part in parts:
+        if len(part):
+            sock.sendall(part)
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], blob: bytes | bytearray = b"",
@@ -127,9 +148,8 @@ def send_message(sock: socket.socket, message: dict[str, Any], blob: bytes | byt
     ``message["blob"]`` says it follows."""
     if blob:
         message["blob"] = len(blob)
-    send_frame(sock, json.dumps(message, separators=(",", ":")).encode(), deadline)
-    if blob:
-        send_frame(sock, blob, deadline)
+    header = json.dumps(message, separators=(",", ":")).encode()
+    send_frames(sock, [header, blob] if blob else [header], deadline)
 
 
 def recv_message(sock: socket.socket, cap: int = MAX_FRAME,
@@ -178,7 +198,10 @@ def authenticate_consumer(sock: socket.socket, key: bytes, deadline: float) -> b
 def authenticate_producer(sock: socket.socket, key: bytes, deadline: float) -> None:
     """The consumer's side: returns once both sides proved they hold ``key``; raises
     :class:`PermissionError` (wrong key) or :class:`WireError` (not a producer)."""
-    challenge = recv_frame(sock, PRE_AUTH_FRAME, deadline)
+    try:
+        challenge = recv_frame(sock, PRE_AUTH_FRAME, deadline)
+    except (EOFError, ConnectionResetError):
+        raise Busy("the producer hung up before its challenge") from None
     if len(challenge) != len(MAGIC) + CHALLENGE_BYTES or not challenge.startswith(MAGIC):
         raise WireError("not a headrace producer of this version (its greeting is not "
                         f"{MAGIC.decode()!r} and a challenge)")
@@ -206,21 +229,25 @@ def _is_int(value: Any) -> bool:
     return type(value) is int
 
 
-def _where(path: str) -> str:
-    return f"the element's {path}" if path else "the element"
+def _where(path: Any) -> str:
+    """Where in an element ``path`` points: a chain of ``(parent, how, key)`` (made only
+    when an error names it)."""
+    parts: list[str] = []
+    while path is not None:
+        path, how, key = path
+        parts.append(f"[{key!r}]" if how == "[]" else f".{key}" if how == "." else f"(key {key!r})")
+    return f"the element's {''.join(reversed(parts))}" if parts else "the element"
 
 
 class _Encoder:
     def __init__(self) -> None:
         self.buffers: list[memoryview] = []
-        self.copied: list[bool] = []  # True: the receiver copies it out (bytes), no view
 
-    def buffer(self, data: Any, copied: bool) -> int:
+    def buffer(self, data: Any) -> int:
         self.buffers.append(memoryview(data).cast("B"))
-        self.copied.append(copied)
         return len(self.buffers) - 1
 
-    def array(self, array: np.ndarray[Any, Any], path: str) -> dict[str, Any]:
+    def array(self, array: np.ndarray[Any, Any], path: Any) -> dict[str, Any]:
         dtype = array.dtype
         if dtype.kind == "O":
             return self.column(array, path)
@@ -230,9 +257,9 @@ class _Encoder:
                 "which a served element cannot carry: send its fields as separate arrays")
         contiguous = np.ascontiguousarray(array)
         return {"t": "nd", "d": dtype.str, "s": list(array.shape),
-                "b": self.buffer(contiguous.reshape(-1).view(np.uint8), False)}
+                "b": self.buffer(contiguous.reshape(-1).view(np.uint8))}
 
-    def column(self, array: np.ndarray[Any, Any], path: str) -> dict[str, Any]:
+    def column(self, array: np.ndarray[Any, Any], path: Any) -> dict[str, Any]:
         items = array.ravel().tolist()
         kinds = set(map(type, items))
         kind = "bytes"
@@ -247,9 +274,9 @@ class _Encoder:
                 "object arrays must hold only bytes or only str")
         values, offsets = joined
         return {"t": "col", "k": kind, "s": list(array.shape),
-                "v": self.buffer(values, True), "o": self.buffer(offsets, True)}
+                "v": self.buffer(values), "o": self.buffer(offsets)}
 
-    def node(self, obj: Any, path: str, depth: int) -> Any:
+    def node(self, obj: Any, path: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise ElementSpecError(f"the element nests containers deeper than {MAX_DEPTH} "
                                    "(does a container hold itself?)")
@@ -259,41 +286,44 @@ class _Encoder:
         if cls is float:
             return {"t": "f", "v": obj.hex()}  # exact, NaN and inf included
         if cls is bytes:
-            return {"t": "by", "b": self.buffer(obj, True)}
+            return {"t": "by", "b": self.buffer(obj)}
         if cls is bytearray:
-            return {"t": "ba", "b": self.buffer(obj, True)}
+            return {"t": "ba", "b": self.buffer(obj)}
         if cls is memoryview:
-            return {"t": "mv", "b": self.buffer(obj.tobytes() if not obj.contiguous else obj,
-                                                False)}
+            return {"t": "mv", "b": self.buffer(obj.tobytes() if not obj.contiguous else obj)}
         if cls is np.ndarray or cls is np.memmap:
             return self.array(obj, path)
+        if cls is dict:
+            return {"t": "di", "v": [[self.node(k, (path, "key", k), depth + 1),
+                                      self.node(v, (path, "[]", k), depth + 1)]
+                                     for k, v in obj.items()]}
         if isinstance(obj, np.generic):
             if obj.dtype.kind not in _KINDS or obj.dtype.fields is not None:
                 raise ElementSpecError(f"{_where(path)} is a NumPy scalar of dtype {obj.dtype}, "
                                        "which a served element cannot carry")
             return {"t": "np", "d": obj.dtype.str,
-                    "b": self.buffer(np.asarray(obj).reshape(1).view(np.uint8), True)}
+                    "b": self.buffer(np.asarray(obj).reshape(1).view(np.uint8))}
         if cls is tuple or cls is list:
             return {"t": "tu" if cls is tuple else "li",
-                    "v": [self.node(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(obj)]}
+                    "v": [self.node(item, (path, "[]", i), depth + 1) for i, item in enumerate(obj)]}
         if isinstance(obj, tuple) and hasattr(cls, "_fields"):
             return {"t": "nt", "n": cls.__name__, "f": list(cls._fields),
-                    "v": [self.node(item, f"{path}.{name}", depth + 1)
+                    "v": [self.node(item, (path, ".", name), depth + 1)
                           for name, item in zip(cls._fields, obj, strict=True)]}
         if isinstance(obj, Mapping):
-            return {"t": "di", "v": [[self.node(k, f"{path}(key {k!r})", depth + 1),
-                                      self.node(v, f"{path}[{k!r}]", depth + 1)]
+            return {"t": "di", "v": [[self.node(k, (path, "key", k), depth + 1),
+                                      self.node(v, (path, "[]", k), depth + 1)]
                                      for k, v in obj.items()]}
         from headrace.io._ragged import RaggedColumn
         from headrace.io._sparse import SparseColumn
 
         if cls is RaggedColumn:
-            return {"t": "rg", "v": self.node(obj.values, f"{path}.values", depth + 1),
-                    "s": self.node(obj.row_splits, f"{path}.row_splits", depth + 1)}
+            return {"t": "rg", "v": self.node(obj.values, (path, ".", "values"), depth + 1),
+                    "s": self.node(obj.row_splits, (path, ".", "row_splits"), depth + 1)}
         if cls is SparseColumn:
-            return {"t": "sp", "i": self.node(obj.indices, f"{path}.indices", depth + 1),
-                    "v": self.node(obj.values, f"{path}.values", depth + 1),
-                    "d": self.node(obj.dense_shape, f"{path}.dense_shape", depth + 1)}
+            return {"t": "sp", "i": self.node(obj.indices, (path, ".", "indices"), depth + 1),
+                    "v": self.node(obj.values, (path, ".", "values"), depth + 1),
+                    "d": self.node(obj.dense_shape, (path, ".", "dense_shape"), depth + 1)}
         raise ElementSpecError(
             f"{_where(path)} is a {cls.__module__}.{cls.__qualname__}, which a served element "
             "cannot carry (arrays, bytes, str, numbers, bool, None and tuples, lists, dicts "
@@ -316,7 +346,7 @@ def encode(element: Any, allocate: Allocate) -> tuple[dict[str, Any], bytearray]
     place. :class:`ElementSpecError` for a leaf the wire cannot carry.
     """
     encoder = _Encoder()
-    tree = encoder.node(element, "", 0)
+    tree = encoder.node(element, None, 0)
     inline = [i for i, b in enumerate(encoder.buffers) if b.nbytes < OUT_OF_BAND_BYTES]
     shared = [i for i, b in enumerate(encoder.buffers) if b.nbytes >= OUT_OF_BAND_BYTES]
     places: list[list[int]] = [[]] * len(encoder.buffers)
@@ -393,13 +423,11 @@ class _Decoder:
             self.on_view(view)
         return view
 
-    def dtype(self, text: Any) -> np.dtype[Any]:
-        if not isinstance(text, str) or not _DTYPE.match(text):
+    @staticmethod
+    def dtype(text: Any) -> np.dtype[Any]:
+        if not isinstance(text, str):
             raise WireError(f"a dtype {text!r}")
-        dtype = np.dtype(text)
-        if dtype.hasobject or dtype.fields is not None or dtype.kind not in _KINDS:
-            raise WireError(f"a dtype {text!r}")
-        return dtype
+        return _dtype(text)
 
     def shape(self, shape: Any) -> tuple[int, ...]:
         if not (isinstance(shape, list) and len(shape) <= 64
@@ -428,7 +456,7 @@ class _Decoder:
         if kind == "nd":
             dtype, shape = self.dtype(node.get("d")), self.shape(node.get("s"))
             data = self.watched(node.get("b"))
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            count = math.prod(shape)
             if count * dtype.itemsize != data.nbytes:
                 raise WireError(f"an array of shape {shape} and dtype {dtype} in "
                                 f"{data.nbytes} bytes")
@@ -453,7 +481,7 @@ class _Decoder:
                     texts = [item.decode("utf-8", "surrogatepass") for item in items]
                 except UnicodeDecodeError as error:
                     raise WireError(f"a str column: {error}") from None
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            count = math.prod(shape)
             if count != len(texts):
                 raise WireError(f"a column of {len(texts)} items for shape {shape}")
             out = np.empty(shape, dtype=object)
@@ -492,6 +520,17 @@ class _Decoder:
                 raise WireError("a sparse column of the wrong parts")
             return SparseColumn(*parts)
         raise WireError(f"an element node of kind {kind!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype(text: str) -> np.dtype[Any]:
+    """The dtype a peer named, if it is one of plain values (never of objects)."""
+    if not _DTYPE.match(text):
+        raise WireError(f"a dtype {text!r}")
+    dtype = np.dtype(text)
+    if dtype.hasobject or dtype.fields is not None or dtype.kind not in _KINDS:
+        raise WireError(f"a dtype {text!r}")
+    return dtype
 
 
 _NAMEDTUPLES: dict[tuple[str, tuple[str, ...]], Any] = {}

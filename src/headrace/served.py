@@ -104,8 +104,9 @@ _SOCKET_FILE = "socket"
 _KEY_BYTES = 32
 #: The most bytes one message from a consumer may hold (a state is small JSON).
 _CONSUMER_FRAME = 16 << 20
-#: Connections whose handshake is under way at once; more are hung up on at once.
-_MAX_PENDING = 64
+#: Connections whose handshake is under way at once; more are hung up on at once (a
+#: consumer hung up on before the challenge tries again, within its timeout).
+_MAX_PENDING = 256
 _OPS = frozenset({"next", "get_state", "set_state", "close"})
 
 
@@ -737,6 +738,14 @@ def connect(
             _wire.send_message(sock, {"op": "hello", "protocol": _PROTOCOL, "index": index},
                                deadline=deadline)
             reply, _ = _wire.recv_message(sock, _wire.PRE_AUTH_FRAME * 4, deadline)
+        except _wire.Busy:
+            sock.close()
+            if time.monotonic() + 0.05 >= deadline:
+                raise ProducerError(
+                    f"the producer at {path!r} kept hanging up before its key challenge "
+                    f"(too many connections under way) for {timeout:g} s") from None
+            time.sleep(0.05)
+            continue
         except PermissionError as error:
             sock.close()
             raise ProducerError(f"the producer at {path!r} refused the connection: {error}") from None
