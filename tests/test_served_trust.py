@@ -248,6 +248,24 @@ def test_a_flood_of_silent_clients_only_delays_consumers_by_the_handshake_timeou
             client.close()
 
 
+def test_consumers_started_before_the_producer_find_its_random_key(tmp_path: Path) -> None:
+    address = str(tmp_path / "s.sock")
+    parts: dict[int, list[int]] = {}
+
+    def read(index: int) -> None:
+        with hr.connect(address, index, timeout=10) as part:
+            parts[index] = [served_fns.value(e) for e in part]
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for reader in readers:
+        reader.start()
+    time.sleep(0.3)
+    with hr.serve(served_fns.ranged(6), 2, address):
+        for reader in readers:
+            reader.join(10)
+    assert parts == {0: [0, 2, 4], 1: [1, 3, 5]}
+
+
 def test_a_consumer_without_the_key_or_with_a_wrong_one_is_refused(tmp_path: Path) -> None:
     address = str(tmp_path / "s.sock")
     with hr.serve(served_fns.ranged(4), 1, address, authkey=KEY):

@@ -634,6 +634,8 @@ class ServedIterator(ClosesOnExit):
         """This consumer's position: resume it with :meth:`set_state` after a new ``connect``."""
         self._check_open()
         reply, _ = self._ask({"op": "get_state"}, "saving its state")
+        if reply["op"] != "state" or not isinstance(reply.get("state"), dict):
+            raise self._gone("saving its state", "it broke the protocol: no state")
         return {
             "format": _STATE_FORMAT,
             "consumers": self.consumers,
@@ -658,7 +660,9 @@ class ServedIterator(ClosesOnExit):
                 f"{self.index} of {self.consumers}: restoring it would feed another part"
             )
         inner = reader.child("state")
-        self._ask({"op": "set_state", "state": inner}, "restoring its state")
+        reply, _ = self._ask({"op": "set_state", "state": inner}, "restoring its state")
+        if reply["op"] != "ok":
+            raise self._gone("restoring its state", f"it broke the protocol: {reply['op']!r}")
         self._ended = False
 
     def close(self) -> None:
