@@ -493,3 +493,16 @@ def test_an_element_the_wire_cannot_carry_is_that_elements_error_and_the_stream_
         with pytest.raises(StopIteration):
             next(part)
         assert server.finished(0) == 1
+
+
+@pytest.mark.parametrize("length", [40, 120, 300])
+def test_an_address_of_any_length_is_served_owner_only(tmp_path: Path, length: int) -> None:
+    """Socket addresses stop at 108 bytes; the socket is bound and reached through its
+    directory's descriptor, so a long ``address`` (a deep job directory) works too."""
+    directory = tmp_path / ("d" * max(length - len(str(tmp_path)) - 8, 1))
+    directory.mkdir()
+    address = str(directory / "s.sock")
+    with hr.serve(served_fns.ranged(3), 1, address), hr.connect(address, 0) as part:
+        assert [served_fns.value(e) for e in part] == [0, 1, 2]
+        assert modes(address, True) == {"socket": 0o600, "directory": 0o700, "key": 0o600}
+    assert os.listdir(directory) == []

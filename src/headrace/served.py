@@ -143,7 +143,7 @@ def _listening(path: str) -> bool:
     with socket.socket(socket.AF_UNIX) as probe:
         probe.settimeout(1.0)
         try:
-            probe.connect(path)
+            _connect(probe, path)
         except (ConnectionRefusedError, FileNotFoundError):
             return False
         except OSError:
@@ -685,6 +685,19 @@ class ServedIterator(ClosesOnExit):
             raise IteratorClosedError(f"consumer {self.index}'s connection to {self.address!r} is closed")
 
 
+def _connect(sock: socket.socket, path: str) -> None:
+    """``sock.connect(path)``, through ``/proc/self/fd`` when ``path`` is longer than a
+    socket address may be (as :func:`_bind` binds)."""
+    if len(os.fsencode(path)) < 100:
+        sock.connect(path)
+        return
+    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sock.connect(f"/proc/self/fd/{fd}/{os.path.basename(path)}")
+    finally:
+        os.close(fd)
+
+
 def _dial(path: str, deadline: float, timeout: float) -> socket.socket:
     """A socket connected to the producer at ``path``, waiting until ``deadline`` for it
     to listen."""
@@ -692,7 +705,7 @@ def _dial(path: str, deadline: float, timeout: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.01))
-            sock.connect(path)
+            _connect(sock, path)
             return sock
         except (FileNotFoundError, ConnectionRefusedError) as error:
             sock.close()
