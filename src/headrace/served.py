@@ -23,8 +23,7 @@ together they never exceed it (a consumer's pipeline must fit its part) and **on
 descriptor cap (``Options(max_open_files=...)`` of the dataset, or
 ``max_open_files=``, shared by every consumer's readers).
 
-Transport. A Unix socket (``multiprocessing.connection`` with an authkey: a
-process without the key is refused) carries small messages; each element's
+Transport. A Unix socket carries small messages; each element's
 arrays travel in shared-memory segments of a per-consumer pool
 (:mod:`headrace.workers.shm`), which the consumer maps once and reports free
 again when the last array viewing it is gone — the payloads are copied once,
@@ -34,6 +33,28 @@ connection ends: what consumers hold counts against the producer's budget, so
 its readers slow down rather than overrun it; a consumer that keeps more than
 the budget gets its elements all the same, booked as an overdraft (its memory
 exists either way), never a hang.
+
+Trust (G8). A consumer is served only once both sides proved they hold the
+producer's key (an HMAC-SHA256 challenge each way; nothing else is read from a
+peer before, and each frame's length is capped before anything is
+allocated). Without ``authkey=`` the producer makes a random key and writes it
+to a file only its user can read, beside the socket: the socket lives in a
+directory of its own (mode 0700, named ``.<name>.<random>`` beside
+``address``), the socket is 0600, the key file 0600, and ``address`` is a
+symbolic link to the socket, so :func:`connect` finds the key by itself; other
+users can neither connect nor read the key. Nothing is ever unpickled, on
+either side: messages are JSON, an element's arrays raw buffers described by a
+dtype and shape that are checked (see :mod:`headrace._wire` for the leaves an
+element may have: arrays of non-object dtypes, bytes/str columns, bytes, str,
+numbers, bool, None, and tuples, lists, dicts, namedtuples of them), states
+JSON, errors their class name (a builtin or headrace error, else a
+:class:`~headrace.errors.WorkerError`) and text — so even a peer holding the key
+cannot make the producer or a consumer run code. Each connection's handshake
+runs on a thread of its own with a deadline (``handshake_timeout``), so a
+silent or hostile client never delays another; ``connect(timeout=...)``
+bounds everything up to its return (the socket appearing, the handshake, the
+greeting). The key authenticates peers; it does not encrypt (the socket never
+leaves the host).
 
 Independence. A consumer is served by a thread of its own that pulls only when
 that consumer asks for its next element, so a slow, stopped or dead consumer
@@ -54,15 +75,15 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import pickle
+import secrets
 import socket
 import stat
+import tempfile
 import threading
 import time
-import traceback
-from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
+from headrace import _wire
 from headrace._closing import ClosesOnExit
 from headrace.core.run import DatasetIterator, default_budget
 from headrace.core.state import StateReader
@@ -71,48 +92,152 @@ from headrace.distribute import AutoShardPolicy, auto_shard
 from headrace.errors import CheckpointError, InvalidArgumentError, IteratorClosedError, WorkerError
 from headrace.io.filepool import FileLimiter, get_default_pool
 from headrace.memory.budget import MemoryBudget, Reservation
-from headrace.workers.shm import SegmentMaps, SegmentPool, pack, sweep_stale
+from headrace.workers.shm import SegmentMaps, SegmentPool, sweep_stale
 
 __all__ = ["ProducerError", "ServedIterator", "Server", "connect", "serve"]
 
-_PROTOCOL = 1
+_PROTOCOL = 2
 _STATE_FORMAT = "headrace.served"
+#: The key file in the socket's private directory (when the producer made the key).
+KEY_FILE = "key"
+_SOCKET_FILE = "socket"
+_KEY_BYTES = 32
+#: The most bytes one message from a consumer may hold (a state is small JSON).
+_CONSUMER_FRAME = 16 << 20
+#: Connections whose handshake is under way at once; more are hung up on at once (a
+#: consumer hung up on before the challenge tries again, within its timeout).
+_MAX_PENDING = 256
+_OPS = frozenset({"next", "get_state", "set_state", "close"})
 
 
 class ProducerError(WorkerError):
     """The producer a consumer reads from died, closed, or refused the consumer."""
 
 
-def _wake_socket(address: str) -> None:
-    """Connect and hang up at once: wakes a listener blocked in ``accept``."""
-    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as probe:
-        probe.settimeout(1.0)
-        probe.connect(address)
-
-
-def _hang_up(conn: Connection) -> None:
-    """End a connection a thread is blocked reading from (closing the fd does not wake it)."""
+def _hang_up(sock: socket.socket) -> None:
+    """End a connection a thread may be blocked reading from (closing does not wake it)."""
     with contextlib.suppress(OSError):
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-        with sock:
-            sock.shutdown(socket.SHUT_RDWR)
+        sock.shutdown(socket.SHUT_RDWR)
 
 
-def _remove_stale_socket(address: str) -> None:
-    """Unlink ``address`` if it is a socket nobody listens on (its producer died)."""
+def _owner_only(st: os.stat_result) -> bool:
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def _private_dir(address: str) -> str | None:
+    """The directory of the socket ``address`` links to, if it is one a producer of this
+    user made (a 0700 directory of ours); None otherwise."""
     try:
-        if not stat.S_ISSOCK(os.stat(address).st_mode):
-            return
+        if not stat.S_ISLNK(os.lstat(address).st_mode):
+            return None
+        directory = os.path.dirname(os.path.realpath(address))
+        st = os.lstat(directory)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or not _owner_only(st):
+        return None
+    return directory
+
+
+def _listening(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX) as probe:
+        probe.settimeout(1.0)
+        try:
+            _connect(probe, path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True
+    return True
+
+
+def _remove_stale(address: str) -> None:
+    """Remove what a dead producer left at ``address`` (its link, socket, key, directory;
+    or a plain socket of an older version): only things of this user nobody listens on."""
+    try:
+        st = os.lstat(address)
     except OSError:
         return
-    with socket.socket(socket.AF_UNIX) as probe:
-        try:
-            probe.connect(address)
-        except ConnectionRefusedError:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(address)
-        except OSError:
-            return
+    if st.st_uid != os.geteuid() or _listening(address):
+        return
+    if stat.S_ISLNK(st.st_mode):
+        directory = _private_dir(address)
+        if directory is not None:
+            _remove_private(directory)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address)
+    elif stat.S_ISSOCK(st.st_mode):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address)
+
+
+def _remove_private(directory: str) -> None:
+    for name in (_SOCKET_FILE, KEY_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
+
+
+def _bind(sock: socket.socket, directory: str) -> None:
+    """Bind ``sock`` to ``directory``/socket, through ``/proc/self/fd`` when that path is
+    longer than a socket address may be (108 bytes)."""
+    path = os.path.join(directory, _SOCKET_FILE)
+    if len(os.fsencode(path)) < 100:
+        sock.bind(path)
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sock.bind(f"/proc/self/fd/{fd}/{_SOCKET_FILE}")
+    finally:
+        os.close(fd)
+
+
+def _listen(address: str, key: bytes, write_key: bool) -> tuple[socket.socket, str]:
+    """A listening socket for ``address``: bound owner-only (0600) in a new directory of
+    its own (0700) beside it, with the key file (0600) when ``write_key``, and
+    ``address`` a link to it. Returns the socket and the directory."""
+    _remove_stale(address)
+    if os.path.lexists(address):
+        raise InvalidArgumentError(
+            f"serve: {address!r} exists and is not a dead producer's socket of this user "
+            "(another producer listens there, or it is some other file)")
+    parent, name = os.path.split(os.path.abspath(address))
+    directory = tempfile.mkdtemp(prefix=f".{name[:40]}.", dir=parent)  # 0700, a new name
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.chmod(directory, 0o700)
+        _bind(sock, directory)
+        os.chmod(os.path.join(directory, _SOCKET_FILE), 0o600)
+        sock.listen(128)
+        if write_key:
+            fd = os.open(os.path.join(directory, KEY_FILE),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with open(fd, "wb") as sink:
+                sink.write(key)
+        os.symlink(os.path.join(os.path.basename(directory), _SOCKET_FILE), address)
+    except BaseException:
+        sock.close()
+        _remove_private(directory)
+        raise
+    return sock, directory
+
+
+def _read_key(address: str) -> bytes | None:
+    """The key a producer wrote beside the socket ``address`` links to, when the file and
+    its directory are this user's alone; None when there is no such key file."""
+    directory = _private_dir(address)
+    if directory is None:
+        return None
+    try:
+        fd = os.open(os.path.join(directory, KEY_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with open(fd, "rb") as source:
+        st = os.fstat(source.fileno())
+        if not stat.S_ISREG(st.st_mode) or not _owner_only(st) or st.st_size != _KEY_BYTES:
+            return None
+        return source.read(_KEY_BYTES + 1)
 
 
 class Server(ClosesOnExit):
@@ -133,13 +258,24 @@ class Server(ClosesOnExit):
         authkey: bytes | None = None,
         max_open_files: int | None = None,
         shard_policy: AutoShardPolicy | str = AutoShardPolicy.DATA,
+        handshake_timeout: float = 10.0,
     ) -> None:
         if not isinstance(dataset, Dataset):
             raise InvalidArgumentError(f"serve needs a headrace Dataset, got {type(dataset).__name__}")
         if isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 1:
             raise InvalidArgumentError(f"serve: consumers must be an integer >= 1, got {consumers!r}")
+        if authkey is not None and (not isinstance(authkey, bytes) or not authkey):
+            raise InvalidArgumentError("serve: authkey must be non-empty bytes (or None: a "
+                                       "random key, written beside the socket)")
+        if not handshake_timeout > 0:
+            raise InvalidArgumentError(
+                f"serve: handshake_timeout must be > 0 seconds, got {handshake_timeout!r}")
         self.address = os.fspath(address)
         self.consumers = consumers
+        #: The key consumers must prove they hold: ``authkey``, or a random one (in the
+        #: key file, for :func:`connect` to find; give it to trainers launched elsewhere).
+        self.authkey = authkey if authkey is not None else secrets.token_bytes(_KEY_BYTES)
+        self.handshake_timeout = float(handshake_timeout)
         try:
             by_file = AutoShardPolicy(
                 shard_policy.lower() if isinstance(shard_policy, str) else shard_policy
@@ -175,15 +311,16 @@ class Server(ClosesOnExit):
         self.budget.allot()
         self.segments.limit = self.budget.total - consumers * self.part
         self._lock = threading.Lock()
-        self._connections: dict[int, Connection] = {}
+        self._connections: dict[int, socket.socket] = {}
+        self._sockets: set[socket.socket] = set()  # every open connection, for close()
+        self._pending = 0  # connections in their handshake
         self._threads: list[threading.Thread] = []
         self._served: dict[int, int] = dict.fromkeys(range(consumers), 0)  # runs finished
         self._runs: dict[int, DatasetIterator] = {}  # the connected consumers' runs
         self._closed = False
         sweep_stale()
-        _remove_stale_socket(self.address)
         try:
-            self._listener = Listener(self.address, "AF_UNIX", authkey=authkey)
+            self._socket, self.directory = _listen(self.address, self.authkey, authkey is None)
         except OSError as error:
             raise InvalidArgumentError(f"serve: cannot listen on {self.address!r}: {error}") from error
         self._acceptor = threading.Thread(
@@ -219,65 +356,98 @@ class Server(ClosesOnExit):
         return sum(account.overdrawn for account in accounts)
 
     def close(self) -> None:
-        """Stop listening, end every connection, close every consumer's run. Idempotent."""
+        """Stop listening, end every connection, close every consumer's run, remove the
+        socket, its key file and directory. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            connections = list(self._connections.values())
-        _wake_socket(self.address)
-        for conn in connections:
-            _hang_up(conn)
+            connections = list(self._sockets)
+        _hang_up(self._socket)  # wakes the accept loop
+        for sock in connections:
+            _hang_up(sock)
         self._acceptor.join(timeout=5)
         for thread in list(self._threads):
             thread.join(timeout=5)
         with contextlib.suppress(OSError):
-            self._listener.close()
-
+            self._socket.close()
+        with contextlib.suppress(OSError):
+            if _private_dir(self.address) == os.path.realpath(self.directory):
+                os.unlink(self.address)
+        _remove_private(self.directory)
 
     # -- serving -----------------------------------------------------------------------
     def _accept_loop(self) -> None:
         while True:
             try:
-                conn = self._listener.accept()
-            except Exception:  # a failed handshake (wrong key, the wake-up probe)
+                sock, _ = self._socket.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.01)  # (out of descriptors: try again in a moment)
+                continue
+            with self._lock:
+                refuse = self._closed or self._pending >= _MAX_PENDING
+                if not refuse:
+                    self._pending += 1
+                    self._sockets.add(sock)
+            if refuse:
+                sock.close()
                 if self._closed:
                     return
                 continue
-            if self._closed:
-                conn.close()
-                return
-            thread = threading.Thread(target=self._serve_one, args=(conn,), daemon=True)
+            thread = threading.Thread(target=self._serve_one, args=(sock,), daemon=True,
+                                      name=f"headrace-serve-{self.address}-consumer")
             with self._lock:
                 self._threads = [t for t in self._threads if t.is_alive()]
                 self._threads.append(thread)
             thread.start()
 
-    def _hello(self, conn: Connection) -> int | None:
-        """Check the consumer's greeting; its index, or None (refused, told why)."""
-        message = conn.recv()
-        if not (isinstance(message, tuple) and len(message) == 3 and message[0] == "hello"):
-            conn.send(("refused", "not a headrace consumer greeting"))
-            return None
-        _, protocol, index = message
-        if protocol != _PROTOCOL:
-            conn.send(("refused", f"protocol {protocol!r}, this producer speaks {_PROTOCOL}"))
-            return None
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.consumers:
-            conn.send(("refused", f"consumer index {index!r} is not in 0..{self.consumers - 1}"))
-            return None
-        with self._lock:
-            if self._closed:
-                conn.send(("refused", "the producer is closing"))
+    def _greet(self, sock: socket.socket) -> int | None:
+        """The handshake, within ``handshake_timeout``: the key both ways, then the
+        consumer's greeting; its index, or None (refused, told why where it proved the key)."""
+        deadline = time.monotonic() + self.handshake_timeout
+        try:
+            if not _wire.authenticate_consumer(sock, self.authkey, deadline):
                 return None
-            if index in self._connections:
-                conn.send(("refused", f"consumer {index} is already connected"))
+            message, _ = _wire.recv_message(sock, _wire.PRE_AUTH_FRAME * 4, deadline)
+            refusal = self._check_hello(message)
+            if refusal is None:
+                index: int = message["index"]
+                with self._lock:
+                    if self._closed:
+                        refusal = "the producer is closing"
+                    elif index in self._connections:
+                        refusal = f"consumer {index} is already connected"
+                    else:
+                        self._connections[index] = sock
+            if refusal is not None:
+                _wire.send_message(sock, {"op": "refused", "why": refusal}, deadline=deadline)
                 return None
-            self._connections[index] = conn
-        conn.send(("ok", self.consumers, os.getpid()))
-        return index
+            try:
+                _wire.send_message(sock, {"op": "ok", "consumers": self.consumers,
+                                          "pid": os.getpid()}, deadline=deadline)
+            except BaseException:
+                with self._lock:
+                    del self._connections[index]
+                raise
+            sock.settimeout(None)
+            return index
+        finally:
+            with self._lock:
+                self._pending -= 1
 
-    def _serve_one(self, conn: Connection) -> None:
+    def _check_hello(self, message: dict[str, Any]) -> str | None:
+        if message.get("op") != "hello":
+            return "not a headrace consumer greeting"
+        protocol, index = message.get("protocol"), message.get("index")
+        if protocol != _PROTOCOL:
+            return f"protocol {protocol!r}, this producer speaks {_PROTOCOL}"
+        if type(index) is not int or not 0 <= index < self.consumers:
+            return f"consumer index {index!r} is not in 0..{self.consumers - 1}"
+        return None
+
+    def _serve_one(self, sock: socket.socket) -> None:
         index: int | None = None
         run: DatasetIterator | None = None
         pool = SegmentPool(os.getpid(), tag="serve")
@@ -290,7 +460,7 @@ class Server(ClosesOnExit):
             return key, name, capacity, mapping
 
         try:
-            index = self._hello(conn)
+            index = self._greet(sock)
             if index is None:
                 return
             part = self._parts[index]
@@ -301,40 +471,37 @@ class Server(ClosesOnExit):
             with self._lock:
                 self._runs[index] = run
             while True:
-                request = conn.recv()
-                kind = request[0]
+                request, _ = _wire.recv_message(sock, _CONSUMER_FRAME)
+                kind = request["op"]
+                if kind not in _OPS:
+                    return  # not the protocol: hang up
                 if kind == "next":
-                    for key in request[1]:
+                    freed = request.get("free", [])
+                    if not isinstance(freed, list) or not all(type(k) is int for k in freed):
+                        return
+                    for key in freed:
                         pool.free(key)
-                    try:
-                        element = next(run)
-                    except StopIteration:
-                        with self._lock:
-                            self._served[index] += 1
-                        conn.send(("end",))
-                        continue
-                    except Exception as error:  # the pipeline's error: the consumer's too
-                        conn.send(("error", _portable(error)))
-                        continue
-                    conn.send(("element", pack(element, allocate)))
+                    self._send_next(sock, run, index, allocate)
                 elif kind == "get_state":
                     try:  # a refused checkpoint (CheckpointError) is the consumer's to see
-                        state = run.get_state()
-                    except Exception as error:
-                        conn.send(("error", _portable(error)))
-                        continue
-                    conn.send(("state", state))
+                        reply = {"op": "state", "state": run.get_state()}
+                        _wire.send_message(sock, reply)
+                    except Exception as error:  # (a state that is not JSON: TypeError)
+                        _wire.send_message(sock, _wire.error_message(error))
                 elif kind == "set_state":
+                    state = request.get("state")
                     try:
-                        run.set_state(request[1])
-                    except Exception as error:
-                        conn.send(("error", _portable(error)))
+                        if not isinstance(state, dict):
+                            raise CheckpointError("not a served part's state (not a JSON object)")
+                        run.set_state(state)
+                    except Exception as error:  # a state that is not this part's
+                        _wire.send_message(sock, _wire.error_message(error))
                         continue
-                    conn.send(("ok",))
-                elif kind == "close":
+                    _wire.send_message(sock, {"op": "ok"})
+                else:  # close
                     return
-        except (EOFError, OSError):
-            return  # the consumer went away (exited, died, or we hung up on close)
+        except (EOFError, OSError, _wire.WireError):
+            return  # the consumer went away, broke the protocol, or we hung up on close
         finally:
             if run is not None:
                 with self._lock:
@@ -345,20 +512,30 @@ class Server(ClosesOnExit):
             for reservation in booked:
                 reservation.release()
             with self._lock:
-                if index is not None and self._connections.get(index) is conn:
+                if index is not None and self._connections.get(index) is sock:
                     del self._connections[index]
+                self._sockets.discard(sock)
             with contextlib.suppress(OSError):
-                conn.close()
+                sock.close()
 
-
-def _portable(error: BaseException) -> BaseException:
-    """``error`` if it pickles, else a WorkerError with its text and traceback."""
-    try:
-        pickle.loads(pickle.dumps(error))
-    except Exception:
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        return WorkerError(f"the producer's pipeline raised {type(error).__name__}: {error}\n{text}")
-    return error
+    def _send_next(self, sock: socket.socket, run: DatasetIterator, index: int,
+                   allocate: _wire.Allocate) -> None:
+        try:
+            element = next(run)
+        except StopIteration:
+            with self._lock:
+                self._served[index] += 1
+            _wire.send_message(sock, {"op": "end"})
+            return
+        except Exception as error:  # the pipeline's error: the consumer's too
+            _wire.send_message(sock, _wire.error_message(error))
+            return
+        try:
+            message, blob = _wire.encode(element, allocate)
+        except Exception as error:  # a leaf the wire cannot carry: this element's error
+            _wire.send_message(sock, _wire.error_message(error))
+            return
+        _wire.send_message(sock, message, blob)
 
 
 def serve(
@@ -369,30 +546,40 @@ def serve(
     authkey: bytes | None = None,
     max_open_files: int | None = None,
     shard_policy: AutoShardPolicy | str = AutoShardPolicy.DATA,
+    handshake_timeout: float = 10.0,
 ) -> Server:
     """Serve ``dataset`` to ``consumers`` processes on this host; returns the :class:`Server`.
 
     Consumer ``i`` (see :func:`connect`) gets ``dataset.shard(consumers, i)``, or with
     ``shard_policy="file"`` its round-robin part of the pipeline's files (each file
     read once for all consumers; see :func:`headrace.auto_shard` and the module doc).
-    ``address`` is the path of the Unix socket to listen on (a stale socket left
-    by a dead producer is replaced). ``authkey``: the shared secret consumers
-    must present; by default this process's ``multiprocessing`` authkey, which
-    processes started by ``multiprocessing`` inherit — give one explicitly for
-    trainers launched otherwise (torchrun). ``max_open_files``: the cap on
-    descriptors all consumers' readers share (default: the dataset's
-    ``Options(max_open_files=...)``). Use as a context manager, or call
-    :meth:`Server.close`.
+    ``address``: the path consumers connect to; it becomes a link to the socket,
+    which is made owner-only (0600) in a new owner-only (0700) directory beside it
+    (what a dead producer left there is replaced). ``authkey``: the secret a
+    consumer must prove it holds (HMAC challenge both ways); by default a random
+    key, written to a file only this user can read in that directory, which
+    :func:`connect` reads by itself (also :attr:`Server.authkey`); give one
+    explicitly for trainers that cannot read this host's files, and pass it to
+    their ``connect``. Nothing a consumer sends is ever unpickled, before or after
+    it authenticated; an element must be made of the leaves :mod:`headrace._wire`
+    lists (else that element's error is :class:`~headrace.errors.ElementSpecError`).
+    ``handshake_timeout``: the seconds a new connection has to authenticate and
+    greet (each on a thread of its own: a silent one delays nobody).
+    ``max_open_files``: the cap on descriptors all consumers' readers share
+    (default: the dataset's ``Options(max_open_files=...)``). Use as a context
+    manager, or call :meth:`Server.close`.
     """
     return Server(dataset, consumers, os.fspath(address), authkey=authkey,
-                  max_open_files=max_open_files, shard_policy=shard_policy)
+                  max_open_files=max_open_files, shard_policy=shard_policy,
+                  handshake_timeout=handshake_timeout)
 
 
 class ServedIterator(ClosesOnExit):
     """A consumer's iterator over its part of a served dataset (from :func:`connect`)."""
 
-    def __init__(self, conn: Connection, address: str, index: int, consumers: int, producer: int) -> None:
-        self._conn = conn
+    def __init__(self, sock: socket.socket, address: str, index: int, consumers: int,
+                 producer: int) -> None:
+        self._sock = sock
         self.address = address
         #: This consumer's index, the number of consumers, the producer's process id.
         self.index, self.consumers, self.producer_pid = index, consumers, producer
@@ -403,41 +590,57 @@ class ServedIterator(ClosesOnExit):
     def __iter__(self) -> ServedIterator:
         return self
 
-    def _ask(self, request: tuple[Any, ...], doing: str) -> tuple[Any, ...]:
+    def _gone(self, doing: str, why: str = "it died or was closed") -> ProducerError:
+        self._closed = True
+        _hang_up(self._sock)
+        return ProducerError(
+            f"the producer (pid {self.producer_pid}) serving {self.address!r} is gone "
+            f"({why}) while consumer {self.index} of {self.consumers} was {doing}")
+
+    def _ask(self, request: dict[str, Any], doing: str) -> tuple[dict[str, Any], bytearray]:
         try:
-            self._conn.send(request)
-            reply: tuple[Any, ...] = self._conn.recv()
+            _wire.send_message(self._sock, request)
+            reply, blob = _wire.recv_message(self._sock)
         except (EOFError, OSError) as error:
-            self._closed = True
-            raise ProducerError(
-                f"the producer (pid {self.producer_pid}) serving {self.address!r} is gone "
-                f"(it died or was closed) while consumer {self.index} of {self.consumers} "
-                f"was {doing}"
-            ) from error
-        if reply[0] == "error":
-            raise reply[1]
-        return reply
+            raise self._gone(doing) from error
+        except _wire.WireError as error:
+            raise self._gone(doing, f"it broke the protocol: {error}") from None
+        if reply["op"] == "error":
+            raise _wire.rebuild_error(reply, f"the producer at {self.address!r}")
+        return reply, blob
 
     def __next__(self) -> Any:
         self._check_open()
         if self._ended:
             raise StopIteration
         freed = self._maps.released()  # kept mapped: the producer reuses them by key
-        reply = self._ask(("next", freed), "waiting for its next element")
-        if reply[0] == "end":
+        reply, blob = self._ask({"op": "next", "free": freed}, "waiting for its next element")
+        if reply["op"] == "end":
             self._ended = True
             raise StopIteration
-        return self._maps.unpack(reply[1])
+        doing = "reading its next element"
+        if reply["op"] != "element":
+            raise self._gone(doing, f"it broke the protocol: a {reply['op']!r} for 'next'")
+        try:
+            segment = _wire.segment_of(reply)
+            if segment is not None and not segment[1] and segment[0] not in self._maps.maps:
+                raise _wire.WireError(f"segment {segment[0]} was never announced")
+            return self._maps.decode(segment, lambda mapping, on_view: _wire.decode(
+                reply, blob, mapping, on_view))
+        except (_wire.WireError, OSError, ValueError) as error:
+            raise self._gone(doing, f"it broke the protocol: {error}") from None
 
     def get_state(self) -> dict[str, Any]:
         """This consumer's position: resume it with :meth:`set_state` after a new ``connect``."""
         self._check_open()
-        reply = self._ask(("get_state",), "saving its state")
+        reply, _ = self._ask({"op": "get_state"}, "saving its state")
+        if reply["op"] != "state" or not isinstance(reply.get("state"), dict):
+            raise self._gone("saving its state", "it broke the protocol: no state")
         return {
             "format": _STATE_FORMAT,
             "consumers": self.consumers,
             "index": self.index,
-            "state": reply[1],
+            "state": reply.get("state"),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -457,7 +660,9 @@ class ServedIterator(ClosesOnExit):
                 f"{self.index} of {self.consumers}: restoring it would feed another part"
             )
         inner = reader.child("state")
-        self._ask(("set_state", inner), "restoring its state")
+        reply, _ = self._ask({"op": "set_state", "state": inner}, "restoring its state")
+        if reply["op"] != "ok":
+            raise self._gone("restoring its state", f"it broke the protocol: {reply['op']!r}")
         self._ended = False
 
     def close(self) -> None:
@@ -465,10 +670,10 @@ class ServedIterator(ClosesOnExit):
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(OSError, EOFError):
-            self._conn.send(("close",))
         with contextlib.suppress(OSError):
-            self._conn.close()
+            _wire.send_message(self._sock, {"op": "close"}, deadline=time.monotonic() + 1)
+        with contextlib.suppress(OSError):
+            self._sock.close()
         self._maps.close()
 
     def __del__(self) -> None:
@@ -480,22 +685,38 @@ class ServedIterator(ClosesOnExit):
             raise IteratorClosedError(f"consumer {self.index}'s connection to {self.address!r} is closed")
 
 
+def _connect(sock: socket.socket, path: str) -> None:
+    """``sock.connect(path)``, through ``/proc/self/fd`` when ``path`` is longer than a
+    socket address may be (as :func:`_bind` binds)."""
+    if len(os.fsencode(path)) < 100:
+        sock.connect(path)
+        return
+    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sock.connect(f"/proc/self/fd/{fd}/{os.path.basename(path)}")
+    finally:
+        os.close(fd)
 
-def _dial(path: str, authkey: bytes | None, deadline: float, timeout: float) -> Connection:
-    """A connection to the listener at ``path``, waiting until ``deadline`` for it to listen."""
+
+def _dial(path: str, deadline: float, timeout: float) -> socket.socket:
+    """A socket connected to the producer at ``path``, waiting until ``deadline`` for it
+    to listen."""
     while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            return Client(path, "AF_UNIX", authkey=authkey)
+            sock.settimeout(max(deadline - time.monotonic(), 0.01))
+            _connect(sock, path)
+            return sock
         except (FileNotFoundError, ConnectionRefusedError) as error:
+            sock.close()
             if time.monotonic() >= deadline:
                 raise ProducerError(
                     f"no headrace producer listens on {path!r} (waited {timeout:g} s)"
                 ) from error
             time.sleep(0.05)
-        except Exception as error:  # AuthenticationError, a reset during the handshake
-            raise ProducerError(
-                f"the producer at {path!r} refused the connection: {error}"
-            ) from error
+        except OSError as error:  # a timeout, a permission refused
+            sock.close()
+            raise ProducerError(f"cannot connect to the producer at {path!r}: {error}") from error
 
 
 def connect(
@@ -508,31 +729,72 @@ def connect(
 ) -> ServedIterator:
     """Connect to the producer at ``address`` as consumer ``index``: an iterator of its part.
 
-    Waits up to ``timeout`` seconds for the producer to listen (trainers and the
-    producer may start in any order). ``state``: resume from this consumer's
-    :meth:`ServedIterator.get_state`. Raises :class:`ProducerError` when no
-    producer answers in time, the key is wrong, or the producer refuses the
-    index (out of range, or already connected).
+    ``timeout`` bounds everything until this returns: waiting for the producer to
+    listen (trainers and the producer may start in any order), the key handshake and
+    the greeting (a producer that accepts but never answers is a
+    :class:`ProducerError` after ``timeout`` seconds, not a hang). ``authkey``: the
+    producer's explicit key; by default the key the producer wrote beside its socket
+    (readable only by this user). ``state``: resume from this consumer's
+    :meth:`ServedIterator.get_state`. Raises :class:`ProducerError` when no producer
+    answers in time, the key is wrong, or the producer refuses the index (out of
+    range, or already connected). Nothing the producer sends is unpickled.
     """
     path = os.fspath(address)
     deadline = time.monotonic() + timeout
+    refused: str | None = None  # the last refusal, while waiting for the index to be free
     while True:
-        conn = _dial(path, authkey, deadline, timeout)
+        sock = _dial(path, deadline, timeout)
         try:
-            conn.send(("hello", _PROTOCOL, index))
-            reply = conn.recv()
-        except (EOFError, OSError) as error:
-            conn.close()
-            raise ProducerError(f"the producer at {path!r} hung up during the greeting") from error
-        if reply[0] == "ok":
+            key = authkey if authkey is not None else _read_key(path)
+            if key is None:
+                raise ProducerError(
+                    f"no key for the producer at {path!r}: it was given its own authkey "
+                    "(pass the same authkey= to connect), or its key file is not this "
+                    "user's alone")
+            _wire.authenticate_producer(sock, key, deadline)
+            _wire.send_message(sock, {"op": "hello", "protocol": _PROTOCOL, "index": index},
+                               deadline=deadline)
+            reply, _ = _wire.recv_message(sock, _wire.PRE_AUTH_FRAME * 4, deadline)
+        except _wire.Busy:
+            sock.close()
+            if time.monotonic() + 0.05 >= deadline:
+                raise ProducerError(
+                    f"the producer at {path!r} kept hanging up before its key challenge "
+                    f"(too many connections under way) for {timeout:g} s") from None
+            time.sleep(0.05)
+            continue
+        except PermissionError as error:
+            sock.close()
+            raise ProducerError(f"the producer at {path!r} refused the connection: {error}") from None
+        except TimeoutError:
+            sock.close()
+            if refused is not None:
+                raise ProducerError(refused) from None
+            raise ProducerError(
+                f"the producer at {path!r} did not complete the handshake within "
+                f"{timeout:g} s") from None
+        except (EOFError, OSError, _wire.WireError) as error:
+            sock.close()
+            raise ProducerError(
+                f"the producer at {path!r} refused the connection or hung up during the "
+                f"handshake: {error}") from None
+        except BaseException:
+            sock.close()
+            raise
+        if reply.get("op") == "ok" and type(reply.get("consumers")) is int \
+                and type(reply.get("pid")) is int:
             break
-        conn.close()
+        sock.close()
+        why = reply.get("why")
+        why = why if isinstance(why, str) else f"an unexpected reply {reply.get('op')!r}"
         # The index's previous connection may be ending (a trainer restarted at once):
         # the producer notices a dead consumer within moments, so wait for it.
-        if "already connected" not in reply[1] or time.monotonic() >= deadline:
-            raise ProducerError(f"the producer at {path!r} refused consumer {index!r}: {reply[1]}")
+        refused = f"the producer at {path!r} refused consumer {index!r}: {why}"
+        if "already connected" not in why or time.monotonic() + 0.05 >= deadline:
+            raise ProducerError(refused)
         time.sleep(0.05)
-    served = ServedIterator(conn, path, index, reply[1], reply[2])
+    sock.settimeout(None)
+    served = ServedIterator(sock, path, index, reply["consumers"], reply["pid"])
     if state is not None:
         try:
             served.set_state(state)

@@ -505,9 +505,20 @@ class SegmentMaps:
         self._lock = threading.Lock()
 
     def unpack(self, packet: Packet) -> Any:
-        if packet.segment is None:
-            return loads(packet.payload)
-        key, name, capacity = packet.segment
+        return self.decode(packet.segment, lambda mapping, on_view: (
+            loads(packet.payload) if mapping is None else unpack(packet, mapping, on_view)))
+
+    def decode(
+        self,
+        segment: tuple[int, str, int] | None,
+        build: Callable[[mmap.mmap | None, Callable[[Any], None]], Any],
+    ) -> Any:
+        """``build(mapping, on_view)``: an object made over ``segment`` (mapped by name
+        when new), each view of it passed to ``on_view`` watched, so that the segment is
+        reported free when the last is gone (at once when ``build`` made none)."""
+        if segment is None:
+            return build(None, lambda view: None)
+        key, name, capacity = segment
         if name:
             self.maps[key] = (open_segment(name, capacity), capacity)
             self.opened += 1
@@ -521,7 +532,7 @@ class SegmentMaps:
                 self.live[key] = self.live.get(key, 0) + 1
             weakref.finalize(view, dead.append, key)
 
-        obj = unpack(packet, mapping, on_view)
+        obj = build(mapping, on_view)
         if not viewed[0]:  # only copies came out (bytes): the segment is free at once
             with self._lock:
                 self.live[key] = self.live.get(key, 0) + 1
