@@ -15,6 +15,7 @@ resumes with exactly the oracle's remainder.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 from collections.abc import Callable
@@ -231,3 +232,91 @@ def test_a_failed_transfer_to_jax_is_that_batch_error_only(
     ]
     got = drive(to_jax(ds, prefetch=rng.randint(1, 4), shard_policy=None), limit)
     assert got == expected, f"seed {seed}: {ds.node!r}"
+
+
+# --- worker faults under every adapter -------------------------------------------
+# The same promise where the fault is the infrastructure's: a worker process killed
+# once (replaced; its elements run again), killed by one element every time, or an
+# output that cannot travel back. The oracle is the fault-free sequential run of the
+# same plan (``process_fns.oracle_faulty``): a kill once is invisible, the other two
+# are that element's error, and nothing else changes under any adapter.
+
+WORKER_FAULTS = ("kill_once", "kill_always", "unsendable", "raise")
+#: the adapters with states, and the plain DataLoader: each is driven through the pool
+WORKER_ADAPTERS = ("jax", "torch", "torch DataLoader", "torch device ring", "keras numpy")
+
+
+def _worker_case(seed: int, markers: str) -> tuple[hr.Dataset, hr.Dataset]:
+    import functools
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import process_fns
+
+    rng = random.Random(seed)
+    n = rng.randint(16, 40)
+    plan = tuple(sorted((x, rng.choice(WORKER_FAULTS)) for x in rng.sample(range(8, n), 2)))
+    size = rng.choice([3, 5_000])  # in the pickle, or through shared memory
+
+    def build(fn: Any, workers: int | None) -> hr.Dataset:
+        ds = hr.Dataset.range(n)
+        if workers is None:
+            ds = ds.map(fn)
+        else:
+            ds = ds.map(fn, num_parallel_calls=workers, workers="processes")
+        if rng.random() < 0.5:
+            ds = ds.prefetch(2)
+        return ds.with_options(hr.Options(memory_budget="64MiB"))
+
+    state = rng.getstate()
+    oracle = build(functools.partial(process_fns.oracle_faulty, plan, size), None)
+    rng.setstate(state)  # the same stages after the map
+    faulty = build(functools.partial(process_fns.faulty, plan, markers, size), rng.randint(1, 2))
+    return oracle, faulty
+
+
+def _worker_events(iterator: Any, limit: int, end: tuple[type[BaseException], ...]) -> list[Any]:
+    events: list[Any] = []
+    for _ in range(limit):
+        try:
+            value = np.asarray(_plain(next(iterator)))
+            events.append(("value", value.shape, int(value.reshape(-1)[0])))
+        except end:
+            events.append(("end",))
+            return events
+        except hr.WorkerPoolError:
+            raise  # the stage cannot go on: never an element's error
+        except hr.WorkerError:
+            events.append(("error", "worker"))
+        except Exception as error:  # the map's own exception, at its place
+            events.append(("error", type(error).__name__))
+    events.append(("no end",))
+    return events
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_worker_faults_under_every_adapter_lose_nothing(seed: int) -> None:
+    import tempfile
+    import warnings
+
+    with tempfile.TemporaryDirectory() as markers, warnings.catch_warnings():
+        warnings.simplefilter("ignore", hr.HeadraceWarning)  # "worker ... replaced"
+        oracle_ds, _ = _worker_case(seed, markers)
+        with iter(oracle_ds) as plain:
+            oracle = _worker_events(plain, 200, (StopIteration,))
+        assert oracle[-1] == ("end",)
+        for adapter in WORKER_ADAPTERS:
+            for marker in os.listdir(markers):  # each adapter meets its kill once
+                os.remove(os.path.join(markers, marker))
+            _, ds = _worker_case(seed, markers)
+            make, end, _ = ADAPTERS[adapter]
+            iterator = make(ds, random.Random(seed))
+            try:
+                got = _worker_events(iterator, 200, end)
+            finally:
+                close = getattr(iterator, "close", None)
+                if close is not None:
+                    close()
+            assert got == oracle, f"{adapter}, seed {seed}: {ds.node!r}"
