@@ -21,20 +21,18 @@ file (identity and offset), never read whole.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import hashlib
 import mmap
 import os
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from headrace.core.node import Node
+from headrace.core.node import Node, content_memo, content_mode, describing_content
 
 __all__ = [
     "array_digest",
@@ -44,33 +42,8 @@ __all__ = [
     "function_name",
 ]
 
-#: While a content fingerprint is computed: the digests made so far, by ``id`` (with the
-#: array, so that the id stays its own); None while a structure fingerprint is.
-_content: contextvars.ContextVar[dict[int, tuple[Any, str]] | None] = contextvars.ContextVar(
-    "headrace_fingerprint_content", default=None
-)
-
 #: Bytes hashed per call for an array that is not contiguous (one copy of this size).
 _CHUNK_BYTES = 16 << 20
-
-
-@contextlib.contextmanager
-def describing_content(content: bool = True) -> Iterator[None]:
-    """Describe arrays by their contents (``content``) or by dtype and shape only,
-    within the block: how :meth:`Node.data_fingerprint` and :meth:`Node.fingerprint`
-    share every ``params()``. Nested content blocks share one digest memo."""
-    current = _content.get()
-    memo = (current if current is not None else {}) if content else None
-    token = _content.set(memo)
-    try:
-        yield
-    finally:
-        _content.reset(token)
-
-
-def content_mode() -> bool:
-    """Whether a content fingerprint is being computed (see :func:`describing_content`)."""
-    return _content.get() is not None
 
 
 def file_identity(path: str | os.PathLike[str]) -> tuple[Any, ...]:
@@ -95,7 +68,7 @@ def array_digest(value: Any) -> str:
     Object arrays (bytes and str components) are hashed element by element. Within a
     content fingerprint, each array is hashed once however often it appears.
     """
-    memo = _content.get()
+    memo = content_memo()
     if memo is not None:
         known = memo.get(id(value))
         if known is not None and known[0] is value:

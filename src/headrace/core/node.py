@@ -52,6 +52,9 @@ __all__ = [
     "batching_role",
     "check_positive",
     "check_signature",
+    "content_memo",
+    "content_mode",
+    "describing_content",
     "first_element",
     "known_spec",
     "probe_elements",
@@ -76,6 +79,41 @@ _NO_SAMPLING: Any = object()
 _sampling: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "headrace_spec_sampling", default=None
 )
+
+
+# -- fingerprints --------------------------------------------------------------------------
+# Node identity is computed here; headrace.core.fingerprint describes the values in it
+# and asks which of the two fingerprints is being made.
+
+#: While a content fingerprint is computed: the digests made so far, by ``id`` (with the
+#: array, so that the id stays its own); None while a structure fingerprint is.
+_content: contextvars.ContextVar[dict[int, tuple[Any, str]] | None] = contextvars.ContextVar(
+    "headrace_fingerprint_content", default=None
+)
+
+
+@contextlib.contextmanager
+def describing_content(content: bool = True) -> PyIterator[None]:
+    """Describe arrays by their contents (``content``) or by dtype and shape only,
+    within the block: how :meth:`Node.data_fingerprint` and :meth:`Node.fingerprint`
+    share every ``params()``. Nested content blocks share one digest memo."""
+    current = _content.get()
+    memo = (current if current is not None else {}) if content else None
+    token = _content.set(memo)
+    try:
+        yield
+    finally:
+        _content.reset(token)
+
+
+def content_memo() -> dict[int, tuple[Any, str]] | None:
+    """The digests made so far in this content block, by ``id``; None outside one."""
+    return _content.get()
+
+
+def content_mode() -> bool:
+    """Whether a content fingerprint is being computed (see :func:`describing_content`)."""
+    return _content.get() is not None
 
 
 class SpecNeedsData(Exception):
@@ -252,8 +290,6 @@ class Node:
         kind = "content" if content else "structure"
         if cached is not None and kind in cached:
             return cached[kind]
-        from headrace.core.fingerprint import describing_content
-
         with describing_content(content):
             digest = hashlib.sha256()
             digest.update(type(self).__qualname__.encode())
