@@ -309,3 +309,67 @@ def test_a_missing_database_file_is_named_and_not_created(tmp_path: Any) -> None
     with pytest.raises(SqlError, match=r"no SQLite database at '.*typo\.db': no such file"):
         list(ds)
     assert not missing.exists()
+
+
+@st.composite
+def mixed_keys(draw: Any) -> list[Any]:
+    """Unique keys (as SQLite compares them: 2 equals 2.0, never '2') mixing SQLite's
+    storage classes in an untyped column: integers, reals (some fractional), text."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    kinds = draw(st.sets(st.sampled_from(["int", "real", "whole_real", "text"]), min_size=1))
+    keys: dict[Any, Any] = {}
+    for _ in range(draw(st.integers(0, 16))):
+        kind = str(rng.choice(sorted(kinds)))
+        number = int(rng.integers(-20, 20))
+        value: Any = {"int": number, "real": number + 0.5, "whole_real": float(number),
+                      "text": str(number)}[kind]
+        keys.setdefault(("t", value) if kind == "text" else ("n", float(value)), value)
+    values = list(keys.values())
+    return [values[i] for i in rng.permutation(len(values)).tolist()]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mixed_keys(), st.integers(1, 12), st.integers(1, 8),
+       st.sampled_from([None, "float64", "object"]))
+def test_a_key_mixing_storage_classes_delivers_each_row_once_or_says_so(
+        tmp_path_factory: Any, keys: list[Any], page_rows: int, batch_size: int,
+        key_dtype: str | None) -> None:
+    """Oracle: the table read with sqlite3. A key whose values change type (1 then 1.5,
+    1 then '1') is never converted in silence nor paged from a converted value (which
+    repeated one row forever): every row comes once, with its key unchanged, or
+    SqlError names the key column, within a bounded number of next() calls."""
+    path = tmp_path_factory.mktemp("db") / "t.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE t (id INTEGER, k)")  # no affinity: each value keeps its class
+    db.executemany("INSERT INTO t VALUES (?, ?)", [(i, k) for i, k in enumerate(keys)])
+    db.commit()
+    oracle = db.execute("SELECT id, k FROM t").fetchall()
+    db.close()
+    ds = hr.Dataset.from_sql("SELECT * FROM t", connection=f"sqlite:///{path}", key="k",
+                             page_rows=page_rows, batch_size=batch_size, max_retries=0,
+                             dtypes={"k": key_dtype} if key_dtype else {})
+    got: list[tuple[int, Any]] = []
+    it = iter(ds)
+    refused = None
+    try:
+        for _ in range(len(keys) // batch_size + 2):  # a loop would run past this
+            batch = next(it)
+            got.extend(zip(batch["id"].tolist(), batch["k"].tolist(), strict=True))
+        raise AssertionError(f"more batches than {len(keys)} rows make: {got[:20]}")
+    except StopIteration:
+        pass
+    except SqlError as error:
+        refused = error
+    by_id = dict(oracle)
+    assert len({i for i, _ in got}) == len(got)  # nothing twice
+    for i, k in got:  # each key as the database holds it, in value and kind
+        assert k == by_id[i] and isinstance(k, str) == isinstance(by_id[i], str), (i, k)
+    if refused is None:
+        assert sorted(got) == sorted(oracle)
+        return
+    assert key_dtype != "object", refused  # an object column holds any value as it is
+    if key_dtype == "float64":
+        assert any(isinstance(k, str) for k in keys), f"numbers, refused: {refused}"
+    else:
+        assert len({type(k) for k in keys}) > 1, f"one type, refused: {refused}"
+    assert "key column 'k'" in str(refused)

@@ -230,7 +230,9 @@ class Dataset:
         NULL while reading raises :class:`SqlError` (pages would skip rows). A
         wrong query fails at once with the database's message, never retried.
         NULLs take ``null_defaults[column]`` or raise naming the column, row and
-        key. See :mod:`headrace.sources.sql`.
+        key. ``dtypes`` fixes a column's NumPy type; otherwise SQLite's come from
+        the first page, and a later value that type would change (1.5 or '1' in
+        int64) raises :class:`SqlError` rather than being converted. See :mod:`headrace.sources.sql`.
         """
         from headrace.sources.sql import SqlNode
 

@@ -48,9 +48,15 @@ is refused (sqlite3 would create an empty database there).
 Types come from the result's column types (PostgreSQL), or from the first
 page's values (SQLite, whose columns have no fixed type): integers int64,
 reals float64, booleans bool, text ``str`` and blobs ``bytes`` in ``object``
-arrays. A NULL takes ``null_defaults[column]`` (or ``null_defaults["*"]``, for
-every column without an entry of its own), or raises naming the column, the
-row and its key. A default given as :class:`TextDefault` (what ``headrace
+arrays. A SQLite column may mix storage classes, so a later value that its type
+would change (1.5 or '1' in an int64 column, text in a float64 one, an integer
+beyond 2**53 in float64) raises :class:`SqlError` naming the column (the key
+column as such), the row and the value, never converted in silence: which values
+come first depends on ``page_rows``, so pass ``dtypes={column: ...}`` (float64 for
+integers and reals, ``object`` for anything, kept as it is) or CAST in SQL. Pages
+start from the last key exactly as the database returned it. A NULL takes
+``null_defaults[column]`` (or ``null_defaults["*"]``, for every column without
+an entry of its own), or raises naming the column, the row and its key. A default given as :class:`TextDefault` (what ``headrace
 convert --null-default`` passes) is parsed as each column's type where it is
 used, so one value serves integer, float and text columns alike.
 """
@@ -331,8 +337,9 @@ class _Columns:
     """Turns pages of rows (SQLite tuples, or Arrow tables) into NumPy columns."""
 
     def __init__(self, names: list[str], null_defaults: Mapping[str, Any],
-                 dtypes: Mapping[str, Any]) -> None:
+                 dtypes: Mapping[str, Any], key: str | None = None) -> None:
         self.names = names
+        self.key = key
         self.null_defaults = null_defaults
         self.dtypes = dict(dtypes)
         self.fixed: dict[str, np.dtype[Any]] = {}
@@ -394,18 +401,31 @@ class _Columns:
                 column = np.empty(len(values), dtype=object)
                 column[:] = values
             else:
-                try:
-                    column = np.array(values, dtype=dtype)
-                    bad = None
-                except (TypeError, ValueError, OverflowError):
-                    bad = next(i for i, v in enumerate(values) if not _fits(v, dtype))
+                # NumPy would convert 1.5 to 1 and '1' to 1 in silence: a value that does
+                # not keep its type and its value in the column's dtype is an error
+                bad = _first_unfit(values, dtype)
+                if bad is None:
+                    try:
+                        column = np.array(values, dtype=dtype)
+                    except (TypeError, ValueError, OverflowError):
+                        bad = next(i for i, v in enumerate(values) if not _fits(v, dtype))
                 if bad is not None:
-                    raise SqlError(
-                        f"from_sql: column {name!r} row {first_row + bad}: {values[bad]!r} is not "
-                        f"{dtype} (the type its first values had); pass dtypes={{{name!r}: ...}}"
-                    )
+                    raise self._type_error(name, first_row + bad, values[bad], dtype,
+                                           keys[bad] if keys is not None else None)
             out[name] = column
         return out
+
+    def _type_error(self, name: str, row: int, value: Any, dtype: np.dtype[Any],
+                    key: Any) -> SqlError:
+        is_key = name == self.key
+        at = f" (key {key!r})" if key is not None and not is_key else ""
+        what = f"the key column {name!r}" if is_key else f"column {name!r}"
+        return SqlError(
+            f"from_sql: {what} row {row}{at}: {value!r} (a {type(value).__name__}) does not fit "
+            f"{dtype}, the type the column's first values had (SQLite columns may mix types: "
+            f"which values come first depends on page_rows); converting it would change it. "
+            f"Pass dtypes={{{name!r}: ...}} for a type that holds every value, or CAST it in SQL"
+        )
 
     def from_arrow(self, table: Any, first_row: int, key: str | None) -> dict[str, Any]:
         import pyarrow as pa
@@ -464,6 +484,40 @@ def _arrow_kind(kind: Any) -> str:
         if test(kind):
             return name
     return "text"
+
+
+#: Above this, not every integer is a float64 (2**53 + 1 is not).
+_EXACT_FLOAT_INT = 2**53
+
+
+def _first_unfit(values: Sequence[Any], dtype: np.dtype[Any]) -> int | None:
+    """The index of the first value NumPy would change in ``dtype`` (text parsed as a
+    number, a real truncated to an integer, an integer rounded to a float, 2 made
+    True), or None. SQLite hands out int, float, str and bytes, whatever the column."""
+    if dtype.kind == "b":
+        plain: set[type] = {bool, np.bool_}
+    elif dtype.kind in "iu":
+        plain = {int, bool, np.bool_}
+    elif dtype.kind == "f":
+        plain = {float, bool, np.bool_}
+    else:
+        return None  # (dates, strings the caller asked for: NumPy's own checks)
+    if set(map(type, values)) <= plain:
+        return None
+    for index, value in enumerate(values):
+        if isinstance(value, (bool, np.bool_)):
+            continue
+        if isinstance(value, (int, np.integer)):
+            fits = (value in (0, 1) if dtype.kind == "b" else
+                    abs(int(value)) <= _EXACT_FLOAT_INT if dtype.kind == "f" else True)
+        elif isinstance(value, (float, np.floating)):
+            fits = dtype.kind == "f" or (dtype.kind in "iu" and float(value).is_integer()
+                                          and abs(value) <= _EXACT_FLOAT_INT)
+        else:
+            fits = False
+        if not fits:
+            return index
+    return None
 
 
 def _fits(value: Any, dtype: np.dtype[Any]) -> bool:
@@ -798,7 +852,7 @@ class _SqlIterator(Iterator):
         if not rows:
             return None
         if self.columns is None:
-            self.columns = _Columns(names, node.null_defaults, node.dtypes)
+            self.columns = _Columns(names, node.null_defaults, node.dtypes, node.key)
         if postgres:
             page = self.columns.from_arrow(result, first_row, node.key)
         else:
@@ -809,8 +863,14 @@ class _SqlIterator(Iterator):
             page = self.columns.from_rows(result, first_row, keys)
         self.read_rows += rows
         if node.key is not None:
-            value = page[node.key][-1]
-            self.read_key = value.item() if isinstance(value, np.generic) else value
+            # The next page starts from the key exactly as the database returned it, not
+            # as converted for the batch: SQLite compares its own value, whatever its type
+            if postgres:
+                value = page[node.key][-1]
+                self.read_key = value.item() if isinstance(value, np.generic) else value
+            else:
+                assert keys is not None
+                self.read_key = keys[-1]
         leftover = getattr(self, "_arrow_leftover", None)
         held = sizeof(page) + (leftover.get_total_buffer_size() if leftover is not None else 0)
         self.booking = self.account.hold(held, what=f"one page of {rows} rows")
