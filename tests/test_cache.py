@@ -4,6 +4,7 @@ tf.data's persistent-cache semantics; checkpoints at every step; disk full; corr
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import gc
 import glob
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -457,3 +458,99 @@ def test_large_records_are_read_in_runs_each_into_a_buffer_of_its_own(
             assert len(bytes(memoryview(owner))) < size + 1024
     # the chunk follows the stage's share (1 MiB here): runs of records, not one each
     assert len(calls) <= len(sizes) // 4, calls
+
+
+class OpenFilesUnder:
+    """The peak number of descriptors this process has open on files under ``directory``,
+    sampled by a thread and wherever the test calls :meth:`sample` (what the kernel
+    sees, not what the pool believes)."""
+
+    def __init__(self, directory: str) -> None:
+        import threading
+
+        self.directory, self.peak, self.names = directory, 0, [""]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def now(self) -> list[str]:
+        found = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target == self.directory or target.startswith(self.directory + os.sep):
+                    found.append(os.path.relpath(target, self.directory))
+        return found
+
+    def sample(self) -> None:
+        now = self.now()
+        if len(now) > self.peak:
+            self.peak, self.names = len(now), sorted(now)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+
+    def __enter__(self) -> OpenFilesUnder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _cached_interleave(
+    files: list[str], cycle: int, *, snapshot: bool
+) -> Callable[[Path], hr.Dataset]:
+    """Files interleaved, then cached (or snapshotted) at the path given."""
+
+    def pipeline(out: Path) -> hr.Dataset:
+        src = hr.Dataset.from_tensor_slices(files).interleave(
+            hr.TFRecordDataset, cycle_length=cycle
+        )
+        return src.snapshot(str(out)) if snapshot else src.cache(str(out))
+
+    return pipeline
+
+
+def test_cache_and_snapshot_writers_and_locks_count_against_max_open_files(
+    tmp_path: Path,
+) -> None:
+    """G2 (issue 22): a cache(filename)/snapshot writer's file and its lock are descriptors
+    headrace opens, so they count against Options(max_open_files): readers of the
+    interleaved input are suspended to make room, and a cap below writer + lock + one
+    reader is refused naming the stage. Random pipelines and caps; oracle: the elements of
+    the same pipeline without a cap, and the descriptors the kernel shows open."""
+    from headrace.io.tfrecord import write_tfrecord
+
+    rng = np.random.default_rng(22)
+    for case in range(6):
+        directory = tmp_path / f"case{case}"
+        directory.mkdir()
+        files = []
+        for shard in range(int(rng.integers(2, 7))):
+            path = str(directory / f"f{shard}.tfrecord")
+            write_tfrecord(path, [bytes([shard, i]) * 5 for i in range(int(rng.integers(1, 9)))])
+            files.append(path)
+        cycle = int(rng.integers(1, 5))
+        cap = int(rng.integers(1, cycle + 3))  # up to readers + writer + lock
+        snapshot = case % 2 == 1
+
+        pipeline = _cached_interleave(files, cycle, snapshot=snapshot)
+        expected = list(pipeline(tmp_path / f"uncapped{case}").as_numpy_iterator())
+        capped = pipeline(directory / "out").with_options(hr.Options(max_open_files=cap))
+        stage = "snapshot(" if snapshot else "cache("
+        with OpenFilesUnder(str(directory)) as seen:
+            if cap < 3:  # writer + lock + one reader
+                with pytest.raises(hr.errors.InvalidArgumentError, match=r"max_open_files") as e:
+                    list(capped.as_numpy_iterator())
+                assert stage in str(e.value) and f"max_open_files={cap}" in str(e.value)
+            else:
+                for _ in range(2):  # writing, then reading the complete cache
+                    got = []
+                    for element in capped.as_numpy_iterator():
+                        seen.sample()
+                        got.append(element)
+                    assert got == expected, (case, cap, snapshot)
+        assert seen.peak <= cap, (case, cap, snapshot, seen.names)
+        assert seen.now() == [], seen.now()  # nothing left open, error or not

@@ -41,7 +41,10 @@ class Options:
             shared by every pipeline that sets none — what tf.data's
             ``ram_budget`` defaults to, but enforced rather than estimated.
         max_open_files: cap on descriptors this pipeline may hold; it can only
-            lower the process-wide cap, never raise it.
+            lower the process-wide cap, never raise it. Readers are suspended to
+            stay under it; a ``cache(filename)``/``snapshot`` writer's file and lock
+            count too, so each needs 2 slots beside one reader (a lower cap is an
+            error naming the stage).
         deterministic: ``None`` means ``True``. ``False`` lets parallel stages
             emit whichever element is ready first.
         warn_on_shrink: warn once when a requested buffer is shrunk to fit.

@@ -16,6 +16,10 @@ Pieces:
 * :meth:`FilePool.limiter` — a pipeline's share (``Options(max_open_files=...)``): streams
   opened with it count against the limiter's cap *and* the pool's, so a pipeline can only
   lower its share, never raise the process cap.
+* :meth:`FilePool.hold` — slots for descriptors that are not suspendable streams (a
+  cache or snapshot writer's file and its lock): they count against the caps like
+  readers, so readers are suspended to make room for them, and a cap too small to leave
+  one reader beside them is refused with an error naming the stage.
 * :class:`MemoryAccount` — where suspended compressed streams charge the state they keep
   (zlib window, unread output), so the memory budget sees it.
 * :func:`get_default_pool` / :func:`set_max_open_files` — the process-wide pool, capped by
@@ -57,6 +61,7 @@ __all__ = [
     "FileLimiter",
     "FilePool",
     "FilePoolStats",
+    "HeldSlots",
     "MemoryAccount",
     "PooledStream",
     "default_max_open_files",
@@ -123,6 +128,7 @@ class FileLimiter:
         self._max_open_files = _check_max_open_files(max_open_files)
         # Guarded by the pool's lock:
         self._open_files = 0
+        self._held = 0  # of which held by writers (:meth:`FilePool.hold`)
         self._idle: collections.OrderedDict[_Entry, None] = collections.OrderedDict()
 
     @property
@@ -201,6 +207,7 @@ class FilePool:
         self._abandoned: collections.deque[_Entry] = collections.deque()
         self._locked = _LockThenSweep(self._lock, self._close_abandoned_entries)
         self._open_files = 0
+        self._held = 0  # of which held by writers (:meth:`hold`), never suspendable
         self._peak_open_files = 0
         self._streams = 0
         self._suspensions = 0
@@ -221,6 +228,12 @@ class FilePool:
         """
         _check_max_open_files(max_open_files)
         with self._locked:
+            if max_open_files < self._held + 1:  # waiting for room would never end
+                raise InvalidArgumentError(
+                    f"max_open_files={max_open_files} is below the {self._held + 1} "
+                    f"descriptors in use now: {self._held} held by cache/snapshot writers "
+                    f"(their file and lock) plus one to read their input"
+                )
             self._max_open_files = max_open_files
             self._suspend_idle_over_cap()
             self._notify_change()
@@ -230,6 +243,60 @@ class FilePool:
     def limiter(self, max_open_files: int) -> FileLimiter:
         """A share of this pool capped at ``max_open_files`` (for one pipeline)."""
         return FileLimiter(self, max_open_files)
+
+    def hold(
+        self, count: int, *, limiter: FileLimiter | None = None, stage: str, what: str
+    ) -> HeldSlots:
+        """Reserve ``count`` slots for descriptors the caller opens itself (``what``:
+        ``stage``'s output file, its lock), so they count against the caps like readers'
+        (G2).
+
+        Why: a writer's descriptors cannot be suspended and resumed like a reader's, so
+        they hold their slots until :meth:`HeldSlots.release`; idle readers are suspended
+        to make room, and a busy one is waited for. A cap that would leave no slot for
+        the reader feeding ``stage`` (``count + 1`` with the slots already held) is
+        refused at once with :class:`~headrace.errors.InvalidArgumentError` naming the
+        stage and the cap, instead of a pipeline that waits for a slot forever.
+        """
+        _check_max_open_files(count)
+        if limiter is not None and limiter.pool is not self:
+            raise InvalidArgumentError("the limiter belongs to a different FilePool")
+        with self._locked:
+            for owner, cap, held in (
+                ("the process-wide cap (headrace.io.filepool.set_max_open_files)",
+                 self._max_open_files, self._held),
+                *(() if limiter is None else (
+                    ("Options(max_open_files=...)", limiter.max_open_files, limiter._held),
+                )),
+            ):
+                needed = held + count + 1
+                if cap < needed:
+                    raise InvalidArgumentError(
+                        f"{stage} needs {count} more open file(s), for {what}: with the "
+                        f"{held} already held by cache/snapshot writers (their files and "
+                        f"locks) and one to read the input, {needed} in all, above "
+                        f"max_open_files={cap} set by {owner}. Raise that cap to at least "
+                        f"{needed}."
+                    )
+            reserved = 0
+            try:
+                while reserved < count:
+                    self._reserve_slot(limiter)
+                    reserved += 1
+                    self._held += 1
+                    if limiter is not None:
+                        limiter._held += 1
+            except BaseException:
+                self._unhold(limiter, reserved)
+                raise
+        return HeldSlots(self, limiter, count)
+
+    def _unhold(self, limiter: FileLimiter | None, count: int) -> None:
+        for _ in range(count):
+            self._held -= 1
+            if limiter is not None:
+                limiter._held -= 1
+            self._release_slot(limiter)
 
     def open(
         self,
@@ -488,6 +555,22 @@ class FilePool:
         self._idle.pop(entry, None)
         if entry.limiter is not None:
             entry.limiter._idle.pop(entry, None)
+
+
+class HeldSlots:
+    """Slots reserved by :meth:`FilePool.hold`; :meth:`release` (idempotent) gives them
+    back once the caller has closed the descriptors they stood for."""
+
+    def __init__(self, pool: FilePool, limiter: FileLimiter | None, count: int) -> None:
+        self._pool = pool
+        self._limiter = limiter
+        self._count = count
+
+    def release(self) -> None:
+        count, self._count = self._count, 0
+        if count:
+            with self._pool._locked:
+                self._pool._unhold(self._limiter, count)
 
 
 class PooledStream(ClosesOnExit):

@@ -84,7 +84,7 @@ from headrace.errors import CheckpointError, DataLossError, HeadraceWarning, Inv
 from headrace.io._crc32c import masked_crc32c
 from headrace.io.blocks import BLOCK_CODECS, BlockCodec, block_codec
 from headrace.io.elements import ELEMENTS_FORMAT, EncodedParts, decode_element, encode_element_parts
-from headrace.io.filepool import get_default_pool
+from headrace.io.filepool import FileLimiter, HeldSlots, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES, encode_records
 from headrace.io.tfrecord.reader import records_in_spans
@@ -241,7 +241,15 @@ class _RecordWriter:
     copies of the element (joined payload, framed record) that once went unbooked.
     """
 
-    def __init__(self, path: str, account: StageAccount, codec: BlockCodec | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        account: StageAccount,
+        codec: BlockCodec | None = None,
+        *,
+        limiter: FileLimiter | None,
+        stage: str,
+    ) -> None:
         self.path = path
         self.account = account
         self.codec = codec
@@ -252,7 +260,16 @@ class _RecordWriter:
         #: With a codec, per block (``offsets`` are the blocks'): its records and its size
         #: decompressed (see :mod:`headrace.io.blocks`).
         self.blocks: list[tuple[int, int]] = []
-        self.writer: TFRecordWriter | None = TFRecordWriter(path)
+        #: The file written counts against the caps on open files (G2) until it is
+        #: closed: its slot is held from before the open to after the close.
+        self.slot = get_default_pool().hold(
+            1, limiter=limiter, stage=stage, what=f"the file it writes ({path!r})"
+        )
+        try:
+            self.writer: TFRecordWriter | None = TFRecordWriter(path)
+        except BaseException:
+            self.slot.release()
+            raise
         self.batch: list[bytes] = []
         self.batch_bytes = 0
         self.count = 0
@@ -388,6 +405,7 @@ class _RecordWriter:
         self._release()
 
     def _release(self) -> None:
+        self.slot.release()
         booking, self.booking = self.booking, NO_RESERVATION
         booking.release()
         self.offsets_booking.release()
@@ -968,7 +986,10 @@ class _MemoryStore(_Store):
             stacklevel=6,
         )
         try:
-            self.spill = _RecordWriter(self.data.spill_path, account)
+            self.spill = _RecordWriter(
+                self.data.spill_path, account,
+                limiter=file_limiter(self.ctx), stage=f"{self.node.stage}() spilling to disk",
+            )
         except BaseException:
             self.discard()
             raise
@@ -1105,14 +1126,22 @@ class _FileStore(_Store):
         self.expected: _Expected | None = None
         self.codec = block_codec(node.compression)
         self.blocks: list[tuple[int, int]] = []
-        self.lock_fd = _acquire_lock(self.paths)
+        limiter, stage = file_limiter(ctx), f"{node.stage}({node.filename!r})"
+        self.lock_slot = get_default_pool().hold(
+            1, limiter=limiter, stage=stage, what=f"its lock ({self.paths.lock!r})"
+        )
+        try:
+            self.lock_fd = _acquire_lock(self.paths)
+        except BaseException:
+            self.lock_slot.release()
+            raise
         try:
             _remove_leftovers(self.paths)
             self.writer: _RecordWriter | None = _RecordWriter(
-                self.paths.data, account, self.codec
+                self.paths.data, account, self.codec, limiter=limiter, stage=stage
             )
         except BaseException:
-            _release_lock(self.paths, self.lock_fd)
+            _release_lock(self.paths, self.lock_fd, self.lock_slot)
             raise
 
     def append(self, element: Any, upstream: Reservation) -> tuple[Any, Reservation]:
@@ -1153,16 +1182,16 @@ class _FileStore(_Store):
             for path in (self.paths.data, self.paths.checksums):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-            _release_lock(self.paths, self.lock_fd)
+            _release_lock(self.paths, self.lock_fd, self.lock_slot)
             raise
-        _release_lock(self.paths, self.lock_fd)
+        _release_lock(self.paths, self.lock_fd, self.lock_slot)
         self.complete = True
 
     def discard(self) -> None:
         writer, self.writer = self.writer, None
         if writer is not None:
             writer.abort()
-            _release_lock(self.paths, self.lock_fd)
+            _release_lock(self.paths, self.lock_fd, self.lock_slot)
 
     def reader(self) -> _StoreReader:
         return _FileReader(
@@ -1258,10 +1287,13 @@ def _acquire_lock(paths: _CachePaths) -> int:
     return fd
 
 
-def _release_lock(paths: _CachePaths, fd: int) -> None:
+def _release_lock(paths: _CachePaths, fd: int, slot: HeldSlots) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(paths.lock)  # while still holding it: no one can take a stale copy
-    os.close(fd)
+    try:
+        os.close(fd)
+    finally:
+        slot.release()  # its descriptor is gone: a reader may take the slot
 
 
 def _remove_leftovers(paths: _CachePaths) -> None:
