@@ -332,11 +332,13 @@ def _native_crop_resize(
     the flip and ``v * mul + add`` happen in the last pass, all without the GIL.
     ``antialias``: Pillow's filter, the box at its place in the image; without, the
     taps stop at the box's edges (tf.image.resize of the crop). None where it does not
-    apply (not built, CMYK): the caller takes the Python path."""
+    apply (not built, CMYK to luma): the caller takes the Python path. A CMYK (or
+    YCCK) JPEG decodes to RGB as TensorFlow's (``R = C * K // 255``), at the exact DCT
+    scale, which simplejpeg cannot choose for images of a few pixels."""
     native = jpeg_module()
     channels = out.shape[2]
-    if native is None or header.channels not in (1, 3) or channels not in (1, 3) \
-            or ratio not in (1, 2, 4, 8):
+    if native is None or header.channels not in (1, 3, 4) or channels not in (1, 3) \
+            or (header.channels == 4 and channels != 3) or ratio not in (1, 2, 4, 8):
         return None
     per_channel = [np.broadcast_to(np.asarray(v, np.float32), (channels,)).tolist()
                    for v in (mul, add)]
@@ -473,11 +475,12 @@ def decode_jpeg(
     ``channels`` 0 keeps the file's (1 or 3), 1 gives luma, 3 RGB. ``ratio`` 1, 2, 4
     or 8 decodes at that fraction of the size in the DCT (much less work, and the
     output is ``ceil(h / ratio)`` x ``ceil(w / ratio)`` as TensorFlow's; with headrace's
-    C extension the pixels are TensorFlow's at every size, without it only for images
-    of at least ``8 * ratio`` pixels a side, below which several DCT scales give the
-    same size and simplejpeg takes the smallest). PNG, GIF
-    and BMP bytes are decoded too, as TensorFlow's op does. A truncated JPEG raises
-    :class:`InvalidImageError` unless ``try_recover_truncated`` (missing rows grey).
+    C extension the pixels are TensorFlow's at every size, CMYK JPEGs included; without
+    it only for images of at least ``8 * ratio`` pixels a side, below which several DCT
+    scales give the same size and simplejpeg may take another). PNG, GIF and BMP
+    bytes are decoded too, as TensorFlow's op does (a GIF of one frame only). A
+    truncated JPEG raises :class:`InvalidImageError` unless ``try_recover_truncated``
+    (missing rows grey).
     """
     op = "decode_jpeg"
     _check_channels(channels, (0, 1, 3), op)
