@@ -285,6 +285,20 @@ def _check_channels(channels: int, allowed: tuple[int, ...], op: str) -> None:
         raise InvalidArgumentError(f"{op}: channels must be one of {allowed}, got {channels!r}")
 
 
+def _check_gif(header: ImageHeader, channels: int, still: bool, op: str) -> None:
+    """What TensorFlow refuses of a GIF before it decodes, for every op that takes GIF
+    bytes: ``channels`` other than 0 or 3 (a GIF is RGB only; it is not converted), and
+    an animation where the op returns one image (``still``: decode_png, decode_jpeg)."""
+    if channels not in (0, 3):
+        raise InvalidImageError(
+            f"{op}: a GIF decodes to 3 channels (RGB), channels={channels} was asked "
+            f"(TensorFlow refuses it too)")
+    if still and header.frames > 1:
+        raise InvalidImageError(
+            f"{op}: the GIF has {header.frames} frames; an animated GIF decodes with "
+            f"decode_gif or decode_image (TensorFlow refuses it too)")
+
+
 def _invalid_jpeg(op: str, data: bytes | memoryview, header: ImageHeader,
                   error: Exception) -> InvalidImageError:
     return InvalidImageError(
@@ -490,6 +504,8 @@ def decode_jpeg(
     header = read_header(data, op)
     _check_pixels(header, max_pixels, op)
     if header.format != "jpeg":
+        if header.format == "gif":
+            _check_gif(header, channels, True, op)
         image = decode_image(contents, channels or None, expand_animations=False,
                              max_pixels=max_pixels)
         return image
@@ -822,7 +838,8 @@ def decode_png(
     data stops before its last row raises :class:`InvalidImageError`, as TensorFlow's
     does (Pillow alone decodes it with the missing rows black). 16-bit colour PNGs are
     read by pypng (Pillow keeps 8 of their bits): correct, some 10x slower than
-    Pillow. JPEG, GIF and BMP bytes are decoded too, as TensorFlow's op does."""
+    Pillow. JPEG, GIF and BMP bytes are decoded too, as TensorFlow's op does (a GIF
+    of one frame with ``channels`` 0 or 3 only, a JPEG without 4)."""
     op = "decode_png"
     _check_channels(channels, (0, 1, 3, 4), op)
     target = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
@@ -843,6 +860,7 @@ def decode_png(
     elif header.format == "bmp":
         pixels = decode_bmp(data, channels, max_pixels=max_pixels)
     else:
+        _check_gif(header, channels, True, op)
         pixels = _to_array(_pillow_decode(data, header, op), _output_channels(header, channels))
     if target == np.uint16:  # TensorFlow's 8 -> 16 bits for these formats: v * 256
         return pixels.astype(np.uint16) << 8
@@ -932,7 +950,8 @@ def decode_image(
     """``tf.io.decode_image``: any of JPEG, PNG, GIF, BMP by its header.
 
     GIFs are ``(frames, height, width, 3)`` unless ``expand_animations=False`` (the
-    first frame). A ``dtype`` other than uint8 converts with
+    first frame); ``channels`` 1 or 4 for a GIF raises :class:`InvalidImageError`, as
+    TensorFlow's op does (a GIF is RGB only). A ``dtype`` other than uint8 converts with
     :func:`~headrace.image.convert_image_dtype` (floats in [0, 1]).
     """
     from headrace.image._ops import convert_image_dtype
@@ -949,11 +968,10 @@ def decode_image(
             getattr(dtype, "as_numpy_dtype", dtype)) == np.uint8 else np.uint16,
             max_pixels=max_pixels)
     elif header.format == "gif":
+        _check_gif(header, wanted, False, op)
         pixels = decode_gif(contents, max_pixels=max_pixels)
         if not expand_animations:
             pixels = pixels[0]
-        if wanted == 1:
-            raise InvalidImageError(f"{op}: a GIF has 3 channels, channels=1 was asked")
     else:
         pixels = decode_bmp(contents, wanted, max_pixels=max_pixels)
     converted: Array = convert_image_dtype(pixels, dtype)
