@@ -110,6 +110,53 @@ def test_jpeg_grey_rgb_and_cmyk_are_tensorflows(seed: int, mode: str, quality: i
 
 
 @SETTINGS
+@given(seed=seeds, height=st.integers(1, 20), width=st.integers(1, 20))
+def test_small_cmyk_jpeg_at_every_ratio_is_tensorflows(seed: int, height: int,
+                                                       width: int) -> None:
+    """CMYK at 1/2, 1/4, 1/8 in the DCT: an image of a few pixels has several scales
+    that give its reduced size, and only libjpeg's own 1/ratio gives TensorFlow's
+    pixels (simplejpeg took another: 3 of 180 small files differed)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 4), dtype=np.uint8), "CMYK").save(
+        buffer, "JPEG", quality=int(rng.integers(40, 101)))
+    data = buffer.getvalue()
+    for ratio in (1, 2, 4, 8):
+        for channels in (0, 1, 3):
+            both(partial(hi.decode_jpeg, data, channels, ratio),
+                 partial(tf.io.decode_jpeg, data, channels, ratio), data)
+
+
+@settings(SETTINGS, max_examples=15)
+@given(seed=seeds, frames=st.integers(1, 3))
+def test_gif_with_every_channels_is_tensorflows_or_refused_as_tensorflow(
+        seed: int, frames: int) -> None:
+    """A GIF is RGB only: channels 1 or 4 is refused by every op that takes GIF bytes,
+    as TensorFlow refuses it (headrace returned 3 channels for 4, or converted), and so
+    is an animation by the ops that return one image (it decoded the first frame)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    height, width = (int(v) for v in rng.integers(1, 12, 2))
+    images = [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+              .convert("P") for _ in range(frames)]
+    buffer = io.BytesIO()
+    images[0].save(buffer, "GIF", save_all=True, append_images=images[1:])
+    data = buffer.getvalue()
+    for channels in (0, 1, 3, 4):
+        for expand in (True, False):
+            both(partial(hi.decode_image, data, channels or None, expand_animations=expand),
+                 partial(tf.io.decode_image, data, channels or None,
+                         expand_animations=expand), data)
+        both(partial(hi.decode_png, data, channels), partial(tf.io.decode_png, data, channels),
+             data)
+        both(partial(hi.decode_jpeg, data, channels),
+             partial(tf.io.decode_jpeg, data, channels), data)
+
+
+@SETTINGS
 @given(seed=seeds, stored=st.sampled_from([1, 3, 4]), top_down=st.booleans())
 def test_bmp_of_8_24_32_bits_is_tensorflows(seed: int, stored: int, top_down: bool) -> None:
     rng = np.random.default_rng(seed)

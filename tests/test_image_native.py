@@ -240,18 +240,40 @@ def test_corrupted_bytes_give_a_result_or_a_clear_error_never_a_crash(
         assert out.shape == (16, 16, 3) and np.isfinite(out).all()
 
 
-def test_cmyk_falls_back_to_the_python_decoder() -> None:
+def test_cmyk_window_decode_is_the_resample_of_tensorflows_pixels() -> None:
+    """A CMYK JPEG decodes natively at every DCT scale (TensorFlow's CMYK -> RGB): the
+    window equals the resample of tf.io.decode_jpeg's pixels at that ratio; luma of
+    CMYK is left to the Python path (which refuses it, as TensorFlow)."""
     import io
+    import os
 
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
     from PIL import Image
 
-    buffer = io.BytesIO()
-    Image.fromarray(photo(40, 50, 3, seed=1)).convert("CMYK").save(buffer, "JPEG", quality=90)
     assert native is not None
-    out = np.empty((8, 8, 3), np.float32)
-    assert not native.crop_resize(buffer.getvalue(), out, (0, 0, 40, 50), out.shape, 1, True,
-                                  False, [1] * 3, [0] * 3, True)
-    result = hi.random_resized_crop(buffer.getvalue(), (8, 8), seed=(1, 1))
+    rng = np.random.default_rng(7)
+    for case in range(6):
+        height, width = (int(v) for v in rng.integers(1, 60, 2))
+        buffer = io.BytesIO()
+        Image.fromarray(photo(height, width, 3, seed=case)).convert("CMYK").save(
+            buffer, "JPEG", quality=int(rng.integers(50, 100)))
+        data = buffer.getvalue()
+        denom = int(rng.choice([1, 2, 4, 8]))
+        whole = tf.io.decode_jpeg(data, ratio=denom).numpy()
+        box = (0.0, 0.0, float(whole.shape[0]), float(whole.shape[1]))
+        for antialias in (True, False):
+            out = np.empty((5, 4, 3), np.float32)
+            assert native.crop_resize(data, out, box, out.shape, denom, antialias, False,
+                                      [1] * 3, [0] * 3, True)
+            expected = np.empty_like(out)
+            native.resample(whole, whole.shape, expected, box, expected.shape, antialias,
+                            False, [1] * 3, [0] * 3)
+            np.testing.assert_array_equal(out, expected)
+        grey = np.empty((5, 4, 1), np.float32)
+        assert not native.crop_resize(data, grey, box, grey.shape, denom, True, False, [1],
+                                      [0], True)
+    result = hi.random_resized_crop(data, (8, 8), seed=(1, 1))
     assert result.shape == (8, 8, 3)
 
 

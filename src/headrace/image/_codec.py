@@ -285,6 +285,20 @@ def _check_channels(channels: int, allowed: tuple[int, ...], op: str) -> None:
         raise InvalidArgumentError(f"{op}: channels must be one of {allowed}, got {channels!r}")
 
 
+def _check_gif(header: ImageHeader, channels: int, still: bool, op: str) -> None:
+    """What TensorFlow refuses of a GIF before it decodes, for every op that takes GIF
+    bytes: ``channels`` other than 0 or 3 (a GIF is RGB only; it is not converted), and
+    an animation where the op returns one image (``still``: decode_png, decode_jpeg)."""
+    if channels not in (0, 3):
+        raise InvalidImageError(
+            f"{op}: a GIF decodes to 3 channels (RGB), channels={channels} was asked "
+            f"(TensorFlow refuses it too)")
+    if still and header.frames > 1:
+        raise InvalidImageError(
+            f"{op}: the GIF has {header.frames} frames; an animated GIF decodes with "
+            f"decode_gif or decode_image (TensorFlow refuses it too)")
+
+
 def _invalid_jpeg(op: str, data: bytes | memoryview, header: ImageHeader,
                   error: Exception) -> InvalidImageError:
     return InvalidImageError(
@@ -332,11 +346,13 @@ def _native_crop_resize(
     the flip and ``v * mul + add`` happen in the last pass, all without the GIL.
     ``antialias``: Pillow's filter, the box at its place in the image; without, the
     taps stop at the box's edges (tf.image.resize of the crop). None where it does not
-    apply (not built, CMYK): the caller takes the Python path."""
+    apply (not built, CMYK to luma): the caller takes the Python path. A CMYK (or
+    YCCK) JPEG decodes to RGB as TensorFlow's (``R = C * K // 255``), at the exact DCT
+    scale, which simplejpeg cannot choose for images of a few pixels."""
     native = jpeg_module()
     channels = out.shape[2]
-    if native is None or header.channels not in (1, 3) or channels not in (1, 3) \
-            or ratio not in (1, 2, 4, 8):
+    if native is None or header.channels not in (1, 3, 4) or channels not in (1, 3) \
+            or (header.channels == 4 and channels != 3) or ratio not in (1, 2, 4, 8):
         return None
     per_channel = [np.broadcast_to(np.asarray(v, np.float32), (channels,)).tolist()
                    for v in (mul, add)]
@@ -473,11 +489,12 @@ def decode_jpeg(
     ``channels`` 0 keeps the file's (1 or 3), 1 gives luma, 3 RGB. ``ratio`` 1, 2, 4
     or 8 decodes at that fraction of the size in the DCT (much less work, and the
     output is ``ceil(h / ratio)`` x ``ceil(w / ratio)`` as TensorFlow's; with headrace's
-    C extension the pixels are TensorFlow's at every size, without it only for images
-    of at least ``8 * ratio`` pixels a side, below which several DCT scales give the
-    same size and simplejpeg takes the smallest). PNG, GIF
-    and BMP bytes are decoded too, as TensorFlow's op does. A truncated JPEG raises
-    :class:`InvalidImageError` unless ``try_recover_truncated`` (missing rows grey).
+    C extension the pixels are TensorFlow's at every size, CMYK JPEGs included; without
+    it only for images of at least ``8 * ratio`` pixels a side, below which several DCT
+    scales give the same size and simplejpeg may take another). PNG, GIF and BMP
+    bytes are decoded too, as TensorFlow's op does (a GIF of one frame only). A
+    truncated JPEG raises :class:`InvalidImageError` unless ``try_recover_truncated``
+    (missing rows grey).
     """
     op = "decode_jpeg"
     _check_channels(channels, (0, 1, 3), op)
@@ -487,6 +504,8 @@ def decode_jpeg(
     header = read_header(data, op)
     _check_pixels(header, max_pixels, op)
     if header.format != "jpeg":
+        if header.format == "gif":
+            _check_gif(header, channels, True, op)
         image = decode_image(contents, channels or None, expand_animations=False,
                              max_pixels=max_pixels)
         return image
@@ -819,7 +838,8 @@ def decode_png(
     data stops before its last row raises :class:`InvalidImageError`, as TensorFlow's
     does (Pillow alone decodes it with the missing rows black). 16-bit colour PNGs are
     read by pypng (Pillow keeps 8 of their bits): correct, some 10x slower than
-    Pillow. JPEG, GIF and BMP bytes are decoded too, as TensorFlow's op does."""
+    Pillow. JPEG, GIF and BMP bytes are decoded too, as TensorFlow's op does (a GIF
+    of one frame with ``channels`` 0 or 3 only, a JPEG without 4)."""
     op = "decode_png"
     _check_channels(channels, (0, 1, 3, 4), op)
     target = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
@@ -840,6 +860,7 @@ def decode_png(
     elif header.format == "bmp":
         pixels = decode_bmp(data, channels, max_pixels=max_pixels)
     else:
+        _check_gif(header, channels, True, op)
         pixels = _to_array(_pillow_decode(data, header, op), _output_channels(header, channels))
     if target == np.uint16:  # TensorFlow's 8 -> 16 bits for these formats: v * 256
         return pixels.astype(np.uint16) << 8
@@ -929,7 +950,8 @@ def decode_image(
     """``tf.io.decode_image``: any of JPEG, PNG, GIF, BMP by its header.
 
     GIFs are ``(frames, height, width, 3)`` unless ``expand_animations=False`` (the
-    first frame). A ``dtype`` other than uint8 converts with
+    first frame); ``channels`` 1 or 4 for a GIF raises :class:`InvalidImageError`, as
+    TensorFlow's op does (a GIF is RGB only). A ``dtype`` other than uint8 converts with
     :func:`~headrace.image.convert_image_dtype` (floats in [0, 1]).
     """
     from headrace.image._ops import convert_image_dtype
@@ -946,11 +968,10 @@ def decode_image(
             getattr(dtype, "as_numpy_dtype", dtype)) == np.uint8 else np.uint16,
             max_pixels=max_pixels)
     elif header.format == "gif":
+        _check_gif(header, wanted, False, op)
         pixels = decode_gif(contents, max_pixels=max_pixels)
         if not expand_animations:
             pixels = pixels[0]
-        if wanted == 1:
-            raise InvalidImageError(f"{op}: a GIF has 3 channels, channels=1 was asked")
     else:
         pixels = decode_bmp(contents, wanted, max_pixels=max_pixels)
     converted: Array = convert_image_dtype(pixels, dtype)

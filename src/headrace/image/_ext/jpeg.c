@@ -299,6 +299,18 @@ static void run_pixels(Job *job, const JSAMPLE *pixels, int in_h, int in_w) {
     release(job);
 }
 
+/* A row of Adobe (inverted) CMYK to RGB in place, as TensorFlow: R = C * K / 255, G and
+ * B from M and Y (each pixel's four values are read before its three are written). */
+static void cmyk_to_rgb(unsigned char *line, int width) {
+    for (int i = 0; i < width; i++) {
+        const unsigned c = line[4 * i], m = line[4 * i + 1], y = line[4 * i + 2],
+                       k = line[4 * i + 3];
+        line[3 * i] = (unsigned char)(c * k / 255);
+        line[3 * i + 1] = (unsigned char)(m * k / 255);
+        line[3 * i + 2] = (unsigned char)(y * k / 255);
+    }
+}
+
 /* Decode the window of the JPEG that the resample reads, then resample it. */
 static void run_jpeg(Job *job) {
     struct jpeg_decompress_struct cinfo;
@@ -318,19 +330,22 @@ static void run_jpeg(Job *job) {
     }
     jpeg_mem_src(&cinfo, job->data, (unsigned long)job->size);
     jpeg_read_header(&cinfo, TRUE);
-    if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK ||
-        (C == 3 && cinfo.num_components != 1 && cinfo.num_components != 3)) {
+    /* CMYK (or YCCK): libjpeg's CMYK at this scale, then Adobe's inverted CMYK to RGB as
+     * TensorFlow does (R = C * K / 255 per row); RGB only, as TensorFlow */
+    const int cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
+    if ((cmyk && C != 3) ||
+        (!cmyk && C == 3 && cinfo.num_components != 1 && cinfo.num_components != 3)) {
         job->failed = 2;
         goto done;
     }
-    cinfo.out_color_space = C == 1 ? JCS_GRAYSCALE : JCS_RGB;
+    cinfo.out_color_space = cmyk ? JCS_CMYK : C == 1 ? JCS_GRAYSCALE : JCS_RGB;
     cinfo.scale_num = 1;
     cinfo.scale_denom = (unsigned int)job->denom;
     cinfo.dct_method = JDCT_IFAST;
     cinfo.do_fancy_upsampling = TRUE;
     jpeg_start_decompress(&cinfo);
     const int in_h = (int)cinfo.output_height, in_w = (int)cinfo.output_width;
-    if (cinfo.output_components != C) {
+    if (cinfo.output_components != (cmyk ? 4 : C)) {
         job->failed = 2;
         goto done;
     }
@@ -346,7 +361,7 @@ static void run_jpeg(Job *job) {
     const int hi = job->cols.hi + margin < in_w ? job->cols.hi + margin : in_w;
     JDIMENSION xoff = (JDIMENSION)lo, width = (JDIMENSION)(hi - lo);
     if (lo > 0 || hi < in_w) jpeg_crop_scanline(&cinfo, &xoff, &width);
-    job->line = malloc((size_t)width * (size_t)C);
+    job->line = malloc((size_t)width * (size_t)cinfo.output_components);
     if (!job->line) {
         job->failed = 3;
         snprintf(job->message, sizeof job->message, "out of memory for the window");
@@ -361,6 +376,7 @@ static void run_jpeg(Job *job) {
                      job->rows.lo + r, in_h);
             goto done;
         }
+        if (cmyk) cmyk_to_rgb(job->line, (int)width);
         horizontal(job, job->line, (int)xoff, r);
     }
     if (cinfo.output_scanline < cinfo.output_height && !has_end_marker(job->data, job->size)) {
@@ -438,7 +454,8 @@ PyDoc_STRVAR(crop_resize_doc,
 "resample into `out` (C-contiguous float32 or uint8 of `shape` (h, w, channels); uint8\n"
 "is rounded and clamped), mirrored\n"
 "left-right if `flip`, each channel c mapped to v * mul[c] + add[c]. Returns False when\n"
-"this decoder does not handle the image (CMYK): use another path. Raises ValueError\n"
+"this decoder does not handle the image (CMYK to one channel): use another path (a\n"
+"CMYK JPEG decodes to RGB as TensorFlow's, R = C * K / 255). Raises ValueError\n"
 "with libjpeg's message for corrupt data (with `strict`, warnings included) or a box\n"
 "outside the image, MemoryError when the scratch buffers cannot be allocated.");
 
