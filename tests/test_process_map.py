@@ -6,11 +6,13 @@ forkserver and receive them pickled.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
 import os
 import pickle
+import random
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import textwrap
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +271,43 @@ def test_close_and_garbage_collection_stop_the_workers() -> None:
     gc.collect()
     assert join_abandoned()
     assert wait_dead(list(pids))
+    assert own_segments() == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_iterators_dropped_after_an_error_are_collected_with_their_threads(seed: int) -> None:
+    """G6 after an error: the error a worker sent back is the one the consumer raises, so
+    its traceback reaches the iterator's frames; nothing of the pool (its collector thread
+    waiting for the next message) may keep it, or a dropped iterator never closes."""
+    rng = random.Random(seed)
+    threads_before = set(threading.enumerate())
+    iterators = []
+    for _ in range(rng.randint(1, 3)):
+        count = rng.randint(4, 30)
+        # errors at random positions, often the last (its message is then the last one
+        # the pool receives: nothing after it replaces it)
+        bad = frozenset(rng.sample(range(count), rng.randint(1, 3))
+                        + [count - 1] * (rng.random() < 0.5))
+        ds = hr.Dataset.range(count).map(functools.partial(process_fns.fail_on, bad),
+                                         num_parallel_calls=rng.randint(1, 2),
+                                         workers="processes")
+        if rng.random() < 0.5:
+            ds = ds.prefetch(rng.randint(1, 2))
+        iterator = iter(ds)
+        # read past the first error, and maybe on to a random later position
+        stop = rng.choice([count - 1, rng.randint(min(bad), count - 1)])
+        for _ in range(stop + 1):
+            with contextlib.suppress(process_fns.Failing):
+                next(iterator)
+        iterators.append(weakref.ref(iterator))
+        del iterator  # dropped without close, as after a `break`
+    gc.collect()
+    assert join_abandoned()
+    assert [ref for ref in iterators if ref() is not None] == []
+    deadline = time.monotonic() + 5.0
+    while set(threading.enumerate()) - threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [t.name for t in set(threading.enumerate()) - threads_before] == []
     assert own_segments() == []
 
 

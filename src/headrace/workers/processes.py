@@ -1139,7 +1139,12 @@ def _collect(pool: ProcessPool) -> None:
             except (EOFError, OSError):
                 dead[worker] = None
                 continue
-            if not _dispatch(pool, worker, message):
+            proceed = _dispatch(pool, worker, message)
+            # Hold no message across the next wait: its errors are the ones the consumer
+            # raises, whose tracebacks reach the iterator's frames, so this thread's frame
+            # would keep an abandoned iterator (and so this pool and thread) alive for good.
+            del message
+            if not proceed:
                 return
         for worker in dead:
             if pool.closed:
