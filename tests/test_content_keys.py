@@ -1,9 +1,11 @@
 """Caches, snapshots and saves are keyed by what the data *is* (G8), not its shape.
 
 A generator draws an input (an array source, an array a map's closure captures, a
+module-level array a map function reads directly, through a helper or as a lambda, a
 memory-mapped ``.npy`` file, a TFRecord file), runs it through ``cache(filename)``
 or ``snapshot(path)``, changes the input in a random way that keeps every shape and
-dtype (one element; a file rewritten with the same size), and runs an equal pipeline
+dtype (one element; a file rewritten with the same size, its mtime kept or not, as
+``cp -p`` and ``rsync -t`` keep it), and runs an equal pipeline
 over the new input through the same cache. The oracle is the uncached pipeline over
 the new input: a cache must never serve the old data. A cache data file swapped for
 another pipeline's (same size) is refused with DataLossError naming it.
@@ -11,6 +13,7 @@ another pipeline's (same size) is refused with DataLossError naming it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -26,7 +29,17 @@ import headrace as hr
 from headrace.io.tfrecord.writer import write_tfrecord
 from headrace.testing import assert_elements_equal
 
-SOURCES = ["slices", "closure", "npy", "tfrecord", "tfrecord_parallel", "list_files"]
+SOURCES = [
+    "slices",
+    "closure",
+    "global",
+    "global_helper",
+    "global_lambda",
+    "npy",
+    "tfrecord",
+    "tfrecord_parallel",
+    "list_files",
+]
 SINKS = ["cache", "snapshot", "snapshot_gzip"]
 
 
@@ -44,9 +57,29 @@ def _changed(values: np.ndarray[Any, Any], seed: int) -> np.ndarray[Any, Any]:
     return out
 
 
-def _pipeline(kind: str, values: np.ndarray[Any, Any], work: Path) -> hr.Dataset:
+_TABLE: np.ndarray[Any, Any] = np.zeros((0, 3))  # the module-level table "global" reads
+
+
+def _global_lookup(i: Any) -> Any:
+    return _TABLE[i]
+
+
+def _via_helper(i: Any) -> Any:
+    return _global_lookup(i)
+
+
+_global_lambda = lambda i: _TABLE[i]  # noqa: E731 - a module-level lambda is the case
+
+
+def _pipeline(kind: str, values: np.ndarray[Any, Any], work: Path, keep_mtime: bool = False) -> hr.Dataset:
     """A pipeline reading ``values`` through source ``kind`` (files written under ``work``;
-    written again with the same size when the values change)."""
+    written again with the same size when the values change, the old mtime restored
+    where ``keep_mtime``)."""
+    global _TABLE
+    if kind.startswith("global"):
+        _TABLE = values  # the same functions, a new value of the global they read
+        fn = {"global": _global_lookup, "global_helper": _via_helper}.get(kind, _global_lambda)
+        return hr.Dataset.range(len(values)).map(fn)
     if kind == "slices":
         return hr.Dataset.from_tensor_slices(values)
     if kind == "closure":
@@ -58,17 +91,17 @@ def _pipeline(kind: str, values: np.ndarray[Any, Any], work: Path) -> hr.Dataset
         return hr.Dataset.range(len(values)).map(lookup)
     if kind == "npy":
         path = work / "input.npy"
-        _rewrite(path, lambda p: np.save(p, values))
+        _rewrite(path, lambda p: np.save(p, values), keep_mtime)
         return hr.Dataset.from_npy(path)
     if kind == "tfrecord":
         path = work / "input.tfrecord"
-        _rewrite(path, lambda p: write_tfrecord(str(p), [row.tobytes() for row in values]))
+        _rewrite(path, lambda p: write_tfrecord(str(p), [row.tobytes() for row in values]), keep_mtime)
         return hr.TFRecordDataset(str(path))
     # files opened inside an interleave: keyed by the identities of the listed files
     paths = [work / f"part-{i}.tfrecord" for i in range(2)]
     for i, path in enumerate(paths):
         rows = [row.tobytes() for row in values[i::2]]
-        _rewrite(path, lambda p, rows=rows: write_tfrecord(str(p), rows))
+        _rewrite(path, lambda p, rows=rows: write_tfrecord(str(p), rows), keep_mtime)
     if kind == "tfrecord_parallel":
         return hr.TFRecordDataset([str(p) for p in paths], num_parallel_reads=2)
     return hr.Dataset.list_files(str(work / "part-*.tfrecord"), shuffle=False).interleave(
@@ -76,15 +109,22 @@ def _pipeline(kind: str, values: np.ndarray[Any, Any], work: Path) -> hr.Dataset
     )
 
 
-def _rewrite(path: Path, write: Callable[[Path], None]) -> None:
+def _rewrite(path: Path, write: Callable[[Path], None], keep_mtime: bool = False) -> None:
     """Write the file in place (same inode where it existed), as a user regenerating
-    it would; at least a clock tick after the last write, as any real rewrite is."""
+    it would; at least a clock tick after the last write, as any real rewrite is.
+    With ``keep_mtime``, the old times are restored, as ``cp -p`` or ``rsync -t`` do."""
     if path.exists():
-        time.sleep(0.02)
+        before = path.stat()
         temp = path.with_suffix(".new" + path.suffix)
         write(temp)
-        path.write_bytes(temp.read_bytes())  # same file, same size, new bytes
+        data = temp.read_bytes()
         temp.unlink()
+        if data == path.read_bytes():
+            return  # unchanged (the oracle's pipeline): leave the file and its mtime alone
+        time.sleep(0.02)
+        path.write_bytes(data)  # same file, same size, new bytes
+        if keep_mtime:
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     else:
         write(path)
 
@@ -101,13 +141,14 @@ def _elements(ds: hr.Dataset) -> list[Any]:
     return list(ds.as_numpy_iterator())
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=36, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     source=st.sampled_from(SOURCES),
     sink=st.sampled_from(SINKS),
     rows=st.integers(1, 40),
     dtype=st.sampled_from(["int64", "float32", "uint8"]),
     seed=st.integers(0, 2**16),
+    keep_mtime=st.booleans(),
 )
 def test_a_changed_input_never_reads_the_old_cache(
     tmp_path_factory: pytest.TempPathFactory,
@@ -116,6 +157,7 @@ def test_a_changed_input_never_reads_the_old_cache(
     rows: int,
     dtype: str,
     seed: int,
+    keep_mtime: bool,
 ) -> None:
     work = tmp_path_factory.mktemp("content")
     old = _values(seed, rows, dtype)
@@ -124,7 +166,7 @@ def test_a_changed_input_never_reads_the_old_cache(
     for got, want in zip(first, _elements(_pipeline(source, old, work)), strict=True):
         assert_elements_equal(got, want)
     # an equal pipeline over the changed input, through the same cache path
-    again = _cached(_pipeline(source, new, work), sink, work)
+    again = _cached(_pipeline(source, new, work, keep_mtime), sink, work)
     oracle = _elements(_pipeline(source, new, work))
     with pytest.warns() if sink == "cache" else _nothing():
         got = _elements(again)

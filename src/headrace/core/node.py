@@ -275,8 +275,10 @@ class Node:
         ``snapshot`` and ``save`` files.
 
         On top of :meth:`fingerprint`: a content digest of every in-memory array (the
-        sources' and those captured by functions) and the identity (path, size, mtime,
-        inode) of every file a source reads, so that a changed input makes a new
+        sources', those captured by functions and the module-level ones functions read)
+        and the identity (path, size, mtime, inode) and a digest of the bytes of every
+        file a source reads (see :func:`~headrace.core.fingerprint.file_identity`), so
+        that a changed input makes a new
         snapshot or cache rather than serving the old one. Computed once per node (an
         array edited in place afterwards is not seen: build the dataset again, as
         tf.data, which copies arrays when the dataset is built).
