@@ -48,13 +48,15 @@ __all__ = [
 _CHUNK_BYTES = 16 << 20
 
 
-#: Files up to this size are hashed whole by :func:`file_identity` (~5 ms per MiB
-#: read from the page cache, ~0.005 s per MiB hashed); larger ones are sampled.
-FULL_HASH_BYTES = 64 << 20
+#: Files up to this size are hashed whole by :func:`file_identity`; larger ones are
+#: sampled. Small on purpose: a cache over thousands of shards is fingerprinted each
+#: time its pipeline is built in a new process, and reading the shards whole then
+#: would cost what the cache saves.
+FULL_HASH_BYTES = 1 << 20
 #: A larger file is sampled in this many blocks (first, last, evenly spaced between)...
-_SAMPLE_BLOCKS = 16
-#: ... of this many bytes each (4 MiB read per large file).
-_SAMPLE_BYTES = 256 << 10
+_SAMPLE_BLOCKS = 8
+#: ... of this many bytes each (512 KiB read per large file).
+_SAMPLE_BYTES = 64 << 10
 
 
 def file_identity(path: str | os.PathLike[str]) -> tuple[Any, ...]:
@@ -63,9 +65,9 @@ def file_identity(path: str | os.PathLike[str]) -> tuple[Any, ...]:
 
     The digest is what catches a file rewritten with the same size whose mtime was
     restored (``cp -p``, ``rsync -t``, ``touch -r``; the inode may stay): a file of
-    at most :data:`FULL_HASH_BYTES` (64 MiB) is hashed whole (XXH3-128), so any
+    at most :data:`FULL_HASH_BYTES` (1 MiB) is hashed whole (XXH3-128), so any
     changed byte is seen. A larger file is identified by the rest plus a digest of
-    16 sampled 256 KiB blocks (the first, the last, evenly spaced between): a
+    8 sampled 64 KiB blocks (the first, the last, evenly spaced between): a
     change there, or any change of size, mtime or inode, is seen; a same-size edit
     of a large file that falls between the sampled blocks *and* keeps the mtime and
     inode is not (change the file's mtime, or its name, to force a rebuild). A file
