@@ -554,3 +554,40 @@ def test_cache_and_snapshot_writers_and_locks_count_against_max_open_files(
                     assert got == expected, (case, cap, snapshot)
         assert seen.peak <= cap, (case, cap, snapshot, seen.names)
         assert seen.now() == [], seen.now()  # nothing left open, error or not
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_an_edited_cache_or_snapshot_manifest_is_refused_naming_it(
+    tmp_path: Path, seed: int
+) -> None:
+    """Random file caches and snapshots (size, compression) whose manifest gets one field
+    changed to a random value: a DataLossError naming the manifest, never the cache
+    believed (or silently rebuilt) with edited counts, sizes or formats."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 20))
+    snapshot = bool(rng.integers(2))
+    compression = None if not snapshot else [None, "GZIP"][int(rng.integers(2))]
+
+    def pipeline() -> hr.Dataset:
+        ds = hr.Dataset.range(n).map(lambda i: np.float64(i) * 2)
+        if snapshot:
+            return ds.snapshot(str(tmp_path / "s"), compression=compression)
+        return ds.cache(str(tmp_path / "c"))
+
+    oracle = [float(x) for x in pipeline()]
+    assert oracle == [2.0 * i for i in range(n)]
+    (manifest_path,) = glob.glob(str(tmp_path / "**" / "*.hrcache.json"), recursive=True)
+    with open(manifest_path, encoding="utf-8") as file:
+        manifest = json.load(file)
+    fields = sorted(set(manifest) - {"format", "version"})  # those two: another's, rebuilt
+    field = fields[int(rng.integers(len(fields)))]
+    old = manifest[field]
+    new: Any = [old + int(rng.integers(1, 9)), -1, "x", None][int(rng.integers(4))] if isinstance(
+        old, int
+    ) else ["headrace.elements/9", "0" * 20, 1, None][int(rng.integers(4))]
+    manifest[field] = new
+    with open(manifest_path, "w", encoding="utf-8") as file:
+        json.dump(manifest, file)
+    with pytest.raises(hr.DataLossError, match="manifest") as raised:
+        list(pipeline())
+    assert manifest_path in str(raised.value), (field, new, str(raised.value))

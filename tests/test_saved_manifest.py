@@ -132,3 +132,48 @@ def test_a_manifest_nested_past_reason_is_a_data_loss_error(tmp_path: Path) -> N
     manifest_path.write_text(text.replace(spec, deep))
     with pytest.raises(hr.DataLossError, match=r"headrace-dataset\.json"):
         _load_all(tmp_path)
+
+
+def _swap(a: Path, b: Path) -> None:
+    temporary = a.with_name(a.name + ".t")
+    a.rename(temporary)
+    b.rename(a)
+    temporary.rename(b)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_part_file_from_another_save_or_swapped_gives_the_data_or_a_data_loss_error(
+    tmp_path: Path, seed: int
+) -> None:
+    """Random saves (compression, shard count, size) with one part file replaced by the same
+    part of another save, or two parts swapped by name (with their indexes): load refuses
+    the file, naming it, or gives exactly the saved data (when the bytes are the same)."""
+    rng = np.random.default_rng(seed)
+    compression = [None, "GZIP", "ZLIB"][int(rng.integers(3))]
+    shards = int(rng.integers(2, 5))
+    n = int(rng.integers(1, 13))
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ds = hr.Dataset.from_tensor_slices(np.arange(n, dtype=np.float64))
+    ds.save(str(ours), compression=compression, num_shards=shards)
+    other = hr.Dataset.from_tensor_slices(np.arange(n, dtype=np.float64) + 100)
+    other.save(str(theirs), compression=compression, num_shards=shards)
+    oracle = list(ds.as_numpy_iterator())
+    a, b = rng.choice(shards, size=2, replace=False).tolist()
+    part = "shard-{:05d}-00000.tfrecord"
+    suffixes = ["", ".hrx"] if compression is None else [""]
+    if rng.integers(2):
+        changed = ours / part.format(a)
+        for suffix in suffixes:
+            (theirs / (part.format(a) + suffix)).replace(ours / (part.format(a) + suffix))
+    else:
+        changed = ours / part.format(a)
+        for suffix in suffixes:
+            _swap(ours / (part.format(a) + suffix), ours / (part.format(b) + suffix))
+    try:
+        got = _load_all(ours)
+    except hr.DataLossError as error:
+        assert str(changed) in str(error) or str(ours / part.format(b)) in str(error), str(error)
+        return
+    assert len(got) == len(oracle)
+    for x, y in zip(got, oracle, strict=True):
+        assert_elements_equal(x, y, where=f"seed {seed}")

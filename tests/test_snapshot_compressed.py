@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tests.test_cache import Counted, ids
 
 import headrace as hr
+from headrace.core.state import seal
 from headrace.io._crc32c import masked_crc32c
 from headrace.io.tfrecord_index import build_index, index_path_for, load_index
 
@@ -156,7 +157,7 @@ def _record_checksums(data: Path) -> None:
     Path(f"{data}.crc").write_bytes(crcs)
     manifest = json.loads(Path(f"{data}.json").read_text())
     manifest["checksums"] = xxhash.xxh3_128_hexdigest(crcs)
-    Path(f"{data}.json").write_text(json.dumps(manifest))
+    Path(f"{data}.json").write_text(json.dumps(seal(manifest)))
 
 
 def _block(data: Path, block: int) -> bytes:
@@ -185,11 +186,12 @@ def test_blocks_with_valid_crcs_are_still_checked_by_their_codec(
     _rewrite_block(data, 0, b"\x00" * len(original))
     with pytest.raises(hr.DataLossError, match=f"not a {compression} block .* at offset {offset}"):
         list(ds)
-    # a manifest that lies about the decompressed size (bounded before allocation)
+    # a manifest (sealed, as a faulty writer would) that lies about the decompressed
+    # size: bounded before allocation
     _rewrite_block(data, 0, original)
     _, manifest = _files(tmp_path)
     manifest["blocks"][0][1] -= 1
-    Path(f"{data}.json").write_text(json.dumps(manifest))
+    Path(f"{data}.json").write_text(json.dumps(seal(manifest)))
     with pytest.raises(hr.DataLossError, match=f"{compression} block (decompresses to|does "
                        f"not decompress).* at offset {offset} in file {data}"):
         list(ds)
@@ -217,7 +219,7 @@ def _rewrite_block_any_length(data: Path, manifest: dict[str, Any], payload: byt
     framed += struct.pack("<I", masked_crc32c(payload))
     data.write_bytes(framed)
     manifest["bytes"] = len(framed)
-    Path(f"{data}.json").write_text(json.dumps(manifest))
+    Path(f"{data}.json").write_text(json.dumps(seal(manifest)))
     Path(index_path_for(data)).unlink()
     build_index(data)
     _record_checksums(data)

@@ -2,7 +2,8 @@
 
 A saved dataset is a directory of shards plus the element spec::
 
-    headrace-dataset.json          the manifest: element spec, shards, counts (written last)
+    headrace-dataset.json          the manifest: element spec, shards, counts, the
+                                   digest of each part file (written last)
     shard-00000-00000.tfrecord     elements of shard 0, TFRecord-framed (CRCs), in parts
     shard-00000-00000.tfrecord.hrx its record index (uncompressed shards)
     ...
@@ -16,7 +17,10 @@ written last and atomically, so a save that stopped never looks complete;
 As in tf.data, ``shard_func(element)`` picks each element's shard (default:
 round robin), and ``load``'s default ``reader_func`` interleaves the shards
 one element at a time — with the default sharding that is the original
-order. Uncompressed, a loaded dataset is a *random-access* source (through
+order. ``load`` checks each part file against the digest the manifest recorded
+(one sequential read): a part from another save, or two swapped by name, is a
+DataLossError naming it, never served as this save's elements (a damaged record is
+reported with its offset). Uncompressed, a loaded dataset is a *random-access* source (through
 the ``.hrx`` indexes): ``global_shuffle``, ``shard`` and resume act on indices.
 
 Resumable while writing: with ``checkpoint_args={"checkpoint_interval": n}``
@@ -42,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from headrace.core.fingerprint import function_fingerprint
+from headrace.core.fingerprint import file_digest, function_fingerprint
 from headrace.core.handoff import unpin
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
@@ -56,6 +60,7 @@ from headrace.io.elements import (
     spec_to_json,
 )
 from headrace.io.streams import normalize_compression_type
+from headrace.io.tfrecord.reader import open_tfrecord
 from headrace.io.tfrecord.writer import TFRecordWriter
 from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.io.tfrecord_index import build_index
@@ -79,7 +84,9 @@ __all__ = [
 MANIFEST_NAME = "headrace-dataset.json"
 PROGRESS_NAME = ".save-progress.json"
 _FORMAT = "headrace.saved"
-_VERSION = 1
+_VERSION = 2
+#: Older versions load read as before (version 1 records no digests of its files).
+_OLD_VERSIONS = (1,)
 _PART = "shard-{shard:05d}-{part:05d}.tfrecord"
 _BATCH_BYTES = 1 << 20
 _CHECKPOINT_KEYS = frozenset({"checkpoint_interval"})
@@ -121,6 +128,8 @@ class _ShardWriter:
         self.directory, self.shard, self.compression = directory, shard, compression
         #: element counts of the parts already complete (published under their names)
         self.parts = parts
+        #: each complete part's digest (:func:`_file_digest`), recorded in the manifest
+        self.digests: list[str] = []
         self.writer: TFRecordWriter | None = None
         self.count = 0
 
@@ -144,6 +153,7 @@ class _ShardWriter:
         writer.close()
         if not self.compression:
             build_index(writer.path)
+        self.digests.append(_file_digest(writer.path))
         self.parts.append(self.count)
         self.count = 0
 
@@ -232,6 +242,15 @@ class _Workers:
             thread.join()
 
 
+def _file_digest(path: str) -> str:
+    """The digest of a part file (as written, compressed or not; whole if small, sampled
+    blocks and the size if large, see :func:`~headrace.core.fingerprint.file_digest`):
+    the manifest records it per part, so a part file from another save, or two parts
+    swapped by name, is refused by ``load`` instead of served as this save's elements,
+    without reading a large save whole before its first element."""
+    return f"{os.path.getsize(path)} {file_digest(path)}"
+
+
 def _our_files(path: str) -> list[str]:
     pattern = os.path.join(glob.escape(path), "shard-*-*.tfrecord")
     found = glob.glob(pattern) + glob.glob(pattern + ".hrx")
@@ -297,8 +316,9 @@ def save(
     with contextlib.suppress(FileNotFoundError):
         os.unlink(manifest_path)
     parts: list[list[int]] = [[] for _ in range(shards)]
+    digests: list[list[str]] = [[] for _ in range(shards)]
     if resumed is not None:
-        parts = resumed["parts"]
+        parts, digests = resumed["parts"], resumed["digests"]
         keep = {
             os.path.join(directory, _PART.format(shard=s, part=p) + suffix)
             for s, counts in enumerate(parts)
@@ -309,6 +329,8 @@ def save(
     else:
         _remove([*_our_files(directory), progress_path])
     writers = [_ShardWriter(directory, s, codec, parts[s]) for s in range(len(parts))]
+    for writer, done_digests in zip(writers, digests, strict=True):
+        writer.digests = list(done_digests)
     iterator = iter(dataset)
     try:
         if resumed is not None:
@@ -316,6 +338,7 @@ def save(
         done = 0 if resumed is None else int(resumed["elements"])
         first = _write_all(iterator, writers, shard_func, interval, done, progress_path, identity)
         counts = [list(writer.parts) for writer in writers]
+        file_digests = [list(writer.digests) for writer in writers]
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -333,6 +356,7 @@ def save(
             "compression": codec,
             "num_shards": len(counts),
             "parts": counts,
+            "digests": file_digests,
             "elements": sum(sum(c) for c in counts),
             "fingerprint": dataset.node.data_fingerprint(),
         },
@@ -362,6 +386,11 @@ def _read_progress(path: str, identity: str) -> dict[str, Any] | None:
         return None
     if not isinstance(progress, dict) or progress.get("identity") != identity:
         return None  # another pipeline's (or arguments'): start over
+    parts, digests = progress.get("parts"), progress.get("digests")
+    if not isinstance(parts, list) or not isinstance(digests, list) or [
+        len(shard) for shard in parts
+    ] != [len(shard) for shard in digests]:
+        return None  # an older headrace's (no digests of its parts), or damaged: start over
     return progress
 
 
@@ -443,6 +472,7 @@ def _checkpoint(
             "identity": identity,
             "elements": done,
             "parts": [list(writer.parts) for writer in writers],
+            "digests": [list(writer.digests) for writer in writers],
             "state": iterator.get_state(),
         },
     )
@@ -481,7 +511,10 @@ def _read_manifest(directory: str) -> dict[str, Any]:
         raise DataLossError(f"load: {path} is not valid JSON ({error})", path=path) from None
     if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
         raise DataLossError(f"load: {path} is not a headrace saved-dataset manifest", path=path)
-    if manifest.get("version") != _VERSION or manifest.get("elements_format") != ELEMENTS_FORMAT:
+    version = manifest.get("version")
+    if (
+        version != _VERSION and version not in _OLD_VERSIONS
+    ) or manifest.get("elements_format") != ELEMENTS_FORMAT:
         raise DataLossError(
             f"load: {path} has format version {manifest.get('version')} "
             f"({manifest.get('elements_format')}); this headrace reads version {_VERSION} "
@@ -514,6 +547,51 @@ def _check_manifest(manifest: dict[str, Any], path: str) -> None:
         raise bad(f"unknown 'compression' {manifest.get('compression')!r:.40}")
     if "element_spec" not in manifest:
         raise bad("it has no 'element_spec'")
+    if manifest.get("version") in _OLD_VERSIONS:
+        return  # saved before part digests were recorded: loaded as then
+    digests = manifest.get("digests")
+    if not isinstance(digests, list) or [
+        [isinstance(d, str) for d in shard] if isinstance(shard, list) else None
+        for shard in digests
+    ] != [[True] * len(shard) for shard in parts]:
+        raise bad(f"'digests' must list a digest per part of each shard, got {digests!r:.80}")
+
+
+def _find_damage(name: str, compression: str | None) -> None:
+    """Raise the reader's DataLossError (file and offset) for the first record of ``name``
+    whose framing or CRC fails; return if every record is sound (a foreign file)."""
+    with open_tfrecord(name, compression_type=compression, max_record_bytes=1 << 31) as reader:
+        while reader.read_batch():
+            pass
+
+
+def _check_part_files(directory: str, manifest: dict[str, Any], files: list[list[str]]) -> None:
+    """Refuse a part file that is not the one this save wrote at its place (another save's,
+    or two parts swapped by name): DataLossError naming it, before any element is read.
+
+    At most about half a MiB read per part (see :func:`_file_digest`); a save of version 1
+    recorded no digests and is loaded unchecked, as then. A damaged part (a record's CRC
+    fails) is reported as such, with the record's offset."""
+    if manifest.get("version") in _OLD_VERSIONS:
+        return
+    for shard_files, shard_digests in zip(files, manifest["digests"], strict=True):
+        for name, digest in zip(shard_files, shard_digests, strict=True):
+            try:
+                actual = _file_digest(name)
+            except FileNotFoundError:
+                raise DataLossError(
+                    f"load: {name}, a part file listed by the manifest of {directory}, is "
+                    "missing",
+                    path=name,
+                ) from None
+            if actual != digest:
+                _find_damage(name, manifest.get("compression") or None)
+                raise DataLossError(
+                    f"load: {name} is not the part file this save wrote there (its digest "
+                    f"{actual} differs from {digest} in {MANIFEST_NAME}): a file from another "
+                    "save, two parts swapped, or a file changed since",
+                    path=name,
+                )
 
 
 def _part_files(directory: str, parts: list[list[int]]) -> list[list[str]]:
@@ -721,4 +799,5 @@ def load_plan(
                 f"load: the manifest {manifest_path} is corrupted: {error}", path=manifest_path
             ) from None
     files = _part_files(directory, manifest["parts"])
+    _check_part_files(directory, manifest, files)
     return directory, manifest, spec, files, manifest.get("compression") or None

@@ -39,6 +39,7 @@ from headrace.core.node import Node, content_memo, content_mode, describing_cont
 __all__ = [
     "array_digest",
     "describing_content",
+    "file_digest",
     "file_identity",
     "function_fingerprint",
     "function_name",
@@ -81,6 +82,14 @@ def file_identity(path: str | os.PathLike[str]) -> tuple[Any, ...]:
         return ("missing", name, error.errno)
     identity = ("file", name, info.st_size, info.st_mtime_ns, info.st_ino, info.st_dev)
     return (*identity, _file_digest(name, info.st_size))
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """A digest of a file's bytes, as :func:`file_identity` takes it: whole up to
+    :data:`FULL_HASH_BYTES`, sampled blocks beyond, so it costs at most about half a
+    MiB of reading whatever the file's size. Raises OSError if it cannot be stat'ed."""
+    name = os.fspath(path)
+    return _file_digest(name, os.stat(name).st_size)
 
 
 def _file_digest(name: str, size: int) -> str:

@@ -97,6 +97,13 @@ def seal(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def is_sealed(state: dict[str, Any]) -> bool:
+    """Whether ``state`` still matches the checksum :func:`seal` gave it (False if it has
+    none): for callers that raise their own error naming what ``state`` is."""
+    recorded = state.get(CHECKSUM)
+    return isinstance(recorded, str) and recorded == _checksum(state)
+
+
 def check_seal(state: dict[str, Any], what: str) -> None:
     """Refuse ``state`` (a dict :func:`seal` made; ``what`` names it) with a
     :class:`CheckpointError` if its checksum is missing or no longer matches."""

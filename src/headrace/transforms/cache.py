@@ -30,7 +30,10 @@ a run of another pipeline, or of this one over changed data, rebuilds the cache
 file: ``<filename>.hrcache.crc`` holds each record's data CRC as written (the
 manifest holds its digest), and every record read is compared with it before it
 is used, so a data file from another cache or changed since is refused with
-:class:`~headrace.errors.DataLossError` naming it, at no extra read. One writer at a time: ``<filename>.lockfile`` is held with
+:class:`~headrace.errors.DataLossError` naming it, at no extra read. The manifest
+itself is sealed (a checksum over its fields, :func:`headrace.core.state.seal`): one
+edited since is a DataLossError naming it, never believed nor silently rebuilt over
+(an older headrace's unsealed manifest is rebuilt, as before). One writer at a time: ``<filename>.lockfile`` is held with
 ``flock`` (released by the kernel if the writer dies), and a second writer
 gets tf.data's error naming it.
 
@@ -79,7 +82,7 @@ import xxhash
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode
 from headrace.core.run import call_outside_collection, default_budget
-from headrace.core.state import POSITION, StateReader, past_end
+from headrace.core.state import POSITION, StateReader, is_sealed, past_end, seal
 from headrace.errors import CheckpointError, DataLossError, HeadraceWarning, InvalidArgumentError
 from headrace.io._crc32c import masked_crc32c
 from headrace.io.blocks import BLOCK_CODECS, BlockCodec, block_codec
@@ -120,7 +123,7 @@ EPOCHS = "epochs"
 WRITER_ITERATION = "writer_iteration"
 _MANIFEST_FORMAT = "headrace.cache"
 #: 2: content fingerprints, and each record's CRC recorded (``<file>.crc``).
-_MANIFEST_VERSION = 2
+_MANIFEST_VERSION = 3  # 3: sealed (a checksum over its fields); older ones are rebuilt
 _BYTES_OVERHEAD = 33  # what a bytes object costs beyond its payload (sys.getsizeof(b""))
 _FRAME_HEADER = struct.Struct("<QI")  # a TFRecord's length and its masked CRC
 _FRAME_FOOTER = struct.Struct("<I")  # its data's masked CRC
@@ -1177,6 +1180,7 @@ class _FileStore(_Store):
             if self.codec is not None:  # what a reader needs to find and check each block
                 manifest["compression"] = self.codec.name
                 manifest["blocks"] = [list(block) for block in self.blocks]
+            seal(manifest)  # an edited manifest is refused, never believed or rebuilt over
             write_atomically(self.paths.manifest, [json.dumps(manifest).encode()])
         except BaseException:
             for path in (self.paths.data, self.paths.checksums):
@@ -1322,7 +1326,16 @@ def _find_complete(node: CacheNode, ctx: Context, account: StageAccount) -> _Com
     if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
         return None
     if manifest.get("version") != _MANIFEST_VERSION:
-        return None  # an older headrace's (keyed by structure only): rebuilt
+        return None  # an older headrace's (keyed by structure only, unsealed): rebuilt
+    if not is_sealed(manifest):
+        raise DataLossError(
+            f"cache: the manifest {paths.manifest} was changed after this cache was written "
+            "(its fields do not match its checksum): its counts and checksums cannot be "
+            "believed; delete the cache's files to rebuild it",
+            path=paths.manifest,
+        )
+    if manifest.get("elements_format") != ELEMENTS_FORMAT:
+        return None  # sealed by a headrace that encodes elements otherwise: rebuilt
     fingerprint = node.inputs[0].data_fingerprint()
     if manifest.get("fingerprint") != fingerprint:
         warnings.warn(
