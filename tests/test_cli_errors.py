@@ -219,21 +219,23 @@ def check_bad_input(root: Path, command: Command, kind: str, seed: int) -> None:
 
 COUNTS = ["abc", "-3", "1.5", "", "0x10", "1e3"]
 SIZES = ["abc", "0", "-1MiB", "12 parsecs", "nan", "inf", "9" * 400, ""]
+HUGE = ["99999999999999999999", "100001", "2" * 40]  # past every bound: refused at parse time
 
 # (argv before the option, option, bad values, argv after), with a valid file as {npy}
 OPTIONS = [
-    (["demo"], "--size", SIZES, []),
+    (["demo"], "--size", [*SIZES, *HUGE[::2], "17TiB"], []),
     (["demo"], "--budget", SIZES, []),
     (["demo"], "--batch-size", [*COUNTS, "0"], []),
     (["demo"], "--shuffle", [*COUNTS, "0"], []),
     (["inspect", "{tfrecord}"], "--records", COUNTS, []),
-    (["convert", "{npy}", "{out}"], "--shards", [*COUNTS, "0"], []),
+    (["convert", "{npy}", "{out}"], "--shards", [*COUNTS, "0", *HUGE], []),
     (["convert", "{npy}", "{out}"], "--batch-size", [*COUNTS, "0"], []),
     (["convert", "{npy}", "{out}"], "--memory-budget", SIZES, []),
     (["convert", "{tfrecord}", "{out}.csv"], "--limit", COUNTS, []),
     (["profile", "{py}:make"], "--steps", [*COUNTS, "0"], ["--html", ""]),
     (["profile", "{py}:make"], "--budget", SIZES, ["--html", ""]),
-    (["doctor", "{py}:make"], "--epochs", [*COUNTS, "0"], []),
+    (["doctor", "{py}:make"], "--epochs", [*COUNTS, "0", *HUGE], []),
+    (["profile", "{py}:make"], "--epochs", [*COUNTS, "0", *HUGE], ["--html", ""]),
 ]
 
 _option_cases = st.sampled_from(OPTIONS).flatmap(
@@ -241,7 +243,7 @@ _option_cases = st.sampled_from(OPTIONS).flatmap(
 )
 
 
-@settings(max_examples=20, deadline=None,
+@settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=_option_cases)
 def test_a_bad_number_is_one_line_naming_the_option_and_value(
@@ -263,7 +265,7 @@ def test_a_bad_number_is_one_line_naming_the_option_and_value(
     ran = run_cli(argv, cwd=cwd, temp=temp, capture=root / "capture")
     line = one_error_line(ran, argv)
     assert ran.code == 2, f"{argv}: exit {ran.code}"
-    assert option in line and repr(value)[:30] in line, f"{argv}: {line}"
+    assert option in line and repr(value)[:30].rstrip("'") in line, f"{argv}: {line}"
     assert not os.listdir(temp) and not os.listdir(cwd)
     assert not os.path.exists(root / "out") and not os.path.exists(root / "out.csv")
 
@@ -305,3 +307,77 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     ran = run_cli(argv, cwd=tmp_path, temp=tmp_path, capture=tmp_path / "capture")
     assert ran.code == 1 and "Traceback" in ran.err and "nope.py" in ran.err
     assert main(["inspect", "--help"]) == 0
+
+
+# --------------------------------------------------------------------------- bad outputs
+
+def make_output(kind: str, path: Path) -> None:
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "/dev/null"])
+@pytest.mark.parametrize("command", ["profile", "doctor"])
+def test_an_html_report_to_a_non_regular_file_is_refused_before_running(
+    tmp_path: Path, command: str, kind: str
+) -> None:
+    # a FIFO blocked the report's write forever; refused on the command line instead
+    temp, cwd = tmp_path / "tmp", tmp_path / "cwd"
+    temp.mkdir()
+    cwd.mkdir()
+    (tmp_path / "ok.py").write_text("import headrace as hr\n\ndef make():\n"
+                                    "    raise AssertionError('ran the pipeline')\n")
+    html = kind if kind.startswith("/dev") else str(tmp_path / "report")
+    make_output(kind, Path(html))
+    argv = [command, f"{tmp_path / 'ok.py'}:make", "--html", html, "--epochs", "1"]
+    ran = run_cli(argv, cwd=cwd, temp=temp, capture=tmp_path / "capture")
+    line = one_error_line(ran, argv)
+    assert ran.code == 2 and html in line and "--html" in line, line
+    assert not os.listdir(temp) and not os.listdir(cwd)
+
+
+def failing_convert(case: str, root: Path, rng: np.random.Generator) -> list[str]:
+    """A ``convert`` that fails after its arguments parse (argv without the destination)."""
+    import sqlite3
+
+    rows = int(rng.integers(1, 50))
+    connection = sqlite3.connect(root / "db.sqlite")
+    connection.execute("create table t(k integer primary key, v)")
+    connection.executemany("insert into t values (?, ?)", [(i, i * 2) for i in range(rows)])
+    connection.commit()
+    connection.close()
+    np.save(root / "a.npy", np.arange(rows))
+    (root / "a.csv").write_text("a,b\n" + "".join(f"{i},{i}\n" for i in range(rows)))
+    return {
+        "sql bad query": ["convert", f"sqlite:///{root / 'db.sqlite'}", "--query",
+                          "select * from nosuch"],
+        "sql no database": ["convert", f"sqlite:///{root / 'nosuch.db'}", "--table", "t"],
+        "csv tiny budget": ["convert", str(root / "a.csv"), "--memory-budget",
+                            str(rng.choice(["1.5", "1", "100"]))],
+    }[case]
+
+
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(["sql bad query", "sql no database", "csv tiny budget"]),
+       dest=st.sampled_from(["out", "out/a/b", "out/a/part-{shard}.tfrecord"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_a_failed_convert_leaves_no_directory_it_created(
+    tmp_path_factory: pytest.TempPathFactory, case: str, dest: str, seed: int
+) -> None:
+    root = tmp_path_factory.mktemp("convert")
+    temp, cwd, inputs = root / "tmp", root / "cwd", root / "in"
+    for directory in (temp, cwd, inputs):
+        directory.mkdir()
+    argv = failing_convert(case, inputs, np.random.default_rng(seed))
+    argv[2:2] = [str(root / dest)]  # after the source: SOURCE DEST --options
+    argv += ["--progress", "never"]
+    before = sorted(os.listdir(root))
+    ran = run_cli(argv, cwd=cwd, temp=temp, capture=root / "capture")
+    one_error_line(ran, argv)
+    assert ran.code == 1
+    left = sorted(os.listdir(root))
+    assert left == sorted([*before, "capture"]), f"{argv}: left {left}"
+    assert not os.listdir(temp) and not os.listdir(cwd)

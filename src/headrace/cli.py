@@ -9,8 +9,11 @@ Every subcommand fails the same way: exit status 1 (2 for a bad argument) and on
 line on stderr saying what was wrong and where (the file, the value); the traceback
 only with ``--debug``. Paths that must be whole files (``inspect``, ``index``,
 ``convert``) are refused unless they are regular files: ``/dev/zero`` never ends, a
-FIFO blocks its reader, and an index is never written next to a device. ``demo``
-removes its temporary data file whatever happens.
+FIFO blocks its reader, and an index is never written next to a device; an ``--html``
+report path that exists must be a regular file too. Counts and sizes past a sane bound
+(``MAX_SHARDS``, ``MAX_EPOCHS``, ``MAX_DEMO_SIZE``) are refused as bad arguments. ``demo``
+removes its temporary data file whatever happens; a failed ``convert`` leaves no file
+and no directory it created.
 """
 
 from __future__ import annotations
@@ -48,18 +51,36 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
 
-def _byte_size(text: str) -> int:
-    """An argparse type: a positive byte size such as ``512MiB``."""
-    from headrace.memory.units import parse_bytes
+# Upper bounds of the numbers a command takes: a value past them is a typo or an attack
+# (`--shards 99999999999999999999` would create shard names for minutes, `--epochs` of
+# that size runs until killed, a `demo --size` past what NumPy can index overflows), so it
+# is refused on the command line, in one line, before anything runs.
+MAX_SHARDS = 10_000  # each one a file; an empty shard per missing row is allowed
+MAX_EPOCHS = 100_000
+MAX_DEMO_SIZE = 1 << 44  # 16 TiB
+
+
+def _byte_size(text: str, maximum: int | None = None) -> int:
+    """An argparse type: a positive byte size such as ``512MiB`` (at most ``maximum``)."""
+    from headrace.memory.units import format_bytes, parse_bytes
 
     try:
-        return parse_bytes(text)
+        value = parse_bytes(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    if maximum is not None and value > maximum:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {format_bytes(maximum)}, got {text[:40]!r}")
+    return value
 
 
-def _count(minimum: int) -> Any:
-    """An argparse type: an int of at least ``minimum``."""
+def _demo_size(text: str) -> int:
+    """An argparse type: ``demo --size``, a byte size of at most ``MAX_DEMO_SIZE``."""
+    return _byte_size(text, MAX_DEMO_SIZE)
+
+
+def _count(minimum: int, maximum: int | None = None) -> Any:
+    """An argparse type: an int of at least ``minimum`` (and at most ``maximum``)."""
 
     def parse(text: str) -> int:
         try:
@@ -68,10 +89,30 @@ def _count(minimum: int) -> Any:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum:,}, got {text[:40]!r}")
         return value
 
     parse.__name__ = "count"
     return parse
+
+
+def _output_file(text: str) -> str:
+    """An argparse type: a file to write. One that exists must be a regular file: a FIFO
+    would block the write forever, a device would take (or refuse) anything."""
+    import stat
+
+    if text:
+        try:
+            mode = os.stat(text).st_mode
+        except OSError:
+            return text  # a new file (or one the write will explain)
+        if not stat.S_ISREG(mode):
+            from headrace.io.files import describe_file_type
+
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is {describe_file_type(mode)}, not a regular file")
+    return text
 
 
 def _one_line(error: BaseException, command: str) -> str:
@@ -413,7 +454,7 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="stream a dataset larger than its budget and print the profile",
         parents=[debug],
     )
-    demo.add_argument("--size", type=_byte_size, default="1GiB",
+    demo.add_argument("--size", type=_demo_size, default="1GiB",
                       help="size of the .npy file to stream")
     demo.add_argument("--budget", type=_byte_size, default="256MiB",
                       help="memory budget of the pipeline")
@@ -467,7 +508,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("source", nargs="+", metavar="SOURCE")
     convert.add_argument("dest", metavar="DEST")
-    convert.add_argument("--shards", type=_count(1), default=1, metavar="N",
+    convert.add_argument("--shards", type=_count(1, MAX_SHARDS), default=1, metavar="N",
                          help="number of TFRecord shards (default 1)")
     convert.add_argument("--query", help="SQL source: the query (values only via --param)")
     convert.add_argument("--table", help="SQL source: a whole table, instead of --query")
@@ -502,10 +543,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="a function returning a headrace.Dataset (or path/file.py:function)")
     prof.add_argument("--steps", type=_count(1), default=None,
                       help="elements per epoch (default all)")
-    prof.add_argument("--epochs", type=_count(1), default=1)
+    prof.add_argument("--epochs", type=_count(1, MAX_EPOCHS), default=1)
     prof.add_argument("--budget", type=_byte_size, default=None,
                       help="memory budget (e.g. 256MiB)")
-    prof.add_argument("--html", default="headrace-profile.html",
+    prof.add_argument("--html", type=_output_file, default="headrace-profile.html",
                       help="where to write the report ('' for none)")
     prof.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                       help="live progress line (default: when stderr is a terminal)")
@@ -519,12 +560,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("target", metavar="MODULE:FUNCTION",
                         help="a function returning a headrace.Dataset or a tf.data.Dataset")
-    doctor.add_argument("--epochs", type=_count(1), default=8)
+    doctor.add_argument("--epochs", type=_count(1, MAX_EPOCHS), default=8)
     doctor.add_argument("--steps", type=_count(1), default=None, help="elements per epoch")
     doctor.add_argument("--budget", type=_byte_size, default=None,
                         help="memory budget to judge against")
     doctor.add_argument("--progress", action="store_true", help="a line per epoch on stderr")
-    doctor.add_argument("--html", default=None, metavar="FILE",
+    doctor.add_argument("--html", type=_output_file, default=None, metavar="FILE",
                         help="also write the diagnosis as a self-contained HTML page")
     doctor.set_defaults(run=_doctor)
     return parser

@@ -384,6 +384,28 @@ def _check_round_robin_fits(num_shards: int) -> None:
         )
 
 
+def _make_directories(directories: set[str]) -> list[str]:
+    """Create ``directories`` (with their parents); return the ones this call created,
+    deepest first, so that a failed write can remove exactly those."""
+    created: list[str] = []
+    for directory in sorted(directories):
+        missing = []
+        parent = directory
+        while parent and not os.path.exists(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        os.makedirs(directory, exist_ok=True)
+        created.extend(missing)
+    return sorted(set(created), key=lambda path: -path.count(os.sep))
+
+
+def _remove_empty_directories(directories: list[str]) -> None:
+    """Remove ``directories`` (deepest first) that are still empty; keep any that is not."""
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
 def save_tfrecords(
     dataset: Iterable[Any],
     path: str | os.PathLike[str],
@@ -431,8 +453,7 @@ def save_tfrecords(
     contiguous = cardinality >= 0 and (not batched or num_records is not None)
     if not contiguous:
         _check_round_robin_fits(num_shards)
-    for directory in {os.path.dirname(os.path.abspath(p)) for p in finals}:
-        os.makedirs(directory, exist_ok=True)
+    created = _make_directories({os.path.dirname(os.path.abspath(p)) for p in finals})
 
     bar = ProgressBar(total=cardinality if contiguous else None, enabled=progress)
     shards = _Shards(finals, compression)
@@ -445,6 +466,7 @@ def save_tfrecords(
         shards.publish()
     except BaseException:
         shards.abort()
+        _remove_empty_directories(created)  # a failed save leaves no empty directory behind
         bar.close(" - failed, nothing written")
         raise
     finally:
