@@ -12,6 +12,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import random
 import signal
 import sys
 import threading
@@ -316,6 +317,54 @@ def test_refusals_say_why(tmp_path: Path) -> None:
             hr.connect(address, 0, authkey=KEY, timeout=0.3)
     with pytest.raises(hr.InvalidArgumentError, match="consumers must be an integer >= 1"):
         hr.serve(served_fns.ranged(6), 0, address)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_connects_timeout_bounds_the_wait_for_the_first_element_only(
+    seed: int, tmp_path: Path
+) -> None:
+    """Random first-element delays on either side of ``timeout`` (with margins): a
+    ProducerError within the timeout iff the delay exceeds it, never a hang; otherwise
+    the consumer's exact part, a later element slower than ``timeout`` included."""
+    rng = random.Random(seed)
+    for case in range(2):
+        timeout = rng.uniform(0.4, 0.7)
+        late = case == seed  # one case of each kind per seed, in a random order
+        first_delay = timeout * (rng.uniform(1.6, 3.0) if late else rng.uniform(0.0, 0.3))
+        later_delay = timeout * rng.uniform(1.2, 1.5)  # (not waited for when late)
+        n, k = rng.randint(3, 7), rng.randint(1, 3)
+        index = rng.randrange(k)
+        slow_later = rng.randrange(index + k, n) if index + k < n else None
+        release = threading.Event()  # frees a producer the consumer gave up on at once
+
+        def delayed(x: Any, index: int = index, slow_later: int | None = slow_later,
+                    first_delay: float = first_delay, later_delay: float = later_delay,
+                    release: threading.Event = release) -> Any:
+            if int(x) == index:
+                release.wait(first_delay)
+            elif int(x) == slow_later:
+                release.wait(later_delay)
+            return served_fns.as_array(x)
+
+        address = str(tmp_path / f"s{case}.sock")
+        with hr.serve(hr.Dataset.range(n).map(delayed), k, address, authkey=KEY):
+            part = hr.connect(address, index, authkey=KEY, timeout=timeout)
+            start = time.monotonic()
+            try:
+                if late:
+                    with pytest.raises(hr.ProducerError, match=(
+                            rf"consumer {index} of {k}'s first element did not arrive .* "
+                            rf"within {timeout:g} s .* larger connect\(\.\.\., timeout=")):
+                        next(part)
+                    took = time.monotonic() - start
+                    assert timeout - 0.05 <= took < timeout + 1.0, (timeout, took)
+                    with pytest.raises(hr.IteratorClosedError):
+                        next(part)
+                else:
+                    assert [served_fns.value(e) for e in part] == list(range(n))[index::k]
+            finally:
+                release.set()
+                part.close()
 
 
 def test_a_pipeline_error_reaches_its_consumer_which_can_go_on(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ cannot make the producer or a consumer run code. Each connection's handshake
 runs on a thread of its own with a deadline (``handshake_timeout``), so a
 silent or hostile client never delays another; ``connect(timeout=...)``
 bounds everything up to its return (the socket appearing, the handshake, the
-greeting). The key authenticates peers; it does not encrypt (the socket never
+greeting) and then the wait for the consumer's first element. The key authenticates peers; it does not encrypt (the socket never
 leaves the host).
 
 Independence. A consumer is served by a thread of its own that pulls only when
@@ -578,8 +578,11 @@ class ServedIterator(ClosesOnExit):
     """A consumer's iterator over its part of a served dataset (from :func:`connect`)."""
 
     def __init__(self, sock: socket.socket, address: str, index: int, consumers: int,
-                 producer: int) -> None:
+                 producer: int, first_timeout: float | None = None) -> None:
         self._sock = sock
+        #: The seconds the first element may take once asked for (``connect``'s
+        #: ``timeout``); None once it arrived: later elements wait as long as needed.
+        self._first_timeout = first_timeout
         self.address = address
         #: This consumer's index, the number of consumers, the producer's process id.
         self.index, self.consumers, self.producer_pid = index, consumers, producer
@@ -597,10 +600,23 @@ class ServedIterator(ClosesOnExit):
             f"the producer (pid {self.producer_pid}) serving {self.address!r} is gone "
             f"({why}) while consumer {self.index} of {self.consumers} was {doing}")
 
-    def _ask(self, request: dict[str, Any], doing: str) -> tuple[dict[str, Any], bytearray]:
+    def _ask(self, request: dict[str, Any], doing: str,
+             deadline: float | None = None) -> tuple[dict[str, Any], bytearray]:
         try:
-            _wire.send_message(self._sock, request)
-            reply, blob = _wire.recv_message(self._sock)
+            _wire.send_message(self._sock, request, deadline=deadline)
+            reply, blob = _wire.recv_message(self._sock, deadline=deadline)
+            if deadline is not None:
+                self._sock.settimeout(None)  # (the next waits are unbounded again)
+        except TimeoutError:  # (an OSError, so caught first) only with a deadline
+            # The reply may still come, even half-read: the connection is of no more use.
+            self._closed = True
+            _hang_up(self._sock)
+            raise ProducerError(
+                f"consumer {self.index} of {self.consumers}'s first element did not arrive "
+                f"from the producer at {self.address!r} within {self._first_timeout:g} s "
+                "(connect's timeout): if its pipeline needs longer before its first "
+                "element (a large shuffle buffer filling, slow files), pass a larger "
+                "connect(..., timeout=...)") from None
         except (EOFError, OSError) as error:
             raise self._gone(doing) from error
         except _wire.WireError as error:
@@ -614,7 +630,11 @@ class ServedIterator(ClosesOnExit):
         if self._ended:
             raise StopIteration
         freed = self._maps.released()  # kept mapped: the producer reuses them by key
-        reply, blob = self._ask({"op": "next", "free": freed}, "waiting for its next element")
+        first = self._first_timeout
+        reply, blob = self._ask({"op": "next", "free": freed}, "waiting for its next element",
+                                None if first is None else time.monotonic() + first)
+        if reply["op"] in ("element", "end"):
+            self._first_timeout = None  # (a pipeline error is not the first element)
         if reply["op"] == "end":
             self._ended = True
             raise StopIteration
@@ -732,7 +752,15 @@ def connect(
     ``timeout`` bounds everything until this returns: waiting for the producer to
     listen (trainers and the producer may start in any order), the key handshake and
     the greeting (a producer that accepts but never answers is a
-    :class:`ProducerError` after ``timeout`` seconds, not a hang). ``authkey``: the
+    :class:`ProducerError` after ``timeout`` seconds, not a hang); and then the wait
+    for this consumer's first element: it must arrive within ``timeout`` seconds of
+    the first ``next`` asking for it, else that ``next`` raises a
+    :class:`ProducerError` saying so and the connection is closed (a producer stuck
+    before its first element is an error, not a silent hang). Once the first element
+    arrived, later ones wait as long as the pipeline needs (a dead producer is still
+    an error at once). Give a pipeline that legitimately takes long before its first
+    element (a large shuffle buffer filling, a slow first file) a ``timeout`` longer
+    than that. ``authkey``: the
     producer's explicit key; by default the key the producer wrote beside its socket
     (readable only by this user). ``state``: resume from this consumer's
     :meth:`ServedIterator.get_state`. Raises :class:`ProducerError` when no producer
@@ -794,7 +822,7 @@ def connect(
             raise ProducerError(refused)
         time.sleep(0.05)
     sock.settimeout(None)
-    served = ServedIterator(sock, path, index, reply["consumers"], reply["pid"])
+    served = ServedIterator(sock, path, index, reply["consumers"], reply["pid"], timeout)
     if state is not None:
         try:
             served.set_state(state)
