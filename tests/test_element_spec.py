@@ -295,3 +295,30 @@ def test_sampling_a_spec_runs_under_the_pipelines_memory_budget() -> None:
         # tf.data's shape inference says (2,); one sample cannot tell x[:2] from x[: x[0]]
     assert ds.element_spec == hr.TensorSpec((None,), np.uint8)
     assert 0 < len(pulled) < 40
+
+
+@pytest.mark.tf
+@pytest.mark.parametrize("seed", range(4))
+def test_an_empty_pipeline_through_to_tf_and_save_load_yields_nothing(seed: int, tmp_path: Any) -> None:
+    # tf.data builds and runs these and yields nothing: so must to_tf() and save+load,
+    # while a pipeline that only has an empty branch still refuses (nothing is dropped)
+    import random
+
+    rng = random.Random(seed)
+    source = rng.choice([
+        hr.Dataset.range(0),
+        hr.Dataset.range(rng.randint(1, 9)).filter(lambda x: x < 0),
+        hr.Dataset.range(rng.randint(1, 9)).take(0),
+    ])
+    empty = source.map(lambda x: np.full(3, x))
+    if rng.random() < 0.5:
+        empty = empty.batch(rng.randint(1, 3))
+    assert list(empty.to_tf()) == []
+    empty.save(str(tmp_path / "saved"))
+    loaded = hr.Dataset.load(str(tmp_path / "saved"))
+    assert list(loaded) == []
+    with pytest.raises(hr.errors.EmptyInputError):
+        loaded.element_spec  # noqa: B018
+    not_empty = empty.concatenate(hr.Dataset.range(3).map(lambda x: np.full(3, x)))
+    with pytest.raises(hr.errors.EmptyInputError):
+        not_empty.to_tf()

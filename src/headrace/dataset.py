@@ -873,14 +873,24 @@ class Dataset:
         indices. ``reader_func`` receives a dataset whose elements are the shards'
         datasets, as in tf.data (``lambda shards: shards.interleave(lambda s: s)``).
 
-        A manifest that is not valid (missing or garbage fields, a spec nested past
-        reason) raises :class:`DataLossError` naming it; so does an element whose
+        A dataset saved empty loads as an empty dataset (its ``element_spec`` raises
+        :class:`EmptyInputError` unless ``element_spec`` is given here). A manifest
+        that is not valid (missing or garbage fields, a spec nested past reason) raises :class:`DataLossError` naming it; so does an element whose
         structure, dtype or shape is not the element spec's (the manifest's, or
         ``element_spec`` given here), as it is read.
         """
-        from headrace.saved import DecodeRecord, LoadNode, ShardsAsDatasets, SpecCheck, load_plan
+        from headrace.saved import (
+            DecodeRecord,
+            LoadNode,
+            SavedEmpty,
+            ShardsAsDatasets,
+            SpecCheck,
+            load_plan,
+        )
 
         directory, manifest, spec, files, compression = load_plan(path, element_spec)
+        if spec is None:  # saved empty, no spec given: yields nothing, as in tf.data
+            return Dataset.range(0).map(SavedEmpty(directory))
         check = SpecCheck(spec, given=element_spec is not None)  # each element, as decoded
         if reader_func is None and compression is None:
             return Dataset(LoadNode(directory, manifest, spec, check))

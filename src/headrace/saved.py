@@ -75,6 +75,7 @@ __all__ = [
     "MANIFEST_NAME",
     "DecodeRecord",
     "LoadNode",
+    "SavedEmpty",
     "ShardsAsDatasets",
     "SpecCheck",
     "load_plan",
@@ -653,6 +654,21 @@ class DecodeRecord:
         return element if self.check is None else self.check(element, self.directory)
 
 
+class SavedEmpty:
+    """The map function of a dataset saved empty (never called): asking its element spec
+    raises :class:`~headrace.errors.EmptyInputError`, as for any empty pipeline whose
+    spec must be learnt from an element; iterating it yields nothing, as in tf.data."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, element: Any) -> Any:
+        raise AssertionError(f"{self.directory} was saved empty: nothing to map")
+
+    def __repr__(self) -> str:
+        return f"load({self.directory!r}, saved empty)"
+
+
 class LoadNode(Node):
     """An uncompressed saved dataset as a random-access source, in the default read order."""
 
@@ -786,10 +802,14 @@ def load_plan(
     spec = element_spec
     if spec is None:
         raw = manifest.get("element_spec")
+        if raw is None and manifest.get("elements") == 0:
+            # saved empty: nothing to learn a spec from; it loads as an empty dataset
+            return directory, manifest, None, [], manifest.get("compression") or None
         if raw is None:
-            raise InvalidArgumentError(
-                f"load: {directory} records no element spec (it was saved empty); pass "
-                "element_spec"
+            manifest_path = os.path.join(directory, MANIFEST_NAME)
+            raise DataLossError(
+                f"load: the manifest {manifest_path} records elements but no element spec",
+                path=manifest_path,
             )
         manifest_path = os.path.join(directory, MANIFEST_NAME)
         try:

@@ -54,7 +54,7 @@ import numpy as np
 from headrace.adapters._elements import ConvertedElements
 from headrace.core.handoff import unpin
 from headrace.core.node import INFINITE, UNKNOWN
-from headrace.errors import InvalidArgumentError
+from headrace.errors import EmptyInputError, InvalidArgumentError
 from headrace.structure import TensorSpec, flatten, map_structure, shape_allows, structure_paths
 
 if TYPE_CHECKING:
@@ -194,11 +194,30 @@ def _generator_dataset_class() -> Any:
     return _GeneratorDataset
 
 
+_NOTHING = object()
+
+
 def to_tf(dataset: Dataset) -> Any:
-    """A ``tf.data.Dataset`` yielding this pipeline's elements as tensors."""
+    """A ``tf.data.Dataset`` yielding this pipeline's elements as tensors.
+
+    An empty pipeline whose element spec can only be learnt from an element (a ``map``
+    without ``output_signature`` over an empty input) becomes an empty dataset, as
+    tf.data runs such a pipeline and yields nothing; with nothing to learn the spec
+    from, its ``element_spec`` is an int64 scalar. State the spec
+    (``map(..., output_signature=...)``) where a consumer reads it.
+    """
     import tensorflow as tf
 
-    signature = tf_signature(dataset.element_spec)
+    try:
+        spec = dataset.element_spec
+    except EmptyInputError:
+        # one stage's input is empty; the pipeline may still yield (a concatenate): only
+        # a pipeline that yields nothing becomes the empty dataset, else the error stands
+        with iter(dataset) as elements:
+            if next(elements, _NOTHING) is not _NOTHING:
+                raise
+        return tf.data.Dataset.range(0)
+    signature = tf_signature(spec)
     flat_signature = tf.nest.flatten(signature)
     feed = _Feed(dataset)
     cardinality = dataset.cardinality()
