@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ from hypothesis import strategies as st
 import headrace as hr
 from headrace.testing import assert_elements_equal
 
+sys.path.insert(0, str(Path(__file__).parent))
+from json_paths import field_paths
+
 
 def _dataset(kind: str, n: int) -> hr.Dataset:
     x = np.arange(n * 2, dtype=np.int64).reshape(n, 2)
@@ -34,17 +38,6 @@ def _dataset(kind: str, n: int) -> hr.Dataset:
     return hr.Dataset.from_tensor_slices((x, [b"r%d" % i for i in range(n)]))
 
 
-def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    found: list[tuple[Any, ...]] = []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found.append((*prefix, key))
-            found += _paths(item, (*prefix, key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found.append((*prefix, index))
-            found += _paths(item, (*prefix, index))
-    return found
 
 
 GARBAGE = [
@@ -83,7 +76,7 @@ def test_an_edited_manifest_gives_the_data_or_a_data_loss_error_naming_it(
     oracle = list(ds.as_numpy_iterator())
     manifest_path = path / "headrace-dataset.json"
     manifest = json.loads(manifest_path.read_text())
-    field = data.draw(st.sampled_from(_paths(manifest)), label="field")
+    field = data.draw(st.sampled_from(field_paths(manifest)), label="field")
     value = data.draw(st.sampled_from([*GARBAGE, DELETE]), label="value")
     edited = copy.deepcopy(manifest)
     parent: Any = edited
