@@ -1,0 +1,550 @@
+"""A buffering stage's holding against its share of the budget: the *buffer* primitive.
+
+Every stage that holds elements (a shuffle's buffer, a prefetch queue, a batch
+being assembled, an interleave's open slots, a cache's write buffer, a reader's
+read-ahead, an adapter's ring) holds them through one :class:`Buffer`. The buffer
+is the only place where bytes are checked against the share and booked; a stage
+asks it questions (:meth:`Buffer.fits`, :meth:`Buffer.room`) and books through it
+(:meth:`Buffer.admit`, :meth:`Buffer.admit_existing`), and never reads or writes
+its counters. Work whose outputs do not exist yet (a map's calls in flight) is
+booked through the in-flight ledger built on it (:mod:`headrace.memory.inflight`).
+
+Reservations move with their element (:class:`Reservation`): a stage that
+takes an element from a buffering stage books it on its own buffer first and
+then releases the upstream booking, so the element is never uncounted.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from headrace.errors import MemoryBudgetError
+from headrace.memory.units import format_bytes
+
+if TYPE_CHECKING:
+    from headrace.memory.budget import MemoryBudget
+
+__all__ = [
+    "NO_RESERVATION",
+    "AccountStats",
+    "BudgetClosed",
+    "Buffer",
+    "Reservation",
+    "StageAccount",
+    "release_all",
+]
+
+#: Why minima that fit the total together are refused all the same.
+_NOT_LENT = (
+    " A shuffle's share is not lent to other stages (that would make the order depend on "
+    "timing): a smaller shuffle buffer_size frees it."
+)
+
+
+class _RefusedAbove(MemoryBudgetError):
+    """A nested budget could not widen: the stage holding it was refused (its message)."""
+
+
+class BudgetClosed(Exception):
+    """Raised inside a waiting producer when its iterator closes (internal)."""
+
+
+@dataclass(frozen=True)
+class AccountStats:
+    """A snapshot of one stage's bookings."""
+
+    name: str
+    limit: int
+    held: int
+    peak: int
+    elements: int
+    max_element: int
+    #: Most bytes held past the share as an overdraft (outputs that outgrew their estimate).
+    overdrawn_peak: int = 0
+
+
+class Buffer:
+    """What one buffering stage holds, against its share (``limit``) of the budget."""
+
+    def __init__(
+        self, budget: MemoryBudget, name: str, weight: float, *, sets_order: bool = False
+    ) -> None:
+        self.budget = budget
+        self.name = name
+        self.weight = weight
+        self.sets_order = sets_order
+        self.limit = 0
+        #: The bytes this stage must be able to hold at once (see :meth:`require`).
+        self.minimum = 0
+        self.minimum_what = ""
+        self.held = 0
+        self.peak = 0
+        self.elements = 0
+        self.max_element = 0
+        #: Bytes held beyond the share by :meth:`book_existing` (outputs larger than
+        #: their estimate), now and at peak: the only way ``held`` may pass ``limit``.
+        self.overdrawn = 0
+        self.overdrawn_peak = 0
+        #: Bookings that took the stage past its share other than as an overdraft.
+        self.breaches = 0
+        self._changed = budget.changed
+        self.lock = budget.lock  # the condition's lock: bookings take only this
+
+    # -- as the parent of a nested pipeline's budget (an interleave slot's) ----------------
+    # Everything the nested stages book is this stage's holding: it shows in its stats,
+    # counts against its share (which re-splits may lower) and against the budget above.
+
+    @property
+    def used(self) -> int:
+        return self.held
+
+    @property
+    def total(self) -> int:
+        return self.limit
+
+    @property
+    def parent(self) -> MemoryBudget:
+        return self.budget
+
+    @property
+    def changed(self) -> threading.Condition:
+        return self._changed
+
+    @property
+    def waiting(self) -> list[int]:
+        return self.budget.waiting
+
+    # -- the questions a stage may ask (stages never read the counters themselves) --------
+
+    def share(self) -> int:
+        """The bytes this stage may hold now (a re-split may change it)."""
+        return self.limit
+
+    def room(self) -> int:
+        """What is left of the share beside what the stage holds (negative in an overdraft)."""
+        return self.limit - self.held
+
+    def is_empty(self) -> bool:
+        """True when the stage holds nothing (it may then always take one element)."""
+        return not self.held
+
+    def largest(self) -> int:
+        """The largest element booked here so far (0 before the first)."""
+        return self.max_element
+
+    def admit(
+        self, nbytes: int, upstream: Reservation | None = None, *, together: str | None = None
+    ) -> Reservation:
+        """Book an element of ``nbytes`` that enters this stage, taking over its ``upstream``
+        booking (released once this one is made: the element is never uncounted).
+
+        ``together``: the stage must hold it together with what it holds already (a
+        batch's rows), which then is its minimum working set (see :meth:`require`); the
+        text says what is assembled, for the error when it cannot fit. The caller checked
+        :meth:`fits` or waited (:meth:`wait_for_room`) first: this books, it does not wait.
+        """
+        if upstream is not None and upstream.account is not None:
+            return upstream.move_to(self, nbytes, together=together)
+        if together is not None:
+            return self.hold(nbytes, what=together)
+        return self.charge(nbytes)
+
+    def _add(self, nbytes: int) -> None:
+        held = self.held = self.held + nbytes
+        if held > self.peak:
+            self.peak = held
+        self.budget._add(nbytes)
+
+    def _check_fits(self, nbytes: int, what: str = "one element") -> None:
+        """Make room for ``nbytes`` held alone (a minimum), or raise naming the stage."""
+        if nbytes > self.limit:
+            self.require(nbytes, what=what)
+
+    def require(self, nbytes: int, *, what: str) -> None:
+        """Declare that this stage must be able to hold ``nbytes`` at once (its minimum).
+
+        Called when the minimum becomes known from the data (the first batch's
+        size, say), before the bytes are allocated. Past the stage's share, the
+        budget is split again so that it fits; if the minima of all the stages
+        cannot fit together, :class:`MemoryBudgetError` names them.
+        """
+        if nbytes <= self.minimum:
+            return
+        previous = self.minimum, self.minimum_what
+        self.minimum, self.minimum_what = nbytes, what
+        if nbytes > self.limit:
+            try:
+                self.budget.allot()
+            except _RefusedAbove as error:
+                self.minimum, self.minimum_what = previous
+                raise MemoryBudgetError(str(error)) from None
+            except MemoryBudgetError as error:
+                message = self.budget._minima_message(
+                    f"stage {self.name!r} needs {format_bytes(nbytes)} at once for {what}; "
+                    "with the other stages, the pipeline"
+                )
+                if str(error).endswith(_NOT_LENT):  # the minima fit; the shuffle's share not
+                    message = message.replace(", more than the memory budget", " within the "
+                                              "memory budget") + _NOT_LENT
+                self.minimum, self.minimum_what = previous
+                raise MemoryBudgetError(message) from None
+
+    def fits(self, nbytes: int, *, pending: int = 0) -> bool:
+        """Whether an element of ``nbytes`` may enter this stage's buffer now.
+
+        True when it fits beside what the stage holds plus ``pending`` (bytes
+        it is about to book), also under a shared default budget's total, or
+        when the stage holds nothing and the element fits its share alone. An
+        element larger than the whole share first makes the budget split
+        itself again (:meth:`require`), or raises :class:`MemoryBudgetError`.
+        """
+        self._check_fits(nbytes)
+        held = self.held + pending
+        if not held:
+            return True
+        return held + nbytes <= self.limit and not self.budget.over_shared_cap(pending + nbytes)
+
+    def wait_for_room(
+        self,
+        estimate: int | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+        starving: Callable[[], bool] | None = None,
+    ) -> None:
+        """Block until an element of ``estimate`` bytes (default: the largest seen) fits.
+
+        A stage that holds nothing never waits: it may always hold one element,
+        which is what keeps every pipeline moving. ``starving``: the stage's own
+        buffer is empty and its consumer waits on it, while what the account holds
+        are elements handed on downstream (a booking travels with its element): the
+        stage may then take one element too, as an overdraft, since the stages
+        holding those bookings may be waiting on the very consumer it feeds. Callers
+        wake waiters (:meth:`wake`) when that becomes true.
+        """
+        nbytes = self.max_element if estimate is None else estimate
+        if estimate is not None:
+            self._check_fits(nbytes)
+        with self._changed:
+            while self.held and (
+                self.held + nbytes > self.limit or self.budget.over_shared_cap(nbytes)
+            ):
+                if starving is not None and starving():
+                    break
+                if self.budget._closed or (cancelled is not None and cancelled()):
+                    raise BudgetClosed
+                self.budget.waiting[0] += 1
+                try:
+                    self._changed.wait()
+                finally:
+                    self.budget.waiting[0] -= 1
+            if self.budget._closed or (cancelled is not None and cancelled()):
+                raise BudgetClosed
+
+    def wake(self) -> None:
+        """Wake producers waiting for room (so they can notice a stop request)."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def charge(self, nbytes: int, *, elements: int = 1) -> Reservation:
+        """Book ``nbytes`` for ``elements`` elements (one, by default) now held by this stage."""
+        if nbytes > self.limit:
+            self._check_fits(nbytes)
+        with self.lock:
+            self._book(nbytes, elements)
+        return Reservation(self, nbytes)
+
+    def _book(self, nbytes: int, elements: int = 1, *, overdraft: int = 0) -> None:
+        """Add the bytes of ``elements`` elements (call holding the lock).
+
+        ``overdraft``: the part of them booked past the share knowingly (see
+        :meth:`book_existing`). Any other booking that takes what the stage
+        holds past its share is a *breach* of the contract, counted (tests
+        assert there are none).
+        """
+        held = self.held
+        within = held - self.overdrawn
+        if overdraft:
+            self.overdrawn += overdraft
+            self.overdrawn_peak = max(self.overdrawn_peak, self.overdrawn)
+        limit = self.limit
+        if within + nbytes - overdraft > (limit if limit > within else within):
+            self.breaches += 1
+        held = self.held = held + nbytes
+        if held > self.peak:
+            self.peak = held
+        self.elements += elements
+        # elements=0: bytes booked ahead for work in flight, or its growth (not an element)
+        per_element = nbytes if elements <= 1 else nbytes // elements
+        if elements and per_element > self.max_element:
+            self.max_element = per_element
+        self.budget._add(nbytes)
+
+    def _unbook(self, nbytes: int) -> None:
+        """Remove bytes and wake waiting producers (call holding the lock)."""
+        self.held -= nbytes
+        self.budget._add(-nbytes)
+        if self.budget.waiting[0]:
+            self._changed.notify_all()
+
+    def charge_chunk(self, sizes: list[int]) -> list[Reservation]:
+        """Book several elements as one chunk: one lock now, one lock when all are gone.
+
+        Each element gets a :class:`ChunkPart`; releasing a part takes no lock
+        (an atomic ``list.pop``); the chunk's bytes return to the stage when its
+        last part is released. Until then the early parts' bytes stay booked —
+        an over-count of at most one chunk, which keeps the cap, and it takes the
+        per-element lock off the consumer's path.
+        """
+        chunk = _Chunk(self, self._book_sizes(sizes), len(sizes))
+        return [ChunkPart(chunk, nbytes) for nbytes in sizes]
+
+    def _book_sizes(self, sizes: list[int]) -> int:
+        """Book elements of these sizes under one lock; returns their total."""
+        for nbytes in sizes:
+            self._check_fits(nbytes)
+        total = sum(sizes)
+        with self.lock:
+            self._book(total, len(sizes))
+            self.max_element = max(self.max_element, *sizes, 0)
+        return total
+
+    def hold(self, nbytes: int, *, what: str, elements: int = 1) -> Reservation:
+        """Book bytes a stage must hold *together* (its minimum working set).
+
+        Unlike :meth:`charge`, the bytes already held count: they and ``nbytes``
+        become the stage's declared minimum (see :meth:`require`), so the
+        budget splits itself again if it must, or raises
+        :class:`MemoryBudgetError` naming the stage and what it was assembling.
+        """
+        with self.lock:  # checked and booked as one step (see allot)
+            self._check_fits(self.held + nbytes, what)
+            self._book(nbytes, elements)
+        return Reservation(self, nbytes)
+
+    def _fit_together(self, nbytes: int, what: str) -> None:
+        """Make the share hold what the stage holds plus ``nbytes`` at once (call holding
+        the lock): its minimum grows to that, or :class:`MemoryBudgetError`."""
+        needed = self.held + nbytes
+        if needed > self.limit:
+            self.require(needed, what=what)
+
+    def book_existing(self, sizes: list[int], *, count: bool = True) -> list[Reservation]:
+        """Book elements that already exist (outputs of calls that were in flight).
+
+        Their memory is there whether or not it fits, so it is booked as it is:
+        what fits the share normally, the rest as an *overdraft* (counted in
+        ``overdrawn`` and in the stats) which stops the stage from starting new
+        work until it has drained. Bounded by the calls that were in flight when
+        outputs grew past their estimate.
+        """
+        for nbytes in sizes:
+            self._check_fits(nbytes)  # one alone past the share: split again, or refuse
+        elements = 1 if count else 0  # count=False: bytes booked ahead for work in flight
+        with self.lock:
+            return [self._book_existing(nbytes, elements) for nbytes in sizes]
+
+    def book_existing_total(self, sizes: list[int], *, count: bool = True) -> Reservation:
+        """:meth:`book_existing` for elements released together: one booking for all.
+
+        ``count=False``: bytes booked ahead for work in flight (a parallel map's
+        inputs, at their expected output size), not elements of this stage's own.
+        """
+        for nbytes in sizes:
+            self._check_fits(nbytes)
+        total = sum(sizes)
+        with self.lock:
+            excess = max(0, min(total, self.held + total - self.limit))
+            self._book(total, (len(sizes) or 1) if count else 0, overdraft=excess)
+        return Overdraft(self, total, excess) if excess else Reservation(self, total)
+
+    def overdraw(self, nbytes: int) -> Reservation:
+        """Book more bytes for work already in flight (several elements' growth, each of
+        which passed :meth:`book_existing`'s check): past the share as an overdraft."""
+        with self.lock:
+            return self._book_existing(nbytes, 0)  # growth of elements already counted
+
+    def _book_existing(self, nbytes: int, elements: int = 1) -> Reservation:
+        """Book ``nbytes``; what passes the share is an overdraft (call holding the lock)."""
+        excess = max(0, min(nbytes, self.held + nbytes - self.limit))
+        self._book(nbytes, elements, overdraft=excess)
+        return Overdraft(self, nbytes, excess) if excess else Reservation(self, nbytes)
+
+    def release(self, nbytes: int) -> None:
+        """Return ``nbytes`` to the stage's share and wake a waiting producer."""
+        if not nbytes:
+            return
+        with self.lock:
+            self._unbook(nbytes)
+
+    def stats(self) -> AccountStats:
+        """A consistent snapshot, for the profiler."""
+        with self.lock:
+            return AccountStats(
+                self.name,
+                self.limit,
+                self.held,
+                self.peak,
+                self.elements,
+                self.max_element,
+                self.overdrawn_peak,
+            )
+
+
+class Reservation:
+    """Bytes booked for one element on one stage's account; moves with the element."""
+
+    __slots__ = ("account", "nbytes")
+
+    def __init__(self, account: StageAccount | None, nbytes: int) -> None:
+        self.account = account
+        self.nbytes = nbytes
+
+    def absorb(self, other: Reservation) -> Reservation:
+        """Take over ``other``'s bytes, booked on the same account: one booking for both
+        (a batch holding the objects of its elements), nothing re-booked. Returns the
+        booking that now holds them (``self``, or a new one if ``self`` held nothing)."""
+        if not other.nbytes:
+            return self
+        if self.account is None:  # nothing booked yet (never mutate NO_RESERVATION)
+            moved = Reservation(other.account, other.nbytes)
+            other.nbytes = 0
+            return moved
+        assert other.account is self.account, "absorb: bookings on different accounts"
+        self.nbytes += other.nbytes
+        other.nbytes = 0
+        return self
+
+    def release(self) -> None:
+        """Give the bytes back (the element left headrace's buffers)."""
+        if self.account is not None and self.nbytes:
+            self.account.release(self.nbytes)
+        self.nbytes = 0
+
+    def move_to(
+        self, account: StageAccount, nbytes: int, *, together: str | None = None
+    ) -> Reservation:
+        """Book ``nbytes`` on ``account`` and release this booking, as one step.
+
+        Stages of one pipeline share one lock, so the move is atomic: the
+        element is never counted twice or not at all. ``together``: the stage
+        must hold the element together with what it holds already (the rows of a
+        batch being assembled), which is then its minimum working set, checked
+        and booked under the lock as :meth:`StageAccount.hold` does; the text
+        says what is assembled, for the error when it cannot fit.
+        """
+        source = self.account
+        try:
+            if source is None or source.lock is not account.lock:
+                moved = (
+                    account.charge(nbytes) if together is None
+                    else account.hold(nbytes, what=together)
+                )
+                self.release()
+                return moved
+            if nbytes > account.limit:
+                account._check_fits(nbytes)
+            with account.lock:
+                # Unbooked before it is booked again: a move within one account (the rows a
+                # padded batch keeps) never counts the element twice, not even inside the
+                # lock, where the breach count and the peaks saw it (budget sweep seed 100462).
+                old, self.nbytes = self.nbytes, 0
+                if old:
+                    source._unbook(old)
+                if together is not None:
+                    account._fit_together(nbytes, together)
+                account._book(nbytes, 0 if source is account else 1)
+        except MemoryBudgetError:  # refused: the element goes nowhere, its bytes come back
+            self.release()
+            raise
+        return Reservation(account, nbytes)
+
+
+class Overdraft(Reservation):
+    """A booking part of which lies beyond the stage's share (see ``book_existing``)."""
+
+    __slots__ = ("excess",)
+
+    def __init__(self, account: StageAccount, nbytes: int, excess: int) -> None:
+        super().__init__(account, nbytes)
+        self.excess = excess
+
+    def _settle(self) -> None:
+        """The bytes leave the share's overdraft (they are released or moved on)."""
+        account, excess = self.account, self.excess
+        self.excess = 0
+        if account is not None and excess:
+            with account.lock:
+                account.overdrawn -= excess
+
+    def release(self) -> None:
+        if self.account is None:
+            super().release()
+            return
+        # One step: a reader of the budget's use and the overdraft never sees the
+        # overdraft gone while its bytes are still in use.
+        with self.account.lock:
+            super().release()
+            self._settle()
+
+    def move_to(
+        self, account: StageAccount, nbytes: int, *, together: str | None = None
+    ) -> Reservation:
+        self._settle()
+        return super().move_to(account, nbytes, together=together)
+
+
+class _Chunk:
+    """Bytes booked for a chunk of elements; returned when the last element is released."""
+
+    __slots__ = ("account", "nbytes", "tokens")
+
+    def __init__(self, account: StageAccount, nbytes: int, count: int) -> None:
+        self.account, self.nbytes = account, nbytes
+        # One token per element; list.pop() is atomic, and whoever pops token 0 (the
+        # last one left) releases the chunk: exactly once, whatever the threads.
+        self.tokens = list(range(count))
+
+    def release_one(self) -> None:
+        if self.tokens.pop() == 0:
+            self.account.release(self.nbytes)
+
+
+class ChunkPart(Reservation):
+    """One element's part of a chunk booking (see :meth:`StageAccount.charge_chunk`)."""
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk: _Chunk, nbytes: int) -> None:
+        super().__init__(chunk.account, nbytes)
+        self.chunk: _Chunk | None = chunk
+
+    def release(self) -> None:
+        chunk, self.chunk = self.chunk, None
+        if chunk is not None:
+            chunk.release_one()
+        self.nbytes = 0
+
+    def move_to(
+        self, account: StageAccount, nbytes: int, *, together: str | None = None
+    ) -> Reservation:
+        moved = (
+            account.charge(nbytes) if together is None else account.hold(nbytes, what=together)
+        )
+        self.release()
+        return moved
+
+
+NO_RESERVATION = Reservation(None, 0)
+
+
+def release_all(reservations: Any) -> None:
+    """Release every reservation in an iterable (used by close paths)."""
+    for reservation in reservations:
+        reservation.release()
+
+
+#: The name this class had before the buffer primitive (kept while stages move over).
+StageAccount = Buffer
