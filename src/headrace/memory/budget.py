@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from headrace.errors import MemoryBudgetError
-from headrace.memory.buffer import (  # noqa: F401  (re-exported while stages move over)
+from headrace.memory.buffer import (  # (the buffer's names re-exported while stages move over)
     _NOT_LENT,
     NO_RESERVATION,
     AccountStats,
@@ -59,7 +59,10 @@ from headrace.memory.buffer import (  # noqa: F401  (re-exported while stages mo
 )
 from headrace.memory.units import format_bytes
 
-__all__ = ["AccountStats", "KeptStats", "MemoryBudget", "Reservation", "StageAccount"]
+__all__ = [
+    "NO_RESERVATION", "AccountStats", "BudgetClosed", "Buffer", "ChunkPart", "KeptStats",
+    "MemoryBudget", "Overdraft", "Reservation", "StageAccount", "release_all",
+]
 
 @dataclass(frozen=True)
 class KeptStats:
