@@ -6,7 +6,7 @@ side never show up in another. The child measures itself:
 
 * :class:`MemorySampler` — a daemon thread that reads ``/proc/self/status``
   (and the same file of every descendant process) every ~5 ms and keeps the
-  peak of ``RssAnon + RssShmem`` (what DESIGN.md §2 G1 charges) and, separately,
+  peak of ``RssAnon + RssShmem`` (what docs/guarantees.md G1 charges) and, separately,
   of ``RssFile`` (memmap and page-cache pages: reported, not charged).
 * The kernel's own high-water mark as a cross-check: writing ``5`` to
   ``/proc/self/clear_refs`` resets ``VmHWM``, so ``VmHWM`` after the run minus

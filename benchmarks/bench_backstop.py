@@ -1,4 +1,4 @@
-"""Evaluate a *measured backstop* for the memory cap (DESIGN.md G1), from measurements.
+"""Evaluate a *measured backstop* for the memory cap (G1, docs/guarantees.md), from measurements.
 
 The proposal: pause the producers when the process's measured RssAnon + RssShmem
 growth since the iterator started passes budget + 10% + 64 MiB, and report the

@@ -7,7 +7,7 @@ other; the parent prints markdown tables and writes ``benchmarks/results/core.md
 and ``core.json`` (``core-quick.*`` with ``--quick``). See benchmarks/README.md
 for what each number means.
 
-Scenarios (DESIGN.md §1, §2 G1, §5):
+Scenarios (import cost, the budget G1, throughput vs tf.data):
 
 1. ``from_tensor_slices`` of a 500 MB float64 array -> ``batch(1000)``, one pass,
    consumer ``batch.sum()``: rows/s and memory growth over the array itself.
@@ -70,7 +70,7 @@ PIPELINES = {
 
 
 def g1_bound(budget: int) -> int:
-    """DESIGN.md §2 G1, measured level: B + 10% + 64 MiB."""
+    """G1 (docs/guarantees.md), measured level: B + 10% + 64 MiB."""
     return budget + budget // 10 + 64 * MIB
 
 

@@ -8,7 +8,7 @@ The parent prints markdown tables with PASS/FAIL per target and writes
 ``benchmarks/results/tfrecord.md`` and ``tfrecord.json`` (``tfrecord-quick.*`` with
 ``--quick``). See benchmarks/README.md for what each number means.
 
-Scenarios (DESIGN.md §5):
+Scenarios (throughput and memory against tf.data):
 
 1. Small records: 200,000 Examples of ~200 bytes (``x``: 32 float32, ``y``: int64,
    ``id``: bytes) in 16 files; read + batch(1024) + parse. headrace

@@ -14,7 +14,7 @@ Each side runs in its own fresh subprocess (imports and peak RSS do not mix), af
 small warm-up write. The machines are shared and noisy, so the sides alternate: each of
 ``--repeats`` rounds runs every side once, in a fresh process, and the best round counts. Peak RSS is the process's ``ru_maxrss``
 (imports included); "growth" is anonymous+shared memory above the level after the data
-was loaded (DESIGN.md G1's measure, sampled every 5 ms).
+was loaded (G1's measure in docs/guarantees.md, sampled every 5 ms).
 
     python benchmarks/bench_tfrecord_write.py [--records N] [--repeats R]
 """

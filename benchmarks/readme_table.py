@@ -1,11 +1,11 @@
-"""Write the README's performance table from the benchmark results (never by hand).
+"""Write the docs' performance table from the benchmark results (never by hand).
 
 Usage: ``python benchmarks/readme_table.py`` after ``bench_core.py`` (and
 ``bench_tfrecord.py``, if run). Reads ``benchmarks/results/core.json`` and
 ``benchmarks/results/tfrecord.json``, and replaces the text between the
 ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->`` markers in
-README.md with a table of ratios against tf.data and the machine they ran on.
-``--check`` exits 1 if the README's table is not what the results say.
+docs/performance.md with a table of ratios against tf.data and the machine they ran on.
+``--check`` exits 1 if the page's table is not what the results say.
 """
 
 from __future__ import annotations
@@ -193,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only compare, do not write")
     args = parser.parse_args(argv)
-    readme = ROOT / "README.md"
+    readme = ROOT / "docs" / "performance.md"
     text = readme.read_text()
     if START not in text or END not in text:
-        raise SystemExit(f"README.md has no {START} ... {END} markers")
+        raise SystemExit(f"{readme} has no {START} ... {END} markers")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     updated = f"{head}{START}\n{build_table()}\n{END}{tail}"

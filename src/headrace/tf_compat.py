@@ -126,8 +126,8 @@ def _missing(where: str, name: str) -> NotSupportedError:
         hint = "see headrace.Dataset for the transformations headrace has"
     return NotSupportedError(
         f"{where}.{name} is not provided by headrace.tf_compat"
-        + (f": {hint}" if hint else "; write it with NumPy, or see the README's migration "
-           "guide for the headrace form")
+        + (f": {hint}" if hint else "; write it with NumPy, or see the migration "
+           "guide (docs/migration.md) for the headrace form")
     )
 
 

@@ -13,7 +13,7 @@ the default keeps sharding above it), and build an :class:`Iterator` whose ``pul
 returns ``(element, reservation)``. A stage that buffers elements declares
 ``budget_weight`` on its node class, asks ``ctx.account(node)`` for its share
 and books each element on it before holding it. ``Dataset.apply`` plugs a
-function returning such a dataset into a chain; the README shows one end to end.
+function returning such a dataset into a chain; docs/guide/custom-stages.md shows one end to end.
 
 Nothing here imports a transformation, a source or the ``Dataset`` facade:
 the layers above depend on this one, never the reverse.

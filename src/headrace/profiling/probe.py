@@ -1,6 +1,6 @@
 """Per-stage counters for a profiled run, installed from outside the transforms.
 
-Instrumentation stays outside the transforms (DESIGN §3): for the length of a
+Instrumentation stays outside the transforms (docs/design.md): for the length of a
 profile, every node of the recipe gets an instance-level ``make_iterator``
 that builds the stage's iterator as usual and then replaces that iterator's
 ``pull`` with a counting, timing one. Stats are kept per *recipe node*, so a
