@@ -98,12 +98,13 @@ class NestedParts:
 
         A part widens only while ``count`` such parts fit the pipeline's whole
         budget, so one element past this is refused wherever it is made. A
-        worker process checks it before it sends an element on.
+        worker process checks it before it sends an element on. (The largest
+        total of the budgets above: never below what a re-split could give.)
         """
         budget: MemoryBudget | Buffer | None = self.buffer.budget
         total = 0
-        while budget is not None:  # a nested budget: the outermost one caps it
-            total = budget.total
+        while budget is not None:  # (no budget it draws from can give it more)
+            total = max(total, budget.total)
             budget = budget.parent
         return total // self.count
 
