@@ -281,6 +281,53 @@ def newer_spec(seed: int, *, augment: bool = True) -> dict[str, Any]:
     return spec
 
 
+#: How a ``slot_spec``'s interleave runs: (num_parallel_calls (-1: AUTOTUNE),
+#: deterministic, workers).
+SLOT_MODES: dict[str, tuple[int | None, bool | None, str]] = {
+    "sequential": (None, None, "threads"),
+    "threads": (2, True, "threads"),
+    "first_ready": (2, False, "threads"),
+    "autotune": (-1, True, "threads"),
+    "processes": (2, True, "processes"),
+}
+
+
+def slot_spec(seed: int, *, processes: bool = False) -> dict[str, Any]:
+    """``random_spec(seed)`` whose source is an interleave of inner pipelines of an
+    adversarial size sequence (issue 23): in every shard thousands of tiny elements,
+    then ~1000x larger ones (``regime``), or giants and dwarfs in turn
+    (``giant_dwarf``). The interleave's run mode, cycle and block are drawn too, all
+    from an RNG of their own, so ``random_spec(seed)`` itself stays what it was.
+    ``first_ready`` runs are out of order: compare them as multisets, not in order."""
+    spec = random_spec(seed, processes=processes)
+    rng = random.Random(seed ^ 0x5107_0023)
+    budget = spec["budget_mib"] * MiB
+    modes = [mode for mode in SLOT_MODES if processes or mode != "processes"]
+    spec["source"] = "slots"
+    spec["slots"] = [rng.choice((1, 2, 3, 4)), rng.choice((1, 2, 3)), rng.choice(modes)]
+    spec["shards"] = rng.randint(2, 6)
+    spec["slot_sizes"] = rng.choice(("regime", "giant_dwarf"))
+    if spec["payload"] in ("dict", "jpeg"):  # (the shards make plain arrays)
+        spec["payload"] = "array"
+    if spec["slot_sizes"] == "regime":
+        spec["count"] = rng.randint(1500, 4000)
+        per = spec["count"] // spec["shards"]
+        spec["regime_at"] = rng.randint(per // 2, max(per - 20, per // 2))
+        spec["small"] = rng.choice((64, 128, 256))
+        spec["large"] = min(spec["small"] * 1000, budget // 24)
+    else:
+        spec["count"] = rng.randint(40, 300)
+        spec["small"], spec["large"] = 64, budget // rng.choice((24, 48, 96))
+    return spec
+
+
+def _slot_size(spec: dict[str, Any], index: int) -> int:
+    """The size of element ``index`` of a ``slot_spec`` shard."""
+    if spec["slot_sizes"] == "regime":
+        return int(spec["small"] if index < spec["regime_at"] else spec["large"])
+    return int(spec["large"] if index % 2 else spec["small"])
+
+
 def error_spec(seed: int) -> dict[str, Any]:
     """One pipeline whose errors a read-ahead stage holds before handing them out: the
     family of ``newer_spec(2147483646)``'s growth.
@@ -497,6 +544,27 @@ class Shard:
         return hr.Dataset.from_generator(generate, output_signature=_element_spec(spec))
 
 
+class SlotShard:
+    """The inner pipeline of shard ``i`` of a ``slot_spec``: its size sequence, each
+    element made as it is yielded (the generator keeps no reference to it)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+
+    def __call__(self, i: Any) -> Any:
+        import numpy as np
+
+        import headrace as hr
+
+        spec, shard = self.spec, int(i)
+
+        def generate() -> Any:
+            for index in range(spec["count"] // spec["shards"]):
+                yield np.full(_slot_size(spec, index), (shard * 31 + index) % 251, np.uint8)
+
+        return hr.Dataset.from_generator(generate, output_signature=_element_spec(spec))
+
+
 class Copies:
     """The inner pipeline of an ``xinterleave`` op: the element, ``copies`` times."""
 
@@ -676,6 +744,14 @@ def build(spec: dict[str, Any], custom: dict[str, Any] | None = None) -> Any:
         ds = hr.Dataset.range(shards).interleave(
             Shard(spec, max(count // shards, 1)), cycle_length=cycle, block_length=block,
             num_parallel_calls=workers, workers="processes",
+        )
+    elif spec["source"] == "slots":
+        cycle, block, mode = spec["slots"]
+        parallel, deterministic, workers = SLOT_MODES[mode]
+        ds = hr.Dataset.range(spec["shards"]).interleave(
+            SlotShard(spec), cycle_length=cycle, block_length=block,
+            num_parallel_calls=hr.AUTOTUNE if parallel == -1 else parallel and min(parallel, cycle),
+            deterministic=deterministic, workers=workers,
         )
     else:
         ds = hr.Dataset.from_generator(generate, output_signature=element_spec)

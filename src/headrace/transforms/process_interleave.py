@@ -28,8 +28,7 @@ slot was restored) rebuilds the inner pipeline from the state it carries — a
 follow request carries none, so it answers *lost*, and the consumer asks again
 with the state it has by then: correct either way, only slower. When a
 slot's last chunk is in, the interleave opens the next input's slot ahead of
-its turn on the same worker (see ``_ProcessInterleaveIterator`` in
-:mod:`headrace.transforms.interleave`).
+its turn on the same worker (see :class:`ProcessInterleaveIterator`).
 
 Data. A chunk's elements come back through the worker's pooled shared-memory
 segments (see :mod:`headrace.workers.shm`): arrays as views of the segment,
@@ -53,7 +52,13 @@ largest size from the request on, the chunk being handed out at its elements'
 sizes plus the part of its segment that no element views (alignment, the
 bytes columns' buffers, the unused end of a reused segment), shared equally.
 Result segments the consumer is done with wait for reuse booked on the
-stage's account (or are dropped when it has no room). The workers' own memory
+stage's account (or are dropped when it has no room). A chunk is bounded by
+bytes as well as elements: the worker stops it once its elements pass what the
+consumer booked for it, so each chunk in flight holds at most one element beyond
+its booking. An element that no slot could ever hold (past the pipeline's whole
+budget divided among the slots) is dropped in the worker before it is copied
+out, and its slot raises :class:`~headrace.errors.MemoryBudgetError` in its
+place. The workers' own memory
 is reported by ``stats().workers`` and counted by the measured bound (see
 :mod:`headrace.workers.memory`).
 """
@@ -66,21 +71,29 @@ import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from headrace.core.handoff import drop_frames
+from headrace.core.handoff import drop_frames, unpin
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node
 from headrace.core.state import StateReader
-from headrace.errors import add_note
-from headrace.memory.budget import MemoryBudget, Reservation, StageAccount
-from headrace.options import Options
+from headrace.errors import MemoryBudgetError, add_note, note_element_error
+from headrace.memory.budget import MemoryBudget
+from headrace.memory.buffer import Buffer, Reservation
+from headrace.memory.units import format_bytes
+from headrace.options import AUTOTUNE, Options
+from headrace.transforms._interleave_cycle import CycleIterator, Slot
 from headrace.workers.processes import ProcessPool, _RemoteTraceback
+
+if TYPE_CHECKING:
+    from headrace.transforms.interleave import InterleaveNode
 
 __all__ = [
     "CHUNK_BYTES",
     "CHUNK_ELEMENTS",
     "READ_AHEAD",
+    "ElementTooLarge",
+    "ProcessInterleaveIterator",
     "RemoteSlotIterator",
     "SlotReader",
     "kept_iterators",
@@ -100,6 +113,17 @@ READ_AHEAD = 2
 _KEPT_ITERATORS = 8
 
 
+class ElementTooLarge(Exception):
+    """An element no slot can ever hold, left in the worker (see :class:`SlotReader`).
+
+    The consumer turns it into the :class:`MemoryBudgetError` its slot would raise.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.nbytes = nbytes
+
+
 class SlotReader:
     """The worker's handler: a request for a slot's next chunk -> the chunk.
 
@@ -110,10 +134,24 @@ class SlotReader:
     since). A ``follow`` request was sent before the previous chunk's answer: it
     carries no state, and when no iterator stands at its position the answer is
     ``lost`` (nothing read; the consumer asks again with the state).
+
+    A chunk stops once its elements pass ``max_bytes`` (the booking the consumer
+    made for it: its allowance), so it holds at most one element beyond it. An
+    element larger than ``ceiling`` can never enter a slot: it is dropped here,
+    before it is copied into shared memory, and the chunk ends with
+    :class:`ElementTooLarge` in its place.
     """
 
-    def __init__(self, node: Node, options: Options, share: int, keep: int = _KEPT_ITERATORS) -> None:
+    def __init__(
+        self,
+        node: Node,
+        options: Options,
+        share: int,
+        keep: int = _KEPT_ITERATORS,
+        ceiling: int | None = None,
+    ) -> None:
         self.node, self.options, self.share, self.keep = node, options, share, keep
+        self.ceiling = ceiling
         # token -> the slot's iterator, its budget, the position of the chunk it reads next
         self.kept: OrderedDict[int, tuple[Iterator, MemoryBudget, Any]] = OrderedDict()
 
@@ -123,10 +161,15 @@ class SlotReader:
         # generator before it was refused: budget fuzzer seeds 200003, 200008, ...).
         bare = copy.copy(self.node)
         bare.inputs = ()
-        return {"node": bare, "options": self.options, "share": self.share, "keep": self.keep}
+        return {
+            "node": bare, "options": self.options, "share": self.share, "keep": self.keep,
+            "ceiling": self.ceiling,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["node"], state["options"], state["share"], state["keep"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["node"], state["options"], state["share"], state["keep"], state["ceiling"]
+        )
 
     def _iterator(self, request: tuple[Any, ...]) -> Iterator | None:
         token, position, element, state, skip, _, _, iteration, epochs, follow = request
@@ -170,6 +213,7 @@ class SlotReader:
         max_elements, max_bytes = request[5], request[6]
         elements: list[Any] = []
         held, ended, error = 0, False, None
+        ceiling = self.ceiling
         while len(elements) < max_elements and (not elements or held < max_bytes):
             try:
                 element, reservation = iterator.pull()
@@ -181,8 +225,13 @@ class SlotReader:
                 error = (drop_frames(raised), text)  # slot's elements until the chunk is sent)
                 break
             reservation.release()  # it leaves this process's pipeline with the chunk
+            size = sizeof(element)
+            if ceiling is not None and size > ceiling:  # never copied out: refused in place
+                del element
+                error = (ElementTooLarge(size), "")
+                break
             elements.append(element)
-            held += sizeof(element)
+            held += size
         state = None if ended else iterator.get_state()
         if ended:
             self._close(self.kept.pop(token))
@@ -199,7 +248,13 @@ def kept_iterators(node: Node) -> int:
 
 
 def slot_pool(
-    node: Node, options: Options, share: int, count: int, stage: str, account: StageAccount
+    node: Node,
+    options: Options,
+    share: int,
+    count: int,
+    stage: str,
+    account: Buffer,
+    ceiling: int | None = None,
 ) -> ProcessPool:
     """The worker processes that read an interleave's slots.
 
@@ -207,11 +262,12 @@ def slot_pool(
     chunks (a fresh segment per chunk cost its pages' first touch on both sides,
     more than the copy into it), each booked on the stage's ``account`` while it
     waits; when the account has no room the segment is dropped instead.
+    ``ceiling``: elements past it are refused in the worker (see :class:`SlotReader`).
     """
-    reader = SlotReader(node, options, share, kept_iterators(node))
+    reader = SlotReader(node, options, share, kept_iterators(node), ceiling)
 
     def book_idle(nbytes: int) -> Reservation | None:
-        return account.charge(nbytes) if account.held + nbytes <= account.limit else None
+        return account.charge(nbytes) if account.room() >= nbytes else None
 
     # A slot's chunks in circulation: READ_AHEAD + 1 asked for, the one being handed out,
     # and the one whose last element the consumer still holds. Keeping fewer idle made a
@@ -236,7 +292,7 @@ class RemoteSlotIterator(Iterator):
         pool: ProcessPool,
         element: Any,
         ctx: Context,
-        account: StageAccount,
+        account: Buffer,
         share: int,
         stage: str,
         *,
@@ -336,12 +392,28 @@ class RemoteSlotIterator(Iterator):
             self.ready.append((element, reservation))
         if error is not None:
             raised, text = error
-            raised.__cause__ = _RemoteTraceback(text)
-            add_note(raised, "headrace: raised in an interleave slot in a worker process")
-            self.error = raised
+            if isinstance(raised, ElementTooLarge):
+                self.error = self._refusal(raised.nbytes)
+            else:
+                raised.__cause__ = _RemoteTraceback(text)
+                add_note(raised, "headrace: raised in an interleave slot in a worker process")
+                self.error = raised
         self._top_up()  # the worker reads the next chunks while this one is handed out
         if ended and self.on_ended is not None:
             self.on_ended(self.worker)
+
+    def _refusal(self, nbytes: int) -> MemoryBudgetError:
+        """The error this slot's buffer gives an element of ``nbytes`` (one that no
+        slot can hold: the worker refused it before copying it out)."""
+        try:
+            self.account.fits(nbytes)
+        except MemoryBudgetError as error:
+            error.__traceback__ = None
+            return error
+        return MemoryBudgetError(  # (the ceiling makes the buffer refuse it: not reached)
+            f"stage {self.stage!r}: an element of {format_bytes(nbytes)}, more than the "
+            "pipeline's memory budget can hold in each slot of the interleave"
+        )
 
     def start(self) -> None:
         """Ask for the first chunks now, as far as the budget has room (a slot opened
@@ -411,3 +483,160 @@ class RemoteSlotIterator(Iterator):
             self.pool.unassign(self.worker)
             self.worker = None
         super().close()
+
+
+class _Ahead:
+    """An input element's slot opened before its turn, or the error opening it raised
+    (raised in its turn, as the sequential interleave would)."""
+
+    __slots__ = ("before", "error", "index", "pulled", "slot")
+
+    def __init__(
+        self,
+        slot: Slot | None,
+        before: dict[str, Any],
+        index: int,
+        error: BaseException | None,
+        *,
+        pulled: bool = True,
+    ) -> None:
+        self.slot, self.before, self.index, self.error = slot, before, index, error
+        self.pulled = pulled  # False: the input itself raised (no element was taken)
+
+
+class ProcessInterleaveIterator(CycleIterator):
+    """workers="processes": the same order and state, slots in worker processes.
+
+    Always in order (``deterministic=False`` changes nothing here). A slot whose
+    last chunk has come in opens the next input element's slot *ahead* of its
+    turn, on the same worker. So the new slot's first chunks are read while the
+    ending slot hands out the rest of its own. Otherwise every file boundary
+    would stall the cycle for a chunk's read (tf.data's parallel interleave
+    prefetches input elements too). Slots opened ahead enter the cycle in input
+    order, exactly where the sequential interleave would open them. Until then
+    the state names the input from before them, so a checkpoint reopens them,
+    and an error opening one is raised in its turn.
+    """
+
+    def __init__(
+        self, node: InterleaveNode, inner: Iterator, ctx: Context, account: Buffer
+    ) -> None:
+        self.processes: ProcessPool | None = None  # started with the first slot
+        super().__init__(node, inner, ctx, account)
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.ahead: deque[_Ahead] = deque()
+        self.input_done = False  # the input ended while opening ahead (not yet in turn)
+        self.worker_hint: int | None = None
+
+    def _open_slot(self, element: Any, input_before: dict[str, Any], *, start: bool) -> Slot:
+        """A slot whose inner pipeline runs in a worker process."""
+        node = self.node
+        part = self.parts.open()
+        inner_ctx = self.ctx.with_budget(part.budget)
+        if self.processes is None:
+            parallel = node.num_parallel_calls
+            # AUTOTUNE: a worker per CPU, but no more than there are slots (each slot
+            # reads on one worker, so a worker past cycle_length would never get work)
+            from headrace.transforms.process_map import cpu_count
+
+            count = min(cpu_count(), node.cycle_length) if parallel == AUTOTUNE else int(parallel or 1)
+            self.processes = slot_pool(
+                node, self.ctx.options, part.size(), count, self._stage_name(), self.account,
+                ceiling=self.parts.ceiling(),
+            )
+        account = part.budget.account("interleave slot", weight=1)
+        part.budget.allot()
+        iterator = RemoteSlotIterator(
+            self.processes, element, inner_ctx, account, part.size(), "interleave slot",
+            prefer=self.worker_hint,
+        )
+        iterator.on_ended = self.open_ahead
+        return Slot(iterator, part, input_before, inner_ctx, account)
+
+    def open_ahead(self, worker: int | None = None) -> None:
+        """Open the next input element's slot now (a slot's last chunk is in)."""
+        if (
+            self.input_done or self.end_of_input
+            or len(self.ahead) >= self.node.cycle_length
+            or any(entry.error is not None for entry in self.ahead)
+        ):
+            return
+        before = self.input.get_state()
+        index = self.input_index + len(self.ahead)
+        try:
+            element = next(self.input)
+        except StopIteration:
+            self.input_done = True
+            return
+        except Exception as error:  # the input's own error: raised in its turn
+            self.ahead.append(_Ahead(None, before, index, unpin(error), pulled=False))
+            return
+        self.worker_hint = worker
+        try:
+            slot = self._open_slot(element, before, start=True)
+        except Exception as error:
+            error = unpin(note_element_error(error, self._stage_name(), index))
+            self.ahead.append(_Ahead(None, before, index, error))
+            return
+        finally:
+            self.worker_hint = None
+        slot.iterator.start()  # type: ignore[attr-defined]
+        self.ahead.append(_Ahead(slot, before, index, None))
+
+    def _pull_input(self, *, start: bool = True) -> Slot | None:
+        if self.ahead:
+            entry = self.ahead.popleft()
+            if entry.pulled:  # the input element was taken (its slot, or its open failed)
+                self.input_index += 1
+            if entry.error is not None:
+                raise entry.error
+            return entry.slot
+        if self.input_done:
+            self.end_of_input = True
+            return None
+        return super()._pull_input(start=start)
+
+    def get_state(self) -> dict[str, Any]:
+        state = super().get_state()
+        if self.ahead:  # not in the cycle yet: a restore reads the input from before them
+            state["input"] = self.ahead[0].before
+            state["input_index"] = self.ahead[0].index
+        return state
+
+    def _close_all(self) -> None:
+        try:
+            super()._close_all()
+        finally:
+            while self.ahead:
+                slot = self.ahead.popleft().slot
+                if slot is not None:
+                    slot.close()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.processes is not None:
+                self.processes.shutdown()
+
+    def worker_stats(self) -> Any:
+        """What the slots run on, and the worker processes' memory now."""
+        from headrace.workers.memory import WorkerStats
+
+        node = self.node
+        reason = "workers='processes'"
+        if node.num_parallel_calls == AUTOTUNE:
+            reason += f", AUTOTUNE: one per CPU, at most cycle_length ({node.cycle_length})"
+        if self.processes is None:
+            return WorkerStats(self.stage, "processes", 0, reason)
+        traffic = self.processes.traffic
+        with traffic.lock:  # chunks are the slots' requests; elements, the same count
+            return WorkerStats(
+                self.stage, "processes", self.processes.count, reason, self.processes.memory(),
+                chunks=traffic.chunks, elements=traffic.elements,
+                compute_seconds=traffic.compute_seconds,
+                transfer_seconds=traffic.transfer_seconds, sent_bytes=traffic.sent_bytes,
+                received_bytes=traffic.received_bytes, segments=traffic.segments,
+            )
