@@ -9,6 +9,7 @@ decoded is the same file decoded without a pixel limit.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -25,31 +26,26 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("PIL")
+import headrace.image as im
+from headrace.image import InvalidImageError
 
-import headrace.image as im  # noqa: E402
-from headrace.errors import MemoryBudgetError  # noqa: E402
-from headrace.image import InvalidImageError  # noqa: E402
+pytest.importorskip("PIL")
 
 SRC_DIR = Path(im.__file__).resolve().parents[2]  # the headrace this test imported
 MiB = 1 << 20
 
-GIF_WRITER = '''
-def gif(width, height, frames, seed=0):
+def gif(width: int, height: int, frames: int, seed: int = 0) -> bytes:
     """A GIF89a of a width x height canvas (a 2-colour global palette) and ``frames``
     frames of one pixel each, placed along the first row."""
     out = bytearray(b"GIF89a" + struct.pack("<HHBBB", width, height, 0x80, 0, 0))
-    out += b"\\x00\\x00\\x00\\xff\\xff\\xff"
+    out += b"\x00\x00\x00\xff\xff\xff"
     for index in range(frames):
         x = (index * 7 + seed) % width
         # LZW, minimum code size 2: clear (4), colour (index % 2), end (5), in 3-bit codes
         colour = index % 2
         first = 4 | colour << 3 | (5 & 3) << 6
-        out += b"\\x2c" + struct.pack("<HHHHB", x, 0, 1, 1, 0) + bytes([2, 2, first, 1, 0])
-    return bytes(out + b"\\x3b")
-'''
-exec(GIF_WRITER)  # defines gif() here, and in the children below
-gif: Callable[..., bytes]
+        out += b"\x2c" + struct.pack("<HHHHB", x, 0, 1, 1, 0) + bytes([2, 2, first, 1, 0])
+    return bytes(out + b"\x3b")
 
 
 def png_header_only(width: int, height: int, colour: int, bits: int) -> bytes:
@@ -172,7 +168,7 @@ OUT_OF_MEMORY_CHILD = """
 def test_running_out_of_memory_while_decoding_is_not_called_corrupt() -> None:
     """A decode that the process cannot allocate (here: an address-space limit) raises
     MemoryBudgetError saying so, and names the image's size."""
-    script = textwrap.dedent(OUT_OF_MEMORY_CHILD).format(gif_writer=GIF_WRITER)
+    script = textwrap.dedent(OUT_OF_MEMORY_CHILD).format(gif_writer=inspect.getsource(gif))
     completed = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": str(SRC_DIR)}, timeout=120, check=False)
