@@ -40,11 +40,11 @@ import numpy as np
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN
 from headrace.core.state import StateReader
-from headrace.errors import InvalidArgumentError, RecordTooLargeError
+from headrace.errors import InvalidArgumentError, MemoryBudgetError, RecordTooLargeError
 from headrace.io import csv as csvfmt
 from headrace.io.csv import CsvColumn, CsvError, CsvFormat
 from headrace.io.filepool import FilePool, PooledStream, get_default_pool
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
 from headrace.memory.units import format_bytes
 from headrace.sources.files import FileRecordsNode, _BudgetCharge, file_limiter
@@ -140,7 +140,7 @@ class CsvNode(FileRecordsNode):
         return _CsvRecords(_CsvCursor(self, ctx, account))
 
     def batched_iterator(
-        self, ctx: Context, batch_size: int, drop_remainder: bool, account: StageAccount
+        self, ctx: Context, batch_size: int, drop_remainder: bool, account: Buffer
     ) -> Iterator:
         block_account = ctx.account(self, f"{self.stage} (parsed block)")
         return _CsvBatches(_CsvCursor(self, ctx, block_account), batch_size, drop_remainder,
@@ -217,7 +217,7 @@ class _BlockReader:
     """
 
     def __init__(self, stream: PooledStream, spec: CsvSpec, path: str, offset: int,
-                 record: int, line: int, account: StageAccount) -> None:
+                 record: int, line: int, account: Buffer) -> None:
         self.stream, self.spec, self.path = stream, spec, path
         self.offset, self.record, self.line = offset, record, line
         self.account = account
@@ -226,6 +226,7 @@ class _BlockReader:
         self._eof = False
         self._scratch = bytearray()
         self._scratch_booking: Reservation = NO_RESERVATION
+        self._booked = 0  # the window of text booked (see _book_text)
         self._seekable = not stream.compression_type
         if not self._seekable:
             stream.seek(offset)
@@ -239,7 +240,7 @@ class _BlockReader:
     def close(self) -> None:
         self._buffer = self._scratch = bytearray()
         self._scratch_booking.release()
-        self._scratch_booking = NO_RESERVATION
+        self._scratch_booking, self._booked = NO_RESERVATION, 0
 
     def _fill(self, at_least: int) -> None:
         """Read until ``at_least`` bytes are unparsed or the stream ends."""
@@ -249,15 +250,14 @@ class _BlockReader:
         size = max(at_least, self.spec.block_bytes)
         if self._seekable:
             if len(self._scratch) < size:
-                self._scratch_booking.release()
                 self._scratch = bytearray()
-                self._scratch_booking = self.account.hold(
-                    size + ARRAY_HEADER_BYTES, what=self.where(size))
+                self._book_text(size)
                 self._scratch = bytearray(size)
             count = self.stream.pread_into(self.offset, memoryview(self._scratch)[:size])
             self._buffer, self._start, self._stop = self._scratch, 0, count
             self._eof = count < size
             return
+        self._book_text(size)  # (the window read, whatever the stream gives at once)
         pieces = [self._buffer[self._start:self._stop]] if have else []
         read = have
         while read < at_least and not self._eof:
@@ -269,6 +269,55 @@ class _BlockReader:
             read += len(chunk)
         self._buffer = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         self._start, self._stop = 0, len(self._buffer)
+
+    def _book_text(self, size: int) -> None:
+        """Book a window of ``size`` bytes of text before it is read (G1).
+
+        A record that does not fit the share is refused here, once the window that
+        would hold it cannot be booked: it is never read whole."""
+        if size <= self._booked:
+            return
+        self._scratch_booking.release()
+        self._scratch_booking, self._booked = NO_RESERVATION, 0
+        try:
+            self._scratch_booking = self.account.admit(size + ARRAY_HEADER_BYTES,
+                                                       together=self.where(size))
+        except MemoryBudgetError as error:
+            if size <= self.spec.block_bytes:
+                raise
+            raise self._refused(error) from None
+        self._booked = size
+
+    def _refused(self, error: MemoryBudgetError) -> MemoryBudgetError:
+        """``error`` naming the record that could not fit: its file, record, line, the
+        column it was in when reading stopped, and its byte offset."""
+        partial = bytes(memoryview(self._buffer)[self._start:self._stop])
+        scanned = csvfmt.scan_records(partial, self.spec.fmt, final=True, max_records=1)
+        index = None
+        if scanned.errors and scanned.errors[0] is not None:
+            index = scanned.errors[0][0]
+        elif scanned.fields:
+            index = len(scanned.fields[0]) - 1
+        column = ""
+        if index is not None:
+            name = self._column_name(index)
+            column = f", column {index}" + (f" ({name!r})" if name else "")
+        return MemoryBudgetError(
+            f"CSV record {self.record} (line {self.line}{column}) at offset {self.offset} in "
+            f"file {self.path} has more than {len(partial)} bytes: it cannot fit the memory "
+            f"budget, so it was not read further. {error}")
+
+    def _column_name(self, field: int) -> str | None:
+        """The output name of the file's field ``field``, where it has one."""
+        spec = self.spec
+        if spec.names is None:
+            return None
+        if spec.select_cols:
+            kept = list(spec.select_cols)
+        else:
+            kept = [i for i in range(len(spec.columns) + len(spec.exclude_cols))
+                    if i not in spec.exclude_cols]
+        return spec.names[kept.index(field)] if field in kept else None
 
     def where(self, size: int) -> str:
         """What a booking of ``size`` bytes of this file's text is for, with where the
@@ -410,7 +459,7 @@ class _BlockReader:
 class _CsvCursor:
     """Where a CSV source is: file, block and position in it; shared by both iterators."""
 
-    def __init__(self, node: CsvNode, ctx: Context, account: StageAccount) -> None:
+    def __init__(self, node: CsvNode, ctx: Context, account: Buffer) -> None:
         self.node, self.ctx, self.account = node, ctx, account
         self.spec = node.spec
         self.pool: FilePool = get_default_pool()
@@ -451,8 +500,8 @@ class _CsvCursor:
                 self._next_file()
                 continue
             try:
-                block.booking = self.account.hold(
-                    sizeof(block.columns), what=f"the parsed CSV block of "
+                block.booking = self.account.admit(
+                    sizeof(block.columns), together=f"the parsed CSV block of "
                     f"{self.node.filenames[self.file_index]} from line {block.line} (byte "
                     f"offset {block.offset})")
             except BaseException:
@@ -587,7 +636,7 @@ class _CsvBatches(Iterator):
     stage = "batch"
 
     def __init__(self, cursor: _CsvCursor, batch_size: int, drop_remainder: bool,
-                 account: StageAccount) -> None:
+                 account: Buffer) -> None:
         super().__init__()
         self.cursor, self.batch_size, self.drop_remainder = cursor, batch_size, drop_remainder
         self.account = account
@@ -606,7 +655,7 @@ class _CsvBatches(Iterator):
             first = block.taken
             last = first + self.batch_size
             if last <= block.good:  # the common case, without the general loop below
-                booking = self.account.hold(self._whole_cost, what=self._whole_what)
+                booking = self.account.admit(self._whole_cost, together=self._whole_what)
                 try:
                     batch = [column[first:last].copy() for column in block.columns]
                 except BaseException:
@@ -635,8 +684,8 @@ class _CsvBatches(Iterator):
             rows += count
         if not rows or (self.drop_remainder and rows < self.batch_size):
             raise StopIteration
-        booking = self.account.hold(self._cost(pieces, rows),
-                                    what=f"one batch of {rows} CSV records")
+        booking = self.account.admit(self._cost(pieces, rows),
+                                     together=f"one batch of {rows} CSV records")
         try:
             batch = [np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
                      for parts in zip(*pieces, strict=True)]

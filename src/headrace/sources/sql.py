@@ -77,7 +77,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, first_element
 from headrace.core.state import StateReader
 from headrace.errors import HeadraceError, InvalidArgumentError
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import sizeof
 from headrace.structure import TensorSpec
 
@@ -603,7 +603,7 @@ class SqlNode(Node):
 class _SqlIterator(Iterator):
     stage = "from_sql"
 
-    def __init__(self, node: SqlNode, ctx: Context, account: StageAccount) -> None:
+    def __init__(self, node: SqlNode, ctx: Context, account: Buffer) -> None:
         super().__init__()
         self.node, self.ctx, self.account = node, ctx, account
         self.live: Any = None
@@ -873,7 +873,7 @@ class _SqlIterator(Iterator):
                 self.read_key = keys[-1]
         leftover = getattr(self, "_arrow_leftover", None)
         held = sizeof(page) + (leftover.get_total_buffer_size() if leftover is not None else 0)
-        self.booking = self.account.hold(held, what=f"one page of {rows} rows")
+        self.booking = self.account.admit(held, together=f"one page of {rows} rows")
         self.page, self.page_rows, self.page_taken = page, rows, 0
         return page
 
@@ -895,7 +895,7 @@ class _SqlIterator(Iterator):
     def _stream_batch_bytes(self) -> int:
         """The size of ADBC's batches: a part of this stage's share of the budget (a batch
         in the driver's hands, and the rest of one kept for the next page, count too)."""
-        share = self.account.limit
+        share = self.account.share()
         if share <= 0:
             return _STREAM_BATCH_BYTES
         return max(64 << 10, min(_STREAM_BATCH_BYTES, share // 8))
@@ -973,7 +973,7 @@ class _SqlIterator(Iterator):
         if self.node.key is not None:
             value = batch[self.node.key][-1]
             self.last_key = value.item() if isinstance(value, np.generic) else value
-        return batch, self.account.charge(sizeof(batch))
+        return batch, self.account.admit(sizeof(batch))
 
     def _release_page(self) -> None:
         self.booking.release()
