@@ -225,3 +225,66 @@ def test_a_long_line_that_fits_is_still_read(tmp_path: Path) -> None:
     path.write_bytes(b"a\n" + line + b"\nb\n")
     ds = hr.TextLineDataset(str(path)).with_options(hr.Options(memory_budget=16 * MiB))
     assert list(ds) == [b"a", line, b"b"]
+
+
+# ------------------------------------------------------------------------------ SQL rows
+
+
+def _sqlite_table(path: Path, sizes: list[int]) -> None:
+    import sqlite3
+
+    connection = sqlite3.connect(path)
+    connection.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, payload BLOB)")
+    connection.executemany("INSERT INTO t VALUES (?, ?)",
+                           [(i, bytes([i % 251]) * n) for i, n in enumerate(sizes)])
+    connection.commit()
+    connection.close()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_page_of_rows_is_refused_about_one_row_past_the_share(tmp_path: Path,
+                                                                   seed: int) -> None:
+    """One huge BLOB among small rows (named by its row and column), or many large rows
+    in one page (refused once the page passes the share, not after all its rows)."""
+    rng = random.Random(3000 + seed)
+    path = tmp_path / "t.db"
+    many = seed % 2 == 1
+    if many:
+        sizes = [rng.randrange(200 << 10, 400 << 10) for _ in range(rng.randrange(40, 70))]
+        page_rows, bad = 65536, None
+    else:
+        sizes = [rng.randrange(0, 2000) for _ in range(rng.randrange(1, 400))]
+        bad = rng.randrange(len(sizes))
+        sizes[bad] = rng.randrange(3 * BUDGET, 6 * BUDGET)
+        page_rows = rng.choice([8, 50, 65536])
+    batch_size = rng.choice([1, 4, 8])
+    key = rng.choice([None, "id"])
+    _sqlite_table(path, sizes)
+
+    def dataset(budget: int) -> hr.Dataset:
+        return hr.Dataset.from_sql(
+            "SELECT id, payload FROM t", connection=f"sqlite:///{path}", key=key,
+            batch_size=batch_size, page_rows=page_rows,
+        ).with_options(hr.Options(memory_budget=budget))
+
+    def rows(batches: list[Any]) -> list[tuple[int, bytes]]:
+        return [(int(i), bytes(p)) for b in batches
+                for i, p in zip(b["id"], b["payload"], strict=True)]
+
+    oracle = rows(list(dataset(ORACLE_BUDGET)))
+    assert [len(p) for _, p in oracle] == sizes
+    (delivered, error), peak = measure(lambda: run_until_error(dataset(BUDGET)))
+
+    assert isinstance(error, MemoryBudgetError), (seed, sizes[:5])
+    assert "of the query 'SELECT id, payload FROM t'" in str(error)
+    largest = max(sizes)
+    if bad is not None:
+        assert f"row {bad}, column 1 " in str(error), str(error)
+        page = max(page_rows, batch_size)
+        before = bad // page * page  # the rows of the pages read whole before it
+        assert rows(delivered) == oracle[: before // batch_size * batch_size]
+    else:
+        assert rows(delivered) == []  # one page: refused before any batch
+        assert peak < BUDGET + 2 * largest + MiB < sum(sizes) / 2, (peak, sum(sizes))
+    # The driver hands over a row whole: at most that one past the share.
+    assert peak < BUDGET + 2 * largest + MiB, (peak, largest)
