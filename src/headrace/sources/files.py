@@ -182,7 +182,7 @@ class TextLineReader:
         self._eof = False
         self._error: RecordTooLargeError | MemoryBudgetError | None = None
         self._expect: Callable[[int], None] | None = None
-        self._pending = 0  # bytes of the lines a batch read gathered before this one
+        self._gathered: list[bytes] | None = None  # the lines of a batch read so far
 
     @property
     def next_offset(self) -> int:
@@ -221,24 +221,25 @@ class TextLineReader:
         lines: list[bytes] = []
         total = 0
         log = self.log
-        while len(lines) < max_records and (not lines or total < max_bytes):
-            offset = self._offset
-            self._pending = total + _BYTES_HEADER * len(lines)  # held beside the next line
-            try:
-                line = self.read_record()
-            except (RecordTooLargeError, MemoryBudgetError):
-                if lines:
-                    break  # deliver the lines before the bad one; it raises again next call
-                raise
-            finally:
-                self._pending = 0
-            if line is None:
-                break
-            lines.append(line)
-            total += len(line)
-            if log is not None:  # (a batch's rows: their origins)
-                log.span(self.log_serial + self.lines, offset, None, 0)
-                self.lines += 1
+        self._gathered = lines  # held beside a long line being gathered (see _check_room)
+        try:
+            while len(lines) < max_records and (not lines or total < max_bytes):
+                offset = self._offset
+                try:
+                    line = self.read_record()
+                except (RecordTooLargeError, MemoryBudgetError):
+                    if lines:
+                        break  # deliver the lines before the bad one; it raises again next call
+                    raise
+                if line is None:
+                    break
+                lines.append(line)
+                total += len(line)
+                if log is not None:  # (a batch's rows: their origins)
+                    log.span(self.log_serial + self.lines, offset, None, 0)
+                    self.lines += 1
+        finally:
+            self._gathered = None
         return lines
 
     def read_record(self) -> bytes | None:
@@ -294,7 +295,8 @@ class TextLineReader:
         call raises it again rather than hand out the line's tail as a line."""
         assert self._expect is not None
         try:
-            self._expect(self._pending + record_cost(length))
+            gathered = self._gathered or ()
+            self._expect(sum(map(record_cost, map(len, gathered))) + record_cost(length))
         except MemoryBudgetError as error:
             self._error = refused_record(
                 error, "line", self.stream.path, self._offset,
