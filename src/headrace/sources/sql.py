@@ -559,7 +559,7 @@ _STREAM_BATCH_BYTES = 4 << 20
 #: Most rows a page is fetched by at once (DB-API); fewer where they are large, since each
 #: fetch is checked against the share: a page of large rows is refused about one row past
 #: the share, not after all of its rows.
-_FETCH_ROWS = 1024
+_FETCH_ROWS = 8192
 #: What a str or bytes value costs besides its characters (about: 33 to 49 bytes).
 _VALUE_HEADER = sys.getsizeof("")
 
