@@ -5,7 +5,7 @@ Everything public is listed in ``__all__`` below (and tested against it).
 
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.core.run import DatasetIterator
-from headrace.csv_datasets import CsvDataset, decode_csv, make_csv_dataset, read_csv
+from headrace.csv import CsvDataset, CsvError, decode_csv, make_csv_dataset, read_csv
 from headrace.dataset import Dataset, TextLineDataset, TFRecordDataset
 from headrace.distribute import AutoShardPolicy, ShardInfo, auto_shard, shard_info
 from headrace.errors import (
@@ -23,7 +23,6 @@ from headrace.errors import (
     WorkerError,
     WorkerPoolError,
 )
-from headrace.io.csv import CsvError
 from headrace.memory.sizeof import register_sizer
 from headrace.memory.units import parse_bytes
 from headrace.options import AUTOTUNE, Options

@@ -35,12 +35,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from headrace import csv_datasets as _csv
 from headrace import dataset as _dataset
 from headrace import errors as _errors
 from headrace import image as _image
 from headrace.core import node as _node
 from headrace.core.run import DatasetIterator as _DatasetIterator
+from headrace.csv import datasets as _csv
 from headrace.io import _example_wire as wire
 from headrace.io._ragged import RaggedColumn as _RaggedColumn
 from headrace.io._sparse import SparseColumn as _SparseColumn

@@ -19,16 +19,19 @@ IDCT). benchmarks/results/decoders.md has the comparison that chose them.
 
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, MemoryBudgetError
 from headrace.io._native import jpeg_module
+from headrace.memory.units import format_bytes
 
 __all__ = [
     "MAX_PIXELS",
@@ -46,9 +49,10 @@ __all__ = [
     "read_header",
 ]
 
-#: Default ``max_pixels`` (per frame): 2**27, an RGB image of 384 MiB. Larger images are
-#: refused from their header, before anything is allocated (a decompression bomb: a
-#: 20 KB PNG can declare 50,000 x 50,000 pixels).
+#: Default ``max_pixels``: 2**27, an RGB image of 384 MiB. Larger images are refused from
+#: their header, before anything is allocated (a decompression bomb: a 20 KB PNG can
+#: declare 50,000 x 50,000 pixels). An animated GIF's frames count together: each is a
+#: whole canvas once decoded.
 MAX_PIXELS = 1 << 27
 
 Array = np.ndarray[Any, Any]
@@ -74,6 +78,11 @@ class ImageHeader:
     @property
     def pixels(self) -> int:
         return self.height * self.width
+
+    @property
+    def all_pixels(self) -> int:
+        """Pixels of every frame once decoded (a GIF's frames are each a whole canvas)."""
+        return self.pixels * self.frames
 
 
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -240,13 +249,56 @@ def _output_channels(header: ImageHeader, channels: int) -> int:
     return header.channels
 
 
-def _check_pixels(header: ImageHeader, max_pixels: int | None, op: str) -> None:
-    if max_pixels is not None and header.pixels > max_pixels:
-        raise InvalidImageError(
-            f"{op}: the {header.format.upper()} header declares {header.height}x{header.width} "
-            f"= {header.pixels:,} pixels, more than max_pixels={max_pixels:,} "
-            "(a decompression bomb?); raise max_pixels to decode it"
-        )
+def _check_pixels(header: ImageHeader, max_pixels: int | None, op: str,
+                  frames: int = 1) -> None:
+    """Refuse an image whose ``frames`` decoded frames pass ``max_pixels`` together, from
+    its header: nothing is allocated yet."""
+    if max_pixels is None or header.pixels * frames <= max_pixels:
+        return
+    size = f"{header.height}x{header.width}"
+    if frames > 1:
+        size = f"{frames} frames of a {size} canvas"
+    raise InvalidImageError(
+        f"{op}: the {header.format.upper()} header declares {size} = "
+        f"{header.pixels * frames:,} pixels, more than max_pixels={max_pixels:,} "
+        "(a decompression bomb?); raise max_pixels to decode it"
+    )
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _says_out_of_memory(decode: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Make a MemoryError while decoding a :class:`MemoryBudgetError` that says what was
+    being decoded and how large it is, rather than let it pass for a corrupt file."""
+
+    @functools.wraps(decode)
+    def decoding(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return decode(*args, **kwargs)
+        except MemoryBudgetError:
+            raise
+        except MemoryError as error:
+            raise _out_of_memory(decode.__name__, args[0] if args else kwargs.get("contents"),
+                                 error) from error
+
+    return decoding
+
+
+def _out_of_memory(op: str, contents: Any, error: MemoryError) -> MemoryBudgetError:
+    try:
+        header = read_header(contents, op)
+    except Exception:  # (it was read before the decode began; say what is known)
+        return MemoryBudgetError(f"{op}: out of memory while decoding an image ({error})")
+    frames = f"{header.frames} frames of " if header.frames > 1 else ""
+    decoded = header.all_pixels * max(header.channels, 1) * (2 if header.bits > 8 else 1)
+    return MemoryBudgetError(
+        f"{op}: out of memory while decoding {frames}a {header.height}x{header.width} "
+        f"{header.format.upper()} (up to {format_bytes(decoded)} decoded); the file is not "
+        f"known to be corrupt. Lower max_pixels to refuse such images from their header, "
+        f"or give the process more memory ({type(error).__name__}: {error})"
+    )
 
 
 def decoded_nbytes(
@@ -264,7 +316,7 @@ def decoded_nbytes(
         header = read_header(contents, "decoded_nbytes")
     except InvalidArgumentError:
         return 0
-    if max_pixels is not None and header.pixels > max_pixels:
+    if max_pixels is not None and header.all_pixels > max_pixels:
         return 0
     height, width = -(-header.height // ratio), -(-header.width // ratio)
     frames = header.frames if header.format == "gif" else 1
@@ -472,6 +524,7 @@ def _cmyk_jpeg_pixels(
     return rgb
 
 
+@_says_out_of_memory
 def decode_jpeg(
     contents: Any,
     channels: int = 0,
@@ -515,6 +568,7 @@ def decode_jpeg(
     )
 
 
+@_says_out_of_memory
 def decode_and_crop_jpeg(
     contents: Any,
     crop_window: Any,
@@ -574,6 +628,8 @@ def _pillow_decode(data: bytes | memoryview, header: ImageHeader, op: str) -> An
     try:
         image = Image.open(io.BytesIO(bytes(data)))
         image.load()
+    except MemoryError:
+        raise  # not a sign of a bad file (see _says_out_of_memory)
     except Exception as error:
         raise InvalidImageError(
             f"{op}: invalid or truncated {header.format.upper()} ({len(data)} bytes, header "
@@ -816,6 +872,7 @@ def _to_array(image: Any, channels: int) -> Array:
     return pixels[:, :, None] if pixels.ndim == 2 else pixels
 
 
+@_says_out_of_memory
 def decode_png(
     contents: Any,
     channels: int = 0,
@@ -867,26 +924,41 @@ def decode_png(
     return pixels
 
 
+@_says_out_of_memory
 def decode_gif(contents: Any, name: str | None = None, *,
                max_pixels: int | None = MAX_PIXELS) -> Array:
-    """``tf.io.decode_gif``: ``(frames, height, width, 3)`` uint8, every frame composed."""
-    op = "decode_gif"
+    """``tf.io.decode_gif``: ``(frames, height, width, 3)`` uint8, every frame composed.
+
+    Every frame is a whole canvas once decoded, so the frames count together against
+    ``max_pixels``: a small file with a large canvas and many tiny frames is refused
+    from its header, before any frame is decoded."""
+    return _decode_gif(contents, max_pixels, "decode_gif", first_only=False)
+
+
+def _decode_gif(contents: Any, max_pixels: int | None, op: str, *, first_only: bool) -> Array:
+    """The frames of a GIF (only the first with ``first_only``), checked first."""
     data = _bytes_of(contents, op)
     header = read_header(data, op)
-    _check_pixels(header, max_pixels, op)
     if header.format != "gif":
         raise InvalidImageError(f"{op}: not a GIF ({header.format.upper()})")
+    _check_pixels(header, max_pixels, op, 1 if first_only else header.frames)
     image = _pillow_decode(data, header, op)
+    count = 1 if first_only else getattr(image, "n_frames", 1)
+    if count > header.frames:  # the decoder found more frames than the blocks said
+        _check_pixels(header, max_pixels, op, count)
     frames = []
     try:
-        for index in range(getattr(image, "n_frames", 1)):
+        for index in range(count):
             image.seek(index)
             frames.append(np.asarray(image.convert("RGB")))
+    except MemoryError:
+        raise  # not a sign of a bad file (see _says_out_of_memory)
     except Exception as error:
         raise InvalidImageError(f"{op}: corrupt GIF frame {len(frames)}: {error}") from error
     return np.stack(frames)
 
 
+@_says_out_of_memory
 def decode_bmp(contents: Any, channels: int = 0, name: str | None = None, *,
                max_pixels: int | None = MAX_PIXELS) -> Array:
     """``tf.io.decode_bmp``: ``(height, width, channels)`` uint8, TensorFlow's pixels.
@@ -938,6 +1010,7 @@ def decode_bmp(contents: Any, channels: int = 0, name: str | None = None, *,
     return np.ascontiguousarray(pixels)
 
 
+@_says_out_of_memory
 def decode_image(
     contents: Any,
     channels: int | None = None,
@@ -969,7 +1042,7 @@ def decode_image(
             max_pixels=max_pixels)
     elif header.format == "gif":
         _check_gif(header, wanted, False, op)
-        pixels = decode_gif(contents, max_pixels=max_pixels)
+        pixels = _decode_gif(contents, max_pixels, op, first_only=not expand_animations)
         if not expand_animations:
             pixels = pixels[0]
     else:

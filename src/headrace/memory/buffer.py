@@ -379,6 +379,24 @@ class Buffer:
         with self.lock:
             self._unbook(nbytes)
 
+    def expect(self, nbytes: int, *, together: str | None = None, what: str = "one element"
+               ) -> None:
+        """Check that an element of ``nbytes`` not made yet could be admitted.
+
+        A reader asks this before it reads a record whose size it knows from a
+        header, and again as a line or field it gathers grows. Past the share,
+        the budget splits again if it can, as :meth:`admit` would; if it cannot,
+        :class:`MemoryBudgetError` is raised now, before the bytes exist.
+        ``together``: the element joins what the stage holds (a batch's rows).
+        Nothing is booked.
+        """
+        if together is None:
+            if nbytes > self.limit:
+                self.require(nbytes, what=what)
+            return
+        with self.lock:  # checked as hold() checks, under the lock the split takes
+            self._fit_together(nbytes, together)
+
     def stats(self) -> AccountStats:
         """A consistent snapshot, for the profiler."""
         with self.lock:

@@ -18,7 +18,7 @@ import glob
 import os
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,7 +37,7 @@ from headrace.errors import (
 from headrace.io.columns import object_array
 from headrace.io.filepool import FileLimiter, FilePool, PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.structure import TensorSpec
 
@@ -50,6 +50,7 @@ __all__ = [
     "file_limiter",
     "list_files",
     "record_cost",
+    "refused_record",
 ]
 
 
@@ -66,6 +67,21 @@ DEFAULT_MAX_LINE_BYTES = 64 << 20
 def record_cost(payload_bytes: int) -> int:
     """What a record of ``payload_bytes`` costs the budget once read (a ``bytes`` object)."""
     return payload_bytes + _BYTES_HEADER
+
+
+def refused_record(
+    error: MemoryBudgetError, kind: str, path: str, offset: int, size: str,
+    compression: str = "",
+) -> MemoryBudgetError:
+    """``error`` (a record that cannot fit its stage's share) with where the record is.
+
+    ``kind`` names the record ("line"), ``size`` what is known of its size ("has at
+    least 5000000 bytes"). Readers raise this before they read the record whole."""
+    counted = f" (counting decompressed bytes of the {compression} stream)" if compression else ""
+    return MemoryBudgetError(
+        f"{kind} at offset {offset}{counted} in file {path} {size}: it cannot fit the "
+        f"memory budget, so it was not read further. {error}"
+    )
 
 
 class RecordReader(Protocol):
@@ -87,9 +103,14 @@ class RecordReader(Protocol):
         """Log from the next record served on, numbered ``serial`` (origins asked for
         while the file was open: an interleave's slot that starts reading ahead)."""
 
-    def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
+    def read_reserved(self, account: Buffer) -> tuple[bytes, Reservation] | None:
         """The next record and its booking on ``account`` (none when the reader keeps
         the booking of what it read ahead), or None at the end of the file."""
+
+    def watch(self, expect: Callable[[int], None]) -> None:
+        """Call ``expect`` with what a record being gathered would cost so far, when
+        its length is not known before it is read: it raises
+        :class:`MemoryBudgetError` once the record cannot fit, and reading stops."""
 
     def read_batch(self, max_records: int, max_bytes: int) -> list[bytes]:
         """Up to ``max_records`` records; an empty list at the end of the file.
@@ -133,6 +154,10 @@ class TextLineReader:
     before it are delivered first (a batch stops short of the bad line), and
     ``next_offset`` stays at the bad line. Time is linear in the line's length:
     a long line is gathered as a list of chunks and joined once.
+
+    A line that cannot fit its stage's share of the budget is refused as it is
+    gathered (see :meth:`watch`): :class:`MemoryBudgetError` names the file and
+    the line's offset once about a share's worth of it was read, not the whole.
     """
 
     def __init__(
@@ -155,7 +180,9 @@ class TextLineReader:
         self._buffer = b""
         self._position = 0
         self._eof = False
-        self._error: RecordTooLargeError | None = None
+        self._error: RecordTooLargeError | MemoryBudgetError | None = None
+        self._expect: Callable[[int], None] | None = None
+        self._gathered: list[bytes] | None = None  # the lines of a batch read so far
 
     @property
     def next_offset(self) -> int:
@@ -173,7 +200,10 @@ class TextLineReader:
     def attach_log(self, log: OriginLog, serial: int) -> None:
         self.log, self.log_serial, self.lines = log, serial, 0
 
-    def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
+    def watch(self, expect: Callable[[int], None]) -> None:
+        self._expect = expect
+
+    def read_reserved(self, account: Buffer) -> tuple[bytes, Reservation] | None:
         """The next line; one longer than the read buffer (gathered from several reads:
         memory the buffer's bound does not cover) is booked on ``account``."""
         self._last_offset = offset = self._offset
@@ -185,27 +215,31 @@ class TextLineReader:
             self.lines += 1
         if len(line) < self.buffer_bytes:
             return line, NO_RESERVATION
-        return line, account.charge(record_cost(len(line)))
+        return line, account.admit(record_cost(len(line)))
 
     def read_batch(self, max_records: int, max_bytes: int = 1 << 62) -> list[bytes]:
         lines: list[bytes] = []
         total = 0
         log = self.log
-        while len(lines) < max_records and (not lines or total < max_bytes):
-            offset = self._offset
-            try:
-                line = self.read_record()
-            except RecordTooLargeError:
-                if lines:
-                    break  # deliver the lines before the bad one; it raises again next call
-                raise
-            if line is None:
-                break
-            lines.append(line)
-            total += len(line)
-            if log is not None:  # (a batch's rows: their origins)
-                log.span(self.log_serial + self.lines, offset, None, 0)
-                self.lines += 1
+        self._gathered = lines  # held beside a long line being gathered (see _check_room)
+        try:
+            while len(lines) < max_records and (not lines or total < max_bytes):
+                offset = self._offset
+                try:
+                    line = self.read_record()
+                except (RecordTooLargeError, MemoryBudgetError):
+                    if lines:
+                        break  # deliver the lines before the bad one; it raises again next call
+                    raise
+                if line is None:
+                    break
+                lines.append(line)
+                total += len(line)
+                if log is not None:  # (a batch's rows: their origins)
+                    log.span(self.log_serial + self.lines, offset, None, 0)
+                    self.lines += 1
+        finally:
+            self._gathered = None
         return lines
 
     def read_record(self) -> bytes | None:
@@ -230,6 +264,8 @@ class TextLineReader:
         while True:
             if length > self.max_line_bytes:
                 raise self._too_long(length)  # kept: every later call raises it again
+            if length >= self.buffer_bytes and self._expect is not None:
+                self._check_room(length)
             chunk = b"" if self._eof else self.stream.read(self.buffer_bytes)
             if not chunk:
                 self._eof = True
@@ -252,6 +288,21 @@ class TextLineReader:
             self._offset += length + 1
             return _without_cr(line)
 
+    def _check_room(self, length: int) -> None:
+        """Refuse the line being gathered once its ``length`` bytes cannot fit the share.
+
+        Kept as the reader's error: the stream is inside the line, so every later
+        call raises it again rather than hand out the line's tail as a line."""
+        assert self._expect is not None
+        try:
+            gathered = self._gathered or ()
+            self._expect(sum(map(record_cost, map(len, gathered))) + record_cost(length))
+        except MemoryBudgetError as error:
+            self._error = refused_record(
+                error, "line", self.stream.path, self._offset,
+                f"has at least {length} bytes before its newline", self.stream.compression_type)
+            raise self._error from None
+
     def _too_long(self, length: int) -> RecordTooLargeError:
         path = self.stream.path
         compression = self.stream.compression_type
@@ -269,11 +320,11 @@ class TextLineReader:
 class _BudgetCharge:
     """Lets the file pool book suspended decompressor state on a stage's budget share."""
 
-    def __init__(self, account: StageAccount) -> None:
+    def __init__(self, account: Buffer) -> None:
         self.account = account
 
     def charge(self, nbytes: int) -> None:
-        self.account.charge(nbytes)
+        self.account.admit(nbytes)
 
     def discharge(self, nbytes: int) -> None:
         self.account.release(nbytes)
@@ -353,7 +404,7 @@ class FileRecordsNode(Node):
         return _FileRecordsIterator(self, ctx, account)
 
     def batched_iterator(
-        self, ctx: Context, batch_size: int, drop_remainder: bool, account: StageAccount
+        self, ctx: Context, batch_size: int, drop_remainder: bool, account: Buffer
     ) -> Iterator:
         """``batch`` pushed into the reader: many records per call, no per-record Python.
 
@@ -367,7 +418,7 @@ class _RecordBatches(Iterator):
     stage = "batch"
 
     def __init__(
-        self, inner: Iterator, batch_size: int, drop_remainder: bool, account: StageAccount
+        self, inner: Iterator, batch_size: int, drop_remainder: bool, account: Buffer
     ) -> None:
         super().__init__(inner)
         assert isinstance(inner, _FileRecordsIterator)
@@ -397,7 +448,7 @@ class _RecordBatches(Iterator):
             raise StopIteration
         try:
             array_cost = ARRAY_HEADER_BYTES + 8 * len(records)  # the object array's pointers
-            booked = booked.absorb(self.account.hold(array_cost, what="one batch of records"))
+            booked = booked.absorb(self.account.admit(array_cost, together="one batch of records"))
         except BaseException:
             booked.release()
             raise
@@ -480,7 +531,7 @@ class OriginLog:
 
 
 class _FileRecordsIterator(Iterator):
-    def __init__(self, node: FileRecordsNode, ctx: Context, account: StageAccount) -> None:
+    def __init__(self, node: FileRecordsNode, ctx: Context, account: Buffer) -> None:
         super().__init__()
         self.node, self.ctx, self.account = node, ctx, account
         self.stage = node.stage
@@ -499,6 +550,16 @@ class _FileRecordsIterator(Iterator):
         self.log: OriginLog | None = None  # kept once a stage above asks for tokens
         self.stream: PooledStream | None = None
         self.reader: RecordReader | None = None
+        #: Set while :meth:`read_many` reads a batch: its stage, and what it assembles.
+        self._batch: tuple[Buffer, str] | None = None
+
+    def _expect(self, nbytes: int) -> None:
+        """Whether a record being gathered (``nbytes`` so far) can still fit: alone on the
+        read-ahead share, or with the rows of the batch :meth:`read_many` assembles."""
+        if self._batch is None:
+            self.account.expect(nbytes, what="one record")
+        else:
+            self._batch[0].expect(nbytes, together=self._batch[1])
 
     def _open(self) -> RecordReader:
         node = self.node
@@ -510,6 +571,7 @@ class _FileRecordsIterator(Iterator):
             buffer_size=node.buffer_bytes,
         )
         self.reader = reader = node.open_reader(self.stream, self.start_offset)
+        reader.watch(self._expect)
         if self.log is not None:
             self.log.opened(self.served, self.file_index, self.record if self.record_known else -1)
             reader.log, reader.log_serial = self.log, self.served
@@ -569,7 +631,7 @@ class _FileRecordsIterator(Iterator):
         found = None if self.log is None or not token else self.log.find(token - 1)
         return None if found is None else self._origin(*found)
 
-    def read_many(self, count: int, account: StageAccount) -> tuple[list[bytes], Reservation]:
+    def read_many(self, count: int, account: Buffer) -> tuple[list[bytes], Reservation]:
         """Up to ``count`` records across file boundaries (fewer only at the very end),
         booked together on ``account``: they are one batch, which must fit its share.
 
@@ -580,16 +642,16 @@ class _FileRecordsIterator(Iterator):
         records: list[bytes] = []
         booked = NO_RESERVATION
         what = f"a batch of {count} records"
+        self._batch = account, what
         try:
             while len(records) < count and self.file_index < len(self.node.filenames):
                 reader = self.reader or self._open()
                 try:
                     length = reader.next_length()
-                    if length is not None and account.held + record_cost(length) > account.limit:
-                        # its minimum: the budget splits again to make room, or refuses
-                        account.require(account.held + record_cost(length), what=what)
+                    if length is not None:  # refused before its payload is read
+                        self._expect_known(reader, length, account, what)
                     wanted = count - len(records)
-                    room = account.limit - account.held - _BYTES_HEADER * wanted
+                    room = account.room() - _BYTES_HEADER * wanted
                     batch = reader.read_batch(wanted, max(room, 0))
                 except MemoryBudgetError:
                     raise
@@ -604,11 +666,24 @@ class _FileRecordsIterator(Iterator):
                 records.extend(batch)
                 self.served += len(batch)
                 cost = sum(map(len, batch)) + _BYTES_HEADER * len(batch)
-                booked = booked.absorb(account.hold(cost, what=what))
+                booked = booked.absorb(account.admit(cost, together=what))
         except BaseException:
             booked.release()
             raise
+        finally:
+            self._batch = None
         return records, booked
+
+    def _expect_known(self, reader: RecordReader, length: int, account: Buffer, what: str
+                      ) -> None:
+        """Refuse the next record, whose ``length`` its header gave, if it cannot join
+        the batch: the budget splits again to make room, or this raises, naming where."""
+        try:
+            account.expect(record_cost(length), together=what)
+        except MemoryBudgetError as error:
+            raise refused_record(
+                error, "record", self.node.filenames[self.file_index], reader.next_offset,
+                f"has {length} bytes", self.node.compression_type) from None
 
     def _skip_failed_file(self, error: Exception) -> None:
         """After a read error, go on with the next file, as tf.data does (raised as is,

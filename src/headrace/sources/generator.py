@@ -31,7 +31,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, check_signature
 from headrace.core.state import PRODUCED, StateReader, replay
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
-from headrace.memory.budget import NO_RESERVATION, Reservation
+from headrace.memory.buffer import NO_RESERVATION, Reservation
 from headrace.structure import (
     TensorSpec,
     encode_str,

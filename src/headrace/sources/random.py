@@ -16,7 +16,7 @@ import numpy as np
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, Node
 from headrace.core.state import StateReader
-from headrace.memory.budget import NO_RESERVATION, Reservation
+from headrace.memory.buffer import NO_RESERVATION, Reservation
 from headrace.structure import TensorSpec
 from headrace.transforms._random import RandomStream, SeededNode
 

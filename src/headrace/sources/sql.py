@@ -67,8 +67,10 @@ import contextlib
 import os
 import re
 import sqlite3
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -76,8 +78,8 @@ import numpy as np
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, first_element
 from headrace.core.state import StateReader
-from headrace.errors import HeadraceError, InvalidArgumentError
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
+from headrace.errors import HeadraceError, InvalidArgumentError, MemoryBudgetError
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import sizeof
 from headrace.structure import TensorSpec
 
@@ -520,6 +522,28 @@ def _first_unfit(values: Sequence[Any], dtype: np.dtype[Any]) -> int | None:
     return None
 
 
+def _rows_nbytes(rows: list[Any]) -> int:
+    """What DB-API rows (tuples of Python values) hold, about, at C speed.
+
+    Columns whose value in the first row is a number cost that value's size in every
+    row; the others (text, bytes, NULL) are measured value by value, by length. A huge
+    value in a column that starts with numbers (SQLite's columns have no fixed type)
+    is counted once the page is booked whole."""
+    first = rows[0]
+    fixed = sys.getsizeof(first)
+    total = 0
+    for index, value in enumerate(first):
+        if isinstance(value, (int, float)):
+            fixed += sys.getsizeof(value)
+            continue
+        column = map(itemgetter(index), rows)
+        try:
+            total += sum(map(len, column)) + len(rows) * _VALUE_HEADER
+        except TypeError:  # NULLs or numbers among the values: each measured
+            total += sum(map(sys.getsizeof, map(itemgetter(index), rows)))
+    return total + fixed * len(rows)
+
+
 def _fits(value: Any, dtype: np.dtype[Any]) -> bool:
     try:
         np.array([value], dtype=dtype)
@@ -532,6 +556,12 @@ def _fits(value: Any, dtype: np.dtype[Any]) -> bool:
 #: the most asked for: a few MiB, so a stream holds little beyond the booked page.
 _BATCH_HINT = "adbc.postgresql.batch_size_hint_bytes"
 _STREAM_BATCH_BYTES = 4 << 20
+#: Most rows a page is fetched by at once (DB-API); fewer where they are large, since each
+#: fetch is checked against the share: a page of large rows is refused about one row past
+#: the share, not after all of its rows.
+_FETCH_ROWS = 8192
+#: What a str or bytes value costs besides its characters (about: 33 to 49 bytes).
+_VALUE_HEADER = sys.getsizeof("")
 
 
 # -- the recipe node ----------------------------------------------------------------------------
@@ -603,7 +633,7 @@ class SqlNode(Node):
 class _SqlIterator(Iterator):
     stage = "from_sql"
 
-    def __init__(self, node: SqlNode, ctx: Context, account: StageAccount) -> None:
+    def __init__(self, node: SqlNode, ctx: Context, account: Buffer) -> None:
         super().__init__()
         self.node, self.ctx, self.account = node, ctx, account
         self.live: Any = None
@@ -657,7 +687,7 @@ class _SqlIterator(Iterator):
                     raise self._gave_up(attempt, error) from error
                 failure: BaseException = error
             except Exception as error:
-                self_made = isinstance(error, (InvalidArgumentError, SqlError))
+                self_made = isinstance(error, (InvalidArgumentError, SqlError, MemoryBudgetError))
                 if self_made or not self.dialect.lost(error):
                     self._drop_connection()
                     if self_made:
@@ -873,7 +903,7 @@ class _SqlIterator(Iterator):
                 self.read_key = keys[-1]
         leftover = getattr(self, "_arrow_leftover", None)
         held = sizeof(page) + (leftover.get_total_buffer_size() if leftover is not None else 0)
-        self.booking = self.account.hold(held, what=f"one page of {rows} rows")
+        self.booking = self.account.admit(held, together=f"one page of {rows} rows")
         self.page, self.page_rows, self.page_taken = page, rows, 0
         return page
 
@@ -895,7 +925,7 @@ class _SqlIterator(Iterator):
     def _stream_batch_bytes(self) -> int:
         """The size of ADBC's batches: a part of this stage's share of the budget (a batch
         in the driver's hands, and the rest of one kept for the next page, count too)."""
-        share = self.account.limit
+        share = self.account.share()
         if share <= 0:
             return _STREAM_BATCH_BYTES
         return max(64 << 10, min(_STREAM_BATCH_BYTES, share // 8))
@@ -912,7 +942,7 @@ class _SqlIterator(Iterator):
 
             # Pages hold page_rows rows whatever size the driver's batches have: the rest
             # of a batch waits for the next page (booked with this one meanwhile).
-            batches, rows = [], 0
+            batches, rows, cost = [], 0, 0
             leftover = self.__dict__.pop("_arrow_leftover", None)
             while rows < count:
                 if leftover is not None:
@@ -927,9 +957,50 @@ class _SqlIterator(Iterator):
                     batch = batch.slice(0, count - rows)
                 batches.append(batch)
                 rows += batch.num_rows
+                cost += batch.get_total_buffer_size()
+                self._expect_page(cost, rows - batch.num_rows, None)
             table = pa.Table.from_batches(batches, schema=reader.schema)
             return table, names
-        return cursor.fetchmany(count) if count is not None else cursor.fetchall(), names
+        fetched: list[Any] = []
+        cost = want = 0
+        # A keyed page's query starts again at the last key's row, read already.
+        again = int(count is None and self.read_key is not None)
+        while count is None or len(fetched) < count:
+            if fetched:  # as many rows as the share has room for, at the size seen so far
+                per_row = 2 * cost // len(fetched) + 1
+                want = max(1, min(_FETCH_ROWS, (self.account.share() - cost) // per_row))
+            else:
+                want = 1
+            chunk = cursor.fetchmany(want if count is None else min(want, count - len(fetched)))
+            if not chunk:
+                break
+            cost += _rows_nbytes(chunk)
+            self._expect_page(cost, len(fetched) - again, chunk)
+            fetched.extend(chunk)
+        return fetched, names
+
+    def _expect_page(self, nbytes: int, first: int, rows: list[Any] | None) -> None:
+        """Refuse a page whose rows fetched so far (``nbytes``) cannot fit the share: the
+        error names the query and the row, from ``rows`` (the last fetch, starting at
+        row ``first`` of the page) where the driver gave them one by one."""
+        try:
+            self.account.expect(nbytes, together="one page of rows")
+        except MemoryBudgetError as error:
+            row, column = self.read_rows + first, ""
+            if rows:  # the row that took the page past its share, and its largest value
+                room = self.account.share() - (nbytes - _rows_nbytes(rows))
+                for index, values in enumerate(rows):
+                    room -= _rows_nbytes([values])
+                    if room < 0 or index == len(rows) - 1:
+                        row += index
+                        sizes = [sys.getsizeof(value) for value in values]  # (the error path)
+                        column = f", column {sizes.index(max(sizes))}" if sizes else ""
+                        break
+            raise MemoryBudgetError(
+                f"from_sql: row {row}{column} of the query {self.node.query!r:.200} does not "
+                f"fit the memory budget with its page ({nbytes} bytes read so far), so the "
+                f"page was not read further; fewer rows a page (page_rows="
+                f"{self.node.page_rows} now) may make it fit. {error}") from None
 
     def _skip_delivered(self) -> None:
         """Keyless restore or retry: re-run the query and drop the rows already handed
@@ -973,7 +1044,7 @@ class _SqlIterator(Iterator):
         if self.node.key is not None:
             value = batch[self.node.key][-1]
             self.last_key = value.item() if isinstance(value, np.generic) else value
-        return batch, self.account.charge(sizeof(batch))
+        return batch, self.account.admit(sizeof(batch))
 
     def _release_page(self) -> None:
         self.booking.release()

@@ -37,8 +37,7 @@ from headrace.io.tfrecord_index import (
     index_path_for,
     load_index,
 )
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
-from headrace.memory.units import format_bytes
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.sources.files import (
     FileRecordsNode,
     OriginLog,
@@ -46,6 +45,7 @@ from headrace.sources.files import (
     _filenames,
     file_limiter,
     record_cost,
+    refused_record,
 )
 from headrace.structure import TensorSpec
 
@@ -143,7 +143,7 @@ class _TFRecordReaderAdapter:
             log.span(serial, offset, lengths(rest), RECORD_OVERHEAD_BYTES)
             self.read_count = len(rest)
 
-    def read_reserved(self, account: StageAccount) -> tuple[bytes, Reservation] | None:
+    def read_reserved(self, account: Buffer) -> tuple[bytes, Reservation] | None:
         if self.served == len(self.ahead):
             self._read_ahead(account)
             if not self.ahead:
@@ -152,20 +152,20 @@ class _TFRecordReaderAdapter:
         self.served += 1
         return record, NO_RESERVATION
 
-    def _read_ahead(self, account: StageAccount) -> None:
+    def _read_ahead(self, account: Buffer) -> None:
         self.release()
-        length = self.reader.next_length()
-        if length is not None and record_cost(length) > account.limit:
-            reader = self.reader
-            raise MemoryBudgetError(
-                f"record at offset {reader.next_offset} in file {reader.path} has {length} "
-                f"bytes: more than stage {account.name!r} may hold "
-                f"({format_bytes(account.limit)} of a {format_bytes(account.budget.total)} "
-                "budget), so it was not read. Raise Options(memory_budget=...)."
-            )
+        reader = self.reader
+        length = reader.next_length()
+        if length is not None:  # refused from its header, before its payload is read
+            try:
+                account.expect(record_cost(length), what="one record")
+            except MemoryBudgetError as error:
+                raise refused_record(error, "record", reader.path or "<stream>",
+                                     reader.next_offset, f"has {length} bytes",
+                                     reader.compression_type) from None
         # One record always (held beside others only when readers share the account:
         # a zip of a dataset with itself); more only within the room left.
-        room = account.limit - account.held - _READ_AHEAD_RECORDS * record_cost(0)
+        room = account.room() - _READ_AHEAD_RECORDS * record_cost(0)
         self.ahead_offset = self.reader.next_offset
         skipped = self.reader.skipped_records
         records = self.reader.read_batch(_READ_AHEAD_RECORDS, max(room, 0))
@@ -192,6 +192,9 @@ class _TFRecordReaderAdapter:
             sizes = [len(record) + RECORD_OVERHEAD_BYTES for record in self.ahead]
             offsets = self.offsets = list(accumulate(sizes, initial=self.ahead_offset))
         return offsets[self.served - 1]
+
+    def watch(self, expect: Any) -> None:
+        """Nothing to watch: a record's length is read from its header first."""
 
     def read_batch(self, max_records: int, max_bytes: int) -> list[bytes]:
         if self.served < len(self.ahead):  # what was read ahead first (the caller books it)

@@ -1,0 +1,18 @@
+"""CSV in one package: the format, the streaming source, and the datasets built on them.
+
+- :mod:`headrace.csv.reader`: CSV as TensorFlow parses it (``decode_csv``'s records,
+  ``CsvDataset``'s byte stream), with pyarrow's parser where it gives the same values.
+  It knows nothing of datasets or budgets.
+- :mod:`headrace.csv.source`: CSV files as a pipeline source, read in blocks through
+  the file pool, each block booked on the budget before it is read.
+- :mod:`headrace.csv.datasets`: the public functions, with tf.data's names
+  (``CsvDataset``, ``make_csv_dataset``, ``decode_csv``) and ``read_csv``.
+
+The old module paths (``headrace.io.csv``, ``headrace.sources.csv``,
+``headrace.csv_datasets``) still import the same names.
+"""
+
+from headrace.csv.datasets import CsvDataset, decode_csv, make_csv_dataset, read_csv
+from headrace.csv.reader import CsvError
+
+__all__ = ["CsvDataset", "CsvError", "decode_csv", "make_csv_dataset", "read_csv"]
