@@ -74,6 +74,11 @@ class Ticket:
     def __len__(self) -> int:
         return len(self.expected)
 
+    def covers_first(self) -> bool:
+        """Whether the booking covers the first input's expected output (a handed-back
+        tail may start on its own then)."""
+        return self.booked >= self.expected[0]
+
     def release(self) -> None:
         """Give the booking back (the call was dropped)."""
         release_all(self.bookings)
@@ -130,14 +135,20 @@ class InFlight:
         (progress), else only while an output of the largest size so far fits."""
         return alone or self.buffer.fits(self._largest)
 
+    def room(self) -> int:
+        """What is left of the share beside what the stage holds."""
+        return self.buffer.room()
+
     def fits(self, nbytes: int, pending: int = 0) -> bool:
         """Whether ``nbytes`` more fit beside what the stage holds and ``pending``."""
         return self.buffer.room() >= pending + nbytes
 
     def call_bytes(self, calls: int) -> int:
-        """The most one call should book, with up to ``calls`` in flight: a fraction of
-        the share, so that calls run side by side (at least one element each)."""
-        return max(1, self.buffer.share() // max(1, min(calls, CALL_FRACTION)))
+        """The most a new call should book, with up to ``calls`` in flight: what fits
+        beside what the stage holds, and a fraction of the share, so that calls run
+        side by side (its first input may pass it: see the map's chunks)."""
+        share = self.buffer.share() // max(1, min(calls, CALL_FRACTION))
+        return min(self.buffer.room(), max(1, share))
 
     # -- booking ---------------------------------------------------------------------------
 

@@ -649,10 +649,10 @@ class _ParallelMapIterator(Iterator):
         """Start the handed-back inputs whose booking now covers their first output
         (the ledger books more for them as room comes back)."""
         for call in self.calls:
-            if call.future is None:
-                ticket = self.ledger.top_up(call.ticket, call.elements)
-                if ticket.allowance >= ticket.expected[0]:
-                    self._start(call)
+            if call.future is None and self.ledger.top_up(
+                call.ticket, call.elements
+            ).covers_first():
+                self._start(call)
 
     def _hand_on(
         self, call: _Call, at: int, ticket: Ticket, *, front: bool, wait: bool = False
@@ -741,8 +741,7 @@ class _ParallelMapIterator(Iterator):
         estimate = ledger.largest()
         # (what a chunk's first input must fit beside: nothing, where nothing is in flight)
         alone = not self.calls and not self.ready
-        room = ledger.buffer.room()
-        cap = min(room, ledger.call_bytes(2 * self.threads))
+        room, cap = ledger.room(), ledger.call_bytes(2 * self.threads)
         spent = 0  # bytes this chunk books
         while len(elements) < self.chunk and (not elements or spent + estimate <= cap):
             try:
