@@ -6,14 +6,19 @@ random access, so a later ``shuffle`` or ``shard`` still works on indices.
 
 With ``num_parallel_calls`` the calls run on a thread pool (NumPy, I/O and
 most decoders release the GIL; for Python-heavy functions use process
-workers). Work in flight is booked on the stage's share of the budget: a new
-call starts only while the largest element seen so far still fits, so
-``AUTOTUNE`` means "as many threads as cores, as many calls in flight as the
-budget allows" (each call in flight is booked at the largest output seen so
-far, or at its input's size times the largest output/input ratio seen, whichever
-is larger; only one call runs until the first output is known; an input whose
-expected output does not fit beside what the stage holds waits for room, its
-upstream booking kept). ``deterministic=True`` (the default) keeps input order;
+workers). Work in flight is booked ahead on the stage's share of the budget
+(:mod:`headrace.memory.inflight`): a new call starts only while the largest
+output seen so far still fits, so ``AUTOTUNE`` means "as many threads as
+cores, as many calls in flight as the budget allows". A call is booked at the
+largest output so far, or at its input's size times the largest output/input
+ratio so far, whichever is larger; only one call runs until the first output
+is known. What was booked is also the call's allowance: a call whose outputs
+pass it stops after that output, and the inputs it did not run wait for room
+in a new call. So however the sizes jump, a call holds at most one output
+past its booking. An input whose expected output does not fit beside what the
+stage holds waits for room, its upstream booking kept. An output larger than
+the whole budget raises :class:`~headrace.errors.MemoryBudgetError` naming the
+stage and the size. ``deterministic=True`` (the default) keeps input order;
 ``False`` hands out whichever result is ready first, and its checkpoints are
 at-least-once (elements finished out of order may be seen again on resume;
 one that a stage above would turn into a loss is refused: ``Run.get_state``).
