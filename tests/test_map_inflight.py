@@ -160,7 +160,7 @@ def _resume_cases(monkeypatch: pytest.MonkeyPatch, *, seed: int, cases: int, lon
     original = _ParallelMapIterator._hand_on
 
     def counting(self: Any, call: Any, at: int, ticket: Any, **kw: Any) -> None:
-        handed_back.append(kw.get("wait", False))
+        handed_back.append(call.future is None)  # (collected: not a slow call's split)
         original(self, call, at, ticket, **kw)
 
     monkeypatch.setattr(_ParallelMapIterator, "_hand_on", counting)

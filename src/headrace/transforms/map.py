@@ -659,11 +659,12 @@ class _ParallelMapIterator(Iterator):
             ).covers_first():
                 self._start(call)
 
-    def _hand_on(
-        self, call: _Call, at: int, ticket: Ticket, *, front: bool, wait: bool = False
-    ) -> None:
+    def _hand_on(self, call: _Call, at: int, ticket: Ticket, *, front: bool) -> None:
         """Run the inputs of ``call`` from position ``at`` on (booked by ``ticket``) in a
-        new call: the rest of a slow call, or the inputs a call handed back."""
+        new call: the rest of a slow call, or the inputs a call handed back. It starts
+        now if its booking covers its first input; else it waits like new work."""
+        ticket = self.ledger.top_up(ticket, call.elements[at : at + len(ticket)])
+        wait = not ticket.covers_first()
         count = len(ticket)
         elements = call.elements[at : at + count]
         origins = call.origins
@@ -817,6 +818,9 @@ class _ParallelMapIterator(Iterator):
             self.calls.popleft()
         else:
             self.calls.remove(call)
+        # Out of order the future's callback holds the call: a cycle that kept the
+        # outputs alive, unbooked, until the cyclic GC ran. Dropped here.
+        call.future = None
         ledger, ticket, ran = self.ledger, call.ticket, len(outputs)
         # Inputs the call did not run (past its allowance): their part of the booking
         # goes with them.
@@ -839,9 +843,8 @@ class _ParallelMapIterator(Iterator):
             raise
         for position, booking in zip(good, booked, strict=True):
             reservations[position] = booking
-        if rest is not None:  # waits for room like new work, unless needed next
-            self._hand_on(call, ran, ledger.top_up(rest, call.elements[ran : ran + len(rest)]),
-                          front=self.finished is None, wait=True)
+        if rest is not None:  # next in order, where the order is kept
+            self._hand_on(call, ran, rest, front=self.finished is None)
         call.elements = []
         if failed is not None:
             origins, probe = call.origins, self.origin_probe
