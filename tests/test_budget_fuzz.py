@@ -98,6 +98,7 @@ def assert_adversarial_sizes_hold(seeds: list[int], *, processes: bool = False) 
         ), f"seed {result['seed']}: not the sequential map's elements"
 
 
+@pytest.mark.slow  # (two pipelines of thousands of elements in a child: ~6-15 s)
 @pytest.mark.parametrize("seeds", [[2300]])
 def test_adversarial_size_sequences_hold_the_budget_and_the_order(seeds: list[int]) -> None:
     """Thousands of tiny outputs then ~1000x larger ones, or giants and dwarfs in turn,

@@ -101,6 +101,7 @@ def test_outputs_that_jump_x1000_after_thousands_stay_within_the_bound_more(seed
     _regime(seed)
 
 
+@pytest.mark.slow  # (a 256 MiB array in a child: ~5-10 s)
 @pytest.mark.parametrize("case, element", [("giant", 256 * MiB), ("ints", 40 * MiB)])
 def test_an_output_larger_than_the_budget_is_refused_within_the_bound(
     case: str, element: int
