@@ -257,6 +257,41 @@ def process_spec(seed: int, *, newer: bool = True, augment: bool = True) -> dict
     return spec
 
 
+#: Size sequences an adversary picks (issue 23), drawn only by :func:`adversarial_spec`:
+#: thousands of tiny outputs, then ~1000x larger ones; giants and dwarfs in turn.
+ADVERSARIAL = ("regime", "giant_dwarf")
+#: Ops left out of adversarial specs: batches of the giants would be refused, not
+#: overdrawn; a shuffle's buffer shrinks to its share, which a sequential map (the
+#: oracle of order) changes, since it holds no share.
+_ASSEMBLING = ("batch", "padded_batch", "unbatch", "rebatch", "zip", "shuffle", *(
+               "window", "group_by_window", "ragged_batch", "sample"))
+
+
+def adversarial_spec(seed: int, *, processes: bool = False) -> dict[str, Any]:
+    """``random_spec(seed)`` whose first stage is a parallel map making outputs of an
+    adversarial size sequence from 16-byte inputs (the ``explode`` map): the map cannot
+    tell an output's size from its input. The extra draws come from an RNG of their
+    own, so ``random_spec(seed)`` itself stays what it was."""
+    spec = random_spec(seed, processes=processes)
+    rng = random.Random(seed ^ 0xAD5E_0023)
+    budget = spec["budget_mib"] * MiB
+    spec["source"], spec["payload"] = "generator", "array"
+    spec["distribution"] = rng.choice(ADVERSARIAL)
+    if spec["distribution"] == "regime":
+        spec["count"] = rng.randint(1500, 4000)
+        spec["regime_at"] = rng.randint(spec["count"] // 2, spec["count"] - 20)
+        spec["small"] = rng.choice((64, 128, 256))
+        spec["large"] = budget // rng.choice((24, 48, 96))
+    else:
+        spec["count"] = rng.randint(40, 300)
+        spec["small"], spec["large"] = 64, budget // rng.choice((6, 12, 24))
+    ops = [op for op in spec["ops"] if op[0] not in _ASSEMBLING and op[0] != "xmap"]
+    kind = rng.choice(("pmap", "xmap") if processes else ("pmap",))
+    calls = rng.choice((1, 2)) if kind == "xmap" else rng.choice((2, 4, 16))
+    spec["ops"] = [[kind, calls, "explode"], *ops]
+    return spec
+
+
 def newer_spec(seed: int, *, augment: bool = True) -> dict[str, Any]:
     """``process_spec(seed)`` with a process interleave and an image decode at least
     (added where the draw had none): the sweep of the stages ``newer`` adds.
@@ -394,6 +429,10 @@ def _size(spec: dict[str, Any], index: int) -> int:
         return int(min(base * rng.paretovariate(1.2), base * 64))
     if distribution == "jump":
         return base // 16 if index < spec["count"] // 3 else base * 100 // 16
+    if distribution == "regime":  # tiny, then ~1000x: the estimate is far behind
+        return int(spec["small"] if index < spec["regime_at"] else spec["large"])
+    if distribution == "giant_dwarf":
+        return int(spec["large"] if index % 2 else spec["small"])
     return base  # views: the size of the view; its base is 4x larger
 
 
@@ -406,6 +445,10 @@ class Holder:
 
 def _element(spec: dict[str, Any], index: int, np: Any) -> Any:
     nbytes = max(_size(spec, index), 1)
+    if spec["distribution"] in ADVERSARIAL:  # 16 bytes: bytes 8-15 say the output's size
+        header = np.full(16, index % 251, np.uint8)
+        header[8:] = np.array([nbytes], np.int64).view(np.uint8)
+        return header
     if spec["distribution"] == "views":
         big = np.full(nbytes * 4, index % 251, np.uint8)
         array = big[nbytes : 2 * nbytes]
@@ -606,7 +649,13 @@ def _map_fn(kind: str, np: Any) -> Any:
             return big[: len(x)]
         return x
 
-    fn = {"identity": identity, "copy": copy, "grow": grow, "view_of_big": view_of_big}[kind]
+    def explode(x: Any) -> Any:  # an adversarial spec's input says its output's size
+        if isinstance(x, np.ndarray) and x.dtype == np.uint8 and len(x) == 16:
+            return np.full(int(x[8:].view(np.int64)[0]), x[0], np.uint8)
+        return x
+
+    fn = {"identity": identity, "copy": copy, "grow": grow, "view_of_big": view_of_big,
+          "explode": explode}[kind]
 
     def on_first(*components: Any) -> Any:  # zip's tuples arrive as arguments
         if len(components) == 1:

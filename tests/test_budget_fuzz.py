@@ -34,6 +34,7 @@ RUNNER = Path(__file__).with_name("fuzz_pipelines.py")
 sys.path.insert(0, str(RUNNER.parent))
 from fuzz_pipelines import (  # noqa: E402
     AUGMENTATIONS,
+    adversarial_spec,
     error_spec,
     newer_spec,
     process_spec,
@@ -69,6 +70,50 @@ def assert_within_budget(result: dict[str, Any]) -> None:
 @given(st.lists(st.integers(0, 2**31 - 1), min_size=8, max_size=8, unique=True))
 def test_random_pipelines_hold_the_budget(seeds: list[int]) -> None:
     assert_sweep_holds([random_spec(seed) for seed in seeds])
+
+
+def _sequential(spec: dict[str, Any]) -> dict[str, Any]:
+    """The same pipeline with every map run in order on the calling thread: the oracle
+    of elements and order for maps that keep the order."""
+    spec = json.loads(json.dumps(spec))
+    spec["ops"] = [["map", op[2]] if op[0] in ("pmap", "xmap") else op for op in spec["ops"]]
+    return spec
+
+
+def assert_adversarial_sizes_hold(seeds: list[int], *, processes: bool = False) -> None:
+    """Adversarial size sequences through parallel maps: within the bound, and the
+    elements and order of the same pipeline with its maps sequential."""
+    specs = [adversarial_spec(seed, processes=processes) for seed in seeds]
+    results = run_specs(specs + [_sequential(spec) for spec in specs])
+    for spec, result, oracle in zip(
+        specs, results[: len(specs)], results[len(specs) :], strict=True
+    ):
+        # The first jump meets every call in flight at once: each may make one output
+        # past its booking before anyone knows the new size (it stops right there).
+        calls = 2 * spec["ops"][0][1]
+        result = dict(result, bound=result["bound"] + calls * spec["large"])
+        assert_within_budget(result)
+        assert (result["outcome"], result["elements"], result["order"]) == (
+            oracle["outcome"], oracle["elements"], oracle["order"]
+        ), f"seed {result['seed']}: not the sequential map's elements"
+
+
+@pytest.mark.slow  # (two pipelines of thousands of elements in a child: ~6-15 s)
+@pytest.mark.parametrize("seeds", [[2300]])
+def test_adversarial_size_sequences_hold_the_budget_and_the_order(seeds: list[int]) -> None:
+    """Thousands of tiny outputs then ~1000x larger ones, or giants and dwarfs in turn,
+    through a parallel map: each call stops at what was booked for it, so the process
+    grows within the bound and the map's outputs are the sequential map's."""
+    assert_adversarial_sizes_hold(seeds)
+
+
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=6, max_size=6, unique=True))
+def test_many_adversarial_size_sequences_hold_the_budget_and_the_order(
+    seeds: list[int],
+) -> None:
+    assert_adversarial_sizes_hold(seeds)
 
 
 def assert_sweep_holds(specs: list[dict[str, Any]]) -> None:

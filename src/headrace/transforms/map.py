@@ -6,14 +6,19 @@ random access, so a later ``shuffle`` or ``shard`` still works on indices.
 
 With ``num_parallel_calls`` the calls run on a thread pool (NumPy, I/O and
 most decoders release the GIL; for Python-heavy functions use process
-workers). Work in flight is booked on the stage's share of the budget: a new
-call starts only while the largest element seen so far still fits, so
-``AUTOTUNE`` means "as many threads as cores, as many calls in flight as the
-budget allows" (each call in flight is booked at the largest output seen so
-far, or at its input's size times the largest output/input ratio seen, whichever
-is larger; only one call runs until the first output is known; an input whose
-expected output does not fit beside what the stage holds waits for room, its
-upstream booking kept). ``deterministic=True`` (the default) keeps input order;
+workers). Work in flight is booked ahead on the stage's share of the budget
+(:mod:`headrace.memory.inflight`): a new call starts only while the largest
+output seen so far still fits, so ``AUTOTUNE`` means "as many threads as
+cores, as many calls in flight as the budget allows". A call is booked at the
+largest output so far, or at its input's size times the largest output/input
+ratio so far, whichever is larger; only one call runs until the first output
+is known. What was booked is also the call's allowance: a call whose outputs
+pass it stops after that output, and the inputs it did not run wait for room
+in a new call. So however the sizes jump, a call holds at most one output
+past its booking. An input whose expected output does not fit beside what the
+stage holds waits for room, its upstream booking kept. An output larger than
+the whole budget raises :class:`~headrace.errors.MemoryBudgetError` naming the
+stage and the size. ``deterministic=True`` (the default) keeps input order;
 ``False`` hands out whichever result is ready first, and its checkpoints are
 at-least-once (elements finished out of order may be seen again on resume;
 one that a stage above would turn into a loss is refused: ``Run.get_state``).
@@ -59,7 +64,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from operator import truediv
 from queue import Empty, SimpleQueue
 from typing import Any, NamedTuple
 
@@ -71,13 +75,8 @@ from headrace.core.node import Node, ShardRole, check_signature, first_element
 from headrace.core.position import _POSITION
 from headrace.core.state import INNER, SKIP, StateReader, mark_out_of_order
 from headrace.errors import InvalidArgumentError, Origin, note_element_error
-from headrace.memory.budget import (
-    NO_RESERVATION,
-    Overdraft,
-    Reservation,
-    StageAccount,
-    release_all,
-)
+from headrace.memory.buffer import NO_RESERVATION, Reservation, StageAccount
+from headrace.memory.inflight import InFlight, Ticket
 from headrace.options import AUTOTUNE
 from headrace.structure import TensorSpec, flatten, map_structure, spec_of
 from headrace.transforms.batch import batch_iterator
@@ -383,6 +382,9 @@ class _MapIterator(Iterator):
         self.index = reader.integer("index") if "index" in state else 0
 
 
+_MapResult = tuple[list[Any], list[int], dict[int, Exception] | None, float]
+
+
 class _Progress:
     """Where a chunk's worker is, so that the elements after a slow one can be taken away.
 
@@ -420,7 +422,8 @@ def _apply_chunk(
     progress: _Progress | None = None,
     first: int = 0,
     epochs: tuple[int, ...] = (),
-) -> tuple[list[Any], list[int], dict[int, Exception] | None, float]:
+    allowance: int | None = None,
+) -> _MapResult:
     """``fn`` over a chunk: the outputs as a buffer keeps them, their costs, the errors.
 
     Each output is admitted (costed, and copied out if it is a small view of a
@@ -429,11 +432,18 @@ def _apply_chunk(
     collects it — memory no booking covers. An element whose call raised
     leaves ``None``, cost 0, and its error. ``first``: the position in the map's input
     of ``elements[0]`` (in ``epochs``), published to ``fn`` (:func:`call_at`).
+
+    ``allowance``: the bytes booked for the chunk's outputs. Once the outputs cost
+    more and inputs remain, the call stops there and returns fewer outputs than
+    inputs (:func:`~headrace.memory.inflight.over_allowance`). The consumer runs
+    the rest in a later call. So a call holds at most one element past its booking.
     """
     started = time.perf_counter()
     outputs: list[Any] = []
     sizes: list[int] = []
     failed: dict[int, Exception] | None = None
+    spent, last = 0, len(elements) - 1
+    limit = -1 if allowance is None else allowance  # (over_allowance, inlined: per element)
     for position, element in enumerate(elements):
         if progress is not None and not progress.claim(position):
             break  # the rest was given to another call
@@ -446,6 +456,9 @@ def _apply_chunk(
             output, size = None, 0
         outputs.append(output)
         sizes.append(size)
+        spent += size
+        if spent > limit >= 0 and position < last:
+            break  # past the allowance: the inputs left go back to the consumer
     return outputs, sizes, failed, time.perf_counter() - started
 
 
@@ -460,7 +473,7 @@ _SPLIT_AFTER_SECONDS = 4 * _TARGET_CALL_SECONDS
 
 
 class _Call:
-    """Work in flight: a future over a chunk of elements, its bookings, where it started.
+    """Work in flight: a future over a chunk of inputs, its ticket, where it started.
 
     ``state_before`` is the input's state before the chunk's first element and
     ``first_index`` that element's index: a checkpoint inside a chunk restores the
@@ -469,54 +482,35 @@ class _Call:
     chunk's elements (the chunk ends there): it is handed out in that place.
     ``start``: the position in that chunk of this call's first element (a call
     finishing a chunk whose first elements went out in another call: the tail of a
-    split call, or an element that waited for room).
+    split call, a handed-back tail, or an element that waited for room).
+    ``ticket``: what the ledger booked for the outputs (one entry per input still
+    this call's: a split takes entries away). ``elements``: the inputs, kept to hand
+    them to a new call. ``origins``: where each came from, where the input can say
+    (tokens of ``Iterator.origin_token``, made into origins for error notes only).
+    ``future`` is None while the call waits to start: inputs handed back wait until
+    their booking covers the first of them, or until the consumer needs them.
     """
 
     __slots__ = (
-        "booked", "bookings", "count", "elements", "error", "first_index", "future", "inputs",
-        "origins", "progress", "start", "state_before",
+        "elements", "error", "first_index", "future", "origins", "progress", "start",
+        "state_before", "ticket",
     )
 
     def __init__(
         self,
-        future: Future[tuple[list[Any], list[int], dict[int, Exception] | None, float]],
-        bookings: list[Reservation],
+        ticket: Ticket,
+        elements: list[Any],
         state_before: dict[str, Any],
         first_index: int,
         error: Exception | None,
-        start: int = 0,
+        origins: list[Any] | None,
+        start: int,
     ) -> None:
-        self.future, self.bookings, self.state_before = future, bookings, state_before
-        self.first_index, self.error, self.start = first_index, error, start
-        self.count = 0  # elements in the chunk (set by the caller)
-        #: Each input's own size, and what the chunk's expected outputs were booked at
-        #: (set by the caller): an estimate that grows rebooks the difference.
-        self.inputs: list[int] = []
-        self.booked = 0
-        self.elements: list[Any] = []  # kept only where the chunk may be split
+        self.ticket, self.elements = ticket, elements
+        self.state_before, self.first_index, self.error = state_before, first_index, error
+        self.origins, self.start = origins, start
+        self.future: Future[_MapResult] | None = None
         self.progress: _Progress | None = None
-        #: Where each element came from, where the input can say: tokens of
-        #: ``Iterator.origin_token``, made into origins for error notes only.
-        self.origins: list[Any] | None = None
-
-
-def _carve(bookings: list[Reservation], nbytes: int) -> Reservation:
-    """Up to ``nbytes`` of ``bookings`` as a booking of their own: the part of a chunk's
-    bookings that its split-off tail's inputs were booked with. Nothing is booked or
-    released — the bytes change hands, so the split books exactly what the chunk did
-    (an overdraft's excess stays with it)."""
-    carved: Reservation = NO_RESERVATION
-    for booking in bookings:
-        if nbytes <= 0:
-            break
-        movable = booking.nbytes - (booking.excess if isinstance(booking, Overdraft) else 0)
-        take = min(movable, nbytes)
-        if take <= 0 or booking.account is None:
-            continue
-        booking.nbytes -= take
-        nbytes -= take
-        carved = carved.absorb(Reservation(booking.account, take))
-    return carved
 
 
 class _Aside(NamedTuple):
@@ -537,6 +531,29 @@ def _announce(finished: SimpleQueue[_Call], call: _Call, _: Future[Any]) -> None
 
 
 class _ParallelMapIterator(Iterator):
+    """A map's calls on a thread pool, their outputs booked through the in-flight ledger.
+
+    The map keeps its own logic here: which inputs go into which call (chunks
+    sized by time and by bytes), the order, errors in their element's place,
+    and the input state a checkpoint restores. The bytes are the ledger's
+    (:class:`~headrace.memory.inflight.InFlight`): it books each call ahead,
+    and the booking is the call's allowance.
+
+    Hooks for subclasses (``ProcessMapIterator`` runs the calls on processes):
+
+    - ``_start_call(elements, progress=None, first=0, allowance=None)`` starts a
+      call and returns a future of ``(outputs, sizes, failed, seconds)``.
+      ``first`` is the position of ``elements[0]`` in the map's input.
+      ``allowance`` is the bytes booked for the outputs: past it, with inputs
+      left, the call stops and returns fewer outputs than inputs
+      (``len(outputs) == len(sizes) <= len(elements)``). This class runs the
+      inputs handed back in a new call, in order. ``failed`` maps positions in
+      ``outputs`` to errors. ``progress`` (threads, out of order) may be ignored.
+    - ``target_call_seconds``: how long a call should run; chunks grow to it.
+    - ``max_chunk``: the most inputs in one call.
+    - ``ledger``: the in-flight ledger (``largest()``, ``share()``).
+    """
+
     def __init__(
         self,
         inner: Iterator,
@@ -551,6 +568,7 @@ class _ParallelMapIterator(Iterator):
         super().__init__(inner)
         self.inner, self.fn, self.ctx, self.account = inner, fn, ctx, account
         self.output_nbytes = output_nbytes
+        self.ledger = InFlight(account, output_nbytes)
         self.threads, self.deterministic, self.stage = threads, deterministic, stage
         self.pool: ThreadPoolExecutor | None = None
         self.calls: deque[_Call] = deque()
@@ -559,22 +577,12 @@ class _ParallelMapIterator(Iterator):
         self.chunk = 1
         #: How long one call should run: chunks grow to it (process workers set more).
         self.target_call_seconds = _TARGET_CALL_SECONDS
+        self.max_chunk = _MAX_CHUNK
         # Out of order, finished calls announce themselves here (one queue get per
         # call, not a wait() over every call in flight).
-        self.max_chunk = _MAX_CHUNK
         self.finished: SimpleQueue[_Call] | None = None if deterministic else SimpleQueue()
         if not deterministic:
             ctx.run.out_of_order.add(self)
-        self.output_estimate = 0  # the largest output so far: what a call in flight will need
-        # The largest output/input size ratio so far: what an input larger than those
-        # seen will need (a chunk of small inputs sized the calls, then large ones came).
-        self.output_ratio = 0.0
-        # What outputs cost beyond what ``output_nbytes`` said (an array's header, where
-        # a hint counts its data), added to each hint: the least per element a call has
-        # shown (exact for a fixed overhead; a process map's segment slack, which varies
-        # by chunk, must not inflate every later booking).
-        self.hint_slack: int | None = None
-        self.pulled_inputs: list[int] = []  # sizes of the last chunk pulled's inputs
         self.state_after_last_input = inner.get_state()
         self.next_index = 0  # of the next input element to pull
         # Where the input's elements come from: asked per element pulled (a call ahead
@@ -587,46 +595,85 @@ class _ParallelMapIterator(Iterator):
         self.aside: _Aside | None = None
         self.handed = 0  # elements handed out: whether a state taken out of order is stale
 
+    @property
+    def output_estimate(self) -> int:
+        """The largest output so far (the ledger's)."""
+        return self.ledger.largest()
+
     def _start_call(
-        self, elements: list[Any], progress: _Progress | None = None, first: int = 0
-    ) -> Future[tuple[list[Any], list[int], dict[int, Exception] | None, float]]:
-        """Run ``fn`` over a chunk in the background (process workers override this
-        and never split a chunk: ``progress`` is ignored there). ``first``: the position
-        of ``elements[0]`` in the map's input."""
+        self, elements: list[Any], progress: _Progress | None = None, first: int = 0,
+        allowance: int | None = None,
+    ) -> Future[_MapResult]:
+        """Run ``fn`` over a chunk in the background (see the class doc)."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="headrace-map")
         return self.pool.submit(_apply_chunk, self.fn, elements, self.ctx.admit, progress,
-                                first, self.ctx.epochs)
+                                first, self.ctx.epochs, allowance)
 
     def _launch(
         self,
         elements: list[Any],
-        bookings: list[Reservation],
+        ticket: Ticket,
         state_before: dict[str, Any],
         first_index: int,
         error: Exception | None,
         origins: list[Any] | None,
-        inputs: list[int],
-        booked: int,
         start: int = 0,
+        *,
+        front: bool = False,
+        wait: bool = False,
     ) -> None:
+        """Add a call; ``front``: it is the next to collect in order (a handed-back tail);
+        ``wait``: it starts later, once its booking covers its first input
+        (:meth:`_start_waiting`) or the consumer needs it (:meth:`_take_call`)."""
+        call = _Call(ticket, elements, state_before, first_index, error, origins, start)
+        if front:
+            self.calls.appendleft(call)
+        else:
+            self.calls.append(call)
+        if not wait:
+            self._start(call)
+
+    def _start(self, call: _Call) -> None:
+        elements = call.elements
         progress = _Progress(len(elements)) if self.finished is not None and elements else None
         try:
-            future = self._start_call(elements, progress, first_index + start)
+            future = self._start_call(elements, progress, call.first_index + call.start,
+                                      allowance=call.ticket.allowance)
         except Exception as refused:
             # The stage cannot run calls (its worker pool is broken): the chunk stays
             # pending with its elements' place and input state, and raises when its turn
             # comes, so a state taken now starts at it and nothing pulled is lost.
             future = Future()
             future.set_exception(refused)
-        call = _Call(future, bookings, state_before, first_index, error, start)
-        call.count, call.origins = len(elements), origins
-        call.inputs, call.booked = inputs, booked
-        if progress is not None:
-            call.elements, call.progress = elements, progress
-        self.calls.append(call)
+        call.future, call.progress = future, progress
         if self.finished is not None:  # (the queue, not self: threads must not
             future.add_done_callback(functools.partial(_announce, self.finished, call))
+
+    def _start_waiting(self) -> None:
+        """Start the handed-back inputs whose booking now covers their first output
+        (the ledger books more for them as room comes back)."""
+        for call in self.calls:
+            if call.future is None and self.ledger.top_up(
+                call.ticket, call.elements
+            ).covers_first():
+                self._start(call)
+
+    def _hand_on(self, call: _Call, at: int, ticket: Ticket, *, front: bool) -> None:
+        """Run the inputs of ``call`` from position ``at`` on (booked by ``ticket``) in a
+        new call: the rest of a slow call, or the inputs a call handed back. It starts
+        now if its booking covers its first input; else it waits like new work."""
+        ticket = self.ledger.top_up(ticket, call.elements[at : at + len(ticket)])
+        wait = not ticket.covers_first()
+        count = len(ticket)
+        elements = call.elements[at : at + count]
+        origins = call.origins
+        error, call.error = call.error, None  # an input error comes after the tail
+        self._launch(
+            elements, ticket, call.state_before, call.first_index, error,
+            None if origins is None else origins[at : at + count], call.start + at,
+            front=front, wait=wait,
+        )
 
     def _split_slow_calls(self) -> None:
         """Out of order only: give the elements after a long-running one to a new call."""
@@ -635,44 +682,29 @@ class _ParallelMapIterator(Iterator):
             if call.progress is None:
                 continue
             given_up = call.progress.split(older_than)
-            if not given_up:
-                continue
-            tail = call.elements[given_up.start : given_up.stop]
-            inputs = call.inputs[given_up.start : given_up.stop]
-            call.count -= len(tail)
-            call.inputs = call.inputs[: given_up.start]
-            error, call.error = call.error, None  # an input error comes after the tail
-            estimate = self.output_estimate
-            booking = _carve(call.bookings, sum(
-                max(nbytes, self._expected_output(element, estimate, nbytes))
-                for element, nbytes in zip(tail, inputs, strict=True)))
-            call.booked -= booking.nbytes
-            origins = call.origins
-            self._launch(
-                tail, [booking], call.state_before, call.first_index, error,
-                None if origins is None else origins[given_up.start : given_up.stop], inputs,
-                booking.nbytes, call.start + given_up.start,
-            )
+            if given_up:
+                self._hand_on(call, given_up.start,
+                              self.ledger.split(call.ticket, given_up.start), front=False)
 
     def _submit_more(self) -> None:
+        ledger = self.ledger
+        self._start_waiting()
         while (
             not self.exhausted
-            and len(self.calls) < (2 * self.threads if self.output_estimate else 1)
+            and len(self.calls) < (2 * self.threads if ledger.largest() else 1)
             # Nothing in flight or ready: one call may always start (progress); otherwise
             # only while its output, at the largest size seen, fits beside what is held.
-            and ((not self.calls and not self.ready) or self.account.fits(self.output_estimate))
+            and ledger.may_start(not self.calls and not self.ready)
         ):
             if self.aside is not None:
                 if not self._launch_aside():
                     return
                 continue
             state_before, first_index = self.state_after_last_input, self.next_index
-            elements, bookings, error = self._pull_chunk()
+            elements, ticket, error = self._pull_chunk()
             if elements or error is not None:
-                self._launch(
-                    elements, bookings, state_before, first_index, error, self.pulled_origins,
-                    self.pulled_inputs, sum(booking.nbytes for booking in bookings),
-                )
+                self._launch(elements, ticket, state_before, first_index, error,
+                             self.pulled_origins)
 
     def _launch_aside(self) -> bool:
         """Start the element set aside once its expected output fits beside what the
@@ -680,50 +712,44 @@ class _ParallelMapIterator(Iterator):
         it must wait."""
         aside = self.aside
         assert aside is not None
-        account = self.account
-        size = max(aside.nbytes, self._expected_output(
-            aside.element, self.output_estimate, aside.nbytes))
-        if (self.calls or self.ready) and account.held + size > account.limit:
+        ledger = self.ledger
+        size = ledger.expect(aside.element, aside.nbytes)
+        if (self.calls or self.ready) and not ledger.fits(size):
             return False
         self.aside = None
-        booking = account.book_existing_total([size], count=False)
-        aside.reservation.release()
+        ticket = Ticket()
+        ledger.add(ticket, aside.nbytes, size, aside.reservation)
         self._launch(
-            [aside.element], [booking], aside.state_before, aside.first_index, None,
-            None if aside.origin is None else [aside.origin], [aside.nbytes or 1], size,
-            aside.position,
+            [aside.element], ledger.book(ticket), aside.state_before, aside.first_index,
+            None, None if aside.origin is None else [aside.origin], aside.position,
         )
         return True
 
-    def _pull_chunk(self) -> tuple[list[Any], list[Reservation], Exception | None]:
+    def _pull_chunk(self) -> tuple[list[Any], Ticket, Exception | None]:
         """Up to ``chunk`` inputs, booked at their expected output size, and the error
         the input raised after them (which ends the chunk), if any.
 
-        Inputs that a buffering stage booked move onto this stage's share at once
-        (holding them while waiting for that stage would deadlock it); the others
-        are booked together, with one lock, when the chunk is complete. An input
-        whose expected output does not fit beside them (known only once it is
-        pulled: a larger output/input ratio, or what ``output_nbytes`` says of it)
-        ends the chunk and waits aside for room, unless nothing else is held.
+        A chunk books at most what fits beside what the stage holds, and at most
+        a fraction of the share (:meth:`InFlight.call_bytes`), so several calls
+        run side by side. An input whose expected output does not fit (known only
+        once it is pulled: a larger output/input ratio, or what ``output_nbytes``
+        says of it) ends the chunk and waits aside for room, unless nothing else
+        is held. The ledger books the inputs (see :meth:`InFlight.add`).
         """
         elements: list[Any] = []
-        bookings: list[Reservation] = []
+        ticket = Ticket()
         upstream_error: Exception | None = None
-        pending: list[int] = []  # sizes of inputs nobody booked, booked together below
-        pending_bytes = 0
-        sizeof, estimate, account = self.ctx.sizeof, self.output_estimate, self.account
+        sizeof, ledger = self.ctx.sizeof, self.ledger
+        expect, add = ledger.expect, ledger.add
         probe = None if self.origin_probe is None else self.origin_probe[0]
         origins: list[Any] | None = None if probe is None else []
         self.pulled_origins = origins
-        inputs: list[int] = []
-        self.pulled_inputs = inputs
-        # (_expected_output without a hint, inlined: this runs per element)
-        hinted, ratio, limit = self.output_nbytes is not None, self.output_ratio, account.limit
+        estimate = ledger.largest()
         # (what a chunk's first input must fit beside: nothing, where nothing is in flight)
         alone = not self.calls and not self.ready
-        while len(elements) < self.chunk and (
-            not elements or account.held + pending_bytes + estimate <= account.limit
-        ):
+        room, cap = ledger.room(), ledger.call_bytes(2 * self.threads)
+        spent = 0  # bytes this chunk books
+        while len(elements) < self.chunk and (not elements or spent + estimate <= cap):
             try:
                 element, reservation = self.inner.pull()
             except StopIteration:
@@ -736,12 +762,9 @@ class _ParallelMapIterator(Iterator):
             # A call in flight will soon hold its output: book the larger of the two
             # (the output's size from the input itself, where output_nbytes says it).
             nbytes = sizeof(element)
-            if hinted:
-                size = max(nbytes, self._expected_output(element, estimate, nbytes))
-            else:
-                size = max(nbytes, estimate, min(int(nbytes * ratio), limit))
+            size = expect(element, nbytes)
             # (at most the estimate: it was checked to fit before the pull)
-            if size > estimate and account.held + pending_bytes + size > account.limit and (
+            if size > estimate and spent + size > (cap if elements else room) and (
                 elements or not alone
             ):
                 self.aside = _Aside(element, reservation, nbytes, origin,
@@ -750,44 +773,24 @@ class _ParallelMapIterator(Iterator):
             elements.append(element)
             if origins is not None:
                 origins.append(origin)
-            inputs.append(nbytes or 1)  # (a registered sizer may say 0: a ratio's divisor)
-            if reservation.account is None:
-                pending.append(size)
-                pending_bytes += size
-            else:  # booked upstream: it moves here at once (the stage above may be waiting
-                # for that room to give us the next input), booked as it is
-                bookings.append(account.book_existing_total([size], count=False))
-                reservation.release()
+            add(ticket, nbytes, size, reservation)
+            spent += size
         if elements or upstream_error is not None or self.aside is not None:
             self.state_after_last_input = self.inner.get_state()
             self.next_index += (
                 len(elements) + (upstream_error is not None) + (self.aside is not None))
-        if pending:  # the inputs exist: booked as they are (past the share only if the
-            # chunk's first input alone did not fit beside what is held), as one booking
-            # for the call: they are released together when it is collected
-            bookings.append(account.book_existing_total(pending, count=False))
-        return elements, bookings, upstream_error
-
-    def _expected_output(self, element: Any, estimate: int, nbytes: int) -> int:
-        """What the call on ``element`` (of ``nbytes``) will hold: ``output_nbytes(element)``
-        (an image's decoded size from its header, before it is decoded), or else the
-        largest output so far or the input's size at the largest output/input ratio so
-        far, whichever is larger (at most the stage's share: a guess must not refuse).
-
-        A hint that fails books the estimate: the call itself then raises in the
-        element's place."""
-        if self.output_nbytes is None:
-            return max(estimate, min(int(nbytes * self.output_ratio), self.account.limit))
-        try:
-            return int(self.output_nbytes(element)) + (self.hint_slack or 0)
-        except Exception:
-            return estimate
+        return elements, ledger.book(ticket), upstream_error
 
     def _take_call(self) -> _Call:
         """The next call to collect (still in ``calls``: :meth:`_collect` removes it)."""
         if self.finished is None:
-            return self.calls[0]
+            call = self.calls[0]
+            if call.future is None:  # the consumer needs it now: it may run one past
+                self._start(call)
+            return call
         while True:  # calls dropped by a restore may still announce themselves: skip them
+            if all(call.future is None for call in self.calls):
+                self._start(self.calls[0])  # (progress: nothing else runs)
             self._split_slow_calls()
             try:
                 call = self.finished.get(timeout=_SPLIT_AFTER_SECONDS)
@@ -797,12 +800,14 @@ class _ParallelMapIterator(Iterator):
                 return call
 
     def _collect(self, call: _Call) -> None:
-        """A call's outputs (and errors) into ``ready``.
+        """A call's outputs (and errors) into ``ready``; the inputs it handed back into a
+        new call, collected next where the order is kept.
 
         A call that failed as a whole (its worker pool is broken: the elements' own
         errors come in ``failed``) stays where it is, bookings and all, and raises
         again at the next pull: a state taken after the error starts at its first
         element, which is not lost (issue 22: popped first, four elements were)."""
+        assert call.future is not None
         try:
             outputs, costs, failed, seconds = call.future.result()
         except BaseException:
@@ -813,19 +818,34 @@ class _ParallelMapIterator(Iterator):
             self.calls.popleft()
         else:
             self.calls.remove(call)
-        release_all(call.bookings)
-        per_element = seconds / max(len(outputs), 1)
+        # Out of order the future's callback holds the call: a cycle that kept the
+        # outputs alive, unbooked, until the cyclic GC ran. Dropped here.
+        call.future = None
+        ledger, ticket, ran = self.ledger, call.ticket, len(outputs)
+        # Inputs the call did not run (past its allowance): their part of the booking
+        # goes with them.
+        rest = ledger.split(ticket, ran) if ran < len(ticket) else None
+        per_element = seconds / max(ran, 1)
         if per_element > 0:
             wanted = int(self.target_call_seconds / per_element) or 1
             self.chunk = max(1, min(self.max_chunk, wanted))
         errors: dict[int, Exception] | None = None
         # the failed positions hold no output and book nothing
-        good = [p for p in range(len(outputs)) if failed is None or p not in failed]
+        good = [p for p in range(ran) if failed is None or p not in failed]
         sizes = costs if failed is None else [costs[p] for p in good]
-        reservations = [NO_RESERVATION] * len(outputs)
-        # The outputs exist: booked as they are, beyond the share if they outgrew the estimate.
-        for position, booking in zip(good, self.account.book_existing(sizes), strict=True):
+        inputs = ticket.inputs if failed is None else [ticket.inputs[p] for p in good]
+        reservations = [NO_RESERVATION] * ran
+        try:
+            booked = ledger.settle(ticket, sizes, inputs, whole=failed is None and rest is None)
+        except BaseException:  # refused (an output past the whole budget): book nothing more
+            if rest is not None:
+                rest.release()
+            raise
+        for position, booking in zip(good, booked, strict=True):
             reservations[position] = booking
+        if rest is not None:  # next in order, where the order is kept
+            self._hand_on(call, ran, rest, front=self.finished is None)
+        call.elements = []
         if failed is not None:
             origins, probe = call.origins, self.origin_probe
             errors = {
@@ -835,16 +855,6 @@ class _ParallelMapIterator(Iterator):
                 )
                 for position, error in failed.items()
             }
-        if sizes:
-            ratio = 0.0  # (unused where a hint tells each output's size)
-            if self.output_nbytes is None:
-                inputs = call.inputs if failed is None else [call.inputs[p] for p in good]
-                ratio = max(map(truediv, sizes, inputs), default=0.0)
-            elif failed is None:  # booked at the hints: what the outputs cost beyond them
-                excess = max(0, -((call.booked - sum(sizes)) // len(sizes)))
-                slack = self.hint_slack
-                self.hint_slack = excess if slack is None else min(slack, excess)
-            self._learn(max(sizes), ratio)
         if call.error is not None:
             errors = errors or {}
             errors[len(outputs)] = call.error
@@ -858,42 +868,6 @@ class _ParallelMapIterator(Iterator):
                 errors = {start + position: error for position, error in errors.items()}
         self.ready.append(Handoff(
             outputs, reservations, call.state_before, errors, call.first_index, start=start))
-
-    def _learn(self, largest: int, ratio: float) -> None:
-        """Outputs came in, the ``largest`` of them and the largest output/input size
-        ``ratio`` among them: raise the estimates they pass, and book the calls in
-        flight at the new ones now (past the share if it must: that work is already
-        running; no new call starts until the stage is back within its share).
-
-        Not with ``output_nbytes``: each call in flight was booked at its own
-        outputs' sizes, told by the hint, so a large output says nothing about
-        theirs. Rebooking them at it double-booked them as an overdraft (12 MB for
-        a map decoding heavy-tailed JPEGs, budget fuzzer seed 300003 of
-        ``newer_spec``), which held the stage back for nothing.
-
-        Why the ratio: calls are sized (chunked) by how quick the elements so far
-        were, and booked at the largest output so far. Inputs 100x larger than the
-        first ones, each growing 4x, then filled chunks booked at their inputs'
-        size that made 4x that: 90 MB of overdraft on a 24 MB share (budget fuzzer
-        seed 130361).
-        """
-        grew = largest > self.output_estimate
-        self.output_estimate = max(self.output_estimate, largest)
-        if self.output_nbytes is not None:
-            return
-        if ratio > self.output_ratio:
-            self.output_ratio, grew = ratio, True
-        if not grew:
-            return
-        estimate = self.output_estimate
-        for call in self.calls:
-            if not call.count:
-                continue
-            need = sum(max(nbytes, self._expected_output(None, estimate, nbytes))
-                       for nbytes in call.inputs[: call.count])
-            if need > call.booked:
-                call.bookings.append(self.account.overdraw(need - call.booked))
-                call.booked = need
 
     def pull(self) -> tuple[Any, Reservation]:
         if not self.ready:
@@ -953,8 +927,9 @@ class _ParallelMapIterator(Iterator):
             self.aside = None
         while self.calls:
             call = self.calls.popleft()
-            call.future.cancel()
-            release_all(call.bookings)
+            if call.future is not None:
+                call.future.cancel()
+            call.ticket.release()
 
     def close(self) -> None:
         self._drop_calls()

@@ -120,7 +120,7 @@ class ProcessMapIterator(_ParallelMapIterator):
         return account.charge(nbytes)
 
     def _start_call(self, elements: list[Any], progress: Any = None,
-                    first: int = 0) -> Future[_MapResult]:
+                    first: int = 0, allowance: int | None = None) -> Future[_MapResult]:
         outer: Future[_MapResult] = Future()
         if not elements:  # a chunk that is only an upstream error: nothing to compute
             outer.set_result(([], [], None, 0.0))
@@ -256,18 +256,18 @@ class _AutoMapIterator(ProcessMapIterator):
         self.probe: _GilProbe | None = None
 
     def _start_call(self, elements: list[Any], progress: Any = None,
-                    first: int = 0) -> Future[_MapResult]:
+                    first: int = 0, allowance: int | None = None) -> Future[_MapResult]:
         if self.kind == "processes":
-            return super()._start_call(elements, None, first)
+            return super()._start_call(elements, None, first, allowance)
         if self.kind == "threads":
-            return _ParallelMapIterator._start_call(self, elements, progress, first)
+            return _ParallelMapIterator._start_call(self, elements, progress, first, allowance)
         if self.probe is None:
             self.probe = _GilProbe()
         self.probe.in_call = True
         cpu = time.thread_time()
         try:
             result = _apply_chunk(self.fn, elements, self.ctx.admit, None, first,
-                                  self.ctx.epochs)
+                                  self.ctx.epochs, allowance)
         finally:
             self.probe.in_call = False
         self.sampled_cpu += time.thread_time() - cpu

@@ -1,0 +1,252 @@
+"""Work whose outputs do not exist yet: the *in-flight* ledger.
+
+A parallel map starts a call before its outputs exist, so it must book them
+ahead. The ledger guesses what a call will hold (:meth:`InFlight.expect`),
+books that guess on the stage's :class:`~headrace.memory.buffer.Buffer` as a
+:class:`Ticket`, hands a ticket's tail to a new call (:meth:`InFlight.split`)
+and turns it into the outputs' own bookings once they arrive
+(:meth:`InFlight.settle`).
+
+Why a guess is enough. A guess can be wrong by any factor: outputs may jump
+x1000 after thousands of small ones. So the ticket's bytes are also the call's
+*allowance*. A call stops right after the output that takes it past its
+allowance and hands the inputs it did not run back (see :func:`over_allowance`).
+What a call holds beyond its booking is then at most one element. Across the
+stage, held plus in flight stays within the share plus one element per call in
+flight, whatever the sizes do.
+
+The estimate. Each call is booked at the largest output seen so far, or at its
+input's size times the largest output/input ratio seen, whichever is larger.
+The ratio matters when inputs grow: small inputs sized the calls, then large
+ones came. An ``output_nbytes`` hint replaces both: it tells each output's size
+from its input. What outputs cost beyond their hints (an array's header) is
+learned as a slack added to each hint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Overdraft, Reservation, release_all
+
+__all__ = ["InFlight", "Ticket", "over_allowance"]
+
+#: One call books at most this share of the stage's share (and at least one element),
+#: so that several calls can run side by side. Time bounds the chunk too.
+CALL_FRACTION = 4
+
+
+def over_allowance(spent: int, allowance: int | None, remaining: int) -> bool:
+    """Whether a call must stop: its outputs cost past its allowance and inputs remain.
+
+    A call runs its inputs in order and adds each output's cost to ``spent``.
+    Once ``spent`` passes ``allowance`` it stops after that output, if any input
+    is left, and hands those inputs back. So a call holds at most one element
+    beyond what was booked for it.
+    """
+    return allowance is not None and spent > allowance and remaining > 0
+
+
+class Ticket:
+    """What was booked ahead for one call: its inputs' expected outputs.
+
+    ``expected`` and ``inputs`` hold one size per input (the expected output,
+    the input's own size). ``booked`` is the bytes booked for them, which is the
+    call's allowance. The bookings are released when the call settles, or move
+    in part to a tail (:meth:`InFlight.split`).
+    """
+
+    __slots__ = ("booked", "bookings", "expected", "inputs", "pending")
+
+    def __init__(self) -> None:
+        self.bookings: list[Reservation] = []
+        self.expected: list[int] = []
+        self.inputs: list[int] = []
+        self.booked = 0
+        self.pending = 0  # expected bytes not booked yet (see InFlight.book)
+
+    @property
+    def allowance(self) -> int:
+        """The bytes a call may produce before it stops and hands the rest back."""
+        return self.booked
+
+    def __len__(self) -> int:
+        return len(self.expected)
+
+    def covers_first(self) -> bool:
+        """Whether the booking covers the first input's expected output (a handed-back
+        tail may start on its own then)."""
+        return self.booked >= self.expected[0]
+
+    def release(self) -> None:
+        """Give the booking back (the call was dropped)."""
+        release_all(self.bookings)
+        self.bookings.clear()
+        self.booked = 0
+
+
+class InFlight:
+    """The in-flight ledger of one stage: estimate, book ahead, split, settle.
+
+    It books on the stage's ``buffer`` with ``count=False``: bytes of work in
+    flight, not elements. ``hint``: the map's ``output_nbytes``, which tells an
+    output's size from its input.
+    """
+
+    def __init__(self, buffer: Buffer, hint: Callable[[Any], int] | None = None) -> None:
+        self.buffer = buffer
+        self.hint = hint
+        self._largest = 0  # the largest output so far
+        self._ratio = 0.0  # the largest output/input size ratio so far
+        # What outputs cost beyond their hints, per element: the least a call has
+        # shown. A process map's segment slack varies by call; the least of it must
+        # not inflate every later booking.
+        self._slack: int | None = None
+
+    # -- questions -------------------------------------------------------------------------
+
+    def largest(self) -> int:
+        """The largest output so far (0 before the first)."""
+        return self._largest
+
+    def share(self) -> int:
+        """The stage's share of the budget."""
+        return self.buffer.share()
+
+    def expect(self, element: Any, nbytes: int) -> int:
+        """What a call on ``element`` (of ``nbytes``) will hold: at least the input.
+
+        With a hint, the hint plus the learned slack; a hint that fails books the
+        largest output so far (the call then raises in the element's place).
+        Without one, the larger of the largest output so far and the input's size
+        at the largest ratio, capped at the share: a guess must not refuse.
+        """
+        if self.hint is None:
+            return max(nbytes, self._largest, min(int(nbytes * self._ratio), self.buffer.limit))
+        try:
+            guess = int(self.hint(element)) + (self._slack or 0)
+        except Exception:
+            guess = self._largest
+        return max(nbytes, guess)
+
+    def may_start(self, alone: bool) -> bool:
+        """Whether a new call may start: always when nothing else is in flight or ready
+        (progress), else only while an output of the largest size so far fits."""
+        return alone or self.buffer.fits(self._largest)
+
+    def room(self) -> int:
+        """What is left of the share beside what the stage holds."""
+        return self.buffer.room()
+
+    def fits(self, nbytes: int, pending: int = 0) -> bool:
+        """Whether ``nbytes`` more fit beside what the stage holds and ``pending``."""
+        return self.buffer.room() >= pending + nbytes
+
+    def call_bytes(self, calls: int) -> int:
+        """The most a new call should book, with up to ``calls`` in flight: what fits
+        beside what the stage holds, and a fraction of the share, so that calls run
+        side by side (its first input may pass it: see the map's chunks)."""
+        share = self.buffer.share() // max(1, min(calls, CALL_FRACTION))
+        return min(self.buffer.room(), max(1, share))
+
+    # -- booking ---------------------------------------------------------------------------
+
+    def add(self, ticket: Ticket, nbytes: int, expected: int, upstream: Reservation) -> None:
+        """Put one input on ``ticket``: ``nbytes`` its own size, ``expected`` its output's.
+
+        An input booked upstream moves onto this stage at once, since the stage
+        above may wait for that room to give the next input. The others are
+        booked together by :meth:`book`.
+        """
+        ticket.expected.append(expected)
+        ticket.inputs.append(nbytes or 1)  # (a sizer may say 0: a ratio's divisor)
+        if upstream.account is None:
+            ticket.pending += expected
+            return
+        ticket.bookings.append(self.buffer.book_existing_total([expected], count=False))
+        ticket.booked += expected
+        upstream.release()
+
+    def book(self, ticket: Ticket) -> Ticket:
+        """Book what :meth:`add` left pending, as one booking. The inputs exist, so it is
+        booked as it is: past the share only if the first input did not fit alone."""
+        if ticket.pending:
+            ticket.bookings.append(
+                self.buffer.book_existing_total([ticket.pending], count=False))
+            ticket.booked += ticket.pending
+            ticket.pending = 0
+        return ticket
+
+    def split(self, ticket: Ticket, at: int) -> Ticket:
+        """The inputs from position ``at`` on, as a ticket of their own.
+
+        Their part of the booking changes hands; nothing is booked or released.
+        An overdraft's excess stays with the head, so the split books exactly
+        what the ticket did.
+        """
+        tail = Ticket()
+        tail.expected, ticket.expected = ticket.expected[at:], ticket.expected[:at]
+        tail.inputs, ticket.inputs = ticket.inputs[at:], ticket.inputs[:at]
+        nbytes = sum(tail.expected)
+        carved: Reservation = NO_RESERVATION
+        for booking in ticket.bookings:
+            if nbytes <= 0:
+                break
+            movable = booking.nbytes - (booking.excess if isinstance(booking, Overdraft) else 0)
+            take = min(movable, nbytes)
+            if take <= 0 or booking.account is None:
+                continue
+            booking.nbytes -= take
+            nbytes -= take
+            carved = carved.absorb(Reservation(booking.account, take))
+        if carved.nbytes:
+            tail.bookings.append(carved)
+        tail.booked = carved.nbytes
+        ticket.booked -= carved.nbytes
+        return tail
+
+    def top_up(self, ticket: Ticket, elements: list[Any]) -> Ticket:
+        """Re-expect a handed-back tail at what is known now, and book the growth that
+        fits beside what the stage holds (never past the share: the allowance stops
+        the call instead). ``elements``: the tail's inputs, for the hint."""
+        expected = [
+            self.expect(element, nbytes)
+            for element, nbytes in zip(elements, ticket.inputs, strict=True)
+        ]
+        ticket.expected = expected
+        grant = min(sum(expected) - ticket.booked, self.buffer.room())
+        if grant > 0:
+            ticket.bookings.append(self.buffer.book_existing_total([grant], count=False))
+            ticket.booked += grant
+        return ticket
+
+    def settle(
+        self, ticket: Ticket, sizes: list[int], inputs: list[int], *, whole: bool
+    ) -> list[Reservation]:
+        """Outputs arrived: learn from them, release the ticket, book them as they are.
+
+        ``sizes``: the outputs' costs; ``inputs``: their inputs' sizes. ``whole``: the
+        call ran every input of the ticket without error (only then is the hint's
+        slack learned: the booking then covers exactly these outputs). What passes
+        the share is booked as an overdraft, which keeps new calls from starting
+        until it drains; the allowance keeps it to one element per call.
+        """
+        if sizes:
+            self._learn(sizes, inputs, ticket.booked if whole else None)
+        release_all(ticket.bookings)
+        ticket.bookings.clear()
+        ticket.booked = 0
+        return self.buffer.book_existing(sizes) if sizes else []
+
+    def _learn(self, sizes: list[int], inputs: list[int], booked: int | None) -> None:
+        largest = max(sizes)
+        if largest > self._largest:
+            self._largest = largest
+        if self.hint is None:
+            ratio = max(size / nbytes for size, nbytes in zip(sizes, inputs, strict=True))
+            if ratio > self._ratio:
+                self._ratio = ratio
+        elif booked is not None:  # booked at the hints: what the outputs cost beyond them
+            excess = max(0, -((booked - sum(sizes)) // len(sizes)))
+            self._slack = excess if self._slack is None else min(self._slack, excess)

@@ -1,0 +1,189 @@
+"""A parallel map's work in flight, measured: calls stop at their allowance (issue 23).
+
+Each case runs in a fresh interpreter and measures the process's growth while
+the pipeline runs. The bound is the project's: budget + 10% + 64 MiB, plus one
+element where the user's function made one larger than the budget. The oracle
+of values and order is the same function applied in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+MiB = 1 << 20
+
+SCRIPT = """
+import json, sys, warnings
+import numpy as np
+import headrace as hr
+from headrace.cli import _PeakSampler
+warnings.simplefilter("ignore")
+MiB = 1 << 20
+case, jump, small, large, calls, deterministic = json.loads(sys.argv[1])
+if case == "regime":  # quick small outputs, then large ones: the estimate is far behind
+    budget = 32 * MiB
+    count = jump + 300
+    def fn(i):
+        return np.full(small if i < jump else large, i % 251, np.uint8)
+elif case == "giant":  # one output larger than the whole budget
+    budget, count = 64 * MiB, 8
+    def fn(i):
+        return np.ones(256 * MiB if i == 3 else 1024, np.uint8)
+else:  # ints: a list of a million ints (~36 MB of objects) under 32 MiB
+    budget, count = 32 * MiB, 6
+    def fn(i):
+        return list(range(1_000_000)) if i == 2 else [int(i)]
+ds = hr.Dataset.range(count).map(fn, num_parallel_calls=calls, deterministic=deterministic)
+ds = ds.with_options(hr.Options(memory_budget=budget))
+seen, outcome = [], "ok"
+with _PeakSampler(0.001) as sampler:
+    try:
+        for element in ds:
+            seen.append([len(element), int(element[0])])
+            del element
+    except hr.MemoryBudgetError as error:
+        outcome = "refused: " + str(error)
+print(json.dumps({"growth": sampler.growth, "outcome": outcome, "seen": seen,
+                  "budget": budget, "count": count}))
+"""
+
+
+def _run(case: str, jump: int = 0, small: int = 0, large: int = 0, calls: int = 4,
+         deterministic: bool = True) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT,
+         json.dumps([case, jump, small, large, calls, deterministic])],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _bound(budget: int, element: int = 0) -> int:
+    return budget + budget // 10 + 64 * MiB + element
+
+
+def _regime(seed: int) -> None:
+    rng = random.Random(seed)
+    jump, small = rng.randint(1000, 4000), rng.randint(64, 512)
+    large = rng.randint(200, 600) * 1024
+    calls, deterministic = rng.choice((2, 4, 16)), rng.random() < 0.7
+    result = _run("regime", jump, small, large, calls, deterministic)
+    where = (seed, jump, small, large, calls, deterministic, result["growth"] / MiB)
+    assert result["outcome"] == "ok", (where, result["outcome"])
+    assert result["growth"] <= _bound(result["budget"]), where
+    oracle = [[small if i < jump else large, i % 251] for i in range(result["count"])]
+    if deterministic:  # the sequential map's elements, in its order
+        assert result["seen"] == oracle, where
+    else:  # the same elements, once each
+        assert sorted(result["seen"]) == sorted(oracle), where
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_outputs_that_jump_x1000_after_thousands_stay_within_the_bound(seed: int) -> None:
+    """128 B outputs for thousands of quick calls, then 200-600 KB ones under 32 MiB:
+    calls booked at the small size stop after their first large output and hand the
+    rest back, so the process grows within the bound (it grew 181-195 MiB against
+    99 MiB when calls ran their whole chunk). Values and order are the sequential map's."""
+    _regime(seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 12))
+def test_outputs_that_jump_x1000_after_thousands_stay_within_the_bound_more(seed: int) -> None:
+    _regime(seed)
+
+
+@pytest.mark.slow  # (a 256 MiB array in a child: ~5-10 s)
+@pytest.mark.parametrize("case, element", [("giant", 256 * MiB), ("ints", 40 * MiB)])
+def test_an_output_larger_than_the_budget_is_refused_within_the_bound(
+    case: str, element: int
+) -> None:
+    """A 256 MiB array under 64 MiB, a list of a million ints under 32 MiB: the map
+    refuses the output with MemoryBudgetError naming the stage and the size, and the
+    process grows by at most the bound plus that one element."""
+    result = _run(case)
+    assert result["outcome"].startswith("refused: "), result["outcome"]
+    assert "map(__main__.fn)" in result["outcome"], result["outcome"]
+    assert "MiB" in result["outcome"] or "MB" in result["outcome"], result["outcome"]
+    assert result["growth"] <= _bound(result["budget"], element), result["growth"] / MiB
+
+
+def _sized_map(sizes: list[int], calls: int, deterministic: bool) -> Any:
+    import numpy as np
+
+    import headrace as hr
+
+    def fill(index: Any, size: Any) -> Any:
+        return index, np.full(int(size), int(index) % 251, np.uint8)
+
+    ds = hr.Dataset.from_tensor_slices((np.arange(len(sizes)), np.array(sizes, np.int64)))
+    return ds.map(fill, num_parallel_calls=calls, deterministic=deterministic).with_options(
+        hr.Options(memory_budget=4 * MiB))
+
+
+def _ids(elements: Any) -> list[int]:
+    out = []
+    for index, array in elements:
+        assert int(array[0]) == int(index) % 251 if len(array) else True
+        out.append(int(index))
+    return out
+
+
+def test_a_state_taken_while_inputs_are_handed_back_resumes_at_the_same_elements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Runs of tiny outputs then ~1 MB ones under 4 MiB, so calls stop at their allowance
+    and hand inputs back; a state taken after every element restores to the rest of the
+    uninterrupted run (in order), or to every element not yet out, each once (out of
+    order: at-least-once)."""
+    _resume_cases(monkeypatch, seed=23, cases=2, longest=16)
+
+
+@pytest.mark.slow
+def test_states_taken_while_inputs_are_handed_back_resume_more_cases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _resume_cases(monkeypatch, seed=24, cases=12, longest=48)
+
+
+def _resume_cases(monkeypatch: pytest.MonkeyPatch, *, seed: int, cases: int, longest: int) -> None:
+    from headrace.transforms.map import _ParallelMapIterator
+
+    handed_back = []
+    original = _ParallelMapIterator._hand_on
+
+    def counting(self: Any, call: Any, at: int, ticket: Any, **kw: Any) -> None:
+        handed_back.append(call.future is None)  # (collected: not a slow call's split)
+        original(self, call, at, ticket, **kw)
+
+    monkeypatch.setattr(_ParallelMapIterator, "_hand_on", counting)
+    rng = random.Random(seed)
+    for _ in range(cases):
+        sizes = [rng.choice((64, 64, 64, 64, 300_000, 900_000))
+                 for _ in range(rng.randint(8, longest))]
+        calls, deterministic = rng.choice((2, 3, 4)), rng.random() < 0.6
+        ds = _sized_map(sizes, calls, deterministic)
+        everything = _ids(ds)
+        assert sorted(everything) == list(range(len(sizes)))
+        for cut in range(len(everything) + 1):
+            iterator = iter(ds)
+            before = _ids(itertools.islice(iterator, cut))
+            state = json.loads(json.dumps(iterator.get_state()))
+            iterator.close()
+            resumed = iter(ds)
+            resumed.set_state(state)
+            after = _ids(resumed)
+            if deterministic:
+                assert before + after == everything, (sizes, calls, cut)
+            else:
+                assert len(set(after)) == len(after), (sizes, calls, cut)
+                assert set(everything) - set(before) <= set(after), (sizes, calls, cut)
+    assert any(handed_back), "no input was handed back: the cases do not test it"
