@@ -64,7 +64,7 @@ from headrace.io.tfrecord.reader import open_tfrecord
 from headrace.io.tfrecord.writer import TFRecordWriter
 from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.io.tfrecord_index import build_index
-from headrace.memory.budget import Reservation, StageAccount
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
 from headrace.sources.tfrecord import IndexedTFRecordNode
 from headrace.structure import TensorSpec, flatten, leaf_spec, map_structure, spec_of
 
@@ -184,7 +184,7 @@ class _Workers:
     """Writer threads, each owning the shards ``shard % threads``; batches booked until
     written, at most two queued per thread (backpressure on the reading loop)."""
 
-    def __init__(self, writers: list[_ShardWriter], account: StageAccount) -> None:
+    def __init__(self, writers: list[_ShardWriter], account: Buffer) -> None:
         self.writers = writers
         self.account = account
         count = max(1, min(len(writers), 4))
@@ -411,13 +411,16 @@ def _write_all(
     workers = _Workers(writers, account)
     pending: dict[int, list[bytes]] = {}
     pending_bytes: dict[int, int] = {}
-    limit = max(64 << 10, min(_BATCH_BYTES, account.limit // (2 * len(workers.queues) + 2)))
+    #: Each shard's pending batch, booked as one (it moves to the writer thread with it).
+    bookings: dict[int, Reservation] = {}
+    limit = max(64 << 10, min(_BATCH_BYTES, account.share() // (2 * len(workers.queues) + 2)))
 
     def send(shard: int) -> None:
         records = pending.pop(shard, [])
-        nbytes = pending_bytes.pop(shard, 0)
+        pending_bytes.pop(shard, 0)
+        booking = bookings.pop(shard, NO_RESERVATION)
         if records:
-            workers.submit("write", shard, records, Reservation(account, nbytes))
+            workers.submit("write", shard, records, booking)
 
     try:
         for element in iterator:
@@ -430,7 +433,13 @@ def _write_all(
                 writers.append(_ShardWriter(writers[0].directory, len(writers), writers[0].compression, []))
             record = encode_element(element)
             size = len(record) + 33
-            account.charge(size).nbytes = 0  # moves into the batch's booking
+            if not account.fits(size):
+                # Batches pending for many shards fill the share: hand them all to the
+                # writers, and wait until they have written enough.
+                for waiting in list(pending):
+                    send(waiting)
+                account.wait_for_room(size)
+            bookings[shard] = bookings.get(shard, NO_RESERVATION).absorb(account.admit(size))
             pending.setdefault(shard, []).append(record)
             pending_bytes[shard] = pending_bytes.get(shard, 0) + size
             if pending_bytes[shard] >= limit:
@@ -444,9 +453,10 @@ def _write_all(
             workers.submit("finish", shard, [], None)
         workers.drain()
     finally:
-        for shard in list(pending):
-            account.release(pending_bytes.pop(shard, 0))
+        release_all(bookings.values())
+        bookings.clear()
         pending.clear()
+        pending_bytes.clear()
         workers.stop()
     return first
 

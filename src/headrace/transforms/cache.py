@@ -68,7 +68,6 @@ import json
 import os
 import shutil
 import struct
-import sys
 import tempfile
 import threading
 import time
@@ -94,13 +93,8 @@ from headrace.io.tfrecord.reader import records_in_spans
 from headrace.io.tfrecord.writer import TFRecordWriter, record_frame
 from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.io.tfrecord_index import index_path_for, load_index, write_index
-from headrace.memory.budget import (
-    NO_RESERVATION,
-    KeptStats,
-    MemoryBudget,
-    Reservation,
-    StageAccount,
-)
+from headrace.memory.budget import KeptStats, MemoryBudget
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.units import format_bytes
 from headrace.sources.files import file_limiter
 
@@ -191,30 +185,26 @@ def _read_only(value: Any) -> Any:
     return value
 
 
-def _book(account: StageAccount, nbytes: int, what: str) -> Reservation:
-    """Book ``nbytes`` beside what the stage holds; past its share the budget splits
-    itself again (:meth:`StageAccount.require`) or raises MemoryBudgetError."""
-    if account.held + nbytes > account.limit:
-        account.require(account.held + nbytes, what=what)
-    return account.charge(nbytes)
+def _book(account: Buffer, nbytes: int, what: str) -> Reservation:
+    """Book ``nbytes`` held together with what the stage holds. Past its share the
+    budget splits itself again, or MemoryBudgetError names the stage and ``what``."""
+    return account.admit(nbytes, together=what)
 
 
-def _chunk_bytes(account: StageAccount) -> int:
+def _chunk_bytes(share: int) -> int:
     """How many record bytes the cache reads (or writes) at once: 1/16 of its share."""
-    return max(16 << 10, min(1 << 20, account.limit // 16))
-
-
-def _reserve(account: StageAccount) -> int:
-    """What the in-memory part leaves free: the spill writer's buffers now, the spill
-    reader's buffer and one element later; at least a quarter of the share."""
-    return max(account.limit // 4, DEFAULT_BUFFER_SIZE + 3 * _chunk_bytes(account))
+    return max(16 << 10, min(1 << 20, share // 16))
 
 
 def in_memory_room(share: int) -> int:
-    """Bytes of elements a cache with this share keeps in memory before it spills (lint
-    predicts the spill from it)."""
-    chunk = max(16 << 10, min(1 << 20, share // 16))
-    return max(share - max(share // 4, DEFAULT_BUFFER_SIZE + 3 * chunk), 0)
+    """Bytes of elements a cache with this share keeps in memory before it spills.
+
+    The rest stays free for the spill writer's buffers now, and for the spill
+    reader's buffer and one element later: at least a quarter of the share.
+    Lint predicts the spill from it.
+    """
+    reserve = max(share // 4, DEFAULT_BUFFER_SIZE + 3 * _chunk_bytes(share))
+    return max(share - reserve, 0)
 
 
 def _disk_full(error: OSError, path: str, count: int, nbytes: int) -> OSError:
@@ -247,7 +237,7 @@ class _RecordWriter:
     def __init__(
         self,
         path: str,
-        account: StageAccount,
+        account: Buffer,
         codec: BlockCodec | None = None,
         *,
         limiter: FileLimiter | None,
@@ -285,7 +275,7 @@ class _RecordWriter:
         self.offsets_booking = account.charge(0)
 
     def _start(self) -> None:
-        self.batch_limit = _chunk_bytes(self.account)
+        self.batch_limit = _chunk_bytes(self.account.share())
         # the batch, its framed copy, and (compressed) the block made of it
         buffers = (3 if self.codec is not None else 2) * self.batch_limit
         self.booking = _book(
@@ -482,7 +472,7 @@ class _RecordReader:
         self,
         path: str,
         ctx: Context,
-        account: StageAccount,
+        account: Buffer,
         expected: _Expected | None = None,
     ) -> None:
         self.path, self.ctx, self.account = path, ctx, account
@@ -511,7 +501,7 @@ class _RecordReader:
         # Read when reading, not when made: a reader made while the iterator tree is
         # built (a complete cache file) sees its stage's share only once the budget is
         # split, and a chunk fixed then (16 KiB) read 100 KB records one call each.
-        return _chunk_bytes(self.account)
+        return _chunk_bytes(self.account.share())
 
     def _end(self, record: int) -> int:
         return int(self.offsets[record + 1]) if record + 1 < len(self.offsets) else self.size
@@ -527,10 +517,10 @@ class _RecordReader:
         while last + 1 < len(self.offsets) and self._end(last + 1) - begin <= self.chunk:
             last += 1
         size = self._end(last) - begin
-        if size > self.chunk:  # one record beyond the chunk
-            self.account.require(self.account.held + size, what="one cached element")
         self._release_pending()
-        _book(self.account, size + _BYTES_OVERHEAD, "cached elements read ahead")
+        # (one record may pass the chunk: past the share, the budget splits again)
+        what = "one cached element" if last == first else "cached elements read ahead"
+        _book(self.account, size + _BYTES_OVERHEAD, what)
         self.pending_booked = size + _BYTES_OVERHEAD
         (buffer,) = self.stream.pread_many([begin], [size])
         if last == first:  # decoded in place: the element's arrays are views of ``buffer``
@@ -566,11 +556,10 @@ class _RecordReader:
             sizes.append(size)
             total += size
             record += 1
-        if total > self.chunk:  # one record beyond the chunk
-            self.account.require(self.account.held + total, what="one cached element")
         self._release_pending()
         booked = total + _BYTES_OVERHEAD * len(sizes)
-        _book(self.account, booked, "cached elements read ahead")
+        what = "one cached element" if len(sizes) == 1 else "cached elements read ahead"
+        _book(self.account, booked, what)
         self.pending_booked = booked
         buffers = self.stream.pread_many(starts, sizes)
         self.pending = [
@@ -674,7 +663,7 @@ class _BlockReader(_RecordReader):
         self,
         path: str,
         ctx: Context,
-        account: StageAccount,
+        account: Buffer,
         codec: BlockCodec,
         blocks: list[tuple[int, int]],
         expected: _Expected | None = None,
@@ -705,8 +694,6 @@ class _BlockReader(_RecordReader):
         records, raw_size = self.blocks[block]
         self._release_pending()
         work = size + raw_size + 2 * _BYTES_OVERHEAD
-        if work > self.chunk:  # a large element's block: beyond the chunk
-            self.account.require(self.account.held + work, what="one cached element")
         _book(self.account, work, "a compressed block read ahead")
         self.pending_booked = work
         (buffer,) = self.stream.pread_many([begin], [size])
@@ -829,12 +816,12 @@ _kept: weakref.WeakKeyDictionary[CacheNode, _KeptMemory] = weakref.WeakKeyDictio
 #: What each run has booked of a kept cache, by the run's cache account (one booking
 #: per run and node, however many epochs of a ``repeat`` read it).
 _run_bookings: weakref.WeakKeyDictionary[
-    StageAccount, tuple[weakref.ref[_KeptMemory], Reservation]
+    Buffer, tuple[weakref.ref[_KeptMemory], Reservation]
 ] = weakref.WeakKeyDictionary()
-_keepers: weakref.WeakKeyDictionary[MemoryBudget, StageAccount] = weakref.WeakKeyDictionary()
+_keepers: weakref.WeakKeyDictionary[MemoryBudget, Buffer] = weakref.WeakKeyDictionary()
 
 
-def _keeper(budget: MemoryBudget) -> StageAccount:
+def _keeper(budget: MemoryBudget) -> Buffer:
     """The account of ``budget`` (the default one) that books kept caches.
 
     Outside the budget's split (a kept cache is memory that exists: it is booked as
@@ -844,12 +831,11 @@ def _keeper(budget: MemoryBudget) -> StageAccount:
     with _kept_lock:
         account = _keepers.get(budget)
         if account is None:
-            account = _keepers[budget] = StageAccount(budget, "cache (kept)", 0.0)
-            account.limit = sys.maxsize
+            account = _keepers[budget] = Buffer.outside_split(budget, "cache (kept)")
         return account
 
 
-def _drawn_from_default(account: StageAccount) -> bool:
+def _drawn_from_default(account: Buffer) -> bool:
     return account.budget.parent is default_budget()
 
 
@@ -900,7 +886,7 @@ class _KeptMemory:
         return self._finalizer.alive
 
 
-def _report_kept(data: _KeptMemory, ctx: Context, account: StageAccount) -> None:
+def _report_kept(data: _KeptMemory, ctx: Context, account: Buffer) -> None:
     """Show the kept cache in the stats of the run that reads it (G7): its bytes are
     booked for as long as the dataset lives, and the user should see where they went."""
     ref = weakref.ref(data)
@@ -935,11 +921,13 @@ class _MemoryStore(_Store):
     """
 
     def __init__(
-        self, node: CacheNode, ctx: Context, account: StageAccount, epochs: tuple[int, ...]
+        self, node: CacheNode, ctx: Context, account: Buffer, epochs: tuple[int, ...]
     ) -> None:
         super().__init__(epochs)
         self.node, self.ctx, self.account = node, ctx, account
         self.data = _KeptMemory(epochs, ctx.run.iteration)
+        #: The in-memory elements' booking (``data.booked`` bytes), one for all.
+        self.booking: Reservation = NO_RESERVATION
         self.spill: _RecordWriter | None = None
         self.lock = threading.Lock()
         self.discarded = False
@@ -948,7 +936,7 @@ class _MemoryStore(_Store):
 
     def _fits_in_memory(self, cost: int) -> bool:
         account = self.account
-        room = account.limit - _reserve(account)
+        room = in_memory_room(account.share())
         return self.data.booked + cost <= room and not account.budget.over_shared_cap(cost)
 
     def append(self, element: Any, upstream: Reservation) -> tuple[Any, Reservation]:
@@ -956,9 +944,8 @@ class _MemoryStore(_Store):
         data = self.data
         if self.spill is None and self._fits_in_memory(cost):
             element = _read_only(element)
-            self.account.charge(cost).nbytes = 0  # held by the store, released in bulk
+            self.booking = self.booking.absorb(self.account.admit(cost, upstream))
             data.booked += cost
-            upstream.release()
             data.items.append(element)
             data.count = self.count = self.count + 1
             return element, NO_RESERVATION
@@ -981,8 +968,8 @@ class _MemoryStore(_Store):
         warnings.warn(
             f"cache: the elements cached so far ({self.count} elements, "
             f"{format_bytes(self.data.booked)}) fill the in-memory part of the stage's share "
-            f"({format_bytes(account.limit)} of the {format_bytes(account.budget.total)} "
-            f"memory budget); the next element ({format_bytes(cost)}) and all later ones "
+            f"of the memory budget ({format_bytes(account.share())}); the next element "
+            f"({format_bytes(cost)}) and all later ones "
             f"spill to an on-disk cache in {directory} (removed with the dataset, or at "
             "exit)",
             HeadraceWarning,
@@ -1022,10 +1009,10 @@ class _MemoryStore(_Store):
             self.discard()
             return kept
         data.resources.kept = _keeper(default_budget()).charge(data.booked)
+        held, self.booking = self.booking, NO_RESERVATION
         if _drawn_from_default(account):
-            account.release(data.booked)  # booked on the default budget above instead
+            held.release()  # booked on the default budget above instead
         else:
-            held = Reservation(account, data.booked)
             _run_bookings[account] = (weakref.ref(data), held)
             self.ctx.budget.on_close(held.release)
         return data
@@ -1038,7 +1025,8 @@ class _MemoryStore(_Store):
         if self.spill is not None:
             self.spill.abort()
         data = self.data
-        self.account.release(data.booked)
+        booking, self.booking = self.booking, NO_RESERVATION
+        booking.release()
         data.booked = 0
         data.free()
 
@@ -1047,7 +1035,7 @@ class _MemoryStore(_Store):
         return _MemoryReader(self.kept, self.ctx, self.account)
 
 
-def _book_for_run(data: _KeptMemory, ctx: Context, account: StageAccount) -> None:
+def _book_for_run(data: _KeptMemory, ctx: Context, account: Buffer) -> None:
     """Book a kept cache on a run that reads it, once per run (see above)."""
     if _drawn_from_default(account):
         return
@@ -1062,7 +1050,7 @@ def _book_for_run(data: _KeptMemory, ctx: Context, account: StageAccount) -> Non
 class _KeptStore(_Store):
     """A kept in-memory cache, as a later iterator of the dataset finds it."""
 
-    def __init__(self, data: _KeptMemory, ctx: Context, account: StageAccount) -> None:
+    def __init__(self, data: _KeptMemory, ctx: Context, account: Buffer) -> None:
         super().__init__(data.epochs)
         self.data, self.ctx, self.account = data, ctx, account
         self.complete = True
@@ -1078,7 +1066,7 @@ class _KeptStore(_Store):
 
 
 class _MemoryReader(_StoreReader):
-    def __init__(self, data: _KeptMemory, ctx: Context, account: StageAccount) -> None:
+    def __init__(self, data: _KeptMemory, ctx: Context, account: Buffer) -> None:
         self.data, self.ctx, self.account = data, ctx, account
         self.next = 0
         self.spill: _RecordReader | None = None
@@ -1120,7 +1108,7 @@ class _FileStore(_Store):
     """tf.data's persistent cache: written under a lock, published atomically at the end."""
 
     def __init__(
-        self, node: CacheNode, ctx: Context, account: StageAccount, epochs: tuple[int, ...]
+        self, node: CacheNode, ctx: Context, account: Buffer, epochs: tuple[int, ...]
     ) -> None:
         super().__init__(epochs)
         self.ctx, self.account = ctx, account
@@ -1208,7 +1196,7 @@ class _FileReader(_StoreReader):
         self,
         path: str,
         ctx: Context,
-        account: StageAccount,
+        account: Buffer,
         codec: BlockCodec | None = None,
         blocks: list[tuple[int, int]] | None = None,
         expected: _Expected | None = None,
@@ -1236,7 +1224,7 @@ class _CompleteFile(_Store):
         self,
         path: str,
         ctx: Context,
-        account: StageAccount,
+        account: Buffer,
         count: int,
         codec: BlockCodec | None,
         blocks: list[tuple[int, int]],
@@ -1313,7 +1301,7 @@ def _remove_leftovers(paths: _CachePaths) -> None:
             os.unlink(path)
 
 
-def _find_complete(node: CacheNode, ctx: Context, account: StageAccount) -> _CompleteFile | None:
+def _find_complete(node: CacheNode, ctx: Context, account: Buffer) -> _CompleteFile | None:
     """The complete cache on disk for this pipeline, or None (warning if it is another's)."""
     paths = _CachePaths(node.filename)
     try:
