@@ -199,3 +199,36 @@ def test_save_to_many_shards_keeps_its_share(num_shards: int) -> None:
     case = {"seed": num_shards, "kind": "save", "budget": 8 * MiB, "shape": "jump",
             "sizes": sizes, "num_shards": num_shards}
     check_case(case)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 5, 6, 7])
+def test_save_tfrecords_holds_a_bounded_chunk_whatever_the_sizes(seed: int) -> None:
+    """save_tfrecords gathered 1,024 elements before it encoded them, whatever their
+    size: 1,024 elements of 300 KB held 300 MB, and their records as much again.
+    Sizes from the generator (not the refused shapes); the records read back equal
+    the input."""
+    from headrace.io.example import decode_example
+    from headrace.io.tfrecord import open_tfrecord
+    from headrace.writers import save_tfrecords
+
+    case = size_case(seed)
+    sizes, budget = case["sizes"], case["budget"]
+    if case["shape"] in ("over_share", "over_budget"):
+        return
+    # A jump lasts long enough to fill a chunk of 1,024 elements of the large size.
+    if case["shape"] == "jump":
+        sizes = sizes + [max(sizes)] * 1100
+    ds = _source(sizes, budget).map(lambda x: {"x": x.tobytes()})
+    with tempfile.TemporaryDirectory() as directory, warnings_ignored():
+        with _Watch() as watch:
+            paths = save_tfrecords(ds, directory, num_shards=3, progress=False)
+        got = []
+        for path in paths:
+            with open_tfrecord(path) as reader:
+                for record in reader:
+                    (x,) = decode_example(record)["x"][1]
+                    got.append((len(x), x[0], x[-1]))
+    assert sorted(got) == sorted(_expected(sizes))
+    assert not watch.breaches, watch.breaches[:3]
+    bound = int(budget * 1.1) + 64 * MiB + max(sizes)
+    assert watch.growth <= bound, (case["seed"], watch.growth / MiB, bound / MiB)

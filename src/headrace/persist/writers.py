@@ -51,6 +51,7 @@ from headrace.io.streams import normalize_compression_type
 from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES
 from headrace.io.tfrecord.writer import TFRecordWriter, fsync_directory
 from headrace.io.tfrecord_index import build_index, index_path_for
+from headrace.memory.sizeof import sizeof
 
 __all__ = ["ProgressBar", "save_tfrecords", "shard_paths"]
 
@@ -59,6 +60,9 @@ ProgressSetting = bool | Literal["always"]
 #: Elements encoded per chunk when ``batched=False``: large enough that NumPy's per-call
 #: cost is amortized, small enough that a chunk of ~200-byte Examples stays ~200 KiB.
 CHUNK_ELEMENTS = 1024
+#: ... or fewer, so that a chunk and its records hold a few MiB whatever the elements'
+#: sizes: the elements are the consumer's, outside the pipeline's budget.
+CHUNK_BYTES = 4 << 20
 _STAGING_SUFFIX = ".staging"
 _DEFAULT_SHARD_NAME = "part-{shard:05d}-of-{num_shards:05d}.tfrecord"
 
@@ -307,13 +311,15 @@ def _record_chunks(dataset: Iterable[Any], *, batched: bool) -> Generator[list[b
                 yield _encode_batch(element, index)
             return
         pending: list[Any] = []
+        pending_bytes = 0
         first = 0
         for element in iterator:
             pending.append(element)
-            if len(pending) == CHUNK_ELEMENTS:
+            pending_bytes += sizeof(element)
+            if len(pending) == CHUNK_ELEMENTS or pending_bytes >= CHUNK_BYTES:
                 yield _encode_rows(pending, first)
                 first += len(pending)
-                pending = []
+                pending, pending_bytes = [], 0
         if pending:
             yield _encode_rows(pending, first)
     finally:
