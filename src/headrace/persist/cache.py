@@ -10,7 +10,7 @@ that wrote it: the epochs of a ``repeat`` after it and every later ``iter()``
 of the dataset (Keras makes one per epoch) read only the cache, never the
 input. Its bytes stay booked while it lives — on the process-wide default
 budget, and on the cache stage's share of each run with its own
-``memory_budget`` that reads it (see "kept memory caches" below) — and it is
+``memory_budget`` that reads it (see :mod:`headrace.persist.kept`) — and it is
 freed, spill files included, when the dataset is garbage-collected (or at
 exit). A cache that is not complete is freed when its iterator closes (also
 after an exception). Two iterators that start before either completes each
