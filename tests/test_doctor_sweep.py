@@ -32,9 +32,9 @@ import numpy as np
 import pytest
 
 import headrace as hr
+from headrace.persist import memory_store as cache_module
 from headrace.profiling import diagnose, lint_recipe, profile
 from headrace.profiling.probe import recipe_nodes
-from headrace.transforms import cache as cache_module
 from headrace.transforms import shuffle as shuffle_module
 
 from . import fuzz_pipelines as fuzz
@@ -119,7 +119,7 @@ class _Spy:
         self.shrunk: set[int] = set()
         self.spilled: set[int] = set()
         warn_shrink = shuffle_module._warn_shrink
-        start_spill = cache_module._MemoryStore._start_spill
+        start_spill = cache_module.MemoryStore._start_spill
 
         def shrink(node: Any, *args: Any, **kwargs: Any) -> None:
             self.shrunk.add(id(node))
@@ -130,7 +130,7 @@ class _Spy:
             start_spill(store, cost)
 
         monkeypatch.setattr(shuffle_module, "_warn_shrink", shrink)
-        monkeypatch.setattr(cache_module._MemoryStore, "_start_spill", spill)
+        monkeypatch.setattr(cache_module.MemoryStore, "_start_spill", spill)
 
 
 def _false_findings(

@@ -16,6 +16,7 @@ then releases the upstream booking, so the element is never uncounted.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -409,6 +410,19 @@ class Buffer:
                 self.max_element,
                 self.overdrawn_peak,
             )
+
+    @classmethod
+    def outside_split(cls, budget: MemoryBudget, name: str) -> Buffer:
+        """A buffer for memory that outlives every run, such as a kept cache.
+
+        It is not one of the budget's stages: it has no share, and the budget
+        never splits for it. Its bookings are never refused, since the memory
+        exists already. They still count in the budget's use, which every stage
+        drawing from the budget checks before it buffers more.
+        """
+        buffer = cls(budget, name, 0.0)
+        buffer.limit = sys.maxsize
+        return buffer
 
 
 class Reservation:

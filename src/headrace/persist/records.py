@@ -1,0 +1,602 @@
+"""The cache's file format: encoded elements in TFRecord frames, indexed and checksummed.
+
+A cache file (and a memory cache's spill file) is a TFRecord file of elements
+encoded by :mod:`headrace.io.elements`. Its ``.hrx`` index says where each
+record starts, so readers fetch records with positioned reads and skip for
+free. Each record's data CRC is kept as written, so a reader can refuse a file
+that is not the one its manifest describes. Compressed files hold blocks of
+records (:mod:`headrace.io.blocks`).
+
+The writer's buffers, the reader's read-ahead and each element handed on are
+booked on the stage's buffer, held together with what it holds already: a
+record larger than the share makes the budget split again, or raises
+MemoryBudgetError naming the stage.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import contextlib
+import errno
+import os
+import struct
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from headrace.core.iterator import Context
+from headrace.errors import DataLossError
+from headrace.io._crc32c import masked_crc32c
+from headrace.io.blocks import BlockCodec
+from headrace.io.elements import EncodedParts, decode_element
+from headrace.io.filepool import FileLimiter, get_default_pool
+from headrace.io.streams import DEFAULT_BUFFER_SIZE
+from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES, encode_records
+from headrace.io.tfrecord.reader import records_in_spans
+from headrace.io.tfrecord.writer import TFRecordWriter, record_frame
+from headrace.io.tfrecord_index import load_index, write_index
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
+from headrace.memory.units import format_bytes
+from headrace.sources.files import file_limiter
+
+__all__ = [
+    "BYTES_OVERHEAD",
+    "BlockReader",
+    "Expected",
+    "RecordReader",
+    "RecordWriter",
+    "book",
+    "checksums_digest",
+    "chunk_bytes",
+]
+
+
+BYTES_OVERHEAD = 33  # what a bytes object costs beyond its payload (sys.getsizeof(b""))
+_FRAME_HEADER = struct.Struct("<QI")  # a TFRecord's length and its masked CRC
+_FRAME_FOOTER = struct.Struct("<I")  # its data's masked CRC
+#: Records at least this large are read each into a buffer of its own and decoded
+#: there (no copy); smaller ones are read in runs and split out (one small copy each).
+_IN_PLACE_BYTES = 32 << 10
+
+
+def book(account: Buffer, nbytes: int, what: str) -> Reservation:
+    """Book ``nbytes`` held together with what the stage holds. Past its share the
+    budget splits itself again, or MemoryBudgetError names the stage and ``what``."""
+    return account.admit(nbytes, together=what)
+
+
+def chunk_bytes(share: int) -> int:
+    """How many record bytes the cache reads (or writes) at once: 1/16 of its share."""
+    return max(16 << 10, min(1 << 20, share // 16))
+
+
+def _disk_full(error: OSError, path: str, count: int, nbytes: int) -> OSError:
+    return OSError(
+        error.errno,
+        f"cache: no space left on the device writing {path} after {count} elements "
+        f"({format_bytes(nbytes)}): the partial cache was removed, nothing that looks "
+        "complete is left. Free space, or point the cache elsewhere (cache(filename) "
+        "or the TMPDIR environment variable for cache()).",
+        path,
+    )
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class RecordWriter:
+    """Encoded elements appended to one file; its buffers booked. At the end the file
+    gets its ``.hrx`` index (from the offsets written, no scan), so readers fetch
+    records with positioned reads (see :class:`RecordReader`).
+
+    Small records are joined into batches of up to a chunk and framed together (one
+    write); the batch and its framed copy are booked. A record of a chunk or more is
+    written alone, framed around its parts (:meth:`TFRecordWriter.write_parts`): its
+    arrays go from the element to the file with no copy in between, so writing it
+    costs only what encoding copied (booked while it is written) — never the two extra
+    copies of the element (joined payload, framed record) that once went unbooked.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        account: Buffer,
+        codec: BlockCodec | None = None,
+        *,
+        limiter: FileLimiter | None,
+        stage: str,
+    ) -> None:
+        self.path = path
+        self.account = account
+        self.codec = codec
+        #: Fixed, and its buffers booked, at the first element: a writer made while the
+        #: iterator tree is built (cache(filename)) sees its stage's share only then.
+        self.batch_limit = 0
+        self.booking = NO_RESERVATION
+        #: With a codec, per block (``offsets`` are the blocks'): its records and its size
+        #: decompressed (see :mod:`headrace.io.blocks`).
+        self.blocks: list[tuple[int, int]] = []
+        #: The file written counts against the caps on open files (G2) until it is
+        #: closed: its slot is held from before the open to after the close.
+        self.slot = get_default_pool().hold(
+            1, limiter=limiter, stage=stage, what=f"the file it writes ({path!r})"
+        )
+        try:
+            self.writer: TFRecordWriter | None = TFRecordWriter(path)
+        except BaseException:
+            self.slot.release()
+            raise
+        self.batch: list[bytes] = []
+        self.batch_bytes = 0
+        self.count = 0
+        self.nbytes = 0
+        #: Where each record starts (8 bytes a record, booked as it grows).
+        self.offsets = array.array("q")
+        #: Each record's (block's) data CRC, as its footer holds it (4 bytes a record,
+        #: booked with the offsets): the manifest's record of what the file must hold.
+        self.crcs = array.array("I")
+        self.offsets_booking = account.charge(0)
+
+    def _start(self) -> None:
+        self.batch_limit = chunk_bytes(self.account.share())
+        # the batch, its framed copy, and (compressed) the block made of it
+        buffers = (3 if self.codec is not None else 2) * self.batch_limit
+        self.booking = book(
+            self.account, DEFAULT_BUFFER_SIZE + buffers, "the cache's write buffers"
+        )
+
+    def append(self, encoded: EncodedParts) -> None:
+        if not self.batch_limit:
+            self._start()
+        size = encoded.nbytes + BYTES_OVERHEAD
+        if self.batch_bytes + size > self.batch_limit:
+            self.flush()
+        self.count += 1
+        if size <= self.batch_limit:
+            self.batch.append(b"".join(encoded.parts))
+            self.batch_bytes += size
+            return
+        self._write_alone(encoded)
+
+    def _write_alone(self, encoded: EncodedParts) -> None:
+        """Write one large record from its parts (what encoding copied booked meanwhile)."""
+        assert self.writer is not None
+        work = encoded.copied
+        if self.codec is not None:
+            work += self.codec.work_bytes(encoded.nbytes + RECORD_OVERHEAD_BYTES)
+        copies = book(self.account, work, "one cached element being encoded")
+        try:
+            self._grow_offsets(1)
+            try:
+                head, foot = record_frame(encoded.parts)
+                if self.codec is None:
+                    written = self.writer.write_framed([head, *encoded.parts, foot], 1)
+                    self.crcs.append(_FRAME_FOOTER.unpack(foot)[0])
+                else:
+                    written = self._write_block([head, *encoded.parts, foot], 1)
+            except OSError as error:
+                self.abort()
+                if error.errno in _FULL:
+                    raise _disk_full(error, self.path, self.count, self.nbytes) from error
+                raise
+        finally:
+            copies.release()
+        self.offsets.append(self.nbytes)
+        self.nbytes += written
+
+    def _write_block(self, framed: list[bytes | memoryview], records: int) -> int:
+        """Write framed records as one compressed block; the bytes it takes in the file."""
+        assert self.writer is not None and self.codec is not None
+        block = self.codec.compress(framed)
+        self.blocks.append((records, sum(len(part) for part in framed)))
+        head, foot = record_frame([block])
+        self.crcs.append(_FRAME_FOOTER.unpack(foot)[0])
+        return self.writer.write_framed([head, block, foot], 1)
+
+    def _grow_offsets(self, records: int) -> None:
+        self.offsets_booking = self.offsets_booking.absorb(
+            book(self.account, 12 * records, "the cache's record offsets and checksums")
+        )
+
+    def flush(self) -> None:
+        if not self.batch or self.writer is None:
+            return
+        batch, self.batch = self.batch, []
+        if self.codec is not None:  # one block: one offset, and its records and size
+            self._grow_offsets(2)
+            try:
+                written = self._write_block([encode_records(batch)], len(batch))
+            except OSError as error:
+                self.abort()
+                if error.errno in _FULL:
+                    raise _disk_full(error, self.path, self.count, self.nbytes) from error
+                raise
+            self.offsets.append(self.nbytes)
+            self.nbytes += written
+            self.batch_bytes = 0
+            return
+        self._grow_offsets(len(batch))
+        framed = encode_records(batch)
+        ends = np.cumsum([len(payload) + RECORD_OVERHEAD_BYTES for payload in batch])
+        footers = np.frombuffer(framed, dtype=np.uint8)[(ends - 4)[:, None] + np.arange(4)]
+        self.crcs.extend(footers.copy().view("<u4").reshape(-1).tolist())
+        try:
+            self.writer.write_framed([framed], len(batch))
+        except OSError as error:
+            self.abort()
+            if error.errno in _FULL:
+                raise _disk_full(error, self.path, self.count, self.nbytes) from error
+            raise
+        position = self.nbytes
+        for payload in batch:
+            self.offsets.append(position)
+            position += len(payload) + RECORD_OVERHEAD_BYTES
+        self.nbytes = position
+        self.batch_bytes = 0
+
+    def finish(self) -> None:
+        """Write what is left, move the file to its name (atomic, fsynced), index it."""
+        self.flush()
+        #: What the manifest records of the complete file (each record's data CRC).
+        self.final_crcs = self.crcs
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close()
+                write_index(self.path, self.offsets)
+            except OSError as error:
+                self._release()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+                if error.errno in _FULL:
+                    raise _disk_full(error, self.path, self.count, self.nbytes) from error
+                raise
+        self._release()
+
+    def abort(self) -> None:
+        writer, self.writer = self.writer, None
+        self.batch = []
+        if writer is not None:
+            writer.abort()
+        self._release()
+
+    def _release(self) -> None:
+        self.slot.release()
+        booking, self.booking = self.booking, NO_RESERVATION
+        booking.release()
+        self.offsets_booking.release()
+        self.offsets = array.array("q")
+        self.crcs = array.array("I")
+
+
+class Expected:
+    """What a complete cache file must hold, as its manifest recorded it: the data CRC
+    of each record (each block, compressed), from ``<file>.crc`` (whose digest the
+    manifest holds). Each record is compared as it is read, before it is used: a data
+    file of another cache, or one changed since, is refused at its first record that
+    differs — no element of it is ever served, and no extra read is needed."""
+
+    def __init__(self, crcs: Any, manifest: str) -> None:
+        self.crcs = np.asarray(crcs, dtype=np.uint32)
+        self.manifest = manifest
+
+    def mismatch(self, path: str, problem: str, offset: int | None = None) -> DataLossError:
+        return DataLossError(
+            f"cache: {path} is not the file its manifest {self.manifest} describes "
+            f"({problem}): it belongs to another cache or was changed after it was "
+            "written; delete the cache's files to rebuild it",
+            path=path,
+            offset=offset,
+        )
+
+
+def checksums_digest(crcs: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(crcs)
+
+
+def _check_frame(buffer: bytes, offset: int, path: str, stream: str = "") -> tuple[int, int]:
+    """Check one framed record in place (length, both CRCs); its payload's bounds.
+    ``stream``: what the offset counts in, when not the file's bytes."""
+    view = memoryview(buffer)
+    problem = ""
+    if len(buffer) < RECORD_OVERHEAD_BYTES:
+        problem = "truncated record"
+    else:
+        length, length_crc = _FRAME_HEADER.unpack_from(buffer, 0)
+        if masked_crc32c(view[:8]) != length_crc:
+            problem = "corrupted record (bad length checksum)"
+        elif length != len(buffer) - RECORD_OVERHEAD_BYTES:
+            problem = f"record of {length} bytes where the index says {len(buffer) - 16}"
+        else:
+            (data_crc,) = _FRAME_FOOTER.unpack_from(buffer, 12 + length)
+            if masked_crc32c(view[12 : 12 + length]) != data_crc:
+                problem = "corrupted record (bad data checksum)"
+    if problem:
+        raise DataLossError(
+            f"{problem} at offset {offset}{stream} in file {path}", path=path, offset=offset
+        )
+    return 12, 12 + length
+
+
+class RecordReader:
+    """Encoded elements of one indexed file, in order, fetched with positioned reads.
+
+    The ``.hrx`` index (refused if the file's size changed) says
+    where every record starts, so reading is one ``pread`` per run of consecutive
+    records up to the stage's chunk, and skipping is free. A record that fills a read
+    alone (large records) is decoded where it was read: its arrays are views into the
+    buffer the kernel copied the page cache into — no other copy. Smaller ones are
+    split out of their shared buffer (one small copy each), so that an element never
+    pins its neighbours. The index (8 bytes a record), the records read ahead and each
+    element handed on are booked on the stage's account.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        ctx: Context,
+        account: Buffer,
+        expected: Expected | None = None,
+    ) -> None:
+        self.path, self.ctx, self.account = path, ctx, account
+        index = load_index(path, size_only=True)  # every record is checked as it is read
+        self.offsets = index.offsets
+        self.size = index.shard_size
+        self.expected = expected
+        if expected is not None and len(expected.crcs) != len(self.offsets):
+            raise expected.mismatch(
+                path, f"its index lists {len(self.offsets)} records where the manifest "
+                f"recorded {len(expected.crcs)}"
+            )
+        nbytes = self.offsets.nbytes + (0 if expected is None else expected.crcs.nbytes)
+        self.index_booking = book(account, nbytes, "the cache file's index")
+        self.stream = get_default_pool().open(
+            path, limiter=file_limiter(ctx), buffer_size=4096  # positioned reads: unused
+        )
+        self.next = 0  # the next record to hand on
+        #: Records read, next first: (buffer, payload start, stop, bytes booked for it).
+        self.pending: list[tuple[bytes, int, int, int]] = []
+        self.pending_booked = 0
+        self.next_pending = 0
+
+    @property
+    def chunk(self) -> int:
+        # Read when reading, not when made: a reader made while the iterator tree is
+        # built (a complete cache file) sees its stage's share only once the budget is
+        # split, and a chunk fixed then (16 KiB) read 100 KB records one call each.
+        return chunk_bytes(self.account.share())
+
+    def _end(self, record: int) -> int:
+        return int(self.offsets[record + 1]) if record + 1 < len(self.offsets) else self.size
+
+    def _refill(self) -> bool:
+        first = self.next
+        if first >= len(self.offsets):
+            return False
+        begin = int(self.offsets[first])
+        if self._end(first) - begin >= _IN_PLACE_BYTES:
+            return self._refill_large(first)
+        last = first
+        while last + 1 < len(self.offsets) and self._end(last + 1) - begin <= self.chunk:
+            last += 1
+        size = self._end(last) - begin
+        self._release_pending()
+        # (one record may pass the chunk: past the share, the budget splits again)
+        what = "one cached element" if last == first else "cached elements read ahead"
+        book(self.account, size + BYTES_OVERHEAD, what)
+        self.pending_booked = size + BYTES_OVERHEAD
+        (buffer,) = self.stream.pread_many([begin], [size])
+        if last == first:  # decoded in place: the element's arrays are views of ``buffer``
+            self.pending = [(buffer, *self._check_one(buffer, begin), self.pending_booked)]
+            self._check_entry(buffer, len(buffer), first)
+        else:
+            records = records_in_spans([buffer], [last - first + 1], [begin], path=self.path)
+            for entry in range(first, last + 1):
+                self._check_entry(buffer, self._end(entry) - begin, entry)
+            del buffer
+            self.pending = [
+                (record, 0, len(record), len(record) + BYTES_OVERHEAD) for record in records
+            ]
+            self._rebook_pending()
+        self.next_pending = 0
+        return True
+
+    def _refill_large(self, first: int) -> bool:
+        """Read the run of large records from ``first`` (up to a chunk, or one beyond it),
+        each into a buffer of its own, with one call (one file-pool check-out): each is
+        decoded where it was read, its arrays views of its own buffer — the kernel's copy
+        from the page cache is the only one — and no element pins another's bytes."""
+        starts = [int(self.offsets[first])]
+        sizes = [self._end(first) - starts[0]]
+        total = sizes[0]
+        record = first + 1
+        while record < len(self.offsets):
+            start = int(self.offsets[record])
+            size = self._end(record) - start
+            if size < _IN_PLACE_BYTES or total + size > self.chunk:
+                break
+            starts.append(start)
+            sizes.append(size)
+            total += size
+            record += 1
+        self._release_pending()
+        booked = total + BYTES_OVERHEAD * len(sizes)
+        what = "one cached element" if len(sizes) == 1 else "cached elements read ahead"
+        book(self.account, booked, what)
+        self.pending_booked = booked
+        buffers = self.stream.pread_many(starts, sizes)
+        self.pending = [
+            (buffer, *_check_frame(buffer, start, self.path), len(buffer) + BYTES_OVERHEAD)
+            for buffer, start in zip(buffers, starts, strict=True)
+        ]
+        for entry, buffer in enumerate(buffers, first):
+            self._check_entry(buffer, len(buffer), entry)
+        self._rebook_pending()  # (a short read at a truncated end books less)
+        self.next_pending = 0
+        return True
+
+    def _rebook_pending(self) -> None:
+        """Book exactly what the pending records' shares will return (the buffers read
+        were booked with their framing; the records count each object's overhead)."""
+        shares = sum(share for *_, share in self.pending)
+        if shares > self.pending_booked:
+            book(self.account, shares - self.pending_booked, "cached elements read ahead")
+        else:
+            self.account.release(self.pending_booked - shares)
+        self.pending_booked = shares
+
+    def _check_one(self, buffer: bytes, offset: int) -> tuple[int, int]:
+        return _check_frame(buffer, offset, self.path)
+
+    def _check_entry(self, buffer: bytes, stop: int, entry: int) -> None:
+        """Refuse index entry ``entry`` (its frame ends at ``stop`` in ``buffer``, its
+        CRCs already checked) unless its data CRC is the one the manifest recorded."""
+        expected = self.expected
+        if expected is None:
+            return
+        (crc,) = _FRAME_FOOTER.unpack_from(buffer, stop - _FRAME_FOOTER.size)
+        if crc != expected.crcs[entry]:
+            offset = int(self.offsets[entry])
+            raise expected.mismatch(
+                self.path, f"record {entry} at offset {offset} is not the one written there",
+                offset,
+            )
+
+    def _take(self) -> tuple[bytes, int, int, int]:
+        """The next record (buffer, payload bounds, offset), its read-ahead booking returned."""
+        if self.next_pending >= len(self.pending) and not self._refill():
+            raise StopIteration
+        offset = self._offset(self.next)
+        buffer, start, stop = self._hand_on(self.next_pending)
+        self.next_pending += 1
+        self.next += 1
+        return buffer, start, stop, offset
+
+    def _hand_on(self, index: int) -> tuple[bytes, int, int]:
+        """Pending record ``index`` out of the read-ahead, its share returned (booked
+        again as the element it becomes)."""
+        buffer, start, stop, share = self.pending[index]
+        self.pending[index] = (b"", 0, 0, 0)
+        self.pending_booked -= share
+        self.account.release(share)
+        return buffer, start, stop
+
+    def _offset(self, record: int) -> int:
+        """Where an error in ``record`` is reported: its offset in the file."""
+        return int(self.offsets[record])
+
+    def pull(self) -> tuple[Any, Reservation]:
+        buffer, start, stop, offset = self._take()
+        element = decode_element(buffer, path=self.path, offset=offset, start=start, stop=stop)
+        del buffer
+        cost = self.ctx.sizeof(element)
+        return element, book(self.account, cost, "one cached element")
+
+    def skip(self, count: int) -> int:
+        """Skip ``count`` elements without reading them; returns how many there were."""
+        self._release_pending()
+        done = min(count, len(self.offsets) - self.next)
+        self.next += done
+        return done
+
+    def _release_pending(self) -> None:
+        self.account.release(self.pending_booked)
+        self.pending_booked = 0
+        self.pending = []
+        self.next_pending = 0
+
+    def close(self) -> None:
+        self._release_pending()
+        self.stream.close()
+        self.index_booking.release()
+
+
+class BlockReader(RecordReader):
+    """Encoded elements of a compressed cache file (:mod:`headrace.io.blocks`), in order:
+    one positioned read and one decompression per block, every check before any use.
+
+    The ``.hrx`` index gives the blocks' offsets and the manifest each block's records
+    and decompressed size, so skipping is still free (to the block that holds the
+    position). The compressed block, the decompressed one and each element handed on
+    are booked; an error names the file and the block's offset (and, inside a block,
+    that the offset counts in its decompressed bytes).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        ctx: Context,
+        account: Buffer,
+        codec: BlockCodec,
+        blocks: list[tuple[int, int]],
+        expected: Expected | None = None,
+    ) -> None:
+        super().__init__(path, ctx, account, expected)
+        self.codec = codec
+        self.blocks = blocks
+        if len(blocks) != len(self.offsets):
+            self.close()
+            raise DataLossError(
+                f"cache: the index of {path} lists {len(self.offsets)} blocks where its "
+                f"manifest lists {len(blocks)}",
+                path=path,
+            )
+        #: The first element of each block (and the total, last).
+        self.starts = [0]
+        for records, _ in blocks:
+            self.starts.append(self.starts[-1] + records)
+        self.pending_first = 0  # the element number of ``pending[0]``
+        self.block_offset = 0  # of the block ``pending`` came from
+
+    def _refill(self) -> bool:
+        if self.next >= self.starts[-1]:
+            return False
+        block = bisect.bisect_right(self.starts, self.next) - 1
+        begin = int(self.offsets[block])
+        size = self._end(block) - begin
+        records, raw_size = self.blocks[block]
+        self._release_pending()
+        work = size + raw_size + 2 * BYTES_OVERHEAD
+        book(self.account, work, "a compressed block read ahead")
+        self.pending_booked = work
+        (buffer,) = self.stream.pread_many([begin], [size])
+        start, stop = _check_frame(buffer, begin, self.path)
+        self._check_entry(buffer, len(buffer), block)
+        raw = self.codec.decompress(
+            memoryview(buffer)[start:stop], raw_size, path=self.path, offset=begin
+        )
+        del buffer
+        stream = f" of the {self.codec.name} block at offset {begin}, decompressed,"
+        if records == 1:  # decoded in place: the element's arrays are views of ``raw``
+            bounds = _check_frame(raw, 0, self.path, stream)
+            self.pending = [(raw, *bounds, raw_size + BYTES_OVERHEAD)]
+        else:
+            try:
+                split = records_in_spans([raw], [records], [0], path=self.path)
+            except DataLossError as error:
+                raise DataLossError(
+                    f"{error} (the offset counts in the {self.codec.name} block at offset "
+                    f"{begin}, decompressed)",
+                    path=self.path,
+                    offset=begin,
+                ) from None
+            del raw
+            self.pending = [(record, 0, len(record), len(record) + BYTES_OVERHEAD) for record in split]
+        self._rebook_pending()  # the compressed block is gone: the records' shares stay
+        self.pending_first = self.starts[block]
+        self.block_offset = begin
+        self.next_pending = self.next - self.pending_first
+        for dropped in range(self.next_pending):  # before a skipped-to position
+            self._hand_on(dropped)
+        return True
+
+    def _offset(self, record: int) -> int:
+        return self.block_offset  # (the message says the offset counts in the block)
+
+    def skip(self, count: int) -> int:
+        self._release_pending()
+        done = min(count, self.starts[-1] - self.next)
+        self.next += done
+        return done

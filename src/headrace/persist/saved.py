@@ -1,0 +1,833 @@
+"""``Dataset.save`` / ``Dataset.load``: a preprocessed dataset on disk, with tf.data's meaning.
+
+A saved dataset is a directory of shards plus the element spec::
+
+    headrace-dataset.json          the manifest: element spec, shards, counts, the
+                                   digest of each part file (written last)
+    shard-00000-00000.tfrecord     elements of shard 0, TFRecord-framed (CRCs), in parts
+    shard-00000-00000.tfrecord.hrx its record index (uncompressed shards)
+    ...
+
+Elements are encoded with :mod:`headrace.io.elements` (no pickle: loading a
+dataset someone sent you runs no code). Shards are written in parallel, each
+by a writer thread, from batches booked on the budget. The manifest is
+written last and atomically, so a save that stopped never looks complete;
+``load`` says so. Every shard part appears under its name only when complete.
+
+As in tf.data, ``shard_func(element)`` picks each element's shard (default:
+round robin), and ``load``'s default ``reader_func`` interleaves the shards
+one element at a time — with the default sharding that is the original
+order. ``load`` checks each part file against the digest the manifest recorded
+(one sequential read): a part from another save, or two swapped by name, is a
+DataLossError naming it, never served as this save's elements (a damaged record is
+reported with its offset). Uncompressed, a loaded dataset is a *random-access* source (through
+the ``.hrx`` indexes): ``global_shuffle``, ``shard`` and resume act on indices.
+
+Resumable while writing: with ``checkpoint_args={"checkpoint_interval": n}``
+the writer closes its current parts every ``n`` elements and records the
+input's iterator state beside them (``.save-progress.json``); calling
+``save`` again with the same pipeline continues from the last checkpoint
+instead of starting over.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import errno
+import glob
+import hashlib
+import json
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from headrace.core.fingerprint import file_digest, function_fingerprint
+from headrace.core.handoff import unpin
+from headrace.core.indexing import RandomAccess
+from headrace.core.iterator import Context
+from headrace.core.node import Node, known_spec
+from headrace.errors import DataLossError, InvalidArgumentError
+from headrace.io.elements import (
+    ELEMENTS_FORMAT,
+    decode_element,
+    encode_element,
+    spec_from_json,
+    spec_to_json,
+)
+from headrace.io.streams import normalize_compression_type
+from headrace.io.tfrecord.reader import open_tfrecord
+from headrace.io.tfrecord.writer import TFRecordWriter
+from headrace.io.tfrecord_index import _write_atomically as write_atomically
+from headrace.io.tfrecord_index import build_index
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
+from headrace.sources.tfrecord import IndexedTFRecordNode
+from headrace.structure import TensorSpec, flatten, leaf_spec, map_structure, spec_of
+
+if TYPE_CHECKING:
+    from headrace.dataset import Dataset
+
+__all__ = [
+    "MANIFEST_NAME",
+    "DecodeRecord",
+    "LoadNode",
+    "SavedEmpty",
+    "ShardsAsDatasets",
+    "SpecCheck",
+    "load_plan",
+    "save",
+]
+
+MANIFEST_NAME = "headrace-dataset.json"
+PROGRESS_NAME = ".save-progress.json"
+_FORMAT = "headrace.saved"
+_VERSION = 2
+#: Older versions load read as before (version 1 records no digests of its files).
+_OLD_VERSIONS = (1,)
+_PART = "shard-{shard:05d}-{part:05d}.tfrecord"
+_BATCH_BYTES = 1 << 20
+_CHECKPOINT_KEYS = frozenset({"checkpoint_interval"})
+_NOTHING: Any = object()
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _default_num_shards() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def _check_checkpoint_args(checkpoint_args: Any) -> int | None:
+    if checkpoint_args is None:
+        return None
+    if not isinstance(checkpoint_args, dict):
+        raise InvalidArgumentError(
+            f"save: checkpoint_args must be a dict, got {type(checkpoint_args).__name__}"
+        )
+    unknown = sorted(set(checkpoint_args) - _CHECKPOINT_KEYS)
+    if unknown:
+        raise InvalidArgumentError(
+            f"save: checkpoint_args keys {unknown} are not supported; headrace takes "
+            "{'checkpoint_interval': n} (a checkpoint every n elements)"
+        )
+    interval = checkpoint_args.get("checkpoint_interval")
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+        raise InvalidArgumentError(
+            f"save: checkpoint_args['checkpoint_interval'] must be an int > 0, got {interval!r}"
+        )
+    return interval
+
+
+class _ShardWriter:
+    """One shard's current part: a TFRecordWriter under a temporary name until closed."""
+
+    def __init__(self, directory: str, shard: int, compression: str, parts: list[int]) -> None:
+        self.directory, self.shard, self.compression = directory, shard, compression
+        #: element counts of the parts already complete (published under their names)
+        self.parts = parts
+        #: each complete part's digest (:func:`_file_digest`), recorded in the manifest
+        self.digests: list[str] = []
+        self.writer: TFRecordWriter | None = None
+        self.count = 0
+
+    def write(self, records: list[bytes]) -> None:
+        if self.writer is None:
+            name = _PART.format(shard=self.shard, part=len(self.parts))
+            self.writer = TFRecordWriter(
+                os.path.join(self.directory, name), self.compression or None
+            )
+        self.writer.write_many(records)
+        self.count += len(records)
+
+    def close_part(self, *, last: bool = False) -> None:
+        """Publish the current part (and its index) under its name; the last close of a
+        shard that got no element publishes an empty part (every shard has a file)."""
+        if last and self.writer is None and not self.parts:
+            self.write([])
+        writer, self.writer = self.writer, None
+        if writer is None:
+            return
+        writer.close()
+        if not self.compression:
+            build_index(writer.path)
+        self.digests.append(_file_digest(writer.path))
+        self.parts.append(self.count)
+        self.count = 0
+
+    def abort(self) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.abort()
+        self.count = 0
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _disk_error(error: OSError, writer: _ShardWriter) -> OSError:
+    if error.errno not in _FULL:
+        return error
+    return OSError(
+        error.errno,
+        f"save: no space left on the device writing shard {writer.shard} in "
+        f"{writer.directory} ({error.strerror}): the save is not complete (no "
+        f"{MANIFEST_NAME} is written) and its partial files are removed",
+        writer.directory,
+    )
+
+
+class _Workers:
+    """Writer threads, each owning the shards ``shard % threads``; batches booked until
+    written, at most two queued per thread (backpressure on the reading loop)."""
+
+    def __init__(self, writers: list[_ShardWriter], account: Buffer) -> None:
+        self.writers = writers
+        self.account = account
+        count = max(1, min(len(writers), 4))
+        self.queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=2) for _ in range(count)]
+        self.error: BaseException | None = None
+        self.threads = [
+            threading.Thread(target=self._run, args=(q,), name="headrace-save", daemon=True)
+            for q in self.queues
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, tasks: queue.Queue[Any]) -> None:
+        while True:
+            task = tasks.get()
+            try:
+                if task is None:
+                    return
+                action, shard, records, booking = task
+                if self.error is None:
+                    writer = self.writers[shard]
+                    if action == "write":
+                        try:
+                            writer.write(records)
+                        except OSError as error:
+                            raise _disk_error(error, writer) from error
+                    else:
+                        writer.close_part(last=action == "finish")
+                if booking is not None:
+                    booking.release()
+            except BaseException as error:
+                if self.error is None:
+                    self.error = unpin(error)
+                if task is not None and task[3] is not None:
+                    task[3].release()
+            finally:
+                tasks.task_done()
+
+    def submit(self, action: str, shard: int, records: list[bytes], booking: Any) -> None:
+        self.check()
+        self.queues[shard % len(self.queues)].put((action, shard, records, booking))
+
+    def drain(self) -> None:
+        for tasks in self.queues:
+            tasks.join()
+        self.check()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        for tasks in self.queues:
+            tasks.put(None)
+        for thread in self.threads:
+            thread.join()
+
+
+def _file_digest(path: str) -> str:
+    """The digest of a part file (as written, compressed or not; whole if small, sampled
+    blocks and the size if large, see :func:`~headrace.core.fingerprint.file_digest`):
+    the manifest records it per part, so a part file from another save, or two parts
+    swapped by name, is refused by ``load`` instead of served as this save's elements,
+    without reading a large save whole before its first element."""
+    return f"{os.path.getsize(path)} {file_digest(path)}"
+
+
+def _our_files(path: str) -> list[str]:
+    pattern = os.path.join(glob.escape(path), "shard-*-*.tfrecord")
+    found = glob.glob(pattern) + glob.glob(pattern + ".hrx")
+    found += glob.glob(os.path.join(glob.escape(path), ".shard-*.tmp"))
+    return found
+
+
+def _remove(paths: list[str]) -> None:
+    for name in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def _write_json(path: str, content: dict[str, Any]) -> None:
+    write_atomically(path, [json.dumps(content).encode()])
+
+
+def _save_identity(
+    dataset: Dataset, shard_func: Callable[..., Any] | None, compression: str, num_shards: int
+) -> str:
+    digest = hashlib.sha256()
+    digest.update(dataset.node.data_fingerprint().encode())  # a changed input starts over
+    digest.update(repr((compression, num_shards)).encode())
+    if shard_func is not None:
+        digest.update(function_fingerprint(shard_func).encode())
+    return digest.hexdigest()[:20]
+
+
+def _shard_of(shard_func: Callable[..., Any], element: Any, index: int) -> int:
+    value = shard_func(*element) if isinstance(element, tuple) else shard_func(element)
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidArgumentError(
+            f"save: shard_func must return an int >= 0 for each element, got {value!r} "
+            f"for element {index}"
+        )
+    return int(value)
+
+
+def save(
+    dataset: Dataset,
+    path: str | os.PathLike[str],
+    shard_func: Callable[..., Any] | None = None,
+    compression: str | None = None,
+    checkpoint_args: dict[str, Any] | None = None,
+    *,
+    num_shards: int | None = None,
+) -> None:
+    """Write ``dataset`` to the directory ``path`` (see the module docstring)."""
+    directory = os.fspath(path)
+    codec = normalize_compression_type(compression)
+    interval = _check_checkpoint_args(checkpoint_args)
+    shards = _default_num_shards() if num_shards is None else num_shards
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards <= 0:
+        raise InvalidArgumentError(f"save: num_shards must be an int > 0, got {num_shards!r}")
+    os.makedirs(directory, exist_ok=True)
+    identity = _save_identity(dataset, shard_func, codec, shards)
+    progress_path = os.path.join(directory, PROGRESS_NAME)
+    manifest_path = os.path.join(directory, MANIFEST_NAME)
+    resumed = _read_progress(progress_path, identity) if interval is not None else None
+    # never a complete-looking mix of old and new shards: the manifest goes first
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(manifest_path)
+    parts: list[list[int]] = [[] for _ in range(shards)]
+    digests: list[list[str]] = [[] for _ in range(shards)]
+    if resumed is not None:
+        parts, digests = resumed["parts"], resumed["digests"]
+        keep = {
+            os.path.join(directory, _PART.format(shard=s, part=p) + suffix)
+            for s, counts in enumerate(parts)
+            for p in range(len(counts))
+            for suffix in ("", ".hrx")
+        }
+        _remove([name for name in _our_files(directory) if name not in keep])
+    else:
+        _remove([*_our_files(directory), progress_path])
+    writers = [_ShardWriter(directory, s, codec, parts[s]) for s in range(len(parts))]
+    for writer, done_digests in zip(writers, digests, strict=True):
+        writer.digests = list(done_digests)
+    iterator = iter(dataset)
+    try:
+        if resumed is not None:
+            iterator.set_state(resumed["state"])
+        done = 0 if resumed is None else int(resumed["elements"])
+        first = _write_all(iterator, writers, shard_func, interval, done, progress_path, identity)
+        counts = [list(writer.parts) for writer in writers]
+        file_digests = [list(writer.digests) for writer in writers]
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    finally:
+        iterator.close()
+    spec = _spec_json(dataset, first)
+    _write_json(
+        manifest_path,
+        {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "elements_format": ELEMENTS_FORMAT,
+            "element_spec": spec,
+            "compression": codec,
+            "num_shards": len(counts),
+            "parts": counts,
+            "digests": file_digests,
+            "elements": sum(sum(c) for c in counts),
+            "fingerprint": dataset.node.data_fingerprint(),
+        },
+    )
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(progress_path)
+
+
+def _spec_json(dataset: Dataset, first: Any) -> Any:
+    """The element spec to record: the pipeline's when known without data; else that of
+    the first element written, sizes unknown (as map's sampled spec) — never a second
+    read of the input; None for an empty dataset whose spec needs data."""
+    spec = known_spec(dataset.node)
+    if spec is None and first is not _NOTHING:
+        spec = map_structure(
+            lambda leaf: TensorSpec((None,) * len(leaf.shape), leaf.dtype, leaf.kind),
+            spec_of(first),
+        )
+    return None if spec is None else spec_to_json(spec)
+
+
+def _read_progress(path: str, identity: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as file:
+            progress = json.load(file)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(progress, dict) or progress.get("identity") != identity:
+        return None  # another pipeline's (or arguments'): start over
+    parts, digests = progress.get("parts"), progress.get("digests")
+    if not isinstance(parts, list) or not isinstance(digests, list) or [
+        len(shard) for shard in parts
+    ] != [len(shard) for shard in digests]:
+        return None  # an older headrace's (no digests of its parts), or damaged: start over
+    return progress
+
+
+def _write_all(
+    iterator: Any,
+    writers: list[_ShardWriter],
+    shard_func: Callable[..., Any] | None,
+    interval: int | None,
+    done: int,
+    progress_path: str,
+    identity: str,
+) -> Any:
+    """Write every element; returns the first one written (``_NOTHING`` if none)."""
+    first: Any = _NOTHING
+    account = iterator.context.account(_SAVE_NODE)
+    iterator.context.budget.allot()
+    workers = _Workers(writers, account)
+    pending: dict[int, list[bytes]] = {}
+    pending_bytes: dict[int, int] = {}
+    #: Each shard's pending batch, booked as one (it moves to the writer thread with it).
+    bookings: dict[int, Reservation] = {}
+    limit = max(64 << 10, min(_BATCH_BYTES, account.share() // (2 * len(workers.queues) + 2)))
+
+    def send(shard: int) -> None:
+        records = pending.pop(shard, [])
+        pending_bytes.pop(shard, 0)
+        booking = bookings.pop(shard, NO_RESERVATION)
+        if records:
+            workers.submit("write", shard, records, booking)
+
+    try:
+        for element in iterator:
+            if first is _NOTHING:
+                first = element
+            shard = (done % len(writers)) if shard_func is None else _shard_of(
+                shard_func, element, done
+            )
+            while shard >= len(writers):  # custom sharding: shards appear as used
+                writers.append(_ShardWriter(writers[0].directory, len(writers), writers[0].compression, []))
+            record = encode_element(element)
+            size = len(record) + 33
+            if not account.fits(size):
+                # Batches pending for many shards fill the share: hand them all to the
+                # writers, and wait until they have written enough.
+                for waiting in list(pending):
+                    send(waiting)
+                account.wait_for_room(size)
+            bookings[shard] = bookings.get(shard, NO_RESERVATION).absorb(account.admit(size))
+            pending.setdefault(shard, []).append(record)
+            pending_bytes[shard] = pending_bytes.get(shard, 0) + size
+            if pending_bytes[shard] >= limit:
+                send(shard)
+            done += 1
+            if interval is not None and done % interval == 0:
+                _checkpoint(iterator, writers, workers, send, pending, done, progress_path, identity)
+        for shard in list(pending):
+            send(shard)
+        for shard in range(len(writers)):
+            workers.submit("finish", shard, [], None)
+        workers.drain()
+    finally:
+        release_all(bookings.values())
+        bookings.clear()
+        pending.clear()
+        pending_bytes.clear()
+        workers.stop()
+    return first
+
+
+def _checkpoint(
+    iterator: Any,
+    writers: list[_ShardWriter],
+    workers: _Workers,
+    send: Callable[[int], None],
+    pending: dict[int, list[bytes]],
+    done: int,
+    progress_path: str,
+    identity: str,
+) -> None:
+    """Publish every shard's current part and record where the input is."""
+    for shard in list(pending):
+        send(shard)
+    for shard in range(len(writers)):
+        workers.submit("close", shard, [], None)
+    workers.drain()
+    _write_json(
+        progress_path,
+        {
+            "identity": identity,
+            "elements": done,
+            "parts": [list(writer.parts) for writer in writers],
+            "digests": [list(writer.digests) for writer in writers],
+            "state": iterator.get_state(),
+        },
+    )
+
+
+class _SaveStage(Node):
+    """Stands for the save's writer in the budget's split (never iterated)."""
+
+    stage = "save"
+    budget_weight = 0.5
+
+
+_SAVE_NODE = _SaveStage()
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _read_manifest(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, MANIFEST_NAME)
+    try:
+        with open(path, encoding="utf-8") as file:
+            manifest = json.load(file)
+    except FileNotFoundError:
+        if os.path.exists(os.path.join(directory, PROGRESS_NAME)):
+            why = (
+                "a save into it stopped before the end (call save again with the same "
+                "pipeline and checkpoint_args to finish it)"
+            )
+        elif os.path.isdir(directory):
+            why = f"it has no {MANIFEST_NAME} (a save that did not finish leaves none)"
+        else:
+            why = "no such directory"
+        raise FileNotFoundError(f"load: {directory} is not a complete saved dataset: {why}") from None
+    except (ValueError, RecursionError) as error:  # (nested past what json can read)
+        raise DataLossError(f"load: {path} is not valid JSON ({error})", path=path) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+        raise DataLossError(f"load: {path} is not a headrace saved-dataset manifest", path=path)
+    version = manifest.get("version")
+    if (
+        version != _VERSION and version not in _OLD_VERSIONS
+    ) or manifest.get("elements_format") != ELEMENTS_FORMAT:
+        raise DataLossError(
+            f"load: {path} has format version {manifest.get('version')} "
+            f"({manifest.get('elements_format')}); this headrace reads version {_VERSION} "
+            f"({ELEMENTS_FORMAT})",
+            path=path,
+        )
+    _check_manifest(manifest, path)
+    return manifest
+
+
+def _check_manifest(manifest: dict[str, Any], path: str) -> None:
+    """Every field ``load`` uses, of the type and range ``save`` writes: DataLossError
+    naming the manifest otherwise (never a KeyError or TypeError further on)."""
+
+    def bad(problem: str) -> DataLossError:
+        return DataLossError(f"load: the manifest {path} is corrupted: {problem}", path=path)
+
+    parts = manifest.get("parts")
+    if not isinstance(parts, list) or not all(
+        isinstance(shard, list) and all(type(n) is int and n >= 0 for n in shard)
+        for shard in parts
+    ):
+        raise bad(f"'parts' must list each shard's part sizes, got {parts!r:.80}")
+    elements = manifest.get("elements")
+    if type(elements) is not int or elements != sum(sum(shard) for shard in parts):
+        raise bad(f"'elements' = {elements!r:.40} is not the sum of its parts")
+    if manifest.get("num_shards") != len(parts):
+        raise bad(f"'num_shards' = {manifest.get('num_shards')!r:.40}, it lists {len(parts)}")
+    if manifest.get("compression") not in ("", None, "GZIP", "ZLIB"):
+        raise bad(f"unknown 'compression' {manifest.get('compression')!r:.40}")
+    if "element_spec" not in manifest:
+        raise bad("it has no 'element_spec'")
+    if manifest.get("version") in _OLD_VERSIONS:
+        return  # saved before part digests were recorded: loaded as then
+    digests = manifest.get("digests")
+    if not isinstance(digests, list) or [
+        [isinstance(d, str) for d in shard] if isinstance(shard, list) else None
+        for shard in digests
+    ] != [[True] * len(shard) for shard in parts]:
+        raise bad(f"'digests' must list a digest per part of each shard, got {digests!r:.80}")
+
+
+def _find_damage(name: str, compression: str | None) -> None:
+    """Raise the reader's DataLossError (file and offset) for the first record of ``name``
+    whose framing or CRC fails; return if every record is sound (a foreign file)."""
+    with open_tfrecord(name, compression_type=compression, max_record_bytes=1 << 31) as reader:
+        while reader.read_batch():
+            pass
+
+
+def _check_part_files(directory: str, manifest: dict[str, Any], files: list[list[str]]) -> None:
+    """Refuse a part file that is not the one this save wrote at its place (another save's,
+    or two parts swapped by name): DataLossError naming it, before any element is read.
+
+    At most about half a MiB read per part (see :func:`_file_digest`); a save of version 1
+    recorded no digests and is loaded unchecked, as then. A damaged part (a record's CRC
+    fails) is reported as such, with the record's offset."""
+    if manifest.get("version") in _OLD_VERSIONS:
+        return
+    for shard_files, shard_digests in zip(files, manifest["digests"], strict=True):
+        for name, digest in zip(shard_files, shard_digests, strict=True):
+            try:
+                actual = _file_digest(name)
+            except FileNotFoundError:
+                raise DataLossError(
+                    f"load: {name}, a part file listed by the manifest of {directory}, is "
+                    "missing",
+                    path=name,
+                ) from None
+            if actual != digest:
+                _find_damage(name, manifest.get("compression") or None)
+                raise DataLossError(
+                    f"load: {name} is not the part file this save wrote there (its digest "
+                    f"{actual} differs from {digest} in {MANIFEST_NAME}): a file from another "
+                    "save, two parts swapped, or a file changed since",
+                    path=name,
+                )
+
+
+def _part_files(directory: str, parts: list[list[int]]) -> list[list[str]]:
+    return [
+        [os.path.join(directory, _PART.format(shard=s, part=p)) for p in range(len(counts))]
+        for s, counts in enumerate(parts)
+    ]
+
+
+class SpecCheck:
+    """Refuse a decoded element that does not have the element spec ``load`` promised
+    (the manifest's, or the one given): a manifest that does not match its data is a
+    DataLossError naming the file, never elements of another shape passed on."""
+
+    def __init__(self, spec: Any, given: bool) -> None:
+        self.spec = spec
+        self.given = given
+        self.skeleton = _skeleton(spec)
+        self.leaves: list[TensorSpec] = flatten(spec)
+
+    def __call__(self, element: Any, path: str, offset: int | None = None) -> Any:
+        problem = ""
+        if _skeleton(element) != self.skeleton:
+            problem = "its structure differs"
+        else:
+            for index, (want, leaf) in enumerate(zip(self.leaves, flatten(element), strict=True)):
+                if not want.is_compatible_with(leaf):
+                    problem = f"component {index} is {leaf_spec(leaf)}, not {want}"
+                    break
+        if problem:
+            where = "" if offset is None else f" at offset {offset}"
+            whose = "the element_spec given to load" if self.given else "its manifest's spec"
+            raise DataLossError(
+                f"load: the element{where} in {path} does not match {whose} ({problem})",
+                path=path,
+                offset=offset,
+            )
+        return element
+
+
+def _skeleton(value: Any) -> Any:
+    """The nesting of an element or spec, without its leaves."""
+    if isinstance(value, dict):
+        return ("dict", tuple((key, _skeleton(value[key])) for key in sorted(value)))
+    if isinstance(value, tuple):
+        return ("tuple", tuple(_skeleton(item) for item in value))
+    return None
+
+
+class DecodeRecord:
+    """Record bytes to element (a map function, for compressed shards)."""
+
+    def __init__(self, directory: str, check: SpecCheck | None = None) -> None:
+        self.directory = directory
+        self.check = check
+
+    def __call__(self, record: bytes) -> Any:
+        element = decode_element(record, path=self.directory)
+        return element if self.check is None else self.check(element, self.directory)
+
+
+class SavedEmpty:
+    """The map function of a dataset saved empty (never called): asking its element spec
+    raises :class:`~headrace.errors.EmptyInputError`, as for any empty pipeline whose
+    spec must be learnt from an element; iterating it yields nothing, as in tf.data."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, element: Any) -> Any:
+        raise AssertionError(f"{self.directory} was saved empty: nothing to map")
+
+    def __repr__(self) -> str:
+        return f"load({self.directory!r}, saved empty)"
+
+
+class LoadNode(Node):
+    """An uncompressed saved dataset as a random-access source, in the default read order."""
+
+    stage = "load"
+
+    def __init__(
+        self,
+        directory: str,
+        manifest: dict[str, Any],
+        element_spec: Any,
+        check: SpecCheck | None = None,
+    ) -> None:
+        super().__init__()
+        self.directory = directory
+        self.parts: list[list[int]] = manifest["parts"]
+        self.spec = element_spec
+        self.check = check
+        files = [name for shard in _part_files(directory, self.parts) for name in shard]
+        self.records = IndexedTFRecordNode(
+            files, build_missing=False, verify_crc=True, max_record_bytes=1 << 31
+        )
+        counts = [c for shard in self.parts for c in shard]
+        if counts != self.records.counts:
+            raise DataLossError(
+                f"load: the shards in {directory} hold {self.records.counts} records, the "
+                f"manifest says {counts}",
+                path=directory,
+            )
+        self.digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:20]
+
+    def params(self) -> tuple[Any, ...]:
+        return (self.directory, self.digest)
+
+    def content(self) -> tuple[Any, ...]:
+        return self.records.content()  # a directory saved again is another dataset
+
+    @property
+    def element_spec(self) -> Any:
+        return self.spec
+
+    def cardinality(self) -> int:
+        return sum(sum(shard) for shard in self.parts)
+
+    def random_access(self) -> RandomAccess:
+        return _LoadedAccess(self)
+
+
+class _LoadedAccess(RandomAccess):
+    """Element ``i`` of the shards interleaved one at a time: shard-major record ``order[i]``."""
+
+    def __init__(self, node: LoadNode) -> None:
+        self.node = node
+        self.records = node.records.random_access()
+        totals = [sum(shard) for shard in node.parts]
+        self.shard_starts = np.cumsum([0, *totals])
+        self.file_starts = np.cumsum([0, *node.records.counts]).tolist()
+        self.totals = np.asarray(totals, dtype=np.int64)
+        self._order: np.ndarray[Any, Any] | None = None
+
+    def __len__(self) -> int:
+        return int(self.shard_starts[-1])
+
+    def prepare(self, ctx: Context) -> None:
+        self.records.prepare(ctx)
+
+    def _record_numbers(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        totals = self.totals
+        if _round_robin(totals):
+            # round robin (the default sharding): element i is shard i % n, row i // n
+            n = len(totals)
+            shard, row = indices % n, indices // n
+            return np.asarray(self.shard_starts[shard] + row, dtype=np.int64)
+        if self._order is None:  # uneven shards: the interleave order, computed once
+            keys = np.concatenate(
+                [np.arange(t, dtype=np.int64) * len(totals) + s for s, t in enumerate(totals)]
+            )
+            keys.sort()
+            shard, row = keys % len(totals), keys // len(totals)
+            self._order = np.asarray(self.shard_starts[shard] + row, dtype=np.int64)
+        order: np.ndarray[Any, Any] = self._order[indices]
+        return order
+
+    def get(self, index: int) -> Any:
+        if not 0 <= index < len(self):
+            raise IndexError(f"element {index} of {len(self)}")
+        (number,) = self._record_numbers(np.asarray([index], dtype=np.int64)).tolist()
+        return self._decode(self.records.get(number), number)
+
+    def _decode(self, record: bytes, number: int) -> Any:
+        file_number = bisect.bisect_right(self.file_starts, number) - 1
+        path = self.node.records.filenames[file_number]
+        try:
+            element = decode_element(record, path=path)
+            return element if self.node.check is None else self.node.check(element, path)
+        except DataLossError:
+            local = number - self.file_starts[file_number]
+            offset = int(self.records._index(file_number).offsets[local])  # type: ignore[attr-defined]
+            element = decode_element(record, path=path, offset=offset)
+            return element if self.node.check is None else self.node.check(element, path, offset)
+
+    def close(self) -> None:
+        self.records.close()
+
+
+def _round_robin(totals: np.ndarray[Any, Any]) -> bool:
+    """Shard sizes round robin leaves: the first k shards one longer than the rest."""
+    if not len(totals):
+        return True
+    high = totals[0]
+    return bool(((totals == high) | (totals == high - 1)).all() and (np.diff(totals) <= 0).all())
+
+
+class ShardsAsDatasets:
+    """Shard index to that shard's dataset: the function that turns a dataset of shard
+    indices into tf.data's input of ``reader_func``, a dataset of datasets."""
+
+    def __init__(self, shards: list[Dataset]) -> None:
+        self.shards = shards
+
+    def __call__(self, index: Any) -> Dataset:
+        return self.shards[int(index)]
+
+
+def load_plan(
+    path: str | os.PathLike[str], element_spec: Any
+) -> tuple[str, dict[str, Any], Any, list[list[str]], str | None]:
+    """What ``Dataset.load`` needs: the directory, its manifest, the element spec (given
+    or recorded), each shard's part files and the compression."""
+    directory = os.fspath(path)
+    manifest = _read_manifest(directory)
+    spec = element_spec
+    if spec is None:
+        raw = manifest.get("element_spec")
+        if raw is None and manifest.get("elements") == 0:
+            # saved empty: nothing to learn a spec from; it loads as an empty dataset
+            return directory, manifest, None, [], manifest.get("compression") or None
+        if raw is None:
+            manifest_path = os.path.join(directory, MANIFEST_NAME)
+            raise DataLossError(
+                f"load: the manifest {manifest_path} records elements but no element spec",
+                path=manifest_path,
+            )
+        manifest_path = os.path.join(directory, MANIFEST_NAME)
+        try:
+            spec = spec_from_json(raw)
+        except ValueError as error:
+            raise DataLossError(
+                f"load: the manifest {manifest_path} is corrupted: {error}", path=manifest_path
+            ) from None
+    files = _part_files(directory, manifest["parts"])
+    _check_part_files(directory, manifest, files)
+    return directory, manifest, spec, files, manifest.get("compression") or None
