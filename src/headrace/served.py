@@ -91,7 +91,8 @@ from headrace.dataset import Dataset
 from headrace.distribute import AutoShardPolicy, auto_shard
 from headrace.errors import CheckpointError, InvalidArgumentError, IteratorClosedError, WorkerError
 from headrace.io.filepool import FileLimiter, get_default_pool
-from headrace.memory.budget import MemoryBudget, Reservation
+from headrace.memory.budget import MemoryBudget
+from headrace.memory.buffer import Reservation
 from headrace.workers.shm import SegmentMaps, SegmentPool, sweep_stale
 
 __all__ = ["ProducerError", "ServedIterator", "Server", "connect", "serve"]

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NO_RESERVATION",
     "AccountStats",
+    "Assembly",
     "BudgetClosed",
     "Buffer",
     "Reservation",
@@ -379,6 +380,10 @@ class Buffer:
         with self.lock:
             self._unbook(nbytes)
 
+    def share_text(self) -> str:
+        """This stage's share and the budget it is cut from, for messages ("2 MiB of 8 MiB")."""
+        return f"{format_bytes(self.limit)} of {format_bytes(self.budget.total)}"
+
     def stats(self) -> AccountStats:
         """A consistent snapshot, for the profiler."""
         with self.lock:
@@ -535,6 +540,88 @@ class ChunkPart(Reservation):
         )
         self.release()
         return moved
+
+
+class Assembly:
+    """A batch being assembled in place on a :class:`Buffer`: one minimum working set.
+
+    The rows it keeps and the output it allocates are held *together*: past the
+    stage's share, the budget splits itself again, or :class:`MemoryBudgetError`
+    names the stage and what it assembles. A row booked upstream moves its booking
+    here. A row nobody booked is booked in groups of :data:`GROUP_BYTES`, one lock
+    per group. :meth:`finish` hands the batch one reservation; :meth:`abandon`
+    (a failure, a dropped remainder) gives everything back.
+    """
+
+    __slots__ = ("_loose", "_loose_rows", "_out", "_rows", "buffer", "what")
+
+    #: Rows nobody booked are booked in groups of about this many bytes: at most this
+    #: much is held unbooked, for the time it takes to gather a group.
+    GROUP_BYTES = 64 << 10
+
+    def __init__(self, buffer: Buffer, what: str) -> None:
+        self.buffer, self.what = buffer, what
+        self._rows = 0  # booked for rows kept (their objects, or the rows themselves)
+        self._out = 0  # booked for the output (its columns, their growth)
+        self._loose = self._loose_rows = 0  # rows' bytes not booked yet
+
+    def reserve(self, nbytes: int, *, what: str | None = None, elements: int = 0) -> None:
+        """Book ``nbytes`` the assembly is about to allocate (its output, a widened
+        column), held with what it holds: refused before anything is allocated.
+        ``elements``: 1 for the output itself, so the stage's stats count it."""
+        self.buffer.hold(nbytes, what=what or self.what, elements=elements)
+        self._out += nbytes
+
+    def take(self, nbytes: int, upstream: Reservation) -> None:
+        """Keep a row of ``nbytes`` (or the objects of one) in the batch.
+
+        Its ``upstream`` booking moves here at once: waiting on the upstream
+        stage's share would stall it. It is checked as it is booked.
+        """
+        if upstream.account is not None:
+            self._rows += upstream.move_to(self.buffer, nbytes, together=self.what).nbytes
+            return
+        buffer = self.buffer
+        loose = self._loose + nbytes
+        needed = buffer.held + loose
+        if needed > buffer.limit:  # refused before more rows are gathered
+            buffer.require(needed, what=self.what)
+        self._loose, self._loose_rows = loose, self._loose_rows + 1
+        if loose >= self.GROUP_BYTES:
+            self._book_loose()
+
+    def _book_loose(self) -> None:
+        loose, rows = self._loose, self._loose_rows
+        if loose:
+            self.buffer.hold(loose, what=self.what, elements=rows)
+            self._rows += loose
+        self._loose = self._loose_rows = 0
+
+    def drop_rows(self) -> None:
+        """The rows were copied into the output and are gone: their bytes come back."""
+        self._loose = self._loose_rows = 0
+        rows, self._rows = self._rows, 0
+        self.buffer.release(rows)
+
+    def shrink(self, nbytes: int) -> None:
+        """Part of the output was freed (a column replaced by its widened copy)."""
+        nbytes = min(nbytes, self._out)
+        self._out -= nbytes
+        self.buffer.release(nbytes)
+
+    def finish(self) -> Reservation:
+        """The batch is made: one reservation holds it (the rows kept and the output)."""
+        self._book_loose()
+        nbytes = self._rows + self._out
+        self._rows = self._out = 0
+        return Reservation(self.buffer, nbytes) if nbytes else NO_RESERVATION
+
+    def abandon(self) -> None:
+        """Give back everything booked (the batch failed or is not handed out)."""
+        self._loose = self._loose_rows = 0
+        nbytes = self._rows + self._out
+        self._rows = self._out = 0
+        self.buffer.release(nbytes)
 
 
 NO_RESERVATION = Reservation(None, 0)
