@@ -380,6 +380,29 @@ class Buffer:
         with self.lock:
             self._unbook(nbytes)
 
+    def enter(
+        self,
+        nbytes: int,
+        upstream: Reservation | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Reservation:
+        """Wait until an element of ``nbytes`` fits, then book it (see :meth:`admit`).
+
+        One step under the lock: of several producers on one stage, only one
+        takes the last room, so the stage never holds past its share. An element
+        larger than the share raises :class:`MemoryBudgetError` naming the stage
+        (after a re-split, if one can make it fit), and ``upstream`` is released.
+        """
+        try:
+            with self._changed:
+                self.wait_for_room(nbytes, cancelled=cancelled)
+                return self.admit(nbytes, upstream)
+        except BaseException:
+            if upstream is not None:
+                upstream.release()
+            raise
+
     def share_text(self) -> str:
         """This stage's share and the budget it is cut from, for messages ("2 MiB of 8 MiB")."""
         return f"{format_bytes(self.limit)} of {format_bytes(self.budget.total)}"
