@@ -22,7 +22,7 @@ import pytest
 import headrace as hr
 from headrace.memory.budget import MemoryBudget
 from headrace.memory.buffer import NO_RESERVATION, Assembly, BudgetClosed, Buffer, Reservation
-from headrace.memory.sizeof import ARRAY_HEADER_BYTES
+from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
 
 MiB = 1 << 20
 SEEDS = range(12)
@@ -256,3 +256,27 @@ def test_prefetch_never_holds_past_its_share_at_the_edge(seed: int) -> None:
     assert stage.limit == share
     assert stage.peak <= stage.limit, f"held {stage.peak - stage.limit} B past the share"
     assert stage.overdrawn_peak == 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_ragged_batch_books_its_output_beside_its_rows(seed: int) -> None:
+    """The output of a ragged batch is made while its rows are held: both are booked
+    (main booked the rows only and handed the output out unbooked)."""
+    rng = random.Random(seed)
+    rows = [np.full(rng.randint(0, 20_000), i, np.int32) for i in range(rng.randint(1, 40))]
+    batch_size = rng.randint(1, 8)
+    ds = hr.Dataset.from_generator(
+        lambda: iter(rows), output_signature=hr.TensorSpec((None,), np.int32)
+    ).ragged_batch(batch_size)
+    iterator = iter(ds)
+    batches = list(iterator)
+    needed = 0
+    for number, batch in enumerate(batches):
+        part = rows[number * batch_size : (number + 1) * batch_size]
+        assert np.array_equal(batch.values, np.concatenate(part))
+        held = sum(sizeof(row) for row in part)
+        needed = max(needed, held + batch.values.nbytes + batch.row_splits.nbytes)
+    (stage,) = [s for s in iterator.stats().stages if s.name == "ragged_batch"]
+    assert stage.peak >= needed, f"booked at most {stage.peak} B, made {needed} B at once"
+    assert stage.peak <= stage.limit
+    assert iterator.context.budget.used == 0

@@ -3,11 +3,12 @@
 Every stage that holds elements (a shuffle's buffer, a prefetch queue, a batch
 being assembled, an interleave's open slots, a cache's write buffer, a reader's
 read-ahead, an adapter's ring) holds them through one :class:`Buffer`. The buffer
-is the only place where bytes are checked against the share and booked; a stage
-asks it questions (:meth:`Buffer.fits`, :meth:`Buffer.room`) and books through it
-(:meth:`Buffer.admit`, :meth:`Buffer.admit_existing`), and never reads or writes
-its counters. Work whose outputs do not exist yet (a map's calls in flight) is
-booked through the in-flight ledger built on it (:mod:`headrace.memory.inflight`).
+is the only place where bytes are checked against the share and booked. A stage
+asks it questions (:meth:`Buffer.fits`, :meth:`Buffer.room`) and books through it:
+:meth:`Buffer.enter` waits for room and books, :meth:`Buffer.admit` books what it
+checked, and an :class:`Assembly` holds a batch being built. It never reads or
+writes the counters. Work whose outputs do not exist yet (a map's calls in flight)
+is booked through the in-flight ledger (:mod:`headrace.memory.inflight`).
 
 Reservations move with their element (:class:`Reservation`): a stage that
 takes an element from a buffering stage books it on its own buffer first and
@@ -65,6 +66,8 @@ class AccountStats:
     max_element: int
     #: Most bytes held past the share as an overdraft (outputs that outgrew their estimate).
     overdrawn_peak: int = 0
+    #: Bytes held past the share as an overdraft now.
+    overdrawn: int = 0
 
 
 class Buffer:
@@ -403,6 +406,13 @@ class Buffer:
                 upstream.release()
             raise
 
+    def fix_share(self, nbytes: int) -> None:
+        """Set this stage's share by hand: a budget split in fixed parts outside
+        :meth:`MemoryBudget.allot` (a server's segments beside its consumers' runs)."""
+        with self._changed:
+            self.limit = nbytes
+            self._changed.notify_all()
+
     def share_text(self) -> str:
         """This stage's share and the budget it is cut from, for messages ("2 MiB of 8 MiB")."""
         return f"{format_bytes(self.limit)} of {format_bytes(self.budget.total)}"
@@ -418,6 +428,7 @@ class Buffer:
                 self.elements,
                 self.max_element,
                 self.overdrawn_peak,
+                self.overdrawn,
             )
 
 
@@ -592,6 +603,7 @@ class Assembly:
         """Book ``nbytes`` the assembly is about to allocate (its output, a widened
         column), held with what it holds: refused before anything is allocated.
         ``elements``: 1 for the output itself, so the stage's stats count it."""
+        self._book_loose()  # the rows gathered so far count in the check
         self.buffer.hold(nbytes, what=what or self.what, elements=elements)
         self._out += nbytes
 

@@ -8,7 +8,8 @@ ragged in its first dimension (row ``i`` is element ``i``; inner dimensions
 must agree), as tf.data makes it a RaggedTensor; scalars batch into a plain
 array, as in tf.data. ``row_splits`` are int64 (``row_splits_dtype``: int32 or
 int64). The elements of a batch are booked on the stage's share while it is
-gathered, then the batch replaces them.
+gathered. The output is booked beside them before it is made (rows and output
+are the stage's minimum working set), then it replaces them.
 """
 
 from __future__ import annotations
