@@ -194,6 +194,7 @@ def test_assemblies_hold_rows_and_output_together_within_the_share(seed: int) ->
             assert batch.is_empty()
     finally:
         stop.set()
+        source.wake()  # a producer waiting for room sees the stop (as prefetch's stop does)
         producer.join(timeout=30)
         while not rows.empty():
             item = rows.get()

@@ -613,17 +613,13 @@ class Assembly:
         Its ``upstream`` booking moves here at once: waiting on the upstream
         stage's share would stall it. It is checked as it is booked.
         """
-        if upstream.account is not None:
-            self._rows += upstream.move_to(self.buffer, nbytes, together=self.what).nbytes
+        if upstream.account is None:  # checked when its group is booked (per row: cheap)
+            loose = self._loose = self._loose + nbytes
+            self._loose_rows += 1
+            if loose >= self.GROUP_BYTES:
+                self._book_loose()
             return
-        buffer = self.buffer
-        loose = self._loose + nbytes
-        needed = buffer.held + loose
-        if needed > buffer.limit:  # refused before more rows are gathered
-            buffer.require(needed, what=self.what)
-        self._loose, self._loose_rows = loose, self._loose_rows + 1
-        if loose >= self.GROUP_BYTES:
-            self._book_loose()
+        self._rows += upstream.move_to(self.buffer, nbytes, together=self.what).nbytes
 
     def _book_loose(self) -> None:
         loose, rows = self._loose, self._loose_rows
