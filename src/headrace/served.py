@@ -91,7 +91,8 @@ from headrace.dataset import Dataset
 from headrace.distribute import AutoShardPolicy, auto_shard
 from headrace.errors import CheckpointError, InvalidArgumentError, IteratorClosedError, WorkerError
 from headrace.io.filepool import FileLimiter, get_default_pool
-from headrace.memory.budget import MemoryBudget, Reservation
+from headrace.memory.budget import MemoryBudget
+from headrace.memory.buffer import Reservation
 from headrace.workers.shm import SegmentMaps, SegmentPool, sweep_stale
 
 __all__ = ["ProducerError", "ServedIterator", "Server", "connect", "serve"]
@@ -309,7 +310,7 @@ class Server(ClosesOnExit):
         #: their part, as an overdraft (a consumer that keeps what it got).
         self.segments = self.budget.account("served segments", weight=1.0)
         self.budget.allot()
-        self.segments.limit = self.budget.total - consumers * self.part
+        self.segments.fix_share(self.budget.total - consumers * self.part)
         self._lock = threading.Lock()
         self._connections: dict[int, socket.socket] = {}
         self._sockets: set[socket.socket] = set()  # every open connection, for close()
@@ -353,7 +354,7 @@ class Server(ClosesOnExit):
         with self._lock:
             runs = list(self._runs.values())
         accounts = [self.segments] + [a for run in runs for a in run.context.budget.accounts]
-        return sum(account.overdrawn for account in accounts)
+        return sum(account.stats().overdrawn for account in accounts)
 
     def close(self) -> None:
         """Stop listening, end every connection, close every consumer's run, remove the

@@ -59,10 +59,10 @@ import torch
 
 from headrace.core import (
     NO_RESERVATION,
+    Buffer,
     Context,
     Iterator,
     Reservation,
-    StageAccount,
     StateReader,
     UnaryNode,
 )
@@ -397,7 +397,7 @@ class _Ring:
         self,
         source: _Source,
         backend: TransferBackend,
-        account: StageAccount,
+        account: Buffer,
         depth: int,
         estimate: int,
     ) -> None:
@@ -488,7 +488,7 @@ class _Ring:
         slot.host = None  # the old buffer goes before the new one is booked
         slot.reservation.release()
         slot.reservation = NO_RESERVATION
-        slot.reservation = self.account.hold(nbytes, what="one pinned host buffer")
+        slot.reservation = self.account.admit(nbytes, together="one pinned host buffer")
         slot.host = self.backend.allocate(nbytes)
 
     # consumer side
@@ -622,7 +622,7 @@ class DeviceIterator(Iterator):
         if depth == AUTOTUNE:  # one slot per thread plus two in the consumer's hands
             depth = threads + 2
             if estimate:
-                depth = max(2, min(depth, account.limit // estimate))
+                depth = max(2, min(depth, account.share() // estimate))
         self.depth = depth
         self.ring = _Ring(source, backend, account, depth, estimate)
         self._state = source.state()  # the position after the last batch handed over

@@ -26,13 +26,14 @@ from headrace.core.iterator import Context, Iterator, RunFacts
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, UnaryNode
 from headrace.core.run import STATE_VERSION, DatasetIterator, default_budget
 from headrace.core.state import StateReader
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, StageAccount
 
 __all__ = [
     "INFINITE",
     "NO_RESERVATION",
     "STATE_VERSION",
     "UNKNOWN",
+    "Buffer",
     "Context",
     "DatasetIterator",
     "Handoff",

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from headrace.core.iterator import Iterator
 from headrace.core.state import INNER, SKIP, past_end
 from headrace.errors import WorkerPoolError, add_note
-from headrace.memory.budget import NO_RESERVATION, Reservation, release_all
+from headrace.memory.buffer import NO_RESERVATION, Reservation, release_all
 
 __all__ = [
     "TRACEBACK_NOTE", "Handoff", "drop_frames", "holds_a_place", "restore_input", "unpin",

@@ -19,7 +19,7 @@ from headrace.core.iterator import BatchToken, Iterator
 from headrace.core.stack import stack_elements
 from headrace.core.state import EPOCH, INNER, POSITION, PRODUCED, StateReader
 from headrace.errors import Origin
-from headrace.memory.budget import NO_RESERVATION, Reservation
+from headrace.memory.buffer import NO_RESERVATION, Reservation
 
 if TYPE_CHECKING:
     from headrace.core.iterator import Context

@@ -25,7 +25,8 @@ import numpy as np
 
 from headrace.core.state import INPUTS, StateReader
 from headrace.errors import Origin
-from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation, StageAccount
+from headrace.memory.budget import MemoryBudget
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import admit, owner_of, sizeof
 from headrace.options import Options
 
@@ -93,7 +94,7 @@ class Context:
         self._nested = False
         #: Objects whose ``id`` is a key above, by id: kept once, alive while the run lives.
         self._keepalive: dict[int, object] = {}
-        self._accounts: dict[int, StageAccount] = {}
+        self._accounts: dict[int, Buffer] = {}
 
     def with_epoch(self, epoch: int) -> Context:
         """This context for the iterator of one repetition of an enclosing ``repeat``."""
@@ -152,7 +153,7 @@ class Context:
 
     def account(
         self, node: Node, name: str | None = None, *, weight: float | None = None
-    ) -> StageAccount:
+    ) -> Buffer:
         """The share of the budget of one buffering stage.
 
         ``node`` is the stage's recipe node. Its class declares how the budget

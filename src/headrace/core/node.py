@@ -40,7 +40,7 @@ from headrace.structure import TensorSpec, flatten
 
 if TYPE_CHECKING:
     from headrace.core.iterator import Context, Iterator
-    from headrace.memory.budget import StageAccount
+    from headrace.memory.buffer import Buffer
 
 __all__ = [
     "INFINITE",
@@ -331,7 +331,7 @@ class Node:
         return access, sequential
 
     def batched_iterator(
-        self, ctx: Context, batch_size: int, drop_remainder: bool, account: StageAccount
+        self, ctx: Context, batch_size: int, drop_remainder: bool, account: Buffer
     ) -> Iterator | None:
         """An iterator of whole batches, where the node can batch better than ``batch`` can.
 

@@ -32,7 +32,8 @@ from headrace.core.state import (
 from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.io.filepool import FileLimiter
 from headrace.memory.allocator import tune_allocator
-from headrace.memory.budget import NO_RESERVATION, MemoryBudget
+from headrace.memory.budget import MemoryBudget
+from headrace.memory.buffer import NO_RESERVATION
 from headrace.memory.system import available_memory, live_runs
 from headrace.options import Options
 

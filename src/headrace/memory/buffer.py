@@ -3,11 +3,12 @@
 Every stage that holds elements (a shuffle's buffer, a prefetch queue, a batch
 being assembled, an interleave's open slots, a cache's write buffer, a reader's
 read-ahead, an adapter's ring) holds them through one :class:`Buffer`. The buffer
-is the only place where bytes are checked against the share and booked; a stage
-asks it questions (:meth:`Buffer.fits`, :meth:`Buffer.room`) and books through it
-(:meth:`Buffer.admit`, :meth:`Buffer.admit_existing`), and never reads or writes
-its counters. Work whose outputs do not exist yet (a map's calls in flight) is
-booked through the in-flight ledger built on it (:mod:`headrace.memory.inflight`).
+is the only place where bytes are checked against the share and booked. A stage
+asks it questions (:meth:`Buffer.fits`, :meth:`Buffer.room`) and books through it:
+:meth:`Buffer.enter` waits for room and books, :meth:`Buffer.admit` books what it
+checked, and an :class:`Assembly` holds a batch being built. It never reads or
+writes the counters. Work whose outputs do not exist yet (a map's calls in flight)
+is booked through the in-flight ledger (:mod:`headrace.memory.inflight`).
 
 Reservations move with their element (:class:`Reservation`): a stage that
 takes an element from a buffering stage books it on its own buffer first and
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NO_RESERVATION",
     "AccountStats",
+    "Assembly",
     "BudgetClosed",
     "Buffer",
     "Reservation",
@@ -65,6 +67,8 @@ class AccountStats:
     max_element: int
     #: Most bytes held past the share as an overdraft (outputs that outgrew their estimate).
     overdrawn_peak: int = 0
+    #: Bytes held past the share as an overdraft now.
+    overdrawn: int = 0
 
 
 class Buffer:
@@ -398,6 +402,40 @@ class Buffer:
         with self.lock:  # checked as hold() checks, under the lock the split takes
             self._fit_together(nbytes, together)
 
+    def enter(
+        self,
+        nbytes: int,
+        upstream: Reservation | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Reservation:
+        """Wait until an element of ``nbytes`` fits, then book it (see :meth:`admit`).
+
+        One step under the lock: of several producers on one stage, only one
+        takes the last room, so the stage never holds past its share. An element
+        larger than the share raises :class:`MemoryBudgetError` naming the stage
+        (after a re-split, if one can make it fit), and ``upstream`` is released.
+        """
+        try:
+            with self._changed:
+                self.wait_for_room(nbytes, cancelled=cancelled)
+                return self.admit(nbytes, upstream)
+        except BaseException:
+            if upstream is not None:
+                upstream.release()
+            raise
+
+    def fix_share(self, nbytes: int) -> None:
+        """Set this stage's share by hand: a budget split in fixed parts outside
+        :meth:`MemoryBudget.allot` (a server's segments beside its consumers' runs)."""
+        with self._changed:
+            self.limit = nbytes
+            self._changed.notify_all()
+
+    def share_text(self) -> str:
+        """This stage's share and the budget it is cut from, for messages ("2 MiB of 8 MiB")."""
+        return f"{format_bytes(self.limit)} of {format_bytes(self.budget.total)}"
+
     def stats(self) -> AccountStats:
         """A consistent snapshot, for the profiler."""
         with self.lock:
@@ -409,6 +447,7 @@ class Buffer:
                 self.elements,
                 self.max_element,
                 self.overdrawn_peak,
+                self.overdrawn,
             )
 
     @classmethod
@@ -567,6 +606,85 @@ class ChunkPart(Reservation):
         )
         self.release()
         return moved
+
+
+class Assembly:
+    """A batch being assembled in place on a :class:`Buffer`: one minimum working set.
+
+    The rows it keeps and the output it allocates are held *together*: past the
+    stage's share, the budget splits itself again, or :class:`MemoryBudgetError`
+    names the stage and what it assembles. A row booked upstream moves its booking
+    here. A row nobody booked is booked in groups of :data:`GROUP_BYTES`, one lock
+    per group. :meth:`finish` hands the batch one reservation; :meth:`abandon`
+    (a failure, a dropped remainder) gives everything back.
+    """
+
+    __slots__ = ("_loose", "_loose_rows", "_out", "_rows", "buffer", "what")
+
+    #: Rows nobody booked are booked in groups of about this many bytes: at most this
+    #: much is held unbooked, for the time it takes to gather a group.
+    GROUP_BYTES = 64 << 10
+
+    def __init__(self, buffer: Buffer, what: str) -> None:
+        self.buffer, self.what = buffer, what
+        self._rows = 0  # booked for rows kept (their objects, or the rows themselves)
+        self._out = 0  # booked for the output (its columns, their growth)
+        self._loose = self._loose_rows = 0  # rows' bytes not booked yet
+
+    def reserve(self, nbytes: int, *, what: str | None = None, elements: int = 0) -> None:
+        """Book ``nbytes`` the assembly is about to allocate (its output, a widened
+        column), held with what it holds: refused before anything is allocated.
+        ``elements``: 1 for the output itself, so the stage's stats count it."""
+        self._book_loose()  # the rows gathered so far count in the check
+        self.buffer.hold(nbytes, what=what or self.what, elements=elements)
+        self._out += nbytes
+
+    def take(self, nbytes: int, upstream: Reservation) -> None:
+        """Keep a row of ``nbytes`` (or the objects of one) in the batch.
+
+        Its ``upstream`` booking moves here at once: waiting on the upstream
+        stage's share would stall it. It is checked as it is booked.
+        """
+        if upstream.account is None:  # checked when its group is booked (per row: cheap)
+            loose = self._loose = self._loose + nbytes
+            self._loose_rows += 1
+            if loose >= self.GROUP_BYTES:
+                self._book_loose()
+            return
+        self._rows += upstream.move_to(self.buffer, nbytes, together=self.what).nbytes
+
+    def _book_loose(self) -> None:
+        loose, rows = self._loose, self._loose_rows
+        if loose:
+            self.buffer.hold(loose, what=self.what, elements=rows)
+            self._rows += loose
+        self._loose = self._loose_rows = 0
+
+    def drop_rows(self) -> None:
+        """The rows were copied into the output and are gone: their bytes come back."""
+        self._loose = self._loose_rows = 0
+        rows, self._rows = self._rows, 0
+        self.buffer.release(rows)
+
+    def shrink(self, nbytes: int) -> None:
+        """Part of the output was freed (a column replaced by its widened copy)."""
+        nbytes = min(nbytes, self._out)
+        self._out -= nbytes
+        self.buffer.release(nbytes)
+
+    def finish(self) -> Reservation:
+        """The batch is made: one reservation holds it (the rows kept and the output)."""
+        self._book_loose()
+        nbytes = self._rows + self._out
+        self._rows = self._out = 0
+        return Reservation(self.buffer, nbytes) if nbytes else NO_RESERVATION
+
+    def abandon(self) -> None:
+        """Give back everything booked (the batch failed or is not handed out)."""
+        self._loose = self._loose_rows = 0
+        nbytes = self._rows + self._out
+        self._rows = self._out = 0
+        self.buffer.release(nbytes)
 
 
 NO_RESERVATION = Reservation(None, 0)

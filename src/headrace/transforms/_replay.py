@@ -16,7 +16,7 @@ from typing import Any
 
 from headrace.core.iterator import Iterator
 from headrace.core.state import StateReader, past_end
-from headrace.memory.budget import Reservation
+from headrace.memory.buffer import Reservation
 
 __all__ = ["ReplayedInput"]
 

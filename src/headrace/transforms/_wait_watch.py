@@ -14,7 +14,7 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
-from headrace.memory.budget import Reservation
+from headrace.memory.buffer import Reservation
 
 try:
     import resource

@@ -34,7 +34,7 @@ from headrace.errors import (
     ElementSpecError,
     Origin,
 )
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount, release_all
+from headrace.memory.buffer import NO_RESERVATION, Assembly, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
 from headrace.structure import (
     flatten,
@@ -85,7 +85,7 @@ class BatchNode(Node):
 
 
 def batch_iterator(
-    source: Node, ctx: Context, account: StageAccount, batch_size: int, drop_remainder: bool
+    source: Node, ctx: Context, account: Buffer, batch_size: int, drop_remainder: bool
 ) -> Iterator:
     """Batches of ``source``'s elements, booked on ``account``, by the best route: one
     gather per batch of a random-access source, a batch the source makes itself (a
@@ -121,10 +121,6 @@ def batched_cardinality(inner: int, batch_size: int, drop_remainder: bool) -> in
 #: A batch costing no more than this is views of memory that predates the run (array
 #: headers only): not booked, which keeps two lock round trips off the per-batch path.
 _HEADERS_ONLY = 16 * ARRAY_HEADER_BYTES
-#: The objects (bytes, str) a batch keeps of elements nobody booked are booked in
-#: groups of about this many bytes: one lock per group, not per 200-byte record; at
-#: most this much is held unbooked, for the time it takes to assemble a group.
-_KEEP_GROUP_BYTES = 64 << 10
 
 
 class _ChargedBatches(Iterator):
@@ -133,7 +129,7 @@ class _ChargedBatches(Iterator):
     stage = "batch"
     passes_origin = True  # (the batch's origin is its maker's)
 
-    def __init__(self, inner: Iterator, ctx: Context, account: StageAccount) -> None:
+    def __init__(self, inner: Iterator, ctx: Context, account: Buffer) -> None:
         super().__init__(inner)
         self.inner, self.ctx, self.account = inner, ctx, account
         # Bound once: this runs per batch, and each attribute/method hop costs ~0.05 us.
@@ -145,49 +141,34 @@ class _ChargedBatches(Iterator):
         cost = sizeof(batch, self._preexisting)  # what ctx.sizeof does, one call less
         if cost <= _HEADERS_ONLY:  # a slice of the user's memory: only array headers are new
             return batch, NO_RESERVATION
-        return batch, self.account.hold(cost, what="one batch")
+        return batch, self.account.admit(cost, together="one batch")
 
 
 class Assembler(Iterator):
     """Shared by the streaming batchers: pull and book up to N elements of a batch."""
 
-    def __init__(self, inner: Iterator, ctx: Context, account: StageAccount) -> None:
+    def __init__(self, inner: Iterator, ctx: Context, account: Buffer) -> None:
         super().__init__(inner)
         self.inner, self.ctx, self.account = inner, ctx, account
         self.position = 0  # elements consumed, for error messages
 
-    def pull_many(self, count: int) -> tuple[list[Any], list[Reservation]]:
-        """Up to ``count`` elements, booked on this stage's share.
-
-        Elements a buffering stage booked move here at once (keeping them on
-        that stage's share while waiting for more would stall it); the others
-        are booked together at the end, with one lock.
-        """
+    def pull_many(self, count: int, what: str) -> tuple[list[Any], Assembly]:
+        """Up to ``count`` elements, held together on this stage's share as one
+        :class:`Assembly` (``what`` names it in a refusal)."""
         elements: list[Any] = []
-        reservations: list[Reservation] = []
-        unbooked = unbooked_count = 0
-        sizeof, account = self.ctx.sizeof, self.account
-        what = f"a batch of {count} elements"
+        assembly = Assembly(self.account, what)
+        sizeof = self.ctx.sizeof
         try:
             for _ in range(count):
                 element, reservation = self.inner.pull()
                 elements.append(element)
-                size = sizeof(element)
-                if account.held + unbooked + size > account.limit:  # re-split, or name minima
-                    account.require(account.held + unbooked + size, what=what)
-                if reservation.account is None:
-                    unbooked += size
-                    unbooked_count += 1
-                else:  # held together with the batch's other rows: checked as it is booked
-                    reservations.append(reservation.move_to(account, size, together=what))
+                assembly.take(sizeof(element), reservation)
         except StopIteration:
             pass
         except BaseException:
-            release_all(reservations)
+            assembly.abandon()
             raise
-        if unbooked:
-            reservations.append(account.hold(unbooked, what=what, elements=unbooked_count))
-        return elements, reservations
+        return elements, assembly
 
     def get_state(self) -> dict[str, Any]:
         return {INNER: self.inner.get_state(), POSITION: self.position}
@@ -259,13 +240,13 @@ class _BatchIterator(Assembler):
         self,
         inner: Iterator,
         ctx: Context,
-        account: StageAccount,
+        account: Buffer,
         batch_size: int,
         drop_remainder: bool,
     ) -> None:
         super().__init__(inner, ctx, account)
         self.batch_size, self.drop_remainder = batch_size, drop_remainder
-        self._booking = NO_RESERVATION
+        self._assembly: Assembly | None = None  # the batch being assembled
         #: The input's origin probe, once a stage above asks for origins: each row's
         #: token is taken as it is pulled, and the batch's token holds them all.
         self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
@@ -299,10 +280,14 @@ class _BatchIterator(Assembler):
         paths = ["element"] if single else structure_paths(first)
         columns = [_Column(leaf, path) for leaf, path in zip(leaves, paths, strict=True)]
         keeps_objects = any(column.dtype.hasobject for column in columns)
-        # The batch's one booking (a widened column or kept objects add to it).
-        self._booking = self._allocate(columns)
+        # The batch's one booking: its output, and the objects it keeps of its rows.
+        try:
+            assembly = self._allocate(columns)
+        except BaseException:
+            reservation.release()
+            raise
+        objects_cost = self._objects_cost
         count = 0
-        unbooked = 0  # bytes of kept objects not booked yet (see _KEEP_GROUP_BYTES)
         failure: ElementSpecError | None = None  # an element that does not fit the batch
         try:
             while True:
@@ -314,19 +299,11 @@ class _BatchIterator(Assembler):
                         # short last one under drop_remainder without a word): so do we
                         failure = error
                 if keeps_objects and failure is None:  # its objects live on in the batch
-                    if reservation.account is not None:  # booked above: it moves here now,
-                        # held with the batch's other rows: the stage's minimum grows to
-                        # them all, checked as it is booked (a re-split on another thread
-                        # once lowered the share under a half-built batch: seed 200014)
-                        self._booking = self._booking.absorb(reservation.move_to(
-                            self.account, reservation.nbytes,
-                            together=f"the objects of a batch of {self.batch_size}",
-                        ))
-                    else:
-                        unbooked += self._objects_cost(leaves)
-                        if unbooked >= _KEEP_GROUP_BYTES:
-                            self._booking = self._booking.absorb(self._hold_objects(unbooked))
-                            unbooked = 0
+                    assembly.take(
+                        objects_cost(leaves) if reservation.account is None
+                        else reservation.nbytes,
+                        reservation,
+                    )
                 else:
                     reservation.release()
                 count += 1
@@ -345,40 +322,38 @@ class _BatchIterator(Assembler):
                         f"batch: element {self.position - 1} has {len(leaves)} components, but "
                         f"element {first_index} of the same batch has {len(columns)}"
                     )
+            if self.drop_remainder and count < self.batch_size:
+                raise StopIteration
+            if failure is not None:
+                raise failure
+            booking = assembly.finish()
         except BaseException:
             reservation.release()
-            self._booking.release()
+            assembly.abandon()
             raise
-        if unbooked and failure is None:
-            self._booking = self._booking.absorb(self._hold_objects(unbooked))
-        if self.drop_remainder and count < self.batch_size:
-            self._booking.release()
-            raise StopIteration
-        if failure is not None:
-            self._booking.release()
-            raise failure
         outputs = [column.out[:count] if count < len(column.out) else column.out
                    for column in columns if column.out is not None]
         batch = outputs[0] if single else pack_as(structure, outputs)
-        booking, self._booking = self._booking, NO_RESERVATION
         if tokens is not None:
             self.last_token = BatchToken(probe[1], tokens)  # type: ignore[index]
         return batch, booking
 
-    def _allocate(self, columns: list[_Column]) -> Reservation:
+    def _allocate(self, columns: list[_Column]) -> Assembly:
         """Book, then allocate, every column's output for a whole batch."""
         rows = self.batch_size
         nbytes = sum(
             ARRAY_HEADER_BYTES + rows * column.row_bytes() for column in columns
         )
-        booking = self.account.hold(nbytes, what=f"a batch of {rows} elements")
+        assembly = Assembly(self.account, f"a batch of {rows} elements")
+        assembly.reserve(nbytes, elements=1)
         try:
             for column in columns:
                 column.out = np.empty((rows, *column.shape), dtype=column.dtype)
         except BaseException:
-            booking.release()
+            assembly.abandon()
             raise
-        return booking
+        self._assembly = assembly
+        return assembly
 
     def _place(self, columns: list[_Column], leaves: list[Any], row: int, first: int) -> None:
         for column, leaf in zip(columns, leaves, strict=True):
@@ -426,16 +401,15 @@ class _BatchIterator(Assembler):
     ) -> np.ndarray[Any, Any]:
         """Widen a column (an int column meeting a float), as np.stack would: booked first."""
         assert column.out is not None
-        old = column.out
-        grown = self.account.hold(
+        old, assembly = column.out, self._assembly
+        assert assembly is not None
+        assembly.reserve(
             len(old) * int(np.prod(column.shape, dtype=np.int64)) * dtype.itemsize,
             what="a widened batch column",
         )
         column.out, column.dtype = np.empty(old.shape, dtype=dtype), dtype
         column.out[:rows] = old[:rows]
-        self._booking = self._booking.absorb(grown)
-        self._booking.nbytes -= old.nbytes
-        self.account.release(old.nbytes)
+        assembly.shrink(old.nbytes)
         return column.out
 
     def _objects_cost(self, leaves: list[Any]) -> int:
@@ -447,7 +421,3 @@ class _BatchIterator(Assembler):
             elif _leaf_dtype(leaf).hasobject:
                 total += self.ctx.sizeof(leaf)
         return total
-
-    def _hold_objects(self, nbytes: int) -> Reservation:
-        return self.account.hold(nbytes, what=f"the objects of a batch of {self.batch_size}")
-

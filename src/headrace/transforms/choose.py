@@ -24,7 +24,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node
 from headrace.core.state import INPUTS, StateReader
 from headrace.errors import InvalidArgumentError
-from headrace.memory.budget import Reservation
+from headrace.memory.buffer import Reservation
 from headrace.structure import flatten, integer_scalar
 from headrace.transforms._random import RandomStream, SeededNode
 

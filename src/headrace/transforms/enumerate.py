@@ -11,7 +11,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node
 from headrace.core.state import INNER, INT64_MAX, StateReader
 from headrace.errors import InvalidArgumentError
-from headrace.memory.budget import Reservation
+from headrace.memory.buffer import Reservation
 from headrace.structure import TensorSpec
 
 __all__ = ["EnumerateNode"]

@@ -16,7 +16,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, ShardRole, UnaryNode
 from headrace.core.state import INNER, StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
-from headrace.memory.budget import Reservation
+from headrace.memory.buffer import Reservation
 from headrace.transforms.map import apply_fn
 
 __all__ = ["FilterNode", "as_bool"]

@@ -26,7 +26,8 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, check_positive, first_element
 from headrace.core.state import StateReader
 from headrace.errors import InvalidArgumentError, note_element_error
-from headrace.memory.budget import NO_RESERVATION, MemoryBudget, Reservation
+from headrace.memory.budget import MemoryBudget
+from headrace.memory.buffer import NO_RESERVATION, Reservation
 from headrace.structure import integer_scalar
 from headrace.transforms._replay import ReplayedInput
 from headrace.transforms.map import apply_fn
@@ -155,8 +156,8 @@ class _GroupIterator(Iterator):
                 size = self.sizes[key] = self.node.size_of(np.int64(key))
             group = self.groups[key] = _Group(size)
         element, cost = self.ctx.admit(element)
-        reservation.release()
-        group.booking = group.booking.absorb(self.account.hold(cost, what="the open groups"))
+        group.booking = group.booking.absorb(
+            self.account.admit(cost, reservation, together="the open groups"))
         group.elements.append(element)
         return key if len(group.elements) >= group.size else None
 
@@ -165,7 +166,7 @@ class _GroupIterator(Iterator):
         window = self.node.make_dataset(group.elements)
         result = self.node.reduce_func(np.int64(key), window)
         node = _node_of(result, f"group_by_window: {function_name(self.node.reduce_func)}")
-        budget = MemoryBudget(max(self.account.limit // 2, 1), parent=self.account)
+        budget = MemoryBudget(max(self.account.share() // 2, 1), parent=self.account)
         output = node.make_iterator(self.ctx.with_budget(budget))
         budget.allot()
         self.output, self.output_booking, self.emitted = output, group.booking, 0

@@ -31,7 +31,7 @@ from headrace.errors import (
     MemoryBudgetError,
     WorkerPoolError,
 )
-from headrace.memory.budget import Reservation
+from headrace.memory.buffer import Reservation
 
 __all__ = ["IgnoreErrorsNode"]
 

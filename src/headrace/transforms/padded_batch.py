@@ -23,7 +23,7 @@ from headrace.core.node import (
     spec_sampling,
 )
 from headrace.errors import DataLossError, ElementSpecError, EmptyInputError, InvalidArgumentError
-from headrace.memory.budget import Reservation, StageAccount, release_all
+from headrace.memory.buffer import Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.structure import (
     TensorSpec,
@@ -230,7 +230,7 @@ class _PaddedBatchIterator(Assembler):
     stage = "padded_batch"
 
     def __init__(
-        self, inner: Iterator, ctx: Context, account: StageAccount, node: PaddedBatchNode
+        self, inner: Iterator, ctx: Context, account: Buffer, node: PaddedBatchNode
     ) -> None:
         super().__init__(inner, ctx, account)
         self.node = node
@@ -238,13 +238,13 @@ class _PaddedBatchIterator(Assembler):
 
     def pull(self) -> tuple[Any, Reservation]:
         node = self.node
-        elements, reservations = self.pull_many(node.batch_size)
+        what = f"a batch of {node.batch_size} elements plus its padded output"
+        elements, assembly = self.pull_many(node.batch_size, what)
         first = self.position
         self.position += len(elements)
-        if not elements or (node.drop_remainder and len(elements) < node.batch_size):
-            release_all(reservations)
-            raise StopIteration
         try:
+            if not elements or (node.drop_remainder and len(elements) < node.batch_size):
+                raise StopIteration
             if self.layout is None:
                 self.layout = node.lay_out_from(elements[0])
             layout = self.layout
@@ -255,17 +255,13 @@ class _PaddedBatchIterator(Assembler):
                                                strict=True)
             ]
             # The output's size is known before it exists: book it first (G1).
-            nbytes = sum(
-                ARRAY_HEADER_BYTES + len(elements) * int(np.prod(target)) * dtype.itemsize
-                for _, target, dtype in plans
+            assembly.reserve(
+                sum(
+                    ARRAY_HEADER_BYTES + len(elements) * int(np.prod(target)) * dtype.itemsize
+                    for _, target, dtype in plans
+                ),
+                elements=1,
             )
-            booking = self.account.hold(
-                nbytes, what=f"a batch of {len(elements)} elements plus its padded output"
-            )
-        except BaseException:
-            release_all(reservations)
-            raise
-        try:
             leaves = [
                 self._fill(arrays, target, dtype, pad, shape, path, first)
                 for (arrays, target, dtype), pad, shape, path in zip(
@@ -273,15 +269,11 @@ class _PaddedBatchIterator(Assembler):
                 )
             ]
         except BaseException:
-            release_all(reservations)
-            booking.release()
+            assembly.abandon()
             raise
-        if any(dtype.hasobject for _, _, dtype in plans):
-            for reservation in reservations:  # the batch references the elements' objects
-                booking.nbytes += reservation.move_to(self.account, reservation.nbytes).nbytes
-        else:
-            release_all(reservations)
-        return pack_as(elements[0], leaves), booking
+        if not any(dtype.hasobject for _, _, dtype in plans):
+            assembly.drop_rows()  # copied into the output; objects stay referenced
+        return pack_as(elements[0], leaves), assembly.finish()
 
     @staticmethod
     def _target(

@@ -45,7 +45,7 @@ from headrace.errors import HeadraceError, note_element_error
 from headrace.io.example.deferred import DeferredFeature, DeferredRecord
 from headrace.io.example.parsing import parse_example
 from headrace.io.example.specs import FeatureSpec, FixedLenSequenceFeature
-from headrace.memory.budget import Reservation, StageAccount
+from headrace.memory.buffer import Buffer, Reservation
 from headrace.structure import flatten, pack_as
 
 __all__ = ["FusedParse", "FusedParseIterator", "fused_parse"]
@@ -164,7 +164,7 @@ class FusedParseIterator(Iterator):
         fn: Callable[..., Any],
         map_stage: str,
         ctx: Context,
-        account: StageAccount,
+        account: Buffer,
     ) -> None:
         super().__init__(inner)
         self.inner, self.parse, self.fn, self.map_stage = inner, parse, fn, map_stage

@@ -34,7 +34,7 @@ from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, ShardRole, UnaryNode, check_positive
 from headrace.core.state import INNER, SKIP, StateReader
 from headrace.errors import Origin
-from headrace.memory.budget import NO_RESERVATION, BudgetClosed, Reservation, StageAccount
+from headrace.memory.buffer import NO_RESERVATION, BudgetClosed, Buffer, Reservation
 from headrace.options import AUTOTUNE
 
 __all__ = ["PrefetchIterator", "PrefetchNode"]
@@ -77,7 +77,7 @@ class _Producer:
         self,
         inner: Iterator,
         ctx: Context,
-        account: StageAccount,
+        account: Buffer,
         depth: int,
         gate: threading.Semaphore | None,
         ready: threading.Condition | None,
@@ -149,8 +149,9 @@ class _Producer:
             if starved and not self.starving():
                 return False
             self.aside = None
-            booking = self._overdraw(reservation, cost) if starved else reservation.move_to(
-                account, cost)
+            booking = (
+                self._overdraw(reservation, cost) if starved else account.admit(cost, reservation)
+            )
             chunks.append(Handoff.finishing(element, booking, state, position, token))
             room -= 1
             if room <= 0 or starved:  # one element past the share, no more
@@ -193,7 +194,9 @@ class _Producer:
                     reservation.release()  # further, and its booking upstream is returned
                     raise  # (it stayed booked after the run closed: served fuzz case)
                 if not fits:
-                    if elements or not self.starving():
+                    # Starving means nothing of this stage's is on its way to the consumer:
+                    # the element taken from aside above (in chunks, not yet queued) is.
+                    if elements or chunks or not self.starving():
                         self.aside = (element, reservation, cost, state, len(elements), token)
                         break
                     elements.append(element)  # one element past the share, no more
@@ -209,7 +212,7 @@ class _Producer:
                     sizes.append(cost)
                     pending += cost
                 else:
-                    bookings.append(reservation.move_to(account, cost))
+                    bookings.append(account.admit(cost, reservation))
         finally:  # also when booking fails: what was pulled is handed on
             if pulled:
                 self.state_before_chunk = self.inner.get_state()
@@ -290,7 +293,7 @@ class PrefetchIterator(Iterator):
         self,
         inner: Iterator,
         ctx: Context,
-        account: StageAccount,
+        account: Buffer,
         buffer_size: int,
         *,
         gate: threading.Semaphore | None = None,
@@ -375,7 +378,7 @@ class PrefetchIterator(Iterator):
                 and not producer.finished
                 and self.autotune
                 and producer.filled
-                and self.depth * self.account.max_element < _AUTOTUNE_BYTES
+                and self.depth * self.account.largest() < _AUTOTUNE_BYTES
             ):
                 # Full, then drained: a burst outran the buffer, so a deeper one helps. An
                 # empty queue that never filled means the producer is the slow side, where

@@ -8,7 +8,8 @@ ragged in its first dimension (row ``i`` is element ``i``; inner dimensions
 must agree), as tf.data makes it a RaggedTensor; scalars batch into a plain
 array, as in tf.data. ``row_splits`` are int64 (``row_splits_dtype``: int32 or
 int64). The elements of a batch are booked on the stage's share while it is
-gathered, then the batch replaces them.
+gathered. The output is booked beside them before it is made (rows and output
+are the stage's minimum working set), then it replaces them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from headrace.core.node import (
 from headrace.core.state import INNER, StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError
 from headrace.io._ragged import RaggedColumn
-from headrace.memory.budget import NO_RESERVATION, Reservation
+from headrace.memory.buffer import Assembly, Reservation
+from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.structure import TensorSpec, flatten, map_structure, pack_as, structure_paths
 
 __all__ = ["RaggedBatchNode"]
@@ -111,31 +113,37 @@ class _RaggedBatchIterator(Iterator):
     def pull(self) -> tuple[Any, Reservation]:
         node = self.node
         rows: list[Any] = []
-        booking = NO_RESERVATION
+        assembly = Assembly(self.account, f"a ragged batch of {node.batch_size} plus its output")
+        admit, rows_cost = self.ctx.admit, 0
         try:
             while len(rows) < node.batch_size:
                 try:
                     element, upstream = self.inner.pull()
                 except StopIteration:
                     break
-                element, cost = self.ctx.admit(element)
-                upstream.release()
-                booking = booking.absorb(self.account.hold(cost, what="one ragged batch"))
+                element, cost = admit(element)
+                assembly.take(cost, upstream)
                 rows.append(element)
+                rows_cost += cost
             if not rows or (node.drop_remainder and len(rows) < node.batch_size):
                 raise StopIteration
             leaves = [flatten(row) for row in rows]
             paths = structure_paths(rows[0])
-            batch = pack_as(
-                rows[0],
-                [
-                    _ragged([leaf[k] for leaf in leaves], paths[k], node.row_splits_dtype)
-                    for k in range(len(paths))
-                ],
-            )
-        finally:
-            booking.release()
-        return batch, NO_RESERVATION
+            # The output copies the rows: at most their bytes, plus each component's
+            # row splits and headers. Booked before it is made (G1).
+            splits = (len(rows) + 1) * node.row_splits_dtype.itemsize + 2 * ARRAY_HEADER_BYTES
+            assembly.reserve(rows_cost + len(paths) * splits, elements=1)
+            columns = [
+                _ragged([leaf[k] for leaf in leaves], paths[k], node.row_splits_dtype)
+                for k in range(len(paths))
+            ]
+            batch = pack_as(rows[0], columns)
+        except BaseException:
+            assembly.abandon()
+            raise
+        if not any(column.dtype.hasobject for column in columns):
+            assembly.drop_rows()  # copied; objects stay referenced by the output
+        return batch, assembly.finish()
 
     def get_state(self) -> dict[str, Any]:
         return {INNER: self.inner.get_state()}

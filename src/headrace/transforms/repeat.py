@@ -16,7 +16,7 @@ from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, UnaryNode
 from headrace.core.state import EPOCH, INNER, PRODUCED, StateReader
 from headrace.errors import InvalidArgumentError, Origin
-from headrace.memory.budget import Reservation
+from headrace.memory.buffer import Reservation
 
 __all__ = ["RepeatNode"]
 

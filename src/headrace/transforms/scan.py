@@ -17,7 +17,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode, first_element
 from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
-from headrace.memory.budget import NO_RESERVATION, Reservation
+from headrace.memory.buffer import NO_RESERVATION, Reservation
 from headrace.structure import flatten, spec_of
 from headrace.transforms._replay import ReplayedInput
 

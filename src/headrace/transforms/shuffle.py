@@ -32,7 +32,7 @@ from headrace.core.node import Node, ShardRole, UnaryNode, check_positive
 from headrace.core.state import EPOCH, INT64_MAX, StateReader, past_end, replay
 from headrace.errors import HeadraceWarning, Origin
 from headrace.io._native import native_module
-from headrace.memory.budget import Reservation, StageAccount, release_all
+from headrace.memory.buffer import Buffer, Reservation, release_all
 from headrace.memory.units import format_bytes
 
 __all__ = ["ShuffleNode"]
@@ -257,7 +257,7 @@ class _ShuffledIndices(IndexStream):
     """tf.data's shuffle ring over indices: 8 bytes a slot, drawn in C a block at a time."""
 
     def __init__(
-        self, node: ShuffleNode, inner: IndexStream, account: StageAccount, ctx: Context
+        self, node: ShuffleNode, inner: IndexStream, account: Buffer, ctx: Context
     ) -> None:
         self.node, self.inner, self.account = node, inner, account
         self.shared = _ShuffleState(node, ctx, inner.get_state())
@@ -296,7 +296,7 @@ class _ShuffledIndices(IndexStream):
         needed = slots * _INDEX_SLOT_BYTES - self.booked
         if needed <= 0:
             return slots
-        room = self.account.limit - self.account.held
+        room = self.account.room()
         if needed > room:
             fits = max((self.booked + max(room, 0)) // _INDEX_SLOT_BYTES, 1)
             self.capacity = min(self.capacity, fits)
@@ -306,7 +306,7 @@ class _ShuffledIndices(IndexStream):
             slots = fits
             needed = slots * _INDEX_SLOT_BYTES - self.booked
         if needed > 0:
-            self.account.charge(needed)
+            self.account.admit(needed)
             self.booked += needed
         return slots
 
@@ -350,12 +350,12 @@ class _ShuffledIndices(IndexStream):
         self.inner.close()
 
 
-def _warn_shrink(node: ShuffleNode, account: StageAccount, fits: int, element_bytes: int) -> None:
+def _warn_shrink(node: ShuffleNode, account: Buffer, fits: int, element_bytes: int) -> None:
     import warnings
 
     warnings.warn(
         f"shuffle: buffer_size={node.buffer_size} does not fit in this stage's share of the "
-        f"memory budget ({format_bytes(account.limit)} of {format_bytes(account.budget.total)}); "
+        f"memory budget ({account.share_text()}); "
         f"at ~{format_bytes(element_bytes)} per element it shuffles within {fits} elements. "
         "Raise Options(memory_budget=...) or shuffle a random-access source (indices cost 8 B).",
         HeadraceWarning,
@@ -367,7 +367,7 @@ class _ShuffleIterator(Iterator):
     stage = "shuffle"
 
     def __init__(
-        self, node: ShuffleNode, inner: Iterator, ctx: Context, account: StageAccount
+        self, node: ShuffleNode, inner: Iterator, ctx: Context, account: Buffer
     ) -> None:
         super().__init__(inner)
         self.node, self.inner, self.ctx, self.account = node, inner, ctx, account
@@ -407,16 +407,16 @@ class _ShuffleIterator(Iterator):
                 return
             self.aside = None
             if probe is None:
-                ring.push((element, reservation.move_to(account, cost)))
+                ring.push((element, account.admit(cost, reservation)))
             else:
-                ring.push((element, reservation.move_to(account, cost), token))
+                ring.push((element, account.admit(cost, reservation), token))
 
     def _note_shrink(self, held: int) -> None:
         if self.shrunk_to is None and self.ring.start == 0:
             self.ring.shrink_to_current()
             self.shrunk_to = self.ring.capacity
             if self.ctx.options.warn_on_shrink:
-                _warn_shrink(self.node, self.account, held, max(self.account.max_element, 1))
+                _warn_shrink(self.node, self.account, held, max(self.account.largest(), 1))
 
     def pull(self) -> tuple[Any, Reservation]:
         self._fill()

@@ -17,7 +17,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
 from headrace.core.state import INNER, StateReader
 from headrace.errors import InvalidArgumentError
-from headrace.memory.budget import Reservation
+from headrace.memory.buffer import Reservation
 
 __all__ = ["SkipNode", "TakeNode"]
 

@@ -14,7 +14,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, UnaryNode
 from headrace.core.state import INNER, StateReader
 from headrace.errors import InvalidArgumentError, note_element_error
-from headrace.memory.budget import Reservation
+from headrace.memory.buffer import Reservation
 from headrace.transforms.filter import as_bool
 from headrace.transforms.map import apply_fn
 

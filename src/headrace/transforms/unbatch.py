@@ -26,7 +26,7 @@ from headrace.core.node import (
 )
 from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, Origin
-from headrace.memory.budget import NO_RESERVATION, Reservation, StageAccount
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.structure import flatten, map_structure, pack_as, structure_paths
 
@@ -126,7 +126,7 @@ class _Rows:
 class _RowSource(Iterator):
     """Pulls batches from the input, keeping the current one booked while its rows go out."""
 
-    def __init__(self, inner: Iterator, account: StageAccount) -> None:
+    def __init__(self, inner: Iterator, account: Buffer) -> None:
         super().__init__(inner)
         self.inner, self.account = inner, account
         self.current: _Rows | None = None
@@ -146,7 +146,7 @@ class _RowSource(Iterator):
             if self.probe is not None:
                 self.batch_token = self.probe[0]()
             if reservation.account is not None:
-                reservation = reservation.move_to(self.account, reservation.nbytes)
+                reservation = self.account.admit(reservation.nbytes, reservation)
             self.current = _Rows(batch, reservation)
         return self.current
 
@@ -189,7 +189,7 @@ class _RowSource(Iterator):
 class _UnbatchIterator(_RowSource):
     stage = "unbatch"
 
-    def __init__(self, inner: Iterator, account: StageAccount) -> None:
+    def __init__(self, inner: Iterator, account: Buffer) -> None:
         super().__init__(inner, account)
 
     def pull(self) -> tuple[Any, Reservation]:
@@ -270,7 +270,7 @@ class _RebatchIterator(_RowSource):
     stage = "rebatch"
 
     def __init__(
-        self, inner: Iterator, ctx: Context, account: StageAccount, node: RebatchNode
+        self, inner: Iterator, ctx: Context, account: Buffer, node: RebatchNode
     ) -> None:
         super().__init__(inner, account)
         self.ctx, self.node = ctx, node
@@ -315,7 +315,7 @@ class _RebatchIterator(_RowSource):
             for k in range(len(pieces[0]))
             if pieces[0][k] is not None
         )
-        booking = self.account.hold(nbytes, what=f"a batch of {have} rows")
+        booking = self.account.admit(nbytes, together=f"a batch of {have} rows")
         try:
             leaves = [
                 None if pieces[0][k] is None else np.concatenate([piece[k] for piece in pieces])

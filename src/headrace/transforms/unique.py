@@ -19,7 +19,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN, Node, UnaryNode, known_spec
 from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError
-from headrace.memory.budget import NO_RESERVATION, Reservation
+from headrace.memory.buffer import NO_RESERVATION, Reservation
 from headrace.structure import TensorSpec
 from headrace.transforms._replay import ReplayedInput
 
@@ -86,7 +86,7 @@ class _UniqueIterator(Iterator):
         if key in self.seen:
             return False
         cost = self.ctx.sizeof(key) + _SET_SLOT_BYTES
-        self.booked = self.booked.absorb(self.account.hold(cost, what="the set of values seen"))
+        self.booked = self.booked.absorb(self.account.admit(cost, together="the set of values seen"))
         self.seen.add(key)
         return True
 

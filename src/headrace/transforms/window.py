@@ -22,7 +22,7 @@ from typing import Any
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive
 from headrace.core.state import INNER, POSITION, StateReader
-from headrace.memory.budget import NO_RESERVATION, Reservation
+from headrace.memory.buffer import NO_RESERVATION, Reservation
 from headrace.structure import flatten, map_structure, pack_as
 
 __all__ = ["DatasetSpec", "WindowNode"]
@@ -103,8 +103,7 @@ class _WindowIterator(Iterator):
             upstream.release()
             return True
         element, cost = self.ctx.admit(element)
-        upstream.release()
-        booking = self.account.hold(cost, what="one window")
+        booking = self.account.admit(cost, upstream, together="one window")
         self.held.append((index, before, element, booking))
         return True
 

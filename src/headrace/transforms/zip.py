@@ -14,7 +14,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, known_spec
 from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError
-from headrace.memory.budget import NO_RESERVATION, Reservation
+from headrace.memory.buffer import NO_RESERVATION, Reservation
 from headrace.structure import flatten, map_structure, pack_as
 
 __all__ = ["ConcatenateNode", "ZipNode"]
