@@ -16,7 +16,7 @@ def test_all_lists_exactly_the_public_names() -> None:
     public = {name for name in vars(hr) if not name.startswith("_")} - {
         "dataset", "errors", "core", "options", "structure", "memory",
         "sources", "transforms", "profiling", "testing", "io", "cli", "distribute", "writers",
-        "tools", "csv", "sql", "adapters", "keras", "saved", "tf_compat", "workers",
+        "tools", "csv", "persist", "sql", "adapters", "keras", "saved", "tf_compat", "workers",
         "image", "served",
     }
     assert public | {"__version__"} == set(hr.__all__)
