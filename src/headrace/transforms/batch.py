@@ -174,7 +174,11 @@ class Assembler(Iterator):
                 elements.append(element)
                 size = sizeof(element)
                 if account.held + unbooked + size > account.limit:  # re-split, or name minima
-                    account.require(account.held + unbooked + size, what=what)
+                    try:
+                        account.require(account.held + unbooked + size, what=what)
+                    except BaseException:  # refused: the row's upstream booking goes too
+                        reservation.release()
+                        raise
                 if reservation.account is None:
                     unbooked += size
                     unbooked_count += 1
@@ -300,7 +304,11 @@ class _BatchIterator(Assembler):
         columns = [_Column(leaf, path) for leaf, path in zip(leaves, paths, strict=True)]
         keeps_objects = any(column.dtype.hasobject for column in columns)
         # The batch's one booking (a widened column or kept objects add to it).
-        self._booking = self._allocate(columns)
+        try:
+            self._booking = self._allocate(columns)
+        except BaseException:  # refused: the first row's upstream booking goes too
+            reservation.release()
+            raise
         count = 0
         unbooked = 0  # bytes of kept objects not booked yet (see _KEEP_GROUP_BYTES)
         failure: ElementSpecError | None = None  # an element that does not fit the batch
