@@ -84,7 +84,26 @@ from headrace.memory.buffer import (  # noqa: F401  (re-exported while stages mo
 )
 from headrace.memory.units import format_bytes
 
-__all__ = ["AccountStats", "KeptStats", "MemoryBudget", "Reservation", "StageAccount"]
+__all__ = [
+    "AccountStats",
+    "BudgetStats",
+    "KeptStats",
+    "MemoryBudget",
+    "Reservation",
+    "StageAccount",
+]
+
+
+@dataclass(frozen=True)
+class BudgetStats:
+    """A snapshot of a budget's bookings, for the profiler (which reads no counters)."""
+
+    #: The budget's total, and what its stages book now and at peak.
+    total: int
+    used: int
+    peak: int
+    #: Each stage's bookings.
+    stages: tuple[AccountStats, ...]
 
 @dataclass(frozen=True)
 class KeptStats:
@@ -181,6 +200,14 @@ class MemoryBudget:
                 pool._runs += 1
                 pool._members.add(self)
                 self.label = f"pipeline {next(_run_numbers)}"
+
+    def stats(self) -> BudgetStats:
+        """A consistent snapshot of the budget and of each stage's bookings."""
+        with self.lock:
+            return BudgetStats(
+                self.total, self.used, self.peak,
+                tuple(account.stats() for account in self.accounts),
+            )
 
     def report_kept(self, key: int, describe: Callable[[], KeptStats | None]) -> None:
         """Have this run's stats show memory a stage keeps beyond it (see KeptStats)."""
