@@ -186,11 +186,10 @@ class MemoryBudget:
         # One budget shared by pipelines (see the module's "One budget"). On a run drawn
         # from a shared budget: the pool, and what its stages have committed on it.
         self.pool: MemoryBudget | None = parent if isinstance(parent, MemoryBudget) else None
-        self._committed = 0  # sum over this run's stages of max(held, floor)
-        self._floors = 0  # sum of their floors (on the pool: of every run's stages)
-        #: On the pool: floors not yet filled (sum of max(0, floor - held)), live runs.
-        self._slack = 0
-        self._runs = 0
+        # A stage counts on the pool at max(held, floor) = held + slack (see Buffer).
+        self._floors = 0  # sum of the stages' floors (on the pool: of every run's stages)
+        self._slack = 0  # sum of what their floors leave unfilled: max(0, floor - held)
+        self._runs = 0  # on the pool: live runs
         self._members: weakref.WeakSet[MemoryBudget] = weakref.WeakSet()
         #: How refusals name this run ("pipeline 3"); set by the run.
         self.label = ""

@@ -93,7 +93,8 @@ class Buffer:
         #: The budget shared by pipelines that this stage's run draws from (the
         #: process-wide default), or None: see :class:`MemoryBudget` for the rule.
         self._pool: MemoryBudget | None = budget.pool
-        self._pool_seen = (0, 0)  # (floor, held) last counted on the pool
+        self._pool_floor = 0  # the floor last counted on the pool
+        self._pool_slack = 0  # and what of it was unfilled: max(0, floor - held)
         self._together = 0  # the most it had to hold at once (a batch's rows), on a pool
         self._changed = budget.changed
         self.lock = budget.lock  # the condition's lock: bookings take only this
@@ -314,15 +315,17 @@ class Buffer:
         if elements and per_element > self.max_element:
             self.max_element = per_element
         self.budget._add(nbytes)
-        if self._pool is not None:
-            self._count_on_pool()
+        if self._pool is not None and (
+            self._pool_slack or held < self._pool_floor or self.max_element > self._pool_floor
+        ):
+            self._count_on_pool()  # (only while the floor is unfilled, or it grew)
 
     def _unbook(self, nbytes: int) -> None:
         """Remove bytes and wake waiting producers (call holding the lock)."""
         self.held -= nbytes
         self.budget._add(-nbytes)
-        if self._pool is not None:
-            self._count_on_pool()
+        if self._pool is not None and self.held < self._pool_floor:
+            self._count_on_pool()  # (the floor is unfilled again)
         if self.budget.waiting[0]:
             self._changed.notify_all()
 
@@ -429,35 +432,42 @@ class Buffer:
         return max(self.minimum, self.max_element, self._together)
 
     def _count_on_pool(self) -> None:
-        """Bring this stage's part of the shared pool up to date (call holding the lock)."""
-        pool = self._pool
+        """Bring this stage's part of the shared pool up to date (call holding the lock).
+
+        The pool counts a stage at max(held, floor) = held + slack; ``used`` counts the
+        held part already, so only the floor and its unfilled part are kept here.
+        """
+        floor = self.minimum
+        if self.max_element > floor:
+            floor = self.max_element
+        if self._together > floor:
+            floor = self._together
+        slack = floor - self.held
+        if slack < 0:
+            slack = 0
+        if slack == self._pool_slack and floor == self._pool_floor:
+            return  # (the common case: a stage holding more than its floor)
+        pool, run = self._pool, self.budget
         if pool is None:
             return
-        floor, held = self._floor(), self.held
-        old_floor, old_held = self._pool_seen
-        if floor == old_floor and held == old_held:
-            return
-        self._pool_seen = (floor, held)
-        run = self.budget
-        run._committed += max(held, floor) - max(old_held, old_floor)
-        run._floors += floor - old_floor
-        pool._floors += floor - old_floor
-        pool._slack += max(0, floor - held) - max(0, old_floor - old_held)
+        run._slack += slack - self._pool_slack
+        pool._slack += slack - self._pool_slack
+        run._floors += floor - self._pool_floor
+        pool._floors += floor - self._pool_floor
+        self._pool_floor, self._pool_slack = floor, slack
 
     def _leave_pool(self) -> None:
         """The run closed: its floor goes back to the pool (call holding the lock).
         Bytes still held are released later, and count in the pool's use until then."""
-        pool = self._pool
+        pool, run = self._pool, self.budget
         if pool is None:
             return
-        floor, held = self._pool_seen
         self._pool = None
-        self._pool_seen = (0, 0)
-        run = self.budget
-        run._committed -= max(held, floor)
-        run._floors -= floor
-        pool._floors -= floor
-        pool._slack -= max(0, floor - held)
+        run._slack -= self._pool_slack
+        pool._slack -= self._pool_slack
+        run._floors -= self._pool_floor
+        pool._floors -= self._pool_floor
+        self._pool_floor = self._pool_slack = 0
 
     def _pool_cost(self, nbytes: int, *, floor: bool = False) -> int:
         """What booking ``nbytes`` more (``floor``: a minimum of ``nbytes``) adds to the
@@ -474,6 +484,7 @@ class Buffer:
             return
         self._refuse_past_pool(self._pool_cost(needed, floor=True), what)
         self._together = needed
+        self._count_on_pool()
 
     def _pool_room(self) -> int:
         """The most bytes this stage may book now as far as the pool goes (call holding
@@ -483,7 +494,9 @@ class Buffer:
         run = self.budget
         gap = max(0, self._floor() - self.held)
         free = pool.total - pool.used - pool._slack
-        fair = (pool.total - pool._floors) // max(pool._runs, 1) - (run._committed - run._floors)
+        fair = (pool.total - pool._floors) // max(pool._runs, 1) - (
+            run.used + run._slack - run._floors
+        )
         return gap + max(0, min(free, fair))
 
     def _pool_short(self, nbytes: int) -> bool:
@@ -498,7 +511,7 @@ class Buffer:
             return True
         run = self.budget
         free = pool.total - pool._floors
-        return run._committed - run._floors + cost > free // max(pool._runs, 1)
+        return run.used + run._slack - run._floors + cost > free // max(pool._runs, 1)
 
     def _refuse_past_pool(self, cost: int, what: str) -> None:
         """Raise :class:`MemoryBudgetError` when this stage's floor cannot grow by ``cost``
