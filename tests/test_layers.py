@@ -98,6 +98,77 @@ def test_no_import_cycles_even_through_lazy_imports() -> None:
     assert _cycles(_package_parents(_graph())) == []
 
 
+def _top(module: str) -> str:
+    """The top-level package or module of headrace that ``module`` belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "headrace"
+
+
+def _with_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Importing ``a.b.c`` runs ``a.b``'s ``__init__`` first: an edge to it too.
+
+    The root package is left out: importing any module runs it, by design.
+    """
+    modules = set(graph)
+    out: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        edges = set(targets)
+        for target in targets:
+            parts = target.split(".")
+            for k in range(2, len(parts)):
+                package = ".".join(parts[:k])
+                if package in modules and not name.startswith(package + ".") and package != name:
+                    edges.add(package)
+        out[name] = edges
+    return out
+
+
+#: Every top-level package and module of headrace, by layer: a module imports only from
+#: its own layer and below (lazily or not). A new package must be placed here.
+RANKS = {
+    "errors": 0, "structure": 0, "_closing": 0,
+    "io": 1,
+    "memory": 2,
+    "options": 3,
+    "core": 4,
+    "image": 5, "workers": 5,
+    "transforms": 6, "sources": 6, "writers": 6, "saved": 6,
+    "profiling": 7, "_rewrite": 7, "distribute": 7,
+    "adapters": 8,
+    "dataset": 9, "keras": 9,
+    "headrace": 10, "csv_datasets": 10, "served": 10, "_wire": 10, "tf_compat": 10,
+    "tools": 10,
+    "cli": 11, "testing": 11,
+}
+
+#: Upward imports still there (issue 27), each a lazy import: io's native loader imports
+#: the image extension; distribute builds a Dataset, which adapters (under it) import.
+_KNOWN_UPWARD = {("io", "image"), ("distribute", "dataset")}
+
+#: Cycles through package ``__init__`` runs still there (issue 27), by top-level package.
+_KNOWN_CYCLES = [{"core", "image", "io", "memory"}, {"headrace", "served"}]
+
+
+def test_every_package_has_a_rank_and_imports_go_down() -> None:
+    graph = _graph()
+    assert {_top(name) for name in graph} <= set(RANKS), "place the new package in RANKS"
+    upward = {
+        (_top(name), _top(target), name, target)
+        for name, targets in graph.items()
+        for target in targets
+        if RANKS[_top(target)] > RANKS[_top(name)]
+    }
+    assert {(low, high) for low, high, _, _ in upward} <= _KNOWN_UPWARD, sorted(upward)
+
+
+def test_no_import_cycles_counting_package_inits() -> None:
+    """``core.run`` importing ``profiling.stats`` ran ``profiling/__init__``, which imports
+    doctor and lint, which import core: a cycle the test above does not see."""
+    for cycle in _cycles(_with_package_inits(_graph())):
+        packages = {_top(name) for name in cycle}
+        assert any(packages <= known for known in _KNOWN_CYCLES), cycle
+
+
 def test_core_imports_nothing_above_it() -> None:
     above = (
         "headrace.transforms", "headrace.sources", "headrace.dataset", "headrace.writers",
@@ -114,3 +185,35 @@ def test_a_stage_cannot_override_next() -> None:
         class _Bad(Iterator):  # pyright: ignore
             def __next__(self) -> int:
                 return 1
+
+
+#: A Buffer's counters, and a budget's: private once every stage asks the buffer instead.
+_COUNTERS = {"held", "limit", "minimum", "max_element", "overdrawn", "peak", "elements"}
+_BUDGET_COUNTERS = {"used", "total"}
+
+
+def _counter_reads(path: Path) -> list[str]:
+    """``account.held``-like reads and writes in ``path``: an attribute named after a
+    counter on an expression whose last name says account, buffer or budget."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = ast.unparse(node.value).rsplit(".", 1)[-1].lower()
+        if (node.attr in _COUNTERS and ("account" in owner or "buffer" in owner)) or (
+            node.attr in _BUDGET_COUNTERS | _COUNTERS and "budget" in owner
+        ):
+            found.append(f"{path.relative_to(SRC)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.xfail(strict=False, reason="until every stage has moved to the buffer and "
+                   "in-flight primitives (issue 23); then the counters become private")
+def test_no_module_outside_memory_reads_a_buffers_counters() -> None:
+    reads = [
+        read
+        for path in sorted(SRC.rglob("*.py"))
+        if path.parent.name != "memory"
+        for read in _counter_reads(path)
+    ]
+    assert reads == []

@@ -29,6 +29,7 @@ from headrace.core.state import (
     seal,
     stale_out_of_order,
 )
+from headrace.core.stats import RunStats
 from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.io.filepool import FileLimiter
 from headrace.memory.allocator import tune_allocator
@@ -39,7 +40,6 @@ from headrace.options import Options
 
 if TYPE_CHECKING:
     from headrace.core.node import Node
-    from headrace.profiling.stats import RunStats
 
 __all__ = [
     "STATE_VERSION",
@@ -222,8 +222,6 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
 
     def stats(self) -> RunStats:
         """A snapshot of this run: budget and per-stage bookings, throughput, process memory."""
-        from headrace.profiling.stats import RunStats
-
         elapsed = 0.0 if self._started is None else time.perf_counter() - self._started
         run = self._context.run
         return RunStats.capture(

@@ -42,11 +42,12 @@ closes it (see :meth:`FilePool._close_abandoned_entries`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, TypeVar
@@ -66,6 +67,7 @@ __all__ = [
     "PooledStream",
     "default_max_open_files",
     "get_default_pool",
+    "read_small_file",
     "set_max_open_files",
 ]
 
@@ -290,6 +292,29 @@ class FilePool:
                 self._unhold(limiter, reserved)
                 raise
         return HeldSlots(self, limiter, count)
+
+    @contextlib.contextmanager
+    def transient(self, *, wait: bool = True) -> Iterator[bool]:
+        """One slot for a descriptor the caller opens and closes at once (a ``/proc`` or
+        cgroup file, a directory listing), so it counts against the cap like a reader's
+        (G2). Yields True while the slot is held.
+
+        Like a reader's open, it suspends an idle stream or waits for a busy one when the
+        pool is full. ``wait=False``: yields False at once instead, and the caller skips
+        its read (a sample on a hot path must not close a reader's file).
+        """
+        with self._locked:
+            if not wait and self._is_full(None):
+                got = False
+            else:
+                self._reserve_slot(None)
+                got = True
+        try:
+            yield got
+        finally:
+            if got:
+                with self._locked:
+                    self._release_slot(None)
 
     def _unhold(self, limiter: FileLimiter | None, count: int) -> None:
         for _ in range(count):
@@ -692,6 +717,30 @@ def get_default_pool() -> FilePool:
         if _default_pool is None:
             _default_pool = FilePool(default_max_open_files())
         return _default_pool
+
+
+def read_small_file(path: str, *, wait: bool = True) -> bytes | None:
+    """The bytes of a small file (``/proc/self/status``, a cgroup limit), read on a slot
+    of the process-wide pool: headrace's own reads count against its cap (G2).
+
+    None when the file cannot be read, or when ``wait`` is False and no slot is free.
+    """
+    with get_default_pool().transient(wait=wait) as got:
+        if not got:
+            return None
+        try:
+            descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
+        try:
+            parts = []
+            while part := os.read(descriptor, 1 << 16):
+                parts.append(part)
+            return b"".join(parts)
+        except OSError:
+            return None
+        finally:
+            os.close(descriptor)
 
 
 def set_max_open_files(max_open_files: int) -> None:

@@ -34,12 +34,37 @@ stage's minimum when they cannot all fit.
 Reservations move with their element (:class:`Reservation`): a stage that
 takes an element from a buffering stage books it on its own account first and
 then releases the upstream booking, so the element is never uncounted.
+
+One budget. Pipelines that set no budget draw from the process-wide default
+together (a run's budget is a child of it, its *pool*). Their bookings never pass
+the pool's total. The rule:
+
+* Each stage has a *floor*: what it must be able to hold to move. That is its
+  minimum working set, a batch's rows, or one element (its largest so far). The
+  pool counts each stage at the larger of its floor and what it holds.
+* A stage that holds nothing may take one element within its floor: that is what
+  keeps a pipeline moving, and it is already counted. A floor that must grow (a
+  larger element, a batch's rows) takes the growth from the pool at once. If the
+  pool cannot give it, :class:`MemoryBudgetError` names every live pipeline and
+  what it holds. It does not wait: the bytes are held by other pipelines, whose
+  consumers may never come back.
+* Beyond its floors, a run may hold a fair part of what the floors leave free:
+  that free part divided by the live runs. A stage past it, or past the pool's
+  total, waits as for its own share. It holds something, so its own consumer
+  frees room: a pipeline never waits for another pipeline's consumer.
+* A closed run gives its floors back.
+
+The fair part depends on how many runs are live, so on a shared budget how
+deep a prefetch fills may vary with the other pipelines. Set
+``Options(memory_budget=...)`` on a pipeline to give it a budget of its own.
 """
 
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,9 +85,21 @@ from headrace.memory.buffer import (  # (the buffer's names re-exported while st
 from headrace.memory.units import format_bytes
 
 __all__ = [
-    "NO_RESERVATION", "AccountStats", "BudgetClosed", "Buffer", "ChunkPart", "KeptStats",
-    "MemoryBudget", "Overdraft", "Reservation", "StageAccount", "release_all",
+    "NO_RESERVATION", "AccountStats", "BudgetClosed", "BudgetStats", "Buffer", "ChunkPart",
+    "KeptStats", "MemoryBudget", "Overdraft", "Reservation", "StageAccount", "release_all",
 ]
+
+
+@dataclass(frozen=True)
+class BudgetStats:
+    """A snapshot of a budget's bookings, for the profiler (which reads no counters)."""
+
+    #: The budget's total, and what its stages book now and at peak.
+    total: int
+    used: int
+    peak: int
+    #: Each stage's bookings.
+    stages: tuple[AccountStats, ...]
 
 @dataclass(frozen=True)
 class KeptStats:
@@ -103,6 +140,9 @@ class KeptStats:
         return line
 
 
+_run_numbers = itertools.count(1)
+
+
 class MemoryBudget:
     """A pipeline's byte budget: the total its stages' shares are carved from.
 
@@ -139,6 +179,30 @@ class MemoryBudget:
         #: minima add up to when that passes ``total``, and those minima in words; makes room in the stage above
         #: and returns the new total, or raises MemoryBudgetError naming that stage.
         self.widen: Callable[[int, str], int] | None = None
+        # One budget shared by pipelines (see the module's "One budget"). On a run drawn
+        # from a shared budget: the pool, and what its stages have committed on it.
+        self.pool: MemoryBudget | None = parent if isinstance(parent, MemoryBudget) else None
+        # A stage counts on the pool at max(held, floor) = held + slack (see Buffer).
+        self._floors = 0  # sum of the stages' floors (on the pool: of every run's stages)
+        self._slack = 0  # sum of what their floors leave unfilled: max(0, floor - held)
+        self._runs = 0  # on the pool: live runs
+        self._members: weakref.WeakSet[MemoryBudget] = weakref.WeakSet()
+        #: How refusals name this run ("pipeline 3"); set by the run.
+        self.label = ""
+        pool = self.pool
+        if pool is not None:
+            with pool.lock:
+                pool._runs += 1
+                pool._members.add(self)
+                self.label = f"pipeline {next(_run_numbers)}"
+
+    def stats(self) -> BudgetStats:
+        """A consistent snapshot of the budget and of each stage's bookings."""
+        with self.lock:
+            return BudgetStats(
+                self.total, self.used, self.peak,
+                tuple(account.stats() for account in self.accounts),
+            )
 
     def report_kept(self, key: int, describe: Callable[[], KeptStats | None]) -> None:
         """Have this run's stats show memory a stage keeps beyond it (see KeptStats)."""
@@ -165,7 +229,8 @@ class MemoryBudget:
         """
         parent = self.parent
         while parent is not None:
-            if parent.used + nbytes > parent.total:
+            slack = parent._slack if isinstance(parent, MemoryBudget) else 0
+            if parent.used + slack + nbytes > parent.total:
                 return True
             parent = parent.parent
         return False
@@ -257,11 +322,40 @@ class MemoryBudget:
     def close(self) -> None:
         """Wake every waiting producer so that it can exit; run the close callbacks."""
         with self.changed:
+            pool = self.pool
+            if pool is not None and not self._closed:
+                for account in self.accounts:
+                    account._leave_pool()
+                pool._runs -= 1
+                pool._members.discard(self)
             self._closed = True
             self.changed.notify_all()
         callbacks, self._on_close = self._on_close, []
         for callback in callbacks:
             callback()
+
+    def _refusal(self, account: Buffer, cost: int, what: str) -> str:
+        """Why ``account`` (a stage of a run drawn from this shared budget) may not grow its
+        floor by ``cost``: every live pipeline, with what it holds and needs at least."""
+        runs = sorted(self._members, key=lambda run: run.label)
+        listed = "; ".join(
+            f"{run.label} ({', '.join(a.name for a in run.accounts) or 'no buffering stage'}) "
+            f"holds {format_bytes(run.used)}, needs at least {format_bytes(run._floors)}"
+            for run in runs
+        )
+        kept = self.used - sum(run.used for run in runs)
+        if kept > 0:
+            listed += f"; kept caches and closed runs not yet freed hold {format_bytes(kept)}"
+        return (
+            f"stage {account.name!r} of {account.budget.label} needs "
+            f"{format_bytes(cost)} more for {what}, past the shared memory budget of "
+            f"{format_bytes(self.total)} that pipelines without Options(memory_budget=...) "
+            f"draw from together ({format_bytes(self.used)} booked, "
+            f"{format_bytes(self._slack)} more promised to stages' minimum working sets). "
+            f"The pipelines: {listed}. A pipeline does not wait for another one's consumer: "
+            "give pipelines their own Options(memory_budget=...), close iterators no longer "
+            "used, or raise the default budget."
+        )
 
     def _add(self, nbytes: int) -> None:
         used = self.used = self.used + nbytes

@@ -95,6 +95,12 @@ class Buffer:
         self.overdrawn_peak = 0
         #: Bookings that took the stage past its share other than as an overdraft.
         self.breaches = 0
+        #: The budget shared by pipelines that this stage's run draws from (the
+        #: process-wide default), or None: see :class:`MemoryBudget` for the rule.
+        self._pool: MemoryBudget | None = budget.pool
+        self._pool_floor = 0  # the floor last counted on the pool
+        self._pool_slack = 0  # and what of it was unfilled: max(0, floor - held)
+        self._together = 0  # the most it had to hold at once (a batch's rows), on a pool
         self._changed = budget.changed
         self.lock = budget.lock  # the condition's lock: bookings take only this
 
@@ -129,8 +135,16 @@ class Buffer:
         return self.limit
 
     def room(self) -> int:
-        """What is left of the share beside what the stage holds (negative in an overdraft)."""
-        return self.limit - self.held
+        """What is left of the share beside what the stage holds (negative in an overdraft).
+
+        On a budget shared by pipelines, also no more than the pool leaves this stage
+        (see :class:`~headrace.memory.budget.MemoryBudget`, "One budget").
+        """
+        room = self.limit - self.held
+        if self._pool is not None:
+            with self.lock:
+                room = min(room, self._pool_room())
+        return room
 
     def is_empty(self) -> bool:
         """True when the stage holds nothing (it may then always take one element)."""
@@ -162,6 +176,8 @@ class Buffer:
         if held > self.peak:
             self.peak = held
         self.budget._add(nbytes)
+        if self._pool is not None:
+            self._count_on_pool()
 
     def _check_fits(self, nbytes: int, what: str = "one element") -> None:
         """Make room for ``nbytes`` held alone (a minimum), or raise naming the stage."""
@@ -178,6 +194,8 @@ class Buffer:
         """
         if nbytes <= self.minimum:
             return
+        if self._pool is not None:
+            self._refuse_past_pool(self._pool_cost(nbytes, floor=True), f"{what} ({format_bytes(nbytes)})")
         previous = self.minimum, self.minimum_what
         self.minimum, self.minimum_what = nbytes, what
         if nbytes > self.limit:
@@ -196,6 +214,9 @@ class Buffer:
                                               "memory budget") + _NOT_LENT
                 self.minimum, self.minimum_what = previous
                 raise MemoryBudgetError(message) from None
+        if self._pool is not None:
+            with self.lock:
+                self._count_on_pool()
 
     def fits(self, nbytes: int, *, pending: int = 0) -> bool:
         """Whether an element of ``nbytes`` may enter this stage's buffer now.
@@ -208,9 +229,16 @@ class Buffer:
         """
         self._check_fits(nbytes)
         held = self.held + pending
+        pool = self._pool
         if not held:
+            if pool is not None:
+                self._refuse_past_pool(self._pool_cost(nbytes), "one element")
             return True
-        return held + nbytes <= self.limit and not self.budget.over_shared_cap(pending + nbytes)
+        if held + nbytes > self.limit:
+            return False
+        if pool is not None:
+            return not self._pool_short(pending + nbytes)
+        return not self.budget.over_shared_cap(pending + nbytes)
 
     def wait_for_room(
         self,
@@ -233,8 +261,14 @@ class Buffer:
         if estimate is not None:
             self._check_fits(nbytes)
         with self._changed:
+            if not self.held and self._pool is not None:
+                self._refuse_past_pool(self._pool_cost(nbytes), "one element")
             while self.held and (
-                self.held + nbytes > self.limit or self.budget.over_shared_cap(nbytes)
+                self.held + nbytes > self.limit
+                or (
+                    self._pool_short(nbytes) if self._pool is not None
+                    else self.budget.over_shared_cap(nbytes)
+                )
             ):
                 if starving is not None and starving():
                     break
@@ -286,11 +320,17 @@ class Buffer:
         if elements and per_element > self.max_element:
             self.max_element = per_element
         self.budget._add(nbytes)
+        if self._pool is not None and (
+            self._pool_slack or held < self._pool_floor or self.max_element > self._pool_floor
+        ):
+            self._count_on_pool()  # (only while the floor is unfilled, or it grew)
 
     def _unbook(self, nbytes: int) -> None:
         """Remove bytes and wake waiting producers (call holding the lock)."""
         self.held -= nbytes
         self.budget._add(-nbytes)
+        if self._pool is not None and self.held < self._pool_floor:
+            self._count_on_pool()  # (the floor is unfilled again)
         if self.budget.waiting[0]:
             self._changed.notify_all()
 
@@ -314,6 +354,8 @@ class Buffer:
         with self.lock:
             self._book(total, len(sizes))
             self.max_element = max(self.max_element, *sizes, 0)
+            if self._pool is not None:
+                self._count_on_pool()
         return total
 
     def hold(self, nbytes: int, *, what: str, elements: int = 1) -> Reservation:
@@ -326,6 +368,8 @@ class Buffer:
         """
         with self.lock:  # checked and booked as one step (see allot)
             self._check_fits(self.held + nbytes, what)
+            if self._pool is not None:
+                self._hold_on_pool(self.held + nbytes, what)
             self._book(nbytes, elements)
         return Reservation(self, nbytes)
 
@@ -335,6 +379,8 @@ class Buffer:
         needed = self.held + nbytes
         if needed > self.limit:
             self.require(needed, what=what)
+        if self._pool is not None:
+            self._hold_on_pool(needed, what)
 
     def book_existing(self, sizes: list[int], *, count: bool = True) -> list[Reservation]:
         """Book elements that already exist (outputs of calls that were in flight).
@@ -435,6 +481,105 @@ class Buffer:
     def share_text(self) -> str:
         """This stage's share and the budget it is cut from, for messages ("2 MiB of 8 MiB")."""
         return f"{format_bytes(self.limit)} of {format_bytes(self.budget.total)}"
+
+    # -- the budget shared by pipelines (see MemoryBudget: "One budget") -----------------
+
+    def _floor(self) -> int:
+        """What this stage must be able to hold to move: its minimum, or one element."""
+        return max(self.minimum, self.max_element, self._together)
+
+    def _count_on_pool(self) -> None:
+        """Bring this stage's part of the shared pool up to date (call holding the lock).
+
+        The pool counts a stage at max(held, floor) = held + slack; ``used`` counts the
+        held part already, so only the floor and its unfilled part are kept here.
+        """
+        floor = self.minimum
+        if self.max_element > floor:
+            floor = self.max_element
+        if self._together > floor:
+            floor = self._together
+        slack = floor - self.held
+        if slack < 0:
+            slack = 0
+        if slack == self._pool_slack and floor == self._pool_floor:
+            return  # (the common case: a stage holding more than its floor)
+        pool, run = self._pool, self.budget
+        if pool is None:
+            return
+        run._slack += slack - self._pool_slack
+        pool._slack += slack - self._pool_slack
+        run._floors += floor - self._pool_floor
+        pool._floors += floor - self._pool_floor
+        self._pool_floor, self._pool_slack = floor, slack
+
+    def _leave_pool(self) -> None:
+        """The run closed: its floor goes back to the pool (call holding the lock).
+        Bytes still held are released later, and count in the pool's use until then."""
+        pool, run = self._pool, self.budget
+        if pool is None:
+            return
+        self._pool = None
+        run._slack -= self._pool_slack
+        pool._slack -= self._pool_slack
+        run._floors -= self._pool_floor
+        pool._floors -= self._pool_floor
+        self._pool_floor = self._pool_slack = 0
+
+    def _pool_cost(self, nbytes: int, *, floor: bool = False) -> int:
+        """What booking ``nbytes`` more (``floor``: a minimum of ``nbytes``) adds to the
+        bytes this stage has committed on the shared pool."""
+        held, old = self.held, max(self.held, self._floor())
+        if floor:
+            return max(old, nbytes) - old
+        return max(held + nbytes, nbytes, old) - old
+
+    def _hold_on_pool(self, needed: int, what: str) -> None:
+        """The stage must hold ``needed`` bytes at once: its floor on the pool grows to
+        that, or :class:`MemoryBudgetError` (call holding the lock)."""
+        if needed <= self._together:
+            return
+        self._refuse_past_pool(self._pool_cost(needed, floor=True), what)
+        self._together = needed
+        self._count_on_pool()
+
+    def _pool_room(self) -> int:
+        """The most bytes this stage may book now as far as the pool goes (call holding
+        the lock): what its floor has unfilled, plus what :meth:`_pool_short` allows."""
+        pool = self._pool
+        assert pool is not None
+        run = self.budget
+        gap = max(0, self._floor() - self.held)
+        free = pool.total - pool.used - pool._slack
+        fair = (pool.total - pool._floors) // max(pool._runs, 1) - (
+            run.used + run._slack - run._floors
+        )
+        return gap + max(0, min(free, fair))
+
+    def _pool_short(self, nbytes: int) -> bool:
+        """True when ``nbytes`` more, beyond this stage's floor, would pass the shared
+        pool's total or this run's fair part of what the floors leave free."""
+        pool = self._pool
+        assert pool is not None
+        cost = self._pool_cost(nbytes)
+        if not cost:
+            return False
+        if pool.used + pool._slack + cost > pool.total:
+            return True
+        run = self.budget
+        free = pool.total - pool._floors
+        return run.used + run._slack - run._floors + cost > free // max(pool._runs, 1)
+
+    def _refuse_past_pool(self, cost: int, what: str) -> None:
+        """Raise :class:`MemoryBudgetError` when this stage's floor cannot grow by ``cost``
+        within the shared pool: waiting would wait on other pipelines' consumers."""
+        pool = self._pool
+        if pool is None or not cost:
+            return
+        with self.lock:
+            if pool.used + pool._slack + cost <= pool.total:
+                return
+            raise MemoryBudgetError(pool._refusal(self, cost, what))
 
     def stats(self) -> AccountStats:
         """A consistent snapshot, for the profiler."""

@@ -8,6 +8,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from headrace.io.filepool import get_default_pool, read_small_file
+
 __all__ = [
     "LiveRuns",
     "ProcessMemory",
@@ -19,22 +21,16 @@ __all__ = [
 
 
 def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as handle:
-            text = handle.read().strip()
-    except OSError:
-        return None
+    data = read_small_file(path)
+    text = data.decode(errors="replace").strip() if data is not None else ""
     return int(text) if text.isdigit() else None
 
 
 def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
+    data = read_small_file("/proc/meminfo")
+    for line in (data or b"").decode(errors="replace").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
     return None
 
 
@@ -77,23 +73,22 @@ class ProcessMemory:
 def process_memory() -> ProcessMemory:
     """Current RssAnon, RssShmem and RssFile of this process."""
     fields = {"RssAnon:": 0, "RssShmem:": 0, "RssFile:": 0}
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                key = line.split(maxsplit=1)[0]
-                if key in fields:
-                    fields[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    # Read on a slot of the file pool: a descriptor headrace opens counts against its cap.
+    data = read_small_file("/proc/self/status")
+    for line in (data or b"").decode(errors="replace").splitlines():
+        words = line.split()
+        if len(words) > 1 and words[0] in fields:
+            fields[words[0]] = int(words[1]) * 1024
     return ProcessMemory(fields["RssAnon:"], fields["RssShmem:"], fields["RssFile:"])
 
 
 def open_file_count() -> int:
     """Descriptors this process has open (Linux), or -1 where unknown."""
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return -1
+    with get_default_pool().transient():  # the listing's own descriptor counts too
+        try:
+            return len(os.listdir("/proc/self/fd"))
+        except OSError:
+            return -1
 
 
 class LiveRuns:

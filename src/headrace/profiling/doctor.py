@@ -407,7 +407,7 @@ def diagnose(
                     break
             accounts = _accounts(iterator)
             held = tuple(
-                accounts[id(node)].held if id(node) in accounts else 0 for node in nodes
+                accounts[id(node)].stats().held if id(node) in accounts else 0 for node in nodes
             )
             alive.append(weakref.ref(iterator))
             del iterator, accounts  # dropped, not closed: as Keras does

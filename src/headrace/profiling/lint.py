@@ -162,7 +162,7 @@ class _Recipe:
         try:
             with DatasetIterator(self.root, options, probe=True) as iterator:
                 accounts = getattr(iterator.context, "_accounts", {})
-                return {key: account.limit for key, account in accounts.items()}
+                return {key: account.share() for key, account in accounts.items()}
         except Exception:  # a recipe that cannot even start: the run will say why
             return {}
 

@@ -133,14 +133,17 @@ class StageRecord:
     def inner_held(self) -> tuple[int, int, int]:
         """(held now, shares now, largest peak) over its inner iterators' accounts (with
         none open, the largest share one had)."""
-        live = [a for a in self.accounts if a.held > 0 or a.peak == 0]
-        held = sum(a.held for a in live)
-        share = sum(a.limit for a in live) or max((a.limit for a in self.accounts), default=0)
-        peak = max((a.peak for a in self.accounts), default=0)
+        stats = [(a, a.stats()) for a in self.accounts]
+        live = [(a, now) for a, now in stats if now.held > 0 or now.peak == 0]
+        held = sum(now.held for _, now in live)
+        share = sum(now.limit for _, now in live) or max((now.limit for _, now in stats), default=0)
+        peak = max((now.peak for _, now in stats), default=0)
         if len(self.accounts) > 64:  # keep the largest closed one for its peak
-            closed = [a for a in self.accounts if a not in live]
-            keep = max(closed, key=lambda a: a.peak) if closed else None
-            self.accounts = live + ([keep] if keep is not None else [])
+            kept = {id(a) for a, _ in live}
+            closed = [(a, now) for a, now in stats if id(a) not in kept]
+            keep = max(closed, key=lambda pair: pair[1].peak)[0] if closed else None
+            live_accounts = [a for a, _ in live]
+            self.accounts = live_accounts + ([keep] if keep is not None else [])
         return held, share, peak
 
     @property

@@ -19,6 +19,7 @@ import os
 import threading
 from dataclasses import dataclass
 
+from headrace.io.filepool import get_default_pool, read_small_file
 from headrace.memory.system import process_memory
 from headrace.workers.memory import WorkerMemory, worker_memory
 
@@ -49,7 +50,8 @@ class Descriptors:
 def descriptors() -> Descriptors:
     """Classify ``/proc/self/fd`` (one ``readlink`` per descriptor)."""
     try:
-        names = os.listdir("/proc/self/fd")
+        with get_default_pool().transient():  # the listing's descriptor counts (G2)
+            names = os.listdir("/proc/self/fd")
     except OSError:
         return Descriptors(-1)
     files = sockets = pipes = shm = other = 0
@@ -78,14 +80,13 @@ def descriptors() -> Descriptors:
 def _smaps_rollup(pid: int | str) -> dict[str, int]:
     """Fields of ``/proc/PID/smaps_rollup`` in bytes ({} where unreadable)."""
     fields: dict[str, int] = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as handle:
-            for line in handle:
-                parts = line.split()
-                if len(parts) >= 3 and parts[0].endswith(":") and parts[1].isdigit():
-                    fields[parts[0][:-1]] = int(parts[1]) * 1024
-    except OSError:
+    data = read_small_file(f"/proc/{pid}/smaps_rollup")
+    if data is None:
         return {}
+    for line in data.decode(errors="replace").splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[0].endswith(":") and parts[1].isdigit():
+            fields[parts[0][:-1]] = int(parts[1]) * 1024
     return fields
 
 
@@ -93,15 +94,13 @@ def _children(pid: int | str) -> list[int]:
     """Direct child processes of ``pid`` (every thread's ``children`` file)."""
     out: list[int] = []
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
+        with get_default_pool().transient():
+            tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return out
     for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as handle:
-                out.extend(int(child) for child in handle.read().split())
-        except OSError:
-            continue
+        data = read_small_file(f"/proc/{pid}/task/{task}/children")
+        out.extend(int(child) for child in (data or b"").split())
     return out
 
 
@@ -199,7 +198,7 @@ def shared_memory_segments(
     prefix = f"headrace-{owner}-"
     sizes: dict[str, int] = {}
     try:
-        with os.scandir(SHM_DIR) as entries:
+        with get_default_pool().transient(), os.scandir(SHM_DIR) as entries:
             for entry in entries:
                 if entry.name.startswith(prefix):
                     with contextlib.suppress(OSError):  # unlinked meanwhile
@@ -210,15 +209,17 @@ def shared_memory_segments(
     for pid in (owner, *pids):
         mapped: dict[str, int] = {}
         try:
-            with open(f"/proc/{pid}/maps") as maps:
-                for line in maps:
-                    at = line.find(marker)
-                    if at < 0:
-                        continue
-                    name = line[at + len(marker) - len(prefix):].split()[0]
-                    low, high = line.split(None, 1)[0].split("-")
-                    mapped[name] = mapped.get(name, 0) + int(high, 16) - int(low, 16)
-        except (OSError, ValueError):
+            data = read_small_file(f"/proc/{pid}/maps")
+            if data is None:
+                continue  # gone, or not ours to read
+            for line in data.decode(errors="replace").splitlines():
+                at = line.find(marker)
+                if at < 0:
+                    continue
+                name = line[at + len(marker) - len(prefix):].split()[0]
+                low, high = line.split(None, 1)[0].split("-")
+                mapped[name] = mapped.get(name, 0) + int(high, 16) - int(low, 16)
+        except ValueError:
             continue  # gone, or not ours to read
         for name, size in mapped.items():
             sizes[name] = max(sizes.get(name, 0), size)

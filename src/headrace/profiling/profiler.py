@@ -323,12 +323,14 @@ def profile(
                             break
                     sampler.sample()
                     budget = iterator.context.budget
-                    budget_total, budget_peak = budget.total, max(budget_peak, budget.peak)
+                    booked = budget.stats()
+                    budget_total, budget_peak = booked.total, max(budget_peak, booked.peak)
                     kept = budget.kept_stats()
                     accounts = getattr(iterator.context, "_accounts", {})
                     for key, account in accounts.items():
                         _, _, peak = held.get(key, (0, 0, 0))
-                        held[key] = (account.limit, account.held, max(peak, account.peak))
+                        now = account.stats()
+                        held[key] = (now.limit, now.held, max(peak, now.peak))
                     _add_workers(workers, iterator)
             seconds = time.perf_counter() - started
             sampler.stop()

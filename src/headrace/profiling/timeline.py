@@ -196,9 +196,10 @@ class Sampler:
                     held.append(now)
                     shares.append(share)
                     continue
-                held.append(account.held if account is not None else 0)
-                shares.append(account.limit if account is not None else 0)
-            budget = iterator.context.budget if iterator is not None else None
+                booking = account.stats() if account is not None else None
+                held.append(booking.held if booking is not None else 0)
+                shares.append(booking.limit if booking is not None else 0)
+            booked = iterator.context.budget.stats() if iterator is not None else None
             memory = snapshot(detailed=detailed or self._ticks % self.detail_every == 1)
             growth = memory.charged - self._start_memory.charged
             sample = Sample(
@@ -207,8 +208,8 @@ class Sampler:
                 tuple(counts.get(key, 0) for key in self._stage_keys),
                 tuple(held),
                 tuple(shares),
-                budget.total if budget is not None else 0,
-                budget.used if budget is not None else 0,
+                booked.total if booked is not None else 0,
+                booked.used if booked is not None else 0,
                 memory,
                 growth,
             )
@@ -235,7 +236,7 @@ class Sampler:
     ) -> None:
         for key, account in list(accounts.items()):
             self._note((key, "share"), account.name, "share of the budget (bytes)",
-                       account.limit, seconds, first_counts=False)
+                       account.share(), seconds, first_counts=False)
         stages: list[Iterator] = iterator.stages()
         for stage in stages:
             state = stage.__dict__
