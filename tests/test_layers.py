@@ -132,11 +132,11 @@ RANKS = {
     "options": 3,
     "core": 4,
     "image": 5, "workers": 5,
-    "transforms": 6, "sources": 6, "writers": 6, "saved": 6,
+    "transforms": 6, "sources": 6, "writers": 6, "saved": 6, "persist": 6,
     "profiling": 7, "_rewrite": 7, "distribute": 7,
     "adapters": 8,
     "dataset": 9, "keras": 9,
-    "headrace": 10, "csv_datasets": 10, "served": 10, "_wire": 10, "tf_compat": 10,
+    "headrace": 10, "csv": 10, "served": 10, "_wire": 10, "tf_compat": 10,
     "tools": 10,
     "cli": 11, "testing": 11,
 }

@@ -8,8 +8,7 @@
 - :mod:`headrace.csv.datasets`: the public functions, with tf.data's names
   (``CsvDataset``, ``make_csv_dataset``, ``decode_csv``) and ``read_csv``.
 
-The old module paths (``headrace.io.csv``, ``headrace.sources.csv``,
-``headrace.csv_datasets``) still import the same names.
+The public names are these, also at the top level (``headrace.read_csv``...).
 """
 
 from headrace.csv.datasets import CsvDataset, decode_csv, make_csv_dataset, read_csv

@@ -40,7 +40,7 @@ import numpy as np
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN
 from headrace.core.state import StateReader
-from headrace.csv import reader as csvfmt
+import headrace.csv.reader as csvfmt
 from headrace.csv.reader import CsvColumn, CsvError, CsvFormat
 from headrace.errors import InvalidArgumentError, MemoryBudgetError, RecordTooLargeError
 from headrace.io.filepool import FilePool, PooledStream, get_default_pool
