@@ -379,6 +379,15 @@ class Buffer:
         with self.lock:
             self._unbook(nbytes)
 
+    def ceiling(self) -> int:
+        """The largest element this stage could ever hold: the whole budget.
+
+        A re-split may give one stage that much (see :meth:`require`); a larger
+        element cannot be held at all. A producer that can tell (a worker process,
+        before it copies an output into shared memory) refuses it there.
+        """
+        return self.budget.total
+
     def stats(self) -> AccountStats:
         """A consistent snapshot, for the profiler."""
         with self.lock:

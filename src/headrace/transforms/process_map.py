@@ -48,7 +48,7 @@ from typing import Any
 
 from headrace.core.iterator import Context, Iterator
 from headrace.errors import InvalidArgumentError
-from headrace.memory.budget import Reservation, StageAccount
+from headrace.memory.buffer import Buffer, Reservation
 from headrace.options import AUTOTUNE
 from headrace.transforms import map as map_module
 from headrace.transforms.map import MapNode, PositionedCall, _apply_chunk, _ParallelMapIterator
@@ -88,7 +88,7 @@ def cpu_count() -> int:
 
 
 def process_map_iterator(
-    node: MapNode, inner: Iterator, ctx: Context, account: StageAccount, deterministic: bool
+    node: MapNode, inner: Iterator, ctx: Context, account: Buffer, deterministic: bool
 ) -> Iterator:
     """The iterator of a map whose ``workers`` is ``"processes"`` or ``"auto"``."""
     count = cpu_count() if node.num_parallel_calls == AUTOTUNE else int(node.num_parallel_calls or 1)
@@ -114,13 +114,14 @@ class ProcessMapIterator(_ParallelMapIterator):
         self.reason = "workers='processes'"
 
     def _book_idle(self, nbytes: int) -> Reservation | None:
-        account = self.account
-        if account.held + nbytes > account.limit:
+        """Book a segment kept idle for reuse, if the share has room for it (else None:
+        the segment is dropped)."""
+        if nbytes > self.account.room():
             return None
-        return account.charge(nbytes)
+        return self.account.charge(nbytes)
 
     def _start_call(self, elements: list[Any], progress: Any = None,
-                    first: int = 0) -> Future[_MapResult]:
+                    first: int = 0, allowance: int | None = None) -> Future[_MapResult]:
         outer: Future[_MapResult] = Future()
         if not elements:  # a chunk that is only an upstream error: nothing to compute
             outer.set_result(([], [], None, 0.0))
@@ -135,7 +136,8 @@ class ProcessMapIterator(_ParallelMapIterator):
             )
         epochs = self.ctx.epochs
         inner = self.processes.submit(
-            [((*epochs, first + k), element) for k, element in enumerate(elements)])
+            [((*epochs, first + k), element) for k, element in enumerate(elements)],
+            allowance=allowance, ceiling=self.account.ceiling())
         admit = self.ctx.admit
 
         def costed(done: Future[ChunkResult]) -> None:
@@ -256,9 +258,9 @@ class _AutoMapIterator(ProcessMapIterator):
         self.probe: _GilProbe | None = None
 
     def _start_call(self, elements: list[Any], progress: Any = None,
-                    first: int = 0) -> Future[_MapResult]:
+                    first: int = 0, allowance: int | None = None) -> Future[_MapResult]:
         if self.kind == "processes":
-            return super()._start_call(elements, None, first)
+            return super()._start_call(elements, None, first, allowance)
         if self.kind == "threads":
             return _ParallelMapIterator._start_call(self, elements, progress, first)
         if self.probe is None:
@@ -293,7 +295,7 @@ class _AutoMapIterator(ProcessMapIterator):
         )
         count = self.wanted
         if self.output_estimate:  # AUTOTUNE: no more workers than the budget keeps busy
-            count = max(1, min(count, self.account.limit // (2 * self.output_estimate)))
+            count = max(1, min(count, self.account.share() // (2 * self.output_estimate)))
         kind, why = "threads", "it releases the GIL"
         # A probe kept late by a busy machine (not by the GIL) is told apart by the CPU
         # time of the calls: a function that waits (I/O, sleep) uses little of it.
