@@ -185,6 +185,11 @@ class ProcessMapIterator(_ParallelMapIterator):
         inner.add_done_callback(costed)
         return outer
 
+    def pull(self) -> tuple[Any, Reservation]:
+        if self.processes is not None:  # segments whose outputs are gone: booked or freed
+            self.processes.recycle()
+        return super().pull()
+
     def worker_stats(self) -> WorkerStats:
         """What this stage runs on, and its worker processes' memory now."""
         if self.processes is None:

@@ -91,6 +91,7 @@ from headrace.memory.sizeof import admit
 from headrace.memory.units import format_bytes
 from headrace.workers.memory import WorkerMemory, worker_memory
 from headrace.workers.shm import (
+    SEGMENT_BYTES,
     OutputWriter,
     Packet,
     SegmentMaps,
@@ -383,7 +384,10 @@ def _worker_main(
             elements = _receive_inputs(packet, inputs)
             computing = time.perf_counter()
             mark = functools.partial(_PROGRESS.pack_into, progress, 0, call_id)
-            writer = OutputWriter(allocate, expect, allowance)
+            # a segment is at most a 16th of the budget: what one half handed out may
+            # hold past its outputs' bookings
+            most = SEGMENT_BYTES if ceiling is None else min(SEGMENT_BYTES, ceiling // 16)
+            writer = OutputWriter(allocate, expect, allowance, max(most, 1))
             errors = _run_chunk(handler, elements, mark, writer, allowance, ceiling, stage)
             mark(len(elements))  # sending: no element's fault
             compute = time.perf_counter() - computing - writer.seconds
@@ -841,7 +845,11 @@ class ProcessPool:
                 worker.inputs.free(key)
 
     def recycle(self) -> None:
-        """Turn result segments whose views are all gone into idle ones (booked) or drop them."""
+        """Turn result segments whose views are all gone into idle ones (booked) or drop them.
+
+        Called before each submit, and by a stage for each element it hands out: a
+        segment whose outputs are gone holds memory no booking covers until then.
+        """
         for retired in self.retired:  # a dead worker's: never reused
             for key in retired.released():
                 retired.forget(key)
@@ -863,7 +871,7 @@ class ProcessPool:
                         worker.idle[key] = booking
                         worker.freed.append(key)
                     else:
-                        maps.forget(key)
+                        maps.discard(key)
                         worker.dropped.append(key)
 
     def _finish(self, worker: _Worker, message: tuple[Any, ...]) -> None:

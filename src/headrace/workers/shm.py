@@ -47,6 +47,7 @@ from headrace.io.columns import join_bytes, split_bytes
 __all__ = [
     "COLUMN_SEGMENT_BYTES",
     "OUT_OF_BAND_BYTES",
+    "SEGMENT_BYTES",
     "SHM_DIR",
     "OutputWriter",
     "Outputs",
@@ -70,6 +71,8 @@ SHM_DIR = "/dev/shm"
 #: (a segment costs a page at least, and a system call or two).
 OUT_OF_BAND_BYTES = 32 << 10
 _PREFIX = "headrace-"
+#: Frees a shared mapping's pages (Linux); None where the platform has no such advice.
+_MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
 _ALIGN = 64  # each buffer starts on a cache line: NumPy's SIMD loops prefer it
 _counter = itertools.count()
 
@@ -358,6 +361,9 @@ class Outputs:
                                                                     strict=True) if seen)
 
 
+#: The most bytes of outputs a result segment holds together (see :class:`OutputWriter`).
+SEGMENT_BYTES = 4 << 20
+
 #: ``allocate(nbytes, capacity)``: a segment for at least ``nbytes``, of ``capacity``
 #: bytes if it is made new (see :meth:`SegmentPool.allocate`).
 AllocateAtLeast = Callable[[int, int], tuple[int, str, int, mmap.mmap]]
@@ -374,14 +380,19 @@ class OutputWriter:
 
     ``expect``: the segment bytes the worker's previous chunk took, the size a
     chunk's first segment is made with (so one segment, reused from the pool,
-    usually takes a whole chunk). ``limit``: no segment is made larger than what
-    is left of it (the chunk's allowance), unless one output needs more.
+    usually takes a whole chunk). ``allowance``: no segment is made larger than
+    what is left of the chunk's allowance, unless one output needs more.
+
+    ``most``: nor larger than this. A segment's memory lives until its last
+    output is gone, while each output's booking goes with the output: a large
+    segment half handed out would hold more than its outputs' bookings say. An
+    output larger than ``most`` gets a segment of its own, freed with it.
     """
 
-    def __init__(self, allocate: AllocateAtLeast, expect: int = 0, limit: int | None = None
-                 ) -> None:
+    def __init__(self, allocate: AllocateAtLeast, expect: int = 0,
+                 allowance: int | None = None, most: int = SEGMENT_BYTES) -> None:
         self._allocate = allocate
-        self.expect, self.limit = expect, limit
+        self.expect, self.allowance, self.most = expect, allowance, most
         self._stream = io.BytesIO()
         self._pending: list[memoryview] = []  # buffers of the output being packed
         self._diverted: list[int] = []  # their positions that are diverted bytes
@@ -451,9 +462,9 @@ class OutputWriter:
             # What the chunk's rest may take: what the previous chunk took, or (outputs
             # outgrew it) as much again as this one so far; never more than its outputs
             # at the largest so far, nor (the allowance) what is left of its booking.
-            wanted = min(max(self.expect - used, used), left * self._largest)
-            if self.limit is not None:
-                wanted = min(wanted, self.limit - used)
+            wanted = min(max(self.expect - used, used), left * self._largest, self.most)
+            if self.allowance is not None:
+                wanted = min(wanted, self.allowance - used)
             key, name, capacity, mapping = self._allocate(need, max(need, wanted))
             self.segments.append((key, name, capacity))
             self._mapping, self._offset, self._capacity = mapping, 0, capacity
@@ -737,6 +748,8 @@ class SegmentMaps:
     def released(self) -> list[int]:
         """Keys whose views are all gone since the last call (their segment may be reused)."""
         done: list[int] = []
+        if not self._dead:  # (per element: no lock when nothing died)
+            return done
         with self._lock:
             while self._dead:
                 key = self._dead.popleft()
@@ -751,6 +764,18 @@ class SegmentMaps:
     def forget(self, key: int) -> None:
         """Drop the mapping (views still alive keep the memory until they go)."""
         self.maps.pop(key, None)
+
+    def discard(self, key: int) -> None:
+        """Drop a segment no view uses, and free its memory now.
+
+        The sender keeps its mapping until it is told (with its next task), and
+        a mapping keeps a segment's pages: they are punched out here, so that a
+        segment handed out and released costs nothing unbooked meanwhile.
+        """
+        entry = self.maps.pop(key, None)
+        if entry is not None and _MADV_REMOVE is not None:
+            with contextlib.suppress(OSError, ValueError):
+                entry[0].madvise(_MADV_REMOVE)
 
     def close(self) -> None:
         self.maps.clear()
