@@ -360,7 +360,7 @@ def test_outputs_packed_one_by_one_come_back_whole(seeds: range) -> None:
         most = rng.choice([64 << 10, 1 << 20, 4 << 20])
         made: list[tuple[int, int]] = []
 
-        def allocate(nbytes: int, capacity: int) -> Any:
+        def allocate(nbytes: int, capacity: int, pool: Any = pool, made: Any = made) -> Any:
             key, name, size, mapping = pool.allocate(nbytes, capacity)
             made.append((nbytes, size))
             return key, name, size, mapping
