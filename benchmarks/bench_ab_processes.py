@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ab import run  # noqa: E402
+from bench_ab import run
 
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 
@@ -40,7 +40,7 @@ _INTERLEAVE = """
 import functools
 sys.path.insert(0, {tests!r})
 import process_fns
-shard = functools.partial(process_fns.shard_arrays, rows=4_000, width=32)
+shard = functools.partial(process_fns.shard_arrays, rows=500, width=32)
 ds = (hr.Dataset.range(8)
       .interleave(shard, cycle_length=4, num_parallel_calls=2, workers="processes")
       .with_options(hr.Options(memory_budget="256MiB")))
