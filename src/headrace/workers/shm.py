@@ -17,9 +17,11 @@ SIGKILLed in that window the name is left behind: :func:`sweep_stale` (run by
 every pool that starts) removes segments whose owner process is dead.
 
 Pooling. Result segments are reused: a worker writes a chunk of outputs into
-one of its idle segments, the consumer maps it once (:class:`SegmentMaps`) and
-reports it idle again when the last array viewing it is gone (a finalizer on
-the views), so a steady stream maps no new memory. Input segments (large
+one of its idle segments (each output as it is made: :class:`OutputWriter`),
+the consumer maps it once (:class:`SegmentMaps`) and reports it idle again
+when the last array viewing it is gone (a finalizer on the views), so a steady
+stream maps no new memory. A segment not kept idle has its pages freed at once
+(:meth:`SegmentMaps.discard`), before its worker hears that it may unmap it. Input segments (large
 inputs sent to a worker) are pooled the same way, the other way round (see
 :mod:`headrace.workers.processes`).
 """
