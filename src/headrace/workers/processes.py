@@ -267,6 +267,7 @@ def _run_chunk(
     errors: dict[int, Any] = {}
     spent = 0
     count = len(elements)
+    costed = allowance is not None or ceiling is not None  # (an interleave's chunks: not)
     for position in range(count):
         mark(position)
         element, elements[position] = elements[position], None  # the input goes with it
@@ -278,7 +279,9 @@ def _run_chunk(
             writer.add(None)
             continue
         del element
-        output, cost = admit(output)  # what the consumer books for it (a view compacted)
+        cost = 0
+        if costed:  # what the consumer books for it (a view of a large temporary compacted)
+            output, cost = admit(output)
         if ceiling is not None and cost > ceiling:
             del output
             refused = MemoryBudgetError(
