@@ -20,7 +20,12 @@ of a pooled shared-memory segment.
 Memory. Outputs are booked as the threaded map books them (their arrays'
 bytes, which now live in shared memory) plus the part of their segment that
 no array covers; segments kept idle for reuse (at most two per worker) are
-booked while idle, or dropped when the stage's share has no room for them.
+booked while idle, or dropped (their pages freed at once) when the stage's
+share has no room for them. A worker packs each output into shared memory as
+it is made and stops a call right after the output that passes the call's
+allowance (what the stage booked for it): the stage runs the rest in another
+call. An output larger than the whole budget is refused in the worker, before
+it is copied: its element's :class:`~headrace.errors.MemoryBudgetError`.
 The workers' own memory (interpreter, the function's temporaries) is not in
 any booking: ``stats().workers`` reports it (USS and PSS per worker) and the
 measured bound counts it (see ``headrace.workers.memory.tree_charged``).
