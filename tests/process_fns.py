@@ -225,3 +225,44 @@ def oracle_faulty(plan: tuple[tuple[int, str], ...], size: int, x: Any) -> Any:
     if kind in ("kill_always", "unsendable"):
         raise hr.WorkerError(f"element {int(x)}: {kind}")
     return np.full(size, int(x), np.int64)
+
+
+def jump_output(at: int, small: int, large: int, seconds: float, x: Any) -> Any:
+    """An array of ``small`` bytes for ``x < at``, of ``large`` bytes from there on (a
+    regime jump after many quick elements); each element takes ``seconds`` (busy)."""
+    if seconds:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    out = np.empty(small if int(x) < at else large, np.uint8)
+    out.fill(int(x) % 251)
+    return out
+
+
+def sized_output(plan: dict[int, tuple[int, str]], x: Any) -> Any:
+    """An array of ``plan[x][0]`` bytes filled with ``x % 251``, or the fault ``plan[x][1]``
+    names: ``kill`` (SIGKILL this worker once: the first time ``x`` runs in a worker whose
+    parent pid is not in the plan's marker), ``raise`` (:class:`Failing`), ``unsendable``."""
+    import signal
+
+    nbytes, fault = plan[int(x)]
+    if fault == "raise":
+        raise Failing(f"bad element {int(x)}")
+    if fault == "unsendable":
+        return Unsendable()
+    if fault.startswith("kill:"):  # kill:<marker file>: once
+        marker = fault[len("kill:"):]
+        if not os.path.exists(marker):
+            with open(marker, "w"):
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+    out = np.empty(nbytes, np.uint8)
+    out.fill(int(x) % 251)
+    return out
+
+
+def giant_at(at: int, nbytes: int, x: Any) -> Any:
+    """A small array, except an array of ``nbytes`` (its pages touched) for ``x == at``."""
+    if int(x) == at:
+        return np.ones(nbytes, np.uint8)
+    return np.full(16, int(x), np.int64)

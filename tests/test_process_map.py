@@ -574,9 +574,9 @@ def test_input_segments_are_pooled_booked_and_freed(monkeypatch: pytest.MonkeyPa
         events.append("segment")
         return create(name, size)
 
-    def counted_submit(self: Any, elements: list[Any]) -> Any:
+    def counted_submit(self: Any, elements: list[Any], **options: Any) -> Any:
         events.append("call")
-        return submit(self, elements)
+        return submit(self, elements, **options)
 
     monkeypatch.setattr(shm, "create_segment", counted)
     monkeypatch.setattr(processes, "create_segment", counted)

@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
+import headrace.csv.reader as csvfmt
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN
 from headrace.core.state import StateReader
-import headrace.csv.reader as csvfmt
 from headrace.csv.reader import CsvColumn, CsvError, CsvFormat
 from headrace.errors import InvalidArgumentError, MemoryBudgetError, RecordTooLargeError
 from headrace.io.filepool import FilePool, PooledStream, get_default_pool

@@ -581,6 +581,21 @@ class Buffer:
                 return
             raise MemoryBudgetError(pool._refusal(self, cost, what))
 
+    def ceiling(self) -> int:
+        """The largest element this stage could ever hold: the whole budget.
+
+        A re-split may give one stage that much (see :meth:`require`), and a
+        nested budget may widen up to the budgets above it; a larger element
+        cannot be held at all. A producer that can tell (a worker process, before
+        it copies an output into shared memory) refuses it there.
+        """
+        budget: MemoryBudget | Buffer | None = self.budget
+        total = 0
+        while budget is not None:
+            total = max(total, budget.total)
+            budget = budget.parent
+        return total
+
     def stats(self) -> AccountStats:
         """A consistent snapshot, for the profiler."""
         with self.lock:

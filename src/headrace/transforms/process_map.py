@@ -20,7 +20,12 @@ of a pooled shared-memory segment.
 Memory. Outputs are booked as the threaded map books them (their arrays'
 bytes, which now live in shared memory) plus the part of their segment that
 no array covers; segments kept idle for reuse (at most two per worker) are
-booked while idle, or dropped when the stage's share has no room for them.
+booked while idle, or dropped (their pages freed at once) when the stage's
+share has no room for them. A worker packs each output into shared memory as
+it is made and stops a call right after the output that passes the call's
+allowance (what the stage booked for it): the stage runs the rest in another
+call. An output larger than the whole budget is refused in the worker, before
+it is copied: its element's :class:`~headrace.errors.MemoryBudgetError`.
 The workers' own memory (interpreter, the function's temporaries) is not in
 any booking: ``stats().workers`` reports it (USS and PSS per worker) and the
 measured bound counts it (see ``headrace.workers.memory.tree_charged``).
@@ -48,7 +53,7 @@ from typing import Any
 
 from headrace.core.iterator import Context, Iterator
 from headrace.errors import InvalidArgumentError
-from headrace.memory.budget import Reservation, StageAccount
+from headrace.memory.buffer import Buffer, Reservation
 from headrace.options import AUTOTUNE
 from headrace.transforms import map as map_module
 from headrace.transforms.map import MapNode, PositionedCall, _apply_chunk, _ParallelMapIterator
@@ -88,7 +93,7 @@ def cpu_count() -> int:
 
 
 def process_map_iterator(
-    node: MapNode, inner: Iterator, ctx: Context, account: StageAccount, deterministic: bool
+    node: MapNode, inner: Iterator, ctx: Context, account: Buffer, deterministic: bool
 ) -> Iterator:
     """The iterator of a map whose ``workers`` is ``"processes"`` or ``"auto"``."""
     count = cpu_count() if node.num_parallel_calls == AUTOTUNE else int(node.num_parallel_calls or 1)
@@ -114,10 +119,11 @@ class ProcessMapIterator(_ParallelMapIterator):
         self.reason = "workers='processes'"
 
     def _book_idle(self, nbytes: int) -> Reservation | None:
-        account = self.account
-        if account.held + nbytes > account.limit:
+        """Book a segment kept idle for reuse, if the share has room for it (else None:
+        the segment is dropped)."""
+        if nbytes > self.account.room():
             return None
-        return account.charge(nbytes)
+        return self.account.charge(nbytes)
 
     def _start_call(self, elements: list[Any], progress: Any = None,
                     first: int = 0, allowance: int | None = None) -> Future[_MapResult]:
@@ -135,7 +141,8 @@ class ProcessMapIterator(_ParallelMapIterator):
             )
         epochs = self.ctx.epochs
         inner = self.processes.submit(
-            [((*epochs, first + k), element) for k, element in enumerate(elements)])
+            [((*epochs, first + k), element) for k, element in enumerate(elements)],
+            allowance=allowance, ceiling=self.account.ceiling())
         admit = self.ctx.admit
 
         def costed(done: Future[ChunkResult]) -> None:
@@ -182,6 +189,11 @@ class ProcessMapIterator(_ParallelMapIterator):
         outer.add_done_callback(cancel_inner)
         inner.add_done_callback(costed)
         return outer
+
+    def pull(self) -> tuple[Any, Reservation]:
+        if self.processes is not None:  # segments whose outputs are gone: booked or freed
+            self.processes.recycle()
+        return super().pull()
 
     def worker_stats(self) -> WorkerStats:
         """What this stage runs on, and its worker processes' memory now."""
@@ -293,7 +305,7 @@ class _AutoMapIterator(ProcessMapIterator):
         )
         count = self.wanted
         if self.output_estimate:  # AUTOTUNE: no more workers than the budget keeps busy
-            count = max(1, min(count, self.account.limit // (2 * self.output_estimate)))
+            count = max(1, min(count, self.account.share() // (2 * self.output_estimate)))
         kind, why = "threads", "it releases the GIL"
         # A probe kept late by a busy machine (not by the GIL) is told apart by the CPU
         # time of the calls: a function that waits (I/O, sleep) uses little of it.

@@ -18,6 +18,18 @@ book one); the worker reports an input segment free with the call's result.
 The outputs come back the same way through the worker's pooled result
 segments, and the consumer's arrays view the segment (no copy). Which result
 segment is free again is told back to the worker with its next task.
+
+Outputs in flight. A worker packs each output as soon as the function returns
+it: pickled, its large buffers copied into the result segment, the object
+dropped, before the next element runs (see :class:`~headrace.workers.shm.OutputWriter`).
+So the segment is the only copy of a chunk's outputs, and an output and its
+copy coexist for one pack only. A chunk carries an *allowance*: the bytes the
+consumer booked for its outputs. The worker stops right after the output that
+takes its outputs' cost past it, if elements remain, and sends the outputs so
+far; the consumer runs the rest in another call. So a call's outputs pass their
+booking by one output at most, whatever the sizes do. An output that costs
+more than the whole budget (the chunk's *ceiling*) is not packed at all: it is
+its element's :class:`~headrace.errors.MemoryBudgetError`.
 Reusing segments saves creating, mapping and first-touching new pages on both
 sides for every chunk: for a 1 MiB chunk that was ~4x the cost of the copy.
 
@@ -70,12 +82,17 @@ from headrace.core.handoff import drop_frames
 from headrace.errors import (
     HeadraceWarning,
     InvalidArgumentError,
+    MemoryBudgetError,
     WorkerError,
     WorkerPoolError,
     add_note,
 )
+from headrace.memory.sizeof import admit
+from headrace.memory.units import format_bytes
 from headrace.workers.memory import WorkerMemory, worker_memory
 from headrace.workers.shm import (
+    SEGMENT_BYTES,
+    OutputWriter,
     Packet,
     SegmentMaps,
     SegmentPool,
@@ -83,7 +100,6 @@ from headrace.workers.shm import (
     loads,
     open_segment,
     pack,
-    pack_error,
     segment_name,
     sweep_process,
     sweep_stale,
@@ -115,8 +131,9 @@ IDLE_SEGMENTS = 2
 #: has about two calls in flight (the map keeps 2 x workers calls going).
 INPUT_SEGMENTS = 2
 
-#: (outputs, errors by position, seconds the worker spent, bytes of the result segment
-#: that no output array covers: alignment and the unused end of a reused segment)
+#: (outputs, errors by position, seconds the worker spent, bytes of the result segments
+#: that no output array covers: alignment and the unused end of a reused segment).
+#: Fewer outputs than elements when the worker stopped at the chunk's allowance.
 ChunkResult = tuple[list[Any], dict[int, BaseException] | None, float, int]
 
 
@@ -196,62 +213,94 @@ def check_workers(workers: Any, num_parallel_calls: Any, fn: Any, stage: str) ->
 
 
 #: The progress cell's layout: the call being run and the position in its chunk (the
-#: chunk's length while its outputs are packed). Read by the consumer when the worker died.
+#: chunk's length while its outputs are sent). Read by the consumer when the worker died.
 _PROGRESS = struct.Struct("qq")
 
 
-def _apply_all(
-    handler: Callable[[Any], Any], elements: list[Any], mark: Callable[[int], None]
-) -> tuple[list[Any], dict[int, Any]]:
-    outputs: list[Any] = []
+def _failure(error: Exception) -> tuple[Exception, str]:
+    """An error of the function, as it travels back: itself (or its text, where it
+    cannot be pickled) and the worker's traceback."""
+    text = traceback.format_exc()
+    # held until the chunk is sent: its frames would keep the input and the function's
+    # temporaries alive meanwhile (the text has what they show)
+    drop_frames(error)
+    try:
+        pickle.dumps(error)
+    except Exception:  # an exception that cannot travel: its text does
+        return WorkerError(f"{type(error).__qualname__}: {error}"), text
+    return error, text
+
+
+def _unsendable(refused: Exception) -> tuple[Exception, str]:
+    """The error in the place of an output that cannot be packed (pickle refuses a part
+    of it): it fails its own element, not the chunk."""
+    return (
+        WorkerError(
+            f"the function's output cannot be sent back from the worker process "
+            f"({type(refused).__name__}: {refused}); return NumPy arrays, bytes, "
+            "numbers, strings or containers of them"
+        ),
+        "".join(traceback.format_exception(refused)),
+    )
+
+
+def _run_chunk(
+    handler: Callable[[Any], Any],
+    elements: list[Any],
+    mark: Callable[[int], None],
+    writer: OutputWriter,
+    allowance: int | None,
+    ceiling: int | None,
+    stage: str = "",
+) -> dict[int, Any]:
+    """Run ``handler`` over ``elements`` in order, each output packed by ``writer`` before
+    the next element runs; the errors by position.
+
+    The call stops after the output whose cost takes the outputs past ``allowance``
+    (what the consumer booked for them), if elements remain: the outputs so far go
+    back, and the consumer runs the rest in another call. So a call's outputs pass
+    their booking by one output at most. An output larger than ``ceiling`` (the
+    whole budget) is refused here, before it is packed: its pack would double it.
+    A death while an output is packed is blamed on its element (the progress cell
+    still names it).
+    """
     errors: dict[int, Any] = {}
-    for position, element in enumerate(elements):
+    spent = 0
+    count = len(elements)
+    costed = allowance is not None or ceiling is not None  # (an interleave's chunks: not)
+    for position in range(count):
         mark(position)
+        element, elements[position] = elements[position], None  # the input goes with it
         try:
-            outputs.append(handler(element))
+            output = handler(element)
         except Exception as error:
-            outputs.append(None)
-            text = traceback.format_exc()
-            # held until the chunk is sent: its frames would keep the input and the
-            # function's temporaries alive meanwhile (the text has what they show)
-            drop_frames(error)
-            try:
-                pickle.dumps(error)
-                errors[position] = (error, text)
-            except Exception:  # an exception that cannot travel: its text does
-                errors[position] = (WorkerError(f"{type(error).__qualname__}: {error}"), text)
-    return outputs, errors
-
-
-def _unsendable(outputs: list[Any], errors: dict[int, Any]) -> dict[int, Any]:
-    """The chunk's errors plus one for each output that cannot be packed (pickle refuses
-    a part of it), which becomes ``None`` in ``outputs``: one bad output fails its own
-    element, not the chunk. Should the chunk still not pack (a cause no single output
-    shows), every position fails with that error."""
-    for position, output in enumerate(outputs):
-        if position in errors:
+            del element
+            errors[position] = _failure(error)
+            writer.add(None)
             continue
-        refused = pack_error(output)
-        if refused is not None:
-            outputs[position] = None
-            errors[position] = (
-                WorkerError(
-                    f"the function's output cannot be sent back from the worker process "
-                    f"({type(refused).__name__}: {refused}); return NumPy arrays, bytes, "
-                    "numbers, strings or containers of them"
-                ),
-                "".join(traceback.format_exception(refused)),
-            )
-    pack_error_all = pack_error(outputs)
-    if pack_error_all is not None:
-        failure = WorkerError(
-            f"the chunk's outputs cannot be sent back: {type(pack_error_all).__name__}: "
-            f"{pack_error_all}"
-        )
-        text = "".join(traceback.format_exception(pack_error_all))
-        for position in range(len(outputs)):
-            outputs[position] = None
-            errors[position] = (failure, text)
+        del element
+        cost = 0
+        if costed:  # what the consumer books for it (a view of a large temporary compacted)
+            output, cost = admit(output)
+        if ceiling is not None and cost > ceiling:
+            del output
+            refused = MemoryBudgetError(
+                f"{stage}: an output of {format_bytes(cost)} is larger than the whole memory "
+                f"budget ({format_bytes(ceiling)}); it was dropped in the worker process, "
+                "before it was sent back")
+            errors[position] = (refused, f"{type(refused).__name__}: {refused}\n")
+            writer.add(None)
+            continue
+        try:
+            writer.add(output, count - position)
+        except Exception as refused:  # a failed element costs nothing
+            errors[position] = _unsendable(refused)
+            writer.add(None)
+        else:
+            spent += cost
+        del output
+        if allowance is not None and spent > allowance and position + 1 < count:
+            break
     return errors
 
 
@@ -286,6 +335,7 @@ def _worker_main(
     owner: int,
     index: int,
     progress_name: str,
+    stage: str = "",
 ) -> None:
     """Run in each worker: unpickle the handler once, then serve chunks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
@@ -302,9 +352,13 @@ def _worker_main(
     pool = SegmentPool(owner, tag=f"w{index}-")
     evicted: list[int] = []  # idle segments dropped since the last result (see allocate)
 
-    def allocate(nbytes: int) -> tuple[int, str, int, mmap.mmap]:
-        evicted.extend(pool.evict_smaller(nbytes))
-        return pool.allocate(nbytes)
+    def allocate(nbytes: int, capacity: int) -> tuple[int, str, int, mmap.mmap]:
+        evicted.extend(pool.evict_smaller(capacity))
+        if pool.has_idle(capacity):  # one idle segment for the chunk's rest
+            return pool.allocate(capacity)
+        return pool.allocate(nbytes, capacity)
+
+    expect = 0  # segment bytes the previous chunk took: a chunk's first segment's size
 
     inputs = SegmentMaps()  # the consumer's pooled input segments, mapped here
     queued: deque[tuple[Any, ...]] = deque()
@@ -318,7 +372,7 @@ def _worker_main(
                     message = tasks.recv()
                     if message[0] == "stop":
                         return
-                    _, _, _, freed, dropped, dropped_inputs = message
+                    _, _, _, freed, dropped, dropped_inputs, _, _ = message
                     for key in freed:
                         pool.free(key)
                     for key in dropped:
@@ -328,27 +382,29 @@ def _worker_main(
                     queued.append(message)
             except (EOFError, OSError):  # the consumer is gone
                 return
-            _, call_id, packet, _, _, _ = queued.popleft()
+            _, call_id, packet, _, _, _, allowance, ceiling = queued.popleft()
             started = time.perf_counter()
             elements = _receive_inputs(packet, inputs)
             computing = time.perf_counter()
             mark = functools.partial(_PROGRESS.pack_into, progress, 0, call_id)
-            outputs, errors = _apply_all(handler, elements, mark)
-            compute = time.perf_counter() - computing
-            mark(len(elements))  # packing: no element's fault
+            # a segment is at most a 16th of the budget: what one half handed out may
+            # hold past its outputs' bookings
+            most = SEGMENT_BYTES if ceiling is None else min(SEGMENT_BYTES, ceiling // 16)
+            writer = OutputWriter(allocate, expect, allowance, max(most, 1))
+            errors = _run_chunk(handler, elements, mark, writer, allowance, ceiling, stage)
+            mark(len(elements))  # sending: no element's fault
+            compute = time.perf_counter() - computing - writer.seconds
             del elements
-            try:
-                result = pack(outputs, allocate)
-            except Exception:  # an output that cannot be sent back: that one fails alone
-                errors = _unsendable(outputs, errors)
-                result = pack(outputs, allocate)
-            del outputs
+            result = writer.finish()
+            expect = writer.shared
+            del writer
             seconds = time.perf_counter() - started
             # input segments whose every view is gone (the outputs are copied out by now)
             free_inputs = inputs.released()
             results.send(
                 ("done", call_id, result, errors or None, seconds, compute, free_inputs, evicted[:])
             )
+            del result
             evicted.clear()
     finally:
         pool.close()
@@ -375,19 +431,24 @@ def _input_capacity(nbytes: int) -> int:
 
 class _Rejoin:
     """The parts a chunk was split into, after a worker died running it, joined back
-    into the chunk's own future (in the chunk's order)."""
+    into the chunk's own future (in the chunk's order).
 
-    __slots__ = ("errors", "left", "lock", "outputs", "owner", "seconds", "slack")
+    A part that stopped at its allowance ends the chunk there: the outputs of the
+    parts after it are dropped, and the caller runs those elements again."""
+
+    __slots__ = ("end", "errors", "left", "lock", "outputs", "owner", "seconds", "slack")
 
     def __init__(self, owner: _Task, parts: int) -> None:
         self.owner, self.left = owner, parts
         self.outputs: list[Any] = [None] * len(owner.elements)
+        self.end = len(owner.elements)  # where the first part that stopped short stopped
         self.errors: dict[int, BaseException] = {}
         self.seconds, self.slack = 0.0, 0
         self.lock = threading.Lock()
 
-    def part(self, start: int, done: Future[ChunkResult]) -> None:
-        """The part from position ``start`` is done (a callback, on the collector thread)."""
+    def part(self, start: int, stop: int, done: Future[ChunkResult]) -> None:
+        """The part of positions ``start:stop`` is done (a callback, on the collector
+        thread)."""
         if done.cancelled():
             return
         future = self.owner.future
@@ -399,6 +460,8 @@ class _Rejoin:
         outputs, failed, seconds, slack = done.result()
         with self.lock:
             self.outputs[start : start + len(outputs)] = outputs
+            if start + len(outputs) < stop:
+                self.end = min(self.end, start + len(outputs))
             for position, raised in (failed or {}).items():
                 self.errors[start + position] = raised
             self.seconds += seconds
@@ -406,8 +469,11 @@ class _Rejoin:
             self.left -= 1
             finished = self.left == 0
         if finished:
+            end = self.end
+            errors = {p: e for p, e in self.errors.items() if p < end}
+            outputs, self.outputs = self.outputs[:end], []
             with contextlib.suppress(Exception):  # cancelled meanwhile
-                future.set_result((self.outputs, self.errors or None, self.seconds, self.slack))
+                future.set_result((outputs, errors or None, self.seconds, self.slack))
 
 
 class _Task:
@@ -419,10 +485,11 @@ class _Task:
     kills a worker again is that element's error. A chunk whose element killed a
     worker runs again in parts (``rejoin`` joins them): the elements before it, it
     alone (blamed), the elements after it. ``tries`` counts deaths while this task
-    was sent but no element of it was running (its outputs being packed).
+    was sent but no element of it was running (its outputs being sent).
     """
 
-    __slots__ = ("blame", "call_id", "elements", "future", "names", "rejoin", "tries")
+    __slots__ = ("allowance", "blame", "call_id", "ceiling", "elements", "future", "names",
+                 "rejoin", "tries")
 
     def __init__(
         self,
@@ -430,8 +497,14 @@ class _Task:
         elements: list[Any],
         blame: tuple[int, str] | None = None,
         rejoin: _Rejoin | None = None,
+        *,
+        allowance: int | None = None,
+        ceiling: int | None = None,
     ) -> None:
         self.future, self.elements, self.blame, self.rejoin = future, elements, blame, rejoin
+        #: Bytes of outputs after which the worker stops and hands the rest back, and the
+        #: largest output it may send (see ``_run_chunk``).
+        self.allowance, self.ceiling = allowance, ceiling
         self.call_id = 0
         self.tries = 0
         self.names: list[str] = []  # segments made for it, unlinked when it ends
@@ -598,7 +671,7 @@ class ProcessPool:
         process = context.Process(
             target=_worker_main,
             args=(task_read, result_write, self.handler_bytes, self.owner, worker.index,
-                  progress_name),
+                  progress_name, self.stage),
             name=f"headrace-worker-{worker.index}",
             daemon=True,
         )
@@ -644,9 +717,22 @@ class ProcessPool:
         with self.lock:
             self.assigned[index] -= 1
 
-    def submit(self, elements: list[Any], *, worker: int | None = None) -> Future[ChunkResult]:
+    def submit(
+        self,
+        elements: list[Any],
+        *,
+        worker: int | None = None,
+        allowance: int | None = None,
+        ceiling: int | None = None,
+    ) -> Future[ChunkResult]:
         """Run the handler over ``elements`` in a worker (the least busy, or the one
-        numbered ``worker``: its calls run in the order submitted); a future of the outputs."""
+        numbered ``worker``: its calls run in the order submitted); a future of the outputs.
+
+        ``allowance``: the bytes booked for the outputs. The worker stops after the
+        output that passes it, if elements remain, and the future has fewer outputs
+        than ``elements``: the caller runs the rest again. ``ceiling``: an output that
+        costs more (the whole budget) is its element's :class:`MemoryBudgetError`.
+        """
         if self.closed:
             raise WorkerPoolError(f"{self.stage}: the worker pool is closed")
         if self.broken is not None:
@@ -659,10 +745,12 @@ class ProcessPool:
                 chosen = min(self.workers, key=lambda w: len(w.pending) + len(w.backlog))
             else:
                 chosen = self.workers[worker]
-        return self._submit_to(chosen, elements)
+        return self._submit_to(chosen, elements, allowance, ceiling)
 
-    def _submit_to(self, worker: _Worker, elements: list[Any]) -> Future[ChunkResult]:
-        task = _Task(Future(), elements)
+    def _submit_to(
+        self, worker: _Worker, elements: list[Any], allowance: int | None, ceiling: int | None
+    ) -> Future[ChunkResult]:
+        task = _Task(Future(), elements, allowance=allowance, ceiling=ceiling)
         self._send(worker, task)
         return task.future
 
@@ -708,7 +796,8 @@ class ProcessPool:
                 worker.freed, worker.dropped, worker.dropped_inputs = [], [], []
             assert worker.tasks is not None
             with contextlib.suppress(OSError):  # the worker is gone: the collector replaces it
-                worker.tasks.send(("task", task.call_id, packet, freed, dropped, dropped_inputs))
+                worker.tasks.send(("task", task.call_id, packet, freed, dropped, dropped_inputs,
+                                   task.allowance, task.ceiling))
 
     def _allocate_input(
         self, worker: _Worker, names: list[str], nbytes: int
@@ -759,7 +848,11 @@ class ProcessPool:
                 worker.inputs.free(key)
 
     def recycle(self) -> None:
-        """Turn result segments whose views are all gone into idle ones (booked) or drop them."""
+        """Turn result segments whose views are all gone into idle ones (booked) or drop them.
+
+        Called before each submit, and by a stage for each element it hands out: a
+        segment whose outputs are gone holds memory no booking covers until then.
+        """
         for retired in self.retired:  # a dead worker's: never reused
             for key in retired.released():
                 retired.forget(key)
@@ -781,20 +874,20 @@ class ProcessPool:
                         worker.idle[key] = booking
                         worker.freed.append(key)
                     else:
-                        maps.forget(key)
+                        maps.discard(key)
                         worker.dropped.append(key)
 
     def _finish(self, worker: _Worker, message: tuple[Any, ...]) -> None:
         """A ``done`` message: unpack it into its future (collector thread)."""
-        _, call_id, packet, errors, seconds, compute, free_inputs, evicted = message
+        _, call_id, result, errors, seconds, compute, free_inputs, evicted = message
         received = time.perf_counter()
         self._inputs_free(worker, free_inputs)
         maps = self.maps[worker.index]
         with self.lock:
             task = worker.pending.popleft()
             assert task.call_id == call_id, "results come back in the order sent"
-            # idle segments the worker dropped (too small), and the one it used
-            used = [] if packet.segment is None else [packet.segment[0]]
+            # idle segments the worker dropped (too small), and the ones it used
+            used = [key for key, _, _ in result.segments]
             for key in [*evicted, *used]:
                 booking = worker.idle.pop(key, None)
                 if booking is not None:
@@ -805,24 +898,23 @@ class ProcessPool:
         for name in task.names:
             unlink_segment(name)
         if task.cancelled():
-            if packet.segment is not None:  # never looked at: straight back to the worker
-                key, name, capacity = packet.segment
+            for key, name, capacity in result.segments:  # never looked at: straight back
                 if name:
                     try:
                         maps.maps[key] = (open_segment(name, capacity), capacity)
                     except FileNotFoundError:  # the worker is closing and unlinked it
-                        return  # (its pool drops names not reported mapped): nothing to give
+                        continue  # (its pool drops names not reported mapped): nothing to give
                     maps.opened += 1
                 with self.lock:
                     worker.freed.append(key)
             return
         try:
-            outputs = maps.unpack(packet)
+            outputs = maps.unpack_outputs(result)
         except BaseException as unpack_error:
             future.set_exception(unpack_error)
             return
         self.traffic.add_result(seconds, compute, time.perf_counter() - received,
-                                packet.shared_bytes + len(packet.payload))
+                                result.shared_bytes + len(result.payload))
         failed: dict[int, BaseException] | None = None
         if errors:
             failed = {}
@@ -830,13 +922,11 @@ class ProcessPool:
                 raised.__cause__ = _RemoteTraceback(text)
                 add_note(raised, f"headrace: raised in worker process {worker.process.pid}")
                 failed[position] = raised
-        # the segment's bytes that no output views: alignment, the unused end of a reused
+        # the segments' bytes that no output views: alignment, the unused end of a reused
         # segment, and buffers received as copies (large bytes, bytes columns); nothing
-        # when no output views it (it is free again at once)
-        viewed = packet.viewed_bytes
-        slack = packet.shared_bytes - viewed if viewed else 0
+        # for a segment no output views (it is free again at once)
         with contextlib.suppress(Exception):  # cancelled meanwhile
-            future.set_result((outputs, failed, seconds, slack))
+            future.set_result((outputs, failed, seconds, result.slack()))
 
     def _fail(self, error: WorkerError) -> None:
         """Fail every call in flight and stop the workers (collector thread)."""
@@ -967,14 +1057,14 @@ class ProcessPool:
         call_id, position = where
         count = len(head.elements)
         if call_id != head.call_id or not 0 <= position < count:
-            # between elements (packing the outputs, or the call not begun): no element
+            # between elements (sending the outputs, or the call not begun): no element
             # is to blame, but a chunk that keeps ending workers there fails at last
             head.tries += 1
             if head.tries <= _MAX_TRIES:
                 return [head, *rest]
             self._drop_task(head, WorkerError(
                 f"{self.stage}: {head.tries} worker processes ended while this element's "
-                f"chunk was sent or its outputs packed (the last, {pid}, {how}); its "
+                f"chunk or its outputs were sent (the last, {pid}, {how}); its "
                 f"{count} elements are dropped as their errors"))
             return rest
         if head.blame is not None and count == 1:  # it killed a worker before, and now this one
@@ -994,8 +1084,9 @@ class ProcessPool:
         parts = []
         for start, stop in spans:
             part = _Task(Future(), head.elements[start:stop],
-                         blame if start == position else None, rejoin)
-            part.future.add_done_callback(functools.partial(rejoin.part, start))
+                         blame if start == position else None, rejoin,
+                         allowance=head.allowance, ceiling=head.ceiling)
+            part.future.add_done_callback(functools.partial(rejoin.part, start, stop))
             parts.append(part)
         return [*parts, *rest]
 

@@ -17,9 +17,11 @@ SIGKILLed in that window the name is left behind: :func:`sweep_stale` (run by
 every pool that starts) removes segments whose owner process is dead.
 
 Pooling. Result segments are reused: a worker writes a chunk of outputs into
-one of its idle segments, the consumer maps it once (:class:`SegmentMaps`) and
-reports it idle again when the last array viewing it is gone (a finalizer on
-the views), so a steady stream maps no new memory. Input segments (large
+one of its idle segments (each output as it is made: :class:`OutputWriter`),
+the consumer maps it once (:class:`SegmentMaps`) and reports it idle again
+when the last array viewing it is gone (a finalizer on the views), so a steady
+stream maps no new memory. A segment not kept idle has its pages freed at once
+(:meth:`SegmentMaps.discard`), before its worker hears that it may unmap it. Input segments (large
 inputs sent to a worker) are pooled the same way, the other way round (see
 :mod:`headrace.workers.processes`).
 """
@@ -34,6 +36,7 @@ import mmap
 import os
 import pickle
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +49,10 @@ from headrace.io.columns import join_bytes, split_bytes
 __all__ = [
     "COLUMN_SEGMENT_BYTES",
     "OUT_OF_BAND_BYTES",
+    "SEGMENT_BYTES",
     "SHM_DIR",
+    "OutputWriter",
+    "Outputs",
     "Packet",
     "SegmentMaps",
     "SegmentPool",
@@ -67,6 +73,8 @@ SHM_DIR = "/dev/shm"
 #: (a segment costs a page at least, and a system call or two).
 OUT_OF_BAND_BYTES = 32 << 10
 _PREFIX = "headrace-"
+#: Frees a shared mapping's pages (Linux); None where the platform has no such advice.
+_MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
 _ALIGN = 64  # each buffer starts on a cache line: NumPy's SIMD loops prefer it
 _counter = itertools.count()
 
@@ -319,6 +327,167 @@ def pack_error(obj: Any) -> Exception | None:
     return None
 
 
+@dataclass
+class Outputs:
+    """A chunk's outputs on their way back: ``count`` pickles end to end in ``payload``,
+    and where their large buffers lie.
+
+    ``segments`` are ``(key, name, capacity)`` (``name`` empty when the receiver has
+    it mapped already); ``spans`` are ``(segment, offset, length)`` of each buffer,
+    ``segment`` an index into ``segments``, in pickle order. A chunk's outputs
+    usually share one segment; one whose buffers do not fit in what is left of it
+    starts the next.
+    """
+
+    payload: bytes
+    count: int
+    segments: tuple[tuple[int, str, int], ...] = ()
+    spans: tuple[tuple[int, int, int], ...] = ()
+    copied: tuple[int, ...] = ()  # positions in ``spans`` of bytes received as copies
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the segments these outputs occupy (their capacities)."""
+        return sum(capacity for _, _, capacity in self.segments)
+
+    def slack(self) -> int:
+        """Bytes of the segments that no received view covers (alignment, the unused end
+        of a reused segment, buffers received as copies). A segment that no view covers
+        is free again at once: it counts nothing."""
+        viewed = [0] * len(self.segments)
+        copied = set(self.copied)
+        for position, (segment, _, length) in enumerate(self.spans):
+            if position not in copied:
+                viewed[segment] += length
+        return sum(capacity - seen for (_, _, capacity), seen in zip(self.segments, viewed,
+                                                                    strict=True) if seen)
+
+
+#: The most bytes of outputs a result segment holds together (see :class:`OutputWriter`).
+SEGMENT_BYTES = 4 << 20
+
+#: ``allocate(nbytes, capacity)``: a segment for at least ``nbytes``, of ``capacity``
+#: bytes if it is made new (see :meth:`SegmentPool.allocate`).
+AllocateAtLeast = Callable[[int, int], tuple[int, str, int, mmap.mmap]]
+
+
+class OutputWriter:
+    """Packs a chunk's outputs one at a time, as the worker makes them.
+
+    Each output is pickled at once and its large buffers are copied into a
+    segment; the caller then drops the object. So a worker never holds a chunk
+    of outputs as objects: the segment is their only copy, and the object and
+    its copy coexist for one output's pack only. Small outputs cost one pickle
+    each, written end to end into one payload (no segment at all).
+
+    ``expect``: the segment bytes the worker's previous chunk took, the size a
+    chunk's first segment is made with (so one segment, reused from the pool,
+    usually takes a whole chunk). ``allowance``: no segment is made larger than
+    what is left of the chunk's allowance, unless one output needs more.
+
+    ``most``: nor larger than this. A segment's memory lives until its last
+    output is gone, while each output's booking goes with the output: a large
+    segment half handed out would hold more than its outputs' bookings say. An
+    output larger than ``most`` gets a segment of its own, freed with it.
+    """
+
+    def __init__(self, allocate: AllocateAtLeast, expect: int = 0,
+                 allowance: int | None = None, most: int = SEGMENT_BYTES) -> None:
+        self._allocate = allocate
+        self.expect, self.allowance, self.most = expect, allowance, most
+        self._stream = io.BytesIO()
+        self._pending: list[memoryview] = []  # buffers of the output being packed
+        self._diverted: list[int] = []  # their positions that are diverted bytes
+        self._pickler = _Pickler(self._stream, self._out_of_band, self._divert)
+        self.segments: list[tuple[int, str, int]] = []
+        self.spans: list[tuple[int, int, int]] = []
+        self.copied: list[int] = []
+        self._mapping: mmap.mmap | None = None
+        self._offset = self._capacity = 0
+        self._largest = 0  # segment bytes of the largest output so far
+        self.count = 0
+        #: Segment bytes the outputs so far took (aligned).
+        self.shared = 0
+        #: Time spent packing (the worker tells it apart from the function's).
+        self.seconds = 0.0
+
+    def _out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
+        raw = buffer.raw()
+        if raw.nbytes < OUT_OF_BAND_BYTES:
+            return True  # in band
+        self._pending.append(raw)
+        return False
+
+    def _divert(self, data: bytes) -> int:
+        self._diverted.append(len(self._pending))
+        self._pending.append(memoryview(data))
+        return len(self.spans) + len(self._pending) - 1
+
+    def add(self, obj: Any, left: int = 1) -> int:
+        """Pack ``obj`` after the outputs so far; the bytes it took (pickle and segment).
+
+        ``left``: outputs still to come, this one included (a new segment is made
+        for at most that many outputs like the largest so far). An object that
+        cannot be packed raises, and leaves nothing behind: the caller puts its
+        error in the output's place and goes on.
+        """
+        stream, pending = self._stream, self._pending
+        start = stream.tell()
+        began = time.perf_counter()
+        try:
+            self._pickler.dump(obj)
+            need = sum(_aligned(raw.nbytes) for raw in pending)
+            if need:
+                self._largest = max(self._largest, need)
+                self._copy(need, left)
+        except BaseException:
+            stream.seek(start)
+            stream.truncate()
+            raise
+        finally:
+            # the memos hold the object (and its arrays): gone with this output
+            self._pickler.clear_memo()
+            self._pickler._columns.clear()
+            for raw in pending:
+                raw.release()
+            pending.clear()
+            self._diverted.clear()
+            self.seconds += time.perf_counter() - began
+        self.count += 1
+        self.shared += need
+        return stream.tell() - start + need
+
+    def _copy(self, need: int, left: int) -> None:
+        """The pending buffers into the segment (a new one when they do not fit)."""
+        if self._mapping is None or self._capacity - self._offset < need:
+            used = self.shared
+            # What the chunk's rest may take: what the previous chunk took, or (outputs
+            # outgrew it) as much again as this one so far; never more than its outputs
+            # at the largest so far, nor (the allowance) what is left of its booking.
+            wanted = min(max(self.expect - used, used), left * self._largest, self.most)
+            if self.allowance is not None:
+                wanted = min(wanted, self.allowance - used)
+            key, name, capacity, mapping = self._allocate(need, max(need, wanted))
+            self.segments.append((key, name, capacity))
+            self._mapping, self._offset, self._capacity = mapping, 0, capacity
+        segment, offset = len(self.segments) - 1, self._offset
+        diverted = set(self._diverted)
+        with memoryview(self._mapping) as target:
+            for position, raw in enumerate(self._pending):
+                length = raw.nbytes
+                target[offset : offset + length] = raw
+                if position in diverted:
+                    self.copied.append(len(self.spans))
+                self.spans.append((segment, offset, length))
+                offset += _aligned(length)
+        self._offset = offset
+
+    def finish(self) -> Outputs:
+        """The outputs packed, as the message that carries them."""
+        return Outputs(self._stream.getvalue(), self.count, tuple(self.segments),
+                       tuple(self.spans), tuple(self.copied))
+
+
 def sweep_process(owner: int, pid: int) -> list[str]:
     """Remove the segments that process ``pid`` made for ``owner``'s pipeline and that
     nobody mapped yet (``pid`` died: a killed worker's result segment in the making)."""
@@ -539,9 +708,50 @@ class SegmentMaps:
             dead.append(key)
         return obj
 
+    def unpack_outputs(self, outputs: Outputs) -> list[Any]:
+        """The objects of ``outputs`` (see :class:`OutputWriter`), their arrays viewing the
+        segments (each mapped by name when new); a segment is reported free when the
+        last view of it is gone (at once when none views it)."""
+        mappings = []
+        for key, name, capacity in outputs.segments:
+            if name:
+                self.maps[key] = (open_segment(name, capacity), capacity)
+                self.opened += 1
+            mappings.append(self.maps[key][0])
+        copied = set(outputs.copied)
+        views: list[Any] = []
+        handed: list[Any] = []
+        viewed: set[int] = set()
+        dead = self._dead
+        for position, (segment, offset, length) in enumerate(outputs.spans):
+            with memoryview(mappings[segment]) as whole:
+                view = np.frombuffer(whole[offset : offset + length], np.uint8)
+            views.append(view)
+            if position in copied:
+                continue
+            key = outputs.segments[segment][0]
+            handed.append(view)
+            viewed.add(key)
+            with self._lock:
+                self.live[key] = self.live.get(key, 0) + 1
+            weakref.finalize(view, dead.append, key)
+        for key, _, _ in outputs.segments:
+            if key not in viewed:  # only copies came out of it: free at once
+                with self._lock:
+                    self.live[key] = self.live.get(key, 0) + 1
+                dead.append(key)
+        unpickler = _Unpickler(io.BytesIO(outputs.payload), handed, views)
+        objects = []
+        for _ in range(outputs.count):
+            unpickler._columns = []  # a column id numbers columns within one output
+            objects.append(unpickler.load())
+        return objects
+
     def released(self) -> list[int]:
         """Keys whose views are all gone since the last call (their segment may be reused)."""
         done: list[int] = []
+        if not self._dead:  # (per element: no lock when nothing died)
+            return done
         with self._lock:
             while self._dead:
                 key = self._dead.popleft()
@@ -556,6 +766,18 @@ class SegmentMaps:
     def forget(self, key: int) -> None:
         """Drop the mapping (views still alive keep the memory until they go)."""
         self.maps.pop(key, None)
+
+    def discard(self, key: int) -> None:
+        """Drop a segment no view uses, and free its memory now.
+
+        The sender keeps its mapping until it is told (with its next task), and
+        a mapping keeps a segment's pages: they are punched out here, so that a
+        segment handed out and released costs nothing unbooked meanwhile.
+        """
+        entry = self.maps.pop(key, None)
+        if entry is not None and _MADV_REMOVE is not None:
+            with contextlib.suppress(OSError, ValueError):
+                entry[0].madvise(_MADV_REMOVE)
 
     def close(self) -> None:
         self.maps.clear()
