@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 MIB = 1 << 20
@@ -202,9 +203,11 @@ except Exception as e:
 def run_case(src: str, name: str, timeout: float = 120) -> dict[str, object]:
     budget, extra, code = CASES[name]
     env = dict(os.environ, PYTHONPATH=src, PYTHONWARNINGS="ignore")
-    script = PRELUDE + textwrap.dedent(code)
+    # A file, not -c: worker processes (forkserver) import the main module by its path.
+    with tempfile.NamedTemporaryFile("w", suffix=".py", prefix="g1_case_", delete=False) as f:
+        f.write(PRELUDE + textwrap.dedent(code))
     try:
-        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+        done = subprocess.run([sys.executable, f.name], env=env, capture_output=True,
                               text=True, timeout=timeout)
     except subprocess.TimeoutExpired as expired:
         out = expired.stdout.decode() if isinstance(expired.stdout, bytes) else expired.stdout or ""
@@ -212,6 +215,8 @@ def run_case(src: str, name: str, timeout: float = 120) -> dict[str, object]:
         return {"outcome": f"still running after {timeout:.0f} s (killed)",
                 "growth": max(peaks, default=-1),
                 "bound": int(budget * MIB * 1.1) + 64 * MIB + extra}
+    finally:
+        os.unlink(f.name)
     for line in done.stdout.splitlines():
         if line.startswith("@@RESULT@@ "):
             result: dict[str, object] = json.loads(line.split(" ", 1)[1])
