@@ -294,7 +294,8 @@ class Server(ClosesOnExit):
         options = dataset.options
         explicit = options.budget_bytes
         #: One budget for every consumer's run: each run's budget is a child of it.
-        self.budget = MemoryBudget(explicit if explicit is not None else default_budget().total)
+        total = explicit if explicit is not None else default_budget().stats().total
+        self.budget = MemoryBudget(total)
         cap = max_open_files if max_open_files is not None else options.max_open_files
         #: One descriptor cap for every consumer's readers (None: the process-wide pool's).
         self.file_limiter: FileLimiter | None = (
@@ -304,13 +305,13 @@ class Server(ClosesOnExit):
         #: run (its stages' shares add up to it), one for the segments. Each run drawing
         #: on the whole budget let k runs plus the segments book up to (k + 1) times it
         #: (27 MB booked under 16 MiB for 3 consumers: the served fuzz case).
-        self.part = self.budget.total // (consumers + 1)
+        self.part = total // (consumers + 1)
         #: The shared-memory segments each consumer's elements travel in, booked on the
         #: same budget from creation until dropped (G1): what consumers hold counts; past
         #: their part, as an overdraft (a consumer that keeps what it got).
         self.segments = self.budget.account("served segments", weight=1.0)
         self.budget.allot()
-        self.segments.fix_share(self.budget.total - consumers * self.part)
+        self.segments.fix_share(total - consumers * self.part)
         self._lock = threading.Lock()
         self._connections: dict[int, socket.socket] = {}
         self._sockets: set[socket.socket] = set()  # every open connection, for close()
@@ -346,7 +347,7 @@ class Server(ClosesOnExit):
         buffers; the segments its elements travel in are the ``segments`` account's)."""
         with self._lock:
             runs = dict(self._runs)
-        return {index: run.context.budget.used for index, run in runs.items()}
+        return {index: run.context.budget.stats().used for index, run in runs.items()}
 
     def overdrawn(self) -> int:
         """Bytes booked past their stages' shares now, as counted overdrafts: segments a
