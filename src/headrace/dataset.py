@@ -485,7 +485,10 @@ class Dataset:
         ``FixedLenFeature``/``VarLenFeature``/``FixedLenSequenceFeature``/
         ``RaggedFeature`` specs from :mod:`headrace.io.example`, as in
         ``tf.io.parse_example``. The spec is checked and planned here, once: a mistake in
-        it raises now, not at the first batch.
+        it raises now, not at the first batch. The parsed features are booked on this
+        stage's share of the budget before they are made (an int64 parses to 8 times
+        its wire size): a batch that cannot fit is refused, naming ``parse_examples``;
+        a smaller ``batch`` before it fits.
         """
         from headrace.io.example.batched import ParseExamplesNode
 
