@@ -61,26 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["Dataset", "TFRecordDataset", "TextLineDataset"]
 
 
-class _ParseExamples:
-    """A picklable batched parse (``Dataset.parse_examples``)."""
-
-    def __init__(self, features: Mapping[str, Any]) -> None:
-        from headrace.io.example.parsing import BatchParser
-
-        # Planned now, once (a spec mistake raises here), never mid-run: the pipeline's
-        # fingerprint describes this object's attributes, and must not change once a
-        # batch has been parsed (a checkpoint would no longer restore into a new one).
-        self.parser = BatchParser(features)
-        self.__qualname__ = f"parse_examples({sorted(self.parser.features)})"
-
-    def __call__(self, serialized: Any) -> Any:
-        if not isinstance(serialized, np.ndarray) or serialized.ndim != 1:
-            raise InvalidArgumentError(
-                "parse_examples expects batches of serialized records: apply it after batch()"
-            )
-        return self.parser(serialized.tolist())
-
-
 class _Cast:
     """A picklable per-element dtype cast (``Dataset.cast``)."""
 
@@ -505,10 +485,14 @@ class Dataset:
         ``FixedLenFeature``/``VarLenFeature``/``FixedLenSequenceFeature``/
         ``RaggedFeature`` specs from :mod:`headrace.io.example`, as in
         ``tf.io.parse_example``. The spec is checked and planned here, once: a mistake in
-        it raises now, not at the first batch.
+        it raises now, not at the first batch. The parsed features are booked on this
+        stage's share of the budget before they are made (an int64 parses to 8 times
+        its wire size): a batch that cannot fit is refused, naming ``parse_examples``;
+        a smaller ``batch`` before it fits.
         """
-        return self._wrap(MapNode(self._node, _ParseExamples(features), None, None,
-                                  stage="parse_examples"))
+        from headrace.io.example.batched import ParseExamplesNode
+
+        return self._wrap(ParseExamplesNode(self._node, features))
 
     def prefetch(self, buffer_size: int | None) -> Dataset:
         """Prepare up to ``buffer_size`` elements on a background thread.

@@ -503,7 +503,8 @@ class _CsvCursor:
                 block.booking = self.account.admit(
                     sizeof(block.columns), together=f"the parsed CSV block of "
                     f"{self.node.filenames[self.file_index]} from line {block.line} (byte "
-                    f"offset {block.offset})")
+                    f"offset {block.offset}; a smaller block_bytes than "
+                    f"{self.spec.block_bytes} fits)")
             except BaseException:
                 self.start = (block.offset, block.record, block.line)
                 raise
@@ -668,39 +669,61 @@ class _CsvBatches(Iterator):
             self.cursor.error_raised()
             raise error
         pieces: list[list[np.ndarray[Any, Any]]] = []
+        bookings: list[Reservation] = []
         rows = 0
-        while rows < self.batch_size:
-            try:
-                columns, count = self.cursor.take(self.batch_size - rows)
-            except CsvError as error:
-                if not rows:
-                    self.cursor.error_raised()
-                    raise
-                self._pending = error  # the good records first; the error on the next call
-                break
-            if not count:
-                break
-            pieces.append(columns)
-            rows += count
-        if not rows or (self.drop_remainder and rows < self.batch_size):
-            raise StopIteration
-        booking = self.account.admit(self._cost(pieces, rows),
-                                     together=f"one batch of {rows} CSV records")
         try:
-            batch = [np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
-                     for parts in zip(*pieces, strict=True)]
+            while rows < self.batch_size:
+                try:
+                    columns, count = self.cursor.take(self.batch_size - rows)
+                except CsvError as error:
+                    if not rows:
+                        self.cursor.error_raised()
+                        raise
+                    self._pending = error  # the good records first; the error on the next call
+                    break
+                if not count:
+                    break
+                # Copied out and booked now: the block it comes from is released when the
+                # next one is read, and a batch of many blocks must be refused at its share.
+                bookings.append(self.account.admit(
+                    self._columns_cost([columns], count),
+                    together=f"one batch of {self.batch_size} CSV records "
+                             f"({rows + count} read so far; a smaller batch_size fits)"))
+                pieces.append([column.copy() for column in columns])
+                rows += count
+            if not rows or (self.drop_remainder and rows < self.batch_size):
+                raise StopIteration
+            if len(pieces) == 1:
+                booking = self.account.admit(self._container(pieces[0]),
+                                             together=f"one batch of {rows} CSV records")
+                batch = pieces[0]
+            else:  # the parts are given back once joined
+                booking = self.account.admit(
+                    self._container(pieces[0]) + self._columns_cost(pieces, rows),
+                    together=f"one batch of {rows} CSV records")
+                batch = [np.concatenate(parts) for parts in zip(*pieces, strict=True)]
         except BaseException:
-            booking.release()
+            for part in bookings:
+                part.release()
             raise
+        for part in bookings:
+            if len(pieces) == 1:
+                booking = booking.absorb(part)
+            else:
+                part.release()
         return self.cursor.spec.pack(batch), booking
 
-    def _cost(self, pieces: list[list[np.ndarray[Any, Any]]], rows: int) -> int:
-        """What the batch will cost once its columns are copied out: computed from the
+    def _container(self, columns: list[np.ndarray[Any, Any]]) -> int:
+        """What the batch's container (tuple or dict of columns) costs."""
+        if self._container_cost is None:
+            self._container_cost = sizeof(self.cursor.spec.pack([None] * len(columns)))
+        return self._container_cost
+
+    def _columns_cost(self, pieces: list[list[np.ndarray[Any, Any]]], rows: int) -> int:
+        """What the columns joined from ``pieces`` will cost once copied: computed from the
         pieces' sizes, not with ``sizeof`` of the pieces (views of a whole parsed block,
         which it would charge in full to every batch cut from the block)."""
-        if self._container_cost is None:
-            self._container_cost = sizeof(self.cursor.spec.pack([None] * len(pieces[0])))
-        total = self._container_cost
+        total = 0
         for index, first in enumerate(pieces[0]):
             total += ARRAY_HEADER_BYTES + rows * first.itemsize
             if first.dtype.hasobject:  # the batch keeps its strings alive too

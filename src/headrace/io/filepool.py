@@ -365,6 +365,25 @@ class FilePool:
                 suspended_nbytes=self._suspended_nbytes,
             )
 
+    @contextlib.contextmanager
+    def borrow(self, limiter: FileLimiter | None = None) -> Iterator[None]:
+        """One slot for a descriptor the caller opens and closes inside the block (an
+        index file read whole, a shard's fingerprint), so it counts against the caps.
+
+        Why: such a descriptor lives too briefly to be worth suspending, yet while it is
+        open it is one more file (G2). An idle stream is suspended to make room for it,
+        and a busy one is waited for. Do not call it from inside a pooled read.
+        """
+        if limiter is not None and limiter.pool is not self:
+            raise InvalidArgumentError("the limiter belongs to a different FilePool")
+        with self._locked:
+            self._reserve_slot(limiter)
+        try:
+            yield
+        finally:
+            with self._locked:
+                self._release_slot(limiter)
+
     # ------------------------------------------------------------------ check out / in
     def _check_out(self, entry: _Entry, *, open_descriptor: bool) -> None:
         """Mark ``entry`` busy (waiting while another thread uses it) and, if asked,

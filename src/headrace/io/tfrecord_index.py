@@ -19,6 +19,7 @@ decompressing everything before them.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -32,6 +33,7 @@ import numpy.typing as npt
 
 from headrace.errors import DataLossError, RecordTooLargeError
 from headrace.io._crc32c import masked_crc32c
+from headrace.io.filepool import FileLimiter, get_default_pool
 from headrace.io.files import require_regular_file
 from headrace.io.tfrecord.framing import DEFAULT_MAX_RECORD_BYTES, RECORD_OVERHEAD_BYTES
 from headrace.io.tfrecord.reader import read_record_at
@@ -80,6 +82,12 @@ def _fingerprint(file: IO[bytes]) -> _Fingerprint:
     file.seek(max(0, stat.st_size - _WINDOW))
     tail = file.read(_WINDOW)
     return _Fingerprint(stat.st_size, stat.st_mtime_ns, zlib.crc32(head), zlib.crc32(tail))
+
+
+def _slot(limiter: FileLimiter | None) -> contextlib.AbstractContextManager[None]:
+    """A file-pool slot for a descriptor opened and closed at once (G2): an index is
+    read whole, a shard only fingerprinted, yet each is one more file while open."""
+    return get_default_pool().borrow(limiter)
 
 
 def index_path_for(shard_path: str | os.PathLike[str]) -> str:
@@ -174,6 +182,7 @@ def build_index(
     *,
     write: bool = True,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    limiter: FileLimiter | None = None,
 ) -> TFRecordIndex:
     """Scan an uncompressed shard's framing and return (and by default save) its index.
 
@@ -181,14 +190,15 @@ def build_index(
     when records are read. Raises DataLossError for truncated or corrupt framing,
     StaleIndexError if the shard changes while it is scanned, and InvalidArgumentError
     for a path that is not a regular file (a device, a FIFO: nothing is written next
-    to it).
+    to it). Its descriptors count against the file pool's caps (``limiter``: a
+    pipeline's share).
     """
     path = os.fspath(shard_path)
     require_regular_file(
         path, "build_index",
         " (an index is written next to the file it indexes and gives offsets into it)",
     )
-    with open(path, "rb") as file:
+    with _slot(limiter), open(path, "rb") as file:
         before = _fingerprint(file)
         if before.size == 0:
             offsets = np.zeros(0, dtype=np.uint64)
@@ -198,7 +208,8 @@ def build_index(
         if _fingerprint(file) != before:
             raise StaleIndexError(f"file {path} changed while it was being indexed", path=path)
     if write:
-        _save(path, offsets, before)
+        with _slot(limiter):
+            _save(path, offsets, before)
     offsets.flags.writeable = False
     return TFRecordIndex(path, offsets, before.size)
 
@@ -227,9 +238,10 @@ def write_index(shard_path: str | os.PathLike[str], offsets: npt.ArrayLike) -> N
     taken now, so the index is refused later if the shard changes.
     """
     path = os.fspath(shard_path)
-    with open(path, "rb") as file:
-        fingerprint = _fingerprint(file)
-    _save(path, np.asarray(offsets, dtype=np.uint64), fingerprint)
+    with _slot(None):
+        with open(path, "rb") as file:
+            fingerprint = _fingerprint(file)
+        _save(path, np.asarray(offsets, dtype=np.uint64), fingerprint)
 
 
 def _stale(message: str, shard_path: str) -> StaleIndexError:
@@ -244,6 +256,7 @@ def load_index(
     *,
     index_path: str | os.PathLike[str] | None = None,
     size_only: bool = False,
+    limiter: FileLimiter | None = None,
 ) -> TFRecordIndex:
     """Load the index of ``shard_path``, refusing it if it no longer matches the shard.
 
@@ -255,12 +268,14 @@ def load_index(
     The offsets are read into memory (8 bytes a record) and the index file is closed
     at once: a memory map would hold a descriptor for as long as the index lives,
     outside the file pool's cap, and 600 indexed shards would exhaust a
-    RLIMIT_NOFILE of 64 (G2). Their CRC is checked once, as they are read.
+    RLIMIT_NOFILE of 64 (G2). Their CRC is checked once, as they are read. The index
+    file and the shard are opened one after the other, each in a file-pool slot
+    (``limiter``: a pipeline's share), so they count against the caps too.
     """
     path = os.fspath(shard_path)
     index_file = os.fspath(index_path) if index_path is not None else index_path_for(path)
     try:
-        with open(index_file, "rb") as file:
+        with _slot(limiter), open(index_file, "rb") as file:
             header = file.read(_HEADER.size)
             index_size = os.fstat(file.fileno()).st_size
             if len(header) < _HEADER.size:
@@ -277,7 +292,7 @@ def load_index(
         raise _stale(f"no index file {index_file} for {path}", path) from None
     if len(offsets_bytes) != 8 * count:
         raise _stale(f"index file {index_file} is truncated (it shrank while read)", path)
-    with open(path, "rb") as shard:
+    with _slot(limiter), open(path, "rb") as shard:
         current = _fingerprint(shard)
     recorded = _Fingerprint(size, mtime_ns, head_crc, tail_crc)
     if current.size != size or (not size_only and current != recorded):

@@ -81,6 +81,7 @@ from headrace.core.state import StateReader
 from headrace.errors import HeadraceError, InvalidArgumentError, MemoryBudgetError
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import sizeof
+from headrace.memory.units import format_bytes
 from headrace.structure import TensorSpec
 
 __all__ = ["ALL_COLUMNS", "SqlError", "SqlNode", "TextDefault", "quote_identifier"]
@@ -560,6 +561,8 @@ _STREAM_BATCH_BYTES = 4 << 20
 #: fetch is checked against the share: a page of large rows is refused about one row past
 #: the share, not after all of its rows.
 _FETCH_ROWS = 8192
+#: The budget's own advice, which a page's refusal replaces with the page_rows that fits.
+_GENERIC_ADVICE = " Raise Options(memory_budget=...), or make elements or batches smaller."
 #: What a str or bytes value costs besides its characters (about: 33 to 49 bytes).
 _VALUE_HEADER = sys.getsizeof("")
 
@@ -999,8 +1002,23 @@ class _SqlIterator(Iterator):
             raise MemoryBudgetError(
                 f"from_sql: row {row}{column} of the query {self.node.query!r:.200} does not "
                 f"fit the memory budget with its page ({nbytes} bytes read so far), so the "
-                f"page was not read further; fewer rows a page (page_rows="
-                f"{self.node.page_rows} now) may make it fit. {error}") from None
+                f"page was not read further. {self._page_advice(nbytes, first + max(1, len(rows or ())))} "
+                f"{str(error).removesuffix(_GENERIC_ADVICE)}") from None
+
+    def _page_advice(self, nbytes: int, rows: int) -> str:
+        """The ``page_rows`` that fits rows of the size read so far (half the share: the
+        batch cut from the page is booked beside it), or the ``batch_size`` if a page
+        cannot be smaller than a batch."""
+        per_row = max(1, nbytes // max(1, rows))
+        fit = self.account.share() // (2 * per_row)
+        node = self.node
+        if fit >= node.batch_size:
+            return (f"Pass page_rows={fit} or fewer (now {node.page_rows}): rows of this "
+                    f"query take about {format_bytes(per_row)} each.")
+        return (f"A page holds at least one batch, and rows of this query take about "
+                f"{format_bytes(per_row)} each: pass batch_size={max(1, fit)} or fewer "
+                f"(now {node.batch_size}) and page_rows={max(1, fit)}, or raise "
+                f"Options(memory_budget=...).")
 
     def _skip_delivered(self) -> None:
         """Keyless restore or retry: re-run the query and drop the rows already handed

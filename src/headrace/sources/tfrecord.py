@@ -286,7 +286,8 @@ class _IndexedAccess(RandomAccess):
         index = self.loaded.get(shard)
         if index is None:
             name = self.node.filenames[shard]
-            index = self.loaded[shard] = load_index(name)
+            limiter = file_limiter(self.ctx) if self.ctx is not None else None
+            index = self.loaded[shard] = load_index(name, limiter=limiter)
             if len(index) != self.node.counts[shard]:
                 raise StaleIndexError(
                     f"index of {name} now lists {len(index)} records, "

@@ -1,0 +1,95 @@
+"""A CSV batch assembled from many parsed blocks is booked as it grows (G1).
+
+The blocks a batch is cut from are released as the next one is read, so the rows
+copied out of them are booked by the batch at once: a batch that cannot fit is
+refused at its share, long before the file's bytes for the whole batch are read.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import headrace as hr
+from headrace.errors import MemoryBudgetError
+from headrace.io.filepool import PooledStream
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def bytes_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes read from pooled streams so far."""
+    total = [0]
+    original = PooledStream.read
+
+    def counting(self: PooledStream, size: int = -1, /) -> bytes:
+        data = original(self, size)
+        total[0] += len(data)
+        return data
+
+    def counting_into(self: PooledStream, offset: int, buffer: memoryview) -> int:
+        count = original_into(self, offset, buffer)
+        total[0] += count
+        return count
+
+    original_into = PooledStream.pread_into
+    monkeypatch.setattr(PooledStream, "read", counting)
+    monkeypatch.setattr(PooledStream, "pread_into", counting_into)
+    return total
+
+
+def write_csv(path: Path, rng: random.Random, rows: int, columns: int) -> None:
+    values = np.random.default_rng(rng.randrange(1 << 30)).integers(0, 9, (rows, columns))
+    lines = [",".join(f"c{i}" for i in range(columns))]
+    lines += [",".join(map(str, row)) for row in values.tolist()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def batches(path: Path, batch_size: int, columns: int, block_bytes: int, budget: str,
+            drop_remainder: bool = False) -> list[dict[str, np.ndarray]]:
+    ds = hr.read_csv(str(path), batch_size, column_defaults=[0.0] * columns,
+                     block_bytes=block_bytes, drop_remainder=drop_remainder)
+    return list(ds.with_options(hr.Options(memory_budget=budget)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batches_across_blocks_equal_the_unbounded_run(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    columns, rows = rng.randint(1, 30), rng.randint(50, 3000)
+    path = tmp_path / "a.csv"
+    write_csv(path, rng, rows, columns)
+    batch_size, block_bytes = rng.randint(1, 700), rng.randint(1 << 12, 1 << 15)
+    drop = rng.random() < 0.3
+    oracle = batches(path, batch_size, columns, block_bytes, "1GiB", drop)
+    got = batches(path, batch_size, columns, block_bytes, "4MiB", drop)
+    assert len(got) == len(oracle) == (rows // batch_size if drop else -(-rows // batch_size))
+    for mine, theirs in zip(got, oracle, strict=True):
+        assert list(mine) == list(theirs)
+        for name in theirs:
+            assert mine[name].dtype == theirs[name].dtype
+            np.testing.assert_array_equal(mine[name], theirs[name])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_batch_over_the_budget_is_refused_before_its_rows_are_read(
+    tmp_path: Path, seed: int, bytes_read: list[int]
+) -> None:
+    rng = random.Random(seed)
+    budget = 2 * MiB
+    columns = rng.randint(20, 60)
+    # float32 columns: 4 bytes a value in memory, 2 bytes ("d,") in the file
+    batch_size = rng.randint(5, 8) * budget // (4 * columns)
+    path = tmp_path / "big.csv"
+    row = ",".join(str(rng.randrange(10)) for _ in range(columns)) + "\n"
+    path.write_text(",".join(f"c{i}" for i in range(columns)) + "\n"
+                    + row * (batch_size + rng.randint(0, 1000)))
+    with pytest.raises(MemoryBudgetError) as caught:
+        batches(path, batch_size, columns, rng.choice([1 << 14, 1 << 16, 1 << 18]), "2MiB")
+    assert bytes_read[0] < budget, (bytes_read[0], path.stat().st_size)
+    message = str(caught.value)
+    assert "batch: " in message and f"one batch of {batch_size} CSV records" in message
+    assert "a smaller batch_size fits" in message
