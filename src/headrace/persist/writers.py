@@ -149,8 +149,14 @@ def _encode_rows(elements: list[Any], first_index: int) -> list[bytes]:
     return records
 
 
-def _encode_batch(element: Any, element_index: int) -> list[bytes]:
-    """Examples of one batched element: row ``i`` of every value makes Example ``i``."""
+def _encode_batch(element: Any, element_index: int) -> Generator[list[bytes], None, None]:
+    """Examples of one batched element: row ``i`` of every value makes Example ``i``.
+
+    The rows are encoded a slice at a time (views of the batch's values), each slice
+    about :data:`CHUNK_BYTES`: a batch of large rows never has all its records in
+    memory at once beside it. A batch is the caller's (a memory-mapped ``.npy`` read
+    through ``headrace convert``, say), so its size says nothing of what fits.
+    """
     batch = _element_mapping(element, f"element {element_index}")
     if not batch:
         raise InvalidArgumentError(f"element {element_index}: an empty dict has no rows")
@@ -169,9 +175,30 @@ def _encode_batch(element: Any, element_index: int) -> list[bytes]:
             f"element {element_index}: with batched=True all values need the same leading "
             f"dimension, got {lengths}"
         )
-    return encode_example_columns(
-        batch, describe=lambda row: f"row {row} of element {element_index} of the dataset"
+    rows = next(iter(lengths.values()))
+    step = _rows_per_chunk(batch, rows)
+    for start in range(0, max(rows, 1), step):
+        part = batch if step >= rows else {
+            name: value[start : start + step] for name, value in batch.items()
+        }
+        yield encode_example_columns(
+            part,
+            describe=lambda row, start=start: (
+                f"row {start + row} of element {element_index} of the dataset"
+            ),
+        )
+
+
+def _rows_per_chunk(batch: Mapping[str, Any], rows: int) -> int:
+    """How many rows of ``batch`` make about :data:`CHUNK_BYTES` (at least one)."""
+    if rows == 0:
+        return 1
+    nbytes = sum(
+        value.nbytes if isinstance(value, np.ndarray) else sys.getsizeof(value)
+        + sum(sys.getsizeof(item) for item in value[:16]) * len(value) // min(len(value), 16)
+        for value in batch.values()
     )
+    return max(1, min(rows, CHUNK_BYTES * rows // max(nbytes, 1)))
 
 
 # --------------------------------------------------------------------------- progress
@@ -321,7 +348,7 @@ def _record_chunks(dataset: Iterable[Any], *, batched: bool) -> Generator[list[b
     try:
         if batched:
             for index, element in enumerate(iterator):
-                yield _encode_batch(element, index)
+                yield from _encode_batch(element, index)
             return
         pending: list[Any] = []
         pending_bytes = 0
