@@ -39,7 +39,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import IO, Any, Literal
 
 import numpy as np
@@ -181,12 +181,12 @@ def _encode_batch(element: Any, element_index: int) -> Generator[list[bytes], No
         part = batch if step >= rows else {
             name: value[start : start + step] for name, value in batch.items()
         }
-        yield encode_example_columns(
-            part,
-            describe=lambda row, start=start: (
-                f"row {start + row} of element {element_index} of the dataset"
-            ),
-        )
+        yield encode_example_columns(part, describe=_row_namer(element_index, start))
+
+
+def _row_namer(element_index: int, start: int) -> Callable[[int], str]:
+    """How an error names row ``row`` of a slice starting at row ``start``."""
+    return lambda row: f"row {start + row} of element {element_index} of the dataset"
 
 
 def _rows_per_chunk(batch: Mapping[str, Any], rows: int) -> int:
