@@ -260,3 +260,50 @@ def test_a_bad_row_of_a_sliced_batch_is_named_by_its_row(tmp_path: Path) -> None
     with pytest.raises(hr.InvalidArgumentError, match="row 33 of element 0"):
         writers.save_tfrecords([batch], str(tmp_path), batched=True, progress=False)
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_save_tfrecords_of_large_dict_elements_keeps_the_budget(seed: int, tmp_path: Path) -> None:
+    """Unbatched dicts of large float64 arrays (an id beside): the writer's chunk is
+    bounded by the arrays' bytes, so the process grows less than budget + 10% +
+    64 MiB + one element, and every Example reads back in its shard."""
+    from headrace.io.example import decode_example
+    from headrace.io.tfrecord import open_tfrecord
+    from headrace.writers import save_tfrecords
+
+    rng = random.Random(seed)
+    budget = rng.choice((8, 16)) * MiB
+    floats = rng.choice((32_768, 131_072))  # 256 KiB or 1 MiB a row
+    count = (rng.randint(160, 220) * MiB) // (floats * 8)
+
+    def row(i: Any) -> dict[str, Any]:
+        return {"x": np.full(floats, float(i)), "id": np.int64(i)}
+
+    ds = hr.Dataset.range(count).map(row).with_options(hr.Options(memory_budget=budget))
+    peak, start = [0], _charged()
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _charged())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        paths = save_tfrecords(ds, str(tmp_path), num_shards=rng.randint(1, 16), progress=False)
+    finally:
+        done.set()
+        sampler.join()
+    bound = int(budget * 1.1) + 64 * MiB + floats * 8
+    assert peak[0] - start <= bound, (seed, (peak[0] - start) / MiB, bound / MiB)
+    got = []
+    for path in paths:
+        with open_tfrecord(path) as reader:
+            for record in reader:
+                example = decode_example(record)
+                (i,) = example["id"][1]
+                x = example["x"][1]
+                assert len(x) == floats and float(x[0]) == float(x[-1]) == float(i)
+                got.append(int(i))
+    assert got == list(range(count))
