@@ -269,7 +269,7 @@ def test_save_tfrecords_of_large_dict_elements_keeps_the_budget(seed: int, tmp_p
     64 MiB + one element, and every Example reads back in its shard."""
     from headrace.io.example import decode_example
     from headrace.io.tfrecord import open_tfrecord
-    from headrace.writers import save_tfrecords
+    from headrace.persist.writers import save_tfrecords
 
     rng = random.Random(seed)
     budget = rng.choice((8, 16)) * MiB
