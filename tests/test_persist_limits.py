@@ -307,3 +307,31 @@ def test_save_tfrecords_of_large_dict_elements_keeps_the_budget(seed: int, tmp_p
                 assert len(x) == floats and float(x[0]) == float(x[-1]) == float(i)
                 got.append(int(i))
     assert got == list(range(count))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_save_tfrecords_round_robin_keeps_the_datasets_cap(seed: int, tmp_path: Path) -> None:
+    """Round-robin (the record count unknown) keeps every shard open: more shards than
+    the dataset's ``Options(max_open_files=...)`` is refused before any file is made;
+    as many as it allows are written, each record in shard ``i % num_shards``."""
+    from headrace.io.example import decode_example
+
+    rng = random.Random(seed)
+    cap = rng.randint(2, 10)
+    num_shards = rng.choice((rng.randint(cap + 1, 40), rng.randint(1, cap)))
+    count = rng.randint(0, 300)
+    ds = (
+        hr.Dataset.range(count).filter(lambda i: i >= 0).map(lambda i: {"id": i})
+        .with_options(hr.Options(max_open_files=cap))
+    )
+    if num_shards > cap:
+        with pytest.raises(hr.InvalidArgumentError, match=r"Options\(max_open_files=\.\.\.\)"):
+            ds.save_tfrecords(str(tmp_path), num_shards=num_shards, progress=False)
+        assert not os.listdir(tmp_path)
+        return
+    before = _open_fds()
+    paths = ds.save_tfrecords(str(tmp_path), num_shards=num_shards, progress=False)
+    assert _open_fds() == before
+    for shard, path in enumerate(paths):
+        ids = [int(decode_example(r)["id"][1][0]) for r in hr.TFRecordDataset(path)]
+        assert ids == list(range(shard, count, num_shards))

@@ -853,7 +853,10 @@ class Dataset:
         ``checkpoint_args={"checkpoint_interval": n}`` makes an interrupted save
         continue from its last checkpoint when called again. The directory is
         complete only once its manifest is written, last. No pickle: see
-        :mod:`headrace.persist.saved`.
+        :mod:`headrace.persist.saved`. The shard files count against
+        ``max_open_files``. With more shards than it lets the save keep open, a
+        shard's file is closed as a complete part when another shard needs its
+        slot; ``load`` reads a shard's parts in order.
         """
         from headrace.persist.saved import save
 

@@ -11,7 +11,8 @@
   written one after the other with one file open. Otherwise records go *round-robin*
   (record ``i`` to shard ``i % num_shards``) with ``num_shards`` writers open at once, so
   ``num_shards`` must not exceed the process's file cap
-  (``headrace.io.filepool.get_default_pool().max_open_files``).
+  (``headrace.io.filepool.get_default_pool().max_open_files``), nor the dataset's own
+  ``Options(max_open_files=...)``.
 * **All or nothing (G5).** Every shard is written to a hidden staging file (through
   :class:`~headrace.io.tfrecord.writer.TFRecordWriter`: temp file, fsync, rename) and indexed
   there; only when *every* shard is complete are they renamed to their final names. An
@@ -415,17 +416,22 @@ def _write_round_robin(
         shards.finish(shard)
 
 
-def _check_round_robin_fits(num_shards: int) -> None:
+def _check_round_robin_fits(num_shards: int, dataset: Iterable[Any]) -> None:
+    """Round-robin keeps every shard open: refuse more shards than the cap on open files
+    allows, the process's or the dataset's own ``Options(max_open_files=...)``."""
     from headrace.io.filepool import get_default_pool
 
     cap = get_default_pool().max_open_files
+    owner = "the process (headrace.io.filepool.set_max_open_files)"
+    own = getattr(getattr(dataset, "options", None), "max_open_files", None)
+    if isinstance(own, int) and own < cap:
+        cap, owner = own, "the dataset's Options(max_open_files=...)"
     if num_shards > cap:
         raise InvalidArgumentError(
             f"num_shards={num_shards} shards written round-robin need {num_shards} files open "
-            f"at once, above this process's cap of {cap} (headrace.io.filepool."
-            "set_max_open_files); round-robin is used because the number of records is not "
-            "known up front. Use fewer shards, give the dataset a known cardinality "
-            "(unbatched), or raise the cap"
+            f"at once, above the cap of {cap} set by {owner}; round-robin is used because the number of "
+            "records is not known up front. Use fewer shards, give the dataset a known "
+            "cardinality (unbatched), or raise the cap"
         )
 
 
@@ -497,7 +503,7 @@ def save_tfrecords(
         cardinality = num_records
     contiguous = cardinality >= 0 and (not batched or num_records is not None)
     if not contiguous:
-        _check_round_robin_fits(num_shards)
+        _check_round_robin_fits(num_shards, dataset)
     created = _make_directories({os.path.dirname(os.path.abspath(p)) for p in finals})
 
     bar = ProgressBar(total=cardinality if contiguous else None, enabled=progress)
