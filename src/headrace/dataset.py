@@ -26,12 +26,13 @@ from headrace.core.node import (
 from headrace.core.run import DatasetIterator
 from headrace.errors import InvalidArgumentError
 from headrace.options import AUTOTUNE, Options
+from headrace.persist.cache import CacheNode
+from headrace.persist.snapshot import SnapshotNode
 from headrace.sources.arrays import RangeNode, TensorSlicesNode, TensorsNode, load_npy
 from headrace.sources.files import TextLineNode, list_files
 from headrace.sources.generator import GeneratorNode
 from headrace.structure import flatten, map_structure, pack_as
 from headrace.transforms.batch import BatchNode
-from headrace.transforms.cache import CacheNode
 from headrace.transforms.composed import (
     bucket_by_sequence_length_impl,
     choose_from_datasets_impl,
@@ -50,7 +51,6 @@ from headrace.transforms.prefetch import PrefetchNode
 from headrace.transforms.repeat import RepeatNode
 from headrace.transforms.shard import ShardNode
 from headrace.transforms.shuffle import ShuffleNode
-from headrace.transforms.snapshot import SnapshotNode
 from headrace.transforms.take import SkipNode, TakeNode
 from headrace.transforms.unbatch import RebatchNode, UnbatchNode
 from headrace.transforms.zip import ConcatenateNode, ZipNode
@@ -520,7 +520,7 @@ class Dataset:
         a digest of its arrays, the identity of its files; a changed input rebuilds
         it). Stopping early (``cache().take(k)``)
         discards the partial cache, as tf.data does: write ``take(k).cache()``.
-        See :mod:`headrace.transforms.cache`.
+        See :mod:`headrace.persist.cache`.
         """
         return self._wrap(CacheNode(self._node, filename))
 
@@ -531,7 +531,7 @@ class Dataset:
         directory named by this pipeline's content fingerprint: its structure, a digest
         of its arrays, the identity of its files, so a changed input makes a new
         snapshot), later passes — in any process — read it. See
-        :mod:`headrace.transforms.snapshot` for the differences.
+        :mod:`headrace.persist.snapshot` for the differences.
         """
         return self._wrap(SnapshotNode(self._node, path, compression))
 
@@ -770,9 +770,9 @@ class Dataset:
         shuffle, O(1) resume), and a progress bar on a terminal shows how far it
         got (``progress="always"`` forces it). ``batched=True`` writes each row
         of batched elements as one Example — the fast path. Returns the paths.
-        See :func:`headrace.writers.save_tfrecords`.
+        See :func:`headrace.persist.writers.save_tfrecords`.
         """
-        from headrace.writers import save_tfrecords
+        from headrace.persist.writers import save_tfrecords
 
         return save_tfrecords(
             self,
@@ -837,9 +837,12 @@ class Dataset:
         ``checkpoint_args={"checkpoint_interval": n}`` makes an interrupted save
         continue from its last checkpoint when called again. The directory is
         complete only once its manifest is written, last. No pickle: see
-        :mod:`headrace.saved`.
+        :mod:`headrace.persist.saved`. The shard files count against
+        ``max_open_files``. With more shards than it lets the save keep open, a
+        shard's file is closed as a complete part when another shard needs its
+        slot; ``load`` reads a shard's parts in order.
         """
-        from headrace.saved import save
+        from headrace.persist.saved import save
 
         save(self, path, shard_func, compression, checkpoint_args, num_shards=num_shards)
 
@@ -863,7 +866,7 @@ class Dataset:
         structure, dtype or shape is not the element spec's (the manifest's, or
         ``element_spec`` given here), as it is read.
         """
-        from headrace.saved import (
+        from headrace.persist.saved import (
             DecodeRecord,
             LoadNode,
             SavedEmpty,

@@ -81,7 +81,7 @@ def _write_shard(
     batched: bool,
 ) -> int:
     """One task: build the shard's pipeline under ``budget``, write it, publish it whole."""
-    from headrace.writers import save_tfrecords
+    from headrace.persist.writers import save_tfrecords
 
     dataset = make_shard(index, num_shards).with_options(Options(memory_budget=budget))
     staging = f"{final}.tmp-{os.getpid()}-{time.monotonic_ns()}"

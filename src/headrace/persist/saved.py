@@ -14,6 +14,14 @@ by a writer thread, from batches booked on the budget. The manifest is
 written last and atomically, so a save that stopped never looks complete;
 ``load`` says so. Every shard part appears under its name only when complete.
 
+The shard files count against the caps on open files (G2): the save holds
+slots of the file pool for them, at most half of the cap when there are more
+shards than that, leaving the rest to the readers feeding it. With more
+shards than slots, a shard's file is closed when another needs its slot: it
+ends as a complete part, and the shard goes on in a new part (``load`` reads
+a shard's parts in order). A cap below three is a FileLimitError naming the
+stage.
+
 As in tf.data, ``shard_func(element)`` picks each element's shard (default:
 round robin), and ``load``'s default ``reader_func`` interleaves the shards
 one element at a time — with the default sharding that is the original
@@ -51,7 +59,7 @@ from headrace.core.handoff import unpin
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node, known_spec
-from headrace.errors import DataLossError, InvalidArgumentError
+from headrace.errors import DataLossError, FileLimitError, InvalidArgumentError
 from headrace.io.elements import (
     ELEMENTS_FORMAT,
     decode_element,
@@ -59,12 +67,14 @@ from headrace.io.elements import (
     spec_from_json,
     spec_to_json,
 )
+from headrace.io.filepool import HeldSlots, get_default_pool
 from headrace.io.streams import normalize_compression_type
 from headrace.io.tfrecord.reader import open_tfrecord
 from headrace.io.tfrecord.writer import TFRecordWriter
 from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.io.tfrecord_index import build_index
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
+from headrace.sources.files import file_limiter
 from headrace.sources.tfrecord import IndexedTFRecordNode
 from headrace.structure import TensorSpec, flatten, leaf_spec, map_structure, spec_of
 
@@ -136,10 +146,13 @@ class _ShardWriter:
 
     def write(self, records: list[bytes]) -> None:
         if self.writer is None:
-            name = _PART.format(shard=self.shard, part=len(self.parts))
-            self.writer = TFRecordWriter(
-                os.path.join(self.directory, name), self.compression or None
-            )
+            name = os.path.join(self.directory, _PART.format(shard=self.shard, part=len(self.parts)))
+            try:
+                self.writer = TFRecordWriter(name, self.compression or None)
+            except OSError as error:
+                if error.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                raise _out_of_descriptors(error, name) from None
         self.writer.write_many(records)
         self.count += len(records)
 
@@ -180,15 +193,83 @@ def _disk_error(error: OSError, writer: _ShardWriter) -> OSError:
     )
 
 
+def _out_of_descriptors(error: OSError, path: str) -> FileLimitError:
+    return FileLimitError(
+        error.errno,
+        f"save: cannot open {path!r} ({error.strerror}): the process has no descriptor "
+        "left, used outside headrace's cap on open files. Lower that cap "
+        "(Options(max_open_files=n) or headrace.io.filepool.set_max_open_files(n)): the "
+        "save then keeps fewer shard files open at once. Or raise the process's limit "
+        "(ulimit -n).",
+    )
+
+
+#: Descriptors a writer thread needs beside its open shard files: closing a part indexes
+#: it, which reads the file through a memory map (two descriptors) after it is closed.
+_CLOSING_FILES = 1
+#: The fewest slots a save can work with: one shard file, and the one spare to close it.
+_FEWEST_FILES = 1 + _CLOSING_FILES
+
+
+class _OpenFiles:
+    """The save's slots on the file pool (G2): its shard files count against the caps.
+
+    Why: each shard's part is a file open from its first record to its close, so
+    ``num_shards`` writers held that many descriptors beside the cap, and died with
+    EMFILE under a low ``ulimit -n``. The save holds slots for all its shards (and one
+    spare per writer thread to close a part) when the cap allows; else at most half the
+    cap, and each thread keeps that many files open (the least recently written is
+    closed as a part when another shard needs its slot).
+    """
+
+    def __init__(self, ctx: Context, shards: int) -> None:
+        pool = get_default_pool()
+        limiter = file_limiter(ctx)
+        cap = pool.max_open_files
+        if limiter is not None:
+            cap = min(cap, limiter.max_open_files)
+        threads = max(1, min(shards, 4))
+        wanted = shards + threads * _CLOSING_FILES
+        if wanted > cap - 1:  # (one is the reader's)
+            wanted = max(_FEWEST_FILES, (cap - 1) // 2)
+        self.slots: HeldSlots | None = None
+        while self.slots is None and wanted >= _FEWEST_FILES:
+            try:
+                self.slots = pool.hold(
+                    wanted, limiter=limiter, stage="save", what="the shard files it writes"
+                )
+            except InvalidArgumentError:
+                wanted -= 1  # other writers (a cache's) hold slots of the cap too
+        if self.slots is None:
+            raise FileLimitError(
+                errno.EMFILE,
+                f"stage 'save' needs {_FEWEST_FILES} open files (a shard file, and one to "
+                f"index it when it closes) beside one to read its input; max_open_files="
+                f"{cap} (Options(max_open_files=...) or headrace.io.filepool."
+                f"set_max_open_files), less what cache or snapshot writers hold, leaves "
+                f"fewer. Raise that cap to at least {_FEWEST_FILES + 1}.",
+            )
+        #: writer threads, and how many shard files each keeps open at once
+        self.threads = max(1, min(threads, wanted // (1 + _CLOSING_FILES)))
+        self.per_thread = wanted // self.threads - _CLOSING_FILES
+
+    def release(self) -> None:
+        if self.slots is not None:
+            self.slots.release()
+
+
 class _Workers:
     """Writer threads, each owning the shards ``shard % threads``; batches booked until
-    written, at most two queued per thread (backpressure on the reading loop)."""
+    written, at most two queued per thread (backpressure on the reading loop). Each
+    thread keeps at most ``files.per_thread`` shard files open (see :class:`_OpenFiles`)."""
 
-    def __init__(self, writers: list[_ShardWriter], account: Buffer) -> None:
+    def __init__(self, writers: list[_ShardWriter], account: Buffer, files: _OpenFiles) -> None:
         self.writers = writers
         self.account = account
-        count = max(1, min(len(writers), 4))
-        self.queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=2) for _ in range(count)]
+        self.per_thread = files.per_thread
+        self.queues: list[queue.Queue[Any]] = [
+            queue.Queue(maxsize=2) for _ in range(files.threads)
+        ]
         self.error: BaseException | None = None
         self.threads = [
             threading.Thread(target=self._run, args=(q,), name="headrace-save", daemon=True)
@@ -198,6 +279,8 @@ class _Workers:
             thread.start()
 
     def _run(self, tasks: queue.Queue[Any]) -> None:
+        #: this thread's shards with a file open, least recently written first
+        open_shards: dict[int, None] = {}
         while True:
             task = tasks.get()
             try:
@@ -206,13 +289,21 @@ class _Workers:
                 action, shard, records, booking = task
                 if self.error is None:
                     writer = self.writers[shard]
+                    open_shards.pop(shard, None)
+                    if writer.writer is None and (action == "write" or not writer.parts):
+                        # it opens a file (a "finish" of a shard with no part: an empty one)
+                        while open_shards and len(open_shards) >= self.per_thread:
+                            oldest = next(iter(open_shards))
+                            del open_shards[oldest]
+                            self._close(self.writers[oldest])
                     if action == "write":
                         try:
                             writer.write(records)
                         except OSError as error:
                             raise _disk_error(error, writer) from error
+                        open_shards[shard] = None
                     else:
-                        writer.close_part(last=action == "finish")
+                        self._close(writer, last=action == "finish")
                 if booking is not None:
                     booking.release()
             except BaseException as error:
@@ -222,6 +313,19 @@ class _Workers:
                     task[3].release()
             finally:
                 tasks.task_done()
+
+    @staticmethod
+    def _close(writer: _ShardWriter, *, last: bool = False) -> None:
+        try:
+            writer.close_part(last=last)
+        except OSError as error:
+            if error.errno in (errno.EMFILE, errno.ENFILE) and not isinstance(
+                error, FileLimitError
+            ):
+                raise _out_of_descriptors(error, writer.directory) from None
+            if error.errno in _FULL:
+                raise _disk_error(error, writer) from error
+            raise
 
     def submit(self, action: str, shard: int, records: list[bytes], booking: Any) -> None:
         self.check()
@@ -408,7 +512,12 @@ def _write_all(
     first: Any = _NOTHING
     account = iterator.context.account(_SAVE_NODE)
     iterator.context.budget.allot()
-    workers = _Workers(writers, account)
+    files = _OpenFiles(iterator.context, len(writers))
+    try:
+        workers = _Workers(writers, account, files)
+    except BaseException:
+        files.release()
+        raise
     pending: dict[int, list[bytes]] = {}
     pending_bytes: dict[int, int] = {}
     #: Each shard's pending batch, booked as one (it moves to the writer thread with it).
@@ -458,6 +567,7 @@ def _write_all(
         pending.clear()
         pending_bytes.clear()
         workers.stop()
+        files.release()
     return first
 
 

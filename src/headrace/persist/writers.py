@@ -11,7 +11,8 @@
   written one after the other with one file open. Otherwise records go *round-robin*
   (record ``i`` to shard ``i % num_shards``) with ``num_shards`` writers open at once, so
   ``num_shards`` must not exceed the process's file cap
-  (``headrace.io.filepool.get_default_pool().max_open_files``).
+  (``headrace.io.filepool.get_default_pool().max_open_files``), nor the dataset's own
+  ``Options(max_open_files=...)``.
 * **All or nothing (G5).** Every shard is written to a hidden staging file (through
   :class:`~headrace.io.tfrecord.writer.TFRecordWriter`: temp file, fsync, rename) and indexed
   there; only when *every* shard is complete are they renamed to their final names. An
@@ -39,7 +40,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import IO, Any, Literal
 
 import numpy as np
@@ -149,8 +150,14 @@ def _encode_rows(elements: list[Any], first_index: int) -> list[bytes]:
     return records
 
 
-def _encode_batch(element: Any, element_index: int) -> list[bytes]:
-    """Examples of one batched element: row ``i`` of every value makes Example ``i``."""
+def _encode_batch(element: Any, element_index: int) -> Generator[list[bytes], None, None]:
+    """Examples of one batched element: row ``i`` of every value makes Example ``i``.
+
+    The rows are encoded a slice at a time (views of the batch's values), each slice
+    about :data:`CHUNK_BYTES`: a batch of large rows never has all its records in
+    memory at once beside it. A batch is the caller's (a memory-mapped ``.npy`` read
+    through ``headrace convert``, say), so its size says nothing of what fits.
+    """
     batch = _element_mapping(element, f"element {element_index}")
     if not batch:
         raise InvalidArgumentError(f"element {element_index}: an empty dict has no rows")
@@ -169,9 +176,30 @@ def _encode_batch(element: Any, element_index: int) -> list[bytes]:
             f"element {element_index}: with batched=True all values need the same leading "
             f"dimension, got {lengths}"
         )
-    return encode_example_columns(
-        batch, describe=lambda row: f"row {row} of element {element_index} of the dataset"
+    rows = next(iter(lengths.values()))
+    step = _rows_per_chunk(batch, rows)
+    for start in range(0, max(rows, 1), step):
+        part = batch if step >= rows else {
+            name: value[start : start + step] for name, value in batch.items()
+        }
+        yield encode_example_columns(part, describe=_row_namer(element_index, start))
+
+
+def _row_namer(element_index: int, start: int) -> Callable[[int], str]:
+    """How an error names row ``row`` of a slice starting at row ``start``."""
+    return lambda row: f"row {start + row} of element {element_index} of the dataset"
+
+
+def _rows_per_chunk(batch: Mapping[str, Any], rows: int) -> int:
+    """How many rows of ``batch`` make about :data:`CHUNK_BYTES` (at least one)."""
+    if rows == 0:
+        return 1
+    nbytes = sum(
+        value.nbytes if isinstance(value, np.ndarray) else sys.getsizeof(value)
+        + sum(sys.getsizeof(item) for item in value[:16]) * len(value) // min(len(value), 16)
+        for value in batch.values()
     )
+    return max(1, min(rows, CHUNK_BYTES * rows // max(nbytes, 1)))
 
 
 # --------------------------------------------------------------------------- progress
@@ -321,7 +349,7 @@ def _record_chunks(dataset: Iterable[Any], *, batched: bool) -> Generator[list[b
     try:
         if batched:
             for index, element in enumerate(iterator):
-                yield _encode_batch(element, index)
+                yield from _encode_batch(element, index)
             return
         pending: list[Any] = []
         pending_bytes = 0
@@ -388,17 +416,22 @@ def _write_round_robin(
         shards.finish(shard)
 
 
-def _check_round_robin_fits(num_shards: int) -> None:
+def _check_round_robin_fits(num_shards: int, dataset: Iterable[Any]) -> None:
+    """Round-robin keeps every shard open: refuse more shards than the cap on open files
+    allows, the process's or the dataset's own ``Options(max_open_files=...)``."""
     from headrace.io.filepool import get_default_pool
 
     cap = get_default_pool().max_open_files
+    owner = "the process (headrace.io.filepool.set_max_open_files)"
+    own = getattr(getattr(dataset, "options", None), "max_open_files", None)
+    if isinstance(own, int) and own < cap:
+        cap, owner = own, "the dataset's Options(max_open_files=...)"
     if num_shards > cap:
         raise InvalidArgumentError(
             f"num_shards={num_shards} shards written round-robin need {num_shards} files open "
-            f"at once, above this process's cap of {cap} (headrace.io.filepool."
-            "set_max_open_files); round-robin is used because the number of records is not "
-            "known up front. Use fewer shards, give the dataset a known cardinality "
-            "(unbatched), or raise the cap"
+            f"at once, above the cap of {cap} set by {owner}; round-robin is used because the number of "
+            "records is not known up front. Use fewer shards, give the dataset a known "
+            "cardinality (unbatched), or raise the cap"
         )
 
 
@@ -470,7 +503,7 @@ def save_tfrecords(
         cardinality = num_records
     contiguous = cardinality >= 0 and (not batched or num_records is not None)
     if not contiguous:
-        _check_round_robin_fits(num_shards)
+        _check_round_robin_fits(num_shards, dataset)
     created = _make_directories({os.path.dirname(os.path.abspath(p)) for p in finals})
 
     bar = ProgressBar(total=cardinality if contiguous else None, enabled=progress)

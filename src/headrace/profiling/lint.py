@@ -229,7 +229,7 @@ def lint_recipe(
     filter) is worded as a condition ("once more than N elements have
     arrived"): the recipe alone cannot tell whether it ever fills.
     """
-    from headrace.transforms.cache import CacheNode
+    from headrace.persist.cache import CacheNode
     from headrace.transforms.filter import FilterNode
     from headrace.transforms.interleave import InterleaveNode
     from headrace.transforms.map import MapNode
@@ -351,7 +351,7 @@ def _decoder_below(recipe: _Recipe, node: Node) -> tuple[Node | None, float | No
 
 def _cache_finding(recipe: _Recipe, node: Any) -> Finding | None:
     """An in-memory cache of more than its share spills to disk: say so before the run."""
-    from headrace.transforms.cache import in_memory_room
+    from headrace.persist.memory_store import in_memory_room
 
     size = recipe.size(node.inputs[0])
     count = recipe.count(node.inputs[0])

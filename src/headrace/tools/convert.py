@@ -9,7 +9,7 @@ Decisions, and why:
   ``Dataset.from_npy``) in batches, under a memory budget, so a table larger than RAM
   converts in flat memory, and its values, types and errors are the readers' own: a bad
   CSV field names its file, record, line and column; a NULL names its column, row and key.
-* **Writing is** :func:`headrace.writers.save_tfrecords` with ``batched=True``: one
+* **Writing is** :func:`headrace.persist.writers.save_tfrecords` with ``batched=True``: one
   Example per row, encoded column by column, all shards published atomically (an error
   leaves no file under a final name) and indexed. Rows go round-robin over the shards
   (row ``i`` to shard ``i % N``) when their count is not known up front (CSV, SQL); an
@@ -54,7 +54,7 @@ from headrace.io.files import describe_file_type, require_regular_file
 from headrace.io.tfrecord import normalize_compression_type, open_tfrecord
 from headrace.io.tfrecord_index import load_index
 from headrace.memory.units import format_bytes
-from headrace.writers import ProgressBar, ProgressSetting
+from headrace.persist.writers import ProgressBar, ProgressSetting
 
 __all__ = [
     "ConvertSummary",
@@ -375,7 +375,7 @@ def to_tfrecords(
     every shard is complete.
     """
     import headrace as hr
-    from headrace.writers import save_tfrecords
+    from headrace.persist.writers import save_tfrecords
 
     kind = source_kind(source)
     if kind != "sql":

@@ -25,8 +25,8 @@ import numpy as np
 from headrace.core.indexing import Indices, RandomAccess
 from headrace.core.node import Node
 from headrace.errors import Origin
+from headrace.persist.cache import CacheNode
 from headrace.transforms.batch import BatchNode
-from headrace.transforms.cache import CacheNode
 from headrace.transforms.enumerate import EnumerateNode, _EnumeratedAccess
 from headrace.transforms.map import MapNode, _MappedAccess
 from headrace.transforms.prefetch import PrefetchNode
