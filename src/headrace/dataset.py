@@ -490,7 +490,7 @@ class Dataset:
         its wire size): a batch that cannot fit is refused, naming ``parse_examples``;
         a smaller ``batch`` before it fits.
         """
-        from headrace.io.example.batched import ParseExamplesNode
+        from headrace.transforms.parse_examples import ParseExamplesNode
 
         return self._wrap(ParseExamplesNode(self._node, features))
 

@@ -53,8 +53,6 @@ from headrace.io.example.specs import (
     kind_of_spec_dtype,
     shape_tuple,
 )
-from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
-from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
 
 __all__ = [
     "DecodedFeature",
@@ -156,6 +154,10 @@ class _Column:
         if records > _UNIFORM_RECORDS:
             return bool((self.counts == count).all())
         return self.raw_counts == _uniform_counts(count, records)
+
+
+#: What an array object costs beside its data (memory.sizeof's figure; io sits below it).
+ARRAY_HEADER_BYTES = sys.getsizeof(np.empty(0))
 
 
 def _column_nbytes(column: _Column) -> int:
@@ -545,42 +547,6 @@ class BatchParser:
         except ParseError as error:  # "record 3 of the batch": a map names that row's origin
             raise mark_batch_row(error)  # noqa: B904 - the same error
 
-    def parse_booked(
-        self, records: Sequence[bytes], account: Buffer
-    ) -> tuple[dict[str, Array | RaggedColumn | SparseColumn], Reservation]:
-        """Parse ``records`` with their output booked on ``account`` (G1), refused at its
-        share before the values are made.
-
-        Why: a parse can make 8 bytes of an int64 from one byte of a varint, so the
-        input's booking says little of the output's. A FixedLen feature's size is known
-        from its shape and the row count: it is checked first. When the most the
-        records could make (:meth:`most_nbytes`) fits beside what the stage holds, the
-        batch parses at once (twice that fits: the scan's buffers grow) and its output is
-        booked. Otherwise the values are counted
-        first, a slice of records at a time, each slice booked as it is counted, so a
-        batch that cannot fit is refused after at most one slice past the share.
-        """
-        what = (f"the parsed features of a batch of {len(records)} records (a smaller "
-                "batch before parse_examples fits)" if len(records) > 1 else
-                "the parsed features of one record")
-        account.expect(self.fixed_nbytes(len(records)), together=what)
-        # The scan grows its value buffers as it goes: up to twice their size at once.
-        most = self.most_nbytes(records)
-        if 2 * most > account.room():
-            booking = self._count_booked(records, account, what, most)
-            try:
-                account.expect(booking.nbytes, together=what)  # room to grow them
-                parsed = self(records)
-                extra = sizeof(parsed) - booking.nbytes
-                if extra > 0:  # defaults and padding the counts did not include
-                    booking = booking.absorb(account.admit(extra, together=what))
-            except BaseException:
-                booking.release()
-                raise
-            return parsed, booking
-        parsed = self(records)
-        return parsed, account.admit(sizeof(parsed), together=what)
-
     def fixed_nbytes(self, rows: int) -> int:
         """The bytes of the FixedLen features' arrays for ``rows`` records (exact)."""
         total = 0
@@ -607,31 +573,14 @@ class BatchParser:
         per_record = 32 * len(self.keys)  # counts and row splits
         return most + len(records) * per_record + 2 * ARRAY_HEADER_BYTES * len(self.steps)
 
-    def _count_booked(
-        self, records: Sequence[bytes], account: Buffer, what: str, most: int
-    ) -> Reservation:
-        """Count the values of ``records`` a slice at a time (gathered, measured and
-        dropped), each slice booked together with the ones before it."""
-        booking = NO_RESERVATION
-        per_record = max(1, most // max(1, len(records)))
+    def values_nbytes(self, records: Sequence[bytes]) -> int | None:
+        """What the values of ``records`` cost once parsed, counted by gathering them
+        (then dropped); None if the records do not parse (the parse itself says why)."""
         try:
-            start = 0
-            while start < len(records):
-                room = max(0, account.room())
-                end = start + max(1, min(len(records) - start, room // (2 * per_record)))
-                try:
-                    columns = _gather(records[start:end], self.keys, self.kinds,
-                                      self.encoded_keys)
-                except ParseError:  # the parse itself reports it, with the batch's row
-                    break
-                cost = sum(_column_nbytes(column) for column in columns.values())
-                del columns
-                booking = booking.absorb(account.admit(cost, together=what))
-                start = end
-        except BaseException:
-            booking.release()
-            raise
-        return booking
+            columns = _gather(records, self.keys, self.kinds, self.encoded_keys)
+        except ParseError:
+            return None
+        return sum(_column_nbytes(column) for column in columns.values())
 
     def _parse(self, records: Sequence[bytes]) -> dict[str, Array | RaggedColumn | SparseColumn]:
         columns = _gather(records, self.keys, self.kinds, self.encoded_keys)

@@ -3,13 +3,13 @@
 A parse is a map whose output can be many times its input (an int64 of one wire byte
 is 8 bytes parsed), so booking it at its input's size breaks the budget (G1). This
 stage books each batch's parsed features on its own share, through
-:meth:`~headrace.io.example.parsing.BatchParser.parse_booked`: a batch that cannot fit
+:func:`parse_booked`: a batch that cannot fit
 is refused before its values are made, with an error naming the stage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,10 +17,11 @@ import numpy as np
 from headrace.core.iterator import Context, Iterator
 from headrace.errors import InvalidArgumentError, note_element_error
 from headrace.io.example.parsing import BatchParser
-from headrace.memory.buffer import Buffer, Reservation
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
+from headrace.memory.sizeof import sizeof
 from headrace.transforms.map import MapNode, _MapIterator
 
-__all__ = ["ParseExamples", "ParseExamplesNode"]
+__all__ = ["ParseExamples", "ParseExamplesNode", "parse_booked"]
 
 
 class ParseExamples:
@@ -77,10 +78,68 @@ class _ParseIterator(_MapIterator):
         fn = self.fn
         assert isinstance(fn, ParseExamples)
         try:
-            parsed, booking = fn.parser.parse_booked(fn.records(element), self.account)
+            parsed, booking = parse_booked(fn.parser, fn.records(element), self.account)
         except Exception as error:  # the batch is dropped; the next one goes on
             reservation.release()
             origin = self.inner.origin()
             raise note_element_error(error, self.stage, index, origin)  # noqa: B904
         reservation.release()  # the records are given back: the features replace them
         return parsed, booking
+
+
+def parse_booked(
+    parser: BatchParser, records: Sequence[bytes], account: Buffer
+) -> tuple[Any, Reservation]:
+    """Parse ``records`` with their output booked on ``account`` (G1), refused at its
+    share before the values are made.
+
+    Why: a parse can make 8 bytes of an int64 from one byte of a varint, so the
+    input's booking says little of the output's. A FixedLen feature's size is known
+    from its shape and the row count: it is checked first. When the most the records
+    could make (``BatchParser.most_nbytes``) fits twice beside what the stage holds (the
+    scan's buffers grow), the batch parses at once and its output is booked. Otherwise
+    the values are counted first, a slice of records at a time, each slice booked as it
+    is counted, so a batch that cannot fit is refused after at most one slice.
+    """
+    what = (f"the parsed features of a batch of {len(records)} records (a smaller "
+            "batch before parse_examples fits)" if len(records) > 1 else
+            "the parsed features of one record")
+    account.expect(parser.fixed_nbytes(len(records)), together=what)
+    most = parser.most_nbytes(records)
+    if 2 * most <= account.room():
+        parsed = parser(records)
+        return parsed, account.admit(sizeof(parsed), together=what)
+    booking = _count_booked(parser, records, account, what, most)
+    try:
+        account.expect(booking.nbytes, together=what)  # room to grow them
+        parsed = parser(records)
+        extra = sizeof(parsed) - booking.nbytes
+        if extra > 0:  # defaults and padding the counts did not include
+            booking = booking.absorb(account.admit(extra, together=what))
+    except BaseException:
+        booking.release()
+        raise
+    return parsed, booking
+
+
+def _count_booked(
+    parser: BatchParser, records: Sequence[bytes], account: Buffer, what: str, most: int
+) -> Reservation:
+    """Count the values of ``records`` a slice at a time, each slice booked together
+    with the ones before it."""
+    booking = NO_RESERVATION
+    per_record = max(1, most // max(1, len(records)))
+    try:
+        start = 0
+        while start < len(records):
+            room = max(0, account.room())
+            end = start + max(1, min(len(records) - start, room // (2 * per_record)))
+            cost = parser.values_nbytes(records[start:end])
+            if cost is None:  # the parse itself reports it, with the batch's row
+                break
+            booking = booking.absorb(account.admit(cost, together=what))
+            start = end
+    except BaseException:
+        booking.release()
+        raise
+    return booking
