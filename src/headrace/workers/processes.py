@@ -94,6 +94,7 @@ from headrace.workers.shm import (
     SEGMENT_BYTES,
     OutputWriter,
     Packet,
+    Segment,
     SegmentMaps,
     SegmentPool,
     create_segment,
@@ -416,7 +417,7 @@ def _worker_main(
     pool = SegmentPool(owner, tag=f"w{index}-")
     evicted: list[int] = []  # idle segments dropped since the last result (see allocate)
 
-    def allocate(nbytes: int, capacity: int) -> tuple[int, str, int, mmap.mmap]:
+    def allocate(nbytes: int, capacity: int) -> tuple[int, str, int, Segment]:
         evicted.extend(pool.evict_smaller(capacity))
         if pool.has_idle(capacity):  # one idle segment for the chunk's rest
             return pool.allocate(capacity)
@@ -595,7 +596,7 @@ class _Worker:
         self.index, self.owner = index, owner
         self.process: Any = None
         #: A small segment the worker writes (call id, position) into before each element.
-        self.progress: mmap.mmap | None = None
+        self.progress: Segment | None = None
         self.tasks: Connection | None = None
         self.results: Connection | None = None
         #: The worker loaded the function: a death from now on is blamed on its calls.
