@@ -73,7 +73,7 @@ def test_shared_memory_segments_counts_this_pipelines_segments_only() -> None:
             handle.write(b"x" * 100)
         assert shared_memory_segments() == (1, 3 * 4096)
     finally:
-        mapping.close()
+        del mapping  # (a segment is unmapped with its last reference)
         unlink_segment(name)
         os.unlink(other)
     assert shared_memory_segments() == (0, 0)

@@ -44,7 +44,6 @@ import hashlib
 import hmac
 import json
 import math
-import mmap
 import re
 import secrets
 import socket
@@ -52,13 +51,16 @@ import struct
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from headrace import errors as _errors
 from headrace.errors import ElementSpecError, WorkerError, add_note
 from headrace.io.columns import join_bytes, split_bytes
+
+if TYPE_CHECKING:
+    from headrace.workers.shm import Segment
 
 #: The first bytes of the producer's challenge: the protocol and its version.
 MAGIC = b"headrace-serve/2:"
@@ -334,7 +336,7 @@ def _aligned(size: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
 
-Allocate = Callable[[int], tuple[int, str, int, mmap.mmap]]
+Allocate = Callable[[int], tuple[int, str, int, "Segment"]]
 
 
 def encode(element: Any, allocate: Allocate) -> tuple[dict[str, Any], bytearray]:
@@ -388,7 +390,7 @@ def segment_of(message: dict[str, Any]) -> tuple[int, str, int] | None:
 
 
 class _Decoder:
-    def __init__(self, message: dict[str, Any], blob: bytearray, mapping: mmap.mmap | None,
+    def __init__(self, message: dict[str, Any], blob: bytearray, mapping: Segment | None,
                  on_view: Callable[[Any], None]) -> None:
         self.blob = blob
         self.mapping = mapping
@@ -553,7 +555,7 @@ def _namedtuple(name: Any, fields: Any, count: int) -> Any:
     return cls
 
 
-def decode(message: dict[str, Any], blob: bytearray, mapping: mmap.mmap | None,
+def decode(message: dict[str, Any], blob: bytearray, mapping: Segment | None,
            on_view: Callable[[Any], None]) -> Any:
     """The element of an :func:`encode` message; its arrays view ``mapping`` (the
     segment, each view passed to ``on_view``) or the blob. :class:`WireError` for

@@ -73,7 +73,6 @@ over the same recipe, resumes exactly there with :meth:`ServedIterator.set_state
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import secrets
 import socket
@@ -93,7 +92,7 @@ from headrace.errors import CheckpointError, InvalidArgumentError, IteratorClose
 from headrace.io.filepool import FileLimiter, get_default_pool
 from headrace.memory.budget import MemoryBudget
 from headrace.memory.buffer import Reservation
-from headrace.workers.shm import SegmentMaps, SegmentPool, sweep_stale
+from headrace.workers.shm import Segment, SegmentMaps, SegmentPool, sweep_stale
 
 __all__ = ["ProducerError", "ServedIterator", "Server", "connect", "serve"]
 
@@ -455,7 +454,7 @@ class Server(ClosesOnExit):
         pool = SegmentPool(os.getpid(), tag="serve")
         booked: list[Reservation] = []
 
-        def allocate(nbytes: int) -> tuple[int, str, int, mmap.mmap]:
+        def allocate(nbytes: int) -> tuple[int, str, int, Segment]:
             key, name, capacity, mapping = pool.allocate(nbytes)
             if name:  # a new segment: it exists (in both processes) until the pool closes
                 booked.append(self.segments.overdraw(capacity))

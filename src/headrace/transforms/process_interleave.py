@@ -83,7 +83,7 @@ from headrace.memory.buffer import Buffer, Reservation
 from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE, Options
 from headrace.transforms._interleave_cycle import CycleIterator, Slot
-from headrace.workers.processes import ProcessPool, _RemoteTraceback
+from headrace.workers.processes import ProcessPool, _RemoteTraceback, portable
 
 if TYPE_CHECKING:
     from headrace.transforms.interleave import InterleaveNode
@@ -221,8 +221,10 @@ class SlotReader:
                 ended = True
                 break
             except Exception as raised:  # ends the chunk; raised in the consumer in its place
-                text = traceback.format_exc()  # (before its frames go: they held this
-                error = (drop_frames(raised), text)  # slot's elements until the chunk is sent)
+                # the text first: the frames go (they would hold this slot's elements until
+                # the chunk is sent); portable: the consumer must be able to unpickle it
+                text = traceback.format_exc()
+                error = (portable(drop_frames(raised)), text)
                 break
             reservation.release()  # it leaves this process's pipeline with the chunk
             size = sizeof(element)
@@ -396,7 +398,8 @@ class RemoteSlotIterator(Iterator):
                 self.error = self._refusal(raised.nbytes)
             else:
                 raised.__cause__ = _RemoteTraceback(text)
-                add_note(raised, "headrace: raised in an interleave slot in a worker process")
+                add_note(raised, f"headrace: raised in {self.stage}'s inner pipeline, in a "
+                                 "worker process")
                 self.error = raised
         self._top_up()  # the worker reads the next chunks while this one is handed out
         if ended and self.on_ended is not None:

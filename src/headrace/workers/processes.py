@@ -94,6 +94,7 @@ from headrace.workers.shm import (
     SEGMENT_BYTES,
     OutputWriter,
     Packet,
+    Segment,
     SegmentMaps,
     SegmentPool,
     create_segment,
@@ -217,18 +218,82 @@ def check_workers(workers: Any, num_parallel_calls: Any, fn: Any, stage: str) ->
 _PROGRESS = struct.Struct("qq")
 
 
-def _failure(error: Exception) -> tuple[Exception, str]:
+def _failure(error: Exception) -> tuple[BaseException, str]:
     """An error of the function, as it travels back: itself (or its text, where it
     cannot be pickled) and the worker's traceback."""
     text = traceback.format_exc()
     # held until the chunk is sent: its frames would keep the input and the function's
     # temporaries alive meanwhile (the text has what they show)
     drop_frames(error)
+    return portable(error), text
+
+
+def portable(error: BaseException) -> BaseException:
+    """``error`` in a form that unpickles in the consumer: itself where pickle can
+    rebuild it; else a stand-in that rebuilds the user's type without calling its
+    ``__init__`` (one that takes other arguments than its message), or a
+    :class:`WorkerError` naming the type and message where even that fails.
+
+    Pickle rebuilds an exception as ``type(*args)``. A class whose ``__init__``
+    takes two arguments and passes one message up cannot be rebuilt so: it fails,
+    or (the arguments fit another way) says something else. Such an error would
+    fail in the consumer's process, away from its element.
+    """
+    name, message = type(error).__qualname__, _text_of(error)
     try:
-        pickle.dumps(error)
-    except Exception:  # an exception that cannot travel: its text does
-        return WorkerError(f"{type(error).__qualname__}: {error}"), text
-    return error, text
+        back = pickle.loads(pickle.dumps(error, protocol=5))
+        if type(back) is type(error) and _text_of(back) == message:
+            return error
+    except Exception:
+        pass
+    whole = getattr(error, "__dict__", {})
+    notes = {"__notes__": whole["__notes__"]} if "__notes__" in whole else {}
+    for state in (whole, notes, {}):  # what travels of its attributes: all, its notes, none
+        try:
+            blob = pickle.dumps((type(error), error.args, state), protocol=5)
+            if not isinstance(_rebuild_error(blob, name, message), WorkerError):
+                return _Carried(blob, name, message)
+        except Exception:
+            continue
+    return WorkerError(f"{name}: {message}")
+
+
+def _text_of(error: BaseException) -> str:
+    """``str(error)``, or a placeholder where the user's ``__str__`` raises."""
+    try:
+        return str(error)
+    except Exception:
+        return "<its str() raised>"
+
+
+class _Carried(Exception):
+    """An error that pickle cannot rebuild as ``type(*args)``; it unpickles as
+    :func:`_rebuild_error` makes it."""
+
+    def __init__(self, blob: bytes, name: str, message: str) -> None:
+        super().__init__(name, message)
+        self.blob, self.name, self.message = blob, name, message
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes, str, str]]:
+        return _rebuild_error, (self.blob, self.name, self.message)
+
+
+def _rebuild_error(blob: bytes, name: str, message: str) -> BaseException:
+    """The user's error rebuilt without its ``__init__``: its type, ``args`` (so its
+    message) and attributes (notes included); a :class:`WorkerError` with the type's
+    name and the message where the type cannot be loaded here."""
+    try:
+        kind, args, state = pickle.loads(blob)
+        error: BaseException = kind.__new__(kind, *args)
+        # the nearest built-in class's __init__ (OSError's reads errno from the args)
+        builtin = next(c for c in kind.__mro__ if c.__module__ == "builtins")
+        builtin.__init__(error, *args)
+        if state:
+            error.__dict__.update(state)
+        str(error)  # its __str__ may need what __init__ would have set
+    except Exception:
+        return WorkerError(f"{name}: {message}")
+    return error
 
 
 def _unsendable(refused: Exception) -> tuple[Exception, str]:
@@ -352,7 +417,7 @@ def _worker_main(
     pool = SegmentPool(owner, tag=f"w{index}-")
     evicted: list[int] = []  # idle segments dropped since the last result (see allocate)
 
-    def allocate(nbytes: int, capacity: int) -> tuple[int, str, int, mmap.mmap]:
+    def allocate(nbytes: int, capacity: int) -> tuple[int, str, int, Segment]:
         evicted.extend(pool.evict_smaller(capacity))
         if pool.has_idle(capacity):  # one idle segment for the chunk's rest
             return pool.allocate(capacity)
@@ -531,7 +596,7 @@ class _Worker:
         self.index, self.owner = index, owner
         self.process: Any = None
         #: A small segment the worker writes (call id, position) into before each element.
-        self.progress: mmap.mmap | None = None
+        self.progress: Segment | None = None
         self.tasks: Connection | None = None
         self.results: Connection | None = None
         #: The worker loaded the function: a death from now on is blamed on its calls.
@@ -1205,7 +1270,30 @@ def _wait_ended(process: Any, deadline: float) -> bool:
 
 
 def _collect(pool: ProcessPool) -> None:
-    """The collector thread: results into futures; a dead worker is replaced."""
+    """The collector thread: results into futures; a dead worker is replaced.
+
+    Any error here fails the pool: every call in flight and every later ``submit``
+    raise :class:`WorkerPoolError`. A collector that died quietly would leave the
+    consumer waiting for results forever.
+    """
+    try:
+        _collect_results(pool)
+    except BaseException as error:  # reported to the consumer, never lost
+        text = "".join(traceback.format_exception(error))
+        failure = WorkerPoolError(
+            f"{pool.stage}: the thread that receives the worker processes' results "
+            f"failed ({type(error).__name__}: {_text_of(error)}); the stage's workers are "
+            "shut down (create a new iterator, and restore a checkpoint, to go on)"
+        )
+        add_note(failure, f"headrace: the collector's traceback:\n{text}")
+        with contextlib.suppress(BaseException):
+            pool._fail(failure)
+        if pool.broken is None:  # (_fail itself failed)
+            pool.broken = failure
+
+
+def _collect_results(pool: ProcessPool) -> None:
+    """The collector's loop (see :func:`_collect`)."""
     while not pool.closed and pool.broken is None:
         workers = list(pool.workers)
         by_results = {id(worker.results): worker for worker in workers}

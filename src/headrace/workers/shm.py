@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import io
 import itertools
 import mmap
@@ -40,7 +41,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -54,6 +55,7 @@ __all__ = [
     "OutputWriter",
     "Outputs",
     "Packet",
+    "Segment",
     "SegmentMaps",
     "SegmentPool",
     "create_segment",
@@ -84,13 +86,73 @@ def segment_name(owner: int, tag: str = "") -> str:
     return f"{_PREFIX}{owner}-{os.getpid()}-{tag}{next(_counter)}"
 
 
-def create_segment(name: str, size: int) -> mmap.mmap:
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapped:
+    """The owner of one shared mapping: unmapped when the last array over it goes."""
+
+    __slots__ = ("__array_interface__", "address", "size")
+
+    def __init__(self, fd: int, size: int) -> None:
+        address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if address is None or address == _MAP_FAILED:
+            number = ctypes.get_errno()
+            raise OSError(number, f"mmap of a shared-memory segment: {os.strerror(number)}")
+        self.address, self.size = address, size
+        self.__array_interface__ = {
+            "data": (address, False), "shape": (size,), "typestr": "|u1", "version": 3}
+
+    def __del__(self, munmap: Any = _libc.munmap) -> None:  # (bound now: usable at exit)
+        munmap(self.address, self.size)
+
+
+class Segment(np.ndarray):  # type: ignore[type-arg]
+    """A shared-memory segment's bytes, mapped without a descriptor left open.
+
+    :class:`Segment` keeps a duplicate of the file's descriptor for as long as
+    the mapping lives (until Python 3.13's ``trackfd``). A pool keeps dozens of
+    segments mapped: that many descriptors, uncounted by ``max_open_files``, and
+    ``EMFILE`` under a low ``ulimit -n``. This array maps the file itself and
+    closes its descriptor at once. The mapping goes when the last view of it
+    goes (every view keeps it alive), so a view never outlives its memory.
+    """
+
+    if TYPE_CHECKING:  # (NumPy declares the buffer protocol to typing from Python 3.12)
+
+        def __buffer__(self, flags: int) -> memoryview: ...
+
+    def close(self) -> None:
+        """Nothing to do: the mapping is unmapped when its last view goes."""
+
+    def madvise(self, advice: int) -> None:
+        """Advise the kernel on the whole mapping (``MADV_REMOVE`` frees its pages)."""
+        owner: Any = self.base
+        while not isinstance(owner, _Mapped):
+            owner = owner.base
+        if _libc.madvise(owner.address, owner.size, advice) != 0:
+            number = ctypes.get_errno()
+            raise OSError(number, os.strerror(number))
+
+
+def _map(fd: int, size: int) -> Segment:
+    """``size`` bytes of the file ``fd`` mapped shared, read-write."""
+    return np.asarray(_Mapped(fd, size)).view(Segment)
+
+
+def create_segment(name: str, size: int) -> Segment:
     """A new owner-only segment of ``size`` bytes, mapped read-write."""
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
+        return _map(fd, size)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -99,7 +161,7 @@ def create_segment(name: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def open_segment(name: str, size: int) -> mmap.mmap:
+def open_segment(name: str, size: int) -> Segment:
     """Map the segment ``name`` made by another process, and unlink its name.
 
     From here on the memory lives exactly as long as some process maps it.
@@ -107,7 +169,7 @@ def open_segment(name: str, size: int) -> mmap.mmap:
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR)
     try:
-        return mmap.mmap(fd, size)
+        return _map(fd, size)
     finally:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
@@ -192,7 +254,7 @@ def _aligned(size: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
 
-Allocate = Callable[[int], tuple[int, str, int, mmap.mmap]]
+Allocate = Callable[[int], tuple[int, str, int, Segment]]
 
 
 #: A column of bytes (see :func:`_column_id`) whose values and offsets take at least
@@ -368,7 +430,7 @@ SEGMENT_BYTES = 4 << 20
 
 #: ``allocate(nbytes, capacity)``: a segment for at least ``nbytes``, of ``capacity``
 #: bytes if it is made new (see :meth:`SegmentPool.allocate`).
-AllocateAtLeast = Callable[[int, int], tuple[int, str, int, mmap.mmap]]
+AllocateAtLeast = Callable[[int, int], tuple[int, str, int, Segment]]
 
 
 class OutputWriter:
@@ -402,7 +464,7 @@ class OutputWriter:
         self.segments: list[tuple[int, str, int]] = []
         self.spans: list[tuple[int, int, int]] = []
         self.copied: list[int] = []
-        self._mapping: mmap.mmap | None = None
+        self._mapping: Segment | None = None
         self._offset = self._capacity = 0
         self._largest = 0  # segment bytes of the largest output so far
         self.count = 0
@@ -560,7 +622,7 @@ def loads(payload: bytes) -> Any:
     return _Unpickler(io.BytesIO(payload), [], []).load()
 
 
-def unpack(packet: Packet, mapping: mmap.mmap | None, on_view: Callable[[Any], None]) -> Any:
+def unpack(packet: Packet, mapping: Segment | None, on_view: Callable[[Any], None]) -> Any:
     """The object of ``packet``, its arrays viewing ``mapping`` (no copy).
 
     ``on_view`` is called with each view handed to the unpickler: a view lives
@@ -595,7 +657,7 @@ class SegmentPool:
 
     def __init__(self, owner: int, *, tag: str = "") -> None:
         self.owner, self.tag = owner, tag
-        self.segments: dict[int, tuple[mmap.mmap, int, str]] = {}  # key -> mapping, size, name
+        self.segments: dict[int, tuple[Segment, int, str]] = {}  # key -> mapping, size, name
         self.idle: set[int] = set()
         self.announced: set[int] = set()  # keys whose name the receiver has seen
         self._keys = itertools.count(1)
@@ -609,7 +671,7 @@ class SegmentPool:
         """The size a new segment for ``nbytes`` gets (whole pages)."""
         return max(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
 
-    def allocate(self, nbytes: int, capacity: int = 0) -> tuple[int, str, int, mmap.mmap]:
+    def allocate(self, nbytes: int, capacity: int = 0) -> tuple[int, str, int, Segment]:
         """The smallest idle segment of at least ``nbytes``, or a new one (of ``capacity``
         bytes if that is more)."""
         fitting = [key for key in self.idle if self.segments[key][1] >= nbytes]
@@ -667,7 +729,7 @@ class SegmentMaps:
     """
 
     def __init__(self) -> None:
-        self.maps: dict[int, tuple[mmap.mmap, int]] = {}
+        self.maps: dict[int, tuple[Segment, int]] = {}
         self.opened = 0  # segments mapped by name: the sender made each one afresh
         self.live: dict[int, int] = {}
         self._dead: collections.deque[int] = collections.deque()
@@ -680,7 +742,7 @@ class SegmentMaps:
     def decode(
         self,
         segment: tuple[int, str, int] | None,
-        build: Callable[[mmap.mmap | None, Callable[[Any], None]], Any],
+        build: Callable[[Segment | None, Callable[[Any], None]], Any],
     ) -> Any:
         """``build(mapping, on_view)``: an object made over ``segment`` (mapped by name
         when new), each view of it passed to ``on_view`` watched, so that the segment is
