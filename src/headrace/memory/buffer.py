@@ -40,12 +40,6 @@ __all__ = [
     "release_all",
 ]
 
-#: Why minima that fit the total together are refused all the same.
-_NOT_LENT = (
-    " A shuffle's share is not lent to other stages (that would make the order depend on "
-    "timing): a smaller shuffle buffer_size frees it."
-)
-
 
 class _RefusedAbove(MemoryBudgetError):
     """A nested budget could not widen: the stage holding it was refused (its message)."""
@@ -186,14 +180,11 @@ class Buffer:
             except _RefusedAbove as error:
                 self.minimum, self.minimum_what = previous
                 raise MemoryBudgetError(str(error)) from None
-            except MemoryBudgetError as error:
+            except MemoryBudgetError:
                 message = self.budget._minima_message(
                     f"stage {self.name!r} needs {format_bytes(nbytes)} at once for {what}; "
                     "with the other stages, the pipeline"
                 )
-                if str(error).endswith(_NOT_LENT):  # the minima fit; the shuffle's share not
-                    message = message.replace(", more than the memory budget", " within the "
-                                              "memory budget") + _NOT_LENT
                 self.minimum, self.minimum_what = previous
                 raise MemoryBudgetError(message) from None
 

@@ -1,0 +1,64 @@
+"""What stages hold between calls is booked, and minima that fit are not refused.
+
+Each test draws its cases from a seeded generator and compares with an oracle:
+the same pipeline under a budget far above its needs (values and order), or the
+bytes the data makes (what a stage may hold before it refuses).
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+import headrace as hr
+
+MiB = 1 << 20
+HUGE = hr.Options(memory_budget="1GiB")
+
+
+def _rows(seed: int, count: int, row_bytes: list[int], threads: int = 3) -> hr.Dataset:
+    sizes = [row_bytes[(seed + i) % len(row_bytes)] for i in range(count)]
+
+    def row(i: Any) -> np.ndarray[Any, Any]:
+        return np.full(sizes[int(i)] // 8, int(i), np.float64)
+
+    return hr.Dataset.range(count).map(row, num_parallel_calls=threads)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_shuffle_shrinks_to_let_minima_that_fit_run(seed: int) -> None:
+    """A parallel map, a shuffle, a batch and a prefetch under 16 MiB: the minima fit
+    (a batch, one batch in the prefetch) but not beside the shuffle's share. The
+    shuffle gives up what it need not hold, so the pipeline runs, with the values
+    of a huge budget, and in one order whatever the number of threads."""
+    rng = random.Random(seed)
+    row, batch = rng.choice([(512 << 10, 8), (1 * MiB, 4), (2 * MiB, 2)])
+    shuffle, count = rng.choice([1, 4, 16, 64]), rng.choice([24, 40])
+
+    def pipeline(threads: int, options: hr.Options) -> list[list[int]]:
+        ds = _rows(seed, count, [row], threads).shuffle(shuffle, seed=seed).batch(batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", hr.HeadraceWarning)
+            out = ds.prefetch(hr.AUTOTUNE).with_options(options)
+            return [[int(r[0]) for r in b] for b in out]
+
+    tight = hr.Options(memory_budget="16MiB")
+    first = pipeline(2, tight)
+    assert sorted(v for b in first for v in b) == list(range(count))
+    assert sorted(v for b in pipeline(2, HUGE) for v in b) == list(range(count))
+    assert pipeline(4, tight) == first  # the order does not depend on the threads
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_shuffle_after_a_parallel_map_of_mixed_sizes_runs(seed: int) -> None:
+    """shuffle(1) after a parallel map of outputs up to 6 MiB, budget 16 MiB: it was
+    refused with advice (a smaller buffer_size) that could not be followed."""
+    rng = random.Random(seed)
+    ds = _rows(seed, 30, [rng.choice([64 << 10, 1 * MiB, 6 * MiB]) for _ in range(5)], 4)
+    got = [int(x[0]) for x in ds.shuffle(1, seed=seed).with_options(
+        hr.Options(memory_budget="16MiB"))]
+    assert got == list(range(30))  # shuffle(1) keeps the order
