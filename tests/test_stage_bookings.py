@@ -62,3 +62,29 @@ def test_a_shuffle_after_a_parallel_map_of_mixed_sizes_runs(seed: int) -> None:
     got = [int(x[0]) for x in ds.shuffle(1, seed=seed).with_options(
         hr.Options(memory_budget="16MiB"))]
     assert got == list(range(30))  # shuffle(1) keeps the order
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_scan_books_its_carried_state(seed: int) -> None:
+    """A scan whose state grows by a random number of bytes per element: the state
+    is booked as it grows, so the stage refuses, naming its state, before the state
+    passes the budget. A state that stays small runs to the oracle's values."""
+    rng = random.Random(seed)
+    growth = [rng.choice([64 << 10, 256 << 10, 1 * MiB]) for _ in range(40)]
+    budget = 8 * MiB
+
+    def step(state: np.ndarray[Any, Any], i: Any) -> tuple[Any, Any]:
+        state = np.concatenate([state, np.zeros(growth[int(i)], np.uint8)])
+        return state, np.int64(state.nbytes)
+
+    ds = hr.Dataset.range(len(growth)).scan(np.zeros(0, np.uint8), step)
+    seen: list[int] = []
+    with pytest.raises(hr.MemoryBudgetError, match=r"scan\(.*carried state"):
+        for size in ds.with_options(hr.Options(memory_budget=budget)):
+            seen.append(int(size))
+    assert seen and max(seen) <= budget  # refused before the state passed the budget
+    assert int(np.cumsum(growth)[len(seen)]) > budget // 2  # not refused far too early
+
+    small = hr.Dataset.range(len(growth)).scan(np.int64(0), lambda s, i: (s + i, s * 2))
+    expected = list(small.with_options(HUGE))
+    assert list(small.with_options(hr.Options(memory_budget=budget))) == expected
