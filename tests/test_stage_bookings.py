@@ -8,6 +8,7 @@ bytes the data makes (what a stage may hold before it refuses).
 from __future__ import annotations
 
 import random
+import threading
 import warnings
 from typing import Any
 
@@ -88,3 +89,29 @@ def test_a_scan_books_its_carried_state(seed: int) -> None:
     small = hr.Dataset.range(len(growth)).scan(np.int64(0), lambda s, i: (s + i, s * 2))
     expected = list(small.with_options(HUGE))
     assert list(small.with_options(hr.Options(memory_budget=budget))) == expected
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rebatch_refuses_before_it_gathers_past_the_budget(seed: int) -> None:
+    """batch(k).rebatch(n) whose output cannot fit: the refusal comes before the
+    input batches were pulled past the budget (they were all gathered first), and a
+    rebatch that fits gives the oracle's batches."""
+    rng = random.Random(seed)
+    row, inner, budget = rng.choice([256 << 10, 1 * MiB]), rng.choice([3, 5, 10]), 16 * MiB
+    made = [0]
+    lock = threading.Lock()
+
+    def make(i: Any) -> np.ndarray[Any, Any]:
+        with lock:
+            made[0] += 1
+        return np.full(row // 8, int(i), np.float64)
+
+    wanted = 3 * budget // row  # three budgets' worth of rows in one output
+    ds = hr.Dataset.range(2 * wanted).map(make).batch(inner).rebatch(wanted)
+    with pytest.raises(hr.MemoryBudgetError, match="rebatch"):
+        list(ds.with_options(hr.Options(memory_budget=budget)))
+    assert made[0] * row <= budget + (inner + 1) * row, (made[0], row)
+
+    fits = hr.Dataset.range(50).map(make).batch(inner).rebatch(rng.choice([2, 3]))
+    got = [b.tolist() for b in fits.with_options(hr.Options(memory_budget=budget))]
+    assert got == [b.tolist() for b in fits.with_options(HUGE)]
