@@ -115,3 +115,26 @@ def test_rebatch_refuses_before_it_gathers_past_the_budget(seed: int) -> None:
     fits = hr.Dataset.range(50).map(make).batch(inner).rebatch(rng.choice([2, 3]))
     got = [b.tolist() for b in fits.with_options(hr.Options(memory_budget=budget))]
     assert got == [b.tolist() for b in fits.with_options(HUGE)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_refused_batch_of_records_states_its_whole_need(seed: int, tmp_path: Any) -> None:
+    """TFRecordDataset(...).batch(n) whose batch cannot fit: the refusal comes while the
+    batch is gathered, and it states what the whole batch needs (n records at their
+    size), not the part gathered when it stopped, which the budget could hold."""
+    import re
+
+    from headrace.io.tfrecord import write_tfrecord
+
+    rng = random.Random(seed)
+    record, budget = rng.choice([256 << 10, 512 << 10, 1 * MiB]), 8 * MiB
+    count = budget // record + rng.randint(2, 8)  # more than the budget can hold
+    path = str(tmp_path / "s.tfrecord")
+    write_tfrecord(path, [bytes([k % 256]) * record for k in range(2 * count)])
+    ds = hr.TFRecordDataset(path).batch(count)
+    with pytest.raises(hr.MemoryBudgetError) as refused:
+        list(ds.with_options(hr.Options(memory_budget=budget)))
+    stated = re.search(r"needs ([\d.]+) (KiB|MiB)", str(refused.value))
+    assert stated, str(refused.value)
+    need = float(stated.group(1)) * (1 << (10 if stated.group(2) == "KiB" else 20))
+    assert need >= 0.99 * count * record > budget, (str(refused.value)[:300], count, record)

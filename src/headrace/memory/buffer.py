@@ -162,13 +162,15 @@ class Buffer:
         if nbytes > self.limit:
             self.require(nbytes, what=what)
 
-    def require(self, nbytes: int, *, what: str) -> None:
+    def require(self, nbytes: int, *, what: str, whole: int = 0) -> None:
         """Declare that this stage must be able to hold ``nbytes`` at once (its minimum).
 
         Called when the minimum becomes known from the data (the first batch's
         size, say), before the bytes are allocated. Past the stage's share, the
         budget is split again so that it fits; if the minima of all the stages
         cannot fit together, :class:`MemoryBudgetError` names them.
+        ``whole``: what all of ``what`` will need, where ``nbytes`` is only the part
+        gathered so far (the first rows of a batch): a refusal states that need.
         """
         if nbytes <= self.minimum:
             return
@@ -181,9 +183,14 @@ class Buffer:
                 self.minimum, self.minimum_what = previous
                 raise MemoryBudgetError(str(error)) from None
             except MemoryBudgetError:
+                stated = max(nbytes, whole)
+                self.minimum = stated  # the listing of the minima states it too
+                so_far = (
+                    f" ({format_bytes(nbytes)} of it gathered so far)" if stated > nbytes else ""
+                )
                 message = self.budget._minima_message(
-                    f"stage {self.name!r} needs {format_bytes(nbytes)} at once for {what}; "
-                    "with the other stages, the pipeline"
+                    f"stage {self.name!r} needs {format_bytes(stated)} at once for {what}"
+                    f"{so_far}; with the other stages, the pipeline"
                 )
                 self.minimum, self.minimum_what = previous
                 raise MemoryBudgetError(message) from None
@@ -320,12 +327,13 @@ class Buffer:
             self._book(nbytes, elements)
         return Reservation(self, nbytes)
 
-    def _fit_together(self, nbytes: int, what: str) -> None:
+    def _fit_together(self, nbytes: int, what: str, whole: int = 0) -> None:
         """Make the share hold what the stage holds plus ``nbytes`` at once (call holding
-        the lock): its minimum grows to that, or :class:`MemoryBudgetError`."""
+        the lock): its minimum grows to that, or :class:`MemoryBudgetError` (stating
+        ``whole``, see :meth:`require`)."""
         needed = self.held + nbytes
         if needed > self.limit:
-            self.require(needed, what=what)
+            self.require(needed, what=what, whole=whole)
 
     def book_existing(self, sizes: list[int], *, count: bool = True) -> list[Reservation]:
         """Book elements that already exist (outputs of calls that were in flight).
@@ -375,8 +383,8 @@ class Buffer:
         with self.lock:
             self._unbook(nbytes)
 
-    def expect(self, nbytes: int, *, together: str | None = None, what: str = "one element"
-               ) -> None:
+    def expect(self, nbytes: int, *, together: str | None = None, what: str = "one element",
+               whole: int = 0) -> None:
         """Check that an element of ``nbytes`` not made yet could be admitted.
 
         A reader asks this before it reads a record whose size it knows from a
@@ -384,14 +392,15 @@ class Buffer:
         the budget splits again if it can, as :meth:`admit` would; if it cannot,
         :class:`MemoryBudgetError` is raised now, before the bytes exist.
         ``together``: the element joins what the stage holds (a batch's rows).
-        Nothing is booked.
+        ``whole``: what the whole of ``together`` will need, for the refusal to state
+        (see :meth:`require`). Nothing is booked.
         """
         if together is None:
             if nbytes > self.limit:
                 self.require(nbytes, what=what)
             return
         with self.lock:  # checked as hold() checks, under the lock the split takes
-            self._fit_together(nbytes, together)
+            self._fit_together(nbytes, together, whole)
 
     def enter(
         self,
