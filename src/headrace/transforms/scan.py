@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode, first_element
@@ -44,6 +46,10 @@ def scan_step(fn: Callable[..., Any], state: Any, element: Any, stage: str) -> t
             f"{spec_of(state)} to {spec_of(new_state)}; it must keep it, as in tf.data"
         )
     return new_state, output
+
+
+#: States whose size cannot grow while their type stays (a counter, a running sum).
+_SCALAR_TYPES = (float, bool, complex, np.generic)
 
 
 class ScanNode(UnaryNode):
@@ -91,13 +97,16 @@ class _ScanIterator(Iterator):
         self.account: Buffer = ctx.account(node, self.name)
         #: The booking of the state the stage holds now.
         self.booked = NO_RESERVATION
+        #: The state's type while it is a scalar booked already (see _book_state).
+        self.scalar_type: type | None = None
 
     def _step(self, element: Any, index: int) -> Any:
         try:
             self.state, output = scan_step(self.node.scan_func, self.state, element, self.name)
         except Exception as error:
             raise note_element_error(error, self.name, index)  # noqa: B904
-        self._book_state()
+        if type(self.state) is not self.scalar_type:
+            self._book_state()
         return output
 
     def _book_state(self) -> None:
@@ -106,7 +115,10 @@ class _ScanIterator(Iterator):
         A state's size is known only once the call made it. So a state past what
         the budget can give is refused right after that call, naming its size.
         """
-        nbytes = self.ctx.sizeof(self.state)
+        state = self.state
+        # A scalar keeps its size: booked once, not sized again while its type stays.
+        self.scalar_type = type(state) if isinstance(state, _SCALAR_TYPES) else None
+        nbytes = self.ctx.sizeof(state)
         if nbytes == self.booked.nbytes:
             return
         self.booked.release()
@@ -123,6 +135,7 @@ class _ScanIterator(Iterator):
     def set_state(self, state: dict[str, Any]) -> None:
         self.state = self.node.initial_state
         self.booked.release()
+        self.scalar_type = None
 
         def feed(element: Any, reservation: Reservation) -> None:
             reservation.release()
