@@ -327,13 +327,12 @@ class Buffer:
             self._book(nbytes, elements)
         return Reservation(self, nbytes)
 
-    def _fit_together(self, nbytes: int, what: str, whole: int = 0) -> None:
+    def _fit_together(self, nbytes: int, what: str) -> None:
         """Make the share hold what the stage holds plus ``nbytes`` at once (call holding
-        the lock): its minimum grows to that, or :class:`MemoryBudgetError` (stating
-        ``whole``, see :meth:`require`)."""
+        the lock): its minimum grows to that, or :class:`MemoryBudgetError`."""
         needed = self.held + nbytes
         if needed > self.limit:
-            self.require(needed, what=what, whole=whole)
+            self.require(needed, what=what)
 
     def book_existing(self, sizes: list[int], *, count: bool = True) -> list[Reservation]:
         """Book elements that already exist (outputs of calls that were in flight).
@@ -400,7 +399,9 @@ class Buffer:
                 self.require(nbytes, what=what)
             return
         with self.lock:  # checked as hold() checks, under the lock the split takes
-            self._fit_together(nbytes, together, whole)
+            if whole and self.held + nbytes > self.limit:  # a refusal states ``whole``
+                self.require(self.held + nbytes, what=together, whole=whole)
+            self._fit_together(nbytes, together)
 
     def enter(
         self,
