@@ -95,3 +95,37 @@ def test_a_checkpoint_refused_below_is_raised_when_asked_for_not_while_iterating
             batches.get_state()
         got += [int(v) for batch in batches for v in np.asarray(batch)]
     assert sorted(got) == [x * 2 for x in range(64)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_read_ahead_is_bounded_by_the_budget(seed: int) -> None:
+    """to_jax(prefetch=n) under a budget: the batches transferred ahead are booked, so
+    while the caller holds one batch the pipeline has made at most what the budget
+    holds beyond it; every batch still comes, in order, as under a huge budget."""
+    import random
+    import threading
+
+    rng = random.Random(seed)
+    batch_bytes = rng.choice([1, 2, 4]) << 20
+    prefetch, budget, count = rng.choice([20, 32]), 16 << 20, 24
+    made = [0]
+    lock = threading.Lock()
+
+    def make(i: object) -> np.ndarray:
+        with lock:
+            made[0] += 1
+        return np.full(batch_bytes // 4, int(i), np.float32)  # type: ignore[call-overload]
+
+    def run(memory: int) -> tuple[list[int], int]:
+        ds = hr.Dataset.range(count).map(make).with_options(hr.Options(memory_budget=memory))
+        made[0] = 0
+        with to_jax(ds, prefetch=prefetch, shard_policy=None) as batches:
+            got = [int(next(batches)[0])]
+            ahead = made[0] - 1  # made while the caller holds the first batch
+            got += [int(batch[0]) for batch in batches]
+        return got, ahead
+
+    expected, _ = run(1 << 30)
+    got, ahead = run(budget)
+    assert got == expected == list(range(count))
+    assert ahead * batch_bytes <= budget + batch_bytes, (ahead, batch_bytes)

@@ -673,15 +673,14 @@ def test_an_overdraft_leaves_the_budget_with_its_bytes(monkeypatch: pytest.Monke
 def test_the_batch_breach_of_process_seed_200014_is_gone(where: str) -> None:
     """A process (or thread) map of 64 KiB bytes, batch(32), prefetch, shuffle, prefetch,
     rebatch(16), shuffle under 16 MiB: the batch went 57 KB past its share (see the test
-    above). The pipeline's minima do not fit beside the shuffle's share, so it is refused;
-    now without a breach, and with the refusal saying that the shuffle's share is not lent."""
+    above). The pipeline's minima fit the budget but not beside the shuffle's share: the
+    shuffles give way last, so it runs to the end, without a breach."""
     case = process_spec(200014, newer=False)
     if where == "threads":
         case["ops"][0] = ["pmap", 1, "copy"]
     (result,) = run_specs([case])
     assert_within_budget(result)
-    assert result["outcome"].startswith("MemoryBudgetError"), result
-    assert "shuffle's share is not lent" in result["outcome"], result
+    assert result["outcome"] == "ok", result
 
 
 def test_a_prefetch_whose_bookings_are_all_downstream_never_waits_for_them() -> None:

@@ -8,6 +8,12 @@ and keeps ``prefetch`` of them already transferred with ``jax.device_put``
 (e.g. ``NamedSharding(mesh, P("batch"))``) each host's batch becomes its part
 of one global array (``jax.make_array_from_process_local_data``).
 
+The read-ahead is booked on the pipeline's budget (G1), as a stage of its own
+("to_jax read-ahead"): each batch transferred ahead is booked at its arrays'
+size until ``next()`` hands it out. ``prefetch`` is the most batches it reads
+ahead; when the next one would not fit its share, it reads ahead fewer. On a
+CPU-only host the "device" arrays are host memory, which is why they count.
+
 ``get_state()`` is the headrace state *after the last batch handed out* — the
 batches already on the device are not counted as consumed — so it can be
 saved with the training state (e.g. in an Orbax/JSON checkpoint) and
@@ -30,9 +36,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from headrace.core.handoff import unpin
+from headrace.core.node import Node
 from headrace.distribute import AutoShardPolicy, auto_shard
 from headrace.errors import CheckpointError, InvalidArgumentError
-from headrace.structure import map_structure
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
+from headrace.structure import flatten, map_structure
 
 if TYPE_CHECKING:
     from headrace.core.run import DatasetIterator
@@ -42,8 +50,19 @@ __all__ = ["DeviceIterator", "to_jax"]
 
 
 #: One position of the read-ahead: the device batch (None for a failed one), the state
-#: after it (or why there is none), and the error raised in its place (None if none).
-_Position = tuple[Any, dict[str, Any] | CheckpointError, Exception | None]
+#: after it (or why there is none), the error raised in its place (None if none), and
+#: the batch's booking on the read-ahead's share.
+_Position = tuple[Any, dict[str, Any] | CheckpointError, Exception | None, Reservation]
+
+
+class _ReadAheadStage(Node):
+    """Stands for to_jax's read-ahead in the budget's split (never iterated)."""
+
+    stage = "to_jax read-ahead"
+    budget_weight = 1.0
+
+
+_READ_AHEAD = _ReadAheadStage()
 
 
 class DeviceIterator:
@@ -67,6 +86,9 @@ class DeviceIterator:
         self.device = device
         self.sharding = sharding
         self._elements: DatasetIterator = iter(self.dataset)
+        context = self._elements.context
+        self._account: Buffer = context.account(_READ_AHEAD)
+        context.budget.allot()  # the read-ahead's share, before any batch is read
         self._ahead: collections.deque[_Position] = collections.deque()
         self._ended = False  # the pipeline said StopIteration: ask it no more
         self._state: dict[str, Any] | CheckpointError = self._state_now()
@@ -94,16 +116,20 @@ class DeviceIterator:
         """Read ahead until ``depth`` positions wait. A batch that fails (in the
         pipeline or in the transfer) takes its position as its error, so that it is
         raised in order and the batches pulled after it are not lost."""
+        account = self._account
         while not self._ended and len(self._ahead) < depth:
+            if self._ahead and not account.fits(account.largest()):
+                return  # the share is full: the batch in hand goes, the rest waits
             try:
                 element = self._put(next(self._elements))
+                booking = account.book_existing([_device_bytes(element)])[0]
             except StopIteration:
                 self._ended = True
                 return
             except Exception as error:  # raised by __next__ at this position, not here
-                self._ahead.append((None, self._state_now(), unpin(error)))
+                self._ahead.append((None, self._state_now(), unpin(error), NO_RESERVATION))
                 continue
-            self._ahead.append((element, self._state_now(), None))
+            self._ahead.append((element, self._state_now(), None, booking))
 
     def __iter__(self) -> DeviceIterator:
         return self
@@ -113,7 +139,7 @@ class DeviceIterator:
         if not self._ahead:
             raise StopIteration
         position = self._ahead.popleft()
-        element, state, error = position
+        element, state, error, booking = position
         before, self._state = self._state, state
         if error is not None:
             raise error
@@ -123,6 +149,7 @@ class DeviceIterator:
             self._ahead.appendleft(position)
             self._state = before
             raise
+        booking.release()  # handed out: the caller holds it now
         return element
 
     def get_state(self) -> dict[str, Any]:
@@ -133,13 +160,17 @@ class DeviceIterator:
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Resume after the batch that ``state`` was taken at; drops what was prefetched."""
-        self._ahead.clear()
+        self._drop_ahead()
         self._ended = False
         self._elements.set_state(state)
         self._state = self._state_now()
 
-    def close(self) -> None:
+    def _drop_ahead(self) -> None:
+        release_all(position[3] for position in self._ahead)
         self._ahead.clear()
+
+    def close(self) -> None:
+        self._drop_ahead()
         self._elements.close()
 
     def __enter__(self) -> DeviceIterator:
@@ -147,6 +178,11 @@ class DeviceIterator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _device_bytes(element: Any) -> int:
+    """The bytes of a transferred batch: its arrays' sizes."""
+    return sum(int(getattr(leaf, "nbytes", 0) or 0) for leaf in flatten(element))
 
 
 def to_jax(

@@ -26,8 +26,8 @@ Minimum working sets. A stage that must hold several bytes at once (a batch
 being assembled, one batch in a prefetch queue) declares it with
 :meth:`StageAccount.require`. When that is more than its share, the budget
 splits itself again (:meth:`MemoryBudget.allot`): the stage gets its minimum
-and the others give up what they hold beyond theirs, stages whose share sets
-an order (shuffle) never give. Shares still depend only on the budget, the
+and the others give up what they hold beyond theirs. Stages whose share sets
+an order (shuffle) give last, only when the others cannot make room. Shares still depend only on the budget, the
 structure and the data's sizes; :class:`MemoryBudgetError` names each
 stage's minimum when they cannot all fit.
 
@@ -70,7 +70,6 @@ from dataclasses import dataclass
 
 from headrace.errors import MemoryBudgetError
 from headrace.memory.buffer import (  # (the buffer's names re-exported while stages move over)
-    _NOT_LENT,
     NO_RESERVATION,
     AccountStats,
     BudgetClosed,
@@ -278,16 +277,18 @@ class MemoryBudget:
                 raise MemoryBudgetError(self._minima_message())
             deficit = sum(max(0, low - limit) for low, limit in zip(minima, limits, strict=True))
             limits = [max(low, limit) for low, limit in zip(minima, limits, strict=True)]
-            # Stages whose share sets an order never lend: a re-split happens when a minimum
+            # Stages whose share sets an order lend last: a re-split happens when a minimum
             # becomes known, and with threads that moment is timing, so lending a shuffle's
-            # bytes would make its buffer, and so the order, depend on timing (G3).
+            # bytes can make its buffer, and so the order, depend on timing (G3). But the
+            # minima fit, so refusing would stop a pipeline that can run: the shuffle shrinks.
             lenders = [
                 k for k, account in enumerate(accounts)
                 if not account.sets_order and limits[k] > minima[k]
             ]
             surplus = sum(limits[k] - minima[k] for k in lenders)
             if deficit > surplus:
-                raise MemoryBudgetError(self._minima_message() + _NOT_LENT)
+                lenders = [k for k in range(len(accounts)) if limits[k] > minima[k]]
+                surplus = sum(limits[k] - minima[k] for k in lenders)
             if deficit > 0:
                 for k in lenders:
                     spare = limits[k] - minima[k]

@@ -40,12 +40,6 @@ __all__ = [
     "release_all",
 ]
 
-#: Why minima that fit the total together are refused all the same.
-_NOT_LENT = (
-    " A shuffle's share is not lent to other stages (that would make the order depend on "
-    "timing): a smaller shuffle buffer_size frees it."
-)
-
 
 class _RefusedAbove(MemoryBudgetError):
     """A nested budget could not widen: the stage holding it was refused (its message)."""
@@ -184,13 +178,15 @@ class Buffer:
         if nbytes > self.limit:
             self.require(nbytes, what=what)
 
-    def require(self, nbytes: int, *, what: str) -> None:
+    def require(self, nbytes: int, *, what: str, whole: int = 0) -> None:
         """Declare that this stage must be able to hold ``nbytes`` at once (its minimum).
 
         Called when the minimum becomes known from the data (the first batch's
         size, say), before the bytes are allocated. Past the stage's share, the
         budget is split again so that it fits; if the minima of all the stages
         cannot fit together, :class:`MemoryBudgetError` names them.
+        ``whole``: what all of ``what`` will need, where ``nbytes`` is only the part
+        gathered so far (the first rows of a batch): a refusal states that need.
         """
         if nbytes <= self.minimum:
             return
@@ -204,14 +200,16 @@ class Buffer:
             except _RefusedAbove as error:
                 self.minimum, self.minimum_what = previous
                 raise MemoryBudgetError(str(error)) from None
-            except MemoryBudgetError as error:
-                message = self.budget._minima_message(
-                    f"stage {self.name!r} needs {format_bytes(nbytes)} at once for {what}; "
-                    "with the other stages, the pipeline"
+            except MemoryBudgetError:
+                stated = max(nbytes, whole)
+                self.minimum = stated  # the listing of the minima states it too
+                so_far = (
+                    f" ({format_bytes(nbytes)} of it gathered so far)" if stated > nbytes else ""
                 )
-                if str(error).endswith(_NOT_LENT):  # the minima fit; the shuffle's share not
-                    message = message.replace(", more than the memory budget", " within the "
-                                              "memory budget") + _NOT_LENT
+                message = self.budget._minima_message(
+                    f"stage {self.name!r} needs {format_bytes(stated)} at once for {what}"
+                    f"{so_far}; with the other stages, the pipeline"
+                )
                 self.minimum, self.minimum_what = previous
                 raise MemoryBudgetError(message) from None
         if self._pool is not None:
@@ -430,8 +428,8 @@ class Buffer:
         with self.lock:
             self._unbook(nbytes)
 
-    def expect(self, nbytes: int, *, together: str | None = None, what: str = "one element"
-               ) -> None:
+    def expect(self, nbytes: int, *, together: str | None = None, what: str = "one element",
+               whole: int = 0) -> None:
         """Check that an element of ``nbytes`` not made yet could be admitted.
 
         A reader asks this before it reads a record whose size it knows from a
@@ -439,13 +437,16 @@ class Buffer:
         the budget splits again if it can, as :meth:`admit` would; if it cannot,
         :class:`MemoryBudgetError` is raised now, before the bytes exist.
         ``together``: the element joins what the stage holds (a batch's rows).
-        Nothing is booked.
+        ``whole``: what the whole of ``together`` will need, for the refusal to state
+        (see :meth:`require`). Nothing is booked.
         """
         if together is None:
             if nbytes > self.limit:
                 self.require(nbytes, what=what)
             return
         with self.lock:  # checked as hold() checks, under the lock the split takes
+            if whole and self.held + nbytes > self.limit:  # a refusal states ``whole``
+                self.require(self.held + nbytes, what=together, whole=whole)
             self._fit_together(nbytes, together)
 
     def enter(

@@ -649,7 +649,9 @@ class _FileRecordsIterator(Iterator):
                 try:
                     length = reader.next_length()
                     if length is not None:  # refused before its payload is read
-                        self._expect_known(reader, length, account, what)
+                        cost = record_cost(length)  # the batch's need, at this record's size:
+                        whole = (booked.nbytes + cost) * count // (len(records) + 1)  # (said)
+                        self._expect_known(reader, length, account, what, whole)
                     wanted = count - len(records)
                     room = account.room() - _BYTES_HEADER * wanted
                     batch = reader.read_batch(wanted, max(room, 0))
@@ -674,12 +676,13 @@ class _FileRecordsIterator(Iterator):
             self._batch = None
         return records, booked
 
-    def _expect_known(self, reader: RecordReader, length: int, account: Buffer, what: str
-                      ) -> None:
+    def _expect_known(self, reader: RecordReader, length: int, account: Buffer, what: str,
+                      whole: int = 0) -> None:
         """Refuse the next record, whose ``length`` its header gave, if it cannot join
-        the batch: the budget splits again to make room, or this raises, naming where."""
+        the batch: the budget splits again to make room, or this raises, naming where
+        (and ``whole``, what the batch needs at this size)."""
         try:
-            account.expect(record_cost(length), together=what)
+            account.expect(record_cost(length), together=what, whole=whole)
         except MemoryBudgetError as error:
             raise refused_record(
                 error, "record", self.node.filenames[self.file_index], reader.next_offset,

@@ -26,7 +26,7 @@ from headrace.core.node import (
 )
 from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, Origin
-from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 from headrace.structure import flatten, map_structure, pack_as, structure_paths
 
@@ -137,8 +137,12 @@ class _RowSource(Iterator):
         self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
         self.batch_token: Any = None
 
-    def rows(self) -> _Rows:
-        """The batch rows come from now, pulling the next one when it is used up."""
+    def rows(self, *, together: str | None = None) -> _Rows:
+        """The batch rows come from now, pulling the next one when it is used up.
+
+        ``together``: the next batch is held with what the stage holds already
+        (the pieces of an output being gathered); it is refused if they cannot fit.
+        """
         while self.current is None or self.current.position >= self.current.size:
             self.close_current()
             self.state_before_current = self.inner.get_state()
@@ -146,7 +150,7 @@ class _RowSource(Iterator):
             if self.probe is not None:
                 self.batch_token = self.probe[0]()
             if reservation.account is not None:
-                reservation = self.account.admit(reservation.nbytes, reservation)
+                reservation = self.account.admit(reservation.nbytes, reservation, together=together)
             self.current = _Rows(batch, reservation)
         return self.current
 
@@ -285,12 +289,37 @@ class _RebatchIterator(_RowSource):
             raise StopIteration
         sizes = self.node.sizes
         wanted = sizes[self.batch_number % len(sizes)]
+        # The pieces are held until the output is made. A used-up input batch stays
+        # booked while a piece is a view of it, or its piece is copied out and booked
+        # (``kept``); the next batch is refused before it is pulled past what the
+        # pieces and it can hold together.
+        what = f"a batch of {wanted} rows"
+        kept: list[Reservation] = []
+        try:
+            pieces, structure, have = self._gather(wanted, what, kept)
+            if (have == 0 and wanted > 0) or (self.node.drop_remainder and have < wanted):
+                raise StopIteration
+            self.batch_number += 1
+            if wanted == 0:
+                structure, leaves = self._empty_batch()
+                return pack_as(structure, leaves), NO_RESERVATION
+            return self._concatenate(pieces, structure, have)
+        finally:
+            release_all(kept)
+
+    def _gather(
+        self, wanted: int, what: str, kept: list[Reservation]
+    ) -> tuple[list[list[Any]], Any, int]:
+        """Views of the next ``wanted`` rows, over as many input batches as it takes."""
         pieces: list[list[Any]] = []
         structure: Any = None
         have = 0
         while have < wanted:
+            current = self.current
+            if pieces and current is not None and current.position >= current.size:
+                pieces[-1] = self._keep(pieces[-1], current, what, kept)
             try:
-                rows = self.rows()
+                rows = self.rows(together=what if pieces else None)
             except StopIteration:
                 self.ended = True
                 break
@@ -298,15 +327,28 @@ class _RebatchIterator(_RowSource):
             block = rows.block(wanted - have)
             have += len(next(leaf for leaf in block if leaf is not None))
             pieces.append(block)
-        if (have == 0 and wanted > 0) or (self.node.drop_remainder and have < wanted):
-            raise StopIteration
-        self.batch_number += 1
-        if wanted == 0:
-            structure, leaves = self._empty_batch()
-            return pack_as(structure, leaves), NO_RESERVATION
-        # The output's size is known from the pieces: book it before it is allocated (G1).
-        # Each output is a copy, so it never pins the input batch it came from.
-        nbytes = sum(
+        return pieces, structure, have
+
+    def _keep(
+        self, piece: list[Any], batch: _Rows, what: str, kept: list[Reservation]
+    ) -> list[Any]:
+        """Hold ``piece`` of a used-up input ``batch`` until the output is made.
+
+        A view pins its whole batch: when the piece is most of it, the batch's
+        booking is kept. A small piece is copied out (booked first), so the batch
+        it came from can go.
+        """
+        nbytes = self._bytes([piece])
+        if 2 * nbytes >= batch.reservation.nbytes:
+            kept.append(batch.reservation)
+            batch.reservation = NO_RESERVATION
+            return piece
+        kept.append(self.account.hold(nbytes, what=what, elements=0))
+        return [None if leaf is None else leaf.copy() for leaf in piece]
+
+    def _bytes(self, pieces: list[list[Any]]) -> int:
+        """What the pieces' rows cost once placed in one array a component."""
+        return sum(
             ARRAY_HEADER_BYTES
             + sum(
                 piece[k].nbytes + (self.ctx.sizeof(piece[k]) if piece[k].dtype.hasobject else 0)
@@ -315,6 +357,13 @@ class _RebatchIterator(_RowSource):
             for k in range(len(pieces[0]))
             if pieces[0][k] is not None
         )
+
+    def _concatenate(
+        self, pieces: list[list[Any]], structure: Any, have: int
+    ) -> tuple[Any, Reservation]:
+        # The output's size is known from the pieces: book it before it is allocated (G1).
+        # Each output is a copy, so it never pins the input batch it came from.
+        nbytes = self._bytes(pieces)
         booking = self.account.admit(nbytes, together=f"a batch of {have} rows")
         try:
             leaves = [
