@@ -63,6 +63,17 @@ class Sampler:
         return self.peak - self.start
 def report(sampler, outcome, **extra):
     print("@@RESULT@@ " + json.dumps({"growth": sampler.growth(), "outcome": outcome, **extra}))
+def drain(ds, delay=0.0):
+    """Iterate ``ds`` under the sampler; report how it ended."""
+    s = Sampler(); n = 0
+    try:
+        for _ in ds:
+            n += 1
+            if delay:
+                time.sleep(delay)
+        report(s, f"finished ({n} elements)")
+    except Exception as e:
+        report(s, type(e).__name__ + ": " + str(e)[:160])
 import numpy as np
 import headrace as hr
 MiB = 1 << 20
@@ -76,26 +87,14 @@ def grow(i):
 if __name__ == "__main__":
     ds = hr.Dataset.range(3600).map(grow, num_parallel_calls=2, workers="processes")
     ds = ds.with_options(hr.Options(memory_budget=64 * MiB))
-    s = Sampler(); n = 0
-    try:
-        for x in ds:
-            n += 1; time.sleep(0.0005)
-        report(s, f"finished ({n} elements)")
-    except Exception as e:
-        report(s, type(e).__name__)
+    drain(ds, 0.0005)
 '''),
     "thread map, outputs 128 B -> 400 KB after 3,000": (32, 0, '''
 def grow(i):
     return np.ones(16 if i < 3000 else 400_000 // 8, np.float64)
 ds = hr.Dataset.range(4000).map(grow, num_parallel_calls=2)
 ds = ds.with_options(hr.Options(memory_budget=32 * MiB))
-s = Sampler(); n = 0
-try:
-    for x in ds:
-        n += 1; time.sleep(0.0002)
-    report(s, f"finished ({n} elements)")
-except Exception as e:
-    report(s, type(e).__name__)
+drain(ds, 0.0002)
 '''),
     "process map, one 256 MiB output": (64, 256 * MIB, '''
 def giant(i):
@@ -103,39 +102,21 @@ def giant(i):
 if __name__ == "__main__":
     ds = hr.Dataset.range(20).map(giant, num_parallel_calls=2, workers="processes")
     ds = ds.with_options(hr.Options(memory_budget=64 * MiB))
-    s = Sampler(); n = 0
-    try:
-        for x in ds:
-            n += 1
-        report(s, f"finished ({n} elements)")
-    except Exception as e:
-        report(s, type(e).__name__)
+    drain(ds)
 '''),
     "thread map, one 256 MiB output": (64, 256 * MIB, '''
 def giant(i):
     return np.ones(256 * MiB // 8 if i == 5 else 16, np.float64)
 ds = hr.Dataset.range(20).map(giant, num_parallel_calls=2)
 ds = ds.with_options(hr.Options(memory_budget=64 * MiB))
-s = Sampler(); n = 0
-try:
-    for x in ds:
-        n += 1
-    report(s, f"finished ({n} elements)")
-except Exception as e:
-    report(s, type(e).__name__)
+drain(ds)
 '''),
     "thread map, a list of 1 M ints": (32, 36 * MIB, '''
 def many(i):
     return list(range(1_000_000)) if i == 3 else [i]
 ds = hr.Dataset.range(10).map(many, num_parallel_calls=2)
 ds = ds.with_options(hr.Options(memory_budget=32 * MiB))
-s = Sampler(); n = 0
-try:
-    for x in ds:
-        n += 1
-    report(s, f"finished ({n} elements)")
-except Exception as e:
-    report(s, type(e).__name__)
+drain(ds)
 '''),
     "8 pipelines on a 64 MiB default, prefetch(64) of 1 MiB": (64, 0, '''
 import headrace.core.run as run
@@ -166,13 +147,7 @@ path = os.path.join(tempfile.mkdtemp(), "lines.txt")
 with open(path, "wb") as f:
     f.write(b"short\\n" * 1000 + b"x" * 48_000_000 + b"\\n" + b"after\\n" * 10)
 ds = hr.TextLineDataset(path).with_options(hr.Options(memory_budget=16 * MiB))
-s = Sampler(); n = 0
-try:
-    for x in ds:
-        n += 1
-    report(s, f"finished ({n} elements)")
-except Exception as e:
-    report(s, type(e).__name__ + ": " + str(e)[:160])
+drain(ds)
 '''),
     "a 9 KB GIF: 8000x8000 screen, 400 frames": (64, 0, '''
 import io, struct, zlib
