@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import settings
 
+from headrace.io.filepool import PooledStream
+
 # No per-example deadline anywhere: on a loaded 2-core machine running two test
 # processes, a preempted example takes longer than Hypothesis's 200 ms without
 # anything being wrong (pytest-timeout still bounds each test).
@@ -83,3 +85,18 @@ def stream_descriptors(monkeypatch: pytest.MonkeyPatch) -> DescriptorCounter:
     counter = DescriptorCounter()
     monkeypatch.setattr(streams_module, "os", counter)
     return counter
+
+
+@pytest.fixture
+def bytes_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Decompressed bytes read from pooled streams (one counter for the whole test)."""
+    total = [0]
+    original = PooledStream.read
+
+    def counting(self: PooledStream, size: int = -1, /) -> bytes:
+        data = original(self, size)
+        total[0] += len(data)
+        return data
+
+    monkeypatch.setattr(PooledStream, "read", counting)
+    return total

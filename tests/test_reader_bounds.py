@@ -15,7 +15,6 @@ import pytest
 
 import headrace as hr
 from headrace.errors import MemoryBudgetError, RecordTooLargeError
-from headrace.io.filepool import PooledStream
 from headrace.io.tfrecord import write_tfrecord
 from headrace.sources.files import DEFAULT_MAX_LINE_BYTES
 from headrace.testing import assert_checkpoint_roundtrip
@@ -87,20 +86,6 @@ def write_records(path: Path, sizes: list[int]) -> list[bytes]:
     write_tfrecord(path, records)
     return records
 
-
-@pytest.fixture
-def bytes_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Bytes read from pooled streams so far (one counter for the whole test)."""
-    total = [0]
-    original = PooledStream.read
-
-    def counting(self: PooledStream, size: int = -1, /) -> bytes:
-        data = original(self, size)
-        total[0] += len(data)
-        return data
-
-    monkeypatch.setattr(PooledStream, "read", counting)
-    return total
 
 
 @pytest.mark.parametrize("batched", [False, True])

@@ -24,7 +24,6 @@ import pytest
 
 import headrace as hr
 from headrace.errors import MemoryBudgetError
-from headrace.io.filepool import PooledStream
 from headrace.io.tfrecord import write_tfrecord
 
 MiB = 1 << 20
@@ -114,20 +113,6 @@ def _csv_case(rng: random.Random, path: Path, compressed: bool, batch: int, coun
     return Case(path, "csv", compressed, batch, count, bad_offset, bad_size, bad_column,
                 header, rng.choice(["auto", "pure"]))
 
-
-@pytest.fixture
-def bytes_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Decompressed bytes read from pooled streams (one counter for the whole test)."""
-    total = [0]
-    original = PooledStream.read
-
-    def counting(self: PooledStream, size: int = -1, /) -> bytes:
-        data = original(self, size)
-        total[0] += len(data)
-        return data
-
-    monkeypatch.setattr(PooledStream, "read", counting)
-    return total
 
 
 def _flatten(items: list[Any], batched: bool) -> list[Any]:
