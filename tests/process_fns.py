@@ -266,3 +266,51 @@ def giant_at(at: int, nbytes: int, x: Any) -> Any:
     if int(x) == at:
         return np.ones(nbytes, np.uint8)
     return np.full(16, int(x), np.int64)
+
+
+def varied_output(seed: int, x: Any) -> Any:
+    """An output whose structure differs element to element (drawn from ``seed`` and the
+    element): strings, bytes, arrays of several dtypes, small and large, nested in
+    tuples, lists and dicts, some objects met more than once in the same output."""
+    import random
+
+    rng = random.Random(seed * 1_000_003 + int(x))
+
+    def leaf(depth: int) -> Any:
+        kind = rng.randrange(8 if depth < 3 else 5)
+        if kind == 0:
+            return f"s{rng.randrange(1 << 20)}"
+        if kind == 1:
+            return bytes([rng.randrange(256)]) * rng.choice([1, 100, 70_000])
+        if kind == 2:
+            dtype = rng.choice(["u1", "i4", "f8", "<U3", "bool"])
+            return np.arange(rng.choice([1, 7, 50_000]) % 400_000).astype(dtype)
+        if kind == 3:
+            return rng.choice([None, True, 3, -2.5, 1 << 70])
+        if kind == 4:
+            return np.dtype(rng.choice(["u1", "i4", "f8"]))
+        items = [leaf(depth + 1) for _ in range(rng.randrange(1, 4))]
+        items += [items[rng.randrange(len(items))]]  # one object met twice
+        if kind == 5:
+            return tuple(items)
+        if kind == 6:
+            return items
+        return {f"k{i}": item for i, item in enumerate(items)}
+
+    return leaf(0)
+
+
+def worker_only_class_on(bad: frozenset[int], x: Any) -> Any:
+    """For the elements in ``bad``, an instance of a class from a module that exists
+    only in the worker process (the parent cannot rebuild it); ``x`` for the others."""
+    import sys
+    import types
+
+    if int(x) not in bad:
+        return x
+    module = sys.modules.get("headrace_test_only_in_worker")
+    if module is None:
+        module = types.ModuleType("headrace_test_only_in_worker")
+        exec("class Thing:\n    pass\n", module.__dict__)
+        sys.modules[module.__name__] = module
+    return module.Thing()

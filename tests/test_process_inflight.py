@@ -321,8 +321,14 @@ def test_an_output_larger_than_the_budget_is_refused_in_the_worker() -> None:
 
 def _object(rng: random.Random, nbytes: int) -> Any:
     """An output of about ``nbytes``: an array, large bytes (sent as a copy), a bytes
-    column met twice, a dict of them, or one that cannot be pickled."""
-    kind = rng.choice(["array", "bytes", "column", "dict", "unsendable", "none"])
+    column met twice, a dict of them, one that cannot be pickled, or small objects met
+    more than once in one output (pickle memo references, which differ output to
+    output: an output's references must resolve within that output)."""
+    kind = rng.choice(["array", "bytes", "column", "dict", "unsendable", "none", "repeats"])
+    if kind == "repeats":
+        word = f"w{rng.randrange(1 << 30)}"
+        small = np.arange(rng.randrange(1, 9), dtype=rng.choice(["u1", "i4", "f8"]))
+        return (word, [word, small.dtype], small, {word: small.dtype.str}, small.dtype.str)
     if kind == "array":
         return np.full(nbytes, nbytes % 251, np.uint8)
     if kind == "bytes":
@@ -376,7 +382,8 @@ def test_outputs_packed_one_by_one_come_back_whole(seeds: range) -> None:
                 writer.add(None)
                 obj = None
             expected.append(obj)
-        got = maps.unpack_outputs(writer.finish())
+        got, unreadable = maps.unpack_outputs(writer.finish())
+        assert not unreadable
         assert len(got) == len(expected)
         assert all(_same(a, b) for a, b in zip(expected, got, strict=True)), seed
         page = shm.SegmentPool.capacity_for

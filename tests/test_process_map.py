@@ -87,6 +87,62 @@ def test_same_elements_errors_and_order_as_sequential(
     assert own_segments() == []
 
 
+def _identical(a: Any, b: Any) -> bool:
+    """Equal values of the same types, arrays by dtype, shape and contents."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(map(_identical, a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_identical(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, pytest.param(3, marks=pytest.mark.slow),
+                                  pytest.param(4, marks=pytest.mark.slow)])
+def test_outputs_of_varied_structure_come_back_as_the_in_process_map_makes_them(
+    seed: int,
+) -> None:
+    """Oracle: the same function mapped in this process. Outputs whose structure differs
+    element to element, with objects met twice in one output, several to a call: each
+    comes back identical (a shared unpickler once resolved an output's memo references
+    into an earlier output's objects: wrong values, or a class named by a dtype)."""
+    fn = functools.partial(process_fns.varied_output, seed)
+    source = hr.Dataset.range(300)
+    expected = list(source.map(fn))
+    got = list(source.map(fn, num_parallel_calls=2, workers="processes"))
+    assert len(got) == len(expected)
+    wrong = [i for i, (a, b) in enumerate(zip(expected, got, strict=True))
+             if not _identical(a, b)]
+    assert not wrong, f"elements {wrong[:5]} differ: {got[wrong[0]]!r} != {expected[wrong[0]]!r}"
+    assert own_segments() == []
+
+
+def test_an_output_this_process_cannot_rebuild_fails_in_its_place_alone() -> None:
+    """An output whose class exists only in the worker: its element raises the import
+    error, saying where; the outputs of the same call before and after it are whole,
+    and ``ignore_errors`` drops just that element."""
+    fn = functools.partial(process_fns.worker_only_class_on, frozenset({5, 6, 40}))
+    ds = hr.Dataset.range(60).map(fn, num_parallel_calls=2, workers="processes")
+    got: list[Any] = []
+    with iter(ds) as iterator:
+        while True:
+            try:
+                got.append(int(next(iterator)))
+            except StopIteration:
+                break
+            except ModuleNotFoundError as error:
+                assert "headrace_test_only_in_worker" in str(error)
+                assert any("could not be rebuilt in this process" in note
+                           for note in error.__notes__)
+                got.append("error")
+    assert got == [x if x not in (5, 6, 40) else "error" for x in range(60)]
+    assert [int(x) for x in ds.ignore_errors()] == [x for x in range(60) if x not in (5, 6, 40)]
+    assert own_segments() == []
+
+
 def test_worker_exception_has_its_traceback_and_iteration_goes_on() -> None:
     fn = functools.partial(process_fns.fail_on, frozenset({3}))
     ds = hr.Dataset.range(6).map(fn, num_parallel_calls=2, workers="processes")

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from headrace.errors import add_note
 from headrace.io.columns import join_bytes, split_bytes
 
 __all__ = [
@@ -406,6 +407,9 @@ class Outputs:
     segments: tuple[tuple[int, str, int], ...] = ()
     spans: tuple[tuple[int, int, int], ...] = ()
     copied: tuple[int, ...] = ()  # positions in ``spans`` of bytes received as copies
+    #: Where each output ends: in ``payload`` and in ``spans`` (an output that cannot be
+    #: rebuilt here fails alone, in its place: see :meth:`SegmentMaps.unpack_outputs`).
+    ends: tuple[tuple[int, int], ...] = ()
 
     @property
     def shared_bytes(self) -> int:
@@ -468,6 +472,7 @@ class OutputWriter:
         self._offset = self._capacity = 0
         self._largest = 0  # segment bytes of the largest output so far
         self.count = 0
+        self._ends: list[tuple[int, int]] = []
         #: Segment bytes the outputs so far took (aligned).
         self.shared = 0
         #: Time spent packing (the worker tells it apart from the function's).
@@ -517,6 +522,7 @@ class OutputWriter:
             self.seconds += time.perf_counter() - began
         self.count += 1
         self.shared += need
+        self._ends.append((stream.tell(), len(self.spans)))
         return stream.tell() - start + need
 
     def _copy(self, need: int, left: int) -> None:
@@ -547,7 +553,7 @@ class OutputWriter:
     def finish(self) -> Outputs:
         """The outputs packed, as the message that carries them."""
         return Outputs(self._stream.getvalue(), self.count, tuple(self.segments),
-                       tuple(self.spans), tuple(self.copied))
+                       tuple(self.spans), tuple(self.copied), tuple(self._ends))
 
 
 def sweep_process(owner: int, pid: int) -> list[str]:
@@ -770,10 +776,17 @@ class SegmentMaps:
             dead.append(key)
         return obj
 
-    def unpack_outputs(self, outputs: Outputs) -> list[Any]:
+    def unpack_outputs(self, outputs: Outputs) -> tuple[list[Any], dict[int, Exception]]:
         """The objects of ``outputs`` (see :class:`OutputWriter`), their arrays viewing the
         segments (each mapped by name when new); a segment is reported free when the
-        last view of it is gone (at once when none views it)."""
+        last view of it is gone (at once when none views it).
+
+        Each output is its own pickle, read by its own unpickler: the writer clears its
+        memo after each output, and an unpickler keeps its memo across loads, so one
+        unpickler for all would resolve an output's memo references into an earlier
+        output's objects. An output that cannot be rebuilt here (its class is not
+        importable in this process) is ``None`` in the list, its error by position.
+        """
         mappings = []
         for key, name, capacity in outputs.segments:
             if name:
@@ -782,7 +795,7 @@ class SegmentMaps:
             mappings.append(self.maps[key][0])
         copied = set(outputs.copied)
         views: list[Any] = []
-        handed: list[Any] = []
+        handed: list[Any] = []  # per span: its view, None where received as a copy
         viewed: set[int] = set()
         dead = self._dead
         for position, (segment, offset, length) in enumerate(outputs.spans):
@@ -790,6 +803,7 @@ class SegmentMaps:
                 view = np.frombuffer(whole[offset : offset + length], np.uint8)
             views.append(view)
             if position in copied:
+                handed.append(None)
                 continue
             key = outputs.segments[segment][0]
             handed.append(view)
@@ -802,12 +816,22 @@ class SegmentMaps:
                 with self._lock:
                     self.live[key] = self.live.get(key, 0) + 1
                 dead.append(key)
-        unpickler = _Unpickler(io.BytesIO(outputs.payload), handed, views)
-        objects = []
-        for _ in range(outputs.count):
-            unpickler._columns = []  # a column id numbers columns within one output
-            objects.append(unpickler.load())
-        return objects
+        stream = io.BytesIO(outputs.payload)
+        objects: list[Any] = []
+        failed: dict[int, Exception] = {}
+        spans_from = 0
+        for position, (payload_end, spans_end) in enumerate(outputs.ends):
+            buffers = [view for view in handed[spans_from:spans_end] if view is not None]
+            spans_from = spans_end
+            try:
+                objects.append(_Unpickler(stream, buffers, views).load())
+            except Exception as error:
+                add_note(error, f"headrace: output {position} of a worker's call could not be "
+                                "rebuilt in this process")
+                failed[position] = error
+                objects.append(None)
+            stream.seek(payload_end)
+        return objects, failed
 
     def released(self) -> list[int]:
         """Keys whose views are all gone since the last call (their segment may be reused)."""
