@@ -6,9 +6,14 @@ per element (a lock, a wake-up, a GIL switch) costs more than a cheap element.
 :class:`Handoff` is that unit. Per position it holds either an element with its
 budget reservation, or an error: an error travels *in its element's place*, so
 the consumer raises it only after every earlier element, holds no reservation
-for it, and continues with the next position on the following ``next()`` —
-nothing before or after it is lost (tf.data's behaviour, where an element's
-error does not end the iteration).
+for it once it is raised, and continues with the next position on the
+following ``next()`` — nothing before or after it is lost (tf.data's behaviour,
+where an element's error does not end the iteration).
+
+Errors are booked while they wait. A user's exception may carry large data (the
+rows it refused, in its ``args`` or attributes), and a read-ahead stage may hold
+many of them for their turn. So a held error is booked at its size
+(:func:`book_error`), like an element, and released when it is handed out.
 
 Errors pin nothing. An exception keeps its traceback, and the traceback keeps
 every frame it passed through with all their locals: the elements a stage had
@@ -33,16 +38,18 @@ from __future__ import annotations
 
 import builtins
 import linecache
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
 from headrace.core.iterator import Iterator
 from headrace.core.state import INNER, SKIP, past_end
 from headrace.errors import WorkerPoolError, add_note
-from headrace.memory.buffer import NO_RESERVATION, Reservation, release_all
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
 
 __all__ = [
-    "TRACEBACK_NOTE", "Handoff", "drop_frames", "holds_a_place", "restore_input", "unpin",
+    "TRACEBACK_NOTE", "Handoff", "book_error", "drop_frames", "holds_a_place", "restore_input",
+    "unpin",
 ]
 
 _Error = TypeVar("_Error", bound=BaseException)
@@ -117,6 +124,16 @@ def _note_traceback(error: BaseException, lines: str) -> None:
     add_note(error, TRACEBACK_NOTE + lines.rstrip("\n"))
 
 
+def book_error(buffer: Buffer, sizeof: Callable[[Any], int], error: BaseException) -> Reservation:
+    """Book an error a stage holds for its turn at its size (what it keeps alive).
+
+    The error exists already, so it is never refused: the user's own error must come
+    out, not a MemoryBudgetError in its place. What passes the share is an overdraft,
+    which keeps the stage from starting more work until it drains.
+    """
+    return buffer.overdraw(sizeof(error))
+
+
 def holds_a_place(error: BaseException) -> bool:
     """Whether an error an input raised stands in an element's place (the input moved
     past that element: a stage above counts it as one position, and a state taken
@@ -132,7 +149,8 @@ class Handoff:
     """Positions ``0..len(elements)-1`` of one chunk, taken in order by one consumer.
 
     ``errors`` maps a position to the exception raised there (its element slot
-    holds ``None``, its reservation is empty). ``first_index`` is the index, in
+    holds ``None``; its reservation books the error's own size, released when it
+    is raised: :func:`book_error`). ``first_index`` is the index, in
     the stage's input, of position 0 (for error notes and checkpoints). ``tokens``,
     where a stage above asks for origins, holds each position's origin token
     (:meth:`~headrace.core.iterator.Iterator.origin_token` of the input, taken by the
@@ -169,6 +187,10 @@ class Handoff:
         self.taken = position + 1
         errors = self.errors
         if errors is not None and position in errors:
+            # A held error is booked at its size, like an element: handed out, it is
+            # the consumer's, and its booking ends here.
+            held, self.reservations[position] = self.reservations[position], NO_RESERVATION
+            held.release()
             raise errors.pop(position)
         element = self.elements[position]
         # The consumer owns the element now: this chunk must not keep its memory alive

@@ -239,6 +239,20 @@ class InFlight:
         ticket.booked = 0
         return self.buffer.book_existing(sizes) if sizes else []
 
+    def hold_error(self, nbytes: int) -> Reservation:
+        """Book an error (of ``nbytes``) that a call raised in an output's place, held
+        until its turn. It is never refused: the user's error must come out.
+
+        A user's exception may carry large data (the rows it refused), and later
+        calls may raise as large ones. So it counts as an output for the estimate
+        of what a call will hold (capped at the share: a guess must not refuse),
+        and fewer calls start. It does not teach the output/input ratio.
+        """
+        learned = min(nbytes, self.buffer.share())
+        if learned > self._largest:
+            self._largest = learned
+        return self.buffer.overdraw(nbytes)
+
     def _learn(self, sizes: list[int], inputs: list[int], booked: int | None) -> None:
         largest = max(sizes)
         if largest > self._largest:

@@ -12,7 +12,8 @@ The budget needs the truth, so costs are *owner-based*:
   that memory is not the pipeline's to cap, and such a view costs its header;
 * containers are costed deeply: list, tuple, dict keys and values, set, an
   object's ``__dict__`` and ``__slots__`` (dataclasses included), with a cycle
-  guard; ``memoryview`` by the buffer it exposes; object arrays by their items;
+  guard; an exception also by its ``args``, cause, context and group members
+  (an error a stage holds for its turn keeps them alive); ``memoryview`` by the buffer it exposes; object arrays by their items;
 * types registered with :func:`register_sizer` use their sizer (built in, and
   installed only once their library is imported: torch tensors, PIL images,
   pyarrow arrays, tables and buffers);
@@ -311,6 +312,9 @@ class _Costing:
             return sys.getsizeof(value)  # subclasses of the flat types (IntEnum, ...)
         total = sys.getsizeof(value)
         known = False
+        if isinstance(value, BaseException):
+            known = True
+            total += self.exception_parts(value)
         attributes = getattr(value, "__dict__", None)
         if isinstance(attributes, dict):
             known = True
@@ -327,6 +331,21 @@ class _Costing:
                     total += self.cost(getattr(value, slot))
         if not known and not callable(value):
             _warn_unsized(cls)
+        return total
+
+    def exception_parts(self, error: BaseException) -> int:
+        """What an exception keeps alive besides its ``__dict__``: its ``args``, its
+        cause and context, and a group's members. A stage that holds an error for its
+        turn holds all of these (a user's exception may carry the rows it refused).
+        Its traceback is not counted: a held error has its frames dropped first
+        (:func:`headrace.core.handoff.unpin`)."""
+        total = self.cost(error.args)
+        for linked in (error.__cause__, error.__context__):
+            if linked is not None:
+                total += self.cost(linked)
+        members = getattr(error, "exceptions", None)  # an ExceptionGroup's
+        if isinstance(members, tuple):
+            total += self.cost(members)
         return total
 
 

@@ -430,7 +430,7 @@ def _apply_chunk(
     large temporary) as soon as ``fn`` returns it, in the worker: a chunk of
     views would otherwise keep a chunk of temporaries alive until the consumer
     collects it — memory no booking covers. An element whose call raised
-    leaves ``None``, cost 0, and its error. ``first``: the position in the map's input
+    leaves ``None``, its error, and the error's cost (an exception may carry arrays). ``first``: the position in the map's input
     of ``elements[0]`` (in ``epochs``), published to ``fn`` (:func:`call_at`).
 
     ``allowance``: the bytes booked for the chunk's outputs. Once the outputs cost
@@ -453,7 +453,8 @@ def _apply_chunk(
             if failed is None:
                 failed = {}
             failed[len(outputs)] = unpin(error)  # held until handed out: pins nothing
-            output, size = None, 0
+            # What the error keeps alive counts against the allowance like an output.
+            output, size = None, admit(error)[1]
         outputs.append(output)
         sizes.append(size)
         spent += size
@@ -830,7 +831,7 @@ class _ParallelMapIterator(Iterator):
             wanted = int(self.target_call_seconds / per_element) or 1
             self.chunk = max(1, min(self.max_chunk, wanted))
         errors: dict[int, Exception] | None = None
-        # the failed positions hold no output and book nothing
+        # the failed positions hold no output: their errors are booked below
         good = [p for p in range(ran) if failed is None or p not in failed]
         sizes = costs if failed is None else [costs[p] for p in good]
         inputs = ticket.inputs if failed is None else [ticket.inputs[p] for p in good]
@@ -855,11 +856,13 @@ class _ParallelMapIterator(Iterator):
                 )
                 for position, error in failed.items()
             }
+            for position, error in errors.items():  # held for their turn: booked
+                reservations[position] = ledger.hold_error(self.ctx.sizeof(error))
         if call.error is not None:
             errors = errors or {}
             errors[len(outputs)] = call.error
             outputs.append(None)
-            reservations.append(NO_RESERVATION)
+            reservations.append(ledger.hold_error(self.ctx.sizeof(call.error)))
         start = call.start
         if start:  # positions in the chunk, after those another call handed out
             outputs = [None] * start + outputs

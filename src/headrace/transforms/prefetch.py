@@ -29,12 +29,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from headrace.core.handoff import Handoff, holds_a_place, restore_input, unpin
+from headrace.core.handoff import Handoff, book_error, holds_a_place, restore_input, unpin
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, ShardRole, UnaryNode, check_positive
 from headrace.core.state import INNER, SKIP, StateReader
 from headrace.errors import Origin
-from headrace.memory.buffer import NO_RESERVATION, BudgetClosed, Buffer, Reservation
+from headrace.memory.buffer import BudgetClosed, Buffer, Reservation
 from headrace.options import AUTOTUNE
 
 __all__ = ["PrefetchIterator", "PrefetchNode"]
@@ -180,7 +180,7 @@ class _Producer:
                     pulled = True
                     errors = {len(elements): unpin(error)}  # handed out later
                     elements.append(None)
-                    bookings.append(NO_RESERVATION)
+                    bookings.append(book_error(account, self.ctx.sizeof, error))
                     if tokens is not None:
                         tokens.append(None)
                     break

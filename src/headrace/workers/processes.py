@@ -88,7 +88,7 @@ from headrace.errors import (
     WorkerPoolError,
     add_note,
 )
-from headrace.memory.sizeof import admit
+from headrace.memory.sizeof import admit, sizeof
 from headrace.memory.units import format_bytes
 from headrace.workers.memory import WorkerMemory, worker_memory
 from headrace.workers.shm import (
@@ -322,8 +322,8 @@ def _run_chunk(
     """Run ``handler`` over ``elements`` in order, each output packed by ``writer`` before
     the next element runs; the errors by position.
 
-    The call stops after the output whose cost takes the outputs past ``allowance``
-    (what the consumer booked for them), if elements remain: the outputs so far go
+    The call stops after the output (or error: it may carry arrays) whose cost takes
+    the outputs past ``allowance`` (what the consumer booked for them), if elements remain: the outputs so far go
     back, and the consumer runs the rest in another call. So a call's outputs pass
     their booking by one output at most. An output larger than ``ceiling`` (the
     whole budget) is refused here, before it is packed: its pack would double it.
@@ -343,6 +343,11 @@ def _run_chunk(
             del element
             errors[position] = _failure(error)
             writer.add(None)
+            if costed:  # it goes back and is held like an output: it may carry arrays
+                spent += sizeof(error)
+            del error
+            if allowance is not None and spent > allowance and position + 1 < count:
+                break
             continue
         del element
         cost = 0
