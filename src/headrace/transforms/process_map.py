@@ -55,6 +55,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.errors import InvalidArgumentError
 from headrace.memory.buffer import Buffer, Reservation
 from headrace.options import AUTOTUNE
+from headrace.sources.files import file_limiter
 from headrace.transforms import map as map_module
 from headrace.transforms.map import MapNode, PositionedCall, _apply_chunk, _ParallelMapIterator
 from headrace.workers.memory import WorkerStats
@@ -138,6 +139,7 @@ class ProcessMapIterator(_ParallelMapIterator):
                 self.stage,
                 what="the map function",
                 book_idle=self._book_idle,
+                files=file_limiter(self.ctx),
             )
         epochs = self.ctx.epochs
         inner = self.processes.submit(
