@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -155,3 +156,30 @@ def test_descriptors_per_worker_measured() -> None:
     for count, opened, held in json.loads(done.stdout.strip().splitlines()[-1]):
         assert opened == count * DESCRIPTORS_PER_WORKER  # started: what each keeps open
         assert held == (count * DESCRIPTORS_PER_WORKER + SPAWN_DESCRIPTORS if count else 0)
+
+
+def test_auto_takes_threads_when_no_worker_pipes_fit() -> None:
+    """``workers="auto"`` under a cap too low for one worker's pipes picks threads (and
+    says why), so a pipeline that ran before the pipes were counted still runs."""
+    import headrace as hr
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import process_fns
+
+    rng = random.Random(7)
+    reasons = []
+    for _ in range(6):  # (the GIL probe is noisy on a busy machine: some runs say threads)
+        rows, cap = rng.randint(80, 140), rng.randint(1, 8)
+        ds = (hr.Dataset.range(rows)
+              .map(process_fns.python_work, num_parallel_calls=2, workers="auto")
+              .with_options(hr.Options(max_open_files=cap)))
+        with iter(ds) as iterator:
+            assert list(iterator) == list(range(rows))
+            (choice,) = iterator.stats().workers
+        assert choice.kind == "threads", choice.reason  # a cap of 8 fits no worker
+        reasons.append(choice.reason)
+        if "no descriptors for worker pipes" in choice.reason:
+            assert f"max_open_files={cap}" in choice.reason
+            break
+    else:
+        pytest.fail(f"the GIL-bound function was never sampled as such: {reasons}")
