@@ -183,3 +183,44 @@ def test_auto_takes_threads_when_no_worker_pipes_fit() -> None:
             break
     else:
         pytest.fail(f"the GIL-bound function was never sampled as such: {reasons}")
+
+
+@pytest.mark.slow
+def test_process_interleave_workers_fit_the_cap() -> None:
+    """A process interleave's pool holds its pipes on the pipeline's cap too: fewer
+    workers (told) or a FileLimitError, and the elements of the threaded run."""
+    import warnings
+
+    import headrace as hr
+    from headrace.errors import FileLimitError, HeadraceWarning
+    from headrace.workers.processes import DESCRIPTORS_PER_WORKER, SPAWN_DESCRIPTORS
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import process_fns
+
+    rng = random.Random(1)  # (a case for each way: all fit, fewer, none)
+    for _ in range(3):
+        inputs, cycle = rng.randint(3, 12), rng.randint(1, 4)
+        calls, cap = rng.randint(1, cycle), rng.randint(4, 14)
+
+        def build(workers: str, inputs: int = inputs, cycle: int = cycle,
+                  calls: int = calls) -> hr.Dataset:
+            return hr.Dataset.range(inputs).interleave(
+                process_fns.shard_dataset, cycle_length=cycle, num_parallel_calls=calls,
+                workers=workers)
+
+        expected = [int(x) for x in build("threads")]
+        room = min(calls, (cap - 1 - SPAWN_DESCRIPTORS) // DESCRIPTORS_PER_WORKER)
+        ds = build("processes").with_options(hr.Options(max_open_files=cap))
+        if room <= 0:
+            with pytest.raises(FileLimitError, match=f"max_open_files={cap}"):
+                list(ds)
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with iter(ds) as iterator:
+                assert [int(x) for x in iterator] == expected
+                (stats,) = iterator.stats().workers
+        assert stats.count == room
+        told = [w for w in caught if issubclass(w.category, HeadraceWarning)]
+        assert bool(told) == (room < calls)

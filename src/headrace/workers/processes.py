@@ -686,6 +686,10 @@ class ProcessPool:
     ``book_idle(nbytes)`` books a result segment kept idle for reuse and returns
     its reservation (or None: then the segment is dropped instead); each worker
     keeps up to ``idle_segments`` of them.
+
+    ``files``: the pipeline's cap on descriptors. The workers' pipes hold slots of it
+    and of the process-wide cap until :meth:`shutdown`; ``count`` is lowered (with a
+    warning) to the workers they have room for (see :meth:`_hold_descriptors`).
     """
 
     def __init__(
