@@ -82,10 +82,12 @@ from headrace.memory.budget import MemoryBudget
 from headrace.memory.buffer import Buffer, Reservation
 from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE, Options
+from headrace.sources.files import file_limiter
 from headrace.transforms._interleave_cycle import CycleIterator, Slot
 from headrace.workers.processes import ProcessPool, _RemoteTraceback, portable
 
 if TYPE_CHECKING:
+    from headrace.io.filepool import FileLimiter
     from headrace.transforms.interleave import InterleaveNode
 
 __all__ = [
@@ -257,6 +259,7 @@ def slot_pool(
     stage: str,
     account: Buffer,
     ceiling: int | None = None,
+    files: FileLimiter | None = None,
 ) -> ProcessPool:
     """The worker processes that read an interleave's slots.
 
@@ -265,6 +268,7 @@ def slot_pool(
     more than the copy into it), each booked on the stage's ``account`` while it
     waits; when the account has no room the segment is dropped instead.
     ``ceiling``: elements past it are refused in the worker (see :class:`SlotReader`).
+    ``files``: the pipeline's cap on descriptors, which the workers' pipes count against.
     """
     reader = SlotReader(node, options, share, kept_iterators(node), ceiling)
 
@@ -277,7 +281,7 @@ def slot_pool(
     slots = -(-int(getattr(node, "cycle_length", 1) or 1) // count)
     return ProcessPool(
         reader, count, stage, what="the interleave function", book_idle=book_idle,
-        idle_segments=(READ_AHEAD + 3) * slots,
+        idle_segments=(READ_AHEAD + 3) * slots, files=files,
     )
 
 
@@ -547,7 +551,7 @@ class ProcessInterleaveIterator(CycleIterator):
             count = min(cpu_count(), node.cycle_length) if parallel == AUTOTUNE else int(parallel or 1)
             self.processes = slot_pool(
                 node, self.ctx.options, part.size(), count, self._stage_name(), self.account,
-                ceiling=self.parts.ceiling(),
+                ceiling=self.parts.ceiling(), files=file_limiter(self.ctx),
             )
         account = part.budget.account("interleave slot", weight=1)
         part.budget.allot()

@@ -52,9 +52,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from headrace.core.iterator import Context, Iterator
-from headrace.errors import InvalidArgumentError
+from headrace.errors import FileLimitError, InvalidArgumentError
 from headrace.memory.buffer import Buffer, Reservation
 from headrace.options import AUTOTUNE
+from headrace.sources.files import file_limiter
 from headrace.transforms import map as map_module
 from headrace.transforms.map import MapNode, PositionedCall, _apply_chunk, _ParallelMapIterator
 from headrace.workers.memory import WorkerStats
@@ -125,6 +126,17 @@ class ProcessMapIterator(_ParallelMapIterator):
             return None
         return self.account.charge(nbytes)
 
+    def _start_pool(self) -> None:
+        """The worker processes, their pipes held on the pipeline's file cap (G2)."""
+        self.processes = ProcessPool(
+            PositionedCall(self.fn),  # each element with its position (seeded ops)
+            self.threads,
+            self.stage,
+            what="the map function",
+            book_idle=self._book_idle,
+            files=file_limiter(self.ctx),
+        )
+
     def _start_call(self, elements: list[Any], progress: Any = None,
                     first: int = 0, allowance: int | None = None) -> Future[_MapResult]:
         outer: Future[_MapResult] = Future()
@@ -132,13 +144,8 @@ class ProcessMapIterator(_ParallelMapIterator):
             outer.set_result(([], [], None, 0.0))
             return outer
         if self.processes is None:
-            self.processes = ProcessPool(
-                PositionedCall(self.fn),  # each element with its position (seeded ops)
-                self.threads,
-                self.stage,
-                what="the map function",
-                book_idle=self._book_idle,
-            )
+            self._start_pool()
+        assert self.processes is not None
         epochs = self.ctx.epochs
         inner = self.processes.submit(
             [((*epochs, first + k), element) for k, element in enumerate(elements)],
@@ -320,6 +327,12 @@ class _AutoMapIterator(ProcessMapIterator):
                     except InvalidArgumentError as error:
                         why = f"the function cannot be pickled ({error.__cause__})"
         self.kind, self.threads = kind, count
+        if kind == "processes":
+            try:  # (now: with no descriptors for workers' pipes, threads do the work)
+                self._start_pool()
+            except FileLimitError as error:
+                kind, why = "threads", f"no descriptors for worker pipes: {error.strerror}"
+                self.kind = kind
         if kind == "processes":
             self.target_call_seconds = PROCESS_CALL_SECONDS
         self.reason = f"{measured}: {kind} ({why})"

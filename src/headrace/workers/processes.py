@@ -61,6 +61,7 @@ ignore SIGINT, so a Ctrl-C reaches only the consumer, whose close stops them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import gc
 import mmap
@@ -77,10 +78,11 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from headrace.core.handoff import drop_frames
 from headrace.errors import (
+    FileLimitError,
     HeadraceWarning,
     InvalidArgumentError,
     MemoryBudgetError,
@@ -109,6 +111,9 @@ from headrace.workers.shm import (
     unpack,
 )
 
+if TYPE_CHECKING:
+    from headrace.io.filepool import FileLimiter, HeldSlots
+
 __all__ = [
     "INPUT_SEGMENTS",
     "WORKER_KINDS",
@@ -129,6 +134,15 @@ _POLL_SECONDS = 0.5
 #: Idle result segments a worker keeps for reuse (each booked while it is kept), unless
 #: its pool is told otherwise (an interleave's pool keeps enough for its slots' chunks).
 IDLE_SEGMENTS = 2
+#: Descriptors the consumer keeps open for each live worker, whatever the start method:
+#: the task pipe's write end, the result pipe's read end, and the two ends the
+#: ``Process`` object keeps (its sentinel, and the pipe that tells the worker its parent
+#: lives). ``tests/test_process_fds.py`` counts them in ``/proc/self/fd``.
+DESCRIPTORS_PER_WORKER = 4
+#: More, for a moment, while a worker starts (workers start one at a time): the
+#: child's ends of its pipes until it has them, and the start method's own pipe or
+#: forkserver connection. Four for fork and spawn, three for forkserver.
+SPAWN_DESCRIPTORS = 4
 #: Input segments pooled per worker (each booked for as long as it is pooled): a worker
 #: has about two calls in flight (the map keeps 2 x workers calls going).
 INPUT_SEGMENTS = 2
@@ -684,6 +698,10 @@ class ProcessPool:
     ``book_idle(nbytes)`` books a result segment kept idle for reuse and returns
     its reservation (or None: then the segment is dropped instead); each worker
     keeps up to ``idle_segments`` of them.
+
+    ``files``: the pipeline's cap on descriptors. The workers' pipes hold slots of it
+    and of the process-wide cap until :meth:`shutdown`; ``count`` is lowered (with a
+    warning) to the workers they have room for (see :meth:`_hold_descriptors`).
     """
 
     def __init__(
@@ -695,9 +713,13 @@ class ProcessPool:
         what: str = "the function",
         book_idle: Callable[[int], Any] | None = None,
         idle_segments: int = IDLE_SEGMENTS,
+        files: FileLimiter | None = None,
     ) -> None:
-        self.stage, self.count, self.idle_segments = stage, count, idle_segments
+        self.stage, self.idle_segments = stage, idle_segments
         self.handler_bytes = check_picklable(handler, what, stage)
+        #: Slots of the file pool for the workers' pipes (G2), held while the pool lives.
+        self.slots: HeldSlots | None = None
+        self.count = count = self._hold_descriptors(count, files)
         self.book_idle = book_idle
         self.owner = os.getpid()
         self.broken: WorkerError | None = None
@@ -722,6 +744,54 @@ class ProcessPool:
         self._progress_names: list[str] = []  # unlinked at shutdown, if a worker did not
 
     # -- starting ---------------------------------------------------------------------------
+    def _hold_descriptors(self, count: int, files: FileLimiter | None) -> int:
+        """Hold file-pool slots for ``count`` workers' pipes; how many workers got them.
+
+        Why: each worker keeps :data:`DESCRIPTORS_PER_WORKER` descriptors open in this
+        process, and they count against the caps like a reader's file (G2). When the
+        caps cannot hold them all, fewer workers start (with a warning): the stage
+        runs slower, but it runs. When not even one fits, a :class:`FileLimitError`
+        names the stage and the caps to change.
+        """
+        from headrace.io.filepool import get_default_pool
+
+        pool = get_default_pool()
+        cap = pool.max_open_files if files is None else min(
+            pool.max_open_files, files.max_open_files)
+        fewest = DESCRIPTORS_PER_WORKER + SPAWN_DESCRIPTORS + 1  # (one is the reader's)
+        for workers in range(count, 0, -1):
+            try:
+                self.slots = pool.hold(
+                    workers * DESCRIPTORS_PER_WORKER + SPAWN_DESCRIPTORS, limiter=files,
+                    stage=self.stage,
+                    what=f"the pipes of {workers} worker process(es)",
+                )
+            except InvalidArgumentError:
+                continue  # others (a cache's writer, another pool) hold slots too
+            if workers < count:
+                warnings.warn(
+                    f"{self.stage}: {workers} worker process(es) instead of {count}: each "
+                    f"keeps {DESCRIPTORS_PER_WORKER} descriptors open here ({SPAWN_DESCRIPTORS} "
+                    f"more while one starts), and max_open_files={cap}, less the slots "
+                    f"others hold and one to read input, has room for {workers}. Lower "
+                    f"num_parallel_calls to {workers}, or raise max_open_files "
+                    f"(Options(max_open_files=...) or headrace.io.filepool."
+                    f"set_max_open_files) to at least "
+                    f"{count * DESCRIPTORS_PER_WORKER + SPAWN_DESCRIPTORS + 1}.",
+                    HeadraceWarning,
+                    stacklevel=2,
+                )
+            return workers
+        raise FileLimitError(
+            errno.EMFILE,
+            f"{self.stage}: a worker process keeps {DESCRIPTORS_PER_WORKER} descriptors "
+            f"open here (its pipes; {SPAWN_DESCRIPTORS} more while it starts), and "
+            f"max_open_files={cap}, less the slots others hold (cache or snapshot "
+            f"writers, other worker pools), leaves fewer beside one to read input. Raise max_open_files (Options(max_open_files=...) or "
+            f"headrace.io.filepool.set_max_open_files) to at least {fewest}, or use "
+            f"workers='threads'.",
+        )
+
     def _start(self) -> None:
         self._started = True
         sweep_stale()
@@ -1196,8 +1266,14 @@ class ProcessPool:
             return
         with self._restart_lock:  # a worker being replaced is started first, then stopped
             self.closed = True
-        if not self._started:
-            return
+        try:
+            if self._started:
+                self._shutdown_started()
+        finally:
+            if self.slots is not None:  # the workers' pipes are closed (or never opened)
+                self.slots.release()
+
+    def _shutdown_started(self) -> None:
         self._stop_workers()
         if self._collector is not None and self._collector is not threading.current_thread():
             self._collector.join(_POLL_SECONDS * 4)
