@@ -266,3 +266,10 @@ def giant_at(at: int, nbytes: int, x: Any) -> Any:
     if int(x) == at:
         return np.ones(nbytes, np.uint8)
     return np.full(16, int(x), np.int64)
+
+
+def record_batches(batch: int, path: Any) -> Any:
+    """One TFRecord shard's raw records in batches of ``batch``."""
+    import headrace as hr
+
+    return hr.TFRecordDataset(os.fsdecode(path)).batch(batch)

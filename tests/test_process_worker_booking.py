@@ -1,5 +1,7 @@
-"""A process map books its workers' own memory: more workers than the budget holds
-start fewer, with a warning, and the process tree stays within the measured bound."""
+"""Worker processes within the budget. A process map books its workers' own memory:
+more workers than the budget holds start fewer, with a warning. A process
+interleave's slot holds its part once, not once in the worker and once here. In
+each case the process tree stays within the measured bound."""
 
 from __future__ import annotations
 
@@ -96,3 +98,41 @@ def test_many_workers_keep_the_process_tree_within_the_measured_bound(seed: int)
     bound = budget * 1.1 + 64 * MIB
     growth = peak.peak - peak.base
     assert growth <= bound, (seed, workers, budget // MIB, growth / MIB, bound / MIB)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_process_interleave_slot_holds_its_part_once(seed: int, tmp_path: Path) -> None:
+    """The inner pipeline in a worker and the slot's chunks in flight share the slot's
+    part: the tree stays within the bound, whether the pipeline runs or is refused."""
+    import functools
+
+    from headrace.io.tfrecord import write_tfrecord
+
+    rng = random.Random(seed)
+    inner_batch, budget = rng.randint(4, 6), rng.choice([24, 32]) * MIB
+    files = []
+    for k in range(4):
+        path = tmp_path / f"s{k}.tfrecord"
+        write_tfrecord(str(path), [bytes([k]) * MIB] * rng.randint(12, 24))
+        files.append(str(path))
+    fn = functools.partial(process_fns.record_batches, inner_batch)
+    ds = (hr.Dataset.from_tensor_slices(files)
+          .interleave(fn, cycle_length=4, num_parallel_calls=4, workers="processes")
+          .with_options(hr.Options(memory_budget=budget)))
+    got: list[bytes] = []
+    refused = None
+    with _Peak() as peak:
+        try:
+            with iter(ds) as iterator:
+                for batch in iterator:
+                    got.extend(bytes(record[:1]) for record in batch)
+                    del batch
+        except hr.MemoryBudgetError as error:
+            refused = str(error)
+    growth, bound = peak.peak - peak.base, budget * 1.1 + 64 * MIB
+    assert growth <= bound, (seed, inner_batch, budget // MIB, growth / MIB, bound / MIB)
+    if refused is None:  # the oracle: the sequential interleave's records, in order
+        expected = hr.Dataset.from_tensor_slices(files).interleave(fn, cycle_length=4)
+        assert got == [bytes(r[:1]) for b in expected for r in b]
+    else:
+        assert "batch" in refused and f"{inner_batch} records" in refused
