@@ -314,3 +314,10 @@ def worker_only_class_on(bad: frozenset[int], x: Any) -> Any:
         exec("class Thing:\n    pass\n", module.__dict__)
         sys.modules[module.__name__] = module
     return module.Thing()
+
+
+def record_batches(batch: int, path: Any) -> Any:
+    """One TFRecord shard's raw records in batches of ``batch``."""
+    import headrace as hr
+
+    return hr.TFRecordDataset(os.fsdecode(path)).batch(batch)

@@ -45,9 +45,11 @@ pipeline is raised at its element's place, with the worker's traceback as its
 slot's state is the inner state before its current chunk plus how many of
 that chunk's elements were handed out: small, JSON-able, exact (G4).
 
-Memory. Each inner pipeline runs in its worker under a budget of its slot's
-part of the stage's share, so its own buffers are capped there; chunks are
-booked on the slot's account in this process — each chunk asked for at its
+Memory. A slot's part of the stage's share is split in two halves. Each
+inner pipeline runs in its worker under a budget of the first half, so its own
+buffers are capped there. The slot's chunks in flight are sized to the other
+half (see :class:`RemoteSlotIterator`): the two never hold the same bytes
+twice. Chunks are booked on the slot's account in this process — each chunk asked for at its
 largest size from the request on, the chunk being handed out at its elements'
 sizes plus the part of its segment that no element views (alignment, the
 bytes columns' buffers, the unused end of a reused segment), shared equally.
@@ -303,9 +305,13 @@ class RemoteSlotIterator(Iterator):
         stage: str,
         *,
         prefer: int | None = None,
+        worker_share: int = 0,
     ) -> None:
         super().__init__()
         self.pool, self.element, self.ctx, self.account = pool, element, ctx, account
+        # The inner pipeline holds up to ``worker_share`` in its worker: this slot's
+        # chunks in flight get the rest of its part.
+        share -= min(worker_share, share // 2)
         #: Called with this slot's worker when its last chunk has come in (the interleave
         #: opens the next input's slot ahead then).
         self.on_ended: Callable[[int | None], None] | None = None
@@ -529,6 +535,7 @@ class ProcessInterleaveIterator(CycleIterator):
         self, node: InterleaveNode, inner: Iterator, ctx: Context, account: Buffer
     ) -> None:
         self.processes: ProcessPool | None = None  # started with the first slot
+        self.worker_share = 0  # each inner pipeline's budget in its worker
         super().__init__(node, inner, ctx, account)
 
     def _reset(self) -> None:
@@ -549,15 +556,17 @@ class ProcessInterleaveIterator(CycleIterator):
             from headrace.transforms.process_map import cpu_count
 
             count = min(cpu_count(), node.cycle_length) if parallel == AUTOTUNE else int(parallel or 1)
+            # the inner pipelines' budget: half of a slot's part (see the module text)
+            self.worker_share = part.size() // 2
             self.processes = slot_pool(
-                node, self.ctx.options, part.size(), count, self._stage_name(), self.account,
+                node, self.ctx.options, self.worker_share, count, self._stage_name(), self.account,
                 ceiling=self.parts.ceiling(), files=file_limiter(self.ctx),
             )
         account = part.budget.account("interleave slot", weight=1)
         part.budget.allot()
         iterator = RemoteSlotIterator(
             self.processes, element, inner_ctx, account, part.size(), "interleave slot",
-            prefer=self.worker_hint,
+            prefer=self.worker_hint, worker_share=self.worker_share,
         )
         iterator.on_ended = self.open_ahead
         return Slot(iterator, part, input_before, inner_ctx, account)

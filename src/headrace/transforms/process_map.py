@@ -26,9 +26,16 @@ it is made and stops a call right after the output that passes the call's
 allowance (what the stage booked for it): the stage runs the rest in another
 call. An output larger than the whole budget is refused in the worker, before
 it is copied: its element's :class:`~headrace.errors.MemoryBudgetError`.
-The workers' own memory (interpreter, the function's temporaries) is not in
-any booking: ``stats().workers`` reports it (USS and PSS per worker) and the
-measured bound counts it (see ``headrace.workers.memory.tree_charged``).
+Each worker's own memory (its interpreter and imports, some
+:data:`WORKER_BASELINE_BYTES` of PSS) is booked on the stage's share while the
+pool runs, except the first worker's: like the forkserver, it is part of the
+fixed cost of running processes at all, which the measured bound's fixed part
+covers. The workers may take at most half the share, so that calls still have
+room: a stage asked for more workers than that runs fewer, with a
+:class:`~headrace.errors.HeadraceWarning` that names the stage and the sizes.
+The function's temporaries in a worker are not booked: ``stats().workers``
+reports each worker's memory (USS and PSS) and the measured bound counts it
+(see ``headrace.workers.memory.tree_charged``).
 
 ``workers="auto"`` measures before it chooses: the first calls run on this
 thread while a probe thread checks how long it waits for the GIL (and the
@@ -47,13 +54,15 @@ import multiprocessing
 import os
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future
 from typing import Any
 
 from headrace.core.iterator import Context, Iterator
-from headrace.errors import FileLimitError, InvalidArgumentError
-from headrace.memory.buffer import Buffer, Reservation
+from headrace.errors import FileLimitError, HeadraceWarning, InvalidArgumentError
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
+from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE
 from headrace.sources.files import file_limiter
 from headrace.transforms import map as map_module
@@ -61,7 +70,7 @@ from headrace.transforms.map import MapNode, PositionedCall, _apply_chunk, _Para
 from headrace.workers.memory import WorkerStats
 from headrace.workers.processes import ChunkResult, ProcessPool, check_picklable
 
-__all__ = ["MIN_PROCESS_CALL_SECONDS", "cpu_count", "process_map_iterator", "restore_process_node"]
+__all__ = ["MIN_PROCESS_CALL_SECONDS", "WORKER_BASELINE_BYTES", "cpu_count", "process_map_iterator", "restore_process_node"]
 
 #: ``auto`` sends a function to processes only if one call takes at least this long: a
 #: chunk's trip to a worker and back costs some 100 us, which quicker calls cannot repay.
@@ -73,6 +82,12 @@ MIN_PROCESS_CALL_SECONDS = 50e-6
 #: 10 ms calls at 2.0x (benchmarks/bench_workers.py). The chunk's outputs are booked
 #: before the call starts, as for threads, so the budget still bounds what is in flight.
 PROCESS_CALL_SECONDS = 10e-3
+#: What one worker process holds of its own before it runs the function: the PSS of
+#: its interpreter and imports after copy-on-write from the forkserver (5-8 MiB
+#: measured with NumPy loaded). Booked per worker past the first (see the module text).
+WORKER_BASELINE_BYTES = 6 << 20
+#: The part of the stage's share that its workers' own memory may take.
+_WORKERS_SHARE = 0.5
 #: ``auto`` samples calls on this thread for at least this long (or this many calls).
 _SAMPLE_SECONDS = 0.05
 _SAMPLE_CALLS = 64
@@ -118,6 +133,36 @@ class ProcessMapIterator(_ParallelMapIterator):
         self.kind = "processes"
         self.target_call_seconds = PROCESS_CALL_SECONDS
         self.reason = "workers='processes'"
+        #: The booking of the workers' own memory (see :meth:`_book_workers`).
+        self.workers_booking: Reservation = NO_RESERVATION
+
+    def _book_workers(self) -> int:
+        """Book the workers' own memory on the share; how many workers to start.
+
+        The first worker is not booked (the fixed cost of processes, like the
+        forkserver). Each other one costs :data:`WORKER_BASELINE_BYTES`. They may
+        take half of what the share has room for: past that the stage starts fewer
+        workers, and says so, since a worker that is not booked breaks the budget.
+        """
+        wanted = self.threads
+        room = int(max(self.account.room(), 0) * _WORKERS_SHARE)
+        count = min(wanted, 1 + room // WORKER_BASELINE_BYTES)
+        if count < wanted:
+            warnings.warn(
+                f"stage {self.stage!r} starts {count} worker process(es), not {wanted}: "
+                f"each worker past the first holds about {format_bytes(WORKER_BASELINE_BYTES)} "
+                f"of its own, booked on the stage's share of the budget "
+                f"({format_bytes(self.account.share())}), and the workers may take half "
+                f"of what it has free ({format_bytes(2 * room)}); a larger memory_budget "
+                f"runs more",
+                HeadraceWarning,
+                stacklevel=2,
+            )
+            self.reason += f"; {count} of {wanted} workers fit the budget"
+        if count > 1:
+            self.workers_booking = self.account.charge(
+                (count - 1) * WORKER_BASELINE_BYTES, elements=0)
+        return count
 
     def _book_idle(self, nbytes: int) -> Reservation | None:
         """Book a segment kept idle for reuse, if the share has room for it (else None:
@@ -127,10 +172,11 @@ class ProcessMapIterator(_ParallelMapIterator):
         return self.account.charge(nbytes)
 
     def _start_pool(self) -> None:
-        """The worker processes, their pipes held on the pipeline's file cap (G2)."""
+        """The worker processes, their own memory booked (G1) and their pipes held on
+        the pipeline's file cap (G2)."""
         self.processes = ProcessPool(
             PositionedCall(self.fn),  # each element with its position (seeded ops)
-            self.threads,
+            self._book_workers(),
             self.stage,
             what="the map function",
             book_idle=self._book_idle,
@@ -209,7 +255,7 @@ class ProcessMapIterator(_ParallelMapIterator):
         traffic = self.processes.traffic
         with traffic.lock:
             return WorkerStats(
-                self.stage, self.kind, self.threads, self.reason, self.processes.memory(),
+                self.stage, self.kind, self.processes.count, self.reason, self.processes.memory(),
                 chunks=traffic.chunks, elements=traffic.elements,
                 compute_seconds=traffic.compute_seconds,
                 transfer_seconds=traffic.transfer_seconds, sent_bytes=traffic.sent_bytes,
@@ -222,6 +268,8 @@ class ProcessMapIterator(_ParallelMapIterator):
         finally:
             if self.processes is not None:
                 self.processes.shutdown()
+            self.workers_booking.release()
+            self.workers_booking = NO_RESERVATION
 
 
 class _GilProbe:
