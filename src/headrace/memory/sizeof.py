@@ -13,7 +13,8 @@ The budget needs the truth, so costs are *owner-based*:
 * containers are costed deeply: list, tuple, dict keys and values, set, an
   object's ``__dict__`` and ``__slots__`` (dataclasses included), with a cycle
   guard; an exception also by its ``args``, cause, context and group members
-  (an error a stage holds for its turn keeps them alive); ``memoryview`` by the buffer it exposes; object arrays by their items;
+  (an error a stage holds for its turn keeps them alive); ``memoryview`` by the
+  buffer it exposes; object arrays by their items;
 * types registered with :func:`register_sizer` use their sizer (built in, and
   installed only once their library is imported: torch tensors, PIL images,
   pyarrow arrays, tables and buffers);

@@ -430,8 +430,9 @@ def _apply_chunk(
     large temporary) as soon as ``fn`` returns it, in the worker: a chunk of
     views would otherwise keep a chunk of temporaries alive until the consumer
     collects it — memory no booking covers. An element whose call raised
-    leaves ``None``, its error, and the error's cost (an exception may carry arrays). ``first``: the position in the map's input
-    of ``elements[0]`` (in ``epochs``), published to ``fn`` (:func:`call_at`).
+    leaves ``None``, its error, and the error's cost (an exception may carry
+    arrays). ``first``: the position in the map's input of ``elements[0]`` (in
+    ``epochs``), published to ``fn`` (:func:`call_at`).
 
     ``allowance``: the bytes booked for the chunk's outputs. Once the outputs cost
     more and inputs remain, the call stops there and returns fewer outputs than
