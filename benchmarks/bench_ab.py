@@ -53,6 +53,27 @@ ds = ds.shuffle(1000, seed=0).batch(64)
 def go():
     return sum(len(b) for b in ds)
 """,
+    "range -> map(2 threads, deterministic=False) -> batch(64)": """
+ds = hr.Dataset.range(100_000).map(lambda i: np.full(16, i, np.float32), num_parallel_calls=2,
+                                   deterministic=False).batch(64)
+def go():
+    return sum(len(b) for b in ds)
+""",
+    "range -> map(2 processes) -> batch(256)": """
+ds = hr.Dataset.range(200_000).map(np.negative, num_parallel_calls=2, workers="processes")
+ds = ds.batch(256)
+def go():
+    return sum(len(b) for b in ds)
+""",
+    "save_tfrecords of small dicts": """
+import shutil
+ds = hr.Dataset.range(50_000).map(lambda i: {"x": np.full(8, i, np.float32), "y": i})
+def go():
+    out = os.path.join(TMP, "saved")
+    shutil.rmtree(out, ignore_errors=True)
+    ds.save_tfrecords(out, num_shards=2, progress=False)
+    return 50_000
+""",
     "TFRecord read + batch(1024) + parse": """
 from headrace.io.example import FixedLenFeature, serialize_example
 from headrace.io.tfrecord import write_tfrecord
@@ -94,11 +115,14 @@ def main() -> None:
     parser.add_argument("old")
     parser.add_argument("new")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="", help="run the scenarios whose name has this")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
     print("| scenario | before (/s) | after (/s) | after / before |")
     print("|---|---|---|---|")
     for name, body in SCENARIOS.items():
+        if args.only not in name:
+            continue
         old = new = 0.0
         for _ in range(args.rounds):
             old = max(old, run(args.old, body, tmp))

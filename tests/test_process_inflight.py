@@ -393,3 +393,34 @@ def test_outputs_packed_one_by_one_come_back_whole(seeds: range) -> None:
         maps.close()
         pool.close()
     assert own_segments() == []
+
+
+def test_outputs_that_need_a_class_this_process_lacks_fail_alone_in_their_run() -> None:
+    """Small outputs share a pickle memo (a run): an output whose class cannot be imported
+    here fails with the import error, and so does each later output of the run that
+    refers to that class or to an instance of it through the memo; the outputs between
+    and after them, memo references included, come back whole."""
+    import types
+
+    module = types.ModuleType("headrace_test_gone_after_packing")
+    exec("class Thing:\n    pass\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        thing = module.Thing()
+        word = "shared-" + "w" * 20
+        outputs = [word, thing, (word, module.Thing), [module.Thing()], {"k": thing},
+                   word, np.arange(5), (word, np.arange(5))]
+        writer = shm.OutputWriter(lambda nbytes, capacity: pytest.fail("no segment needed"))
+        for position, obj in enumerate(outputs):
+            writer.add(obj, len(outputs) - position)
+        packed = writer.finish()
+    finally:
+        del sys.modules[module.__name__]
+    assert all(not fresh for _, _, fresh in packed.ends[1:])  # one run
+    got, unreadable = shm.SegmentMaps().unpack_outputs(packed)
+    assert sorted(unreadable) == [1, 2, 3, 4]
+    for error in unreadable.values():
+        assert isinstance(error, ModuleNotFoundError)
+        assert module.__name__ in str(error)
+    assert got[0] == word and got[5] == word and got[7][0] == word
+    assert np.array_equal(got[6], np.arange(5)) and np.array_equal(got[7][1], np.arange(5))

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import ctypes
+import gc
 import io
 import itertools
 import mmap
@@ -51,6 +53,8 @@ from headrace.io.columns import join_bytes, split_bytes
 __all__ = [
     "COLUMN_SEGMENT_BYTES",
     "OUT_OF_BAND_BYTES",
+    "RUN_BYTES",
+    "RUN_OUTPUTS",
     "SEGMENT_BYTES",
     "SHM_DIR",
     "OutputWriter",
@@ -75,6 +79,11 @@ SHM_DIR = "/dev/shm"
 #: Buffers at least this large travel through shared memory; smaller ones in the pickle
 #: (a segment costs a page at least, and a system call or two).
 OUT_OF_BAND_BYTES = 32 << 10
+
+#: Consecutive small outputs share one pickle memo (see :class:`OutputWriter`) for at
+#: most this many outputs, or pickle bytes: the memo keeps the run's objects alive.
+RUN_OUTPUTS = 128
+RUN_BYTES = 64 << 10
 _PREFIX = "headrace-"
 #: Frees a shared mapping's pages (Linux); None where the platform has no such advice.
 _MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
@@ -407,9 +416,9 @@ class Outputs:
     segments: tuple[tuple[int, str, int], ...] = ()
     spans: tuple[tuple[int, int, int], ...] = ()
     copied: tuple[int, ...] = ()  # positions in ``spans`` of bytes received as copies
-    #: Where each output ends: in ``payload`` and in ``spans`` (an output that cannot be
-    #: rebuilt here fails alone, in its place: see :meth:`SegmentMaps.unpack_outputs`).
-    ends: tuple[tuple[int, int], ...] = ()
+    #: Per output: where it ends in ``payload`` and in ``spans``, and whether it starts
+    #: a run (outputs pickled with one memo: see :class:`OutputWriter`).
+    ends: tuple[tuple[int, int, bool], ...] = ()
 
     @property
     def shared_bytes(self) -> int:
@@ -443,8 +452,16 @@ class OutputWriter:
     Each output is pickled at once and its large buffers are copied into a
     segment; the caller then drops the object. So a worker never holds a chunk
     of outputs as objects: the segment is their only copy, and the object and
-    its copy coexist for one output's pack only. Small outputs cost one pickle
-    each, written end to end into one payload (no segment at all).
+    its copy coexist for one output's pack only. Small outputs are pickled end
+    to end into one payload (no segment at all).
+
+    Consecutive small outputs share the pickler's memo (a *run*): what they have
+    in common (a class, a dtype, a string) is written once, as a reference, the
+    way a whole chunk pickled as one list would be. An output with large buffers,
+    one that fails, or a run past :data:`RUN_BYTES` or :data:`RUN_OUTPUTS` ends
+    the run and clears the memo (which holds the run's objects alive). The
+    receiver reads each run with its own unpickler (an unpickler's memo must
+    match the pickler's: see :meth:`SegmentMaps.unpack_outputs`).
 
     ``expect``: the segment bytes the worker's previous chunk took, the size a
     chunk's first segment is made with (so one segment, reused from the pool,
@@ -472,7 +489,9 @@ class OutputWriter:
         self._offset = self._capacity = 0
         self._largest = 0  # segment bytes of the largest output so far
         self.count = 0
-        self._ends: list[tuple[int, int]] = []
+        self._ends: list[tuple[int, int, bool]] = []
+        self._run = 0  # outputs in the current run (0: the next output starts one)
+        self._run_start = 0  # where the current run began in the stream
         #: Segment bytes the outputs so far took (aligned).
         self.shared = 0
         #: Time spent packing (the worker tells it apart from the function's).
@@ -501,20 +520,30 @@ class OutputWriter:
         stream, pending = self._stream, self._pending
         start = stream.tell()
         began = time.perf_counter()
+        fresh = self._run == 0
+        if fresh:
+            self._run_start = start
+        ends_run = True  # (the memo is cleared, unless the output is small and whole)
         try:
             self._pickler.dump(obj)
             need = sum(_aligned(raw.nbytes) for raw in pending)
             if need:
                 self._largest = max(self._largest, need)
                 self._copy(need, left)
+            else:
+                ends_run = (self._run + 1 >= RUN_OUTPUTS
+                            or stream.tell() - self._run_start >= RUN_BYTES)
         except BaseException:
             stream.seek(start)
             stream.truncate()
             raise
         finally:
-            # the memos hold the object (and its arrays): gone with this output
-            self._pickler.clear_memo()
-            self._pickler._columns.clear()
+            if ends_run:  # the memos hold the run's objects (and arrays): gone with it
+                self._pickler.clear_memo()
+                self._pickler._columns.clear()
+                self._run = 0
+            else:
+                self._run += 1
             for raw in pending:
                 raw.release()
             pending.clear()
@@ -522,7 +551,7 @@ class OutputWriter:
             self.seconds += time.perf_counter() - began
         self.count += 1
         self.shared += need
-        self._ends.append((stream.tell(), len(self.spans)))
+        self._ends.append((stream.tell(), len(self.spans), fresh))
         return stream.tell() - start + need
 
     def _copy(self, need: int, left: int) -> None:
@@ -601,6 +630,38 @@ def _column(shape: tuple[int, ...], values: Any, offsets: Any) -> np.ndarray[Any
     return out
 
 
+class _Missing:
+    """Stands in for a class (or function) this process cannot import, so the rest of a
+    run of outputs still reads with the memo the writer had (see
+    :meth:`_Unpickler.find_class`). Accepts whatever rebuilding an object does; made,
+    it marks the output being read as failed with the import error."""
+
+    _error: Exception
+    _reader: _Unpickler
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        cls._reader.touched = cls._error
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
 class _Unpickler(pickle.Unpickler):
     """Reads what :class:`_Pickler` wrote: diverted ``bytes`` come back as copies, bytes
     columns as object arrays."""
@@ -609,6 +670,36 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(stream, buffers=buffers)
         self._views = views
         self._columns: list[np.ndarray[Any, Any]] = []
+        #: Stand-ins for what could not be imported, in this run (see find_class).
+        self.missing: list[type[_Missing]] = []
+        #: The import error of a stand-in used by the output being read.
+        self.touched: Exception | None = None
+
+    def find_class(self, module: str, name: str) -> Any:
+        """The class or function, or where this process cannot import it, a stand-in:
+        the output that needs it fails (with the import error), and the rest of its
+        run is read as written (failing there would leave the memo short of the
+        entries that output made, and later references would resolve to the wrong
+        objects)."""
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError) as error:
+            missing = type(name, (_Missing,), {"_error": error, "_reader": self})
+            self.missing.append(missing)
+            self.touched = error
+            return missing
+
+    def load_output(self) -> tuple[Any, Exception | None]:
+        """The next output, or ``None`` and the import error of a class it needs that
+        this process cannot import (also one an earlier output of the run met first).
+        Any other error is raised: the stream is not where the next output begins."""
+        self.touched = None
+        obj = self.load()
+        error = self.touched
+        if error is None and self.missing:
+            error = _uses_missing(obj, self.missing)
+        return (obj, None) if error is None else (None, error)
+
 
     def persistent_load(self, pid: Any) -> Any:
         if type(pid) is int:
@@ -621,6 +712,23 @@ class _Unpickler(pickle.Unpickler):
         column = _column(tuple(shape), values, offsets)
         self._columns.append(column)
         return column
+
+
+def _uses_missing(obj: Any, missing: list[type[_Missing]]) -> Exception | None:
+    """The error of the first stand-in ``obj`` holds (a class object, or an instance made
+    while an earlier output was read, reached through the memo), else None."""
+    stack, seen = [obj], set()
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, _Missing):
+            return type(current)._error
+        if isinstance(current, type) and issubclass(current, _Missing):
+            return current._error
+        stack.extend(gc.get_referents(current))
+    return None
 
 
 def loads(payload: bytes) -> Any:
@@ -781,11 +889,14 @@ class SegmentMaps:
         segments (each mapped by name when new); a segment is reported free when the
         last view of it is gone (at once when none views it).
 
-        Each output is its own pickle, read by its own unpickler: the writer clears its
-        memo after each output, and an unpickler keeps its memo across loads, so one
-        unpickler for all would resolve an output's memo references into an earlier
-        output's objects. An output that cannot be rebuilt here (its class is not
-        importable in this process) is ``None`` in the list, its error by position.
+        Each run of outputs (see :class:`OutputWriter`) is read by its own unpickler:
+        the writer clears its memo when a run ends, and an unpickler keeps its memo
+        across loads, so one unpickler for all would resolve a run's memo references
+        into an earlier run's objects. An output that cannot be rebuilt here is
+        ``None`` in the list, its error by position: where its class (or function)
+        is not importable in this process, that output alone (the import error; see
+        :meth:`_Unpickler.find_class`); where rebuilding it raised, it and the rest
+        of its run, whose pickles may refer into it (each error says so).
         """
         mappings = []
         for key, name, capacity in outputs.segments:
@@ -811,26 +922,49 @@ class SegmentMaps:
             with self._lock:
                 self.live[key] = self.live.get(key, 0) + 1
             weakref.finalize(view, dead.append, key)
-        for key, _, _ in outputs.segments:
-            if key not in viewed:  # only copies came out of it: free at once
-                with self._lock:
-                    self.live[key] = self.live.get(key, 0) + 1
-                dead.append(key)
         stream = io.BytesIO(outputs.payload)
         objects: list[Any] = []
         failed: dict[int, Exception] = {}
+        ends = outputs.ends
+        unpickler: _Unpickler | None = None
+        broken: int | None = None  # the output of this run that could not be rebuilt
         spans_from = 0
-        for position, (payload_end, spans_end) in enumerate(outputs.ends):
-            buffers = [view for view in handed[spans_from:spans_end] if view is not None]
-            spans_from = spans_end
-            try:
-                objects.append(_Unpickler(stream, buffers, views).load())
-            except Exception as error:
-                add_note(error, f"headrace: output {position} of a worker's call could not be "
-                                "rebuilt in this process")
+        for position, (payload_end, _, fresh) in enumerate(ends):
+            if fresh:
+                last = position  # the run's last output: its buffers are the run's
+                while last + 1 < len(ends) and not ends[last + 1][2]:
+                    last += 1
+                spans_end = ends[last][1]
+                buffers = [view for view in handed[spans_from:spans_end] if view is not None]
+                spans_from = spans_end
+                unpickler, broken = _Unpickler(stream, buffers, views), None
+            assert unpickler is not None
+            if broken is not None:
+                error: Exception = pickle.UnpicklingError(
+                    f"output {position} of a worker's call could not be rebuilt in this "
+                    f"process: it was pickled after output {broken}, which could not be, "
+                    "and may refer to it")
                 failed[position] = error
                 objects.append(None)
+            else:
+                try:
+                    obj, missing = unpickler.load_output()
+                except Exception as error:  # the rest of the run cannot be read
+                    obj, missing, broken = None, error, position
+                if missing is not None:  # (one import error may fail several outputs)
+                    missing = copy.copy(missing)
+                    add_note(missing, f"headrace: output {position} of a worker's call "
+                                      "could not be rebuilt in this process")
+                    failed[position] = missing
+                objects.append(obj)
             stream.seek(payload_end)
+        # A segment only copies came out of is free once they are made, not before: the
+        # worker reuses a segment reported free (the copies once read what it wrote next).
+        for key, _, _ in outputs.segments:
+            if key not in viewed:
+                with self._lock:
+                    self.live[key] = self.live.get(key, 0) + 1
+                dead.append(key)
         return objects, failed
 
     def released(self) -> list[int]:
