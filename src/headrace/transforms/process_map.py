@@ -340,11 +340,23 @@ class _AutoMapIterator(ProcessMapIterator):
         self.sampled_cpu += time.thread_time() - cpu
         self.sampled_seconds += result[3]
         self.sampled_calls += len(elements)
-        if self.sampled_seconds >= _SAMPLE_SECONDS or self.sampled_calls >= _SAMPLE_CALLS:
+        if self._sampled_enough():
             self._decide()
         done: Future[_MapResult] = Future()
         done.set_result(result)
         return done
+
+    def _sampled_enough(self) -> bool:
+        """Enough calls sampled, and the probe watched most of their time: on a busy
+        machine its thread may not run during the first calls at all, and a probe that
+        saw nothing says nothing (it read as "releases the GIL"). Up to 4 times the
+        sample, then decided on what it saw."""
+        assert self.probe is not None
+        seconds, calls = self.sampled_seconds, self.sampled_calls
+        if seconds >= 4 * _SAMPLE_SECONDS or calls >= 4 * _SAMPLE_CALLS:
+            return True
+        return ((seconds >= _SAMPLE_SECONDS or calls >= _SAMPLE_CALLS)
+                and self.probe.spent >= seconds / 2)
 
     def _decide(self) -> None:
         assert self.probe is not None

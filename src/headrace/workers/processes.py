@@ -139,9 +139,9 @@ IDLE_SEGMENTS = 2
 #: ``Process`` object keeps (its sentinel, and the pipe that tells the worker its parent
 #: lives). ``tests/test_process_fds.py`` counts them in ``/proc/self/fd``.
 DESCRIPTORS_PER_WORKER = 4
-#: More, for a moment, while a worker starts (workers start one at a time): the
-#: child's ends of its pipes until it has them, and the start method's own pipe or
-#: forkserver connection. Four for fork and spawn, three for forkserver.
+#: More, for a moment: while a worker starts (workers start one at a time), the
+#: child's ends of its pipes until it has them and the forkserver connection (three);
+#: and one while a new result segment is mapped (opened, mapped, closed).
 SPAWN_DESCRIPTORS = 4
 #: Input segments pooled per worker (each booked for as long as it is pooled): a worker
 #: has about two calls in flight (the map keeps 2 x workers calls going).
