@@ -42,8 +42,13 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import UNKNOWN
 from headrace.core.state import StateReader
 from headrace.csv.reader import CsvColumn, CsvError, CsvFormat
-from headrace.errors import InvalidArgumentError, MemoryBudgetError, RecordTooLargeError
-from headrace.io.filepool import FilePool, PooledStream, get_default_pool
+from headrace.errors import (
+    InvalidArgumentError,
+    MemoryBudgetError,
+    RecordTooLargeError,
+    add_note,
+)
+from headrace.io.filepool import FilePool, PooledStream, file_at_fault, get_default_pool
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
 from headrace.memory.units import format_bytes
@@ -484,6 +489,22 @@ class _CsvCursor:
                                    offset, record, line, self.account)
         return self.reader
 
+    def _open_or_skip(self) -> _BlockReader:
+        """Open the current file; one that cannot be opened (missing, a directory, not
+        readable) is skipped, its error raised in its place (raised as is, it would come
+        again at every call and the files after it would never be read)."""
+        try:
+            return self._open()
+        except OSError as error:
+            if not file_at_fault(error):
+                raise
+            self._close_file()
+            add_note(error, f"headrace: file {self.node.filenames[self.file_index]} could "
+                            "not be opened and is skipped; the next record comes from the "
+                            "next file")
+            self._next_file()
+            raise
+
     def current(self) -> _Block | None:
         """The block with records (or an error) left to hand out; None at the very end."""
         while True:
@@ -494,7 +515,7 @@ class _CsvCursor:
             self._drop_block()
             if self.file_index >= len(self.node.filenames):
                 return None
-            reader = self.reader or self._open()
+            reader = self.reader or self._open_or_skip()
             block = reader.read_block()
             if block is None:
                 self._next_file()

@@ -66,6 +66,7 @@ __all__ = [
     "MemoryAccount",
     "PooledStream",
     "default_max_open_files",
+    "file_at_fault",
     "get_default_pool",
     "read_small_file",
     "set_max_open_files",
@@ -75,6 +76,21 @@ _OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 _UNLIMITED_NOFILE_FALLBACK = 4096
 """Soft limit assumed when RLIMIT_NOFILE is unlimited or unknown: descriptors still cost
 kernel memory, so the default cap stays finite (a quarter of this)."""
+
+
+
+#: ``errno`` values of an open that fails because of the file itself, not of the
+#: process's descriptors or memory (see :func:`file_at_fault`).
+_FILE_ERRNOS = frozenset({errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.EACCES,
+                          errno.EPERM, errno.ELOOP, errno.ENAMETOOLONG, errno.ENXIO})
+
+
+def file_at_fault(error: OSError) -> bool:
+    """Whether an open failed because of the file (missing, a directory, not readable):
+    a reader then skips it, the error raised in its place, and goes on with the next
+    file. Not the descriptor cap (:class:`~headrace.errors.FileLimitError`): the
+    file is not at fault, and skipping it would lose it."""
+    return not isinstance(error, FileLimitError) and error.errno in _FILE_ERRNOS
 
 
 class MemoryAccount(Protocol):

@@ -35,7 +35,13 @@ from headrace.errors import (
     add_note,
 )
 from headrace.io.columns import object_array
-from headrace.io.filepool import FileLimiter, FilePool, PooledStream, get_default_pool
+from headrace.io.filepool import (
+    FileLimiter,
+    FilePool,
+    PooledStream,
+    file_at_fault,
+    get_default_pool,
+)
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
@@ -579,7 +585,7 @@ class _FileRecordsIterator(Iterator):
 
     def pull(self) -> tuple[Any, Reservation]:
         while self.file_index < len(self.node.filenames):
-            reader = self.reader or self._open()
+            reader = self.reader or self._open_or_skip()
             try:
                 pair = reader.read_reserved(self.account)
             except MemoryBudgetError:
@@ -645,7 +651,16 @@ class _FileRecordsIterator(Iterator):
         self._batch = account, what
         try:
             while len(records) < count and self.file_index < len(self.node.filenames):
-                reader = self.reader or self._open()
+                if self.reader is None and records:  # (the next file may not open: its
+                    # error comes at the next call, after these records)
+                    try:
+                        self._open()
+                    except OSError as error:
+                        if not file_at_fault(error):
+                            raise
+                        self._close_file()
+                        return records, booked
+                reader = self.reader or self._open_or_skip()
                 try:
                     length = reader.next_length()
                     if length is not None:  # refused before its payload is read
@@ -687,6 +702,22 @@ class _FileRecordsIterator(Iterator):
             raise refused_record(
                 error, "record", self.node.filenames[self.file_index], reader.next_offset,
                 f"has {length} bytes", self.node.compression_type) from None
+
+    def _open_or_skip(self) -> RecordReader:
+        """Open the current file; one that cannot be opened (missing, a directory, not
+        readable) is skipped, its error raised in its place: raised as is, it would come
+        again on every later call, and the files after it would never be read."""
+        try:
+            return self._open()
+        except OSError as error:
+            if not file_at_fault(error):  # the descriptor cap, say: the file is not at fault
+                raise
+            self._close_file()
+            add_note(error, f"headrace: file {self.node.filenames[self.file_index]} could "
+                            "not be opened and is skipped; the next element comes from the "
+                            "next file")
+            self._next_file()
+            raise
 
     def _skip_failed_file(self, error: Exception) -> None:
         """After a read error, go on with the next file, as tf.data does (raised as is,

@@ -9,6 +9,11 @@ memory budget, a bad checkpoint, a stage whose worker processes cannot go on:
 :class:`~headrace.errors.WorkerPoolError`) are not swallowed: skipping them
 would spin, or end the epoch early with elements silently lost.
 
+Nor is an error its input raises again without moving: the same error (type and
+message) twice in a row with the input's state unchanged between them is a failure
+of the stage, not of an element (a query that cannot run, say), and dropping it
+again and again would spin forever. It is raised, with a note that says so.
+
 A worker process that dies (a signal, the OOM killer) is no element's error: it
 is replaced and its calls run again, so nothing is dropped here for it. The one
 exception is an element whose call killed a worker twice (once in its chunk, once
@@ -30,6 +35,7 @@ from headrace.errors import (
     IteratorClosedError,
     MemoryBudgetError,
     WorkerPoolError,
+    add_note,
 )
 from headrace.memory.buffer import Reservation
 
@@ -69,6 +75,7 @@ class _IgnoreErrorsIterator(Iterator):
         self.ignored = 0
 
     def pull(self) -> tuple[Any, Reservation]:
+        last: tuple[type, str, Any] | None = None  # the error dropped last, and the state after it
         while True:
             try:
                 return self.inner.pull()
@@ -77,6 +84,7 @@ class _IgnoreErrorsIterator(Iterator):
             except _FATAL:
                 raise
             except Exception as error:
+                last = self._check_moved(error, last)
                 self.ignored += 1
                 if self.log_warning:
                     notes = "".join(
@@ -89,6 +97,25 @@ class _IgnoreErrorsIterator(Iterator):
                         HeadraceWarning,
                         stacklevel=3,
                     )
+
+    def _check_moved(self, error: Exception,
+                     last: tuple[type, str, Any] | None) -> tuple[type, str, Any] | None:
+        """Raise ``error`` if the input raised it again without moving (see the module
+        doc); else what to compare the next error with. The input's state is taken only
+        when an error repeats the one before it."""
+        key = (type(error), str(error))
+        if last is None or key != last[:2]:
+            return (*key, None)
+        try:
+            state = self.inner.get_state()
+        except Exception:  # a stage that cannot checkpoint: nothing to compare
+            return (*key, None)
+        if last[2] is not None and state == last[2]:
+            add_note(error, "headrace: ignore_errors did not drop this error: the input "
+                            "raised it again without moving (a failure of the stage, not "
+                            "of an element)")
+            raise error
+        return (*key, state)
 
     def get_state(self) -> dict[str, Any]:
         return {INNER: self.inner.get_state(), "ignored": self.ignored}
