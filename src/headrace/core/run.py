@@ -188,6 +188,10 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         self._context.run.file_limiter = file_limiter
         self._tree = node.make_iterator(self._context)
         self._pull = self._tree.pull  # bound once: called per element
+        # One thread at a time in the stages (as a tf.data iterator, it may be shared by
+        # threads): a stage's pull is not reentrant (two threads through a shuffle
+        # handed out elements twice and lost others; through an interleave, deadlocked).
+        self._lock = threading.RLock()
         budget.allot()
         if not probe:
             live_runs.start(budget)
@@ -210,14 +214,15 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
             raise IteratorClosedError(
                 "this iterator was closed; create a new one with iter(dataset)"
             )
-        started = _perf_counter()
-        if self._started is None:
-            self._started = started
-        element, reservation = self._pull()
-        if reservation is not NO_RESERVATION:  # most batches of arrays book nothing
-            reservation.release()
-        self._elements += 1
-        self._waited += _perf_counter() - started
+        with self._lock:
+            started = _perf_counter()
+            if self._started is None:
+                self._started = started
+            element, reservation = self._pull()
+            if reservation is not NO_RESERVATION:  # most batches of arrays book nothing
+                reservation.release()
+            self._elements += 1
+            self._waited += _perf_counter() - started
         return element
 
     def stats(self) -> RunStats:
@@ -247,7 +252,8 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         the out-of-order stage is at-least-once.
         """
         self._check_open()
-        tree_state = self._tree.get_state()
+        with self._lock:
+            tree_state = self._tree.get_state()
         self._refuse_stale_out_of_order(tree_state)
         return seal(
             {
@@ -311,7 +317,8 @@ class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
         # Every stage checks its own fields (naming itself); errors of the data or of
         # user functions met while replaying are raised as they are, not as the state's.
         try:
-            self._tree.set_state(tree_state)
+            with self._lock:
+                self._tree.set_state(tree_state)
         except StopIteration:  # a replay off the input's end, in a stage that did not say
             raise CheckpointError(
                 "iterator state points past the end of the input; it belongs to other data"
