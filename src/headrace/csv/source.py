@@ -283,7 +283,7 @@ class _BlockReader:
             self._scratch_booking = self.account.admit(size + ARRAY_HEADER_BYTES,
                                                        together=self.where(size))
         except MemoryBudgetError as error:
-            if size <= self.spec.block_bytes:
+            if size <= self._window() + 1:  # a plain block (and the byte past it)
                 raise
             raise self._refused(error) from None
         self._booked = size
@@ -323,7 +323,7 @@ class _BlockReader:
         """What a booking of ``size`` bytes of this file's text is for, with where the
         block starts (a MemoryBudgetError then names the file and the line)."""
         long = (f": a record of more than {format_bytes(size // 2)}"
-                if size > self.spec.block_bytes else "")
+                if size > self._window() + 1 else "")
         return (f"the text of one CSV block of {self.path} from line {self.line} "
                 f"(byte offset {self.offset}){long}")
 
@@ -374,24 +374,32 @@ class _BlockReader:
             )
         return want * 2
 
+    def _window(self) -> int:
+        """The bytes a block is first cut from (grown only for a longer record)."""
+        spec = self.spec
+        return spec.block_bytes if spec.use_arrow else max(spec.block_bytes // 4, 1 << 16)
+
     def read_block(self) -> _Block | None:
         """The next block of records, or None at the end of the stream."""
-        spec = self.spec
-        want = spec.block_bytes if spec.use_arrow else max(spec.block_bytes // 4, 1 << 16)
+        want = self._window()
         while True:
-            self._fill(want)
+            # One byte past the window: the stream's end is then known exactly when it is
+            # inside the window, however much was read ahead before.
+            self._fill(want + 1)
             start, size = self._start, self._stop
             if start >= size and self._eof:
                 return None
-            # Cut from the first `want` bytes only, whatever else was read ahead: a block
-            # is then the same after a restore, which reads from its start (G4).
+            # Cut from the first `want` bytes only, whatever else was read ahead, and grow
+            # the window by a rule that depends on nothing else either (not on how much a
+            # compressed stream had read ahead): a block is then the same after a restore,
+            # which reads from its start (G4).
             final = self._eof and size - start <= want
             block = self._parse(self._buffer, start, size if final else start + want, final)
             if block is not None:
                 return block
-            if self._eof:
+            if final:
                 return None
-            want = self._grow(max(want, size - start + 1))
+            want = self._grow(want)
 
     def _parse(self, data: bytes | bytearray, start: int, stop: int,
                final: bool) -> _Block | None:
