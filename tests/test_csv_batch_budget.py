@@ -93,3 +93,50 @@ def test_a_batch_over_the_budget_is_refused_before_its_rows_are_read(
     message = str(caught.value)
     assert "batch: " in message and f"one batch of {batch_size} CSV records" in message
     assert "a smaller batch_size fits" in message
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_record_over_the_budget_is_refused_at_its_share_types_inferred_or_not(
+    tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generated file with one field larger than the budget, anywhere: read_csv (types
+    inferred as it is built, or given; both engines; plain or GZIP) never holds more text
+    than the budget, and refuses the record with a MemoryBudgetError naming the file, its
+    line and column. (Inferring the types, before the budget is known, once read the
+    record up to max_record_bytes.)"""
+    import gzip
+
+    from headrace.csv.source import _BlockReader
+
+    held = [0]
+    original = _BlockReader._fill
+
+    def fill(self: _BlockReader, at_least: int) -> None:
+        original(self, at_least)
+        held[0] = max(held[0], len(self._buffer))
+
+    monkeypatch.setattr(_BlockReader, "_fill", fill)
+    rng = random.Random(seed)
+    budget = 4 * MiB
+    columns = rng.randint(1, 4)
+    before = rng.randint(0, 40)
+    where = rng.randrange(columns)
+    lines = [",".join(f"c{i}" for i in range(columns))]
+    lines += [",".join(str(rng.randrange(100)) for _ in range(columns)) for _ in range(before)]
+    big = ["1"] * columns
+    big[where] = "x" * rng.randint(budget * 3 // 2, budget * 4)
+    lines += [",".join(big), ",".join(["2"] * columns)]
+    data = ("\n".join(lines) + "\n").encode()
+    compression = rng.choice([None, "GZIP"])
+    path = tmp_path / ("big.csv.gz" if compression else "big.csv")
+    path.write_bytes(gzip.compress(data, 1) if compression else data)
+    given = rng.random() < 0.25
+    ds = hr.read_csv(str(path), rng.choice([1, 4, 64]), compression_type=compression,
+                     engine=rng.choice(["auto", "pure"]), block_bytes=1 << 16,
+                     column_defaults=[[""]] * columns if given else None)
+    with pytest.raises(MemoryBudgetError) as caught:
+        list(ds.with_options(hr.Options(memory_budget=budget)))
+    assert held[0] <= budget, (held[0], budget)
+    message = str(caught.value)
+    assert str(path) in message and f"line {before + 2}" in message
+    assert f"column {where} ('c{where}')" in message

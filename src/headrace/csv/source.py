@@ -257,11 +257,11 @@ class _BlockReader:
             self._buffer, self._start, self._stop = self._scratch, 0, count
             self._eof = count < size
             return
-        self._book_text(size)  # (the window read, whatever the stream gives at once)
+        self._book_text(size)  # (the window read: never more than that is held)
         pieces = [self._buffer[self._start:self._stop]] if have else []
         read = have
         while read < at_least and not self._eof:
-            chunk = self.stream.read(max(at_least - read, self.spec.block_bytes))
+            chunk = self.stream.read(size - read)
             if not chunk:
                 self._eof = True
                 break
