@@ -393,7 +393,8 @@ def read_csv(
     ``column_defaults`` (as ``record_defaults``) or are inferred from the
     first rows as ``make_csv_dataset`` does. Values, missing-field rules and
     errors are ``CsvDataset``'s, for the inference too: each names the file
-    and, where it has one, the line. ``engine="auto"`` uses pyarrow's parser when
+    and, where it has one, the line. The inference reads records of at most 1 MiB (it
+    runs before the memory budget is known): at a longer record it stops there. ``engine="auto"`` uses pyarrow's parser when
     the ``[arrow]`` extra is installed, ``"pure"`` never does; both give the
     same arrays.
     """
