@@ -140,3 +140,34 @@ def test_a_record_over_the_budget_is_refused_at_its_share_types_inferred_or_not(
     message = str(caught.value)
     assert str(path) in message and f"line {before + 2}" in message
     assert f"column {where} ('c{where}')" in message
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_types_inferred_up_to_a_record_longer_than_the_probe_read_every_row(
+    tmp_path: Path, seed: int
+) -> None:
+    """A generated file of numbers with one field longer than the inference reads (1 MiB):
+    the inference stops there, the long field's column is text, and with a budget the
+    record fits, read_csv gives every row as written."""
+    rng = random.Random(seed)
+    columns = rng.randint(1, 4)
+    where = rng.randrange(columns)
+    rows = [[str(rng.randrange(100)) for _ in range(columns)] for _ in range(rng.randint(0, 30))]
+    long_row = [str(rng.randrange(100)) for _ in range(columns)]
+    long_row[where] = "y" * rng.randint(MiB + 1, 3 * MiB)
+    rows += [long_row] + [[str(rng.randrange(100)) for _ in range(columns)]
+                          for _ in range(rng.randint(0, 30))]
+    path = tmp_path / "long.csv"
+    path.write_text("\n".join([",".join(f"c{i}" for i in range(columns))]
+                              + [",".join(row) for row in rows]) + "\n")
+    ds = hr.read_csv(str(path), 7, engine=rng.choice(["auto", "pure"]))
+    got = [[batch[f"c{i}"][j] for i in range(columns)]
+           for batch in ds.with_options(hr.Options(memory_budget="256MiB"))
+           for j in range(len(batch["c0"]))]
+    assert len(got) == len(rows)
+    for mine, row in zip(got, rows, strict=True):
+        for i, (value, text) in enumerate(zip(mine, row, strict=True)):
+            if i == where:
+                assert value == text.encode()
+            else:
+                assert value == int(text)

@@ -158,7 +158,7 @@ def _infer_defaults(filenames: list[str], width: int, fmt: CsvFormat, header: bo
     malformed or ragged record is a :class:`CsvError` naming its file, record, line and
     column). This runs as the dataset is built, before its memory budget is known, so
     records of at most ``_PROBE_MAX_RECORD_BYTES`` are read: the types are those of the
-    records before a longer one (whose read, later, is booked on the budget and refused
+    records before a longer one, the field it stopped in being text (whose read, later, is booked on the budget and refused
     there if it cannot fit). A field that is not ``encoding`` text cannot be a number:
     its column is text (read as bytes).
     """
@@ -195,10 +195,13 @@ def _kinds_of(dataset: Dataset, select: Sequence[int], fmt: CsvFormat, encoding:
                 element = next(iterator)
             except StopIteration:
                 break
-            except RecordTooLargeError:
-                if one_by_one:
-                    break
-                raise
+            except RecordTooLargeError as error:
+                if not one_by_one:
+                    raise
+                # No number is that long: the field the probe stopped in holds text.
+                if error.field is not None and error.field in select:
+                    kinds[list(select).index(error.field)] = "string"
+                break
             batch = [[field] for field in element] if one_by_one else element
             for j, index in enumerate(select):
                 kind = kinds[j]

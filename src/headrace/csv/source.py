@@ -292,12 +292,7 @@ class _BlockReader:
         """``error`` naming the record that could not fit: its file, record, line, the
         column it was in when reading stopped, and its byte offset."""
         partial = bytes(memoryview(self._buffer)[self._start:self._stop])
-        scanned = csvfmt.scan_records(partial, self.spec.fmt, final=True, max_records=1)
-        index = None
-        if scanned.errors and scanned.errors[0] is not None:
-            index = scanned.errors[0][0]
-        elif scanned.fields:
-            index = len(scanned.fields[0]) - 1
+        index = self._field_reached(partial)
         column = ""
         if index is not None:
             name = self._column_name(index)
@@ -306,6 +301,16 @@ class _BlockReader:
             f"CSV record {self.record} (line {self.line}{column}) at offset {self.offset} in "
             f"file {self.path} has more than {len(partial)} bytes: it cannot fit the memory "
             f"budget, so it was not read further. {error}")
+
+    def _field_reached(self, partial: bytes) -> int | None:
+        """The index (among the file's fields) of the field ``partial``, the start of a
+        record read so far, ends in."""
+        scanned = csvfmt.scan_records(partial, self.spec.fmt, final=True, max_records=1)
+        if scanned.errors and scanned.errors[0] is not None:
+            return scanned.errors[0][0]
+        if scanned.fields:
+            return len(scanned.fields[0]) - 1
+        return None
 
     def _column_name(self, field: int) -> str | None:
         """The output name of the file's field ``field``, where it has one."""
@@ -366,12 +371,18 @@ class _BlockReader:
         """The next, larger window to look for a whole record in (the one of ``want``
         bytes held none), unless the record is past ``max_record_bytes``."""
         if min(self._stop - self._start, want) >= self.spec.max_record_bytes:
-            raise RecordTooLargeError(
-                f"CSV record at offset {self.offset} in file {self.path} is longer than "
+            field = self._field_reached(
+                bytes(memoryview(self._buffer)[self._start:self._start + want]))
+            error = RecordTooLargeError(
+                f"CSV record {self.record} (line {self.line}"
+                + ("" if field is None else f", field {field}")
+                + f") at offset {self.offset} in file {self.path} is longer than "
                 f"max_record_bytes={self.spec.max_record_bytes} (an unclosed quote?); pass "
                 "max_record_bytes=... to read longer records",
                 path=self.path, offset=self.offset,
             )
+            error.field = field
+            raise error
         return want * 2
 
     def _window(self) -> int:
