@@ -93,3 +93,81 @@ def test_a_batch_over_the_budget_is_refused_before_its_rows_are_read(
     message = str(caught.value)
     assert "batch: " in message and f"one batch of {batch_size} CSV records" in message
     assert "a smaller batch_size fits" in message
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_record_over_the_budget_is_refused_at_its_share_types_inferred_or_not(
+    tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generated file with one field larger than the budget, anywhere: read_csv (types
+    inferred as it is built, or given; both engines; plain or GZIP) never holds more text
+    than the budget, and refuses the record with a MemoryBudgetError naming the file, its
+    line and column. (Inferring the types, before the budget is known, once read the
+    record up to max_record_bytes.)"""
+    import gzip
+
+    from headrace.csv.source import _BlockReader
+
+    held = [0]
+    original = _BlockReader._fill
+
+    def fill(self: _BlockReader, at_least: int) -> None:
+        original(self, at_least)
+        held[0] = max(held[0], len(self._buffer))
+
+    monkeypatch.setattr(_BlockReader, "_fill", fill)
+    rng = random.Random(seed)
+    budget = 4 * MiB
+    columns = rng.randint(1, 4)
+    before = rng.randint(0, 40)
+    where = rng.randrange(columns)
+    lines = [",".join(f"c{i}" for i in range(columns))]
+    lines += [",".join(str(rng.randrange(100)) for _ in range(columns)) for _ in range(before)]
+    big = ["1"] * columns
+    big[where] = "x" * rng.randint(budget * 3 // 2, budget * 4)
+    lines += [",".join(big), ",".join(["2"] * columns)]
+    data = ("\n".join(lines) + "\n").encode()
+    compression = rng.choice([None, "GZIP"])
+    path = tmp_path / ("big.csv.gz" if compression else "big.csv")
+    path.write_bytes(gzip.compress(data, 1) if compression else data)
+    given = rng.random() < 0.25
+    ds = hr.read_csv(str(path), rng.choice([1, 4, 64]), compression_type=compression,
+                     engine=rng.choice(["auto", "pure"]), block_bytes=1 << 16,
+                     column_defaults=[[""]] * columns if given else None)
+    with pytest.raises(MemoryBudgetError) as caught:
+        list(ds.with_options(hr.Options(memory_budget=budget)))
+    assert held[0] <= budget, (held[0], budget)
+    message = str(caught.value)
+    assert str(path) in message and f"line {before + 2}" in message
+    assert f"column {where} ('c{where}')" in message
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_types_inferred_up_to_a_record_longer_than_the_probe_read_every_row(
+    tmp_path: Path, seed: int
+) -> None:
+    """A generated file of numbers with one field longer than the inference reads (1 MiB):
+    the inference stops there, the long field's column is text, and with a budget the
+    record fits, read_csv gives every row as written."""
+    rng = random.Random(seed)
+    columns = rng.randint(1, 4)
+    where = rng.randrange(columns)
+    rows = [[str(rng.randrange(100)) for _ in range(columns)] for _ in range(rng.randint(0, 30))]
+    long_row = [str(rng.randrange(100)) for _ in range(columns)]
+    long_row[where] = "y" * rng.randint(MiB + 1, 3 * MiB)
+    rows += [long_row] + [[str(rng.randrange(100)) for _ in range(columns)]
+                          for _ in range(rng.randint(0, 30))]
+    path = tmp_path / "long.csv"
+    path.write_text("\n".join([",".join(f"c{i}" for i in range(columns))]
+                              + [",".join(row) for row in rows]) + "\n")
+    ds = hr.read_csv(str(path), 7, engine=rng.choice(["auto", "pure"]))
+    got = [[batch[f"c{i}"][j] for i in range(columns)]
+           for batch in ds.with_options(hr.Options(memory_budget="256MiB"))
+           for j in range(len(batch["c0"]))]
+    assert len(got) == len(rows)
+    for mine, row in zip(got, rows, strict=True):
+        for i, (value, text) in enumerate(zip(mine, row, strict=True)):
+            if i == where:
+                assert value == text.encode()
+            else:
+                assert value == int(text)

@@ -149,7 +149,13 @@ def _rebuild_data_loss(
 
 
 class RecordTooLargeError(DataLossError):
-    """A record declares a length above ``max_record_bytes``; nothing was allocated."""
+    """A record declares a length above ``max_record_bytes``; nothing was allocated.
+
+    ``field``: for a CSV record, the index (among its file's fields) of the field the
+    read stopped in, where known (None otherwise).
+    """
+
+    field: int | None = None
 
 
 class ParseError(HeadraceError, ValueError):

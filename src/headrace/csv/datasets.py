@@ -31,7 +31,7 @@ from headrace.csv.reader import (
 )
 from headrace.csv.source import DEFAULT_BLOCK_BYTES, CsvNode, CsvSpec, read_first_record
 from headrace.dataset import Dataset, read_files_in_parallel
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, RecordTooLargeError
 from headrace.options import AUTOTUNE
 from headrace.sources.files import list_files
 
@@ -39,6 +39,11 @@ __all__ = ["CsvDataset", "decode_csv", "make_csv_dataset", "read_csv"]
 
 #: Text parsed at once while inferring types: the first rows are usually few.
 _PROBE_BLOCK_BYTES = 1 << 16
+#: Longest record the type inference reads. It runs when the dataset is built, before the
+#: pipeline's memory budget is known, so it must not read a record the budget may refuse:
+#: at a longer record it stops (no number is that long), and the read that follows books
+#: that record on its share of the budget, refusing it there if it cannot fit (G1).
+_PROBE_MAX_RECORD_BYTES = 1 << 20
 
 
 def _check_cols(cols: Sequence[int] | None, name: str) -> tuple[int, ...]:
@@ -151,18 +156,53 @@ def _infer_defaults(filenames: list[str], width: int, fmt: CsvFormat, header: bo
     The records are read by a ``CsvDataset`` of ``width`` text columns: the same
     records, the same file pool, budget and errors as the read that follows (a
     malformed or ragged record is a :class:`CsvError` naming its file, record, line and
-    column; a field of any length up to ``max_record_bytes`` is read). A field that is
-    not ``encoding`` text cannot be a number: its column is text (read as bytes).
+    column). This runs as the dataset is built, before its memory budget is known, so
+    records of at most ``_PROBE_MAX_RECORD_BYTES`` are read: the types are those of the
+    records before a longer one, the field it stopped in being text (whose read, later, is booked on the budget and refused
+    there if it cannot fit). A field that is not ``encoding`` text cannot be a number:
+    its column is text (read as bytes).
     """
-    kinds: list[str | None] = [None] * len(select)
     spec = CsvSpec(columns=tuple(CsvColumn("string", b"") for _ in range(width)), fmt=fmt,
-                   header=header, ignore_errors=ignore_errors, block_bytes=_PROBE_BLOCK_BYTES)
+                   header=header, ignore_errors=ignore_errors, block_bytes=_PROBE_BLOCK_BYTES,
+                   max_record_bytes=_PROBE_MAX_RECORD_BYTES)
     records = Dataset(CsvNode(filenames, compression_type, None, spec))
     if rows_for_inference is not None:
         records = records.take(rows_for_inference)
+    try:
+        kinds = _kinds_of(records.batch(1024), select, fmt, encoding)
+    except RecordTooLargeError:
+        # A record longer than the probe reads: the types are those of the records before
+        # it, read again one by one (the batch it would have ended was never handed out).
+        kinds = _kinds_of(records, select, fmt, encoding, one_by_one=True)
+    columns = []
+    for kind in kinds:
+        resolved = kind or "string"
+        default: Any = b"" if resolved == "string" else np.dtype(resolved).type(0)
+        columns.append(CsvColumn(resolved, default))
+    return columns
+
+
+def _kinds_of(dataset: Dataset, select: Sequence[int], fmt: CsvFormat, encoding: str,
+              one_by_one: bool = False) -> list[str | None]:
+    """Each selected column's inferred kind (None: no value seen) over ``dataset``'s
+    batches, or with ``one_by_one`` over its records up to the first one longer than the
+    probe reads."""
+    kinds: list[str | None] = [None] * len(select)
     missing = (b"", fmt.na_value)
-    with iter(records.batch(1024)) as batches:
-        for batch in batches:
+    with iter(dataset) as iterator:
+        while True:
+            try:
+                element = next(iterator)
+            except StopIteration:
+                break
+            except RecordTooLargeError as error:
+                if not one_by_one:
+                    raise
+                # No number is that long: the field the probe stopped in holds text.
+                if error.field is not None and error.field in select:
+                    kinds[list(select).index(error.field)] = "string"
+                break
+            batch = [[field] for field in element] if one_by_one else element
             for j, index in enumerate(select):
                 kind = kinds[j]
                 for field in batch[index]:
@@ -177,12 +217,7 @@ def _infer_defaults(filenames: list[str], width: int, fmt: CsvFormat, header: bo
                     if kind == "string":
                         break
                 kinds[j] = kind
-    columns = []
-    for kind in kinds:
-        resolved = kind or "string"
-        default: Any = b"" if resolved == "string" else np.dtype(resolved).type(0)
-        columns.append(CsvColumn(resolved, default))
-    return columns
+    return kinds
 
 
 def _sorted_indices(select_columns: Sequence[int | str], names: list[str]) -> list[int]:
@@ -361,7 +396,8 @@ def read_csv(
     ``column_defaults`` (as ``record_defaults``) or are inferred from the
     first rows as ``make_csv_dataset`` does. Values, missing-field rules and
     errors are ``CsvDataset``'s, for the inference too: each names the file
-    and, where it has one, the line. ``engine="auto"`` uses pyarrow's parser when
+    and, where it has one, the line. The inference reads records of at most 1 MiB (it
+    runs before the memory budget is known): at a longer record it stops there. ``engine="auto"`` uses pyarrow's parser when
     the ``[arrow]`` extra is installed, ``"pure"`` never does; both give the
     same arrays.
     """

@@ -262,11 +262,11 @@ class _BlockReader:
             self._buffer, self._start, self._stop = self._scratch, 0, count
             self._eof = count < size
             return
-        self._book_text(size)  # (the window read, whatever the stream gives at once)
+        self._book_text(size)  # (the window read: never more than that is held)
         pieces = [self._buffer[self._start:self._stop]] if have else []
         read = have
         while read < at_least and not self._eof:
-            chunk = self.stream.read(max(at_least - read, self.spec.block_bytes))
+            chunk = self.stream.read(size - read)
             if not chunk:
                 self._eof = True
                 break
@@ -288,7 +288,7 @@ class _BlockReader:
             self._scratch_booking = self.account.admit(size + ARRAY_HEADER_BYTES,
                                                        together=self.where(size))
         except MemoryBudgetError as error:
-            if size <= self.spec.block_bytes:
+            if size <= self._window() + 1:  # a plain block (and the byte past it)
                 raise
             raise self._refused(error) from None
         self._booked = size
@@ -297,12 +297,7 @@ class _BlockReader:
         """``error`` naming the record that could not fit: its file, record, line, the
         column it was in when reading stopped, and its byte offset."""
         partial = bytes(memoryview(self._buffer)[self._start:self._stop])
-        scanned = csvfmt.scan_records(partial, self.spec.fmt, final=True, max_records=1)
-        index = None
-        if scanned.errors and scanned.errors[0] is not None:
-            index = scanned.errors[0][0]
-        elif scanned.fields:
-            index = len(scanned.fields[0]) - 1
+        index = self._field_reached(partial)
         column = ""
         if index is not None:
             name = self._column_name(index)
@@ -311,6 +306,16 @@ class _BlockReader:
             f"CSV record {self.record} (line {self.line}{column}) at offset {self.offset} in "
             f"file {self.path} has more than {len(partial)} bytes: it cannot fit the memory "
             f"budget, so it was not read further. {error}")
+
+    def _field_reached(self, partial: bytes) -> int | None:
+        """The index (among the file's fields) of the field ``partial``, the start of a
+        record read so far, ends in."""
+        scanned = csvfmt.scan_records(partial, self.spec.fmt, final=True, max_records=1)
+        if scanned.errors and scanned.errors[0] is not None:
+            return scanned.errors[0][0]
+        if scanned.fields:
+            return len(scanned.fields[0]) - 1
+        return None
 
     def _column_name(self, field: int) -> str | None:
         """The output name of the file's field ``field``, where it has one."""
@@ -328,7 +333,7 @@ class _BlockReader:
         """What a booking of ``size`` bytes of this file's text is for, with where the
         block starts (a MemoryBudgetError then names the file and the line)."""
         long = (f": a record of more than {format_bytes(size // 2)}"
-                if size > self.spec.block_bytes else "")
+                if size > self._window() + 1 else "")
         return (f"the text of one CSV block of {self.path} from line {self.line} "
                 f"(byte offset {self.offset}){long}")
 
@@ -371,32 +376,46 @@ class _BlockReader:
         """The next, larger window to look for a whole record in (the one of ``want``
         bytes held none), unless the record is past ``max_record_bytes``."""
         if min(self._stop - self._start, want) >= self.spec.max_record_bytes:
-            raise RecordTooLargeError(
-                f"CSV record at offset {self.offset} in file {self.path} is longer than "
+            field = self._field_reached(
+                bytes(memoryview(self._buffer)[self._start:self._start + want]))
+            error = RecordTooLargeError(
+                f"CSV record {self.record} (line {self.line}"
+                + ("" if field is None else f", field {field}")
+                + f") at offset {self.offset} in file {self.path} is longer than "
                 f"max_record_bytes={self.spec.max_record_bytes} (an unclosed quote?); pass "
                 "max_record_bytes=... to read longer records",
                 path=self.path, offset=self.offset,
             )
+            error.field = field
+            raise error
         return want * 2
+
+    def _window(self) -> int:
+        """The bytes a block is first cut from (grown only for a longer record)."""
+        spec = self.spec
+        return spec.block_bytes if spec.use_arrow else max(spec.block_bytes // 4, 1 << 16)
 
     def read_block(self) -> _Block | None:
         """The next block of records, or None at the end of the stream."""
-        spec = self.spec
-        want = spec.block_bytes if spec.use_arrow else max(spec.block_bytes // 4, 1 << 16)
+        want = self._window()
         while True:
-            self._fill(want)
+            # One byte past the window: the stream's end is then known exactly when it is
+            # inside the window, however much was read ahead before.
+            self._fill(want + 1)
             start, size = self._start, self._stop
             if start >= size and self._eof:
                 return None
-            # Cut from the first `want` bytes only, whatever else was read ahead: a block
-            # is then the same after a restore, which reads from its start (G4).
+            # Cut from the first `want` bytes only, whatever else was read ahead, and grow
+            # the window by a rule that depends on nothing else either (not on how much a
+            # compressed stream had read ahead): a block is then the same after a restore,
+            # which reads from its start (G4).
             final = self._eof and size - start <= want
             block = self._parse(self._buffer, start, size if final else start + want, final)
             if block is not None:
                 return block
-            if self._eof:
+            if final:
                 return None
-            want = self._grow(max(want, size - start + 1))
+            want = self._grow(want)
 
     def _parse(self, data: bytes | bytearray, start: int, stop: int,
                final: bool) -> _Block | None:
