@@ -141,7 +141,7 @@ def quiet_machine(monkeypatch):
     waits the inner pipelines make (sleeps) decide, not how busy the machine running the
     suite is (preempted time and a contended GIL rightly keep it sequential, see WaitWatch;
     the compute-bound test below runs on the real clocks)."""
-    monkeypatch.setattr(_wait_watch, "_run_queue_seconds", lambda: 0.0)
+    monkeypatch.setattr(_wait_watch, "_run_queue_seconds", lambda limiter: 0.0)
     monkeypatch.setattr(_wait_watch, "_gil_is_free", lambda within, probes=3: True)
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import xxhash
 
 from headrace.core.node import Node, content_memo, content_mode, describing_content
+from headrace.io.mapped import FileMap
 
 __all__ = [
     "array_digest",
@@ -168,13 +169,17 @@ def _raw(array: np.ndarray[Any, Any]) -> memoryview:
 
 
 def _mapped_file(array: np.ndarray[Any, Any]) -> tuple[str, int] | None:
-    """The file and byte offset an array views, where it is (a view of) an ``np.memmap``."""
+    """The file and byte offset an array views, where it is (a view of) an ``np.memmap``
+    or of a :class:`~headrace.io.mapped.FileMap` (``from_npy``'s mapping)."""
     root = None
     base: Any = array
     while isinstance(base, np.ndarray):
         if isinstance(base, np.memmap) and isinstance(base.base, mmap.mmap):
             root = base  # made by np.memmap(): its first byte is the file's ``offset``
         base = base.base
+    if isinstance(base, FileMap):
+        start = int(array.__array_interface__["data"][0])
+        return base.filename, base.offset + start - base.address
     if root is None or not isinstance(getattr(root, "filename", None), str):
         return None
     start = int(array.__array_interface__["data"][0])

@@ -15,7 +15,6 @@ stage can forget to.
 from __future__ import annotations
 
 import copy
-import mmap
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import numpy as np
 
 from headrace.core.state import INPUTS, StateReader
 from headrace.errors import Origin
+from headrace.io.mapped import is_file_backed
 from headrace.memory.budget import MemoryBudget
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import admit, owner_of, sizeof
@@ -146,7 +146,7 @@ class Context:
         key = id(owner)
         if key in self.preexisting:
             return
-        if self._nested and not isinstance(owner, mmap.mmap):
+        if self._nested and not is_file_backed(owner):
             self.owned_bytes += int(getattr(array, "nbytes", 0))
         self.preexisting.add(key)
         self._keepalive[key] = owner  # ids stay valid while this run (or slot) lives

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import errno
 import os
 import threading
@@ -65,9 +66,11 @@ __all__ = [
     "HeldSlots",
     "MemoryAccount",
     "PooledStream",
+    "borrowed_slot",
     "default_max_open_files",
     "file_at_fault",
     "get_default_pool",
+    "opening_under",
     "read_small_file",
     "set_max_open_files",
 ]
@@ -310,27 +313,32 @@ class FilePool:
         return HeldSlots(self, limiter, count)
 
     @contextlib.contextmanager
-    def transient(self, *, wait: bool = True) -> Iterator[bool]:
+    def transient(
+        self, *, wait: bool = True, limiter: FileLimiter | None = None
+    ) -> Iterator[bool]:
         """One slot for a descriptor the caller opens and closes at once (a ``/proc`` or
         cgroup file, a directory listing), so it counts against the cap like a reader's
         (G2). Yields True while the slot is held.
 
         Like a reader's open, it suspends an idle stream or waits for a busy one when the
         pool is full. ``wait=False``: yields False at once instead, and the caller skips
-        its read (a sample on a hot path must not close a reader's file).
+        its read (a sample on a hot path must not close a reader's file). ``limiter``: a
+        pipeline's share, which the slot counts against too.
         """
+        if limiter is not None and limiter.pool is not self:
+            raise InvalidArgumentError("the limiter belongs to a different FilePool")
         with self._locked:
-            if not wait and self._is_full(None):
+            if not wait and self._is_full(limiter):
                 got = False
             else:
-                self._reserve_slot(None)
+                self._reserve_slot(limiter)
                 got = True
         try:
             yield got
         finally:
             if got:
                 with self._locked:
-                    self._release_slot(None)
+                    self._release_slot(limiter)
 
     def _unhold(self, limiter: FileLimiter | None, count: int) -> None:
         for _ in range(count):
@@ -389,7 +397,13 @@ class FilePool:
         Why: such a descriptor lives too briefly to be worth suspending, yet while it is
         open it is one more file (G2). An idle stream is suspended to make room for it,
         and a busy one is waited for. Do not call it from inside a pooled read.
+        ``limiter`` None: the pipeline share set by :func:`opening_under` (a dataset
+        built by an interleave's function while the pipeline runs), if any.
         """
+        if limiter is None:
+            limiter = _opening_limiter.get()
+            if limiter is not None and limiter.pool is not self:
+                limiter = None  # (a share of another pool: this pool's cap still holds)
         if limiter is not None and limiter.pool is not self:
             raise InvalidArgumentError("the limiter belongs to a different FilePool")
         with self._locked:
@@ -754,13 +768,45 @@ def get_default_pool() -> FilePool:
         return _default_pool
 
 
-def read_small_file(path: str, *, wait: bool = True) -> bytes | None:
+_opening_limiter: contextvars.ContextVar[FileLimiter | None] = contextvars.ContextVar(
+    "headrace_opening_limiter", default=None
+)
+
+
+@contextlib.contextmanager
+def opening_under(limiter: FileLimiter | None) -> Iterator[None]:
+    """Charge the descriptors opened in this block to ``limiter`` (a pipeline's share).
+
+    Why: a dataset built while a pipeline runs (an interleave's function calling
+    ``Dataset.load``, ``from_npy``...) opens files for a moment (a manifest, a header,
+    an index) with no pipeline context at hand; those opens take a slot through
+    :meth:`FilePool.borrow` with no limiter, which counts them against the process-wide
+    cap only, and the pipeline's ``Options(max_open_files=n)`` is passed by one. The
+    interleave sets its pipeline's share around the function, and ``borrow`` uses it.
+    """
+    token = _opening_limiter.set(limiter)
+    try:
+        yield
+    finally:
+        _opening_limiter.reset(token)
+
+
+def borrowed_slot() -> contextlib.AbstractContextManager[None]:
+    """A slot of the process-wide pool, under the pipeline share of :func:`opening_under`
+    if one is set, for a descriptor the caller opens and closes inside the block (G2)."""
+    return get_default_pool().borrow()
+
+
+def read_small_file(
+    path: str, *, wait: bool = True, limiter: FileLimiter | None = None
+) -> bytes | None:
     """The bytes of a small file (``/proc/self/status``, a cgroup limit), read on a slot
-    of the process-wide pool: headrace's own reads count against its cap (G2).
+    of the process-wide pool: headrace's own reads count against its cap (G2), and
+    against ``limiter``'s (a pipeline's share) when a pipeline reads it.
 
     None when the file cannot be read, or when ``wait`` is False and no slot is free.
     """
-    with get_default_pool().transient(wait=wait) as got:
+    with get_default_pool().transient(wait=wait, limiter=limiter) as got:
         if not got:
             return None
         try:

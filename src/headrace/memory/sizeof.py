@@ -37,7 +37,6 @@ its cost. Views of memory that predates the iteration are never copied.
 from __future__ import annotations
 
 import datetime
-import mmap
 import sys
 import threading
 import warnings
@@ -48,6 +47,7 @@ import numpy as np
 
 from headrace.errors import HeadraceWarning
 from headrace.io.columns import bytes_total
+from headrace.io.mapped import is_file_backed
 
 __all__ = [
     "ARRAY_HEADER_BYTES",
@@ -197,7 +197,7 @@ def _costed_owner(array: np.ndarray[Any, Any]) -> object:
 
 
 def _is_file_backed(owner: object) -> bool:
-    return isinstance(owner, mmap.mmap)
+    return is_file_backed(owner)
 
 
 class _Costing:
@@ -407,7 +407,7 @@ def _plain_array(element: Any, preexisting: frozenset[int] | set[int]) -> tuple[
         return None if owned is None else (owned, id(element))
     while isinstance(base, np.ndarray) and base.base is not None:  # owner_of, inlined
         base = base.base
-    if id(base) in preexisting or isinstance(base, mmap.mmap):
+    if id(base) in preexisting or is_file_backed(base):
         return ARRAY_HEADER_BYTES, 0
     owner = type(base)
     if owner is np.ndarray:

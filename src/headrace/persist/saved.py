@@ -67,7 +67,7 @@ from headrace.io.elements import (
     spec_from_json,
     spec_to_json,
 )
-from headrace.io.filepool import HeldSlots, get_default_pool
+from headrace.io.filepool import HeldSlots, borrowed_slot, get_default_pool
 from headrace.io.streams import normalize_compression_type
 from headrace.io.tfrecord.reader import open_tfrecord
 from headrace.io.tfrecord.writer import TFRecordWriter
@@ -353,7 +353,8 @@ def _file_digest(path: str) -> str:
     the manifest records it per part, so a part file from another save, or two parts
     swapped by name, is refused by ``load`` instead of served as this save's elements,
     without reading a large save whole before its first element."""
-    return f"{os.path.getsize(path)} {file_digest(path)}"
+    with borrowed_slot():  # (a load inside a running pipeline: its cap counts it, G2)
+        return f"{os.path.getsize(path)} {file_digest(path)}"
 
 
 def _our_files(path: str) -> list[str]:
@@ -615,7 +616,7 @@ _SAVE_NODE = _SaveStage()
 def _read_manifest(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, MANIFEST_NAME)
     try:
-        with open(path, encoding="utf-8") as file:
+        with borrowed_slot(), open(path, encoding="utf-8") as file:
             manifest = json.load(file)
     except FileNotFoundError:
         if os.path.exists(os.path.join(directory, PROGRESS_NAME)):
@@ -681,7 +682,9 @@ def _check_manifest(manifest: dict[str, Any], path: str) -> None:
 def _find_damage(name: str, compression: str | None) -> None:
     """Raise the reader's DataLossError (file and offset) for the first record of ``name``
     whose framing or CRC fails; return if every record is sound (a foreign file)."""
-    with open_tfrecord(name, compression_type=compression, max_record_bytes=1 << 31) as reader:
+    with borrowed_slot(), open_tfrecord(
+        name, compression_type=compression, max_record_bytes=1 << 31
+    ) as reader:
         while reader.read_batch():
             pass
 

@@ -19,7 +19,9 @@ from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
 from headrace.errors import DataLossError, InvalidArgumentError, Origin
+from headrace.io.filepool import borrowed_slot
 from headrace.io.files import require_regular_file
+from headrace.io.mapped import map_file
 from headrace.structure import (
     TensorSpec,
     encode_str,
@@ -257,7 +259,7 @@ class RangeNode(Node):
         return _RangeAccess(self.start, self.step, self.length, self.dtype)
 
 
-def _npy_header(path: str) -> tuple[tuple[int, ...], np.dtype[Any], int]:
+def _npy_header(path: str) -> tuple[tuple[int, ...], bool, np.dtype[Any], int]:
     """Shape, dtype and data offset of a ``.npy`` file, read and checked before mapping
     it, so a corrupt or truncated file is named as such: NumPy alone says "contains
     pickled data" for any file without the magic, "mmap length is greater than file
@@ -293,8 +295,7 @@ def _npy_header(path: str) -> tuple[tuple[int, ...], np.dtype[Any], int]:
             f"({needed:,} bytes with the header), the file has {size:,}",
             path=path, offset=size,
         )
-    del fortran
-    return shape, dtype, offset
+    return shape, bool(fortran), dtype, offset
 
 
 def load_npy(path: str | os.PathLike[str]) -> np.ndarray[Any, Any]:
@@ -302,13 +303,23 @@ def load_npy(path: str | os.PathLike[str]) -> np.ndarray[Any, Any]:
 
     A path that is not a regular file, a file that is not ``.npy``, a corrupt header or
     a truncated file raise (``InvalidArgumentError``, ``DataLossError``) naming it.
+    The mapping keeps no descriptor open (see :mod:`headrace.io.mapped`): an interleave
+    over many ``.npy`` files holds none per slot, and the header read and the mapping
+    each open the file for a moment on a file-pool slot, so they count against
+    ``max_open_files`` too (G2).
     """
     name = os.fspath(path)
-    _npy_header(name)
-    try:
-        array = np.load(name, mmap_mode="r", allow_pickle=False)
-    except ValueError as error:
-        raise InvalidArgumentError(f"from_npy: cannot memory-map {path}: {error}") from error
-    if not isinstance(array, np.ndarray) or array.ndim == 0:
+    with borrowed_slot():
+        shape, fortran, dtype, offset = _npy_header(name)
+    if not shape:
         raise InvalidArgumentError(f"from_npy: {path} holds a scalar; nothing to slice")
-    return array
+    try:
+        with borrowed_slot():
+            mapping = map_file(name)
+        array: np.ndarray[Any, Any] = np.ndarray(
+            shape, dtype, buffer=np.asarray(mapping), offset=offset,
+            order="F" if fortran else "C",
+        )
+        return array
+    except (OSError, ValueError, TypeError) as error:
+        raise InvalidArgumentError(f"from_npy: cannot memory-map {path}: {error}") from error

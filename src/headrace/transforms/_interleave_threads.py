@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.state import mark_out_of_order
+from headrace.io.filepool import opening_under
 from headrace.memory.buffer import Buffer, Reservation
 from headrace.options import AUTOTUNE
+from headrace.sources.files import file_limiter
 from headrace.transforms._interleave_cycle import CycleIterator, Slot
 from headrace.transforms._wait_watch import WaitWatch
 from headrace.transforms.prefetch import PrefetchIterator
@@ -61,7 +63,7 @@ class InterleaveIterator(CycleIterator):
         parallel = node.num_parallel_calls
         self.may_thread = parallel is not None
         #: AUTOTUNE's watch over its pulls, until it switches to threads.
-        self.watch = WaitWatch() if parallel == AUTOTUNE else None
+        self.watch = WaitWatch(file_limiter(ctx)) if parallel == AUTOTUNE else None
         self.gate: threading.Semaphore | None = None
         if parallel is not None and parallel != AUTOTUNE:
             self.gate = threading.Semaphore(parallel)
@@ -76,7 +78,10 @@ class InterleaveIterator(CycleIterator):
     def _open_slot(self, element: Any, input_before: dict[str, Any], *, start: bool) -> Slot:
         part = self.parts.open()
         inner_ctx = self.ctx.with_budget(part.budget)
-        iterator = self.node.inner_node(element).make_iterator(inner_ctx)
+        # the files the function opens to build its dataset (a manifest, a header, an
+        # index) count against this pipeline's max_open_files like its readers (G2)
+        with opening_under(file_limiter(self.ctx)):
+            iterator = self.node.inner_node(element).make_iterator(inner_ctx)
         try:
             # Arrays the function made for this inner dataset live as long as the slot.
             part.own(inner_ctx.owned_bytes)
@@ -154,7 +159,7 @@ class InterleaveIterator(CycleIterator):
         if saved_threaded and not self.threaded:  # AUTOTUNE had switched: switch again
             self._start_threads()
         elif self.watch is not None:  # not switched: watch afresh from here
-            self.watch = WaitWatch()
+            self.watch = WaitWatch(file_limiter(self.ctx))
 
     def _slot_state(self, saved: dict[str, Any], saved_threaded: bool) -> dict[str, Any]:
         if self.threaded and not saved_threaded:  # saved before this iterator switched

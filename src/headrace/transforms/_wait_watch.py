@@ -14,6 +14,7 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
+from headrace.io.filepool import FileLimiter, read_small_file
 from headrace.memory.buffer import Reservation
 
 try:
@@ -26,14 +27,18 @@ except ImportError:  # Windows
 __all__ = ["WaitWatch"]
 
 
-def _run_queue_seconds() -> float:
+def _run_queue_seconds(limiter: FileLimiter | None) -> float | None:
     """Time this thread has spent runnable but not running (preempted by other work):
-    the second field of Linux's /proc/thread-self/schedstat; 0 where unavailable."""
+    the second field of Linux's /proc/thread-self/schedstat; None where unavailable.
+
+    Read on a file-pool slot (``limiter``: the pipeline's share), taken only if one is
+    free: the file is one more descriptor while open (G2), and a sample must not close
+    a reader's file to make room."""
+    content = read_small_file("/proc/thread-self/schedstat", wait=False, limiter=limiter)
     try:
-        with open("/proc/thread-self/schedstat", "rb") as stat:
-            return int(stat.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
+        return None if content is None else int(content.split()[1]) / 1e9
+    except (IndexError, ValueError):
+        return None
 
 
 def _voluntary_switches() -> int:
@@ -72,7 +77,8 @@ class WaitWatch:
     REST_SECONDS = 1.0
     REST_CHUNK = 256
 
-    def __init__(self) -> None:
+    def __init__(self, limiter: FileLimiter | None = None) -> None:
+        self.limiter = limiter  # (the pipeline's share of descriptors: schedstat's read)
         self.random = random.Random(0x5EED)  # its own: the user's random state is theirs
         self.countdown = self.SAMPLE_EVERY  # pulls until the next sampled one
         self.waiting_windows = 0
@@ -85,7 +91,7 @@ class WaitWatch:
         self.pull_wall = 0.0
         self.sampled_cpu = 0.0
         self.switches = _voluntary_switches()
-        self.run_queue = _run_queue_seconds()
+        self.run_queue = _run_queue_seconds(self.limiter)
 
     def rest_chunk_done(self) -> None:
         """A chunk of unwatched pulls is over: rest another, or watch a fresh window."""
@@ -111,7 +117,9 @@ class WaitWatch:
         ``WINDOWS`` windows in a row waited."""
         computing = self.sampled_cpu * self.SAMPLE_EVERY
         # over the whole window, so no less than the part inside the pulls
-        preempted = _run_queue_seconds() - self.run_queue
+        # (0 where either reading is missing: no schedstat, or no descriptor was free)
+        now = _run_queue_seconds(self.limiter)
+        preempted = 0.0 if now is None or self.run_queue is None else now - self.run_queue
         waited = (
             self.pull_wall - computing - preempted > 0.5 * self.pull_wall
             and (_RUSAGE_THREAD is None or _voluntary_switches() > self.switches)

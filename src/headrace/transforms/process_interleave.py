@@ -80,6 +80,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node
 from headrace.core.state import StateReader
 from headrace.errors import MemoryBudgetError, add_note, note_element_error
+from headrace.io.filepool import opening_under
 from headrace.memory.budget import MemoryBudget
 from headrace.memory.buffer import Buffer, Reservation
 from headrace.memory.units import format_bytes
@@ -188,7 +189,8 @@ class SlotReader:
         budget = MemoryBudget(self.share)
         ctx = Context(self.options, budget, iteration)
         ctx.epochs = tuple(epochs)
-        iterator: Iterator = self.node.inner_node(element).make_iterator(ctx)  # type: ignore[attr-defined]
+        with opening_under(file_limiter(ctx)):  # (its opens count against the cap: G2)
+            iterator: Iterator = self.node.inner_node(element).make_iterator(ctx)  # type: ignore[attr-defined]
         budget.allot()
         self.kept[token] = (iterator, budget, position)
         while len(self.kept) > self.keep:
