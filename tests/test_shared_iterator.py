@@ -50,7 +50,7 @@ def test_threads_sharing_an_iterator_get_each_element_once(seed: int) -> None:
             try:
                 for element in iterator:
                     out.append(_key(element))
-            except BaseException as error:  # noqa: BLE001 (reported below)
+            except BaseException as error:
                 errors.append(error)
 
         threads = [threading.Thread(target=drain, args=(out,)) for out in got]
