@@ -341,3 +341,20 @@ def test_a_map_told_each_outputs_size_starts_a_call_only_when_it_fits(
     (told,) = [stage for stage in iterator.stats().stages if "_Filled" in stage.name]
     assert told.overdrawn_peak == 0, told
     assert seen == sizes if deterministic else sorted(seen) == sorted(sizes)
+
+
+@pytest.mark.parametrize("bad", [-1, -(1 << 20), None, "12", float("nan"), float("inf"), True])
+def test_a_sizer_that_returns_no_size_is_an_error_naming_it(bad: Any) -> None:
+    """A registered sizer's answer is bytes: a negative one would credit the budget with
+    every element (300 MiB held under 16 MiB), None or text a bare TypeError."""
+
+    class Odd:
+        pass
+
+    def odd_sizer(obj: Any) -> Any:
+        return bad
+
+    hr.register_sizer(Odd, odd_sizer)
+    ds = hr.Dataset.range(3).map(lambda x: Odd()).prefetch(2)
+    with pytest.raises(TypeError, match=r"odd_sizer.*returned.*at least 0"):
+        list(ds)

@@ -104,6 +104,20 @@ def register_sizer(cls: type, sizer: Sizer) -> None:
         _lookup_cache.clear()
 
 
+def _sized(sizer: Sizer, value: Any) -> int:
+    """What a registered sizer says ``value`` costs: a whole number of bytes, at least 0
+    (a negative one would credit the budget with every element)."""
+    size = sizer(value)
+    if (isinstance(size, bool) or not isinstance(size, (int, float, np.integer, np.floating))
+            or not 0 <= size < float("inf")):
+        name = getattr(sizer, "__qualname__", repr(sizer))
+        raise TypeError(
+            f"the sizer registered for {type(value).__module__}.{type(value).__qualname__} "
+            f"({name}) returned {size!r}: it must return the bytes the object keeps alive, "
+            "a finite number of at least 0 (see headrace.register_sizer)")
+    return int(size)
+
+
 # -- sizers for libraries headrace does not depend on, installed when they are imported --
 
 
@@ -289,7 +303,7 @@ class _Costing:
             return sys.getsizeof(value)
         sizer = _sizer_for(cls)
         if sizer is not None:
-            return int(sizer(value))
+            return _sized(sizer, value)
         if isinstance(value, memoryview):
             return sys.getsizeof(value) + (
                 self.owner_cost(value.obj) if value.obj is not None else value.nbytes
