@@ -167,3 +167,25 @@ def test_elements_that_cannot_be_stored_are_refused_naming_the_component(tmp_pat
 def test_shard_func_must_return_a_non_negative_int(tmp_path: Path) -> None:
     with pytest.raises(hr.InvalidArgumentError, match="shard_func must return an int >= 0"):
         rows(3).save(tmp_path, shard_func=lambda e: -1)
+
+
+@pytest.mark.parametrize("element", [None, (3, None), {"x": 1.5, "m": None}, (None, (b"a", None))])
+def test_elements_holding_none_load_as_saved(tmp_path: Path, element: Any) -> None:
+    """None is a component the element format stores (tf.data's NoneTensorSpec): what
+    save wrote, load reads back (its manifest's spec once called itself corrupted)."""
+    ds = hr.Dataset.from_tensors(element).repeat(3)
+    ds.save(str(tmp_path / "saved"))
+    assert list(hr.Dataset.load(str(tmp_path / "saved"))) == list(ds)
+
+
+@pytest.mark.parametrize("shard", [4096, 1_000_000, (1 << 64) - 1])
+def test_a_shard_id_past_the_limit_is_refused_before_any_file_is_made(
+    tmp_path: Path, shard: int,
+) -> None:
+    """Each shard id up to the largest is a shard of its own: an id of a million made
+    17,393 files for 20 elements (and went on), instead of a clear error."""
+    out = tmp_path / "saved"
+    ds = hr.Dataset.range(20)
+    with pytest.raises(hr.InvalidArgumentError, match=rf"returned {shard} for element 3.*4095"):
+        ds.save(str(out), shard_func=lambda x: np.uint64(shard) if int(x) == 3 else np.int64(0))
+    assert len(list(out.rglob("*"))) < 10

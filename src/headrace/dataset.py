@@ -831,8 +831,9 @@ class Dataset:
     ) -> None:
         """Write this dataset to the directory ``path``, for :meth:`load` (tf.data's meaning).
 
-        ``shard_func(element) -> int`` picks each element's shard (default: round
-        robin over ``num_shards``, up to 8 by the CPU count); shards are written in
+        ``shard_func(element) -> int`` picks each element's shard, an id from 0 to
+        4095 (default: round robin over ``num_shards``, up to 8 by the CPU count;
+        each id up to the largest is a shard of its own); shards are written in
         parallel; ``compression`` is None, ``"GZIP"`` or ``"ZLIB"``;
         ``checkpoint_args={"checkpoint_interval": n}`` makes an interrupted save
         continue from its last checkpoint when called again. The directory is

@@ -464,7 +464,7 @@ def _object_array_decoder(text: bool, shape: tuple[int, ...]) -> _Decoder:
 def spec_to_json(spec: Any) -> Any:
     """A JSON-able description of a nested element spec (for manifests)."""
     if isinstance(spec, TensorSpec):
-        dtype = spec.kind if spec.kind in ("bytes", "str") else spec.dtype.str
+        dtype = spec.kind if spec.kind in ("bytes", "str", "none") else spec.dtype.str
         shape = None if spec.shape is None else list(spec.shape)  # None: unknown rank
         return {"spec": [shape, dtype]}
     if isinstance(spec, dict):
@@ -508,6 +508,8 @@ def spec_from_json(raw: Any, depth: int = 0) -> Any:
             raise ValueError(f"bad shape {shape!r:.80} in the element spec")
         if dtype in ("bytes", "str"):
             return TensorSpec(shape, dtype)
+        if dtype == "none":  # a None component (NoneTensorSpec)
+            return TensorSpec((), kind="none")
         try:
             return TensorSpec(shape, _dtype(dtype))
         except (_Corrupt, TypeError) as error:

@@ -385,6 +385,11 @@ def _save_identity(
     return digest.hexdigest()[:20]
 
 
+#: Shard ids ``save``'s ``shard_func`` may return: each id up to the largest is a shard
+#: with its own files, so an id of a million made a million files for a few elements.
+MAX_SHARDS = 4096
+
+
 def _shard_of(shard_func: Callable[..., Any], element: Any, index: int) -> int:
     value = shard_func(*element) if isinstance(element, tuple) else shard_func(element)
     if isinstance(value, np.ndarray) and value.shape == ():
@@ -393,6 +398,12 @@ def _shard_of(shard_func: Callable[..., Any], element: Any, index: int) -> int:
         raise InvalidArgumentError(
             f"save: shard_func must return an int >= 0 for each element, got {value!r} "
             f"for element {index}"
+        )
+    if value >= MAX_SHARDS:  # shards are numbered files, made up to the largest id
+        raise InvalidArgumentError(
+            f"save: shard_func returned {value} for element {index}; shard ids number the "
+            f"shard files, from 0 to {MAX_SHARDS - 1} (take the id modulo the number of "
+            "shards you want)"
         )
     return int(value)
 
