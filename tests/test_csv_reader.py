@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -499,3 +500,15 @@ def test_every_resume_point_gives_what_the_uninterrupted_run_gives(
             wrong.append(taken)
     assert not wrong, (f"{compression} {engine} block_bytes={block_bytes} batch={batch}: "
                        f"resumed after {wrong} batches differ from the uninterrupted run")
+
+
+def test_read_csv_takes_paths_as_an_interleave_hands_them_out(tmp_path: Path) -> None:
+    """``from_tensor_slices([path])`` gives bytes: read_csv reads them like a str path;
+    something that is no path is refused naming the argument."""
+    path = tmp_path / "a.csv"
+    path.write_text("x,y\n1,2\n3,4\n")
+    files = hr.Dataset.from_tensor_slices([str(path), str(path)])
+    ds = files.interleave(lambda f: hr.read_csv(f, batch_size=2), cycle_length=2)
+    assert [list(batch["x"]) for batch in ds] == [[1, 3], [1, 3]]
+    with pytest.raises(hr.InvalidArgumentError, match="read_csv: filenames"):
+        hr.read_csv([1, 2], batch_size=2)

@@ -396,14 +396,23 @@ def read_csv(
     ``column_defaults`` (as ``record_defaults``) or are inferred from the
     first rows as ``make_csv_dataset`` does. Values, missing-field rules and
     errors are ``CsvDataset``'s, for the inference too: each names the file
-    and, where it has one, the line. The inference reads records of at most 1 MiB (it
-    runs before the memory budget is known): at a longer record it stops there. ``engine="auto"`` uses pyarrow's parser when
-    the ``[arrow]`` extra is installed, ``"pure"`` never does; both give the
-    same arrays.
+    and, where it has one, the line. The inference reads records of at most 1
+    MiB (it runs before the memory budget is known): at a longer record it
+    stops there. ``engine="auto"`` uses pyarrow's parser when the ``[arrow]``
+    extra is installed, ``"pure"`` never does; both give the same arrays.
+    ``filenames``: a path (``str``, ``bytes`` as an interleave hands them out,
+    ``os.PathLike``) or a sequence of them.
     """
     names_given = column_names is not None
-    filenames_list = [os.fspath(f) for f in ([filenames] if isinstance(
-        filenames, (str, os.PathLike)) else list(filenames))]
+    if isinstance(filenames, np.ndarray) and filenames.ndim == 0:
+        filenames = filenames.item()
+    one = isinstance(filenames, (str, bytes, os.PathLike))
+    try:
+        filenames_list = [os.fsdecode(f) for f in ([filenames] if one else list(filenames))]
+    except TypeError as error:
+        raise InvalidArgumentError(
+            f"read_csv: filenames must be a path (str, bytes, os.PathLike) or a sequence of "
+            f"them, got {filenames!r:.80} ({error})") from None
     if not filenames_list:
         raise InvalidArgumentError("read_csv: filenames must not be empty")
     if names_given:
