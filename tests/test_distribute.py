@@ -8,6 +8,7 @@ import random
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -266,3 +267,18 @@ def test_data_policy_pushes_a_sql_key_only_through_stages_that_allow_it(tmp_path
         parts = [hr.auto_shard(ds, "data", num_shards=workers, index=i) for i in range(workers)]
         union = sum((sc.multiset(sc.rows(part, False)) for part in parts), collections.Counter())
         assert union == sc.multiset(sc.rows(ds, False)), sc.describe(ds.node)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: hr.Dataset.range(100).shuffle(100),
+    lambda: hr.Dataset.range(100).map(lambda x: x).shuffle(10).batch(5),
+    lambda: hr.Dataset.range(100).shuffle(10, seed=1).shuffle(5).prefetch(2),
+])
+def test_data_sharding_refuses_a_random_stage_without_a_seed(make: Any) -> None:
+    """Each worker runs the whole pipeline: unseeded, each draws another order, and the
+    workers together repeated and lost about a quarter of the elements, silently."""
+    with pytest.raises(hr.InvalidArgumentError, match="has no seed"):
+        hr.auto_shard(make(), "data", num_shards=2, index=0)
+    seeded = hr.Dataset.range(100).shuffle(100, seed=3)
+    parts = [list(hr.auto_shard(seeded, "data", num_shards=2, index=i)) for i in range(2)]
+    assert sorted(int(x) for part in parts for x in part) == list(range(100))

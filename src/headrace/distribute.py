@@ -176,6 +176,25 @@ def _check_enough(files: int, info: ShardInfo) -> None:
         )
 
 
+def _refuse_unseeded(node: Node) -> None:
+    """Each worker of a DATA split runs the whole pipeline and keeps every n-th element:
+    a random stage without a seed draws another order in each worker's process, so
+    together they would repeat some elements and lose others, silently."""
+    pending, seen = [node], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if hasattr(current, "seed") and current.seed is None:
+            raise InvalidArgumentError(
+                f"auto_shard(DATA): stage {current.stage!r} has no seed, so each worker "
+                "would draw another order and the workers together would repeat some "
+                "elements and lose others; give it a seed (the same in every worker), "
+                "or shard by FILE")
+        pending.extend(current.inputs)
+
+
 def auto_shard(
     dataset: Dataset,
     policy: AutoShardPolicy | str = AutoShardPolicy.FILE,
@@ -210,6 +229,7 @@ def auto_shard(
     if info.num_shards == 1:
         return dataset
     if chosen is AutoShardPolicy.DATA:
+        _refuse_unseeded(dataset._node)
         by_key = _shard_rows(dataset._node, info)  # a SQL source: a WHERE on its key
         if by_key is not None:
             return Dataset(by_key, dataset.options)
