@@ -221,8 +221,10 @@ def auto_shard(
     pipeline, every ``num_shards``-th batch, so the workers together deliver
     exactly the unsharded batches (``drop_remainder`` drops what it drops
     unsharded). A ``from_sql`` source with a ``key`` reads only its rows
-    (``WHERE key % n = i``) where no positional stage lies above it. With one
-    shard the dataset is returned unchanged.
+    (``WHERE key % n = i``) where no positional stage lies above it. Each worker
+    runs the whole pipeline, so every random stage in it needs a seed (the same in
+    every worker): one without is refused. With one shard the dataset is returned
+    unchanged.
     """
     chosen = AutoShardPolicy(policy.lower() if isinstance(policy, str) else policy)
     info = shard_info(num_shards, index)
