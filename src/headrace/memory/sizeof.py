@@ -36,11 +36,13 @@ its cost. Views of memory that predates the iteration are never copied.
 
 from __future__ import annotations
 
+import collections
 import datetime
+import functools
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, ItemsView, KeysView, Mapping, ValuesView
 from typing import Any
 
 import numpy as np
@@ -316,6 +318,15 @@ class _Costing:
             )
         if isinstance(value, (tuple, list)):  # subclasses (namedtuples, ...)
             return sys.getsizeof(value) + self.items_cost(value)
+        if isinstance(value, collections.deque):
+            return sys.getsizeof(value) + self.items_cost(list(value))
+        if isinstance(value, (KeysView, ValuesView, ItemsView)):  # a view keeps its dict
+            mapping = getattr(value, "mapping", getattr(value, "_mapping", None))
+            return sys.getsizeof(value) + (
+                self.cost(mapping) if mapping is not None else self.items_cost(list(value)))
+        if isinstance(value, functools.partial):
+            return sys.getsizeof(value) + self.items_cost(
+                [value.func, value.args, value.keywords])
         if isinstance(value, (set, frozenset)):
             # A set's order follows str/bytes hash randomization, so a sample of it would
             # cost differently in each process (and shares, and orders, would follow):
