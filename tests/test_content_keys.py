@@ -238,3 +238,55 @@ def test_a_data_file_of_another_cache_is_refused_naming_it(
     # whatever came before the refusal is the right data
     for got, want in zip(served, old, strict=False):
         assert_elements_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("reads", ["attribute", "function"])
+@pytest.mark.parametrize("store", ["cache", "snapshot"])
+def test_another_modules_global_changed_never_reads_the_old_cache(
+    tmp_path: Path, seed: int, reads: str, store: str,
+) -> None:
+    """A map reads a table and a scale that live in another module, as ``module.TABLE``
+    or through ``module.lookup(i)``; one of them changes (in place, or rebound): the
+    cache is the uncached pipeline's new values (it served the old ones)."""
+    import importlib
+    import inspect
+    import random
+    import sys
+
+    rng = random.Random(seed)
+    name = f"headrace_test_content_module_{seed}_{reads}_{store}"
+    (tmp_path / f"{name}.py").write_text(
+        "import numpy as np\nTABLE = np.arange(10.0)\nSCALE = 1.0\n"
+        "def lookup(i):\n    return TABLE[int(i) % 10] * SCALE\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = importlib.import_module(name)
+
+        def fn(i: Any) -> Any:  # the module in a closure's cell
+            if reads == "function":
+                return module.lookup(i)
+            return module.TABLE[int(i) % 10] * module.SCALE
+
+        if rng.random() < 0.5:  # the module a global of the function's own module
+            namespace: dict[str, Any] = {"module": module, "reads": reads, "Any": Any}
+            exec(compile(inspect.getsource(fn).replace("        ", "", 1).replace(
+                "\n        ", "\n"), "<fn>", "exec"), namespace)
+            fn = namespace["fn"]
+
+        where = str(tmp_path / store)
+
+        def run() -> list[float]:
+            ds = hr.Dataset.range(10).map(fn)
+            ds = ds.cache(where) if store == "cache" else ds.snapshot(where)
+            return [float(x) for x in ds]
+
+        assert run() == [float(i) for i in range(10)]
+        if rng.random() < 0.5:
+            module.TABLE[rng.randrange(10)] += 100.0
+        else:
+            module.SCALE = rng.choice([2.0, 3.0])
+        assert run() == [float(module.lookup(i)) for i in range(10)]
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)

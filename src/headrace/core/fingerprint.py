@@ -327,12 +327,46 @@ class _Describer:
             if name not in scope:
                 continue  # a builtin, or a name defined later
             value = scope[name]
-            node = value if isinstance(value, Node) else getattr(value, "_node", None)
-            if isinstance(value, (*_SIMPLE, np.ndarray, tuple, frozenset, types.FunctionType)) or (
-                isinstance(node, Node)
-            ):
+            if _is_data(value):
                 parts.append(f"{name}={self.describe(value, depth)}")
+        # Another module's globals, read as ``module.NAME`` (``module.helper(x)``, whose
+        # own globals then count), the module a global or a closure's cell: the module is
+        # code, what it holds may be data.
+        cells = dict(zip(fn.__code__.co_freevars, _cell_values(fn), strict=False))
+        for name, attribute in sorted(_module_attribute_reads(fn.__code__)):
+            module = cells[name] if name in cells else scope.get(name)
+            if not isinstance(module, types.ModuleType):
+                continue
+            value = getattr(module, attribute, None)
+            if _is_data(value):
+                parts.append(f"{name}.{attribute}={self.describe(value, depth)}")
         return ",".join(parts)
+
+
+def _is_data(value: Any) -> bool:
+    """Whether a global counts in a content fingerprint (see ``read_globals``)."""
+    node = value if isinstance(value, Node) else getattr(value, "_node", None)
+    return isinstance(value, (*_SIMPLE, np.ndarray, tuple, frozenset, types.FunctionType)) or (
+        isinstance(node, Node))
+
+
+@functools.lru_cache(maxsize=1024)
+def _module_attribute_reads(code: types.CodeType) -> frozenset[tuple[str, str]]:
+    """``(name, attribute)`` for each ``name.attribute`` that ``code`` (or code nested in
+    it) loads: a global or a closure's name loaded, then an attribute of it."""
+    found: set[tuple[str, str]] = set()
+    pending = [code]
+    while pending:
+        current = pending.pop()
+        previous = None
+        for instruction in dis.get_instructions(current):
+            if previous is not None and previous.opname in (
+                    "LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF") and (
+                    instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")):
+                found.add((previous.argval, instruction.argval))
+            previous = instruction
+        pending.extend(const for const in current.co_consts if isinstance(const, types.CodeType))
+    return frozenset(found)
 
 
 @functools.lru_cache(maxsize=1024)
