@@ -24,6 +24,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -191,3 +192,81 @@ def test_an_interleave_of_loads_keeps_the_cap(tmp_path: Path, seed: int) -> None
     )
     assert growth <= cap, f"{inputs} loads, cycle {cycle}: {growth} descriptors, cap {cap}"
     assert elements == oracle
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (workers are the forkserver's children: grandchildren)."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                pending += [int(c) for c in
+                            Path(f"/proc/{current}/task/{task}/children").read_text().split()]
+            except OSError:
+                continue
+    return found
+
+
+def _data_descriptors(pid: int, root: str) -> int:
+    count = 0
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return 0
+    for fd in names:
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(root)
+        except OSError:
+            continue
+    return count
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_process_interleaves_workers_read_within_the_cap_together(
+    tmp_path: Path, seed: int,
+) -> None:
+    """The workers open the data files themselves: together (and with the consumer)
+    they hold at most ``max_open_files`` of them (each worker had the whole cap for
+    each of its slots: 40 against 12). Elements as the threaded interleave's."""
+    from headrace.io.tfrecord import write_tfrecord
+
+    rng = random.Random(seed)
+    files = rng.randint(24, 40)
+    cap = rng.randint(9, 16)  # (below 9 a worker's pipes do not fit: FileLimitError)
+    paths = []
+    for index in range(files):
+        path = str(tmp_path / f"p{index}.tfrecord")
+        write_tfrecord(path, [b"%d-%d;" % (index, j) + bytes(16_000)
+                              for j in range(rng.randint(40, 64))])
+        paths.append(path)
+
+    def pipeline(workers: str) -> hr.Dataset:
+        ds = hr.Dataset.from_tensor_slices(paths).interleave(
+            hr.TFRecordDataset, cycle_length=files, num_parallel_calls=2, workers=workers)
+        # (a small budget: each slot reads in several chunks, its file open between them)
+        return ds.with_options(hr.Options(memory_budget="32MiB", max_open_files=cap))
+
+    expected = list(pipeline("threads"))
+    root, peak, stop = str(tmp_path), [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            total = sum(_data_descriptors(pid, root) for pid in _process_tree(os.getpid()))
+            peak[0] = max(peak[0], total)
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        got = list(pipeline("processes"))
+    finally:
+        stop.set()
+        watcher.join()
+    assert got == expected
+    assert peak[0] <= cap, f"{peak[0]} data files open against max_open_files={cap}"

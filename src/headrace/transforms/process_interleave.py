@@ -80,7 +80,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node
 from headrace.core.state import StateReader
 from headrace.errors import MemoryBudgetError, add_note, note_element_error
-from headrace.io.filepool import opening_under
+from headrace.io.filepool import FileLimiter, get_default_pool, opening_under
 from headrace.memory.budget import MemoryBudget
 from headrace.memory.buffer import Buffer, Reservation
 from headrace.memory.units import format_bytes
@@ -90,7 +90,6 @@ from headrace.transforms._interleave_cycle import CycleIterator, Slot
 from headrace.workers.processes import ProcessPool, _RemoteTraceback, portable
 
 if TYPE_CHECKING:
-    from headrace.io.filepool import FileLimiter
     from headrace.transforms.interleave import InterleaveNode
 
 __all__ = [
@@ -154,11 +153,16 @@ class SlotReader:
         share: int,
         keep: int = _KEPT_ITERATORS,
         ceiling: int | None = None,
+        max_open_files: int | None = None,
     ) -> None:
         self.node, self.options, self.share, self.keep = node, options, share, keep
         self.ceiling = ceiling
         # token -> the slot's iterator, its budget, the position of the chunk it reads next
         self.kept: OrderedDict[int, tuple[Iterator, MemoryBudget, Any]] = OrderedDict()
+        #: This worker's part of the pipeline's descriptor cap, shared by every slot it
+        #: reads (each slot's own Context would give each slot the whole cap).
+        self.max_open_files = max_open_files
+        self._files: FileLimiter | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the interleave function travels: the recipe upstream of the interleave is
@@ -168,12 +172,13 @@ class SlotReader:
         bare.inputs = ()
         return {
             "node": bare, "options": self.options, "share": self.share, "keep": self.keep,
-            "ceiling": self.ceiling,
+            "ceiling": self.ceiling, "max_open_files": self.max_open_files,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(  # type: ignore[misc]
-            state["node"], state["options"], state["share"], state["keep"], state["ceiling"]
+            state["node"], state["options"], state["share"], state["keep"], state["ceiling"],
+            state["max_open_files"],
         )
 
     def _iterator(self, request: tuple[Any, ...]) -> Iterator | None:
@@ -189,6 +194,10 @@ class SlotReader:
         budget = MemoryBudget(self.share)
         ctx = Context(self.options, budget, iteration)
         ctx.epochs = tuple(epochs)
+        if self.max_open_files is not None:
+            if self._files is None:
+                self._files = get_default_pool().limiter(self.max_open_files)
+            ctx.run.file_limiter = self._files
         with opening_under(file_limiter(ctx)):  # (its opens count against the cap: G2)
             iterator: Iterator = self.node.inner_node(element).make_iterator(ctx)  # type: ignore[attr-defined]
         budget.allot()
@@ -274,7 +283,9 @@ def slot_pool(
     ``ceiling``: elements past it are refused in the worker (see :class:`SlotReader`).
     ``files``: the pipeline's cap on descriptors, which the workers' pipes count against.
     """
-    reader = SlotReader(node, options, share, kept_iterators(node), ceiling)
+    cap = options.max_open_files  # split between the workers: each reads under its part
+    reader = SlotReader(node, options, share, kept_iterators(node), ceiling,
+                        None if cap is None else max(1, cap // count))
 
     def book_idle(nbytes: int) -> Reservation | None:
         return account.charge(nbytes) if account.room() >= nbytes else None
