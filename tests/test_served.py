@@ -107,6 +107,11 @@ def test_consumers_get_disjoint_deterministic_parts_whose_union_is_the_stream(
 def test_three_consumer_processes_share_one_reader_under_its_descriptor_cap(
     tmp_path: Path,
 ) -> None:
+    """The producer's sockets and its readers' files together within ``max_open_files``;
+    a cap that cannot hold the sockets and a reader is refused at once."""
+    with pytest.raises(hr.InvalidArgumentError, match="consumer connection"):
+        hr.serve(hr.Dataset.range(3), 8, str(tmp_path / "small.sock"), authkey=KEY,
+                 max_open_files=6)
     files = []
     for f in range(6):
         path = tmp_path / f"part-{f}.tfrecord"
@@ -132,8 +137,9 @@ def test_three_consumer_processes_share_one_reader_under_its_descriptor_cap(
     watcher = threading.Thread(target=count_descriptors, daemon=True)
     watcher.start()
     outs = [tmp_path / f"out-{i}.json" for i in range(3)]
+    # 6: the listening socket and 3 connections hold 4 (counted too), the readers share 2
     with hr.serve(dataset.map(served_fns.record_array), 3, address, authkey=KEY,
-                  max_open_files=2) as server:
+                  max_open_files=6) as server:
         procs = [CONTEXT.Process(target=served_fns.consume_records,
                                  args=(address, i, KEY, str(outs[i]))) for i in range(3)]
         for proc in procs:
@@ -147,7 +153,7 @@ def test_three_consumer_processes_share_one_reader_under_its_descriptor_cap(
     for index, part in enumerate(parts):
         assert part == stream[index::3]
     assert sorted(v for part in parts for v in part) == sorted(stream)
-    assert max(open_now) <= 2 and max(open_now) >= 1  # the cap all three parts share
+    assert max(open_now) <= 2 and max(open_now) >= 1  # what the three parts share
     assert our_segments() == []
 
 

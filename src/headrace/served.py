@@ -300,6 +300,11 @@ class Server(ClosesOnExit):
         self.file_limiter: FileLimiter | None = (
             None if cap is None else get_default_pool().limiter(cap)
         )
+        #: The listening socket and a connection per consumer count against the cap too
+        #: (G2): held for the producer's life, so the readers share what is left.
+        self._socket_slots = get_default_pool().hold(
+            consumers + 1, limiter=self.file_limiter, stage="serve",
+            what=f"its listening socket and {consumers} consumer connection(s)")
         #: The budget is split in ``consumers + 1`` equal parts: one for each consumer's
         #: run (its stages' shares add up to it), one for the segments. Each run drawing
         #: on the whole budget let k runs plus the segments book up to (k + 1) times it
@@ -323,6 +328,7 @@ class Server(ClosesOnExit):
         try:
             self._socket, self.directory = _listen(self.address, self.authkey, authkey is None)
         except OSError as error:
+            self._socket_slots.release()
             raise InvalidArgumentError(f"serve: cannot listen on {self.address!r}: {error}") from error
         self._acceptor = threading.Thread(
             target=self._accept_loop, name=f"headrace-serve-{self.address}", daemon=True
@@ -376,6 +382,7 @@ class Server(ClosesOnExit):
             if _private_dir(self.address) == os.path.realpath(self.directory):
                 os.unlink(self.address)
         _remove_private(self.directory)
+        self._socket_slots.release()
 
     # -- serving -----------------------------------------------------------------------
     def _accept_loop(self) -> None:
