@@ -82,7 +82,7 @@ from headrace.core.state import StateReader
 from headrace.errors import MemoryBudgetError, add_note, note_element_error
 from headrace.io.filepool import FileLimiter, get_default_pool, opening_under
 from headrace.memory.budget import MemoryBudget
-from headrace.memory.buffer import Buffer, Reservation
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE, Options
 from headrace.sources.files import file_limiter
@@ -548,6 +548,8 @@ class ProcessInterleaveIterator(CycleIterator):
         self, node: InterleaveNode, inner: Iterator, ctx: Context, account: Buffer
     ) -> None:
         self.processes: ProcessPool | None = None  # started with the first slot
+        #: The workers' own memory, booked when they start (see process_map.book_workers).
+        self.workers_booking: Reservation = NO_RESERVATION
         self.worker_share = 0  # each inner pipeline's budget in its worker
         super().__init__(node, inner, ctx, account)
 
@@ -566,9 +568,11 @@ class ProcessInterleaveIterator(CycleIterator):
             parallel = node.num_parallel_calls
             # AUTOTUNE: a worker per CPU, but no more than there are slots (each slot
             # reads on one worker, so a worker past cycle_length would never get work)
-            from headrace.transforms.process_map import cpu_count
+            from headrace.transforms.process_map import book_workers, cpu_count
 
-            count = min(cpu_count(), node.cycle_length) if parallel == AUTOTUNE else int(parallel or 1)
+            wanted = min(cpu_count(), node.cycle_length) if parallel == AUTOTUNE else int(parallel or 1)
+            # the workers' own memory, booked on the stage's share (fewer start if it cannot)
+            count, self.workers_booking, _ = book_workers(self.account, wanted, self._stage_name())
             # the inner pipelines' budget: half of a slot's part (see the module text)
             self.worker_share = part.size() // 2
             self.processes = slot_pool(
@@ -649,6 +653,8 @@ class ProcessInterleaveIterator(CycleIterator):
         finally:
             if self.processes is not None:
                 self.processes.shutdown()
+            self.workers_booking.release()
+            self.workers_booking = NO_RESERVATION
 
     def worker_stats(self) -> Any:
         """What the slots run on, and the worker processes' memory now."""

@@ -70,7 +70,7 @@ from headrace.transforms.map import MapNode, PositionedCall, _apply_chunk, _Para
 from headrace.workers.memory import WorkerStats
 from headrace.workers.processes import ChunkResult, ProcessPool, check_picklable
 
-__all__ = ["MIN_PROCESS_CALL_SECONDS", "WORKER_BASELINE_BYTES", "cpu_count", "process_map_iterator", "restore_process_node"]
+__all__ = ["MIN_PROCESS_CALL_SECONDS", "WORKER_BASELINE_BYTES", "book_workers", "cpu_count", "process_map_iterator", "restore_process_node"]
 
 #: ``auto`` sends a function to processes only if one call takes at least this long: a
 #: chunk's trip to a worker and back costs some 100 us, which quicker calls cannot repay.
@@ -98,6 +98,35 @@ _GIL_BOUND = 0.5
 _CPU_BOUND = 0.1
 
 _MapResult = tuple[list[Any], list[int], dict[int, Exception] | None, float]
+
+
+def book_workers(account: Buffer, wanted: int, stage: str) -> tuple[int, Reservation, str]:
+    """Book worker processes' own memory on ``account``: how many to start, the booking
+    (released when they stop), and a note for the stage's reason ("" if all start).
+
+    The first worker is not booked (the fixed cost of processes, like the forkserver).
+    Each other one costs :data:`WORKER_BASELINE_BYTES`. They may take half of what the
+    share has room for: past that fewer workers start, with a warning, since a worker
+    that is not booked breaks the budget.
+    """
+    room = int(max(account.room(), 0) * _WORKERS_SHARE)
+    count = min(wanted, 1 + room // WORKER_BASELINE_BYTES)
+    note = ""
+    if count < wanted:
+        warnings.warn(
+            f"stage {stage!r} starts {count} worker process(es), not {wanted}: each worker "
+            f"past the first holds about {format_bytes(WORKER_BASELINE_BYTES)} of its own, "
+            f"booked on the stage's share of the budget ({format_bytes(account.share())}), "
+            f"and the workers may take half of what it has free ({format_bytes(2 * room)}); "
+            "a larger memory_budget runs more",
+            HeadraceWarning,
+            stacklevel=3,
+        )
+        note = f"; {count} of {wanted} workers fit the budget"
+    booking = NO_RESERVATION
+    if count > 1:
+        booking = account.charge((count - 1) * WORKER_BASELINE_BYTES, elements=0)
+    return count, booking, note
 
 
 def cpu_count() -> int:
@@ -137,31 +166,11 @@ class ProcessMapIterator(_ParallelMapIterator):
         self.workers_booking: Reservation = NO_RESERVATION
 
     def _book_workers(self) -> int:
-        """Book the workers' own memory on the share; how many workers to start.
-
-        The first worker is not booked (the fixed cost of processes, like the
-        forkserver). Each other one costs :data:`WORKER_BASELINE_BYTES`. They may
-        take half of what the share has room for: past that the stage starts fewer
-        workers, and says so, since a worker that is not booked breaks the budget.
-        """
-        wanted = self.threads
-        room = int(max(self.account.room(), 0) * _WORKERS_SHARE)
-        count = min(wanted, 1 + room // WORKER_BASELINE_BYTES)
-        if count < wanted:
-            warnings.warn(
-                f"stage {self.stage!r} starts {count} worker process(es), not {wanted}: "
-                f"each worker past the first holds about {format_bytes(WORKER_BASELINE_BYTES)} "
-                f"of its own, booked on the stage's share of the budget "
-                f"({format_bytes(self.account.share())}), and the workers may take half "
-                f"of what it has free ({format_bytes(2 * room)}); a larger memory_budget "
-                f"runs more",
-                HeadraceWarning,
-                stacklevel=2,
-            )
-            self.reason += f"; {count} of {wanted} workers fit the budget"
-        if count > 1:
-            self.workers_booking = self.account.charge(
-                (count - 1) * WORKER_BASELINE_BYTES, elements=0)
+        """Book the workers' own memory on the share (:func:`book_workers`); how many
+        workers to start."""
+        count, self.workers_booking, note = book_workers(self.account, self.threads, self.stage)
+        if note:
+            self.reason += note
         return count
 
     def _book_idle(self, nbytes: int) -> Reservation | None:
