@@ -121,10 +121,11 @@ def _payload_bytes_of(element: Any) -> int:
     """
     if not isinstance(element, Mapping):
         return 64
-    return 64 + sum(
-        value.nbytes if type(value) is np.ndarray else sys.getsizeof(value)
-        for value in element.values()
-    )
+    total = 64
+    ndarray, getsizeof = np.ndarray, sys.getsizeof
+    for value in element.values():
+        total += value.nbytes if type(value) is ndarray else getsizeof(value)
+    return total
 
 
 def _encode_rows(elements: list[Any], first_index: int) -> list[bytes]:
