@@ -11,12 +11,8 @@ values and errors against the sequential run under a huge budget.
 from __future__ import annotations
 
 import builtins
-import contextlib
-import ctypes
-import gc
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +24,7 @@ import headrace as hr
 from headrace.memory.sizeof import sizeof
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fuzz_pipelines import _charged
+from fuzz_pipelines import PeakGrowth
 
 MiB = 1 << 20
 
@@ -135,26 +131,9 @@ def test_held_errors_stay_within_the_budget(seed: int) -> None:
     spec = _spec(seed)
     budget_mib = 16
     expected = _drain(_pipeline(spec, parallel=False, budget="4GiB"))
-    gc.collect()
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    start = _charged()
-    peak = [start]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _charged())
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with PeakGrowth() as memory:
         got = _drain(_pipeline(spec, parallel=True, budget=f"{budget_mib}MiB"))
-    finally:
-        done.set()
-        sampler.join()
     assert got == expected, f"seed {seed}"
-    growth = (peak[0] - start) / MiB
+    growth = memory.growth / MiB
     bound = budget_mib * 1.1 + 64  # the bound
     assert growth <= bound, f"seed {seed}: grew {growth:.1f} MiB > {bound:.1f} MiB"

@@ -38,7 +38,7 @@ from headrace.persist import saved, writers
 
 MiB = 1 << 20
 sys.path.insert(0, str(Path(__file__).parent))
-from fuzz_pipelines import _charged  # noqa: E402
+from fuzz_pipelines import PeakGrowth  # noqa: E402
 
 
 def _open_fds() -> int:
@@ -198,23 +198,10 @@ def test_convert_npy_keeps_the_budget_with_large_rows(seed: int, tmp_path: Path)
                "--memory-budget", str(case["budget"]), "--progress", "never"]
     if case["batch"] is not None:
         command += ["--batch-size", str(case["batch"])]
-    peak, start = [0], _charged()
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _charged())
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with PeakGrowth(trim=False) as memory:
         assert main(command) == 0
-    finally:
-        done.set()
-        sampler.join()
     bound = int(case["budget"] * 1.1) + 64 * MiB
-    assert peak[0] - start <= bound, (case, (peak[0] - start) / MiB, bound / MiB)
+    assert memory.growth <= bound, (case, memory.growth / MiB, bound / MiB)
 
     spec = {"x": FixedLenFeature((width,), np.float32)}
     firsts = []
@@ -280,23 +267,10 @@ def test_save_tfrecords_of_large_dict_elements_keeps_the_budget(seed: int, tmp_p
         return {"x": np.full(floats, float(i)), "id": np.int64(i)}
 
     ds = hr.Dataset.range(count).map(row).with_options(hr.Options(memory_budget=budget))
-    peak, start = [0], _charged()
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _charged())
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with PeakGrowth(trim=False) as memory:
         paths = save_tfrecords(ds, str(tmp_path), num_shards=rng.randint(1, 16), progress=False)
-    finally:
-        done.set()
-        sampler.join()
     bound = int(budget * 1.1) + 64 * MiB + floats * 8
-    assert peak[0] - start <= bound, (seed, (peak[0] - start) / MiB, bound / MiB)
+    assert memory.growth <= bound, (seed, memory.growth / MiB, bound / MiB)
     got = []
     for path in paths:
         with open_tfrecord(path) as reader:
