@@ -1000,6 +1000,12 @@ class ProcessPool:
         Called before each submit, and by a stage for each element it hands out: a
         segment whose outputs are gone holds memory no booking covers until then.
         """
+        if not self.retired:  # (per element: most calls find nothing, and return here)
+            for maps in self.maps.values():
+                if maps.any_released:
+                    break
+            else:
+                return
         for retired in self.retired:  # a dead worker's: never reused
             for key in retired.released():
                 retired.forget(key)

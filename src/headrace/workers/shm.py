@@ -967,6 +967,11 @@ class SegmentMaps:
                 dead.append(key)
         return objects, failed
 
+    @property
+    def any_released(self) -> bool:
+        """Whether :meth:`released` has keys to give (a check without the lock)."""
+        return bool(self._dead)
+
     def released(self) -> list[int]:
         """Keys whose views are all gone since the last call (their segment may be reused)."""
         done: list[int] = []
