@@ -366,11 +366,32 @@ def test_a_sizer_that_returns_no_size_is_an_error_naming_it(bad: Any) -> None:
     lambda a: {"a": a}.values(),
     lambda a: {"a": a}.items(),
     lambda a: __import__("functools").partial(print, a),
+    lambda a: __import__("ctypes").create_string_buffer(a.nbytes),
+    lambda a: _anonymous_map(a.nbytes),
 ])
 def test_containers_are_costed_by_what_they_keep_alive(wrap: Any) -> None:
-    """A deque, a dict view and a partial keep their items alive: booked at ~0 bytes, a
-    shuffle of 1 MiB elements under 16 MiB held all 300 of them."""
+    """A deque, a dict view and a partial keep their items alive, a ctypes buffer and an
+    anonymous mapping their bytes: booked at ~0 bytes, a shuffle of 1 MiB elements under
+    16 MiB held all 300 of them."""
     from headrace.memory.sizeof import sizeof
 
     array = np.zeros(1 << 20, np.uint8)
     assert sizeof(wrap(array)) >= array.nbytes
+
+
+def _anonymous_map(nbytes: int) -> Any:
+    import mmap
+
+    return mmap.mmap(-1, nbytes)
+
+
+def test_a_files_mapping_costs_no_anonymous_memory(tmp_path: Any) -> None:
+    """A file's mapped pages are the page cache's, not the pipeline's."""
+    import mmap
+
+    from headrace.memory.sizeof import sizeof
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(1 << 20))
+    with open(path, "r+b") as handle, mmap.mmap(handle.fileno(), 0) as mapping:
+        assert sizeof(mapping) < 4096

@@ -37,8 +37,10 @@ its cost. Views of memory that predates the iteration are never copied.
 from __future__ import annotations
 
 import collections
+import ctypes
 import datetime
 import functools
+import mmap
 import sys
 import threading
 import warnings
@@ -327,6 +329,10 @@ class _Costing:
         if isinstance(value, functools.partial):
             return sys.getsizeof(value) + self.items_cost(
                 [value.func, value.args, value.keywords])
+        if isinstance(value, mmap.mmap):
+            return sys.getsizeof(value) + _anonymous_bytes(value)
+        if isinstance(value, (ctypes.Array, ctypes.Structure, ctypes.Union)):
+            return sys.getsizeof(value) + ctypes.sizeof(value)
         if isinstance(value, (set, frozenset)):
             # A set's order follows str/bytes hash randomization, so a sample of it would
             # cost differently in each process (and shares, and orders, would follow):
@@ -373,6 +379,17 @@ class _Costing:
         if isinstance(members, tuple):
             total += self.cost(members)
         return total
+
+
+def _anonymous_bytes(mapping: mmap.mmap) -> int:
+    """The bytes of an anonymous mapping (a file's pages are the page cache's: 0)."""
+    try:
+        mapping.size()  # a file's size; an anonymous mapping has no file (EBADF)
+    except OSError:
+        return len(mapping)
+    except ValueError:  # closed
+        return 0
+    return 0
 
 
 def sizeof(element: Any, preexisting: frozenset[int] | set[int] = frozenset()) -> int:
