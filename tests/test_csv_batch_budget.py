@@ -101,9 +101,11 @@ def test_a_record_over_the_budget_is_refused_at_its_share_types_inferred_or_not(
 ) -> None:
     """A generated file with one field larger than the budget, anywhere: read_csv (types
     inferred as it is built, or given; both engines; plain or GZIP) never holds more text
-    than the budget, and refuses the record with a MemoryBudgetError naming the file, its
-    line and column. (Inferring the types, before the budget is known, once read the
-    record up to max_record_bytes.)"""
+    than the budget while it reads, and refuses the record with a MemoryBudgetError naming
+    the file, its line and column. Inferring the types, as the dataset is built (before
+    the budget is known), reads at most 1 MiB of the record where the long field is the
+    record's last (it once read up to max_record_bytes); where fields follow it, their
+    types need the record whole, as TensorFlow's inference reads it."""
     import gzip
 
     from headrace.csv.source import _BlockReader
@@ -134,6 +136,9 @@ def test_a_record_over_the_budget_is_refused_at_its_share_types_inferred_or_not(
     ds = hr.read_csv(str(path), rng.choice([1, 4, 64]), compression_type=compression,
                      engine=rng.choice(["auto", "pure"]), block_bytes=1 << 16,
                      column_defaults=[[""]] * columns if given else None)
+    if given or where == columns - 1:
+        assert held[0] <= 2 * MiB + (64 << 10), held[0]  # the probe's window, at most
+    held[0] = 0
     with pytest.raises(MemoryBudgetError) as caught:
         list(ds.with_options(hr.Options(memory_budget=budget)))
     assert held[0] <= budget, (held[0], budget)

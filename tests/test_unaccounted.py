@@ -64,3 +64,19 @@ def test_closed_and_dropped_iterators_leave_the_registry() -> None:
     budgets.append(dropped.context.budget)
     del dropped
     assert all(budget not in live_runs._budgets for budget in budgets)
+
+
+def test_memory_freed_below_the_baseline_moves_it_down() -> None:
+    """A live iterator that outlived the memory around it when it started (another
+    test's, a finished epoch's) kept a baseline the process no longer reaches: growth
+    from there on was hidden (96 MiB allocated showed as 41)."""
+
+    class Budget:
+        used = 0
+
+    runs = LiveRuns()
+    budget = Budget()
+    runs.start(budget)
+    runs._baseline = 100 * MiB
+    assert runs.unaccounted(ProcessMemory(40 * MiB, 0, 0)) == 0
+    assert runs.unaccounted(ProcessMemory(136 * MiB, 0, 0)) == 96 * MiB

@@ -152,10 +152,12 @@ class RecordTooLargeError(DataLossError):
     """A record declares a length above ``max_record_bytes``; nothing was allocated.
 
     ``field``: for a CSV record, the index (among its file's fields) of the field the
-    read stopped in, where known (None otherwise).
+    read stopped in, where known (None otherwise); ``fields_before``: the record's whole
+    fields before it (a type inference counts them).
     """
 
     field: int | None = None
+    fields_before: tuple[bytes, ...] = ()
 
 
 class ParseError(HeadraceError, ValueError):

@@ -29,7 +29,13 @@ from headrace.csv.reader import (
     columns_from_defaults,
     decode_csv,
 )
-from headrace.csv.source import DEFAULT_BLOCK_BYTES, CsvNode, CsvSpec, read_first_record
+from headrace.csv.source import (
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_MAX_RECORD_BYTES,
+    CsvNode,
+    CsvSpec,
+    read_first_record,
+)
 from headrace.dataset import Dataset, read_files_in_parallel
 from headrace.errors import InvalidArgumentError, RecordTooLargeError
 from headrace.options import AUTOTUNE
@@ -158,22 +164,31 @@ def _infer_defaults(filenames: list[str], width: int, fmt: CsvFormat, header: bo
     malformed or ragged record is a :class:`CsvError` naming its file, record, line and
     column). This runs as the dataset is built, before its memory budget is known, so
     records of at most ``_PROBE_MAX_RECORD_BYTES`` are read: the types are those of the
-    records before a longer one, the field it stopped in being text (whose read, later, is booked on the budget and refused
-    there if it cannot fit). A field that is not ``encoding`` text cannot be a number:
+    records before a longer one and of that record's fields before the one it stopped
+    in, which is text (its read, later, is booked on the budget and refused there if it
+    cannot fit). A field that is not ``encoding`` text cannot be a number:
     its column is text (read as bytes).
     """
-    spec = CsvSpec(columns=tuple(CsvColumn("string", b"") for _ in range(width)), fmt=fmt,
-                   header=header, ignore_errors=ignore_errors, block_bytes=_PROBE_BLOCK_BYTES,
-                   max_record_bytes=_PROBE_MAX_RECORD_BYTES)
-    records = Dataset(CsvNode(filenames, compression_type, None, spec))
-    if rows_for_inference is not None:
-        records = records.take(rows_for_inference)
+    def probe(most: int) -> Dataset:
+        spec = CsvSpec(columns=tuple(CsvColumn("string", b"") for _ in range(width)),
+                       fmt=fmt, header=header, ignore_errors=ignore_errors,
+                       block_bytes=_PROBE_BLOCK_BYTES, max_record_bytes=most)
+        records = Dataset(CsvNode(filenames, compression_type, None, spec))
+        return records if rows_for_inference is None else records.take(rows_for_inference)
+
+    records = probe(_PROBE_MAX_RECORD_BYTES)
     try:
         kinds = _kinds_of(records.batch(1024), select, fmt, encoding)
     except RecordTooLargeError:
         # A record longer than the probe reads: the types are those of the records before
-        # it, read again one by one (the batch it would have ended was never handed out).
-        kinds = _kinds_of(records, select, fmt, encoding, one_by_one=True)
+        # it, read again one by one (the batch it would have ended was never handed out),
+        # and of its fields before the long one. Where fields follow the long one (their
+        # types unknown), the record is read whole, as TensorFlow's inference does.
+        stopped: list[int | None] = []
+        kinds = _kinds_of(records, select, fmt, encoding, one_by_one=True, stopped=stopped)
+        if stopped and (stopped[0] is None or stopped[0] < width - 1):
+            kinds = _kinds_of(probe(DEFAULT_MAX_RECORD_BYTES).batch(1024), select, fmt,
+                              encoding)
     columns = []
     for kind in kinds:
         resolved = kind or "string"
@@ -183,12 +198,12 @@ def _infer_defaults(filenames: list[str], width: int, fmt: CsvFormat, header: bo
 
 
 def _kinds_of(dataset: Dataset, select: Sequence[int], fmt: CsvFormat, encoding: str,
-              one_by_one: bool = False) -> list[str | None]:
+              one_by_one: bool = False, stopped: list[int | None] | None = None,
+              ) -> list[str | None]:
     """Each selected column's inferred kind (None: no value seen) over ``dataset``'s
     batches, or with ``one_by_one`` over its records up to the first one longer than the
-    probe reads."""
+    probe reads (the field it stopped in appended to ``stopped``)."""
     kinds: list[str | None] = [None] * len(select)
-    missing = (b"", fmt.na_value)
     with iter(dataset) as iterator:
         while True:
             try:
@@ -198,26 +213,41 @@ def _kinds_of(dataset: Dataset, select: Sequence[int], fmt: CsvFormat, encoding:
             except RecordTooLargeError as error:
                 if not one_by_one:
                     raise
-                # No number is that long: the field the probe stopped in holds text.
+                # No number is that long: the field the probe stopped in holds text; the
+                # record's whole fields before it count as a row's would.
                 if error.field is not None and error.field in select:
                     kinds[list(select).index(error.field)] = "string"
+                _infer_fields(kinds, select, [[f] for f in error.fields_before], fmt,
+                              encoding, skip=error.field)
+                if stopped is not None:
+                    stopped.append(error.field)
                 break
             batch = [[field] for field in element] if one_by_one else element
-            for j, index in enumerate(select):
-                kind = kinds[j]
-                for field in batch[index]:
-                    if field in missing:
-                        continue
-                    try:
-                        text = field.decode(encoding)
-                    except UnicodeDecodeError:
-                        kind = "string"
-                    else:
-                        kind = _infer_kind(text, "", kind)
-                    if kind == "string":
-                        break
-                kinds[j] = kind
+            _infer_fields(kinds, select, batch, fmt, encoding)
     return kinds
+
+
+def _infer_fields(kinds: list[str | None], select: Sequence[int], batch: Sequence[Any],
+                  fmt: CsvFormat, encoding: str, skip: int | None = None) -> None:
+    """Widen ``kinds`` (one per selected column) by the values of ``batch`` (per field of
+    the file, a sequence of values; fields past its end are not seen)."""
+    missing = (b"", fmt.na_value)
+    for j, index in enumerate(select):
+        if index >= len(batch) or index == skip:
+            continue
+        kind = kinds[j]
+        for field in batch[index]:
+            if field in missing:
+                continue
+            try:
+                text = field.decode(encoding)
+            except UnicodeDecodeError:
+                kind = "string"
+            else:
+                kind = _infer_kind(text, "", kind)
+            if kind == "string":
+                break
+        kinds[j] = kind
 
 
 def _sorted_indices(select_columns: Sequence[int | str], names: list[str]) -> list[int]:

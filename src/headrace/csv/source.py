@@ -317,6 +317,15 @@ class _BlockReader:
             return len(scanned.fields[0]) - 1
         return None
 
+    def _fields_before(self, partial: bytes, field: int | None) -> tuple[bytes, ...]:
+        """The whole fields of ``partial`` (a record's start) before field ``field``."""
+        if not field:
+            return ()
+        scanned = csvfmt.scan_records(partial, self.spec.fmt, final=True, max_records=1)
+        if not scanned.fields:
+            return ()
+        return tuple(bytes(value) for value in scanned.fields[0][:field])
+
     def _column_name(self, field: int) -> str | None:
         """The output name of the file's field ``field``, where it has one."""
         spec = self.spec
@@ -376,8 +385,8 @@ class _BlockReader:
         """The next, larger window to look for a whole record in (the one of ``want``
         bytes held none), unless the record is past ``max_record_bytes``."""
         if min(self._stop - self._start, want) >= self.spec.max_record_bytes:
-            field = self._field_reached(
-                bytes(memoryview(self._buffer)[self._start:self._start + want]))
+            partial = bytes(memoryview(self._buffer)[self._start:self._start + want])
+            field = self._field_reached(partial)
             error = RecordTooLargeError(
                 f"CSV record {self.record} (line {self.line}"
                 + ("" if field is None else f", field {field}")
@@ -387,6 +396,8 @@ class _BlockReader:
                 path=self.path, offset=self.offset,
             )
             error.field = field
+            # the record's whole fields before that one (a type inference still counts them)
+            error.fields_before = self._fields_before(partial, field)
             raise error
         return want * 2
 

@@ -122,10 +122,19 @@ class LiveRuns:
             self._budgets.discard(budget)
 
     def unaccounted(self, memory: ProcessMemory) -> int:
-        """Growth of ``memory`` since the baseline, less every live run's bookings (>= 0)."""
+        """Growth of ``memory`` since the baseline, less every live run's bookings (>= 0).
+
+        Memory below the baseline plus the bookings means memory held when the baseline
+        was taken has been freed since (a long-lived iterator outlives what was around
+        it then): the baseline moves down to there, so later growth is seen from where
+        the process is, not hidden behind what it no longer holds."""
         with self._lock:
             booked: int = sum(budget.used for budget in self._budgets)
-            return max(0, memory.charged - self._baseline - booked)
+            grown = memory.charged - self._baseline - booked
+            if grown < 0:
+                self._baseline += grown
+                return 0
+            return grown
 
 
 #: The one registry of this process.
