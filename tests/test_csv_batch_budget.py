@@ -15,31 +15,8 @@ import pytest
 
 import headrace as hr
 from headrace.errors import MemoryBudgetError
-from headrace.io.filepool import PooledStream
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def bytes_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Bytes read from pooled streams so far."""
-    total = [0]
-    original = PooledStream.read
-
-    def counting(self: PooledStream, size: int = -1, /) -> bytes:
-        data = original(self, size)
-        total[0] += len(data)
-        return data
-
-    def counting_into(self: PooledStream, offset: int, buffer: memoryview) -> int:
-        count = original_into(self, offset, buffer)
-        total[0] += count
-        return count
-
-    original_into = PooledStream.pread_into
-    monkeypatch.setattr(PooledStream, "read", counting)
-    monkeypatch.setattr(PooledStream, "pread_into", counting_into)
-    return total
 
 
 def write_csv(path: Path, rng: random.Random, rows: int, columns: int) -> None:
