@@ -37,7 +37,7 @@ from headrace.memory.inflight import InFlight, Ticket, over_allowance
 
 KiB = 1024
 SHARE = 1024 * KiB
-DISTRIBUTIONS = ("regime", "giant_dwarf", "heavy", "ratio", "over_budget")
+DISTRIBUTIONS = ("regime", "giant_dwarf", "heavy", "ratio", "over_budget", "lying_hint")
 
 
 def _sizes(rng: random.Random, distribution: str, count: int) -> tuple[list[int], list[int]]:
@@ -56,6 +56,9 @@ def _sizes(rng: random.Random, distribution: str, count: int) -> tuple[list[int]
         jump = rng.randint(count // 4, count - 20)
         inputs = [64 if i < jump else 64 * 200 for i in range(count)]
         outputs = [4 * nbytes for nbytes in inputs]
+    elif distribution == "lying_hint":  # a hint of 100 B holds, then outputs jump x1000
+        jump = rng.randint(count // 4, count - 20)
+        outputs = [rng.randint(60, 100) if i < jump else 100_000 for i in range(count)]
     else:  # over_budget: one output larger than the whole budget
         outputs = [rng.randint(64, 4 * KiB) for _ in range(count)]
         outputs[rng.randrange(count // 2, count)] = SHARE + rng.randint(1, SHARE)
@@ -147,6 +150,9 @@ def _work(sim: _Sim, rng: random.Random, ident: int) -> None:
                     else:
                         ledger.book(ticket)
             if ticket is not None:
+                # nothing else runs or is held: it runs its first input whatever was
+                # booked (the map's consumer waiting for it: progress)
+                forced = not sim.running and not sim.alive
                 call = sim.running[ident] = _Running(ticket.allowance)
                 sim.check()
         if ticket is None:
@@ -156,11 +162,15 @@ def _work(sim: _Sim, rng: random.Random, ident: int) -> None:
         for position in range(count):
             if rng.random() < 0.3:
                 time.sleep(0)  # another thread's turn
+            with sim.lock:  # an output at the largest size seen would pass: hand it back
+                if (position or not forced) and ledger.stop_before(call.produced, call.allowance):
+                    break
             size = sim.outputs[first + position]
             with sim.lock:
                 call.produced += size
                 call.last = size
                 sizes.append(size)
+                ledger.observe(size, call.allowance)
                 sim.check()
             if over_allowance(call.produced, call.allowance, count - position - 1):
                 break
@@ -178,7 +188,8 @@ def _work(sim: _Sim, rng: random.Random, ident: int) -> None:
                     tail.release()
                 return
             del sim.running[ident]
-            sim.alive.append((booked, sum(sizes), overshoot))
+            if sizes:
+                sim.alive.append((booked, sum(sizes), overshoot))
             sim.done += ran
             sim.check()
             if tail is not None:
@@ -204,7 +215,8 @@ def _run(seed: int, longest: int) -> _Sim:
     budget = MemoryBudget(SHARE)
     buffer = budget.account("map(sim)", weight=1.0)
     budget.allot()
-    sim = _Sim(InFlight(buffer), inputs, outputs, chunk=rng.choice([1, 8, 64, 256]))
+    hint = (lambda _: 100) if distribution == "lying_hint" else None
+    sim = _Sim(InFlight(buffer, hint), inputs, outputs, chunk=rng.choice([1, 8, 64, 256]))
     workers = [
         threading.Thread(target=_worker, args=(sim, random.Random(seed * 31 + k), k))
         for k in range(rng.randint(1, 4))

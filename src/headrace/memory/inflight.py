@@ -25,12 +25,17 @@ learned as a slack added to each hint.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Overdraft, Reservation, release_all
 
 __all__ = ["InFlight", "Ticket", "over_allowance"]
+
+#: What an output may cost past twice its call's booking before the hint is distrusted
+#: (headers, small objects: the slack learns those).
+_HINT_TOLERANCE = 4096
 
 #: One call books at most this share of the stage's share (and at least one element),
 #: so that several calls can run side by side. Time bounds the chunk too.
@@ -57,7 +62,7 @@ class Ticket:
     in part to a tail (:meth:`InFlight.split`).
     """
 
-    __slots__ = ("booked", "bookings", "expected", "inputs", "pending")
+    __slots__ = ("booked", "bookings", "expected", "inputs", "pending", "slack")
 
     def __init__(self) -> None:
         self.bookings: list[Reservation] = []
@@ -65,6 +70,7 @@ class Ticket:
         self.inputs: list[int] = []
         self.booked = 0
         self.pending = 0  # expected bytes not booked yet (see InFlight.book)
+        self.slack = 0  # the slack per element the expectations included (with a hint)
 
     @property
     def allowance(self) -> int:
@@ -103,12 +109,57 @@ class InFlight:
         # shown. A process map's segment slack varies by call; the least of it must
         # not inflate every later booking.
         self._slack: int | None = None
+        self._raise = threading.Lock()  # (observe: calls on threads raise the largest)
+        self._settled = False  # whether a call's outputs were settled (ratio, slack known)
+        # The hint proved wrong (an output cost far more than the call's whole booking):
+        # the ledger books as if there were none (see observe).
+        self._distrust = False
 
     # -- questions -------------------------------------------------------------------------
 
     def largest(self) -> int:
         """The largest output so far (0 before the first)."""
         return self._largest
+
+    def settled(self) -> bool:
+        """Whether a call's outputs were settled: until then the ratio and the hint's
+        slack are unknown, and one call at a time learns them."""
+        return self._settled
+
+    def observe(self, nbytes: int, allowance: int) -> None:
+        """An output of ``nbytes`` was just made by a call booked ``allowance`` (called
+        from the call's own thread).
+
+        Learned now, not when the consumer collects the call: calls that start or
+        go on after a jump in size then see it (:meth:`stop_before`), and so does
+        the consumer's next booking. Settling learns the rest (ratio, slack).
+
+        A hint is trusted while it holds: the slack learns what outputs cost beyond
+        it. An output that costs more than twice its call's whole booking shows the
+        hint understates (a jump the hint does not know of): from then on the
+        ledger books and stops calls as if there were no hint.
+        """
+        if self.hint is not None and allowance >= 0 and (
+            nbytes > 2 * allowance + _HINT_TOLERANCE
+        ):
+            self._distrust = True
+        if nbytes > self._largest:
+            with self._raise:
+                if nbytes > self._largest:
+                    self._largest = nbytes
+
+    def stop_before(self, spent: int, allowance: int) -> bool:
+        """Whether a call that has spent ``spent`` of ``allowance`` must hand its next
+        input back before running it: its output, at the largest size seen so far,
+        would pass the allowance.
+
+        Without a hint, the largest output so far is the ledger's guess of the next
+        one. When outputs jump in size while calls are queued or running, the calls
+        booked at the old size stop before their next input instead of after it, so
+        what is made past the bookings is one element per call *running*, not one per
+        call booked. With a hint the booking is already the output's own size.
+        """
+        return (self.hint is None or self._distrust) and spent + self._largest > allowance
 
     def share(self) -> int:
         """The stage's share of the budget."""
@@ -117,12 +168,13 @@ class InFlight:
     def expect(self, element: Any, nbytes: int) -> int:
         """What a call on ``element`` (of ``nbytes``) will hold: at least the input.
 
-        With a hint, the hint plus the learned slack; a hint that fails books the
+        With a hint (while it holds: see :meth:`observe`), the hint plus the learned
+        slack; a hint that fails books the
         largest output so far (the call then raises in the element's place).
         Without one, the larger of the largest output so far and the input's size
         at the largest ratio, capped at the share: a guess must not refuse.
         """
-        if self.hint is None:
+        if self.hint is None or self._distrust:
             return max(nbytes, self._largest, min(int(nbytes * self._ratio), self.buffer.limit))
         try:
             guess = int(self.hint(element)) + (self._slack or 0)
@@ -160,6 +212,7 @@ class InFlight:
         booked together by :meth:`book`.
         """
         ticket.expected.append(expected)
+        ticket.slack = self._slack or 0
         ticket.inputs.append(nbytes or 1)  # (a sizer may say 0: a ratio's divisor)
         if upstream.account is None:
             ticket.pending += expected
@@ -215,6 +268,7 @@ class InFlight:
             for element, nbytes in zip(elements, ticket.inputs, strict=True)
         ]
         ticket.expected = expected
+        ticket.slack = self._slack or 0
         grant = min(sum(expected) - ticket.booked, self.buffer.room())
         if grant > 0:
             ticket.bookings.append(self.buffer.book_existing_total([grant], count=False))
@@ -233,7 +287,8 @@ class InFlight:
         until it drains; the allowance keeps it to one element per call.
         """
         if sizes:
-            self._learn(sizes, inputs, ticket.booked if whole else None)
+            self._learn(sizes, inputs, ticket.booked if whole else None, ticket.slack)
+            self._settled = True
         release_all(ticket.bookings)
         ticket.bookings.clear()
         ticket.booked = 0
@@ -253,7 +308,9 @@ class InFlight:
             self._largest = learned
         return self.buffer.overdraw(nbytes)
 
-    def _learn(self, sizes: list[int], inputs: list[int], booked: int | None) -> None:
+    def _learn(
+        self, sizes: list[int], inputs: list[int], booked: int | None, slack: int
+    ) -> None:
         largest = max(sizes)
         if largest > self._largest:
             self._largest = largest
@@ -261,6 +318,8 @@ class InFlight:
             ratio = max(size / nbytes for size, nbytes in zip(sizes, inputs, strict=True))
             if ratio > self._ratio:
                 self._ratio = ratio
-        elif booked is not None:  # booked at the hints: what the outputs cost beyond them
-            excess = max(0, -((booked - sum(sizes)) // len(sizes)))
+        elif booked is not None:  # booked at the hints (plus ``slack`` each): what the
+            # outputs cost beyond the hints alone (a booking that included the slack
+            # must not teach that there is none)
+            excess = max(0, slack - ((booked - sum(sizes)) // len(sizes)))
             self._slack = excess if self._slack is None else min(self._slack, excess)

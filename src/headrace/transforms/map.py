@@ -423,6 +423,8 @@ def _apply_chunk(
     first: int = 0,
     epochs: tuple[int, ...] = (),
     allowance: int | None = None,
+    ledger: InFlight | None = None,
+    forced: bool = False,
 ) -> _MapResult:
     """``fn`` over a chunk: the outputs as a buffer keeps them, their costs, the errors.
 
@@ -438,6 +440,13 @@ def _apply_chunk(
     more and inputs remain, the call stops there and returns fewer outputs than
     inputs (:func:`~headrace.memory.inflight.over_allowance`). The consumer runs
     the rest in a later call. So a call holds at most one element past its booking.
+
+    ``ledger``: the stage's in-flight ledger. Each output's cost is reported to it
+    as it is made, and the call also stops *before* an input whose output, at the
+    largest size seen so far (by any call), would pass the allowance
+    (:meth:`~headrace.memory.inflight.InFlight.stop_before`): calls queued before a
+    jump in size then hand their inputs back instead of each making one more large
+    output. Its first input too, unless ``forced`` (the consumer waits for it).
     """
     started = time.perf_counter()
     outputs: list[Any] = []
@@ -445,7 +454,10 @@ def _apply_chunk(
     failed: dict[int, Exception] | None = None
     spent, last = 0, len(elements) - 1
     limit = -1 if allowance is None else allowance  # (over_allowance, inlined: per element)
+    ahead = ledger is not None and limit >= 0
     for position, element in enumerate(elements):
+        if ahead and (position or not forced) and ledger.stop_before(spent, limit):  # type: ignore[union-attr]
+            break  # its output would pass the allowance: the rest goes back
         if progress is not None and not progress.claim(position):
             break  # the rest was given to another call
         try:
@@ -459,6 +471,8 @@ def _apply_chunk(
         outputs.append(output)
         sizes.append(size)
         spent += size
+        if ledger is not None:
+            ledger.observe(size, limit)
         if spent > limit >= 0 and position < last:
             break  # past the allowance: the inputs left go back to the consumer
     return outputs, sizes, failed, time.perf_counter() - started
@@ -543,14 +557,17 @@ class _ParallelMapIterator(Iterator):
 
     Hooks for subclasses (``ProcessMapIterator`` runs the calls on processes):
 
-    - ``_start_call(elements, progress=None, first=0, allowance=None)`` starts a
-      call and returns a future of ``(outputs, sizes, failed, seconds)``.
+    - ``_start_call(elements, progress=None, first=0, allowance=None, forced=False)``
+      starts a call and returns a future of ``(outputs, sizes, failed, seconds)``.
       ``first`` is the position of ``elements[0]`` in the map's input.
       ``allowance`` is the bytes booked for the outputs: past it, with inputs
       left, the call stops and returns fewer outputs than inputs
       (``len(outputs) == len(sizes) <= len(elements)``). This class runs the
-      inputs handed back in a new call, in order. ``failed`` maps positions in
-      ``outputs`` to errors. ``progress`` (threads, out of order) may be ignored.
+      inputs handed back in a new call, in order; a call may hand back even its
+      first input (its output would pass the allowance at the largest size seen
+      since it was booked), unless ``forced``: the consumer waits for it. ``failed``
+      maps positions in ``outputs`` to errors. ``progress`` (threads, out of order)
+      may be ignored.
     - ``target_call_seconds``: how long a call should run; chunks grow to it.
     - ``max_chunk``: the most inputs in one call.
     - ``ledger``: the in-flight ledger (``largest()``, ``share()``).
@@ -604,13 +621,13 @@ class _ParallelMapIterator(Iterator):
 
     def _start_call(
         self, elements: list[Any], progress: _Progress | None = None, first: int = 0,
-        allowance: int | None = None,
+        allowance: int | None = None, forced: bool = False,
     ) -> Future[_MapResult]:
         """Run ``fn`` over a chunk in the background (see the class doc)."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="headrace-map")
         return self.pool.submit(_apply_chunk, self.fn, elements, self.ctx.admit, progress,
-                                first, self.ctx.epochs, allowance)
+                                first, self.ctx.epochs, allowance, self.ledger, forced)
 
     def _launch(
         self,
@@ -636,12 +653,14 @@ class _ParallelMapIterator(Iterator):
         if not wait:
             self._start(call)
 
-    def _start(self, call: _Call) -> None:
+    def _start(self, call: _Call, *, forced: bool = False) -> None:
+        """Start ``call``; ``forced``: the consumer waits for it, so it runs its first
+        input whatever its booking (progress)."""
         elements = call.elements
         progress = _Progress(len(elements)) if self.finished is not None and elements else None
         try:
             future = self._start_call(elements, progress, call.first_index + call.start,
-                                      allowance=call.ticket.allowance)
+                                      allowance=call.ticket.allowance, forced=forced)
         except Exception as refused:
             # The stage cannot run calls (its worker pool is broken): the chunk stays
             # pending with its elements' place and input state, and raises when its turn
@@ -693,7 +712,7 @@ class _ParallelMapIterator(Iterator):
         self._start_waiting()
         while (
             not self.exhausted
-            and len(self.calls) < (2 * self.threads if ledger.largest() else 1)
+            and len(self.calls) < (2 * self.threads if ledger.settled() else 1)
             # Nothing in flight or ready: one call may always start (progress); otherwise
             # only while its output, at the largest size seen, fits beside what is held.
             and ledger.may_start(not self.calls and not self.ready)
@@ -788,11 +807,11 @@ class _ParallelMapIterator(Iterator):
         if self.finished is None:
             call = self.calls[0]
             if call.future is None:  # the consumer needs it now: it may run one past
-                self._start(call)
+                self._start(call, forced=True)
             return call
         while True:  # calls dropped by a restore may still announce themselves: skip them
             if all(call.future is None for call in self.calls):
-                self._start(self.calls[0])  # (progress: nothing else runs)
+                self._start(self.calls[0], forced=True)  # (progress: nothing else runs)
             self._split_slow_calls()
             try:
                 call = self.finished.get(timeout=_SPLIT_AFTER_SECONDS)
@@ -864,6 +883,8 @@ class _ParallelMapIterator(Iterator):
             errors[len(outputs)] = call.error
             outputs.append(None)
             reservations.append(ledger.hold_error(self.ctx.sizeof(call.error)))
+        if not outputs:  # every input handed back (see _apply_chunk): nothing to hand out
+            return
         start = call.start
         if start:  # positions in the chunk, after those another call handed out
             outputs = [None] * start + outputs
@@ -874,7 +895,7 @@ class _ParallelMapIterator(Iterator):
             outputs, reservations, call.state_before, errors, call.first_index, start=start))
 
     def pull(self) -> tuple[Any, Reservation]:
-        if not self.ready:
+        while not self.ready:  # (a call may hand every input back: collected, none ready)
             self._submit_more()
             if not self.calls:
                 raise StopIteration

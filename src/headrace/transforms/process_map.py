@@ -193,7 +193,8 @@ class ProcessMapIterator(_ParallelMapIterator):
         )
 
     def _start_call(self, elements: list[Any], progress: Any = None,
-                    first: int = 0, allowance: int | None = None) -> Future[_MapResult]:
+                    first: int = 0, allowance: int | None = None,
+                    forced: bool = False) -> Future[_MapResult]:
         outer: Future[_MapResult] = Future()
         if not elements:  # a chunk that is only an upstream error: nothing to compute
             outer.set_result(([], [], None, 0.0))
@@ -332,11 +333,13 @@ class _AutoMapIterator(ProcessMapIterator):
         self.probe: _GilProbe | None = None
 
     def _start_call(self, elements: list[Any], progress: Any = None,
-                    first: int = 0, allowance: int | None = None) -> Future[_MapResult]:
+                    first: int = 0, allowance: int | None = None,
+                    forced: bool = False) -> Future[_MapResult]:
         if self.kind == "processes":
             return super()._start_call(elements, None, first, allowance)
         if self.kind == "threads":
-            return _ParallelMapIterator._start_call(self, elements, progress, first, allowance)
+            return _ParallelMapIterator._start_call(self, elements, progress, first, allowance,
+                                                    forced)
         if self.probe is None:
             self.probe = _GilProbe()
         self.probe.in_call = True
