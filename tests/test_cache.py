@@ -591,3 +591,52 @@ def test_an_edited_cache_or_snapshot_manifest_is_refused_naming_it(
     with pytest.raises(hr.DataLossError, match="manifest") as raised:
         list(pipeline())
     assert manifest_path in str(raised.value), (field, new, str(raised.value))
+
+
+def _drain_with_errors(iterator: Any, limit: int | None = None) -> list[Any]:
+    """What an iterator hands out: values, and "E" where an element raised."""
+    out: list[Any] = []
+    while limit is None or len(out) < limit:
+        try:
+            out.append(int(next(iterator)))
+        except StopIteration:
+            break
+        except ValueError:
+            out.append("E")
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_state_taken_after_errors_while_the_cache_fills_resumes_after_them(
+    seed: int, tmp_path: Path
+) -> None:
+    """``map(f).cache()`` where ``f`` raises on some elements: errors are not cached,
+    but a state taken while the cache fills resumes exactly where the uninterrupted
+    run goes on (the oracle), after the errors already handed out. It resumed *at* the
+    last error, which then came out twice."""
+    rng = np.random.default_rng(seed)
+    count, modulus = int(rng.integers(20, 60)), int(rng.integers(3, 9))
+    filename = str(tmp_path / "c") if seed % 2 else ""
+    repeats = int(rng.integers(1, 3))
+
+    def boom(i: Any) -> Any:
+        if int(i) % modulus == 1:
+            raise ValueError(f"bad {int(i)}")
+        return np.int64(i)
+
+    def make() -> hr.Dataset:
+        return hr.Dataset.range(count).map(boom).cache(filename).repeat(repeats)
+
+    with iter(make()) as plain:
+        oracle = _drain_with_errors(plain)
+    for cut in sorted({int(k) for k in rng.integers(1, len(oracle), 6)}):
+        for leftover in glob.glob(filename + "*") if filename else ():
+            os.remove(leftover)
+        with iter(make()) as it:
+            assert _drain_with_errors(it, cut) == oracle[:cut]
+            state = json.loads(json.dumps(it.get_state()))
+        for leftover in glob.glob(filename + "*") if filename else ():
+            os.remove(leftover)  # (a crash: the half-written cache is gone)
+        with iter(make()) as resumed:
+            resumed.set_state(state)
+            assert _drain_with_errors(resumed) == oracle[cut:], (seed, cut)

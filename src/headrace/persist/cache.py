@@ -62,6 +62,7 @@ import os
 import warnings
 from typing import Any
 
+from headrace.core.element_errors import STREAM_ERRORS, RepeatCheck
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode
 from headrace.core.state import POSITION, StateReader, past_end
@@ -91,6 +92,9 @@ READ = "read"
 EPOCHS = "epochs"
 #: Which iterator of the dataset wrote the cache (seeds a reshuffling shuffle above it).
 WRITER_ITERATION = "writer_iteration"
+#: Errors the input raised in elements' places while the cache was written: they are
+#: not cached, but a restore must pass them as the writing iterator did.
+ERRORS = "errors"
 
 
 class CacheNode(UnaryNode):
@@ -143,6 +147,7 @@ class _CacheIterator(Iterator):
         self.source: StoreReader | None = None
         self.writing = False
         self.position = 0
+        self.errors = 0  # raised by the input in elements' places while writing
         #: Which iterator wrote (or writes) the cache read here: its epochs and number.
         self.writer: tuple[tuple[int, ...], int] = (ctx.epochs, ctx.run.iteration)
         self.cardinality = node.inputs[0].cardinality()
@@ -186,7 +191,7 @@ class _CacheIterator(Iterator):
                 store = PassThrough(epochs)
         else:
             store = MemoryStore(self.node, ctx, self.account, epochs)
-        self.store, self.writing, self.position = store, True, 0
+        self.store, self.writing, self.position, self.errors = store, True, 0, 0
         self.writer = (epochs, ctx.run.iteration)
         try:
             self.upstream = self.node.inputs[0].make_iterator(ctx)
@@ -211,6 +216,11 @@ class _CacheIterator(Iterator):
         except StopIteration:
             store.finish()
             raise
+        except STREAM_ERRORS:
+            raise
+        except Exception:  # an element's error, handed out in its place (never cached)
+            self.errors += 1
+            raise
         pair = store.append(element, reservation)
         self.position += 1
         if store.count == self.cardinality:  # as tf.data: complete without reading the end
@@ -226,6 +236,7 @@ class _CacheIterator(Iterator):
             POSITION: self.position,
             EPOCHS: list(epochs),
             WRITER_ITERATION: iteration,
+            ERRORS: self.errors if self.writing else 0,
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -236,6 +247,7 @@ class _CacheIterator(Iterator):
         position = reader.integer(POSITION)
         epochs = tuple(reader.integers(EPOCHS, len(self.ctx.epochs)))
         iteration = reader.integer(WRITER_ITERATION)
+        errors = reader.optional_integer(ERRORS) or 0
         self._stop(warn=False)
         complete = self._complete_store((epochs, iteration))
         if complete is not None:
@@ -244,19 +256,10 @@ class _CacheIterator(Iterator):
             return
         # No complete cache here: rebuild it as the writing iterator read its input.
         self._write(self._writer_context(epochs, iteration))
-        if mode == WRITE:
-            for done in range(position):
-                try:
-                    _, reservation = self.pull()
-                except StopIteration:
-                    raise past_end(self.stage, POSITION, position, done) from None
-                reservation.release()
+        if mode == WRITE:  # the input as the writer read it: its elements and its errors
+            self._replay(position, errors)
             return
-        while True:  # the reading phase: the whole cache first, then the position in it
-            try:
-                self.pull()[1].release()
-            except StopIteration:
-                break
+        self._replay(None, None)  # the reading phase: the whole cache first, then the position
         store = self.store
         assert store is not None
         if not store.complete:
@@ -267,6 +270,31 @@ class _CacheIterator(Iterator):
             assert isinstance(store, MemoryStore) and store.kept is not None
             self._read(KeptStore(store.kept, self.ctx, self.account))
         self._skip(position)
+
+    def _replay(self, position: int | None, errors: int | None) -> None:
+        """Write the cache again as the writing iterator did, up to ``position`` elements
+        and ``errors`` errors of its input (None: to its end). The input's errors were
+        handed out then and are never cached: they are passed here, except a stream's
+        own errors and one the input raises again without moving."""
+        assert self.upstream is not None
+        repeats = RepeatCheck(self.upstream, self.stage)
+        passed = 0
+        while position is None or self.position < position or passed < (errors or 0):
+            try:
+                _, reservation = self.pull()
+            except StopIteration:
+                if position is None:
+                    return
+                raise past_end(self.stage, POSITION, position, self.position) from None
+            except Exception as error:
+                if errors is not None and passed == errors:  # more than the writer met
+                    raise
+                repeats.check(error)
+                passed += 1
+                continue
+            reservation.release()
+            repeats.moved()
+        self.errors = passed
 
     def _writer_context(self, epochs: tuple[int, ...], iteration: int) -> Context:
         """A context in which the input reads as it did for the iterator that wrote the

@@ -26,23 +26,14 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from headrace.core.element_errors import RepeatCheck
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, ShardRole, UnaryNode
 from headrace.core.state import INNER, StateReader
-from headrace.errors import (
-    CheckpointError,
-    HeadraceWarning,
-    IteratorClosedError,
-    MemoryBudgetError,
-    WorkerPoolError,
-    add_note,
-)
+from headrace.errors import HeadraceWarning
 from headrace.memory.buffer import Reservation
 
 __all__ = ["IgnoreErrorsNode"]
-
-_FATAL = (CheckpointError, IteratorClosedError, MemoryBudgetError, WorkerPoolError)
-
 
 class IgnoreErrorsNode(UnaryNode):
     stage = "ignore_errors"
@@ -75,16 +66,16 @@ class _IgnoreErrorsIterator(Iterator):
         self.ignored = 0
 
     def pull(self) -> tuple[Any, Reservation]:
-        last: tuple[type, str, Any] | None = None  # the error dropped last, and the state after it
+        repeats: RepeatCheck | None = None  # (made at the first error only)
         while True:
             try:
                 return self.inner.pull()
             except StopIteration:
                 raise
-            except _FATAL:
-                raise
             except Exception as error:
-                last = self._check_moved(error, last)
+                if repeats is None:
+                    repeats = RepeatCheck(self.inner, "ignore_errors")
+                repeats.check(error)  # (raises a stream's error, or one that repeats)
                 self.ignored += 1
                 if self.log_warning:
                     notes = "".join(
@@ -97,25 +88,6 @@ class _IgnoreErrorsIterator(Iterator):
                         HeadraceWarning,
                         stacklevel=3,
                     )
-
-    def _check_moved(self, error: Exception,
-                     last: tuple[type, str, Any] | None) -> tuple[type, str, Any] | None:
-        """Raise ``error`` if the input raised it again without moving (see the module
-        doc); else what to compare the next error with. The input's state is taken only
-        when an error repeats the one before it."""
-        key = (type(error), str(error))
-        if last is None or key != last[:2]:
-            return (*key, None)
-        try:
-            state = self.inner.get_state()
-        except Exception:  # a stage that cannot checkpoint: nothing to compare
-            return (*key, None)
-        if last[2] is not None and state == last[2]:
-            add_note(error, "headrace: ignore_errors did not drop this error: the input "
-                            "raised it again without moving (a failure of the stage, not "
-                            "of an element)")
-            raise error
-        return (*key, state)
 
     def get_state(self) -> dict[str, Any]:
         return {INNER: self.inner.get_state(), "ignored": self.ignored}

@@ -1,0 +1,66 @@
+"""Errors raised in an element's place, told apart from failures of the stream itself.
+
+Internal. A stage that passes elements' errors by (``ignore_errors`` drops them, a
+cache does not keep them and a restore of it passes them again) must not do so for
+an error that ends the stream for good, nor for one its input raises again and again
+without moving: passing those would spin forever, or lose elements silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from headrace.core.iterator import Iterator
+from headrace.errors import (
+    CheckpointError,
+    IteratorClosedError,
+    MemoryBudgetError,
+    WorkerPoolError,
+    add_note,
+)
+
+__all__ = ["STREAM_ERRORS", "RepeatCheck"]
+
+#: Errors of headrace's own machinery that end the stream: never an element's.
+STREAM_ERRORS = (CheckpointError, IteratorClosedError, MemoryBudgetError, WorkerPoolError)
+
+
+class RepeatCheck:
+    """Raises an error that ``inner`` raised again without moving.
+
+    The same error (type and message) twice in a row with the input's state
+    unchanged between them is a failure of the stage, not of an element (a query
+    that cannot run, a file that cannot be opened where the reader does not go
+    on). The input's state is taken only when an error repeats the one before it.
+    Call :meth:`moved` after an element came out.
+    """
+
+    __slots__ = ("inner", "last", "who")
+
+    def __init__(self, inner: Iterator, who: str) -> None:
+        self.inner, self.who = inner, who
+        self.last: tuple[type, str, Any] | None = None
+
+    def moved(self) -> None:
+        self.last = None
+
+    def check(self, error: Exception) -> None:
+        """Raise ``error`` (a stream error, or one repeated in place), else return."""
+        if isinstance(error, STREAM_ERRORS):
+            raise error
+        key = (type(error), str(error))
+        last = self.last
+        if last is None or key != last[:2]:
+            self.last = (*key, None)
+            return
+        try:
+            state = self.inner.get_state()
+        except Exception:  # a stage that cannot checkpoint: nothing to compare
+            self.last = (*key, None)
+            return
+        if last[2] is not None and state == last[2]:
+            add_note(error, f"headrace: {self.who} raised this error, not an element's: "
+                            "the input raised it again without moving (a failure of the "
+                            "stage)")
+            raise error
+        self.last = (*key, state)
