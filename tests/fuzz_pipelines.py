@@ -981,7 +981,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
                 violations.append(f"budget used {budget.used} > total {budget.total} + {excess}")
             overdrawn[0] = max(overdrawn[0], budget.used - budget.total)
         if self.breaches > breaches:  # overdrafts (outputs that outgrew their estimate)
-            # are not breaches: they are reported apart (see StageAccount.book_existing)
+            # are not breaches: they are reported apart (see Buffer.admit_existing)
             violations.append(
                 f"{self.name}: held {self.held} > share {self.limit} after booking {nbytes}"
             )

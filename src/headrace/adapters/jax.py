@@ -122,7 +122,7 @@ class DeviceIterator:
                 return  # the share is full: the batch in hand goes, the rest waits
             try:
                 element = self._put(next(self._elements))
-                booking = account.book_existing([_device_bytes(element)])[0]
+                booking = account.admit_existing([_device_bytes(element)])[0]
             except StopIteration:
                 self._ended = True
                 return

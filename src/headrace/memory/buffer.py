@@ -83,7 +83,7 @@ class Buffer:
         self.peak = 0
         self.elements = 0
         self.max_element = 0
-        #: Bytes held beyond the share by :meth:`book_existing` (outputs larger than
+        #: Bytes held beyond the share by :meth:`admit_existing` (outputs larger than
         #: their estimate), now and at peak: the only way ``held`` may pass ``limit``.
         self.overdrawn = 0
         self.overdrawn_peak = 0
@@ -149,7 +149,8 @@ class Buffer:
         return self.max_element
 
     def admit(
-        self, nbytes: int, upstream: Reservation | None = None, *, together: str | None = None
+        self, nbytes: int, upstream: Reservation | None = None, *, together: str | None = None,
+        elements: int = 1,
     ) -> Reservation:
         """Book an element of ``nbytes`` that enters this stage, taking over its ``upstream``
         booking (released once this one is made: the element is never uncounted).
@@ -158,12 +159,14 @@ class Buffer:
         batch's rows), which then is its minimum working set (see :meth:`require`); the
         text says what is assembled, for the error when it cannot fit. The caller checked
         :meth:`fits` or waited (:meth:`wait_for_room`) first: this books, it does not wait.
+        ``elements``: how many elements the bytes are (0: bytes a stage keeps beside
+        its elements, such as a scan's state or a reader's index).
         """
         if upstream is not None and upstream.account is not None:
             return upstream.move_to(self, nbytes, together=together)
         if together is not None:
-            return self.hold(nbytes, what=together)
-        return self.charge(nbytes)
+            return self.hold(nbytes, what=together, elements=elements)
+        return self.charge(nbytes, elements=elements)
 
     def _add(self, nbytes: int) -> None:
         held = self.held = self.held + nbytes
@@ -297,7 +300,7 @@ class Buffer:
         """Add the bytes of ``elements`` elements (call holding the lock).
 
         ``overdraft``: the part of them booked past the share knowingly (see
-        :meth:`book_existing`). Any other booking that takes what the stage
+        :meth:`admit_existing`). Any other booking that takes what the stage
         holds past its share is a *breach* of the contract, counted (tests
         assert there are none).
         """
@@ -332,7 +335,7 @@ class Buffer:
         if self.budget.waiting[0]:
             self._changed.notify_all()
 
-    def charge_chunk(self, sizes: list[int]) -> list[Reservation]:
+    def admit_chunk(self, sizes: list[int]) -> list[Reservation]:
         """Book several elements as one chunk: one lock now, one lock when all are gone.
 
         Each element gets a :class:`ChunkPart`; releasing a part takes no lock
@@ -380,7 +383,7 @@ class Buffer:
         if self._pool is not None:
             self._hold_on_pool(needed, what)
 
-    def book_existing(self, sizes: list[int], *, count: bool = True) -> list[Reservation]:
+    def admit_existing(self, sizes: list[int], *, count: bool = True) -> list[Reservation]:
         """Book elements that already exist (outputs of calls that were in flight).
 
         Their memory is there whether or not it fits, so it is booked as it is:
@@ -396,7 +399,7 @@ class Buffer:
             return [self._book_existing(nbytes, elements) for nbytes in sizes]
 
     def book_existing_total(self, sizes: list[int], *, count: bool = True) -> Reservation:
-        """:meth:`book_existing` for elements released together: one booking for all.
+        """:meth:`admit_existing` for elements released together: one booking for all.
 
         ``count=False``: bytes booked ahead for work in flight (a parallel map's
         inputs, at their expected output size), not elements of this stage's own.
@@ -411,7 +414,7 @@ class Buffer:
 
     def overdraw(self, nbytes: int) -> Reservation:
         """Book more bytes for work already in flight (several elements' growth, each of
-        which passed :meth:`book_existing`'s check): past the share as an overdraft."""
+        which passed :meth:`admit_existing`'s check): past the share as an overdraft."""
         with self.lock:
             return self._book_existing(nbytes, 0)  # growth of elements already counted
 
@@ -695,7 +698,7 @@ class Reservation:
 
 
 class Overdraft(Reservation):
-    """A booking part of which lies beyond the stage's share (see ``book_existing``)."""
+    """A booking part of which lies beyond the stage's share (see ``admit_existing``)."""
 
     __slots__ = ("excess",)
 
@@ -745,7 +748,7 @@ class _Chunk:
 
 
 class ChunkPart(Reservation):
-    """One element's part of a chunk booking (see :meth:`StageAccount.charge_chunk`)."""
+    """One element's part of a chunk booking (see :meth:`Buffer.admit_chunk`)."""
 
     __slots__ = ("chunk",)
 

@@ -292,7 +292,7 @@ class InFlight:
         release_all(ticket.bookings)
         ticket.bookings.clear()
         ticket.booked = 0
-        return self.buffer.book_existing(sizes) if sizes else []
+        return self.buffer.admit_existing(sizes) if sizes else []
 
     def hold_error(self, nbytes: int) -> Reservation:
         """Book an error (of ``nbytes``) that a call raised in an output's place, held

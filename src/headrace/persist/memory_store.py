@@ -169,7 +169,7 @@ class MemoryStore(Store):
         if kept is not None:
             self.discard()
             return kept
-        data.resources.kept = keeper(default_budget()).charge(data.booked)
+        data.resources.kept = keeper(default_budget()).admit(data.booked)
         held, self.booking = self.booking, NO_RESERVATION
         if drawn_from_default(account):
             held.release()  # booked on the default budget above instead

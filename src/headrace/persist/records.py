@@ -137,7 +137,7 @@ class RecordWriter:
         #: Each record's (block's) data CRC, as its footer holds it (4 bytes a record,
         #: booked with the offsets): the manifest's record of what the file must hold.
         self.crcs = array.array("I")
-        self.offsets_booking = account.charge(0)
+        self.offsets_booking = account.admit(0)
 
     def _start(self) -> None:
         self.batch_limit = chunk_bytes(self.account.share())

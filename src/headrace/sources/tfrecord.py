@@ -179,7 +179,7 @@ class _TFRecordReaderAdapter:
             self.read_count += len(records)
         if records:
             nbytes = sum(map(len, records)) + record_cost(0) * len(records)
-            self.booking = account.charge(nbytes, elements=len(records))
+            self.booking = account.admit(nbytes, elements=len(records))
         self.ahead = records
 
     def last_offset(self) -> int | None:

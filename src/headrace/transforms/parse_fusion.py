@@ -181,7 +181,7 @@ class FusedParseIterator(Iterator):
                 columns = self.parse(records)
             except HeadraceError as error:
                 raise self._per_record_error(records, first, error) from None
-            booking = self.account.book_existing_total([self.ctx.sizeof(columns)])
+            (booking,) = self.account.admit_existing([self.ctx.sizeof(columns)])
         finally:
             reservation.release()
         return columns, booking

@@ -217,7 +217,7 @@ class _Producer:
             if pulled:
                 self.state_before_chunk = self.inner.get_state()
             if elements:
-                booked = iter(account.charge_chunk(sizes)) if sizes else iter(())
+                booked = iter(account.admit_chunk(sizes)) if sizes else iter(())
                 reservations = [
                     booking if booking is not None else next(booked) for booking in bookings
                 ]
@@ -228,7 +228,7 @@ class _Producer:
         """Book an element taken only because the consumer starves (see :meth:`starving`):
         past the share, as an overdraft, which keeps the stage from taking more until it
         has drained."""
-        (booking,) = self.account.book_existing([cost])
+        (booking,) = self.account.admit_existing([cost])
         reservation.release()
         return booking
 

@@ -413,7 +413,7 @@ class RemoteSlotIterator(Iterator):
             kept.append(element)
             sizes.append(size + part + extra)
             extra = 0
-        for element, reservation in zip(kept, self.account.book_existing(sizes), strict=True):
+        for element, reservation in zip(kept, self.account.admit_existing(sizes), strict=True):
             self.ready.append((element, reservation))
         if error is not None:
             raised, text = error

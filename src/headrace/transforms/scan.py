@@ -122,7 +122,7 @@ class _ScanIterator(Iterator):
         if nbytes == self.booked.nbytes:
             return
         self.booked.release()
-        self.booked = self.account.hold(nbytes, what="its carried state", elements=0)
+        self.booked = self.account.admit(nbytes, together="its carried state", elements=0)
 
     def pull(self) -> tuple[Any, Reservation]:
         element, reservation = self.input.pull()

@@ -343,7 +343,7 @@ class _RebatchIterator(_RowSource):
             kept.append(batch.reservation)
             batch.reservation = NO_RESERVATION
             return piece
-        kept.append(self.account.hold(nbytes, what=what, elements=0))
+        kept.append(self.account.admit(nbytes, together=what, elements=0))
         return [None if leaf is None else leaf.copy() for leaf in piece]
 
     def _bytes(self, pieces: list[list[Any]]) -> int:
