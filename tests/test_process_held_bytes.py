@@ -148,3 +148,63 @@ def test_errors_carrying_arrays_held_by_a_process_map_stay_within_the_bound(
         assert result["errors"] == [[i, case["nbytes"]] for i in range(count) if i % every], case
     bound = case["budget"] * 1.1 + 64 * MIB
     assert result["growth"] <= bound, (case, result["growth"] / MIB, bound / MIB)
+
+
+# A process interleave whose inner elements are larger than a chunk's byte cap (inner
+# batches of large records), read by a consumer that stops for a while (read-ahead fills).
+_INTERLEAVE = _SAMPLER + """
+import functools, os, time
+import headrace as hr
+from headrace.io.tfrecord import write_tfrecord
+import process_fns
+
+
+def main(case):
+    files = []
+    for k in range(case["files"]):
+        path = os.path.join(case["dir"], f"s{k}.tfrecord")
+        write_tfrecord(path, [bytes([k]) * case["record"]] * case["records"])
+        files.append(path)
+    fn = functools.partial(process_fns.record_batches, case["batch"])
+    ds = (hr.Dataset.from_tensor_slices(files)
+          .interleave(fn, cycle_length=case["cycle"], num_parallel_calls=case["workers"],
+                      workers="processes")
+          .with_options(hr.Options(memory_budget=case["budget"])))
+    got = []
+    with Peak() as peak, iter(ds) as it:
+        for batch in it:
+            got.append([bytes(record[:1]).hex() for record in batch])
+            if len(got) == case["pause_at"]:
+                time.sleep(1.5)  # a slow step: the slots' read-ahead fills
+            del batch
+    plain = hr.Dataset.from_tensor_slices(files).interleave(fn, cycle_length=case["cycle"])
+    expected = [[bytes(record[:1]).hex() for record in batch] for batch in plain]
+    print(json.dumps({"growth": peak.peak - peak.base, "equal": got == expected,
+                      "count": len(got)}))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
+"""
+
+
+def interleave_cases(seed: int, where: Path) -> dict[str, Any]:
+    """Inner batches of 2-3 records of 0.75-1 MiB: each element is larger than what a
+    chunk asked for ahead was booked at (at most 1 MiB)."""
+    rng = random.Random(seed)
+    return {
+        "dir": str(where), "files": rng.randint(6, 8), "records": rng.randint(30, 48),
+        "record": rng.choice([768, 1024]) << 10, "batch": rng.randint(2, 3), "cycle": 4,
+        "workers": 4, "budget": rng.choice([32, 40]) * MIB, "pause_at": rng.randint(8, 24),
+    }
+
+
+@pytest.mark.parametrize("seed", [1, 3])  # (on main: 112 and 117 MiB, bounds 99 and 108)
+def test_a_process_interleave_of_large_inner_elements_stays_within_the_bound(
+    seed: int, tmp_path: Path
+) -> None:
+    case = interleave_cases(seed, tmp_path)
+    result = _run(_INTERLEAVE, case, tmp_path)
+    assert result["equal"], (case, result)  # the oracle: the sequential interleave's batches
+    bound = case["budget"] * 1.1 + 64 * MIB
+    assert result["growth"] <= bound, (case, result["growth"] / MIB, bound / MIB)
