@@ -321,3 +321,22 @@ def record_batches(batch: int, path: Any) -> Any:
     import headrace as hr
 
     return hr.TFRecordDataset(os.fsdecode(path)).batch(batch)
+
+
+class PayloadError(ValueError):
+    """An error that carries data (the rows it refused), as a user's error may."""
+
+    def __init__(self, i: int, payload: Any) -> None:
+        super().__init__(f"bad row {i}")
+        self.payload = payload
+
+
+def payload_error(every: int, nbytes: int, seconds: float, x: Any) -> Any:
+    """``float(x)`` for every ``every``-th element, after ``seconds`` (so that the errors
+    raised meanwhile wait for their turn); for the others a :class:`PayloadError`
+    carrying an array of ``nbytes`` filled with ``x``."""
+    i = int(x)
+    if i % every == 0:
+        time.sleep(seconds)
+        return np.float64(i)
+    raise PayloadError(i, np.full(nbytes // 8, i, np.float64))

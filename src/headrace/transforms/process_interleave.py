@@ -49,8 +49,12 @@ Memory. A slot's part of the stage's share is split in two halves. Each
 inner pipeline runs in its worker under a budget of the first half, so its own
 buffers are capped there. The slot's chunks in flight are sized to the other
 half (see :class:`RemoteSlotIterator`): the two never hold the same bytes
-twice. Chunks are booked on the slot's account in this process — each chunk asked for at its
-largest size from the request on, the chunk being handed out at its elements'
+twice, and chunks are asked for ahead only while the first half stays free on the
+slot's account (the worker's half is its own budget, not booked here). Chunks are
+booked on the slot's account in this process — each chunk asked for at its
+largest size from the request on (its byte cap, or the largest element the slots
+have received where elements are larger: a chunk holds one element at least), the
+chunk being handed out at its elements'
 sizes plus the part of its segment that no element views (alignment, the
 bytes columns' buffers, the unused end of a reused segment), shared equally.
 Result segments the consumer is done with wait for reuse booked on the
@@ -303,6 +307,17 @@ def slot_pool(
 _tokens = iter(range(1, 1 << 62))
 
 
+class Largest:
+    """The largest element (bytes, as booked) that an interleave's slots have received:
+    what a chunk asked for from now on will hold at least, shared by the slots (a new
+    slot reads the same kind of shards)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+
 class RemoteSlotIterator(Iterator):
     """A slot whose inner pipeline runs in a worker: chunks in, elements out, in order."""
 
@@ -319,17 +334,21 @@ class RemoteSlotIterator(Iterator):
         *,
         prefer: int | None = None,
         worker_share: int = 0,
+        largest: Largest | None = None,
     ) -> None:
         super().__init__()
         self.pool, self.element, self.ctx, self.account = pool, element, ctx, account
         # The inner pipeline holds up to ``worker_share`` in its worker: this slot's
-        # chunks in flight get the rest of its part.
-        share -= min(worker_share, share // 2)
+        # chunks in flight get the rest of its part. Its account is the whole part, so
+        # that half is kept free on it when chunks are asked for ahead (see _room_for).
+        self.inner_reserve = min(worker_share, share // 2)
+        share -= self.inner_reserve
         #: Called with this slot's worker when its last chunk has come in (the interleave
         #: opens the next input's slot ahead then).
         self.on_ended: Callable[[int | None], None] | None = None
         # a chunk asked for, one handed out and READ_AHEAD queued fit the slot's share
         self.max_bytes = max(min(share // (READ_AHEAD + 2), CHUNK_BYTES), 1)
+        self.largest = Largest() if largest is None else largest
         self.stage = stage
         self.token = next(_tokens)
         self.worker: int | None = pool.assign(prefer)  # every chunk of this slot is read there
@@ -347,19 +366,37 @@ class RemoteSlotIterator(Iterator):
         self.pending: deque[tuple[Future[Any], Reservation]] = deque()
 
     # -- requests ---------------------------------------------------------------------------
+    def chunk_bytes(self) -> int:
+        """What a chunk asked for now is booked at, and may hold before the worker stops
+        it: :attr:`max_bytes`, or the largest element so far where elements are larger.
+
+        The worker stops a chunk once its elements reach this, so a chunk holds one
+        element past it at most. Booked at ``max_bytes`` alone, each chunk of elements
+        larger than it held an element's bytes unbooked (inner batches of 2 MiB:
+        1 MiB booked per chunk, 2 MiB held, in every chunk asked for ahead)."""
+        return max(self.max_bytes, self.largest.nbytes)
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether a chunk of ``nbytes`` may be asked for ahead: it fits the slot's
+        account beside what the slot holds and the part its inner pipeline may hold in
+        the worker (not booked here: it is the worker's own budget). Without that, the
+        chunks took the whole part and the worker its half again (1.5 parts a slot)."""
+        return self.account.fits(nbytes, pending=self.inner_reserve)
+
     def _request(self) -> bool:
         """Ask for the next chunk (booked at its largest); False when there is no room."""
         follow = bool(self.pending)  # sent before the answer it continues
-        if not self.account.fits(self.max_bytes) and (follow or self.ready):
+        nbytes = self.chunk_bytes()
+        if not self._room_for(nbytes) and (follow or self.ready):
             return False  # no room to read ahead: the next chunk is asked for on demand
-        booking = self.account.charge(self.max_bytes)
+        booking = self.account.charge(nbytes)
         # A slot's first chunk is one element: the cycle waits for a new slot, so its
         # first answer should be quick; the follow requests behind it read full chunks.
         elements = 1 if self.asked == 0 else CHUNK_ELEMENTS
         request = (
             self.token, (self.restores, self.asked), self.element,
             None if follow else self.next_state, 0 if follow else self.next_skip,
-            elements, self.max_bytes, self.ctx.run.iteration, list(self.ctx.epochs), follow,
+            elements, nbytes, self.ctx.run.iteration, list(self.ctx.epochs), follow,
         )
         try:
             future = self.pool.submit([request], worker=self.worker)
@@ -413,6 +450,8 @@ class RemoteSlotIterator(Iterator):
             kept.append(element)
             sizes.append(size + part + extra)
             extra = 0
+        if sizes:
+            self.largest.nbytes = max(self.largest.nbytes, *sizes)
         for element, reservation in zip(kept, self.account.admit_existing(sizes), strict=True):
             self.ready.append((element, reservation))
         if error is not None:
@@ -444,7 +483,8 @@ class RemoteSlotIterator(Iterator):
     def start(self) -> None:
         """Ask for the first chunks now, as far as the budget has room (a slot opened
         ahead of its turn: nothing is booked past the share for it)."""
-        if self.pending or self.ready or self.ended or not self.account.fits(self.max_bytes):
+        if (self.pending or self.ready or self.ended
+                or not self._room_for(self.chunk_bytes())):
             return
         with contextlib.suppress(Exception):  # asked again on demand, raising there
             self._request()
@@ -551,6 +591,7 @@ class ProcessInterleaveIterator(CycleIterator):
         #: The workers' own memory, booked when they start (see process_map.book_workers).
         self.workers_booking: Reservation = NO_RESERVATION
         self.worker_share = 0  # each inner pipeline's budget in its worker
+        self.largest = Largest()  # the slots' largest element so far (chunks are booked at it)
         super().__init__(node, inner, ctx, account)
 
     def _reset(self) -> None:
@@ -583,7 +624,7 @@ class ProcessInterleaveIterator(CycleIterator):
         part.budget.allot()
         iterator = RemoteSlotIterator(
             self.processes, element, inner_ctx, account, part.size(), "interleave slot",
-            prefer=self.worker_hint, worker_share=self.worker_share,
+            prefer=self.worker_hint, worker_share=self.worker_share, largest=self.largest,
         )
         iterator.on_ended = self.open_ahead
         return Slot(iterator, part, input_before, inner_ctx, account)

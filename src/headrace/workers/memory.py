@@ -9,6 +9,7 @@ process alone holds (what a copy-on-read leak grows).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 __all__ = ["WorkerMemory", "WorkerStats", "tree_charged", "worker_memory"]
@@ -95,15 +96,24 @@ def tree_charged(pid: int) -> int:
 
 
 def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``. A child is listed under the *thread* that started
+    it, so every thread's list is read: a pool started on a pipeline's thread (under a
+    prefetch) has its forkserver, and so its workers, under that thread, not under the
+    main one (read from the main thread alone, the bound missed them all)."""
     found: list[int] = []
     frontier = [pid]
     while frontier:
         parent = frontier.pop()
         try:
-            with open(f"/proc/{parent}/task/{parent}/children") as handle:
-                children = [int(text) for text in handle.read().split()]
+            tasks = os.listdir(f"/proc/{parent}/task")
         except OSError:
             continue
-        found.extend(children)
-        frontier.extend(children)
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as handle:
+                    children = [int(text) for text in handle.read().split()]
+            except OSError:
+                continue
+            found.extend(children)
+            frontier.extend(children)
     return found

@@ -256,7 +256,12 @@ def portable(error: BaseException) -> BaseException:
     """
     name, message = type(error).__qualname__, _text_of(error)
     try:
-        back = pickle.loads(pickle.dumps(error, protocol=5))
+        # Out of band: the rebuilt copy views the error's own buffers. In band, an error
+        # carrying an array of N bytes cost 2N more in the worker for this check alone.
+        buffers: list[pickle.PickleBuffer] = []
+        data = pickle.dumps(error, protocol=5, buffer_callback=buffers.append)
+        back = pickle.loads(data, buffers=buffers)
+        del data, buffers
         if type(back) is type(error) and _text_of(back) == message:
             return error
     except Exception:
@@ -265,9 +270,15 @@ def portable(error: BaseException) -> BaseException:
     notes = {"__notes__": whole["__notes__"]} if "__notes__" in whole else {}
     for state in (whole, notes, {}):  # what travels of its attributes: all, its notes, none
         try:
-            blob = pickle.dumps((type(error), error.args, state), protocol=5)
-            if not isinstance(_rebuild_error(blob, name, message), WorkerError):
-                return _Carried(blob, name, message)
+            # Its arrays' buffers out of band: they travel as the error's own (into shared
+            # memory where it is packed like an output), not inside the blob, which held
+            # each array in band: 2 copies in the worker, 3 in the consumer (seen: +24 MiB
+            # per held error that carried 8 MiB).
+            carried: list[pickle.PickleBuffer] = []
+            blob = pickle.dumps((type(error), error.args, state), protocol=5,
+                                buffer_callback=carried.append)
+            if not isinstance(_rebuild_error(blob, carried, name, message), WorkerError):
+                return _Carried(blob, carried, name, message)
         except Exception:
             continue
     return WorkerError(f"{name}: {message}")
@@ -283,22 +294,28 @@ def _text_of(error: BaseException) -> str:
 
 class _Carried(Exception):
     """An error that pickle cannot rebuild as ``type(*args)``; it unpickles as
-    :func:`_rebuild_error` makes it."""
+    :func:`_rebuild_error` makes it. ``buffers``: the large buffers of its pickle
+    ``blob`` (its arrays' data), pickled out of band with protocol 5 (so packed into
+    shared memory, and viewed there by the rebuilt error), as copies below it."""
 
-    def __init__(self, blob: bytes, name: str, message: str) -> None:
+    def __init__(self, blob: bytes, buffers: list[Any], name: str, message: str) -> None:
         super().__init__(name, message)
-        self.blob, self.name, self.message = blob, name, message
+        self.blob, self.buffers, self.name, self.message = blob, buffers, name, message
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes, str, str]]:
-        return _rebuild_error, (self.blob, self.name, self.message)
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, ...]]:
+        buffers = self.buffers
+        if not isinstance(protocol, int) or protocol < 5:  # no PickleBuffer below 5
+            buffers = [bytearray(buffer) for buffer in buffers]  # (writable, as in band)
+        return _rebuild_error, (self.blob, buffers, self.name, self.message)
 
 
-def _rebuild_error(blob: bytes, name: str, message: str) -> BaseException:
+def _rebuild_error(blob: bytes, buffers: list[Any], name: str, message: str) -> BaseException:
     """The user's error rebuilt without its ``__init__``: its type, ``args`` (so its
     message) and attributes (notes included); a :class:`WorkerError` with the type's
-    name and the message where the type cannot be loaded here."""
+    name and the message where the type cannot be loaded here. ``buffers``: the
+    pickle's out-of-band buffers (its arrays view them: no copy)."""
     try:
-        kind, args, state = pickle.loads(blob)
+        kind, args, state = pickle.loads(blob, buffers=buffers)
         error: BaseException = kind.__new__(kind, *args)
         # the nearest built-in class's __init__ (OSError's reads errno from the args)
         builtin = next(c for c in kind.__mro__ if c.__module__ == "builtins")
@@ -322,6 +339,31 @@ def _unsendable(refused: Exception) -> tuple[Exception, str]:
         ),
         "".join(traceback.format_exception(refused)),
     )
+
+
+#: In an error's place in a result's ``errors``: the error itself travels in its output's
+#: place, packed like an output (see :func:`_pack_failure`).
+_PACKED = None
+
+
+def _pack_failure(
+    writer: OutputWriter, raised: BaseException, text: str, left: int
+) -> tuple[BaseException | None, str]:
+    """``raised`` packed in its output's place; what goes in ``errors`` for it.
+
+    An error may carry large data (the rows it refused). Packed like an output, its
+    buffers go once into the result segment and the consumer's copy views them, held
+    and booked until its turn like an output. Through the pipe it was pickled whole: a
+    copy in the worker while it was sent, the message and the rebuilt error in the
+    consumer (two copies of the data there, with no booking until the call was
+    collected). One that cannot be packed travels through the pipe as before.
+    """
+    try:
+        writer.add(raised, left)
+    except Exception:
+        writer.add(None)
+        return raised, text
+    return _PACKED, text
 
 
 def _run_chunk(
@@ -355,11 +397,12 @@ def _run_chunk(
             output = handler(element)
         except Exception as error:
             del element
-            errors[position] = _failure(error)
-            writer.add(None)
-            if costed:  # it goes back and is held like an output: it may carry arrays
-                spent += sizeof(error)
+            raised, text = _failure(error)
             del error
+            if costed:  # it goes back and is held like an output: it may carry arrays
+                spent += sizeof(raised)
+            errors[position] = _pack_failure(writer, raised, text, count - position)
+            del raised
             if allowance is not None and spent > allowance and position + 1 < count:
                 break
             continue
@@ -1075,6 +1118,13 @@ class ProcessPool:
         if errors:
             failed = failed or {}
             for position, (raised, text) in errors.items():
+                if raised is _PACKED:  # in its output's place (see _pack_failure)
+                    raised, outputs[position] = outputs[position], None
+                    if position in failed:  # it could not be rebuilt here: that error
+                        raised = failed[position]
+                    elif not isinstance(raised, BaseException):
+                        raised = WorkerError(f"the error of element {position} of a worker's "
+                                             f"call came back as {type(raised).__name__}")
                 raised.__cause__ = _RemoteTraceback(text)
                 add_note(raised, f"headrace: raised in worker process {worker.process.pid}")
                 failed[position] = raised
