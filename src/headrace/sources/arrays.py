@@ -13,8 +13,9 @@ import os
 from typing import Any
 
 import numpy as np
+import xxhash
 
-from headrace.core.fingerprint import array_digest, file_identity
+from headrace.core.fingerprint import array_digest, file_identity, unmemoized_digest
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
@@ -22,6 +23,7 @@ from headrace.errors import DataLossError, InvalidArgumentError, Origin
 from headrace.io.filepool import borrowed_slot
 from headrace.io.files import require_regular_file
 from headrace.io.mapped import map_file
+from headrace.sources.listrows import ListRows, rows_of_list
 from headrace.structure import (
     TensorSpec,
     encode_str,
@@ -36,7 +38,8 @@ __all__ = ["RangeNode", "TensorSlicesNode", "TensorsNode", "load_npy"]
 
 
 def _read_only(leaf: Any) -> Any:
-    """A read-only view of an array leaf (the user's array itself stays writable)."""
+    """A read-only view of an array leaf (the user's array itself stays writable; a
+    list's rows are read-only as they are made)."""
     if isinstance(leaf, np.ndarray):
         view = np.asarray(leaf).view(type=np.ndarray)
         view.flags.writeable = False
@@ -80,7 +83,11 @@ class _SlicesAccess(RandomAccess):
 
     def prepare(self, ctx: Context) -> None:
         for leaf in self.leaves:
-            ctx.register_preexisting(leaf)
+            if isinstance(leaf, ListRows):
+                for array in leaf.arrays():
+                    ctx.register_preexisting(array)
+            else:
+                ctx.register_preexisting(leaf)
 
 
 class TensorSlicesNode(Node):
@@ -95,10 +102,9 @@ class TensorSlicesNode(Node):
         #: num_parallel_reads): then the files' identities are part of its content.
         self.paths = paths
         # tf.data's strings are bytes: str components come out UTF-8 encoded, except
-        # where headrace documents str (list_files' paths pass keep_str)
-        leaves = [
-            to_leaf_array(leaf if keep_str else encode_str(leaf)) for leaf in flatten(tensors)
-        ]
+        # where headrace documents str (list_files' paths pass keep_str). A list of
+        # arrays or strings is served row by row, never stacked (see ListRows).
+        leaves = [_leaf(leaf, keep_str, "from_tensor_slices") for leaf in flatten(tensors)]
         if not leaves:
             raise InvalidArgumentError("from_tensor_slices needs at least one component")
         for path, leaf in zip(structure_paths(tensors), leaves, strict=True):
@@ -121,7 +127,7 @@ class TensorSlicesNode(Node):
         return _array_params(self.leaves)
 
     def content(self) -> tuple[Any, ...]:
-        digests = tuple(array_digest(leaf) for leaf in self.leaves)
+        digests = tuple(_digest(leaf) for leaf in self.leaves)
         if not self.paths:
             return digests
         names = [os.fsdecode(name) for leaf in self.leaves for name in np.asarray(leaf).flat]
@@ -145,8 +151,32 @@ class TensorSlicesNode(Node):
 
 
 def _dtype_kind(leaf: Any) -> tuple[np.dtype[Any], str]:
+    if isinstance(leaf, ListRows):
+        return leaf.dtype, leaf.kind
     spec = leaf_spec(leaf[:1] if len(leaf) else leaf)
     return spec.dtype, spec.kind
+
+
+def _leaf(value: Any, keep_str: bool, what: str) -> Any:
+    """A component as the source serves it: a list of arrays or strings as its rows
+    (nothing copied), anything else as an array (str encoded unless ``keep_str``)."""
+    rows = rows_of_list(value, keep_str=keep_str, what=what)
+    if rows is not None:
+        return rows
+    return to_leaf_array(value if keep_str else encode_str(value))
+
+
+def _digest(leaf: Any) -> str:
+    """What a component holds, for content fingerprints: a list's rows are hashed one
+    at a time (its items, or the row made of one where it is converted)."""
+    if not isinstance(leaf, ListRows):
+        return array_digest(leaf)
+    digest = xxhash.xxh3_128(f"rows {leaf.kind} {leaf.dtype.str}{leaf.shape}".encode())
+    for item in leaf.items:
+        same = type(item) is np.ndarray and item.dtype == leaf.dtype
+        row = item if same or isinstance(item, (str, bytes)) else leaf.row(item)
+        digest.update(array_digest(row).encode() if same else unmemoized_digest(row).encode())
+    return digest.hexdigest()
 
 
 class TensorsNode(Node):
@@ -157,25 +187,28 @@ class TensorsNode(Node):
     def __init__(self, tensors: Any) -> None:
         super().__init__()
         self.structure = tensors
-        self.leaves = [_read_only(to_leaf_array(encode_str(leaf))) for leaf in flatten(tensors)]
+        # A list of arrays or strings is kept as the user's list and stacked each time
+        # the element is made: the element is that array, but the recipe never holds it.
+        self.leaves = [_read_only(_leaf(leaf, False, "from_tensors")) for leaf in flatten(tensors)]
 
     def params(self) -> tuple[Any, ...]:
         return _array_params(self.leaves)
 
     def content(self) -> tuple[Any, ...]:
-        return tuple(array_digest(leaf) for leaf in self.leaves)
+        return tuple(_digest(leaf) for leaf in self.leaves)
 
     @property
     def element_spec(self) -> Any:
-        return pack_as(self.structure, [leaf_spec(leaf) for leaf in self.leaves])
+        return pack_as(self.structure, [
+            TensorSpec(leaf.shape, leaf.dtype, leaf.kind) if isinstance(leaf, ListRows)
+            else leaf_spec(leaf) for leaf in self.leaves
+        ])
 
     def cardinality(self) -> int:
         return 1
 
     def random_access(self) -> RandomAccess:
-        single = [np.expand_dims(leaf, 0) if isinstance(leaf, np.ndarray) else _boxed(leaf)
-                  for leaf in self.leaves]
-        return _TensorsAccess(self.structure, self.leaves, single)
+        return _TensorsAccess(self.structure, self.leaves)
 
 
 def _boxed(value: Any) -> Any:
@@ -184,15 +217,55 @@ def _boxed(value: Any) -> Any:
     return box
 
 
-class _TensorsAccess(_SlicesAccess):
-    def __init__(self, structure: Any, leaves: list[Any], batched: list[Any]) -> None:
-        super().__init__(structure, batched, 1)
-        self.whole = leaves
+class _TensorsAccess(RandomAccess):
+    """The one element of ``from_tensors``; a list component is stacked each time the
+    element is made (see :class:`ListRows`), so only the element holds the array."""
+
+    def __init__(self, structure: Any, leaves: list[Any]) -> None:
+        self.structure = structure
+        self.leaves = leaves
+        self.single = not isinstance(structure, (dict, tuple))
+
+    def __len__(self) -> int:
+        return 1
+
+    def whole(self) -> list[Any]:
+        return [leaf.whole() if isinstance(leaf, ListRows) else leaf for leaf in self.leaves]
 
     def get(self, index: int) -> Any:
         if index != 0:
             raise IndexError(index)
-        return pack_as(self.structure, list(self.whole))
+        return pack_as(self.structure, self.whole())
+
+    def get_many(self, indices: range | np.ndarray) -> Any:
+        count = len(indices)
+        if count and (min(indices) != 0 or max(indices) != 0):
+            raise IndexError(f"from_tensors has one element (index 0), asked for {indices}")
+        leaves = [
+            _repeated(np.expand_dims(leaf, 0) if isinstance(leaf, np.ndarray) else _boxed(leaf),
+                      count)
+            for leaf in self.whole()
+        ]
+        return pack_as(self.structure, leaves)
+
+    def origin(self, index: int) -> Origin | None:
+        return Origin(None, index)
+
+    def prepare(self, ctx: Context) -> None:
+        for leaf in self.leaves:
+            if isinstance(leaf, ListRows):
+                for array in leaf.arrays():
+                    ctx.register_preexisting(array)
+            else:
+                ctx.register_preexisting(leaf)
+
+
+def _repeated(batched: Any, count: int) -> Any:
+    """``count`` copies of a one-row array (the one element, asked for again: a batch
+    of ``from_tensors(x).repeat()`` takes index 0 each time)."""
+    if count == 1:
+        return batched
+    return batched[np.zeros(count, dtype=np.intp)]
 
 
 class _RangeAccess(RandomAccess):

@@ -1,0 +1,181 @@
+"""A Python list of rows served as the array it stands for, without stacking it.
+
+``from_tensor_slices([a0, a1, ...])`` means the array ``np.stack([a0, a1, ...])``
+(a list is a leaf, as in tf.data). Stacking a list of 300 arrays of 1 MiB makes a
+new 300 MiB array the pipeline would hold for as long as the dataset lives, and a
+list of ``str`` went through a fixed-width ``<U`` array (4 bytes a character) and a
+second copy as UTF-8 ``bytes``. :class:`ListRows` keeps only the user's list: row
+``i`` is made from item ``i`` when it is asked for (a read-only view of the user's
+array when its dtype is already the list's, a ``str`` encoded then), and a batch is
+stacked from the rows it takes. Shapes and dtypes are checked up front, item by
+item, so a ragged list is refused as tf.data refuses it, before any data flows.
+
+Lists whose items are numbers (``[1, 2, 3]``, ``[[0.5, 1.5], ...]``) are still
+stacked: the array is smaller than the list of Python objects it comes from, and
+indexing it is what keeps a list of a million ints as fast as an array.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from headrace.errors import InvalidArgumentError
+from headrace.structure import to_leaf_array
+
+__all__ = ["ListRows", "rows_of_list"]
+
+
+def rows_of_list(value: Any, *, keep_str: bool, what: str) -> ListRows | None:
+    """``value`` as :class:`ListRows` where it is a list this serves (of arrays, of
+    ``str``/``bytes``, or lists of them); None for anything else (a list of numbers,
+    of mixed kinds), which is converted to an array as before."""
+    if type(value) is not list or not value:
+        return None
+    first: Any = value[0]
+    while type(first) is list and first:
+        first = first[0]
+    if isinstance(first, (str, bytes)):
+        pass
+    elif not (isinstance(first, np.ndarray) and first.ndim >= 1):
+        return None
+    return ListRows.checked(value, keep_str=keep_str, what=what)
+
+
+def _read_only(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    view = array.view(type=np.ndarray)
+    view.flags.writeable = False
+    return view
+
+
+class ListRows:
+    """The rows of a list of equal-shape items, made one at a time (see the module doc).
+
+    It answers as an array would where a source uses one: ``len``, ``shape``,
+    ``ndim``, ``dtype``, an int index (one row), a slice or an index array (the
+    rows stacked into a new array).
+    """
+
+    __slots__ = ("dtype", "encode", "items", "kind", "row_shape")
+
+    def __init__(
+        self, items: list[Any], row_shape: tuple[int, ...], dtype: np.dtype[Any], kind: str,
+        encode: bool,
+    ) -> None:
+        self.items = items
+        self.row_shape = row_shape
+        self.dtype = dtype
+        #: "numeric", "bytes" or "str": what the rows are (bytes and str: object arrays).
+        self.kind = kind
+        #: Whether ``str`` items come out as UTF-8 ``bytes`` (tf.data's strings).
+        self.encode = encode
+
+    @classmethod
+    def checked(cls, items: list[Any], *, keep_str: bool, what: str) -> ListRows | None:
+        """The rows of ``items`` after checking every item's shape and dtype, or None
+        when the items mix kinds this does not serve (numbers among arrays, None):
+        those are converted as a whole, as before."""
+        shape: tuple[int, ...] | None = None
+        dtypes: set[np.dtype[Any]] = set()
+        kinds: set[str] = set()
+        for index, item in enumerate(items):
+            if isinstance(item, str):
+                item_shape: tuple[int, ...] = ()
+                kinds.add("str")
+            elif isinstance(item, bytes):
+                item_shape = ()
+                kinds.add("bytes")
+            else:
+                if isinstance(item, np.ndarray) and item.dtype.kind not in "SUO":
+                    array = item
+                elif isinstance(item, (np.ndarray, list)):
+                    array = to_leaf_array(item)  # one item's conversion, for its spec
+                else:
+                    return None
+                item_shape = tuple(array.shape)
+                if array.dtype.kind == "O":
+                    flat = array.ravel()
+                    if not all(isinstance(part, (str, bytes)) for part in flat):
+                        return None
+                    kinds.update("str" if isinstance(part, str) else "bytes" for part in flat)
+                else:
+                    kinds.add("numeric")
+                    dtypes.add(array.dtype)
+            if shape is None:
+                shape = item_shape
+            elif item_shape != shape:
+                raise InvalidArgumentError(
+                    f"{what}: the list's rows differ in shape: row 0 is {shape}, row {index} "
+                    f"is {item_shape}; every row of a list needs the same shape (as in "
+                    "tf.data): pad them, or give them one at a time with from_generator"
+                )
+        assert shape is not None
+        if len(kinds) != 1:
+            return None  # numbers with strings, str with bytes: converted whole, as before
+        kind = kinds.pop()
+        if kind == "numeric":
+            dtype = np.result_type(*dtypes) if len(dtypes) > 1 else dtypes.pop()
+            return cls(items, shape, np.dtype(dtype), "numeric", False)
+        encode = kind == "str" and not keep_str
+        return cls(items, shape, np.dtype(object), "bytes" if encode else kind, encode)
+
+    # -- what an array answers ---------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.items), *self.row_shape)
+
+    @property
+    def ndim(self) -> int:
+        return 1 + len(self.row_shape)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, (int, np.integer)):
+            return self.row(self.items[index])
+        if isinstance(index, slice):
+            positions: Any = range(*index.indices(len(self.items)))
+        else:
+            positions = np.asarray(index, dtype=np.intp).ravel()
+        return self.stack([self.items[position] for position in positions])
+
+    def __reduce__(self) -> Any:
+        return (ListRows, (self.items, self.row_shape, self.dtype, self.kind, self.encode))
+
+    # -- rows ---------------------------------------------------------------------------------
+    def row(self, item: Any) -> Any:
+        """The row item ``i`` stands for, as the stacked array's row ``i`` would be."""
+        if self.kind == "numeric":
+            if type(item) is np.ndarray and item.dtype == self.dtype:
+                return _read_only(item)
+            return _read_only(np.asarray(to_leaf_array(item), dtype=self.dtype))
+        if isinstance(item, str):
+            return item.encode() if self.encode else item
+        if isinstance(item, bytes):
+            return item
+        out = np.empty(self.row_shape, dtype=object)
+        source = np.asarray(to_leaf_array(item), dtype=object)
+        flat = [part.encode() if self.encode and isinstance(part, str) else part
+                for part in source.ravel().tolist()]
+        out.reshape(-1)[:] = flat
+        out.flags.writeable = False
+        return out
+
+    def stack(self, items: list[Any]) -> np.ndarray[Any, Any]:
+        """The rows of ``items`` in one new array (a batch)."""
+        out = np.empty((len(items), *self.row_shape), dtype=self.dtype)
+        for position, item in enumerate(items):
+            out[position] = self.row(item)
+        return out
+
+    def arrays(self) -> list[np.ndarray[Any, Any]]:
+        """The user's arrays among the items (rows are views of them: they cost nothing)."""
+        return [item for item in self.items if type(item) is np.ndarray]
+
+    def whole(self) -> np.ndarray[Any, Any]:
+        """The array the list stands for (``from_tensors`` of a list: one element)."""
+        whole = self.stack(self.items)
+        whole.flags.writeable = False
+        return whole
