@@ -216,3 +216,43 @@ def test_a_list_of_numbers_is_still_one_array() -> None:
     assert isinstance(ds._node.leaves[0], np.ndarray)  # type: ignore[attr-defined]
     (batch,) = list(ds.batch(1000))
     assert batch.tolist() == list(range(1000))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_list_of_numbers_is_booked_on_the_budget_or_refused(seed: int) -> None:
+    """The array a list of numbers is stacked into is headrace's, not the user's: each
+    run's stages split what it leaves of the budget, and one it leaves nothing of is a
+    MemoryBudgetError naming the component (an array the user made stays free)."""
+    from headrace.errors import MemoryBudgetError
+    from headrace.memory.sizeof import sizeof
+    from headrace.memory.units import parse_bytes
+
+    rng = random.Random(seed)
+    count = rng.choice([10, 1000, 100_000, 300_000, 1_000_000])
+    kind = rng.choice(["int", "float", "pairs", "bool"])
+    values: list[Any] = (
+        list(range(count)) if kind == "int" else [i / 3 for i in range(count)]
+        if kind == "float" else [[i, -i] for i in range(count)]
+        if kind == "pairs" else [i % 3 == 0 for i in range(count)]
+    )
+    budget = rng.choice(["1MiB", "4MiB", "16MiB"])
+    total = parse_bytes(budget)
+    user_array = np.arange(count, dtype=np.float64)  # the user's: never charged
+    tensors = {"numbers": values, "mine": user_array} if rng.random() < 0.5 else values
+    ds = hr.Dataset.from_tensor_slices(tensors).with_options(hr.Options(memory_budget=budget))
+    copy = np.asarray(values)
+    cost = sizeof(copy)
+    if cost >= total:
+        with pytest.raises(MemoryBudgetError, match=r"from_tensor_slices: component .*a list"):
+            next(iter(ds))
+        return
+    with iter(ds.shuffle(8, seed=seed).batch(4)) as iterator:
+        first = next(iterator)
+        assert iterator.stats().budget_total == total - cost
+    numbers = first["numbers"] if isinstance(first, dict) else first
+    assert all(any(np.array_equal(row, want) for want in copy[:12]) for row in numbers)
+    # the user's own array of the same numbers books nothing
+    with iter(hr.Dataset.from_tensor_slices(copy).with_options(
+            hr.Options(memory_budget=budget))) as iterator:
+        next(iterator)
+        assert iterator.stats().budget_total == total

@@ -55,11 +55,15 @@ def _array_params(leaves: list[Any]) -> tuple[Any, ...]:
 
 
 class _SlicesAccess(RandomAccess):
-    def __init__(self, structure: Any, leaves: list[Any], length: int) -> None:
+    def __init__(
+        self, structure: Any, leaves: list[Any], length: int, copies: dict[int, str] | None = None
+    ) -> None:
         self.structure = structure
         self.leaves = leaves
         self.length = length
         self.single = not isinstance(structure, (dict, tuple))
+        #: Leaves the source made from the user's data (by position), and what each is.
+        self.copies = copies or {}
 
     def __len__(self) -> int:
         return self.length
@@ -82,12 +86,30 @@ class _SlicesAccess(RandomAccess):
         return Origin(None, index)
 
     def prepare(self, ctx: Context) -> None:
-        for leaf in self.leaves:
-            if isinstance(leaf, ListRows):
-                for array in leaf.arrays():
-                    ctx.register_preexisting(array)
-            else:
-                ctx.register_preexisting(leaf)
+        _register(ctx, self.leaves, self.copies)
+
+
+def _register(ctx: Context, leaves: list[Any], copies: dict[int, str]) -> None:
+    """Mark the user's arrays free, and book the copies the source made of its data."""
+    for position, leaf in enumerate(leaves):
+        if isinstance(leaf, ListRows):
+            for array in leaf.arrays():
+                ctx.register_preexisting(array)
+        elif position in copies and isinstance(leaf, np.ndarray):
+            ctx.register_copy(leaf, copies[position])
+        else:
+            ctx.register_preexisting(leaf)
+
+
+def _copies(stage: str, tensors: Any, given: list[Any], leaves: list[Any]) -> dict[int, str]:
+    """The leaves converted into new arrays (a list of numbers, str made bytes), by
+    position, with how a refusal names them: everything else is the user's."""
+    return {
+        position: f"{stage}: component {path} (a {type(original).__name__})"
+        for position, (path, original, leaf) in enumerate(
+            zip(structure_paths(tensors), given, leaves, strict=True))
+        if isinstance(leaf, np.ndarray) and leaf is not original and leaf.base is None
+    }
 
 
 class TensorSlicesNode(Node):
@@ -104,7 +126,8 @@ class TensorSlicesNode(Node):
         # tf.data's strings are bytes: str components come out UTF-8 encoded, except
         # where headrace documents str (list_files' paths pass keep_str). A list of
         # arrays or strings is served row by row, never stacked (see ListRows).
-        leaves = [_leaf(leaf, keep_str, "from_tensor_slices") for leaf in flatten(tensors)]
+        given = flatten(tensors)
+        leaves = [_leaf(leaf, keep_str, "from_tensor_slices") for leaf in given]
         if not leaves:
             raise InvalidArgumentError("from_tensor_slices needs at least one component")
         for path, leaf in zip(structure_paths(tensors), leaves, strict=True):
@@ -120,6 +143,8 @@ class TensorSlicesNode(Node):
                 f"from_tensor_slices: components have different first dimensions ({listed}); "
                 "all components must have the same number of rows"
             )
+        #: Leaves made from the user's data: the recipe holds them, each run books them.
+        self.copies = _copies("from_tensor_slices", tensors, given, leaves)
         self.leaves = [_read_only(leaf) for leaf in leaves]
         self.length = len(leaves[0])
 
@@ -147,7 +172,7 @@ class TensorSlicesNode(Node):
         return self.length
 
     def random_access(self) -> RandomAccess:
-        return _SlicesAccess(self.structure, self.leaves, self.length)
+        return _SlicesAccess(self.structure, self.leaves, self.length, self.copies)
 
 
 def _dtype_kind(leaf: Any) -> tuple[np.dtype[Any], str]:
@@ -189,7 +214,10 @@ class TensorsNode(Node):
         self.structure = tensors
         # A list of arrays or strings is kept as the user's list and stacked each time
         # the element is made: the element is that array, but the recipe never holds it.
-        self.leaves = [_read_only(_leaf(leaf, False, "from_tensors")) for leaf in flatten(tensors)]
+        given = flatten(tensors)
+        leaves = [_leaf(leaf, False, "from_tensors") for leaf in given]
+        self.copies = _copies("from_tensors", tensors, given, leaves)
+        self.leaves = [_read_only(leaf) for leaf in leaves]
 
     def params(self) -> tuple[Any, ...]:
         return _array_params(self.leaves)
@@ -208,7 +236,7 @@ class TensorsNode(Node):
         return 1
 
     def random_access(self) -> RandomAccess:
-        return _TensorsAccess(self.structure, self.leaves)
+        return _TensorsAccess(self.structure, self.leaves, self.copies)
 
 
 def _boxed(value: Any) -> Any:
@@ -221,10 +249,11 @@ class _TensorsAccess(RandomAccess):
     """The one element of ``from_tensors``; a list component is stacked each time the
     element is made (see :class:`ListRows`), so only the element holds the array."""
 
-    def __init__(self, structure: Any, leaves: list[Any]) -> None:
+    def __init__(self, structure: Any, leaves: list[Any], copies: dict[int, str]) -> None:
         self.structure = structure
         self.leaves = leaves
         self.single = not isinstance(structure, (dict, tuple))
+        self.copies = copies
 
     def __len__(self) -> int:
         return 1
@@ -252,12 +281,7 @@ class _TensorsAccess(RandomAccess):
         return Origin(None, index)
 
     def prepare(self, ctx: Context) -> None:
-        for leaf in self.leaves:
-            if isinstance(leaf, ListRows):
-                for array in leaf.arrays():
-                    ctx.register_preexisting(array)
-            else:
-                ctx.register_preexisting(leaf)
+        _register(ctx, self.leaves, self.copies)
 
 
 def _repeated(batched: Any, count: int) -> Any:

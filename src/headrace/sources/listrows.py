@@ -94,6 +94,8 @@ class ListRows:
                 else:
                     return None
                 item_shape = tuple(array.shape)
+                if not item_shape:
+                    return None  # a 0-d array among strings: converted whole, as before
                 if array.dtype.kind == "O":
                     flat = array.ravel()
                     if not all(isinstance(part, (str, bytes)) for part in flat):
@@ -136,10 +138,9 @@ class ListRows:
         if isinstance(index, (int, np.integer)):
             return self.row(self.items[index])
         if isinstance(index, slice):
-            positions: Any = range(*index.indices(len(self.items)))
-        else:
-            positions = np.asarray(index, dtype=np.intp).ravel()
-        return self.stack([self.items[position] for position in positions])
+            return self.stack(self.items[index])
+        items = self.items
+        return self.stack([items[position] for position in np.asarray(index, np.intp).tolist()])
 
     def __reduce__(self) -> Any:
         return (ListRows, (self.items, self.row_shape, self.dtype, self.kind, self.encode))
@@ -164,15 +165,22 @@ class ListRows:
         return out
 
     def stack(self, items: list[Any]) -> np.ndarray[Any, Any]:
-        """The rows of ``items`` in one new array (a batch)."""
-        out = np.empty((len(items), *self.row_shape), dtype=self.dtype)
+        """The rows of ``items`` in one new array (a batch), made in one pass."""
+        if not items:
+            return np.empty((0, *self.row_shape), dtype=self.dtype)
+        if self.kind == "numeric":
+            return np.stack(items, dtype=self.dtype)  # type: ignore[call-overload,no-any-return]
+        if not self.row_shape:  # strings (each a str or bytes): one pass in C
+            rows = map(str.encode, items) if self.encode else items
+            return np.fromiter(rows, object, len(items))
+        out = np.empty((len(items), *self.row_shape), dtype=object)
         for position, item in enumerate(items):
             out[position] = self.row(item)
         return out
 
     def arrays(self) -> list[np.ndarray[Any, Any]]:
         """The user's arrays among the items (rows are views of them: they cost nothing)."""
-        return [item for item in self.items if type(item) is np.ndarray]
+        return [item for item in self.items if isinstance(item, np.ndarray)]
 
     def whole(self) -> np.ndarray[Any, Any]:
         """The array the list stands for (``from_tensors`` of a list: one element)."""
