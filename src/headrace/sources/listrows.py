@@ -90,7 +90,10 @@ class ListRows:
                 if isinstance(item, np.ndarray) and item.dtype.kind not in "SUO":
                     array = item
                 elif isinstance(item, (np.ndarray, list)):
-                    array = to_leaf_array(item)  # one item's conversion, for its spec
+                    try:
+                        array = to_leaf_array(item)  # one item's conversion, for its spec
+                    except ValueError:  # ragged inside: NumPy's error, as before
+                        return None
                 else:
                     return None
                 item_shape = tuple(array.shape)
