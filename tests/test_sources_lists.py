@@ -1,5 +1,5 @@
-"""``from_tensor_slices`` / ``from_tensors`` of Python lists serve the user's list row by
-row: nothing is stacked, so the pipeline holds no copy of it (a list of 300 arrays of
+"""``from_tensor_slices`` / ``from_tensors`` of Python lists (and of arrays of strings)
+serve the user's list row by row: nothing is stacked, so the pipeline holds no copy of it (a list of 300 arrays of
 1 MiB was stacked into a new 300 MiB array under a 16 MiB budget; a list of str went
 through a fixed-width ``<U`` copy and a UTF-8 one, 601 MiB).
 
@@ -56,9 +56,11 @@ def _text_rows(rng: random.Random, count: int) -> list[Any]:
         text = rng.choice(_TEXTS) + str(rng.randrange(100))
         return text.encode() if as_bytes else text
 
-    if width:
-        return [[one() for _ in range(width)] for _ in range(count)]
-    return [one() for _ in range(count)]
+    rows: list[Any] = ([[one() for _ in range(width)] for _ in range(count)] if width
+                       else [one() for _ in range(count)])
+    if rng.random() < 0.4:  # an array of strings (<U, S, or object str): served the same
+        return np.array(rows, dtype=object if not as_bytes and rng.random() < 0.5 else None)
+    return rows
 
 
 def _case(rng: random.Random) -> tuple[Any, Any]:
@@ -185,6 +187,8 @@ if kind == "arrays":
 elif kind == "dict":
     rows = {"x": [np.full(1 << 17, i, np.float64) for i in range(count)],
             "y": list(range(count))}
+elif kind == "str_array":  # the user's <U array: 2 MiB a row, 1 MiB of UTF-8
+    rows = np.array([("é" * (1 << 19)) + str(i) for i in range(count)])
 else:
     rows = [("é" * (1 << 19)) + str(i) for i in range(count)]   # 1 MiB of UTF-8 each
 with _PeakSampler(0.002) as sampler:
@@ -198,7 +202,7 @@ print(sampler.growth)
 """
 
 
-@pytest.mark.parametrize("kind", ["arrays", "dict", "texts", "whole"])
+@pytest.mark.parametrize("kind", ["arrays", "dict", "texts", "str_array", "whole"])
 def test_a_list_costs_the_process_no_copy_of_it(kind: str) -> None:
     """64 rows of 1 MiB under a 4 MiB budget: the process grows by about the budget
     (the shuffle's share and the element in hand), not by the list's 64 MiB."""
@@ -256,3 +260,29 @@ def test_a_list_of_numbers_is_booked_on_the_budget_or_refused(seed: int) -> None
             hr.Options(memory_budget=budget))) as iterator:
         next(iterator)
         assert iterator.stats().budget_total == total
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_from_tensors_of_a_list_refuses_an_element_larger_than_the_budget(seed: int) -> None:
+    """from_tensors stacks a list when it makes its one element: an element the list
+    cannot fit in the budget is a MemoryBudgetError before it is allocated (for
+    strings, counting at least a byte a character and their bytes objects); one that
+    fits is the stacked array."""
+    from headrace.errors import MemoryBudgetError
+
+    rng = random.Random(seed)
+    count, width = rng.randrange(1, 40), rng.choice([1 << 10, 1 << 14, 1 << 16, 1 << 16])
+    if rng.random() < 0.5:
+        rows: list[Any] = [np.full(width, i, np.float64) for i in range(count)]
+        least = count * width * 8
+    else:
+        rows = ["é" * width + str(i) for i in range(count)]
+        least = sum(len(row) + sys.getsizeof(b"") + 8 for row in rows)
+    budget = rng.choice([1 << 20, 4 << 20])
+    ds = hr.Dataset.from_tensors(rows).with_options(hr.Options(memory_budget=budget))
+    if least > budget:
+        with pytest.raises(MemoryBudgetError, match=r"from_tensors: .*element: "):
+            next(iter(ds))
+    else:
+        (element,) = list(ds)
+        assert _equal(element, to_leaf_array(encode_str(rows)))

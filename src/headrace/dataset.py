@@ -121,7 +121,8 @@ class Dataset:
         tuple is a structure. A list of arrays or of strings is not stacked
         into that array: its rows are served from your list as they are asked
         for (views of your arrays, ``str`` encoded to ``bytes`` then), so the
-        pipeline holds no copy of it; its rows must all have one shape.
+        pipeline holds no copy of it; its rows must all have one shape. An
+        array of strings (``<U``, ``S``, ``object``) is served the same way.
         Python ints become int64 (NumPy's rule; tf.data would give int32 for
         small values); a list of numbers is converted to one array. Bytes and
         strings become exact Python objects in ``object`` arrays.

@@ -19,10 +19,11 @@ from headrace.core.fingerprint import array_digest, file_identity, unmemoized_di
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
-from headrace.errors import DataLossError, InvalidArgumentError, Origin
+from headrace.errors import DataLossError, InvalidArgumentError, MemoryBudgetError, Origin
 from headrace.io.filepool import borrowed_slot
 from headrace.io.files import require_regular_file
 from headrace.io.mapped import map_file
+from headrace.memory.units import format_bytes
 from headrace.sources.listrows import ListRows, rows_of_list
 from headrace.structure import (
     TensorSpec,
@@ -155,7 +156,7 @@ class TensorSlicesNode(Node):
         digests = tuple(_digest(leaf) for leaf in self.leaves)
         if not self.paths:
             return digests
-        names = [os.fsdecode(name) for leaf in self.leaves for name in np.asarray(leaf).flat]
+        names = [os.fsdecode(name) for leaf in self.leaves for name in _values(leaf)]
         return (*digests, *(file_identity(name) for name in names))
 
     @property
@@ -191,12 +192,22 @@ def _leaf(value: Any, keep_str: bool, what: str) -> Any:
     return to_leaf_array(value if keep_str else encode_str(value))
 
 
+def _values(leaf: Any) -> Any:
+    """Every value of a component, flat (a list's or string array's rows as served)."""
+    if isinstance(leaf, ListRows):
+        return leaf[0:len(leaf)].ravel().tolist()
+    return np.asarray(leaf).flat
+
+
 def _digest(leaf: Any) -> str:
     """What a component holds, for content fingerprints: a list's rows are hashed one
     at a time (its items, or the row made of one where it is converted)."""
     if not isinstance(leaf, ListRows):
         return array_digest(leaf)
     digest = xxhash.xxh3_128(f"rows {leaf.kind} {leaf.dtype.str}{leaf.shape}".encode())
+    if isinstance(leaf.items, np.ndarray):  # an array of strings: its own digest
+        digest.update(array_digest(leaf.items).encode())
+        return digest.hexdigest()
     for item in leaf.items:
         same = type(item) is np.ndarray and item.dtype == leaf.dtype
         row = item if same or isinstance(item, (str, bytes)) else leaf.row(item)
@@ -254,11 +265,27 @@ class _TensorsAccess(RandomAccess):
         self.leaves = leaves
         self.single = not isinstance(structure, (dict, tuple))
         self.copies = copies
+        #: The run's budget total: the element a list is stacked into must fit it.
+        self.budget: int | None = None
 
     def __len__(self) -> int:
         return 1
 
     def whole(self) -> list[Any]:
+        stacked = [
+            (path, leaf.least_bytes()) for path, leaf in zip(
+                structure_paths(self.structure), self.leaves, strict=True)
+            if isinstance(leaf, ListRows)
+        ]
+        total = sum(nbytes for _, nbytes in stacked)
+        if stacked and self.budget is not None and total > self.budget:
+            listed = ", ".join(f"{path}: {format_bytes(nbytes)}" for path, nbytes in stacked)
+            raise MemoryBudgetError(
+                f"from_tensors: its one element stacks the lists it was given into new "
+                f"arrays of at least {format_bytes(total)} ({listed}), more than the memory "
+                f"budget ({format_bytes(self.budget)}). Use from_tensor_slices for one row "
+                "per element, or raise Options(memory_budget=...)"
+            )
         return [leaf.whole() if isinstance(leaf, ListRows) else leaf for leaf in self.leaves]
 
     def get(self, index: int) -> Any:
@@ -282,6 +309,7 @@ class _TensorsAccess(RandomAccess):
 
     def prepare(self, ctx: Context) -> None:
         _register(ctx, self.leaves, self.copies)
+        self.budget = ctx.budget.total
 
 
 def _repeated(batched: Any, count: int) -> Any:

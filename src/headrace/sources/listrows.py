@@ -10,6 +10,10 @@ array when its dtype is already the list's, a ``str`` encoded then), and a batch
 stacked from the rows it takes. Shapes and dtypes are checked up front, item by
 item, so a ragged list is refused as tf.data refuses it, before any data flows.
 
+An array of strings the source would convert (fixed-width ``<U``/``S``, or
+``object`` holding ``str`` to encode) is served the same way, row by row from the
+user's array: converting it made a second copy of every string.
+
 Lists whose items are numbers (``[1, 2, 3]``, ``[[0.5, 1.5], ...]``) are still
 stacked: the array is smaller than the list of Python objects it comes from, and
 indexing it is what keeps a list of a million ints as fast as an array.
@@ -17,6 +21,7 @@ indexing it is what keeps a list of a million ints as fast as an array.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -31,6 +36,8 @@ def rows_of_list(value: Any, *, keep_str: bool, what: str) -> ListRows | None:
     """``value`` as :class:`ListRows` where it is a list this serves (of arrays, of
     ``str``/``bytes``, or lists of them); None for anything else (a list of numbers,
     of mixed kinds), which is converted to an array as before."""
+    if isinstance(value, np.ndarray):
+        return ListRows.of_strings(value, keep_str=keep_str)
     if type(value) is not list or not value:
         return None
     first: Any = value[0]
@@ -41,6 +48,21 @@ def rows_of_list(value: Any, *, keep_str: bool, what: str) -> ListRows | None:
     elif not (isinstance(first, np.ndarray) and first.ndim >= 1):
         return None
     return ListRows.checked(value, keep_str=keep_str, what=what)
+
+
+#: What a bytes object costs besides its payload.
+_BYTES_HEADER = sys.getsizeof(b"")
+
+
+def _flat_strings(items: Any) -> Any:
+    """The strings of a list of strings, of lists of them, or of an object array."""
+    for item in items:
+        if isinstance(item, (str, bytes)):
+            yield item
+        elif isinstance(item, np.ndarray):
+            yield from item.ravel().tolist()
+        else:
+            yield from _flat_strings(item)
 
 
 def _read_only(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -60,9 +82,10 @@ class ListRows:
     __slots__ = ("dtype", "encode", "items", "kind", "row_shape")
 
     def __init__(
-        self, items: list[Any], row_shape: tuple[int, ...], dtype: np.dtype[Any], kind: str,
+        self, items: Any, row_shape: tuple[int, ...], dtype: np.dtype[Any], kind: str,
         encode: bool,
     ) -> None:
+        #: The user's list, or array of strings.
         self.items = items
         self.row_shape = row_shape
         self.dtype = dtype
@@ -125,6 +148,29 @@ class ListRows:
         encode = kind == "str" and not keep_str
         return cls(items, shape, np.dtype(object), "bytes" if encode else kind, encode)
 
+    @classmethod
+    def of_strings(cls, array: np.ndarray[Any, Any], *, keep_str: bool) -> ListRows | None:
+        """The rows of an array of strings the source would otherwise convert whole
+        (``<U``/``S`` into Python objects, ``str`` objects into ``bytes``); None for any
+        other array, which is served as it is."""
+        if array.ndim == 0 or array.size == 0:
+            return None
+        kind = array.dtype.kind
+        if kind == "U":
+            encode = not keep_str
+            return cls(array, tuple(array.shape[1:]), np.dtype(object),
+                       "bytes" if encode else "str", encode)
+        if kind == "S":
+            return cls(array, tuple(array.shape[1:]), np.dtype(object), "bytes", False)
+        if kind != "O" or keep_str:
+            return None
+        flat = array.ravel().tolist()
+        if not all(isinstance(part, (str, bytes)) for part in flat):
+            return None
+        if not any(isinstance(part, str) for part in flat):
+            return None  # bytes already: served as they are
+        return cls(array, tuple(array.shape[1:]), np.dtype(object), "bytes", True)
+
     # -- what an array answers ---------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.items)
@@ -143,6 +189,8 @@ class ListRows:
         if isinstance(index, slice):
             return self.stack(self.items[index])
         items = self.items
+        if isinstance(items, np.ndarray):
+            return self.stack(items[np.asarray(index, np.intp)])
         return self.stack([items[position] for position in np.asarray(index, np.intp).tolist()])
 
     def __reduce__(self) -> Any:
@@ -155,10 +203,12 @@ class ListRows:
             if type(item) is np.ndarray and item.dtype == self.dtype:
                 return _read_only(item)
             return _read_only(np.asarray(to_leaf_array(item), dtype=self.dtype))
-        if isinstance(item, str):
-            return item.encode() if self.encode else item
-        if isinstance(item, bytes):
-            return item
+        if isinstance(item, (str, bytes)):
+            if self.encode and isinstance(item, str):
+                return item.encode()
+            if type(self.items) is list:
+                return item  # the user's own object
+            return str(item) if isinstance(item, str) else bytes(item)  # np.str_, np.bytes_
         out = np.empty(self.row_shape, dtype=object)
         source = np.asarray(to_leaf_array(item), dtype=object)
         flat = [part.encode() if self.encode and isinstance(part, str) else part
@@ -167,15 +217,23 @@ class ListRows:
         out.flags.writeable = False
         return out
 
-    def stack(self, items: list[Any]) -> np.ndarray[Any, Any]:
-        """The rows of ``items`` in one new array (a batch), made in one pass."""
-        if not items:
+    def stack(self, items: Any) -> np.ndarray[Any, Any]:
+        """The rows of ``items`` (a list, or part of an array of strings) in one new
+        array (a batch), made in one pass."""
+        if len(items) == 0:
             return np.empty((0, *self.row_shape), dtype=self.dtype)
         if self.kind == "numeric":
             return np.stack(items, dtype=self.dtype)  # type: ignore[call-overload,no-any-return]
         if not self.row_shape:  # strings (each a str or bytes): one pass in C
-            rows = map(str.encode, items) if self.encode else items
-            return np.fromiter(rows, object, len(items))
+            if isinstance(items, np.ndarray):
+                items = items.tolist()  # Python str and bytes, as the converted array held
+            if not self.encode:
+                return np.fromiter(items, object, len(items))
+            try:
+                return np.fromiter(map(str.encode, items), object, len(items))
+            except TypeError:  # bytes among the str: kept as they are
+                return np.fromiter((item.encode() if isinstance(item, str) else item
+                                    for item in items), object, len(items))
         out = np.empty((len(items), *self.row_shape), dtype=object)
         for position, item in enumerate(items):
             out[position] = self.row(item)
@@ -183,7 +241,23 @@ class ListRows:
 
     def arrays(self) -> list[np.ndarray[Any, Any]]:
         """The user's arrays among the items (rows are views of them: they cost nothing)."""
+        if isinstance(self.items, np.ndarray):
+            return []  # an array of strings: its rows are new objects, costed as made
         return [item for item in self.items if isinstance(item, np.ndarray)]
+
+    def least_bytes(self) -> int:
+        """At least the bytes :meth:`whole` allocates, found without making it: the
+        array, and for strings their bytes objects (a ``str``'s UTF-8 has at least one
+        byte a character)."""
+        count = len(self.items) * int(np.prod(self.row_shape, dtype=np.int64))
+        if self.kind == "numeric":
+            return count * self.dtype.itemsize
+        items = self.items
+        if isinstance(items, np.ndarray) and items.dtype.kind in "SU":
+            lengths = int(np.char.str_len(items).sum())
+        else:
+            lengths = sum(len(part) for part in _flat_strings(items))
+        return count * (np.dtype(object).itemsize + _BYTES_HEADER) + lengths
 
     def whole(self) -> np.ndarray[Any, Any]:
         """The array the list stands for (``from_tensors`` of a list: one element)."""
