@@ -117,9 +117,14 @@ def test_a_list_gives_what_the_array_it_stands_for_gives(seed: int) -> None:
                             strict=True):
         a, b = _elements(mine), _elements(theirs)
         assert len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    # the rows are served from the user's list: nothing stacked, none writable
+    # the rows are served from the user's list: nothing stacked or converted (a list of
+    # bytes is held as pointers to the user's own bytes objects), none writable
     node_leaves = got._node.leaves  # type: ignore[attr-defined]
-    assert not all(isinstance(leaf, np.ndarray) for leaf in node_leaves)
+    for leaf, original in zip(node_leaves, hr.structure.flatten(tensors), strict=True):
+        if isinstance(leaf, np.ndarray):
+            assert leaf.dtype == object and type(original) is list
+            assert all(mine is theirs for mine, theirs in zip(leaf.tolist(), original,
+                                                               strict=True))
     first = next(iter(got))
     for leaf in hr.structure.flatten(first):
         if isinstance(leaf, np.ndarray):
@@ -187,6 +192,8 @@ if kind == "arrays":
 elif kind == "dict":
     rows = {"x": [np.full(1 << 17, i, np.float64) for i in range(count)],
             "y": list(range(count))}
+elif kind == "bytes_list":  # held as pointers to these objects, no S array between
+    rows = [b"x" * (1 << 20) + str(i).encode() for i in range(count)]
 elif kind == "str_array":  # the user's <U array: 2 MiB a row, 1 MiB of UTF-8
     rows = np.array([("é" * (1 << 19)) + str(i) for i in range(count)])
 else:
@@ -202,7 +209,8 @@ print(sampler.growth)
 """
 
 
-@pytest.mark.parametrize("kind", ["arrays", "dict", "texts", "str_array", "whole"])
+@pytest.mark.parametrize(
+    "kind", ["arrays", "dict", "texts", "bytes_list", "str_array", "whole"])
 def test_a_list_costs_the_process_no_copy_of_it(kind: str) -> None:
     """64 rows of 1 MiB under a 4 MiB budget: the process grows by about the budget
     (the shuffle's share and the element in hand), not by the list's 64 MiB."""

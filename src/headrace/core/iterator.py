@@ -152,7 +152,9 @@ class Context:
         self.preexisting.add(key)
         self._keepalive[key] = owner  # ids stay valid while this run (or slot) lives
 
-    def register_copy(self, array: np.ndarray[Any, Any], what: str) -> None:
+    def register_copy(
+        self, array: np.ndarray[Any, Any], what: str, nbytes: int | None = None
+    ) -> None:
         """Book an array a source's recipe made from the user's data and holds (a list
         of numbers stacked into one array), for the whole run.
 
@@ -160,7 +162,8 @@ class Context:
         memory: the run's budget is what is left beside it (its stages split that),
         and a copy that leaves nothing is a :class:`MemoryBudgetError` saying
         ``what`` it is. Views into it cost nothing more. In a nested pipeline it is
-        part of ``owned_bytes``, which the slot books.
+        part of ``owned_bytes``, which the slot books. ``nbytes``: what it costs, where
+        that is less than what it keeps alive (an array of the user's own objects).
         """
         owner = owner_of(array)
         if id(owner) in self.preexisting:
@@ -168,7 +171,8 @@ class Context:
         self.register_preexisting(owner)
         if self._nested:
             return
-        nbytes = sizeof(owner)
+        if nbytes is None:
+            nbytes = sizeof(owner)
         budget = self.budget
         with budget.lock:
             if nbytes >= budget.total:

@@ -57,7 +57,8 @@ def _array_params(leaves: list[Any]) -> tuple[Any, ...]:
 
 class _SlicesAccess(RandomAccess):
     def __init__(
-        self, structure: Any, leaves: list[Any], length: int, copies: dict[int, str] | None = None
+        self, structure: Any, leaves: list[Any], length: int,
+        copies: dict[int, tuple[str, int | None]] | None = None,
     ) -> None:
         self.structure = structure
         self.leaves = leaves
@@ -90,27 +91,37 @@ class _SlicesAccess(RandomAccess):
         _register(ctx, self.leaves, self.copies)
 
 
-def _register(ctx: Context, leaves: list[Any], copies: dict[int, str]) -> None:
+def _register(
+    ctx: Context, leaves: list[Any], copies: dict[int, tuple[str, int | None]]
+) -> None:
     """Mark the user's arrays free, and book the copies the source made of its data."""
     for position, leaf in enumerate(leaves):
         if isinstance(leaf, ListRows):
             for array in leaf.arrays():
                 ctx.register_preexisting(array)
         elif position in copies and isinstance(leaf, np.ndarray):
-            ctx.register_copy(leaf, copies[position])
+            what, nbytes = copies[position]
+            ctx.register_copy(leaf, what, nbytes)
         else:
             ctx.register_preexisting(leaf)
 
 
-def _copies(stage: str, tensors: Any, given: list[Any], leaves: list[Any]) -> dict[int, str]:
-    """The leaves converted into new arrays (a list of numbers, str made bytes), by
-    position, with how a refusal names them: everything else is the user's."""
-    return {
-        position: f"{stage}: component {path} (a {type(original).__name__})"
-        for position, (path, original, leaf) in enumerate(
-            zip(structure_paths(tensors), given, leaves, strict=True))
-        if isinstance(leaf, np.ndarray) and leaf is not original and leaf.base is None
-    }
+def _copies(
+    stage: str, tensors: Any, given: list[Any], leaves: list[Any]
+) -> dict[int, tuple[str, int | None]]:
+    """The leaves converted into new arrays (a list of numbers stacked, objects
+    converted), by position, with how a refusal names them and what they cost (None:
+    what they keep alive; an array of the user's own bytes objects: its pointers).
+    Everything else is the user's."""
+    copies: dict[int, tuple[str, int | None]] = {}
+    for position, (path, original, leaf) in enumerate(
+            zip(structure_paths(tensors), given, leaves, strict=True)):
+        if isinstance(leaf, np.ndarray) and leaf is not original and leaf.base is None:
+            pointers = type(original) is list and leaf.dtype == object and all(
+                mine is theirs for mine, theirs in zip(leaf.tolist(), original, strict=False))
+            copies[position] = (f"{stage}: component {path} (a {type(original).__name__})",
+                                leaf.nbytes if pointers else None)
+    return copies
 
 
 class TensorSlicesNode(Node):
@@ -128,7 +139,7 @@ class TensorSlicesNode(Node):
         # where headrace documents str (list_files' paths pass keep_str). A list of
         # arrays or strings is served row by row, never stacked (see ListRows).
         given = flatten(tensors)
-        leaves = [_leaf(leaf, keep_str, "from_tensor_slices") for leaf in given]
+        leaves = [_pointers(_leaf(leaf, keep_str, "from_tensor_slices")) for leaf in given]
         if not leaves:
             raise InvalidArgumentError("from_tensor_slices needs at least one component")
         for path, leaf in zip(structure_paths(tensors), leaves, strict=True):
@@ -181,6 +192,17 @@ def _dtype_kind(leaf: Any) -> tuple[np.dtype[Any], str]:
         return leaf.dtype, leaf.kind
     spec = leaf_spec(leaf[:1] if len(leaf) else leaf)
     return spec.dtype, spec.kind
+
+
+def _pointers(leaf: Any) -> Any:
+    """A list of ``bytes`` as an object array of the user's own bytes objects (made in
+    one pass, without the fixed-width ``S`` array NumPy would go through): the new
+    memory is one pointer a row, booked as a copy, and a batch is one C gather, as
+    fast as before. Other leaves as they are."""
+    if (isinstance(leaf, ListRows) and type(leaf.items) is list and leaf.kind == "bytes"
+            and not leaf.encode and not leaf.row_shape):
+        return np.fromiter(leaf.items, object, len(leaf.items))
+    return leaf
 
 
 def _leaf(value: Any, keep_str: bool, what: str) -> Any:
@@ -260,7 +282,9 @@ class _TensorsAccess(RandomAccess):
     """The one element of ``from_tensors``; a list component is stacked each time the
     element is made (see :class:`ListRows`), so only the element holds the array."""
 
-    def __init__(self, structure: Any, leaves: list[Any], copies: dict[int, str]) -> None:
+    def __init__(
+        self, structure: Any, leaves: list[Any], copies: dict[int, tuple[str, int | None]]
+    ) -> None:
         self.structure = structure
         self.leaves = leaves
         self.single = not isinstance(structure, (dict, tuple))
