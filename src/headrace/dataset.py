@@ -118,15 +118,24 @@ class Dataset:
         Rows are read-only **views** of your arrays: nothing is copied, and the
         arrays' memory is not charged to the budget. ``np.memmap`` arrays work
         for data larger than RAM. A *list* is one array (as in tf.data); a
-        tuple is a structure. Python ints become int64 (NumPy's rule; tf.data
-        would give int32 for small values). Bytes and strings become exact
-        Python objects in ``object`` arrays.
+        tuple is a structure. A list of arrays or of strings is not stacked
+        into that array: its rows are served from your list as they are asked
+        for (views of your arrays, ``str`` encoded to ``bytes`` then), so the
+        pipeline holds no copy of it; its rows must all have one shape. An
+        array of strings (``<U``, ``S``, ``object``) is served the same way.
+        Python ints become int64 (NumPy's rule; tf.data would give int32 for
+        small values); a list of numbers is converted to one array. Bytes and
+        strings become exact Python objects in ``object`` arrays.
         """
         return Dataset(TensorSlicesNode(tensors))
 
     @staticmethod
     def from_tensors(tensors: Any) -> Dataset:
-        """A dataset of exactly one element: ``tensors`` itself (read-only views)."""
+        """A dataset of exactly one element: ``tensors`` itself (read-only views).
+
+        A list of arrays or strings is stacked when the element is made, not
+        kept stacked by the dataset.
+        """
         return Dataset(TensorsNode(tensors))
 
     @staticmethod

@@ -44,6 +44,7 @@ __all__ = [
     "file_identity",
     "function_fingerprint",
     "function_name",
+    "unmemoized_digest",
 ]
 
 #: Bytes hashed per call for an array that is not contiguous (one copy of this size).
@@ -130,6 +131,12 @@ def array_digest(value: Any) -> str:
     if memo is not None:
         memo[id(value)] = (value, digest)
     return digest
+
+
+def unmemoized_digest(value: Any) -> str:
+    """:func:`array_digest` of a temporary (a row made to be hashed): not kept in the
+    content memo, which would keep every such row alive until the fingerprint ends."""
+    return _array_digest(value)
 
 
 def _array_digest(value: Any) -> str:

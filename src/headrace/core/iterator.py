@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from headrace.core.state import INPUTS, StateReader
-from headrace.errors import Origin
+from headrace.errors import MemoryBudgetError, Origin
 from headrace.io.mapped import is_file_backed
 from headrace.memory.budget import MemoryBudget
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import admit, owner_of, sizeof
+from headrace.memory.units import format_bytes
 from headrace.options import Options
 
 if TYPE_CHECKING:
@@ -150,6 +151,42 @@ class Context:
             self.owned_bytes += int(getattr(array, "nbytes", 0))
         self.preexisting.add(key)
         self._keepalive[key] = owner  # ids stay valid while this run (or slot) lives
+
+    def register_copy(
+        self, array: np.ndarray[Any, Any], what: str, nbytes: int | None = None
+    ) -> None:
+        """Book an array a source's recipe made from the user's data and holds (a list
+        of numbers stacked into one array), for the whole run.
+
+        Unlike the user's own arrays (:meth:`register_preexisting`) it is headrace's
+        memory: the run's budget is what is left beside it (its stages split that),
+        and a copy that leaves nothing is a :class:`MemoryBudgetError` saying
+        ``what`` it is. Views into it cost nothing more. In a nested pipeline it is
+        part of ``owned_bytes``, which the slot books. ``nbytes``: what it costs, where
+        that is less than what it keeps alive (an array of the user's own objects).
+        """
+        owner = owner_of(array)
+        if id(owner) in self.preexisting:
+            return
+        self.register_preexisting(owner)
+        if self._nested:
+            return
+        if nbytes is None:
+            nbytes = sizeof(owner)
+        budget = self.budget
+        with budget.lock:
+            if nbytes >= budget.total:
+                raise MemoryBudgetError(
+                    f"{what}: headrace converted it to a {array.dtype} array of shape "
+                    f"{array.shape} ({format_bytes(nbytes)}), which the dataset holds, and "
+                    f"that leaves nothing of the memory budget ({format_bytes(budget.total)})"
+                    ". Convert it yourself before (np.asarray(...): an array you made is "
+                    "your memory, never charged), or raise Options(memory_budget=...)"
+                )
+            budget.total -= nbytes
+            allotted = bool(budget.accounts)
+        if allotted:
+            budget.allot()
 
     def account(
         self, node: Node, name: str | None = None, *, weight: float | None = None

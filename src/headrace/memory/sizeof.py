@@ -12,7 +12,12 @@ The budget needs the truth, so costs are *owner-based*:
   that memory is not the pipeline's to cap, and such a view costs its header;
 * containers are costed deeply: list, tuple, dict keys and values, set, an
   object's ``__dict__`` and ``__slots__`` (dataclasses included), with a cycle
-  guard; an exception also by its ``args``, cause, context and group members
+  guard; a function by what its closure cells, defaults and attributes hold (not
+  its globals or code), a bound method by its object; a generator or coroutine by
+  what its suspended frame holds (locals and the loop iterators on its stack); a
+  built-in iterator by what it keeps alive (``__reduce__`` names it: a list
+  iterator its list, a dict or set iterator the items it has left, a ``zip`` or
+  ``map`` its iterators and function); an exception also by its ``args``, cause, context and group members
   (an error a stage holds for its turn keeps them alive); ``memoryview`` by the
   buffer it exposes; object arrays by their items;
 * types registered with :func:`register_sizer` use their sizer (built in, and
@@ -40,9 +45,11 @@ import collections
 import ctypes
 import datetime
 import functools
+import gc
 import mmap
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable, ItemsView, KeysView, Mapping, ValuesView
 from typing import Any
@@ -221,12 +228,15 @@ def _is_file_backed(owner: object) -> bool:
 class _Costing:
     """One element's costing: owners and objects seen once, views worth compacting found."""
 
-    __slots__ = ("compactable", "preexisting", "seen")
+    __slots__ = ("compactable", "made", "preexisting", "seen")
 
     def __init__(self, preexisting: frozenset[int] | set[int]) -> None:
         self.preexisting = preexisting
         self.seen: set[int] = set()
         self.compactable = False
+        #: Objects made while costing (what ``__reduce__`` returned), kept alive until the
+        #: costing ends: their ids are in ``seen``, and a freed id may be reused.
+        self.made: list[Any] | None = None
 
     def owner_cost(self, owner: object) -> int:
         """Bytes of a view's owner, the first time this element refers to it."""
@@ -342,6 +352,16 @@ class _Costing:
             return sys.getsizeof(value) + self.items_cost(list(value))
         if isinstance(value, (str, bytes, int, float)):
             return sys.getsizeof(value)  # subclasses of the flat types (IntEnum, ...)
+        if cls is types.FunctionType:
+            return sys.getsizeof(value) + self.function_parts(value)
+        if cls is types.MethodType:
+            return sys.getsizeof(value) + self.cost(value.__self__) + self.cost(value.__func__)
+        if cls is types.CellType:
+            return sys.getsizeof(value) + self.cell_contents(value)
+        if cls in _SUSPENDABLE:
+            return sys.getsizeof(value) + self.suspended_parts(value)
+        if cls in _ITERATORS or (cls.__module__ == "builtins" and hasattr(cls, "__next__")):
+            return sys.getsizeof(value) + self.iterator_parts(value)
         total = sys.getsizeof(value)
         known = False
         if isinstance(value, BaseException):
@@ -365,6 +385,60 @@ class _Costing:
             _warn_unsized(cls)
         return total
 
+    def function_parts(self, function: types.FunctionType) -> int:
+        """What a function keeps alive of its own: its closure cells' values, its default
+        values and its attributes. Its globals and code are its module's, shared by
+        every function of it, and not counted."""
+        total = 0
+        for cell in function.__closure__ or ():
+            if id(cell) not in self.seen:
+                self.seen.add(id(cell))
+                total += self.cell_contents(cell)
+        if function.__defaults__:
+            total += self.cost(function.__defaults__)
+        if function.__kwdefaults__:
+            total += self.cost(function.__kwdefaults__)
+        attributes = function.__dict__
+        if attributes:
+            total += self.cost(attributes)
+        return total
+
+    def cell_contents(self, cell: types.CellType) -> int:
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell (a variable not yet bound)
+            return 0
+        return self.cost(contents)
+
+    def suspended_parts(self, value: Any) -> int:
+        """What a generator, coroutine or async generator keeps alive: the objects its
+        suspended frame refers to (its locals, the iterators of its loops on the
+        stack, its function's closure), found without touching the frame (reading
+        ``f_locals`` would store a snapshot of them on it). Its code is not counted;
+        a finished one holds nothing."""
+        total = 0
+        for referent in gc.get_referents(value):
+            if type(referent) in _NOT_HELD:
+                continue
+            total += self.cost(referent)
+        return total
+
+    def iterator_parts(self, iterator: Any) -> int:
+        """What a built-in iterator keeps alive, as ``__reduce__`` names it: a list or
+        tuple iterator its container (all of it, until it is exhausted), a dict or
+        set iterator the items it has left (in a new list), ``zip``/``map``/
+        ``enumerate`` their iterators and function. The positions are ints."""
+        try:
+            reduced = iterator.__reduce__()
+        except Exception:  # one that cannot say what it holds costs its header
+            return 0
+        if not isinstance(reduced, tuple) or len(reduced) < 2 or type(reduced[1]) is not tuple:
+            return 0
+        if self.made is None:
+            self.made = []
+        self.made.append(reduced)
+        return sum(self.cost(part) for part in reduced[1])
+
     def exception_parts(self, error: BaseException) -> int:
         """What an exception keeps alive besides its ``__dict__``: its ``args``, its
         cause and context, and a group's members. A stage that holds an error for its
@@ -379,6 +453,20 @@ class _Costing:
         if isinstance(members, tuple):
             total += self.cost(members)
         return total
+
+
+#: What a suspended generator refers to without holding it for its elements: its code
+#: (and the frame object, whose contents are visited as the generator's own).
+_NOT_HELD = frozenset({types.CodeType, types.FrameType, types.ModuleType})
+
+_SUSPENDABLE = frozenset({types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType})
+
+#: Built-in iterators (one of the ``builtins`` module with ``__next__`` is one as well).
+_ITERATOR_SAMPLES: tuple[Any, ...] = (
+    iter([]), iter(()), reversed([]), iter({}), iter({}.values()), iter({}.items()),
+    reversed({}), iter(set()), iter(range(0)), iter(""), iter(b""), iter(bytearray()),
+)
+_ITERATORS: frozenset[type] = frozenset(type(each) for each in _ITERATOR_SAMPLES)
 
 
 def _anonymous_bytes(mapping: mmap.mmap) -> int:

@@ -13,15 +13,18 @@ import os
 from typing import Any
 
 import numpy as np
+import xxhash
 
-from headrace.core.fingerprint import array_digest, file_identity
+from headrace.core.fingerprint import array_digest, file_identity, unmemoized_digest
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
-from headrace.errors import DataLossError, InvalidArgumentError, Origin
+from headrace.errors import DataLossError, InvalidArgumentError, MemoryBudgetError, Origin
 from headrace.io.filepool import borrowed_slot
 from headrace.io.files import require_regular_file
 from headrace.io.mapped import map_file
+from headrace.memory.units import format_bytes
+from headrace.sources.listrows import ListRows, rows_of_list
 from headrace.structure import (
     TensorSpec,
     encode_str,
@@ -36,7 +39,8 @@ __all__ = ["RangeNode", "TensorSlicesNode", "TensorsNode", "load_npy"]
 
 
 def _read_only(leaf: Any) -> Any:
-    """A read-only view of an array leaf (the user's array itself stays writable)."""
+    """A read-only view of an array leaf (the user's array itself stays writable; a
+    list's rows are read-only as they are made)."""
     if isinstance(leaf, np.ndarray):
         view = np.asarray(leaf).view(type=np.ndarray)
         view.flags.writeable = False
@@ -52,11 +56,16 @@ def _array_params(leaves: list[Any]) -> tuple[Any, ...]:
 
 
 class _SlicesAccess(RandomAccess):
-    def __init__(self, structure: Any, leaves: list[Any], length: int) -> None:
+    def __init__(
+        self, structure: Any, leaves: list[Any], length: int,
+        copies: dict[int, tuple[str, int | None]] | None = None,
+    ) -> None:
         self.structure = structure
         self.leaves = leaves
         self.length = length
         self.single = not isinstance(structure, (dict, tuple))
+        #: Leaves the source made from the user's data (by position), and what each is.
+        self.copies = copies or {}
 
     def __len__(self) -> int:
         return self.length
@@ -79,8 +88,40 @@ class _SlicesAccess(RandomAccess):
         return Origin(None, index)
 
     def prepare(self, ctx: Context) -> None:
-        for leaf in self.leaves:
+        _register(ctx, self.leaves, self.copies)
+
+
+def _register(
+    ctx: Context, leaves: list[Any], copies: dict[int, tuple[str, int | None]]
+) -> None:
+    """Mark the user's arrays free, and book the copies the source made of its data."""
+    for position, leaf in enumerate(leaves):
+        if isinstance(leaf, ListRows):
+            for array in leaf.arrays():
+                ctx.register_preexisting(array)
+        elif position in copies and isinstance(leaf, np.ndarray):
+            what, nbytes = copies[position]
+            ctx.register_copy(leaf, what, nbytes)
+        else:
             ctx.register_preexisting(leaf)
+
+
+def _copies(
+    stage: str, tensors: Any, given: list[Any], leaves: list[Any]
+) -> dict[int, tuple[str, int | None]]:
+    """The leaves converted into new arrays (a list of numbers stacked, objects
+    converted), by position, with how a refusal names them and what they cost (None:
+    what they keep alive; an array of the user's own bytes objects: its pointers).
+    Everything else is the user's."""
+    copies: dict[int, tuple[str, int | None]] = {}
+    for position, (path, original, leaf) in enumerate(
+            zip(structure_paths(tensors), given, leaves, strict=True)):
+        if isinstance(leaf, np.ndarray) and leaf is not original and leaf.base is None:
+            pointers = type(original) is list and leaf.dtype == object and all(
+                mine is theirs for mine, theirs in zip(leaf.tolist(), original, strict=False))
+            copies[position] = (f"{stage}: component {path} (a {type(original).__name__})",
+                                leaf.nbytes if pointers else None)
+    return copies
 
 
 class TensorSlicesNode(Node):
@@ -95,10 +136,10 @@ class TensorSlicesNode(Node):
         #: num_parallel_reads): then the files' identities are part of its content.
         self.paths = paths
         # tf.data's strings are bytes: str components come out UTF-8 encoded, except
-        # where headrace documents str (list_files' paths pass keep_str)
-        leaves = [
-            to_leaf_array(leaf if keep_str else encode_str(leaf)) for leaf in flatten(tensors)
-        ]
+        # where headrace documents str (list_files' paths pass keep_str). A list of
+        # arrays or strings is served row by row, never stacked (see ListRows).
+        given = flatten(tensors)
+        leaves = [_pointers(_leaf(leaf, keep_str, "from_tensor_slices")) for leaf in given]
         if not leaves:
             raise InvalidArgumentError("from_tensor_slices needs at least one component")
         for path, leaf in zip(structure_paths(tensors), leaves, strict=True):
@@ -114,6 +155,8 @@ class TensorSlicesNode(Node):
                 f"from_tensor_slices: components have different first dimensions ({listed}); "
                 "all components must have the same number of rows"
             )
+        #: Leaves made from the user's data: the recipe holds them, each run books them.
+        self.copies = _copies("from_tensor_slices", tensors, given, leaves)
         self.leaves = [_read_only(leaf) for leaf in leaves]
         self.length = len(leaves[0])
 
@@ -121,10 +164,10 @@ class TensorSlicesNode(Node):
         return _array_params(self.leaves)
 
     def content(self) -> tuple[Any, ...]:
-        digests = tuple(array_digest(leaf) for leaf in self.leaves)
+        digests = tuple(_digest(leaf) for leaf in self.leaves)
         if not self.paths:
             return digests
-        names = [os.fsdecode(name) for leaf in self.leaves for name in np.asarray(leaf).flat]
+        names = [os.fsdecode(name) for leaf in self.leaves for name in _values(leaf)]
         return (*digests, *(file_identity(name) for name in names))
 
     @property
@@ -141,12 +184,57 @@ class TensorSlicesNode(Node):
         return self.length
 
     def random_access(self) -> RandomAccess:
-        return _SlicesAccess(self.structure, self.leaves, self.length)
+        return _SlicesAccess(self.structure, self.leaves, self.length, self.copies)
 
 
 def _dtype_kind(leaf: Any) -> tuple[np.dtype[Any], str]:
+    if isinstance(leaf, ListRows):
+        return leaf.dtype, leaf.kind
     spec = leaf_spec(leaf[:1] if len(leaf) else leaf)
     return spec.dtype, spec.kind
+
+
+def _pointers(leaf: Any) -> Any:
+    """A list of ``bytes`` as an object array of the user's own bytes objects (made in
+    one pass, without the fixed-width ``S`` array NumPy would go through): the new
+    memory is one pointer a row, booked as a copy, and a batch is one C gather, as
+    fast as before. Other leaves as they are."""
+    if (isinstance(leaf, ListRows) and type(leaf.items) is list and leaf.kind == "bytes"
+            and not leaf.encode and not leaf.row_shape):
+        return np.fromiter(leaf.items, object, len(leaf.items))
+    return leaf
+
+
+def _leaf(value: Any, keep_str: bool, what: str) -> Any:
+    """A component as the source serves it: a list of arrays or strings as its rows
+    (nothing copied), anything else as an array (str encoded unless ``keep_str``)."""
+    rows = rows_of_list(value, keep_str=keep_str, what=what)
+    if rows is not None:
+        return rows
+    return to_leaf_array(value if keep_str else encode_str(value))
+
+
+def _values(leaf: Any) -> Any:
+    """Every value of a component, flat (a list's or string array's rows as served)."""
+    if isinstance(leaf, ListRows):
+        return leaf[0:len(leaf)].ravel().tolist()
+    return np.asarray(leaf).flat
+
+
+def _digest(leaf: Any) -> str:
+    """What a component holds, for content fingerprints: a list's rows are hashed one
+    at a time (its items, or the row made of one where it is converted)."""
+    if not isinstance(leaf, ListRows):
+        return array_digest(leaf)
+    digest = xxhash.xxh3_128(f"rows {leaf.kind} {leaf.dtype.str}{leaf.shape}".encode())
+    if isinstance(leaf.items, np.ndarray):  # an array of strings: its own digest
+        digest.update(array_digest(leaf.items).encode())
+        return digest.hexdigest()
+    for item in leaf.items:
+        same = type(item) is np.ndarray and item.dtype == leaf.dtype
+        row = item if same or isinstance(item, (str, bytes)) else leaf.row(item)
+        digest.update(array_digest(row).encode() if same else unmemoized_digest(row).encode())
+    return digest.hexdigest()
 
 
 class TensorsNode(Node):
@@ -157,25 +245,31 @@ class TensorsNode(Node):
     def __init__(self, tensors: Any) -> None:
         super().__init__()
         self.structure = tensors
-        self.leaves = [_read_only(to_leaf_array(encode_str(leaf))) for leaf in flatten(tensors)]
+        # A list of arrays or strings is kept as the user's list and stacked each time
+        # the element is made: the element is that array, but the recipe never holds it.
+        given = flatten(tensors)
+        leaves = [_leaf(leaf, False, "from_tensors") for leaf in given]
+        self.copies = _copies("from_tensors", tensors, given, leaves)
+        self.leaves = [_read_only(leaf) for leaf in leaves]
 
     def params(self) -> tuple[Any, ...]:
         return _array_params(self.leaves)
 
     def content(self) -> tuple[Any, ...]:
-        return tuple(array_digest(leaf) for leaf in self.leaves)
+        return tuple(_digest(leaf) for leaf in self.leaves)
 
     @property
     def element_spec(self) -> Any:
-        return pack_as(self.structure, [leaf_spec(leaf) for leaf in self.leaves])
+        return pack_as(self.structure, [
+            TensorSpec(leaf.shape, leaf.dtype, leaf.kind) if isinstance(leaf, ListRows)
+            else leaf_spec(leaf) for leaf in self.leaves
+        ])
 
     def cardinality(self) -> int:
         return 1
 
     def random_access(self) -> RandomAccess:
-        single = [np.expand_dims(leaf, 0) if isinstance(leaf, np.ndarray) else _boxed(leaf)
-                  for leaf in self.leaves]
-        return _TensorsAccess(self.structure, self.leaves, single)
+        return _TensorsAccess(self.structure, self.leaves, self.copies)
 
 
 def _boxed(value: Any) -> Any:
@@ -184,15 +278,70 @@ def _boxed(value: Any) -> Any:
     return box
 
 
-class _TensorsAccess(_SlicesAccess):
-    def __init__(self, structure: Any, leaves: list[Any], batched: list[Any]) -> None:
-        super().__init__(structure, batched, 1)
-        self.whole = leaves
+class _TensorsAccess(RandomAccess):
+    """The one element of ``from_tensors``; a list component is stacked each time the
+    element is made (see :class:`ListRows`), so only the element holds the array."""
+
+    def __init__(
+        self, structure: Any, leaves: list[Any], copies: dict[int, tuple[str, int | None]]
+    ) -> None:
+        self.structure = structure
+        self.leaves = leaves
+        self.single = not isinstance(structure, (dict, tuple))
+        self.copies = copies
+        #: The run's budget total: the element a list is stacked into must fit it.
+        self.budget: int | None = None
+
+    def __len__(self) -> int:
+        return 1
+
+    def whole(self) -> list[Any]:
+        stacked = [
+            (path, leaf.least_bytes()) for path, leaf in zip(
+                structure_paths(self.structure), self.leaves, strict=True)
+            if isinstance(leaf, ListRows)
+        ]
+        total = sum(nbytes for _, nbytes in stacked)
+        if stacked and self.budget is not None and total > self.budget:
+            listed = ", ".join(f"{path}: {format_bytes(nbytes)}" for path, nbytes in stacked)
+            raise MemoryBudgetError(
+                f"from_tensors: its one element stacks the lists it was given into new "
+                f"arrays of at least {format_bytes(total)} ({listed}), more than the memory "
+                f"budget ({format_bytes(self.budget)}). Use from_tensor_slices for one row "
+                "per element, or raise Options(memory_budget=...)"
+            )
+        return [leaf.whole() if isinstance(leaf, ListRows) else leaf for leaf in self.leaves]
 
     def get(self, index: int) -> Any:
         if index != 0:
             raise IndexError(index)
-        return pack_as(self.structure, list(self.whole))
+        return pack_as(self.structure, self.whole())
+
+    def get_many(self, indices: range | np.ndarray) -> Any:
+        count = len(indices)
+        if count and (min(indices) != 0 or max(indices) != 0):
+            raise IndexError(f"from_tensors has one element (index 0), asked for {indices}")
+        leaves = [
+            _repeated(np.expand_dims(leaf, 0) if isinstance(leaf, np.ndarray) else _boxed(leaf),
+                      count)
+            for leaf in self.whole()
+        ]
+        return pack_as(self.structure, leaves)
+
+    def origin(self, index: int) -> Origin | None:
+        return Origin(None, index)
+
+    def prepare(self, ctx: Context) -> None:
+        _register(ctx, self.leaves, self.copies)
+        self.budget = ctx.budget.total
+
+
+def _repeated(batched: Any, count: int) -> Any:
+    """``count`` copies of a one-row array (the one element, asked for again: a batch
+    of ``from_tensors(x).repeat()`` takes index 0 each time)."""
+    if count == 1:
+        return batched
+    return batched[np.zeros(count, dtype=np.intp)]
 
 
 class _RangeAccess(RandomAccess):
