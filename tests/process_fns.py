@@ -340,3 +340,13 @@ def payload_error(every: int, nbytes: int, seconds: float, x: Any) -> Any:
         time.sleep(seconds)
         return np.float64(i)
     raise PayloadError(i, np.full(nbytes // 8, i, np.float64))
+
+
+def nested_every(every: int, depth: int, x: Any) -> Any:
+    """``[x]`` for most elements; every ``every``-th one nested ``depth`` lists deep."""
+    i = int(x)
+    value: Any = [np.int64(i)]
+    if i % every == 0:
+        for _ in range(depth):
+            value = [value]
+    return value

@@ -81,6 +81,9 @@ class _Sim:
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_input: int = 0
     running: dict[int, _Running] = field(default_factory=dict)
+    #: handed-back tails waiting for their booking to cover their first input: thread ->
+    #: that input's position (the earliest is the one the map's consumer would force)
+    waiting: dict[int, int] = field(default_factory=dict)
     #: settled outputs still alive: (their bookings, their bytes, the call's overshoot)
     alive: list[tuple[list[Reservation], int, int]] = field(default_factory=list)
     refused: list[MemoryBudgetError] = field(default_factory=list)
@@ -125,13 +128,21 @@ def _work(sim: _Sim, rng: random.Random, ident: int) -> None:
                 if rest is not None:
                     rest[0].release()
                 return
-            if rest is not None:
-                ticket, first = ledger.top_up(rest[0], [None] * len(rest[0])), rest[1]
-                rest = None
+            idle = not sim.running and not sim.alive
+            if rest is not None:  # as the map: a tail starts once its booking covers its
+                # first input; the earliest one also when nothing else runs or is held
+                # (the consumer waits for it: progress)
+                ticket = ledger.top_up(rest[0], [None] * len(rest[0]))
+                alone = idle and rest[1] == min(sim.waiting.values())
+                if ticket.covers_first() or alone:
+                    first, rest = rest[1], None
+                    del sim.waiting[ident]
+                else:
+                    ticket = None
             else:
+                alone = idle and not sim.waiting
                 if sim.next_input >= len(sim.inputs):
                     return
-                alone = not sim.running and not sim.alive
                 if not ledger.may_start(alone):
                     ticket = None
                 else:
@@ -152,7 +163,7 @@ def _work(sim: _Sim, rng: random.Random, ident: int) -> None:
             if ticket is not None:
                 # nothing else runs or is held: it runs its first input whatever was
                 # booked (the map's consumer waiting for it: progress)
-                forced = not sim.running and not sim.alive
+                forced = alone
                 call = sim.running[ident] = _Running(ticket.allowance)
                 sim.check()
         if ticket is None:
@@ -194,6 +205,7 @@ def _work(sim: _Sim, rng: random.Random, ident: int) -> None:
             sim.check()
             if tail is not None:
                 rest = (tail, first + ran)
+                sim.waiting[ident] = first + ran
 
 
 def _releaser(sim: _Sim, rng: random.Random, workers: list[threading.Thread]) -> None:

@@ -10,12 +10,16 @@ from __future__ import annotations
 import collections
 import functools
 import random
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from headrace.memory.sizeof import sizeof
+
+sys.path.insert(0, str(Path(__file__).parent))  # (process_fns: functions workers import)
 
 #: What headers, cells and frames may add on top of the arrays' bytes.
 _SLACK = 64 << 10
@@ -188,3 +192,44 @@ def test_arrays_and_dicts_of_arrays_keep_the_fast_path() -> None:
     element = {f"c{i}": np.zeros(16) for i in range(8)}
     assert _plain_cost(element, frozenset()) == sizeof(element)
     assert _plain_cost(np.zeros(16), frozenset()) is not None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_an_element_nested_past_the_recursion_limit_is_its_own_clear_error(seed: int) -> None:
+    """Elements nested thousands of lists deep, through a shuffle, a thread map and a
+    process map: each is an ElementSpecError in its place that says it is nested too
+    deep (a bare RecursionError before, and two dead workers on processes), and the
+    other elements come out as the plain map gives them (the oracle)."""
+    import headrace as hr
+    from headrace.errors import ElementSpecError
+    from process_fns import nested_every
+
+    rng = random.Random(seed)
+    every, count = rng.randint(2, 5), rng.randint(8, 16)
+    depth = sys.getrecursionlimit() * rng.randint(2, 5)
+    fn = functools.partial(nested_every, every, depth)
+    oracle = [i for i in range(count) if i % every]
+    pipelines = {
+        # (from a generator: over a range the shuffle draws by index and holds nothing)
+        "shuffle": hr.Dataset.from_generator(
+            lambda: iter(range(count)), output_signature=hr.TensorSpec((), np.int64)
+        ).map(fn).shuffle(4, seed=seed),
+        "threads": hr.Dataset.range(count).map(fn, num_parallel_calls=2),
+        "processes": hr.Dataset.range(count).map(fn, num_parallel_calls=2, workers="processes"),
+    }
+    for name, ds in pipelines.items():
+        seen, errors = [], 0
+        with iter(ds) as it:
+            while True:
+                try:
+                    element = next(it)
+                except StopIteration:
+                    break
+                except ElementSpecError as error:
+                    assert "nested more than" in str(error), (name, str(error))
+                    errors += 1
+                    continue
+                seen.append(int(element[0]))
+        assert sorted(seen) == oracle and errors == count - len(oracle), (name, seed)
+        if name != "shuffle":
+            assert seen == oracle, name  # in order

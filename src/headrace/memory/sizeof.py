@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import HeadraceWarning
+from headrace.errors import ElementSpecError, HeadraceWarning
 from headrace.io.columns import bytes_total
 from headrace.io.mapped import is_file_backed
 
@@ -489,7 +489,21 @@ def sizeof(element: Any, preexisting: frozenset[int] | set[int] = frozenset()) -
     fast = _plain_cost(element, preexisting)
     if fast is not None:
         return fast
-    return _Costing(preexisting).cost(element)
+    return _walk(_Costing(preexisting), element)
+
+
+def _walk(costing: _Costing, element: Any) -> int:
+    """``costing.cost(element)``; an element nested past the interpreter's recursion
+    limit is a clear error of that element, not a bare RecursionError from here."""
+    try:
+        return costing.cost(element)
+    except RecursionError:
+        raise ElementSpecError(
+            f"headrace cannot cost this element of {type(element).__name__}: it is nested "
+            f"more than about {sys.getrecursionlimit()} containers deep. Flatten it (an "
+            f"array, or a few levels of lists and dicts), or register a sizer for its "
+            f"type (headrace.register_sizer)"
+        ) from None
 
 
 def _plain_cost(element: Any, preexisting: frozenset[int] | set[int]) -> int | None:
@@ -620,7 +634,7 @@ def admit(element: Any, preexisting: frozenset[int] | set[int] = frozenset()) ->
     if fast is not None:
         return element, fast
     costing = _Costing(preexisting)
-    cost = costing.cost(element)
+    cost = _walk(costing, element)
     if not costing.compactable:
         return element, cost
     compacted = _compact(element, costing)

@@ -409,7 +409,15 @@ def _run_chunk(
         del element
         cost = 0
         if costed:  # what the consumer books for it (a view of a large temporary compacted)
-            output, cost = admit(output)
+            try:
+                output, cost = admit(output)
+            except Exception as error:  # it cannot be costed (nested too deep): its error
+                del output
+                raised, text = _failure(error)
+                del error
+                errors[position] = _pack_failure(writer, raised, text, count - position)
+                del raised
+                continue
         if ceiling is not None and cost > ceiling:
             del output
             refused = MemoryBudgetError(
