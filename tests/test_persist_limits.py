@@ -13,6 +13,9 @@ Each promise is checked over seeded random cases against an oracle:
   64 MiB (the ``.npy`` is memory-mapped: its pages are the file's, not counted).
 * ``save_tfrecords(batched=True)``: the records equal ``serialize_example`` of
   each row, however the batch is cut into slices.
+* ``save_tfrecords`` of small dicts: an element is sized at no less than the bytes
+  its values hold, without an ABC's isinstance or a ``sys.getsizeof`` of an array
+  or a scalar (per element, they cost a fifth of the write speed).
 """
 
 from __future__ import annotations
@@ -309,3 +312,52 @@ def test_save_tfrecords_round_robin_keeps_the_datasets_cap(seed: int, tmp_path: 
     for shard, path in enumerate(paths):
         ids = [int(decode_example(r)["id"][1][0]) for r in hr.TFRecordDataset(path)]
         assert ids == list(range(shard, count, num_shards))
+
+
+def _element_of_kinds(seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    gen = np.random.default_rng(seed)
+    makers = [
+        lambda: gen.random(rng.randint(0, 3000)).astype(rng.choice((np.float32, np.float64))),
+        lambda: np.int64(rng.randint(-(2**40), 2**40)),
+        lambda: np.float32(rng.random()),
+        lambda: np.bytes_(b"b" * rng.randint(0, 5000)),
+        lambda: rng.randint(-(2**62), 2**62),
+        lambda: rng.random(),
+        lambda: b"v" * rng.randint(0, 5000),
+        lambda: "s" * rng.randint(0, 5000),
+    ]
+    return {f"f{i}": rng.choice(makers)() for i in range(rng.randint(1, 6))}
+
+
+def _bytes_held(value: Any) -> int:
+    if isinstance(value, (np.ndarray, np.generic)):
+        return int(value.nbytes)
+    return len(value) if isinstance(value, (bytes, str)) else 0
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_an_element_is_sized_by_its_values_without_abc_checks_or_getsizeof(seed: int) -> None:
+    """The oracle: the bytes the element's values hold bound its size from below, and
+    only a value that is neither an array nor a number is asked its ``sys.getsizeof``."""
+    element = _element_of_kinds(seed)
+    assert writers._payload_bytes_of(element) >= sum(map(_bytes_held, element.values()))
+
+    calls: list[str] = []
+
+    def watch(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+        elif event == "c_call":
+            calls.append(getattr(arg, "__name__", ""))
+
+    sys.setprofile(watch)
+    try:
+        writers._element_mapping(element, "element 0")
+        writers._payload_bytes_of(element)
+    finally:
+        sys.setprofile(None)
+    others = [v for v in element.values()
+              if not isinstance(v, (np.ndarray, np.generic, int, float))]
+    assert "__instancecheck__" not in calls, calls  # an ABC's isinstance, per element
+    assert calls.count("getsizeof") == len(others), (calls, element.keys())

@@ -21,7 +21,7 @@ import numpy as np
 
 from headrace.io._native import native_module
 
-__all__ = ["bytes_total", "join_bytes", "lengths", "object_array", "split_bytes"]
+__all__ = ["bytes_total", "join_bytes", "lengths", "object_array", "split_bytes", "wire_bytes"]
 
 
 def object_array(items: Sequence[Any]) -> np.ndarray[Any, Any]:
@@ -39,6 +39,17 @@ def bytes_total(items: list[Any]) -> int:
     if set(map(type, items)) - {bytes}:
         return -1
     return sum(map(len, items))
+
+
+def wire_bytes(records: Sequence[Any]) -> int:
+    """The sum of the records' lengths: in C for a list of ``bytes`` (what a reader's
+    batch is; a Python ``sum(map(len, ...))`` cost a tenth of the read-and-parse speed
+    of small records), else one ``len`` each."""
+    if type(records) is list:
+        total = bytes_total(records)
+        if total >= 0:
+            return total
+    return sum(map(len, records))
 
 
 def lengths(items: list[bytes]) -> memoryview:

@@ -34,7 +34,7 @@ from headrace.errors import (
     RecordTooLargeError,
     add_note,
 )
-from headrace.io.columns import object_array
+from headrace.io.columns import object_array, wire_bytes
 from headrace.io.filepool import (
     FileLimiter,
     FilePool,
@@ -682,7 +682,7 @@ class _FileRecordsIterator(Iterator):
                     continue
                 records.extend(batch)
                 self.served += len(batch)
-                cost = sum(map(len, batch)) + _BYTES_HEADER * len(batch)
+                cost = wire_bytes(batch) + _BYTES_HEADER * len(batch)
                 booked = booked.absorb(account.admit(cost, together=what))
         except BaseException:
             booked.release()

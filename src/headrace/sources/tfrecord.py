@@ -25,7 +25,7 @@ from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
 from headrace.errors import InvalidArgumentError, MemoryBudgetError, Origin
-from headrace.io.columns import lengths, object_array
+from headrace.io.columns import lengths, object_array, wire_bytes
 from headrace.io.filepool import PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
 from headrace.io.tfrecord.framing import DEFAULT_MAX_RECORD_BYTES, RECORD_OVERHEAD_BYTES
@@ -178,7 +178,7 @@ class _TFRecordReaderAdapter:
                           lengths(records), RECORD_OVERHEAD_BYTES)
             self.read_count += len(records)
         if records:
-            nbytes = sum(map(len, records)) + record_cost(0) * len(records)
+            nbytes = wire_bytes(records) + record_cost(0) * len(records)
             self.booking = account.admit(nbytes, elements=len(records))
         self.ahead = records
 

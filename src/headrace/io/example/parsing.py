@@ -31,7 +31,7 @@ from headrace.io import _example_wire as wire
 from headrace.io._native import native_module
 from headrace.io._ragged import RaggedColumn
 from headrace.io._sparse import SparseColumn
-from headrace.io.columns import object_array
+from headrace.io.columns import object_array, wire_bytes
 from headrace.io.example.deferred import DeferredRecord
 from headrace.io.example.encoding import values_as_array
 from headrace.io.example.specs import (
@@ -561,15 +561,15 @@ class BatchParser:
         """The most the values of ``records`` can cost once parsed, from their sizes
         alone: an int64 takes at least one byte on the wire and 8 parsed, a float 4 and
         4, a bytes value at least 2 and a Python object of 41 plus its length."""
-        wire_bytes = sum(map(len, records))
+        total = wire_bytes(records)
         kinds = set(self.kinds)
         most = 0
         if wire.KIND_INT64 in kinds:
-            most += 8 * wire_bytes
+            most += 8 * total
         if wire.KIND_FLOAT in kinds:
-            most += wire_bytes
+            most += total
         if wire.KIND_BYTES in kinds:
-            most += wire_bytes + 39 * (wire_bytes // 2 + len(records))
+            most += total + 39 * (total // 2 + len(records))
         per_record = 32 * len(self.keys)  # counts and row splits
         return most + len(records) * per_record + 2 * ARRAY_HEADER_BYTES * len(self.steps)
 
