@@ -668,8 +668,10 @@ class Traffic:
     moving elements (pickling, shared-memory copies) both ways, and the bytes moved.
 
     ``compute_seconds`` is the function in the workers; ``transfer_seconds`` the rest of
-    a chunk's time there (unpacking its inputs, packing its outputs) plus what this
-    process spends packing inputs and unpacking outputs.
+    a chunk's time there (unpacking its inputs, copying its outputs' buffers into
+    shared memory, sending them) plus what this process spends packing inputs and
+    unpacking outputs. Pickling an output as it is made is not timed apart (timing
+    each would cost about as much as pickling a small one): it counts as compute.
     """
 
     __slots__ = ("chunks", "compute_seconds", "elements", "lock", "received_bytes", "segments",
