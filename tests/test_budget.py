@@ -93,6 +93,10 @@ def sizing_pool(tmp_path_factory: Any) -> tuple[dict[str, Any], set[int]]:
         "from_bytes": np.frombuffer(bytes(800), np.int64)[1:],
         "span": span, "span_again": span[::2], "wide": wide, "segment_bytes": np.frombuffer(
             segment, np.uint8), "empty": np.empty(0), "scalar": np.float32(1.5),
+        # a map's scalar outputs (costed without a walk: sys.getsizeof, as the walk says)
+        "int64": np.int64(-7), "bool_": np.bool_(True), "complex": np.complex64(1j),
+        "int": 3, "big_int": 1 << 200, "float": 2.5, "none": None, "text": "word" * 9,
+        "bytes": b"z" * 70, "bytearray": bytearray(300),
     }
     return pool, {id(data), id(objects)}
 

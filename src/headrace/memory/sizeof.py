@@ -62,6 +62,7 @@ from headrace.io.mapped import is_file_backed
 
 __all__ = [
     "ARRAY_HEADER_BYTES",
+    "FLAT_TYPES",
     "SAMPLE_ITEMS",
     "admit",
     "owner_of",
@@ -79,6 +80,9 @@ _FLAT_TYPES = frozenset(
                             np.uint32, np.uint64, np.float16, np.float32, np.float64,
                             np.bool_, np.complex64, np.complex128)}
 )
+#: The same, for a hot loop that costs its scalars inline (``sys.getsizeof`` is exactly
+#: what :func:`sizeof` and :func:`admit` give them).
+FLAT_TYPES = _FLAT_TYPES
 
 #: What an ndarray object costs besides its data (measured: 112 B on CPython 3.11).
 ARRAY_HEADER_BYTES = sys.getsizeof(np.empty(0))
@@ -510,8 +514,12 @@ def _plain_cost(element: Any, preexisting: frozenset[int] | set[int]) -> int | N
     """The cost of the commonest elements without the general walk (which is ~0.5 us of
     per-element overhead, and several us for a batch of columns); exactly what the walk
     gives them, or None for anything else: a plain array (:func:`_plain_array`) or a
-    dict of them under ``str`` keys (a parsed batch)."""
-    if type(element) is not dict:
+    dict of them under ``str`` keys (a parsed batch), or a number, string or ``bytes``
+    (a map's scalar outputs: the walk's own first case, without building a walk)."""
+    cls = type(element)
+    if cls in _FLAT_TYPES:
+        return sys.getsizeof(element)
+    if cls is not dict:
         plain = _plain_array(element, preexisting)
         return None if plain is None else plain[0]
     # The walk samples larger dicts, and counts an owner met twice once: those go to it.

@@ -57,11 +57,13 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future
+from sys import getsizeof
 from typing import Any
 
 from headrace.core.iterator import Context, Iterator
 from headrace.errors import FileLimitError, HeadraceWarning, InvalidArgumentError
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
+from headrace.memory.sizeof import FLAT_TYPES
 from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE
 from headrace.sources.files import file_limiter
@@ -230,7 +232,10 @@ class ProcessMapIterator(_ParallelMapIterator):
                     kept.append(None)
                     sizes.append(0)
                     continue
-                output, size = admit(output)
+                if type(output) in FLAT_TYPES:  # (admit's first case, inlined: per output)
+                    size = getsizeof(output)
+                else:
+                    output, size = admit(output)
                 kept.append(output)
                 sizes.append(size + share + extra)
                 extra = 0

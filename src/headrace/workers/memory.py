@@ -45,7 +45,8 @@ class WorkerStats:
     chunks: int = 0
     elements: int = 0
     #: Seconds the function ran in the workers, against seconds spent moving elements
-    #: (pickling, shared-memory copies; in the workers and in this process).
+    #: (pickling, shared-memory copies; in the workers and in this process). A worker's
+    #: pickling of each output as it is made counts as the function's time.
     compute_seconds: float = 0.0
     transfer_seconds: float = 0.0
     #: Bytes sent to the workers and received back (shared memory and pickles), and the

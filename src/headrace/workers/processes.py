@@ -78,6 +78,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
+from sys import getsizeof
 from typing import TYPE_CHECKING, Any
 
 from headrace.core.handoff import drop_frames
@@ -90,7 +91,7 @@ from headrace.errors import (
     WorkerPoolError,
     add_note,
 )
-from headrace.memory.sizeof import admit, sizeof
+from headrace.memory.sizeof import FLAT_TYPES, admit, sizeof
 from headrace.memory.units import format_bytes
 from headrace.workers.memory import WorkerMemory, worker_memory
 from headrace.workers.shm import (
@@ -390,9 +391,15 @@ def _run_chunk(
     spent = 0
     count = len(elements)
     costed = allowance is not None or ceiling is not None  # (an interleave's chunks: not)
+    # (per element, so the checks are inlined: ``spent > limit >= 0`` is "past the
+    # allowance", ``cost > top >= 0`` "past the ceiling"; -1 where there is none)
+    limit = -1 if allowance is None else allowance
+    top = -1 if ceiling is None else ceiling
+    add = writer.add
     for position in range(count):
         mark(position)
-        element, elements[position] = elements[position], None  # the input goes with it
+        element = elements[position]
+        elements[position] = None  # the input goes with it
         try:
             output = handler(element)
         except Exception as error:
@@ -403,39 +410,42 @@ def _run_chunk(
                 spent += sizeof(raised)
             errors[position] = _pack_failure(writer, raised, text, count - position)
             del raised
-            if allowance is not None and spent > allowance and position + 1 < count:
+            if spent > limit >= 0 and position + 1 < count:
                 break
             continue
         del element
         cost = 0
         if costed:  # what the consumer books for it (a view of a large temporary compacted)
-            try:
-                output, cost = admit(output)
-            except Exception as error:  # it cannot be costed (nested too deep): its error
+            if type(output) in FLAT_TYPES:  # (admit's first case, inlined: a scalar output)
+                cost = getsizeof(output)
+            else:
+                try:
+                    output, cost = admit(output)
+                except Exception as error:  # it cannot be costed (nested too deep): its error
+                    del output
+                    raised, text = _failure(error)
+                    del error
+                    errors[position] = _pack_failure(writer, raised, text, count - position)
+                    del raised
+                    continue
+            if cost > top >= 0:
                 del output
-                raised, text = _failure(error)
-                del error
-                errors[position] = _pack_failure(writer, raised, text, count - position)
-                del raised
+                refused = MemoryBudgetError(
+                    f"{stage}: an output of {format_bytes(cost)} is larger than the whole "
+                    f"memory budget ({format_bytes(top)}); it was dropped in the worker "
+                    "process, before it was sent back")
+                errors[position] = (refused, f"{type(refused).__name__}: {refused}\n")
+                add(None)
                 continue
-        if ceiling is not None and cost > ceiling:
-            del output
-            refused = MemoryBudgetError(
-                f"{stage}: an output of {format_bytes(cost)} is larger than the whole memory "
-                f"budget ({format_bytes(ceiling)}); it was dropped in the worker process, "
-                "before it was sent back")
-            errors[position] = (refused, f"{type(refused).__name__}: {refused}\n")
-            writer.add(None)
-            continue
         try:
-            writer.add(output, count - position)
+            add(output, count - position)
         except Exception as refused:  # a failed element costs nothing
             errors[position] = _unsendable(refused)
-            writer.add(None)
+            add(None)
         else:
             spent += cost
         del output
-        if allowance is not None and spent > allowance and position + 1 < count:
+        if spent > limit >= 0 and position + 1 < count:
             break
     return errors
 
@@ -709,8 +719,10 @@ class Traffic:
     moving elements (pickling, shared-memory copies) both ways, and the bytes moved.
 
     ``compute_seconds`` is the function in the workers; ``transfer_seconds`` the rest of
-    a chunk's time there (unpacking its inputs, packing its outputs) plus what this
-    process spends packing inputs and unpacking outputs.
+    a chunk's time there (unpacking its inputs, copying its outputs' buffers into
+    shared memory, sending them) plus what this process spends packing inputs and
+    unpacking outputs. Pickling an output as it is made is not timed apart (timing
+    each would cost about as much as pickling a small one): it counts as compute.
     """
 
     __slots__ = ("chunks", "compute_seconds", "elements", "lock", "received_bytes", "segments",
@@ -1053,7 +1065,7 @@ class ProcessPool:
         """
         if not self.retired:  # (per element: most calls find nothing, and return here)
             for maps in self.maps.values():
-                if maps.any_released:
+                if maps.dead:  # (any_released, inlined)
                     break
             else:
                 return

@@ -39,10 +39,10 @@ import mmap
 import os
 import pickle
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -492,9 +492,12 @@ class OutputWriter:
         self._ends: list[tuple[int, int, bool]] = []
         self._run = 0  # outputs in the current run (0: the next output starts one)
         self._run_start = 0  # where the current run began in the stream
+        self._end = 0  # where the stream ends (where the next output begins)
         #: Segment bytes the outputs so far took (aligned).
         self.shared = 0
-        #: Time spent packing (the worker tells it apart from the function's).
+        #: Time spent copying buffers into segments (the worker tells it apart from the
+        #: function's). Pickling a small output is not timed: timing it would cost
+        #: about as much as the pickle, so it counts as the function's time.
         self.seconds = 0.0
 
     def _out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
@@ -517,42 +520,54 @@ class OutputWriter:
         cannot be packed raises, and leaves nothing behind: the caller puts its
         error in the output's place and goes on.
         """
-        stream, pending = self._stream, self._pending
-        start = stream.tell()
-        began = time.perf_counter()
-        fresh = self._run == 0
-        if fresh:
+        # Per output: a small one (the common case) is one dump and a few checks.
+        start, run = self._end, self._run
+        if not run:
             self._run_start = start
-        ends_run = True  # (the memo is cleared, unless the output is small and whole)
         try:
             self._pickler.dump(obj)
-            need = sum(_aligned(raw.nbytes) for raw in pending)
-            if need:
-                self._largest = max(self._largest, need)
-                self._copy(need, left)
-            else:
-                ends_run = (self._run + 1 >= RUN_OUTPUTS
-                            or stream.tell() - self._run_start >= RUN_BYTES)
+            if self._pending:
+                return self._add_buffers(start, left, not run)
         except BaseException:
-            stream.seek(start)
-            stream.truncate()
+            self._stream.seek(start)
+            self._stream.truncate()
+            self._end_run()
             raise
-        finally:
-            if ends_run:  # the memos hold the run's objects (and arrays): gone with it
-                self._pickler.clear_memo()
-                self._pickler._columns.clear()
-                self._run = 0
-            else:
-                self._run += 1
-            for raw in pending:
-                raw.release()
-            pending.clear()
-            self._diverted.clear()
-            self.seconds += time.perf_counter() - began
+        self._end = end = self._stream.tell()
+        if run + 1 >= RUN_OUTPUTS or end - self._run_start >= RUN_BYTES:
+            self._end_run()
+        else:
+            self._run = run + 1
+        self.count += 1
+        self._ends.append((end, len(self.spans), not run))
+        return end - start
+
+    def _add_buffers(self, start: int, left: int, fresh: bool) -> int:
+        """The rest of :meth:`add` for an output with large buffers: they are copied into
+        a segment (timed: :attr:`seconds`), and the run ends."""
+        began = perf_counter()
+        need = sum(_aligned(raw.nbytes) for raw in self._pending)
+        if need > self._largest:
+            self._largest = need
+        self._copy(need, left)
+        self._end = end = self._stream.tell()
+        self._end_run()  # the memos hold the run's objects (and arrays): gone with it
+        self.seconds += perf_counter() - began
         self.count += 1
         self.shared += need
-        self._ends.append((stream.tell(), len(self.spans), fresh))
-        return stream.tell() - start + need
+        self._ends.append((end, len(self.spans), fresh))
+        return end - start + need
+
+    def _end_run(self) -> None:
+        """Close the current run: clear the memos (they hold its objects) and drop the
+        views of the buffers just packed."""
+        self._pickler.clear_memo()
+        self._pickler._columns.clear()
+        self._run = 0
+        for raw in self._pending:
+            raw.release()
+        self._pending.clear()
+        self._diverted.clear()
 
     def _copy(self, need: int, left: int) -> None:
         """The pending buffers into the segment (a new one when they do not fit)."""
@@ -847,6 +862,9 @@ class SegmentMaps:
         self.opened = 0  # segments mapped by name: the sender made each one afresh
         self.live: dict[int, int] = {}
         self._dead: collections.deque[int] = collections.deque()
+        #: The same deque: keys of segments whose views are gone, not yet :meth:`released`
+        #: (read per element by a stage that polls for them: see ``ProcessPool.recycle``).
+        self.dead = self._dead
         self._lock = threading.Lock()
 
     def unpack(self, packet: Packet) -> Any:
@@ -926,38 +944,32 @@ class SegmentMaps:
         objects: list[Any] = []
         failed: dict[int, Exception] = {}
         ends = outputs.ends
-        unpickler: _Unpickler | None = None
-        broken: int | None = None  # the output of this run that could not be rebuilt
-        spans_from = 0
-        for position, (payload_end, _, fresh) in enumerate(ends):
-            if fresh:
-                last = position  # the run's last output: its buffers are the run's
-                while last + 1 < len(ends) and not ends[last + 1][2]:
-                    last += 1
-                spans_end = ends[last][1]
-                buffers = [view for view in handed[spans_from:spans_end] if view is not None]
-                spans_from = spans_end
-                unpickler, broken = _Unpickler(stream, buffers, views), None
-            assert unpickler is not None
-            if broken is not None:
-                error: Exception = pickle.UnpicklingError(
-                    f"output {position} of a worker's call could not be rebuilt in this "
-                    f"process: it was pickled after output {broken}, which could not be, "
-                    "and may refer to it")
-                failed[position] = error
-                objects.append(None)
-            else:
-                try:
-                    obj, missing = unpickler.load_output()
-                except Exception as error:  # the rest of the run cannot be read
-                    obj, missing, broken = None, error, position
-                if missing is not None:  # (one import error may fail several outputs)
-                    missing = copy.copy(missing)
-                    add_note(missing, f"headrace: output {position} of a worker's call "
-                                      "could not be rebuilt in this process")
-                    failed[position] = missing
-                objects.append(obj)
-            stream.seek(payload_end)
+        total = len(ends)
+        position = spans_from = 0
+        while position < total:  # run by run
+            last = position  # the run's last output: its buffers are the run's
+            while last + 1 < total and not ends[last + 1][2]:
+                last += 1
+            spans_end = ends[last][1]
+            buffers = [view for view in handed[spans_from:spans_end] if view is not None]
+            spans_from = spans_end
+            begin = stream.tell()
+            # Most runs read whole: one load per output, each ending where the next
+            # begins. A run that meets a class this process lacks, or that raises, is
+            # read again output by output, to fail only the outputs at fault.
+            unpickler = _Unpickler(stream, buffers, views)
+            load = unpickler.load
+            try:
+                run = [load() for _ in range(last + 1 - position)]
+            except Exception:
+                run = None
+            if run is None or unpickler.missing:
+                stream.seek(begin)
+                run = self._read_run(stream, _Unpickler(stream, buffers, views), ends,
+                                     position, last, failed)
+            objects.extend(run)
+            stream.seek(ends[last][0])
+            position = last + 1
         # A segment only copies came out of is free once they are made, not before: the
         # worker reuses a segment reported free (the copies once read what it wrote next).
         for key, _, _ in outputs.segments:
@@ -966,6 +978,36 @@ class SegmentMaps:
                     self.live[key] = self.live.get(key, 0) + 1
                 dead.append(key)
         return objects, failed
+
+    @staticmethod
+    def _read_run(stream: io.BytesIO, unpickler: _Unpickler, ends: tuple[tuple[int, int, bool], ...],
+                  first: int, last: int, failed: dict[int, Exception]) -> list[Any]:
+        """The outputs ``first..last`` (one run) read one by one: ``None`` for those
+        that cannot be rebuilt here, their errors put in ``failed`` by position (see
+        :meth:`unpack_outputs`)."""
+        objects: list[Any] = []
+        broken: int | None = None  # the output of this run that could not be rebuilt
+        for position in range(first, last + 1):
+            if broken is not None:
+                error: Exception = pickle.UnpicklingError(
+                    f"output {position} of a worker's call could not be rebuilt in this "
+                    f"process: it was pickled after output {broken}, which could not be, "
+                    "and may refer to it")
+                failed[position] = error
+                objects.append(None)
+                continue
+            try:
+                obj, missing = unpickler.load_output()
+            except Exception as error:  # the rest of the run cannot be read
+                obj, missing, broken = None, error, position
+            if missing is not None:  # (one import error may fail several outputs)
+                missing = copy.copy(missing)
+                add_note(missing, f"headrace: output {position} of a worker's call "
+                                  "could not be rebuilt in this process")
+                failed[position] = missing
+            objects.append(obj)
+            stream.seek(ends[position][0])
+        return objects
 
     @property
     def any_released(self) -> bool:
