@@ -965,7 +965,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
     violations: list[str] = []
     overdrawn = [0]
     pipeline_budget: list[Any] = [None]  # the run's own budget, once it is made
-    original = budget_module.StageAccount._book
+    original = budget_module.Buffer._book
 
     def checked(self: Any, nbytes: int, elements: int = 1, **overdraft: int) -> None:
         breaches = self.breaches
@@ -986,7 +986,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
                 f"{self.name}: held {self.held} > share {self.limit} after booking {nbytes}"
             )
 
-    budget_module.StageAccount._book = checked  # type: ignore[method-assign]
+    budget_module.Buffer._book = checked  # type: ignore[method-assign]
     gc.collect()
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -1027,7 +1027,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
     finally:
         done.set()
         sampler.join()
-        budget_module.StageAccount._book = original  # type: ignore[method-assign]
+        budget_module.Buffer._book = original  # type: ignore[method-assign]
     # overdrafts by stage: a map told each output's size (output_nbytes) should need none
     by_stage = {} if iterator is None else {
         account.name: account.overdrawn_peak

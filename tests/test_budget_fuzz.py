@@ -26,7 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-from headrace.memory.budget import MemoryBudget, StageAccount
+from headrace.memory.budget import MemoryBudget
+from headrace.memory.buffer import Buffer
 from headrace.memory.sizeof import admit, register_sizer, sizeof
 
 MiB = 1 << 20
@@ -594,7 +595,7 @@ def test_rows_moved_into_a_batch_are_its_minimum_so_a_re_split_never_breaches() 
     batch = budget.account("batch", weight=1.0)
     later = budget.account("rebatch", weight=1.0)
     budget.allot()
-    rows = [upstream.charge(9_000) for _ in range(5)]  # booked upstream, as a map's outputs
+    rows = [upstream.admit(9_000) for _ in range(5)]  # booked upstream, as a map's outputs
     held = [row.move_to(batch, 9_000, together="a batch") for row in rows[:3]]
     assert batch.minimum == batch.held == 27_000 <= batch.limit  # grown past its 16.7 KB
     later.require(60_000, what="a batch of 16 rows")  # the re-split: the others lend
@@ -615,7 +616,7 @@ def test_a_move_within_one_account_never_counts_the_element_twice() -> None:
     budget = MemoryBudget(100_000)
     stage = budget.account("padded_batch", weight=1.0)
     budget.allot()
-    row = stage.charge(stage.limit * 3 // 4)
+    row = stage.admit(stage.limit * 3 // 4)
     elements, peak = stage.elements, stage.peak
     moved = row.move_to(stage, row.nbytes)
     assert stage.breaches == 0 and stage.held == moved.nbytes and row.nbytes == 0
@@ -657,13 +658,13 @@ def test_an_overdraft_leaves_the_budget_with_its_bytes(monkeypatch: pytest.Monke
     (outgrown,) = stage.admit_existing([30_000])  # an output that outgrew its estimate
     assert stage.overdrawn == 20_000 and budget.used == budget.total + 20_000
     unexplained: list[int] = []
-    unbook = StageAccount._unbook
+    unbook = Buffer._unbook
 
-    def watched(self: StageAccount, nbytes: int) -> None:
+    def watched(self: Buffer, nbytes: int) -> None:
         unexplained.append(budget.used - budget.total - stage.overdrawn)
         unbook(self, nbytes)
 
-    monkeypatch.setattr(StageAccount, "_unbook", watched)
+    monkeypatch.setattr(Buffer, "_unbook", watched)
     outgrown.release()
     assert unexplained and max(unexplained) <= 0, unexplained
     assert stage.overdrawn == 0 and budget.used == within.nbytes

@@ -26,7 +26,8 @@ from headrace.core.iterator import Iterator
 from headrace.core.run import join_abandoned
 from headrace.errors import MemoryBudgetError
 from headrace.io.tfrecord import write_tfrecord
-from headrace.memory.budget import MemoryBudget, StageAccount
+from headrace.memory.budget import MemoryBudget
+from headrace.memory.buffer import Buffer
 
 MiB = 1 << 20
 ROWS, WIDTH = 1000, 1000  # 8 MB per inner dataset
@@ -118,7 +119,7 @@ def test_nothing_grows_with_inner_datasets_or_epochs(flat: bool, threads: int | 
     for count, _ in enumerate(iterator, 1):
         if count % (8 * 3 * 10) == 0:  # every 10 epochs
             samples.append(
-                (live(StageAccount), live(MemoryBudget), live(Iterator), len(context._keepalive),
+                (live(Buffer), live(MemoryBudget), live(Iterator), len(context._keepalive),
                  len(context.preexisting), len(context.budget.accounts))
             )
     assert count == 50 * 8 * 3

@@ -26,7 +26,7 @@ from headrace.core.iterator import Context, Iterator, RunFacts
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, UnaryNode
 from headrace.core.run import STATE_VERSION, DatasetIterator, default_budget
 from headrace.core.state import StateReader
-from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, StageAccount
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 
 __all__ = [
     "INFINITE",
@@ -46,7 +46,7 @@ __all__ = [
     "Reservation",
     "RunFacts",
     "ShardRole",
-    "StageAccount",
+
     "StateReader",
     "UnaryNode",
     "default_budget",

@@ -12,9 +12,9 @@ structure and the budget, so does every shrink decision — never on timing.
 
 The booking contract, for every stage: **nothing enters a buffer unless what
 the stage holds plus the element's cost fits its share.** A stage checks
-:meth:`StageAccount.fits` (or, on a producer thread, blocks in
-:meth:`StageAccount.wait_for_room`) with the element's real cost before it
-books it with :meth:`StageAccount.charge`. A stage that holds nothing may
+:meth:`Buffer.fits` (or, on a producer thread, blocks in
+:meth:`Buffer.wait_for_room`) with the element's real cost before it
+books it with :meth:`Buffer.admit`. A stage that holds nothing may
 always take one element that fits its share alone — which is what keeps every
 pipeline moving — and an element that does not fit even that raises
 :class:`MemoryBudgetError` naming the stage. An element whose size could not
@@ -24,7 +24,7 @@ stage is the only memory beyond the shares.
 
 Minimum working sets. A stage that must hold several bytes at once (a batch
 being assembled, one batch in a prefetch queue) declares it with
-:meth:`StageAccount.require`. When that is more than its share, the budget
+:meth:`Buffer.require`. When that is more than its share, the budget
 splits itself again (:meth:`MemoryBudget.allot`): the stage gets its minimum
 and the others give up what they hold beyond theirs. Stages whose share sets
 an order (shuffle) give last, only when the others cannot make room. Shares still depend only on the budget, the
@@ -77,7 +77,6 @@ from headrace.memory.buffer import (  # (the buffer's names re-exported while st
     ChunkPart,
     Overdraft,
     Reservation,
-    StageAccount,
     _RefusedAbove,
     release_all,
 )
@@ -85,7 +84,7 @@ from headrace.memory.units import format_bytes
 
 __all__ = [
     "NO_RESERVATION", "AccountStats", "BudgetClosed", "BudgetStats", "Buffer", "ChunkPart",
-    "KeptStats", "MemoryBudget", "Overdraft", "Reservation", "StageAccount", "release_all",
+    "KeptStats", "MemoryBudget", "Overdraft", "Reservation", "release_all",
 ]
 
 
@@ -154,7 +153,7 @@ class MemoryBudget:
         self.used = 0
         self.peak = 0
         self.parent = parent
-        self.accounts: list[StageAccount] = []
+        self.accounts: list[Buffer] = []
         # Budgets drawn from a shared parent (the process-wide default) share its
         # condition, so a release in one pipeline wakes a producer in another.
         # A bare lock (the ``with`` of one costs a fraction of a Condition's), but
@@ -254,7 +253,7 @@ class MemoryBudget:
 
         Under the budget's lock from reading the minima to writing the shares: a
         stage that checks its holding against its share and books under the same
-        lock (:meth:`StageAccount.hold`, ``move_to(..., together=...)``) can never
+        lock (:meth:`Buffer.admit` with ``together=``, ``move_to(..., together=...)``) can never
         see its share lowered below that holding in between (fuzz seed 200014).
         """
         with self.changed:

@@ -36,7 +36,6 @@ __all__ = [
     "BudgetClosed",
     "Buffer",
     "Reservation",
-    "StageAccount",
     "release_all",
 ]
 
@@ -165,8 +164,8 @@ class Buffer:
         if upstream is not None and upstream.account is not None:
             return upstream.move_to(self, nbytes, together=together)
         if together is not None:
-            return self.hold(nbytes, what=together, elements=elements)
-        return self.charge(nbytes, elements=elements)
+            return self._hold(nbytes, what=together, elements=elements)
+        return self._charge(nbytes, elements=elements)
 
     def _add(self, nbytes: int) -> None:
         held = self.held = self.held + nbytes
@@ -288,7 +287,7 @@ class Buffer:
         with self._changed:
             self._changed.notify_all()
 
-    def charge(self, nbytes: int, *, elements: int = 1) -> Reservation:
+    def _charge(self, nbytes: int, *, elements: int = 1) -> Reservation:
         """Book ``nbytes`` for ``elements`` elements (one, by default) now held by this stage."""
         if nbytes > self.limit:
             self._check_fits(nbytes)
@@ -359,10 +358,10 @@ class Buffer:
                 self._count_on_pool()
         return total
 
-    def hold(self, nbytes: int, *, what: str, elements: int = 1) -> Reservation:
+    def _hold(self, nbytes: int, *, what: str, elements: int = 1) -> Reservation:
         """Book bytes a stage must hold *together* (its minimum working set).
 
-        Unlike :meth:`charge`, the bytes already held count: they and ``nbytes``
+        Unlike :meth:`_charge`, the bytes already held count: they and ``nbytes``
         become the stage's declared minimum (see :meth:`require`), so the
         budget splits itself again if it must, or raises
         :class:`MemoryBudgetError` naming the stage and what it was assembling.
@@ -447,7 +446,7 @@ class Buffer:
             if nbytes > self.limit:
                 self.require(nbytes, what=what)
             return
-        with self.lock:  # checked as hold() checks, under the lock the split takes
+        with self.lock:  # checked as _hold() checks, under the lock the split takes
             if whole and self.held + nbytes > self.limit:  # a refusal states ``whole``
                 self.require(self.held + nbytes, what=together, whole=whole)
             self._fit_together(nbytes, together)
@@ -633,7 +632,7 @@ class Reservation:
 
     __slots__ = ("account", "nbytes")
 
-    def __init__(self, account: StageAccount | None, nbytes: int) -> None:
+    def __init__(self, account: Buffer | None, nbytes: int) -> None:
         self.account = account
         self.nbytes = nbytes
 
@@ -659,7 +658,7 @@ class Reservation:
         self.nbytes = 0
 
     def move_to(
-        self, account: StageAccount, nbytes: int, *, together: str | None = None
+        self, account: Buffer, nbytes: int, *, together: str | None = None
     ) -> Reservation:
         """Book ``nbytes`` on ``account`` and release this booking, as one step.
 
@@ -667,15 +666,15 @@ class Reservation:
         element is never counted twice or not at all. ``together``: the stage
         must hold the element together with what it holds already (the rows of a
         batch being assembled), which is then its minimum working set, checked
-        and booked under the lock as :meth:`StageAccount.hold` does; the text
+        and booked under the lock as :meth:`Buffer._hold` does; the text
         says what is assembled, for the error when it cannot fit.
         """
         source = self.account
         try:
             if source is None or source.lock is not account.lock:
                 moved = (
-                    account.charge(nbytes) if together is None
-                    else account.hold(nbytes, what=together)
+                    account._charge(nbytes) if together is None
+                    else account._hold(nbytes, what=together)
                 )
                 self.release()
                 return moved
@@ -702,7 +701,7 @@ class Overdraft(Reservation):
 
     __slots__ = ("excess",)
 
-    def __init__(self, account: StageAccount, nbytes: int, excess: int) -> None:
+    def __init__(self, account: Buffer, nbytes: int, excess: int) -> None:
         super().__init__(account, nbytes)
         self.excess = excess
 
@@ -725,7 +724,7 @@ class Overdraft(Reservation):
             self._settle()
 
     def move_to(
-        self, account: StageAccount, nbytes: int, *, together: str | None = None
+        self, account: Buffer, nbytes: int, *, together: str | None = None
     ) -> Reservation:
         self._settle()
         return super().move_to(account, nbytes, together=together)
@@ -736,7 +735,7 @@ class _Chunk:
 
     __slots__ = ("account", "nbytes", "tokens")
 
-    def __init__(self, account: StageAccount, nbytes: int, count: int) -> None:
+    def __init__(self, account: Buffer, nbytes: int, count: int) -> None:
         self.account, self.nbytes = account, nbytes
         # One token per element; list.pop() is atomic, and whoever pops token 0 (the
         # last one left) releases the chunk: exactly once, whatever the threads.
@@ -763,10 +762,10 @@ class ChunkPart(Reservation):
         self.nbytes = 0
 
     def move_to(
-        self, account: StageAccount, nbytes: int, *, together: str | None = None
+        self, account: Buffer, nbytes: int, *, together: str | None = None
     ) -> Reservation:
         moved = (
-            account.charge(nbytes) if together is None else account.hold(nbytes, what=together)
+            account._charge(nbytes) if together is None else account._hold(nbytes, what=together)
         )
         self.release()
         return moved
@@ -800,7 +799,7 @@ class Assembly:
         column), held with what it holds: refused before anything is allocated.
         ``elements``: 1 for the output itself, so the stage's stats count it."""
         self._book_loose()  # the rows gathered so far count in the check
-        self.buffer.hold(nbytes, what=what or self.what, elements=elements)
+        self.buffer._hold(nbytes, what=what or self.what, elements=elements)
         self._out += nbytes
 
     def take(self, nbytes: int, upstream: Reservation) -> None:
@@ -820,7 +819,7 @@ class Assembly:
     def _book_loose(self) -> None:
         loose, rows = self._loose, self._loose_rows
         if loose:
-            self.buffer.hold(loose, what=self.what, elements=rows)
+            self.buffer._hold(loose, what=self.what, elements=rows)
             self._rows += loose
         self._loose = self._loose_rows = 0
 
@@ -859,6 +858,3 @@ def release_all(reservations: Any) -> None:
     for reservation in reservations:
         reservation.release()
 
-
-#: The name this class had before the buffer primitive (kept while stages move over).
-StageAccount = Buffer

@@ -65,7 +65,7 @@ class NestedPart:
                 "Raise Options(memory_budget=...), lower cycle_length, or make the inner "
                 "datasets smaller."
             )
-        self.owned = parts.buffer.charge(owned_bytes)
+        self.owned = parts.buffer.admit(owned_bytes)
         self.budget.total = share - owned_bytes
         self.budget.widen = functools.partial(_widen, parts.buffer, parts.count, owned_bytes)
 

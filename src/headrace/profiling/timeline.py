@@ -29,7 +29,7 @@ from headrace.profiling.process import ProcessSnapshot, snapshot
 if TYPE_CHECKING:
     from headrace.core.iterator import Iterator
     from headrace.core.run import DatasetIterator
-    from headrace.memory.budget import StageAccount
+    from headrace.memory.buffer import Buffer
     from headrace.profiling.probe import Instrumenter
 
 __all__ = ["KNOBS", "Decision", "Monitor", "Sample", "Sampler"]
@@ -84,9 +84,9 @@ class Sample:
         return self.growth - self.budget_used
 
 
-def _accounts_by_node(iterator: DatasetIterator) -> dict[int, StageAccount]:
+def _accounts_by_node(iterator: DatasetIterator) -> dict[int, Buffer]:
     """The run's stage accounts, keyed by ``id`` of their recipe node."""
-    accounts: dict[int, StageAccount] = getattr(iterator.context, "_accounts", {})
+    accounts: dict[int, Buffer] = getattr(iterator.context, "_accounts", {})
     return accounts
 
 
@@ -232,7 +232,7 @@ class Sampler:
                 self.decisions.append(Decision(seconds, stage, what, before, value))
 
     def _watch_decisions(
-        self, iterator: DatasetIterator, accounts: dict[int, StageAccount], seconds: float
+        self, iterator: DatasetIterator, accounts: dict[int, Buffer], seconds: float
     ) -> None:
         for key, account in list(accounts.items()):
             self._note((key, "share"), account.name, "share of the budget (bytes)",

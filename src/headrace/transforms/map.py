@@ -75,7 +75,7 @@ from headrace.core.node import Node, ShardRole, check_signature, first_element
 from headrace.core.position import _POSITION
 from headrace.core.state import INNER, SKIP, StateReader, mark_out_of_order
 from headrace.errors import InvalidArgumentError, Origin, note_element_error
-from headrace.memory.buffer import NO_RESERVATION, Reservation, StageAccount
+from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.inflight import InFlight, Ticket
 from headrace.options import AUTOTUNE
 from headrace.structure import TensorSpec, flatten, map_structure, spec_of
@@ -281,7 +281,7 @@ class MapNode(Node):
         return access, lambda ctx: SequentialIndices(size)
 
     def batched_iterator(
-        self, ctx: Context, batch_size: int, drop_remainder: bool, account: StageAccount
+        self, ctx: Context, batch_size: int, drop_remainder: bool, account: Buffer
     ) -> Iterator | None:
         """A map that only parses its record, then ``batch``: one columnar parse per batch
         (see :mod:`headrace.transforms.parse_fusion`)."""
@@ -578,7 +578,7 @@ class _ParallelMapIterator(Iterator):
         inner: Iterator,
         fn: Callable[..., Any],
         ctx: Context,
-        account: StageAccount,
+        account: Buffer,
         threads: int,
         deterministic: bool,
         stage: str,

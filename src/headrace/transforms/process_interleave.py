@@ -292,7 +292,7 @@ def slot_pool(
                         None if cap is None else max(1, cap // count))
 
     def book_idle(nbytes: int) -> Reservation | None:
-        return account.charge(nbytes) if account.room() >= nbytes else None
+        return account.admit(nbytes) if account.room() >= nbytes else None
 
     # A slot's chunks in circulation: READ_AHEAD + 1 asked for, the one being handed out,
     # and the one whose last element the consumer still holds. Keeping fewer idle made a
@@ -389,7 +389,7 @@ class RemoteSlotIterator(Iterator):
         nbytes = self.chunk_bytes()
         if not self._room_for(nbytes) and (follow or self.ready):
             return False  # no room to read ahead: the next chunk is asked for on demand
-        booking = self.account.charge(nbytes)
+        booking = self.account.admit(nbytes)
         # A slot's first chunk is one element: the cycle waits for a new slot, so its
         # first answer should be quick; the follow requests behind it read full chunks.
         elements = 1 if self.asked == 0 else CHUNK_ELEMENTS

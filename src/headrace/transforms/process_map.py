@@ -127,7 +127,7 @@ def book_workers(account: Buffer, wanted: int, stage: str) -> tuple[int, Reserva
         note = f"; {count} of {wanted} workers fit the budget"
     booking = NO_RESERVATION
     if count > 1:
-        booking = account.charge((count - 1) * WORKER_BASELINE_BYTES, elements=0)
+        booking = account.admit((count - 1) * WORKER_BASELINE_BYTES, elements=0)
     return count, booking, note
 
 
@@ -180,7 +180,7 @@ class ProcessMapIterator(_ParallelMapIterator):
         the segment is dropped)."""
         if nbytes > self.account.room():
             return None
-        return self.account.charge(nbytes)
+        return self.account.admit(nbytes)
 
     def _start_pool(self) -> None:
         """The worker processes, their own memory booked (G1) and their pipes held on
