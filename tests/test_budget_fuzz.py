@@ -654,7 +654,7 @@ def test_an_overdraft_leaves_the_budget_with_its_bytes(monkeypatch: pytest.Monke
     budget = MemoryBudget(100_000)
     stage = budget.account("map", weight=1.0)
     budget.allot()
-    within = stage.charge(stage.limit - 10_000)
+    within = stage.admit(stage.limit - 10_000)
     (outgrown,) = stage.admit_existing([30_000])  # an output that outgrew its estimate
     assert stage.overdrawn == 20_000 and budget.used == budget.total + 20_000
     unexplained: list[int] = []
