@@ -640,3 +640,58 @@ def test_a_state_taken_after_errors_while_the_cache_fills_resumes_after_them(
         with iter(make()) as resumed:
             resumed.set_state(state)
             assert _drain_with_errors(resumed) == oracle[cut:], (seed, cut)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_pass_whose_input_raised_is_not_kept_as_the_cache(seed: int, tmp_path: Path) -> None:
+    """An element whose map fails once (a transient error) while the cache fills: that
+    pass raises it in its place and is not kept, with a warning; the next pass reads
+    the input again and every later epoch has every element (the oracle: the input as
+    it is now). Kept, the cache lacked the element in every later epoch, silently, and
+    in every other process reading the file. Elements that fail every time still fail
+    in their place each epoch; dropped before the cache, the cache is kept."""
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(8, 30))
+    flaky = {int(i) for i in rng.choice(count, size=int(rng.integers(1, 4)), replace=False)}
+    kind = ("memory", "file", "snapshot")[seed % 3]
+    failed: set[int] = set()
+
+    def once(i: Any) -> Any:
+        if int(i) in flaky and int(i) not in failed:
+            failed.add(int(i))
+            raise OSError(f"flaky {int(i)}")
+        return np.int64(i)
+
+    def cached(ds: hr.Dataset, name: str) -> hr.Dataset:
+        if kind == "snapshot":
+            return ds.snapshot(str(tmp_path / name))
+        return ds.cache(str(tmp_path / name) if kind == "file" else "")
+
+    ds = cached(hr.Dataset.range(count).map(once), "a")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        epochs = [_drain_errors_as(iter(ds), OSError) for _ in range(3)]
+    assert epochs[0] == ["E" if i in flaky else i for i in range(count)], (seed, kind)
+    assert epochs[1] == epochs[2] == list(range(count)), (seed, kind, epochs)
+    assert any("not kept" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    # failing every time and dropped before the cache: kept after one pass
+    always = cached(hr.Dataset.range(count).map(
+        lambda i: np.int64(i) if int(i) not in flaky else np.int64(1 // 0)
+    ).ignore_errors(), "b")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        passes = [_drain_errors_as(iter(always), ZeroDivisionError) for _ in range(2)]
+    assert passes == [[i for i in range(count) if i not in flaky]] * 2, (seed, kind)
+    assert not any("not kept" in str(w.message) for w in caught), (seed, kind)
+
+
+def _drain_errors_as(iterator: Any, kind: type[Exception]) -> list[Any]:
+    out: list[Any] = []
+    with iterator:
+        while True:
+            try:
+                out.append(int(next(iterator)))
+            except StopIteration:
+                return out
+            except kind:
+                out.append("E")

@@ -678,7 +678,7 @@ def test_idle_segments_too_small_for_grown_outputs_make_room_for_larger_ones() -
     budget = MemoryBudget(64 * MiB)
     account = budget.account("test", weight=1)
     budget.allot()
-    pool = processes.ProcessPool(process_fns.zeros_of, 1, "test", book_idle=account.charge)
+    pool = processes.ProcessPool(process_fns.zeros_of, 1, "test", book_idle=account.admit)
     try:
         small = [pool.submit([64 << 10]), pool.submit([64 << 10])]  # two segments at once
         assert [len(f.result(timeout=10)[0][0]) for f in small] == [64 << 10] * 2

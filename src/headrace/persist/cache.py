@@ -66,7 +66,7 @@ from headrace.core.element_errors import STREAM_ERRORS, RepeatCheck
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode
 from headrace.core.state import POSITION, StateReader, past_end
-from headrace.errors import CheckpointError, InvalidArgumentError
+from headrace.errors import CheckpointError, HeadraceWarning, InvalidArgumentError
 from headrace.memory.buffer import Reservation
 from headrace.persist.file_store import FileStore, find_complete
 from headrace.persist.kept import kept_caches
@@ -214,7 +214,10 @@ class _CacheIterator(Iterator):
         try:
             element, reservation = upstream.pull()
         except StopIteration:
-            store.finish()
+            if self.errors:
+                self._abandon()
+            else:
+                store.finish()
             raise
         except STREAM_ERRORS:
             raise
@@ -223,9 +226,29 @@ class _CacheIterator(Iterator):
             raise
         pair = store.append(element, reservation)
         self.position += 1
-        if store.count == self.cardinality:  # as tf.data: complete without reading the end
-            store.finish()
+        if store.count == self.cardinality and not self.errors:  # as tf.data: complete
+            store.finish()  # without reading the end
         return pair
+
+    def _abandon(self) -> None:
+        """The input raised in elements' places during this pass: the pass is not a
+        complete copy of the input, so it is not kept (tf.data keeps it, and later
+        epochs silently lack those elements, even where the error was transient). The
+        next pass reads the input again."""
+        store = self.store
+        assert store is not None
+        if store.partial:  # (a pass-through writes nothing: nothing to say)
+            warnings.warn(
+                f"{self.stage}: its input raised in the place of {self.errors} element(s) "
+                "during this pass, so the pass is not kept as the cache (it would lack "
+                "them in every later epoch); the next pass reads the input again. To cache "
+                "a dataset whose elements fail every time, drop them before the cache: "
+                ".ignore_errors().cache(...)",
+                HeadraceWarning, stacklevel=3,
+            )
+        store.discard()
+        ended = self.store = PassThrough(store.epochs)  # (nothing more to keep in this pass)
+        ended.complete = True  # (its end was read: the next pull ends again)
 
     # -- checkpoints -----------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
