@@ -364,6 +364,9 @@ def _pack_failure(
     except Exception:
         writer.add(None)
         return raised, text
+    # its pickle may be small while it holds much (its cause, attributes that its
+    # __reduce__ leaves out): the run's memo must not keep it alive
+    writer.end_run()
     return _PACKED, text
 
 
