@@ -4,6 +4,7 @@ that raise them: module level, so worker processes can load them (see process_fn
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -98,3 +99,72 @@ def inner_raising(plan: dict[int, str], rows: int, k: Any) -> Any:
 
     start = int(k) * rows
     return hr.Dataset.range(start, start + rows).map(functools.partial(raise_on, plan))
+
+
+class Inflating(Exception):
+    """Small when pickled (its ``__reduce__`` gives its size), large when made: an array
+    of ``nbytes``, made again wherever it is rebuilt."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.blob = np.ones(nbytes, np.uint8)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Inflating, (self.args[0],))
+
+
+#: How an error of :func:`shaped_error` holds its array.
+SHAPES = ("args", "inflate", "cause", "context", "local", "none")
+
+
+def shaped_error(shape: str, every: int, nbytes: int, seconds: float, x: Any) -> Any:
+    """``[x]`` for every ``every``-th element (after ``seconds``: the errors raised
+    meanwhile wait for their turn); the others raise an error holding ``nbytes``
+    the way ``shape`` says: in its args, made by its ``__init__`` (small pickle), on
+    its ``__cause__`` or ``__context__``, in a local of the failing frame, or none."""
+    i = int(x)
+    if i % every == 0:
+        time.sleep(seconds)
+        return np.full(4, i, np.int64)
+    if shape == "args":
+        raise ValueError(f"bad {i}", np.ones(nbytes, np.uint8))
+    if shape == "inflate":
+        raise Inflating(nbytes)
+    if shape in ("cause", "context"):
+        try:
+            raise KeyError(np.ones(nbytes, np.uint8))
+        except KeyError as error:
+            if shape == "cause":
+                raise RuntimeError(f"bad {i}") from error
+            raise RuntimeError(f"bad {i}")  # noqa: B904 (its context is the point)
+    if shape == "local":
+        temporary = np.ones(nbytes, np.uint8)
+        raise ValueError(f"bad {i} ({temporary[:4].sum()})")
+    raise ValueError(f"bad {i}")
+
+
+def chained_error(plan: dict[int, list[str]], x: Any) -> Any:
+    """``x`` or, for the elements in ``plan``, an error whose chain follows its list:
+    each step ``"cause"`` (``raise .. from``), ``"context"`` (raised while handling),
+    ``"suppressed"`` (``from None``), ``"custom"`` (a cause that pickle cannot rebuild
+    as ``type(*args)``) from the innermost out."""
+    row = int(x)
+    steps = plan.get(row)
+    if steps is None:
+        return row
+    error: BaseException = KeyError(f"root {row}")
+    for depth, step in enumerate(steps):
+        try:
+            raise error
+        except BaseException as inner:
+            outer: BaseException = (TwoArgs(row, f"level {depth}") if step == "custom"
+                                    else RuntimeError(f"level {depth} of {row}"))
+            try:
+                if step in ("cause", "custom"):
+                    raise outer from inner
+                if step == "suppressed":
+                    raise outer from None
+                raise outer
+            except BaseException as made:
+                error = made
+    raise error

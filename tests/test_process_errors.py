@@ -143,3 +143,46 @@ def test_a_failing_collector_fails_the_pool_at_every_next(
     assert all(entry[:2] == ("error", "WorkerPoolError") for entry in got[first:]), got[first:]
     assert "injected collector fault" in errors[0][2]
     assert issubclass(WorkerPoolError, WorkerError)
+
+
+def chain_of(error: BaseException | None, depth: int = 0) -> Any:
+    """``error``'s chain as comparable data: type, message, cause, context, suppressed."""
+    if error is None or depth > 10:
+        return None
+    return (type(error).__name__, str(error), chain_of(error.__cause__, depth + 1),
+            chain_of(error.__context__, depth + 1), error.__suppress_context__)
+
+
+def chains(ds: hr.Dataset) -> list[Any]:
+    out: list[Any] = []
+    with iter(ds) as iterator:
+        while True:
+            try:
+                out.append(("value", int(next(iterator))))
+            except StopIteration:
+                return out
+            except Exception as error:
+                out.append(("error", chain_of(error)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_process_map_keeps_the_users_cause_and_context_chain(seed: int) -> None:
+    # the oracle: the same map on threads (the chain as raised); the worker's traceback
+    # is a note, not a __cause__ in the user's chain's place
+    rng = random.Random(500 + seed)
+    count = rng.randint(6, 20)
+    steps = ["cause", "context", "suppressed", "custom"]
+    plan = {row: [rng.choice(steps) for _ in range(rng.randint(0, 4))]
+            for row in rng.sample(range(count), k=rng.randint(1, 5))}
+    fn = functools.partial(fns.chained_error, plan)
+    source = hr.Dataset.range(count)
+    oracle = chains(source.map(fn, num_parallel_calls=2, workers="threads"))
+    got = chains(source.map(fn, num_parallel_calls=2, workers="processes"))
+    assert got == oracle, plan
+    with iter(source.map(fn, num_parallel_calls=2, workers="processes")) as iterator:
+        for _ in range(min(plan)):
+            next(iterator)
+        with pytest.raises(Exception) as caught:
+            next(iterator)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "its traceback there" in notes and "chained_error" in notes

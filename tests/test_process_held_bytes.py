@@ -150,6 +150,64 @@ def test_errors_carrying_arrays_held_by_a_process_map_stay_within_the_bound(
     assert result["growth"] <= bound, (case, result["growth"] / MIB, bound / MIB)
 
 
+# Errors that hold large data the pickle does not show (made by their __init__, on their
+# cause or context, in their frames), raised by most calls of a process map: what the
+# worker keeps of a failed call must go with it, not wait for the cycle collector.
+_SHAPED = _SAMPLER + """
+import functools
+import headrace as hr
+import proc_error_fns
+
+
+def positions(ds):
+    out = []
+    with iter(ds) as it:
+        while True:
+            try:
+                out.append(int(next(it)[0]))
+            except StopIteration:
+                return out
+            except Exception as error:
+                out.append(type(error).__name__)
+                del error
+
+
+def main(case):
+    fn = functools.partial(proc_error_fns.shaped_error, case["shape"], case["every"],
+                           case["nbytes"], case["seconds"])
+    source = hr.Dataset.range(case["count"])
+    options = hr.Options(memory_budget=case["budget"])
+    ds = source.map(fn, num_parallel_calls=case["workers"], workers="processes")
+    with Peak() as peak:
+        got = positions(ds.with_options(options))
+    # the oracle, after the measure: the same map on threads
+    expected = positions(source.map(fn, num_parallel_calls=case["workers"]).with_options(
+        options))
+    print(json.dumps({"growth": peak.peak - peak.base, "got": got, "expected": expected}))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_errors_holding_data_their_pickle_leaves_out_stay_within_the_bound(
+    seed: int, tmp_path: Path
+) -> None:
+    rng = random.Random(700 + seed)
+    every = rng.randint(3, 5)
+    case = {
+        "shape": ("inflate", "cause", rng.choice(["context", "args", "local"]))[seed % 3],
+        "every": every, "nbytes": rng.randint(5, 7) * MIB, "seconds": 0.3, "count": every * rng.randint(10, 14),
+        "workers": 4, "budget": 32 * MIB,
+    }
+    result = _run(_SHAPED, case, tmp_path)
+    assert result["got"] == result["expected"], case
+    bound = case["budget"] * 1.1 + 64 * MIB
+    assert result["growth"] <= bound, (case, result["growth"] / MIB, bound / MIB)
+
+
 # A process interleave whose inner elements are larger than a chunk's byte cap (inner
 # batches of large records), read by a consumer that stops for a while (read-ahead fills).
 _INTERLEAVE = _SAMPLER + """

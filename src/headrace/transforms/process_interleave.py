@@ -91,7 +91,7 @@ from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE, Options
 from headrace.sources.files import file_limiter
 from headrace.transforms._interleave_cycle import CycleIterator, Slot
-from headrace.workers.processes import ProcessPool, _RemoteTraceback, portable
+from headrace.workers.processes import ProcessPool, portable
 
 if TYPE_CHECKING:
     from headrace.transforms.interleave import InterleaveNode
@@ -459,9 +459,9 @@ class RemoteSlotIterator(Iterator):
             if isinstance(raised, ElementTooLarge):
                 self.error = self._refusal(raised.nbytes)
             else:
-                raised.__cause__ = _RemoteTraceback(text)
+                # the user's chain is kept (as on threads); the worker's traceback is a note
                 add_note(raised, f"headrace: raised in {self.stage}'s inner pipeline, in a "
-                                 "worker process")
+                                 f"worker process; its traceback there:\n{text}")
                 self.error = raised
         self._top_up()  # the worker reads the next chunks while this one is handed out
         if ended and self.on_ended is not None:

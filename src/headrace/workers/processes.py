@@ -244,7 +244,61 @@ def _failure(error: Exception) -> tuple[BaseException, str]:
     return portable(error), text
 
 
+#: How deep a chain of causes and contexts travels with an error (the rest is cut).
+_CHAIN_DEPTH = 64
+
+
 def portable(error: BaseException) -> BaseException:
+    """``error`` in a form that unpickles in the consumer (see :func:`_portable_one`),
+    with its chain: its ``__cause__`` and ``__context__`` (each portable too) are set
+    on it again there, as a thread map leaves them. Pickle keeps neither."""
+    return _portable_chain(error, {}, 0)
+
+
+def _portable_chain(
+    error: BaseException, made: dict[int, BaseException], depth: int
+) -> BaseException:
+    known = made.get(id(error))
+    if known is not None:  # met before in the chain (a cause that is also the context)
+        return known
+    one = made[id(error)] = _portable_one(error)
+    cause, context = error.__cause__, error.__context__
+    if (cause is None and context is None) or depth >= _CHAIN_DEPTH:
+        return one
+    chained = made[id(error)] = _Chained(one, None, None, error.__suppress_context__)
+    if cause is not None:
+        chained.cause = _portable_chain(cause, made, depth + 1)
+    if context is not None:
+        chained.context = _portable_chain(context, made, depth + 1)
+    return chained
+
+
+class _Chained(Exception):
+    """An error with its cause and context, as it travels: it unpickles as the error
+    with both set again (:func:`_rechain`). Its parts are attributes, so the cost
+    model sizes them all."""
+
+    def __init__(self, error: BaseException, cause: BaseException | None,
+                 context: BaseException | None, suppress: bool) -> None:
+        super().__init__()
+        self.error, self.cause, self.context, self.suppress = error, cause, context, suppress
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, ...]]:
+        return _rechain, (self.error, self.cause, self.context, self.suppress)
+
+
+def _rechain(error: BaseException, cause: Any, context: Any, suppress: bool) -> BaseException:
+    """``error`` with its chain set again (parts that did not come back as errors
+    are left out)."""
+    if isinstance(cause, BaseException) and cause is not error:
+        error.__cause__ = cause
+    if isinstance(context, BaseException) and context is not error:
+        error.__context__ = context
+    error.__suppress_context__ = bool(suppress)
+    return error
+
+
+def _portable_one(error: BaseException) -> BaseException:
     """``error`` in a form that unpickles in the consumer: itself where pickle can
     rebuild it; else a stand-in that rebuilds the user's type without calling its
     ``__init__`` (one that takes other arguments than its message), or a
@@ -364,6 +418,9 @@ def _pack_failure(
     except Exception:
         writer.add(None)
         return raised, text
+    # its pickle may be small while it holds much (its cause, attributes that its
+    # __reduce__ leaves out): the run's memo must not keep it alive
+    writer.end_run()
     return _PACKED, text
 
 
@@ -1145,8 +1202,9 @@ class ProcessPool:
                     elif not isinstance(raised, BaseException):
                         raised = WorkerError(f"the error of element {position} of a worker's "
                                              f"call came back as {type(raised).__name__}")
-                raised.__cause__ = _RemoteTraceback(text)
-                add_note(raised, f"headrace: raised in worker process {worker.process.pid}")
+                # the user's chain is kept (as on threads); the worker's traceback is a note
+                add_note(raised, f"headrace: raised in worker process {worker.process.pid}; "
+                                 f"its traceback there:\n{text}")
                 failed[position] = raised
         # the segments' bytes that no output views: alignment, the unused end of a reused
         # segment, and buffers received as copies (large bytes, bytes columns); nothing
@@ -1383,17 +1441,6 @@ class ProcessPool:
                 worker.progress = None
         for name in self._progress_names:  # (a worker that never mapped its cell)
             unlink_segment(name)
-
-
-class _RemoteTraceback(Exception):
-    """The traceback of an exception raised in a worker process (its ``__cause__``)."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.text = text
-
-    def __str__(self) -> str:
-        return f"\n\nTraceback in the worker process:\n{self.text}"
 
 
 #: Times a chunk is sent again after workers died while no element of it was running

@@ -594,8 +594,22 @@ class OutputWriter:
                 offset += _aligned(length)
         self._offset = offset
 
+    def end_run(self) -> None:
+        """End the current run after the output just packed: the memo lets go of it.
+        For an output whose pickle is small while the object holds much more (an
+        error: its ``__cause__``, its traceback, attributes its ``__reduce__``
+        leaves out), which the memo would keep alive in the worker until the run
+        ends."""
+        self._end_run()
+
     def finish(self) -> Outputs:
-        """The outputs packed, as the message that carries them."""
+        """The outputs packed, as the message that carries them. The writer is done:
+        its memo is cleared and its pickler dropped (the pickler holds the writer's
+        methods: a cycle, which kept the last run's objects alive in the worker until
+        the cycle collector ran; each failed call's error and all it held, seen:
+        +300 MiB over 45 errors of 8 MiB)."""
+        self._end_run()
+        self._pickler = None  # type: ignore[assignment]
         return Outputs(self._stream.getvalue(), self.count, tuple(self.segments),
                        tuple(self.spans), tuple(self.copied), tuple(self._ends))
 
