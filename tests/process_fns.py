@@ -103,6 +103,16 @@ def shard_dataset(i: Any, sizes: tuple[int, ...] = (5, 0, 3, 7), bad: int = -1) 
     return ds.map(functools.partial(fail_on_value, bad))
 
 
+def shard_or_no_dataset(
+    i: Any, sizes: tuple[int, ...] = (5, 0, 3, 7), bad: int = -1, unbuilt: tuple[int, ...] = ()
+) -> Any:
+    """:func:`shard_dataset`, except that for the inputs in ``unbuilt`` the dataset cannot
+    be built: the interleave function raises :class:`Failing` itself."""
+    if int(i) in unbuilt:
+        raise Failing(f"no dataset for {int(i)}")
+    return shard_dataset(i, sizes, bad)
+
+
 def fail_on_value(bad: int, x: Any) -> Any:
     if int(x) == bad:
         raise Failing(f"bad element {int(x)}")

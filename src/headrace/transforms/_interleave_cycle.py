@@ -30,7 +30,23 @@ from headrace.memory.nested import NestedPart, NestedParts
 if TYPE_CHECKING:
     from headrace.transforms.interleave import InterleaveNode
 
-__all__ = ["CycleIterator", "Slot"]
+__all__ = ["CycleIterator", "Slot", "SlotNotBuilt"]
+
+
+class SlotNotBuilt(Exception):
+    """A slot's inner dataset could not be built, found on its first pull: the run
+    mode builds it elsewhere (a worker process builds it on the slot's first request).
+
+    The cycle treats it as the sequential interleave treats a failed open: the slot
+    is closed, the cycle stays where it is (the next input element takes the same
+    place), and ``error`` is raised, noted with the input element's ``index``. Treated
+    as an error of the slot's first element instead, the failed slot took a visit of
+    the cycle and the order from there on was another one.
+    """
+
+    def __init__(self, error: Exception, index: int) -> None:
+        super().__init__(error, index)
+        self.error, self.index = error, index
 
 
 class Slot:
@@ -149,6 +165,14 @@ class CycleIterator(Iterator):
                     self._close_slot(self.cycle_index)
                     self._advance()
                     continue
+                except SlotNotBuilt as failed:  # as if its open had failed: no visit taken
+                    not_built: SlotNotBuilt | None = failed
+                else:
+                    not_built = None
+                if not_built is not None:  # (raised outside the handler: no context kept)
+                    self._close_slot(self.cycle_index)
+                    error = note_element_error(not_built.error, self._stage_name(), not_built.index)
+                    raise error
                 self.last_slot = slot
                 self.block_index += 1
                 if self.block_index == self.node.block_length:

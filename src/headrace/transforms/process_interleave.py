@@ -43,7 +43,10 @@ visits slots exactly as :mod:`headrace.transforms.interleave` does
 pipeline is raised at its element's place, with the worker's traceback as its
 ``__cause__``; the next pull goes on with the same slot, as with threads. A
 slot's state is the inner state before its current chunk plus how many of
-that chunk's elements were handed out: small, JSON-able, exact (G4).
+that chunk's elements were handed out: small, JSON-able, exact (G4). An inner
+dataset that cannot be built (the interleave function raises in the worker, on
+the slot's first request) is raised as the sequential interleave raises a failed
+open: the slot is dropped without taking a visit of the cycle.
 
 Memory. A slot's part of the stage's share is split in two halves. Each
 inner pipeline runs in its worker under a budget of the first half, so its own
@@ -77,7 +80,7 @@ import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from headrace.core.handoff import drop_frames, unpin
 from headrace.core.iterator import Context, Iterator
@@ -90,7 +93,7 @@ from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE, Options
 from headrace.sources.files import file_limiter
-from headrace.transforms._interleave_cycle import CycleIterator, Slot
+from headrace.transforms._interleave_cycle import CycleIterator, Slot, SlotNotBuilt
 from headrace.workers.processes import ProcessPool, portable
 
 if TYPE_CHECKING:
@@ -100,6 +103,7 @@ __all__ = [
     "CHUNK_BYTES",
     "CHUNK_ELEMENTS",
     "READ_AHEAD",
+    "BuildFailed",
     "ElementTooLarge",
     "ProcessInterleaveIterator",
     "RemoteSlotIterator",
@@ -130,6 +134,16 @@ class ElementTooLarge(Exception):
     def __init__(self, nbytes: int) -> None:
         super().__init__(nbytes)
         self.nbytes = nbytes
+
+
+class BuildFailed(Exception):
+    """The interleave function raised building a slot's inner dataset in the worker
+    (``error``, ``text``: its traceback there). The consumer raises it as the
+    sequential interleave raises a failed open (see :class:`SlotNotBuilt`)."""
+
+    def __init__(self, error: Exception, text: str) -> None:
+        super().__init__(error, text)
+        self.error, self.text = error, text
 
 
 class SlotReader:
@@ -202,8 +216,13 @@ class SlotReader:
             if self._files is None:
                 self._files = get_default_pool().limiter(self.max_open_files)
             ctx.run.file_limiter = self._files
-        with opening_under(file_limiter(ctx)):  # (its opens count against the cap: G2)
-            iterator: Iterator = self.node.inner_node(element).make_iterator(ctx)  # type: ignore[attr-defined]
+        try:
+            with opening_under(file_limiter(ctx)):  # (its opens count against the cap: G2)
+                iterator: Iterator = self.node.inner_node(element).make_iterator(ctx)  # type: ignore[attr-defined]
+        except Exception as raised:  # the slot's open failed: the consumer says so in its turn
+            budget.close()
+            text = traceback.format_exc()
+            raise BuildFailed(cast(Exception, portable(drop_frames(raised))), text) from None
         budget.allot()
         self.kept[token] = (iterator, budget, position)
         while len(self.kept) > self.keep:
@@ -225,7 +244,10 @@ class SlotReader:
     def __call__(self, request: tuple[Any, ...]) -> tuple[list[Any], Any, bool, Any, bool]:
         from headrace.memory.sizeof import sizeof
 
-        iterator = self._iterator(request)
+        try:
+            iterator = self._iterator(request)
+        except BuildFailed as failed:
+            return [], None, True, (failed, ""), False
         if iterator is None:
             return [], None, False, None, True
         token, (restores, chunks) = request[0], request[1]
@@ -335,9 +357,11 @@ class RemoteSlotIterator(Iterator):
         prefer: int | None = None,
         worker_share: int = 0,
         largest: Largest | None = None,
+        index: int = 0,
     ) -> None:
         super().__init__()
         self.pool, self.element, self.ctx, self.account = pool, element, ctx, account
+        self.index = index  # of the input element (named when its dataset cannot be built)
         # The inner pipeline holds up to ``worker_share`` in its worker: this slot's
         # chunks in flight get the rest of its part. Its account is the whole part, so
         # that half is kept free on it when chunks are asked for ahead (see _room_for).
@@ -458,6 +482,15 @@ class RemoteSlotIterator(Iterator):
             raised, text = error
             if isinstance(raised, ElementTooLarge):
                 self.error = self._refusal(raised.nbytes)
+            elif isinstance(raised, BuildFailed):  # its inner dataset could not be built
+                built = raised.error
+                # the user's chain is kept (as on threads); the worker's traceback is a note
+                add_note(built, f"headrace: raised building {self.stage}'s inner dataset, in "
+                                f"a worker process; its traceback there:\n{raised.text}")
+                fresh = self.restores == 0 and self.chunks == 1
+                # a new slot: no visit of the cycle taken (the sequential open failed);
+                # a restored one raises it in its place, and ends
+                self.error = SlotNotBuilt(built, self.index) if fresh else built
             else:
                 # the user's chain is kept (as on threads); the worker's traceback is a note
                 add_note(raised, f"headrace: raised in {self.stage}'s inner pipeline, in a "
@@ -599,6 +632,7 @@ class ProcessInterleaveIterator(CycleIterator):
         self.ahead: deque[_Ahead] = deque()
         self.input_done = False  # the input ended while opening ahead (not yet in turn)
         self.worker_hint: int | None = None
+        self.opening_index: int | None = None  # of the element open_ahead opens
 
     def _open_slot(self, element: Any, input_before: dict[str, Any], *, start: bool) -> Slot:
         """A slot whose inner pipeline runs in a worker process."""
@@ -625,6 +659,7 @@ class ProcessInterleaveIterator(CycleIterator):
         iterator = RemoteSlotIterator(
             self.processes, element, inner_ctx, account, part.size(), "interleave slot",
             prefer=self.worker_hint, worker_share=self.worker_share, largest=self.largest,
+            index=self.input_index - 1 if self.opening_index is None else self.opening_index,
         )
         iterator.on_ended = self.open_ahead
         return Slot(iterator, part, input_before, inner_ctx, account)
@@ -647,7 +682,7 @@ class ProcessInterleaveIterator(CycleIterator):
         except Exception as error:  # the input's own error: raised in its turn
             self.ahead.append(_Ahead(None, before, index, unpin(error), pulled=False))
             return
-        self.worker_hint = worker
+        self.worker_hint, self.opening_index = worker, index
         try:
             slot = self._open_slot(element, before, start=True)
         except Exception as error:
@@ -655,7 +690,7 @@ class ProcessInterleaveIterator(CycleIterator):
             self.ahead.append(_Ahead(None, before, index, error))
             return
         finally:
-            self.worker_hint = None
+            self.worker_hint = self.opening_index = None
         slot.iterator.start()  # type: ignore[attr-defined]
         self.ahead.append(_Ahead(slot, before, index, None))
 
