@@ -375,10 +375,15 @@ class _Costing:
                 hasattr(cls, "__next__") or cls.__module__ != "builtins")):
             # built-in iterators, itertools objects, operator.itemgetter & co
             return sys.getsizeof(value) + self.iterator_parts(value)
-        extra = self.held_by_builtin(value, cls)
-        if extra is not None:
-            return sys.getsizeof(value) + extra
-        nbytes = _framework_nbytes(value, cls)
+        if cls not in _PLAIN_CLASSES:  # (a user's class: known after its first object)
+            extra = self.held_by_builtin(value, cls)
+            if extra is not None:
+                return sys.getsizeof(value) + extra
+            if not (hasattr(cls, "__dlpack__") or hasattr(cls, "__array__")):
+                if len(_PLAIN_CLASSES) >= 4096:  # classes made per element: not kept
+                    _PLAIN_CLASSES.clear()
+                _PLAIN_CLASSES.add(cls)
+        nbytes = None if cls in _PLAIN_CLASSES else _framework_nbytes(value, cls)
         if nbytes is not None:
             # Its own attributes may hold more than its data says (a frame's object
             # columns): the larger of the two, never both (they may be the same memory).
@@ -530,6 +535,10 @@ _DESCRIPTORS = frozenset({types.GetSetDescriptorType, types.MemberDescriptorType
                           types.ClassMethodDescriptorType})
 
 _FLATITER = type(np.empty(0).flat)
+
+#: Classes of none of the kinds :meth:`_Costing.held_by_builtin` and
+#: :func:`_framework_nbytes` cost (decided by the class alone): skipped at once.
+_PLAIN_CLASSES: set[type] = set()
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made at run time (not a built-in one)
 
 
