@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
+import operator
 import random
 import sys
+import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +93,19 @@ def _coroutine(value: Any) -> Any:
 
 _coroutines: list[Any] = []
 
+
+def _code_constant(value: Any) -> Any:
+    """A function whose code object holds ``value`` as a constant (as exec'd source
+    holding a big literal does)."""
+    def function() -> int:
+        return 1
+    code = function.__code__
+    return types.FunctionType(code.replace(co_consts=(*code.co_consts, value)), {})
+
+
+def _made_class(value: Any) -> Any:
+    return type("Made", (), {"payload": value})
+
 #: Wrappers that keep all of their argument alive.
 WRAPPERS: dict[str, Any] = {
     "list": lambda v: [v],
@@ -116,7 +133,32 @@ WRAPPERS: dict[str, Any] = {
     "map": lambda v: map(str, [v]),
     "enumerate": lambda v: enumerate([v]),
     "dict_values": lambda v: {"k": v}.values(),
+    "repeat": lambda v: itertools.repeat(v),
+    "cycle": lambda v: itertools.cycle([v]),
+    "chain": lambda v: itertools.chain([v]),
+    "islice": lambda v: itertools.islice([v], 1),
+    "accumulate": lambda v: itertools.accumulate([v]),
+    "slice": lambda v: slice(v),
+    "itemgetter": lambda v: operator.itemgetter(v),
+    # bound to v itself (``v.__sizeof__`` of a class would be its type's, unbound)
+    "builtin_method": lambda v: object.__sizeof__.__get__(v),  # __self__ is v
+    "method_wrapper": lambda v: object.__eq__.__get__(v),
+    "property": lambda v: property(_closure(v)),
+    "staticmethod": lambda v: staticmethod(_closure(v)),
+    "classmethod": lambda v: classmethod(_closure(v)),
+    "class": _made_class,
+    "code_constant": _code_constant,
 }
+
+#: Wrappers of an ndarray only.
+ARRAY_WRAPPERS = {"dict_key_iterator", "flat", "ndenumerate"}
+WRAPPERS["flat"] = lambda v: v.flat
+WRAPPERS["ndenumerate"] = lambda v: np.ndenumerate(v)
+
+try:
+    import jax.numpy as _jnp  # another framework's arrays: costed by their nbytes
+except ImportError:  # pragma: no cover - jax is an optional test dependency
+    _jnp = None
 
 
 def _advanced(iterator: Any) -> Any:
@@ -126,17 +168,22 @@ def _advanced(iterator: Any) -> Any:
 
 def _case(rng: random.Random) -> tuple[list[str], Any, int]:
     """A random nest of wrappers around 1-3 arrays; the bytes its arrays hold."""
-    arrays = [np.full(rng.randrange(1, 5) << 18, rng.randrange(100), np.uint8)
-              for _ in range(rng.randrange(1, 4))]
+    arrays: list[Any] = [np.full(rng.randrange(1, 5) << 18, rng.randrange(100), np.uint8)
+                         for _ in range(rng.randrange(1, 4))]
     held = sum(array.nbytes for array in arrays)
-    value: Any = arrays[0] if len(arrays) == 1 else list(arrays)
     kinds = []
+    if _jnp is not None and rng.random() < 0.25:
+        arrays = [_jnp.array(array) for array in arrays]  # (a copy: the numpy one is freed)
+        kinds.append("jax")
+    value: Any = arrays[0] if len(arrays) == 1 else list(arrays)
     for _ in range(rng.randrange(1, 4)):
         kind = rng.choice(sorted(WRAPPERS))
+        if isinstance(value, np.ndarray) and rng.random() < 0.3:
+            kind = rng.choice(sorted(ARRAY_WRAPPERS))  # (drawn often enough to matter)
+        if kind in ARRAY_WRAPPERS and not isinstance(value, np.ndarray):
+            continue
         if kind == "dict_key_iterator":
             # the key is a bytes copy of the array: it holds that, not the array
-            if not isinstance(value, np.ndarray):
-                continue
             held = held - value.nbytes + len(value.tobytes())
         kinds.append(kind)
         value = WRAPPERS[kind](value)
@@ -170,9 +217,22 @@ def test_a_cycle_through_a_closure_and_a_generator_is_costed_once() -> None:
 
 
 def test_a_function_does_not_cost_its_globals_or_code() -> None:
-    """Module-level functions hold their module's globals, shared by everything."""
+    """Module-level functions hold their module's globals, shared by everything (a
+    built-in function's ``__self__`` is its module: not costed either)."""
     assert sizeof(np.asarray) < 4096
     assert sizeof(_case) < 4096
+    assert sizeof(len) < 4096 and sizeof(sys.getsizeof) < 4096
+
+
+def test_a_class_costs_its_own_attributes_not_its_bases_or_builtins() -> None:
+    array = np.zeros(1 << 20, np.uint8)
+    base = type("Base", (), {"payload": array})
+    derived = type("Derived", (base,), {"small": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # descriptors and code objects are known kinds
+        assert array.nbytes <= sizeof(base) <= array.nbytes + _SLACK
+        assert sizeof(derived) < _SLACK
+        assert sizeof(int) < _SLACK and sizeof(np.ndarray) < _SLACK and sizeof(_Holder) < _SLACK
 
 
 def test_finished_generators_and_exhausted_iterators_hold_nothing() -> None:

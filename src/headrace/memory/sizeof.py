@@ -13,13 +13,20 @@ The budget needs the truth, so costs are *owner-based*:
 * containers are costed deeply: list, tuple, dict keys and values, set, an
   object's ``__dict__`` and ``__slots__`` (dataclasses included), with a cycle
   guard; a function by what its closure cells, defaults and attributes hold (not
-  its globals or code), a bound method by its object; a generator or coroutine by
+  its globals; its code by its constants), a bound method by its object; a generator or coroutine by
   what its suspended frame holds (locals and the loop iterators on its stack); a
   built-in iterator by what it keeps alive (``__reduce__`` names it: a list
   iterator its list, a dict or set iterator the items it has left, a ``zip`` or
   ``map`` its iterators and function); an exception also by its ``args``, cause, context and group members
   (an error a stage holds for its turn keeps them alive); ``memoryview`` by the
-  buffer it exposes; object arrays by their items;
+  buffer it exposes; object arrays by their items; ``itertools`` objects and
+  ``operator.itemgetter`` & co by their ``__reduce__``; a slice by its bounds; a
+  built-in bound method (``a.sum``) by its ``__self__`` (not a module); ``property``,
+  ``staticmethod`` and ``classmethod`` by their functions; ``ndarray.flat`` by its
+  array; a class made at run time by its own ``__dict__`` (not its bases', not a
+  built-in type's); a function also by its code's constants;
+* another framework's array (``jax.Array``, or any object with an ``nbytes`` that
+  exports ``__dlpack__`` or ``__array__``) by its ``nbytes`` (no framework imported);
 * types registered with :func:`register_sizer` use their sizer (built in, and
   installed only once their library is imported: torch tensors, PIL images,
   pyarrow arrays, tables and buffers);
@@ -75,7 +82,7 @@ _BYTES_HEADER = sys.getsizeof(b"")
 
 #: Leaf objects whose cost is exactly ``sys.getsizeof``.
 _FLAT_TYPES = frozenset(
-    {bytes, str, int, float, bool, complex, type(None), bytearray, range, slice, type(...)}
+    {bytes, str, int, float, bool, complex, type(None), bytearray, range, type(...)}
     | {type(t(0)) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
                             np.uint32, np.uint64, np.float16, np.float32, np.float64,
                             np.bool_, np.complex64, np.complex128)}
@@ -364,8 +371,26 @@ class _Costing:
             return sys.getsizeof(value) + self.cell_contents(value)
         if cls in _SUSPENDABLE:
             return sys.getsizeof(value) + self.suspended_parts(value)
-        if cls in _ITERATORS or (cls.__module__ == "builtins" and hasattr(cls, "__next__")):
+        if cls in _ITERATORS or (cls.__module__ in _REDUCED_MODULES and (
+                hasattr(cls, "__next__") or cls.__module__ != "builtins")):
+            # built-in iterators, itertools objects, operator.itemgetter & co
             return sys.getsizeof(value) + self.iterator_parts(value)
+        if cls not in _PLAIN_CLASSES:  # (a user's class: known after its first object)
+            extra = self.held_by_builtin(value, cls)
+            if extra is not None:
+                return sys.getsizeof(value) + extra
+            if not (hasattr(cls, "__dlpack__") or hasattr(cls, "__array__")):
+                if len(_PLAIN_CLASSES) >= 4096:  # classes made per element: not kept
+                    _PLAIN_CLASSES.clear()
+                _PLAIN_CLASSES.add(cls)
+        nbytes = None if cls in _PLAIN_CLASSES else _framework_nbytes(value, cls)
+        if nbytes is not None:
+            # Its own attributes may hold more than its data says (a frame's object
+            # columns): the larger of the two, never both (they may be the same memory).
+            attributes = getattr(value, "__dict__", None)
+            if isinstance(attributes, dict) and attributes:
+                nbytes = max(nbytes, self.cost(attributes))
+            return sys.getsizeof(value) + nbytes
         total = sys.getsizeof(value)
         known = False
         if isinstance(value, BaseException):
@@ -389,10 +414,39 @@ class _Costing:
             _warn_unsized(cls)
         return total
 
+    def held_by_builtin(self, value: Any, cls: type) -> int | None:
+        """What the built-in holders keep alive besides their header, or None for other
+        objects: a slice its bounds, a built-in bound method (``a.sum``) its object (not a
+        module: ``len``), ``property`` its accessors, ``staticmethod``/``classmethod`` their
+        function, ``ndarray.flat`` its array, a code object its constants, a class made
+        at run time its own ``__dict__`` (not its bases', not a built-in type's)."""
+        if cls is slice:
+            return self.cost(value.start) + self.cost(value.stop) + self.cost(value.step)
+        if cls in _BOUND_BUILTINS:
+            owner = value.__self__
+            return 0 if owner is None or type(owner) is types.ModuleType else self.cost(owner)
+        if cls in _DESCRIPTORS:
+            return 0
+        if isinstance(value, property):
+            return sum(self.cost(part) for part in (value.fget, value.fset, value.fdel)
+                       if part is not None)
+        if isinstance(value, (staticmethod, classmethod)):
+            return self.cost(value.__func__) + self.cost(value.__dict__)
+        if cls is _FLATITER:
+            return self.cost(value.base)
+        if cls is types.CodeType:
+            return self.cost(value.co_consts)
+        if isinstance(value, type):
+            if not value.__flags__ & _HEAPTYPE or value.__module__ == "builtins":
+                return 0
+            return self.cost(value.__dict__)
+        return None
+
     def function_parts(self, function: types.FunctionType) -> int:
         """What a function keeps alive of its own: its closure cells' values, its default
-        values and its attributes. Its globals and code are its module's, shared by
-        every function of it, and not counted."""
+        values, its attributes and its code's constants (a big literal in exec'd
+        source). Its globals are its module's, shared by every function of it, and not
+        counted."""
         total = 0
         for cell in function.__closure__ or ():
             if id(cell) not in self.seen:
@@ -405,6 +459,8 @@ class _Costing:
         attributes = function.__dict__
         if attributes:
             total += self.cost(attributes)
+        if function.__code__.co_consts:  # a constant built into its code (exec'd source)
+            total += self.cost(function.__code__)
         return total
 
     def cell_contents(self, cell: types.CellType) -> int:
@@ -441,7 +497,10 @@ class _Costing:
         if self.made is None:
             self.made = []
         self.made.append(reduced)
-        return sum(self.cost(part) for part in reduced[1])
+        total = sum(self.cost(part) for part in reduced[1])
+        if len(reduced) > 2 and reduced[2] is not None:  # state: what a cycle has saved
+            total += self.cost(reduced[2])
+        return total
 
     def exception_parts(self, error: BaseException) -> int:
         """What an exception keeps alive besides its ``__dict__``: its ``args``, its
@@ -462,6 +521,41 @@ class _Costing:
 #: What a suspended generator refers to without holding it for its elements: its code
 #: (and the frame object, whose contents are visited as the generator's own).
 _NOT_HELD = frozenset({types.CodeType, types.FrameType, types.ModuleType})
+
+#: Modules whose C objects say what they hold by ``__reduce__`` (iterators, itertools,
+#: ``operator.itemgetter``/``attrgetter``/``methodcaller``).
+_REDUCED_MODULES = frozenset({"builtins", "itertools", "operator"})
+
+#: Bound methods of C code (``a.sum``, ``b.decode``, ``a.__add__``): they keep ``__self__``.
+_BOUND_BUILTINS = frozenset({types.BuiltinMethodType, types.MethodWrapperType})
+
+#: Descriptors of C types' members: they hold nothing of an element's.
+_DESCRIPTORS = frozenset({types.GetSetDescriptorType, types.MemberDescriptorType,
+                          types.WrapperDescriptorType, types.MethodDescriptorType,
+                          types.ClassMethodDescriptorType})
+
+_FLATITER = type(np.empty(0).flat)
+
+#: Classes of none of the kinds :meth:`_Costing.held_by_builtin` and
+#: :func:`_framework_nbytes` cost (decided by the class alone): skipped at once.
+_PLAIN_CLASSES: set[type] = set()
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made at run time (not a built-in one)
+
+
+def _framework_nbytes(value: Any, cls: type) -> int | None:
+    """The bytes of another framework's array (a ``jax.Array``, a CuPy or TensorFlow
+    array): an object with a whole ``nbytes`` that exports its data (``__dlpack__`` or
+    ``__array__``). Found by what it offers, so no framework is imported to check."""
+    if not (hasattr(cls, "__dlpack__") or hasattr(cls, "__array__")):
+        return None
+    try:
+        nbytes = value.nbytes
+    except Exception:  # a deleted or donated array
+        return None
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+        return None
+    return int(nbytes)
+
 
 _SUSPENDABLE = frozenset({types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType})
 
