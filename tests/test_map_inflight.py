@@ -231,3 +231,42 @@ def _resume_cases(monkeypatch: pytest.MonkeyPatch, *, seed: int, cases: int, lon
                 assert len(set(after)) == len(after), (sizes, calls, cut)
                 assert set(everything) - set(before) <= set(after), (sizes, calls, cut)
     assert any(handed_back), "no input was handed back: the cases do not test it"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_output_nbytes_that_fails_is_the_elements_error_in_its_place(seed: int) -> None:
+    """An ``output_nbytes`` hint that raises, or answers no number of bytes (a str, NaN,
+    a negative number), is that element's error, in its place, naming the hint; the
+    other elements are the plain map's (the oracle). It was swallowed: the element
+    came out as if the hint had answered."""
+    import math
+
+    import numpy as np
+
+    import headrace as hr
+
+    rng = random.Random(seed)
+    count = rng.randint(20, 80)
+    bad = {i: rng.choice(["raise", "str", "nan", "negative"])
+           for i in rng.sample(range(count), rng.randint(1, 5))}
+
+    def hint(i: Any) -> Any:
+        kind = bad.get(int(i))
+        if kind == "raise":
+            raise KeyError(f"hint {int(i)}")
+        return {"str": "64", "nan": math.nan, "negative": -5}.get(kind, 64) if kind else 64
+
+    ds = hr.Dataset.range(count).map(
+        lambda i: np.full(4, i, np.int64), num_parallel_calls=rng.choice([1, 2, 4]),
+        output_nbytes=hint)
+    seen: list[Any] = []
+    with iter(ds) as it:
+        while True:
+            try:
+                seen.append(int(next(it)[0]))
+            except StopIteration:
+                break
+            except (KeyError, TypeError) as error:
+                assert any("output_nbytes" in note for note in error.__notes__), error
+                seen.append("E")
+    assert seen == ["E" if i in bad else i for i in range(count)], (seed, bad)

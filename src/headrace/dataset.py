@@ -380,7 +380,10 @@ class Dataset:
         input's size times the largest output/input ratio), and a call whose output
         does not fit beside what the stage holds waits for room. What outputs are
         seen to cost beyond the hint (an array's header, where the hint counts its
-        data) is added to it.
+        data) is added to it. A hint that raises, or answers anything but a finite
+        number of bytes of at least 0, is that element's error, in its place; one
+        that understates an output by more than twice its call's booking is no
+        longer trusted (the map then books as without it).
         """
         if workers is not None and workers != "threads":  # registers the process iterator
             import headrace.transforms.process_map  # noqa: F401

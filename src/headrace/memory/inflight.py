@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Overdraft, Reservation, release_all
 
 __all__ = ["InFlight", "Ticket", "over_allowance"]
@@ -169,18 +171,29 @@ class InFlight:
         """What a call on ``element`` (of ``nbytes``) will hold: at least the input.
 
         With a hint (while it holds: see :meth:`observe`), the hint plus the learned
-        slack; a hint that fails books the
-        largest output so far (the call then raises in the element's place).
+        slack. A hint that raises, or answers anything but a finite number of bytes
+        of at least 0, raises here (a ``TypeError`` saying what it answered): the map
+        hands that error out in the element's place, as any error of the user's code.
         Without one, the larger of the largest output so far and the input's size
         at the largest ratio, capped at the share: a guess must not refuse.
         """
         if self.hint is None or self._distrust:
             return max(nbytes, self._largest, min(int(nbytes * self._ratio), self.buffer.limit))
+        said = self.hint(element)
+        if (isinstance(said, bool) or not isinstance(said, (int, float, np.integer, np.floating))
+                or not 0 <= said < float("inf")):
+            raise TypeError(
+                f"output_nbytes returned {said!r:.60} for this element: it must return the "
+                "bytes the map's output will hold, a finite number of at least 0")
+        return max(nbytes, int(said) + (self._slack or 0))
+
+    def guess(self, element: Any, nbytes: int) -> int:
+        """:meth:`expect` for an input whose hint answered before (a tail handed back):
+        should it fail now, the largest output so far."""
         try:
-            guess = int(self.hint(element)) + (self._slack or 0)
+            return self.expect(element, nbytes)
         except Exception:
-            guess = self._largest
-        return max(nbytes, guess)
+            return max(nbytes, self._largest)
 
     def may_start(self, alone: bool) -> bool:
         """Whether a new call may start: always when nothing else is in flight or ready
@@ -264,7 +277,7 @@ class InFlight:
         fits beside what the stage holds (never past the share: the allowance stops
         the call instead). ``elements``: the tail's inputs, for the hint."""
         expected = [
-            self.expect(element, nbytes)
+            self.guess(element, nbytes)
             for element, nbytes in zip(elements, ticket.inputs, strict=True)
         ]
         ticket.expected = expected

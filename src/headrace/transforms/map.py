@@ -734,7 +734,7 @@ class _ParallelMapIterator(Iterator):
         aside = self.aside
         assert aside is not None
         ledger = self.ledger
-        size = ledger.expect(aside.element, aside.nbytes)
+        size = ledger.guess(aside.element, aside.nbytes)
         if (self.calls or self.ready) and not ledger.fits(size):
             return False
         self.aside = None
@@ -783,7 +783,16 @@ class _ParallelMapIterator(Iterator):
             # A call in flight will soon hold its output: book the larger of the two
             # (the output's size from the input itself, where output_nbytes says it).
             nbytes = sizeof(element)
-            size = expect(element, nbytes)
+            try:
+                size = expect(element, nbytes)
+            except Exception as error:  # output_nbytes failed: the element's error, in its place
+                reservation.release()
+                where = None if origin is None or self.origin_probe is None else (
+                    self.origin_probe[1](origin))
+                upstream_error = unpin(note_element_error(
+                    error, f"{self.stage}'s output_nbytes", self.next_index + len(elements),
+                    where))
+                break
             # (at most the estimate: it was checked to fit before the pull)
             if size > estimate and spent + size > (cap if elements else room) and (
                 elements or not alone
