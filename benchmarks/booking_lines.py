@@ -18,12 +18,14 @@ import os
 import re
 import tokenize
 
+#: Stage modules; "a|b" where the stage moved (a: its old path, b: its new ones, joined by +).
 STAGES = [
     "transforms/map.py", "transforms/process_map.py", "transforms/shuffle.py",
     "transforms/prefetch.py", "transforms/batch.py", "transforms/padded_batch.py",
-    "transforms/interleave.py", "transforms/process_interleave.py", "transforms/unbatch.py",
-    "persist/cache.py", "persist/memory_store.py", "sources/files.py", "sources/tfrecord.py",
-    "adapters/torch.py", "adapters/jax.py",
+    "transforms/interleave.py|transforms/interleave.py+transforms/_interleave_cycle.py",
+    "transforms/process_interleave.py", "transforms/unbatch.py",
+    "transforms/cache.py|persist/cache.py+persist/memory_store.py",
+    "sources/files.py", "sources/tfrecord.py", "adapters/torch.py", "adapters/jax.py",
 ]
 
 VOCABULARY = {
@@ -87,15 +89,15 @@ def main() -> None:
     print("| stage module | before: booking / code lines | after: booking / code lines |")
     print("|---|---|---|")
     for stage in STAGES:
+        old_paths, _, new_paths = stage.partition("|")
         cells = []
-        for src in (args.old, args.new):
-            path = os.path.join(src, "headrace", stage)
-            if os.path.exists(path):
-                naming, code = booking_lines(path)
-                cells.append(f"{naming} / {code}")
-            else:
-                cells.append("-")
-        print(f"| {stage} | {cells[0]} | {cells[1]} |")
+        for src, paths in ((args.old, old_paths), (args.new, new_paths or old_paths)):
+            found = [os.path.join(src, "headrace", path) for path in paths.split("+")]
+            found = [path for path in found if os.path.exists(path)]
+            counts = [booking_lines(path) for path in found]
+            cells.append(f"{sum(n for n, _ in counts)} / {sum(c for _, c in counts)}"
+                         if counts else "-")
+        print(f"| {stage.replace('|', ' -> ')} | {cells[0]} | {cells[1]} |")
     old, new = budget_importers(args.old), budget_importers(args.new)
     print(f"\nmodules outside memory/ importing headrace.memory.budget: "
           f"before {len(old)}, after {len(new)}")
