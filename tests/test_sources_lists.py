@@ -294,3 +294,25 @@ def test_from_tensors_of_a_list_refuses_an_element_larger_than_the_budget(seed: 
     else:
         (element,) = list(ds)
         assert _equal(element, to_leaf_array(encode_str(rows)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_python_int_past_int64_is_refused_not_turned_into_a_float(seed: int) -> None:
+    """Python ints become int64 (as in tf.data): a list holding one that does not fit
+    was converted to floats, changing its value silently (2**63 + 1 came out as
+    9.223372036854776e+18). Refused, naming the int, flat or nested, among ints or
+    floats; lists that fit keep their exact values (the oracle: the ints themselves)."""
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(2, 40))
+    values: list[Any] = [int(v) for v in rng.integers(-(2**62), 2**62, count)]
+    if seed % 2:
+        values[int(rng.integers(0, count))] = float(rng.random())
+    big = int(rng.choice([2**63, 2**63 + 1, 2**64 + 7, -(2**63) - 1]))
+    position = int(rng.integers(0, count))
+    bad = [*values[:position], big, *values[position:]]
+    nested = seed % 3 == 0
+    with pytest.raises(hr.ElementSpecError, match=str(big)):
+        hr.Dataset.from_tensor_slices([bad, bad] if nested else bad)
+    if not seed % 2:  # ints only, all within int64: exact
+        got = [int(x) for x in hr.Dataset.from_tensor_slices(values)]
+        assert got == values

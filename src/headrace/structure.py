@@ -274,7 +274,27 @@ def to_leaf_array(value: Any) -> Any:
     array = np.asarray(value)
     if array.dtype.kind in "SU":
         return _object_array_from_nested(value, array.shape)
+    if array.dtype.kind in "fO" and isinstance(value, (list, tuple)):
+        _refuse_lossy_ints(value if array.ndim == 1 else list(_iter_leaves(value)))
     return array
+
+
+#: The Python ints an int64 holds (what tf.data converts Python ints to).
+_INT64 = range(-(1 << 63), 1 << 63)
+
+
+def _refuse_lossy_ints(leaves: list[Any] | tuple[Any, ...]) -> None:
+    """A list that NumPy converts to floats (or objects) because a Python int in it
+    does not fit int64 would change that int silently: refused, as tf.data does.
+    (A list of floats is looked at once, in C: ``set(map(type, ...))``.)"""
+    if int not in set(map(type, leaves)):
+        return
+    for leaf in leaves:
+        if type(leaf) is int and leaf not in _INT64:
+            raise ElementSpecError(
+                f"the Python int {leaf} does not fit int64, which Python ints become (as in "
+                "tf.data); converted with the others it would become a float and lose its "
+                "value. Pass a NumPy array of the dtype you want (np.uint64, float, object)")
 
 
 def _exact_object_array(array: Any) -> Any:
