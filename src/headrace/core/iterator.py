@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from headrace.core.state import INPUTS, StateReader
-from headrace.errors import MemoryBudgetError, Origin
+from headrace.errors import Origin
 from headrace.io.mapped import is_file_backed
 from headrace.memory.budget import MemoryBudget
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
@@ -173,20 +173,13 @@ class Context:
             return
         if nbytes is None:
             nbytes = sizeof(owner)
-        budget = self.budget
-        with budget.lock:
-            if nbytes >= budget.total:
-                raise MemoryBudgetError(
-                    f"{what}: headrace converted it to a {array.dtype} array of shape "
-                    f"{array.shape} ({format_bytes(nbytes)}), which the dataset holds, and "
-                    f"that leaves nothing of the memory budget ({format_bytes(budget.total)})"
-                    ". Convert it yourself before (np.asarray(...): an array you made is "
-                    "your memory, never charged), or raise Options(memory_budget=...)"
-                )
-            budget.total -= nbytes
-            allotted = bool(budget.accounts)
-        if allotted:
-            budget.allot()
+        self.budget.set_aside(nbytes, lambda total: (
+            f"{what}: headrace converted it to a {array.dtype} array of shape "
+            f"{array.shape} ({format_bytes(nbytes)}), which the dataset holds, and "
+            f"that leaves nothing of the memory budget ({format_bytes(total)})"
+            ". Convert it yourself before (np.asarray(...): an array you made is "
+            "your memory, never charged), or raise Options(memory_budget=...)"
+        ))
 
     def account(
         self, node: Node, name: str | None = None, *, weight: float | None = None

@@ -244,6 +244,18 @@ class MemoryBudget:
         self.accounts.append(account)
         return account
 
+    def set_aside(self, nbytes: int, refusal: Callable[[int], str]) -> None:
+        """Take ``nbytes`` out of the budget for memory the pipeline holds for its whole
+        run (a copy a source made of the user's data): the stages split what is left.
+        :class:`MemoryBudgetError` with ``refusal(total)`` if nothing would be left."""
+        with self.lock:
+            if nbytes >= self.total:
+                raise MemoryBudgetError(refusal(self.total))
+            self.total -= nbytes
+            allotted = bool(self.accounts)
+        if allotted:
+            self.allot()
+
     def allot(self) -> None:
         """Split the total among the accounts: by weight, but each at least its minimum.
 

@@ -333,7 +333,7 @@ class _TensorsAccess(RandomAccess):
 
     def prepare(self, ctx: Context) -> None:
         _register(ctx, self.leaves, self.copies)
-        self.budget = ctx.budget.total
+        self.budget = ctx.budget.stats().total
 
 
 def _repeated(batched: Any, count: int) -> Any:
