@@ -29,9 +29,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Overdraft, Reservation, release_all
+from headrace.memory.units import is_byte_count
 
 __all__ = ["InFlight", "Ticket", "over_allowance"]
 
@@ -180,8 +179,7 @@ class InFlight:
         if self.hint is None or self._distrust:
             return max(nbytes, self._largest, min(int(nbytes * self._ratio), self.buffer.limit))
         said = self.hint(element)
-        if (isinstance(said, bool) or not isinstance(said, (int, float, np.integer, np.floating))
-                or not 0 <= said < float("inf")):
+        if not is_byte_count(said):
             raise TypeError(
                 f"output_nbytes returned {said!r:.60} for this element: it must return the "
                 "bytes the map's output will hold, a finite number of at least 0")

@@ -66,6 +66,7 @@ import numpy as np
 from headrace.errors import ElementSpecError, HeadraceWarning
 from headrace.io.columns import bytes_total
 from headrace.io.mapped import is_file_backed
+from headrace.memory.units import is_byte_count
 
 __all__ = [
     "ARRAY_HEADER_BYTES",
@@ -130,8 +131,7 @@ def _sized(sizer: Sizer, value: Any) -> int:
     """What a registered sizer says ``value`` costs: a whole number of bytes, at least 0
     (a negative one would credit the budget with every element)."""
     size = sizer(value)
-    if (isinstance(size, bool) or not isinstance(size, (int, float, np.integer, np.floating))
-            or not 0 <= size < float("inf")):
+    if not is_byte_count(size):
         name = getattr(sizer, "__qualname__", repr(sizer))
         raise TypeError(
             f"the sizer registered for {type(value).__module__}.{type(value).__qualname__} "

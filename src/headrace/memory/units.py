@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 from headrace.errors import InvalidArgumentError
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["format_bytes", "is_byte_count", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -65,3 +67,11 @@ def format_bytes(size: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def is_byte_count(value: object) -> bool:
+    """Whether ``value`` is a number of bytes a user's sizer or hint may answer: a
+    finite number of at least 0 (not a bool; a negative one would credit the budget)."""
+    return bool(not isinstance(value, bool)
+                and isinstance(value, (int, float, np.integer, np.floating))
+                and 0 <= value < float("inf"))
