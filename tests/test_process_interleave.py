@@ -357,7 +357,12 @@ def test_slot_reader_continues_only_at_the_exact_position() -> None:
     reader = SlotReader(node, Options(), 1 << 20, 2)
 
     def ask(position: tuple[int, int], state: Any, follow: bool) -> Any:
-        return reader((1, position, 0, state, 0, 3, 1 << 20, 0, [], follow))
+        out: list[Any] = []
+        count, after, ended, error, lost, _ = reader(
+            (1, position, 0, state, 0, 3, 1 << 20, 0, [], follow, False),
+            lambda element, left: out.append(element))
+        assert count == len(out)
+        return out, after, ended, error, lost
 
     first, state, ended, error, lost = ask((0, 0), None, False)
     assert [int(x) for x in first] == [0, 1, 2] and not ended and error is None and not lost
@@ -369,6 +374,41 @@ def test_slot_reader_continues_only_at_the_exact_position() -> None:
     last, _, ended, _, _ = ask((1, 1), None, True)
     assert [int(x) for x in last] == [6] and ended
     assert ask((1, 2), None, True)[4]  # ended: nothing kept
+
+
+def test_slot_reader_stops_before_an_element_its_booking_cannot_hold() -> None:
+    """Elements of 1 KiB then 64 KiB: once the worker has read a 64 KiB one, a chunk
+    stops before the element that would take it past its booking, and a chunk booked
+    below 64 KiB is answered 'lost' unread unless the consumer waits for it (forced)."""
+    from headrace.options import Options
+    from headrace.transforms.process_interleave import SlotReader
+
+    def inner(k: Any) -> hr.Dataset:
+        return hr.Dataset.range(8).map(
+            lambda j: np.zeros(128 if int(j) < 2 else 8192, np.int64))
+
+    node = hr.Dataset.range(1).interleave(inner, cycle_length=1).node
+    reader = SlotReader(node, Options(), 1 << 20, 2)
+    out: list[Any] = []
+
+    def ask(position: tuple[int, int], state: Any, max_bytes: int, forced: bool) -> Any:
+        out.clear()
+        answer = reader((1, position, 0, state, 0, 64, max_bytes, 0, [], False, forced),
+                        lambda element, left: out.append(element.nbytes))
+        return answer, list(out)
+
+    # nothing large read yet: the 1 KiB elements, then one 64 KiB past the 8 KiB booking
+    (count, state, _, _, lost, largest), sizes = ask((0, 0), None, 8 << 10, False)
+    assert sizes == [1024, 1024, 65536] and not lost and largest >= 65536
+    # booked at 8 KiB again: answered lost, nothing read
+    (count, _, _, _, lost, _), sizes = ask((0, 1), state, 8 << 10, False)
+    assert lost and count == 0 and sizes == []
+    # forced at 8 KiB: one element, no more
+    (count, state, _, _, lost, _), sizes = ask((0, 1), state, 8 << 10, True)
+    assert not lost and sizes == [65536]
+    # booked for two large elements: exactly two, none past the booking
+    (count, _, _, _, lost, _), sizes = ask((0, 2), state, 2 * largest + 100, False)
+    assert not lost and sizes == [65536, 65536]
 
 
 def test_parsed_batches_stay_in_the_budget_and_reuse_their_segments(tmp_path: Path) -> None:

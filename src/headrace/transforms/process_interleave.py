@@ -62,9 +62,12 @@ sizes plus the part of its segment that no element views (alignment, the
 bytes columns' buffers, the unused end of a reused segment), shared equally.
 Result segments the consumer is done with wait for reuse booked on the
 stage's account (or are dropped when it has no room). A chunk is bounded by
-bytes as well as elements: the worker stops it once its elements pass what the
-consumer booked for it, so each chunk in flight holds at most one element beyond
-its booking. An element that no slot could ever hold (past the pipeline's whole
+bytes as well as elements: the worker packs each element into shared memory as
+it reads it (so it holds one at a time), and stops before an element that, at the
+largest size it has read, would pass what the consumer booked for the chunk. A
+chunk booked below that size is not read at all (the slot asks again, booked at
+it) unless the slot waits for it; then, or when an element is larger than any
+before, a chunk holds one element beyond its booking. An element that no slot could ever hold (past the pipeline's whole
 budget divided among the slots) is dropped in the worker before it is copied
 out, and its slot raises :class:`~headrace.errors.MemoryBudgetError` in its
 place. The workers' own memory
@@ -94,7 +97,7 @@ from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE, Options
 from headrace.sources.files import file_limiter
 from headrace.transforms._interleave_cycle import CycleIterator, Slot, SlotNotBuilt
-from headrace.workers.processes import ProcessPool, portable
+from headrace.workers.processes import ProcessPool, portable, unsendable
 
 if TYPE_CHECKING:
     from headrace.transforms.interleave import InterleaveNode
@@ -150,15 +153,22 @@ class SlotReader:
     """The worker's handler: a request for a slot's next chunk -> the chunk.
 
     A request is ``(token, position, element, state, skip, max_elements, max_bytes,
-    iteration, epochs, follow)``; the answer ``(elements, state_after, ended, error,
-    lost)`` where ``error`` is ``(exception, traceback text)`` or None. ``position``
+    iteration, epochs, follow, forced)``. The chunk's elements are packed one by one
+    as they are read (``emit``), so the worker holds one at a time; then the answer
+    ``(count, state_after, ended, error, lost, largest)``, where ``count`` is how
+    many elements came before it, ``error`` is ``(exception, traceback text)`` or
+    None and ``largest`` the largest element this worker has read. ``position``
     names the chunk asked for (the slot's restores so far, its chunks asked for
     since). A ``follow`` request was sent before the previous chunk's answer: it
     carries no state, and when no iterator stands at its position the answer is
     ``lost`` (nothing read; the consumer asks again with the state).
 
-    A chunk stops once its elements pass ``max_bytes`` (the booking the consumer
-    made for it: its allowance), so it holds at most one element beyond it. An
+    ``max_bytes`` is what the consumer booked for the chunk (its allowance). The
+    chunk stops before an element that, at ``largest``, would pass it, so only an
+    element larger than any before passes it, by that element at most. A request
+    booked below ``largest`` is answered ``lost`` without reading, unless it is
+    ``forced`` (the consumer waits for it): asked ahead before sizes jumped, each
+    would otherwise hold one large element past its booking. An
     element larger than ``ceiling`` can never enter a slot: it is dropped here,
     before it is copied into shared memory, and the chunk ends with
     :class:`ElementTooLarge` in its place.
@@ -181,6 +191,9 @@ class SlotReader:
         #: reads (each slot's own Context would give each slot the whole cap).
         self.max_open_files = max_open_files
         self._files: FileLimiter | None = None
+        #: The largest element this worker has read for any slot (the slots of one
+        #: interleave read the same kind of shards): what the next one may be.
+        self.largest = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the interleave function travels: the recipe upstream of the interleave is
@@ -200,7 +213,7 @@ class SlotReader:
         )
 
     def _iterator(self, request: tuple[Any, ...]) -> Iterator | None:
-        token, position, element, state, skip, _, _, iteration, epochs, follow = request
+        token, position, element, state, skip, _, _, iteration, epochs, follow, _ = request
         kept = self.kept.get(token)
         if kept is not None and kept[2] == position:  # it stands exactly there
             self.kept.move_to_end(token)
@@ -241,21 +254,35 @@ class SlotReader:
         finally:
             kept[1].close()
 
-    def __call__(self, request: tuple[Any, ...]) -> tuple[list[Any], Any, bool, Any, bool]:
+    #: Called as ``reader(request, emit)``: each element is packed by ``emit`` as it is
+    #: read (see :func:`headrace.workers.processes._run_streaming`).
+    streams = True
+
+    def __call__(
+        self, request: tuple[Any, ...], emit: Callable[[Any, int], Any]
+    ) -> tuple[int, Any, bool, Any, bool, int]:
         from headrace.memory.sizeof import sizeof
 
+        max_elements, max_bytes, forced = request[5], request[6], request[10]
+        if not forced and self.largest > max_bytes:
+            # Its booking cannot hold one element like the largest this worker has read:
+            # nothing is read, and the consumer asks again booked at that size (or, when
+            # it waits for this chunk, forced). Otherwise each chunk asked for ahead
+            # before a jump in sizes held one large element past its booking.
+            return 0, None, False, None, True, self.largest
         try:
             iterator = self._iterator(request)
         except BuildFailed as failed:
-            return [], None, True, (failed, ""), False
+            return 0, None, True, (failed, ""), False, self.largest
         if iterator is None:
-            return [], None, False, None, True
+            return 0, None, False, None, True, self.largest
         token, (restores, chunks) = request[0], request[1]
-        max_elements, max_bytes = request[5], request[6]
-        elements: list[Any] = []
-        held, ended, error = 0, False, None
+        count = held = 0
+        ended, error = False, None
         ceiling = self.ceiling
-        while len(elements) < max_elements and (not elements or held < max_bytes):
+        # Stop before an element that, at the largest size read so far, would pass the
+        # chunk's booking: a chunk passes it only by an element larger than any before.
+        while count < max_elements and (not count or held + self.largest <= max_bytes):
             try:
                 element, reservation = iterator.pull()
             except StopIteration:
@@ -270,10 +297,19 @@ class SlotReader:
             reservation.release()  # it leaves this process's pipeline with the chunk
             size = sizeof(element)
             if ceiling is not None and size > ceiling:  # never copied out: refused in place
-                del element
+                del element  # (nor the size of the next: it never enters a slot)
                 error = (ElementTooLarge(size), "")
                 break
-            elements.append(element)
+            if size > self.largest:
+                self.largest = size
+            try:
+                emit(element, max_elements - count)
+            except Exception as refused:  # it cannot be sent: its error in its place
+                del element
+                error = unsendable(refused)
+                break
+            del element
+            count += 1
             held += size
         state = None if ended else iterator.get_state()
         if ended:
@@ -281,7 +317,7 @@ class SlotReader:
         else:  # where it stands now: the slot's next chunk
             kept = self.kept[token]
             self.kept[token] = (kept[0], kept[1], (restores, chunks + 1))
-        return elements, state, ended, error, False
+        return count, state, ended, error, False, self.largest
 
 
 def kept_iterators(node: Node) -> int:
@@ -407,20 +443,28 @@ class RemoteSlotIterator(Iterator):
         chunks took the whole part and the worker its half again (1.5 parts a slot)."""
         return self.account.fits(nbytes, pending=self.inner_reserve)
 
-    def _request(self) -> bool:
-        """Ask for the next chunk (booked at its largest); False when there is no room."""
+    def _request(self, *, forced: bool = False) -> bool:
+        """Ask for the next chunk (booked at its largest); False when there is no room.
+
+        ``forced``: the consumer waits for this chunk (nothing of the slot is ready or
+        in flight). Without room it is still asked for, one element booked as an
+        overdraft, which holds back read-ahead until it drains.
+        """
         follow = bool(self.pending)  # sent before the answer it continues
         nbytes = self.chunk_bytes()
-        if not self._room_for(nbytes) and (follow or self.ready):
-            return False  # no room to read ahead: the next chunk is asked for on demand
-        booking = self.account.admit(nbytes)
         # A slot's first chunk is one element: the cycle waits for a new slot, so its
         # first answer should be quick; the follow requests behind it read full chunks.
         elements = 1 if self.asked == 0 else CHUNK_ELEMENTS
+        if self._room_for(nbytes):
+            booking = self.account.admit(nbytes)
+        elif forced:
+            booking, elements = self.account.overdraw(nbytes), 1
+        else:
+            return False  # no room to read ahead: the next chunk is asked for on demand
         request = (
             self.token, (self.restores, self.asked), self.element,
             None if follow else self.next_state, 0 if follow else self.next_skip,
-            elements, nbytes, self.ctx.run.iteration, list(self.ctx.epochs), follow,
+            elements, nbytes, self.ctx.run.iteration, list(self.ctx.epochs), follow, forced,
         )
         try:
             future = self.pool.submit([request], worker=self.worker)
@@ -435,7 +479,7 @@ class RemoteSlotIterator(Iterator):
         """The next chunk (asked for now if none is in flight): into ``ready``."""
         while True:
             if not self.pending:
-                self._request()
+                self._request(forced=True)
                 self._top_up()  # queued behind it before its answer is in
             future, booking = self.pending.popleft()
             try:
@@ -454,10 +498,14 @@ class RemoteSlotIterator(Iterator):
                 if self.on_ended is not None:
                     self.on_ended(self.worker)
                 raise error
-            elements, state_after, ended, error, lost = outputs[0]
+            *elements, (count, state_after, ended, error, lost, largest) = outputs
+            assert len(elements) == count, "a chunk's elements come back before its answer"
+            if largest > self.largest.nbytes:  # the next chunks are booked at it
+                self.largest.nbytes = largest
             if not lost:
                 break
-            # its worker kept no iterator at that position: ask again, with the state
+            # its worker kept no iterator at that position, or it was booked below the
+            # largest element read so far: ask again, with the state
             self._cancel_pending()
         self.state_before, self.handed = self.next_state, self.next_skip
         self.next_state, self.next_skip = state_after, 0

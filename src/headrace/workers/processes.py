@@ -124,6 +124,7 @@ __all__ = [
     "check_picklable",
     "check_workers",
     "start_method",
+    "unsendable",
 ]
 
 #: Where a parallel stage's calls may run (``map(..., workers=...)``).
@@ -383,7 +384,7 @@ def _rebuild_error(blob: bytes, buffers: list[Any], name: str, message: str) -> 
     return error
 
 
-def _unsendable(refused: Exception) -> tuple[Exception, str]:
+def unsendable(refused: Exception) -> tuple[Exception, str]:
     """The error in the place of an output that cannot be packed (pickle refuses a part
     of it): it fails its own element, not the chunk."""
     return (
@@ -444,10 +445,12 @@ def _run_chunk(
     A death while an output is packed is blamed on its element (the progress cell
     still names it).
     """
+    if getattr(handler, "streams", False):
+        return _run_streaming(handler, elements, mark, writer)
     errors: dict[int, Any] = {}
     spent = 0
     count = len(elements)
-    costed = allowance is not None or ceiling is not None  # (an interleave's chunks: not)
+    costed = allowance is not None or ceiling is not None
     # (per element, so the checks are inlined: ``spent > limit >= 0`` is "past the
     # allowance", ``cost > top >= 0`` "past the ceiling"; -1 where there is none)
     limit = -1 if allowance is None else allowance
@@ -497,13 +500,50 @@ def _run_chunk(
         try:
             add(output, count - position)
         except Exception as refused:  # a failed element costs nothing
-            errors[position] = _unsendable(refused)
+            errors[position] = unsendable(refused)
             add(None)
         else:
             spent += cost
         del output
         if spent > limit >= 0 and position + 1 < count:
             break
+    return errors
+
+
+def _run_streaming(
+    handler: Callable[..., Any], elements: list[Any], mark: Callable[[int], None],
+    writer: OutputWriter,
+) -> dict[int, Any]:
+    """Run a handler that answers an input with several outputs (``handler.streams``:
+    a process interleave's chunk of a slot's elements).
+
+    It is called as ``handler(element, emit)`` and passes each output to ``emit`` as
+    it makes it, which packs it at once: so the worker holds one output at a time,
+    never a chunk's list of them beside the segment they are copied into. Its return
+    value is packed after them. It reports its own errors in that value; one it
+    raises fails the call (the consumer gets it at the position of that value).
+    """
+    errors: dict[int, Any] = {}
+    for position in range(len(elements)):
+        mark(position)
+        element = elements[position]
+        elements[position] = None
+        try:
+            answer = handler(element, writer.add)
+        except Exception as error:
+            del element
+            raised, text = _failure(error)
+            del error
+            errors[writer.count] = _pack_failure(writer, raised, text, 1)
+            del raised
+            continue
+        del element
+        try:
+            writer.add(answer)
+        except Exception as refused:
+            errors[writer.count] = unsendable(refused)
+            writer.add(None)
+        del answer
     return errors
 
 
