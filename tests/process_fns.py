@@ -360,3 +360,18 @@ def nested_every(every: int, depth: int, x: Any) -> Any:
         for _ in range(depth):
             value = [value]
     return value
+
+
+def unpicklable_on(bad: int, x: Any) -> Any:
+    """``x``, except for ``bad``: a dict holding a lock, which cannot be pickled."""
+    import threading
+
+    return {"lock": threading.Lock()} if int(x) == bad else x
+
+
+def shard_unpicklable_at(bad: int, i: Any) -> Any:
+    """An inner dataset of 7 elements ``i * 100 + j``; ``bad`` cannot be pickled."""
+    import headrace as hr
+
+    ds = hr.Dataset.range(int(i) * 100, int(i) * 100 + 7)
+    return ds.map(functools.partial(unpicklable_on, bad))

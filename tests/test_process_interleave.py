@@ -555,3 +555,31 @@ def test_the_recipe_before_a_process_interleave_need_not_pickle() -> None:
     assert expected[:4] == [0, 200, 1, 201]
     with iter(ds) as iterator:
         assert [int(x) for x in iterator] == expected
+
+
+@pytest.mark.parametrize("bad", [100, 103, 106])
+def test_an_element_that_cannot_be_sent_is_its_error_in_place(bad: int) -> None:
+    """An inner element that cannot be pickled is a WorkerError at its position; the
+    slot goes on after it. Oracle: the in-process interleave whose inner pipeline
+    raises at that element."""
+
+    def drain(ds: hr.Dataset) -> list[Any]:
+        got: list[Any] = []
+        with iter(ds) as iterator:
+            while True:
+                try:
+                    got.append(int(next(iterator)))
+                except StopIteration:
+                    return got
+                except Exception as error:
+                    got.append(type(error).__name__)
+
+    remote = hr.Dataset.range(3).interleave(
+        functools.partial(process_fns.shard_unpicklable_at, bad), cycle_length=2,
+        block_length=2, num_parallel_calls=2, workers="processes")
+    local = hr.Dataset.range(3).interleave(
+        functools.partial(process_fns.shard_dataset, sizes=(7,), bad=bad), cycle_length=2,
+        block_length=2)
+    expected = drain(local)
+    assert "Failing" in expected and len(expected) == 21
+    assert drain(remote) == ["WorkerError" if x == "Failing" else x for x in expected]
