@@ -282,3 +282,27 @@ def test_a_ticket_split_moves_its_booking_without_booking_anything() -> None:
     ledger.settle(ticket, [150], [100], whole=True)[0].release()
     tail.release()
     assert buffer.stats().held == 0
+
+
+def test_a_call_in_a_worker_process_books_the_output_it_packs_beside_its_copy() -> None:
+    """Where calls run in worker processes (``packs``), a new call starts only while an
+    output of the largest size and its copy fit, and books one such output while it
+    runs (:meth:`InFlight.pack_reserve`); none where it does not fit."""
+    budget = MemoryBudget(SHARE)
+    buffer = budget.account("map(packs)", weight=1.0)
+    budget.allot()
+    threads, processes = InFlight(buffer), InFlight(buffer, packs=True)
+    for ledger in (threads, processes):
+        ticket = Ticket()
+        ledger.add(ticket, 10, SHARE // 3, NO_RESERVATION)
+        ledger.settle(ledger.book(ticket), [SHARE // 3], [10], whole=True)[0].release()
+    assert threads.largest() == processes.largest() == SHARE // 3
+    held = buffer.admit(SHARE // 2, elements=0)  # room for one output, not for two
+    assert threads.may_start(alone=False) and not processes.may_start(alone=False)
+    assert processes.may_start(alone=True)  # progress
+    reserve = processes.pack_reserve()
+    assert reserve.nbytes == SHARE // 3 and buffer.stats().held == SHARE // 2 + SHARE // 3
+    assert processes.pack_reserve() is NO_RESERVATION  # a second one does not fit
+    reserve.release()
+    held.release()
+    assert buffer.stats().held == 0

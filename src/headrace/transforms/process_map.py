@@ -186,6 +186,7 @@ class ProcessMapIterator(_ParallelMapIterator):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
+        self.ledger.packs = True  # a worker holds an output beside its copy while it packs it
         self.processes: ProcessPool | None = None
         self.kind = "processes"
         self.target_call_seconds = PROCESS_CALL_SECONDS
@@ -233,12 +234,18 @@ class ProcessMapIterator(_ParallelMapIterator):
             self._start_pool()
         assert self.processes is not None
         epochs = self.ctx.epochs
-        inner = self.processes.submit(
-            [((*epochs, first + k), element) for k, element in enumerate(elements)],
-            allowance=allowance, ceiling=self.account.ceiling())
+        reserve = self.ledger.pack_reserve()
+        try:
+            inner = self.processes.submit(
+                [((*epochs, first + k), element) for k, element in enumerate(elements)],
+                allowance=allowance, ceiling=self.account.ceiling())
+        except BaseException:
+            reserve.release()
+            raise
         admit = self.ctx.admit
 
         def costed(done: Future[ChunkResult]) -> None:
+            reserve.release()  # (the call's outputs are all packed)
             if done.cancelled():
                 return
             error = done.exception()
@@ -360,6 +367,7 @@ class _AutoMapIterator(ProcessMapIterator):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
+        self.ledger.packs = False  # (until processes are chosen)
         self.wanted = self.threads
         self.threads = 1  # while sampling: one call at a time, on this thread
         self.kind = "sampling"
@@ -445,6 +453,7 @@ class _AutoMapIterator(ProcessMapIterator):
                 self.kind = kind
         if kind == "processes":
             self.target_call_seconds = PROCESS_CALL_SECONDS
+        self.ledger.packs = kind == "processes"
         self.reason = f"{measured}: {kind} ({why})"
 
     def close(self) -> None:
