@@ -78,7 +78,7 @@ from headrace.errors import InvalidArgumentError, Origin, note_element_error
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.inflight import InFlight, Ticket
 from headrace.options import AUTOTUNE
-from headrace.structure import TensorSpec, flatten, map_structure, spec_of
+from headrace.structure import TensorSpec, flatten, map_structure, returned, spec_of
 from headrace.transforms.batch import batch_iterator
 from headrace.transforms.parse_fusion import FusedParse, FusedParseIterator, fused_parse
 
@@ -99,10 +99,11 @@ restore_process_node: Callable[..., Any] | None = None
 
 
 def apply_fn(fn: Callable[..., Any], element: Any) -> Any:
-    """Call ``fn`` the way tf.data does: a tuple's components become the arguments."""
+    """Call ``fn`` the way tf.data does: a tuple's components become the arguments, and
+    a list it returns is a tuple of components (:func:`~headrace.structure.returned`)."""
     if isinstance(element, tuple):
-        return fn(*element)
-    return fn(element)
+        return returned(fn(*element))
+    return returned(fn(element))
 
 
 def call_at(fn: Callable[..., Any], element: Any, position: tuple[int, ...]) -> Any:
@@ -111,8 +112,8 @@ def call_at(fn: Callable[..., Any], element: Any, position: tuple[int, ...]) -> 
     token = _POSITION.set(position)
     try:
         if isinstance(element, tuple):
-            return fn(*element)
-        return fn(element)
+            return returned(fn(*element))
+        return returned(fn(element))
     finally:
         _POSITION.reset(token)
 
@@ -613,6 +614,9 @@ class _ParallelMapIterator(Iterator):
         #: kept until then), as the last position of its chunk.
         self.aside: _Aside | None = None
         self.handed = 0  # elements handed out: whether a state taken out of order is stale
+        #: Out of order, the first call ran past _SPLIT_AFTER_SECONDS before any output
+        #: was settled: one more call may start beside it (see :meth:`_take_call`).
+        self.straggling = False
 
     @property
     def output_estimate(self) -> int:
@@ -712,7 +716,7 @@ class _ParallelMapIterator(Iterator):
         self._start_waiting()
         while (
             not self.exhausted
-            and len(self.calls) < (2 * self.threads if ledger.settled() else 1)
+            and len(self.calls) < (2 * self.threads if ledger.settled() else 1 + self.straggling)
             # Nothing in flight or ready: one call may always start (progress); otherwise
             # only while its output, at the largest size seen, fits beside what is held.
             and ledger.may_start(not self.calls and not self.ready)
@@ -825,9 +829,22 @@ class _ParallelMapIterator(Iterator):
             try:
                 call = self.finished.get(timeout=_SPLIT_AFTER_SECONDS)
             except Empty:
+                self._pass_straggler()
                 continue
             if any(live is call for live in self.calls):
                 return call
+
+    def _pass_straggler(self) -> None:
+        """Out of order, before any output size is known, one call runs alone (its
+        output sets what later calls are booked at). When that first call straggles,
+        as tf.data lets a slow first element be overtaken, one more call starts beside
+        it, booked at its input's size like the first; the first of the two to finish
+        settles the ledger, and the usual calls in flight follow."""
+        if (self.straggling or self.threads < 2 or self.exhausted
+                or self.ledger.settled() or len(self.calls) != 1):
+            return
+        self.straggling = True
+        self._submit_more()
 
     def _collect(self, call: _Call) -> None:
         """A call's outputs (and errors) into ``ready``; the inputs it handed back into a
