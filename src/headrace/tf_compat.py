@@ -188,7 +188,11 @@ _TF_IMAGE = (
     "sample_distorted_bounding_box", "stateless_random_crop",
     "stateless_random_flip_left_right", "stateless_random_flip_up_down",
     "stateless_random_brightness", "stateless_random_contrast",
-    "stateless_sample_distorted_bounding_box",
+    "stateless_sample_distorted_bounding_box", "adjust_gamma", "adjust_hue",
+    "adjust_saturation", "grayscale_to_rgb", "hsv_to_rgb", "pad_to_bounding_box",
+    "random_hue", "random_saturation", "resize_with_crop_or_pad", "resize_with_pad",
+    "rgb_to_grayscale", "rgb_to_hsv", "rot90", "stateless_random_hue",
+    "stateless_random_saturation", "total_variation", "transpose",
 )
 
 
