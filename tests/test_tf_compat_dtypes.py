@@ -125,3 +125,20 @@ def test_list_files_yields_bytes_as_tensorflow(tmp_path: Path) -> None:
         tf_compat.data.TextLineDataset, cycle_length=1)
     assert [r.numpy() for r in records] == [b"a.txt", b"b.txt", b"c.txt"]
     assert all(isinstance(p, str) for p in hr.Dataset.list_files(pattern))
+
+
+def test_batch_of_unknown_shapes_names_the_element_and_component() -> None:
+    """from_generator(output_types=...) leaves shapes unknown; batch then needs equal
+    shapes at run time, as tf.data, and says which element and component differ."""
+
+    def rows() -> Any:
+        yield np.ones(2), 1
+        yield np.ones(3), 2
+
+    for D in (tf_compat.data.Dataset, hr.Dataset):
+        dataset = D.from_generator(rows, output_types=(tf.float32, tf.int32)).batch(2)
+        with pytest.raises(hr.ElementSpecError,
+                           match=r"element 1 has shape \(3,\) for component \[0\].*element 0"):
+            list(dataset)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"component 0.*element 1"):
+        list(tf.data.Dataset.from_generator(rows, output_types=(tf.float32, tf.int32)).batch(2))

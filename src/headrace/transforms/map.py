@@ -25,8 +25,10 @@ one that a stage above would turn into a loss is refused: ``Run.get_state``).
 Calls take chunks of quick elements (fewer hand-offs); with
 ``deterministic=False`` a chunk whose element runs long gives up the elements
 after it to a new call, so one slow element holds back no later one, as in
-tf.data — except the very first element: its output's size is what calls in
-flight are booked at, so nothing starts beside it.
+tf.data. Until a first output's size is known, one call runs at a time (that
+size is what calls in flight are booked at); when that first call straggles, one
+more starts beside it, booked at its input's size, so a slow first element is
+overtaken too.
 
 Positions. While ``fn`` runs, the element's position (its index in the map's input,
 counted the same sequentially, on threads and on processes, and the epoch of each
