@@ -93,6 +93,9 @@ def test_colour_matches_tensorflow(dtype: str, batched: bool, seed: int) -> None
     same(hi.grayscale_to_rgb(gray), tf.image.grayscale_to_rgb(tf.constant(gray)))
     flt = hi.convert_image_dtype(image, np.float32)
     same(hi.rgb_to_hsv(flt), tf.image.rgb_to_hsv(flt))
+    for ours, theirs in [(hi.rgb_to_yiq, tf.image.rgb_to_yiq), (hi.yiq_to_rgb, tf.image.yiq_to_rgb),
+                         (hi.rgb_to_yuv, tf.image.rgb_to_yuv), (hi.yuv_to_rgb, tf.image.yuv_to_rgb)]:
+        same(ours(flt), theirs(tf.constant(flt)))
     hsv = np.random.default_rng(seed).random(image.shape, dtype=np.float32)
     same(hi.hsv_to_rgb(hsv), tf.image.hsv_to_rgb(hsv))
     signed = image.astype(np.int32) if dtype == "uint8" else image
@@ -114,6 +117,8 @@ def test_bad_arguments_are_refused_naming_them() -> None:
         hi.adjust_hue(image, 1.5)
     with pytest.raises(hr.InvalidArgumentError, match="rgb_to_hsv: expects a float"):
         hi.rgb_to_hsv(image)
+    with pytest.raises(hr.InvalidArgumentError, match="rgb_to_yuv: expects a float"):
+        hi.rgb_to_yuv(image)
     with pytest.raises(hr.InvalidArgumentError, match="grayscale_to_rgb"):
         hi.grayscale_to_rgb(image)
     with pytest.raises(hr.InvalidArgumentError, match="total_variation: expects float"):
@@ -161,8 +166,8 @@ def test_tf_compat_exposes_tf_images_names() -> None:
         "extract_glimpse", "extract_patches", "generate_bounding_box_proposals",
         "image_gradients", "non_max_suppression", "non_max_suppression_overlaps",
         "non_max_suppression_padded", "non_max_suppression_with_scores", "psnr",
-        "random_jpeg_quality", "rgb_to_yiq", "rgb_to_yuv", "sobel_edges", "ssim",
-        "ssim_multiscale", "stateless_random_jpeg_quality", "yiq_to_rgb", "yuv_to_rgb",
+        "random_jpeg_quality", "sobel_edges", "ssim", "ssim_multiscale",
+        "stateless_random_jpeg_quality",
     }
     for name in dir(htf.image):
         assert getattr(htf.image, name) is getattr(hi, name)

@@ -192,7 +192,8 @@ _TF_IMAGE = (
     "adjust_saturation", "grayscale_to_rgb", "hsv_to_rgb", "pad_to_bounding_box",
     "random_hue", "random_saturation", "resize_with_crop_or_pad", "resize_with_pad",
     "rgb_to_grayscale", "rgb_to_hsv", "rot90", "stateless_random_hue",
-    "stateless_random_saturation", "total_variation", "transpose",
+    "stateless_random_saturation", "total_variation", "transpose", "rgb_to_yiq",
+    "yiq_to_rgb", "rgb_to_yuv", "yuv_to_rgb",
 )
 
 

@@ -45,11 +45,15 @@ from headrace.image._more import (
     resize_with_pad,
     rgb_to_grayscale,
     rgb_to_hsv,
+    rgb_to_yiq,
+    rgb_to_yuv,
     rot90,
     stateless_random_hue,
     stateless_random_saturation,
     total_variation,
     transpose,
+    yiq_to_rgb,
+    yuv_to_rgb,
 )
 from headrace.image._ops import (
     ResizeMethod,
@@ -127,6 +131,8 @@ __all__ = [
     "resize_with_pad",
     "rgb_to_grayscale",
     "rgb_to_hsv",
+    "rgb_to_yiq",
+    "rgb_to_yuv",
     "rot90",
     "sample_distorted_bounding_box",
     "stateless_random_brightness",
@@ -139,4 +145,6 @@ __all__ = [
     "stateless_sample_distorted_bounding_box",
     "total_variation",
     "transpose",
+    "yiq_to_rgb",
+    "yuv_to_rgb",
 ]

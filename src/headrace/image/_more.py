@@ -32,11 +32,15 @@ __all__ = [
     "resize_with_pad",
     "rgb_to_grayscale",
     "rgb_to_hsv",
+    "rgb_to_yiq",
+    "rgb_to_yuv",
     "rot90",
     "stateless_random_hue",
     "stateless_random_saturation",
     "total_variation",
     "transpose",
+    "yiq_to_rgb",
+    "yuv_to_rgb",
 ]
 
 Array = np.ndarray[Any, Any]
@@ -193,6 +197,47 @@ def hsv_to_rgb(images: Any) -> Array:
     one_s = -saturation + one
     rgb = [(one_s + saturation * d) * value for d in (dr, dg, db)]
     return np.stack(rgb, axis=-1).astype(array.dtype)
+
+
+# The 3x3 matrices tf.image multiplies the channels by (rows: input channels).
+_RGB_TO_YIQ = ((0.299, 0.59590059, 0.2115), (0.587, -0.27455667, -0.52273617),
+               (0.114, -0.32134392, 0.31119955))
+_YIQ_TO_RGB = ((1, 1, 1), (0.95598634, -0.27201283, -1.10674021),
+               (0.6208248, -0.64720424, 1.70423049))
+_RGB_TO_YUV = ((0.299, -0.14714119, 0.61497538), (0.587, -0.28886916, -0.51496512),
+               (0.114, 0.43601035, -0.10001026))
+_YUV_TO_RGB = ((1, 1, 1), (0, -0.394642334, 2.03206185), (1.13988303, -0.58062185, 0))
+
+
+def _channels_times(images: Any, kernel: Any, op: str) -> Array:
+    """The channels times a 3x3 matrix in the image's float dtype (TensorFlow's
+    ``tensordot``, which refuses integer images)."""
+    array = _rgb(images, op)
+    if array.dtype.kind != "f":
+        raise InvalidArgumentError(
+            f"{op}: expects a float image (convert_image_dtype first), got {array.dtype}")
+    product: Array = np.tensordot(array, np.asarray(kernel, dtype=array.dtype), axes=([-1], [0]))
+    return product
+
+
+def rgb_to_yiq(images: Any) -> Array:
+    """``tf.image.rgb_to_yiq`` of a float image."""
+    return _channels_times(images, _RGB_TO_YIQ, "rgb_to_yiq")
+
+
+def yiq_to_rgb(images: Any) -> Array:
+    """``tf.image.yiq_to_rgb``: the inverse of :func:`rgb_to_yiq`."""
+    return _channels_times(images, _YIQ_TO_RGB, "yiq_to_rgb")
+
+
+def rgb_to_yuv(images: Any) -> Array:
+    """``tf.image.rgb_to_yuv`` of a float image."""
+    return _channels_times(images, _RGB_TO_YUV, "rgb_to_yuv")
+
+
+def yuv_to_rgb(images: Any) -> Array:
+    """``tf.image.yuv_to_rgb``: the inverse of :func:`rgb_to_yuv`."""
+    return _channels_times(images, _YUV_TO_RGB, "yuv_to_rgb")
 
 
 # --------------------------------------------------------------------------- colour adjustments
