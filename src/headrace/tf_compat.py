@@ -198,6 +198,7 @@ _TF_IMAGE = (
 
 
 _INT32 = range(-(1 << 31), 1 << 31)
+_NUMBERS = {int, float, builtins.bool}
 
 
 def _python_leaves(value: Any) -> list[Any] | None:
@@ -230,19 +231,26 @@ def _tf_value(value: Any) -> Any:
         return np.float32(value)
     if kind is not list or not value:
         return value
-    leaves = _python_leaves(value)
-    if not leaves:
-        return value
-    kinds = set(map(type, leaves))
-    if kinds == {builtins.bool}:
-        return np.asarray(value, dtype=np.bool_)
-    if builtins.bool in kinds:
+    kinds = set(map(type, value))  # (a flat list is looked at in C)
+    if not kinds <= _NUMBERS:
+        leaves = _python_leaves(value)
+        if not leaves:
+            return value
+        kinds = set(map(type, leaves))
+    if builtins.bool in kinds and kinds != {builtins.bool}:
         return value  # TensorFlow refuses bools mixed with numbers; headrace decides
-    if float in kinds:
-        return np.asarray(value, dtype=np.float32)
-    if all(leaf in _INT32 for leaf in leaves):
-        return np.asarray(value, dtype=np.int32)
-    return value  # int64 or refused past it, by headrace's own rule
+    try:
+        if kinds == {builtins.bool}:
+            return np.asarray(value, dtype=np.bool_)
+        if float in kinds:
+            return np.asarray(value, dtype=np.float32)
+        array = np.asarray(value, dtype=np.int64)
+    except (OverflowError, ValueError):
+        # past int64, or ragged: headrace's own rule refuses it, saying why
+        return value
+    if array.size and (array.min() < _INT32.start or array.max() >= _INT32.stop):
+        return array  # int64, as TensorFlow makes it
+    return array.astype(np.int32)
 
 
 def _tf_element(element: Any) -> Any:
