@@ -22,6 +22,11 @@ def square(x: Any) -> Any:
     return x * x
 
 
+def as_list(x: Any) -> Any:
+    """A list of two components (tf.data makes it a tuple)."""
+    return [x, x * 10]
+
+
 def fail_on(bad: frozenset[int], x: Any) -> Any:
     """``x * 10``, or :class:`Failing` for the elements in ``bad``."""
     if int(x) in bad:

@@ -87,6 +87,20 @@ def test_same_elements_errors_and_order_as_sequential(
     assert own_segments() == []
 
 
+def test_a_returned_list_is_a_tuple_of_components_on_processes_too() -> None:
+    """tf.data's rule (a list a function returns is a tuple) holds wherever calls run:
+    two columns, and the next map gets them as two arguments."""
+    for workers in (None, "processes"):
+        dataset = hr.Dataset.range(6).map(
+            process_fns.as_list, num_parallel_calls=2, workers=workers)
+        (batch,) = list(dataset.batch(6))
+        assert isinstance(batch, tuple) and len(batch) == 2
+        np.testing.assert_array_equal(batch[0], np.arange(6))
+        np.testing.assert_array_equal(batch[1], np.arange(6) * 10)
+        assert [int(v) for v in dataset.map(lambda a, b: a + b)] == [11 * i for i in range(6)]
+    assert own_segments() == []
+
+
 def _identical(a: Any, b: Any) -> bool:
     """Equal values of the same types, arrays by dtype, shape and contents."""
     if type(a) is not type(b):

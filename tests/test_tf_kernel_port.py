@@ -4,12 +4,15 @@ The cases come from ``tensorflow/python/data/kernel_tests``: batch_test,
 shard_test, take_test, skip_test, repeat_test, concatenate_test, zip_test,
 enumerate_test, filter_test, flat_map_test, padded_batch_test, unbatch_test,
 rebatch_test, prefetch_test, from_tensor_slices_test, from_tensors_test,
-cache_test, cardinality_test — their inputs, parameters, expected outputs and
-expected errors, not their code. Each case is one recipe run under tf.data
+cache_test, cardinality_test, and the cases of map_test, scan_test and
+from_generator_test about the structures functions return and generators
+yield — their inputs, parameters, expected outputs and expected errors, not
+their code. Each case is one recipe run under tf.data
 and under headrace: the same elements (values, dtypes, shapes) in the same
 order, or an error from both. Cases where headrace deliberately differs are in
 ``DIFFERENCES`` with the reason; the README's list of differences says the same,
 and the test checks that they still differ (a fix must update the README).
+Every case also runs through ``headrace.tf_compat``, where none may differ.
 
 TensorFlow 2.21 itself crashes (segmentation fault) on ``rebatch([-1])``, so that
 case of rebatch_test (testNegativeBatchSize) is checked on headrace alone.
@@ -17,8 +20,10 @@ case of rebatch_test (testNegativeBatchSize) is checked on headrace alone.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,7 @@ import pytest
 import tensorflow as tf
 
 import headrace as hr
+from headrace import tf_compat
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: for tf_compare
 from tf_compare import outcome, without_dtypes
@@ -205,6 +211,94 @@ CASES["padded_batch/tuple of shapes"] = lambda D: D.from_tensor_slices(SEQ_LENS[
     lambda x: (fill(D, x), x)
 ).padded_batch(2, padded_shapes=([None], []))
 
+def as_string(D: Any, x: Any) -> Any:
+    """tf.strings.as_string (string_ops.as_string) in the library of ``D``."""
+    if D is tf.data.Dataset:
+        return tf.strings.as_string(x)
+    return np.array([str(v).encode() for v in np.asarray(x).ravel()], dtype=object).reshape(
+        np.shape(x))
+
+
+def fill_tuple(D: Any, x: Any) -> Any:
+    """testPaddedBatchDatasetNonDefaultPadding's element: a vector, its strings, a dict."""
+    filled = fill(D, x)
+    return (filled, as_string(D, filled), {"structure": as_string(D, filled)})
+
+
+def spec(D: Any, shape: Any, dtype: Any) -> Any:
+    """A TensorSpec of the library of ``D`` (TensorFlow's dtypes serve both)."""
+    return (tf.TensorSpec if D is tf.data.Dataset else hr.TensorSpec)(shape, dtype)
+
+
+NON_DEFAULT_PADDING = {"(-1, '<end>', {'structure': ''})": (-1, "<end>", {"structure": ""}),
+                       "(-1, '<end>', None)": (-1, "<end>", None)}
+for label, values in NON_DEFAULT_PADDING.items():
+    CASES[f"padded_batch/testPaddedBatchDatasetNonDefaultPadding {label}"] = (
+        lambda D, v=values: D.from_tensor_slices(SEQ_LENS).map(lambda x: fill_tuple(D, x))
+        .padded_batch(4, padded_shapes=([-1], [-1], {"structure": [-1]}), padding_values=v)
+    )
+
+
+def unicode_generator() -> Any:
+    data = [["Простой", "тест", "юникода"], ["никогда", "не", "бывает", "простым"]]
+    for seq in data:
+        yield seq, [0, 1, 2, 3]
+
+
+CASES["padded_batch/testPaddedBatchDatasetUnicode"] = lambda D: D.from_generator(
+    unicode_generator, (tf.string, tf.int32), ([None], [None])
+).padded_batch(2, padded_shapes=([None], [None]), padding_values=("", 0))
+CASES["padded_batch/testDefaultPaddedValueShapes"] = lambda D: D.zip((
+    D.from_tensor_slices(np.array([1, 2, 3, 4], np.int32)).map(lambda x: fill(D, x)),
+    D.from_tensor_slices(np.array([1, 2, 3, 4], np.int32)).map(lambda x: fill(D, x)),
+)).padded_batch(2, padding_values=np.int32(-1))
+
+# -- map_test.py / scan_test.py: a list a function returns is a tuple of components ---------
+CASES["map/list return batches as columns"] = lambda D: D.range(5).map(
+    lambda i: [i, i * 10]).batch(2)
+CASES["map/list return unpacked by the next map"] = lambda D: D.range(4).map(
+    lambda i: [i, i * 10]).map(lambda a, b: a + b)
+CASES["map/one-item list return"] = lambda D: D.range(3).map(lambda i: [i])
+CASES["map/nested list is one component"] = lambda D: D.range(4).map(
+    lambda i: (i, [i, i * 10])).batch(3)
+CASES["map/list of lists"] = lambda D: D.range(3).map(lambda i: [[i, i], [i, i + 1]])
+CASES["map/dict of a list"] = lambda D: D.range(3).map(lambda i: {"a": [i, i]})
+CASES["map/list return, parallel"] = lambda D: D.range(20).map(
+    lambda i: [i, i * 2], num_parallel_calls=4).batch(8)
+CASES["scan/list return"] = lambda D: D.range(4).scan(
+    np.int64(0), lambda s, x: [s + x, [s, x]])
+CASES["flat_map/list element"] = lambda D: D.range(3).flat_map(
+    lambda i: D.from_tensors([i, i]))
+
+# -- from_generator_test.py ------------------------------------------------------------------
+
+
+def rows_generator() -> Any:
+    yield np.ones(2), 1
+    yield np.ones(2) * 2, 2
+    yield np.ones(3), 3
+
+
+CASES["from_generator/output_types without shapes"] = lambda D: D.from_generator(
+    rows_generator, output_types=(tf.float32, tf.int32))
+CASES["from_generator/output_types, batch of equal shapes"] = lambda D: D.from_generator(
+    rows_generator, output_types=(tf.float32, tf.int32)).take(2).batch(2)
+CASES["from_generator/output_types, batch of unequal shapes (error)"] = (
+    lambda D: D.from_generator(rows_generator, output_types=(tf.float32, tf.int32)).batch(3))
+CASES["from_generator/nested sequences for vector specs"] = lambda D: D.from_generator(
+    lambda: iter([([1.0, 2.5], (1, 2)), ((3.0,), [4])]),
+    output_signature=(spec(D, (None,), tf.float32), spec(D, (None,), tf.int32)))
+CASES["from_generator/list of floats for a vector spec"] = lambda D: D.from_generator(
+    lambda: iter([[1.0, 2.0], [3.0]]), output_signature=spec(D, (None,), tf.float32)
+).padded_batch(2)
+CASES["from_generator/list for a tuple signature (error)"] = lambda D: D.from_generator(
+    lambda: iter([[1.0, 2]]),
+    output_signature=(spec(D, (), tf.float32), spec(D, (), tf.int32)))
+CASES["from_generator/dict of sequences"] = lambda D: D.from_generator(
+    lambda: iter([{"a": [1, 2], "b": (0.5,)}]),
+    output_signature={"a": spec(D, (2,), tf.int64), "b": spec(D, (None,), tf.float64)})
+
+
 # -- unbatch_test.py -------------------------------------------------------------------------
 CASES["unbatch/testUnbatchScalarDataset"] = lambda D: D.from_tensor_slices(
     (np.arange(10), np.arange(10.0), np.arange(10, dtype=np.int32))
@@ -290,6 +384,9 @@ CARDINALITY: dict[str, Build] = {
     "take of repeat": lambda D: D.range(10).repeat().take(5),
     "skip of repeat": lambda D: D.range(10).repeat().skip(5),
     "skip past the end": lambda D: D.range(10).skip(15),
+    "skip(-1)": lambda D: D.range(10).skip(-1),
+    "skip(-1) of an infinite input": lambda D: D.range(10).repeat().skip(-1),
+    "skip(-1) of a filter": lambda D: D.range(10).filter(lambda x: x > 3).skip(-1),
     "shard": lambda D: D.range(10).shard(3, 1),
     "concatenate": lambda D: D.range(3).concatenate(D.range(4)),
     "concatenate infinite": lambda D: D.range(3).repeat().concatenate(D.range(4)),
@@ -322,10 +419,16 @@ PYTHON_NUMBER_DTYPES = {
 }
 
 
+@functools.cache
+def tf_outcome(case: str) -> Any:
+    """What tf.data gives for ``case`` (computed once for both libraries' tests)."""
+    return outcome(CASES[case], tf.data.Dataset)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kernel_case_matches_tf(case: str) -> None:
     build = CASES[case]
-    expected = outcome(build, tf.data.Dataset)
+    expected = tf_outcome(case)
     got = outcome(build, hr.Dataset)
     if isinstance(expected, tuple) or isinstance(got, tuple):  # an error: both must raise
         assert isinstance(expected, tuple) and isinstance(got, tuple), (expected, got)
@@ -334,6 +437,50 @@ def test_kernel_case_matches_tf(case: str) -> None:
         assert got != expected and without_dtypes(got) == without_dtypes(expected)
         return
     assert got == expected
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_case_through_tf_compat_matches_tf(case: str) -> None:
+    """The same recipes through ``headrace.tf_compat``: Python numbers take TensorFlow's
+    dtypes there, so even the cases where headrace's own API differs must agree."""
+    expected = tf_outcome(case)
+    got = outcome(CASES[case], tf_compat.data.Dataset)
+    if isinstance(expected, tuple) or isinstance(got, tuple):
+        assert isinstance(expected, tuple) and isinstance(got, tuple), (expected, got)
+        return
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("local", "global_"), list(itertools.product([None, True, False], [True, False])))
+def test_map_determinism_configuration(local: bool | None, global_: bool) -> None:
+    """map_test.testDeterminismConfiguration: the first of 1000 elements sleeps; the order
+    is kept unless ``deterministic=False``, or it is None and the pipeline's
+    ``Options().deterministic`` is False (then the straggler is overtaken, as in tf.data)."""
+    expect_determinism = local or (local is None and global_)
+    elements = list(range(1000))
+
+    def build(D: Any, delay_ms: int) -> Any:
+        def map_function(x: Any) -> Any:
+            if D is tf.data.Dataset:
+                def sleep(v: Any) -> Any:
+                    time.sleep(delay_ms / 1000)
+                    return v
+                return tf.cond(tf.equal(x, 0), lambda: tf.py_function(sleep, [x], x.dtype),
+                               lambda: x)
+            if x == 0:
+                time.sleep(delay_ms / 1000)
+            return x
+
+        options = (tf.data.Options if D is tf.data.Dataset else hr.Options)()
+        options.deterministic = global_
+        return D.from_tensor_slices(np.array(elements)).map(
+            map_function, num_parallel_calls=2, deterministic=local).with_options(options)
+
+    for D in (tf.data.Dataset, hr.Dataset):
+        actual = [int(x) for x in build(D, 100)]
+        assert sorted(actual) == elements
+        assert (actual == elements) == bool(expect_determinism), (D, actual[:5])
 
 
 def test_rebatch_negative_size_is_refused() -> None:
@@ -351,4 +498,4 @@ def test_kernel_cardinality_matches_tf(case: str) -> None:
 
 def test_the_port_has_the_size_reported() -> None:
     """How many cases were carried over (the report and the README quote this)."""
-    assert (len(CASES), len(CARDINALITY)) == (195, 26)
+    assert (len(CASES), len(CARDINALITY)) == (215, 29)

@@ -3,7 +3,9 @@
 An element is a leaf (NumPy array or scalar, Python scalar, ``bytes``, ``str``)
 or a nest of dicts, tuples and namedtuples of elements. Following tf.data, a
 *list* is a leaf: ``from_tensor_slices([1, 2, 3])`` slices one array, while a
-tuple is a structure of components. Dict keys are visited in sorted order so
+tuple is a structure of components. The one exception is tf.data's too: a list
+that a user function *returns* at its top (``map(lambda x: [x, x * 10])``) is a
+tuple of components (:func:`returned`); lists inside it are leaves again. Dict keys are visited in sorted order so
 that two dicts with the same keys always flatten the same way.
 """
 
@@ -24,6 +26,7 @@ __all__ = [
     "integer_scalar",
     "map_structure",
     "pack_as",
+    "returned",
     "spec_of",
     "structure_paths",
 ]
@@ -158,6 +161,14 @@ def flatten(element: Any) -> list[Any]:
             out.extend(flatten(item))
         return out
     return [element]
+
+
+def returned(value: Any) -> Any:
+    """What a user function returned, as an element: a top-level ``list`` becomes a
+    tuple of components, as tf.data packs it (``map(lambda x: [x, x * 10]).batch(2)``
+    gives two columns, and ``tf.io.decode_csv``'s list of columns is a tuple). Only
+    an exact ``list`` at the top: nested lists stay leaves (one array each)."""
+    return tuple(value) if type(value) is list else value
 
 
 def pack_as(structure: Any, leaves: list[Any]) -> Any:

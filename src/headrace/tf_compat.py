@@ -13,6 +13,11 @@ What differs, and why:
   NumPy values: use NumPy in them (``tf.cast`` / ``tf.constant`` here accept and return
   arrays).
 * Dtypes are NumPy's (``tf.float32`` is ``np.float32``, ``tf.string`` is ``bytes``).
+  Python numbers get TensorFlow's dtypes where tf.data converts them: ints become
+  int32 (int64 past its range), floats float32, in ``from_tensor_slices`` /
+  ``from_tensors`` inputs, in what ``map`` and ``scan`` functions return, and in
+  ``tf.constant``. NumPy values keep their dtype, as in TensorFlow. (headrace's own
+  API keeps NumPy's rule: int64 and float64.) ``list_files`` yields ``bytes``.
 * ``tf.train.Example(...).SerializeToString()`` gives the bytes of TensorFlow's
   ``SerializeToString(deterministic=True)`` (map keys sorted). TensorFlow's default
   orders map entries by hash; both parse to the same Example.
@@ -53,6 +58,8 @@ from headrace.options import AUTOTUNE as _AUTOTUNE
 from headrace.options import Options as _Options
 from headrace.structure import TensorSpec
 from headrace.structure import map_structure as _map_structure
+from headrace.structure import returned as _returned
+from headrace.transforms.parse_fusion import _mentions_parse
 
 __all__ = [
     "EagerArray",
@@ -181,8 +188,97 @@ _TF_IMAGE = (
     "sample_distorted_bounding_box", "stateless_random_crop",
     "stateless_random_flip_left_right", "stateless_random_flip_up_down",
     "stateless_random_brightness", "stateless_random_contrast",
-    "stateless_sample_distorted_bounding_box",
+    "stateless_sample_distorted_bounding_box", "adjust_gamma", "adjust_hue",
+    "adjust_saturation", "grayscale_to_rgb", "hsv_to_rgb", "pad_to_bounding_box",
+    "random_hue", "random_saturation", "resize_with_crop_or_pad", "resize_with_pad",
+    "rgb_to_grayscale", "rgb_to_hsv", "rot90", "stateless_random_hue",
+    "stateless_random_saturation", "total_variation", "transpose", "rgb_to_yiq",
+    "yiq_to_rgb", "rgb_to_yuv", "yuv_to_rgb",
 )
+
+
+_INT32 = range(-(1 << 31), 1 << 31)
+_NUMBERS = {int, float, builtins.bool}
+
+
+def _python_leaves(value: Any) -> list[Any] | None:
+    """The leaves of a (nested) list of Python numbers, or None if anything else is in
+    it (a NumPy value keeps its dtype, as TensorFlow keeps it)."""
+    leaves: list[Any] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is list or type(item) is tuple:
+            stack.extend(item)
+        elif type(item) in (int, float, builtins.bool):
+            leaves.append(item)
+        else:
+            return None
+    return leaves
+
+
+def _tf_value(value: Any) -> Any:
+    """A component as ``tf.convert_to_tensor`` types Python numbers: ints int32 (int64
+    when one does not fit int32), floats (or ints mixed with floats) float32, bools
+    bool. Anything else (NumPy values, strings, ints past int64) is left to headrace.
+    """
+    kind = type(value)
+    if kind is builtins.bool:
+        return np.bool_(value)
+    if kind is int:
+        return np.int32(value) if value in _INT32 else value
+    if kind is float:
+        return np.float32(value)
+    if kind is not list or not value:
+        return value
+    kinds = set(map(type, value))  # (a flat list is looked at in C)
+    if not kinds <= _NUMBERS:
+        leaves = _python_leaves(value)
+        if not leaves:
+            return value
+        kinds = set(map(type, leaves))
+    if builtins.bool in kinds and kinds != {builtins.bool}:
+        return value  # TensorFlow refuses bools mixed with numbers; headrace decides
+    try:
+        if kinds == {builtins.bool}:
+            return np.asarray(value, dtype=np.bool_)
+        if float in kinds:
+            return np.asarray(value, dtype=np.float32)
+        array = np.asarray(value, dtype=np.int64)
+    except (OverflowError, ValueError):
+        # past int64, or ragged: headrace's own rule refuses it, saying why
+        return value
+    if array.size and (array.min() < _INT32.start or array.max() >= _INT32.stop):
+        return array  # int64, as TensorFlow makes it
+    return array.astype(np.int32)
+
+
+def _tf_element(element: Any) -> Any:
+    """Every component of ``element`` through :func:`_tf_value`."""
+    return _map_structure(_tf_value, element)
+
+
+class _TFTyped:
+    """A user function whose results get TensorFlow's dtypes for Python numbers (see
+    :func:`_tf_value`); a list it returns is a tuple of components, as in tf.data.
+    Picklable when the function is (a map on worker processes)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.__qualname__ = getattr(fn, "__qualname__", type(fn).__qualname__)
+        self.__module__ = getattr(fn, "__module__", None) or __name__
+
+    def __call__(self, *args: Any) -> Any:
+        return _tf_element(_returned(self.fn(*args)))
+
+
+def _tf_typed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped by :class:`_TFTyped`, except a function that only parses records
+    (``parse_single_example``): its dtypes are its features', and left unwrapped the
+    map before a batch is fused into one parse per batch."""
+    if not callable(fn) or _mentions_parse(fn):
+        return fn
+    return _TFTyped(fn)
 
 
 class EagerArray(np.ndarray):  # type: ignore[type-arg]
@@ -210,6 +306,8 @@ def constant(value: Any, dtype: Any = None, shape: Any = None, name: str | None 
     """``tf.constant``: a NumPy array of ``value`` (answers ``.numpy()``)."""
     if isinstance(value, bytes | str) and dtype in (None, bytes, "string"):
         return _eager(value.encode() if isinstance(value, str) else value)
+    if dtype is None:  # Python numbers: TensorFlow's int32 / float32
+        value = _tf_value(value)
     array = np.asarray(value, dtype=None if dtype is None else _numpy_dtype(dtype))
     if shape is not None:
         array = np.broadcast_to(array, tuple(shape)).copy()
@@ -286,11 +384,29 @@ class Dataset(_dataset.Dataset):
 
     @staticmethod
     def from_tensor_slices(tensors: Any, name: str | None = None) -> Dataset:
-        return _as_compat(_dataset.Dataset.from_tensor_slices(tensors))
+        """``tf.data.Dataset.from_tensor_slices``; Python numbers as TensorFlow types them."""
+        return _as_compat(_dataset.Dataset.from_tensor_slices(_tf_element(tensors)))
 
     @staticmethod
     def from_tensors(tensors: Any, name: str | None = None) -> Dataset:
-        return _as_compat(_dataset.Dataset.from_tensors(tensors))
+        """``tf.data.Dataset.from_tensors``; Python numbers as TensorFlow types them."""
+        return _as_compat(_dataset.Dataset.from_tensors(_tf_element(tensors)))
+
+    def map(  # type: ignore[override]
+        self, map_func: Callable[..., Any], num_parallel_calls: int | None = None,
+        deterministic: builtins.bool | None = None, name: str | None = None,
+        **headrace_options: Any,
+    ) -> Dataset:
+        """``tf.data.Dataset.map``; Python numbers the function returns get TensorFlow's
+        dtypes (int32, float32)."""
+        return _as_compat(super().map(
+            _tf_typed(map_func), num_parallel_calls, deterministic, **headrace_options))
+
+    def scan(self, initial_state: Any, scan_func: Callable[[Any, Any], Any],
+             name: str | None = None) -> Dataset:
+        """``tf.data.Dataset.scan``; Python numbers (the initial state, what the function
+        returns) get TensorFlow's dtypes."""
+        return _as_compat(super().scan(_tf_element(initial_state), _tf_typed(scan_func)))
 
     @staticmethod
     def range(*args: int, **kwargs: Any) -> Dataset:  # type: ignore[override]
@@ -302,9 +418,11 @@ class Dataset(_dataset.Dataset):
         generator: Callable[..., Any], output_types: Any = None, output_shapes: Any = None,
         args: Sequence[Any] | None = None, output_signature: Any = None, name: str | None = None,
     ) -> Dataset:
-        if output_signature is None and output_types is not None:
-            output_signature = _signature_from_types(output_types, output_shapes)
-        return _as_compat(_dataset.Dataset.from_generator(generator, output_signature, args))
+        """``tf.data.Dataset.from_generator``: ``output_signature``, or ``output_types``
+        with or without ``output_shapes`` (unknown shapes then, as in tf.data)."""
+        return _as_compat(_dataset.Dataset.from_generator(
+            generator, output_types=output_types, output_shapes=output_shapes, args=args,
+            output_signature=output_signature))
 
     @staticmethod
     def zip(*datasets: Any, name: str | None = None) -> Dataset:
@@ -313,34 +431,14 @@ class Dataset(_dataset.Dataset):
     @staticmethod
     def list_files(file_pattern: Any, shuffle: builtins.bool | None = None, seed: int | None = None,
                    name: str | None = None) -> Dataset:
-        return _as_compat(_dataset.Dataset.list_files(file_pattern, shuffle, seed))
+        """``tf.data.Dataset.list_files``: the paths as ``bytes``, as tf.data's strings."""
+        paths = _dataset.Dataset.list_files(file_pattern, shuffle, seed)
+        return _as_compat(paths.map(os.fsencode, output_signature=TensorSpec((), bytes)))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
         raise _missing("tf.data.Dataset", name)
-
-
-def _signature_from_types(output_types: Any, output_shapes: Any) -> Any:
-    """TF 1's ``output_types``/``output_shapes`` as a TensorSpec nest (unknown shapes
-    where none are given)."""
-    if isinstance(output_types, tuple | dict):
-        shapes = output_shapes
-        if isinstance(output_types, dict):
-            return {
-                key: _signature_from_types(value, None if shapes is None else shapes[key])
-                for key, value in output_types.items()
-            }
-        return tuple(
-            _signature_from_types(value, None if shapes is None else shapes[index])
-            for index, value in enumerate(output_types)
-        )
-    if output_shapes is None:
-        raise NotSupportedError(
-            "from_generator(output_types=...) without output_shapes: headrace needs each "
-            "component's rank; pass output_shapes, or output_signature=tf.TensorSpec(...)"
-        )
-    return TensorSpec(tuple(output_shapes), output_types)
 
 
 def TFRecordDataset(

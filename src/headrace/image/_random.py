@@ -71,7 +71,7 @@ Array = np.ndarray[Any, Any]
 # one Philox stream per op for the same seed pair (the counter's top word)
 _SALT = {
     "flip_left_right": 1, "flip_up_down": 2, "crop": 3, "brightness": 4, "contrast": 5,
-    "bounding_box": 6, "resized_crop": 7,
+    "bounding_box": 6, "resized_crop": 7, "hue": 8, "saturation": 9,
 }
 _STATEFUL: dict[int, np.random.Generator] = {}
 _MASK64 = (1 << 64) - 1

@@ -78,6 +78,36 @@ def _convert(value: Any, spec: TensorSpec, path: str, index: int) -> Any:
     return array if array.ndim else array[()]
 
 
+def _flatten_up_to(signature: Any, value: Any) -> list[Any] | None:
+    """The parts of ``value`` that the signature's components stand for, in
+    :func:`flatten` order, or None where their structures differ. A component is
+    taken whole, whatever it holds (tf.data's ``flatten_up_to``): a generator may
+    yield ``([1.0, 2.0], (1, 2))`` for two vector specs, each converted to one array.
+    Above the components, a tuple must be a tuple (tf.data refuses a list there)
+    and a dict a dict with the same keys."""
+    if isinstance(signature, dict):
+        if not isinstance(value, dict) or set(value) != set(signature):
+            return None
+        out: list[Any] = []
+        for key in sorted(signature):
+            part = _flatten_up_to(signature[key], value[key])
+            if part is None:
+                return None
+            out.extend(part)
+        return out
+    if isinstance(signature, tuple):
+        if not isinstance(value, tuple) or len(value) != len(signature):
+            return None
+        out = []
+        for spec, item in zip(signature, value, strict=True):
+            part = _flatten_up_to(spec, item)
+            if part is None:
+                return None
+            out.extend(part)
+        return out
+    return [value]
+
+
 class GeneratorNode(Node):
     stage = "from_generator"
 
@@ -166,7 +196,8 @@ class _GeneratorIterator(Iterator):
         self.produced += 1
         if self.single:
             return _convert(value, self.specs[0], "element", index)
-        if not isinstance(value, (dict, tuple)) or structure_paths(value) != self.paths:
+        leaves = _flatten_up_to(self.node.signature, value)
+        if leaves is None:
             raise ElementSpecError(
                 f"from_generator: element {index} has the wrong structure: expected "
                 f"{self.node.signature}, got {value!r:.100}"
@@ -175,7 +206,7 @@ class _GeneratorIterator(Iterator):
             self.node.signature,
             [
                 _convert(leaf, spec, path, index)
-                for leaf, spec, path in zip(flatten(value), self.specs, self.paths, strict=True)
+                for leaf, spec, path in zip(leaves, self.specs, self.paths, strict=True)
             ],
         )
 

@@ -24,6 +24,7 @@ from headrace.structure import (
     integer_scalar,
     map_structure,
     pack_as,
+    returned,
     spec_of,
 )
 from headrace.transforms.map import apply_fn
@@ -126,7 +127,7 @@ def reduce_impl(dataset: Dataset, initial_state: Any, reduce_func: Callable[...,
     name = f"reduce({function_name(reduce_func)})"
 
     def step(state: Any, element: Any) -> tuple[Any, None]:
-        return reduce_func(state, element), None
+        return returned(reduce_func(state, element)), None
 
     with iter(dataset) as iterator:
         for element in iterator:

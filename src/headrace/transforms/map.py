@@ -25,8 +25,10 @@ one that a stage above would turn into a loss is refused: ``Run.get_state``).
 Calls take chunks of quick elements (fewer hand-offs); with
 ``deterministic=False`` a chunk whose element runs long gives up the elements
 after it to a new call, so one slow element holds back no later one, as in
-tf.data — except the very first element: its output's size is what calls in
-flight are booked at, so nothing starts beside it.
+tf.data. Until a first output's size is known, one call runs at a time (that
+size is what calls in flight are booked at); when that first call straggles, one
+more starts beside it, booked at its input's size, so a slow first element is
+overtaken too.
 
 Positions. While ``fn`` runs, the element's position (its index in the map's input,
 counted the same sequentially, on threads and on processes, and the epoch of each
@@ -78,7 +80,7 @@ from headrace.errors import InvalidArgumentError, Origin, note_element_error
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.inflight import InFlight, Ticket
 from headrace.options import AUTOTUNE
-from headrace.structure import TensorSpec, flatten, map_structure, spec_of
+from headrace.structure import TensorSpec, flatten, map_structure, returned, spec_of
 from headrace.transforms.batch import batch_iterator
 from headrace.transforms.parse_fusion import FusedParse, FusedParseIterator, fused_parse
 
@@ -99,10 +101,11 @@ restore_process_node: Callable[..., Any] | None = None
 
 
 def apply_fn(fn: Callable[..., Any], element: Any) -> Any:
-    """Call ``fn`` the way tf.data does: a tuple's components become the arguments."""
+    """Call ``fn`` the way tf.data does: a tuple's components become the arguments, and
+    a list it returns is a tuple of components (:func:`~headrace.structure.returned`)."""
     if isinstance(element, tuple):
-        return fn(*element)
-    return fn(element)
+        return returned(fn(*element))
+    return returned(fn(element))
 
 
 def call_at(fn: Callable[..., Any], element: Any, position: tuple[int, ...]) -> Any:
@@ -111,8 +114,8 @@ def call_at(fn: Callable[..., Any], element: Any, position: tuple[int, ...]) -> 
     token = _POSITION.set(position)
     try:
         if isinstance(element, tuple):
-            return fn(*element)
-        return fn(element)
+            return returned(fn(*element))
+        return returned(fn(element))
     finally:
         _POSITION.reset(token)
 
@@ -613,6 +616,9 @@ class _ParallelMapIterator(Iterator):
         #: kept until then), as the last position of its chunk.
         self.aside: _Aside | None = None
         self.handed = 0  # elements handed out: whether a state taken out of order is stale
+        #: Out of order, the first call ran past _SPLIT_AFTER_SECONDS before any output
+        #: was settled: one more call may start beside it (see :meth:`_take_call`).
+        self.straggling = False
 
     @property
     def output_estimate(self) -> int:
@@ -712,7 +718,7 @@ class _ParallelMapIterator(Iterator):
         self._start_waiting()
         while (
             not self.exhausted
-            and len(self.calls) < (2 * self.threads if ledger.settled() else 1)
+            and len(self.calls) < (2 * self.threads if ledger.settled() else 1 + self.straggling)
             # Nothing in flight or ready: one call may always start (progress); otherwise
             # only while its output, at the largest size seen, fits beside what is held.
             and ledger.may_start(not self.calls and not self.ready)
@@ -825,9 +831,22 @@ class _ParallelMapIterator(Iterator):
             try:
                 call = self.finished.get(timeout=_SPLIT_AFTER_SECONDS)
             except Empty:
+                self._pass_straggler()
                 continue
             if any(live is call for live in self.calls):
                 return call
+
+    def _pass_straggler(self) -> None:
+        """Out of order, before any output size is known, one call runs alone (its
+        output sets what later calls are booked at). When that first call straggles,
+        as tf.data lets a slow first element be overtaken, one more call starts beside
+        it, booked at its input's size like the first; the first of the two to finish
+        settles the ledger, and the usual calls in flight follow."""
+        if (self.straggling or self.threads < 2 or self.exhausted
+                or self.ledger.settled() or len(self.calls) != 1):
+            return
+        self.straggling = True
+        self._submit_more()
 
     def _collect(self, call: _Call) -> None:
         """A call's outputs (and errors) into ``ready``; the inputs it handed back into a

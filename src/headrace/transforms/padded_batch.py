@@ -9,6 +9,7 @@ Padding defaults to 0, ``b""``/``""`` or False.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,6 +51,20 @@ def _normalize_shape(shape: Any, path: str) -> tuple[int | None, ...]:
             f"padded_batch: padded shape for {path} must be a sequence of ints/None, got {shape!r}"
         ) from None
     return dims
+
+
+def _defaults_for_none(padding: Any, spec: Any) -> Any:
+    """``padding`` with each ``None`` in it replaced by the defaults of the part of the
+    element it stands for (tf.data: ``padding_values=(-1, None)`` pads the second
+    component, or every component under it, with 0 / ``b""`` / False)."""
+    if padding is None:
+        return map_structure(_default_padding, spec)
+    if isinstance(padding, Mapping) and isinstance(spec, Mapping) and set(padding) == set(spec):
+        return {key: _defaults_for_none(padding[key], spec[key]) for key in padding}
+    if (isinstance(padding, tuple) and isinstance(spec, tuple)
+            and len(padding) == len(spec)):
+        return tuple(_defaults_for_none(p, s) for p, s in zip(padding, spec, strict=True))
+    return padding
 
 
 def _default_padding(spec: TensorSpec) -> Any:
@@ -141,7 +156,7 @@ class PaddedBatchNode(Node):
         elif not isinstance(spec, (dict, tuple)):
             pads = [padding_values]
         else:
-            pads = flatten(padding_values)
+            pads = flatten(_defaults_for_none(padding_values, spec))
             if len(pads) == 1 and len(spec_leaves) > 1:
                 pads = pads * len(spec_leaves)
             if len(pads) != len(spec_leaves):

@@ -25,7 +25,7 @@ from headrace.core.node import Node, UnaryNode, first_element
 from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
-from headrace.structure import flatten, spec_of
+from headrace.structure import flatten, returned, spec_of
 from headrace.transforms._replay import ReplayedInput
 
 __all__ = ["ScanNode", "scan_step"]
@@ -33,7 +33,7 @@ __all__ = ["ScanNode", "scan_step"]
 
 def scan_step(fn: Callable[..., Any], state: Any, element: Any, stage: str) -> tuple[Any, Any]:
     """``fn(state, element)``, checked to return ``(new_state, output)`` of a stable structure."""
-    result = fn(state, element)
+    result = returned(fn(state, element))  # a list is a tuple, as tf.data packs it
     if not isinstance(result, tuple) or len(result) != 2:
         raise ElementSpecError(
             f"{stage}: {function_name(fn)} must return (new_state, output), got "

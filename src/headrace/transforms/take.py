@@ -101,8 +101,9 @@ class SkipNode(UnaryNode):
     def cardinality(self) -> int:
         inner = self.inputs[0].cardinality()
         if self.count < 0:
-            # tf.data says INFINITE for an infinite input, yet yields nothing
-            return UNKNOWN if inner == UNKNOWN else 0
+            # tf.data's number: INFINITE for an infinite input (its kernel tests check it),
+            # though skip(-1) yields nothing there either
+            return inner if inner in (INFINITE, UNKNOWN) else 0
         if inner in (INFINITE, UNKNOWN):
             return inner
         return max(inner - self.count, 0)
