@@ -67,9 +67,9 @@ it reads it (so it holds one at a time), and stops before an element that, at th
 largest size it has read, would pass what the consumer booked for the chunk. A
 chunk booked below that size is not read at all (the slot asks again, booked at
 it) unless the slot waits for it; then, or when an element is larger than any
-before, a chunk holds one element beyond its booking. An element that no slot could ever hold (past the pipeline's whole
-budget divided among the slots) is dropped in the worker before it is copied
-out, and its slot raises :class:`~headrace.errors.MemoryBudgetError` in its
+before, a chunk holds one element beyond its booking. An element that no slot
+could ever hold (past the pipeline's whole budget divided among the slots) is
+dropped in the worker before it is copied out, and its slot raises :class:`~headrace.errors.MemoryBudgetError` in its
 place. The workers' own memory
 is reported by ``stats().workers`` and counted by the measured bound (see
 :mod:`headrace.workers.memory`).
