@@ -77,7 +77,18 @@ def file_identity(path: str | os.PathLike[str]) -> tuple[Any, ...]:
     that cannot be stat'ed or read counts as missing or unreadable (reading it raises
     later, naming it).
     """
-    name = os.path.abspath(os.fspath(path))
+    from headrace.io import objstore
+
+    name = os.fspath(path)
+    if objstore.is_remote(name):
+        # An object's version is its ETag (what S3, GCS and Azure change on every write)
+        # with its size; no bytes are read.
+        try:
+            remote = objstore.object_info(name)
+        except OSError as error:
+            return ("missing", name, error.errno)
+        return ("object", name, remote.size, remote.etag, remote.last_modified)
+    name = os.path.abspath(objstore.local_path(name))
     try:
         info = os.stat(name)
     except OSError as error:
