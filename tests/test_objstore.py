@@ -300,3 +300,54 @@ def test_file_urls_are_local_paths(tmp_path: Path) -> None:
     listed = _read(hr.Dataset.list_files(f"file://{tmp_path}/*.tfrecord", shuffle=False))
     assert [bytes(x) if not isinstance(x, str) else x.encode() for x in listed] == [
         str(path).encode()]
+
+
+def _examples(count: int) -> hr.Dataset:
+    return hr.Dataset.range(count).map(lambda i: {"id": i, "text": b"row-%d" % i})
+
+
+@pytest.mark.parametrize(("num_shards", "compression"), [(1, None), (3, None), (2, "GZIP")])
+def test_save_tfrecords_to_s3_reads_back_as_locally(
+    s3: str, tmp_path: Path, num_shards: int, compression: str | None
+) -> None:
+    prefix = f"s3://{BUCKET}/saved-{num_shards}-{compression}"
+    urls = _examples(50).save_tfrecords(prefix, num_shards=num_shards,
+                                        compression_type=compression, progress=False)
+    local = _examples(50).save_tfrecords(str(tmp_path / "local"), num_shards=num_shards,
+                                         compression_type=compression, progress=False)
+    assert [u.rsplit("/", 1)[1] for u in urls] == [Path(p).name for p in local]
+    for url, path in zip(urls, local, strict=True):
+        assert _read(hr.TFRecordDataset(url, compression)) == _read(
+            hr.TFRecordDataset(path, compression))
+    listed = sorted(info.url for info in objstore.list_objects(prefix + "/"))
+    index = [] if compression else [u + ".hrx" for u in urls]
+    assert listed == sorted(urls + index)  # no staging key left behind
+
+
+def test_save_tfrecords_to_s3_is_all_or_nothing(s3: str) -> None:
+    def failing(i: Any) -> Any:
+        if int(i) == 40:
+            raise ValueError("element 40 is bad")
+        return {"id": i}
+
+    prefix = f"s3://{BUCKET}/failed-save"
+    with pytest.raises(ValueError, match="element 40"):
+        hr.Dataset.range(50).map(failing).save_tfrecords(prefix, num_shards=2, progress=False)
+    assert list(objstore.list_objects(prefix + "/")) == []
+    # an upload that fails (the bucket is missing) leaves nothing either, and names the URL
+    with pytest.raises(FileNotFoundError) as caught:
+        _examples(5).save_tfrecords("s3://no-such-bucket-y/out", progress=False)
+    assert "no-such-bucket-y" in str(caught.value.filename)
+
+
+@pytest.mark.parametrize("method", ["cache", "snapshot", "save", "load"])
+def test_local_only_writers_refuse_urls_by_name(method: str) -> None:
+    dataset = hr.Dataset.range(3)
+    url = "s3://bucket/dir"
+    with pytest.raises(InvalidArgumentError, match=f"{method}.*s3://bucket/dir.*object-store"):
+        if method == "load":
+            hr.Dataset.load(url)
+        elif method == "save":
+            dataset.save(url)
+        else:
+            getattr(dataset, method)(url)

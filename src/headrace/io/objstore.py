@@ -52,8 +52,13 @@ __all__ = [
     "REMOTE_BUFFER_SIZE",
     "RetryPolicy",
     "configure",
+    "copy_object",
+    "delete_object",
     "glob_objects",
+    "is_remote",
     "is_url",
+    "list_objects",
+    "local_only",
     "local_path",
     "object_info",
     "put_atomic",
@@ -90,6 +95,20 @@ def local_path(path: str) -> str:
         if parsed.netloc not in ("", "localhost"):
             raise InvalidArgumentError(f"{path}: a file:// URL names a local file (no host)")
         return urllib.parse.unquote(parsed.path)
+    return path
+
+
+def local_only(path: Any, what: str) -> Any:
+    """``path`` for a writer that works on a local directory only (``cache(filename)``,
+    ``snapshot``, ``save``/``load``): a ``file://`` URL becomes its path, an object-store
+    URL is refused naming it (instead of a local directory called ``s3:``)."""
+    if isinstance(path, str) and is_url(path):
+        if is_remote(path):
+            raise InvalidArgumentError(
+                f"{what}: {path} is an object-store URL; {what} keeps its files on a local "
+                "file system (write them locally, or use save_tfrecords, which uploads)"
+            )
+        return local_path(path)
     return path
 
 
@@ -420,6 +439,19 @@ def put_atomic(url: str, data: Any) -> None:
         obstore.put(store, key, data)
 
     _retrying(url, "uploading the object", attempt)
+
+
+def copy_object(source: str, target: str) -> None:
+    """Copy one object to another key of the same bucket, server-side (one request:
+    the target appears whole, or not at all)."""
+    import obstore
+
+    root, key = _split(source)
+    target_root, target_key = _split(target)
+    if root != target_root:
+        raise InvalidArgumentError(f"copy_object: {source} and {target} are in different stores")
+    store = _store(root)
+    _retrying(target, f"copying {source}", lambda _: obstore.copy(store, key, target_key))
 
 
 def delete_object(url: str) -> None:
