@@ -351,3 +351,16 @@ def test_local_only_writers_refuse_urls_by_name(method: str) -> None:
             dataset.save(url)
         else:
             getattr(dataset, method)(url)
+
+
+def test_read_buffers_are_booked_on_the_budget(s3: str, tmp_path: Path) -> None:
+    """An object's reader buffer, the stream's block and the block read ahead (3 x 8 MiB
+    by default) are the stage's bytes: a budget that cannot hold them is refused naming
+    the object, and a smaller buffer_size reads the same elements within it."""
+    urls, paths = _write_shards(tmp_path, "booked", 2, 9)
+    options = hr.Options()
+    options.memory_budget = "6MiB"
+    with pytest.raises(hr.errors.MemoryBudgetError, match=r"read-ahead of s3://data/booked"):
+        _read(hr.TFRecordDataset(urls).with_options(options))
+    small = hr.TFRecordDataset(urls, buffer_size=256 * 1024).with_options(options)
+    assert _read(small) == _read(hr.TFRecordDataset(paths))

@@ -579,10 +579,12 @@ class _FileRecordsIterator(Iterator):
         node = self.node
         name = node.filenames[self.file_index]
         if objstore.is_remote(name) and self.remote_booking is None:
-            # the reader's buffer of an object is large (8 MiB by default): booked as
-            # the stage's bytes while the object is open, refused by name if it cannot fit
+            # the reader's buffer of an object is large (8 MiB by default), and the next
+            # range is read ahead: booked as the stage's bytes while the object is
+            # open, refused by name if they cannot fit
             self.remote_booking = self.account.admit(
-                node.buffer_bytes, together=f"the read buffer of {name}", elements=0
+                node.buffer_bytes * objstore.READ_AHEAD_RANGES,
+                together=f"the read buffer and read-ahead of {name}", elements=0,
             )
         self.stream = self.pool.open(
             name,
