@@ -13,17 +13,21 @@ import gzip
 import json
 import os
 import random
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.test_interleave_descriptors import FdPeak
 
 import headrace as hr
 from headrace.errors import DataLossError, InvalidArgumentError
 from headrace.io import objstore
 from headrace.io.filepool import get_default_pool
 from headrace.io.tfrecord import TFRecordWriter
+
+sys.path.insert(0, str(Path(__file__).parent))
 from objstore_servers import (
     ACCESS_KEY,
     SECRET_KEY,
@@ -259,14 +263,13 @@ def test_open_objects_count_against_the_file_cap(s3: str, tmp_path: Path) -> Non
 
     pool = get_default_pool()
     before = pool.stats()
-    fds_before = len(os.listdir("/proc/self/fd"))
-    remote = over(urls)
+    with FdPeak() as fds:  # sockets are descriptors: connections count here
+        remote = over(urls)
     after = pool.stats()
     assert remote == over(paths)
     assert after.suspensions - before.suspensions > 0
     assert after.resumptions - before.resumptions > 0
-    # no socket left open per object read: at most one connection per slot stays idle
-    assert len(os.listdir("/proc/self/fd")) - fds_before <= 2
+    assert fds.growth <= 2, f"{fds.growth} descriptors/connections opened under a cap of 2"
 
 
 def test_http_range_reads_equal_local(tmp_path: Path) -> None:

@@ -510,9 +510,12 @@ def glob_objects(pattern: str) -> list[str]:
     prefix = literal[: literal.rfind("/") + 1]
     regex = re.compile(_glob_regex(key))
     found = []
-    for info in list_objects(f"{root}/{prefix}"):
-        if regex.fullmatch(info.url[len(root) + 1 :]):
-            found.append(info.url)
+    from headrace.io.filepool import borrowed_slot
+
+    with borrowed_slot():  # the listing's connection counts against the file cap (G2)
+        for info in list_objects(f"{root}/{prefix}"):
+            if regex.fullmatch(info.url[len(root) + 1 :]):
+                found.append(info.url)
     return sorted(found)
 
 
@@ -563,6 +566,17 @@ def _fetcher() -> Any:
         return _executor
 
 
+def _fetch_ahead(
+    info: ObjectInfo, offset: int, size: int, pool: Any, limiter: Any
+) -> bytes | None:
+    """A read ahead, on a slot of the file pool (G2: its connection is one more open
+    file while it runs); None, and nothing read, when every slot is taken."""
+    if pool is None:
+        return _fetch(info, offset, size)
+    with pool.transient(wait=False, limiter=limiter) as got:
+        return _fetch(info, offset, size) if got else None
+
+
 def _fetch(info: ObjectInfo, offset: int, size: int) -> bytes:
     parts: list[bytes] = []
     read_range(info, offset, size, lambda piece: parts.append(piece.tobytes()))
@@ -586,6 +600,8 @@ class _RemoteReads:
     _path: str
     _info: ObjectInfo | None
     _ahead: tuple[int, int, Any] | None
+    _pool: Any
+    _limiter: Any
 
     def _open_descriptor(self) -> int:
         info = object_info(self._path)
@@ -614,16 +630,20 @@ class _RemoteReads:
         info = self._info
         assert info is not None
         ahead, self._ahead = self._ahead, None
+        found = None
         if ahead is not None and ahead[:2] == (offset, size):
-            data: bytes = ahead[2].result()
-        else:
-            if ahead is not None:
-                ahead[2].cancel()
-            data = _fetch(info, offset, size)
+            found = ahead[2].result()  # None: the pool had no slot to read it ahead
+        elif ahead is not None:
+            ahead[2].cancel()
+        data: bytes = _fetch(info, offset, size) if found is None else found
         following = offset + len(data)
         if len(data) == size and following < info.size:
-            self._ahead = (following, size, _fetcher().submit(_fetch, info, following, size))
+            self._ahead = (following, size, _fetcher().submit(
+                _fetch_ahead, info, following, size, self._pool, self._limiter))
         return data
+
+    def attach_pool(self, pool: Any, limiter: Any) -> None:
+        self._pool, self._limiter = pool, limiter
 
     def _pread(self, descriptor: int, size: int, offset: int) -> bytes:
         return self._take(offset, size)
@@ -653,6 +673,7 @@ def make_remote_stream(url: str, compression_type: str, *, buffer_size: int) -> 
         stream = _RemotePlainStream(url, buffer_size=buffer_size)
     stream._info = None
     stream._ahead = None
+    stream._pool = stream._limiter = None  # (outside a pool: nothing to count against)
     return stream
 
 

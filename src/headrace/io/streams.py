@@ -29,6 +29,7 @@ import os
 import stat
 import sys
 import zlib
+from typing import Any
 
 from headrace._closing import ClosesOnExit
 from headrace.errors import DataLossError, InvalidArgumentError
@@ -124,6 +125,11 @@ class SuspendableStream(ClosesOnExit):
         return 0
 
     # ------------------------------------------------------------------ lifecycle
+    def attach_pool(self, pool: Any, limiter: Any) -> None:
+        """Told by the file pool that opens it: a stream that makes requests of its
+        own in the background (an object store's read-ahead) takes a slot of ``pool``
+        (and ``limiter``) for each, so they count against the caps too (G2)."""
+
     def resume(self) -> None:
         """Open the descriptor again (no-op if open); reading continues at the same byte.
 
