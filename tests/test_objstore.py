@@ -367,3 +367,41 @@ def test_read_buffers_are_booked_on_the_budget(s3: str, tmp_path: Path) -> None:
         _read(hr.TFRecordDataset(urls).with_options(options))
     small = hr.TFRecordDataset(urls, buffer_size=256 * 1024).with_options(options)
     assert _read(small) == _read(hr.TFRecordDataset(paths))
+
+
+def test_gcs_and_azure_urls_make_their_stores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Structural only (no GCS or Azure emulator is installed here): the URL picks the
+    store of its cloud, and a store that cannot be set up is refused naming it."""
+    from obstore.store import AzureStore, GCSStore
+
+    assert isinstance(objstore._store("gs://bucket"), GCSStore)
+    assert objstore._split("gs://bucket/a/b.tfrecord") == ("gs://bucket", "a/b.tfrecord")
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
+    with pytest.raises(InvalidArgumentError, match=r"az://container: the object store cannot"):
+        _read(hr.TFRecordDataset("az://container/a.tfrecord"))
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "account")
+    objstore.reset_stores()
+    assert isinstance(objstore._store("az://container"), AzureStore)
+
+
+def test_a_child_forked_after_use_refuses_instead_of_hanging(s3: str, tmp_path: Path) -> None:
+    """The client's runtime does not survive os.fork once it ran: a request from the
+    child would wait forever. The child gets an error saying so, naming the store."""
+    urls, _ = _write_shards(tmp_path, "fork", 1, 11)
+    _read(hr.TFRecordDataset(urls))  # the runtime runs in this process now
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            _read(hr.TFRecordDataset(urls))
+            message = "read"
+        except InvalidArgumentError as error:
+            message = str(error)
+        os.write(write_end, message.encode()[:4000])
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        message = pipe.read().decode()
+    os.waitpid(pid, 0)
+    assert message.startswith(f"s3://{BUCKET}: this process was forked"), message
+    assert _read(hr.TFRecordDataset(urls))  # the parent reads on

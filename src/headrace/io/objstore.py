@@ -201,11 +201,20 @@ def _split(url: str) -> tuple[str, str]:
 
 
 def _store(root: str) -> Any:
+    if _forked_after_use:
+        raise InvalidArgumentError(
+            f"{root}: this process was forked (os.fork, multiprocessing's 'fork' start "
+            "method) after it had used the object-store client, whose runtime does not "
+            "survive a fork; start worker processes with 'forkserver' or 'spawn' (PyTorch: "
+            "DataLoader(..., multiprocessing_context='forkserver')), as headrace's own do"
+        )
     with _lock:
         store = _stores.get(root)
         if store is not None:
             return store
         options = dict(_options.get(root, {}))
+    global _used
+    _used = True
     store = _make_store(root, options)
     with _lock:
         return _stores.setdefault(root, store)
@@ -243,7 +252,13 @@ def _make_store(root: str, options: dict[str, Any]) -> Any:
     if options:
         kwargs["config"] = options
     url = root + "/" if scheme in ("http", "https") else root
-    return from_url(url, **kwargs)
+    try:
+        return from_url(url, **kwargs)
+    except Exception as error:  # a missing account name, a bad option: say which store
+        raise InvalidArgumentError(
+            f"{root}: the object store cannot be set up ({_reason(error)}); see "
+            "headrace.io.objstore.configure and the cloud's environment variables"
+        ) from None
 
 
 # ---------------------------------------------------------------------- errors
@@ -564,6 +579,26 @@ def _fetcher() -> Any:
                 max_workers=min(32, (os.cpu_count() or 1) + 4),
                 thread_name_prefix="headrace-objstore")
         return _executor
+
+
+_used = False  # a store was made in this process: the client's runtime is running
+_forked_after_use = False
+
+
+def _after_fork_in_child() -> None:
+    """A forked process has none of its parent's threads, and the client's runtime
+    (tokio's, inside obstore) does not survive a fork once it ran: a request from
+    the child would wait forever. Such a child refuses object URLs with an error
+    saying why (:func:`_store`) instead of hanging."""
+    global _executor, _lock, _forked_after_use
+    _executor = None
+    _lock = threading.Lock()
+    _stores.clear()
+    _forked_after_use = _used
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _fetch_ahead(
