@@ -26,6 +26,7 @@ from headrace.errors import DataLossError, InvalidArgumentError
 from headrace.io import objstore
 from headrace.io.filepool import get_default_pool
 from headrace.io.tfrecord import TFRecordWriter
+from headrace.io.tfrecord_index import StaleIndexError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from objstore_servers import (
@@ -405,3 +406,21 @@ def test_a_child_forked_after_use_refuses_instead_of_hanging(s3: str, tmp_path: 
     os.waitpid(pid, 0)
     assert message.startswith(f"s3://{BUCKET}: this process was forked"), message
     assert _read(hr.TFRecordDataset(urls))  # the parent reads on
+
+
+def test_indexed_objects_global_shuffle_equals_local(s3: str, tmp_path: Path) -> None:
+    """save_tfrecords uploads each shard's .hrx index: indexed=True reads objects by
+    positioned range reads, and global_shuffle gives the local files' order."""
+    prefix = f"s3://{BUCKET}/indexed"
+    urls = _examples(120).save_tfrecords(prefix, num_shards=3, progress=False)
+    local = _examples(120).save_tfrecords(str(tmp_path / "ix"), num_shards=3, progress=False)
+    remote = hr.TFRecordDataset(urls, indexed=True)
+    here = hr.TFRecordDataset(local, indexed=True)
+    assert remote.cardinality() == 120
+    assert _read(remote.global_shuffle(seed=4)) == _read(here.global_shuffle(seed=4))
+    objstore.delete_object(urls[1] + ".hrx")
+    with pytest.raises(StaleIndexError, match=r"no index file s3://data/indexed/"):
+        hr.TFRecordDataset(urls, indexed=True)
+    objstore.put_atomic(urls[2], b"\0" * 64)  # the shard changed after it was indexed
+    with pytest.raises(StaleIndexError, match="is stale"):
+        hr.TFRecordDataset(urls[2:], indexed=True)

@@ -62,6 +62,7 @@ __all__ = [
     "local_path",
     "object_info",
     "put_atomic",
+    "read_whole",
     "reset_stores",
 ]
 
@@ -612,6 +613,11 @@ def _fetch_ahead(
         return _fetch(info, offset, size) if got else None
 
 
+def read_whole(info: ObjectInfo, offset: int = 0, size: int | None = None) -> bytes:
+    """The bytes of the object (or of ``size`` bytes at ``offset``), in one buffer."""
+    return _fetch(info, offset, info.size - offset if size is None else size)
+
+
 def _fetch(info: ObjectInfo, offset: int, size: int) -> bytes:
     parts: list[bytes] = []
     read_range(info, offset, size, lambda piece: parts.append(piece.tobytes()))
@@ -637,6 +643,7 @@ class _RemoteReads:
     _ahead: tuple[int, int, Any] | None
     _pool: Any
     _limiter: Any
+    _next_offset: int
 
     def _open_descriptor(self) -> int:
         info = object_info(self._path)
@@ -672,7 +679,10 @@ class _RemoteReads:
             ahead[2].cancel()
         data: bytes = _fetch(info, offset, size) if found is None else found
         following = offset + len(data)
-        if len(data) == size and following < info.size:
+        sequential, self._next_offset = offset == self._next_offset, following
+        # only a stream read in order is read ahead (positioned reads by an index
+        # jump: a range read ahead for them would be thrown away)
+        if sequential and len(data) == size and following < info.size:
             self._ahead = (following, size, _fetcher().submit(
                 _fetch_ahead, info, following, size, self._pool, self._limiter))
         return data
@@ -708,6 +718,7 @@ def make_remote_stream(url: str, compression_type: str, *, buffer_size: int) -> 
         stream = _RemotePlainStream(url, buffer_size=buffer_size)
     stream._info = None
     stream._ahead = None
+    stream._next_offset = 0
     stream._pool = stream._limiter = None  # (outside a pool: nothing to count against)
     return stream
 
