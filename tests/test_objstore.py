@@ -163,21 +163,23 @@ def test_list_files_pages_and_patterns(s3: str, monkeypatch: pytest.MonkeyPatch)
         hr.Dataset.list_files(f"s3://{BUCKET}/ls/a/*.nothing")
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_faults_lose_and_repeat_nothing(s3: str, tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize(("seed", "compression"), [(0, ""), (1, ""), (2, "GZIP")])
+def test_faults_lose_and_repeat_nothing(
+    s3: str, tmp_path: Path, seed: int, compression: str
+) -> None:
     """Resets in the middle of objects and 503s, retried by headrace alone (the client's
     own retries off): the elements are the local ones, none lost, none repeated."""
-    urls, paths = _write_shards(tmp_path, f"faults{seed}", 3, 10 + seed)
+    urls, paths = _write_shards(tmp_path, f"faults{seed}", 3, 10 + seed, compression)
     faults = Faults(resets=4, reset_after=9000 + 997 * seed, errors_503=3)
     proxy = FaultProxy(s3, faults)
     try:
         objstore.configure(f"s3://{BUCKET}", endpoint=proxy.endpoint,
                            retry_config={"max_retries": 0})
         objstore.configure(retry=objstore.RetryPolicy(attempts=10, initial_backoff=0.01))
-        remote = _read(hr.TFRecordDataset(urls, buffer_size=64 * 1024))
+        remote = _read(hr.TFRecordDataset(urls, compression, buffer_size=64 * 1024))
     finally:
         proxy.close()
-    local = _read(hr.TFRecordDataset(paths))
+    local = _read(hr.TFRecordDataset(paths, compression))
     counts = collections.Counter(remote)
     lost = sum(1 for record in local if record not in counts)
     duplicated = sum(count - 1 for count in counts.values() if count > 1)
@@ -293,6 +295,22 @@ def test_http_range_reads_equal_local(tmp_path: Path) -> None:
         assert caught.value.filename == f"{base}/missing.tfrecord"
         with pytest.raises(InvalidArgumentError, match="read-only"):
             objstore.put_atomic(f"{base}/new.bin", b"x")
+    # a server that ignores Range would hand out the wrong bytes: refused, named
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=plain.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{plain.server_address[1]}/h.tfrecord"
+        with pytest.raises(OSError, match="Range request not supported") as caught:
+            _read(hr.TFRecordDataset(url, buffer_size=4096))
+        assert caught.value.filename == url
+    finally:
+        plain.shutdown()
+        plain.server_close()
 
 
 def test_file_urls_are_local_paths(tmp_path: Path) -> None:
