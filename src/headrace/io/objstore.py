@@ -602,9 +602,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _fetch_ahead(
-    info: ObjectInfo, offset: int, size: int, pool: Any, limiter: Any
-) -> bytes | None:
+def _fetch_ahead(info: ObjectInfo, offset: int, size: int, pool: Any, limiter: Any) -> Any:
     """A read ahead, on a slot of the file pool (G2: its connection is one more open
     file while it runs); None, and nothing read, when every slot is taken."""
     if pool is None:
@@ -614,14 +612,17 @@ def _fetch_ahead(
 
 
 def read_whole(info: ObjectInfo, offset: int = 0, size: int | None = None) -> bytes:
-    """The bytes of the object (or of ``size`` bytes at ``offset``), in one buffer."""
-    return _fetch(info, offset, info.size - offset if size is None else size)
+    """The bytes of the object (or of ``size`` bytes at ``offset``)."""
+    data: bytes = _fetch(info, offset, info.size - offset if size is None else size).tobytes()
+    return data
 
 
-def _fetch(info: ObjectInfo, offset: int, size: int) -> bytes:
-    parts: list[bytes] = []
-    read_range(info, offset, size, lambda piece: parts.append(piece.tobytes()))
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+def _fetch(info: ObjectInfo, offset: int, size: int) -> Any:
+    """The bytes at ``offset``, as a read-only buffer: the client's own when one GET
+    answered (no copy), else joined."""
+    parts: list[memoryview] = []
+    read_range(info, offset, size, parts.append)
+    return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
 
 
 class _RemoteReads:
@@ -666,7 +667,7 @@ class _RemoteReads:
         if ahead is not None:
             ahead[2].cancel()
 
-    def _take(self, offset: int, size: int) -> bytes:
+    def _take(self, offset: int, size: int) -> Any:
         """The ``size`` bytes at ``offset``: the range read ahead if it is that one,
         else read now; then the next range is asked for."""
         info = self._info
@@ -677,7 +678,7 @@ class _RemoteReads:
             found = ahead[2].result()  # None: the pool had no slot to read it ahead
         elif ahead is not None:
             ahead[2].cancel()
-        data: bytes = _fetch(info, offset, size) if found is None else found
+        data = _fetch(info, offset, size) if found is None else found
         following = offset + len(data)
         sequential, self._next_offset = offset == self._next_offset, following
         # only a stream read in order is read ahead (positioned reads by an index
@@ -691,7 +692,8 @@ class _RemoteReads:
         self._pool, self._limiter = pool, limiter
 
     def _pread(self, descriptor: int, size: int, offset: int) -> bytes:
-        return self._take(offset, size)
+        data: bytes = self._take(offset, size).tobytes()
+        return data
 
     def _pread_into(self, descriptor: int, buffer: memoryview, offset: int) -> int:
         data = self._take(offset, len(buffer))
@@ -724,16 +726,37 @@ def make_remote_stream(url: str, compression_type: str, *, buffer_size: int) -> 
 
 
 def _define_streams() -> tuple[type, type]:
-    from headrace.io.streams import SuspendableStream, _CompressedStream, _PlainStream
+    from headrace.io.streams import _CompressedStream, _PlainStream
 
     class RemotePlainStream(_RemoteReads, _PlainStream):
         """An uncompressed object: positioned reads are ranged GETs."""
 
+        def _read_chunk(self, descriptor: int, wanted: int) -> bytes:
+            # the client's buffer itself (a read-only view): no copy until readinto's
+            chunk: bytes = self._take(self._file_offset, max(self._buffer_size, wanted))
+            self._file_offset += len(chunk)
+            return chunk
+
         def readinto(self, buffer: memoryview, /) -> int:
-            # Through the stream's own block buffer, not straight into the caller's: a
+            # Through the stream's own block, not straight into the caller's buffer: a
             # reader asks for what its buffer has room for (a block less a partial
             # record), and only whole, aligned blocks let the next one be read ahead.
-            return SuspendableStream.readinto(self, buffer)
+            # One copy, from the client's buffer into the caller's.
+            self._check_not_closed()
+            total, size = 0, len(buffer)
+            while total < size:
+                if self._buffer_start >= len(self._buffer):
+                    chunk = self._read_chunk(self._require_descriptor(), size - total)
+                    if not chunk:
+                        break
+                    self._buffer, self._buffer_start = chunk, 0
+                start = self._buffer_start
+                count = min(len(self._buffer) - start, size - total)
+                buffer[total : total + count] = self._buffer[start : start + count]
+                self._buffer_start += count
+                total += count
+            self._position += total
+            return total
 
     class RemoteCompressedStream(_RemoteReads, _CompressedStream):
         """A GZIP/ZLIB object, decompressed as it streams in."""
