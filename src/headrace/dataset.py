@@ -860,7 +860,7 @@ class Dataset:
         """
         from headrace.persist.saved import save
 
-        path = objstore.local_only(path, "save")
+        path = objstore.local_path(path) if isinstance(path, str) else path
         save(self, path, shard_func, compression, checkpoint_args, num_shards=num_shards)
 
     @staticmethod
@@ -892,7 +892,7 @@ class Dataset:
             load_plan,
         )
 
-        path = objstore.local_only(path, "load")
+        path = objstore.local_path(path) if isinstance(path, str) else path
         directory, manifest, spec, files, compression = load_plan(path, element_spec)
         if spec is None:  # saved empty, no spec given: yields nothing, as in tf.data
             return Dataset.range(0).map(SavedEmpty(directory))
