@@ -101,13 +101,14 @@ def local_path(path: str) -> str:
 
 def local_only(path: Any, what: str) -> Any:
     """``path`` for a writer that works on a local directory only (``cache(filename)``,
-    ``snapshot``, ``save``/``load``): a ``file://`` URL becomes its path, an object-store
-    URL is refused naming it (instead of a local directory called ``s3:``)."""
+    ``snapshot``: they lock and append as the pipeline runs): a ``file://`` URL becomes
+    its path, an object-store URL is refused naming it (instead of a local directory
+    called ``s3:``)."""
     if isinstance(path, str) and is_url(path):
         if is_remote(path):
             raise InvalidArgumentError(
                 f"{what}: {path} is an object-store URL; {what} keeps its files on a local "
-                "file system (write them locally, or use save_tfrecords, which uploads)"
+                "file system (write them locally, or use Dataset.save or save_tfrecords, which upload)"
             )
         return local_path(path)
     return path
