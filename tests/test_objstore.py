@@ -457,3 +457,24 @@ def test_indexed_objects_global_shuffle_equals_local(s3: str, tmp_path: Path) ->
     objstore.put_atomic(urls[2], b"\0" * 64)  # the shard changed after it was indexed
     with pytest.raises(StaleIndexError, match="is stale"):
         hr.TFRecordDataset(urls[2:], indexed=True)
+
+
+def test_cli_convert_between_objects(
+    s3: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``headrace convert`` reads a CSV object into TFRecord shards in the bucket and
+    back to a CSV object, as it does with local files."""
+    from headrace.cli import main
+
+    body = "a,b\n" + "".join(f"{i},{i * 1.5}\n" for i in range(40))
+    objstore.put_atomic(f"s3://{BUCKET}/conv/in.csv", body.encode())
+    assert main(["convert", f"s3://{BUCKET}/conv/in.csv", f"s3://{BUCKET}/conv/tf",
+                 "--shards", "2", "--progress", "never"]) == 0
+    shards = objstore.glob_objects(f"s3://{BUCKET}/conv/tf/*.tfrecord")
+    assert len(shards) == 2 and "40 records in" in capsys.readouterr().out
+    assert main(["convert", *shards, f"s3://{BUCKET}/conv/out.csv", "--progress", "never"]) == 0
+    info = objstore.object_info(f"s3://{BUCKET}/conv/out.csv")
+    lines = objstore.read_whole(info).decode().splitlines()
+    assert lines[0] == "a,b" and len(lines) == 41 and lines[1].split(",")[0] == "0"
+    assert main(["convert", f"s3://{BUCKET}/conv/missing.csv", str(tmp_path / "x")]) == 1
+    assert "s3://data/conv/missing.csv does not exist" in capsys.readouterr().err
