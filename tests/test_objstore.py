@@ -401,6 +401,14 @@ def test_read_buffers_are_booked_on_the_budget(s3: str, tmp_path: Path) -> None:
         _read(hr.TFRecordDataset(urls).with_options(options))
     small = hr.TFRecordDataset(urls, buffer_size=256 * 1024).with_options(options)
     assert _read(small) == _read(hr.TFRecordDataset(paths))
+    body = b"".join(b"%d,%d\n" % (i, i * i) for i in range(2000))
+    objstore.put_atomic(f"s3://{BUCKET}/booked/t.csv", body)
+    (tmp_path / "t.csv").write_bytes(body)
+    csv_url = f"s3://{BUCKET}/booked/t.csv"
+    with pytest.raises(hr.errors.MemoryBudgetError, match=r"read-ahead of s3://data/booked/t"):
+        _read(hr.CsvDataset(csv_url, [0, 0]).with_options(options))
+    small_csv = hr.CsvDataset(csv_url, [0, 0], buffer_size=256 * 1024).with_options(options)
+    assert _read(small_csv) == _read(hr.CsvDataset(str(tmp_path / "t.csv"), [0, 0]))
 
 
 def test_gcs_and_azure_urls_make_their_stores(monkeypatch: pytest.MonkeyPatch) -> None:
