@@ -642,7 +642,7 @@ class _RemoteReads:
 
     _path: str
     _info: ObjectInfo | None
-    _ahead: tuple[int, int, Any] | None
+    _ahead: list[tuple[int, int, Any]]
     _pool: Any
     _limiter: Any
     _next_offset: int
@@ -664,29 +664,32 @@ class _RemoteReads:
         self._drop_ahead()
 
     def _drop_ahead(self) -> None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead[2].cancel()
+        for _, _, future in self._ahead:
+            future.cancel()
+        self._ahead.clear()
 
     def _take(self, offset: int, size: int) -> Any:
         """The ``size`` bytes at ``offset``: the range read ahead if it is that one,
-        else read now; then the next range is asked for."""
+        else read now; then the next ranges are asked for (up to READ_AHEAD_DEPTH)."""
         info = self._info
         assert info is not None
-        ahead, self._ahead = self._ahead, None
+        queue = self._ahead
         found = None
-        if ahead is not None and ahead[:2] == (offset, size):
-            found = ahead[2].result()  # None: the pool had no slot to read it ahead
-        elif ahead is not None:
-            ahead[2].cancel()
+        if queue and queue[0][:2] == (offset, size):
+            found = queue.pop(0)[2].result()  # None: the pool had no slot to read it ahead
+        else:
+            self._drop_ahead()
         data = _fetch(info, offset, size) if found is None else found
         following = offset + len(data)
         sequential, self._next_offset = offset == self._next_offset, following
         # only a stream read in order is read ahead (positioned reads by an index
         # jump: a range read ahead for them would be thrown away)
-        if sequential and len(data) == size and following < info.size:
-            self._ahead = (following, size, _fetcher().submit(
-                _fetch_ahead, info, following, size, self._pool, self._limiter))
+        if sequential and len(data) == size:
+            start = queue[-1][0] + size if queue else following
+            while len(queue) < READ_AHEAD_DEPTH and start < info.size:
+                queue.append((start, size, _fetcher().submit(
+                    _fetch_ahead, info, start, size, self._pool, self._limiter)))
+                start += size
         return data
 
     def attach_pool(self, pool: Any, limiter: Any) -> None:
@@ -702,9 +705,13 @@ class _RemoteReads:
         return len(data)
 
 
+#: Blocks an open object has requested ahead of the one being read (see
+#: :class:`_RemoteReads`).
+READ_AHEAD_DEPTH = 1
+
 #: Buffers of ``buffer_size`` an open object holds at once: the reader's, the stream's
-#: block being read, and the next block read ahead (see :class:`_RemoteReads`).
-READ_AHEAD_RANGES = 3
+#: block being read, and the blocks read ahead.
+READ_AHEAD_RANGES = 2 + READ_AHEAD_DEPTH
 
 
 def make_remote_stream(url: str, compression_type: str, *, buffer_size: int) -> Any:
@@ -720,7 +727,7 @@ def make_remote_stream(url: str, compression_type: str, *, buffer_size: int) -> 
     else:
         stream = _RemotePlainStream(url, buffer_size=buffer_size)
     stream._info = None
-    stream._ahead = None
+    stream._ahead = []
     stream._next_offset = 0
     stream._pool = stream._limiter = None  # (outside a pool: nothing to count against)
     return stream
