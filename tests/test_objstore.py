@@ -373,7 +373,7 @@ def test_local_only_writers_refuse_urls_by_name(method: str) -> None:
 def test_save_and_load_through_s3_equal_local(
     s3: str, tmp_path: Path, compression: str | None, num_shards: int
 ) -> None:
-    dataset = hr.Dataset.range(300).map(lambda i: {"i": i, "twice": [i, 2 * i]})
+    dataset = hr.Dataset.range(60).map(lambda i: {"i": i, "twice": [i, 2 * i]})
     url = f"s3://{BUCKET}/saved-ds-{compression}"
     dataset.save(url, compression=compression, num_shards=num_shards)
     dataset.save(str(tmp_path / "here"), compression=compression, num_shards=num_shards)
@@ -434,8 +434,8 @@ def test_a_child_forked_after_use_refuses_instead_of_hanging(s3: str, tmp_path: 
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
-        try:
-            _read(hr.TFRecordDataset(urls))
+        try:  # (the client alone: a pipeline's locks may have been held at the fork)
+            objstore.object_info(urls[0])
             message = "read"
         except InvalidArgumentError as error:
             message = str(error)
