@@ -1,6 +1,7 @@
 """TFRecord read+parse from an S3 server vs the same files on local disk vs the client's raw read.
 
     python benchmarks/bench_object_store.py [--mib 64] [--rounds 3] [--budget 256MiB]
+                                            [--compare-clients]
 
 One run, side by side, rounds interleaved, best of ``rounds`` each:
 
@@ -8,7 +9,8 @@ One run, side by side, rounds interleaved, best of ``rounds`` each:
   nothing parsed): the most the client gets out of this server;
 * ``headrace s3 records``: ``TFRecordDataset(urls).batch(1024)`` (framing, CRCs);
 * ``headrace s3 read+parse``: ``...batch(1024).parse_examples(spec)``;
-* ``headrace local read+parse``: the same on the local copies.
+* ``headrace local read+parse``: the same on the local copies;
+* with ``--compare-clients``: ``pyarrow.fs`` and ``s3fs`` reading the same ranges raw.
 
 The server is moto's (``moto[server]``) in a subprocess on loopback, the same one the
 tests use: it bounds every line here (it serves a few hundred MB/s at best, far from a
@@ -57,12 +59,61 @@ class _Peak:
         return self.peak - self.base
 
 
+def _other_clients(endpoint: str, urls: list[str]) -> dict[str, Callable[[], int]]:
+    """Raw reads of the same objects in the same 8 MiB ranges by the other candidate
+    clients, where installed (they are not headrace dependencies)."""
+    from headrace.io import objstore
+    from objstore_servers import ACCESS_KEY, SECRET_KEY
+
+    block = objstore.REMOTE_BUFFER_SIZE
+    keys = [url.removeprefix("s3://") for url in urls]
+    lines: dict[str, Callable[[], int]] = {}
+    try:
+        import pyarrow.fs as pafs
+
+        arrow = pafs.S3FileSystem(access_key=ACCESS_KEY, secret_key=SECRET_KEY,
+                                  endpoint_override=endpoint, region="us-east-1", scheme="http")
+
+        def arrow_raw() -> int:
+            count = 0
+            for key in keys:
+                with arrow.open_input_file(key) as file:
+                    size = file.size()
+                    for start in range(0, size, block):
+                        count += len(file.read_at(min(block, size - start), start))
+            return count
+
+        lines["raw pyarrow.fs"] = arrow_raw
+    except ImportError:
+        pass
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=endpoint)
+
+        def s3fs_raw() -> int:
+            count = 0
+            for key in keys:
+                size = fs.size(key)
+                for start in range(0, size, block):
+                    count += len(fs.cat_file(key, start=start, end=min(size, start + block)))
+            return count
+
+        lines["raw s3fs"] = s3fs_raw
+    except ImportError:
+        pass
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=64, help="MiB of TFRecord data in all")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget", default="256MiB")
+    parser.add_argument("--compare-clients", action="store_true",
+                        help="also time pyarrow.fs and s3fs reading the same objects raw "
+                             "(how the client was chosen)")
     args = parser.parse_args()
 
     import obstore
@@ -129,6 +180,8 @@ def main() -> None:
             "headrace s3 read+parse": parsed(urls),
             "headrace local read+parse": parsed(local),
         }
+        if args.compare_clients:
+            lines.update(_other_clients(endpoint, urls))
         best: dict[str, float] = {name: float("inf") for name in lines}
         memory: dict[str, int] = {name: 0 for name in lines}
         for go in lines.values():  # warm-up: imports, connections, page cache
@@ -140,7 +193,7 @@ def main() -> None:
                 result = go()
                 elapsed = time.perf_counter() - start
                 memory[name] = max(memory[name], peak.stop())
-                assert result in (total, rows), (name, result)
+                assert result in (total, rows), (name, result)  # every byte, or every row
                 best[name] = min(best[name], elapsed)
 
     raw_rate = total / best["raw client (obstore get_range)"]

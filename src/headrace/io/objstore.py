@@ -10,11 +10,11 @@ The client is `obstore <https://developmentseed.org/obstore/>`_ (MIT/Apache-2.0,
 wheel with no Python dependencies, the Rust ``object_store`` crate inside): one API for
 S3, GCS, Azure and HTTP, synchronous calls (no event loop to run beside the pipeline),
 streamed range reads, paged listing, and uploads that are atomic (a single PUT, or a
-multipart upload completed only at the end). Against the same moto server it read as
-fast as ``s3fs`` and ``pyarrow.fs`` (all three bound by the server; see
-docs/guide/object-storage.md), with a far smaller install than s3fs's aiobotocore/
-botocore stack and, unlike ``pyarrow.fs``, an HTTP store too. Install with the
-``headrace[s3]`` (or ``[gcs]``, ``[azure]``) extra.
+multipart upload completed only at the end). Against the same moto server it read at
+least as fast as ``s3fs`` and ``pyarrow.fs`` (``benchmarks/bench_object_store.py
+--compare-clients``; see docs/guide/object-storage.md), with a far smaller install than
+s3fs's aiobotocore/botocore stack and, unlike ``pyarrow.fs``, an HTTP store too. Install
+with the ``headrace[s3]`` (or ``[gcs]``, ``[azure]``) extra.
 
 How a remote stream maps onto the file pool: an *open* remote stream holds one slot of
 the pool (its "descriptor": the object's metadata and the right to have one request in
