@@ -295,6 +295,9 @@ def test_http_range_reads_equal_local(tmp_path: Path) -> None:
         assert caught.value.filename == f"{base}/missing.tfrecord"
         with pytest.raises(InvalidArgumentError, match="read-only"):
             objstore.put_atomic(f"{base}/new.bin", b"x")
+        assert _read(hr.Dataset.list_files(urls[0])) == [urls[0]]
+        with pytest.raises(InvalidArgumentError, match="a web server has no listing"):
+            hr.Dataset.list_files(f"{base}/*.tfrecord")
     # a server that ignores Range would hand out the wrong bytes: refused, named
     import functools
     import http.server

@@ -523,6 +523,11 @@ def glob_objects(pattern: str) -> list[str]:
         except FileNotFoundError:
             return []
         return [pattern]
+    if root.startswith("http"):
+        raise InvalidArgumentError(
+            f"{pattern}: a web server has no listing to match a pattern against; name "
+            "the files (http(s) URLs without wildcards)"
+        )
     literal = key[: match.start()]
     prefix = literal[: literal.rfind("/") + 1]
     regex = re.compile(_glob_regex(key))
