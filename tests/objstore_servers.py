@@ -77,25 +77,30 @@ class Faults:
     ``reset_after``: bytes of a response body after which the connection is reset,
     for the next ``resets`` responses that carry at least that many bytes.
     ``errors_503``: answer the next that many requests with 503 SlowDown.
+    ``errors_403``: answer the next that many requests with 403 AccessDenied.
     ``delay``: seconds to wait before forwarding each response.
     """
 
     resets: int = 0
     reset_after: int = 100_000
     errors_503: int = 0
+    errors_403: int = 0
     delay: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
     done_resets: int = 0
     done_503: int = 0
+    done_403: int = 0
     requests: int = 0
 
 
-_SLOWDOWN = (
-    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: 99\r\n"
-    b"Connection: close\r\n\r\n"
-    + b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-    + b" " * (99 - 84)
-)
+def _s3_error(status: str, code: str, message: str) -> bytes:
+    body = f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+_SLOWDOWN = _s3_error("503 Slow Down", "SlowDown", "Please reduce your request rate.")
+_DENIED = _s3_error("403 Forbidden", "AccessDenied", "Access Denied")
 
 
 class FaultProxy:
@@ -137,11 +142,12 @@ class FaultProxy:
                 faults = self.faults
                 with faults.lock:
                     faults.requests += 1
-                    fail_503 = faults.done_503 < faults.errors_503
-                    if fail_503:
-                        faults.done_503 += 1
-                if fail_503:
-                    client.sendall(_SLOWDOWN)
+                    fail_403 = faults.done_403 < faults.errors_403
+                    fail_503 = not fail_403 and faults.done_503 < faults.errors_503
+                    faults.done_403 += fail_403
+                    faults.done_503 += fail_503
+                if fail_403 or fail_503:
+                    client.sendall(_DENIED if fail_403 else _SLOWDOWN)
                     return
                 upstream.sendall(request)
                 head, body_length = _read_head(upstream)

@@ -215,6 +215,20 @@ def test_retries_give_up_naming_the_url(s3: str, tmp_path: Path) -> None:
     assert caught.value.filename == urls[0] and faults.done_503 == 3
 
 
+def test_denied_access_is_named_and_not_retried(s3: str, tmp_path: Path) -> None:
+    urls, _ = _write_shards(tmp_path, "denied", 1, 12)
+    faults = Faults(errors_403=1)
+    proxy = FaultProxy(s3, faults)
+    try:
+        objstore.configure(f"s3://{BUCKET}", endpoint=proxy.endpoint)
+        with pytest.raises(PermissionError, match="access denied") as caught:
+            _read(hr.TFRecordDataset(urls))
+    finally:
+        proxy.close()
+    assert caught.value.filename == urls[0] and faults.requests == 1  # not retried
+    assert SECRET_KEY not in str(caught.value) and ACCESS_KEY not in str(caught.value)
+
+
 def test_missing_objects_and_buckets_are_named_without_credentials(s3: str) -> None:
     for url in (f"s3://{BUCKET}/no/such.tfrecord", "s3://no-such-bucket-x/a.tfrecord"):
         with pytest.raises(FileNotFoundError) as caught:
