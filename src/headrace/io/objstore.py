@@ -335,12 +335,12 @@ def _retrying(url: str, what: str, attempt: Any) -> Any:
         except Exception as error:
             if isinstance(error, FileNotFoundError) and error.filename is None:
                 kind = "missing"  # (obstore raises the builtin, naming no URL)
-            elif not _is_client_error(error) and isinstance(
-                error, (OSError, DataLossError, InvalidArgumentError)
-            ):
-                raise  # ours, or the sink's: already says what failed
-            else:
+            elif isinstance(error, (ConnectionError, TimeoutError)) and error.filename is None:
+                kind = "transient"
+            elif _is_client_error(error):
                 kind = _kind(error)
+            else:
+                raise  # ours, or the sink's (a ValueError, MemoryError): not retried
             if kind == "changed":
                 raise DataLossError(
                     f"{url} changed while it was read (its ETag differs): the bytes read "
