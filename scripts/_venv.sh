@@ -7,7 +7,7 @@ PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
-EXTRAS="${HEADRACE_EXTRAS:-dev,tf,torch,arrow,postgres,keras,jax,ray,bench,snappy,image,docs}"
+EXTRAS="${HEADRACE_EXTRAS:-dev,tf,torch,arrow,postgres,keras,jax,ray,bench,snappy,image,docs,s3}"
 # One stamp per set of extras: the demo's lighter install must not stop the test
 # script from adding TensorFlow to the same venv later.
 STAMP="$VENV/.headrace-installed-${EXTRAS//,/-}"

@@ -25,6 +25,7 @@ from headrace.core.node import (
 )
 from headrace.core.run import DatasetIterator
 from headrace.errors import InvalidArgumentError
+from headrace.io import objstore
 from headrace.options import AUTOTUNE, Options
 from headrace.persist.cache import CacheNode
 from headrace.persist.snapshot import SnapshotNode
@@ -534,6 +535,7 @@ class Dataset:
         discards the partial cache, as tf.data does: write ``take(k).cache()``.
         See :mod:`headrace.persist.cache`.
         """
+        filename = objstore.local_only(filename, "cache(filename)")
         return self._wrap(CacheNode(self._node, filename))
 
     def snapshot(
@@ -545,6 +547,7 @@ class Dataset:
         snapshot), later passes — in any process — read it. See
         :mod:`headrace.persist.snapshot` for the differences.
         """
+        path = objstore.local_only(path, "snapshot")
         return self._wrap(SnapshotNode(self._node, path, compression))
 
     def take(self, count: int) -> Dataset:
@@ -857,6 +860,7 @@ class Dataset:
         """
         from headrace.persist.saved import save
 
+        path = objstore.local_path(path) if isinstance(path, str) else path
         save(self, path, shard_func, compression, checkpoint_args, num_shards=num_shards)
 
     @staticmethod
@@ -888,6 +892,7 @@ class Dataset:
             load_plan,
         )
 
+        path = objstore.local_path(path) if isinstance(path, str) else path
         directory, manifest, spec, files, compression = load_plan(path, element_spec)
         if spec is None:  # saved empty, no spec given: yields nothing, as in tf.data
             return Dataset.range(0).map(SavedEmpty(directory))

@@ -44,6 +44,7 @@ __all__ = [
     "file_identity",
     "function_fingerprint",
     "function_name",
+    "object_digest",
     "unmemoized_digest",
 ]
 
@@ -77,7 +78,18 @@ def file_identity(path: str | os.PathLike[str]) -> tuple[Any, ...]:
     that cannot be stat'ed or read counts as missing or unreadable (reading it raises
     later, naming it).
     """
-    name = os.path.abspath(os.fspath(path))
+    from headrace.io import objstore
+
+    name = os.fspath(path)
+    if objstore.is_remote(name):
+        # An object's version is its ETag (what S3, GCS and Azure change on every write)
+        # with its size; no bytes are read.
+        try:
+            remote = objstore.object_info(name)
+        except OSError as error:
+            return ("missing", name, error.errno)
+        return ("object", name, remote.size, remote.etag, remote.last_modified)
+    name = os.path.abspath(objstore.local_path(name))
     try:
         info = os.stat(name)
     except OSError as error:
@@ -110,6 +122,23 @@ def _file_digest(name: str, size: int) -> str:
             return f"sampled {hasher.hexdigest()}"
     except OSError as error:  # not readable (or not a regular file): reading it raises
         return f"unreadable {error.errno}"
+
+
+def object_digest(info: Any) -> str:
+    """:func:`file_digest` of an object (an :class:`~headrace.io.objstore.ObjectInfo`),
+    the same bytes hashed the same way, read by ranged GETs: a part file's digest is
+    the same on disk and after its upload."""
+    from headrace.io import objstore
+
+    hasher = xxhash.xxh3_128()
+    if info.size <= FULL_HASH_BYTES:
+        hasher.update(objstore.read_whole(info))
+        return f"xxh3 {hasher.hexdigest()}"
+    last = info.size - _SAMPLE_BYTES
+    for index in range(_SAMPLE_BLOCKS):
+        offset = last * index // (_SAMPLE_BLOCKS - 1)
+        hasher.update(objstore.read_whole(info, offset, _SAMPLE_BYTES))
+    return f"sampled {hasher.hexdigest()}"
 
 
 def array_digest(value: Any) -> str:

@@ -48,6 +48,7 @@ from headrace.errors import (
     RecordTooLargeError,
     add_note,
 )
+from headrace.io import objstore
 from headrace.io.filepool import FilePool, PooledStream, file_at_fault, get_default_pool
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
@@ -505,10 +506,19 @@ class _CsvCursor:
         self.stream: PooledStream | None = None
         self.reader: _BlockReader | None = None
         self.block: _Block | None = None
+        self.remote_booking: Reservation | None = None  # an object's read-ahead, while open
 
     # -- reading ---------------------------------------------------------------------------
     def _open(self) -> _BlockReader:
         node = self.node
+        name = node.filenames[self.file_index]
+        if objstore.is_remote(name) and self.remote_booking is None:
+            # the stream's block and the block read ahead (the parser's own buffer is
+            # booked by the block reader): the stage's bytes while the object is open
+            self.remote_booking = self.account.admit(
+                node.buffer_bytes * (objstore.READ_AHEAD_RANGES - 1),
+                together=f"the read-ahead of {name}", elements=0,
+            )
         self.stream = self.pool.open(
             node.filenames[self.file_index], node.compression_type,
             limiter=file_limiter(self.ctx), memory_account=_BudgetCharge(self.account),
@@ -612,6 +622,9 @@ class _CsvCursor:
             self.stream.close()
         self.stream = None
         self.reader = None
+        if self.remote_booking is not None:
+            self.remote_booking.release()
+            self.remote_booking = None
 
     # -- state -------------------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:

@@ -364,9 +364,9 @@ class FilePool:
         """
         if limiter is not None and limiter.pool is not self:
             raise InvalidArgumentError("the limiter belongs to a different FilePool")
-        entry = _Entry(
-            make_stream(path, compression_type, buffer_size=buffer_size), limiter, memory_account
-        )
+        stream = make_stream(path, compression_type, buffer_size=buffer_size)
+        stream.attach_pool(self, limiter)
+        entry = _Entry(stream, limiter, memory_account)
         with self._locked:
             self._streams += 1
         try:

@@ -29,6 +29,7 @@ import os
 import stat
 import sys
 import zlib
+from typing import Any
 
 from headrace._closing import ClosesOnExit
 from headrace.errors import DataLossError, InvalidArgumentError
@@ -124,6 +125,11 @@ class SuspendableStream(ClosesOnExit):
         return 0
 
     # ------------------------------------------------------------------ lifecycle
+    def attach_pool(self, pool: Any, limiter: Any) -> None:
+        """Told by the file pool that opens it: a stream that makes requests of its
+        own in the background (an object store's read-ahead) takes a slot of ``pool``
+        (and ``limiter``) for each, so they count against the caps too (G2)."""
+
     def resume(self) -> None:
         """Open the descriptor again (no-op if open); reading continues at the same byte.
 
@@ -133,13 +139,26 @@ class SuspendableStream(ClosesOnExit):
         """
         self._check_not_closed()
         if self._descriptor is None:
-            descriptor = os.open(self._path, os.O_RDONLY)
-            if stat.S_ISDIR(os.fstat(descriptor).st_mode):
-                # (Linux opens a directory for reading; the first read would then fail
-                # with EISDIR and no file name)
-                os.close(descriptor)
-                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self._path)
-            self._descriptor = descriptor
+            self._descriptor = self._open_descriptor()
+
+    def _open_descriptor(self) -> int:
+        """Open the file; an object-store stream (:mod:`headrace.io.objstore`) opens its
+        object instead and reads through :meth:`_pread` / :meth:`_pread_into`."""
+        descriptor = os.open(self._path, os.O_RDONLY)
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            # (Linux opens a directory for reading; the first read would then fail
+            # with EISDIR and no file name)
+            os.close(descriptor)
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self._path)
+        return descriptor
+
+    def _pread(self, descriptor: int, size: int, offset: int) -> bytes:
+        """Up to ``size`` bytes at ``offset`` (fewer at the end of the file)."""
+        return os.pread(descriptor, size, offset)
+
+    def _pread_into(self, descriptor: int, buffer: memoryview, offset: int) -> int:
+        """Read the bytes at ``offset`` into ``buffer``; how many (0 at the end)."""
+        return os.preadv(descriptor, [buffer], offset)
 
     def suspend(self) -> None:
         """Close the descriptor, keeping what is needed to resume at the same byte."""
@@ -264,7 +283,10 @@ class SuspendableStream(ClosesOnExit):
     def _close_descriptor(self) -> None:
         descriptor, self._descriptor = self._descriptor, None
         if descriptor is not None:
-            os.close(descriptor)
+            self._release_descriptor(descriptor)
+
+    def _release_descriptor(self, descriptor: int) -> None:
+        os.close(descriptor)
 
 
 class _PlainStream(SuspendableStream):
@@ -276,7 +298,7 @@ class _PlainStream(SuspendableStream):
         self._file_offset = 0  # offset in the file of the first byte not yet read ahead
 
     def _read_chunk(self, descriptor: int, wanted: int) -> bytes:
-        chunk = os.pread(descriptor, max(self._buffer_size, wanted), self._file_offset)
+        chunk = self._pread(descriptor, max(self._buffer_size, wanted), self._file_offset)
         self._file_offset += len(chunk)
         return chunk
 
@@ -309,9 +331,9 @@ class _PlainStream(SuspendableStream):
         descriptor = self._require_descriptor()
         out = []
         for offset, size in zip(offsets, sizes, strict=True):
-            piece = os.pread(descriptor, size, offset)
+            piece = self._pread(descriptor, size, offset)
             while 0 < len(piece) < size:  # a short read before the end: ask for the rest
-                more = os.pread(descriptor, size - len(piece), offset + len(piece))
+                more = self._pread(descriptor, size - len(piece), offset + len(piece))
                 if not more:
                     break
                 piece += more
@@ -325,7 +347,7 @@ class _PlainStream(SuspendableStream):
         descriptor = self._require_descriptor()
         total, size = 0, len(buffer)
         while total < size:  # a short read before the end: ask for the rest
-            count = os.preadv(descriptor, [buffer[total:]], offset + total)
+            count = self._pread_into(descriptor, buffer[total:], offset + total)
             if not count:
                 break
             total += count
@@ -345,6 +367,8 @@ class _CompressedStream(SuspendableStream):
     (which holds every consumed byte's effect) that is the whole resumable state, so
     suspending drops ``_input`` and resuming re-reads from ``_input_offset``.
     """
+
+    _compressed_read_size = _COMPRESSED_READ_SIZE  # (an object store's is larger)
 
     def __init__(
         self, path: str | os.PathLike[str], compression_type: str, *, buffer_size: int
@@ -388,7 +412,7 @@ class _CompressedStream(SuspendableStream):
 
     def _refill_input(self, descriptor: int) -> bool:
         """Read the next compressed chunk; False at the end of the file."""
-        self._input = os.pread(descriptor, _COMPRESSED_READ_SIZE, self._input_offset)
+        self._input = self._pread(descriptor, self._compressed_read_size, self._input_offset)
         return bool(self._input)
 
     def _decompress(self) -> bytes:
@@ -463,6 +487,15 @@ def make_stream(
 ) -> SuspendableStream:
     """A stream at offset 0 that holds no descriptor yet (for callers that count them)."""
     normalized = normalize_compression_type(compression_type)
+    if isinstance(path, str) and "://" in path:
+        from headrace.io import objstore
+
+        if objstore.is_remote(path):
+            stream: SuspendableStream = objstore.make_remote_stream(
+                path, normalized, buffer_size=buffer_size
+            )
+            return stream
+        path = objstore.local_path(path)
     if normalized:
         return _CompressedStream(path, normalized, buffer_size=buffer_size)
     return _PlainStream(path, buffer_size=buffer_size)

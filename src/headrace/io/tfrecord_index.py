@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from headrace.errors import DataLossError, RecordTooLargeError
+from headrace.io import objstore
 from headrace.io._crc32c import masked_crc32c
 from headrace.io.filepool import FileLimiter, get_default_pool
 from headrace.io.files import require_regular_file
@@ -274,6 +275,8 @@ def load_index(
     """
     path = os.fspath(shard_path)
     index_file = os.fspath(index_path) if index_path is not None else index_path_for(path)
+    if objstore.is_remote(path):
+        return _load_remote_index(path, index_file, size_only, limiter)
     try:
         with _slot(limiter), open(index_file, "rb") as file:
             header = file.read(_HEADER.size)
@@ -304,6 +307,49 @@ def load_index(
     if zlib.crc32(offsets_bytes) != offsets_crc:
         raise _stale(f"index file {index_file} is corrupt (offsets checksum)", path)
     # frombuffer over bytes: read-only, and no copy of the 8 bytes a record
+    offsets: npt.NDArray[np.uint64] = np.frombuffer(offsets_bytes, dtype="<u8")
+    return TFRecordIndex(path, offsets, size)
+
+
+def _load_remote_index(
+    path: str, index_file: str, size_only: bool, limiter: FileLimiter | None
+) -> TFRecordIndex:
+    """:func:`load_index` of an object: the index read whole in one ranged GET, the
+    shard fingerprinted by its size and the CRCs of its first and last 4 KiB (two
+    more); its mtime is not compared, since an upload has a time of its own. Each
+    request runs on a file-pool slot (G2)."""
+    try:
+        with _slot(limiter):
+            info = objstore.object_info(index_file)
+            data = objstore.read_whole(info)
+    except FileNotFoundError:
+        raise _stale(f"no index file {index_file} for {path}", path) from None
+    header = data[: _HEADER.size]
+    if len(header) < _HEADER.size:
+        raise _stale(f"index file {index_file} is truncated", path)
+    magic, version, window, size, _, head_crc, tail_crc, count, offsets_crc, _ = (
+        _HEADER.unpack(header)
+    )
+    if magic != _MAGIC or version != _VERSION or window != _WINDOW:
+        raise _stale(f"{index_file} is not a version-{_VERSION} headrace index", path)
+    if len(data) != _HEADER.size + 8 * count:
+        raise _stale(f"index file {index_file} is truncated or has trailing bytes", path)
+    offsets_bytes = data[_HEADER.size :]
+    with _slot(limiter):
+        shard = objstore.object_info(path)
+        head = tail = b""
+        if not size_only and shard.size == size:
+            head = objstore.read_whole(shard, 0, _WINDOW)
+            tail = objstore.read_whole(shard, max(0, shard.size - _WINDOW), _WINDOW)
+    if shard.size != size or (
+        not size_only and (zlib.crc32(head), zlib.crc32(tail)) != (head_crc, tail_crc)
+    ):
+        raise _stale(
+            f"index file {index_file} is stale: {path} changed since it was indexed "
+            f"(size {size} -> {shard.size}, or its first or last 4 KiB)", path,
+        )
+    if zlib.crc32(offsets_bytes) != offsets_crc:
+        raise _stale(f"index file {index_file} is corrupt (offsets checksum)", path)
     offsets: npt.NDArray[np.uint64] = np.frombuffer(offsets_bytes, dtype="<u8")
     return TFRecordIndex(path, offsets, size)
 

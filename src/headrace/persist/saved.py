@@ -54,12 +54,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from headrace.core.fingerprint import file_digest, function_fingerprint
+from headrace.core.fingerprint import file_digest, function_fingerprint, object_digest
 from headrace.core.handoff import unpin
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node, known_spec
 from headrace.errors import DataLossError, FileLimitError, InvalidArgumentError
+from headrace.io import objstore
 from headrace.io.elements import (
     ELEMENTS_FORMAT,
     decode_element,
@@ -354,7 +355,37 @@ def _file_digest(path: str) -> str:
     swapped by name, is refused by ``load`` instead of served as this save's elements,
     without reading a large save whole before its first element."""
     with borrowed_slot():  # (a load inside a running pipeline: its cap counts it, G2)
+        if objstore.is_remote(path):
+            info = objstore.object_info(path)
+            return f"{info.size} {object_digest(info)}"
         return f"{os.path.getsize(path)} {file_digest(path)}"
+
+
+def _save_remote(
+    dataset: Dataset, url: str, shard_func: Callable[..., Any] | None,
+    compression: str | None, checkpoint_args: dict[str, Any] | None, *,
+    num_shards: int | None,
+) -> None:
+    """``save`` to an object store: the save is made in a local temporary directory
+    (``TMPDIR`` needs room for it), then its files are uploaded, the manifest last.
+    ``load`` reads a saved dataset only through its manifest, so an upload that stops
+    halfway is an incomplete save, never a complete-looking one: an older manifest
+    under ``url`` is deleted before the first part is uploaded."""
+    if checkpoint_args:
+        raise InvalidArgumentError(
+            f"save: checkpoint_args needs a local directory ({url} is an object-store URL): "
+            "an interrupted save continues from files it keeps beside its parts"
+        )
+    import tempfile
+
+    base = url.rstrip("/")
+    with tempfile.TemporaryDirectory(prefix="headrace-save-") as scratch:
+        save(dataset, scratch, shard_func, compression, None, num_shards=num_shards)
+        names = sorted(name for name in os.listdir(scratch) if name != MANIFEST_NAME)
+        objstore.delete_object(f"{base}/{MANIFEST_NAME}")
+        for name in [*names, MANIFEST_NAME]:
+            with open(os.path.join(scratch, name), "rb") as file:
+                objstore.put_atomic(f"{base}/{name}", file)
 
 
 def _our_files(path: str) -> list[str]:
@@ -419,6 +450,10 @@ def save(
 ) -> None:
     """Write ``dataset`` to the directory ``path`` (see the module docstring)."""
     directory = os.fspath(path)
+    if objstore.is_remote(directory):
+        _save_remote(dataset, directory, shard_func, compression, checkpoint_args,
+                     num_shards=num_shards)
+        return
     codec = normalize_compression_type(compression)
     interval = _check_checkpoint_args(checkpoint_args)
     shards = _default_num_shards() if num_shards is None else num_shards
@@ -626,11 +661,18 @@ _SAVE_NODE = _SaveStage()
 
 def _read_manifest(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, MANIFEST_NAME)
+    remote = objstore.is_remote(directory)
     try:
-        with borrowed_slot(), open(path, encoding="utf-8") as file:
-            manifest = json.load(file)
+        with borrowed_slot():
+            if remote:
+                manifest = json.loads(objstore.read_whole(objstore.object_info(path)))
+            else:
+                with open(path, encoding="utf-8") as file:
+                    manifest = json.load(file)
     except FileNotFoundError:
-        if os.path.exists(os.path.join(directory, PROGRESS_NAME)):
+        if remote:
+            why = f"it has no {MANIFEST_NAME} (a save that did not finish leaves none)"
+        elif os.path.exists(os.path.join(directory, PROGRESS_NAME)):
             why = (
                 "a save into it stopped before the end (call save again with the same "
                 "pipeline and checkpoint_args to finish it)"

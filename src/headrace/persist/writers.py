@@ -39,6 +39,7 @@ import math
 import os
 import secrets
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import IO, Any, Literal
@@ -47,6 +48,7 @@ import numpy as np
 
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.errors import InvalidArgumentError
+from headrace.io import objstore
 from headrace.io.example.encoding import encode_example_columns, serialize_example
 from headrace.io.streams import normalize_compression_type
 from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES
@@ -509,6 +511,12 @@ def save_tfrecords(
     if progress not in (True, False, "always"):
         raise InvalidArgumentError(f"progress must be True, False or 'always', got {progress!r}")
     compression = normalize_compression_type(compression_type)
+    if objstore.is_url(os.fspath(path)):
+        if objstore.is_remote(os.fspath(path)):
+            return _save_tfrecords_remote(
+                dataset, os.fspath(path), num_shards=num_shards, compression_type=compression,
+                progress=progress, batched=batched, num_records=num_records)
+        path = objstore.local_path(os.fspath(path))
     finals = shard_paths(path, num_shards)
     cardinality = dataset.cardinality() if hasattr(dataset, "cardinality") else UNKNOWN
     if cardinality == INFINITE:
@@ -542,4 +550,51 @@ def save_tfrecords(
     finally:
         chunks.close()  # closes the dataset's iterator now, not at garbage collection
     bar.close(f" -> {num_shards} shard{'s' if num_shards != 1 else ''}")
+    return finals
+
+
+def _save_tfrecords_remote(
+    dataset: Iterable[Any], url: str, *, num_shards: int, compression_type: str,
+    progress: ProgressSetting, batched: bool, num_records: int | None,
+) -> list[str]:
+    """:func:`save_tfrecords` to an object store, all or nothing.
+
+    The shards (and their indexes) are written and indexed in a local temporary
+    directory first (``TMPDIR``: it needs room for them), uploaded under staging keys
+    (``.<name>.<token>.staging``; a multipart upload is only visible once complete),
+    then copied server-side to their final keys once every upload succeeded, and the
+    staging keys deleted. An error or a crash before the copies leaves no object under
+    a final name; object stores have no rename of several objects at once, so a crash
+    *during* the copies (seconds, no data moves through this process) can leave some
+    final shards without the others.
+    """
+    finals = shard_paths(url, num_shards)
+    token = secrets.token_hex(4)
+    with tempfile.TemporaryDirectory(prefix="headrace-save-") as scratch:
+        local = save_tfrecords(
+            dataset, os.path.join(scratch, "{shard:06d}.tfrecord"), num_shards=num_shards,
+            compression_type=compression_type or None, progress=progress, batched=batched,
+            num_records=num_records,
+        )
+        pairs = list(zip(local, finals, strict=True))
+        if not compression_type:
+            pairs += [(index_path_for(a), index_path_for(b)) for a, b in zip(
+                local, finals, strict=True)]
+        staged: list[tuple[str, str, str]] = []
+        for source, final in pairs:
+            directory, name = final.rsplit("/", 1)
+            staged.append((source, f"{directory}/.{name}.{token}{_STAGING_SUFFIX}", final))
+        try:
+            for source, staging, _ in staged:
+                with open(source, "rb") as file:
+                    objstore.put_atomic(staging, file)
+            for _, staging, final in staged:
+                objstore.copy_object(staging, final)
+            if compression_type:  # a stale index of an older, uncompressed save
+                for final in finals:
+                    objstore.delete_object(index_path_for(final))
+        finally:
+            for _, staging, _ in staged:
+                with contextlib.suppress(OSError):
+                    objstore.delete_object(staging)
     return finals

@@ -34,6 +34,7 @@ from headrace.errors import (
     RecordTooLargeError,
     add_note,
 )
+from headrace.io import objstore
 from headrace.io.columns import object_array, wire_bytes
 from headrace.io.filepool import (
     FileLimiter,
@@ -387,7 +388,12 @@ class FileRecordsNode(Node):
             )
         # tf.data reads 0 as "no read buffer"; the size of headrace's read buffer changes
         # no byte of the output, so 0 means the default here.
-        self.buffer_bytes = int(buffer_size or DEFAULT_BUFFER_SIZE)
+        # An object store's read is a round trip: the default reads 8 MiB per request
+        # there (booked on the stage's budget while the object is open, see _open).
+        remote = any(objstore.is_remote(name) for name in self.filenames)
+        self.buffer_bytes = int(
+            buffer_size or (objstore.REMOTE_BUFFER_SIZE if remote else DEFAULT_BUFFER_SIZE)
+        )
 
     def params(self) -> tuple[Any, ...]:
         return (tuple(self.filenames), self.compression_type)
@@ -558,6 +564,8 @@ class _FileRecordsIterator(Iterator):
         self.reader: RecordReader | None = None
         #: Set while :meth:`read_many` reads a batch: its stage, and what it assembles.
         self._batch: tuple[Buffer, str] | None = None
+        #: The read buffer of the object being read, booked while it is open.
+        self.remote_booking: Reservation | None = None
 
     def _expect(self, nbytes: int) -> None:
         """Whether a record being gathered (``nbytes`` so far) can still fit: alone on the
@@ -569,8 +577,17 @@ class _FileRecordsIterator(Iterator):
 
     def _open(self) -> RecordReader:
         node = self.node
+        name = node.filenames[self.file_index]
+        if objstore.is_remote(name) and self.remote_booking is None:
+            # the reader's buffer of an object is large (8 MiB by default), and the next
+            # range is read ahead: booked as the stage's bytes while the object is
+            # open, refused by name if they cannot fit
+            self.remote_booking = self.account.admit(
+                node.buffer_bytes * objstore.READ_AHEAD_RANGES,
+                together=f"the read buffer and read-ahead of {name}", elements=0,
+            )
         self.stream = self.pool.open(
-            node.filenames[self.file_index],
+            name,
             node.compression_type,
             limiter=file_limiter(self.ctx),
             memory_account=_BudgetCharge(self.account),
@@ -747,6 +764,9 @@ class _FileRecordsIterator(Iterator):
             self.stream.close()
         self.stream = None
         self.reader = None
+        if self.remote_booking is not None:
+            self.remote_booking.release()
+            self.remote_booking = None
 
     def get_state(self) -> dict[str, Any]:
         offset = self.reader.next_offset if self.reader is not None else self.start_offset
@@ -781,7 +801,9 @@ class _FileRecordsIterator(Iterator):
 def _size_or_none(path: str) -> int | None:
     """The file's size; None if it cannot be read now (opening it will say why)."""
     try:
-        return os.path.getsize(path)
+        if objstore.is_remote(path):
+            return objstore.object_info(path).size
+        return os.path.getsize(objstore.local_path(path))
     except OSError:
         return None
 
@@ -818,11 +840,19 @@ def list_files(pattern: str | Sequence[str]) -> list[str]:
     pattern without wildcards (a file's name) names no file: it would be left out in
     silence, and its rows with it."""
     patterns = [pattern] if isinstance(pattern, (str, os.PathLike)) else list(pattern)
-    matches = sorted({path for p in patterns for path in glob.glob(os.fspath(p))})
-    if not matches:
-        raise InvalidArgumentError(f"list_files: no files match {patterns!r}")
+    found: set[str] = set()
     for named in patterns:
         name = os.fspath(named)
+        if objstore.is_remote(name):  # listed page by page under the literal prefix
+            matches = objstore.glob_objects(name)
+            if not matches and not glob.has_magic(name):
+                raise InvalidArgumentError(f"list_files: no object {name!r} (of {patterns!r})")
+            found.update(matches)
+            continue
+        name = objstore.local_path(name)
         if not glob.has_magic(name) and not os.path.lexists(name):
             raise InvalidArgumentError(f"list_files: no file {name!r} (of {patterns!r})")
-    return matches
+        found.update(glob.glob(name))
+    if not found:
+        raise InvalidArgumentError(f"list_files: no files match {patterns!r}")
+    return sorted(found)

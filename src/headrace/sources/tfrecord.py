@@ -25,6 +25,7 @@ from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
 from headrace.errors import InvalidArgumentError, MemoryBudgetError, Origin
+from headrace.io import objstore
 from headrace.io.columns import lengths, object_array, wire_bytes
 from headrace.io.filepool import PooledStream, get_default_pool
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
@@ -420,6 +421,10 @@ class IndexedTFRecordNode(Node):
 
 def _index_for(name: str, build_missing: bool) -> TFRecordIndex:
     """A shard's index: built when missing (if allowed), refused when stale."""
+    if build_missing and objstore.is_remote(name):
+        # an object's index cannot be built in place: it is uploaded with its shard
+        # (save_tfrecords does), or built locally first
+        return load_index(name)
     if build_missing and not os.path.exists(index_path_for(name)):
         return build_index(name)
     return load_index(name)

@@ -50,6 +50,7 @@ from typing import IO, Any
 import numpy as np
 
 from headrace.errors import InvalidArgumentError, ParseError
+from headrace.io import objstore
 from headrace.io.files import describe_file_type, require_regular_file
 from headrace.io.tfrecord import normalize_compression_type, open_tfrecord
 from headrace.io.tfrecord_index import load_index
@@ -318,6 +319,16 @@ def _source_dataset(
 def _check_source(source: str) -> None:
     """Refuse a source file that is missing or not a regular file (a FIFO would block the
     read, /dev/zero never end), before anything is read or created."""
+    if objstore.is_remote(source):
+        if source.lower().endswith(".npy"):
+            raise InvalidArgumentError(
+                f"convert: {source}: a .npy source is mapped into memory, so it must be a "
+                "local file (copy it down first)")
+        try:
+            objstore.object_info(source)
+        except FileNotFoundError:
+            raise InvalidArgumentError(f"convert: {source} does not exist") from None
+        return
     try:
         require_regular_file(source, "convert")
     except FileNotFoundError:
@@ -327,7 +338,7 @@ def _check_source(source: str) -> None:
 def _check_dest(dest: str, expected: str, fits: Any) -> None:
     """Refuse a destination that exists and is not what is written there (a device, a
     FIFO): nothing is ever written into or beside it."""
-    if dest == "-" or not os.path.exists(dest) or fits(dest):
+    if dest == "-" or objstore.is_remote(dest) or not os.path.exists(dest) or fits(dest):
         return
     kind = describe_file_type(os.stat(dest).st_mode)
     raise InvalidArgumentError(
@@ -337,10 +348,13 @@ def _check_dest(dest: str, expected: str, fits: Any) -> None:
 
 def _shard_summaries(paths: Sequence[str], compressed: bool) -> list[ShardSummary]:
     return [
-        ShardSummary(path, None if compressed else len(load_index(path)),
-                     os.path.getsize(path))
+        ShardSummary(path, None if compressed else len(load_index(path)), _size(path))
         for path in paths
     ]
+
+
+def _size(path: str) -> int:
+    return objstore.object_info(path).size if objstore.is_remote(path) else os.path.getsize(path)
 
 
 def to_tfrecords(
@@ -466,6 +480,16 @@ def _atomic_text(dest: str) -> Iterator[IO[str]]:
     if dest == "-":
         yield sys.stdout
         return
+    if objstore.is_remote(dest):  # written locally, then uploaded whole (one PUT/multipart)
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="headrace-convert-") as scratch:
+            local = os.path.join(scratch, "out.csv")
+            with open(local, "w", newline="", encoding="utf-8") as handle:
+                yield handle
+            with open(local, "rb") as file:
+                objstore.put_atomic(dest, file)
+        return
     directory = os.path.dirname(os.path.abspath(dest))
     os.makedirs(directory, exist_ok=True)
     staging = os.path.join(directory, f".{os.path.basename(dest)}.{secrets.token_hex(4)}.tmp")
@@ -525,5 +549,5 @@ def tfrecords_to_csv(
                              seconds=time.perf_counter() - started)
     summary.columns = dict(sorted(kinds.items()))
     if dest != "-":
-        summary.files = [ShardSummary(dest, rows, os.path.getsize(dest))]
+        summary.files = [ShardSummary(dest, rows, _size(dest))]
     return summary

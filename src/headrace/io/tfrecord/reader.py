@@ -379,6 +379,14 @@ class TFRecordReader(ClosesOnExit):
         self.skipped.append(SkippedSpan(offset, nbytes, f"{reason}; rest of file skipped"))
 
 
+def _file_size(path: str) -> int:
+    from headrace.io import objstore
+
+    if objstore.is_remote(path):
+        return objstore.object_info(path).size
+    return os.path.getsize(objstore.local_path(path))
+
+
 def open_tfrecord(
     path: str | os.PathLike[str],
     *,
@@ -402,7 +410,7 @@ def open_tfrecord(
     stream = open_stream(path_str, compression, buffer_size=buffer_size)
     try:
         if stream.seek(offset) != offset or (
-            not compression and offset > os.path.getsize(path_str)
+            not compression and offset > 0 and offset > _file_size(path_str)
         ):
             raise DataLossError(
                 f"cannot resume at offset {offset} in file {path_str}: the "
