@@ -86,6 +86,13 @@ def _iterations(node: Node) -> itertools.count[int]:
         return counter
 
 
+def set_next_iteration(node: Node, value: int) -> None:
+    """(Internal.) Make the next iterator over ``node`` iteration ``value``: a training
+    loop resumed in a new process continues the reshuffling where the old one was."""
+    with _iteration_counters_lock:
+        node.__dict__["_iterations"] = itertools.count(value)
+
+
 def _close_run(tree: Iterator, budget: MemoryBudget) -> None:
     budget.close()
     tree.close()
