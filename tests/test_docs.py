@@ -1,12 +1,15 @@
 """Every Python example in the README and in docs/ runs, as written, each as its own file.
 
 An example is one fenced ``python`` block. Each is written to a file of its own and run
-in a fresh namespace: a reader can copy any one of them and run it alone, so none may
-lean on a block above it. The docs site itself builds without a warning.
+as ``python example.py`` in a fresh interpreter, in an empty folder: a reader can copy any
+one of them and run it alone, so none may lean on a block above it, and one that starts
+worker processes has the ``__main__`` guard a script needs. Each block is its own test,
+so xdist spreads them. The docs site itself builds without a warning.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -29,19 +32,38 @@ def test_every_page_with_code_has_examples() -> None:
     assert any(page == "README.md" for page, _, _ in EXAMPLES)
 
 
+#: Where the interpreter running an example finds headrace: the tree under test.
+SOURCE = Path(__import__("headrace").__file__).resolve().parents[1]
+
+
 @pytest.mark.parametrize(
     ("page", "number", "block"), EXAMPLES, ids=[f"{p}#{n}" for p, n, _ in EXAMPLES]
 )
-def test_example_runs_on_its_own(
-    page: str, number: int, block: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_example_runs_on_its_own(page: str, number: int, block: str, tmp_path: Path) -> None:
+    """``python example.py`` in a fresh interpreter, in an empty folder: its own imports,
+    its own data, and a ``__main__`` guard where it starts worker processes (forkserver
+    and spawn import the main script again)."""
     script = tmp_path / f"{Path(page).stem}_{number}.py"
     script.write_text(block)
-    monkeypatch.chdir(tmp_path)
-    # Not run as __main__: worker processes (forkserver) import the main module, and
-    # this one is pytest's; the example's own functions are module-level or importable.
-    code = compile(script.read_text(), str(script), "exec")
-    exec(code, {"__name__": "docs_example", "__file__": str(script)})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(SOURCE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    result = subprocess.run(
+        [sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, f"{page} example {number} failed:\n{result.stderr[-6000:]}"
+
+
+GUARD = re.compile(r'^if __name__ == "__main__":', flags=re.M)
+WORKERS = re.compile(r"workers=\"processes\"|num_workers=[1-9]|workers=\"auto\"")
+
+
+def test_examples_that_start_workers_guard_their_main() -> None:
+    """A reader copies the example into a script: without the guard, each worker process
+    would run the pipeline again when it imports the script."""
+    unguarded = [f"{page}#{number}" for page, number, block in EXAMPLES
+                 if WORKERS.search(block) and not GUARD.search(block)]
+    assert unguarded == []
 
 
 def test_the_docs_site_builds_without_warnings(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ differs, the method's docstring says so.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -250,10 +251,43 @@ class Dataset:
     def __len__(self) -> int:
         size = self.cardinality()
         if size == INFINITE:
-            raise TypeError("the dataset is infinite")
+            raise TypeError("the dataset is infinite" + _hand_off_hint(sys._getframe(1)))
         if size == UNKNOWN:
-            raise TypeError("the dataset's length is unknown without reading it")
+            raise TypeError(
+                "the dataset's length is unknown without reading it"
+                + _hand_off_hint(sys._getframe(1))
+            )
         return size
+
+    def __getitems__(self, indices: Any) -> Any:
+        """Refused, naming the adapter: a pipeline is a stream, read in order.
+
+        torch's ``DataLoader`` takes an object that is not an ``IterableDataset`` for a
+        map-style dataset and fetches its samples with ``dataset.__getitems__(indices)``
+        (a name only torch uses); this is where it hears that a headrace dataset goes
+        through :meth:`to_torch`. No ``__getitem__``: NumPy would take a dataset for a
+        sequence and read it. (Random access by index is a saved dataset's:
+        :meth:`load`, then ``global_shuffle``.)
+        """
+        raise TypeError(
+            "torch's DataLoader took a headrace.Dataset for a map-style dataset and asked "
+            f"for the samples at {list(indices)[:4]!r}...; a headrace.Dataset is a stream: "
+            "pass ds.to_torch() and keep headrace's batches: "
+            "DataLoader(ds.to_torch(), batch_size=None)"
+        )
+
+    @property
+    def __array__(self) -> Any:
+        """Keras 3 chooses its input adapter by probing ``hasattr(x, "__array__")`` first;
+        there ``model.fit(ds)`` hears to pass :meth:`to_keras` (else Keras says only
+        "Unrecognized data type"). Absent for everyone else (NumPy included)."""
+        if _caller_module(sys._getframe(1)).startswith("keras."):
+            raise TypeError(
+                "Keras got a headrace.Dataset: pass ds.to_keras() to fit/evaluate/predict "
+                "(and validation_data=val.to_keras()); it is the Keras DataAdapter that "
+                "runs one pass of the pipeline per epoch (pip install headrace[keras])"
+            )
+        raise AttributeError("__array__")
 
     @property
     def options(self) -> Options:
@@ -921,6 +955,21 @@ class Dataset:
         spec = known_spec(self._node)
         shown = "<known after reading an element>" if spec is None else repr(spec)
         return f"<headrace.Dataset element_spec={shown}>"
+
+
+def _caller_module(frame: Any) -> str:
+    name = frame.f_globals.get("__name__", "")
+    return name if isinstance(name, str) else ""
+
+
+def _hand_off_hint(frame: Any) -> str:
+    """What to use instead, when torch's sampler asked a Dataset its length."""
+    if _caller_module(frame).startswith("torch."):
+        return (
+            "; torch's DataLoader took the headrace.Dataset for a map-style dataset: pass "
+            "ds.to_torch() instead: DataLoader(ds.to_torch(), batch_size=None)"
+        )
+    return ""
 
 
 def _dataset_of(elements: list[Any]) -> Dataset:

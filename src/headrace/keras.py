@@ -1,4 +1,5 @@
-"""Keras 3 helpers: ``MemoryMonitor`` for any ``model.fit``, and the dataset adapter.
+"""Keras 3 helpers: ``MemoryMonitor`` for any ``model.fit``, the dataset adapter, and
+``IteratorCheckpoint`` (the input's position saved with the model's checkpoint).
 
 ``import headrace.keras`` imports Keras (the ``headrace[keras]`` extra); the
 implementation is :mod:`headrace.adapters.keras`.
@@ -7,6 +8,7 @@ implementation is :mod:`headrace.adapters.keras`.
 from __future__ import annotations
 
 from headrace.adapters.keras import (
+    IteratorCheckpoint,
     KerasAdapter,
     MemoryGrowthWarning,
     MemoryMonitor,
@@ -14,4 +16,11 @@ from headrace.adapters.keras import (
     to_keras,
 )
 
-__all__ = ["KerasAdapter", "MemoryGrowthWarning", "MemoryMonitor", "MemoryTrend", "to_keras"]
+__all__ = [
+    "IteratorCheckpoint",
+    "KerasAdapter",
+    "MemoryGrowthWarning",
+    "MemoryMonitor",
+    "MemoryTrend",
+    "to_keras",
+]

@@ -19,6 +19,7 @@ from collections.abc import Iterator as PyIterator
 from typing import TYPE_CHECKING, Any
 
 from headrace._closing import ClosesOnExit
+from headrace._stateful import StateDict
 from headrace.errors import CheckpointError, IteratorClosedError
 
 if TYPE_CHECKING:
@@ -28,13 +29,15 @@ if TYPE_CHECKING:
 __all__ = ["ConvertedElements"]
 
 
-class ConvertedElements(ClosesOnExit, PyIterator[Any]):
+class ConvertedElements(ClosesOnExit, StateDict, PyIterator[Any]):
     """One run of ``dataset``, each element passed through ``convert``.
 
     ``end`` makes the exception raised when the pipeline is exhausted (by
     default ``StopIteration``; Keras's TF trainer wants ``OutOfRangeError``).
     ``get_state``/``set_state`` are the run's own (the position after the
-    last element handed out, a failed one included).
+    last element handed out, a failed one included); ``state_dict``/``load_state_dict``
+    the same for PyTorch's checkpoint tools, so a torchdata ``StatefulDataLoader``
+    keeps each worker's position.
     """
 
     def __init__(

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from headrace._stateful import StateDict
 from headrace.core.handoff import unpin
 from headrace.core.node import Node
 from headrace.distribute import AutoShardPolicy, auto_shard
@@ -65,8 +66,12 @@ class _ReadAheadStage(Node):
 _READ_AHEAD = _ReadAheadStage()
 
 
-class DeviceIterator:
-    """Batches as JAX arrays, ``prefetch`` of them transferred ahead; see the module doc."""
+class DeviceIterator(StateDict):
+    """Batches as JAX arrays, ``prefetch`` of them transferred ahead; see the module doc.
+
+    ``state_dict``/``load_state_dict`` are ``get_state``/``set_state`` in the form
+    checkpoint tools take (one JSON string; see :mod:`headrace._stateful`).
+    """
 
     def __init__(
         self,

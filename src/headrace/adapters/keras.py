@@ -37,7 +37,10 @@ iterator per epoch in the backend's own form, and for the number of batches.
 
 from __future__ import annotations
 
+import collections
+import json
 import math
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -48,6 +51,8 @@ from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
 from headrace.adapters._elements import ConvertedElements
 from headrace.core.node import INFINITE, UNKNOWN
+from headrace.core.run import set_next_iteration
+from headrace.errors import CheckpointError
 from headrace.memory.system import process_memory
 from headrace.memory.units import parse_bytes
 from headrace.profiling.trend import fit_trend as trend_of
@@ -55,7 +60,66 @@ from headrace.profiling.trend import fit_trend as trend_of
 if TYPE_CHECKING:
     from headrace.dataset import Dataset
 
-__all__ = ["KerasAdapter", "MemoryGrowthWarning", "MemoryMonitor", "MemoryTrend", "to_keras"]
+__all__ = [
+    "IteratorCheckpoint",
+    "KerasAdapter",
+    "MemoryGrowthWarning",
+    "MemoryMonitor",
+    "MemoryTrend",
+    "to_keras",
+]
+
+#: How many batches' states an epoch's iterator keeps while a checkpoint is attached:
+#: more than any Keras trainer reads ahead of its steps (the JAX one: two).
+_KEPT_STATES = 16
+
+
+class _RecordedElements(ConvertedElements):
+    """An epoch's iterator that keeps the state after each of its last batches.
+
+    A checkpoint taken after step *n* must be the state after *n* batches, while
+    Keras's trainer may have read more (the JAX trainer keeps two batches on the
+    device): :meth:`state_after` answers for any of the last :data:`_KEPT_STATES`.
+    """
+
+    def __init__(self, dataset: Dataset, convert: Any, end: Any) -> None:
+        super().__init__(dataset, convert, end)
+        self.handed = 0
+        self.states: collections.deque[tuple[int, dict[str, Any] | CheckpointError]] = (
+            collections.deque(maxlen=_KEPT_STATES)
+        )
+        self._record()
+
+    def _record(self) -> None:
+        try:
+            state: dict[str, Any] | CheckpointError = self.get_state()
+        except CheckpointError as error:  # refused here (out of order): said when asked
+            state = error
+        self.states.append((self.handed, state))
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        super().set_state(state)
+        self.handed = 0
+        self.states.clear()
+        self._record()
+
+    def __next__(self) -> Any:
+        element = super().__next__()
+        self.handed += 1
+        self._record()
+        return element
+
+    def state_after(self, count: int) -> dict[str, Any]:
+        for handed, state in self.states:
+            if handed == count:
+                if isinstance(state, CheckpointError):
+                    raise CheckpointError(str(state))
+                return state
+        raise CheckpointError(
+            f"IteratorCheckpoint: no state after batch {count} of this epoch (kept: "
+            f"{[handed for handed, _ in self.states]}); Keras read further ahead than "
+            f"{_KEPT_STATES} batches"
+        )
 
 
 class KerasAdapter(DataAdapter):  # type: ignore[misc]
@@ -67,10 +131,30 @@ class KerasAdapter(DataAdapter):  # type: ignore[misc]
         #: How the last ``get_tf_dataset`` call hands batches to Keras's TF trainer:
         #: ``"numpy"`` (directly) or ``"tf.data"`` (see the module doc).
         self.tf_route: str | None = None
+        #: Set by :class:`IteratorCheckpoint`: each epoch's iterator keeps its states.
+        self.recording = False
+        #: The last epoch iterator made while recording (what a checkpoint reads).
+        self.current: _RecordedElements | None = None
+        #: A state the next epoch's iterator resumes from (set by a checkpoint's restore).
+        self.resume_from: dict[str, Any] | None = None
+        #: The epoch fit is in (set by the checkpoint callback while recording).
+        self.epoch: int | None = None
 
-    def _elements(self) -> ConvertedElements:
+    def _elements(self, convert: Any = None, end: Any = None) -> ConvertedElements:
         # freed when Keras drops the epoch's iterator; an element's error leaves it usable
-        return ConvertedElements(self.dataset)
+        if not self.recording:
+            return ConvertedElements(self.dataset, convert, end)
+        if self.epoch is not None:
+            # Epoch e's iterator is iteration e (its reshuffle), however many iterators
+            # Keras made before it (one to build the model, one ahead at each epoch's
+            # end): a resumed fit then gets the same orders as the uninterrupted one.
+            set_next_iteration(self.dataset.node, self.epoch)
+        elements = _RecordedElements(self.dataset, convert, end)
+        if self.resume_from is not None:
+            state, self.resume_from = self.resume_from, None
+            elements.set_state(state)
+        self.current = elements
+        return elements
 
     def get_numpy_iterator(self) -> ConvertedElements:
         return self._elements()
@@ -81,7 +165,7 @@ class KerasAdapter(DataAdapter):  # type: ignore[misc]
     def get_tf_dataset(self) -> Any:
         if _steps_one_batch_on_one_replica(sys._getframe(1)):
             self.tf_route = "numpy"
-            return _numpy_batches_for_tf(self.dataset)
+            return _numpy_batches_for_tf(self)
         self.tf_route = "tf.data"
         # Keras asks once per fit/evaluate/predict call; building the tf.data graph
         # (tracing its functions) takes tens of ms, so one is built and reused: every
@@ -89,6 +173,13 @@ class KerasAdapter(DataAdapter):  # type: ignore[misc]
         # TensorFlow's side, so that handing it over (a Python call under the GIL, which
         # the pipeline's own threads and Keras's loop also want) overlaps the step
         # instead of delaying it: without it fit ran at 0.84x tf.data's steps/s.
+        if self.recording:
+            raise CheckpointError(
+                "IteratorCheckpoint: this fit hands Keras a tf.data.Dataset (several "
+                "replicas or steps_per_execution > 1), whose read-ahead the iterator state "
+                "cannot see; checkpoint with one replica and steps_per_execution=1, or on "
+                "the JAX or torch backend"
+            )
         if self._tf_dataset is None:
             self._tf_dataset = self.dataset.to_tf().prefetch(1)
         return self._tf_dataset
@@ -96,6 +187,8 @@ class KerasAdapter(DataAdapter):  # type: ignore[misc]
     def get_torch_dataloader(self) -> Any:
         import torch
 
+        if self.recording:  # the epoch's iterator must be one whose states are kept
+            return torch.utils.data.DataLoader(_torch_epochs(self), batch_size=None)
         return torch.utils.data.DataLoader(self.dataset.to_torch(), batch_size=None)
 
     @property
@@ -134,7 +227,7 @@ def _steps_one_batch_on_one_replica(caller: Any) -> bool:
     return getattr(strategy, "num_replicas_in_sync", None) == 1
 
 
-def _numpy_batches_for_tf(dataset: Dataset) -> Any:
+def _numpy_batches_for_tf(adapter: KerasAdapter) -> Any:
     """The dataset's batches as Keras's TF trainer takes them without tf.data."""
     import tensorflow as tf
 
@@ -147,13 +240,27 @@ def _numpy_batches_for_tf(dataset: Dataset) -> Any:
             # Keras's TF train function takes one batch per call and stops an epoch of
             # unknown length on OutOfRangeError, as a tf.data iterator would raise; a
             # StopIteration there would leave its step's outputs undefined.
-            return ConvertedElements(dataset, end=_out_of_range)
+            return adapter._elements(end=_out_of_range)
 
     def _out_of_range() -> BaseException:
         error: BaseException = tf.errors.OutOfRangeError(None, None, "end of the headrace dataset")
         return error
 
     return NumpyBatches()
+
+
+def _torch_epochs(adapter: KerasAdapter) -> Any:
+    """An ``IterableDataset`` whose epochs are the adapter's recorded iterators."""
+    import torch
+
+    from headrace.adapters.torch import as_tensor
+    from headrace.structure import map_structure
+
+    class TorchEpochs(torch.utils.data.IterableDataset):  # type: ignore[type-arg,misc]
+        def __iter__(self) -> ConvertedElements:
+            return adapter._elements(convert=lambda e: map_structure(as_tensor, e))
+
+    return TorchEpochs()
 
 
 def to_keras(dataset: Dataset) -> KerasAdapter:
@@ -258,3 +365,115 @@ class MemoryMonitor(keras.callbacks.Callback):  # type: ignore[misc]
         if len(values) < self.min_epochs:
             return MemoryTrend(len(values), 0.0, math.inf, 0, 0, False)
         return fit_trend(values, self.min_growth, self.z)
+
+
+class IteratorCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
+    """Save where a :func:`to_keras` input stands with the model's checkpoint; resume there.
+
+    ``model.fit`` makes a new iterator per epoch and may read batches ahead of its
+    steps, so the position to save is not "the iterator's state" but the state
+    after the batches the *steps* consumed. With this callback attached, each
+    epoch's iterator keeps its last states, and the callback writes to ``path``
+    (a JSON file, replaced atomically) at every epoch's end and, with an int
+    ``save_freq``, every ``save_freq`` steps: the epoch, the step, and the
+    iterator state (at an epoch's end: none, the next epoch starts afresh). While
+    it is attached, epoch *e*'s iterator is the dataset's iteration *e* (what
+    ``reshuffle_each_iteration`` draws its order from), whatever other iterators
+    Keras makes, so a resumed fit reshuffles as the uninterrupted one did.
+    Save the model at the same moments (``keras.callbacks.ModelCheckpoint`` with
+    the same ``save_freq``).
+
+    To resume (a new process): build the same pipeline, make the callback with
+    the same ``path``, and call ``fit(..., initial_epoch=callback.initial_epoch)``:
+    the first epoch continues after the saved step (Keras then warns that the
+    input ran out of data for that shortened epoch) and later ones are the
+    uninterrupted run's, batch for batch.
+
+    Works where Keras takes the batches from the adapter's iterator (the JAX,
+    torch and NumPy backends, and the TensorFlow one with one replica and
+    ``steps_per_execution=1``); where Keras needs a ``tf.data.Dataset`` it raises
+    :class:`~headrace.errors.CheckpointError` naming why.
+    """
+
+    def __init__(
+        self, adapter: KerasAdapter, path: str | os.PathLike[str], *, save_freq: str | int = "epoch"
+    ) -> None:
+        super().__init__()
+        if not isinstance(adapter, KerasAdapter):
+            raise TypeError(
+                f"IteratorCheckpoint takes the adapter fit reads (ds.to_keras()), got "
+                f"{type(adapter).__name__}"
+            )
+        if save_freq != "epoch" and (
+            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
+        ):
+            raise ValueError(
+                f"IteratorCheckpoint: save_freq must be 'epoch' or a positive int, got "
+                f"{save_freq!r}"
+            )
+        self.adapter = adapter
+        self.path = os.fspath(path)
+        self.save_freq = save_freq
+        adapter.recording = True
+        #: What ``path`` held when the callback was made (None: start from the beginning).
+        self.restored: dict[str, Any] | None = self._read()
+        self._pending = self.restored is not None
+        self._epoch = 0
+        self._base = 0  # steps of this epoch done before the run resumed it
+
+    @property
+    def initial_epoch(self) -> int:
+        """The epoch to pass to ``fit(initial_epoch=...)``: the checkpoint's, or 0."""
+        return 0 if self.restored is None else int(self.restored["epoch"])
+
+    def _read(self) -> dict[str, Any] | None:
+        if not os.path.exists(self.path):
+            return None
+        with open(self.path, encoding="utf-8") as file:
+            try:
+                saved = json.load(file)
+            except ValueError as error:
+                raise CheckpointError(
+                    f"IteratorCheckpoint: {self.path} is not JSON ({error})"
+                ) from None
+        if not isinstance(saved, dict) or saved.get("format") != "headrace.keras_checkpoint":
+            raise CheckpointError(
+                f"IteratorCheckpoint: {self.path} is not a headrace Keras checkpoint"
+            )
+        return saved
+
+    def _write(self, epoch: int, step: int, state: dict[str, Any] | None) -> None:
+        record = {"format": "headrace.keras_checkpoint", "epoch": epoch, "step": step,
+                  "state": state}
+        temporary = f"{self.path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as file:
+            json.dump(record, file)
+        os.replace(temporary, self.path)
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._epoch, self._base = epoch, 0
+        self.adapter.epoch = epoch
+        if not self._pending:
+            return
+        self._pending = False
+        saved = self.restored
+        assert saved is not None
+        if int(saved["epoch"]) != epoch:
+            raise CheckpointError(
+                f"IteratorCheckpoint: {self.path} resumes epoch {saved['epoch']}, but fit "
+                f"starts at epoch {epoch}; pass initial_epoch=callback.initial_epoch"
+            )
+        if saved["state"] is not None:  # within the epoch: its iterator resumes there
+            self.adapter.resume_from = saved["state"]
+            self._base = int(saved["step"])
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self.save_freq == "epoch" or (self._base + batch + 1) % int(self.save_freq):
+            return
+        current = self.adapter.current
+        if current is None:
+            raise CheckpointError("IteratorCheckpoint: fit did not read through the adapter")
+        self._write(self._epoch, self._base + batch + 1, current.state_after(batch + 1))
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._write(epoch + 1, 0, None)

@@ -20,6 +20,7 @@ from collections.abc import Iterator as _PyIterator
 from typing import TYPE_CHECKING, Any
 
 from headrace._closing import ClosesOnExit
+from headrace._stateful import StateDict
 from headrace.core.iterator import Context, Iterator
 from headrace.core.state import (
     OUT_OF_ORDER,
@@ -85,6 +86,13 @@ def _iterations(node: Node) -> itertools.count[int]:
         return counter
 
 
+def set_next_iteration(node: Node, value: int) -> None:
+    """(Internal.) Make the next iterator over ``node`` iteration ``value``: a training
+    loop resumed in a new process continues the reshuffling where the old one was."""
+    with _iteration_counters_lock:
+        node.__dict__["_iterations"] = itertools.count(value)
+
+
 def _close_run(tree: Iterator, budget: MemoryBudget) -> None:
     budget.close()
     tree.close()
@@ -147,12 +155,16 @@ def join_abandoned(timeout: float = 10.0) -> bool:
     return not any(closer.is_alive() for closer in list(_closers))
 
 
-class DatasetIterator(ClosesOnExit, _PyIterator[Any]):
+class DatasetIterator(ClosesOnExit, StateDict, _PyIterator[Any]):
     """What ``iter(dataset)`` returns: the root of one run of the pipeline.
 
     Use it as a context manager, or call :meth:`close`, to stop its threads and
     return its memory at once; an iterator dropped without either is freed by
     garbage collection (no background thread keeps it alive).
+
+    ``state_dict()``/``load_state_dict()`` are :meth:`get_state`/:meth:`set_state`
+    for PyTorch's checkpoint tools (``torch.distributed.checkpoint``, torchdata's
+    ``StatefulDataLoader``): see :mod:`headrace._stateful`.
     """
 
     def __init__(

@@ -97,6 +97,11 @@ class _Producer:
         self.finished = False
         self.error: BaseException | None = None  # what ended the thread, not an element's error
         self.stopping = False
+        #: Set by a final stop (the run closes): the thread closes its input before it
+        #: ends, so that a generator's ``finally``/``with`` exit runs on the thread that
+        #: ran its body (a sqlite3 connection made there can only be closed there).
+        self.close_input = False
+        self.close_error: BaseException | None = None
         # An element that did not fit the share yet, with its chunk coordinates:
         # (element, its upstream booking, its cost, its chunk's input state, position,
         # its origin token).
@@ -122,6 +127,11 @@ class _Producer:
         except BaseException as error:  # re-raised in the consumer, after what came before
             self.error = unpin(error)
         self._publish(chunks)
+        if self.close_input:
+            try:
+                self.inner.close()
+            except BaseException as error:  # the consumer's close() raises it
+                self.close_error = error
         with self.ready:
             # Always mark the end, also when stopped: a stage downstream may be
             # waiting on this queue from another producer thread.
@@ -269,9 +279,12 @@ class _Producer:
         thread map, 16 MiB) hung for good."""
         return self.consumer_waiting and self.queued + self.outstanding == 0
 
-    def stop(self) -> None:
+    def stop(self, final: bool = False) -> None:
+        """Stop the thread and release the queue; ``final``: the run closes, and the
+        thread (if it still runs) closes the input itself before it ends."""
         with self.ready:
             self.stopping = True
+            self.close_input = final
             self.ready.notify_all()
         self.account.wake()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
@@ -424,7 +437,7 @@ class PrefetchIterator(Iterator):
         restore_input(self.inner, inner_state, skip, "prefetch")
         self.state_at_start = self.inner.get_state()
 
-    def _stop(self) -> None:
+    def _stop(self, final: bool = False) -> None:
         for chunk in self.taken:
             chunk.release()
         self.taken.clear()
@@ -432,9 +445,12 @@ class PrefetchIterator(Iterator):
             self.current.release()
             self.current = None
         if self.producer is not None:
-            self.producer.stop()
-            self.producer = None
+            producer, self.producer = self.producer, None
+            producer.stop(final)
+            if producer.close_error is not None:
+                super().close()  # the rest of the input, if it was not closed
+                raise producer.close_error
 
     def close(self) -> None:
-        self._stop()
-        super().close()
+        self._stop(final=True)
+        super().close()  # (a no-op for the stages the producer thread closed)
