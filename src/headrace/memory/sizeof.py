@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import datetime
+import decimal
 import functools
 import gc
 import mmap
@@ -81,9 +82,11 @@ __all__ = [
 #: What a bytes object costs besides its payload (33 B on CPython 3.11).
 _BYTES_HEADER = sys.getsizeof(b"")
 
-#: Leaf objects whose cost is exactly ``sys.getsizeof``.
+#: Leaf objects whose cost is exactly ``sys.getsizeof`` (a Decimal's counts its digits:
+#: from_sql hands out exact numerics as Decimal).
 _FLAT_TYPES = frozenset(
-    {bytes, str, int, float, bool, complex, type(None), bytearray, range, type(...)}
+    {bytes, str, int, float, bool, complex, type(None), bytearray, range, type(...),
+     decimal.Decimal}
     | {type(t(0)) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
                             np.uint32, np.uint64, np.float16, np.float32, np.float64,
                             np.bool_, np.complex64, np.complex128)}

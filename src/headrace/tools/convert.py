@@ -135,7 +135,19 @@ class ConvertSummary:
 # --------------------------------------------------------------------------- to TFRecord
 
 
+def _as_counts(value: Any) -> Any:
+    """A ``datetime64`` / ``timedelta64`` column as int64 counts of its unit (an Example
+    has no time type; the summary names the unit)."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "mM":
+        return value.view(np.int64)
+    return value
+
+
 def _list_kind(dtype: np.dtype[Any]) -> str:
+    if dtype.kind in "mM":
+        unit = np.datetime_data(dtype)[0]
+        since = " since 1970-01-01" if dtype.kind == "M" else ""
+        return f"int64_list (count of {unit}{since})"
     if dtype.kind == "f":
         return "float_list"
     if dtype.kind in "iub":
@@ -158,7 +170,7 @@ class _Counted:
                 if not self.dtypes:
                     self.dtypes = {name: np.asarray(value).dtype for name, value in batch.items()}
                 self.rows += len(next(iter(batch.values())))
-                yield batch
+                yield {name: _as_counts(value) for name, value in batch.items()}
         finally:
             iterator.close()
 
