@@ -58,12 +58,12 @@ import mmap
 import sys
 import threading
 import types
-import warnings
 from collections.abc import Callable, ItemsView, KeysView, Mapping, ValuesView
 from typing import Any
 
 import numpy as np
 
+from headrace._warn import warn_user
 from headrace.errors import ElementSpecError, HeadraceWarning
 from headrace.io.columns import bytes_total
 from headrace.io.mapped import is_file_backed
@@ -203,12 +203,11 @@ def _warn_unsized(cls: type) -> None:
     if name in _warned:
         return
     _warned.add(name)
-    warnings.warn(
+    warn_user(
         f"headrace cannot see inside {name} objects: they are booked at sys.getsizeof "
         "(their Python header), which misses any payload they keep outside it. "
         "Tell the budget their real size with headrace.register_sizer(type, fn).",
         HeadraceWarning,
-        stacklevel=4,
     )
 
 
