@@ -287,13 +287,13 @@ def _int64_entries(key: str, rows: Array) -> list[bytes]:
     return entries
 
 
-def _bytes_entries(key: str, rows: list[list[bytes]] | list[bytes]) -> list[bytes]:
+def _bytes_entries(key: str, rows: Sequence[Any]) -> list[bytes]:
     """Entries of a BytesList column: ``rows`` holds one bytes per row, or a list per row."""
     heads = _EntryHeads(key, wire.KIND_BYTES)
     entries = []
     single_cache: dict[int, bytes] = {}
     for row in rows:
-        if isinstance(row, bytes):  # the common case: one value, head cached by its length
+        if isinstance(row, (bytes, memoryview)):  # one value, head cached by its length
             head = single_cache.get(len(row))
             if head is None:
                 value_head = _BYTES_VALUE_TAG + wire.encode_varint(len(row))
@@ -306,12 +306,16 @@ def _bytes_entries(key: str, rows: list[list[bytes]] | list[bytes]) -> list[byte
     return entries
 
 
-def _as_bytes_list(values: list[Any]) -> list[bytes] | None:
-    """``values`` as bytes (str encoded as UTF-8), or None if any is not bytes/str."""
-    out = []
+def _as_bytes_list(values: list[Any]) -> list[bytes | memoryview] | None:
+    """``values`` as bytes (str encoded as UTF-8; a 1-D byte ``memoryview`` kept as it
+    is), or None if any is not one of these."""
+    out: list[bytes | memoryview] = []
     for value in values:
         if isinstance(value, bytes):
             out.append(bytes(value) if type(value) is not bytes else value)
+        elif isinstance(value, memoryview) and value.ndim == 1 and value.itemsize == 1 and (
+                value.c_contiguous):
+            out.append(value)  # (a row of a byte array, copied once: into its record)
         elif isinstance(value, str):
             out.append(value.encode("utf-8"))
         else:
@@ -423,17 +427,14 @@ def encode_example_columns(
     if not counts[names[0]]:
         return []
     per_column = [_column_entries(name, columns[name], describe) for name in names]
-    bodies = (
-        [b"".join(entries) for entries in zip(*per_column, strict=True)]
-        if len(names) > 1
-        else per_column[0]
-    )
     example_tag = wire.encode_varint(1 << 3 | _LEN)
     heads: dict[int, bytes] = {}
     records = []
-    for body in bodies:
-        head = heads.get(len(body))
+    # Each record joined once from its head and entries (large values are copied once)
+    for entries in zip(*per_column, strict=True):
+        length = sum(map(len, entries))
+        head = heads.get(length)
         if head is None:
-            head = heads[len(body)] = example_tag + wire.encode_varint(len(body))
-        records.append(head + body)
+            head = heads[length] = example_tag + wire.encode_varint(length)
+        records.append(b"".join((head, *entries)))
     return records
