@@ -166,6 +166,15 @@ def test_postgres_timestamp_key_pages_and_resumes(pg: Any) -> None:
     assert rows_of(ds, "v") == list(range(10, 100))
 
 
+def test_postgres_timestamptz_key_pages_in_any_session_time_zone(pg: Any) -> None:
+    table = pg("ts timestamptz, v int", "SELECT TIMESTAMPTZ '2024-01-01 00:00:00+00' + g * "
+               "INTERVAL '1 minute', g FROM generate_series(0, 49) g")
+    tokyo = URL + ("&" if "?" in URL else "?") + "options=-c%20TimeZone%3DAsia%2FTokyo"
+    ds = hr.Dataset.from_sql(f"SELECT * FROM {table} WHERE v >= $1", (0,), connection=tokyo,
+                             key="ts", batch_size=4, page_rows=10)
+    assert rows_of(ds, "v") == list(range(50))
+
+
 @pytest.mark.parametrize(("select", "message"), [
     ("INTERVAL '1 month'", r"column 'v' row 0: the interval .* has months"),
     ("ARRAY[1, NULL]", r"column 'v' row 0: an array holds a NULL element"),

@@ -1139,6 +1139,11 @@ class _SqlIterator(Iterator):
             if postgres:
                 value = page[node.key][-1]
                 self.read_key = value.item() if isinstance(value, np.generic) else value
+                if isinstance(self.read_key, datetime.datetime) and getattr(
+                        result.schema.field(node.key).type, "tz", None):
+                    # a timestamptz key is a UTC instant: bound naive, the server would
+                    # read it in the session's time zone and page from the wrong row
+                    self.read_key = self.read_key.replace(tzinfo=datetime.timezone.utc)
             else:
                 assert keys is not None
                 self.read_key = keys[-1]
