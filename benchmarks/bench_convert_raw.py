@@ -5,6 +5,7 @@ copy of the same bytes (the disk's floor).
 * copy: the ``.npy`` read in 16 MiB chunks and written to one file, fsynced;
 * tf: ``tf.train.Example`` (``image``: ``bytes_list`` of the row's bytes, ``image_shape``:
   ``int64_list``) per row, ``SerializeToString`` and ``tf.io.TFRecordWriter``, 4 files;
+* tf+fsync: the same, each file fsynced after it is written (durable on return);
 * headrace: ``headrace.tools.convert.to_tfrecords(..., feature="image", num_shards=4)``,
   which also fsyncs, renames atomically and writes the ``.hrx`` indexes.
 
@@ -27,7 +28,7 @@ import time
 
 import numpy as np
 
-SIDES = ("copy", "tf", "headrace")
+SIDES = ("copy", "tf", "tf+fsync", "headrace")
 ROW_SHAPE = (224, 224, 3)
 
 
@@ -40,7 +41,7 @@ def run_side(side: str, npy: str, out: str) -> float:
         started = time.perf_counter()
         to_tfrecords(npy, out, feature="image", num_shards=4, progress=False)
         return time.perf_counter() - started
-    if side == "tf":
+    if side in ("tf", "tf+fsync"):
         import tensorflow as tf
 
         array = np.load(npy, mmap_mode="r")
@@ -57,6 +58,9 @@ def run_side(side: str, npy: str, out: str) -> float:
                             value=list(row.shape))),
                     }))
                     writer.write(example.SerializeToString())
+            if side == "tf+fsync":  # durable, as headrace's shards are when it returns
+                with open(path, "rb") as written:
+                    os.fsync(written.fileno())
         return time.perf_counter() - started
     started = time.perf_counter()
     with open(npy, "rb") as source, open(os.path.join(out, "copy"), "wb") as dest:

@@ -287,8 +287,12 @@ def _int64_entries(key: str, rows: Array) -> list[bytes]:
     return entries
 
 
-def _bytes_entries(key: str, rows: Sequence[Any]) -> list[bytes]:
-    """Entries of a BytesList column: ``rows`` holds one bytes per row, or a list per row."""
+def _bytes_entries(key: str, rows: Sequence[Any]) -> list[Any]:
+    """Entries of a BytesList column: ``rows`` holds one bytes per row, or a list per row.
+
+    An entry is bytes, or ``(head, memoryview)`` for a row given as a view: joined into
+    its record by :func:`encode_example_columns` (the only caller), never copied before.
+    """
     heads = _EntryHeads(key, wire.KIND_BYTES)
     entries = []
     single_cache: dict[int, bytes] = {}
@@ -299,7 +303,8 @@ def _bytes_entries(key: str, rows: Sequence[Any]) -> list[bytes]:
                 value_head = _BYTES_VALUE_TAG + wire.encode_varint(len(row))
                 head = heads(len(value_head) + len(row)) + value_head
                 single_cache[len(row)] = head
-            entries.append(head + row)
+            # a view (a row of a byte array) stays one: the record copies it, once
+            entries.append((head, row) if type(row) is memoryview else head + row)
         else:
             payload = wire.encode_bytes_payload(row)
             entries.append(heads(len(payload)) + payload)
@@ -430,8 +435,13 @@ def encode_example_columns(
     example_tag = wire.encode_varint(1 << 3 | _LEN)
     heads: dict[int, bytes] = {}
     records = []
-    # Each record joined once from its head and entries (large values are copied once)
+    # Each record joined once from its head and entries; an entry of a byte-array row
+    # is (its head, a view of the row), so that row is copied once, into the record
+    split = any(tuple in set(map(type, entries)) for entries in per_column)
     for entries in zip(*per_column, strict=True):
+        if split:
+            entries = tuple(piece for entry in entries for piece in (
+                entry if type(entry) is tuple else (entry,)))
         length = sum(map(len, entries))
         head = heads.get(length)
         if head is None:
