@@ -280,3 +280,23 @@ def test_the_guides_postgres_convert_example_runs_as_written(
         with adbc.connect(URL) as db, db.cursor() as cur:
             cur.execute("DROP TABLE events")
             db.commit()
+
+
+def test_convert_writes_dates_and_times_as_counts_of_their_unit(
+        pg: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from headrace.io.example import decode_example
+    from headrace.io.tfrecord import open_tfrecord
+
+    table = pg("id int, d date, ts timestamp, iv interval",
+               "VALUES (1, '1970-01-11', '1970-01-01 00:00:01.5', '1 day')")
+    assert main(["convert", URL, str(tmp_path / "out"), "--table", table,
+                 "--progress", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "d: datetime64[D] -> int64_list (count of D since 1970-01-01)" in out
+    assert "iv: timedelta64[us] -> int64_list (count of us)" in out
+    (shard,) = sorted((tmp_path / "out").glob("*.tfrecord"))
+    with open_tfrecord(str(shard)) as reader:
+        (record,) = reader.read_batch(2)
+    decoded = decode_example(record)
+    assert [decoded[name][1].tolist() for name in ("d", "ts", "iv")] == [
+        [10], [1_500_000], [86_400_000_000]]
