@@ -11,5 +11,8 @@ ISOLATION=()
 if "$PY" -c 'import setuptools, sys, wheel; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' 2>/dev/null; then
     ISOLATION=(--no-build-isolation)
 fi
+# setuptools builds in the tree (build/): a module deleted since the last build would
+# still be in build/lib and so in the wheel; compiled objects (build/temp*) are kept
+rm -rf "$ROOT"/build/lib*
 "$PY" -m pip wheel "$ROOT" --no-deps "${ISOLATION[@]}" --quiet -w "$OUT"
 ls "$OUT"/headrace-*.whl
