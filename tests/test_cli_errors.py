@@ -170,7 +170,7 @@ COMMANDS = [
     Command("convert tfrecord", ".tfrecord",
             lambda p, o: ["convert", p, str(o / "out.csv"), "--progress", "never"]),
     Command("profile", ".py", lambda p, o: ["profile", f"{p}:make", "--html", ""]),
-    Command("doctor", ".py", lambda p, o: ["doctor", f"{p}:make", "--epochs", "1"]),
+    Command("doctor", ".py", lambda p, o: ["doctor", f"{p}:make", "--epochs", "5"]),
 ]
 
 CASES = [(command, kind) for command in COMMANDS for kind in command.kinds]
@@ -331,7 +331,7 @@ def test_an_html_report_to_a_non_regular_file_is_refused_before_running(
                                     "    raise AssertionError('ran the pipeline')\n")
     html = kind if kind.startswith("/dev") else str(tmp_path / "report")
     make_output(kind, Path(html))
-    argv = [command, f"{tmp_path / 'ok.py'}:make", "--html", html, "--epochs", "1"]
+    argv = [command, f"{tmp_path / 'ok.py'}:make", "--html", html, "--epochs", "5"]
     ran = run_cli(argv, cwd=cwd, temp=temp, capture=tmp_path / "capture")
     line = one_error_line(ran, argv)
     assert ran.code == 2 and html in line and "--html" in line, line

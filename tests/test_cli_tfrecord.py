@@ -180,11 +180,11 @@ def test_inspect_truncated_and_missing_files(tmp_path: Path, capsys: Capture) ->
     assert "records: 19 before the corruption" in out
     assert "truncated record at offset" in out
     assert missing not in out  # nothing to report of a file that is not there ...
-    assert "2 files, 19 records, 2 corrupt" in out
+    assert "2 files, 19 records, 1 corrupt, 1 unreadable" in out  # missing is not corrupt
     # ... and one line on stderr for each bad file
     first, second = err.splitlines()
     assert first.startswith("headrace inspect: truncated record at offset") and path in first
-    assert second == f"headrace inspect: [Errno 2] No such file or directory: {missing!r}"
+    assert second == f"headrace inspect: {missing}: no such file"
 
 
 def test_inspect_records_that_are_not_examples(tmp_path: Path, capsys: Capture) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import random
@@ -429,3 +430,21 @@ def test_parallel_map_books_each_element_once_in_stats(parallel: int) -> None:
     assert produced == 500
     assert stage.elements == 500  # was 1,000: the inputs' bookings counted as elements too
     assert stage.max_element >= 49 * 4 * 8  # outputs grew past their estimate: still tracked
+
+
+def test_a_knob_that_moves_all_along_is_one_line_of_the_text() -> None:
+    from headrace.profiling.timeline import SUMMARY_AFTER, Decision, summarize_decisions
+
+    chunks = [107, 24, 111, 60, 12, 140, 96]
+    moves = [Decision(0.1 * i, "map(f)", "elements per call", before, after)
+             for i, (before, after) in enumerate(itertools.pairwise(chunks), 1)]
+    depth = [Decision(0.15, "prefetch", "prefetch depth", 2, 4)]
+    lines = summarize_decisions([*moves[:3], *depth, *moves[3:]])
+    assert len(moves) > SUMMARY_AFTER
+    assert lines == [
+        "   0.100 s  map(f): elements per call 107 -> 24 -> 111 -> ... -> 96 (6 changes until "
+        "0.600 s, between 12 and 140; each one in the HTML report)",
+        "   0.150 s  prefetch: prefetch depth 2 -> 4",
+    ]
+    few = moves[:SUMMARY_AFTER]
+    assert summarize_decisions(few) == [move.format() for move in few]

@@ -55,6 +55,14 @@ class _Parser(argparse.ArgumentParser):
 # (`--shards 99999999999999999999` would create shard names for minutes, `--epochs` of
 # that size runs until killed, a `demo --size` past what NumPy can index overflows), so it
 # is refused on the command line, in one line, before anything runs.
+#: What ``headrace --help`` says first: what the tool does for its user.
+_DESCRIPTION = ("headrace: tf.data-style input pipelines under a hard memory budget. "
+                "Convert and check TFRecord data, profile a pipeline, look for leaks; "
+                "`headrace COMMAND --help` gives a command's options.")
+
+#: ``doctor --epochs`` at least: 2 of warm-up, then 3 measured (a leak is a trend).
+DOCTOR_MIN_EPOCHS = 5
+_DOCTOR_WHY = " (2 warm-up epochs, then 3 to measure a trend)"
 MAX_SHARDS = 10_000  # each one a file; an empty shard per missing row is allowed
 MAX_EPOCHS = 100_000
 MAX_DEMO_SIZE = 1 << 44  # 16 TiB
@@ -79,8 +87,9 @@ def _demo_size(text: str) -> int:
     return _byte_size(text, MAX_DEMO_SIZE)
 
 
-def _count(minimum: int, maximum: int | None = None) -> Any:
-    """An argparse type: an int of at least ``minimum`` (and at most ``maximum``)."""
+def _count(minimum: int, maximum: int | None = None, why: str = "") -> Any:
+    """An argparse type: an int of at least ``minimum`` (and at most ``maximum``);
+    ``why`` (" (...)") says why the minimum."""
 
     def parse(text: str) -> int:
         try:
@@ -88,13 +97,23 @@ def _count(minimum: int, maximum: int | None = None) -> Any:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{why}, got {text!r}")
         if maximum is not None and value > maximum:
             raise argparse.ArgumentTypeError(f"must be <= {maximum:,}, got {text[:40]!r}")
         return value
 
     parse.__name__ = "count"
     return parse
+
+
+def _sql_param(text: str) -> Any:
+    """An argparse type: ``convert --param [TYPE:]VALUE`` (see ``sources.sql.parse_param``)."""
+    from headrace.sources.sql import parse_param
+
+    try:
+        return parse_param(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _output_file(text: str) -> str:
@@ -271,7 +290,7 @@ def _inspect(args: argparse.Namespace) -> int:
     """``headrace inspect``: count, schema, sizes, CRC check and first records per file."""
     from headrace.tools.inspect import format_report, inspect_tfrecord
 
-    corrupt = 0
+    corrupt = unreadable = 0
     total_records = 0
     printed = False
     for path in args.files:
@@ -290,11 +309,13 @@ def _inspect(args: argparse.Namespace) -> int:
             message = " ".join(report.corruption[1].split()).removeprefix("inspect: ")
             where = "" if path in message else f"{path}: "
             print(f"headrace inspect: {where}{message}", file=sys.stderr)
-        corrupt += not report.ok
+        unreadable += not report.readable  # (missing, or not a file: not corrupt)
+        corrupt += report.readable and not report.ok
         total_records += report.records
     if len(args.files) > 1:
-        print(f"\n{len(args.files)} files, {total_records:,} records, {corrupt} corrupt")
-    return 1 if corrupt else 0
+        missing = f", {unreadable} unreadable" if unreadable else ""
+        print(f"\n{len(args.files)} files, {total_records:,} records, {corrupt} corrupt{missing}")
+    return 1 if corrupt or unreadable else 0
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -354,6 +375,11 @@ def _call_target(target: str) -> Any:
         from headrace.io.files import require_regular_file
 
         require_regular_file(module_name, "the pipeline's file")
+        # As `python dir/file.py` would: the file's own directory first on sys.path, so
+        # it imports the modules beside it
+        folder = os.path.dirname(os.path.abspath(module_name))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         spec = importlib.util.spec_from_file_location("_headrace_target", module_name)
         if spec is None or spec.loader is None:
             raise _CommandError(f"cannot load {module_name!r} as a Python file")
@@ -442,7 +468,10 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="headrace", description=__doc__.splitlines()[0])
+    from headrace import __version__
+
+    parser = _Parser(prog="headrace", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"headrace {__version__}")
     debug_help = "on failure, show the traceback instead of one line"
     parser.add_argument("--debug", action="store_true", help=debug_help)
     # accepted after the subcommand too; SUPPRESS keeps it from resetting the one above
@@ -512,8 +541,12 @@ def _parser() -> argparse.ArgumentParser:
                          help="number of TFRecord shards (default 1)")
     convert.add_argument("--query", help="SQL source: the query (values only via --param)")
     convert.add_argument("--table", help="SQL source: a whole table, instead of --query")
-    convert.add_argument("--param", action="append", metavar="VALUE",
-                         help="SQL source: a query parameter, as text (repeat for each)")
+    convert.add_argument("--param", action="append", metavar="[TYPE:]VALUE", type=_sql_param,
+                         help="SQL source: a query parameter (repeat for each, in order): "
+                              "text as written, or typed as int:5, float:0.5, bool:true, "
+                              "date:2024-01-31, datetime:2024-01-31T12:00:00, "
+                              "decimal:1.25, bytes:HEX, null: (str:... keeps text that "
+                              "starts with one of these)")
     convert.add_argument("--key", help="SQL source: a unique column to page the read by")
     convert.add_argument("--null-default", action="append", metavar="[COLUMN=]VALUE",
                          help="value for SQL NULLs and empty numeric CSV fields (errors "
@@ -560,7 +593,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("target", metavar="MODULE:FUNCTION",
                         help="a function returning a headrace.Dataset or a tf.data.Dataset")
-    doctor.add_argument("--epochs", type=_count(1, MAX_EPOCHS), default=8)
+    doctor.add_argument("--epochs", type=_count(DOCTOR_MIN_EPOCHS, MAX_EPOCHS, _DOCTOR_WHY),
+                        default=8, help=f"epochs to run (at least {DOCTOR_MIN_EPOCHS}: "
+                        "2 of warm-up, then 3 or more to see a trend; default 8)")
     doctor.add_argument("--steps", type=_count(1), default=None, help="elements per epoch")
     doctor.add_argument("--budget", type=_byte_size, default=None,
                         help="memory budget to judge against")

@@ -42,13 +42,13 @@ import json
 import math
 import os
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import keras
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
+from headrace._warn import warn_user
 from headrace.adapters._elements import ConvertedElements
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.core.run import set_next_iteration
@@ -349,14 +349,13 @@ class MemoryMonitor(keras.callbacks.Callback):  # type: ignore[misc]
         trend = self.trend()
         if trend.leaking and not self.warned:
             self.warned = True
-            warnings.warn(
+            warn_user(
                 f"memory grew by {trend.slope / 2**20:.1f} ± {trend.stderr / 2**20:.1f} MiB "
                 f"per epoch over {trend.epochs} epochs (RssAnon+RssShmem "
                 f"{trend.first / 2**20:.0f} -> {trend.last / 2**20:.0f} MiB): something keeps "
                 "what each epoch should drop (an iterator per epoch never closed, a growing "
                 "list, a cache); a headrace pipeline's own stages show in iterator.stats()",
                 MemoryGrowthWarning,
-                stacklevel=2,
             )
 
     def trend(self) -> MemoryTrend:

@@ -31,13 +31,13 @@ written for a GPU still runs on a laptop. ``DataLoader(pin_memory=True)`` over
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator as PyIterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from headrace._warn import warn_user
 from headrace.adapters._elements import ConvertedElements
 from headrace.adapters._sharding import WorkerSharding, resolve_sharding, shard_for_worker
 from headrace.core.node import INFINITE, UNKNOWN, Node
@@ -182,12 +182,11 @@ def to_torch(
     resolved = None if device is None else torch.device(device)
     if pin_memory:
         if resolved is None or resolved.type == "cpu":
-            warnings.warn(
+            warn_user(
                 "to_torch: pin_memory=True has no effect without an accelerator device "
                 f"(device={None if resolved is None else str(resolved)!r}); the batches "
                 "stay ordinary CPU tensors",
                 UserWarning,
-                stacklevel=3,
             )
         else:
             from headrace.adapters.torch_device import check_device

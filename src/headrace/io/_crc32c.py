@@ -8,9 +8,9 @@ PyPI ``crc32c`` package is LGPL and deliberately not used.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
+from headrace._warn import warn_user
 from headrace.io._native import native_module
 
 __all__ = ["crc32c", "mask_crc", "masked_crc32c", "unmask_crc"]
@@ -63,11 +63,10 @@ def _crc32c_slow_with_warning(data: bytes | bytearray | memoryview, crc: int) ->
     global _warned_slow
     if not _warned_slow:
         _warned_slow = True
-        warnings.warn(
+        warn_user(
             "headrace is computing CRC32C in pure Python (~10 MB/s): build the C extension "
             "(pip install headrace) or install google-crc32c (pip install 'headrace[tfrecord]')",
             RuntimeWarning,
-            stacklevel=3,
         )
     return _crc32c_table(data, crc)
 

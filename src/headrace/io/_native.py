@@ -14,15 +14,29 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-__all__ = ["jpeg_module", "native_module", "set_native_enabled"]
+__all__ = ["MISSING_EXTENSION", "jpeg_module", "native_module", "set_native_enabled"]
+
+_enabled = os.environ.get("HEADRACE_PURE_PYTHON", "") not in ("1", "true", "yes")
+
+#: What a user is told when the C extension is missing: what is slow, how to get it.
+MISSING_EXTENSION = (
+    "headrace's C extension (headrace.io._hrio) is not built, so TFRecord framing and "
+    "CRC32C checks, batched tf.train.Example parsing and writing run in pure Python, "
+    "10 to 50 times slower (same results). Install a wheel (pip install headrace), or "
+    "give pip a C compiler and Python's headers (apt-get install build-essential "
+    "python3-dev) and reinstall: pip install --force-reinstall --no-deps --no-binary "
+    "headrace headrace. HEADRACE_PURE_PYTHON=1 chooses the Python paths and silences this."
+)
 
 _loaded_extension: ModuleType | None
 try:
     import headrace.io._hrio as _loaded_extension
-except ImportError:  # not built (e.g. running from a source tree without build_ext)
+except ImportError:  # not built: no C compiler where it was installed, or a source tree
     _loaded_extension = None
+    if _enabled:
+        from headrace._warn import warn_user
 
-_enabled = os.environ.get("HEADRACE_PURE_PYTHON", "") not in ("1", "true", "yes")
+        warn_user(MISSING_EXTENSION, RuntimeWarning)
 
 
 def native_module() -> ModuleType | None:
@@ -40,6 +54,13 @@ def jpeg_module() -> ModuleType | None:
             import headrace.image._jpeg as loaded
         except ImportError:  # not built, or built without libjpeg's headers
             _loaded_jpeg.append(None)
+            if _enabled:  # (a slower path, not a hazard: logged)
+                import logging
+
+                logging.getLogger("headrace.image").info(
+                    "headrace.image._jpeg is not built (libjpeg's headers were missing where "
+                    "headrace was installed: apt-get install libjpeg-dev, then reinstall "
+                    "headrace): JPEG crops and resizes decode whole images through simplejpeg")
         else:
             _loaded_jpeg.append(loaded)
     return _loaded_jpeg[0] if _enabled else None

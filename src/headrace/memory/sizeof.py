@@ -51,18 +51,19 @@ from __future__ import annotations
 import collections
 import ctypes
 import datetime
+import decimal
 import functools
 import gc
 import mmap
 import sys
 import threading
 import types
-import warnings
 from collections.abc import Callable, ItemsView, KeysView, Mapping, ValuesView
 from typing import Any
 
 import numpy as np
 
+from headrace._warn import warn_user
 from headrace.errors import ElementSpecError, HeadraceWarning
 from headrace.io.columns import bytes_total
 from headrace.io.mapped import is_file_backed
@@ -81,9 +82,11 @@ __all__ = [
 #: What a bytes object costs besides its payload (33 B on CPython 3.11).
 _BYTES_HEADER = sys.getsizeof(b"")
 
-#: Leaf objects whose cost is exactly ``sys.getsizeof``.
+#: Leaf objects whose cost is exactly ``sys.getsizeof`` (a Decimal's counts its digits:
+#: from_sql hands out exact numerics as Decimal).
 _FLAT_TYPES = frozenset(
-    {bytes, str, int, float, bool, complex, type(None), bytearray, range, type(...)}
+    {bytes, str, int, float, bool, complex, type(None), bytearray, range, type(...),
+     decimal.Decimal}
     | {type(t(0)) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
                             np.uint32, np.uint64, np.float16, np.float32, np.float64,
                             np.bool_, np.complex64, np.complex128)}
@@ -200,12 +203,11 @@ def _warn_unsized(cls: type) -> None:
     if name in _warned:
         return
     _warned.add(name)
-    warnings.warn(
+    warn_user(
         f"headrace cannot see inside {name} objects: they are booked at sys.getsizeof "
         "(their Python header), which misses any payload they keep outside it. "
         "Tell the budget their real size with headrace.register_sizer(type, fn).",
         HeadraceWarning,
-        stacklevel=4,
     )
 
 

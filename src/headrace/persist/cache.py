@@ -59,9 +59,9 @@ from __future__ import annotations
 
 import copy
 import os
-import warnings
 from typing import Any
 
+from headrace._warn import warn_user
 from headrace.core.element_errors import STREAM_ERRORS, RepeatCheck
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode
@@ -238,13 +238,13 @@ class _CacheIterator(Iterator):
         store = self.store
         assert store is not None
         if store.partial:  # (a pass-through writes nothing: nothing to say)
-            warnings.warn(
+            warn_user(
                 f"{self.stage}: its input raised in the place of {self.errors} element(s) "
                 "during this pass, so the pass is not kept as the cache (it would lack "
                 "them in every later epoch); the next pass reads the input again. To cache "
                 "a dataset whose elements fail every time, drop them before the cache: "
                 ".ignore_errors().cache(...)",
-                HeadraceWarning, stacklevel=3,
+                HeadraceWarning,
             )
         store.discard()
         ended = self.store = PassThrough(store.epochs)  # (nothing more to keep in this pass)
@@ -350,7 +350,7 @@ class _CacheIterator(Iterator):
         if self.writing and store is not None and not store.complete:
             if warn and self.position and self.node.warns_partial and store.partial:
                 # (one that read nothing truncated nothing)
-                warnings.warn(f"cache: {PARTIAL_CACHE_ADVICE}", UserWarning, stacklevel=3)
+                warn_user(f"cache: {PARTIAL_CACHE_ADVICE}", UserWarning)
             store.discard()
         if self.upstream is not None:
             self.upstream.close()

@@ -14,9 +14,9 @@ import errno
 import fcntl
 import glob
 import json
+import logging
 import os
 import time
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +42,8 @@ from headrace.sources.files import file_limiter
 
 if TYPE_CHECKING:
     from headrace.persist.cache import CacheNode
+
+LOG = logging.getLogger("headrace.cache")
 
 
 __all__ = ["CompleteFile", "FileStore", "find_complete"]
@@ -274,13 +276,10 @@ def find_complete(node: CacheNode, ctx: Context, account: Buffer) -> CompleteFil
         return None  # sealed by a headrace that encodes elements otherwise: rebuilt
     fingerprint = node.inputs[0].data_fingerprint()
     if manifest.get("fingerprint") != fingerprint:
-        warnings.warn(
-            f"cache: {paths.manifest} was written by a different pipeline (fingerprint "
-            f"{manifest.get('fingerprint')!r}; the pipeline above this cache is "
-            f"{fingerprint!r}): rebuilding it",
-            UserWarning,
-            stacklevel=5,
-        )
+        # (what headrace does, not a hazard: the cache is rebuilt for this pipeline)
+        LOG.info("cache: %s was written by a different pipeline (fingerprint %r; the "
+                 "pipeline above this cache is %r): rebuilding it", paths.manifest,
+                 manifest.get("fingerprint"), fingerprint)
         return None
     count, nbytes = manifest.get("elements"), manifest.get("bytes")
     try:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from headrace._warn import warn_user
 from headrace.core.iterator import Context
 from headrace.core.run import default_budget
 from headrace.errors import HeadraceWarning
@@ -126,7 +126,7 @@ class MemoryStore(Store):
         self.data.resources.directory = directory
         self.data.spill_path = os.path.join(directory, "spill.hrcache")
         account = self.account
-        warnings.warn(
+        warn_user(
             f"cache: the elements cached so far ({self.count} elements, "
             f"{format_bytes(self.data.booked)}) fill the in-memory part of the stage's share "
             f"of the memory budget ({format_bytes(account.share())}); the next element "
@@ -134,7 +134,6 @@ class MemoryStore(Store):
             f"spill to an on-disk cache in {directory} (removed with the dataset, or at "
             "exit)",
             HeadraceWarning,
-            stacklevel=6,
         )
         try:
             self.spill = RecordWriter(

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from headrace.errors import InvalidArgumentError
 from headrace.memory.allocator import release_free_heap
 from headrace.memory.units import format_bytes
 from headrace.profiling.lint import Finding
@@ -381,7 +382,9 @@ def diagnose(
     from headrace.core.run import DatasetIterator
 
     if epochs < warmup + 3:
-        raise ValueError(f"doctor: needs at least warmup + 3 = {warmup + 3} epochs, got {epochs}")
+        raise InvalidArgumentError(
+            f"doctor: needs at least warmup + 3 = {warmup + 3} epochs (a leak is a trend "
+            f"over the epochs after the warm-up), got {epochs}")
     findings = tuple(lint_recipe_safe(dataset)) if lint else ()
     nodes = recipe_nodes(dataset.node)
     names = [str(getattr(node, "stage", type(node).__name__)) for node in nodes]

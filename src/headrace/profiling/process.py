@@ -152,13 +152,26 @@ class ProcessSnapshot:
         return self.anonymous + self.shared + self.workers
 
 
-def snapshot(*, detailed: bool = True) -> ProcessSnapshot:
-    """Read this process's memory; ``detailed`` adds USS/PSS, workers and descriptors."""
+def snapshot(*, detailed: bool = True, workers: bool | None = None) -> ProcessSnapshot:
+    """Read this process's memory; ``detailed`` adds USS/PSS, workers and descriptors.
+
+    ``workers`` (default: ``detailed``) reads the worker processes' memory alone
+    besides the cheap read: what a profile's memory line charges, so every sample of
+    it counts the workers, not only the detailed ones.
+    """
     basic = process_memory()
     if not detailed:
+        if not workers:
+            return ProcessSnapshot(basic.anonymous, basic.shared, basic.file_backed,
+                                   threads=threading.active_count(),
+                                   headrace_threads=headrace_threads())
+        pids = _descendants(os.getpid())
+        processes = tuple(m for m in map(worker_memory, pids) if m is not None)
         return ProcessSnapshot(basic.anonymous, basic.shared, basic.file_backed,
-                               threads=threading.active_count(),
-                               headrace_threads=headrace_threads())
+                               workers=sum(m.charged for m in processes),
+                               worker_count=len(pids), threads=threading.active_count(),
+                               headrace_threads=headrace_threads(),
+                               worker_processes=processes)
     rollup = _smaps_rollup("self")
     pids = _descendants(os.getpid())
     processes = tuple(m for m in map(worker_memory, pids) if m is not None)

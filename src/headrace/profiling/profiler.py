@@ -27,7 +27,7 @@ from headrace.memory.budget import KeptStats
 from headrace.memory.units import format_bytes
 from headrace.profiling.probe import Instrumenter, StageRecord
 from headrace.profiling.process import ProcessSnapshot
-from headrace.profiling.timeline import Decision, Sample, Sampler
+from headrace.profiling.timeline import Decision, Sample, Sampler, summarize_decisions
 from headrace.workers.memory import WorkerStats
 
 if TYPE_CHECKING:
@@ -152,9 +152,10 @@ class Profile:
         lines += self._format_workers()
         if self.decisions:
             lines += ["", "decisions taken while running:"]
-            lines += ["  " + decision.format() for decision in self.decisions[:30]]
-            if len(self.decisions) > 30:
-                lines.append(f"  ... and {len(self.decisions) - 30} more (see the HTML report)")
+            summary = summarize_decisions(self.decisions)
+            lines += ["  " + line for line in summary[:30]]
+            if len(summary) > 30:
+                lines.append(f"  ... and {len(summary) - 30} more (see the HTML report)")
         if self.warnings:
             lines += ["", "warnings:"] + [f"  {text}" for text in self.warnings]
         if self.findings:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from headrace.memory.buffer import Buffer
     from headrace.profiling.probe import Instrumenter
 
-__all__ = ["KNOBS", "Decision", "Monitor", "Sample", "Sampler"]
+__all__ = ["KNOBS", "SUMMARY_AFTER", "Decision", "Monitor", "Sample", "Sampler", "summarize_decisions"]
 
 #: Attributes through which stages show the choices they made while running (what
 #: AUTOTUNE and the budget decided): read by the sampler, never written.
@@ -59,6 +59,38 @@ class Decision:
     def format(self) -> str:
         before = "" if self.before is None else f"{self.before} -> "
         return f"{self.seconds:8.3f} s  {self.stage}: {self.what} {before}{self.after}"
+
+
+#: A knob that moved more often than this is one line in a profile's text (every move
+#: stays in :attr:`Profile.decisions` and the HTML report).
+SUMMARY_AFTER = 5
+
+
+def summarize_decisions(decisions: Sequence[Decision]) -> list[str]:
+    """The decisions as lines for a terminal: one per decision, except that a knob that
+    moved more than :data:`SUMMARY_AFTER` times (a parallel map's chunk size, which
+    AUTOTUNE adjusts all along) is one line saying where it went, how often and between
+    which values."""
+    groups: dict[tuple[str, str], list[Decision]] = {}
+    for decision in decisions:
+        groups.setdefault((decision.stage, decision.what), []).append(decision)
+    lines: list[tuple[float, str]] = []
+    for (stage, what), moves in groups.items():
+        if len(moves) <= SUMMARY_AFTER:
+            lines += [(move.seconds, move.format()) for move in moves]
+            continue
+        values = [moves[0].before, *(move.after for move in moves)]
+        if values[0] is None:
+            values = values[1:]
+        path = " -> ".join(map(str, values[:3])) + " -> ... -> " + str(values[-1])
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        spread = (f", between {min(numbers)} and {max(numbers)}"
+                  if len(numbers) == len(values) else "")
+        lines.append((moves[0].seconds,
+                       f"{moves[0].seconds:8.3f} s  {stage}: {what} {path} ({len(moves)} "
+                       f"changes until {moves[-1].seconds:.3f} s{spread}; each one in the "
+                       f"HTML report)"))
+    return [line for _, line in sorted(lines, key=lambda pair: pair[0])]
 
 
 @dataclass(frozen=True)
@@ -200,7 +232,10 @@ class Sampler:
                 held.append(booking.held if booking is not None else 0)
                 shares.append(booking.limit if booking is not None else 0)
             booked = iterator.context.budget.stats() if iterator is not None else None
-            memory = snapshot(detailed=detailed or self._ticks % self.detail_every == 1)
+            # Workers every time (the memory line charges them: a sample without them
+            # would dip); the rest of the detail (descriptors, USS) every few ticks
+            memory = snapshot(detailed=detailed or self._ticks % self.detail_every == 1,
+                              workers=True)
             growth = memory.charged - self._start_memory.charged
             sample = Sample(
                 seconds,

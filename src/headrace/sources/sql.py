@@ -59,11 +59,35 @@ start from the last key exactly as the database returned it. A NULL takes
 an entry of its own), or raises naming the column, the row and its key. A default given as :class:`TextDefault` (what ``headrace
 convert --null-default`` passes) is parsed as each column's type where it is
 used, so one value serves integer, float and text columns alike.
+
+Parameters (``params``) are int, float, bool, str, bytes, ``datetime.date``,
+``datetime.datetime``, ``decimal.Decimal`` or None (NumPy scalars count as their Python
+type); anything else is refused when the dataset is built, naming its position.
+PostgreSQL binds each with its own type (bigint, double precision, boolean, text, bytea,
+date, timestamp or timestamptz for an aware datetime, numeric): a text parameter
+compares with text only, so a date column needs a ``date``. SQLite stores dates as text,
+so a date is bound as ``2024-01-31``, a datetime as ``2024-01-31 12:00:00`` (an aware
+one in UTC), a Decimal as its exact text, a bool as 1 or 0. Placeholders are the
+driver's: ``$1, $2`` (PostgreSQL), ``?`` (SQLite); psycopg's ``%s`` and ``%(name)s`` are
+refused, the message showing the query rewritten with the right ones.
+
+PostgreSQL column types become: date ``datetime64[D]``; timestamp ``datetime64[us]``;
+timestamptz ``datetime64[us]`` holding the instant in UTC (NumPy has no time zones);
+time ``timedelta64[us]`` since midnight; interval ``timedelta64[us]`` (a day is 24 h; an
+interval with months, whose length is not fixed, raises naming the column and row);
+numeric ``float64`` (``dtypes={column: object}``: exact ``decimal.Decimal``); uuid ``str``
+in its canonical form; json and jsonb ``str`` (the JSON text); an array an ``object``
+array holding one 1-D NumPy array per row, of its element's type by these rules (an
+element that is NULL raises; ADBC hands a multi-dimensional array over flattened, so
+reshape it, or unnest it in SQL); types without a rule arrive as their text. SQLite has
+no date type: pass ``dtypes={"day": "datetime64[D]"}`` to parse ISO text.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import decimal
 import os
 import re
 import sqlite3
@@ -84,7 +108,18 @@ from headrace.memory.sizeof import sizeof
 from headrace.memory.units import format_bytes
 from headrace.structure import TensorSpec
 
-__all__ = ["ALL_COLUMNS", "SqlError", "SqlNode", "TextDefault", "quote_identifier"]
+__all__ = [
+    "ALL_COLUMNS",
+    "PARAM_TYPES",
+    "SqlError",
+    "SqlNode",
+    "TextDefault",
+    "check_params",
+    "parse_param",
+    "quote_identifier",
+    "refuse_pyformat",
+    "sqlite_param",
+]
 
 #: The ``null_defaults`` key whose value serves every column without an entry of its own.
 ALL_COLUMNS = "*"
@@ -133,6 +168,13 @@ def one_statement(query: str, postgres: bool) -> str:
     ``;`` followed by more code) raises :class:`SqlError`; text this cannot tokenize
     (an unterminated string) is returned as it is, for the database to report.
     """
+    return _scan(query, postgres)[0]
+
+
+def _scan(query: str, postgres: bool) -> tuple[str, list[int]]:
+    """:func:`one_statement`'s text, and where ``%`` stands in code (outside strings,
+    quoted names and comments): psycopg's placeholders are looked for there only."""
+    percents: list[int] = []
     i, n = 0, len(query)
     end = 0  # just past the last token that is code, not a ';'
     semicolon: int | None = None  # the first ';' after `end`
@@ -182,7 +224,7 @@ def one_statement(query: str, postgres: bool) -> str:
                 else:
                     j += 1
             if j >= n:
-                return query.strip()  # unterminated: the database says where
+                return query.strip(), percents  # unterminated: the database says where
             i = end = j + 1
             continue
         if postgres and c == "$":
@@ -190,11 +232,130 @@ def one_statement(query: str, postgres: bool) -> str:
             if tag is not None and not (i > 0 and (query[i - 1].isalnum() or query[i - 1] == "_")):
                 stop = query.find(tag.group(), tag.end())
                 if stop < 0:
-                    return query.strip()
+                    return query.strip(), percents
                 i = end = stop + len(tag.group())
                 continue
+        if c == "%":
+            percents.append(i)
         i = end = i + 1
-    return query[:end]
+    return query[:end], percents
+
+
+_PYFORMAT = re.compile(r"%(?:s|\((?P<name>[^()]*)\)s)(?![A-Za-z0-9_])")
+
+
+def refuse_pyformat(query: str, postgres: bool) -> None:
+    """Refuse psycopg's ``%s`` / ``%(name)s`` placeholders, showing the query as the
+    driver takes it (``$1, $2...`` for PostgreSQL, ``?`` for SQLite).
+
+    The drivers receive the query as it is written: a ``%s`` would reach the server as
+    text and fail there with a syntax error that does not say why. Rewriting it in
+    silence would also rewrite ``%%`` and a ``%`` meant as modulo, so it is refused.
+    Only ``%`` in code counts (not in strings, quoted names or comments).
+    """
+    if "%" not in query:
+        return
+    _, percents = _scan(query, postgres)
+    found = [m for m in (_PYFORMAT.match(query, at) for at in percents) if m is not None]
+    if not found:
+        return
+    numbers: dict[str, int] = {}  # a named placeholder keeps its number where it repeats
+    pieces, last, order = [], 0, []
+    for match in found:
+        name = match.group("name")
+        if not postgres or name is None or name not in numbers:
+            order.append(name if name is not None else "%s")
+            if name is not None:
+                numbers[name] = len(order)
+        number = numbers[name] if name is not None and postgres else len(order)
+        pieces += [query[last:match.start()], f"${number}" if postgres else "?"]
+        last = match.end()
+    rewritten = ("".join(pieces) + query[last:]).replace("%%", "%")
+    order_note = (f"; params=(...) in this order: {', '.join(order)}"
+                  if any(name != "%s" for name in order) else "")
+    style = "$1, $2, ... (PostgreSQL)" if postgres else "? (SQLite)"
+    raise InvalidArgumentError(
+        f"from_sql: {found[0].group()!r} is psycopg's placeholder; the driver takes "
+        f"{style} and params as a sequence. Write: {rewritten!r:.300}{order_note}"
+    )
+
+
+#: The parameter types a query takes, in both drivers (NumPy scalars count as theirs).
+PARAM_TYPES = (bool, int, float, str, bytes, datetime.date, decimal.Decimal, type(None))
+
+
+def check_params(params: Sequence[Any]) -> tuple[Any, ...]:
+    """``params`` as plain Python values: NumPy scalars as theirs, ``bytearray`` and
+    ``memoryview`` as ``bytes``. A value of another type (a list, a dict, an object)
+    raises naming its position: neither driver could bind it."""
+    out = []
+    for number, value in enumerate(params, 1):
+        if isinstance(value, np.generic):
+            value = value.item()
+        elif isinstance(value, (bytearray, memoryview)):
+            value = bytes(value)
+        if not isinstance(value, PARAM_TYPES):
+            raise InvalidArgumentError(
+                f"from_sql: parameter {number} is a {type(value).__name__} ({value!r:.60}); a "
+                f"query takes int, float, bool, str, bytes, datetime.date, datetime.datetime, "
+                f"decimal.Decimal or None"
+            )
+        out.append(value)
+    return tuple(out)
+
+
+def sqlite_param(value: Any) -> Any:
+    """A parameter as SQLite stores it: dates and times as ISO text (``2024-01-31``,
+    ``2024-01-31 12:00:00``, what SQLite's date functions write; an aware datetime in
+    UTC), a ``Decimal`` as its exact text (compared as a number by numeric columns),
+    booleans as 1 and 0. (sqlite3's own date adapters are deprecated.)"""
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(datetime.timezone.utc).replace(tzinfo=None)
+        return value.isoformat(sep=" ")
+    if isinstance(value, datetime.date):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bool):
+        return int(value)
+    return value
+
+
+_PARAM_PARSERS: dict[str, Callable[[str], Any]] = {
+    "str": str,
+    "int": int,
+    "float": float,
+    "bool": lambda text: {"true": True, "1": True, "false": False, "0": False}[text.lower()],
+    "bytes": bytes.fromhex,
+    "date": datetime.date.fromisoformat,
+    "datetime": datetime.datetime.fromisoformat,
+    "decimal": decimal.Decimal,
+    "null": lambda text: None if text == "" else _refuse(text),
+}
+
+
+def _refuse(text: str) -> Any:
+    raise ValueError(text)
+
+
+def parse_param(text: str) -> Any:
+    """A query parameter written as text (``headrace convert --param``): ``TYPE:VALUE``
+    with TYPE one of ``int``, ``float``, ``bool`` (true/false/1/0), ``str``, ``bytes``
+    (hex digits), ``date`` (``2024-01-31``), ``datetime`` (ISO 8601, with an offset for
+    an aware one), ``decimal``, or ``null:`` for NULL; anything else is text as written
+    (``str:`` keeps text that starts with one of these prefixes). PostgreSQL compares a
+    text parameter with text only, so a date column needs ``date:...``. A value that is
+    not its type raises ``ValueError`` naming both."""
+    kind, colon, value = text.partition(":")
+    parser = _PARAM_PARSERS.get(kind) if colon else None
+    if parser is None:
+        return text
+    try:
+        return parser(value)
+    except (ValueError, KeyError, ArithmeticError):
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise ValueError(f"{value!r} is not {article} {kind} value (in {text!r})") from None
 
 
 # -- connections ----------------------------------------------------------------------------
@@ -437,33 +598,101 @@ class _Columns:
         out = {}
         for index, name in enumerate(self.names):
             column = table.column(index).combine_chunks() if table.num_rows else table.column(index)
+            if isinstance(column, pa.ChunkedArray):
+                column = pa.concat_arrays(column.chunks) if column.num_chunks else pa.array(
+                    [], column.type)
             if column.null_count:
                 if not self._has_default(name):
                     row = int(pc.index(pc.is_null(column), True).as_py())
                     key_value = table.column(key)[row].as_py() if key is not None else None
                     raise self._null_error(name, first_row + row, key_value)
                 default = self._default(name, _arrow_kind(column.type))
-                column = column.fill_null(pa.scalar(default, column.type)
-                                          if not pa.types.is_decimal(column.type) else default)
-            kind = column.type
-            wanted = self.dtypes.get(name)
+                try:
+                    column = column.fill_null(
+                        default if pa.types.is_decimal(column.type) or isinstance(
+                            column.type, pa.BaseExtensionType) else pa.scalar(default, column.type))
+                except (pa.ArrowException, TypeError, ValueError) as error:
+                    raise SqlError(
+                        f"from_sql: the NULL default {default!r} for column {name!r} does not "
+                        f"fit its type {column.type}: {error}") from None
             metadata = table.schema.field(index).metadata or {}
-            if metadata.get(b"POSTGRESQL:type") == b"numeric":  # ADBC sends it as text
-                wanted = wanted or np.float64
-            if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(
-                    kind) or pa.types.is_large_binary(kind) or pa.types.is_decimal(kind):
-                values = column.to_pylist()
-                if pa.types.is_decimal(kind):
-                    array = np.array([float(v) for v in values], dtype=np.float64)
-                else:
-                    array = np.empty(len(values), dtype=object)
-                    array[:] = values
-            else:
-                array = column.to_numpy(zero_copy_only=False)
-            if wanted is not None:
+            pg_type = metadata.get(b"POSTGRESQL:type", b"").decode()
+            array = _arrow_to_numpy(name, column, pg_type, self.dtypes.get(name), first_row)
+            wanted = self.dtypes.get(name)
+            if wanted is not None and not (pg_type == "numeric" and np.dtype(wanted) == object):
                 array = array.astype(wanted)
             out[name] = array
         return out
+
+
+def _arrow_to_numpy(name: str, column: Any, pg_type: str, wanted: Any,
+                    first_row: int) -> np.ndarray[Any, Any]:
+    """One Arrow column (no NULLs left) as NumPy, by the rules of the module's doc."""
+    import pyarrow as pa
+
+    kind = column.type
+    if pg_type == "numeric" or pa.types.is_decimal(kind):
+        if isinstance(kind, pa.BaseExtensionType):
+            column = column.storage  # (ADBC sends numeric as its text)
+        values = column.to_pylist()
+        if wanted is not None and np.dtype(wanted) == object:  # exact: decimal.Decimal
+            exact = np.empty(len(values), dtype=object)
+            exact[:] = [v if isinstance(v, decimal.Decimal) else decimal.Decimal(v)
+                        for v in values]
+            return exact
+        return np.array([float(v) for v in values], dtype=np.float64)
+    if pa.types.is_time(kind):  # time of day: the duration since midnight
+        unit = kind.unit
+        return np.asarray(column.cast(pa.int64()).to_numpy(zero_copy_only=False)).view(
+            f"timedelta64[{unit}]")
+    if pa.types.is_interval(kind):
+        # (NumPy has no month: an interval of months has no fixed length in microseconds)
+        micros = np.empty(len(column), dtype="timedelta64[us]")
+        for row, value in enumerate(column.to_pylist()):
+            months, days, nanoseconds = value
+            if months:
+                raise SqlError(
+                    f"from_sql: column {name!r} row {first_row + row}: the interval {value} "
+                    f"has months, whose length in days is not fixed; convert it in SQL "
+                    f"(EXTRACT(EPOCH FROM {name}) for seconds, or justify_interval)")
+            micros[row] = days * 86_400_000_000 + nanoseconds // 1000
+        return micros
+    if isinstance(kind, pa.BaseExtensionType):
+        storage = column.storage
+        if pg_type == "uuid" or getattr(kind, "extension_name", "") == "arrow.uuid":
+            import uuid
+
+            text = np.empty(len(storage), dtype=object)
+            text[:] = [str(uuid.UUID(bytes=v)) for v in storage.to_pylist()]
+            return text
+        column, kind = storage, storage.type  # json, and types ADBC sends as text
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        values = column.flatten()  # (a sliced array's own values only)
+        if values.null_count:
+            import pyarrow.compute as pc
+
+            offsets = np.asarray(column.offsets)
+            at = int(pc.index(pc.is_null(values), True).as_py())
+            row = int(np.searchsorted(offsets, at + offsets[0], side="right")) - 1
+            raise SqlError(
+                f"from_sql: column {name!r} row {first_row + row}: an array holds a NULL "
+                f"element, which a NumPy array cannot; remove or replace it in SQL "
+                f"(array_remove({name}, NULL), or COALESCE over unnest)")
+        flat = _arrow_to_numpy(name, values, "", None, first_row)
+        offsets = np.asarray(column.offsets)
+        lists = np.empty(len(column), dtype=object)
+        for row, part in enumerate(np.split(flat, offsets[1:-1] - offsets[0]) if len(column)
+                                   else []):
+            lists[row] = part  # (one by one: equal lengths must not broadcast into 2-D)
+        return lists
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(
+            kind) or pa.types.is_large_binary(kind):
+        objects = np.empty(len(column), dtype=object)
+        objects[:] = column.to_pylist()
+        return objects
+    if pa.types.is_timestamp(kind) and kind.tz is not None:
+        column = column.cast(pa.timestamp(kind.unit))  # the instant, in UTC
+    return np.asarray(column.to_numpy(zero_copy_only=False))
 
 
 def _kind_of(dtype: np.dtype[Any], values: Sequence[Any]) -> str:
@@ -590,7 +819,9 @@ class SqlNode(Node):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"from_sql: {name} must be a positive int, got {value!r}")
         self.query = query.strip()  # (trailing ';' and comments go when it runs: one_statement)
-        self.query_params = tuple(params)
+        self.query_params = check_params(params)
+        if isinstance(connection, str):  # (a function's database is known when it connects)
+            refuse_pyformat(self.query, connection.startswith(("postgresql:", "postgres:")))
         self.connection = connection
         self.key = key
         self.quoted_key = quote_identifier(key) if key is not None else None
@@ -728,7 +959,7 @@ class _SqlIterator(Iterator):
         node = self.node
         dialect = self.dialect
         assert node.quoted_key is not None
-        params: list[Any] = list(node.query_params)
+        params: list[Any] = self._params()
         conditions = []
         if self.read_key is not None:
             # >=, not >: the row of the last key comes again, and a second one with that
@@ -753,8 +984,15 @@ class _SqlIterator(Iterator):
         postgres = self.dialect.name == "postgresql"
         cached = self.__dict__.get("_statement")
         if cached is None or cached[0] != postgres:
+            refuse_pyformat(self.node.query, postgres)
             cached = self._statement = (postgres, one_statement(self.node.query, postgres))
         return cached[1]
+
+    def _params(self) -> list[Any]:
+        """The query's parameters as this connection's driver binds them."""
+        if self.dialect.name == "postgresql":
+            return list(self.node.query_params)
+        return [sqlite_param(value) for value in self.node.query_params]
 
     def _check_keys(self, result: Any, names: list[str], paged: bool, first_row: int) -> Any:
         """The page's rows after the key's checks, without the row of the last key read.
@@ -826,7 +1064,7 @@ class _SqlIterator(Iterator):
             try:
                 cursor.execute(f"SELECT 1 AS headrace_null FROM ({self._query()}) AS "
                                f"headrace_query WHERE {node.quoted_key} IS NULL LIMIT 1",
-                               list(node.query_params))
+                               self._params())
                 return cursor.fetchall()
             finally:
                 cursor.close()
@@ -867,7 +1105,7 @@ class _SqlIterator(Iterator):
                     cursor.close()
             if self.cursor is None:
                 self.cursor = live.cursor()
-                self.cursor.execute(self._query(), list(node.query_params))
+                self.cursor.execute(self._query(), self._params())
                 self._skip_delivered()
             return self._fetch(self.cursor, node.page_rows)
 
@@ -901,6 +1139,11 @@ class _SqlIterator(Iterator):
             if postgres:
                 value = page[node.key][-1]
                 self.read_key = value.item() if isinstance(value, np.generic) else value
+                if isinstance(self.read_key, datetime.datetime) and getattr(
+                        result.schema.field(node.key).type, "tz", None):
+                    # a timestamptz key is a UTC instant: bound naive, the server would
+                    # read it in the session's time zone and page from the wrong row
+                    self.read_key = self.read_key.replace(tzinfo=datetime.timezone.utc)
             else:
                 assert keys is not None
                 self.read_key = keys[-1]

@@ -136,7 +136,19 @@ class ConvertSummary:
 # --------------------------------------------------------------------------- to TFRecord
 
 
+def _as_counts(value: Any) -> Any:
+    """A ``datetime64`` / ``timedelta64`` column as int64 counts of its unit (an Example
+    has no time type; the summary names the unit)."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "mM":
+        return value.view(np.int64)
+    return value
+
+
 def _list_kind(dtype: np.dtype[Any]) -> str:
+    if dtype.kind in "mM":
+        unit = np.datetime_data(dtype)[0]
+        since = " since 1970-01-01" if dtype.kind == "M" else ""
+        return f"int64_list (count of {unit}{since})"
     if dtype.kind == "f":
         return "float_list"
     if dtype.kind in "iub":
@@ -159,7 +171,7 @@ class _Counted:
                 if not self.dtypes:
                     self.dtypes = {name: np.asarray(value).dtype for name, value in batch.items()}
                 self.rows += len(next(iter(batch.values())))
-                yield batch
+                yield {name: _as_counts(value) for name, value in batch.items()}
         finally:
             iterator.close()
 
@@ -174,14 +186,37 @@ class _StructuredFields:
         return {name: batch[name] for name in self.names}
 
 
+#: Byte arrays whose rows are written as their raw bytes (one ``bytes_list`` value per
+#: row) rather than one int64 per element: images, mostly (8 to 10 times smaller, and
+#: what ``tf.io.decode_raw`` reads).
+RAW_DTYPES = (np.dtype(np.uint8), np.dtype(np.int8))
+
+
+def shape_feature(feature: str) -> str:
+    """The feature that records the shape of each row of a raw-bytes ``feature``."""
+    return f"{feature}_shape"
+
+
 class _Named:
-    """A batch of a plain array as ``{feature: batch}`` (a picklable map function)."""
+    """A batch of a plain array as ``{feature: batch}`` (a picklable map function).
+
+    Rows of uint8/int8 with more than one element each go as their raw bytes, with their
+    shape in :func:`shape_feature` (every row of an array has the same one).
+    """
 
     def __init__(self, feature: str) -> None:
         self.feature = feature
 
     def __call__(self, batch: np.ndarray[Any, Any]) -> dict[str, Any]:
-        return {self.feature: batch}
+        if batch.dtype not in RAW_DTYPES or batch.ndim < 2:
+            return {self.feature: batch}
+        rows = np.ascontiguousarray(batch).reshape(len(batch), -1).view(np.uint8)
+        raw = np.empty(len(batch), dtype=object)
+        for index, row in enumerate(rows):
+            raw[index] = row.data  # (a view: the row is copied once, into its record)
+        shape = np.broadcast_to(np.asarray(batch.shape[1:], dtype=np.int64),
+                                (len(batch), batch.ndim - 1))
+        return {self.feature: raw, shape_feature(self.feature): shape}
 
 
 def _npy_dataset(path: str, feature: str, batch_size: int) -> tuple[Any, int]:
@@ -416,6 +451,18 @@ def to_tfrecords(
     summary.columns = {name: f"{dtype} -> {_list_kind(dtype)}"
                        for name, dtype in counted.dtypes.items()}
     summary.files = _shard_summaries(paths, bool(normalize_compression_type(compression_type)))
+    if kind == "npy":
+        from headrace.sources.arrays import load_npy
+
+        header = load_npy(source)
+        if header.dtype in RAW_DTYPES and header.ndim >= 2:
+            shape = tuple(header.shape[1:])
+            summary.columns[feature] = f"{header.dtype} rows of shape {shape} -> bytes_list (raw)"
+            summary.notes.append(
+                f"feature {feature!r} holds each row's raw {header.dtype} bytes, its shape in "
+                f"{shape_feature(feature)!r}: read it back with decode_raw(..., "
+                f"{header.dtype}) and reshape to {shape}")
+        del header
     for name, dtype in counted.dtypes.items():
         if dtype.kind == "f" and dtype.itemsize > 4:
             summary.notes.append(

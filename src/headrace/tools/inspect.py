@@ -124,6 +124,9 @@ def inspect_tfrecord(
         # Only a regular file has an end: /dev/zero with checksums off is endless empty
         # records, and opening a FIFO blocks until someone writes to it.
         report.file_bytes = require_regular_file(path_str, "inspect").st_size
+    except FileNotFoundError:
+        report.corruption, report.readable = (None, f"{path_str}: no such file"), False
+        return report
     except (InvalidArgumentError, OSError) as error:
         report.corruption, report.readable = (None, str(error)), False
         return report

@@ -23,9 +23,9 @@ like any error of the function it is dropped here (and counted).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
+from headrace._warn import warn_user
 from headrace.core.element_errors import RepeatCheck
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, ShardRole, UnaryNode
@@ -82,11 +82,10 @@ class _IgnoreErrorsIterator(Iterator):
                         f"; {note}" for note in getattr(error, "__notes__", ())
                         if isinstance(note, str) and note.startswith("headrace:")
                     )  # where it failed: the stage, the element and its file and record
-                    warnings.warn(
+                    warn_user(
                         f"ignore_errors: dropped an element that raised "
                         f"{type(error).__name__}: {error}{notes}",
                         HeadraceWarning,
-                        stacklevel=3,
                     )
 
     def get_state(self) -> dict[str, Any]:

@@ -42,10 +42,10 @@ input element (a filename, typically) and resumes the inner iterator.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any
 
+from headrace._warn import warn_user
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import (
@@ -108,23 +108,21 @@ class InterleaveNode(Node):
         if num_parallel_calls is not None and num_parallel_calls != AUTOTUNE:
             check_positive("interleave: num_parallel_calls", num_parallel_calls)
         if deterministic is not None and num_parallel_calls is None:
-            warnings.warn(
+            warn_user(
                 "interleave: `deterministic` has no effect without `num_parallel_calls` "
                 "(a sequential interleave always keeps its order); drop it or pass "
                 "num_parallel_calls",
                 HeadraceWarning,
-                stacklevel=3,
             )
         if cycle_length == AUTOTUNE:  # asked for explicitly: the user chose the machine's
             cycle_length = _machine_cycle_length(num_parallel_calls)
         elif cycle_length is None:
             cycle_length = _machine_cycle_length(num_parallel_calls)
-            warnings.warn(
+            warn_user(
                 f"interleave: cycle_length defaults to {cycle_length} on this machine (it "
                 "depends on the CPU count, as in tf.data), so the order differs between "
                 "machines; pass cycle_length explicitly for a reproducible order",
                 HeadraceWarning,
-                stacklevel=3,
             )
         self.cycle_length = check_positive("interleave: cycle_length", cycle_length)
         self.block_length = check_positive(

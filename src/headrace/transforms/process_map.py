@@ -54,12 +54,12 @@ import multiprocessing
 import os
 import threading
 import time
-import warnings
 import weakref
 from concurrent.futures import Future
 from sys import getsizeof
 from typing import Any
 
+from headrace._warn import warn_user
 from headrace.core.iterator import Context, Iterator
 from headrace.errors import FileLimitError, HeadraceWarning, InvalidArgumentError
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
@@ -123,14 +123,13 @@ def book_workers(account: Buffer, wanted: int, stage: str) -> tuple[int, Reserva
     count = min(wanted, 1 + room // WORKER_BASELINE_BYTES)
     note = ""
     if count < wanted:
-        warnings.warn(
+        warn_user(
             f"stage {stage!r} starts {count} worker process(es), not {wanted}: each worker "
             f"past the first holds about {format_bytes(WORKER_BASELINE_BYTES)} of its own, "
             f"booked on the stage's share of the budget ({format_bytes(account.share())}), "
             f"and the workers may take half of what it has free ({format_bytes(2 * room)}); "
             "a larger memory_budget runs more",
             HeadraceWarning,
-            stacklevel=3,
         )
         note = f"; {count} of {wanted} workers fit the budget"
     booking = NO_RESERVATION

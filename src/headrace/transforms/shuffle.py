@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace._warn import warn_user
 from headrace.core.indexing import IndexPlan, IndexStream, Indices, take_all
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, ShardRole, UnaryNode, check_positive
@@ -351,15 +352,13 @@ class _ShuffledIndices(IndexStream):
 
 
 def _warn_shrink(node: ShuffleNode, account: Buffer, fits: int, element_bytes: int) -> None:
-    import warnings
 
-    warnings.warn(
+    warn_user(
         f"shuffle: buffer_size={node.buffer_size} does not fit in this stage's share of the "
         f"memory budget ({account.share_text()}); "
         f"at ~{format_bytes(element_bytes)} per element it shuffles within {fits} elements. "
         "Raise Options(memory_budget=...) or shuffle a random-access source (indices cost 8 B).",
         HeadraceWarning,
-        stacklevel=4,
     )
 
 

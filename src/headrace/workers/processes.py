@@ -73,7 +73,6 @@ import struct
 import threading
 import time
 import traceback
-import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -81,6 +80,7 @@ from multiprocessing.connection import Connection, wait
 from sys import getsizeof
 from typing import TYPE_CHECKING, Any
 
+from headrace._warn import warn_user
 from headrace.core.handoff import drop_frames
 from headrace.errors import (
     FileLimitError,
@@ -929,7 +929,7 @@ class ProcessPool:
             except InvalidArgumentError:
                 continue  # others (a cache's writer, another pool) hold slots too
             if workers < count:
-                warnings.warn(
+                warn_user(
                     f"{self.stage}: {workers} worker process(es) instead of {count}: each "
                     f"keeps {DESCRIPTORS_PER_WORKER} descriptors open here ({SPAWN_DESCRIPTORS} "
                     f"more while one starts), and max_open_files={cap}, less the slots "
@@ -939,7 +939,6 @@ class ProcessPool:
                     f"set_max_open_files) to at least "
                     f"{count * DESCRIPTORS_PER_WORKER + SPAWN_DESCRIPTORS + 1}.",
                     HeadraceWarning,
-                    stacklevel=2,
                 )
             return workers
         raise FileLimitError(
@@ -1355,11 +1354,10 @@ class ProcessPool:
             if failure is None:
                 self.restarts += 1
                 again = self._blame(tasks, pid, how, where)
-                warnings.warn(
+                warn_user(
                     f"{self.stage}: worker process {pid} {how}; it was replaced by "
                     f"{worker.process.pid}, which runs its {len(again)} calls again",
                     HeadraceWarning,
-                    stacklevel=2,
                 )
                 with self.lock:  # sent before anything else to this worker (see _send)
                     worker.backlog.extend(again)

@@ -287,31 +287,40 @@ def _int64_entries(key: str, rows: Array) -> list[bytes]:
     return entries
 
 
-def _bytes_entries(key: str, rows: list[list[bytes]] | list[bytes]) -> list[bytes]:
-    """Entries of a BytesList column: ``rows`` holds one bytes per row, or a list per row."""
+def _bytes_entries(key: str, rows: Sequence[Any]) -> list[Any]:
+    """Entries of a BytesList column: ``rows`` holds one bytes per row, or a list per row.
+
+    An entry is bytes, or ``(head, memoryview)`` for a row given as a view: joined into
+    its record by :func:`encode_example_columns` (the only caller), never copied before.
+    """
     heads = _EntryHeads(key, wire.KIND_BYTES)
     entries = []
     single_cache: dict[int, bytes] = {}
     for row in rows:
-        if isinstance(row, bytes):  # the common case: one value, head cached by its length
+        if isinstance(row, (bytes, memoryview)):  # one value, head cached by its length
             head = single_cache.get(len(row))
             if head is None:
                 value_head = _BYTES_VALUE_TAG + wire.encode_varint(len(row))
                 head = heads(len(value_head) + len(row)) + value_head
                 single_cache[len(row)] = head
-            entries.append(head + row)
+            # a view (a row of a byte array) stays one: the record copies it, once
+            entries.append((head, row) if type(row) is memoryview else head + row)
         else:
             payload = wire.encode_bytes_payload(row)
             entries.append(heads(len(payload)) + payload)
     return entries
 
 
-def _as_bytes_list(values: list[Any]) -> list[bytes] | None:
-    """``values`` as bytes (str encoded as UTF-8), or None if any is not bytes/str."""
-    out = []
+def _as_bytes_list(values: list[Any]) -> list[bytes | memoryview] | None:
+    """``values`` as bytes (str encoded as UTF-8; a 1-D byte ``memoryview`` kept as it
+    is), or None if any is not one of these."""
+    out: list[bytes | memoryview] = []
     for value in values:
         if isinstance(value, bytes):
             out.append(bytes(value) if type(value) is not bytes else value)
+        elif isinstance(value, memoryview) and value.ndim == 1 and value.itemsize == 1 and (
+                value.c_contiguous):
+            out.append(value)  # (a row of a byte array, copied once: into its record)
         elif isinstance(value, str):
             out.append(value.encode("utf-8"))
         else:
@@ -423,17 +432,19 @@ def encode_example_columns(
     if not counts[names[0]]:
         return []
     per_column = [_column_entries(name, columns[name], describe) for name in names]
-    bodies = (
-        [b"".join(entries) for entries in zip(*per_column, strict=True)]
-        if len(names) > 1
-        else per_column[0]
-    )
     example_tag = wire.encode_varint(1 << 3 | _LEN)
     heads: dict[int, bytes] = {}
     records = []
-    for body in bodies:
-        head = heads.get(len(body))
+    # Each record joined once from its head and entries; an entry of a byte-array row
+    # is (its head, a view of the row), so that row is copied once, into the record
+    split = any(tuple in set(map(type, entries)) for entries in per_column)
+    for entries in zip(*per_column, strict=True):
+        if split:
+            entries = tuple(piece for entry in entries for piece in (
+                entry if type(entry) is tuple else (entry,)))
+        length = sum(map(len, entries))
+        head = heads.get(length)
         if head is None:
-            head = heads[len(body)] = example_tag + wire.encode_varint(len(body))
-        records.append(head + body)
+            head = heads[length] = example_tag + wire.encode_varint(length)
+        records.append(b"".join((head, *entries)))
     return records
