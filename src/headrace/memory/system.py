@@ -72,14 +72,21 @@ class ProcessMemory:
 
 def process_memory() -> ProcessMemory:
     """Current RssAnon, RssShmem and RssFile of this process."""
-    fields = {"RssAnon:": 0, "RssShmem:": 0, "RssFile:": 0}
     # Read on a slot of the file pool: a descriptor headrace opens counts against its cap.
-    data = read_small_file("/proc/self/status")
-    for line in (data or b"").decode(errors="replace").splitlines():
-        words = line.split()
-        if len(words) > 1 and words[0] in fields:
-            fields[words[0]] = int(words[1]) * 1024
-    return ProcessMemory(fields["RssAnon:"], fields["RssShmem:"], fields["RssFile:"])
+    data = read_small_file("/proc/self/status") or b""
+    # (three lookups, not a parse of its ~60 lines: every iterator that starts reads it)
+    return ProcessMemory(_kib_field(data, b"\nRssAnon:"), _kib_field(data, b"\nRssShmem:"),
+                         _kib_field(data, b"\nRssFile:"))
+
+
+def _kib_field(status: bytes, key: bytes) -> int:
+    """The ``kB`` value of ``key`` in /proc/self/status, in bytes (0 where absent)."""
+    at = status.find(key)
+    if at < 0:
+        return 0
+    end = status.find(b"\n", at + len(key))
+    words = status[at + len(key) : end if end >= 0 else len(status)].split()
+    return int(words[0]) * 1024 if words and words[0].isdigit() else 0
 
 
 def open_file_count() -> int:
