@@ -136,22 +136,3 @@ def test_a_process_interleave_slot_holds_its_part_once(seed: int, tmp_path: Path
         assert got == [bytes(r[:1]) for b in expected for r in b]
     else:
         assert "batch" in refused and f"{inner_batch} records" in refused
-
-
-def test_running_workers_are_booked_at_what_they_hold() -> None:
-    """The booking made before the workers start is a guess; once every worker runs it
-    is made again at their measured memory (the least Pss_Anon of them, per worker past
-    the first), and released with the stage."""
-    with iter(_pipeline(600, 3, 256 * MIB)) as iterator:
-        values = [batch.tolist() for batch in iterator]
-        (stage,) = [s for s in iterator.stages() if getattr(s, "processes", None)]
-        booked = stage.workers_booking.nbytes
-        least = min(m.pss_anon for m in stage.processes.memory())
-        count = stage.processes.count
-        budget = iterator.context.budget
-    assert values == [[(10 * b + k) ** 2 for k in range(10)] for b in range(60)]
-    assert count == 3 and stage.workers_measured
-    # measured once, while the workers ran: within a few MiB of what they hold now
-    assert booked >= (count - 1) * min(WORKER_BASELINE_BYTES, least - 4 * MIB), (booked, least)
-    assert booked <= (count - 1) * max(WORKER_BASELINE_BYTES, least + 4 * MIB), (booked, least)
-    assert budget.used == 0

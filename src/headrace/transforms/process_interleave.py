@@ -671,7 +671,6 @@ class ProcessInterleaveIterator(CycleIterator):
         self.processes: ProcessPool | None = None  # started with the first slot
         #: The workers' own memory, booked when they start (see process_map.book_workers).
         self.workers_booking: Reservation = NO_RESERVATION
-        self.workers_measured = False
         self.worker_share = 0  # each inner pipeline's budget in its worker
         self.largest = Largest()  # the slots' largest element so far (chunks are booked at it)
         super().__init__(node, inner, ctx, account)
@@ -755,15 +754,6 @@ class ProcessInterleaveIterator(CycleIterator):
             self.end_of_input = True
             return None
         return super()._pull_input(start=start)
-
-    def pull(self) -> tuple[Any, Reservation]:
-        processes = self.processes
-        if processes is not None and not self.workers_measured and processes.all_ready():
-            from headrace.transforms.process_map import measure_workers
-
-            self.workers_measured = True  # (once: every worker has started)
-            self.workers_booking = measure_workers(self.account, self.workers_booking, processes)
-        return super().pull()
 
     def get_state(self) -> dict[str, Any]:
         state = super().get_state()

@@ -72,15 +72,7 @@ from headrace.transforms.map import MapNode, PositionedCall, _apply_chunk, _Para
 from headrace.workers.memory import WorkerStats
 from headrace.workers.processes import ChunkResult, ProcessPool, check_picklable
 
-__all__ = [
-    "MIN_PROCESS_CALL_SECONDS",
-    "WORKER_BASELINE_BYTES",
-    "book_workers",
-    "cpu_count",
-    "measure_workers",
-    "process_map_iterator",
-    "restore_process_node",
-]
+__all__ = ["MIN_PROCESS_CALL_SECONDS", "WORKER_BASELINE_BYTES", "book_workers", "cpu_count", "process_map_iterator", "restore_process_node"]
 
 #: ``auto`` sends a function to processes only if one call takes at least this long: a
 #: chunk's trip to a worker and back costs some 100 us, which quicker calls cannot repay.
@@ -138,24 +130,6 @@ def book_workers(account: Buffer, wanted: int, stage: str) -> tuple[int, Reserva
     return count, booking, note
 
 
-def measure_workers(account: Buffer, booking: Reservation, pool: ProcessPool) -> Reservation:
-    """The workers' booking made again at what they hold once they run: for each
-    worker past the first, the least Pss_Anon among them (the least: one of them may
-    be in the middle of an output). The booking made before they started is a guess
-    (:data:`WORKER_BASELINE_BYTES`); a worker's share of the forkserver's image grows
-    as fewer workers share it, and the user's module may import more (11 MiB each
-    measured for 3 workers with NumPy). It is booked as it is, past the share as an
-    overdraft: the memory exists. Only ever raised, once."""
-    memory = pool.memory()
-    if len(memory) < 2:
-        return booking
-    wanted = (len(memory) - 1) * min(worker.pss_anon for worker in memory)
-    if wanted <= booking.nbytes:
-        return booking
-    booking.release()
-    return account.overdraw(wanted)
-
-
 def cpu_count() -> int:
     """CPUs this process may run on (its affinity mask, not the machine's count)."""
     try:
@@ -190,10 +164,8 @@ class ProcessMapIterator(_ParallelMapIterator):
         self.kind = "processes"
         self.target_call_seconds = PROCESS_CALL_SECONDS
         self.reason = "workers='processes'"
-        #: The booking of the workers' own memory (see :meth:`_book_workers`), made
-        #: again at what they hold once one call has come back (:func:`measure_workers`).
+        #: The booking of the workers' own memory (see :meth:`_book_workers`).
         self.workers_booking: Reservation = NO_RESERVATION
-        self.workers_measured = False
 
     def _book_workers(self) -> int:
         """Book the workers' own memory on the share (:func:`book_workers`); how many
@@ -293,13 +265,8 @@ class ProcessMapIterator(_ParallelMapIterator):
         return outer
 
     def pull(self) -> tuple[Any, Reservation]:
-        processes = self.processes
-        if processes is not None:  # segments whose outputs are gone: booked or freed
-            processes.recycle()
-            if not self.workers_measured and processes.all_ready():
-                self.workers_measured = True  # (once: every worker has started)
-                self.workers_booking = measure_workers(
-                    self.account, self.workers_booking, processes)
+        if self.processes is not None:  # segments whose outputs are gone: booked or freed
+            self.processes.recycle()
         return super().pull()
 
     def worker_stats(self) -> WorkerStats:

@@ -1001,10 +1001,6 @@ class ProcessPool:
     def pids(self) -> list[int]:
         return [w.process.pid for w in self.workers if w.process.pid is not None]
 
-    def all_ready(self) -> bool:
-        """Whether every worker has started and loaded the function."""
-        return bool(self.workers) and all(worker.ready for worker in self.workers)
-
     def memory(self) -> tuple[WorkerMemory, ...]:
         found = (worker_memory(pid) for pid in self.pids)
         return tuple(m for m in found if m is not None)
