@@ -126,7 +126,7 @@ def _with_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 #: Every top-level package and module of headrace, by layer: a module imports only from
 #: its own layer and below (lazily or not). A new package must be placed here.
 RANKS = {
-    "errors": 0, "structure": 0, "_closing": 0,
+    "errors": 0, "structure": 0, "_closing": 0, "_warn": 0, "_stateful": 0,
     "io": 1,
     "memory": 2,
     "options": 3,

@@ -427,8 +427,9 @@ def test_parsed_batches_stay_in_the_budget_and_reuse_their_segments(tmp_path: Pa
         opened = [maps.opened for maps in pool.maps.values()]
     assert sum(len(b[1]) for b in got) == 12_000
     assert stats.budget_peak <= 16 * MiB
-    # every chunk came back in a segment, but few segments were ever made
-    assert chunks >= 20 and all(0 < n <= 3 + process_interleave.READ_AHEAD * 2 for n in opened), (
+    # every chunk came back in a segment, but few segments were ever made (a chunk's
+    # elements are packed as they are read, so one may end in a second segment)
+    assert chunks >= 20 and all(0 < n <= 3 + process_interleave.READ_AHEAD * 3 for n in opened), (
         chunks, opened)
     assert budget.used == 0
     gc.collect()
