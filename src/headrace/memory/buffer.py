@@ -231,7 +231,8 @@ class Buffer:
         held = self.held + pending
         pool = self._pool
         if not held:
-            if pool is not None:
+            # (an element within the stage's floor adds nothing to what the pool counts)
+            if pool is not None and nbytes > self._floor():
                 self._refuse_past_pool(self._pool_cost(nbytes), "one element")
             return True
         if held + nbytes > self.limit:
@@ -352,10 +353,12 @@ class Buffer:
             self._check_fits(nbytes)
         total = sum(sizes)
         with self.lock:
-            self._book(total, len(sizes))
-            self.max_element = max(self.max_element, *sizes, 0)
-            if self._pool is not None:
-                self._count_on_pool()
+            self._book(total, len(sizes))  # (counts the pool's part, but a larger floor)
+            largest = max(sizes, default=0)
+            if largest > self.max_element:
+                self.max_element = largest
+                if self._pool is not None:
+                    self._count_on_pool()
         return total
 
     def _hold(self, nbytes: int, *, what: str, elements: int = 1) -> Reservation:
