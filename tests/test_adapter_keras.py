@@ -3,9 +3,6 @@ MemoryMonitor callback (a deliberate leak is flagged, a clean run is not)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,19 +11,9 @@ import pytest
 from headrace.adapters.keras import fit_trend
 
 pytest.importorskip("keras")
-SCRIPT = Path(__file__).parent / "scripts" / "keras_fit.py"
-SRC = Path(__file__).resolve().parents[1] / "src"
 
-
-def _run(backend: str) -> dict[str, object]:
-    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": str(SRC),
-           "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True,
-                          text=True, timeout=280)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    result: dict[str, object] = json.loads(lines[-1][len("RESULT "):])
-    return result
+sys.path.insert(0, str(Path(__file__).parent))
+from keras_script import run_keras_script
 
 
 @pytest.mark.slow
@@ -34,7 +21,7 @@ def _run(backend: str) -> dict[str, object]:
 def test_fit_evaluate_predict_and_memory_monitor(backend: str) -> None:
     if backend != "tensorflow":
         pytest.importorskip(backend)
-    out = _run(backend)
+    out = run_keras_script("keras_fit.py", backend)
     assert out["backend"] == backend
     # One pass per epoch: 24,000 rows / 500 = 48 steps, every epoch, no .repeat().
     assert out["steps_per_epoch"] == [48] * 5

@@ -5,12 +5,8 @@ batch, reshuffled epochs included, on the TensorFlow, JAX and torch backends."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -19,19 +15,9 @@ import headrace as hr
 from headrace.errors import CheckpointError
 
 pytest.importorskip("keras")
-SCRIPT = Path(__file__).parent / "scripts" / "keras_resume.py"
-SRC = Path(__file__).resolve().parents[1] / "src"
 
-
-def _run(backend: str) -> dict[str, Any]:
-    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": str(SRC),
-           "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True,
-                          text=True, timeout=280)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
-    return result
+sys.path.insert(0, str(Path(__file__).parent))
+from keras_script import run_keras_script
 
 
 @pytest.mark.slow
@@ -39,7 +25,7 @@ def _run(backend: str) -> dict[str, Any]:
 def test_fit_interrupted_and_resumed_sees_the_uninterrupted_batches(backend: str) -> None:
     if backend != "tensorflow":
         pytest.importorskip(backend)
-    out = _run(backend)
+    out = run_keras_script("keras_resume.py", backend)
     assert out["backend"] == backend
     whole = out["whole"]
     assert len(whole) == 4 * 12  # 4 epochs of 12 batches

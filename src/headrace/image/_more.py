@@ -17,7 +17,7 @@ import numpy as np
 
 from headrace.errors import InvalidArgumentError
 from headrace.image._ops import _image, convert_image_dtype, crop_to_bounding_box, resize
-from headrace.image._random import _generator, _stateless
+from headrace.image._random import _generator, _stateless, random_factor
 
 __all__ = [
     "adjust_gamma",
@@ -373,12 +373,7 @@ def random_hue(image: Any, max_delta: float, seed: Any = None) -> Array:
 def random_saturation(image: Any, lower: float, upper: float, seed: Any = None) -> Array:
     """``tf.image.random_saturation``: ``adjust_saturation`` by a factor uniform in
     ``[lower, upper)``."""
-    if upper <= lower:
-        raise InvalidArgumentError(f"random_saturation: upper must be > lower, got {lower}, {upper}")
-    if lower < 0:
-        raise InvalidArgumentError(f"random_saturation: lower must be non-negative, got {lower}")
-    factor = _generator(seed, "saturation").uniform(lower, upper)
-    return adjust_saturation(image, factor)
+    return adjust_saturation(image, random_factor("random_saturation", lower, upper, seed))
 
 
 def stateless_random_hue(image: Any, max_delta: float, seed: Any) -> Array:

@@ -53,6 +53,7 @@ __all__ = [
     "random_brightness",
     "random_contrast",
     "random_crop",
+    "random_factor",
     "random_flip_left_right",
     "random_flip_up_down",
     "random_resized_crop",
@@ -169,12 +170,17 @@ def random_brightness(image: Any, max_delta: float, seed: Any = None) -> Array:
 def random_contrast(image: Any, lower: float, upper: float, seed: Any = None) -> Array:
     """``tf.image.random_contrast``: ``adjust_contrast`` by a factor uniform in
     ``[lower, upper)``."""
+    return adjust_contrast(image, random_factor("random_contrast", lower, upper, seed))
+
+
+def random_factor(op: str, lower: float, upper: float, seed: Any) -> float:
+    """A factor uniform in ``[lower, upper)`` for the random ``op`` (``random_contrast``,
+    ``random_saturation``), after tf.image's checks of the range."""
     if upper <= lower:
-        raise InvalidArgumentError(f"random_contrast: upper must be > lower, got {lower}, {upper}")
+        raise InvalidArgumentError(f"{op}: upper must be > lower, got {lower}, {upper}")
     if lower < 0:
-        raise InvalidArgumentError(f"random_contrast: lower must be non-negative, got {lower}")
-    factor = _generator(seed, "contrast").uniform(lower, upper)
-    return adjust_contrast(image, factor)
+        raise InvalidArgumentError(f"{op}: lower must be non-negative, got {lower}")
+    return float(_generator(seed, op.removeprefix("random_")).uniform(lower, upper))
 
 
 # --------------------------------------------------------------------------- bounding boxes
