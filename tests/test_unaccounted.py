@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import numpy as np
 
@@ -80,3 +81,65 @@ def test_memory_freed_below_the_baseline_moves_it_down() -> None:
     runs._baseline = 100 * MiB
     assert runs.unaccounted(ProcessMemory(40 * MiB, 0, 0)) == 0
     assert runs.unaccounted(ProcessMemory(136 * MiB, 0, 0)) == 96 * MiB
+
+
+def test_the_heap_is_trimmed_when_unbooked_memory_grows_and_not_again_for_the_programs_own(
+    monkeypatch: Any,
+) -> None:
+    """Budgets' releases look at the heap every CHECK_EVERY bytes: a growth of unbooked
+    memory past a quarter of the largest live budget trims it once; memory that stays
+    after the trim (the program's own) raises the floor, and is not trimmed for again."""
+    from headrace.memory import allocator, system
+
+    class Budget:
+        used = 0
+        total = 64 * MiB
+
+    runs = LiveRuns()
+    budget = Budget()  # (the registry holds runs weakly)
+    runs.start(budget)
+    runs._baseline = 0
+    resident = [0]  # anonymous memory the fake /proc reports
+    trims: list[int] = []
+
+    def trim() -> None:
+        trims.append(resident[0])
+        resident[0] -= 20 * MiB  # the heap's free pages went back; the rest is live
+
+    monkeypatch.setattr(system, "live_runs", runs)
+    monkeypatch.setattr(system, "process_memory", lambda: ProcessMemory(resident[0], 0, 0))
+    monkeypatch.setattr(allocator, "release_free_heap", trim)
+    monkeypatch.setattr(allocator, "_watching", True)
+    monkeypatch.setattr(allocator, "_released", 0)
+    monkeypatch.setattr(allocator, "_floor", 0)
+
+    def release(total: int) -> None:
+        for _ in range(total // MiB):
+            allocator.note_released(MiB)
+
+    resident[0] = 15 * MiB  # within a quarter of 64 MiB: nothing to trim
+    release(allocator.CHECK_EVERY)
+    assert trims == []
+    resident[0] = 60 * MiB  # grown past it
+    release(allocator.CHECK_EVERY - MiB)  # (looked at only every CHECK_EVERY bytes)
+    assert trims == []
+    release(MiB)
+    assert trims == [60 * MiB]
+    assert allocator._floor == 40 * MiB  # the program keeps 40 MiB: the new floor
+    release(3 * allocator.CHECK_EVERY)
+    assert trims == [60 * MiB]  # not trimmed for the program's own memory again
+    resident[0] = 40 * MiB + 17 * MiB  # the heap retains again, past the floor
+    release(allocator.CHECK_EVERY)
+    assert trims == [60 * MiB, 57 * MiB]
+
+
+def test_no_look_at_the_heap_without_the_allocators_tuning(monkeypatch: Any) -> None:
+    """Options(tune_allocator=False) (or a platform without glibc) leaves the heap alone."""
+    from headrace.memory import allocator
+
+    looks: list[int] = []
+    monkeypatch.setattr(allocator, "_watching", False)
+    monkeypatch.setattr(allocator, "_trim_if_retaining", lambda: looks.append(1))
+    for _ in range(4):
+        allocator.note_released(allocator.CHECK_EVERY)
+    assert looks == []

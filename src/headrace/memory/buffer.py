@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from headrace.errors import MemoryBudgetError
+from headrace.memory.allocator import note_released
 from headrace.memory.units import format_bytes
 
 if TYPE_CHECKING:
@@ -432,6 +433,7 @@ class Buffer:
             return
         with self.lock:
             self._unbook(nbytes)
+        note_released(nbytes)
 
     def expect(self, nbytes: int, *, together: str | None = None, what: str = "one element",
                whole: int = 0) -> None:

@@ -128,6 +128,11 @@ class LiveRuns:
         with self._lock:
             self._budgets.discard(budget)
 
+    def largest_total(self) -> int:
+        """The largest total of the live runs' budgets (0 when none is live)."""
+        with self._lock:
+            return max((budget.total for budget in self._budgets), default=0)
+
     def unaccounted(self, memory: ProcessMemory) -> int:
         """Growth of ``memory`` since the baseline, less every live run's bookings (>= 0).
 
