@@ -376,6 +376,27 @@ def test_slot_reader_continues_only_at_the_exact_position() -> None:
     assert ask((1, 2), None, True)[4]  # ended: nothing kept
 
 
+def test_slot_reader_releases_what_it_skips_on_a_restore() -> None:
+    """A restore rebuilds the slot's iterator and skips the elements handed out since
+    its state: their bookings go back to the worker's budget. Kept, a prefetch inside
+    the slot (1 MiB elements, a 4 MiB share) held the skipped elements' bytes, and past
+    the share it waited for room for good: a hang, not an error."""
+    from headrace.options import Options
+    from headrace.transforms.process_interleave import SlotReader
+
+    def inner(k: Any) -> hr.Dataset:
+        return hr.Dataset.range(12).map(lambda j: np.full(1 << 17, j, np.int64)).prefetch(1)
+
+    node = hr.Dataset.range(1).interleave(inner, cycle_length=1).node
+    reader = SlotReader(node, Options(), 4 << 20, 2)
+    out: list[Any] = []
+    answer = reader((1, (0, 0), 0, None, 8, 2, 8 << 20, 0, [], False, True),
+                    lambda element, left: out.append(int(element[0])))
+    assert out == [8, 9] and not answer[4]
+    (_, budget, _), = reader.kept.values()
+    assert budget.used <= 2 << 20  # the prefetched element at most, not 8 skipped ones
+
+
 def test_slot_reader_stops_before_an_element_its_booking_cannot_hold() -> None:
     """Elements of 1 KiB then 64 KiB: once the worker has read a 64 KiB one, a chunk
     stops before the element that would take it past its booking, and a chunk booked

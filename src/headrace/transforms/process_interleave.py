@@ -244,7 +244,7 @@ class SlotReader:
             iterator.set_state(state)
         for _ in range(skip):
             with contextlib.suppress(Exception):  # an error in its place counts as handed out
-                iterator.pull()
+                iterator.pull()[1].release()  # (kept, its booking would fill the budget)
         return iterator
 
     @staticmethod
