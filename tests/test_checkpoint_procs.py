@@ -71,11 +71,11 @@ def interleave_pipelines(draw: st.DrawFn) -> tuple[hr.Dataset, int]:
     return ds.with_options(hr.Options(memory_budget="32MiB")), draw(st.integers(1, 4))
 
 
-def check_process_interleave(case: tuple[hr.Dataset, int]) -> None:
+def check_process_interleave(case: tuple[hr.Dataset, int], checkpoints: int = 40) -> None:
     dataset, chunk = case
     with pytest.MonkeyPatch.context() as patch:  # slots cross chunks, and workers
         patch.setattr(process_interleave, "CHUNK_ELEMENTS", chunk)
-        assert_checkpoint_roundtrip(dataset, max_checkpoints=40)
+        assert_checkpoint_roundtrip(dataset, max_checkpoints=checkpoints)
 
 
 @settings(max_examples=3, deadline=None, derandomize=True,
@@ -87,13 +87,16 @@ def test_a_process_interleave_resumes_exactly_from_every_step(
     check_process_interleave(case)
 
 
+# Many pipelines, fewer steps each: every checkpoint starts two iterators, each with its
+# own worker processes, and the examples' time adds up in one test (its timeout).
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.timeout(900)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=interleave_pipelines())
 def test_many_process_interleaves_resume_exactly_from_every_step(
     case: tuple[hr.Dataset, int],
 ) -> None:
-    check_process_interleave(case)
+    check_process_interleave(case, checkpoints=12)
 
 
 # -- served consumers ------------------------------------------------------------------
@@ -120,12 +123,13 @@ def served_pipelines(draw: st.DrawFn) -> tuple[hr.Dataset, int, int]:
     return ds, k, draw(st.integers(0, k - 1))
 
 
-def check_served(case: tuple[hr.Dataset, int, int], tmp: Path) -> None:
+def check_served(case: tuple[hr.Dataset, int, int], tmp: Path, checkpoints: int = 40) -> None:
     dataset, k, index = case
     address = str(tmp / "s.sock")
     with hr.serve(dataset, k, address, authkey=KEY) as server:
         assert_checkpoint_roundtrip(
-            open_iterator=lambda: hr.connect(address, index, authkey=KEY), max_checkpoints=40
+            open_iterator=lambda: hr.connect(address, index, authkey=KEY),
+            max_checkpoints=checkpoints,
         )
         assert server.connected in ([], [index])  # the last connection may still be ending
 
@@ -140,10 +144,11 @@ def test_a_served_consumer_resumes_exactly_from_every_step(
 
 
 @pytest.mark.slow
-@settings(max_examples=20, deadline=None,
+@pytest.mark.timeout(900)
+@settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=served_pipelines())
 def test_many_served_consumers_resume_exactly_from_every_step(
     case: tuple[hr.Dataset, int, int], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    check_served(case, tmp_path_factory.mktemp("served"))
+    check_served(case, tmp_path_factory.mktemp("served"), checkpoints=12)
