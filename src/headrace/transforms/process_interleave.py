@@ -91,8 +91,10 @@ from headrace.core.node import Node
 from headrace.core.state import StateReader
 from headrace.errors import MemoryBudgetError, add_note, note_element_error
 from headrace.io.filepool import FileLimiter, get_default_pool, opening_under
+from headrace.memory.allocator import tune_allocator
 from headrace.memory.budget import MemoryBudget
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
+from headrace.memory.system import live_runs
 from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE, Options
 from headrace.sources.files import file_limiter
@@ -223,6 +225,9 @@ class SlotReader:
         if kept is not None:  # stale (the slot was restored, or moved on elsewhere)
             self._close(self.kept.pop(token))
         budget = MemoryBudget(self.share)
+        if self.options.tune_allocator:  # (the worker's heap is trimmed as a pipeline's is)
+            tune_allocator()
+        live_runs.start(budget)
         ctx = Context(self.options, budget, iteration)
         ctx.epochs = tuple(epochs)
         if self.max_open_files is not None:
@@ -233,6 +238,7 @@ class SlotReader:
             with opening_under(file_limiter(ctx)):  # (its opens count against the cap: G2)
                 iterator: Iterator = self.node.inner_node(element).make_iterator(ctx)  # type: ignore[attr-defined]
         except Exception as raised:  # the slot's open failed: the consumer says so in its turn
+            live_runs.stop(budget)
             budget.close()
             text = traceback.format_exc()
             raise BuildFailed(cast(Exception, portable(drop_frames(raised))), text) from None
@@ -252,6 +258,7 @@ class SlotReader:
         try:
             kept[0].close()
         finally:
+            live_runs.stop(kept[1])
             kept[1].close()
 
     #: Called as ``reader(request, emit)``: each element is packed by ``emit`` as it is
