@@ -53,6 +53,13 @@ def slow_on_multiples(every: int, x: Any) -> int:
     return int(x)
 
 
+def slow_at(slow: int, seconds: float, x: Any) -> int:
+    """``x``, ``seconds`` late for element ``slow``: the others pass it out of order."""
+    if int(x) == slow:
+        time.sleep(seconds)
+    return int(x)
+
+
 def row_array(x: Any, size: int = 100_000) -> Any:
     return {"x": np.full(size, int(x), np.float32), "i": x, "name": f"row {int(x)}"}
 

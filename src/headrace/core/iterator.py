@@ -238,6 +238,10 @@ class Iterator:
     #: take, shard): the origin of its last element is its input's. A buffering stage
     #: (shuffle, prefetch, a parallel map) leaves it False, or overrides :meth:`origin`.
     passes_origin = False
+    #: True where the state counts positions of the input's stream (take, skip, shard):
+    #: elements a restore hands out again below it (an out-of-order map's at-least-once)
+    #: would take positions of others, so a checkpoint there is refused.
+    counts_positions = False
 
     def __init__(self, *inputs: Iterator) -> None:
         self.inputs = inputs

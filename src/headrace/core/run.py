@@ -293,6 +293,23 @@ class DatasetIterator(ClosesOnExit, StateDict, _PyIterator[Any]):
                         "checkpoint where only stateless stages follow the "
                         "out-of-order one."
                     )
+        replaying = [stage for stage in stages if hasattr(stage, "replays") and stage.replays()]
+        if not replaying:
+            return
+        for counter in self._tree.walk():
+            if not counter.counts_positions:
+                continue
+            below = counter.walk()
+            for stage in replaying:
+                if any(stage is other for other in below):
+                    raise CheckpointError(
+                        f"get_state: {stage.stage} runs out of order (deterministic=False), "
+                        f"and a restore here would hand out {stage.replays()} of its elements "
+                        f"again (at-least-once); {counter.stage} above it counts positions in "
+                        "the stream, so those would take the places of others, which would be "
+                        "lost. Use deterministic=True in a pipeline you checkpoint, or put "
+                        f"{counter.stage} below the out-of-order stage."
+                    )
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`get_state` of an iterator over the same pipeline.

@@ -616,6 +616,8 @@ class _ParallelMapIterator(Iterator):
         #: kept until then), as the last position of its chunk.
         self.aside: _Aside | None = None
         self.handed = 0  # elements handed out: whether a state taken out of order is stale
+        # the count and the input index where this run (or its last restore) started
+        self.handed_at_start = self.index_at_start = 0
         #: Out of order, the first call ran past _SPLIT_AFTER_SECONDS before any output
         #: was settled: one more call may start beside it (see :meth:`_take_call`).
         self.straggling = False
@@ -936,7 +938,13 @@ class _ParallelMapIterator(Iterator):
         return chunk.take()
 
     def get_state(self) -> dict[str, Any]:
-        """Where the earliest input not handed out yet is: a restore runs again from there.
+        index, state_before, skip = self._earliest()
+        state = {INNER: state_before, SKIP: skip, "index": index}
+        return state if self.finished is None else mark_out_of_order(state, self)
+
+    def _earliest(self) -> tuple[int, Any, int]:
+        """Where the earliest input not handed out yet is: a restore runs again from there
+        (its index, the input's state before its chunk, its position in the chunk).
 
         In order, that is the first chunk ready or in flight. Out of order, a later
         chunk may be ready (or partly handed out) while an earlier one still runs:
@@ -956,9 +964,14 @@ class _ParallelMapIterator(Iterator):
             earliest = next(pending, None)
         else:
             earliest = min(pending, key=lambda where: where[0], default=None)
-        index, state_before, skip = earliest or (self.next_index, self.state_after_last_input, 0)
-        state = {INNER: state_before, SKIP: skip, "index": index}
-        return state if self.finished is None else mark_out_of_order(state, self)
+        return earliest or (self.next_index, self.state_after_last_input, 0)
+
+    def replays(self) -> int:
+        """How many elements a restore at :meth:`get_state` hands out again: those
+        handed out past the earliest input not handed out (out of order; one output
+        per input, an error in its place counting as one)."""
+        index = self._earliest()[0]
+        return (self.handed - self.handed_at_start) - (index - self.index_at_start)
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader = StateReader(state, self.stage)
@@ -969,6 +982,7 @@ class _ParallelMapIterator(Iterator):
         restore_input(self.inner, inner_state, skip, self.stage)
         self.state_after_last_input = self.inner.get_state()
         self.next_index = reader.integer("index") if "index" in state else 0
+        self.handed_at_start, self.index_at_start = self.handed, self.next_index
         self.exhausted = False
 
     def _drop_calls(self) -> None:

@@ -61,6 +61,7 @@ class ShardNode(UnaryNode):
 class _ShardIterator(Iterator):
     stage = "shard"
     passes_origin = True
+    counts_positions = True
 
     def __init__(self, inner: Iterator, num_shards: int, index: int) -> None:
         super().__init__(inner)

@@ -59,6 +59,7 @@ class TakeNode(UnaryNode):
 class _TakeIterator(Iterator):
     stage = "take"
     passes_origin = True
+    counts_positions = True
 
     def __init__(self, inner: Iterator, count: int) -> None:
         super().__init__(inner)
@@ -140,6 +141,7 @@ class _EmptyIterator(Iterator):
 class _SkipIterator(Iterator):
     stage = "skip"
     passes_origin = True
+    counts_positions = True
 
     def __init__(self, inner: Iterator, count: int) -> None:
         super().__init__(inner)
