@@ -106,6 +106,21 @@ def test_unbatch_and_rebatch(source) -> None:
         source(3).rebatch(2)
 
 
+def test_rebatch_of_batches_padded_to_other_widths_names_the_batch_and_component() -> None:
+    """tf.data cannot join them either (FailedPreconditionError); NumPy's concatenate
+    message named neither the stage nor the component."""
+    ds = hr.Dataset.range(6).map(lambda x: {"v": np.arange(int(x) % 4)}).padded_batch(2)
+    with pytest.raises(hr.ElementSpecError, match=(
+            r"rebatch: batch 0 would take rows of shape \(1,\) and \(3,\) for component "
+            r"\['v'\].*padded_shapes")) as raised:
+        list(ds.rebatch(3))
+    assert "concatenation axis" not in str(raised.value)
+    # padded to one fixed width, the same batches rebatch
+    fixed = hr.Dataset.range(6).map(lambda x: {"v": np.arange(int(x) % 4)})
+    rows = [b["v"].shape for b in fixed.padded_batch(2, padded_shapes={"v": [4]}).rebatch(3)]
+    assert rows == [(3, 4), (3, 4)]
+
+
 def test_shuffle_is_a_seeded_permutation_that_reshuffles_each_epoch(source) -> None:
     ds = source(50).shuffle(10, seed=3)
     first, second = ints(ds), ints(ds)

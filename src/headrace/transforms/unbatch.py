@@ -363,6 +363,7 @@ class _RebatchIterator(_RowSource):
     ) -> tuple[Any, Reservation]:
         # The output's size is known from the pieces: book it before it is allocated (G1).
         # Each output is a copy, so it never pins the input batch it came from.
+        self._check_widths(pieces, structure)
         nbytes = self._bytes(pieces)
         booking = self.account.admit(nbytes, together=f"a batch of {have} rows")
         try:
@@ -374,6 +375,24 @@ class _RebatchIterator(_RowSource):
             booking.release()
             raise
         return pack_as(structure, leaves), booking
+
+    def _check_widths(self, pieces: list[list[Any]], structure: Any) -> None:
+        """Input batches whose rows differ in shape (padded to other widths) cannot
+        make one output batch: the error names the output batch and the component."""
+        paths = structure_paths(structure) if isinstance(structure, (dict, tuple)) else None
+        for k, first in enumerate(pieces[0]):
+            if first is None:
+                continue
+            for piece in pieces[1:]:
+                if piece[k].shape[1:] != first.shape[1:]:
+                    component = "element" if paths is None else paths[k]
+                    raise ElementSpecError(
+                        f"rebatch: batch {self.batch_number - 1} would take rows of shape "
+                        f"{first.shape[1:]} and {piece[k].shape[1:]} for component "
+                        f"{component} from consecutive input batches; the rows of one "
+                        "batch need equal shapes (padded_batch pads each input batch to "
+                        "its own longest: pad to a fixed size with padded_shapes=)"
+                    )
 
     def _empty_batch(self) -> tuple[Any, list[Any]]:
         """A zero-row batch built from the input's spec, as tf.data builds it from its
