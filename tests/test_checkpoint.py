@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
