@@ -443,6 +443,17 @@ def test_gcs_and_azure_urls_make_their_stores(monkeypatch: pytest.MonkeyPatch) -
     assert isinstance(objstore._store("az://container"), AzureStore)
 
 
+def test_an_option_the_store_does_not_take_is_refused_where_it_is_given() -> None:
+    """obstore panics on a configuration key it does not know (a BaseException that
+    passes ``except Exception``), at the first read: headrace refuses it in configure,
+    as an ordinary error naming the store and the options."""
+    with pytest.raises(InvalidArgumentError, match=(
+            r"s3://other: the object store cannot be set up .*'allow_http'.*configure")):
+        objstore.configure("s3://other", endpoint="http://127.0.0.1:9", allow_http=True)
+    objstore.configure("s3://other", endpoint="http://127.0.0.1:9", region="eu-west-1")
+    objstore.reset_stores()
+
+
 def test_a_child_forked_after_use_refuses_instead_of_hanging(s3: str, tmp_path: Path) -> None:
     """The client's runtime does not survive os.fork once it ran: a request from the
     child would wait forever. The child gets an error saying so, naming the store."""

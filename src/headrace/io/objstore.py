@@ -173,6 +173,10 @@ def configure(
             options["client_options"] = dict(client_options)
         if retry_config is not None:
             options["retry_config"] = dict(retry_config)
+        # built once now (no request is made): an option the store does not take is an
+        # error here, where it was given, not at the first read (the store itself is
+        # made again on first use, after any fork)
+        _make_store(root, dict(options))
         _options[root] = options
         _stores.pop(root, None)
 
@@ -256,10 +260,16 @@ def _make_store(root: str, options: dict[str, Any]) -> Any:
     url = root + "/" if scheme in ("http", "https") else root
     try:
         return from_url(url, **kwargs)
-    except Exception as error:  # a missing account name, a bad option: say which store
+    except BaseException as error:  # a missing account name, a bad option: say which store
+        # (obstore panics on a configuration key it does not know: a BaseException that
+        # would pass every ``except Exception`` of the caller's)
+        if not isinstance(error, Exception) and type(error).__name__ != "PanicException":
+            raise
+        given = sorted(options)
         raise InvalidArgumentError(
-            f"{root}: the object store cannot be set up ({_reason(error)}); see "
-            "headrace.io.objstore.configure and the cloud's environment variables"
+            f"{root}: the object store cannot be set up ({_reason(error)}); the options "
+            f"given: {given}; see headrace.io.objstore.configure (obstore's store "
+            "configuration keys) and the cloud's environment variables"
         ) from None
 
 
