@@ -60,6 +60,27 @@ def slow_at(slow: int, seconds: float, x: Any) -> int:
     return int(x)
 
 
+class SlowToLoad:
+    """Takes ``seconds`` to unpickle: a worker holding one in its function is that long
+    starting (before it says it is ready)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self) -> Any:
+        return _load_slowly, (self.seconds,)
+
+
+def _load_slowly(seconds: float) -> SlowToLoad:
+    time.sleep(seconds)
+    return SlowToLoad(seconds)
+
+
+def value_with(extra: Any, x: Any) -> int:
+    """``x``; ``extra`` travels with the function."""
+    return int(x)
+
+
 def row_array(x: Any, size: int = 100_000) -> Any:
     return {"x": np.full(size, int(x), np.float32), "i": x, "name": f"row {int(x)}"}
 

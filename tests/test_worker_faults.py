@@ -203,6 +203,35 @@ def test_one_unsendable_output_fails_its_element_only() -> None:
     assert got == [("error", x) if x in bad else x for x in range(300)]
 
 
+def test_a_replacement_killed_while_it_starts_is_replaced_again() -> None:
+    """A worker killed (SIGKILL) before it loaded the function, after another worker of
+    its pool had loaded it, is the machine's fault (the OOM killer, a kill of a fresh
+    pid): replaced like any other death; it ended the stage (the outsider's attack)."""
+    import gc
+    import signal
+    import time
+
+    fn = functools.partial(process_fns.value_with, process_fns.SlowToLoad(0.5))
+    ds = hr.Dataset.range(200).map(fn, num_parallel_calls=2, workers="processes")
+    got: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hr.HeadraceWarning)  # "worker ... replaced"
+        with iter(ds) as iterator:
+            got += [int(next(iterator)) for _ in range(20)]
+            (pool,) = [o for o in gc.get_objects()
+                       if isinstance(o, processes.ProcessPool) and not o.closed]
+            old = pool.workers[0].process.pid
+            os.kill(old, signal.SIGKILL)  # the victim, then its replacement as it starts
+            deadline = time.monotonic() + 30
+            while pool.workers[0].process.pid == old and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            fresh = pool.workers[0]
+            assert not fresh.ready  # (it takes 0.5 s to load the function)
+            os.kill(fresh.process.pid, signal.SIGKILL)
+            got += [int(x) for x in iterator]
+    assert got == list(range(200))
+
+
 # -- a pool that cannot go on ------------------------------------------------------------
 
 

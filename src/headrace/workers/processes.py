@@ -547,6 +547,10 @@ def _run_streaming(
     return errors
 
 
+#: Deaths by a signal while starting, in a row, after which a pool whose function
+#: loaded before gives up (each costs a start: a machine killing every new worker).
+_START_DEATHS = 3
+
 #: Bytes glibc keeps at the top of a worker's heap when it grows or trims it (see
 #: :func:`_keep_heap_top`); also what a worker's heap may hold unused past its peak.
 HEAP_TOP_PAD = 4 << 20
@@ -898,6 +902,10 @@ class ProcessPool:
         self._restart_lock = threading.RLock()
         #: Workers that died while serving and were replaced (see :meth:`_replace`).
         self.restarts = 0
+        #: A worker of this pool has loaded the function (so a death while starting is
+        #: the machine's fault, not the function's), and deaths while starting since.
+        self.loaded = False
+        self.start_deaths = 0
         #: The receiving side of replaced workers' segments: views of them may live on
         #: (outputs handed out); each is unmapped once its views are gone, never reused.
         self.retired: list[SegmentMaps] = []
@@ -1295,10 +1303,20 @@ class ProcessPool:
         own place, never the stream. The calls are sent by a short-lived thread, not
         the collector (see :meth:`_send`). A worker that
         dies before it loaded the function (it cannot start) breaks the pool
-        (:class:`WorkerPoolError`), as does failing to start a successor.
+        (:class:`WorkerPoolError`), as does failing to start a successor, unless it was
+        killed by a signal after another worker of the pool had loaded the function
+        (up to :data:`_START_DEATHS` such deaths in a row).
         """
         pid, how = worker.process.pid, self._how(worker)
         if not worker.ready:
+            self.start_deaths += 1
+        code = worker.process.exitcode
+        if not worker.ready and not (
+            # killed while starting (the OOM killer, a kill of a fresh pid) after another
+            # worker loaded the function: replaced like any other death, a few times
+            self.loaded and code is not None and code < 0
+            and self.start_deaths <= _START_DEATHS
+        ):
             hint = ""
             if worker.process.exitcode == 1:
                 hint = (
@@ -1599,6 +1617,7 @@ def _dispatch(pool: ProcessPool, worker: _Worker, message: tuple[Any, ...]) -> b
         pool._finish(worker, message)
     elif message[0] == "ready":
         worker.ready = True
+        pool.loaded, pool.start_deaths = True, 0
     elif message[0] == "init_error":
         pool._fail(
             WorkerPoolError(
