@@ -420,12 +420,13 @@ class DataService:
         pings = [w.ping.remote() for w in self.workers]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=start_timeout)
         if len(ready) < len(pings):
+            free: Any = ray.available_resources  # untyped
             self.shutdown()
             raise ServiceError(
                 f"DataService: only {len(ready)} of {num_workers} worker actors started "
                 f"within {start_timeout} s; each asks Ray for {num_cpus} CPU and "
                 f"{task_memory(self.memory_budget, worker_baseline)} bytes of memory, and "
-                f"the cluster has {ray.available_resources()} free")
+                f"the cluster has {free()} free")
 
     @property
     def num_splits(self) -> int:
