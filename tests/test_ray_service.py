@@ -4,6 +4,7 @@ is killed mid-epoch; static sharding deterministic; a job resumed from consumer 
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,8 +104,10 @@ def test_static_sharding_is_deterministic_and_resumes_from_consumer_states(
         service = DataService(dataset, num_workers=2, sharding="static", num_splits=6,
                               memory_budget="16MiB", chunk_size=3)
         try:
-            return ([int(v) for v in service.consumer(0, 2)],
-                    [int(v) for v in service.consumer(1, 2)])
+            # consumer 1 reads in a Ray task (on any node): consumers travel
+            remote = ray.remote(lambda consumer: [int(v) for v in consumer])
+            other = remote.options(num_cpus=0).remote(service.consumer(1, 2))
+            return [int(v) for v in service.consumer(0, 2)], ray.get(other)
         finally:
             service.shutdown()
 
@@ -123,6 +126,8 @@ def test_static_sharding_is_deterministic_and_resumes_from_consumer_states(
         iterators = [iter(c) for c in consumers]
         before = [int(next(iterators[i % 2])) for i in range(37)]
         states = [c.state_dict() for c in consumers]
+        with pytest.raises(hr.InvalidArgumentError, match="send a consumer to a trainer before"):
+            pickle.dumps(consumers[0])
     finally:
         service.shutdown()
     service = DataService(dataset, num_workers=2, sharding="dynamic", num_splits=6,
@@ -132,6 +137,8 @@ def test_static_sharding_is_deterministic_and_resumes_from_consumer_states(
         for consumer, state in zip(resumed, states, strict=True):
             consumer.load_state_dict(state)
         after = [int(v) for c in resumed for v in c]
+        with pytest.raises(hr.CheckpointError, match="before any of them reads"):
+            resumed[0].load_state_dict(states[0])  # too late: splits were handed out
     finally:
         service.shutdown()
     assert sorted(before + after) == sorted(oracle)

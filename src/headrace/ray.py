@@ -346,8 +346,7 @@ class _Coordinator:
                 active: list[int]) -> None:
         self._check_count(count)
         state = self._epoch(epoch)
-        if state["leased"] and any(
-                s not in state["reserved"].get(consumer, []) for s in state["leased"]):
+        if state["started"]:  # a split handed out might be one this state says is done
             raise CheckpointError(
                 f"DataService: consumer {consumer}'s state arrived after consumers began "
                 f"reading epoch {epoch}; set every consumer's state before any of them reads")
@@ -490,10 +489,14 @@ class ServiceConsumer:
         self.epoch = 0
         self.done: list[int] = []
         self.reading: list[_Reading] = []
-        self.restored = False
         self.exhausted = False
 
     def __getstate__(self) -> dict[str, Any]:
+        if self.reading:
+            raise InvalidArgumentError(
+                f"ServiceConsumer {self.index}: send a consumer to a trainer before it "
+                "reads; one reading holds splits on the workers that its copy could not "
+                "finish (checkpoint with get_state() and resume a new job instead)")
         return {"coordinator": self.coordinator, "workers": self.workers, "index": self.index,
                 "count": self.count, "prefetch": self.prefetch, "sharding": self.sharding,
                 "state": self.get_state()}
@@ -508,15 +511,14 @@ class ServiceConsumer:
     def get_state(self) -> dict[str, Any]:
         """Where this consumer is: small JSON (no elements)."""
         return {"format": _STATE_FORMAT, "index": self.index, "count": self.count,
-                "epoch": self.epoch, "done": sorted(self.done),
+                "epoch": self.epoch, "finished": self.exhausted, "done": sorted(self.done),
                 "reading": [[r.split, r.state, r.seq, r.offset] for r in self.reading]}
 
     def _load(self, state: dict[str, Any]) -> None:
         self.epoch, self.done = state["epoch"], list(state["done"])
         self.reading = [_Reading(split, -1, 0, st, seq, offset)
                         for split, st, seq, offset in state["reading"]]
-        self.restored = bool(self.done or self.reading)
-        self.exhausted = False
+        self.exhausted = bool(state.get("finished", False))
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Resume where ``state`` was taken; call it on every consumer before any reads."""
