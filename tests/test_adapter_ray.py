@@ -22,7 +22,7 @@ ROWS = 1000
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=80 * 2**20, configure_logging=False)
     yield
     ray.shutdown()

@@ -61,7 +61,7 @@ from headrace.memory.sizeof import sizeof
 from headrace.memory.units import parse_bytes
 from headrace.options import Options
 
-__all__ = ["DataService", "ServiceConsumer", "ServiceError"]
+__all__ = ["DataService", "ServiceConsumer", "ServiceError", "from_ray", "to_ray"]
 
 _STATE_FORMAT = "headrace.ray.consumer/1"
 #: How long a worker's ``take`` waits for a chunk before answering "nothing yet".
@@ -685,3 +685,107 @@ class ServiceConsumer:
         self._close_all()
 
 
+
+
+# -- Ray Data interop -----------------------------------------------------------------
+
+
+def _block(rows: list[Any], batched: bool) -> Any:
+    """A Ray Data block from headrace elements: dicts become columns, anything else the
+    column ``item`` (Ray's name for unnamed rows); batches are stacked along axis 0."""
+    import numpy as np
+    from ray.data.block import BlockAccessor
+
+    if batched:
+        first = rows[0]
+        if isinstance(first, dict):
+            columns = {k: np.concatenate([np.asarray(r[k]) for r in rows]) for k in first}
+        else:
+            columns = {"item": np.concatenate([np.asarray(r) for r in rows])}
+    elif isinstance(rows[0], dict):
+        columns = {k: np.stack([np.asarray(r[k]) for r in rows]) for k in rows[0]}
+    else:
+        columns = {"item": np.stack([np.asarray(r) for r in rows])}
+    to_block: Any = BlockAccessor.batch_to_block  # untyped
+    return to_block(columns)
+
+
+class _SplitRead:
+    """One Ray Data read task: split ``index`` of the plan, in blocks of ``block_rows``
+    elements, under ``budget``."""
+
+    def __init__(self, plan: _Plan, index: int, budget: int, block_rows: int,
+                 batched: bool) -> None:
+        self.plan, self.index, self.budget = plan, index, budget
+        self.block_rows, self.batched = block_rows, batched
+
+    def __call__(self) -> Iterator[Any]:
+        rows: list[Any] = []
+        for element in self.plan.split(self.index, self.budget):
+            rows.append(element)
+            if len(rows) == self.block_rows:
+                yield _block(rows, self.batched)
+                rows = []
+        if rows:
+            yield _block(rows, self.batched)
+
+
+def to_ray(dataset: Dataset, *, num_splits: int | None = None,
+           memory_budget: int | str = "256MiB", block_rows: int = 1024,
+           batched: bool = False) -> Any:
+    """``dataset`` as a Ray Data ``Dataset``: one read task per split (its files, or
+    ranges of its positions, as :class:`DataService` cuts it), each running its part of
+    the pipeline under ``memory_budget`` and yielding blocks of ``block_rows`` elements.
+    Dict elements become columns, others the column ``item``; ``batched``: the elements
+    are batches (their rows become Ray rows). Ray Data's own operators follow."""
+    import ray.data
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    plan = _plan(dataset, num_splits, 1)
+    budget = parse_bytes(memory_budget)
+
+    class HeadraceDatasource(Datasource):  # type: ignore[misc]
+        def estimate_inmemory_data_size(self) -> int | None:
+            return None
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                           data_context: Any = None) -> list[Any]:
+            metadata = BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None,
+                                     input_files=None)
+            return [ReadTask(_SplitRead(plan, i, budget, block_rows, batched), metadata,
+                             per_task_row_limit=per_task_row_limit)
+                    for i in range(plan.count)]
+
+    source: Any = HeadraceDatasource
+    return ray.data.read_datasource(source())
+
+
+class _RayRows:
+    """The rows of a Ray Data ``Dataset``, read batch by batch (a generator's body)."""
+
+    def __init__(self, ray_dataset: Any, batch_size: int) -> None:
+        self.ray_dataset, self.batch_size = ray_dataset, batch_size
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.ray_dataset.iter_batches(batch_size=self.batch_size,
+                                                   batch_format="numpy"):
+            columns = list(batch.items())
+            for i in range(len(columns[0][1])):
+                yield {name: values[i] for name, values in columns}
+
+
+def from_ray(ray_dataset: Any, *, batch_size: int = 256) -> Dataset:
+    """A headrace pipeline over a Ray Data ``Dataset``'s rows (dicts of NumPy values),
+    read ``batch_size`` rows at a time from Ray's streaming executor. The columns' types
+    come from its first row; resuming replays it and skips what was delivered."""
+    from headrace.structure import TensorSpec
+
+    sample = ray_dataset.take_batch(1, batch_format="numpy")
+    if not isinstance(sample, dict) or not sample:
+        raise InvalidArgumentError(
+            f"from_ray: expected a Ray Data Dataset with columns, got "
+            f"{type(ray_dataset).__name__} whose first batch is {type(sample).__name__}")
+    signature = {name: TensorSpec(values.shape[1:], values.dtype)
+                 for name, values in sample.items()}
+    return Dataset.from_generator(_RayRows(ray_dataset, batch_size), output_signature=signature)
