@@ -169,3 +169,29 @@ def test_to_ray_and_from_ray_round_trip_through_ray_data(cluster: Cluster) -> No
     rows = sorted((int(e["x"]), e["v"].tolist()) for e in back)
     assert rows == [(2 * i, [2.0 * i, 2.0 * i + 1]) for i in range(300)]
     assert back.element_spec["v"].shape == (2,)
+
+
+def test_a_node_lost_mid_epoch_loses_and_duplicates_nothing(cluster: Cluster,
+                                                            tmp_path: Path) -> None:
+    """Last in the module: it takes a node out of the cluster."""
+    cluster.add_node(num_cpus=1, object_store_memory=80 << 20)
+    dataset = _lines(tmp_path)
+    oracle = Counter(bytes(e) for e in dataset)
+    service = DataService(dataset, num_workers=2, memory_budget="16MiB", chunk_size=2)
+    try:
+        where = [ray.get(w.__ray_call__.remote(
+            lambda _: ray.get_runtime_context().get_node_id())) for w in service.workers]
+        head = cluster.head_node.node_id
+        victim = next(i for i, node in enumerate(where) if node != head)
+        node = next(n for n in cluster.list_all_nodes() if n.node_id == where[victim])
+
+        def remove(delivered: int) -> None:
+            if delivered == 30:
+                cluster.remove_node(node)
+
+        got = _round_robin([service.consumer(0, 1)], remove)
+        assert sum((oracle - got).values()) == 0  # lost
+        assert sum(n - 1 for n in got.values() if n > 1) == 0  # duplicated
+        assert got == oracle and service.stats()["failures"][victim] >= 1
+    finally:
+        service.shutdown()

@@ -605,7 +605,8 @@ class ServiceConsumer:
         reading.in_flight.remove(ref)
         try:
             message = ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                ray.exceptions.ObjectLostError):  # its worker or its node died
             self._fail_over(reading)
             return
         except ray.exceptions.RayTaskError as error:
@@ -683,8 +684,6 @@ class ServiceConsumer:
     def close(self) -> None:
         """Release the splits this consumer holds on the workers."""
         self._close_all()
-
-
 
 
 # -- Ray Data interop -----------------------------------------------------------------
