@@ -171,6 +171,33 @@ def test_to_ray_and_from_ray_round_trip_through_ray_data(cluster: Cluster) -> No
     assert back.element_spec["v"].shape == (2,)
 
 
+def _part(index: int, num_splits: int) -> hr.Dataset:
+    """Split ``index`` of a dataset_fn: rows index*10..index*10+9; split 2's row 25 is bad."""
+
+    def check(v: Any) -> Any:
+        if int(v) == 25:
+            raise ValueError("bad row 25")
+        return v
+
+    return hr.Dataset.range(index * 10, index * 10 + 10).map(check)
+
+
+def test_dataset_fn_splits_and_a_pipeline_error_reaches_the_consumer(cluster: Cluster) -> None:
+    service = DataService(_part, num_workers=1, num_splits=4, sharding="static",
+                          memory_budget="16MiB", chunk_size=4)
+    try:
+        with pytest.raises(ValueError, match="bad row 25"):  # the pipeline's own error
+            list(service.consumer(0, 2))  # splits 0 and 2
+    finally:
+        service.shutdown()
+    good = DataService(lambda i, n: hr.Dataset.range(i * 10, i * 10 + 10), num_workers=1,
+                       num_splits=3, sharding="static", memory_budget="16MiB")
+    try:
+        assert [int(v) for v in good.consumer(0, 1)] == list(range(30))
+    finally:
+        good.shutdown()
+
+
 def test_a_node_lost_mid_epoch_loses_and_duplicates_nothing(cluster: Cluster,
                                                             tmp_path: Path) -> None:
     """Last in the module: it takes a node out of the cluster."""
