@@ -414,8 +414,13 @@ class DataService:
         self.workers: list[Any] = [worker_cls.remote(self.plan, self.memory_budget, chunk_size)
                                    for _ in range(num_workers)]
         coordinator_cls: Any = ray.remote(_Coordinator)
-        self.coordinator: Any = coordinator_cls.options(num_cpus=0).remote(
-            self.plan.count, num_workers, sharding)
+        # on the driver's node: the job's progress lives there, and a node the coordinator
+        # shared with workers could die with them
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.coordinator: Any = coordinator_cls.options(
+            num_cpus=0, scheduling_strategy=here).remote(self.plan.count, num_workers, sharding)
         pings = [w.ping.remote() for w in self.workers]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=start_timeout)
         if len(ready) < len(pings):
