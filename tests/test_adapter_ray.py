@@ -22,7 +22,7 @@ ROWS = 1000
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=80 * 2**20, configure_logging=False)
     yield
     ray.shutdown()
@@ -91,3 +91,83 @@ def test_arguments_are_checked() -> None:
         preprocess_on_ray(MakeShard("x"), "/tmp", 0)
     with pytest.raises(hr.InvalidArgumentError, match=r"shard 7 is not in 0\.\.3"):
         preprocess_on_ray(MakeShard("x"), "/tmp", 4, shards=[7])
+
+
+class DieOnce:
+    """A map function that kills its worker (no ``finally`` runs) at element 300 of the
+    first attempt; the marker file says an attempt has died."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __call__(self, element: dict) -> dict:
+        if int(element["id"]) == 300 and not os.path.exists(self.marker):
+            Path(self.marker).write_text("died")
+            os._exit(1)
+        return element
+
+
+class MakeDying:
+    def __init__(self, marker: str, record: str) -> None:
+        self.marker, self.record = marker, record
+
+    def __call__(self, index: int, num_shards: int) -> hr.Dataset:
+        Path(self.record).write_text(
+            str(ray.get_runtime_context().get_assigned_resources().get("memory", 0)))
+        raw = hr.Dataset.from_tensor_slices({"id": np.arange(ROWS)}).shard(num_shards, index)
+        return raw.map(DieOnce(self.marker)).batch(64)
+
+
+def test_killed_attempt_leaves_no_staging_and_memory_request_counts_the_worker(
+        cluster: None, tmp_path: Path) -> None:
+    from headrace.adapters.ray import WORKER_BASELINE, task_memory
+
+    out, marker, record = tmp_path / "out", tmp_path / "died", tmp_path / "memory"
+    report = preprocess_on_ray(MakeDying(str(marker), str(record)), out, 1,
+                               memory_budget="16MiB", batched=True, max_retries=1,
+                               progress=False)
+    assert marker.exists() and report.ok and report.records == {0: ROWS}
+    assert sorted(os.listdir(out)) == ["part-00000-of-00001.tfrecord",
+                                       "part-00000-of-00001.tfrecord.hrx"]
+    ids = [int(i) for batch in hr.TFRecordDataset(report.paths).batch(100).parse_examples(
+        {"id": FixedLenFeature((), np.int64)}) for i in batch["id"]]
+    assert sorted(ids) == list(range(ROWS))
+    # Ray's scheduler is asked for the budget and the worker's interpreter, not 16 MiB
+    assert task_memory("16MiB") == (16 << 20) + WORKER_BASELINE
+    assert float(record.read_text()) == (16 << 20) + WORKER_BASELINE
+
+
+_DRIVER = '''
+import sys
+import numpy as np
+import ray
+import headrace as hr
+from headrace.adapters.ray import preprocess_on_ray
+
+def square(element):  # defined in the driver script: __main__ in the driver only
+    return {"id": element["id"], "square": element["id"] ** 2}
+
+def make_shard(index, num_shards):
+    raw = hr.Dataset.from_tensor_slices({"id": np.arange(100)}).shard(num_shards, index)
+    return raw.map(square, num_parallel_calls=2, workers="processes").batch(10)
+
+ray.init(address=sys.argv[2], log_to_driver=False, configure_logging=False)
+report = preprocess_on_ray(make_shard, sys.argv[1], 2, batched=True, progress=False)
+print(report.failed or sum(report.records.values()))
+'''
+
+
+def test_process_workers_in_a_task_run_functions_of_the_driver_script(
+        cluster: None, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), address],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "100"
+    rows = _read(sorted(str(p) for p in (tmp_path / "out").glob("*.tfrecord")))
+    assert sorted(rows) == [(i, i * i) for i in range(100)]

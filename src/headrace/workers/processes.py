@@ -70,6 +70,7 @@ import os
 import pickle
 import signal
 import struct
+import sys
 import threading
 import time
 import traceback
@@ -197,11 +198,41 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> str:
     return path
 
 
+def _in_ray_worker() -> bool:
+    """Whether this process is a Ray task's or actor's worker (not a driver)."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        worker = ray._private.worker
+        return bool(worker.global_worker.mode == worker.WORKER_MODE)
+    except AttributeError:
+        return False
+
+
+def _pickle_by_value(obj: Any) -> bytes:
+    """``obj`` pickled with Ray's cloudpickle, which sends functions of ``__main__`` and
+    lambdas by value (their code), as Ray itself sent them to this worker."""
+    from ray import cloudpickle
+
+    dumps: Any = cloudpickle.dumps  # untyped
+    return bytes(dumps(obj, protocol=5))
+
+
 def check_picklable(obj: Any, what: str, stage: str) -> bytes:
-    """``obj`` pickled, or an :class:`InvalidArgumentError` naming what could not be."""
+    """``obj`` pickled, or an :class:`InvalidArgumentError` naming what could not be.
+
+    Inside a Ray worker a function the user defined in the driver script arrives by
+    value (Ray cloudpickles it): its ``__main__`` is not the worker's, so plain pickle
+    cannot name it. There it is pickled by value the same way, so a pipeline built in a
+    Ray task runs process workers exactly as it does in the driver.
+    """
     try:
         return pickle.dumps(obj, protocol=5)
     except Exception as error:
+        if _in_ray_worker():
+            with contextlib.suppress(Exception):
+                return _pickle_by_value(obj)
         where = _find_unpicklable(obj, what)
         raise InvalidArgumentError(
             f"{stage}: {where} cannot be sent to worker processes ({type(error).__name__}: "
