@@ -17,7 +17,7 @@ def test_all_lists_exactly_the_public_names() -> None:
         "dataset", "errors", "core", "options", "structure", "memory",
         "sources", "transforms", "profiling", "testing", "io", "cli", "distribute", "writers",
         "tools", "csv", "persist", "sql", "adapters", "keras", "saved", "tf_compat", "workers",
-        "image", "served",
+        "image", "served", "ray",
     }
     assert public | {"__version__"} == set(hr.__all__)
 

@@ -137,7 +137,7 @@ RANKS = {
     "adapters": 8,
     "dataset": 9, "keras": 9,
     "headrace": 10, "csv": 10, "served": 10, "_wire": 10, "tf_compat": 10,
-    "tools": 10,
+    "tools": 10, "ray": 10,
     "cli": 11, "testing": 11,
 }
 

@@ -12,13 +12,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import ray
+from ray.cluster_utils import Cluster
 
 import headrace as hr
-
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from headrace.ray import DataService, ServiceConsumer  # noqa: E402
+from headrace.ray import DataService, ServiceConsumer, from_ray, to_ray
 
 pytestmark = pytest.mark.slow
 
@@ -164,13 +162,12 @@ def test_bad_arguments_are_clear_errors(cluster: Cluster) -> None:
 
 
 def test_to_ray_and_from_ray_round_trip_through_ray_data(cluster: Cluster) -> None:
-    pytest.importorskip("ray.data")
     dataset = hr.Dataset.from_tensor_slices(
         {"x": np.arange(300), "v": np.arange(600.0).reshape(300, 2)})
     # headrace's splits become Ray Data read tasks; Ray's map_batches; back to headrace
-    doubled = dataset.to_ray(num_splits=3, block_rows=64).map_batches(
+    doubled = to_ray(dataset, num_splits=3, block_rows=64).map_batches(
         lambda batch: {"x": batch["x"] * 2, "v": batch["v"]})
-    back = hr.Dataset.from_ray(doubled, batch_size=50)
+    back = from_ray(doubled, batch_size=50)
     rows = sorted((int(e["x"]), e["v"].tolist()) for e in back)
     assert rows == [(2 * i, [2.0 * i, 2.0 * i + 1]) for i in range(300)]
     assert back.element_spec["v"].shape == (2,)

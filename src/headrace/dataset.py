@@ -184,15 +184,6 @@ class Dataset:
         return Dataset(GeneratorNode(generator, signature, tuple(args or ())))
 
     @staticmethod
-    def from_ray(ray_dataset: Any, *, batch_size: int = 256) -> Dataset:
-        """The rows of a Ray Data ``Dataset`` (dicts of NumPy values) as a headrace
-        pipeline: Ray's transforms upstream, headrace's budgeted stages (and its
-        trainers' adapters) downstream. See :func:`headrace.ray.from_ray`."""
-        from headrace.ray import from_ray
-
-        return from_ray(ray_dataset, batch_size=batch_size)
-
-    @staticmethod
     def from_npy(path: str | os.PathLike[str]) -> Dataset:
         """Rows of a ``.npy`` file, memory-mapped read-only: never read whole into RAM.
 
@@ -842,16 +833,6 @@ class Dataset:
         )
 
     # -- frameworks ----------------------------------------------------------------------
-    def to_ray(self, *, num_splits: int | None = None, memory_budget: int | str = "256MiB",
-               block_rows: int = 1024, batched: bool = False) -> Any:
-        """This pipeline as a Ray Data ``Dataset``, one read task per split (its files or
-        position ranges), each under ``memory_budget``: for Ray Data's operators and
-        trainers downstream. See :func:`headrace.ray.to_ray`."""
-        from headrace.ray import to_ray
-
-        return to_ray(self, num_splits=num_splits, memory_budget=memory_budget,
-                      block_rows=block_rows, batched=batched)
-
     def to_tf(self) -> Any:
         """A ``tf.data.Dataset`` with an output signature built from :attr:`element_spec`.
 
