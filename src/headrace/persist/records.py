@@ -39,6 +39,7 @@ from headrace.io.tfrecord.writer import TFRecordWriter, record_frame
 from headrace.io.tfrecord_index import load_index, write_index
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.units import format_bytes
+from headrace.persist.columnar import layout_for
 from headrace.sources.files import file_limiter
 
 __all__ = [
@@ -59,6 +60,9 @@ _FRAME_FOOTER = struct.Struct("<I")  # its data's masked CRC
 #: Records at least this large are read each into a buffer of its own and decoded
 #: there (no copy); smaller ones are read in runs and split out (one small copy each).
 _IN_PLACE_BYTES = 32 << 10
+#: Records below this size are checked by the framing scanner (one call per run); larger
+#: ones one CRC call each (the scanner would copy every payload out).
+_SCAN_BELOW = 4 << 10
 
 
 def book(account: Buffer, nbytes: int, what: str) -> Reservation:
@@ -296,7 +300,9 @@ def checksums_digest(crcs: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(crcs)
 
 
-def _check_frame(buffer: bytes, offset: int, path: str, stream: str = "") -> tuple[int, int]:
+def _check_frame(
+    buffer: bytes | memoryview, offset: int, path: str, stream: str = ""
+) -> tuple[int, int]:
     """Check one framed record in place (length, both CRCs); its payload's bounds.
     ``stream``: what the offset counts in, when not the file's bytes."""
     view = memoryview(buffer)
@@ -360,6 +366,14 @@ class RecordReader:
         self.pending: list[tuple[bytes, int, int, int]] = []
         self.pending_booked = 0
         self.next_pending = 0
+        #: Batches decoded column by column (see :meth:`read_batch`): its reused read
+        #: buffer and that buffer's booking; off once a skeleton needs per-element work.
+        self.columnar = type(self).columnar_reads
+        self.run_buffer = bytearray()
+        self.run_booking = NO_RESERVATION
+
+    #: Whether :meth:`read_batch` may serve batches from this reader's records.
+    columnar_reads = True
 
     @property
     def chunk(self) -> int:
@@ -507,8 +521,124 @@ class RecordReader:
         self.pending = []
         self.next_pending = 0
 
+    # -- batches, column by column -------------------------------------------------------
+    def read_batch(
+        self, count: int, out_account: Buffer, *, whole: bool = False
+    ) -> tuple[Any, Reservation, int] | None:
+        """The next ``count`` elements (fewer at the end) batched, decoded column by
+        column, or None where they are not all alike — records of one size and one
+        skeleton whose leaves are fixed-size numbers (:mod:`headrace.persist.columnar`);
+        then nothing was consumed and the caller decodes them one by one (also when
+        fewer than ``count`` are left and ``whole`` asks for a full batch).
+
+        Each run of records (up to the stage's chunk) is read into one reused buffer,
+        booked on this stage's account, and checked as every record is (framing, both
+        CRCs, the manifest's CRC of each record) before any byte of it is used; the
+        batch's columns are booked on ``out_account`` (the batch stage's) before they
+        are allocated. Returns the batch, its booking and how many elements it holds."""
+        first, total = self.next, len(self.offsets)
+        last = min(first + count, total)
+        if not self.columnar or last <= first or (whole and last - first < count):
+            return None
+        begin = int(self.offsets[first])
+        size = self._end(first) - begin
+        if self._end(last - 1) - begin != size * (last - first) or size < RECORD_OVERHEAD_BYTES + 4:
+            return None
+        if last - first > 1:  # one size for all: the ends are evenly spaced
+            spacing = np.diff(self.offsets[first:last])
+            if spacing.min() != size or spacing.max() != size:
+                return None
+        per_read = max(1, self.chunk // size)
+        buffer = self._run_buffer(min(per_read, last - first) * size)
+        view = memoryview(buffer)
+        matrix = np.frombuffer(buffer, np.uint8)
+        layout = head = None
+        outputs: list[Any] = []
+        booking = NO_RESERVATION
+        try:
+            at = first
+            while at < last:
+                rows = min(per_read, last - at)
+                start = int(self.offsets[at])
+                nbytes = rows * size
+                got = self.stream.pread_into(start, view[:nbytes])
+                if got < nbytes:  # a truncated file: the record reader names where
+                    booking.release()
+                    return None
+                self._check_run(view[:nbytes], rows, size, start, at)
+                records = matrix[:nbytes].reshape(rows, size)
+                if layout is None:
+                    (skeleton,) = struct.unpack_from("<I", buffer, 12)
+                    head = bytes(buffer[12 : 16 + skeleton])
+                    layout = layout_for(head)
+                    if layout is None:
+                        self.columnar = False  # this dataset's elements need objects
+                        return None
+                    if 16 + skeleton + layout.data_bytes + 4 != size:
+                        return None  # (the element decoder names what is wrong)
+                    booking = out_account.admit(
+                        layout.output_bytes(last - first),
+                        together=f"a batch of {last - first} elements",
+                    )
+                    outputs = layout.allocate(last - first)
+                assert head is not None
+                heads = records[:, 12 : 12 + len(head)]
+                if not (heads == np.frombuffer(head, np.uint8)).all():
+                    booking.release()
+                    return None  # another skeleton in this run: one by one
+                layout.fill(outputs, at - first, records[:, 12 + len(head) : size - 4])
+                at += rows
+        except BaseException:
+            booking.release()
+            raise
+        finally:
+            del view, matrix
+        assert layout is not None
+        self._release_pending()  # (a read-ahead of earlier elements, now passed)
+        self.next = last
+        return layout.build(iter(outputs)), booking, last - first
+
+    def _run_buffer(self, nbytes: int) -> bytearray:
+        """The reused read buffer, at least ``nbytes`` (its growth booked first)."""
+        if len(self.run_buffer) < nbytes:
+            self.run_booking = self.run_booking.absorb(
+                book(self.account, nbytes - len(self.run_buffer), "cached records read ahead")
+            )
+            self.run_buffer = bytearray(nbytes)
+        return self.run_buffer
+
+    def _check_run(self, view: memoryview, rows: int, size: int, start: int, first: int) -> None:
+        """Every record of a run of ``rows`` records of ``size`` bytes read at file offset
+        ``start`` checked (framing, both CRCs, the manifest's CRC), or an error naming the
+        file and the offset of the first one that is wrong."""
+        if size < _SCAN_BELOW:
+            # (the scanner copies each payload out: a few bytes each, dropped at once)
+            scratch = book(self.account, len(view) + rows * BYTES_OVERHEAD, "cached records checked")
+            try:
+                records_in_spans([view], [rows], [start], path=self.path)
+            finally:
+                scratch.release()
+        else:
+            for row in range(rows):
+                _check_frame(view[row * size : (row + 1) * size], start + row * size, self.path)
+        expected = self.expected
+        if expected is None:
+            return
+        footers = np.frombuffer(view, np.uint8).reshape(rows, size)[:, size - 4 :]
+        crcs = footers.copy().view("<u4").reshape(-1)
+        wrong = np.flatnonzero(crcs != expected.crcs[first : first + rows])
+        if len(wrong):
+            entry = first + int(wrong[0])
+            offset = int(self.offsets[entry])
+            raise expected.mismatch(
+                self.path, f"record {entry} at offset {offset} is not the one written there",
+                offset,
+            )
+
     def close(self) -> None:
         self._release_pending()
+        self.run_buffer = bytearray()
+        self.run_booking.release()
         self.stream.close()
         self.index_booking.release()
 
@@ -594,6 +724,9 @@ class BlockReader(RecordReader):
 
     def _offset(self, record: int) -> int:
         return self.block_offset  # (the message says the offset counts in the block)
+
+    #: Blocks are decompressed whole: elements are decoded one by one from them.
+    columnar_reads = False
 
     def skip(self, count: int) -> int:
         self._release_pending()

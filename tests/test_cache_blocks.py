@@ -1,0 +1,311 @@
+"""cache(filename) read in runs of records and batched column by column: every element
+structure a generator makes (arrays of many dtypes and shapes, NumPy and Python scalars,
+bytes/str/objects, None, ragged arrays, dicts, tuples, namedtuples) gives, through
+``cache(file)`` and ``cache(file).batch(n)``, exactly what the uncached pipeline gives
+(the oracle); checkpoints restore at every step; a corrupted, truncated or substituted
+file is an error naming the file and the byte offset."""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import headrace as hr
+from headrace.persist import records as records_module
+from headrace.testing import assert_checkpoint_roundtrip
+
+Point = collections.namedtuple("Point", ["u", "v"])
+
+#: Array dtypes the generator draws from (a big-endian one and times included).
+_DTYPES = ["i1", "u2", "<i4", ">i4", "<i8", "f2", "<f4", ">f8", "c8", "?", "<m8[s]", "<M8[ms]"]
+
+
+def _leaf_maker(rng: np.random.Generator, fixed: bool) -> Callable[[np.random.Generator, int], Any]:
+    """One leaf's maker (element rng, element index -> value); ``fixed``: only leaves of
+    one size in every element (what the column-by-column path decodes)."""
+    kinds = ["array", "npscalar", "int", "float", "bool", "complex"]
+    if not fixed:
+        kinds += ["bytes", "str", "none", "strings", "ragged", "bigint", "list"]
+    kind = kinds[int(rng.integers(len(kinds)))]
+    dtype = np.dtype(_DTYPES[int(rng.integers(len(_DTYPES)))])
+    shape = tuple(int(d) for d in rng.integers(0, 4, size=int(rng.integers(0, 3))))
+    if kind == "array" and rng.random() < 0.15:
+        shape = (1100,)  # records past the scanner's size: checked one CRC call each
+
+    def values(r: np.random.Generator, count: int) -> np.ndarray[Any, Any]:
+        raw = r.integers(-100, 100, size=count)
+        if dtype.kind == "?" or dtype.kind == "b":
+            return (raw > 0).astype(dtype)
+        return raw.astype(dtype)
+
+    if kind == "array":
+        return lambda r, i: values(r, int(np.prod(shape, dtype=np.int64))).reshape(shape)
+    if kind == "npscalar":
+        return lambda r, i: values(r, 1)[0]
+    if kind == "int":
+        return lambda r, i: int(r.integers(-(1 << 62), 1 << 62))
+    if kind == "float":
+        return lambda r, i: float(r.standard_normal())
+    if kind == "bool":
+        return lambda r, i: bool(r.random() < 0.5)
+    if kind == "complex":
+        return lambda r, i: complex(r.standard_normal(), r.standard_normal())
+    if kind == "bytes":
+        return lambda r, i: bytes(r.integers(0, 256, size=int(r.integers(0, 6)), dtype=np.uint8))
+    if kind == "str":
+        return lambda r, i: "é" * int(r.integers(0, 4)) + str(i)
+    if kind == "none":
+        return lambda r, i: None
+    if kind == "strings":
+        return lambda r, i: np.array([str(i), "x" * int(r.integers(0, 3))], dtype=object)
+    if kind == "bigint":
+        return lambda r, i: (1 << 70) + i
+    if kind == "list":
+        return lambda r, i: [i, i + 1]
+    return lambda r, i: np.arange(i % 4, dtype=np.int32)  # ragged
+
+
+def _structure_maker(
+    rng: np.random.Generator, fixed: bool, depth: int = 0
+) -> Callable[[np.random.Generator, int], Any]:
+    roll = rng.random() if depth < 2 else 1.0
+    if roll < 0.3:  # a dict, keys in insertion order (not sorted)
+        keys = [f"k{j}{'z' * (3 - j)}" for j in rng.permutation(int(rng.integers(1, 4)))]
+        parts = [_structure_maker(rng, fixed, depth + 1) for _ in keys]
+        return lambda r, i: {key: part(r, i) for key, part in zip(keys, parts, strict=True)}
+    if roll < 0.45:
+        parts = [_structure_maker(rng, fixed, depth + 1) for _ in range(int(rng.integers(1, 4)))]
+        return lambda r, i: tuple(part(r, i) for part in parts)
+    if roll < 0.55:
+        u, v = _structure_maker(rng, fixed, depth + 1), _structure_maker(rng, fixed, depth + 1)
+        return lambda r, i: Point(u(r, i), v(r, i))
+    return _leaf_maker(rng, fixed)
+
+
+def _element_fn(seed: int, fixed: bool) -> Callable[[Any], Any]:
+    make = _structure_maker(np.random.default_rng(seed), fixed)
+
+    def element(i: Any) -> Any:
+        return make(np.random.default_rng([seed, int(i)]), int(i))
+
+    return element
+
+
+def _outcome(dataset: hr.Dataset) -> tuple[list[Any], BaseException | None]:
+    """The elements of one pass, and the error that ended it (if one did): a pass that
+    ends in an error leaves a partial cache, discarded with tf.data's warning."""
+    got: list[Any] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with iter(dataset) as iterator:
+                for element in iterator:
+                    got.append(element)
+        except Exception as error:  # (a batch of unlike elements: the batcher's own error)
+            assert all("partial" in str(w.message) for w in caught), caught
+            return got, error
+    assert not caught, [str(w.message) for w in caught]
+    return got, None
+
+
+def _same(actual: Any, expected: Any, where: str) -> None:
+    """Equal in type, structure, dtype, shape and value (dict order included)."""
+    assert type(actual) is type(expected), f"{where}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, dict):
+        assert list(actual) == list(expected), f"{where}: keys {list(actual)} != {list(expected)}"
+        for key in expected:
+            _same(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (tuple, list)):
+        assert len(actual) == len(expected), where
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            _same(a, e, f"{where}[{index}]")
+    elif isinstance(expected, (np.ndarray, np.generic)):
+        assert actual.dtype == expected.dtype and actual.dtype.str == expected.dtype.str, (
+            f"{where}: dtype {actual.dtype.str} != {expected.dtype.str}"
+        )
+        assert np.shape(actual) == np.shape(expected), f"{where}: shape"
+        if expected.dtype.hasobject:
+            assert np.asarray(actual).tolist() == np.asarray(expected).tolist(), where
+        else:
+            assert np.array_equal(actual, expected), f"{where}: {actual!r:.200} != {expected!r:.200}"
+    else:
+        assert actual == expected, f"{where}: {actual!r:.80} != {expected!r:.80}"
+
+
+def _same_outcome(actual: tuple[list[Any], Any], expected: tuple[list[Any], Any]) -> None:
+    assert len(actual[0]) == len(expected[0])
+    for index, (a, e) in enumerate(zip(actual[0], expected[0], strict=True)):
+        _same(a, e, f"element {index}")
+    if expected[1] is None:
+        assert actual[1] is None, f"unexpected error {actual[1]!r}"
+    else:
+        assert type(actual[1]) is type(expected[1]) and str(actual[1]) == str(expected[1])
+
+
+class _Columnar:
+    """Counts the batches the cache served column by column (the fast path taken)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.batches = 0
+        original = records_module.RecordReader.read_batch
+
+        def spy(reader: Any, *args: Any, **kwargs: Any) -> Any:
+            found = original(reader, *args, **kwargs)
+            self.batches += found is not None
+            return found
+
+        monkeypatch.setattr(records_module.RecordReader, "read_batch", spy)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed-size", "any"])
+@pytest.mark.parametrize("seed", range(12))
+def test_cached_batches_equal_the_uncached_pipeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, fixed: bool
+) -> None:
+    rng = np.random.default_rng(1000 + seed)
+    count = int(rng.integers(1, 60))
+    batch_size = int(rng.choice([1, 3, 7, 16, 64]))
+    drop = bool(rng.random() < 0.3)
+    budget = int(rng.choice([1 << 20, 64 << 20]))  # small: runs of a few records per read
+    options = hr.Options(memory_budget=budget)
+    source = hr.Dataset.range(count).map(_element_fn(seed, fixed)).with_options(options)
+    prefix = str(tmp_path / "c")
+    expected = _outcome(source.batch(batch_size, drop_remainder=drop))
+    cached = source.cache(prefix).batch(batch_size, drop_remainder=drop)
+    spy = _Columnar(monkeypatch)
+    _same_outcome(_outcome(cached), expected)  # writing the cache
+    assert spy.batches == 0
+    assert os.path.exists(prefix + ".hrcache.json") == (expected[1] is None)
+    _same_outcome(_outcome(cached), expected)  # reading it
+    if fixed and expected[0] and expected[1] is None:
+        assert spy.batches > 0  # (the column-by-column path was the one compared)
+    elements = _outcome(source)
+    _same_outcome(_outcome(source.cache(prefix)), elements)  # the cache alone
+    _same_outcome(_outcome(source.cache(prefix)), elements)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cached_batches_restore_at_every_step(tmp_path: Path, seed: int) -> None:
+    source = hr.Dataset.range(40).map(_element_fn(50 + seed, fixed=seed % 2 == 0))
+    cached = source.cache(str(tmp_path / "c")).batch(6, drop_remainder=seed == 1)
+    assert_checkpoint_roundtrip(cached)  # the first iterator writes; the rest read
+    assert_checkpoint_roundtrip(cached.repeat(2))
+
+
+def test_a_checkpoint_taken_while_writing_restores_into_the_columnar_reader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = hr.Dataset.range(30).map(lambda i: {"x": np.full(3, i, np.float32), "i": i})
+    cached = source.cache(str(tmp_path / "c")).batch(4)
+    writer = iter(cached)
+    next(writer)
+    next(writer)
+    state = writer.get_state()
+    rest = [batch["i"].tolist() for batch in writer]  # writes the rest: the cache is complete
+    spy = _Columnar(monkeypatch)
+    restored = iter(cached)
+    restored.set_state(state)
+    assert [batch["i"].tolist() for batch in restored] == rest
+    assert spy.batches == len(rest)
+
+
+def test_elements_that_change_skeleton_within_a_run_are_batched_one_by_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # records of one size whose skeletons differ (another key of the same length)
+    source = hr.Dataset.range(12).map(
+        lambda i: {"a": np.int64(i)} if int(i) % 5 else {"b": np.int64(i)}
+    )
+    expected = _outcome(source.batch(4))
+    cached = source.cache(str(tmp_path / "c")).batch(4)
+    list(cached)
+    spy = _Columnar(monkeypatch)
+    _same_outcome(_outcome(cached), expected)
+    assert spy.batches == 0
+
+
+def test_cached_batches_are_booked_on_the_stages(tmp_path: Path) -> None:
+    """A batch that cannot fit the batch stage's share is refused, naming the batch
+    stage, before its columns are allocated — as the element-by-element batcher does."""
+    source = hr.Dataset.range(64).map(lambda i: np.full(16 << 10, i, np.uint8))
+    prefix = str(tmp_path / "c")
+    list(source.cache(prefix))
+    small = hr.Options(memory_budget=1 << 20)
+    with pytest.raises(hr.MemoryBudgetError, match="batch"):
+        list(source.cache(prefix).batch(64).with_options(small))
+    fits = list(source.cache(prefix).batch(4).with_options(small))
+    assert [int(batch[0, 0]) for batch in fits] == list(range(0, 64, 4))
+
+
+def _written(tmp_path: Path, values: Callable[[Any], Any], count: int = 200) -> tuple[hr.Dataset, str]:
+    prefix = str(tmp_path / "c")
+    cached = hr.Dataset.range(count).map(values).cache(prefix).batch(32)
+    list(cached)
+    return cached, prefix + ".hrcache"
+
+
+def _touch_like(path: str, data: bytes) -> None:
+    stat = os.stat(path)
+    Path(path).write_bytes(data)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: the mtime stays
+
+
+@pytest.mark.parametrize("width", [4, 2000], ids=["scanned", "one-crc-each"])
+def test_a_corrupted_record_names_the_file_and_its_offset(tmp_path: Path, width: int) -> None:
+    cached, data = _written(tmp_path, lambda i: np.full(width, i, np.int32))
+    raw = bytearray(Path(data).read_bytes())
+    record = len(raw) // 200
+    raw[record * 77 + 40] ^= 0x10  # inside the 78th record's payload
+    _touch_like(data, bytes(raw))
+    with pytest.raises(hr.DataLossError, match=f"offset {record * 77} in file {data}") as raised:
+        list(cached)
+    assert raised.value.path == data and raised.value.offset == record * 77
+
+
+def test_a_file_truncated_under_an_open_reader_is_an_error_naming_it(tmp_path: Path) -> None:
+    cached, data = _written(tmp_path, lambda i: np.full(8, i, np.int64))
+    reader = iter(cached)
+    first = next(reader)
+    assert first.tolist()[:2] == [[0] * 8, [1] * 8]
+    size = os.path.getsize(data)
+    os.truncate(data, size - size // 3)
+    with pytest.raises(hr.DataLossError, match=f"in file {data}") as raised:
+        list(reader)
+    assert raised.value.path == data and raised.value.offset is not None
+    assert raised.value.offset <= size - size // 3
+
+
+def test_another_caches_data_file_is_refused_naming_the_record(tmp_path: Path) -> None:
+    cached, data = _written(tmp_path / "a" if (tmp_path / "a").mkdir() is None else tmp_path,
+                            lambda i: np.full(8, i, np.int64))
+    other = tmp_path / "b"
+    other.mkdir()
+    _, other_data = _written(other, lambda i: np.full(8, 1000 + i, np.int64))
+    shutil.copyfile(other_data, data)  # same size, same index: other values and CRCs
+    shutil.copyfile(other_data + ".hrx", data + ".hrx")
+    with pytest.raises(hr.DataLossError, match="record 0 at offset 0 is not the one") as raised:
+        list(cached)
+    assert raised.value.path == data and raised.value.offset == 0
+
+
+def _batches_of(iterator: Iterator[Any]) -> list[list[int]]:
+    return [batch.tolist() for batch in iterator]
+
+
+def test_snapshot_reads_batches_column_by_column(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = hr.Dataset.range(50).map(lambda i: np.int64(i) * 3)
+    snap = source.snapshot(str(tmp_path / "s"), compression=None).batch(8)
+    first = _batches_of(iter(snap))
+    spy = _Columnar(monkeypatch)
+    assert _batches_of(iter(snap)) == first == _batches_of(iter(source.batch(8)))
+    assert spy.batches == len(first)
