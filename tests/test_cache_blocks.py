@@ -270,11 +270,14 @@ def test_a_corrupted_record_names_the_file_and_its_offset(tmp_path: Path, width:
     assert raised.value.path == data and raised.value.offset == record * 77
 
 
-def test_a_file_truncated_under_an_open_reader_is_an_error_naming_it(tmp_path: Path) -> None:
-    cached, data = _written(tmp_path, lambda i: np.full(8, i, np.int64))
+@pytest.mark.parametrize("width", [8, 1000], ids=["scanned", "read-into-rows"])
+def test_a_file_truncated_under_an_open_reader_is_an_error_naming_it(
+    tmp_path: Path, width: int
+) -> None:
+    cached, data = _written(tmp_path, lambda i: np.full(width, i, np.int64))
     reader = iter(cached)
     first = next(reader)
-    assert first.tolist()[:2] == [[0] * 8, [1] * 8]
+    assert first.tolist()[:2] == [[0] * width, [1] * width]
     size = os.path.getsize(data)
     os.truncate(data, size - size // 3)
     with pytest.raises(hr.DataLossError, match=f"in file {data}") as raised:
@@ -309,3 +312,28 @@ def test_snapshot_reads_batches_column_by_column(
     spy = _Columnar(monkeypatch)
     assert _batches_of(iter(snap)) == first == _batches_of(iter(source.batch(8)))
     assert spy.batches == len(first)
+
+
+def test_large_records_are_read_straight_into_the_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the first batch, records of a layout met before are read into the batch's
+    rows with no buffer in between; the batches are the uncached pipeline's."""
+    source = hr.Dataset.range(70).map(
+        lambda i: (np.full((30, 50), i, np.float32), {"i": int(i), "z": np.zeros(0, np.int8)})
+    )
+    cached = source.cache(str(tmp_path / "c")).batch(16)
+    list(cached)
+    scattered = []
+    original = records_module.RecordReader._scatter_batch
+
+    def spy(reader: Any, *args: Any) -> Any:
+        found = original(reader, *args)
+        scattered.append(found is not None)
+        return found
+
+    monkeypatch.setattr(records_module.RecordReader, "_scatter_batch", spy)
+    expected = _outcome(source.batch(16))
+    _same_outcome(_outcome(cached), expected)
+    assert scattered == [True] * 4  # (the first of the 5 batches finds the layout)
+    assert_checkpoint_roundtrip(cached, max_checkpoints=8)

@@ -28,7 +28,8 @@ import xxhash
 
 from headrace.core.iterator import Context
 from headrace.errors import DataLossError
-from headrace.io._crc32c import masked_crc32c
+from headrace.io._crc32c import crc32c, mask_crc, masked_crc32c
+from headrace.io._native import native_module
 from headrace.io.blocks import BlockCodec
 from headrace.io.elements import EncodedParts, decode_element
 from headrace.io.filepool import FileLimiter, get_default_pool
@@ -39,7 +40,7 @@ from headrace.io.tfrecord.writer import TFRecordWriter, record_frame
 from headrace.io.tfrecord_index import load_index, write_index
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.units import format_bytes
-from headrace.persist.columnar import layout_for
+from headrace.persist.columnar import Layout, layout_for
 from headrace.sources.files import file_limiter
 
 __all__ = [
@@ -371,6 +372,9 @@ class RecordReader:
         self.columnar = type(self).columnar_reads
         self.run_buffer = bytearray()
         self.run_booking = NO_RESERVATION
+        #: Large records of a layout already met: (record size, head, layout), read
+        #: straight into the batch (:meth:`_scatter_batch`).
+        self.scatter_plan: tuple[int, bytes, Layout] | None = None
 
     #: Whether :meth:`read_batch` may serve batches from this reader's records.
     columnar_reads = True
@@ -548,6 +552,9 @@ class RecordReader:
             spacing = np.diff(self.offsets[first:last])
             if spacing.min() != size or spacing.max() != size:
                 return None
+        plan = self.scatter_plan
+        if plan is not None and plan[0] == size:
+            return self._scatter_batch(first, last, size, plan[1], plan[2], out_account)
         per_read = max(1, self.chunk // size)
         buffer = self._run_buffer(min(per_read, last - first) * size)
         view = memoryview(buffer)
@@ -593,10 +600,95 @@ class RecordReader:
             raise
         finally:
             del view, matrix
-        assert layout is not None
+        assert layout is not None and head is not None
         self._release_pending()  # (a read-ahead of earlier elements, now passed)
         self.next = last
+        if size >= _SCAN_BELOW and all(leaf.copy_bytes for leaf in layout.leaves):
+            self.scatter_plan = (size, head, layout)  # large records: read into the rows
         return layout.build(iter(outputs)), booking, last - first
+
+    def _scatter_batch(
+        self, first: int, last: int, size: int, head: bytes, layout: Layout,
+        out_account: Buffer,
+    ) -> tuple[Any, Reservation, int] | None:
+        """:meth:`read_batch` for large records of a known layout: each record is read
+        straight into the batch's rows (its frame and skeleton into a small scratch
+        buffer), one ``preadv`` per run, then checked in place (framing, both CRCs over
+        the bytes where they landed, the manifest's CRC). The kernel's copy from the page
+        cache is the only one: no read buffer, no copy out of it. A record that fails a
+        check is read again and checked the usual way, for the usual error."""
+        rows = last - first
+        prefix = 12 + len(head)
+        booking = out_account.admit(
+            layout.output_bytes(rows), together=f"a batch of {rows} elements"
+        )
+        try:
+            outputs = layout.allocate(rows)
+            targets = [
+                out.reshape(rows, -1).view(np.uint8)
+                for out, leaf in zip(outputs, layout.leaves, strict=True) if leaf.nbytes
+            ]
+            scratch = bytearray(rows * (prefix + 4))
+            with contextlib.ExitStack() as stack:
+                stack.callback(book(self.account, len(scratch), "cached records' frames").release)
+                frames = memoryview(scratch)
+                per_call = max(1, 1024 // (2 + len(targets)))
+                for at in range(0, rows, per_call):
+                    stop = min(rows, at + per_call)
+                    pieces: list[memoryview] = []
+                    for row in range(at, stop):
+                        mark = row * (prefix + 4)
+                        pieces.append(frames[mark : mark + prefix])
+                        pieces += [memoryview(target[row]) for target in targets]
+                        pieces.append(frames[mark + prefix : mark + prefix + 4])
+                    start = int(self.offsets[first + at])
+                    wanted = (stop - at) * size
+                    if self.stream.pread_scatter(start, pieces) < wanted:
+                        booking.release()
+                        return None  # a truncated file: the record reader names where
+                    for row in range(at, stop):
+                        if not self._scattered_ok(frames, row, prefix, head, targets, first):
+                            self._check_alone(first + row)  # raises, naming the record
+                            booking.release()
+                            return None  # sound, but another skeleton: one by one
+        except BaseException:
+            booking.release()
+            raise
+        self._release_pending()
+        self.next = last
+        return layout.build(iter(outputs)), booking, rows
+
+    def _scattered_ok(
+        self, frames: memoryview, row: int, prefix: int, head: bytes,
+        targets: list[np.ndarray[Any, Any]], first: int,
+    ) -> bool:
+        """Whether record ``first + row``, read in pieces, is sound and has ``head``."""
+        mark = row * (prefix + 4)
+        length, length_crc = _FRAME_HEADER.unpack_from(frames, mark)
+        if length != prefix - 12 + sum(target.shape[1] for target in targets):
+            return False
+        if masked_crc32c(frames[mark : mark + 8]) != length_crc:
+            return False
+        if frames[mark + 12 : mark + prefix] != head:
+            return False
+        native = native_module()
+        extend = crc32c if native is None else native.crc32c  # (one call less per piece)
+        crc = extend(frames[mark + 12 : mark + prefix], 0)
+        for target in targets:
+            crc = extend(memoryview(target[row]), crc)
+        (footer,) = _FRAME_FOOTER.unpack_from(frames, mark + prefix)
+        if mask_crc(crc) != footer:
+            return False
+        expected = self.expected
+        return expected is None or footer == expected.crcs[first + row]
+
+    def _check_alone(self, record: int) -> None:
+        """Read record ``record`` alone and check it as :meth:`pull` does (raising the
+        error that names the file and its offset)."""
+        start = int(self.offsets[record])
+        (buffer,) = self.stream.pread_many([start], [self._end(record) - start])
+        _check_frame(buffer, start, self.path)
+        self._check_entry(buffer, len(buffer), record)
 
     def _run_buffer(self, nbytes: int) -> bytearray:
         """The reused read buffer, at least ``nbytes`` (its growth booked first)."""
