@@ -592,7 +592,8 @@ class RecordReader:
                 heads = records[:, 12 : 12 + len(head)]
                 if not (heads == np.frombuffer(head, np.uint8)).all():
                     booking.release()
-                    return None  # another skeleton in this run: one by one
+                    self.columnar = False  # skeletons mixed in runs: one by one from now
+                    return None
                 layout.fill(outputs, at - first, records[:, 12 + len(head) : size - 4])
                 at += rows
         except BaseException:
@@ -650,7 +651,8 @@ class RecordReader:
                         if not self._scattered_ok(frames, row, prefix, head, targets, first):
                             self._check_alone(first + row)  # raises, naming the record
                             booking.release()
-                            return None  # sound, but another skeleton: one by one
+                            self.columnar = False  # sound, but another skeleton
+                            return None
         except BaseException:
             booking.release()
             raise
