@@ -244,8 +244,15 @@ def test_cached_batches_are_booked_on_the_stages(tmp_path: Path) -> None:
     small = hr.Options(memory_budget=1 << 20)
     with pytest.raises(hr.MemoryBudgetError, match="batch"):
         list(source.cache(prefix).batch(64).with_options(small))
-    fits = list(source.cache(prefix).batch(4).with_options(small))
+    with iter(source.cache(prefix).batch(4).with_options(small)) as reader:
+        fits = list(reader)
+        stages = {stage.name: stage for stage in reader.stats().stages}
     assert [int(batch[0, 0]) for batch in fits] == list(range(0, 64, 4))
+    assert stages["cache"].peak >= 16 << 10  # the records read were booked
+    assert stages["batch"].peak >= 4 * (16 << 10)  # and so was each batch made of them
+    # read to the end: the cache stage holds only its index (8 bytes of offset and 4 of
+    # CRC a record), its read buffer already gone; the batches left with the consumer
+    assert (stages["cache"].held, stages["batch"].held) == (64 * 12, 0)
 
 
 def _written(tmp_path: Path, values: Callable[[Any], Any], count: int = 200) -> tuple[hr.Dataset, str]:
@@ -340,3 +347,17 @@ def test_large_records_are_read_straight_into_the_batch(
     _same_outcome(_outcome(cached), expected)
     assert scattered == [True] * 4  # (the first of the 5 batches finds the layout)
     assert_checkpoint_roundtrip(cached, max_checkpoints=8)
+
+
+def test_the_read_buffer_is_gone_once_the_file_is_read(tmp_path: Path) -> None:
+    source = hr.Dataset.range(300).map(lambda i: {"x": np.full(4, i, np.float32), "y": i})
+    prefix = str(tmp_path / "c")
+    list(source.cache(prefix))
+    with iter(source.cache(prefix).batch(64)) as reader:
+        batches = list(reader)
+        stages = {stage.name: stage for stage in reader.stats().stages}
+    assert [batch["y"].tolist() for batch in batches] == [
+        list(range(start, min(start + 64, 300))) for start in range(0, 300, 64)
+    ]
+    assert stages["cache"].peak > 300 * 12  # its index, and the runs read
+    assert (stages["cache"].held, stages["batch"].held) == (300 * 12, 0)

@@ -606,6 +606,9 @@ class RecordReader:
         self.next = last
         if size >= _SCAN_BELOW and all(leaf.copy_bytes for leaf in layout.leaves):
             self.scatter_plan = (size, head, layout)  # large records: read into the rows
+            self._drop_run_buffer()  # (no buffer in between from now on)
+        elif last == total:  # the end: the read buffer goes before the reader does
+            self._drop_run_buffer()
         return layout.build(iter(outputs)), booking, last - first
 
     def _scatter_batch(
@@ -729,10 +732,14 @@ class RecordReader:
                 offset,
             )
 
+    def _drop_run_buffer(self) -> None:
+        self.run_buffer = bytearray()
+        booking, self.run_booking = self.run_booking, NO_RESERVATION
+        booking.release()
+
     def close(self) -> None:
         self._release_pending()
-        self.run_buffer = bytearray()
-        self.run_booking.release()
+        self._drop_run_buffer()
         self.stream.close()
         self.index_booking.release()
 
