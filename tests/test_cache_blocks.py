@@ -361,3 +361,30 @@ def test_the_read_buffer_is_gone_once_the_file_is_read(tmp_path: Path) -> None:
     ]
     assert stages["cache"].peak > 300 * 12  # its index, and the runs read
     assert (stages["cache"].held, stages["batch"].held) == (300 * 12, 0)
+
+
+@pytest.mark.parametrize("width", [3, 1500], ids=["scanned", "read-into-rows"])
+@pytest.mark.parametrize("seed", range(4))
+def test_any_flipped_byte_is_an_error_naming_its_record(
+    tmp_path: Path, width: int, seed: int
+) -> None:
+    """Wherever a byte of the file rots (frame, skeleton, data, CRC), the batches stop
+    at an error naming the file and the offset of the record that holds it; no batch
+    holding a changed value is ever handed out."""
+    cached, data = _written(tmp_path, lambda i: {"v": np.full(width, i, np.int32), "i": i}, 120)
+    raw = bytearray(Path(data).read_bytes())
+    record = len(raw) // 120
+    rng = np.random.default_rng(seed)
+    where = int(rng.integers(len(raw)))
+    raw[where] ^= 1 << int(rng.integers(8))
+    _touch_like(data, bytes(raw))
+    served: list[Any] = []
+    with pytest.raises(hr.DataLossError, match=f"in file {data}") as raised:
+        for batch in cached:
+            served.append(batch)
+    assert raised.value.path == data and raised.value.offset == where // record * record
+    assert len(served) == where // record // 32  # the batches before the rotten record
+    for number, batch in enumerate(served):
+        rows = np.arange(number * 32, number * 32 + 32)
+        assert batch["i"].tolist() == rows.tolist()
+        assert np.array_equal(batch["v"], np.repeat(rows[:, None], width, axis=1))
