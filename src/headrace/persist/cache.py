@@ -137,9 +137,11 @@ class CacheNode(UnaryNode):
         otherwise. Its checkpoints are the plain batch's over the cache's."""
         if not self.filename or ctx.run.probe:
             return None
-        from headrace.transforms.batch import CacheBatchIterator
+        from headrace.transforms.batch import ColumnarBatchIterator
 
-        return CacheBatchIterator(self.make_iterator(ctx), ctx, account, batch_size, drop_remainder)
+        inner = self.make_iterator(ctx)
+        fetch = inner.pull_batch  # type: ignore[attr-defined]
+        return ColumnarBatchIterator(inner, ctx, account, batch_size, drop_remainder, fetch)
 
     def make_iterator(self, ctx: Context) -> Iterator:
         if ctx.run.probe:  # reading one element for a spec: neither cache nor warn,

@@ -44,7 +44,7 @@ from headrace.structure import (
     structure_paths,
 )
 
-__all__ = ["BatchNode", "CacheBatchIterator", "batch_iterator", "batched_cardinality"]
+__all__ = ["BatchNode", "ColumnarBatchIterator", "batch_iterator", "batched_cardinality"]
 
 
 def _batched_spec(spec: Any, batch_size: int, drop_remainder: bool) -> Any:
@@ -424,19 +424,23 @@ class _BatchIterator(Assembler):
         return total
 
 
-class CacheBatchIterator(_BatchIterator):
-    """``cache(filename).batch(n)``: batches the cache stage decodes column by column
-    from its file (:meth:`headrace.persist.cache._CacheIterator.pull_batch`) where it
-    can, assembled element by element otherwise (writing the cache, elements that need
-    objects, a short last batch under ``drop_remainder``, origins asked for). Both
-    routes move the same positions, so its checkpoints are the plain batch's."""
+class ColumnarBatchIterator(_BatchIterator):
+    """Batches a reader below decodes column by column where it can — the cache stage
+    of ``cache(filename).batch(n)`` (:meth:`headrace.persist.cache._CacheIterator.pull_batch`),
+    a saved dataset's gather (``load().batch(n)``) — assembled element by element
+    otherwise (writing the cache, elements that need objects, a short last batch under
+    ``drop_remainder``, origins asked for). ``fetch(count, account, whole=...)`` is the
+    reader's: a batch, its booking on ``account`` and its size, or None having consumed
+    nothing. Both routes move the same positions, so its checkpoints are the plain
+    batch's."""
 
     def __init__(
-        self, inner: Iterator, ctx: Context, account: Buffer, batch_size: int, drop_remainder: bool
+        self, inner: Iterator, ctx: Context, account: Buffer, batch_size: int,
+        drop_remainder: bool, fetch: Callable[..., tuple[Any, Reservation, int] | None],
     ) -> None:
         super().__init__(inner, ctx, account, batch_size, drop_remainder)
-        self._pull_batch = inner.pull_batch  # type: ignore[attr-defined]
-        #: The cache stage's profile record, where a profile counts its pulls: the
+        self._pull_batch = fetch
+        #: The input stage's profile record, where a profile counts its pulls: the
         #: elements it hands over in a batch are counted there too.
         self._record: Any = None
         if "pull" in inner.__dict__:  # (instrumented: see headrace.profiling.probe)
