@@ -10,7 +10,7 @@ Scenarios (each side in fresh processes, one after the other; see README.md):
   batches column by column from the file. Reported against tf.data's
   ``cache(filename).batch(n)`` and against a plain read of the same file (the bound).
 - **load**: ``save(dir)`` first, in its own process (not timed), then timed passes
-  over ``load(dir)`` in a fresh one.
+  over ``load(dir)`` in a fresh one; and over ``load(dir).batch(n)`` (batched as above).
 - **page cache**: plain 1 MiB ``read()`` calls over headrace's cache file, warm in the
   page cache: the bandwidth bound for the large records.
 - **3x budget**: one ``cache()``d dataset three times headrace's budget, read by three
@@ -88,7 +88,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         import headrace as hr
 
         options = hr.Options(memory_budget=cfg.get("budget", 256 * MiB))
-    prefix = os.path.join(work, f"{lib}-{kind}{'-batched' if mode == 'cache_batch' else ''}")
+    prefix = os.path.join(work, f"{lib}-{kind}{'-batched' if mode.endswith('_batch') else ''}")
     if mode == "memory":  # one cached dataset, iterated by separate iterators (as Keras does)
         return _kept_cache(lib, ds.cache(), options, cfg["iterators"], n)
 
@@ -97,8 +97,10 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             out = ds.cache(prefix)
         elif mode == "cache_batch":
             out = ds.cache(prefix).batch(BATCH[kind])
-        elif mode == "load":
+        elif mode in ("load", "load_batch"):
             out = (hr.Dataset.load(prefix) if lib == "hr" else _tf().data.Dataset.load(prefix))
+            if mode == "load_batch":
+                out = out.batch(BATCH[kind])
         else:
             out = ds.cache().repeat(2)
         return out.with_options(options) if lib == "hr" else out
@@ -126,7 +128,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             else:
                 memory.setdefault(key, value)
         del iterator
-        expected = -(-n // BATCH[kind]) if mode == "cache_batch" else n
+        expected = -(-n // BATCH[kind]) if mode.endswith("_batch") else n
         assert count == (2 * n if mode == "memory" else expected), count
     best = min(p[0] for p in passes)
     cpu_best = min(p[1] for p in passes)  # CPU seconds (user + system) of the fastest pass
@@ -189,7 +191,10 @@ def main() -> int:
     try:
         rows = []
         kinds = (("small", 200_000 // scale), ("large", 20_000 // scale))
-        modes = ("cache_batch",) if batched_only else ("cache_file", "cache_batch", "load")
+        modes = (
+            ("cache_batch", "load_batch") if batched_only
+            else ("cache_file", "cache_batch", "load", "load_batch")
+        )
         for kind, n in kinds[1:] if large_only else kinds:
             for mode in modes:
                 found = {}
@@ -227,6 +232,7 @@ def main() -> int:
                     "cache_file": "2nd epoch of cache(file)",
                     "cache_batch": f"2nd epoch of cache(file).batch({BATCH[kind]})",
                     "load": "load()",
+                    "load_batch": f"load().batch({BATCH[kind]})",
                 }[mode]
                 rss = (ours.get("kernel_peak_rss_growth"), theirs.get("kernel_peak_rss_growth"))
                 rows.append([
