@@ -454,3 +454,26 @@ def test_a_corrupted_saved_record_names_the_file_and_its_offset(tmp_path: Path) 
     with pytest.raises(hr.DataLossError, match=f"offset {record * 21} in file") as raised:
         list(hr.Dataset.load(str(path)).batch(16))
     assert raised.value.offset == record * 21 and raised.value.path == str(shard)
+
+
+@pytest.mark.parametrize("odd", [None, 37], ids=["alike", "another-key-at-37"])
+def test_loaded_large_records_batch_one_copy_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, odd: int | None
+) -> None:
+    source = hr.Dataset.range(70).map(
+        lambda i: {"a" if int(i) != odd else "b": np.full((40, 30), i, np.float32), "i": i}
+    )
+    path = str(tmp_path / "saved")
+    source.save(path)
+    loaded = hr.Dataset.load(path).batch(16)
+    from headrace.persist import saved
+
+    with monkeypatch.context() as off:  # the plain batch (load refuses the odd element)
+        off.setattr(saved._LoadedAccess, "read_batch", lambda *args, **kwargs: None)
+        expected = _outcome(loaded)
+    assert (expected[1] is None) == (odd is None)
+    if odd is None:
+        _same_outcome(expected, _outcome(source.batch(16)))
+    spy = _LoadColumnar(monkeypatch)
+    _same_outcome(_outcome(loaded), expected)
+    assert spy.batches == (5 if odd is None else 2)  # (one by one from the odd one's batch)

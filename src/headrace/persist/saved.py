@@ -991,7 +991,8 @@ class _LoadedAccess(RandomAccess):
         numbers = self._record_numbers(indices)
         records = self.records.get_many(numbers).tolist()
         size = len(records[0])
-        held = account.admit_existing([2 * (size + BYTES_OVERHEAD) * len(records)])[0]
+        copies = 1 if size >= _JOIN_BELOW else 2  # the records, and their joined copy
+        held = account.admit_existing([copies * (size + BYTES_OVERHEAD) * len(records)])[0]
         try:
             found = self._columns(records, size, int(numbers[0]), account)
         finally:
@@ -1011,17 +1012,28 @@ class _LoadedAccess(RandomAccess):
         if layout is None or len(head) + layout.data_bytes != size:
             self.columnar = layout is not None  # (elements that need objects: one by one)
             return None
-        rows = np.frombuffer(b"".join(records), np.uint8).reshape(len(records), size)
-        if not (rows[:, : len(head)] == np.frombuffer(head, np.uint8)).all():
-            self.columnar = False  # skeletons mixed: one by one from now
-            return None
+        large = size >= _JOIN_BELOW  # (large records: copied from each, not joined first)
+        if large:
+            if any(record[: len(head)] != head for record in records):
+                self.columnar = False  # skeletons mixed: one by one from now
+                return None
+        else:
+            rows = np.frombuffer(b"".join(records), np.uint8).reshape(len(records), size)
+            if not (rows[:, : len(head)] == np.frombuffer(head, np.uint8)).all():
+                self.columnar = False
+                return None
         self._decode(records[0], first)  # the spec check: every record has its skeleton
         booking = account.admit(
             layout.output_bytes(len(records)), together=f"a batch of {len(records)} elements"
         )
         try:
             outputs = layout.allocate(len(records))
-            layout.fill(outputs, 0, rows[:, len(head) :])
+            if large:
+                for row, record in enumerate(records):
+                    data = np.frombuffer(record, np.uint8, offset=len(head))
+                    layout.fill(outputs, row, data.reshape(1, -1))
+            else:
+                layout.fill(outputs, 0, rows[:, len(head) :])
         except BaseException:
             booking.release()
             raise
@@ -1029,6 +1041,11 @@ class _LoadedAccess(RandomAccess):
 
     def close(self) -> None:
         self.records.close()
+
+
+#: Records from this size on are copied into the batch one by one (a joined copy of
+#: them all first would cost as much again as the batch).
+_JOIN_BELOW = 4 << 10
 
 
 def _round_robin(totals: np.ndarray[Any, Any]) -> bool:
