@@ -5,8 +5,12 @@ Scenarios (each side in fresh processes, one after the other; see README.md):
 - **disk cache, 2nd epoch**: ``range(n).map(make).cache(file)`` — a first process
   writes the cache (not timed), a fresh one reads it (timed; its peak RSS is the
   reading pass's alone), for headrace's and tf.data's.
+- **disk cache, batched**: the same followed by ``.batch(1024)`` (small records) or
+  ``.batch(32)`` (large), as a training loop reads it: headrace decodes these
+  batches column by column from the file. Reported against tf.data's
+  ``cache(filename).batch(n)`` and against a plain read of the same file (the bound).
 - **load**: ``save(dir)`` first, in its own process (not timed), then timed passes
-  over ``load(dir)`` in a fresh one.
+  over ``load(dir)`` in a fresh one; and over ``load(dir).batch(n)`` (batched as above).
 - **page cache**: plain 1 MiB ``read()`` calls over headrace's cache file, warm in the
   page cache: the bandwidth bound for the large records.
 - **3x budget**: one ``cache()``d dataset three times headrace's budget, read by three
@@ -17,7 +21,8 @@ Scenarios (each side in fresh processes, one after the other; see README.md):
 
 Records: 200,000 small ones (16 float32 + an int64) and 20,000 of 100 KB
 (``--quick``: a tenth). Usage: ``python benchmarks/bench_cache.py [--quick] [--large]``
-(``--large``: the large-record read scenarios only). CPU seconds (user + system) per GB
+(``--large``: the large-record read scenarios only; ``--batched``: the batched disk-cache
+scenarios only, small and large). CPU seconds (user + system) per GB
 are reported beside wall time: on a shared machine they are the steadier measure.
 """
 
@@ -36,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h
 
 MiB = 1 << 20
+#: The batch of the batched scenarios, by record kind (the sizes a training loop uses).
+BATCH = {"small": 1024, "large": 32}
 
 
 def _make(lib: str, kind: str) -> Any:
@@ -81,21 +88,25 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         import headrace as hr
 
         options = hr.Options(memory_budget=cfg.get("budget", 256 * MiB))
-    prefix = os.path.join(work, f"{lib}-{kind}")
+    prefix = os.path.join(work, f"{lib}-{kind}{'-batched' if mode.endswith('_batch') else ''}")
     if mode == "memory":  # one cached dataset, iterated by separate iterators (as Keras does)
         return _kept_cache(lib, ds.cache(), options, cfg["iterators"], n)
 
     def pipeline() -> Any:
         if mode == "cache_file":
             out = ds.cache(prefix)
-        elif mode == "load":
+        elif mode == "cache_batch":
+            out = ds.cache(prefix).batch(BATCH[kind])
+        elif mode in ("load", "load_batch"):
             out = (hr.Dataset.load(prefix) if lib == "hr" else _tf().data.Dataset.load(prefix))
+            if mode == "load_batch":
+                out = out.batch(BATCH[kind])
         else:
             out = ds.cache().repeat(2)
         return out.with_options(options) if lib == "hr" else out
 
     if cfg.get("phase") == "write":  # untimed preparation, in a process of its own
-        if mode == "cache_file":
+        if mode in ("cache_file", "cache_batch"):
             _drain(iter(pipeline()) if lib == "hr" else pipeline().as_numpy_iterator())
         elif lib == "hr":
             ds.with_options(options).save(prefix)
@@ -117,11 +128,12 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             else:
                 memory.setdefault(key, value)
         del iterator
-        assert count == (2 * n if mode == "memory" else n), count
+        expected = -(-n // BATCH[kind]) if mode.endswith("_batch") else n
+        assert count == (2 * n if mode == "memory" else expected), count
     best = min(p[0] for p in passes)
     cpu_best = min(p[1] for p in passes)  # CPU seconds (user + system) of the fastest pass
     out: dict[str, Any] = {"best_s": best, "cpu_s": cpu_best, "passes": passes, "elements": n, **memory}
-    if mode == "cache_file" and lib == "hr":  # the page-cache bound for the same bytes
+    if mode in ("cache_file", "cache_batch") and lib == "hr":  # the bound: a plain read
         data = prefix + ".hrcache"
         out["file_bytes"] = os.path.getsize(data)
         reads = []
@@ -165,20 +177,26 @@ def main() -> int:
         return h.child_main(sys.argv[2], {"run": child})
     quick = "--quick" in sys.argv
     large_only = "--large" in sys.argv  # the large-record scenarios alone (the read path)
+    batched_only = "--batched" in sys.argv  # the batched disk-cache scenarios alone
     scale = 10 if quick else 1
     python = sys.executable
     started = time.perf_counter()
     info, sections = h.report_head(
         "cache() and save/load vs tf.data", python,
-        f"`python benchmarks/bench_cache.py{' --quick' if quick else ''}{' --large' if large_only else ''}`",
+        f"`python benchmarks/bench_cache.py{' --quick' if quick else ''}"
+        f"{' --large' if large_only else ''}{' --batched' if batched_only else ''}`",
     )
     report: dict[str, Any] = {"machine": info, "results": {}}
     work = tempfile.mkdtemp(prefix="bench-cache-")
     try:
         rows = []
         kinds = (("small", 200_000 // scale), ("large", 20_000 // scale))
+        modes = (
+            ("cache_batch", "load_batch") if batched_only
+            else ("cache_file", "cache_batch", "load", "load_batch")
+        )
         for kind, n in kinds[1:] if large_only else kinds:
-            for mode in ("cache_file", "load"):
+            for mode in modes:
                 found = {}
                 for lib in ("hr", "tf"):
                     cfg = {"kind": "run", "lib": lib, "records": kind, "mode": mode, "n": n,
@@ -192,7 +210,7 @@ def main() -> int:
                     report["results"][f"{kind}-{mode}-{lib}"] = found[lib]
                 ours, theirs = found["hr"], found["tf"]
                 if ours.get("error") or theirs.get("error"):
-                    rows.append([f"{n:,} {kind}, {mode}", "ERROR", "", "", "", "", ""])
+                    rows.append([f"{n:,} {kind}, {mode}", "ERROR", "", "", "", "", "", ""])
                     continue
                 rate = n / ours["best_s"]
                 cell = f"{rate / 1e6:.3f} M/s" if kind == "small" else (
@@ -210,13 +228,21 @@ def main() -> int:
                     f"{ours['cpu_s'] / gigabytes:.3f} vs {theirs['cpu_s'] / gigabytes:.3f} "
                     f"({theirs['cpu_s'] / ours['cpu_s']:.2f}x)"
                 )
+                scenario = {
+                    "cache_file": "2nd epoch of cache(file)",
+                    "cache_batch": f"2nd epoch of cache(file).batch({BATCH[kind]})",
+                    "load": "load()",
+                    "load_batch": f"load().batch({BATCH[kind]})",
+                }[mode]
+                rss = (ours.get("kernel_peak_rss_growth"), theirs.get("kernel_peak_rss_growth"))
                 rows.append([
-                    f"{n:,} {kind}, {'2nd epoch of cache(file)' if mode == 'cache_file' else 'load()'}",
+                    f"{n:,} {kind}, {scenario}",
                     cell,
                     h.fmt_ratio(theirs["best_s"], ours["best_s"]),
                     cpu,
-                    h.fmt_mib(ours.get("kernel_peak_rss_growth")),
-                    h.fmt_mib(theirs.get("kernel_peak_rss_growth")),
+                    h.fmt_mib(rss[0]),
+                    h.fmt_mib(rss[1]),
+                    f"{rss[0] / rss[1]:.2f}" if rss[0] and rss[1] else "",
                     bound,
                 ])
         sections += [
@@ -225,13 +251,16 @@ def main() -> int:
             h.md_table(
                 ["scenario", "headrace", "vs tf.data (wall)",
                  "CPU s/GB: headrace vs tf.data (ratio)", "headrace peak RSS growth",
-                 "tf.data peak RSS growth", "page-cache read of the same file"],
+                 "tf.data peak RSS growth", "RSS growth ratio",
+                 "plain read of the same file (share of it we reach)"],
                 rows,
             ),
             "",
         ]
-        if large_only:
-            h.write_report("cache-large", sections, report, started)
+        if large_only or batched_only:
+            h.write_report(
+                "cache-large" if large_only else "cache-batched", sections, report, started
+            )
             return 0
         budget = 64 * MiB
         n = 3 * budget // 100_000

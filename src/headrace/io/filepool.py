@@ -690,6 +690,11 @@ class PooledStream(ClosesOnExit):
         all under one check-out of the descriptor; the stream's position does not move."""
         return self._checked_out(lambda stream: stream.pread_many(offsets, sizes))
 
+    def pread_scatter(self, offset: int, buffers: list[memoryview]) -> int:
+        """A positioned read into ``buffers``, one after another, of an uncompressed file
+        (see :meth:`~headrace.io.streams.SuspendableStream.pread_scatter`)."""
+        return self._checked_out(lambda stream: stream.pread_scatter(offset, buffers))
+
     def pread_into(self, offset: int, buffer: memoryview) -> int:
         """A positioned read into ``buffer`` of an uncompressed file (see
         :meth:`~headrace.io.streams.SuspendableStream.pread_into`); the position stays."""

@@ -719,6 +719,9 @@ class _RemoteReads:
         buffer[: len(data)] = data
         return len(data)
 
+    def _pread_scatter(self, descriptor: int, buffers: list[memoryview], offset: int) -> int:
+        return self._pread_into(descriptor, buffers[0], offset)  # (one at a time)
+
 
 #: Blocks an open object has requested ahead of the one being read (see
 #: :class:`_RemoteReads`).

@@ -50,6 +50,8 @@ ZLIB_STATE_NBYTES = 32 * 1024 + 8 * 1024
 """Conservative size of one zlib inflate state: the 32 KiB window of ``wbits=15`` plus
 ``struct inflate_state`` (~7.1 KiB on 64-bit, mostly decoding tables) and the object."""
 
+#: Buffers one preadv call takes at most (Linux's IOV_MAX).
+_IOV_MAX = 1024
 _COMPRESSED_READ_SIZE = 64 * 1024
 """Compressed bytes read per refill. Small, because the decompressor keeps a reference to
 the unconsumed tail of the last chunk, which a suspended stream must account for."""
@@ -160,6 +162,10 @@ class SuspendableStream(ClosesOnExit):
         """Read the bytes at ``offset`` into ``buffer``; how many (0 at the end)."""
         return os.preadv(descriptor, [buffer], offset)
 
+    def _pread_scatter(self, descriptor: int, buffers: list[memoryview], offset: int) -> int:
+        """Read the bytes at ``offset`` into ``buffers``, one after another; how many."""
+        return os.preadv(descriptor, buffers[:_IOV_MAX], offset)
+
     def suspend(self) -> None:
         """Close the descriptor, keeping what is needed to resume at the same byte."""
         if self._descriptor is None:
@@ -212,6 +218,14 @@ class SuspendableStream(ClosesOnExit):
 
     def pread_many(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
         """The ``sizes[i]`` bytes at each ``offsets[i]``, read in place (uncompressed only)."""
+        raise InvalidArgumentError(
+            f"positioned reads need an uncompressed file; {self._path!r} is "
+            f"{self.compression_type}"
+        )
+
+    def pread_scatter(self, offset: int, buffers: list[memoryview]) -> int:
+        """Read the bytes at ``offset`` into ``buffers`` one after another (uncompressed
+        only); how many, fewer only at the end of the file."""
         raise InvalidArgumentError(
             f"positioned reads need an uncompressed file; {self._path!r} is "
             f"{self.compression_type}"
@@ -351,6 +365,24 @@ class _PlainStream(SuspendableStream):
             if not count:
                 break
             total += count
+        return total
+
+    def pread_scatter(self, offset: int, buffers: list[memoryview]) -> int:
+        """Read the bytes at ``offset`` into ``buffers``, filled one after another (a run
+        of records straight into the rows they become: one system call, no buffer in
+        between); how many, fewer only at the end. The position stays."""
+        self._check_not_closed()
+        descriptor = self._require_descriptor()
+        total, pending = 0, [buffer for buffer in buffers if len(buffer)]
+        while pending:
+            count = self._pread_scatter(descriptor, pending, offset + total)
+            if not count:
+                break
+            total += count
+            while pending and count >= len(pending[0]):  # drop the buffers filled
+                count -= len(pending.pop(0))
+            if pending and count:  # one filled in part: the rest of it next
+                pending[0] = pending[0][count:]
         return total
 
     def _save_for_suspension(self) -> None:

@@ -67,8 +67,8 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, UnaryNode
 from headrace.core.state import POSITION, StateReader, past_end
 from headrace.errors import CheckpointError, HeadraceWarning, InvalidArgumentError
-from headrace.memory.buffer import Reservation
-from headrace.persist.file_store import FileStore, find_complete
+from headrace.memory.buffer import Buffer, Reservation
+from headrace.persist.file_store import FileReader, FileStore, find_complete
 from headrace.persist.kept import kept_caches
 from headrace.persist.memory_store import KeptStore, MemoryStore
 from headrace.persist.stores import PassThrough, Store, StoreReader
@@ -127,6 +127,21 @@ class CacheNode(UnaryNode):
 
     def params(self) -> tuple[Any, ...]:
         return (self.filename,)
+
+    def batched_iterator(
+        self, ctx: Context, batch_size: int, drop_remainder: bool, account: Buffer
+    ) -> Iterator | None:
+        """``cache(filename).batch(n)``: once the cache file is complete, each batch is
+        decoded column by column from runs of records (one copy per component, no
+        element made), where the elements allow it; batched element by element
+        otherwise. Its checkpoints are the plain batch's over the cache's."""
+        if not self.filename or ctx.run.probe:
+            return None
+        from headrace.transforms.batch import ColumnarBatchIterator
+
+        inner = self.make_iterator(ctx)
+        fetch = inner.pull_batch  # type: ignore[attr-defined]
+        return ColumnarBatchIterator(inner, ctx, account, batch_size, drop_remainder, fetch)
 
     def make_iterator(self, ctx: Context) -> Iterator:
         if ctx.run.probe:  # reading one element for a spec: neither cache nor warn,
@@ -229,6 +244,21 @@ class _CacheIterator(Iterator):
         if store.count == self.cardinality and not self.errors:  # as tf.data: complete
             store.finish()  # without reading the end
         return pair
+
+    def pull_batch(
+        self, count: int, account: Buffer, *, whole: bool = False
+    ) -> tuple[Any, Reservation, int] | None:
+        """The next ``count`` elements (fewer at the end) as one batch decoded column by
+        column from the cache file, booked on ``account``; None where that cannot be
+        done (writing, a compressed or in-memory cache, elements that need objects, fewer
+        than ``count`` left when ``whole``): then nothing was consumed."""
+        source = self.source
+        if self.writing or not isinstance(source, FileReader):
+            return None
+        found = source.records.read_batch(count, account, whole=whole)
+        if found is not None:
+            self.position += found[2]
+        return found
 
     def _abandon(self) -> None:
         """The input raised in elements' places during this pass: the pass is not a

@@ -136,12 +136,14 @@ class FileStore(Store):
             _release_lock(self.paths, self.lock_fd, self.lock_slot)
 
     def reader(self) -> StoreReader:
-        return _FileReader(
+        return FileReader(
             self.paths.data, self.ctx, self.account, self.codec, self.blocks, self.expected
         )
 
 
-class _FileReader(StoreReader):
+class FileReader(StoreReader):
+    """A cache file's elements in order (internal; ``records`` also reads batches)."""
+
     def __init__(
         self,
         path: str,
@@ -188,7 +190,7 @@ class CompleteFile(Store):
         self.expected = expected
 
     def reader(self) -> StoreReader:
-        return _FileReader(
+        return FileReader(
             self.path, self.ctx, self.account, self.codec, self.blocks, self.expected
         )
 

@@ -28,7 +28,8 @@ import xxhash
 
 from headrace.core.iterator import Context
 from headrace.errors import DataLossError
-from headrace.io._crc32c import masked_crc32c
+from headrace.io._crc32c import crc32c, mask_crc, masked_crc32c
+from headrace.io._native import native_module
 from headrace.io.blocks import BlockCodec
 from headrace.io.elements import EncodedParts, decode_element
 from headrace.io.filepool import FileLimiter, get_default_pool
@@ -39,6 +40,7 @@ from headrace.io.tfrecord.writer import TFRecordWriter, record_frame
 from headrace.io.tfrecord_index import load_index, write_index
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.units import format_bytes
+from headrace.persist.columnar import Layout, layout_for
 from headrace.sources.files import file_limiter
 
 __all__ = [
@@ -59,6 +61,9 @@ _FRAME_FOOTER = struct.Struct("<I")  # its data's masked CRC
 #: Records at least this large are read each into a buffer of its own and decoded
 #: there (no copy); smaller ones are read in runs and split out (one small copy each).
 _IN_PLACE_BYTES = 32 << 10
+#: Records below this size are checked by the framing scanner (one call per run); larger
+#: ones one CRC call each (the scanner would copy every payload out).
+_SCAN_BELOW = 4 << 10
 
 
 def book(account: Buffer, nbytes: int, what: str) -> Reservation:
@@ -296,7 +301,9 @@ def checksums_digest(crcs: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(crcs)
 
 
-def _check_frame(buffer: bytes, offset: int, path: str, stream: str = "") -> tuple[int, int]:
+def _check_frame(
+    buffer: bytes | memoryview, offset: int, path: str, stream: str = ""
+) -> tuple[int, int]:
     """Check one framed record in place (length, both CRCs); its payload's bounds.
     ``stream``: what the offset counts in, when not the file's bytes."""
     view = memoryview(buffer)
@@ -360,6 +367,17 @@ class RecordReader:
         self.pending: list[tuple[bytes, int, int, int]] = []
         self.pending_booked = 0
         self.next_pending = 0
+        #: Batches decoded column by column (see :meth:`read_batch`): its reused read
+        #: buffer and that buffer's booking; off once a skeleton needs per-element work.
+        self.columnar = type(self).columnar_reads
+        self.run_buffer = bytearray()
+        self.run_booking = NO_RESERVATION
+        #: Large records of a layout already met: (record size, head, layout), read
+        #: straight into the batch (:meth:`_scatter_batch`).
+        self.scatter_plan: tuple[int, bytes, Layout] | None = None
+
+    #: Whether :meth:`read_batch` may serve batches from this reader's records.
+    columnar_reads = True
 
     @property
     def chunk(self) -> int:
@@ -507,8 +525,221 @@ class RecordReader:
         self.pending = []
         self.next_pending = 0
 
+    # -- batches, column by column -------------------------------------------------------
+    def read_batch(
+        self, count: int, out_account: Buffer, *, whole: bool = False
+    ) -> tuple[Any, Reservation, int] | None:
+        """The next ``count`` elements (fewer at the end) batched, decoded column by
+        column, or None where they are not all alike — records of one size and one
+        skeleton whose leaves are fixed-size numbers (:mod:`headrace.persist.columnar`);
+        then nothing was consumed and the caller decodes them one by one (also when
+        fewer than ``count`` are left and ``whole`` asks for a full batch).
+
+        Each run of records (up to the stage's chunk) is read into one reused buffer,
+        booked on this stage's account, and checked as every record is (framing, both
+        CRCs, the manifest's CRC of each record) before any byte of it is used; the
+        batch's columns are booked on ``out_account`` (the batch stage's) before they
+        are allocated. Returns the batch, its booking and how many elements it holds."""
+        first, total = self.next, len(self.offsets)
+        last = min(first + count, total)
+        if not self.columnar or last <= first or (whole and last - first < count):
+            return None
+        begin = int(self.offsets[first])
+        size = self._end(first) - begin
+        if self._end(last - 1) - begin != size * (last - first) or size < RECORD_OVERHEAD_BYTES + 4:
+            return None
+        if last - first > 1:  # one size for all: the ends are evenly spaced
+            spacing = np.diff(self.offsets[first:last])
+            if spacing.min() != size or spacing.max() != size:
+                return None
+        plan = self.scatter_plan
+        if plan is not None and plan[0] == size:
+            return self._scatter_batch(first, last, size, plan[1], plan[2], out_account)
+        per_read = max(1, self.chunk // size)
+        buffer = self._run_buffer(min(per_read, last - first) * size)
+        view = memoryview(buffer)
+        matrix = np.frombuffer(buffer, np.uint8)
+        layout = head = None
+        outputs: list[Any] = []
+        booking = NO_RESERVATION
+        try:
+            at = first
+            while at < last:
+                rows = min(per_read, last - at)
+                start = int(self.offsets[at])
+                nbytes = rows * size
+                got = self.stream.pread_into(start, view[:nbytes])
+                if got < nbytes:  # a truncated file: the record reader names where
+                    booking.release()
+                    return None
+                self._check_run(view[:nbytes], rows, size, start, at)
+                records = matrix[:nbytes].reshape(rows, size)
+                if layout is None:
+                    (skeleton,) = struct.unpack_from("<I", buffer, 12)
+                    head = bytes(buffer[12 : 16 + skeleton])
+                    layout = layout_for(head)
+                    if layout is None:
+                        self.columnar = False  # this dataset's elements need objects
+                        return None
+                    if 16 + skeleton + layout.data_bytes + 4 != size:
+                        return None  # (the element decoder names what is wrong)
+                    booking = out_account.admit(
+                        layout.output_bytes(last - first),
+                        together=f"a batch of {last - first} elements",
+                    )
+                    outputs = layout.allocate(last - first)
+                assert head is not None
+                heads = records[:, 12 : 12 + len(head)]
+                if not (heads == np.frombuffer(head, np.uint8)).all():
+                    booking.release()
+                    self.columnar = False  # skeletons mixed in runs: one by one from now
+                    return None
+                layout.fill(outputs, at - first, records[:, 12 + len(head) : size - 4])
+                at += rows
+        except BaseException:
+            booking.release()
+            raise
+        finally:
+            del view, matrix
+        assert layout is not None and head is not None
+        self._release_pending()  # (a read-ahead of earlier elements, now passed)
+        self.next = last
+        if size >= _SCAN_BELOW and all(leaf.copy_bytes for leaf in layout.leaves):
+            self.scatter_plan = (size, head, layout)  # large records: read into the rows
+            self._drop_run_buffer()  # (no buffer in between from now on)
+        elif last == total:  # the end: the read buffer goes before the reader does
+            self._drop_run_buffer()
+        return layout.build(iter(outputs)), booking, last - first
+
+    def _scatter_batch(
+        self, first: int, last: int, size: int, head: bytes, layout: Layout,
+        out_account: Buffer,
+    ) -> tuple[Any, Reservation, int] | None:
+        """:meth:`read_batch` for large records of a known layout: each record is read
+        straight into the batch's rows (its frame and skeleton into a small scratch
+        buffer), one ``preadv`` per run, then checked in place (framing, both CRCs over
+        the bytes where they landed, the manifest's CRC). The kernel's copy from the page
+        cache is the only one: no read buffer, no copy out of it. A record that fails a
+        check is read again and checked the usual way, for the usual error."""
+        rows = last - first
+        prefix = 12 + len(head)
+        booking = out_account.admit(
+            layout.output_bytes(rows), together=f"a batch of {rows} elements"
+        )
+        try:
+            outputs = layout.allocate(rows)
+            targets = [
+                out.reshape(rows, -1).view(np.uint8)
+                for out, leaf in zip(outputs, layout.leaves, strict=True) if leaf.nbytes
+            ]
+            scratch = bytearray(rows * (prefix + 4))
+            with contextlib.ExitStack() as stack:
+                stack.callback(book(self.account, len(scratch), "cached records' frames").release)
+                frames = memoryview(scratch)
+                per_call = max(1, 1024 // (2 + len(targets)))
+                for at in range(0, rows, per_call):
+                    stop = min(rows, at + per_call)
+                    pieces: list[memoryview] = []
+                    for row in range(at, stop):
+                        mark = row * (prefix + 4)
+                        pieces.append(frames[mark : mark + prefix])
+                        pieces += [memoryview(target[row]) for target in targets]
+                        pieces.append(frames[mark + prefix : mark + prefix + 4])
+                    start = int(self.offsets[first + at])
+                    wanted = (stop - at) * size
+                    if self.stream.pread_scatter(start, pieces) < wanted:
+                        booking.release()
+                        return None  # a truncated file: the record reader names where
+                    for row in range(at, stop):
+                        if not self._scattered_ok(frames, row, prefix, head, targets, first):
+                            self._check_alone(first + row)  # raises, naming the record
+                            booking.release()
+                            self.columnar = False  # sound, but another skeleton
+                            return None
+        except BaseException:
+            booking.release()
+            raise
+        self._release_pending()
+        self.next = last
+        return layout.build(iter(outputs)), booking, rows
+
+    def _scattered_ok(
+        self, frames: memoryview, row: int, prefix: int, head: bytes,
+        targets: list[np.ndarray[Any, Any]], first: int,
+    ) -> bool:
+        """Whether record ``first + row``, read in pieces, is sound and has ``head``."""
+        mark = row * (prefix + 4)
+        length, length_crc = _FRAME_HEADER.unpack_from(frames, mark)
+        if length != prefix - 12 + sum(target.shape[1] for target in targets):
+            return False
+        if masked_crc32c(frames[mark : mark + 8]) != length_crc:
+            return False
+        if frames[mark + 12 : mark + prefix] != head:
+            return False
+        native = native_module()
+        extend = crc32c if native is None else native.crc32c  # (one call less per piece)
+        crc = extend(frames[mark + 12 : mark + prefix], 0)
+        for target in targets:
+            crc = extend(memoryview(target[row]), crc)
+        (footer,) = _FRAME_FOOTER.unpack_from(frames, mark + prefix)
+        if mask_crc(crc) != footer:
+            return False
+        expected = self.expected
+        return expected is None or footer == expected.crcs[first + row]
+
+    def _check_alone(self, record: int) -> None:
+        """Read record ``record`` alone and check it as :meth:`pull` does (raising the
+        error that names the file and its offset)."""
+        start = int(self.offsets[record])
+        (buffer,) = self.stream.pread_many([start], [self._end(record) - start])
+        _check_frame(buffer, start, self.path)
+        self._check_entry(buffer, len(buffer), record)
+
+    def _run_buffer(self, nbytes: int) -> bytearray:
+        """The reused read buffer, at least ``nbytes`` (its growth booked first)."""
+        if len(self.run_buffer) < nbytes:
+            self.run_booking = self.run_booking.absorb(
+                book(self.account, nbytes - len(self.run_buffer), "cached records read ahead")
+            )
+            self.run_buffer = bytearray(nbytes)
+        return self.run_buffer
+
+    def _check_run(self, view: memoryview, rows: int, size: int, start: int, first: int) -> None:
+        """Every record of a run of ``rows`` records of ``size`` bytes read at file offset
+        ``start`` checked (framing, both CRCs, the manifest's CRC), or an error naming the
+        file and the offset of the first one that is wrong."""
+        if size < _SCAN_BELOW:
+            # (the scanner copies each payload out: a few bytes each, dropped at once)
+            scratch = book(self.account, len(view) + rows * BYTES_OVERHEAD, "cached records checked")
+            try:
+                records_in_spans([view], [rows], [start], path=self.path)
+            finally:
+                scratch.release()
+        else:
+            for row in range(rows):
+                _check_frame(view[row * size : (row + 1) * size], start + row * size, self.path)
+        expected = self.expected
+        if expected is None:
+            return
+        footers = np.frombuffer(view, np.uint8).reshape(rows, size)[:, size - 4 :]
+        crcs = footers.copy().view("<u4").reshape(-1)
+        wrong = np.flatnonzero(crcs != expected.crcs[first : first + rows])
+        if len(wrong):
+            entry = first + int(wrong[0])
+            offset = int(self.offsets[entry])
+            raise expected.mismatch(
+                self.path, f"record {entry} at offset {offset} is not the one written there",
+                offset,
+            )
+
+    def _drop_run_buffer(self) -> None:
+        self.run_buffer = bytearray()
+        booking, self.run_booking = self.run_booking, NO_RESERVATION
+        booking.release()
+
     def close(self) -> None:
         self._release_pending()
+        self._drop_run_buffer()
         self.stream.close()
         self.index_booking.release()
 
@@ -594,6 +825,9 @@ class BlockReader(RecordReader):
 
     def _offset(self, record: int) -> int:
         return self.block_offset  # (the message says the offset counts in the block)
+
+    #: Blocks are decompressed whole: elements are decoded one by one from them.
+    columnar_reads = False
 
     def skip(self, count: int) -> int:
         self._release_pending()

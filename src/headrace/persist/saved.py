@@ -56,8 +56,8 @@ import numpy as np
 
 from headrace.core.fingerprint import file_digest, function_fingerprint, object_digest
 from headrace.core.handoff import unpin
-from headrace.core.indexing import RandomAccess
-from headrace.core.iterator import Context
+from headrace.core.indexing import IndexStream, RandomAccess, take_all
+from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, known_spec
 from headrace.errors import DataLossError, FileLimitError, InvalidArgumentError
 from headrace.io import objstore
@@ -75,6 +75,8 @@ from headrace.io.tfrecord.writer import TFRecordWriter
 from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.io.tfrecord_index import build_index
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
+from headrace.persist.columnar import layout_for
+from headrace.persist.records import BYTES_OVERHEAD
 from headrace.sources.files import file_limiter
 from headrace.sources.tfrecord import IndexedTFRecordNode
 from headrace.structure import TensorSpec, flatten, leaf_spec, map_structure, spec_of
@@ -891,6 +893,29 @@ class LoadNode(Node):
     def random_access(self) -> RandomAccess:
         return _LoadedAccess(self)
 
+    def batched_iterator(
+        self, ctx: Context, batch_size: int, drop_remainder: bool, account: Buffer
+    ) -> Iterator | None:
+        """``load().batch(n)``: alike elements (one skeleton, fixed-size numeric leaves)
+        batched column by column from the records read for the batch; others one by
+        one, as the plain batch does (its checkpoints are the plain batch's)."""
+        if ctx.run.probe:
+            return None
+        from headrace.transforms.batch import ColumnarBatchIterator
+
+        gather = self.make_iterator(ctx)
+        access = getattr(gather, "access", None)
+        if not isinstance(access, _LoadedAccess):
+            return None
+        stream = gather.stream  # type: ignore[attr-defined]
+
+        def fetch(
+            count: int, out: Buffer, *, whole: bool = False
+        ) -> tuple[Any, Reservation, int] | None:
+            return access.read_batch(stream, count, out, whole=whole)
+
+        return ColumnarBatchIterator(gather, ctx, account, batch_size, drop_remainder, fetch)
+
 
 class _LoadedAccess(RandomAccess):
     """Element ``i`` of the shards interleaved one at a time: shard-major record ``order[i]``."""
@@ -903,6 +928,9 @@ class _LoadedAccess(RandomAccess):
         self.file_starts = np.cumsum([0, *node.records.counts]).tolist()
         self.totals = np.asarray(totals, dtype=np.int64)
         self._order: np.ndarray[Any, Any] | None = None
+        #: Whether :meth:`read_batch` may batch column by column (off once the elements
+        #: turn out to need objects, or to mix skeletons).
+        self.columnar = True
 
     def __len__(self) -> int:
         return int(self.shard_starts[-1])
@@ -945,8 +973,79 @@ class _LoadedAccess(RandomAccess):
             element = decode_element(record, path=path, offset=offset)
             return element if self.node.check is None else self.node.check(element, path, offset)
 
+    def read_batch(
+        self, stream: IndexStream, count: int, account: Buffer, *, whole: bool = False
+    ) -> tuple[Any, Reservation, int] | None:
+        """The next ``count`` elements of ``stream`` (fewer at its end) batched column by
+        column from their records (read and checked as :meth:`get` reads them), or None
+        — the stream put back where it was — where they are not all alike. The records
+        read (and their joined copy) are booked on ``account`` while they are used, the
+        batch's columns before they are allocated."""
+        if not self.columnar:
+            return None
+        saved = stream.get_state()
+        indices = np.asarray(take_all(stream, count), dtype=np.int64)
+        if not len(indices) or (whole and len(indices) < count):
+            stream.set_state(saved)
+            return None
+        numbers = self._record_numbers(indices)
+        records = self.records.get_many(numbers).tolist()
+        size = len(records[0])
+        copies = 1 if size >= _JOIN_BELOW else 2  # the records, and their joined copy
+        held = account.admit_existing([copies * (size + BYTES_OVERHEAD) * len(records)])[0]
+        try:
+            found = self._columns(records, size, int(numbers[0]), account)
+        finally:
+            held.release()
+        if found is None:
+            stream.set_state(saved)
+            return None
+        return (*found, len(records))
+
+    def _columns(
+        self, records: list[bytes], size: int, first: int, account: Buffer
+    ) -> tuple[Any, Reservation] | None:
+        if size < 4 or len(set(map(len, records))) != 1:  # (one pass in C)
+            return None
+        head = records[0][: 4 + int.from_bytes(records[0][:4], "little")]
+        layout = layout_for(head)
+        if layout is None or len(head) + layout.data_bytes != size:
+            self.columnar = layout is not None  # (elements that need objects: one by one)
+            return None
+        large = size >= _JOIN_BELOW  # (large records: copied from each, not joined first)
+        if large:
+            if any(record[: len(head)] != head for record in records):
+                self.columnar = False  # skeletons mixed: one by one from now
+                return None
+        else:
+            rows = np.frombuffer(b"".join(records), np.uint8).reshape(len(records), size)
+            if not (rows[:, : len(head)] == np.frombuffer(head, np.uint8)).all():
+                self.columnar = False
+                return None
+        self._decode(records[0], first)  # the spec check: every record has its skeleton
+        booking = account.admit(
+            layout.output_bytes(len(records)), together=f"a batch of {len(records)} elements"
+        )
+        try:
+            outputs = layout.allocate(len(records))
+            if large:
+                for row, record in enumerate(records):
+                    data = np.frombuffer(record, np.uint8, offset=len(head))
+                    layout.fill(outputs, row, data.reshape(1, -1))
+            else:
+                layout.fill(outputs, 0, rows[:, len(head) :])
+        except BaseException:
+            booking.release()
+            raise
+        return layout.build(iter(outputs)), booking
+
     def close(self) -> None:
         self.records.close()
+
+
+#: Records from this size on are copied into the batch one by one (a joined copy of
+#: them all first would cost as much again as the batch).
+_JOIN_BELOW = 4 << 10
 
 
 def _round_robin(totals: np.ndarray[Any, Any]) -> bool:

@@ -14,6 +14,7 @@ objects (fixed-width ``S``/``U`` would drop trailing NULs).
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,7 @@ from headrace.structure import (
     structure_paths,
 )
 
-__all__ = ["BatchNode", "batch_iterator", "batched_cardinality"]
+__all__ = ["BatchNode", "ColumnarBatchIterator", "batch_iterator", "batched_cardinality"]
 
 
 def _batched_spec(spec: Any, batch_size: int, drop_remainder: bool) -> Any:
@@ -421,3 +422,42 @@ class _BatchIterator(Assembler):
             elif _leaf_dtype(leaf).hasobject:
                 total += self.ctx.sizeof(leaf)
         return total
+
+
+class ColumnarBatchIterator(_BatchIterator):
+    """Batches a reader below decodes column by column where it can — the cache stage
+    of ``cache(filename).batch(n)`` (:meth:`headrace.persist.cache._CacheIterator.pull_batch`),
+    a saved dataset's gather (``load().batch(n)``) — assembled element by element
+    otherwise (writing the cache, elements that need objects, a short last batch under
+    ``drop_remainder``, origins asked for). ``fetch(count, account, whole=...)`` is the
+    reader's: a batch, its booking on ``account`` and its size, or None having consumed
+    nothing. Both routes move the same positions, so its checkpoints are the plain
+    batch's."""
+
+    def __init__(
+        self, inner: Iterator, ctx: Context, account: Buffer, batch_size: int,
+        drop_remainder: bool, fetch: Callable[..., tuple[Any, Reservation, int] | None],
+    ) -> None:
+        super().__init__(inner, ctx, account, batch_size, drop_remainder)
+        self._pull_batch = fetch
+        #: The input stage's profile record, where a profile counts its pulls: the
+        #: elements it hands over in a batch are counted there too.
+        self._record: Any = None
+        if "pull" in inner.__dict__:  # (instrumented: see headrace.profiling.probe)
+            from headrace.profiling.probe import record_of
+
+            self._record = record_of(inner)
+
+    def pull(self) -> tuple[Any, Reservation]:
+        if self.probe is None:
+            record = self._record
+            started = 0.0 if record is None else time.perf_counter()
+            found = self._pull_batch(self.batch_size, self.account, whole=self.drop_remainder)
+            if found is not None:
+                batch, booking, count = found
+                self.position += count
+                if record is not None:
+                    record.count += count
+                    record.seconds += time.perf_counter() - started
+                return batch, booking
+        return super().pull()

@@ -435,7 +435,7 @@ def open_tfrecord(
 
 
 def records_in_spans(
-    buffers: Sequence[bytes],
+    buffers: Sequence[bytes | memoryview],
     counts: Sequence[int],
     offsets: Sequence[int],
     *,
@@ -458,7 +458,7 @@ def records_in_spans(
 
 
 def _span_error(
-    found: ScanResult, buf: bytes, offset: int, path: str, max_record_bytes: int
+    found: ScanResult, buf: bytes | memoryview, offset: int, path: str, max_record_bytes: int
 ) -> HeadraceError:
     records, stop, status, detail = found
     where = offset + stop
