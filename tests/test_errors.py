@@ -716,3 +716,42 @@ def test_a_held_error_keeps_no_frame_and_so_no_element_alive() -> None:
         unpin(again)
     (merged,) = notes(error)
     assert merged.index("in handing_out") < merged.index("in raising")  # outermost first
+
+
+# -- bad arguments an outsider tried: each error says what was wrong ----------------------
+
+
+@pytest.mark.parametrize("value", ["-5MiB", "12 parsecs", 0, float("nan"), True])
+def test_a_bad_memory_budget_names_the_option(value: Any) -> None:
+    with pytest.raises(hr.InvalidArgumentError, match=r"^memory_budget: "):
+        hr.Options(memory_budget=value)
+
+
+def test_a_tf_data_option_group_names_headraces_options() -> None:
+    """``options.threading.private_threadpool_size = 2`` (tf.data's usual line) read a
+    group that does not exist: a bare AttributeError said nothing of what does."""
+    from headrace import tf_compat as tf
+
+    options = tf.data.Options()
+    with pytest.raises(AttributeError, match=r"no 'threading' group.*memory_budget"):
+        options.threading.private_threadpool_size = 2
+    assert not hasattr(options, "no_such_thing")  # (other names: plain AttributeError)
+
+
+def test_a_ragged_nested_list_is_refused_naming_the_source() -> None:
+    with pytest.raises(hr.ElementSpecError, match=(
+            r"from_tensor_slices: a nested list whose rows have different lengths")):
+        hr.Dataset.from_tensor_slices([[1, 2], [3]])
+
+
+def test_sizes_that_round_alike_are_told_apart() -> None:
+    """A refusal compares what is needed with the budget: rounded to 0.1 MiB both read
+    '64.0 MiB', which hid why."""
+    from headrace.memory.units import format_apart
+
+    assert format_apart(64 * 2**20 + 512, 64 * 2**20) == ("67,109,376 B", "67,108,864 B")
+    assert format_apart(65 * 2**20, 64 * 2**20) == ("65.0 MiB", "64.0 MiB")
+    ds = hr.Dataset.from_tensor_slices(np.zeros((64, 2**20 + 64), np.uint8)).batch(64)
+    with pytest.raises(hr.MemoryBudgetError, match=r"\d[\d,]* B at once, more than the "
+                                                   r"memory budget of 67,108,864 B"):
+        list(ds.with_options(hr.Options(memory_budget="64MiB")))

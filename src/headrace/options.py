@@ -21,6 +21,13 @@ __all__ = ["AUTOTUNE", "Options"]
 #: inside the memory budget. Same value as ``tf.data.AUTOTUNE``.
 AUTOTUNE = -1
 
+#: tf.data's option groups (``options.threading.private_threadpool_size = 2``).
+_TF_GROUPS = frozenset({
+    "threading", "autotune", "experimental_optimization", "experimental_distribute",
+    "experimental_threading", "experimental_slack", "experimental_external_state_policy",
+    "experimental_warm_start", "experimental_symbolic_checkpoint", "dataset_name",
+    "framework_type",
+})
 _FIELDS = ("memory_budget", "max_open_files", "deterministic", "warn_on_shrink", "tune_allocator")
 
 
@@ -69,7 +76,10 @@ class Options:
                 "(tf.data's threading, autotune and optimization options have no effect here)"
             )
         if name == "memory_budget" and value is not None:
-            value = parse_bytes(value)
+            try:
+                value = parse_bytes(value)
+            except InvalidArgumentError as error:
+                raise InvalidArgumentError(f"memory_budget: {error}") from None
         elif name == "max_open_files" and value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 1
         ):
@@ -79,6 +89,16 @@ class Options:
         elif name in ("warn_on_shrink", "tune_allocator") and not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
         object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # (only for names that are not options: tf.data's option groups, read to be set)
+        if name in _TF_GROUPS:
+            raise AttributeError(
+                f"Options has no {name!r} group (tf.data's threading, autotune and "
+                "optimization options have no effect here); headrace's options are "
+                f"{', '.join(_FIELDS)}"
+            )
+        raise AttributeError(f"'Options' object has no attribute {name!r}")
 
     @property
     def experimental_deterministic(self) -> bool | None:

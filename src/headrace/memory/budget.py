@@ -80,7 +80,7 @@ from headrace.memory.buffer import (  # (the buffer's names re-exported while st
     _RefusedAbove,
     release_all,
 )
-from headrace.memory.units import format_bytes
+from headrace.memory.units import format_apart, format_bytes
 
 __all__ = [
     "NO_RESERVATION", "AccountStats", "BudgetClosed", "BudgetStats", "Buffer", "ChunkPart",
@@ -319,10 +319,11 @@ class MemoryBudget:
 
     def _minima_message(self, first: str = "the pipeline's stages") -> str:
         listed = self._listing()
-        needed = sum(account.minimum for account in self.accounts)
+        needed, total = format_apart(sum(account.minimum for account in self.accounts),
+                                     self.total)
         return (
-            f"{first} must hold {format_bytes(needed)} at once, more than the memory budget "
-            f"of {format_bytes(self.total)} (each stage's minimum working set: {listed}). "
+            f"{first} must hold {needed} at once, more than the memory budget "
+            f"of {total} (each stage's minimum working set: {listed}). "
             "Raise Options(memory_budget=...), or make elements or batches smaller."
         )
 

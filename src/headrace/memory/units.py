@@ -8,7 +8,7 @@ import numpy as np
 
 from headrace.errors import InvalidArgumentError
 
-__all__ = ["format_bytes", "is_byte_count", "parse_bytes"]
+__all__ = ["format_apart", "format_bytes", "is_byte_count", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -67,6 +67,16 @@ def format_bytes(size: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def format_apart(first: int, second: int) -> tuple[str, str]:
+    """Two sizes compared in one message, each as :func:`format_bytes` writes it, or in
+    exact bytes where that rounding would show them equal ("needs 64.0 MiB, more than
+    64.0 MiB" said nothing)."""
+    a, b = format_bytes(first), format_bytes(second)
+    if a == b and first != second:
+        return f"{first:,} B", f"{second:,} B"
+    return a, b
 
 
 def is_byte_count(value: object) -> bool:

@@ -19,7 +19,13 @@ from headrace.core.fingerprint import array_digest, file_identity, unmemoized_di
 from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node
-from headrace.errors import DataLossError, InvalidArgumentError, MemoryBudgetError, Origin
+from headrace.errors import (
+    DataLossError,
+    ElementSpecError,
+    InvalidArgumentError,
+    MemoryBudgetError,
+    Origin,
+)
 from headrace.io.filepool import borrowed_slot
 from headrace.io.files import require_regular_file
 from headrace.io.mapped import map_file
@@ -211,7 +217,17 @@ def _leaf(value: Any, keep_str: bool, what: str) -> Any:
     rows = rows_of_list(value, keep_str=keep_str, what=what)
     if rows is not None:
         return rows
-    return to_leaf_array(value if keep_str else encode_str(value))
+    try:
+        return to_leaf_array(value if keep_str else encode_str(value))
+    except ValueError as error:  # NumPy's "inhomogeneous shape": rows of other lengths
+        if "inhomogeneous" not in str(error):
+            raise
+        raise ElementSpecError(
+            f"{what}: a nested list whose rows have different lengths cannot be one "
+            "tensor (tf.data refuses it too); give arrays of equal shapes, a list of "
+            "arrays (served row by row), or a ragged form (Dataset.from_generator, or "
+            "padded rows)"
+        ) from None
 
 
 def _values(leaf: Any) -> Any:
