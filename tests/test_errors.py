@@ -751,7 +751,7 @@ def test_sizes_that_round_alike_are_told_apart() -> None:
 
     assert format_apart(64 * 2**20 + 512, 64 * 2**20) == ("67,109,376 B", "67,108,864 B")
     assert format_apart(65 * 2**20, 64 * 2**20) == ("65.0 MiB", "64.0 MiB")
-    ds = hr.Dataset.from_tensor_slices(np.zeros((64, 2**20 + 64), np.uint8)).batch(64)
+    ds = hr.Dataset.from_tensor_slices(np.zeros((64, 2**20 + 64), np.uint8)).map(np.copy).batch(64)
     with pytest.raises(hr.MemoryBudgetError, match=r"\d[\d,]* B at once, more than the "
                                                    r"memory budget of 67,108,864 B"):
         list(ds.with_options(hr.Options(memory_budget="64MiB")))
