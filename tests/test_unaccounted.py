@@ -107,7 +107,8 @@ def test_the_heap_is_trimmed_when_unbooked_memory_grows_and_not_again_for_the_pr
         resident[0] -= 20 * MiB  # the heap's free pages went back; the rest is live
 
     monkeypatch.setattr(system, "live_runs", runs)
-    monkeypatch.setattr(system, "process_memory", lambda: ProcessMemory(resident[0], 0, 0))
+    monkeypatch.setattr(system, "sample_process_memory",
+                        lambda: ProcessMemory(resident[0], 0, 0))
     monkeypatch.setattr(allocator, "release_free_heap", trim)
     monkeypatch.setattr(allocator, "_watching", True)
     monkeypatch.setattr(allocator, "_released", 0)

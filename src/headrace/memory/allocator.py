@@ -81,15 +81,19 @@ def _trim_if_retaining() -> None:
     """Give free heap pages back if unbooked memory grew past the allowance since the
     last trim (a lock keeps two releasing threads from trimming at once)."""
     global _floor
-    from headrace.memory.system import live_runs, process_memory  # (system imports io)
+    from headrace.memory.system import live_runs, sample_process_memory  # (system imports io)
 
     if not _lock.acquire(blocking=False):
         return  # another thread is looking
     try:
-        unbooked = live_runs.unaccounted(process_memory())
+        memory = sample_process_memory()  # (None: the file pool is full; the next look)
+        if memory is None:
+            return
+        unbooked = live_runs.unaccounted(memory)
         if unbooked > _floor + max(_MIN_GROWTH, live_runs.largest_total() // 4):
             release_free_heap()
-            _floor = live_runs.unaccounted(process_memory())  # what the trim left
+            after = sample_process_memory()
+            _floor = unbooked if after is None else live_runs.unaccounted(after)
         elif unbooked < _floor:
             _floor = unbooked
     finally:

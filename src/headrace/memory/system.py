@@ -17,6 +17,7 @@ __all__ = [
     "live_runs",
     "open_file_count",
     "process_memory",
+    "sample_process_memory",
 ]
 
 
@@ -73,7 +74,17 @@ class ProcessMemory:
 def process_memory() -> ProcessMemory:
     """Current RssAnon, RssShmem and RssFile of this process."""
     # Read on a slot of the file pool: a descriptor headrace opens counts against its cap.
-    data = read_small_file("/proc/self/status") or b""
+    return _parse_status(read_small_file("/proc/self/status") or b"")
+
+
+def sample_process_memory() -> ProcessMemory | None:
+    """:func:`process_memory`, or None when the file pool has no free slot: a sample
+    taken on a hot path (a budget's release) must neither wait nor close a reader."""
+    data = read_small_file("/proc/self/status", wait=False)
+    return None if data is None else _parse_status(data)
+
+
+def _parse_status(data: bytes) -> ProcessMemory:
     # (three lookups, not a parse of its ~60 lines: every iterator that starts reads it)
     return ProcessMemory(_kib_field(data, b"\nRssAnon:"), _kib_field(data, b"\nRssShmem:"),
                          _kib_field(data, b"\nRssFile:"))
