@@ -35,7 +35,15 @@ if TYPE_CHECKING:
     from headrace.core.node import Node
     from headrace.io.filepool import FileLimiter
 
-__all__ = ["BatchToken", "Context", "Iterator", "RunFacts", "origin_probe", "row_origin"]
+__all__ = [
+    "PROFILE_RECORD", "BatchToken", "Context", "Iterator", "RunFacts", "origin_probe",
+    "row_origin",
+]
+
+#: The attribute where an iterator instrumented by a profile (``headrace.profiling.probe``)
+#: keeps its stage's record: a stage that takes its input's elements other than through
+#: ``pull`` (a batch fused with its reader) counts them into it itself.
+PROFILE_RECORD = "_hr_record"
 
 
 @dataclass

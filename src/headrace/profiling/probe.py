@@ -36,13 +36,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from headrace.core.iterator import PROFILE_RECORD
+
 if TYPE_CHECKING:
     from headrace.core.iterator import Context, Iterator, RunFacts
     from headrace.core.node import Node
 
 __all__ = ["Instrumenter", "StageRecord", "payload_bytes", "recipe_nodes"]
 
-_RECORD = "_hr_record"  # attribute of an instrumented iterator: its stage's record
+_RECORD = PROFILE_RECORD  # attribute of an instrumented iterator: its stage's record
 
 
 def payload_bytes(element: Any) -> int:

@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 
 from headrace.core.indexing import GatherBatchIterator, IndexPlan
-from headrace.core.iterator import BatchToken, Context, Iterator, origin_probe
+from headrace.core.iterator import (
+    PROFILE_RECORD,
+    BatchToken,
+    Context,
+    Iterator,
+    origin_probe,
+)
 from headrace.core.node import (
     INFINITE,
     UNKNOWN,
@@ -442,11 +448,7 @@ class ColumnarBatchIterator(_BatchIterator):
         self._pull_batch = fetch
         #: The input stage's profile record, where a profile counts its pulls: the
         #: elements it hands over in a batch are counted there too.
-        self._record: Any = None
-        if "pull" in inner.__dict__:  # (instrumented: see headrace.profiling.probe)
-            from headrace.profiling.probe import record_of
-
-            self._record = record_of(inner)
+        self._record: Any = inner.__dict__.get(PROFILE_RECORD)  # (a profile's, or None)
 
     def pull(self) -> tuple[Any, Reservation]:
         if self.probe is None:
