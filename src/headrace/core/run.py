@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import sys
 import threading
 import time
 import weakref
@@ -36,6 +37,7 @@ from headrace.io.filepool import FileLimiter
 from headrace.memory.allocator import tune_allocator
 from headrace.memory.budget import MemoryBudget
 from headrace.memory.buffer import NO_RESERVATION
+from headrace.memory.sizeof import register_sizer
 from headrace.memory.system import available_memory, live_runs
 from headrace.options import Options
 
@@ -367,3 +369,14 @@ class DatasetIterator(ClosesOnExit, StateDict, _PyIterator[Any]):
     def stages(self) -> list[Iterator]:
         """Every iterator of the run, root first (for the profiler)."""
         return self._tree.walk()
+
+
+def _iterator_size(iterator: DatasetIterator) -> int:
+    """What an iterator keeps alive, for ``sizeof`` (an element, a generator's frame or a
+    user's object holding one): the bytes its stages book, not a walk of its stages,
+    threads and recipe (the doctor sized a generator that kept a pipeline's iterator by
+    walking all of that: 90 s a look)."""
+    return sys.getsizeof(iterator) + iterator._context.budget.used
+
+
+register_sizer(DatasetIterator, _iterator_size)
