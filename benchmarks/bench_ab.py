@@ -5,15 +5,6 @@
 Each scenario runs in a fresh child per tree, alternating, best of ``rounds``; prints
 rows (or records) per second for each tree and the ratio new/old. Used to check that
 a change to the core costs no throughput (issue: core v2, "within 5%").
-
-    python benchmarks/bench_ab.py OLD_SRC NEW_SRC --instructions
-
-counts instead the instructions each tree executes per row (valgrind's callgrind:
-one pass of the scenario at a tenth of its size, less the same child making the
-pipeline without iterating it). On a shared or busy machine, where wall-clock
-ratios swing by 10-40% from run to run, the counts repeat to a fraction of a
-percent; they measure the work on the consumer's thread, so scenarios whose cost is
-in other processes are left out.
 """
 
 from __future__ import annotations
@@ -21,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -123,38 +113,6 @@ print(json.dumps({{"rate": n / best}}))
 """
 
 
-COUNTED = """
-import os, sys
-import numpy as np
-import headrace as hr
-TMP = {tmp!r}
-{body}
-if {iterate}:
-    print("rows", go())
-"""
-
-#: Sizes divided by ten under callgrind (it runs Python ~50x slower).
-_SMALLER = {"2_000_000": "200_000", "250_000": "25_000", "200_000": "20_000",
-            "100_000": "10_000", "50_000": "5_000"}
-
-
-def instructions(src: str, body: str, tmp: str) -> float:
-    """Instructions per row of one pass of ``body``'s ``go()`` under ``src``."""
-    for big, small in _SMALLER.items():
-        body = body.replace(big, small)
-    env = {**os.environ, "PYTHONPATH": src, "PYTHONHASHSEED": "0"}
-    counts, rows = [], 0
-    for iterate in (False, True):
-        done = subprocess.run(
-            ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-             sys.executable, "-c", COUNTED.format(tmp=tmp, body=body, iterate=iterate)],
-            env=env, capture_output=True, text=True, check=True)
-        counts.append(int(re.search(r"Collected : (\d+)", done.stderr).group(1)))
-        if iterate:
-            rows = int(re.search(r"^rows (\d+)", done.stdout, re.M).group(1))
-    return (counts[1] - counts[0]) / rows
-
-
 def run(src: str, body: str, tmp: str) -> float:
     env = {**os.environ, "PYTHONPATH": src}
     out = subprocess.run([sys.executable, "-c", CHILD.format(tmp=tmp, body=body)],
@@ -175,21 +133,8 @@ def main() -> None:
     parser.add_argument("new")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", default="", help="run the scenarios whose name has this")
-    parser.add_argument("--instructions", action="store_true",
-                        help="count instructions per row under callgrind instead of timing")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
-    if args.instructions:
-        print("| scenario | before (instructions/row) | after | before / after |")
-        print("|---|---|---|---|")
-        for name, body in SCENARIOS.items():
-            if args.only not in name or "processes" in name:
-                continue
-            if name in SETUP:
-                setup(args.old, SETUP[name], tmp)
-            old, new = instructions(args.old, body, tmp), instructions(args.new, body, tmp)
-            print(f"| {name} | {old:,.0f} | {new:,.0f} | {old / new:.2f} |", flush=True)
-        return
     print("| scenario | before (/s) | after (/s) | after / before |")
     print("|---|---|---|---|")
     for name, body in SCENARIOS.items():
