@@ -376,7 +376,7 @@ def _iterator_size(iterator: DatasetIterator) -> int:
     user's object holding one): the bytes its stages book, not a walk of its stages,
     threads and recipe (the doctor sized a generator that kept a pipeline's iterator by
     walking all of that: 90 s a look)."""
-    return sys.getsizeof(iterator) + iterator._context.budget.used
+    return sys.getsizeof(iterator) + iterator._context.budget.booked()
 
 
 register_sizer(DatasetIterator, _iterator_size)

@@ -194,6 +194,11 @@ class MemoryBudget:
                 pool._members.add(self)
                 self.label = f"pipeline {next(_run_numbers)}"
 
+    def booked(self) -> int:
+        """What the budget's stages book now: the cheap read ``sizeof`` of an iterator
+        makes (``stats()`` snapshots every stage)."""
+        return self.used
+
     def stats(self) -> BudgetStats:
         """A consistent snapshot of the budget and of each stage's bookings."""
         with self.lock:
