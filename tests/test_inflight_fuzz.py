@@ -32,7 +32,7 @@ import pytest
 
 from headrace.errors import MemoryBudgetError
 from headrace.memory.budget import MemoryBudget
-from headrace.memory.buffer import NO_RESERVATION, Reservation
+from headrace.memory.buffer import NO_RESERVATION, Reservation, release_all
 from headrace.memory.inflight import InFlight, Ticket, over_allowance
 
 KiB = 1024
@@ -187,8 +187,11 @@ def _work(sim: _Sim, rng: random.Random, ident: int) -> None:
                 break
         with sim.lock:
             ran = len(sizes)
-            tail = ledger.split(ticket, ran) if ran < count else None
-            overshoot = max(0, sum(sizes) - ticket.allowance)
+            # the head keeps what its outputs cost; the tail gets what is left
+            tail = ledger.split(ticket, ran, sum(sizes)) if ran < count else None
+            # past what the call was booked: its last output at most
+            overshoot = max(0, sum(sizes) - call.allowance)
+            assert overshoot <= call.last, (overshoot, call)
             try:
                 booked = ledger.settle(ticket, sizes, ticket.inputs, whole=tail is None)
             except MemoryBudgetError as error:
@@ -282,6 +285,42 @@ def test_a_ticket_split_moves_its_booking_without_booking_anything() -> None:
     ledger.settle(ticket, [150], [100], whole=True)[0].release()
     tail.release()
     assert buffer.stats().held == 0
+
+
+def test_a_split_after_outputs_jumped_leaves_the_tail_what_they_did_not_spend() -> None:
+    """A call booked 4 x 100 B made one output of 350 B and stopped: the head keeps
+    350 B of the booking and the tail gets the 50 B left, not its expected 300 B (it
+    would make that much again while the 350 B output is booked anew at settling)."""
+    budget = MemoryBudget(SHARE)
+    buffer = budget.account("map(split)", weight=1.0)
+    budget.allot()
+    ledger = InFlight(buffer)
+    ticket = Ticket()
+    for _ in range(4):
+        ledger.add(ticket, 10, 100, NO_RESERVATION)
+    ledger.book(ticket)
+    tail = ledger.split(ticket, 1, 350)
+    assert (ticket.allowance, tail.allowance, len(tail)) == (350, 50, 3)
+    assert buffer.stats().held == 400
+    booked = ledger.settle(ticket, [350], [10], whole=False)
+    assert buffer.stats().held == 400  # the output and the tail's 50 B
+    release_all(booked)
+    tail.release()
+    assert buffer.stats().held == 0
+    # outputs that cost all of it: the tail starts with nothing booked
+    ticket = ledger.book(_ticket(ledger, [100, 100, 100]))
+    tail = ledger.split(ticket, 1, 900)
+    assert (ticket.allowance, tail.allowance) == (300, 0)
+    release_all(ledger.settle(ticket, [900], [10], whole=False))
+    tail.release()
+    assert buffer.stats().held == 0
+
+
+def _ticket(ledger: InFlight, expected: list[int]) -> Ticket:
+    ticket = Ticket()
+    for nbytes in expected:
+        ledger.add(ticket, 10, nbytes, NO_RESERVATION)
+    return ticket
 
 
 def test_a_call_in_a_worker_process_books_the_output_it_packs_beside_its_copy() -> None:

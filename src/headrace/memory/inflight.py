@@ -262,17 +262,28 @@ class InFlight:
             ticket.pending = 0
         return ticket
 
-    def split(self, ticket: Ticket, at: int) -> Ticket:
+    def split(self, ticket: Ticket, at: int, head: int | None = None) -> Ticket:
         """The inputs from position ``at`` on, as a ticket of their own.
 
-        Their part of the booking changes hands; nothing is booked or released.
-        An overdraft's excess stays with the head, so the split books exactly
-        what the ticket did.
+        ``head``: what the inputs before ``at`` hold (their outputs' costs, once
+        made); by default what they are expected to. The head keeps its part of
+        the booking first, and the tail gets what is left, up to its own
+        expectation. The booking is the call's allowance, and outputs that jumped
+        in size spent it: handed on whole, it would let the tail make as much
+        again while the head's outputs are booked anew (a share's worth past the
+        share per hand-on). Nothing is booked or released; an overdraft's excess
+        stays with the head, so the split books exactly what the ticket did.
         """
         tail = Ticket()
+        if head is None:
+            head = sum(ticket.expected[:at])
         tail.expected, ticket.expected = ticket.expected[at:], ticket.expected[:at]
         tail.inputs, ticket.inputs = ticket.inputs[at:], ticket.inputs[:at]
-        nbytes = sum(tail.expected)
+        movable = sum(
+            booking.nbytes - (booking.excess if isinstance(booking, Overdraft) else 0)
+            for booking in ticket.bookings if booking.account is not None
+        )
+        nbytes = min(sum(tail.expected), movable - head)
         carved: Reservation = NO_RESERVATION
         for booking in ticket.bookings:
             if nbytes <= 0:

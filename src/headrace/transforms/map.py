@@ -873,9 +873,9 @@ class _ParallelMapIterator(Iterator):
         # outputs alive, unbooked, until the cyclic GC ran. Dropped here.
         call.future = None
         ledger, ticket, ran = self.ledger, call.ticket, len(outputs)
-        # Inputs the call did not run (past its allowance): their part of the booking
-        # goes with them.
-        rest = ledger.split(ticket, ran) if ran < len(ticket) else None
+        # Inputs the call did not run (past its allowance) take what is left of the
+        # booking once the outputs made are paid for.
+        rest = ledger.split(ticket, ran, sum(costs)) if ran < len(ticket) else None
         per_element = seconds / max(ran, 1)
         if per_element > 0:
             wanted = int(self.target_call_seconds / per_element) or 1
