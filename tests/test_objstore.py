@@ -408,24 +408,41 @@ def test_save_and_load_through_s3_equal_local(
 
 
 def test_read_buffers_are_booked_on_the_budget(s3: str, tmp_path: Path) -> None:
-    """An object's reader buffer, the stream's block and the block read ahead (3 x 8 MiB
-    by default) are the stage's bytes: a budget that cannot hold them is refused naming
-    the object, and a smaller buffer_size reads the same elements within it."""
+    """An object's reader buffer, the stream's block and the block read ahead are the
+    stage's bytes. By default they shrink to fit half the stage's share (8 MiB reads
+    made 24 MiB per open object: an interleave of four objects under 64 MiB was
+    refused); a ``buffer_size`` the user gives is kept, and refused naming the object
+    where it cannot fit."""
     urls, paths = _write_shards(tmp_path, "booked", 2, 9)
     options = hr.Options()
     options.memory_budget = "6MiB"
     with pytest.raises(hr.errors.MemoryBudgetError, match=r"read-ahead of s3://data/booked"):
-        _read(hr.TFRecordDataset(urls).with_options(options))
-    small = hr.TFRecordDataset(urls, buffer_size=256 * 1024).with_options(options)
-    assert _read(small) == _read(hr.TFRecordDataset(paths))
+        _read(hr.TFRecordDataset(urls, buffer_size=8 << 20).with_options(options))
+    fitted = hr.TFRecordDataset(urls).with_options(options)
+    assert _read(fitted) == _read(hr.TFRecordDataset(paths))
+    with iter(fitted) as iterator:
+        next(iterator)
+        stage = iterator.stats().stages[-1]
+        assert 0 < stage.held <= stage.limit, stage
+    # three buffers in half the share, at most 8 MiB each and at least 256 KiB
+    assert [objstore.fitting_buffer(mib << 20) >> 10 for mib in (1, 6, 48, 64, 512)] == [
+        256, 1024, 8192, 8192, 8192]
     body = b"".join(b"%d,%d\n" % (i, i * i) for i in range(2000))
     objstore.put_atomic(f"s3://{BUCKET}/booked/t.csv", body)
     (tmp_path / "t.csv").write_bytes(body)
     csv_url = f"s3://{BUCKET}/booked/t.csv"
     with pytest.raises(hr.errors.MemoryBudgetError, match=r"read-ahead of s3://data/booked/t"):
-        _read(hr.CsvDataset(csv_url, [0, 0]).with_options(options))
-    small_csv = hr.CsvDataset(csv_url, [0, 0], buffer_size=256 * 1024).with_options(options)
-    assert _read(small_csv) == _read(hr.CsvDataset(str(tmp_path / "t.csv"), [0, 0]))
+        _read(hr.CsvDataset(csv_url, [0, 0], buffer_size=8 << 20).with_options(options))
+    fitted_csv = hr.CsvDataset(csv_url, [0, 0]).with_options(options)
+    assert _read(fitted_csv) == _read(hr.CsvDataset(str(tmp_path / "t.csv"), [0, 0]))
+    # four objects at once under 64 MiB: each reads with what its slot's share allows
+    options.memory_budget = "64MiB"
+    urls, paths = _write_shards(tmp_path, "four", 8, 10)
+
+    def interleaved(names: list[str]) -> hr.Dataset:
+        return hr.Dataset.from_tensor_slices(names).interleave(
+            hr.TFRecordDataset, cycle_length=4, num_parallel_calls=4).with_options(options)
+    assert _read(interleaved(urls)) == _read(interleaved(paths))
 
 
 def test_gcs_and_azure_urls_make_their_stores(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -512,17 +512,22 @@ class _CsvCursor:
     def _open(self) -> _BlockReader:
         node = self.node
         name = node.filenames[self.file_index]
-        if objstore.is_remote(name) and self.remote_booking is None:
+        size = node.buffer_bytes
+        if objstore.is_remote(name):
             # the stream's block and the block read ahead (the parser's own buffer is
             # booked by the block reader): the stage's bytes while the object is open
-            self.remote_booking = self.account.admit(
-                node.buffer_bytes * (objstore.READ_AHEAD_RANGES - 1),
-                together=f"the read-ahead of {name}", elements=0,
-            )
+            ranges = objstore.READ_AHEAD_RANGES - 1
+            if self.remote_booking is None:  # (beside the block of text being parsed)
+                size = node.object_buffer(
+                    max(0, self.account.share() - self.spec.block_bytes), ranges)
+                self.remote_booking = self.account.admit(
+                    size * ranges, together=f"the read-ahead of {name}", elements=0)
+            else:  # (reopened: the size it was booked at)
+                size = self.remote_booking.nbytes // ranges
         self.stream = self.pool.open(
             node.filenames[self.file_index], node.compression_type,
             limiter=file_limiter(self.ctx), memory_account=_BudgetCharge(self.account),
-            buffer_size=node.buffer_bytes,
+            buffer_size=size,
         )
         offset, record, line = self.start
         self.reader = _BlockReader(self.stream, self.spec, node.filenames[self.file_index],

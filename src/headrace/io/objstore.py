@@ -49,11 +49,13 @@ from typing import Any
 from headrace.errors import DataLossError, InvalidArgumentError
 
 __all__ = [
+    "MIN_REMOTE_BUFFER_SIZE",
     "REMOTE_BUFFER_SIZE",
     "RetryPolicy",
     "configure",
     "copy_object",
     "delete_object",
+    "fitting_buffer",
     "glob_objects",
     "is_remote",
     "is_url",
@@ -730,6 +732,26 @@ READ_AHEAD_DEPTH = 1
 #: Buffers of ``buffer_size`` an open object holds at once: the reader's, the stream's
 #: block being read, and the blocks read ahead.
 READ_AHEAD_RANGES = 2 + READ_AHEAD_DEPTH
+
+#: The least a default ranged read shrinks to on a small share (each request is a round
+#: trip: smaller reads would spend their time waiting).
+MIN_REMOTE_BUFFER_SIZE = 256 * 1024
+
+
+def fitting_buffer(share: int, ranges: int = READ_AHEAD_RANGES) -> int:
+    """The default ranged-read size for a stage whose share is ``share`` bytes.
+
+    An open object holds ``ranges`` buffers at once (read buffer, block, read
+    ahead), booked on the stage. At the 8 MiB default that is 24 MiB per object:
+    an interleave of four objects under 64 MiB would be refused for buffers
+    alone. So the default halves until they take at most half the share (the
+    rest is for records), down to :data:`MIN_REMOTE_BUFFER_SIZE`. A
+    ``buffer_size`` the user gives is kept as given.
+    """
+    size = REMOTE_BUFFER_SIZE
+    while size > MIN_REMOTE_BUFFER_SIZE and ranges * size > share // 2:
+        size //= 2
+    return size
 
 
 def make_remote_stream(url: str, compression_type: str, *, buffer_size: int) -> Any:

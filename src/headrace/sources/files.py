@@ -394,6 +394,15 @@ class FileRecordsNode(Node):
         self.buffer_bytes = int(
             buffer_size or (objstore.REMOTE_BUFFER_SIZE if remote else DEFAULT_BUFFER_SIZE)
         )
+        self.buffer_chosen = bool(buffer_size)  # (else the default fits the stage's share)
+
+    def object_buffer(self, share: int, ranges: int) -> int:
+        """The read size for an object, on a stage of ``share`` bytes that holds
+        ``ranges`` such buffers while it is open: the user's ``buffer_size`` as given,
+        else a default that fits the share (:func:`~headrace.io.objstore.fitting_buffer`)."""
+        if self.buffer_chosen:
+            return self.buffer_bytes
+        return objstore.fitting_buffer(share, ranges)
 
     def params(self) -> tuple[Any, ...]:
         return (tuple(self.filenames), self.compression_type)
@@ -408,7 +417,7 @@ class FileRecordsNode(Node):
     def cardinality(self) -> int:
         return UNKNOWN
 
-    def open_reader(self, stream: PooledStream, start: int) -> RecordReader:
+    def open_reader(self, stream: PooledStream, start: int, buffer_bytes: int) -> RecordReader:
         raise NotImplementedError
 
     def make_iterator(self, ctx: Context) -> Iterator:
@@ -578,22 +587,28 @@ class _FileRecordsIterator(Iterator):
     def _open(self) -> RecordReader:
         node = self.node
         name = node.filenames[self.file_index]
-        if objstore.is_remote(name) and self.remote_booking is None:
-            # the reader's buffer of an object is large (8 MiB by default), and the next
+        size = node.buffer_bytes
+        if objstore.is_remote(name):
+            # the reader's buffer of an object is large (up to 8 MiB), and the next
             # range is read ahead: booked as the stage's bytes while the object is
             # open, refused by name if they cannot fit
-            self.remote_booking = self.account.admit(
-                node.buffer_bytes * objstore.READ_AHEAD_RANGES,
-                together=f"the read buffer and read-ahead of {name}", elements=0,
-            )
+            ranges = objstore.READ_AHEAD_RANGES
+            if self.remote_booking is None:
+                size = node.object_buffer(self.account.share(), ranges)
+                self.remote_booking = self.account.admit(
+                    size * ranges, together=f"the read buffer and read-ahead of {name}",
+                    elements=0,
+                )
+            else:  # (reopened: the size it was booked at)
+                size = self.remote_booking.nbytes // ranges
         self.stream = self.pool.open(
             name,
             node.compression_type,
             limiter=file_limiter(self.ctx),
             memory_account=_BudgetCharge(self.account),
-            buffer_size=node.buffer_bytes,
+            buffer_size=size,
         )
-        self.reader = reader = node.open_reader(self.stream, self.start_offset)
+        self.reader = reader = node.open_reader(self.stream, self.start_offset, size)
         reader.watch(self._expect)
         if self.log is not None:
             self.log.opened(self.served, self.file_index, self.record if self.record_known else -1)
@@ -831,8 +846,8 @@ class TextLineNode(FileRecordsNode):
             )
         self.max_line_bytes = max_line_bytes
 
-    def open_reader(self, stream: PooledStream, start: int) -> RecordReader:
-        return TextLineReader(stream, start, self.buffer_bytes, self.max_line_bytes)
+    def open_reader(self, stream: PooledStream, start: int, buffer_bytes: int) -> RecordReader:
+        return TextLineReader(stream, start, buffer_bytes, self.max_line_bytes)
 
 
 def list_files(pattern: str | Sequence[str]) -> list[str]:

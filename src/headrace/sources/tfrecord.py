@@ -82,7 +82,7 @@ class TFRecordNode(FileRecordsNode):
     def params(self) -> tuple[Any, ...]:
         return (*super().params(), self.verify_crc, self.skip_corrupt)
 
-    def open_reader(self, stream: PooledStream, start: int) -> RecordReader:
+    def open_reader(self, stream: PooledStream, start: int, buffer_bytes: int) -> RecordReader:
         stream.seek(start)
         return _TFRecordReaderAdapter(
             TFRecordReader(
@@ -93,7 +93,7 @@ class TFRecordNode(FileRecordsNode):
                 verify_crc=self.verify_crc,
                 max_record_bytes=self.max_record_bytes,
                 skip_corrupt=self.skip_corrupt,
-                buffer_size=self.buffer_bytes,
+                buffer_size=buffer_bytes,
             )
         )
 
