@@ -110,3 +110,30 @@ def test_a_failing_cleanup_reaches_the_consumer(tmp_path: Path) -> None:
     next(it)
     with pytest.raises(OSError, match="cleanup failed"):
         it.close()
+
+
+@pytest.mark.parametrize("batch", [None, 7])
+@pytest.mark.parametrize("cut", [0, 1, 3, 64, 499])
+def test_a_generator_resumed_under_prefetch_runs_on_the_prefetch_thread(
+    rows: SqliteRows, cut: int, batch: int | None
+) -> None:
+    """Restoring a state replays the generator where it will run: on the prefetch
+    thread, so a connection it opens is used and closed there. The elements after the
+    state are the uninterrupted run's (the oracle). Replayed by set_state on the
+    caller's thread, the prefetch thread's next row raised ProgrammingError."""
+    ds = hr.Dataset.from_generator(rows, output_signature=SIGNATURE).prefetch(2)
+    if batch is not None:
+        ds = ds.batch(batch)
+    whole = [np.asarray(y).tolist() for _, y in ds]
+    with iter(ds) as it:
+        for _ in range(cut if batch is None else cut // batch):
+            next(it)
+        state = it.get_state()
+    rows.events.clear()
+    with iter(ds) as resumed:
+        resumed.set_state(state)
+        rest = [np.asarray(y).tolist() for _, y in resumed]
+    assert rest == whole[len(whole) - len(rest):] and len(rest) == len(whole) - (
+        cut if batch is None else cut // batch), (cut, batch)
+    _opened_and_closed_on_one_thread(rows.events)
+    assert rows.events[0][1] != threading.current_thread().name

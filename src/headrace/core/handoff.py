@@ -49,7 +49,7 @@ from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_
 
 __all__ = [
     "TRACEBACK_NOTE", "Handoff", "book_error", "drop_frames", "holds_a_place", "restore_input",
-    "unpin",
+    "skip_positions", "unpin",
 ]
 
 _Error = TypeVar("_Error", bound=BaseException)
@@ -240,6 +240,12 @@ def restore_input(inner: Iterator, inner_state: dict[str, Any], skip: int, stage
     ``skip`` positions means the state is not of this data: a CheckpointError.
     """
     inner.set_state(inner_state)
+    skip_positions(inner, skip, stage)
+
+
+def skip_positions(inner: Iterator, skip: int, stage: str) -> None:
+    """Pull and drop ``skip`` positions of ``inner`` that were handed out before its
+    state was taken (an error counts as its position; see :func:`restore_input`)."""
     for done in range(skip):
         try:
             _, reservation = inner.pull()

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from headrace.core.handoff import Handoff, book_error, holds_a_place, restore_input, unpin
+from headrace.core.handoff import Handoff, book_error, holds_a_place, skip_positions, unpin
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, ShardRole, UnaryNode, check_positive
 from headrace.core.state import INNER, SKIP, StateReader
@@ -82,8 +82,15 @@ class _Producer:
         gate: threading.Semaphore | None,
         ready: threading.Condition | None,
         probe: Callable[[], Any] | None = None,
+        restore: tuple[dict[str, Any], int] | None = None,
     ) -> None:
         self.inner, self.ctx, self.account, self.depth = inner, ctx, account, depth
+        #: A state to put the input in first, and the positions after it to drop (those
+        #: handed out before it was taken): see :meth:`run`.
+        self.restore = restore
+        self.restored = threading.Event()  # set once the restore is done (or failed)
+        self.restore_error: BaseException | None = None
+        self.restored_state: dict[str, Any] = {}  # the input's, right after the restore
         #: The input's ``origin_token``, once a stage above asks for origins: taken
         #: after each pull, carried in the chunk beside the element.
         self.probe = probe
@@ -111,6 +118,8 @@ class _Producer:
 
     def run(self) -> None:
         chunks: list[Handoff] = []
+        if self.restore is not None and not self._restore(*self.restore):
+            return
         try:
             ended = False
             while not ended and self._wait_for_space():
@@ -137,6 +146,25 @@ class _Producer:
             # waiting on this queue from another producer thread.
             self.finished = True
             self.ready.notify_all()
+
+    def _restore(self, inner_state: dict[str, Any], skip: int) -> bool:
+        """Restore the input on this thread, as ``set_state`` asked (it waits for this):
+        the input's replay then runs where the input will run, as in a run from the
+        start (a generator's sqlite3 connection is only usable on the thread that
+        opened it). False if the restore failed: ``set_state`` raises its error."""
+        try:
+            self.inner.set_state(inner_state)
+            skip_positions(self.inner, skip, "prefetch")
+            self.state_before_chunk = self.restored_state = self.inner.get_state()
+        except BaseException as error:
+            self.restore_error = error
+            with self.ready:
+                self.finished = True
+                self.ready.notify_all()
+            return False
+        finally:
+            self.restored.set()
+        return True
 
     def _pull(self, chunks: list[Handoff], room: int) -> bool:
         """Pull up to ``room`` elements (at most a chunk) while each fits the budget share;
@@ -324,12 +352,13 @@ class PrefetchIterator(Iterator):
         #: The input's ``origin_probe``, once a stage above asks for origins.
         self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
 
-    def start(self) -> _Producer:
-        """Start producing now (parallel interleave reads its slots ahead)."""
+    def start(self, restore: tuple[dict[str, Any], int] | None = None) -> _Producer:
+        """Start producing now (parallel interleave reads its slots ahead); ``restore``:
+        the input's state and positions to skip, put in place by the thread first."""
         if self.producer is None:
             self.producer = _Producer(
                 self.inner, self.ctx, self.account, self.depth, self.gate, self.ready,
-                None if self.probe is None else self.probe[0],
+                None if self.probe is None else self.probe[0], restore,
             )
             self.producer.thread.start()
         return self.producer
@@ -434,8 +463,15 @@ class PrefetchIterator(Iterator):
         # elements of the chunk already handed out: a position inside one chunk
         skip = reader.integer(SKIP, high=_CHUNK + 1, why="the largest chunk and its error")
         self._stop()
-        restore_input(self.inner, inner_state, skip, "prefetch")
-        self.state_at_start = self.inner.get_state()
+        # The producer thread restores the input (see _Producer._restore): the replay
+        # runs on the thread that goes on from there.
+        producer = self.start(restore=(inner_state, skip))
+        producer.restored.wait()
+        if producer.restore_error is not None:
+            self.producer = None
+            producer.thread.join()
+            raise producer.restore_error
+        self.state_at_start = producer.restored_state  # (the thread has gone on since)
 
     def _stop(self, final: bool = False) -> None:
         for chunk in self.taken:
