@@ -192,18 +192,16 @@ def _work(sim: _Sim, rng: random.Random, ident: int) -> None:
             # past what the call was booked: its last output at most
             overshoot = max(0, sum(sizes) - call.allowance)
             assert overshoot <= call.last, (overshoot, call)
-            try:
-                booked = ledger.settle(ticket, sizes, ticket.inputs, whole=tail is None)
-            except MemoryBudgetError as error:
-                sim.refused.append(error)
-                sim.stop = True
-                del sim.running[ident]
-                if tail is not None:
-                    tail.release()
-                return
+            booked = ledger.settle(ticket, sizes, ticket.inputs, whole=tail is None)
             del sim.running[ident]
-            if sizes:
-                sim.alive.append((booked, sum(sizes), overshoot))
+            # an output that can never fit comes back as its refusal, in its place: the
+            # map drops it and hands the error out there; the other outputs go on
+            kept = [(booking, size) for booking, size in zip(booked, sizes, strict=True)
+                    if not isinstance(booking, MemoryBudgetError)]
+            sim.refused += [booking for booking in booked if isinstance(booking, MemoryBudgetError)]
+            if kept:
+                sim.alive.append(([booking for booking, _ in kept],
+                                  sum(size for _, size in kept), overshoot))
             sim.done += ran
             sim.check()
             if tail is not None:

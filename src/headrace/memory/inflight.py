@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from headrace.errors import MemoryBudgetError
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Overdraft, Reservation, release_all
 from headrace.memory.units import is_byte_count
 
@@ -148,6 +149,7 @@ class InFlight:
             nbytes > 2 * allowance + _HINT_TOLERANCE
         ):
             self._distrust = True
+        nbytes = min(nbytes, self.buffer.limit)  # (larger: refused, see settle)
         if nbytes > self._largest:
             with self._raise:
                 if nbytes > self._largest:
@@ -319,7 +321,7 @@ class InFlight:
 
     def settle(
         self, ticket: Ticket, sizes: list[int], inputs: list[int], *, whole: bool
-    ) -> list[Reservation]:
+    ) -> list[Reservation | MemoryBudgetError]:
         """Outputs arrived: learn from them, release the ticket, book them as they are.
 
         ``sizes``: the outputs' costs; ``inputs``: their inputs' sizes. ``whole``: the
@@ -327,6 +329,11 @@ class InFlight:
         slack learned: the booking then covers exactly these outputs). What passes
         the share is booked as an overdraft, which keeps new calls from starting
         until it drains; the allowance keeps it to one element per call.
+
+        An output the pipeline can never hold (larger than the whole budget, with the
+        other stages' minima) gets its refusal in its place, not a booking: the
+        caller hands the error out at that element's position and drops the output,
+        and the call's other outputs go on (raised for the whole call, they were lost).
         """
         if sizes:
             self._learn(sizes, inputs, ticket.booked if whole else None, ticket.slack)
@@ -334,7 +341,20 @@ class InFlight:
         release_all(ticket.bookings)
         ticket.bookings.clear()
         ticket.booked = 0
-        return self.buffer.admit_existing(sizes) if sizes else []
+        if not sizes:
+            return []
+        refused: dict[int, MemoryBudgetError] = {}
+        for position, nbytes in enumerate(sizes):
+            try:
+                self.buffer.expect(nbytes)
+            except MemoryBudgetError as error:
+                refused[position] = error
+        if not refused:
+            return list(self.buffer.admit_existing(sizes))
+        kept = iter(self.buffer.admit_existing(
+            [nbytes for position, nbytes in enumerate(sizes) if position not in refused]))
+        return [refused[position] if position in refused else next(kept)
+                for position in range(len(sizes))]
 
     def hold_error(self, nbytes: int) -> Reservation:
         """Book an error (of ``nbytes``) that a call raised in an output's place, held
@@ -353,7 +373,7 @@ class InFlight:
     def _learn(
         self, sizes: list[int], inputs: list[int], booked: int | None, slack: int
     ) -> None:
-        largest = max(sizes)
+        largest = min(max(sizes), self.buffer.limit)  # (larger: refused)
         if largest > self._largest:
             self._largest = largest
         if self.hint is None:

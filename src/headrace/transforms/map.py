@@ -76,7 +76,7 @@ from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, ShardRole, check_signature, first_element
 from headrace.core.position import _POSITION
 from headrace.core.state import INNER, SKIP, StateReader, mark_out_of_order
-from headrace.errors import InvalidArgumentError, Origin, note_element_error
+from headrace.errors import InvalidArgumentError, MemoryBudgetError, Origin, note_element_error
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.inflight import InFlight, Ticket
 from headrace.options import AUTOTUNE
@@ -888,12 +888,17 @@ class _ParallelMapIterator(Iterator):
         reservations = [NO_RESERVATION] * ran
         try:
             booked = ledger.settle(ticket, sizes, inputs, whole=failed is None and rest is None)
-        except BaseException:  # refused (an output past the whole budget): book nothing more
+        except BaseException:  # (the budget closed): book nothing more
             if rest is not None:
                 rest.release()
             raise
         for position, booking in zip(good, booked, strict=True):
-            reservations[position] = booking
+            if isinstance(booking, MemoryBudgetError):  # never fits: its error, in its place
+                outputs[position] = None
+                failed = {} if failed is None else failed
+                failed[position] = booking
+            else:
+                reservations[position] = booking
         if rest is not None:  # next in order, where the order is kept
             self._hand_on(call, ran, rest, front=self.finished is None)
         call.elements = []
