@@ -477,3 +477,23 @@ def test_loaded_large_records_batch_one_copy_each(
     spy = _LoadColumnar(monkeypatch)
     _same_outcome(_outcome(loaded), expected)
     assert spy.batches == (5 if odd is None else 2)  # (one by one from the odd one's batch)
+
+
+def test_a_loaded_batch_of_large_records_needs_the_budget_the_plain_batch_does(
+    tmp_path: Path,
+) -> None:
+    """Four 2.4 MB records batch under 12 MiB, as the plain batch does: the records are
+    read into the batch a piece at a time, not all first (which needed 19 MiB, the
+    outsider's a2). A batch that cannot fit is refused as a batch, and again at the
+    next call, as the plain batch is (the stream ended after one refusal)."""
+    rows = hr.Dataset.range(12).map(lambda i: np.full(300_000, int(i), np.float64))
+    path = str(tmp_path / "saved")
+    rows.save(path, num_shards=3)
+    options = hr.Options(memory_budget="12MiB")
+    loaded = [batch[:, 0].tolist() for batch in hr.Dataset.load(path).batch(4).with_options(options)]
+    assert loaded == [[float(i) for i in range(k, k + 4)] for k in (0, 4, 8)]
+    small = hr.Dataset.load(path).batch(8).with_options(hr.Options(memory_budget="12MiB"))
+    with iter(small) as iterator:
+        for _ in range(2):
+            with pytest.raises(hr.MemoryBudgetError, match="a batch of 8 elements"):
+                next(iterator)
