@@ -189,3 +189,27 @@ def test_a_shard_id_past_the_limit_is_refused_before_any_file_is_made(
     with pytest.raises(hr.InvalidArgumentError, match=rf"returned {shard} for element 3.*4095"):
         ds.save(str(out), shard_func=lambda x: np.uint64(shard) if int(x) == 3 else np.int64(0))
     assert len(list(out.rglob("*"))) < 10
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda i: np.int64(i),  # dtype
+        lambda i: np.full(2, i, np.int32),  # rank
+        lambda i: (np.int32(i),),  # structure
+    ],
+    ids=["dtype", "rank", "structure"],
+)
+@pytest.mark.parametrize("at", [1, 7])
+def test_elements_that_change_spec_mid_stream_are_refused_by_save(
+    tmp_path: Path, change: Any, at: int
+) -> None:
+    """A map whose outputs change dtype, rank or structure after ``at`` elements: save
+    refuses the first that differs from the spec its manifest would record, naming it,
+    and leaves no manifest. It wrote a save that load then refused (the outsider's a1)."""
+    ds = hr.Dataset.range(12).map(lambda i: np.int32(i) if int(i) < at else change(i))
+    with pytest.raises(hr.errors.ElementSpecError, match=f"save: element {at} does not match"):
+        ds.save(str(tmp_path), num_shards=3)
+    assert not (tmp_path / "headrace-dataset.json").exists()
+    with pytest.raises(FileNotFoundError, match="not a complete saved dataset"):
+        list(hr.Dataset.load(str(tmp_path)))

@@ -59,7 +59,7 @@ from headrace.core.handoff import unpin
 from headrace.core.indexing import IndexStream, RandomAccess, take_all
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, known_spec
-from headrace.errors import DataLossError, FileLimitError, InvalidArgumentError
+from headrace.errors import DataLossError, ElementSpecError, FileLimitError, InvalidArgumentError
 from headrace.io import objstore
 from headrace.io.elements import (
     ELEMENTS_FORMAT,
@@ -490,7 +490,8 @@ def save(
         if resumed is not None:
             iterator.set_state(resumed["state"])
         done = 0 if resumed is None else int(resumed["elements"])
-        first = _write_all(iterator, writers, shard_func, interval, done, progress_path, identity)
+        first = _write_all(iterator, writers, shard_func, interval, done, progress_path, identity,
+                           known_spec(dataset.node))
         counts = [list(writer.parts) for writer in writers]
         file_digests = [list(writer.digests) for writer in writers]
     except BaseException:
@@ -523,13 +524,16 @@ def _spec_json(dataset: Dataset, first: Any) -> Any:
     """The element spec to record: the pipeline's when known without data; else that of
     the first element written, sizes unknown (as map's sampled spec) — never a second
     read of the input; None for an empty dataset whose spec needs data."""
-    spec = known_spec(dataset.node)
-    if spec is None and first is not _NOTHING:
-        spec = map_structure(
-            lambda leaf: TensorSpec((None,) * len(leaf.shape), leaf.dtype, leaf.kind),
-            spec_of(first),
-        )
+    spec = _recorded_spec(known_spec(dataset.node), first)
     return None if spec is None else spec_to_json(spec)
+
+
+def _recorded_spec(known: Any, first: Any) -> Any:
+    if known is not None or first is _NOTHING:
+        return known
+    return map_structure(
+        lambda leaf: TensorSpec((None,) * len(leaf.shape), leaf.dtype, leaf.kind), spec_of(first)
+    )
 
 
 def _read_progress(path: str, identity: str) -> dict[str, Any] | None:
@@ -556,9 +560,16 @@ def _write_all(
     done: int,
     progress_path: str,
     identity: str,
+    known: Any = None,
 ) -> Any:
-    """Write every element; returns the first one written (``_NOTHING`` if none)."""
+    """Write every element; returns the first one written (``_NOTHING`` if none).
+
+    Each element is checked against the spec the manifest will record (``known``, the
+    pipeline's, else the first element's): one that differs (a map whose outputs
+    change dtype mid-stream) would make a save that ``load`` refuses, so it is refused
+    here, naming it, and nothing complete-looking is left."""
     first: Any = _NOTHING
+    check: SpecCheck | None = None
     account = iterator.context.account(_SAVE_NODE)
     iterator.context.budget.allot()
     files = _OpenFiles(iterator.context, len(writers))
@@ -582,8 +593,17 @@ def _write_all(
 
     try:
         for element in iterator:
-            if first is _NOTHING:
+            if check is None:
                 first = element
+                check = SpecCheck(_recorded_spec(known, element), given=False)
+            problem = check.problem(element)
+            if problem:
+                raise ElementSpecError(
+                    f"save: element {done} does not match the element spec the saved "
+                    f"dataset records ({problem}): load would refuse it. Make the "
+                    "pipeline's elements agree (cast them in the map, or give the map an "
+                    "output_signature)"
+                )
             shard = (done % len(writers)) if shard_func is None else _shard_of(
                 shard_func, element, done
             )
@@ -791,15 +811,17 @@ class SpecCheck:
         self.skeleton = _skeleton(spec)
         self.leaves: list[TensorSpec] = flatten(spec)
 
-    def __call__(self, element: Any, path: str, offset: int | None = None) -> Any:
-        problem = ""
+    def problem(self, element: Any) -> str:
+        """How ``element`` differs from the spec ("" where it does not)."""
         if _skeleton(element) != self.skeleton:
-            problem = "its structure differs"
-        else:
-            for index, (want, leaf) in enumerate(zip(self.leaves, flatten(element), strict=True)):
-                if not want.is_compatible_with(leaf):
-                    problem = f"component {index} is {leaf_spec(leaf)}, not {want}"
-                    break
+            return "its structure differs"
+        for index, (want, leaf) in enumerate(zip(self.leaves, flatten(element), strict=True)):
+            if not want.is_compatible_with(leaf):
+                return f"component {index} is {leaf_spec(leaf)}, not {want}"
+        return ""
+
+    def __call__(self, element: Any, path: str, offset: int | None = None) -> Any:
+        problem = self.problem(element)
         if problem:
             where = "" if offset is None else f" at offset {offset}"
             whose = "the element_spec given to load" if self.given else "its manifest's spec"
