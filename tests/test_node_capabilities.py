@@ -214,3 +214,26 @@ def test_a_stage_without_element_i_is_named(
     assert (refusal.stage, refusal.why) == (stage, why)
     with pytest.raises(InvalidArgumentError, match=f"; {stage} does not support"):
         build(hr.Dataset.range(10)).global_shuffle(seed=0)
+
+
+_RANDOM_STAGES: list[tuple[str, Callable[[int | None], hr.Dataset]]] = [
+    ("shuffle", lambda seed: hr.Dataset.range(40).shuffle(8, seed=seed)),
+    ("global_shuffle", lambda seed: hr.Dataset.range(40).global_shuffle(seed=seed)),
+    ("random", lambda seed: hr.Dataset.random(seed=seed).take(40)),
+    ("sample_from_datasets", lambda seed: hr.Dataset.sample_from_datasets(
+        [hr.Dataset.range(20), hr.Dataset.range(20, 40)], seed=seed)),
+]
+
+
+@pytest.mark.parametrize(("stage", "make"), _RANDOM_STAGES)
+def test_data_sharding_asks_every_random_stage_for_its_seed(
+    stage: str, make: Callable[[int | None], hr.Dataset]
+) -> None:
+    """Each worker of a DATA split runs the whole pipeline: a random stage says it has
+    no seed (its trait), and is refused by name; seeded, the workers' parts together
+    are exactly the unsharded elements."""
+    with pytest.raises(InvalidArgumentError, match=f"stage '{stage}' has no seed"):
+        hr.auto_shard(make(None).map(lambda x: x), "data", num_shards=2, index=0)
+    seeded = make(5).map(lambda x: x)
+    parts = [list(hr.auto_shard(seeded, "data", num_shards=2, index=i)) for i in range(2)]
+    assert sorted(int(x) for part in parts for x in part) == sorted(int(x) for x in seeded)

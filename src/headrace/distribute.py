@@ -175,7 +175,7 @@ def _refuse_unseeded(node: Node) -> None:
         if id(current) in seen:
             continue
         seen.add(id(current))
-        if hasattr(current, "seed") and current.seed is None:
+        if current.traits().unseeded:
             raise InvalidArgumentError(
                 f"auto_shard(DATA): stage {current.stage!r} has no seed, so each worker "
                 "would draw another order and the workers together would repeat some "

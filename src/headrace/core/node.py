@@ -256,6 +256,9 @@ class Traits:
     groups: bool = False
     #: Opens the files its input elements name (interleave over ``list_files``).
     opens_named_files: bool = False
+    #: Draws random numbers without a seed: another order in every process, so
+    #: workers that each run the whole pipeline would not agree on it.
+    unseeded: bool = False
 
 
 _N = TypeVar("_N", bound="Node")

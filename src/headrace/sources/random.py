@@ -34,7 +34,7 @@ class RandomNode(Node, SeededNode):
         return self.direct_access()
 
     def traits(self) -> Traits:
-        return Traits()
+        return Traits(unseeded=self.seed is None)
 
     def __init__(self, seed: int | None, rerandomize_each_iteration: bool | None) -> None:
         super().__init__()

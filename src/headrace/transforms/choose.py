@@ -115,6 +115,9 @@ class ChooseNode(_PickNode):
 class SampleNode(_PickNode, SeededNode):
     stage = "sample_from_datasets"
 
+    def traits(self) -> Traits:
+        return Traits(unseeded=self.seed is None)
+
     def __init__(
         self,
         datasets: Sequence[Node],

@@ -87,7 +87,7 @@ class GlobalShuffleNode(UnaryNode):
         return reach(self.inputs[0])  # a uniform permutation of a uniform permutation is one: skip it
 
     def traits(self) -> Traits:
-        return Traits()
+        return Traits(unseeded=self.seed is None)
 
     def __init__(self, source: Node, seed: int | None, reshuffle_each_iteration: bool) -> None:
         super().__init__(source)

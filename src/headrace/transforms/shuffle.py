@@ -107,7 +107,7 @@ class ShuffleNode(UnaryNode):
         return Refusal(self)  # element i is drawn from a buffer of those before it
 
     def traits(self) -> Traits:
-        return Traits(shuffle_buffer=self.buffer_size)
+        return Traits(shuffle_buffer=self.buffer_size, unseeded=self.seed is None)
 
     def __init__(
         self, source: Node, buffer_size: int, seed: int | None, reshuffle_each_iteration: bool
