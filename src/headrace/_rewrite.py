@@ -6,55 +6,28 @@ Shared by :mod:`headrace.distribute` (hosts) and the framework adapters
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
-from typing import TypeGuard
 
 from headrace.core.node import Node, ShardRole
-from headrace.sources.files import FileRecordsNode
-from headrace.sources.tfrecord import IndexedTFRecordNode
-from headrace.structure import pack_as
-from headrace.transforms.zip import ZipNode
 
 __all__ = [
     "aligned_roots",
     "alike",
     "blocker_text",
     "is_file_source",
-    "with_files",
     "with_inputs",
     "with_roots",
 ]
 
 
 def with_inputs(node: Node, inputs: tuple[Node, ...]) -> Node:
-    """``node`` reading ``inputs`` instead of its own (its fingerprint recomputed)."""
-    clone = copy.copy(node)
-    clone.__dict__.pop("_fingerprint", None)
-    clone.inputs = inputs
-    if isinstance(clone, ZipNode):  # zip also keeps its inputs inside the user's nesting
-        clone.structure = pack_as(clone.structure, list(inputs))
-    return clone
+    """``node`` reading ``inputs`` instead of its own (see :meth:`Node.with_inputs`)."""
+    return node.with_inputs(inputs)
 
 
-def with_files(node: FileRecordsNode | IndexedTFRecordNode, files: list[str]) -> Node:
-    """The same file source over ``files`` only (indexes must already exist)."""
-    if isinstance(node, IndexedTFRecordNode):
-        return IndexedTFRecordNode(
-            files,
-            build_missing=False,
-            verify_crc=node.verify_crc,
-            max_record_bytes=node.max_record_bytes,
-        )
-    clone = copy.copy(node)
-    clone.__dict__.pop("_fingerprint", None)
-    clone.filenames = files
-    return clone
-
-
-def is_file_source(node: Node) -> TypeGuard[FileRecordsNode | IndexedTFRecordNode]:
+def is_file_source(node: Node) -> bool:
     """Whether ``node`` reads records from a list of files it holds (shardable by file)."""
-    return isinstance(node, (FileRecordsNode, IndexedTFRecordNode))
+    return node.read_files() is not None
 
 
 def aligned_roots(node: Node) -> list[Node]:

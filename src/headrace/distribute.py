@@ -23,16 +23,12 @@ from headrace._rewrite import (
     aligned_roots,
     alike,
     blocker_text,
-    is_file_source,
-    with_files,
     with_inputs,
     with_roots,
 )
 from headrace.core.node import Node, ShardRole
 from headrace.dataset import Dataset
 from headrace.errors import InvalidArgumentError
-from headrace.sources.arrays import TensorSlicesNode
-from headrace.transforms.interleave import InterleaveNode
 from headrace.transforms.shard import ShardNode
 
 __all__ = ["AutoShardPolicy", "ShardInfo", "auto_shard", "shard_info"]
@@ -104,11 +100,12 @@ def _shard_files(node: Node, info: ShardInfo, *, names: bool = False) -> Node:
 
     ``names``: ``node`` feeds an interleave, so a list of strings is a list of files.
     """
-    if is_file_source(node):
-        _check_enough(len(node.filenames), info)
-        return with_files(node, node.filenames[info.index :: info.num_shards])
+    files = node.read_files()
+    if files is not None:
+        _check_enough(len(files), info)
+        return node.with_files(files[info.index :: info.num_shards])
     if not node.inputs:
-        if names and _is_name_list(node):
+        if names and node.names_files():
             _check_enough(node.cardinality(), info)
             return ShardNode(node, info.num_shards, info.index)
         raise _refusal(
@@ -132,16 +129,8 @@ def _shard_files(node: Node, info: ShardInfo, *, names: bool = False) -> Node:
                 "positions"
             )
         return with_roots(node, lambda root: _shard_files(root, info, names=names))
-    names = names or isinstance(node, InterleaveNode)
+    names = names or node.traits().opens_named_files
     return with_inputs(node, tuple(_shard_files(child, info, names=names) for child in node.inputs))
-
-
-def _is_name_list(node: Node) -> bool:
-    """A ``list_files``-like source: one column of file names."""
-    if not isinstance(node, TensorSlicesNode) or len(node.leaves) != 1:
-        return False
-    leaf = node.leaves[0]
-    return leaf.dtype == object and all(isinstance(name, (str, bytes)) for name in leaf[:8])
 
 
 def _refusal(reason: str) -> InvalidArgumentError:
@@ -186,7 +175,7 @@ def _refuse_unseeded(node: Node) -> None:
         if id(current) in seen:
             continue
         seen.add(id(current))
-        if hasattr(current, "seed") and current.seed is None:
+        if current.traits().unseeded:
             raise InvalidArgumentError(
                 f"auto_shard(DATA): stage {current.stage!r} has no seed, so each worker "
                 "would draw another order and the workers together would repeat some "

@@ -55,7 +55,7 @@ import ray
 from headrace.adapters.ray import WORKER_BASELINE, task_memory
 from headrace.core.node import Node
 from headrace.dataset import Dataset
-from headrace.distribute import ShardInfo, _is_name_list, _refuse_unseeded, _shard_files
+from headrace.distribute import ShardInfo, _refuse_unseeded, _shard_files
 from headrace.errors import CheckpointError, InvalidArgumentError, WorkerError
 from headrace.memory.sizeof import sizeof
 from headrace.memory.units import parse_bytes
@@ -77,14 +77,13 @@ class ServiceError(WorkerError):
 
 def _file_count(node: Node) -> int:
     """How many files the pipeline's first file list holds (0: it reads none)."""
-    from headrace._rewrite import is_file_source
-
     pending = [node]
     while pending:
         current = pending.pop()
-        if is_file_source(current):
-            return len(current.filenames)
-        if not current.inputs and _is_name_list(current):
+        files = current.read_files()
+        if files is not None:
+            return len(files)
+        if not current.inputs and current.names_files():
             return int(current.cardinality())
         pending.extend(reversed(current.inputs))
     return 0

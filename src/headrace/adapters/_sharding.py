@@ -36,8 +36,6 @@ from headrace._rewrite import (
     aligned_roots,
     alike,
     blocker_text,
-    is_file_source,
-    with_files,
     with_inputs,
     with_roots,
 )
@@ -90,8 +88,9 @@ def resolve_sharding(dataset: Dataset, policy: str) -> Literal["source", "output
 
 def _shard_sources(node: Node, num_shards: int, index: int) -> Node:
     if not node.inputs:
-        if is_file_source(node) and len(node.filenames) >= num_shards:
-            return with_files(node, node.filenames[index::num_shards])  # only its own files
+        files = node.read_files()
+        if files is not None and len(files) >= num_shards:
+            return node.with_files(files[index::num_shards])  # only its own files
         return ShardNode(node, num_shards, index)
     if node.shard_role() is ShardRole.PAIRS:
         return _shard_pairs(node, num_shards, index)

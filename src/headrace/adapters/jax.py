@@ -37,7 +37,8 @@ import jax
 
 from headrace._stateful import StateDict
 from headrace.core.handoff import unpin
-from headrace.core.node import Node
+from headrace.core.indexing import RandomAccess, Reach, Refusal
+from headrace.core.node import UNKNOWN, Node, ShardRole, Traits
 from headrace.distribute import AutoShardPolicy, auto_shard
 from headrace.errors import CheckpointError, InvalidArgumentError
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
@@ -61,6 +62,18 @@ class _ReadAheadStage(Node):
 
     stage = "to_jax read-ahead"
     budget_weight = 1.0
+
+    def cardinality(self) -> int:
+        return UNKNOWN  # never iterated
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # never iterated
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # never iterated
+
+    def traits(self) -> Traits:
+        return Traits()
 
 
 _READ_AHEAD = _ReadAheadStage()

@@ -44,10 +44,6 @@ from headrace.core.node import INFINITE, UNKNOWN, Node
 from headrace.errors import InvalidArgumentError
 from headrace.options import AUTOTUNE
 from headrace.structure import map_structure
-from headrace.transforms.batch import BatchNode
-from headrace.transforms.padded_batch import PaddedBatchNode
-from headrace.transforms.ragged_batch import RaggedBatchNode
-from headrace.transforms.unbatch import RebatchNode
 
 if TYPE_CHECKING:
     from headrace.dataset import Dataset
@@ -157,7 +153,7 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
 
 def _batches(node: Node) -> bool:
     """Whether a stage below groups elements (then source sharding changes the count)."""
-    if isinstance(node, (BatchNode, PaddedBatchNode, RaggedBatchNode, RebatchNode)):
+    if node.traits().groups:
         return True
     return any(_batches(child) for child in node.inputs)
 

@@ -67,7 +67,8 @@ from headrace.core import (
     UnaryNode,
 )
 from headrace.core.handoff import unpin
-from headrace.core.indexing import IndexStream, take_all
+from headrace.core.indexing import IndexStream, RandomAccess, Reach, Refusal, take_all
+from headrace.core.node import ShardRole, Traits
 from headrace.core.state import settle_out_of_order
 from headrace.errors import InvalidArgumentError
 from headrace.options import AUTOTUNE
@@ -198,6 +199,18 @@ class DeviceTransferNode(UnaryNode):
 
     stage = "to_device"
     budget_weight = 1.0
+
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()  # one element out per element in
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # it runs in the main process, above the workers
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # elements live on a device, after the pipeline
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(
         self,

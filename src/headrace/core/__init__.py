@@ -9,7 +9,10 @@ driven by a :class:`~headrace.core.run.DatasetIterator`.
 To write a transformation: subclass :class:`Node` (or :class:`UnaryNode`),
 give it a ``stage`` name, its element spec, cardinality and ``params()`` (for
 the checkpoint fingerprint), its ``shard_role()`` (where sharding may pass it;
-the default keeps sharding above it), and build an :class:`Iterator` whose ``pull()``
+the default keeps sharding above it), its ``element_access()`` (how ``global_shuffle``
+reaches element ``i`` through it; the default refuses) and its ``traits()`` (the
+facts the lint and the adapters read; the default claims none), and build an
+:class:`Iterator` whose ``pull()``
 returns ``(element, reservation)``. A stage that buffers elements declares
 ``budget_weight`` on its node class, asks ``ctx.account(node)`` for its share
 and books each element on it before holding it. ``Dataset.apply`` plugs a
@@ -21,9 +24,9 @@ the layers above depend on this one, never the reverse.
 
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.handoff import Handoff, restore_input
-from headrace.core.indexing import IndexPlan, IndexStream, Indices, RandomAccess
+from headrace.core.indexing import IndexPlan, IndexStream, Indices, RandomAccess, Refusal
 from headrace.core.iterator import Context, Iterator, RunFacts
-from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, UnaryNode
+from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
 from headrace.core.run import STATE_VERSION, DatasetIterator, default_budget
 from headrace.core.state import StateReader
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
@@ -43,11 +46,12 @@ __all__ = [
     "Iterator",
     "Node",
     "RandomAccess",
+    "Refusal",
     "Reservation",
     "RunFacts",
     "ShardRole",
-
     "StateReader",
+    "Traits",
     "UnaryNode",
     "default_budget",
     "function_fingerprint",

@@ -23,19 +23,28 @@ from headrace.memory.buffer import NO_RESERVATION, Reservation
 
 if TYPE_CHECKING:
     from headrace.core.iterator import Context
+    from headrace.core.node import Node
 
 __all__ = [
+    "BatchedAccess",
     "GatherBatchIterator",
     "GatherIterator",
     "IndexPlan",
     "IndexStream",
     "Indices",
+    "OffsetAccess",
     "RandomAccess",
+    "Reach",
+    "Refusal",
+    "ReindexedAccess",
     "RepeatIndices",
+    "RepeatedAccess",
     "SequentialIndices",
     "ShardIndices",
     "SkipIndices",
+    "StridedAccess",
     "TakeIndices",
+    "reached",
 ]
 
 
@@ -78,6 +87,132 @@ class RandomAccess:
 
     def close(self) -> None:
         """Release what the run opened (files), when the iterator closes."""
+
+
+class Refusal:
+    """Why a pipeline is not addressable by ``global_shuffle``: the stage that is not.
+
+    What :meth:`~headrace.core.node.Node.element_access` answers where a stage
+    has no element ``i`` (it depends on other elements, or never ends).
+    """
+
+    def __init__(self, node: Node, why: str = "") -> None:
+        self.stage, self.why = node.stage, why
+
+    def message(self) -> str:
+        why = f" ({self.why})" if self.why else ""
+        return (
+            f"global_shuffle needs random access to every element of its input, through "
+            f"every stage before it; {self.stage} does not support random access{why}. tf.data refuses "
+            "it too. Stages that do: sources with random access (from_tensor_slices, "
+            "from_tensors, range, from_npy, TFRecordDataset(..., indexed=True)), map, zip, "
+            "concatenate, enumerate, take, skip, shard, repeat(count >= 0), "
+            "batch(drop_remainder=True), prefetch, cache. Apply global_shuffle before "
+            f"{self.stage}, or use shuffle(buffer_size) after it."
+        )
+
+
+#: How a stage asks for its inputs' element access (recursively, through their stages).
+Reach = Callable[["Node"], "RandomAccess | Refusal"]
+
+
+def reached(reach: Reach, inputs: tuple[Node, ...]) -> list[RandomAccess] | Refusal:
+    """Every input's element access, or the first input's refusal."""
+    accesses = []
+    for child in inputs:
+        part = reach(child)
+        if isinstance(part, Refusal):
+            return part
+        accesses.append(part)
+    return accesses
+
+
+class ReindexedAccess(RandomAccess):
+    """Element ``i`` is element ``position(i)`` of the input."""
+
+    def __init__(self, inner: RandomAccess, length: int) -> None:
+        self.inner, self.length = inner, length
+
+    def position(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return self.length
+
+    def get(self, index: int) -> Any:
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        return self.inner.get(int(self.position(np.asarray([index], dtype=np.int64))[0]))
+
+    def get_many(self, indices: Indices) -> Any:
+        return self.inner.get_many(self.position(np.asarray(indices, dtype=np.int64)))
+
+    def origin(self, index: int) -> Origin | None:
+        return self.inner.origin(int(self.position(np.asarray([index], dtype=np.int64))[0]))
+
+    def gathers_batches(self) -> bool:
+        return self.inner.gathers_batches()
+
+    def prepare(self, ctx: Context) -> None:
+        self.inner.prepare(ctx)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class OffsetAccess(ReindexedAccess):
+    """``take`` (offset 0, shorter) and ``skip`` (offset ``count``)."""
+
+    def __init__(self, inner: RandomAccess, offset: int, length: int) -> None:
+        super().__init__(inner, length)
+        self.offset = offset
+
+    def position(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return indices + self.offset
+
+
+class StridedAccess(ReindexedAccess):
+    """``shard(num_shards, index)``: positions ``index, index + num_shards, ...``."""
+
+    def __init__(self, inner: RandomAccess, num_shards: int, index: int) -> None:
+        size = len(inner)
+        super().__init__(inner, size // num_shards + (index < size % num_shards))
+        self.num_shards, self.index = num_shards, index
+
+    def position(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return indices * self.num_shards + self.index
+
+
+class RepeatedAccess(ReindexedAccess):
+    """A finite ``repeat(count)``: position ``i % len(input)``."""
+
+    def __init__(self, inner: RandomAccess, count: int) -> None:
+        self.period = len(inner)
+        super().__init__(inner, self.period * count)
+
+    def position(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return indices % self.period
+
+
+class BatchedAccess(RandomAccess):
+    """``batch(size, drop_remainder=True)``: element ``i`` is rows ``[i*size, (i+1)*size)``."""
+
+    def __init__(self, inner: RandomAccess, size: int) -> None:
+        self.inner, self.size = inner, size
+
+    def __len__(self) -> int:
+        return len(self.inner) // self.size
+
+    def get(self, index: int) -> Any:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.inner.get_many(range(index * self.size, (index + 1) * self.size))
+
+    def prepare(self, ctx: Context) -> None:
+        self.inner.prepare(ctx)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class IndexStream:

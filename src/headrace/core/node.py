@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
+import dataclasses
 import enum
 import hashlib
 from collections.abc import Callable
 from collections.abc import Iterator as PyIterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -31,6 +33,8 @@ from headrace.core.indexing import (
     IndexPlan,
     IndexStream,
     RandomAccess,
+    Reach,
+    Refusal,
     SequentialIndices,
 )
 from headrace.core.run import DatasetIterator
@@ -43,11 +47,13 @@ if TYPE_CHECKING:
     from headrace.memory.buffer import Buffer
 
 __all__ = [
+    "CAPABILITIES",
     "INFINITE",
     "UNKNOWN",
     "Node",
     "ShardRole",
     "SpecNeedsData",
+    "Traits",
     "UnaryNode",
     "batching_role",
     "check_positive",
@@ -221,6 +227,51 @@ def batching_role(source: Node, drop_remainder: bool) -> ShardRole:
     return ShardRole.BY_CONTENT
 
 
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """Facts about a stage that modules outside it decide by (the recipe lint, sharding,
+    the adapters), so that they ask the node rather than test its class.
+
+    Each node class answers :meth:`Node.traits` in its own module; the defaults say
+    "none of these", which is what a stage that declares nothing gets.
+    """
+
+    #: Calls a user function once per element, output ``k`` from input ``k`` (map): the
+    #: lint weighs the work done for elements a later stage drops, and ``repeat`` does
+    #: not replay indices under it (the function must know its epoch).
+    maps: bool = False
+    #: How many calls of a user function run at once, on threads (``num_parallel_calls``).
+    parallel_calls: int | None = None
+    #: The number of elements held to mix their order (a shuffle buffer).
+    shuffle_buffer: int | None = None
+    #: ``(num_shards, index)``: keeps one element in ``num_shards`` of its input.
+    shards: tuple[int, int] | None = None
+    #: Drops elements by a predicate on their content (filter).
+    drops: bool = False
+    #: Holds every element in memory (a cache without a file).
+    caches_in_memory: bool = False
+    #: Reads ahead of the consumer (prefetch), so the two overlap.
+    prefetches: bool = False
+    #: Groups elements into batches (their number then depends on how the input is split).
+    groups: bool = False
+    #: Opens the files its input elements name (interleave over ``list_files``).
+    opens_named_files: bool = False
+    #: Draws random numbers without a seed: another order in every process, so
+    #: workers that each run the whole pipeline would not agree on it.
+    unseeded: bool = False
+
+
+_N = TypeVar("_N", bound="Node")
+
+#: What every node class declares in its own body (or inherits from a base that lists
+#: it in ``shared_capabilities``): how many elements it gives (``cardinality``), how
+#: sharding may pass it (``shard_role``), how ``global_shuffle`` addresses its elements
+#: (``element_access``) and the facts others read (``traits``). The base class's
+#: answers are the safe ones; a stage that does not declare is refused by a test
+#: (tests/test_node_capabilities.py) rather than silently given them.
+CAPABILITIES = ("cardinality", "shard_role", "element_access", "traits")
+
+
 class Node:
     """Base of every recipe node. Subclasses set ``inputs`` and implement the hooks."""
 
@@ -232,6 +283,10 @@ class Node:
     #: Whether the stage's buffer size sets the order of elements (shuffle): such a
     #: share is never lent to another stage, so the order never depends on timing.
     sets_order: ClassVar[bool] = False
+
+    #: The :data:`CAPABILITIES` this class declares for its subclasses too (a file
+    #: reader's for every format); the others each subclass declares itself.
+    shared_capabilities: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *inputs: Node) -> None:
         self.inputs: tuple[Node, ...] = inputs
@@ -249,6 +304,36 @@ class Node:
     def shard_role(self) -> ShardRole:
         """How sharding may pass this stage (see :class:`ShardRole`); sources have no say."""
         return ShardRole.POSITIONAL
+
+    def traits(self) -> Traits:
+        """The facts about this stage that the lint, sharding and adapters read."""
+        return Traits()
+
+    # -- rewriting -----------------------------------------------------------------------
+    def with_inputs(self: _N, inputs: tuple[Node, ...]) -> _N:
+        """This node reading ``inputs`` instead of its own (its fingerprint recomputed).
+
+        How sharding rewrites a pipeline; a node that keeps its inputs elsewhere too
+        (zip, inside the user's nesting) overrides it.
+        """
+        clone = copy.copy(self)
+        clone.__dict__.pop("_fingerprint", None)
+        clone.inputs = inputs
+        return clone
+
+    def read_files(self) -> list[str] | None:
+        """The files this source reads records from, in order, where it holds such a
+        list (then sharding by file gives each worker only its own); else None."""
+        return None
+
+    def with_files(self, files: list[str]) -> Node:
+        """This source over ``files`` only (where :meth:`read_files` is not None)."""
+        raise NotImplementedError(f"{type(self).__name__} reads no list of files")
+
+    def names_files(self) -> bool:
+        """Whether this source is a list of file names (``list_files``), which a stage
+        that opens named files (interleave) may split among workers."""
+        return False
 
     # -- identity ------------------------------------------------------------------------
     def params(self) -> tuple[Any, ...]:
@@ -314,6 +399,22 @@ class Node:
     def random_access(self) -> RandomAccess | None:
         """Direct access to element ``i``, where the node supports it."""
         return None
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        """Element ``i`` of this stage's output as ``global_shuffle`` addresses it, or a
+        :class:`~headrace.core.indexing.Refusal` saying why there is none.
+
+        Wider than :meth:`random_access` (see :mod:`headrace.transforms._element_access`):
+        stages that choose elements by position map indices onto their input's, which
+        ``reach`` gives. The default refuses, the safe answer.
+        """
+        return Refusal(self)
+
+    def direct_access(self) -> RandomAccess | Refusal:
+        """:meth:`random_access`, or a refusal where there is none: the
+        :meth:`element_access` of a source."""
+        access = self.random_access()
+        return Refusal(self) if access is None else access
 
     def index_plan(self) -> IndexPlan | None:
         """Random access plus the order of indices, where both are known.

@@ -63,8 +63,9 @@ from typing import Any
 
 from headrace._warn import warn_user
 from headrace.core.element_errors import STREAM_ERRORS, RepeatCheck
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import Node, UnaryNode
+from headrace.core.node import Node, ShardRole, Traits, UnaryNode
 from headrace.core.state import POSITION, StateReader, past_end
 from headrace.errors import CheckpointError, HeadraceWarning, InvalidArgumentError
 from headrace.memory.buffer import Buffer, Reservation
@@ -109,6 +110,19 @@ class CacheNode(UnaryNode):
     warns_partial = True
     #: How the file is compressed (:mod:`headrace.io.blocks`; None: not at all).
     compression: str | None = None
+    shared_capabilities = ("cardinality", "shard_role", "element_access", "traits")
+
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()  # one element out per element in
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # a cache file holds one whole stream
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return reach(self.inputs[0])  # the same elements, read or replayed
+
+    def traits(self) -> Traits:
+        return Traits(caches_in_memory=not self.filename)
 
     def __init__(self, source: Node, filename: str | os.PathLike[str] = "") -> None:
         super().__init__(source)

@@ -56,9 +56,9 @@ import numpy as np
 
 from headrace.core.fingerprint import file_digest, function_fingerprint, object_digest
 from headrace.core.handoff import unpin
-from headrace.core.indexing import IndexStream, RandomAccess, take_all
+from headrace.core.indexing import IndexStream, RandomAccess, Reach, Refusal, take_all
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import Node, known_spec
+from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, known_spec
 from headrace.errors import DataLossError, ElementSpecError, FileLimitError, InvalidArgumentError
 from headrace.io import objstore
 from headrace.io.elements import (
@@ -674,6 +674,18 @@ class _SaveStage(Node):
     stage = "save"
     budget_weight = 0.5
 
+    def cardinality(self) -> int:
+        return UNKNOWN  # never iterated
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # never iterated
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # never iterated
+
+    def traits(self) -> Traits:
+        return Traits()
+
 
 _SAVE_NODE = _SaveStage()
 
@@ -873,6 +885,15 @@ class LoadNode(Node):
     """An uncompressed saved dataset as a random-access source, in the default read order."""
 
     stage = "load"
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return self.direct_access()
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(
         self,

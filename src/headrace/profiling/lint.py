@@ -229,52 +229,45 @@ def lint_recipe(
     filter) is worded as a condition ("once more than N elements have
     arrived"): the recipe alone cannot tell whether it ever fills.
     """
-    from headrace.persist.cache import CacheNode
-    from headrace.transforms.filter import FilterNode
-    from headrace.transforms.interleave import InterleaveNode
-    from headrace.transforms.map import MapNode
-    from headrace.transforms.prefetch import PrefetchNode
-    from headrace.transforms.shard import ShardNode
-    from headrace.transforms.shuffle import ShuffleNode
-
     recipe = _Recipe(dataset, measured, sample, epochs)
     cpus = cpu_count or os.cpu_count() or 1
     findings: list[Finding] = []
     for node in recipe.nodes:
-        if isinstance(node, ShuffleNode) and node.inputs[0].index_plan() is None:
-            findings += _shuffle_findings(recipe, node)
-        elif isinstance(node, ShardNode) and node.inputs[0].index_plan() is None:
-            maps = [n for n in recipe.chain_below(node) if isinstance(n, MapNode)]
+        traits = node.traits()
+        if traits.shuffle_buffer is not None and node.inputs[0].index_plan() is None:
+            findings += _shuffle_findings(recipe, node, traits.shuffle_buffer)
+        elif traits.shards is not None and node.inputs[0].index_plan() is None:
+            shards, index = traits.shards
+            maps = [n for n in recipe.chain_below(node) if n.traits().maps]
             if maps:
                 findings.append(Finding(
                     "shard-after-map", node.stage,
-                    f"shard({node.num_shards}, {node.index}) comes after {maps[0].stage}: "
-                    f"every worker runs the map on all elements and keeps 1 in {node.num_shards}",
+                    f"shard({shards}, {index}) comes after {maps[0].stage}: "
+                    f"every worker runs the map on all elements and keeps 1 in {shards}",
                     f"shard right after the source, before {maps[0].stage} "
-                    f"(ds.shard({node.num_shards}, {node.index}).map(...))",
+                    f"(ds.shard({shards}, {index}).map(...))",
                 ))
-        elif isinstance(node, FilterNode):
+        elif traits.drops:
             finding = _filter_finding(recipe, node)
             if finding is not None:
                 findings.append(finding)
-        elif isinstance(node, CacheNode) and not node.filename:
+        elif traits.caches_in_memory:
             finding = _cache_finding(recipe, node)
             if finding is not None:
                 findings.append(finding)
-        if isinstance(node, (MapNode, InterleaveNode)):
-            parallel = node.num_parallel_calls
-            if parallel is not None and parallel != AUTOTUNE and parallel > cpus:
-                findings.append(Finding(
-                    "parallel-above-cpus", node.stage,
-                    f"num_parallel_calls={parallel} on a machine with {cpus} CPUs: the extra "
-                    "calls only hold memory (each call in flight is booked) and switch threads",
-                    f"num_parallel_calls=hr.AUTOTUNE (or at most {cpus})",
-                ))
-        if isinstance(node, MapNode) and node.num_parallel_calls not in (None, 1) and sample:
-            finding = _gil_finding(node)
+        parallel = traits.parallel_calls
+        if parallel is not None and parallel != AUTOTUNE and parallel > cpus:
+            findings.append(Finding(
+                "parallel-above-cpus", node.stage,
+                f"num_parallel_calls={parallel} on a machine with {cpus} CPUs: the extra "
+                "calls only hold memory (each call in flight is booked) and switch threads",
+                f"num_parallel_calls=hr.AUTOTUNE (or at most {cpus})",
+            ))
+        if traits.maps and parallel not in (None, 1) and sample:
+            finding = _gil_finding(node, parallel)
             if finding is not None:
                 findings.append(finding)
-    if not isinstance(recipe.root, PrefetchNode):
+    if not recipe.root.traits().prefetches:
         findings.append(Finding(
             "no-prefetch", recipe.root.stage,
             "the pipeline does not end with prefetch: the consumer (the training step) and "
@@ -284,14 +277,14 @@ def lint_recipe(
     return findings
 
 
-def _shuffle_findings(recipe: _Recipe, node: Any) -> list[Finding]:
+def _shuffle_findings(recipe: _Recipe, node: Node, buffer_size: int) -> list[Finding]:
     findings: list[Finding] = []
     size = recipe.size(node.inputs[0])
     share = recipe.shares.get(id(node), 0)
     if not size:
         return findings
     count = recipe.count(node.inputs[0])
-    fill = node.buffer_size if count is None else min(node.buffer_size, count)
+    fill = buffer_size if count is None else min(buffer_size, count)
     need = fill * size
     if share and need > share:
         fits = max(int(share // size), 1)
@@ -302,7 +295,7 @@ def _shuffle_findings(recipe: _Recipe, node: Any) -> list[Finding]:
         )
         findings.append(Finding(
             "shuffle-too-big", node.stage,
-            f"shuffle(buffer_size={node.buffer_size:,}) of ~{format_bytes(int(size))} "
+            f"shuffle(buffer_size={buffer_size:,}) of ~{format_bytes(int(size))} "
             f"elements holds ~{format_bytes(int(need))}, more than its share "
             f"{format_bytes(share)} of the budget: {outcome}",
             "shuffle something small and random-access instead (from_tensor_slices or an "
@@ -318,10 +311,10 @@ def _shuffle_findings(recipe: _Recipe, node: Any) -> list[Finding]:
             findings.append(Finding(
                 "decode-before-shuffle", node.stage,
                 f"{decoder.stage} inflates elements {inflation:.1f}x before "
-                f"shuffle(buffer_size={node.buffer_size:,}) of ~{format_bytes(int(size))} "
+                f"shuffle(buffer_size={buffer_size:,}) of ~{format_bytes(int(size))} "
                 "elements: the buffer holds decoded data",
                 f"shuffle the encoded elements first and decode after: "
-                f".shuffle({node.buffer_size}).map({decoder.stage[4:-1] or 'decode'}, "
+                f".shuffle({buffer_size}).map({decoder.stage[4:-1] or 'decode'}, "
                 "num_parallel_calls=hr.AUTOTUNE)",
             ))
     return findings
@@ -333,10 +326,8 @@ def _decoder_below(recipe: _Recipe, node: Node) -> tuple[Node | None, float | No
     Its own inflation: its output against its own input (a batch between it
     and the shuffle multiplies the size without decoding anything).
     """
-    from headrace.transforms.map import MapNode
-
     for below in recipe.chain_below(node):
-        if not isinstance(below, MapNode):
+        if not below.traits().maps:
             continue
         stage = recipe.measured.get(id(below))
         if stage is not None and stage.inflation is not None:
@@ -387,9 +378,7 @@ def _cache_finding(recipe: _Recipe, node: Any) -> Finding | None:
 
 
 def _filter_finding(recipe: _Recipe, node: Any) -> Finding | None:
-    from headrace.transforms.map import MapNode
-
-    maps = [n for n in recipe.chain_below(node) if isinstance(n, MapNode)]
+    maps = [n for n in recipe.chain_below(node) if n.traits().maps]
     if not maps:
         return None
     measured = recipe.measured.get(id(node))
@@ -417,7 +406,7 @@ def _filter_finding(recipe: _Recipe, node: Any) -> Finding | None:
     )
 
 
-def _gil_finding(node: Any) -> Finding | None:
+def _gil_finding(node: Any, parallel: int | None) -> Finding | None:
     from headrace.core.node import first_element
 
     try:
@@ -430,7 +419,7 @@ def _gil_finding(node: Any) -> Finding | None:
     return Finding(
         "python-heavy-threads", node.stage,
         f"{node.stage} runs Python bytecode for ~{share:.0%} of each call "
-        f"({seconds * 1e6:,.0f} µs): its {node.num_parallel_calls} threads take turns on the "
+        f"({seconds * 1e6:,.0f} µs): its {parallel} threads take turns on the "
         "GIL, so num_parallel_calls adds memory in flight, not speed",
         "vectorize it: .batch(n).map(fn_on_whole_batch) with NumPy (one call per batch), or "
         "run the Python work in worker processes; keep num_parallel_calls for functions that "

@@ -16,9 +16,9 @@ import numpy as np
 import xxhash
 
 from headrace.core.fingerprint import array_digest, file_identity, unmemoized_digest
-from headrace.core.indexing import RandomAccess
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context
-from headrace.core.node import Node
+from headrace.core.node import Node, ShardRole, Traits
 from headrace.errors import (
     DataLossError,
     ElementSpecError,
@@ -134,6 +134,23 @@ class TensorSlicesNode(Node):
     """``Dataset.from_tensor_slices``: element i is the i-th row of every component."""
 
     stage = "from_tensor_slices"
+    shared_capabilities = ("cardinality", "shard_role", "element_access", "traits")
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return self.direct_access()
+
+    def traits(self) -> Traits:
+        return Traits()
+
+    def names_files(self) -> bool:
+        """One column of names (``list_files``): what an interleave may split by file."""
+        if len(self.leaves) != 1:
+            return False
+        leaf = self.leaves[0]
+        return leaf.dtype == object and all(isinstance(name, (str, bytes)) for name in leaf[:8])
 
     def __init__(self, tensors: Any, *, keep_str: bool = False, paths: bool = False) -> None:
         super().__init__()
@@ -257,6 +274,15 @@ class TensorsNode(Node):
     """``Dataset.from_tensors``: the whole structure as one element."""
 
     stage = "from_tensors"
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return self.direct_access()
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, tensors: Any) -> None:
         super().__init__()
@@ -389,6 +415,15 @@ class RangeNode(Node):
     """``Dataset.range``: int64 scalars, like ``tf.data.Dataset.range``."""
 
     stage = "range"
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return self.direct_access()
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(
         self, start: int, stop: int | None, step: int, output_type: Any = np.int64

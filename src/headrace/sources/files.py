@@ -14,6 +14,7 @@ decompresses up to it (a compressed stream cannot seek).
 from __future__ import annotations
 
 import bisect
+import copy
 import glob
 import os
 import sys
@@ -24,8 +25,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from headrace.core.fingerprint import file_identity
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import BatchToken, Context, Iterator
-from headrace.core.node import UNKNOWN, Node
+from headrace.core.node import UNKNOWN, Node, ShardRole, Traits
 from headrace.core.state import StateReader
 from headrace.errors import (
     InvalidArgumentError,
@@ -368,6 +370,25 @@ class FileRecordsNode(Node):
 
     stage = "files"
     record_spec: TensorSpec = TensorSpec((), bytes)
+    shared_capabilities = ("cardinality", "shard_role", "element_access", "traits")
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return self.direct_access()
+
+    def traits(self) -> Traits:
+        return Traits()
+
+    def read_files(self) -> list[str] | None:
+        return self.filenames
+
+    def with_files(self, files: list[str]) -> Node:
+        clone = copy.copy(self)
+        clone.__dict__.pop("_fingerprint", None)
+        clone.filenames = files
+        return clone
 
     def __init__(
         self, filenames: Any, compression_type: str | None, buffer_size: int | None

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import INFINITE, Node
+from headrace.core.node import INFINITE, Node, ShardRole, Traits
 from headrace.core.state import StateReader
 from headrace.memory.buffer import NO_RESERVATION, Reservation
 from headrace.structure import TensorSpec
@@ -25,6 +26,15 @@ __all__ = ["RandomNode"]
 
 class RandomNode(Node, SeededNode):
     stage = "random"
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return self.direct_access()
+
+    def traits(self) -> Traits:
+        return Traits(unseeded=self.seed is None)
 
     def __init__(self, seed: int | None, rerandomize_each_iteration: bool | None) -> None:
         super().__init__()

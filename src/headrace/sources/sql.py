@@ -99,8 +99,9 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, first_element
+from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, first_element
 from headrace.core.state import StateReader
 from headrace.errors import HeadraceError, InvalidArgumentError, MemoryBudgetError
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
@@ -802,6 +803,15 @@ class SqlNode(Node):
 
     stage = "from_sql"
     budget_weight = 1.0
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return self.direct_access()
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, query: str, params: Sequence[Any], connection: Any, key: str | None,
                  batch_size: int, page_rows: int, null_defaults: Mapping[str, Any],

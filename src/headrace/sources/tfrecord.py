@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from headrace.core.fingerprint import file_identity
-from headrace.core.indexing import RandomAccess
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context
-from headrace.core.node import Node
+from headrace.core.node import Node, ShardRole, Traits
 from headrace.errors import InvalidArgumentError, MemoryBudgetError, Origin
 from headrace.io import objstore
 from headrace.io.columns import lengths, object_array, wire_bytes
@@ -386,6 +386,27 @@ class IndexedTFRecordNode(Node):
     """Uncompressed TFRecord shards with ``.hrx`` indexes, as a random-access dataset."""
 
     stage = "tfrecord_indexed"
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return self.direct_access()
+
+    def traits(self) -> Traits:
+        return Traits()
+
+    def read_files(self) -> list[str] | None:
+        return self.filenames
+
+    def with_files(self, files: list[str]) -> Node:
+        """The same reader over ``files`` only (their indexes must already exist)."""
+        return IndexedTFRecordNode(
+            files,
+            build_missing=False,
+            verify_crc=self.verify_crc,
+            max_record_bytes=self.max_record_bytes,
+        )
 
     def __init__(
         self,

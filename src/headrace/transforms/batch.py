@@ -20,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from headrace.core.indexing import GatherBatchIterator, IndexPlan
+from headrace.core.indexing import (
+    BatchedAccess,
+    GatherBatchIterator,
+    IndexPlan,
+    RandomAccess,
+    Reach,
+    Refusal,
+)
 from headrace.core.iterator import (
     PROFILE_RECORD,
     BatchToken,
@@ -33,6 +40,7 @@ from headrace.core.node import (
     UNKNOWN,
     Node,
     ShardRole,
+    Traits,
     batching_role,
     check_positive,
 )
@@ -61,6 +69,15 @@ def _batched_spec(spec: Any, batch_size: int, drop_remainder: bool) -> Any:
 class BatchNode(Node):
     stage = "batch"
     budget_weight = 2
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        if not self.drop_remainder:
+            return Refusal(self, "only with drop_remainder=True: a partial last batch")
+        inner = reach(self.inputs[0])
+        return inner if isinstance(inner, Refusal) else BatchedAccess(inner, self.batch_size)
+
+    def traits(self) -> Traits:
+        return Traits(groups=True)
 
     def __init__(self, source: Node, batch_size: int, drop_remainder: bool) -> None:
         super().__init__(source)

@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import INFINITE, UNKNOWN, Node
+from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits
 from headrace.core.state import INPUTS, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.buffer import Reservation
@@ -54,6 +55,16 @@ class _PickNode(Node):
     """The common part: inputs 0..n-1 are the datasets; picks come from ``_next_choice``."""
 
     stage = "choose_from_datasets"
+    shared_capabilities = ("shard_role", "element_access", "traits")
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # picks by a sequence of choices, position by position
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # element i depends on the choices before it
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, datasets: Sequence[Node], extra: Sequence[Node], stop_on_empty: bool):
         super().__init__(*datasets, *extra)
@@ -103,6 +114,9 @@ class ChooseNode(_PickNode):
 
 class SampleNode(_PickNode, SeededNode):
     stage = "sample_from_datasets"
+
+    def traits(self) -> Traits:
+        return Traits(unseeded=self.seed is None)
 
     def __init__(
         self,

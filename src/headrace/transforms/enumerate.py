@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from headrace.core.indexing import RandomAccess
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import Node
+from headrace.core.node import Node, ShardRole, Traits
 from headrace.core.state import INNER, INT64_MAX, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.buffer import Reservation
@@ -19,6 +19,16 @@ __all__ = ["EnumerateNode"]
 
 class EnumerateNode(Node):
     stage = "enumerate"
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # numbers elements by position
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        inner = reach(self.inputs[0])
+        return inner if isinstance(inner, Refusal) else _EnumeratedAccess(inner, self.start)
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, source: Node, start: int) -> None:
         super().__init__(source)

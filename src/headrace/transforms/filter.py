@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from headrace.core.fingerprint import function_fingerprint, function_name
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, ShardRole, UnaryNode
+from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, UnaryNode
 from headrace.core.state import INNER, StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.memory.buffer import Reservation
@@ -36,6 +37,12 @@ def as_bool(value: Any, name: str) -> bool:
 
 class FilterNode(UnaryNode):
     stage = "filter"
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # which element comes i-th depends on the others
+
+    def traits(self) -> Traits:
+        return Traits(drops=True)
 
     def __init__(self, source: Node, predicate: Callable[..., Any]) -> None:
         super().__init__(source)

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from headrace.core.indexing import IndexPlan, IndexStream, Indices, RandomAccess
+from headrace.core.indexing import IndexPlan, IndexStream, Indices, RandomAccess, Reach
 from headrace.core.iterator import Context
-from headrace.core.node import Node, UnaryNode, check_positive
+from headrace.core.node import Node, ShardRole, Traits, UnaryNode, check_positive
 from headrace.core.state import EPOCH, INT64_MAX, POSITION, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.transforms._element_access import Refusal, element_access
@@ -77,9 +77,21 @@ class FeistelPermutation:
 class GlobalShuffleNode(UnaryNode):
     stage = "global_shuffle"
 
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()  # one element out per element in
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # its permutation spans the whole input
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return reach(self.inputs[0])  # a uniform permutation of a uniform permutation is one: skip it
+
+    def traits(self) -> Traits:
+        return Traits(unseeded=self.seed is None)
+
     def __init__(self, source: Node, seed: int | None, reshuffle_each_iteration: bool) -> None:
         super().__init__(source)
-        access = element_access(source, (GlobalShuffleNode,))
+        access = element_access(source)
         if isinstance(access, Refusal):
             raise InvalidArgumentError(access.message())
         if len(access) == 0:  # tf.data's rule: nothing to permute is a mistake upstream
@@ -101,7 +113,7 @@ class GlobalShuffleNode(UnaryNode):
         return [ctx.run.iteration, *ctx.epochs] if self.reshuffle else []
 
     def index_plan(self) -> IndexPlan | None:
-        access = element_access(self.inputs[0], (GlobalShuffleNode,))
+        access = element_access(self.inputs[0])
         assert isinstance(access, RandomAccess)
         size = len(access)
 

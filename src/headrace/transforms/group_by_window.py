@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from headrace.core.fingerprint import function_fingerprint, function_name
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, check_positive, first_element
+from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, check_positive, first_element
 from headrace.core.state import StateReader
 from headrace.errors import InvalidArgumentError, note_element_error
 from headrace.memory.budget import MemoryBudget
@@ -45,6 +46,15 @@ def _node_of(dataset: Any, where: str) -> Node:
 class GroupByWindowNode(Node):
     stage = "group_by_window"
     budget_weight = 2.0
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # windows are filled in stream order
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # a window's elements depend on the others
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(
         self,

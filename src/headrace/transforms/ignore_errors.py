@@ -27,8 +27,9 @@ from typing import Any
 
 from headrace._warn import warn_user
 from headrace.core.element_errors import RepeatCheck
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import Node, ShardRole, UnaryNode
+from headrace.core.node import Node, ShardRole, Traits, UnaryNode
 from headrace.core.state import INNER, StateReader
 from headrace.errors import HeadraceWarning
 from headrace.memory.buffer import Reservation
@@ -37,6 +38,12 @@ __all__ = ["IgnoreErrorsNode"]
 
 class IgnoreErrorsNode(UnaryNode):
     stage = "ignore_errors"
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # which element comes i-th depends on which fail
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, source: Node, log_warning: bool) -> None:
         super().__init__(source)

@@ -47,12 +47,14 @@ from typing import Any
 
 from headrace._warn import warn_user
 from headrace.core.fingerprint import function_fingerprint, function_name
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import (
     INFINITE,
     UNKNOWN,
     Node,
     ShardRole,
+    Traits,
     check_positive,
     probe_elements,
 )
@@ -81,6 +83,12 @@ def _machine_cycle_length(num_parallel_calls: int | None) -> int:
 class InterleaveNode(Node):
     stage = "interleave"
     budget_weight = 2
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # its elements come from datasets made as it runs
+
+    def traits(self) -> Traits:
+        return Traits(parallel_calls=self.num_parallel_calls, opens_named_files=True)
 
     def __init__(
         self,

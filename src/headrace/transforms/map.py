@@ -71,9 +71,9 @@ from typing import Any, NamedTuple
 
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.handoff import Handoff, restore_input, unpin
-from headrace.core.indexing import IndexPlan, RandomAccess, SequentialIndices
+from headrace.core.indexing import IndexPlan, RandomAccess, Reach, Refusal, SequentialIndices
 from headrace.core.iterator import Context, Iterator, origin_probe
-from headrace.core.node import Node, ShardRole, check_signature, first_element
+from headrace.core.node import Node, ShardRole, Traits, check_signature, first_element
 from headrace.core.position import _POSITION
 from headrace.core.state import INNER, SKIP, StateReader, mark_out_of_order
 from headrace.errors import InvalidArgumentError, MemoryBudgetError, Origin, note_element_error
@@ -171,6 +171,14 @@ def _relaxed(spec: Any, input_spec: Any) -> Any:
 
 class MapNode(Node):
     stage = "map"
+    shared_capabilities = ("cardinality", "shard_role", "element_access", "traits")
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        inner = reach(self.inputs[0])  # each element computed when it is fetched
+        return inner if isinstance(inner, Refusal) else _MappedAccess(inner, self.fn, self.stage)
+
+    def traits(self) -> Traits:
+        return Traits(maps=True, parallel_calls=self.num_parallel_calls)
 
     def __init__(
         self,

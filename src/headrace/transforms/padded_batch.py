@@ -14,10 +14,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import (
     Node,
     ShardRole,
+    Traits,
     batching_role,
     check_positive,
     known_spec,
@@ -89,6 +91,12 @@ class _Layout(NamedTuple):
 class PaddedBatchNode(Node):
     stage = "padded_batch"
     budget_weight = 2
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # tf.data addresses only batch(drop_remainder=True)
+
+    def traits(self) -> Traits:
+        return Traits(groups=True)
 
     def __init__(
         self,

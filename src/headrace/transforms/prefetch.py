@@ -30,8 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 from headrace.core.handoff import Handoff, book_error, holds_a_place, skip_positions, unpin
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator, origin_probe
-from headrace.core.node import Node, ShardRole, UnaryNode, check_positive
+from headrace.core.node import Node, ShardRole, Traits, UnaryNode, check_positive
 from headrace.core.state import INNER, SKIP, StateReader
 from headrace.errors import Origin
 from headrace.memory.buffer import BudgetClosed, Buffer, Reservation
@@ -48,6 +49,15 @@ _CHUNK = 64
 
 class PrefetchNode(UnaryNode):
     stage = "prefetch"
+
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()  # one element out per element in
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return reach(self.inputs[0])  # changes timing, not elements
+
+    def traits(self) -> Traits:
+        return Traits(prefetches=True)
 
     def __init__(self, source: Node, buffer_size: int | None) -> None:
         super().__init__(source)

@@ -18,12 +18,14 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import (
     INFINITE,
     UNKNOWN,
     Node,
     ShardRole,
+    Traits,
     UnaryNode,
     batching_role,
     check_positive,
@@ -41,6 +43,12 @@ __all__ = ["RaggedBatchNode"]
 class RaggedBatchNode(UnaryNode):
     stage = "ragged_batch"
     budget_weight = 1.0
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # tf.data addresses only batch(drop_remainder=True)
+
+    def traits(self) -> Traits:
+        return Traits(groups=True)
 
     def __init__(
         self, source: Node, batch_size: int, drop_remainder: bool, row_splits_dtype: Any

@@ -11,9 +11,17 @@ from typing import Any
 
 import numpy as np
 
-from headrace.core.indexing import IndexPlan, IndexStream, RepeatIndices
+from headrace.core.indexing import (
+    IndexPlan,
+    IndexStream,
+    RandomAccess,
+    Reach,
+    Refusal,
+    RepeatedAccess,
+    RepeatIndices,
+)
 from headrace.core.iterator import Context, Iterator, origin_probe
-from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, UnaryNode
+from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
 from headrace.core.state import EPOCH, INNER, PRODUCED, StateReader
 from headrace.errors import InvalidArgumentError, Origin
 from headrace.memory.buffer import Reservation
@@ -23,12 +31,10 @@ __all__ = ["RepeatNode"]
 
 def _maps_below(node: Node) -> bool:
     """Whether a map runs in ``node``'s recipe (its own inputs, not nested datasets)."""
-    from headrace.transforms.map import MapNode  # (map imports this module's neighbours)
-
     pending = [node]
     while pending:
         current = pending.pop()
-        if isinstance(current, MapNode):
+        if current.traits().maps:
             return True
         pending.extend(current.inputs)
     return False
@@ -36,6 +42,15 @@ def _maps_below(node: Node) -> bool:
 
 class RepeatNode(UnaryNode):
     stage = "repeat"
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        if self.count < 0:
+            return Refusal(self, "an infinite repeat has no element i to shuffle to")
+        inner = reach(self.inputs[0])
+        return inner if isinstance(inner, Refusal) else RepeatedAccess(inner, self.count)
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, source: Node, count: int | None) -> None:
         super().__init__(source)

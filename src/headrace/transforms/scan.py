@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from headrace.core.fingerprint import function_fingerprint, function_name
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import Node, UnaryNode, first_element
+from headrace.core.node import Node, ShardRole, Traits, UnaryNode, first_element
 from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
@@ -55,6 +56,18 @@ _SCALAR_TYPES = (float, bool, complex, np.generic)
 class ScanNode(UnaryNode):
     stage = "scan"
     budget_weight = 0.5  # most states are small; a large one declares its minimum
+
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()  # one element out per element in
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # its state runs through every element in order
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # element i depends on every element before it
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, source: Node, initial_state: Any, scan_func: Callable[..., Any]) -> None:
         super().__init__(source)

@@ -12,9 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from headrace.core.indexing import IndexStream, ShardIndices
+from headrace.core.indexing import (
+    IndexStream,
+    RandomAccess,
+    Reach,
+    Refusal,
+    ShardIndices,
+    StridedAccess,
+)
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
+from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
 from headrace.core.state import INNER, POSITION, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.buffer import Reservation
@@ -24,6 +31,18 @@ __all__ = ["ShardNode"]
 
 class ShardNode(UnaryNode):
     stage = "shard"
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # keeps elements by position
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        inner = reach(self.inputs[0])
+        if isinstance(inner, Refusal):
+            return inner
+        return StridedAccess(inner, self.num_shards, self.index)
+
+    def traits(self) -> Traits:
+        return Traits(shards=(self.num_shards, self.index))
 
     def __init__(self, source: Node, num_shards: int, index: int) -> None:
         super().__init__(source)

@@ -27,9 +27,17 @@ from typing import Any
 import numpy as np
 
 from headrace._warn import warn_user
-from headrace.core.indexing import IndexPlan, IndexStream, Indices, take_all
+from headrace.core.indexing import (
+    IndexPlan,
+    IndexStream,
+    Indices,
+    RandomAccess,
+    Reach,
+    Refusal,
+    take_all,
+)
 from headrace.core.iterator import Context, Iterator, origin_probe
-from headrace.core.node import Node, ShardRole, UnaryNode, check_positive
+from headrace.core.node import Node, ShardRole, Traits, UnaryNode, check_positive
 from headrace.core.state import EPOCH, INT64_MAX, StateReader, past_end, replay
 from headrace.errors import HeadraceWarning, Origin
 from headrace.io._native import native_module
@@ -91,6 +99,15 @@ class ShuffleNode(UnaryNode):
     stage = "shuffle"
     budget_weight = 4  # a buffer of elements; a buffer of indices weighs 1
     sets_order = True
+
+    def cardinality(self) -> int:
+        return self.inputs[0].cardinality()  # one element out per element in
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # element i is drawn from a buffer of those before it
+
+    def traits(self) -> Traits:
+        return Traits(shuffle_buffer=self.buffer_size, unseeded=self.seed is None)
 
     def __init__(
         self, source: Node, buffer_size: int, seed: int | None, reshuffle_each_iteration: bool

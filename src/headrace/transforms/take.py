@@ -12,9 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from headrace.core.indexing import IndexStream, SkipIndices, TakeIndices
+from headrace.core.indexing import (
+    IndexStream,
+    OffsetAccess,
+    RandomAccess,
+    Reach,
+    Refusal,
+    SkipIndices,
+    TakeIndices,
+)
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import INFINITE, UNKNOWN, Node, UnaryNode
+from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
 from headrace.core.state import INNER, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.buffer import Reservation
@@ -31,6 +39,19 @@ def _check_count(name: str, count: Any) -> int:
 
 class TakeNode(UnaryNode):
     stage = "take"
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # counts elements
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        inner = reach(self.inputs[0])
+        if isinstance(inner, Refusal):
+            return inner
+        size = len(inner)
+        return OffsetAccess(inner, 0, size if self.count < 0 else min(size, self.count))
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, source: Node, count: int) -> None:
         super().__init__(source)
@@ -91,6 +112,20 @@ class _TakeIterator(Iterator):
 
 class SkipNode(UnaryNode):
     stage = "skip"
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # counts elements
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        inner = reach(self.inputs[0])
+        if isinstance(inner, Refusal):
+            return inner
+        size = len(inner)
+        skipped = size if self.count < 0 else min(size, self.count)
+        return OffsetAccess(inner, skipped, size - skipped)
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, source: Node, count: int) -> None:
         super().__init__(source)

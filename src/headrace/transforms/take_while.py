@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from headrace.core.fingerprint import function_fingerprint, function_name
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, UnaryNode
+from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, UnaryNode
 from headrace.core.state import INNER, StateReader
 from headrace.errors import InvalidArgumentError, note_element_error
 from headrace.memory.buffer import Reservation
@@ -23,6 +24,15 @@ __all__ = ["TakeWhileNode"]
 
 class TakeWhileNode(UnaryNode):
     stage = "take_while"
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # stops at the first element refused
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # its length depends on the elements
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, source: Node, predicate: Callable[..., Any]) -> None:
         super().__init__(source)

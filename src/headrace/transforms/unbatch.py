@@ -14,12 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator, origin_probe, row_origin
 from headrace.core.node import (
     INFINITE,
     UNKNOWN,
     Node,
     ShardRole,
+    Traits,
     batching_role,
     check_positive,
     known_spec,
@@ -59,6 +61,12 @@ def _static_rows(source: Node) -> int | None:
 
 class UnbatchNode(Node):
     stage = "unbatch"
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # element i's batch depends on the sizes of those before
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, source: Node) -> None:
         super().__init__(source)
@@ -224,6 +232,15 @@ class _UnbatchIterator(_RowSource):
 class RebatchNode(Node):
     stage = "rebatch"
     budget_weight = 2
+
+    def cardinality(self) -> int:
+        return UNKNOWN  # depends on the input batches' sizes
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # element i's rows depend on the sizes of the batches before
+
+    def traits(self) -> Traits:
+        return Traits(groups=True)
 
     def __init__(self, source: Node, batch_size: int | Sequence[int], drop_remainder: bool) -> None:
         super().__init__(source)

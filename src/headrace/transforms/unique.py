@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, UnaryNode, known_spec
+from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, UnaryNode, known_spec
 from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError
 from headrace.memory.buffer import NO_RESERVATION, Reservation
@@ -42,6 +43,15 @@ def _check_spec(spec: Any) -> None:
 class UniqueNode(UnaryNode):
     stage = "unique"
     budget_weight = 1.0
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # an element is dropped for one seen before it, anywhere
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # which element comes i-th depends on the others
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, source: Node) -> None:
         super().__init__(source)

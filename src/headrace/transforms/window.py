@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import INFINITE, UNKNOWN, Node, check_positive
+from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, check_positive
 from headrace.core.state import INNER, POSITION, StateReader
 from headrace.memory.buffer import NO_RESERVATION, Reservation
 from headrace.structure import flatten, map_structure, pack_as
@@ -38,6 +39,15 @@ class DatasetSpec:
 class WindowNode(Node):
     stage = "window"
     budget_weight = 1.0
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL  # groups elements by position
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)  # tf.data does not address windows
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(
         self,

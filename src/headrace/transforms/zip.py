@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from headrace.core.indexing import RandomAccess
+from headrace.core.indexing import RandomAccess, Reach, Refusal, reached
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, known_spec
+from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, known_spec
 from headrace.core.state import StateReader
 from headrace.errors import ElementSpecError
 from headrace.memory.buffer import NO_RESERVATION, Reservation
@@ -22,6 +22,18 @@ __all__ = ["ConcatenateNode", "ZipNode"]
 
 class ZipNode(Node):
     stage = "zip"
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        parts = reached(reach, self.inputs)
+        return parts if isinstance(parts, Refusal) else _ZipAccess(self.structure, parts)
+
+    def traits(self) -> Traits:
+        return Traits()
+
+    def with_inputs(self, inputs: tuple[Node, ...]) -> ZipNode:
+        clone = super().with_inputs(inputs)
+        clone.structure = pack_as(clone.structure, list(inputs))  # the user's nesting too
+        return clone
 
     def __init__(self, structure: Any, nodes: list[Node]) -> None:
         super().__init__(*nodes)
@@ -109,6 +121,13 @@ def _check_compatible(first: Any, second: Any) -> Any:
 
 class ConcatenateNode(Node):
     stage = "concatenate"
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        parts = reached(reach, self.inputs)
+        return parts if isinstance(parts, Refusal) else _ConcatAccess(*parts)
+
+    def traits(self) -> Traits:
+        return Traits()
 
     def __init__(self, first: Node, second: Node) -> None:
         super().__init__(first, second)
