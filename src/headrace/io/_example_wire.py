@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
 
 __all__ = [
     "KIND_BYTES",
@@ -44,6 +47,7 @@ __all__ = [
     "encode_features",
     "encode_message_field",
     "scan_columns",
+    "scan_columns_exact",
 ]
 
 # Field numbers of Feature's oneof double as kind codes (also in the C extension).
@@ -274,8 +278,19 @@ def scan_columns(
 ) -> list[RawColumn]:
     """Gather the values of features ``keys`` (expected ``kinds``) across a batch.
 
-    Pure-Python twin of ``_hrio.parse_example_columns``. Raises :class:`ParseFailure`.
+    Pure-Python twin of ``_hrio.parse_example_columns`` (same results, same
+    :class:`ParseFailure`). Records in the layout every protobuf serializer writes take
+    :func:`_scan_canonical`'s fast path; any other record, and any error, goes through
+    :func:`scan_columns_exact`'s rules, so the two cannot disagree.
     """
+    return _scan_canonical(serialized, keys, kinds)
+
+
+def scan_columns_exact(
+    serialized: Sequence[bytes], keys: Sequence[bytes], kinds: Sequence[int]
+) -> list[RawColumn]:
+    """:func:`scan_columns` by the general field-by-field decoder alone (the reference
+    that the fast path defers to; also what tests compare it with)."""
     key_index = {key: index for index, key in enumerate(keys)}
     columns: list[RawColumn] = [
         ([] if kind == KIND_BYTES else bytearray(), bytearray()) for kind in kinds
@@ -312,6 +327,236 @@ def _scan_record(
             raise ParseFailure(FAILURE_KIND, record_index, index, value_start, kind)
         counts[index] = _append_list_values(record, kind, list_start, list_end, columns[index][0])
     return counts
+
+
+# --------------------------------------------------------------------------- fast path
+#
+# Every protobuf serializer (TensorFlow's, upb's, this module's encode_*) writes an
+# Example in one layout: one Features field spanning the record; each map entry as key
+# then value; each Feature as one list; each list packed (float, int64) or as a run of
+# value fields (bytes). _canonical_record reads that layout with slices and a few byte
+# comparisons, and leaves int64 varints encoded, to be decoded for the whole batch by
+# NumPy. Whatever it does not recognise (other layouts, unknown fields, a repeated key,
+# a type mismatch, damage) it hands, record by record, to the general decoder, so
+# results and errors are the general decoder's.
+
+_HIGH_BYTES = bytes(range(0x80, 0x100))
+_MISSING_NONE = -2  # a requested key seen with an empty Feature (missing, yet seen)
+
+# What _canonical_record gathers from one record: per requested key, its count (-1 when
+# missing), and (key index, data) pairs: data is the float list's little-endian bytes,
+# the int64 list's packed varints, or the list of bytes values.
+_Gathered = tuple[list[int], list[tuple[int, bytes | list[bytes]]]]
+
+
+def _long_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """A varint of two or more bytes at ``pos``. Past the buffer's end, or over 10 bytes:
+    IndexError, which :func:`_canonical_record` takes as "not canonical" (its position
+    checks catch a varint that runs past a sub-message's end)."""
+    result = 0
+    shift = 0
+    while shift < 70:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result & _UINT64, pos
+        shift += 7
+    raise IndexError(pos)
+
+
+def _canonical_record(
+    buf: bytes, key_index: dict[bytes, int], kinds: Sequence[int]
+) -> _Gathered | None:
+    """One record in the canonical layout, or None when it is laid out otherwise."""
+    found = [-1] * len(kinds)
+    gathered: list[tuple[int, bytes | list[bytes]]] = []
+    end = len(buf)
+    if not end:
+        return found, gathered
+    try:
+        if buf[0] != 0x0A:
+            return None
+        length = buf[1]
+        pos = 2
+        if length >= 0x80:
+            length, pos = _long_varint(buf, 1)
+        if pos + length != end:
+            return None
+        while pos < end:
+            if buf[pos] != 0x0A:
+                return None
+            length = buf[pos + 1]
+            pos += 2
+            if length >= 0x80:
+                length, pos = _long_varint(buf, pos - 1)
+            entry_end = pos + length
+            if buf[pos] != 0x0A:
+                return None
+            length = buf[pos + 1]
+            pos += 2
+            if length >= 0x80:
+                length, pos = _long_varint(buf, pos - 1)
+            key = buf[pos : pos + length]
+            pos += length
+            if buf[pos] != 0x12:
+                return None
+            length = buf[pos + 1]
+            pos += 2
+            if length >= 0x80:
+                length, pos = _long_varint(buf, pos - 1)
+            if pos + length != entry_end or entry_end > end:
+                return None
+            index = key_index.get(key)
+            if index is None:
+                pos = entry_end
+                continue
+            if found[index] != -1:
+                return None  # a repeated key: the general decoder's rule decides
+            if not length:
+                found[index] = _MISSING_NONE
+                continue
+            tag = buf[pos]
+            kind = tag >> 3
+            if tag & 7 != _WIRE_LEN or kind != kinds[index]:
+                return None
+            length = buf[pos + 1]
+            pos += 2
+            if length >= 0x80:
+                length, pos = _long_varint(buf, pos - 1)
+            if pos + length != entry_end:
+                return None
+            if not length:
+                found[index] = 0
+                continue
+            if kind == KIND_BYTES:
+                values: list[bytes] = []
+                while pos < entry_end:
+                    if buf[pos] != 0x0A:
+                        return None
+                    length = buf[pos + 1]
+                    pos += 2
+                    if length >= 0x80:
+                        length, pos = _long_varint(buf, pos - 1)
+                    values.append(buf[pos : pos + length])
+                    pos += length
+                if pos != entry_end:
+                    return None
+                found[index] = len(values)
+                gathered.append((index, values))
+                continue
+            if buf[pos] != 0x0A:
+                return None
+            length = buf[pos + 1]
+            pos += 2
+            if length >= 0x80:
+                length, pos = _long_varint(buf, pos - 1)
+            if pos + length != entry_end:
+                return None
+            payload = buf[pos:entry_end]
+            if kind == KIND_FLOAT:
+                if length & 3:
+                    return None
+                found[index] = length >> 2
+            else:
+                if buf[entry_end - 1] >= 0x80:
+                    return None  # a cut varint
+                found[index] = len(payload.translate(None, _HIGH_BYTES))
+            gathered.append((index, payload))
+            pos = entry_end
+    except IndexError:
+        return None
+    if _MISSING_NONE in found:
+        found = [-1 if count == _MISSING_NONE else count for count in found]
+    return found, gathered
+
+
+def _general_record(
+    buf: bytes, key_index: dict[bytes, int], kinds: Sequence[int], record_index: int
+) -> _Gathered:
+    """One record by the general decoder, in :func:`_canonical_record`'s terms."""
+    columns: list[RawColumn] = [
+        ([] if kind == KIND_BYTES else bytearray(), bytearray()) for kind in kinds
+    ]
+    try:
+        found = _scan_record(buf, key_index, kinds, columns, record_index)
+    except Malformed as malformed:
+        raise ParseFailure(
+            FAILURE_MALFORMED, record_index, -1, malformed.position, KIND_NONE
+        ) from None
+    gathered: list[tuple[int, bytes | list[bytes]]] = []
+    for index, (kind, (values, _)) in enumerate(zip(kinds, columns, strict=True)):
+        if found[index] <= 0:
+            continue
+        if isinstance(values, list):
+            gathered.append((index, values))
+        elif kind == KIND_INT64:  # back to varints, as the batch decode expects them
+            encoded = (encode_varint(value) for (value,) in _INT64.iter_unpack(values))
+            gathered.append((index, b"".join(encoded)))
+        else:
+            gathered.append((index, bytes(values)))
+    return found, gathered
+
+
+def _decode_varints(data: bytes) -> bytearray | None:
+    """Packed varints (each ending within ``data``) as little-endian int64 values, as
+    protobuf reads them (bits past the 64th dropped); None if one is over 10 bytes."""
+    if not data:
+        return bytearray()
+    encoded = np.frombuffer(data, dtype=np.uint8)
+    ends = np.flatnonzero(encoded < 0x80)
+    if len(ends) == len(encoded):  # every value below 128: one byte each
+        return bytearray(encoded.astype("<i8").tobytes())
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    if int(lengths.max()) > 10:
+        return None
+    values = (encoded[starts] & 0x7F).astype(np.uint64)
+    for byte in range(1, int(lengths.max())):
+        longer = np.flatnonzero(lengths > byte)
+        values[longer] |= (encoded[starts[longer] + byte] & 0x7F).astype(np.uint64) << np.uint64(
+            7 * byte
+        )
+    return bytearray(values.view("<i8").tobytes())
+
+
+def _scan_canonical(
+    serialized: Sequence[bytes], keys: Sequence[bytes], kinds: Sequence[int]
+) -> list[RawColumn]:
+    key_index = {key: index for index, key in enumerate(keys)}
+    pieces: list[list[Any]] = [[] for _ in kinds]
+    counts: list[int] = []
+    for record_index, record in enumerate(serialized):
+        buf = record if type(record) is bytes else bytes(record)
+        result = _canonical_record(buf, key_index, kinds)
+        if result is None:
+            result = _general_record(buf, key_index, kinds, record_index)
+        found, gathered = result
+        counts.extend(found)
+        for index, data in gathered:
+            if kinds[index] == KIND_BYTES:
+                pieces[index].extend(data)
+            else:
+                pieces[index].append(data)
+    table = np.array(counts, dtype="<i8").reshape(-1, len(kinds)) if kinds else None
+    columns: list[RawColumn] = []
+    for index, kind in enumerate(kinds):
+        assert table is not None
+        column_counts = bytearray(table[:, index].tobytes())
+        if kind == KIND_BYTES:
+            columns.append((pieces[index], column_counts))
+            continue
+        joined = b"".join(pieces[index])
+        if kind == KIND_FLOAT:
+            columns.append((bytearray(joined), column_counts))
+            continue
+        decoded = _decode_varints(joined)
+        if decoded is None:  # a varint over 10 bytes: the general decoder names the record
+            return scan_columns_exact(serialized, keys, kinds)
+        columns.append((decoded, column_counts))
+    return columns
 
 
 # --------------------------------------------------------------------------- inspection

@@ -1,0 +1,221 @@
+"""The pure-Python Example scan's fast path (canonical layouts, batch-decoded varints)
+gives exactly what the C extension gives, on records built field by field: every
+encoding protobuf accepts (packed, unpacked, merged, padded varints, unknown fields) and
+damaged ones, where the error (class, record, key, byte position) must match too."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from io_format_strategies import examples
+
+from headrace.io import _example_wire as wire
+from headrace.io import _native
+from headrace.io.example import serialize_example
+
+native = _native._loaded_extension
+NAMES = [b"a", b"b", b"c", b""]
+KIND_OF_LIST = {"bytes": wire.KIND_BYTES, "float": wire.KIND_FLOAT, "int64": wire.KIND_INT64}
+# Each name's usual kind, so that most batches parse (a mismatch is an error).
+NAME_KIND = {b"a": "float", b"b": "int64", b"c": "bytes", b"": "float"}
+
+
+def varint(value: int, padding: int = 0) -> bytes:
+    """``value`` as a varint, with ``padding`` redundant continuation bytes (protobuf
+    reads them; past 10 bytes in all the varint is malformed)."""
+    encoded = bytearray(wire.encode_varint(value))
+    for _ in range(padding):
+        encoded[-1] |= 0x80
+        encoded.append(0)
+    return bytes(encoded)
+
+
+def field(number: int, wire_type: int, payload: bytes, padding: int = 0) -> bytes:
+    tag = varint(number << 3 | wire_type)
+    if wire_type == 2:
+        return tag + varint(len(payload), padding) + payload
+    return tag + payload
+
+
+paddings = st.sampled_from([0] * 20 + [1, 9])
+
+
+@st.composite
+def unknown_field(draw: st.DrawFn) -> bytes:
+    """A field the parser does not know here (or knows with another wire type)."""
+    number = draw(st.sampled_from([1, 2, 3, 4, 15, 16, 2000]))
+    wire_type = draw(st.sampled_from([0, 1, 2, 5, 3]))
+    if wire_type == 0:
+        return field(number, 0, varint(draw(st.integers(0, 2**64 - 1))))
+    if wire_type == 1:
+        return field(number, 1, draw(st.binary(min_size=8, max_size=8)))
+    if wire_type == 5:
+        return field(number, 5, draw(st.binary(min_size=4, max_size=4)))
+    if wire_type == 2:
+        return field(number, 2, draw(st.binary(max_size=5)))
+    return varint(number << 3 | 3) + varint(number << 3 | 4)  # an empty group
+
+
+def extra(draw: st.DrawFn) -> bytes:
+    return draw(unknown_field()) if draw(st.integers(0, 40)) == 0 else b""
+
+
+@st.composite
+def number_list(draw: st.DrawFn, kind: str) -> bytes:
+    """A FloatList / Int64List: packed runs, single unpacked values, mixed."""
+    parts = []
+    for _ in range(draw(st.sampled_from([1] * 8 + [0, 2, 3]))):
+        if kind == "float":
+            values = draw(st.lists(st.floats(width=32), max_size=5))
+            raw = b"".join(struct.pack("<f", value) for value in values)
+            if draw(st.integers(0, 5)):
+                parts.append(field(1, 2, raw, draw(paddings)))
+            else:
+                parts.extend(field(1, 5, raw[i : i + 4]) for i in range(0, len(raw), 4))
+        else:
+            values = draw(st.lists(st.integers(-(2**63), 2**64 - 1), max_size=5))
+            encoded = [varint(value, draw(paddings)) for value in values]
+            if draw(st.integers(0, 5)):
+                parts.append(field(1, 2, b"".join(encoded), draw(paddings)))
+            else:
+                parts.extend(field(1, 0, value) for value in encoded)
+        parts.append(extra(draw))
+    return b"".join(parts)
+
+
+@st.composite
+def feature(draw: st.DrawFn, usual: str) -> bytes:
+    """A Feature: usually one list of the name's usual kind, sometimes another kind, none,
+    or several lists (the last one counts)."""
+    kinds = [usual]
+    if draw(st.integers(0, 10)) == 0:
+        kinds = [draw(st.sampled_from(list(KIND_OF_LIST)))]
+    if draw(st.integers(0, 10)) == 0:
+        kinds = draw(st.lists(st.sampled_from(list(KIND_OF_LIST)), max_size=3))
+    parts = []
+    for kind in kinds:
+        if kind == "bytes":
+            values = draw(st.lists(st.binary(max_size=4), max_size=4))
+            body = b"".join(field(1, 2, value, draw(paddings)) for value in values)
+        else:
+            body = draw(number_list(kind))
+        parts.append(field(KIND_OF_LIST[kind], 2, body, draw(paddings)) + extra(draw))
+    return b"".join(parts)
+
+
+@st.composite
+def entry(draw: st.DrawFn) -> bytes:
+    layout = draw(st.sampled_from(["kv"] * 30 + ["vk", "k", "v", "kvv", "kkv", ""]))
+    key = draw(st.sampled_from(NAMES))
+    parts = []
+    for part in layout:
+        if part == "k":
+            parts.append(field(1, 2, key, draw(paddings)))
+        else:
+            parts.append(field(2, 2, draw(feature(NAME_KIND[key])), draw(paddings)))
+        parts.append(extra(draw))
+    return field(1, 2, b"".join(parts), draw(paddings)) + extra(draw)
+
+
+@st.composite
+def record(draw: st.DrawFn) -> bytes:
+    parts = []
+    for _ in range(draw(st.sampled_from([1, 1, 1, 1, 0, 2]))):
+        entries = b"".join(draw(st.lists(entry(), max_size=5)))
+        parts.append(field(1, 2, entries, draw(paddings)) + extra(draw))
+    serialized = bytearray(b"".join(parts))
+    action = draw(st.sampled_from(["none"] * 12 + ["flip", "truncate", "insert"]))
+    if serialized and action == "flip":
+        serialized[draw(st.integers(0, len(serialized) - 1))] ^= 1 << draw(st.integers(0, 7))
+    elif action == "truncate":
+        serialized = serialized[: draw(st.integers(0, len(serialized)))]
+    elif action == "insert":
+        position = draw(st.integers(0, len(serialized)))
+        serialized[position:position] = draw(st.binary(min_size=1, max_size=3))
+    return bytes(serialized)
+
+
+@st.composite
+def wanted_key(draw: st.DrawFn) -> tuple[bytes, int]:
+    key = draw(st.sampled_from(NAMES))
+    kind = NAME_KIND[key] if draw(st.integers(0, 8)) else draw(st.sampled_from(list(KIND_OF_LIST)))
+    return key, KIND_OF_LIST[kind]
+
+
+wanted_keys = st.lists(wanted_key(), max_size=4, unique_by=lambda pair: pair[0])
+
+
+def outcome(function: Any, *args: Any) -> Any:
+    try:
+        return ("ok", function(*args))
+    except ValueError as error:
+        return ("error", type(error).__name__, error.args)
+
+
+def test_extension_is_built() -> None:
+    assert native is not None, "build it: python setup.py build_ext --inplace"
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(record(), max_size=4), wanted_keys)
+def test_scan_matches_the_extension(batch: list[bytes], wanted: list[tuple[bytes, int]]) -> None:
+    assert native is not None
+    keys = [key for key, _ in wanted]
+    kinds = [kind for _, kind in wanted]
+    expected = outcome(native.parse_example_columns, batch, keys, kinds)
+    got = outcome(wire.scan_columns, batch, keys, kinds)
+    if expected[0] == "error":
+        assert got[0] == "error" and got[2] == expected[2]
+        assert got[1] == "ParseFailure"  # both raise their own class of that name
+    else:
+        assert got == expected
+    assert outcome(wire.scan_columns_exact, batch, keys, kinds)[-1] == expected[-1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(examples, min_size=1, max_size=4), st.booleans())
+def test_serialized_records_take_the_fast_path(
+    batch: list[dict[str, Any]], with_unrequested: bool
+) -> None:
+    """What a serializer writes never needs the general decoder."""
+    assert native is not None
+    kind_of: dict[str, str] = {}
+    for example in batch:  # one kind per name across the batch (else: a type error)
+        for name, (kind, _) in list(example.items()):
+            if kind_of.setdefault(name, kind) != kind:
+                del example[name]
+    records = [serialize_example(example) for example in batch]
+    names = sorted(kind_of)[: len(kind_of) - 1 if with_unrequested else None]
+    keys = [name.encode() for name in names]
+    kinds = [KIND_OF_LIST[kind_of[name].removesuffix("_list")] for name in names]
+
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("a canonical record left the fast path")
+
+    general, wire._general_record = wire._general_record, refuse  # type: ignore[assignment]
+    try:
+        got = wire.scan_columns(records, keys, kinds)
+    finally:
+        wire._general_record = general  # type: ignore[assignment]
+    assert got == native.parse_example_columns(records, keys, kinds)
+
+
+def test_long_varints_in_an_int64_list() -> None:
+    """Ten-byte varints (negative values) decode; an eleven-byte one is malformed, at
+    its record and byte, as the extension says."""
+    assert native is not None
+    values = [-1, -(2**63), 2**63 - 1, 0, 127, 128, 2**35]
+    good = serialize_example({"n": ("int64_list", values)})
+    long_value = field(1, 2, varint(5, padding=10))
+    bad = field(1, 2, field(1, 2, b"\x0a\x01n" + field(2, 2, field(3, 2, long_value))))
+    batch = [good, good, bad]
+    assert outcome(wire.scan_columns, batch[:2], [b"n"], [wire.KIND_INT64]) == outcome(
+        native.parse_example_columns, batch[:2], [b"n"], [wire.KIND_INT64]
+    )
+    got = outcome(wire.scan_columns, batch, [b"n"], [wire.KIND_INT64])
+    assert got[0] == "error"
+    assert got[2] == outcome(native.parse_example_columns, batch, [b"n"], [wire.KIND_INT64])[2]
+    assert got[2][:2] == (wire.FAILURE_MALFORMED, 2)
