@@ -5,7 +5,9 @@ damaged ones, where the error (class, record, key, byte position) must match too
 
 from __future__ import annotations
 
+import contextlib
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 from hypothesis import given, settings
@@ -148,6 +150,31 @@ def wanted_key(draw: st.DrawFn) -> tuple[bytes, int]:
 wanted_keys = st.lists(wanted_key(), max_size=4, unique_by=lambda pair: pair[0])
 
 
+@contextlib.contextmanager
+def vector_threshold(records: int) -> Iterator[None]:
+    """Batches from ``records`` records up take the whole-batch NumPy reader."""
+    previous, wire._VECTOR_MIN_RECORDS = wire._VECTOR_MIN_RECORDS, records
+    try:
+        yield
+    finally:
+        wire._VECTOR_MIN_RECORDS = previous
+
+
+@contextlib.contextmanager
+def refused(name: str) -> Iterator[None]:
+    """``wire.<name>`` fails the test if called."""
+
+    def refuse(*args: Any) -> Any:
+        raise AssertionError(f"a canonical batch reached {name}")
+
+    previous = getattr(wire, name)
+    setattr(wire, name, refuse)
+    try:
+        yield
+    finally:
+        setattr(wire, name, previous)
+
+
 def outcome(function: Any, *args: Any) -> Any:
     try:
         return ("ok", function(*args))
@@ -166,12 +193,14 @@ def test_scan_matches_the_extension(batch: list[bytes], wanted: list[tuple[bytes
     keys = [key for key, _ in wanted]
     kinds = [kind for _, kind in wanted]
     expected = outcome(native.parse_example_columns, batch, keys, kinds)
-    got = outcome(wire.scan_columns, batch, keys, kinds)
-    if expected[0] == "error":
-        assert got[0] == "error" and got[2] == expected[2]
-        assert got[1] == "ParseFailure"  # both raise their own class of that name
-    else:
-        assert got == expected
+    for whole_batch in (False, True):  # record by record, and NumPy over the batch
+        with vector_threshold(1 if whole_batch else 10**9):
+            got = outcome(wire.scan_columns, batch, keys, kinds)
+        if expected[0] == "error":
+            assert got[0] == "error" and got[2] == expected[2]
+            assert got[1] == "ParseFailure"  # both raise their own class of that name
+        else:
+            assert got == expected
     assert outcome(wire.scan_columns_exact, batch, keys, kinds)[-1] == expected[-1]
 
 
@@ -192,14 +221,44 @@ def test_serialized_records_take_the_fast_path(
     keys = [name.encode() for name in names]
     kinds = [KIND_OF_LIST[kind_of[name].removesuffix("_list")] for name in names]
 
-    def refuse(*args: Any) -> Any:
-        raise AssertionError("a canonical record left the fast path")
-
-    general, wire._general_record = wire._general_record, refuse  # type: ignore[assignment]
-    try:
+    with refused("_general_record"), vector_threshold(10**9):
         got = wire.scan_columns(records, keys, kinds)
-    finally:
-        wire._general_record = general  # type: ignore[assignment]
+    assert got == native.parse_example_columns(records, keys, kinds)
+    with refused("_scan_canonical"), vector_threshold(1):
+        got = wire.scan_columns(records, keys, kinds)
+    assert got == native.parse_example_columns(records, keys, kinds)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.sampled_from([b"a", b"b", b"k" * 130]), min_size=1, max_size=3, unique=True),
+    st.integers(16, 40),
+    st.data(),
+)
+def test_a_large_batch_is_read_whole(keys: list[bytes], size: int, data: st.DataObject) -> None:
+    """At the default threshold, with long keys and lists (two-byte lengths), empty
+    records and lists, 10-byte varints."""
+    assert native is not None
+    kinds = [wire.KIND_FLOAT, wire.KIND_INT64, wire.KIND_BYTES][: len(keys)]
+    value_of = {
+        wire.KIND_FLOAT: st.floats(width=32),
+        wire.KIND_INT64: st.integers(-(2**63), 2**63 - 1),
+        wire.KIND_BYTES: st.binary(max_size=140),
+    }
+    name_of = {wire.KIND_FLOAT: "float_list", wire.KIND_INT64: "int64_list",
+               wire.KIND_BYTES: "bytes_list"}  # fmt: skip
+    records = []
+    for _ in range(size):
+        example = {}
+        for key, kind in zip(keys, kinds, strict=True):
+            if data.draw(st.integers(0, 5)):
+                values = data.draw(
+                    st.lists(value_of[kind], max_size=data.draw(st.sampled_from([0, 3, 40])))
+                )
+                example[key.decode()] = (name_of[kind], values)
+        records.append(serialize_example(example))
+    with refused("_scan_canonical"):
+        got = wire.scan_columns(records, keys, kinds)
     assert got == native.parse_example_columns(records, keys, kinds)
 
 
@@ -212,10 +271,13 @@ def test_long_varints_in_an_int64_list() -> None:
     long_value = field(1, 2, varint(5, padding=10))
     bad = field(1, 2, field(1, 2, b"\x0a\x01n" + field(2, 2, field(3, 2, long_value))))
     batch = [good, good, bad]
-    assert outcome(wire.scan_columns, batch[:2], [b"n"], [wire.KIND_INT64]) == outcome(
-        native.parse_example_columns, batch[:2], [b"n"], [wire.KIND_INT64]
-    )
-    got = outcome(wire.scan_columns, batch, [b"n"], [wire.KIND_INT64])
-    assert got[0] == "error"
-    assert got[2] == outcome(native.parse_example_columns, batch, [b"n"], [wire.KIND_INT64])[2]
-    assert got[2][:2] == (wire.FAILURE_MALFORMED, 2)
+    for threshold in (1, 10**9):
+        with vector_threshold(threshold):
+            assert outcome(wire.scan_columns, batch[:2], [b"n"], [wire.KIND_INT64]) == outcome(
+                native.parse_example_columns, batch[:2], [b"n"], [wire.KIND_INT64]
+            )
+            got = outcome(wire.scan_columns, batch, [b"n"], [wire.KIND_INT64])
+        assert got[0] == "error"
+        expected = outcome(native.parse_example_columns, batch, [b"n"], [wire.KIND_INT64])
+        assert got[2] == expected[2]
+        assert got[2][:2] == (wire.FAILURE_MALFORMED, 2)
