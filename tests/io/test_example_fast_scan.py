@@ -10,6 +10,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from io_format_strategies import examples
@@ -236,8 +237,8 @@ def test_serialized_records_take_the_fast_path(
     st.data(),
 )
 def test_a_large_batch_is_read_whole(keys: list[bytes], size: int, data: st.DataObject) -> None:
-    """At the default threshold, with long keys and lists (two-byte lengths), empty
-    records and lists, 10-byte varints."""
+    """With long keys and lists (two-byte lengths), empty records and lists, 10-byte
+    varints."""
     assert native is not None
     kinds = [wire.KIND_FLOAT, wire.KIND_INT64, wire.KIND_BYTES][: len(keys)]
     value_of = {
@@ -257,9 +258,35 @@ def test_a_large_batch_is_read_whole(keys: list[bytes], size: int, data: st.Data
                 )
                 example[key.decode()] = (name_of[kind], values)
         records.append(serialize_example(example))
-    with refused("_scan_canonical"):
+    with refused("_scan_canonical"), vector_threshold(16):
         got = wire.scan_columns(records, keys, kinds)
     assert got == native.parse_example_columns(records, keys, kinds)
+
+
+def test_batches_from_the_threshold_up_are_read_whole() -> None:
+    assert native is not None
+    rng = np.random.default_rng(0)
+    records = [
+        serialize_example({"x": rng.random(3, dtype=np.float32), "n": rng.integers(0, 9, i % 4)})
+        for i in range(wire._VECTOR_MIN_RECORDS)
+    ]
+    keys, kinds = [b"x", b"n"], [wire.KIND_FLOAT, wire.KIND_INT64]
+    expected = native.parse_example_columns(records, keys, kinds)
+    with refused("_scan_canonical"):
+        assert wire.scan_columns(records, keys, kinds) == expected
+    with refused("_scan_vectorised"):
+        assert wire.scan_columns(records[:-1], keys, kinds) == expected_prefix(expected, 1)
+
+
+def expected_prefix(columns: list[Any], dropped: int) -> list[Any]:
+    """The C extension's columns without the last ``dropped`` record(s) (rebuilt by
+    counts: a float32 column here, then an int64 one)."""
+    out = []
+    for (values, raw_counts), width in zip(columns, (4, 8), strict=True):
+        counts = np.frombuffer(bytes(raw_counts), dtype="<i8")[:-dropped]
+        kept = int(np.maximum(counts, 0).sum()) * width
+        out.append((bytearray(values[:kept]), bytearray(counts.tobytes())))
+    return out
 
 
 def test_long_varints_in_an_int64_list() -> None:
@@ -281,3 +308,18 @@ def test_long_varints_in_an_int64_list() -> None:
         expected = outcome(native.parse_example_columns, batch, [b"n"], [wire.KIND_INT64])
         assert got[2] == expected[2]
         assert got[2][:2] == (wire.FAILURE_MALFORMED, 2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(min_size=1, max_size=6000), st.data())
+def test_ranges_are_concatenated_in_order(blob: bytes, data: st.DataObject) -> None:
+    """Both ways of gathering byte ranges (rows of a window view; an index per byte, for
+    ranges of very different sizes) give the slices joined."""
+    bounds = data.draw(
+        st.lists(st.tuples(st.integers(0, len(blob)), st.integers(0, 5000)), max_size=12)
+    )
+    starts = [start for start, _ in bounds]
+    ends = [min(len(blob), start + size) for start, size in bounds]
+    padded = np.frombuffer(blob + bytes(16), dtype=np.uint8)
+    got = wire._ranges(padded, np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
+    assert got.tobytes() == b"".join(blob[a:b] for a, b in zip(starts, ends, strict=True))
