@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from io_format_strategies import examples
@@ -187,6 +189,7 @@ def test_extension_is_built() -> None:
     assert native is not None, "build it: python setup.py build_ext --inplace"
 
 
+@pytest.mark.slow
 @settings(max_examples=600, deadline=None)
 @given(st.lists(record(), max_size=4), wanted_keys)
 def test_scan_matches_the_extension(batch: list[bytes], wanted: list[tuple[bytes, int]]) -> None:
@@ -230,6 +233,7 @@ def test_serialized_records_take_the_fast_path(
     assert got == native.parse_example_columns(records, keys, kinds)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.sampled_from([b"a", b"b", b"k" * 130]), min_size=1, max_size=3, unique=True),
@@ -258,7 +262,8 @@ def test_a_large_batch_is_read_whole(keys: list[bytes], size: int, data: st.Data
                 )
                 example[key.decode()] = (name_of[kind], values)
         records.append(serialize_example(example))
-    with refused("_scan_canonical"), vector_threshold(16):
+    chunk = data.draw(st.sampled_from([1, 300, 1 << 21]))  # bytes per whole-batch read
+    with refused("_scan_canonical"), vector_threshold(16), vector_chunk(chunk):
         got = wire.scan_columns(records, keys, kinds)
     assert got == native.parse_example_columns(records, keys, kinds)
 
@@ -323,3 +328,34 @@ def test_ranges_are_concatenated_in_order(blob: bytes, data: st.DataObject) -> N
     padded = np.frombuffer(blob + bytes(16), dtype=np.uint8)
     got = wire._ranges(padded, np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
     assert got.tobytes() == b"".join(blob[a:b] for a, b in zip(starts, ends, strict=True))
+
+
+@contextlib.contextmanager
+def vector_chunk(size: int) -> Iterator[None]:
+    previous, wire._VECTOR_CHUNK_BYTES = wire._VECTOR_CHUNK_BYTES, size
+    try:
+        yield
+    finally:
+        wire._VECTOR_CHUNK_BYTES = previous
+
+
+def test_the_whole_batch_readers_memory_does_not_grow_with_the_batch() -> None:
+    """Its working arrays take ~10 bytes per record byte, so it reads a large batch in
+    chunks: beyond what it returns, it holds under 14 chunks' worth, however large the
+    batch, and returns what the C extension does."""
+    assert native is not None
+    record = serialize_example({f"f{i}": ("int64_list", [i]) for i in range(40)})
+    keys = [f"f{i}".encode() for i in range(0, 40, 4)]
+    kinds = [wire.KIND_INT64] * len(keys)
+    chunk = 1 << 18
+    for size in (1 << 20, 1 << 22):
+        records = [record] * (size // len(record))
+        with vector_chunk(chunk), refused("_scan_canonical"):
+            tracemalloc.start()
+            try:
+                got = wire.scan_columns(records, keys, kinds)
+                kept, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+        assert peak - kept < 14 * chunk, (size, peak - kept)
+        assert got == native.parse_example_columns(records, keys, kinds)
