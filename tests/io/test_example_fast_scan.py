@@ -313,6 +313,10 @@ def test_long_varints_in_an_int64_list() -> None:
         expected = outcome(native.parse_example_columns, batch, [b"n"], [wire.KIND_INT64])
         assert got[2] == expected[2]
         assert got[2][:2] == (wire.FAILURE_MALFORMED, 2)
+        # Its record comes first: its error wins over a later record's type mismatch.
+        mismatch = serialize_example({"n": ("float_list", [1.0])})
+        got = outcome(wire.scan_columns, [bad, mismatch], [b"n"], [wire.KIND_INT64])
+        assert got[2][:2] == (wire.FAILURE_MALFORMED, 0)
 
 
 @settings(max_examples=150, deadline=None)

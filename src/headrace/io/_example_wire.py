@@ -569,7 +569,15 @@ def _scan_canonical(
         buf = record if type(record) is bytes else bytes(record)
         result = _canonical_record(buf, key_index, kinds)
         if result is None:
-            result = _general_record(buf, key_index, kinds, record_index)
+            try:
+                result = _general_record(buf, key_index, kinds, record_index)
+            except ParseFailure:
+                # An earlier record's int64 list may hold a varint over 10 bytes, which
+                # the batch decode below has not checked yet: that error comes first.
+                for index, kind in enumerate(kinds):
+                    if kind == KIND_INT64 and _decode_varints(b"".join(pieces[index])) is None:
+                        return scan_columns_exact(serialized, keys, kinds)
+                raise
         found, gathered = result
         counts.extend(found)
         for index, data in gathered:
