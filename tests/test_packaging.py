@@ -37,6 +37,7 @@ def test_a_missing_c_extension_is_one_warning_at_the_users_import(tmp_path: Path
     assert len(warned) == 1
     assert warned[0].startswith(f"{script}:8: RuntimeWarning: headrace's C extension")
     assert "10 to 50 times slower" in warned[0] and "build-essential" in warned[0]
+    assert "Example parsing 5 to 10 times slower in batches of 200" in warned[0]
     chosen = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             env={**env, "HEADRACE_PURE_PYTHON": "1"}, timeout=120)
     assert chosen.returncode == 0 and "RuntimeWarning" not in chosen.stderr
