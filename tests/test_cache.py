@@ -10,6 +10,7 @@ import gc
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -341,8 +342,9 @@ def test_corrupt_file_cache_names_the_file_and_offset(tmp_path: Path) -> None:
     index.write_bytes(bytes(raw_index))
     with pytest.raises(hr.DataLossError, match=f"index file {data}.hrx is corrupt"):
         list(ds)
-    Path(data).write_bytes(bytes(raw[:-7]))  # truncated: not complete, so rebuilt
-    assert [int(x[0]) for x in ds] == list(range(50))
+    Path(data).write_bytes(bytes(raw[:-7]))  # truncated after it was complete: refused
+    with pytest.raises(hr.DataLossError, match=f"{data} holds {len(raw) - 7} bytes"):
+        list(ds)
 
 
 @pytest.mark.parametrize("leave_files", [False, True])
@@ -699,3 +701,43 @@ def _drain_errors_as(iterator: Any, kind: type[Exception]) -> list[Any]:
                 return out
             except kind:
                 out.append("E")
+
+
+@pytest.mark.parametrize("damage", ["truncate-data", "append-data", "truncate-manifest",
+                                    "not-a-manifest", "unsealed-edit"])
+def test_a_damaged_complete_cache_is_refused_not_rebuilt(tmp_path: Path, damage: str) -> None:
+    """A complete cache whose data file lost or gained bytes, or whose manifest no longer
+    parses or is not one, is refused with DataLossError naming the file; it was rebuilt
+    from the input in silence, which the guide says never happens (the outsider's a4)."""
+    import json as json_module
+
+    calls: list[int] = []
+
+    def f(x: Any) -> Any:
+        calls.append(1)
+        return np.full(100, int(x), np.int64)
+
+    prefix = str(tmp_path / "c")
+    ds = hr.Dataset.range(50).map(f).cache(prefix)
+    assert len(list(ds)) == 50
+    data = next(p for p in tmp_path.iterdir() if p.name.endswith(".hrcache"))
+    manifest = next(p for p in tmp_path.iterdir() if p.name.endswith(".json"))
+    if damage == "truncate-data":
+        data.write_bytes(data.read_bytes()[:-10])
+    elif damage == "append-data":
+        data.write_bytes(data.read_bytes() + b"x" * 10)
+    elif damage == "truncate-manifest":
+        manifest.write_bytes(manifest.read_bytes()[:-5])
+    elif damage == "not-a-manifest":
+        content = json_module.loads(manifest.read_text())
+        content["format"] = "something-else"
+        manifest.write_text(json_module.dumps(content))
+    else:
+        content = json_module.loads(manifest.read_text())
+        content["elements"] = 49
+        manifest.write_text(json_module.dumps(content))
+    calls.clear()
+    named = data if "data" in damage else manifest
+    with pytest.raises(hr.errors.DataLossError, match=re.escape(str(named))):
+        list(ds)
+    assert calls == []  # refused before a rebuild began

@@ -261,19 +261,23 @@ def find_complete(node: CacheNode, ctx: Context, account: Buffer) -> CompleteFil
             manifest = json.load(file)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
-        return None  # unreadable: not complete; the writer replaces it
-    if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
-        return None
-    if manifest.get("version") != _MANIFEST_VERSION:
-        return None  # an older headrace's (keyed by structure only, unsealed): rebuilt
-    if not is_sealed(manifest):
+    except (OSError, ValueError) as error:  # (written atomically: never half written)
+        raise DataLossError(
+            f"cache: the manifest {paths.manifest} cannot be read ({error}): it was "
+            "damaged after this cache was written; delete the cache's files to rebuild it",
+            path=paths.manifest,
+        ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT or (
+        "checksum" in manifest and not is_sealed(manifest)
+    ):
         raise DataLossError(
             f"cache: the manifest {paths.manifest} was changed after this cache was written "
-            "(its fields do not match its checksum): its counts and checksums cannot be "
-            "believed; delete the cache's files to rebuild it",
+            "(it is not a cache manifest, or its fields do not match its checksum): its "
+            "counts and checksums cannot be believed; delete the cache's files to rebuild it",
             path=paths.manifest,
         )
+    if manifest.get("version") != _MANIFEST_VERSION:
+        return None  # an older headrace's (keyed by structure only, unsealed): rebuilt
     if manifest.get("elements_format") != ELEMENTS_FORMAT:
         return None  # sealed by a headrace that encodes elements otherwise: rebuilt
     fingerprint = node.inputs[0].data_fingerprint()
@@ -289,7 +293,12 @@ def find_complete(node: CacheNode, ctx: Context, account: Buffer) -> CompleteFil
     except OSError:
         return None
     if not isinstance(count, int) or size != nbytes:
-        return None
+        raise DataLossError(
+            f"cache: {paths.data} holds {size} bytes where its manifest {paths.manifest} "
+            f"recorded {nbytes}: it was truncated or written to after the cache was "
+            "complete; delete the cache's files to rebuild it",
+            path=paths.data,
+        )
     if not os.path.exists(index_path_for(paths.data)):  # written before the manifest
         return None
     expected = _read_checksums(paths, manifest)
