@@ -138,23 +138,41 @@ for _ in range(3):
 print(json.dumps({{"rate": n / best}}))
 """
 
-#: The instruction mode's child: callgrind dumps its counters (all threads, summed) at
-#: each client request and zeroes them, so the dump taken right after go() holds
-#: exactly the instructions go() ran, in every thread, and none of startup or warm-up.
+#: The instruction mode's child, one per tree and round: it imports numpy and headrace
+#: once under callgrind (most of a child's cost there), then forks a fresh process per
+#: scenario, so each scenario still starts from a bare interpreter. Callgrind dumps its
+#: counters (all threads, summed) at each client request and zeroes them, so the dump
+#: taken right after go() holds exactly the instructions go() ran, in every thread, and
+#: none of startup or warm-up.
 INSTR_CHILD = """
-import ctypes, gc, os, sys, json
+import ctypes, gc, os, sys, traceback
 import numpy as np
 import headrace as hr
 TMP = {tmp!r}
-ROWS = {rows}
-{body}
+OUT = {out!r}
 _callgrind = ctypes.CDLL({lib!r})
-go()  # warm: imports, first-call caches, valgrind's translations
-gc.collect()
-_callgrind.hr_callgrind_dump(b"before go")
-n = go()
-_callgrind.hr_callgrind_dump(b"go")
-print(json.dumps({{"rows": n}}))
+for slug, rows, body in {scenarios!r}:
+    pid = os.fork()
+    if pid == 0:
+        status = 0
+        try:
+            g = {{"__name__": "__main__", "np": np, "hr": hr, "os": os, "TMP": TMP, "ROWS": rows}}
+            exec(body, g)
+            g["go"]()  # warm: imports, first-call caches, valgrind's translations
+            gc.collect()
+            _callgrind.hr_callgrind_dump(("before " + slug).encode())
+            n = g["go"]()
+            _callgrind.hr_callgrind_dump(("go " + slug).encode())
+            with open(os.path.join(OUT, slug + ".rows"), "w") as f:
+                f.write(str(n))
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    if os.waitpid(pid, 0)[1] != 0:
+        sys.exit(f"scenario {{slug}} failed")
 """
 
 #: A C call into callgrind's client-request mechanism. Callgrind's toggles are per thread
@@ -166,8 +184,8 @@ CALLGRIND_C = """
 void hr_callgrind_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
 """
 
-#: The trigger line callgrind writes into the dump taken right after go().
-GO_TRIGGER = "desc: Trigger: Client Request: go"
+#: The trigger line callgrind writes into the dump taken right after a scenario's go().
+GO_TRIGGER = "desc: Trigger: Client Request: go "
 
 
 def run(src: str, body: str, rows: int, tmp: str) -> float:
@@ -202,30 +220,41 @@ def build_callgrind_helper(tmp: str) -> str:
     return lib
 
 
-def count(src: str, body: str, rows: int, tmp: str, lib: str, keep: str) -> tuple[int, int]:
-    """Instructions go() runs under callgrind (all threads of this process; worker
-    processes run outside it, --trace-children=no), and the rows it returned."""
+def count(src: str, names: list[str], tmp: str, lib: str,
+          keep: str) -> dict[str, tuple[int, int]]:
+    """Instructions each scenario's go() runs under callgrind (all threads of its process;
+    worker processes run outside it, --trace-children=no), and the rows it returned."""
     out = tempfile.mkdtemp(dir=tmp)
-    code = INSTR_CHILD.format(tmp=tmp, rows=rows, body=body, lib=lib)
+    scenarios = [(slug(name), ROWS[name][1], SCENARIOS[name]) for name in names]
+    code = INSTR_CHILD.format(tmp=tmp, out=out, lib=lib, scenarios=scenarios)
     env = {**os.environ, "PYTHONPATH": src, "PYTHONHASHSEED": "0"}
     cmd = ["valgrind", "--tool=callgrind", "-q", "--trace-children=no",
            f"--callgrind-out-file={os.path.join(out, 'callgrind.out.%p')}", sys.executable, "-c", code]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"callgrind child for {src} failed ({done.returncode}):\n{done.stderr}")
-    n = int(json.loads(done.stdout.splitlines()[-1])["rows"])
-    for name in sorted(os.listdir(out)):
-        path = os.path.join(out, name)
-        with open(path) as f:
-            text = f.read()
-        if GO_TRIGGER + "\n" not in text:
+    counted: dict[str, int] = {}
+    for file in sorted(os.listdir(out)):
+        if not file.startswith("callgrind.out."):
             continue
-        totals = [line for line in text.splitlines() if line.startswith("totals:")]
+        path = os.path.join(out, file)
+        with open(path) as f:
+            lines = f.read().splitlines()
+        trigger = [line for line in lines if line.startswith(GO_TRIGGER)]
+        if not trigger:
+            continue
+        name = trigger[0][len(GO_TRIGGER):]
+        counted[name] = int([line for line in lines if line.startswith("totals:")][-1].split()[1])
         if keep:
-            shutil.copy(path, keep)
-        shutil.rmtree(out)
-        return int(totals[-1].split()[1]), n
-    raise SystemExit(f"no callgrind dump with {GO_TRIGGER!r} in {out}")
+            shutil.copy(path, f"{keep}.{name}")
+    result = {}
+    for name in names:
+        if slug(name) not in counted:
+            raise SystemExit(f"no callgrind dump of {name!r} from {src} in {out}")
+        with open(os.path.join(out, slug(name) + ".rows")) as f:
+            result[name] = (counted[slug(name)], int(f.read()))
+    shutil.rmtree(out)
+    return result
 
 
 def slug(name: str) -> str:
@@ -247,24 +276,23 @@ def instructions_table(args: argparse.Namespace, tmp: str) -> None:
     for name in names:
         if name in SETUP:
             setup(args.old, SETUP[name], ROWS[name][1], tmp)
-    # Counts do not depend on load, so children may run side by side (--jobs); they are
-    # still submitted alternating, old then new, round after round.
+    # One callgrind child per tree and round, alternating old and new; counts do not
+    # depend on the load, so --jobs runs them side by side.
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        runs = {(name, side, r): pool.submit(
-                    count, src, SCENARIOS[name], ROWS[name][1], tmp, lib,
-                    os.path.join(args.keep, f"{slug(name)}.{side}.{r}") if args.keep else "")
-                for name in names for r in range(rounds)
-                for side, src in (("old", args.old), ("new", args.new))}
-        for name in names:
-            per_row = {side: [instr / n for instr, n in
-                              (runs[name, side, r].result() for r in range(rounds))]
-                       for side in ("old", "new")}
-            old = sum(per_row["old"]) / rounds
-            new = sum(per_row["new"]) / rounds
-            noise = max(max(v) - min(v) for v in per_row.values())
-            flag = "" if noise * 10 <= min(old, new) else " (under 10x noise: more rows)"
-            print(f"| {name} | {ROWS[name][1]:,} | {old:,.1f} | {new:,.1f} | {new / old:.3f} "
-                  f"| {noise:,.1f} | {noise / old:.2%}{flag} |", flush=True)
+        runs = {(side, r): pool.submit(
+                    count, src, names, tmp, lib,
+                    os.path.join(args.keep, f"{side}.{r}") if args.keep else "")
+                for r in range(rounds) for side, src in (("old", args.old), ("new", args.new))}
+        counts = {key: run.result() for key, run in runs.items()}
+    for name in names:
+        per_row = {side: [instr / n for instr, n in (counts[side, r][name] for r in range(rounds))]
+                   for side in ("old", "new")}
+        old = sum(per_row["old"]) / rounds
+        new = sum(per_row["new"]) / rounds
+        noise = max(max(v) - min(v) for v in per_row.values())
+        flag = "" if noise * 10 <= min(old, new) else " (under 10x noise: more rows)"
+        print(f"| {name} | {ROWS[name][1]:,} | {old:,.1f} | {new:,.1f} | {new / old:.3f} "
+              f"| {noise:,.1f} | {noise / old:.2%}{flag} |", flush=True)
 
 
 def main() -> None:
@@ -281,7 +309,8 @@ def main() -> None:
                         help="with --instructions: copy each go()'s callgrind dump into this "
                              "folder, for callgrind_annotate")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="with --instructions: callgrind children run side by side")
+                        help="with --instructions: callgrind children (one per tree and round) "
+                             "run side by side")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
     if args.instructions:
