@@ -77,7 +77,7 @@ def go():
 import shutil
 ds = hr.Dataset.range(ROWS).map(lambda i: {"x": np.full(8, i, np.float32), "y": i})
 def go():
-    out = os.path.join(TMP, "saved")
+    out = os.path.join(TMP, f"saved{os.getpid()}")  # children may run side by side
     shutil.rmtree(out, ignore_errors=True)
     ds.save_tfrecords(out, num_shards=2, progress=False)
     return ROWS
