@@ -494,7 +494,14 @@ class Buffer:
 
     def _floor(self) -> int:
         """What this stage must be able to hold to move: its minimum, or one element."""
-        return max(self.minimum, self.max_element, self._together)
+        # Comparisons, not max(): this runs per element on the shared pool, and a
+        # builtin max() call costs several times as much.
+        floor = self.minimum
+        if self.max_element > floor:
+            floor = self.max_element
+        if self._together > floor:
+            floor = self._together
+        return floor
 
     def _count_on_pool(self) -> None:
         """Bring this stage's part of the shared pool up to date (call holding the lock).
@@ -537,10 +544,14 @@ class Buffer:
     def _pool_cost(self, nbytes: int, *, floor: bool = False) -> int:
         """What booking ``nbytes`` more (``floor``: a minimum of ``nbytes``) adds to the
         bytes this stage has committed on the shared pool."""
-        held, old = self.held, max(self.held, self._floor())
-        if floor:
-            return max(old, nbytes) - old
-        return max(held + nbytes, nbytes, old) - old
+        held = self.held
+        old = self._floor()
+        if held > old:
+            old = held
+        new = nbytes if floor else held + nbytes
+        if nbytes > new:
+            new = nbytes
+        return new - old if new > old else 0
 
     def _hold_on_pool(self, needed: int, what: str) -> None:
         """The stage must hold ``needed`` bytes at once: its floor on the pool grows to
@@ -576,7 +587,8 @@ class Buffer:
             return True
         run = self.budget
         free = pool.total - pool._floors
-        return run.used + run._slack - run._floors + cost > free // max(pool._runs, 1)
+        runs = pool._runs
+        return run.used + run._slack - run._floors + cost > free // (runs if runs > 1 else 1)
 
     def _refuse_past_pool(self, cost: int, what: str) -> None:
         """Raise :class:`MemoryBudgetError` when this stage's floor cannot grow by ``cost``
