@@ -145,6 +145,15 @@ def test_static_sharding_is_deterministic_and_resumes_from_consumer_states(
     finally:
         service.shutdown()
     assert [before[0] + after[0], before[1] + after[1]] == [first, second]
+    # a service cut otherwise (another num_splits, as another num_workers gives by
+    # default, or another sharding) refuses the states at once: its splits are other
+    # positions, and reading on repeated elements (the outsider's r2: 32 of 96 repeats)
+    other = DataService(dataset, num_workers=3, memory_budget="16MiB", chunk_size=4)
+    try:
+        with pytest.raises(hr.CheckpointError, match="6 splits with sharding='static'"):
+            other.consumer(0, 2).load_state_dict(states[0])
+    finally:
+        other.shutdown()
 
 
 def test_bad_arguments_are_clear_errors(cluster: Cluster) -> None:

@@ -445,7 +445,7 @@ class DataService:
             raise InvalidArgumentError(
                 f"DataService.consumer: index must be in 0..{count - 1}, got {index!r}")
         return ServiceConsumer(self.coordinator, self.workers, index, count, self.prefetch,
-                               self.sharding)
+                               self.sharding, self.num_splits)
 
     def stats(self) -> dict[str, Any]:
         """The coordinator's view: worker failures seen, splits leased per worker, and
@@ -487,8 +487,9 @@ class ServiceConsumer:
     (the next ``iter()`` reads the next epoch). Picklable."""
 
     def __init__(self, coordinator: Any, workers: list[Any], index: int, count: int,
-                 prefetch: int, sharding: str) -> None:
+                 prefetch: int, sharding: str, num_splits: int) -> None:
         self.coordinator, self.workers, self.sharding = coordinator, workers, sharding
+        self.num_splits = num_splits
         self.index, self.count, self.prefetch = index, count, prefetch
         self.epoch = 0
         self.done: list[int] = []
@@ -503,11 +504,11 @@ class ServiceConsumer:
                 "finish (checkpoint with get_state() and resume a new job instead)")
         return {"coordinator": self.coordinator, "workers": self.workers, "index": self.index,
                 "count": self.count, "prefetch": self.prefetch, "sharding": self.sharding,
-                "state": self.get_state()}
+                "num_splits": self.num_splits, "state": self.get_state()}
 
     def __setstate__(self, data: dict[str, Any]) -> None:
         self.__init__(data["coordinator"], data["workers"], data["index"],  # type: ignore[misc]
-                      data["count"], data["prefetch"], data["sharding"])
+                      data["count"], data["prefetch"], data["sharding"], data["num_splits"])
         self._load(data["state"])
 
     # -- checkpoints ------------------------------------------------------------------
@@ -515,6 +516,7 @@ class ServiceConsumer:
     def get_state(self) -> dict[str, Any]:
         """Where this consumer is: small JSON (no elements)."""
         return {"format": _STATE_FORMAT, "index": self.index, "count": self.count,
+                "num_splits": self.num_splits, "sharding": self.sharding,
                 "epoch": self.epoch, "finished": self.exhausted, "done": sorted(self.done),
                 "reading": [[r.split, r.state, r.seq, r.offset] for r in self.reading]}
 
@@ -535,6 +537,16 @@ class ServiceConsumer:
             raise CheckpointError(
                 f"ServiceConsumer.set_state: the state is consumer {state['index']} of "
                 f"{state['count']}'s, this is consumer {self.index} of {self.count}")
+        # Splits are numbered within one cut of the pipeline: under another cut the
+        # state's done and reading splits are other positions (repeats and losses).
+        taken = (state.get("num_splits", self.num_splits), state.get("sharding", self.sharding))
+        if taken != (self.num_splits, self.sharding):
+            raise CheckpointError(
+                f"ServiceConsumer.set_state: the state was taken from a service of "
+                f"{taken[0]} splits with sharding={taken[1]!r}; this one has "
+                f"{self.num_splits} with sharding={self.sharding!r} (the default number of "
+                "splits follows num_workers): make the service with num_splits="
+                f"{taken[0]} and sharding={taken[1]!r} to resume from it")
         self._close_all()
         self._load(state)
         ray.get(self.coordinator.restore.remote(
