@@ -25,7 +25,6 @@ import ctypes
 import functools
 import gc
 import json
-import os
 import random
 import sys
 import threading
@@ -1050,30 +1049,10 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
         "overdrawn_peak": overdrawn[0],
         "overdrawn_by_stage": by_stage,
         "overdraft_elements": overdraft_elements,
-        "calls": most_calls(spec),
         "growth": peak[0] - start,
         "bound": int(total * 1.1) + 64 * MiB,
         "seconds": round(time.perf_counter() - started, 3),
     }
-
-
-def most_calls(spec: dict[str, Any]) -> int | None:
-    """The most calls one map stage of ``spec`` may run at once (its overdraft bound is
-    one element each, and one more for a straggler or a starving read-ahead); None
-    where worker processes run calls (their overdraft is not held to it yet: a process
-    map of heavy-tailed outputs overdrew six elements with two workers)."""
-    if spec["source"] == "xinterleave" or any(
-        op[0] in ("xmap", "xinterleave") or (op[0] == "decode" and op[2] == "processes")
-        or (op[0] == "fail" and op[1] == "xmap") for op in spec["ops"]
-    ):
-        return None
-    calls = [1]
-    for op in spec["ops"]:
-        if op[0] in ("pmap", "xmap", "decode") and isinstance(op[1], int):
-            calls.append(op[1] if op[1] > 0 else 2 * (os.cpu_count() or 1))
-        elif op[0] == "fail" and isinstance(op[2], int):
-            calls.append(op[2])
-    return max(calls)
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 import headrace as hr
@@ -113,7 +113,13 @@ def run_consumer(
 
 def check(case: dict[str, Any], tmp: Path) -> None:
     dataset, k, budget = case["dataset"], case["k"], case["budget"]
-    stream = [served_fns.number(e) for e in dataset]
+    try:
+        stream = [served_fns.number(e) for e in dataset]
+    except hr.MemoryBudgetError as error:  # the pipeline cannot run under this budget at
+        # all (1 MiB elements through a process interleave's two 4 MiB slots under 8 MiB):
+        # refused clearly by the oracle itself, so there is nothing to serve
+        assert "at once" in str(error), error
+        reject()
     address = str(tmp / "s.sock")
     bound = int(budget * 1.1) + 64 * MiB
     problems: list[str] = []
