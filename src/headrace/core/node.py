@@ -52,6 +52,7 @@ __all__ = [
     "UNKNOWN",
     "Node",
     "ShardRole",
+    "SourceNode",
     "SpecNeedsData",
     "Traits",
     "UnaryNode",
@@ -449,6 +450,23 @@ class Node:
         access, make_stream = plan
         access.prepare(ctx)
         return GatherIterator(access, make_stream(ctx))
+
+
+class SourceNode(Node):
+    """A node that makes its elements itself (no inputs): sharding splits it, or its
+    files, itself; ``global_shuffle`` reads it by index where it can; it has no lint
+    facts. Each source still declares its own ``cardinality``."""
+
+    shared_capabilities: ClassVar[tuple[str, ...]] = ("shard_role", "element_access", "traits")
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return self.direct_access()
+
+    def traits(self) -> Traits:
+        return Traits()
 
 
 class UnaryNode(Node):

@@ -58,7 +58,7 @@ from headrace.core.fingerprint import file_digest, function_fingerprint, object_
 from headrace.core.handoff import unpin
 from headrace.core.indexing import IndexStream, RandomAccess, Reach, Refusal, take_all
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, known_spec
+from headrace.core.node import UNKNOWN, Node, ShardRole, SourceNode, Traits, known_spec
 from headrace.errors import DataLossError, ElementSpecError, FileLimitError, InvalidArgumentError
 from headrace.io import objstore
 from headrace.io.elements import (
@@ -881,19 +881,10 @@ class SavedEmpty:
         return f"load({self.directory!r}, saved empty)"
 
 
-class LoadNode(Node):
+class LoadNode(SourceNode):
     """An uncompressed saved dataset as a random-access source, in the default read order."""
 
     stage = "load"
-
-    def shard_role(self) -> ShardRole:
-        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
-
-    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return self.direct_access()
-
-    def traits(self) -> Traits:
-        return Traits()
 
     def __init__(
         self,

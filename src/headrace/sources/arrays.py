@@ -16,9 +16,9 @@ import numpy as np
 import xxhash
 
 from headrace.core.fingerprint import array_digest, file_identity, unmemoized_digest
-from headrace.core.indexing import RandomAccess, Reach, Refusal
+from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
-from headrace.core.node import Node, ShardRole, Traits
+from headrace.core.node import SourceNode
 from headrace.errors import (
     DataLossError,
     ElementSpecError,
@@ -130,20 +130,11 @@ def _copies(
     return copies
 
 
-class TensorSlicesNode(Node):
+class TensorSlicesNode(SourceNode):
     """``Dataset.from_tensor_slices``: element i is the i-th row of every component."""
 
     stage = "from_tensor_slices"
-    shared_capabilities = ("cardinality", "shard_role", "element_access", "traits")
-
-    def shard_role(self) -> ShardRole:
-        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
-
-    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return self.direct_access()
-
-    def traits(self) -> Traits:
-        return Traits()
+    shared_capabilities = ("cardinality",)  # (and SourceNode's)
 
     def names_files(self) -> bool:
         """One column of names (``list_files``): what an interleave may split by file."""
@@ -270,19 +261,10 @@ def _digest(leaf: Any) -> str:
     return digest.hexdigest()
 
 
-class TensorsNode(Node):
+class TensorsNode(SourceNode):
     """``Dataset.from_tensors``: the whole structure as one element."""
 
     stage = "from_tensors"
-
-    def shard_role(self) -> ShardRole:
-        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
-
-    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return self.direct_access()
-
-    def traits(self) -> Traits:
-        return Traits()
 
     def __init__(self, tensors: Any) -> None:
         super().__init__()
@@ -411,19 +393,10 @@ class _RangeAccess(RandomAccess):
         return values if self.dtype == np.int64 else values.astype(self.dtype)
 
 
-class RangeNode(Node):
+class RangeNode(SourceNode):
     """``Dataset.range``: int64 scalars, like ``tf.data.Dataset.range``."""
 
     stage = "range"
-
-    def shard_role(self) -> ShardRole:
-        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
-
-    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return self.direct_access()
-
-    def traits(self) -> Traits:
-        return Traits()
 
     def __init__(
         self, start: int, stop: int | None, step: int, output_type: Any = np.int64

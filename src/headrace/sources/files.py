@@ -25,9 +25,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from headrace.core.fingerprint import file_identity
-from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import BatchToken, Context, Iterator
-from headrace.core.node import UNKNOWN, Node, ShardRole, Traits
+from headrace.core.node import UNKNOWN, Node, SourceNode
 from headrace.core.state import StateReader
 from headrace.errors import (
     InvalidArgumentError,
@@ -365,21 +364,12 @@ def _filenames(filenames: Any) -> list[str]:
     return names
 
 
-class FileRecordsNode(Node):
+class FileRecordsNode(SourceNode):
     """Records of each file in turn (a streaming source). Subclasses pick the reader."""
 
     stage = "files"
     record_spec: TensorSpec = TensorSpec((), bytes)
-    shared_capabilities = ("cardinality", "shard_role", "element_access", "traits")
-
-    def shard_role(self) -> ShardRole:
-        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
-
-    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return self.direct_access()
-
-    def traits(self) -> Traits:
-        return Traits()
+    shared_capabilities = ("cardinality",)  # (and SourceNode's)
 
     def read_files(self) -> list[str] | None:
         return self.filenames

@@ -27,9 +27,8 @@ from typing import Any
 import numpy as np
 
 from headrace.core.fingerprint import function_fingerprint, function_name
-from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, check_signature
+from headrace.core.node import UNKNOWN, SourceNode, check_signature
 from headrace.core.state import PRODUCED, StateReader, replay
 from headrace.errors import ElementSpecError, InvalidArgumentError, note_element_error
 from headrace.memory.buffer import NO_RESERVATION, Reservation
@@ -109,17 +108,8 @@ def _flatten_up_to(signature: Any, value: Any) -> list[Any] | None:
     return [value]
 
 
-class GeneratorNode(Node):
+class GeneratorNode(SourceNode):
     stage = "from_generator"
-
-    def shard_role(self) -> ShardRole:
-        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
-
-    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return self.direct_access()
-
-    def traits(self) -> Traits:
-        return Traits()
 
     def __init__(
         self,

@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import INFINITE, Node, ShardRole, Traits
+from headrace.core.node import INFINITE, SourceNode, Traits
 from headrace.core.state import StateReader
 from headrace.memory.buffer import NO_RESERVATION, Reservation
 from headrace.structure import TensorSpec
@@ -24,14 +23,8 @@ from headrace.transforms._random import RandomStream, SeededNode
 __all__ = ["RandomNode"]
 
 
-class RandomNode(Node, SeededNode):
+class RandomNode(SourceNode, SeededNode):
     stage = "random"
-
-    def shard_role(self) -> ShardRole:
-        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
-
-    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return self.direct_access()
 
     def traits(self) -> Traits:
         return Traits(unseeded=self.seed is None)

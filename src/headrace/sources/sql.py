@@ -99,9 +99,8 @@ from typing import Any
 
 import numpy as np
 
-from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, first_element
+from headrace.core.node import UNKNOWN, SourceNode, first_element
 from headrace.core.state import StateReader
 from headrace.errors import HeadraceError, InvalidArgumentError, MemoryBudgetError
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
@@ -798,20 +797,11 @@ _VALUE_HEADER = sys.getsizeof("")
 
 
 # -- the recipe node ----------------------------------------------------------------------------
-class SqlNode(Node):
+class SqlNode(SourceNode):
     """The rows of a query, in batches of dicts of NumPy arrays (a streaming source)."""
 
     stage = "from_sql"
     budget_weight = 1.0
-
-    def shard_role(self) -> ShardRole:
-        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
-
-    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return self.direct_access()
-
-    def traits(self) -> Traits:
-        return Traits()
 
     def __init__(self, query: str, params: Sequence[Any], connection: Any, key: str | None,
                  batch_size: int, page_rows: int, null_defaults: Mapping[str, Any],

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from headrace.core.fingerprint import file_identity
-from headrace.core.indexing import RandomAccess, Reach, Refusal
+from headrace.core.indexing import RandomAccess
 from headrace.core.iterator import Context
-from headrace.core.node import Node, ShardRole, Traits
+from headrace.core.node import Node, SourceNode
 from headrace.errors import InvalidArgumentError, MemoryBudgetError, Origin
 from headrace.io import objstore
 from headrace.io.columns import lengths, object_array, wire_bytes
@@ -382,19 +382,10 @@ class _IndexedAccess(RandomAccess):
         self.streams.clear()
 
 
-class IndexedTFRecordNode(Node):
+class IndexedTFRecordNode(SourceNode):
     """Uncompressed TFRecord shards with ``.hrx`` indexes, as a random-access dataset."""
 
     stage = "tfrecord_indexed"
-
-    def shard_role(self) -> ShardRole:
-        return ShardRole.POSITIONAL  # a source: sharding splits it (or its files) itself
-
-    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return self.direct_access()
-
-    def traits(self) -> Traits:
-        return Traits()
 
     def read_files(self) -> list[str] | None:
         return self.filenames
