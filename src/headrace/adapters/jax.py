@@ -37,8 +37,7 @@ import jax
 
 from headrace._stateful import StateDict
 from headrace.core.handoff import unpin
-from headrace.core.indexing import RandomAccess, Reach, Refusal
-from headrace.core.node import UNKNOWN, Node, ShardRole, Traits
+from headrace.core.node import AccountStage
 from headrace.distribute import AutoShardPolicy, auto_shard
 from headrace.errors import CheckpointError, InvalidArgumentError
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
@@ -57,23 +56,11 @@ __all__ = ["DeviceIterator", "to_jax"]
 _Position = tuple[Any, dict[str, Any] | CheckpointError, Exception | None, Reservation]
 
 
-class _ReadAheadStage(Node):
+class _ReadAheadStage(AccountStage):
     """Stands for to_jax's read-ahead in the budget's split (never iterated)."""
 
     stage = "to_jax read-ahead"
     budget_weight = 1.0
-
-    def cardinality(self) -> int:
-        return UNKNOWN  # never iterated
-
-    def shard_role(self) -> ShardRole:
-        return ShardRole.POSITIONAL  # never iterated
-
-    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return Refusal(self)  # never iterated
-
-    def traits(self) -> Traits:
-        return Traits()
 
 
 _READ_AHEAD = _ReadAheadStage()

@@ -50,6 +50,7 @@ __all__ = [
     "CAPABILITIES",
     "INFINITE",
     "UNKNOWN",
+    "AccountStage",
     "Node",
     "ShardRole",
     "SourceNode",
@@ -464,6 +465,26 @@ class SourceNode(Node):
 
     def element_access(self, reach: Reach) -> RandomAccess | Refusal:
         return self.direct_access()
+
+    def traits(self) -> Traits:
+        return Traits()
+
+
+class AccountStage(Node):
+    """Stands for a buffer outside the pipeline's stages (a writer's batches, an
+    adapter's read-ahead) in the split of its budget: never iterated, so its answers
+    are placeholders. Subclasses set ``stage`` and ``budget_weight``."""
+
+    shared_capabilities: ClassVar[tuple[str, ...]] = CAPABILITIES
+
+    def cardinality(self) -> int:
+        return UNKNOWN
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return Refusal(self)
 
     def traits(self) -> Traits:
         return Traits()

@@ -56,9 +56,13 @@ import numpy as np
 
 from headrace.core.fingerprint import file_digest, function_fingerprint, object_digest
 from headrace.core.handoff import unpin
-from headrace.core.indexing import IndexStream, RandomAccess, Reach, Refusal, take_all
+from headrace.core.indexing import IndexStream, RandomAccess, take_all
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, ShardRole, SourceNode, Traits, known_spec
+from headrace.core.node import (
+    AccountStage,
+    SourceNode,
+    known_spec,
+)
 from headrace.errors import DataLossError, ElementSpecError, FileLimitError, InvalidArgumentError
 from headrace.io import objstore
 from headrace.io.elements import (
@@ -668,23 +672,11 @@ def _checkpoint(
     )
 
 
-class _SaveStage(Node):
+class _SaveStage(AccountStage):
     """Stands for the save's writer in the budget's split (never iterated)."""
 
     stage = "save"
     budget_weight = 0.5
-
-    def cardinality(self) -> int:
-        return UNKNOWN  # never iterated
-
-    def shard_role(self) -> ShardRole:
-        return ShardRole.POSITIONAL  # never iterated
-
-    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return Refusal(self)  # never iterated
-
-    def traits(self) -> Traits:
-        return Traits()
 
 
 _SAVE_NODE = _SaveStage()
