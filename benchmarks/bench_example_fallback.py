@@ -1,10 +1,11 @@
 """The no-compiler Example parser against the C extension and protobuf's own parser.
 
-    python benchmarks/bench_example_fallback.py [--records 20000] [--repeats 5] [--tf]
+    python benchmarks/bench_example_fallback.py [--records 20000] [--repeats 5] [--batch N] [--tf]
 
-One batch of ``--records`` serialized tf.train.Examples (``a``, ``b`` int64 scalars,
-``x``, ``y`` float scalars, ``emb`` 32 float32, ``img`` 100 bytes, ``tags`` 0-7 int64
-as a VarLenFeature, ``scores`` 0-5 float32 as a RaggedFeature), parsed by:
+``--records`` serialized tf.train.Examples, in one batch or in batches of ``--batch``
+(``a``, ``b`` int64 scalars, ``x``, ``y`` float scalars, ``emb`` 32 float32, ``img``
+100 bytes, ``tags`` 0-7 int64 as a VarLenFeature, ``scores`` 0-5 float32 as a
+RaggedFeature), parsed by:
 
 * ``native``: ``parse_example`` with the C extension (the anchor);
 * ``pure``: ``parse_example`` without it (``set_native_enabled(False)``): what a user
@@ -148,7 +149,8 @@ def protobuf_columns(example: Any, records: list[bytes]) -> dict[str, Any]:
     return out
 
 
-def sides(records: list[bytes], with_tf: bool) -> dict[str, Callable[[], Any]]:
+def sides(batches: list[list[bytes]], with_tf: bool) -> dict[str, Callable[[], Any]]:
+    """Each parser over every batch of ``batches``."""
     from headrace.io import _example_wire as wire
     from headrace.io import _native
     from headrace.io.example import parse_example
@@ -158,14 +160,14 @@ def sides(records: list[bytes], with_tf: bool) -> dict[str, Callable[[], Any]]:
     def native() -> Any:
         previous = _native.set_native_enabled(True)
         try:
-            return parse_example(records, spec)
+            return [parse_example(records, spec) for records in batches]
         finally:
             _native.set_native_enabled(previous)
 
     def pure() -> Any:
         previous = _native.set_native_enabled(False)
         try:
-            return parse_example(records, spec)
+            return [parse_example(records, spec) for records in batches]
         finally:
             _native.set_native_enabled(previous)
 
@@ -185,11 +187,11 @@ def sides(records: list[bytes], with_tf: bool) -> dict[str, Callable[[], Any]]:
     else:
         example = example_class()
         run[f"protobuf parse ({api_implementation.Type()})"] = lambda: [
-            example.FromString(record) for record in records
+            example.FromString(record) for records in batches for record in records
         ]
-        run[f"protobuf + columns ({api_implementation.Type()})"] = lambda: protobuf_columns(
-            example, records
-        )
+        run[f"protobuf + columns ({api_implementation.Type()})"] = lambda: [
+            protobuf_columns(example, records) for records in batches
+        ]
     if with_tf:
         import tensorflow as tf
 
@@ -200,8 +202,10 @@ def sides(records: list[bytes], with_tf: bool) -> dict[str, Callable[[], Any]]:
             "img": tf.io.FixedLenFeature([], tf.string), "tags": tf.io.VarLenFeature(tf.int64),
             "scores": tf.io.RaggedFeature(tf.float32),
         }  # fmt: skip
-        batch = tf.constant(records)
-        run["tf.io.parse_example"] = lambda: tf.io.parse_example(batch, tf_spec)
+        tensors = [tf.constant(records) for records in batches]
+        run["tf.io.parse_example"] = lambda: [
+            tf.io.parse_example(batch, tf_spec) for batch in tensors
+        ]
     return run
 
 
@@ -211,12 +215,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--general-records", type=int, default=2000,
                         help="the general decoder's batch (it is slow): records/s scale")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="records per parse call (default: all in one call)")
     parser.add_argument("--tf", action="store_true", help="also time tf.io.parse_example")
     parser.add_argument("--out", help="write the Markdown table here")
     args = parser.parse_args()
     records = make_records(args.records)
-    run = sides(records, args.tf)
-    small = sides(records[: args.general_records], False)["pure general"]
+    size = args.batch or len(records)
+    run = sides([records[i : i + size] for i in range(0, len(records), size)], args.tf)
+    general = records[: args.general_records]
+    small = sides([general[i : i + size] for i in range(0, len(general), size)], False)[
+        "pure general"
+    ]
     times: dict[str, list[float]] = {name: [] for name in run}
     for _ in range(args.repeats):
         for name, side in run.items():
@@ -230,7 +240,8 @@ def main() -> None:
         for name, spent in times.items()
     }
     lines = [
-        f"{args.records} records ({args.general_records} for pure general), median of "
+        f"{args.records} records ({args.general_records} for pure general) in batches of "
+        f"{size}, median of "
         f"{args.repeats}; {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
         "",
