@@ -961,6 +961,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
     """Run one spec with a slow consumer; what it did to the budget and to RSS."""
     import headrace as hr
     from headrace.memory import budget as budget_module
+    from headrace.memory import inflight as inflight_module
 
     violations: list[str] = []
     overdrawn = [0]
@@ -987,6 +988,21 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
             )
 
     budget_module.Buffer._book = checked  # type: ignore[method-assign]
+    # G1's bound on work in flight, per call: a call stops after the output that takes
+    # it past what was booked for it, so all its outputs but the last fit the booking
+    # (bytes past it, by stage; with worker processes, the sizes also carry the unused
+    # part of the result segment they came in, which was booked while it sat idle).
+    past_booking: dict[str, tuple[int, bool]] = {}
+    settle = inflight_module.InFlight.settle
+
+    def settled(self: Any, ticket: Any, sizes: list[int], inputs: list[int], **how: Any) -> Any:
+        if sizes and len(sizes) == len(ticket.expected):  # (no error took a place)
+            over = sum(sizes[:-1]) - ticket.booked
+            name = self.buffer.name
+            past_booking[name] = (max(past_booking.get(name, (over,))[0], over), self.packs)
+        return settle(self, ticket, sizes, inputs, **how)
+
+    inflight_module.InFlight.settle = settled  # type: ignore[method-assign]
     gc.collect()
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -1028,6 +1044,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
         done.set()
         sampler.join()
         budget_module.Buffer._book = original  # type: ignore[method-assign]
+        inflight_module.InFlight.settle = settle  # type: ignore[method-assign]
     # overdrafts by stage: a map told each output's size (output_nbytes) should need none
     by_stage = {} if iterator is None else {
         account.name: account.overdrawn_peak
@@ -1049,6 +1066,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
         "overdrawn_peak": overdrawn[0],
         "overdrawn_by_stage": by_stage,
         "overdraft_elements": overdraft_elements,
+        "past_booking": past_booking,
         "growth": peak[0] - start,
         "bound": int(total * 1.1) + 64 * MiB,
         "seconds": round(time.perf_counter() - started, 3),

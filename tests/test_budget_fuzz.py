@@ -29,6 +29,7 @@ import headrace as hr
 from headrace.memory.budget import MemoryBudget
 from headrace.memory.buffer import Buffer
 from headrace.memory.sizeof import admit, register_sizer, sizeof
+from headrace.workers.shm import SEGMENT_BYTES
 
 MiB = 1 << 20
 RUNNER = Path(__file__).with_name("fuzz_pipelines.py")
@@ -63,6 +64,13 @@ def assert_within_budget(result: dict[str, Any]) -> None:
     # Accounted bytes pass the budget only by overdrafts: outputs of calls in flight
     # that outgrew their estimate, which exist whatever the books say.
     assert result["accounted_peak"] <= result["budget"] + result["overdrawn_peak"], where
+    # ... and work in flight is bounded per call (G1 by design): every output of a
+    # settled call but its last fits what was booked for the call, whatever the sizes
+    # did; with worker processes, give or take the rest of one reused result segment.
+    # (The stage's overdraft may count more elements: a share the budget lowered under
+    # calls in flight turns their booked outputs into an overdraft.)
+    for stage, (past, packs) in result["past_booking"].items():
+        assert past <= (SEGMENT_BYTES if packs else 0), (stage, past, where)
     assert result["growth"] <= result["bound"], where
 
 
