@@ -91,6 +91,8 @@ class Faults:
     done_503: int = 0
     done_403: int = 0
     requests: int = 0
+    #: The Authorization header of each request (which credentials signed it).
+    authorizations: list[str] = field(default_factory=list)
 
 
 def _s3_error(status: str, code: str, message: str) -> bytes:
@@ -142,6 +144,10 @@ class FaultProxy:
                 faults = self.faults
                 with faults.lock:
                     faults.requests += 1
+                    faults.authorizations.extend(
+                        line.split(b":", 1)[1].strip().decode()
+                        for line in request.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+                        if line.lower().startswith(b"authorization:"))
                     fail_403 = faults.done_403 < faults.errors_403
                     fail_503 = not fail_403 and faults.done_503 < faults.errors_503
                     faults.done_403 += fail_403

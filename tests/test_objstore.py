@@ -531,3 +531,70 @@ def test_cli_convert_between_objects(
     assert lines[0] == "a,b" and len(lines) == 41 and lines[1].split(",")[0] == "0"
     assert main(["convert", f"s3://{BUCKET}/conv/missing.csv", str(tmp_path / "x")]) == 1
     assert "s3://data/conv/missing.csv does not exist" in capsys.readouterr().err
+
+
+def _shared_files(tmp_path: Path, key_id: str, region: str) -> dict[str, str]:
+    """AWS shared credentials and config files with a profile ``team``; the variables
+    that point at them, as the AWS CLI reads them."""
+    credentials, config = tmp_path / "credentials", tmp_path / "config"
+    credentials.write_text(
+        f"[team]\naws_access_key_id = {key_id}\naws_secret_access_key = team-secret-42\n")
+    config.write_text(f"[profile team]\nregion = {region}\n")
+    return {"AWS_SHARED_CREDENTIALS_FILE": str(credentials), "AWS_CONFIG_FILE": str(config)}
+
+
+def test_credentials_of_an_aws_profile_sign_the_requests(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Most users keep S3 keys in ``~/.aws/credentials`` under a profile, which the
+    client alone does not read: the profile's key signs every request, with its
+    region, and its secret appears in no error."""
+    urls, paths = _write_shards(tmp_path, "profile", 2, 30)
+    expected = _read(hr.TFRecordDataset(paths))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in _shared_files(tmp_path, "AKIDTEAMPROFILE", "eu-west-3").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_PROFILE", "team")
+    faults = Faults()
+    proxy = FaultProxy(s3, faults)
+    try:
+        objstore.configure(f"s3://{BUCKET}", endpoint=proxy.endpoint)
+        assert _read(hr.TFRecordDataset(urls)) == expected
+        with pytest.raises(FileNotFoundError) as caught:
+            _read(hr.TFRecordDataset(f"s3://{BUCKET}/profile/none.tfrecord"))
+    finally:
+        proxy.close()
+    assert faults.authorizations and all(
+        "Credential=AKIDTEAMPROFILE/" in value and "/eu-west-3/s3/" in value
+        for value in faults.authorizations), faults.authorizations[:2]
+    assert "team-secret-42" not in str(caught.value)
+
+
+def test_keys_in_the_environment_win_over_the_shared_files(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    urls, paths = _write_shards(tmp_path, "envwins", 1, 10)
+    expected = _read(hr.TFRecordDataset(paths))
+    for name, value in _shared_files(tmp_path, "AKIDFROMFILES", "eu-west-3").items():
+        monkeypatch.setenv(name, value)
+    faults = Faults()
+    proxy = FaultProxy(s3, faults)
+    try:
+        objstore.configure(f"s3://{BUCKET}", endpoint=proxy.endpoint)
+        assert _read(hr.TFRecordDataset(urls)) == expected
+    finally:
+        proxy.close()
+    assert faults.authorizations and all(
+        f"Credential={ACCESS_KEY}/" in value for value in faults.authorizations)
+
+
+def test_a_missing_profile_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in _shared_files(tmp_path, "AKIDTEAM", "eu-west-3").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_PROFILE", "nobody")
+    with pytest.raises(InvalidArgumentError, match=r"s3://data: the AWS shared credentials "
+                       r"cannot be read \(.*nobody"):
+        objstore.object_info(f"s3://{BUCKET}/x")

@@ -28,7 +28,9 @@ Credentials come from each cloud's standard environment (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, the
 instance/container metadata services; ``GOOGLE_APPLICATION_CREDENTIALS`` /
 ``GOOGLE_SERVICE_ACCOUNT``; ``AZURE_STORAGE_ACCOUNT_NAME`` / ``AZURE_STORAGE_ACCOUNT_KEY`` /
-``AZURE_STORAGE_SAS_KEY`` ...) or from :func:`configure`; they are never part of a path,
+``AZURE_STORAGE_SAS_KEY`` ...) or from :func:`configure`, and for S3 from the AWS shared
+files (``~/.aws/credentials``, ``~/.aws/config``, ``AWS_PROFILE``) where neither gives keys;
+they are never part of a path,
 an error message, a pipeline's state or a log line: only URLs are.
 """
 
@@ -250,11 +252,15 @@ def _make_store(root: str, options: dict[str, Any]) -> Any:
     endpoint = options.get("endpoint")
     if isinstance(endpoint, str) and endpoint.startswith("http://"):
         client["allow_http"] = "true"
+    kwargs: dict[str, Any] = {"client_options": client}
+    provider = _aws_profile_credentials(root, options) if scheme == "s3" else None
+    if provider is not None:
+        kwargs["credential_provider"] = provider
     if scheme == "s3" and "region" not in options and not (
         os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        or (provider is not None and "region" in provider.config)
     ):
         options["region"] = "us-east-1"
-    kwargs: dict[str, Any] = {"client_options": client}
     if retry_config is not None:
         kwargs["retry_config"] = retry_config
     if options:
@@ -272,6 +278,54 @@ def _make_store(root: str, options: dict[str, Any]) -> Any:
             f"{root}: the object store cannot be set up ({_reason(error)}); the options "
             f"given: {given}; see headrace.io.objstore.configure (obstore's store "
             "configuration keys) and the cloud's environment variables"
+        ) from None
+
+
+#: Options that give S3 credentials (or none) outright: the shared files are not read.
+_S3_CREDENTIAL_OPTIONS = frozenset({
+    "access_key_id", "aws_access_key_id", "secret_access_key", "aws_secret_access_key",
+    "token", "session_token", "aws_session_token", "skip_signature", "aws_skip_signature",
+})
+
+
+def _aws_profile_credentials(root: str, options: dict[str, Any]) -> Any:
+    """A credential provider for the AWS shared files, or None.
+
+    The client reads credentials from the environment and the instance's role, but not
+    from ``~/.aws/credentials`` and ``~/.aws/config`` (``AWS_PROFILE``,
+    ``AWS_SHARED_CREDENTIALS_FILE``, ``AWS_CONFIG_FILE``), where most users keep them.
+    boto3 reads those files as the AWS CLI does (SSO, assumed roles and
+    ``credential_process`` included), so it is used when they exist and neither the
+    environment nor ``configure`` gives keys. Without boto3 a named profile is an error
+    that says what to install; without a profile the client's own chain is kept.
+    """
+    if _S3_CREDENTIAL_OPTIONS & set(options) or os.environ.get("AWS_ACCESS_KEY_ID"):
+        return None
+    profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
+    files = [os.path.expanduser(os.environ.get(name, default)) for name, default in (
+        ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
+        ("AWS_CONFIG_FILE", "~/.aws/config"),
+    )]
+    if not profile and not any(os.path.isfile(path) for path in files):
+        return None
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        if profile:
+            raise ImportError(
+                f"{root}: AWS_PROFILE={profile} names a profile of the AWS shared files, "
+                "which are read through boto3: pip install 'headrace[s3]'"
+            ) from None
+        return None
+    try:
+        session = boto3.Session(profile_name=profile) if profile else boto3.Session()
+        if session.get_credentials() is None:
+            return None  # (files without keys: the client's chain, the instance role)
+        return Boto3CredentialProvider(session)
+    except Exception as error:  # a missing profile, a malformed file: named, no secrets
+        raise InvalidArgumentError(
+            f"{root}: the AWS shared credentials cannot be read ({_reason(error)})"
         ) from None
 
 
