@@ -538,20 +538,21 @@ def test_cli_convert_between_objects(
 
 class _Successors:
     """What the read-ahead across objects did: the file sources it served, the
-    successors claimed with their data (None: no slot), the fetches in flight and the
-    most slots their limiter held while one ran."""
+    successors claimed with their data (False: no slot), the fetches in flight on the
+    read-ahead threads and the most slots their limiter held while one ran."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from headrace.sources import files
 
         self.sources: list[Any] = []
         self.claims: list[bool] = []
-        self.fetches = self.active = self.most_slots = 0
+        self.fetches = self.active = self.most_slots = self.slotted = 0
         self.on_claim: Any = None
         self.on_fetch: Any = None
         self.lock = __import__("threading").Lock()
-        open_file, claim, fetch = (
-            files._FileRecordsIterator._open, objstore.Successor.claim, objstore._fetch_successor)
+        open_file, claim, fetch, first_range = (
+            files._FileRecordsIterator._open, objstore.Successor.claim,
+            objstore._fetch_successor, objstore._first_range)
 
         def spy_open(source: Any) -> Any:
             if source not in self.sources:
@@ -570,17 +571,22 @@ class _Successors:
                 self.fetches += 1
                 self.active += 1
             try:
-                if self.on_fetch is not None:
-                    self.on_fetch(url)
                 with pool.transient(wait=False, limiter=limiter) as got:  # (the slot the
                     # fetch takes comes next: a look at the cap while this one is held)
                     if got and limiter is not None:
                         self.most_slots = max(self.most_slots, limiter.open_files)
+                        self.slotted += 1
                 return fetch(url, size, pool, limiter)
             finally:
                 with self.lock:
                     self.active -= 1
 
+        def spy_first_range(url: str, size: int) -> Any:  # (on that thread, or in the
+            if self.on_fetch is not None:  # open if the thread had not started yet)
+                self.on_fetch(url)
+            return first_range(url, size)
+
+        monkeypatch.setattr(objstore, "_first_range", spy_first_range)
         monkeypatch.setattr(files._FileRecordsIterator, "_open", spy_open)
         monkeypatch.setattr(objstore.Successor, "claim", spy_claim)
         monkeypatch.setattr(objstore, "_fetch_successor", spy_fetch)
@@ -612,6 +618,27 @@ def test_many_small_objects_are_read_ahead_and_equal_local(
     batched = _read(hr.TFRecordDataset(urls, compression, buffer_size).batch(5))
     local = _read(hr.TFRecordDataset(paths, compression).batch(5))
     assert [list(b) for b in batched] == [list(b) for b in local]
+
+
+def test_many_small_files_over_http_are_read_ahead_and_equal_local(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A web server's files: the size and ETag come from the ranged GET's answer
+    (Content-Range), an empty file from a HEAD."""
+    rng = random.Random(25)
+    paths = []
+    for shard in range(8):
+        path = tmp_path / f"w{shard}.tfrecord"
+        with TFRecordWriter(str(path)) as writer:
+            for record in _records(rng, 0 if shard in (2, 3) else rng.randrange(1, 20), shard):
+                writer.write(record)
+        paths.append(str(path))
+    spy = _Successors(monkeypatch)
+    with range_http_server(str(tmp_path)) as base:
+        urls = [f"{base}/{Path(path).name}" for path in paths]
+        remote = _read(hr.TFRecordDataset(urls, buffer_size=4096))
+    assert remote == _read(hr.TFRecordDataset(paths)) and len(remote) > 20
+    assert spy.claims == [True] * (len(urls) - 1)
 
 
 def test_the_object_read_ahead_is_booked_on_the_stage(
@@ -664,8 +691,8 @@ def test_a_fault_while_the_next_object_is_read_ahead_loses_nothing(
     s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
     """The proxy resets the connection or answers 503 SlowDown while the next object is
-    read ahead (the reader makes no request then): retried there, from the first byte
-    not received; nothing is lost or repeated."""
+    read ahead (the reader makes no request then): its GET is retried; nothing is lost
+    or repeated."""
     urls, paths = _write_shards(tmp_path, f"ahead-{fault}", 6, 22, count=(40, 41),
                                 sizes=(1000,))
     faults = Faults(reset_after=5000)
@@ -699,8 +726,8 @@ def test_reading_the_next_object_ahead_stays_under_the_file_cap(
     s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cap: int
 ) -> None:
     """G2: the fetch of the next object takes a slot of the pipeline's cap while it runs;
-    under max_open_files=1 the reader holds the only one, so nothing is read ahead and
-    each object is opened as before."""
+    under max_open_files=1 the reader holds the only one, so nothing is read ahead on a
+    thread (each object's open reads it)."""
     urls, paths = _small_objects(tmp_path, f"small-cap{cap}", 16, 23)
     options = hr.Options()
     options.max_open_files = cap
@@ -708,8 +735,10 @@ def test_reading_the_next_object_ahead_stays_under_the_file_cap(
     with FdPeak() as fds:
         remote = _read(hr.TFRecordDataset(urls, buffer_size=4096).with_options(options))
     assert remote == _read(hr.TFRecordDataset(paths))
-    assert spy.fetches == len(urls) - 1
-    assert spy.claims == [cap > 1] * (len(urls) - 1)
+    if cap > 1:
+        assert spy.claims == [True] * (len(urls) - 1)
+    else:  # no fetch got a slot on its thread (one not started is made by the open,
+        assert spy.slotted == 0  # in the open's own slot)
     assert spy.most_slots <= cap
     if cap > 1:  # (under a cap of 1 the client itself may hold a second socket a moment,
         # while it replaces a pooled connection the server closed: with or without this)

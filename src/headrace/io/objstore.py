@@ -634,18 +634,21 @@ def _fetch_ahead(info: ObjectInfo, offset: int, size: int, pool: Any, limiter: A
 
 class Successor:
     """The next object of a list, read ahead while the object before it is on its last
-    range: its metadata (HEAD) and first range, fetched in the background so opening
-    it waits for neither.
+    range: its metadata and first range, fetched in the background so opening it
+    waits for neither.
 
     Why: a stream reads ahead within an object, but each object's HEAD and first GET
     were made when it was opened, one round trip after the other, with nothing read
-    meanwhile: over thousands of 1 MiB shards that idle time was most of the run.
+    meanwhile: over thousands of 1 MiB shards that idle time was most of the run. The
+    successor makes one request, a GET of the first range, whose answer carries the
+    object's size and ETag too (an empty object, which has no range to ask for, takes
+    a HEAD).
 
     The fetch takes a slot of ``pool`` while it runs (G2), and none if every slot is
     taken (the open then reads as before). Its bytes are the caller's to book (G1):
-    :meth:`drop` says when they are gone. Errors are those of the synchronous path,
-    raised where it raises them: the HEAD's at the open, the range's at the first
-    read (an object replaced between the HEAD and the GET: :class:`DataLossError`).
+    :meth:`drop` says when they are gone. Its errors are raised by the open, as the
+    open's own HEAD's were; every later range is conditional on the ETag it saw (an
+    object replaced meanwhile: :class:`DataLossError`).
     """
 
     def __init__(self, url: str, size: int, pool: Any, limiter: Any) -> None:
@@ -656,22 +659,21 @@ class Successor:
 
     def claim(self) -> tuple[ObjectInfo, Any] | None:
         """(metadata, a done future of the first range) for the open, waiting for the
-        fetch if it is not done (a fetch not started yet is waited for too: a reader
-        that parses a small object in a few ms reaches its successor's open before
-        the fetch's thread got the GIL to start); None when it had no slot (the open
-        reads itself). Raises the HEAD's error, as the open's own HEAD would."""
+        fetch if it runs. A fetch whose thread has not started yet (a reader that
+        parses a small object in a few ms gets there before the thread got the GIL)
+        is made here instead, in the open's own slot: one request all the same, and
+        no thread to wait for. None when the fetch had no slot (the open reads as
+        before). Raises the fetch's error, where the open's HEAD raised it."""
         self.claimed = True
-        outcome = self._future.result()
+        future = self._future
+        outcome = _first_range(self.url, self.size) if future.cancel() else future.result()
         if outcome is None:
             return None
         info, data = outcome
         from concurrent.futures import Future
 
         first: Future[Any] = Future()
-        if isinstance(data, BaseException):
-            first.set_exception(data)
-        else:
-            first.set_result(data)
+        first.set_result(data)
         return info, first
 
     def drop(self, freed: Any) -> None:
@@ -686,18 +688,48 @@ class Successor:
 
 
 def _fetch_successor(url: str, size: int, pool: Any, limiter: Any) -> Any:
-    """(metadata, first range or the error reading it), on a slot of the pool; None
-    when every slot is taken. The HEAD's error is raised (the future keeps it)."""
+    """:func:`_first_range`, on a slot of the pool; None when every slot is taken."""
     with (contextlib.nullcontext(True) if pool is None
           else pool.transient(wait=False, limiter=limiter)) as got:
-        if not got:
-            return None
-        info = object_info(url)
+        return _first_range(url, size) if got else None
+
+
+_UNSATISFIABLE = re.compile(r"\b416\b|InvalidRange")
+
+
+def _first_range(url: str, size: int) -> tuple[ObjectInfo, Any]:
+    """The object's metadata and its first ``size`` bytes, from one ranged GET (retried
+    as every read is); an empty object, whose range cannot be satisfied, from a HEAD."""
+    import obstore
+
+    root, key = _split(url)
+    if not key or key.endswith("/"):
+        raise IsADirectoryError(errno.EISDIR, "a URL ending in '/' names a prefix, not an object", url)
+    store = _store(root)
+
+    def attempt(_: int) -> tuple[ObjectInfo, memoryview] | None:
         try:
-            data = _fetch(info, 0, size)
-        except Exception as error:  # raised at the first read, as a synchronous GET's
-            return info, error
-        return info, data
+            result = obstore.get(store, key, options={"range": (0, size)})
+            body = memoryview(result.bytes())  # type: ignore[arg-type]
+        except Exception as error:
+            if _is_client_error(error) and _UNSATISFIABLE.search(str(error)):
+                return None  # (no byte 0: an empty object)
+            raise
+        meta = result.meta
+        modified = meta.get("last_modified")
+        info = ObjectInfo(url, int(meta["size"]), meta.get("e_tag"),
+                          modified.timestamp() if modified is not None else None)
+        return info, body
+
+    got = _retrying(url, f"reading bytes 0..{size}", attempt)
+    if got is None:
+        info = object_info(url)
+        return info, _fetch(info, 0, size)  # (nothing, unless it has grown since)
+    info, body = got
+    wanted = min(size, info.size)
+    if len(body) < wanted:  # a short answer: the rest, conditional on its ETag
+        body = memoryview(b"".join([body, _fetch(info, len(body), wanted - len(body))]))
+    return info, body[:wanted]
 
 
 def first_range_size(compression_type: str, buffer_size: int) -> int:
@@ -749,7 +781,7 @@ class _RemoteReads:
     def _open_descriptor(self) -> int:
         successor, self._successor = self._successor, None
         if successor is not None and self._info is None:
-            claimed = successor.claim()  # (the HEAD's error raises here, as below)
+            claimed = successor.claim()  # (its error raises here, as the HEAD below would)
             if claimed is not None:
                 self._info, first = claimed
                 self._ahead.append((0, successor.size, first))
