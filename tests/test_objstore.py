@@ -784,3 +784,27 @@ def test_dropping_the_iterator_drops_the_object_read_ahead(
     while spy.active and time.monotonic() < deadline:
         time.sleep(0.02)
     assert spy.active == 0 and spy.sources[-1].account.held == 0
+
+
+def test_an_object_replaced_after_it_was_read_ahead_is_data_loss(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next object's later ranges are read on the condition of the ETag its first
+    range came with: replaced between the read-ahead and its next range, it raises
+    DataLossError naming it, after the elements of the objects before it."""
+    urls, paths = _write_shards(tmp_path, "replaced-ahead", 2, 26, count=(60, 61),
+                                sizes=(1000,))
+    spy = _Successors(monkeypatch)
+
+    def replace(successor: objstore.Successor) -> None:
+        successor._future.result()  # (its first range is read: the old version's)
+        objstore.put_atomic(successor.url, b"\0" * 100_000)
+
+    spy.on_claim = replace
+    got: list[bytes] = []
+    with pytest.raises(DataLossError, match=r"replaced-ahead/part-001.*changed while it was read"):
+        for element in hr.TFRecordDataset(urls, buffer_size=4096).as_numpy_iterator():
+            got.append(element)
+    first = _read(hr.TFRecordDataset(paths[0]))
+    assert got[: len(first)] == first and len(got) < 120
+    assert spy.claims == [True]
