@@ -538,7 +538,8 @@ def test_cli_convert_between_objects(
 
 class _Successors:
     """What the read-ahead across objects did: the file sources it served, the
-    successors claimed with their data (False: no slot), the fetches in flight on the
+    successors claimed with their data (False: no slot), the objects opened with one
+    GET (``at_open``: no object before them to read them ahead), the fetches in flight on the
     read-ahead threads and the most slots their limiter held while one ran."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -546,6 +547,7 @@ class _Successors:
 
         self.sources: list[Any] = []
         self.claims: list[bool] = []
+        self.at_open: list[bool] = []
         self.fetches = self.active = self.most_slots = self.slotted = 0
         self.on_claim: Any = None
         self.on_fetch: Any = None
@@ -562,8 +564,9 @@ class _Successors:
         def spy_claim(successor: objstore.Successor) -> Any:
             if self.on_claim is not None:
                 self.on_claim(successor)
+            ahead = successor._future is not None  # (else: an open's own single GET)
             claimed = claim(successor)
-            self.claims.append(claimed is not None)
+            (self.claims if ahead else self.at_open).append(claimed is not None)
             return claimed
 
         def spy_fetch(url: str, size: int, pool: Any, limiter: Any) -> Any:
@@ -656,6 +659,8 @@ def test_the_object_read_ahead_is_booked_on_the_stage(
     seen: list[tuple[int, int, int]] = []
 
     def at_claim(successor: objstore.Successor) -> None:
+        if successor._future is None:
+            return  # (the first object's open: nothing was read ahead)
         source = spy.sources[-1]
         assert source.reader is None  # between the close of one object and the next open
         booking = source.remote_booking
@@ -797,6 +802,8 @@ def test_an_object_replaced_after_it_was_read_ahead_is_data_loss(
     spy = _Successors(monkeypatch)
 
     def replace(successor: objstore.Successor) -> None:
+        if successor._future is None:
+            return  # (the first object's open)
         successor._future.result()  # (its first range is read: the old version's)
         objstore.put_atomic(successor.url, b"\0" * 100_000)
 
@@ -808,3 +815,32 @@ def test_an_object_replaced_after_it_was_read_ahead_is_data_loss(
     first = _read(hr.TFRecordDataset(paths[0]))
     assert got[: len(first)] == first and len(got) < 120
     assert spy.claims == [True]
+
+
+def test_each_small_object_costs_one_request(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object read from its start is opened with one ranged GET, whose answer
+    carries its size and ETag (a HEAD then a GET was two round trips per object): read
+    ahead in a list, or opened by an interleave's slot. An empty object takes a HEAD."""
+    urls, paths = _write_shards(tmp_path, "one-request", 10, 27, count=(0, 8), sizes=(40, 900))
+    empty = sum(1 for path in paths if not os.path.getsize(path))
+    assert 0 < empty < len(paths)
+    faults = Faults()
+    proxy = FaultProxy(s3, faults)
+    spy = _Successors(monkeypatch)
+    try:
+        objstore.configure(f"s3://{BUCKET}", endpoint=proxy.endpoint)
+        listed = _read(hr.TFRecordDataset(urls))
+        in_list = faults.requests
+        def interleaved(names: list[str]) -> hr.Dataset:
+            return hr.Dataset.from_tensor_slices(names).interleave(
+                hr.TFRecordDataset, cycle_length=4, block_length=2)
+        remote = _read(interleaved(urls))
+    finally:
+        proxy.close()
+    assert listed == _read(hr.TFRecordDataset(paths))
+    assert remote == _read(interleaved(paths))
+    assert in_list == len(urls) + empty  # (an empty object: its GET is refused, 416)
+    assert faults.requests - in_list == len(urls) + empty
+    assert spy.at_open == [True] * (1 + len(urls)) and spy.claims == [True] * (len(urls) - 1)

@@ -651,11 +651,16 @@ class Successor:
     object replaced meanwhile: :class:`DataLossError`).
     """
 
-    def __init__(self, url: str, size: int, pool: Any, limiter: Any) -> None:
+    def __init__(self, url: str, size: int, pool: Any, limiter: Any, *,
+                 ahead: bool = True) -> None:
+        """``ahead=False``: nothing is fetched in the background; the open makes the one
+        request itself (an object opened at its start, with nothing before it to read
+        ahead from: one round trip instead of a HEAD and a GET)."""
         _split(url)  # (a malformed URL is refused by the open, as before)
         self.url, self.size = url, size
         self.claimed = False
-        self._future = _fetcher().submit(_fetch_successor, url, size, pool, limiter)
+        self._future: Any = (
+            _fetcher().submit(_fetch_successor, url, size, pool, limiter) if ahead else None)
 
     def claim(self) -> tuple[ObjectInfo, Any] | None:
         """(metadata, a done future of the first range) for the open, waiting for the
@@ -666,7 +671,8 @@ class Successor:
         before). Raises the fetch's error, where the open's HEAD raised it."""
         self.claimed = True
         future = self._future
-        outcome = _first_range(self.url, self.size) if future.cancel() else future.result()
+        outcome = (_first_range(self.url, self.size) if future is None or future.cancel()
+                   else future.result())
         if outcome is None:
             return None
         info, data = outcome
@@ -681,7 +687,7 @@ class Successor:
         ``freed()`` once its bytes are gone: at once if the fetch never started or has
         ended, else when it ends (its bytes stay booked until then)."""
         future = self._future
-        if future.cancel() or future.done():
+        if future is None or future.cancel() or future.done():
             freed()
         else:
             future.add_done_callback(lambda _: freed())

@@ -619,6 +619,11 @@ class _FileRecordsIterator(Iterator):
         successor = self.successor
         if successor is not None and successor.url != name:  # (not this one's: never
             successor = None  # so by construction; dropped with the booking, below)
+        if successor is None and self.remote_booking is not None and self.start_offset == 0:
+            first = objstore.first_range_size(node.compression_type, size)
+            if first <= size:  # opened at its start: its first range and its metadata in
+                # one GET, not a HEAD then a GET (an interleave's slots open this way)
+                successor = objstore.Successor(name, first, None, None, ahead=False)
         try:
             self.stream = self.pool.open(
                 name,
