@@ -14,9 +14,9 @@ shards of 1 MiB) is timed in the same run, side by side, rounds interleaved, bes
   answer (one request fewer per object, as headrace's read-ahead across objects does);
   the ``vs no HEAD`` column is the ratio to it;
 * ``headrace s3 records``: ``TFRecordDataset(urls).batch(1024)`` (framing, CRCs);
-* ``headrace s3 records, no read-ahead across objects``: the same with the next object's
-  HEAD and first range not read ahead (each object opened when the one before ends, as
-  before): the anchor the read-ahead across objects is measured against;
+* ``before: HEAD + GET, none read ahead``: the same records, each object opened with a
+  HEAD when the one before ends and its first range read when the reader asks for it
+  (as before the read-ahead across objects): the anchor it is measured against;
 * ``headrace s3 read+parse``: ``...batch(1024).parse_examples(spec)``;
 * ``headrace local read+parse``: the same on the local copies;
 * with ``--compare-clients``: ``pyarrow.fs`` and ``s3fs`` reading the same ranges raw.
@@ -157,7 +157,6 @@ def _run_case(endpoint: str, scratch: Path, mib: int, shards: int, args: Any) ->
     import headrace as hr
     from headrace.io import objstore
     from headrace.io.example import FixedLenFeature
-    from headrace.sources import files
 
     spec = {"x": FixedLenFeature((32,), np.float32), "y": FixedLenFeature((), np.int64),
             "data": FixedLenFeature((), bytes)}
@@ -216,14 +215,16 @@ def _run_case(endpoint: str, scratch: Path, mib: int, shards: int, args: Any) ->
         return go
 
     def one_by_one(names: list[str]) -> Callable[[], int]:
-        read_ahead = files._FileRecordsIterator._read_next_ahead
+        successor = objstore.Successor
 
         def go() -> int:
-            files._FileRecordsIterator._read_next_ahead = lambda self: None  # type: ignore[method-assign]
+            # no Successor: each object opened with a HEAD, then its first range
+            # read when the reader asks for it, nothing read ahead (as before)
+            objstore.Successor = lambda *args, **kwargs: None  # type: ignore[assignment,misc]
             try:
                 return records(names)()
             finally:
-                files._FileRecordsIterator._read_next_ahead = read_ahead  # type: ignore[method-assign]
+                objstore.Successor = successor  # type: ignore[misc]
         return go
 
     def parsed(names: list[str]) -> Callable[[], int]:
@@ -236,7 +237,7 @@ def _run_case(endpoint: str, scratch: Path, mib: int, shards: int, args: Any) ->
         "raw client (obstore get_range)": raw,
         "raw client, no HEAD": raw_without_head,
         "headrace s3 records": records(urls),
-        "  no read-ahead across objects": one_by_one(urls),
+        "  before: HEAD + GET, none read ahead": one_by_one(urls),
         "headrace s3 read+parse": parsed(urls),
         "headrace local read+parse": parsed(local),
     }
