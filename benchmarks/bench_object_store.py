@@ -17,6 +17,10 @@ shards of 1 MiB) is timed in the same run, side by side, rounds interleaved, bes
 * ``before: HEAD + GET, none read ahead``: the same records, each object opened with a
   HEAD when the one before ends and its first range read when the reader asks for it
   (as before the read-ahead across objects): the anchor it is measured against;
+* ``headrace s3 interleave(4) records``: the objects through
+  ``interleave(TFRecordDataset, cycle_length=4, block_length=16).batch(1024)``: each
+  slot reads one object, so nothing is read ahead across objects, but each slot's open
+  is one ranged GET; with its ``before`` line (a HEAD and a GET per open);
 * ``headrace s3 read+parse``: ``...batch(1024).parse_examples(spec)``;
 * ``headrace local read+parse``: the same on the local copies;
 * with ``--compare-clients``: ``pyarrow.fs`` and ``s3fs`` reading the same ranges raw.
@@ -214,7 +218,14 @@ def _run_case(endpoint: str, scratch: Path, mib: int, shards: int, args: Any) ->
             return sum(len(batch) for batch in ds)
         return go
 
-    def one_by_one(names: list[str]) -> Callable[[], int]:
+    def interleaved(names: list[str]) -> Callable[[], int]:
+        def go() -> int:
+            ds = hr.Dataset.from_tensor_slices(names).interleave(
+                hr.TFRecordDataset, cycle_length=4, block_length=16)
+            return sum(len(batch) for batch in ds.batch(1024).with_options(options))
+        return go
+
+    def one_by_one(line: Callable[[], int]) -> Callable[[], int]:
         successor = objstore.Successor
 
         def go() -> int:
@@ -222,7 +233,7 @@ def _run_case(endpoint: str, scratch: Path, mib: int, shards: int, args: Any) ->
             # read when the reader asks for it, nothing read ahead (as before)
             objstore.Successor = lambda *args, **kwargs: None  # type: ignore[assignment,misc]
             try:
-                return records(names)()
+                return line()
             finally:
                 objstore.Successor = successor  # type: ignore[misc]
         return go
@@ -237,7 +248,9 @@ def _run_case(endpoint: str, scratch: Path, mib: int, shards: int, args: Any) ->
         "raw client (obstore get_range)": raw,
         "raw client, no HEAD": raw_without_head,
         "headrace s3 records": records(urls),
-        "  before: HEAD + GET, none read ahead": one_by_one(urls),
+        "  before: HEAD + GET, none read ahead": one_by_one(records(urls)),
+        "headrace s3 interleave(4) records": interleaved(urls),
+        "  before: HEAD + GET per slot's open": one_by_one(interleaved(urls)),
         "headrace s3 read+parse": parsed(urls),
         "headrace local read+parse": parsed(local),
     }

@@ -587,8 +587,8 @@ class _FileRecordsIterator(Iterator):
         #: The read buffer of the object being read, booked while it is open, and kept
         #: from its close to the next object's open while that one is read ahead.
         self.remote_booking: Reservation | None = None
-        #: The next object, read ahead while this one is on its last range (its HEAD
-        #: and first range), in the range read-ahead this one no longer needs.
+        #: The next object, read ahead while this one is on its last range (its first
+        #: range and metadata), in the range read-ahead this one no longer needs.
         self.successor: objstore.Successor | None = None
 
     def _expect(self, nbytes: int) -> None:
@@ -645,9 +645,10 @@ class _FileRecordsIterator(Iterator):
         return reader
 
     def _read_next_ahead(self) -> None:
-        """The object being read is on its last range: read the next one's HEAD and
-        first range in the background, in the range read-ahead this one no longer
-        needs (its booking is kept until the next is opened or dropped: G1)."""
+        """The object being read is on its last range: read the next one's first range
+        and metadata in the background, in the range read-ahead this one no longer
+        needs (its booking is kept until the next is opened or dropped: G1), on a slot
+        of the file pool (G2)."""
         node = self.node
         following = self.file_index + 1
         booking = self.remote_booking
