@@ -844,3 +844,25 @@ def test_each_small_object_costs_one_request(
     assert in_list == len(urls) + empty  # (an empty object: its GET is refused, 416)
     assert faults.requests - in_list == len(urls) + empty
     assert spy.at_open == [True] * (1 + len(urls)) and spy.claims == [True] * (len(urls) - 1)
+
+
+def test_many_small_text_objects_are_read_ahead_and_equal_local(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TextLineDataset reads through the same file source: lines of many small objects
+    (some empty, some without a final newline) in order, each object read ahead."""
+    rng = random.Random(28)
+    urls, paths = [], []
+    for part in range(14):
+        lines = [f"{part}-{i}-" + "x" * rng.randrange(0, 3000) for i in range(rng.randrange(0, 9))]
+        body = "\n".join(lines) + ("\n" if part % 3 else "")
+        path = tmp_path / f"t{part}.txt"
+        path.write_text(body)
+        url = f"s3://{BUCKET}/text-ahead/t{part:02d}.txt"
+        objstore.put_atomic(url, body.encode())
+        urls.append(url)
+        paths.append(str(path))
+    spy = _Successors(monkeypatch)
+    remote = _read(hr.TextLineDataset(urls, buffer_size=4096))
+    assert remote == _read(hr.TextLineDataset(paths)) and len(remote) > 20
+    assert spy.claims == [True] * (len(urls) - 1)
