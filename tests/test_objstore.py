@@ -598,3 +598,338 @@ def test_a_missing_profile_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with pytest.raises(InvalidArgumentError, match=r"s3://data: the AWS shared credentials "
                        r"cannot be read \(.*nobody"):
         objstore.object_info(f"s3://{BUCKET}/x")
+
+
+# ------------------------------------------------- reading the next object ahead
+
+
+class _Successors:
+    """What the read-ahead across objects did: the file sources it served, the
+    successors claimed with their data (False: no slot), the objects opened with one
+    GET (``at_open``: no object before them to read them ahead), the fetches in flight on the
+    read-ahead threads and the most slots their limiter held while one ran."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from headrace.sources import files
+
+        self.sources: list[Any] = []
+        self.claims: list[bool] = []
+        self.at_open: list[bool] = []
+        self.fetches = self.active = self.most_slots = self.slotted = 0
+        self.on_claim: Any = None
+        self.on_fetch: Any = None
+        self.lock = __import__("threading").Lock()
+        open_file, claim, fetch, first_range = (
+            files._FileRecordsIterator._open, objstore.Successor.claim,
+            objstore._fetch_successor, objstore._first_range)
+
+        def spy_open(source: Any) -> Any:
+            if source not in self.sources:
+                self.sources.append(source)
+            return open_file(source)
+
+        def spy_claim(successor: objstore.Successor) -> Any:
+            if self.on_claim is not None:
+                self.on_claim(successor)
+            ahead = successor._future is not None  # (else: an open's own single GET)
+            claimed = claim(successor)
+            (self.claims if ahead else self.at_open).append(claimed is not None)
+            return claimed
+
+        def spy_fetch(url: str, size: int, pool: Any, limiter: Any) -> Any:
+            with self.lock:
+                self.fetches += 1
+                self.active += 1
+            try:
+                with pool.transient(wait=False, limiter=limiter) as got:  # (the slot the
+                    # fetch takes comes next: a look at the cap while this one is held)
+                    if got and limiter is not None:
+                        self.most_slots = max(self.most_slots, limiter.open_files)
+                        self.slotted += 1
+                return fetch(url, size, pool, limiter)
+            finally:
+                with self.lock:
+                    self.active -= 1
+
+        def spy_first_range(url: str, size: int) -> Any:  # (on that thread, or in the
+            if self.on_fetch is not None:  # open if the thread had not started yet)
+                self.on_fetch(url)
+            return first_range(url, size)
+
+        monkeypatch.setattr(objstore, "_first_range", spy_first_range)
+        monkeypatch.setattr(files._FileRecordsIterator, "_open", spy_open)
+        monkeypatch.setattr(objstore.Successor, "claim", spy_claim)
+        monkeypatch.setattr(objstore, "_fetch_successor", spy_fetch)
+
+
+def _small_objects(tmp: Path, prefix: str, count: int, seed: int,
+                   compression: str = "") -> tuple[list[str], list[str]]:
+    """Many small shards, some empty, some larger than a 4 KiB range."""
+    urls, paths = _write_shards(tmp, prefix, count, seed, compression, count=(0, 12),
+                                sizes=(0, 40, 700, 3000))
+    return urls, paths
+
+
+@pytest.mark.parametrize(("compression", "buffer_size"), [("", 4096), ("", None),
+                                                          ("GZIP", None)])
+def test_many_small_objects_are_read_ahead_and_equal_local(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compression: str,
+    buffer_size: int | None,
+) -> None:
+    """Each object's HEAD and first range are read while the one before it is on its
+    last range: every object but the first is opened from what was read ahead, and the
+    elements are the local files', in order."""
+    urls, paths = _small_objects(tmp_path, f"small-{compression}-{buffer_size}", 24, 20,
+                                 compression)
+    spy = _Successors(monkeypatch)
+    remote = _read(hr.TFRecordDataset(urls, compression, buffer_size))
+    assert remote == _read(hr.TFRecordDataset(paths, compression))
+    assert spy.claims == [True] * (len(urls) - 1)  # every object after the first
+    batched = _read(hr.TFRecordDataset(urls, compression, buffer_size).batch(5))
+    local = _read(hr.TFRecordDataset(paths, compression).batch(5))
+    assert [list(b) for b in batched] == [list(b) for b in local]
+
+
+def test_many_small_files_over_http_are_read_ahead_and_equal_local(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A web server's files: the size and ETag come from the ranged GET's answer
+    (Content-Range), an empty file from a HEAD."""
+    rng = random.Random(25)
+    paths = []
+    for shard in range(8):
+        path = tmp_path / f"w{shard}.tfrecord"
+        with TFRecordWriter(str(path)) as writer:
+            for record in _records(rng, 0 if shard in (2, 3) else rng.randrange(1, 20), shard):
+                writer.write(record)
+        paths.append(str(path))
+    spy = _Successors(monkeypatch)
+    with range_http_server(str(tmp_path)) as base:
+        urls = [f"{base}/{Path(path).name}" for path in paths]
+        remote = _read(hr.TFRecordDataset(urls, buffer_size=4096))
+    assert remote == _read(hr.TFRecordDataset(paths)) and len(remote) > 20
+    assert spy.claims == [True] * (len(urls) - 1)
+
+
+def test_the_object_read_ahead_is_booked_on_the_stage(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """G1: the next object's range read ahead lives in the booking of the object before
+    it (the range read-ahead it no longer needs), kept from its close until the next one
+    opens; the stage never holds more than its share."""
+    from headrace.sources import files
+
+    urls, paths = _small_objects(tmp_path, "small-booked", 12, 21)
+    options = hr.Options()
+    options.memory_budget = "6MiB"
+    spy = _Successors(monkeypatch)
+    seen: list[tuple[int, int, int]] = []
+
+    def at_claim(successor: objstore.Successor) -> None:
+        if successor._future is None:
+            return  # (the first object's open: nothing was read ahead)
+        source = spy.sources[-1]
+        assert source.reader is None  # between the close of one object and the next open
+        booking = source.remote_booking
+        assert booking is not None and booking.account is source.account
+        seen.append((booking.nbytes, source.account.held, successor.size))
+
+    spy.on_claim = at_claim
+    gaps: list[bool] = []
+    next_file = files._FileRecordsIterator._next_file
+
+    def between(source: Any) -> None:  # the object closed, the next not open yet
+        next_file(source)
+        if source.successor is not None:
+            booking = source.remote_booking
+            gaps.append(booking is not None and booking.nbytes >= source.successor.size
+                        and source.account.held >= booking.nbytes)
+
+    monkeypatch.setattr(files._FileRecordsIterator, "_next_file", between)
+    dataset = hr.TFRecordDataset(urls).with_options(options)
+    with iter(dataset) as iterator:
+        remote = [bytes(x) for x in iterator]
+        stage = next(s for s in iterator.stats().stages if s.name.startswith("tfrecord"))
+    assert remote == _read(hr.TFRecordDataset(paths))
+    assert len(seen) == len(urls) - 1 and gaps == [True] * (len(urls) - 1)
+    for booked, held, size in seen:
+        assert booked == objstore.READ_AHEAD_RANGES * size and held >= booked
+    assert stage.peak <= stage.limit and stage.overdrawn_peak == 0, stage
+    assert spy.sources[-1].account.held == 0  # all given back at the end
+
+
+@pytest.mark.parametrize("fault", ["reset", "503"])
+def test_a_fault_while_the_next_object_is_read_ahead_loses_nothing(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """The proxy resets the connection or answers 503 SlowDown while the next object is
+    read ahead (the reader makes no request then): its GET is retried; nothing is lost
+    or repeated."""
+    urls, paths = _write_shards(tmp_path, f"ahead-{fault}", 6, 22, count=(40, 41),
+                                sizes=(1000,))
+    faults = Faults(reset_after=5000)
+    proxy = FaultProxy(s3, faults)
+    spy = _Successors(monkeypatch)
+
+    def arm(url: str) -> None:
+        if url == urls[3]:  # the fourth object's HEAD and GET meet the faults
+            with faults.lock:
+                if fault == "reset":
+                    faults.resets = 2
+                else:
+                    faults.errors_503 = 3
+
+    spy.on_fetch = arm
+    try:
+        objstore.configure(f"s3://{BUCKET}", endpoint=proxy.endpoint,
+                           retry_config={"max_retries": 0})
+        objstore.configure(retry=objstore.RetryPolicy(attempts=10, initial_backoff=0.01))
+        remote = _read(hr.TFRecordDataset(urls))
+    finally:
+        proxy.close()
+    local = _read(hr.TFRecordDataset(paths))
+    assert remote == local and len(local) == 6 * 40
+    assert (faults.done_resets, faults.done_503) == ((2, 0) if fault == "reset" else (0, 3))
+    assert spy.claims == [True] * 5
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_reading_the_next_object_ahead_stays_under_the_file_cap(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cap: int
+) -> None:
+    """G2: the fetch of the next object takes a slot of the pipeline's cap while it runs;
+    under max_open_files=1 the reader holds the only one, so nothing is read ahead on a
+    thread (each object's open reads it)."""
+    urls, paths = _small_objects(tmp_path, f"small-cap{cap}", 16, 23)
+    options = hr.Options()
+    options.max_open_files = cap
+    spy = _Successors(monkeypatch)
+    with FdPeak() as fds:
+        remote = _read(hr.TFRecordDataset(urls, buffer_size=4096).with_options(options))
+    assert remote == _read(hr.TFRecordDataset(paths))
+    if cap > 1:
+        assert spy.claims == [True] * (len(urls) - 1)
+    else:  # no fetch got a slot on its thread (one not started is made by the open,
+        assert spy.slotted == 0  # in the open's own slot)
+    assert spy.most_slots <= cap
+    if cap > 1:  # (under a cap of 1 the client itself may hold a second socket a moment,
+        # while it replaces a pooled connection the server closed: with or without this)
+        assert fds.growth <= cap, f"{fds.growth} descriptors/connections under a cap of {cap}"
+
+
+def test_dropping_the_iterator_drops_the_object_read_ahead(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An iterator closed (or a take() that ends) while the next object is read ahead:
+    the fetch finishes on its own, its booking stays until it has, then every byte is
+    given back and no fetch is left running."""
+    import time
+
+    urls, paths = _write_shards(tmp_path, "dropped", 4, 24, count=(30, 31), sizes=(500,))
+    faults = Faults(delay=0.3)
+    proxy = FaultProxy(s3, faults)
+    spy = _Successors(monkeypatch)
+    try:
+        objstore.configure(f"s3://{BUCKET}", endpoint=proxy.endpoint)
+        iterator = iter(hr.TFRecordDataset(urls))
+        next(iterator)  # the first object is open, the second is being read ahead
+        source = spy.sources[0]
+        deadline = time.monotonic() + 10
+        while not spy.active and time.monotonic() < deadline:  # (its thread starts)
+            time.sleep(0.01)
+        assert spy.active == 1 and source.successor is not None
+        booked = source.remote_booking.nbytes
+        iterator.close()
+        assert spy.active == 1 and source.account.held >= booked  # still in flight: booked
+        deadline = time.monotonic() + 10
+        while (spy.active or source.account.held) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (spy.active, source.account.held) == (0, 0)
+        assert source.successor is None and source.remote_booking is None
+        # take() ends the same way, mid-list
+        taken = _read(hr.TFRecordDataset(urls).take(35))
+    finally:
+        proxy.close()
+    assert taken == _read(hr.TFRecordDataset(paths))[:35]
+    assert spy.claims == [True]  # (the take's second object)
+    deadline = time.monotonic() + 10
+    while spy.active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert spy.active == 0 and spy.sources[-1].account.held == 0
+
+
+def test_an_object_replaced_after_it_was_read_ahead_is_data_loss(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next object's later ranges are read on the condition of the ETag its first
+    range came with: replaced between the read-ahead and its next range, it raises
+    DataLossError naming it, after the elements of the objects before it."""
+    urls, paths = _write_shards(tmp_path, "replaced-ahead", 2, 26, count=(60, 61),
+                                sizes=(1000,))
+    spy = _Successors(monkeypatch)
+
+    def replace(successor: objstore.Successor) -> None:
+        if successor._future is None:
+            return  # (the first object's open)
+        successor._future.result()  # (its first range is read: the old version's)
+        objstore.put_atomic(successor.url, b"\0" * 100_000)
+
+    spy.on_claim = replace
+    got: list[bytes] = []
+    with pytest.raises(DataLossError, match=r"replaced-ahead/part-001.*changed while it was read"):
+        for element in hr.TFRecordDataset(urls, buffer_size=4096).as_numpy_iterator():
+            got.append(element)
+    first = _read(hr.TFRecordDataset(paths[0]))
+    assert got[: len(first)] == first and len(got) < 120
+    assert spy.claims == [True]
+
+
+def test_each_small_object_costs_one_request(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object read from its start is opened with one ranged GET, whose answer
+    carries its size and ETag (a HEAD then a GET was two round trips per object): read
+    ahead in a list, or opened by an interleave's slot. An empty object takes a HEAD."""
+    urls, paths = _write_shards(tmp_path, "one-request", 10, 27, count=(0, 8), sizes=(40, 900))
+    empty = sum(1 for path in paths if not os.path.getsize(path))
+    assert 0 < empty < len(paths)
+    faults = Faults()
+    proxy = FaultProxy(s3, faults)
+    spy = _Successors(monkeypatch)
+    try:
+        objstore.configure(f"s3://{BUCKET}", endpoint=proxy.endpoint)
+        listed = _read(hr.TFRecordDataset(urls))
+        in_list = faults.requests
+        def interleaved(names: list[str]) -> hr.Dataset:
+            return hr.Dataset.from_tensor_slices(names).interleave(
+                hr.TFRecordDataset, cycle_length=4, block_length=2)
+        remote = _read(interleaved(urls))
+    finally:
+        proxy.close()
+    assert listed == _read(hr.TFRecordDataset(paths))
+    assert remote == _read(interleaved(paths))
+    assert in_list == len(urls) + empty  # (an empty object: its GET is refused, 416)
+    assert faults.requests - in_list == len(urls) + empty
+    assert spy.at_open == [True] * (1 + len(urls)) and spy.claims == [True] * (len(urls) - 1)
+
+
+def test_many_small_text_objects_are_read_ahead_and_equal_local(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TextLineDataset reads through the same file source: lines of many small objects
+    (some empty, some without a final newline) in order, each object read ahead."""
+    rng = random.Random(28)
+    urls, paths = [], []
+    for part in range(14):
+        lines = [f"{part}-{i}-" + "x" * rng.randrange(0, 3000) for i in range(rng.randrange(0, 9))]
+        body = "\n".join(lines) + ("\n" if part % 3 else "")
+        path = tmp_path / f"t{part}.txt"
+        path.write_text(body)
+        url = f"s3://{BUCKET}/text-ahead/t{part:02d}.txt"
+        objstore.put_atomic(url, body.encode())
+        urls.append(url)
+        paths.append(str(path))
+    spy = _Successors(monkeypatch)
+    remote = _read(hr.TextLineDataset(urls, buffer_size=4096))
+    assert remote == _read(hr.TextLineDataset(paths)) and len(remote) > 20
+    assert spy.claims == [True] * (len(urls) - 1)

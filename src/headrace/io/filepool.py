@@ -51,7 +51,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from headrace._closing import ClosesOnExit
 from headrace.errors import FileLimitError, InvalidArgumentError
@@ -355,17 +355,23 @@ class FilePool:
         limiter: FileLimiter | None = None,
         memory_account: MemoryAccount | None = None,
         buffer_size: int = DEFAULT_BUFFER_SIZE,
+        successor: Any = None,
+        on_last_range: Callable[[], None] | None = None,
     ) -> PooledStream:
         """Open ``path`` for reading its decompressed bytes through this pool.
 
         The file is opened at once, so a missing file or a process out of descriptors
         fails here (``FileNotFoundError``, :class:`~headrace.errors.FileLimitError`)
         rather than at the first read. Blocks while every slot is busy in a read.
+        ``successor`` and ``on_last_range``: an object read ahead across a list of
+        objects (see :meth:`SuspendableStream.attach_successor`).
         """
         if limiter is not None and limiter.pool is not self:
             raise InvalidArgumentError("the limiter belongs to a different FilePool")
         stream = make_stream(path, compression_type, buffer_size=buffer_size)
         stream.attach_pool(self, limiter)
+        if successor is not None or on_last_range is not None:
+            stream.attach_successor(successor, on_last_range)
         entry = _Entry(stream, limiter, memory_account)
         with self._locked:
             self._streams += 1

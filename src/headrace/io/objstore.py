@@ -36,6 +36,7 @@ an error message, a pipeline's state or a log line: only URLs are.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
 import os
@@ -54,9 +55,11 @@ __all__ = [
     "MIN_REMOTE_BUFFER_SIZE",
     "REMOTE_BUFFER_SIZE",
     "RetryPolicy",
+    "Successor",
     "configure",
     "copy_object",
     "delete_object",
+    "first_range_size",
     "fitting_buffer",
     "glob_objects",
     "is_remote",
@@ -683,6 +686,121 @@ def _fetch_ahead(info: ObjectInfo, offset: int, size: int, pool: Any, limiter: A
         return _fetch(info, offset, size) if got else None
 
 
+class Successor:
+    """The next object of a list, read ahead while the object before it is on its last
+    range: its metadata and first range, fetched in the background so opening it
+    waits for neither.
+
+    Why: a stream reads ahead within an object, but each object's HEAD and first GET
+    were made when it was opened, one round trip after the other, with nothing read
+    meanwhile: over thousands of 1 MiB shards that idle time was most of the run. The
+    successor makes one request, a GET of the first range, whose answer carries the
+    object's size and ETag too (an empty object, which has no range to ask for, takes
+    a HEAD).
+
+    The fetch takes a slot of ``pool`` while it runs (G2), and none if every slot is
+    taken (the open then reads as before). Its bytes are the caller's to book (G1):
+    :meth:`drop` says when they are gone. Its errors are raised by the open, as the
+    open's own HEAD's were; every later range is conditional on the ETag it saw (an
+    object replaced meanwhile: :class:`DataLossError`).
+    """
+
+    def __init__(self, url: str, size: int, pool: Any, limiter: Any, *,
+                 ahead: bool = True) -> None:
+        """``ahead=False``: nothing is fetched in the background; the open makes the one
+        request itself (an object opened at its start, with nothing before it to read
+        ahead from: one round trip instead of a HEAD and a GET)."""
+        _split(url)  # (a malformed URL is refused by the open, as before)
+        self.url, self.size = url, size
+        self.claimed = False
+        self._future: Any = (
+            _fetcher().submit(_fetch_successor, url, size, pool, limiter) if ahead else None)
+
+    def claim(self) -> tuple[ObjectInfo, Any] | None:
+        """(metadata, a done future of the first range) for the open, waiting for the
+        fetch if it runs. A fetch whose thread has not started yet (a reader that
+        parses a small object in a few ms gets there before the thread got the GIL)
+        is made here instead, in the open's own slot: one request all the same, and
+        no thread to wait for. None when the fetch had no slot (the open reads as
+        before). Raises the fetch's error, where the open's HEAD raised it."""
+        self.claimed = True
+        future = self._future
+        outcome = (_first_range(self.url, self.size) if future is None or future.cancel()
+                   else future.result())
+        if outcome is None:
+            return None
+        info, data = outcome
+        from concurrent.futures import Future
+
+        first: Future[Any] = Future()
+        first.set_result(data)
+        return info, first
+
+    def drop(self, freed: Any) -> None:
+        """Give up the object (never opened: a ``take``, an error, a close); call
+        ``freed()`` once its bytes are gone: at once if the fetch never started or has
+        ended, else when it ends (its bytes stay booked until then)."""
+        future = self._future
+        if future is None or future.cancel() or future.done():
+            freed()
+        else:
+            future.add_done_callback(lambda _: freed())
+
+
+def _fetch_successor(url: str, size: int, pool: Any, limiter: Any) -> Any:
+    """:func:`_first_range`, on a slot of the pool; None when every slot is taken."""
+    with (contextlib.nullcontext(True) if pool is None
+          else pool.transient(wait=False, limiter=limiter)) as got:
+        return _first_range(url, size) if got else None
+
+
+_UNSATISFIABLE = re.compile(r"\b416\b|InvalidRange")
+
+
+def _first_range(url: str, size: int) -> tuple[ObjectInfo, Any]:
+    """The object's metadata and its first ``size`` bytes, from one ranged GET (retried
+    as every read is); an empty object, whose range cannot be satisfied, from a HEAD."""
+    import obstore
+
+    root, key = _split(url)
+    if not key or key.endswith("/"):
+        raise IsADirectoryError(errno.EISDIR, "a URL ending in '/' names a prefix, not an object", url)
+    store = _store(root)
+
+    def attempt(_: int) -> tuple[ObjectInfo, memoryview] | None:
+        try:
+            result = obstore.get(store, key, options={"range": (0, size)})
+            body = memoryview(result.bytes())  # type: ignore[arg-type]
+        except Exception as error:
+            if _is_client_error(error) and _UNSATISFIABLE.search(str(error)):
+                return None  # (no byte 0: an empty object)
+            raise
+        meta = result.meta
+        modified = meta.get("last_modified")
+        info = ObjectInfo(url, int(meta["size"]), meta.get("e_tag"),
+                          modified.timestamp() if modified is not None else None)
+        return info, body
+
+    got = _retrying(url, f"reading bytes 0..{size}", attempt)
+    if got is None:
+        info = object_info(url)
+        return info, _fetch(info, 0, size)  # (nothing, unless it has grown since)
+    info, body = got
+    wanted = min(size, info.size)
+    if len(body) < wanted:  # a short answer: the rest, conditional on its ETag
+        body = memoryview(b"".join([body, _fetch(info, len(body), wanted - len(body))]))
+    return info, body[:wanted]
+
+
+def first_range_size(compression_type: str, buffer_size: int) -> int:
+    """What a stream of ``buffer_size`` asks for first (what a successor fetches)."""
+    if compression_type:
+        from headrace.io import streams
+
+        return max(buffer_size, streams._COMPRESSED_READ_SIZE)
+    return buffer_size
+
+
 def read_whole(info: ObjectInfo, offset: int = 0, size: int | None = None) -> bytes:
     """The bytes of the object (or of ``size`` bytes at ``offset``)."""
     data: bytes = _fetch(info, offset, info.size - offset if size is None else size).tobytes()
@@ -717,8 +835,17 @@ class _RemoteReads:
     _pool: Any
     _limiter: Any
     _next_offset: int
+    _successor: Successor | None
+    _on_last_range: Any
 
     def _open_descriptor(self) -> int:
+        successor, self._successor = self._successor, None
+        if successor is not None and self._info is None:
+            claimed = successor.claim()  # (its error raises here, as the HEAD below would)
+            if claimed is not None:
+                self._info, first = claimed
+                self._ahead.append((0, successor.size, first))
+                return _REMOTE_SLOT
         info = object_info(self._path)
         previous = self._info
         if previous is not None and (previous.etag, previous.size) != (info.etag, info.size):
@@ -733,6 +860,20 @@ class _RemoteReads:
         # the slot is the pool's bookkeeping (HTTP connections are the client's); the
         # range read ahead is dropped: a suspended stream keeps only its offset
         self._drop_ahead()
+
+    def attach_successor(self, successor: Successor | None, on_last_range: Any) -> None:
+        """``successor``: this object's metadata and first range, read ahead (used by
+        the first open). ``on_last_range()``: called once, when a read in order reaches
+        the end of the object and nothing is left to read ahead in it (the file source
+        then reads the next object ahead, in the slot this one no longer needs)."""
+        self._successor, self._on_last_range = successor, on_last_range
+
+    def close(self) -> None:
+        successor, self._successor = self._successor, None
+        if successor is not None and not successor.claimed:
+            successor.drop(lambda: None)  # (its owner dropped its booking with it)
+        self._on_last_range = None
+        super().close()  # type: ignore[misc]
 
     def _drop_ahead(self) -> None:
         for _, _, future in self._ahead:
@@ -761,6 +902,9 @@ class _RemoteReads:
                 queue.append((start, size, _fetcher().submit(
                     _fetch_ahead, info, start, size, self._pool, self._limiter)))
                 start += size
+        if sequential and following >= info.size and not queue and self._on_last_range:
+            hook, self._on_last_range = self._on_last_range, None
+            hook()
         return data
 
     def attach_pool(self, pool: Any, limiter: Any) -> None:
@@ -824,6 +968,7 @@ def make_remote_stream(url: str, compression_type: str, *, buffer_size: int) -> 
     stream._ahead = []
     stream._next_offset = 0
     stream._pool = stream._limiter = None  # (outside a pool: nothing to count against)
+    stream._successor = stream._on_last_range = None
     return stream
 
 

@@ -132,6 +132,12 @@ class SuspendableStream(ClosesOnExit):
         own in the background (an object store's read-ahead) takes a slot of ``pool``
         (and ``limiter``) for each, so they count against the caps too (G2)."""
 
+    def attach_successor(self, successor: Any, on_last_range: Any) -> None:
+        """Told by the file source that reads a list of objects: an object store's
+        stream takes its metadata and first range from ``successor`` (read ahead), and
+        calls ``on_last_range()`` when it reads its last range (see
+        :class:`headrace.io.objstore.Successor`). A local file needs neither."""
+
     def resume(self) -> None:
         """Open the descriptor again (no-op if open); reading continues at the same byte.
 

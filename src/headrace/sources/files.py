@@ -584,8 +584,12 @@ class _FileRecordsIterator(Iterator):
         self.reader: RecordReader | None = None
         #: Set while :meth:`read_many` reads a batch: its stage, and what it assembles.
         self._batch: tuple[Buffer, str] | None = None
-        #: The read buffer of the object being read, booked while it is open.
+        #: The read buffer of the object being read, booked while it is open, and kept
+        #: from its close to the next object's open while that one is read ahead.
         self.remote_booking: Reservation | None = None
+        #: The next object, read ahead while this one is on its last range (its first
+        #: range and metadata), in the range read-ahead this one no longer needs.
+        self.successor: objstore.Successor | None = None
 
     def _expect(self, nbytes: int) -> None:
         """Whether a record being gathered (``nbytes`` so far) can still fit: alone on the
@@ -610,21 +614,67 @@ class _FileRecordsIterator(Iterator):
                     size * ranges, together=f"the read buffer and read-ahead of {name}",
                     elements=0,
                 )
-            else:  # (reopened: the size it was booked at)
+            else:  # (reopened, or read ahead: the size it was booked at)
                 size = self.remote_booking.nbytes // ranges
-        self.stream = self.pool.open(
-            name,
-            node.compression_type,
-            limiter=file_limiter(self.ctx),
-            memory_account=_BudgetCharge(self.account),
-            buffer_size=size,
-        )
+        successor = self.successor
+        if successor is not None and successor.url != name:  # (not this one's: never
+            successor = None  # so by construction; dropped with the booking, below)
+        if successor is None and self.remote_booking is not None and self.start_offset == 0:
+            first = objstore.first_range_size(node.compression_type, size)
+            if first <= size:  # opened at its start: its first range and its metadata in
+                # one GET, not a HEAD then a GET (an interleave's slots open this way)
+                successor = objstore.Successor(name, first, None, None, ahead=False)
+        try:
+            self.stream = self.pool.open(
+                name,
+                node.compression_type,
+                limiter=file_limiter(self.ctx),
+                memory_account=_BudgetCharge(self.account),
+                buffer_size=size,
+                successor=successor,
+                on_last_range=self._read_next_ahead if self.remote_booking else None,
+            )
+        finally:
+            if successor is not None and successor.claimed:
+                self.successor = None  # (its bytes are the stream's now)
         self.reader = reader = node.open_reader(self.stream, self.start_offset, size)
         reader.watch(self._expect)
         if self.log is not None:
             self.log.opened(self.served, self.file_index, self.record if self.record_known else -1)
             reader.log, reader.log_serial = self.log, self.served
         return reader
+
+    def _read_next_ahead(self) -> None:
+        """The object being read is on its last range: read the next one's first range
+        and metadata in the background, in the range read-ahead this one no longer
+        needs (its booking is kept until the next is opened or dropped: G1), on a slot
+        of the file pool (G2)."""
+        node = self.node
+        following = self.file_index + 1
+        booking = self.remote_booking
+        if self.successor is not None or booking is None or following >= len(node.filenames):
+            return
+        name = node.filenames[following]
+        size = booking.nbytes // objstore.READ_AHEAD_RANGES
+        first = objstore.first_range_size(node.compression_type, size)
+        if not objstore.is_remote(name) or first > size:  # (a local file; a compressed
+            return  # stream's first read larger than the slot it would use)
+        try:
+            self.successor = objstore.Successor(name, first, self.pool, file_limiter(self.ctx))
+        except InvalidArgumentError:
+            return  # a malformed URL: its open says so, in its turn
+
+    def _release_remote(self) -> None:
+        """Give back the object's booking, once the object read ahead (if any) is gone."""
+        booking, self.remote_booking = self.remote_booking, None
+        successor, self.successor = self.successor, None
+        if booking is None:
+            if successor is not None:
+                successor.drop(lambda: None)
+        elif successor is None:
+            booking.release()
+        else:
+            successor.drop(booking.release)
 
     def pull(self) -> tuple[Any, Reservation]:
         while self.file_index < len(self.node.filenames):
@@ -774,12 +824,14 @@ class _FileRecordsIterator(Iterator):
         self._next_file()
 
     def _next_file(self) -> None:
-        self._close_file()
+        self._close_file(keep_successor=True)
         self.file_index += 1
         self.start_offset = 0
         self.first_record, self.first_serial = 0, self.served
 
-    def _close_file(self) -> None:
+    def _close_file(self, keep_successor: bool = False) -> None:
+        """Close the file; with ``keep_successor``, the next object read ahead stays,
+        and with it the booking it lives in."""
         skipped = getattr(self.reader, "skipped", None)
         if skipped is not None and skipped[0]:
             self.ctx.run.skipped_records += skipped[0]
@@ -790,9 +842,8 @@ class _FileRecordsIterator(Iterator):
             self.stream.close()
         self.stream = None
         self.reader = None
-        if self.remote_booking is not None:
-            self.remote_booking.release()
-            self.remote_booking = None
+        if not (keep_successor and self.successor is not None):
+            self._release_remote()
 
     def get_state(self) -> dict[str, Any]:
         offset = self.reader.next_offset if self.reader is not None else self.start_offset
