@@ -28,6 +28,21 @@ lost and nothing is delivered twice. (tf.data service's dynamic sharding promise
 most once under failures.) A re-run split must give the same elements: random stages
 in a split cut by position need a seed; splits cut by file resume from their own state.
 
+Consumers that leave. A consumer holds a *lease* on each split it reads. ``close()``
+(or leaving ``with consumer:``, or the consumer being collected mid-epoch) hands its
+splits back with the exact point it yielded up to: with dynamic sharding the next
+consumer to ask resumes each there; with static sharding a split belongs to its
+consumer index and waits for a replacement consumer of that index. A consumer reports
+each chunk to the coordinator before it yields from it (the chunk is then delivered to
+it) and a thread renews its leases between chunks; one silent for the service's
+``lease_timeout_s`` (its process died or hangs) loses its splits, resumed after its
+last reported chunk, so only the rest of a chunk it had begun (under ``chunk_size``
+elements per split) reaches no other consumer. A consumer with no split left waits for
+a silent holder's (one not heard from for half the timeout) rather than end its epoch;
+one whose leases expired and which comes back gets :class:`ServiceError`, never
+elements another consumer now has. The coordinator itself is not replicated: if it
+dies the service is gone.
+
 Backpressure. Each split's elements wait in its worker's queue, booked by size
 (:func:`~headrace.memory.sizeof.sizeof`) on a quarter of the actor's budget (the
 pipeline gets the rest), and a consumer keeps at most ``prefetch`` chunk requests in
