@@ -157,6 +157,9 @@ def test_a_dead_consumer_loses_its_splits_after_the_lease_timeout(cluster: Clust
             trainer = _Trainer.remote(service.consumer(0, 2))
             dead = ray.get(trainer.read.remote(k))  # what its trainer got, reported
             assert len(dead["got"]) == k and dead["error"] is None
+            # it trains on them a moment (its last chunk's report, sent without waiting,
+            # leaves the process), then dies
+            time.sleep(0.2)
             ray.kill(trainer)
             # a holder silent for half the timeout is waited for: start reading then
             time.sleep(timeout / 2 + 0.5)

@@ -33,11 +33,13 @@ Consumers that leave. A consumer holds a *lease* on each split it reads. ``close
 splits back with the exact point it yielded up to: with dynamic sharding the next
 consumer to ask resumes each there; with static sharding a split belongs to its
 consumer index and waits for a replacement consumer of that index. A consumer reports
-each chunk to the coordinator before it yields from it (the chunk is then delivered to
-it) and a thread renews its leases between chunks; one silent for the service's
-``lease_timeout_s`` (its process died or hangs) loses its splits, resumed after its
-last reported chunk, so only the rest of a chunk it had begun (under ``chunk_size``
-elements per split) reaches no other consumer. A consumer with no split left waits for
+each chunk to the coordinator as it begins yielding it (one small call per chunk, not
+waited for; the chunk is then delivered to it) and a thread renews its leases between
+chunks; one silent for the service's ``lease_timeout_s`` (its process died or hangs)
+loses its splits, resumed after its last reported chunk, so only the rest of a chunk it
+had begun (under ``chunk_size`` elements per split) reaches no other consumer (one that
+dies within moments of beginning a chunk, before its report left the process, has that
+chunk given again). A consumer with no split left waits for
 a silent holder's (one not heard from for half the timeout) rather than end its epoch;
 one whose leases expired and which comes back gets :class:`ServiceError`, never
 elements another consumer now has. The coordinator itself is not replicated: if it
@@ -524,7 +526,7 @@ class DataService:
     belongs to its consumer index, so it is kept for a replacement consumer of that
     index (``service.consumer(i, count)`` again), which resumes it in the same order.
     ``lease_timeout_s``: a consumer renews its splits as it reads (it reports each chunk
-    before yielding from it, and a thread renews them while a slow trainer step runs);
+    as it begins yielding it, and a thread renews them while a slow trainer step runs);
     one silent for this long (its process died, or hangs) loses them: the chunks it
     began count as delivered to it, the rest goes to the others (or, static, to a
     replacement of its index). It should exceed the longest pause of a live consumer's
@@ -676,6 +678,10 @@ class ServiceConsumer:
         self.token = uuid.uuid4().hex[:12]
         self._generation = 0  # bumped by close(): an iterator made before it ends
         self._renewer: threading.Thread | None = None
+        # when the last call the coordinator answered was sent (time.monotonic()), and
+        # the chunk report not yet confirmed with its sending time
+        self._contact = 0.0
+        self._pending: tuple[Any, float] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         if self.reading:
@@ -757,13 +763,11 @@ class ServiceConsumer:
     def _ask(self, method: str, *args: Any) -> Any:
         """Call the coordinator; its ServiceError (this consumer's leases expired)
         arrives as itself, not wrapped in Ray's error."""
+        sent = time.monotonic()
         try:
-            return ray.get(getattr(self.coordinator, method).remote(*args))
-        except ray.exceptions.RayTaskError as error:
-            cause = getattr(error, "cause", None)
-            if isinstance(cause, ServiceError):
-                raise ServiceError(f"ServiceConsumer {self.index}: {cause}") from None
-            raise
+            answer = self._ask_ref(getattr(self.coordinator, method).remote(*args))
+            self._contact = max(self._contact, sent)
+            return answer
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
             raise ServiceError(
                 f"ServiceConsumer {self.index}: the service's coordinator is gone (shut "
@@ -815,6 +819,34 @@ class ServiceConsumer:
         self._open(reading)
         self._start_renewing()
         return "got"
+
+    def _report(self, split: int, seq: int, after: dict[str, Any] | None) -> None:
+        """Tell the coordinator this consumer begins the chunk before ``seq`` (so the
+        split resumes after it). Sent without waiting while the coordinator answered
+        recently (its answer is checked at the next chunk): a token the coordinator
+        heard from under half the lease timeout ago cannot expire before this arrives.
+        Past that (a long stall, a process stopped and resumed) it waits for the answer,
+        so an expired consumer raises before it yields a chunk another one now reads."""
+        if self._pending is not None:
+            ref, sent = self._pending
+            self._pending = None
+            self._ask_ref(ref)
+            self._contact = max(self._contact, sent)
+        now = time.monotonic()
+        if now - self._contact < self.lease_timeout_s / 2:
+            self._pending = (self.coordinator.progress.remote(
+                self.token, self.epoch, split, seq, after), now)
+        else:
+            self._ask("progress", self.token, self.epoch, split, seq, after)
+
+    def _ask_ref(self, ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, ServiceError):
+                raise ServiceError(f"ServiceConsumer {self.index}: {cause}") from None
+            raise
 
     def _start_renewing(self) -> None:
         """Renew this consumer's leases from a thread while it holds splits, so a slow
@@ -880,8 +912,7 @@ class ServiceConsumer:
                 # the chunk is this consumer's from its first element on: the service
                 # resumes the split after it if this consumer dies (or its leases
                 # expired: then this raises instead of yielding what others now read)
-                self._ask("progress", self.token, self.epoch, current.split,
-                          current.seq + 1, after)
+                self._report(current.split, current.seq + 1, after)
                 for element in elements[current.offset:]:
                     current.offset += 1
                     yield element
@@ -967,7 +998,9 @@ def _renew(consumer_ref: weakref.ref[ServiceConsumer], interval: float) -> None:
             return
         try:
             if any(r.worker >= 0 for r in consumer.reading):
+                sent = time.monotonic()
                 ray.get(consumer.coordinator.renew.remote(consumer.token))
+                consumer._contact = max(consumer._contact, sent)
         except Exception:  # expired (its next chunk says so), or Ray shut down
             return
         del consumer
