@@ -182,7 +182,8 @@ def test_a_consumer_back_after_its_leases_expired_gets_a_service_error(
         trainer = _Trainer.remote(service.consumer(0, 2))
         pid = ray.get(trainer.pid.remote())
         before = ray.get(trainer.read.remote(37))
-        os.kill(pid, signal.SIGSTOP)  # it hangs: no renewals, no chunks
+        time.sleep(0.2)  # it trains on them a moment (its report leaves), then hangs
+        os.kill(pid, signal.SIGSTOP)  # no renewals, no chunks
         try:
             time.sleep(timeout / 2 + 0.5)
             rest = [int(v) for v in service.consumer(1, 2)]

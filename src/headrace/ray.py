@@ -33,13 +33,13 @@ Consumers that leave. A consumer holds a *lease* on each split it reads. ``close
 splits back with the exact point it yielded up to: with dynamic sharding the next
 consumer to ask resumes each there; with static sharding a split belongs to its
 consumer index and waits for a replacement consumer of that index. A consumer reports
-each chunk to the coordinator as it begins yielding it (one small call per chunk, not
-waited for; the chunk is then delivered to it) and a thread renews its leases between
-chunks; one silent for the service's ``lease_timeout_s`` (its process died or hangs)
+each chunk it begins yielding to the coordinator (from a thread of its own, at once or
+with the others begun within 0.05 s in one call; the chunk is then delivered to it), and
+the thread renews its leases during long trainer steps; one silent for the service's ``lease_timeout_s`` (its process died or hangs)
 loses its splits, resumed after its last reported chunk, so only the rest of a chunk it
 had begun (under ``chunk_size`` elements per split) reaches no other consumer (one that
-dies within moments of beginning a chunk, before its report left the process, has that
-chunk given again). A consumer with no split left waits for
+dies within moments (~0.05 s) of beginning a chunk, before its report left, has the
+chunks not yet reported given again). A consumer with no split left waits for
 a silent holder's (one not heard from for half the timeout) rather than end its epoch;
 one whose leases expired and which comes back gets :class:`ServiceError`, never
 elements another consumer now has. The coordinator itself is not replicated: if it
@@ -86,6 +86,8 @@ __all__ = ["DataService", "ServiceConsumer", "ServiceError", "from_ray", "to_ray
 _STATE_FORMAT = "headrace.ray.consumer/1"
 #: How long a worker's ``take`` waits for a chunk before answering "nothing yet".
 _TAKE_WAIT_S = 1.0
+#: How often, at most, a consumer's thread reports the chunks it began.
+_REPORT_EVERY_S = 0.05
 
 
 class ServiceError(WorkerError):
@@ -407,14 +409,15 @@ class _Coordinator:
     def renew(self, token: str) -> None:
         self._hello(token)
 
-    def progress(self, token: str, epoch: int, split: int, seq: int,
-                 state_after: dict[str, Any] | None) -> None:
-        """``token`` yields chunk ``seq - 1`` of ``split`` now: it is delivered to it,
-        and the split resumes at chunk ``seq`` from ``state_after``."""
+    def progress(self, token: str, reports: list[list[Any]]) -> None:
+        """``token`` began yielding chunk ``seq - 1`` of ``split`` in ``epoch``, for each
+        ``[epoch, split, seq, state_after]``: it is delivered to it, and the split
+        resumes at chunk ``seq`` from ``state_after``."""
         self._hello(token)
-        state = self._epoch(epoch)
-        if state["holder"].get(split, (None,))[0] == token:
-            state["resume"][split] = (state_after, seq, 0)
+        for epoch, split, seq, state_after in reports:
+            state = self._epoch(epoch)
+            if state["holder"].get(split, (None,))[0] == token:
+                state["resume"][split] = (state_after, seq, 0)
 
     def release(self, token: str, epoch: int, returned: list[list[Any]]) -> None:
         """A consumer leaves: each ``[split, state, seq, offset]`` it holds goes back,
@@ -681,7 +684,9 @@ class ServiceConsumer:
         # when the last call the coordinator answered was sent (time.monotonic()), and
         # the chunk report not yet confirmed with its sending time
         self._contact = 0.0
-        self._pending: tuple[Any, float] | None = None
+        # chunks begun and not yet reported: (epoch, split) -> (next seq, state before it)
+        self._unreported: dict[tuple[int, int], tuple[int, Any]] = {}
+        self._wake = threading.Event()
 
     def __getstate__(self) -> dict[str, Any]:
         if self.reading:
@@ -821,23 +826,17 @@ class ServiceConsumer:
         return "got"
 
     def _report(self, split: int, seq: int, after: dict[str, Any] | None) -> None:
-        """Tell the coordinator this consumer begins the chunk before ``seq`` (so the
-        split resumes after it). Sent without waiting while the coordinator answered
-        recently (its answer is checked at the next chunk): a token the coordinator
-        heard from under half the lease timeout ago cannot expire before this arrives.
-        Past that (a long stall, a process stopped and resumed) it waits for the answer,
-        so an expired consumer raises before it yields a chunk another one now reads."""
-        if self._pending is not None:
-            ref, sent = self._pending
-            self._pending = None
-            self._ask_ref(ref)
-            self._contact = max(self._contact, sent)
-        now = time.monotonic()
-        if now - self._contact < self.lease_timeout_s / 2:
-            self._pending = (self.coordinator.progress.remote(
-                self.token, self.epoch, split, seq, after), now)
+        """Record that this consumer begins the chunk before ``seq`` (the split resumes
+        after it if the consumer dies). Its thread sends what was recorded at most every
+        ``_REPORT_EVERY_S`` in one call, so a fast consumer does not make one call per
+        chunk. A consumer the coordinator has not answered for half the lease timeout (a
+        stall, a process stopped and resumed) reports at once and waits for the answer,
+        so an expired one raises before it yields a chunk another consumer now reads."""
+        if time.monotonic() - self._contact < self.lease_timeout_s / 2:
+            self._unreported[(self.epoch, split)] = (seq, after)
+            self._wake.set()
         else:
-            self._ask("progress", self.token, self.epoch, split, seq, after)
+            self._ask("progress", self.token, [[self.epoch, split, seq, after]])
 
     def _ask_ref(self, ref: Any) -> Any:
         try:
@@ -853,7 +852,7 @@ class ServiceConsumer:
         trainer step (between two chunks) does not look like a dead consumer."""
         if self._renewer is None or not self._renewer.is_alive():
             self._renewer = threading.Thread(
-                target=_renew, args=(weakref.ref(self), self.lease_timeout_s / 4),
+                target=_renew, args=(weakref.ref(self), self._wake, self.lease_timeout_s / 4),
                 daemon=True, name=f"headrace-consumer-{self.index}-renew")
             self._renewer.start()
 
@@ -989,21 +988,34 @@ class ServiceConsumer:
                 self._close_all()
 
 
-def _renew(consumer_ref: weakref.ref[ServiceConsumer], interval: float) -> None:
-    """The renewing thread's body: holds the consumer weakly, so it can be collected."""
+def _renew(consumer_ref: weakref.ref[ServiceConsumer], wake: threading.Event,
+           interval: float) -> None:
+    """The consumer's reporting thread: sends the chunks it began (at most every
+    ``_REPORT_EVERY_S``) and renews its leases every ``interval`` while it holds any.
+    Holds the consumer weakly, so it can be collected."""
     while True:
-        time.sleep(interval)
+        wake.wait(interval)
+        wake.clear()
         consumer = consumer_ref()
         if consumer is None:
             return
         try:
-            if any(r.worker >= 0 for r in consumer.reading):
-                sent = time.monotonic()
+            sent = time.monotonic()
+            taken, consumer._unreported = consumer._unreported, {}
+            reports = list(taken.items())  # one step under the GIL: the reader may add
+            if reports:
+                ray.get(consumer.coordinator.progress.remote(
+                    consumer.token, [[e, s, q, a] for (e, s), (q, a) in reports]))
+            elif any(r.worker >= 0 for r in consumer.reading):
                 ray.get(consumer.coordinator.renew.remote(consumer.token))
-                consumer._contact = max(consumer._contact, sent)
+            else:
+                continue
+            consumer._contact = max(consumer._contact, sent)
         except Exception:  # expired (its next chunk says so), or Ray shut down
             return
-        del consumer
+        finally:
+            del consumer
+        time.sleep(_REPORT_EVERY_S)  # the chunks begun meanwhile go in the next call
 
 
 # -- Ray Data interop -----------------------------------------------------------------
