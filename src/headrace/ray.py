@@ -965,6 +965,7 @@ class ServiceConsumer:
         the same epoch with whatever splits are left."""
         held = [r for r in self.reading if r.worker >= 0]
         self._generation += 1
+        self._unreported = {}  # the release below says exactly where it stopped
         if held:
             self._ask("release", self.token, self.epoch,
                       [[r.split, r.state, r.seq, r.offset] for r in held])
