@@ -28,6 +28,23 @@ lost and nothing is delivered twice. (tf.data service's dynamic sharding promise
 most once under failures.) A re-run split must give the same elements: random stages
 in a split cut by position need a seed; splits cut by file resume from their own state.
 
+Consumers that leave. A consumer holds a *lease* on each split it reads. ``close()``
+(or leaving ``with consumer:``, or the consumer being collected mid-epoch) hands its
+splits back with the exact point it yielded up to: with dynamic sharding the next
+consumer to ask resumes each there; with static sharding a split belongs to its
+consumer index and waits for a replacement consumer of that index. A consumer reports
+each chunk it begins yielding to the coordinator (from a thread of its own, at once or
+with the others begun within 0.05 s in one call; the chunk is then delivered to it), and
+the thread renews its leases during long trainer steps; one silent for the service's ``lease_timeout_s`` (its process died or hangs)
+loses its splits, resumed after its last reported chunk, so only the rest of a chunk it
+had begun (under ``chunk_size`` elements per split) reaches no other consumer (one that
+dies within moments (~0.05 s) of beginning a chunk, before its report left, has the
+chunks not yet reported given again). A consumer with no split left waits for
+a silent holder's (one not heard from for half the timeout) rather than end its epoch;
+one whose leases expired and which comes back gets :class:`ServiceError`, never
+elements another consumer now has. The coordinator itself is not replicated: if it
+dies the service is gone.
+
 Backpressure. Each split's elements wait in its worker's queue, booked by size
 (:func:`~headrace.memory.sizeof.sizeof`) on a quarter of the actor's budget (the
 pipeline gets the rest), and a consumer keeps at most ``prefetch`` chunk requests in
@@ -46,6 +63,9 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
+import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +86,8 @@ __all__ = ["DataService", "ServiceConsumer", "ServiceError", "from_ray", "to_ray
 _STATE_FORMAT = "headrace.ray.consumer/1"
 #: How long a worker's ``take`` waits for a chunk before answering "nothing yet".
 _TAKE_WAIT_S = 1.0
+#: How often, at most, a consumer's thread reports the chunks it began.
+_REPORT_EVERY_S = 0.05
 
 
 class ServiceError(WorkerError):
@@ -261,6 +283,14 @@ class _Worker:
         if lease is not None:
             lease.stop()
 
+    def drop(self, token: str) -> None:
+        """Stop every split produced for consumer ``token`` (its leases expired)."""
+        with self.lock:
+            keys = [key for key in self.leases if key.startswith(f"{token}/")]
+            gone = [self.leases.pop(key) for key in keys]
+        for lease in gone:
+            lease.stop()
+
     def ping(self) -> int:
         import os
 
@@ -271,18 +301,34 @@ class _Worker:
 
 
 class _Coordinator:
-    """Hands splits to consumers and workers; one call at a time (no locks needed)."""
+    """Hands splits to consumers and workers; one call at a time (no locks needed).
 
-    def __init__(self, num_splits: int, num_workers: int, sharding: str) -> None:
+    Leases: each split being read is held by one consumer *token* (one per consumer
+    object), with the point to resume it from (its chunk number and the iterator state
+    before it, plus how many elements of that chunk to skip). A consumer reports each
+    chunk before it yields from it, and a thread of its own renews its leases while it
+    reads; a token silent for ``lease_timeout`` loses its splits to the others (dynamic)
+    or to a replacement consumer of its index (static), and any later call of its
+    raises :class:`ServiceError`."""
+
+    def __init__(self, num_splits: int, num_workers: int, sharding: str,
+                 lease_timeout: float = 60.0, workers: list[Any] | None = None) -> None:
         self.num_splits, self.num_workers, self.sharding = num_splits, num_workers, sharding
+        self.lease_timeout, self.workers = lease_timeout, workers or []
         self.count: int | None = None
         self.epochs: dict[int, dict[str, Any]] = {}
         self.load = [0] * num_workers
         self.failures = [0] * num_workers
+        self.seen: dict[str, float] = {}  # token -> when it last spoke
+        self.expired: dict[str, str] = {}  # token -> why its calls are refused
+        self.reassigned = 0
 
     def _epoch(self, epoch: int) -> dict[str, Any]:
         if epoch not in self.epochs:
-            self.epochs[epoch] = {"leased": {}, "done": set(), "reserved": {}, "started": False}
+            # holder: split -> token; resume: split -> (state, seq, offset) for a held or
+            # returned split; pool: returned splits any consumer may take (dynamic)
+            self.epochs[epoch] = {"leased": {}, "done": set(), "reserved": {},
+                                  "started": False, "holder": {}, "resume": {}, "pool": []}
         return self.epochs[epoch]
 
     def _check_count(self, count: int) -> None:
@@ -300,15 +346,106 @@ class _Coordinator:
                        key=lambda w: (w == avoid, self.load[w], self.failures[w], w))
         return order[0]
 
-    def lease(self, consumer: int, count: int, epoch: int) -> tuple[int, int] | None:
-        """The next split for ``consumer`` and its worker, or None: nothing left for it."""
+    # -- leases -----------------------------------------------------------------------
+
+    def _hello(self, token: str) -> None:
+        """``token`` spoke now; refuse it if its leases expired."""
+        self._expire()
+        if token in self.expired:
+            raise ServiceError(self.expired[token])
+        self.seen[token] = time.monotonic()
+
+    def _give_back(self, state: dict[str, Any], split: int, consumer: int,
+                   resume: tuple[Any, ...] | None) -> None:
+        """``split`` leaves its holder: to the pool (dynamic) or kept for a replacement
+        consumer of index ``consumer`` (static: the split belongs to that index)."""
+        worker = state["leased"].pop(split, None)
+        if worker is not None:
+            self.load[worker] = max(0, self.load[worker] - 1)
+        state["holder"].pop(split, None)
+        if resume is not None:
+            state["resume"][split] = tuple(resume)
+        if self.sharding == "static":
+            mine = state["reserved"].setdefault(consumer, [])
+            mine.append(split)
+            mine.sort()
+        else:
+            state["pool"].append(split)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for token, seen in list(self.seen.items()):
+            if now - seen <= self.lease_timeout:
+                continue
+            del self.seen[token]
+            moved = []
+            for epoch, state in self.epochs.items():
+                for split, (holder, consumer) in list(state["holder"].items()):
+                    if holder == token:
+                        self._give_back(state, split, consumer, None)
+                        moved.append((epoch, split))
+            if moved:
+                self.reassigned += len(moved)
+                self.expired[token] = (
+                    f"DataService: this consumer's leases expired (no word from it for "
+                    f"over lease_timeout_s={self.lease_timeout:g} s) and its splits "
+                    f"{sorted(s for _, s in moved)} were re-assigned to other consumers "
+                    "from the last chunk it reported; reading on would repeat elements. "
+                    "Restart its trainer from a checkpointed state (set_state), or read "
+                    "with a new consumer (service.consumer(...)), which gets what is left")
+                for worker in self.workers:  # stop producing for it
+                    with contextlib.suppress(Exception):
+                        worker.drop.remote(token)
+
+    def _suspect(self, state: dict[str, Any]) -> float | None:
+        """Seconds to wait when a split still held may come back: its holder has been
+        silent for over half the lease timeout (a live consumer renews 4 times in it)."""
+        now = time.monotonic()
+        waits = [self.lease_timeout - (now - self.seen[token])
+                 for token, _ in state["holder"].values()
+                 if token in self.seen and now - self.seen[token] > self.lease_timeout / 2]
+        return max(0.05, min(waits)) if waits else None
+
+    def renew(self, token: str) -> None:
+        self._hello(token)
+
+    def progress(self, token: str, reports: list[list[Any]]) -> None:
+        """``token`` began yielding chunk ``seq - 1`` of ``split`` in ``epoch``, for each
+        ``[epoch, split, seq, state_after]``: it is delivered to it, and the split
+        resumes at chunk ``seq`` from ``state_after``."""
+        self._hello(token)
+        for epoch, split, seq, state_after in reports:
+            state = self._epoch(epoch)
+            if state["holder"].get(split, (None,))[0] == token:
+                state["resume"][split] = (state_after, seq, 0)
+
+    def release(self, token: str, epoch: int, returned: list[list[Any]]) -> None:
+        """A consumer leaves: each ``[split, state, seq, offset]`` it holds goes back,
+        resuming exactly after what it yielded."""
+        self._hello(token)
+        state = self._epoch(epoch)
+        for split, st, seq, offset in returned:
+            held = state["holder"].get(split)
+            if held is not None and held[0] == token:
+                self._give_back(state, split, held[1], (st, seq, offset))
+        self.seen.pop(token, None)
+
+    def lease(self, token: str, consumer: int, count: int,
+              epoch: int) -> tuple[Any, ...] | None:
+        """The next split for ``consumer``: ``(split, worker, resume)`` (``resume``:
+        ``(state, seq, offset)`` for a split someone left, else None), ``("wait",
+        seconds)`` when none is free but a silent consumer's may come back, or None:
+        nothing left for it."""
         self._check_count(count)
+        self._hello(token)
         state = self._epoch(epoch)
         state["started"] = True
         reserved = state["reserved"].get(consumer, [])
         split: int | None = None
         if reserved:
             split = reserved.pop(0)
+        elif state["pool"]:
+            split = state["pool"].pop(0)
         else:
             taken = state["leased"].keys() | state["done"]
             for held in state["reserved"].values():
@@ -317,14 +454,17 @@ class _Coordinator:
                     else range(self.num_splits))
             split = next((s for s in mine if s not in taken), None)
         if split is None:
-            return None
+            wait = self._suspect(state) if self.sharding == "dynamic" else None
+            return None if wait is None else ("wait", wait)
         worker = self._pick_worker(split, None)
         state["leased"][split] = worker
+        state["holder"][split] = (token, consumer)
         self.load[worker] += 1
-        return split, worker
+        return split, worker, state["resume"].pop(split, None)
 
-    def replace(self, epoch: int, split: int, failed: int) -> int:
+    def replace(self, token: str, epoch: int, split: int, failed: int) -> int:
         """Another worker for ``split``, whose worker ``failed``."""
+        self._hello(token)
         self.failures[failed] += 1
         state = self._epoch(epoch)
         old = state["leased"].get(split, failed)
@@ -334,15 +474,20 @@ class _Coordinator:
         self.load[worker] += 1
         return worker
 
-    def finish(self, epoch: int, split: int) -> None:
+    def finish(self, token: str, epoch: int, split: int) -> None:
+        self._hello(token)
         state = self._epoch(epoch)
         worker = state["leased"].pop(split, None)
         if worker is not None:
             self.load[worker] = max(0, self.load[worker] - 1)
+        state["holder"].pop(split, None)
+        state["resume"].pop(split, None)
         state["done"].add(split)
 
     def restore(self, consumer: int, count: int, epoch: int, done: list[int],
-                active: list[int]) -> None:
+                active: list[list[Any]]) -> None:
+        """Consumer ``consumer``'s checkpoint: ``done`` splits, and ``active`` ones as
+        ``[split, state, seq, offset]`` (reserved for it, resumed from there)."""
         self._check_count(count)
         state = self._epoch(epoch)
         if state["started"]:  # a split handed out might be one this state says is done
@@ -350,11 +495,14 @@ class _Coordinator:
                 f"DataService: consumer {consumer}'s state arrived after consumers began "
                 f"reading epoch {epoch}; set every consumer's state before any of them reads")
         state["done"].update(done)
-        state["reserved"][consumer] = list(active)
+        state["reserved"][consumer] = [split for split, *_ in active]
+        for split, st, seq, offset in active:
+            state["resume"][split] = (st, seq, offset)
 
     def stats(self) -> dict[str, Any]:
         return {"failures": list(self.failures), "load": list(self.load),
-                "done": {e: sorted(s["done"]) for e, s in self.epochs.items()}}
+                "done": {e: sorted(s["done"]) for e, s in self.epochs.items()},
+                "reassigned": self.reassigned}
 
 
 # -- the service and its consumers ----------------------------------------------------
@@ -373,6 +521,19 @@ class DataService:
     ``max_restarts``: how often Ray restarts a dead worker actor (its splits move to
     other workers at once either way). ``start_timeout``: seconds to wait for the
     actors to be placed before :class:`ServiceError` (a cluster without room for them).
+
+    Consumers that leave. ``consumer.close()`` (or leaving its ``with`` block, or the
+    consumer being garbage collected while it holds splits) gives back each split it
+    is reading together with the point it yielded up to; with dynamic sharding the next
+    consumer to ask takes it and resumes exactly there. With static sharding a split
+    belongs to its consumer index, so it is kept for a replacement consumer of that
+    index (``service.consumer(i, count)`` again), which resumes it in the same order.
+    ``lease_timeout_s``: a consumer renews its splits as it reads (it reports each chunk
+    as it begins yielding it, and a thread renews them while a slow trainer step runs);
+    one silent for this long (its process died, or hangs) loses them: the chunks it
+    began count as delivered to it, the rest goes to the others (or, static, to a
+    replacement of its index). It should exceed the longest pause of a live consumer's
+    process; a consumer that comes back after it gets :class:`ServiceError`.
     """
 
     def __init__(
@@ -389,7 +550,13 @@ class DataService:
         worker_baseline: int | str = WORKER_BASELINE,
         max_restarts: int = 3,
         start_timeout: float = 120.0,
+        lease_timeout_s: float = 60.0,
     ) -> None:
+        if (isinstance(lease_timeout_s, bool) or not isinstance(lease_timeout_s, (int, float))
+                or not lease_timeout_s > 0):
+            raise InvalidArgumentError(
+                f"DataService: lease_timeout_s must be a number of seconds > 0, got "
+                f"{lease_timeout_s!r}")
         for name, value in (("num_workers", num_workers), ("chunk_size", chunk_size),
                             ("prefetch", prefetch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -405,6 +572,7 @@ class DataService:
         self.plan = _plan(dataset, num_splits, num_workers)
         self.sharding, self.prefetch, self.num_workers = sharding, prefetch, num_workers
         self.memory_budget = parse_bytes(memory_budget)
+        self.lease_timeout_s = float(lease_timeout_s)
         if not ray.is_initialized():
             ray.init()
         worker_cls: Any = ray.remote(_Worker).options(
@@ -419,7 +587,8 @@ class DataService:
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.coordinator: Any = coordinator_cls.options(
-            num_cpus=0, scheduling_strategy=here).remote(self.plan.count, num_workers, sharding)
+            num_cpus=0, scheduling_strategy=here).remote(
+                self.plan.count, num_workers, sharding, self.lease_timeout_s, self.workers)
         pings = [w.ping.remote() for w in self.workers]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=start_timeout)
         if len(ready) < len(pings):
@@ -445,11 +614,12 @@ class DataService:
             raise InvalidArgumentError(
                 f"DataService.consumer: index must be in 0..{count - 1}, got {index!r}")
         return ServiceConsumer(self.coordinator, self.workers, index, count, self.prefetch,
-                               self.sharding, self.num_splits)
+                               self.sharding, self.num_splits, self.lease_timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        """The coordinator's view: worker failures seen, splits leased per worker, and
-        the splits done per epoch."""
+        """The coordinator's view: worker failures seen, splits leased per worker, the
+        splits done per epoch, and how many splits were taken from consumers whose
+        leases expired (``reassigned``)."""
         result: dict[str, Any] = ray.get(self.coordinator.stats.remote())
         return result
 
@@ -464,8 +634,8 @@ class _Reading:
     """A split a consumer reads: its worker, the chunks in flight and received."""
 
     def __init__(self, split: int, worker: int, attempt: int, state: dict[str, Any] | None,
-                 seq: int, offset: int) -> None:
-        self.split, self.worker, self.attempt = split, worker, attempt
+                 seq: int, offset: int, token: str = "") -> None:
+        self.split, self.worker, self.attempt, self.token = split, worker, attempt, token
         self.state, self.seq, self.offset = state, seq, offset  # the yield position
         self.received: dict[int, tuple[list[Any], dict[str, Any]]] = {}
         self.in_flight: list[Any] = []
@@ -473,7 +643,9 @@ class _Reading:
 
     @property
     def key(self) -> str:
-        return f"{self.split}/{self.attempt}"
+        # the consumer's token first: a split re-assigned from an expired consumer runs
+        # under another key on the same worker, and the worker drops the old one's
+        return f"{self.token}/{self.split}/{self.attempt}"
 
     def next_unreceived(self) -> int:
         seq = self.seq
@@ -484,17 +656,37 @@ class _Reading:
 
 class ServiceConsumer:
     """One trainer's stream from a :class:`DataService`; iterate it for one epoch
-    (the next ``iter()`` reads the next epoch). Picklable."""
+    (the next ``iter()`` reads the next epoch). Picklable (before it reads).
+
+    ``close()`` (or leaving ``with consumer:``) gives its unfinished splits back to the
+    service, resuming exactly after what it yielded, so the consumers that stay read
+    them (static sharding: a replacement consumer of the same index). A consumer whose
+    process dies loses its splits after the service's ``lease_timeout_s``: the chunks
+    it began count as delivered to it (at most ``chunk_size - 1`` elements per split it
+    was reading never reach another consumer), the rest goes to the others."""
 
     def __init__(self, coordinator: Any, workers: list[Any], index: int, count: int,
-                 prefetch: int, sharding: str, num_splits: int) -> None:
+                 prefetch: int, sharding: str, num_splits: int,
+                 lease_timeout_s: float = 60.0) -> None:
         self.coordinator, self.workers, self.sharding = coordinator, workers, sharding
-        self.num_splits = num_splits
+        self.num_splits, self.lease_timeout_s = num_splits, lease_timeout_s
         self.index, self.count, self.prefetch = index, count, prefetch
         self.epoch = 0
         self.done: list[int] = []
         self.reading: list[_Reading] = []
         self.exhausted = False
+        # who holds a lease: one token per consumer object (a copy sent to a trainer
+        # gets its own), so a consumer whose leases expired is told apart from the one
+        # that took its splits
+        self.token = uuid.uuid4().hex[:12]
+        self._generation = 0  # bumped by close(): an iterator made before it ends
+        self._renewer: threading.Thread | None = None
+        # when the last call the coordinator answered was sent (time.monotonic()), and
+        # the chunk report not yet confirmed with its sending time
+        self._contact = 0.0
+        # chunks begun and not yet reported: (epoch, split) -> (next seq, state before it)
+        self._unreported: dict[tuple[int, int], tuple[int, Any]] = {}
+        self._wake = threading.Event()
 
     def __getstate__(self) -> dict[str, Any]:
         if self.reading:
@@ -504,11 +696,13 @@ class ServiceConsumer:
                 "finish (checkpoint with get_state() and resume a new job instead)")
         return {"coordinator": self.coordinator, "workers": self.workers, "index": self.index,
                 "count": self.count, "prefetch": self.prefetch, "sharding": self.sharding,
-                "num_splits": self.num_splits, "state": self.get_state()}
+                "num_splits": self.num_splits, "lease_timeout_s": self.lease_timeout_s,
+                "state": self.get_state()}
 
     def __setstate__(self, data: dict[str, Any]) -> None:
         self.__init__(data["coordinator"], data["workers"], data["index"],  # type: ignore[misc]
-                      data["count"], data["prefetch"], data["sharding"], data["num_splits"])
+                      data["count"], data["prefetch"], data["sharding"], data["num_splits"],
+                      data.get("lease_timeout_s", 60.0))
         self._load(data["state"])
 
     # -- checkpoints ------------------------------------------------------------------
@@ -522,7 +716,7 @@ class ServiceConsumer:
 
     def _load(self, state: dict[str, Any]) -> None:
         self.epoch, self.done = state["epoch"], list(state["done"])
-        self.reading = [_Reading(split, -1, 0, st, seq, offset)
+        self.reading = [_Reading(split, -1, 0, st, seq, offset, self.token)
                         for split, st, seq, offset in state["reading"]]
         self.exhausted = bool(state.get("finished", False))
 
@@ -550,7 +744,8 @@ class ServiceConsumer:
         self._close_all()
         self._load(state)
         ray.get(self.coordinator.restore.remote(
-            self.index, self.count, self.epoch, self.done, [r.split for r in self.reading]))
+            self.index, self.count, self.epoch, self.done,
+            [[r.split, r.state, r.seq, r.offset] for r in self.reading]))
 
     def state_dict(self) -> dict[str, Any]:
         """``get_state()`` in PyTorch's ``state_dict()`` form."""
@@ -570,6 +765,19 @@ class ServiceConsumer:
             self.epoch, self.done, self.reading, self.exhausted = self.epoch + 1, [], [], False
         return self._elements()
 
+    def _ask(self, method: str, *args: Any) -> Any:
+        """Call the coordinator; its ServiceError (this consumer's leases expired)
+        arrives as itself, not wrapped in Ray's error."""
+        sent = time.monotonic()
+        try:
+            answer = self._ask_ref(getattr(self.coordinator, method).remote(*args))
+            self._contact = max(self._contact, sent)
+            return answer
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
+            raise ServiceError(
+                f"ServiceConsumer {self.index}: the service's coordinator is gone (shut "
+                f"down, or its node died): {type(error).__name__}") from None
+
     def _open(self, reading: _Reading) -> None:
         """(Re-)open ``reading``'s split on its worker after the last chunk received in
         order: the worker numbers its chunks on from there, so one received already
@@ -588,25 +796,65 @@ class ServiceConsumer:
             "died or was unavailable in turn)")
 
     def _replace(self, reading: _Reading) -> None:
-        reading.worker = ray.get(self.coordinator.replace.remote(
-            self.epoch, reading.split, reading.worker))
+        reading.worker = self._ask("replace", self.token, self.epoch, reading.split,
+                                   reading.worker)
         reading.attempt += 1
         reading.in_flight = []
 
-    def _lease(self) -> bool:
-        got = ray.get(self.coordinator.lease.remote(self.index, self.count, self.epoch))
+    def _lease(self) -> str:
+        """Lease the next split: "got", "none" (nothing left for this consumer) or
+        "wait" (none free now, but a silent consumer's may come back)."""
+        got = self._ask("lease", self.token, self.index, self.count, self.epoch)
         if got is None:
-            return False
-        split, worker = got
+            return "none"
+        if got[0] == "wait":
+            return "wait"
+        split, worker, resume = got
         restored = next((r for r in self.reading if r.split == split and r.worker < 0), None)
         if restored is not None:
             restored.worker = worker
             reading = restored
+        elif resume is not None:  # a split another consumer left: resume where it did
+            state, seq, offset = resume
+            reading = _Reading(split, worker, 0, state, seq, offset, self.token)
+            self.reading.append(reading)
         else:
-            reading = _Reading(split, worker, 0, None, 0, 0)
+            reading = _Reading(split, worker, 0, None, 0, 0, self.token)
             self.reading.append(reading)
         self._open(reading)
-        return True
+        self._start_renewing()
+        return "got"
+
+    def _report(self, split: int, seq: int, after: dict[str, Any] | None) -> None:
+        """Record that this consumer begins the chunk before ``seq`` (the split resumes
+        after it if the consumer dies). Its thread sends what was recorded at most every
+        ``_REPORT_EVERY_S`` in one call, so a fast consumer does not make one call per
+        chunk. A consumer the coordinator has not answered for half the lease timeout (a
+        stall, a process stopped and resumed) reports at once and waits for the answer,
+        so an expired one raises before it yields a chunk another consumer now reads."""
+        if time.monotonic() - self._contact < self.lease_timeout_s / 2:
+            self._unreported[(self.epoch, split)] = (seq, after)
+            self._wake.set()
+        else:
+            self._ask("progress", self.token, [[self.epoch, split, seq, after]])
+
+    def _ask_ref(self, ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, ServiceError):
+                raise ServiceError(f"ServiceConsumer {self.index}: {cause}") from None
+            raise
+
+    def _start_renewing(self) -> None:
+        """Renew this consumer's leases from a thread while it holds splits, so a slow
+        trainer step (between two chunks) does not look like a dead consumer."""
+        if self._renewer is None or not self._renewer.is_alive():
+            self._renewer = threading.Thread(
+                target=_renew, args=(weakref.ref(self), self._wake, self.lease_timeout_s / 4),
+                daemon=True, name=f"headrace-consumer-{self.index}-renew")
+            self._renewer.start()
 
     def _fail_over(self, reading: _Reading) -> None:
         self._replace(reading)
@@ -638,6 +886,7 @@ class ServiceConsumer:
             self._fail_over(reading)
 
     def _elements(self) -> Iterator[Any]:
+        generation = self._generation
         # the splits read at once: enough to keep every worker busy across consumers
         width = max(1, -(-len(self.workers) // self.count))
         more = True
@@ -645,7 +894,12 @@ class ServiceConsumer:
             # restored splits first: the coordinator hands this consumer its reserved ones
             while more and (len(self.reading) < width
                             or any(r.worker < 0 for r in self.reading)):
-                more = self._lease()
+                got = self._lease()
+                if got == "wait":
+                    if any(r.worker >= 0 for r in self.reading):
+                        break  # read what it holds; ask again after a chunk
+                    time.sleep(min(0.25, self.lease_timeout_s / 8))
+                more = got != "none"
             if not more:  # a restored split the coordinator no longer reserves is done
                 self.reading = [r for r in self.reading if r.worker >= 0]
             if not self.reading:
@@ -654,15 +908,21 @@ class ServiceConsumer:
             current = self.reading[0] if self.sharding == "static" else self._ready_reading()
             if current.seq in current.received:
                 elements, after = current.received.pop(current.seq)
+                # the chunk is this consumer's from its first element on: the service
+                # resumes the split after it if this consumer dies (or its leases
+                # expired: then this raises instead of yielding what others now read)
+                self._report(current.split, current.seq + 1, after)
                 for element in elements[current.offset:]:
                     current.offset += 1
                     yield element
+                    if self._generation != generation:
+                        return  # closed: its splits went back to the service
                 current.state, current.seq, current.offset = after, current.seq + 1, 0
                 continue
             if current.total is not None and current.seq >= current.total:
                 with contextlib.suppress(Exception):
                     self.workers[current.worker].close.remote(current.key)
-                ray.get(self.coordinator.finish.remote(self.epoch, current.split))
+                self._ask("finish", self.token, self.epoch, current.split)
                 self.reading.remove(current)
                 self.done.append(current.split)
                 continue
@@ -698,8 +958,65 @@ class ServiceConsumer:
                     self.workers[reading.worker].close.remote(reading.key)
 
     def close(self) -> None:
-        """Release the splits this consumer holds on the workers."""
+        """Leave: give each split this consumer is reading back to the service, to
+        resume exactly after the last element it yielded (dynamic: the next consumer
+        to ask takes it; static: a replacement consumer of this index), and release
+        them on the workers. An iterator of it ends; iterating it again reads on in
+        the same epoch with whatever splits are left."""
+        held = [r for r in self.reading if r.worker >= 0]
+        self._generation += 1
+        self._unreported = {}  # the release below says exactly where it stopped
+        if held:
+            self._ask("release", self.token, self.epoch,
+                      [[r.split, r.state, r.seq, r.offset] for r in held])
         self._close_all()
+        self.reading = [r for r in self.reading if r.worker < 0]
+
+    def __enter__(self) -> ServiceConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # a consumer dropped mid-epoch: its splits go back at once instead of after the
+        # lease timeout (best effort: at interpreter exit Ray may be gone)
+        held = [r for r in getattr(self, "reading", []) if r.worker >= 0]
+        if held and ray.is_initialized():
+            with contextlib.suppress(Exception):
+                self.coordinator.release.remote(
+                    self.token, self.epoch, [[r.split, r.state, r.seq, r.offset] for r in held])
+                self._close_all()
+
+
+def _renew(consumer_ref: weakref.ref[ServiceConsumer], wake: threading.Event,
+           interval: float) -> None:
+    """The consumer's reporting thread: sends the chunks it began (at most every
+    ``_REPORT_EVERY_S``) and renews its leases every ``interval`` while it holds any.
+    Holds the consumer weakly, so it can be collected."""
+    while True:
+        wake.wait(interval)
+        wake.clear()
+        consumer = consumer_ref()
+        if consumer is None:
+            return
+        try:
+            sent = time.monotonic()
+            taken, consumer._unreported = consumer._unreported, {}
+            reports = list(taken.items())  # one step under the GIL: the reader may add
+            if reports:
+                ray.get(consumer.coordinator.progress.remote(
+                    consumer.token, [[e, s, q, a] for (e, s), (q, a) in reports]))
+            elif any(r.worker >= 0 for r in consumer.reading):
+                ray.get(consumer.coordinator.renew.remote(consumer.token))
+            else:
+                continue
+            consumer._contact = max(consumer._contact, sent)
+        except Exception:  # expired (its next chunk says so), or Ray shut down
+            return
+        finally:
+            del consumer
+        time.sleep(_REPORT_EVERY_S)  # the chunks begun meanwhile go in the next call
 
 
 # -- Ray Data interop -----------------------------------------------------------------
