@@ -569,7 +569,6 @@ class Dataset:
         discards the partial cache, as tf.data does: write ``take(k).cache()``.
         See :mod:`headrace.persist.cache`.
         """
-        filename = objstore.local_only(filename, "cache(filename)")
         return self._wrap(CacheNode(self._node, filename))
 
     def snapshot(
@@ -581,7 +580,6 @@ class Dataset:
         snapshot), later passes — in any process — read it. See
         :mod:`headrace.persist.snapshot` for the differences.
         """
-        path = objstore.local_only(path, "snapshot")
         return self._wrap(SnapshotNode(self._node, path, compression))
 
     def take(self, count: int) -> Dataset:

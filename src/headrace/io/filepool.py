@@ -706,6 +706,16 @@ class PooledStream(ClosesOnExit):
         :meth:`~headrace.io.streams.SuspendableStream.pread_into`); the position stays."""
         return self._checked_out(lambda stream: stream.pread_into(offset, buffer))
 
+    def read_ahead(self, offset: int | None, size: int) -> bool:
+        """An object's stream: fetch the ``size`` bytes at ``offset`` in the background,
+        for the next positioned read (see :meth:`headrace.io.objstore._RemoteReads.read_ahead`);
+        whether it was asked for. A local file: nothing (the page cache reads ahead)."""
+        def ask(stream: SuspendableStream) -> bool:
+            ahead = getattr(stream, "read_ahead", None)
+            return bool(ahead(offset, size)) if ahead is not None else False
+
+        return self._checked_out(ask, open_descriptor=False)
+
     def tell(self) -> int:
         """Decompressed bytes read so far; needs no descriptor."""
         return self._checked_out(lambda stream: stream.tell(), open_descriptor=False)

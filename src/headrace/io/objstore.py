@@ -65,10 +65,10 @@ __all__ = [
     "is_remote",
     "is_url",
     "list_objects",
-    "local_only",
     "local_path",
     "object_info",
     "put_atomic",
+    "put_if_absent",
     "read_whole",
     "reset_stores",
 ]
@@ -103,21 +103,6 @@ def local_path(path: str) -> str:
         if parsed.netloc not in ("", "localhost"):
             raise InvalidArgumentError(f"{path}: a file:// URL names a local file (no host)")
         return urllib.parse.unquote(parsed.path)
-    return path
-
-
-def local_only(path: Any, what: str) -> Any:
-    """``path`` for a writer that works on a local directory only (``cache(filename)``,
-    ``snapshot``: they lock and append as the pipeline runs): a ``file://`` URL becomes
-    its path, an object-store URL is refused naming it (instead of a local directory
-    called ``s3:``)."""
-    if isinstance(path, str) and is_url(path):
-        if is_remote(path):
-            raise InvalidArgumentError(
-                f"{what}: {path} is an object-store URL; {what} keeps its files on a local "
-                "file system (write them locally, or use Dataset.save or save_tfrecords, which upload)"
-            )
-        return local_path(path)
     return path
 
 
@@ -522,6 +507,32 @@ def put_atomic(url: str, data: Any) -> None:
     _retrying(url, "uploading the object", attempt)
 
 
+def put_if_absent(url: str, data: bytes) -> bool:
+    """Upload ``data`` to ``url`` only if no object is there (a conditional PUT,
+    ``If-None-Match: *``); whether it was written. Why: two writers that race to publish
+    the same key (two processes writing one ``cache(url)``) must not both win, the later
+    one replacing what readers of the first already use; the store decides which came
+    first. A retry after a transient failure that finds the object is reported as not
+    written: the caller reads it back to see whose it is."""
+    import obstore
+    from obstore.exceptions import AlreadyExistsError
+
+    root, key = _split(url)
+    if root.startswith("http"):
+        raise InvalidArgumentError(f"{url}: http(s) URLs are read-only")
+    store = _store(root)
+
+    def attempt(_: int) -> bool:
+        try:
+            obstore.put(store, key, data, mode="create")
+        except AlreadyExistsError:
+            return False
+        return True
+
+    written: bool = _retrying(url, "uploading the object", attempt)
+    return written
+
+
 def copy_object(source: str, target: str) -> None:
     """Copy one object to another key of the same bucket, server-side (one request:
     the target appears whole, or not at all)."""
@@ -837,6 +848,9 @@ class _RemoteReads:
     _next_offset: int
     _successor: Successor | None
     _on_last_range: Any
+    #: Set by :meth:`read_ahead`: its reader says which range comes next, and the
+    #: stream no longer guesses (the next range of the same size).
+    _explicit_ahead = False
 
     def _open_descriptor(self) -> int:
         successor, self._successor = self._successor, None
@@ -896,7 +910,7 @@ class _RemoteReads:
         sequential, self._next_offset = offset == self._next_offset, following
         # only a stream read in order is read ahead (positioned reads by an index
         # jump: a range read ahead for them would be thrown away)
-        if sequential and len(data) == size:
+        if sequential and len(data) == size and not self._explicit_ahead:
             start = queue[-1][0] + size if queue else following
             while len(queue) < READ_AHEAD_DEPTH and start < info.size:
                 queue.append((start, size, _fetcher().submit(
@@ -906,6 +920,24 @@ class _RemoteReads:
             hook, self._on_last_range = self._on_last_range, None
             hook()
         return data
+
+    def read_ahead(self, offset: int | None, size: int) -> bool:
+        """Ask for the ``size`` bytes at ``offset`` in the background, the range the
+        reader will read next (whether it was asked for). Why: a reader of positioned
+        runs (a cache file's records) reads ranges of varying sizes, so the stream's
+        own guess (the next range of the last one's size) would be fetched for nothing;
+        once called, the stream reads ahead only what it is told, and the caller books
+        it. ``offset`` None: only switch the guessing off."""
+        self._explicit_ahead = True
+        info = self._info
+        if offset is None or size <= 0 or info is None or offset >= info.size:
+            return False
+        if self._ahead and self._ahead[0][:2] == (offset, size):
+            return True
+        self._drop_ahead()
+        self._ahead.append((offset, size, _fetcher().submit(
+            _fetch_ahead, info, offset, size, self._pool, self._limiter)))
+        return True
 
     def attach_pool(self, pool: Any, limiter: Any) -> None:
         self._pool, self._limiter = pool, limiter

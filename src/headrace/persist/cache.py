@@ -68,10 +68,12 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, ShardRole, Traits, UnaryNode
 from headrace.core.state import POSITION, StateReader, past_end
 from headrace.errors import CheckpointError, HeadraceWarning, InvalidArgumentError
+from headrace.io import objstore
 from headrace.memory.buffer import Buffer, Reservation
 from headrace.persist.file_store import FileReader, FileStore, find_complete
 from headrace.persist.kept import kept_caches
 from headrace.persist.memory_store import KeptStore, MemoryStore
+from headrace.persist.remote_store import RemoteStore, check_url, find_complete_remote
 from headrace.persist.stores import PassThrough, Store, StoreReader
 from headrace.sources.files import file_limiter
 
@@ -130,8 +132,10 @@ class CacheNode(UnaryNode):
             raise InvalidArgumentError(
                 f"cache: filename must be a str or os.PathLike, got {type(filename).__name__}"
             )
-        name = os.fspath(filename)
-        if name:
+        name = objstore.local_path(os.fspath(filename))
+        if objstore.is_remote(name):
+            check_url(name, "cache")
+        elif name:
             directory = os.path.dirname(os.path.abspath(name))
             if not os.path.isdir(directory):
                 raise InvalidArgumentError(
@@ -193,6 +197,8 @@ class _CacheIterator(Iterator):
         """The complete cache to read, if there is one; ``writer`` (a restored state's
         epochs and iteration): only an in-memory cache that iterator wrote."""
         if self.node.filename:
+            if objstore.is_remote(self.node.filename):
+                return find_complete_remote(self.node, self.ctx, self.account)
             return find_complete(self.node, self.ctx, self.account)
         data = kept_caches.get(self.node)
         if data is None or (writer is not None and writer != (data.epochs, data.iteration)):
@@ -213,7 +219,11 @@ class _CacheIterator(Iterator):
         epochs = ctx.epochs
         if self.node.filename:
             try:
-                store: Store = FileStore(self.node, ctx, self.account, epochs)
+                store: Store = (
+                    RemoteStore(self.node, ctx, self.account, epochs)
+                    if objstore.is_remote(self.node.filename)
+                    else FileStore(self.node, ctx, self.account, epochs)
+                )
             except FileExistsError:
                 if not self.node.passthrough_when_locked:
                     raise

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 LOG = logging.getLogger("headrace.cache")
 
 
-__all__ = ["CompleteFile", "FileStore", "find_complete"]
+__all__ = ["CompleteFile", "FileStore", "find_complete", "manifest_codec", "usable_manifest"]
 
 
 _MANIFEST_FORMAT = "headrace.cache"
@@ -58,11 +58,13 @@ class FileStore(Store):
     """tf.data's persistent cache: written under a lock, published atomically at the end."""
 
     def __init__(
-        self, node: CacheNode, ctx: Context, account: Buffer, epochs: tuple[int, ...]
+        self, node: CacheNode, ctx: Context, account: Buffer, epochs: tuple[int, ...],
+        filename: str | None = None,
     ) -> None:
+        """``filename``: where to write, when not the node's (a remote cache's staging)."""
         super().__init__(epochs)
         self.ctx, self.account = ctx, account
-        self.paths = _CachePaths(node.filename)
+        self.paths = _CachePaths(node.filename if filename is None else filename)
         self.fingerprint = node.inputs[0].data_fingerprint()
         self.expected: Expected | None = None
         self.codec = block_codec(node.compression)
@@ -118,6 +120,7 @@ class FileStore(Store):
             if self.codec is not None:  # what a reader needs to find and check each block
                 manifest["compression"] = self.codec.name
                 manifest["blocks"] = [list(block) for block in self.blocks]
+            manifest.update(self.manifest_fields())
             seal(manifest)  # an edited manifest is refused, never believed or rebuilt over
             write_atomically(self.paths.manifest, [json.dumps(manifest).encode()])
         except BaseException:
@@ -128,6 +131,10 @@ class FileStore(Store):
             raise
         _release_lock(self.paths, self.lock_fd, self.lock_slot)
         self.complete = True
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """More fields for the manifest (a remote cache names its data object)."""
+        return {}
 
     def discard(self) -> None:
         writer, self.writer = self.writer, None
@@ -267,25 +274,7 @@ def find_complete(node: CacheNode, ctx: Context, account: Buffer) -> CompleteFil
             "damaged after this cache was written; delete the cache's files to rebuild it",
             path=paths.manifest,
         ) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT or (
-        "checksum" in manifest and not is_sealed(manifest)
-    ):
-        raise DataLossError(
-            f"cache: the manifest {paths.manifest} was changed after this cache was written "
-            "(it is not a cache manifest, or its fields do not match its checksum): its "
-            "counts and checksums cannot be believed; delete the cache's files to rebuild it",
-            path=paths.manifest,
-        )
-    if manifest.get("version") != _MANIFEST_VERSION:
-        return None  # an older headrace's (keyed by structure only, unsealed): rebuilt
-    if manifest.get("elements_format") != ELEMENTS_FORMAT:
-        return None  # sealed by a headrace that encodes elements otherwise: rebuilt
-    fingerprint = node.inputs[0].data_fingerprint()
-    if manifest.get("fingerprint") != fingerprint:
-        # (what headrace does, not a hazard: the cache is rebuilt for this pipeline)
-        LOG.info("cache: %s was written by a different pipeline (fingerprint %r; the "
-                 "pipeline above this cache is %r): rebuilding it", paths.manifest,
-                 manifest.get("fingerprint"), fingerprint)
+    if not usable_manifest(manifest, paths.manifest, node):
         return None
     count, nbytes = manifest.get("elements"), manifest.get("bytes")
     try:
@@ -302,9 +291,46 @@ def find_complete(node: CacheNode, ctx: Context, account: Buffer) -> CompleteFil
     if not os.path.exists(index_path_for(paths.data)):  # written before the manifest
         return None
     expected = _read_checksums(paths, manifest)
-    compression = manifest.get("compression")  # detected: whatever this run would write
+    codec, blocks = manifest_codec(manifest, paths.manifest)
+    return CompleteFile(paths.data, ctx, account, count, codec, blocks, expected)
+
+
+def usable_manifest(manifest: Any, where: str, node: CacheNode) -> bool:
+    """Whether a cache's parsed manifest (read from ``where``) describes this pipeline's
+    complete cache; False for one to rebuild (an older format, another pipeline's);
+    DataLossError naming ``where`` for one changed since it was written."""
+    if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT or (
+        "checksum" in manifest and not is_sealed(manifest)
+    ):
+        raise DataLossError(
+            f"cache: the manifest {where} was changed after this cache was written "
+            "(it is not a cache manifest, or its fields do not match its checksum): its "
+            "counts and checksums cannot be believed; delete the cache's files to rebuild it",
+            path=where,
+        )
+    if manifest.get("version") != _MANIFEST_VERSION:
+        return False  # an older headrace's (keyed by structure only, unsealed): rebuilt
+    if manifest.get("elements_format") != ELEMENTS_FORMAT:
+        return False  # sealed by a headrace that encodes elements otherwise: rebuilt
+    fingerprint = node.inputs[0].data_fingerprint()
+    if manifest.get("fingerprint") != fingerprint:
+        # (what headrace does, not a hazard: the cache is rebuilt for this pipeline)
+        LOG.info("cache: %s was written by a different pipeline (fingerprint %r; the "
+                 "pipeline above this cache is %r): rebuilding it", where,
+                 manifest.get("fingerprint"), fingerprint)
+        return False
+    return True
+
+
+def manifest_codec(
+    manifest: dict[str, Any], where: str
+) -> tuple[BlockCodec | None, list[tuple[int, int]]]:
+    """The compression a complete cache's manifest records and its blocks (detected:
+    whatever this run would write); DataLossError naming ``where`` if they do not add up."""
+    count = manifest.get("elements")
+    compression = manifest.get("compression")
     if compression is None:
-        return CompleteFile(paths.data, ctx, account, count, None, [], expected)
+        return None, []
     blocks = manifest.get("blocks")
     if (
         compression not in BLOCK_CODECS
@@ -318,15 +344,12 @@ def find_complete(node: CacheNode, ctx: Context, account: Buffer) -> CompleteFil
         or sum(block[0] for block in blocks) != count
     ):
         raise DataLossError(
-            f"cache: the manifest {paths.manifest} is corrupted (compression "
+            f"cache: the manifest {where} is corrupted (compression "
             f"{compression!r:.40} with blocks that do not add up to its {count} elements)",
-            path=paths.manifest,
+            path=where,
         )
     codec = block_codec(compression)  # SNAPPY without cramjam: says what to install
-    return CompleteFile(
-        paths.data, ctx, account, count, codec, [(int(n), int(raw)) for n, raw in blocks],
-        expected,
-    )
+    return codec, [(int(n), int(raw)) for n, raw in blocks]
 
 
 def _read_checksums(paths: _CachePaths, manifest: dict[str, Any]) -> Expected:

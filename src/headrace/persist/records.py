@@ -28,6 +28,7 @@ import xxhash
 
 from headrace.core.iterator import Context
 from headrace.errors import DataLossError
+from headrace.io import objstore
 from headrace.io._crc32c import crc32c, mask_crc, masked_crc32c
 from headrace.io._native import native_module
 from headrace.io.blocks import BlockCodec
@@ -362,6 +363,12 @@ class RecordReader:
         self.stream = get_default_pool().open(
             path, limiter=file_limiter(ctx), buffer_size=4096  # positioned reads: unused
         )
+        #: An object (``cache(url)``): the range the next refill reads is fetched while
+        #: this one's records are used, booked here (``ahead_booking``) until it is read.
+        self.remote = objstore.is_remote(path)
+        self.ahead_booking = NO_RESERVATION
+        if self.remote:
+            self.stream.read_ahead(None, 0)  # (only the ranges named below)
         self.next = 0  # the next record to hand on
         #: Records read, next first: (buffer, payload start, stop, bytes booked for it).
         self.pending: list[tuple[bytes, int, int, int]] = []
@@ -406,6 +413,7 @@ class RecordReader:
         book(self.account, size + BYTES_OVERHEAD, what)
         self.pending_booked = size + BYTES_OVERHEAD
         (buffer,) = self.stream.pread_many([begin], [size])
+        self._read_next_ahead(last + 1)
         if last == first:  # decoded in place: the element's arrays are views of ``buffer``
             self.pending = [(buffer, *self._check_one(buffer, begin), self.pending_booked)]
             self._check_entry(buffer, len(buffer), first)
@@ -445,6 +453,7 @@ class RecordReader:
         book(self.account, booked, what)
         self.pending_booked = booked
         buffers = self.stream.pread_many(starts, sizes)
+        self._read_next_ahead(first + len(sizes))
         self.pending = [
             (buffer, *_check_frame(buffer, start, self.path), len(buffer) + BYTES_OVERHEAD)
             for buffer, start in zip(buffers, starts, strict=True)
@@ -454,6 +463,37 @@ class RecordReader:
         self._rebook_pending()  # (a short read at a truncated end books less)
         self.next_pending = 0
         return True
+
+    def _first_range(self, first: int) -> tuple[int, int] | None:
+        """The first range (offset, size) a refill from record ``first`` reads."""
+        if first >= len(self.offsets):
+            return None
+        begin = int(self.offsets[first])
+        if self._end(first) - begin >= _IN_PLACE_BYTES:
+            return begin, self._end(first) - begin
+        last = first
+        while last + 1 < len(self.offsets) and self._end(last + 1) - begin <= self.chunk:
+            last += 1
+        return begin, self._end(last) - begin
+
+    def _read_next_ahead(self, first: int) -> None:
+        """An object: the range read ahead before is read now (its booking goes: the
+        refill booked those bytes); ask for the one the refill from ``first`` will read,
+        booked as the stage's bytes, when it fits beside what the stage holds (else the
+        refill reads it then, as a local file is read)."""
+        self.ahead_booking.release()
+        self.ahead_booking = NO_RESERVATION
+        if not self.remote:
+            return
+        wanted = self._first_range(first)
+        if wanted is None or wanted[1] > self.account.room():
+            return
+        self.ahead_booking = self.account.admit(
+            wanted[1], together="the cached records read ahead", elements=0
+        )
+        if not self.stream.read_ahead(*wanted):
+            self.ahead_booking.release()
+            self.ahead_booking = NO_RESERVATION
 
     def _rebook_pending(self) -> None:
         """Book exactly what the pending records' shares will return (the buffers read
@@ -741,6 +781,8 @@ class RecordReader:
         self._release_pending()
         self._drop_run_buffer()
         self.stream.close()
+        self.ahead_booking.release()
+        self.ahead_booking = NO_RESERVATION
         self.index_booking.release()
 
 
@@ -793,6 +835,7 @@ class BlockReader(RecordReader):
         book(self.account, work, "a compressed block read ahead")
         self.pending_booked = work
         (buffer,) = self.stream.pread_many([begin], [size])
+        self._read_next_ahead(self.starts[block + 1])
         start, stop = _check_frame(buffer, begin, self.path)
         self._check_entry(buffer, len(buffer), block)
         raw = self.codec.decompress(
@@ -825,6 +868,14 @@ class BlockReader(RecordReader):
 
     def _offset(self, record: int) -> int:
         return self.block_offset  # (the message says the offset counts in the block)
+
+    def _first_range(self, first: int) -> tuple[int, int] | None:
+        """The block that holds element ``first``: one read per block."""
+        if first >= self.starts[-1]:
+            return None
+        block = bisect.bisect_right(self.starts, first) - 1
+        begin = int(self.offsets[block])
+        return begin, self._end(block) - begin
 
     #: Blocks are decompressed whole: elements are decoded one by one from them.
     columnar_reads = False

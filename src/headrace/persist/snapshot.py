@@ -40,8 +40,10 @@ from typing import Any
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node
 from headrace.errors import InvalidArgumentError
+from headrace.io import objstore
 from headrace.io.blocks import BLOCK_CODECS, block_codec
 from headrace.persist.cache import CacheNode
+from headrace.persist.remote_store import check_url
 
 __all__ = ["SnapshotNode"]
 
@@ -68,9 +70,11 @@ class SnapshotNode(CacheNode):
                 f"'NONE' or one of {', '.join(map(repr, BLOCK_CODECS))}"
             )
         codec = block_codec(None if compression in _UNCOMPRESSED else compression)
-        self.path = os.fspath(path)
+        self.path = objstore.local_path(os.fspath(path))
         parent = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(parent):
+        if objstore.is_remote(self.path):
+            check_url(self.path, "snapshot", folder=True)
+        elif not os.path.isdir(parent):
             raise InvalidArgumentError(
                 f"snapshot: the directory of path {self.path!r} does not exist"
             )
@@ -81,6 +85,8 @@ class SnapshotNode(CacheNode):
     def filename(self) -> str:
         """``<path>/<content fingerprint of the input>/snapshot``: found when first asked
         (the input's arrays are hashed once, not when the recipe is built)."""
+        if objstore.is_remote(self.path):  # (a key: '/' whatever the OS)
+            return f"{self.path.rstrip('/')}/{self.inputs[0].data_fingerprint()}/snapshot"
         return os.path.join(self.path, self.inputs[0].data_fingerprint(), "snapshot")
 
     @filename.setter
@@ -91,6 +97,6 @@ class SnapshotNode(CacheNode):
         return (self.path,)
 
     def make_iterator(self, ctx: Context) -> Iterator:
-        if not ctx.run.probe:
+        if not ctx.run.probe and not objstore.is_remote(self.path):
             os.makedirs(os.path.dirname(self.filename), exist_ok=True)
         return super().make_iterator(ctx)
