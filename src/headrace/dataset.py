@@ -567,6 +567,11 @@ class Dataset:
         a digest of its arrays, the identity of its files; a changed input rebuilds
         it). Stopping early (``cache().take(k)``)
         discards the partial cache, as tf.data does: write ``take(k).cache()``.
+        ``filename`` may be an ``s3://``, ``gs://`` or ``az://`` URL, for runs on
+        machines that do not outlive the job: the first complete pass is written
+        locally and uploaded when it completes (the manifest last, only if no other
+        writer's is there), later passes anywhere read it with ranged reads
+        (:mod:`headrace.persist.remote_store`); ``file://`` is the path.
         See :mod:`headrace.persist.cache`.
         """
         return self._wrap(CacheNode(self._node, filename))
@@ -577,8 +582,10 @@ class Dataset:
         """tf.data's ``snapshot``: the first complete pass is saved under ``path`` (in a
         directory named by this pipeline's content fingerprint: its structure, a digest
         of its arrays, the identity of its files, so a changed input makes a new
-        snapshot), later passes — in any process — read it. See
-        :mod:`headrace.persist.snapshot` for the differences.
+        snapshot), later passes — in any process — read it. ``path`` may be an
+        ``s3://``, ``gs://`` or ``az://`` URL: written locally, uploaded when the first
+        pass completes, read with ranged reads (:mod:`headrace.persist.remote_store`).
+        See :mod:`headrace.persist.snapshot` for the differences.
         """
         return self._wrap(SnapshotNode(self._node, path, compression))
 

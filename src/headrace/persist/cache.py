@@ -37,6 +37,11 @@ edited since is a DataLossError naming it, never believed nor silently rebuilt o
 ``flock`` (released by the kernel if the writer dies), and a second writer
 gets tf.data's error naming it.
 
+``cache("s3://bucket/name")`` (``gs://``, ``az://``) is the same cache in a bucket:
+written in a local staging directory, uploaded when the pass completes (the manifest
+last, with a conditional PUT: no lockfile, the first writer to publish wins), and read
+with ranged reads by later passes in any process (:mod:`headrace.persist.remote_store`).
+
 As in tf.data, an iterator that stops before the end (``cache().take(k)``)
 leaves a *partial* cache, which is discarded with a warning that says to
 write ``take(k).cache()`` instead.

@@ -20,6 +20,13 @@ iterator that finds another one writing the same snapshot reads its input and
 passes the elements on without writing (tf.data's *passthrough*), instead of the
 lock error ``cache(filename)`` gives.
 
+``path`` may be an ``s3://``, ``gs://`` or ``az://`` URL: the snapshot is
+``<path>/<fingerprint>/snapshot.hrcache...`` objects, written locally and uploaded
+when the first pass completes, the manifest last
+(:mod:`headrace.persist.remote_store`). An object store has no lock, so there is no
+pass-through there: every iterator that starts before the snapshot is complete writes
+one, and the first to publish its manifest is kept.
+
 Compression: ``"GZIP"``, ``"ZLIB"`` or ``"SNAPPY"`` (with the ``snappy`` extra) write
 the snapshot as compressed *blocks* (:mod:`headrace.io.blocks`: a chunk of records
 each, or one large record), so that it is still read by positioned reads and a
