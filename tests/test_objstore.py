@@ -1136,17 +1136,40 @@ def test_faults_while_a_cache_is_read_from_s3_lose_and_repeat_nothing(
 def test_reading_a_cache_from_s3_stays_within_the_budget(
     s3: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """G1: the records read and the range read ahead are booked on the cache's share,
-    which the stage never passes; each byte of the data object is fetched once a pass
-    (the range read ahead is the one the next read asks for, never a guess)."""
+    """G1: what the client holds while it uploads the cache is booked on the stage;
+    reading it, the records read and the range read ahead are booked on the cache's
+    share, which the stage never passes; each byte of the data object is fetched once a
+    pass (the range read ahead is the one the next read asks for, never a guess)."""
     from headrace.persist import records
 
     url = f"s3://{BUCKET}/cache-budget/c"
     dataset, calls = _cache_input(200, seed=7)
     options = hr.Options()
     options.memory_budget = "3MiB"
+    uploads: list[tuple[int, int, int]] = []
+    put_atomic = objstore.put_atomic
+
+    def booked_upload(url: str, data: Any, *, parts_in_flight: int | None = None) -> None:
+        stage = objstore_stage[0]
+        uploads.append((stage.held, stage.share(), parts_in_flight or 0))
+        put_atomic(url, data, parts_in_flight=parts_in_flight)
+
+    from headrace.persist import remote_store
+
+    objstore_stage: list[Any] = []
+    store_init = remote_store.RemoteStore.__init__
+
+    def remember(store: Any, *args: Any) -> None:
+        store_init(store, *args)
+        objstore_stage.append(store.account)
+
+    monkeypatch.setattr(remote_store.RemoteStore, "__init__", remember)
+    monkeypatch.setattr(objstore, "put_atomic", booked_upload)
+    expected = _plain(_read(dataset.cache(url)))  # written under the default budget
+    # the data, its index, its checksums: each upload booked while it runs
+    assert len(uploads) == 3 and all(held > 0 and parts >= 1 for held, _, parts in uploads)
+    assert uploads[0][0] >= 1 << 20 and all(held <= share for held, share, _ in uploads)
     cached = dataset.cache(url).with_options(options)
-    expected = _plain(_read(cached))
     fetched: list[tuple[int, int]] = []
     fetch = objstore._fetch
 

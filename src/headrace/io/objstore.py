@@ -53,6 +53,7 @@ from headrace.errors import DataLossError, InvalidArgumentError
 
 __all__ = [
     "MIN_REMOTE_BUFFER_SIZE",
+    "MIN_UPLOAD_PART",
     "REMOTE_BUFFER_SIZE",
     "RetryPolicy",
     "Successor",
@@ -485,11 +486,20 @@ class _ShortBody(Exception):
     """A response body shorter than its range: retried as a dropped connection."""
 
 
-def put_atomic(url: str, data: Any) -> None:
+#: The least part of a multipart upload S3 takes (but the last): what one part in
+#: flight holds in memory.
+MIN_UPLOAD_PART = 5 * 1024 * 1024
+
+
+def put_atomic(url: str, data: Any, *, parts_in_flight: int | None = None) -> None:
     """Upload ``data`` (bytes, a file object, or an iterator of bytes) to ``url``, whole
     or not at all: obstore sends one PUT, or a multipart upload that is only completed
     (and so only visible) once every part is in; a failure aborts it. Readers never see
-    a half-written object under ``url``."""
+    a half-written object under ``url``.
+
+    ``parts_in_flight``: at most that many parts of :data:`MIN_UPLOAD_PART` bytes are
+    read from a file and sent at once (the client's default is 12), so a caller that
+    books the upload's memory knows what it holds."""
     import obstore
 
     root, key = _split(url)
@@ -502,7 +512,11 @@ def put_atomic(url: str, data: Any) -> None:
             data.seek(0)
         elif failures and not isinstance(data, (bytes, bytearray, memoryview)):
             raise OSError(errno.EIO, "an upload from a stream failed and cannot be retried", url)
-        obstore.put(store, key, data)
+        if parts_in_flight is None:
+            obstore.put(store, key, data)
+        else:
+            obstore.put(store, key, data, chunk_size=MIN_UPLOAD_PART,
+                        max_concurrency=max(1, parts_in_flight))
 
     _retrying(url, "uploading the object", attempt)
 

@@ -140,8 +140,19 @@ class RemoteStore(FileStore):
         pool = get_default_pool()
         try:
             for path, url in uploads:
-                with pool.transient(limiter=limiter), open(path, "rb") as file:
-                    objstore.put_atomic(url, file)
+                # G1: what the client holds while it uploads (a small file whole, else
+                # up to a few parts of 5 MiB, fewer where the share is small)
+                part = objstore.MIN_UPLOAD_PART
+                parts = max(1, min(4, self.account.room() // part))
+                in_flight = min(os.path.getsize(path), parts * part)
+                booking = self.account.admit(
+                    in_flight, together=f"the upload of {url}", elements=0
+                )
+                try:
+                    with pool.transient(limiter=limiter), open(path, "rb") as file:
+                        objstore.put_atomic(url, file, parts_in_flight=parts)
+                finally:
+                    booking.release()
             with open(local.manifest, "rb") as file:
                 manifest = file.read()
             with pool.transient(limiter=limiter):
