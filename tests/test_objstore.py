@@ -1201,7 +1201,9 @@ def test_reading_a_cache_from_s3_stays_within_the_budget(
     size = next(info.size for info in objstore.list_objects(f"s3://{BUCKET}/cache-budget/")
                 if info.url.rsplit(".", 1)[-1] not in ("crc", "hrx", "json"))
     assert sum(n for _, n in fetched) == size and len(set(fetched)) == len(fetched)
-    assert len(ahead) > 10 and all(held >= nbytes > 0 for nbytes, held in ahead)
+    # every range but the first was read ahead, booked while it was on its way
+    assert len(ahead) == len(fetched) - 1 > 5
+    assert all(held >= nbytes > 0 for nbytes, held in ahead)
     assert 0 < stage.peak <= stage.limit and stage.overdrawn_peak == 0, stage
 
 

@@ -73,6 +73,10 @@ def book(account: Buffer, nbytes: int, what: str) -> Reservation:
     return account.admit(nbytes, together=what)
 
 
+#: The most a cache read of an object asks for at once (AWS's advice for ranged GETs).
+REMOTE_CHUNK_BYTES = 8 << 20
+
+
 def chunk_bytes(share: int) -> int:
     """How many record bytes the cache reads (or writes) at once: 1/16 of its share."""
     return max(16 << 10, min(1 << 20, share // 16))
@@ -391,7 +395,10 @@ class RecordReader:
         # Read when reading, not when made: a reader made while the iterator tree is
         # built (a complete cache file) sees its stage's share only once the budget is
         # split, and a chunk fixed then (16 KiB) read 100 KB records one call each.
-        return chunk_bytes(self.account.share())
+        share = self.account.share()
+        if self.remote:  # each read is a round trip: fewer, larger ones (at most 1/8)
+            return max(chunk_bytes(share), min(REMOTE_CHUNK_BYTES, share // 8))
+        return chunk_bytes(share)
 
     def _end(self, record: int) -> int:
         return int(self.offsets[record + 1]) if record + 1 < len(self.offsets) else self.size
@@ -433,7 +440,38 @@ class RecordReader:
         """Read the run of large records from ``first`` (up to a chunk, or one beyond it),
         each into a buffer of its own, with one call (one file-pool check-out): each is
         decoded where it was read, its arrays views of its own buffer — the kernel's copy
-        from the page cache is the only one — and no element pins another's bytes."""
+        from the page cache is the only one — and no element pins another's bytes.
+        An object's run is one ranged GET (a request per record would spend the read
+        waiting), each record copied out of it into a buffer of its own."""
+        starts, sizes = self._large_run(first)
+        total = sum(sizes)
+        self._release_pending()
+        booked = total + BYTES_OVERHEAD * len(sizes)
+        what = "one cached element" if len(sizes) == 1 else "cached elements read ahead"
+        book(self.account, booked, what)
+        self.pending_booked = booked
+        if self.remote and len(sizes) > 1:  # (the records of a run are contiguous)
+            (run,) = self.stream.pread_many([starts[0]], [total])
+            view = memoryview(run)
+            buffers = [bytes(view[start - starts[0] : start - starts[0] + size])
+                       for start, size in zip(starts, sizes, strict=True)]
+            del view, run
+        else:
+            buffers = self.stream.pread_many(starts, sizes)
+        self._read_next_ahead(first + len(sizes))
+        self.pending = [
+            (buffer, *_check_frame(buffer, start, self.path), len(buffer) + BYTES_OVERHEAD)
+            for buffer, start in zip(buffers, starts, strict=True)
+        ]
+        for entry, buffer in enumerate(buffers, first):
+            self._check_entry(buffer, len(buffer), entry)
+        self._rebook_pending()  # (a short read at a truncated end books less)
+        self.next_pending = 0
+        return True
+
+    def _large_run(self, first: int) -> tuple[list[int], list[int]]:
+        """The large records a refill from ``first`` reads (up to a chunk, or one
+        beyond it): their offsets and sizes."""
         starts = [int(self.offsets[first])]
         sizes = [self._end(first) - starts[0]]
         total = sizes[0]
@@ -447,30 +485,15 @@ class RecordReader:
             sizes.append(size)
             total += size
             record += 1
-        self._release_pending()
-        booked = total + BYTES_OVERHEAD * len(sizes)
-        what = "one cached element" if len(sizes) == 1 else "cached elements read ahead"
-        book(self.account, booked, what)
-        self.pending_booked = booked
-        buffers = self.stream.pread_many(starts, sizes)
-        self._read_next_ahead(first + len(sizes))
-        self.pending = [
-            (buffer, *_check_frame(buffer, start, self.path), len(buffer) + BYTES_OVERHEAD)
-            for buffer, start in zip(buffers, starts, strict=True)
-        ]
-        for entry, buffer in enumerate(buffers, first):
-            self._check_entry(buffer, len(buffer), entry)
-        self._rebook_pending()  # (a short read at a truncated end books less)
-        self.next_pending = 0
-        return True
+        return starts, sizes
 
     def _first_range(self, first: int) -> tuple[int, int] | None:
-        """The first range (offset, size) a refill from record ``first`` reads."""
+        """The range (offset, size) an object's refill from record ``first`` reads first."""
         if first >= len(self.offsets):
             return None
         begin = int(self.offsets[first])
         if self._end(first) - begin >= _IN_PLACE_BYTES:
-            return begin, self._end(first) - begin
+            return begin, sum(self._large_run(first)[1])
         last = first
         while last + 1 < len(self.offsets) and self._end(last + 1) - begin <= self.chunk:
             last += 1
