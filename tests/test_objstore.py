@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from tests.test_interleave_descriptors import FdPeak
 
@@ -984,6 +985,34 @@ def test_cache_and_snapshot_on_s3_equal_local(s3: str, tmp_path: Path, method: s
     assert [int(i) for batch in batches for i in batch["i"]] == list(range(120))
     assert [bytes(b) for batch in batches for b in batch["blob"]] == [b for _, b in local[:120]]
     assert calls == [] and _objects(f"s3://{BUCKET}/persist-{method}/") == names
+
+
+@pytest.mark.parametrize("width", [10, 9000])
+def test_batches_of_a_cache_on_s3_are_read_in_runs(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, width: int
+) -> None:
+    """``cache(url).batch(n)`` of alike elements is decoded column by column from runs
+    of records, one GET per run (records of 36 KB, which a local file reads straight into
+    the batch's rows piece by piece, are read in runs too: a piece would be a GET)."""
+    rows = np.arange(300 * width, dtype=np.float32).reshape(300, width)
+    dataset = hr.Dataset.from_tensor_slices({"x": rows, "i": np.arange(300)})
+    url = f"s3://{BUCKET}/batched-{width}/c"
+    local = _read(dataset.cache(str(tmp_path / "c")).batch(32))
+    _read(dataset.cache(url))
+    gets: list[int] = []
+    fetch = objstore._fetch
+
+    def counted(info: Any, offset: int, size: int) -> Any:
+        gets.append(size)
+        return fetch(info, offset, size)
+
+    monkeypatch.setattr(objstore, "_fetch", counted)
+    for _ in range(2):
+        remote = _read(dataset.cache(url).batch(32))
+        assert len(remote) == len(local) == 10
+        for got, want in zip(remote, local, strict=True):
+            assert np.array_equal(got["x"], want["x"]) and np.array_equal(got["i"], want["i"])
+    assert len(gets) <= 2 * (10 + 4), gets  # a run (or a few) per batch, and small objects
 
 
 _OTHER_PROCESS = """

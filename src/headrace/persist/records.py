@@ -667,7 +667,10 @@ class RecordReader:
         assert layout is not None and head is not None
         self._release_pending()  # (a read-ahead of earlier elements, now passed)
         self.next = last
-        if size >= _SCAN_BELOW and all(leaf.copy_bytes for leaf in layout.leaves):
+        # (not an object's: a scattered read is a GET per piece, where a run is one)
+        if size >= _SCAN_BELOW and all(leaf.copy_bytes for leaf in layout.leaves) and (
+            not self.remote
+        ):
             self.scatter_plan = (size, head, layout)  # large records: read into the rows
             self._drop_run_buffer()  # (no buffer in between from now on)
         elif last == total:  # the end: the read buffer goes before the reader does
