@@ -1317,6 +1317,15 @@ def test_urls_a_cache_cannot_be_written_to_are_refused_when_built(
 
 
 @pytest.mark.parametrize("method", ["cache", "snapshot-"])
+def test_a_cache_in_a_missing_bucket_is_refused_before_its_pass(s3: str, method: str) -> None:
+    dataset, calls = _cache_input(20, seed=13)
+    with pytest.raises(FileNotFoundError, match="no such object or bucket") as caught:
+        _read(_persisted(dataset, method, "s3://no-such-bucket-c/dir/c"))
+    assert str(caught.value.filename).startswith("s3://no-such-bucket-c/dir/")
+    assert calls == []  # said before the input was read, not after a whole pass
+
+
+@pytest.mark.parametrize("method", ["cache", "snapshot-"])
 def test_file_urls_cache_to_their_paths(tmp_path: Path, method: str) -> None:
     dataset, calls = _cache_input(20, seed=12)
     cached = _persisted(dataset, method, f"file://{tmp_path}/c")

@@ -102,6 +102,10 @@ class RemoteStore(FileStore):
         self.url = node.filename
         self.token = uuid.uuid4().hex
         self.names = _RemoteNames(self.url, self.token)
+        # A missing bucket or denied access is said now, not after a whole pass
+        # (FileNotFoundError / PermissionError naming the URL): one listing page.
+        with get_default_pool().transient(limiter=file_limiter(ctx)):
+            next(iter(objstore.list_objects(self.url.rsplit("/", 1)[0] + "/")), None)
         self.staging = tempfile.mkdtemp(prefix="headrace-cache-")
         try:
             super().__init__(node, ctx, account, epochs, os.path.join(self.staging, "cache"))
@@ -203,7 +207,7 @@ def _publish(manifest_url: str, manifest: bytes, token: str) -> bool:
 
 def _delete_quietly(urls: Any) -> None:
     for url in urls:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError), get_default_pool().borrow():
             objstore.delete_object(url)
 
 
