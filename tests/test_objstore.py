@@ -1050,10 +1050,16 @@ def test_a_cache_on_s3_is_read_by_another_process(s3: str) -> None:
     ("take", "snapshot-"), ("raise", "snapshot-GZIP"),
 ])
 def test_an_interrupted_first_pass_leaves_no_cache_on_s3(
-    s3: str, monkeypatch: pytest.MonkeyPatch, stop: str, method: str
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: str, method: str
 ) -> None:
     """A pass that stops early (``take``, an exception, an upload that fails) publishes
-    no manifest and leaves no object; the next pass reads the input and writes it."""
+    no manifest and leaves no object, nor its local staging directory; the next pass
+    reads the input and writes it."""
+    import tempfile
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(staging))
     prefix = f"s3://{BUCKET}/interrupted-{stop}-{method}/"
     dataset, calls = _cache_input(60, seed=3)
     expected = _plain(_read(dataset))
@@ -1081,15 +1087,17 @@ def test_an_interrupted_first_pass_leaves_no_cache_on_s3(
             def refused(url: str, data: bytes) -> bool:
                 raise OSError(5, "the manifest's upload failed", url)
 
+            put_if_absent = objstore.put_if_absent
             monkeypatch.setattr(objstore, "put_if_absent", refused)
             with pytest.raises(OSError, match="the manifest's upload failed"):
                 _read(cached)
-            monkeypatch.undo()
+            monkeypatch.setattr(objstore, "put_if_absent", put_if_absent)
     assert _objects(prefix) == []  # nothing published, nothing left behind
+    assert list(staging.iterdir()) == []
     dataset, calls = _cache_input(60, seed=3)
     cached = _persisted(dataset, method, prefix + "c")
     assert _plain(_read(cached)) == expected and len(calls) == 60
-    assert len(_objects(prefix)) == 4
+    assert len(_objects(prefix)) == 4 and list(staging.iterdir()) == []
     calls.clear()
     assert _plain(_read(cached)) == expected and calls == []
 

@@ -35,6 +35,7 @@ import re
 import shutil
 import tempfile
 import uuid
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -107,10 +108,12 @@ class RemoteStore(FileStore):
         with get_default_pool().transient(limiter=file_limiter(ctx)):
             next(iter(objstore.list_objects(self.url.rsplit("/", 1)[0] + "/")), None)
         self.staging = tempfile.mkdtemp(prefix="headrace-cache-")
+        # (removed when the pass ends, or at exit if the process ends first)
+        self.remove_staging = weakref.finalize(self, shutil.rmtree, self.staging, True)
         try:
             super().__init__(node, ctx, account, epochs, os.path.join(self.staging, "cache"))
         except BaseException:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            self.remove_staging()
             raise
 
     def manifest_fields(self) -> dict[str, Any]:
@@ -129,7 +132,7 @@ class RemoteStore(FileStore):
                 self.complete, self.partial = False, False
                 raise
         finally:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            self.remove_staging()
 
     def _upload(self) -> None:
         """The data objects, then the manifest, only if no manifest is there; a manifest
@@ -173,7 +176,7 @@ class RemoteStore(FileStore):
         try:
             super().discard()
         finally:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            self.remove_staging()
 
 
 def _publish(manifest_url: str, manifest: bytes, token: str) -> bool:
