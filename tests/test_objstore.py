@@ -1293,6 +1293,33 @@ def test_racing_writers_keep_the_first_manifest(s3: str) -> None:
     assert len(replaced) == 4 and not set(replaced) & (set(published) - {manifest.url})
 
 
+def test_a_store_without_conditional_writes_still_publishes_once(
+    s3: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that refuses If-None-Match (501, or the client's NotSupported): the
+    manifest is published if no object is there (a HEAD first), never over one."""
+    import obstore
+    from obstore.exceptions import NotSupportedError
+
+    put = obstore.put
+
+    def no_create(store: Any, key: str, data: Any, **options: Any) -> Any:
+        if options.get("mode") == "create":
+            raise NotSupportedError("conditional put is not supported by this store")
+        return put(store, key, data, **options)
+
+    monkeypatch.setattr(obstore, "put", no_create)
+    url = f"s3://{BUCKET}/unconditional/m.json"
+    assert objstore.put_if_absent(url, b"first") is True
+    assert objstore.put_if_absent(url, b"second") is False
+    assert objstore.read_whole(objstore.object_info(url)) == b"first"
+    dataset, calls = _cache_input(20, seed=14)
+    cached = dataset.cache(f"s3://{BUCKET}/unconditional/c")
+    assert len(_read(cached)) == 20 and len(calls) == 20
+    calls.clear()
+    assert len(_read(cached)) == 20 and calls == []
+
+
 def test_cache_and_snapshot_urls_pick_their_store(monkeypatch: pytest.MonkeyPatch) -> None:
     """gs:// and az:// go through the same code as s3:// (no emulator here): the first
     request goes to the store of the URL's cloud."""

@@ -541,10 +541,26 @@ def put_if_absent(url: str, data: bytes) -> bool:
             obstore.put(store, key, data, mode="create")
         except AlreadyExistsError:
             return False
+        except Exception as error:
+            if not _UNSUPPORTED.search(f"{type(error).__name__} {error}"):
+                raise
+            # A server without conditional writes (an older S3-compatible one): look,
+            # then write. Two writers within that gap both write, the last one's stays.
+            try:
+                obstore.head(store, key)
+            except Exception as missing:
+                if _kind(missing) != "missing":
+                    raise
+                obstore.put(store, key, data)
+                return True
+            return False
         return True
 
     written: bool = _retrying(url, "uploading the object", attempt)
     return written
+
+
+_UNSUPPORTED = re.compile(r"NotSupportedError|\b501\b|NotImplemented")
 
 
 def copy_object(source: str, target: str) -> None:
