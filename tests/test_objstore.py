@@ -1244,6 +1244,40 @@ def test_reading_a_cache_from_s3_stays_within_the_budget(
     assert 0 < stage.peak <= stage.limit and stage.overdrawn_peak == 0, stage
 
 
+@pytest.mark.parametrize("cap", [1, 2])
+def test_reading_a_cache_from_s3_stays_under_the_file_cap(
+    s3: str, monkeypatch: pytest.MonkeyPatch, cap: int
+) -> None:
+    """G2: the cache object holds a slot of the pipeline's cap, and the range read ahead
+    takes another while it is fetched, only if one is free: under max_open_files=1
+    nothing is fetched on a thread (each read fetches its own range), under 2 the cap
+    is never passed; the elements are the same."""
+    url = f"s3://{BUCKET}/cache-cap-{cap}/c"
+    dataset, calls = _cache_input(150, seed=15)
+    expected = _plain(_read(dataset.cache(url)))
+    options = hr.Options()
+    options.max_open_files = cap
+    options.memory_budget = "3MiB"  # (runs of a few hundred KiB: many ranges)
+    slots: list[tuple[bool, int]] = []
+    fetch_ahead = objstore._fetch_ahead
+
+    def spied(info: Any, offset: int, size: int, pool: Any, limiter: Any) -> Any:
+        with pool.transient(wait=False, limiter=limiter) as got:  # (a look at the cap
+            slots.append((got, limiter.open_files if got else 0))  # with the slot held)
+        return fetch_ahead(info, offset, size, pool, limiter)
+
+    monkeypatch.setattr(objstore, "_fetch_ahead", spied)
+    calls.clear()
+    with FdPeak() as fds:
+        assert _plain(_read(dataset.cache(url).with_options(options))) == expected
+    assert calls == [] and len(slots) > 3
+    if cap == 1:
+        assert not any(got for got, _ in slots)
+    else:
+        assert all(got for got, _ in slots) and max(held for _, held in slots) <= cap
+        assert fds.growth <= cap, f"{fds.growth} descriptors/connections under a cap of {cap}"
+
+
 @pytest.mark.parametrize("phase", ["reading", "writing"])
 def test_resuming_a_cache_on_s3_mid_pass_equals_the_uninterrupted_run(
     s3: str, phase: str
