@@ -1175,6 +1175,38 @@ def test_faults_while_a_cache_is_read_from_s3_lose_and_repeat_nothing(
     assert faults.done_resets == 4 and faults.done_503 == 3  # the faults happened
 
 
+def test_503s_while_a_cache_is_uploaded_are_retried(
+    s3: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """503 SlowDown answers to the upload's PUTs (data, index, checksums, the conditional
+    manifest) are retried from the file's start; the cache is published once, whole."""
+    from headrace.persist import remote_store
+
+    prefix = f"s3://{BUCKET}/upload-503/"
+    dataset, calls = _cache_input(80, seed=16)
+    faults = Faults()
+    proxy = FaultProxy(s3, faults)
+    upload = remote_store.RemoteStore._upload
+
+    def armed(store: Any) -> None:
+        with faults.lock:
+            faults.errors_503 = faults.done_503 + 4
+        upload(store)
+
+    monkeypatch.setattr(remote_store.RemoteStore, "_upload", armed)
+    try:
+        objstore.configure(f"s3://{BUCKET}", endpoint=proxy.endpoint,
+                           retry_config={"max_retries": 0})
+        objstore.configure(retry=objstore.RetryPolicy(attempts=10, initial_backoff=0.01))
+        expected = _plain(_read(dataset.cache(prefix + "c")))
+    finally:
+        proxy.close()
+    objstore.reset_stores()
+    assert faults.done_503 == 4 and len(_objects(prefix)) == 4
+    calls.clear()
+    assert _plain(_read(dataset.cache(prefix + "c"))) == expected and calls == []
+
+
 def test_reading_a_cache_from_s3_stays_within_the_budget(
     s3: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
