@@ -228,19 +228,44 @@ class Buffer:
         element larger than the whole share first makes the budget split
         itself again (:meth:`require`), or raises :class:`MemoryBudgetError`.
         """
-        self._check_fits(nbytes)
-        held = self.held + pending
+        # Per element (a prefetch's, a shuffle's): _check_fits, _pool_short, _pool_cost
+        # and _floor are inlined here, the same arithmetic without four Python calls.
+        limit = self.limit
+        if nbytes > limit:
+            self.require(nbytes, what="one element")
+            limit = self.limit
+        own = self.held
+        held = own + pending
         pool = self._pool
         if not held:
             # (an element within the stage's floor adds nothing to what the pool counts)
             if pool is not None and nbytes > self._floor():
                 self._refuse_past_pool(self._pool_cost(nbytes), "one element")
             return True
-        if held + nbytes > self.limit:
+        after = held + nbytes
+        if after > limit:
             return False
-        if pool is not None:
-            return not self._pool_short(pending + nbytes)
-        return not self.budget.over_shared_cap(pending + nbytes)
+        if pool is None:
+            return not self.budget.over_shared_cap(pending + nbytes)
+        # _pool_short(pending + nbytes): what the booking adds past max(held, floor)
+        old = self.minimum
+        if self.max_element > old:
+            old = self.max_element
+        if self._together > old:
+            old = self._together
+        if own > old:
+            old = own
+        cost = after - old
+        if cost <= 0:  # (within the floor, or what the stage holds: nothing new on the pool)
+            return True
+        total = pool.total
+        if pool.used + pool._slack + cost > total:
+            return False
+        run = self.budget
+        runs = pool._runs
+        return run.used + run._slack - run._floors + cost <= (total - pool._floors) // (
+            runs if runs > 1 else 1
+        )
 
     def wait_for_room(
         self,
@@ -396,10 +421,23 @@ class Buffer:
         outputs grew past their estimate.
         """
         for nbytes in sizes:
-            self._check_fits(nbytes)  # one alone past the share: split again, or refuse
+            if nbytes > self.limit:  # (_check_fits, inlined: per element)
+                self.require(nbytes, what="one element")  # split again, or refuse
         elements = 1 if count else 0  # count=False: bytes booked ahead for work in flight
+        book = self._book
+        bookings: list[Reservation] = []
         with self.lock:
-            return [self._book_existing(nbytes, elements) for nbytes in sizes]
+            for nbytes in sizes:  # (_book_existing, inlined: per element)
+                excess = self.held + nbytes - self.limit
+                if excess > nbytes:
+                    excess = nbytes
+                if excess <= 0:
+                    book(nbytes, elements)
+                    bookings.append(Reservation(self, nbytes))
+                    continue
+                book(nbytes, elements, overdraft=excess)
+                bookings.append(Overdraft(self, nbytes, excess))
+        return bookings
 
     def book_existing_total(self, sizes: list[int], *, count: bool = True) -> Reservation:
         """:meth:`admit_existing` for elements released together: one booking for all.
