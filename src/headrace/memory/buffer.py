@@ -376,7 +376,8 @@ class Buffer:
     def _book_sizes(self, sizes: list[int]) -> int:
         """Book elements of these sizes under one lock; returns their total."""
         for nbytes in sizes:
-            self._check_fits(nbytes)
+            if nbytes > self.limit:  # (_check_fits, inlined: per element)
+                self.require(nbytes, what="one element")
         total = sum(sizes)
         with self.lock:
             self._book(total, len(sizes))  # (counts the pool's part, but a larger floor)
