@@ -137,7 +137,9 @@ class Buffer:
         room = self.limit - self.held
         if self._pool is not None:
             with self.lock:
-                room = min(room, self._pool_room())
+                pooled = self._pool_room()
+            if pooled < room:
+                room = pooled
         return room
 
     def is_empty(self) -> bool:
@@ -607,12 +609,24 @@ class Buffer:
         pool = self._pool
         assert pool is not None
         run = self.budget
-        gap = max(0, self._floor() - self.held)
-        free = pool.total - pool.used - pool._slack
-        fair = (pool.total - pool._floors) // max(pool._runs, 1) - (
+        # (compares, not max() and min(): a map asks this per call it starts)
+        floor = self.minimum
+        if self.max_element > floor:
+            floor = self.max_element
+        if self._together > floor:
+            floor = self._together
+        gap = floor - self.held
+        if gap < 0:
+            gap = 0
+        total = pool.total
+        free = total - pool.used - pool._slack
+        runs = pool._runs
+        fair = (total - pool._floors) // (runs if runs > 1 else 1) - (
             run.used + run._slack - run._floors
         )
-        return gap + max(0, min(free, fair))
+        if fair < free:
+            free = fair
+        return gap + free if free > 0 else gap
 
     def _pool_short(self, nbytes: int) -> bool:
         """True when ``nbytes`` more, beyond this stage's floor, would pass the shared

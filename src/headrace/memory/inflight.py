@@ -228,12 +228,19 @@ class InFlight:
         """Whether ``nbytes`` more fit beside what the stage holds and ``pending``."""
         return self.buffer.room() >= pending + nbytes
 
-    def call_bytes(self, calls: int) -> int:
+    def call_bytes(self, calls: int, room: int | None = None) -> int:
         """The most a new call should book, with up to ``calls`` in flight: what fits
-        beside what the stage holds, and a fraction of the share, so that calls run
-        side by side (its first input may pass it: see the map's chunks)."""
-        share = self.buffer.share() // max(1, min(calls, CALL_FRACTION))
-        return min(self.buffer.room(), max(1, share))
+        beside what the stage holds (``room``, where the caller just asked it), and a
+        fraction of the share, so that calls run side by side (its first input may pass
+        it: see the map's chunks)."""
+        if room is None:
+            room = self.buffer.room()
+        # (compares, not max() and min(): once per call started)
+        divisor = calls if calls < CALL_FRACTION else CALL_FRACTION
+        share = self.buffer.limit // (divisor if divisor > 1 else 1)
+        if share < 1:
+            share = 1
+        return room if room < share else share
 
     # -- booking ---------------------------------------------------------------------------
 

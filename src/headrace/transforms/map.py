@@ -684,7 +684,7 @@ class _ParallelMapIterator(Iterator):
         progress = _Progress(len(elements)) if self.finished is not None and elements else None
         try:
             future = self._start_call(elements, progress, call.first_index + call.start,
-                                      allowance=call.ticket.allowance, forced=forced)
+                                      allowance=call.ticket.booked, forced=forced)
         except Exception as refused:
             # The stage cannot run calls (its worker pool is broken): the chunk stays
             # pending with its elements' place and input state, and raises when its turn
@@ -734,9 +734,11 @@ class _ParallelMapIterator(Iterator):
     def _submit_more(self) -> None:
         ledger = self.ledger
         self._start_waiting()
+        # (settles happen on this thread, in _collect: not while this loop runs)
+        most = 2 * self.threads if ledger.settled() else 1 + self.straggling
         while (
             not self.exhausted
-            and len(self.calls) < (2 * self.threads if ledger.settled() else 1 + self.straggling)
+            and len(self.calls) < most
             # Nothing in flight or ready: one call may always start (progress); otherwise
             # only while its output, at the largest size seen, fits beside what is held.
             and ledger.may_start(not self.calls and not self.ready)
@@ -792,7 +794,8 @@ class _ParallelMapIterator(Iterator):
         estimate = ledger.largest()
         # (what a chunk's first input must fit beside: nothing, where nothing is in flight)
         alone = not self.calls and not self.ready
-        room, cap = ledger.room(), ledger.call_bytes(2 * self.threads)
+        room = ledger.room()
+        cap = ledger.call_bytes(2 * self.threads, room)
         spent = 0  # bytes this chunk books
         while len(elements) < self.chunk and (not elements or spent + estimate <= cap):
             try:
@@ -907,7 +910,7 @@ class _ParallelMapIterator(Iterator):
         ledger, ticket, ran = self.ledger, call.ticket, len(outputs)
         # Inputs the call did not run (past its allowance) take what is left of the
         # booking once the outputs made are paid for.
-        rest = ledger.split(ticket, ran, sum(costs)) if ran < len(ticket) else None
+        rest = ledger.split(ticket, ran, sum(costs)) if ran < len(ticket.expected) else None
         per_element = seconds / max(ran, 1)
         if per_element > 0:
             wanted = int(self.target_call_seconds / per_element) or 1
