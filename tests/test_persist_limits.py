@@ -361,3 +361,38 @@ def test_an_element_is_sized_by_its_values_without_abc_checks_or_getsizeof(seed:
               if not isinstance(v, (np.ndarray, np.generic, int, float))]
     assert "__instancecheck__" not in calls, calls  # an ABC's isinstance, per element
     assert calls.count("getsizeof") == len(others), (calls, element.keys())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_writer_cuts_chunks_where_payload_bytes_of_says(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer sizes a dict element inline (per element: a call less); the oracle is
+    :func:`writers._payload_bytes_of` summed per chunk, cut at CHUNK_ELEMENTS elements or
+    CHUNK_BYTES bytes. Elements of every kind, large arrays among them, and mappings
+    that are not dicts (sized by the function itself)."""
+    from types import MappingProxyType
+
+    rng = random.Random(seed)
+    elements: list[Any] = []
+    for i in range(rng.randint(1500, 3000)):
+        element: Any = _element_of_kinds(seed * 10_000 + i)
+        if rng.random() < 0.05:
+            element["big"] = np.zeros(rng.randint(1, 400_000), np.float32)
+        if rng.random() < 0.1:
+            element = MappingProxyType(element)
+        elements.append(element)
+    expected, count, nbytes = [], 0, 0
+    for element in elements:
+        count += 1
+        nbytes += writers._payload_bytes_of(element)
+        if count == writers.CHUNK_ELEMENTS or nbytes >= writers.CHUNK_BYTES:
+            expected.append(count)
+            count = nbytes = 0
+    if count:
+        expected.append(count)
+    monkeypatch.setattr(writers, "_encode_rows", lambda pending, first: list(pending))
+    chunks = list(writers._record_chunks(elements, batched=False))
+    assert [len(chunk) for chunk in chunks] == expected
+    assert [e for chunk in chunks for e in chunk] == elements
+    assert any(n < writers.CHUNK_ELEMENTS for n in expected[:-1])  # (cut by bytes too)

@@ -61,3 +61,22 @@ def test_threads_sharing_an_iterator_get_each_element_once(seed: int) -> None:
         assert not any(thread.is_alive() for thread in threads), "a thread is stuck"
     assert not errors
     assert Counter(x for out in got for x in out) == expected
+
+
+def test_an_iterator_called_from_inside_its_own_next_is_refused_not_hung() -> None:
+    """A map function that pulls from the iterator running it would wait for itself
+    (one thread at a time in the stages): it gets a RuntimeError in its element's
+    place, and the iterator goes on."""
+    holder: dict[str, Any] = {}
+
+    def fn(x: Any) -> Any:
+        if int(x) == 3:
+            return next(holder["iterator"])
+        return x
+
+    with iter(hr.Dataset.range(6).map(fn)) as iterator:
+        holder["iterator"] = iterator
+        assert [int(next(iterator)) for _ in range(3)] == [0, 1, 2]
+        with pytest.raises(RuntimeError, match="inside its own next"):
+            next(iterator)
+        assert [int(x) for x in iterator] == [4, 5]

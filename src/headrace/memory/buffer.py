@@ -137,7 +137,9 @@ class Buffer:
         room = self.limit - self.held
         if self._pool is not None:
             with self.lock:
-                room = min(room, self._pool_room())
+                pooled = self._pool_room()
+            if pooled < room:
+                room = pooled
         return room
 
     def is_empty(self) -> bool:
@@ -228,19 +230,44 @@ class Buffer:
         element larger than the whole share first makes the budget split
         itself again (:meth:`require`), or raises :class:`MemoryBudgetError`.
         """
-        self._check_fits(nbytes)
-        held = self.held + pending
+        # Per element (a prefetch's, a shuffle's): _check_fits, _pool_short, _pool_cost
+        # and _floor are inlined here, the same arithmetic without four Python calls.
+        limit = self.limit
+        if nbytes > limit:
+            self.require(nbytes, what="one element")
+            limit = self.limit
+        own = self.held
+        held = own + pending
         pool = self._pool
         if not held:
             # (an element within the stage's floor adds nothing to what the pool counts)
             if pool is not None and nbytes > self._floor():
                 self._refuse_past_pool(self._pool_cost(nbytes), "one element")
             return True
-        if held + nbytes > self.limit:
+        after = held + nbytes
+        if after > limit:
             return False
-        if pool is not None:
-            return not self._pool_short(pending + nbytes)
-        return not self.budget.over_shared_cap(pending + nbytes)
+        if pool is None:
+            return not self.budget.over_shared_cap(pending + nbytes)
+        # _pool_short(pending + nbytes): what the booking adds past max(held, floor)
+        old = self.minimum
+        if self.max_element > old:
+            old = self.max_element
+        if self._together > old:
+            old = self._together
+        if own > old:
+            old = own
+        cost = after - old
+        if cost <= 0:  # (within the floor, or what the stage holds: nothing new on the pool)
+            return True
+        total = pool.total
+        if pool.used + pool._slack + cost > total:
+            return False
+        run = self.budget
+        runs = pool._runs
+        return run.used + run._slack - run._floors + cost <= (total - pool._floors) // (
+            runs if runs > 1 else 1
+        )
 
     def wait_for_room(
         self,
@@ -351,7 +378,8 @@ class Buffer:
     def _book_sizes(self, sizes: list[int]) -> int:
         """Book elements of these sizes under one lock; returns their total."""
         for nbytes in sizes:
-            self._check_fits(nbytes)
+            if nbytes > self.limit:  # (_check_fits, inlined: per element)
+                self.require(nbytes, what="one element")
         total = sum(sizes)
         with self.lock:
             self._book(total, len(sizes))  # (counts the pool's part, but a larger floor)
@@ -396,10 +424,23 @@ class Buffer:
         outputs grew past their estimate.
         """
         for nbytes in sizes:
-            self._check_fits(nbytes)  # one alone past the share: split again, or refuse
+            if nbytes > self.limit:  # (_check_fits, inlined: per element)
+                self.require(nbytes, what="one element")  # split again, or refuse
         elements = 1 if count else 0  # count=False: bytes booked ahead for work in flight
+        book = self._book
+        bookings: list[Reservation] = []
         with self.lock:
-            return [self._book_existing(nbytes, elements) for nbytes in sizes]
+            for nbytes in sizes:  # (_book_existing, inlined: per element)
+                excess = self.held + nbytes - self.limit
+                if excess > nbytes:
+                    excess = nbytes
+                if excess <= 0:
+                    book(nbytes, elements)
+                    bookings.append(Reservation(self, nbytes))
+                    continue
+                book(nbytes, elements, overdraft=excess)
+                bookings.append(Overdraft(self, nbytes, excess))
+        return bookings
 
     def book_existing_total(self, sizes: list[int], *, count: bool = True) -> Reservation:
         """:meth:`admit_existing` for elements released together: one booking for all.
@@ -568,12 +609,24 @@ class Buffer:
         pool = self._pool
         assert pool is not None
         run = self.budget
-        gap = max(0, self._floor() - self.held)
-        free = pool.total - pool.used - pool._slack
-        fair = (pool.total - pool._floors) // max(pool._runs, 1) - (
+        # (compares, not max() and min(): a map asks this per call it starts)
+        floor = self.minimum
+        if self.max_element > floor:
+            floor = self.max_element
+        if self._together > floor:
+            floor = self._together
+        gap = floor - self.held
+        if gap < 0:
+            gap = 0
+        total = pool.total
+        free = total - pool.used - pool._slack
+        runs = pool._runs
+        fair = (total - pool._floors) // (runs if runs > 1 else 1) - (
             run.used + run._slack - run._floors
         )
-        return gap + max(0, min(free, fair))
+        if fair < free:
+            free = fair
+        return gap + free if free > 0 else gap
 
     def _pool_short(self, nbytes: int) -> bool:
         """True when ``nbytes`` more, beyond this stage's floor, would pass the shared

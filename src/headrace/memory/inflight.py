@@ -228,12 +228,19 @@ class InFlight:
         """Whether ``nbytes`` more fit beside what the stage holds and ``pending``."""
         return self.buffer.room() >= pending + nbytes
 
-    def call_bytes(self, calls: int) -> int:
+    def call_bytes(self, calls: int, room: int | None = None) -> int:
         """The most a new call should book, with up to ``calls`` in flight: what fits
-        beside what the stage holds, and a fraction of the share, so that calls run
-        side by side (its first input may pass it: see the map's chunks)."""
-        share = self.buffer.share() // max(1, min(calls, CALL_FRACTION))
-        return min(self.buffer.room(), max(1, share))
+        beside what the stage holds (``room``, where the caller just asked it), and a
+        fraction of the share, so that calls run side by side (its first input may pass
+        it: see the map's chunks)."""
+        if room is None:
+            room = self.buffer.room()
+        # (compares, not max() and min(): once per call started)
+        divisor = calls if calls < CALL_FRACTION else CALL_FRACTION
+        share = self.buffer.limit // (divisor if divisor > 1 else 1)
+        if share < 1:
+            share = 1
+        return room if room < share else share
 
     # -- booking ---------------------------------------------------------------------------
 
@@ -245,7 +252,6 @@ class InFlight:
         booked together by :meth:`book`.
         """
         ticket.expected.append(expected)
-        ticket.slack = self._slack or 0
         ticket.inputs.append(nbytes or 1)  # (a sizer may say 0: a ratio's divisor)
         if upstream.account is None:
             ticket.pending += expected
@@ -256,7 +262,11 @@ class InFlight:
 
     def book(self, ticket: Ticket) -> Ticket:
         """Book what :meth:`add` left pending, as one booking. The inputs exist, so it is
-        booked as it is: past the share only if the first input did not fit alone."""
+        booked as it is: past the share only if the first input did not fit alone.
+
+        The ticket takes the slack learned so far (its expectations included it).
+        """
+        ticket.slack = self._slack or 0
         if ticket.pending:
             ticket.bookings.append(
                 self.buffer.book_existing_total([ticket.pending], count=False))
@@ -344,9 +354,12 @@ class InFlight:
         if not sizes:
             return []
         refused: dict[int, MemoryBudgetError] = {}
+        buffer = self.buffer
         for position, nbytes in enumerate(sizes):
+            if nbytes <= buffer.limit:  # (what expect checks first: a call per element less)
+                continue
             try:
-                self.buffer.expect(nbytes)
+                buffer.expect(nbytes)
             except MemoryBudgetError as error:
                 refused[position] = error
         if not refused:
@@ -377,9 +390,12 @@ class InFlight:
         if largest > self._largest:
             self._largest = largest
         if self.hint is None:
-            ratio = max(size / nbytes for size, nbytes in zip(sizes, inputs, strict=True))
-            if ratio > self._ratio:
-                self._ratio = ratio
+            ratio = self._ratio
+            for size, nbytes in zip(sizes, inputs, strict=True):  # (no generator: per element)
+                seen = size / nbytes
+                if seen > ratio:
+                    ratio = seen
+            self._ratio = ratio
         elif booked is not None:  # booked at the hints (plus ``slack`` each): what the
             # outputs cost beyond the hints alone (a booking that included the slack
             # must not teach that there is none)

@@ -113,11 +113,11 @@ def call_at(fn: Callable[..., Any], element: Any, position: tuple[int, ...]) -> 
     :mod:`headrace.core.position`): random ops seeded with an int draw from it."""
     token = _POSITION.set(position)
     try:
-        if isinstance(element, tuple):
-            return returned(fn(*element))
-        return returned(fn(element))
+        output = fn(*element) if isinstance(element, tuple) else fn(element)
     finally:
         _POSITION.reset(token)
+    # (structure.returned, inlined: this runs per element)
+    return tuple(output) if type(output) is list else output
 
 
 class PositionedCall:
@@ -466,8 +466,16 @@ def _apply_chunk(
     spent, last = 0, len(elements) - 1
     limit = -1 if allowance is None else allowance  # (over_allowance, inlined: per element)
     ahead = ledger is not None and limit >= 0
+    # Per element, the ledger's stop_before and observe are called only where they can
+    # answer or learn something: stop_before needs the largest output so far to pass
+    # the allowance, and observe (without a hint) only raises the largest. The ledger's
+    # fields are read here, as each call would (a Python call per element less, each).
     for position, element in enumerate(elements):
-        if ahead and (position or not forced) and ledger.stop_before(spent, limit):  # type: ignore[union-attr]
+        if (
+            ahead and (position or not forced)
+            and spent + ledger._largest > limit  # type: ignore[union-attr]
+            and ledger.stop_before(spent, limit)  # type: ignore[union-attr]
+        ):
             break  # its output would pass the allowance: the rest goes back
         if progress is not None and not progress.claim(position):
             break  # the rest was given to another call
@@ -482,7 +490,7 @@ def _apply_chunk(
         outputs.append(output)
         sizes.append(size)
         spent += size
-        if ledger is not None:
+        if ledger is not None and (size > ledger._largest or ledger.hint is not None):
             ledger.observe(size, limit)
         if spent > limit >= 0 and position < last:
             break  # past the allowance: the inputs left go back to the consumer
@@ -676,7 +684,7 @@ class _ParallelMapIterator(Iterator):
         progress = _Progress(len(elements)) if self.finished is not None and elements else None
         try:
             future = self._start_call(elements, progress, call.first_index + call.start,
-                                      allowance=call.ticket.allowance, forced=forced)
+                                      allowance=call.ticket.booked, forced=forced)
         except Exception as refused:
             # The stage cannot run calls (its worker pool is broken): the chunk stays
             # pending with its elements' place and input state, and raises when its turn
@@ -726,9 +734,11 @@ class _ParallelMapIterator(Iterator):
     def _submit_more(self) -> None:
         ledger = self.ledger
         self._start_waiting()
+        # (settles happen on this thread, in _collect: not while this loop runs)
+        most = 2 * self.threads if ledger.settled() else 1 + self.straggling
         while (
             not self.exhausted
-            and len(self.calls) < (2 * self.threads if ledger.settled() else 1 + self.straggling)
+            and len(self.calls) < most
             # Nothing in flight or ready: one call may always start (progress); otherwise
             # only while its output, at the largest size seen, fits beside what is held.
             and ledger.may_start(not self.calls and not self.ready)
@@ -777,14 +787,15 @@ class _ParallelMapIterator(Iterator):
         ticket = Ticket()
         upstream_error: Exception | None = None
         sizeof, ledger = self.ctx.sizeof, self.ledger
-        expect, add = ledger.expect, ledger.add
+        expect, add, account = ledger.expect, ledger.add, ledger.buffer
         probe = None if self.origin_probe is None else self.origin_probe[0]
         origins: list[Any] | None = None if probe is None else []
         self.pulled_origins = origins
         estimate = ledger.largest()
         # (what a chunk's first input must fit beside: nothing, where nothing is in flight)
         alone = not self.calls and not self.ready
-        room, cap = ledger.room(), ledger.call_bytes(2 * self.threads)
+        room = ledger.room()
+        cap = ledger.call_bytes(2 * self.threads, room)
         spent = 0  # bytes this chunk books
         while len(elements) < self.chunk and (not elements or spent + estimate <= cap):
             try:
@@ -800,7 +811,18 @@ class _ParallelMapIterator(Iterator):
             # (the output's size from the input itself, where output_nbytes says it).
             nbytes = sizeof(element)
             try:
-                size = expect(element, nbytes)
+                if ledger.hint is None or ledger._distrust:  # (expect's guess, inlined)
+                    size = int(nbytes * ledger._ratio)
+                    limit = account.limit
+                    if size > limit:
+                        size = limit
+                    largest = ledger._largest
+                    if largest > size:
+                        size = largest
+                    if nbytes > size:
+                        size = nbytes
+                else:
+                    size = expect(element, nbytes)
             except Exception as error:  # output_nbytes failed: the element's error, in its place
                 reservation.release()
                 where = None if origin is None or self.origin_probe is None else (
@@ -819,7 +841,12 @@ class _ParallelMapIterator(Iterator):
             elements.append(element)
             if origins is not None:
                 origins.append(origin)
-            add(ticket, nbytes, size, reservation)
+            if reservation.account is None:  # (add's common case, inlined: per element)
+                ticket.expected.append(size)
+                ticket.inputs.append(nbytes or 1)  # (a sizer may say 0: a ratio's divisor)
+                ticket.pending += size
+            else:
+                add(ticket, nbytes, size, reservation)
             spent += size
         if elements or upstream_error is not None or self.aside is not None:
             self.state_after_last_input = self.inner.get_state()
@@ -883,7 +910,7 @@ class _ParallelMapIterator(Iterator):
         ledger, ticket, ran = self.ledger, call.ticket, len(outputs)
         # Inputs the call did not run (past its allowance) take what is left of the
         # booking once the outputs made are paid for.
-        rest = ledger.split(ticket, ran, sum(costs)) if ran < len(ticket) else None
+        rest = ledger.split(ticket, ran, sum(costs)) if ran < len(ticket.expected) else None
         per_element = seconds / max(ran, 1)
         if per_element > 0:
             wanted = int(self.target_call_seconds / per_element) or 1

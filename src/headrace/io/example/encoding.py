@@ -20,6 +20,7 @@ BytesList; arrays of rank >= 2 flattened row-major, as example.proto prescribes.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from operator import add as _add
 from typing import Any
 
 import numpy as np
@@ -438,11 +439,22 @@ def encode_example_columns(
     # Each record joined once from its head and entries; an entry of a byte-array row
     # is (its head, a view of the row), so that row is copied once, into the record
     split = any(tuple in set(map(type, entries)) for entries in per_column)
-    for entries in zip(*per_column, strict=True):
-        if split:
+    if split:
+        for entries in zip(*per_column, strict=True):
             entries = tuple(piece for entry in entries for piece in (
                 entry if type(entry) is tuple else (entry,)))
-        length = sum(map(len, entries))
+            length = sum(map(len, entries))
+            head = heads.get(length)
+            if head is None:
+                head = heads[length] = example_tag + wire.encode_varint(length)
+            records.append(b"".join((head, *entries)))
+        return records
+    # Each record's length, column by column: loops in C (per record, a sum() over a
+    # map() cost a tenth of encoding a small Example)
+    lengths = list(map(len, per_column[0]))
+    for column in per_column[1:]:
+        lengths = list(map(_add, lengths, map(len, column)))
+    for entries, length in zip(zip(*per_column, strict=True), lengths, strict=True):
         head = heads.get(length)
         if head is None:
             head = heads[length] = example_tag + wire.encode_varint(length)
