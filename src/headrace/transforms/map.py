@@ -787,7 +787,7 @@ class _ParallelMapIterator(Iterator):
         ticket = Ticket()
         upstream_error: Exception | None = None
         sizeof, ledger = self.ctx.sizeof, self.ledger
-        expect, add, account = ledger.expect, ledger.add, ledger.buffer
+        expect, add = ledger.expect, ledger.add
         probe = None if self.origin_probe is None else self.origin_probe[0]
         origins: list[Any] | None = None if probe is None else []
         self.pulled_origins = origins
@@ -795,6 +795,7 @@ class _ParallelMapIterator(Iterator):
         # (what a chunk's first input must fit beside: nothing, where nothing is in flight)
         alone = not self.calls and not self.ready
         room = ledger.room()
+        share = ledger.share()  # (expect's cap, read once a chunk)
         cap = ledger.call_bytes(2 * self.threads, room)
         spent = 0  # bytes this chunk books
         while len(elements) < self.chunk and (not elements or spent + estimate <= cap):
@@ -813,9 +814,8 @@ class _ParallelMapIterator(Iterator):
             try:
                 if ledger.hint is None or ledger._distrust:  # (expect's guess, inlined)
                     size = int(nbytes * ledger._ratio)
-                    limit = account.limit
-                    if size > limit:
-                        size = limit
+                    if size > share:
+                        size = share
                     largest = ledger._largest
                     if largest > size:
                         size = largest
