@@ -998,8 +998,8 @@ def _renew(consumer_ref: weakref.ref[ServiceConsumer], wake: threading.Event,
         wake.wait(interval)
         wake.clear()
         consumer = consumer_ref()
-        if consumer is None:
-            return
+        if consumer is None or not ray.is_initialized():
+            return  # (after ray.shutdown, a remote call would start Ray again)
         try:
             sent = time.monotonic()
             taken, consumer._unreported = consumer._unreported, {}
