@@ -9,9 +9,11 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 import headrace as hr
+
+sys.path.insert(0, str(Path(__file__).parent))
 from headrace.ray import DataService, ServiceConsumer, ServiceError
+from ray_cluster import two_node_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +34,7 @@ N, SPLITS, CHUNK = 600, 6, 8
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    nodes = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 80 << 20, "include_dashboard": False})
-    nodes.add_node(num_cpus=2, object_store_memory=80 << 20)
-    ray.init(address=nodes.address, log_to_driver=False, configure_logging=False)
-    yield nodes
-    ray.shutdown()
-    nodes.shutdown()
+    yield from two_node_cluster()
 
 
 def _service(sharding: str = "dynamic", **options: Any) -> DataService:

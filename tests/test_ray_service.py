@@ -5,6 +5,7 @@ is killed mid-epoch; static sharding deterministic; a job resumed from consumer 
 from __future__ import annotations
 
 import pickle
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,20 +17,17 @@ import ray
 from ray.cluster_utils import Cluster
 
 import headrace as hr
+
+sys.path.insert(0, str(Path(__file__).parent))
 from headrace.ray import DataService, ServiceConsumer, from_ray, to_ray
+from ray_cluster import two_node_cluster
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    nodes = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 80 << 20, "include_dashboard": False})
-    nodes.add_node(num_cpus=2, object_store_memory=80 << 20)
-    ray.init(address=nodes.address, log_to_driver=False, configure_logging=False)
-    yield nodes
-    ray.shutdown()
-    nodes.shutdown()
+    yield from two_node_cluster()
 
 
 def _upper(line: Any) -> Any:
