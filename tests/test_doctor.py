@@ -1,9 +1,11 @@
 """The doctor at the cost of a plain epoch (issue 24): untraced epochs by default, a short
-traced pass only to say where a leak was allocated, ``deep=True`` for the old way, and bad
-counts refused before anything runs."""
+traced pass only to say where a leak was allocated, ``deep=True`` for the old way, progress
+on the command line, and bad counts refused before anything runs."""
 
 from __future__ import annotations
 
+import re
+import textwrap
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -12,10 +14,13 @@ import numpy as np
 import pytest
 
 import headrace as hr
+from headrace.cli import main
 from headrace.errors import InvalidArgumentError
 from headrace.profiling import diagnose
 from headrace.profiling import doctor as doctor_module
 from headrace.profiling.doctor import ATTRIBUTION_EPOCHS, DEEP_FRAMES, allocated_bytes
+
+Capture = pytest.CaptureFixture[str]
 
 #: A leak no holder analysis can see: the list sits in a tuple, which is not a container
 #: the doctor costs, so only the allocation's traceback can name the stage.
@@ -164,3 +169,90 @@ def test_bad_counts_are_refused_before_anything_runs(options: dict[str, Any],
         diagnose(_rows(20).map(_notes_tracing), **options)
     assert str(raised.value).startswith(f"doctor: {message}")
     assert _TRACING == []  # not one element was made
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def _module(tmp_path: Path) -> Path:
+    path = tmp_path / "doctor_cli_pipeline.py"
+    path.write_text(textwrap.dedent(f"""
+        import numpy as np
+        import headrace as hr
+        from pathlib import Path
+
+        Path({str(tmp_path / "imported")!r}).touch()  # the command ran the file
+        HIDDEN = ([],)
+
+        def clean():
+            return hr.Dataset.range(100).map(lambda i: np.full(64, i)).batch(10)
+
+        def hide(i):
+            HIDDEN[0].append(np.ones(1024))
+            return i
+
+        def hidden():
+            return hr.Dataset.range(100).map(hide).batch(10)
+    """))
+    return path
+
+
+_EPOCH_LINE = re.compile(
+    r"headrace doctor: epoch (\d+)/(\d+): 10 elements in \d+\.\d\d s \(elapsed \d+\.\d s\), "
+    r"allocated \d+(\.\d)? [KMG]?i?B, anon\+shm \d+(\.\d)? [KMG]?i?B$")
+
+
+def test_cli_shows_progress_by_default_and_quiet_silences_it(tmp_path: Path,
+                                                             capsys: Capture) -> None:
+    module = _module(tmp_path)
+    assert main(["doctor", f"{module}:clean", "--epochs", "6"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 6, captured.err
+    for k, line in enumerate(lines, 1):
+        match = _EPOCH_LINE.match(line)
+        assert match, line
+        assert match.groups()[:2] == (str(k), "6")
+    assert "no leak" in captured.out
+    assert main(["doctor", f"{module}:clean", "--epochs", "5", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "no leak" in captured.out
+    assert main(["doctor", f"{module}:clean", "--epochs", "5", "--quiet", "--progress"]) == 0
+    assert len(capsys.readouterr().err.splitlines()) == 5
+
+
+def test_cli_shows_the_traced_pass_and_deep_skips_it(tmp_path: Path, capsys: Capture) -> None:
+    module = _module(tmp_path)
+    assert main(["doctor", f"{module}:hidden", "--epochs", "5"]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 5 + ATTRIBUTION_EPOCHS, captured.err
+    for k, line in enumerate(lines[5:], 1):
+        assert line.startswith(f"headrace doctor: leak: traced epoch {k}/{ATTRIBUTION_EPOCHS} "
+                               "(finding where it was allocated): 10 elements in "), line
+    assert "LEAK" in captured.out and f"allocated at {module}:" in captured.out
+    assert main(["doctor", f"{module}:hidden", "--epochs", "5", "--deep", "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert "traced" in captured.out and "epochs traced" not in captured.out
+    assert f"allocated at {module}:" in captured.out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--epochs", "0"], ["--epochs", "-1"], ["--epochs=-5"], ["--epochs", "4"], ["--epochs=4"],
+    ["--epochs", "5.0"], ["--epochs", "1e1"], ["--epochs", "five"], ["--epochs", ""],
+    ["--epochs", " "], ["--epochs", "0x10"], ["--epochs", "100001"], ["--epochs"],
+    ["--epochs", "8", "--steps", "0"],
+])
+def test_cli_bad_epochs_are_one_line_exit_2_and_run_nothing(tmp_path: Path, capsys: Capture,
+                                                            argv: list[str]) -> None:
+    module = _module(tmp_path)
+    assert main(["doctor", f"{module}:clean", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1, captured.err
+    option = "--steps" if "--steps" in argv else "--epochs"
+    assert captured.err.startswith(f"headrace doctor: error: argument {option}: ")
+    assert captured.err.endswith("(see headrace doctor --help)\n")
+    assert "Traceback" not in captured.err
+    assert not (tmp_path / "imported").exists()
