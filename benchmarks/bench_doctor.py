@@ -10,6 +10,8 @@ Each side runs in its own fresh interpreter (the same data, one side after the
 other) and reports wall and process CPU seconds per epoch:
 
 * **plain**: one warm-up epoch, then ``--epochs`` timed ones (``with iter(ds)``).
+* **plain-traced-1**: the plain side under ``tracemalloc.start(1)``: what even the
+  shallowest tracing costs this map.
 * **profile**: ``headrace.profiling.profile(ds, epochs=...)`` (lint included).
 * **doctor**: ``diagnose(ds)``, the doctor's default (8 epochs), the whole call
   (lint, every measure, attribution) divided by its 8 epochs.
@@ -27,8 +29,9 @@ The ratios are against the plain epoch: issue 24 asks for doctor <= 2x.
 
     PYTHONPATH=src python benchmarks/bench_doctor.py [--images 5000] [--epochs 3]
 
-writes benchmarks/results/doctor.json (the markdown table is printed; the
-committed benchmarks/results/doctor.md quotes runs of it with their load).
+writes benchmarks/results/doctor.json (doctor-<images>.json for another
+``--images``); the markdown table is printed, and benchmarks/results/doctor.md
+quotes runs of it with their load.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ from _harness import (  # noqa: E402 -- after the path insert
 #: The doctor's default. Its least, 5 (3 fitted), asks a 4-sigma t-test with one degree of
 #: freedom: noise under 1e-4 of the slope, which a 2 MiB/epoch leak here did not always meet.
 DOCTOR_EPOCHS = 8
-SIDES = ("plain", "profile", "doctor", "doctor-deep", "doctor-leaking", "doctor-hidden-leak")
+DEFAULT_IMAGES = 5000
+SIDES = ("plain", "plain-traced-1", "profile", "doctor", "doctor-deep", "doctor-leaking", "doctor-hidden-leak")
 
 
 def _cpu() -> float:
@@ -118,7 +122,11 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
     leak = {"doctor-leaking": "kept", "doctor-hidden-leak": "hidden"}.get(side, "")
     ds = _pipeline(images, leak=leak)
     result: dict[str, Any] = {"side": side}
-    if side == "plain":
+    if side.startswith("plain"):
+        import tracemalloc
+
+        if side == "plain-traced-1":
+            tracemalloc.start(1)
         per = []
         for k in range(epochs + 1):
             wall, cpu = time.perf_counter(), _cpu()
@@ -159,7 +167,7 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--images", type=int, default=5000)
+    parser.add_argument("--images", type=int, default=DEFAULT_IMAGES)
     parser.add_argument("--epochs", type=int, default=3, help="plain and profile epochs")
     parser.add_argument("--sides", default=",".join(SIDES))
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -199,7 +207,8 @@ def main() -> int:
           f"total {time.perf_counter() - started:.0f} s\n")
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "doctor.json").write_text(json.dumps(
+    stem = "doctor" if args.images == DEFAULT_IMAGES else f"doctor-{args.images}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(
         {"images": args.images, "epochs": args.epochs, "load_start": load, "load_end": end_load,
          "results": results}, indent=1) + "\n")
     return 0

@@ -32,9 +32,10 @@ attributes) is costed after the warm-up and after the last epoch; a holder
 that grew names its stage ("kept in SEEN (global of remember)"). A map that
 appends its elements to a list keeps memory that the stage which made them
 allocated, so allocation alone would blame the source. Then, where it was
-*allocated*, read from ``tracemalloc``'s tracebacks (of the traced pass): the innermost frame that
-lies in a function of the recipe (a map's function, a filter's predicate, a
-generator) or in a transformation's own module names the stage.
+*allocated*, read from ``tracemalloc``'s tracebacks (of the traced pass): the
+innermost frame that lies in a function of the recipe (a map's function, a
+filter's predicate, a generator) or in a transformation's own module names the
+stage.
 """
 
 from __future__ import annotations
@@ -614,7 +615,7 @@ def _blame(
     return growth
 
 
-def _positive_int(name: str, value: Any, least: int) -> int:
+def _integer_argument(name: str, value: Any, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgumentError(
             f"doctor: {name} must be an integer, got {value!r} ({type(value).__name__})")
@@ -625,10 +626,10 @@ def _positive_int(name: str, value: Any, least: int) -> int:
 
 def _check(epochs: Any, steps: Any, warmup: Any) -> None:
     """Refuse bad counts before anything runs, naming the argument and the value."""
-    _positive_int("warmup", warmup, 0)
+    _integer_argument("warmup", warmup, 0)
     if steps is not None:
-        _positive_int("steps", steps, 1)
-    _positive_int("epochs", epochs, 1)
+        _integer_argument("steps", steps, 1)
+    _integer_argument("epochs", epochs, 1)
     if epochs < warmup + 3:
         raise InvalidArgumentError(
             f"doctor: needs at least warmup + 3 = {warmup + 3} epochs (a leak is a trend "
