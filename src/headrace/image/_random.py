@@ -45,8 +45,8 @@ from headrace.image._codec import (
     decode_image,
     read_header,
 )
+from headrace.image._native import jpeg_module
 from headrace.image._ops import _image, adjust_brightness, adjust_contrast, resize
-from headrace.io._native import jpeg_module
 
 __all__ = [
     "InceptionCrop",
