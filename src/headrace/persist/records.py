@@ -51,8 +51,10 @@ __all__ = [
     "RecordReader",
     "RecordWriter",
     "book",
+    "check_alike_records",
     "checksums_digest",
     "chunk_bytes",
+    "scattered_footer",
 ]
 
 
@@ -62,8 +64,9 @@ _FRAME_FOOTER = struct.Struct("<I")  # its data's masked CRC
 #: Records at least this large are read each into a buffer of its own and decoded
 #: there (no copy); smaller ones are read in runs and split out (one small copy each).
 _IN_PLACE_BYTES = 32 << 10
-#: Records below this size are checked by the framing scanner (one call per run); larger
-#: ones one CRC call each (the scanner would copy every payload out).
+#: Batches of records from this size on, once their layout is known, are read straight
+#: into the batch's rows (one piece per leaf); smaller ones are read in runs into one
+#: buffer and copied out column by column (pieces of a few bytes would cost more).
 _SCAN_BELOW = 4 << 10
 
 
@@ -330,6 +333,90 @@ def _check_frame(
             f"{problem} at offset {offset}{stream} in file {path}", path=path, offset=offset
         )
     return 12, 12 + length
+
+
+#: CRC32C of ``n`` zero bytes, by ``n`` (what :func:`check_alike_records` needs per size).
+_ZEROS_CRC: dict[int, int] = {}
+_MASK_DELTA = np.uint32(0xA282EAD8)
+
+
+def check_alike_records(
+    view: memoryview, rows: int, size: int, start: int, path: str
+) -> np.ndarray[Any, Any]:
+    """Check a run of ``rows`` framed records of ``size`` bytes each (read at file offset
+    ``start`` into ``view``) as a TFRecord reader checks each one — length, length CRC,
+    data CRC — with one CRC32C pass over the whole run in C instead of a call (and a
+    copied-out payload) per record. Returns the records' footers (their masked data
+    CRCs). Internal: the frames' bytes in ``view`` are overwritten, the payloads stay.
+
+    Why one pass suffices: CRC32C is affine, so a record's payload ``p`` with CRC ``c``
+    followed by the four bytes ``c ^ crc32c(zeros(len(p)))`` drives the CRC register from
+    zero back to zero, and a record whose payload does not match its footer leaves it
+    non-zero. With the frames' headers zeroed (they are compared with the first record's,
+    which is checked in full) and each footer replaced so, the whole run leaves the
+    register at zero exactly when every record would pass its own check — an error in one
+    record is caught whenever its own CRC would catch it. A failure is then located
+    record by record, and reported as the record reader reports it (file and offset)."""
+    if rows <= 0:
+        return np.empty(0, np.uint32)
+    _check_frame(view[:size], start, path)  # the first record's frame, in full
+
+    def column(dtype: str, at: int) -> np.ndarray[Any, Any]:
+        # one field of every record, as a strided array (a loop over rows in C)
+        field: np.ndarray[Any, Any] = np.ndarray((rows,), dtype, view, at, (size,))
+        return field
+
+    lengths, length_crcs, footer = column("<u8", 0), column("<u4", 8), column("<u4", size - 4)
+    if rows > 1:
+        # (copied out first: NumPy's loops over unaligned strided fields are slow)
+        heads = lengths.astype(np.uint64) ^ (length_crcs.astype(np.uint64) << np.uint64(32))
+        differ = np.flatnonzero(heads != heads[0])
+        if len(differ):  # another length: its own check says what is wrong, and where
+            row = int(differ[0])
+            _check_frame(view[row * size : (row + 1) * size], start + row * size, path)
+    footers: np.ndarray[Any, Any] = footer.astype(np.uint32)
+    payload = size - RECORD_OVERHEAD_BYTES
+    zeros = _ZEROS_CRC.get(payload)
+    if zeros is None:
+        zeros = _ZEROS_CRC[payload] = crc32c(bytes(payload))
+    rotated = footers - _MASK_DELTA  # (unmasked, vectorized: see unmask_crc)
+    footer[...] = ((rotated >> np.uint32(17)) | (rotated << np.uint32(15))) ^ np.uint32(zeros)
+    lengths.fill(0)
+    length_crcs.fill(0)
+    if crc32c(view[: rows * size], 0xFFFFFFFF) != 0xFFFFFFFF:
+        for row in range(rows):
+            if crc32c(view[row * size : (row + 1) * size], 0xFFFFFFFF) != 0xFFFFFFFF:
+                offset = start + row * size
+                raise DataLossError(
+                    f"corrupted record (bad data checksum) at offset {offset} in file {path}",
+                    path=path,
+                    offset=offset,
+                )
+    return footers
+
+
+def scattered_footer(
+    frames: memoryview, mark: int, prefix: int, head: bytes, pieces: list[memoryview]
+) -> int | None:
+    """Internal: check one record read in pieces — its frame header and ``head`` (the
+    payload's skeleton) at ``frames[mark : mark + prefix]``, the rest of its payload in
+    ``pieces`` (where it landed: the batch's rows), its footer at ``frames[mark + prefix :
+    mark + prefix + 4]``. Returns the footer (the masked data CRC) when the record is
+    sound and has ``head``, None otherwise (the caller reads it again to say why)."""
+    length, length_crc = _FRAME_HEADER.unpack_from(frames, mark)
+    if length != prefix - 12 + sum(len(piece) for piece in pieces):
+        return None
+    if masked_crc32c(frames[mark : mark + 8]) != length_crc:
+        return None
+    if frames[mark + 12 : mark + prefix] != head:
+        return None
+    native = native_module()
+    extend = crc32c if native is None else native.crc32c  # (one call less per piece)
+    crc = extend(frames[mark + 12 : mark + prefix], 0)
+    for piece in pieces:
+        crc = extend(piece, crc)
+    (footer,) = _FRAME_FOOTER.unpack_from(frames, mark + prefix)
+    return footer if mask_crc(crc) == footer else None
 
 
 class RecordReader:
@@ -734,21 +821,9 @@ class RecordReader:
         targets: list[np.ndarray[Any, Any]], first: int,
     ) -> bool:
         """Whether record ``first + row``, read in pieces, is sound and has ``head``."""
-        mark = row * (prefix + 4)
-        length, length_crc = _FRAME_HEADER.unpack_from(frames, mark)
-        if length != prefix - 12 + sum(target.shape[1] for target in targets):
-            return False
-        if masked_crc32c(frames[mark : mark + 8]) != length_crc:
-            return False
-        if frames[mark + 12 : mark + prefix] != head:
-            return False
-        native = native_module()
-        extend = crc32c if native is None else native.crc32c  # (one call less per piece)
-        crc = extend(frames[mark + 12 : mark + prefix], 0)
-        for target in targets:
-            crc = extend(memoryview(target[row]), crc)
-        (footer,) = _FRAME_FOOTER.unpack_from(frames, mark + prefix)
-        if mask_crc(crc) != footer:
+        pieces = [memoryview(target[row]) for target in targets]
+        footer = scattered_footer(frames, row * (prefix + 4), prefix, head, pieces)
+        if footer is None:
             return False
         expected = self.expected
         return expected is None or footer == expected.crcs[first + row]
@@ -773,23 +848,13 @@ class RecordReader:
     def _check_run(self, view: memoryview, rows: int, size: int, start: int, first: int) -> None:
         """Every record of a run of ``rows`` records of ``size`` bytes read at file offset
         ``start`` checked (framing, both CRCs, the manifest's CRC), or an error naming the
-        file and the offset of the first one that is wrong."""
-        if size < _SCAN_BELOW:
-            # (the scanner copies each payload out: a few bytes each, dropped at once)
-            scratch = book(self.account, len(view) + rows * BYTES_OVERHEAD, "cached records checked")
-            try:
-                records_in_spans([view], [rows], [start], path=self.path)
-            finally:
-                scratch.release()
-        else:
-            for row in range(rows):
-                _check_frame(view[row * size : (row + 1) * size], start + row * size, self.path)
+        file and the offset of the first one that is wrong. The frames' bytes in ``view``
+        are overwritten (see :func:`check_alike_records`); the payloads stay."""
+        footers = check_alike_records(view, rows, size, start, self.path)
         expected = self.expected
         if expected is None:
             return
-        footers = np.frombuffer(view, np.uint8).reshape(rows, size)[:, size - 4 :]
-        crcs = footers.copy().view("<u4").reshape(-1)
-        wrong = np.flatnonzero(crcs != expected.crcs[first : first + rows])
+        wrong = np.flatnonzero(footers != expected.crcs[first : first + rows])
         if len(wrong):
             entry = first + int(wrong[0])
             offset = int(self.offsets[entry])
