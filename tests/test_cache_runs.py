@@ -20,7 +20,7 @@ import headrace as hr
 from headrace.errors import DataLossError
 from headrace.io.tfrecord.framing import encode_records
 from headrace.io.tfrecord.reader import records_in_spans
-from headrace.persist.records import check_alike_records
+from headrace.persist.records import check_alike_records, check_scattered
 
 
 def _run(rows: int, payload: int, seed: int) -> tuple[bytes, list[bytes]]:
@@ -76,6 +76,56 @@ def test_two_records_swapped_within_a_run_still_pass_each_their_own_check() -> N
     footers = check_alike_records(memoryview(swapped), 10, size, 0, "f")
     original = check_alike_records(memoryview(bytearray(framed)), 10, size, 0, "f")
     assert footers[[2, 5]].tolist() == original[[5, 2]].tolist()
+
+
+def _scattered(
+    framed: bytes, rows: int, head: bytes, widths: list[int]
+) -> tuple[bytearray, list[np.ndarray], int]:
+    """Records laid out as a scattered read lays them: frame header and skeleton, then
+    each leaf's bytes into its target's row, then the footer."""
+    size = len(framed) // rows
+    prefix = 12 + len(head)
+    frames = bytearray(rows * (prefix + 4))
+    targets = [np.zeros((rows, width), np.uint8) for width in widths]
+    for row in range(rows):
+        record = framed[row * size : (row + 1) * size]
+        frames[row * (prefix + 4) : row * (prefix + 4) + prefix] = record[:prefix]
+        at = prefix
+        for target, width in zip(targets, widths, strict=True):
+            target[row] = np.frombuffer(record[at : at + width], np.uint8)
+            at += width
+        frames[row * (prefix + 4) + prefix : (row + 1) * (prefix + 4)] = record[-4:]
+    return frames, targets, prefix
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_records_read_into_rows_are_refused_at_the_record_that_changed(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows, widths = int(rng.integers(1, 40)), [int(w) for w in rng.integers(0, 3000, 2)]
+    head = b"\x09\x00\x00\x00skeleton!"
+    payloads = [head + rng.bytes(sum(widths)) for _ in range(rows)]
+    framed = encode_records(payloads)
+    frames, targets, prefix = _scattered(framed, rows, head, widths)
+    footers, wrong = check_scattered(memoryview(frames), prefix, head, targets, list(range(rows)))
+    assert wrong == -1
+    size = len(framed) // rows
+    assert footers.tolist() == [
+        int.from_bytes(framed[(row + 1) * size - 4 : (row + 1) * size], "little")
+        for row in range(rows)
+    ]
+    damaged = bytearray(framed)
+    where = int(rng.integers(len(damaged)))
+    damaged[where] ^= 1 << int(rng.integers(8))
+    frames, targets, prefix = _scattered(bytes(damaged), rows, head, widths)
+    _, wrong = check_scattered(memoryview(frames), prefix, head, targets, list(range(rows)))
+    assert wrong == where // size
+
+
+def test_a_sound_record_of_another_skeleton_is_flagged() -> None:
+    head, other = b"\x03\x00\x00\x00abc", b"\x03\x00\x00\x00abd"
+    framed = encode_records([head + bytes(50), other + bytes(50), head + bytes(50)])
+    frames, targets, prefix = _scattered(framed, 3, head, [50])
+    assert check_scattered(memoryview(frames), prefix, head, targets, [0, 1, 2])[1] == 1
 
 
 def _touch_like(path: Path, data: bytes) -> None:

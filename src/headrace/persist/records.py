@@ -29,7 +29,7 @@ import xxhash
 from headrace.core.iterator import Context
 from headrace.errors import DataLossError
 from headrace.io import objstore
-from headrace.io._crc32c import crc32c, mask_crc, masked_crc32c
+from headrace.io._crc32c import crc32c, masked_crc32c
 from headrace.io._native import native_module
 from headrace.io.blocks import BlockCodec
 from headrace.io.elements import EncodedParts, decode_element
@@ -52,9 +52,9 @@ __all__ = [
     "RecordWriter",
     "book",
     "check_alike_records",
+    "check_scattered",
     "checksums_digest",
     "chunk_bytes",
-    "scattered_footer",
 ]
 
 
@@ -395,28 +395,46 @@ def check_alike_records(
     return footers
 
 
-def scattered_footer(
-    frames: memoryview, mark: int, prefix: int, head: bytes, pieces: list[memoryview]
-) -> int | None:
-    """Internal: check one record read in pieces — its frame header and ``head`` (the
-    payload's skeleton) at ``frames[mark : mark + prefix]``, the rest of its payload in
-    ``pieces`` (where it landed: the batch's rows), its footer at ``frames[mark + prefix :
-    mark + prefix + 4]``. Returns the footer (the masked data CRC) when the record is
-    sound and has ``head``, None otherwise (the caller reads it again to say why)."""
-    length, length_crc = _FRAME_HEADER.unpack_from(frames, mark)
-    if length != prefix - 12 + sum(len(piece) for piece in pieces):
-        return None
-    if masked_crc32c(frames[mark : mark + 8]) != length_crc:
-        return None
-    if frames[mark + 12 : mark + prefix] != head:
-        return None
+def check_scattered(
+    frames: memoryview, prefix: int, head: bytes,
+    targets: list[np.ndarray[Any, Any]], rows: list[int],
+) -> tuple[np.ndarray[Any, Any], int]:
+    """Internal: check records read in pieces — record ``k``'s frame header and ``head``
+    (the payload's skeleton) at ``frames[k * (prefix + 4) :][:prefix]``, the rest of its
+    payload in row ``rows[k]`` of each of ``targets`` (where it landed: the batch's rows),
+    its footer in the four bytes after its prefix. Returns the footers (masked data
+    CRCs) and the first ``k`` whose record is not sound or has another skeleton (-1 when
+    none; the caller reads that one again to say why).
+
+    The frames are compared all at once (every header must be the one the length
+    implies, every skeleton ``head``); the data CRCs start from ``head``'s, the same for
+    every record, so each record costs one CRC call in C per target."""
+    count, stride = len(rows), prefix + 4
+
+    def column(dtype: str, at: int) -> np.ndarray[Any, Any]:
+        field: np.ndarray[Any, Any] = np.ndarray((count,), dtype, frames, at, (stride,))
+        return field
+
+    length = prefix - 12 + sum(target.shape[1] for target in targets)
+    length_crc = masked_crc32c(length.to_bytes(8, "little"))
+    skeletons = column(f"V{len(head)}", 12) if head else None
+    footers = column("<u4", prefix).astype(np.uint32)
+    bad = (column("<u8", 0) != length) | (column("<u4", 8) != length_crc)
+    if skeletons is not None:
+        bad |= skeletons != np.void(head)
     native = native_module()
     extend = crc32c if native is None else native.crc32c  # (one call less per piece)
-    crc = extend(frames[mark + 12 : mark + prefix], 0)
-    for piece in pieces:
-        crc = extend(piece, crc)
-    (footer,) = _FRAME_FOOTER.unpack_from(frames, mark + prefix)
-    return footer if mask_crc(crc) == footer else None
+    start = extend(head, 0)
+    crcs = np.empty(count, np.uint32)
+    for number, row in enumerate(rows):
+        crc = start
+        for target in targets:
+            crc = extend(target[row], crc)
+        crcs[number] = crc
+    rotated = crcs >> np.uint32(15) | crcs << np.uint32(17)
+    bad |= rotated + np.uint32(_MASK_DELTA) != footers  # (masked, as mask_crc does)
+    wrong = np.flatnonzero(bad)
+    return footers, int(wrong[0]) if len(wrong) else -1
 
 
 class RecordReader:
@@ -803,30 +821,24 @@ class RecordReader:
                     if self.stream.pread_scatter(start, pieces) < wanted:
                         booking.release()
                         return None  # a truncated file: the record reader names where
-                    for row in range(at, stop):
-                        if not self._scattered_ok(frames, row, prefix, head, targets, first):
-                            self._check_alone(first + row)  # raises, naming the record
-                            booking.release()
-                            self.columnar = False  # sound, but another skeleton
-                            return None
+                    footers, wrong = check_scattered(
+                        frames[at * (prefix + 4) :], prefix, head, targets, list(range(at, stop))
+                    )
+                    expected = self.expected
+                    if wrong < 0 and expected is not None:
+                        differ = np.flatnonzero(footers != expected.crcs[first + at : first + stop])
+                        wrong = int(differ[0]) if len(differ) else -1
+                    if wrong >= 0:
+                        self._check_alone(first + at + wrong)  # raises, naming the record
+                        booking.release()
+                        self.columnar = False  # sound, but another skeleton
+                        return None
         except BaseException:
             booking.release()
             raise
         self._release_pending()
         self.next = last
         return layout.build(iter(outputs)), booking, rows
-
-    def _scattered_ok(
-        self, frames: memoryview, row: int, prefix: int, head: bytes,
-        targets: list[np.ndarray[Any, Any]], first: int,
-    ) -> bool:
-        """Whether record ``first + row``, read in pieces, is sound and has ``head``."""
-        pieces = [memoryview(target[row]) for target in targets]
-        footer = scattered_footer(frames, row * (prefix + 4), prefix, head, pieces)
-        if footer is None:
-            return False
-        expected = self.expected
-        return expected is None or footer == expected.crcs[first + row]
 
     def _check_alone(self, record: int) -> None:
         """Read record ``record`` alone and check it as :meth:`pull` does (raising the

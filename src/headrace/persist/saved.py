@@ -80,7 +80,7 @@ from headrace.io.tfrecord_index import _write_atomically as write_atomically
 from headrace.io.tfrecord_index import build_index
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
 from headrace.persist.columnar import layout_for
-from headrace.persist.records import BYTES_OVERHEAD, check_alike_records, scattered_footer
+from headrace.persist.records import BYTES_OVERHEAD, check_alike_records, check_scattered
 from headrace.sources.files import file_limiter
 from headrace.sources.tfrecord import IndexedTFRecordNode
 from headrace.structure import TensorSpec, flatten, leaf_spec, map_structure, spec_of
@@ -1187,13 +1187,12 @@ class _LoadedAccess(RandomAccess):
                     if stream.pread_scatter(begin + at * size, pieces) < len(chunk) * size:
                         self._check_alone(numbers[chunk])  # a truncated file: names where
                         return False
-                    for number, row in enumerate(chunk):
-                        landed = [memoryview(target[row]) for target in targets]
-                        mark = number * (prefix + 4)
-                        if scattered_footer(frames, mark, prefix, head, landed) is None:
-                            self._check_alone(numbers[row : row + 1])  # raises if damaged
-                            self.columnar = False  # sound, but another skeleton
-                            return False
+                    _, wrong = check_scattered(frames, prefix, head, targets, chunk)
+                    if wrong >= 0:
+                        row = chunk[wrong]
+                        self._check_alone(numbers[row : row + 1])  # raises if damaged
+                        self.columnar = False  # sound, but another skeleton
+                        return False
         finally:
             del frames
             held.release()
