@@ -370,9 +370,9 @@ def check_alike_records(
     if rows > 1:
         # (copied out first: NumPy's loops over unaligned strided fields are slow)
         heads = lengths.astype(np.uint64) ^ (length_crcs.astype(np.uint64) << np.uint64(32))
-        differ = np.flatnonzero(heads != heads[0])
-        if len(differ):  # another length: its own check says what is wrong, and where
-            row = int(differ[0])
+        differ = heads != heads[0]
+        if differ.any():  # another length: its own check says what is wrong, and where
+            row = int(differ.argmax())
             _check_frame(view[row * size : (row + 1) * size], start + row * size, path)
     footers: np.ndarray[Any, Any] = footer.astype(np.uint32)
     payload = size - RECORD_OVERHEAD_BYTES
@@ -433,8 +433,7 @@ def check_scattered(
         crcs[number] = crc
     rotated = crcs >> np.uint32(15) | crcs << np.uint32(17)
     bad |= rotated + np.uint32(_MASK_DELTA) != footers  # (masked, as mask_crc does)
-    wrong = np.flatnonzero(bad)
-    return footers, int(wrong[0]) if len(wrong) else -1
+    return footers, int(bad.argmax()) if bad.any() else -1
 
 
 class RecordReader:
@@ -491,6 +490,8 @@ class RecordReader:
         #: Large records of a layout already met: (record size, head, layout), read
         #: straight into the batch (:meth:`_scatter_batch`).
         self.scatter_plan: tuple[int, bytes, Layout] | None = None
+        #: The framed size all records share, 0 where they differ (see :meth:`_one_size`).
+        self.uniform: int | None = None
 
     #: Whether :meth:`read_batch` may serve batches from this reader's records.
     columnar_reads = True
@@ -716,7 +717,7 @@ class RecordReader:
         size = self._end(first) - begin
         if self._end(last - 1) - begin != size * (last - first) or size < RECORD_OVERHEAD_BYTES + 4:
             return None
-        if last - first > 1:  # one size for all: the ends are evenly spaced
+        if last - first > 1 and self._one_size() != size:  # the ends evenly spaced
             spacing = np.diff(self.offsets[first:last])
             if spacing.min() != size or spacing.max() != size:
                 return None
@@ -757,8 +758,8 @@ class RecordReader:
                     )
                     outputs = layout.allocate(last - first)
                 assert head is not None
-                heads = records[:, 12 : 12 + len(head)]
-                if not (heads == np.frombuffer(head, np.uint8)).all():
+                heads = np.ndarray((rows,), f"V{len(head)}", buffer, 12, (size,))
+                if (heads != np.void(head)).any():
                     booking.release()
                     self.columnar = False  # skeletons mixed in runs: one by one from now
                     return None
@@ -781,6 +782,22 @@ class RecordReader:
         elif last == total:  # the end: the read buffer goes before the reader does
             self._drop_run_buffer()
         return layout.build(iter(outputs)), booking, last - first
+
+    def _one_size(self) -> int:
+        """The framed size every record of the file shares (0 where they differ), found
+        once, a slice of the index at a time: a batch then need not compare its
+        records' offsets."""
+        if self.uniform is None:
+            offsets, size = self.offsets, self._end(0) - int(self.offsets[0]) if len(self.offsets) else 0
+            self.uniform = size
+            if self._end(len(offsets) - 1) - int(offsets[-1]) != size:
+                self.uniform = 0
+            for at in range(0, len(offsets), 1 << 16):
+                part = offsets[at : at + (1 << 16) + 1]
+                if len(part) > 1 and (np.diff(part) != size).any():
+                    self.uniform = 0
+                    break
+        return self.uniform
 
     def _scatter_batch(
         self, first: int, last: int, size: int, head: bytes, layout: Layout,
@@ -826,8 +843,8 @@ class RecordReader:
                     )
                     expected = self.expected
                     if wrong < 0 and expected is not None:
-                        differ = np.flatnonzero(footers != expected.crcs[first + at : first + stop])
-                        wrong = int(differ[0]) if len(differ) else -1
+                        differ = footers != expected.crcs[first + at : first + stop]
+                        wrong = int(differ.argmax()) if differ.any() else -1
                     if wrong >= 0:
                         self._check_alone(first + at + wrong)  # raises, naming the record
                         booking.release()
@@ -866,9 +883,9 @@ class RecordReader:
         expected = self.expected
         if expected is None:
             return
-        wrong = np.flatnonzero(footers != expected.crcs[first : first + rows])
-        if len(wrong):
-            entry = first + int(wrong[0])
+        wrong = footers != expected.crcs[first : first + rows]
+        if wrong.any():
+            entry = first + int(wrong.argmax())
             offset = int(self.offsets[entry])
             raise expected.mismatch(
                 self.path, f"record {entry} at offset {offset} is not the one written there",
