@@ -958,6 +958,9 @@ class _LoadedAccess(RandomAccess):
         self.shards: Any = self.records
         #: The framed size, skeleton and layout of the records last batched.
         self.plan: tuple[int, bytes, Any] | None = None
+        #: By file: the framed size all its records share, 0 where they differ.
+        self.one_size: dict[int, int] = {}
+        self.file_array = np.asarray(self.file_starts, dtype=np.int64)
         #: Whether :meth:`read_batch` may batch column by column (off once the elements
         #: turn out to need objects, or to mix skeletons).
         self.columnar = True
@@ -1095,29 +1098,47 @@ class _LoadedAccess(RandomAccess):
         """The batch's records as runs of consecutive records of one file: (file, offset
         of the run's first record, the batch rows they fill, in file order); None where
         one is not ``size`` bytes framed."""
-        starts = np.asarray(self.file_starts, dtype=np.int64)
-        files = np.searchsorted(starts, numbers, side="right") - 1
+        order = np.argsort(numbers, kind="stable")
+        ordered = numbers[order]
+        files = np.searchsorted(self.file_array, ordered, side="right") - 1
+        cuts = (np.diff(ordered) != 1) | (np.diff(files) != 0)
+        breaks = (np.flatnonzero(cuts) + 1).tolist()
         runs = []
-        for file in np.unique(files).tolist():
-            positions = np.flatnonzero(files == file)
-            local = numbers[positions] - starts[file]
-            order = np.argsort(local, kind="stable")
-            local, positions = local[order], positions[order]
+        for lo, hi in zip([0, *breaks], [*breaks, len(ordered)], strict=True):
+            file = int(files[lo])
+            first = int(ordered[lo]) - self.file_starts[file]
+            count = hi - lo
+            index = self.shards._index(file)
+            if self._one_size(file) != size:  # sizes differ in this file: these records'?
+                begins = index.offsets[first : first + count].tolist()
+                # (the end of the file closes a run that reaches it; zip drops it otherwise)
+                ends = [*index.offsets[first + 1 : first + count + 1].tolist(), index.shard_size]
+                if any(end - begin != size for begin, end in zip(begins, ends, strict=False)):
+                    return None
+            runs.append((file, int(index.offsets[first]), order[lo:hi]))
+        return runs
+
+    def _one_size(self, file: int) -> int:
+        """The framed size every record of ``file`` shares (0 where they differ), found
+        once a file, a slice of its index at a time: a batch then need not compare its
+        records' offsets."""
+        known = self.one_size.get(file)
+        if known is None:
             index = self.shards._index(file)
             offsets = index.offsets
-            begins = offsets[local].astype(np.int64)
-            following = local + 1
-            ends = np.where(
-                following < len(offsets),
-                offsets[np.minimum(following, len(offsets) - 1)].astype(np.int64),
-                index.shard_size,
-            )
-            if (ends - begins != size).any():
-                return None
-            breaks = (np.flatnonzero(np.diff(local) != 1) + 1).tolist()
-            for lo, hi in zip([0, *breaks], [*breaks, len(local)], strict=True):
-                runs.append((file, int(begins[lo]), positions[lo:hi]))
-        return runs
+            known = 0
+            if len(offsets):
+                known = (int(offsets[1]) if len(offsets) > 1 else index.shard_size) - int(
+                    offsets[0]
+                )
+                if index.shard_size - int(offsets[-1]) != known:
+                    known = 0
+                for at in range(0, len(offsets), 1 << 16):
+                    part = offsets[at : at + (1 << 16) + 1]
+                    if known and len(part) > 1 and (np.diff(part) != known).any():
+                        known = 0
+            self.one_size[file] = known
+        return known
 
     def _read_in_pieces(
         self, runs: list[tuple[int, int, np.ndarray[Any, Any]]], numbers: np.ndarray[Any, Any],
