@@ -107,9 +107,6 @@ _CONSUMER_FRAME = 16 << 20
 #: Connections whose handshake is under way at once; more are hung up on at once (a
 #: consumer hung up on before the challenge tries again, within its timeout).
 _MAX_PENDING = 256
-_OPS = frozenset({"next", "get_state", "set_state", "close"})
-
-
 class ProducerError(WorkerError):
     """The producer a consumer reads from died, closed, or refused the consumer."""
 
@@ -480,51 +477,63 @@ class Server(ClosesOnExit):
                 self._runs[index] = run
             while True:
                 request, _ = _wire.recv_message(sock, _CONSUMER_FRAME)
-                kind = request["op"]
-                if kind not in _OPS:
-                    return  # not the protocol: hang up
-                if kind == "next":
-                    freed = request.get("free", [])
-                    if not isinstance(freed, list) or not all(type(k) is int for k in freed):
-                        return
-                    for key in freed:
-                        pool.free(key)
-                    self._send_next(sock, run, index, allocate)
-                elif kind == "get_state":
-                    try:  # a refused checkpoint (CheckpointError) is the consumer's to see
-                        reply = {"op": "state", "state": run.get_state()}
-                        _wire.send_message(sock, reply)
-                    except Exception as error:  # (a state that is not JSON: TypeError)
-                        _wire.send_message(sock, _wire.error_message(error))
-                elif kind == "set_state":
-                    state = request.get("state")
-                    try:
-                        if not isinstance(state, dict):
-                            raise CheckpointError("not a served part's state (not a JSON object)")
-                        run.set_state(state)
-                    except Exception as error:  # a state that is not this part's
-                        _wire.send_message(sock, _wire.error_message(error))
-                        continue
-                    _wire.send_message(sock, {"op": "ok"})
-                else:  # close
+                if not self._answer(sock, request, run, index, pool, allocate):
                     return
         except (EOFError, OSError, _wire.WireError):
             return  # the consumer went away, broke the protocol, or we hung up on close
         finally:
-            if run is not None:
-                with self._lock:
-                    if index is not None and self._runs.get(index) is run:
-                        del self._runs[index]
-                run.close()
-            pool.close()
-            for reservation in booked:
-                reservation.release()
+            self._release(sock, index, run, pool, booked)
+
+    def _answer(self, sock: socket.socket, request: dict[str, Any], run: DatasetIterator,
+                index: int, pool: SegmentPool, allocate: _wire.Allocate) -> bool:
+        """Answer one request of a consumer; False to hang up (its close, or a request
+        that is not the protocol)."""
+        kind = request["op"]
+        if kind == "next":
+            freed = request.get("free", [])
+            if not isinstance(freed, list) or not all(type(k) is int for k in freed):
+                return False
+            for key in freed:
+                pool.free(key)
+            self._send_next(sock, run, index, allocate)
+        elif kind == "get_state":
+            try:  # a refused checkpoint (CheckpointError) is the consumer's to see
+                reply = {"op": "state", "state": run.get_state()}
+                _wire.send_message(sock, reply)
+            except Exception as error:  # (a state that is not JSON: TypeError)
+                _wire.send_message(sock, _wire.error_message(error))
+        elif kind == "set_state":
+            state = request.get("state")
+            try:
+                if not isinstance(state, dict):
+                    raise CheckpointError("not a served part's state (not a JSON object)")
+                run.set_state(state)
+            except Exception as error:  # a state that is not this part's
+                _wire.send_message(sock, _wire.error_message(error))
+                return True
+            _wire.send_message(sock, {"op": "ok"})
+        else:  # close, or not the protocol
+            return False
+        return True
+
+    def _release(self, sock: socket.socket, index: int | None, run: DatasetIterator | None,
+                 pool: SegmentPool, booked: list[Reservation]) -> None:
+        """What one consumer's connection held: its run, segments, their bookings and
+        its socket."""
+        if run is not None:
             with self._lock:
-                if index is not None and self._connections.get(index) is sock:
-                    del self._connections[index]
-                self._sockets.discard(sock)
-            with contextlib.suppress(OSError):
-                sock.close()
+                if index is not None and self._runs.get(index) is run:
+                    del self._runs[index]
+            run.close()
+        pool.close()
+        for reservation in booked:
+            reservation.release()
+        with self._lock:
+            if index is not None and self._connections.get(index) is sock:
+                del self._connections[index]
+            self._sockets.discard(sock)
+        with contextlib.suppress(OSError):
+            sock.close()
 
     def _send_next(self, sock: socket.socket, run: DatasetIterator, index: int,
                    allocate: _wire.Allocate) -> None:
@@ -747,6 +756,55 @@ def _dial(path: str, deadline: float, timeout: float) -> socket.socket:
             raise ProducerError(f"cannot connect to the producer at {path!r}: {error}") from error
 
 
+def _greet_producer(path: str, index: int, authkey: bytes | None, deadline: float,
+                    timeout: float, refused: str | None
+                    ) -> tuple[socket.socket, dict[str, Any]] | None:
+    """One try at :func:`connect`'s handshake and greeting: the socket and the
+    producer's reply to the greeting; None after a pause when the producer hung up
+    before its challenge (too many connections under way). Any other failure closes
+    the socket and raises :class:`ProducerError` (``refused``: the last refusal of the
+    index, which a timeout repeats)."""
+    sock = _dial(path, deadline, timeout)
+    try:
+        key = authkey if authkey is not None else _read_key(path)
+        if key is None:
+            raise ProducerError(
+                f"no key for the producer at {path!r}: it was given its own authkey "
+                "(pass the same authkey= to connect), or its key file is not this "
+                "user's alone")
+        _wire.authenticate_producer(sock, key, deadline)
+        _wire.send_message(sock, {"op": "hello", "protocol": _PROTOCOL, "index": index},
+                           deadline=deadline)
+        reply, _ = _wire.recv_message(sock, _wire.PRE_AUTH_FRAME * 4, deadline)
+    except _wire.Busy:
+        sock.close()
+        if time.monotonic() + 0.05 >= deadline:
+            raise ProducerError(
+                f"the producer at {path!r} kept hanging up before its key challenge "
+                f"(too many connections under way) for {timeout:g} s") from None
+        time.sleep(0.05)
+        return None
+    except PermissionError as error:
+        sock.close()
+        raise ProducerError(f"the producer at {path!r} refused the connection: {error}") from None
+    except TimeoutError:
+        sock.close()
+        if refused is not None:
+            raise ProducerError(refused) from None
+        raise ProducerError(
+            f"the producer at {path!r} did not complete the handshake within "
+            f"{timeout:g} s") from None
+    except (EOFError, OSError, _wire.WireError) as error:
+        sock.close()
+        raise ProducerError(
+            f"the producer at {path!r} refused the connection or hung up during the "
+            f"handshake: {error}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock, reply
+
+
 def connect(
     address: str | os.PathLike[str],
     index: int,
@@ -779,44 +837,10 @@ def connect(
     deadline = time.monotonic() + timeout
     refused: str | None = None  # the last refusal, while waiting for the index to be free
     while True:
-        sock = _dial(path, deadline, timeout)
-        try:
-            key = authkey if authkey is not None else _read_key(path)
-            if key is None:
-                raise ProducerError(
-                    f"no key for the producer at {path!r}: it was given its own authkey "
-                    "(pass the same authkey= to connect), or its key file is not this "
-                    "user's alone")
-            _wire.authenticate_producer(sock, key, deadline)
-            _wire.send_message(sock, {"op": "hello", "protocol": _PROTOCOL, "index": index},
-                               deadline=deadline)
-            reply, _ = _wire.recv_message(sock, _wire.PRE_AUTH_FRAME * 4, deadline)
-        except _wire.Busy:
-            sock.close()
-            if time.monotonic() + 0.05 >= deadline:
-                raise ProducerError(
-                    f"the producer at {path!r} kept hanging up before its key challenge "
-                    f"(too many connections under way) for {timeout:g} s") from None
-            time.sleep(0.05)
-            continue
-        except PermissionError as error:
-            sock.close()
-            raise ProducerError(f"the producer at {path!r} refused the connection: {error}") from None
-        except TimeoutError:
-            sock.close()
-            if refused is not None:
-                raise ProducerError(refused) from None
-            raise ProducerError(
-                f"the producer at {path!r} did not complete the handshake within "
-                f"{timeout:g} s") from None
-        except (EOFError, OSError, _wire.WireError) as error:
-            sock.close()
-            raise ProducerError(
-                f"the producer at {path!r} refused the connection or hung up during the "
-                f"handshake: {error}") from None
-        except BaseException:
-            sock.close()
-            raise
+        greeted = _greet_producer(path, index, authkey, deadline, timeout, refused)
+        if greeted is None:
+            continue  # it hung up before its challenge: busy, try again
+        sock, reply = greeted
         if reply.get("op") == "ok" and type(reply.get("consumers")) is int \
                 and type(reply.get("pid")) is int:
             break
