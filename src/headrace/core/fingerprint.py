@@ -327,7 +327,10 @@ class _Describer:
             return f"method({each((value.__func__, value.__self__))})"
         if isinstance(value, functools.partial):
             return f"partial({each((value.func, value.args, value.keywords))})"
-        # any other object: its class, what calling it runs, and its attributes
+        return self._object(value, kind, depth)
+
+    def _object(self, value: Any, kind: str, depth: int) -> str:
+        """Any other object: its class, what calling it runs, and its attributes."""
         call = next(
             (cls.__dict__["__call__"] for cls in type(value).__mro__ if "__call__" in cls.__dict__),
             None,

@@ -229,27 +229,13 @@ def _make_store(root: str, options: dict[str, Any]) -> Any:
             f"reading {root}/... needs the obstore package: pip install 'headrace[{extra}]'"
         ) from None
     scheme = root.split("://", 1)[0]
-    client = {"timeout": "60s", "connect_timeout": "10s"}
-    if scheme == "http":
-        client["allow_http"] = "true"
-    client.update(options.pop("client_options", {}))
     retry_config = options.pop("retry_config", None)
-    if scheme == "s3" and "endpoint" not in options:
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            options["endpoint"] = endpoint
-    endpoint = options.get("endpoint")
-    if isinstance(endpoint, str) and endpoint.startswith("http://"):
-        client["allow_http"] = "true"
+    client = _client_options(scheme, options)
     kwargs: dict[str, Any] = {"client_options": client}
-    provider = _aws_profile_credentials(root, options) if scheme == "s3" else None
-    if provider is not None:
-        kwargs["credential_provider"] = provider
-    if scheme == "s3" and "region" not in options and not (
-        os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        or (provider is not None and "region" in provider.config)
-    ):
-        options["region"] = "us-east-1"
+    if scheme == "s3":
+        provider = _s3_defaults(root, options)
+        if provider is not None:
+            kwargs["credential_provider"] = provider
     if retry_config is not None:
         kwargs["retry_config"] = retry_config
     if options:
@@ -268,6 +254,37 @@ def _make_store(root: str, options: dict[str, Any]) -> Any:
             f"given: {given}; see headrace.io.objstore.configure (obstore's store "
             "configuration keys) and the cloud's environment variables"
         ) from None
+
+
+def _client_options(scheme: str, options: dict[str, Any]) -> dict[str, str]:
+    """The HTTP client's options: headrace's timeouts, plain HTTP allowed for an
+    ``http`` store or endpoint, then the user's ``client_options`` (taken out of
+    ``options``) over them. For S3 the endpoint the AWS variables name is set first."""
+    client = {"timeout": "60s", "connect_timeout": "10s"}
+    if scheme == "http":
+        client["allow_http"] = "true"
+    client.update(options.pop("client_options", {}))
+    if scheme == "s3" and "endpoint" not in options:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            options["endpoint"] = endpoint
+    endpoint = options.get("endpoint")
+    if isinstance(endpoint, str) and endpoint.startswith("http://"):
+        client["allow_http"] = "true"
+    return client
+
+
+def _s3_defaults(root: str, options: dict[str, Any]) -> Any:
+    """The credential provider of the AWS shared files, or None; and the region
+    us-east-1 in ``options`` when neither they, the options nor the environment name
+    one."""
+    provider = _aws_profile_credentials(root, options)
+    if "region" not in options and not (
+        os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        or (provider is not None and "region" in provider.config)
+    ):
+        options["region"] = "us-east-1"
+    return provider
 
 
 #: Options that give S3 credentials (or none) outright: the shared files are not read.
