@@ -1,38 +1,44 @@
 """The served transport's wire: frames, the key handshake, and elements without pickle.
 
-Why not ``multiprocessing.connection``: its ``recv()`` unpickles whatever the
-peer sends (so a peer that reaches the socket runs code in the receiver), its
-``Listener(authkey=None)`` skips authentication altogether, and its handshake
-runs inside ``accept()`` without a timeout (one silent client stops every
-other from connecting). Here nothing is ever unpickled:
+Why not ``multiprocessing.connection``? Its ``recv()`` unpickles whatever the
+peer sends, so a peer that reaches the socket runs code in the receiver. Its
+``Listener(authkey=None)`` skips authentication altogether. Its handshake runs
+inside ``accept()`` without a timeout, so one silent client stops every other
+from connecting. Here nothing is ever unpickled:
 
-- **Frames.** Every message is a length-prefixed frame (8 bytes, big-endian)
-  read with a cap on its length: a peer that has not proved it holds the key
-  may send at most :data:`PRE_AUTH_FRAME` bytes per frame, an authenticated
-  one :data:`MAX_FRAME`; a larger prefix is refused before anything is
+- **Frames.** Every message is a length-prefixed frame (8 bytes, big-endian),
+  read with a cap on its length. A peer that has not proved it holds the key
+  may send at most :data:`PRE_AUTH_FRAME` bytes per frame; an authenticated
+  one, :data:`MAX_FRAME`. A larger prefix is refused before anything is
   allocated.
 - **Handshake.** Mutual HMAC-SHA256 challenge-response over the shared key
-  (``hmac.compare_digest``): the producer sends a random challenge, the
-  consumer answers it and sends its own, the producer answers that. Neither
-  side reads anything but these fixed-size frames before the other has
-  proved it holds the key, and every read has a deadline.
-- **Messages.** Control messages are JSON objects; an element is a JSON tree
-  describing its structure (:func:`encode`) whose arrays and bytes travel as
-  raw buffers, inline after the JSON (small ones) or in a shared-memory
-  segment named in the JSON (large ones). Decoding (:func:`decode`) checks
-  every dtype, shape, span and segment name against what it may be, so even a
-  peer holding the key can make the receiver build only plain data.
+  (``hmac.compare_digest``). The producer sends a random challenge; the
+  consumer answers it and sends its own; the producer answers that. Neither
+  side reads anything but these fixed-size frames before the other has proved
+  it holds the key. Every read has a deadline.
+- **Messages.** Control messages are JSON objects. An element is a JSON tree
+  describing its structure (:func:`encode`). Its arrays and bytes travel as raw
+  buffers: small ones inline after the JSON, large ones in a shared-memory
+  segment named in the JSON. Decoding (:func:`decode`) checks every dtype,
+  shape, span and segment name against what it may be. So even a peer holding
+  the key can make the receiver build only plain data.
 
-Supported element leaves: NumPy arrays of any non-object, non-structured dtype
-(``b i u f c m M S U V``), NumPy scalars of those, object arrays whose items
-are all ``bytes`` or all ``str`` (headrace's string columns), ``bytes``,
-``bytearray``, ``memoryview``, ``str``, ``int``, ``float``, ``bool``, ``None``;
-containers: ``tuple``, ``list``, ``dict`` (any mapping; keys are leaves or
+Supported element leaves:
+
+- NumPy arrays of any non-object, non-structured dtype (``b i u f c m M S U V``),
+  and NumPy scalars of those;
+- object arrays whose items are all ``bytes`` or all ``str`` (headrace's string
+  columns);
+- ``bytes``, ``bytearray``, ``memoryview``, ``str``, ``int``, ``float``,
+  ``bool``, ``None``.
+
+Containers: ``tuple``, ``list``, ``dict`` (any mapping; keys are leaves or
 tuples), namedtuples (rebuilt as a namedtuple of the same name and fields), and
 headrace's :class:`~headrace.io._ragged.RaggedColumn` and
-:class:`~headrace.io._sparse.SparseColumn`. Anything else (an object array of
-mixed items, a structured dtype, an instance of a class of one's own) is an
-:class:`~headrace.errors.ElementSpecError` naming where in the element it is.
+:class:`~headrace.io._sparse.SparseColumn`. Anything else raises
+:class:`~headrace.errors.ElementSpecError` naming where in the element it is: an
+object array of mixed items, a structured dtype, an instance of a class of
+one's own.
 """
 
 from __future__ import annotations

@@ -753,7 +753,7 @@ class Reservation:
             with account.lock:
                 # Unbooked before it is booked again: a move within one account (the rows a
                 # padded batch keeps) never counts the element twice, not even inside the
-                # lock, where the breach count and the peaks saw it (budget sweep seed 100462).
+                # lock, where the breach count and the peaks would see it.
                 old, self.nbytes = self.nbytes, 0
                 if old:
                     source._unbook(old)

@@ -1,49 +1,54 @@
 """What an element really costs in memory, and making elements cost what they show.
 
-``sys.getsizeof`` of an ndarray view is ~112 bytes whatever it points at, and
-``arr.nbytes`` ignores Python object overhead (an 8-byte int costs ~28 bytes).
+``sys.getsizeof`` of an ndarray view is ~112 bytes, whatever it points at.
+``arr.nbytes`` ignores Python object overhead: an 8-byte int costs ~28 bytes.
 The budget needs the truth, so costs are *owner-based*:
 
-* an array that owns its data costs ``nbytes`` plus its header;
-* a view keeps its owning buffer alive, so it costs the **owner's** bytes —
-  once per element however many views of it the element holds (the columns of
-  one batch, ``x`` and ``x[0]``) — unless that owner *predates the iteration*
-  (the user's array, registered by the sources) or is file-backed (a memory-map):
-  that memory is not the pipeline's to cap, and such a view costs its header;
-* containers are costed deeply: list, tuple, dict keys and values, set, an
-  object's ``__dict__`` and ``__slots__`` (dataclasses included), with a cycle
-  guard; a function by what its closure cells, defaults and attributes hold (not
-  its globals; its code by its constants), a bound method by its object; a generator or coroutine by
-  what its suspended frame holds (locals and the loop iterators on its stack); a
-  built-in iterator by what it keeps alive (``__reduce__`` names it: a list
-  iterator its list, a dict or set iterator the items it has left, a ``zip`` or
-  ``map`` its iterators and function); an exception also by its ``args``, cause, context and group members
-  (an error a stage holds for its turn keeps them alive); ``memoryview`` by the
-  buffer it exposes; object arrays by their items; ``itertools`` objects and
-  ``operator.itemgetter`` & co by their ``__reduce__``; a slice by its bounds; a
-  built-in bound method (``a.sum``) by its ``__self__`` (not a module); ``property``,
-  ``staticmethod`` and ``classmethod`` by their functions; ``ndarray.flat`` by its
-  array; a class made at run time by its own ``__dict__`` (not its bases', not a
-  built-in type's); a function also by its code's constants;
-* another framework's array (``jax.Array``, or any object with an ``nbytes`` that
-  exports ``__dlpack__`` or ``__array__``) by its ``nbytes`` (no framework imported);
-* types registered with :func:`register_sizer` use their sizer (built in, and
-  installed only once their library is imported: torch tensors, PIL images,
-  pyarrow arrays, tables and buffers);
-* anything else costs ``sys.getsizeof`` and is warned about once, by type name.
+* An array that owns its data costs ``nbytes`` plus its header.
+* A view keeps its owning buffer alive, so it costs the **owner's** bytes. It
+  counts once per element, however many views of it the element holds (the
+  columns of one batch, ``x`` and ``x[0]``).
+* Two owners are not the pipeline's to cap: one that predates the iteration
+  (the user's array, registered by the sources) and a file-backed one (a
+  memory-map). A view of either costs its header.
+* Containers are costed deeply, with a cycle guard: list, tuple, dict keys and
+  values, set, an object's ``__dict__`` and ``__slots__`` (dataclasses too).
+* A function costs what its closure cells, defaults, attributes and code
+  constants hold, not its globals. A bound method costs its object.
+* A generator or coroutine costs what its suspended frame holds: its locals and
+  the loop iterators on its stack.
+* A built-in iterator costs what its ``__reduce__`` names: a list iterator its
+  list, a dict or set iterator the items it has left, ``zip`` or ``map`` their
+  iterators and function. ``itertools`` objects and ``operator.itemgetter`` & co
+  are costed the same way.
+* An exception also costs its ``args``, cause, context and group members: an
+  error a stage holds for its turn keeps them alive.
+* A ``memoryview`` costs the buffer it exposes; an object array, its items.
+* A slice costs its bounds. A built-in bound method (``a.sum``) costs its
+  ``__self__``, unless that is a module. ``property``, ``staticmethod`` and
+  ``classmethod`` cost their functions; ``ndarray.flat``, its array.
+* A class made at run time costs its own ``__dict__`` (not its bases', not a
+  built-in type's).
+* Another framework's array costs its ``nbytes``: ``jax.Array``, or any object
+  with an ``nbytes`` that exports ``__dlpack__`` or ``__array__``. No framework
+  is imported for this.
+* Types registered with :func:`register_sizer` use their sizer. Built-in sizers
+  cover torch tensors, PIL images and pyarrow arrays, tables and buffers; each
+  is installed only once its library is imported.
+* Anything else costs ``sys.getsizeof``, with one warning per type name.
 
-The cost of one element is bounded in time: a container of more than
-:data:`SAMPLE_ITEMS` items is costed from its first items and extrapolated
-(deterministically), so an element that is a list of a million objects costs
-microseconds, not seconds, to book.
+Costing one element takes bounded time. A container of more than
+:data:`SAMPLE_ITEMS` items is costed from its first items and extrapolated,
+deterministically. So a list of a million objects costs microseconds to book,
+not seconds.
 
-Owner-based costs are true, but a view that pins an owner much larger than
-itself (``big_temp[0]`` returned by a map, one row of an unbatched batch)
-makes a buffer of such views cost — and hold — far more than the rows it
-shows. :func:`admit` is what a buffering stage calls before it keeps an
-element: it *compacts* such views (copies the rows out, so the large owner
-can be freed as soon as the producer drops it) and returns the element with
-its cost. Views of memory that predates the iteration are never copied.
+A view that pins a much larger owner is a problem all the same:
+``big_temp[0]`` returned by a map, or one row of an unbatched batch. A buffer
+of such views costs, and holds, far more than the rows it shows. So a
+buffering stage calls :func:`admit` before it keeps an element. ``admit``
+*compacts* such views: it copies the rows out, so the large owner is freed as
+soon as the producer drops it. It returns the element with its cost. Views of
+memory that predates the iteration are never copied.
 """
 
 from __future__ import annotations

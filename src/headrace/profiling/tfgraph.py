@@ -1,15 +1,16 @@
 """Diagnose an existing ``tf.data.Dataset``: its graph, what each stage will hold, the fixes.
 
-For users who have a tf.data pipeline and an OOM: ``headrace doctor`` reads
-the dataset's chain of transformations (the Python dataset objects, which
-carry each op's arguments — cache file names, shuffle buffer sizes, prefetch
-depths, interleave cycle lengths — and the graph TensorFlow serializes from
-them, whose ``Const`` nodes are the arrays ``from_tensor_slices`` embedded),
-samples a few elements where sizes change (map, interleave, the source),
-estimates what each stage will hold, flags the same hazards as headrace's
-lint with fixes, measures the process's memory across epochs, and names the
-headrace equivalent of each stage. TensorFlow is imported only when a
-tf.data dataset is given.
+For users who have a tf.data pipeline and an OOM. ``headrace doctor`` reads the
+dataset's chain of transformations from two places. The Python dataset objects
+carry each op's arguments: cache file names, shuffle buffer sizes, prefetch
+depths, interleave cycle lengths. The graph TensorFlow serializes from them
+holds, as ``Const`` nodes, the arrays ``from_tensor_slices`` embedded.
+
+It then samples a few elements where sizes change (map, interleave, the source)
+and estimates what each stage will hold. It flags the same hazards as
+headrace's lint, with fixes, and measures the process's memory across epochs.
+It names the headrace equivalent of each stage. TensorFlow is imported only
+when a tf.data dataset is given.
 """
 
 from __future__ import annotations

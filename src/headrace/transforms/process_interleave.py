@@ -200,7 +200,7 @@ class SlotReader:
     def __getstate__(self) -> dict[str, Any]:
         # Only the interleave function travels: the recipe upstream of the interleave is
         # read in the consumer's process, and need not pickle (a from_generator of a local
-        # generator before it was refused: budget fuzzer seeds 200003, 200008, ...).
+        # generator cannot).
         bare = copy.copy(self.node)
         bare.inputs = ()
         return {
