@@ -1,86 +1,103 @@
 """SQL queries as a source: batches of ``{column: NumPy array}``, resumable by key.
 
 ``Dataset.from_sql(query, params, connection=..., key=...)`` (this module's
-:class:`SqlNode`) reads a query's
-rows in batches. ``connection`` is a URL — ``sqlite:///path.db`` (the
-standard library's sqlite3: embedded, no server) or ``postgresql://...``
-(the ``[postgres]`` extra) — or a picklable zero-argument function returning a
-``sqlite3`` or ADBC PostgreSQL connection. The recipe keeps the URL or the
-function, never a live connection.
+:class:`SqlNode`) reads a query's rows in batches. ``connection`` is a URL, or a
+picklable zero-argument function returning a ``sqlite3`` or ADBC PostgreSQL
+connection. URLs are ``sqlite:///path.db`` (the standard library's sqlite3:
+embedded, no server) or ``postgresql://...`` (the ``[postgres]`` extra). The
+recipe keeps the URL or the function, never a live connection.
 
-PostgreSQL goes through ADBC's libpq driver (``adbc-driver-postgresql``),
-which receives rows in PostgreSQL's binary COPY format and decodes them in
-C++ into Arrow columns: NumPy arrays come out without a Python object per
-value. ``benchmarks/bench_sql.py`` measures it against a psycopg 3
-server-side cursor and psycopg's binary COPY parsed with NumPy.
+PostgreSQL goes through ADBC's libpq driver (``adbc-driver-postgresql``). It
+receives rows in PostgreSQL's binary COPY format and decodes them in C++ into
+Arrow columns, so NumPy arrays come out without a Python object per value.
+``benchmarks/bench_sql.py`` measures it against a psycopg 3 server-side cursor,
+and against psycopg's binary COPY parsed with NumPy.
 
-Pages (G1, G4): with a ``key`` column (unique, non-NULL, sortable), rows are
-read in pages of ``page_rows`` by keyset pagination — ``SELECT * FROM (query)
-WHERE key >= :last ORDER BY key LIMIT :page_rows + 1``, the row of the last key
-dropped — each page booked on the stage's share of the budget before it is
-held, so a table of any size streams in flat memory. The iterator's state
-holds the last key handed out; a restore asks for the rows after it. Keyset
-pages are exact only over a unique key: rows sharing a key with the last row
-of a page would be skipped, and NULL keys never reached. So the key is checked
-as it is read — two rows with one key side by side in a page, a second row of
-the last key at the start of the next, a NULL key (and, where pages could not
-see one, one query for ``key IS NULL`` at the end) raise :class:`SqlError`
-naming the key: the rows before it were delivered once, none is skipped in
-silence. (A unique index or primary key is not required, only unique values;
-headrace cannot tell, from a query, which table a column comes from.) Without
-a key the query is read once through a cursor (``fetchmany``), and a restore
-re-runs it and skips the rows already delivered — exact only if the query's
-order is deterministic.
+Pages (G1, G4). With a ``key`` column (unique, non-NULL, sortable), rows are read
+in pages of ``page_rows`` by keyset pagination: ``SELECT * FROM (query) WHERE key
+>= :last ORDER BY key LIMIT :page_rows + 1``, with the row of the last key
+dropped. Each page is booked on the stage's share of the budget before it is
+held, so a table of any size streams in flat memory. The iterator's state holds
+the last key handed out; a restore asks for the rows after it.
 
-The query is one statement; it may end with ``;``, whitespace and comments,
-which are dropped (tokenized as the database does, strings and quoted names
-left alone) before it is nested as ``(query)``. Values only ever travel as
-query parameters (``params``, the last key, the page size, the shard
-numbers); the key column's name is quoted as an identifier. A lost
-connection (an I/O error, SQLSTATE class 08, a server shutting down) is
-retried from the last key up to ``max_retries`` times, then
-:class:`SqlError` says what failed, how often, and from which key; nothing is
-delivered twice or skipped. Anything else — no such table or column, a
-syntax error, a refused permission, a bad value — fails at once with the
-database's message and the query. A ``sqlite:///`` path that is not a file
-is refused (sqlite3 would create an empty database there).
+Keyset pages are exact only over a unique key. Rows sharing a key with the last
+row of a page would be skipped, and NULL keys never reached. So the key is
+checked as it is read. These raise :class:`SqlError` naming the key:
 
-Types come from the result's column types (PostgreSQL), or from the first
-page's values (SQLite, whose columns have no fixed type): integers int64,
-reals float64, booleans bool, text ``str`` and blobs ``bytes`` in ``object``
-arrays. A SQLite column may mix storage classes, so a later value that its type
-would change (1.5 or '1' in an int64 column, text in a float64 one, an integer
-beyond 2**53 in float64) raises :class:`SqlError` naming the column (the key
-column as such), the row and the value, never converted in silence: which values
-come first depends on ``page_rows``, so pass ``dtypes={column: ...}`` (float64 for
-integers and reals, ``object`` for anything, kept as it is) or CAST in SQL. Pages
-start from the last key exactly as the database returned it. A NULL takes
-``null_defaults[column]`` (or ``null_defaults["*"]``, for every column without
-an entry of its own), or raises naming the column, the row and its key. A default given as :class:`TextDefault` (what ``headrace
+- two rows with one key side by side in a page;
+- a second row of the last key at the start of the next page;
+- a NULL key (and, where pages could not see one, one query for ``key IS NULL``
+  at the end).
+
+The rows before it were delivered once; none is skipped in silence. A unique
+index or primary key is not required, only unique values: headrace cannot tell,
+from a query, which table a column comes from. Without a key, the query is read
+once through a cursor (``fetchmany``). A restore then re-runs it and skips the
+rows already delivered, which is exact only if the query's order is
+deterministic.
+
+The query is one statement. It may end with ``;``, whitespace and comments,
+which are dropped before it is nested as ``(query)``. They are found by
+tokenizing as the database does, leaving strings and quoted names alone. Values
+only ever travel as query parameters: ``params``, the last key, the page size,
+the shard numbers. The key column's name is quoted as an identifier.
+
+A lost connection (an I/O error, SQLSTATE class 08, a server shutting down) is
+retried from the last key, up to ``max_retries`` times. Then :class:`SqlError`
+says what failed, how often, and from which key. Nothing is delivered twice or
+skipped. Anything else fails at once with the database's message and the query:
+no such table or column, a syntax error, a refused permission, a bad value. A
+``sqlite:///`` path that is not a file is refused (sqlite3 would create an empty
+database there).
+
+Types come from the result's column types (PostgreSQL), or from the first page's
+values (SQLite, whose columns have no fixed type). Integers become int64, reals
+float64, booleans bool; text becomes ``str`` and blobs ``bytes``, in ``object``
+arrays. A SQLite column may mix storage classes. A later value that its type
+would change raises :class:`SqlError` naming the column (the key column as
+such), the row and the value; it is never converted in silence. Examples: 1.5 or
+'1' in an int64 column, text in a float64 one, an integer beyond 2**53 in
+float64. Which values come first depends on ``page_rows``. So pass
+``dtypes={column: ...}`` (float64 for integers and reals, ``object`` for
+anything, kept as it is), or CAST in SQL. Pages start from the last key exactly
+as the database returned it.
+
+A NULL takes ``null_defaults[column]``, or ``null_defaults["*"]`` for every
+column without an entry of its own. Without one, it raises naming the column,
+the row and its key. A default given as :class:`TextDefault` (what ``headrace
 convert --null-default`` passes) is parsed as each column's type where it is
-used, so one value serves integer, float and text columns alike.
+used. So one value serves integer, float and text columns alike.
 
 Parameters (``params``) are int, float, bool, str, bytes, ``datetime.date``,
-``datetime.datetime``, ``decimal.Decimal`` or None (NumPy scalars count as their Python
-type); anything else is refused when the dataset is built, naming its position.
-PostgreSQL binds each with its own type (bigint, double precision, boolean, text, bytea,
-date, timestamp or timestamptz for an aware datetime, numeric): a text parameter
-compares with text only, so a date column needs a ``date``. SQLite stores dates as text,
-so a date is bound as ``2024-01-31``, a datetime as ``2024-01-31 12:00:00`` (an aware
-one in UTC), a Decimal as its exact text, a bool as 1 or 0. Placeholders are the
-driver's: ``$1, $2`` (PostgreSQL), ``?`` (SQLite); psycopg's ``%s`` and ``%(name)s`` are
-refused, the message showing the query rewritten with the right ones.
+``datetime.datetime``, ``decimal.Decimal`` or None. NumPy scalars count as their
+Python type. Anything else is refused when the dataset is built, naming its
+position. PostgreSQL binds each with its own type: bigint, double precision,
+boolean, text, bytea, date, timestamp (timestamptz for an aware datetime),
+numeric. A text parameter compares with text only, so a date column needs a
+``date``. SQLite stores dates as text. So a date is bound as ``2024-01-31``, a
+datetime as ``2024-01-31 12:00:00`` (an aware one in UTC), a Decimal as its
+exact text, a bool as 1 or 0. Placeholders are the driver's: ``$1, $2``
+(PostgreSQL), ``?`` (SQLite). psycopg's ``%s`` and ``%(name)s`` are refused;
+the message shows the query rewritten with the right ones.
 
-PostgreSQL column types become: date ``datetime64[D]``; timestamp ``datetime64[us]``;
-timestamptz ``datetime64[us]`` holding the instant in UTC (NumPy has no time zones);
-time ``timedelta64[us]`` since midnight; interval ``timedelta64[us]`` (a day is 24 h; an
-interval with months, whose length is not fixed, raises naming the column and row);
-numeric ``float64`` (``dtypes={column: object}``: exact ``decimal.Decimal``); uuid ``str``
-in its canonical form; json and jsonb ``str`` (the JSON text); an array an ``object``
-array holding one 1-D NumPy array per row, of its element's type by these rules (an
-element that is NULL raises; ADBC hands a multi-dimensional array over flattened, so
-reshape it, or unnest it in SQL); types without a rule arrive as their text. SQLite has
-no date type: pass ``dtypes={"day": "datetime64[D]"}`` to parse ISO text.
+PostgreSQL column types become:
+
+- date: ``datetime64[D]``; timestamp: ``datetime64[us]``;
+- timestamptz: ``datetime64[us]`` holding the instant in UTC (NumPy has no time
+  zones);
+- time: ``timedelta64[us]`` since midnight;
+- interval: ``timedelta64[us]``, a day being 24 h. An interval with months,
+  whose length is not fixed, raises naming the column and row;
+- numeric: ``float64``, or exact ``decimal.Decimal`` with
+  ``dtypes={column: object}``;
+- uuid: ``str`` in its canonical form; json and jsonb: ``str`` (the JSON text);
+- an array: an ``object`` array holding one 1-D NumPy array per row, of its
+  element's type by these rules. An element that is NULL raises. ADBC hands a
+  multi-dimensional array over flattened: reshape it, or unnest it in SQL;
+- types without a rule: their text.
+
+SQLite has no date type: pass ``dtypes={"day": "datetime64[D]"}`` to parse ISO
+text.
 """
 
 from __future__ import annotations
