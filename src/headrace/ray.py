@@ -885,7 +885,7 @@ class ServiceConsumer:
         elif message[0] == "lost":
             self._fail_over(reading)
 
-    def _elements(self) -> Iterator[Any]:
+    def _elements(self) -> Iterator[Any]:  # noqa: C901
         generation = self._generation
         # the splits read at once: enough to keep every worker busy across consumers
         width = max(1, -(-len(self.workers) // self.count))

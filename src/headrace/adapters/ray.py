@@ -125,7 +125,7 @@ def _write_shard(
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def preprocess_on_ray(
+def preprocess_on_ray(  # noqa: C901
     make_shard: Callable[[int, int], Dataset],
     output_dir: str | os.PathLike[str],
     num_shards: int,

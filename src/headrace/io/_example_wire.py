@@ -402,7 +402,7 @@ def _long_varint(buf: bytes, pos: int) -> tuple[int, int]:
     raise IndexError(pos)
 
 
-def _canonical_record(
+def _canonical_record(  # noqa: C901
     buf: bytes, key_index: dict[bytes, int], kinds: Sequence[int]
 ) -> _Gathered | None:
     """One record in the canonical layout, or None when it is laid out otherwise."""
@@ -579,7 +579,7 @@ def _decode_short_varints(data: bytes) -> bytearray | None:
     return bytearray(struct.pack(f"<{len(values)}Q", *values))
 
 
-def _scan_canonical(
+def _scan_canonical(  # noqa: C901
     serialized: Sequence[bytes], keys: Sequence[bytes], kinds: Sequence[int]
 ) -> list[RawColumn]:
     key_index = {key: index for index, key in enumerate(keys)}
@@ -690,7 +690,7 @@ def _ranges(data: Any, starts: Any, ends: Any) -> Any:
     return data[index]
 
 
-def _scan_vectorised(
+def _scan_vectorised(  # noqa: C901
     records: Sequence[bytes], keys: Sequence[bytes], kinds: Sequence[int]
 ) -> list[RawColumn]:
     count = len(records)

@@ -221,7 +221,7 @@ class Buffer:
             with self.lock:
                 self._count_on_pool()
 
-    def fits(self, nbytes: int, *, pending: int = 0) -> bool:
+    def fits(self, nbytes: int, *, pending: int = 0) -> bool:  # noqa: C901
         """Whether an element of ``nbytes`` may enter this stage's buffer now.
 
         True when it fits beside what the stage holds plus ``pending`` (bytes

@@ -176,7 +176,7 @@ class _Producer:
             self.restored.set()
         return True
 
-    def _pull(self, chunks: list[Handoff], room: int) -> bool:
+    def _pull(self, chunks: list[Handoff], room: int) -> bool:  # noqa: C901
         """Pull up to ``room`` elements (at most a chunk) while each fits the budget share;
         True at the end of the input.
 

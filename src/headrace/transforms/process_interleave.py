@@ -214,7 +214,7 @@ class SlotReader:
             state["max_open_files"],
         )
 
-    def _iterator(self, request: tuple[Any, ...]) -> Iterator | None:
+    def _iterator(self, request: tuple[Any, ...]) -> Iterator | None:  # noqa: C901
         token, position, element, state, skip, _, _, iteration, epochs, follow, _ = request
         kept = self.kept.get(token)
         if kept is not None and kept[2] == position:  # it stands exactly there
@@ -265,7 +265,7 @@ class SlotReader:
     #: read (see :func:`headrace.workers.processes._run_streaming`).
     streams = True
 
-    def __call__(
+    def __call__(  # noqa: C901
         self, request: tuple[Any, ...], emit: Callable[[Any, int], Any]
     ) -> tuple[int, Any, bool, Any, bool, int]:
         from headrace.memory.sizeof import sizeof
@@ -482,7 +482,7 @@ class RemoteSlotIterator(Iterator):
         self.asked += 1
         return True
 
-    def _receive(self) -> None:
+    def _receive(self) -> None:  # noqa: C901
         """The next chunk (asked for now if none is in flight): into ``ready``."""
         while True:
             if not self.pending:

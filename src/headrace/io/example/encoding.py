@@ -410,7 +410,7 @@ def _column_entries(
     return _slow_entries(key, rows, describe)
 
 
-def encode_example_columns(
+def encode_example_columns(  # noqa: C901
     columns: Mapping[str, Array | Sequence[Any]],
     *,
     describe: Callable[[int], str] = lambda row: f"row {row}",

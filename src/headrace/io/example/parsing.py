@@ -635,7 +635,7 @@ def _count_of(kind: int, values: bytearray | list[bytes]) -> int:
     return len(values) // (4 if kind == wire.KIND_FLOAT else 8)
 
 
-def _single_record_error(
+def _single_record_error(  # noqa: C901
     serialized: bytes, features: Mapping[str, FeatureSpec], batch_error: ParseError, prefix: str
 ) -> ParseError:
     """What was wrong with the one record, in tf.io.parse_single_example's words.
