@@ -214,7 +214,7 @@ class SlotReader:
             state["max_open_files"],
         )
 
-    def _iterator(self, request: tuple[Any, ...]) -> Iterator | None:  # noqa: C901
+    def _iterator(self, request: tuple[Any, ...]) -> Iterator | None:
         token, position, element, state, skip, _, _, iteration, epochs, follow, _ = request
         kept = self.kept.get(token)
         if kept is not None and kept[2] == position:  # it stands exactly there
@@ -224,6 +224,22 @@ class SlotReader:
             return None
         if kept is not None:  # stale (the slot was restored, or moved on elsewhere)
             self._close(self.kept.pop(token))
+        iterator, budget = self._build(element, iteration, epochs)
+        self.kept[token] = (iterator, budget, position)
+        while len(self.kept) > self.keep:
+            self._close(self.kept.popitem(last=False)[1])
+        if state is not None:
+            iterator.set_state(state)
+        for _ in range(skip):
+            with contextlib.suppress(Exception):  # an error in its place counts as handed out
+                iterator.pull()[1].release()  # (kept, its booking would fill the budget)
+        return iterator
+
+    def _build(self, element: Any, iteration: Any, epochs: Any
+               ) -> tuple[Iterator, MemoryBudget]:
+        """A new inner pipeline for ``element`` under a budget of its own (the slot's
+        share), its opens counted against the worker's file cap; BuildFailed carries
+        the error of one that cannot open to the consumer."""
         budget = MemoryBudget(self.share)
         if self.options.tune_allocator:  # (the worker's heap is trimmed as a pipeline's is)
             tune_allocator()
@@ -243,15 +259,7 @@ class SlotReader:
             text = traceback.format_exc()
             raise BuildFailed(cast(Exception, portable(drop_frames(raised))), text) from None
         budget.allot()
-        self.kept[token] = (iterator, budget, position)
-        while len(self.kept) > self.keep:
-            self._close(self.kept.popitem(last=False)[1])
-        if state is not None:
-            iterator.set_state(state)
-        for _ in range(skip):
-            with contextlib.suppress(Exception):  # an error in its place counts as handed out
-                iterator.pull()[1].release()  # (kept, its booking would fill the budget)
-        return iterator
+        return iterator, budget
 
     @staticmethod
     def _close(kept: tuple[Iterator, MemoryBudget, Any]) -> None:
