@@ -231,6 +231,12 @@ def _tf_value(value: Any) -> Any:
         return np.float32(value)
     if kind is not list or not value:
         return value
+    return _tf_list(value)
+
+
+def _tf_list(value: list[Any]) -> Any:
+    """:func:`_tf_value` of a non-empty list: an array typed as TensorFlow types the
+    nested list of numbers, or the list itself when it is not one."""
     kinds = set(map(type, value))  # (a flat list is looked at in C)
     if not kinds <= _NUMBERS:
         leaves = _python_leaves(value)
