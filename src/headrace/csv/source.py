@@ -434,8 +434,19 @@ class _BlockReader:
         """Parse the records that end in ``data[start:stop]`` (searched in place)."""
         spec = self.spec
         fmt = spec.fmt
-        simple = not (fmt.use_quote_delim and data.find(b'"', start, stop) >= 0) and (
-            data.find(b"\r", start, stop) < 0)
+        quoted = fmt.use_quote_delim and data.find(b'"', start, stop) >= 0
+        simple = not quoted and data.find(b"\r", start, stop) < 0
+        if spec.use_arrow and quoted and data.find(b"\r", start, stop) < 0:
+            end = csvfmt.quoted_block_end(data, start, stop, final, fmt)
+            columns = None if end is None else csvfmt.arrow_parse_block(
+                data, spec.columns, fmt, spec.select_cols, spec.exclude_cols, start=start,
+                end=end, quoted=True)
+            if columns is not None:
+                assert end is not None
+                # Records end at the newlines outside quotes: pyarrow's rows. Lines count
+                # every newline, those inside quoted fields too.
+                return self._finish(columns, len(columns[0]), None, end - start,
+                                    data.count(b"\n", start, end))
         if spec.use_arrow and simple:
             end = stop if final else data.rfind(b"\n", start, stop) + 1
             if end <= start:
