@@ -725,19 +725,24 @@ class _CsvBatches(Iterator):
         self._pending: BaseException | None = None
         self._container_cost: int | None = None
         columns = cursor.spec.columns
-        # A whole batch of numbers cut from one block costs the same every time.
-        self._whole_cost = None if any(c.dtype.hasobject for c in columns) else (
-            sizeof(cursor.spec.pack([None] * len(columns)))
-            + sum(ARRAY_HEADER_BYTES + batch_size * c.dtype.itemsize for c in columns))
+        # A whole batch cut from one block costs the same every time, plus, for a string
+        # column, its strings' bytes.
+        self._whole_cost = (sizeof(cursor.spec.pack([None] * len(columns)))
+                            + sum(ARRAY_HEADER_BYTES + batch_size * c.dtype.itemsize
+                                  for c in columns))
+        self._string_columns = [i for i, c in enumerate(columns) if c.dtype.hasobject]
         self._whole_what = f"one batch of {batch_size} CSV records"
 
     def pull(self) -> tuple[Any, Reservation]:
         block = self.cursor.block
-        if block is not None and self._whole_cost is not None and self._pending is None:
+        if block is not None and self._pending is None:
             first = block.taken
             last = first + self.batch_size
             if last <= block.good:  # the common case, without the general loop below
-                booking = self.account.admit(self._whole_cost, together=self._whole_what)
+                cost = self._whole_cost + sum(
+                    _BYTES_HEADER * self.batch_size + sum(map(len, block.columns[i][first:last]))
+                    for i in self._string_columns)
+                booking = self.account.admit(cost, together=self._whole_what)
                 try:
                     batch = [column[first:last].copy() for column in block.columns]
                 except BaseException:
