@@ -978,12 +978,15 @@ def quoted_block_end(data: bytes | bytearray, start: int, stop: int, final: bool
     quotes = np.flatnonzero(view == 0x22)
     if not quotes.size:
         return None
-    breaks = np.flatnonzero(np.diff(quotes) != 1) + 1
-    run_start = quotes[np.concatenate(([0], breaks))]
-    run_end = quotes[np.concatenate((breaks - 1, [quotes.size - 1]))] + 1
+    first = np.empty(quotes.size, dtype=bool)  # where a run of adjacent quotes starts
+    first[0] = True
+    np.not_equal(np.diff(quotes), 1, out=first[1:])
+    starts = np.flatnonzero(first)
+    run_start = quotes[starts]
+    run_end = quotes[np.append(starts[1:] - 1, quotes.size - 1)] + 1
     odd = ((run_end - run_start) & 1).astype(bool)
-    opened = np.cumsum(odd)  # odd runs up to and including each run
-    if final and not (opened[-1] & 1):
+    quoting = np.logical_xor.accumulate(odd)  # inside a quoted field after each run
+    if final and not quoting[-1]:
         end = size
     else:
         # the last newline outside quotes: an even count of odd runs before it
@@ -995,12 +998,12 @@ def quoted_block_end(data: bytes | bytearray, start: int, stop: int, final: bool
                 return None
             cursor = newline - start
             before = int(np.searchsorted(run_start, cursor))
-            if not before or not (opened[before - 1] & 1):
+            if not before or not quoting[before - 1]:
                 end = cursor + 1
                 break
     runs = int(np.searchsorted(run_start, end))
     run_start, run_end, odd = run_start[:runs], run_end[:runs], odd[:runs]
-    inside = ((opened[:runs] - odd) & 1).astype(bool)  # within a quoted field before it
+    inside = quoting[:runs] ^ odd  # within a quoted field before the run
     delim = fmt.field_delim[0]
     previous = view[np.maximum(run_start - 1, 0)]
     starts_field = (run_start == 0) | (previous == delim) | (previous == 0x0A)
