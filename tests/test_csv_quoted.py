@@ -136,3 +136,41 @@ def test_numbers_and_strings_in_a_quoted_file_match_the_pure_parser(tmp_path: Pa
             assert ours[name].dtype == reference[name].dtype
             np.testing.assert_array_equal(ours[name], reference[name])
     assert arrow[0]["name"][2] == b'ga"mma 2' and arrow[0]["name"][3] == b"del\nta 3"
+
+
+_CELL = st.one_of(
+    st.sampled_from(["", "NA", "1.5", " 2", "-3", "1e3", "x", "7"]),
+    st.sampled_from(['""', '"NA"', '"1.5"', '" 2"', '"4,5"', '"6\n"', '"a""b"']),
+)
+
+
+@settings(max_examples=120, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(rows=st.lists(st.lists(_CELL, min_size=3, max_size=3), min_size=1, max_size=10),
+       kinds=st.lists(st.sampled_from(["float32", "int64", "string"]), min_size=2,
+                      max_size=2),
+       select=st.sampled_from([(0, 1), (0, 2), (1, 2)]), na_value=st.sampled_from(["", "NA"]))
+def test_quoted_numbers_defaults_and_selections_read_alike_on_both_engines(
+        tmp_path: Path, rows: list[list[str]], kinds: list[str], select: tuple[int, int],
+        na_value: str) -> None:
+    """pyarrow's values, defaults (empty or na_value, quoted or not) and errors are the
+    pure parser's, for any selection of columns."""
+    path = tmp_path / "cells.csv"
+    path.write_bytes(("\n".join(",".join(row) for row in rows) + "\n").encode())
+    defaults = [[b"-"] if kind == "string" else [np.dtype(kind).type(9)] for kind in kinds]
+
+    def outcome(engine: str) -> list[Any]:
+        out: list[Any] = []
+        iterator = iter(hr.CsvDataset(str(path), defaults, select_cols=list(select),
+                                      na_value=na_value, engine=engine).batch(4))
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return out
+            except CsvError as error:
+                out.append((error.message, error.line, error.record))
+                continue
+            out.append([(c.dtype.name, c.tolist()) for c in batch])
+
+    assert outcome("arrow") == outcome("pure")
