@@ -195,3 +195,21 @@ def test_the_batched_decode_equals_decode_csv(width: int, data: Any, kind: str,
         assert [c.dtype for c in fast] == [c.dtype for c in expected]
         for got, want in zip(fast, expected, strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+def test_a_fused_decode_resumes_from_a_checkpoint_exactly(tmp_path: Path) -> None:
+    path = tmp_path / "resume.csv"
+    write_floats(path, 70, cols=5)
+    dataset = hr.TextLineDataset(str(path)).skip(1).map(
+        lambda line: hr.decode_csv(line, [[0.0]] * 5)).batch(8)
+    everything = [tuple(c.tolist() for c in batch) for batch in dataset]
+    assert len(everything) == 9
+    for taken in (0, 3, 8):
+        iterator = iter(dataset)
+        for _ in range(taken):
+            next(iterator)
+        state = iterator.get_state()
+        iterator.close()
+        resumed = iter(dataset)
+        resumed.set_state(state)
+        assert [tuple(c.tolist() for c in batch) for batch in resumed] == everything[taken:]
