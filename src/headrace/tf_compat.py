@@ -271,6 +271,7 @@ class _TFTyped:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
+        self.__wrapped__ = fn  # what a fusion rule reads (map(decode_csv).batch)
         self.__qualname__ = getattr(fn, "__qualname__", type(fn).__qualname__)
         self.__module__ = getattr(fn, "__module__", None) or __name__
 
