@@ -267,6 +267,28 @@ def test_object_replaced_while_read_is_data_loss(s3: str, tmp_path: Path) -> Non
         list(iterator)
 
 
+@pytest.mark.parametrize("suspended", [False, True], ids=["reading", "suspended"])
+def test_object_deleted_while_read_is_data_loss(
+    s3: str, tmp_path: Path, suspended: bool
+) -> None:
+    """Its remaining bytes are lost: a DataLossError naming the URL, as for an object
+    that changed (a FileNotFoundError would read as an object never there). Suspended:
+    the stream finds it gone when it is resumed under a cap of one open file."""
+    urls, _ = _write_shards(tmp_path, "deleted", 2, 8, count=(500, 501), sizes=(1000,))
+    options = hr.Options()
+    options.max_open_files = 1
+    dataset = hr.TFRecordDataset(urls[0], buffer_size=4096)
+    if suspended:  # two objects read in turn: each open suspends the other
+        dataset = hr.Dataset.from_tensor_slices(urls).interleave(
+            lambda name: hr.TFRecordDataset(name, buffer_size=4096), cycle_length=2)
+    iterator = iter(dataset.with_options(options))
+    head = [next(iterator) for _ in range(4)]
+    objstore.delete_object(urls[0])
+    with pytest.raises(DataLossError, match=re.escape(urls[0]) + ".*deleted while it was read"):
+        list(iterator)
+    assert len(head) == 4
+
+
 def test_open_objects_count_against_the_file_cap(s3: str, tmp_path: Path) -> None:
     """An interleave over 8 objects, 6 at once, under max_open_files=2: the pool never
     holds more than 2 objects open, the rest are suspended at their offsets and

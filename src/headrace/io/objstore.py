@@ -914,8 +914,9 @@ class _RemoteReads:
                 self._info, first = claimed
                 self._ahead.append((0, successor.size, first))
                 return _REMOTE_SLOT
-        info = object_info(self._path)
         previous = self._info
+        with self._deleted_while_read(previous is not None):
+            info = object_info(self._path)
         if previous is not None and (previous.etag, previous.size) != (info.etag, info.size):
             raise DataLossError(
                 f"{self._path} changed while it was read (size {previous.size} -> "
@@ -948,6 +949,21 @@ class _RemoteReads:
             future.cancel()
         self._ahead.clear()
 
+    @contextlib.contextmanager
+    def _deleted_while_read(self, opened: bool) -> Iterator[None]:
+        """An object that is gone once its reading began lost the rest of its bytes:
+        a DataLossError naming it, as for one that changed (one never opened stays a
+        FileNotFoundError: it is skipped after its error like a missing file)."""
+        try:
+            yield
+        except FileNotFoundError:
+            if not opened:
+                raise
+            raise DataLossError(
+                f"{self._path} was deleted while it was read (at byte {self._next_offset})",
+                path=self._path, offset=self._next_offset,
+            ) from None
+
     def _take(self, offset: int, size: int) -> Any:
         """The ``size`` bytes at ``offset``: the range read ahead if it is that one,
         else read now; then the next ranges are asked for (up to READ_AHEAD_DEPTH)."""
@@ -955,11 +971,12 @@ class _RemoteReads:
         assert info is not None
         queue = self._ahead
         found = None
-        if queue and queue[0][:2] == (offset, size):
-            found = queue.pop(0)[2].result()  # None: the pool had no slot to read it ahead
-        else:
-            self._drop_ahead()
-        data = _fetch(info, offset, size) if found is None else found
+        with self._deleted_while_read(True):
+            if queue and queue[0][:2] == (offset, size):
+                found = queue.pop(0)[2].result()  # None: no pool slot to read it ahead
+            else:
+                self._drop_ahead()
+            data = _fetch(info, offset, size) if found is None else found
         following = offset + len(data)
         sequential, self._next_offset = offset == self._next_offset, following
         # only a stream read in order is read ahead (positioned reads by an index
