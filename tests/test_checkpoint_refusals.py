@@ -67,12 +67,12 @@ def test_streaming_shuffle_draws_past_the_end_of_an_unknown_size_input_are_refus
 @pytest.mark.parametrize(
     "ds, path, value, match",
     [
-        (hr.Dataset.range(100).take(10), ("indices", "remaining"), -5, r"take: .*'remaining' = -5"),
-        (hr.Dataset.range(100).take(10), ("indices", "remaining"), 11, r"\[0, 10\] \(take\(10\)\)"),
-        (hr.Dataset.range(100).skip(10), ("indices", "to_skip"), 11, r"skip: .*'to_skip' = 11"),
+        (hr.Dataset.range(100).take(10), ("indices", "consumed"), -5, r"take: .*'consumed' = -5"),
+        (hr.Dataset.range(100).take(10), ("indices", "consumed"), 11, r"\[0, 10\] \(take\(10\)\)"),
+        (hr.Dataset.range(100).skip(10), ("indices", "consumed"), "2", r"skip: .*must be an int"),
+        (hr.Dataset.range(100).shard(3, 1), ("indices", "consumed"), -1, r"shard: .*'consumed'"),
         (hr.Dataset.range(100), ("indices", "position"), 101, r"source: .*100 elements"),
-        (hr.Dataset.range(9).repeat(3), ("indices", "epoch"), 4, r"repeat: .*'epoch' = 4"),
-        (hr.Dataset.range(9).repeat(3), ("indices", "count"), 2, r"repeat has count=3"),
+        (hr.Dataset.range(9).repeat(3), ("indices", "epoch"), 4, r"\[0, 3\] \(repeat\(3\)\)"),
         (generator(9).take(4), ("remaining",), 5, r"take: .*'remaining' = 5"),
         (generator(9).skip(4), ("to_skip",), "2", r"skip: .*must be an int, got str"),
         (generator(9).repeat(2), ("epoch",), 2, r"repeat: .*'epoch' = 2"),

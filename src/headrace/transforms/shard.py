@@ -13,12 +13,14 @@ from typing import Any
 import numpy as np
 
 from headrace.core.indexing import (
+    IndexMap,
     IndexStream,
+    Indices,
     RandomAccess,
     Reach,
     Refusal,
-    ShardIndices,
-    StridedAccess,
+    mapped_access,
+    mapped_indices,
 )
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
@@ -26,7 +28,32 @@ from headrace.core.state import INNER, POSITION, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.buffer import Reservation
 
-__all__ = ["ShardNode"]
+__all__ = ["ShardNode", "Stride"]
+
+
+class Stride(IndexMap):
+    """Input positions ``phase, phase + step, ...``: ``shard(step, phase)``."""
+
+    def __init__(self, step: int, phase: int) -> None:
+        super().__init__(f"shard({step}, {phase})")
+        self.step, self.phase = step, phase
+
+    def length(self, size: int) -> int:
+        return size // self.step + (self.phase < size % self.step)
+
+    def position(self, indices: np.ndarray[Any, Any], size: int) -> np.ndarray[Any, Any]:
+        return indices * self.step + self.phase
+
+    def want(self, consumed: int, count: int) -> int:
+        # to the next kept position, then count - 1 strides on, that one included
+        return (self.phase - consumed) % self.step + (count - 1) * self.step + 1
+
+    def select(self, consumed: int, block: Indices) -> Indices:
+        return block[(self.phase - consumed) % self.step :: self.step]
+
+    def old_state(self, reader: StateReader) -> tuple[int | None, int] | None:
+        # it counted the input indices it had seen: the same number
+        return (reader.integer("seen"), 0) if "seen" in reader.state else None
 
 
 class ShardNode(UnaryNode):
@@ -36,10 +63,11 @@ class ShardNode(UnaryNode):
         return ShardRole.POSITIONAL  # keeps elements by position
 
     def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        inner = reach(self.inputs[0])
-        if isinstance(inner, Refusal):
-            return inner
-        return StridedAccess(inner, self.num_shards, self.index)
+        return mapped_access(self.index_map(), reach(self.inputs[0]))
+
+    def index_map(self) -> Stride:
+        """Which input positions come: every ``num_shards``-th from ``index``."""
+        return Stride(self.num_shards, self.index)
 
     def traits(self) -> Traits:
         return Traits(shards=(self.num_shards, self.index))
@@ -71,7 +99,7 @@ class ShardNode(UnaryNode):
     def wrap_indices(
         self, make_inner: Callable[[Context], IndexStream], ctx: Context
     ) -> IndexStream | None:
-        return ShardIndices(make_inner(ctx), self.num_shards, self.index)
+        return mapped_indices(self.index_map(), make_inner, ctx)
 
     def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
         return _ShardIterator(inner, self.num_shards, self.index)

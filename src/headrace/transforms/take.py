@@ -13,21 +13,22 @@ from typing import Any
 import numpy as np
 
 from headrace.core.indexing import (
+    IndexMap,
     IndexStream,
-    OffsetAccess,
+    Indices,
     RandomAccess,
     Reach,
     Refusal,
-    SkipIndices,
-    TakeIndices,
+    mapped_access,
+    mapped_indices,
 )
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
-from headrace.core.state import INNER, StateReader
+from headrace.core.state import INNER, INT64_MAX, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.buffer import Reservation
 
-__all__ = ["SkipNode", "TakeNode"]
+__all__ = ["SkipNode", "TakeNode", "Window"]
 
 
 def _check_count(name: str, count: Any) -> int:
@@ -37,6 +38,54 @@ def _check_count(name: str, count: Any) -> int:
     return -1 if count < 0 else int(count)
 
 
+class Window(IndexMap):
+    """Input positions ``[start, stop)`` (``stop`` None: to the end): take and skip.
+
+    ``take(n)`` is ``Window(0, n)``, ``skip(k)`` is ``Window(k, None)``, and ``skip``
+    of everything is ``Window(0, 0)``: its stream then reads no index at all.
+    """
+
+    def __init__(self, start: int, stop: int | None, call: str) -> None:
+        super().__init__(call)
+        self.start, self.stop = start, stop
+
+    def length(self, size: int) -> int:
+        low = min(self.start, size)
+        high = size if self.stop is None else min(self.stop, size)
+        return max(high - low, 0)
+
+    def position(self, indices: np.ndarray[Any, Any], size: int) -> np.ndarray[Any, Any]:
+        return indices + min(self.start, size)
+
+    def want(self, consumed: int, count: int) -> int:
+        start, stop = self.start, self.stop
+        dropped = start - consumed if consumed < start else 0
+        if stop is None:
+            return dropped + count
+        left = stop - (consumed if consumed > start else start)
+        return dropped + (count if count < left else left) if left > 0 else 0
+
+    def select(self, consumed: int, block: Indices) -> Indices:
+        low = self.start - consumed
+        high = len(block) if self.stop is None else self.stop - consumed
+        if low <= 0 and high >= len(block):  # the whole block: no slice on the common path
+            return block
+        return block[max(low, 0) : high]
+
+    def consumed_limit(self) -> int:
+        return INT64_MAX if self.stop is None else self.stop
+
+    def old_state(self, reader: StateReader) -> tuple[int | None, int] | None:
+        # take(n) and skip of everything wrote what remained to take, skip(k) what
+        # remained to skip; past the skip, how many more it read does not matter here
+        if "remaining" in reader.state and self.stop is not None:
+            count = self.stop - self.start
+            return self.stop - reader.integer("remaining", high=count, why=self.call), 0
+        if "to_skip" in reader.state and self.stop is None:
+            return self.start - reader.integer("to_skip", high=self.start, why=self.call), 0
+        return None
+
+
 class TakeNode(UnaryNode):
     stage = "take"
 
@@ -44,11 +93,11 @@ class TakeNode(UnaryNode):
         return ShardRole.POSITIONAL  # counts elements
 
     def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        inner = reach(self.inputs[0])
-        if isinstance(inner, Refusal):
-            return inner
-        size = len(inner)
-        return OffsetAccess(inner, 0, size if self.count < 0 else min(size, self.count))
+        return mapped_access(self.index_map(), reach(self.inputs[0]))
+
+    def index_map(self) -> Window | None:
+        """Which input positions come (None: all of them)."""
+        return None if self.count < 0 else Window(0, self.count, f"take({self.count})")
 
     def traits(self) -> Traits:
         return Traits()
@@ -71,7 +120,7 @@ class TakeNode(UnaryNode):
     def wrap_indices(
         self, make_inner: Callable[[Context], IndexStream], ctx: Context
     ) -> IndexStream | None:
-        return None if self.count < 0 else TakeIndices(make_inner(ctx), self.count)
+        return mapped_indices(self.index_map(), make_inner, ctx)
 
     def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
         return inner if self.count < 0 else _TakeIterator(inner, self.count)
@@ -117,12 +166,13 @@ class SkipNode(UnaryNode):
         return ShardRole.POSITIONAL  # counts elements
 
     def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        inner = reach(self.inputs[0])
-        if isinstance(inner, Refusal):
-            return inner
-        size = len(inner)
-        skipped = size if self.count < 0 else min(size, self.count)
-        return OffsetAccess(inner, skipped, size - skipped)
+        return mapped_access(self.index_map(), reach(self.inputs[0]))
+
+    def index_map(self) -> Window:
+        """Which input positions come: all past the first ``count``, or none."""
+        if self.count < 0:
+            return Window(0, 0, f"skip({self.count})")  # skip everything, read nothing
+        return Window(self.count, None, f"skip({self.count})")
 
     def traits(self) -> Traits:
         return Traits()
@@ -147,9 +197,7 @@ class SkipNode(UnaryNode):
     def wrap_indices(
         self, make_inner: Callable[[Context], IndexStream], ctx: Context
     ) -> IndexStream | None:
-        if self.count < 0:
-            return TakeIndices(make_inner(ctx), 0)  # skip everything, read nothing
-        return SkipIndices(make_inner(ctx), self.count)
+        return mapped_indices(self.index_map(), make_inner, ctx)
 
     def make_iterator(self, ctx: Context) -> Iterator:
         if self.count < 0:
