@@ -148,10 +148,13 @@ class IndexMap:
     #: Whether the input starts again, as a fresh stream, where it ends (repeat).
     cycles: ClassVar[bool] = False
 
-    def __init__(self, call: str) -> None:
+    def __init__(self, call: str, keeps_from: int = INT64_MAX) -> None:
         #: The stage as the user wrote it (``"take(10)"``), named in checkpoint errors.
         self.call = call
         self.stage = call.partition("(")[0]
+        #: From this input position on, the stage keeps every index :meth:`want` reads
+        #: (the stream then skips :meth:`select`, per element); INT64_MAX: never.
+        self.keeps_from = keeps_from
 
     def length(self, size: int) -> int:
         """How many elements the stage gives over an input of ``size`` elements."""
@@ -363,33 +366,44 @@ class MappedIndices(IndexStream):
 
     def __init__(self, index_map: IndexMap, make_inner: Callable[[int], IndexStream]) -> None:
         self.map, self.make_inner = index_map, make_inner
+        self.want, self.select = index_map.want, index_map.select  # bound once: per element
+        self.keeps_from = index_map.keeps_from
         self.epoch = self.consumed = 0
         self.inner = make_inner(0)
 
     def take(self, count: int) -> Indices:
-        index_map = self.map
-        parts: list[Indices] = []
-        while True:
-            want = index_map.want(self.consumed, count)
+        start = self.consumed
+        want = self.want(start, count)
+        if 0 < want <= _READ_LIMIT:  # the common case: one read gives them all
+            block = self.inner.take(want)
+            if len(block):
+                self.consumed = start + len(block)
+                kept = block if start >= self.keeps_from else self.select(start, block)
+                if len(kept) == count:
+                    return kept
+                return self._more(count - len(kept), [kept])
+        return self._more(count, [])  # (an empty read: the end, or the next epoch)
+
+    def _more(self, count: int, parts: list[Indices]) -> Indices:
+        """``parts`` and up to ``count`` more: across blocks, epochs and the end."""
+        while count > 0:
+            start = self.consumed
+            want = self.want(start, count)
             if want <= 0:
                 break
             limit = count if count > _READ_LIMIT else _READ_LIMIT
             block = self.inner.take(want if want <= limit else limit)
             if len(block) == 0:
-                if self.consumed and index_map.another_epoch(self.epoch):
+                if start and self.map.another_epoch(self.epoch):
                     self._next_epoch()
                     continue
                 break  # the end (an epoch that gave nothing ends a repeat: no spinning)
-            start = self.consumed
             self.consumed = start + len(block)
-            kept = index_map.select(start, block)
-            if len(kept) == count and not parts:  # the common case: no list, no concat
-                return kept
+            kept = self.select(start, block)
             if len(kept):
                 parts.append(kept)
                 count -= len(kept)
-                if count <= 0:
-                    break
+        parts = [part for part in parts if len(part)]
         return _concat(parts) if parts else range(0)
 
     def _next_epoch(self) -> None:

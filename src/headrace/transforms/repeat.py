@@ -42,7 +42,7 @@ class Cycle(IndexMap):
     cycles = True
 
     def __init__(self, count: int) -> None:
-        super().__init__(f"repeat({count})")
+        super().__init__(f"repeat({count})", keeps_from=0)
         self.count = count
 
     def length(self, size: int) -> int:

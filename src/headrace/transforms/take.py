@@ -46,7 +46,7 @@ class Window(IndexMap):
     """
 
     def __init__(self, start: int, stop: int | None, call: str) -> None:
-        super().__init__(call)
+        super().__init__(call, keeps_from=start)
         self.start, self.stop = start, stop
 
     def length(self, size: int) -> int:
@@ -58,19 +58,18 @@ class Window(IndexMap):
         return indices + min(self.start, size)
 
     def want(self, consumed: int, count: int) -> int:
-        start, stop = self.start, self.stop
-        dropped = start - consumed if consumed < start else 0
+        stop = self.stop
+        if consumed < self.start:  # still dropping: those first, then up to count
+            dropped = self.start - consumed
+            return dropped + (count if stop is None else min(count, stop - self.start))
         if stop is None:
-            return dropped + count
-        left = stop - (consumed if consumed > start else start)
-        return dropped + (count if count < left else left) if left > 0 else 0
+            return count
+        left = stop - consumed
+        return count if count < left else max(left, 0)
 
     def select(self, consumed: int, block: Indices) -> Indices:
-        low = self.start - consumed
-        high = len(block) if self.stop is None else self.stop - consumed
-        if low <= 0 and high >= len(block):  # the whole block: no slice on the common path
-            return block
-        return block[max(low, 0) : high]
+        # want() never reads past stop: only the dropped head is ever cut
+        return block if consumed >= self.start else block[self.start - consumed :]
 
     def consumed_limit(self) -> int:
         return INT64_MAX if self.stop is None else self.stop
