@@ -1,12 +1,13 @@
 """One index algebra: take, skip, shard and repeat against plain Python lists (issue 27).
 
 Each of these stages describes how it maps positions with one ``IndexMap``; the
-random access ``global_shuffle`` reads and the index stream a run reads are both
-derived from it. Random chains of them (with seeded shuffles) over range, array
-and generator sources are checked here against list slicing, element ``i`` of the
-random access against element ``i`` of the run, and a checkpoint taken at a random
-point against the rest of the run. States the stages wrote before their shared
-layout (format version 3) must resume element for element too.
+random access ``global_shuffle`` reads, the index stream a run over a random-access
+source reads and the element stream over a generator are all derived from it.
+Random chains of them (with seeded shuffles) over range, array and generator
+sources are checked here against list slicing, element ``i`` of the random access
+against element ``i`` of the run, and a checkpoint taken at a random point against
+the rest of the run. States the stages wrote before their shared layout (format
+version 3) must resume element for element too.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def _values(ds: hr.Dataset) -> list[Any]:
     return [np.asarray(x).tolist() for x in ds.as_numpy_iterator()]
 
 
+def generator(n: int) -> hr.Dataset:
+    return hr.Dataset.from_generator(
+        lambda: iter(range(n)), output_signature=hr.TensorSpec((), np.int64)
+    )
+
+
 def _source(kind: str, n: int) -> tuple[hr.Dataset, list[int]]:
     if kind == "range":
         return hr.Dataset.range(n), list(range(n))
@@ -41,10 +48,7 @@ def _source(kind: str, n: int) -> tuple[hr.Dataset, list[int]]:
         return hr.Dataset.from_tensor_slices(np.arange(n, dtype=np.int64) * 10 + 7), [
             10 * i + 7 for i in range(n)
         ]
-    ds = hr.Dataset.from_generator(
-        lambda: iter(range(n)), output_signature=hr.TensorSpec((), np.int64)
-    )
-    return ds, list(range(n))
+    return generator(n), list(range(n))
 
 
 _STEP = st.one_of(
@@ -243,6 +247,42 @@ def test_a_global_shuffle_over_a_cut_global_shuffle_keeps_the_cut_elements() -> 
 # elements (the last after the run had ended): [iteration, state tree, the rest of
 # that run as that headrace gave it].
 _VERSION_3_STATES: list[tuple[str, Callable[[], hr.Dataset], list[Any]]] = [
+    (
+        'generator(12).skip(2).take(7).shard(2, 1)',
+        lambda: generator(12).skip(2).take(7).shard(2, 1),
+        [
+            [1, {"inner": {"inner": {"inner": {"produced": 0}, "to_skip": 2}, "remaining": 7}, "position": 0}, [3, 5, 7]],
+            [2, {"inner": {"inner": {"inner": {"produced": 4}, "to_skip": 0}, "remaining": 5}, "position": 2}, [5, 7]],
+            [3, {"inner": {"inner": {"inner": {"produced": 6}, "to_skip": 0}, "remaining": 3}, "position": 4}, [7]],
+            [4, {"inner": {"inner": {"inner": {"produced": 9}, "to_skip": 0}, "remaining": 0}, "position": 7}, []],
+        ],
+    ),
+    (
+        'generator(5).take(3)',
+        lambda: generator(5).take(3),
+        [
+            [1, {"inner": {"produced": 0}, "remaining": 3}, [0, 1, 2]],
+            [2, {"inner": {"produced": 1}, "remaining": 2}, [1, 2]],
+            [3, {"inner": {"produced": 2}, "remaining": 1}, [2]],
+            [4, {"inner": {"produced": 3}, "remaining": 0}, []],
+        ],
+    ),
+    (
+        'generator(8).shard(3, 2).skip(1).repeat(2)',
+        lambda: generator(8).shard(3, 2).skip(1).repeat(2),
+        [
+            [1, {"epoch": 0, "produced": 0, "inner": {"inner": {"inner": {"produced": 0}, "position": 0}, "to_skip": 1}}, [5, 5]],
+            [2, {"epoch": 0, "produced": 1, "inner": {"inner": {"inner": {"produced": 6}, "position": 6}, "to_skip": 0}}, [5]],
+            [3, {"epoch": 1, "produced": 1, "inner": None}, []],
+        ],
+    ),
+    (
+        'generator(4).take(6).skip(-1)',
+        lambda: generator(4).take(6).skip(-1),
+        [
+            [1, {}, []],
+        ],
+    ),
     (
         'hr.Dataset.range(20).skip(3).take(9).shard(2, 1)',
         lambda: hr.Dataset.range(20).skip(3).take(9).shard(2, 1),

@@ -8,8 +8,9 @@ index-only replay.
 
 Take, skip, shard and repeat each describe how they map positions with one
 :class:`IndexMap` (in their own modules); the random access ``global_shuffle``
-reads (:class:`MappedAccess`) and the run's index stream (:class:`MappedIndices`)
-are both derived from it here, by code they share.
+reads (:class:`MappedAccess`), the run's index stream (:class:`MappedIndices`)
+and, over an input without random access, the element stream
+(:class:`MappedIterator`) are all derived from it here, by code they share.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "Indices",
     "MappedAccess",
     "MappedIndices",
+    "MappedIterator",
     "RandomAccess",
     "Reach",
     "Refusal",
@@ -140,9 +142,10 @@ class IndexMap:
     :class:`MappedAccess` reads it backwards, for ``global_shuffle`` and the
     adapters: element ``i`` is the input's element ``position(i)``.
     :class:`MappedIndices` reads it forwards, at run time: of the input's next
-    indices, which to keep, counting how many it consumed (its whole state). A new
-    stage of this kind writes one subclass next to its node and nothing here; the
-    two uses cannot then disagree about which elements it gives.
+    indices, which to keep, counting how many it consumed (its whole state);
+    :class:`MappedIterator` does the same with the elements of an input without
+    random access. A new stage of this kind writes one subclass next to its node
+    and nothing here; its uses cannot then disagree about which elements it gives.
     """
 
     #: Whether the input starts again, as a fresh stream, where it ends (repeat).
@@ -354,6 +357,18 @@ def take_all(stream: IndexStream, count: int) -> Indices:
     return _concat(blocks)
 
 
+def _read_counters(reader: StateReader, index_map: IndexMap) -> tuple[int | None, int]:
+    """``(consumed, epoch)`` of an index-only stage's state, in the shared layout or in
+    the one its stage wrote before (see :meth:`IndexMap.old_state`)."""
+    old = None if CONSUMED in reader.state else index_map.old_state(reader)
+    if old is not None:
+        return old
+    consumed = reader.integer(CONSUMED, high=index_map.consumed_limit(), why=index_map.call)
+    if not index_map.cycles:
+        return consumed, 0
+    return consumed, reader.integer(EPOCH, high=index_map.epoch_limit(), why=index_map.call)
+
+
 #: How many input indices one read of :class:`MappedIndices` asks for at most while it
 #: drops them (a skip of 10**9 over a shuffle's stream: blocks, not one 8 GB array).
 _READ_LIMIT = 1 << 16
@@ -421,19 +436,7 @@ class MappedIndices(IndexStream):
     def set_state(self, state: dict[str, Any]) -> None:
         index_map = self.map
         reader = StateReader(state, index_map.stage)
-        old = None if CONSUMED in reader.state else index_map.old_state(reader)
-        consumed: int | None
-        if old is not None:
-            consumed, epoch = old
-        else:
-            consumed = reader.integer(
-                CONSUMED, high=index_map.consumed_limit(), why=index_map.call
-            )
-            epoch = (
-                reader.integer(EPOCH, high=index_map.epoch_limit(), why=index_map.call)
-                if index_map.cycles
-                else 0
-            )
+        consumed, epoch = _read_counters(reader, index_map)
         inner_state = reader.child(INNER)
         if epoch != self.epoch:  # that epoch's own stream (a shuffle below draws anew)
             self.inner.close()
@@ -460,6 +463,67 @@ def mapped_indices(
     if index_map.cycles:
         return MappedIndices(index_map, lambda epoch: make_inner(ctx.with_epoch(epoch)))
     return MappedIndices(index_map, lambda epoch: make_inner(ctx))
+
+
+class MappedIterator(Iterator):
+    """An index-only stage over an input without random access: of the input's
+    elements, those its (non-cycling) :class:`IndexMap` keeps, read and dropped in
+    order. Its state is the input's plus how many elements it consumed, the layout
+    of :class:`MappedIndices`. Once the map has ended (a take), the input is closed
+    (a generator's ``finally`` runs, files close, as tf.data releases it)."""
+
+    passes_origin = True
+    counts_positions = True
+
+    def __init__(self, inner: Iterator, index_map: IndexMap) -> None:
+        super().__init__(inner)
+        self.inner, self.map = inner, index_map
+        self.stage = index_map.stage
+        self.want = index_map.want  # bound once: per element
+        self.consumed = 0
+        self.run = 0  # how many of the next input elements are all kept (no want() each)
+        # where the input stood when it was closed at the end (None: still open)
+        self.released: dict[str, Any] | None = None
+
+    def pull(self) -> tuple[Any, Reservation]:
+        if self.run:  # the common case: inside a take, past a skip
+            pair = self.inner.pull()
+            self.run -= 1
+            self.consumed += 1
+            return pair
+        consumed = self.consumed
+        if consumed >= self.map.keeps_from:
+            self.run = self.want(consumed, INT64_MAX)
+            if self.run > 0:
+                return self.pull()
+        # want() is exact: of the next ``want`` input elements only the last is kept
+        want = self.want(consumed, 1)
+        if want <= 0:
+            if self.released is None:
+                self.released = self.inner.get_state()
+                self.inner.close()
+            raise StopIteration
+        pull = self.inner.pull
+        while want > 1:
+            _, reservation = pull()
+            self.consumed += 1
+            reservation.release()
+            want -= 1
+        pair = pull()
+        self.consumed += 1
+        return pair
+
+    def get_state(self) -> dict[str, Any]:
+        inner = self.released if self.released is not None else self.inner.get_state()
+        return {INNER: inner, CONSUMED: self.consumed}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, self.map.stage)
+        consumed, _ = _read_counters(reader, self.map)
+        assert consumed is not None  # (only a cycling map's old state has no count)
+        self.consumed, self.run = consumed, 0
+        self.inner.set_state(reader.child(INNER))  # a closed input reopens as it restores
+        self.released = None
 
 
 class _Gather(Iterator):

@@ -56,11 +56,11 @@ __all__ = [
 #: Version of the state dicts; bumped when their layout or the fingerprints change
 #: (2: functions fingerprinted by code and closure values, checked state fields;
 #: 3: a checksum over every field, :func:`headrace.core.state.seal`;
-#: 4: take, skip, shard and repeat over indices count what they consumed, one layout
-#: for all four, :class:`headrace.core.indexing.MappedIndices`).
+#: 4: take, skip, shard and repeat over indices, and take, skip and shard over
+#: elements, count what they consumed, one layout: :mod:`headrace.core.indexing`).
 STATE_VERSION = 4
-#: Older versions this headrace still restores: 3 differs only in those four stages'
-#: index streams, which read their version-3 fields too.
+#: Older versions this headrace still restores: 3 differs only in those stages'
+#: states, which read their version-3 fields too.
 _READABLE_VERSIONS = (3, STATE_VERSION)
 
 _perf_counter = time.perf_counter  # a global, not an attribute lookup, twice per element

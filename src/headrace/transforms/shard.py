@@ -16,6 +16,7 @@ from headrace.core.indexing import (
     IndexMap,
     IndexStream,
     Indices,
+    MappedIterator,
     RandomAccess,
     Reach,
     Refusal,
@@ -24,9 +25,8 @@ from headrace.core.indexing import (
 )
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
-from headrace.core.state import INNER, POSITION, StateReader
+from headrace.core.state import POSITION, StateReader
 from headrace.errors import InvalidArgumentError
-from headrace.memory.buffer import Reservation
 
 __all__ = ["ShardNode", "Stride"]
 
@@ -52,8 +52,11 @@ class Stride(IndexMap):
         return block[(self.phase - consumed) % self.step :: self.step]
 
     def old_state(self, reader: StateReader) -> tuple[int | None, int] | None:
-        # it counted the input indices it had seen: the same number
-        return (reader.integer("seen"), 0) if "seen" in reader.state else None
+        # it counted the input indices (over an index stream) or elements it had seen
+        for key in ("seen", POSITION):
+            if key in reader.state:
+                return reader.integer(key), 0
+        return None
 
 
 class ShardNode(UnaryNode):
@@ -102,32 +105,4 @@ class ShardNode(UnaryNode):
         return mapped_indices(self.index_map(), make_inner, ctx)
 
     def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
-        return _ShardIterator(inner, self.num_shards, self.index)
-
-
-class _ShardIterator(Iterator):
-    stage = "shard"
-    passes_origin = True
-    counts_positions = True
-
-    def __init__(self, inner: Iterator, num_shards: int, index: int) -> None:
-        super().__init__(inner)
-        self.inner, self.num_shards, self.index = inner, num_shards, index
-        self.position = 0  # elements consumed from the input
-
-    def pull(self) -> tuple[Any, Reservation]:
-        while True:
-            element, reservation = self.inner.pull()
-            position = self.position
-            self.position += 1
-            if position % self.num_shards == self.index:
-                return element, reservation
-            reservation.release()
-
-    def get_state(self) -> dict[str, Any]:
-        return {INNER: self.inner.get_state(), POSITION: self.position}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        reader = StateReader(state, "shard")
-        self.position = reader.integer(POSITION)
-        self.inner.set_state(reader.child(INNER))
+        return MappedIterator(inner, self.index_map())

@@ -16,6 +16,7 @@ from headrace.core.indexing import (
     IndexMap,
     IndexStream,
     Indices,
+    MappedIterator,
     RandomAccess,
     Reach,
     Refusal,
@@ -24,7 +25,7 @@ from headrace.core.indexing import (
 )
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
-from headrace.core.state import INNER, INT64_MAX, StateReader
+from headrace.core.state import INT64_MAX, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.buffer import Reservation
 
@@ -122,40 +123,8 @@ class TakeNode(UnaryNode):
         return mapped_indices(self.index_map(), make_inner, ctx)
 
     def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
-        return inner if self.count < 0 else _TakeIterator(inner, self.count)
-
-
-class _TakeIterator(Iterator):
-    stage = "take"
-    passes_origin = True
-    counts_positions = True
-
-    def __init__(self, inner: Iterator, count: int) -> None:
-        super().__init__(inner)
-        self.inner, self.remaining, self.count = inner, count, count
-        # Once take has ended, its input is closed (tf.data releases it: a generator's
-        # ``finally`` runs, files close); this is where the input stood then.
-        self.released: dict[str, Any] | None = None
-
-    def pull(self) -> tuple[Any, Reservation]:
-        if self.remaining == 0:
-            if self.released is None:
-                self.released = self.inner.get_state()
-                self.inner.close()
-            raise StopIteration
-        pair = self.inner.pull()
-        self.remaining -= 1
-        return pair
-
-    def get_state(self) -> dict[str, Any]:
-        inner = self.released if self.released is not None else self.inner.get_state()
-        return {INNER: inner, "remaining": self.remaining}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        reader = StateReader(state, "take")
-        self.remaining = reader.integer("remaining", high=self.count, why=f"take({self.count})")
-        self.inner.set_state(reader.child(INNER))  # a closed input reopens as it restores
-        self.released = None
+        index_map = self.index_map()
+        return inner if index_map is None else MappedIterator(inner, index_map)
 
 
 class SkipNode(UnaryNode):
@@ -204,7 +173,7 @@ class SkipNode(UnaryNode):
         return super().make_iterator(ctx)
 
     def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
-        return _SkipIterator(inner, self.count)
+        return MappedIterator(inner, self.index_map())
 
 
 class _EmptyIterator(Iterator):
@@ -218,31 +187,3 @@ class _EmptyIterator(Iterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         StateReader(state, "skip")  # nothing to restore, but it must be a state
-
-
-class _SkipIterator(Iterator):
-    stage = "skip"
-    passes_origin = True
-    counts_positions = True
-
-    def __init__(self, inner: Iterator, count: int) -> None:
-        super().__init__(inner)
-        self.inner, self.to_skip, self.count = inner, count, count
-
-    def _skip(self) -> None:
-        while self.to_skip > 0:
-            _, reservation = self.inner.pull()
-            reservation.release()
-            self.to_skip -= 1
-
-    def pull(self) -> tuple[Any, Reservation]:
-        self._skip()
-        return self.inner.pull()
-
-    def get_state(self) -> dict[str, Any]:
-        return {INNER: self.inner.get_state(), "to_skip": self.to_skip}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        reader = StateReader(state, "skip")
-        self.to_skip = reader.integer("to_skip", high=self.count, why=f"skip({self.count})")
-        self.inner.set_state(reader.child(INNER))
