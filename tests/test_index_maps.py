@@ -22,7 +22,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-from headrace.core.indexing import RandomAccess, Refusal
+from headrace.core.indexing import (
+    IndexMap,
+    IndexStream,
+    Indices,
+    MappedIterator,
+    RandomAccess,
+    Reach,
+    Refusal,
+    mapped_access,
+    mapped_indices,
+)
+from headrace.core.iterator import Context, Iterator
+from headrace.core.node import Node, ShardRole, Traits, UnaryNode
 from headrace.core.state import seal
 from headrace.errors import InvalidArgumentError
 from headrace.testing import take_elements
@@ -409,3 +421,94 @@ def test_the_shared_layout_counts_what_each_stage_consumed() -> None:
             "epoch": 0,
         }
     }
+
+
+# -- a new stage of this kind: one map, nothing in core/indexing.py ------------------------
+
+
+class _Slice(IndexMap):
+    """Input positions ``start, start + step, ...`` below ``stop``: ``list[start:stop:step]``."""
+
+    def __init__(self, start: int, stop: int, step: int) -> None:
+        super().__init__(f"slice({start}, {stop}, {step})")
+        self.start, self.stop, self.step = start, stop, step
+
+    def length(self, size: int) -> int:
+        return len(range(self.start, min(self.stop, size), self.step))
+
+    def position(self, indices: np.ndarray[Any, Any], size: int) -> np.ndarray[Any, Any]:
+        return indices * self.step + self.start
+
+    def _first(self, consumed: int) -> int:
+        behind = max(consumed - self.start, 0)
+        return self.start + -(-behind // self.step) * self.step
+
+    def want(self, consumed: int, count: int) -> int:
+        first = self._first(consumed)
+        if first >= self.stop or count <= 0:
+            return 0
+        last = min(first + (count - 1) * self.step, self.stop - 1)
+        last -= (last - self.start) % self.step
+        return last - consumed + 1
+
+    def select(self, consumed: int, block: Indices) -> Indices:
+        return block[self._first(consumed) - consumed : self.stop - consumed : self.step]
+
+
+class _SliceNode(UnaryNode):
+    stage = "slice"
+
+    def __init__(self, source: Node, start: int, stop: int, step: int) -> None:
+        super().__init__(source)
+        self.bounds = (start, stop, step)
+
+    def params(self) -> tuple[Any, ...]:
+        return self.bounds
+
+    def index_map(self) -> _Slice:
+        return _Slice(*self.bounds)
+
+    def cardinality(self) -> int:
+        inner = self.inputs[0].cardinality()
+        start, stop, step = self.bounds
+        return len(range(start, stop if inner < 0 else min(stop, inner), step))
+
+    def shard_role(self) -> ShardRole:
+        return ShardRole.POSITIONAL
+
+    def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        return mapped_access(self.index_map(), reach(self.inputs[0]))
+
+    def traits(self) -> Traits:
+        return Traits()
+
+    def wrap_indices(
+        self, make_inner: Callable[[Context], IndexStream], ctx: Context
+    ) -> IndexStream | None:
+        return mapped_indices(self.index_map(), make_inner, ctx)
+
+    def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
+        return MappedIterator(inner, self.index_map())
+
+
+@pytest.mark.parametrize("kind", ["range", "generator"])
+@pytest.mark.parametrize("bounds", [(2, 11, 3), (0, 5, 1), (4, 40, 7), (30, 40, 2), (1, 2, 5)])
+@pytest.mark.parametrize("batch", [None, 2])
+def test_a_new_stage_needs_one_map_for_access_indices_elements_and_state(
+    kind: str, bounds: tuple[int, int, int], batch: int | None
+) -> None:
+    source, values = _source(kind, 20)
+    ds = source.derive(_SliceNode(source.node, *bounds))
+    expected: list[Any] = values[slice(*bounds)]
+    if batch:
+        ds = ds.batch(batch)
+        expected = [expected[i : i + batch] for i in range(0, len(expected), batch)]
+    run = _values(ds)
+    assert run == expected
+    access = element_access(ds.node)
+    if kind == "range" and not batch:
+        assert isinstance(access, RandomAccess)
+        assert [np.asarray(access.get(i)).tolist() for i in range(len(access))] == expected
+    for point in range(len(run) + 1):
+        head, state, rest = _checkpoint(ds, point)
+        assert head + rest == run and _restore(ds, state) == rest

@@ -384,12 +384,26 @@ class MappedIndices(IndexStream):
         self.want, self.select = index_map.want, index_map.select  # bound once: per element
         self.keeps_from = index_map.keeps_from
         self.epoch = self.consumed = 0
+        self.run = 0  # how many of the next input indices are all kept (no want() each)
         self.inner = make_inner(0)
 
     def take(self, count: int) -> Indices:
+        run = self.run
+        if run >= count > 0:  # the common case: inside a take, past a skip, a repeat
+            block = self.inner.take(count)
+            self.consumed += len(block)
+            if len(block) == count:
+                self.run = run - count
+                return block
+            return self._more(count - len(block), [block])  # fewer: the long way
         start = self.consumed
+        if start >= self.keeps_from:
+            self.run = self.want(start, INT64_MAX)
+            if self.run >= count > 0:
+                return self.take(count)
+        self.run = 0
         want = self.want(start, count)
-        if 0 < want <= _READ_LIMIT:  # the common case: one read gives them all
+        if 0 < want <= _READ_LIMIT:  # one read gives them all
             block = self.inner.take(want)
             if len(block):
                 self.consumed = start + len(block)
@@ -401,6 +415,7 @@ class MappedIndices(IndexStream):
 
     def _more(self, count: int, parts: list[Indices]) -> Indices:
         """``parts`` and up to ``count`` more: across blocks, epochs and the end."""
+        self.run = 0
         while count > 0:
             start = self.consumed
             want = self.want(start, count)
@@ -424,7 +439,7 @@ class MappedIndices(IndexStream):
     def _next_epoch(self) -> None:
         self.inner.close()
         self.epoch += 1
-        self.consumed = 0
+        self.consumed = self.run = 0
         self.inner = self.make_inner(self.epoch)
 
     def get_state(self) -> dict[str, Any]:
@@ -441,7 +456,7 @@ class MappedIndices(IndexStream):
         if epoch != self.epoch:  # that epoch's own stream (a shuffle below draws anew)
             self.inner.close()
             self.inner = self.make_inner(epoch)
-        self.epoch = epoch
+        self.epoch, self.run = epoch, 0
         self.inner.set_state(inner_state)
         if consumed is None or (epoch and not index_map.another_epoch(epoch - 1)):
             consumed = 0  # it had ended: read its input to the end, as it had
