@@ -512,3 +512,21 @@ def test_a_new_stage_needs_one_map_for_access_indices_elements_and_state(
     for point in range(len(run) + 1):
         head, state, rest = _checkpoint(ds, point)
         assert head + rest == run and _restore(ds, state) == rest
+
+
+def test_a_repeat_past_its_last_epoch_reads_nothing_more_even_over_an_endless_input() -> None:
+    # (what a version-3 state at its end restores to; reading its input out would hang)
+    ds = hr.Dataset.range(3).repeat().repeat(2)
+    with iter(ds) as endless:
+        next(endless)
+        state = json.loads(json.dumps(endless.get_state()))
+    state["state"]["indices"]["epoch"] = 2
+    del state["checksum"]
+    with iter(ds) as iterator:
+        iterator.set_state(seal(state))
+        assert list(iterator) == []
+        assert iterator.get_state()["state"]["indices"]["epoch"] == 2
+    state["state"]["indices"]["epoch"] = 3
+    del state["checksum"]
+    with iter(ds) as iterator, pytest.raises(hr.CheckpointError, match=r"\[0, 2\] \(repeat\(2\)\)"):
+        iterator.set_state(seal(state))

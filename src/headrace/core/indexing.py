@@ -194,7 +194,7 @@ class IndexMap:
         before the shared one (format version 3), checked; None where it has none.
 
         ``consumed`` None: the old state says the stage had ended, without a count
-        the shared layout can use; the restored input is then read to its end.
+        the shared layout can use; it then reads nothing more.
         """
         return None
 
@@ -369,6 +369,11 @@ def _read_counters(reader: StateReader, index_map: IndexMap) -> tuple[int | None
     return consumed, reader.integer(EPOCH, high=index_map.epoch_limit(), why=index_map.call)
 
 
+def _nothing_more(consumed: int, count: int) -> int:
+    """The ``want`` of a stage that has ended: no more input."""
+    return 0
+
+
 #: How many input indices one read of :class:`MappedIndices` asks for at most while it
 #: drops them (a skip of 10**9 over a shuffle's stream: blocks, not one 8 GB array).
 _READ_LIMIT = 1 << 16
@@ -458,11 +463,11 @@ class MappedIndices(IndexStream):
             self.inner = self.make_inner(epoch)
         self.epoch, self.run = epoch, 0
         self.inner.set_state(inner_state)
-        if consumed is None or (epoch and not index_map.another_epoch(epoch - 1)):
-            consumed = 0  # it had ended: read its input to the end, as it had
-            while len(block := self.inner.take(_READ_LIMIT)):
-                consumed += len(block)
-        self.consumed = consumed
+        self.consumed = 0 if consumed is None else consumed
+        # Past its last epoch (or an old state that said so) it had ended, whatever its
+        # input's state: it reads nothing more (and reading that input out could hang).
+        ended = consumed is None or (epoch and not index_map.another_epoch(epoch - 1))
+        self.want = _nothing_more if ended else index_map.want
 
     def close(self) -> None:
         self.inner.close()
