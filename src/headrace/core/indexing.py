@@ -393,19 +393,16 @@ class MappedIndices(IndexStream):
         self.inner = make_inner(0)
 
     def take(self, count: int) -> Indices:
-        run = self.run
+        run, start = self.run, self.consumed
+        if run < count and start >= self.keeps_from:
+            run = self.run = self.want(start, INT64_MAX)
         if run >= count > 0:  # the common case: inside a take, past a skip, a repeat
             block = self.inner.take(count)
-            self.consumed += len(block)
+            self.consumed = start + len(block)
             if len(block) == count:
                 self.run = run - count
                 return block
             return self._more(count - len(block), [block])  # fewer: the long way
-        start = self.consumed
-        if start >= self.keeps_from:
-            self.run = self.want(start, INT64_MAX)
-            if self.run >= count > 0:
-                return self.take(count)
         self.run = 0
         want = self.want(start, count)
         if 0 < want <= _READ_LIMIT:  # one read gives them all
@@ -506,16 +503,15 @@ class MappedIterator(Iterator):
         self.released: dict[str, Any] | None = None
 
     def pull(self) -> tuple[Any, Reservation]:
-        if self.run:  # the common case: inside a take, past a skip
+        # (no call of self.pull here: a profiler counts each call of it as an element)
+        if not self.run and self.consumed >= self.map.keeps_from:
+            self.run = self.want(self.consumed, INT64_MAX)
+        if self.run > 0:  # the common case: inside a take, past a skip
             pair = self.inner.pull()
             self.run -= 1
             self.consumed += 1
             return pair
         consumed = self.consumed
-        if consumed >= self.map.keeps_from:
-            self.run = self.want(consumed, INT64_MAX)
-            if self.run > 0:
-                return self.pull()
         # want() is exact: of the next ``want`` input elements only the last is kept
         want = self.want(consumed, 1)
         if want <= 0:
