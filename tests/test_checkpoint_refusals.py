@@ -67,18 +67,18 @@ def test_streaming_shuffle_draws_past_the_end_of_an_unknown_size_input_are_refus
 @pytest.mark.parametrize(
     "ds, path, value, match",
     [
-        (hr.Dataset.range(100).take(10), ("indices", "remaining"), -5, r"take: .*'remaining' = -5"),
-        (hr.Dataset.range(100).take(10), ("indices", "remaining"), 11, r"\[0, 10\] \(take\(10\)\)"),
-        (hr.Dataset.range(100).skip(10), ("indices", "to_skip"), 11, r"skip: .*'to_skip' = 11"),
+        (hr.Dataset.range(100).take(10), ("indices", "consumed"), -5, r"take: .*'consumed' = -5"),
+        (hr.Dataset.range(100).take(10), ("indices", "consumed"), 11, r"\[0, 10\] \(take\(10\)\)"),
+        (hr.Dataset.range(100).skip(10), ("indices", "consumed"), "2", r"skip: .*must be an int"),
+        (hr.Dataset.range(100).shard(3, 1), ("indices", "consumed"), -1, r"shard: .*'consumed'"),
         (hr.Dataset.range(100), ("indices", "position"), 101, r"source: .*100 elements"),
-        (hr.Dataset.range(9).repeat(3), ("indices", "epoch"), 4, r"repeat: .*'epoch' = 4"),
-        (hr.Dataset.range(9).repeat(3), ("indices", "count"), 2, r"repeat has count=3"),
-        (generator(9).take(4), ("remaining",), 5, r"take: .*'remaining' = 5"),
-        (generator(9).skip(4), ("to_skip",), "2", r"skip: .*must be an int, got str"),
+        (hr.Dataset.range(9).repeat(3), ("indices", "epoch"), 4, r"\[0, 3\] \(repeat\(3\)\)"),
+        (generator(9).take(4), ("consumed",), 5, r"take: .*'consumed' = 5.*\(take\(4\)\)"),
+        (generator(9).skip(4), ("consumed",), "2", r"skip: .*must be an int, got str"),
         (generator(9).repeat(2), ("epoch",), 2, r"repeat: .*'epoch' = 2"),
         (generator(9).enumerate(5), ("next",), 4, r"enumerate: .*'next' = 4"),
         (generator(9).batch(2), ("position",), -1, r"batch: .*'position' = -1"),
-        (generator(9).shard(2, 1), ("position",), True, r"shard: .*must be an int, got bool"),
+        (generator(9).shard(2, 1), ("consumed",), True, r"shard: .*must be an int, got bool"),
         (generator(9).prefetch(2), ("skip",), 10**6, r"prefetch: .*'skip' = 1000000"),
         (generator(9).shuffle(4, seed=1), ("seed",), 2, r"this shuffle has seed=1"),
         (generator(9).shuffle(4, seed=1), ("epoch",), [1], r"shuffle: .*'epoch' = \[1\]"),
@@ -107,8 +107,8 @@ def test_every_counter_is_checked_for_type_and_range(
 def test_a_missing_field_is_named() -> None:
     ds = generator(9).take(4)
     state = state_after(ds, 1)
-    del state["state"]["remaining"]
-    refused(ds, state, r"take: state has no field 'remaining'")
+    del state["state"]["consumed"]
+    refused(ds, state, r"take: state has no field 'consumed'")
 
 
 @pytest.mark.parametrize(

@@ -409,7 +409,7 @@ def test_take_release_keeps_state_and_each_epoch_releases_its_own() -> None:
     iterator = iter(ds)
     start = iterator.get_state()
     assert [int(x) for x in iterator] == [0, 1, 2] and log == ["closed"]
-    assert iterator.get_state()["state"] == {"inner": {"produced": 3}, "remaining": 0}
+    assert iterator.get_state()["state"] == {"inner": {"produced": 3}, "consumed": 3}
     iterator.set_state(start)  # the closed input reopens
     assert [int(x) for x in iterator] == [0, 1, 2] and log == ["closed", "closed"]
     log.clear()

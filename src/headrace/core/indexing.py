@@ -5,19 +5,25 @@ Transformations that only choose *which* elements come and in what order
 input is random-access: nothing is read for the elements they drop, shuffle
 buffers hold 8-byte indices instead of elements, and resuming is O(1) or an
 index-only replay.
+
+Take, skip, shard and repeat each describe how they map positions with one
+:class:`IndexMap` (in their own modules); the random access ``global_shuffle``
+reads (:class:`MappedAccess`), the run's index stream (:class:`MappedIndices`)
+and, over an input without random access, the element stream
+(:class:`MappedIterator`) are all derived from it here, by code they share.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from headrace.core.iterator import BatchToken, Iterator
 from headrace.core.stack import stack_elements
-from headrace.core.state import EPOCH, INNER, POSITION, PRODUCED, StateReader
+from headrace.core.state import EPOCH, INNER, INT64_MAX, POSITION, StateReader
 from headrace.errors import Origin
 from headrace.memory.buffer import NO_RESERVATION, Reservation
 
@@ -26,29 +32,31 @@ if TYPE_CHECKING:
     from headrace.core.node import Node
 
 __all__ = [
+    "CONSUMED",
     "BatchedAccess",
     "GatherBatchIterator",
     "GatherIterator",
+    "IndexMap",
     "IndexPlan",
     "IndexStream",
     "Indices",
-    "OffsetAccess",
+    "MappedAccess",
+    "MappedIndices",
+    "MappedIterator",
     "RandomAccess",
     "Reach",
     "Refusal",
-    "ReindexedAccess",
-    "RepeatIndices",
-    "RepeatedAccess",
     "SequentialIndices",
-    "ShardIndices",
-    "SkipIndices",
-    "StridedAccess",
-    "TakeIndices",
+    "mapped_access",
+    "mapped_indices",
     "reached",
 ]
 
 
 Indices = range | np.ndarray  # a block of indices; a range means "consecutive"
+
+#: How many input indices an index-only stage's stream has consumed (its state's counter).
+CONSUMED = "consumed"
 
 
 class RandomAccess:
@@ -127,14 +135,81 @@ def reached(reach: Reach, inputs: tuple[Node, ...]) -> list[RandomAccess] | Refu
     return accesses
 
 
-class ReindexedAccess(RandomAccess):
-    """Element ``i`` is element ``position(i)`` of the input."""
+class IndexMap:
+    """How an index-only stage (take, skip, shard, repeat) maps its positions onto its
+    input's: the one description both uses of such a stage derive from.
 
-    def __init__(self, inner: RandomAccess, length: int) -> None:
-        self.inner, self.length = inner, length
+    :class:`MappedAccess` reads it backwards, for ``global_shuffle`` and the
+    adapters: element ``i`` is the input's element ``position(i)``.
+    :class:`MappedIndices` reads it forwards, at run time: of the input's next
+    indices, which to keep, counting how many it consumed (its whole state);
+    :class:`MappedIterator` does the same with the elements of an input without
+    random access. A new stage of this kind writes one subclass next to its node
+    and nothing here; its uses cannot then disagree about which elements it gives.
+    """
+
+    #: Whether the input starts again, as a fresh stream, where it ends (repeat).
+    cycles: ClassVar[bool] = False
+
+    def __init__(self, call: str, keeps_from: int = INT64_MAX) -> None:
+        #: The stage as the user wrote it (``"take(10)"``), named in checkpoint errors.
+        self.call = call
+        self.stage = call.partition("(")[0]
+        #: From this input position on, the stage keeps every index :meth:`want` reads
+        #: (the stream then skips :meth:`select`, per element); INT64_MAX: never.
+        self.keeps_from = keeps_from
+
+    def length(self, size: int) -> int:
+        """How many elements the stage gives over an input of ``size`` elements."""
+        raise NotImplementedError
+
+    def position(self, indices: np.ndarray[Any, Any], size: int) -> np.ndarray[Any, Any]:
+        """The input positions of the stage's elements ``indices`` (each < ``length(size)``)."""
+        raise NotImplementedError
+
+    def want(self, consumed: int, count: int) -> int:
+        """How many input indices to read, ``consumed`` having been read, for the stage's
+        next ``count``: exactly enough where the input has them; 0 once it has ended."""
+        raise NotImplementedError
+
+    def select(self, consumed: int, block: Indices) -> Indices:
+        """The indices the stage keeps of ``block``, the input's from position ``consumed`` on."""
+        raise NotImplementedError
+
+    def another_epoch(self, epoch: int) -> bool:
+        """Whether the input starts again after its epoch ``epoch`` ended (it gave something)."""
+        return False
+
+    def consumed_limit(self) -> int:
+        """The most input indices a checkpoint of this stage can have consumed."""
+        return INT64_MAX
+
+    def epoch_limit(self) -> int:
+        """The highest epoch a checkpoint of a cycling stage can be in (one past its
+        last: it had ended, whatever its input's state says)."""
+        return 0
+
+    def old_state(self, reader: StateReader) -> tuple[int | None, int] | None:
+        """``(consumed, epoch)`` from a state in the layout this stage's stream wrote
+        before the shared one (format version 3), checked; None where it has none.
+
+        ``consumed`` None: the old state says the stage had ended, without a count
+        the shared layout can use; it then reads nothing more.
+        """
+        return None
+
+
+class MappedAccess(RandomAccess):
+    """An index-only stage's random access: element ``i`` is the input's element
+    ``index_map.position(i)``."""
+
+    def __init__(self, inner: RandomAccess, index_map: IndexMap) -> None:
+        self.inner, self.map = inner, index_map
+        self.size = len(inner)
+        self.length = index_map.length(self.size)
 
     def position(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        raise NotImplementedError
+        return self.map.position(indices, self.size)
 
     def __len__(self) -> int:
         return self.length
@@ -160,38 +235,14 @@ class ReindexedAccess(RandomAccess):
         self.inner.close()
 
 
-class OffsetAccess(ReindexedAccess):
-    """``take`` (offset 0, shorter) and ``skip`` (offset ``count``)."""
-
-    def __init__(self, inner: RandomAccess, offset: int, length: int) -> None:
-        super().__init__(inner, length)
-        self.offset = offset
-
-    def position(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        return indices + self.offset
-
-
-class StridedAccess(ReindexedAccess):
-    """``shard(num_shards, index)``: positions ``index, index + num_shards, ...``."""
-
-    def __init__(self, inner: RandomAccess, num_shards: int, index: int) -> None:
-        size = len(inner)
-        super().__init__(inner, size // num_shards + (index < size % num_shards))
-        self.num_shards, self.index = num_shards, index
-
-    def position(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        return indices * self.num_shards + self.index
-
-
-class RepeatedAccess(ReindexedAccess):
-    """A finite ``repeat(count)``: position ``i % len(input)``."""
-
-    def __init__(self, inner: RandomAccess, count: int) -> None:
-        self.period = len(inner)
-        super().__init__(inner, self.period * count)
-
-    def position(self, indices: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        return indices % self.period
+def mapped_access(
+    index_map: IndexMap | None, inner: RandomAccess | Refusal
+) -> RandomAccess | Refusal:
+    """An index-only stage's ``element_access`` over its input's (``index_map`` None: the
+    stage passes every element through)."""
+    if index_map is None or isinstance(inner, Refusal):
+        return inner
+    return MappedAccess(inner, index_map)
 
 
 class BatchedAccess(RandomAccess):
@@ -306,140 +357,189 @@ def take_all(stream: IndexStream, count: int) -> Indices:
     return _concat(blocks)
 
 
-class _CountingIndices(IndexStream):
-    """An index stream over another, plus one counter: what take/skip/shard keep.
-
-    The counter only counts down from its start (take, skip); a restored one
-    must lie between 0 and that start. ``limit`` None: it counts up, unbounded.
-    """
-
-    counter = "count"
-    stage = "index"
-
-    def __init__(self, inner: IndexStream, value: int) -> None:
-        self.inner, self.value = inner, value
-        self.limit: int | None = value
-
-    def get_state(self) -> dict[str, Any]:
-        return {INNER: self.inner.get_state(), self.counter: self.value}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        reader = StateReader(state, self.stage)
-        self.value = (
-            reader.integer(self.counter)
-            if self.limit is None
-            else reader.integer(self.counter, high=self.limit, why=f"{self.stage}({self.limit})")
-        )
-        self.inner.set_state(reader.child(INNER))
-
-    def close(self) -> None:
-        self.inner.close()
+def _read_counters(reader: StateReader, index_map: IndexMap) -> tuple[int | None, int]:
+    """``(consumed, epoch)`` of an index-only stage's state, in the shared layout or in
+    the one its stage wrote before (see :meth:`IndexMap.old_state`)."""
+    old = None if CONSUMED in reader.state else index_map.old_state(reader)
+    if old is not None:
+        return old
+    consumed = reader.integer(CONSUMED, high=index_map.consumed_limit(), why=index_map.call)
+    if not index_map.cycles:
+        return consumed, 0
+    return consumed, reader.integer(EPOCH, high=index_map.epoch_limit(), why=index_map.call)
 
 
-class TakeIndices(_CountingIndices):
-    """The first ``count`` indices of the inner stream."""
-
-    counter = "remaining"
-    stage = "take"
-
-    def take(self, count: int) -> Indices:
-        block = self.inner.take(min(count, self.value))
-        self.value -= len(block)
-        return block
+def _nothing_more(consumed: int, count: int) -> int:
+    """The ``want`` of a stage that has ended: no more input."""
+    return 0
 
 
-class SkipIndices(_CountingIndices):
-    """The inner stream without its first ``count`` indices (read nothing for them)."""
-
-    counter = "to_skip"
-    stage = "skip"
-
-    def take(self, count: int) -> Indices:
-        while self.value:
-            skipped = self.inner.take(min(self.value, 1 << 16))
-            if len(skipped) == 0:
-                self.value = 0
-                break
-            self.value -= len(skipped)
-        return self.inner.take(count)
+#: How many input indices one read of :class:`MappedIndices` asks for at most while it
+#: drops them (a skip of 10**9 over a shuffle's stream: blocks, not one 8 GB array).
+_READ_LIMIT = 1 << 16
 
 
-class ShardIndices(_CountingIndices):
-    """Every ``num_shards``-th index starting at ``index`` (tf.data's ``shard``)."""
+class MappedIndices(IndexStream):
+    """An index-only stage's index stream: of the input stream's indices, those its
+    :class:`IndexMap` keeps. Its state is the input's plus how many input indices it
+    consumed (and, where the input starts again, in which epoch)."""
 
-    counter = "seen"  # indices consumed from the inner stream
-    stage = "shard"
-
-    def __init__(self, inner: IndexStream, num_shards: int, index: int) -> None:
-        super().__init__(inner, 0)
-        self.limit = None
-        self.num_shards, self.index = num_shards, index
-
-    def take(self, count: int) -> Indices:
-        block = take_all(self.inner, count * self.num_shards)
-        offset = (self.index - self.value) % self.num_shards
-        self.value += len(block)
-        return block[offset :: self.num_shards]
-
-
-class RepeatIndices(IndexStream):
-    """The inner stream again and again (a fresh inner stream per epoch)."""
-
-    def __init__(self, make_inner: Callable[[int], IndexStream], count: int) -> None:
-        self.make_inner, self.count = make_inner, count  # count < 0: forever
-        self.initial_count = count
-        self.epoch = 0
+    def __init__(self, index_map: IndexMap, make_inner: Callable[[int], IndexStream]) -> None:
+        self.map, self.make_inner = index_map, make_inner
+        self.want, self.select = index_map.want, index_map.select  # bound once: per element
+        self.keeps_from = index_map.keeps_from
+        self.epoch = self.consumed = 0
+        self.run = 0  # how many of the next input indices are all kept (no want() each)
         self.inner = make_inner(0)
-        self.produced_this_epoch = 0
 
     def take(self, count: int) -> Indices:
-        while self.count < 0 or self.epoch < self.count:
+        run, start = self.run, self.consumed
+        if run < count and start >= self.keeps_from:
+            run = self.run = self.want(start, INT64_MAX)
+        if run >= count > 0:  # the common case: inside a take, past a skip, a repeat
             block = self.inner.take(count)
-            if len(block):
-                self.produced_this_epoch += len(block)
+            self.consumed = start + len(block)
+            if len(block) == count:
+                self.run = run - count
                 return block
-            if self.produced_this_epoch == 0:  # an empty epoch: end, do not spin
-                self.epoch = self.count if self.count >= 0 else 0
-                self.count = 0
+            return self._more(count - len(block), [block])  # fewer: the long way
+        self.run = 0
+        want = self.want(start, count)
+        if 0 < want <= _READ_LIMIT:  # one read gives them all
+            block = self.inner.take(want)
+            if len(block):
+                self.consumed = start + len(block)
+                kept = block if start >= self.keeps_from else self.select(start, block)
+                if len(kept) == count:
+                    return kept
+                return self._more(count - len(kept), [kept])
+        return self._more(count, [])  # (an empty read: the end, or the next epoch)
+
+    def _more(self, count: int, parts: list[Indices]) -> Indices:
+        """``parts`` and up to ``count`` more: across blocks, epochs and the end."""
+        self.run = 0
+        while count > 0:
+            start = self.consumed
+            want = self.want(start, count)
+            if want <= 0:
                 break
-            self._next_epoch()
-        return range(0)
+            limit = count if count > _READ_LIMIT else _READ_LIMIT
+            block = self.inner.take(want if want <= limit else limit)
+            if len(block) == 0:
+                if start and self.map.another_epoch(self.epoch):
+                    self._next_epoch()
+                    continue
+                break  # the end (an epoch that gave nothing ends a repeat: no spinning)
+            self.consumed = start + len(block)
+            kept = self.select(start, block)
+            if len(kept):
+                parts.append(kept)
+                count -= len(kept)
+        parts = [part for part in parts if len(part)]
+        return _concat(parts) if parts else range(0)
 
     def _next_epoch(self) -> None:
         self.inner.close()
         self.epoch += 1
-        self.produced_this_epoch = 0
+        self.consumed = self.run = 0
         self.inner = self.make_inner(self.epoch)
 
     def get_state(self) -> dict[str, Any]:
-        return {
-            EPOCH: self.epoch,
-            "count": self.count,
-            PRODUCED: self.produced_this_epoch,
-            INNER: self.inner.get_state(),
-        }
+        state = {INNER: self.inner.get_state(), CONSUMED: self.consumed}
+        if self.map.cycles:
+            state[EPOCH] = self.epoch
+        return state
 
     def set_state(self, state: dict[str, Any]) -> None:
-        reader = StateReader(state, "repeat")
-        count = self.initial_count
-        # an empty input ends the repetition by setting count to 0
-        saved_count = reader.integer("count", low=-1, high=max(count, 0))
-        if saved_count not in (count, 0):
-            raise reader.error("count", f"= {saved_count}, but this repeat has count={count}")
-        epoch = (
-            reader.integer(EPOCH)
-            if saved_count < 0
-            else reader.integer(EPOCH, high=max(count, 0), why=f"repeat({count})")
-        )
-        produced = reader.integer(PRODUCED)
+        index_map = self.map
+        reader = StateReader(state, index_map.stage)
+        consumed, epoch = _read_counters(reader, index_map)
         inner_state = reader.child(INNER)
-        self.inner.close()
-        self.count, self.epoch, self.produced_this_epoch = saved_count, epoch, produced
-        self.inner = self.make_inner(self.epoch)
+        if epoch != self.epoch:  # that epoch's own stream (a shuffle below draws anew)
+            self.inner.close()
+            self.inner = self.make_inner(epoch)
+        self.epoch, self.run = epoch, 0
         self.inner.set_state(inner_state)
+        self.consumed = 0 if consumed is None else consumed
+        # Past its last epoch (or an old state that said so) it had ended, whatever its
+        # input's state: it reads nothing more (and reading that input out could hang).
+        ended = consumed is None or (epoch and not index_map.another_epoch(epoch - 1))
+        self.want = _nothing_more if ended else index_map.want
 
     def close(self) -> None:
         self.inner.close()
+
+
+def mapped_indices(
+    index_map: IndexMap | None, make_inner: Callable[[Context], IndexStream], ctx: Context
+) -> IndexStream | None:
+    """An index-only stage's ``wrap_indices`` (``index_map`` None: it passes every index
+    through). Each epoch of a cycling map reads its input in a context of its own."""
+    if index_map is None:
+        return None
+    if index_map.cycles:
+        return MappedIndices(index_map, lambda epoch: make_inner(ctx.with_epoch(epoch)))
+    return MappedIndices(index_map, lambda epoch: make_inner(ctx))
+
+
+class MappedIterator(Iterator):
+    """An index-only stage over an input without random access: of the input's
+    elements, those its (non-cycling) :class:`IndexMap` keeps, read and dropped in
+    order. Its state is the input's plus how many elements it consumed, the layout
+    of :class:`MappedIndices`. Once the map has ended (a take), the input is closed
+    (a generator's ``finally`` runs, files close, as tf.data releases it)."""
+
+    passes_origin = True
+    counts_positions = True
+
+    def __init__(self, inner: Iterator, index_map: IndexMap) -> None:
+        super().__init__(inner)
+        self.inner, self.map = inner, index_map
+        self.stage = index_map.stage
+        self.want = index_map.want  # bound once: per element
+        self.consumed = 0
+        self.run = 0  # how many of the next input elements are all kept (no want() each)
+        # where the input stood when it was closed at the end (None: still open)
+        self.released: dict[str, Any] | None = None
+
+    def pull(self) -> tuple[Any, Reservation]:
+        # (no call of self.pull here: a profiler counts each call of it as an element)
+        if not self.run and self.consumed >= self.map.keeps_from:
+            self.run = self.want(self.consumed, INT64_MAX)
+        if self.run > 0:  # the common case: inside a take, past a skip
+            pair = self.inner.pull()
+            self.run -= 1
+            self.consumed += 1
+            return pair
+        consumed = self.consumed
+        # want() is exact: of the next ``want`` input elements only the last is kept
+        want = self.want(consumed, 1)
+        if want <= 0:
+            if self.released is None:
+                self.released = self.inner.get_state()
+                self.inner.close()
+            raise StopIteration
+        pull = self.inner.pull
+        while want > 1:
+            _, reservation = pull()
+            self.consumed += 1
+            reservation.release()
+            want -= 1
+        pair = pull()
+        self.consumed += 1
+        return pair
+
+    def get_state(self) -> dict[str, Any]:
+        inner = self.released if self.released is not None else self.inner.get_state()
+        return {INNER: inner, CONSUMED: self.consumed}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        reader = StateReader(state, self.map.stage)
+        consumed, _ = _read_counters(reader, self.map)
+        assert consumed is not None  # (only a cycling map's old state has no count)
+        self.consumed, self.run = consumed, 0
+        self.inner.set_state(reader.child(INNER))  # a closed input reopens as it restores
+        self.released = None
 
 
 class _Gather(Iterator):

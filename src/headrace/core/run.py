@@ -55,8 +55,13 @@ __all__ = [
 
 #: Version of the state dicts; bumped when their layout or the fingerprints change
 #: (2: functions fingerprinted by code and closure values, checked state fields;
-#: 3: a checksum over every field, :func:`headrace.core.state.seal`).
-STATE_VERSION = 3
+#: 3: a checksum over every field, :func:`headrace.core.state.seal`;
+#: 4: take, skip, shard and repeat over indices, and take, skip and shard over
+#: elements, count what they consumed, one layout: :mod:`headrace.core.indexing`).
+STATE_VERSION = 4
+#: Older versions this headrace still restores: 3 differs only in those stages'
+#: states, which read their version-3 fields too.
+_READABLE_VERSIONS = (3, STATE_VERSION)
 
 _perf_counter = time.perf_counter  # a global, not an attribute lookup, twice per element
 
@@ -411,10 +416,10 @@ class DatasetIterator(ClosesOnExit, StateDict, _PyIterator[Any]):
         self._check_open()
         if not isinstance(state, dict) or state.get("format") != "headrace.iterator":
             raise CheckpointError("not a headrace iterator state (missing 'format' marker)")
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in _READABLE_VERSIONS:
             raise CheckpointError(
                 f"iterator state has format version {state.get('version')}, "
-                f"this headrace reads version {STATE_VERSION}"
+                f"this headrace reads versions {', '.join(map(str, _READABLE_VERSIONS))}"
             )
         check_seal(state, "iterator state")
         fingerprint = self._node.fingerprint()

@@ -12,21 +12,75 @@ from typing import Any
 import numpy as np
 
 from headrace.core.indexing import (
+    IndexMap,
     IndexPlan,
     IndexStream,
+    Indices,
     RandomAccess,
     Reach,
     Refusal,
-    RepeatedAccess,
-    RepeatIndices,
+    mapped_access,
+    mapped_indices,
 )
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
-from headrace.core.state import EPOCH, INNER, PRODUCED, StateReader
+from headrace.core.state import EPOCH, INNER, INT64_MAX, PRODUCED, StateReader
 from headrace.errors import InvalidArgumentError, Origin
 from headrace.memory.buffer import Reservation
 
-__all__ = ["RepeatNode"]
+__all__ = ["Cycle", "RepeatNode"]
+
+
+class Cycle(IndexMap):
+    """The input's positions ``count`` times over (``count < 0``: forever): repeat.
+
+    Its period is the input's length; the stream starts a fresh input stream per
+    epoch (a shuffle below draws each epoch's order anew) and ends at an epoch that
+    gave nothing, rather than spin.
+    """
+
+    cycles = True
+
+    def __init__(self, count: int) -> None:
+        super().__init__(f"repeat({count})", keeps_from=0)
+        self.count = count
+
+    def length(self, size: int) -> int:
+        return size * self.count
+
+    def position(self, indices: np.ndarray[Any, Any], size: int) -> np.ndarray[Any, Any]:
+        return indices % size
+
+    def want(self, consumed: int, count: int) -> int:
+        return 0 if self.count == 0 else count
+
+    def select(self, consumed: int, block: Indices) -> Indices:
+        return block
+
+    def another_epoch(self, epoch: int) -> bool:
+        return self.count < 0 or epoch + 1 < self.count
+
+    def epoch_limit(self) -> int:
+        return INT64_MAX if self.count < 0 else self.count
+
+    def old_state(self, reader: StateReader) -> tuple[int | None, int] | None:
+        # It wrote its count, and set it to 0 where an empty epoch had ended it; past
+        # its last epoch (epoch == count), a fresh input it never read stands there.
+        if "count" not in reader.state:
+            return None
+        count = self.count
+        saved_count = reader.integer("count", low=-1, high=max(count, 0))
+        if saved_count not in (count, 0):
+            raise reader.error("count", f"= {saved_count}, but this repeat has count={count}")
+        epoch = (
+            reader.integer(EPOCH)
+            if saved_count < 0
+            else reader.integer(EPOCH, high=max(count, 0), why=self.call)
+        )
+        produced = reader.integer(PRODUCED)
+        if saved_count == 0 and count != 0:
+            return None, epoch
+        return produced, epoch
 
 
 def _maps_below(node: Node) -> bool:
@@ -46,8 +100,11 @@ class RepeatNode(UnaryNode):
     def element_access(self, reach: Reach) -> RandomAccess | Refusal:
         if self.count < 0:
             return Refusal(self, "an infinite repeat has no element i to shuffle to")
-        inner = reach(self.inputs[0])
-        return inner if isinstance(inner, Refusal) else RepeatedAccess(inner, self.count)
+        return mapped_access(self.index_map(), reach(self.inputs[0]))
+
+    def index_map(self) -> Cycle:
+        """Which input positions come: all of them, ``count`` times over."""
+        return Cycle(self.count)
 
     def traits(self) -> Traits:
         return Traits()
@@ -90,7 +147,7 @@ class RepeatNode(UnaryNode):
     def wrap_indices(
         self, make_inner: Callable[[Context], IndexStream], ctx: Context
     ) -> IndexStream | None:
-        return RepeatIndices(lambda epoch: make_inner(ctx.with_epoch(epoch)), self.count)
+        return mapped_indices(self.index_map(), make_inner, ctx)
 
     def make_iterator(self, ctx: Context) -> Iterator:
         if self.index_plan() is not None:

@@ -13,20 +13,50 @@ from typing import Any
 import numpy as np
 
 from headrace.core.indexing import (
+    IndexMap,
     IndexStream,
+    Indices,
+    MappedIterator,
     RandomAccess,
     Reach,
     Refusal,
-    ShardIndices,
-    StridedAccess,
+    mapped_access,
+    mapped_indices,
 )
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
-from headrace.core.state import INNER, POSITION, StateReader
+from headrace.core.state import POSITION, StateReader
 from headrace.errors import InvalidArgumentError
-from headrace.memory.buffer import Reservation
 
-__all__ = ["ShardNode"]
+__all__ = ["ShardNode", "Stride"]
+
+
+class Stride(IndexMap):
+    """Input positions ``phase, phase + step, ...``: ``shard(step, phase)``."""
+
+    def __init__(self, step: int, phase: int) -> None:
+        super().__init__(f"shard({step}, {phase})")
+        self.step, self.phase = step, phase
+
+    def length(self, size: int) -> int:
+        return size // self.step + (self.phase < size % self.step)
+
+    def position(self, indices: np.ndarray[Any, Any], size: int) -> np.ndarray[Any, Any]:
+        return indices * self.step + self.phase
+
+    def want(self, consumed: int, count: int) -> int:
+        # to the next kept position, then count - 1 strides on, that one included
+        return (self.phase - consumed) % self.step + (count - 1) * self.step + 1
+
+    def select(self, consumed: int, block: Indices) -> Indices:
+        return block[(self.phase - consumed) % self.step :: self.step]
+
+    def old_state(self, reader: StateReader) -> tuple[int | None, int] | None:
+        # it counted the input indices (over an index stream) or elements it had seen
+        for key in ("seen", POSITION):
+            if key in reader.state:
+                return reader.integer(key), 0
+        return None
 
 
 class ShardNode(UnaryNode):
@@ -36,10 +66,11 @@ class ShardNode(UnaryNode):
         return ShardRole.POSITIONAL  # keeps elements by position
 
     def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        inner = reach(self.inputs[0])
-        if isinstance(inner, Refusal):
-            return inner
-        return StridedAccess(inner, self.num_shards, self.index)
+        return mapped_access(self.index_map(), reach(self.inputs[0]))
+
+    def index_map(self) -> Stride:
+        """Which input positions come: every ``num_shards``-th from ``index``."""
+        return Stride(self.num_shards, self.index)
 
     def traits(self) -> Traits:
         return Traits(shards=(self.num_shards, self.index))
@@ -71,35 +102,7 @@ class ShardNode(UnaryNode):
     def wrap_indices(
         self, make_inner: Callable[[Context], IndexStream], ctx: Context
     ) -> IndexStream | None:
-        return ShardIndices(make_inner(ctx), self.num_shards, self.index)
+        return mapped_indices(self.index_map(), make_inner, ctx)
 
     def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
-        return _ShardIterator(inner, self.num_shards, self.index)
-
-
-class _ShardIterator(Iterator):
-    stage = "shard"
-    passes_origin = True
-    counts_positions = True
-
-    def __init__(self, inner: Iterator, num_shards: int, index: int) -> None:
-        super().__init__(inner)
-        self.inner, self.num_shards, self.index = inner, num_shards, index
-        self.position = 0  # elements consumed from the input
-
-    def pull(self) -> tuple[Any, Reservation]:
-        while True:
-            element, reservation = self.inner.pull()
-            position = self.position
-            self.position += 1
-            if position % self.num_shards == self.index:
-                return element, reservation
-            reservation.release()
-
-    def get_state(self) -> dict[str, Any]:
-        return {INNER: self.inner.get_state(), POSITION: self.position}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        reader = StateReader(state, "shard")
-        self.position = reader.integer(POSITION)
-        self.inner.set_state(reader.child(INNER))
+        return MappedIterator(inner, self.index_map())

@@ -13,21 +13,23 @@ from typing import Any
 import numpy as np
 
 from headrace.core.indexing import (
+    IndexMap,
     IndexStream,
-    OffsetAccess,
+    Indices,
+    MappedIterator,
     RandomAccess,
     Reach,
     Refusal,
-    SkipIndices,
-    TakeIndices,
+    mapped_access,
+    mapped_indices,
 )
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
-from headrace.core.state import INNER, StateReader
+from headrace.core.state import INT64_MAX, StateReader
 from headrace.errors import InvalidArgumentError
 from headrace.memory.buffer import Reservation
 
-__all__ = ["SkipNode", "TakeNode"]
+__all__ = ["SkipNode", "TakeNode", "Window"]
 
 
 def _check_count(name: str, count: Any) -> int:
@@ -37,6 +39,53 @@ def _check_count(name: str, count: Any) -> int:
     return -1 if count < 0 else int(count)
 
 
+class Window(IndexMap):
+    """Input positions ``[start, stop)`` (``stop`` None: to the end): take and skip.
+
+    ``take(n)`` is ``Window(0, n)``, ``skip(k)`` is ``Window(k, None)``, and ``skip``
+    of everything is ``Window(0, 0)``: its stream then reads no index at all.
+    """
+
+    def __init__(self, start: int, stop: int | None, call: str) -> None:
+        super().__init__(call, keeps_from=start)
+        self.start, self.stop = start, stop
+
+    def length(self, size: int) -> int:
+        low = min(self.start, size)
+        high = size if self.stop is None else min(self.stop, size)
+        return max(high - low, 0)
+
+    def position(self, indices: np.ndarray[Any, Any], size: int) -> np.ndarray[Any, Any]:
+        return indices + min(self.start, size)
+
+    def want(self, consumed: int, count: int) -> int:
+        stop = self.stop
+        if consumed < self.start:  # still dropping: those first, then up to count
+            dropped = self.start - consumed
+            return dropped + (count if stop is None else min(count, stop - self.start))
+        if stop is None:
+            return count
+        left = stop - consumed
+        return count if count < left else max(left, 0)
+
+    def select(self, consumed: int, block: Indices) -> Indices:
+        # want() never reads past stop: only the dropped head is ever cut
+        return block if consumed >= self.start else block[self.start - consumed :]
+
+    def consumed_limit(self) -> int:
+        return INT64_MAX if self.stop is None else self.stop
+
+    def old_state(self, reader: StateReader) -> tuple[int | None, int] | None:
+        # take(n) and skip of everything wrote what remained to take, skip(k) what
+        # remained to skip; past the skip, how many more it read does not matter here
+        if "remaining" in reader.state and self.stop is not None:
+            count = self.stop - self.start
+            return self.stop - reader.integer("remaining", high=count, why=self.call), 0
+        if "to_skip" in reader.state and self.stop is None:
+            return self.start - reader.integer("to_skip", high=self.start, why=self.call), 0
+        return None
+
+
 class TakeNode(UnaryNode):
     stage = "take"
 
@@ -44,11 +93,11 @@ class TakeNode(UnaryNode):
         return ShardRole.POSITIONAL  # counts elements
 
     def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        inner = reach(self.inputs[0])
-        if isinstance(inner, Refusal):
-            return inner
-        size = len(inner)
-        return OffsetAccess(inner, 0, size if self.count < 0 else min(size, self.count))
+        return mapped_access(self.index_map(), reach(self.inputs[0]))
+
+    def index_map(self) -> Window | None:
+        """Which input positions come (None: all of them)."""
+        return None if self.count < 0 else Window(0, self.count, f"take({self.count})")
 
     def traits(self) -> Traits:
         return Traits()
@@ -71,43 +120,11 @@ class TakeNode(UnaryNode):
     def wrap_indices(
         self, make_inner: Callable[[Context], IndexStream], ctx: Context
     ) -> IndexStream | None:
-        return None if self.count < 0 else TakeIndices(make_inner(ctx), self.count)
+        return mapped_indices(self.index_map(), make_inner, ctx)
 
     def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
-        return inner if self.count < 0 else _TakeIterator(inner, self.count)
-
-
-class _TakeIterator(Iterator):
-    stage = "take"
-    passes_origin = True
-    counts_positions = True
-
-    def __init__(self, inner: Iterator, count: int) -> None:
-        super().__init__(inner)
-        self.inner, self.remaining, self.count = inner, count, count
-        # Once take has ended, its input is closed (tf.data releases it: a generator's
-        # ``finally`` runs, files close); this is where the input stood then.
-        self.released: dict[str, Any] | None = None
-
-    def pull(self) -> tuple[Any, Reservation]:
-        if self.remaining == 0:
-            if self.released is None:
-                self.released = self.inner.get_state()
-                self.inner.close()
-            raise StopIteration
-        pair = self.inner.pull()
-        self.remaining -= 1
-        return pair
-
-    def get_state(self) -> dict[str, Any]:
-        inner = self.released if self.released is not None else self.inner.get_state()
-        return {INNER: inner, "remaining": self.remaining}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        reader = StateReader(state, "take")
-        self.remaining = reader.integer("remaining", high=self.count, why=f"take({self.count})")
-        self.inner.set_state(reader.child(INNER))  # a closed input reopens as it restores
-        self.released = None
+        index_map = self.index_map()
+        return inner if index_map is None else MappedIterator(inner, index_map)
 
 
 class SkipNode(UnaryNode):
@@ -117,12 +134,13 @@ class SkipNode(UnaryNode):
         return ShardRole.POSITIONAL  # counts elements
 
     def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        inner = reach(self.inputs[0])
-        if isinstance(inner, Refusal):
-            return inner
-        size = len(inner)
-        skipped = size if self.count < 0 else min(size, self.count)
-        return OffsetAccess(inner, skipped, size - skipped)
+        return mapped_access(self.index_map(), reach(self.inputs[0]))
+
+    def index_map(self) -> Window:
+        """Which input positions come: all past the first ``count``, or none."""
+        if self.count < 0:
+            return Window(0, 0, f"skip({self.count})")  # skip everything, read nothing
+        return Window(self.count, None, f"skip({self.count})")
 
     def traits(self) -> Traits:
         return Traits()
@@ -147,9 +165,7 @@ class SkipNode(UnaryNode):
     def wrap_indices(
         self, make_inner: Callable[[Context], IndexStream], ctx: Context
     ) -> IndexStream | None:
-        if self.count < 0:
-            return TakeIndices(make_inner(ctx), 0)  # skip everything, read nothing
-        return SkipIndices(make_inner(ctx), self.count)
+        return mapped_indices(self.index_map(), make_inner, ctx)
 
     def make_iterator(self, ctx: Context) -> Iterator:
         if self.count < 0:
@@ -157,7 +173,7 @@ class SkipNode(UnaryNode):
         return super().make_iterator(ctx)
 
     def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
-        return _SkipIterator(inner, self.count)
+        return MappedIterator(inner, self.index_map())
 
 
 class _EmptyIterator(Iterator):
@@ -171,31 +187,3 @@ class _EmptyIterator(Iterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         StateReader(state, "skip")  # nothing to restore, but it must be a state
-
-
-class _SkipIterator(Iterator):
-    stage = "skip"
-    passes_origin = True
-    counts_positions = True
-
-    def __init__(self, inner: Iterator, count: int) -> None:
-        super().__init__(inner)
-        self.inner, self.to_skip, self.count = inner, count, count
-
-    def _skip(self) -> None:
-        while self.to_skip > 0:
-            _, reservation = self.inner.pull()
-            reservation.release()
-            self.to_skip -= 1
-
-    def pull(self) -> tuple[Any, Reservation]:
-        self._skip()
-        return self.inner.pull()
-
-    def get_state(self) -> dict[str, Any]:
-        return {INNER: self.inner.get_state(), "to_skip": self.to_skip}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        reader = StateReader(state, "skip")
-        self.to_skip = reader.integer("to_skip", high=self.count, why=f"skip({self.count})")
-        self.inner.set_state(reader.child(INNER))
