@@ -24,7 +24,7 @@ from headrace.core.indexing import IndexPlan, IndexStream, Indices, RandomAccess
 from headrace.core.iterator import Context
 from headrace.core.node import Node, ShardRole, Traits, UnaryNode, check_positive
 from headrace.core.state import EPOCH, INT64_MAX, POSITION, StateReader
-from headrace.errors import InvalidArgumentError
+from headrace.errors import InvalidArgumentError, Origin
 from headrace.transforms._element_access import Refusal, element_access
 
 __all__ = ["FeistelPermutation", "GlobalShuffleNode"]
@@ -84,7 +84,14 @@ class GlobalShuffleNode(UnaryNode):
         return ShardRole.POSITIONAL  # its permutation spans the whole input
 
     def element_access(self, reach: Reach) -> RandomAccess | Refusal:
-        return reach(self.inputs[0])  # a uniform permutation of a uniform permutation is one: skip it
+        inner = reach(self.inputs[0])
+        if isinstance(inner, Refusal):
+            return inner
+        # Element i is the input's element at the permuted position i. Not the input's
+        # access as it is: a stage above (take, batch, shard) would then cut or group
+        # the unshuffled order. The permutation is the first run's of
+        # reshuffle_each_iteration=False; with reshuffling it is one fixed draw.
+        return _PermutedAccess(inner, _permutation(len(inner), self.base_seed, []))
 
     def traits(self) -> Traits:
         return Traits(unseeded=self.seed is None)
@@ -123,6 +130,46 @@ class GlobalShuffleNode(UnaryNode):
         return access, make
 
 
+def _permutation(size: int, seed: int, epoch: list[int]) -> FeistelPermutation:
+    """The permutation of ``size`` positions that ``seed`` and ``epoch`` key."""
+    words = np.random.SeedSequence([seed, *epoch]).generate_state(2, np.uint64)
+    return FeistelPermutation(size, int(words[0]) << 64 | int(words[1]))
+
+
+class _PermutedAccess(RandomAccess):
+    """A global_shuffle's random access: element ``i`` is the input's element
+    ``permutation(i)``."""
+
+    def __init__(self, inner: RandomAccess, permutation: FeistelPermutation) -> None:
+        self.inner, self.permutation = inner, permutation
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def _positions(self, indices: Indices) -> np.ndarray[Any, Any]:
+        return self.permutation(np.asarray(indices, dtype=np.int64))
+
+    def get(self, index: int) -> Any:
+        if not 0 <= index < len(self.inner):
+            raise IndexError(index)
+        return self.inner.get(int(self._positions(range(index, index + 1))[0]))
+
+    def get_many(self, indices: Indices) -> Any:
+        return self.inner.get_many(self._positions(indices))
+
+    def origin(self, index: int) -> Origin | None:
+        return self.inner.origin(int(self._positions(range(index, index + 1))[0]))
+
+    def gathers_batches(self) -> bool:
+        return self.inner.gathers_batches()
+
+    def prepare(self, ctx: Context) -> None:
+        self.inner.prepare(ctx)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class _PermutedIndices(IndexStream):
     def __init__(self, node: GlobalShuffleNode, ctx: Context, size: int, epoch: list[int]) -> None:
         self.node, self.ctx = node, ctx
@@ -133,8 +180,7 @@ class _PermutedIndices(IndexStream):
         self._cache: tuple[int, np.ndarray[Any, Any]] = (0, np.empty(0, np.int64))
 
     def _build(self) -> FeistelPermutation:
-        words = np.random.SeedSequence([self.seed, *self.epoch]).generate_state(2, np.uint64)
-        return FeistelPermutation(self.size, int(words[0]) << 64 | int(words[1]))
+        return _permutation(self.size, self.seed, self.epoch)
 
     def _permuted(self, start: int, stop: int) -> np.ndarray[Any, Any]:
         """Permuted indices of positions [start, stop), computed a block at a time."""
