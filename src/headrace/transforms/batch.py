@@ -49,6 +49,7 @@ from headrace.errors import (
     ElementSpecError,
     Origin,
 )
+from headrace.memory.allocator import ArrayPool
 from headrace.memory.buffer import NO_RESERVATION, Assembly, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES, _plain_array, sizeof
 from headrace.structure import (
@@ -281,6 +282,12 @@ class _BatchIterator(Assembler):
         #: token is taken as it is pulled, and the batch's token holds them all.
         self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
         self.last_token: BatchToken | None = None
+        #: Large columns reuse batches the consumer let go of (no fresh pages to zero).
+        self._pool = ArrayPool()
+
+    def close(self) -> None:
+        self._pool.close()
+        super().close()
 
     def origin(self) -> Origin | None:
         token = self.last_token
@@ -298,7 +305,11 @@ class _BatchIterator(Assembler):
         return self.probe is not None
 
     def pull(self) -> tuple[Any, Reservation]:
-        first, reservation = self.inner.pull()  # StopIteration: no more batches
+        try:
+            first, reservation = self.inner.pull()
+        except StopIteration:  # no more batches: nothing kept for one
+            self._pool.clear()
+            raise
         first_index = self.position
         self.position += 1
         probe = self.probe
@@ -371,8 +382,9 @@ class _BatchIterator(Assembler):
         assembly = Assembly(self.account, f"a batch of {rows} elements")
         assembly.reserve(nbytes, elements=1)
         try:
+            empty = self._pool.empty
             for column in columns:
-                column.out = np.empty((rows, *column.shape), dtype=column.dtype)
+                column.out = empty((rows, *column.shape), column.dtype)
         except BaseException:
             assembly.abandon()
             raise
