@@ -41,17 +41,27 @@ def _expect_rows(images: np.ndarray[Any, Any], first: int) -> None:
     np.testing.assert_array_equal(images, np.broadcast_to(want[:, None, None], images.shape))
 
 
-def test_released_batches_are_reused() -> None:
-    addresses = []
-    with iter(_dataset()) as iterator:
+def _pools() -> list[ArrayPool]:
+    return [o for o in gc.get_objects() if type(o) is ArrayPool]
+
+
+def _run(dataset: Any) -> tuple[int, int, Any]:
+    """Iterate, dropping each batch before the next: (arrays the batch stage's pool
+    handed out, how many of them reused released memory, the batch stage's stats)."""
+    before = set(map(id, _pools()))
+    with iter(dataset) as iterator:
+        (pool,) = [p for p in _pools() if id(p) not in before]
         for index, (images, labels) in enumerate(iterator):
             _expect_rows(images, index * ROWS)
             np.testing.assert_array_equal(labels, np.arange(index * ROWS, (index + 1) * ROWS))
-            addresses.append(_address(images))
             del images, labels
-    # 12 batches, each dropped before the next: only a few distinct memory blocks
-    assert len(addresses) == 12
-    assert len(set(addresses)) <= 3, addresses
+        (stage,) = [s for s in iterator.stats().stages if s.name == "batch"]
+    return pool.handed, pool.reused, stage
+
+
+def test_released_batches_are_reused() -> None:
+    handed, reused, _ = _run(_dataset())
+    assert handed == 12 and reused >= 10
 
 
 def test_kept_batches_are_never_overwritten() -> None:
@@ -105,7 +115,7 @@ def test_kept_batches_through_prefetch_and_threads() -> None:
 
 
 def test_pool_reuses_only_released_memory_of_the_same_size() -> None:
-    pool = ArrayPool(keep=1)
+    pool = ArrayPool(keep_bytes=2 << 20)
     first = pool.empty((4, 512, 256), np.float32)  # 2 MiB
     address = _address(first)
     held = pool.empty((4, 512, 256), np.float32)
@@ -118,7 +128,7 @@ def test_pool_reuses_only_released_memory_of_the_same_size() -> None:
     other = pool.empty((4, 512, 256), np.float32)
     assert _address(other) != address  # a view keeps the memory out of the pool
     del view, other, held
-    assert pool.idle_bytes() == 2 << 20  # keep=1: one released array kept, not three
+    assert pool.idle_bytes() == 2 << 20  # one released array kept, not three
     different = pool.empty((2, 512, 256), np.float32)  # another size: fresh memory
     assert pool.reused == 1 and pool.idle_bytes() == 0
     del different
@@ -128,7 +138,7 @@ def test_pool_reuses_only_released_memory_of_the_same_size() -> None:
 
 
 def test_small_and_object_arrays_are_plain() -> None:
-    pool = ArrayPool()
+    pool = ArrayPool(keep_bytes=8 << 20)
     small = pool.empty((16,), np.float32)
     assert small.base is None and small.nbytes < POOLED_BYTES
     objects = pool.empty((POOLED_BYTES,), object)
@@ -136,7 +146,7 @@ def test_small_and_object_arrays_are_plain() -> None:
 
 
 def test_released_memory_is_reused_with_its_dtype_and_alignment() -> None:
-    pool = ArrayPool()
+    pool = ArrayPool(keep_bytes=4 << 20)
     first = pool.empty((3, 1 << 18), np.float32)
     del first
     again = pool.empty((1 << 17, 3), np.complex128)  # the same bytes, another shape/dtype
@@ -147,7 +157,7 @@ def test_released_memory_is_reused_with_its_dtype_and_alignment() -> None:
 
 
 def test_release_from_another_thread() -> None:
-    pool = ArrayPool(keep=1)
+    pool = ArrayPool(keep_bytes=2 << 20)
     box = [pool.empty((1 << 19,), np.float32)]
     address = _address(box[0])
     thread = threading.Thread(target=box.clear)
@@ -157,8 +167,8 @@ def test_release_from_another_thread() -> None:
 
 
 @pytest.mark.parametrize("keep", [0, 2])
-def test_pool_keeps_at_most_keep_released_arrays(keep: int) -> None:
-    pool = ArrayPool(keep=keep)
+def test_pool_keeps_at_most_keep_bytes_of_released_arrays(keep: int) -> None:
+    pool = ArrayPool(keep_bytes=keep * (1 << 20) + 100)
     arrays = [pool.empty((1 << 18,), np.float32) for _ in range(4)]
     del arrays
     assert pool.idle_bytes() == keep * (1 << 20)
@@ -198,7 +208,7 @@ def test_tensorflow_feed_takes_a_pooled_batch_only_when_nothing_else_holds_it() 
 def test_owns_pooled() -> None:
     from headrace.memory.allocator import owns_pooled
 
-    pool = ArrayPool()
+    pool = ArrayPool(keep_bytes=2 << 20)
     array = pool.empty((1 << 19,), np.float32)
     assert owns_pooled(array)
     assert not owns_pooled(np.empty(1 << 19, np.float32))  # owns its data: not pooled
@@ -208,3 +218,17 @@ def test_owns_pooled() -> None:
     assert not owns_pooled(array)
     del second, view
     assert owns_pooled(array)
+
+
+def test_the_spare_is_booked_or_nothing_is_kept() -> None:
+    # A released batch waits in the pool only as the batch stage's booked spare: a share
+    # with room for it beside a batch books it (the stage's peak is two batches) and
+    # reuses memory; one without keeps nothing and every batch is fresh memory, the
+    # stage within its share as before.
+    batch_bytes = ROWS * SIDE * SIDE * 4
+    handed, reused, stage = _run(_dataset().with_options(hr.Options(memory_budget="64MiB")))
+    assert handed == 12 and reused >= 10
+    assert stage.peak >= 2 * batch_bytes
+    handed, reused, stage = _run(_dataset().with_options(hr.Options(memory_budget="3MiB")))
+    assert handed == 12 and reused == 0
+    assert batch_bytes <= stage.peak < 2 * batch_bytes and stage.held == 0

@@ -214,15 +214,16 @@ class ArrayPool:
     handed out again.
 
     Budget: the caller books every array it takes (the memory is booked while it is a
-    batch), and the pool keeps at most ``keep`` released arrays between a release and
-    the next :meth:`empty` of the same size, which reuses one; :meth:`clear` (the end
-    of the input) and :meth:`close` (the iterator's) free them. So what the pool holds
-    unbooked is at most ``keep`` arrays, for as long as the stage waits for its next
-    batch. Thread-safe: releases come from any thread (the consumer's).
+    batch). Released memory waits for the next :meth:`empty` of the same size, which
+    reuses it, only up to ``keep_bytes`` in all: the caller books that much as the
+    pool's spare (the batch stage books one batch's columns where its share has room,
+    and keeps nothing otherwise). :meth:`clear` (the end of the input) and
+    :meth:`close` (the iterator's) free what waits. Thread-safe: releases come from any
+    thread (the consumer's).
     """
 
-    def __init__(self, keep: int = 2) -> None:
-        self._keep = keep
+    def __init__(self, keep_bytes: int = 0) -> None:
+        self.keep_bytes = keep_bytes
         self._idle: collections.deque[np.ndarray[Any, Any]] = collections.deque()
         self._closed = False
         #: Arrays handed out, and how many of them reused released memory (stats, tests).
@@ -257,12 +258,19 @@ class ArrayPool:
 
     def _returned(self, storage: np.ndarray[Any, Any]) -> None:
         """A lease died: keep its memory for the next batch, or let it go."""
-        if not self._closed and len(self._idle) < self._keep:
+        if not self._closed and self.idle_bytes() + storage.nbytes <= self.keep_bytes:
             self._idle.append(storage)
 
     def idle_bytes(self) -> int:
         """Bytes released by the consumer and kept for reuse (unbooked, see the class)."""
         return sum(storage.nbytes for storage in list(self._idle))
+
+    def pooled_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
+        """What an array of ``shape`` and ``dtype`` from :meth:`empty` would take in the
+        pool (0 where it would be a plain ``np.empty``)."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        return 0 if dtype.hasobject or nbytes < POOLED_BYTES else -(-nbytes // 8) * 8
 
     def clear(self) -> None:
         """Free the released arrays kept (no more batches are coming for now)."""
