@@ -329,12 +329,16 @@ class _BatchIterator(Assembler):
             self.probe = origin_probe(self.inner)
         return self.probe is not None
 
-    def pull(self) -> tuple[Any, Reservation]:
+    def _pull_first(self) -> tuple[Any, Reservation]:
+        """A batch's first element; at the end of the input the pool's spare goes back."""
         try:
-            first, reservation = self.inner.pull()
-        except StopIteration:  # no more batches: nothing kept for one
+            return self.inner.pull()
+        except StopIteration:
             self._drop_spare()
             raise
+
+    def pull(self) -> tuple[Any, Reservation]:
+        first, reservation = self._pull_first()  # StopIteration: no more batches
         first_index = self.position
         self.position += 1
         probe = self.probe
