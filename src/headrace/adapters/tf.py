@@ -55,6 +55,7 @@ from headrace.adapters._elements import ConvertedElements
 from headrace.core.handoff import unpin
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.errors import EmptyInputError, InvalidArgumentError
+from headrace.memory.allocator import owns_pooled
 from headrace.structure import TensorSpec, flatten, map_structure, shape_allows, structure_paths
 
 if TYPE_CHECKING:
@@ -135,7 +136,8 @@ class _Feed:
             # array nothing else references (a fresh batch: this list, `value` and
             # getrefcount's argument) is handed over as it is.
             if isinstance(value, np.ndarray) and value.dtype != object and not (
-                value.flags.owndata and value.flags.writeable and sys.getrefcount(value) <= 3
+                (value.flags.owndata or owns_pooled(value)) and value.flags.writeable
+                and sys.getrefcount(value) <= 3
             ):
                 leaves[index] = value.copy()
         return leaves

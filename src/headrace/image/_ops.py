@@ -88,7 +88,10 @@ def convert_image_dtype(image: Any, dtype: Any, saturate: bool = False,
         return array.astype(target)
     with np.errstate(over="ignore", invalid="ignore"):  # float16 overflows as TensorFlow's
         if source.kind in "ui":
-            result: Array = array.astype(target) * target.type(1.0 / np.iinfo(source).max)
+            # the cast and the scaling in one pass, one output: cast(x) * (1 / max) in
+            # the target type, as astype() then multiply gives it (bit for bit)
+            result: Array = np.multiply(array, target.type(1.0 / np.iinfo(source).max),
+                                        dtype=target)
             return result
         scaled = array * source.type(np.iinfo(target).max + 0.5)
     return _cast(scaled, target, saturate)

@@ -27,17 +27,37 @@ This is process-wide, so it happens once, when the first iterator starts,
 and only if ``Options(tune_allocator=False)`` was not asked for. Elsewhere
 (musl, macOS) it does nothing. ``MALLOC_ARENA_MAX`` in the environment wins
 for the arenas (the trimming still runs).
+
+Batches are a case of their own (:class:`ArrayPool`): a batch of 128 224x224x3
+float32 images is 77 MB, far above any mmap threshold, so glibc maps it afresh
+and the kernel zeroes its 19,000 pages as the rows are written (~600 KB a
+image: 11% of a 2-process image pipeline's CPU, all of it in the consumer),
+then unmaps it when the consumer lets go. The pool hands the same memory out
+again once nothing references the batch any more.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import math
 import os
 import sys
 import threading
 from typing import Any
 
-__all__ = ["ARENA_MAX", "CHECK_EVERY", "note_released", "release_free_heap", "tune_allocator"]
+import numpy as np
+
+__all__ = [
+    "ARENA_MAX",
+    "CHECK_EVERY",
+    "POOLED_BYTES",
+    "ArrayPool",
+    "note_released",
+    "owns_pooled",
+    "release_free_heap",
+    "tune_allocator",
+]
 
 #: Heap arenas glibc may create (M_ARENA_MAX); its default is 8 per core.
 ARENA_MAX = 2
@@ -142,3 +162,121 @@ def _malloc_trim() -> Any:
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
     return trim
+
+
+#: Arrays at least this large come from an :class:`ArrayPool`; smaller ones are carved
+#: from the heap, whose free blocks are reused without the kernel's help anyway.
+POOLED_BYTES = 1 << 20
+
+
+class _Lease:
+    """Internal: the owner (``.base``) of one array an :class:`ArrayPool` handed out.
+
+    NumPy makes an array over it from ``__array_interface__`` and keeps it as the
+    array's base, and every view keeps that array: the lease dies when the last array
+    that can reach its memory does, and only then does the memory go back to the pool.
+    A raw pointer taken from the array (``ctypes``) is not a reference and is not seen.
+    """
+
+    __slots__ = ("__array_interface__", "pool", "storage")
+
+    def __init__(self, pool: ArrayPool, storage: np.ndarray[Any, Any],
+                 shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self.pool, self.storage = pool, storage
+        self.__array_interface__ = {
+            "data": (storage.ctypes.data, False), "shape": shape, "typestr": dtype.str,
+            "descr": dtype.descr, "version": 3,
+        }
+
+    def __del__(self) -> None:
+        self.pool._returned(self.storage)
+
+
+def owns_pooled(array: np.ndarray[Any, Any]) -> bool:
+    """Whether ``array`` came from an :class:`ArrayPool` and is the only array over its
+    memory: a consumer that takes ownership of an array's buffer (TensorFlow's
+    zero-copy wrap) may take it as it would an array owning its data; the memory
+    goes back to the pool when the consumer lets go of the array."""
+    lease = array.base
+    # the lease's references: the array's base, `lease` here, getrefcount's argument
+    return type(lease) is _Lease and sys.getrefcount(lease) <= 3
+
+
+class ArrayPool:
+    """Large output arrays (a batch's columns) used again once nothing references them.
+
+    Why: a fresh 77 MB batch is mapped, zeroed page by page by the kernel while its
+    rows are copied in, and unmapped when the consumer drops it; reusing it saves the
+    zeroing and the faults. Why it is safe: an array from :meth:`empty` is a view
+    whose owner is a lease object; the memory goes back to the pool when the lease
+    dies, which is when the last array (or view, memoryview, tensor made with
+    ``torch.from_numpy``, ...) over it is gone. A batch the consumer keeps is never
+    handed out again.
+
+    Budget: the caller books every array it takes (the memory is booked while it is a
+    batch). Released memory waits for the next :meth:`empty` of the same size, which
+    reuses it, only up to ``keep_bytes`` in all: the caller books that much as the
+    pool's spare (the batch stage books one batch's columns where its share has room,
+    and keeps nothing otherwise). :meth:`clear` (the end of the input) and
+    :meth:`close` (the iterator's) free what waits. Thread-safe: releases come from any
+    thread (the consumer's).
+    """
+
+    def __init__(self, keep_bytes: int = 0) -> None:
+        self.keep_bytes = keep_bytes
+        self._idle: collections.deque[np.ndarray[Any, Any]] = collections.deque()
+        self._closed = False
+        #: Arrays handed out, and how many of them reused released memory (stats, tests).
+        self.handed = self.reused = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
+        """An uninitialised array of ``shape`` and ``dtype``, as ``np.empty``: released
+        memory of the same size where there is some, else fresh. Object arrays and
+        arrays under :data:`POOLED_BYTES` are plain ``np.empty`` (an object array's
+        slots must start as None; small blocks the heap reuses itself)."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if dtype.hasobject or nbytes < POOLED_BYTES or self._closed:
+            return np.empty(shape, dtype)
+        words = -(-nbytes // 8)  # float64 items: 16-byte alignment, as np.empty gives
+        storage = None
+        idle = self._idle
+        while idle:
+            try:
+                candidate = idle.popleft()
+            except IndexError:  # (another thread took it)
+                break
+            if candidate.size == words:
+                storage = candidate
+                self.reused += 1
+                break  # (one of another size is freed here: the stage's shapes changed)
+        if storage is None:
+            storage = np.empty(words, np.float64)
+        self.handed += 1
+        array: np.ndarray[Any, Any] = np.asarray(_Lease(self, storage, tuple(shape), dtype))
+        return array
+
+    def _returned(self, storage: np.ndarray[Any, Any]) -> None:
+        """A lease died: keep its memory for the next batch, or let it go."""
+        if not self._closed and self.idle_bytes() + storage.nbytes <= self.keep_bytes:
+            self._idle.append(storage)
+
+    def idle_bytes(self) -> int:
+        """Bytes released by the consumer and kept for reuse (unbooked, see the class)."""
+        return sum(storage.nbytes for storage in list(self._idle))
+
+    def pooled_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
+        """What an array of ``shape`` and ``dtype`` from :meth:`empty` would take in the
+        pool (0 where it would be a plain ``np.empty``)."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        return 0 if dtype.hasobject or nbytes < POOLED_BYTES else -(-nbytes // 8) * 8
+
+    def clear(self) -> None:
+        """Free the released arrays kept (no more batches are coming for now)."""
+        self._idle.clear()
+
+    def close(self) -> None:
+        """Free what is kept, and keep nothing released from now on."""
+        self._closed = True
+        self._idle.clear()

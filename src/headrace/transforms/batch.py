@@ -47,8 +47,10 @@ from headrace.core.node import (
 from headrace.core.state import INNER, POSITION, StateReader
 from headrace.errors import (
     ElementSpecError,
+    MemoryBudgetError,
     Origin,
 )
+from headrace.memory.allocator import ArrayPool
 from headrace.memory.buffer import NO_RESERVATION, Assembly, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES, _plain_array, sizeof
 from headrace.structure import (
@@ -281,6 +283,36 @@ class _BatchIterator(Assembler):
         #: token is taken as it is pulled, and the batch's token holds them all.
         self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
         self.last_token: BatchToken | None = None
+        #: Large columns reuse batches the consumer let go of (no fresh pages to zero),
+        #: where the share has room to book one released batch waiting (the spare).
+        self._pool = ArrayPool()
+        self._spare: Reservation = NO_RESERVATION
+
+    def close(self) -> None:
+        self._drop_spare()
+        self._pool.close()
+        super().close()
+
+    def _drop_spare(self) -> None:
+        self._pool.clear()
+        self._pool.keep_bytes = 0
+        self._spare.release()
+        self._spare = NO_RESERVATION
+
+    def _book_spare(self, columns: list[_Column]) -> None:
+        """Book what the pool may keep of a released batch: this batch's pooled columns,
+        if the share has room for them beside it; else the pool keeps nothing."""
+        pooled = sum(self._pool.pooled_bytes((self.batch_size, *column.shape), column.dtype)
+                     for column in columns)
+        if pooled == self._spare.nbytes:
+            return
+        self._drop_spare()
+        if pooled and self.account.room() >= pooled:
+            try:
+                self._spare = self.account.admit(pooled, elements=0)
+            except MemoryBudgetError:  # (a budget shared with other pipelines): no spare
+                return
+            self._pool.keep_bytes = pooled
 
     def origin(self) -> Origin | None:
         token = self.last_token
@@ -297,8 +329,16 @@ class _BatchIterator(Assembler):
             self.probe = origin_probe(self.inner)
         return self.probe is not None
 
+    def _pull_first(self) -> tuple[Any, Reservation]:
+        """A batch's first element; at the end of the input the pool's spare goes back."""
+        try:
+            return self.inner.pull()
+        except StopIteration:
+            self._drop_spare()
+            raise
+
     def pull(self) -> tuple[Any, Reservation]:
-        first, reservation = self.inner.pull()  # StopIteration: no more batches
+        first, reservation = self._pull_first()  # StopIteration: no more batches
         first_index = self.position
         self.position += 1
         probe = self.probe
@@ -371,8 +411,10 @@ class _BatchIterator(Assembler):
         assembly = Assembly(self.account, f"a batch of {rows} elements")
         assembly.reserve(nbytes, elements=1)
         try:
+            self._book_spare(columns)
+            empty = self._pool.empty
             for column in columns:
-                column.out = np.empty((rows, *column.shape), dtype=column.dtype)
+                column.out = empty((rows, *column.shape), column.dtype)
         except BaseException:
             assembly.abandon()
             raise

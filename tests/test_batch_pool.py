@@ -1,0 +1,234 @@
+"""Batches reuse the memory of batches the consumer let go of, and never of one it kept.
+
+A large batch (a column of at least ``POOLED_BYTES``) comes from the batch stage's
+``ArrayPool``: its memory goes back to the pool only when no array, view, memoryview
+or tensor over it is left. These tests keep batches in every way a user does and
+check, after the run, that each still holds its own rows.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import headrace as hr
+from headrace.memory.allocator import POOLED_BYTES, ArrayPool
+
+ROWS = 8
+SIDE = 256  # 8 x 256 x 256 float32 = 2 MiB a batch: pooled
+
+
+def _element(i: Any) -> Any:
+    return np.full((SIDE, SIDE), i, np.float32), np.int64(i)
+
+
+def _dataset(count: int = 96) -> Any:
+    return hr.Dataset.range(count).map(_element).batch(ROWS)
+
+
+def _address(array: np.ndarray[Any, Any]) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def _expect_rows(images: np.ndarray[Any, Any], first: int) -> None:
+    want = np.arange(first, first + len(images), dtype=np.float32)
+    assert images.shape[1:] == (SIDE, SIDE)
+    # every pixel of every row: a reuse would have overwritten them with later rows
+    np.testing.assert_array_equal(images, np.broadcast_to(want[:, None, None], images.shape))
+
+
+def _pools() -> list[ArrayPool]:
+    return [o for o in gc.get_objects() if type(o) is ArrayPool]
+
+
+def _run(dataset: Any) -> tuple[int, int, Any]:
+    """Iterate, dropping each batch before the next: (arrays the batch stage's pool
+    handed out, how many of them reused released memory, the batch stage's stats)."""
+    before = set(map(id, _pools()))
+    with iter(dataset) as iterator:
+        (pool,) = [p for p in _pools() if id(p) not in before]
+        for index, (images, labels) in enumerate(iterator):
+            _expect_rows(images, index * ROWS)
+            np.testing.assert_array_equal(labels, np.arange(index * ROWS, (index + 1) * ROWS))
+            del images, labels
+        (stage,) = [s for s in iterator.stats().stages if s.name == "batch"]
+    return pool.handed, pool.reused, stage
+
+
+def test_released_batches_are_reused() -> None:
+    handed, reused, _ = _run(_dataset())
+    assert handed == 12 and reused >= 10
+
+
+def test_kept_batches_are_never_overwritten() -> None:
+    import torch
+
+    kept: dict[int, Any] = {}
+    with iter(_dataset(192)) as iterator:
+        for index, (images, _labels) in enumerate(iterator):
+            how = index % 6
+            if how == 0:
+                kept[index] = images  # the batch itself
+            elif how == 1:
+                kept[index] = images[2:5]  # a view of some rows (the batch is dropped)
+            elif how == 2:
+                kept[index] = memoryview(images)  # a buffer export
+            elif how == 3:
+                kept[index] = torch.from_numpy(images)  # a tensor sharing the memory
+            elif how == 4:
+                kept[index] = [images.reshape(-1)]  # a reshaped view inside a container
+            # how == 5: dropped, so its memory goes round again
+            del images
+            gc.collect() if index % 7 == 0 else None
+    assert len(kept) == 20
+    for index, value in kept.items():
+        first = index * ROWS
+        how = index % 6
+        if how == 1:
+            _expect_rows(value, first + 2)
+        elif how == 2:
+            _expect_rows(np.asarray(value), first)
+        elif how == 3:
+            _expect_rows(value.numpy(), first)
+        elif how == 4:
+            _expect_rows(value[0].reshape(ROWS, SIDE, SIDE), first)
+        else:
+            _expect_rows(value, first)
+
+
+def test_kept_batches_through_prefetch_and_threads() -> None:
+    """A parallel map and prefetch between the batch and the consumer: the consumer keeps
+    every third batch and the memory of the others goes round under it."""
+    ds = (hr.Dataset.range(240).map(_element, num_parallel_calls=2).batch(ROWS)
+          .prefetch(3))
+    kept = []
+    with iter(ds) as iterator:
+        for index, (images, _labels) in enumerate(iterator):
+            if index % 3 == 0:
+                kept.append((index, images))
+    for index, images in kept:
+        _expect_rows(images, index * ROWS)
+
+
+def test_pool_reuses_only_released_memory_of_the_same_size() -> None:
+    pool = ArrayPool(keep_bytes=2 << 20)
+    first = pool.empty((4, 512, 256), np.float32)  # 2 MiB
+    address = _address(first)
+    held = pool.empty((4, 512, 256), np.float32)
+    assert _address(held) != address  # `first` is still alive
+    del first
+    again = pool.empty((4, 512, 256), np.float32)
+    assert _address(again) == address and pool.reused == 1
+    view = again[1:]
+    del again
+    other = pool.empty((4, 512, 256), np.float32)
+    assert _address(other) != address  # a view keeps the memory out of the pool
+    del view, other, held
+    assert pool.idle_bytes() == 2 << 20  # one released array kept, not three
+    different = pool.empty((2, 512, 256), np.float32)  # another size: fresh memory
+    assert pool.reused == 1 and pool.idle_bytes() == 0
+    del different
+    pool.close()
+    assert pool.idle_bytes() == 0
+    assert pool.empty((4, 512, 256), np.float32).base is None  # closed: plain np.empty
+
+
+def test_small_and_object_arrays_are_plain() -> None:
+    pool = ArrayPool(keep_bytes=8 << 20)
+    small = pool.empty((16,), np.float32)
+    assert small.base is None and small.nbytes < POOLED_BYTES
+    objects = pool.empty((POOLED_BYTES,), object)
+    assert objects.base is None and all(v is None for v in objects[:4])
+
+
+def test_released_memory_is_reused_with_its_dtype_and_alignment() -> None:
+    pool = ArrayPool(keep_bytes=4 << 20)
+    first = pool.empty((3, 1 << 18), np.float32)
+    del first
+    again = pool.empty((1 << 17, 3), np.complex128)  # the same bytes, another shape/dtype
+    assert again.dtype == np.complex128 and again.shape == (1 << 17, 3)
+    assert _address(again) % 16 == 0 and again.flags.c_contiguous and again.flags.writeable
+    again[:] = 1 + 2j
+    assert again.sum() == (1 + 2j) * again.size
+
+
+def test_release_from_another_thread() -> None:
+    pool = ArrayPool(keep_bytes=2 << 20)
+    box = [pool.empty((1 << 19,), np.float32)]
+    address = _address(box[0])
+    thread = threading.Thread(target=box.clear)
+    thread.start()
+    thread.join()
+    assert _address(pool.empty((1 << 19,), np.float32)) == address
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+def test_pool_keeps_at_most_keep_bytes_of_released_arrays(keep: int) -> None:
+    pool = ArrayPool(keep_bytes=keep * (1 << 20) + 100)
+    arrays = [pool.empty((1 << 18,), np.float32) for _ in range(4)]
+    del arrays
+    assert pool.idle_bytes() == keep * (1 << 20)
+    pool.clear()
+    assert pool.idle_bytes() == 0
+
+
+def test_tensorflow_feed_takes_a_pooled_batch_only_when_nothing_else_holds_it() -> None:
+    # TensorFlow wraps an array's buffer without a copy and may write into it: a pooled
+    # batch nobody else holds crosses as it is (its memory returns to the pool when
+    # TensorFlow lets go); one the cache keeps is copied, and the copy is what is written.
+    import sys
+
+    from headrace.adapters.tf import _Feed
+    from headrace.memory.allocator import _Lease
+
+    for cached in (False, True):
+        dataset = _dataset(64)
+        if cached:
+            dataset = dataset.cache()
+        feed = _Feed(dataset)
+        for _ in range(2 if cached else 1):
+            key = int(feed.start())
+            previous = sys.gettrace()  # (a tracer's frame snapshots make every array held)
+            sys.settrace(None)
+            try:
+                handed = [feed.pull(key)[0] for _ in range(8)]
+            finally:
+                sys.settrace(previous)
+            feed.finish(key)
+            for index, images in enumerate(handed):
+                _expect_rows(images, index * ROWS)
+                assert (type(images.base) is _Lease) is not cached, (cached, index)
+                images[...] = -1  # what a forwarded TensorFlow op may do
+
+
+def test_owns_pooled() -> None:
+    from headrace.memory.allocator import owns_pooled
+
+    pool = ArrayPool(keep_bytes=2 << 20)
+    array = pool.empty((1 << 19,), np.float32)
+    assert owns_pooled(array)
+    assert not owns_pooled(np.empty(1 << 19, np.float32))  # owns its data: not pooled
+    view = array[1:]
+    assert not owns_pooled(view)  # a view's base is the batch, not the lease
+    second = np.asarray(array.base)  # another array over the same lease
+    assert not owns_pooled(array)
+    del second, view
+    assert owns_pooled(array)
+
+
+def test_the_spare_is_booked_or_nothing_is_kept() -> None:
+    # A released batch waits in the pool only as the batch stage's booked spare: a share
+    # with room for it beside a batch books it (the stage's peak is two batches) and
+    # reuses memory; one without keeps nothing and every batch is fresh memory, the
+    # stage within its share as before.
+    batch_bytes = ROWS * SIDE * SIDE * 4
+    handed, reused, stage = _run(_dataset().with_options(hr.Options(memory_budget="64MiB")))
+    assert handed == 12 and reused >= 10
+    assert stage.peak >= 2 * batch_bytes
+    handed, reused, stage = _run(_dataset().with_options(hr.Options(memory_budget="3MiB")))
+    assert handed == 12 and reused == 0
+    assert batch_bytes <= stage.peak < 2 * batch_bytes and stage.held == 0
