@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import io
 import subprocess
 import sys
+import warnings
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 import headrace as hr
@@ -82,3 +88,65 @@ def test_apply_and_derive_refuse_what_is_not_a_dataset_or_node() -> None:
         ds.apply(lambda d: [1, 2])
     with pytest.raises(hr.InvalidArgumentError, match=r"derive needs a headrace\.core\.Node"):
         ds.derive(ds)  # type: ignore[arg-type]
+
+
+def _fresh_import(name: str) -> Any:
+    """Import ``name`` anew, so that a warning it gives on import is given again."""
+    sys.modules.pop(name, None)
+    return importlib.import_module(name)
+
+
+def test_headrace_saved_warns_and_still_imports(tmp_path) -> None:
+    with pytest.warns(DeprecationWarning, match=r"headrace\.saved is deprecated.*Dataset\.save"):
+        saved = _fresh_import("headrace.saved")
+    saved.save(hr.Dataset.range(4), str(tmp_path / "ds"))
+    assert (tmp_path / "ds" / saved.MANIFEST_NAME).is_file()
+    assert [int(x) for x in hr.Dataset.load(str(tmp_path / "ds"))] == [0, 1, 2, 3]
+
+
+def test_headrace_writers_warns_and_still_writes(tmp_path) -> None:
+    with pytest.warns(DeprecationWarning, match=r"headrace\.writers.*Dataset\.save_tfrecords"):
+        writers = _fresh_import("headrace.writers")
+    rows = hr.Dataset.from_tensor_slices({"x": np.arange(3, dtype=np.int64)})
+    paths = writers.save_tfrecords(rows, str(tmp_path), num_shards=1, progress=False)
+    assert len(paths) == 1
+    from headrace.io.example import FixedLenFeature
+
+    parsed = hr.TFRecordDataset(paths).batch(3).parse_examples({"x": FixedLenFeature([], np.int64)})
+    assert [row["x"].tolist() for row in parsed] == [[0, 1, 2]]
+
+
+def test_profiling_profile_warns_and_still_profiles() -> None:
+    import headrace.profiling as profiling
+
+    with pytest.warns(DeprecationWarning, match=r"headrace\.profiling\.profile .*Dataset\.profile"):
+        profile = profiling.profile
+    result = profile(hr.Dataset.range(5).map(lambda x: x + 1), progress=False, lint=False)
+    assert [s.elements_out for s in result.stages if s.name.startswith("map")] == [5]
+    assert "profile" not in profiling.__all__
+
+
+def test_the_warning_names_the_importing_line() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from headrace.profiling import profile  # noqa: F401
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
+
+
+def test_dataset_profile_takes_what_the_deprecated_function_took() -> None:
+    stream = io.StringIO()
+    result = hr.Dataset.range(5).profile(progress=True, stream=stream, interval=0.01,
+                                         lint=False, title="five")
+    assert result.title == "five" and stream.getvalue()
+    assert [s.elements_out for s in result.stages if s.name == "range"] == [5]
+
+
+def test_keras_to_keras_warns_and_still_adapts() -> None:
+    pytest.importorskip("keras")
+    import headrace.keras as hk
+
+    ds = hr.Dataset.from_tensor_slices((np.ones((4, 2), np.float32), np.zeros(4, np.float32)))
+    with pytest.warns(DeprecationWarning, match=r"headrace\.keras\.to_keras .*Dataset\.to_keras"):
+        adapter = hk.to_keras(ds.batch(2))
+    assert isinstance(adapter, hk.KerasAdapter) and adapter.num_batches == 2
+    assert "to_keras" not in hk.__all__
