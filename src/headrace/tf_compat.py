@@ -59,7 +59,7 @@ from headrace.options import Options as _Options
 from headrace.structure import TensorSpec
 from headrace.structure import map_structure as _map_structure
 from headrace.structure import returned as _returned
-from headrace.transforms.parse_fusion import _mentions_parse
+from headrace.transforms.parse_fusion import mentions_parse
 
 __all__ = [
     "EagerArray",
@@ -276,7 +276,7 @@ def _tf_typed(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` wrapped by :class:`_TFTyped`, except a function that only parses records
     (``parse_single_example``): its dtypes are its features', and left unwrapped the
     map before a batch is fused into one parse per batch."""
-    if not callable(fn) or _mentions_parse(fn):
+    if not callable(fn) or mentions_parse(fn):
         return fn
     return _TFTyped(fn)
 

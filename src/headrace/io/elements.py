@@ -388,13 +388,13 @@ def _compile(tree: Any) -> _Decoder:
             raise _Corrupt("bad namedtuple")
         if not all(isinstance(field, str) for field in fields):
             raise _Corrupt("namedtuple fields must be str")
-        cls = _namedtuple_class(name, tuple(fields))
+        cls = namedtuple_class(name, tuple(fields))
         children = _children(tree[3], len(fields))
         return _sequence(children, lambda items: cls(*items))
     raise _Corrupt(f"unknown component {tree!r:.60}")
 
 
-def _namedtuple_class(name: str, fields: tuple[str, ...]) -> Any:
+def namedtuple_class(name: str, fields: tuple[str, ...]) -> Any:
     """The class that wrote these fields in this process, else a plain namedtuple."""
     cls = _namedtuples.get((name, fields))
     if cls is None:
@@ -529,6 +529,6 @@ def spec_from_json(raw: Any, depth: int = 0) -> Any:
             and len(items) == len(fields)
         ):
             raise ValueError(f"bad namedtuple entry in the element spec {raw!r:.80}")
-        cls = _namedtuple_class(name, tuple(fields))
+        cls = namedtuple_class(name, tuple(fields))
         return cls(*(spec_from_json(item, depth + 1) for item in items))
     raise ValueError(f"bad element spec entry {raw!r:.80}")

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-class _RefusedAbove(MemoryBudgetError):
+class RefusedAbove(MemoryBudgetError):
     """A nested budget could not widen: the stage holding it was refused (its message)."""
 
 
@@ -202,7 +202,7 @@ class Buffer:
         if nbytes > self.limit:
             try:
                 self.budget.allot()
-            except _RefusedAbove as error:
+            except RefusedAbove as error:
                 self.minimum, self.minimum_what = previous
                 raise MemoryBudgetError(str(error)) from None
             except MemoryBudgetError:

@@ -63,20 +63,20 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _mentions_parse(fn: Any, depth: int = 0) -> bool:
+def mentions_parse(fn: Any, depth: int = 0) -> bool:
     """Whether ``fn`` may call ``parse_single_example``: a cheap look at its code, so
     that no other function is ever called on a stand-in."""
     if depth > _SEARCH_DEPTH:
         return False
     if isinstance(fn, functools.partial):
-        return _mentions_parse(fn.func, depth + 1)
+        return mentions_parse(fn.func, depth + 1)
     if getattr(fn, "__name__", None) == _PARSE_NAME:
         return True
     function = getattr(fn, "__func__", fn)  # a bound method
     code = getattr(function, "__code__", None)
     if code is None:  # a callable object: look at its __call__
         call = None if isinstance(fn, type) else type(fn).__dict__.get("__call__")
-        return isinstance(call, types.FunctionType) and _mentions_parse(call, depth + 1)
+        return isinstance(call, types.FunctionType) and mentions_parse(call, depth + 1)
     names = _code_names(code)
     if _PARSE_NAME in names:
         return True
@@ -89,7 +89,7 @@ def _mentions_parse(fn: Any, depth: int = 0) -> bool:
             continue
         names.add(cell_name)
     return any(
-        callable(scope.get(name)) and _mentions_parse(scope[name], depth + 1)
+        callable(scope.get(name)) and mentions_parse(scope[name], depth + 1)
         for name in names
         if name in scope and isinstance(scope[name], types.FunctionType | functools.partial)
     )
@@ -128,7 +128,7 @@ class FusedParse:
 
 def fused_parse(fn: Callable[..., Any]) -> FusedParse | None:
     """The batched form of ``fn`` if it only parses its record (see the module doc)."""
-    if not _mentions_parse(fn):
+    if not mentions_parse(fn):
         return None
     record = DeferredRecord()
     try:
