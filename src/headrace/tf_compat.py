@@ -488,6 +488,7 @@ data = _Namespace(
         cardinality=lambda dataset: dataset.cardinality(),
     ),
 )
+"""``tf.data``: ``Dataset``, ``Options``, ``AUTOTUNE`` and the rest, as headrace's own."""
 
 
 # --------------------------------------------------------------------------- tf.train
@@ -708,6 +709,7 @@ train = _Namespace(
     FeatureList=FeatureList,
     FeatureLists=FeatureLists,
 )
+"""``tf.train``: ``Example``, ``Features``, ``Feature`` and the list protos, for writing records."""
 
 
 # --------------------------------------------------------------------------- tf.io
@@ -759,6 +761,7 @@ io = _Namespace(
     TFRecordWriter=TFRecordWriter,
     **{name: getattr(_image, name) for name in _IO_IMAGE},
 )
+"""``tf.io``: the parsing specs and functions of ``headrace.io.example``, ``decode_raw``, ``decode_csv`` and ``TFRecordWriter``."""
 
 def _clear_session(*args: Any, **kwargs: Any) -> None:
     """Nothing to clear: headrace builds no graph, and an iterator frees what it holds
@@ -766,10 +769,13 @@ def _clear_session(*args: Any, **kwargs: Any) -> None:
 
 
 image = _Namespace("tf.image", **{name: getattr(_image, name) for name in _TF_IMAGE})
+"""``tf.image``: the decode, resize and augmentation functions of ``headrace.image``."""
 keras = _Namespace(
     "tf.keras", backend=_Namespace("tf.keras.backend", clear_session=_clear_session)
 )
+"""``tf.keras``: only ``backend.clear_session``, which has nothing to clear in headrace."""
 sparse = _Namespace("tf.sparse", to_dense=_sparse_to_dense)
+"""``tf.sparse``: ``to_dense`` for the sparse columns that parsing returns."""
 errors = _Namespace(
     "tf.errors",
     InvalidArgumentError=_errors.InvalidArgumentError,
@@ -778,6 +784,7 @@ errors = _Namespace(
     OpError=_errors.HeadraceError,
     ParseError=_errors.ParseError,
 )
+"""``tf.errors``: the exception types, headrace's (each a subclass of ``HeadraceError``)."""
 
 
 def __getattr__(name: str) -> Any:

@@ -49,6 +49,7 @@ __all__ = [
 
 
 Indices = range | np.ndarray  # a block of indices; a range means "consecutive"
+"""A block of indices: a ``range`` (consecutive) or an int64 array."""
 
 
 class RandomAccess:

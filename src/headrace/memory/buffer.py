@@ -921,6 +921,7 @@ class Assembly:
 
 
 NO_RESERVATION = Reservation(None, 0)
+"""The reservation of nothing: what a stage that reserves no bytes passes on."""
 
 
 def release_all(reservations: Any) -> None:

@@ -217,3 +217,4 @@ class SparseFeature:
 FeatureSpec = Union[  # noqa: UP007
     FixedLenFeature, VarLenFeature, FixedLenSequenceFeature, RaggedFeature, SparseFeature
 ]
+"""Any of the parsing specs ``parse_example`` takes for one feature."""
