@@ -23,7 +23,7 @@ from headrace.cli import main
 PUBLIC: dict[str, list[str]] = {
     "headrace": [
         "AUTOTUNE", "AutoShardPolicy", "CheckpointError", "CsvDataset", "CsvError",
-        "DataLossError", "Dataset", "DatasetIterator", "ElementSpecError",
+        "DataLossError", "Dataset", "DatasetIterator", "ElementSpecError", "EmptyInputError",
         "FileLimitError", "HeadraceError", "HeadraceWarning", "INFINITE",
         "InvalidArgumentError", "IteratorClosedError", "MemoryBudgetError", "Options",
         "ParseError", "ProducerError", "RecordTooLargeError", "ServedIterator", "Server",
