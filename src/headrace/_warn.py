@@ -17,6 +17,7 @@ import sys
 import sysconfig
 import threading
 import warnings
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -69,7 +70,8 @@ def warn_deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
                   DeprecationWarning, stacklevel=stacklevel)
 
 
-def deprecated_attributes(module: str, moved: dict[str, tuple[str, str]]) -> Any:
+def deprecated_attributes(module: str,
+                          moved: dict[str, tuple[str, str]]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for names kept importable only with a warning (internal).
 
     ``moved`` maps each deprecated name to ``(where it now lives as "module:attribute",
