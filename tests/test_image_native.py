@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 import headrace.image as hi
 from headrace.errors import InvalidArgumentError
+from headrace.image._native import jpeg_module
 from headrace.image._random import _fast_resize
-from headrace.io._native import jpeg_module, set_native_enabled
+from headrace.io._native import set_native_enabled
 
 sys.path.insert(0, str(Path(__file__).parent))
 from image_fns import encode, photo

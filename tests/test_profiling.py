@@ -241,7 +241,7 @@ def test_doctor_flags_a_leaking_map_and_names_it(seed: int) -> None:
     assert diagnosis.leaking_stages[0] == "map(tests.test_profiling._leaky)" or (
         diagnosis.leaking_stages[0].endswith("_leaky)")
     )
-    assert diagnosis.traced.slope > 100 << 10
+    assert diagnosis.allocated.slope > 100 << 10
     assert "LEAK" in diagnosis.format() and "_leaky" in diagnosis.format()
 
 

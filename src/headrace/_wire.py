@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from headrace import errors as _errors
+import headrace.errors as _errors
 from headrace.errors import ElementSpecError, WorkerError, add_note
 from headrace.io.columns import join_bytes, split_bytes
 

@@ -432,30 +432,57 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DoctorProgress:
+    """``headrace doctor``'s progress on stderr: a line per epoch (epoch k/n, its time, the
+    time since the start, memory), so that a run of minutes shows it is alive."""
+
+    def __init__(self, epochs: int, quiet: bool) -> None:
+        self.epochs = epochs
+        self.quiet = quiet
+        self.started = time.perf_counter()
+
+    def _line(self, what: str, measure: Any) -> None:
+        if self.quiet:
+            return
+        from headrace.memory.units import format_bytes
+
+        memory = f"anon+shm {format_bytes(measure.charged)}"
+        if measure.allocated:
+            memory = f"allocated {format_bytes(measure.allocated)}, {memory}"
+        print(f"headrace doctor: {what}: {measure.elements:,} elements in "
+              f"{measure.seconds:.2f} s (elapsed {time.perf_counter() - self.started:.1f} s), "
+              f"{memory}", file=sys.stderr, flush=True)
+
+    def epoch(self, measure: Any) -> None:
+        self._line(f"epoch {measure.epoch + 1}/{self.epochs}", measure)
+
+    def traced_epoch(self, measure: Any) -> None:
+        from headrace.profiling.doctor import ATTRIBUTION_EPOCHS
+
+        self._line(f"leak: traced epoch {measure.epoch - self.epochs + 1}/{ATTRIBUTION_EPOCHS}"
+                   " (finding where it was allocated)", measure)
+
+
 def _doctor(args: argparse.Namespace) -> int:
     """``headrace doctor``: lint, then run several epochs looking for leaks (exit 1 if any)."""
     import headrace as hr
 
     dataset = _load_pipeline(args.target)
     title = f"headrace doctor {args.target}"
-
-    def progress(measure: Any) -> None:
-        if args.progress:
-            print(f"  epoch {measure.epoch}: {measure.elements:,} elements in "
-                  f"{measure.seconds:.2f} s", file=sys.stderr, flush=True)
-
+    progress = _DoctorProgress(args.epochs, args.quiet)
     if _is_tf_dataset(dataset):
         from headrace.profiling.tfgraph import diagnose_tf
 
         diagnosis = diagnose_tf(dataset, epochs=args.epochs, steps=args.steps, title=title,
-                                budget=args.budget, on_epoch=progress)
+                                budget=args.budget, on_epoch=progress.epoch)
     elif isinstance(dataset, hr.Dataset):
         from headrace.profiling.doctor import diagnose
 
         if args.budget:
             dataset = dataset.with_options(hr.Options(memory_budget=args.budget))
         diagnosis = diagnose(dataset, epochs=args.epochs, steps=args.steps, title=title,
-                             on_epoch=progress)
+                             deep=args.deep, on_epoch=progress.epoch,
+                             on_traced_epoch=progress.traced_epoch)
     else:
         raise _CommandError(
             f"{args.target} returned {type(dataset).__name__}, not a "
@@ -599,7 +626,13 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--steps", type=_count(1), default=None, help="elements per epoch")
     doctor.add_argument("--budget", type=_byte_size, default=None,
                         help="memory budget to judge against")
-    doctor.add_argument("--progress", action="store_true", help="a line per epoch on stderr")
+    doctor.add_argument("--quiet", action="store_true",
+                        help="no progress (by default a line per epoch on stderr)")
+    doctor.add_argument("--progress", action="store_false", dest="quiet",
+                        help="a line per epoch on stderr (the default; undoes --quiet)")
+    doctor.add_argument("--deep", action="store_true",
+                        help="trace every epoch's allocations with deep tracebacks (many "
+                        "times slower; by default only a leak found gets a short traced pass)")
     doctor.add_argument("--html", type=_output_file, default=None, metavar="FILE",
                         help="also write the diagnosis as a self-contained HTML page")
     doctor.set_defaults(run=_doctor)

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from headrace._rewrite import (
     aligned_roots,
@@ -27,9 +27,11 @@ from headrace._rewrite import (
     with_roots,
 )
 from headrace.core.node import Node, ShardRole
-from headrace.dataset import Dataset
 from headrace.errors import InvalidArgumentError
 from headrace.transforms.shard import ShardNode
+
+if TYPE_CHECKING:
+    from headrace.dataset import Dataset
 
 __all__ = ["AutoShardPolicy", "ShardInfo", "auto_shard", "shard_info"]
 
@@ -223,6 +225,7 @@ def auto_shard(
         refuse_unseeded(dataset._node)
         by_key = _shard_rows(dataset._node, info)  # a SQL source: a WHERE on its key
         if by_key is not None:
-            return Dataset(by_key, dataset.options)
+            return type(dataset)(by_key, dataset.options)
         return dataset.shard(info.num_shards, info.index)
-    return Dataset(shard_files(dataset._node, info), dataset.options)
+    # type(dataset), not Dataset: this module sits below the facade, which imports it
+    return type(dataset)(shard_files(dataset._node, info), dataset.options)

@@ -82,7 +82,7 @@ import threading
 import time
 from typing import Any
 
-from headrace import _wire
+import headrace._wire as _wire
 from headrace._closing import ClosesOnExit
 from headrace.core.run import DatasetIterator, default_budget
 from headrace.core.state import StateReader

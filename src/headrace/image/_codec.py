@@ -30,7 +30,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from headrace.errors import InvalidArgumentError, MemoryBudgetError
-from headrace.io._native import jpeg_module
+from headrace.image._native import jpeg_module
 from headrace.memory.units import format_bytes
 
 __all__ = [

@@ -45,9 +45,9 @@ from headrace.image._codec import check_pixels as _check_pixels
 from headrace.image._codec import jpeg_pixels as _jpeg_pixels
 from headrace.image._codec import native_crop_resize as _native_crop_resize
 from headrace.image._codec import output_channels as _output_channels
+from headrace.image._native import jpeg_module
 from headrace.image._ops import adjust_brightness, adjust_contrast, resize
 from headrace.image._ops import image_array as _image
-from headrace.io._native import jpeg_module
 
 __all__ = [
     "InceptionCrop",

@@ -2,7 +2,8 @@
 
 ``headrace.io._hrio`` holds the hot loops (CRC32C, TFRecord framing, batched Example
 parsing); ``headrace.image._jpeg`` the windowed JPEG decode + resample (it links the
-system's libjpeg-turbo, so it may be missing where the rest was built). Every function
+system's libjpeg-turbo, so it may be missing where the rest was built; it is loaded by
+:mod:`headrace.image._native`, since io sits below image). Every function
 they provide has a Python twin giving the same results (identical for ``_hrio``,
 within a stated tolerance for ``_jpeg``), so the package works when an extension was
 not built, and tests can compare the two paths. Set ``HEADRACE_PURE_PYTHON=1`` in the
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-__all__ = ["MISSING_EXTENSION", "jpeg_module", "native_module", "set_native_enabled"]
+__all__ = ["MISSING_EXTENSION", "native_enabled", "native_module", "set_native_enabled"]
 
 _enabled = os.environ.get("HEADRACE_PURE_PYTHON", "") not in ("1", "true", "yes")
 
@@ -46,29 +47,10 @@ def native_module() -> ModuleType | None:
     return _loaded_extension if _enabled else None
 
 
-def jpeg_module() -> ModuleType | None:
-    """Return the windowed-JPEG extension, or None when it is missing or switched off.
-
-    Imported on first use, not with this module: importing ``headrace.image._jpeg``
-    runs ``headrace.image``'s package, which imports this module."""
-    if not _loaded_jpeg:
-        try:
-            import headrace.image._jpeg as loaded
-        except ImportError:  # not built, or built without libjpeg's headers
-            _loaded_jpeg.append(None)
-            if _enabled:  # (a slower path, not a hazard: logged)
-                import logging
-
-                logging.getLogger("headrace.image").info(
-                    "headrace.image._jpeg is not built (libjpeg's headers were missing where "
-                    "headrace was installed: apt-get install libjpeg-dev, then reinstall "
-                    "headrace): JPEG crops and resizes decode whole images through simplejpeg")
-        else:
-            _loaded_jpeg.append(loaded)
-    return _loaded_jpeg[0] if _enabled else None
-
-
-_loaded_jpeg: list[ModuleType | None] = []  # empty until the first jpeg_module()
+def native_enabled() -> bool:
+    """Whether the C paths are switched on (:func:`set_native_enabled`,
+    ``HEADRACE_PURE_PYTHON``); an extension that is missing stays missing."""
+    return _enabled
 
 
 def set_native_enabled(enabled: bool) -> bool:

@@ -49,7 +49,9 @@ _NUMERIC_KINDS = frozenset("biufcmM")
 class Leaf:
     """One fixed-size leaf: where it lies in the record's data, how it is batched."""
 
-    __slots__ = ("copy_bytes", "dtype", "nbytes", "offset", "shape", "stored", "truth")
+    __slots__ = (
+        "copy_bytes", "dtype", "nbytes", "offset", "out_bytes", "shape", "stored", "truth"
+    )
 
     def __init__(
         self, offset: int, stored: np.dtype[Any], dtype: np.dtype[Any],
@@ -57,14 +59,17 @@ class Leaf:
     ) -> None:
         self.offset = offset
         self.stored, self.dtype, self.shape = stored, dtype, shape
-        self.nbytes = int(np.prod(shape, dtype=np.int64)) * stored.itemsize
+        size = int(np.prod(shape, dtype=np.int64))
+        self.nbytes = size * stored.itemsize
+        #: A row of the batch's column (computed once: each batch books it).
+        self.out_bytes = size * dtype.itemsize
         #: A ``bool`` is any non-zero byte: compared, not copied.
         self.truth = truth
         #: The batch's bytes are the record's bytes (same dtype, same byte order).
         self.copy_bytes = not truth and stored.str == dtype.str
 
     def row_bytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return self.out_bytes
 
 
 class Layout:
@@ -83,23 +88,30 @@ class Layout:
         return sum(ARRAY_HEADER_BYTES + rows * leaf.row_bytes() for leaf in self.leaves)
 
     def fill(
-        self, outputs: list[np.ndarray[Any, Any]], at: int, data: np.ndarray[Any, Any]
+        self,
+        outputs: list[np.ndarray[Any, Any]],
+        at: int | slice | np.ndarray[Any, Any],
+        data: np.ndarray[Any, Any],
     ) -> None:
-        """Copy the leaves of ``data`` (rows of record data bytes) into rows ``at``... of
-        the outputs."""
+        """Copy the leaves of ``data`` (rows of record data bytes) into the outputs' rows
+        ``at``: from that row on (an int), or the rows a slice or an index array names
+        (a loaded batch interleaves its shards' records)."""
         rows = len(data)
+        where = slice(at, at + rows) if isinstance(at, int) else at
         for leaf, out in zip(self.leaves, outputs, strict=True):
             if not leaf.nbytes:
                 continue
             block = data[:, leaf.offset : leaf.offset + leaf.nbytes]
-            target = out[at : at + rows]
             if leaf.truth:
-                np.not_equal(block[:, 0], 0, out=target)
+                out[where] = block[:, 0] != 0
             elif leaf.copy_bytes:
-                np.copyto(target.reshape(rows, -1).view(np.uint8), block)
+                # (as one opaque item per row: one memcpy each, not a loop over bytes)
+                item = f"V{leaf.nbytes}"
+                items = out.reshape(len(out), -1).view(np.uint8).view(item)
+                items[where, 0] = block.view(item)[:, 0]
             else:  # another byte order: converted as the element's scalar would be
                 values = np.ascontiguousarray(block).view(leaf.stored)
-                target[...] = values.reshape(target.shape)
+                out[where] = values.reshape((rows, *leaf.shape))
 
 
 class _NotColumnar(Exception):

@@ -29,7 +29,7 @@ import xxhash
 from headrace.core.iterator import Context
 from headrace.errors import DataLossError
 from headrace.io import objstore
-from headrace.io._crc32c import crc32c, mask_crc, masked_crc32c
+from headrace.io._crc32c import crc32c, masked_crc32c
 from headrace.io._native import native_module
 from headrace.io.blocks import BlockCodec
 from headrace.io.elements import EncodedParts, decode_element
@@ -51,6 +51,8 @@ __all__ = [
     "RecordReader",
     "RecordWriter",
     "book",
+    "check_alike_records",
+    "check_scattered",
     "checksums_digest",
     "chunk_bytes",
 ]
@@ -62,8 +64,9 @@ _FRAME_FOOTER = struct.Struct("<I")  # its data's masked CRC
 #: Records at least this large are read each into a buffer of its own and decoded
 #: there (no copy); smaller ones are read in runs and split out (one small copy each).
 _IN_PLACE_BYTES = 32 << 10
-#: Records below this size are checked by the framing scanner (one call per run); larger
-#: ones one CRC call each (the scanner would copy every payload out).
+#: Batches of records from this size on, once their layout is known, are read straight
+#: into the batch's rows (one piece per leaf); smaller ones are read in runs into one
+#: buffer and copied out column by column (pieces of a few bytes would cost more).
 _SCAN_BELOW = 4 << 10
 
 
@@ -332,6 +335,107 @@ def _check_frame(
     return 12, 12 + length
 
 
+#: CRC32C of ``n`` zero bytes, by ``n`` (what :func:`check_alike_records` needs per size).
+_ZEROS_CRC: dict[int, int] = {}
+_MASK_DELTA = np.uint32(0xA282EAD8)
+
+
+def check_alike_records(
+    view: memoryview, rows: int, size: int, start: int, path: str
+) -> np.ndarray[Any, Any]:
+    """Check a run of ``rows`` framed records of ``size`` bytes each (read at file offset
+    ``start`` into ``view``) as a TFRecord reader checks each one — length, length CRC,
+    data CRC — with one CRC32C pass over the whole run in C instead of a call (and a
+    copied-out payload) per record. Returns the records' footers (their masked data
+    CRCs). Internal: the frames' bytes in ``view`` are overwritten, the payloads stay.
+
+    Why one pass suffices: CRC32C is affine, so a record's payload ``p`` with CRC ``c``
+    followed by the four bytes ``c ^ crc32c(zeros(len(p)))`` drives the CRC register from
+    zero back to zero, and a record whose payload does not match its footer leaves it
+    non-zero. With the frames' headers zeroed (they are compared with the first record's,
+    which is checked in full) and each footer replaced so, the whole run leaves the
+    register at zero exactly when every record would pass its own check — an error in one
+    record is caught whenever its own CRC would catch it. A failure is then located
+    record by record, and reported as the record reader reports it (file and offset)."""
+    if rows <= 0:
+        return np.empty(0, np.uint32)
+    _check_frame(view[:size], start, path)  # the first record's frame, in full
+
+    def column(dtype: str, at: int) -> np.ndarray[Any, Any]:
+        # one field of every record, as a strided array (a loop over rows in C)
+        field: np.ndarray[Any, Any] = np.ndarray((rows,), dtype, view, at, (size,))
+        return field
+
+    lengths, length_crcs, footer = column("<u8", 0), column("<u4", 8), column("<u4", size - 4)
+    if rows > 1:
+        # (copied out first: NumPy's loops over unaligned strided fields are slow)
+        heads = lengths.astype(np.uint64) ^ (length_crcs.astype(np.uint64) << np.uint64(32))
+        differ = heads != heads[0]
+        if differ.any():  # another length: its own check says what is wrong, and where
+            row = int(differ.argmax())
+            _check_frame(view[row * size : (row + 1) * size], start + row * size, path)
+    footers: np.ndarray[Any, Any] = footer.astype(np.uint32)
+    payload = size - RECORD_OVERHEAD_BYTES
+    zeros = _ZEROS_CRC.get(payload)
+    if zeros is None:
+        zeros = _ZEROS_CRC[payload] = crc32c(bytes(payload))
+    rotated = footers - _MASK_DELTA  # (unmasked, vectorized: see unmask_crc)
+    footer[...] = ((rotated >> np.uint32(17)) | (rotated << np.uint32(15))) ^ np.uint32(zeros)
+    lengths.fill(0)
+    length_crcs.fill(0)
+    if crc32c(view[: rows * size], 0xFFFFFFFF) != 0xFFFFFFFF:
+        for row in range(rows):
+            if crc32c(view[row * size : (row + 1) * size], 0xFFFFFFFF) != 0xFFFFFFFF:
+                offset = start + row * size
+                raise DataLossError(
+                    f"corrupted record (bad data checksum) at offset {offset} in file {path}",
+                    path=path,
+                    offset=offset,
+                )
+    return footers
+
+
+def check_scattered(
+    frames: memoryview, prefix: int, head: bytes,
+    targets: list[np.ndarray[Any, Any]], rows: list[int],
+) -> tuple[np.ndarray[Any, Any], int]:
+    """Internal: check records read in pieces — record ``k``'s frame header and ``head``
+    (the payload's skeleton) at ``frames[k * (prefix + 4) :][:prefix]``, the rest of its
+    payload in row ``rows[k]`` of each of ``targets`` (where it landed: the batch's rows),
+    its footer in the four bytes after its prefix. Returns the footers (masked data
+    CRCs) and the first ``k`` whose record is not sound or has another skeleton (-1 when
+    none; the caller reads that one again to say why).
+
+    The frames are compared all at once (every header must be the one the length
+    implies, every skeleton ``head``); the data CRCs start from ``head``'s, the same for
+    every record, so each record costs one CRC call in C per target."""
+    count, stride = len(rows), prefix + 4
+
+    def column(dtype: str, at: int) -> np.ndarray[Any, Any]:
+        field: np.ndarray[Any, Any] = np.ndarray((count,), dtype, frames, at, (stride,))
+        return field
+
+    length = prefix - 12 + sum(target.shape[1] for target in targets)
+    length_crc = masked_crc32c(length.to_bytes(8, "little"))
+    skeletons = column(f"V{len(head)}", 12) if head else None
+    footers = column("<u4", prefix).astype(np.uint32)
+    bad = (column("<u8", 0) != length) | (column("<u4", 8) != length_crc)
+    if skeletons is not None:
+        bad |= skeletons != np.void(head)
+    native = native_module()
+    extend = crc32c if native is None else native.crc32c  # (one call less per piece)
+    start = extend(head, 0)
+    crcs = np.empty(count, np.uint32)
+    for number, row in enumerate(rows):
+        crc = start
+        for target in targets:
+            crc = extend(target[row], crc)
+        crcs[number] = crc
+    rotated = crcs >> np.uint32(15) | crcs << np.uint32(17)
+    bad |= rotated + np.uint32(_MASK_DELTA) != footers  # (masked, as mask_crc does)
+    return footers, int(bad.argmax()) if bad.any() else -1
+
+
 class RecordReader:
     """Encoded elements of one indexed file, in order, fetched with positioned reads.
 
@@ -386,6 +490,8 @@ class RecordReader:
         #: Large records of a layout already met: (record size, head, layout), read
         #: straight into the batch (:meth:`_scatter_batch`).
         self.scatter_plan: tuple[int, bytes, Layout] | None = None
+        #: The framed size all records share, 0 where they differ (see :meth:`_one_size`).
+        self.uniform: int | None = None
 
     #: Whether :meth:`read_batch` may serve batches from this reader's records.
     columnar_reads = True
@@ -611,7 +717,7 @@ class RecordReader:
         size = self._end(first) - begin
         if self._end(last - 1) - begin != size * (last - first) or size < RECORD_OVERHEAD_BYTES + 4:
             return None
-        if last - first > 1:  # one size for all: the ends are evenly spaced
+        if last - first > 1 and self._one_size() != size:  # the ends evenly spaced
             spacing = np.diff(self.offsets[first:last])
             if spacing.min() != size or spacing.max() != size:
                 return None
@@ -652,8 +758,8 @@ class RecordReader:
                     )
                     outputs = layout.allocate(last - first)
                 assert head is not None
-                heads = records[:, 12 : 12 + len(head)]
-                if not (heads == np.frombuffer(head, np.uint8)).all():
+                heads = np.ndarray((rows,), f"V{len(head)}", buffer, 12, (size,))
+                if (heads != np.void(head)).any():
                     booking.release()
                     self.columnar = False  # skeletons mixed in runs: one by one from now
                     return None
@@ -676,6 +782,22 @@ class RecordReader:
         elif last == total:  # the end: the read buffer goes before the reader does
             self._drop_run_buffer()
         return layout.build(iter(outputs)), booking, last - first
+
+    def _one_size(self) -> int:
+        """The framed size every record of the file shares (0 where they differ), found
+        once, a slice of the index at a time: a batch then need not compare its
+        records' offsets."""
+        if self.uniform is None:
+            offsets, size = self.offsets, self._end(0) - int(self.offsets[0]) if len(self.offsets) else 0
+            self.uniform = size
+            if self._end(len(offsets) - 1) - int(offsets[-1]) != size:
+                self.uniform = 0
+            for at in range(0, len(offsets), 1 << 16):
+                part = offsets[at : at + (1 << 16) + 1]
+                if len(part) > 1 and (np.diff(part) != size).any():
+                    self.uniform = 0
+                    break
+        return self.uniform
 
     def _scatter_batch(
         self, first: int, last: int, size: int, head: bytes, layout: Layout,
@@ -716,42 +838,24 @@ class RecordReader:
                     if self.stream.pread_scatter(start, pieces) < wanted:
                         booking.release()
                         return None  # a truncated file: the record reader names where
-                    for row in range(at, stop):
-                        if not self._scattered_ok(frames, row, prefix, head, targets, first):
-                            self._check_alone(first + row)  # raises, naming the record
-                            booking.release()
-                            self.columnar = False  # sound, but another skeleton
-                            return None
+                    footers, wrong = check_scattered(
+                        frames[at * (prefix + 4) :], prefix, head, targets, list(range(at, stop))
+                    )
+                    expected = self.expected
+                    if wrong < 0 and expected is not None:
+                        differ = footers != expected.crcs[first + at : first + stop]
+                        wrong = int(differ.argmax()) if differ.any() else -1
+                    if wrong >= 0:
+                        self._check_alone(first + at + wrong)  # raises, naming the record
+                        booking.release()
+                        self.columnar = False  # sound, but another skeleton
+                        return None
         except BaseException:
             booking.release()
             raise
         self._release_pending()
         self.next = last
         return layout.build(iter(outputs)), booking, rows
-
-    def _scattered_ok(
-        self, frames: memoryview, row: int, prefix: int, head: bytes,
-        targets: list[np.ndarray[Any, Any]], first: int,
-    ) -> bool:
-        """Whether record ``first + row``, read in pieces, is sound and has ``head``."""
-        mark = row * (prefix + 4)
-        length, length_crc = _FRAME_HEADER.unpack_from(frames, mark)
-        if length != prefix - 12 + sum(target.shape[1] for target in targets):
-            return False
-        if masked_crc32c(frames[mark : mark + 8]) != length_crc:
-            return False
-        if frames[mark + 12 : mark + prefix] != head:
-            return False
-        native = native_module()
-        extend = crc32c if native is None else native.crc32c  # (one call less per piece)
-        crc = extend(frames[mark + 12 : mark + prefix], 0)
-        for target in targets:
-            crc = extend(memoryview(target[row]), crc)
-        (footer,) = _FRAME_FOOTER.unpack_from(frames, mark + prefix)
-        if mask_crc(crc) != footer:
-            return False
-        expected = self.expected
-        return expected is None or footer == expected.crcs[first + row]
 
     def _check_alone(self, record: int) -> None:
         """Read record ``record`` alone and check it as :meth:`pull` does (raising the
@@ -773,25 +877,15 @@ class RecordReader:
     def _check_run(self, view: memoryview, rows: int, size: int, start: int, first: int) -> None:
         """Every record of a run of ``rows`` records of ``size`` bytes read at file offset
         ``start`` checked (framing, both CRCs, the manifest's CRC), or an error naming the
-        file and the offset of the first one that is wrong."""
-        if size < _SCAN_BELOW:
-            # (the scanner copies each payload out: a few bytes each, dropped at once)
-            scratch = book(self.account, len(view) + rows * BYTES_OVERHEAD, "cached records checked")
-            try:
-                records_in_spans([view], [rows], [start], path=self.path)
-            finally:
-                scratch.release()
-        else:
-            for row in range(rows):
-                _check_frame(view[row * size : (row + 1) * size], start + row * size, self.path)
+        file and the offset of the first one that is wrong. The frames' bytes in ``view``
+        are overwritten (see :func:`check_alike_records`); the payloads stay."""
+        footers = check_alike_records(view, rows, size, start, self.path)
         expected = self.expected
         if expected is None:
             return
-        footers = np.frombuffer(view, np.uint8).reshape(rows, size)[:, size - 4 :]
-        crcs = footers.copy().view("<u4").reshape(-1)
-        wrong = np.flatnonzero(crcs != expected.crcs[first : first + rows])
-        if len(wrong):
-            entry = first + int(wrong[0])
+        wrong = footers != expected.crcs[first : first + rows]
+        if wrong.any():
+            entry = first + int(wrong.argmax())
             offset = int(self.offsets[entry])
             raise expected.mismatch(
                 self.path, f"record {entry} at offset {offset} is not the one written there",

@@ -79,7 +79,7 @@ from headrace.io.tfrecord.writer import TFRecordWriter
 from headrace.io.tfrecord_index import build_index, write_atomically
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
 from headrace.persist.columnar import layout_for
-from headrace.persist.records import BYTES_OVERHEAD
+from headrace.persist.records import BYTES_OVERHEAD, check_alike_records, check_scattered
 from headrace.sources.files import file_limiter
 from headrace.sources.tfrecord import IndexedTFRecordNode
 from headrace.structure import TensorSpec, flatten, leaf_spec, map_structure, spec_of
@@ -953,6 +953,13 @@ class _LoadedAccess(RandomAccess):
         self.file_starts = np.cumsum([0, *node.records.counts]).tolist()
         self.totals = np.asarray(totals, dtype=np.int64)
         self._order: np.ndarray[Any, Any] | None = None
+        #: The indexed shards' reader, whose indexes and streams the batches read through.
+        self.shards: Any = self.records
+        #: The framed size, skeleton and layout of the records last batched.
+        self.plan: tuple[int, bytes, Any] | None = None
+        #: By file: the framed size all its records share, 0 where they differ.
+        self.one_size: dict[int, int] = {}
+        self.file_array = np.asarray(self.file_starts, dtype=np.int64)
         #: Whether :meth:`read_batch` may batch column by column (off once the elements
         #: turn out to need objects, or to mix skeletons).
         self.columnar = True
@@ -1028,75 +1035,214 @@ class _LoadedAccess(RandomAccess):
         self, numbers: np.ndarray[Any, Any], account: Buffer
     ) -> tuple[Any, Reservation] | None:
         """The batch of records ``numbers``, column by column, or None where they are not
-        all alike. The batch's columns are booked before they are allocated; the records
-        are read into them a piece at a time (each piece booked while it is used), so
-        the batch costs what the element-by-element batch books, not that again for
-        its records (a batch of 2.4 MB records needed twice the budget)."""
-        first = self.records.get_many(numbers[:1]).tolist()[0]
-        size = len(first)
-        if size < 4:
+        all alike. The batch's columns are booked before they are allocated, and the
+        records are read into them: large ones straight into the rows (one ``preadv``
+        per run of a file's consecutive records, the kernel's copy the only one), small
+        ones a piece at a time into one reused buffer (booked before it is read) and
+        copied out column by column. Every record is checked (framing, both CRCs) before
+        the batch is handed on; a damaged one is a DataLossError naming its file and
+        offset. So the batch costs what the element-by-element batch books, not that
+        again for its records."""
+        plan = self._plan(numbers)
+        if plan is None:
             return None
-        head = first[: 4 + int.from_bytes(first[:4], "little")]
-        layout = layout_for(head)
-        if layout is None or len(head) + layout.data_bytes != size:
-            self.columnar = layout is not None  # (elements that need objects: one by one)
+        size, head, layout = plan
+        runs = self._runs(numbers, size)
+        if runs is None:
             return None
-        self._decode(first, int(numbers[0]))  # the spec check: every record has its skeleton
         rows = len(numbers)
         booking = account.admit(layout.output_bytes(rows), together=f"a batch of {rows} elements")
         try:
             outputs = layout.allocate(rows)
-            step = max(1, min(_PIECE_BYTES, account.share() // 8) // (size + BYTES_OVERHEAD))
-            for at in range(0, rows, step):
-                if not self._fill_piece(layout, outputs, at, numbers[at : at + step], head,
-                                        size, account):
-                    booking.release()
-                    return None
+            into_rows = size >= _JOIN_BELOW and all(leaf.copy_bytes for leaf in layout.leaves)
+            read = self._read_into_rows if into_rows else self._read_in_pieces
+            if not read(runs, numbers, outputs, layout, head, size, account):
+                booking.release()
+                return None
         except BaseException:
             booking.release()
             raise
         return layout.build(iter(outputs)), booking
 
-    def _fill_piece(
-        self, layout: Any, outputs: list[Any], at: int, numbers: np.ndarray[Any, Any],
-        head: bytes, size: int, account: Buffer,
+    def _plan(self, numbers: np.ndarray[Any, Any]) -> tuple[int, bytes, Any] | None:
+        """The framed size, skeleton and layout of the records ``numbers`` must share
+        (those of the first), or None where its elements are not batched column by column.
+        A size met before reuses its plan (no read): the rows' skeletons are compared
+        with it as they are read."""
+        first = int(numbers[0])
+        file = bisect.bisect_right(self.file_starts, first) - 1
+        local = first - self.file_starts[file]
+        offsets = self.shards._index(file).offsets
+        end = int(offsets[local + 1]) if local + 1 < len(offsets) else None
+        size = (end if end is not None else self.shards._index(file).shard_size) - int(
+            offsets[local]
+        )
+        if self.plan is not None and self.plan[0] == size:
+            return self.plan
+        record = self.records.get_many(numbers[:1]).tolist()[0]
+        if len(record) < 4:
+            return None
+        head = record[: 4 + int.from_bytes(record[:4], "little")]
+        layout = layout_for(head)
+        if layout is None or len(head) + layout.data_bytes != len(record):
+            self.columnar = layout is not None  # (elements that need objects: one by one)
+            return None
+        self._decode(record, first)  # the spec check: every record has its skeleton
+        self.plan = (size, head, layout)
+        return self.plan
+
+    def _runs(
+        self, numbers: np.ndarray[Any, Any], size: int
+    ) -> list[tuple[int, int, np.ndarray[Any, Any]]] | None:
+        """The batch's records as runs of consecutive records of one file: (file, offset
+        of the run's first record, the batch rows they fill, in file order); None where
+        one is not ``size`` bytes framed."""
+        order = np.argsort(numbers, kind="stable")
+        ordered = numbers[order]
+        files = np.searchsorted(self.file_array, ordered, side="right") - 1
+        cuts = (np.diff(ordered) != 1) | (np.diff(files) != 0)
+        breaks = (np.flatnonzero(cuts) + 1).tolist()
+        runs = []
+        for lo, hi in zip([0, *breaks], [*breaks, len(ordered)], strict=True):
+            file = int(files[lo])
+            first = int(ordered[lo]) - self.file_starts[file]
+            count = hi - lo
+            index = self.shards._index(file)
+            if self._one_size(file) != size:  # sizes differ in this file: these records'?
+                begins = index.offsets[first : first + count].tolist()
+                # (the end of the file closes a run that reaches it; zip drops it otherwise)
+                ends = [*index.offsets[first + 1 : first + count + 1].tolist(), index.shard_size]
+                if any(end - begin != size for begin, end in zip(begins, ends, strict=False)):
+                    return None
+            runs.append((file, int(index.offsets[first]), order[lo:hi]))
+        return runs
+
+    def _one_size(self, file: int) -> int:
+        """The framed size every record of ``file`` shares (0 where they differ), found
+        once a file, a slice of its index at a time: a batch then need not compare its
+        records' offsets."""
+        known = self.one_size.get(file)
+        if known is None:
+            index = self.shards._index(file)
+            offsets = index.offsets
+            known = 0
+            if len(offsets):
+                known = (int(offsets[1]) if len(offsets) > 1 else index.shard_size) - int(
+                    offsets[0]
+                )
+                if index.shard_size - int(offsets[-1]) != known:
+                    known = 0
+                for at in range(0, len(offsets), 1 << 16):
+                    part = offsets[at : at + (1 << 16) + 1]
+                    if known and len(part) > 1 and (np.diff(part) != known).any():
+                        known = 0
+            self.one_size[file] = known
+        return known
+
+    def _read_in_pieces(
+        self, runs: list[tuple[int, int, np.ndarray[Any, Any]]], numbers: np.ndarray[Any, Any],
+        outputs: list[Any], layout: Any, head: bytes, size: int, account: Buffer,
     ) -> bool:
-        """Read records ``numbers`` into rows ``at``... of ``outputs``; False (nothing
-        more is batched column by column) where one does not share the first's
-        skeleton or size."""
-        records = self.records.get_many(numbers).tolist()
-        if len(set(map(len, records))) != 1 or len(records[0]) != size:  # (one pass in C)
-            return False
-        large = size >= _JOIN_BELOW  # (large records: copied from each, not joined first)
-        copies = 1 if large else 2  # the records, and their joined copy
-        held = account.admit_existing([copies * (size + BYTES_OVERHEAD) * len(records)])[0]
+        """Small records: each run read a piece at a time into one reused buffer, checked
+        there, and copied into its rows column by column; False (nothing more batched
+        column by column) where a record has another skeleton."""
+        step = max(1, min(_PIECE_BYTES, account.share() // 8) // size)
+        longest = max(len(positions) for *_, positions in runs)
+        nbytes = min(step, longest) * size
+        held = account.admit(nbytes + BYTES_OVERHEAD, together="a batch's records read")
+        buffer = bytearray(nbytes)
+        view, matrix = memoryview(buffer), np.frombuffer(buffer, np.uint8)
         try:
-            if large:
-                if any(record[: len(head)] != head for record in records):
-                    self.columnar = False  # skeletons mixed: one by one from now
-                    return False
-                for row, record in enumerate(records):
-                    data = np.frombuffer(record, np.uint8, offset=len(head))
-                    layout.fill(outputs, at + row, data.reshape(1, -1))
-                return True
-            data = np.frombuffer(b"".join(records), np.uint8).reshape(len(records), size)
-            if not (data[:, : len(head)] == np.frombuffer(head, np.uint8)).all():
-                self.columnar = False
-                return False
-            layout.fill(outputs, at, data[:, len(head) :])
-            return True
+            skeleton = np.frombuffer(head, np.uint8)
+            for file, begin, positions in runs:
+                path, stream = self.node.records.filenames[file], self.shards._stream(file)
+                for at in range(0, len(positions), step):
+                    rows = positions[at : at + step]
+                    count, start = len(rows), begin + at * size
+                    if stream.pread_into(start, view[: count * size]) < count * size:
+                        self._check_alone(numbers[rows])  # a truncated file: names where
+                        return False
+                    check_alike_records(view[: count * size], count, size, start, path)
+                    records = matrix[: count * size].reshape(count, size)
+                    if not (records[:, 12 : 12 + len(head)] == skeleton).all():
+                        self.columnar = False  # skeletons mixed: one by one from now
+                        return False
+                    layout.fill(outputs, _rows_at(rows), records[:, 12 + len(head) : size - 4])
         finally:
+            del view, matrix
             held.release()
+        return True
+
+    def _read_into_rows(
+        self, runs: list[tuple[int, int, np.ndarray[Any, Any]]], numbers: np.ndarray[Any, Any],
+        outputs: list[Any], layout: Any, head: bytes, size: int, account: Buffer,
+    ) -> bool:
+        """Large records: each run read straight into the rows it fills (its frames and
+        skeletons into a small scratch buffer), one ``preadv`` per run (up to the
+        kernel's limit on pieces), then each record checked where it landed. A record
+        that fails is read again alone, for the reader's error naming its offset; False
+        (nothing more batched column by column) where it is sound but another skeleton."""
+        prefix = 12 + len(head)
+        rows = len(numbers)
+        targets = [
+            out.reshape(rows, -1).view(np.uint8)
+            for out, leaf in zip(outputs, layout.leaves, strict=True) if leaf.nbytes
+        ]
+        per_call = max(1, 1024 // (2 + len(targets)))
+        longest = max(len(positions) for *_, positions in runs)
+        scratch = bytearray(min(per_call, longest) * (prefix + 4))
+        held = account.admit(len(scratch) + BYTES_OVERHEAD, together="a batch's record frames")
+        frames = memoryview(scratch)
+        try:
+            for file, begin, positions in runs:
+                stream = self.shards._stream(file)
+                for at in range(0, len(positions), per_call):
+                    chunk = positions[at : at + per_call].tolist()
+                    pieces: list[memoryview] = []
+                    for number, row in enumerate(chunk):
+                        mark = number * (prefix + 4)
+                        pieces.append(frames[mark : mark + prefix])
+                        pieces += [memoryview(target[row]) for target in targets]
+                        pieces.append(frames[mark + prefix : mark + prefix + 4])
+                    if stream.pread_scatter(begin + at * size, pieces) < len(chunk) * size:
+                        self._check_alone(numbers[chunk])  # a truncated file: names where
+                        return False
+                    _, wrong = check_scattered(frames, prefix, head, targets, chunk)
+                    if wrong >= 0:
+                        row = chunk[wrong]
+                        self._check_alone(numbers[row : row + 1])  # raises if damaged
+                        self.columnar = False  # sound, but another skeleton
+                        return False
+        finally:
+            del frames
+            held.release()
+        return True
+
+    def _check_alone(self, numbers: np.ndarray[Any, Any]) -> None:
+        """Read records ``numbers`` the checked way (raising the reader's DataLossError
+        that names the file and the offset of one that is damaged or cut short)."""
+        self.records.get_many(numbers)
 
     def close(self) -> None:
         self.records.close()
 
 
-#: Records from this size on are copied into the batch one by one (a joined copy of
-#: them all first would cost as much again as the batch).
+#: Records from this size on are read straight into the batch's rows (pieces of a few
+#: bytes each would cost more than the copy out of a shared buffer they save).
 _JOIN_BELOW = 4 << 10
 #: At most this much of a batch's records is read (and held) at once.
 _PIECE_BYTES = 4 << 20
+
+
+def _rows_at(rows: np.ndarray[Any, Any]) -> slice | np.ndarray[Any, Any]:
+    """Batch rows as a slice where they are evenly spaced (the shards' round robin), so
+    that filling them is a strided copy, not a gather."""
+    if len(rows) == 1:
+        return slice(int(rows[0]), int(rows[0]) + 1)
+    steps = np.diff(rows)
+    if steps[0] > 0 and (steps == steps[0]).all():
+        return slice(int(rows[0]), int(rows[-1]) + 1, int(steps[0]))
+    return rows
 
 
 def _round_robin(totals: np.ndarray[Any, Any]) -> bool:

@@ -1,11 +1,22 @@
 """``headrace doctor``: lint a recipe, then run it for several epochs and look for leaks.
 
 Each epoch makes a new iterator and *drops* it without ``close()`` — what
-Keras does — then collects garbage and measures: memory traced by Python's
-allocator (``tracemalloc``: every NumPy array and Python object), the
-process's anonymous + shared memory, each stage's booked bytes, headrace's
-threads still alive, descriptors and shared-memory segments open, iterators
-still alive.
+Keras does — then collects garbage and measures: the bytes live in the
+allocators (malloc's blocks in use, NumPy's data among them, and Python's
+small objects: :func:`allocated_bytes`), the process's anonymous + shared
+memory, each stage's booked bytes, headrace's threads still alive,
+descriptors and shared-memory segments open, iterators still alive.
+
+What it costs. Those reads take microseconds, so a doctor epoch costs about
+what a plain one does. ``tracemalloc`` sees the same growth but pays for a
+traceback on every allocation: with 16 frames an image pipeline's Python map
+ran 13x slower, and even one frame cost it 3x. So the epochs run untraced,
+and tracebacks are taken only when needed: once a leak is found and no
+holder (below) explains it, :data:`ATTRIBUTION_EPOCHS` more epochs run under
+``tracemalloc`` with :data:`DEEP_FRAMES` frames to find where it was
+allocated. ``deep=True`` traces every epoch instead (traced memory then
+counts in the verdict too); off glibc, where malloc has no counter, every
+epoch is traced with one frame.
 
 Real growth vs noise. The first ``warmup`` epochs are left out (allocator
 pools, caches and lazily built state grow once). Over the rest, each measure's
@@ -21,18 +32,21 @@ attributes) is costed after the warm-up and after the last epoch; a holder
 that grew names its stage ("kept in SEEN (global of remember)"). A map that
 appends its elements to a list keeps memory that the stage which made them
 allocated, so allocation alone would blame the source. Then, where it was
-*allocated*, read from ``tracemalloc``'s tracebacks: the innermost frame that
-lies in a function of the recipe (a map's function, a filter's predicate, a
-generator) or in a transformation's own module names the stage.
+*allocated*, read from ``tracemalloc``'s tracebacks (of the traced pass): the
+innermost frame that lies in a function of the recipe (a map's function, a
+filter's predicate, a generator) or in a transformation's own module names the
+stage.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
 import gc
 import itertools
+import sys
 import time
 import tracemalloc
 import types
@@ -54,7 +68,7 @@ if TYPE_CHECKING:
     from headrace.core.node import Node
     from headrace.dataset import Dataset
 
-__all__ = ["Diagnosis", "EpochMeasure", "Trend", "diagnose", "fit_trend"]
+__all__ = ["Diagnosis", "EpochMeasure", "Trend", "allocated_bytes", "diagnose", "fit_trend"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,7 @@ class EpochMeasure:
     epoch: int
     elements: int
     seconds: float
+    #: Bytes ``tracemalloc`` traced (0 in an untraced epoch).
     traced: int
     charged: int
     descriptors: int
@@ -72,6 +87,8 @@ class EpochMeasure:
     live_iterators: int
     #: Bytes each stage had booked at the end of the epoch (before the drop).
     held: tuple[int, ...]
+    #: Bytes live in malloc and Python's allocator (:func:`allocated_bytes`; 0 if unknown).
+    allocated: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,6 +118,12 @@ class Diagnosis:
     min_leak: int
     sigmas: float = 4.0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The trend of :attr:`EpochMeasure.allocated` (no points where it is unknown).
+    allocated: Trend = field(default_factory=lambda: fit_trend("allocated memory", []))
+    #: The attribution pass: epochs traced only to say where a leak was allocated.
+    traced_epochs: tuple[EpochMeasure, ...] = ()
+    #: Every measured epoch was traced with deep tracebacks (``diagnose(deep=True)``).
+    deep: bool = False
 
     @property
     def healthy(self) -> bool:
@@ -114,7 +137,52 @@ class Diagnosis:
                 names.append(item.stage)
         return tuple(names)
 
+    @property
+    def memory_trends(self) -> tuple[Trend, ...]:
+        """The memory measures that were fitted: allocated, traced (each where measured),
+        then anonymous + shared."""
+        return (*[t for t in (self.allocated, self.traced) if t.points], self.charged)
+
+    @property
+    def growth_per_epoch(self) -> float:
+        """The largest fitted memory growth per epoch (bytes; what a LEAK line quotes)."""
+        return max(t.slope for t in self.memory_trends)
+
+    def _table(self) -> list[str]:
+        allocated = any(m.allocated for m in self.epochs)
+        traced = any(m.traced for m in self.epochs)
+        head = f"  {'epoch':>5} {'elements':>9} {'s':>6}"
+        head += f" {'allocated':>11}" * allocated + f" {'traced':>11}" * traced
+        lines = [head + f" {'anon+shm':>11} {'fds':>5} {'threads':>8} {'live iters':>10}"]
+        for m in self.epochs:
+            row = f"  {m.epoch:>5} {m.elements:>9,} {m.seconds:>6.2f}"
+            row += f" {format_bytes(m.allocated):>11}" * allocated
+            row += f" {format_bytes(m.traced):>11}" * traced
+            lines.append(row + f" {format_bytes(m.charged):>11} {m.descriptors:>5}"
+                         f" {m.headrace_threads:>8} {m.live_iterators:>10}")
+        if self.traced_epochs:
+            lines.append(f"  then {len(self.traced_epochs)} epochs traced "
+                         f"({DEEP_FRAMES} frames) to find where the growth was allocated: "
+                         + ", ".join(f"{m.seconds:.2f} s" for m in self.traced_epochs))
+        return lines
+
+    def _verdict_lines(self) -> list[str]:
+        if not self.leak:
+            return ["", f"no leak: growth per epoch is within noise (floor "
+                    f"{format_bytes(self.min_leak)}/epoch)."]
+        lines = ["", f"LEAK: memory grows by ~{format_bytes(int(self.growth_per_epoch))} "
+                 "per epoch, beyond noise."]
+        for item in self.growth:
+            where = item.where if item.where.startswith(("kept in", "its booked")) else (
+                f"allocated at {item.where}")
+            lines.append(f"  {item.stage}: ~{format_bytes(int(item.bytes_per_epoch))}/epoch, "
+                         f"{where}")
+        if not self.growth:
+            lines.append("  (not traced to a stage: native code, or the consumer's own)")
+        return lines
+
     def format(self) -> str:
+        """The diagnosis as text: findings, the per-epoch table, the fits, the verdict."""
         lines = [f"{self.title}"]
         if self.extra.get("pipeline"):
             lines += ["", str(self.extra["pipeline"])]
@@ -124,32 +192,12 @@ class Diagnosis:
             lines += ["", "recipe findings: none"]
         lines += ["", f"{len(self.epochs)} epochs (the first {self.warmup} are warm-up, "
                   "not fitted); after each, the iterator was dropped without close():"]
-        lines.append(f"  {'epoch':>5} {'elements':>9} {'s':>6} {'traced':>11} {'anon+shm':>11}"
-                     f" {'fds':>5} {'threads':>8} {'live iters':>10}")
-        for m in self.epochs:
-            lines.append(
-                f"  {m.epoch:>5} {m.elements:>9,} {m.seconds:>6.2f} {format_bytes(m.traced):>11}"
-                f" {format_bytes(m.charged):>11} {m.descriptors:>5} {m.headrace_threads:>8}"
-                f" {m.live_iterators:>10}"
-            )
-        lines += ["", "  " + self.traced.format(), "  " + self.charged.format()]
+        lines += self._table()
+        lines += [""] + ["  " + trend.format() for trend in self.memory_trends]
         for trend in self.stage_trends:
             if trend.significant(self.min_leak, self.sigmas):
                 lines.append("  " + trend.format() + "  <- grows")
-        if self.leak:
-            lines += ["", f"LEAK: memory grows by ~{format_bytes(int(max(self.traced.slope, self.charged.slope)))} "
-                      "per epoch, beyond noise."]
-            for item in self.growth:
-                where = item.where if item.where.startswith(("kept in", "its booked")) else (
-                    f"allocated at {item.where}")
-                lines.append(
-                    f"  {item.stage}: ~{format_bytes(int(item.bytes_per_epoch))}/epoch, {where}"
-                )
-            if not self.growth:
-                lines.append("  (not traced to a stage: native code, or the consumer's own)")
-        else:
-            lines += ["", f"no leak: growth per epoch is within noise (floor "
-                      f"{format_bytes(self.min_leak)}/epoch)."]
+        lines += self._verdict_lines()
         if self.resources:
             lines += ["", "not returned:"] + [f"  {text}" for text in self.resources]
         return "\n".join(lines)
@@ -359,6 +407,235 @@ def _accounts(iterator: Any) -> dict[int, Any]:
     return accounts
 
 
+# -- what is allocated, without tracing every allocation ----------------------------------------
+
+#: Frames a traced allocation keeps in a deep pass: enough to walk out of NumPy's or a
+#: library's allocating frames to the recipe function that called them.
+DEEP_FRAMES = 16
+#: Epochs of the traced pass that runs only once a leak is found: the first one's
+#: survivors are the baseline (state replaced every epoch is allocated again in each),
+#: the next two measure what each allocation site adds per epoch.
+ATTRIBUTION_EPOCHS = 3
+#: What one of Python's small-object blocks is counted as: ``sys.getallocatedblocks``
+#: counts objects, not bytes, and most objects a pipeline makes (ints, floats, short
+#: tuples and strings, small dicts' headers) take 32 to 80 bytes.
+SMALL_OBJECT_BYTES = 64
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+@functools.cache
+def _mallinfo2() -> Any:
+    """glibc's ``mallinfo2`` (2.33 and later), or None (musl, macOS, older glibc)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = []
+    function.restype = _MallInfo2
+    return function
+
+
+def allocated_bytes() -> int | None:
+    """Bytes live in the process's allocators, read in microseconds: malloc's blocks in
+    use (every arena, NumPy's data and C extensions' buffers included) plus Python's
+    small objects at :data:`SMALL_OBJECT_BYTES` each. None where malloc cannot say.
+
+    This is what lets the doctor run at nearly the speed of a plain epoch:
+    ``tracemalloc`` sees the same growth but costs every allocation a traceback.
+    """
+    info = _mallinfo2()
+    if info is None:
+        return None
+    heap = info()
+    return int(heap.uordblks + heap.hblkhd) + sys.getallocatedblocks() * SMALL_OBJECT_BYTES
+
+
+# -- the epochs --------------------------------------------------------------------------------
+
+
+class _Runner:
+    """Internal: runs one epoch at a time the doctor's way (a new iterator, dropped without
+    ``close()``, as Keras does) and measures what it left behind."""
+
+    def __init__(self, dataset: Dataset, nodes: list[Node], steps: int | None) -> None:
+        self.dataset = dataset
+        self.nodes = nodes
+        self.steps = steps
+        self.alive: list[weakref.ref[Any]] = []
+
+    def _drain(self) -> tuple[int, tuple[int, ...]]:
+        """One epoch; the iterator is dropped when this returns, never closed."""
+        iterator = iter(self.dataset)
+        count = 0
+        for element in iterator:
+            count += 1
+            del element
+            if self.steps is not None and count >= self.steps:
+                break
+        accounts = _accounts(iterator)
+        held = tuple(accounts[id(node)].stats().held if id(node) in accounts else 0
+                     for node in self.nodes)
+        self.alive.append(weakref.ref(iterator))
+        return count, held
+
+    def epoch(self, index: int) -> EpochMeasure:
+        started = time.perf_counter()
+        count, held = self._drain()
+        gc.collect()
+        release_free_heap()  # resident memory then counts live blocks, not free ones
+        seconds = time.perf_counter() - started
+        memory = snapshot(detailed=True)
+        return EpochMeasure(
+            index, count, seconds,
+            tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else 0,
+            memory.charged, memory.descriptors.total, memory.descriptors.shared_memory,
+            memory.headrace_threads, sum(ref() is not None for ref in self.alive), held,
+            allocated_bytes() or 0,
+        )
+
+
+@dataclass
+class _Pass:
+    """Internal: the epochs of one pass, and what was sampled at its first and last mark."""
+
+    measures: list[EpochMeasure] = field(default_factory=list)
+    kept: list[list[int]] = field(default_factory=list)
+    snapshots: list[tracemalloc.Snapshot] = field(default_factory=list)
+
+
+def _run_pass(
+    runner: _Runner, epochs: range, marks: tuple[int, int],
+    holders: list[tuple[str, str, Any]] | None, on_epoch: Callable[[EpochMeasure], None] | None,
+) -> _Pass:
+    """Run ``epochs``; after the two ``marks`` (epoch indices), cost the holders (when
+    given) and take a traced snapshot (when tracing)."""
+    done = _Pass()
+    for index in epochs:
+        measure = runner.epoch(index)
+        done.measures.append(measure)
+        if on_epoch is not None:
+            on_epoch(measure)
+        if index in marks:
+            if holders is not None:
+                done.kept.append(_retained(holders))
+            if tracemalloc.is_tracing():
+                done.snapshots.append(tracemalloc.take_snapshot())
+    return done
+
+
+@contextlib.contextmanager
+def _tracing(frames: int) -> Any:
+    """``tracemalloc`` on for the block (with ``frames`` frames unless the caller had it
+    on already: theirs is left as it is)."""
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start(frames)
+    try:
+        yield
+    finally:
+        if started:
+            tracemalloc.stop()
+
+
+# -- the verdict ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """Internal: the fitted trends of the measured epochs and whether they call it a leak."""
+
+    allocated: Trend
+    traced: Trend
+    charged: Trend
+    stages: tuple[Trend, ...]
+    leak: bool
+
+
+def _verdict(
+    measures: list[EpochMeasure], warmup: int, names: list[str], *, traced_counts: bool,
+    min_leak: int, min_rss_leak: int, sigmas: float,
+) -> _Verdict:
+    """Fit each measure over the epochs after the warm-up; ``traced_counts``: the epochs
+    were traced on purpose (a caller's own tracing, with ``trace=False``, is not fitted)."""
+    fitted = measures[warmup:]
+    has_allocated = all(m.allocated for m in fitted)
+    has_traced = traced_counts and all(m.traced for m in fitted)
+    allocated = fit_trend("allocated memory (malloc + Python objects)",
+                          [float(m.allocated) for m in fitted] if has_allocated else [])
+    traced = fit_trend("traced memory (tracemalloc)",
+                       [float(m.traced) for m in fitted] if has_traced else [])
+    charged = fit_trend("anonymous + shared memory", [float(m.charged) for m in fitted])
+    stages = tuple(fit_trend(f"{name} booked", [float(m.held[k]) for m in fitted])
+                   for k, name in enumerate(names))
+    leak = (
+        allocated.significant(min_leak, sigmas) or traced.significant(min_leak, sigmas)
+        or charged.significant(min_rss_leak, sigmas)
+        or any(t.significant(min_leak, sigmas) for t in stages)
+    )
+    return _Verdict(allocated, traced, charged, stages, bool(leak))
+
+
+def _kept_growth(
+    holders: list[tuple[str, str, Any]], kept: list[list[int]], span: int, min_leak: int,
+) -> list[StageGrowth]:
+    """Who keeps the growth. First, because a list a map appends elements to holds memory
+    allocated by the stage that made them, which is all the allocation's traceback names."""
+    return _kept(holders, kept[0], kept[1], span, min_leak) if len(kept) == 2 else []
+
+
+def _explained(kept: list[StageGrowth], verdict: _Verdict) -> bool:
+    """Whether the holders that grew keep most of the measured growth: then where it was
+    allocated adds nothing a user acts on, and the traced pass is not worth its cost."""
+    grown = max((t.slope for t in (verdict.allocated, verdict.traced) if t.points), default=0.0)
+    return bool(kept) and sum(item.bytes_per_epoch for item in kept) >= grown / 2
+
+
+def _blame(
+    nodes: list[Node], names: list[str], verdict: _Verdict, kept: list[StageGrowth],
+    traced: _Pass | None, traced_span: int, *, min_leak: int, sigmas: float,
+) -> list[StageGrowth]:
+    """The stages to blame, most likely first: who keeps the growth, then where it was
+    allocated, then whose booked bytes grow."""
+    growth = list(kept)
+    if traced is not None and len(traced.snapshots) == 2:
+        before, after = traced.snapshots
+        for item in _attribute(before, after, traced_span, _stage_locator(nodes), min_leak):
+            if item.stage not in [g.stage for g in growth]:
+                growth.append(item)
+    for trend, name in zip(verdict.stages, names, strict=True):
+        if trend.significant(min_leak, sigmas) and name not in [g.stage for g in growth]:
+            growth.append(StageGrowth(name, trend.slope, "its booked bytes"))
+    return growth
+
+
+def _integer_argument(name: str, value: Any, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(
+            f"doctor: {name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < least:
+        raise InvalidArgumentError(f"doctor: {name} must be >= {least}, got {value}")
+    return value
+
+
+def _check(epochs: Any, steps: Any, warmup: Any) -> None:
+    """Refuse bad counts before anything runs, naming the argument and the value."""
+    _integer_argument("warmup", warmup, 0)
+    if steps is not None:
+        _integer_argument("steps", steps, 1)
+    _integer_argument("epochs", epochs, 1)
+    if epochs < warmup + 3:
+        raise InvalidArgumentError(
+            f"doctor: needs at least warmup + 3 = {warmup + 3} epochs (a leak is a trend "
+            f"over the epochs after the warm-up), got {epochs}")
+
+
 def diagnose(
     dataset: Dataset,
     *,
@@ -370,115 +647,85 @@ def diagnose(
     sigmas: float = 4.0,
     lint: bool = True,
     trace: bool = True,
+    deep: bool = False,
     title: str = "headrace doctor",
     on_epoch: Callable[[EpochMeasure], None] | None = None,
+    on_traced_epoch: Callable[[EpochMeasure], None] | None = None,
 ) -> Diagnosis:
     """Lint ``dataset``'s recipe and run it ``epochs`` times looking for leaks.
 
     ``steps`` caps the elements per epoch. ``min_leak``: the least growth per
-    epoch of traced memory reported as a leak (``min_rss_leak`` for the
-    process's anonymous + shared memory, which allocators make noisier).
-    """
-    from headrace.core.run import DatasetIterator
+    epoch of allocated memory (or a stage's booked bytes) reported as a leak
+    (``min_rss_leak`` for the process's anonymous + shared memory, which
+    allocators make noisier).
 
-    if epochs < warmup + 3:
-        raise InvalidArgumentError(
-            f"doctor: needs at least warmup + 3 = {warmup + 3} epochs (a leak is a trend "
-            f"over the epochs after the warm-up), got {epochs}")
+    By default the epochs run untraced, at close to a plain epoch's speed: what
+    they allocate is read from malloc's and Python's own counters. Only when
+    that finds a leak do :data:`ATTRIBUTION_EPOCHS` more epochs run under
+    ``tracemalloc`` with :data:`DEEP_FRAMES` frames, to say which stage's code
+    allocated it. ``deep=True`` traces every epoch that way instead (the old
+    behaviour, many times slower on allocation-heavy Python maps; its traced
+    memory then counts in the verdict too). ``trace=False`` never traces: a
+    leak is then blamed only on who keeps it or on booked bytes. Where malloc
+    has no counter (off glibc), every epoch is traced with one frame.
+
+    ``on_epoch`` is called after each of the ``epochs`` measured epochs,
+    ``on_traced_epoch`` after each epoch of the attribution pass.
+    """
+    _check(epochs, steps, warmup)
     findings = tuple(lint_recipe_safe(dataset)) if lint else ()
     nodes = recipe_nodes(dataset.node)
     names = [str(getattr(node, "stage", type(node).__name__)) for node in nodes]
-    started_tracing = trace and not tracemalloc.is_tracing()
-    if started_tracing:
-        tracemalloc.start(16)
     holders = _holders(nodes)
-    kept_before: list[int] = []
-    kept_after: list[int] = []
-    alive: list[weakref.ref[DatasetIterator]] = []
-    measures: list[EpochMeasure] = []
-    baseline: tracemalloc.Snapshot | None = None
-    last: tracemalloc.Snapshot | None = None
-    try:
-        for epoch in range(epochs):
-            started = time.perf_counter()
-            iterator = iter(dataset)
-            count = 0
-            for element in iterator:
-                count += 1
-                del element
-                if steps is not None and count >= steps:
-                    break
-            accounts = _accounts(iterator)
-            held = tuple(
-                accounts[id(node)].stats().held if id(node) in accounts else 0 for node in nodes
-            )
-            alive.append(weakref.ref(iterator))
-            del iterator, accounts  # dropped, not closed: as Keras does
-            gc.collect()
-            release_free_heap()  # resident memory then counts live blocks, not free ones
-            seconds = time.perf_counter() - started
-            memory = snapshot(detailed=True)
-            traced_now = tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else 0
-            measure = EpochMeasure(
-                epoch, count, seconds, traced_now, memory.charged, memory.descriptors.total,
-                memory.descriptors.shared_memory, memory.headrace_threads,
-                sum(ref() is not None for ref in alive), held,
-            )
-            measures.append(measure)
-            if on_epoch is not None:
-                on_epoch(measure)
-            if epoch == warmup - 1 or (warmup == 0 and epoch == 0):
-                kept_before = _retained(holders)
-            elif epoch == epochs - 1:
-                kept_after = _retained(holders)
-            if tracemalloc.is_tracing():
-                if epoch == warmup - 1 or (warmup == 0 and epoch == 0):
-                    baseline = tracemalloc.take_snapshot()
-                elif epoch == epochs - 1:
-                    last = tracemalloc.take_snapshot()
-    finally:
-        if started_tracing:
-            tracemalloc.stop()
-    fitted = measures[warmup:]
-    traced = fit_trend("traced memory", [float(m.traced) for m in fitted])
-    charged = fit_trend("anonymous + shared memory", [float(m.charged) for m in fitted])
-    stage_trends = tuple(
-        fit_trend(f"{name} booked", [float(m.held[k]) for m in fitted])
-        for k, name in enumerate(names)
-    )
-    leak = (
-        (trace and traced.significant(min_leak, sigmas))
-        or charged.significant(min_rss_leak, sigmas)
-        or any(t.significant(min_leak, sigmas) for t in stage_trends)
-    )
-    growth: list[StageGrowth] = []
-    span = (epochs - 1) - max(warmup - 1, 0)  # epochs between the two measures
-    if leak and kept_before and kept_after:
-        # who keeps it first: a list a map appends elements to holds memory allocated by
-        # the stage that made them, which is all the allocation's traceback can name
-        growth = _kept(holders, kept_before, kept_after, span, min_leak)
-    if leak and baseline is not None and last is not None:
-        for item in _attribute(baseline, last, span, _stage_locator(nodes), min_leak):
-            if item.stage not in [g.stage for g in growth]:
-                growth.append(item)
-    for trend, name in zip(stage_trends, names, strict=True):
-        if trend.significant(min_leak, sigmas) and name not in [g.stage for g in growth]:
-            growth.append(StageGrowth(name, trend.slope, "its booked bytes"))
+    runner = _Runner(dataset, nodes, steps)
+    marks = (max(warmup - 1, 0), epochs - 1)
+    span = marks[1] - marks[0]  # epochs between the two marks
+    counted = allocated_bytes() is not None
+    frames = DEEP_FRAMES if deep else 1
+    trace_all = trace and (deep or not counted or tracemalloc.is_tracing())
+    with _tracing(frames) if trace_all else contextlib.nullcontext():
+        measured = _run_pass(runner, range(epochs), marks, holders, on_epoch)
+    verdict = _verdict(measured.measures, warmup, names, traced_counts=trace_all,
+                       min_leak=min_leak, min_rss_leak=min_rss_leak, sigmas=sigmas)
+    traced: _Pass | None = measured if len(measured.snapshots) == 2 else None
+    traced_span = span
+    extra_epochs: list[EpochMeasure] = []
+    kept = _kept_growth(holders, measured.kept, span, min_leak) if verdict.leak else []
+    if verdict.leak and trace and not _explained(kept, verdict) and not _deep_enough(traced):
+        # where it was allocated needs deep tracebacks: a short traced pass, only now
+        with _tracing(DEEP_FRAMES):
+            traced = _run_pass(runner, range(epochs, epochs + ATTRIBUTION_EPOCHS),
+                               (epochs, epochs + ATTRIBUTION_EPOCHS - 1), None, on_traced_epoch)
+        extra_epochs = traced.measures
+        traced_span = ATTRIBUTION_EPOCHS - 1
+    growth = _blame(nodes, names, verdict, kept, traced, traced_span, min_leak=min_leak,
+                    sigmas=sigmas)
     return Diagnosis(
         title=title,
         findings=findings,
         stage_names=tuple(names),
-        epochs=tuple(measures),
+        epochs=tuple(measured.measures),
         warmup=warmup,
-        traced=traced,
-        charged=charged,
-        stage_trends=stage_trends,
-        leak=bool(leak),
+        traced=verdict.traced,
+        charged=verdict.charged,
+        stage_trends=verdict.stages,
+        leak=verdict.leak,
         growth=tuple(growth),
-        resources=tuple(_resources(measures[warmup:] or measures)),
+        resources=tuple(_resources(measured.measures[warmup:] or measured.measures)),
         min_leak=min_leak,
         sigmas=sigmas,
+        allocated=verdict.allocated,
+        traced_epochs=tuple(extra_epochs),
+        deep=deep,
     )
+
+
+def _deep_enough(traced: _Pass | None) -> bool:
+    """Whether the measured pass's own snapshots can name stages: deep enough, or traced
+    by the caller's own ``tracemalloc`` (which a new pass could not deepen)."""
+    if traced is None:
+        return tracemalloc.is_tracing()
+    return traced.snapshots[0].traceback_limit >= DEEP_FRAMES or tracemalloc.is_tracing()
 
 
 def lint_recipe_safe(dataset: Dataset) -> list[Finding]:

@@ -4,9 +4,11 @@ Like the profile's report (:mod:`headrace.profiling.report`, whose drawing
 helpers it shares) it loads nothing from elsewhere. It shows what the verdict
 rests on, so that a user can check it rather than trust it:
 
-- memory after each epoch (traced by Python's allocator, and the process's
-  anonymous + shared memory, both from the first epoch), the warm-up epochs
-  shaded (not fitted), and the fitted growth per epoch drawn over the rest;
+- memory after each epoch (allocated: malloc's blocks in use and Python's
+  objects; traced by ``tracemalloc`` where every epoch was traced; the
+  process's anonymous + shared memory; each from the first epoch), the
+  warm-up epochs shaded (not fitted), and the fitted growth per epoch drawn
+  over the rest;
 - each stage's booked bytes after each epoch;
 
 then the verdict (which stage, allocated or kept where), what was not
@@ -33,6 +35,7 @@ from headrace.profiling.report import (
 
 if TYPE_CHECKING:
     from headrace.profiling.doctor import Diagnosis
+    from headrace.profiling.trend import Trend
 
 __all__ = ["render_diagnosis"]
 
@@ -55,16 +58,33 @@ def _epoch_caption(axes: Axes) -> str:
             'text-anchor="middle" font-size="11">epoch</text>')
 
 
+def _memory_series(diagnosis: Diagnosis) -> list[tuple[str, list[tuple[float, float]], Trend]]:
+    """(name, growth since the first epoch after each epoch, its fit) of each memory measure
+    the diagnosis has: allocated and traced where measured, anonymous + shared always."""
+    epochs = diagnosis.epochs
+    first = epochs[0]
+    measures = [
+        ("allocated (malloc + Python objects)", "allocated", diagnosis.allocated),
+        ("traced (tracemalloc)", "traced", diagnosis.traced),
+        ("anonymous + shared", "charged", diagnosis.charged),
+    ]
+    return [
+        (name, [(float(m.epoch), float(getattr(m, field) - getattr(first, field)))
+                for m in epochs], trend)
+        for name, field, trend in measures
+        if field == "charged" or (trend.points and any(getattr(m, field) for m in epochs))
+    ]
+
+
 def epoch_chart(diagnosis: Diagnosis) -> str:
-    """Growth of traced and of anonymous + shared memory after each epoch, with the fits."""
+    """Growth of each memory measure after each epoch, with the fits."""
     epochs = diagnosis.epochs
     if not epochs:
         return svg_chart("epoch-chart", "Memory after each epoch", [])
-    first = epochs[0]
-    traced = [(float(m.epoch), float(m.traced - first.traced)) for m in epochs]
-    charged = [(float(m.epoch), float(m.charged - first.charged)) for m in epochs]
+    series = _memory_series(diagnosis)
     x_max = max(float(epochs[-1].epoch), 1.0)
-    y_max = max([y for _, y in traced + charged] + [float(diagnosis.min_leak)]) * 1.15
+    y_max = max([y for _, points, _ in series for _, y in points]
+                + [float(diagnosis.min_leak)]) * 1.15
     axes = Axes(x_max, y_max)
     parts = axes.frame("growth since epoch 0", x_format="epoch")
     parts.append(_epoch_caption(axes))
@@ -75,24 +95,25 @@ def epoch_chart(diagnosis: Diagnosis) -> str:
             f'height="{axes.plot_h}" fill="#999" fill-opacity="0.15"><title>warm-up: not '
             "fitted</title></rect>"
         )
-    legend = [("traced (Python allocator)", palette_color(0), "line"),
-              ("anonymous + shared", palette_color(1), "line")]
-    parts.append(_line(axes, traced, "epoch-line", palette_color(0), "traced"))
-    parts.append(_line(axes, charged, "epoch-line", palette_color(1), "anonymous + shared"))
-    for trend, series, color in ((diagnosis.traced, traced, palette_color(0)),
-                                 (diagnosis.charged, charged, palette_color(1))):
-        fitted = series[diagnosis.warmup:]
-        if len(fitted) < 2:
-            continue
-        # the robust slope through the fitted epochs' median point
-        xs = sorted(x for x, _ in fitted)
-        ys = sorted(y for _, y in fitted)
-        mid_x, mid_y = xs[len(xs) // 2], ys[len(ys) // 2]
-        ends = [(x, mid_y + trend.slope * (x - mid_x)) for x in (xs[0], xs[-1])]
-        parts.append(_line(axes, ends, "trend-line", color, f"{trend.what} fit", dash=True))
+    legend = []
+    for index, (name, points, trend) in enumerate(series):
+        parts.append(_line(axes, points, "epoch-line", palette_color(index), name))
+        legend.append((name, palette_color(index), "line"))
+        fitted = points[diagnosis.warmup:]
+        if len(fitted) >= 2:
+            parts.append(_trend_line(axes, fitted, trend, palette_color(index)))
     legend.append(("fitted growth per epoch", "#555", "dash"))
     parts += chart_legend(legend)
     return svg_chart("epoch-chart", "Memory after each epoch", parts)
+
+
+def _trend_line(axes: Axes, fitted: list[tuple[float, float]], trend: Trend, color: str) -> str:
+    """The robust slope drawn through the fitted epochs' median point."""
+    xs = sorted(x for x, _ in fitted)
+    ys = sorted(y for _, y in fitted)
+    mid_x, mid_y = xs[len(xs) // 2], ys[len(ys) // 2]
+    ends = [(x, mid_y + trend.slope * (x - mid_x)) for x in (xs[0], xs[-1])]
+    return _line(axes, ends, "trend-line", color, f"{trend.what} fit", dash=True)
 
 
 def stage_chart(diagnosis: Diagnosis) -> str:
@@ -124,7 +145,7 @@ def render_diagnosis(diagnosis: Diagnosis) -> str:
     if diagnosis.leak:
         verdict = (
             f'<p class="verdict leak"><b>LEAK</b>: memory grows by '
-            f"~{escape(format_bytes(int(max(diagnosis.traced.slope, diagnosis.charged.slope))))}"
+            f"~{escape(format_bytes(int(diagnosis.growth_per_epoch)))}"
             " per epoch, beyond noise.</p>"
         )
         growth = html_table(
@@ -148,15 +169,20 @@ def render_diagnosis(diagnosis: Diagnosis) -> str:
         f"<code>{escape(f.stage)}</code>: {escape(f.message)}<br><b>Fix:</b> {escape(f.fix)}</div>"
         for f in diagnosis.findings
     ) or "<p>No findings.</p>"
-    trends = [diagnosis.traced, diagnosis.charged] + [
+    trends = [*diagnosis.memory_trends] + [
         t for t in diagnosis.stage_trends if t.significant(diagnosis.min_leak, diagnosis.sigmas)
     ]
     epoch_rows = [
-        (m.epoch, f"{m.elements:,}", f"{m.seconds:.2f}", format_bytes(m.traced),
-         format_bytes(m.charged), m.descriptors, m.shared_memory_segments, m.headrace_threads,
-         m.live_iterators)
+        (m.epoch, f"{m.elements:,}", f"{m.seconds:.2f}", format_bytes(m.allocated),
+         format_bytes(m.traced), format_bytes(m.charged), m.descriptors,
+         m.shared_memory_segments, m.headrace_threads, m.live_iterators)
         for m in diagnosis.epochs
     ]
+    traced_pass = (
+        f'<p class="muted">Then {len(diagnosis.traced_epochs)} epochs ran under tracemalloc '
+        "with deep tracebacks, only to find where the growth was allocated: "
+        + ", ".join(f"{m.seconds:.2f} s" for m in diagnosis.traced_epochs) + ".</p>"
+        if diagnosis.traced_epochs else "")
     return "".join([
         "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">",
         f"<title>{escape(diagnosis.title)}</title><style>{STYLE}"
@@ -178,8 +204,9 @@ def render_diagnosis(diagnosis: Diagnosis) -> str:
         "<h2>Not returned</h2>",
         resources,
         "<h2>Epochs</h2>",
-        html_table(["epoch", "elements", "s", "traced", "anon + shared", "descriptors",
+        html_table(["epoch", "elements", "s", "allocated", "traced", "anon + shared", "descriptors",
                 "shm segments", "headrace threads", "live iterators"], epoch_rows, "epochs"),
+        traced_pass,
         "<h2>Recipe findings</h2>",
         findings,
         '<p class="muted">Generated by headrace doctor. Self-contained: no external '
