@@ -1,4 +1,4 @@
-"""Caches, snapshots and saves are keyed by what the data *is* (G8), not its shape.
+"""Caches, snapshots and saves are keyed by what the data *is*, not its shape.
 
 A generator draws an input (an array source, an array a map's closure captures, a
 module-level array a map function reads directly, through a helper or as a lambda, a

@@ -101,9 +101,15 @@ def test_fused_batches_are_parse_examples_and_errors_are_the_maps(
             try:
                 hx.parse_single_example(record, spec)
             except hr.ParseError as error:
+                index = start + offset
+                # where the record came from, as the map unfused says it (TFRecord
+                # framing: 16 bytes around each record)
+                where = (f", record {index} (at byte offset "
+                         f"{sum(len(r) + 16 for r in records[:index])}) of file {path}"
+                         if source == "file" else f", element {index} of the source")
                 expected.append(("ParseError", str(error), [
                     f"headrace: raised in map({function_name(parse)}) on element "
-                    f"{start + offset}"]))
+                    f"{index}{where}"]))
                 break
         else:
             expected.append(plain(hx.parse_example(chunk, spec)))
@@ -157,10 +163,10 @@ def test_an_error_fails_its_whole_batch_as_tensorflows_fused_map_and_batch(
     unfused.__qualname__ = parse.__qualname__  # the stage's name in the note
     per_record = outcomes(hr.TFRecordDataset(str(path)).map(unfused).batch(4))
     assert fused_out[1][:2] == per_record[1][:2]
-    # the per-record map's note names the record too (file, index, byte offset); the
-    # fused parse's names the stage and the element, not yet the record
+    # both notes name the stage, the element and the record (file, index, byte offset)
     ((fused_note,), (record_note,)) = (fused_out[1][2], per_record[1][2])
-    assert record_note == f"{fused_note}, record 5 (at byte offset 220) of file {path}"
+    assert fused_note == record_note
+    assert fused_note.endswith(f"on element 5, record 5 (at byte offset 220) of file {path}")
     assert fused_out[1][1] == (
         "Key: x.  Number of float values != expected.  Values size: 0 but output shape: []"
     )

@@ -1,4 +1,4 @@
-"""Served datasets against an outsider (issue 22, G8): no code from a socket, no hang.
+"""Served datasets against an outsider (issue 22): no code from a socket, no hang.
 
 Generators of hostile peers race real consumers and producers:
 

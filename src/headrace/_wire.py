@@ -1,38 +1,44 @@
 """The served transport's wire: frames, the key handshake, and elements without pickle.
 
-Why not ``multiprocessing.connection``: its ``recv()`` unpickles whatever the
-peer sends (so a peer that reaches the socket runs code in the receiver), its
-``Listener(authkey=None)`` skips authentication altogether, and its handshake
-runs inside ``accept()`` without a timeout (one silent client stops every
-other from connecting). Here nothing is ever unpickled:
+Why not ``multiprocessing.connection``? Its ``recv()`` unpickles whatever the
+peer sends, so a peer that reaches the socket runs code in the receiver. Its
+``Listener(authkey=None)`` skips authentication altogether. Its handshake runs
+inside ``accept()`` without a timeout, so one silent client stops every other
+from connecting. Here nothing is ever unpickled:
 
-- **Frames.** Every message is a length-prefixed frame (8 bytes, big-endian)
-  read with a cap on its length: a peer that has not proved it holds the key
-  may send at most :data:`PRE_AUTH_FRAME` bytes per frame, an authenticated
-  one :data:`MAX_FRAME`; a larger prefix is refused before anything is
+- **Frames.** Every message is a length-prefixed frame (8 bytes, big-endian),
+  read with a cap on its length. A peer that has not proved it holds the key
+  may send at most :data:`PRE_AUTH_FRAME` bytes per frame; an authenticated
+  one, :data:`MAX_FRAME`. A larger prefix is refused before anything is
   allocated.
 - **Handshake.** Mutual HMAC-SHA256 challenge-response over the shared key
-  (``hmac.compare_digest``): the producer sends a random challenge, the
-  consumer answers it and sends its own, the producer answers that. Neither
-  side reads anything but these fixed-size frames before the other has
-  proved it holds the key, and every read has a deadline.
-- **Messages.** Control messages are JSON objects; an element is a JSON tree
-  describing its structure (:func:`encode`) whose arrays and bytes travel as
-  raw buffers, inline after the JSON (small ones) or in a shared-memory
-  segment named in the JSON (large ones). Decoding (:func:`decode`) checks
-  every dtype, shape, span and segment name against what it may be, so even a
-  peer holding the key can make the receiver build only plain data.
+  (``hmac.compare_digest``). The producer sends a random challenge; the
+  consumer answers it and sends its own; the producer answers that. Neither
+  side reads anything but these fixed-size frames before the other has proved
+  it holds the key. Every read has a deadline.
+- **Messages.** Control messages are JSON objects. An element is a JSON tree
+  describing its structure (:func:`encode`). Its arrays and bytes travel as raw
+  buffers: small ones inline after the JSON, large ones in a shared-memory
+  segment named in the JSON. Decoding (:func:`decode`) checks every dtype,
+  shape, span and segment name against what it may be. So even a peer holding
+  the key can make the receiver build only plain data.
 
-Supported element leaves: NumPy arrays of any non-object, non-structured dtype
-(``b i u f c m M S U V``), NumPy scalars of those, object arrays whose items
-are all ``bytes`` or all ``str`` (headrace's string columns), ``bytes``,
-``bytearray``, ``memoryview``, ``str``, ``int``, ``float``, ``bool``, ``None``;
-containers: ``tuple``, ``list``, ``dict`` (any mapping; keys are leaves or
+Supported element leaves:
+
+- NumPy arrays of any non-object, non-structured dtype (``b i u f c m M S U V``),
+  and NumPy scalars of those;
+- object arrays whose items are all ``bytes`` or all ``str`` (headrace's string
+  columns);
+- ``bytes``, ``bytearray``, ``memoryview``, ``str``, ``int``, ``float``,
+  ``bool``, ``None``.
+
+Containers: ``tuple``, ``list``, ``dict`` (any mapping; keys are leaves or
 tuples), namedtuples (rebuilt as a namedtuple of the same name and fields), and
 headrace's :class:`~headrace.io._ragged.RaggedColumn` and
-:class:`~headrace.io._sparse.SparseColumn`. Anything else (an object array of
-mixed items, a structured dtype, an instance of a class of one's own) is an
-:class:`~headrace.errors.ElementSpecError` naming where in the element it is.
+:class:`~headrace.io._sparse.SparseColumn`. Anything else raises
+:class:`~headrace.errors.ElementSpecError` naming where in the element it is: an
+object array of mixed items, a structured dtype, an instance of a class of
+one's own.
 """
 
 from __future__ import annotations
@@ -285,37 +291,46 @@ class _Encoder:
         cls = type(obj)
         if obj is None or cls in (bool, int, str):
             return obj
-        if cls is float:
-            return {"t": "f", "v": obj.hex()}  # exact, NaN and inf included
-        if cls is bytes:
-            return {"t": "by", "b": self.buffer(obj)}
-        if cls is bytearray:
-            return {"t": "ba", "b": self.buffer(obj)}
-        if cls is memoryview:
-            return {"t": "mv", "b": self.buffer(obj.tobytes() if not obj.contiguous else obj)}
-        if cls is np.ndarray or cls is np.memmap:
-            return self.array(obj, path)
-        if cls is dict:
-            return {"t": "di", "v": [[self.node(k, (path, "key", k), depth + 1),
-                                      self.node(v, (path, "[]", k), depth + 1)]
-                                     for k, v in obj.items()]}
+        exact = _ENCODE_EXACT.get(cls)
+        if exact is not None:
+            return exact(self, obj, path, depth)
+        return self.other(obj, cls, path, depth)
+
+    def float_node(self, obj: float, path: Any, depth: int) -> Any:
+        return {"t": "f", "v": obj.hex()}  # exact, NaN and inf included
+
+    def bytes_node(self, obj: bytes | bytearray, path: Any, depth: int) -> Any:
+        return {"t": "by" if type(obj) is bytes else "ba", "b": self.buffer(obj)}
+
+    def memoryview_node(self, obj: memoryview, path: Any, depth: int) -> Any:
+        return {"t": "mv", "b": self.buffer(obj.tobytes() if not obj.contiguous else obj)}
+
+    def array_node(self, obj: np.ndarray[Any, Any], path: Any, depth: int) -> Any:
+        return self.array(obj, path)
+
+    def mapping_node(self, obj: Mapping[Any, Any], path: Any, depth: int) -> Any:
+        return {"t": "di", "v": [[self.node(k, (path, "key", k), depth + 1),
+                                  self.node(v, (path, "[]", k), depth + 1)]
+                                 for k, v in obj.items()]}
+
+    def sequence_node(self, obj: tuple[Any, ...] | list[Any], path: Any, depth: int) -> Any:
+        return {"t": "tu" if type(obj) is tuple else "li",
+                "v": [self.node(item, (path, "[]", i), depth + 1) for i, item in enumerate(obj)]}
+
+    def other(self, obj: Any, cls: type, path: Any, depth: int) -> Any:
+        """Leaves and containers known by their base class, and headrace's columns."""
         if isinstance(obj, np.generic):
             if obj.dtype.kind not in _KINDS or obj.dtype.fields is not None:
                 raise ElementSpecError(f"{_where(path)} is a NumPy scalar of dtype {obj.dtype}, "
                                        "which a served element cannot carry")
             return {"t": "np", "d": obj.dtype.str,
                     "b": self.buffer(np.asarray(obj).reshape(1).view(np.uint8))}
-        if cls is tuple or cls is list:
-            return {"t": "tu" if cls is tuple else "li",
-                    "v": [self.node(item, (path, "[]", i), depth + 1) for i, item in enumerate(obj)]}
         if isinstance(obj, tuple) and hasattr(cls, "_fields"):
             return {"t": "nt", "n": cls.__name__, "f": list(cls._fields),
                     "v": [self.node(item, (path, ".", name), depth + 1)
                           for name, item in zip(cls._fields, obj, strict=True)]}
         if isinstance(obj, Mapping):
-            return {"t": "di", "v": [[self.node(k, (path, "key", k), depth + 1),
-                                      self.node(v, (path, "[]", k), depth + 1)]
-                                     for k, v in obj.items()]}
+            return self.mapping_node(obj, path, depth)
         from headrace.io._ragged import RaggedColumn
         from headrace.io._sparse import SparseColumn
 
@@ -330,6 +345,21 @@ class _Encoder:
             f"{_where(path)} is a {cls.__module__}.{cls.__qualname__}, which a served element "
             "cannot carry (arrays, bytes, str, numbers, bool, None and tuples, lists, dicts "
             "of them can: nothing is pickled)")
+
+
+#: How :meth:`_Encoder.node` encodes an object of exactly one of these classes (one
+#: lookup: this runs for every part of every element served).
+_ENCODE_EXACT: dict[type, Callable[[_Encoder, Any, Any, int], Any]] = {
+    float: _Encoder.float_node,
+    bytes: _Encoder.bytes_node,
+    bytearray: _Encoder.bytes_node,
+    memoryview: _Encoder.memoryview_node,
+    np.ndarray: _Encoder.array_node,
+    np.memmap: _Encoder.array_node,
+    dict: _Encoder.mapping_node,
+    tuple: _Encoder.sequence_node,
+    list: _Encoder.sequence_node,
+}
 
 
 def _aligned(size: int) -> int:
@@ -445,83 +475,117 @@ class _Decoder:
         if not isinstance(node, dict):
             raise WireError(f"an element node {type(node).__name__}")
         kind = node.get("t")
-        if kind == "f":
+        decode = _DECODE.get(kind) if isinstance(kind, str) else None
+        if decode is None:
+            raise WireError(f"an element node of kind {kind!r}")
+        return decode(self, node, depth)
+
+    def float_node(self, node: dict[str, Any], depth: int) -> Any:
+        try:
+            return float.fromhex(node["v"])
+        except (KeyError, TypeError, ValueError):
+            raise WireError("a float node") from None
+
+    def bytes_node(self, node: dict[str, Any], depth: int) -> Any:
+        data = self.raw(node.get("b")).tobytes()
+        return data if node["t"] == "by" else bytearray(data)
+
+    def memoryview_node(self, node: dict[str, Any], depth: int) -> Any:
+        return memoryview(self.watched(node.get("b")))
+
+    def array_node(self, node: dict[str, Any], depth: int) -> Any:
+        dtype, shape = self.dtype(node.get("d")), self.shape(node.get("s"))
+        data = self.watched(node.get("b"))
+        count = math.prod(shape)
+        if count * dtype.itemsize != data.nbytes:
+            raise WireError(f"an array of shape {shape} and dtype {dtype} in "
+                            f"{data.nbytes} bytes")
+        if not data.flags.writeable or data.ctypes.data % max(dtype.alignment, 1):
+            data = data.copy()  # (the blob is writable and aligned: rare)
+        return data.view(dtype).reshape(shape)
+
+    def scalar_node(self, node: dict[str, Any], depth: int) -> Any:
+        dtype = self.dtype(node.get("d"))
+        data = self.raw(node.get("b"))
+        if data.nbytes != dtype.itemsize:
+            raise WireError("a scalar of the wrong size")
+        return data.copy().view(dtype)[0]
+
+    def column_node(self, node: dict[str, Any], depth: int) -> Any:
+        shape = self.shape(node.get("s"))
+        try:
+            items = split_bytes(self.raw(node.get("v")), self.raw(node.get("o")))
+        except ValueError as error:
+            raise WireError(f"a bytes column: {error}") from None
+        texts: list[Any] = items
+        if node.get("k") == "str":
             try:
-                return float.fromhex(node["v"])
-            except (KeyError, TypeError, ValueError):
-                raise WireError("a float node") from None
-        if kind in ("by", "ba"):
-            data = self.raw(node.get("b")).tobytes()
-            return data if kind == "by" else bytearray(data)
-        if kind == "mv":
-            return memoryview(self.watched(node.get("b")))
-        if kind == "nd":
-            dtype, shape = self.dtype(node.get("d")), self.shape(node.get("s"))
-            data = self.watched(node.get("b"))
-            count = math.prod(shape)
-            if count * dtype.itemsize != data.nbytes:
-                raise WireError(f"an array of shape {shape} and dtype {dtype} in "
-                                f"{data.nbytes} bytes")
-            if not data.flags.writeable or data.ctypes.data % max(dtype.alignment, 1):
-                data = data.copy()  # (the blob is writable and aligned: rare)
-            return data.view(dtype).reshape(shape)
-        if kind == "np":
-            dtype = self.dtype(node.get("d"))
-            data = self.raw(node.get("b"))
-            if data.nbytes != dtype.itemsize:
-                raise WireError("a scalar of the wrong size")
-            return data.copy().view(dtype)[0]
-        if kind == "col":
-            shape = self.shape(node.get("s"))
-            try:
-                items = split_bytes(self.raw(node.get("v")), self.raw(node.get("o")))
-            except ValueError as error:
-                raise WireError(f"a bytes column: {error}") from None
-            texts: list[Any] = items
-            if node.get("k") == "str":
-                try:
-                    texts = [item.decode("utf-8", "surrogatepass") for item in items]
-                except UnicodeDecodeError as error:
-                    raise WireError(f"a str column: {error}") from None
-            count = math.prod(shape)
-            if count != len(texts):
-                raise WireError(f"a column of {len(texts)} items for shape {shape}")
-            out = np.empty(shape, dtype=object)
-            out.reshape(-1)[:] = texts
-            return out
+                texts = [item.decode("utf-8", "surrogatepass") for item in items]
+            except UnicodeDecodeError as error:
+                raise WireError(f"a str column: {error}") from None
+        count = math.prod(shape)
+        if count != len(texts):
+            raise WireError(f"a column of {len(texts)} items for shape {shape}")
+        out = np.empty(shape, dtype=object)
+        out.reshape(-1)[:] = texts
+        return out
+
+    def sequence_node(self, node: dict[str, Any], depth: int) -> Any:
         values = node.get("v")
-        if kind in ("tu", "li", "nt"):
-            if not isinstance(values, list):
-                raise WireError("a container without items")
-            items = [self.node(item, depth + 1) for item in values]
-            if kind == "li":
-                return items
-            if kind == "tu":
-                return tuple(items)
-            return _namedtuple(node.get("n"), node.get("f"), len(items))(*items)
-        if kind == "di":
-            if not isinstance(values, list) or not all(
-                    isinstance(p, list) and len(p) == 2 for p in values):
-                raise WireError("a dict without its pairs")
-            try:
-                return {self.node(k, depth + 1): self.node(v, depth + 1) for k, v in values}
-            except TypeError:
-                raise WireError("a dict key that cannot be a key") from None
+        if not isinstance(values, list):
+            raise WireError("a container without items")
+        items = [self.node(item, depth + 1) for item in values]
+        kind = node["t"]
+        if kind == "li":
+            return items
+        if kind == "tu":
+            return tuple(items)
+        return _namedtuple(node.get("n"), node.get("f"), len(items))(*items)
+
+    def dict_node(self, node: dict[str, Any], depth: int) -> Any:
+        values = node.get("v")
+        if not isinstance(values, list) or not all(
+                isinstance(p, list) and len(p) == 2 for p in values):
+            raise WireError("a dict without its pairs")
+        try:
+            return {self.node(k, depth + 1): self.node(v, depth + 1) for k, v in values}
+        except TypeError:
+            raise WireError("a dict key that cannot be a key") from None
+
+    def ragged_node(self, node: dict[str, Any], depth: int) -> Any:
         from headrace.io._ragged import RaggedColumn
+
+        inner, splits = self.node(node.get("v"), depth + 1), self.node(node.get("s"), depth + 1)
+        if not isinstance(inner, (np.ndarray, RaggedColumn)) or not isinstance(
+                splits, np.ndarray):
+            raise WireError("a ragged column of the wrong parts")
+        return RaggedColumn(inner, splits)
+
+    def sparse_node(self, node: dict[str, Any], depth: int) -> Any:
         from headrace.io._sparse import SparseColumn
 
-        if kind == "rg":
-            inner, splits = self.node(node.get("v"), depth + 1), self.node(node.get("s"), depth + 1)
-            if not isinstance(inner, (np.ndarray, RaggedColumn)) or not isinstance(
-                    splits, np.ndarray):
-                raise WireError("a ragged column of the wrong parts")
-            return RaggedColumn(inner, splits)
-        if kind == "sp":
-            parts = [self.node(node.get(p), depth + 1) for p in "ivd"]
-            if not all(isinstance(p, np.ndarray) for p in parts):
-                raise WireError("a sparse column of the wrong parts")
-            return SparseColumn(*parts)
-        raise WireError(f"an element node of kind {kind!r}")
+        parts = [self.node(node.get(p), depth + 1) for p in "ivd"]
+        if not all(isinstance(p, np.ndarray) for p in parts):
+            raise WireError("a sparse column of the wrong parts")
+        return SparseColumn(*parts)
+
+
+#: How :meth:`_Decoder.node` decodes each kind of node :class:`_Encoder` writes.
+_DECODE: dict[str, Callable[[_Decoder, dict[str, Any], int], Any]] = {
+    "f": _Decoder.float_node,
+    "by": _Decoder.bytes_node,
+    "ba": _Decoder.bytes_node,
+    "mv": _Decoder.memoryview_node,
+    "nd": _Decoder.array_node,
+    "np": _Decoder.scalar_node,
+    "col": _Decoder.column_node,
+    "tu": _Decoder.sequence_node,
+    "li": _Decoder.sequence_node,
+    "nt": _Decoder.sequence_node,
+    "di": _Decoder.dict_node,
+    "rg": _Decoder.ragged_node,
+    "sp": _Decoder.sparse_node,
+}
 
 
 @functools.lru_cache(maxsize=256)

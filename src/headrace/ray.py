@@ -891,15 +891,8 @@ class ServiceConsumer:
         width = max(1, -(-len(self.workers) // self.count))
         more = True
         while True:
-            # restored splits first: the coordinator hands this consumer its reserved ones
-            while more and (len(self.reading) < width
-                            or any(r.worker < 0 for r in self.reading)):
-                got = self._lease()
-                if got == "wait":
-                    if any(r.worker >= 0 for r in self.reading):
-                        break  # read what it holds; ask again after a chunk
-                    time.sleep(min(0.25, self.lease_timeout_s / 8))
-                more = got != "none"
+            if more:
+                more = self._lease_splits(width)
             if not more:  # a restored split the coordinator no longer reserves is done
                 self.reading = [r for r in self.reading if r.worker >= 0]
             if not self.reading:
@@ -920,14 +913,32 @@ class ServiceConsumer:
                 current.state, current.seq, current.offset = after, current.seq + 1, 0
                 continue
             if current.total is not None and current.seq >= current.total:
-                with contextlib.suppress(Exception):
-                    self.workers[current.worker].close.remote(current.key)
-                self._ask("finish", self.token, self.epoch, current.split)
-                self.reading.remove(current)
-                self.done.append(current.split)
+                self._finish_split(current)
                 continue
             self._wait(current)
         self.exhausted = True
+
+    def _lease_splits(self, width: int) -> bool:
+        """Lease splits until ``width`` are read at once, restored ones first (the
+        coordinator hands this consumer its reserved ones); False once the service has
+        none left for it."""
+        while len(self.reading) < width or any(r.worker < 0 for r in self.reading):
+            got = self._lease()
+            if got == "none":
+                return False
+            if got == "wait":
+                if any(r.worker >= 0 for r in self.reading):
+                    break  # read what it holds; ask again after a chunk
+                time.sleep(min(0.25, self.lease_timeout_s / 8))
+        return True
+
+    def _finish_split(self, current: _Reading) -> None:
+        """A split read to its end: its worker's reader closed, the service told."""
+        with contextlib.suppress(Exception):
+            self.workers[current.worker].close.remote(current.key)
+        self._ask("finish", self.token, self.epoch, current.split)
+        self.reading.remove(current)
+        self.done.append(current.split)
 
     def _ready_reading(self) -> _Reading:
         """A split with a chunk or its end ready, else the first."""

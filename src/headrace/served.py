@@ -1,73 +1,77 @@
 """One reader process feeding several trainer processes on one host.
 
-Why: k training processes (one per GPU) that each build the input pipeline
-each open every shard (k times the descriptors, seed 003), read and parse
-everything k times, and each hold a budget of their own. Here one *producer*
-process owns the files and the pipeline; each *consumer* connects with its
-index and receives its own disjoint, deterministic part of the stream.
+Why: k training processes (one per GPU) that each build the input pipeline each
+open every shard, so they hold k times the descriptors. They read and parse
+everything k times, and each holds a budget of its own. Here one *producer*
+process owns the files and the pipeline. Each *consumer* connects with its index
+and receives its own disjoint, deterministic part of the stream.
 
 Parts. Consumer ``i`` of ``k`` gets ``dataset.shard(k, i)``: every k-th element
-of the stream from the i-th on, in the stream's order, so the parts are
-disjoint, their union is the stream, and which elements a consumer sees never
+of the stream from the i-th on, in the stream's order. So the parts are
+disjoint and their union is the stream. Which elements a consumer sees never
 depends on timing or on the other consumers. Each part's iterator reads and
-parses the whole stream to keep its k-th of it; with ``shard_policy="file"``
+parses the whole stream to keep its k-th of it. With ``shard_policy="file"``,
 consumer ``i`` gets ``auto_shard(dataset, "file", num_shards=k, index=i)``
-instead: the pipeline's file list split round-robin, so each part reads only
-its own files and the producer reads everything once, not k times (the parts
+instead: the pipeline's file list split round-robin. Then each part reads only
+its own files, and the producer reads everything once, not k times. The parts
 are still disjoint and deterministic; their union is the stream's elements, in
-another order). The producer runs one iterator
-per connected consumer, all under **one** memory budget, split in ``k + 1``
-equal parts: one for each consumer's run (a child budget of the producer's,
-whose stages' shares add up to its part) and one for the segments, so that
-together they never exceed it (a consumer's pipeline must fit its part) and **one**
-descriptor cap (``Options(max_open_files=...)`` of the dataset, or
-``max_open_files=``, shared by every consumer's readers).
+another order.
 
-Transport. A Unix socket carries small messages; each element's
-arrays travel in shared-memory segments of a per-consumer pool
-(:mod:`headrace.workers.shm`), which the consumer maps once and reports free
-again when the last array viewing it is gone — the payloads are copied once,
-into the segment, whatever their size. Every segment is booked on the shared
-budget (account ``served segments``) from its creation until its consumer's
-connection ends: what consumers hold counts against the producer's budget, so
-its readers slow down rather than overrun it; a consumer that keeps more than
-the budget gets its elements all the same, booked as an overdraft (its memory
-exists either way), never a hang.
+One budget, one cap. The producer runs one iterator per connected consumer, all
+under **one** memory budget. The budget is split in ``k + 1`` equal parts: one
+for each consumer's run (a child budget, whose stages' shares add up to its
+part) and one for the segments. So together they never exceed it, and a
+consumer's pipeline must fit its part. They also share **one** descriptor cap:
+``Options(max_open_files=...)`` of the dataset, or ``max_open_files=``.
 
-Trust (G8). A consumer is served only once both sides proved they hold the
-producer's key (an HMAC-SHA256 challenge each way; nothing else is read from a
-peer before, and each frame's length is capped before anything is
-allocated). Without ``authkey=`` the producer makes a random key and writes it
-to a file only its user can read, beside the socket: the socket lives in a
-directory of its own (mode 0700, named ``.<name>.<random>`` beside
-``address``), the socket is 0600, the key file 0600, and ``address`` is a
-symbolic link to the socket, so :func:`connect` finds the key by itself; other
-users can neither connect nor read the key. Nothing is ever unpickled, on
-either side: messages are JSON, an element's arrays raw buffers described by a
-dtype and shape that are checked (see :mod:`headrace._wire` for the leaves an
-element may have: arrays of non-object dtypes, bytes/str columns, bytes, str,
-numbers, bool, None, and tuples, lists, dicts, namedtuples of them), states
-JSON, errors their class name (a builtin or headrace error, else a
-:class:`~headrace.errors.WorkerError`) and text — so even a peer holding the key
-cannot make the producer or a consumer run code. Each connection's handshake
-runs on a thread of its own with a deadline (``handshake_timeout``), so a
-silent or hostile client never delays another; ``connect(timeout=...)``
-bounds everything up to its return (the socket appearing, the handshake, the
-greeting) and then the wait for the consumer's first element. The key authenticates peers; it does not encrypt (the socket never
-leaves the host).
+Transport. A Unix socket carries small messages. Each element's arrays travel
+in shared-memory segments of a per-consumer pool (:mod:`headrace.workers.shm`).
+The consumer maps each segment once, and reports it free again when the last
+array viewing it is gone. So the payloads are copied once, into the segment,
+whatever their size. Every segment is booked on the shared budget (account
+``served segments``) from its creation until its consumer's connection ends.
+What consumers hold thus counts against the producer's budget, and its readers
+slow down rather than overrun it. A consumer that keeps more than the budget
+still gets its elements, booked as an overdraft (its memory exists either way),
+never a hang.
 
-Independence. A consumer is served by a thread of its own that pulls only when
-that consumer asks for its next element, so a slow, stopped or dead consumer
-never stalls the others. A consumer that exits or dies (SIGKILL included) is
-noticed as the end of its connection: its iterator is closed, its files and
-segments released. A consumer whose producer dies gets :class:`ProducerError`
-at once (its connection ends), never a hang.
+Trust. A consumer is served only once both sides proved they hold the
+producer's key: an HMAC-SHA256 challenge each way. Nothing else is read from a
+peer before, and each frame's length is capped before anything is allocated.
+Without ``authkey=`` the producer makes a random key. It writes the key to a
+file only its user can read, beside the socket:
+
+- the socket lives in a directory of its own (mode 0700, named
+  ``.<name>.<random>`` beside ``address``);
+- the socket is 0600, and so is the key file;
+- ``address`` is a symbolic link to the socket, so :func:`connect` finds the
+  key by itself.
+
+Other users can neither connect nor read the key. Nothing is ever unpickled, on
+either side. Messages are JSON; an element's arrays are raw buffers, described
+by a dtype and shape that are checked (:mod:`headrace._wire` lists the leaves an
+element may have). States are JSON. Errors travel as their class name (a
+builtin or headrace error, else a :class:`~headrace.errors.WorkerError`) and
+text. So even a peer holding the key cannot make the producer or a consumer run
+code. Each connection's handshake runs on a thread of its own, with a deadline
+(``handshake_timeout``), so a silent or hostile client never delays another.
+``connect(timeout=...)`` bounds everything up to its return (the socket
+appearing, the handshake, the greeting), and then the wait for the consumer's
+first element. The key authenticates peers; it does not encrypt (the socket
+never leaves the host).
+
+Independence. Each consumer is served by a thread of its own, which pulls only
+when that consumer asks for its next element. So a slow, stopped or dead
+consumer never stalls the others. A consumer that exits or dies (SIGKILL
+included) is noticed as the end of its connection: its iterator is closed, its
+files and segments released. A consumer whose producer dies gets
+:class:`ProducerError` at once (its connection ends), never a hang.
 
 Checkpoints. :meth:`ServedIterator.get_state` returns the consumer's own
-position (the state of its part's iterator in the producer, wrapped with ``k``
-and ``i``); a consumer that connects again, to this producer or a new one
-over the same recipe, resumes exactly there with :meth:`ServedIterator.set_state`
-(or ``connect(..., state=...)``).
+position: the state of its part's iterator in the producer, wrapped with ``k``
+and ``i``. A consumer that connects again resumes exactly there, with
+:meth:`ServedIterator.set_state` or ``connect(..., state=...)``. It may connect
+to this producer or to a new one over the same recipe.
 """
 
 from __future__ import annotations
@@ -107,7 +111,6 @@ _CONSUMER_FRAME = 16 << 20
 #: Connections whose handshake is under way at once; more are hung up on at once (a
 #: consumer hung up on before the challenge tries again, within its timeout).
 _MAX_PENDING = 256
-_OPS = frozenset({"next", "get_state", "set_state", "close"})
 
 
 class ProducerError(WorkerError):
@@ -306,9 +309,8 @@ class Server(ClosesOnExit):
             consumers + 1, limiter=self.file_limiter, stage="serve",
             what=f"its listening socket and {consumers} consumer connection(s)")
         #: The budget is split in ``consumers + 1`` equal parts: one for each consumer's
-        #: run (its stages' shares add up to it), one for the segments. Each run drawing
-        #: on the whole budget let k runs plus the segments book up to (k + 1) times it
-        #: (27 MB booked under 16 MiB for 3 consumers: the served fuzz case).
+        #: run (its stages' shares add up to it), one for the segments. Were each run to
+        #: draw on the whole budget, k runs plus the segments could book (k + 1) times it.
         self.part = total // (consumers + 1)
         #: The shared-memory segments each consumer's elements travel in, booked on the
         #: same budget from creation until dropped (G1): what consumers hold counts; past
@@ -480,51 +482,63 @@ class Server(ClosesOnExit):
                 self._runs[index] = run
             while True:
                 request, _ = _wire.recv_message(sock, _CONSUMER_FRAME)
-                kind = request["op"]
-                if kind not in _OPS:
-                    return  # not the protocol: hang up
-                if kind == "next":
-                    freed = request.get("free", [])
-                    if not isinstance(freed, list) or not all(type(k) is int for k in freed):
-                        return
-                    for key in freed:
-                        pool.free(key)
-                    self._send_next(sock, run, index, allocate)
-                elif kind == "get_state":
-                    try:  # a refused checkpoint (CheckpointError) is the consumer's to see
-                        reply = {"op": "state", "state": run.get_state()}
-                        _wire.send_message(sock, reply)
-                    except Exception as error:  # (a state that is not JSON: TypeError)
-                        _wire.send_message(sock, _wire.error_message(error))
-                elif kind == "set_state":
-                    state = request.get("state")
-                    try:
-                        if not isinstance(state, dict):
-                            raise CheckpointError("not a served part's state (not a JSON object)")
-                        run.set_state(state)
-                    except Exception as error:  # a state that is not this part's
-                        _wire.send_message(sock, _wire.error_message(error))
-                        continue
-                    _wire.send_message(sock, {"op": "ok"})
-                else:  # close
+                if not self._answer(sock, request, run, index, pool, allocate):
                     return
         except (EOFError, OSError, _wire.WireError):
             return  # the consumer went away, broke the protocol, or we hung up on close
         finally:
-            if run is not None:
-                with self._lock:
-                    if index is not None and self._runs.get(index) is run:
-                        del self._runs[index]
-                run.close()
-            pool.close()
-            for reservation in booked:
-                reservation.release()
+            self._release(sock, index, run, pool, booked)
+
+    def _answer(self, sock: socket.socket, request: dict[str, Any], run: DatasetIterator,
+                index: int, pool: SegmentPool, allocate: _wire.Allocate) -> bool:
+        """Answer one request of a consumer; False to hang up (its close, or a request
+        that is not the protocol)."""
+        kind = request["op"]
+        if kind == "next":
+            freed = request.get("free", [])
+            if not isinstance(freed, list) or not all(type(k) is int for k in freed):
+                return False
+            for key in freed:
+                pool.free(key)
+            self._send_next(sock, run, index, allocate)
+        elif kind == "get_state":
+            try:  # a refused checkpoint (CheckpointError) is the consumer's to see
+                reply = {"op": "state", "state": run.get_state()}
+                _wire.send_message(sock, reply)
+            except Exception as error:  # (a state that is not JSON: TypeError)
+                _wire.send_message(sock, _wire.error_message(error))
+        elif kind == "set_state":
+            state = request.get("state")
+            try:
+                if not isinstance(state, dict):
+                    raise CheckpointError("not a served part's state (not a JSON object)")
+                run.set_state(state)
+            except Exception as error:  # a state that is not this part's
+                _wire.send_message(sock, _wire.error_message(error))
+                return True
+            _wire.send_message(sock, {"op": "ok"})
+        else:  # close, or not the protocol
+            return False
+        return True
+
+    def _release(self, sock: socket.socket, index: int | None, run: DatasetIterator | None,
+                 pool: SegmentPool, booked: list[Reservation]) -> None:
+        """What one consumer's connection held: its run, segments, their bookings and
+        its socket."""
+        if run is not None:
             with self._lock:
-                if index is not None and self._connections.get(index) is sock:
-                    del self._connections[index]
-                self._sockets.discard(sock)
-            with contextlib.suppress(OSError):
-                sock.close()
+                if index is not None and self._runs.get(index) is run:
+                    del self._runs[index]
+            run.close()
+        pool.close()
+        for reservation in booked:
+            reservation.release()
+        with self._lock:
+            if index is not None and self._connections.get(index) is sock:
+                del self._connections[index]
+            self._sockets.discard(sock)
+        with contextlib.suppress(OSError):
+            sock.close()
 
     def _send_next(self, sock: socket.socket, run: DatasetIterator, index: int,
                    allocate: _wire.Allocate) -> None:
@@ -747,6 +761,55 @@ def _dial(path: str, deadline: float, timeout: float) -> socket.socket:
             raise ProducerError(f"cannot connect to the producer at {path!r}: {error}") from error
 
 
+def _greet_producer(path: str, index: int, authkey: bytes | None, deadline: float,
+                    timeout: float, refused: str | None
+                    ) -> tuple[socket.socket, dict[str, Any]] | None:
+    """One try at :func:`connect`'s handshake and greeting: the socket and the
+    producer's reply to the greeting; None after a pause when the producer hung up
+    before its challenge (too many connections under way). Any other failure closes
+    the socket and raises :class:`ProducerError` (``refused``: the last refusal of the
+    index, which a timeout repeats)."""
+    sock = _dial(path, deadline, timeout)
+    try:
+        key = authkey if authkey is not None else _read_key(path)
+        if key is None:
+            raise ProducerError(
+                f"no key for the producer at {path!r}: it was given its own authkey "
+                "(pass the same authkey= to connect), or its key file is not this "
+                "user's alone")
+        _wire.authenticate_producer(sock, key, deadline)
+        _wire.send_message(sock, {"op": "hello", "protocol": _PROTOCOL, "index": index},
+                           deadline=deadline)
+        reply, _ = _wire.recv_message(sock, _wire.PRE_AUTH_FRAME * 4, deadline)
+    except _wire.Busy:
+        sock.close()
+        if time.monotonic() + 0.05 >= deadline:
+            raise ProducerError(
+                f"the producer at {path!r} kept hanging up before its key challenge "
+                f"(too many connections under way) for {timeout:g} s") from None
+        time.sleep(0.05)
+        return None
+    except PermissionError as error:
+        sock.close()
+        raise ProducerError(f"the producer at {path!r} refused the connection: {error}") from None
+    except TimeoutError:
+        sock.close()
+        if refused is not None:
+            raise ProducerError(refused) from None
+        raise ProducerError(
+            f"the producer at {path!r} did not complete the handshake within "
+            f"{timeout:g} s") from None
+    except (EOFError, OSError, _wire.WireError) as error:
+        sock.close()
+        raise ProducerError(
+            f"the producer at {path!r} refused the connection or hung up during the "
+            f"handshake: {error}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock, reply
+
+
 def connect(
     address: str | os.PathLike[str],
     index: int,
@@ -779,44 +842,10 @@ def connect(
     deadline = time.monotonic() + timeout
     refused: str | None = None  # the last refusal, while waiting for the index to be free
     while True:
-        sock = _dial(path, deadline, timeout)
-        try:
-            key = authkey if authkey is not None else _read_key(path)
-            if key is None:
-                raise ProducerError(
-                    f"no key for the producer at {path!r}: it was given its own authkey "
-                    "(pass the same authkey= to connect), or its key file is not this "
-                    "user's alone")
-            _wire.authenticate_producer(sock, key, deadline)
-            _wire.send_message(sock, {"op": "hello", "protocol": _PROTOCOL, "index": index},
-                               deadline=deadline)
-            reply, _ = _wire.recv_message(sock, _wire.PRE_AUTH_FRAME * 4, deadline)
-        except _wire.Busy:
-            sock.close()
-            if time.monotonic() + 0.05 >= deadline:
-                raise ProducerError(
-                    f"the producer at {path!r} kept hanging up before its key challenge "
-                    f"(too many connections under way) for {timeout:g} s") from None
-            time.sleep(0.05)
-            continue
-        except PermissionError as error:
-            sock.close()
-            raise ProducerError(f"the producer at {path!r} refused the connection: {error}") from None
-        except TimeoutError:
-            sock.close()
-            if refused is not None:
-                raise ProducerError(refused) from None
-            raise ProducerError(
-                f"the producer at {path!r} did not complete the handshake within "
-                f"{timeout:g} s") from None
-        except (EOFError, OSError, _wire.WireError) as error:
-            sock.close()
-            raise ProducerError(
-                f"the producer at {path!r} refused the connection or hung up during the "
-                f"handshake: {error}") from None
-        except BaseException:
-            sock.close()
-            raise
+        greeted = _greet_producer(path, index, authkey, deadline, timeout, refused)
+        if greeted is None:
+            continue  # it hung up before its challenge: busy, try again
+        sock, reply = greeted
         if reply.get("op") == "ok" and type(reply.get("consumers")) is int \
                 and type(reply.get("pid")) is int:
             break

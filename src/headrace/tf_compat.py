@@ -231,6 +231,12 @@ def _tf_value(value: Any) -> Any:
         return np.float32(value)
     if kind is not list or not value:
         return value
+    return _tf_list(value)
+
+
+def _tf_list(value: list[Any]) -> Any:
+    """:func:`_tf_value` of a non-empty list: an array typed as TensorFlow types the
+    nested list of numbers, or the list itself when it is not one."""
     kinds = set(map(type, value))  # (a flat list is looked at in C)
     if not kinds <= _NUMBERS:
         leaves = _python_leaves(value)
@@ -265,6 +271,7 @@ class _TFTyped:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
+        self.__wrapped__ = fn  # what a fusion rule reads (map(decode_csv).batch)
         self.__qualname__ = getattr(fn, "__qualname__", type(fn).__qualname__)
         self.__module__ = getattr(fn, "__module__", None) or __name__
 

@@ -125,6 +125,18 @@ def _write_shard(
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _wanted_shards(num_shards: int, shards: Sequence[int] | None) -> list[int]:
+    """The shard indices to write, sorted; refused unless ``num_shards`` is an int >= 1
+    and each index is in ``0..num_shards - 1``."""
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise InvalidArgumentError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    wanted = list(range(num_shards)) if shards is None else sorted(set(shards))
+    for index in wanted:
+        if not 0 <= index < num_shards:
+            raise InvalidArgumentError(f"shard {index} is not in 0..{num_shards - 1}")
+    return wanted
+
+
 def preprocess_on_ray(
     make_shard: Callable[[int, int], Dataset],
     output_dir: str | os.PathLike[str],
@@ -149,12 +161,7 @@ def preprocess_on_ray(
     A shard's staging directory left by a killed attempt is removed by its next attempt,
     and by this call once every task has ended.
     """
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-        raise InvalidArgumentError(f"num_shards must be an int >= 1, got {num_shards!r}")
-    wanted = list(range(num_shards)) if shards is None else sorted(set(shards))
-    for index in wanted:
-        if not 0 <= index < num_shards:
-            raise InvalidArgumentError(f"shard {index} is not in 0..{num_shards - 1}")
+    wanted = _wanted_shards(num_shards, shards)
     budget = parse_bytes(memory_budget)
     os.makedirs(output_dir, exist_ok=True)
     report = PreprocessReport()

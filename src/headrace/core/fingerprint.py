@@ -2,22 +2,23 @@
 
 Two identities, for two uses:
 
-* the *structure* fingerprint (:meth:`Node.fingerprint`, the one iterator states
-  carry): what the pipeline computes — arrays by dtype and shape, files by name —
-  so a checkpoint restores after the data was copied to another disk or reloaded
-  in a new process;
-* the *content* fingerprint (:meth:`Node.data_fingerprint`, what ``cache(filename)``,
-  ``snapshot`` and ``save`` key their files by): the structure plus what the data
-  is — a digest of every in-memory array the pipeline reads or a function captures
-  (:func:`array_digest`) or a function reads as a module-level global, and the
-  identity and contents of every file it reads (:func:`file_identity`: path,
-  size, mtime, inode, and a digest of the bytes) — so a changed input never
-  serves an old cache, as tf.data starts a new snapshot.
+* The *structure* fingerprint (:meth:`Node.fingerprint`) is the one iterator
+  states carry. It says what the pipeline computes: arrays by dtype and shape,
+  files by name. So a checkpoint restores after the data was copied to another
+  disk, or reloaded in a new process.
+* The *content* fingerprint (:meth:`Node.data_fingerprint`) keys the files of
+  ``cache(filename)``, ``snapshot`` and ``save``. It is the structure plus what
+  the data is. Every in-memory array the pipeline reads counts by its digest
+  (:func:`array_digest`), and so does one a function captures or reads as a
+  module-level global. Every file it reads counts by its identity and contents
+  (:func:`file_identity`: path, size, mtime, inode, and a digest of the bytes).
+  So a changed input never serves an old cache, as tf.data starts a new
+  snapshot.
 
-Digests use XXH3-128 (the ``xxhash`` package, BSD-2-Clause, no dependencies):
-about 12 GB/s on one core of a small VM, so a 1 GB array costs ~0.1 s, once per
-pipeline (the node keeps its digest). A memory-mapped array is identified by its
-file (:func:`file_identity` and offset).
+Digests use XXH3-128 (the ``xxhash`` package, BSD-2-Clause, no dependencies).
+It hashes about 12 GB/s on one core of a small VM. So a 1 GB array costs ~0.1 s,
+once per pipeline: the node keeps its digest. A memory-mapped array is
+identified by its file (:func:`file_identity`) and offset.
 """
 
 from __future__ import annotations
@@ -327,7 +328,10 @@ class _Describer:
             return f"method({each((value.__func__, value.__self__))})"
         if isinstance(value, functools.partial):
             return f"partial({each((value.func, value.args, value.keywords))})"
-        # any other object: its class, what calling it runs, and its attributes
+        return self._object(value, kind, depth)
+
+    def _object(self, value: Any, kind: str, depth: int) -> str:
+        """Any other object: its class, what calling it runs, and its attributes."""
         call = next(
             (cls.__dict__["__call__"] for cls in type(value).__mro__ if "__call__" in cls.__dict__),
             None,

@@ -20,10 +20,9 @@ every frame it passed through with all their locals: the elements a stage had
 pulled when it failed (a ``padded_batch`` refused for its 32 rows holds the
 rows), the input of a user function that raised, its temporaries. The stage
 released their bookings as the error left it, so an error that a read-ahead
-stage holds to hand out later (in its element's place) held that memory with
-no booking (G1): budget fuzzer seed 2147483646 of ``newer_spec`` grew ~190 MB
-under a 48 MiB budget through ten refused batches waiting in two parallel maps.
-Every stage that keeps an error passes it through :func:`unpin` first, which
+stage holds to hand out later (in its element's place) would hold that memory
+with no booking (G1): refused batches waiting in parallel maps could hold several
+times the budget. Every stage that keeps an error passes it through :func:`unpin` first, which
 replaces its traceback's frames by their text, in a note (file, line, function
 and source line, as the traceback would show them).
 
@@ -140,7 +139,7 @@ def holds_a_place(error: BaseException) -> bool:
     after it resumes after it), or is the input's own failure, which moved it
     nowhere: :class:`~headrace.errors.WorkerPoolError`, raised at every ``next()``
     until the iterator is closed. A stage that counted that as a position would
-    skip a real element on resume (issue 22: prefetch over a broken process map).
+    skip a real element on resume (a prefetch over a broken process map).
     """
     return not isinstance(error, WorkerPoolError)
 

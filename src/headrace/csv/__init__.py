@@ -7,10 +7,13 @@
   the file pool, each block booked on the budget before it is read.
 - :mod:`headrace.csv.datasets`: the public functions, with tf.data's names
   (``CsvDataset``, ``make_csv_dataset``, ``decode_csv``) and ``read_csv``.
+- :mod:`headrace.csv.fusion`: ``map(decode_csv of a line).batch(n)`` decoded a batch
+  at a time.
 
 The public names are these, also at the top level (``headrace.read_csv``...).
 """
 
+from headrace.csv import fusion as _fusion  # noqa: F401 (registers the batch fusion)
 from headrace.csv.datasets import CsvDataset, decode_csv, make_csv_dataset, read_csv
 from headrace.csv.reader import CsvError
 

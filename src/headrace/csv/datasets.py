@@ -382,11 +382,20 @@ def make_csv_dataset(
         )
     spec = CsvSpec(columns=tuple(columns), fmt=fmt, select_cols=tuple(select or ()),
                    header=bool(header), ignore_errors=bool(ignore_errors))
+    reads = 1 if num_parallel_reads is None else num_parallel_reads
+    if not shuffle and reads == 1 and num_epochs is not None and num_epochs >= 1:
+        # Files in order, each epoch after the last, and batches across their edges:
+        # what interleave(cycle 1).repeat(n).batch(b) gives, read as one source that
+        # batch pushes into, so batches are cut from parsed blocks (no per-record work).
+        records = Dataset(CsvNode(filenames * num_epochs, compression_type or None, None,
+                                  spec))
+        dataset = records.batch(batch_size).map(_ToFeatures(names, label_name))
+        return dataset.prefetch(AUTOTUNE if prefetch_buffer_size is None
+                                else prefetch_buffer_size)
     per_file = _CsvFile(spec, compression_type or None)
     dataset = Dataset.from_tensor_slices(np.array(filenames, dtype=object))
     if shuffle:
         dataset = dataset.shuffle(len(filenames), shuffle_seed)
-    reads = 1 if num_parallel_reads is None else num_parallel_reads
     cycle = len(filenames) if reads == AUTOTUNE else reads
     if reads == 1:
         dataset = dataset.interleave(per_file, cycle_length=1, block_length=1)

@@ -53,12 +53,17 @@ __all__ = [
     "CsvColumn",
     "CsvError",
     "CsvFormat",
+    "DeferredCsvColumn",
+    "DeferredLine",
     "arrow_available",
     "arrow_parse_block",
     "columns_from_defaults",
     "convert_field",
     "decode_csv",
+    "decode_lines",
+    "decode_records",
     "parse_columns",
+    "quoted_block_end",
     "scan_records",
     "split_record",
 ]
@@ -449,7 +454,7 @@ def _extract_fields(data: bytes, delim: int, quoting: bool, select: list[int]) -
     return result
 
 
-def _as_records(records: Any) -> np.ndarray[Any, Any]:
+def as_records(records: Any) -> np.ndarray[Any, Any]:
     array = np.asarray(records, dtype=object) if not isinstance(records, np.ndarray) else records
     if array.dtype.kind in "SU":
         array = array.astype(object)
@@ -492,7 +497,15 @@ def decode_csv(
     select = check_select_cols(select_cols)
     if select and len(select) != len(columns):
         raise InvalidArgumentError("Length of select_cols and record_defaults do not match.")
-    array = _as_records(records)
+    if isinstance(records, DeferredLine):  # a map function being traced for fusion
+        return records.decode(columns, fmt, select)
+    return decode_records(as_records(records), columns, fmt, select)
+
+
+def decode_records(array: np.ndarray[Any, Any], columns: Sequence[CsvColumn], fmt: CsvFormat,
+                   select: Sequence[int]) -> list[np.ndarray[Any, Any]]:
+    """:func:`decode_csv` of ``array`` (an ``object`` array of ``bytes``), its arguments
+    already checked."""
     flat = array.reshape(-1)
     rows: list[list[bytes]] = []
     problem: CsvError | None = None  # TensorFlow goes record by record: the first one wins
@@ -512,6 +525,88 @@ def decode_csv(
     if problem is not None:
         raise problem
     return [column.reshape(array.shape) for column in outputs]
+
+
+class DeferredLine:
+    """Internal: a text line that is not there yet, given to a map function once to see
+    whether it only decodes its line (:mod:`headrace.csv.fusion`); records the
+    :func:`decode_csv` calls made on it."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        #: (columns, format, select_cols) of each decode_csv call, in call order.
+        self.calls: list[tuple[list[CsvColumn], CsvFormat, list[int]]] = []
+
+    def decode(self, columns: list[CsvColumn], fmt: CsvFormat,
+               select: list[int]) -> list[Any]:
+        """Record a decode of this line; stand-ins for its columns."""
+        call = len(self.calls)
+        self.calls.append((columns, fmt, select))
+        return [DeferredCsvColumn(self, call, index) for index in range(len(columns))]
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a deferred line can only be decoded")
+
+    __array__ = __bool__ = __len__ = __iter__ = __getitem__ = _refuse
+
+
+class DeferredCsvColumn:
+    """Internal: column ``index`` of decode call ``call`` on ``line``, not computed yet.
+    Any use but arranging it in a nest fails, so such a function runs per record."""
+
+    __slots__ = ("call", "index", "line")
+
+    def __init__(self, line: DeferredLine, call: int, index: int) -> None:
+        self.line, self.call, self.index = line, call, index
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"column {self.index} of a deferred line has no value yet")
+
+    __array__ = __bool__ = __len__ = __iter__ = __float__ = __int__ = __index__ = _refuse
+    __getitem__ = __add__ = __radd__ = __mul__ = __rmul__ = __sub__ = __rsub__ = _refuse
+    __truediv__ = __rtruediv__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+
+
+def decode_lines(
+    records: list[bytes], columns: Sequence[CsvColumn], fmt: CsvFormat, select: Sequence[int]
+) -> list[np.ndarray[Any, Any]] | None:
+    """``decode_csv`` of a batch of lines in one conversion, or None where
+    :func:`decode_csv` must decide (it then gives the same arrays, or the error).
+
+    The common shape of a fused ``map(decode_csv).batch(n)``: every column of one
+    numeric type, no quote, no line break inside a record, every record as wide as
+    the first. The fields of all records are then one column of ``n * width`` values,
+    converted at once (one NumPy cast instead of one per column), and cut into
+    columns. Anything else (strings, mixed types, ragged or empty records, defaults
+    that differ where a value is missing) returns None.
+    """
+    count = len(records)
+    kinds = {column.kind for column in columns}
+    if not count or len(kinds) != 1 or "string" in kinds:
+        return None
+    try:
+        joined = b"\n".join(records)
+    except TypeError:  # not all bytes
+        return None
+    if b"\r" in joined or (fmt.use_quote_delim and b'"' in joined) or not all(records):
+        return None  # (an empty record is decode_csv's error)
+    delim = fmt.field_delim
+    gaps = records[0].count(delim)
+    width = gaps + 1
+    if (select and select[-1] >= width) or (not select and width != len(columns)):
+        return None
+    if joined.count(delim) != count * gaps or any(r.count(delim) != gaps for r in records):
+        return None
+    defaults = {repr(column.default) for column in columns}
+    # One default for all: a missing value takes it; else missing values go the long way.
+    common = CsvColumn(columns[0].kind, columns[0].default if len(defaults) == 1 else None)
+    flat = _vector_column(joined.replace(b"\n", delim).split(delim), common, fmt.na_value)
+    if flat is None:
+        return None
+    matrix = flat.reshape(count, width)
+    picked = list(select) if select else range(width)
+    return [np.ascontiguousarray(matrix[:, j]) for j in picked]
 
 
 # -- columns from many records ------------------------------------------------------------------
@@ -864,6 +959,64 @@ def _has_hex_prefix(block: bytes | bytearray, start: int = 0, end: int | None = 
                for one, two in ((b"x", b"0x"), (b"X", b"0X")))
 
 
+def quoted_block_end(data: bytes | bytearray, start: int, stop: int, final: bool,
+                     fmt: CsvFormat) -> int | None:
+    """Where the whole records in ``data[start:stop]`` end, for text with quotes and no
+    ``\r``, when pyarrow reads their quoting as ``CsvDataset`` does; None when it may
+    not (a quote inside an unquoted field, text after a closing quote, an unclosed quote
+    at the end of the file) or no record ends there: the pure scanner then decides.
+
+    Vectorised over the quotes (a few ms per 4 MiB): quotes come in runs of adjacent
+    quote characters, and where the quoting is TensorFlow's, a run of odd length opens
+    or closes a quoted field in turn (``""`` pairs inside are escaped quotes). So an
+    opening run must start a field, a closing run must end one, a run of even length
+    outside a quoted field must be a whole field (``""``, an empty value); a record
+    ends at a newline outside quotes.
+    """
+    size = stop - start
+    view = np.frombuffer(data, dtype=np.uint8, count=size, offset=start)
+    quotes = np.flatnonzero(view == 0x22)
+    if not quotes.size:
+        return None
+    first = np.empty(quotes.size, dtype=bool)  # where a run of adjacent quotes starts
+    first[0] = True
+    np.not_equal(np.diff(quotes), 1, out=first[1:])
+    starts = np.flatnonzero(first)
+    run_start = quotes[starts]
+    run_end = quotes[np.append(starts[1:] - 1, quotes.size - 1)] + 1
+    odd = ((run_end - run_start) & 1).astype(bool)
+    quoting = np.logical_xor.accumulate(odd)  # inside a quoted field after each run
+    if final and not quoting[-1]:
+        end = size
+    else:
+        # the last newline outside quotes: an even count of odd runs before it
+        end = -1
+        cursor = size
+        while True:
+            newline = data.rfind(b"\n", start, start + cursor)
+            if newline < 0:
+                return None
+            cursor = newline - start
+            before = int(np.searchsorted(run_start, cursor))
+            if not before or not quoting[before - 1]:
+                end = cursor + 1
+                break
+    runs = int(np.searchsorted(run_start, end))
+    run_start, run_end, odd = run_start[:runs], run_end[:runs], odd[:runs]
+    inside = quoting[:runs] ^ odd  # within a quoted field before the run
+    delim = fmt.field_delim[0]
+    previous = view[np.maximum(run_start - 1, 0)]
+    starts_field = (run_start == 0) | (previous == delim) | (previous == 0x0A)
+    following = view[np.minimum(run_end, size - 1)]
+    ends_field = (run_end >= end) | (following == delim) | (following == 0x0A)
+    opening, closing = odd & ~inside, odd & inside
+    whole = ~odd & ~inside
+    if (opening & ~starts_field).any() or (closing & ~ends_field).any() or (
+            whole & ~(starts_field & ends_field)).any():
+        return None
+    return start + end
+
+
 _ARROW_TYPES = {"int32": "int32", "int64": "int64", "float32": "float32",
                 "float64": "float64", "string": "binary"}
 
@@ -878,6 +1031,7 @@ def arrow_parse_block(
     *,
     start: int = 0,
     end: int | None = None,
+    quoted: bool = False,
 ) -> list[np.ndarray[Any, Any]] | None:
     """The block's columns parsed by pyarrow, or None where the pure path must decide.
 
@@ -908,9 +1062,16 @@ def arrow_parse_block(
         nulls = [fmt.na_value.decode()] if fmt.na_value else []
     except UnicodeDecodeError:
         return None
-    newline = block.find(b"\n", start, stop)
-    first_line = block[start: newline if newline >= 0 else stop]
-    total = first_line.count(fmt.field_delim) + 1
+    if quoted:  # the first record's fields, counted as the scanner splits them
+        first = scan_records(bytes(block[start:min(stop, start + (1 << 16))]), fmt,
+                             final=stop - start <= 1 << 16, max_records=1)
+        if not first.fields or first.errors[0] is not None:
+            return None
+        total = len(first.fields[0])
+    else:
+        newline = block.find(b"\n", start, stop)
+        first_line = block[start: newline if newline >= 0 else stop]
+        total = first_line.count(fmt.field_delim) + 1
     if select_cols:
         wanted = list(select_cols)
     elif exclude_cols:
@@ -932,8 +1093,13 @@ def arrow_parse_block(
             # numbers is most of the work, and it runs without the GIL.
             read_options=pacsv.ReadOptions(column_names=names, use_threads=True,
                                            block_size=max(stop - start + 1, 1 << 16)),
+            # Quoted text comes here only once quoted_block_end found its quoting to be
+            # TensorFlow's: a doubled quote is an escaped one, and newlines may be quoted.
             parse_options=pacsv.ParseOptions(delimiter=fmt.field_delim.decode(),
-                                             quote_char=False, ignore_empty_lines=False),
+                                             quote_char='"' if quoted else False,
+                                             double_quote=True, escape_char=False,
+                                             newlines_in_values=quoted,
+                                             ignore_empty_lines=False),
             convert_options=pacsv.ConvertOptions(
                 column_types=types, include_columns=[names[c] for c in wanted],
                 null_values=["", *nulls], strings_can_be_null=True,
@@ -956,13 +1122,11 @@ def arrow_parse_block(
         if nulls_here and column.default is None:
             return None
         if column.kind == "string":
-            values = chunked.to_pylist()
-            out = np.empty(len(values), dtype=object)
-            out[:] = values
-            if nulls_here:
-                for i in np.flatnonzero(out == None):  # noqa: E711 (element-wise)
-                    out[i] = column.default
-            outputs.append(out)
+            if nulls_here:  # (filled in Arrow: no Python loop over the nulls)
+                chunked = chunked.fill_null(pa.scalar(column.default, pa.binary()))
+            # one object array of bytes, made in C (to_pylist, then a copy, took longer)
+            out = chunked.to_numpy(zero_copy_only=False)
+            outputs.append(out if out.dtype == object else out.astype(object))
             continue
         if nulls_here:
             chunked = chunked.fill_null(pa.scalar(column.default.item(), chunked.type))

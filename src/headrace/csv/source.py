@@ -66,6 +66,7 @@ DEFAULT_BLOCK_BYTES = 4 << 20
 DEFAULT_MAX_RECORD_BYTES = 64 << 20
 ENGINES = ("auto", "arrow", "pure")
 _BOM = b"\xef\xbb\xbf"
+_BYTES_HEADER = sys.getsizeof(b"")
 
 
 @dataclass(frozen=True)
@@ -435,8 +436,19 @@ class _BlockReader:
         """Parse the records that end in ``data[start:stop]`` (searched in place)."""
         spec = self.spec
         fmt = spec.fmt
-        simple = not (fmt.use_quote_delim and data.find(b'"', start, stop) >= 0) and (
-            data.find(b"\r", start, stop) < 0)
+        quoted = fmt.use_quote_delim and data.find(b'"', start, stop) >= 0
+        simple = not quoted and data.find(b"\r", start, stop) < 0
+        if spec.use_arrow and quoted and data.find(b"\r", start, stop) < 0:
+            end = csvfmt.quoted_block_end(data, start, stop, final, fmt)
+            columns = None if end is None else csvfmt.arrow_parse_block(
+                data, spec.columns, fmt, spec.select_cols, spec.exclude_cols, start=start,
+                end=end, quoted=True)
+            if columns is not None:
+                assert end is not None
+                # Records end at the newlines outside quotes: pyarrow's rows. Lines count
+                # every newline, those inside quoted fields too.
+                return self._finish(columns, len(columns[0]), None, end - start,
+                                    data.count(b"\n", start, end))
         if spec.use_arrow and simple:
             end = stop if final else data.rfind(b"\n", start, stop) + 1
             if end <= start:
@@ -714,19 +726,24 @@ class _CsvBatches(Iterator):
         self._pending: BaseException | None = None
         self._container_cost: int | None = None
         columns = cursor.spec.columns
-        # A whole batch of numbers cut from one block costs the same every time.
-        self._whole_cost = None if any(c.dtype.hasobject for c in columns) else (
-            sizeof(cursor.spec.pack([None] * len(columns)))
-            + sum(ARRAY_HEADER_BYTES + batch_size * c.dtype.itemsize for c in columns))
+        # A whole batch cut from one block costs the same every time, plus, for a string
+        # column, its strings' bytes.
+        self._whole_cost = (sizeof(cursor.spec.pack([None] * len(columns)))
+                            + sum(ARRAY_HEADER_BYTES + batch_size * c.dtype.itemsize
+                                  for c in columns))
+        self._string_columns = [i for i, c in enumerate(columns) if c.dtype.hasobject]
         self._whole_what = f"one batch of {batch_size} CSV records"
 
     def pull(self) -> tuple[Any, Reservation]:
         block = self.cursor.block
-        if block is not None and self._whole_cost is not None and self._pending is None:
+        if block is not None and self._pending is None:
             first = block.taken
             last = first + self.batch_size
             if last <= block.good:  # the common case, without the general loop below
-                booking = self.account.admit(self._whole_cost, together=self._whole_what)
+                cost = self._whole_cost + sum(
+                    _BYTES_HEADER * self.batch_size + sum(map(len, block.columns[i][first:last]))
+                    for i in self._string_columns)
+                booking = self.account.admit(cost, together=self._whole_what)
                 try:
                     batch = [column[first:last].copy() for column in block.columns]
                 except BaseException:
@@ -796,8 +813,11 @@ class _CsvBatches(Iterator):
         total = 0
         for index, first in enumerate(pieces[0]):
             total += ARRAY_HEADER_BYTES + rows * first.itemsize
-            if first.dtype.hasobject:  # the batch keeps its strings alive too
-                total += sum(sum(map(sys.getsizeof, piece[index].tolist())) for piece in pieces)
+            if first.dtype.hasobject:  # the batch keeps its strings (bytes) alive too
+                # getsizeof of a bytes object is a fixed header plus its length: summing
+                # the lengths costs half as much per string as calling getsizeof
+                total += sum(_BYTES_HEADER * len(piece[index]) + sum(map(len, piece[index]))
+                             for piece in pieces)
         return total
 
     def get_state(self) -> dict[str, Any]:

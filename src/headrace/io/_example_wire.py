@@ -402,7 +402,7 @@ def _long_varint(buf: bytes, pos: int) -> tuple[int, int]:
     raise IndexError(pos)
 
 
-def _canonical_record(
+def _canonical_record(  # noqa: C901
     buf: bytes, key_index: dict[bytes, int], kinds: Sequence[int]
 ) -> _Gathered | None:
     """One record in the canonical layout, or None when it is laid out otherwise."""
@@ -594,9 +594,8 @@ def _scan_canonical(
             except ParseFailure:
                 # An earlier record's int64 list may hold a varint over 10 bytes, which
                 # the batch decode below has not checked yet: that error comes first.
-                for index, kind in enumerate(kinds):
-                    if kind == KIND_INT64 and _decode_varints(b"".join(pieces[index])) is None:
-                        return scan_columns_exact(serialized, keys, kinds)
+                if _varint_too_long(pieces, kinds):
+                    return scan_columns_exact(serialized, keys, kinds)
                 raise
         found, gathered = result
         counts.extend(found)
@@ -605,6 +604,24 @@ def _scan_canonical(
                 pieces[index].extend(data)
             else:
                 pieces[index].append(data)
+    columns = _joined_columns(pieces, counts, kinds)
+    if columns is None:  # a varint over 10 bytes: the general decoder names the record
+        return scan_columns_exact(serialized, keys, kinds)
+    return columns
+
+
+def _varint_too_long(pieces: list[list[Any]], kinds: Sequence[int]) -> bool:
+    """Whether an int64 list gathered so far holds a varint over 10 bytes."""
+    return any(kind == KIND_INT64 and _decode_varints(b"".join(pieces[index])) is None
+               for index, kind in enumerate(kinds))
+
+
+def _joined_columns(
+    pieces: list[list[Any]], counts: list[int], kinds: Sequence[int]
+) -> list[RawColumn] | None:
+    """The batch's columns from what :func:`_scan_canonical` gathered: values joined
+    (int64 varints decoded) and each record's count; None if a varint is over 10
+    bytes."""
     table = np.array(counts, dtype="<i8").reshape(-1, len(kinds)) if kinds else None
     columns: list[RawColumn] = []
     for index, kind in enumerate(kinds):
@@ -618,8 +635,8 @@ def _scan_canonical(
             columns.append((bytearray(joined), column_counts))
             continue
         decoded = _decode_varints(joined)
-        if decoded is None:  # a varint over 10 bytes: the general decoder names the record
-            return scan_columns_exact(serialized, keys, kinds)
+        if decoded is None:
+            return None
         columns.append((decoded, column_counts))
     return columns
 
@@ -690,7 +707,7 @@ def _ranges(data: Any, starts: Any, ends: Any) -> Any:
     return data[index]
 
 
-def _scan_vectorised(
+def _scan_vectorised(  # noqa: C901
     records: Sequence[bytes], keys: Sequence[bytes], kinds: Sequence[int]
 ) -> list[RawColumn]:
     count = len(records)

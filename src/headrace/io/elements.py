@@ -130,68 +130,96 @@ def _refuse(path: str, value: Any, why: str = "") -> ElementSpecError:
 
 
 def _encode(value: Any, parts: list[Any], path: str) -> Any:
-    if isinstance(value, np.ndarray):
-        return _encode_array(value, parts, path)
-    if isinstance(value, np.generic):
-        dtype = value.dtype
-        if dtype.kind in "SU":  # np.bytes_ / np.str_: their Python value, exactly
-            data = value.item() if dtype.kind == "S" else str(value).encode("utf-8", "surrogatepass")
-            parts.append(_U64.pack(len(data)))
-            parts.append(data)
-            return "gS" if dtype.kind == "S" else "gU"
-        if dtype.kind not in _SAFE_KINDS:
-            raise _refuse(path, value, f" (dtype {dtype})")
-        parts.append(value.tobytes())
-        return ("g", dtype.str)
-    if isinstance(value, bool):
-        parts.append(b"\x01" if value else b"\x00")
-        return "b"
-    if isinstance(value, int):
-        if _INT64_MIN <= value <= _INT64_MAX:
-            parts.append(_I64.pack(value))
-            return "i"
-        text = str(value).encode()
-        parts.append(_U64.pack(len(text)))
-        parts.append(text)
-        return "I"
-    if isinstance(value, float):
-        parts.append(_F64.pack(value))
-        return "f"
-    if isinstance(value, bytes):
-        parts.append(_U64.pack(len(value)))
-        parts.append(memoryview(value))  # the element's own bytes, not a copy
-        return "y"
-    if isinstance(value, str):
-        data = value.encode("utf-8", "surrogatepass")
+    encode = _ENCODE_EXACT.get(type(value))
+    if encode is not None:
+        return encode(value, parts, path)
+    for kind, encode in _ENCODE_ORDER:  # subclasses: the first base that matches
+        if isinstance(value, kind):
+            return encode(value, parts, path)
+    raise _refuse(path, value)
+
+
+def _encode_generic(value: np.generic, parts: list[Any], path: str) -> Any:
+    dtype = value.dtype
+    if dtype.kind in "SU":  # np.bytes_ / np.str_: their Python value, exactly
+        data = value.item() if dtype.kind == "S" else str(value).encode("utf-8", "surrogatepass")
         parts.append(_U64.pack(len(data)))
         parts.append(data)
-        return "s"
-    if value is None:
-        return "n"
-    if isinstance(value, dict):
-        keys = list(value)
-        for key in keys:
-            if not isinstance(key, str):
-                raise _refuse(f"{path}[{key!r}]", value, " (a dict key that is not a str)")
-        return ("d", tuple(keys), tuple([_encode(value[key], parts, f"{path}/{key}") for key in keys]))
-    if isinstance(value, tuple):
-        children = tuple([_encode(item, parts, f"{path}/{k}") for k, item in enumerate(value)])
-        fields = getattr(value, "_fields", None)
-        if fields is None:
-            return ("t", children)
-        kind = type(value)
-        _namedtuples.setdefault((kind.__name__, tuple(fields)), kind)
-        return ("N", kind.__name__, tuple(fields), children)
-    if isinstance(value, list):
-        return ("l", tuple([_encode(item, parts, f"{path}/{k}") for k, item in enumerate(value)]))
-    if isinstance(value, bytearray):
-        parts.append(_U64.pack(len(value)))
-        parts.append(bytes(value))
-        return "Y"
-    if isinstance(value, complex):
-        parts.append(_C128.pack(value.real, value.imag))
-        return "c"
-    raise _refuse(path, value)
+        return "gS" if dtype.kind == "S" else "gU"
+    if dtype.kind not in _SAFE_KINDS:
+        raise _refuse(path, value, f" (dtype {dtype})")
+    parts.append(value.tobytes())
+    return ("g", dtype.str)
+
+
+def _encode_bool(value: bool, parts: list[Any], path: str) -> Any:
+    parts.append(b"\x01" if value else b"\x00")
+    return "b"
+
+
+def _encode_int(value: int, parts: list[Any], path: str) -> Any:
+    if _INT64_MIN <= value <= _INT64_MAX:
+        parts.append(_I64.pack(value))
+        return "i"
+    text = str(value).encode()
+    parts.append(_U64.pack(len(text)))
+    parts.append(text)
+    return "I"
+
+
+def _encode_float(value: float, parts: list[Any], path: str) -> Any:
+    parts.append(_F64.pack(value))
+    return "f"
+
+
+def _encode_bytes(value: bytes, parts: list[Any], path: str) -> Any:
+    parts.append(_U64.pack(len(value)))
+    parts.append(memoryview(value))  # the element's own bytes, not a copy
+    return "y"
+
+
+def _encode_str(value: str, parts: list[Any], path: str) -> Any:
+    data = value.encode("utf-8", "surrogatepass")
+    parts.append(_U64.pack(len(data)))
+    parts.append(data)
+    return "s"
+
+
+def _encode_none(value: None, parts: list[Any], path: str) -> Any:
+    return "n"
+
+
+def _encode_dict(value: dict[Any, Any], parts: list[Any], path: str) -> Any:
+    keys = list(value)
+    for key in keys:
+        if not isinstance(key, str):
+            raise _refuse(f"{path}[{key!r}]", value, " (a dict key that is not a str)")
+    return ("d", tuple(keys), tuple([_encode(value[key], parts, f"{path}/{key}") for key in keys]))
+
+
+def _encode_tuple(value: tuple[Any, ...], parts: list[Any], path: str) -> Any:
+    children = tuple([_encode(item, parts, f"{path}/{k}") for k, item in enumerate(value)])
+    fields = getattr(value, "_fields", None)
+    if fields is None:
+        return ("t", children)
+    kind = type(value)
+    _namedtuples.setdefault((kind.__name__, tuple(fields)), kind)
+    return ("N", kind.__name__, tuple(fields), children)
+
+
+def _encode_list(value: list[Any], parts: list[Any], path: str) -> Any:
+    return ("l", tuple([_encode(item, parts, f"{path}/{k}") for k, item in enumerate(value)]))
+
+
+def _encode_bytearray(value: bytearray, parts: list[Any], path: str) -> Any:
+    parts.append(_U64.pack(len(value)))
+    parts.append(bytes(value))
+    return "Y"
+
+
+def _encode_complex(value: complex, parts: list[Any], path: str) -> Any:
+    parts.append(_C128.pack(value.real, value.imag))
+    return "c"
 
 
 def _encode_array(array: np.ndarray[Any, Any], parts: list[Any], path: str) -> Any:
@@ -219,6 +247,30 @@ def _encode_array(array: np.ndarray[Any, Any], parts: list[Any], path: str) -> A
     else:
         parts.append(np.ascontiguousarray(array).tobytes() if array.ndim else array.tobytes())
     return ("a", dtype.str, shape)
+
+
+_Encode = Callable[[Any, list[Any], str], Any]
+
+#: What ``_encode`` checks, in order: a value of a subclass takes the first base it
+#: matches (``np.float64`` is a float but encodes as a NumPy scalar, ``bool`` before
+#: ``int``, a namedtuple as a tuple).
+_ENCODE_ORDER: tuple[tuple[type, _Encode], ...] = (
+    (np.ndarray, _encode_array),
+    (np.generic, _encode_generic),
+    (bool, _encode_bool),
+    (int, _encode_int),
+    (float, _encode_float),
+    (bytes, _encode_bytes),
+    (str, _encode_str),
+    (type(None), _encode_none),
+    (dict, _encode_dict),
+    (tuple, _encode_tuple),
+    (list, _encode_list),
+    (bytearray, _encode_bytearray),
+    (complex, _encode_complex),
+)
+#: The same by exact class: one lookup for the values elements are made of.
+_ENCODE_EXACT: dict[type, _Encode] = dict(_ENCODE_ORDER)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -328,70 +380,85 @@ def _dtype(raw: Any) -> np.dtype[Any]:
 
 
 def _compile(tree: Any) -> _Decoder:
-    if tree == "i":
-        return _fixed(_I64.unpack_from, 8, lambda found: found[0])
-    if tree == "f":
-        return _fixed(_F64.unpack_from, 8, lambda found: found[0])
-    if tree == "b":
-        return _fixed(lambda payload, at: (payload[at],), 1, lambda found: found[0] != 0)
-    if tree == "c":
-        return _fixed(_C128.unpack_from, 16, lambda found: complex(*found))
-    if tree == "n":
-        return lambda payload, position: (None, position)
-    if tree == "y":
-        return _sized(bytes)
-    if tree == "Y":
-        return _sized(bytearray)
-    if tree == "s":
-        return _sized(lambda data: data.decode("utf-8", "surrogatepass"))
-    if tree == "I":
-        return _sized(lambda data: int(data.decode("ascii")))
-    if tree == "gS":
-        return _sized(np.bytes_)
-    if tree == "gU":
-        return _sized(lambda data: np.str_(data.decode("utf-8", "surrogatepass")))
+    if isinstance(tree, str):
+        leaf = _LEAVES.get(tree)
+        if leaf is None:
+            raise _Corrupt(f"unknown component {tree!r:.60}")
+        return leaf
     if not isinstance(tree, list) or not tree:
         raise _Corrupt(f"unknown component {tree!r:.60}")
-    kind = tree[0]
-    if kind == "a" and len(tree) == 3:
-        return _array_decoder(_dtype(tree[1]), _shape(tree[2]))
-    if kind == "g" and len(tree) == 2:
-        dtype = _dtype(tree[1])
+    container = _CONTAINERS.get(tree[0]) if isinstance(tree[0], str) else None
+    if container is None or len(tree) != container[0]:
+        raise _Corrupt(f"unknown component {tree!r:.60}")
+    return container[1](tree)
 
-        def scalar(payload: bytes, position: int) -> tuple[Any, int]:
-            end = _take(payload, position, dtype.itemsize)
-            return np.frombuffer(payload, dtype, 1, position)[0], end
 
-        return scalar
-    if kind in ("ab", "as") and len(tree) == 2:
-        return _object_array_decoder(kind == "as", _shape(tree[1]))
-    if kind == "d" and len(tree) == 3 and isinstance(tree[1], list):
-        keys = tree[1]
-        if not all(isinstance(key, str) for key in keys):
-            raise _Corrupt("dict keys must be str")
-        children = _children(tree[2], len(keys))
+def _scalar_decoder(tree: list[Any]) -> _Decoder:
+    dtype = _dtype(tree[1])
 
-        def mapping(payload: bytes, position: int) -> tuple[Any, int]:
-            out = {}
-            for key, child in zip(keys, children):  # noqa: B905 - lengths checked
-                out[key], position = child(payload, position)
-            return out, position
+    def scalar(payload: bytes, position: int) -> tuple[Any, int]:
+        end = _take(payload, position, dtype.itemsize)
+        return np.frombuffer(payload, dtype, 1, position)[0], end
 
-        return mapping
-    if kind in ("t", "l") and len(tree) == 2:
-        children = _children(tree[1], None)
-        make: Callable[[list[Any]], Any] = tuple if kind == "t" else list
-        return _sequence(children, make)
-    if kind == "N" and len(tree) == 4:
-        name, fields = tree[1], tree[2]
-        if not isinstance(name, str) or not isinstance(fields, list):
-            raise _Corrupt("bad namedtuple")
-        if not all(isinstance(field, str) for field in fields):
-            raise _Corrupt("namedtuple fields must be str")
-        cls = namedtuple_class(name, tuple(fields))
-        children = _children(tree[3], len(fields))
-        return _sequence(children, lambda items: cls(*items))
-    raise _Corrupt(f"unknown component {tree!r:.60}")
+    return scalar
+
+
+def _dict_decoder(tree: list[Any]) -> _Decoder:
+    keys = tree[1]
+    if not isinstance(keys, list):
+        raise _Corrupt(f"unknown component {tree!r:.60}")
+    if not all(isinstance(key, str) for key in keys):
+        raise _Corrupt("dict keys must be str")
+    children = _children(tree[2], len(keys))
+
+    def mapping(payload: bytes, position: int) -> tuple[Any, int]:
+        out = {}
+        for key, child in zip(keys, children):  # noqa: B905 - lengths checked
+            out[key], position = child(payload, position)
+        return out, position
+
+    return mapping
+
+
+def _namedtuple_decoder(tree: list[Any]) -> _Decoder:
+    name, fields = tree[1], tree[2]
+    if not isinstance(name, str) or not isinstance(fields, list):
+        raise _Corrupt("bad namedtuple")
+    if not all(isinstance(field, str) for field in fields):
+        raise _Corrupt("namedtuple fields must be str")
+    cls = namedtuple_class(name, tuple(fields))
+    children = _children(tree[3], len(fields))
+    return _sequence(children, lambda items: cls(*items))
+
+
+#: The decoders of the leaves a skeleton names by a string (each made once: they keep
+#: no state).
+_LEAVES: dict[str, _Decoder] = {
+    "i": _fixed(_I64.unpack_from, 8, lambda found: found[0]),
+    "f": _fixed(_F64.unpack_from, 8, lambda found: found[0]),
+    "b": _fixed(lambda payload, at: (payload[at],), 1, lambda found: found[0] != 0),
+    "c": _fixed(_C128.unpack_from, 16, lambda found: complex(*found)),
+    "n": lambda payload, position: (None, position),
+    "y": _sized(bytes),
+    "Y": _sized(bytearray),
+    "s": _sized(lambda data: data.decode("utf-8", "surrogatepass")),
+    "I": _sized(lambda data: int(data.decode("ascii"))),
+    "gS": _sized(np.bytes_),
+    "gU": _sized(lambda data: np.str_(data.decode("utf-8", "surrogatepass"))),
+}
+
+#: The components a skeleton names by a list ``[kind, ...]``: how long that list is,
+#: and what compiles it.
+_CONTAINERS: dict[str, tuple[int, Callable[[list[Any]], _Decoder]]] = {
+    "a": (3, lambda tree: _array_decoder(_dtype(tree[1]), _shape(tree[2]))),
+    "g": (2, _scalar_decoder),
+    "ab": (2, lambda tree: _object_array_decoder(False, _shape(tree[1]))),
+    "as": (2, lambda tree: _object_array_decoder(True, _shape(tree[1]))),
+    "d": (3, _dict_decoder),
+    "t": (2, lambda tree: _sequence(_children(tree[1], None), tuple)),
+    "l": (2, lambda tree: _sequence(_children(tree[1], None), list)),
+    "N": (4, _namedtuple_decoder),
+}
 
 
 def namedtuple_class(name: str, fields: tuple[str, ...]) -> Any:
@@ -497,38 +564,47 @@ def spec_from_json(raw: Any, depth: int = 0) -> Any:
     if not isinstance(raw, dict) or len(raw) not in (1, 3):
         raise ValueError(f"bad element spec entry {raw!r:.80}")
     if set(raw) == {"spec"}:
-        entry = raw["spec"]
-        if not isinstance(entry, list) or len(entry) != 2:
-            raise ValueError(f"bad tensor spec {entry!r:.80}: expected [shape, dtype]")
-        shape, dtype = entry
-        if shape is not None and not (
-            isinstance(shape, list)
-            and all(d is None or (type(d) is int and d >= 0) for d in shape)
-        ):
-            raise ValueError(f"bad shape {shape!r:.80} in the element spec")
-        if dtype in ("bytes", "str"):
-            return TensorSpec(shape, dtype)
-        if dtype == "none":  # a None component (NoneTensorSpec)
-            return TensorSpec((), kind="none")
-        try:
-            return TensorSpec(shape, _dtype(dtype))
-        except (_Corrupt, TypeError) as error:
-            raise ValueError(f"bad dtype {dtype!r:.40} in the element spec ({error})") from None
+        return _tensor_spec_from_json(raw["spec"])
     if set(raw) == {"dict"} and isinstance(raw["dict"], dict):
         return {key: spec_from_json(value, depth + 1) for key, value in raw["dict"].items()}
     if set(raw) == {"tuple"} and isinstance(raw["tuple"], list):
         return tuple(spec_from_json(item, depth + 1) for item in raw["tuple"])
     if set(raw) == {"namedtuple", "fields", "items"}:
-        name, fields, items = raw["namedtuple"], raw["fields"], raw["items"]
-        if not (
-            isinstance(name, str)
-            and name.isidentifier()
-            and isinstance(fields, list)
-            and all(isinstance(field, str) for field in fields)
-            and isinstance(items, list)
-            and len(items) == len(fields)
-        ):
-            raise ValueError(f"bad namedtuple entry in the element spec {raw!r:.80}")
-        cls = namedtuple_class(name, tuple(fields))
-        return cls(*(spec_from_json(item, depth + 1) for item in items))
+        return _namedtuple_spec_from_json(raw, depth)
     raise ValueError(f"bad element spec entry {raw!r:.80}")
+
+
+def _tensor_spec_from_json(entry: Any) -> TensorSpec:
+    """A ``[shape, dtype]`` leaf of :func:`spec_from_json`."""
+    if not isinstance(entry, list) or len(entry) != 2:
+        raise ValueError(f"bad tensor spec {entry!r:.80}: expected [shape, dtype]")
+    shape, dtype = entry
+    if shape is not None and not (
+        isinstance(shape, list)
+        and all(d is None or (type(d) is int and d >= 0) for d in shape)
+    ):
+        raise ValueError(f"bad shape {shape!r:.80} in the element spec")
+    if dtype in ("bytes", "str"):
+        return TensorSpec(shape, dtype)
+    if dtype == "none":  # a None component (NoneTensorSpec)
+        return TensorSpec((), kind="none")
+    try:
+        return TensorSpec(shape, _dtype(dtype))
+    except (_Corrupt, TypeError) as error:
+        raise ValueError(f"bad dtype {dtype!r:.40} in the element spec ({error})") from None
+
+
+def _namedtuple_spec_from_json(raw: dict[str, Any], depth: int) -> Any:
+    """A namedtuple entry of :func:`spec_from_json`: its class and its items' specs."""
+    name, fields, items = raw["namedtuple"], raw["fields"], raw["items"]
+    if not (
+        isinstance(name, str)
+        and name.isidentifier()
+        and isinstance(fields, list)
+        and all(isinstance(field, str) for field in fields)
+        and isinstance(items, list)
+        and len(items) == len(fields)
+    ):
+        raise ValueError(f"bad namedtuple entry in the element spec {raw!r:.80}")
+    cls = namedtuple_class(name, tuple(fields))
+    return cls(*(spec_from_json(item, depth + 1) for item in items))

@@ -1,37 +1,44 @@
 """Object storage URLs (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``) wherever
 a file name goes.
 
-Why this module: a pipeline reads its shards from a bucket more often than from a local
-disk, and a URL must behave like a path: counted against the descriptor cap (G2),
-suspended and resumed at a byte offset by the file pool, its read buffer booked on the
-memory budget (G1), and a dropped connection neither losing nor repeating a byte.
+Why this module: a pipeline reads its shards from a bucket more often than from a
+local disk, and a URL must behave like a path. It counts against the descriptor cap
+(G2). The file pool suspends it and resumes it at a byte offset. Its read buffer is
+booked on the memory budget (G1). A dropped connection neither loses nor repeats a
+byte.
 
-The client is `obstore <https://developmentseed.org/obstore/>`_ (MIT/Apache-2.0, one
-wheel with no Python dependencies, the Rust ``object_store`` crate inside): one API for
-S3, GCS, Azure and HTTP, synchronous calls (no event loop to run beside the pipeline),
-streamed range reads, paged listing, and uploads that are atomic (a single PUT, or a
-multipart upload completed only at the end). Against the same moto server it read at
-least as fast as ``s3fs`` and ``pyarrow.fs`` (``benchmarks/bench_object_store.py
---compare-clients``; see docs/guide/object-storage.md), with a far smaller install than
-s3fs's aiobotocore/botocore stack and, unlike ``pyarrow.fs``, an HTTP store too. Install
-with the ``headrace[s3]`` (or ``[gcs]``, ``[azure]``) extra.
+The client is `obstore <https://developmentseed.org/obstore/>`_ (MIT/Apache-2.0): one
+wheel with no Python dependencies, the Rust ``object_store`` crate inside. It gives
+one API for S3, GCS, Azure and HTTP, with synchronous calls (no event loop to run
+beside the pipeline). It streams range reads, pages listings, and uploads atomically
+(a single PUT, or a multipart upload completed only at the end). Against the same
+moto server it read at least as fast as ``s3fs`` and ``pyarrow.fs``
+(``benchmarks/bench_object_store.py --compare-clients``; see
+docs/guide/object-storage.md). Its install is far smaller than s3fs's
+aiobotocore/botocore stack, and unlike ``pyarrow.fs`` it has an HTTP store. Install
+it with the ``headrace[s3]`` (or ``[gcs]``, ``[azure]``) extra.
 
-How a remote stream maps onto the file pool: an *open* remote stream holds one slot of
-the pool (its "descriptor": the object's metadata and the right to have one request in
-flight); suspending it gives the slot back and keeps only the byte offset, and resuming
-checks the object again (the same ETag: an object replaced meanwhile is an error, not a
-silent mix of two versions). Every read is one ranged GET, streamed: if the connection
-drops, or the server answers 5xx or throttles, the read is retried with exponential
-backoff from the first byte not yet received, so no byte is lost or read twice.
+How a remote stream maps onto the file pool: an *open* remote stream holds one slot
+of the pool. That slot is its "descriptor": the object's metadata, and the right to
+have one request in flight. Suspending the stream gives the slot back and keeps
+only the byte offset. Resuming checks the object again: the same ETag, so an object
+replaced meanwhile is an error, not a silent mix of two versions. Every read is one
+ranged GET, streamed. If the connection drops, or the server answers 5xx or
+throttles, the read is retried with exponential backoff from the first byte not yet
+received. So no byte is lost or read twice.
 
-Credentials come from each cloud's standard environment (``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, the
-instance/container metadata services; ``GOOGLE_APPLICATION_CREDENTIALS`` /
-``GOOGLE_SERVICE_ACCOUNT``; ``AZURE_STORAGE_ACCOUNT_NAME`` / ``AZURE_STORAGE_ACCOUNT_KEY`` /
-``AZURE_STORAGE_SAS_KEY`` ...) or from :func:`configure`, and for S3 from the AWS shared
-files (``~/.aws/credentials``, ``~/.aws/config``, ``AWS_PROFILE``) where neither gives keys;
-they are never part of a path,
-an error message, a pipeline's state or a log line: only URLs are.
+Credentials come from each cloud's standard environment, or from :func:`configure`:
+
+- AWS: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+  ``AWS_REGION``, ``AWS_ENDPOINT_URL``, the instance/container metadata services;
+  where neither gives keys, the AWS shared files (``~/.aws/credentials``,
+  ``~/.aws/config``, ``AWS_PROFILE``);
+- Google: ``GOOGLE_APPLICATION_CREDENTIALS`` / ``GOOGLE_SERVICE_ACCOUNT``;
+- Azure: ``AZURE_STORAGE_ACCOUNT_NAME`` / ``AZURE_STORAGE_ACCOUNT_KEY`` /
+  ``AZURE_STORAGE_SAS_KEY`` ...
+
+They are never part of a path, an error message, a pipeline's state or a log line:
+only URLs are.
 """
 
 from __future__ import annotations
@@ -229,27 +236,13 @@ def _make_store(root: str, options: dict[str, Any]) -> Any:
             f"reading {root}/... needs the obstore package: pip install 'headrace[{extra}]'"
         ) from None
     scheme = root.split("://", 1)[0]
-    client = {"timeout": "60s", "connect_timeout": "10s"}
-    if scheme == "http":
-        client["allow_http"] = "true"
-    client.update(options.pop("client_options", {}))
     retry_config = options.pop("retry_config", None)
-    if scheme == "s3" and "endpoint" not in options:
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            options["endpoint"] = endpoint
-    endpoint = options.get("endpoint")
-    if isinstance(endpoint, str) and endpoint.startswith("http://"):
-        client["allow_http"] = "true"
+    client = _client_options(scheme, options)
     kwargs: dict[str, Any] = {"client_options": client}
-    provider = _aws_profile_credentials(root, options) if scheme == "s3" else None
-    if provider is not None:
-        kwargs["credential_provider"] = provider
-    if scheme == "s3" and "region" not in options and not (
-        os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        or (provider is not None and "region" in provider.config)
-    ):
-        options["region"] = "us-east-1"
+    if scheme == "s3":
+        provider = _s3_defaults(root, options)
+        if provider is not None:
+            kwargs["credential_provider"] = provider
     if retry_config is not None:
         kwargs["retry_config"] = retry_config
     if options:
@@ -268,6 +261,37 @@ def _make_store(root: str, options: dict[str, Any]) -> Any:
             f"given: {given}; see headrace.io.objstore.configure (obstore's store "
             "configuration keys) and the cloud's environment variables"
         ) from None
+
+
+def _client_options(scheme: str, options: dict[str, Any]) -> dict[str, str]:
+    """The HTTP client's options: headrace's timeouts, plain HTTP allowed for an
+    ``http`` store or endpoint, then the user's ``client_options`` (taken out of
+    ``options``) over them. For S3 the endpoint the AWS variables name is set first."""
+    client = {"timeout": "60s", "connect_timeout": "10s"}
+    if scheme == "http":
+        client["allow_http"] = "true"
+    client.update(options.pop("client_options", {}))
+    if scheme == "s3" and "endpoint" not in options:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            options["endpoint"] = endpoint
+    endpoint = options.get("endpoint")
+    if isinstance(endpoint, str) and endpoint.startswith("http://"):
+        client["allow_http"] = "true"
+    return client
+
+
+def _s3_defaults(root: str, options: dict[str, Any]) -> Any:
+    """The credential provider of the AWS shared files, or None; and the region
+    us-east-1 in ``options`` when neither they, the options nor the environment name
+    one."""
+    provider = _aws_profile_credentials(root, options)
+    if "region" not in options and not (
+        os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        or (provider is not None and "region" in provider.config)
+    ):
+        options["region"] = "us-east-1"
+    return provider
 
 
 #: Options that give S3 credentials (or none) outright: the shared files are not read.

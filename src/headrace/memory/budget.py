@@ -271,7 +271,7 @@ class MemoryBudget:
         Under the budget's lock from reading the minima to writing the shares: a
         stage that checks its holding against its share and books under the same
         lock (:meth:`Buffer.admit` with ``together=``, ``move_to(..., together=...)``) can never
-        see its share lowered below that holding in between (fuzz seed 200014).
+        see its share lowered below that holding in between.
         """
         with self.changed:
             accounts = self.accounts

@@ -221,7 +221,7 @@ class Buffer:
             with self.lock:
                 self._count_on_pool()
 
-    def fits(self, nbytes: int, *, pending: int = 0) -> bool:
+    def fits(self, nbytes: int, *, pending: int = 0) -> bool:  # noqa: C901
         """Whether an element of ``nbytes`` may enter this stage's buffer now.
 
         True when it fits beside what the stage holds plus ``pending`` (bytes
@@ -753,7 +753,7 @@ class Reservation:
             with account.lock:
                 # Unbooked before it is booked again: a move within one account (the rows a
                 # padded batch keeps) never counts the element twice, not even inside the
-                # lock, where the breach count and the peaks saw it (budget sweep seed 100462).
+                # lock, where the breach count and the peaks would see it.
                 old, self.nbytes = self.nbytes, 0
                 if old:
                     source._unbook(old)

@@ -1,49 +1,54 @@
 """What an element really costs in memory, and making elements cost what they show.
 
-``sys.getsizeof`` of an ndarray view is ~112 bytes whatever it points at, and
-``arr.nbytes`` ignores Python object overhead (an 8-byte int costs ~28 bytes).
+``sys.getsizeof`` of an ndarray view is ~112 bytes, whatever it points at.
+``arr.nbytes`` ignores Python object overhead: an 8-byte int costs ~28 bytes.
 The budget needs the truth, so costs are *owner-based*:
 
-* an array that owns its data costs ``nbytes`` plus its header;
-* a view keeps its owning buffer alive, so it costs the **owner's** bytes —
-  once per element however many views of it the element holds (the columns of
-  one batch, ``x`` and ``x[0]``) — unless that owner *predates the iteration*
-  (the user's array, registered by the sources) or is file-backed (a memory-map):
-  that memory is not the pipeline's to cap, and such a view costs its header;
-* containers are costed deeply: list, tuple, dict keys and values, set, an
-  object's ``__dict__`` and ``__slots__`` (dataclasses included), with a cycle
-  guard; a function by what its closure cells, defaults and attributes hold (not
-  its globals; its code by its constants), a bound method by its object; a generator or coroutine by
-  what its suspended frame holds (locals and the loop iterators on its stack); a
-  built-in iterator by what it keeps alive (``__reduce__`` names it: a list
-  iterator its list, a dict or set iterator the items it has left, a ``zip`` or
-  ``map`` its iterators and function); an exception also by its ``args``, cause, context and group members
-  (an error a stage holds for its turn keeps them alive); ``memoryview`` by the
-  buffer it exposes; object arrays by their items; ``itertools`` objects and
-  ``operator.itemgetter`` & co by their ``__reduce__``; a slice by its bounds; a
-  built-in bound method (``a.sum``) by its ``__self__`` (not a module); ``property``,
-  ``staticmethod`` and ``classmethod`` by their functions; ``ndarray.flat`` by its
-  array; a class made at run time by its own ``__dict__`` (not its bases', not a
-  built-in type's); a function also by its code's constants;
-* another framework's array (``jax.Array``, or any object with an ``nbytes`` that
-  exports ``__dlpack__`` or ``__array__``) by its ``nbytes`` (no framework imported);
-* types registered with :func:`register_sizer` use their sizer (built in, and
-  installed only once their library is imported: torch tensors, PIL images,
-  pyarrow arrays, tables and buffers);
-* anything else costs ``sys.getsizeof`` and is warned about once, by type name.
+* An array that owns its data costs ``nbytes`` plus its header.
+* A view keeps its owning buffer alive, so it costs the **owner's** bytes. It
+  counts once per element, however many views of it the element holds (the
+  columns of one batch, ``x`` and ``x[0]``).
+* Two owners are not the pipeline's to cap: one that predates the iteration
+  (the user's array, registered by the sources) and a file-backed one (a
+  memory-map). A view of either costs its header.
+* Containers are costed deeply, with a cycle guard: list, tuple, dict keys and
+  values, set, an object's ``__dict__`` and ``__slots__`` (dataclasses too).
+* A function costs what its closure cells, defaults, attributes and code
+  constants hold, not its globals. A bound method costs its object.
+* A generator or coroutine costs what its suspended frame holds: its locals and
+  the loop iterators on its stack.
+* A built-in iterator costs what its ``__reduce__`` names: a list iterator its
+  list, a dict or set iterator the items it has left, ``zip`` or ``map`` their
+  iterators and function. ``itertools`` objects and ``operator.itemgetter`` & co
+  are costed the same way.
+* An exception also costs its ``args``, cause, context and group members: an
+  error a stage holds for its turn keeps them alive.
+* A ``memoryview`` costs the buffer it exposes; an object array, its items.
+* A slice costs its bounds. A built-in bound method (``a.sum``) costs its
+  ``__self__``, unless that is a module. ``property``, ``staticmethod`` and
+  ``classmethod`` cost their functions; ``ndarray.flat``, its array.
+* A class made at run time costs its own ``__dict__`` (not its bases', not a
+  built-in type's).
+* Another framework's array costs its ``nbytes``: ``jax.Array``, or any object
+  with an ``nbytes`` that exports ``__dlpack__`` or ``__array__``. No framework
+  is imported for this.
+* Types registered with :func:`register_sizer` use their sizer. Built-in sizers
+  cover torch tensors, PIL images and pyarrow arrays, tables and buffers; each
+  is installed only once its library is imported.
+* Anything else costs ``sys.getsizeof``, with one warning per type name.
 
-The cost of one element is bounded in time: a container of more than
-:data:`SAMPLE_ITEMS` items is costed from its first items and extrapolated
-(deterministically), so an element that is a list of a million objects costs
-microseconds, not seconds, to book.
+Costing one element takes bounded time. A container of more than
+:data:`SAMPLE_ITEMS` items is costed from its first items and extrapolated,
+deterministically. So a list of a million objects costs microseconds to book,
+not seconds.
 
-Owner-based costs are true, but a view that pins an owner much larger than
-itself (``big_temp[0]`` returned by a map, one row of an unbatched batch)
-makes a buffer of such views cost — and hold — far more than the rows it
-shows. :func:`admit` is what a buffering stage calls before it keeps an
-element: it *compacts* such views (copies the rows out, so the large owner
-can be freed as soon as the producer drops it) and returns the element with
-its cost. Views of memory that predates the iteration are never copied.
+A view that pins a much larger owner is a problem all the same:
+``big_temp[0]`` returned by a map, or one row of an unbatched batch. A buffer
+of such views costs, and holds, far more than the rows it shows. So a
+buffering stage calls :func:`admit` before it keeps an element. ``admit``
+*compacts* such views: it copies the rows out, so the large owner is freed as
+soon as the producer drops it. It returns the element with its cost. Views of
+memory that predates the iteration are never copied.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ import mmap
 import sys
 import threading
 import types
-from collections.abc import Callable, ItemsView, KeysView, Mapping, ValuesView
+from collections.abc import Callable, ItemsView, Iterable, KeysView, Mapping, ValuesView
 from typing import Any
 
 import numpy as np
@@ -323,6 +328,8 @@ class _Costing:
         return self.cost_other(value, cls)
 
     def cost_other(self, value: Any, cls: type) -> int:
+        """Anything but a plain dict, list, tuple, array or flat value: the checks run
+        in a fixed order, since a subclass may match several."""
         if isinstance(value, np.ndarray):  # subclasses: memmap, masked arrays
             self.seen.discard(id(value))
             return self.array_cost(value)
@@ -331,60 +338,12 @@ class _Costing:
         sizer = _sizer_for(cls)
         if sizer is not None:
             return _sized(sizer, value)
-        if isinstance(value, memoryview):
-            return sys.getsizeof(value) + (
-                self.owner_cost(value.obj) if value.obj is not None else value.nbytes
-            )
-        if isinstance(value, Mapping):
-            return (
-                sys.getsizeof(value)
-                + self.items_cost(list(value.keys()))
-                + self.items_cost(list(value.values()))
-            )
-        if isinstance(value, (tuple, list)):  # subclasses (namedtuples, ...)
-            return sys.getsizeof(value) + self.items_cost(value)
-        if isinstance(value, collections.deque):
-            return sys.getsizeof(value) + self.items_cost(list(value))
-        if isinstance(value, (KeysView, ValuesView, ItemsView)):  # a view keeps its dict
-            mapping = getattr(value, "mapping", getattr(value, "_mapping", None))
-            return sys.getsizeof(value) + (
-                self.cost(mapping) if mapping is not None else self.items_cost(list(value)))
-        if isinstance(value, functools.partial):
-            return sys.getsizeof(value) + self.items_cost(
-                [value.func, value.args, value.keywords])
-        if isinstance(value, mmap.mmap):
-            return sys.getsizeof(value) + _anonymous_bytes(value)
-        if isinstance(value, (ctypes.Array, ctypes.Structure, ctypes.Union)):
-            return sys.getsizeof(value) + ctypes.sizeof(value)
-        if isinstance(value, (set, frozenset)):
-            # A set's order follows str/bytes hash randomization, so a sample of it would
-            # cost differently in each process (and shares, and orders, would follow):
-            # sets of flat values are summed whole, at C speed.
-            if all(type(item) in _FLAT_TYPES for item in value):
-                return sys.getsizeof(value) + sum(map(sys.getsizeof, value))
-            return sys.getsizeof(value) + self.items_cost(list(value))
-        if isinstance(value, (str, bytes, int, float)):
-            return sys.getsizeof(value)  # subclasses of the flat types (IntEnum, ...)
-        if cls is types.FunctionType:
-            return sys.getsizeof(value) + self.function_parts(value)
-        if cls is types.MethodType:
-            return sys.getsizeof(value) + self.cost(value.__self__) + self.cost(value.__func__)
-        if cls is types.CellType:
-            return sys.getsizeof(value) + self.cell_contents(value)
-        if cls in _SUSPENDABLE:
-            return sys.getsizeof(value) + self.suspended_parts(value)
-        if cls in _ITERATORS or (cls.__module__ in _REDUCED_MODULES and (
-                hasattr(cls, "__next__") or cls.__module__ != "builtins")):
-            # built-in iterators, itertools objects, operator.itemgetter & co
-            return sys.getsizeof(value) + self.iterator_parts(value)
-        if cls not in _PLAIN_CLASSES:  # (a user's class: known after its first object)
-            extra = self.held_by_builtin(value, cls)
-            if extra is not None:
-                return sys.getsizeof(value) + extra
-            if not (hasattr(cls, "__dlpack__") or hasattr(cls, "__array__")):
-                if len(_PLAIN_CLASSES) >= 4096:  # classes made per element: not kept
-                    _PLAIN_CLASSES.clear()
-                _PLAIN_CLASSES.add(cls)
+        for kinds, part_cost in _BY_KIND:
+            if isinstance(value, kinds):
+                return sys.getsizeof(value) + part_cost(self, value)
+        parts = self.runtime_parts(value, cls)
+        if parts is not None:
+            return sys.getsizeof(value) + parts
         nbytes = None if cls in _PLAIN_CLASSES else _framework_nbytes(value, cls)
         if nbytes is not None:
             # Its own attributes may hold more than its data says (a frame's object
@@ -393,6 +352,64 @@ class _Costing:
             if isinstance(attributes, dict) and attributes:
                 nbytes = max(nbytes, self.cost(attributes))
             return sys.getsizeof(value) + nbytes
+        return self.object_cost(value, cls)
+
+    def memoryview_parts(self, value: memoryview) -> int:
+        return self.owner_cost(value.obj) if value.obj is not None else value.nbytes
+
+    def mapping_parts(self, value: Mapping[Any, Any]) -> int:
+        return self.items_cost(list(value.keys())) + self.items_cost(list(value.values()))
+
+    def sequence_parts(self, value: Any) -> int:
+        return self.items_cost(value)
+
+    def listed_parts(self, value: Any) -> int:
+        return self.items_cost(list(value))
+
+    def view_parts(self, value: Any) -> int:
+        """A dict view keeps its dict alive."""
+        mapping = getattr(value, "mapping", getattr(value, "_mapping", None))
+        return self.cost(mapping) if mapping is not None else self.items_cost(list(value))
+
+    def partial_parts(self, value: functools.partial[Any]) -> int:
+        return self.items_cost([value.func, value.args, value.keywords])
+
+    def set_parts(self, value: set[Any] | frozenset[Any]) -> int:
+        # A set's order follows str/bytes hash randomization, so a sample of it would
+        # cost differently in each process (and shares, and orders, would follow):
+        # sets of flat values are summed whole, at C speed.
+        if all(type(item) in _FLAT_TYPES for item in value):
+            return sum(map(sys.getsizeof, value))
+        return self.items_cost(list(value))
+
+    def runtime_parts(self, value: Any, cls: type) -> int | None:
+        """What functions, methods, cells, suspended frames, built-in iterators and the
+        built-in holders keep alive besides their header; None for other objects. A
+        user's class found to be none of these is remembered as plain."""
+        if cls is types.FunctionType:
+            return self.function_parts(value)
+        if cls is types.MethodType:
+            return self.cost(value.__self__) + self.cost(value.__func__)
+        if cls is types.CellType:
+            return self.cell_contents(value)
+        if cls in _SUSPENDABLE:
+            return self.suspended_parts(value)
+        if cls in _ITERATORS or (cls.__module__ in _REDUCED_MODULES and (
+                hasattr(cls, "__next__") or cls.__module__ != "builtins")):
+            # built-in iterators, itertools objects, operator.itemgetter & co
+            return self.iterator_parts(value)
+        if cls in _PLAIN_CLASSES:  # (a user's class: known after its first object)
+            return None
+        extra = self.held_by_builtin(value, cls)
+        if extra is None and not (hasattr(cls, "__dlpack__") or hasattr(cls, "__array__")):
+            if len(_PLAIN_CLASSES) >= 4096:  # classes made per element: not kept
+                _PLAIN_CLASSES.clear()
+            _PLAIN_CLASSES.add(cls)
+        return extra
+
+    def object_cost(self, value: Any, cls: type) -> int:
+        """Any other object: its exception parts, ``__dict__`` and slots; a class with
+        none of these warns once that its size is unknown."""
         total = sys.getsizeof(value)
         known = False
         if isinstance(value, BaseException):
@@ -407,14 +424,14 @@ class _Costing:
             if slots is None:
                 continue
             known = True
-            for slot in (slots,) if isinstance(slots, str) else slots:
-                if slot in ("__dict__", "__weakref__"):
-                    continue
-                if hasattr(value, slot):
-                    total += self.cost(getattr(value, slot))
+            total += self.slots_cost(value, (slots,) if isinstance(slots, str) else slots)
         if not known and not callable(value):
             _warn_unsized(cls)
         return total
+
+    def slots_cost(self, value: Any, slots: Iterable[str]) -> int:
+        return sum(self.cost(getattr(value, slot)) for slot in slots
+                   if slot not in ("__dict__", "__weakref__") and hasattr(value, slot))
 
     def held_by_builtin(self, value: Any, cls: type) -> int | None:
         """What the built-in holders keep alive besides their header, or None for other
@@ -522,6 +539,22 @@ class _Costing:
 
 #: What a suspended generator refers to without holding it for its elements: its code
 #: (and the frame object, whose contents are visited as the generator's own).
+#: ``_Costing.cost_other``'s kinds, in the order they are checked (a subclass may
+#: match several: an IntEnum is an int, a namedtuple a tuple): what each keeps alive
+#: besides its header.
+_BY_KIND: tuple[tuple[type | tuple[type, ...], Callable[[_Costing, Any], int]], ...] = (
+    (memoryview, _Costing.memoryview_parts),
+    (Mapping, _Costing.mapping_parts),
+    ((tuple, list), _Costing.sequence_parts),  # subclasses (namedtuples, ...)
+    (collections.deque, _Costing.listed_parts),
+    ((KeysView, ValuesView, ItemsView), _Costing.view_parts),
+    (functools.partial, _Costing.partial_parts),
+    (mmap.mmap, lambda _costing, value: _anonymous_bytes(value)),
+    ((ctypes.Array, ctypes.Structure, ctypes.Union), lambda _costing, value: ctypes.sizeof(value)),
+    ((set, frozenset), _Costing.set_parts),
+    ((str, bytes, int, float), lambda _costing, _value: 0),  # subclasses of the flat types
+)
+
 _NOT_HELD = frozenset({types.CodeType, types.FrameType, types.ModuleType})
 
 #: Modules whose C objects say what they hold by ``__reduce__`` (iterators, itertools,
@@ -698,21 +731,26 @@ def _owner_bytes(owner: object) -> int:
         return sys.getsizeof(owner)
 
 
+def _compact_array(value: np.ndarray[Any, Any], costing: _Costing) -> np.ndarray[Any, Any]:
+    """``value`` copied out if it is a view pinning a much larger owner of ours."""
+    if value.base is None:
+        return value
+    owner = owner_of(value)
+    if id(owner) in costing.preexisting or _is_file_backed(owner):
+        return value
+    if _owner_bytes(owner) <= _COMPACT_RATIO * value.nbytes + _COMPACT_MIN_SAVING:
+        return value
+    copied = np.array(value, copy=True, subok=True)
+    if not value.flags.writeable:
+        copied.flags.writeable = False  # a read-only view stays read-only (G5)
+    return copied
+
+
 def _compact(value: Any, costing: _Costing) -> Any:
     """``value`` with its wasteful views copied out (containers rebuilt, others kept)."""
     cls = type(value)
     if isinstance(value, np.ndarray):
-        if value.base is None:
-            return value
-        owner = owner_of(value)
-        if id(owner) in costing.preexisting or _is_file_backed(owner):
-            return value
-        if _owner_bytes(owner) <= _COMPACT_RATIO * value.nbytes + _COMPACT_MIN_SAVING:
-            return value
-        copied = np.array(value, copy=True, subok=True)
-        if not value.flags.writeable:
-            copied.flags.writeable = False  # a read-only view stays read-only (G5)
-        return copied
+        return _compact_array(value, costing)
     if cls is dict:
         return {key: _compact(item, costing) for key, item in value.items()}
     if cls is list:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from headrace.core.node import Node, known_spec
+from headrace.core.node import Node, Traits, known_spec
 from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE
 from headrace.profiling.probe import payload_bytes, recipe_nodes
@@ -234,27 +234,7 @@ def lint_recipe(
     findings: list[Finding] = []
     for node in recipe.nodes:
         traits = node.traits()
-        if traits.shuffle_buffer is not None and node.inputs[0].index_plan() is None:
-            findings += _shuffle_findings(recipe, node, traits.shuffle_buffer)
-        elif traits.shards is not None and node.inputs[0].index_plan() is None:
-            shards, index = traits.shards
-            maps = [n for n in recipe.chain_below(node) if n.traits().maps]
-            if maps:
-                findings.append(Finding(
-                    "shard-after-map", node.stage,
-                    f"shard({shards}, {index}) comes after {maps[0].stage}: "
-                    f"every worker runs the map on all elements and keeps 1 in {shards}",
-                    f"shard right after the source, before {maps[0].stage} "
-                    f"(ds.shard({shards}, {index}).map(...))",
-                ))
-        elif traits.drops:
-            finding = _filter_finding(recipe, node)
-            if finding is not None:
-                findings.append(finding)
-        elif traits.caches_in_memory:
-            finding = _cache_finding(recipe, node)
-            if finding is not None:
-                findings.append(finding)
+        findings += _buffer_findings(recipe, node, traits)
         parallel = traits.parallel_calls
         if parallel is not None and parallel != AUTOTUNE and parallel > cpus:
             findings.append(Finding(
@@ -275,6 +255,30 @@ def lint_recipe(
             "end it with .prefetch(hr.AUTOTUNE) (its depth grows inside the budget)",
         ))
     return findings
+
+
+def _buffer_findings(recipe: _Recipe, node: Node, traits: Traits) -> list[Finding]:
+    """What a stage's kind says of it: a shuffle's buffer, a shard after a map, a
+    filter's drops, an in-memory cache."""
+    if traits.shuffle_buffer is not None and node.inputs[0].index_plan() is None:
+        return _shuffle_findings(recipe, node, traits.shuffle_buffer)
+    finding: Finding | None = None
+    if traits.shards is not None and node.inputs[0].index_plan() is None:
+        shards, index = traits.shards
+        maps = [n for n in recipe.chain_below(node) if n.traits().maps]
+        if maps:
+            finding = Finding(
+                "shard-after-map", node.stage,
+                f"shard({shards}, {index}) comes after {maps[0].stage}: "
+                f"every worker runs the map on all elements and keeps 1 in {shards}",
+                f"shard right after the source, before {maps[0].stage} "
+                f"(ds.shard({shards}, {index}).map(...))",
+            )
+    elif traits.drops:
+        finding = _filter_finding(recipe, node)
+    elif traits.caches_in_memory:
+        finding = _cache_finding(recipe, node)
+    return [] if finding is None else [finding]
 
 
 def _shuffle_findings(recipe: _Recipe, node: Node, buffer_size: int) -> list[Finding]:

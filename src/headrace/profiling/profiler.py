@@ -269,6 +269,19 @@ class _Progress:
         self.stream.flush()
 
 
+def _check_run(dataset: Dataset, steps: int | None, epochs: int) -> None:
+    """Refuse a run :func:`profile` cannot make: no epochs, no steps, or an infinite
+    dataset without ``steps``."""
+    if epochs < 1:
+        raise InvalidArgumentError(f"profile: epochs must be >= 1, got {epochs}")
+    if steps is not None and steps < 1:
+        raise InvalidArgumentError(f"profile: steps must be >= 1 or None, got {steps}")
+    if steps is None and dataset.cardinality() == INFINITE:
+        raise InvalidArgumentError(
+            "profile: this dataset is infinite; pass steps=N to profile N elements per epoch"
+        )
+
+
 def profile(
     dataset: Dataset,
     *,
@@ -287,14 +300,7 @@ def profile(
     the recipe's findings (:mod:`headrace.profiling.lint`), measured ones
     included.
     """
-    if epochs < 1:
-        raise InvalidArgumentError(f"profile: epochs must be >= 1, got {epochs}")
-    if steps is not None and steps < 1:
-        raise InvalidArgumentError(f"profile: steps must be >= 1 or None, got {steps}")
-    if steps is None and dataset.cardinality() == INFINITE:
-        raise InvalidArgumentError(
-            "profile: this dataset is infinite; pass steps=N to profile N elements per epoch"
-        )
+    _check_run(dataset, steps, epochs)
     out = stream if stream is not None else sys.stderr
     show = progress if progress is not None else bool(getattr(out, "isatty", lambda: False)())
     instrumenter = Instrumenter(dataset.node)

@@ -1,15 +1,16 @@
 """Diagnose an existing ``tf.data.Dataset``: its graph, what each stage will hold, the fixes.
 
-For users who have a tf.data pipeline and an OOM: ``headrace doctor`` reads
-the dataset's chain of transformations (the Python dataset objects, which
-carry each op's arguments — cache file names, shuffle buffer sizes, prefetch
-depths, interleave cycle lengths — and the graph TensorFlow serializes from
-them, whose ``Const`` nodes are the arrays ``from_tensor_slices`` embedded),
-samples a few elements where sizes change (map, interleave, the source),
-estimates what each stage will hold, flags the same hazards as headrace's
-lint with fixes, measures the process's memory across epochs, and names the
-headrace equivalent of each stage. TensorFlow is imported only when a
-tf.data dataset is given.
+For users who have a tf.data pipeline and an OOM. ``headrace doctor`` reads the
+dataset's chain of transformations from two places. The Python dataset objects
+carry each op's arguments: cache file names, shuffle buffer sizes, prefetch
+depths, interleave cycle lengths. The graph TensorFlow serializes from them
+holds, as ``Const`` nodes, the arrays ``from_tensor_slices`` embedded.
+
+It then samples a few elements where sizes change (map, interleave, the source)
+and estimates what each stage will hold. It flags the same hazards as
+headrace's lint, with fixes, and measures the process's memory across epochs.
+It names the headrace equivalent of each stage. TensorFlow is imported only
+when a tf.data dataset is given.
 """
 
 from __future__ import annotations
@@ -206,24 +207,16 @@ def read_tf_pipeline(dataset: Any, *, sample: bool = True) -> list[TfStage]:
         below = stages[-1].element_bytes if stages else None
         constant_bytes = 0
         note = ""
-        if kind in _SAME_SIZE:
-            size = below
-        elif kind in ("batch", "padded_batch") and below is not None:
-            size = below * int(args.get("batch_size", 1))
-        elif kind == "from_tensor_slices":
+        if kind == "from_tensor_slices":
             constant_bytes = sum(_tensor_bytes(t) for t in item._tensors)
             size = constant_bytes / cardinality if cardinality > 0 else None
             note = graph_note or (
                 f"the graph embeds {format_bytes(graph_consts)} of constants" if graph_consts
                 else ""
             )
-        elif sample and buffered <= _MAX_SAMPLE_THROUGH:
-            try:
-                size = _sample(item)
-            except Exception:
-                size = below
         else:
-            size = below
+            size = _element_size(kind, args, item, below,
+                                 sample and buffered <= _MAX_SAMPLE_THROUGH)
         holds = _holds(kind, args, size, item, constant_bytes)
         if holds is not None:
             buffered = max(buffered, holds)
@@ -234,6 +227,23 @@ def read_tf_pipeline(dataset: Any, *, sample: bool = True) -> list[TfStage]:
     return stages
 
 
+def _element_size(kind: str, args: dict[str, Any], item: Any, below: float | None,
+                  sample: bool) -> float | None:
+    """A stage's element size: from the stage below where the kind says (the same, or a
+    batch of them), else measured on a sample when ``sample`` (no large buffer below
+    would fill to give it)."""
+    if kind in _SAME_SIZE:
+        return below
+    if kind in ("batch", "padded_batch") and below is not None:
+        return below * int(args.get("batch_size", 1))
+    if not sample:
+        return below
+    try:
+        return _sample(item)
+    except Exception:
+        return below
+
+
 def _holds(kind: str, args: dict[str, Any], size: float | None, item: Any,
            constant_bytes: int) -> float | None:
     cpus = os.cpu_count() or 1
@@ -242,13 +252,7 @@ def _holds(kind: str, args: dict[str, Any], size: float | None, item: Any,
     if size is None:
         return None
     if kind == "cache":
-        if args.get("filename"):
-            return 0.0  # on disk
-        try:
-            count = int(item._input_dataset.cardinality().numpy())
-        except Exception:
-            return None
-        return size * count if count >= 0 else None
+        return _cache_holds(args, size, item)
     if kind == "shuffle":
         return size * int(args.get("buffer_size", 0))
     if kind == "prefetch":
@@ -264,6 +268,18 @@ def _holds(kind: str, args: dict[str, Any], size: float | None, item: Any,
     if kind in ("batch", "padded_batch"):
         return size
     return None
+
+
+def _cache_holds(args: dict[str, Any], size: float, item: Any) -> float | None:
+    """What a cache holds in memory: its whole input (nothing when it is on disk);
+    None when the input's size is unknown or infinite."""
+    if args.get("filename"):
+        return 0.0  # on disk
+    try:
+        count = int(item._input_dataset.cardinality().numpy())
+    except Exception:
+        return None
+    return size * count if count >= 0 else None
 
 
 def format_tf_stages(stages: list[TfStage], budget: int) -> str:
@@ -285,95 +301,11 @@ def format_tf_stages(stages: list[TfStage], budget: int) -> str:
 def lint_tf(stages: list[TfStage], budget: int) -> list[Finding]:
     """Hazards of a tf.data chain (source first), each with a fix and the headrace way."""
     findings: list[Finding] = []
-    cpus = os.cpu_count() or 1
     for position, stage in enumerate(stages):
-        below = stages[:position]
-        if stage.kind == "from_tensor_slices" and stage.constant_bytes >= 32 << 20:
-            findings.append(Finding(
-                "constant-in-graph", stage.name,
-                f"from_tensor_slices embeds {format_bytes(stage.constant_bytes)} in the graph as "
-                "constants: TensorFlow copies it (expect RSS of ~2-3x the array on top of it) "
-                "and refuses graphs past 2 GB",
-                "headrace: hr.Dataset.from_tensor_slices(array) serves rows as views of the "
-                "array (no copy); for data larger than RAM, np.save it and use "
-                "hr.Dataset.from_npy(path) (a memmap, file-backed, not charged)",
-            ))
-        if stage.kind == "cache" and not stage.args.get("filename"):
-            if stage.holds is None:
-                findings.append(Finding(
-                    "cache-too-big", stage.name,
-                    "an in-memory cache of an input of unknown or infinite size: it grows "
-                    "until the process is killed",
-                    "cache to disk (.cache(filename)) or not at all; headrace: read the source "
-                    "again (the page cache keeps it warm without charging the budget)",
-                ))
-            elif stage.holds > budget // 2:
-                findings.append(Finding(
-                    "cache-too-big", stage.name,
-                    f"cache() will hold ~{format_bytes(int(stage.holds))} "
-                    f"({stage.cardinality if stage.cardinality >= 0 else '?'} elements of "
-                    f"~{format_bytes(int(stage.element_bytes or 0))}), more than half the memory "
-                    f"budget of {format_bytes(budget)}",
-                    "cache to disk: .cache('/path/on/ssd/cache'); headrace: write it once with "
-                    "ds.save_tfrecords(...) and read hr.TFRecordDataset (no in-memory cache)",
-                ))
-        if stage.kind == "shuffle" and stage.holds is not None and stage.holds > budget // 4:
-            fits = int((budget // 4) // stage.element_bytes) if stage.element_bytes else 0
-            findings.append(Finding(
-                "shuffle-too-big", stage.name,
-                f"shuffle(buffer_size={stage.args.get('buffer_size')}) of "
-                f"~{format_bytes(int(stage.element_bytes or 0))} elements holds "
-                f"~{format_bytes(int(stage.holds))}, more than a quarter of the budget of "
-                f"{format_bytes(budget)}",
-                f"shuffle file names or indices before reading, or buffer_size≈{fits:,}; "
-                "headrace: the same shuffle shrinks to fit its share with a warning, and over "
-                "hr.Dataset.from_tensor_slices / an indexed TFRecordDataset it shuffles indices",
-            ))
-        if stage.kind == "shuffle" and (stage.element_bytes or 0) >= LARGE_ELEMENT:
-            maps = [s for s in below if s.kind == "map"]
-            if maps:
-                decoder = maps[-1]
-                index = stages.index(decoder)
-                before = stages[index - 1].element_bytes if index else None
-                if before and decoder.element_bytes and decoder.element_bytes >= 1.5 * before:
-                    findings.append(Finding(
-                        "decode-before-shuffle", stage.name,
-                        f"{decoder.name} inflates elements {decoder.element_bytes / before:.1f}x "
-                        f"(to ~{format_bytes(int(decoder.element_bytes))}) before the shuffle: its "
-                        "buffer holds decoded data",
-                        "shuffle the encoded elements (or file names) first, then "
-                        "map(decode, num_parallel_calls=AUTOTUNE)",
-                    ))
-        if stage.kind == "shard" and any(s.kind == "map" for s in below):
-            findings.append(Finding(
-                "shard-after-map", stage.name,
-                "shard comes after a map: every worker maps every element and keeps 1 in n",
-                "shard right after the source (headrace shards indices before any map over a "
-                "random-access source)",
-            ))
-        if stage.kind == "filter" and any(s.kind == "map" for s in below):
-            findings.append(Finding(
-                "filter-after-map", stage.name,
-                "filter runs after a map: elements it drops were mapped for nothing",
-                "filter first if the predicate can read the raw element",
-                severity="info",
-            ))
-        calls = stage.args.get("num_parallel_calls")
-        if isinstance(calls, int) and calls > cpus:
-            findings.append(Finding(
-                "parallel-above-cpus", stage.name,
-                f"num_parallel_calls={calls} on {cpus} CPUs",
-                "num_parallel_calls=tf.data.AUTOTUNE (headrace: hr.AUTOTUNE, inside the budget)",
-            ))
-        if stage.kind == "interleave" and isinstance(calls, int) and calls != 0:
-            cycle = stage.args.get("cycle_length", cpus)
-            findings.append(Finding(
-                "interleave-open-files", stage.name,
-                f"parallel interleave keeps up to ~3 x cycle_length = {3 * int(cycle)} inputs "
-                "open (descriptors and read buffers)",
-                "headrace's interleave caps descriptors process-wide (Options(max_open_files))",
-                severity="info",
-            ))
+        for rule in _STAGE_RULES:
+            found = rule(stage, position, stages, budget)
+            if found is not None:
+                findings.append(found)
     if stages and stages[-1].kind != "prefetch":
         findings.append(Finding(
             "no-prefetch", stages[-1].name,
@@ -381,6 +313,154 @@ def lint_tf(stages: list[TfStage], budget: int) -> list[Finding]:
             "turns", ".prefetch(tf.data.AUTOTUNE) (headrace: .prefetch(hr.AUTOTUNE))",
         ))
     return findings
+
+
+# Each rule of lint_tf looks at one stage (``position`` in ``stages``, source first)
+# and gives at most one finding.
+
+
+def _constant_in_graph(stage: TfStage, position: int, stages: list[TfStage],
+                       budget: int) -> Finding | None:
+    if stage.kind != "from_tensor_slices" or stage.constant_bytes < 32 << 20:
+        return None
+    return Finding(
+        "constant-in-graph", stage.name,
+        f"from_tensor_slices embeds {format_bytes(stage.constant_bytes)} in the graph as "
+        "constants: TensorFlow copies it (expect RSS of ~2-3x the array on top of it) "
+        "and refuses graphs past 2 GB",
+        "headrace: hr.Dataset.from_tensor_slices(array) serves rows as views of the "
+        "array (no copy); for data larger than RAM, np.save it and use "
+        "hr.Dataset.from_npy(path) (a memmap, file-backed, not charged)",
+    )
+
+
+def _cache_too_big(stage: TfStage, position: int, stages: list[TfStage],
+                   budget: int) -> Finding | None:
+    if stage.kind != "cache" or stage.args.get("filename"):
+        return None
+    if stage.holds is None:
+        return Finding(
+            "cache-too-big", stage.name,
+            "an in-memory cache of an input of unknown or infinite size: it grows "
+            "until the process is killed",
+            "cache to disk (.cache(filename)) or not at all; headrace: read the source "
+            "again (the page cache keeps it warm without charging the budget)",
+        )
+    if stage.holds <= budget // 2:
+        return None
+    return Finding(
+        "cache-too-big", stage.name,
+        f"cache() will hold ~{format_bytes(int(stage.holds))} "
+        f"({stage.cardinality if stage.cardinality >= 0 else '?'} elements of "
+        f"~{format_bytes(int(stage.element_bytes or 0))}), more than half the memory "
+        f"budget of {format_bytes(budget)}",
+        "cache to disk: .cache('/path/on/ssd/cache'); headrace: write it once with "
+        "ds.save_tfrecords(...) and read hr.TFRecordDataset (no in-memory cache)",
+    )
+
+
+def _shuffle_too_big(stage: TfStage, position: int, stages: list[TfStage],
+                     budget: int) -> Finding | None:
+    if stage.kind != "shuffle" or stage.holds is None or stage.holds <= budget // 4:
+        return None
+    fits = int((budget // 4) // stage.element_bytes) if stage.element_bytes else 0
+    return Finding(
+        "shuffle-too-big", stage.name,
+        f"shuffle(buffer_size={stage.args.get('buffer_size')}) of "
+        f"~{format_bytes(int(stage.element_bytes or 0))} elements holds "
+        f"~{format_bytes(int(stage.holds))}, more than a quarter of the budget of "
+        f"{format_bytes(budget)}",
+        f"shuffle file names or indices before reading, or buffer_size≈{fits:,}; "
+        "headrace: the same shuffle shrinks to fit its share with a warning, and over "
+        "hr.Dataset.from_tensor_slices / an indexed TFRecordDataset it shuffles indices",
+    )
+
+
+def _decode_before_shuffle(stage: TfStage, position: int, stages: list[TfStage],
+                           budget: int) -> Finding | None:
+    if stage.kind != "shuffle" or (stage.element_bytes or 0) < LARGE_ELEMENT:
+        return None
+    maps = [s for s in stages[:position] if s.kind == "map"]
+    if not maps:
+        return None
+    decoder = maps[-1]
+    index = stages.index(decoder)
+    before = stages[index - 1].element_bytes if index else None
+    if not (before and decoder.element_bytes and decoder.element_bytes >= 1.5 * before):
+        return None
+    return Finding(
+        "decode-before-shuffle", stage.name,
+        f"{decoder.name} inflates elements {decoder.element_bytes / before:.1f}x "
+        f"(to ~{format_bytes(int(decoder.element_bytes))}) before the shuffle: its "
+        "buffer holds decoded data",
+        "shuffle the encoded elements (or file names) first, then "
+        "map(decode, num_parallel_calls=AUTOTUNE)",
+    )
+
+
+def _shard_after_map(stage: TfStage, position: int, stages: list[TfStage],
+                     budget: int) -> Finding | None:
+    if stage.kind != "shard" or not any(s.kind == "map" for s in stages[:position]):
+        return None
+    return Finding(
+        "shard-after-map", stage.name,
+        "shard comes after a map: every worker maps every element and keeps 1 in n",
+        "shard right after the source (headrace shards indices before any map over a "
+        "random-access source)",
+    )
+
+
+def _filter_after_map(stage: TfStage, position: int, stages: list[TfStage],
+                      budget: int) -> Finding | None:
+    if stage.kind != "filter" or not any(s.kind == "map" for s in stages[:position]):
+        return None
+    return Finding(
+        "filter-after-map", stage.name,
+        "filter runs after a map: elements it drops were mapped for nothing",
+        "filter first if the predicate can read the raw element",
+        severity="info",
+    )
+
+
+def _parallel_above_cpus(stage: TfStage, position: int, stages: list[TfStage],
+                         budget: int) -> Finding | None:
+    calls = stage.args.get("num_parallel_calls")
+    cpus = os.cpu_count() or 1
+    if not (isinstance(calls, int) and calls > cpus):
+        return None
+    return Finding(
+        "parallel-above-cpus", stage.name,
+        f"num_parallel_calls={calls} on {cpus} CPUs",
+        "num_parallel_calls=tf.data.AUTOTUNE (headrace: hr.AUTOTUNE, inside the budget)",
+    )
+
+
+def _interleave_open_files(stage: TfStage, position: int, stages: list[TfStage],
+                           budget: int) -> Finding | None:
+    calls = stage.args.get("num_parallel_calls")
+    if stage.kind != "interleave" or not isinstance(calls, int) or calls == 0:
+        return None
+    cycle = stage.args.get("cycle_length", os.cpu_count() or 1)
+    return Finding(
+        "interleave-open-files", stage.name,
+        f"parallel interleave keeps up to ~3 x cycle_length = {3 * int(cycle)} inputs "
+        "open (descriptors and read buffers)",
+        "headrace's interleave caps descriptors process-wide (Options(max_open_files))",
+        severity="info",
+    )
+
+
+#: lint_tf's rules, in the order their findings are listed for a stage.
+_STAGE_RULES: tuple[Callable[[TfStage, int, list[TfStage], int], Finding | None], ...] = (
+    _constant_in_graph,
+    _cache_too_big,
+    _shuffle_too_big,
+    _decode_before_shuffle,
+    _shard_after_map,
+    _filter_after_map,
+    _parallel_above_cpus,
+    _interleave_open_files,
+)
 
 
 def diagnose_tf(

@@ -730,7 +730,7 @@ class _FileRecordsIterator(Iterator):
         found = None if self.log is None or not token else self.log.find(token - 1)
         return None if found is None else self._origin(*found)
 
-    def read_many(self, count: int, account: Buffer) -> tuple[list[bytes], Reservation]:
+    def read_many(self, count: int, account: Buffer) -> tuple[list[bytes], Reservation]:  # noqa: C901
         """Up to ``count`` records across file boundaries (fewer only at the very end),
         booked together on ``account``: they are one batch, which must fit its share.
 

@@ -110,26 +110,10 @@ class ListRows:
                 item_shape = ()
                 kinds.add("bytes")
             else:
-                if isinstance(item, np.ndarray) and item.dtype.kind not in "SUO":
-                    array = item
-                elif isinstance(item, (np.ndarray, list)):
-                    try:
-                        array = to_leaf_array(item)  # one item's conversion, for its spec
-                    except ValueError:  # ragged inside: NumPy's error, as before
-                        return None
-                else:
+                found = _array_item_shape(item, kinds, dtypes)
+                if found is None:
                     return None
-                item_shape = tuple(array.shape)
-                if not item_shape:
-                    return None  # a 0-d array among strings: converted whole, as before
-                if array.dtype.kind == "O":
-                    flat = array.ravel()
-                    if not all(isinstance(part, (str, bytes)) for part in flat):
-                        return None
-                    kinds.update("str" if isinstance(part, str) else "bytes" for part in flat)
-                else:
-                    kinds.add("numeric")
-                    dtypes.add(array.dtype)
+                item_shape = found
             if shape is None:
                 shape = item_shape
             elif item_shape != shape:
@@ -264,3 +248,32 @@ class ListRows:
         whole = self.stack(self.items)
         whole.flags.writeable = False
         return whole
+
+
+def _array_item_shape(item: Any, kinds: set[str], dtypes: set[np.dtype[Any]]
+                      ) -> tuple[int, ...] | None:
+    """The shape of an array (or nested list) item of a list of rows, noting its kind
+    (and dtype) in ``kinds`` and ``dtypes``; None when the list is to be converted as
+    a whole, as before: the item is another object, ragged inside, 0-d, or an object
+    array of something other than str and bytes."""
+    if isinstance(item, np.ndarray) and item.dtype.kind not in "SUO":
+        array = item
+    elif isinstance(item, (np.ndarray, list)):
+        try:
+            array = to_leaf_array(item)  # one item's conversion, for its spec
+        except ValueError:  # ragged inside: NumPy's error, as before
+            return None
+    else:
+        return None
+    shape = tuple(array.shape)
+    if not shape:
+        return None  # a 0-d array among strings
+    if array.dtype.kind == "O":
+        flat = array.ravel()
+        if not all(isinstance(part, (str, bytes)) for part in flat):
+            return None
+        kinds.update("str" if isinstance(part, str) else "bytes" for part in flat)
+    else:
+        kinds.add("numeric")
+        dtypes.add(array.dtype)
+    return shape

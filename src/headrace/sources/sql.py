@@ -1,86 +1,103 @@
 """SQL queries as a source: batches of ``{column: NumPy array}``, resumable by key.
 
 ``Dataset.from_sql(query, params, connection=..., key=...)`` (this module's
-:class:`SqlNode`) reads a query's
-rows in batches. ``connection`` is a URL — ``sqlite:///path.db`` (the
-standard library's sqlite3: embedded, no server) or ``postgresql://...``
-(the ``[postgres]`` extra) — or a picklable zero-argument function returning a
-``sqlite3`` or ADBC PostgreSQL connection. The recipe keeps the URL or the
-function, never a live connection.
+:class:`SqlNode`) reads a query's rows in batches. ``connection`` is a URL, or a
+picklable zero-argument function returning a ``sqlite3`` or ADBC PostgreSQL
+connection. URLs are ``sqlite:///path.db`` (the standard library's sqlite3:
+embedded, no server) or ``postgresql://...`` (the ``[postgres]`` extra). The
+recipe keeps the URL or the function, never a live connection.
 
-PostgreSQL goes through ADBC's libpq driver (``adbc-driver-postgresql``),
-which receives rows in PostgreSQL's binary COPY format and decodes them in
-C++ into Arrow columns: NumPy arrays come out without a Python object per
-value. ``benchmarks/bench_sql.py`` measures it against a psycopg 3
-server-side cursor and psycopg's binary COPY parsed with NumPy.
+PostgreSQL goes through ADBC's libpq driver (``adbc-driver-postgresql``). It
+receives rows in PostgreSQL's binary COPY format and decodes them in C++ into
+Arrow columns, so NumPy arrays come out without a Python object per value.
+``benchmarks/bench_sql.py`` measures it against a psycopg 3 server-side cursor,
+and against psycopg's binary COPY parsed with NumPy.
 
-Pages (G1, G4): with a ``key`` column (unique, non-NULL, sortable), rows are
-read in pages of ``page_rows`` by keyset pagination — ``SELECT * FROM (query)
-WHERE key >= :last ORDER BY key LIMIT :page_rows + 1``, the row of the last key
-dropped — each page booked on the stage's share of the budget before it is
-held, so a table of any size streams in flat memory. The iterator's state
-holds the last key handed out; a restore asks for the rows after it. Keyset
-pages are exact only over a unique key: rows sharing a key with the last row
-of a page would be skipped, and NULL keys never reached. So the key is checked
-as it is read — two rows with one key side by side in a page, a second row of
-the last key at the start of the next, a NULL key (and, where pages could not
-see one, one query for ``key IS NULL`` at the end) raise :class:`SqlError`
-naming the key: the rows before it were delivered once, none is skipped in
-silence. (A unique index or primary key is not required, only unique values;
-headrace cannot tell, from a query, which table a column comes from.) Without
-a key the query is read once through a cursor (``fetchmany``), and a restore
-re-runs it and skips the rows already delivered — exact only if the query's
-order is deterministic.
+Pages (G1, G4). With a ``key`` column (unique, non-NULL, sortable), rows are read
+in pages of ``page_rows`` by keyset pagination: ``SELECT * FROM (query) WHERE key
+>= :last ORDER BY key LIMIT :page_rows + 1``, with the row of the last key
+dropped. Each page is booked on the stage's share of the budget before it is
+held, so a table of any size streams in flat memory. The iterator's state holds
+the last key handed out; a restore asks for the rows after it.
 
-The query is one statement; it may end with ``;``, whitespace and comments,
-which are dropped (tokenized as the database does, strings and quoted names
-left alone) before it is nested as ``(query)``. Values only ever travel as
-query parameters (``params``, the last key, the page size, the shard
-numbers); the key column's name is quoted as an identifier. A lost
-connection (an I/O error, SQLSTATE class 08, a server shutting down) is
-retried from the last key up to ``max_retries`` times, then
-:class:`SqlError` says what failed, how often, and from which key; nothing is
-delivered twice or skipped. Anything else — no such table or column, a
-syntax error, a refused permission, a bad value — fails at once with the
-database's message and the query. A ``sqlite:///`` path that is not a file
-is refused (sqlite3 would create an empty database there).
+Keyset pages are exact only over a unique key. Rows sharing a key with the last
+row of a page would be skipped, and NULL keys never reached. So the key is
+checked as it is read. These raise :class:`SqlError` naming the key:
 
-Types come from the result's column types (PostgreSQL), or from the first
-page's values (SQLite, whose columns have no fixed type): integers int64,
-reals float64, booleans bool, text ``str`` and blobs ``bytes`` in ``object``
-arrays. A SQLite column may mix storage classes, so a later value that its type
-would change (1.5 or '1' in an int64 column, text in a float64 one, an integer
-beyond 2**53 in float64) raises :class:`SqlError` naming the column (the key
-column as such), the row and the value, never converted in silence: which values
-come first depends on ``page_rows``, so pass ``dtypes={column: ...}`` (float64 for
-integers and reals, ``object`` for anything, kept as it is) or CAST in SQL. Pages
-start from the last key exactly as the database returned it. A NULL takes
-``null_defaults[column]`` (or ``null_defaults["*"]``, for every column without
-an entry of its own), or raises naming the column, the row and its key. A default given as :class:`TextDefault` (what ``headrace
+- two rows with one key side by side in a page;
+- a second row of the last key at the start of the next page;
+- a NULL key (and, where pages could not see one, one query for ``key IS NULL``
+  at the end).
+
+The rows before it were delivered once; none is skipped in silence. A unique
+index or primary key is not required, only unique values: headrace cannot tell,
+from a query, which table a column comes from. Without a key, the query is read
+once through a cursor (``fetchmany``). A restore then re-runs it and skips the
+rows already delivered, which is exact only if the query's order is
+deterministic.
+
+The query is one statement. It may end with ``;``, whitespace and comments,
+which are dropped before it is nested as ``(query)``. They are found by
+tokenizing as the database does, leaving strings and quoted names alone. Values
+only ever travel as query parameters: ``params``, the last key, the page size,
+the shard numbers. The key column's name is quoted as an identifier.
+
+A lost connection (an I/O error, SQLSTATE class 08, a server shutting down) is
+retried from the last key, up to ``max_retries`` times. Then :class:`SqlError`
+says what failed, how often, and from which key. Nothing is delivered twice or
+skipped. Anything else fails at once with the database's message and the query:
+no such table or column, a syntax error, a refused permission, a bad value. A
+``sqlite:///`` path that is not a file is refused (sqlite3 would create an empty
+database there).
+
+Types come from the result's column types (PostgreSQL), or from the first page's
+values (SQLite, whose columns have no fixed type). Integers become int64, reals
+float64, booleans bool; text becomes ``str`` and blobs ``bytes``, in ``object``
+arrays. A SQLite column may mix storage classes. A later value that its type
+would change raises :class:`SqlError` naming the column (the key column as
+such), the row and the value; it is never converted in silence. Examples: 1.5 or
+'1' in an int64 column, text in a float64 one, an integer beyond 2**53 in
+float64. Which values come first depends on ``page_rows``. So pass
+``dtypes={column: ...}`` (float64 for integers and reals, ``object`` for
+anything, kept as it is), or CAST in SQL. Pages start from the last key exactly
+as the database returned it.
+
+A NULL takes ``null_defaults[column]``, or ``null_defaults["*"]`` for every
+column without an entry of its own. Without one, it raises naming the column,
+the row and its key. A default given as :class:`TextDefault` (what ``headrace
 convert --null-default`` passes) is parsed as each column's type where it is
-used, so one value serves integer, float and text columns alike.
+used. So one value serves integer, float and text columns alike.
 
 Parameters (``params``) are int, float, bool, str, bytes, ``datetime.date``,
-``datetime.datetime``, ``decimal.Decimal`` or None (NumPy scalars count as their Python
-type); anything else is refused when the dataset is built, naming its position.
-PostgreSQL binds each with its own type (bigint, double precision, boolean, text, bytea,
-date, timestamp or timestamptz for an aware datetime, numeric): a text parameter
-compares with text only, so a date column needs a ``date``. SQLite stores dates as text,
-so a date is bound as ``2024-01-31``, a datetime as ``2024-01-31 12:00:00`` (an aware
-one in UTC), a Decimal as its exact text, a bool as 1 or 0. Placeholders are the
-driver's: ``$1, $2`` (PostgreSQL), ``?`` (SQLite); psycopg's ``%s`` and ``%(name)s`` are
-refused, the message showing the query rewritten with the right ones.
+``datetime.datetime``, ``decimal.Decimal`` or None. NumPy scalars count as their
+Python type. Anything else is refused when the dataset is built, naming its
+position. PostgreSQL binds each with its own type: bigint, double precision,
+boolean, text, bytea, date, timestamp (timestamptz for an aware datetime),
+numeric. A text parameter compares with text only, so a date column needs a
+``date``. SQLite stores dates as text. So a date is bound as ``2024-01-31``, a
+datetime as ``2024-01-31 12:00:00`` (an aware one in UTC), a Decimal as its
+exact text, a bool as 1 or 0. Placeholders are the driver's: ``$1, $2``
+(PostgreSQL), ``?`` (SQLite). psycopg's ``%s`` and ``%(name)s`` are refused;
+the message shows the query rewritten with the right ones.
 
-PostgreSQL column types become: date ``datetime64[D]``; timestamp ``datetime64[us]``;
-timestamptz ``datetime64[us]`` holding the instant in UTC (NumPy has no time zones);
-time ``timedelta64[us]`` since midnight; interval ``timedelta64[us]`` (a day is 24 h; an
-interval with months, whose length is not fixed, raises naming the column and row);
-numeric ``float64`` (``dtypes={column: object}``: exact ``decimal.Decimal``); uuid ``str``
-in its canonical form; json and jsonb ``str`` (the JSON text); an array an ``object``
-array holding one 1-D NumPy array per row, of its element's type by these rules (an
-element that is NULL raises; ADBC hands a multi-dimensional array over flattened, so
-reshape it, or unnest it in SQL); types without a rule arrive as their text. SQLite has
-no date type: pass ``dtypes={"day": "datetime64[D]"}`` to parse ISO text.
+PostgreSQL column types become:
+
+- date: ``datetime64[D]``; timestamp: ``datetime64[us]``;
+- timestamptz: ``datetime64[us]`` holding the instant in UTC (NumPy has no time
+  zones);
+- time: ``timedelta64[us]`` since midnight;
+- interval: ``timedelta64[us]``, a day being 24 h. An interval with months,
+  whose length is not fixed, raises naming the column and row;
+- numeric: ``float64``, or exact ``decimal.Decimal`` with
+  ``dtypes={column: object}``;
+- uuid: ``str`` in its canonical form; json and jsonb: ``str`` (the JSON text);
+- an array: an ``object`` array holding one 1-D NumPy array per row, of its
+  element's type by these rules. An element that is NULL raises. ADBC hands a
+  multi-dimensional array over flattened: reshape it, or unnest it in SQL;
+- types without a rule: their text.
+
+SQLite has no date type: pass ``dtypes={"day": "datetime64[D]"}`` to parse ISO
+text.
 """
 
 from __future__ import annotations
@@ -183,20 +200,9 @@ def _scan(query: str, postgres: bool) -> tuple[str, list[int]]:
         if c.isspace():
             i += 1
             continue
-        if query.startswith("--", i):
-            stop = query.find("\n", i)
-            i = n if stop < 0 else stop + 1
-            continue
-        if query.startswith("/*", i):
-            depth, j = 1, i + 2
-            while j < n and depth:
-                if query.startswith("*/", j):
-                    depth, j = depth - 1, j + 2
-                elif postgres and query.startswith("/*", j):
-                    depth, j = depth + 1, j + 2
-                else:
-                    j += 1
-            i = j  # (an unterminated comment runs to the end, as SQLite reads it)
+        stop = _comment_end(query, i, postgres)
+        if stop > i:
+            i = stop
             continue
         if c == ";":
             if semicolon is None:
@@ -208,37 +214,73 @@ def _scan(query: str, postgres: bool) -> tuple[str, list[int]]:
                 f"from_sql: the query holds more than one statement (code after the ';' at "
                 f"character {semicolon}); give one SELECT: {query!r:.200}"
             )
-        if c in ("'\"" if postgres else "'\"[`"):  # (PostgreSQL's [ is a subscript)
-            close = {"[": "]"}.get(c, c)
-            backslash = postgres and c == "'" and i > 0 and query[i - 1] in "eE" and (
-                i < 2 or not (query[i - 2].isalnum() or query[i - 2] in "_$"))
-            j = i + 1
-            while j < n:
-                if backslash and query[j] == "\\":
-                    j += 2
-                elif query[j] == close:
-                    if close != "]" and query.startswith(close * 2, j):
-                        j += 2  # a doubled quote is one quote character
-                    else:
-                        break
-                else:
-                    j += 1
-            if j >= n:
-                return query.strip(), percents  # unterminated: the database says where
-            i = end = j + 1
+        stop = _quoted_end(query, i, postgres)
+        if stop < 0:
+            return query.strip(), percents  # unterminated: the database says where
+        if stop > i:
+            i = end = stop
             continue
-        if postgres and c == "$":
-            tag = _DOLLAR_TAG.match(query, i)
-            if tag is not None and not (i > 0 and (query[i - 1].isalnum() or query[i - 1] == "_")):
-                stop = query.find(tag.group(), tag.end())
-                if stop < 0:
-                    return query.strip(), percents
-                i = end = stop + len(tag.group())
-                continue
         if c == "%":
             percents.append(i)
         i = end = i + 1
     return query[:end], percents
+
+
+
+def _comment_end(query: str, i: int, postgres: bool) -> int:
+    """Just past the comment at ``i``; ``i`` if none starts there. A ``--`` comment runs
+    to the line's end; a ``/* */`` one nests in PostgreSQL, and unterminated runs to
+    the end, as SQLite reads it."""
+    n = len(query)
+    if query.startswith("--", i):
+        stop = query.find("\n", i)
+        return n if stop < 0 else stop + 1
+    if not query.startswith("/*", i):
+        return i
+    depth, j = 1, i + 2
+    while j < n and depth:
+        if query.startswith("*/", j):
+            depth, j = depth - 1, j + 2
+        elif postgres and query.startswith("/*", j):
+            depth, j = depth + 1, j + 2
+        else:
+            j += 1
+    return j
+
+
+def _quoted_end(query: str, i: int, postgres: bool) -> int:
+    """Just past the string or quoted name starting at ``i``; ``i`` itself if none
+    starts there; -1 if it is not terminated."""
+    c = query[i]
+    if postgres and c == "$":
+        return _dollar_end(query, i)
+    if c not in ("'\"" if postgres else "'\"[`"):  # (PostgreSQL's [ is a subscript)
+        return i
+    close = {"[": "]"}.get(c, c)
+    backslash = postgres and c == "'" and i > 0 and query[i - 1] in "eE" and (
+        i < 2 or not (query[i - 2].isalnum() or query[i - 2] in "_$"))
+    j, n = i + 1, len(query)
+    while j < n:
+        if backslash and query[j] == "\\":
+            j += 2
+        elif query[j] == close:
+            if close != "]" and query.startswith(close * 2, j):
+                j += 2  # a doubled quote is one quote character
+            else:
+                return j + 1
+        else:
+            j += 1
+    return -1
+
+
+def _dollar_end(query: str, i: int) -> int:
+    """Just past PostgreSQL's ``$tag$...$tag$`` string at ``i``; ``i`` if the ``$`` does
+    not start one (a ``$1`` parameter, part of a name); -1 if it is not terminated."""
+    tag = _DOLLAR_TAG.match(query, i)
+    if tag is None or (i > 0 and (query[i - 1].isalnum() or query[i - 1] == "_")):
+        return i
+    stop = query.find(tag.group(), tag.end())
+    return -1 if stop < 0 else stop + len(tag.group())
 
 
 _PYFORMAT = re.compile(r"%(?:s|\((?P<name>[^()]*)\)s)(?![A-Za-z0-9_])")
@@ -632,31 +674,13 @@ def _arrow_to_numpy(name: str, column: Any, pg_type: str, wanted: Any,
 
     kind = column.type
     if pg_type == "numeric" or pa.types.is_decimal(kind):
-        if isinstance(kind, pa.BaseExtensionType):
-            column = column.storage  # (ADBC sends numeric as its text)
-        values = column.to_pylist()
-        if wanted is not None and np.dtype(wanted) == object:  # exact: decimal.Decimal
-            exact = np.empty(len(values), dtype=object)
-            exact[:] = [v if isinstance(v, decimal.Decimal) else decimal.Decimal(v)
-                        for v in values]
-            return exact
-        return np.array([float(v) for v in values], dtype=np.float64)
+        return _numeric_to_numpy(column, wanted)
     if pa.types.is_time(kind):  # time of day: the duration since midnight
         unit = kind.unit
         return np.asarray(column.cast(pa.int64()).to_numpy(zero_copy_only=False)).view(
             f"timedelta64[{unit}]")
     if pa.types.is_interval(kind):
-        # (NumPy has no month: an interval of months has no fixed length in microseconds)
-        micros = np.empty(len(column), dtype="timedelta64[us]")
-        for row, value in enumerate(column.to_pylist()):
-            months, days, nanoseconds = value
-            if months:
-                raise SqlError(
-                    f"from_sql: column {name!r} row {first_row + row}: the interval {value} "
-                    f"has months, whose length in days is not fixed; convert it in SQL "
-                    f"(EXTRACT(EPOCH FROM {name}) for seconds, or justify_interval)")
-            micros[row] = days * 86_400_000_000 + nanoseconds // 1000
-        return micros
+        return _interval_to_numpy(name, column, first_row)
     if isinstance(kind, pa.BaseExtensionType):
         storage = column.storage
         if pg_type == "uuid" or getattr(kind, "extension_name", "") == "arrow.uuid":
@@ -667,24 +691,7 @@ def _arrow_to_numpy(name: str, column: Any, pg_type: str, wanted: Any,
             return text
         column, kind = storage, storage.type  # json, and types ADBC sends as text
     if pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        values = column.flatten()  # (a sliced array's own values only)
-        if values.null_count:
-            import pyarrow.compute as pc
-
-            offsets = np.asarray(column.offsets)
-            at = int(pc.index(pc.is_null(values), True).as_py())
-            row = int(np.searchsorted(offsets, at + offsets[0], side="right")) - 1
-            raise SqlError(
-                f"from_sql: column {name!r} row {first_row + row}: an array holds a NULL "
-                f"element, which a NumPy array cannot; remove or replace it in SQL "
-                f"(array_remove({name}, NULL), or COALESCE over unnest)")
-        flat = _arrow_to_numpy(name, values, "", None, first_row)
-        offsets = np.asarray(column.offsets)
-        lists = np.empty(len(column), dtype=object)
-        for row, part in enumerate(np.split(flat, offsets[1:-1] - offsets[0]) if len(column)
-                                   else []):
-            lists[row] = part  # (one by one: equal lengths must not broadcast into 2-D)
-        return lists
+        return _lists_to_numpy(name, column, first_row)
     if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(
             kind) or pa.types.is_large_binary(kind):
         objects = np.empty(len(column), dtype=object)
@@ -693,6 +700,70 @@ def _arrow_to_numpy(name: str, column: Any, pg_type: str, wanted: Any,
     if pa.types.is_timestamp(kind) and kind.tz is not None:
         column = column.cast(pa.timestamp(kind.unit))  # the instant, in UTC
     return np.asarray(column.to_numpy(zero_copy_only=False))
+
+
+def _numeric_to_numpy(column: Any, wanted: Any) -> np.ndarray[Any, Any]:
+    """A numeric column as float64, or as exact ``decimal.Decimal`` objects when the
+    dtype asked for is ``object``."""
+    import pyarrow as pa
+
+    if isinstance(column.type, pa.BaseExtensionType):
+        column = column.storage  # (ADBC sends numeric as its text)
+    values = column.to_pylist()
+    if wanted is not None and np.dtype(wanted) == object:  # exact: decimal.Decimal
+        exact = np.empty(len(values), dtype=object)
+        exact[:] = [v if isinstance(v, decimal.Decimal) else decimal.Decimal(v)
+                    for v in values]
+        return exact
+    return np.array([float(v) for v in values], dtype=np.float64)
+
+
+def _interval_to_numpy(name: str, column: Any, first_row: int) -> np.ndarray[Any, Any]:
+    """An interval column as timedelta64[us]; one with months is refused, since NumPy
+    has no month (its length in microseconds is not fixed)."""
+    micros = np.empty(len(column), dtype="timedelta64[us]")
+    for row, value in enumerate(column.to_pylist()):
+        months, days, nanoseconds = value
+        if months:
+            raise SqlError(
+                f"from_sql: column {name!r} row {first_row + row}: the interval {value} "
+                f"has months, whose length in days is not fixed; convert it in SQL "
+                f"(EXTRACT(EPOCH FROM {name}) for seconds, or justify_interval)")
+        micros[row] = days * 86_400_000_000 + nanoseconds // 1000
+    return micros
+
+
+def _lists_to_numpy(name: str, column: Any, first_row: int) -> np.ndarray[Any, Any]:
+    """An array column as an object array of 1-D arrays; a NULL inside one is refused,
+    naming its row."""
+    values = column.flatten()  # (a sliced array's own values only)
+    if values.null_count:
+        import pyarrow.compute as pc
+
+        offsets = np.asarray(column.offsets)
+        at = int(pc.index(pc.is_null(values), True).as_py())
+        row = int(np.searchsorted(offsets, at + offsets[0], side="right")) - 1
+        raise SqlError(
+            f"from_sql: column {name!r} row {first_row + row}: an array holds a NULL "
+            f"element, which a NumPy array cannot; remove or replace it in SQL "
+            f"(array_remove({name}, NULL), or COALESCE over unnest)")
+    flat = _arrow_to_numpy(name, values, "", None, first_row)
+    offsets = np.asarray(column.offsets)
+    lists = np.empty(len(column), dtype=object)
+    for row, part in enumerate(np.split(flat, offsets[1:-1] - offsets[0]) if len(column)
+                               else []):
+        lists[row] = part  # (one by one: equal lengths must not broadcast into 2-D)
+    return lists
+
+
+def _arrow_key(value: Any, field: Any) -> Any:
+    """The key the next PostgreSQL page starts after: the last row's, as a Python value.
+    A timestamptz key is a UTC instant: bound naive, the server would read it in the
+    session's time zone and page from the wrong row."""
+    key = value.item() if isinstance(value, np.generic) else value
+    if isinstance(key, datetime.datetime) and getattr(field.type, "tz", None):
+        key = key.replace(tzinfo=datetime.timezone.utc)
+    return key
 
 
 def _kind_of(dtype: np.dtype[Any], values: Sequence[Any]) -> str:
@@ -1079,37 +1150,7 @@ class _SqlIterator(Iterator):
     def _read_page(self) -> dict[str, np.ndarray[Any, Any]] | None:
         """The next page, booked; None at the end."""
         node = self.node
-
-        paged = False
-
-        def read() -> tuple[Any, list[str]]:
-            nonlocal paged
-            live = self._connection()
-            paged = node.key is not None and not self._streams()
-            if node.key is not None and self._streams():
-                if self.cursor is None:
-                    self.cursor = live.cursor()
-                    with contextlib.suppress(Exception):  # a hint: older drivers lack it
-                        self.cursor.adbc_statement.set_options(
-                            **{_BATCH_HINT: str(self._stream_batch_bytes())})
-                    self.cursor.execute(f"SELECT * FROM ({self._query()}) AS headrace_query "
-                                        f"ORDER BY {node.quoted_key}")
-                return self._fetch(self.cursor, node.page_rows)
-            if node.key is not None:
-                sql, params = self._page_query()
-                cursor = live.cursor()
-                try:
-                    cursor.execute(sql, params)
-                    return self._fetch(cursor, None)
-                finally:
-                    cursor.close()
-            if self.cursor is None:
-                self.cursor = live.cursor()
-                self.cursor.execute(self._query(), self._params())
-                self._skip_delivered()
-            return self._fetch(self.cursor, node.page_rows)
-
-        result, names = self._with_retries(read)
+        result, names, paged = self._with_retries(self._read_rows)
         if node.key is not None and node.key not in names:
             # (SQLite reads an unknown "quoted" name as a string: check it is a column)
             raise SqlError(f"from_sql: the query has no column named {node.key!r} (key)")
@@ -1126,32 +1167,54 @@ class _SqlIterator(Iterator):
             self.columns = _Columns(names, node.null_defaults, node.dtypes, node.key)
         if postgres:
             page = self.columns.from_arrow(result, first_row, node.key)
+            if node.key is not None:
+                self.read_key = _arrow_key(page[node.key][-1], result.schema.field(node.key))
         else:
             keys = None
             if node.key is not None:
                 key_index = names.index(node.key)
                 keys = [row[key_index] for row in result]
             page = self.columns.from_rows(result, first_row, keys)
-        self.read_rows += rows
-        if node.key is not None:
-            # The next page starts from the key exactly as the database returned it, not
-            # as converted for the batch: SQLite compares its own value, whatever its type
-            if postgres:
-                value = page[node.key][-1]
-                self.read_key = value.item() if isinstance(value, np.generic) else value
-                if isinstance(self.read_key, datetime.datetime) and getattr(
-                        result.schema.field(node.key).type, "tz", None):
-                    # a timestamptz key is a UTC instant: bound naive, the server would
-                    # read it in the session's time zone and page from the wrong row
-                    self.read_key = self.read_key.replace(tzinfo=datetime.timezone.utc)
-            else:
-                assert keys is not None
+            if keys is not None:
+                # The next page starts from the key exactly as SQLite returned it, not as
+                # converted for the batch: SQLite compares its own value, whatever its type.
                 self.read_key = keys[-1]
+        self.read_rows += rows
         leftover = getattr(self, "_arrow_leftover", None)
         held = sizeof(page) + (leftover.get_total_buffer_size() if leftover is not None else 0)
         self.booking = self.account.admit(held, together=f"one page of {rows} rows")
         self.page, self.page_rows, self.page_taken = page, rows, 0
         return page
+
+    def _read_rows(self) -> tuple[Any, list[str], bool]:
+        """One try at the next page's rows (an Arrow table from PostgreSQL, tuples from
+        SQLite), their column names, and whether they came as a keyset page (not a
+        stream or the one plain cursor)."""
+        node = self.node
+        live = self._connection()
+        streams = node.key is not None and self._streams()
+        if streams:
+            if self.cursor is None:
+                self.cursor = live.cursor()
+                with contextlib.suppress(Exception):  # a hint: older drivers lack it
+                    self.cursor.adbc_statement.set_options(
+                        **{_BATCH_HINT: str(self._stream_batch_bytes())})
+                self.cursor.execute(f"SELECT * FROM ({self._query()}) AS headrace_query "
+                                    f"ORDER BY {node.quoted_key}")
+            return (*self._fetch(self.cursor, node.page_rows), False)
+        if node.key is not None:
+            sql, params = self._page_query()
+            cursor = live.cursor()
+            try:
+                cursor.execute(sql, params)
+                return (*self._fetch(cursor, None), True)
+            finally:
+                cursor.close()
+        if self.cursor is None:
+            self.cursor = live.cursor()
+            self.cursor.execute(self._query(), self._params())
+            self._skip_delivered()
+        return (*self._fetch(self.cursor, node.page_rows), False)
 
     def _streams(self) -> bool:
         """Whether a keyed PostgreSQL read goes as one ordered stream rather than pages.
@@ -1179,34 +1242,7 @@ class _SqlIterator(Iterator):
     def _fetch(self, cursor: Any, count: int | None) -> tuple[Any, list[str]]:
         names = [d[0] for d in cursor.description]
         if self.dialect.name == "postgresql":
-            if count is None:
-                return cursor.fetch_arrow_table(), names
-            reader = getattr(self, "_arrow_reader", None)
-            if reader is None:
-                reader = self._arrow_reader = cursor.fetch_record_batch()
-            import pyarrow as pa
-
-            # Pages hold page_rows rows whatever size the driver's batches have: the rest
-            # of a batch waits for the next page (booked with this one meanwhile).
-            batches, rows, cost = [], 0, 0
-            leftover = self.__dict__.pop("_arrow_leftover", None)
-            while rows < count:
-                if leftover is not None:
-                    batch, leftover = leftover, None
-                else:
-                    try:
-                        batch = reader.read_next_batch()
-                    except StopIteration:
-                        break
-                if rows + batch.num_rows > count:
-                    self._arrow_leftover = batch.slice(count - rows)
-                    batch = batch.slice(0, count - rows)
-                batches.append(batch)
-                rows += batch.num_rows
-                cost += batch.get_total_buffer_size()
-                self._expect_page(cost, rows - batch.num_rows, None)
-            table = pa.Table.from_batches(batches, schema=reader.schema)
-            return table, names
+            return self._fetch_arrow(cursor, count), names
         fetched: list[Any] = []
         cost = want = 0
         # A keyed page's query starts again at the last key's row, read already.
@@ -1224,6 +1260,38 @@ class _SqlIterator(Iterator):
             self._expect_page(cost, len(fetched) - again, chunk)
             fetched.extend(chunk)
         return fetched, names
+
+
+    def _fetch_arrow(self, cursor: Any, count: int | None) -> Any:
+        """PostgreSQL's next rows as an Arrow table: all of them (``count`` None), or
+        ``count`` from the stream."""
+        if count is None:
+            return cursor.fetch_arrow_table()
+        reader = getattr(self, "_arrow_reader", None)
+        if reader is None:
+            reader = self._arrow_reader = cursor.fetch_record_batch()
+        import pyarrow as pa
+
+        # Pages hold page_rows rows whatever size the driver's batches have: the rest
+        # of a batch waits for the next page (booked with this one meanwhile).
+        batches, rows, cost = [], 0, 0
+        leftover = self.__dict__.pop("_arrow_leftover", None)
+        while rows < count:
+            if leftover is not None:
+                batch, leftover = leftover, None
+            else:
+                try:
+                    batch = reader.read_next_batch()
+                except StopIteration:
+                    break
+            if rows + batch.num_rows > count:
+                self._arrow_leftover = batch.slice(count - rows)
+                batch = batch.slice(0, count - rows)
+            batches.append(batch)
+            rows += batch.num_rows
+            cost += batch.get_total_buffer_size()
+            self._expect_page(cost, rows - batch.num_rows, None)
+        return pa.Table.from_batches(batches, schema=reader.schema)
 
     def _expect_page(self, nbytes: int, first: int, rows: list[Any] | None) -> None:
         """Refuse a page whose rows fetched so far (``nbytes``) cannot fit the share: the

@@ -306,9 +306,7 @@ class _BatchIterator(Assembler):
         tokens = None if take is None else [take()]
         structure = first
         single = not isinstance(first, (dict, tuple))
-        leaves = [first] if single else flatten(first)
-        paths = ["element"] if single else structure_paths(first)
-        columns = [_Column(leaf, path) for leaf, path in zip(leaves, paths, strict=True)]
+        leaves, columns = _columns_of(first, single)
         keeps_objects = any(column.dtype.hasobject for column in columns)
         # The batch's one booking: its output, and the objects it keeps of its rows.
         try:
@@ -322,12 +320,9 @@ class _BatchIterator(Assembler):
         try:
             while True:
                 if failure is None:
-                    try:
-                        self._place(columns, leaves, count, first_index)
-                    except ElementSpecError as error:
-                        # tf.data takes the whole batch before it finds out (and drops a
-                        # short last one under drop_remainder without a word): so do we
-                        failure = error
+                    # tf.data takes the whole batch before it finds out (and drops a
+                    # short last one under drop_remainder without a word): so do we
+                    failure = self._place(columns, leaves, count, first_index)
                 if keeps_objects and failure is None:  # its objects live on in the batch
                     assembly.take(
                         objects_cost(leaves) if reservation.account is None
@@ -347,26 +342,25 @@ class _BatchIterator(Assembler):
                 if tokens is not None:
                     tokens.append(take())  # type: ignore[misc]
                 leaves = [element] if single else flatten(element)
-                if failure is None and len(leaves) != len(columns):
-                    failure = ElementSpecError(
-                        f"batch: element {self.position - 1} has {len(leaves)} components, but "
-                        f"element {first_index} of the same batch has {len(columns)}"
-                    )
-            if self.drop_remainder and count < self.batch_size:
-                raise StopIteration
-            if failure is not None:
-                raise failure
-            booking = assembly.finish()
+            booking = self._finish(assembly, count, failure)
         except BaseException:
             reservation.release()
             assembly.abandon()
             raise
-        outputs = [column.out[:count] if count < len(column.out) else column.out
-                   for column in columns if column.out is not None]
-        batch = outputs[0] if single else pack_as(structure, outputs)
+        batch = _packed(columns, count, structure, single)
         if tokens is not None:
             self.last_token = BatchToken(probe[1], tokens)  # type: ignore[index]
         return batch, booking
+
+    def _finish(self, assembly: Assembly, count: int,
+                failure: ElementSpecError | None) -> Reservation:
+        """The batch's booking, once its ``count`` rows are in place; StopIteration for
+        a short last batch under ``drop_remainder``, else the element that did not fit."""
+        if self.drop_remainder and count < self.batch_size:
+            raise StopIteration
+        if failure is not None:
+            raise failure
+        return assembly.finish()
 
     def _allocate(self, columns: list[_Column]) -> Assembly:
         """Book, then allocate, every column's output for a whole batch."""
@@ -385,7 +379,15 @@ class _BatchIterator(Assembler):
         self._assembly = assembly
         return assembly
 
-    def _place(self, columns: list[_Column], leaves: list[Any], row: int, first: int) -> None:
+    def _place(self, columns: list[_Column], leaves: list[Any], row: int,
+               first: int) -> ElementSpecError | None:
+        """Copy one element's leaves into row ``row``; the error naming what does not fit
+        the batch (its components, a shape, a dtype), which the batch raises once whole."""
+        if len(leaves) != len(columns):
+            return ElementSpecError(
+                f"batch: element {self.position - 1} has {len(leaves)} components, but "
+                f"element {first} of the same batch has {len(columns)}"
+            )
         for column, leaf in zip(columns, leaves, strict=True):
             out = column.out
             assert out is not None
@@ -400,7 +402,7 @@ class _BatchIterator(Assembler):
                 out[row] = leaf  # a NumPy scalar of the column's own type, or bytes/str
                 continue
             if np.shape(leaf) != column.shape:
-                raise ElementSpecError(
+                return ElementSpecError(
                     f"batch: element {self.position - 1} has shape {np.shape(leaf)} for "
                     f"component {column.path}, but element {first} of the same batch has shape "
                     f"{column.shape}; all elements of a batch need equal shapes (use "
@@ -417,7 +419,7 @@ class _BatchIterator(Assembler):
                 dtype = column.dtype
             if dtype != column.dtype and not column.dtype.hasobject:
                 if dtype.kind in "OSU":
-                    raise ElementSpecError(
+                    return ElementSpecError(
                         f"batch: element {self.position - 1} has a {type(leaf).__name__} for "
                         f"component {column.path}, but element {first} of the same batch has "
                         f"{column.dtype} values"
@@ -425,6 +427,7 @@ class _BatchIterator(Assembler):
                 if not np.can_cast(dtype, column.dtype, "safe"):
                     out = self._promote(column, np.result_type(column.dtype, dtype), row)
             out[row] = leaf
+        return None
 
     def _promote(
         self, column: _Column, dtype: np.dtype[Any], rows: int
@@ -486,3 +489,18 @@ class ColumnarBatchIterator(_BatchIterator):
                     record.seconds += time.perf_counter() - started
                 return batch, booking
         return super().pull()
+
+
+def _columns_of(first: Any, single: bool) -> tuple[list[Any], list[_Column]]:
+    """A batch's first element's leaves, and a column for each (named by its path)."""
+    leaves = [first] if single else flatten(first)
+    paths = ["element"] if single else structure_paths(first)
+    return leaves, [_Column(leaf, path) for leaf, path in zip(leaves, paths, strict=True)]
+
+
+def _packed(columns: list[_Column], count: int, structure: Any, single: bool) -> Any:
+    """The batch of ``count`` rows, in its elements' structure (a short last batch is a
+    view of the first rows of each column)."""
+    outputs = [column.out[:count] if count < len(column.out) else column.out
+               for column in columns if column.out is not None]
+    return outputs[0] if single else pack_as(structure, outputs)

@@ -122,56 +122,11 @@ class PaddedBatchNode(Node):
 
     def _lay_out(self, spec: Any) -> _Layout:
         """The padded shape, padding value and path of each component, from the input spec."""
-        padded_shapes, padding_values = self.padded_shapes, self.padding_values
         spec_leaves = flatten(spec)
         paths = structure_paths(spec)
-        if padded_shapes is None:
-            # Unknown sizes pad to the batch's largest; a statically known size is kept.
-            for leaf, path in zip(spec_leaves, paths, strict=True):
-                if leaf.shape is None:
-                    raise InvalidArgumentError(
-                        f"padded_batch: component {path} has an unknown rank; pass "
-                        "padded_shapes, or a spec with a known rank"
-                    )
-            shapes: list[tuple[int | None, ...]] = [tuple(leaf.shape) for leaf in spec_leaves]
-        else:
-            given = (
-                [padded_shapes]
-                if not isinstance(spec, (dict, tuple))
-                else flatten(_shape_structure(padded_shapes))
-            )
-            if len(given) != len(spec_leaves):
-                raise InvalidArgumentError(
-                    f"padded_batch: padded_shapes has {len(given)} components, the elements "
-                    f"have {len(spec_leaves)} ({spec})"
-                )
-            # Explicit None/-1 pad to the batch's largest and leave the size unknown (tf.data).
-            shapes = [_normalize_shape(s, p) for s, p in zip(given, paths, strict=True)]
-        for shape, leaf, path in zip(shapes, spec_leaves, paths, strict=True):
-            if len(shape) != len(leaf.shape):
-                raise InvalidArgumentError(
-                    f"padded_batch: padded shape {shape} for {path} has rank {len(shape)}, "
-                    f"but the component has rank {len(leaf.shape)} ({leaf})"
-                )
-            for fixed, known in zip(shape, leaf.shape, strict=True):
-                if fixed is not None and known is not None and known > fixed:
-                    raise InvalidArgumentError(
-                        f"padded_batch: padded shape {shape} for {path} is smaller than the "
-                        f"component's static shape {leaf.shape}"
-                    )
-        if padding_values is None:
-            pads = [_default_padding(leaf) for leaf in spec_leaves]
-        elif not isinstance(spec, (dict, tuple)):
-            pads = [padding_values]
-        else:
-            pads = flatten(_defaults_for_none(padding_values, spec))
-            if len(pads) == 1 and len(spec_leaves) > 1:
-                pads = pads * len(spec_leaves)
-            if len(pads) != len(spec_leaves):
-                raise InvalidArgumentError(
-                    f"padded_batch: padding_values has {len(pads)} components, the elements "
-                    f"have {len(spec_leaves)}"
-                )
+        shapes = _padded_shapes(self.padded_shapes, spec, spec_leaves, paths)
+        _check_fits(shapes, spec_leaves, paths)
+        pads = _padding_values(self.padding_values, spec, spec_leaves)
         # a str padding value for bytes components is encoded, as tf.data's strings are bytes
         pads = [
             pad.encode() if isinstance(pad, str) and leaf.kind == "bytes" else pad
@@ -229,6 +184,68 @@ class PaddedBatchNode(Node):
             ctx.account(self),
             self,
         )
+
+
+def _padded_shapes(padded_shapes: Any, spec: Any, spec_leaves: list[Any],
+                   paths: list[str]) -> list[tuple[int | None, ...]]:
+    """Each component's padded shape: as given (None/-1: the batch's largest, the size
+    left unknown, as in tf.data), or without ``padded_shapes`` the spec's own shape
+    (unknown sizes pad to the batch's largest; a statically known size is kept)."""
+    if padded_shapes is None:
+        for leaf, path in zip(spec_leaves, paths, strict=True):
+            if leaf.shape is None:
+                raise InvalidArgumentError(
+                    f"padded_batch: component {path} has an unknown rank; pass "
+                    "padded_shapes, or a spec with a known rank"
+                )
+        return [tuple(leaf.shape) for leaf in spec_leaves]
+    given = (
+        [padded_shapes]
+        if not isinstance(spec, (dict, tuple))
+        else flatten(_shape_structure(padded_shapes))
+    )
+    if len(given) != len(spec_leaves):
+        raise InvalidArgumentError(
+            f"padded_batch: padded_shapes has {len(given)} components, the elements "
+            f"have {len(spec_leaves)} ({spec})"
+        )
+    return [_normalize_shape(s, p) for s, p in zip(given, paths, strict=True)]
+
+
+def _check_fits(shapes: list[tuple[int | None, ...]], spec_leaves: list[Any],
+                paths: list[str]) -> None:
+    """Refuse a padded shape of another rank than its component, or smaller than its
+    static shape."""
+    for shape, leaf, path in zip(shapes, spec_leaves, paths, strict=True):
+        if len(shape) != len(leaf.shape):
+            raise InvalidArgumentError(
+                f"padded_batch: padded shape {shape} for {path} has rank {len(shape)}, "
+                f"but the component has rank {len(leaf.shape)} ({leaf})"
+            )
+        for fixed, known in zip(shape, leaf.shape, strict=True):
+            if fixed is not None and known is not None and known > fixed:
+                raise InvalidArgumentError(
+                    f"padded_batch: padded shape {shape} for {path} is smaller than the "
+                    f"component's static shape {leaf.shape}"
+                )
+
+
+def _padding_values(padding_values: Any, spec: Any, spec_leaves: list[Any]) -> list[Any]:
+    """Each component's padding value: the default of its kind, or as given (one value
+    for all, or one per component; None for a component's default)."""
+    if padding_values is None:
+        return [_default_padding(leaf) for leaf in spec_leaves]
+    if not isinstance(spec, (dict, tuple)):
+        return [padding_values]
+    pads = flatten(_defaults_for_none(padding_values, spec))
+    if len(pads) == 1 and len(spec_leaves) > 1:
+        pads = pads * len(spec_leaves)
+    if len(pads) != len(spec_leaves):
+        raise InvalidArgumentError(
+            f"padded_batch: padding_values has {len(pads)} components, the elements "
+            f"have {len(spec_leaves)}"
+        )
+    return pads
 
 
 def _shape_structure(padded_shapes: Any) -> Any:

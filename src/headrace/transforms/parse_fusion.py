@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.core.iterator import Context, Iterator
+from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.state import INNER, StateReader
 from headrace.errors import HeadraceError, note_element_error
 from headrace.io.example.deferred import DeferredFeature, DeferredRecord
@@ -48,7 +48,7 @@ from headrace.io.example.specs import FeatureSpec, FixedLenSequenceFeature
 from headrace.memory.buffer import Buffer, Reservation
 from headrace.structure import flatten, pack_as
 
-__all__ = ["FusedParse", "FusedParseIterator", "fused_parse"]
+__all__ = ["FUSION_RULES", "FusedParse", "FusedParseIterator", "fused_parse"]
 
 _PARSE_NAME = "parse_single_example"
 _SEARCH_DEPTH = 3
@@ -63,22 +63,22 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def mentions_parse(fn: Any, depth: int = 0) -> bool:
-    """Whether ``fn`` may call ``parse_single_example``: a cheap look at its code, so
-    that no other function is ever called on a stand-in."""
+def mentions_parse(fn: Any, depth: int = 0, name: str = _PARSE_NAME) -> bool:
+    """Whether ``fn`` may call ``parse_single_example`` (or the function ``name``): a
+    cheap look at its code, so that no other function is ever called on a stand-in."""
     if depth > _SEARCH_DEPTH:
         return False
     if isinstance(fn, functools.partial):
-        return mentions_parse(fn.func, depth + 1)
-    if getattr(fn, "__name__", None) == _PARSE_NAME:
+        return mentions_parse(fn.func, depth + 1, name)
+    if getattr(fn, "__name__", None) == name:
         return True
     function = getattr(fn, "__func__", fn)  # a bound method
     code = getattr(function, "__code__", None)
     if code is None:  # a callable object: look at its __call__
         call = None if isinstance(fn, type) else type(fn).__dict__.get("__call__")
-        return isinstance(call, types.FunctionType) and mentions_parse(call, depth + 1)
+        return isinstance(call, types.FunctionType) and mentions_parse(call, depth + 1, name)
     names = _code_names(code)
-    if _PARSE_NAME in names:
+    if name in names:
         return True
     scope: dict[str, Any] = dict(getattr(function, "__globals__", {}))
     for cell_name, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or (),
@@ -89,13 +89,13 @@ def mentions_parse(fn: Any, depth: int = 0) -> bool:
             continue
         names.add(cell_name)
     return any(
-        callable(scope.get(name)) and mentions_parse(scope[name], depth + 1)
-        for name in names
-        if name in scope and isinstance(scope[name], types.FunctionType | functools.partial)
+        callable(scope.get(used)) and mentions_parse(scope[used], depth + 1, name)
+        for used in names
+        if used in scope and isinstance(scope[used], types.FunctionType | functools.partial)
     )
 
 
-def _nest_leaves(output: Any) -> tuple[Any, list[Any]]:
+def nest_leaves(output: Any) -> tuple[Any, list[Any]]:
     """``output`` as (structure, leaves) when it is a dict/tuple/list nest; lists become
     tuples (a list of features batches as a tuple, as in tf.data)."""
     if isinstance(output, list):
@@ -109,7 +109,7 @@ def _nest_leaves(output: Any) -> tuple[Any, list[Any]]:
 
 def _nest_leaves_value(value: Any) -> Any:
     if isinstance(value, list | tuple | Mapping):
-        return _nest_leaves(value)[0]
+        return nest_leaves(value)[0]
     return value
 
 
@@ -126,16 +126,27 @@ class FusedParse:
         return pack_as(self.structure, [parsed[leaf.parse][leaf.name] for leaf in self.leaves])
 
 
+#: More rules of the same shape, ``fn -> FusedParse | None``, added by the packages that
+#: own them (above this layer, so they register themselves when imported):
+#: :mod:`headrace.csv.fusion` fuses ``map(decode_csv of a line).batch(n)``.
+FUSION_RULES: list[Callable[[Callable[..., Any]], FusedParse | None]] = []
+
+
 def fused_parse(fn: Callable[..., Any]) -> FusedParse | None:
-    """The batched form of ``fn`` if it only parses its record (see the module doc)."""
+    """The batched form of ``fn`` if it only parses its record (see the module doc), or
+    the form one of :data:`FUSION_RULES` finds."""
     if not mentions_parse(fn):
+        for rule in FUSION_RULES:
+            fused = rule(fn)
+            if fused is not None:
+                return fused
         return None
     record = DeferredRecord()
     try:
         output = fn(record)
     except Exception:  # it does more than parse: it runs per record
         return None
-    structure, leaves = _nest_leaves(output)
+    structure, leaves = nest_leaves(output)
     if not leaves or not all(
         isinstance(leaf, DeferredFeature) and leaf.record is record for leaf in leaves
     ):
@@ -170,6 +181,7 @@ class FusedParseIterator(Iterator):
         self.inner, self.parse, self.fn, self.map_stage = inner, parse, fn, map_stage
         self.ctx, self.account = ctx, account
         self.index = 0  # records consumed: the element index an error names
+        origin_probe(inner, tokens=False)  # an error names its record's file and offset
 
     def pull(self) -> tuple[Any, Reservation]:
         batch, reservation = self.inner.pull()
@@ -194,7 +206,10 @@ class FusedParseIterator(Iterator):
             try:
                 self.fn(record)
             except Exception as error:
-                return note_element_error(error, self.map_stage, first + offset)
+                batch = self.inner.origin()  # (the input is still on this batch)
+                origin = batch.rows[offset] if batch is not None and offset < len(
+                    batch.rows) else None
+                return note_element_error(error, self.map_stage, first + offset, origin)
         return batch_error
 
     def get_state(self) -> dict[str, Any]:

@@ -176,7 +176,7 @@ class _Producer:
             self.restored.set()
         return True
 
-    def _pull(self, chunks: list[Handoff], room: int) -> bool:
+    def _pull(self, chunks: list[Handoff], room: int) -> bool:  # noqa: C901
         """Pull up to ``room`` elements (at most a chunk) while each fits the budget share;
         True at the end of the input.
 
@@ -192,17 +192,8 @@ class _Producer:
         """
         account = self.account
         if self.aside is not None:
-            element, reservation, cost, state, position, token = self.aside
-            starved = not account.fits(cost)
-            if starved and not self.starving():
-                return False
-            self.aside = None
-            booking = (
-                self._overdraw(reservation, cost) if starved else account.admit(cost, reservation)
-            )
-            chunks.append(Handoff.finishing(element, booking, state, position, token))
-            room -= 1
-            if room <= 0 or starved:  # one element past the share, no more
+            room = self._take_aside(chunks, room)
+            if room <= 0:
                 return False
         state = self.state_before_chunk
         elements: list[Any] = []
@@ -240,7 +231,7 @@ class _Producer:
                     fits = account.fits(cost, pending=pending)
                 except BaseException:  # refused (MemoryBudgetError): the element goes no
                     reservation.release()  # further, and its booking upstream is returned
-                    raise  # (it stayed booked after the run closed: served fuzz case)
+                    raise  # (else it would stay booked after the run closed)
                 if not fits:
                     # Starving means nothing of this stage's is on its way to the consumer:
                     # the element taken from aside above (in chunks, not yet queued) is.
@@ -265,12 +256,34 @@ class _Producer:
             if pulled:
                 self.state_before_chunk = self.inner.get_state()
             if elements:
-                booked = iter(account.admit_chunk(sizes)) if sizes else iter(())
-                reservations = [
-                    booking if booking is not None else next(booked) for booking in bookings
-                ]
-                chunks.append(Handoff(elements, reservations, state, errors, tokens=tokens))
+                chunks.append(self._chunk(elements, bookings, sizes, state, errors, tokens))
         return ended
+
+    def _take_aside(self, chunks: list[Handoff], room: int) -> int:
+        """Hand on the element waiting aside, if it fits now or the consumer starves;
+        the room left for this pull (0: pull nothing more)."""
+        assert self.aside is not None
+        element, reservation, cost, state, position, token = self.aside
+        starved = not self.account.fits(cost)
+        if starved and not self.starving():
+            return 0
+        self.aside = None
+        booking = (
+            self._overdraw(reservation, cost) if starved
+            else self.account.admit(cost, reservation)
+        )
+        chunks.append(Handoff.finishing(element, booking, state, position, token))
+        return 0 if starved else room - 1  # starved: one element past the share, no more
+
+    def _chunk(self, elements: list[Any], bookings: list[Reservation | None],
+               sizes: list[int], state: Any, errors: dict[int, Exception] | None,
+               tokens: list[Any] | None) -> Handoff:
+        """A chunk of pulled elements, those nobody booked yet booked in one step."""
+        booked = iter(self.account.admit_chunk(sizes)) if sizes else iter(())
+        reservations = [
+            booking if booking is not None else next(booked) for booking in bookings
+        ]
+        return Handoff(elements, reservations, state, errors, tokens=tokens)
 
     def _overdraw(self, reservation: Reservation, cost: int) -> Reservation:
         """Book an element taken only because the consumer starves (see :meth:`starving`):

@@ -200,7 +200,7 @@ class SlotReader:
     def __getstate__(self) -> dict[str, Any]:
         # Only the interleave function travels: the recipe upstream of the interleave is
         # read in the consumer's process, and need not pickle (a from_generator of a local
-        # generator before it was refused: budget fuzzer seeds 200003, 200008, ...).
+        # generator cannot).
         bare = copy.copy(self.node)
         bare.inputs = ()
         return {
@@ -224,6 +224,22 @@ class SlotReader:
             return None
         if kept is not None:  # stale (the slot was restored, or moved on elsewhere)
             self._close(self.kept.pop(token))
+        iterator, budget = self._build(element, iteration, epochs)
+        self.kept[token] = (iterator, budget, position)
+        while len(self.kept) > self.keep:
+            self._close(self.kept.popitem(last=False)[1])
+        if state is not None:
+            iterator.set_state(state)
+        for _ in range(skip):
+            with contextlib.suppress(Exception):  # an error in its place counts as handed out
+                iterator.pull()[1].release()  # (kept, its booking would fill the budget)
+        return iterator
+
+    def _build(self, element: Any, iteration: Any, epochs: Any
+               ) -> tuple[Iterator, MemoryBudget]:
+        """A new inner pipeline for ``element`` under a budget of its own (the slot's
+        share), its opens counted against the worker's file cap; BuildFailed carries
+        the error of one that cannot open to the consumer."""
         budget = MemoryBudget(self.share)
         if self.options.tune_allocator:  # (the worker's heap is trimmed as a pipeline's is)
             tune_allocator()
@@ -243,15 +259,7 @@ class SlotReader:
             text = traceback.format_exc()
             raise BuildFailed(cast(Exception, portable(drop_frames(raised))), text) from None
         budget.allot()
-        self.kept[token] = (iterator, budget, position)
-        while len(self.kept) > self.keep:
-            self._close(self.kept.popitem(last=False)[1])
-        if state is not None:
-            iterator.set_state(state)
-        for _ in range(skip):
-            with contextlib.suppress(Exception):  # an error in its place counts as handed out
-                iterator.pull()[1].release()  # (kept, its booking would fill the budget)
-        return iterator
+        return iterator, budget
 
     @staticmethod
     def _close(kept: tuple[Iterator, MemoryBudget, Any]) -> None:
@@ -265,7 +273,7 @@ class SlotReader:
     #: read (see :func:`headrace.workers.processes._run_streaming`).
     streams = True
 
-    def __call__(
+    def __call__(  # noqa: C901
         self, request: tuple[Any, ...], emit: Callable[[Any, int], Any]
     ) -> tuple[int, Any, bool, Any, bool, int]:
         from headrace.memory.sizeof import sizeof
@@ -482,7 +490,7 @@ class RemoteSlotIterator(Iterator):
         self.asked += 1
         return True
 
-    def _receive(self) -> None:
+    def _receive(self) -> None:  # noqa: C901
         """The next chunk (asked for now if none is in flight): into ``ready``."""
         while True:
             if not self.pending:

@@ -456,7 +456,7 @@ def _pack_failure(
     return _PACKED, text
 
 
-def _run_chunk(
+def _run_chunk(  # noqa: C901
     handler: Callable[[Any], Any],
     elements: list[Any],
     mark: Callable[[int], None],
@@ -606,7 +606,7 @@ def _keep_heap_top() -> None:
     mallopt(m_top_pad, HEAP_TOP_PAD)
 
 
-def _worker_main(
+def _worker_main(  # noqa: C901
     tasks: Connection,
     results: Connection,
     handler_bytes: bytes,
@@ -1192,7 +1192,7 @@ class ProcessPool:
             for key in keys:
                 worker.inputs.free(key)
 
-    def recycle(self) -> None:
+    def recycle(self) -> None:  # noqa: C901
         """Turn result segments whose views are all gone into idle ones (booked) or drop them.
 
         Called before each submit, and by a stage for each element it hands out: a
@@ -1228,7 +1228,7 @@ class ProcessPool:
                         maps.discard(key)
                         worker.dropped.append(key)
 
-    def _finish(self, worker: _Worker, message: tuple[Any, ...]) -> None:
+    def _finish(self, worker: _Worker, message: tuple[Any, ...]) -> None:  # noqa: C901
         """A ``done`` message: unpack it into its future (collector thread)."""
         _, call_id, result, errors, seconds, compute, free_inputs, evicted = message
         received = time.perf_counter()
@@ -1321,7 +1321,7 @@ class ProcessPool:
             how += " (or ended after the forkserver that started it failed)"
         return how
 
-    def _replace(self, worker: _Worker) -> None:
+    def _replace(self, worker: _Worker) -> None:  # noqa: C901
         """A worker died (collector thread): start its successor and send it the calls the
         dead one had (in their order: an interleave slot's calls must stay on one worker).
 
@@ -1494,7 +1494,7 @@ class ProcessPool:
             if self.slots is not None:  # the workers' pipes are closed (or never opened)
                 self.slots.release()
 
-    def _shutdown_started(self) -> None:
+    def _shutdown_started(self) -> None:  # noqa: C901
         self._stop_workers()
         if self._collector is not None and self._collector is not threading.current_thread():
             self._collector.join(_POLL_SECONDS * 4)
@@ -1593,7 +1593,7 @@ def _collect(pool: ProcessPool) -> None:
             pool.broken = failure
 
 
-def _collect_results(pool: ProcessPool) -> None:
+def _collect_results(pool: ProcessPool) -> None:  # noqa: C901
     """The collector's loop (see :func:`_collect`)."""
     while not pool.closed and pool.broken is None:
         workers = list(pool.workers)

@@ -916,7 +916,7 @@ class SegmentMaps:
             dead.append(key)
         return obj
 
-    def unpack_outputs(self, outputs: Outputs) -> tuple[list[Any], dict[int, Exception]]:
+    def unpack_outputs(self, outputs: Outputs) -> tuple[list[Any], dict[int, Exception]]:  # noqa: C901
         """The objects of ``outputs`` (see :class:`OutputWriter`), their arrays viewing the
         segments (each mapped by name when new); a segment is reported free when the
         last view of it is gone (at once when none views it).

@@ -410,6 +410,21 @@ def _column_entries(
     return _slow_entries(key, rows, describe)
 
 
+def _checked_columns(columns: Mapping[str, Any]) -> tuple[list[str], int]:
+    """The columns' names, sorted as Features' keys are, and their one row count;
+    refused without columns, with a name that is not str, or with uneven counts."""
+    if not columns:
+        raise InvalidArgumentError("encode_example_columns needs at least one column")
+    for name in columns:
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"feature names must be str, got {name!r}")
+    names = sorted(columns)
+    counts = {name: len(columns[name]) for name in names}
+    if len(set(counts.values())) != 1:
+        raise InvalidArgumentError(f"all columns must have the same number of rows, got {counts}")
+    return names, counts[names[0]]
+
+
 def encode_example_columns(
     columns: Mapping[str, Array | Sequence[Any]],
     *,
@@ -421,16 +436,8 @@ def encode_example_columns(
     regular columns. Every column must hold the same number of rows; ``describe(row)`` is
     how an error names a failing row.
     """
-    if not columns:
-        raise InvalidArgumentError("encode_example_columns needs at least one column")
-    for name in columns:
-        if not isinstance(name, str):
-            raise InvalidArgumentError(f"feature names must be str, got {name!r}")
-    names = sorted(columns)
-    counts = {name: len(columns[name]) for name in names}
-    if len(set(counts.values())) != 1:
-        raise InvalidArgumentError(f"all columns must have the same number of rows, got {counts}")
-    if not counts[names[0]]:
+    names, rows = _checked_columns(columns)
+    if not rows:
         return []
     per_column = [_column_entries(name, columns[name], describe) for name in names]
     example_tag = wire.encode_varint(1 << 3 | _LEN)

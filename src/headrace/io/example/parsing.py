@@ -635,6 +635,55 @@ def _count_of(kind: int, values: bytearray | list[bytes]) -> int:
     return len(values) // (4 if kind == wire.KIND_FLOAT else 8)
 
 
+def _feature_error(
+    key: str, spec: FeatureSpec, kind: int, values: Any, prefix: str
+) -> ParseError | None:
+    """What is wrong with one feature of the record (``kind`` and ``values`` as decoded,
+    ``KIND_NONE`` when missing), in tf.io.parse_single_example's words; None if nothing."""
+    expected = kind_of_spec_dtype(spec.dtype)
+    expected_name = TF_DTYPE_NAMES[expected]
+    found = kind != wire.KIND_NONE
+    if found and kind != expected:
+        actual = TF_DTYPE_NAMES[kind]
+        if isinstance(spec, (FixedLenFeature, FixedLenSequenceFeature)):  # dense, in TF
+            return ParseError(
+                f"{prefix}Key: {key}.  Data types don't match. Data type: {actual} but "
+                f"expected type: {expected_name}"
+            )
+        return ParseError(
+            f"{prefix}Key: {key}.  Data types don't match. Expected type: {expected_name}, "
+            f"Actual type: {actual}"
+        )
+    count = _count_of(kind, values) if found else 0
+    if isinstance(spec, FixedLenFeature):
+        shape = shape_tuple(spec.shape)
+        if not found and spec.default_value is None:
+            return ParseError(
+                f"{prefix}Feature: {key} (data type: {expected_name}) is required but could "
+                "not be found."
+            )
+        if found and count != math.prod(shape):
+            return ParseError(
+                f"{prefix}Key: {key}.  Number of {expected_name} values != expected.  "
+                f"Values size: {count} but output shape: {list(shape)}"
+            )
+    elif isinstance(spec, FixedLenSequenceFeature):
+        shape = shape_tuple(spec.shape)
+        stride = math.prod(shape)
+        if stride and count % stride:  # tf.io.parse_single_example's own words
+            return ParseError(
+                f"{prefix}Error while parsing feature with key {key}: number of elements "
+                f"should be divisible by {stride}, found {count} instead"
+            )
+        if not stride and count:  # (TensorFlow divides by zero here: SIGFPE)
+            dims = ",".join(["?", *map(str, shape)])
+            return ParseError(
+                f"{prefix}Key: {key}.  Number of {expected_name} values is not a multiple "
+                f"of stride length. Saw {count} values but output shape is: [{dims}]"
+            )
+    return None
+
+
 def _single_record_error(
     serialized: bytes, features: Mapping[str, FeatureSpec], batch_error: ParseError, prefix: str
 ) -> ParseError:
@@ -653,48 +702,10 @@ def _single_record_error(
         )
     for name, spec in features.items():
         key = _value_key(name, spec)
-        expected = kind_of_spec_dtype(spec.dtype)
-        expected_name = TF_DTYPE_NAMES[expected]
         kind, values = decoded.get(key.encode("utf-8"), (wire.KIND_NONE, bytearray()))
-        found = kind != wire.KIND_NONE
-        if found and kind != expected:
-            actual = TF_DTYPE_NAMES[kind]
-            if isinstance(spec, (FixedLenFeature, FixedLenSequenceFeature)):  # dense, in TF
-                return ParseError(
-                    f"{prefix}Key: {key}.  Data types don't match. Data type: {actual} but "
-                    f"expected type: {expected_name}"
-                )
-            return ParseError(
-                f"{prefix}Key: {key}.  Data types don't match. Expected type: {expected_name}, "
-                f"Actual type: {actual}"
-            )
-        count = _count_of(kind, values) if found else 0
-        if isinstance(spec, FixedLenFeature):
-            shape = shape_tuple(spec.shape)
-            if not found and spec.default_value is None:
-                return ParseError(
-                    f"{prefix}Feature: {key} (data type: {expected_name}) is required but could "
-                    "not be found."
-                )
-            if found and count != math.prod(shape):
-                return ParseError(
-                    f"{prefix}Key: {key}.  Number of {expected_name} values != expected.  "
-                    f"Values size: {count} but output shape: {list(shape)}"
-                )
-        elif isinstance(spec, FixedLenSequenceFeature):
-            shape = shape_tuple(spec.shape)
-            stride = math.prod(shape)
-            if stride and count % stride:  # tf.io.parse_single_example's own words
-                return ParseError(
-                    f"{prefix}Error while parsing feature with key {key}: number of elements "
-                    f"should be divisible by {stride}, found {count} instead"
-                )
-            if not stride and count:  # (TensorFlow divides by zero here: SIGFPE)
-                dims = ",".join(["?", *map(str, shape)])
-                return ParseError(
-                    f"{prefix}Key: {key}.  Number of {expected_name} values is not a multiple "
-                    f"of stride length. Saw {count} values but output shape is: [{dims}]"
-                )
+        error = _feature_error(key, spec, kind, values, prefix)
+        if error is not None:
+            return error
     message = str(batch_error).replace(" in record 0 of the batch", "")
     return ParseError(prefix + message.replace("record 0 of the batch (1 records)", "the record"))
 

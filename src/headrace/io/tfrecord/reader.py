@@ -155,7 +155,7 @@ class TFRecordReader(ClosesOnExit):
     def skipped_bytes(self) -> int:
         return sum(span.nbytes for span in self.skipped)
 
-    def read_batch(self, max_records: int = 1024, max_bytes: int | None = None) -> list[bytes]:
+    def read_batch(self, max_records: int = 1024, max_bytes: int | None = None) -> list[bytes]:  # noqa: C901
         """Return up to ``max_records`` payloads; an empty list means end of stream.
 
         ``max_bytes`` bounds the payload total of the batch (at least one record is
