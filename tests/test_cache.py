@@ -548,7 +548,7 @@ def test_cache_and_snapshot_writers_and_locks_count_against_max_open_files(
         stage = "snapshot(" if snapshot else "cache("
         with OpenFilesUnder(str(directory)) as seen:
             if cap < 3:  # writer + lock + one reader
-                with pytest.raises(hr.errors.InvalidArgumentError, match=r"max_open_files") as e:
+                with pytest.raises(hr.InvalidArgumentError, match=r"max_open_files") as e:
                     list(capped.as_numpy_iterator())
                 assert stage in str(e.value) and f"max_open_files={cap}" in str(e.value)
             else:
@@ -738,6 +738,6 @@ def test_a_damaged_complete_cache_is_refused_not_rebuilt(tmp_path: Path, damage:
         manifest.write_text(json_module.dumps(content))
     calls.clear()
     named = data if "data" in damage else manifest
-    with pytest.raises(hr.errors.DataLossError, match=re.escape(str(named))):
+    with pytest.raises(hr.DataLossError, match=re.escape(str(named))):
         list(ds)
     assert calls == []  # refused before a rebuild began

@@ -351,7 +351,7 @@ def test_tfrecord_destination_must_be_csv(tmp_path: Path, capsys: Capture) -> No
 
 def test_save_tfrecords_takes_a_row_count_only_for_batches(tmp_path: Path) -> None:
     from headrace.errors import InvalidArgumentError
-    from headrace.writers import save_tfrecords
+    from headrace.persist.writers import save_tfrecords
 
     batches = [{"x": np.arange(5)}, {"x": np.arange(5, 7)}]
     paths = save_tfrecords(batches, tmp_path / "a", num_shards=2, batched=True, num_records=7,

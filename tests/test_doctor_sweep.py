@@ -33,8 +33,9 @@ import pytest
 
 import headrace as hr
 from headrace.persist import memory_store as cache_module
-from headrace.profiling import diagnose, lint_recipe, profile
+from headrace.profiling import diagnose, lint_recipe
 from headrace.profiling.probe import recipe_nodes
+from headrace.profiling.profiler import profile
 from headrace.transforms import shuffle as shuffle_module
 
 from . import fuzz_pipelines as fuzz

@@ -131,7 +131,7 @@ def test_padded_batch_over_an_empty_unknown_spec_input_yields_nothing() -> None:
     empty = hr.Dataset.from_generator(lambda: iter([]), output_signature=hr.TensorSpec((), np.int64))
     ds = empty.map(lambda x: x).padded_batch(2)  # builds: nothing is read
     assert list(ds) == []  # as tf.data: an empty stream is no error
-    with pytest.raises(hr.errors.EmptyInputError, match=r"map.*the input is empty"):
+    with pytest.raises(hr.EmptyInputError, match=r"map.*the input is empty"):
         _ = ds.element_spec  # only asking for a spec no element can show fails
 
 
@@ -251,7 +251,7 @@ def test_an_interleave_looks_past_empty_inner_datasets_for_its_spec() -> None:
     empty = hr.Dataset.range(3).interleave(
         lambda x: hr.Dataset.range(0).map(lambda y: y), cycle_length=2
     )
-    with pytest.raises(hr.errors.EmptyInputError, match=r"all 3 it made .* are empty"):
+    with pytest.raises(hr.EmptyInputError, match=r"all 3 it made .* are empty"):
         _ = empty.element_spec
     assert list(empty.padded_batch(2)) == []
 
@@ -317,8 +317,8 @@ def test_an_empty_pipeline_through_to_tf_and_save_load_yields_nothing(seed: int,
     empty.save(str(tmp_path / "saved"))
     loaded = hr.Dataset.load(str(tmp_path / "saved"))
     assert list(loaded) == []
-    with pytest.raises(hr.errors.EmptyInputError):
+    with pytest.raises(hr.EmptyInputError):
         loaded.element_spec  # noqa: B018
     not_empty = empty.concatenate(hr.Dataset.range(3).map(lambda x: np.full(3, x)))
-    with pytest.raises(hr.errors.EmptyInputError):
+    with pytest.raises(hr.EmptyInputError):
         not_empty.to_tf()

@@ -211,3 +211,84 @@ def test_no_module_outside_memory_reads_a_buffers_counters() -> None:
         for read in _counter_reads(path)
     ]
     assert reads == []
+
+
+def _is_module(name: str) -> bool:
+    """Whether the dotted ``headrace...`` name is a module or package (a C extension too)."""
+    path = SRC.parent.joinpath(*name.split("."))
+    if not path.parent.is_dir():
+        return False
+    return path.is_dir() or any(path.parent.glob(path.name + ".*"))
+
+
+def _private_reaches(path: Path, me: str | None = None) -> list[str]:
+    """Where ``path`` reaches a ``_private`` name of another headrace module.
+
+    A leading underscore on a module's name marks it internal to its package, which
+    its siblings may import; on a name inside a module it marks it internal to that
+    module, which no other module may import (``from m import _x``) or read (``m._x``).
+    """
+    me = me or _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    modules: dict[str, str] = {}  # local name -> the headrace module it names
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            if not base.startswith("headrace"):
+                continue
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if _is_module(full):
+                    modules[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{me}:{node.lineno}: from {base} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("headrace"):
+                    local = alias.asname or alias.name.split(".")[0]
+                    modules[local] = alias.name if alias.asname else local
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if not (isinstance(value, ast.Name) and value.id in modules):
+            continue
+        owner = ".".join([modules[value.id], *reversed(chain)])
+        if _is_module(owner) and not _is_module(f"{owner}.{node.attr}") and owner != me:
+            found.append(f"{me}:{node.lineno}: {owner}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_another_modules_private_names() -> None:
+    found = [hit for path in sorted(SRC.rglob("*.py")) for hit in _private_reaches(path)]
+    assert found == []
+
+
+def test_the_private_name_check_sees_each_form(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"  # read as if it were headrace/transforms/probe.py
+    probe.write_text(
+        "import headrace.transforms.map\n"
+        "from headrace.io import streams\n"
+        "from headrace.io import _example_wire\n"  # a private module: its package's own
+        "from headrace.transforms.map import _MapIterator\n"
+        "from .map import _apply_chunk\n"
+        "streams._helper\n"
+        "headrace.transforms.map._TARGET_CALL_SECONDS\n"
+        "_example_wire.__name__\n"
+    )
+    found = _private_reaches(probe, "headrace.transforms.probe")
+    assert [hit.split(": ", 1)[1] for hit in found] == [
+        "from headrace.transforms.map import _MapIterator",
+        "from headrace.transforms.map import _apply_chunk",
+        "headrace.io.streams._helper",
+        "headrace.transforms.map._TARGET_CALL_SECONDS",
+    ]

@@ -469,7 +469,7 @@ def test_gcs_and_azure_urls_make_their_stores(monkeypatch: pytest.MonkeyPatch) -
     from obstore.store import AzureStore, GCSStore
 
     assert isinstance(objstore._store("gs://bucket"), GCSStore)
-    assert objstore._split("gs://bucket/a/b.tfrecord") == ("gs://bucket", "a/b.tfrecord")
+    assert objstore.split_url("gs://bucket/a/b.tfrecord") == ("gs://bucket", "a/b.tfrecord")
     monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
     with pytest.raises(InvalidArgumentError, match=r"az://container: the object store cannot"):
         _read(hr.TFRecordDataset("az://container/a.tfrecord"))

@@ -209,7 +209,7 @@ def test_save_tfrecords_holds_a_bounded_chunk_whatever_the_sizes(seed: int) -> N
     the input."""
     from headrace.io.example import decode_example
     from headrace.io.tfrecord import open_tfrecord
-    from headrace.writers import save_tfrecords
+    from headrace.persist.writers import save_tfrecords
 
     case = size_case(seed)
     sizes, budget = case["sizes"], case["budget"]

@@ -17,8 +17,9 @@ import pytest
 
 import headrace as hr
 from headrace.cli import main
-from headrace.profiling import diagnose, lint_recipe, profile
+from headrace.profiling import diagnose, lint_recipe
 from headrace.profiling.probe import recipe_nodes
+from headrace.profiling.profiler import profile
 from headrace.profiling.trend import fit_trend, t_critical
 
 # -- counters ---------------------------------------------------------------------------------

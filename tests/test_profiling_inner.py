@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.profiling import profile
 from headrace.profiling.probe import recipe_nodes
+from headrace.profiling.profiler import profile
 
 
 def _shard(rows: int, width: int) -> Any:

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 import headrace as hr
-from headrace.profiling import profile
 from headrace.profiling.process import shared_memory_segments
+from headrace.profiling.profiler import profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 import process_fns

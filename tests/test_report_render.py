@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 import headrace as hr
-from headrace.profiling import profile
+from headrace.profiling.profiler import profile
 
 
 def _browser() -> str:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import headrace as hr
 from headrace.io import tfrecord as tfrecord_module
-from headrace.saved import MANIFEST_NAME, PROGRESS_NAME
+from headrace.persist.saved import MANIFEST_NAME, PROGRESS_NAME
 from headrace.testing import assert_checkpoint_roundtrip, assert_elements_equal
 
 

@@ -1,6 +1,10 @@
 """headrace: tf.data-style input pipelines for data larger than RAM, under a hard byte budget.
 
-Everything public is listed in ``__all__`` below (and tested against it).
+Everything public is listed in ``__all__`` below (and tested against it); ``dir(headrace)``
+shows only those names. The other public namespaces are ``headrace.core`` (custom stages),
+``headrace.image``, ``headrace.io.example``, ``headrace.io.tfrecord``, ``headrace.io.objstore``,
+``headrace.adapters.*``, ``headrace.ray``, ``headrace.profiling``, ``headrace.keras`` and
+``headrace.tf_compat``; every other module is internal and can change in any release.
 """
 
 from headrace.core.node import INFINITE, UNKNOWN
@@ -12,6 +16,7 @@ from headrace.errors import (
     CheckpointError,
     DataLossError,
     ElementSpecError,
+    EmptyInputError,
     FileLimitError,
     HeadraceError,
     HeadraceWarning,
@@ -31,6 +36,7 @@ from headrace.sources.sql import SqlError
 from headrace.structure import TensorSpec
 
 __version__ = "0.1.0"
+"""This release's version (PEP 440), the same as the installed package's metadata."""
 
 __all__ = [
     "AUTOTUNE",
@@ -44,6 +50,7 @@ __all__ = [
     "Dataset",
     "DatasetIterator",
     "ElementSpecError",
+    "EmptyInputError",
     "FileLimitError",
     "HeadraceError",
     "HeadraceWarning",
@@ -74,3 +81,10 @@ __all__ = [
     "serve",
     "shard_info",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public names (and the module's dunders), not the internal subpackages that
+    importing headrace binds as attributes: what ``dir()`` and tab completion offer is
+    what is supported."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

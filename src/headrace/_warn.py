@@ -11,14 +11,17 @@ names the line that raised it.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import sysconfig
 import threading
 import warnings
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
-__all__ = ["warn_user"]
+__all__ = ["deprecated_attributes", "warn_deprecated", "warn_user"]
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _THREADING = os.path.abspath(threading.__file__)
@@ -54,3 +57,41 @@ def warn_user(message: str, category: type[Warning]) -> None:
     warnings.warn_explicit(message, category, chosen.f_code.co_filename, chosen.f_lineno,
                            module=module_globals.get("__name__", "<unknown>"),
                            registry=registry)
+
+
+def warn_deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """Warn that ``old`` is deprecated in favour of ``new`` (internal).
+
+    A :class:`DeprecationWarning`, so that it shows in tests and in ``__main__`` and
+    nowhere else by default; ``stacklevel=3`` names the line that called the
+    deprecated function (this helper is one frame, the function another).
+    """
+    warnings.warn(f"{old} is deprecated and will be removed; use {new} instead",
+                  DeprecationWarning, stacklevel=stacklevel)
+
+
+def deprecated_attributes(module: str,
+                          moved: dict[str, tuple[str, str]]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for names kept importable only with a warning (internal).
+
+    ``moved`` maps each deprecated name to ``(where it now lives as "module:attribute",
+    what to write instead)``. The name is looked up on each access, not cached in the
+    module's globals, so every use warns (``from m import name`` included: it goes
+    through ``__getattr__``); the replacement is imported only when asked for, so a
+    deprecated name cannot make ``import headrace`` heavier.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name not in moved:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        target, instead = moved[name]
+        # ``from package import name`` asks twice: importlib's fromlist check, then the
+        # import statement itself; only the second warns, so each use warns once.
+        asker = sys._getframe(1)
+        if not (asker.f_code.co_name == "_handle_fromlist"
+                and asker.f_globals.get("__name__") == "importlib._bootstrap"):
+            warn_deprecated(f"{module}.{name}", instead)
+        where, _, attribute = target.partition(":")
+        return getattr(importlib.import_module(where), attribute)
+
+    return __getattr__

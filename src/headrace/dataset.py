@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 import numpy as np
 
@@ -313,6 +313,10 @@ class Dataset:
         *,
         report: str | os.PathLike[str] | None = None,
         progress: bool | None = None,
+        stream: TextIO | None = None,
+        interval: float = 0.05,
+        lint: bool = True,
+        title: str | None = None,
     ) -> Profile:
         """Run the pipeline and measure every stage: a :class:`~headrace.profiling.Profile`.
 
@@ -322,11 +326,16 @@ class Dataset:
         over time: memory by stage against the budget and the process's own
         measure, and the decisions taken (shrinks, AUTOTUNE). ``report``: also
         write the self-contained HTML report there. ``print(profile.format())``
-        shows the table.
+        shows the table. ``progress`` prints a live line to ``stream`` (default:
+        stderr, when it is a terminal); memory is sampled every ``interval``
+        seconds; ``lint`` adds the recipe's findings; ``title`` heads the report.
+        This is the one way to profile from Python (``headrace profile`` from the
+        shell); ``headrace.profiling.profile`` is deprecated.
         """
         from headrace.profiling.profiler import profile
 
-        result = profile(self, steps=steps, epochs=epochs, progress=progress)
+        result = profile(self, steps=steps, epochs=epochs, progress=progress, stream=stream,
+                         interval=interval, lint=lint, title=title)
         if report is not None:
             result.write_html(os.fspath(report))
         return result

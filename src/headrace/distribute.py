@@ -96,7 +96,7 @@ def shard_info(num_shards: int | None = None, index: int | None = None) -> Shard
     return info
 
 
-def _shard_files(node: Node, info: ShardInfo, *, names: bool = False) -> Node:
+def shard_files(node: Node, info: ShardInfo, *, names: bool = False) -> Node:
     """``node`` reading only this worker's files; a clear refusal where that would not
     deliver, over all workers, exactly the unsharded elements with every tuple intact.
 
@@ -130,9 +130,9 @@ def _shard_files(node: Node, info: ShardInfo, *, names: bool = False) -> Node:
                 "prefetch), so splitting their files would pair elements of different "
                 "positions"
             )
-        return with_roots(node, lambda root: _shard_files(root, info, names=names))
+        return with_roots(node, lambda root: shard_files(root, info, names=names))
     names = names or node.traits().opens_named_files
-    return with_inputs(node, tuple(_shard_files(child, info, names=names) for child in node.inputs))
+    return with_inputs(node, tuple(shard_files(child, info, names=names) for child in node.inputs))
 
 
 def _refusal(reason: str) -> InvalidArgumentError:
@@ -167,7 +167,7 @@ def _check_enough(files: int, info: ShardInfo) -> None:
         )
 
 
-def _refuse_unseeded(node: Node) -> None:
+def refuse_unseeded(node: Node) -> None:
     """Each worker of a DATA split runs the whole pipeline and keeps every n-th element:
     a random stage without a seed draws another order in each worker's process, so
     together they would repeat some elements and lose others, silently."""
@@ -222,10 +222,10 @@ def auto_shard(
     if info.num_shards == 1:
         return dataset
     if chosen is AutoShardPolicy.DATA:
-        _refuse_unseeded(dataset._node)
+        refuse_unseeded(dataset._node)
         by_key = _shard_rows(dataset._node, info)  # a SQL source: a WHERE on its key
         if by_key is not None:
             return type(dataset)(by_key, dataset.options)
         return dataset.shard(info.num_shards, info.index)
     # type(dataset), not Dataset: this module sits below the facade, which imports it
-    return type(dataset)(_shard_files(dataset._node, info), dataset.options)
+    return type(dataset)(shard_files(dataset._node, info), dataset.options)

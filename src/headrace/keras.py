@@ -2,18 +2,19 @@
 ``IteratorCheckpoint`` (the input's position saved with the model's checkpoint).
 
 ``import headrace.keras`` imports Keras (the ``headrace[keras]`` extra); the
-implementation is :mod:`headrace.adapters.keras`.
+implementation is :mod:`headrace.adapters.keras`. ``to_keras`` is reached as
+``Dataset.to_keras()``; ``headrace.keras.to_keras`` still works but is deprecated.
 """
 
 from __future__ import annotations
 
+from headrace._warn import deprecated_attributes
 from headrace.adapters.keras import (
     IteratorCheckpoint,
     KerasAdapter,
     MemoryGrowthWarning,
     MemoryMonitor,
     MemoryTrend,
-    to_keras,
 )
 
 __all__ = [
@@ -22,5 +23,8 @@ __all__ = [
     "MemoryGrowthWarning",
     "MemoryMonitor",
     "MemoryTrend",
-    "to_keras",
 ]
+
+__getattr__ = deprecated_attributes(
+    __name__, {"to_keras": ("headrace.adapters.keras:to_keras", "Dataset.to_keras()")}
+)

@@ -75,7 +75,7 @@ import ray
 from headrace.adapters.ray import WORKER_BASELINE, task_memory
 from headrace.core.node import Node
 from headrace.dataset import Dataset
-from headrace.distribute import ShardInfo, _refuse_unseeded, _shard_files
+from headrace.distribute import ShardInfo, refuse_unseeded, shard_files
 from headrace.errors import CheckpointError, InvalidArgumentError, WorkerError
 from headrace.memory.sizeof import sizeof
 from headrace.memory.units import parse_bytes
@@ -133,7 +133,7 @@ class _Plan:
             dataset = made
         elif self.kind == "files":
             assert self.dataset is not None
-            node = _shard_files(self.dataset._node, ShardInfo(self.count, index, "service"))
+            node = shard_files(self.dataset._node, ShardInfo(self.count, index, "service"))
             dataset = Dataset(node, self.dataset.options)
         else:
             assert self.dataset is not None
@@ -156,7 +156,7 @@ def _plan(source: Dataset | Callable[[int, int], Dataset], num_splits: int | Non
     files = _file_count(source._node)
     if files >= 2:
         with contextlib.suppress(InvalidArgumentError):  # not cut by file: by position
-            _shard_files(source._node, ShardInfo(files, 0, "service"))
+            shard_files(source._node, ShardInfo(files, 0, "service"))
             return _Plan("files", files, dataset=source)
     length = int(source.cardinality())
     if length < 0:
@@ -165,7 +165,7 @@ def _plan(source: Dataset | Callable[[int, int], Dataset], num_splits: int | Non
             "and its length is unknown or infinite, so it cannot be cut into splits; read "
             "files (TFRecordDataset, list_files(...).interleave(...)), or pass a "
             "dataset_fn(split, num_splits) and num_splits=")
-    _refuse_unseeded(source._node)
+    refuse_unseeded(source._node)
     count = max(1, min(length, num_splits or 4 * num_workers))
     bounds = tuple(length * i // count for i in range(count + 1))
     return _Plan("ranges", count, dataset=source, bounds=bounds)

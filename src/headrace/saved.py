@@ -1,4 +1,10 @@
-"""Moved to :mod:`headrace.persist.saved`; this name still imports it."""
+"""Deprecated: save and load with ``Dataset.save(path)`` and ``Dataset.load(path)``.
+
+The implementation moved to an internal module; importing this name still works
+but warns (:class:`DeprecationWarning`), and will be removed.
+"""
+
+import warnings
 
 from headrace.persist.saved import (
     MANIFEST_NAME,
@@ -10,6 +16,13 @@ from headrace.persist.saved import (
     SpecCheck,
     load_plan,
     save,
+)
+
+warnings.warn(
+    "headrace.saved is deprecated and will be removed; use Dataset.save(path) and "
+    "Dataset.load(path) instead",
+    DeprecationWarning,
+    stacklevel=2,
 )
 
 __all__ = [

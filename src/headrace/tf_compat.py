@@ -59,7 +59,7 @@ from headrace.options import Options as _Options
 from headrace.structure import TensorSpec
 from headrace.structure import map_structure as _map_structure
 from headrace.structure import returned as _returned
-from headrace.transforms.parse_fusion import _mentions_parse
+from headrace.transforms.parse_fusion import mentions_parse
 
 __all__ = [
     "EagerArray",
@@ -283,7 +283,7 @@ def _tf_typed(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` wrapped by :class:`_TFTyped`, except a function that only parses records
     (``parse_single_example``): its dtypes are its features', and left unwrapped the
     map before a batch is fused into one parse per batch."""
-    if not callable(fn) or _mentions_parse(fn):
+    if not callable(fn) or mentions_parse(fn):
         return fn
     return _TFTyped(fn)
 
@@ -495,6 +495,7 @@ data = _Namespace(
         cardinality=lambda dataset: dataset.cardinality(),
     ),
 )
+"""``tf.data``: ``Dataset``, ``Options``, ``AUTOTUNE`` and the rest, as headrace's own."""
 
 
 # --------------------------------------------------------------------------- tf.train
@@ -715,6 +716,7 @@ train = _Namespace(
     FeatureList=FeatureList,
     FeatureLists=FeatureLists,
 )
+"""``tf.train``: ``Example``, ``Features``, ``Feature`` and the list protos, for writing records."""
 
 
 # --------------------------------------------------------------------------- tf.io
@@ -766,6 +768,7 @@ io = _Namespace(
     TFRecordWriter=TFRecordWriter,
     **{name: getattr(_image, name) for name in _IO_IMAGE},
 )
+"""``tf.io``: the parsing specs and functions of ``headrace.io.example``, ``decode_raw``, ``decode_csv`` and ``TFRecordWriter``."""
 
 def _clear_session(*args: Any, **kwargs: Any) -> None:
     """Nothing to clear: headrace builds no graph, and an iterator frees what it holds
@@ -773,10 +776,13 @@ def _clear_session(*args: Any, **kwargs: Any) -> None:
 
 
 image = _Namespace("tf.image", **{name: getattr(_image, name) for name in _TF_IMAGE})
+"""``tf.image``: the decode, resize and augmentation functions of ``headrace.image``."""
 keras = _Namespace(
     "tf.keras", backend=_Namespace("tf.keras.backend", clear_session=_clear_session)
 )
+"""``tf.keras``: only ``backend.clear_session``, which has nothing to clear in headrace."""
 sparse = _Namespace("tf.sparse", to_dense=_sparse_to_dense)
+"""``tf.sparse``: ``to_dense`` for the sparse columns that parsing returns."""
 errors = _Namespace(
     "tf.errors",
     InvalidArgumentError=_errors.InvalidArgumentError,
@@ -785,6 +791,7 @@ errors = _Namespace(
     OpError=_errors.HeadraceError,
     ParseError=_errors.ParseError,
 )
+"""``tf.errors``: the exception types, headrace's (each a subclass of ``HeadraceError``)."""
 
 
 def __getattr__(name: str) -> Any:

@@ -191,17 +191,17 @@ def test_a_stream_busy_in_a_read_is_never_suspended(
     pool = FilePool(1)
     busy = pool.open(*sample_files[0])
     in_read, may_finish, opened = threading.Event(), threading.Event(), threading.Event()
-    original_read_chunk = streams_module._PlainStream._read_chunk
+    original_read_chunk = streams_module.PlainStream._read_chunk
 
     def blocking_read_chunk(
-        stream: streams_module._PlainStream, descriptor: int, wanted: int
+        stream: streams_module.PlainStream, descriptor: int, wanted: int
     ) -> bytes:
         if threading.current_thread().name == "busy-reader":
             in_read.set()
             may_finish.wait()
         return original_read_chunk(stream, descriptor, wanted)
 
-    monkeypatch.setattr(streams_module._PlainStream, "_read_chunk", blocking_read_chunk)
+    monkeypatch.setattr(streams_module.PlainStream, "_read_chunk", blocking_read_chunk)
     results: dict[str, object] = {}
     reader = threading.Thread(
         target=lambda: results.update(read=busy.read(100)), name="busy-reader"

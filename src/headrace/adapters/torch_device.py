@@ -359,7 +359,7 @@ def _gather(leaf: np.ndarray, selector: Any) -> Callable[[np.ndarray], None]:
 def _index_source(node: Any, ctx: Context) -> _IndexSource | None:
     """The fast route, when ``node`` batches a random-access source of numeric arrays
     (a ``prefetch`` after the batch is dropped: the ring already works ahead)."""
-    from headrace.sources.arrays import _SlicesAccess
+    from headrace.sources.arrays import SlicesAccess
     from headrace.transforms.batch import BatchNode
     from headrace.transforms.prefetch import PrefetchNode
 
@@ -371,7 +371,7 @@ def _index_source(node: Any, ctx: Context) -> _IndexSource | None:
     if plan is None:
         return None
     access, make_stream = plan
-    if type(access) is not _SlicesAccess or not all(
+    if type(access) is not SlicesAccess or not all(
         isinstance(leaf, np.ndarray) and _staged(leaf) and leaf.dtype.isnative and leaf.ndim >= 1
         for leaf in access.leaves
     ):

@@ -54,6 +54,7 @@ __all__ = [
 
 
 Indices = range | np.ndarray  # a block of indices; a range means "consecutive"
+"""A block of indices: a ``range`` (consecutive) or an int64 array."""
 
 #: How many input indices an index-only stage's stream has consumed (its state's counter).
 CONSUMED = "consumed"

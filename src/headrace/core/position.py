@@ -21,7 +21,7 @@ from contextvars import ContextVar
 
 __all__ = ["element_position", "position_of"]
 
-_POSITION: ContextVar[tuple[int, ...] | None] = ContextVar(
+CURRENT_POSITION: ContextVar[tuple[int, ...] | None] = ContextVar(
     "headrace_element_position", default=None
 )
 
@@ -30,7 +30,7 @@ def element_position() -> tuple[int, ...] | None:
     """``(*epochs, index)`` of the element the running map function was called on: the
     epoch of each ``repeat`` enclosing the map (outermost first) and the element's
     index in the map's input; None outside a pipeline's map."""
-    return _POSITION.get()
+    return CURRENT_POSITION.get()
 
 
 def position_of(epochs: tuple[int, ...], index: int) -> tuple[int, ...]:

@@ -31,17 +31,14 @@ import numpy as np
 from headrace.csv.reader import (
     DeferredCsvColumn,
     DeferredLine,
-    _as_records,
+    as_records,
     decode_lines,
     decode_records,
 )
 from headrace.structure import flatten, pack_as
-from headrace.transforms.parse_fusion import (
-    FUSION_RULES,
-    FusedParse,
-    _mentions_parse,
-    _nest_leaves,
-)
+from headrace.transforms.parse_fusion import FUSION_RULES, FusedParse
+from headrace.transforms.parse_fusion import mentions_parse as _mentions_parse
+from headrace.transforms.parse_fusion import nest_leaves as _nest_leaves
 
 __all__ = ["FusedDecodeCsv", "fused_decode_csv"]
 
@@ -64,7 +61,7 @@ class FusedDecodeCsv(FusedParse):
             if fast is None:  # the general decode: same arrays, or the record's error
                 lines = np.empty(len(records), dtype=object)
                 lines[:] = records
-                fast = decode_records(_as_records(lines), columns, fmt, select)
+                fast = decode_records(as_records(lines), columns, fmt, select)
             decoded.append(fast)
         return pack_as(self.structure, [decoded[leaf.call][leaf.index] for leaf in self.columns])
 

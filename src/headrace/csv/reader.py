@@ -454,7 +454,7 @@ def _extract_fields(data: bytes, delim: int, quoting: bool, select: list[int]) -
     return result
 
 
-def _as_records(records: Any) -> np.ndarray[Any, Any]:
+def as_records(records: Any) -> np.ndarray[Any, Any]:
     array = np.asarray(records, dtype=object) if not isinstance(records, np.ndarray) else records
     if array.dtype.kind in "SU":
         array = array.astype(object)
@@ -499,7 +499,7 @@ def decode_csv(
         raise InvalidArgumentError("Length of select_cols and record_defaults do not match.")
     if isinstance(records, DeferredLine):  # a map function being traced for fusion
         return records.decode(columns, fmt, select)
-    return decode_records(_as_records(records), columns, fmt, select)
+    return decode_records(as_records(records), columns, fmt, select)
 
 
 def decode_records(array: np.ndarray[Any, Any], columns: Sequence[CsvColumn], fmt: CsvFormat,

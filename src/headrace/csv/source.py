@@ -53,7 +53,8 @@ from headrace.io.filepool import FilePool, PooledStream, file_at_fault, get_defa
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
 from headrace.memory.units import format_bytes
-from headrace.sources.files import FileRecordsNode, _BudgetCharge, file_limiter
+from headrace.sources.files import BudgetCharge as _BudgetCharge
+from headrace.sources.files import FileRecordsNode, file_limiter
 from headrace.structure import TensorSpec
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "ENGINES", "CsvNode", "CsvSpec", "read_first_record"]

@@ -1049,3 +1049,11 @@ def decode_image(
         pixels = decode_bmp(contents, wanted, max_pixels=max_pixels)
     converted: Array = convert_image_dtype(pixels, dtype)
     return converted
+
+
+# The names sibling modules use (internal to headrace, not part of its API).
+bytes_of = _bytes_of
+check_pixels = _check_pixels
+jpeg_pixels = _jpeg_pixels
+native_crop_resize = _native_crop_resize
+output_channels = _output_channels

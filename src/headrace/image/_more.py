@@ -16,8 +16,11 @@ from typing import Any
 import numpy as np
 
 from headrace.errors import InvalidArgumentError
-from headrace.image._ops import _image, convert_image_dtype, crop_to_bounding_box, resize
-from headrace.image._random import _generator, _stateless, random_factor
+from headrace.image._ops import convert_image_dtype, crop_to_bounding_box, resize
+from headrace.image._ops import image_array as _image
+from headrace.image._random import random_factor
+from headrace.image._random import seed_generator as _generator
+from headrace.image._random import stateless_seed as _stateless
 
 __all__ = [
     "adjust_gamma",

@@ -357,3 +357,7 @@ def normalize(image: Any, mean: Any, std: Any, dtype: Any = np.float32) -> Array
         raise InvalidArgumentError(f"normalize: std must not contain 0, got {std!r}")
     normalized: Array = ((array - mean_a) / std_a).astype(kind)
     return normalized
+
+
+# The names sibling modules use (internal to headrace, not part of its API).
+image_array = _image

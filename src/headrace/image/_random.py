@@ -37,16 +37,17 @@ from headrace.errors import InvalidArgumentError, add_note, mark_batch_row
 from headrace.image._codec import (
     MAX_PIXELS,
     InvalidImageError,
-    _bytes_of,
-    _check_pixels,
-    _jpeg_pixels,
-    _native_crop_resize,
-    _output_channels,
     decode_image,
     read_header,
 )
+from headrace.image._codec import bytes_of as _bytes_of
+from headrace.image._codec import check_pixels as _check_pixels
+from headrace.image._codec import jpeg_pixels as _jpeg_pixels
+from headrace.image._codec import native_crop_resize as _native_crop_resize
+from headrace.image._codec import output_channels as _output_channels
 from headrace.image._native import jpeg_module
-from headrace.image._ops import _image, adjust_brightness, adjust_contrast, resize
+from headrace.image._ops import adjust_brightness, adjust_contrast, resize
+from headrace.image._ops import image_array as _image
 
 __all__ = [
     "InceptionCrop",
@@ -601,3 +602,8 @@ def stateless_sample_distorted_bounding_box(
     return sample_distorted_bounding_box(
         image_size, bounding_boxes, _stateless(seed, "sample_distorted_bounding_box"), **kwargs
     )
+
+
+# The names sibling modules use (internal to headrace, not part of its API).
+seed_generator = _generator
+stateless_seed = _stateless

@@ -426,7 +426,7 @@ def _namedtuple_decoder(tree: list[Any]) -> _Decoder:
         raise _Corrupt("bad namedtuple")
     if not all(isinstance(field, str) for field in fields):
         raise _Corrupt("namedtuple fields must be str")
-    cls = _namedtuple_class(name, tuple(fields))
+    cls = namedtuple_class(name, tuple(fields))
     children = _children(tree[3], len(fields))
     return _sequence(children, lambda items: cls(*items))
 
@@ -461,7 +461,7 @@ _CONTAINERS: dict[str, tuple[int, Callable[[list[Any]], _Decoder]]] = {
 }
 
 
-def _namedtuple_class(name: str, fields: tuple[str, ...]) -> Any:
+def namedtuple_class(name: str, fields: tuple[str, ...]) -> Any:
     """The class that wrote these fields in this process, else a plain namedtuple."""
     cls = _namedtuples.get((name, fields))
     if cls is None:
@@ -606,5 +606,5 @@ def _namedtuple_spec_from_json(raw: dict[str, Any], depth: int) -> Any:
         and len(items) == len(fields)
     ):
         raise ValueError(f"bad namedtuple entry in the element spec {raw!r:.80}")
-    cls = _namedtuple_class(name, tuple(fields))
+    cls = namedtuple_class(name, tuple(fields))
     return cls(*(spec_from_json(item, depth + 1) for item in items))

@@ -167,7 +167,7 @@ def configure(
                     "configure: store options need the store's URL prefix ('s3://bucket')"
                 )
             return
-        root, _ = _split(prefix)
+        root, _ = split_url(prefix)
         options: dict[str, Any] = dict(config)
         if client_options is not None:
             options["client_options"] = dict(client_options)
@@ -190,7 +190,7 @@ def reset_stores() -> None:
         _retry = RetryPolicy()
 
 
-def _split(url: str) -> tuple[str, str]:
+def split_url(url: str) -> tuple[str, str]:
     """``s3://bucket/a/b`` -> (``s3://bucket``, ``a/b``); ``http://host:1/a`` likewise."""
     if not is_remote(url):
         raise InvalidArgumentError(
@@ -458,7 +458,7 @@ def object_info(url: str) -> ObjectInfo:
     """
     import obstore
 
-    root, key = _split(url)
+    root, key = split_url(url)
     if not key or key.endswith("/"):
         raise IsADirectoryError(errno.EISDIR, "a URL ending in '/' names a prefix, not an object", url)
     store = _store(root)
@@ -485,7 +485,7 @@ def read_range(info: ObjectInfo, offset: int, size: int, sink: Any) -> int:
     end = min(info.size, offset + size)
     if end <= offset:
         return 0
-    root, key = _split(info.url)
+    root, key = split_url(info.url)
     store = _store(root)
     done = [0]
 
@@ -526,7 +526,7 @@ def put_atomic(url: str, data: Any, *, parts_in_flight: int | None = None) -> No
     books the upload's memory knows what it holds."""
     import obstore
 
-    root, key = _split(url)
+    root, key = split_url(url)
     if root.startswith("http"):
         raise InvalidArgumentError(f"{url}: http(s) URLs are read-only")
     store = _store(root)
@@ -555,7 +555,7 @@ def put_if_absent(url: str, data: bytes) -> bool:
     import obstore
     from obstore.exceptions import AlreadyExistsError
 
-    root, key = _split(url)
+    root, key = split_url(url)
     if root.startswith("http"):
         raise InvalidArgumentError(f"{url}: http(s) URLs are read-only")
     store = _store(root)
@@ -592,8 +592,8 @@ def copy_object(source: str, target: str) -> None:
     the target appears whole, or not at all)."""
     import obstore
 
-    root, key = _split(source)
-    target_root, target_key = _split(target)
+    root, key = split_url(source)
+    target_root, target_key = split_url(target)
     if root != target_root:
         raise InvalidArgumentError(f"copy_object: {source} and {target} are in different stores")
     store = _store(root)
@@ -604,7 +604,7 @@ def delete_object(url: str) -> None:
     """Delete the object at ``url``; a missing one is not an error."""
     import obstore
 
-    root, key = _split(url)
+    root, key = split_url(url)
     store = _store(root)
     try:
         obstore.delete(store, key)
@@ -621,7 +621,7 @@ def list_objects(prefix_url: str) -> Iterator[ObjectInfo]:
     whole. A page that fails transiently is asked for again, from the last key seen."""
     import obstore
 
-    root, prefix = _split(prefix_url)
+    root, prefix = split_url(prefix_url)
     store = _store(root)
     last: list[str | None] = [None]
     while True:
@@ -649,7 +649,7 @@ def glob_objects(pattern: str) -> list[str]:
     :func:`glob.glob`; ``[...]`` classes), sorted. Only the part of the key before the
     first wildcard is listed, so a pattern over one prefix of a large bucket does not
     walk the bucket. A pattern without wildcards names one object (HEAD)."""
-    root, key = _split(pattern)
+    root, key = split_url(pattern)
     match = _MAGIC.search(key)
     if match is None:
         try:
@@ -775,7 +775,7 @@ class Successor:
         """``ahead=False``: nothing is fetched in the background; the open makes the one
         request itself (an object opened at its start, with nothing before it to read
         ahead from: one round trip instead of a HEAD and a GET)."""
-        _split(url)  # (a malformed URL is refused by the open, as before)
+        split_url(url)  # (a malformed URL is refused by the open, as before)
         self.url, self.size = url, size
         self.claimed = False
         self._future: Any = (
@@ -827,7 +827,7 @@ def _first_range(url: str, size: int) -> tuple[ObjectInfo, Any]:
     as every read is); an empty object, whose range cannot be satisfied, from a HEAD."""
     import obstore
 
-    root, key = _split(url)
+    root, key = split_url(url)
     if not key or key.endswith("/"):
         raise IsADirectoryError(errno.EISDIR, "a URL ending in '/' names a prefix, not an object", url)
     store = _store(root)
@@ -862,7 +862,7 @@ def first_range_size(compression_type: str, buffer_size: int) -> int:
     if compression_type:
         from headrace.io import streams
 
-        return max(buffer_size, streams._COMPRESSED_READ_SIZE)
+        return max(buffer_size, streams.COMPRESSED_READ_SIZE)
     return buffer_size
 
 
@@ -1059,12 +1059,12 @@ def make_remote_stream(url: str, compression_type: str, *, buffer_size: int) -> 
     """A suspendable stream over the object at ``url`` (see :func:`headrace.io.streams.make_stream`)."""
     from headrace.io import streams
 
-    _split(url)  # a clear error for a malformed URL, before any slot is taken
+    split_url(url)  # a clear error for a malformed URL, before any slot is taken
     stream: Any
     if compression_type:
         stream = _RemoteCompressedStream(url, compression_type, buffer_size=buffer_size)
         # one GET per compressed chunk: as large as the buffer, not 64 KiB
-        stream._compressed_read_size = max(buffer_size, streams._COMPRESSED_READ_SIZE)
+        stream._compressed_read_size = max(buffer_size, streams.COMPRESSED_READ_SIZE)
     else:
         stream = _RemotePlainStream(url, buffer_size=buffer_size)
     stream._info = None
@@ -1076,9 +1076,9 @@ def make_remote_stream(url: str, compression_type: str, *, buffer_size: int) -> 
 
 
 def _define_streams() -> tuple[type, type]:
-    from headrace.io.streams import _CompressedStream, _PlainStream
+    from headrace.io.streams import CompressedStream, PlainStream
 
-    class RemotePlainStream(_RemoteReads, _PlainStream):
+    class RemotePlainStream(_RemoteReads, PlainStream):
         """An uncompressed object: positioned reads are ranged GETs."""
 
         def _read_chunk(self, descriptor: int, wanted: int) -> bytes:
@@ -1108,7 +1108,7 @@ def _define_streams() -> tuple[type, type]:
             self._position += total
             return total
 
-    class RemoteCompressedStream(_RemoteReads, _CompressedStream):
+    class RemoteCompressedStream(_RemoteReads, CompressedStream):
         """A GZIP/ZLIB object, decompressed as it streams in."""
 
     return RemotePlainStream, RemoteCompressedStream

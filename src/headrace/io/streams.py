@@ -52,7 +52,7 @@ ZLIB_STATE_NBYTES = 32 * 1024 + 8 * 1024
 
 #: Buffers one preadv call takes at most (Linux's IOV_MAX).
 _IOV_MAX = 1024
-_COMPRESSED_READ_SIZE = 64 * 1024
+COMPRESSED_READ_SIZE = 64 * 1024
 """Compressed bytes read per refill. Small, because the decompressor keeps a reference to
 the unconsumed tail of the last chunk, which a suspended stream must account for."""
 
@@ -204,7 +204,7 @@ class SuspendableStream(ClosesOnExit):
     def readinto(self, buffer: memoryview, /) -> int:
         """Read the next bytes into ``buffer``; how many, fewer than its length only at
         the end of the stream. An uncompressed stream reads straight into it (see
-        :class:`_PlainStream`); here the bytes are read, then copied."""
+        :class:`PlainStream`); here the bytes are read, then copied."""
         data = self.read(len(buffer))
         buffer[: len(data)] = data
         return len(data)
@@ -309,7 +309,7 @@ class SuspendableStream(ClosesOnExit):
         os.close(descriptor)
 
 
-class _PlainStream(SuspendableStream):
+class PlainStream(SuspendableStream):
     """An uncompressed file: the logical offset *is* the file offset, so seeking is free
     and suspending keeps nothing but the offset."""
 
@@ -397,7 +397,7 @@ class _PlainStream(SuspendableStream):
         self._seek_to(self._position)
 
 
-class _CompressedStream(SuspendableStream):
+class CompressedStream(SuspendableStream):
     """A GZIP or ZLIB file, decompressed incrementally with bounded output per step.
 
     ``_input`` holds compressed bytes read but not yet consumed by the decompressor and
@@ -406,7 +406,7 @@ class _CompressedStream(SuspendableStream):
     suspending drops ``_input`` and resuming re-reads from ``_input_offset``.
     """
 
-    _compressed_read_size = _COMPRESSED_READ_SIZE  # (an object store's is larger)
+    _compressed_read_size = COMPRESSED_READ_SIZE  # (an object store's is larger)
 
     def __init__(
         self, path: str | os.PathLike[str], compression_type: str, *, buffer_size: int
@@ -535,8 +535,8 @@ def make_stream(
             return stream
         path = objstore.local_path(path)
     if normalized:
-        return _CompressedStream(path, normalized, buffer_size=buffer_size)
-    return _PlainStream(path, buffer_size=buffer_size)
+        return CompressedStream(path, normalized, buffer_size=buffer_size)
+    return PlainStream(path, buffer_size=buffer_size)
 
 
 def open_stream(

@@ -160,7 +160,7 @@ def _scan_offsets(view: Any, size: int, path: str, max_record_bytes: int) -> npt
     return np.asarray(offsets, dtype=np.uint64)
 
 
-def _write_atomically(path: str, chunks: list[bytes]) -> None:
+def write_atomically(path: str, chunks: list[bytes]) -> None:
     temp_path = os.path.join(
         os.path.dirname(os.path.abspath(path)),
         f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp",
@@ -229,7 +229,7 @@ def _save(path: str, offsets: npt.NDArray[np.uint64], fingerprint: _Fingerprint)
         zlib.crc32(offsets_bytes),
         0,
     )
-    _write_atomically(index_path_for(path), [header, offsets_bytes])
+    write_atomically(index_path_for(path), [header, offsets_bytes])
 
 
 def write_index(shard_path: str | os.PathLike[str], offsets: npt.ArrayLike) -> None:

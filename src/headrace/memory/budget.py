@@ -76,8 +76,8 @@ from headrace.memory.buffer import (  # (the buffer's names re-exported while st
     Buffer,
     ChunkPart,
     Overdraft,
+    RefusedAbove,
     Reservation,
-    _RefusedAbove,
     release_all,
 )
 from headrace.memory.units import format_apart, format_bytes
@@ -284,7 +284,7 @@ class MemoryBudget:
                 try:
                     self.total = max(self.total, self.widen(sum(minima), self._listing()))
                 except MemoryBudgetError as error:  # the stage above is refused: its words
-                    raise _RefusedAbove(str(error)) from None
+                    raise RefusedAbove(str(error)) from None
                 limits = [
                     int(self.total * account.weight / weights) if weights else 0
                     for account in accounts

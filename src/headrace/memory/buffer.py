@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-class _RefusedAbove(MemoryBudgetError):
+class RefusedAbove(MemoryBudgetError):
     """A nested budget could not widen: the stage holding it was refused (its message)."""
 
 
@@ -202,7 +202,7 @@ class Buffer:
         if nbytes > self.limit:
             try:
                 self.budget.allot()
-            except _RefusedAbove as error:
+            except RefusedAbove as error:
                 self.minimum, self.minimum_what = previous
                 raise MemoryBudgetError(str(error)) from None
             except MemoryBudgetError:
@@ -921,6 +921,7 @@ class Assembly:
 
 
 NO_RESERVATION = Reservation(None, 0)
+"""The reservation of nothing: what a stage that reserves no bytes passes on."""
 
 
 def release_all(reservations: Any) -> None:

@@ -642,14 +642,14 @@ def _walk(costing: _Costing, element: Any) -> int:
 def _plain_cost(element: Any, preexisting: frozenset[int] | set[int]) -> int | None:
     """The cost of the commonest elements without the general walk (which is ~0.5 us of
     per-element overhead, and several us for a batch of columns); exactly what the walk
-    gives them, or None for anything else: a plain array (:func:`_plain_array`) or a
+    gives them, or None for anything else: a plain array (:func:`plain_array`) or a
     dict of them under ``str`` keys (a parsed batch), or a number, string or ``bytes``
     (a map's scalar outputs: the walk's own first case, without building a walk)."""
     cls = type(element)
     if cls in _FLAT_TYPES:
         return sys.getsizeof(element)
     if cls is not dict:
-        plain = _plain_array(element, preexisting)
+        plain = plain_array(element, preexisting)
         return None if plain is None else plain[0]
     # The walk samples larger dicts, and counts an owner met twice once: those go to it.
     if len(element) > SAMPLE_ITEMS:
@@ -657,7 +657,7 @@ def _plain_cost(element: Any, preexisting: frozenset[int] | set[int]) -> int | N
     total = sys.getsizeof(element)
     owners = set()
     for key, value in element.items():
-        plain = _plain_array(value, preexisting) if type(key) is str else None
+        plain = plain_array(value, preexisting) if type(key) is str else None
         if plain is None:
             return None
         cost, owner = plain
@@ -669,7 +669,7 @@ def _plain_cost(element: Any, preexisting: frozenset[int] | set[int]) -> int | N
     return total
 
 
-def _plain_array(element: Any, preexisting: frozenset[int] | set[int]) -> tuple[int, int] | None:
+def plain_array(element: Any, preexisting: frozenset[int] | set[int]) -> tuple[int, int] | None:
     """``(cost, id of the owner it counts or 0)`` of an array of the commonest kinds, as
     :meth:`_Costing.array_cost` gives it; None for anything else.
 

@@ -14,4 +14,8 @@ One subject per module:
 
 Every buffer here books through :mod:`headrace.memory.buffer`. Importing the
 package imports none of its modules.
+
+Internal to headrace: not part of its API (its names can change in any release).
 """
+
+__all__: list[str] = []

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.io.elements import _namedtuple_class
+from headrace.io.elements import namedtuple_class as _namedtuple_class
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES
 
 __all__: list[str] = []  # internal: used by headrace.persist.records

@@ -27,8 +27,7 @@ from headrace.errors import DataLossError
 from headrace.io.blocks import BLOCK_CODECS, BlockCodec, block_codec
 from headrace.io.elements import ELEMENTS_FORMAT, encode_element_parts
 from headrace.io.filepool import HeldSlots, get_default_pool
-from headrace.io.tfrecord_index import _write_atomically as write_atomically
-from headrace.io.tfrecord_index import index_path_for
+from headrace.io.tfrecord_index import index_path_for, write_atomically
 from headrace.memory.buffer import Buffer, Reservation
 from headrace.persist.records import (
     BlockReader,

@@ -71,7 +71,7 @@ def check_url(url: str, what: str, *, folder: bool = False) -> None:
     """Refuse, where the dataset is built, a URL that a cache cannot be uploaded to: a web
     server's (read-only), or for a cache's name (``folder=False``) one naming no object
     (``s3://bucket``, ``s3://bucket/dir/``: its objects would be named after the bucket)."""
-    root, key = objstore._split(url)  # (a malformed URL: InvalidArgumentError naming it)
+    root, key = objstore.split_url(url)  # (a malformed URL: InvalidArgumentError naming it)
     if root.startswith("http"):
         raise InvalidArgumentError(
             f"{what}: {url} is a web server's URL, which headrace only reads; give an "

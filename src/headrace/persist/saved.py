@@ -76,8 +76,7 @@ from headrace.io.filepool import HeldSlots, borrowed_slot, get_default_pool
 from headrace.io.streams import normalize_compression_type
 from headrace.io.tfrecord.reader import open_tfrecord
 from headrace.io.tfrecord.writer import TFRecordWriter
-from headrace.io.tfrecord_index import _write_atomically as write_atomically
-from headrace.io.tfrecord_index import build_index
+from headrace.io.tfrecord_index import build_index, write_atomically
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
 from headrace.persist.columnar import layout_for
 from headrace.persist.records import BYTES_OVERHEAD, check_alike_records, check_scattered

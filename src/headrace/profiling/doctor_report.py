@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING
 
 from headrace.memory.units import format_bytes
 from headrace.profiling.report import (
-    _LEFT,
-    _STYLE,
-    _TOP,
-    _Axes,
-    _color,
-    _esc,
-    _legend,
-    _svg,
-    _table,
+    LEFT,
+    STYLE,
+    TOP,
+    Axes,
+    chart_legend,
+    escape,
+    html_table,
+    palette_color,
+    svg_chart,
 )
 
 if TYPE_CHECKING:
@@ -40,21 +40,21 @@ if TYPE_CHECKING:
 __all__ = ["render_diagnosis"]
 
 
-def _line(axes: _Axes, points: list[tuple[float, float]], css: str, color: str,
+def _line(axes: Axes, points: list[tuple[float, float]], css: str, color: str,
           name: str, dash: bool = False) -> str:
     path = " ".join(f"{axes.x(x):.1f},{axes.y(max(y, 0.0)):.1f}" for x, y in points)
     dashed = ' stroke-dasharray="6,4"' if dash else ""
     dots = "".join(
         f'<circle cx="{axes.x(x):.1f}" cy="{axes.y(max(y, 0.0)):.1f}" r="3" fill="{color}">'
-        f"<title>{_esc(name)}: epoch {x:.0f}, {_esc(format_bytes(int(y)))}</title></circle>"
+        f"<title>{escape(name)}: epoch {x:.0f}, {escape(format_bytes(int(y)))}</title></circle>"
         for x, y in points
     ) if not dash else ""
-    return (f'<polyline class="{css}" data-series="{_esc(name)}" points="{path}" fill="none" '
+    return (f'<polyline class="{css}" data-series="{escape(name)}" points="{path}" fill="none" '
             f'stroke="{color}" stroke-width="2"{dashed}/>{dots}')
 
 
-def _epoch_caption(axes: _Axes) -> str:
-    return (f'<text x="{_LEFT + axes.plot_w / 2:.0f}" y="{_TOP + axes.plot_h + 32}" '
+def _epoch_caption(axes: Axes) -> str:
+    return (f'<text x="{LEFT + axes.plot_w / 2:.0f}" y="{TOP + axes.plot_h + 32}" '
             'text-anchor="middle" font-size="11">epoch</text>')
 
 
@@ -80,34 +80,34 @@ def epoch_chart(diagnosis: Diagnosis) -> str:
     """Growth of each memory measure after each epoch, with the fits."""
     epochs = diagnosis.epochs
     if not epochs:
-        return _svg("epoch-chart", "Memory after each epoch", [])
+        return svg_chart("epoch-chart", "Memory after each epoch", [])
     series = _memory_series(diagnosis)
     x_max = max(float(epochs[-1].epoch), 1.0)
     y_max = max([y for _, points, _ in series for _, y in points]
                 + [float(diagnosis.min_leak)]) * 1.15
-    axes = _Axes(x_max, y_max)
+    axes = Axes(x_max, y_max)
     parts = axes.frame("growth since epoch 0", x_format="epoch")
     parts.append(_epoch_caption(axes))
     if diagnosis.warmup:
         right = axes.x(min(diagnosis.warmup - 0.5, x_max))
         parts.append(
-            f'<rect class="warmup" x="{_LEFT}" y="{_TOP}" width="{right - _LEFT:.1f}" '
+            f'<rect class="warmup" x="{LEFT}" y="{TOP}" width="{right - LEFT:.1f}" '
             f'height="{axes.plot_h}" fill="#999" fill-opacity="0.15"><title>warm-up: not '
             "fitted</title></rect>"
         )
     legend = []
     for index, (name, points, trend) in enumerate(series):
-        parts.append(_line(axes, points, "epoch-line", _color(index), name))
-        legend.append((name, _color(index), "line"))
+        parts.append(_line(axes, points, "epoch-line", palette_color(index), name))
+        legend.append((name, palette_color(index), "line"))
         fitted = points[diagnosis.warmup:]
         if len(fitted) >= 2:
-            parts.append(_trend_line(axes, fitted, trend, _color(index)))
+            parts.append(_trend_line(axes, fitted, trend, palette_color(index)))
     legend.append(("fitted growth per epoch", "#555", "dash"))
-    parts += _legend(legend)
-    return _svg("epoch-chart", "Memory after each epoch", parts)
+    parts += chart_legend(legend)
+    return svg_chart("epoch-chart", "Memory after each epoch", parts)
 
 
-def _trend_line(axes: _Axes, fitted: list[tuple[float, float]], trend: Trend, color: str) -> str:
+def _trend_line(axes: Axes, fitted: list[tuple[float, float]], trend: Trend, color: str) -> str:
     """The robust slope drawn through the fitted epochs' median point."""
     xs = sorted(x for x, _ in fitted)
     ys = sorted(y for _, y in fitted)
@@ -126,18 +126,18 @@ def stage_chart(diagnosis: Diagnosis) -> str:
     series = [(name, points) for name, points in series if any(y for _, y in points)]
     x_max = max(float(epochs[-1].epoch), 1.0) if epochs else 1.0
     y_max = max([y for _, points in series for _, y in points] + [1.0]) * 1.15
-    axes = _Axes(x_max, y_max)
+    axes = Axes(x_max, y_max)
     parts = axes.frame("booked", x_format="epoch")
     parts.append(_epoch_caption(axes))
     legend = []
     for index, (name, points) in enumerate(series):
-        parts.append(_line(axes, points, "stage-line", _color(index + 2), name))
-        legend.append((name, _color(index + 2), "line"))
+        parts.append(_line(axes, points, "stage-line", palette_color(index + 2), name))
+        legend.append((name, palette_color(index + 2), "line"))
     if not series:
-        parts.append(f'<text x="{_LEFT + 20}" y="{_TOP + 30}" font-size="12">No stage held '
+        parts.append(f'<text x="{LEFT + 20}" y="{TOP + 30}" font-size="12">No stage held '
                      "bytes at the end of an epoch.</text>")
-    parts += _legend(legend)
-    return _svg("stage-chart", "Booked bytes by stage after each epoch", parts)
+    parts += chart_legend(legend)
+    return svg_chart("stage-chart", "Booked bytes by stage after each epoch", parts)
 
 
 def render_diagnosis(diagnosis: Diagnosis) -> str:
@@ -145,10 +145,10 @@ def render_diagnosis(diagnosis: Diagnosis) -> str:
     if diagnosis.leak:
         verdict = (
             f'<p class="verdict leak"><b>LEAK</b>: memory grows by '
-            f"~{_esc(format_bytes(int(diagnosis.growth_per_epoch)))}"
+            f"~{escape(format_bytes(int(diagnosis.growth_per_epoch)))}"
             " per epoch, beyond noise.</p>"
         )
-        growth = _table(
+        growth = html_table(
             ["stage", "per epoch", "where"],
             [(g.stage, format_bytes(int(g.bytes_per_epoch)), g.where) for g in diagnosis.growth],
             "growth",
@@ -157,16 +157,16 @@ def render_diagnosis(diagnosis: Diagnosis) -> str:
     else:
         verdict = (
             '<p class="verdict ok"><b>No leak</b>: growth per epoch is within noise (floor '
-            f"{_esc(format_bytes(diagnosis.min_leak))}/epoch).</p>"
+            f"{escape(format_bytes(diagnosis.min_leak))}/epoch).</p>"
         )
         growth = ""
     resources = (
-        '<ul id="resources">' + "".join(f"<li>{_esc(text)}</li>" for text in diagnosis.resources)
+        '<ul id="resources">' + "".join(f"<li>{escape(text)}</li>" for text in diagnosis.resources)
         + "</ul>" if diagnosis.resources else "<p>Everything was returned.</p>"
     )
     findings = "".join(
-        f'<div class="finding {_esc(f.severity)}"><b>{_esc(f.code)}</b> at '
-        f"<code>{_esc(f.stage)}</code>: {_esc(f.message)}<br><b>Fix:</b> {_esc(f.fix)}</div>"
+        f'<div class="finding {escape(f.severity)}"><b>{escape(f.code)}</b> at '
+        f"<code>{escape(f.stage)}</code>: {escape(f.message)}<br><b>Fix:</b> {escape(f.fix)}</div>"
         for f in diagnosis.findings
     ) or "<p>No findings.</p>"
     trends = [*diagnosis.memory_trends] + [
@@ -185,11 +185,11 @@ def render_diagnosis(diagnosis: Diagnosis) -> str:
         if diagnosis.traced_epochs else "")
     return "".join([
         "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">",
-        f"<title>{_esc(diagnosis.title)}</title><style>{_STYLE}"
+        f"<title>{escape(diagnosis.title)}</title><style>{STYLE}"
         ".verdict{padding:6px 10px}.leak{background:#fdecea}.ok{background:#edf7ed}</style>"
         "</head><body>",
-        f"<h1>{_esc(diagnosis.title)}</h1>",
-        (f'<pre id="pipeline">{_esc(diagnosis.extra["pipeline"])}</pre>'
+        f"<h1>{escape(diagnosis.title)}</h1>",
+        (f'<pre id="pipeline">{escape(diagnosis.extra["pipeline"])}</pre>'
          if diagnosis.extra.get("pipeline") else ""),
         verdict,
         growth,
@@ -198,13 +198,13 @@ def render_diagnosis(diagnosis: Diagnosis) -> str:
         f"as Keras does; then garbage was collected and memory measured. Shaded: the "
         f"{diagnosis.warmup} warm-up epoch(s), not fitted. Dashed: the fitted growth.</p>",
         epoch_chart(diagnosis),
-        "<ul>" + "".join(f"<li>{_esc(t.format())}</li>" for t in trends) + "</ul>",
+        "<ul>" + "".join(f"<li>{escape(t.format())}</li>" for t in trends) + "</ul>",
         "<h2>Booked bytes by stage</h2>",
         stage_chart(diagnosis),
         "<h2>Not returned</h2>",
         resources,
         "<h2>Epochs</h2>",
-        _table(["epoch", "elements", "s", "allocated", "traced", "anon + shared", "descriptors",
+        html_table(["epoch", "elements", "s", "allocated", "traced", "anon + shared", "descriptors",
                 "shm segments", "headrace threads", "live iterators"], epoch_rows, "epochs"),
         traced_pass,
         "<h2>Recipe findings</h2>",

@@ -32,15 +32,15 @@ _PALETTE = (
     "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
 )
 _WIDTH, _HEIGHT = 860, 300
-_LEFT, _RIGHT, _TOP, _BOTTOM = 80, 190, 20, 40
+LEFT, _RIGHT, TOP, _BOTTOM = 80, 190, 20, 40
 _MAX_POINTS = 600
 
 
-def _esc(text: object) -> str:
+def escape(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _color(index: int) -> str:
+def palette_color(index: int) -> str:
     return _PALETTE[index % len(_PALETTE)]
 
 
@@ -53,24 +53,24 @@ def _thin(count: int) -> list[int]:
     return picked
 
 
-class _Axes:
+class Axes:
     """Maps data to pixels for one chart and draws its frame."""
 
     def __init__(self, x_max: float, y_max: float) -> None:
         self.x_max = x_max if x_max > 0 else 1.0
         self.y_max = y_max if y_max > 0 else 1.0
-        self.plot_w = _WIDTH - _LEFT - _RIGHT
-        self.plot_h = _HEIGHT - _TOP - _BOTTOM
+        self.plot_w = _WIDTH - LEFT - _RIGHT
+        self.plot_h = _HEIGHT - TOP - _BOTTOM
 
     def x(self, value: float) -> float:
-        return _LEFT + self.plot_w * value / self.x_max
+        return LEFT + self.plot_w * value / self.x_max
 
     def y(self, value: float) -> float:
-        return _TOP + self.plot_h * (1 - value / self.y_max)
+        return TOP + self.plot_h * (1 - value / self.y_max)
 
     def frame(self, y_label: str, y_format: str = "bytes", x_format: str = "seconds") -> list[str]:
         parts = [
-            f'<rect class="plot" x="{_LEFT}" y="{_TOP}" width="{self.plot_w}" '
+            f'<rect class="plot" x="{LEFT}" y="{TOP}" width="{self.plot_w}" '
             f'height="{self.plot_h}" fill="#fafafa" stroke="#ccc"/>'
         ]
         for k in range(5):
@@ -78,9 +78,9 @@ class _Axes:
             y = self.y(value)
             text = format_bytes(int(value)) if y_format == "bytes" else f"{value:,.0f}"
             parts.append(
-                f'<line x1="{_LEFT}" x2="{_LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
-                f'stroke="#e5e5e5"/><text x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end" '
-                f'font-size="11">{_esc(text)}</text>'
+                f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
+                f'stroke="#e5e5e5"/><text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end" '
+                f'font-size="11">{escape(text)}</text>'
             )
         ticks = ([float(k) for k in range(int(self.x_max) + 1)]
                  if x_format == "epoch" and self.x_max <= 20
@@ -88,13 +88,13 @@ class _Axes:
         for value in ticks:
             x = self.x(value)
             parts.append(
-                f'<text x="{x:.1f}" y="{_TOP + self.plot_h + 16}" text-anchor="middle" '
+                f'<text x="{x:.1f}" y="{TOP + self.plot_h + 16}" text-anchor="middle" '
                 f'font-size="11">{_x_label(value, x_format)}</text>'
             )
         parts.append(
-            f'<text x="14" y="{_TOP + self.plot_h / 2:.0f}" font-size="12" '
-            f'transform="rotate(-90 14 {_TOP + self.plot_h / 2:.0f})" '
-            f'text-anchor="middle">{_esc(y_label)}</text>'
+            f'<text x="14" y="{TOP + self.plot_h / 2:.0f}" font-size="12" '
+            f'transform="rotate(-90 14 {TOP + self.plot_h / 2:.0f})" '
+            f'text-anchor="middle">{escape(y_label)}</text>'
         )
         return parts
 
@@ -103,12 +103,12 @@ def _x_label(value: float, x_format: str) -> str:
     return f"{value:.2f} s" if x_format == "seconds" else f"{value:.0f}"
 
 
-def _legend(entries: Sequence[tuple[str, str, str]]) -> list[str]:
+def chart_legend(entries: Sequence[tuple[str, str, str]]) -> list[str]:
     """(label, color, style) rows at the right of a chart; style 'box' or 'line' or 'dash'."""
     parts = []
     x = _WIDTH - _RIGHT + 12
     for row, (label, color, style) in enumerate(entries[:16]):
-        y = _TOP + 8 + row * 17
+        y = TOP + 8 + row * 17
         if style == "box":
             mark = f'<rect x="{x}" y="{y - 8}" width="12" height="10" fill="{color}"/>'
         else:
@@ -116,16 +116,16 @@ def _legend(entries: Sequence[tuple[str, str, str]]) -> list[str]:
             mark = (f'<line x1="{x}" x2="{x + 14}" y1="{y - 3}" y2="{y - 3}" stroke="{color}" '
                     f'stroke-width="2"{dash}/>')
         parts.append(
-            f'{mark}<text x="{x + 18}" y="{y + 1}" font-size="11">{_esc(label[:26])}</text>'
+            f'{mark}<text x="{x + 18}" y="{y + 1}" font-size="11">{escape(label[:26])}</text>'
         )
     return parts
 
 
-def _svg(chart_id: str, title: str, parts: list[str]) -> str:
+def svg_chart(chart_id: str, title: str, parts: list[str]) -> str:
     return (
         f'<svg id="{chart_id}" class="chart" xmlns="http://www.w3.org/2000/svg" '
         f'width="{_WIDTH}" height="{_HEIGHT}" viewBox="0 0 {_WIDTH} {_HEIGHT}" role="img" '
-        f'aria-label="{_esc(title)}"><title>{_esc(title)}</title>{"".join(parts)}</svg>'
+        f'aria-label="{escape(title)}"><title>{escape(title)}</title>{"".join(parts)}</svg>'
     )
 
 
@@ -142,7 +142,7 @@ def memory_chart(profile: Profile) -> str:
         + [top * 1.1 for top in stacked_top]
         + [1.0]
     )
-    axes = _Axes(x_max, y_max)
+    axes = Axes(x_max, y_max)
     parts = axes.frame("bytes")
     base = [0.0] * len(picked)
     legend: list[tuple[str, str, str]] = []
@@ -158,15 +158,15 @@ def memory_chart(profile: Profile) -> str:
         points += [f"{axes.x(samples[k].seconds):.1f},{axes.y(b):.1f}"
                    for k, b in reversed(list(zip(picked, base, strict=True)))]
         parts.append(
-            f'<polygon class="stage-area" data-stage="{_esc(names[stage])}" '
-            f'points="{" ".join(points)}" fill="{_color(stage)}" fill-opacity="0.75"/>'
+            f'<polygon class="stage-area" data-stage="{escape(names[stage])}" '
+            f'points="{" ".join(points)}" fill="{palette_color(stage)}" fill-opacity="0.75"/>'
         )
-        legend.append((names[stage], _color(stage), "box"))
+        legend.append((names[stage], palette_color(stage), "box"))
         base = upper
     if profile.budget_total and profile.budget_total <= y_max:
         y = axes.y(profile.budget_total)
         parts.append(
-            f'<line class="budget-line" x1="{_LEFT}" x2="{_LEFT + axes.plot_w}" y1="{y:.1f}" '
+            f'<line class="budget-line" x1="{LEFT}" x2="{LEFT + axes.plot_w}" y1="{y:.1f}" '
             f'y2="{y:.1f}" stroke="#d62728" stroke-width="2" stroke-dasharray="6,4"/>'
         )
         legend.append((f"budget {format_bytes(profile.budget_total)}", "#d62728", "dash"))
@@ -186,14 +186,14 @@ def memory_chart(profile: Profile) -> str:
     for decision in profile.decisions[:60]:
         x = axes.x(decision.seconds)
         parts.append(
-            f'<line class="decision" x1="{x:.1f}" x2="{x:.1f}" y1="{_TOP}" '
-            f'y2="{_TOP + 8}" stroke="#9467bd" stroke-width="2"><title>'
-            f"{_esc(decision.format())}</title></line>"
+            f'<line class="decision" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" '
+            f'y2="{TOP + 8}" stroke="#9467bd" stroke-width="2"><title>'
+            f"{escape(decision.format())}</title></line>"
         )
     if profile.decisions:
         legend.append(("decision taken", "#9467bd", "line"))
-    parts += _legend(legend)
-    return _svg("memory-chart", "Memory over time, stacked by stage", parts)
+    parts += chart_legend(legend)
+    return svg_chart("memory-chart", "Memory over time, stacked by stage", parts)
 
 
 def throughput_chart(profile: Profile) -> str:
@@ -217,29 +217,29 @@ def throughput_chart(profile: Profile) -> str:
             series.append((stage, points))
     x_max = samples[-1].seconds if samples else 1.0
     y_max = max([rate for _, points in series for _, rate in points] + [1.0]) * 1.1
-    axes = _Axes(x_max, y_max)
+    axes = Axes(x_max, y_max)
     parts = axes.frame("elements / s", "count")
     legend = []
     for stage, points in series:
         path = " ".join(f"{axes.x(t):.1f},{axes.y(r):.1f}" for t, r in points)
         parts.append(
-            f'<polyline class="throughput-line" data-stage="{_esc(names[stage])}" '
-            f'points="{path}" fill="none" stroke="{_color(stage)}" stroke-width="1.5"/>'
+            f'<polyline class="throughput-line" data-stage="{escape(names[stage])}" '
+            f'points="{path}" fill="none" stroke="{palette_color(stage)}" stroke-width="1.5"/>'
         )
-        legend.append((names[stage], _color(stage), "line"))
-    parts += _legend(legend)
-    return _svg("throughput-chart", "Throughput per stage", parts)
+        legend.append((names[stage], palette_color(stage), "line"))
+    parts += chart_legend(legend)
+    return svg_chart("throughput-chart", "Throughput per stage", parts)
 
 
 def time_chart(profile: Profile) -> str:
     """Horizontal bars: each stage's own work and its time pulling its input."""
     stages = profile.stages
-    height = _TOP + _BOTTOM + 22 * max(len(stages), 1)
+    height = TOP + _BOTTOM + 22 * max(len(stages), 1)
     x_max = max([stage.seconds for stage in stages] + [1e-6]) * 1.05
     plot_w = _WIDTH - 260 - 40
     parts = []
     for row, stage in enumerate(stages):
-        y = _TOP + row * 22
+        y = TOP + row * 22
         own = stage.own_seconds
         waited = stage.seconds if own is None else stage.input_seconds
         own_w = 0.0 if own is None else plot_w * own / x_max
@@ -247,7 +247,7 @@ def time_chart(profile: Profile) -> str:
         label = ("  " * stage.depth + stage.name)[:34]
         parts.append(
             f'<text x="250" y="{y + 14}" text-anchor="end" font-size="11" '
-            f'xml:space="preserve">{_esc(label)}</text>'
+            f'xml:space="preserve">{escape(label)}</text>'
             f'<rect class="time-bar" x="260" y="{y + 3}" width="{own_w:.1f}" height="14" '
             f'fill="#4e79a7"><title>own work {own or 0:.3f} s</title></rect>'
             f'<rect class="time-bar" x="{260 + own_w:.1f}" y="{y + 3}" width="{wait_w:.1f}" '
@@ -265,15 +265,15 @@ def time_chart(profile: Profile) -> str:
     )
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], table_id: str) -> str:
-    head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]], table_id: str) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = "".join(
-        "<tr>" + "".join(f"<td>{_esc(cell)}</td>" for cell in row) + "</tr>" for row in rows
+        "<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>" for row in rows
     )
     return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-_STYLE = """
+STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;
 color:#222;max-width:980px}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px}
@@ -315,12 +315,12 @@ def _workers_section(profile: Profile) -> str:
     return "".join([
         "<h2>Worker processes</h2>",
         f"<p>Shared-memory segments of this pipeline: at most {segments} at once, "
-        f"{_esc(format_bytes(segment_bytes))}.</p>",
-        _table(["stage", "processes", "why", "chunks", "elements", "compute s", "transfer s",
+        f"{escape(format_bytes(segment_bytes))}.</p>",
+        html_table(["stage", "processes", "why", "chunks", "elements", "compute s", "transfer s",
                 "transfer share", "sent", "received"], stage_rows, "workers"),
         '<p class="muted">Compute: the function in the workers. Transfer: moving elements '
         "both ways (pickling, shared-memory copies), in the workers and in this process.</p>",
-        _table(["stage", "pid", "RSS", "peak RSS", "USS", "PSS anonymous", "PSS shared"],
+        html_table(["stage", "pid", "RSS", "peak RSS", "USS", "PSS anonymous", "PSS shared"],
                worker_rows, "worker-memory"),
     ])
 
@@ -360,22 +360,22 @@ def render_html(profile: Profile) -> str:
         for s in profile.stages
     ]
     findings = "".join(
-        f'<div class="finding {_esc(f.severity)}"><b>{_esc(f.code)}</b> at '
-        f"<code>{_esc(f.stage)}</code>: {_esc(f.message)}<br><b>Fix:</b> {_esc(f.fix)}</div>"
+        f'<div class="finding {escape(f.severity)}"><b>{escape(f.code)}</b> at '
+        f"<code>{escape(f.stage)}</code>: {escape(f.message)}<br><b>Fix:</b> {escape(f.fix)}</div>"
         for f in profile.findings
     ) or "<p>No findings.</p>"
-    decisions = _table(
+    decisions = html_table(
         ["time", "stage", "decision", "from", "to"],
         [(f"{d.seconds:.3f} s", d.stage, d.what, "" if d.before is None else d.before, d.after)
          for d in profile.decisions],
         "decisions",
     ) if profile.decisions else "<p>No decisions changed while running.</p>"
-    warned = "".join(f"<li>{_esc(text)}</li>" for text in profile.warnings)
+    warned = "".join(f"<li>{escape(text)}</li>" for text in profile.warnings)
     return "".join([
         "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">",
-        f"<title>{_esc(profile.title)}</title><style>{_STYLE}</style></head><body>",
-        f"<h1>{_esc(profile.title)}</h1>",
-        "".join(f"<p>{_esc(line)}</p>" for line in summary),
+        f"<title>{escape(profile.title)}</title><style>{STYLE}</style></head><body>",
+        f"<h1>{escape(profile.title)}</h1>",
+        "".join(f"<p>{escape(line)}</p>" for line in summary),
         "<h2>Memory over time, by stage</h2>",
         '<p class="muted">Stacked: bytes each stage holds. Dashed: the budget. Black: the '
         "process's measured growth; above the stack, memory no stage accounts for. Ticks at "
@@ -387,7 +387,7 @@ def render_html(profile: Profile) -> str:
         time_chart(profile),
         _workers_section(profile),
         "<h2>Stages</h2>",
-        _table(
+        html_table(
             ["stage", "in", "out", "out/s", "pull s", "input s", "own s", "inflation",
              "mean out", "share", "held", "peak"],
             stage_rows,

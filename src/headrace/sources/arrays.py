@@ -61,7 +61,7 @@ def _array_params(leaves: list[Any]) -> tuple[Any, ...]:
     )
 
 
-class _SlicesAccess(RandomAccess):
+class SlicesAccess(RandomAccess):
     def __init__(
         self, structure: Any, leaves: list[Any], length: int,
         copies: dict[int, tuple[str, int | None]] | None = None,
@@ -198,7 +198,7 @@ class TensorSlicesNode(SourceNode):
         return self.length
 
     def random_access(self) -> RandomAccess:
-        return _SlicesAccess(self.structure, self.leaves, self.length, self.copies)
+        return SlicesAccess(self.structure, self.leaves, self.length, self.copies)
 
 
 def _dtype_kind(leaf: Any) -> tuple[np.dtype[Any], str]:

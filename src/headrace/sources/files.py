@@ -326,7 +326,7 @@ class TextLineReader:
         return self._error
 
 
-class _BudgetCharge:
+class BudgetCharge:
     """Lets the file pool book suspended decompressor state on a stage's budget share."""
 
     def __init__(self, account: Buffer) -> None:
@@ -349,7 +349,7 @@ def file_limiter(ctx: Context) -> FileLimiter | None:
     return run.file_limiter
 
 
-def _filenames(filenames: Any) -> list[str]:
+def filename_list(filenames: Any) -> list[str]:
     if isinstance(filenames, (str, bytes, os.PathLike)):
         filenames = [filenames]
     if isinstance(filenames, np.ndarray):
@@ -385,7 +385,7 @@ class FileRecordsNode(SourceNode):
         self, filenames: Any, compression_type: str | None, buffer_size: int | None
     ) -> None:
         super().__init__()
-        self.filenames = _filenames(filenames)
+        self.filenames = filename_list(filenames)
         try:
             self.compression_type = normalize_compression_type(compression_type)
         except ValueError as error:
@@ -630,7 +630,7 @@ class _FileRecordsIterator(Iterator):
                 name,
                 node.compression_type,
                 limiter=file_limiter(self.ctx),
-                memory_account=_BudgetCharge(self.account),
+                memory_account=BudgetCharge(self.account),
                 buffer_size=size,
                 successor=successor,
                 on_last_range=self._read_next_ahead if self.remote_booking else None,

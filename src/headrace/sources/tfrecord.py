@@ -43,8 +43,8 @@ from headrace.sources.files import (
     FileRecordsNode,
     OriginLog,
     RecordReader,
-    _filenames,
     file_limiter,
+    filename_list,
     record_cost,
     refused_record,
 )
@@ -408,7 +408,7 @@ class IndexedTFRecordNode(SourceNode):
         max_record_bytes: int,
     ) -> None:
         super().__init__()
-        self.filenames = _filenames(filenames)
+        self.filenames = filename_list(filenames)
         self.verify_crc = verify_crc
         self.max_record_bytes = max_record_bytes
         # Check (and build) indexes now: a stale one is an error at build time.

@@ -8,4 +8,8 @@ argument parser and the tools can be used (and tested) from Python:
   preview of records (``headrace inspect``);
 * :mod:`headrace.tools.convert` - CSV files, SQL queries and ``.npy`` arrays to TFRecord
   shards of Examples, and TFRecord back to CSV (``headrace convert``).
+
+Internal to headrace: not part of its API (its names can change in any release).
 """
+
+__all__: list[str] = []

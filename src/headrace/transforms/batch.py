@@ -52,7 +52,7 @@ from headrace.errors import (
 )
 from headrace.memory.allocator import ArrayPool
 from headrace.memory.buffer import NO_RESERVATION, Assembly, Buffer, Reservation
-from headrace.memory.sizeof import ARRAY_HEADER_BYTES, _plain_array, sizeof
+from headrace.memory.sizeof import ARRAY_HEADER_BYTES, plain_array, sizeof
 from headrace.structure import (
     flatten,
     map_structure,
@@ -163,13 +163,13 @@ class _ChargedBatches(Iterator):
         self._preexisting = ctx.preexisting  # the run's set, filled in place by prepare()
 
     def pull(self) -> tuple[Any, Reservation]:
-        # (the inner's pull, not its __next__, and an array costed by _plain_array, not
+        # (the inner's pull, not its __next__, and an array costed by plain_array, not
         # through sizeof: two Python calls less a batch, ~1,000 instructions, where a
         # batch sliced from an array costs ~18,000 in all)
         batch, upstream = self._pull_batch()
         if upstream is not NO_RESERVATION:  # (what the inner's __next__ does)
             upstream.release()
-        plain = _plain_array(batch, self._preexisting) if type(batch) is np.ndarray else None
+        plain = plain_array(batch, self._preexisting) if type(batch) is np.ndarray else None
         cost = sizeof(batch, self._preexisting) if plain is None else plain[0]
         if cost <= _HEADERS_ONLY:  # a slice of the user's memory: only array headers are new
             return batch, NO_RESERVATION

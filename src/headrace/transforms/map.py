@@ -74,7 +74,7 @@ from headrace.core.handoff import Handoff, restore_input, unpin
 from headrace.core.indexing import IndexPlan, RandomAccess, Reach, Refusal, SequentialIndices
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, ShardRole, Traits, check_signature, first_element
-from headrace.core.position import _POSITION
+from headrace.core.position import CURRENT_POSITION as _POSITION
 from headrace.core.state import INNER, SKIP, StateReader, mark_out_of_order
 from headrace.errors import InvalidArgumentError, MemoryBudgetError, Origin, note_element_error
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
@@ -1044,3 +1044,10 @@ class _ParallelMapIterator(Iterator):
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.pool = None
         super().close()
+
+
+# The names sibling modules use (internal to headrace, not part of its API).
+MapIterator = _MapIterator
+ParallelMapIterator = _ParallelMapIterator
+apply_chunk = _apply_chunk
+TARGET_CALL_SECONDS = _TARGET_CALL_SECONDS

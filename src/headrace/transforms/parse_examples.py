@@ -19,7 +19,7 @@ from headrace.errors import InvalidArgumentError, note_element_error
 from headrace.io.example.parsing import BatchParser
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import sizeof
-from headrace.transforms.map import MapNode, _MapIterator
+from headrace.transforms.map import MapIterator, MapNode
 
 __all__ = ["ParseExamples", "ParseExamplesNode", "parse_booked"]
 
@@ -59,7 +59,7 @@ class ParseExamplesNode(MapNode):
         return _ParseIterator(inner, self.fn, self.stage, ctx.epochs, ctx.account(self))
 
 
-class _ParseIterator(_MapIterator):
+class _ParseIterator(MapIterator):
     def __init__(self, inner: Iterator, fn: Any, stage: str, epochs: tuple[int, ...],
                  account: Buffer) -> None:
         super().__init__(inner, fn, stage, epochs)

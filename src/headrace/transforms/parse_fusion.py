@@ -63,20 +63,20 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _mentions_parse(fn: Any, depth: int = 0, name: str = _PARSE_NAME) -> bool:
+def mentions_parse(fn: Any, depth: int = 0, name: str = _PARSE_NAME) -> bool:
     """Whether ``fn`` may call ``parse_single_example`` (or the function ``name``): a
     cheap look at its code, so that no other function is ever called on a stand-in."""
     if depth > _SEARCH_DEPTH:
         return False
     if isinstance(fn, functools.partial):
-        return _mentions_parse(fn.func, depth + 1, name)
+        return mentions_parse(fn.func, depth + 1, name)
     if getattr(fn, "__name__", None) == name:
         return True
     function = getattr(fn, "__func__", fn)  # a bound method
     code = getattr(function, "__code__", None)
     if code is None:  # a callable object: look at its __call__
         call = None if isinstance(fn, type) else type(fn).__dict__.get("__call__")
-        return isinstance(call, types.FunctionType) and _mentions_parse(call, depth + 1, name)
+        return isinstance(call, types.FunctionType) and mentions_parse(call, depth + 1, name)
     names = _code_names(code)
     if name in names:
         return True
@@ -89,13 +89,13 @@ def _mentions_parse(fn: Any, depth: int = 0, name: str = _PARSE_NAME) -> bool:
             continue
         names.add(cell_name)
     return any(
-        callable(scope.get(used)) and _mentions_parse(scope[used], depth + 1, name)
+        callable(scope.get(used)) and mentions_parse(scope[used], depth + 1, name)
         for used in names
         if used in scope and isinstance(scope[used], types.FunctionType | functools.partial)
     )
 
 
-def _nest_leaves(output: Any) -> tuple[Any, list[Any]]:
+def nest_leaves(output: Any) -> tuple[Any, list[Any]]:
     """``output`` as (structure, leaves) when it is a dict/tuple/list nest; lists become
     tuples (a list of features batches as a tuple, as in tf.data)."""
     if isinstance(output, list):
@@ -109,7 +109,7 @@ def _nest_leaves(output: Any) -> tuple[Any, list[Any]]:
 
 def _nest_leaves_value(value: Any) -> Any:
     if isinstance(value, list | tuple | Mapping):
-        return _nest_leaves(value)[0]
+        return nest_leaves(value)[0]
     return value
 
 
@@ -135,7 +135,7 @@ FUSION_RULES: list[Callable[[Callable[..., Any]], FusedParse | None]] = []
 def fused_parse(fn: Callable[..., Any]) -> FusedParse | None:
     """The batched form of ``fn`` if it only parses its record (see the module doc), or
     the form one of :data:`FUSION_RULES` finds."""
-    if not _mentions_parse(fn):
+    if not mentions_parse(fn):
         for rule in FUSION_RULES:
             fused = rule(fn)
             if fused is not None:
@@ -146,7 +146,7 @@ def fused_parse(fn: Callable[..., Any]) -> FusedParse | None:
         output = fn(record)
     except Exception:  # it does more than parse: it runs per record
         return None
-    structure, leaves = _nest_leaves(output)
+    structure, leaves = nest_leaves(output)
     if not leaves or not all(
         isinstance(leaf, DeferredFeature) and leaf.record is record for leaf in leaves
     ):

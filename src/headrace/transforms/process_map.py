@@ -7,7 +7,7 @@ CPU this process may use) started by forkserver/spawn (see
 :mod:`headrace.workers.processes`), with NumPy payloads through shared memory
 both ways (see :mod:`headrace.workers.shm`).
 
-Everything else is the threaded map's (``_ParallelMapIterator``): which
+Everything else is the threaded map's (``ParallelMapIterator``): which
 input elements go into which call, the bookings of work in flight, the
 order (kept unless ``deterministic=False``), errors in their element's place,
 and checkpoints — a checkpoint of a threaded map restores into a process map
@@ -68,7 +68,7 @@ from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE
 from headrace.sources.files import file_limiter
 from headrace.transforms import map as map_module
-from headrace.transforms.map import MapNode, PositionedCall, _apply_chunk, _ParallelMapIterator
+from headrace.transforms.map import MapNode, ParallelMapIterator, PositionedCall, apply_chunk
 from headrace.workers.memory import WorkerStats
 from headrace.workers.processes import ChunkResult, ProcessPool, check_picklable
 
@@ -148,13 +148,13 @@ def process_map_iterator(
         # Inside a worker process (an inner pipeline of a process interleave): it may not
         # start processes of its own, and it is one of the parallel processes already.
         # Threads give the same elements, order and checkpoints.
-        return _ParallelMapIterator(*args)
+        return ParallelMapIterator(*args)
     if node.workers == "auto":
         return _AutoMapIterator(*args)
     return ProcessMapIterator(*args)
 
 
-class ProcessMapIterator(_ParallelMapIterator):
+class ProcessMapIterator(ParallelMapIterator):
     """The threaded map's iterator, its calls run by a :class:`ProcessPool`."""
 
     def __init__(self, *args: Any) -> None:
@@ -337,7 +337,7 @@ class _AutoMapIterator(ProcessMapIterator):
         self.wanted = self.threads
         self.threads = 1  # while sampling: one call at a time, on this thread
         self.kind = "sampling"
-        self.target_call_seconds = map_module._TARGET_CALL_SECONDS  # until processes are chosen
+        self.target_call_seconds = map_module.TARGET_CALL_SECONDS  # until processes are chosen
         self.reason = "not decided yet"
         self.sampled_seconds = 0.0
         self.sampled_cpu = 0.0  # of this thread, while in the sampled calls
@@ -350,14 +350,14 @@ class _AutoMapIterator(ProcessMapIterator):
         if self.kind == "processes":
             return super()._start_call(elements, None, first, allowance)
         if self.kind == "threads":
-            return _ParallelMapIterator._start_call(self, elements, progress, first, allowance,
+            return ParallelMapIterator._start_call(self, elements, progress, first, allowance,
                                                     forced)
         if self.probe is None:
             self.probe = _GilProbe()
         self.probe.in_call = True
         cpu = time.thread_time()
         try:
-            result = _apply_chunk(self.fn, elements, self.ctx.admit, None, first,
+            result = apply_chunk(self.fn, elements, self.ctx.admit, None, first,
                                   self.ctx.epochs, allowance)
         finally:
             self.probe.in_call = False

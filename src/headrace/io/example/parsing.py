@@ -41,15 +41,15 @@ from headrace.io.example.specs import (
     FeatureSpec,
     FixedLenFeature,
     FixedLenSequenceFeature,
+    KeyedPartition,
     RaggedFeature,
+    RowLengths,
+    RowLimits,
+    RowSplits,
+    RowStarts,
     SparseFeature,
+    UniformRowLength,
     VarLenFeature,
-    _KeyedPartition,
-    _RowLengths,
-    _RowLimits,
-    _RowSplits,
-    _RowStarts,
-    _UniformRowLength,
     kind_of_spec_dtype,
     shape_tuple,
 )
@@ -227,9 +227,9 @@ def _plan(features: Mapping[str, FeatureSpec]) -> _Plan:
                 plan.need(index_key, wire.KIND_INT64, name)
         if isinstance(spec, RaggedFeature):
             for partition in spec.partitions:
-                if isinstance(partition, _KeyedPartition):
+                if isinstance(partition, KeyedPartition):
                     plan.need(partition.key, wire.KIND_INT64, name)
-                elif not isinstance(partition, _UniformRowLength):
+                elif not isinstance(partition, UniformRowLength):
                     raise InvalidArgumentError(
                         f"feature {name!r}: partition {partition!r} is not one of "
                         "RaggedFeature.RowLengths, RowSplits, RowStarts, RowLimits, "
@@ -363,7 +363,7 @@ def _ragged(name: str, spec: RaggedFeature, columns: dict[str, _Column]) -> Ragg
     inner: Array | RaggedColumn = column.values
     counts = np.maximum(column.counts, 0)
     for partition in reversed(spec.partitions):
-        if isinstance(partition, _UniformRowLength):
+        if isinstance(partition, UniformRowLength):
             inner, counts = _apply_uniform(name, partition.length, inner, counts)
         else:
             lengths, rows = _row_lengths(name, partition, columns[partition.key], counts)
@@ -410,13 +410,13 @@ def _row_lengths(name: str, partition: Any, column: _Column, counts: Array) -> t
         if bad.any():
             raise _partition_error(name, partition, int(owner[_first_record(bad)]), what)
 
-    if isinstance(partition, _RowLengths):
+    if isinstance(partition, RowLengths):
         return given, per_record
-    if isinstance(partition, _RowLimits):
+    if isinstance(partition, RowLimits):
         return given - previous, per_record
-    if isinstance(partition, _RowSplits | _RowStarts):
+    if isinstance(partition, RowSplits | RowStarts):
         check(first & (given != 0), "must start at 0")
-        if isinstance(partition, _RowSplits):  # n + 1 splits make n rows
+        if isinstance(partition, RowSplits):  # n + 1 splits make n rows
             return (given - previous)[~first], np.maximum(per_record - 1, 0)
         # a row runs to the next row's start, the record's last row to its end
         ends = np.concatenate([given[1:], [0]]) if len(given) else given

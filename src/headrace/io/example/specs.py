@@ -114,35 +114,35 @@ class FixedLenSequenceFeature:
 
 
 @dataclass(frozen=True)
-class _KeyedPartition:
+class KeyedPartition:
     """A partition read from the int64 feature ``key`` of the same record."""
 
     key: str
 
 
-class _RowLengths(_KeyedPartition):
+class RowLengths(KeyedPartition):
     """Partition: ``key`` holds the length of each inner row."""
 
 
-class _RowSplits(_KeyedPartition):
+class RowSplits(KeyedPartition):
     """Partition: ``key`` holds the row splits (``0, ..., count``)."""
 
 
-class _RowStarts(_KeyedPartition):
+class RowStarts(KeyedPartition):
     """Partition: ``key`` holds where each row starts (the first at 0)."""
 
 
-class _RowLimits(_KeyedPartition):
+class RowLimits(KeyedPartition):
     """Partition: ``key`` holds where each row ends (the last at the count)."""
 
 
-class _ValueRowIds(_KeyedPartition):
+class _ValueRowIds(KeyedPartition):
     """Partition: ``key`` holds each value's row (non-decreasing); a record has
     ``max + 1`` rows."""
 
 
 @dataclass(frozen=True)
-class _UniformRowLength:
+class UniformRowLength:
     """Partition: every inner row has ``length`` values."""
 
     length: int
@@ -167,16 +167,16 @@ class RaggedFeature:
     row_splits_dtype: Any = np.int32
     validate: bool = False
 
-    RowLengths = _RowLengths
-    RowSplits = _RowSplits
-    RowStarts = _RowStarts
-    RowLimits = _RowLimits
+    RowLengths = RowLengths
+    RowSplits = RowSplits
+    RowStarts = RowStarts
+    RowLimits = RowLimits
     ValueRowIds = _ValueRowIds
-    UniformRowLength = _UniformRowLength
+    UniformRowLength = UniformRowLength
 
 
 # So that reprs read like TensorFlow's spelling of the same partitions.
-for _partition in (*_KeyedPartition.__subclasses__(), _UniformRowLength):
+for _partition in (*KeyedPartition.__subclasses__(), UniformRowLength):
     _partition.__qualname__ = "RaggedFeature." + _partition.__name__.lstrip("_")
 del _partition
 
@@ -217,3 +217,4 @@ class SparseFeature:
 FeatureSpec = Union[  # noqa: UP007
     FixedLenFeature, VarLenFeature, FixedLenSequenceFeature, RaggedFeature, SparseFeature
 ]
+"""Any of the parsing specs ``parse_example`` takes for one feature."""
