@@ -29,6 +29,7 @@ from headrace.csv.reader import (
     columns_from_defaults,
     decode_csv,
 )
+from headrace.csv.shuffle import CsvShuffleNode, columnar_shuffle_fits
 from headrace.csv.source import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_MAX_RECORD_BYTES,
@@ -390,6 +391,16 @@ def make_csv_dataset(
         records = Dataset(CsvNode(filenames * num_epochs, compression_type or None, None,
                                   spec))
         dataset = records.batch(batch_size).map(_ToFeatures(names, label_name))
+        return dataset.prefetch(AUTOTUNE if prefetch_buffer_size is None
+                                else prefetch_buffer_size)
+    source = CsvNode(filenames, compression_type or None, None, spec)
+    if shuffle and reads == 1 and columnar_shuffle_fits(source) and num_epochs != 0:
+        # files and rows shuffled, repeated and batched as columns: the same stages as
+        # below, without a Python step per record (see headrace.csv.shuffle)
+        shuffled = Dataset(CsvShuffleNode(source, shuffle_buffer_size, shuffle_seed,
+                                          num_epochs))
+        dataset = shuffled.batch(batch_size, drop_remainder=num_epochs is None)
+        dataset = dataset.map(_ToFeatures(names, label_name))
         return dataset.prefetch(AUTOTUNE if prefetch_buffer_size is None
                                 else prefetch_buffer_size)
     per_file = _CsvFile(spec, compression_type or None)
