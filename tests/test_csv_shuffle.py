@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import headrace as hr
 import headrace.csv.source as csvsource
+from headrace.csv.reader import CsvError
 from headrace.csv.shuffle import CsvShuffleNode
 from headrace.errors import HeadraceWarning
 from headrace.testing import assert_checkpoint_roundtrip
@@ -235,3 +236,30 @@ def test_values_dtypes_and_keys_are_tensorflows(tmp_path: Path) -> None:
     assert my_rows == tf_rows
     # and shuffled: not the file order
     assert [f["id"].tolist() for f, _ in mine] != [f["id"].tolist() for f, _ in theirs]
+
+
+def test_bad_rows_are_skipped_with_ignore_errors_and_raised_without(tmp_path: Path) -> None:
+    lines = [COLUMNS] + [f"{i},{i * 0.25},{i % 7}" if i % 10 != 3 else f"{i},oops,1"
+                         for i in range(100)]
+    (tmp_path / "bad.csv").write_text("\n".join(lines) + "\n")
+    pattern = str(tmp_path / "bad.csv")
+    good = [i for i in range(100) if i % 10 != 3]
+    kept = row_ids(make(pattern, batch_size=7, num_epochs=2, shuffle_buffer_size=30,
+                        shuffle_seed=1, ignore_errors=True))
+    flat = [i for batch in kept for i in batch]
+    assert sorted(flat[:90]) == good and sorted(flat[90:]) == good
+    with pytest.raises(CsvError, match=r"bad\.csv"):
+        row_ids(make(pattern, batch_size=7, num_epochs=1, shuffle_buffer_size=30,
+                     shuffle_seed=1))
+
+
+def test_rows_one_by_one_outside_a_batch(tmp_path: Path) -> None:
+    pattern, ids = write_files(tmp_path, [30, 12])
+    source = make(pattern, batch_size=4, num_epochs=2, shuffle_buffer_size=9,
+                  shuffle_seed=3)
+    nodes = [source.node]
+    while not isinstance(nodes[-1], CsvShuffleNode):
+        nodes.append(nodes[-1].inputs[0])
+    rows = [int(row[0]) for row in hr.Dataset(nodes[-1])]
+    batched = [i for batch in row_ids(source) for i in batch]
+    assert rows == batched and sorted(rows) == sorted(ids * 2)

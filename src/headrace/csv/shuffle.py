@@ -104,13 +104,14 @@ class CsvShuffleNode(UnaryNode):
         return Refusal(self)  # a row is drawn from a buffer of those before it
 
     def make_iterator(self, ctx: Context) -> Iterator:
-        return _OneByOne(self._columns(ctx, 1, ctx.account(self, "batch (one row)", weight=1)))
+        return _OneByOne(self._columns(ctx, 1, None))
 
     def batched_iterator(self, ctx: Context, batch_size: int, drop_remainder: bool,
                          account: Buffer) -> Iterator:
         return _ShuffledBatches(self._columns(ctx, batch_size, account), drop_remainder)
 
-    def _columns(self, ctx: Context, batch_size: int, account: Buffer) -> _ShuffledColumns:
+    def _columns(self, ctx: Context, batch_size: int,
+                 account: Buffer | None) -> _ShuffledColumns:
         source = self.inputs[0]
         assert isinstance(source, CsvNode)
         return _ShuffledColumns(self, source, ctx, batch_size, account)
@@ -120,7 +121,7 @@ class _ShuffledColumns:
     """The shuffled rows, ``batch_size`` at a time, as lists of column arrays."""
 
     def __init__(self, node: CsvShuffleNode, source: CsvNode, ctx: Context, batch_size: int,
-                 out_account: Buffer) -> None:
+                 out_account: Buffer | None) -> None:
         self.node, self.source, self.ctx = node, source, ctx
         self.batch_size = batch_size
         self.out_account = out_account
@@ -326,6 +327,9 @@ class _ShuffledColumns:
             parts.append(part)
             rows += len(part[0])
         if not parts:
+            self.booking.release()  # the last epoch is done: the buffer is empty
+            self.booking = NO_RESERVATION
+            self.columns = []
             return None
         if len(parts) == 1:
             return parts[0]
@@ -391,6 +395,7 @@ class _ShuffledBatches(Iterator):
         columns = rows.next_columns()
         if columns is None or (self.drop_remainder and len(columns[0]) < rows.batch_size):
             raise StopIteration
+        assert rows.out_account is not None
         booking = rows.out_account.admit(rows.cost(len(columns[0])), together=self.what)
         return rows.spec.pack(columns), booking
 
