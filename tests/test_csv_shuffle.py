@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import headrace as hr
 import headrace.csv.source as csvsource
 from headrace.csv.reader import CsvError
-from headrace.csv.shuffle import CsvShuffleNode
+from headrace.csv.shuffle import CsvShuffleNode, _draw_batch
 from headrace.errors import HeadraceWarning
 from headrace.testing import assert_checkpoint_roundtrip
 
@@ -91,6 +91,25 @@ def test_every_row_once_per_epoch(sizes: list[int], batch_size: int, buffer_size
     assert len(flat) == len(ids) * epochs
     for epoch in range(epochs):
         assert sorted(flat[epoch * len(ids):(epoch + 1) * len(ids)]) == ids
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), slots=st.integers(1, 30), count=st.integers(1, 80))
+def test_a_batch_of_draws_is_the_draws_one_at_a_time(data: st.DataObject, slots: int,
+                                                    count: int) -> None:
+    draws = data.draw(st.lists(st.integers(0, slots - 1), min_size=count, max_size=count))
+    buffer = np.arange(slots) * 10
+    incoming = 1000 + np.arange(count)
+    expected_buffer = buffer.tolist()
+    expected = []
+    for row, slot in enumerate(draws):  # tf.data: output the slot, refill it
+        expected.append(expected_buffer[slot])
+        expected_buffer[slot] = int(incoming[row])
+    buffers = [buffer.copy(), buffer.astype(np.float32)]
+    out = _draw_batch(buffers, [incoming, incoming.astype(np.float32)],
+                      np.array(draws, dtype=np.intp))
+    assert out[0].tolist() == expected and out[1].tolist() == expected
+    assert buffers[0].tolist() == expected_buffer and buffers[1].tolist() == expected_buffer
 
 
 def test_buffer_size_one_keeps_the_file_order(tmp_path: Path) -> None:

@@ -267,31 +267,10 @@ class _ShuffledColumns:
     def _steady(self, count: int) -> list[np.ndarray[Any, Any]]:
         """``count`` draws from a full buffer, each drawn slot refilled with the next row."""
         incoming = self._take_pending(count)
-        draws = (self._raw(count) % np.uint64(self.live)).astype(np.intp)
-        # Sorted by (slot, position): a slot drawn more than once in the batch is a run,
-        # and each draw of it after the first gives the row the one before refilled it
-        # with (an unstable sort of unique keys: stable argsort costs 3x as much).
-        keys = np.sort(draws * count + np.arange(count))
-        slots = keys // count
-        positions = keys - slots * count
-        again = slots[1:] == slots[:-1]
-        out = []
-        if not again.any():
-            for buffer, new in zip(self.columns, incoming, strict=True):
-                out.append(buffer[draws])
-                buffer[draws] = new
-            self.drawn += count
-            return out
-        earlier, refill_of = positions[1:][again], positions[:-1][again]
-        ends = again.copy()  # the last draw of each repeated slot: what the slot keeps
-        ends[:-1] &= ~again[1:]
-        end_slots, end_rows = slots[1:][ends], positions[1:][ends]
-        for buffer, new in zip(self.columns, incoming, strict=True):
-            column = buffer[draws]
-            column[earlier] = new[refill_of]
-            buffer[draws] = new
-            buffer[end_slots] = new[end_rows]
-            out.append(column)
+        # a slot from the draw's high 32 bits times the slots, shifted (no division)
+        draws = ((self._raw(count) >> np.uint64(32)) * np.uint64(self.live)
+                 >> np.uint64(32)).astype(np.intp)
+        out = _draw_batch(self.columns, incoming, draws)
         self.drawn += count
         return out
 
@@ -432,3 +411,35 @@ class _OneByOne(Iterator):
 
     def close(self) -> None:
         self.rows.close()
+
+
+def _draw_batch(buffers: list[np.ndarray[Any, Any]], incoming: list[np.ndarray[Any, Any]],
+                draws: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
+    """Internal: the rows of slots ``draws`` (one per incoming row) as columns, each
+    drawn slot then refilled with its incoming row, all in ``buffers`` at once: what
+    drawing and refilling one row at a time gives."""
+    count = len(draws)
+    # Sorted by (slot, position): a slot drawn more than once in the batch is a run,
+    # and each draw of it after the first gives the row the one before refilled it
+    # with (an unstable sort of unique keys: stable argsort costs 3x as much).
+    keys = np.sort(draws * count + np.arange(count))
+    slots = keys // count
+    positions = keys - slots * count
+    again = slots[1:] == slots[:-1]
+    out = []
+    if not again.any():
+        for buffer, new in zip(buffers, incoming, strict=True):
+            out.append(buffer[draws])
+            buffer[draws] = new
+        return out
+    earlier, refill_of = positions[1:][again], positions[:-1][again]
+    ends = again.copy()  # the last draw of each repeated slot: what the slot keeps
+    ends[:-1] &= ~again[1:]
+    end_slots, end_rows = slots[1:][ends], positions[1:][ends]
+    for buffer, new in zip(buffers, incoming, strict=True):
+        column = buffer[draws]
+        column[earlier] = new[refill_of]
+        buffer[draws] = new
+        buffer[end_slots] = new[end_rows]
+        out.append(column)
+    return out
