@@ -336,7 +336,11 @@ def make_csv_dataset(
     an error naming the file (and line), and a field that is not ``encoding``
     text makes its column text (``bytes``, as read). Shuffles use
     headrace's generator: same seed, same order every run, but not
-    TensorFlow's order. ``sloppy=True`` lets the interleave go out of order.
+    TensorFlow's order. With one reader (``num_parallel_reads=None`` or 1) and
+    numeric columns, the shuffle runs on columns a batch at a time (tf.data's
+    buffer semantics, without a Python step per record; see
+    :mod:`headrace.csv.shuffle`). ``sloppy=True`` lets the interleave go out of
+    order.
     """
     if isinstance(file_pattern, (list, tuple)) and not file_pattern:
         raise InvalidArgumentError("Argument `file_pattern` should not be empty.")

@@ -232,7 +232,9 @@ class _ShuffledColumns:
             self._read(min(self.capacity, self.pending_rows + _FILL_ROWS))
             self._book(min(self.pending_rows, self.capacity))  # may lower the capacity
         rows = min(self.pending_rows, self.capacity)
-        self.columns = [np.array(column) for column in self._take_pending(rows)] if rows else []
+        # (pending rows are copies while filling; a slice of joined ones is copied out)
+        self.columns = [column if column.base is None else column.copy()
+                        for column in self._take_pending(rows)] if rows else []
         self.live = rows
         self.filled = True
 
