@@ -282,3 +282,22 @@ def test_rows_one_by_one_outside_a_batch(tmp_path: Path) -> None:
     rows = [int(row[0]) for row in hr.Dataset(nodes[-1])]
     batched = [i for batch in row_ids(source) for i in batch]
     assert rows == batched and sorted(rows) == sorted(ids * 2)
+
+
+def test_workers_sharding_one_file_share_its_rows(tmp_path: Path) -> None:
+    from headrace.transforms.shard import ShardNode
+
+    pattern, ids = write_files(tmp_path, [101])
+    dataset = make(pattern, batch_size=8, num_epochs=2, shuffle_buffer_size=16,
+                   shuffle_seed=6)
+    nodes = [dataset.node]
+    while not isinstance(nodes[-1], CsvShuffleNode):
+        nodes.append(nodes[-1].inputs[0])
+    node = nodes[-1]
+    # one file for two workers: sharding gives each every other record of it
+    parts = []
+    for index in range(2):
+        part = node.with_inputs((ShardNode(node.inputs[0], 2, index),))
+        parts.append([int(i) for batch in hr.Dataset(part).batch(8) for i in batch[0]])
+    assert sorted(parts[0] + parts[1]) == sorted(ids * 2)
+    assert sorted(parts[0]) == sorted(ids[0::2] * 2) and parts[0] != sorted(parts[0])

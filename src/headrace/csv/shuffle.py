@@ -39,6 +39,7 @@ from headrace.core.iterator import Context, Iterator
 from headrace.core.node import (
     INFINITE,
     UNKNOWN,
+    Node,
     ShardRole,
     Traits,
     UnaryNode,
@@ -51,6 +52,9 @@ from headrace.errors import HeadraceWarning
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
 from headrace.memory.units import format_bytes
+from headrace.transforms.batch import batch_iterator
+from headrace.transforms.repeat import RepeatNode
+from headrace.transforms.shuffle import ShuffleNode
 
 __all__ = ["CsvShuffleNode", "columnar_shuffle_fits"]
 
@@ -104,11 +108,22 @@ class CsvShuffleNode(UnaryNode):
         return Refusal(self)  # a row is drawn from a buffer of those before it
 
     def make_iterator(self, ctx: Context) -> Iterator:
+        if not isinstance(self.inputs[0], CsvNode):
+            return self._records().make_iterator(ctx)
         return _OneByOne(self._columns(ctx, 1, None))
 
     def batched_iterator(self, ctx: Context, batch_size: int, drop_remainder: bool,
                          account: Buffer) -> Iterator:
+        if not isinstance(self.inputs[0], CsvNode):
+            return batch_iterator(self._records(), ctx, account, batch_size, drop_remainder)
         return _ShuffledBatches(self._columns(ctx, batch_size, account), drop_remainder)
+
+    def _records(self) -> Node:
+        """The same stages record by record, over an input sharding has rewritten (a
+        worker's every n-th record of a file that cannot be split by file)."""
+        shuffled = ShuffleNode(self.inputs[0], self.buffer_size, self.seed, True)
+        shuffled.base_seed = self.base_seed  # (the same seed in every worker)
+        return shuffled if self.num_epochs == 1 else RepeatNode(shuffled, self.num_epochs)
 
     def _columns(self, ctx: Context, batch_size: int,
                  account: Buffer | None) -> _ShuffledColumns:
