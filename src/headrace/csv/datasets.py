@@ -29,6 +29,7 @@ from headrace.csv.reader import (
     columns_from_defaults,
     decode_csv,
 )
+from headrace.csv.shuffle import CsvShuffleNode, columnar_shuffle_fits
 from headrace.csv.source import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_MAX_RECORD_BYTES,
@@ -335,7 +336,11 @@ def make_csv_dataset(
     an error naming the file (and line), and a field that is not ``encoding``
     text makes its column text (``bytes``, as read). Shuffles use
     headrace's generator: same seed, same order every run, but not
-    TensorFlow's order. ``sloppy=True`` lets the interleave go out of order.
+    TensorFlow's order. With one reader (``num_parallel_reads=None`` or 1) and
+    numeric columns, the shuffle runs on columns a batch at a time (tf.data's
+    buffer semantics, without a Python step per record; see
+    :mod:`headrace.csv.shuffle`). ``sloppy=True`` lets the interleave go out of
+    order.
     """
     if isinstance(file_pattern, (list, tuple)) and not file_pattern:
         raise InvalidArgumentError("Argument `file_pattern` should not be empty.")
@@ -390,6 +395,16 @@ def make_csv_dataset(
         records = Dataset(CsvNode(filenames * num_epochs, compression_type or None, None,
                                   spec))
         dataset = records.batch(batch_size).map(_ToFeatures(names, label_name))
+        return dataset.prefetch(AUTOTUNE if prefetch_buffer_size is None
+                                else prefetch_buffer_size)
+    source = CsvNode(filenames, compression_type or None, None, spec)
+    if shuffle and reads == 1 and columnar_shuffle_fits(source) and num_epochs != 0:
+        # files and rows shuffled, repeated and batched as columns: the same stages as
+        # below, without a Python step per record (see headrace.csv.shuffle)
+        shuffled = Dataset(CsvShuffleNode(source, shuffle_buffer_size, shuffle_seed,
+                                          num_epochs))
+        dataset = shuffled.batch(batch_size, drop_remainder=num_epochs is None)
+        dataset = dataset.map(_ToFeatures(names, label_name))
         return dataset.prefetch(AUTOTUNE if prefetch_buffer_size is None
                                 else prefetch_buffer_size)
     per_file = _CsvFile(spec, compression_type or None)
