@@ -212,11 +212,20 @@ class _ShuffledColumns:
             rows = self.pending[0]
             self.pending, self.pending_rows = [], 0
             return rows
-        joined = [np.concatenate(parts) for parts in zip(*self.pending, strict=True)]
-        rest = [column[count:].copy() for column in joined]
-        self.pending = [rest] if len(joined[0]) > count else []
+        # column by column, each column's pieces let go once joined: the first fill
+        # joins a whole buffer, which must not exist twice (pieces and joined) at once
+        by_column = [list(parts) for parts in zip(*self.pending, strict=True)]
+        self.pending = []
+        taken, rest = [], []
+        for index, parts in enumerate(by_column):
+            by_column[index] = []
+            joined = np.concatenate(parts)
+            del parts
+            rest.append(joined[count:].copy())
+            taken.append(joined[:count])
+        self.pending = [rest] if len(rest[0]) else []
         self.pending_rows -= count
-        return [column[:count] for column in joined]
+        return taken
 
     def _book(self, rows: int) -> int:
         """Book a buffer of ``rows`` rows (fewer, with one warning, if they cannot fit)."""
