@@ -199,16 +199,16 @@ def test_states_taken_while_inputs_are_handed_back_resume_more_cases(
 
 
 def _resume_cases(monkeypatch: pytest.MonkeyPatch, *, seed: int, cases: int, longest: int) -> None:
-    from headrace.transforms.map import _ParallelMapIterator
+    from headrace.transforms._map_calls import Calls
 
     handed_back = []
-    original = _ParallelMapIterator._hand_on
+    original = Calls.hand_on
 
     def counting(self: Any, call: Any, at: int, ticket: Any, **kw: Any) -> None:
         handed_back.append(call.future is None)  # (collected: not a slow call's split)
         original(self, call, at, ticket, **kw)
 
-    monkeypatch.setattr(_ParallelMapIterator, "_hand_on", counting)
+    monkeypatch.setattr(Calls, "hand_on", counting)
     rng = random.Random(seed)
     for _ in range(cases):
         sizes = [rng.choice((64, 64, 64, 64, 300_000, 900_000))
