@@ -23,8 +23,9 @@ from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.errors import Origin, note_element_error
 from headrace.memory.buffer import Reservation
 from headrace.memory.inflight import InFlight, Ticket
+from headrace.transforms._map_calls import Call
 
-__all__ = ["MAX_CHUNK", "TARGET_CALL_SECONDS", "Aside", "ChunkSize", "InputFeed", "Pulled"]
+__all__ = ["MAX_CHUNK", "TARGET_CALL_SECONDS", "Aside", "ChunkSize", "InputFeed"]
 
 #: How long a call on threads should run: chunks grow to it.
 TARGET_CALL_SECONDS = 2e-3
@@ -63,19 +64,6 @@ class Aside(NamedTuple):
     position: int
 
 
-class Pulled(NamedTuple):
-    """Inputs for one call, booked, and where they are (the fields of a
-    :class:`~headrace.transforms._map_calls.Call`, in its order)."""
-
-    ticket: Ticket
-    elements: list[Any]
-    state_before: dict[str, Any]
-    first_index: int
-    error: Exception | None  # what the input raised right after them (ends the chunk)
-    origins: list[Any] | None  # their origin tokens, where the input can say
-    start: int  # the position in their chunk of the first
-
-
 class InputFeed:
     """The map's input: pulled a chunk at a time, each input booked on the ledger.
 
@@ -104,9 +92,9 @@ class InputFeed:
         """Where the input element of ``token`` (taken as it was pulled) comes from."""
         return None if self.probe is None else self.probe[1](token)
 
-    def pull_chunk(self, count: int, calls: int, alone: bool) -> Pulled:
-        """Up to ``count`` inputs, booked at their expected output size, and the error
-        the input raised after them (which ends the chunk), if any.
+    def pull_chunk(self, count: int, calls: int, alone: bool) -> Call:
+        """A call (not started) of up to ``count`` inputs, booked at their expected output
+        size, and the error the input raised after them (which ends the chunk), if any.
 
         A chunk books at most what fits beside what the stage holds, and at most its
         part of the share with up to ``calls`` in flight (:meth:`InFlight.call_bytes`).
@@ -175,8 +163,8 @@ class InputFeed:
                 add(ticket, nbytes, size, reservation)
             spent += size
         self._advance(len(elements) + (upstream_error is not None) + (self.aside is not None))
-        return Pulled(ledger.book(ticket), elements, state_before, first_index,
-                      upstream_error, origins, 0)
+        return Call(ledger.book(ticket), elements, state_before, first_index,
+                    upstream_error, origins, 0)
 
     def _hint_failed(self, error: Exception, origin: Any, index: int) -> Exception:
         """The error of ``output_nbytes`` on the input at ``index``, noted as that
@@ -191,10 +179,10 @@ class InputFeed:
             self.state_after = self.inner.get_state()
             self.next_index += count
 
-    def take_aside(self, alone: bool) -> Pulled | None:
-        """The input set aside, booked, once its expected output fits beside what the
-        stage holds (or ``alone``: nothing else in flight or ready, progress); None
-        while it must wait."""
+    def take_aside(self, alone: bool) -> Call | None:
+        """A call (not started) of the input set aside, booked, once its expected output
+        fits beside what the stage holds (or ``alone``: nothing else in flight or ready,
+        progress); None while it must wait."""
         aside = self.aside
         assert aside is not None
         ledger = self.ledger
@@ -204,9 +192,9 @@ class InputFeed:
         self.aside = None
         ticket = Ticket()
         ledger.add(ticket, aside.nbytes, size, aside.reservation)
-        return Pulled(ledger.book(ticket), [aside.element], aside.state_before,
-                      aside.first_index, None,
-                      None if aside.origin is None else [aside.origin], aside.position)
+        return Call(ledger.book(ticket), [aside.element], aside.state_before,
+                    aside.first_index, None,
+                    None if aside.origin is None else [aside.origin], aside.position)
 
     def earliest(self) -> tuple[int, Any, int]:
         """Where the next input not pulled is, or the input set aside: its index, the

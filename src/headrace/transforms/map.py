@@ -476,14 +476,14 @@ class _ParallelMapIterator(Iterator):
             if not ledger.may_start(alone):
                 return
             if feed.aside is not None:
-                pulled = feed.take_aside(alone)
-                if pulled is None:  # it waits for room
+                call = feed.take_aside(alone)
+                if call is None:  # it waits for room
                     return
             else:
-                pulled = feed.pull_chunk(self.chunks.chunk, 2 * self.threads, alone)
-                if not pulled.elements and pulled.error is None:
+                call = feed.pull_chunk(self.chunks.chunk, 2 * self.threads, alone)
+                if not call.elements and call.error is None:
                     continue  # the input ended, or its first element waits aside
-            calls.add(Call(*pulled))
+            calls.add(call)
 
     def _take_call(self) -> Call:
         """The next call to collect (still in ``calls``: :meth:`_collect` removes it).
