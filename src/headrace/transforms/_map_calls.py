@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Iterator as PyIterator
@@ -39,7 +40,7 @@ __all__ = [
 MapResult = tuple[list[Any], list[int], dict[int, Exception] | None, float]
 #: The map's hook that runs a call: ``(elements, progress, first, allowance=,
 #: forced=)`` to a future of its :data:`MapResult` (threads, or worker processes).
-StartCall = Callable[..., "Future[MapResult]"]
+StartCall = Callable[..., "Future[MapResult]"]  # (a bound method: held weakly)
 
 
 def call_at(fn: Callable[..., Any], element: Any, position: tuple[int, ...]) -> Any:
@@ -211,7 +212,11 @@ class Calls:
     __slots__ = ("ledger", "order", "queue", "start_call")
 
     def __init__(self, ledger: InFlight, order: InOrder, start_call: StartCall) -> None:
-        self.ledger, self.order, self.start_call = ledger, order, start_call
+        self.ledger, self.order = ledger, order
+        # Weakly: the hook is a method of the stage that owns these calls, and a strong
+        # reference back made a cycle: a stage dropped without close() stayed alive
+        # (pool, bookings and all) until the cyclic GC ran, not freed at once.
+        self.start_call = weakref.WeakMethod(start_call)
         self.queue: deque[Call] = deque()
 
     def __len__(self) -> int:
@@ -249,9 +254,11 @@ class Calls:
         input whatever its booking (progress)."""
         elements = call.elements
         progress = self.order.progress(elements)
+        start_call = self.start_call()
+        assert start_call is not None  # (only the stage that owns them starts its calls)
         try:
-            future = self.start_call(elements, progress, call.first_index + call.start,
-                                     allowance=call.ticket.booked, forced=forced)
+            future = start_call(elements, progress, call.first_index + call.start,
+                                allowance=call.ticket.booked, forced=forced)
         except Exception as refused:
             # The stage cannot run calls (its worker pool is broken): the chunk stays
             # pending with its elements' place and input state, and raises when its turn
