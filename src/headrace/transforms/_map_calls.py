@@ -10,7 +10,8 @@ to a new call too (:class:`Progress`, :meth:`Calls.split_slow`), so that one slo
 element holds back no later one.
 
 :class:`Calls` keeps the calls in input order, started or waiting for room; which
-call is collected next is the delivery order's choice (:mod:`._map_order`).
+call is collected next is the delivery order's choice
+(:mod:`headrace.transforms._map_order`).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ checkpoint restores.
 outputs come out in input order; a checkpoint restores at the first input not
 handed out. ``deterministic=False`` (:class:`OutOfOrder`) collects whichever call
 finishes first: calls announce themselves on a queue when done, a call whose
-element runs long gives up the elements after it (:meth:`Calls.split_slow`), and
-a checkpoint restores at the earliest input not handed out of all, so that what
-came out after it comes again (at-least-once).
+element runs long gives up the elements after it
+(:meth:`~headrace.transforms._map_calls.Calls.split_slow`), and a checkpoint
+restores at the earliest input not handed out of all, so that what came out after
+it comes again (at-least-once).
 """
 
 from __future__ import annotations
