@@ -92,7 +92,9 @@ class InputFeed:
         """Where the input element of ``token`` (taken as it was pulled) comes from."""
         return None if self.probe is None else self.probe[1](token)
 
-    def pull_chunk(self, count: int, calls: int, alone: bool) -> Call:
+    # (The loop runs per input: it keeps the ledger's guess and add's common case
+    # inline, where a helper would cost a Python call per input.)
+    def pull_chunk(self, count: int, calls: int, alone: bool) -> Call:  # noqa: C901
         """A call (not started) of up to ``count`` inputs, booked at their expected output
         size, and the error the input raised after them (which ends the chunk), if any.
 
