@@ -199,16 +199,16 @@ def test_states_taken_while_inputs_are_handed_back_resume_more_cases(
 
 
 def _resume_cases(monkeypatch: pytest.MonkeyPatch, *, seed: int, cases: int, longest: int) -> None:
-    from headrace.transforms.map import ParallelMapIterator
+    from headrace.transforms._map_calls import Calls
 
     handed_back = []
-    original = ParallelMapIterator._hand_on
+    original = Calls.hand_on
 
     def counting(self: Any, call: Any, at: int, ticket: Any, **kw: Any) -> None:
         handed_back.append(call.future is None)  # (collected: not a slow call's split)
         original(self, call, at, ticket, **kw)
 
-    monkeypatch.setattr(ParallelMapIterator, "_hand_on", counting)
+    monkeypatch.setattr(Calls, "hand_on", counting)
     rng = random.Random(seed)
     for _ in range(cases):
         sizes = [rng.choice((64, 64, 64, 64, 300_000, 900_000))
@@ -363,3 +363,38 @@ def test_an_output_larger_than_the_budget_is_its_elements_error_and_loses_nothin
         assert seen == expected, (seed, giant, calls)
     else:
         assert sorted(seen, key=str) == sorted(expected, key=str), (seed, giant, calls)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_parallel_map_dropped_without_close_goes_with_its_last_reference(
+    deterministic: bool,
+) -> None:
+    """A threaded map's stage iterator dropped mid-run without ``close()`` (a ``break``)
+    is freed by reference counting, at once, with its pool and bookings, not whenever
+    the cyclic GC happens to run: nothing inside it may refer back to it."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    import headrace as hr
+    from headrace.transforms.map import ParallelMapIterator
+
+    ds = hr.Dataset.range(1000).map(lambda i: np.full(4, i), num_parallel_calls=2,
+                                    deterministic=deterministic)
+    gc.collect()
+    gc.disable()
+    try:
+        iterator = iter(ds)
+        seen = [int(next(iterator)[0]) for _ in range(10)]
+        if deterministic:
+            assert seen == list(range(10))
+        else:
+            assert len(set(seen)) == 10 and set(seen) <= set(range(1000))
+        stages = [weakref.ref(o) for o in gc.get_objects()
+                  if isinstance(o, ParallelMapIterator)]
+        assert len(stages) == 1
+        del iterator
+        assert stages[0]() is None
+    finally:
+        gc.enable()

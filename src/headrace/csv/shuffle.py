@@ -47,7 +47,7 @@ from headrace.core.node import (
 )
 from headrace.core.state import EPOCH, StateReader, past_end
 from headrace.csv.reader import CsvError
-from headrace.csv.source import CsvNode, _CsvCursor
+from headrace.csv.source import CsvCursor, CsvNode
 from headrace.errors import HeadraceWarning
 from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
@@ -151,7 +151,7 @@ class _ShuffledColumns:
         self.capacity = node.buffer_size
         self.warn = ctx.options.warn_on_shrink
         self.booking: Reservation = NO_RESERVATION
-        self.cursor: _CsvCursor | None = None
+        self.cursor: CsvCursor | None = None
         self.container = sizeof(self.spec.pack([None] * len(self.dtypes)))
         self._start_epoch(0)
 
@@ -168,7 +168,7 @@ class _ShuffledColumns:
             len(files))
         epoch_files = self.source.with_files([files[i] for i in order])
         assert isinstance(epoch_files, CsvNode)
-        self.cursor = _CsvCursor(epoch_files, self.ctx, self.block_account)
+        self.cursor = CsvCursor(epoch_files, self.ctx, self.block_account)
         self.bits = np.random.Philox(key=_key(self.seed, key, 1))
         self.raw: np.ndarray[Any, Any] = np.empty(0, np.uint64)
         self.raw_at = 0

@@ -57,7 +57,7 @@ from headrace.sources.files import BudgetCharge as _BudgetCharge
 from headrace.sources.files import FileRecordsNode, file_limiter
 from headrace.structure import TensorSpec
 
-__all__ = ["DEFAULT_BLOCK_BYTES", "ENGINES", "CsvNode", "CsvSpec", "read_first_record"]
+__all__ = ["DEFAULT_BLOCK_BYTES", "ENGINES", "CsvCursor", "CsvNode", "CsvSpec", "read_first_record"]
 
 #: Bytes of text parsed at once. Large enough for pyarrow to run at full speed, small
 #: enough that the parse's temporaries stay well inside G1's measured slack.
@@ -145,13 +145,13 @@ class CsvNode(FileRecordsNode):
 
     def make_iterator(self, ctx: Context) -> Iterator:
         account = ctx.account(self, f"{self.stage} (parsed block)")
-        return _CsvRecords(_CsvCursor(self, ctx, account))
+        return _CsvRecords(CsvCursor(self, ctx, account))
 
     def batched_iterator(
         self, ctx: Context, batch_size: int, drop_remainder: bool, account: Buffer
     ) -> Iterator:
         block_account = ctx.account(self, f"{self.stage} (parsed block)")
-        return _CsvBatches(_CsvCursor(self, ctx, block_account), batch_size, drop_remainder,
+        return _CsvBatches(CsvCursor(self, ctx, block_account), batch_size, drop_remainder,
                            account)
 
 
@@ -505,7 +505,7 @@ class _BlockReader:
         return block
 
 
-class _CsvCursor:
+class CsvCursor:
     """Where a CSV source is: file, block and position in it; shared by both iterators."""
 
     def __init__(self, node: CsvNode, ctx: Context, account: Buffer) -> None:
@@ -688,7 +688,7 @@ class _CsvRecords(Iterator):
 
     stage = "csv"
 
-    def __init__(self, cursor: _CsvCursor) -> None:
+    def __init__(self, cursor: CsvCursor) -> None:
         super().__init__()
         self.cursor = cursor
 
@@ -718,7 +718,7 @@ class _CsvBatches(Iterator):
 
     stage = "batch"
 
-    def __init__(self, cursor: _CsvCursor, batch_size: int, drop_remainder: bool,
+    def __init__(self, cursor: CsvCursor, batch_size: int, drop_remainder: bool,
                  account: Buffer) -> None:
         super().__init__()
         self.cursor, self.batch_size, self.drop_remainder = cursor, batch_size, drop_remainder

@@ -50,11 +50,13 @@ flight. The choice and why show in ``stats().workers``.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from sys import getsizeof
 from typing import Any
@@ -68,7 +70,9 @@ from headrace.memory.units import format_bytes
 from headrace.options import AUTOTUNE
 from headrace.sources.files import file_limiter
 from headrace.transforms import map as map_module
-from headrace.transforms.map import MapNode, ParallelMapIterator, PositionedCall, apply_chunk
+from headrace.transforms._map_calls import MapResult, apply_chunk
+from headrace.transforms._map_chunks import TARGET_CALL_SECONDS
+from headrace.transforms.map import MapNode, ParallelMapIterator, PositionedCall
 from headrace.workers.memory import WorkerStats
 from headrace.workers.processes import ChunkResult, ProcessPool, check_picklable
 
@@ -98,8 +102,6 @@ _GIL_BOUND = 0.5
 #: ... and the share of its wall time the calling thread spent on a CPU (low on a
 #: machine so busy that the probe is late for want of a core, not of the GIL).
 _CPU_BOUND = 0.1
-
-_MapResult = tuple[list[Any], list[int], dict[int, Exception] | None, float]
 
 
 def book_workers(account: Buffer, wanted: int, stage: str) -> tuple[int, Reservation, str]:
@@ -162,7 +164,7 @@ class ProcessMapIterator(ParallelMapIterator):
         self.ledger.packs = True  # a worker holds an output beside its copy while it packs it
         self.processes: ProcessPool | None = None
         self.kind = "processes"
-        self.target_call_seconds = PROCESS_CALL_SECONDS
+        self.chunks.target_seconds = PROCESS_CALL_SECONDS
         self.reason = "workers='processes'"
         #: The booking of the workers' own memory (see :meth:`_book_workers`).
         self.workers_booking: Reservation = NO_RESERVATION
@@ -196,8 +198,8 @@ class ProcessMapIterator(ParallelMapIterator):
 
     def _start_call(self, elements: list[Any], progress: Any = None,
                     first: int = 0, allowance: int | None = None,
-                    forced: bool = False) -> Future[_MapResult]:
-        outer: Future[_MapResult] = Future()
+                    forced: bool = False) -> Future[MapResult]:
+        outer: Future[MapResult] = Future()
         if not elements:  # a chunk that is only an upstream error: nothing to compute
             outer.set_result(([], [], None, 0.0))
             return outer
@@ -213,55 +215,12 @@ class ProcessMapIterator(ParallelMapIterator):
         except BaseException:
             reserve.release()
             raise
-        admit = self.ctx.admit
-
-        def costed(done: Future[ChunkResult]) -> None:
-            reserve.release()  # (the call's outputs are all packed)
-            if done.cancelled():
-                return
-            error = done.exception()
-            if error is not None:
-                if not outer.done():
-                    outer.set_exception(error)
-                return
-            outputs, failed, seconds, slack = done.result()
-            sizes: list[int] = []
-            kept: list[Any] = []
-            good = len(outputs) - (0 if failed is None else len(failed))
-            # The segment's bytes no output covers ride on the outputs in equal parts:
-            # all on one would make it look several outputs large, and the map's
-            # estimate for the calls in flight (its largest output) would jump with
-            # each chunk's slack, booking them past the share (an overdraft).
-            share, extra = divmod(slack, good) if good else (0, 0)
-            for position, output in enumerate(outputs):
-                if failed is not None and position in failed:
-                    kept.append(None)
-                    sizes.append(0)
-                    continue
-                if type(output) in FLAT_TYPES:  # (admit's first case, inlined: per output)
-                    size = getsizeof(output)
-                else:
-                    output, size = admit(output)
-                kept.append(output)
-                sizes.append(size + share + extra)
-                extra = 0
-            errors = None if failed is None else {p: e for p, e in failed.items() if isinstance(e, Exception)}
-            if not outer.done():
-                outer.set_result((kept, sizes, errors, seconds))
-
-        # Weakly: ``costed`` (a callback of ``inner``) holds ``outer``, and a strong
-        # reference back would make a cycle of the two futures and their callbacks that
-        # keeps a whole chunk of outputs alive, unbooked, until the cyclic GC happens to
-        # run (large outputs are few objects, so it runs late: seed 700 of the fuzzer).
-        inner_ref = weakref.ref(inner)
-
-        def cancel_inner(done: Future[_MapResult]) -> None:
-            running = inner_ref()
-            if done.cancelled() and running is not None:
-                running.cancel()
-
-        outer.add_done_callback(cancel_inner)
-        inner.add_done_callback(costed)
+        # Weakly: the callback of ``inner`` holds ``outer``, and a strong reference back
+        # would make a cycle of the two futures and their callbacks that keeps a whole
+        # chunk of outputs alive, unbooked, until the cyclic GC happens to run (large
+        # outputs are few objects, so it runs late: seed 700 of the fuzzer).
+        outer.add_done_callback(functools.partial(_cancel_inner, weakref.ref(inner)))
+        inner.add_done_callback(functools.partial(_deliver, outer, reserve, self.ctx.admit))
         return outer
 
     def pull(self) -> tuple[Any, Reservation]:
@@ -291,6 +250,59 @@ class ProcessMapIterator(ParallelMapIterator):
                 self.processes.shutdown()
             self.workers_booking.release()
             self.workers_booking = NO_RESERVATION
+
+
+def _deliver(outer: Future[MapResult], reserve: Reservation,
+             admit: Callable[[Any], tuple[Any, int]], done: Future[ChunkResult]) -> None:
+    """A worker's chunk, done: its result costed into ``outer`` (the map's future), or
+    its error; nothing for a call cancelled meanwhile. ``reserve``: the booking of the
+    output a worker holds beside its copy while it packs, released now."""
+    reserve.release()  # (the call's outputs are all packed)
+    if done.cancelled():
+        return
+    error = done.exception()
+    if error is not None:
+        if not outer.done():
+            outer.set_exception(error)
+        return
+    result = _costed(done.result(), admit)
+    if not outer.done():
+        outer.set_result(result)
+
+
+def _cancel_inner(inner: weakref.ref[Future[ChunkResult]], done: Future[MapResult]) -> None:
+    """The map's future was cancelled: so is the worker's chunk, if it still runs."""
+    running = inner()
+    if done.cancelled() and running is not None:
+        running.cancel()
+
+
+def _costed(result: ChunkResult, admit: Callable[[Any], tuple[Any, int]]) -> MapResult:
+    """A worker's chunk result as the map's: each output admitted here (costed; copied
+    out if it is a small view of a large temporary), the failed positions ``None``."""
+    outputs, failed, seconds, slack = result
+    sizes: list[int] = []
+    kept: list[Any] = []
+    good = len(outputs) - (0 if failed is None else len(failed))
+    # The segment's bytes no output covers ride on the outputs in equal parts:
+    # all on one would make it look several outputs large, and the map's
+    # estimate for the calls in flight (its largest output) would jump with
+    # each chunk's slack, booking them past the share (an overdraft).
+    share, extra = divmod(slack, good) if good else (0, 0)
+    for position, output in enumerate(outputs):
+        if failed is not None and position in failed:
+            kept.append(None)
+            sizes.append(0)
+            continue
+        if type(output) in FLAT_TYPES:  # (admit's first case, inlined: per output)
+            size = getsizeof(output)
+        else:
+            output, size = admit(output)
+        kept.append(output)
+        sizes.append(size + share + extra)
+        extra = 0
+    errors = None if failed is None else {p: e for p, e in failed.items() if isinstance(e, Exception)}
+    return kept, sizes, errors, seconds
 
 
 class _GilProbe:
@@ -337,7 +349,7 @@ class _AutoMapIterator(ProcessMapIterator):
         self.wanted = self.threads
         self.threads = 1  # while sampling: one call at a time, on this thread
         self.kind = "sampling"
-        self.target_call_seconds = map_module.TARGET_CALL_SECONDS  # until processes are chosen
+        self.chunks.target_seconds = TARGET_CALL_SECONDS  # until processes are chosen
         self.reason = "not decided yet"
         self.sampled_seconds = 0.0
         self.sampled_cpu = 0.0  # of this thread, while in the sampled calls
@@ -346,7 +358,7 @@ class _AutoMapIterator(ProcessMapIterator):
 
     def _start_call(self, elements: list[Any], progress: Any = None,
                     first: int = 0, allowance: int | None = None,
-                    forced: bool = False) -> Future[_MapResult]:
+                    forced: bool = False) -> Future[MapResult]:
         if self.kind == "processes":
             return super()._start_call(elements, None, first, allowance)
         if self.kind == "threads":
@@ -366,7 +378,7 @@ class _AutoMapIterator(ProcessMapIterator):
         self.sampled_calls += len(elements)
         if self._sampled_enough():
             self._decide()
-        done: Future[_MapResult] = Future()
+        done: Future[MapResult] = Future()
         done.set_result(result)
         return done
 
@@ -418,7 +430,7 @@ class _AutoMapIterator(ProcessMapIterator):
                 kind, why = "threads", f"no descriptors for worker pipes: {error.strerror}"
                 self.kind = kind
         if kind == "processes":
-            self.target_call_seconds = PROCESS_CALL_SECONDS
+            self.chunks.target_seconds = PROCESS_CALL_SECONDS
         self.ledger.packs = kind == "processes"
         self.reason = f"{measured}: {kind} ({why})"
 
