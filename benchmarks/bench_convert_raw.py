@@ -6,7 +6,7 @@ copy of the same bytes (the disk's floor).
 * tf: ``tf.train.Example`` (``image``: ``bytes_list`` of the row's bytes, ``image_shape``:
   ``int64_list``) per row, ``SerializeToString`` and ``tf.io.TFRecordWriter``, 4 files;
 * tf+fsync: the same, each file fsynced after it is written (durable on return);
-* headrace: ``headrace.tools.convert.to_tfrecords(..., feature="image", num_shards=4)``,
+* headrace: ``headrace._tools.convert.to_tfrecords(..., feature="image", num_shards=4)``,
   which also fsyncs, renames atomically and writes the ``.hrx`` indexes.
 
 Each side runs in a fresh process, one after the other; the rate is the array's bytes
@@ -36,7 +36,7 @@ def run_side(side: str, npy: str, out: str) -> float:
     """Seconds ``side`` takes to write ``npy`` under ``out``."""
     os.makedirs(out, exist_ok=True)
     if side == "headrace":
-        from headrace.tools.convert import to_tfrecords
+        from headrace._tools.convert import to_tfrecords
 
         started = time.perf_counter()
         to_tfrecords(npy, out, feature="image", num_shards=4, progress=False)

@@ -120,7 +120,7 @@ drain(ds)
 '''),
     "8 pipelines on a 64 MiB default, prefetch(64) of 1 MiB": (64, 0, '''
 import headrace.core.run as run
-from headrace.memory.budget import MemoryBudget
+from headrace._memory.budget import MemoryBudget
 run._default_budget = MemoryBudget(64 * MiB)
 def gen():
     for i in range(200):

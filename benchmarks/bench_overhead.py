@@ -513,7 +513,7 @@ def profile_batch_path(hr: Any, quick: bool) -> list[str]:
     ]
 
     # direct timings of each step of one batch (no profiler)
-    from headrace.memory.buffer import NO_RESERVATION
+    from headrace._memory.buffer import NO_RESERVATION
 
     it = iter(hr.Dataset.from_tensor_slices(x).repeat().batch(1024))
     tree = it._tree

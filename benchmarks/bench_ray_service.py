@@ -34,8 +34,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import headrace as hr
+from headrace._persist.writers import save_tfrecords
 from headrace.io.example import FixedLenFeature
-from headrace.persist.writers import save_tfrecords
 
 BATCH = 256
 WIDTH = 64

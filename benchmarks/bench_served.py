@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import headrace as hr
-from headrace.workers.processes import start_method
+from headrace._workers.processes import start_method
 
 KEY = b"bench-served"
 

@@ -88,7 +88,7 @@ def write_headrace(columns: dict[str, Any], directory: str) -> None:
 
 def write_headrace_batched(columns: dict[str, Any], directory: str) -> None:
     import headrace as hr
-    from headrace.persist.writers import save_tfrecords
+    from headrace._persist.writers import save_tfrecords
 
     dataset = hr.Dataset.from_tensor_slices(columns).batch(1024)
     save_tfrecords(dataset, directory, num_shards=SHARDS, progress=False, batched=True)

@@ -201,7 +201,7 @@ def _queue_producer(queue: Any, count: int) -> None:
 
 
 def side_unique_memory(name: str, workers: int, strings: int) -> dict[str, Any]:
-    from headrace.workers.memory import worker_memory
+    from headrace._workers.memory import worker_memory
 
     paths = [f"/data/train/shard-{i % 1000:04d}/image-{i:09d}.jpeg" for i in range(strings)]
     source_bytes = sum(map(sys.getsizeof, paths)) + sys.getsizeof(paths)

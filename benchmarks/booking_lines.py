@@ -5,7 +5,7 @@
 Counts, per stage module, the code lines (not comments or docstrings) holding a
 name of the budget's vocabulary (accounts, buffers, the in-flight ledger, their
 bookings and verbs), and the modules outside ``memory/`` that import
-``headrace.memory.budget``. A measure of where the booking rules live (issue 23:
+``headrace._memory.budget``. A measure of where the booking rules live (issue 23:
 "the bookkeeping that is left in the stages is the stage's own logic"), crude
 by design: the same rule on both trees.
 """
@@ -99,7 +99,7 @@ def main() -> None:
                          if counts else "-")
         print(f"| {stage.replace('|', ' -> ')} | {cells[0]} | {cells[1]} |")
     old, new = budget_importers(args.old), budget_importers(args.new)
-    print(f"\nmodules outside memory/ importing headrace.memory.budget: "
+    print(f"\nmodules outside memory/ importing headrace._memory.budget: "
           f"before {len(old)}, after {len(new)}")
     print("after: " + ", ".join(new))
 

@@ -910,7 +910,7 @@ def _charged() -> int:
     counted here whole)."""
     import os
 
-    from headrace.workers.memory import _descendants, worker_memory
+    from headrace._workers.memory import _descendants, worker_memory
 
     total = _self_charged()
     for pid in _descendants(os.getpid()):
@@ -960,8 +960,8 @@ class PeakGrowth:
 def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, Any]:
     """Run one spec with a slow consumer; what it did to the budget and to RSS."""
     import headrace as hr
-    from headrace.memory import budget as budget_module
-    from headrace.memory import inflight as inflight_module
+    from headrace._memory import budget as budget_module
+    from headrace._memory import inflight as inflight_module
 
     violations: list[str] = []
     overdrawn = [0]

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import headrace.image as hi
-from headrace.errors import mark_batch_row
+from headrace._errors import mark_batch_row
 
 SEED = 1234
 
@@ -116,7 +116,7 @@ PROVENANCE_OPS = {
 class BatchedOp:
     """One of the decodes above over a whole batch of encoded images, as a user's batched
     function is written: a loop over the rows. On a failing row it says which
-    (``mark``: :func:`headrace.errors.mark_batch_row`, so the map names that row's
+    (``mark``: :func:`headrace._errors.mark_batch_row`, so the map names that row's
     record) and, for the test, which bytes failed (``failed_record``). Picklable, for
     worker processes."""
 

@@ -121,7 +121,7 @@ def exit_code(proc: Any, timeout: float = 60.0) -> int | None:
     at once, whatever the child does. That case waits until the child is gone
     and returns None; the caller then judges the child by what it wrote.
     """
-    from headrace.workers.processes import _STATUS_LOST, _wait_ended
+    from headrace._workers.processes import _STATUS_LOST, _wait_ended
 
     ended = _wait_ended(proc, time.monotonic() + timeout)  # (the pool's own judgement)
     code: int | None = proc.exitcode

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 import headrace as hr
+from headrace._structure import flatten, map_structure
 from headrace.core.node import Node
 from headrace.io.tfrecord import write_tfrecord
-from headrace.structure import flatten, map_structure
 
 INT = hr.TensorSpec((), np.int64)
 

@@ -117,7 +117,7 @@ def _numpy(element: Any) -> Any:
 def _assert_same(expected: list[Any], got: list[Any]) -> None:
     assert len(got) == len(expected)
     for i, (a, b) in enumerate(zip(expected, got, strict=True)):
-        a_leaves, b_leaves = hr.structure.flatten(a), hr.structure.flatten(_numpy(b))
+        a_leaves, b_leaves = hr._structure.flatten(a), hr._structure.flatten(_numpy(b))
         assert len(a_leaves) == len(b_leaves)
         for x, y in zip(a_leaves, b_leaves, strict=True):
             assert np.array_equal(np.asarray(x), np.asarray(y)), f"batch {i} differs"

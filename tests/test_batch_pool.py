@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.memory.allocator import POOLED_BYTES, ArrayPool
+from headrace._memory.allocator import POOLED_BYTES, ArrayPool
 
 ROWS = 8
 SIDE = 256  # 8 x 256 x 256 float32 = 2 MiB a batch: pooled
@@ -182,8 +182,8 @@ def test_tensorflow_feed_takes_a_pooled_batch_only_when_nothing_else_holds_it() 
     # TensorFlow lets go); one the cache keeps is copied, and the copy is what is written.
     import sys
 
+    from headrace._memory.allocator import _Lease
     from headrace.adapters.tf import _Feed
-    from headrace.memory.allocator import _Lease
 
     for cached in (False, True):
         dataset = _dataset(64)
@@ -206,7 +206,7 @@ def test_tensorflow_feed_takes_a_pooled_batch_only_when_nothing_else_holds_it() 
 
 
 def test_owns_pooled() -> None:
-    from headrace.memory.allocator import owns_pooled
+    from headrace._memory.allocator import owns_pooled
 
     pool = ArrayPool(keep_bytes=2 << 20)
     array = pool.empty((1 << 19,), np.float32)

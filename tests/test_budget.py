@@ -14,8 +14,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-from headrace.memory.sizeof import sizeof
-from headrace.memory.units import parse_bytes
+from headrace._memory.sizeof import sizeof
+from headrace._memory.units import parse_bytes
 
 MiB = 1 << 20
 
@@ -109,7 +109,7 @@ def test_sizeof_fast_paths_agree_with_the_general_walk(
     """Plain arrays, views of pre-existing, file-backed or segment memory, and dicts of
     them (a parsed batch, as it arrives from a worker) skip the walk: the same cost, and
     admit compacts exactly what the walk would."""
-    from headrace.memory.sizeof import _compact, _Costing, admit
+    from headrace._memory.sizeof import _compact, _Costing, admit
 
     pool, owners = sizing_pool
     names = sorted(pool)
@@ -137,7 +137,7 @@ def test_a_small_view_of_a_large_buffer_is_compacted_when_buffered() -> None:
     """A row viewing a 400 KB buffer through a memoryview (as arrays from a worker's
     segment, or np.frombuffer of a read, do) is copied out, not kept pinning it: the
     compaction measured the memoryview's header (~200 B) instead of its bytes."""
-    from headrace.memory.sizeof import admit
+    from headrace._memory.sizeof import admit
 
     buffer = memoryview(bytearray(400_000))
     row = np.frombuffer(buffer, np.uint8)[:100]
@@ -233,8 +233,8 @@ def test_no_configuration_deadlocks() -> None:
 
 
 def test_default_budget_is_half_of_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from headrace._memory.system import available_memory
     from headrace.core import run
-    from headrace.memory.system import available_memory
 
     # Made afresh here (the process's own was sized when first needed, maybe minutes
     # and gigabytes of other tests ago); the memory is read on either side of it.
@@ -377,7 +377,7 @@ def test_containers_are_costed_by_what_they_keep_alive(wrap: Any) -> None:
     """A deque, a dict view and a partial keep their items alive, a ctypes buffer and an
     anonymous mapping their bytes: booked at ~0 bytes, a shuffle of 1 MiB elements under
     16 MiB held all 300 of them."""
-    from headrace.memory.sizeof import sizeof
+    from headrace._memory.sizeof import sizeof
 
     array = np.zeros(1 << 20, np.uint8)
     assert sizeof(wrap(array)) >= array.nbytes
@@ -393,7 +393,7 @@ def test_a_files_mapping_costs_no_anonymous_memory(tmp_path: Any) -> None:
     """A file's mapped pages are the page cache's, not the pipeline's."""
     import mmap
 
-    from headrace.memory.sizeof import sizeof
+    from headrace._memory.sizeof import sizeof
 
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(1 << 20))

@@ -26,10 +26,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-from headrace.memory.budget import MemoryBudget
-from headrace.memory.buffer import Buffer
-from headrace.memory.sizeof import admit, register_sizer, sizeof
-from headrace.workers.shm import SEGMENT_BYTES
+from headrace._memory.budget import MemoryBudget
+from headrace._memory.buffer import Buffer
+from headrace._memory.sizeof import admit, register_sizer, sizeof
+from headrace._workers.shm import SEGMENT_BYTES
 
 MiB = 1 << 20
 RUNNER = Path(__file__).with_name("fuzz_pipelines.py")
@@ -583,7 +583,7 @@ def test_parallel_map_compacts_views_in_the_worker() -> None:
 def test_a_large_set_costs_the_same_in_every_process() -> None:
     """A sample of a set follows hash randomization: sets of flat values are summed whole."""
     code = (
-        "import sys; from headrace.memory.sizeof import sizeof; "
+        "import sys; from headrace._memory.sizeof import sizeof; "
         "print(sizeof({'k' * (i % 97) + str(i) for i in range(5000)}, set()))"
     )
     costs = {

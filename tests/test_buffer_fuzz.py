@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.memory.budget import MemoryBudget
-from headrace.memory.buffer import NO_RESERVATION, Assembly, BudgetClosed, Buffer, Reservation
-from headrace.memory.sizeof import ARRAY_HEADER_BYTES, sizeof
+from headrace._memory.budget import MemoryBudget
+from headrace._memory.buffer import NO_RESERVATION, Assembly, BudgetClosed, Buffer, Reservation
+from headrace._memory.sizeof import ARRAY_HEADER_BYTES, sizeof
 
 MiB = 1 << 20
 SEEDS = range(12)

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 import headrace as hr
+from headrace._transforms.cache import PARTIAL_CACHE_ADVICE
 from headrace.core.state import seal
 from headrace.io import tfrecord as tfrecord_module
 from headrace.testing import assert_checkpoint_roundtrip, assert_elements_equal
-from headrace.transforms.cache import PARTIAL_CACHE_ADVICE
 
 MiB = 1 << 20
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.persist import records as records_module
+from headrace._persist import records as records_module
 from headrace.testing import assert_checkpoint_roundtrip
 
 Point = collections.namedtuple("Point", ["u", "v"])
@@ -394,7 +394,7 @@ class _LoadColumnar:
     """Counts the batches ``load`` served column by column."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from headrace.persist import saved
+        from headrace._persist import saved
 
         self.batches = 0
         original = saved._LoadedAccess.read_batch
@@ -415,7 +415,7 @@ def test_loaded_batches_equal_the_plain_batch(
 ) -> None:
     """``load().batch(n)`` against the same batch made element by element (the reader's
     column-by-column route switched off) and against the saved pipeline itself."""
-    from headrace.persist import saved
+    from headrace._persist import saved
 
     rng = np.random.default_rng(2000 + seed)
     count = int(rng.integers(1, 50))
@@ -464,7 +464,7 @@ def test_loaded_large_records_batch_one_copy_each(
         lambda i: {"a" if int(i) != odd else "b": np.full((40, 30), i, np.float32), "i": i}
     )
     path = str(tmp_path / "saved")
-    from headrace.persist import saved
+    from headrace._persist import saved
 
     with monkeypatch.context() as older:  # save refuses the odd element now: a save an
         older.setattr(saved.SpecCheck, "problem", lambda *args: "")  # older one wrote

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from tests.test_cache import Counted, ids, spill_dirs
 
 import headrace as hr
+from headrace._memory.budget import MemoryBudget
 from headrace.core import run as run_module
 from headrace.core.state import seal
-from headrace.memory.budget import MemoryBudget
 
 MiB = 1 << 20
 

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.errors import DataLossError
+from headrace._errors import DataLossError
+from headrace._persist.records import check_alike_records, check_scattered
 from headrace.io.tfrecord.framing import encode_records
 from headrace.io.tfrecord.reader import records_in_spans
-from headrace.persist.records import check_alike_records, check_scattered
 
 
 def _run(rows: int, payload: int, seed: int) -> tuple[bytes, list[bytes]]:

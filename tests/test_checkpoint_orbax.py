@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.errors import CheckpointError
+from headrace._errors import CheckpointError
 
 ocp = pytest.importorskip("orbax.checkpoint")
 from headrace.adapters.orbax import (  # noqa: E402

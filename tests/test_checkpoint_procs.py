@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace._transforms import process_interleave
 from headrace.testing import assert_checkpoint_roundtrip
-from headrace.transforms import process_interleave
 
 sys.path.insert(0, str(Path(__file__).parent))
 import process_fns

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.errors import CheckpointError
+from headrace._errors import CheckpointError
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")

@@ -350,8 +350,8 @@ def test_tfrecord_destination_must_be_csv(tmp_path: Path, capsys: Capture) -> No
 
 
 def test_save_tfrecords_takes_a_row_count_only_for_batches(tmp_path: Path) -> None:
-    from headrace.errors import InvalidArgumentError
-    from headrace.persist.writers import save_tfrecords
+    from headrace._errors import InvalidArgumentError
+    from headrace._persist.writers import save_tfrecords
 
     batches = [{"x": np.arange(5)}, {"x": np.arange(5, 7)}]
     paths = save_tfrecords(batches, tmp_path / "a", num_shards=2, batched=True, num_records=7,
@@ -468,8 +468,8 @@ def test_a_null_default_that_is_not_the_column_type_names_the_column(
     (["1", "*=2"], "given twice for '*'"),
 ])
 def test_bad_null_default_specs_are_refused(specs: list[str], message: str) -> None:
-    from headrace.errors import InvalidArgumentError
-    from headrace.tools.convert import parse_null_defaults
+    from headrace._errors import InvalidArgumentError
+    from headrace._tools.convert import parse_null_defaults
 
     with pytest.raises(InvalidArgumentError, match=message):
         parse_null_defaults(specs)

@@ -31,7 +31,7 @@ def test_help_describes_the_tool_for_its_user(capsys: Capture) -> None:
 
 
 def write_tfrecord(path: Path) -> str:
-    from headrace.persist.writers import save_tfrecords
+    from headrace._persist.writers import save_tfrecords
 
     (shard,) = save_tfrecords(hr.Dataset.from_tensor_slices({"x": np.arange(3)}),
                               str(path / "{shard}.tfrecord"), progress=False)

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from headrace._memory.sizeof import sizeof
+from headrace._workers import shm
 from headrace.io import columns
 from headrace.io._native import native_module, set_native_enabled
-from headrace.memory.sizeof import sizeof
-from headrace.workers import shm
 
 items_lists = st.lists(st.binary(max_size=40), max_size=60)
 
@@ -71,7 +71,7 @@ def test_an_origin_log_keeps_the_offsets_of_its_newest_records_only() -> None:
     """Bounded by records and by spans: whole batches of 1,024 logged for hours keep the
     offsets of the last ``_RECORDS_KEPT`` records (older ones: None), lines (a span
     each) of the last ``_SPANS_KEPT``: bounded memory either way."""
-    from headrace.sources import files
+    from headrace._sources import files
 
     log = files.OriginLog()
     log.opened(0, 0, 0)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.errors import MemoryBudgetError
+from headrace._errors import MemoryBudgetError
 
 MiB = 1 << 20
 
@@ -85,7 +85,7 @@ def test_a_record_over_the_budget_is_refused_at_its_share_types_inferred_or_not(
     types need the record whole, as TensorFlow's inference reads it."""
     import gzip
 
-    from headrace.csv.source import _BlockReader
+    from headrace._csv.source import _BlockReader
 
     held = [0]
     original = _BlockReader._fill

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-import headrace.csv.reader as csvfmt
+import headrace._csv.reader as csvfmt
 from headrace import tf_compat
-from headrace.csv.fusion import FusedDecodeCsv, fused_decode_csv
+from headrace._csv.fusion import FusedDecodeCsv, fused_decode_csv
 
 pytestmark = pytest.mark.tf
 
@@ -48,7 +48,7 @@ def decode_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(len(records))
         return original(records, *args)
 
-    monkeypatch.setattr("headrace.csv.fusion.decode_lines", counted)
+    monkeypatch.setattr("headrace._csv.fusion.decode_lines", counted)
     return calls
 
 

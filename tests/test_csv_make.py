@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import headrace as hr
-import headrace.csv.source as csvsource
+import headrace._csv.source as csvsource
 
 pytestmark = pytest.mark.tf
 

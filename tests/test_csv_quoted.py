@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-import headrace.csv.reader as csvfmt
-from headrace.csv.reader import CsvError
+import headrace._csv.reader as csvfmt
+from headrace._csv.reader import CsvError
 
 FMT = csvfmt.CsvFormat.make(",", True, "")
 

@@ -247,7 +247,7 @@ def test_block_text_and_parsed_block_are_booked_and_kept_batches_pin_no_block(
     and the parsed block's columns at their real size (pyarrow-backed columns included),
     gives both back when the iterator closes, and hands out batches that own their rows:
     a consumer that keeps every batch pins no block, and the budget holds meanwhile."""
-    from headrace.memory.sizeof import owner_of, sizeof
+    from headrace._memory.sizeof import owner_of, sizeof
 
     path = tmp_path / "data.csv"
     rng = np.random.default_rng(3)

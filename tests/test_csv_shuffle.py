@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-import headrace.csv.source as csvsource
-from headrace.csv.reader import CsvError
-from headrace.csv.shuffle import CsvShuffleNode, _draw_batch
-from headrace.errors import HeadraceWarning
+import headrace._csv.source as csvsource
+from headrace._csv.reader import CsvError
+from headrace._csv.shuffle import CsvShuffleNode, _draw_batch
+from headrace._errors import HeadraceWarning
 from headrace.testing import assert_checkpoint_roundtrip
 
 COLUMNS = "id,x,label"
@@ -285,7 +285,7 @@ def test_rows_one_by_one_outside_a_batch(tmp_path: Path) -> None:
 
 
 def test_workers_sharding_one_file_share_its_rows(tmp_path: Path) -> None:
-    from headrace.transforms.shard import ShardNode
+    from headrace._transforms.shard import ShardNode
 
     pattern, ids = write_files(tmp_path, [101])
     dataset = make(pattern, batch_size=8, num_epochs=2, shuffle_buffer_size=16,

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-from headrace.csv import CsvError
+from headrace._csv import CsvError
 
 pytestmark = pytest.mark.tf
 

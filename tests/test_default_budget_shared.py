@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import headrace as hr
+from headrace._memory.budget import MemoryBudget
+from headrace._memory.system import process_memory
 from headrace.core import run as run_module
 from headrace.core.run import join_abandoned
-from headrace.memory.budget import MemoryBudget
-from headrace.memory.system import process_memory
 
 MiB = 1 << 20
 

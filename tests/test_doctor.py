@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import headrace as hr
+from headrace._errors import InvalidArgumentError
 from headrace.cli import main
-from headrace.errors import InvalidArgumentError
 from headrace.profiling import diagnose
 from headrace.profiling import doctor as doctor_module
 from headrace.profiling.doctor import ATTRIBUTION_EPOCHS, DEEP_FRAMES, allocated_bytes

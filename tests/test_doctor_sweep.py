@@ -32,11 +32,11 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.persist import memory_store as cache_module
+from headrace._persist import memory_store as cache_module
+from headrace._transforms import shuffle as shuffle_module
 from headrace.profiling import diagnose, lint_recipe
 from headrace.profiling.probe import recipe_nodes
 from headrace.profiling.profiler import profile
-from headrace.transforms import shuffle as shuffle_module
 
 from . import fuzz_pipelines as fuzz
 
@@ -389,7 +389,7 @@ def test_injected_leaks_are_found_and_blamed_on_their_stage(
 
 
 def _sizeof(value: Any) -> int:
-    from headrace.memory.sizeof import sizeof
+    from headrace._memory.sizeof import sizeof
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

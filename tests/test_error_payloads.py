@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.memory.sizeof import sizeof
+from headrace._memory.sizeof import sizeof
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fuzz_pipelines import PeakGrowth

@@ -747,7 +747,7 @@ def test_a_ragged_nested_list_is_refused_naming_the_source() -> None:
 def test_sizes_that_round_alike_are_told_apart() -> None:
     """A refusal compares what is needed with the budget: rounded to 0.1 MiB both read
     '64.0 MiB', which hid why."""
-    from headrace.memory.units import format_apart
+    from headrace._memory.units import format_apart
 
     assert format_apart(64 * 2**20 + 512, 64 * 2**20) == ("67,109,376 B", "67,108,864 B")
     assert format_apart(65 * 2**20, 64 * 2**20) == ("65.0 MiB", "64.0 MiB")

@@ -139,7 +139,7 @@ OUT_OF_MEMORY_CHILD = """
     import json, resource, struct, sys, zlib
     import numpy as np
     import headrace.image as im
-    from headrace.errors import MemoryBudgetError
+    from headrace._errors import MemoryBudgetError
     {gif_writer}
     def chunk(kind, body):
         return struct.pack(">I", len(body)) + kind + body + struct.pack(

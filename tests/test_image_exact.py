@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import headrace as hr
 import headrace.image as hi
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from image_fns import photo, random_png, write_bmp, write_png

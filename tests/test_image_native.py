@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace.image as hi
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
 from headrace.image._native import jpeg_module
 from headrace.image._random import _fast_resize
 from headrace.io._native import set_native_enabled

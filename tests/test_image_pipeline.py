@@ -269,7 +269,7 @@ def test_shuffle_of_decoded_images_and_deep_prefetch_hold_the_budget(
     2 worker processes: booked bytes never past the budget, and the measured growth of
     the process tree's Pss_Anon + Pss_Shmem within budget + 10% + 64 MiB — plus, with
     processes, the workers' own interpreters (numpy, Pillow, simplejpeg imported: about
-    25 MiB each), which no booking covers (see headrace.transforms.process_map)."""
+    25 MiB each), which no booking covers (see headrace._transforms.process_map)."""
     script = textwrap.dedent(
         """
         import json, threading, time, warnings, os
@@ -277,7 +277,7 @@ def test_shuffle_of_decoded_images_and_deep_prefetch_hold_the_budget(
         import headrace as hr
         import headrace.image as hi
         import image_fns
-        from headrace.workers.memory import tree_charged
+        from headrace._workers.memory import tree_charged
 
         records = np.empty(80, object)
         records[:] = [image_fns.jpeg(600 + i % 5, 800, seed=i % 7) for i in range(80)]

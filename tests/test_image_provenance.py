@@ -6,7 +6,7 @@ data holds, a "bomb" whose header declares more than ``max_pixels`` — and deco
 them with a drawn image op (whole decode, windowed decode, the fused random resized
 crop, InceptionCrop), sequentially, on threads and in worker processes, on the C and
 the Pillow paths. Each failure must come in its record's place, with
-:func:`headrace.errors.element_origin` (and the note a user reads) naming exactly the
+:func:`headrace._errors.element_origin` (and the note a user reads) naming exactly the
 shard, the record's index in it and its byte offset; ``ignore_errors()`` must drop
 exactly those records and nothing else, in order.
 """
@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 import headrace as hr
 import headrace.image as hi
+from headrace._errors import Origin, element_origin
 from headrace.core.state import seal
-from headrace.errors import Origin, element_origin
 from headrace.io._native import set_native_enabled
 from headrace.io.tfrecord.writer import write_tfrecord
 
@@ -623,13 +623,13 @@ def test_batched_origins_of_arrays_text_lines_and_shuffled_indices(tmp_path: Pat
 
 
 def test_mark_batch_row_reads_the_parsers_record_index() -> None:
-    from headrace.errors import mark_batch_row
+    from headrace._errors import mark_batch_row
 
     error = mark_batch_row(ValueError("feature 'x' in record 12 of the batch has 2 values"))
     assert error.headrace_batch_row == 12  # type: ignore[attr-defined]
     assert not hasattr(mark_batch_row(ValueError("no row named")), "headrace_batch_row")
     rows = [Origin("f", 3, 30), Origin("g", 0, 0)]
-    noted = hr.errors.note_element_error(mark_batch_row(KeyError("k"), 1), "map(f)", 7,
+    noted = hr._errors.note_element_error(mark_batch_row(KeyError("k"), 1), "map(f)", 7,
                                          Origin.of_rows(rows))
     assert element_origin(noted) == rows[1]
     assert noted.__notes__ == ["headrace: raised in map(f) on element 7, row 1 of a batch of 2, "

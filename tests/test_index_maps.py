@@ -22,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace._errors import InvalidArgumentError
+from headrace._transforms._element_access import element_access
 from headrace.core.indexing import (
     IndexMap,
     IndexStream,
@@ -36,9 +38,7 @@ from headrace.core.indexing import (
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, ShardRole, Traits, UnaryNode
 from headrace.core.state import seal
-from headrace.errors import InvalidArgumentError
 from headrace.testing import take_elements
-from headrace.transforms._element_access import element_access
 
 Step = tuple[Any, ...]
 

@@ -1,7 +1,7 @@
 """The in-flight ledger driven directly, by threads, with adversarial output sizes.
 
-A small map is simulated over :class:`~headrace.memory.inflight.InFlight` and
-its :class:`~headrace.memory.buffer.Buffer`: worker threads book a chunk ahead,
+A small map is simulated over :class:`~headrace._memory.inflight.InFlight` and
+its :class:`~headrace._memory.buffer.Buffer`: worker threads book a chunk ahead,
 "compute" outputs whose sizes the ledger learns only after the work, stop at
 their allowance and hand the rest back, then settle; a releaser thread drops
 settled outputs at random moments. Sizes come from generators an adversary
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from headrace.errors import MemoryBudgetError
-from headrace.memory.budget import MemoryBudget
-from headrace.memory.buffer import NO_RESERVATION, Reservation, release_all
-from headrace.memory.inflight import InFlight, Ticket, over_allowance
+from headrace._errors import MemoryBudgetError
+from headrace._memory.budget import MemoryBudget
+from headrace._memory.buffer import NO_RESERVATION, Reservation, release_all
+from headrace._memory.inflight import InFlight, Ticket, over_allowance
 
 KiB = 1024
 SHARE = 1024 * KiB

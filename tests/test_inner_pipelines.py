@@ -22,12 +22,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace._errors import MemoryBudgetError
+from headrace._memory.budget import MemoryBudget
+from headrace._memory.buffer import Buffer
 from headrace.core.iterator import Iterator
 from headrace.core.run import join_abandoned
-from headrace.errors import MemoryBudgetError
 from headrace.io.tfrecord import write_tfrecord
-from headrace.memory.budget import MemoryBudget
-from headrace.memory.buffer import Buffer
 
 MiB = 1 << 20
 ROWS, WIDTH = 1000, 1000  # 8 MB per inner dataset

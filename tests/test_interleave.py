@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace._transforms import _wait_watch
+from headrace._transforms._wait_watch import WaitWatch
 from headrace.core.state import seal
 from headrace.testing import assert_checkpoint_roundtrip
-from headrace.transforms import _wait_watch
-from headrace.transforms._wait_watch import WaitWatch
 
 
 def lists_dataset(lists: list[list[int]]):

@@ -43,7 +43,7 @@ def _charged() -> int:
     a segment still only in its worker counted too), less each worker's start."""
     import os
 
-    from headrace.workers.memory import _descendants, worker_memory
+    from headrace._workers.memory import _descendants, worker_memory
 
     own = worker_memory(os.getpid())
     total = 0 if own is None else own.charged

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.errors import CheckpointError
+from headrace._errors import CheckpointError
 
 pytest.importorskip("keras")
 

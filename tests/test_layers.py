@@ -128,18 +128,18 @@ def _with_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 #: Every top-level package and module of headrace, by layer: a module imports only from
 #: its own layer and below (lazily or not). A new package must be placed here.
 RANKS = {
-    "errors": 0, "structure": 0, "_closing": 0, "_warn": 0, "_stateful": 0,
+    "_errors": 0, "_structure": 0, "_closing": 0, "_warn": 0, "_moved": 0, "_stateful": 0,
     "io": 1,
-    "memory": 2,
-    "options": 3,
+    "_memory": 2,
+    "_options": 3,
     "core": 4,
-    "image": 5, "workers": 5,
-    "transforms": 6, "sources": 6, "writers": 6, "saved": 6, "persist": 6,
-    "profiling": 7, "_rewrite": 7, "distribute": 7,
+    "image": 5, "_workers": 5,
+    "_transforms": 6, "_sources": 6, "writers": 6, "saved": 6, "_persist": 6,
+    "profiling": 7, "_rewrite": 7, "_distribute": 7,
     "adapters": 8,
-    "dataset": 9, "keras": 9,
-    "headrace": 10, "csv": 10, "served": 10, "_wire": 10, "tf_compat": 10,
-    "tools": 10, "ray": 10,
+    "_dataset": 9, "keras": 9,
+    "headrace": 10, "_csv": 10, "_served": 10, "_wire": 10, "tf_compat": 10,
+    "_tools": 10, "ray": 10,
     "cli": 11, "testing": 11,
 }
 
@@ -165,8 +165,8 @@ def test_no_import_cycles_counting_package_inits() -> None:
 
 def test_core_imports_nothing_above_it() -> None:
     above = (
-        "headrace.transforms", "headrace.sources", "headrace.dataset", "headrace.writers",
-        "headrace.persist",
+        "headrace._transforms", "headrace._sources", "headrace._dataset", "headrace.writers",
+        "headrace._persist",
     )
     for name, targets in _graph().items():
         if name.startswith("headrace.core"):
@@ -207,7 +207,7 @@ def test_no_module_outside_memory_reads_a_buffers_counters() -> None:
     reads = [
         read
         for path in sorted(SRC.rglob("*.py"))
-        if path.parent.name != "memory"
+        if path.parent.name != "_memory"
         for read in _counter_reads(path)
     ]
     assert reads == []
@@ -274,21 +274,21 @@ def test_no_module_reaches_another_modules_private_names() -> None:
 
 
 def test_the_private_name_check_sees_each_form(tmp_path: Path) -> None:
-    probe = tmp_path / "probe.py"  # read as if it were headrace/transforms/probe.py
+    probe = tmp_path / "probe.py"  # read as if it were headrace/_transforms/probe.py
     probe.write_text(
-        "import headrace.transforms.map\n"
+        "import headrace._transforms.map\n"
         "from headrace.io import streams\n"
         "from headrace.io import _example_wire\n"  # a private module: its package's own
-        "from headrace.transforms.map import _MapIterator\n"
+        "from headrace._transforms.map import _MapIterator\n"
         "from .map import _apply_chunk\n"
         "streams._helper\n"
-        "headrace.transforms.map._TARGET_CALL_SECONDS\n"
+        "headrace._transforms.map._TARGET_CALL_SECONDS\n"
         "_example_wire.__name__\n"
     )
-    found = _private_reaches(probe, "headrace.transforms.probe")
+    found = _private_reaches(probe, "headrace._transforms.probe")
     assert [hit.split(": ", 1)[1] for hit in found] == [
-        "from headrace.transforms.map import _MapIterator",
-        "from headrace.transforms.map import _apply_chunk",
+        "from headrace._transforms.map import _MapIterator",
+        "from headrace._transforms.map import _apply_chunk",
         "headrace.io.streams._helper",
-        "headrace.transforms.map._TARGET_CALL_SECONDS",
+        "headrace._transforms.map._TARGET_CALL_SECONDS",
     ]

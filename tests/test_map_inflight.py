@@ -199,7 +199,7 @@ def test_states_taken_while_inputs_are_handed_back_resume_more_cases(
 
 
 def _resume_cases(monkeypatch: pytest.MonkeyPatch, *, seed: int, cases: int, longest: int) -> None:
-    from headrace.transforms._map_calls import Calls
+    from headrace._transforms._map_calls import Calls
 
     handed_back = []
     original = Calls.hand_on
@@ -378,7 +378,7 @@ def test_a_parallel_map_dropped_without_close_goes_with_its_last_reference(
     import numpy as np
 
     import headrace as hr
-    from headrace.transforms.map import ParallelMapIterator
+    from headrace._transforms.map import ParallelMapIterator
 
     ds = hr.Dataset.range(1000).map(lambda i: np.full(4, i), num_parallel_calls=2,
                                     deterministic=deterministic)

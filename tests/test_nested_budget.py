@@ -14,10 +14,10 @@ import random
 
 import pytest
 
-from headrace.errors import MemoryBudgetError
-from headrace.memory.budget import MemoryBudget
-from headrace.memory.buffer import Buffer
-from headrace.memory.nested import NestedParts
+from headrace._errors import MemoryBudgetError
+from headrace._memory.budget import MemoryBudget
+from headrace._memory.buffer import Buffer
+from headrace._memory.nested import NestedParts
 
 MiB = 1 << 20
 

@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 
 import headrace as hr
+from headrace._errors import InvalidArgumentError
+from headrace._transforms._element_access import element_access
+from headrace._transforms.map import MapNode
+from headrace._transforms.take import TakeNode
 from headrace.core.indexing import RandomAccess, Refusal
 from headrace.core.node import CAPABILITIES, Node, ShardRole, SourceNode, Traits, UnaryNode
-from headrace.errors import InvalidArgumentError
-from headrace.transforms._element_access import element_access
-from headrace.transforms.map import MapNode
-from headrace.transforms.take import TakeNode
 
 SRC = Path(hr.__file__).parent
 

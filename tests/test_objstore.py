@@ -25,7 +25,7 @@ import pytest
 from tests.test_interleave_descriptors import FdPeak
 
 import headrace as hr
-from headrace.errors import DataLossError, InvalidArgumentError
+from headrace._errors import DataLossError, InvalidArgumentError
 from headrace.io import objstore
 from headrace.io.filepool import get_default_pool
 from headrace.io.tfrecord import TFRecordWriter
@@ -434,7 +434,7 @@ def test_read_buffers_are_booked_on_the_budget(s3: str, tmp_path: Path) -> None:
     urls, paths = _write_shards(tmp_path, "booked", 2, 9)
     options = hr.Options()
     options.memory_budget = "6MiB"
-    with pytest.raises(hr.errors.MemoryBudgetError, match=r"read-ahead of s3://data/booked"):
+    with pytest.raises(hr._errors.MemoryBudgetError, match=r"read-ahead of s3://data/booked"):
         _read(hr.TFRecordDataset(urls, buffer_size=8 << 20).with_options(options))
     fitted = hr.TFRecordDataset(urls).with_options(options)
     assert _read(fitted) == _read(hr.TFRecordDataset(paths))
@@ -449,7 +449,7 @@ def test_read_buffers_are_booked_on_the_budget(s3: str, tmp_path: Path) -> None:
     objstore.put_atomic(f"s3://{BUCKET}/booked/t.csv", body)
     (tmp_path / "t.csv").write_bytes(body)
     csv_url = f"s3://{BUCKET}/booked/t.csv"
-    with pytest.raises(hr.errors.MemoryBudgetError, match=r"read-ahead of s3://data/booked/t"):
+    with pytest.raises(hr._errors.MemoryBudgetError, match=r"read-ahead of s3://data/booked/t"):
         _read(hr.CsvDataset(csv_url, [0, 0], buffer_size=8 << 20).with_options(options))
     fitted_csv = hr.CsvDataset(csv_url, [0, 0]).with_options(options)
     assert _read(fitted_csv) == _read(hr.CsvDataset(str(tmp_path / "t.csv"), [0, 0]))
@@ -628,7 +628,7 @@ class _Successors:
     read-ahead threads and the most slots their limiter held while one ran."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from headrace.sources import files
+        from headrace._sources import files
 
         self.sources: list[Any] = []
         self.claims: list[bool] = []
@@ -735,7 +735,7 @@ def test_the_object_read_ahead_is_booked_on_the_stage(
     """G1: the next object's range read ahead lives in the booking of the object before
     it (the range read-ahead it no longer needs), kept from its close until the next one
     opens; the stage never holds more than its share."""
-    from headrace.sources import files
+    from headrace._sources import files
 
     urls, paths = _small_objects(tmp_path, "small-booked", 12, 21)
     options = hr.Options()
@@ -1040,7 +1040,7 @@ def test_batches_of_a_cache_on_s3_are_read_in_runs(
 _OTHER_PROCESS = """
 import json, sys
 import headrace as hr
-from headrace.persist import remote_store
+from headrace._persist import remote_store
 
 def refuse(*args, **kwargs):
     raise AssertionError("the cache was written again instead of read")
@@ -1202,7 +1202,7 @@ def test_503s_while_a_cache_is_uploaded_are_retried(
 ) -> None:
     """503 SlowDown answers to the upload's PUTs (data, index, checksums, the conditional
     manifest) are retried from the file's start; the cache is published once, whole."""
-    from headrace.persist import remote_store
+    from headrace._persist import remote_store
 
     prefix = f"s3://{BUCKET}/upload-503/"
     dataset, calls = _cache_input(80, seed=16)
@@ -1236,7 +1236,7 @@ def test_reading_a_cache_from_s3_stays_within_the_budget(
     reading it, the records read and the range read ahead are booked on the cache's
     share, which the stage never passes; each byte of the data object is fetched once a
     pass (the range read ahead is the one the next read asks for, never a guess)."""
-    from headrace.persist import records
+    from headrace._persist import records
 
     url = f"s3://{BUCKET}/cache-budget/c"
     dataset, calls = _cache_input(200, seed=7)
@@ -1250,7 +1250,7 @@ def test_reading_a_cache_from_s3_stays_within_the_budget(
         uploads.append((stage.held, stage.share(), parts_in_flight or 0))
         put_atomic(url, data, parts_in_flight=parts_in_flight)
 
-    from headrace.persist import remote_store
+    from headrace._persist import remote_store
 
     objstore_stage: list[Any] = []
     store_init = remote_store.RemoteStore.__init__

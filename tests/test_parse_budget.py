@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.errors import MemoryBudgetError
+from headrace._errors import MemoryBudgetError
+from headrace._memory.sizeof import sizeof
 from headrace.io.example import FixedLenFeature, VarLenFeature, serialize_example
 from headrace.io.tfrecord import write_tfrecord
-from headrace.memory.sizeof import sizeof
 
 MiB = 1 << 20
 

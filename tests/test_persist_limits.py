@@ -34,10 +34,10 @@ import numpy as np
 import pytest
 
 import headrace as hr
+from headrace._persist import saved, writers
 from headrace.io.example.encoding import serialize_example
 from headrace.io.example.parsing import parse_single_example
 from headrace.io.example.specs import FixedLenFeature
-from headrace.persist import saved, writers
 
 MiB = 1 << 20
 sys.path.insert(0, str(Path(__file__).parent))
@@ -257,9 +257,9 @@ def test_save_tfrecords_of_large_dict_elements_keeps_the_budget(seed: int, tmp_p
     """Unbatched dicts of large float64 arrays (an id beside): the writer's chunk is
     bounded by the arrays' bytes, so the process grows less than budget + 10% +
     64 MiB + one element, and every Example reads back in its shard."""
+    from headrace._persist.writers import save_tfrecords
     from headrace.io.example import decode_example
     from headrace.io.tfrecord import open_tfrecord
-    from headrace.persist.writers import save_tfrecords
 
     rng = random.Random(seed)
     budget = rng.choice((8, 16)) * MiB

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.memory import buffer as buffer_module
+from headrace._memory import buffer as buffer_module
 
 MiB = 1 << 20
 sys.path.insert(0, str(Path(__file__).parent))
@@ -207,9 +207,9 @@ def test_save_tfrecords_holds_a_bounded_chunk_whatever_the_sizes(seed: int) -> N
     size: 1,024 elements of 300 KB held 300 MB, and their records as much again.
     Sizes from the generator (not the refused shapes); the records read back equal
     the input."""
+    from headrace._persist.writers import save_tfrecords
     from headrace.io.example import decode_example
     from headrace.io.tfrecord import open_tfrecord
-    from headrace.persist.writers import save_tfrecords
 
     case = size_case(seed)
     sizes, budget = case["sizes"], case["budget"]

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.errors import WorkerError, WorkerPoolError
-from headrace.workers import processes
+from headrace._errors import WorkerError, WorkerPoolError
+from headrace._workers import processes
 
 sys.path.insert(0, str(Path(__file__).parent))
 import proc_error_fns as fns

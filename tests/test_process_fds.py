@@ -26,7 +26,7 @@ _SCRIPT = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     import numpy as np
     import headrace as hr
-    from headrace.errors import FileLimitError, HeadraceWarning
+    from headrace._errors import FileLimitError, HeadraceWarning
     from headrace.io.filepool import _count_process_descriptors, set_max_open_files
     from process_fns import square
 
@@ -96,7 +96,7 @@ def _run_cases(seed: int, cases: int) -> list[dict]:
 
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_worker_pipes_stay_within_the_cap(seed: int) -> None:
-    from headrace.workers.processes import DESCRIPTORS_PER_WORKER, SPAWN_DESCRIPTORS
+    from headrace._workers.processes import DESCRIPTORS_PER_WORKER, SPAWN_DESCRIPTORS
 
     for case in _run_cases(seed, 4):
         cap = case["process_cap"] if case["cap"] is None else min(case["cap"], case["process_cap"])
@@ -121,7 +121,7 @@ def test_descriptors_per_worker_measured() -> None:
         """
         import json
         from headrace.io.filepool import _count_process_descriptors, get_default_pool
-        from headrace.workers.processes import ProcessPool
+        from headrace._workers.processes import ProcessPool
         from process_fns import square
 
         def run(count):
@@ -151,7 +151,7 @@ def test_descriptors_per_worker_measured() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, env=env, cwd=tests)
     assert done.returncode == 0, done.stderr[-3000:]
-    from headrace.workers.processes import DESCRIPTORS_PER_WORKER, SPAWN_DESCRIPTORS
+    from headrace._workers.processes import DESCRIPTORS_PER_WORKER, SPAWN_DESCRIPTORS
 
     for count, opened, held in json.loads(done.stdout.strip().splitlines()[-1]):
         assert opened == count * DESCRIPTORS_PER_WORKER  # started: what each keeps open
@@ -192,8 +192,8 @@ def test_process_interleave_workers_fit_the_cap() -> None:
     import warnings
 
     import headrace as hr
-    from headrace.errors import FileLimitError, HeadraceWarning
-    from headrace.workers.processes import DESCRIPTORS_PER_WORKER, SPAWN_DESCRIPTORS
+    from headrace._errors import FileLimitError, HeadraceWarning
+    from headrace._workers.processes import DESCRIPTORS_PER_WORKER, SPAWN_DESCRIPTORS
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import process_fns

@@ -31,10 +31,10 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.memory.sizeof import sizeof
-from headrace.workers import shm
-from headrace.workers.memory import _descendants, worker_memory
-from headrace.workers.processes import ProcessPool
+from headrace._memory.sizeof import sizeof
+from headrace._workers import shm
+from headrace._workers.memory import _descendants, worker_memory
+from headrace._workers.processes import ProcessPool
 
 sys.path.insert(0, str(Path(__file__).parent))
 import process_fns

@@ -26,10 +26,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace._workers import shm
+from headrace._workers.memory import worker_memory
 from headrace.core.run import join_abandoned
 from headrace.io.tfrecord.writer import write_tfrecord
-from headrace.workers import shm
-from headrace.workers.memory import worker_memory
 
 sys.path.insert(0, str(Path(__file__).parent))
 import process_fns
@@ -77,7 +77,7 @@ shapes = {
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 3 elements: slots cross many chunks, and chunks move between workers."""
-    from headrace.transforms import process_interleave
+    from headrace._transforms import process_interleave
 
     monkeypatch.setattr(process_interleave, "CHUNK_ELEMENTS", 3)
 
@@ -339,7 +339,7 @@ def test_follow_requests_that_find_no_iterator_are_asked_again_with_the_state(
 ) -> None:
     """A worker keeping one iterator for three slots loses its place for every queued
     request: each is answered 'lost' and asked again from its state — same batches."""
-    from headrace.transforms import process_interleave
+    from headrace._transforms import process_interleave
 
     monkeypatch.setattr(process_interleave, "kept_iterators", lambda node: 1)
     paths = example_shards(tmp_path, [30, 25, 0, 31, 12])
@@ -350,8 +350,8 @@ def test_follow_requests_that_find_no_iterator_are_asked_again_with_the_state(
 
 
 def test_slot_reader_continues_only_at_the_exact_position() -> None:
-    from headrace.options import Options
-    from headrace.transforms.process_interleave import SlotReader
+    from headrace._options import Options
+    from headrace._transforms.process_interleave import SlotReader
 
     node = interleaved(1, (7,), -1, 1, 1, 1).node
     reader = SlotReader(node, Options(), 1 << 20, 2)
@@ -381,8 +381,8 @@ def test_slot_reader_releases_what_it_skips_on_a_restore() -> None:
     its state: their bookings go back to the worker's budget. Kept, a prefetch inside
     the slot (1 MiB elements, a 4 MiB share) held the skipped elements' bytes, and past
     the share it waited for room for good: a hang, not an error."""
-    from headrace.options import Options
-    from headrace.transforms.process_interleave import SlotReader
+    from headrace._options import Options
+    from headrace._transforms.process_interleave import SlotReader
 
     def inner(k: Any) -> hr.Dataset:
         return hr.Dataset.range(12).map(lambda j: np.full(1 << 17, j, np.int64)).prefetch(1)
@@ -401,8 +401,8 @@ def test_slot_reader_stops_before_an_element_its_booking_cannot_hold() -> None:
     """Elements of 1 KiB then 64 KiB: once the worker has read a 64 KiB one, a chunk
     stops before the element that would take it past its booking, and a chunk booked
     below 64 KiB is answered 'lost' unread unless the consumer waits for it (forced)."""
-    from headrace.options import Options
-    from headrace.transforms.process_interleave import SlotReader
+    from headrace._options import Options
+    from headrace._transforms.process_interleave import SlotReader
 
     def inner(k: Any) -> hr.Dataset:
         return hr.Dataset.range(8).map(
@@ -435,7 +435,7 @@ def test_slot_reader_stops_before_an_element_its_booking_cannot_hold() -> None:
 def test_parsed_batches_stay_in_the_budget_and_reuse_their_segments(tmp_path: Path) -> None:
     """Many chunks through a 16 MiB budget: the peak booked stays inside it, a handful of
     result segments per worker serve the whole stream, and close returns everything."""
-    from headrace.transforms import process_interleave
+    from headrace._transforms import process_interleave
 
     paths = example_shards(tmp_path, [2000] * 6)  # batches' id columns go by segment
     ds = parsed(paths, 2, 1, 300, 2).with_options(hr.Options(memory_budget="16MiB"))
@@ -464,7 +464,7 @@ def test_slots_one_after_another_reuse_the_same_few_segments() -> None:
     asked for, the one handed out, the one whose last row is still held). With two kept
     idle, each worker made a fresh segment for one chunk in ten (67-113 per worker here,
     and ~40% of benchmark 2's chunks)."""
-    from headrace.transforms import process_interleave
+    from headrace._transforms import process_interleave
 
     fn = functools.partial(process_fns.shard_arrays, rows=120)
     ds = hr.Dataset.range(8).interleave(fn, cycle_length=2, num_parallel_calls=2, workers="processes")
@@ -484,7 +484,7 @@ def test_slots_one_after_another_reuse_the_same_few_segments() -> None:
 
 @pytest.mark.parametrize("cycle", [1, 3])
 def test_autotune_starts_a_worker_per_cpu_but_no_more_than_the_slots(cycle: int) -> None:
-    from headrace.transforms.process_map import cpu_count
+    from headrace._transforms.process_map import cpu_count
 
     ds = hr.Dataset.range(4).interleave(
         process_fns.shard_dataset, cycle_length=cycle, num_parallel_calls=hr.AUTOTUNE,
@@ -541,7 +541,7 @@ def test_an_input_error_met_while_opening_ahead_is_raised_in_its_turn() -> None:
 def test_a_process_map_inside_a_slots_pipeline_runs_in_the_worker() -> None:
     """Found by the served-consumer fuzz case: a slot's inner pipeline holding a map on
     processes, unpickled in a worker that had never imported the process map's module,
-    failed there ("headrace.transforms.process_map not imported"). The node now pickles
+    failed there ("headrace._transforms.process_map not imported"). The node now pickles
     as a call into that module, so unpickling it registers the process map; and since a
     worker (daemonic) may not start processes, the map runs its calls on threads there."""
     inner = hr.Dataset.range(12).map(process_fns.square, num_parallel_calls=2,

@@ -30,10 +30,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace._workers import shm
+from headrace._workers.memory import worker_memory
 from headrace.core.run import join_abandoned
 from headrace.testing import assert_checkpoint_roundtrip, assert_elements_equal
-from headrace.workers import shm
-from headrace.workers.memory import worker_memory
 
 sys.path.insert(0, str(Path(__file__).parent))
 import process_fns
@@ -443,7 +443,7 @@ def test_consumer_killed_leaves_segments_that_the_next_start_sweeps(tmp_path: Pa
     script.write_text(textwrap.dedent(f"""
         import sys, os
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from headrace.workers import shm
+        from headrace._workers import shm
         mapping = shm.create_segment(shm.segment_name(os.getpid()), 1 << 20)
         print(os.getpid(), flush=True)
         sys.stdin.read()
@@ -577,7 +577,7 @@ def test_outputs_sharing_a_segment_each_cost_their_own_bytes(sizes: list[int]) -
     # so a chunk of n booked n times its bytes and the map overdrew its share.
     import mmap
 
-    from headrace.memory.sizeof import admit
+    from headrace._memory.sizeof import admit
 
     arrays = [np.full(size, i, np.uint8) for i, size in enumerate(sizes)]
     mappings: list[Any] = []
@@ -638,7 +638,7 @@ def test_process_map_outputs_are_freed_without_the_cyclic_gc() -> None:
 
 
 def test_input_segments_are_pooled_booked_and_freed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from headrace.workers import processes
+    from headrace._workers import processes
 
     events: list[str] = []  # "call" per chunk sent, "segment" per segment made here
     create, submit = shm.create_segment, processes.ProcessPool.submit
@@ -657,7 +657,7 @@ def test_input_segments_are_pooled_booked_and_freed(monkeypatch: pytest.MonkeyPa
     # Chunks of at most 4 rows: their sizes settle whatever the machine's load (a busy
     # box made the map's timing-driven chunks grow all run long, and each new size class
     # needs a larger segment, which is pooling working, not failing).
-    from headrace.transforms import map as map_module
+    from headrace._transforms import map as map_module
 
     monkeypatch.setattr(map_module, "_MAX_CHUNK", 4)
     rows = np.arange(1000 * 8_000, dtype=np.float64).reshape(1000, 8_000)  # 64 KB rows
@@ -689,8 +689,8 @@ def test_idle_segments_too_small_for_grown_outputs_make_room_for_larger_ones() -
     The worker drops the small idle segments and the consumer unbooks them, so one larger
     segment serves the rest. Before, the small ones held the quota for good and every
     later chunk went into a fresh segment (a process map made one per chunk)."""
-    from headrace.memory.budget import MemoryBudget
-    from headrace.workers import processes
+    from headrace._memory.budget import MemoryBudget
+    from headrace._workers import processes
 
     budget = MemoryBudget(64 * MiB)
     account = budget.account("test", weight=1)
@@ -719,7 +719,7 @@ def test_the_collector_survives_the_segment_of_a_cancelled_call_vanishing(
     """Found by the process sweep (seed 200014, refused mid-run): a call cancelled by the
     pipeline's close came back in a new segment that the closing worker had unlinked
     already; opening it raised FileNotFoundError in the collector thread, which died."""
-    from headrace.workers import processes
+    from headrace._workers import processes
 
     def vanished(name: str, size: int) -> Any:
         raise FileNotFoundError(name)

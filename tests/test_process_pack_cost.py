@@ -1,7 +1,7 @@
 """What a process map's packing costs per output, for tiny outputs (issue 23: no
 throughput regression).
 
-Issue 23 packs each output as the worker makes it (:class:`~headrace.workers.shm.OutputWriter`)
+Issue 23 packs each output as the worker makes it (:class:`~headrace._workers.shm.OutputWriter`)
 instead of pickling a chunk's outputs as one list. For tiny outputs that made a
 map 0.8x as fast as before: the worker ran ~28 Python calls per output (the
 whole-chunk pickle: ~10, most of them pickle's own hooks) and the consumer ~6
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from headrace.workers import shm
-from headrace.workers.processes import _run_chunk
+from headrace._workers import shm
+from headrace._workers.processes import _run_chunk
 
 #: Python calls per output, at most, for this mix of kinds: the worker's loop, the
 #: output's cost (its allowance needs it; a tuple or dict is walked), its pack (one

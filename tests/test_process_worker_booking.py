@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 import headrace as hr
-from headrace.errors import HeadraceWarning
-from headrace.transforms.process_map import WORKER_BASELINE_BYTES
-from headrace.workers.memory import tree_charged
+from headrace._errors import HeadraceWarning
+from headrace._transforms.process_map import WORKER_BASELINE_BYTES
+from headrace._workers.memory import tree_charged
 
 sys.path.insert(0, str(Path(__file__).parent))
 import process_fns

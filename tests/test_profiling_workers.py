@@ -63,7 +63,7 @@ def test_thread_maps_show_no_worker_processes() -> None:
 
 
 def test_shared_memory_segments_counts_this_pipelines_segments_only() -> None:
-    from headrace.workers.shm import SHM_DIR, create_segment, segment_name, unlink_segment
+    from headrace._workers.shm import SHM_DIR, create_segment, segment_name, unlink_segment
 
     name = segment_name(os.getpid(), "test-")
     mapping = create_segment(name, 3 * 4096)

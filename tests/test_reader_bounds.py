@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 import headrace as hr
-from headrace.errors import MemoryBudgetError, RecordTooLargeError
+from headrace._errors import MemoryBudgetError, RecordTooLargeError
+from headrace._sources.files import DEFAULT_MAX_LINE_BYTES
 from headrace.io.tfrecord import write_tfrecord
-from headrace.sources.files import DEFAULT_MAX_LINE_BYTES
 from headrace.testing import assert_checkpoint_roundtrip
 
 SRC_DIR = Path(__file__).resolve().parents[1] / "src"

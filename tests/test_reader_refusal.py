@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import headrace as hr
-from headrace.errors import MemoryBudgetError
+from headrace._errors import MemoryBudgetError
 from headrace.io.tfrecord import write_tfrecord
 
 MiB = 1 << 20

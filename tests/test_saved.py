@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace._persist.saved import MANIFEST_NAME, PROGRESS_NAME
 from headrace.io import tfrecord as tfrecord_module
-from headrace.persist.saved import MANIFEST_NAME, PROGRESS_NAME
 from headrace.testing import assert_checkpoint_roundtrip, assert_elements_equal
 
 
@@ -208,7 +208,7 @@ def test_elements_that_change_spec_mid_stream_are_refused_by_save(
     refuses the first that differs from the spec its manifest would record, naming it,
     and leaves no manifest. It wrote a save that load then refused (the outsider's a1)."""
     ds = hr.Dataset.range(12).map(lambda i: np.int32(i) if int(i) < at else change(i))
-    with pytest.raises(hr.errors.ElementSpecError, match=f"save: element {at} does not match"):
+    with pytest.raises(hr._errors.ElementSpecError, match=f"save: element {at} does not match"):
         ds.save(str(tmp_path), num_shards=3)
     assert not (tmp_path / "headrace-dataset.json").exists()
     with pytest.raises(FileNotFoundError, match="not a complete saved dataset"):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.workers import shm
+from headrace._workers import shm
 
 sys.path.insert(0, str(Path(__file__).parent))
 import process_fns

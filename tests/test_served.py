@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
+from headrace._workers import shm
+from headrace._workers.processes import start_method
 from headrace.io.tfrecord import write_tfrecord
-from headrace.workers import shm
-from headrace.workers.processes import start_method
 
 sys.path.insert(0, str(Path(__file__).parent))
 import served_fns

@@ -225,7 +225,7 @@ def test_a_flood_of_silent_clients_only_delays_consumers_by_the_handshake_timeou
     """More silent clients than the producer takes handshakes for at once: the excess
     is hung up on, the rest after ``handshake_timeout``; real consumers try again
     and get their parts within their own timeout."""
-    from headrace import served
+    from headrace import _served as served
 
     monkeypatch.setattr(served, "_MAX_PENDING", cap)
     address = str(tmp_path_factory.mktemp("flood") / "s.sock")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from headrace.memory.sizeof import sizeof
+from headrace._memory.sizeof import sizeof
 
 sys.path.insert(0, str(Path(__file__).parent))  # (process_fns: functions workers import)
 
@@ -247,7 +247,7 @@ def test_finished_generators_and_exhausted_iterators_hold_nothing() -> None:
 def test_arrays_and_dicts_of_arrays_keep_the_fast_path() -> None:
     """The new kinds are costed past arrays, dicts and scalars: a dict of arrays (a
     parsed batch) is still costed by the fast path, not the general walk."""
-    from headrace.memory.sizeof import _plain_cost
+    from headrace._memory.sizeof import _plain_cost
 
     element = {f"c{i}": np.zeros(16) for i in range(8)}
     assert _plain_cost(element, frozenset()) == sizeof(element)
@@ -261,7 +261,7 @@ def test_an_element_nested_past_the_recursion_limit_is_its_own_clear_error(seed:
     deep (a bare RecursionError before, and two dead workers on processes), and the
     other elements come out as the plain map gives them (the oracle)."""
     import headrace as hr
-    from headrace.errors import ElementSpecError
+    from headrace._errors import ElementSpecError
     from process_fns import nested_every
 
     rng = random.Random(seed)

@@ -149,7 +149,7 @@ def test_from_npy_streams_a_large_file_without_anonymous_memory(tmp_path) -> Non
     script = textwrap.dedent(
         f"""
         import headrace as hr
-        from headrace.memory.system import process_memory
+        from headrace._memory.system import process_memory
         before = process_memory().anonymous
         total = 0.0
         for batch in hr.Dataset.from_npy({str(path)!r}).batch(4096):

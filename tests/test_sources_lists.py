@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.errors import InvalidArgumentError
-from headrace.structure import encode_str, to_leaf_array
+from headrace._errors import InvalidArgumentError
+from headrace._structure import encode_str, to_leaf_array
 from headrace.testing import assert_checkpoint_roundtrip
 
 _DTYPES = [np.float32, np.float64, np.int64, np.int32, np.uint8, np.bool_, np.complex64]
@@ -71,7 +71,7 @@ def _case(rng: random.Random) -> tuple[Any, Any]:
     shape = rng.choice(["single", "dict", "tuple"])
     tensors: Any = (lists["c0"] if shape == "single" else
                     lists if shape == "dict" else tuple(lists.values()))
-    stacked = hr.structure.map_structure(lambda leaf: to_leaf_array(encode_str(leaf)), tensors)
+    stacked = hr._structure.map_structure(lambda leaf: to_leaf_array(encode_str(leaf)), tensors)
     return tensors, stacked
 
 
@@ -120,13 +120,13 @@ def test_a_list_gives_what_the_array_it_stands_for_gives(seed: int) -> None:
     # the rows are served from the user's list: nothing stacked or converted (a list of
     # bytes is held as pointers to the user's own bytes objects), none writable
     node_leaves = got._node.leaves  # type: ignore[attr-defined]
-    for leaf, original in zip(node_leaves, hr.structure.flatten(tensors), strict=True):
+    for leaf, original in zip(node_leaves, hr._structure.flatten(tensors), strict=True):
         if isinstance(leaf, np.ndarray):
             assert leaf.dtype == object and type(original) is list
             assert all(mine is theirs for mine, theirs in zip(leaf.tolist(), original,
                                                                strict=True))
     first = next(iter(got))
-    for leaf in hr.structure.flatten(first):
+    for leaf in hr._structure.flatten(first):
         if isinstance(leaf, np.ndarray):
             assert not leaf.flags.writeable
     whole = hr.Dataset.from_tensors(tensors)
@@ -235,9 +235,9 @@ def test_a_list_of_numbers_is_booked_on_the_budget_or_refused(seed: int) -> None
     """The array a list of numbers is stacked into is headrace's, not the user's: each
     run's stages split what it leaves of the budget, and one it leaves nothing of is a
     MemoryBudgetError naming the component (an array the user made stays free)."""
-    from headrace.errors import MemoryBudgetError
-    from headrace.memory.sizeof import sizeof
-    from headrace.memory.units import parse_bytes
+    from headrace._errors import MemoryBudgetError
+    from headrace._memory.sizeof import sizeof
+    from headrace._memory.units import parse_bytes
 
     rng = random.Random(seed)
     count = rng.choice([10, 1000, 100_000, 300_000, 1_000_000])
@@ -276,7 +276,7 @@ def test_from_tensors_of_a_list_refuses_an_element_larger_than_the_budget(seed: 
     cannot fit in the budget is a MemoryBudgetError before it is allocated (for
     strings, counting at least a byte a character and their bytes objects); one that
     fits is the stacked array."""
-    from headrace.errors import MemoryBudgetError
+    from headrace._errors import MemoryBudgetError
 
     rng = random.Random(seed)
     count, width = rng.randrange(1, 40), rng.choice([1 << 10, 1 << 14, 1 << 16, 1 << 16])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.errors import MemoryBudgetError
+from headrace._errors import MemoryBudgetError
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace.sources.sql import SqlError
+from headrace._sources.sql import SqlError
 from headrace.testing import assert_checkpoint_roundtrip
 
 URL = os.environ.get("HEADRACE_TEST_POSTGRES", "")

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-from headrace.sources.sql import SqlError
+from headrace._sources.sql import SqlError
 from headrace.testing import assert_checkpoint_roundtrip
 
 HOSTILE = ["'; DROP TABLE t; --", 'a"b', "x') OR ('1'='1", "\x00nul", "é\n\"'", "%s $1 ?"]

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import headrace as hr
+from headrace._errors import InvalidArgumentError
+from headrace._sources.sql import SqlError, parse_param
 from headrace.cli import main
-from headrace.errors import InvalidArgumentError
 from headrace.io.tfrecord_index import load_index
-from headrace.sources.sql import SqlError, parse_param
 
 URL = os.environ.get("HEADRACE_TEST_POSTGRES", "")
 ROOT = Path(__file__).resolve().parents[1]

@@ -126,7 +126,7 @@ def test_indexed_dataset_is_random_access(tmp_path) -> None:
 
 
 def test_indexed_reads_return_requested_records_in_order(tmp_path, monkeypatch) -> None:
-    import headrace.sources.tfrecord as source_module
+    import headrace._sources.tfrecord as source_module
 
     files = make_shards(tmp_path, shards=2, records=40)
     streamed = list(hr.TFRecordDataset(files))

@@ -211,8 +211,8 @@ def test_index_shuffle_kernel_c_and_python_agree() -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
+    from headrace._transforms.shuffle import _draw_python
     from headrace.io._native import native_module
-    from headrace.transforms.shuffle import _draw_python
 
     native = native_module()
     assert native is not None, "the C extension must be built (pip install -e .)"

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import headrace as hr
-from headrace.memory.system import LiveRuns, ProcessMemory, live_runs
+from headrace._memory.system import LiveRuns, ProcessMemory, live_runs
 
 MiB = 1 << 20
 
@@ -89,7 +89,7 @@ def test_the_heap_is_trimmed_when_unbooked_memory_grows_and_not_again_for_the_pr
     """Budgets' releases look at the heap every CHECK_EVERY bytes: a growth of unbooked
     memory past a quarter of the largest live budget trims it once; memory that stays
     after the trim (the program's own) raises the floor, and is not trimmed for again."""
-    from headrace.memory import allocator, system
+    from headrace._memory import allocator, system
 
     class Budget:
         used = 0
@@ -136,7 +136,7 @@ def test_the_heap_is_trimmed_when_unbooked_memory_grows_and_not_again_for_the_pr
 
 def test_no_look_at_the_heap_without_the_allocators_tuning(monkeypatch: Any) -> None:
     """Options(tune_allocator=False) (or a platform without glibc) leaves the heap alone."""
-    from headrace.memory import allocator
+    from headrace._memory import allocator
 
     looks: list[int] = []
     monkeypatch.setattr(allocator, "_watching", False)

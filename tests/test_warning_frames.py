@@ -11,8 +11,8 @@ import warnings
 import numpy as np
 
 import headrace as hr
+from headrace._errors import HeadraceWarning
 from headrace._warn import warn_user
-from headrace.errors import HeadraceWarning
 
 
 def megabyte_rows(count: int) -> hr.Dataset:

@@ -85,7 +85,7 @@ def test_cycle_length_warning_only_when_left_to_the_default() -> None:
 def test_unsized_objects_warning_is_a_headrace_warning() -> None:
     import datetime  # a C type with neither __dict__ nor __slots__: its payload is unseen
 
-    from headrace.memory.sizeof import sizeof
+    from headrace._memory.sizeof import sizeof
 
     with pytest.warns(hr.HeadraceWarning, match="register_sizer"):
         sizeof(datetime.timedelta(days=1), set())

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headrace as hr
-from headrace.workers import processes, shm
+from headrace._workers import processes, shm
 
 sys.path.insert(0, str(Path(__file__).parent))
 import process_fns

@@ -13,13 +13,13 @@ import pytest
 import tensorflow as tf
 
 import headrace as hr
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
+from headrace._persist.writers import ProgressBar, save_tfrecords, shard_paths
 from headrace.io import filepool
 from headrace.io.example import decode_example, serialize_example
 from headrace.io.example.encoding import encode_example_columns
 from headrace.io.tfrecord import TFRecordReader, open_tfrecord
 from headrace.io.tfrecord_index import index_path_for, load_index
-from headrace.persist.writers import ProgressBar, save_tfrecords, shard_paths
 
 ROWS = 2500  # more than two encoding chunks of 1024
 

@@ -7,12 +7,10 @@ shows only those names. The other public namespaces are ``headrace.core`` (custo
 ``headrace.tf_compat``; every other module is internal and can change in any release.
 """
 
-from headrace.core.node import INFINITE, UNKNOWN
-from headrace.core.run import DatasetIterator
-from headrace.csv import CsvDataset, CsvError, decode_csv, make_csv_dataset, read_csv
-from headrace.dataset import Dataset, TextLineDataset, TFRecordDataset
-from headrace.distribute import AutoShardPolicy, ShardInfo, auto_shard, shard_info
-from headrace.errors import (
+from headrace._csv import CsvDataset, CsvError, decode_csv, make_csv_dataset, read_csv
+from headrace._dataset import Dataset, TextLineDataset, TFRecordDataset
+from headrace._distribute import AutoShardPolicy, ShardInfo, auto_shard, shard_info
+from headrace._errors import (
     CheckpointError,
     DataLossError,
     ElementSpecError,
@@ -28,12 +26,14 @@ from headrace.errors import (
     WorkerError,
     WorkerPoolError,
 )
-from headrace.memory.sizeof import register_sizer
-from headrace.memory.units import parse_bytes
-from headrace.options import AUTOTUNE, Options
-from headrace.served import ProducerError, ServedIterator, Server, connect, serve
-from headrace.sources.sql import SqlError
-from headrace.structure import TensorSpec
+from headrace._memory.sizeof import register_sizer
+from headrace._memory.units import parse_bytes
+from headrace._options import AUTOTUNE, Options
+from headrace._served import ProducerError, ServedIterator, Server, connect, serve
+from headrace._sources.sql import SqlError
+from headrace._structure import TensorSpec
+from headrace.core.node import INFINITE, UNKNOWN
+from headrace.core.run import DatasetIterator
 
 __version__ = "0.1.0"
 """This release's version (PEP 440), the same as the installed package's metadata."""
@@ -88,3 +88,10 @@ def __dir__() -> list[str]:
     importing headrace binds as attributes: what ``dir()`` and tab completion offer is
     what is supported."""
     return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
+
+
+# the old import paths of the internal modules still work, with a DeprecationWarning
+from headrace import _moved  # noqa: E402
+
+_moved.install()
+__getattr__ = _moved.moved_attribute

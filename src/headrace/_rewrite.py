@@ -1,6 +1,6 @@
 """Copies of recipe nodes with other inputs or other files: how sharding rewrites a pipeline.
 
-Shared by :mod:`headrace.distribute` (hosts) and the framework adapters
+Shared by :mod:`headrace._distribute` (hosts) and the framework adapters
 (DataLoader workers); imports no facade, so either may use it.
 """
 

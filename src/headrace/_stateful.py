@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from headrace.errors import CheckpointError
+from headrace._errors import CheckpointError
 
 __all__ = ["STATE_DICT_KEY", "StateDict", "from_state_dict", "to_state_dict"]
 

@@ -36,7 +36,7 @@ Containers: ``tuple``, ``list``, ``dict`` (any mapping; keys are leaves or
 tuples), namedtuples (rebuilt as a namedtuple of the same name and fields), and
 headrace's :class:`~headrace.io._ragged.RaggedColumn` and
 :class:`~headrace.io._sparse.SparseColumn`. Anything else raises
-:class:`~headrace.errors.ElementSpecError` naming where in the element it is: an
+:class:`~headrace._errors.ElementSpecError` naming where in the element it is: an
 object array of mixed items, a structured dtype, an instance of a class of
 one's own.
 """
@@ -61,12 +61,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-import headrace.errors as _errors
-from headrace.errors import ElementSpecError, WorkerError, add_note
+import headrace._errors as _errors
+from headrace._errors import ElementSpecError, WorkerError, add_note
 from headrace.io.columns import join_bytes, split_bytes
 
 if TYPE_CHECKING:
-    from headrace.workers.shm import Segment
+    from headrace._workers.shm import Segment
 
 #: The first bytes of the producer's challenge: the protocol and its version.
 MAGIC = b"headrace-serve/2:"

@@ -70,7 +70,7 @@ MAX_DEMO_SIZE = 1 << 44  # 16 TiB
 
 def _byte_size(text: str, maximum: int | None = None) -> int:
     """An argparse type: a positive byte size such as ``512MiB`` (at most ``maximum``)."""
-    from headrace.memory.units import format_bytes, parse_bytes
+    from headrace._memory.units import format_bytes, parse_bytes
 
     try:
         value = parse_bytes(text)
@@ -108,7 +108,7 @@ def _count(minimum: int, maximum: int | None = None, why: str = "") -> Any:
 
 def _sql_param(text: str) -> Any:
     """An argparse type: ``convert --param [TYPE:]VALUE`` (see ``sources.sql.parse_param``)."""
-    from headrace.sources.sql import parse_param
+    from headrace._sources.sql import parse_param
 
     try:
         return parse_param(text)
@@ -138,7 +138,7 @@ def _one_line(error: BaseException, command: str) -> str:
     """``error`` as one line: its message (with its type where it is not one of
     headrace's or an OSError, whose messages say what they are), the first line of a
     longer one, without a repeat of the ``command: `` the line starts with."""
-    from headrace.errors import HeadraceError
+    from headrace._errors import HeadraceError
 
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = lines[0] if lines else ""
@@ -153,7 +153,7 @@ class _PeakSampler:
     """Samples the process's charged memory (anonymous + shared) on a thread."""
 
     def __init__(self, interval: float = 0.005) -> None:
-        from headrace.memory.system import process_memory
+        from headrace._memory.system import process_memory
 
         self._read = process_memory
         self.start = process_memory()
@@ -228,7 +228,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _run_demo(args: argparse.Namespace, directory: str) -> int:
     import headrace as hr
-    from headrace.memory.units import format_bytes
+    from headrace._memory.units import format_bytes
 
     size, budget = args.size, args.budget
     width = 1024
@@ -275,7 +275,7 @@ def _run_demo(args: argparse.Namespace, directory: str) -> int:
 
 def _index(args: argparse.Namespace) -> int:
     """``headrace index``: build (or ``--check``) the ``.hrx`` index of each file."""
-    from headrace.tools.index import build_indexes, check_indexes
+    from headrace._tools.index import build_indexes, check_indexes
 
     results = check_indexes(args.files) if args.check else build_indexes(args.files)
     for result in results:
@@ -288,7 +288,7 @@ def _index(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     """``headrace inspect``: count, schema, sizes, CRC check and first records per file."""
-    from headrace.tools.inspect import format_report, inspect_tfrecord
+    from headrace._tools.inspect import format_report, inspect_tfrecord
 
     corrupt = unreadable = 0
     total_records = 0
@@ -320,8 +320,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     """``headrace convert``: CSV / SQL / .npy -> TFRecord shards, or TFRecord -> CSV."""
-    from headrace.errors import HeadraceError
-    from headrace.tools.convert import source_kind, tfrecords_to_csv, to_tfrecords
+    from headrace._errors import HeadraceError
+    from headrace._tools.convert import source_kind, tfrecords_to_csv, to_tfrecords
 
     progress: Any = {"auto": True, "always": "always", "never": False}[args.progress]
     try:
@@ -444,7 +444,7 @@ class _DoctorProgress:
     def _line(self, what: str, measure: Any) -> None:
         if self.quiet:
             return
-        from headrace.memory.units import format_bytes
+        from headrace._memory.units import format_bytes
 
         memory = f"anon+shm {format_bytes(measure.charged)}"
         if measure.allocated:
@@ -663,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if args.debug:
             raise
-        from headrace.errors import HeadraceError
+        from headrace._errors import HeadraceError
 
         expected = isinstance(error, (HeadraceError, OSError, _CommandError))
         hint = "" if expected else " (--debug shows the traceback)"

@@ -46,7 +46,7 @@ elements another consumer now has. The coordinator itself is not replicated: if 
 dies the service is gone.
 
 Backpressure. Each split's elements wait in its worker's queue, booked by size
-(:func:`~headrace.memory.sizeof.sizeof`) on a quarter of the actor's budget (the
+(:func:`~headrace._memory.sizeof.sizeof`) on a quarter of the actor's budget (the
 pipeline gets the rest), and a consumer keeps at most ``prefetch`` chunk requests in
 flight per split: objects in Ray's object store are bounded by both.
 
@@ -72,14 +72,14 @@ from typing import Any
 
 import ray
 
+from headrace._dataset import Dataset
+from headrace._distribute import ShardInfo, refuse_unseeded, shard_files
+from headrace._errors import CheckpointError, InvalidArgumentError, WorkerError
+from headrace._memory.sizeof import sizeof
+from headrace._memory.units import parse_bytes
+from headrace._options import Options
 from headrace.adapters.ray import WORKER_BASELINE, task_memory
 from headrace.core.node import Node
-from headrace.dataset import Dataset
-from headrace.distribute import ShardInfo, refuse_unseeded, shard_files
-from headrace.errors import CheckpointError, InvalidArgumentError, WorkerError
-from headrace.memory.sizeof import sizeof
-from headrace.memory.units import parse_bytes
-from headrace.options import Options
 
 __all__ = ["DataService", "ServiceConsumer", "ServiceError", "from_ray", "to_ray"]
 
@@ -1122,7 +1122,7 @@ def from_ray(ray_dataset: Any, *, batch_size: int = 256) -> Dataset:
     """A headrace pipeline over a Ray Data ``Dataset``'s rows (dicts of NumPy values),
     read ``batch_size`` rows at a time from Ray's streaming executor. The columns' types
     come from its first row; resuming replays it and skips what was delivered."""
-    from headrace.structure import TensorSpec
+    from headrace._structure import TensorSpec
 
     sample = ray_dataset.take_batch(1, batch_format="numpy")
     if not isinstance(sample, dict) or not sample:

@@ -6,7 +6,7 @@ but warns (:class:`DeprecationWarning`), and will be removed.
 
 import warnings
 
-from headrace.persist.saved import (
+from headrace._persist.saved import (
     MANIFEST_NAME,
     PROGRESS_NAME,
     DecodeRecord,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.dataset import Dataset
+from headrace._dataset import Dataset
 
 __all__ = ["assert_checkpoint_roundtrip", "assert_elements_equal", "take_elements"]
 

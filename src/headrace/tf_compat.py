@@ -22,7 +22,7 @@ What differs, and why:
   ``SerializeToString(deterministic=True)`` (map keys sorted). TensorFlow's default
   orders map entries by hash; both parse to the same Example.
 * ``tf.io.parse_single_example`` mapped and then batched is fused into one columnar
-  parse per batch (see :mod:`headrace.transforms.parse_fusion`); VarLen features then
+  parse per batch (see :mod:`headrace._transforms.parse_fusion`); VarLen features then
   come out as :class:`~headrace.io.example.RaggedColumn` (``.to_sparse()`` gives
   ``tf.SparseTensor``'s three arrays, ``tf.sparse.to_dense`` pads).
 * A name TensorFlow has and this module does not raises :class:`NotSupportedError`
@@ -40,12 +40,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from headrace import dataset as _dataset
-from headrace import errors as _errors
+from headrace import _dataset, _errors
 from headrace import image as _image
+from headrace._csv import datasets as _csv
+from headrace._options import AUTOTUNE as _AUTOTUNE
+from headrace._options import Options as _Options
+from headrace._structure import TensorSpec
+from headrace._structure import map_structure as _map_structure
+from headrace._structure import returned as _returned
+from headrace._transforms.parse_fusion import mentions_parse
 from headrace.core import node as _node
 from headrace.core.run import DatasetIterator as _DatasetIterator
-from headrace.csv import datasets as _csv
 from headrace.io import _example_wire as wire
 from headrace.io._ragged import RaggedColumn as _RaggedColumn
 from headrace.io._sparse import SparseColumn as _SparseColumn
@@ -54,12 +59,6 @@ from headrace.io.example import specs as _specs
 from headrace.io.example.encoding import encode_feature_value as _encode_feature_value
 from headrace.io.raw import decode_raw as _decode_raw
 from headrace.io.tfrecord.writer import TFRecordWriter as _AtomicWriter
-from headrace.options import AUTOTUNE as _AUTOTUNE
-from headrace.options import Options as _Options
-from headrace.structure import TensorSpec
-from headrace.structure import map_structure as _map_structure
-from headrace.structure import returned as _returned
-from headrace.transforms.parse_fusion import mentions_parse
 
 __all__ = [
     "EagerArray",

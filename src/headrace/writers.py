@@ -6,7 +6,7 @@ but warns (:class:`DeprecationWarning`), and will be removed.
 
 import warnings
 
-from headrace.persist.writers import ProgressBar, ProgressSetting, save_tfrecords, shard_paths
+from headrace._persist.writers import ProgressBar, ProgressSetting, save_tfrecords, shard_paths
 
 warnings.warn(
     "headrace.writers is deprecated and will be removed; use Dataset.save_tfrecords(...) instead",

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import headrace.io.filepool as filepool_module
 import headrace.io.streams as streams_module
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
 from headrace.io.filepool import FilePool, PooledStream, default_max_open_files
 
 SRC_DIR = Path(filepool_module.__file__).resolve().parents[2]
@@ -481,7 +481,7 @@ EXHAUSTED_DESCRIPTORS_CHILD = """
     import json, os, resource, sys
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (32, hard))
-    from headrace.errors import FileLimitError
+    from headrace._errors import FileLimitError
     from headrace.io.filepool import FilePool
 
     def hog_all_descriptors():

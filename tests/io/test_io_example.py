@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from io_format_strategies import examples, headrace_spec, specs
 
-from headrace.errors import HeadraceError, InvalidArgumentError, ParseError
+from headrace._errors import HeadraceError, InvalidArgumentError, ParseError
 from headrace.io import example as hx
 
 pytestmark = pytest.mark.usefixtures("implementation")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from io_format_strategies import batches_and_specs, examples, headrace_spec
 from tf_specs import tf_spec
 
-from headrace.errors import HeadraceError
+from headrace._errors import HeadraceError
 from headrace.io import example as hx
 
 pytestmark = pytest.mark.tf

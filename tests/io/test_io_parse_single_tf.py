@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from io_format_strategies import VALUE_STRATEGY, conforming_example, headrace_spec, specs
 from tf_specs import TF_DTYPE, tf_spec
 
-from headrace.errors import HeadraceError, InvalidArgumentError, ParseError
+from headrace._errors import HeadraceError, InvalidArgumentError, ParseError
 from headrace.io import example as hx
 from headrace.io.raw import decode_raw
 

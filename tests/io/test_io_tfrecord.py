@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from headrace.errors import DataLossError, HeadraceError, InvalidArgumentError, RecordTooLargeError
+from headrace._errors import DataLossError, HeadraceError, InvalidArgumentError, RecordTooLargeError
 from headrace.io._crc32c import _crc32c_table, crc32c, mask_crc, masked_crc32c, unmask_crc
 from headrace.io.tfrecord import (
     TFRecordReader,

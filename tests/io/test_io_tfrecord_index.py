@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from headrace.errors import DataLossError
+from headrace._errors import DataLossError
 from headrace.io.tfrecord import write_tfrecord
 from headrace.io.tfrecord_index import (
     StaleIndexError,

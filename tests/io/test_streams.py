@@ -12,7 +12,7 @@ from descriptors import open_descriptors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headrace.errors import DataLossError, InvalidArgumentError
+from headrace._errors import DataLossError, InvalidArgumentError
 from headrace.io.streams import (
     ZLIB_STATE_NBYTES,
     SuspendableStream,

@@ -19,12 +19,12 @@ from collections.abc import Iterator as PyIterator
 from typing import TYPE_CHECKING, Any
 
 from headrace._closing import ClosesOnExit
+from headrace._errors import CheckpointError, IteratorClosedError
 from headrace._stateful import StateDict
-from headrace.errors import CheckpointError, IteratorClosedError
 
 if TYPE_CHECKING:
+    from headrace._dataset import Dataset
     from headrace.core.run import DatasetIterator
-    from headrace.dataset import Dataset
 
 __all__ = ["ConvertedElements"]
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from headrace._errors import InvalidArgumentError
+from headrace._options import Options
 from headrace._rewrite import (
     aligned_roots,
     alike,
@@ -39,13 +41,11 @@ from headrace._rewrite import (
     with_inputs,
     with_roots,
 )
+from headrace._transforms.shard import ShardNode
 from headrace.core.node import Node, ShardRole
-from headrace.errors import InvalidArgumentError
-from headrace.options import Options
-from headrace.transforms.shard import ShardNode
 
 if TYPE_CHECKING:
-    from headrace.dataset import Dataset
+    from headrace._dataset import Dataset
 
 __all__ = ["WorkerSharding", "resolve_sharding", "shard_for_worker", "source_blocker"]
 

@@ -35,17 +35,17 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from headrace._distribute import AutoShardPolicy, auto_shard
+from headrace._errors import CheckpointError, InvalidArgumentError
+from headrace._memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
 from headrace._stateful import StateDict
+from headrace._structure import flatten, map_structure
 from headrace.core.handoff import unpin
 from headrace.core.node import AccountStage
-from headrace.distribute import AutoShardPolicy, auto_shard
-from headrace.errors import CheckpointError, InvalidArgumentError
-from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
-from headrace.structure import flatten, map_structure
 
 if TYPE_CHECKING:
+    from headrace._dataset import Dataset
     from headrace.core.run import DatasetIterator
-    from headrace.dataset import Dataset
 
 __all__ = ["DeviceIterator", "to_jax"]
 

@@ -48,17 +48,17 @@ from typing import TYPE_CHECKING, Any
 import keras
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
+from headrace._errors import CheckpointError
+from headrace._memory.system import process_memory
+from headrace._memory.units import parse_bytes
 from headrace._warn import warn_user
 from headrace.adapters._elements import ConvertedElements
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.core.run import set_next_iteration
-from headrace.errors import CheckpointError
-from headrace.memory.system import process_memory
-from headrace.memory.units import parse_bytes
 from headrace.profiling.trend import fit_trend as trend_of
 
 if TYPE_CHECKING:
-    from headrace.dataset import Dataset
+    from headrace._dataset import Dataset
 
 __all__ = [
     "IteratorCheckpoint",
@@ -253,8 +253,8 @@ def _torch_epochs(adapter: KerasAdapter) -> Any:
     """An ``IterableDataset`` whose epochs are the adapter's recorded iterators."""
     import torch
 
+    from headrace._structure import map_structure
     from headrace.adapters.torch import as_tensor
-    from headrace.structure import map_structure
 
     class TorchEpochs(torch.utils.data.IterableDataset):  # type: ignore[type-arg,misc]
         def __iter__(self) -> ConvertedElements:
@@ -391,7 +391,7 @@ class IteratorCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
     Works where Keras takes the batches from the adapter's iterator (the JAX,
     torch and NumPy backends, and the TensorFlow one with one replica and
     ``steps_per_execution=1``); where Keras needs a ``tf.data.Dataset`` it raises
-    :class:`~headrace.errors.CheckpointError` naming why.
+    :class:`~headrace._errors.CheckpointError` naming why.
     """
 
     def __init__(

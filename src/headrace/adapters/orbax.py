@@ -32,7 +32,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from headrace.errors import CheckpointError
+from headrace._errors import CheckpointError
 
 __all__ = ["HeadraceCheckpointHandler", "HeadraceCheckpointRestore", "HeadraceCheckpointSave"]
 

@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
+from headrace._memory.units import parse_bytes
+from headrace._options import Options
 from headrace.io.tfrecord_index import index_path_for
-from headrace.memory.units import parse_bytes
-from headrace.options import Options
 
 if TYPE_CHECKING:
-    from headrace.dataset import Dataset
+    from headrace._dataset import Dataset
 
 __all__ = ["WORKER_BASELINE", "PreprocessReport", "preprocess_on_ray", "shard_path", "task_memory"]
 
@@ -106,7 +106,7 @@ def _write_shard(
     batched: bool,
 ) -> int:
     """One task: build the shard's pipeline under ``budget``, write it, publish it whole."""
-    from headrace.persist.writers import save_tfrecords
+    from headrace._persist.writers import save_tfrecords
 
     _remove_staging(final)  # an earlier attempt's, killed mid-shard
     dataset = make_shard(index, num_shards).with_options(Options(memory_budget=budget))

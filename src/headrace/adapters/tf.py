@@ -51,15 +51,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from headrace._errors import EmptyInputError, InvalidArgumentError
+from headrace._memory.allocator import owns_pooled
+from headrace._structure import TensorSpec, flatten, map_structure, shape_allows, structure_paths
 from headrace.adapters._elements import ConvertedElements
 from headrace.core.handoff import unpin
 from headrace.core.node import INFINITE, UNKNOWN
-from headrace.errors import EmptyInputError, InvalidArgumentError
-from headrace.memory.allocator import owns_pooled
-from headrace.structure import TensorSpec, flatten, map_structure, shape_allows, structure_paths
 
 if TYPE_CHECKING:
-    from headrace.dataset import Dataset
+    from headrace._dataset import Dataset
 
 __all__ = ["tf_signature", "to_tf"]
 

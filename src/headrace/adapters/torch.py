@@ -37,16 +37,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from headrace._errors import InvalidArgumentError
+from headrace._options import AUTOTUNE
+from headrace._structure import map_structure
 from headrace._warn import warn_user
 from headrace.adapters._elements import ConvertedElements
 from headrace.adapters._sharding import WorkerSharding, resolve_sharding, shard_for_worker
 from headrace.core.node import INFINITE, UNKNOWN, Node
-from headrace.errors import InvalidArgumentError
-from headrace.options import AUTOTUNE
-from headrace.structure import map_structure
 
 if TYPE_CHECKING:
-    from headrace.dataset import Dataset
+    from headrace._dataset import Dataset
 
 __all__ = ["TorchIterableDataset", "as_tensor", "to_torch"]
 

@@ -22,7 +22,7 @@ slow or failing test backends:
   go on after it, as with headrace's other threads.
 - **The budget holds the ring** (G1): each slot is booked on the stage's
   share before it is allocated; a ring that cannot fit raises
-  :class:`~headrace.errors.MemoryBudgetError` naming the stage.
+  :class:`~headrace._errors.MemoryBudgetError` naming the stage.
 - **Checkpoints are unaffected** (G4): the state is the pipeline's position
   after the last batch *handed over*, not after the ones gathered ahead.
 - **Closing** (G6) stops and joins the threads and returns the bookings; an
@@ -57,6 +57,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from headrace._errors import InvalidArgumentError
+from headrace._options import AUTOTUNE
+from headrace._structure import flatten, pack_as
 from headrace.core import (
     NO_RESERVATION,
     Buffer,
@@ -70,9 +73,6 @@ from headrace.core.handoff import unpin
 from headrace.core.indexing import IndexStream, RandomAccess, Reach, Refusal, take_all
 from headrace.core.node import ShardRole, Traits
 from headrace.core.state import settle_out_of_order
-from headrace.errors import InvalidArgumentError
-from headrace.options import AUTOTUNE
-from headrace.structure import flatten, pack_as
 
 __all__ = [
     "CpuBackend",
@@ -359,9 +359,9 @@ def _gather(leaf: np.ndarray, selector: Any) -> Callable[[np.ndarray], None]:
 def _index_source(node: Any, ctx: Context) -> _IndexSource | None:
     """The fast route, when ``node`` batches a random-access source of numeric arrays
     (a ``prefetch`` after the batch is dropped: the ring already works ahead)."""
-    from headrace.sources.arrays import SlicesAccess
-    from headrace.transforms.batch import BatchNode
-    from headrace.transforms.prefetch import PrefetchNode
+    from headrace._sources.arrays import SlicesAccess
+    from headrace._transforms.batch import BatchNode
+    from headrace._transforms.prefetch import PrefetchNode
 
     while type(node) is PrefetchNode:
         node = node.inputs[0]

@@ -22,6 +22,7 @@ Nothing here imports a transformation, a source or the ``Dataset`` facade:
 the layers above depend on this one, never the reverse.
 """
 
+from headrace._memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.handoff import Handoff, restore_input
 from headrace.core.indexing import IndexPlan, IndexStream, Indices, RandomAccess, Refusal
@@ -29,7 +30,6 @@ from headrace.core.iterator import Context, Iterator, RunFacts
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, UnaryNode
 from headrace.core.run import STATE_VERSION, DatasetIterator, default_budget
 from headrace.core.state import StateReader
-from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
 
 __all__ = [
     "INFINITE",

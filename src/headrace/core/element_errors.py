@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from headrace.core.iterator import Iterator
-from headrace.errors import (
+from headrace._errors import (
     CheckpointError,
     IteratorClosedError,
     MemoryBudgetError,
     WorkerPoolError,
     add_note,
 )
+from headrace.core.iterator import Iterator
 
 __all__ = ["STREAM_ERRORS", "RepeatCheck"]
 

@@ -41,10 +41,10 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
+from headrace._errors import WorkerPoolError, add_note
+from headrace._memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
 from headrace.core.iterator import Iterator
 from headrace.core.state import INNER, SKIP, past_end
-from headrace.errors import WorkerPoolError, add_note
-from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
 
 __all__ = [
     "TRACEBACK_NOTE", "Handoff", "book_error", "drop_frames", "holds_a_place", "restore_input",
@@ -137,7 +137,7 @@ def holds_a_place(error: BaseException) -> bool:
     """Whether an error an input raised stands in an element's place (the input moved
     past that element: a stage above counts it as one position, and a state taken
     after it resumes after it), or is the input's own failure, which moved it
-    nowhere: :class:`~headrace.errors.WorkerPoolError`, raised at every ``next()``
+    nowhere: :class:`~headrace._errors.WorkerPoolError`, raised at every ``next()``
     until the iterator is closed. A stage that counted that as a position would
     skip a real element on resume (a prefetch over a broken process map).
     """

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from headrace._errors import Origin
+from headrace._memory.buffer import NO_RESERVATION, Reservation
 from headrace.core.iterator import BatchToken, Iterator
 from headrace.core.stack import stack_elements
 from headrace.core.state import EPOCH, INNER, INT64_MAX, POSITION, StateReader
-from headrace.errors import Origin
-from headrace.memory.buffer import NO_RESERVATION, Reservation
 
 if TYPE_CHECKING:
     from headrace.core.iterator import Context

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from headrace._errors import Origin
+from headrace._memory.budget import MemoryBudget
+from headrace._memory.buffer import NO_RESERVATION, Buffer, Reservation
+from headrace._memory.sizeof import admit, owner_of, sizeof
+from headrace._memory.units import format_bytes
+from headrace._options import Options
 from headrace.core.state import INPUTS, StateReader
-from headrace.errors import Origin
 from headrace.io.mapped import is_file_backed
-from headrace.memory.budget import MemoryBudget
-from headrace.memory.buffer import NO_RESERVATION, Buffer, Reservation
-from headrace.memory.sizeof import admit, owner_of, sizeof
-from headrace.memory.units import format_bytes
-from headrace.options import Options
 
 if TYPE_CHECKING:
     from headrace.core.node import Node
@@ -214,14 +214,14 @@ class Context:
         return account
 
     def sizeof(self, element: Any) -> int:
-        """What ``element`` costs the budget (see :mod:`headrace.memory.sizeof`)."""
+        """What ``element`` costs the budget (see :mod:`headrace._memory.sizeof`)."""
         return sizeof(element, self.preexisting)
 
     def admit(self, element: Any) -> tuple[Any, int]:
         """The element a buffering stage should keep, and its cost.
 
         Views pinning a much larger owner are copied out first, so a buffer of
-        rows holds (and costs) the rows (see :func:`headrace.memory.sizeof.admit`).
+        rows holds (and costs) the rows (see :func:`headrace._memory.sizeof.admit`).
         """
         return admit(element, self.preexisting)
 

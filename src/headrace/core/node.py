@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
+from headrace._errors import EmptyInputError, InvalidArgumentError
+from headrace._options import Options
+from headrace._structure import TensorSpec, flatten
 from headrace.core.indexing import (
     GatherIterator,
     IndexPlan,
@@ -38,13 +41,10 @@ from headrace.core.indexing import (
     SequentialIndices,
 )
 from headrace.core.run import DatasetIterator
-from headrace.errors import EmptyInputError, InvalidArgumentError
-from headrace.options import Options
-from headrace.structure import TensorSpec, flatten
 
 if TYPE_CHECKING:
+    from headrace._memory.buffer import Buffer
     from headrace.core.iterator import Context, Iterator
-    from headrace.memory.buffer import Buffer
 
 __all__ = [
     "CAPABILITIES",
@@ -173,7 +173,7 @@ def first_element(source: Node, stage: str, hint: str = "") -> Any:
     """The first element of ``source``, read to learn a spec (a probe: no iteration counted).
 
     Raises :class:`SpecNeedsData` where sampling is off, and an
-    :class:`~headrace.errors.EmptyInputError` naming ``stage`` (plus ``hint``, how to
+    :class:`~headrace._errors.EmptyInputError` naming ``stage`` (plus ``hint``, how to
     avoid the read) if the input is empty — never a bare ``StopIteration``.
     """
     with probe_elements(source, stage) as iterator:
@@ -296,7 +296,7 @@ class Node:
     # -- what the pipeline produces ---------------------------------------------------
     @property
     def element_spec(self) -> Any:
-        """Nested :class:`~headrace.structure.TensorSpec` of each element."""
+        """Nested :class:`~headrace._structure.TensorSpec` of each element."""
         raise NotImplementedError
 
     def cardinality(self) -> int:
@@ -406,7 +406,7 @@ class Node:
         """Element ``i`` of this stage's output as ``global_shuffle`` addresses it, or a
         :class:`~headrace.core.indexing.Refusal` saying why there is none.
 
-        Wider than :meth:`random_access` (see :mod:`headrace.transforms._element_access`):
+        Wider than :meth:`random_access` (see :mod:`headrace._transforms._element_access`):
         stages that choose elements by position map indices onto their input's, which
         ``reach`` gives. The default refuses, the safe answer.
         """

@@ -22,6 +22,13 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from headrace._closing import ClosesOnExit
+from headrace._errors import CheckpointError, IteratorClosedError
+from headrace._memory.allocator import tune_allocator
+from headrace._memory.budget import MemoryBudget
+from headrace._memory.buffer import NO_RESERVATION
+from headrace._memory.sizeof import register_sizer
+from headrace._memory.system import available_memory, live_runs
+from headrace._options import Options
 from headrace._stateful import StateDict
 from headrace.core.iterator import Context, Iterator
 from headrace.core.state import (
@@ -33,14 +40,7 @@ from headrace.core.state import (
     stale_out_of_order,
 )
 from headrace.core.stats import RunStats
-from headrace.errors import CheckpointError, IteratorClosedError
 from headrace.io.filepool import FileLimiter
-from headrace.memory.allocator import tune_allocator
-from headrace.memory.budget import MemoryBudget
-from headrace.memory.buffer import NO_RESERVATION
-from headrace.memory.sizeof import register_sizer
-from headrace.memory.system import available_memory, live_runs
-from headrace.options import Options
 
 if TYPE_CHECKING:
     from headrace.core.node import Node

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import ElementSpecError
+from headrace._errors import ElementSpecError
+from headrace._structure import flatten, pack_as, structure_paths
 from headrace.io.columns import object_array
-from headrace.structure import flatten, pack_as, structure_paths
 
 __all__ = ["stack_elements"]
 

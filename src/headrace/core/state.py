@@ -6,7 +6,7 @@ another version of a pipeline, or from a bug; restoring it blindly can hang
 ``take`` counter that never reaches zero) or fail far from the cause (a bare
 ``StopIteration`` when a counter points past the end of the input). So every
 ``set_state`` reads its state through :class:`StateReader`, which raises
-:class:`~headrace.errors.CheckpointError` naming the stage and the field, and
+:class:`~headrace._errors.CheckpointError` naming the stage and the field, and
 replays through :func:`replay`, which turns "the input ended first" into the
 same error.
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import xxhash
 
-from headrace.errors import CheckpointError
+from headrace._errors import CheckpointError
 
 __all__ = [
     "CHECKSUM",

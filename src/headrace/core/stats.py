@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from headrace.memory.budget import AccountStats, KeptStats, MemoryBudget
-from headrace.memory.system import ProcessMemory, live_runs, open_file_count, process_memory
-from headrace.memory.units import format_bytes
+from headrace._memory.budget import AccountStats, KeptStats, MemoryBudget
+from headrace._memory.system import ProcessMemory, live_runs, open_file_count, process_memory
+from headrace._memory.units import format_bytes
 
 if TYPE_CHECKING:  # (workers are above core: a stage hands its WorkerStats in)
-    from headrace.workers.memory import WorkerStats
+    from headrace._workers.memory import WorkerStats
 
 __all__ = ["RunStats"]
 

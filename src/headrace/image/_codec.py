@@ -29,9 +29,9 @@ from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
-from headrace.errors import InvalidArgumentError, MemoryBudgetError
+from headrace._errors import InvalidArgumentError, MemoryBudgetError
+from headrace._memory.units import format_bytes
 from headrace.image._native import jpeg_module
-from headrace.memory.units import format_bytes
 
 __all__ = [
     "MAX_PIXELS",
@@ -88,14 +88,14 @@ class ImageHeader:
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 
 
-def _bytes_of(contents: Any, op: str) -> bytes | memoryview:
+def bytes_of(contents: Any, op: str) -> bytes | memoryview:
     if isinstance(contents, bytes):
         return contents
     if isinstance(contents, bytearray | memoryview):
         return memoryview(contents)
     if isinstance(contents, np.ndarray):
         if contents.dtype == object and contents.shape == ():
-            return _bytes_of(contents.item(), op)
+            return bytes_of(contents.item(), op)
         if contents.dtype.kind == "S" and contents.shape == ():
             return bytes(contents.item())
         if contents.dtype == np.uint8 and contents.ndim == 1:
@@ -110,7 +110,7 @@ def _bytes_of(contents: Any, op: str) -> bytes | memoryview:
 
 def is_jpeg(contents: Any) -> bool:
     """``tf.io.is_jpeg``: the bytes start with a JPEG's SOI marker."""
-    data = _bytes_of(contents, "is_jpeg")
+    data = bytes_of(contents, "is_jpeg")
     return bytes(data[:3]) == b"\xff\xd8\xff"
 
 
@@ -226,7 +226,7 @@ def read_header(contents: Any, op: str = "read_header") -> ImageHeader:
     Raises :class:`InvalidImageError` for bytes that are no JPEG, PNG, GIF or BMP,
     or whose header is truncated or corrupt.
     """
-    data = _bytes_of(contents, op)
+    data = bytes_of(contents, op)
     head = bytes(data[:8])
     if head[:3] == b"\xff\xd8\xff":
         return _jpeg_header(data, op)
@@ -241,7 +241,7 @@ def read_header(contents: Any, op: str = "read_header") -> ImageHeader:
     )
 
 
-def _output_channels(header: ImageHeader, channels: int) -> int:
+def output_channels(header: ImageHeader, channels: int) -> int:
     if channels:
         return channels
     if header.format == "jpeg":
@@ -249,7 +249,7 @@ def _output_channels(header: ImageHeader, channels: int) -> int:
     return header.channels
 
 
-def _check_pixels(header: ImageHeader, max_pixels: int | None, op: str,
+def check_pixels(header: ImageHeader, max_pixels: int | None, op: str,
                   frames: int = 1) -> None:
     """Refuse an image whose ``frames`` decoded frames pass ``max_pixels`` together, from
     its header: nothing is allocated yet."""
@@ -321,7 +321,7 @@ def decoded_nbytes(
     height, width = -(-header.height // ratio), -(-header.width // ratio)
     frames = header.frames if header.format == "gif" else 1
     itemsize = int(np.dtype(getattr(dtype, "as_numpy_dtype", dtype)).itemsize)
-    return frames * height * width * _output_channels(header, channels) * itemsize
+    return frames * height * width * output_channels(header, channels) * itemsize
 
 
 def extract_jpeg_shape(contents: Any, output_type: Any = np.int32) -> Array:
@@ -377,7 +377,7 @@ def _pillow(op: str) -> Any:
     return Image
 
 
-def _native_crop_resize(
+def native_crop_resize(
     data: bytes | memoryview,
     header: ImageHeader,
     box: tuple[float, float, float, float],
@@ -423,12 +423,12 @@ def _native_window(data: bytes | memoryview, header: ImageHeader,
     1/ratio), decoding only the window: the resample of a whole-pixel box at scale 1
     without antialias is the crop itself (one tap of weight 1 per pixel, exact)."""
     y, x, height, width = window
-    return _native_crop_resize(data, header, (y, x, y + height, x + width),
+    return native_crop_resize(data, header, (y, x, y + height, x + width),
                                np.empty((height, width, channels), np.uint8), ratio, False,
                                strict, op)
 
 
-def _jpeg_pixels(
+def jpeg_pixels(
     data: bytes | memoryview,
     header: ImageHeader,
     channels: int,
@@ -438,7 +438,7 @@ def _jpeg_pixels(
     dct_method: str,
     op: str,
 ) -> Array:
-    out_channels = _output_channels(header, channels)
+    out_channels = output_channels(header, channels)
     height, width = -(-header.height // ratio), -(-header.width // ratio)
     if ratio > 1 and fancy_upscaling and dct_method != "INTEGER_ACCURATE":
         # libjpeg's scale 1/ratio, as TensorFlow: simplejpeg picks the smallest scale
@@ -553,16 +553,16 @@ def decode_jpeg(
     _check_channels(channels, (0, 1, 3), op)
     if ratio not in (1, 2, 4, 8):
         raise InvalidArgumentError(f"{op}: ratio must be 1, 2, 4 or 8, got {ratio!r}")
-    data = _bytes_of(contents, op)
+    data = bytes_of(contents, op)
     header = read_header(data, op)
-    _check_pixels(header, max_pixels, op)
+    check_pixels(header, max_pixels, op)
     if header.format != "jpeg":
         if header.format == "gif":
             _check_gif(header, channels, True, op)
         image = decode_image(contents, channels or None, expand_animations=False,
                              max_pixels=max_pixels)
         return image
-    return _jpeg_pixels(
+    return jpeg_pixels(
         data, header, channels, ratio, fancy_upscaling, not try_recover_truncated,
         dct_method, op,
     )
@@ -599,9 +599,9 @@ def decode_and_crop_jpeg(
     window = [int(v) for v in np.asarray(crop_window).reshape(-1)]
     if len(window) != 4:
         raise InvalidArgumentError(f"{op}: crop_window must be [y, x, height, width], got {window}")
-    data = _bytes_of(contents, op)
+    data = bytes_of(contents, op)
     header = read_header(data, op)
-    _check_pixels(header, max_pixels, op)
+    check_pixels(header, max_pixels, op)
     y, x, height, width = window
     full_h, full_w = -(-header.height // ratio), -(-header.width // ratio)
     if y < 0 or x < 0 or height <= 0 or width <= 0 or y + height > full_h or x + width > full_w:
@@ -611,11 +611,11 @@ def decode_and_crop_jpeg(
     if (header.format == "jpeg" and fancy_upscaling and dct_method in ("", "INTEGER_FAST")
             and not try_recover_truncated):
         window_pixels = _native_window(data, header, (y, x, height, width),
-                                       _output_channels(header, channels), ratio, True, op)
+                                       output_channels(header, channels), ratio, True, op)
         if window_pixels is not None:
             return window_pixels
     if header.format == "jpeg":  # (its errors then name this op, not decode_jpeg)
-        image = _jpeg_pixels(data, header, channels, ratio, fancy_upscaling,
+        image = jpeg_pixels(data, header, channels, ratio, fancy_upscaling,
                              not try_recover_truncated, dct_method, op)
     else:
         image = decode_jpeg(data, channels, ratio, fancy_upscaling, try_recover_truncated,
@@ -902,9 +902,9 @@ def decode_png(
     target = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
     if target not in (np.dtype(np.uint8), np.dtype(np.uint16)):
         raise InvalidArgumentError(f"{op}: dtype must be uint8 or uint16, got {target}")
-    data = _bytes_of(contents, op)
+    data = bytes_of(contents, op)
     header = read_header(data, op)
-    _check_pixels(header, max_pixels, op)
+    check_pixels(header, max_pixels, op)
     if header.format == "png":
         png = _png_file(data, op)
         _check_png_data(png, op)
@@ -918,7 +918,7 @@ def decode_png(
         pixels = decode_bmp(data, channels, max_pixels=max_pixels)
     else:
         _check_gif(header, channels, True, op)
-        pixels = _to_array(_pillow_decode(data, header, op), _output_channels(header, channels))
+        pixels = _to_array(_pillow_decode(data, header, op), output_channels(header, channels))
     if target == np.uint16:  # TensorFlow's 8 -> 16 bits for these formats: v * 256
         return pixels.astype(np.uint16) << 8
     return pixels
@@ -937,15 +937,15 @@ def decode_gif(contents: Any, name: str | None = None, *,
 
 def _decode_gif(contents: Any, max_pixels: int | None, op: str, *, first_only: bool) -> Array:
     """The frames of a GIF (only the first with ``first_only``), checked first."""
-    data = _bytes_of(contents, op)
+    data = bytes_of(contents, op)
     header = read_header(data, op)
     if header.format != "gif":
         raise InvalidImageError(f"{op}: not a GIF ({header.format.upper()})")
-    _check_pixels(header, max_pixels, op, 1 if first_only else header.frames)
+    check_pixels(header, max_pixels, op, 1 if first_only else header.frames)
     image = _pillow_decode(data, header, op)
     count = 1 if first_only else getattr(image, "n_frames", 1)
     if count > header.frames:  # the decoder found more frames than the blocks said
-        _check_pixels(header, max_pixels, op, count)
+        check_pixels(header, max_pixels, op, count)
     frames = []
     try:
         for index in range(count):
@@ -971,9 +971,9 @@ def decode_bmp(contents: Any, channels: int = 0, name: str | None = None, *,
     file has none); 1 is refused, as TensorFlow refuses it."""
     op = "decode_bmp"
     _check_channels(channels, (0, 3, 4), op)
-    data = _bytes_of(contents, op)
+    data = bytes_of(contents, op)
     header = read_header(data, op)
-    _check_pixels(header, max_pixels, op)
+    check_pixels(header, max_pixels, op)
     if header.format != "bmp":
         raise InvalidImageError(f"{op}: not a BMP ({header.format.upper()})")
     offset, width, height = struct.unpack_from("<iii", data, 10)[0], *struct.unpack_from(
@@ -1049,11 +1049,3 @@ def decode_image(
         pixels = decode_bmp(contents, wanted, max_pixels=max_pixels)
     converted: Array = convert_image_dtype(pixels, dtype)
     return converted
-
-
-# The names sibling modules use (internal to headrace, not part of its API).
-bytes_of = _bytes_of
-check_pixels = _check_pixels
-jpeg_pixels = _jpeg_pixels
-native_crop_resize = _native_crop_resize
-output_channels = _output_channels

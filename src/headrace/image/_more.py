@@ -15,12 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import InvalidArgumentError
-from headrace.image._ops import convert_image_dtype, crop_to_bounding_box, resize
-from headrace.image._ops import image_array as _image
-from headrace.image._random import random_factor
-from headrace.image._random import seed_generator as _generator
-from headrace.image._random import stateless_seed as _stateless
+from headrace._errors import InvalidArgumentError
+from headrace.image._ops import convert_image_dtype, crop_to_bounding_box, image_array, resize
+from headrace.image._random import random_factor, seed_generator, stateless_seed
 
 __all__ = [
     "adjust_gamma",
@@ -58,7 +55,7 @@ def pad_to_bounding_box(image: Any, offset_height: int, offset_width: int,
     """``tf.image.pad_to_bounding_box``: ``image`` placed at the offset on zeros of
     ``target_height`` x ``target_width``, which must hold it."""
     op = "pad_to_bounding_box"
-    array = _image(image, op)
+    array = image_array(image, op)
     height, width = array.shape[-3], array.shape[-2]
     if offset_height < 0 or offset_width < 0:
         raise InvalidArgumentError(
@@ -79,7 +76,7 @@ def resize_with_crop_or_pad(image: Any, target_height: int, target_width: int) -
     than the target and zero-padded around where it is smaller (TensorFlow's offsets:
     the extra row or column goes to the bottom/right)."""
     op = "resize_with_crop_or_pad"
-    array = _image(image, op)
+    array = image_array(image, op)
     if target_height <= 0 or target_width <= 0:
         raise InvalidArgumentError(
             f"{op}: target size must be > 0, got {target_height}x{target_width}")
@@ -98,7 +95,7 @@ def resize_with_pad(image: Any, target_height: int, target_width: int,
     (TensorFlow's float32 arithmetic for the size and the offsets), then zero-padded
     to it; float32 as ``resize`` gives."""
     op = "resize_with_pad"
-    array = _image(image, op)
+    array = image_array(image, op)
     if target_height <= 0 or target_width <= 0:
         raise InvalidArgumentError(
             f"{op}: target size must be > 0, got {target_height}x{target_width}")
@@ -116,13 +113,13 @@ def resize_with_pad(image: Any, target_height: int, target_width: int,
 
 def rot90(image: Any, k: int = 1) -> Array:
     """``tf.image.rot90``: rotated counter-clockwise by ``k`` quarter turns (a view)."""
-    array = _image(image, "rot90")
+    array = image_array(image, "rot90")
     return np.rot90(array, int(k) % 4, axes=(-3, -2))
 
 
 def transpose(image: Any) -> Array:
     """``tf.image.transpose``: height and width swapped (a view)."""
-    return np.swapaxes(_image(image, "transpose"), -3, -2)
+    return np.swapaxes(image_array(image, "transpose"), -3, -2)
 
 
 # --------------------------------------------------------------------------- colour spaces
@@ -341,7 +338,7 @@ def total_variation(images: Any) -> Array:
     """``tf.image.total_variation``: the sum of absolute differences of neighbouring
     pixels, per image, in the image's dtype (as TensorFlow: signed integers wrap, and
     unsigned ones are refused)."""
-    array = _image(images, "total_variation")
+    array = image_array(images, "total_variation")
     if array.dtype.kind not in "if":  # TensorFlow has no abs of unsigned integers
         raise InvalidArgumentError(
             f"total_variation: expects float or signed integer images, got {array.dtype} "
@@ -369,7 +366,7 @@ def random_hue(image: Any, max_delta: float, seed: Any = None) -> Array:
     ``[-max_delta, max_delta)``, ``max_delta`` in [0, 0.5]."""
     if not 0 <= max_delta <= 0.5:
         raise InvalidArgumentError(f"random_hue: max_delta must be in [0, 0.5], got {max_delta}")
-    delta = _generator(seed, "hue").uniform(-max_delta, max_delta)
+    delta = seed_generator(seed, "hue").uniform(-max_delta, max_delta)
     return adjust_hue(image, delta)
 
 
@@ -381,9 +378,9 @@ def random_saturation(image: Any, lower: float, upper: float, seed: Any = None) 
 
 def stateless_random_hue(image: Any, max_delta: float, seed: Any) -> Array:
     """``tf.image.stateless_random_hue``: :func:`random_hue` for the seed pair."""
-    return random_hue(image, max_delta, _stateless(seed, "hue"))
+    return random_hue(image, max_delta, stateless_seed(seed, "hue"))
 
 
 def stateless_random_saturation(image: Any, lower: float, upper: float, seed: Any) -> Array:
     """``tf.image.stateless_random_saturation``: :func:`random_saturation` for the pair."""
-    return random_saturation(image, lower, upper, _stateless(seed, "saturation"))
+    return random_saturation(image, lower, upper, stateless_seed(seed, "saturation"))

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
 
 __all__ = [
     "ResizeMethod",
@@ -49,7 +49,7 @@ def _dtype(dtype: Any) -> np.dtype[Any]:
     return found
 
 
-def _image(image: Any, op: str, ranks: tuple[int, ...] = (3, 4)) -> Array:
+def image_array(image: Any, op: str, ranks: tuple[int, ...] = (3, 4)) -> Array:
     array = np.asarray(image)
     if array.ndim not in ranks:
         raise InvalidArgumentError(
@@ -235,7 +235,7 @@ def resize(
     ``size`` (TensorFlow's rounding).
     """
     op = "resize"
-    array = _image(images, op)
+    array = image_array(images, op)
     if method not in ("bilinear", "area", "nearest"):
         raise InvalidArgumentError(
             f"{op}: method must be 'bilinear', 'area' or 'nearest', got {method!r}"
@@ -270,7 +270,7 @@ def crop_to_bounding_box(image: Any, offset_height: int, offset_width: int,
                          target_height: int, target_width: int) -> Array:
     """``tf.image.crop_to_bounding_box``: the box, which must lie inside the image."""
     op = "crop_to_bounding_box"
-    array = _image(image, op)
+    array = image_array(image, op)
     height, width = array.shape[-3], array.shape[-2]
     if offset_height < 0 or offset_width < 0 or target_height <= 0 or target_width <= 0 or \
             offset_height + target_height > height or offset_width + target_width > width:
@@ -286,7 +286,7 @@ def central_crop(image: Any, central_fraction: float) -> Array:
     """``tf.image.central_crop``: the centre ``central_fraction`` of each side, with
     TensorFlow's rounding (offset ``int((size - size * fraction) / 2)``)."""
     op = "central_crop"
-    array = _image(image, op)
+    array = image_array(image, op)
     if not 0.0 < central_fraction <= 1.0:
         raise InvalidArgumentError(f"{op}: central_fraction must be in (0, 1], got {central_fraction}")
     if central_fraction == 1.0:
@@ -299,12 +299,12 @@ def central_crop(image: Any, central_fraction: float) -> Array:
 
 def flip_left_right(image: Any) -> Array:
     """``tf.image.flip_left_right`` (a view)."""
-    return _image(image, "flip_left_right")[..., ::-1, :]
+    return image_array(image, "flip_left_right")[..., ::-1, :]
 
 
 def flip_up_down(image: Any) -> Array:
     """``tf.image.flip_up_down`` (a view)."""
-    return _image(image, "flip_up_down")[..., ::-1, :, :]
+    return image_array(image, "flip_up_down")[..., ::-1, :, :]
 
 
 # --------------------------------------------------------------------------- colour
@@ -327,7 +327,7 @@ def adjust_brightness(image: Any, delta: float) -> Array:
 def adjust_contrast(images: Any, contrast_factor: float) -> Array:
     """``tf.image.adjust_contrast``: ``(x - mean) * factor + mean``, each channel's mean
     over the image's pixels."""
-    array = _image(images, "adjust_contrast")
+    array = image_array(images, "adjust_contrast")
     flt = _as_float(array)
     mean = flt.mean(axis=(-3, -2), keepdims=True, dtype=np.float32).astype(flt.dtype)
     adjusted: Array = (flt - mean) * flt.dtype.type(contrast_factor) + mean
@@ -337,7 +337,7 @@ def adjust_contrast(images: Any, contrast_factor: float) -> Array:
 def per_image_standardization(image: Any) -> Array:
     """``tf.image.per_image_standardization``: ``(x - mean) / max(std, 1/sqrt(n))``
     over each image's pixels and channels, float32."""
-    array = _image(image, "per_image_standardization").astype(np.float32)
+    array = image_array(image, "per_image_standardization").astype(np.float32)
     pixels = np.float32(np.prod(array.shape[-3:]))
     mean = array.mean(axis=(-3, -2, -1), keepdims=True, dtype=np.float32)
     std = array.std(axis=(-3, -2, -1), keepdims=True, dtype=np.float32)
@@ -357,7 +357,3 @@ def normalize(image: Any, mean: Any, std: Any, dtype: Any = np.float32) -> Array
         raise InvalidArgumentError(f"normalize: std must not contain 0, got {std!r}")
     normalized: Array = ((array - mean_a) / std_a).astype(kind)
     return normalized
-
-
-# The names sibling modules use (internal to headrace, not part of its API).
-image_array = _image

@@ -32,22 +32,21 @@ from typing import Any
 
 import numpy as np
 
+from headrace._errors import InvalidArgumentError, add_note, mark_batch_row
 from headrace.core.position import element_position
-from headrace.errors import InvalidArgumentError, add_note, mark_batch_row
 from headrace.image._codec import (
     MAX_PIXELS,
     InvalidImageError,
+    bytes_of,
+    check_pixels,
     decode_image,
+    jpeg_pixels,
+    native_crop_resize,
+    output_channels,
     read_header,
 )
-from headrace.image._codec import bytes_of as _bytes_of
-from headrace.image._codec import check_pixels as _check_pixels
-from headrace.image._codec import jpeg_pixels as _jpeg_pixels
-from headrace.image._codec import native_crop_resize as _native_crop_resize
-from headrace.image._codec import output_channels as _output_channels
 from headrace.image._native import jpeg_module
-from headrace.image._ops import adjust_brightness, adjust_contrast, resize
-from headrace.image._ops import image_array as _image
+from headrace.image._ops import adjust_brightness, adjust_contrast, image_array, resize
 
 __all__ = [
     "InceptionCrop",
@@ -79,13 +78,13 @@ _STATEFUL: dict[int, np.random.Generator] = {}
 _MASK64 = (1 << 64) - 1
 
 
-def _generator(seed: Any, op: str) -> np.random.Generator:
+def seed_generator(seed: Any, op: str) -> np.random.Generator:
     if seed is None:
         return np.random.default_rng()
     if isinstance(seed, int | np.integer) and not isinstance(seed, bool):
         position = element_position()
         if position is not None:  # in a pipeline: the element's own draw (G3)
-            return _generator((int(seed), _position_word(position)), op)
+            return seed_generator((int(seed), _position_word(position)), op)
         key = int(seed) * 16 + _SALT[op]
         if key not in _STATEFUL:
             _STATEFUL[key] = np.random.default_rng([int(seed), _SALT[op]])
@@ -116,7 +115,7 @@ def _position_word(position: tuple[int, ...]) -> int:
     return word
 
 
-def _stateless(seed: Any, op: str) -> Any:
+def stateless_seed(seed: Any, op: str) -> Any:
     if seed is None or isinstance(seed, int | np.integer):
         raise InvalidArgumentError(f"stateless_random_{op}: seed must be a pair of ints, got {seed!r}")
     return seed
@@ -128,8 +127,8 @@ def _stateless(seed: Any, op: str) -> Any:
 def random_flip_left_right(image: Any, seed: Any = None) -> Array:
     """``tf.image.random_flip_left_right``: each image mirrored with probability 1/2
     (each image of a batch decides alone)."""
-    array = _image(image, "random_flip_left_right")
-    rng = _generator(seed, "flip_left_right")
+    array = image_array(image, "random_flip_left_right")
+    rng = seed_generator(seed, "flip_left_right")
     if array.ndim == 3:
         return array[:, ::-1] if rng.random() < 0.5 else array
     flips = rng.random(array.shape[0]) < 0.5
@@ -138,8 +137,8 @@ def random_flip_left_right(image: Any, seed: Any = None) -> Array:
 
 def random_flip_up_down(image: Any, seed: Any = None) -> Array:
     """``tf.image.random_flip_up_down``: each image upside down with probability 1/2."""
-    array = _image(image, "random_flip_up_down")
-    rng = _generator(seed, "flip_up_down")
+    array = image_array(image, "random_flip_up_down")
+    rng = seed_generator(seed, "flip_up_down")
     if array.ndim == 3:
         return array[::-1] if rng.random() < 0.5 else array
     flips = rng.random(array.shape[0]) < 0.5
@@ -154,7 +153,7 @@ def random_crop(value: Any, size: Any, seed: Any = None, name: str | None = None
         raise InvalidArgumentError(
             f"random_crop: need value.shape >= size, got shape {array.shape} and size {shape}"
         )
-    rng = _generator(seed, "crop")
+    rng = seed_generator(seed, "crop")
     offsets = [int(rng.integers(0, d - s + 1)) for s, d in zip(shape, array.shape, strict=True)]
     return array[tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))]
 
@@ -164,7 +163,7 @@ def random_brightness(image: Any, max_delta: float, seed: Any = None) -> Array:
     ``[-max_delta, max_delta)``."""
     if max_delta < 0:
         raise InvalidArgumentError(f"random_brightness: max_delta must be >= 0, got {max_delta}")
-    delta = _generator(seed, "brightness").uniform(-max_delta, max_delta)
+    delta = seed_generator(seed, "brightness").uniform(-max_delta, max_delta)
     return adjust_brightness(image, delta)
 
 
@@ -181,7 +180,7 @@ def random_factor(op: str, lower: float, upper: float, seed: Any) -> float:
         raise InvalidArgumentError(f"{op}: upper must be > lower, got {lower}, {upper}")
     if lower < 0:
         raise InvalidArgumentError(f"{op}: lower must be non-negative, got {lower}")
-    return float(_generator(seed, op.removeprefix("random_")).uniform(lower, upper))
+    return float(seed_generator(seed, op.removeprefix("random_")).uniform(lower, upper))
 
 
 # --------------------------------------------------------------------------- bounding boxes
@@ -268,7 +267,7 @@ def sample_distorted_bounding_box(
             f"{op}: need 0 < aspect_ratio_range[0] <= [1] and 0 < area_range[0] <= [1] <= 1"
         )
     pixels_boxes = boxes * np.array([height, width, height, width], np.float32)
-    rng = _generator(seed, "bounding_box")
+    rng = seed_generator(seed, "bounding_box")
     min_area, max_area = low_area * height * width, high_area * height * width
     box = (0, 0, height, width)
     for _ in range(max_attempts):
@@ -298,7 +297,7 @@ def random_resized_crop_box(
             f"random_resized_crop: need 0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1], "
             f"got scale={scale}, ratio={ratio}"
         )
-    rng = _generator(seed, "resized_crop")
+    rng = seed_generator(seed, "resized_crop")
     area = height * width
     log_low, log_high = math.log(low_ratio), math.log(high_ratio)
     for _ in range(10):
@@ -387,7 +386,7 @@ def _resized_crop_of_encoded(
     op = "random_resized_crop"
     out_h, out_w = size
     header = read_header(data, op)
-    _check_pixels(header, max_pixels, op)
+    check_pixels(header, max_pixels, op)
     y, x, h, w = random_resized_crop_box(header.height, header.width, scale, ratio, seed)
     if header.format != "jpeg":
         pixels = decode_image(data, channels, expand_animations=False, max_pixels=max_pixels)
@@ -399,18 +398,18 @@ def _resized_crop_of_encoded(
             factor *= 2
     box = (y / factor, x / factor, (y + h) / factor, (x + w) / factor)
     if method == "bilinear":
-        flip = flip_seed is not None and _generator(flip_seed, "flip_left_right").random() < 0.5
+        flip = flip_seed is not None and seed_generator(flip_seed, "flip_left_right").random() < 0.5
         fused = flip_seed is not None
         window = box if antialias else _integer_box(box, -(-header.height // factor),
                                                     -(-header.width // factor))
         target = out if out is not None else np.empty(
-            (out_h, out_w, _output_channels(header, channels)), np.float32)
-        image = _native_crop_resize(data, header, window, target, factor, antialias, True,
+            (out_h, out_w, output_channels(header, channels)), np.float32)
+        image = native_crop_resize(data, header, window, target, factor, antialias, True,
                                     "random_resized_crop", flip, mul if fused else 1.0,
                                     add if fused else 0.0)
         if image is not None:
             return image, fused
-    pixels = _jpeg_pixels(data, header, channels, factor, True, True, "", op)
+    pixels = jpeg_pixels(data, header, channels, factor, True, True, "", op)
     return _crop_and_resize(pixels, box, out_h, out_w, method, antialias), False
 
 
@@ -452,10 +451,10 @@ def random_resized_crop(
     op = "random_resized_crop"
     out_h, out_w = (int(v) for v in np.asarray(size).reshape(-1))
     if not isinstance(image, np.ndarray) or image.ndim < 2:  # encoded bytes
-        return _resized_crop_of_encoded(_bytes_of(image, op), (out_h, out_w), scale, ratio,
+        return _resized_crop_of_encoded(bytes_of(image, op), (out_h, out_w), scale, ratio,
                                         seed, method, antialias, channels, reduced_decode,
                                         max_pixels)[0]
-    array = _image(image, op, (3,))
+    array = image_array(image, op, (3,))
     if array.shape[0] == 0 or array.shape[1] == 0:
         raise InvalidImageError(f"{op}: empty image {array.shape}")
     y, x, h, w = random_resized_crop_box(array.shape[0], array.shape[1], scale, ratio, seed)
@@ -539,7 +538,7 @@ class InceptionCrop:
         if not isinstance(encoded, np.ndarray) or encoded.ndim < 2:
             # one C pass where it applies: window decode, resize, flip, normalise
             image, fused = _resized_crop_of_encoded(
-                _bytes_of(encoded, "InceptionCrop"), self.out_size, self.scale, self.ratio, seed,
+                bytes_of(encoded, "InceptionCrop"), self.out_size, self.scale, self.ratio, seed,
                 "bilinear", self.antialias, 3, True, self.max_pixels,
                 flip_seed=seed if self.flip else None,
                 mul=self._mul, add=self._add, out=out,
@@ -572,27 +571,27 @@ class InceptionCrop:
 
 def stateless_random_flip_left_right(image: Any, seed: Any) -> Array:
     """``tf.image.stateless_random_flip_left_right``."""
-    return random_flip_left_right(image, _stateless(seed, "flip_left_right"))
+    return random_flip_left_right(image, stateless_seed(seed, "flip_left_right"))
 
 
 def stateless_random_flip_up_down(image: Any, seed: Any) -> Array:
     """``tf.image.stateless_random_flip_up_down``."""
-    return random_flip_up_down(image, _stateless(seed, "flip_up_down"))
+    return random_flip_up_down(image, stateless_seed(seed, "flip_up_down"))
 
 
 def stateless_random_crop(value: Any, size: Any, seed: Any, name: str | None = None) -> Array:
     """``tf.image.stateless_random_crop``."""
-    return random_crop(value, size, _stateless(seed, "crop"))
+    return random_crop(value, size, stateless_seed(seed, "crop"))
 
 
 def stateless_random_brightness(image: Any, max_delta: float, seed: Any) -> Array:
     """``tf.image.stateless_random_brightness``."""
-    return random_brightness(image, max_delta, _stateless(seed, "brightness"))
+    return random_brightness(image, max_delta, stateless_seed(seed, "brightness"))
 
 
 def stateless_random_contrast(image: Any, lower: float, upper: float, seed: Any) -> Array:
     """``tf.image.stateless_random_contrast``."""
-    return random_contrast(image, lower, upper, _stateless(seed, "contrast"))
+    return random_contrast(image, lower, upper, stateless_seed(seed, "contrast"))
 
 
 def stateless_sample_distorted_bounding_box(
@@ -600,10 +599,5 @@ def stateless_sample_distorted_bounding_box(
 ) -> tuple[Array, Array, Array]:
     """``tf.image.stateless_sample_distorted_bounding_box``."""
     return sample_distorted_bounding_box(
-        image_size, bounding_boxes, _stateless(seed, "sample_distorted_bounding_box"), **kwargs
+        image_size, bounding_boxes, stateless_seed(seed, "sample_distorted_bounding_box"), **kwargs
     )
-
-
-# The names sibling modules use (internal to headrace, not part of its API).
-seed_generator = _generator
-stateless_seed = _stateless

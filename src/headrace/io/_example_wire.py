@@ -71,7 +71,7 @@ _INT64_SIGN = 1 << 63
 
 class ParseFailure(ValueError):
     """Internal, structured parse failure; :mod:`headrace.io.example` turns it into a
-    :class:`~headrace.errors.ParseError` with a readable message.
+    :class:`~headrace._errors.ParseError` with a readable message.
 
     ``args`` = ``(code, record_index, key_index, position, found_kind)``; the C extension
     raises its own class with the same ``args``.

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
 
 __all__ = ["SparseColumn"]
 

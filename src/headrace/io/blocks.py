@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Iterable
 from typing import Any
 
-from headrace.errors import DataLossError, InvalidArgumentError
+from headrace._errors import DataLossError, InvalidArgumentError
 
 __all__ = ["BLOCK_CODECS", "BlockCodec", "block_codec"]
 

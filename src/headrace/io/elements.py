@@ -41,8 +41,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from headrace.errors import DataLossError, ElementSpecError
-from headrace.structure import TensorSpec
+from headrace._errors import DataLossError, ElementSpecError
+from headrace._structure import TensorSpec
 
 __all__ = [
     "ELEMENTS_FORMAT",
@@ -297,7 +297,7 @@ def decode_element(
     ``start``/``stop`` decode a record inside a larger buffer (a framed record as read
     from its file) without copying it out: arrays are views into ``payload``.
     ``path`` and ``offset`` (of the record holding it) only serve the error a
-    malformed payload raises: :class:`~headrace.errors.DataLossError` naming them.
+    malformed payload raises: :class:`~headrace._errors.DataLossError` naming them.
     """
     try:
         stop = len(payload) if stop is None else stop

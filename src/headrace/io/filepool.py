@@ -54,7 +54,7 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 from headrace._closing import ClosesOnExit
-from headrace.errors import FileLimitError, InvalidArgumentError
+from headrace._errors import FileLimitError, InvalidArgumentError
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, SuspendableStream, make_stream
 
 _T = TypeVar("_T")
@@ -91,7 +91,7 @@ _FILE_ERRNOS = frozenset({errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.EACCE
 def file_at_fault(error: OSError) -> bool:
     """Whether an open failed because of the file (missing, a directory, not readable):
     a reader then skips it, the error raised in its place, and goes on with the next
-    file. Not the descriptor cap (:class:`~headrace.errors.FileLimitError`): the
+    file. Not the descriptor cap (:class:`~headrace._errors.FileLimitError`): the
     file is not at fault, and skipping it would lose it."""
     return not isinstance(error, FileLimitError) and error.errno in _FILE_ERRNOS
 
@@ -276,7 +276,7 @@ class FilePool:
         they hold their slots until :meth:`HeldSlots.release`; idle readers are suspended
         to make room, and a busy one is waited for. A cap that would leave no slot for
         the reader feeding ``stage`` (``count + 1`` with the slots already held) is
-        refused at once with :class:`~headrace.errors.InvalidArgumentError` naming the
+        refused at once with :class:`~headrace._errors.InvalidArgumentError` naming the
         stage and the cap, instead of a pipeline that waits for a slot forever.
         """
         _check_max_open_files(count)
@@ -361,7 +361,7 @@ class FilePool:
         """Open ``path`` for reading its decompressed bytes through this pool.
 
         The file is opened at once, so a missing file or a process out of descriptors
-        fails here (``FileNotFoundError``, :class:`~headrace.errors.FileLimitError`)
+        fails here (``FileNotFoundError``, :class:`~headrace._errors.FileLimitError`)
         rather than at the first read. Blocks while every slot is busy in a read.
         ``successor`` and ``on_last_range``: an object read ahead across a list of
         objects (see :meth:`SuspendableStream.attach_successor`).

@@ -14,7 +14,7 @@ import errno
 import os
 import stat
 
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
 
 __all__ = ["describe_file_type", "require_regular_file"]
 
@@ -40,7 +40,7 @@ def require_regular_file(
     """``path``'s ``stat`` (symbolic links followed) if it is a regular file.
 
     Raises :class:`FileNotFoundError` (naming the path, with no traceback chained
-    from ``stat``) when it does not exist, and :class:`~headrace.errors.InvalidArgumentError` naming ``what`` (the
+    from ``stat``) when it does not exist, and :class:`~headrace._errors.InvalidArgumentError` naming ``what`` (the
     command or function), the path and its type otherwise; ``why`` (", ...") says why a
     regular file is needed. Other ``stat`` failures (permissions) propagate as they are.
     """

@@ -56,7 +56,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from headrace.errors import DataLossError, InvalidArgumentError
+from headrace._errors import DataLossError, InvalidArgumentError
 
 __all__ = [
     "MIN_REMOTE_BUFFER_SIZE",

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
 
 __all__ = ["decode_raw"]
 
@@ -71,7 +71,7 @@ def decode_raw(
     ``S`` gives ``S + (n,)``); every string must have the same length, a multiple of the
     dtype's size, unless ``fixed_length`` is given: then each is cut or zero-padded to
     that many bytes. ``little_endian`` says how the bytes are ordered. Errors are
-    :class:`~headrace.errors.InvalidArgumentError` with TensorFlow's wording. ``name`` is
+    :class:`~headrace._errors.InvalidArgumentError` with TensorFlow's wording. ``name`` is
     ignored.
     """
     dtype = _out_dtype(out_type)

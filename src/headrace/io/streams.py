@@ -32,7 +32,7 @@ import zlib
 from typing import Any
 
 from headrace._closing import ClosesOnExit
-from headrace.errors import DataLossError, InvalidArgumentError
+from headrace._errors import DataLossError, InvalidArgumentError
 
 __all__ = [
     "DEFAULT_BUFFER_SIZE",

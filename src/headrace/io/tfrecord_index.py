@@ -31,7 +31,7 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
-from headrace.errors import DataLossError, RecordTooLargeError
+from headrace._errors import DataLossError, RecordTooLargeError
 from headrace.io import objstore
 from headrace.io._crc32c import masked_crc32c
 from headrace.io.filepool import FileLimiter, get_default_pool

@@ -56,17 +56,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from headrace.errors import InvalidArgumentError
-from headrace.memory.allocator import release_free_heap
-from headrace.memory.units import format_bytes
+from headrace._errors import InvalidArgumentError
+from headrace._memory.allocator import release_free_heap
+from headrace._memory.units import format_bytes
 from headrace.profiling.lint import Finding
 from headrace.profiling.probe import recipe_nodes
 from headrace.profiling.process import snapshot
 from headrace.profiling.trend import Trend, fit_trend
 
 if TYPE_CHECKING:
+    from headrace._dataset import Dataset
     from headrace.core.node import Node
-    from headrace.dataset import Dataset
 
 __all__ = ["Diagnosis", "EpochMeasure", "Trend", "allocated_bytes", "diagnose", "fit_trend"]
 
@@ -330,7 +330,7 @@ def _holders(nodes: list[Node]) -> list[tuple[str, str, Any]]:
 
 def _retained(holders: list[tuple[str, str, Any]]) -> list[int]:
     """Bytes each holder keeps, as the budget would cost them."""
-    from headrace.memory.sizeof import sizeof
+    from headrace._memory.sizeof import sizeof
 
     sizes = []
     with warnings.catch_warnings():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from headrace.memory.units import format_bytes
+from headrace._memory.units import format_bytes
 from headrace.profiling.report import (
     LEFT,
     STYLE,

@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from headrace._memory.units import format_bytes
+from headrace._options import AUTOTUNE
+from headrace._structure import TensorSpec, flatten
 from headrace.core.node import Node, Traits, known_spec
-from headrace.memory.units import format_bytes
-from headrace.options import AUTOTUNE
 from headrace.profiling.probe import payload_bytes, recipe_nodes
-from headrace.structure import TensorSpec, flatten
 
 if TYPE_CHECKING:
-    from headrace.dataset import Dataset
+    from headrace._dataset import Dataset
     from headrace.profiling.profiler import StageProfile
 
 __all__ = ["Finding", "lint_recipe", "python_share"]
@@ -88,9 +88,9 @@ def _spec_bytes(spec: Any) -> int | None:
 
 def _sample_bytes(node: Node, count: int, options: Any) -> float | None:
     """Mean cost of the first ``count`` elements of ``node`` (a probe: no iteration counted)."""
+    from headrace._memory.sizeof import admit
+    from headrace._options import Options
     from headrace.core.run import DatasetIterator
-    from headrace.memory.sizeof import admit
-    from headrace.options import Options
 
     sizes = []
     opts = (options or Options()).merge(Options(warn_on_shrink=False))
@@ -111,7 +111,7 @@ def python_share(fn: Callable[..., Any], element: Any, *, repeats: int = 3) -> t
     them at ~45 ns each against the call's untraced time. A function that
     spends its time in NumPy or I/O (which release the GIL) scores near 0.
     """
-    from headrace.transforms.map import apply_fn
+    from headrace._transforms.map import apply_fn
 
     best = float("inf")
     for _ in range(repeats):
@@ -153,8 +153,8 @@ class _Recipe:
 
     def _shares(self) -> dict[int, int]:
         """Each buffering stage's share, from an iterator built (and closed) for it."""
+        from headrace._options import Options
         from headrace.core.run import DatasetIterator
-        from headrace.options import Options
 
         if self.measured:
             return {key: stage.share for key, stage in self.measured.items() if stage.share}
@@ -346,7 +346,7 @@ def _decoder_below(recipe: _Recipe, node: Node) -> tuple[Node | None, float | No
 
 def _cache_finding(recipe: _Recipe, node: Any) -> Finding | None:
     """An in-memory cache of more than its share spills to disk: say so before the run."""
-    from headrace.persist.memory_store import in_memory_room
+    from headrace._persist.memory_store import in_memory_room
 
     size = recipe.size(node.inputs[0])
     count = recipe.count(node.inputs[0])

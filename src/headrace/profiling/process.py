@@ -19,9 +19,9 @@ import os
 import threading
 from dataclasses import dataclass
 
+from headrace._memory.system import process_memory
+from headrace._workers.memory import WorkerMemory, worker_memory
 from headrace.io.filepool import get_default_pool, read_small_file
-from headrace.memory.system import process_memory
-from headrace.workers.memory import WorkerMemory, worker_memory
 
 __all__ = [
     "Descriptors",
@@ -205,7 +205,7 @@ def shared_memory_segments(
     reports when it outlives its pipeline) or one mapped by the owner or by one
     of ``pids`` (its workers), read from their ``/proc/PID/maps``.
     """
-    from headrace.workers.shm import SHM_DIR
+    from headrace._workers.shm import SHM_DIR
 
     owner = os.getpid() if owner is None else owner
     prefix = f"headrace-{owner}-"

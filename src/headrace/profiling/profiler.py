@@ -21,17 +21,17 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
+from headrace._errors import InvalidArgumentError
+from headrace._memory.budget import KeptStats
+from headrace._memory.units import format_bytes
+from headrace._workers.memory import WorkerStats
 from headrace.core.node import INFINITE
-from headrace.errors import InvalidArgumentError
-from headrace.memory.budget import KeptStats
-from headrace.memory.units import format_bytes
 from headrace.profiling.probe import Instrumenter, StageRecord
 from headrace.profiling.process import ProcessSnapshot
 from headrace.profiling.timeline import Decision, Sample, Sampler, summarize_decisions
-from headrace.workers.memory import WorkerStats
 
 if TYPE_CHECKING:
-    from headrace.dataset import Dataset
+    from headrace._dataset import Dataset
     from headrace.profiling.lint import Finding
 
 __all__ = ["Profile", "StageProfile", "profile"]

@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from headrace.memory.units import format_bytes
+from headrace._memory.units import format_bytes
 
 if TYPE_CHECKING:
     from headrace.profiling.profiler import Profile

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from headrace.memory.allocator import release_free_heap
-from headrace.memory.system import available_memory
-from headrace.memory.units import format_bytes, parse_bytes
+from headrace._memory.allocator import release_free_heap
+from headrace._memory.system import available_memory
+from headrace._memory.units import format_bytes, parse_bytes
 from headrace.profiling.doctor import Diagnosis, EpochMeasure, fit_trend
 from headrace.profiling.lint import LARGE_ELEMENT, Finding
 from headrace.profiling.process import snapshot

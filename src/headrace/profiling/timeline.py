@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 from headrace.profiling.process import ProcessSnapshot, snapshot
 
 if TYPE_CHECKING:
+    from headrace._memory.buffer import Buffer
     from headrace.core.iterator import Iterator
     from headrace.core.run import DatasetIterator
-    from headrace.memory.buffer import Buffer
     from headrace.profiling.probe import Instrumenter
 
 __all__ = ["KNOBS", "SUMMARY_AFTER", "Decision", "Monitor", "Sample", "Sampler", "summarize_decisions"]

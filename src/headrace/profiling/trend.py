@@ -20,7 +20,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from headrace.memory.units import format_bytes
+from headrace._memory.units import format_bytes
 
 __all__ = ["Trend", "fit_trend", "t_critical"]
 

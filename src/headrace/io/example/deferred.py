@@ -5,7 +5,7 @@ per feature instead of values. A caller that applies a function to a DeferredRec
 learns, without data, whether the function only parses its record and picks features
 from the result - and then which parse it performs and how the result is arranged. That
 is what lets ``map(parse one record).batch(n)`` run as one columnar parse per batch
-(``headrace.transforms.parse_fusion``), as tf.data traces a map function once and fuses
+(``headrace._transforms.parse_fusion``), as tf.data traces a map function once and fuses
 map and batch.
 
 Anything else done with a stand-in (arithmetic, NumPy conversion, truth tests,

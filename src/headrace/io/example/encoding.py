@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
 from headrace.io import _example_wire as wire
 from headrace.io.columns import object_array
 from headrace.io.example.specs import DTYPE_OF_KIND, KIND_OF_NAME

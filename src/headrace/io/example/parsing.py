@@ -11,7 +11,7 @@ which would drop trailing NUL bytes (G5).
 
 Errors name the feature and the record's index in the batch (TensorFlow's batched fast
 path only says "Can't parse serialized Example"); all are
-:class:`~headrace.errors.ParseError`, spec mistakes :class:`~headrace.errors.InvalidArgumentError`.
+:class:`~headrace._errors.ParseError`, spec mistakes :class:`~headrace._errors.InvalidArgumentError`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from headrace.errors import InvalidArgumentError, ParseError, mark_batch_row
+from headrace._errors import InvalidArgumentError, ParseError, mark_batch_row
 from headrace.io import _example_wire as wire
 from headrace.io._native import native_module
 from headrace.io._ragged import RaggedColumn
@@ -723,7 +723,7 @@ def parse_single_example(
     exactly these, at indices 0..n-1); ``FixedLenSequenceFeature`` -> array
     ``(rows, *shape)``; ``RaggedFeature`` -> array, or :class:`RaggedColumn` with
     partitions; ``SparseFeature`` -> :class:`SparseColumn` of rank ``len(size)``. Errors
-    are :class:`~headrace.errors.ParseError` with TensorFlow's wording (``"Feature: a (data
+    are :class:`~headrace._errors.ParseError` with TensorFlow's wording (``"Feature: a (data
     type: float) is required but could not be found."``); ``example_names`` (one name)
     prefixes them as ``"Name: <name>, "``. ``name`` (a TensorFlow op name) is ignored.
 

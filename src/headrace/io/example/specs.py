@@ -16,7 +16,7 @@ from typing import Any, Union
 import numpy as np
 import numpy.typing as npt
 
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
 from headrace.io import _example_wire as wire
 
 __all__ = [

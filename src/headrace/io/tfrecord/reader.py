@@ -9,8 +9,8 @@ Why batched: per-record Python overhead is what makes record-at-a-time readers s
 256 KiB buffer (TensorFlow's default), in C when the extension is built.
 
 What can go wrong is never silent (design guarantee G5): a bad CRC or a truncated record
-raises :class:`~headrace.errors.DataLossError` naming the file and byte offset; a declared
-length above ``max_record_bytes`` raises :class:`~headrace.errors.RecordTooLargeError`
+raises :class:`~headrace._errors.DataLossError` naming the file and byte offset; a declared
+length above ``max_record_bytes`` raises :class:`~headrace._errors.RecordTooLargeError`
 before anything is allocated for it; ``skip_corrupt=True`` skips instead, and counts.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from headrace._closing import ClosesOnExit
-from headrace.errors import (
+from headrace._errors import (
     DataLossError,
     HeadraceError,
     InvalidArgumentError,

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import IO
 
-from headrace.errors import InvalidArgumentError
+from headrace._errors import InvalidArgumentError
 from headrace.io._crc32c import crc32c, mask_crc, masked_crc32c
 from headrace.io.streams import DEFAULT_BUFFER_SIZE, normalize_compression_type
 from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES, U32, encode_records, frame_record

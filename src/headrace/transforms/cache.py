@@ -1,6 +1,0 @@
-"""Moved to :mod:`headrace.persist.cache`; this name still imports it."""
-
-from headrace.persist.cache import PARTIAL_CACHE_ADVICE, CacheNode
-from headrace.persist.memory_store import in_memory_room
-
-__all__ = ["PARTIAL_CACHE_ADVICE", "CacheNode", "in_memory_room"]
