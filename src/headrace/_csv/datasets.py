@@ -301,7 +301,7 @@ class _ToFeatures:
         return features, label
 
 
-def make_csv_dataset(
+def make_csv_dataset(  # noqa: C901
     file_pattern: str | Sequence[str],
     batch_size: int,
     column_names: Sequence[str] | None = None,

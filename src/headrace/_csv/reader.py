@@ -405,7 +405,7 @@ def split_record(record: bytes, fmt: CsvFormat, select_cols: Sequence[int] = ())
     return _extract_fields(record, delim[0], quoting, list(select_cols))
 
 
-def _extract_fields(data: bytes, delim: int, quoting: bool, select: list[int]) -> list[bytes]:
+def _extract_fields(data: bytes, delim: int, quoting: bool, select: list[int]) -> list[bytes]:  # noqa: C901
     quote, newline, carriage = 0x22, 0x0A, 0x0D
     size = len(data)
     index = 0
@@ -623,7 +623,7 @@ def _field_error(style: str, output: int, record: int, kind: str, field: bytes, 
                     record=record if style != "decode_csv" else None)
 
 
-def _vector_column(values: Sequence[bytes], column: CsvColumn, na_value: bytes) -> Any:
+def _vector_column(values: Sequence[bytes], column: CsvColumn, na_value: bytes) -> Any:  # noqa: C901
     """A column converted at once, or None where the field-by-field path must decide."""
     count = len(values)
     if column.kind == "string":
@@ -741,7 +741,7 @@ class BlockRecords:
 _UNCLOSED = "Reached end of file without closing quoted field in record"
 
 
-def scan_records(
+def scan_records(  # noqa: C901
     data: bytes, fmt: CsvFormat, *, start: int = 0, final: bool, max_records: int | None = None
 ) -> BlockRecords:
     """Split ``data[start:]`` into CsvDataset records; stop before an incomplete one.
@@ -853,7 +853,7 @@ def _scan_simple(
     return out
 
 
-def _scan_quoted(
+def _scan_quoted(  # noqa: C901
     data: bytes, start: int, delim: int, final: bool
 ) -> tuple[bytes, int, bool, str | None] | None:
     """A quoted field from ``start`` (its opening quote): (value, next cursor, record ended,
@@ -1021,7 +1021,7 @@ _ARROW_TYPES = {"int32": "int32", "int64": "int64", "float32": "float32",
                 "float64": "float64", "string": "binary"}
 
 
-def arrow_parse_block(
+def arrow_parse_block(  # noqa: C901
     block: bytes | bytearray,
     columns: Sequence[CsvColumn],
     fmt: CsvFormat,

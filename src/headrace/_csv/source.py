@@ -733,7 +733,7 @@ class _CsvBatches(Iterator):
         self._string_columns = [i for i, c in enumerate(columns) if c.dtype.hasobject]
         self._whole_what = f"one batch of {batch_size} CSV records"
 
-    def pull(self) -> tuple[Any, Reservation]:
+    def pull(self) -> tuple[Any, Reservation]:  # noqa: C901
         block = self.cursor.block
         if block is not None and self._pending is None:
             first = block.taken

@@ -142,7 +142,7 @@ def _offset(leaves: list[Leaf]) -> int:
     return sum(leaf.nbytes for leaf in leaves)
 
 
-def _compile(tree: Any, leaves: list[Leaf], top: bool = False) -> Callable[[Any], Any]:
+def _compile(tree: Any, leaves: list[Leaf], top: bool = False) -> Callable[[Any], Any]:  # noqa: C901
     """Append ``tree``'s leaves; return what nests their columns (given as an iterator,
     in the leaves' order)."""
     if isinstance(tree, str):

@@ -695,7 +695,7 @@ class RecordReader:
         self.next_pending = 0
 
     # -- batches, column by column -------------------------------------------------------
-    def read_batch(
+    def read_batch(  # noqa: C901
         self, count: int, out_account: Buffer, *, whole: bool = False
     ) -> tuple[Any, Reservation, int] | None:
         """The next ``count`` elements (fewer at the end) batched, decoded column by

@@ -284,7 +284,7 @@ class _Workers:
         for thread in self.threads:
             thread.start()
 
-    def _run(self, tasks: queue.Queue[Any]) -> None:
+    def _run(self, tasks: queue.Queue[Any]) -> None:  # noqa: C901
         #: this thread's shards with a file open, least recently written first
         open_shards: dict[int, None] = {}
         while True:
@@ -555,7 +555,7 @@ def _read_progress(path: str, identity: str) -> dict[str, Any] | None:
     return progress
 
 
-def _write_all(
+def _write_all(  # noqa: C901
     iterator: Any,
     writers: list[_ShardWriter],
     shard_func: Callable[..., Any] | None,

@@ -364,7 +364,7 @@ def _contiguous_sizes(total: int, num_shards: int) -> list[int]:
     return [base + (1 if shard < extra else 0) for shard in range(num_shards)]
 
 
-def _record_chunks(dataset: Iterable[Any], *, batched: bool) -> Generator[list[bytes], None, None]:
+def _record_chunks(dataset: Iterable[Any], *, batched: bool) -> Generator[list[bytes], None, None]:  # noqa: C901
     """Serialized Examples of the dataset, a chunk at a time, in order."""
     iterator = iter(dataset)
     try:

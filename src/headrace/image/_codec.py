@@ -428,7 +428,7 @@ def _native_window(data: bytes | memoryview, header: ImageHeader,
                                strict, op)
 
 
-def jpeg_pixels(
+def jpeg_pixels(  # noqa: C901
     data: bytes | memoryview,
     header: ImageHeader,
     channels: int,
@@ -666,7 +666,7 @@ _PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # samples per pixel, by colour ty
 _PNG_CRITICAL = (b"IHDR", b"PLTE", b"IDAT", b"IEND")
 
 
-def _png_file(data: bytes | memoryview, op: str) -> _PngFile:
+def _png_file(data: bytes | memoryview, op: str) -> _PngFile:  # noqa: C901
     """Walk a PNG's chunks (IHDR, PLTE, tRNS, the IDATs) up to IEND."""
     size = len(data)
     width, height, bits, colour = struct.unpack_from(">IIBB", data, 16)
@@ -794,7 +794,7 @@ def _png_samples(data: bytes | memoryview, header: ImageHeader, png: _PngFile,
 _LUMA = (9797, 19234, 32768 - 9797 - 19234)
 
 
-def _png_pixels(samples: Array, png: _PngFile, channels: int, wide: bool) -> Array:
+def _png_pixels(samples: Array, png: _PngFile, channels: int, wide: bool) -> Array:  # noqa: C901
     """TensorFlow's decode_png of stored samples: libpng's transforms as TensorFlow sets
     them up (tensorflow/core/lib/png/png_io.cc), in libpng's order.
 
@@ -959,7 +959,7 @@ def _decode_gif(contents: Any, max_pixels: int | None, op: str, *, first_only: b
 
 
 @_says_out_of_memory
-def decode_bmp(contents: Any, channels: int = 0, name: str | None = None, *,
+def decode_bmp(contents: Any, channels: int = 0, name: str | None = None, *,  # noqa: C901
                max_pixels: int | None = MAX_PIXELS) -> Array:
     """``tf.io.decode_bmp``: ``(height, width, channels)`` uint8, TensorFlow's pixels.
 
