@@ -6,7 +6,7 @@ As :mod:`bench_ab` (a fresh child per tree, alternating, best of ``rounds``), ov
 the output sizes a worker's packing and allowance see: outputs in the pickle
 (128 B), one segment per chunk (64 KiB), outputs of a MiB and of 16 MiB; and a
 process interleave (one output per chunk, the interleave's own chunking). The
-functions come from ``tests/process_fns.py`` (workers import them by name).
+functions come from ``tests/support/process_fns.py`` (workers import them by name).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ab import run
 
-TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support")
 
 _MAP = """
 import functools

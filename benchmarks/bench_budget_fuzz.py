@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_budget_fuzz.py [N=1000] [--start S] [--processes]
 
-Uses the generator and runner of ``tests/fuzz_pipelines.py`` (the CI test runs a
+Uses the generator and runner of ``tests/support/fuzz_pipelines.py`` (the CI test runs a
 small sweep of the same); every pipeline runs twice, to check its order. Writes ``benchmarks/results/budget_fuzz.md``: how many
 pipelines finished, raised MemoryBudgetError, or failed; how many breached a
 share, passed the budget by more than their counted overdraft, or grew past
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 from fuzz_pipelines import newer_spec, process_spec, random_spec  # noqa: E402
 
 BATCH = 25
@@ -31,7 +31,7 @@ BATCH = 25
 def run_batch(seeds: list[int], processes: bool = False, newer: bool = False) -> list[dict]:
     draw = newer_spec if newer else process_spec if processes else random_spec
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "fuzz_pipelines.py")],
+        [sys.executable, str(ROOT / "tests" / "support" / "fuzz_pipelines.py")],
         input=json.dumps([draw(seed) for seed in seeds]),
         capture_output=True, text=True, timeout=1800, check=False,
     )

@@ -49,10 +49,11 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
+
+from objstore_servers import make_bucket, moto_server, s3_env
 
 from _harness import charged, read_status
-from objstore_servers import make_bucket, moto_server, s3_env
 
 
 class _Peak:
@@ -77,8 +78,9 @@ class _Peak:
 def _other_clients(endpoint: str, urls: list[str]) -> dict[str, Callable[[], int]]:
     """Raw reads of the same objects in the same 8 MiB ranges by the other candidate
     clients, where installed (they are not headrace dependencies)."""
-    from headrace.io import objstore
     from objstore_servers import ACCESS_KEY, SECRET_KEY
+
+    from headrace.io import objstore
 
     block = objstore.REMOTE_BUFFER_SIZE
     keys = [url.removeprefix("s3://") for url in urls]

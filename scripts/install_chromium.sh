@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Headless Chromium for tests/test_report_render.py (opens the HTML report as a user would).
+# Headless Chromium for tests/profiling/test_report_render.py (opens the HTML report as a user would).
 # Debian/Ubuntu package `chromium-headless-shell` (BSD-licensed Chromium); idempotent.
 set -euo pipefail
 if command -v chromium-headless-shell >/dev/null 2>&1 || command -v chromium >/dev/null 2>&1; then

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 from headrace.io.filepool import PooledStream
+
+# The suite runs with --import-mode=importlib, which puts no test folder on sys.path. The
+# modules the tests share (fuzz_pipelines, process_fns, tf_compare, ...) live in
+# tests/support; worker processes started from a test import them by name from there.
+SUPPORT = Path(__file__).parent / "support"
+sys.path.insert(0, str(SUPPORT))
 
 # No per-example deadline anywhere: on a loaded 2-core machine running two test
 # processes, a preempted example takes longer than Hypothesis's 200 ms without

@@ -140,7 +140,7 @@ IDLE_SEGMENTS = 2
 #: Descriptors the consumer keeps open for each live worker, whatever the start method:
 #: the task pipe's write end, the result pipe's read end, and the two ends the
 #: ``Process`` object keeps (its sentinel, and the pipe that tells the worker its parent
-#: lives). ``tests/test_process_fds.py`` counts them in ``/proc/self/fd``.
+#: lives). ``tests/workers/test_process_fds.py`` counts them in ``/proc/self/fd``.
 DESCRIPTORS_PER_WORKER = 4
 #: More, for a moment: while a worker starts (workers start one at a time), the
 #: child's ends of its pipes until it has them and the forkserver connection (three);

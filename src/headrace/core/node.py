@@ -270,7 +270,7 @@ _N = TypeVar("_N", bound="Node")
 #: sharding may pass it (``shard_role``), how ``global_shuffle`` addresses its elements
 #: (``element_access``) and the facts others read (``traits``). The base class's
 #: answers are the safe ones; a stage that does not declare is refused by a test
-#: (tests/test_node_capabilities.py) rather than silently given them.
+#: (tests/project/test_node_capabilities.py) rather than silently given them.
 CAPABILITIES = ("cardinality", "shard_role", "element_access", "traits")
 
 

@@ -1,0 +1,56 @@
+"""``unique``, proven against TensorFlow itself: the same pipeline under tf.data and
+headrace, compared element for element (values, dtypes, shapes); parameters are
+the cases of TensorFlow's own kernel tests, carried over as data, not code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tf_compare import hr_list, tf_list
+
+import headrace as hr
+from headrace.testing import assert_checkpoint_roundtrip
+
+pytestmark = pytest.mark.tf
+
+
+# -- unique (unique_test.py) ---------------------------------------------------------------
+UNIQUE_CASES = [[], [1], [1, 1, 1, 1, 1, 1, 1], [1, 2, 3, 4], [1, 2, 4, 3, 2, 1, 2, 3, 4],
+                [[1], [1, 1], [1, 1, 1]], [[1, 1], [1, 1], [2, 2], [3, 3], [1, 1]]]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("case", UNIQUE_CASES)
+def test_unique_matches_tf(dtype: Any, case: list[Any]) -> None:
+    flat = np.array([v for row in case for v in (row if isinstance(row, list) else [row])],
+                    dtype=dtype)
+    tf_ds = tf.data.Dataset.from_tensor_slices(flat).unique()
+    hr_ds = hr.Dataset.from_tensor_slices(flat).unique()
+    assert hr_list(hr_ds) == tf_list(tf_ds)
+    assert_checkpoint_roundtrip(hr_ds)
+
+
+def test_unique_strings_and_bad_types() -> None:
+    words = ["hello", "world", "hello", "", "world", "!"]
+    tf_ds = tf.data.Dataset.from_tensor_slices(words).unique()
+    hr_ds = hr.Dataset.from_tensor_slices(words).unique()
+    assert hr_list(hr_ds) == tf_list(tf_ds)
+    with pytest.raises(TypeError):
+        tf.data.Dataset.range(3).map(lambda x: tf.cast(x, tf.float32)).unique()
+    with pytest.raises(hr.ElementSpecError, match="integer or string scalars"):
+        hr.Dataset.from_tensor_slices(np.arange(3.0)).unique()
+
+
+def test_unique_books_the_values_it_has_seen() -> None:
+    ds = hr.Dataset.range(20_000).unique().with_options(hr.Options(memory_budget="16MiB"))
+    with iter(ds) as iterator:
+        for _ in range(10_000):
+            next(iterator)
+        stage = next(s for s in iterator.stats().stages if s.name == "unique")
+        assert stage.held >= 10_000 * 27
+    tight = hr.Dataset.range(200_000).unique().with_options(hr.Options(memory_budget="1MiB"))
+    with pytest.raises(hr.MemoryBudgetError, match="unique"):
+        list(tight)
