@@ -1015,11 +1015,15 @@ def _renew(consumer_ref: weakref.ref[ServiceConsumer], wake: threading.Event,
             sent = time.monotonic()
             taken, consumer._unreported = consumer._unreported, {}
             reports = list(taken.items())  # one step under the GIL: the reader may add
+            # ref.future(), not ray.get: a ray.shutdown() between the check above and
+            # the wait would make ray.get start Ray again from this thread (auto-init)
             if reports:
-                ray.get(consumer.coordinator.progress.remote(
-                    consumer.token, [[e, s, q, a] for (e, s), (q, a) in reports]))
+                consumer.coordinator.progress.remote(
+                    consumer.token, [[e, s, q, a] for (e, s), (q, a) in reports]
+                ).future().result(timeout=max(interval, 10.0))
             elif any(r.worker >= 0 for r in consumer.reading):
-                ray.get(consumer.coordinator.renew.remote(consumer.token))
+                consumer.coordinator.renew.remote(consumer.token).future().result(
+                    timeout=max(interval, 10.0))
             else:
                 continue
             consumer._contact = max(consumer._contact, sent)

@@ -150,7 +150,7 @@ def test_error_keeps_its_type_and_traceback_and_names_stage_and_element(
         with pytest.raises(KeyError, match="boom at 5") as info:
             next(iterator)
         assert [int(x) for x in iterator] == [6, 7, 8, 9]
-    where = "headrace: raised in map(tests.test_errors.explode) on element 5"
+    where = "headrace: raised in map(tests.core.test_errors.explode) on element 5"
     shown = "".join(traceback.format_exception(info.value))
     assert 'in explode\n    raise KeyError("boom at 5")' in shown  # the user's own frame
     frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
@@ -200,7 +200,7 @@ def test_filter_and_interleave_and_generator_notes_name_their_stage() -> None:
 
     with pytest.raises(Bad) as info:
         list(hr.Dataset.range(6).filter(predicate))
-    assert re.fullmatch(r"headrace: raised in filter\(tests\.test_errors\..*\.predicate\) "
+    assert re.fullmatch(r"headrace: raised in filter\(tests\.core\.test_errors\..*\.predicate\) "
                         r"on element 4", notes(info.value)[0])
 
     def inner(x):

@@ -54,7 +54,7 @@ def test_warnings_are_shown_by_default_and_filterable_by_class() -> None:
     script = textwrap.dedent(
         """
         import sys, warnings
-        sys.path.insert(0, "tests")
+        sys.path.insert(0, "tests/core")
         from test_warnings import _shrinking_pipeline
         import headrace as hr
         if sys.argv[1] == "ignore":

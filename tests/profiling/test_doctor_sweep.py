@@ -309,7 +309,7 @@ def _inject(kind: str) -> tuple[Callable[[Any, Any, Any], Any], str]:
     """An op for ``fuzz.build`` that injects one leak, and the stage it must be blamed on."""
     if kind == "keeps":
         return (lambda ds, op, spec: ds.map(_keeps_its_elements),
-                "map(tests.test_doctor_sweep._keeps_its_elements)")
+                "map(tests.profiling.test_doctor_sweep._keeps_its_elements)")
     if kind == "memo":
         memo = _Memo()
 
@@ -317,7 +317,7 @@ def _inject(kind: str) -> tuple[Callable[[Any, Any, Any], Any], str]:
             return ds.map(memo)
 
         memoized.memo = memo  # type: ignore[attr-defined]
-        return memoized, "map(tests.test_doctor_sweep._Memo)"
+        return memoized, "map(tests.profiling.test_doctor_sweep._Memo)"
 
     def side(ds: Any, op: Any, spec: Any) -> Any:
         opener = hr.Dataset.from_generator(

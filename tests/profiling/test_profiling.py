@@ -238,7 +238,7 @@ def test_doctor_flags_a_leaking_map_and_names_it(seed: int) -> None:
     diagnosis = diagnose(_doctor_pipeline(rng, leak=True), epochs=7, lint=False)
     _LEAKED.clear()
     assert diagnosis.leak
-    assert diagnosis.leaking_stages[0] == "map(tests.test_profiling._leaky)" or (
+    assert diagnosis.leaking_stages[0] == "map(tests.profiling.test_profiling._leaky)" or (
         diagnosis.leaking_stages[0].endswith("_leaky)")
     )
     assert diagnosis.allocated.slope > 100 << 10

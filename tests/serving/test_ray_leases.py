@@ -9,19 +9,25 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from ray_cluster import two_node_cluster
 
 import headrace as hr
 from headrace.ray import DataService, ServiceConsumer, ServiceError
+
+# Ray's workers import this module to run its functions, and they run no conftest: the
+# shared modules' folder goes on their path here (ray_cluster, the test functions' helpers)
+sys.path.insert(0, str(Path(__file__).parents[1] / "support"))
+from ray_cluster import two_node_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -5,6 +5,7 @@ is killed mid-epoch; static sharding deterministic; a job resumed from consumer 
 from __future__ import annotations
 
 import pickle
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +15,14 @@ import numpy as np
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from ray_cluster import two_node_cluster
 
 import headrace as hr
 from headrace.ray import DataService, ServiceConsumer, from_ray, to_ray
+
+# Ray's workers import this module to run its functions, and they run no conftest: the
+# shared modules' folder goes on their path here (ray_cluster, the test functions' helpers)
+sys.path.insert(0, str(Path(__file__).parents[1] / "support"))
+from ray_cluster import two_node_cluster
 
 pytestmark = pytest.mark.slow
 

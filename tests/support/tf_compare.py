@@ -28,8 +28,8 @@ def py(value: Any) -> Any:
         return ("ragged", py(values), np.asarray(splits).tolist())
     if isinstance(value, tf.Tensor):
         value = value.numpy()
-    if isinstance(value, bytes):
-        return ("bytes", value)
+    if isinstance(value, bytes):  # a scalar string, raw or as np.bytes_: alike on both sides
+        return ("bytes", (), value)
     array = np.asarray(value)
     kind = "bytes" if array.dtype.kind in "OSU" else array.dtype.name
     return (kind, array.shape, array.tolist())

@@ -258,7 +258,7 @@ def test_pipelines_over_adversarial_interleave_slots_hold_the_budget(
     share, the accounted peak within the budget (but overdrafts), the growth within
     budget + 10% + 64 MiB, whether the run finishes or is refused."""
     from fuzz_pipelines import slot_spec
-    from test_budget_fuzz import assert_within_budget, run_specs
+    from tests.generators.test_budget_fuzz import assert_within_budget, run_specs
 
     for result in run_specs([slot_spec(seed, processes=processes) for seed in seeds]):
         assert_within_budget(result)

@@ -81,7 +81,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def _run_cases(seed: int, cases: int) -> list[dict]:
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [tests, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
@@ -143,7 +143,7 @@ def test_descriptors_per_worker_measured() -> None:
         print(json.dumps(out))
         """
     )
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [tests, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
@@ -163,7 +163,7 @@ def test_auto_takes_threads_when_no_worker_pipes_fit() -> None:
     says why), so a pipeline that ran before the pipes were counted still runs."""
     import headrace as hr
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
     import process_fns
 
     rng = random.Random(7)
@@ -195,7 +195,7 @@ def test_process_interleave_workers_fit_the_cap() -> None:
     from headrace._errors import FileLimitError, HeadraceWarning
     from headrace._workers.processes import DESCRIPTORS_PER_WORKER, SPAWN_DESCRIPTORS
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
     import process_fns
 
     rng = random.Random(1)  # (a case for each way: all fit, fewer, none)
