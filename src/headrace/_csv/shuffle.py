@@ -385,14 +385,31 @@ class _ShuffledColumns:
             self.cursor.close()
 
 
-class _ShuffledBatches(Iterator):
+class _OverRows(Iterator):
+    """An iterator over the shuffled rows: their state and closing are the rows'."""
+
+    def __init__(self, rows: _ShuffledColumns) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def get_state(self) -> dict[str, Any]:
+        return self.rows.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.rows.set_state(state)
+
+    def close(self) -> None:
+        self.rows.close()
+
+
+class _ShuffledBatches(_OverRows):
     """Batches of the shuffled rows (tuples of columns), booked on the batch's share."""
 
     stage = "batch"
 
     def __init__(self, rows: _ShuffledColumns, drop_remainder: bool) -> None:
-        super().__init__()
-        self.rows, self.drop_remainder = rows, drop_remainder
+        super().__init__(rows)
+        self.drop_remainder = drop_remainder
         self.what = f"one batch of {rows.batch_size} CSV records"
 
     def pull(self) -> tuple[Any, Reservation]:
@@ -404,39 +421,17 @@ class _ShuffledBatches(Iterator):
         booking = rows.out_account.admit(rows.cost(len(columns[0])), together=self.what)
         return rows.spec.pack(columns), booking
 
-    def get_state(self) -> dict[str, Any]:
-        return self.rows.get_state()
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.rows.set_state(state)
-
-    def close(self) -> None:
-        self.rows.close()
-
-
-class _OneByOne(Iterator):
+class _OneByOne(_OverRows):
     """The shuffled rows one at a time (the node outside a batch)."""
 
     stage = "shuffle"
-
-    def __init__(self, rows: _ShuffledColumns) -> None:
-        super().__init__()
-        self.rows = rows
 
     def pull(self) -> tuple[Any, Reservation]:
         columns = self.rows.next_columns()
         if columns is None:
             raise StopIteration
         return self.rows.spec.pack([column[0] for column in columns]), NO_RESERVATION
-
-    def get_state(self) -> dict[str, Any]:
-        return self.rows.get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.rows.set_state(state)
-
-    def close(self) -> None:
-        self.rows.close()
 
 
 def _draw_batch(buffers: list[np.ndarray[Any, Any]], incoming: list[np.ndarray[Any, Any]],
