@@ -21,10 +21,13 @@ from headrace._errors import (
     InvalidArgumentError,
     IteratorClosedError,
     MemoryBudgetError,
+    Origin,
     ParseError,
     RecordTooLargeError,
     WorkerError,
     WorkerPoolError,
+    element_origin,
+    mark_batch_row,
 )
 from headrace._memory.sizeof import register_sizer
 from headrace._memory.units import parse_bytes
@@ -58,6 +61,7 @@ __all__ = [
     "IteratorClosedError",
     "MemoryBudgetError",
     "Options",
+    "Origin",
     "ParseError",
     "ProducerError",
     "RecordTooLargeError",
@@ -74,7 +78,9 @@ __all__ = [
     "auto_shard",
     "connect",
     "decode_csv",
+    "element_origin",
     "make_csv_dataset",
+    "mark_batch_row",
     "parse_bytes",
     "read_csv",
     "register_sizer",

@@ -26,10 +26,11 @@ PUBLIC: dict[str, list[str]] = {
         "DataLossError", "Dataset", "DatasetIterator", "ElementSpecError", "EmptyInputError",
         "FileLimitError", "HeadraceError", "HeadraceWarning", "INFINITE",
         "InvalidArgumentError", "IteratorClosedError", "MemoryBudgetError", "Options",
-        "ParseError", "ProducerError", "RecordTooLargeError", "ServedIterator", "Server",
+        "Origin", "ParseError", "ProducerError", "RecordTooLargeError", "ServedIterator", "Server",
         "ShardInfo", "SqlError", "TFRecordDataset", "TensorSpec", "TextLineDataset",
         "UNKNOWN", "WorkerError", "WorkerPoolError", "__version__", "auto_shard",
-        "connect", "decode_csv", "make_csv_dataset", "parse_bytes", "read_csv",
+        "connect", "decode_csv", "element_origin", "make_csv_dataset", "mark_batch_row",
+        "parse_bytes", "read_csv",
         "register_sizer", "serve", "shard_info",
     ],
     "headrace.core": [
