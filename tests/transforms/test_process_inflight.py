@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import process_fns
 import pytest
+from segments import own_segments
 
 import headrace as hr
 from headrace._memory.sizeof import sizeof
@@ -37,10 +38,6 @@ from headrace._workers.memory import _descendants, worker_memory
 from headrace._workers.processes import ProcessPool
 
 MiB = 1 << 20
-
-
-def own_segments() -> list[str]:
-    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"headrace-{os.getpid()}-")]
 
 
 def _sizes(rng: random.Random, count: int) -> list[int]:

@@ -24,18 +24,14 @@ import process_fns
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from segments import own_segments
 
 import headrace as hr
-from headrace._workers import shm
 from headrace._workers.memory import worker_memory
 from headrace.core.run import join_abandoned
 from headrace.io.tfrecord.writer import write_tfrecord
 
 MiB = 1 << 20
-
-
-def own_segments() -> list[str]:
-    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"headrace-{os.getpid()}-")]
 
 
 def outputs(iterator: Any, limit: int = 10_000) -> list[Any]:

@@ -29,6 +29,7 @@ import process_fns
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from segments import own_segments, segments_now
 
 import headrace as hr
 from headrace._workers import shm
@@ -37,10 +38,6 @@ from headrace.core.run import join_abandoned
 from headrace.testing import assert_checkpoint_roundtrip, assert_elements_equal
 
 MiB = 1 << 20
-
-
-def own_segments() -> list[str]:
-    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"headrace-{os.getpid()}-")]
 
 
 def wait_dead(pids: list[int], seconds: float = 5.0) -> bool:
@@ -429,10 +426,10 @@ def test_segments_of_a_dead_owner_are_swept_and_owner_only() -> None:
     try:
         removed = shm.sweep_stale()
         assert name in removed and not path.exists()
-        assert len(own_segments()) == 1
+        assert len(segments_now()) == 1
     finally:
         mine.close()
-        for leftover in own_segments():
+        for leftover in segments_now():
             shm.unlink_segment(leftover)
 
 
