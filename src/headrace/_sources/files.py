@@ -44,7 +44,6 @@ from headrace.io.filepool import (
     FileLimiter,
     FilePool,
     PooledStream,
-    borrowed_slot,
     file_at_fault,
     get_default_pool,
 )
@@ -880,8 +879,7 @@ def _size_or_none(path: str) -> int | None:
     """The file's size; None if it cannot be read now (opening it will say why)."""
     try:
         if objstore.is_remote(path):
-            with borrowed_slot():  # the request's connection counts against the cap (G2)
-                return objstore.object_info(path).size
+            return objstore.object_size(path)
         return os.path.getsize(objstore.local_path(path))
     except OSError:
         return None

@@ -450,6 +450,16 @@ class ObjectInfo:
     last_modified: float | None
 
 
+def object_size(url: str) -> int:
+    """The size of the object at ``url``, its HEAD made on a slot of the file pool: a
+    source sizing its objects before it opens them counts that connection against
+    ``max_open_files`` like an open object (G2)."""
+    from headrace.io.filepool import borrowed_slot
+
+    with borrowed_slot():
+        return object_info(url).size
+
+
 def object_info(url: str) -> ObjectInfo:
     """The size and ETag of the object at ``url`` (one HEAD, retried if transient).
 

@@ -383,10 +383,7 @@ def _file_size(path: str) -> int:
     from headrace.io import objstore
 
     if objstore.is_remote(path):
-        from headrace.io.filepool import borrowed_slot
-
-        with borrowed_slot():  # the request's connection counts against the cap (G2)
-            return objstore.object_info(path).size
+        return objstore.object_size(path)
     return os.path.getsize(objstore.local_path(path))
 
 
