@@ -204,7 +204,9 @@ def test_errors_holding_data_their_pickle_leaves_out_stay_within_the_bound(
     }
     result = _run(_SHAPED, case, tmp_path)
     assert result["got"] == result["expected"], case
-    bound = case["budget"] * 1.1 + 64 * MIB
+    # Each worker's call holds its own error's payload while it raises: a user function's
+    # temporary, which no budget can book. What must not add up is what calls leave behind.
+    bound = case["budget"] * 1.1 + 64 * MIB + case["workers"] * case["nbytes"]
     assert result["growth"] <= bound, (case, result["growth"] / MIB, bound / MIB)
 
 
