@@ -16,6 +16,7 @@ import os
 import random
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -1294,6 +1295,39 @@ def test_reading_a_cache_from_s3_stays_within_the_budget(
     assert len(ahead) == len(fetched) - 1 > 5
     assert all(held >= nbytes > 0 for nbytes, held in ahead)
     assert 0 < stage.peak <= stage.limit and stage.overdrawn_peak == 0, stage
+
+
+def test_a_budget_without_room_for_the_upload_is_refused_early_in_the_pass(
+    s3: str,
+) -> None:
+    """The upload at a pass's end holds the staged cache whole, or a 5 MiB part of it at
+    least: under a budget that cannot give that, the pass is refused as soon as the
+    staged data shows it (naming the upload), not at its end after every element was
+    computed; nothing is uploaded. A cache small enough to upload whole is written."""
+    prefix = f"s3://{BUCKET}/cache-small-budget/"
+    blob = bytes(range(256)) * 160  # 40 KiB
+
+    calls: list[int] = []
+
+    def element(i: Any) -> Any:
+        calls.append(1)
+        return {"i": i, "blob": blob}
+
+    options = hr.Options()
+    options.memory_budget = "4MiB"
+    large = hr.Dataset.range(400).map(element)  # 16 MiB staged: a part to upload
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(hr.MemoryBudgetError,
+                           match=r"upload of s3://.*cache-small-budget/l"):
+            _read(large.cache(prefix + "l").with_options(options))
+    assert 0 < len(calls) < 200 and _objects(prefix) == []
+    # the pass was refused, not stopped early: no advice about take(k)
+    assert not [w for w in caught if "take(k)" in str(w.message)]
+    small = hr.Dataset.range(40).map(element)  # 1.6 MiB: uploaded whole, within 4 MiB
+    expected = _plain(_read(small))
+    assert _plain(_read(small.cache(prefix + "s").with_options(options))) == expected
+    assert any(url.endswith("s.hrcache.json") for url in _objects(prefix))
 
 
 @pytest.mark.parametrize("cap", [1, 2])

@@ -407,12 +407,20 @@ def test_full_disk_while_spilling_is_a_clear_error_and_leaves_nothing(
     FullDisk(monkeypatch, allowed=2)
     before = spill_dirs()
     ds = Counted(300, nbytes=64 << 10).dataset().cache()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+
+    def spill() -> int | None:
         with pytest.raises(OSError, match="no space left on the device writing") as raised:
             list(ds.with_options(hr.Options(memory_budget="4MiB")))
-    assert raised.value.errno == errno.ENOSPC
+        return raised.value.errno  # (the error's frames hold the run: dropped here)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = spill()
+        gc.collect()  # the run closes now
+    assert code == errno.ENOSPC
     assert spill_dirs() == before
+    # the spill failed, the pass was not stopped early: no advice about take(k)
+    assert not [w for w in caught if "take(k)" in str(w.message)]
 
 
 def test_full_disk_writing_a_file_cache_leaves_no_complete_looking_file(
@@ -421,9 +429,15 @@ def test_full_disk_writing_a_file_cache_leaves_no_complete_looking_file(
     FullDisk(monkeypatch, allowed=1)
     prefix = str(tmp_path / "c")
     ds = Counted(400, nbytes=4096).dataset().cache(prefix)
-    with pytest.raises(OSError, match=f"no space left on the device writing {prefix}.hrcache"):
-        list(ds)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(OSError,
+                           match=f"no space left on the device writing {prefix}.hrcache"):
+            list(ds)
+        gc.collect()  # (the run the error's frames held is closed now)
     assert cache_files(tmp_path) == []
+    # the write failed, the pass was not stopped early: no advice about take(k)
+    assert not [w for w in caught if "take(k)" in str(w.message)]
 
 
 # --------------------------------------------------------------------------- read path

@@ -91,7 +91,7 @@ class FileStore(Store):
         try:
             self.writer.append(encode_element_parts(element))
         except BaseException:
-            self.discard()
+            self.fail()
             raise
         self.count += 1
         return element, upstream
@@ -123,6 +123,7 @@ class FileStore(Store):
             seal(manifest)  # an edited manifest is refused, never believed or rebuilt over
             write_atomically(self.paths.manifest, [json.dumps(manifest).encode()])
         except BaseException:
+            self.partial = False  # (it failed at the end: no advice about take(k))
             for path in (self.paths.data, self.paths.checksums):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)

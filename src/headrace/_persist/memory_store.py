@@ -116,7 +116,7 @@ class MemoryStore(Store):
         try:
             self.spill.append(encode_element_parts(element))
         except BaseException:
-            self.discard()  # a full disk or an element it cannot store: no files left
+            self.fail()  # a full disk or an element it cannot store: no files left
             raise
         data.count = self.count = self.count + 1
         return element, upstream
@@ -141,7 +141,7 @@ class MemoryStore(Store):
                 limiter=file_limiter(self.ctx), stage=f"{self.node.stage}() spilling to disk",
             )
         except BaseException:
-            self.discard()
+            self.fail()
             raise
 
     def finish(self) -> None:
@@ -149,7 +149,7 @@ class MemoryStore(Store):
             try:
                 self.spill.finish()
             except BaseException:
-                self.discard()
+                self.fail()
                 raise
             self.data.spill_bytes = self.spill.nbytes
         self.complete = True

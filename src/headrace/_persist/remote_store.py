@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from headrace._errors import DataLossError, InvalidArgumentError
-from headrace._memory.buffer import Buffer
+from headrace._memory.buffer import Buffer, Reservation
+from headrace._memory.units import format_bytes
 from headrace._persist.file_store import (
     CompleteFile,
     FileStore,
@@ -65,6 +66,8 @@ LOG = logging.getLogger("headrace.cache")
 #: The manifest's field naming the writer's objects.
 DATA_TOKEN = "data_token"
 _TOKEN = re.compile(r"^[0-9a-f]{32}$")
+#: The staged size from which the upload's minimum is declared (then in doublings).
+_FIRST_UPLOAD_MINIMUM = 64 * 1024
 
 
 def check_url(url: str, what: str, *, folder: bool = False) -> None:
@@ -107,6 +110,7 @@ class RemoteStore(FileStore):
         # (FileNotFoundError / PermissionError naming the URL): one listing page.
         with get_default_pool().transient(limiter=file_limiter(ctx)):
             next(iter(objstore.list_objects(self.url.rsplit("/", 1)[0] + "/")), None)
+        self.upload_minimum = 0
         self.staging = tempfile.mkdtemp(prefix="headrace-cache-")
         # (removed when the pass ends, or at exit if the process ends first)
         self.remove_staging = weakref.finalize(self, shutil.rmtree, self.staging, True)
@@ -115,6 +119,29 @@ class RemoteStore(FileStore):
         except BaseException:
             self.remove_staging()
             raise
+
+    def append(self, element: Any, upstream: Reservation) -> tuple[Any, Reservation]:
+        result = super().append(element, upstream)
+        writer = self.writer
+        if writer is not None and self.upload_minimum < objstore.MIN_UPLOAD_PART:
+            # The upload at the pass's end holds the staged file whole, or one part of
+            # it at least (the least an object store takes but the last): declare that
+            # minimum as the staged data grows (in doublings), so that a budget that
+            # cannot give it is refused now, not after the whole pass.
+            need = min(writer.nbytes + writer.batch_bytes, objstore.MIN_UPLOAD_PART)
+            if need >= max(2 * self.upload_minimum, _FIRST_UPLOAD_MINIMUM) or (
+                need == objstore.MIN_UPLOAD_PART
+            ):
+                try:
+                    self.account.require(need, what=(
+                        f"the upload of {self.url} (the staged cache whole, or one part of "
+                        f"{format_bytes(objstore.MIN_UPLOAD_PART)}: the least an object "
+                        "store takes)"))
+                except BaseException:
+                    self.fail()
+                    raise
+                self.upload_minimum = need
+        return result
 
     def manifest_fields(self) -> dict[str, Any]:
         return {DATA_TOKEN: self.token}

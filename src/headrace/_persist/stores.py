@@ -31,6 +31,12 @@ class Store:
     def discard(self) -> None:
         raise NotImplementedError
 
+    def fail(self) -> None:
+        """Discard after an error of the store's own (a full disk, a refused upload): the
+        pass was not stopped early, so closing gives no advice about ``take(k)``."""
+        self.partial = False
+        self.discard()
+
     def reader(self) -> StoreReader:
         raise NotImplementedError
 
