@@ -264,10 +264,23 @@ def _make_store(root: str, options: dict[str, Any]) -> Any:
 
 
 def _client_options(scheme: str, options: dict[str, Any]) -> dict[str, str]:
-    """The HTTP client's options: headrace's timeouts, plain HTTP allowed for an
-    ``http`` store or endpoint, then the user's ``client_options`` (taken out of
-    ``options``) over them. For S3 the endpoint the AWS variables name is set first."""
-    client = {"timeout": "60s", "connect_timeout": "10s"}
+    """The HTTP client's options: headrace's timeouts, no idle connections kept, plain
+    HTTP allowed for an ``http`` store or endpoint, then the user's ``client_options``
+    (taken out of ``options``) over them. For S3 the endpoint the AWS variables name is
+    set first.
+
+    No idle connections (G2): a socket is a descriptor, and the client's pool kept
+    each connection open for 90 s after its request, outside any slot of the file
+    pool. A burst of ``max_open_files`` requests left that many sockets beside the
+    files opened next, and a request that started while the connection of the one
+    before was still on its way back to the pool opened one more (the cap + 1 the
+    attack a08 counted). Without the idle pool a connection lives for its request,
+    inside the request's slot; the client closes it a moment after the body is read
+    (on its own threads, so under load a few ms after the slot is given back). The
+    cost: a new connection (and TLS handshake) per ranged read, against 8 MiB ranges
+    by default. ``client_options={"pool_max_idle_per_host": "..."}`` brings the pool
+    back, for a process that wants keep-alive more than an exact cap."""
+    client = {"timeout": "60s", "connect_timeout": "10s", "pool_max_idle_per_host": "0"}
     if scheme == "http":
         client["allow_http"] = "true"
     client.update(options.pop("client_options", {}))
