@@ -147,3 +147,26 @@ def test_connections_live_inside_their_slots(
         f"{case}: {counter.live} connections still open after the reading ended")
     print(f"{case}: at most {counter.peak} connections open at once, "
           f"{counter.peak_requests} requests answered at once")
+
+
+def test_client_options_bring_back_idle_connections(
+    counter: ConnectionCounter, tmp_path: Path
+) -> None:
+    """The documented way out, for a process that wants keep-alive more than an exact
+    cap: ``configure(client_options={"pool_max_idle_per_host": ...})`` keeps
+    connections for later requests again."""
+    rng = random.Random(100)
+    case = _Case(objects=5, cap=2, cycle_length=None, block_length=1,
+                 num_parallel_calls=None, buffer_size=4096, compression="")
+    objstore.reset_stores()
+    urls, paths = _shards(tmp_path, rng, case, "keep")
+    objstore.reset_stores()
+    _closed_within(counter, 5)
+    objstore.configure(f"s3://{BUCKET}", client_options={"pool_max_idle_per_host": "4"})
+    first = len(counter.connections)
+    try:
+        assert _read(urls, case) == _read(paths, case)
+    finally:
+        objstore.reset_stores()  # (the client goes, with the connections it kept)
+    carried = [len(c.requests) for c in counter.connections[first:]]
+    assert max(carried) > 1, f"each connection carried one request: {carried}"
