@@ -20,12 +20,14 @@ it with the ``headrace[s3]`` (or ``[gcs]``, ``[azure]``) extra.
 
 How a remote stream maps onto the file pool: an *open* remote stream holds one slot
 of the pool. That slot is its "descriptor": the object's metadata, and the right to
-have one request in flight. Suspending the stream gives the slot back and keeps
-only the byte offset. Resuming checks the object again: the same ETag, so an object
-replaced meanwhile is an error, not a silent mix of two versions. Every read is one
-ranged GET, streamed. If the connection drops, or the server answers 5xx or
-throttles, the read is retried with exponential backoff from the first byte not yet
-received. So no byte is lost or read twice.
+have one request in flight, on a connection that lives only as long as the request
+(the client keeps no idle connections: see :func:`_client_options`). Suspending the
+stream gives the slot back and keeps only the byte offset. Resuming checks the
+object again: the same ETag, so an object replaced meanwhile is an error, not a
+silent mix of two versions. Every read is one ranged GET, streamed. If the
+connection drops, or the server answers 5xx or throttles, the read is retried with
+exponential backoff from the first byte not yet received. So no byte is lost or read
+twice.
 
 Credentials come from each cloud's standard environment, or from :func:`configure`:
 
@@ -152,6 +154,11 @@ def configure(
     ...), merged over what the environment says. Why a function and not arguments of
     each dataset: credentials must never travel with a dataset's state or its cache
     key, so they live here, in the process, keyed by the store.
+
+    ``client_options`` (obstore's ``ClientConfig``) go over headrace's: timeouts, and
+    no idle connections kept, so that each socket counts against ``max_open_files``
+    with its request (``{"pool_max_idle_per_host": "8"}`` keeps some alive instead,
+    outside the cap).
     """
     global _retry
     with _lock:
@@ -264,10 +271,23 @@ def _make_store(root: str, options: dict[str, Any]) -> Any:
 
 
 def _client_options(scheme: str, options: dict[str, Any]) -> dict[str, str]:
-    """The HTTP client's options: headrace's timeouts, plain HTTP allowed for an
-    ``http`` store or endpoint, then the user's ``client_options`` (taken out of
-    ``options``) over them. For S3 the endpoint the AWS variables name is set first."""
-    client = {"timeout": "60s", "connect_timeout": "10s"}
+    """The HTTP client's options: headrace's timeouts, no idle connections kept, plain
+    HTTP allowed for an ``http`` store or endpoint, then the user's ``client_options``
+    (taken out of ``options``) over them. For S3 the endpoint the AWS variables name is
+    set first.
+
+    No idle connections (G2): a socket is a descriptor, and the client's pool kept
+    each connection open for 90 s after its request, outside any slot of the file
+    pool. A burst of ``max_open_files`` requests left that many sockets beside the
+    files opened next, and a request that started while the connection of the one
+    before was still on its way back to the pool opened one more (the cap + 1 the
+    attack a08 counted). Without the idle pool a connection lives for its request,
+    inside the request's slot; the client closes it a moment after the body is read
+    (on its own threads, so under load a few ms after the slot is given back). The
+    cost: a new connection (and TLS handshake) per ranged read, against 8 MiB ranges
+    by default. ``client_options={"pool_max_idle_per_host": "..."}`` brings the pool
+    back, for a process that wants keep-alive more than an exact cap."""
+    client = {"timeout": "60s", "connect_timeout": "10s", "pool_max_idle_per_host": "0"}
     if scheme == "http":
         client["allow_http"] = "true"
     client.update(options.pop("client_options", {}))
@@ -936,8 +956,9 @@ class _RemoteReads:
         return _REMOTE_SLOT
 
     def _release_descriptor(self, descriptor: int) -> None:
-        # the slot is the pool's bookkeeping (HTTP connections are the client's); the
-        # range read ahead is dropped: a suspended stream keeps only its offset
+        # no connection to close: each request's ended with it (the client keeps
+        # none idle); the range read ahead is dropped: a suspended stream keeps only
+        # its offset
         self._drop_ahead()
 
     def attach_successor(self, successor: Successor | None, on_last_range: Any) -> None:
