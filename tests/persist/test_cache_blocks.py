@@ -20,6 +20,7 @@ import pytest
 
 import headrace as hr
 from headrace._persist import records as records_module
+from headrace.io._native import set_native_enabled
 from headrace.testing import assert_checkpoint_roundtrip
 
 Point = collections.namedtuple("Point", ["u", "v"])
@@ -268,8 +269,20 @@ def _touch_like(path: str, data: bytes) -> None:
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: the mtime stays
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
 @pytest.mark.parametrize("width", [4, 2000], ids=["scanned", "one-crc-each"])
-def test_a_corrupted_record_names_the_file_and_its_offset(tmp_path: Path, width: int) -> None:
+def test_a_corrupted_record_names_the_file_and_its_offset(
+    tmp_path: Path, width: int, native: bool
+) -> None:
+    """The C run check and the NumPy one (no extension) stop at the same record."""
+    previous = set_native_enabled(native)
+    try:
+        _corrupted_record_is_named(tmp_path, width)
+    finally:
+        set_native_enabled(previous)
+
+
+def _corrupted_record_is_named(tmp_path: Path, width: int) -> None:
     cached, data = _written(tmp_path, lambda i: np.full(width, i, np.int32))
     raw = bytearray(Path(data).read_bytes())
     record = len(raw) // 200

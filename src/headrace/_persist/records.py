@@ -741,9 +741,9 @@ class RecordReader:
                 if got < nbytes:  # a truncated file: the record reader names where
                     booking.release()
                     return None
-                self._check_run(view[:nbytes], rows, size, start, at)
                 records = matrix[:nbytes].reshape(rows, size)
                 if layout is None:
+                    _check_frame(view[:size], start, self.path)  # (before its skeleton is used)
                     (skeleton,) = struct.unpack_from("<I", buffer, 12)
                     head = bytes(buffer[12 : 16 + skeleton])
                     layout = layout_for(head)
@@ -758,8 +758,7 @@ class RecordReader:
                     )
                     outputs = layout.allocate(last - first)
                 assert head is not None
-                heads = np.ndarray((rows,), f"V{len(head)}", buffer, 12, (size,))
-                if (heads != np.void(head)).any():
+                if not self._check_run(view[:nbytes], rows, size, start, at, head):
                     booking.release()
                     self.columnar = False  # skeletons mixed in runs: one by one from now
                     return None
@@ -874,23 +873,40 @@ class RecordReader:
             self.run_buffer = bytearray(nbytes)
         return self.run_buffer
 
-    def _check_run(self, view: memoryview, rows: int, size: int, start: int, first: int) -> None:
+    def _check_run(
+        self, view: memoryview, rows: int, size: int, start: int, first: int, head: bytes
+    ) -> bool:
         """Every record of a run of ``rows`` records of ``size`` bytes read at file offset
         ``start`` checked (framing, both CRCs, the manifest's CRC), or an error naming the
-        file and the offset of the first one that is wrong. The frames' bytes in ``view``
-        are overwritten (see :func:`check_alike_records`); the payloads stay."""
-        footers = check_alike_records(view, rows, size, start, self.path)
+        file and the offset of the first one that is wrong; False where every record is
+        sound but one's skeleton is not ``head`` (it needs decoding on its own). With the
+        C extension, one call checks the run without writing to it (about 3 us for 1024
+        small records, where NumPy's field-by-field checks took 20 times as long);
+        without it, :func:`check_alike_records` overwrites the frames' bytes."""
+        native = native_module()
+        if native is not None:
+            footers = np.empty(rows, np.uint32)
+            wrong = native.check_alike(view, rows, size, head, footers)
+            if wrong >= 0:  # its own check says what is wrong, and where; else its skeleton
+                _check_frame(view[wrong * size : (wrong + 1) * size], start + wrong * size, self.path)
+                return False
+        else:
+            footers = check_alike_records(view, rows, size, start, self.path)
+            heads = np.ndarray((rows,), f"V{len(head)}", view, 12, (size,))
+            if (heads != np.void(head)).any():
+                return False
         expected = self.expected
         if expected is None:
-            return
-        wrong = footers != expected.crcs[first : first + rows]
-        if wrong.any():
-            entry = first + int(wrong.argmax())
+            return True
+        differ = footers != expected.crcs[first : first + rows]
+        if differ.any():
+            entry = first + int(differ.argmax())
             offset = int(self.offsets[entry])
             raise expected.mismatch(
                 self.path, f"record {entry} at offset {offset} is not the one written there",
                 offset,
             )
+        return True
 
     def _drop_run_buffer(self) -> None:
         self.run_buffer = bytearray()
