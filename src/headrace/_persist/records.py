@@ -500,7 +500,7 @@ def check_scattered(
     start = extend(head, 0)
     crcs = np.empty(count, np.uint32)
     # (slices of one flat view per target: cheaper than a row's array view each)
-    flats = [(memoryview(target.reshape(-1)), target.shape[1]) for target in targets]
+    flats = [(target.reshape(-1).data, target.shape[1]) for target in targets]
     for number, row in enumerate(rows):
         crc = start
         for flat, width in flats:
@@ -911,7 +911,7 @@ class RecordReader:
                 per_call = max(1, 1024 // (2 + len(targets)))
                 # (slices of one flat view each: a row's array view and its buffer
                 # export cost several times a memoryview slice, 96 times a batch)
-                flats = [(memoryview(target.reshape(-1)), target.shape[1]) for target in targets]
+                flats = [(target.reshape(-1).data, target.shape[1]) for target in targets]
                 for at in range(0, rows, per_call):
                     stop = min(rows, at + per_call)
                     pieces: list[memoryview] = []
