@@ -18,7 +18,7 @@ import pytest
 
 import headrace as hr
 from headrace._errors import DataLossError
-from headrace._persist.records import check_alike_records, check_scattered
+from headrace._persist.records import EvenOffsets, check_alike_records, check_scattered, one_size
 from headrace.io import _native
 from headrace.io.tfrecord.framing import encode_records
 from headrace.io.tfrecord.reader import records_in_spans
@@ -236,3 +236,28 @@ def test_a_flipped_byte_in_a_loaded_record_names_its_file_and_offset(
     assert raised.value.offset == where // record * record
     damaged = 2 * (where // record) + 1  # the element shard 1's damaged record holds
     assert served == [list(range(k, k + 8)) for k in range(8, damaged // 8 * 8, 8)]
+
+
+def test_one_size_is_the_shared_framed_size_or_zero() -> None:
+    assert one_size(np.array([0, 10, 20], np.uint64), 30) == 10
+    assert one_size(np.array([0], np.uint64), 7) == 7  # one record: the file's length
+    assert one_size(np.array([0, 10, 20], np.uint64), 31) == 0  # the last one differs
+    assert one_size(np.array([0, 10, 21], np.uint64), 31) == 0  # one in the middle
+    assert one_size(np.array([], np.uint64), 0) == 0
+    evenly = np.arange(0, 10 * 200_000, 10, dtype=np.uint64)  # past one slice of 65,536
+    assert one_size(evenly, 10 * 200_000) == 10
+    evenly[100_000] += 1
+    assert one_size(evenly, 10 * 200_000) == 0
+
+
+def test_even_offsets_index_as_the_array_they_replace() -> None:
+    array = np.arange(0, 7 * 9, 7, dtype=np.uint64)
+    even = EvenOffsets(7, 9)
+    assert len(even) == 9 and even.nbytes == 0
+    assert [even[i] for i in range(-9, 9)] == [int(x) for x in array[-9:]] + array.tolist()
+    for key in (slice(2, 5), slice(None), slice(3, None, 2), slice(7, 20)):
+        assert even[key].tolist() == array[key].tolist()
+    with pytest.raises(IndexError, match="record 9 of 9"):
+        even[9]
+    with pytest.raises(IndexError):
+        even[-10]
