@@ -18,6 +18,12 @@
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define HRIO_HAVE_SSE42 1
 #include <immintrin.h>
+/* AVX-512 carry-less multiplication: its intrinsics and CPU feature names need GCC 10 or
+ * clang 12; an older compiler builds the crc32-instruction path alone. */
+#if (defined(__clang__) && __clang_major__ >= 12) || \
+    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define HRIO_HAVE_VPCLMUL 1
+#endif
 #endif
 
 /* ------------------------------------------------------------------ CRC32C */
@@ -178,6 +184,7 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_sse42(uint32_t crc, con
     return ~c32;
 }
 
+#ifdef HRIO_HAVE_VPCLMUL
 /* Carry-less multiplication, 64 bytes at a time per register (AVX-512 VPCLMULQDQ).
  * The crc32 instruction checksums 8 bytes a cycle at best, three streams at once; a
  * cache read of large records then spends as long on the CRC as on the kernel's copy.
@@ -227,7 +234,7 @@ HRIO_FOLD_TARGET static uint32_t crc32c_vpclmul(uint32_t crc, const uint8_t *dat
     __m512i x1 = _mm512_loadu_si512((const void *)(data + 64));
     __m512i x2 = _mm512_loadu_si512((const void *)(data + 128));
     __m512i x3 = _mm512_loadu_si512((const void *)(data + 192));
-    x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)~crc)));
+    x0 = _mm512_xor_si512(x0, _mm512_inserti32x4(_mm512_setzero_si512(), _mm_cvtsi32_si128((int)~crc), 0));
     data += 256;
     len -= 256;
     __m512i k = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)fold_256[1], (long long)fold_256[0]));
@@ -257,7 +264,8 @@ HRIO_FOLD_TARGET static uint32_t crc32c_vpclmul(uint32_t crc, const uint8_t *dat
     c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(last, 1));
     return crc32c_sse42(~(uint32_t)c, data, len);
 }
-#endif
+#endif /* HRIO_HAVE_VPCLMUL */
+#endif /* HRIO_HAVE_SSE42 */
 
 static uint32_t (*crc32c_impl)(uint32_t, const uint8_t *, size_t) = crc32c_software;
 
@@ -313,8 +321,10 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args)
 static const char *crc32c_backend_name(uint32_t (*impl)(uint32_t, const uint8_t *, size_t))
 {
 #ifdef HRIO_HAVE_SSE42
+#ifdef HRIO_HAVE_VPCLMUL
     if (impl == crc32c_vpclmul)
         return "vpclmulqdq";
+#endif
     if (impl == crc32c_sse42)
         return "sse4.2";
 #endif
@@ -336,6 +346,8 @@ static PyObject *py_crc32c_using(PyObject *self, PyObject *args)
 #ifdef HRIO_HAVE_SSE42
     else if (strcmp(name, "sse4.2") == 0 && crc32c_impl != crc32c_software)
         impl = crc32c_sse42;
+#endif
+#ifdef HRIO_HAVE_VPCLMUL
     else if (strcmp(name, "vpclmulqdq") == 0 && crc32c_impl == crc32c_vpclmul)
         impl = crc32c_vpclmul;
 #endif
@@ -1256,6 +1268,7 @@ PyMODINIT_FUNC PyInit__hrio(void)
         crc_zeros_tables(crc_long_shift, CRC_LONG);
         crc_zeros_tables(crc_short_shift, CRC_SHORT);
         crc32c_impl = crc32c_sse42;
+#ifdef HRIO_HAVE_VPCLMUL
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
             __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul")) {
             fold_constants(fold_256, 256);
@@ -1265,6 +1278,7 @@ PyMODINIT_FUNC PyInit__hrio(void)
             fold_constants(fold_16, 16);
             crc32c_impl = crc32c_vpclmul;
         }
+#endif
     }
 #endif
     PyObject *m = PyModule_Create(&module);
