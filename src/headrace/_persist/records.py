@@ -514,13 +514,15 @@ def check_scattered(
 class RecordReader:
     """Encoded elements of one indexed file, in order, fetched with positioned reads.
 
-    The ``.hrx`` index (refused if the file's size changed) says
-    where every record starts, so reading is one ``pread`` per run of consecutive
-    records up to the stage's chunk, and skipping is free. A record that fills a read
-    alone (large records) is decoded where it was read: its arrays are views into the
-    buffer the kernel copied the page cache into — no other copy. Smaller ones are
-    split out of their shared buffer (one small copy each), so that an element never
-    pins its neighbours. The index (8 bytes a record), the records read ahead and each
+    The ``.hrx`` index (refused if the file's size changed) says where every record
+    starts — or, where the manifest records one size for every record, each start is
+    computed (:class:`EvenOffsets`) and the index is not loaded — so reading is one
+    ``pread`` per run of consecutive records up to the stage's chunk, and skipping is
+    free. A record that fills a read alone (large records) is decoded where it was read:
+    its arrays are views into the buffer the kernel copied the page cache into — no
+    other copy. Smaller ones are split out of their shared buffer (one small copy each),
+    so that an element never pins its neighbours. The index (8 bytes a record, when
+    loaded), the manifest's CRCs (4 bytes a record), the records read ahead and each
     element handed on are booked on the stage's account.
     """
 
