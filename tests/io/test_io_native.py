@@ -7,6 +7,8 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from io_format_strategies import KINDS, NAMES, examples
@@ -51,6 +53,23 @@ def outcome(function: Any, *args: Any) -> Any:
 def test_crc32c(data: bytes, start: int) -> None:
     assert native is not None
     assert native.crc32c(data, start) == _crc32c_table(data, start)
+
+
+@pytest.mark.parametrize("backend", ["table", "sse4.2", "vpclmulqdq"])
+@pytest.mark.parametrize(
+    # around each path's edges: 256 bytes (folding starts), 64 (its tail), 3 x 256 and
+    # 3 x 8192 (the three-stream blocks), and large runs
+    "length", [0, 7, 63, 255, 256, 257, 319, 320, 767, 768, 1000, 24575, 24576, 24583, 100_003]
+)
+def test_every_crc32c_backend_gives_the_tables_crc(backend: str, length: int) -> None:
+    assert native is not None
+    data = np.random.default_rng(length).bytes(length)
+    try:
+        found = native.crc32c_using(backend, data, 0x12345678)
+    except ValueError:
+        pytest.skip(f"this CPU has no {backend}")
+    assert found == _crc32c_table(data, 0x12345678)
+    assert native.crc32c(data, 0x12345678) == found  # the one chosen agrees
 
 
 @st.composite

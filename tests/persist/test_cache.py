@@ -336,15 +336,37 @@ def test_corrupt_file_cache_names_the_file_and_offset(tmp_path: Path) -> None:
     with pytest.raises(hr.DataLossError, match=f"offset {record * 20} in file {data}") as raised:
         list(ds)
     assert raised.value.path == data and raised.value.offset == record * 20
+    Path(data).write_bytes(bytes(raw[:-7]))  # truncated after it was complete: refused
+    with pytest.raises(hr.DataLossError, match=f"{data} holds {len(raw) - 7} bytes"):
+        list(ds)
+
+
+def test_a_corrupt_index_is_refused_where_records_differ_in_size(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "c")
+    ds = hr.Dataset.range(50).map(lambda i: np.full(i % 7 + 1, i)).cache(prefix)
+    list(ds)
+    data = prefix + ".hrcache"
     index = Path(data + ".hrx")
     raw_index = bytearray(index.read_bytes())
     raw_index[-3] ^= 0xFF  # an offset of the index
     index.write_bytes(bytes(raw_index))
     with pytest.raises(hr.DataLossError, match=f"index file {data}.hrx is corrupt"):
         list(ds)
-    Path(data).write_bytes(bytes(raw[:-7]))  # truncated after it was complete: refused
-    with pytest.raises(hr.DataLossError, match=f"{data} holds {len(raw) - 7} bytes"):
-        list(ds)
+
+
+def test_records_of_one_size_are_read_without_their_index(tmp_path: Path) -> None:
+    """The manifest records the one size (its fields sealed): each record's offset is
+    computed, so the index is not read (not even a corrupt one); every record is
+    still checked, and a file of another length is refused naming it."""
+    prefix = str(tmp_path / "c")
+    ds = hr.Dataset.range(50).map(lambda i: np.full(10, i)).cache(prefix)
+    first = [x.tolist() for x in ds]
+    data = prefix + ".hrcache"
+    manifest = json.loads(Path(data + ".json").read_text())
+    assert manifest["record_bytes"] * 50 == os.path.getsize(data)
+    Path(data + ".hrx").write_bytes(b"\0" * 64)  # (same name: find_complete wants it)
+    assert [x.tolist() for x in ds] == first == [[i] * 10 for i in range(50)]
+    assert [b.tolist() for b in ds.batch(16)] == [first[i : i + 16] for i in range(0, 50, 16)]
 
 
 @pytest.mark.parametrize("leave_files", [False, True])

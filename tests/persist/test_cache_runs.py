@@ -18,7 +18,8 @@ import pytest
 
 import headrace as hr
 from headrace._errors import DataLossError
-from headrace._persist.records import check_alike_records, check_scattered
+from headrace._persist.records import EvenOffsets, check_alike_records, check_scattered, one_size
+from headrace.io import _native
 from headrace.io.tfrecord.framing import encode_records
 from headrace.io.tfrecord.reader import records_in_spans
 
@@ -76,6 +77,57 @@ def test_two_records_swapped_within_a_run_still_pass_each_their_own_check() -> N
     footers = check_alike_records(memoryview(swapped), 10, size, 0, "f")
     original = check_alike_records(memoryview(bytearray(framed)), 10, size, 0, "f")
     assert footers[[2, 5]].tolist() == original[[5, 2]].tolist()
+
+
+native = _native._loaded_extension
+
+
+def _native_check(framed: bytes | bytearray, rows: int, size: int, head: bytes) -> tuple[int, list[int]]:
+    assert native is not None, "build it: python setup.py build_ext --inplace"
+    footers = np.zeros(rows, np.uint32)
+    return native.check_alike(bytes(framed), rows, size, head, footers), footers.tolist()
+
+
+# rows: 1, 2 (no group of three), 3, 4 and 7 (a group and a rest); payloads: a head and
+# nothing more, a few bytes past it (not a whole word), long ones checked one by one
+@pytest.mark.parametrize(("rows", "rest"), [(1, 0), (2, 5), (3, 8), (4, 13), (7, 120), (5, 5000)])
+def test_the_c_run_check_passes_a_sound_run_and_gives_each_records_footer(
+    rows: int, rest: int
+) -> None:
+    rng = np.random.default_rng(rows)
+    head = b"\x05\x00\x00\x00skel!"
+    framed = encode_records([head + rng.bytes(rest) for _ in range(rows)])
+    size = len(framed) // rows
+    wrong, footers = _native_check(framed, rows, size, head)
+    assert wrong == -1
+    assert footers == [
+        int.from_bytes(framed[(row + 1) * size - 4 : (row + 1) * size], "little")
+        for row in range(rows)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_c_run_check_flags_the_record_with_a_flipped_bit(seed: int) -> None:
+    """Any bit of any record — its frame, its skeleton, its data, its footer — makes
+    that record the first one flagged (the reader then checks it alone for the error)."""
+    rng = np.random.default_rng(seed)
+    rows, rest = int(rng.integers(1, 40)), int(rng.integers(0, 300))
+    head = b"\x09\x00\x00\x00skeleton!"
+    framed = encode_records([head + rng.bytes(rest) for _ in range(rows)])
+    size = len(framed) // rows
+    damaged = bytearray(framed)
+    where = int(rng.integers(len(damaged)))
+    damaged[where] ^= 1 << int(rng.integers(8))
+    assert _native_check(damaged, rows, size, head)[0] == where // size
+
+
+def test_the_c_run_check_flags_a_sound_record_of_another_skeleton_and_refuses_short_buffers() -> None:
+    head, other = b"\x03\x00\x00\x00abc", b"\x03\x00\x00\x00abd"
+    framed = encode_records([head + bytes(50), head + bytes(50), head + bytes(50), other + bytes(50)])
+    assert _native_check(framed, 4, 73, head)[0] == 3
+    assert _native_check(framed, 3, 73, head)[0] == -1
+    with pytest.raises(ValueError, match="smaller than rows"):
+        _native_check(framed, 5, 73, head)
 
 
 def _scattered(
@@ -184,3 +236,28 @@ def test_a_flipped_byte_in_a_loaded_record_names_its_file_and_offset(
     assert raised.value.offset == where // record * record
     damaged = 2 * (where // record) + 1  # the element shard 1's damaged record holds
     assert served == [list(range(k, k + 8)) for k in range(8, damaged // 8 * 8, 8)]
+
+
+def test_one_size_is_the_shared_framed_size_or_zero() -> None:
+    assert one_size(np.array([0, 10, 20], np.uint64), 30) == 10
+    assert one_size(np.array([0], np.uint64), 7) == 7  # one record: the file's length
+    assert one_size(np.array([0, 10, 20], np.uint64), 31) == 0  # the last one differs
+    assert one_size(np.array([0, 10, 21], np.uint64), 31) == 0  # one in the middle
+    assert one_size(np.array([], np.uint64), 0) == 0
+    evenly = np.arange(0, 10 * 200_000, 10, dtype=np.uint64)  # past one slice of 65,536
+    assert one_size(evenly, 10 * 200_000) == 10
+    evenly[100_000] += 1
+    assert one_size(evenly, 10 * 200_000) == 0
+
+
+def test_even_offsets_index_as_the_array_they_replace() -> None:
+    array = np.arange(0, 7 * 9, 7, dtype=np.uint64)
+    even = EvenOffsets(7, 9)
+    assert len(even) == 9 and even.nbytes == 0
+    assert [even[i] for i in range(-9, 9)] == [int(x) for x in array[-9:]] + array.tolist()
+    for key in (slice(2, 5), slice(None), slice(3, None, 2), slice(7, 20)):
+        assert even[key].tolist() == array[key].tolist()
+    with pytest.raises(IndexError, match="record 9 of 9"):
+        even[9]
+    with pytest.raises(IndexError):
+        even[-10]

@@ -105,7 +105,9 @@ class FileStore(Store):
             self.blocks = writer.blocks
             checksums = np.asarray(writer.final_crcs, dtype="<u4").tobytes()
             write_atomically(self.paths.checksums, [checksums])
-            self.expected = Expected(writer.final_crcs, self.paths.manifest)
+            self.expected = Expected(
+                writer.final_crcs, self.paths.manifest, writer.record_bytes
+            )
             manifest: dict[str, Any] = {
                 "format": _MANIFEST_FORMAT,
                 "version": _MANIFEST_VERSION,
@@ -116,6 +118,8 @@ class FileStore(Store):
                 "checksums": checksums_digest(checksums),
                 "created": time.time(),
             }
+            if writer.record_bytes:  # (readers then need not load the index)
+                manifest["record_bytes"] = writer.record_bytes
             if self.codec is not None:  # what a reader needs to find and check each block
                 manifest["compression"] = self.codec.name
                 manifest["blocks"] = [list(block) for block in self.blocks]
@@ -372,4 +376,11 @@ def _read_checksums(paths: _CachePaths, manifest: dict[str, Any]) -> Expected:
             "delete the cache's files to rebuild it",
             path=paths.checksums,
         )
-    return Expected(np.frombuffer(checksums, dtype="<u4"), paths.manifest)
+    record_bytes = manifest.get("record_bytes", 0)
+    if not isinstance(record_bytes, int) or record_bytes < 0:
+        raise DataLossError(
+            f"cache: the manifest {paths.manifest} is corrupted (record_bytes "
+            f"{record_bytes!r:.40})",
+            path=paths.manifest,
+        )
+    return Expected(np.frombuffer(checksums, dtype="<u4"), paths.manifest, record_bytes)

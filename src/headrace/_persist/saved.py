@@ -57,7 +57,7 @@ import numpy as np
 from headrace._errors import DataLossError, ElementSpecError, FileLimitError, InvalidArgumentError
 from headrace._memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
 from headrace._persist.columnar import layout_for
-from headrace._persist.records import BYTES_OVERHEAD, check_alike_records, check_scattered
+from headrace._persist.records import BYTES_OVERHEAD, check_run, check_scattered
 from headrace._sources.files import file_limiter
 from headrace._sources.tfrecord import IndexedTFRecordNode
 from headrace._structure import TensorSpec, flatten, leaf_spec, map_structure, spec_of
@@ -1153,7 +1153,6 @@ class _LoadedAccess(RandomAccess):
         buffer = bytearray(nbytes)
         view, matrix = memoryview(buffer), np.frombuffer(buffer, np.uint8)
         try:
-            skeleton = np.frombuffer(head, np.uint8)
             for file, begin, positions in runs:
                 path, stream = self.node.records.filenames[file], self.shards._stream(file)
                 for at in range(0, len(positions), step):
@@ -1162,11 +1161,10 @@ class _LoadedAccess(RandomAccess):
                     if stream.pread_into(start, view[: count * size]) < count * size:
                         self._check_alone(numbers[rows])  # a truncated file: names where
                         return False
-                    check_alike_records(view[: count * size], count, size, start, path)
-                    records = matrix[: count * size].reshape(count, size)
-                    if not (records[:, 12 : 12 + len(head)] == skeleton).all():
+                    if check_run(view[: count * size], count, size, start, path, head) is None:
                         self.columnar = False  # skeletons mixed: one by one from now
                         return False
+                    records = matrix[: count * size].reshape(count, size)
                     layout.fill(outputs, _rows_at(rows), records[:, 12 + len(head) : size - 4])
         finally:
             del view, matrix
