@@ -280,8 +280,7 @@ def _client_options(scheme: str, options: dict[str, Any]) -> dict[str, str]:
     each connection open for 90 s after its request, outside any slot of the file
     pool. A burst of ``max_open_files`` requests left that many sockets beside the
     files opened next, and a request that started while the connection of the one
-    before was still on its way back to the pool opened one more (the cap + 1 the
-    attack a08 counted). Without the idle pool a connection lives for its request,
+    before was still on its way back to the pool opened one more. Without the idle pool a connection lives for its request,
     inside the request's slot; the client closes it a moment after the body is read
     (on its own threads, so under load a few ms after the slot is given back). The
     cost: a new connection (and TLS handshake) per ranged read, against 8 MiB ranges
