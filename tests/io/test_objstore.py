@@ -1244,10 +1244,11 @@ def test_reading_a_cache_from_s3_stays_within_the_budget(
     uploads: list[tuple[int, int, int]] = []
     put_atomic = objstore.put_atomic
 
-    def booked_upload(url: str, data: Any, *, parts_in_flight: int | None = None) -> None:
+    def booked_upload(url: str, data: Any, *, parts_in_flight: int = 4,
+                      limiter: Any = None) -> None:
         stage = objstore_stage[0]
-        uploads.append((stage.held, stage.share(), parts_in_flight or 0))
-        put_atomic(url, data, parts_in_flight=parts_in_flight)
+        uploads.append((stage.held, stage.share(), parts_in_flight))
+        put_atomic(url, data, parts_in_flight=parts_in_flight, limiter=limiter)
 
     from headrace._persist import remote_store
 

@@ -30,6 +30,7 @@ from objstore_servers import make_bucket, moto_server, s3_env
 
 import headrace as hr
 from headrace.io import objstore
+from headrace.io.filepool import borrowed_slot, get_default_pool, set_max_open_files
 from headrace.io.tfrecord import TFRecordWriter
 
 BUCKET = "conns"
@@ -170,3 +171,52 @@ def test_client_options_bring_back_idle_connections(
         objstore.reset_stores()  # (the client goes, with the connections it kept)
     carried = [len(c.requests) for c in counter.connections[first:]]
     assert max(carried) > 1, f"each connection carried one request: {carried}"
+
+
+@pytest.mark.parametrize(("cap", "parts"), [(1, 4), (3, 8), (16, 4)])
+def test_an_upload_sends_its_parts_within_the_cap(
+    counter: ConnectionCounter, cap: int, parts: int
+) -> None:
+    """Each part of a multipart upload in flight is a request on a connection of its
+    own: the upload holds the caller's slot and sends more parts at once only on slots
+    the pool has free, so the server never answers more of its requests at once than
+    the cap (nor than ``parts_in_flight``); the object is the bytes given."""
+    data = random.Random(cap).randbytes(26 * 2**20)  # six parts
+    url = f"s3://{BUCKET}/upload/{cap}-{parts}"
+    pool = get_default_pool()
+    previous = pool.stats().max_open_files
+    objstore.reset_stores()
+    _closed_within(counter, 5)
+    set_max_open_files(cap)
+    try:
+        counter.reset_peak()
+        with borrowed_slot():
+            objstore.put_atomic(url, data, parts_in_flight=parts)
+        answered = counter.peak_requests
+    finally:
+        set_max_open_files(previous)
+    assert answered <= min(cap, parts), (cap, parts, answered)
+    assert objstore.read_whole(objstore.object_info(url)) == data
+
+
+def test_a_save_to_a_bucket_uploads_within_the_cap(
+    counter: ConnectionCounter, tmp_path: Path
+) -> None:
+    """``save(url)`` writes locally, then uploads each file: every request in the cap."""
+    url = f"s3://{BUCKET}/saved/ds"
+    blob = random.Random(5).randbytes(12 * 2**20)
+    dataset = hr.Dataset.range(4).map(lambda i: {"i": i, "blob": blob})
+    pool = get_default_pool()
+    previous = pool.stats().max_open_files
+    objstore.reset_stores()
+    _closed_within(counter, 5)
+    set_max_open_files(3)  # (save's least: its shard, the shard's index, its input)
+    try:
+        counter.reset_peak()
+        dataset.save(url)
+        answered = counter.peak_requests
+    finally:
+        set_max_open_files(previous)
+    assert answered <= 3, answered
+    loaded = [(int(e["i"]), bytes(e["blob"])) for e in hr.Dataset.load(url)]
+    assert loaded == [(i, blob) for i in range(4)]

@@ -184,7 +184,8 @@ class RemoteStore(FileStore):
                 )
                 try:
                     with pool.transient(limiter=limiter), open(path, "rb") as file:
-                        objstore.put_atomic(url, file, parts_in_flight=parts)
+                        objstore.put_atomic(url, file, parts_in_flight=parts,
+                                            limiter=limiter)
                 finally:
                     booking.release()
             with open(local.manifest, "rb") as file:

@@ -389,8 +389,8 @@ def _save_remote(
         names = sorted(name for name in os.listdir(scratch) if name != MANIFEST_NAME)
         objstore.delete_object(f"{base}/{MANIFEST_NAME}")
         for name in [*names, MANIFEST_NAME]:
-            with open(os.path.join(scratch, name), "rb") as file:
-                objstore.put_atomic(f"{base}/{name}", file)
+            with borrowed_slot(), open(os.path.join(scratch, name), "rb") as file:
+                objstore.put_atomic(f"{base}/{name}", file)  # (G2: see put_atomic)
 
 
 def _our_files(path: str) -> list[str]:

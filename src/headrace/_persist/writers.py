@@ -50,6 +50,7 @@ from headrace._errors import InvalidArgumentError
 from headrace.core.node import INFINITE, UNKNOWN
 from headrace.io import objstore
 from headrace.io.example.encoding import encode_example_columns, serialize_example
+from headrace.io.filepool import borrowed_slot
 from headrace.io.streams import normalize_compression_type
 from headrace.io.tfrecord.framing import RECORD_OVERHEAD_BYTES
 from headrace.io.tfrecord.writer import TFRecordWriter, fsync_directory
@@ -600,7 +601,7 @@ def _save_tfrecords_remote(
             staged.append((source, f"{directory}/.{name}.{token}{_STAGING_SUFFIX}", final))
         try:
             for source, staging, _ in staged:
-                with open(source, "rb") as file:
+                with borrowed_slot(), open(source, "rb") as file:  # (G2: see put_atomic)
                     objstore.put_atomic(staging, file)
             for _, staging, final in staged:
                 objstore.copy_object(staging, final)

@@ -53,6 +53,7 @@ from headrace._errors import InvalidArgumentError, ParseError
 from headrace._memory.units import format_bytes
 from headrace._persist.writers import ProgressBar, ProgressSetting
 from headrace.io import objstore
+from headrace.io.filepool import borrowed_slot
 from headrace.io.files import describe_file_type, require_regular_file
 from headrace.io.tfrecord import normalize_compression_type, open_tfrecord
 from headrace.io.tfrecord_index import load_index
@@ -534,7 +535,7 @@ def _atomic_text(dest: str) -> Iterator[IO[str]]:
             local = os.path.join(scratch, "out.csv")
             with open(local, "w", newline="", encoding="utf-8") as handle:
                 yield handle
-            with open(local, "rb") as file:
+            with borrowed_slot(), open(local, "rb") as file:  # (G2: see put_atomic)
                 objstore.put_atomic(dest, file)
         return
     directory = os.path.dirname(os.path.abspath(dest))

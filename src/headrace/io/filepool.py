@@ -312,6 +312,21 @@ class FilePool:
                 raise
         return HeldSlots(self, limiter, count)
 
+    def hold_spare(self, count: int, *, limiter: FileLimiter | None = None) -> HeldSlots:
+        """Up to ``count`` slots that are free now, for descriptors that speed work up
+        but that it does not need (an upload's parts sent in parallel, each on a
+        connection of its own): no stream is suspended for them and none is waited
+        for, so they may be fewer than asked, or none (:attr:`HeldSlots.count`)."""
+        with self._locked:
+            taken = 0
+            while taken < count and not self._is_full(limiter):
+                self._reserve_slot(limiter)
+                taken += 1
+                self._held += 1
+                if limiter is not None:
+                    limiter._held += 1
+        return HeldSlots(self, limiter, taken)
+
     @contextlib.contextmanager
     def transient(
         self, *, wait: bool = True, limiter: FileLimiter | None = None
@@ -645,6 +660,11 @@ class HeldSlots:
         self._pool = pool
         self._limiter = limiter
         self._count = count
+
+    @property
+    def count(self) -> int:
+        """How many slots are held (0 once released)."""
+        return self._count
 
     def release(self) -> None:
         count, self._count = self._count, 0

@@ -544,34 +544,43 @@ class _ShortBody(Exception):
 MIN_UPLOAD_PART = 5 * 1024 * 1024
 
 
-def put_atomic(url: str, data: Any, *, parts_in_flight: int | None = None) -> None:
+def put_atomic(
+    url: str, data: Any, *, parts_in_flight: int = 4, limiter: Any = None
+) -> None:
     """Upload ``data`` (bytes, a file object, or an iterator of bytes) to ``url``, whole
     or not at all: obstore sends one PUT, or a multipart upload that is only completed
     (and so only visible) once every part is in; a failure aborts it. Readers never see
     a half-written object under ``url``.
 
-    ``parts_in_flight``: at most that many parts of :data:`MIN_UPLOAD_PART` bytes are
-    read from a file and sent at once (the client's default is 12), so a caller that
-    books the upload's memory knows what it holds."""
+    Each part in flight is a request on a connection of its own, a descriptor (G2), and
+    holds up to :data:`MIN_UPLOAD_PART` bytes read from a file (G1). The caller holds
+    one file-pool slot for the upload (``borrowed_slot()``, or a pipeline's
+    ``transient`` slot under ``limiter``); each further part sent at once takes a slot
+    of the pool that is free now, up to ``parts_in_flight`` parts in all, and fewer
+    (down to one at a time) when the pool has none to spare. So a caller that books
+    the upload's memory books ``parts_in_flight`` parts at most."""
     import obstore
+
+    from headrace.io.filepool import get_default_pool
 
     root, key = split_url(url)
     if root.startswith("http"):
         raise InvalidArgumentError(f"{url}: http(s) URLs are read-only")
     store = _store(root)
+    spare = get_default_pool().hold_spare(max(parts_in_flight, 1) - 1, limiter=limiter)
 
     def attempt(failures: int) -> None:
         if failures and hasattr(data, "seek"):
             data.seek(0)
         elif failures and not isinstance(data, (bytes, bytearray, memoryview)):
             raise OSError(errno.EIO, "an upload from a stream failed and cannot be retried", url)
-        if parts_in_flight is None:
-            obstore.put(store, key, data)
-        else:
-            obstore.put(store, key, data, chunk_size=MIN_UPLOAD_PART,
-                        max_concurrency=max(1, parts_in_flight))
+        obstore.put(store, key, data, chunk_size=MIN_UPLOAD_PART,
+                    max_concurrency=1 + spare.count)
 
-    _retrying(url, "uploading the object", attempt)
+    try:
+        _retrying(url, "uploading the object", attempt)
+    finally:
+        spare.release()
 
 
 def put_if_absent(url: str, data: bytes) -> bool:
