@@ -22,7 +22,9 @@ compressed files the offset counts decompressed bytes.
 Bad records (G5): records before a bad one are handed out first; then its
 error (:class:`~headrace._csv.reader.CsvError`: TensorFlow's message, plus file,
 record, line and column); the next ``next()`` goes on with the next record,
-as ``CsvDataset`` does.
+as ``CsvDataset`` does. Under a ``batch``, as in tf.data, the rows gathered before
+a bad record are dropped, the error takes the batch's place, and the next batch
+starts right after the record.
 
 A UTF-8 byte-order mark at the start of a file is skipped (TensorFlow keeps
 it as part of the first field, which then fails to parse as a number).
@@ -722,7 +724,6 @@ class _CsvBatches(Iterator):
         super().__init__()
         self.cursor, self.batch_size, self.drop_remainder = cursor, batch_size, drop_remainder
         self.account = account
-        self._pending: BaseException | None = None
         self._container_cost: int | None = None
         columns = cursor.spec.columns
         # A whole batch cut from one block costs the same every time, plus, for a string
@@ -735,7 +736,7 @@ class _CsvBatches(Iterator):
 
     def pull(self) -> tuple[Any, Reservation]:  # noqa: C901
         block = self.cursor.block
-        if block is not None and self._pending is None:
+        if block is not None:
             first = block.taken
             last = first + self.batch_size
             if last <= block.good:  # the common case, without the general loop below
@@ -750,10 +751,6 @@ class _CsvBatches(Iterator):
                     raise
                 block.taken = last
                 return self.cursor.spec.pack(batch), booking
-        if self._pending is not None:
-            error, self._pending = self._pending, None
-            self.cursor.error_raised()
-            raise error
         pieces: list[list[np.ndarray[Any, Any]]] = []
         bookings: list[Reservation] = []
         rows = 0
@@ -761,12 +758,12 @@ class _CsvBatches(Iterator):
             while rows < self.batch_size:
                 try:
                     columns, count = self.cursor.take(self.batch_size - rows)
-                except CsvError as error:
-                    if not rows:
-                        self.cursor.error_raised()
-                        raise
-                    self._pending = error  # the good records first; the error on the next call
-                    break
+                except CsvError:
+                    # As tf.data's batch: the rows gathered before a bad record are
+                    # dropped (their bookings released below), the error is raised once
+                    # in the batch's place, and the next batch starts after the record.
+                    self.cursor.error_raised()
+                    raise
                 if not count:
                     break
                 # Copied out and booked now: the block it comes from is released when the
@@ -823,7 +820,6 @@ class _CsvBatches(Iterator):
         return {"records": self.cursor.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self._pending = None
         self.cursor.set_state(StateReader(state, self.stage).child("records"), "csv")
 
     def close(self) -> None:

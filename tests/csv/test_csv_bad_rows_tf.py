@@ -1,0 +1,112 @@
+"""Bad CSV records and unreadable headers against TensorFlow, under batch and across files.
+
+tf.data's contract, which headrace promises (G3, G5): under ``batch`` a bad record
+drops the rows its batch had gathered, its error takes the batch's place, and the next
+batch starts right after it, with ``drop_remainder`` or without; a state taken right
+after the error resumes with what follows. An empty file or a header that cannot be
+read raises once and the next file is read. Files are generated from a seed (row
+counts, bad rows at every position of a batch, batch sizes, block sizes), run through
+TensorFlow and headrace (both engines), and the batches and errors must agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import headrace as hr
+from headrace._csv import CsvError
+
+pytestmark = pytest.mark.tf
+
+ERR = "error"
+
+
+def drain(iterator: Any, error_type: Any, count: int | None = None) -> list[Any]:
+    """The batches (as lists of column lists) and errors (``ERR``) in order: all of
+    them, or the first ``count``."""
+    out: list[Any] = []
+    while count is None or len(out) < count:
+        assert len(out) < 200, out[:5]
+        try:
+            element = next(iterator)
+        except StopIteration:
+            break
+        except error_type:
+            out.append(ERR)
+            continue
+        if isinstance(element, dict):
+            element = tuple(element.values())
+        out.append([np.asarray(column).tolist() for column in element])
+    return out
+
+
+def bad_file(path: Path, rows: int, bad: set[int]) -> str:
+    """``a,b`` with ``rows`` integer records; those in ``bad`` hold a float."""
+    path.write_text("a,b\n" + "".join(
+        f"{i},{f'{i}.5' if i in bad else i}\n" for i in range(rows)))
+    return str(path)
+
+
+def cases(seed: int, count: int) -> list[tuple[int, set[int], int]]:
+    """(rows, bad rows, batch size), drawn so the bad rows fall at every batch position."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        rows = int(rng.integers(1, 40))
+        batch = int(rng.integers(1, 8))
+        bad = {int(i) for i in rng.choice(rows, size=int(rng.integers(1, min(rows, 4) + 1)),
+                                          replace=False)}
+        out.append((rows, bad, batch))
+    return out
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_bad_rows_under_batch_match_tensorflow(tmp_path: Path, drop: bool) -> None:
+    for index, (rows, bad, batch) in enumerate(cases(7 + drop, 40)):
+        path = bad_file(tmp_path / f"f{index}.csv", rows, bad)
+        expected = drain(iter(tf.data.experimental.CsvDataset(
+            path, [[0], [0]], header=True).batch(batch, drop_remainder=drop).as_numpy_iterator()),
+            tf.errors.InvalidArgumentError)
+        for engine in ("arrow", "pure"):
+            for block_bytes in (16, 64, 1 << 20):
+                got = drain(iter(hr.CsvDataset(path, [[0], [0]], header=True, engine=engine,
+                                               block_bytes=block_bytes)
+                                 .batch(batch, drop_remainder=drop)), CsvError)
+                assert got == expected, (rows, sorted(bad), batch, engine, block_bytes)
+
+
+def test_make_csv_dataset_bad_rows_match_tensorflow(tmp_path: Path) -> None:
+    for index, (rows, bad, batch) in enumerate(cases(11, 25)):
+        path = bad_file(tmp_path / f"f{index}.csv", rows, bad)
+        kwargs: dict[str, Any] = dict(batch_size=batch, num_epochs=1, shuffle=False,
+                                      column_defaults=[0, 0])
+        expected = drain(iter(tf.data.experimental.make_csv_dataset(path, **kwargs)
+                              .as_numpy_iterator()), tf.errors.InvalidArgumentError)
+        got = drain(iter(hr.make_csv_dataset(path, **kwargs)), CsvError)
+        assert got == expected, (rows, sorted(bad), batch)
+
+
+@pytest.mark.parametrize("engine", ["arrow", "pure"])
+def test_state_after_a_batch_error_resumes_after_it(tmp_path: Path, engine: str) -> None:
+    for index, (rows, bad, batch) in enumerate(cases(13, 12)):
+        path = bad_file(tmp_path / f"f{index}.csv", rows, bad)
+
+        def make(path: str = path, batch: int = batch) -> hr.Dataset:
+            return hr.CsvDataset(path, [[0], [0]], header=True, engine=engine,
+                                 block_bytes=32).batch(batch)
+
+        full = drain(iter(make()), CsvError)
+        for cut in (i for i, item in enumerate(full) if item == ERR):
+            with iter(make()) as it:
+                assert drain(it, CsvError, cut) == full[:cut]
+                with pytest.raises(CsvError):
+                    next(it)
+                state = it.get_state()
+            with iter(make()) as it:
+                it.set_state(state)
+                assert drain(it, CsvError) == full[cut + 1:], (rows, sorted(bad), batch, cut)
