@@ -110,3 +110,54 @@ def test_state_after_a_batch_error_resumes_after_it(tmp_path: Path, engine: str)
             with iter(make()) as it:
                 it.set_state(state)
                 assert drain(it, CsvError) == full[cut + 1:], (rows, sorted(bad), batch, cut)
+
+
+HEADERS = [b"", b"\xef\xbb\xbf", b"a,b\n", b'a"b,c\n', b'"a"b,c\n', b'"a"b,bc\n"line\nbreak","a,b"\n',
+           b'"unclosed,b\n', b"a,b"]
+
+
+def header_files(folder: Path, seed: int) -> list[str]:
+    """Files with a header drawn from HEADERS (empty, malformed, unclosed, good) and a few
+    records, some malformed too."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for index in range(int(rng.integers(1, 5))):
+        head = HEADERS[int(rng.integers(len(HEADERS)))]
+        rows = [f"{i},{i * 10}" if rng.random() > 0.2 else f'{i}"x,1'
+                for i in range(int(rng.integers(0, 5)))]
+        body = "".join(row + "\n" for row in rows).encode()
+        path = folder / f"s{seed}_{index}.csv"
+        path.write_bytes(head + (b"\n" if head == b"a,b" and body else b"") + body)
+        paths.append(str(path))
+    return paths
+
+
+def test_bad_headers_and_empty_files_raise_once_as_tensorflow(tmp_path: Path) -> None:
+    defaults = [[""], [""]]
+    for seed in range(40):
+        paths = header_files(tmp_path, seed)
+        tf_ds = tf.data.experimental.CsvDataset(paths, defaults, header=True)
+        expected = drain(iter(tf_ds.as_numpy_iterator()), tf.errors.InvalidArgumentError)
+        tf_kept = drain(iter(tf_ds.ignore_errors().as_numpy_iterator()),
+                        tf.errors.InvalidArgumentError)
+        for engine in ("arrow", "pure"):
+            ds = hr.CsvDataset(paths, defaults, header=True, engine=engine, block_bytes=16)
+            assert drain(iter(ds), CsvError) == expected, (seed, engine)
+            assert drain(iter(ds.ignore_errors()), CsvError) == tf_kept, (seed, engine)
+
+
+@pytest.mark.parametrize("engine", ["arrow", "pure"])
+def test_state_after_a_header_error_resumes_after_it(tmp_path: Path, engine: str) -> None:
+    for seed in range(15):
+        paths = header_files(tmp_path, seed)
+        ds = hr.CsvDataset(paths, [[""], [""]], header=True, engine=engine, block_bytes=16)
+        full = drain(iter(ds), CsvError)
+        for cut in (i for i, item in enumerate(full) if item == ERR):
+            with iter(ds) as it:
+                assert drain(it, CsvError, cut) == full[:cut]
+                with pytest.raises(CsvError):
+                    next(it)
+                state = it.get_state()
+            with iter(ds) as it:
+                it.set_state(state)
+                assert drain(it, CsvError) == full[cut + 1:], (seed, cut)

@@ -237,6 +237,8 @@ class _BlockReader:
         self._scratch_booking: Reservation = NO_RESERVATION
         self._booked = 0  # the window of text booked (see _book_text)
         self._seekable = not stream.compression_type
+        #: A header that could not be parsed (and was skipped): the cursor raises it once.
+        self.header_error: CsvError | None = None
         if not self._seekable:
             stream.seek(offset)
         if offset == 0:
@@ -362,7 +364,8 @@ class _BlockReader:
 
     def _skip_bom_and_header(self) -> None:
         self._fill(len(_BOM))
-        if self._buffer.startswith(_BOM, self._start, self._stop):
+        bom = self._buffer.startswith(_BOM, self._start, self._stop)
+        if bom:
             self._consume(len(_BOM), 0, 0)
         if not self.spec.header:
             return
@@ -375,15 +378,18 @@ class _BlockReader:
             scanned = csvfmt.scan_records(unparsed, self.spec.fmt, final=whole,
                                           max_records=1)
             if scanned.ends:
-                if scanned.errors[0] is not None:
-                    break
                 end = scanned.ends[0]
                 self._consume(end, 0, unparsed.count(b"\n", 0, end) or 1)
+                if scanned.errors[0] is not None:
+                    # skipped as a bad record is: TensorFlow raises once, then reads on
+                    self.header_error = CsvError("Can't read header of file", path=self.path,
+                                                 offset=0, line=1)
                 return
             if whole:
                 break
             want = self._grow(want)
-        raise CsvError("Can't read header of file", path=self.path, offset=0, line=1)
+        if not bom:  # (a file of a byte-order mark alone is a header to TensorFlow)
+            raise CsvError("Can't read header of file", path=self.path, offset=0, line=1)
 
     def _grow(self, want: int) -> int:
         """The next, larger window to look for a whole record in (the one of ``want``
@@ -548,12 +554,26 @@ class CsvCursor:
                                    offset, record, line, self.account)
         return self.reader
 
-    def _open_or_skip(self) -> _BlockReader:
+    def _open_or_skip(self) -> _BlockReader | None:
         """Open the current file; one that cannot be opened (missing, a directory, not
-        readable) is skipped, its error raised in its place (raised as is, it would come
-        again at every call and the files after it would never be read)."""
+        readable) or whose header cannot be read (an empty file too) is skipped, its
+        error raised once in its place, as ``CsvDataset`` does (raised as is, it would
+        come again at every call and the files after it would never be read). With
+        ``ignore_errors`` a bad header is skipped and counted like a bad record: None.
+
+        A header that ends but cannot be parsed is skipped as a bad record is and its
+        error raised once; the file is then read on, from after it, as TensorFlow does."""
         try:
-            return self._open()
+            reader = self._open()
+        except CsvError as error:
+            self._close_file()
+            self._next_file()
+            if self.spec.ignore_errors:
+                self.ctx.run.skipped_records += 1
+                return None
+            add_note(error, "headrace: the file is skipped; the next record comes from the "
+                            "next file")
+            raise
         except OSError as error:
             if not file_at_fault(error):
                 raise
@@ -563,6 +583,21 @@ class CsvCursor:
                             "next file")
             self._next_file()
             raise
+        self._header_error(reader)
+        return reader
+
+    def _header_error(self, reader: _BlockReader) -> None:
+        """Raise the error of the header ``reader`` skipped, if any, once (with
+        ``ignore_errors``, count it as a skipped record instead)."""
+        error = reader.header_error
+        if error is None:
+            return
+        reader.header_error = None
+        # a state taken now resumes after the header, without raising it again
+        self.start = (reader.offset, reader.record, reader.line)
+        if not self.spec.ignore_errors:
+            raise error
+        self.ctx.run.skipped_records += 1
 
     def current(self) -> _Block | None:
         """The block with records (or an error) left to hand out; None at the very end."""
@@ -575,6 +610,8 @@ class CsvCursor:
             if self.file_index >= len(self.node.filenames):
                 return None
             reader = self.reader or self._open_or_skip()
+            if reader is None:
+                continue
             block = reader.read_block()
             if block is None:
                 self._next_file()
