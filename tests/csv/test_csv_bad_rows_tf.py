@@ -161,3 +161,33 @@ def test_state_after_a_header_error_resumes_after_it(tmp_path: Path, engine: str
             with iter(ds) as it:
                 it.set_state(state)
                 assert drain(it, CsvError) == full[cut + 1:], (seed, cut)
+
+
+def test_ignore_errors_skips_a_bad_row_among_the_inference_rows(tmp_path: Path) -> None:
+    # docs/differences.md: tf.data refuses to build; headrace skips the row, as anywhere.
+    path = tmp_path / "ragged.csv"
+    path.write_text("a,b,c\n1,2.5,x\n3,4.5\n5,6.5,z\n")
+    kwargs: dict[str, Any] = dict(batch_size=4, num_epochs=1, shuffle=False)
+    with pytest.raises(ValueError, match="Problem inferring types"):
+        tf.data.experimental.make_csv_dataset(str(path), ignore_errors=True, **kwargs)
+    (batch,) = list(hr.make_csv_dataset(str(path), ignore_errors=True, **kwargs))
+    assert batch["a"].tolist() == [1, 5] and batch["b"].dtype == np.float32
+    assert batch["c"].tolist() == [b"x", b"z"]
+    with pytest.raises(CsvError):  # without ignore_errors, refused at build time as tf.data
+        hr.make_csv_dataset(str(path), **kwargs)
+
+
+def test_a_byte_order_mark_is_skipped_where_tensorflow_keeps_it(tmp_path: Path) -> None:
+    # docs/differences.md: the first column is named "a" and its numbers parse.
+    path = tmp_path / "bom.csv"
+    path.write_bytes(b"\xef\xbb\xbfa,b\n1,x\n2,y\n")
+    kwargs: dict[str, Any] = dict(batch_size=2, num_epochs=1, shuffle=False)
+    (theirs,) = list(tf.data.experimental.make_csv_dataset(str(path), **kwargs)
+                     .as_numpy_iterator())
+    assert list(theirs) == ["\ufeffa", "b"]
+    (mine,) = list(hr.make_csv_dataset(str(path), **kwargs))
+    assert list(mine) == ["a", "b"] and mine["a"].tolist() == [1, 2]
+    tf_first = next(iter(tf.data.experimental.CsvDataset(str(path), [[""], [""]])
+                         .as_numpy_iterator()))
+    assert tf_first == (b"\xef\xbb\xbfa", b"b")
+    assert next(iter(hr.CsvDataset(str(path), [[""], [""]]))) == (b"a", b"b")
