@@ -8,10 +8,10 @@ otherwise by :mod:`headrace._csv.reader`'s pure parser — and the parsed block 
 booked on the stage's share of the budget before it is held (G1), as is the
 reused buffer an uncompressed file's text is read into. Where the share cannot
 hold a block (its text or its parsed columns), the block is read again cut to a
-quarter of the size, down to a few KiB: the minimum working set is one record,
-not ``block_bytes`` (a 4 MiB block of 40-byte rows is about 13 MiB parsed). Records are handed
-out from the block one by one (``CsvDataset``) or, when a ``batch`` follows,
-as slices copied into each batch (no per-record Python). Batches are copies,
+quarter of the size, down to 1 KiB: the minimum working set is one record, not
+``block_bytes`` (a 4 MiB block of 40-byte rows is about 13 MiB parsed). Records
+are handed out from the block one by one (``CsvDataset``) or, when a ``batch``
+follows, as slices copied into each batch (no per-record Python). Batches are copies,
 not views of the block: a consumer that keeps some batches keeps their rows,
 never a whole block per batch (a view would pin, and by the core's rule cost,
 its whole block; the copy is ~4% of the time of the parse).
@@ -635,10 +635,10 @@ class CsvCursor:
                     sizeof(block.columns), together=f"the parsed CSV block of "
                     f"{self.node.filenames[self.file_index]} from line {block.line} (byte "
                     f"offset {block.offset}; its text was cut at {self.block_bytes} bytes)")
-            except MemoryBudgetError:
-                if block is not None:
+            except BaseException as error:
+                if block is not None:  # (read, not handed out: a state points at it)
                     self.start = (block.offset, block.record, block.line)
-                if not self._smaller_blocks():
+                if not isinstance(error, MemoryBudgetError) or not self._smaller_blocks():
                     raise
                 continue
             self._skip_into(block)
