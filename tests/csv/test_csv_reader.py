@@ -53,7 +53,7 @@ def test_ragged_rows_and_bad_numbers_name_file_row_and_column(tmp_path: Any, eng
     path.write_text("a,b\n1,2\n3\n4,x\n5,6\n")
     ds = hr.read_csv(str(path), 10, column_defaults=[[0], [0]], engine=engine)
     it = iter(ds)
-    assert next(it)["a"].tolist() == [1]  # the good record before the bad one comes first
+    # the batch's good record before the bad one is dropped, as tf.data's batch drops it
     with pytest.raises(hr.CsvError) as ragged:
         next(it)
     assert ragged.value.message == "Expect 2 fields but have 1 in record"

@@ -81,7 +81,13 @@ def CsvDataset(
     TensorFlow's message (``"Field 1 in record is not a valid int32: x"``)
     followed by the file, record, line and column; the next element is the
     next record. ``engine`` (``"auto"``, ``"arrow"``, ``"pure"``) picks the
-    parser; ``block_bytes`` how much text is parsed at once.
+    parser; ``block_bytes`` how much text is parsed at once, at most: where the
+    stage's share of the memory budget cannot hold such a block, it is cut
+    smaller (down to one record), rather than the budget refused.
+
+    Under ``batch``, as in tf.data, a bad record drops the rows its batch had
+    gathered and raises in the batch's place; an empty file or a header that
+    cannot be read raises once, and the reading goes on.
     """
     spec = CsvSpec(
         columns=tuple(columns_from_defaults(record_defaults)),

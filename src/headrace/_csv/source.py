@@ -6,23 +6,28 @@ one NumPy array per column — by pyarrow's C++ parser when the ``[arrow]``
 extra is installed and the block is one it reads exactly as TensorFlow does,
 otherwise by :mod:`headrace._csv.reader`'s pure parser — and the parsed block is
 booked on the stage's share of the budget before it is held (G1), as is the
-reused buffer an uncompressed file's text is read into. Records are handed
-out from the block one by one (``CsvDataset``) or, when a ``batch`` follows,
-as slices copied into each batch (no per-record Python). Batches are copies,
+reused buffer an uncompressed file's text is read into. Where the share cannot
+hold a block (its text or its parsed columns), the block is read again cut to a
+quarter of the size, down to 1 KiB: the minimum working set is one record, not
+``block_bytes`` (a 4 MiB block of 40-byte rows is about 13 MiB parsed). Records
+are handed out from the block one by one (``CsvDataset``) or, when a ``batch``
+follows, as slices copied into each batch (no per-record Python). Batches are copies,
 not views of the block: a consumer that keeps some batches keeps their rows,
 never a whole block per batch (a view would pin, and by the core's rule cost,
 its whole block; the copy is ~4% of the time of the parse).
 
 Where it is (G4): the byte offset of the block's first record, the index of
 that record in its file, and how many of the block's records were handed
-out. Blocks are cut deterministically from their start offset, so restoring
-re-reads and re-parses one block and skips what was handed out; for
-compressed files the offset counts decompressed bytes.
+out. Restoring reads from that offset and skips what was handed out, across
+several blocks where they are cut smaller than when the state was taken (a
+tighter budget); for compressed files the offset counts decompressed bytes.
 
 Bad records (G5): records before a bad one are handed out first; then its
 error (:class:`~headrace._csv.reader.CsvError`: TensorFlow's message, plus file,
 record, line and column); the next ``next()`` goes on with the next record,
-as ``CsvDataset`` does.
+as ``CsvDataset`` does. Under a ``batch``, as in tf.data, the rows gathered before
+a bad record are dropped, the error takes the batch's place, and the next batch
+starts right after the record.
 
 A UTF-8 byte-order mark at the start of a file is skipped (TensorFlow keeps
 it as part of the first field, which then fails to parse as a number).
@@ -58,12 +63,15 @@ from headrace.io.filepool import FilePool, PooledStream, file_at_fault, get_defa
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "ENGINES", "CsvCursor", "CsvNode", "CsvSpec", "read_first_record"]
 
-#: Bytes of text parsed at once. Large enough for pyarrow to run at full speed, small
-#: enough that the parse's temporaries stay well inside G1's measured slack.
+#: Bytes of text parsed at once (at most: a tight budget cuts less). Large enough for
+#: pyarrow to run at full speed, small enough that the parse's temporaries stay well
+#: inside G1's measured slack.
 DEFAULT_BLOCK_BYTES = 4 << 20
 #: Longest record (a quoted field may span lines): beyond it, RecordTooLargeError.
 DEFAULT_MAX_RECORD_BYTES = 64 << 20
 ENGINES = ("auto", "arrow", "pure")
+#: The smallest block a tight budget cuts the text into (see CsvCursor.block_bytes).
+_MIN_BLOCK_BYTES = 1 << 10
 _BOM = b"\xef\xbb\xbf"
 _BYTES_HEADER = sys.getsizeof(b"")
 
@@ -224,8 +232,11 @@ class _BlockReader:
     """
 
     def __init__(self, stream: PooledStream, spec: CsvSpec, path: str, offset: int,
-                 record: int, line: int, account: Buffer) -> None:
+                 record: int, line: int, account: Buffer, block_bytes: int) -> None:
         self.stream, self.spec, self.path = stream, spec, path
+        #: The text parsed at once: ``spec.block_bytes``, or less where the budget's
+        #: share cannot hold that (see :meth:`CsvCursor.current`).
+        self.block_bytes = block_bytes
         self.offset, self.record, self.line = offset, record, line
         self.account = account
         self._buffer: bytes | bytearray = b""
@@ -235,6 +246,8 @@ class _BlockReader:
         self._scratch_booking: Reservation = NO_RESERVATION
         self._booked = 0  # the window of text booked (see _book_text)
         self._seekable = not stream.compression_type
+        #: A header that could not be parsed (and was skipped): the cursor raises it once.
+        self.header_error: CsvError | None = None
         if not self._seekable:
             stream.seek(offset)
         if offset == 0:
@@ -254,7 +267,7 @@ class _BlockReader:
         have = self._stop - self._start
         if have >= at_least or self._eof:
             return
-        size = max(at_least, self.spec.block_bytes)
+        size = max(at_least, self.block_bytes)
         if self._seekable:
             if len(self._scratch) < size:
                 self._scratch = bytearray()
@@ -360,11 +373,12 @@ class _BlockReader:
 
     def _skip_bom_and_header(self) -> None:
         self._fill(len(_BOM))
-        if self._buffer.startswith(_BOM, self._start, self._stop):
+        bom = self._buffer.startswith(_BOM, self._start, self._stop)
+        if bom:
             self._consume(len(_BOM), 0, 0)
         if not self.spec.header:
             return
-        want = min(self.spec.block_bytes, 1 << 16)  # a header is short: copy little
+        want = min(self.block_bytes, 1 << 16)  # a header is short: copy little
         while True:
             self._fill(want)
             stop = min(self._stop, self._start + want)
@@ -373,15 +387,18 @@ class _BlockReader:
             scanned = csvfmt.scan_records(unparsed, self.spec.fmt, final=whole,
                                           max_records=1)
             if scanned.ends:
-                if scanned.errors[0] is not None:
-                    break
                 end = scanned.ends[0]
                 self._consume(end, 0, unparsed.count(b"\n", 0, end) or 1)
+                if scanned.errors[0] is not None:
+                    # skipped as a bad record is: TensorFlow raises once, then reads on
+                    self.header_error = CsvError("Can't read header of file", path=self.path,
+                                                 offset=0, line=1)
                 return
             if whole:
                 break
             want = self._grow(want)
-        raise CsvError("Can't read header of file", path=self.path, offset=0, line=1)
+        if not bom:  # (a file of a byte-order mark alone is a header to TensorFlow)
+            raise CsvError("Can't read header of file", path=self.path, offset=0, line=1)
 
     def _grow(self, want: int) -> int:
         """The next, larger window to look for a whole record in (the one of ``want``
@@ -405,8 +422,8 @@ class _BlockReader:
 
     def _window(self) -> int:
         """The bytes a block is first cut from (grown only for a longer record)."""
-        spec = self.spec
-        return spec.block_bytes if spec.use_arrow else max(spec.block_bytes // 4, 1 << 16)
+        size = self.block_bytes
+        return size if self.spec.use_arrow else max(size // 4, min(size, 1 << 16))
 
     def read_block(self) -> _Block | None:
         """The next block of records, or None at the end of the stream."""
@@ -519,6 +536,10 @@ class CsvCursor:
         self.reader: _BlockReader | None = None
         self.block: _Block | None = None
         self.remote_booking: Reservation | None = None  # an object's read-ahead, while open
+        #: The text parsed at once: ``block_bytes`` until the share refuses a block, then
+        #: a quarter of it each time, down to _MIN_BLOCK_BYTES (a longer record still
+        #: grows its window: the floor is one record).
+        self.block_bytes = self.spec.block_bytes
 
     # -- reading ---------------------------------------------------------------------------
     def _open(self) -> _BlockReader:
@@ -531,7 +552,7 @@ class CsvCursor:
             ranges = objstore.READ_AHEAD_RANGES - 1
             if self.remote_booking is None:  # (beside the block of text being parsed)
                 size = node.object_buffer(
-                    max(0, self.account.share() - self.spec.block_bytes), ranges)
+                    max(0, self.account.share() - self.block_bytes), ranges)
                 self.remote_booking = self.account.admit(
                     size * ranges, together=f"the read-ahead of {name}", elements=0)
             else:  # (reopened: the size it was booked at)
@@ -543,15 +564,29 @@ class CsvCursor:
         )
         offset, record, line = self.start
         self.reader = _BlockReader(self.stream, self.spec, node.filenames[self.file_index],
-                                   offset, record, line, self.account)
+                                   offset, record, line, self.account, self.block_bytes)
         return self.reader
 
-    def _open_or_skip(self) -> _BlockReader:
+    def _open_or_skip(self) -> _BlockReader | None:
         """Open the current file; one that cannot be opened (missing, a directory, not
-        readable) is skipped, its error raised in its place (raised as is, it would come
-        again at every call and the files after it would never be read)."""
+        readable) or whose header cannot be read (an empty file too) is skipped, its
+        error raised once in its place, as ``CsvDataset`` does (raised as is, it would
+        come again at every call and the files after it would never be read). With
+        ``ignore_errors`` a bad header is skipped and counted like a bad record: None.
+
+        A header that ends but cannot be parsed is skipped as a bad record is and its
+        error raised once; the file is then read on, from after it, as TensorFlow does."""
         try:
-            return self._open()
+            reader = self._open()
+        except CsvError as error:
+            self._close_file()
+            self._next_file()
+            if self.spec.ignore_errors:
+                self.ctx.run.skipped_records += 1
+                return None
+            add_note(error, "headrace: the file is skipped; the next record comes from the "
+                            "next file")
+            raise
         except OSError as error:
             if not file_at_fault(error):
                 raise
@@ -561,6 +596,21 @@ class CsvCursor:
                             "next file")
             self._next_file()
             raise
+        self._header_error(reader)
+        return reader
+
+    def _header_error(self, reader: _BlockReader) -> None:
+        """Raise the error of the header ``reader`` skipped, if any, once (with
+        ``ignore_errors``, count it as a skipped record instead)."""
+        error = reader.header_error
+        if error is None:
+            return
+        reader.header_error = None
+        # a state taken now resumes after the header, without raising it again
+        self.start = (reader.offset, reader.record, reader.line)
+        if not self.spec.ignore_errors:
+            raise error
+        self.ctx.run.skipped_records += 1
 
     def current(self) -> _Block | None:
         """The block with records (or an error) left to hand out; None at the very end."""
@@ -572,25 +622,48 @@ class CsvCursor:
             self._drop_block()
             if self.file_index >= len(self.node.filenames):
                 return None
-            reader = self.reader or self._open_or_skip()
-            block = reader.read_block()
-            if block is None:
-                self._next_file()
-                continue
+            block = None
             try:
+                reader = self.reader or self._open_or_skip()
+                if reader is None:
+                    continue
+                block = reader.read_block()
+                if block is None:
+                    self._next_file()
+                    continue
                 block.booking = self.account.admit(
                     sizeof(block.columns), together=f"the parsed CSV block of "
                     f"{self.node.filenames[self.file_index]} from line {block.line} (byte "
-                    f"offset {block.offset}; a smaller block_bytes than "
-                    f"{self.spec.block_bytes} fits)")
-            except BaseException:
-                self.start = (block.offset, block.record, block.line)
-                raise
-            block.taken = min(self.skip, block.good)
-            if self.skip > block.good:  # restored past the bad record: it was raised already
-                block.error_raised = True
-            self.skip = 0
-            self.block = block
+                    f"offset {block.offset}; its text was cut at {self.block_bytes} bytes)")
+            except BaseException as error:
+                if block is not None:  # (read, not handed out: a state points at it)
+                    self.start = (block.offset, block.record, block.line)
+                if not isinstance(error, MemoryBudgetError) or not self._smaller_blocks():
+                    raise
+                continue
+            self._skip_into(block)
+            self.block = block  # (returned above unless the skip took all of it)
+
+    def _smaller_blocks(self) -> bool:
+        """After the share refused a block (its text or its parsed columns): read it
+        again in smaller blocks, from where it starts, unless they are as small as
+        they go. G1: the minimum working set is one record, not ``block_bytes``."""
+        if self.block_bytes <= _MIN_BLOCK_BYTES:
+            return False
+        self.block_bytes = max(_MIN_BLOCK_BYTES, self.block_bytes // 4)
+        self._close_file()  # (reopened at self.start, the refused block's first byte)
+        return True
+
+    def _skip_into(self, block: _Block) -> None:
+        """Skip what a restored state says was handed out of ``block`` (``self.skip``
+        records, its error counting as one); what is left of the skip is in the next
+        blocks (they may be cut smaller than the ones the state was taken on)."""
+        if self.skip <= block.good:
+            block.taken, self.skip = self.skip, 0
+            return
+        block.taken = block.good
+        block.error_raised = block.error is not None
+        self.skip -= block.good + block.error_raised
 
     def take(self, count: int) -> tuple[list[np.ndarray[Any, Any]], int]:
         """Views of up to ``count`` records of the current block (fewer at its end);
@@ -722,7 +795,6 @@ class _CsvBatches(Iterator):
         super().__init__()
         self.cursor, self.batch_size, self.drop_remainder = cursor, batch_size, drop_remainder
         self.account = account
-        self._pending: BaseException | None = None
         self._container_cost: int | None = None
         columns = cursor.spec.columns
         # A whole batch cut from one block costs the same every time, plus, for a string
@@ -735,7 +807,7 @@ class _CsvBatches(Iterator):
 
     def pull(self) -> tuple[Any, Reservation]:  # noqa: C901
         block = self.cursor.block
-        if block is not None and self._pending is None:
+        if block is not None:
             first = block.taken
             last = first + self.batch_size
             if last <= block.good:  # the common case, without the general loop below
@@ -750,10 +822,6 @@ class _CsvBatches(Iterator):
                     raise
                 block.taken = last
                 return self.cursor.spec.pack(batch), booking
-        if self._pending is not None:
-            error, self._pending = self._pending, None
-            self.cursor.error_raised()
-            raise error
         pieces: list[list[np.ndarray[Any, Any]]] = []
         bookings: list[Reservation] = []
         rows = 0
@@ -761,12 +829,12 @@ class _CsvBatches(Iterator):
             while rows < self.batch_size:
                 try:
                     columns, count = self.cursor.take(self.batch_size - rows)
-                except CsvError as error:
-                    if not rows:
-                        self.cursor.error_raised()
-                        raise
-                    self._pending = error  # the good records first; the error on the next call
-                    break
+                except CsvError:
+                    # As tf.data's batch: the rows gathered before a bad record are
+                    # dropped (their bookings released below), the error is raised once
+                    # in the batch's place, and the next batch starts after the record.
+                    self.cursor.error_raised()
+                    raise
                 if not count:
                     break
                 # Copied out and booked now: the block it comes from is released when the
@@ -823,7 +891,6 @@ class _CsvBatches(Iterator):
         return {"records": self.cursor.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self._pending = None
         self.cursor.set_state(StateReader(state, self.stage).child("records"), "csv")
 
     def close(self) -> None:
