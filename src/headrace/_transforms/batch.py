@@ -58,6 +58,7 @@ from headrace.core.node import (
     batching_role,
     check_positive,
 )
+from headrace.core.stack import row_item
 from headrace.core.state import INNER, POSITION, StateReader
 
 __all__ = ["BatchNode", "ColumnarBatchIterator", "batch_iterator", "batched_cardinality"]
@@ -438,7 +439,9 @@ class _BatchIterator(Assembler):
                 and leaf.dtype is column.dtype
                 and leaf.shape == column.shape
             ):
-                out[row] = leaf  # the common case: same dtype object, same shape
+                # the common case: same dtype object, same shape. A 0-d array gives its
+                # item: stored whole in an object row it would nest (an array, not bytes)
+                out[row] = leaf if leaf.ndim else leaf[()]
                 continue
             if type(leaf) is column.scalar:
                 out[row] = leaf  # a NumPy scalar of the column's own type, or bytes/str
@@ -468,7 +471,7 @@ class _BatchIterator(Assembler):
                     )
                 if not np.can_cast(dtype, column.dtype, "safe"):
                     out = self._promote(column, np.result_type(column.dtype, dtype), row)
-            out[row] = leaf
+            out[row] = row_item(leaf)
         return None
 
     def _promote(
