@@ -139,3 +139,23 @@ def test_stack_elements_stores_the_items_of_0d_object_arrays() -> None:
         [(np.array(b"a", dtype=object), np.int32(1)), (b"b", np.int32(2))], stage="batch")
     assert [type(row) for row in stacked[0]] == [bytes, bytes]
     assert stacked[0].tolist() == [b"a", b"b"] and stacked[1].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_rows_mixing_bytes_and_0d_arrays_batch_to_bytes(seed: int) -> None:
+    # any of the three forms may come first: the column is laid out from the first row
+    from headrace import tf_compat
+
+    rng = random.Random(seed)
+    forms = [rng.choice(["bytes", "array", "constant"]) for _ in range(10)]
+
+    def element(i: Any) -> Any:
+        value = b"m%d" % int(i)
+        form = forms[int(i)]
+        if form == "array":
+            return np.array(value, dtype=object)
+        return tf_compat.constant(value) if form == "constant" else value
+
+    rows = [row for batch in hr.Dataset.range(10).map(element).batch(4) for row in batch]
+    assert rows == [b"m%d" % i for i in range(10)], forms
+    assert all(type(row) is bytes for row in rows), forms
