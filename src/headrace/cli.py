@@ -7,7 +7,10 @@ against the budget, and what each stage held.
 
 Every subcommand fails the same way: exit status 1 (2 for a bad argument) and one
 line on stderr saying what was wrong and where (the file, the value); the traceback
-only with ``--debug``. Paths that must be whole files (``inspect``, ``index``,
+only with ``--debug``. ``profile`` and ``doctor`` keep 1 for what they report (doctor:
+a leak) apart from a pipeline that fails: a ``MODULE:FUNCTION`` that names no function
+returning a dataset is a bad argument (2), and the pipeline's own code raising (while
+it is imported, built or run) is status 3. Paths that must be whole files (``inspect``, ``index``,
 ``convert``) are refused unless they are regular files: ``/dev/zero`` never ends, a
 FIFO blocks its reader, and an index is never written next to a device; an ``--html``
 report path that exists must be a regular file too. Counts and sizes past a sane bound
@@ -43,6 +46,20 @@ class _UsageError(Exception):
     """A bad command line (argparse's complaint, as one line)."""
 
 
+class _TargetError(_CommandError):
+    """A ``MODULE:FUNCTION`` that names no function returning a dataset: a bad argument
+    (exit status 2), told apart from what ``doctor`` reports (1: a leak)."""
+
+
+class _PipelineError(_CommandError):
+    """The user's pipeline code raised (importing its module, calling its builder,
+    running it): exit status 3, neither a bad argument nor a leak."""
+
+
+#: ``main``'s exit status for each error class that has its own (others: 1).
+_STATUS: dict[type[BaseException], int] = {_TargetError: 2, _PipelineError: 3}
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line and an exit status, not usage text and
     ``SystemExit`` (``main`` returns the status; tests call it in-process)."""
@@ -63,6 +80,18 @@ _DESCRIPTION = ("headrace: tf.data-style input pipelines under a hard memory bud
 #: ``doctor --epochs`` at least: 2 of warm-up, then 3 measured (a leak is a trend).
 DOCTOR_MIN_EPOCHS = 5
 _DOCTOR_WHY = " (2 warm-up epochs, then 3 to measure a trend)"
+#: The exit statuses ``doctor --help`` and ``profile --help`` list (scripts branch on them).
+_DOCTOR_STATUS = (
+    "exit status: 0 no leak; 1 something leaks; 2 a bad argument (MODULE:FUNCTION names "
+    "no function returning a dataset, an --html that cannot be written), refused before "
+    "any epoch runs; 3 the pipeline's own code raised (importing, building or running it)"
+)
+_PROFILE_STATUS = (
+    "exit status: 0 profiled; 1 the command failed (writing the report); 2 a bad "
+    "argument (MODULE:FUNCTION names no function returning a dataset, an --html that "
+    "cannot be written), refused before the pipeline runs; 3 the pipeline's own code "
+    "raised (importing, building or running it)"
+)
 MAX_SHARDS = 10_000  # each one a file; an empty shard per missing row is allowed
 MAX_EPOCHS = 100_000
 MAX_DEMO_SIZE = 1 << 44  # 16 TiB
@@ -118,20 +147,37 @@ def _sql_param(text: str) -> Any:
 
 def _output_file(text: str) -> str:
     """An argparse type: a file to write. One that exists must be a regular file: a FIFO
-    would block the write forever, a device would take (or refuse) anything."""
+    would block the write forever, a device would take (or refuse) anything. One that
+    cannot be written (no such folder, no permission) is refused before anything runs."""
     import stat
 
     if text:
         try:
             mode = os.stat(text).st_mode
         except OSError:
-            return text  # a new file (or one the write will explain)
-        if not stat.S_ISREG(mode):
+            mode = None  # a new file
+        if mode is not None and not stat.S_ISREG(mode):
             from headrace.io.files import describe_file_type
 
             raise argparse.ArgumentTypeError(
                 f"{text!r} is {describe_file_type(mode)}, not a regular file")
+        if mode is None:
+            _check_writable_folder(text)  # refused now, not after the run
+        elif not os.access(text, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r} cannot be written (permission denied)")
     return text
+
+
+def _check_writable_folder(text: str) -> None:
+    """Refuse (as a bad argument) a new file whose folder is missing or not writable:
+    ``doctor --html`` found it only after all its epochs had run."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {folder!r} {what}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} cannot be written: its folder {folder!r} is not writable")
 
 
 def _one_line(error: BaseException, command: str) -> str:
@@ -358,10 +404,10 @@ def _load_pipeline(target: str) -> Any:
     """
     try:
         return _call_target(target)
-    except (_CommandError, OSError):
+    except _CommandError:
         raise
-    except Exception as error:
-        raise _CommandError(f"{target}: {_one_line(error, '')}") from error
+    except Exception as error:  # (an OSError too: the user's code opening a file)
+        raise _PipelineError(f"{target}: {_one_line(error, '')}") from error
 
 
 def _call_target(target: str) -> Any:
@@ -370,11 +416,15 @@ def _call_target(target: str) -> Any:
 
     module_name, sep, function_name = target.rpartition(":")
     if not sep or not module_name or not function_name:
-        raise _CommandError(f"expected MODULE:FUNCTION (or path/file.py:FUNCTION), got {target!r}")
+        raise _TargetError(f"expected MODULE:FUNCTION (or path/file.py:FUNCTION), got {target!r}")
     if module_name.endswith(".py") or os.sep in module_name:
+        from headrace._errors import InvalidArgumentError
         from headrace.io.files import require_regular_file
 
-        require_regular_file(module_name, "the pipeline's file")
+        try:
+            require_regular_file(module_name, "the pipeline's file")
+        except (OSError, InvalidArgumentError) as error:  # (missing, a folder, a device)
+            raise _TargetError(_one_line(error, "")) from None
         # As `python dir/file.py` would: the file's own directory first on sys.path, so
         # it imports the modules beside it
         folder = os.path.dirname(os.path.abspath(module_name))
@@ -382,7 +432,7 @@ def _call_target(target: str) -> Any:
             sys.path.insert(0, folder)
         spec = importlib.util.spec_from_file_location("_headrace_target", module_name)
         if spec is None or spec.loader is None:
-            raise _CommandError(f"cannot load {module_name!r} as a Python file")
+            raise _TargetError(f"cannot load {module_name!r} as a Python file")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     else:
@@ -393,13 +443,13 @@ def _call_target(target: str) -> Any:
         except ModuleNotFoundError as error:
             if error.name is None or not module_name.startswith(error.name):
                 raise  # the module exists; something it imports does not
-            raise _CommandError(
+            raise _TargetError(
                 f"no module named {error.name!r} (for {target!r}: run from the directory "
                 "that holds it, or give path/to/file.py:FUNCTION)"
             ) from None
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise _CommandError(f"{module_name} has no function {function_name!r}")
+        raise _TargetError(f"{module_name} has no function {function_name!r}")
     return function()
 
 
@@ -417,14 +467,15 @@ def _profile(args: argparse.Namespace) -> int:
 
     dataset = _load_pipeline(args.target)
     if not isinstance(dataset, hr.Dataset):
-        raise _CommandError(
+        raise _TargetError(
             f"{args.target} returned {type(dataset).__name__}, not a "
             "headrace.Dataset (for a tf.data.Dataset, use `headrace doctor`)"
         )
     if args.budget:
         dataset = dataset.with_options(hr.Options(memory_budget=args.budget))
-    result = profile(dataset, steps=args.steps, epochs=args.epochs, progress=args.progress,
-                     title=f"headrace profile {args.target}")
+    with _pipeline_running("profile"):
+        result = profile(dataset, steps=args.steps, epochs=args.epochs,
+                         progress=args.progress, title=f"headrace profile {args.target}")
     print(result.format())
     if args.html:
         result.write_html(args.html)
@@ -473,18 +524,20 @@ def _doctor(args: argparse.Namespace) -> int:
     if _is_tf_dataset(dataset):
         from headrace.profiling.tfgraph import diagnose_tf
 
-        diagnosis = diagnose_tf(dataset, epochs=args.epochs, steps=args.steps, title=title,
-                                budget=args.budget, on_epoch=progress.epoch)
+        with _pipeline_running("doctor"):
+            diagnosis = diagnose_tf(dataset, epochs=args.epochs, steps=args.steps,
+                                    title=title, budget=args.budget, on_epoch=progress.epoch)
     elif isinstance(dataset, hr.Dataset):
         from headrace.profiling.doctor import diagnose
 
         if args.budget:
             dataset = dataset.with_options(hr.Options(memory_budget=args.budget))
-        diagnosis = diagnose(dataset, epochs=args.epochs, steps=args.steps, title=title,
-                             deep=args.deep, on_epoch=progress.epoch,
-                             on_traced_epoch=progress.traced_epoch)
+        with _pipeline_running("doctor"):
+            diagnosis = diagnose(dataset, epochs=args.epochs, steps=args.steps, title=title,
+                                 deep=args.deep, on_epoch=progress.epoch,
+                                 on_traced_epoch=progress.traced_epoch)
     else:
-        raise _CommandError(
+        raise _TargetError(
             f"{args.target} returned {type(dataset).__name__}, not a "
             "headrace.Dataset or a tf.data.Dataset"
         )
@@ -597,7 +650,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.set_defaults(run=_convert)
     prof = commands.add_parser(
         "profile", help="run module:function's dataset; per-stage table and an HTML report",
-        parents=[debug],
+        parents=[debug], epilog=_PROFILE_STATUS,
     )
     prof.add_argument("target", metavar="MODULE:FUNCTION",
                       help="a function returning a headrace.Dataset (or path/file.py:function)")
@@ -616,7 +669,7 @@ def _parser() -> argparse.ArgumentParser:
         "doctor",
         help="lint module:function's pipeline (headrace or tf.data) and look for leaks; "
         "exit 1 if something leaks",
-        parents=[debug],
+        parents=[debug], epilog=_DOCTOR_STATUS,
     )
     doctor.add_argument("target", metavar="MODULE:FUNCTION",
                         help="a function returning a headrace.Dataset or a tf.data.Dataset")
@@ -643,7 +696,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit status.
 
     0: done; 1: the command failed (one line on stderr says what and where; the
-    traceback too with ``--debug``); 2: a bad command line; 130: interrupted.
+    traceback too with ``--debug``), or ``doctor`` found a leak; 2: a bad command line
+    (for ``profile`` and ``doctor`` also a ``MODULE:FUNCTION`` naming no function that
+    returns a dataset, or an ``--html`` that cannot be written); 3: ``profile`` or
+    ``doctor``: the pipeline's own code raised (importing it, building it, running it);
+    130: interrupted.
     """
     try:
         args = _parser().parse_args(argv)
@@ -663,14 +720,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if args.debug:
             raise
-        from headrace._errors import HeadraceError
-
-        expected = isinstance(error, (HeadraceError, OSError, _CommandError))
-        hint = "" if expected else " (--debug shows the traceback)"
-        print(f"headrace {args.command}: error: {_one_line(error, args.command)}{hint}",
-              file=sys.stderr)
-        return 1
+        print(f"headrace {args.command}: error: {_one_line(error, args.command)}"
+              f"{_debug_hint(error)}", file=sys.stderr)
+        return _STATUS.get(type(error), 1)
     return code
+
+
+def _debug_hint(error: BaseException) -> str:
+    """Where an error is not one of ours (a bug, the user's code's), how to see more."""
+    from headrace._errors import HeadraceError
+
+    expected = isinstance(error, (HeadraceError, OSError, _CommandError))
+    return "" if expected else " (--debug shows the traceback)"
+
+
+@contextlib.contextmanager
+def _pipeline_running(command: str) -> Any:
+    """What the user's pipeline raises while it runs: status 3 (``_PipelineError``),
+    which ``doctor``'s 1 (a leak) would otherwise be."""
+    try:
+        yield
+    except _CommandError:
+        raise
+    except Exception as error:
+        raise _PipelineError(_one_line(error, command) + _debug_hint(error)) from error
 
 
 def console_main() -> None:

@@ -777,3 +777,37 @@ def test_a_damaged_complete_cache_is_refused_not_rebuilt(tmp_path: Path, damage:
     with pytest.raises(hr.DataLossError, match=re.escape(str(named))):
         list(ds)
     assert calls == []  # refused before a rebuild began
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_cache_or_snapshot_manifest_missing_a_field_is_refused_naming_it(
+    tmp_path: Path, seed: int
+) -> None:
+    """Each field removed in turn, the checksum that seals the others included: a
+    manifest of this version without its checksum was believed whole, so any other
+    edit made with it went unnoticed."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 20))
+    snapshot = seed % 2 == 1
+    compression = [None, "GZIP"][seed // 2] if snapshot else None
+
+    def pipeline() -> hr.Dataset:
+        ds = hr.Dataset.range(n).map(lambda i: np.float64(i) * 2)
+        if snapshot:
+            return ds.snapshot(str(tmp_path / "s"), compression=compression)
+        return ds.cache(str(tmp_path / "c"))
+
+    assert [float(x) for x in pipeline()] == [2.0 * i for i in range(n)]
+    (manifest_path,) = glob.glob(str(tmp_path / "**" / "*.hrcache.json"), recursive=True)
+    with open(manifest_path, encoding="utf-8") as file:
+        manifest = json.load(file)
+    assert "checksum" in manifest
+    for field in sorted(manifest):
+        edited = {key: value for key, value in manifest.items() if key != field}
+        if field == "checksum":  # and a count changed with it
+            edited["elements"] = n + 1
+        with open(manifest_path, "w", encoding="utf-8") as file:
+            json.dump(edited, file)
+        with pytest.raises(hr.DataLossError, match="manifest") as raised:
+            list(pipeline())
+        assert manifest_path in str(raised.value), (field, str(raised.value))

@@ -167,3 +167,42 @@ def test_a_part_file_from_another_save_or_swapped_gives_the_data_or_a_data_loss_
     assert len(got) == len(oracle)
     for x, y in zip(got, oracle, strict=True):
         assert_elements_equal(x, y, where=f"seed {seed}")
+
+
+#: Every top-level field each save writes (since version 1), with a value of a wrong type.
+REQUIRED = {
+    "compression": None, "fingerprint": 12, "format": 7, "version": "2",
+    "elements_format": None, "element_spec": None, "num_shards": "2", "parts": {"0": 1},
+    "digests": "abc", "elements": 1.5,
+}
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_a_required_field_missing_or_mistyped_is_a_data_loss_error_naming_it(
+    tmp_path: Path, seed: int
+) -> None:
+    # A manifest without 'compression' was read as uncompressed (a GZIP save then raised
+    # StaleIndexError advising an index rebuild), one without 'fingerprint' was accepted.
+    rng = np.random.default_rng(seed)
+    kind = ["array", "dict", "tuple"][int(rng.integers(3))]
+    compression = [None, "GZIP", "ZLIB"][int(rng.integers(3))]
+    _dataset(kind, int(rng.integers(1, 9))).save(
+        str(tmp_path), compression=compression, num_shards=int(rng.integers(1, 3)))
+    manifest_path = tmp_path / "headrace-dataset.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert set(REQUIRED) <= set(manifest)
+    for field, wrong in REQUIRED.items():
+        for edit in ("delete", "mistype"):
+            edited = dict(manifest)
+            if edit == "delete":
+                del edited[field]
+            else:
+                edited[field] = wrong
+            manifest_path.write_text(json.dumps(edited))
+            with pytest.raises(hr.DataLossError) as raised:
+                _load_all(tmp_path)
+            message = str(raised.value)
+            assert str(manifest_path) in message, (field, edit, message)
+            assert f"'{field}'" in message, (field, edit, message)
+    manifest_path.write_text(json.dumps(manifest))
+    assert len(_load_all(tmp_path)) == manifest["elements"]  # the untouched one loads

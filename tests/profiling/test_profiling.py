@@ -418,7 +418,7 @@ def test_cli_profile_and_doctor(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["doctor", f"{module}:leaky", "--epochs", "6"]) == 1
     out = capsys.readouterr().out
     assert "LEAK" in out and "leaky_step" in out
-    assert main(["doctor", f"{module}:missing"]) == 1  # one line, not SystemExit
+    assert main(["doctor", f"{module}:missing"]) == 2  # one line, not SystemExit
     assert "no function 'missing'" in capsys.readouterr().err
 
 

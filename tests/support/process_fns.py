@@ -408,3 +408,33 @@ def shard_unpicklable_at(bad: int, i: Any) -> Any:
 
     ds = hr.Dataset.range(int(i) * 100, int(i) * 100 + 7)
     return ds.map(functools.partial(unpicklable_on, bad))
+
+
+def string_element(kind: str, wrap: str, i: Any) -> Any:
+    """Element ``i`` of one kind holding strings (bytes with a trailing NUL, non-ASCII
+    str), with its scalar strings as they are (``wrap="plain"``), as 0-d object arrays
+    (``"array"``) or through ``tf_compat.constant`` (``"constant"``: str encoded, as
+    TensorFlow does). The batch tests compare a wrapped pipeline with its plain twin."""
+    i = int(i)
+
+    def text(value: bytes | str) -> Any:
+        if wrap == "array":
+            return np.array(value, dtype=object)
+        if wrap == "constant":
+            from headrace import tf_compat
+
+            return tf_compat.constant(value)
+        return value.encode() if wrap == "plain-encoded" and isinstance(value, str) else value
+
+    raw = b"s%d\x00" % i
+    if kind == "bytes":
+        return text(raw)
+    if kind == "str":
+        return text(f"\u00e9{i}")
+    if kind == "tuple":
+        return (np.int64(i), text(raw), np.float32(i / 2))
+    if kind == "dict":
+        return {"id": np.int64(i), "text": text(f"t{i}"), "raw": text(raw)}
+    if kind == "vector":  # a 1-D object array beside a scalar: only the scalar is wrapped
+        return (np.array([raw, b"v"], dtype=object), text(raw))
+    raise ValueError(f"string_element: unknown kind {kind!r}")

@@ -303,8 +303,11 @@ def usable_manifest(manifest: Any, where: str, node: CacheNode) -> bool:
     """Whether a cache's parsed manifest (read from ``where``) describes this pipeline's
     complete cache; False for one to rebuild (an older format, another pipeline's);
     DataLossError naming ``where`` for one changed since it was written."""
+    # (this version always seals: one without its checksum had it removed, and its
+    # other fields cannot be believed either)
     if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT or (
-        "checksum" in manifest and not is_sealed(manifest)
+        ("checksum" in manifest or manifest.get("version") == _MANIFEST_VERSION)
+        and not is_sealed(manifest)
     ):
         raise DataLossError(
             f"cache: the manifest {where} was changed after this cache was written "

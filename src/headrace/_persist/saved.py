@@ -710,15 +710,20 @@ def _read_manifest(directory: str) -> dict[str, Any]:
     except (ValueError, RecursionError) as error:  # (nested past what json can read)
         raise DataLossError(f"load: {path} is not valid JSON ({error})", path=path) from None
     if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
-        raise DataLossError(f"load: {path} is not a headrace saved-dataset manifest", path=path)
+        what = repr(manifest.get("format"))[:40] if isinstance(manifest, dict) else "none"
+        raise DataLossError(
+            f"load: {path} is not a headrace saved-dataset manifest ('format' {what}, "
+            f"not {_FORMAT!r})",
+            path=path,
+        )
     version = manifest.get("version")
     if (
         version != _VERSION and version not in _OLD_VERSIONS
     ) or manifest.get("elements_format") != ELEMENTS_FORMAT:
         raise DataLossError(
-            f"load: {path} has format version {manifest.get('version')} "
-            f"({manifest.get('elements_format')}); this headrace reads version {_VERSION} "
-            f"({ELEMENTS_FORMAT})",
+            f"load: {path} has 'version' {manifest.get('version')!r:.20} and "
+            f"'elements_format' {manifest.get('elements_format')!r:.40}; this headrace "
+            f"reads version {_VERSION} ({ELEMENTS_FORMAT})",
             path=path,
         )
     _check_manifest(manifest, path)
@@ -743,8 +748,9 @@ def _check_manifest(manifest: dict[str, Any], path: str) -> None:
         raise bad(f"'elements' = {elements!r:.40} is not the sum of its parts")
     if manifest.get("num_shards") != len(parts):
         raise bad(f"'num_shards' = {manifest.get('num_shards')!r:.40}, it lists {len(parts)}")
-    if manifest.get("compression") not in ("", None, "GZIP", "ZLIB"):
-        raise bad(f"unknown 'compression' {manifest.get('compression')!r:.40}")
+    problem = _identity_problem(manifest)
+    if problem:
+        raise bad(problem)
     if "element_spec" not in manifest:
         raise bad("it has no 'element_spec'")
     if manifest.get("version") in _OLD_VERSIONS:
@@ -755,6 +761,21 @@ def _check_manifest(manifest: dict[str, Any], path: str) -> None:
         for shard in digests
     ] != [[True] * len(shard) for shard in parts]:
         raise bad(f"'digests' must list a digest per part of each shard, got {digests!r:.80}")
+
+
+def _identity_problem(manifest: dict[str, Any]) -> str:
+    """What is wrong with the manifest's 'compression' and 'fingerprint', or "".
+
+    Every save wrote both since version 1: one missing was removed by hand or damage,
+    and guessing (no compression) read a GZIP save's parts as raw records."""
+    if "compression" not in manifest:
+        return "it has no 'compression' (save records '', 'GZIP' or 'ZLIB')"
+    if manifest["compression"] not in ("", "GZIP", "ZLIB"):
+        return f"unknown 'compression' {manifest['compression']!r:.40}"
+    if not isinstance(manifest.get("fingerprint"), str):
+        return ("'fingerprint' must be the saved pipeline's fingerprint (a string), got "
+                f"{manifest.get('fingerprint')!r:.40}")
+    return ""
 
 
 def _find_damage(name: str, compression: str | None) -> None:
@@ -1278,7 +1299,8 @@ def load_plan(
         if raw is None:
             manifest_path = os.path.join(directory, MANIFEST_NAME)
             raise DataLossError(
-                f"load: the manifest {manifest_path} records elements but no element spec",
+                f"load: the manifest {manifest_path} records elements but no element spec "
+                "('element_spec' is null)",
                 path=manifest_path,
             )
         manifest_path = os.path.join(directory, MANIFEST_NAME)

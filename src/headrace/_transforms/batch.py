@@ -58,6 +58,7 @@ from headrace.core.node import (
     batching_role,
     check_positive,
 )
+from headrace.core.stack import row_item
 from headrace.core.state import INNER, POSITION, StateReader
 
 __all__ = ["BatchNode", "ColumnarBatchIterator", "batch_iterator", "batched_cardinality"]
@@ -236,7 +237,7 @@ _KIND_ORDER = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 class _Column:
     """One component of a batch being assembled in place: its output array and row shape."""
 
-    __slots__ = ("dtype", "out", "path", "scalar", "shape")
+    __slots__ = ("dtype", "item", "out", "path", "scalar", "shape")
 
     def __init__(self, leaf: Any, path: str) -> None:
         dtype = _leaf_dtype(leaf)
@@ -247,6 +248,9 @@ class _Column:
         #: The NumPy scalar type a row of a scalar column is (np.int64 for range's
         #: elements): such a row goes in as it is, without the general checks.
         self.scalar: type | None = None
+        #: A scalar object column: a 0-d array's row is its item, as np.stack gives it
+        #: (stored whole in an object slot the array would nest: a row that is not bytes).
+        self.item = self.shape == () and self.dtype.hasobject
         if self.shape == ():
             self.scalar = type(leaf) if type(leaf) in (bytes, str) else (
                 None if self.dtype.hasobject else self.dtype.type
@@ -438,8 +442,8 @@ class _BatchIterator(Assembler):
                 and leaf.dtype is column.dtype
                 and leaf.shape == column.shape
             ):
-                out[row] = leaf  # the common case: same dtype object, same shape
-                continue
+                out[row] = leaf[()] if column.item else leaf  # the common case: same
+                continue  # dtype object, same shape
             if type(leaf) is column.scalar:
                 out[row] = leaf  # a NumPy scalar of the column's own type, or bytes/str
                 continue
@@ -468,7 +472,7 @@ class _BatchIterator(Assembler):
                     )
                 if not np.can_cast(dtype, column.dtype, "safe"):
                     out = self._promote(column, np.result_type(column.dtype, dtype), row)
-            out[row] = leaf
+            out[row] = row_item(leaf)
         return None
 
     def _promote(

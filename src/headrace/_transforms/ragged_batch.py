@@ -21,7 +21,14 @@ import numpy as np
 from headrace._errors import ElementSpecError, InvalidArgumentError
 from headrace._memory.buffer import Assembly, Reservation
 from headrace._memory.sizeof import ARRAY_HEADER_BYTES
-from headrace._structure import TensorSpec, flatten, map_structure, pack_as, structure_paths
+from headrace._structure import (
+    TensorSpec,
+    flatten,
+    map_structure,
+    pack_as,
+    structure_paths,
+    to_leaf_array,
+)
 from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import (
@@ -91,8 +98,16 @@ class RaggedBatchNode(UnaryNode):
         return _RaggedBatchIterator(self, self.inputs[0].make_iterator(ctx), ctx)
 
 
+def _exact_array(value: Any) -> np.ndarray[Any, Any]:
+    """``value`` as an array; bytes and str stay exact Python objects (G5): NumPy's
+    fixed-width ``S``/``U`` dtypes would drop trailing NULs (b"a\\x00" -> b"a")."""
+    if isinstance(value, (bytes, str)):
+        return np.asarray(value, dtype=object)
+    return np.asarray(to_leaf_array(value))
+
+
 def _ragged(values: list[Any], path: str, splits_dtype: np.dtype[Any]) -> Any:
-    arrays = [np.asarray(value) for value in values]
+    arrays = [_exact_array(value) for value in values]
     if all(array.ndim == 0 for array in arrays):
         return np.stack(arrays)
     if any(array.ndim == 0 for array in arrays):

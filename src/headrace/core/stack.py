@@ -11,7 +11,17 @@ from headrace._errors import ElementSpecError
 from headrace._structure import flatten, pack_as, structure_paths
 from headrace.io.columns import object_array
 
-__all__ = ["stack_elements"]
+__all__ = ["row_item", "stack_elements"]
+
+
+def row_item(value: Any) -> Any:
+    """What a batch's row holds for ``value``: the item of a 0-d array (``bytes`` for
+    ``np.array(b"x", dtype=object)``, as ``np.stack`` and tf.data give), else ``value``.
+    Assigned whole to one slot of an object array, a 0-d array would be kept as an
+    array inside the batch, and its rows would not be ``bytes``."""
+    if isinstance(value, np.ndarray) and not value.ndim:
+        return value[()]
+    return value
 
 
 def _stack_leaf(values: list[Any], path: str, stage: str, first_index: int) -> Any:
@@ -22,7 +32,7 @@ def _stack_leaf(values: list[Any], path: str, stage: str, first_index: int) -> A
         out = np.empty((len(values), *np.shape(first)), dtype=object)
         for row, value in enumerate(values):
             _check_same_shape(value, first, row, path, stage, first_index)
-            out[row] = value
+            out[row] = row_item(value)
         return out
     try:
         return np.stack(values)
