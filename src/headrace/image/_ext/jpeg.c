@@ -503,14 +503,32 @@ static void scale_strided(const unsigned char *src, const Py_ssize_t *shape,
         *out += n;
         return;
     }
-    if (ndim == 2 && shape[1] == 3 && strides[1] == 1) { /* pixels of three channels */
+    if (ndim == 2 && strides[1] == 1 && (strides[0] == shape[1] || strides[0] == -shape[1])) {
+        /* a row of pixels, mirrored or not: its samples are one contiguous run, scaled
+         * in a loop the compiler vectorises, then (mirrored) the pixels swapped end for
+         * end in place */
         float *o = *out;
-        const Py_ssize_t n = shape[0], step = strides[0];
-        for (Py_ssize_t i = 0; i < n; i++, o += 3) {
-            const unsigned char *p = src + i * step;
-            o[0] = (float)p[0] * mul, o[1] = (float)p[1] * mul, o[2] = (float)p[2] * mul;
+        const Py_ssize_t n = shape[0], c = shape[1], count = n * c;
+        const unsigned char *first = strides[0] > 0 ? src : src - (n - 1) * c;
+        for (Py_ssize_t i = 0; i < count; i++) o[i] = (float)first[i] * mul;
+        if (strides[0] < 0 && n > 1 && c == 3) {
+            for (Py_ssize_t i = 0, j = n - 1; i < j; i++, j--) {
+                float a[3], b[3];
+                memcpy(a, o + i * 3, sizeof a);
+                memcpy(b, o + j * 3, sizeof b);
+                memcpy(o + i * 3, b, sizeof b);
+                memcpy(o + j * 3, a, sizeof a);
+            }
+        } else if (strides[0] < 0 && n > 1) {
+            for (Py_ssize_t i = 0, j = n - 1; i < j; i++, j--) {
+                for (Py_ssize_t k = 0; k < c; k++) {
+                    const float t = o[i * c + k];
+                    o[i * c + k] = o[j * c + k];
+                    o[j * c + k] = t;
+                }
+            }
         }
-        *out = o;
+        *out = o + count;
         return;
     }
     for (Py_ssize_t i = 0; i < shape[0]; i++)
