@@ -34,8 +34,10 @@ def python_path() -> Iterator[None]:
 
 def test_the_test_environment_built_the_extension() -> None:
     # scripts/_venv.sh installs libjpeg's headers, so the C path is what these tests and
-    # the image tests prove; a silent fallback to Python would leave it untested
+    # the image tests prove; a silent fallback to Python would leave it untested (and an
+    # extension built from an older jpeg.c, without the whole decode and float pass)
     assert native is not None
+    assert hasattr(native, "decode") and hasattr(native, "to_float")
 
 
 @st.composite

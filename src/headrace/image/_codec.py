@@ -440,12 +440,15 @@ def _native_whole(data: bytes | memoryview, header: ImageHeader, shape: tuple[in
     if native is None or header.channels not in (1, 3, 4) or shape[2] not in (1, 3) \
             or (header.channels == 4 and shape[2] != 3):
         return None
-    if not strict:  # the resample path recovers as before (one tap per pixel: exact)
+    # (an extension built from an older jpeg.c lacks decode(): its window path is exact)
+    decode = getattr(native, "decode", None)
+    if not strict or decode is None:  # the resample path recovers as before (one tap
+        # per pixel: exact)
         return _native_window(data, header, (0, 0, shape[0], shape[1]), shape[2], ratio,
                               strict, op)
     out = np.empty(shape, np.uint8)
     try:
-        done = native.decode(data, out, shape, ratio, strict)
+        done = decode(data, out, shape, ratio, strict)
     except ValueError as error:
         raise _invalid_jpeg(op, data, header, error) from error
     return out if done else None

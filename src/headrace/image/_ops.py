@@ -94,11 +94,13 @@ def convert_image_dtype(image: Any, dtype: Any, saturate: bool = False,
         if source.kind in "ui":
             scale = target.type(1.0 / np.iinfo(source).max)
             native = jpeg_module() if source == np.uint8 and target == np.float32 else None
-            if native is not None and array.size >= _NATIVE_MIN:
+            # (an extension built from an older jpeg.c lacks to_float: NumPy's pass then)
+            to_float = getattr(native, "to_float", None)
+            if to_float is not None and array.size >= _NATIVE_MIN:
                 # one C pass without the GIL, whatever the strides: NumPy's walks a
                 # mirrored crop three samples at a time (6x slower than a plain one)
                 out = np.empty(array.shape, np.float32)
-                native.to_float(array, out, float(scale))
+                to_float(array, out, float(scale))
                 return out
             # the cast and the scaling in one pass, one output: cast(x) * (1 / max) in
             # the target type, as astype() then multiply gives it (bit for bit)
