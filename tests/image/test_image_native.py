@@ -280,7 +280,7 @@ def test_cmyk_window_decode_is_the_resample_of_tensorflows_pixels() -> None:
 @given(case=jpegs(), channels=st.sampled_from([0, 1, 3]))
 def test_whole_decode_equals_simplejpegs(case: tuple[bytes, np.ndarray, int],
                                          channels: int) -> None:
-    """decode_jpeg at scale 1 decodes in C (without the GIL, into the array): the pixels
+    """decode_jpeg at scale 1 decodes in C (straight into the array): the pixels
     of the simplejpeg path it replaces, bit for bit."""
     encoded, _, stored = case
     mine = hi.decode_jpeg(encoded, channels=channels)

@@ -8,8 +8,9 @@ decoder runs (``map(..., output_nbytes=decoded_nbytes)``) and a decompression
 bomb is refused (``max_pixels``) before anything is allocated.
 
 Decoders. JPEG goes through headrace's C extension (``_ext/jpeg.c``, the
-system's libjpeg-turbo) where it is built: it decodes into the array without the
-GIL, so a thread map decodes on every core (simplejpeg holds the GIL). Otherwise
+system's libjpeg-turbo) where it is built: it decodes straight into the array,
+at a ``ratio`` too without a resample pass (1.4x faster at 1/2 than the window path
+it replaces), without the GIL. Otherwise
 through simplejpeg (MIT; libjpeg-turbo bundled in its
 wheels): with ``fastdct=True`` and fancy upsampling both give *the same pixels*
 as ``tf.io.decode_jpeg``'s defaults (all run libjpeg-turbo's fast integer
@@ -467,9 +468,9 @@ def jpeg_pixels(  # noqa: C901
     out_channels = output_channels(header, channels)
     height, width = -(-header.height // ratio), -(-header.width // ratio)
     if fancy_upscaling and dct_method != "INTEGER_ACCURATE" and (strict or ratio > 1):
-        # the C extension: without the GIL (simplejpeg holds it, so threads decoded one
-        # at a time), straight into the array, and at libjpeg's scale 1/ratio as
-        # TensorFlow (simplejpeg picks a larger scale for images of a few pixels)
+        # the C extension: straight into the array (at a ratio with no resample pass),
+        # and at libjpeg's scale 1/ratio as TensorFlow (simplejpeg picks a larger
+        # scale for images of a few pixels)
         whole = _native_whole(data, header, (height, width, out_channels), ratio, strict, op)
         if whole is not None:
             return whole
