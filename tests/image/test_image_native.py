@@ -34,8 +34,10 @@ def python_path() -> Iterator[None]:
 
 def test_the_test_environment_built_the_extension() -> None:
     # scripts/_venv.sh installs libjpeg's headers, so the C path is what these tests and
-    # the image tests prove; a silent fallback to Python would leave it untested
+    # the image tests prove; a silent fallback to Python would leave it untested (and an
+    # extension built from an older jpeg.c, without the whole decode and float pass)
     assert native is not None
+    assert hasattr(native, "decode") and hasattr(native, "to_float")
 
 
 @st.composite
@@ -274,6 +276,84 @@ def test_cmyk_window_decode_is_the_resample_of_tensorflows_pixels() -> None:
     assert result.shape == (8, 8, 3)
 
 
+@SETTINGS
+@given(case=jpegs(), channels=st.sampled_from([0, 1, 3]))
+def test_whole_decode_equals_simplejpegs(case: tuple[bytes, np.ndarray, int],
+                                         channels: int) -> None:
+    """decode_jpeg at scale 1 decodes in C (straight into the array): the pixels
+    of the simplejpeg path it replaces, bit for bit."""
+    encoded, _, stored = case
+    mine = hi.decode_jpeg(encoded, channels=channels)
+    previous = set_native_enabled(False)
+    try:
+        theirs = hi.decode_jpeg(encoded, channels=channels)
+    finally:
+        set_native_enabled(previous)
+    assert mine.dtype == np.uint8 and mine.flags.c_contiguous
+    assert mine.shape == theirs.shape == (*theirs.shape[:2], channels or stored)
+    np.testing.assert_array_equal(mine, theirs)
+
+
+@SETTINGS
+@given(case=jpegs(), data=st.data(), ratio=st.sampled_from([1, 2, 4, 8]))
+def test_a_truncated_jpeg_is_an_error_of_the_whole_decode(
+    case: tuple[bytes, np.ndarray, int], data: st.DataObject, ratio: int
+) -> None:
+    """Strict by default, as tf.io.decode_jpeg; try_recover_truncated still decodes."""
+    encoded, _, _ = case
+    cut = encoded[: data.draw(st.integers(2, len(encoded) - 3))]
+    with pytest.raises(hi.InvalidImageError, match=r"decode_jpeg: .*(JPEG|image format|header)"):
+        hi.decode_jpeg(cut, ratio=ratio)
+    try:
+        recovered = hi.decode_jpeg(cut, ratio=ratio, try_recover_truncated=True)
+    except hi.InvalidImageError:  # (a cut inside the header or the first scan's tables)
+        return
+    assert recovered.dtype == np.uint8 and recovered.ndim == 3
+
+
+def test_to_float_takes_any_strides_and_checks_its_arguments() -> None:
+    assert native is not None
+    rng = np.random.default_rng(5)
+    scale = float(np.float32(1 / 255))
+    for _ in range(200):
+        shape = tuple(int(v) for v in rng.integers(1, 12, rng.integers(1, 5)))
+        base = rng.integers(0, 256, shape, dtype=np.uint8)
+        view = base[tuple(slice(None, None, int(rng.choice([1, -1, 2, -3]))) for _ in shape)]
+        if view.ndim >= 2 and rng.random() < 0.3:
+            view = view.swapaxes(0, -1)
+        out = np.empty(view.shape, np.float32)
+        native.to_float(view, out, scale)
+        np.testing.assert_array_equal(out, view.astype(np.float32) * np.float32(scale))
+    with pytest.raises(ValueError, match="src must be uint8"):
+        native.to_float(np.zeros(4, np.int8), np.empty(4, np.float32), scale)
+    with pytest.raises(ValueError, match="out must hold as many float32"):
+        native.to_float(np.zeros(4, np.uint8), np.empty(3, np.float32), scale)
+    with pytest.raises(ValueError, match="out must hold h"):
+        native.decode(encode(photo(8, 8, 3), "JPEG"), np.empty((8, 8, 2), np.uint8),
+                      (8, 8, 2), 1, True)
+    with pytest.raises(ValueError, match=r"the header says 9x8 at scale 1/1, the decoder "
+                                          r"produced 8x8"):
+        native.decode(encode(photo(8, 8, 3), "JPEG"), np.empty((9, 8, 3), np.uint8),
+                      (9, 8, 3), 1, True)
+
+
+@SETTINGS
+@given(height=st.integers(64, 160), width=st.integers(64, 160), flip=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_convert_image_dtype_in_c_equals_numpys(height: int, width: int, flip: bool,
+                                                seed: int) -> None:
+    image = np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8)
+    view = image[3:-5, 7:-2][:, ::-1] if flip else image[3:-5, 7:-2]
+    mine = hi.convert_image_dtype(view, np.float32)
+    previous = set_native_enabled(False)
+    try:
+        theirs = hi.convert_image_dtype(view, np.float32)
+    finally:
+        set_native_enabled(previous)
+    np.testing.assert_array_equal(mine, theirs)
+    assert mine.dtype == np.float32
+
+
 def test_bad_arguments_are_clear_errors() -> None:
     assert native is not None
     encoded = encode(photo(20, 20, 3), "JPEG")
@@ -309,6 +389,32 @@ def test_threads_share_the_work_and_get_the_same_results() -> None:
         thread.start()
     for thread in threads:
         thread.join()
+    for outputs in results.values():
+        for k, out in enumerate(outputs):
+            np.testing.assert_array_equal(out, expected[k % len(images)])
+
+
+def test_the_plain_pipeline_in_threads_gets_the_same_results() -> None:
+    """decode_jpeg and convert_image_dtype run in C without the GIL: threads calling
+    them at once must share no state."""
+    images = [encode(photo(90 + i, 130 - i, 3, seed=i), "JPEG", quality=85) for i in range(12)]
+
+    def plain(data: bytes) -> np.ndarray:
+        return hi.convert_image_dtype(hi.decode_jpeg(data, channels=3)[5:70, ::-1],
+                                      np.float32)
+
+    expected = [plain(data) for data in images]
+    results: dict[int, list[np.ndarray]] = {}
+
+    def work(worker: int) -> None:
+        results[worker] = [plain(data) for _ in range(4) for data in images]
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4
     for outputs in results.values():
         for k, out in enumerate(outputs):
             np.testing.assert_array_equal(out, expected[k % len(images)])

@@ -28,3 +28,12 @@ def resample(
     add: Sequence[float],
     /,
 ) -> None: ...
+def decode(
+    data: bytes | bytearray | memoryview,
+    out: Any,
+    shape: tuple[int, int, int],
+    denom: int,
+    strict: bool,
+    /,
+) -> bool: ...
+def to_float(src: Any, out: Any, mul: float, /) -> None: ...

@@ -398,6 +398,143 @@ done:
     release(job);
 }
 
+/* A whole image at scale 1/denom, written straight into `out` (out_h x out_w x C
+ * uint8, C-contiguous): the scanlines land in their rows of the output, with no
+ * intermediate image and no resample. Failure codes as run_jpeg's. */
+typedef struct {
+    const unsigned char *data;
+    size_t size;
+    unsigned char *out;
+    int out_h, out_w, channels, denom, strict;
+    JSAMPLE *line; /* CMYK only: one row of four samples, converted into the output */
+    int failed;
+    char message[JMSG_LENGTH_MAX + 128];
+} Whole;
+
+static void run_whole(Whole *job) {
+    struct jpeg_decompress_struct cinfo;
+    ErrorManager err;
+    const int C = job->channels;
+
+    cinfo.err = jpeg_std_error(&err.pub);
+    err.pub.error_exit = on_error;
+    err.pub.emit_message = on_message;
+    err.strict = job->strict;
+    err.message[0] = 0;
+    jpeg_create_decompress(&cinfo);
+    if (setjmp(err.jump)) {
+        job->failed = 1;
+        snprintf(job->message, sizeof job->message, "%s", err.message);
+        goto done;
+    }
+    jpeg_mem_src(&cinfo, job->data, (unsigned long)job->size);
+    jpeg_read_header(&cinfo, TRUE);
+    const int cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
+    if ((cmyk && C != 3) ||
+        (!cmyk && C == 3 && cinfo.num_components != 1 && cinfo.num_components != 3)) {
+        job->failed = 2;
+        goto done;
+    }
+    cinfo.out_color_space = cmyk ? JCS_CMYK : C == 1 ? JCS_GRAYSCALE : JCS_RGB;
+    cinfo.scale_num = 1;
+    cinfo.scale_denom = (unsigned int)job->denom;
+    cinfo.dct_method = JDCT_IFAST;
+    cinfo.do_fancy_upsampling = TRUE;
+    jpeg_start_decompress(&cinfo);
+    if (cinfo.output_components != (cmyk ? 4 : C)) {
+        job->failed = 2;
+        goto done;
+    }
+    if ((int)cinfo.output_height != job->out_h || (int)cinfo.output_width != job->out_w) {
+        job->failed = 1;
+        snprintf(job->message, sizeof job->message,
+                 "the header says %dx%d at scale 1/%d, the decoder produced %ux%u", job->out_h,
+                 job->out_w, job->denom, cinfo.output_height, cinfo.output_width);
+        goto done;
+    }
+    const size_t stride = (size_t)job->out_w * (size_t)C;
+    if (cmyk) {
+        job->line = malloc((size_t)job->out_w * 4);
+        if (!job->line) {
+            job->failed = 3;
+            snprintf(job->message, sizeof job->message, "out of memory for a row");
+            goto done;
+        }
+    }
+    while (cinfo.output_scanline < cinfo.output_height) {
+        const JDIMENSION at = cinfo.output_scanline;
+        JSAMPROW rows[16];
+        JDIMENSION want = cinfo.output_height - at < 16 ? cinfo.output_height - at : 16;
+        if (cmyk) want = 1;
+        for (JDIMENSION r = 0; r < want; r++)
+            rows[r] = cmyk ? job->line : job->out + (size_t)(at + r) * stride;
+        const JDIMENSION got = jpeg_read_scanlines(&cinfo, rows, want);
+        if (got == 0) {
+            job->failed = 1;
+            snprintf(job->message, sizeof job->message, "the decoder stopped at row %u of %d",
+                     at, job->out_h);
+            goto done;
+        }
+        if (cmyk) {
+            cmyk_to_rgb(job->line, job->out_w);
+            memcpy(job->out + (size_t)at * stride, job->line, stride);
+        }
+    }
+    jpeg_finish_decompress(&cinfo);
+done:
+    jpeg_destroy_decompress(&cinfo);
+    free(job->line);
+}
+
+/* uint8 samples of any strides (negative ones included: a flipped view) to float32
+ * `v * mul` in C order: one pass, where NumPy's cast-and-multiply of a mirrored image
+ * walks three samples per inner loop. The product of the float32 of the sample and the
+ * float32 `mul` is rounded once, as astype(float32) then multiply rounds it. */
+static void scale_strided(const unsigned char *src, const Py_ssize_t *shape,
+                          const Py_ssize_t *strides, int ndim, float **out, float mul) {
+    if (ndim == 1) {
+        float *o = *out;
+        const Py_ssize_t n = shape[0], step = strides[0];
+        if (step == 1) {
+            for (Py_ssize_t i = 0; i < n; i++) o[i] = (float)src[i] * mul;
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) o[i] = (float)src[i * step] * mul;
+        }
+        *out += n;
+        return;
+    }
+    if (ndim == 2 && strides[1] == 1 && (strides[0] == shape[1] || strides[0] == -shape[1])) {
+        /* a row of pixels, mirrored or not: its samples are one contiguous run, scaled
+         * in a loop the compiler vectorises, then (mirrored) the pixels swapped end for
+         * end in place */
+        float *o = *out;
+        const Py_ssize_t n = shape[0], c = shape[1], count = n * c;
+        const unsigned char *first = strides[0] > 0 ? src : src - (n - 1) * c;
+        for (Py_ssize_t i = 0; i < count; i++) o[i] = (float)first[i] * mul;
+        if (strides[0] < 0 && n > 1 && c == 3) {
+            for (Py_ssize_t i = 0, j = n - 1; i < j; i++, j--) {
+                float a[3], b[3];
+                memcpy(a, o + i * 3, sizeof a);
+                memcpy(b, o + j * 3, sizeof b);
+                memcpy(o + i * 3, b, sizeof b);
+                memcpy(o + j * 3, a, sizeof a);
+            }
+        } else if (strides[0] < 0 && n > 1) {
+            for (Py_ssize_t i = 0, j = n - 1; i < j; i++, j--) {
+                for (Py_ssize_t k = 0; k < c; k++) {
+                    const float t = o[i * c + k];
+                    o[i * c + k] = o[j * c + k];
+                    o[j * c + k] = t;
+                }
+            }
+        }
+        *out = o + count;
+        return;
+    }
+    for (Py_ssize_t i = 0; i < shape[0]; i++)
+        scale_strided(src + i * strides[0], shape + 1, strides + 1, ndim - 1, out, mul);
+}
+
 static int read_floats(PyObject *seq, float *dst, int n, const char *name) {
     PyObject *fast = PySequence_Fast(seq, name);
     if (!fast) return -1;
@@ -526,9 +663,85 @@ static PyObject *resample(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(decode_doc,
+"decode(data, out, shape, denom, strict) -> bool\n\n"
+"Decode JPEG `data` whole at scale 1/denom into `out` (C-contiguous uint8 of `shape`\n"
+"(h, w, channels), channels 1 or 3), TensorFlow's defaults (fast integer IDCT, fancy\n"
+"upsampling), without the GIL. Returns False when this decoder does not handle the\n"
+"image (CMYK to one channel); raises ValueError with libjpeg's message for corrupt\n"
+"data (with `strict`, warnings included) or a size other than `shape`.");
+
+static PyObject *decode(PyObject *self, PyObject *args) {
+    Py_buffer data, out;
+    Whole job;
+    memset(&job, 0, sizeof job);
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*w*(iii)ip", &data, &out, &job.out_h, &job.out_w,
+                          &job.channels, &job.denom, &job.strict))
+        return NULL;
+    if (job.denom != 1 && job.denom != 2 && job.denom != 4 && job.denom != 8) {
+        PyErr_SetString(PyExc_ValueError, "denom must be 1, 2, 4 or 8");
+    } else if ((job.channels != 1 && job.channels != 3) || job.out_h <= 0 || job.out_w <= 0 ||
+               out.len != (Py_ssize_t)job.out_h * job.out_w * job.channels) {
+        PyErr_SetString(PyExc_ValueError, "out must hold h * w * channels uint8, channels 1 or 3");
+    } else {
+        job.data = data.buf;
+        job.size = (size_t)data.len;
+        job.out = out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        run_whole(&job);
+        Py_END_ALLOW_THREADS
+        if (job.failed == 1 || job.failed == 3)
+            PyErr_SetString(job.failed == 1 ? PyExc_ValueError : PyExc_MemoryError, job.message);
+        else
+            result = PyBool_FromLong(job.failed == 0);
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(to_float_doc,
+"to_float(src, out, mul) -> None\n\n"
+"`out` (C-contiguous float32, as many values as `src`) = float32(src) * float32(mul),\n"
+"`src` uint8 of any shape and strides (a crop, a mirrored view), without the GIL.");
+
+static PyObject *to_float(PyObject *self, PyObject *args) {
+    PyObject *src_obj;
+    Py_buffer src, out;
+    double mul;
+    if (!PyArg_ParseTuple(args, "Ow*d", &src_obj, &out, &mul)) return NULL;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (src.itemsize != 1 || (src.format && strcmp(src.format, "B") != 0)) {
+        PyErr_SetString(PyExc_ValueError, "src must be uint8");
+    } else if (out.len != src.len * 4) {
+        PyErr_SetString(PyExc_ValueError, "out must hold as many float32 as src has values");
+    } else {
+        float *o = out.buf;
+        const float m = (float)mul;
+        Py_BEGIN_ALLOW_THREADS
+        if (src.ndim == 0)
+            o[0] = (float)((const unsigned char *)src.buf)[0] * m;
+        else if (src.len > 0)
+            scale_strided(src.buf, src.shape, src.strides, src.ndim, &o, m);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"crop_resize", crop_resize, METH_VARARGS, crop_resize_doc},
     {"resample", resample, METH_VARARGS, resample_doc},
+    {"decode", decode, METH_VARARGS, decode_doc},
+    {"to_float", to_float, METH_VARARGS, to_float_doc},
     {NULL, NULL, 0, NULL},
 };
 
