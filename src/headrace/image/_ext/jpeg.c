@@ -311,6 +311,28 @@ static void cmyk_to_rgb(unsigned char *line, int width) {
     }
 }
 
+/* Read the header and start decompressing at 1/denom, as TensorFlow's defaults decode
+ * (the fast integer IDCT, fancy upsampling), into C channels: 0, or 1 for a colour
+ * space TensorFlow refuses (called after the caller's setjmp: a libjpeg error jumps
+ * there). CMYK (or YCCK) comes out as libjpeg's CMYK, for the caller to turn into RGB
+ * as TensorFlow does (Adobe's inverted CMYK: R = C * K / 255); RGB only. */
+static int start_decoder(struct jpeg_decompress_struct *cinfo, const unsigned char *data,
+                         size_t size, int C, int denom, int *cmyk) {
+    jpeg_mem_src(cinfo, data, (unsigned long)size);
+    jpeg_read_header(cinfo, TRUE);
+    *cmyk = cinfo->jpeg_color_space == JCS_CMYK || cinfo->jpeg_color_space == JCS_YCCK;
+    if ((*cmyk && C != 3) ||
+        (!*cmyk && C == 3 && cinfo->num_components != 1 && cinfo->num_components != 3))
+        return 1;
+    cinfo->out_color_space = *cmyk ? JCS_CMYK : C == 1 ? JCS_GRAYSCALE : JCS_RGB;
+    cinfo->scale_num = 1;
+    cinfo->scale_denom = (unsigned int)denom;
+    cinfo->dct_method = JDCT_IFAST;
+    cinfo->do_fancy_upsampling = TRUE;
+    jpeg_start_decompress(cinfo);
+    return 0;
+}
+
 /* Decode the window of the JPEG that the resample reads, then resample it. */
 static void run_jpeg(Job *job) {
     struct jpeg_decompress_struct cinfo;
@@ -328,22 +350,11 @@ static void run_jpeg(Job *job) {
         snprintf(job->message, sizeof job->message, "%s", err.message);
         goto done;
     }
-    jpeg_mem_src(&cinfo, job->data, (unsigned long)job->size);
-    jpeg_read_header(&cinfo, TRUE);
-    /* CMYK (or YCCK): libjpeg's CMYK at this scale, then Adobe's inverted CMYK to RGB as
-     * TensorFlow does (R = C * K / 255 per row); RGB only, as TensorFlow */
-    const int cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
-    if ((cmyk && C != 3) ||
-        (!cmyk && C == 3 && cinfo.num_components != 1 && cinfo.num_components != 3)) {
+    int cmyk;
+    if (start_decoder(&cinfo, job->data, job->size, C, job->denom, &cmyk)) {
         job->failed = 2;
         goto done;
     }
-    cinfo.out_color_space = cmyk ? JCS_CMYK : C == 1 ? JCS_GRAYSCALE : JCS_RGB;
-    cinfo.scale_num = 1;
-    cinfo.scale_denom = (unsigned int)job->denom;
-    cinfo.dct_method = JDCT_IFAST;
-    cinfo.do_fancy_upsampling = TRUE;
-    jpeg_start_decompress(&cinfo);
     const int in_h = (int)cinfo.output_height, in_w = (int)cinfo.output_width;
     if (cinfo.output_components != (cmyk ? 4 : C)) {
         job->failed = 2;
@@ -427,20 +438,11 @@ static void run_whole(Whole *job) {
         snprintf(job->message, sizeof job->message, "%s", err.message);
         goto done;
     }
-    jpeg_mem_src(&cinfo, job->data, (unsigned long)job->size);
-    jpeg_read_header(&cinfo, TRUE);
-    const int cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
-    if ((cmyk && C != 3) ||
-        (!cmyk && C == 3 && cinfo.num_components != 1 && cinfo.num_components != 3)) {
+    int cmyk;
+    if (start_decoder(&cinfo, job->data, job->size, C, job->denom, &cmyk)) {
         job->failed = 2;
         goto done;
     }
-    cinfo.out_color_space = cmyk ? JCS_CMYK : C == 1 ? JCS_GRAYSCALE : JCS_RGB;
-    cinfo.scale_num = 1;
-    cinfo.scale_denom = (unsigned int)job->denom;
-    cinfo.dct_method = JDCT_IFAST;
-    cinfo.do_fancy_upsampling = TRUE;
-    jpeg_start_decompress(&cinfo);
     if (cinfo.output_components != (cmyk ? 4 : C)) {
         job->failed = 2;
         goto done;
