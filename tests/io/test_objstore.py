@@ -31,7 +31,7 @@ from objstore_servers import (
     make_bucket,
     moto_server,
     range_http_server,
-    s3_env,
+    s3_environment,
 )
 from tests.transforms.test_interleave_descriptors import FdPeak
 
@@ -47,21 +47,9 @@ BUCKET = "data"
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[str]:
-    with moto_server() as endpoint:
-        env = s3_env(endpoint)
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
-        objstore.reset_stores()
+    with moto_server() as endpoint, s3_environment(endpoint):
         make_bucket(endpoint, BUCKET)
-        try:
-            yield endpoint
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-            objstore.reset_stores()
+        yield endpoint
 
 
 @pytest.fixture(autouse=True)

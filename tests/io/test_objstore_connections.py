@@ -16,7 +16,6 @@ under load); the peak of connections is printed, not asserted.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from typing import Any
 
 import pytest
 from connection_counter import ConnectionCounter
-from objstore_servers import make_bucket, moto_server, s3_env
+from objstore_servers import make_bucket, moto_server, s3_environment
 
 import headrace as hr
 from headrace.io import objstore
@@ -40,21 +39,12 @@ BUCKET = "conns"
 def counter() -> Iterator[ConnectionCounter]:
     with moto_server() as endpoint:
         proxy = ConnectionCounter(endpoint)
-        env = s3_env(proxy.endpoint)
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
-        objstore.reset_stores()
-        make_bucket(endpoint, BUCKET)
         try:
-            yield proxy
+            with s3_environment(proxy.endpoint):
+                make_bucket(endpoint, BUCKET)
+                yield proxy
         finally:
             proxy.close()
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-            objstore.reset_stores()
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,27 @@ def s3_env(endpoint: str) -> dict[str, str]:
     }
 
 
+@contextlib.contextmanager
+def s3_environment(endpoint: str) -> Iterator[None]:
+    """The process's AWS variables point at ``endpoint`` (and the object-store clients
+    are made anew) inside the block; the variables as they were afterwards."""
+    from headrace.io import objstore
+
+    env = s3_env(endpoint)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    objstore.reset_stores()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        objstore.reset_stores()
+
+
 def make_bucket(endpoint: str, bucket: str) -> None:
     """Create ``bucket`` on moto with a plain signed-less PUT (moto accepts it)."""
     request = urllib.request.Request(f"{endpoint}/{bucket}", method="PUT")
