@@ -137,6 +137,11 @@ _POLL_SECONDS = 0.5
 #: Idle result segments a worker keeps for reuse (each booked while it is kept), unless
 #: its pool is told otherwise (an interleave's pool keeps enough for its slots' chunks).
 IDLE_SEGMENTS = 2
+#: ... or enough for this many calls like its last one, when that call's outputs took
+#: several segments (a segment holds at most ``SEGMENT_BYTES``: a chunk of ten 600 KB
+#: images takes two). With two kept for such calls, each call after the first made
+#: segments afresh, and a fresh segment costs a page fault per page on both sides.
+IDLE_CALLS = 4
 #: Descriptors the consumer keeps open for each live worker, whatever the start method:
 #: the task pipe's write end, the result pipe's read end, and the two ends the
 #: ``Process`` object keeps (its sentinel, and the pipe that tells the worker its parent
@@ -637,9 +642,14 @@ def _worker_main(  # noqa: C901
     evicted: list[int] = []  # idle segments dropped since the last result (see allocate)
 
     def allocate(nbytes: int, capacity: int) -> tuple[int, str, int, Segment]:
-        evicted.extend(pool.evict_smaller(capacity))
         if pool.has_idle(capacity):  # one idle segment for the chunk's rest
             return pool.allocate(capacity)
+        if pool.has_idle(nbytes):
+            # A smaller idle segment still holds this output: reused, since a fresh one
+            # costs a page fault per page on both sides, more than the copy itself.
+            return pool.allocate(nbytes)
+        # None holds even this output: outputs grew past them, dropped for good
+        evicted.extend(pool.evict_smaller(nbytes))
         return pool.allocate(nbytes, capacity)
 
     expect = 0  # segment bytes the previous chunk took: a chunk's first segment's size
@@ -808,7 +818,7 @@ class _Worker:
     __slots__ = (
         "backlog", "dropped", "dropped_inputs", "freed", "idle", "index", "input_bookings",
         "inputs", "owner", "pending", "process", "progress", "ready", "results", "send_lock",
-        "tasks", "watched",
+        "spread", "tasks", "watched",
     )
 
     def __init__(self, index: int, owner: int) -> None:
@@ -834,6 +844,9 @@ class _Worker:
         self.inputs = SegmentPool(owner, tag=f"in{index}-")  # this worker's input segments
         self.input_bookings: dict[int, Any] = {}  # key -> its reservation (while pooled)
         self.dropped_inputs: list[int] = []  # input keys the worker should unmap
+        #: Result segments its last call's outputs took (a chunk of large outputs spans
+        #: several: see ``IDLE_SEGMENTS``).
+        self.spread = 1
 
     def forget_segments(self) -> list[Any]:
         """Forget every segment shared with this worker (it died); the bookings to release."""
@@ -1212,7 +1225,8 @@ class ProcessPool:
             for key in maps.released():
                 capacity = maps.maps[key][1] if key in maps.maps else 0
                 booking = None
-                if self.book_idle is not None and len(worker.idle) < self.idle_segments:
+                if self.book_idle is not None and len(worker.idle) < max(
+                        self.idle_segments, IDLE_CALLS * worker.spread):
                     booking = self.book_idle(capacity)
                 with self.lock:
                     if self.maps[worker.index] is not maps:
@@ -1239,6 +1253,7 @@ class ProcessPool:
             assert task.call_id == call_id, "results come back in the order sent"
             # idle segments the worker dropped (too small), and the ones it used
             used = [key for key, _, _ in result.segments]
+            worker.spread = max(len(used), 1)
             for key in [*evicted, *used]:
                 booking = worker.idle.pop(key, None)
                 if booking is not None:
