@@ -1,5 +1,5 @@
 """Result segments are reused, not made afresh for each call, and a kept output is never
-overwritten by a later one.
+overwritten by a later one; a worker's large temporaries do not fault in fresh pages.
 
 Why it matters: a fresh segment costs a page fault per 4 KiB page where the worker
 writes it and again where the consumer reads it, more than the copy of the output
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import gc
+import sys
 
 import numpy as np
 import process_fns
+import pytest
 from segments import own_segments
 
 import headrace as hr
@@ -20,6 +22,12 @@ from headrace._memory.budget import MemoryBudget
 from headrace._workers import processes
 
 MIB = 1 << 20
+
+
+def _minor_faults(pid: int) -> int:
+    """Minor page faults of process ``pid`` so far (field 10 of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        return int(handle.read().rsplit(")", 1)[1].split()[7])
 
 
 def test_a_call_spanning_several_segments_keeps_them_all_for_reuse() -> None:
@@ -76,5 +84,26 @@ def test_kept_outputs_are_never_overwritten_while_segments_are_reused() -> None:
         assert output.shape == (384 * 256,)
         assert np.all(output == float(index)), (index, np.unique(output)[:5])
     del iterator, kept
+    assert own_segments() == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, /proc")
+def test_a_workers_large_temporaries_come_from_its_heap_not_fresh_pages() -> None:
+    """A function that fills a 600 KB temporary per element (a decoded image) faults in
+    its pages once, not per element: glibc's mmap threshold, fixed at 128 KiB once a
+    worker sets its heap's top pad, mapped every such block afresh (~150 faults each)."""
+    pool = processes.ProcessPool(functools.partial(process_fns.scratch_sum, 600), 1, "test")
+    try:
+        assert pool.submit([0, 1]).result(timeout=30)[0] == [600 * 256, 1 + 600 * 256]
+        (pid,) = pool.pids
+        before = _minor_faults(pid)
+        for start in range(0, 40, 10):
+            outputs = pool.submit(list(range(start, start + 10))).result(timeout=30)[0]
+            assert outputs == [v + 600 * 256 for v in range(start, start + 10)]
+        faults = _minor_faults(pid) - before
+    finally:
+        pool.shutdown()
+    # 40 elements: per element a fresh mapping would be ~150 faults (6,000 in all)
+    assert faults < 40 * 20, faults
     assert own_segments() == []
 
