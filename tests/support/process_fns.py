@@ -438,3 +438,15 @@ def string_element(kind: str, wrap: str, i: Any) -> Any:
     if kind == "vector":  # a 1-D object array beside a scalar: only the scalar is wrapped
         return (np.array([raw, b"v"], dtype=object), text(raw))
     raise ValueError(f"string_element: unknown kind {kind!r}")
+
+
+def filled_kib(kib: int, x: Any) -> Any:
+    """``kib`` KiB of float32, every value ``x``: a kept output shows if a later one overwrote it."""
+    return np.full(kib * 256, float(x), np.float32)
+
+
+def scratch_sum(kib: int, x: Any) -> int:
+    """Fill and sum a fresh ``kib`` KiB temporary (an image's decode buffer): a small output."""
+    scratch = np.empty(kib * 256, np.float32)
+    scratch.fill(float(x))
+    return int(scratch[0]) + int(scratch.size)

@@ -19,7 +19,8 @@ of a pooled shared-memory segment.
 
 Memory. Outputs are booked as the threaded map books them (their arrays'
 bytes, which now live in shared memory) plus the part of their segment that
-no array covers; segments kept idle for reuse (at most two per worker) are
+no array covers; segments kept idle for reuse (per worker at most two, or
+the segments of four calls like its last, when a call's outputs span several) are
 booked while idle, or dropped (their pages freed at once) when the stage's
 share has no room for them. A worker packs each output into shared memory as
 it is made and stops a call right after the output that passes the call's
@@ -83,11 +84,14 @@ __all__ = ["MIN_PROCESS_CALL_SECONDS", "WORKER_BASELINE_BYTES", "book_workers", 
 MIN_PROCESS_CALL_SECONDS = 50e-6
 #: How long a call to a worker process should run (a thread's call: 2 ms). A trip to a
 #: process costs more than a hand-off to a thread (pickling the chunk, two pipe
-#: messages, the collector's wake-up, ~50 us of CPU on either side): with 2 ms calls
-#: two workers ran a ~0.8 ms pure-Python map at 1.6-1.7x one thread on 2 CPUs, with
-#: 10 ms calls at 2.0x (benchmarks/bench_workers.py). The chunk's outputs are booked
-#: before the call starts, as for threads, so the budget still bounds what is in flight.
-PROCESS_CALL_SECONDS = 10e-3
+#: messages, the collector's wake-up, some 100-300 us of CPU on the two sides
+#: together): with 2 ms calls two workers ran a ~0.8 ms pure-Python map at 1.6-1.7x
+#: one thread on 2 CPUs. With 10 ms calls the trips still cost ~0.1 s of the tree's
+#: CPU over 2,000 elements of 1 ms, with 25 ms about 0.05 s, while the last call's
+#: wait at the end of a stream stays under a few percent of a second's run
+#: (benchmarks/bench_workers.py). The chunk's outputs are booked before the call
+#: starts, as for threads, so the budget still bounds what is in flight.
+PROCESS_CALL_SECONDS = 25e-3
 #: What one worker process holds of its own before it runs the function: the PSS of
 #: its interpreter and imports after copy-on-write from the forkserver (5-8 MiB
 #: measured with NumPy loaded). Booked per worker past the first (see the module text).

@@ -137,6 +137,11 @@ _POLL_SECONDS = 0.5
 #: Idle result segments a worker keeps for reuse (each booked while it is kept), unless
 #: its pool is told otherwise (an interleave's pool keeps enough for its slots' chunks).
 IDLE_SEGMENTS = 2
+#: ... or enough for this many calls like its last one, when that call's outputs took
+#: several segments (a segment holds at most ``SEGMENT_BYTES``: a chunk of ten 600 KB
+#: images takes two). With two kept for such calls, each call after the first made
+#: segments afresh, and a fresh segment costs a page fault per page on both sides.
+IDLE_CALLS = 4
 #: Descriptors the consumer keeps open for each live worker, whatever the start method:
 #: the task pipe's write end, the result pipe's read end, and the two ends the
 #: ``Process`` object keeps (its sentinel, and the pipe that tells the worker its parent
@@ -606,6 +611,33 @@ def _keep_heap_top() -> None:
     mallopt(m_top_pad, HEAP_TOP_PAD)
 
 
+#: Blocks up to this size come from a map worker's heap (see :func:`_scratch_on_heap`).
+SCRATCH_BYTES = 4 << 20
+
+
+def _scratch_on_heap() -> None:
+    """Serve a map function's large temporaries from the worker's heap (glibc).
+
+    Setting the heap's top pad (:func:`_keep_heap_top`) also turns off glibc's
+    dynamic mmap threshold, which would otherwise rise to the size of the blocks
+    the process frees: every block over 128 KiB was then mapped afresh and
+    unmapped when freed. An image map's 600 KB arrays cost some 250 page faults
+    per element that way, more CPU than the copy of its output. Blocks up to
+    :data:`SCRATCH_BYTES` come from the heap again, as in a process whose
+    threshold adjusts itself. Not for a process interleave's workers: they copy
+    records straight into segments, and a heap holding its records' blocks kept
+    ~5 MiB more per worker (tests/workers/test_process_held_bytes.py).
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    m_mmap_threshold = -3  # glibc's M_MMAP_THRESHOLD
+    mallopt(m_mmap_threshold, SCRATCH_BYTES)
+
+
 def _worker_main(  # noqa: C901
     tasks: Connection,
     results: Connection,
@@ -625,6 +657,8 @@ def _worker_main(  # noqa: C901
     except BaseException:
         results.send(("init_error", traceback.format_exc()))
         return
+    if not getattr(handler, "streams", False):  # a map's function (see _run_chunk)
+        _scratch_on_heap()
     # What exists now (the modules imported, the handler and what it holds) lives as long
     # as the worker: out of the collector's reach. A full collection writes to every
     # object it visits, and the pages the worker shares with the forkserver it was
@@ -637,9 +671,14 @@ def _worker_main(  # noqa: C901
     evicted: list[int] = []  # idle segments dropped since the last result (see allocate)
 
     def allocate(nbytes: int, capacity: int) -> tuple[int, str, int, Segment]:
-        evicted.extend(pool.evict_smaller(capacity))
         if pool.has_idle(capacity):  # one idle segment for the chunk's rest
             return pool.allocate(capacity)
+        if pool.has_idle(nbytes):
+            # A smaller idle segment still holds this output: reused, since a fresh one
+            # costs a page fault per page on both sides, more than the copy itself.
+            return pool.allocate(nbytes)
+        # None holds even this output: outputs grew past them, dropped for good
+        evicted.extend(pool.evict_smaller(nbytes))
         return pool.allocate(nbytes, capacity)
 
     expect = 0  # segment bytes the previous chunk took: a chunk's first segment's size
@@ -808,7 +847,7 @@ class _Worker:
     __slots__ = (
         "backlog", "dropped", "dropped_inputs", "freed", "idle", "index", "input_bookings",
         "inputs", "owner", "pending", "process", "progress", "ready", "results", "send_lock",
-        "tasks", "watched",
+        "spread", "tasks", "watched",
     )
 
     def __init__(self, index: int, owner: int) -> None:
@@ -834,6 +873,9 @@ class _Worker:
         self.inputs = SegmentPool(owner, tag=f"in{index}-")  # this worker's input segments
         self.input_bookings: dict[int, Any] = {}  # key -> its reservation (while pooled)
         self.dropped_inputs: list[int] = []  # input keys the worker should unmap
+        #: Result segments its last call's outputs took (a chunk of large outputs spans
+        #: several: see ``IDLE_SEGMENTS``).
+        self.spread = 1
 
     def forget_segments(self) -> list[Any]:
         """Forget every segment shared with this worker (it died); the bookings to release."""
@@ -1212,7 +1254,8 @@ class ProcessPool:
             for key in maps.released():
                 capacity = maps.maps[key][1] if key in maps.maps else 0
                 booking = None
-                if self.book_idle is not None and len(worker.idle) < self.idle_segments:
+                if self.book_idle is not None and len(worker.idle) < max(
+                        self.idle_segments, IDLE_CALLS * worker.spread):
                     booking = self.book_idle(capacity)
                 with self.lock:
                     if self.maps[worker.index] is not maps:
@@ -1239,6 +1282,7 @@ class ProcessPool:
             assert task.call_id == call_id, "results come back in the order sent"
             # idle segments the worker dropped (too small), and the ones it used
             used = [key for key, _, _ in result.segments]
+            worker.spread = max(len(used), 1)
             for key in [*evicted, *used]:
                 booking = worker.idle.pop(key, None)
                 if booking is not None:
