@@ -311,10 +311,22 @@ static void cmyk_to_rgb(unsigned char *line, int width) {
     }
 }
 
+/* A decompressor whose errors go to ``err`` (its message kept; warnings fatal when
+ * ``strict``). The caller sets ``err->jump`` with setjmp in its own frame next. */
+static void create_decoder(struct jpeg_decompress_struct *cinfo, ErrorManager *err,
+                           int strict) {
+    cinfo->err = jpeg_std_error(&err->pub);
+    err->pub.error_exit = on_error;
+    err->pub.emit_message = on_message;
+    err->strict = strict;
+    err->message[0] = 0;
+    jpeg_create_decompress(cinfo);
+}
+
 /* Read the header and start decompressing at 1/denom, as TensorFlow's defaults decode
  * (the fast integer IDCT, fancy upsampling), into C channels: 0, or 1 for a colour
- * space TensorFlow refuses (called after the caller's setjmp: a libjpeg error jumps
- * there). CMYK (or YCCK) comes out as libjpeg's CMYK, for the caller to turn into RGB
+ * space TensorFlow refuses or channels the decoder does not give (called after the
+ * caller's setjmp: a libjpeg error jumps there). CMYK (or YCCK) comes out as libjpeg's CMYK, for the caller to turn into RGB
  * as TensorFlow does (Adobe's inverted CMYK: R = C * K / 255); RGB only. */
 static int start_decoder(struct jpeg_decompress_struct *cinfo, const unsigned char *data,
                          size_t size, int C, int denom, int *cmyk) {
@@ -330,7 +342,7 @@ static int start_decoder(struct jpeg_decompress_struct *cinfo, const unsigned ch
     cinfo->dct_method = JDCT_IFAST;
     cinfo->do_fancy_upsampling = TRUE;
     jpeg_start_decompress(cinfo);
-    return 0;
+    return cinfo->output_components != (*cmyk ? 4 : C);
 }
 
 /* Decode the window of the JPEG that the resample reads, then resample it. */
@@ -339,12 +351,7 @@ static void run_jpeg(Job *job) {
     ErrorManager err;
     const int C = job->channels;
 
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = on_error;
-    err.pub.emit_message = on_message;
-    err.strict = job->strict;
-    err.message[0] = 0;
-    jpeg_create_decompress(&cinfo);
+    create_decoder(&cinfo, &err, job->strict);
     if (setjmp(err.jump)) {
         job->failed = 1;
         snprintf(job->message, sizeof job->message, "%s", err.message);
@@ -356,10 +363,6 @@ static void run_jpeg(Job *job) {
         goto done;
     }
     const int in_h = (int)cinfo.output_height, in_w = (int)cinfo.output_width;
-    if (cinfo.output_components != (cmyk ? 4 : C)) {
-        job->failed = 2;
-        goto done;
-    }
     const int prepared = prepare(job, in_h, in_w);
     if (prepared) {
         job->failed = prepared == -2 ? 3 : 1;
@@ -427,12 +430,7 @@ static void run_whole(Whole *job) {
     ErrorManager err;
     const int C = job->channels;
 
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = on_error;
-    err.pub.emit_message = on_message;
-    err.strict = job->strict;
-    err.message[0] = 0;
-    jpeg_create_decompress(&cinfo);
+    create_decoder(&cinfo, &err, job->strict);
     if (setjmp(err.jump)) {
         job->failed = 1;
         snprintf(job->message, sizeof job->message, "%s", err.message);
@@ -440,10 +438,6 @@ static void run_whole(Whole *job) {
     }
     int cmyk;
     if (start_decoder(&cinfo, job->data, job->size, C, job->denom, &cmyk)) {
-        job->failed = 2;
-        goto done;
-    }
-    if (cinfo.output_components != (cmyk ? 4 : C)) {
         job->failed = 2;
         goto done;
     }
