@@ -36,9 +36,8 @@ from headrace._csv.reader import (
     decode_records,
 )
 from headrace._structure import flatten, pack_as
-from headrace._transforms.parse_fusion import FUSION_RULES, FusedParse
+from headrace._transforms.parse_fusion import FUSION_RULES, FusedParse, trace
 from headrace._transforms.parse_fusion import mentions_parse as _mentions_parse
-from headrace._transforms.parse_fusion import nest_leaves as _nest_leaves
 
 __all__ = ["FusedDecodeCsv", "fused_decode_csv"]
 
@@ -72,16 +71,9 @@ def fused_decode_csv(fn: Callable[..., Any]) -> FusedDecodeCsv | None:
     if not _mentions_parse(getattr(fn, "__wrapped__", fn), name=_DECODE_NAME):
         return None
     line = DeferredLine()
-    try:
-        output = fn(line)
-    except Exception:  # it does more than decode: it runs per record
-        return None
-    structure, leaves = _nest_leaves(output)
-    if not leaves or not all(
-        isinstance(leaf, DeferredCsvColumn) and leaf.line is line for leaf in leaves
-    ):
-        return None
-    return FusedDecodeCsv(line, structure)
+    traced = trace(fn, line,
+                   lambda leaf: isinstance(leaf, DeferredCsvColumn) and leaf.line is line)
+    return None if traced is None else FusedDecodeCsv(line, traced[0])
 
 
 FUSION_RULES.append(fused_decode_csv)  # map's batch fusion asks it (see parse_fusion)

@@ -48,7 +48,7 @@ from headrace.io.example.deferred import DeferredFeature, DeferredRecord
 from headrace.io.example.parsing import parse_example
 from headrace.io.example.specs import FeatureSpec, FixedLenSequenceFeature
 
-__all__ = ["FUSION_RULES", "FusedParse", "FusedParseIterator", "fused_parse"]
+__all__ = ["FUSION_RULES", "FusedParse", "FusedParseIterator", "fused_parse", "trace"]
 
 _PARSE_NAME = "parse_single_example"
 _SEARCH_DEPTH = 3
@@ -93,6 +93,21 @@ def mentions_parse(fn: Any, depth: int = 0, name: str = _PARSE_NAME) -> bool:
         for used in names
         if used in scope and isinstance(scope[used], types.FunctionType | functools.partial)
     )
+
+
+def trace(fn: Callable[..., Any], placeholder: Any,
+          made_by: Callable[[Any], bool]) -> tuple[Any, list[Any]] | None:
+    """``fn`` applied to ``placeholder`` (a deferred record or line) as (structure, leaves),
+    if every leaf it returns is one ``made_by`` the placeholder's parse; None if it
+    raises or returns anything else (it does more than parse: it runs per record)."""
+    try:
+        output = fn(placeholder)
+    except Exception:
+        return None
+    structure, leaves = nest_leaves(output)
+    if not leaves or not all(made_by(leaf) for leaf in leaves):
+        return None
+    return structure, leaves
 
 
 def nest_leaves(output: Any) -> tuple[Any, list[Any]]:
@@ -142,15 +157,11 @@ def fused_parse(fn: Callable[..., Any]) -> FusedParse | None:
                 return fused
         return None
     record = DeferredRecord()
-    try:
-        output = fn(record)
-    except Exception:  # it does more than parse: it runs per record
+    traced = trace(fn, record,
+                   lambda leaf: isinstance(leaf, DeferredFeature) and leaf.record is record)
+    if traced is None:
         return None
-    structure, leaves = nest_leaves(output)
-    if not leaves or not all(
-        isinstance(leaf, DeferredFeature) and leaf.record is record for leaf in leaves
-    ):
-        return None
+    structure, leaves = traced
     if any(
         isinstance(spec, FixedLenSequenceFeature)
         for spec in (record.parses[leaf.parse][leaf.name] for leaf in leaves)
