@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 MiB = 1 << 20
@@ -924,26 +925,34 @@ def _charged() -> int:
 
 
 class PeakGrowth:
-    """The peak growth of :func:`_charged` over a ``with`` block, sampled every 2 ms by a
-    thread (after a collection and a ``malloc_trim``, so the start is what is held)."""
+    """The peak growth of ``measure`` (:func:`_charged` by default) over a ``with`` block,
+    sampled by a thread every 2 ms, or less often where a sample itself is slow (each
+    worker process's smaps read costs ~1 ms: at most a third of a core on it); after a
+    collection and a ``malloc_trim``, so the start is what is held. :meth:`sample`
+    takes one more now (the consumer holding a large element)."""
 
-    def __init__(self, trim: bool = True) -> None:
+    def __init__(self, trim: bool = True, measure: Callable[[], int] | None = None) -> None:
         self.trim = trim
+        self.measure = _charged if measure is None else measure
         self.start = self.peak = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
+    def sample(self) -> None:
+        self.peak = max(self.peak, self.measure())
+
     def _sample(self) -> None:
         while not self._done.is_set():
-            self.peak = max(self.peak, _charged())
-            time.sleep(0.002)
+            began = time.perf_counter()
+            self.sample()
+            time.sleep(max(0.002, 2 * (time.perf_counter() - began)))
 
     def __enter__(self) -> PeakGrowth:
         if self.trim:
             gc.collect()
             with contextlib.suppress(OSError):
                 ctypes.CDLL("libc.so.6").malloc_trim(0)
-        self.start = self.peak = _charged()
+        self.start = self.peak = self.measure()
         self._thread.start()
         return self
 
@@ -1003,27 +1012,12 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
         return settle(self, ticket, sizes, inputs, **how)
 
     inflight_module.InFlight.settle = settled  # type: ignore[method-assign]
-    gc.collect()
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    start = _charged()
-    peak = [start]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            began = time.perf_counter()
-            peak[0] = max(peak[0], _charged())
-            # every 2 ms, or less often where a sample itself is slow (each worker
-            # process's smaps read costs ~1 ms): at most a third of a core on it
-            time.sleep(max(0.002, 2 * (time.perf_counter() - began)))
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    memory = PeakGrowth()
     outcome, elements, accounted, total = "ok", 0, 0, spec["budget_mib"] * MiB
     order = zlib.crc32(b"")  # of every element's summary, in order: G3 across runs
     started = time.perf_counter()
     iterator: Any = None
+    memory.__enter__()  # (left in the finally below, with the patches)
     try:
         iterator = iter(build(spec))
         pipeline_budget[0] = iterator.context.budget
@@ -1034,15 +1028,14 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
                 if elements < 300:
                     time.sleep(consumer_delay)
                 if elements % 8 == 0 or not _worker_floor:  # (with workers, the sampler
-                    peak[0] = max(peak[0], _charged())  # thread does most of it)
+                    memory.sample()  # thread does most of it)
             accounted = iterator.context.budget.peak
     except hr.MemoryBudgetError as error:
         outcome = f"MemoryBudgetError: {error}"
     except Exception as error:  # reported, so one bad pipeline does not end the sweep
         outcome = f"error: {type(error).__name__}: {error}"
     finally:
-        done.set()
-        sampler.join()
+        memory.__exit__()
         budget_module.Buffer._book = original  # type: ignore[method-assign]
         inflight_module.InFlight.settle = settle  # type: ignore[method-assign]
     # overdrafts by stage: a map told each output's size (output_nbytes) should need none
@@ -1067,7 +1060,7 @@ def run(spec: dict[str, Any], *, consumer_delay: float = 0.0002) -> dict[str, An
         "overdrawn_by_stage": by_stage,
         "overdraft_elements": overdraft_elements,
         "past_booking": past_booking,
-        "growth": peak[0] - start,
+        "growth": memory.growth,
         "bound": int(total * 1.1) + 64 * MiB,
         "seconds": round(time.perf_counter() - started, 3),
     }

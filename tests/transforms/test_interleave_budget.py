@@ -14,17 +14,13 @@ where the user's code made one larger than that.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 import random
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
+from fuzz_pipelines import PeakGrowth
 
 import headrace as hr
 
@@ -139,37 +135,19 @@ def interleave(case: Case, budget: int) -> hr.Dataset:
 def consume(ds: hr.Dataset) -> tuple[list[tuple[int, int]], BaseException | None, int]:
     """Each element's (size, first byte), the error that ended the run, and the
     process tree's growth (sampled every 2 ms and at each large element)."""
-    gc.collect()
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    start = _charged()
-    peak = [start]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            began = time.perf_counter()
-            peak[0] = max(peak[0], _charged())
-            # every 2 ms, or less often where a sample is slow (a worker's smaps read)
-            time.sleep(max(0.002, 2 * (time.perf_counter() - began)))
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     seen: list[tuple[int, int]] = []
     error: BaseException | None = None
-    try:
-        with iter(ds) as iterator:
-            for element in iterator:
-                seen.append((len(element), int(element[0]) if len(element) else -1))
-                if len(element) > MiB:  # (a large one: sampled while it is held)
-                    peak[0] = max(peak[0], _charged())
-                del element  # (the consumer holds one element at most)
-    except hr.MemoryBudgetError as raised:
-        error = raised
-    finally:
-        done.set()
-        sampler.join()
-    return seen, error, peak[0] - start
+    with PeakGrowth(measure=_charged) as memory:
+        try:
+            with iter(ds) as iterator:
+                for element in iterator:
+                    seen.append((len(element), int(element[0]) if len(element) else -1))
+                    if len(element) > MiB:  # (a large one: sampled while it is held)
+                        memory.sample()
+                    del element  # (the consumer holds one element at most)
+        except hr.MemoryBudgetError as raised:
+            error = raised
+    return seen, error, memory.growth
 
 
 def check(case: Case, *, largest: int = 0) -> None:
