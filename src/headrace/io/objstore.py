@@ -56,9 +56,12 @@ import time
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from headrace._errors import DataLossError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from headrace.io.filepool import FileLimiter
 
 __all__ = [
     "MIN_REMOTE_BUFFER_SIZE",
@@ -545,7 +548,7 @@ MIN_UPLOAD_PART = 5 * 1024 * 1024
 
 
 def put_atomic(
-    url: str, data: Any, *, parts_in_flight: int = 4, limiter: Any = None
+    url: str, data: Any, *, parts_in_flight: int = 4, limiter: FileLimiter | None = None
 ) -> None:
     """Upload ``data`` (bytes, a file object, or an iterator of bytes) to ``url``, whole
     or not at all: obstore sends one PUT, or a multipart upload that is only completed
