@@ -218,6 +218,13 @@ class _Block:
     error_raised: bool = False
 
 
+class _PastShare(Exception):
+    """A block (its text or its parsed columns) the stage's share cannot hold as it is.
+    Holding it anyway would raise the stage's minimum working set to the whole block
+    and take from the minima of the stages after it (a batch); a block is divisible,
+    so it is read again cut smaller (:meth:`CsvCursor._smaller_blocks`). Internal."""
+
+
 class _BlockReader:
     """Blocks of whole records from one stream, from ``offset`` on.
 
@@ -299,6 +306,9 @@ class _BlockReader:
             return
         self._scratch_booking.release()
         self._scratch_booking, self._booked = NO_RESERVATION, 0
+        if (size <= self._window() + 1 and self.block_bytes > _MIN_BLOCK_BYTES
+                and size + ARRAY_HEADER_BYTES > self.account.room()):
+            raise _PastShare  # a plain block: cut smaller, not the stage's minimum raised
         try:
             self._scratch_booking = self.account.admit(size + ARRAY_HEADER_BYTES,
                                                        together=self.where(size))
@@ -631,14 +641,18 @@ class CsvCursor:
                 if block is None:
                     self._next_file()
                     continue
+                size = sizeof(block.columns)
+                if size > self.account.room() and self.block_bytes > _MIN_BLOCK_BYTES:
+                    raise _PastShare
                 block.booking = self.account.admit(
-                    sizeof(block.columns), together=f"the parsed CSV block of "
+                    size, together=f"the parsed CSV block of "
                     f"{self.node.filenames[self.file_index]} from line {block.line} (byte "
                     f"offset {block.offset}; its text was cut at {self.block_bytes} bytes)")
             except BaseException as error:
                 if block is not None:  # (read, not handed out: a state points at it)
                     self.start = (block.offset, block.record, block.line)
-                if not isinstance(error, MemoryBudgetError) or not self._smaller_blocks():
+                if not isinstance(error, MemoryBudgetError | _PastShare) or (
+                        not self._smaller_blocks()):
                     raise
                 continue
             self._skip_into(block)
