@@ -40,13 +40,19 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import math
 import os
 import sys
 import threading
-from typing import Any
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from headrace._memory.buffer import Reservation
 
 __all__ = [
     "ARENA_MAX",
@@ -55,6 +61,7 @@ __all__ = [
     "ArrayPool",
     "note_released",
     "owns_pooled",
+    "pooled_storage",
     "release_free_heap",
     "tune_allocator",
 ]
@@ -192,6 +199,13 @@ class _Lease:
         self.pool._returned(self.storage)
 
 
+def pooled_storage(owner: object) -> np.ndarray[Any, Any] | None:
+    """The memory behind an array's ``base`` if that base is an :class:`ArrayPool`'s
+    lease, else None: what a pooled batch costs is that memory, not the pool's state
+    (the budget's costing asks this rather than walking the lease's references)."""
+    return owner.storage if type(owner) is _Lease else None
+
+
 def owns_pooled(array: np.ndarray[Any, Any]) -> bool:
     """Whether ``array`` came from an :class:`ArrayPool` and is the only array over its
     memory: a consumer that takes ownership of an array's buffer (TensorFlow's
@@ -214,56 +228,198 @@ class ArrayPool:
     handed out again.
 
     Budget: the caller books every array it takes (the memory is booked while it is a
-    batch). Released memory waits for the next :meth:`empty` of the same size, which
-    reuses it, only up to ``keep_bytes`` in all: the caller books that much as the
-    pool's spare (the batch stage books one batch's columns where its share has room,
-    and keeps nothing otherwise). :meth:`clear` (the end of the input) and
-    :meth:`close` (the iterator's) free what waits. Thread-safe: releases come from any
-    thread (the consumer's).
+    batch), and released memory is kept only while something books it:
+
+    - up to ``keep_bytes`` in all, which the caller books as the pool's spare (the
+      batch stage books one batch's columns where its share has room beside a batch);
+    - between :meth:`settle` and :meth:`begin` (the caller waits for its next batch's
+      first element), where ``booker`` books it on the caller's share — it has room
+      then, since the batch before went on. :meth:`begin` hands those bookings to the
+      caller, which books its next arrays over them (no moment counted twice or not
+      at all);
+    - while the caller fills a fresh array from ``empty(..., exchange=True)``, whose
+      untouched pages the kernel has not mapped yet: the caller moves the rows
+      written so far into the released array (:meth:`exchange`) and lets the fresh
+      one go. The fresh array's booking covers the released one: the process holds
+      the released array plus the rows written, no more than a moment before, when
+      the consumer still had it.
+
+    Memory released at any other time is freed at once. :meth:`clear` (the end of the
+    input) and :meth:`close` (the iterator's) free what waits and give its bookings
+    back. Thread-safe: releases come from any thread (the consumer's).
     """
 
-    def __init__(self, keep_bytes: int = 0) -> None:
+    def __init__(self, keep_bytes: int = 0,
+                 booker: Callable[[int], Reservation | None] | None = None) -> None:
         self.keep_bytes = keep_bytes
-        self._idle: collections.deque[np.ndarray[Any, Any]] = collections.deque()
+        # Books ``nbytes`` on the caller's share if it has room, else None (any thread).
+        # A method is held weakly: the leases of the batches a user keeps hold the pool,
+        # and must not keep the iterator (its stages, their threads' state) alive.
+        self._booker: Callable[[], Callable[[int], Reservation | None] | None] | None = (
+            None if booker is None
+            else weakref.WeakMethod(booker) if inspect.ismethod(booker)
+            else (lambda: booker)
+        )
+        #: Released memory kept, each with the booking made for it (None: covered by
+        #: ``keep_bytes`` or by a fresh array waiting for it).
+        self._idle: collections.deque[tuple[np.ndarray[Any, Any], Reservation | None]] = (
+            collections.deque()
+        )
         self._closed = False
-        #: Arrays handed out, and how many of them reused released memory (stats, tests).
-        self.handed = self.reused = 0
+        self._between = False  # settled, not begun: the caller waits for its next batch
+        #: Sizes (in 8-byte words) of fresh arrays that would take released memory now.
+        self._waiting: collections.Counter[int] = collections.Counter()
+        # A release in the consumer against the caller's calls; reentrant, as a lease may
+        # die in a collection that an allocation under the lock sets off.
+        self._lock = threading.RLock()
+        # Held while a release is booked between batches: begin() waits for it, so the
+        # caller's next booking never meets one half made. A release finding it taken
+        # frees its memory instead of waiting (it may run inside the budget's lock).
+        self._booking = threading.Lock()
+        #: Arrays handed out, and how many of them reused released memory (stats, tests);
+        #: ``exchanged`` counts the reuses by hand-over (:meth:`exchange`).
+        self.handed = self.reused = self.exchanged = 0
 
-    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
+    def empty(self, shape: tuple[int, ...], dtype: Any,
+              exchange: bool = False) -> np.ndarray[Any, Any]:
         """An uninitialised array of ``shape`` and ``dtype``, as ``np.empty``: released
         memory of the same size where there is some, else fresh. Object arrays and
         arrays under :data:`POOLED_BYTES` are plain ``np.empty`` (an object array's
-        slots must start as None; small blocks the heap reuses itself)."""
+        slots must start as None; small blocks the heap reuses itself).
+
+        ``exchange``: a fresh array waits, until :meth:`settle`, for memory of its
+        size that is released meanwhile (:meth:`exchange` moves it over)."""
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         if dtype.hasobject or nbytes < POOLED_BYTES or self._closed:
             return np.empty(shape, dtype)
         words = -(-nbytes // 8)  # float64 items: 16-byte alignment, as np.empty gives
-        storage = None
-        idle = self._idle
-        while idle:
-            try:
-                candidate = idle.popleft()
-            except IndexError:  # (another thread took it)
-                break
-            if candidate.size == words:
-                storage = candidate
-                self.reused += 1
-                break  # (one of another size is freed here: the stage's shapes changed)
+        storage = self._take_idle(words)
         if storage is None:
             storage = np.empty(words, np.float64)
+            if exchange:
+                with self._lock:
+                    self._waiting[words] += 1
+        else:
+            self.reused += 1
         self.handed += 1
-        array: np.ndarray[Any, Any] = np.asarray(_Lease(self, storage, tuple(shape), dtype))
+        return self._lease(storage, tuple(shape), dtype)
+
+    def _lease(self, storage: np.ndarray[Any, Any], shape: tuple[int, ...],
+               dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        array: np.ndarray[Any, Any] = np.asarray(_Lease(self, storage, shape, dtype))
         return array
 
+    def _take_idle(self, words: int) -> np.ndarray[Any, Any] | None:
+        """Released memory of ``words`` 8-byte words, or None; one of another size met on
+        the way is freed (the caller's shapes changed). A booking it still had goes back:
+        the caller books what it takes."""
+        found = None
+        freed: list[Reservation] = []
+        with self._lock:
+            idle = self._idle
+            while idle:
+                storage, booking = idle.popleft()
+                if booking is not None:
+                    freed.append(booking)
+                if storage.size == words:
+                    found = storage
+                    break
+        for booking in freed:
+            booking.release()
+        return found
+
+    def exchange(self, array: np.ndarray[Any, Any], rows: int) -> np.ndarray[Any, Any] | None:
+        """``array`` (fresh, from ``empty(..., exchange=True)``) moved into memory of its
+        size released since: its first ``rows`` rows copied over, the new array returned
+        (the caller drops ``array``, whose pages go back to the system); None if no
+        such memory waits. A cheap check when none does: it runs per row."""
+        if not self._idle:
+            return None
+        lease = array.base
+        if type(lease) is not _Lease:
+            return None
+        words = lease.storage.size
+        storage = None
+        with self._lock:
+            if not self._waiting[words]:
+                return None
+            kept = list(self._idle)  # (a release meanwhile only appends)
+            for index in range(len(kept)):
+                if kept[index][0].size == words and kept[index][1] is None:
+                    storage = kept[index][0]
+                    del self._idle[index]
+                    self._waiting[words] -= 1
+                    break
+        if storage is None:
+            return None
+        moved = self._lease(storage, array.shape, array.dtype)
+        if rows:
+            moved[:rows] = array[:rows]
+        self.reused += 1
+        self.exchanged += 1
+        return moved
+
+    def begin(self) -> list[Reservation]:
+        """The caller is about to book and take its next arrays: nothing released from
+        now on is booked by the pool, and the bookings of what it kept between batches
+        are handed over (the caller books its arrays over them, then takes the memory
+        with :meth:`empty`)."""
+        with self._booking, self._lock:
+            self._between = False
+            handed: list[Reservation] = []
+            for index, (storage, booking) in enumerate(list(self._idle)):
+                if booking is not None:
+                    handed.append(booking)
+                    self._idle[index] = (storage, None)
+            return handed
+
+    def settle(self) -> None:
+        """The caller's arrays are filled: no fresh array waits any more (the released
+        memory kept for them is freed, beyond ``keep_bytes``), and until :meth:`begin`
+        a release is kept where ``booker`` books it."""
+        freed: list[Reservation] = []
+        with self._lock:
+            self._waiting.clear()
+            idle = self._idle
+            total = sum(storage.nbytes for storage, _ in idle)
+            while idle and total > self.keep_bytes:
+                storage, booking = idle.popleft()
+                total -= storage.nbytes
+                if booking is not None:  # (none after begin(), which took them)
+                    freed.append(booking)
+            self._between = not self._closed and self._booker is not None
+        for booking in freed:
+            booking.release()
+
     def _returned(self, storage: np.ndarray[Any, Any]) -> None:
-        """A lease died: keep its memory for the next batch, or let it go."""
-        if not self._closed and self.idle_bytes() + storage.nbytes <= self.keep_bytes:
-            self._idle.append(storage)
+        """A lease died: keep its memory for the next batch or a fresh array waiting
+        for it, or let it go."""
+        if self._closed:
+            return
+        with self._lock:
+            if self._waiting[storage.size] > sum(
+                1 for kept, _ in self._idle if kept.size == storage.size
+            ) or sum(kept.nbytes for kept, _ in self._idle) + storage.nbytes <= self.keep_bytes:
+                self._idle.append((storage, None))
+                return
+            if not self._between:
+                return
+        booker = None if self._booker is None else self._booker()
+        if booker is None or not self._booking.acquire(blocking=False):
+            return
+        try:
+            if self._between:  # (begin() cannot run while we hold _booking)
+                booking = booker(storage.nbytes)
+                if booking is not None:
+                    with self._lock:
+                        self._idle.append((storage, booking))
+        finally:
+            self._booking.release()
 
     def idle_bytes(self) -> int:
-        """Bytes released by the consumer and kept for reuse (unbooked, see the class)."""
-        return sum(storage.nbytes for storage in list(self._idle))
+        """Bytes released by the consumer and kept for reuse (see the class)."""
+        return sum(storage.nbytes for storage, _ in list(self._idle))
 
     def pooled_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         """What an array of ``shape`` and ``dtype`` from :meth:`empty` would take in the
@@ -273,10 +429,17 @@ class ArrayPool:
         return 0 if dtype.hasobject or nbytes < POOLED_BYTES else -(-nbytes // 8) * 8
 
     def clear(self) -> None:
-        """Free the released arrays kept (no more batches are coming for now)."""
-        self._idle.clear()
+        """Free the released arrays kept and give their bookings back (no more batches
+        are coming for now)."""
+        with self._booking, self._lock:
+            self._waiting.clear()
+            self._between = False
+            bookings = [booking for _, booking in self._idle if booking is not None]
+            self._idle.clear()
+        for booking in bookings:
+            booking.release()
 
     def close(self) -> None:
         """Free what is kept, and keep nothing released from now on."""
         self._closed = True
-        self._idle.clear()
+        self.clear()

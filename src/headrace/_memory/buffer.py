@@ -864,12 +864,26 @@ class Assembly:
         self._out = 0  # booked for the output (its columns, their growth)
         self._loose = self._loose_rows = 0  # rows' bytes not booked yet
 
-    def reserve(self, nbytes: int, *, what: str | None = None, elements: int = 0) -> None:
+    def reserve(self, nbytes: int, *, what: str | None = None, elements: int = 0,
+                replacing: Reservation | None = None) -> None:
         """Book ``nbytes`` the assembly is about to allocate (its output, a widened
         column), held with what it holds: refused before anything is allocated.
-        ``elements``: 1 for the output itself, so the stage's stats count it."""
+        ``elements``: 1 for the output itself, so the stage's stats count it.
+        ``replacing``: a booking on the same buffer for memory the output will reuse
+        (a released batch the stage kept): given back in the same step, under the
+        lock, so the memory is never counted twice or not at all."""
         self._book_loose()  # the rows gathered so far count in the check
-        self.buffer._hold(nbytes, what=what or self.what, elements=elements)
+        what = what or self.what
+        buffer = self.buffer
+        if replacing is None or not replacing.nbytes:
+            buffer._hold(nbytes, what=what, elements=elements)
+        else:
+            assert replacing.account is buffer, "reserve: a booking on another buffer"
+            with buffer.lock:
+                old, replacing.nbytes = replacing.nbytes, 0
+                buffer._unbook(old)
+                buffer._fit_together(nbytes, what)  # (refused: the old bytes stay unbooked)
+                buffer._book(nbytes, elements)
         self._out += nbytes
 
     def take(self, nbytes: int, upstream: Reservation) -> None:

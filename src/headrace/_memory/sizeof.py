@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from headrace._errors import ElementSpecError, HeadraceWarning
+from headrace._memory.allocator import pooled_storage
 from headrace._memory.units import is_byte_count
 from headrace._warn import warn_user
 from headrace.io.columns import bytes_total
@@ -266,6 +267,9 @@ class _Costing:
             return ARRAY_HEADER_BYTES + owner.nbytes + self.object_items(owner)
         if isinstance(owner, (bytes, bytearray)):
             return sys.getsizeof(owner)
+        pooled = pooled_storage(owner)
+        if pooled is not None:  # a pooled batch: its memory (the pool is not its cost)
+            return ARRAY_HEADER_BYTES + pooled.nbytes
         try:
             with memoryview(owner) as view:  # type: ignore[arg-type]
                 return sys.getsizeof(owner) + view.nbytes

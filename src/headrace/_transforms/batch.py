@@ -289,8 +289,11 @@ class _BatchIterator(Assembler):
         self.last_token: BatchToken | None = None
         #: Large columns reuse batches the consumer let go of (no fresh pages to zero),
         #: where the share has room to book one released batch waiting (the spare).
-        self._pool = ArrayPool()
+        self._pool = ArrayPool(booker=self._book_idle)
         self._spare: Reservation = NO_RESERVATION
+        #: Columns of the batch being assembled in fresh memory that would move into a
+        #: batch the consumer lets go of meanwhile (ArrayPool.exchange).
+        self._pending: list[_Column] = []
 
     def close(self) -> None:
         self._drop_spare()
@@ -310,7 +313,8 @@ class _BatchIterator(Assembler):
                      for column in columns)
         if pooled == self._spare.nbytes:
             return
-        self._drop_spare()
+        if self._spare.nbytes:  # (the batch's shapes changed)
+            self._drop_spare()
         if pooled and self.account.room() >= pooled:
             try:
                 self._spare = self.account.admit(pooled, elements=0)
@@ -388,6 +392,7 @@ class _BatchIterator(Assembler):
                 leaves = [element] if single else flatten(element)
             booking = self._finish(assembly, count, failure)
         except BaseException:
+            self._settle()
             reservation.release()
             assembly.abandon()
             raise
@@ -400,6 +405,7 @@ class _BatchIterator(Assembler):
                 failure: ElementSpecError | None) -> Reservation:
         """The batch's booking, once its ``count`` rows are in place; StopIteration for
         a short last batch under ``drop_remainder``, else the element that did not fit."""
+        self._settle()
         if self.drop_remainder and count < self.batch_size:
             raise StopIteration
         if failure is not None:
@@ -413,22 +419,73 @@ class _BatchIterator(Assembler):
             ARRAY_HEADER_BYTES + rows * column.row_bytes() for column in columns
         )
         assembly = Assembly(self.account, f"a batch of {rows} elements")
-        assembly.reserve(nbytes, elements=1)
+        kept = self._pool.begin()  # released batches booked while this one was awaited
+        try:
+            self._reserve(assembly, nbytes, kept)
+        except BaseException:
+            self._settle()
+            raise
         try:
             self._book_spare(columns)
-            empty = self._pool.empty
+            pool = self._pool
             for column in columns:
-                column.out = empty((rows, *column.shape), column.dtype)
+                reused = pool.reused
+                column.out = pool.empty((rows, *column.shape), column.dtype, exchange=True)
+                if pool.reused == reused and column.out.base is not None:
+                    self._pending.append(column)  # fresh pooled memory (a plain np.empty
+                    # owns its data: base None)
         except BaseException:
+            self._settle()
             assembly.abandon()
             raise
         self._assembly = assembly
         return assembly
 
+    @staticmethod
+    def _reserve(assembly: Assembly, nbytes: int, kept: list[Reservation]) -> None:
+        """Book the batch's output over the bookings of released batches it will reuse."""
+        replacing = NO_RESERVATION
+        for booking in kept:
+            replacing = replacing.absorb(booking)
+        if replacing.nbytes > nbytes:  # (more kept than this batch takes: the rest goes)
+            booked, replacing.nbytes = replacing.nbytes, nbytes
+            Reservation(replacing.account, booked - nbytes).release()
+        assembly.reserve(nbytes, elements=1, replacing=replacing)
+
+    def _book_idle(self, nbytes: int) -> Reservation | None:
+        """Book a batch the consumer let go of, kept for the next one while this stage
+        waits for it, if the share has room (called by the pool, in the consumer's
+        thread); else None and the memory is freed."""
+        if self.account.room() < nbytes:
+            return None
+        try:
+            return self.account.admit(nbytes, elements=0)
+        except MemoryBudgetError:  # (a budget shared with other pipelines)
+            return None
+
+    def _exchange(self, rows: int) -> None:
+        """Move the columns still in fresh memory into batches the consumer let go of,
+        where one waits: the ``rows`` rows already placed are copied, the rest of the
+        fresh pages are never touched (the kernel zeroes a page only when first written)."""
+        pool, pending = self._pool, self._pending
+        for column in list(pending):
+            assert column.out is not None
+            moved = pool.exchange(column.out, rows)
+            if moved is not None:
+                column.out = moved
+                pending.remove(column)
+
+    def _settle(self) -> None:
+        """The batch is filled (or abandoned): nothing more waits for released memory."""
+        self._pending.clear()
+        self._pool.settle()
+
     def _place(self, columns: list[_Column], leaves: list[Any], row: int,
                first: int) -> ElementSpecError | None:
         """Copy one element's leaves into row ``row``; the error naming what does not fit
         the batch (its components, a shape, a dtype), which the batch raises once whole."""
+        if self._pending:  # (before the row: none copied if the release came first)
+            self._exchange(row)
         if len(leaves) != len(columns):
             return ElementSpecError(
                 f"batch: element {self.position - 1} has {len(leaves)} components, but "
@@ -447,32 +504,43 @@ class _BatchIterator(Assembler):
             if type(leaf) is column.scalar:
                 out[row] = leaf  # a NumPy scalar of the column's own type, or bytes/str
                 continue
-            if np.shape(leaf) != column.shape:
+            failure = self._place_other(column, leaf, row, first)
+            if failure is not None:
+                return failure
+        return None
+
+    def _place_other(self, column: _Column, leaf: Any, row: int,
+                     first: int) -> ElementSpecError | None:
+        """:meth:`_place` of a leaf that is not an array or scalar of the column's own
+        dtype and shape: checked, converted (a column widened where it must be)."""
+        out = column.out
+        assert out is not None
+        if np.shape(leaf) != column.shape:
+            return ElementSpecError(
+                f"batch: element {self.position - 1} has shape {np.shape(leaf)} for "
+                f"component {column.path}, but element {first} of the same batch has shape "
+                f"{column.shape}; all elements of a batch need equal shapes (use "
+                "padded_batch for variable sizes)"
+            )
+        dtype = _leaf_dtype(leaf)
+        # Python scalars are "weak" (NEP 50): they take the column's dtype unless
+        # their kind is wider (a float in an int column widens it, as np.stack does).
+        if (
+            type(leaf) in _PYTHON_SCALARS
+            and not column.dtype.hasobject
+            and _KIND_ORDER[dtype.kind] <= _KIND_ORDER.get(column.dtype.kind, 3)
+        ):
+            dtype = column.dtype
+        if dtype != column.dtype and not column.dtype.hasobject:
+            if dtype.kind in "OSU":
                 return ElementSpecError(
-                    f"batch: element {self.position - 1} has shape {np.shape(leaf)} for "
-                    f"component {column.path}, but element {first} of the same batch has shape "
-                    f"{column.shape}; all elements of a batch need equal shapes (use "
-                    "padded_batch for variable sizes)"
+                    f"batch: element {self.position - 1} has a {type(leaf).__name__} for "
+                    f"component {column.path}, but element {first} of the same batch has "
+                    f"{column.dtype} values"
                 )
-            dtype = _leaf_dtype(leaf)
-            # Python scalars are "weak" (NEP 50): they take the column's dtype unless
-            # their kind is wider (a float in an int column widens it, as np.stack does).
-            if (
-                type(leaf) in _PYTHON_SCALARS
-                and not column.dtype.hasobject
-                and _KIND_ORDER[dtype.kind] <= _KIND_ORDER.get(column.dtype.kind, 3)
-            ):
-                dtype = column.dtype
-            if dtype != column.dtype and not column.dtype.hasobject:
-                if dtype.kind in "OSU":
-                    return ElementSpecError(
-                        f"batch: element {self.position - 1} has a {type(leaf).__name__} for "
-                        f"component {column.path}, but element {first} of the same batch has "
-                        f"{column.dtype} values"
-                    )
-                if not np.can_cast(dtype, column.dtype, "safe"):
-                    out = self._promote(column, np.result_type(column.dtype, dtype), row)
-            out[row] = row_item(leaf)
+            if not np.can_cast(dtype, column.dtype, "safe"):
+                out = self._promote(column, np.result_type(column.dtype, dtype), row)
+        out[row] = row_item(leaf)
         return None
 
     def _promote(
