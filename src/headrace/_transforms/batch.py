@@ -592,6 +592,9 @@ class ColumnarBatchIterator(_BatchIterator):
 
     def pull(self) -> tuple[Any, Reservation]:
         if self.probe is None:
+            # A batch released since an element-by-element one is not booked beside the
+            # reader's batches: they take the room it was kept in.
+            self._pool.clear()
             record = self._record
             started = 0.0 if record is None else time.perf_counter()
             found = self._pull_batch(self.batch_size, self.account, whole=self.drop_remainder)
