@@ -287,8 +287,10 @@ class _BatchIterator(Assembler):
         #: token is taken as it is pulled, and the batch's token holds them all.
         self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
         self.last_token: BatchToken | None = None
-        #: Large columns reuse batches the consumer let go of (no fresh pages to zero),
-        #: where the share has room to book one released batch waiting (the spare).
+        #: Large columns reuse batches the consumer let go of (no fresh pages to zero):
+        #: kept as a booked spare where the share has room for one beside a batch, else
+        #: booked while the stage awaits its next batch, or handed over to the batch
+        #: being filled (see ArrayPool).
         self._pool = ArrayPool(booker=self._book_idle)
         self._spare: Reservation = NO_RESERVATION
         #: Columns of the batch being assembled in fresh memory that would move into a
