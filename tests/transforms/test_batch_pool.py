@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import headrace as hr
-from headrace._memory.allocator import POOLED_BYTES, ArrayPool
+from headrace._memory.allocator import _PAGE_MARGIN, POOLED_BYTES, ArrayPool
 
 ROWS = 8
 SIDE = 256  # 8 x 256 x 256 float32 = 2 MiB a batch: pooled
@@ -291,30 +291,106 @@ def test_a_release_between_batches_is_kept_only_while_booked() -> None:
 
 
 def test_a_fresh_array_moves_into_memory_released_while_it_is_filled() -> None:
-    pool = ArrayPool()  # no spare, no booker: only the hand-over
-    old = pool.empty((4, 512, 256), np.float32)
+    # A release while a fresh array is filled is kept only with a booking of the fresh
+    # array's pages the filler may have touched (the rows it said it writes, a huge page
+    # of margin): until the hand-over the process holds both.
+    account = _budget_account(64 << 20)
+    pool = ArrayPool(booker=_booker(account))
+    old = pool.empty((8, 1024, 256), np.float32)
     old_address = _address(old)
-    fresh = pool.empty((4, 512, 256), np.float32, exchange=True)
+    row = 1024 * 256 * 4
+    fresh = pool.empty((8, 1024, 256), np.float32, exchange=True)
     assert pool.exchange(fresh, 0) is None  # nothing released yet
-    fresh[:2] = np.arange(2, dtype=np.float32)[:, None, None]
+    fresh[0] = 0
+    assert pool.exchange(fresh, 1) is None
+    fresh[1] = 1
     del old  # the consumer lets go of a batch while `fresh` is filled
-    moved = pool.exchange(fresh, 2)
-    assert moved is not None and _address(moved) == old_address
+    touched = account.stats().held
+    assert 2 * row <= touched == 2 * row + _PAGE_MARGIN
+    found = pool.exchange(fresh, 2)
+    assert found is not None
+    moved, booking = found
+    assert _address(moved) == old_address and booking.nbytes == touched
     assert pool.exchanged == 1 and pool.reused == 1
     _expect_rows_of(moved[:2], 0)
     del fresh  # its memory is not kept: nothing waits for it now
-    assert pool.idle_bytes() == 0
-    late = pool.empty((4, 512, 256), np.float32)
+    booking.release()
+    assert pool.idle_bytes() == 0 and account.stats().held == 0
+    late = pool.empty((8, 1024, 256), np.float32)
     pool.settle()
-    del late  # released after the batch was settled: freed, not kept unbooked
-    assert pool.idle_bytes() == 0
+    pool.begin()
+    del late  # released while a batch is filled in reused memory: freed
+    assert pool.idle_bytes() == 0 and account.stats().held == 0
     # a release of another size is not taken
-    waiting = pool.empty((4, 512, 256), np.float32, exchange=True)
-    smaller = pool.empty((2, 512, 256), np.float32)
+    waiting = pool.empty((8, 1024, 256), np.float32, exchange=True)
+    smaller = pool.empty((4, 1024, 256), np.float32)
     del smaller
     assert pool.exchange(waiting, 0) is None
+    # with no room for the touched pages, the release is freed, not kept unbooked
+    other = pool.empty((8, 1024, 256), np.float32)
+    hog = account.admit(account.room() - row, elements=0)
+    del other
+    assert pool.idle_bytes() == 0 and pool.exchange(waiting, 1) is None
+    hog.release()
+    # a fresh array replaced (a widened column) takes its kept release with it
+    other = pool.empty((8, 1024, 256), np.float32)
+    del other
+    assert pool.idle_bytes() > 0 and account.stats().held > 0
+    pool.withdraw(waiting)
+    assert pool.idle_bytes() == 0 and account.stats().held == 0
     pool.settle()
     assert pool.idle_bytes() == 0
+
+
+def test_a_hand_over_never_meets_rows_written_past_their_booking() -> None:
+    # The filler says which row it writes before it looks for a release, and a release
+    # says it is coming before it reads that: whatever the interleaving, the rows
+    # written before the hand-over are within what the release booked.
+    account = _budget_account(256 << 20)
+    booked: list[int] = []
+
+    def book(nbytes: int) -> Any:
+        booked.append(nbytes)
+        threading.Event().wait(0.002)  # the releasing thread is descheduled meanwhile
+        return account.admit(nbytes, elements=0)
+
+    pool = ArrayPool(booker=book)
+    rows, shape = 64, (64, 128, 128)
+    row = 128 * 128 * 4
+    random = np.random.default_rng(7)
+    for attempt in range(60):
+        booked.clear()
+        old = [pool.empty(shape, np.float32)]
+        fresh = pool.empty(shape, np.float32, exchange=True)
+        go = threading.Event()
+        delay = float(random.uniform(0, 0.004))
+
+        def release(delay: float = delay) -> None:
+            go.wait()
+            threading.Event().wait(delay)
+            old.clear()
+
+        releaser = threading.Thread(target=release)
+        releaser.start()
+        go.set()
+        moved_at = None
+        for index in range(rows):
+            found = pool.exchange(fresh, index)
+            if found is not None:
+                moved_at = index
+                assert index * row <= booked[0] - _PAGE_MARGIN + row, (attempt, index, booked)
+                fresh, booking = found
+                booking.release()
+                break
+            fresh[index] = index
+            threading.Event().wait(0.00005)
+        releaser.join()
+        pool.settle()
+        if moved_at is not None:
+            _expect_rows_of(fresh[:moved_at], 0)
+        del fresh
+        pool.clear()
+        assert account.stats().held == 0, attempt
 
 
 def _expect_rows_of(images: np.ndarray[Any, Any], first: int) -> None:

@@ -47,7 +47,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -216,6 +216,19 @@ def owns_pooled(array: np.ndarray[Any, Any]) -> bool:
     return type(lease) is _Lease and sys.getrefcount(lease) <= 3
 
 
+#: Pages of a fresh array a caller may have touched beyond the rows it wrote: the
+#: rest of the huge page (NumPy asks for them on large arrays) and of a small page.
+_PAGE_MARGIN = (2 << 20) + (4 << 10)
+
+
+class _Kept(NamedTuple):
+    """Internal: released memory an :class:`ArrayPool` keeps (see its ``_idle``)."""
+
+    storage: np.ndarray[Any, Any]
+    booking: Reservation | None
+    exchange: bool
+
+
 class ArrayPool:
     """Large output arrays (a batch's columns) used again once nothing references them.
 
@@ -237,12 +250,16 @@ class ArrayPool:
       then, since the batch before went on. :meth:`begin` hands those bookings to the
       caller, which books its next arrays over them (no moment counted twice or not
       at all);
-    - while the caller fills a fresh array from ``empty(..., exchange=True)``, whose
-      untouched pages the kernel has not mapped yet: the caller moves the rows
-      written so far into the released array (:meth:`exchange`) and lets the fresh
-      one go. The fresh array's booking covers the released one: the process holds
-      the released array plus the rows written, no more than a moment before, when
-      the consumer still had it.
+    - while the caller fills a fresh array from ``empty(..., exchange=True)``: the
+      caller will move the rows written so far into the released memory
+      (:meth:`exchange`) and let the fresh array go, whose booking then covers the
+      released memory. Until it does, the process holds the released memory *and*
+      the fresh array's touched pages, so ``booker`` books those pages: the rows
+      the caller said it may have written, with a huge page of margin. The caller
+      does not write past what was booked: it says which row it is about to write
+      before it looks for released memory, and a release says it is coming before
+      it reads that row, so one of the two sees the other; a caller that sees a
+      release coming waits for its booking.
 
     Memory released at any other time is freed at once. :meth:`clear` (the end of the
     input) and :meth:`close` (the iterator's) free what waits and give its bookings
@@ -260,18 +277,21 @@ class ArrayPool:
             else weakref.WeakMethod(booker) if inspect.ismethod(booker)
             else (lambda: booker)
         )
-        #: Released memory kept, each with the booking made for it (None: covered by
-        #: ``keep_bytes`` or by a fresh array waiting for it).
-        self._idle: collections.deque[tuple[np.ndarray[Any, Any], Reservation | None]] = (
-            collections.deque()
-        )
+        #: Released memory kept: (storage, the booking made for it, None where
+        #: ``keep_bytes`` covers it; whether it waits for an :meth:`exchange`).
+        self._idle: collections.deque[_Kept] = collections.deque()
         self._closed = False
         self._between = False  # settled, not begun: the caller waits for its next batch
-        #: Sizes (in 8-byte words) of fresh arrays that would take released memory now.
+        #: Fresh arrays that would move into released memory, by size in 8-byte words,
+        #: and the bytes of each size's rows the caller may have written (see exchange).
         self._waiting: collections.Counter[int] = collections.Counter()
+        self._written: dict[int, int] = {}
+        #: Releases being booked for a waiting fresh array, by size (see exchange).
+        self._incoming: collections.Counter[int] = collections.Counter()
         # A release in the consumer against the caller's calls; reentrant, as a lease may
         # die in a collection that an allocation under the lock sets off.
         self._lock = threading.RLock()
+        self._booked = threading.Condition(self._lock)  # an incoming release is booked
         # Held while a release is booked between batches: begin() waits for it, so the
         # caller's next booking never meets one half made. A release finding it taken
         # frees its memory instead of waiting (it may run inside the budget's lock).
@@ -300,6 +320,7 @@ class ArrayPool:
             if exchange:
                 with self._lock:
                     self._waiting[words] += 1
+                    self._written[words] = 0
         else:
             self.reused += 1
         self.handed += 1
@@ -319,46 +340,86 @@ class ArrayPool:
         with self._lock:
             idle = self._idle
             while idle:
-                storage, booking = idle.popleft()
-                if booking is not None:
-                    freed.append(booking)
-                if storage.size == words:
-                    found = storage
+                kept = idle.popleft()
+                if kept.booking is not None:
+                    freed.append(kept.booking)
+                if kept.storage.size == words:
+                    found = kept.storage
                     break
         for booking in freed:
             booking.release()
         return found
 
-    def exchange(self, array: np.ndarray[Any, Any], rows: int) -> np.ndarray[Any, Any] | None:
+    def exchange(self, array: np.ndarray[Any, Any],
+                 rows: int) -> tuple[np.ndarray[Any, Any], Reservation] | None:
         """``array`` (fresh, from ``empty(..., exchange=True)``) moved into memory of its
-        size released since: its first ``rows`` rows copied over, the new array returned
-        (the caller drops ``array``, whose pages go back to the system); None if no
-        such memory waits. A cheap check when none does: it runs per row."""
-        if not self._idle:
-            return None
+        size released since, or None if none waits; called before each row is written,
+        ``rows`` being the rows written so far.
+
+        Returns the new array, its first ``rows`` rows copied over, and the booking of
+        ``array``'s touched pages: the caller drops ``array`` (its pages go back to the
+        system), then releases the booking. Cheap when nothing was released: it runs
+        per row."""
         lease = array.base
         if type(lease) is not _Lease:
             return None
         words = lease.storage.size
-        storage = None
-        with self._lock:
+        # Say what may be written before looking for a release (see the class).
+        self._written[words] = (rows + 1) * (array.nbytes // max(len(array), 1))
+        if not self._idle and not self._incoming:
+            return None
+        found = None
+        with self._booked:
+            while self._incoming[words]:
+                self._booked.wait()
             if not self._waiting[words]:
                 return None
-            kept = list(self._idle)  # (a release meanwhile only appends)
-            for index in range(len(kept)):
-                if kept[index][0].size == words and kept[index][1] is None:
-                    storage = kept[index][0]
+            for index, kept in enumerate(self._idle):
+                if kept.storage.size == words and kept.exchange:
+                    found = kept
                     del self._idle[index]
                     self._waiting[words] -= 1
                     break
-        if storage is None:
+        if found is None:
             return None
-        moved = self._lease(storage, array.shape, array.dtype)
+        assert found.booking is not None, "exchange: released memory kept unbooked"
+        moved = self._lease(found.storage, array.shape, array.dtype)
         if rows:
             moved[:rows] = array[:rows]
         self.reused += 1
         self.exchanged += 1
-        return moved
+        return moved, found.booking
+
+    def withdraw(self, array: np.ndarray[Any, Any]) -> None:
+        """``array`` (fresh, from ``empty(..., exchange=True)``) no longer waits for
+        released memory: the caller replaced it (a column widened). Memory kept for it
+        goes, with its booking, which covered it only as long as ``array`` did."""
+        lease = array.base
+        if type(lease) is not _Lease:
+            return
+        words = lease.storage.size
+        dropped: list[_Kept] = []
+        with self._booked:
+            while self._incoming[words]:
+                self._booked.wait()
+            if self._waiting[words]:
+                self._waiting[words] -= 1
+            surplus = sum(1 for kept in self._idle
+                          if kept.exchange and kept.storage.size == words)
+            surplus -= self._waiting[words]
+            for kept in list(self._idle):
+                if surplus > 0 and kept.exchange and kept.storage.size == words:
+                    dropped.append(kept)
+                    surplus -= 1
+            if dropped:  # (by identity: a tuple of arrays has no truth for ==)
+                self._idle = collections.deque(
+                    kept for kept in self._idle if all(kept is not d for d in dropped))
+        while dropped:
+            kept = dropped.pop()
+            booking = kept.booking
+            del kept  # (the memory goes before its booking)
+            assert booking is not None
+            booking.release()
 
     def begin(self) -> list[Reservation]:
         """The caller is about to book and take its next arrays: nothing released from
@@ -368,10 +429,10 @@ class ArrayPool:
         with self._booking, self._lock:
             self._between = False
             handed: list[Reservation] = []
-            for index, (storage, booking) in enumerate(list(self._idle)):
-                if booking is not None:
-                    handed.append(booking)
-                    self._idle[index] = (storage, None)
+            for index, kept in enumerate(list(self._idle)):
+                if kept.booking is not None:
+                    handed.append(kept.booking)
+                    self._idle[index] = _Kept(kept.storage, None, False)
             return handed
 
     def settle(self) -> None:
@@ -381,45 +442,80 @@ class ArrayPool:
         freed: list[Reservation] = []
         with self._lock:
             self._waiting.clear()
+            self._written.clear()
             idle = self._idle
-            total = sum(storage.nbytes for storage, _ in idle)
+            total = sum(kept.storage.nbytes for kept in idle)
             while idle and total > self.keep_bytes:
-                storage, booking = idle.popleft()
-                total -= storage.nbytes
-                if booking is not None:  # (none after begin(), which took them)
-                    freed.append(booking)
+                kept = idle.popleft()
+                total -= kept.storage.nbytes
+                if kept.booking is not None:
+                    freed.append(kept.booking)
             self._between = not self._closed and self._booker is not None
         for booking in freed:
             booking.release()
 
     def _returned(self, storage: np.ndarray[Any, Any]) -> None:
         """A lease died: keep its memory for the next batch or a fresh array waiting
-        for it, or let it go."""
+        for it where it can be booked, or let it go."""
         if self._closed:
             return
-        with self._lock:
-            if self._waiting[storage.size] > sum(
-                1 for kept, _ in self._idle if kept.size == storage.size
-            ) or sum(kept.nbytes for kept, _ in self._idle) + storage.nbytes <= self.keep_bytes:
-                self._idle.append((storage, None))
-                return
-            if not self._between:
-                return
         booker = None if self._booker is None else self._booker()
-        if booker is None or not self._booking.acquire(blocking=False):
-            return
+        words = storage.size
+        with self._lock:
+            if sum(kept.storage.nbytes for kept in self._idle) + storage.nbytes <= (
+                self.keep_bytes
+            ):
+                self._idle.append(_Kept(storage, None, False))
+                return
+            if booker is None:
+                return
+            waiting = self._waiting[words] > self._incoming[words] + sum(
+                1 for kept in self._idle if kept.exchange and kept.storage.size == words
+            )
+            if waiting:
+                # Said before reading what the caller may have written (see exchange).
+                self._incoming[words] += 1
+                written = self._written.get(words, 0)
+            elif not self._between:
+                return
+        if waiting:
+            self._keep_for_exchange(storage, booker, written)
+        elif self._booking.acquire(blocking=False):
+            try:
+                if self._between:  # (begin() cannot run while we hold _booking)
+                    booking = booker(storage.nbytes)
+                    if booking is not None:
+                        with self._lock:
+                            self._idle.append(_Kept(storage, booking, False))
+            finally:
+                self._booking.release()
+
+    def _keep_for_exchange(self, storage: np.ndarray[Any, Any],
+                           booker: Callable[[int], Reservation | None], written: int) -> None:
+        """Keep released memory for the fresh array being filled, booking the pages of
+        that array the caller may touch until it moves over (see the class); the
+        caller counted this release as incoming."""
+        words = storage.size
+        booking = None
         try:
-            if self._between:  # (begin() cannot run while we hold _booking)
-                booking = booker(storage.nbytes)
-                if booking is not None:
-                    with self._lock:
-                        self._idle.append((storage, booking))
+            booking = booker(min(storage.nbytes, written + _PAGE_MARGIN))
+            if booking is not None:
+                with self._lock:
+                    if self._waiting[words]:
+                        self._idle.append(_Kept(storage, booking, True))
+                        booking = None
         finally:
-            self._booking.release()
+            with self._booked:
+                self._incoming[words] -= 1
+                if not self._incoming[words]:
+                    del self._incoming[words]  # (an empty Counter is false: see exchange)
+                self._booked.notify_all()
+            if booking is not None:  # (the array was filled meanwhile)
+                booking.release()
 
     def idle_bytes(self) -> int:
         """Bytes released by the consumer and kept for reuse (see the class)."""
-        return sum(storage.nbytes for storage, _ in list(self._idle))
+        return sum(kept.storage.nbytes for kept in list(self._idle))
 
     def pooled_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         """What an array of ``shape`` and ``dtype`` from :meth:`empty` would take in the
@@ -433,8 +529,9 @@ class ArrayPool:
         are coming for now)."""
         with self._booking, self._lock:
             self._waiting.clear()
+            self._written.clear()
             self._between = False
-            bookings = [booking for _, booking in self._idle if booking is not None]
+            bookings = [kept.booking for kept in self._idle if kept.booking is not None]
             self._idle.clear()
         for booking in bookings:
             booking.release()

@@ -472,9 +472,10 @@ class _BatchIterator(Assembler):
         pool, pending = self._pool, self._pending
         for column in list(pending):
             assert column.out is not None
-            moved = pool.exchange(column.out, rows)
-            if moved is not None:
-                column.out = moved
+            found = pool.exchange(column.out, rows)
+            if found is not None:
+                column.out, booking = found  # (the fresh array goes here...)
+                booking.release()  # (... then the booking of its touched pages)
                 pending.remove(column)
 
     def _settle(self) -> None:
@@ -552,6 +553,9 @@ class _BatchIterator(Assembler):
         assert column.out is not None
         old, assembly = column.out, self._assembly
         assert assembly is not None
+        if column in self._pending:  # (its fresh memory no longer waits for a release)
+            self._pending.remove(column)
+            self._pool.withdraw(old)
         assembly.reserve(
             len(old) * int(np.prod(column.shape, dtype=np.int64)) * dtype.itemsize,
             what="a widened batch column",
