@@ -18,7 +18,8 @@ elements under 64 MiB grew the process 178 MiB (bound 141) with 60 MiB booked.
 So budgets report what they release (:func:`note_released`); every
 :data:`CHECK_EVERY` bytes the process's memory is compared with what live runs
 book, and when what nobody booked has grown by a quarter of the largest live
-budget since the last look, the heap's free pages go back (``malloc_trim``).
+budget since the last look, and the heap has that much in free blocks, the heap's
+free pages go back (``malloc_trim``).
 Memory the program itself keeps (a model, a dataset it holds) raises the floor
 once and is not trimmed for again; in a run whose books match its memory the
 check is one read of /proc/self/status per 16 MiB released.
@@ -106,7 +107,13 @@ def note_released(nbytes: int) -> None:
 
 def _trim_if_retaining() -> None:
     """Give free heap pages back if unbooked memory grew past the allowance since the
-    last trim (a lock keeps two releasing threads from trimming at once)."""
+    last trim and the heap has that much free (a lock keeps two releasing threads from
+    trimming at once).
+
+    Without the second test, memory the program holds for a moment (the batch the
+    training loop is on, 77 MB of images, mapped outside the heap) read as growth: an
+    image pipeline trimmed once a batch, and faulted the heap's pages back in (8-12%
+    of its CPU)."""
     global _floor
     from headrace._memory.system import live_runs, sample_process_memory  # (system imports io)
 
@@ -117,7 +124,8 @@ def _trim_if_retaining() -> None:
         if memory is None:
             return
         unbooked = live_runs.unaccounted(memory)
-        if unbooked > _floor + max(_MIN_GROWTH, live_runs.largest_total() // 4):
+        allowance = max(_MIN_GROWTH, live_runs.largest_total() // 4)
+        if unbooked > _floor + allowance and _free_heap() > allowance:
             release_free_heap()
             after = sample_process_memory()
             _floor = unbooked if after is None else live_runs.unaccounted(after)
@@ -155,6 +163,37 @@ def release_free_heap() -> None:
     trim = _malloc_trim() if sys.platform.startswith("linux") else None
     if trim is not None:
         trim(0)
+
+
+def _free_heap() -> int:
+    """Bytes in the heap's free blocks, all arenas (glibc's ``mallinfo2``); where that
+    is unknown, as if every unbooked byte were free. Blocks whose pages a trim already
+    gave back count too: an upper bound."""
+    info = _mallinfo2()
+    if info is None:
+        return sys.maxsize
+    return int(info().fordblks)
+
+
+@functools.cache
+def _mallinfo2() -> Any:
+    """glibc's ``mallinfo2`` (2.33 and later), or None."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = []
+    function.restype = MallInfo2
+    return function
 
 
 @functools.cache
