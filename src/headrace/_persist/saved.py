@@ -29,7 +29,11 @@ order. ``load`` checks each part file against the digest the manifest recorded
 (one sequential read): a part from another save, or two swapped by name, is a
 DataLossError naming it, never served as this save's elements (a damaged record is
 reported with its offset). Uncompressed, a loaded dataset is a *random-access* source (through
-the ``.hrx`` indexes): ``global_shuffle``, ``shard`` and resume act on indices.
+the ``.hrx`` indexes): ``global_shuffle``, ``shard`` and resume act on indices. A part
+whose records all have one framed size records it in the manifest (``record_bytes``,
+0 where they differ): ``load`` computes its offsets instead of holding its index, 8
+bytes a record (a part that is not count x size bytes long is a DataLossError naming
+it); saves made before that field load every index, as then.
 
 Resumable while writing: with ``checkpoint_args={"checkpoint_interval": n}``
 the writer closes its current parts every ``n`` elements and records the
