@@ -8,6 +8,7 @@ are open: they must take a pool slot, or a pipeline holds cap + 1 files.
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -106,6 +107,12 @@ def test_load_of_many_shards_never_holds_more_files_than_the_cap(
     rng = random.Random(seed)
     count, num_shards, cap = rng.randint(50, 300), rng.randint(20, 60), rng.randint(1, 6)
     hr.Dataset.from_tensor_slices(np.arange(count)).save(str(tmp_path), num_shards=num_shards)
+    # As a save made before record sizes were recorded (or of records of mixed sizes):
+    # each part's offsets come from its index.
+    manifest_path = tmp_path / "headrace-dataset.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["record_bytes"]
+    manifest_path.write_text(json.dumps(manifest))
     order_seed = rng.randrange(99)
     oracle = [int(x) for x in hr.Dataset.load(str(tmp_path)).global_shuffle(seed=order_seed)]
     assert sorted(oracle) == list(range(count))
@@ -118,6 +125,24 @@ def test_load_of_many_shards_never_holds_more_files_than_the_cap(
     ]
     assert got == oracle
     assert 0 < peak_at_index_opens(tmp_path) <= cap, (num_shards, cap)
+
+
+def test_load_of_one_size_records_opens_no_index(
+    tmp_path: Path, peak_at_index_opens: Callable[[Path], int]
+) -> None:
+    """Parts whose records all have one size (the manifest says so) are read at computed
+    offsets: their indexes are never opened, so they cost no file slot and no memory."""
+    hr.Dataset.from_tensor_slices(np.arange(90)).save(str(tmp_path), num_shards=7)
+    peak_at_index_opens(tmp_path)
+    got = [
+        int(x)
+        for x in hr.Dataset.load(str(tmp_path))
+        .global_shuffle(seed=5)
+        .with_options(hr.Options(max_open_files=2))
+    ]
+    assert sorted(got) == list(range(90)) and got != list(range(90))
+    assert peak_at_index_opens(tmp_path) == 0
+    assert open_under(tmp_path) == 0
 
 
 def test_a_borrowed_slot_suspends_an_idle_stream_and_waits_for_none(tmp_path: Path) -> None:

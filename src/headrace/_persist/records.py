@@ -307,9 +307,12 @@ def one_size(offsets: Any, end: int) -> int:
 
 class EvenOffsets:
     """Internal: where each of ``count`` records of ``size`` bytes laid end to end
-    starts, computed rather than held: a cache of one-size records (small ones above
-    all) needs no index in memory, where the ``.hrx``'s 8 bytes a record were most of
-    what reading it held (1.6 MB for 200,000 records)."""
+    starts, computed rather than held: a cache or a saved shard of one-size records
+    (small ones above all) needs no index in memory, where the ``.hrx``'s 8 bytes a
+    record were most of what reading it held (1.6 MB for 200,000 records).
+
+    Read as an index's offsets are: a position (an int), a slice, or an array of
+    positions (uint64 offsets, as the ``.hrx`` holds them)."""
 
     __slots__ = ("count", "size")
     nbytes = 0  # (booked as an index is: nothing held)
@@ -320,10 +323,18 @@ class EvenOffsets:
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, key: int | slice) -> Any:
+    def __getitem__(self, key: int | slice | np.ndarray[Any, Any]) -> Any:
         if isinstance(key, slice):
             start, stop, step = key.indices(self.count)
             return np.arange(start, stop, step, dtype=np.uint64) * np.uint64(self.size)
+        if isinstance(key, np.ndarray):
+            many = np.asarray(key, dtype=np.int64)
+            many = np.where(many < 0, many + self.count, many)
+            if many.size and (many.min() < 0 or many.max() >= self.count):
+                bad = key.reshape(-1)[int(np.argmax((many < 0) | (many >= self.count)))]
+                raise IndexError(f"record {bad} of {self.count}")
+            return many.astype(np.uint64) * np.uint64(self.size)
+        key = int(key)  # (a numpy integer too)
         at = key + self.count if key < 0 else key
         if not 0 <= at < self.count:
             raise IndexError(f"record {key} of {self.count}")

@@ -29,7 +29,11 @@ order. ``load`` checks each part file against the digest the manifest recorded
 (one sequential read): a part from another save, or two swapped by name, is a
 DataLossError naming it, never served as this save's elements (a damaged record is
 reported with its offset). Uncompressed, a loaded dataset is a *random-access* source (through
-the ``.hrx`` indexes): ``global_shuffle``, ``shard`` and resume act on indices.
+the ``.hrx`` indexes): ``global_shuffle``, ``shard`` and resume act on indices. A part
+whose records all have one framed size records it in the manifest (``record_bytes``,
+0 where they differ): ``load`` computes its offsets instead of holding its index, 8
+bytes a record (a part that is not count x size bytes long is a DataLossError naming
+it); saves made before that field load every index, as then.
 
 Resumable while writing: with ``checkpoint_args={"checkpoint_interval": n}``
 the writer closes its current parts every ``n`` elements and records the
@@ -57,7 +61,13 @@ import numpy as np
 from headrace._errors import DataLossError, ElementSpecError, FileLimitError, InvalidArgumentError
 from headrace._memory.buffer import NO_RESERVATION, Buffer, Reservation, release_all
 from headrace._persist.columnar import layout_for
-from headrace._persist.records import BYTES_OVERHEAD, check_run, check_scattered
+from headrace._persist.records import (
+    BYTES_OVERHEAD,
+    EvenOffsets,
+    check_run,
+    check_scattered,
+    one_size,
+)
 from headrace._sources.files import file_limiter
 from headrace._sources.tfrecord import IndexedTFRecordNode
 from headrace._structure import TensorSpec, flatten, leaf_spec, map_structure, spec_of
@@ -82,7 +92,7 @@ from headrace.io.filepool import HeldSlots, borrowed_slot, get_default_pool
 from headrace.io.streams import normalize_compression_type
 from headrace.io.tfrecord.reader import open_tfrecord
 from headrace.io.tfrecord.writer import TFRecordWriter
-from headrace.io.tfrecord_index import build_index, write_atomically
+from headrace.io.tfrecord_index import TFRecordIndex, build_index, write_atomically
 
 if TYPE_CHECKING:
     from headrace._dataset import Dataset
@@ -147,6 +157,10 @@ class _ShardWriter:
         self.parts = parts
         #: each complete part's digest (:func:`_file_digest`), recorded in the manifest
         self.digests: list[str] = []
+        #: each complete part's framed record size where all its records share one (0
+        #: where they differ, or compressed), recorded in the manifest: ``load`` then
+        #: computes the part's offsets instead of holding its index (8 bytes a record)
+        self.record_bytes: list[int] = []
         self.writer: TFRecordWriter | None = None
         self.count = 0
 
@@ -171,9 +185,12 @@ class _ShardWriter:
         if writer is None:
             return
         writer.close()
+        size = 0
         if not self.compression:
-            build_index(writer.path)
+            index = build_index(writer.path)
+            size = one_size(index.offsets, index.shard_size)
         self.digests.append(_file_digest(writer.path))
+        self.record_bytes.append(size)
         self.parts.append(self.count)
         self.count = 0
 
@@ -474,8 +491,9 @@ def save(
         os.unlink(manifest_path)
     parts: list[list[int]] = [[] for _ in range(shards)]
     digests: list[list[str]] = [[] for _ in range(shards)]
+    sizes: list[list[int]] = [[] for _ in range(shards)]
     if resumed is not None:
-        parts, digests = resumed["parts"], resumed["digests"]
+        parts, digests, sizes = resumed["parts"], resumed["digests"], resumed["record_bytes"]
         keep = {
             os.path.join(directory, _PART.format(shard=s, part=p) + suffix)
             for s, counts in enumerate(parts)
@@ -486,8 +504,8 @@ def save(
     else:
         _remove([*_our_files(directory), progress_path])
     writers = [_ShardWriter(directory, s, codec, parts[s]) for s in range(len(parts))]
-    for writer, done_digests in zip(writers, digests, strict=True):
-        writer.digests = list(done_digests)
+    for writer, done_digests, done_sizes in zip(writers, digests, sizes, strict=True):
+        writer.digests, writer.record_bytes = list(done_digests), list(done_sizes)
     iterator = iter(dataset)
     try:
         if resumed is not None:
@@ -497,6 +515,7 @@ def save(
                            known_spec(dataset.node))
         counts = [list(writer.parts) for writer in writers]
         file_digests = [list(writer.digests) for writer in writers]
+        record_bytes = [list(writer.record_bytes) for writer in writers]
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -515,6 +534,7 @@ def save(
             "num_shards": len(counts),
             "parts": counts,
             "digests": file_digests,
+            "record_bytes": record_bytes,
             "elements": sum(sum(c) for c in counts),
             "fingerprint": dataset.node.data_fingerprint(),
         },
@@ -552,6 +572,13 @@ def _read_progress(path: str, identity: str) -> dict[str, Any] | None:
         len(shard) for shard in parts
     ] != [len(shard) for shard in digests]:
         return None  # an older headrace's (no digests of its parts), or damaged: start over
+    sizes = progress.get("record_bytes")
+    if not isinstance(sizes, list) or [
+        [type(n) is int and n >= 0 for n in shard] if isinstance(shard, list) else None
+        for shard in sizes
+    ] != [[True] * len(shard) for shard in parts]:
+        # (parts an older headrace wrote: their sizes unknown, load reads their indexes)
+        progress["record_bytes"] = [[0] * len(shard) for shard in parts]
     return progress
 
 
@@ -666,6 +693,7 @@ def _checkpoint(
             "elements": done,
             "parts": [list(writer.parts) for writer in writers],
             "digests": [list(writer.digests) for writer in writers],
+            "record_bytes": [list(writer.record_bytes) for writer in writers],
             "state": iterator.get_state(),
         },
     )
@@ -761,6 +789,14 @@ def _check_manifest(manifest: dict[str, Any], path: str) -> None:
         for shard in digests
     ] != [[True] * len(shard) for shard in parts]:
         raise bad(f"'digests' must list a digest per part of each shard, got {digests!r:.80}")
+    sizes = manifest.get("record_bytes", _NOTHING)  # (saves before it was recorded: none)
+    if sizes is not _NOTHING and (not isinstance(sizes, list) or [
+        [type(n) is int and n >= 0 for n in shard] if isinstance(shard, list) else None
+        for shard in sizes
+    ] != [[True] * len(shard) for shard in parts]):
+        raise bad(
+            f"'record_bytes' must list an int >= 0 per part of each shard, got {sizes!r:.80}"
+        )
 
 
 def _identity_problem(manifest: dict[str, Any]) -> str:
@@ -911,10 +947,20 @@ class LoadNode(SourceNode):
         self.spec = element_spec
         self.check = check
         files = [name for shard in _part_files(directory, self.parts) for name in shard]
-        self.records = IndexedTFRecordNode(
-            files, build_missing=False, verify_crc=True, max_record_bytes=1 << 31
-        )
         counts = [c for shard in self.parts for c in shard]
+        #: By file: the framed size all its records share (the manifest's), 0 where
+        #: they differ or it was not recorded (then the file's index is loaded).
+        self.record_bytes: list[int] = [
+            size for shard in manifest.get("record_bytes") or [] for size in shard
+        ] or [0] * len(files)
+        known = {
+            name: _even_index(name, count, size)
+            for name, count, size in zip(files, counts, self.record_bytes, strict=True)
+            if size
+        }
+        self.records = IndexedTFRecordNode(
+            files, build_missing=False, verify_crc=True, max_record_bytes=1 << 31, known=known
+        )
         if counts != self.records.counts:
             raise DataLossError(
                 f"load: the shards in {directory} hold {self.records.counts} records, the "
@@ -963,6 +1009,35 @@ class LoadNode(SourceNode):
         return ColumnarBatchIterator(gather, ctx, account, batch_size, drop_remainder, fetch)
 
 
+def _even_index(name: str, count: int, size: int) -> TFRecordIndex:
+    """The index of a part whose ``count`` records are all ``size`` bytes framed (its
+    manifest says so): offsets computed, not loaded. The part must be exactly that long
+    (as a loaded index checks its shard's size), else a DataLossError names it; a
+    record that is not where the offsets say fails its framing check when read."""
+    try:
+        with borrowed_slot():
+            actual = (
+                objstore.object_info(name).size if objstore.is_remote(name)
+                else os.path.getsize(name)
+            )
+    except FileNotFoundError:
+        raise DataLossError(
+            f"load: {name}, a part file listed by its directory's {MANIFEST_NAME}, is missing",
+            path=name,
+        ) from None
+    if actual != count * size:
+        raise DataLossError(
+            f"load: {name} holds {actual} bytes where {count} records of {size} bytes, as "
+            f"{MANIFEST_NAME} records them, make {count * size}: it is not the part file "
+            "this save wrote there, or the manifest was changed",
+            path=name,
+        )
+    # (EvenOffsets answers every read an index's offsets get: a position, a slice, an
+    # array of positions)
+    offsets: Any = EvenOffsets(size, count)
+    return TFRecordIndex(name, offsets, actual)
+
+
 class _LoadedAccess(RandomAccess):
     """Element ``i`` of the shards interleaved one at a time: shard-major record ``order[i]``."""
 
@@ -978,8 +1053,11 @@ class _LoadedAccess(RandomAccess):
         self.shards: Any = self.records
         #: The framed size, skeleton and layout of the records last batched.
         self.plan: tuple[int, bytes, Any] | None = None
-        #: By file: the framed size all its records share, 0 where they differ.
-        self.one_size: dict[int, int] = {}
+        #: By file: the framed size all its records share, 0 where they differ (the
+        #: manifest's where it records it; else found from the file's index).
+        self.one_size: dict[int, int] = {
+            file: size for file, size in enumerate(node.record_bytes) if size
+        }
         self.file_array = np.asarray(self.file_starts, dtype=np.int64)
         #: Whether :meth:`read_batch` may batch column by column (off once the elements
         #: turn out to need objects, or to mix skeletons).
@@ -995,8 +1073,8 @@ class _LoadedAccess(RandomAccess):
         totals = self.totals
         if _round_robin(totals):
             # round robin (the default sharding): element i is shard i % n, row i // n
-            n = len(totals)
-            shard, row = indices % n, indices // n
+            # (divmod: numpy's int64 // first touches 1 MiB of its code, divmod none)
+            row, shard = np.divmod(indices, len(totals))
             return np.asarray(self.shard_starts[shard] + row, dtype=np.int64)
         if self._order is None:  # uneven shards: the interleave order, computed once
             keys = np.concatenate(
@@ -1100,7 +1178,8 @@ class _LoadedAccess(RandomAccess):
         )
         if self.plan is not None and self.plan[0] == size:
             return self.plan
-        record = self.records.get_many(numbers[:1]).tolist()[0]
+        # (one record by get: get_many's np.unique would import numpy.ma, 1.2 MiB)
+        record = self.records.get(first)
         if len(record) < 4:
             return None
         head = record[: 4 + int.from_bytes(record[:4], "little")]

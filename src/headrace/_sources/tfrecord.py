@@ -287,6 +287,10 @@ class _IndexedAccess(RandomAccess):
         index = self.loaded.get(shard)
         if index is None:
             name = self.node.filenames[shard]
+            known = self.node.known.get(name)
+            if known is not None:
+                self.loaded[shard] = known
+                return known
             limiter = file_limiter(self.ctx) if self.ctx is not None else None
             index = self.loaded[shard] = load_index(name, limiter=limiter)
             if len(index) != self.node.counts[shard]:
@@ -397,6 +401,7 @@ class IndexedTFRecordNode(SourceNode):
             build_missing=False,
             verify_crc=self.verify_crc,
             max_record_bytes=self.max_record_bytes,
+            known={name: self.known[name] for name in files if name in self.known},
         )
 
     def __init__(
@@ -406,13 +411,21 @@ class IndexedTFRecordNode(SourceNode):
         build_missing: bool,
         verify_crc: bool,
         max_record_bytes: int,
+        known: dict[str, TFRecordIndex] | None = None,
     ) -> None:
         super().__init__()
         self.filenames = filename_list(filenames)
         self.verify_crc = verify_crc
         self.max_record_bytes = max_record_bytes
+        #: Indexes the caller already has, by file: used instead of loading the ``.hrx``
+        #: (a saved dataset whose records all have one size computes its offsets, so
+        #: reading it holds no 8 bytes a record).
+        self.known = dict(known or {})
         # Check (and build) indexes now: a stale one is an error at build time.
-        self.counts = [len(_index_for(name, build_missing)) for name in self.filenames]
+        self.counts = [
+            len(self.known[name]) if name in self.known else len(_index_for(name, build_missing))
+            for name in self.filenames
+        ]
 
     def params(self) -> tuple[Any, ...]:
         return (tuple(self.filenames), tuple(self.counts), self.verify_crc)
