@@ -365,12 +365,12 @@ def test_a_hand_over_never_meets_rows_written_past_their_booking() -> None:
         go = threading.Event()
         delay = float(random.uniform(0, 0.004))
 
-        def release(delay: float = delay) -> None:
+        def release(go: threading.Event, old: list[Any], delay: float) -> None:
             go.wait()
             threading.Event().wait(delay)
             old.clear()
 
-        releaser = threading.Thread(target=release)
+        releaser = threading.Thread(target=release, args=(go, old, delay))
         releaser.start()
         go.set()
         moved_at = None
