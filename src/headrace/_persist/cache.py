@@ -66,7 +66,12 @@ import copy
 import os
 from typing import Any
 
-from headrace._errors import CheckpointError, HeadraceWarning, InvalidArgumentError
+from headrace._errors import (
+    CheckpointError,
+    DataLossError,
+    HeadraceWarning,
+    InvalidArgumentError,
+)
 from headrace._memory.buffer import Buffer, Reservation
 from headrace._persist.file_store import FileReader, FileStore, find_complete
 from headrace._persist.kept import kept_caches
@@ -248,7 +253,11 @@ class _CacheIterator(Iterator):
     def pull(self) -> tuple[Any, Reservation]:
         if not self.writing:
             assert self.source is not None
-            pair = self.source.pull()
+            try:
+                pair = self.source.pull()
+            except DataLossError:
+                self._past_damage()
+                raise
             self.position += 1
             return pair
         store, upstream = self.store, self.upstream
@@ -284,10 +293,20 @@ class _CacheIterator(Iterator):
         source = self.source
         if self.writing or not isinstance(source, FileReader):
             return None
-        found = source.records.read_batch(count, account, whole=whole)
+        try:
+            found = source.records.read_batch(count, account, whole=whole)
+        except DataLossError:
+            self._past_damage()
+            raise
         if found is not None:
             self.position += found[2]
         return found
+
+    def _past_damage(self) -> None:
+        """A damaged record was raised and the file's reader went on after it (G5): the
+        position follows, so a state taken now resumes after it too."""
+        if isinstance(self.source, FileReader):
+            self.position = self.source.records.next
 
     def _abandon(self) -> None:
         """The input raised in elements' places during this pass: the pass is not a

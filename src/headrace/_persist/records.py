@@ -572,6 +572,9 @@ class RecordReader:
         if self.remote:
             self.stream.read_ahead(None, 0)  # (only the ranges named below)
         self.next = 0  # the next record to hand on
+        #: A record found bad while its run was read, and its error: raised once the
+        #: records before it are handed on (see :meth:`_refill_checked`).
+        self.failure: tuple[int, DataLossError] | None = None
         #: Records read, next first: (buffer, payload start, stop, bytes booked for it).
         self.pending: list[tuple[bytes, int, int, int]] = []
         self.pending_booked = 0
@@ -615,15 +618,56 @@ class RecordReader:
     def _end(self, record: int) -> int:
         return int(self.offsets[record + 1]) if record + 1 < len(self.offsets) else self.size
 
-    def _refill(self) -> bool:
+    def _refill_checked(self) -> bool:
+        """:meth:`_refill`, where a record found bad ends its run before it: the records
+        before it are handed on first, then its error is raised once (:meth:`_take`),
+        and reading goes on after it — the index says where the next record starts."""
+        stop = len(self.offsets)
+        failure = None
+        while True:
+            try:
+                filled = self._refill(stop)
+            except DataLossError as error:
+                bad = self._record_at(error, self.next)
+                if bad <= self.next:
+                    self._skip_bad(bad)
+                    raise
+                failure, stop = (bad, error), bad
+                continue
+            self.failure = failure
+            return filled
+
+    def _record_at(self, error: DataLossError, lowest: int) -> int:
+        """The record (from ``lowest`` on) that holds the offset ``error`` names; ``lowest``
+        where it names none in this file."""
+        offset = error.offset
+        if offset is None or error.path not in (None, self.path):
+            return lowest
+        low, high = lowest, len(self.offsets) - 1  # the last record starting at or before it
+        while low < high:
+            middle = (low + high + 1) // 2
+            if int(self.offsets[middle]) <= offset:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _skip_bad(self, record: int) -> None:
+        """Go on after bad record ``record`` (its error is being raised)."""
+        self._release_pending()
+        self.next = max(record, self.next) + 1
+
+    def _refill(self, stop: int) -> bool:
+        """Read the next run of records (before record ``stop``) into ``pending``, every
+        one checked; False at the end."""
         first = self.next
-        if first >= len(self.offsets):
+        if first >= stop:
             return False
         begin = int(self.offsets[first])
         if self._end(first) - begin >= _IN_PLACE_BYTES:
-            return self._refill_large(first)
+            return self._refill_large(first, stop)
         last = first
-        while last + 1 < len(self.offsets) and self._end(last + 1) - begin <= self.chunk:
+        while last + 1 < stop and self._end(last + 1) - begin <= self.chunk:
             last += 1
         size = self._end(last) - begin
         self._release_pending()
@@ -648,14 +692,14 @@ class RecordReader:
         self.next_pending = 0
         return True
 
-    def _refill_large(self, first: int) -> bool:
+    def _refill_large(self, first: int, stop: int) -> bool:
         """Read the run of large records from ``first`` (up to a chunk, or one beyond it),
         each into a buffer of its own, with one call (one file-pool check-out): each is
         decoded where it was read, its arrays views of its own buffer — the kernel's copy
         from the page cache is the only one — and no element pins another's bytes.
         An object's run is one ranged GET (a request per record would spend the read
         waiting), each record copied out of it into a buffer of its own."""
-        starts, sizes = self._large_run(first)
+        starts, sizes = self._large_run(first, stop)
         total = sum(sizes)
         self._release_pending()
         booked = total + BYTES_OVERHEAD * len(sizes)
@@ -681,14 +725,14 @@ class RecordReader:
         self.next_pending = 0
         return True
 
-    def _large_run(self, first: int) -> tuple[list[int], list[int]]:
+    def _large_run(self, first: int, stop: int | None = None) -> tuple[list[int], list[int]]:
         """The large records a refill from ``first`` reads (up to a chunk, or one
-        beyond it): their offsets and sizes."""
+        beyond it; before record ``stop``): their offsets and sizes."""
         starts = [int(self.offsets[first])]
         sizes = [self._end(first) - starts[0]]
         total = sizes[0]
         record = first + 1
-        while record < len(self.offsets):
+        while record < (len(self.offsets) if stop is None else stop):
             start = int(self.offsets[record])
             size = self._end(record) - start
             if size < _IN_PLACE_BYTES or total + size > self.chunk:
@@ -758,9 +802,15 @@ class RecordReader:
             )
 
     def _take(self) -> tuple[bytes, int, int, int]:
-        """The next record (buffer, payload bounds, offset), its read-ahead booking returned."""
-        if self.next_pending >= len(self.pending) and not self._refill():
-            raise StopIteration
+        """The next record (buffer, payload bounds, offset), its read-ahead booking
+        returned; a bad record's error, once, where it comes (see :meth:`_refill_checked`)."""
+        if self.next_pending >= len(self.pending):
+            failure = self.failure
+            if failure is not None and failure[0] == self.next:
+                self._skip_bad(failure[0])
+                raise failure[1]
+            if not self._refill_checked():
+                raise StopIteration
         offset = self._offset(self.next)
         buffer, start, stop = self._hand_on(self.next_pending)
         self.next_pending += 1
@@ -798,10 +848,24 @@ class RecordReader:
         self.account.release(self.pending_booked)
         self.pending_booked = 0
         self.pending = []
+        self.failure = None  # (found again if still ahead)
         self.next_pending = 0
 
     # -- batches, column by column -------------------------------------------------------
-    def read_batch(  # noqa: C901
+    def read_batch(
+        self, count: int, out_account: Buffer, *, whole: bool = False
+    ) -> tuple[Any, Reservation, int] | None:
+        """:meth:`_read_batch`; a bad record among the batch's raises its error in the
+        batch's place, the records gathered before it dropped (as a batch stage does
+        with an element's error), and the next batch starts after it."""
+        first = self.next
+        try:
+            return self._read_batch(count, out_account, whole=whole)
+        except DataLossError as error:
+            self._skip_bad(self._record_at(error, first))
+            raise
+
+    def _read_batch(  # noqa: C901
         self, count: int, out_account: Buffer, *, whole: bool = False
     ) -> tuple[Any, Reservation, int] | None:
         """The next ``count`` elements (fewer at the end) batched, decoded column by
@@ -1049,7 +1113,18 @@ class BlockReader(RecordReader):
         self.pending_first = 0  # the element number of ``pending[0]``
         self.block_offset = 0  # of the block ``pending`` came from
 
-    def _refill(self) -> bool:
+    def _refill_checked(self) -> bool:
+        """:meth:`_refill`; a bad block raises its error once and reading goes on with
+        the next block (a block is checked, and lost, whole)."""
+        try:
+            return self._refill(len(self.offsets))
+        except DataLossError:
+            block = bisect.bisect_right(self.starts, self.next) - 1
+            self._release_pending()
+            self.next = self.starts[block + 1]
+            raise
+
+    def _refill(self, stop: int) -> bool:
         if self.next >= self.starts[-1]:
             return False
         block = bisect.bisect_right(self.starts, self.next) - 1
