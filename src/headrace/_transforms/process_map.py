@@ -202,6 +202,7 @@ class ProcessMapIterator(ParallelMapIterator):
             # the segments' bytes no output views are booked with their segment, not on
             # the outputs: the ledger learns what the next outputs cost from the outputs
             book_slack=self.account.overdraw,
+            lend_idle=True,  # a call's allowance covers the idle segments it writes into
             files=file_limiter(self.ctx),
         )
 

@@ -151,6 +151,9 @@ DESCRIPTORS_PER_WORKER = 4
 #: child's ends of its pipes until it has them and the forkserver connection (three);
 #: and one while a new result segment is mapped (opened, mapped, closed).
 SPAWN_DESCRIPTORS = 4
+#: In ``_Worker.idle`` in place of a booking: the idle segment is lent to a call in
+#: flight, whose allowance covers it (see ``ProcessPool._lend``).
+_LENT: Any = object()
 #: Input segments pooled per worker (each booked for as long as it is pooled): a worker
 #: has about two calls in flight (the map keeps 2 x workers calls going).
 INPUT_SEGMENTS = 2
@@ -811,8 +814,8 @@ class _Task:
     was sent but no element of it was running (its outputs being sent).
     """
 
-    __slots__ = ("allowance", "blame", "call_id", "ceiling", "elements", "future", "names",
-                 "rejoin", "tries")
+    __slots__ = ("allowance", "blame", "call_id", "ceiling", "elements", "future", "lent",
+                 "names", "rejoin", "tries")
 
     def __init__(
         self,
@@ -831,6 +834,7 @@ class _Task:
         self.call_id = 0
         self.tries = 0
         self.names: list[str] = []  # segments made for it, unlinked when it ends
+        self.lent: list[int] = []  # idle result segments its allowance covers (see _lend)
 
     def cancelled(self) -> bool:
         """Whether nobody waits for the result any more."""
@@ -869,7 +873,8 @@ class _Worker:
         self.backlog: deque[_Task] = deque()
         self.freed: list[int] = []  # segment keys to report free with the next task
         self.dropped: list[int] = []
-        self.idle: dict[int, Any] = {}  # key -> the reservation booking it while idle
+        #: key -> the reservation booking it while idle, or _LENT (see ProcessPool._lend)
+        self.idle: dict[int, Any] = {}
         self.inputs = SegmentPool(owner, tag=f"in{index}-")  # this worker's input segments
         self.input_bookings: dict[int, Any] = {}  # key -> its reservation (while pooled)
         self.dropped_inputs: list[int] = []  # input keys the worker should unmap
@@ -880,6 +885,7 @@ class _Worker:
     def forget_segments(self) -> list[Any]:
         """Forget every segment shared with this worker (it died); the bookings to release."""
         bookings = [*self.idle.values(), *self.input_bookings.values()]
+        bookings = [booking for booking in bookings if booking is not _LENT]
         self.idle.clear()
         self.input_bookings.clear()
         self.freed, self.dropped, self.dropped_inputs = [], [], []
@@ -944,6 +950,10 @@ class ProcessPool:
     estimate of the next outputs from them (a segment reused for a chunk of three
     600 KB images booked each at 1.2-1.5 MB, and calls took half the images).
 
+    ``lend_idle`` (with ``book_slack``, for a caller whose ``allowance`` is booked for
+    the outputs): a call's allowance covers idle segments of its worker, their own
+    bookings released while it runs (see :meth:`_lend`).
+
     ``files``: the pipeline's cap on descriptors. The workers' pipes hold slots of it
     and of the process-wide cap until :meth:`shutdown`; ``count`` is lowered (with a
     warning) to the workers they have room for (see :meth:`_hold_descriptors`).
@@ -958,11 +968,12 @@ class ProcessPool:
         what: str = "the function",
         book_idle: Callable[[int], Any] | None = None,
         book_slack: Callable[[int], Any] | None = None,
+        lend_idle: bool = False,
         idle_segments: int = IDLE_SEGMENTS,
         files: FileLimiter | None = None,
     ) -> None:
         self.stage, self.idle_segments = stage, idle_segments
-        self.book_slack = book_slack
+        self.book_slack, self.lend_idle = book_slack, lend_idle
         self.handler_bytes = check_picklable(handler, what, stage)
         #: Slots of the file pool for the workers' pipes (G2), held while the pool lives.
         self.slots: HeldSlots | None = None
@@ -1187,6 +1198,7 @@ class ProcessPool:
                     raise self.broken or WorkerPoolError(f"{self.stage}: the worker pool is closed")
                 self._ids += 1
                 task.call_id, task.names = self._ids, names
+                task.lent = self._lend(worker, task.allowance)
                 worker.pending.append(task)
                 freed, dropped, dropped_inputs = (
                     worker.freed, worker.dropped, worker.dropped_inputs)
@@ -1195,6 +1207,54 @@ class ProcessPool:
             with contextlib.suppress(OSError):  # the worker is gone: the collector replaces it
                 worker.tasks.send(("task", task.call_id, packet, freed, dropped, dropped_inputs,
                                    task.allowance, task.ceiling))
+
+    def _lend(self, worker: _Worker, allowance: int | None) -> list[int]:
+        """Idle result segments of ``worker`` that a call's ``allowance`` covers: their
+        bookings released, marked lent, the smallest first (holding ``self.lock``).
+
+        Why: the stage booked the call's outputs ahead (its allowance), and the worker
+        writes them into its idle segments, which were booked too: each byte twice
+        while the call ran. A stream of 600 KB images kept its idle segments (a
+        few calls' worth) on top of its calls in flight, and a 33 MB share had room
+        for calls of 3-4 images only; without idle segments, each output was a fresh
+        segment. Lent, an idle segment costs the share nothing more while the call
+        runs: whatever the worker writes into it is an output that the allowance
+        covers. The worker takes the smallest idle segment that fits, so the smallest
+        are lent; a segment it drops as too small has its pages freed at once (see
+        :meth:`SegmentPool.evict_smaller`). When the call ends, a lent segment still
+        idle is booked again (:meth:`_take_back`).
+        """
+        if not self.lend_idle or not allowance:
+            return []
+        sizes = self.maps[worker.index].maps
+        idle = sorted((sizes[key][1], key) for key, booking in worker.idle.items()
+                      if booking is not _LENT and key in sizes)
+        lent: list[int] = []
+        for capacity, key in idle:
+            if capacity > allowance:
+                break
+            allowance -= capacity
+            worker.idle[key].release()
+            worker.idle[key] = _LENT
+            lent.append(key)
+        return lent
+
+    def _take_back(self, worker: _Worker, maps: SegmentMaps, keys: list[int]) -> None:
+        """The segments a finished call was lent that are still idle: booked again (past
+        the share, as an overdraft, where it has no room: the worker may be filling
+        one for its next call already, so it cannot be freed from here)."""
+        with self.lock:
+            keys = [key for key in keys if worker.idle.get(key) is _LENT and key in maps.maps]
+        for key in keys:
+            capacity = maps.maps[key][1]
+            booking = self.book_idle(capacity) if self.book_idle is not None else None
+            if booking is None and self.book_slack is not None:
+                booking = self.book_slack(capacity)
+            with self.lock:
+                if worker.idle.get(key) is _LENT and booking is not None:
+                    worker.idle[key] = booking
+                elif booking is not None:  # taken by a call meanwhile: it is that call's
+                    booking.release()
 
     def _allocate_input(
         self, worker: _Worker, names: list[str], nbytes: int
@@ -1297,8 +1357,11 @@ class ProcessPool:
             worker.spread = max(len(used), 1)
             for key in [*evicted, *used]:
                 booking = worker.idle.pop(key, None)
-                if booking is not None:
+                if booking is not None and booking is not _LENT:
                     booking.release()
+        if task.lent:
+            self._take_back(worker, maps, task.lent)
+            task.lent = []
         for key in evicted:
             maps.forget(key)
         future = task.future
@@ -1435,6 +1498,8 @@ class ProcessPool:
             with self.lock:
                 tasks = list(worker.pending)
                 worker.pending.clear()
+                for task in tasks:  # (the dead worker's segments: nothing lent is left)
+                    task.lent = []
                 bookings = worker.forget_segments()
                 self.retired.append(self.maps[worker.index])
                 self.maps[worker.index] = SegmentMaps()
@@ -1568,7 +1633,8 @@ class ProcessPool:
                 worker.pending.clear()
                 worker.backlog.clear()
                 for booking in [*worker.idle.values(), *worker.input_bookings.values()]:
-                    booking.release()
+                    if booking is not _LENT:
+                        booking.release()
                 worker.idle.clear()
                 worker.input_bookings.clear()
                 worker.inputs.close()

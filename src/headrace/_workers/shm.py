@@ -858,11 +858,17 @@ class SegmentPool:
         first chunk is one element). Kept, they would fill the receiver's quota of
         idle segments for good, and every later chunk would go into a fresh segment
         (a process map made one per chunk). The receiver must be told, to unbook them.
+        Their pages are freed here and now, not when the receiver hears of it: one
+        may be lent to a call (booked only by its allowance), which now makes a new
+        segment beside it.
         """
         if any(self.segments[key][1] >= nbytes for key in self.idle):
             return []
         evicted = list(self.idle)
         for key in evicted:
+            if _MADV_REMOVE is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self.segments[key][0].madvise(_MADV_REMOVE)
             self.drop(key)
         return evicted
 
