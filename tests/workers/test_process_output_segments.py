@@ -144,3 +144,29 @@ def test_a_process_map_of_fixed_size_outputs_runs_long_calls() -> None:
     assert workers.elements / workers.chunks >= 5, (workers.elements, workers.chunks)
     del iterator
     assert own_segments() == []
+
+
+def test_segments_released_while_a_call_runs_reach_the_calls_queued_behind_it() -> None:
+    """Four outputs released while the worker runs a slow call, with another call queued
+    behind it: the worker hears of the free segments at once, not with its next task, so
+    the queued call reuses them instead of making four more."""
+    budget = MemoryBudget(256 * MIB)
+    account = budget.account("test", weight=1)
+    budget.allot()
+    pool = processes.ProcessPool(
+        functools.partial(process_fns.slow_filled, 600, 1.0), 1, "test",
+        book_idle=account.admit, book_slack=account.overdraw, lend_idle=True)
+    try:
+        first = pool.submit([1, 2, 3, 4]).result(timeout=30)[0]
+        slow = pool.submit([-5, 6, 7, 8])  # its first element sleeps: released meanwhile
+        queued = pool.submit([9, 10, 11, 12])
+        del first
+        gc.collect()
+        pool.recycle()  # the four segments are free: told to the worker now
+        results = [slow.result(timeout=30)[0], queued.result(timeout=30)[0]]
+        assert [[float(o[0]) for o in r] for r in results] == [[5, 6, 7, 8], [9, 10, 11, 12]]
+        assert pool.maps[0].opened == 8, pool.maps[0].opened  # (12 when told with a task)
+        del slow, queued, results
+    finally:
+        pool.shutdown()
+    assert own_segments() == []

@@ -17,7 +17,8 @@ dropped; a one-shot segment when none is free or the stage has no room to
 book one); the worker reports an input segment free with the call's result.
 The outputs come back the same way through the worker's pooled result
 segments, and the consumer's arrays view the segment (no copy). Which result
-segment is free again is told back to the worker with its next task.
+segment is free again is told back to the worker with its next task, or at once
+while it has calls in flight (see :meth:`ProcessPool.recycle`).
 
 Outputs in flight. A worker packs each output as soon as the function returns
 it: pickled, its large buffers copied into the result segment, the object
@@ -138,10 +139,14 @@ _POLL_SECONDS = 0.5
 #: its pool is told otherwise (an interleave's pool keeps enough for its slots' chunks).
 IDLE_SEGMENTS = 2
 #: ... or enough for this many calls like its last one, when that call's outputs took
-#: several segments (a segment holds at most ``SEGMENT_BYTES``: a chunk of ten 600 KB
-#: images takes two). With two kept for such calls, each call after the first made
-#: segments afresh, and a fresh segment costs a page fault per page on both sides.
-IDLE_CALLS = 4
+#: several segments (a segment holds at most ``SEGMENT_BYTES``; each large output has
+#: its own). With two kept for such calls, each call after the first made segments
+#: afresh, and a fresh segment costs a page fault per page on both sides. With four
+#: calls' worth, an image map's outputs (one segment each, released as the batch
+#: copies them while the next calls run) still outran the cap: 600 of 4,000 outputs
+#: went into fresh segments (25 faults per image in the workers; 1-2 with eight).
+#: Idle segments are lent to the calls that fill them (see ``ProcessPool._lend``).
+IDLE_CALLS = 8
 #: Descriptors the consumer keeps open for each live worker, whatever the start method:
 #: the task pipe's write end, the result pipe's read end, and the two ends the
 #: ``Process`` object keeps (its sentinel, and the pipe that tells the worker its parent
@@ -698,6 +703,12 @@ def _worker_main(  # noqa: C901
                     message = tasks.recv()
                     if message[0] == "stop":
                         return
+                    if message[0] == "free":  # segments released while calls ran
+                        for key in message[1]:
+                            pool.free(key)
+                        for key in message[2]:
+                            pool.drop(key)
+                        continue
                     _, _, _, freed, dropped, dropped_inputs, _, _ = message
                     for key in freed:
                         pool.free(key)
@@ -1342,6 +1353,20 @@ class ProcessPool:
                     else:
                         maps.discard(key)
                         worker.dropped.append(key)
+            if worker.pending and (worker.freed or worker.dropped):
+                self._tell(worker)
+
+    def _tell(self, worker: _Worker) -> None:
+        """Tell a worker with calls in flight which of its segments are free (or dropped)
+        now, not with its next task: the calls queued before that task (a map keeps two
+        per worker) would make fresh segments meanwhile."""
+        with worker.send_lock:
+            with self.lock:
+                freed, dropped = worker.freed, worker.dropped
+                worker.freed, worker.dropped = [], []
+            if (freed or dropped) and worker.tasks is not None:
+                with contextlib.suppress(OSError):  # gone: the collector replaces it
+                    worker.tasks.send(("free", freed, dropped))
 
     def _finish(self, worker: _Worker, message: tuple[Any, ...]) -> None:  # noqa: C901
         """A ``done`` message: unpack it into its future (collector thread)."""
