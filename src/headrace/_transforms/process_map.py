@@ -21,10 +21,12 @@ Memory. Outputs are booked as the threaded map books them (their arrays'
 bytes, which now live in shared memory); the part of a segment that no array
 covers is booked apart, from the call's end until the segment's last output is
 gone, so that the estimate of the next outputs (learned from the outputs'
-bookings) is what outputs cost, not what their segment held; segments kept idle for reuse (per worker at most two, or
-the segments of four calls like its last, when a call's outputs span several) are
-booked while idle, or dropped (their pages freed at once) when the stage's
-share has no room for them. A worker packs each output into shared memory as
+bookings) is what outputs cost, not what their segment held. Segments kept idle
+for reuse (per worker at most two, or the segments of eight calls like its
+last, when a call's outputs span several) are booked while idle, or dropped
+(their pages freed at once) when the stage's share has no room for them; a
+call's booking covers the idle segments of its worker that it is lent while it
+runs (see ``ProcessPool._lend``), so they are not booked twice. A worker packs each output into shared memory as
 it is made and stops a call right after the output that passes the call's
 allowance (what the stage booked for it): the stage runs the rest in another
 call. An output larger than the whole budget is refused in the worker, before
