@@ -420,8 +420,9 @@ class Dataset:
         ``output_nbytes(element)`` says how many bytes ``map_func``'s output for that
         input will take (e.g. :func:`headrace.image.decoded_nbytes` from an image's
         header): parallel calls are then booked at that size *before* they run,
-        instead of at what the outputs so far suggest (the largest of them, or the
-        input's size times the largest output/input ratio), and a call whose output
+        instead of at what the outputs so far suggest (the largest of them, or, for
+        an input larger than any seen, its size times the ratio of the largest output
+        to the largest input), and a call whose output
         does not fit beside what the stage holds waits for room. What outputs are
         seen to cost beyond the hint (an array's header, where the hint counts its
         data) is added to it. A hint that raises, or answers anything but a finite

@@ -450,3 +450,18 @@ def scratch_sum(kib: int, x: Any) -> int:
     scratch = np.empty(kib * 256, np.float32)
     scratch.fill(float(x))
     return int(scratch[0]) + int(scratch.size)
+
+
+def fixed_from_bytes(kib: int, record: Any) -> Any:
+    """``kib`` KiB of float32 whatever the input's size (a JPEG decoded to a fixed size),
+    every value the input's length: each output shows which input it came from."""
+    return np.full(kib * 256, float(len(record)), np.float32)
+
+
+def slow_filled(kib: int, seconds: float, x: Any) -> Any:
+    """:func:`filled_kib` after ``seconds`` of sleep when ``x`` is negative (its value
+    is then ``-x``): a call that is still running while the consumer acts."""
+    if x < 0:
+        time.sleep(seconds)
+        x = -x
+    return np.full(kib * 256, float(x), np.float32)

@@ -16,11 +16,16 @@ stage, held plus in flight stays within the share plus one element per call in
 flight, whatever the sizes do.
 
 The estimate. Each call is booked at the largest output seen so far, or at its
-input's size times the largest output/input ratio seen, whichever is larger.
-The ratio matters when inputs grow: small inputs sized the calls, then large
-ones came. An ``output_nbytes`` hint replaces both: it tells each output's size
-from its input. What outputs cost beyond their hints (an array's header) is
-learned as a slack added to each hint.
+input's size times the ratio of the largest output to the largest input seen,
+whichever is larger. The ratio matters when inputs grow: small inputs sized the
+calls, then large ones came, and outputs grow with them. An input no larger
+than the largest seen is booked at the largest output: outputs that do not
+follow their inputs' size (an image decoded to a fixed size) are not booked at
+the ratio of the smallest input (a 20 KB JPEG's 600 KB image booked every
+100 KB JPEG at 3 MB, and a call took a fifth of the images it had room for).
+An ``output_nbytes`` hint replaces both: it tells each output's size from its
+input. What outputs cost beyond their hints (an array's header) is learned as
+a slack added to each hint.
 """
 
 from __future__ import annotations
@@ -110,7 +115,10 @@ class InFlight:
         #: Calls run in worker processes, which copy each output into shared memory.
         self.packs = packs
         self._largest = 0  # the largest output so far
-        self._ratio = 0.0  # the largest output/input size ratio so far
+        # The largest output and input of the calls settled so far, and their ratio
+        # (see the module doc: ``expect`` and the map's chunks read ``_ratio``).
+        self._top_output = self._top_input = 0
+        self._ratio = 0.0
         # What outputs cost beyond their hints, per element: the least a call has
         # shown. A process map's segment slack varies by call; the least of it must
         # not inflate every later booking.
@@ -180,7 +188,8 @@ class InFlight:
         of at least 0, raises here (a ``TypeError`` saying what it answered): the map
         hands that error out in the element's place, as any error of the user's code.
         Without one, the larger of the largest output so far and the input's size
-        at the largest ratio, capped at the share: a guess must not refuse.
+        at the ratio of the largest output to the largest input, capped at the
+        share: a guess must not refuse.
         """
         if self.hint is None or self._distrust:
             return max(nbytes, self._largest, min(int(nbytes * self._ratio), self.buffer.limit))
@@ -390,12 +399,11 @@ class InFlight:
         if largest > self._largest:
             self._largest = largest
         if self.hint is None:
-            ratio = self._ratio
-            for size, nbytes in zip(sizes, inputs, strict=True):  # (no generator: per element)
-                seen = size / nbytes
-                if seen > ratio:
-                    ratio = seen
-            self._ratio = ratio
+            top_input = max(inputs)
+            if largest > self._top_output or top_input > self._top_input:
+                self._top_output = max(self._top_output, largest)
+                self._top_input = max(self._top_input, top_input)
+                self._ratio = self._top_output / self._top_input
         elif booked is not None:  # booked at the hints (plus ``slack`` each): what the
             # outputs cost beyond the hints alone (a booking that included the slack
             # must not teach that there is none)

@@ -18,11 +18,15 @@ of inputs goes to the least busy worker, and its outputs come back as views
 of a pooled shared-memory segment.
 
 Memory. Outputs are booked as the threaded map books them (their arrays'
-bytes, which now live in shared memory) plus the part of their segment that
-no array covers; segments kept idle for reuse (per worker at most two, or
-the segments of four calls like its last, when a call's outputs span several) are
-booked while idle, or dropped (their pages freed at once) when the stage's
-share has no room for them. A worker packs each output into shared memory as
+bytes, which now live in shared memory); the part of a segment that no array
+covers is booked apart, from the call's end until the segment's last output is
+gone, so that the estimate of the next outputs (learned from the outputs'
+bookings) is what outputs cost, not what their segment held. Segments kept idle
+for reuse (per worker at most two, or the segments of eight calls like its
+last, when a call's outputs span several) are booked while idle, or dropped
+(their pages freed at once) when the stage's share has no room for them; a
+call's booking covers the idle segments of its worker that it is lent while it
+runs (see ``ProcessPool._lend``), so they are not booked twice. A worker packs each output into shared memory as
 it is made and stops a call right after the output that passes the call's
 allowance (what the stage booked for it): the stage runs the rest in another
 call. An output larger than the whole budget is refused in the worker, before
@@ -197,6 +201,10 @@ class ProcessMapIterator(ParallelMapIterator):
             self.stage,
             what="the map function",
             book_idle=self._book_idle,
+            # the segments' bytes no output views are booked with their segment, not on
+            # the outputs: the ledger learns what the next outputs cost from the outputs
+            book_slack=self.account.overdraw,
+            lend_idle=True,  # a call's allowance covers the idle segments it writes into
             files=file_limiter(self.ctx),
         )
 
@@ -284,15 +292,9 @@ def _cancel_inner(inner: weakref.ref[Future[ChunkResult]], done: Future[MapResul
 def _costed(result: ChunkResult, admit: Callable[[Any], tuple[Any, int]]) -> MapResult:
     """A worker's chunk result as the map's: each output admitted here (costed; copied
     out if it is a small view of a large temporary), the failed positions ``None``."""
-    outputs, failed, seconds, slack = result
+    outputs, failed, seconds, _ = result  # (no slack: the pool books it, see _start_pool)
     sizes: list[int] = []
     kept: list[Any] = []
-    good = len(outputs) - (0 if failed is None else len(failed))
-    # The segment's bytes no output covers ride on the outputs in equal parts:
-    # all on one would make it look several outputs large, and the map's
-    # estimate for the calls in flight (its largest output) would jump with
-    # each chunk's slack, booking them past the share (an overdraft).
-    share, extra = divmod(slack, good) if good else (0, 0)
     for position, output in enumerate(outputs):
         if failed is not None and position in failed:
             kept.append(None)
@@ -303,8 +305,7 @@ def _costed(result: ChunkResult, admit: Callable[[Any], tuple[Any, int]]) -> Map
         else:
             output, size = admit(output)
         kept.append(output)
-        sizes.append(size + share + extra)
-        extra = 0
+        sizes.append(size)
     errors = None if failed is None else {p: e for p, e in failed.items() if isinstance(e, Exception)}
     return kept, sizes, errors, seconds
 

@@ -17,7 +17,8 @@ dropped; a one-shot segment when none is free or the stage has no room to
 book one); the worker reports an input segment free with the call's result.
 The outputs come back the same way through the worker's pooled result
 segments, and the consumer's arrays view the segment (no copy). Which result
-segment is free again is told back to the worker with its next task.
+segment is free again is told back to the worker with its next task, or at once
+while it has calls in flight (see :meth:`ProcessPool.recycle`).
 
 Outputs in flight. A worker packs each output as soon as the function returns
 it: pickled, its large buffers copied into the result segment, the object
@@ -138,10 +139,14 @@ _POLL_SECONDS = 0.5
 #: its pool is told otherwise (an interleave's pool keeps enough for its slots' chunks).
 IDLE_SEGMENTS = 2
 #: ... or enough for this many calls like its last one, when that call's outputs took
-#: several segments (a segment holds at most ``SEGMENT_BYTES``: a chunk of ten 600 KB
-#: images takes two). With two kept for such calls, each call after the first made
-#: segments afresh, and a fresh segment costs a page fault per page on both sides.
-IDLE_CALLS = 4
+#: several segments (a segment holds at most ``SEGMENT_BYTES``; each large output has
+#: its own). With two kept for such calls, each call after the first made segments
+#: afresh, and a fresh segment costs a page fault per page on both sides. With four
+#: calls' worth, an image map's outputs (one segment each, released as the batch
+#: copies them while the next calls run) still outran the cap: 600 of 4,000 outputs
+#: went into fresh segments (25 faults per image in the workers; 1-2 with eight).
+#: Idle segments are lent to the calls that fill them (see ``ProcessPool._lend``).
+IDLE_CALLS = 8
 #: Descriptors the consumer keeps open for each live worker, whatever the start method:
 #: the task pipe's write end, the result pipe's read end, and the two ends the
 #: ``Process`` object keeps (its sentinel, and the pipe that tells the worker its parent
@@ -151,6 +156,9 @@ DESCRIPTORS_PER_WORKER = 4
 #: child's ends of its pipes until it has them and the forkserver connection (three);
 #: and one while a new result segment is mapped (opened, mapped, closed).
 SPAWN_DESCRIPTORS = 4
+#: In ``_Worker.idle`` in place of a booking: the idle segment is lent to a call in
+#: flight, whose allowance covers it (see ``ProcessPool._lend``).
+_LENT: Any = object()
 #: Input segments pooled per worker (each booked for as long as it is pooled): a worker
 #: has about two calls in flight (the map keeps 2 x workers calls going).
 INPUT_SEGMENTS = 2
@@ -695,6 +703,12 @@ def _worker_main(  # noqa: C901
                     message = tasks.recv()
                     if message[0] == "stop":
                         return
+                    if message[0] == "free":  # segments released while calls ran
+                        for key in message[1]:
+                            pool.free(key)
+                        for key in message[2]:
+                            pool.drop(key)
+                        continue
                     _, _, _, freed, dropped, dropped_inputs, _, _ = message
                     for key in freed:
                         pool.free(key)
@@ -811,8 +825,8 @@ class _Task:
     was sent but no element of it was running (its outputs being sent).
     """
 
-    __slots__ = ("allowance", "blame", "call_id", "ceiling", "elements", "future", "names",
-                 "rejoin", "tries")
+    __slots__ = ("allowance", "blame", "call_id", "ceiling", "elements", "future", "lent",
+                 "names", "rejoin", "tries")
 
     def __init__(
         self,
@@ -831,6 +845,7 @@ class _Task:
         self.call_id = 0
         self.tries = 0
         self.names: list[str] = []  # segments made for it, unlinked when it ends
+        self.lent: list[int] = []  # idle result segments its allowance covers (see _lend)
 
     def cancelled(self) -> bool:
         """Whether nobody waits for the result any more."""
@@ -869,7 +884,8 @@ class _Worker:
         self.backlog: deque[_Task] = deque()
         self.freed: list[int] = []  # segment keys to report free with the next task
         self.dropped: list[int] = []
-        self.idle: dict[int, Any] = {}  # key -> the reservation booking it while idle
+        #: key -> the reservation booking it while idle, or _LENT (see ProcessPool._lend)
+        self.idle: dict[int, Any] = {}
         self.inputs = SegmentPool(owner, tag=f"in{index}-")  # this worker's input segments
         self.input_bookings: dict[int, Any] = {}  # key -> its reservation (while pooled)
         self.dropped_inputs: list[int] = []  # input keys the worker should unmap
@@ -880,6 +896,7 @@ class _Worker:
     def forget_segments(self) -> list[Any]:
         """Forget every segment shared with this worker (it died); the bookings to release."""
         bookings = [*self.idle.values(), *self.input_bookings.values()]
+        bookings = [booking for booking in bookings if booking is not _LENT]
         self.idle.clear()
         self.input_bookings.clear()
         self.freed, self.dropped, self.dropped_inputs = [], [], []
@@ -936,6 +953,18 @@ class ProcessPool:
     its reservation (or None: then the segment is dropped instead); each worker
     keeps up to ``idle_segments`` of them.
 
+    ``book_slack(nbytes)``, where given, books the bytes of a result segment that
+    no output views (alignment, the unused end of a reused segment) for as long as
+    its outputs keep it, and returns the reservation; results then report no slack.
+    Without it the caller gets the slack with each result and books it on the
+    outputs, which makes them look larger than they are: a map learns its
+    estimate of the next outputs from them (a segment reused for a chunk of three
+    600 KB images booked each at 1.2-1.5 MB, and calls took half the images).
+
+    ``lend_idle`` (with ``book_slack``, for a caller whose ``allowance`` is booked for
+    the outputs): a call's allowance covers idle segments of its worker, their own
+    bookings released while it runs (see :meth:`_lend`).
+
     ``files``: the pipeline's cap on descriptors. The workers' pipes hold slots of it
     and of the process-wide cap until :meth:`shutdown`; ``count`` is lowered (with a
     warning) to the workers they have room for (see :meth:`_hold_descriptors`).
@@ -949,10 +978,13 @@ class ProcessPool:
         *,
         what: str = "the function",
         book_idle: Callable[[int], Any] | None = None,
+        book_slack: Callable[[int], Any] | None = None,
+        lend_idle: bool = False,
         idle_segments: int = IDLE_SEGMENTS,
         files: FileLimiter | None = None,
     ) -> None:
         self.stage, self.idle_segments = stage, idle_segments
+        self.book_slack, self.lend_idle = book_slack, lend_idle
         self.handler_bytes = check_picklable(handler, what, stage)
         #: Slots of the file pool for the workers' pipes (G2), held while the pool lives.
         self.slots: HeldSlots | None = None
@@ -1177,6 +1209,7 @@ class ProcessPool:
                     raise self.broken or WorkerPoolError(f"{self.stage}: the worker pool is closed")
                 self._ids += 1
                 task.call_id, task.names = self._ids, names
+                task.lent = self._lend(worker, task.allowance)
                 worker.pending.append(task)
                 freed, dropped, dropped_inputs = (
                     worker.freed, worker.dropped, worker.dropped_inputs)
@@ -1185,6 +1218,54 @@ class ProcessPool:
             with contextlib.suppress(OSError):  # the worker is gone: the collector replaces it
                 worker.tasks.send(("task", task.call_id, packet, freed, dropped, dropped_inputs,
                                    task.allowance, task.ceiling))
+
+    def _lend(self, worker: _Worker, allowance: int | None) -> list[int]:
+        """Idle result segments of ``worker`` that a call's ``allowance`` covers: their
+        bookings released, marked lent, the smallest first (holding ``self.lock``).
+
+        Why: the stage booked the call's outputs ahead (its allowance), and the worker
+        writes them into its idle segments, which were booked too: each byte twice
+        while the call ran. A stream of 600 KB images kept its idle segments (a
+        few calls' worth) on top of its calls in flight, and a 33 MB share had room
+        for calls of 3-4 images only; without idle segments, each output was a fresh
+        segment. Lent, an idle segment costs the share nothing more while the call
+        runs: whatever the worker writes into it is an output that the allowance
+        covers. The worker takes the smallest idle segment that fits, so the smallest
+        are lent; a segment it drops as too small has its pages freed at once (see
+        :meth:`SegmentPool.evict_smaller`). When the call ends, a lent segment still
+        idle is booked again (:meth:`_take_back`).
+        """
+        if not self.lend_idle or not allowance:
+            return []
+        sizes = self.maps[worker.index].maps
+        idle = sorted((sizes[key][1], key) for key, booking in worker.idle.items()
+                      if booking is not _LENT and key in sizes)
+        lent: list[int] = []
+        for capacity, key in idle:
+            if capacity > allowance:
+                break
+            allowance -= capacity
+            worker.idle[key].release()
+            worker.idle[key] = _LENT
+            lent.append(key)
+        return lent
+
+    def _take_back(self, worker: _Worker, maps: SegmentMaps, keys: list[int]) -> None:
+        """The segments a finished call was lent that are still idle: booked again (past
+        the share, as an overdraft, where it has no room: the worker may be filling
+        one for its next call already, so it cannot be freed from here)."""
+        with self.lock:
+            keys = [key for key in keys if worker.idle.get(key) is _LENT and key in maps.maps]
+        for key in keys:
+            capacity = maps.maps[key][1]
+            booking = self.book_idle(capacity) if self.book_idle is not None else None
+            if booking is None and self.book_slack is not None:
+                booking = self.book_slack(capacity)
+            with self.lock:
+                if worker.idle.get(key) is _LENT and booking is not None:
+                    worker.idle[key] = booking
+                elif booking is not None:  # taken by a call meanwhile: it is that call's
+                    booking.release()
 
     def _allocate_input(
         self, worker: _Worker, names: list[str], nbytes: int
@@ -1248,10 +1329,12 @@ class ProcessPool:
                 return
         for retired in self.retired:  # a dead worker's: never reused
             for key in retired.released():
+                retired.unhold(key)
                 retired.forget(key)
         for worker in self.workers:
             maps = self.maps[worker.index]
             for key in maps.released():
+                maps.unhold(key)  # its slack: the segment is booked whole below, or freed
                 capacity = maps.maps[key][1] if key in maps.maps else 0
                 booking = None
                 if self.book_idle is not None and len(worker.idle) < max(
@@ -1270,6 +1353,20 @@ class ProcessPool:
                     else:
                         maps.discard(key)
                         worker.dropped.append(key)
+            if worker.pending and (worker.freed or worker.dropped):
+                self._tell(worker)
+
+    def _tell(self, worker: _Worker) -> None:
+        """Tell a worker with calls in flight which of its segments are free (or dropped)
+        now, not with its next task: the calls queued before that task (a map keeps two
+        per worker) would make fresh segments meanwhile."""
+        with worker.send_lock:
+            with self.lock:
+                freed, dropped = worker.freed, worker.dropped
+                worker.freed, worker.dropped = [], []
+            if (freed or dropped) and worker.tasks is not None:
+                with contextlib.suppress(OSError):  # gone: the collector replaces it
+                    worker.tasks.send(("free", freed, dropped))
 
     def _finish(self, worker: _Worker, message: tuple[Any, ...]) -> None:  # noqa: C901
         """A ``done`` message: unpack it into its future (collector thread)."""
@@ -1285,8 +1382,11 @@ class ProcessPool:
             worker.spread = max(len(used), 1)
             for key in [*evicted, *used]:
                 booking = worker.idle.pop(key, None)
-                if booking is not None:
+                if booking is not None and booking is not _LENT:
                     booking.release()
+        if task.lent:
+            self._take_back(worker, maps, task.lent)
+            task.lent = []
         for key in evicted:
             maps.forget(key)
         future = task.future
@@ -1303,9 +1403,16 @@ class ProcessPool:
                 with self.lock:
                     worker.freed.append(key)
             return
+        slack = result.slack()
+        if self.book_slack is not None:  # booked per segment, released with it (recycle)
+            for key, nbytes in result.slack_by_segment():
+                maps.hold(key, self.book_slack(nbytes))
+            slack = 0
         try:
             outputs, unreadable = maps.unpack_outputs(result)
         except Exception as unpack_error:  # a segment gone: the pool's failure, not an element's
+            for key, _, _ in result.segments:
+                maps.unhold(key)
             failure = WorkerPoolError(f"the outputs of worker process {worker.process.pid}'s "
                                       f"call could not be read: {unpack_error}")
             failure.__cause__ = unpack_error
@@ -1332,7 +1439,7 @@ class ProcessPool:
         # segment, and buffers received as copies (large bytes, bytes columns); nothing
         # for a segment no output views (it is free again at once)
         with contextlib.suppress(Exception):  # cancelled meanwhile
-            future.set_result((outputs, failed, seconds, result.slack()))
+            future.set_result((outputs, failed, seconds, slack))
 
     def _fail(self, error: WorkerError) -> None:
         """Fail every call in flight and stop the workers (collector thread)."""
@@ -1416,6 +1523,8 @@ class ProcessPool:
             with self.lock:
                 tasks = list(worker.pending)
                 worker.pending.clear()
+                for task in tasks:  # (the dead worker's segments: nothing lent is left)
+                    task.lent = []
                 bookings = worker.forget_segments()
                 self.retired.append(self.maps[worker.index])
                 self.maps[worker.index] = SegmentMaps()
@@ -1549,7 +1658,8 @@ class ProcessPool:
                 worker.pending.clear()
                 worker.backlog.clear()
                 for booking in [*worker.idle.values(), *worker.input_bookings.values()]:
-                    booking.release()
+                    if booking is not _LENT:
+                        booking.release()
                 worker.idle.clear()
                 worker.input_bookings.clear()
                 worker.inputs.close()

@@ -53,6 +53,7 @@ from headrace.io.columns import join_bytes, split_bytes
 __all__ = [
     "COLUMN_SEGMENT_BYTES",
     "OUT_OF_BAND_BYTES",
+    "OWN_SEGMENT_BYTES",
     "RUN_BYTES",
     "RUN_OUTPUTS",
     "SEGMENT_BYTES",
@@ -429,17 +430,24 @@ class Outputs:
         """Bytes of the segments that no received view covers (alignment, the unused end
         of a reused segment, buffers received as copies). A segment that no view covers
         is free again at once: it counts nothing."""
+        return sum(nbytes for _, nbytes in self.slack_by_segment())
+
+    def slack_by_segment(self) -> list[tuple[int, int]]:
+        """:meth:`slack` per segment that some view covers: ``(key, bytes)``."""
         viewed = [0] * len(self.segments)
         copied = set(self.copied)
         for position, (segment, _, length) in enumerate(self.spans):
             if position not in copied:
                 viewed[segment] += length
-        return sum(capacity - seen for (_, _, capacity), seen in zip(self.segments, viewed,
-                                                                    strict=True) if seen)
+        return [(key, capacity - seen)
+                for (key, _, capacity), seen in zip(self.segments, viewed, strict=True) if seen]
 
 
 #: The most bytes of outputs a result segment holds together (see :class:`OutputWriter`).
 SEGMENT_BYTES = 4 << 20
+#: An output whose buffers take at least this many bytes gets a segment of its own (see
+#: :class:`OutputWriter`); smaller ones share their chunk's segments.
+OWN_SEGMENT_BYTES = 256 << 10
 
 #: ``allocate(nbytes, capacity)``: a segment for at least ``nbytes``, of ``capacity``
 #: bytes if it is made new (see :meth:`SegmentPool.allocate`).
@@ -472,6 +480,15 @@ class OutputWriter:
     output is gone, while each output's booking goes with the output: a large
     segment half handed out would hold more than its outputs' bookings say. An
     output larger than ``most`` gets a segment of its own, freed with it.
+
+    So does an output of :data:`OWN_SEGMENT_BYTES` or more. A segment several
+    outputs share is reused only for a chunk whose outputs fit it, and chunks vary
+    in length (sized by time and by the room left): a stream of 600 KB images made
+    a fresh segment for every other call (each page faulted in by the worker,
+    zeroed, and read in anew by the consumer), and a reused one's unused end was
+    booked on top. A large output alone in its segment fits any idle segment made
+    for an output its size, and its memory goes with it. Smaller outputs still
+    share segments: one each would be a mapping (and a file) per output.
     """
 
     def __init__(self, allocate: AllocateAtLeast, expect: int = 0,
@@ -571,7 +588,8 @@ class OutputWriter:
 
     def _copy(self, need: int, left: int) -> None:
         """The pending buffers into the segment (a new one when they do not fit)."""
-        if self._mapping is None or self._capacity - self._offset < need:
+        alone = need >= OWN_SEGMENT_BYTES
+        if alone or self._mapping is None or self._capacity - self._offset < need:
             used = self.shared
             # What the chunk's rest may take: what the previous chunk took, or (outputs
             # outgrew it) as much again as this one so far; never more than its outputs
@@ -579,6 +597,8 @@ class OutputWriter:
             wanted = min(max(self.expect - used, used), left * self._largest, self.most)
             if self.allowance is not None:
                 wanted = min(wanted, self.allowance - used)
+            if alone:
+                wanted = need
             key, name, capacity, mapping = self._allocate(need, max(need, wanted))
             self.segments.append((key, name, capacity))
             self._mapping, self._offset, self._capacity = mapping, 0, capacity
@@ -838,11 +858,17 @@ class SegmentPool:
         first chunk is one element). Kept, they would fill the receiver's quota of
         idle segments for good, and every later chunk would go into a fresh segment
         (a process map made one per chunk). The receiver must be told, to unbook them.
+        Their pages are freed here and now, not when the receiver hears of it: one
+        may be lent to a call (booked only by its allowance), which now makes a new
+        segment beside it.
         """
         if any(self.segments[key][1] >= nbytes for key in self.idle):
             return []
         evicted = list(self.idle)
         for key in evicted:
+            if _MADV_REMOVE is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self.segments[key][0].madvise(_MADV_REMOVE)
             self.drop(key)
         return evicted
 
@@ -880,6 +906,23 @@ class SegmentMaps:
         #: (read per element by a stage that polls for them: see ``ProcessPool.recycle``).
         self.dead = self._dead
         self._lock = threading.Lock()
+        #: Bookings the receiver made for a segment beyond its outputs' own (the bytes no
+        #: output views: see :meth:`Outputs.slack_by_segment`), by key: released when the
+        #: segment is released (:meth:`unhold`) or these maps close.
+        self.held: dict[int, Any] = {}
+
+    def hold(self, key: int, booking: Any) -> None:
+        """Keep ``booking`` (anything with ``release()``) until segment ``key`` is released."""
+        previous = self.held.pop(key, None)
+        if previous is not None:  # (a segment is handed out once between releases)
+            previous.release()
+        self.held[key] = booking
+
+    def unhold(self, key: int) -> None:
+        """Release what was held for segment ``key`` (its last view is gone)."""
+        booking = self.held.pop(key, None)
+        if booking is not None:
+            booking.release()
 
     def unpack(self, packet: Packet) -> Any:
         return self.decode(packet.segment, lambda mapping, on_view: (
@@ -1061,4 +1104,6 @@ class SegmentMaps:
                 entry[0].madvise(_MADV_REMOVE)
 
     def close(self) -> None:
+        for key in list(self.held):
+            self.unhold(key)
         self.maps.clear()
