@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -50,3 +51,15 @@ def test_an_out_of_range_float_to_integer_is_numpys_cast_and_saturate_is_tensorf
     ours = np.asarray(hi.convert_image_dtype(image, np.int16, saturate=True))
     theirs = tf.image.convert_image_dtype(image, tf.int16, saturate=True).numpy()
     assert ours.tolist() == theirs.tolist() == [32752] * length
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_float_to_int64_saturates_below_two_to_the_63_where_tensorflow_overflows(
+    dtype: Any,
+) -> None:
+    image = np.ones((4, 1, 1), dtype)
+    top = int(np.nextafter(dtype(2.0**63), dtype(0)))  # the largest float below 2^63
+    ours = np.asarray(hi.convert_image_dtype(image, np.int64, saturate=True))
+    theirs = tf.image.convert_image_dtype(image, tf.int64, saturate=True).numpy()
+    assert ours.reshape(-1).tolist() == [top] * 4
+    assert theirs.reshape(-1).tolist() == [-(2**63)] * 4  # its clamp's top, overflowed

@@ -374,3 +374,23 @@ def test_a_partial_cache_is_not_reported_kept_and_a_profile_shows_the_kept_one()
     assert kept.elements == 30 and kept.held > 30 * 1024
     assert "kept beyond the run (belongs to the dataset):" in profile.format()
     assert "cache (kept): " in profile.format()
+
+
+def test_a_damaged_spill_index_is_data_loss_with_no_advice_to_rebuild_it() -> None:
+    # The spill file is headrace's own temporary: there is nothing for the user to rebuild.
+    source = Counted(120, nbytes=32 << 10)
+    ds = source.dataset().cache().with_options(hr.Options(memory_budget=1 << 20))
+    with iter(ds) as iterator:
+        assert ids(iterator) == list(range(120))
+        (kept,) = iterator.stats().kept
+        assert kept.spill_path is not None and kept.spilled_elements
+        index = kept.spill_path + ".hrx"
+        with open(index, "r+b") as file:
+            file.seek(4)
+            byte = file.read(1)
+            file.seek(4)
+            file.write(bytes([byte[0] ^ 0xFF]))
+        with iter(ds) as again, pytest.raises(hr.DataLossError) as raised:
+            ids(again)
+    assert "temporary file headrace wrote" in str(raised.value)
+    assert "rebuild" not in str(raised.value)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from headrace._errors import HeadraceWarning
+from headrace._errors import DataLossError, HeadraceWarning
 from headrace._memory.buffer import NO_RESERVATION, Buffer, Reservation
 from headrace._memory.units import format_bytes
 from headrace._persist.kept import (
@@ -36,6 +36,7 @@ from headrace.core.iterator import Context
 from headrace.core.run import default_budget
 from headrace.io.elements import encode_element_parts
 from headrace.io.streams import DEFAULT_BUFFER_SIZE
+from headrace.io.tfrecord_index import StaleIndexError
 
 if TYPE_CHECKING:
     from headrace._persist.cache import CacheNode
@@ -221,8 +222,18 @@ class _MemoryReader(StoreReader):
 
     def _spill(self) -> RecordReader:
         if self.spill is None:
-            assert self.data.spill_path is not None
-            self.spill = RecordReader(self.data.spill_path, self.ctx, self.account)
+            path = self.data.spill_path
+            assert path is not None
+            try:
+                self.spill = RecordReader(path, self.ctx, self.account)
+            except StaleIndexError as error:  # (its advice, to rebuild the index, is not
+                # for a file the user never made)
+                raise DataLossError(
+                    f"cache: the part of an in-memory cache spilled to {path} (a temporary "
+                    f"file headrace wrote) changed on disk since it was written: "
+                    f"{str(error).split('; rebuild')[0]}",
+                    path=path,
+                ) from None
         return self.spill
 
     def pull(self) -> tuple[Any, Reservation]:
