@@ -570,34 +570,59 @@ class InceptionCrop:
 
 
 def stateless_random_flip_left_right(image: Any, seed: Any) -> Array:
-    """``tf.image.stateless_random_flip_left_right``."""
+    """``tf.image.stateless_random_flip_left_right``, on headrace's random streams.
+
+    The same seed gives the same draw every run and on every machine, but not TensorFlow's
+    draw: headrace's Philox streams are its own (see the images guide).
+    """
     return random_flip_left_right(image, stateless_seed(seed, "flip_left_right"))
 
 
 def stateless_random_flip_up_down(image: Any, seed: Any) -> Array:
-    """``tf.image.stateless_random_flip_up_down``."""
+    """``tf.image.stateless_random_flip_up_down``, on headrace's random streams.
+
+    The same seed gives the same draw every run and on every machine, but not TensorFlow's
+    draw: headrace's Philox streams are its own (see the images guide).
+    """
     return random_flip_up_down(image, stateless_seed(seed, "flip_up_down"))
 
 
 def stateless_random_crop(value: Any, size: Any, seed: Any, name: str | None = None) -> Array:
-    """``tf.image.stateless_random_crop``."""
+    """``tf.image.stateless_random_crop``, on headrace's random streams.
+
+    The same seed gives the same draw every run and on every machine, but not TensorFlow's
+    draw: headrace's Philox streams are its own (see the images guide).
+    """
     return random_crop(value, size, stateless_seed(seed, "crop"))
 
 
 def stateless_random_brightness(image: Any, max_delta: float, seed: Any) -> Array:
-    """``tf.image.stateless_random_brightness``."""
+    """``tf.image.stateless_random_brightness``, on headrace's random streams.
+
+    The same seed gives the same draw every run and on every machine, but not TensorFlow's
+    draw: headrace's Philox streams are its own (see the images guide).
+    """
     return random_brightness(image, max_delta, stateless_seed(seed, "brightness"))
 
 
 def stateless_random_contrast(image: Any, lower: float, upper: float, seed: Any) -> Array:
-    """``tf.image.stateless_random_contrast``."""
+    """``tf.image.stateless_random_contrast``, on headrace's random streams.
+
+    The same seed gives the same draw every run and on every machine, but not TensorFlow's
+    draw: headrace's Philox streams are its own (see the images guide).
+    """
     return random_contrast(image, lower, upper, stateless_seed(seed, "contrast"))
 
 
 def stateless_sample_distorted_bounding_box(
     image_size: Any, bounding_boxes: Any, seed: Any, **kwargs: Any
 ) -> tuple[Array, Array, Array]:
-    """``tf.image.stateless_sample_distorted_bounding_box``."""
+    """``tf.image.stateless_sample_distorted_bounding_box``, on headrace's random
+    streams.
+
+    The same seed gives the same draw every run and on every machine, but not TensorFlow's
+    draw: headrace's Philox streams are its own (see the images guide).
+    """
     return sample_distorted_bounding_box(
         image_size, bounding_boxes, stateless_seed(seed, "sample_distorted_bounding_box"), **kwargs
     )
