@@ -584,9 +584,9 @@ class RecordReader:
         self.columnar = type(self).columnar_reads
         self.run_buffer = bytearray()
         self.run_booking = NO_RESERVATION
-        #: Large records of a layout already met: (record size, head, layout), read
-        #: straight into the batch (:meth:`_scatter_batch`).
-        self.scatter_plan: tuple[int, bytes, Layout] | None = None
+        #: The layout of the records batched last: (record size, head, layout, whether
+        #: they are read straight into the batch's rows, :meth:`_scatter_batch`).
+        self.batch_plan: tuple[int, bytes, Layout, bool] | None = None
 
     #: Whether :meth:`read_batch` may serve batches from this reader's records.
     columnar_reads = True
@@ -865,7 +865,7 @@ class RecordReader:
             self._skip_bad(self._record_at(error, first))
             raise
 
-    def _read_batch(  # noqa: C901
+    def _read_batch(
         self, count: int, out_account: Buffer, *, whole: bool = False
     ) -> tuple[Any, Reservation, int] | None:
         """The next ``count`` elements (fewer at the end) batched, decoded column by
@@ -874,11 +874,16 @@ class RecordReader:
         then nothing was consumed and the caller decodes them one by one (also when
         fewer than ``count`` are left and ``whole`` asks for a full batch).
 
-        Each run of records (up to the stage's chunk) is read into one reused buffer,
-        booked on this stage's account, and checked as every record is (framing, both
-        CRCs, the manifest's CRC of each record) before any byte of it is used; the
-        batch's columns are booked on ``out_account`` (the batch stage's) before they
-        are allocated. Returns the batch, its booking and how many elements it holds."""
+        The layout comes from the first record's head; the batch's columns are booked
+        on ``out_account`` (the batch stage's) before they are allocated, and before
+        any record is read: large records are then read straight into the rows
+        (:meth:`_scatter_batch`), smaller ones in runs (up to the stage's chunk) into
+        one reused buffer booked on this stage's account (:meth:`_run_batch`). Every
+        record is checked (framing, both CRCs, its skeleton, the manifest's CRC)
+        before its bytes are handed on. So what the cache stage must hold beside a
+        batch is its index and CRCs, the frames' scratch, and a run buffer sized from
+        the share left once the batch is booked. Returns the batch, its booking and
+        how many elements it holds."""
         first, total = self.next, len(self.offsets)
         last = min(first + count, total)
         if not self.columnar or last <= first or (whole and last - first < count):
@@ -891,66 +896,94 @@ class RecordReader:
             spacing = np.diff(self.offsets[first:last])
             if spacing.min() != size or spacing.max() != size:
                 return None
-        plan = self.scatter_plan
-        if plan is not None and plan[0] == size:
-            return self._scatter_batch(first, last, size, plan[1], plan[2], out_account)
-        per_read = max(1, self.chunk // size)
-        buffer = self._run_buffer(min(per_read, last - first) * size)
-        view = memoryview(buffer)
-        matrix = np.frombuffer(buffer, np.uint8)
-        layout = head = None
-        outputs: list[Any] = []
-        booking = NO_RESERVATION
+        plan = self.batch_plan
+        if plan is None or plan[0] != size:
+            found = self._layout_of(begin, size)
+            if found is None:
+                return None
+            head, layout = found
+            # (not an object's: a scattered read is a GET per piece, where a run is one)
+            scatter = size >= _SCAN_BELOW and not self.remote and all(
+                leaf.copy_bytes for leaf in layout.leaves
+            )
+            plan = self.batch_plan = (size, head, layout, scatter)
+            if scatter:
+                self._drop_run_buffer()  # (no buffer in between, from the first batch)
+        _, head, layout, scatter = plan
+        if scatter:  # large records: read straight into the rows
+            return self._scatter_batch(first, last, size, head, layout, out_account)
+        return self._run_batch(first, last, size, head, layout, out_account)
+
+    def _layout_of(self, begin: int, size: int) -> tuple[bytes, Layout] | None:
+        """The skeleton (with its u32 length) and layout of the records of ``size`` bytes
+        from offset ``begin``, read from the first one's head alone, or None where they
+        do not batch column by column. The head is used before its record's CRC is
+        checked: only to size the batch, which every record of it is then checked
+        against (framing, both CRCs, the skeleton), so a damaged head is still refused
+        by name; read first, so no read buffer is held when the batch books its rows."""
+        (prefix,) = self.stream.pread_many([begin], [16])
+        if len(prefix) < 16:
+            return None  # a truncated file: the record reader names where
+        (skeleton,) = struct.unpack_from("<I", prefix, 12)
+        if 16 + skeleton + 4 > size:
+            return None  # (the element decoder names what is wrong)
+        scratch = book(self.account, skeleton + BYTES_OVERHEAD, "a cached record's skeleton")
         try:
-            at = first
-            while at < last:
-                rows = min(per_read, last - at)
-                start = int(self.offsets[at])
-                nbytes = rows * size
-                got = self.stream.pread_into(start, view[:nbytes])
-                if got < nbytes:  # a truncated file: the record reader names where
-                    booking.release()
-                    return None
-                records = matrix[:nbytes].reshape(rows, size)
-                if layout is None:
-                    _check_frame(view[:size], start, self.path)  # (before its skeleton is used)
-                    (skeleton,) = struct.unpack_from("<I", buffer, 12)
-                    head = bytes(buffer[12 : 16 + skeleton])
-                    layout = layout_for(head)
-                    if layout is None:
-                        self.columnar = False  # this dataset's elements need objects
+            (tree,) = self.stream.pread_many([begin + 16], [skeleton])
+        finally:
+            scratch.release()
+        head = prefix[12:16] + tree
+        layout = layout_for(head)
+        if layout is None:
+            self.columnar = False  # this dataset's elements need objects
+            return None
+        if 16 + skeleton + layout.data_bytes + 4 != size:
+            return None  # (the element decoder names what is wrong)
+        return head, layout
+
+    def _run_batch(
+        self, first: int, last: int, size: int, head: bytes, layout: Layout,
+        out_account: Buffer,
+    ) -> tuple[Any, Reservation, int] | None:
+        """:meth:`read_batch` through the reused read buffer: the batch's rows are booked
+        first, then the buffer is sized from the share that leaves (so the two never
+        pass the budget together), and each run is checked before it is copied out."""
+        rows = last - first
+        booking = out_account.admit(
+            layout.output_bytes(rows), together=f"a batch of {rows} elements"
+        )
+        try:
+            outputs = layout.allocate(rows)
+            per_read = max(1, self.chunk // size)
+            buffer = self._run_buffer(min(per_read, rows) * size)
+            view = memoryview(buffer)
+            matrix = np.frombuffer(buffer, np.uint8)
+            try:
+                at = first
+                while at < last:
+                    step = min(per_read, last - at)
+                    start = int(self.offsets[at])
+                    nbytes = step * size
+                    if self.stream.pread_into(start, view[:nbytes]) < nbytes:
+                        booking.release()
+                        return None  # a truncated file: the record reader names where
+                    if not self._check_run(view[:nbytes], step, size, start, at, head):
+                        booking.release()
+                        self.columnar = False  # skeletons mixed in runs: one by one now
                         return None
-                    if 16 + skeleton + layout.data_bytes + 4 != size:
-                        return None  # (the element decoder names what is wrong)
-                    booking = out_account.admit(
-                        layout.output_bytes(last - first),
-                        together=f"a batch of {last - first} elements",
-                    )
-                    outputs = layout.allocate(last - first)
-                assert head is not None
-                if not self._check_run(view[:nbytes], rows, size, start, at, head):
-                    booking.release()
-                    self.columnar = False  # skeletons mixed in runs: one by one from now
-                    return None
-                layout.fill(outputs, at - first, records[:, 12 + len(head) : size - 4])
-                at += rows
+                    records = matrix[:nbytes].reshape(step, size)
+                    layout.fill(outputs, at - first, records[:, 12 + len(head) : size - 4])
+                    at += step
+            finally:
+                del view, matrix
         except BaseException:
             booking.release()
             raise
-        finally:
-            del view, matrix
-        assert layout is not None and head is not None
         self._release_pending()  # (a read-ahead of earlier elements, now passed)
         self.next = last
-        # (not an object's: a scattered read is a GET per piece, where a run is one)
-        if size >= _SCAN_BELOW and all(leaf.copy_bytes for leaf in layout.leaves) and (
-            not self.remote
-        ):
-            self.scatter_plan = (size, head, layout)  # large records: read into the rows
-            self._drop_run_buffer()  # (no buffer in between from now on)
-        elif last == total:  # the end: the read buffer goes before the reader does
+        if last == len(self.offsets):  # the end: the read buffer goes before the reader
             self._drop_run_buffer()
-        return layout.build(iter(outputs)), booking, last - first
+        return layout.build(iter(outputs)), booking, rows
 
     def _one_size(self) -> int:
         """The framed size every record of the file shares (0 where they differ), found
