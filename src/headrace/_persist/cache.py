@@ -37,6 +37,18 @@ edited since is a DataLossError naming it, never believed nor silently rebuilt o
 ``flock`` (released by the kernel if the writer dies), and a second writer
 gets tf.data's error naming it.
 
+Memory of a read (G1). A complete ``cache(filename)`` read by ``batch``, with any
+``skip`` and ``take`` between them, is batched column by column: the batch's rows are
+booked first and large records are read straight into them. The pipeline then needs
+what the uncached one needs (the batch's rows) plus what the reader holds beside
+them: its index and the manifest's CRCs (at most 12 bytes a record), the frames and
+skeletons of one batch's records, and, for records under 4 KiB (read in runs through
+a buffer sized from the share the batch leaves), one record. A ``skip`` reads and
+checks the elements it drops (a damaged one raises in its place), one at a time
+before the batch's rows are booked: one element, which stays the stage's minimum.
+Elements that need objects (strings, ragged values) are read one by one: one element
+beside the batch, booked, where an uncached map's output waits unbooked.
+
 ``cache("s3://bucket/name")`` (``gs://``, ``az://``) is the same cache in a bucket:
 written in a local staging directory, uploaded when the pass completes (the manifest
 last, with a conditional PUT: no lockfile, the first writer to publish wins), and read
@@ -156,6 +168,12 @@ class CacheNode(UnaryNode):
     def params(self) -> tuple[Any, ...]:
         return (self.filename,)
 
+    def reads_batches(self, ctx: Context) -> bool:
+        """Whether its iterator may make whole batches itself (``pull_batch``): a cache
+        file, outside a probe. A ``skip`` or ``take`` between it and a ``batch`` passes
+        them through, so they keep the memory of ``cache(filename).batch(n)``."""
+        return bool(self.filename) and not ctx.run.probe
+
     def batched_iterator(
         self, ctx: Context, batch_size: int, drop_remainder: bool, account: Buffer
     ) -> Iterator | None:
@@ -163,7 +181,7 @@ class CacheNode(UnaryNode):
         decoded column by column from runs of records (one copy per component, no
         element made), where the elements allow it; batched element by element
         otherwise. Its checkpoints are the plain batch's over the cache's."""
-        if not self.filename or ctx.run.probe:
+        if not self.reads_batches(ctx):
             return None
         from headrace._transforms.batch import ColumnarBatchIterator
 
@@ -288,8 +306,9 @@ class _CacheIterator(Iterator):
     ) -> tuple[Any, Reservation, int] | None:
         """The next ``count`` elements (fewer at the end) as one batch decoded column by
         column from the cache file, booked on ``account``; None where that cannot be
-        done (writing, a compressed or in-memory cache, elements that need objects, fewer
-        than ``count`` left when ``whole``): then nothing was consumed."""
+        done (writing, a compressed or in-memory cache, elements that need objects):
+        then nothing was consumed. A short last batch comes back even under ``whole``
+        (the caller drops it: see :meth:`headrace._persist.records.RecordReader.read_batch`)."""
         source = self.source
         if self.writing or not isinstance(source, FileReader):
             return None

@@ -613,7 +613,9 @@ class RecordReader:
         share = self.account.share()
         if self.remote:  # each read is a round trip: fewer, larger ones (at most 1/8)
             return max(chunk_bytes(share), min(REMOTE_CHUNK_BYTES, share // 8))
-        return chunk_bytes(share)
+        # (a read-ahead is optional: on a share of a few KiB, chunk_bytes' 16 KiB floor
+        # would make it the stage's minimum, and refuse a pipeline one record runs)
+        return min(chunk_bytes(share), share // 4)
 
     def _end(self, record: int) -> int:
         return int(self.offsets[record + 1]) if record + 1 < len(self.offsets) else self.size
@@ -871,8 +873,10 @@ class RecordReader:
         """The next ``count`` elements (fewer at the end) batched, decoded column by
         column, or None where they are not all alike — records of one size and one
         skeleton whose leaves are fixed-size numbers (:mod:`headrace._persist.columnar`);
-        then nothing was consumed and the caller decodes them one by one (also when
-        fewer than ``count`` are left and ``whole`` asks for a full batch).
+        then nothing was consumed and the caller decodes them one by one. Fewer than
+        ``count`` left make a short batch even where ``whole`` asks for a full one: the
+        caller drops it, having had its records read and checked with no element made
+        beside it (as the element route reads them, to raise a damaged one's error).
 
         The layout comes from the first record's head; the batch's columns are booked
         on ``out_account`` (the batch stage's) before they are allocated, and before
@@ -886,7 +890,7 @@ class RecordReader:
         how many elements it holds."""
         first, total = self.next, len(self.offsets)
         last = min(first + count, total)
-        if not self.columnar or last <= first or (whole and last - first < count):
+        if not self.columnar or last <= first:
             return None
         begin = int(self.offsets[first])
         size = self._end(first) - begin
@@ -954,7 +958,9 @@ class RecordReader:
         )
         try:
             outputs = layout.allocate(rows)
-            per_read = max(1, self.chunk // size)
+            # (the buffer held already counts: the share left beside the rows)
+            room = self.account.room() + len(self.run_buffer)
+            per_read = max(1, min(self.chunk, room) // size)
             buffer = self._run_buffer(min(per_read, rows) * size)
             view = memoryview(buffer)
             matrix = np.frombuffer(buffer, np.uint8)

@@ -583,8 +583,10 @@ class ColumnarBatchIterator(_BatchIterator):
     otherwise (writing the cache, elements that need objects, a short last batch under
     ``drop_remainder``, origins asked for). ``fetch(count, account, whole=...)`` is the
     reader's: a batch, its booking on ``account`` and its size, or None having consumed
-    nothing. Both routes move the same positions, so its checkpoints are the plain
-    batch's."""
+    nothing; under ``whole`` it may still hand back a short last batch, which is dropped
+    here (its records read and checked as the element route would, with no element
+    made beside the batch). Both routes move the same positions, so its checkpoints
+    are the plain batch's."""
 
     def __init__(
         self, inner: Iterator, ctx: Context, account: Buffer, batch_size: int,
@@ -610,6 +612,9 @@ class ColumnarBatchIterator(_BatchIterator):
                 if record is not None:
                     record.count += count
                     record.seconds += time.perf_counter() - started
+                if self.drop_remainder and count < self.batch_size:
+                    booking.release()  # a short last batch, read and checked, then dropped
+                    raise StopIteration
                 return batch, booking
         return super().pull()
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from headrace._errors import InvalidArgumentError
-from headrace._memory.buffer import Reservation
+from headrace._memory.buffer import Buffer, Reservation
 from headrace.core.indexing import (
     IndexMap,
     IndexStream,
@@ -86,6 +86,36 @@ class Window(IndexMap):
         return None
 
 
+def reads_batches(source: Node, ctx: Context) -> bool:
+    """Whether ``source``'s iterator makes whole batches itself (a complete cache file
+    decoded column by column); see :meth:`headrace._persist.cache.CacheNode.reads_batches`."""
+    reads = getattr(source, "reads_batches", None)
+    return reads is not None and bool(reads(ctx))
+
+
+def _window_batches(
+    node: TakeNode | SkipNode, ctx: Context, batch_size: int, drop_remainder: bool,
+    account: Buffer,
+) -> Iterator | None:
+    """``cache(f).skip(k).batch(n)``, ``take``: the batches the reader below makes itself,
+    through the window (:meth:`MappedIterator.pull_batch`), so a skip or a take between
+    a cache and its batch keeps the column-by-column path and its memory: the rows are
+    read into the batch, no element is made beside it. None for any other input."""
+    if node.index_plan() is not None:
+        return None  # (a random-access input is gathered by index instead)
+    if node.index_map() is None:  # take(-1): every element, the input's own batches
+        return node.inputs[0].batched_iterator(ctx, batch_size, drop_remainder, account)
+    if not reads_batches(node.inputs[0], ctx):
+        return None
+    iterator = node.make_iterator(ctx)
+    assert isinstance(iterator, MappedIterator)  # (a stream input: see stream_iterator)
+    from headrace._transforms.batch import ColumnarBatchIterator
+
+    return ColumnarBatchIterator(
+        iterator, ctx, account, batch_size, drop_remainder, iterator.pull_batch
+    )
+
+
 class TakeNode(UnaryNode):
     stage = "take"
 
@@ -125,6 +155,15 @@ class TakeNode(UnaryNode):
     def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
         index_map = self.index_map()
         return inner if index_map is None else MappedIterator(inner, index_map)
+
+    def batched_iterator(
+        self, ctx: Context, batch_size: int, drop_remainder: bool, account: Buffer
+    ) -> Iterator | None:
+        return _window_batches(self, ctx, batch_size, drop_remainder, account)
+
+    def reads_batches(self, ctx: Context) -> bool:
+        """Whether its input makes whole batches itself (so batches pass through)."""
+        return reads_batches(self.inputs[0], ctx)
 
 
 class SkipNode(UnaryNode):
@@ -174,6 +213,17 @@ class SkipNode(UnaryNode):
 
     def stream_iterator(self, inner: Iterator, ctx: Context) -> Iterator:
         return MappedIterator(inner, self.index_map())
+
+    def batched_iterator(
+        self, ctx: Context, batch_size: int, drop_remainder: bool, account: Buffer
+    ) -> Iterator | None:
+        if self.count < 0:
+            return None  # (everything skipped: read nothing, as make_iterator)
+        return _window_batches(self, ctx, batch_size, drop_remainder, account)
+
+    def reads_batches(self, ctx: Context) -> bool:
+        """Whether its input makes whole batches itself (so batches pass through)."""
+        return self.count >= 0 and reads_batches(self.inputs[0], ctx)
 
 
 class _EmptyIterator(Iterator):

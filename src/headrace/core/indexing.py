@@ -530,6 +530,42 @@ class MappedIterator(Iterator):
         self.consumed += 1
         return pair
 
+    def pull_batch(
+        self, count: int, account: Any, *, whole: bool = False
+    ) -> tuple[Any, Reservation, int] | None:
+        """Internal: the next ``count`` kept elements as one batch the input's reader
+        makes itself (a cache file's column by column: ``cache(f).skip(k).batch(n)``),
+        or None having kept nothing, where the input makes none or the batch would span
+        elements this stage drops; the caller then batches element by element. The
+        dropped head (a skip) is read and dropped first, as :meth:`pull` does (a
+        damaged element there raises in its place). Fewer than ``count`` come only at
+        the stage's end (``whole`` is the reader's to honour, or the caller's)."""
+        fetch = getattr(self.inner, "pull_batch", None)
+        if fetch is None or self.released is not None:
+            return None
+        if self.consumed < self.map.keeps_from:
+            want = self.want(self.consumed, 1)  # of these, only the last is kept
+            while want > 1 and self.consumed < self.map.keeps_from:
+                try:
+                    _, reservation = self.inner.pull()
+                except StopIteration:
+                    return None  # (the input is shorter: pull() ends the stage)
+                self.consumed += 1
+                reservation.release()
+                want -= 1
+            if self.consumed < self.map.keeps_from:
+                return None
+        # past keeps_from every element want() reads is kept, and fewer than asked
+        # means the stage ends after them
+        kept = self.want(self.consumed, count)
+        if kept <= 0:
+            return None
+        found: tuple[Any, Reservation, int] | None = fetch(kept, account, whole=whole)
+        if found is not None:
+            self.consumed += found[2]
+            self.run = 0
+        return found
+
     def get_state(self) -> dict[str, Any]:
         inner = self.released if self.released is not None else self.inner.get_state()
         return {INNER: inner, CONSUMED: self.consumed}
