@@ -193,3 +193,18 @@ def test_the_reported_case_runs_at_8_mib(tmp_path: Path) -> None:
         # no record held beside a batch: the skipped ones are read (and checked) one at
         # a time before the batch's rows are booked
         assert stages["cache"] < (1_300_000 if skip else 4 << 10)
+
+
+def test_a_window_with_no_full_batch_is_refused_as_the_uncached_one(tmp_path: Path) -> None:
+    """``drop_remainder`` with fewer elements than a batch: no batch was made, so the
+    cached read goes element by element as the uncached pipeline does, and a full
+    batch's rows that cannot fit are refused alike (a short last batch is read column
+    by column and dropped only once a full batch's rows were booked)."""
+    source = hr.Dataset.range(5).map(Values(300_000, "float32", True))
+    prefix = str(tmp_path / "c")
+    list(source.cache(prefix))
+    for window in (lambda d: d, lambda d: d.take(4)):
+        for ds in (window(source), window(source.cache(prefix))):
+            assert _run(ds.batch(8, drop_remainder=True), 256 << 20)[0] == []
+            with pytest.raises(hr.MemoryBudgetError, match="batch"):
+                _run(ds.batch(8, drop_remainder=True), 8 << 20)

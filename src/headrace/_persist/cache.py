@@ -306,9 +306,8 @@ class _CacheIterator(Iterator):
     ) -> tuple[Any, Reservation, int] | None:
         """The next ``count`` elements (fewer at the end) as one batch decoded column by
         column from the cache file, booked on ``account``; None where that cannot be
-        done (writing, a compressed or in-memory cache, elements that need objects):
-        then nothing was consumed. A short last batch comes back even under ``whole``
-        (the caller drops it: see :meth:`headrace._persist.records.RecordReader.read_batch`)."""
+        done (writing, a compressed or in-memory cache, elements that need objects, fewer
+        than ``count`` left when ``whole``): then nothing was consumed."""
         source = self.source
         if self.writing or not isinstance(source, FileReader):
             return None

@@ -873,10 +873,8 @@ class RecordReader:
         """The next ``count`` elements (fewer at the end) batched, decoded column by
         column, or None where they are not all alike — records of one size and one
         skeleton whose leaves are fixed-size numbers (:mod:`headrace._persist.columnar`);
-        then nothing was consumed and the caller decodes them one by one. Fewer than
-        ``count`` left make a short batch even where ``whole`` asks for a full one: the
-        caller drops it, having had its records read and checked with no element made
-        beside it (as the element route reads them, to raise a damaged one's error).
+        then nothing was consumed and the caller decodes them one by one (also when
+        fewer than ``count`` are left and ``whole`` asks for a full batch).
 
         The layout comes from the first record's head; the batch's columns are booked
         on ``out_account`` (the batch stage's) before they are allocated, and before
@@ -890,7 +888,7 @@ class RecordReader:
         how many elements it holds."""
         first, total = self.next, len(self.offsets)
         last = min(first + count, total)
-        if not self.columnar or last <= first:
+        if not self.columnar or last <= first or (whole and last - first < count):
             return None
         begin = int(self.offsets[first])
         size = self._end(first) - begin

@@ -583,10 +583,11 @@ class ColumnarBatchIterator(_BatchIterator):
     otherwise (writing the cache, elements that need objects, a short last batch under
     ``drop_remainder``, origins asked for). ``fetch(count, account, whole=...)`` is the
     reader's: a batch, its booking on ``account`` and its size, or None having consumed
-    nothing; under ``whole`` it may still hand back a short last batch, which is dropped
-    here (its records read and checked as the element route would, with no element
-    made beside the batch). Both routes move the same positions, so its checkpoints
-    are the plain batch's."""
+    nothing, or fewer than ``count`` only under ``whole=False``. Once a batch was made,
+    a short last batch under ``drop_remainder`` is asked for with ``whole=False`` and
+    dropped here (its records read and checked as the element route would, with no
+    element made beside the batch's rows). Both routes move the same positions, so its
+    checkpoints are the plain batch's."""
 
     def __init__(
         self, inner: Iterator, ctx: Context, account: Buffer, batch_size: int,
@@ -597,6 +598,10 @@ class ColumnarBatchIterator(_BatchIterator):
         #: The input stage's profile record, where a profile counts its pulls: the
         #: elements it hands over in a batch are counted there too.
         self._record: Any = inner.__dict__.get(PROFILE_RECORD)  # (a profile's, or None)
+        #: Whether a batch was made: from then on a full batch's rows are the stage's
+        #: minimum, so a short last batch under drop_remainder is read column by column
+        #: and dropped (before, it goes element by element, refused as they would be).
+        self._made = False
 
     def pull(self) -> tuple[Any, Reservation]:
         if self.probe is None:
@@ -605,7 +610,8 @@ class ColumnarBatchIterator(_BatchIterator):
             self._pool.clear()
             record = self._record
             started = 0.0 if record is None else time.perf_counter()
-            found = self._pull_batch(self.batch_size, self.account, whole=self.drop_remainder)
+            whole = self.drop_remainder and not self._made
+            found = self._pull_batch(self.batch_size, self.account, whole=whole)
             if found is not None:
                 batch, booking, count = found
                 self.position += count
@@ -615,8 +621,11 @@ class ColumnarBatchIterator(_BatchIterator):
                 if self.drop_remainder and count < self.batch_size:
                     booking.release()  # a short last batch, read and checked, then dropped
                     raise StopIteration
+                self._made = True
                 return batch, booking
-        return super().pull()
+        pair = super().pull()
+        self._made = True
+        return pair
 
 
 def _columns_of(first: Any, single: bool) -> tuple[list[Any], list[_Column]]:

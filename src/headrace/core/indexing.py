@@ -539,7 +539,7 @@ class MappedIterator(Iterator):
         elements this stage drops; the caller then batches element by element. The
         dropped head (a skip) is read and dropped first, as :meth:`pull` does (a
         damaged element there raises in its place). Fewer than ``count`` come only at
-        the stage's end (``whole`` is the reader's to honour, or the caller's)."""
+        the stage's end, and never under ``whole``."""
         fetch = getattr(self.inner, "pull_batch", None)
         if fetch is None or self.released is not None:
             return None
@@ -558,7 +558,7 @@ class MappedIterator(Iterator):
         # past keeps_from every element want() reads is kept, and fewer than asked
         # means the stage ends after them
         kept = self.want(self.consumed, count)
-        if kept <= 0:
+        if kept <= 0 or (whole and kept < count):
             return None
         found: tuple[Any, Reservation, int] | None = fetch(kept, account, whole=whole)
         if found is not None:
