@@ -458,6 +458,17 @@ def fixed_from_bytes(kib: int, record: Any) -> Any:
     return np.full(kib * 256, float(len(record)), np.float32)
 
 
+def gated_filled(kib: int, gate: str, x: Any) -> Any:
+    """:func:`filled_kib`, where a negative ``x`` (its value is then ``-x``) first waits
+    until the file ``gate`` exists: a call that runs until the test lets it end."""
+    if x < 0:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        x = -x
+    return np.full(kib * 256, float(x), np.float32)
+
+
 def slow_filled(kib: int, seconds: float, x: Any) -> Any:
     """:func:`filled_kib` after ``seconds`` of sleep when ``x`` is negative (its value
     is then ``-x``): a call that is still running while the consumer acts."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import gc
+import time
+from pathlib import Path
 
 import numpy as np
 import process_fns
@@ -146,23 +148,29 @@ def test_a_process_map_of_fixed_size_outputs_runs_long_calls() -> None:
     assert own_segments() == []
 
 
-def test_segments_released_while_a_call_runs_reach_the_calls_queued_behind_it() -> None:
+def test_segments_released_while_a_call_runs_reach_the_calls_queued_behind_it(
+    tmp_path: Path,
+) -> None:
     """Four outputs released while the worker runs a slow call, with another call queued
     behind it: the worker hears of the free segments at once, not with its next task, so
     the queued call reuses them instead of making four more."""
     budget = MemoryBudget(256 * MIB)
     account = budget.account("test", weight=1)
     budget.allot()
+    gate = tmp_path / "gate"  # the slow call's first element waits for it (not a sleep:
+    # a loaded machine can take longer than any sleep to release the outputs)
     pool = processes.ProcessPool(
-        functools.partial(process_fns.slow_filled, 600, 1.0), 1, "test",
+        functools.partial(process_fns.gated_filled, 600, str(gate)), 1, "test",
         book_idle=account.admit, book_slack=account.overdraw, lend_idle=True)
     try:
         first = pool.submit([1, 2, 3, 4]).result(timeout=30)[0]
-        slow = pool.submit([-5, 6, 7, 8])  # its first element sleeps: released meanwhile
+        slow = pool.submit([-5, 6, 7, 8])  # its first element waits: released meanwhile
         queued = pool.submit([9, 10, 11, 12])
         del first
         gc.collect()
         pool.recycle()  # the four segments are free: told to the worker now
+        time.sleep(1.0)  # (the worker reads it while its call waits)
+        gate.touch()
         results = [slow.result(timeout=30)[0], queued.result(timeout=30)[0]]
         assert [[float(o[0]) for o in r] for r in results] == [[5, 6, 7, 8], [9, 10, 11, 12]]
         assert pool.maps[0].opened == 8, pool.maps[0].opened  # (12 when told with a task)
