@@ -430,3 +430,24 @@ def test_kept_batches_under_a_budget_without_room_for_a_spare() -> None:
     assert stage.peak <= stage.limit and stage.held == 0
     for index, images in kept:
         _expect_rows(images, index * ROWS)
+
+
+@pytest.mark.parametrize("structured", [False, True])
+def test_a_placed_element_is_not_kept_while_the_next_is_pulled(structured: bool) -> None:
+    # Once its row is copied, an element's booking is released: the batch stage must not
+    # keep it (nor the batch's first element, for its structure) while it pulls the next;
+    # a process map's output is a view that keeps its shared-memory segment.
+    import weakref
+
+    refs: list[Any] = []
+    alive_at_call: list[list[int]] = []
+
+    def make(i: Any) -> Any:
+        alive_at_call.append([k for k, ref in enumerate(refs) if ref() is not None])
+        out = np.full(1000, int(i), np.float32)
+        refs.append(weakref.ref(out))
+        return {"x": out, "y": np.int64(i)} if structured else out
+
+    batches = list(hr.Dataset.range(7).map(make).batch(3))
+    assert len(batches) == 3
+    assert alive_at_call == [[]] * 7, alive_at_call

@@ -354,9 +354,12 @@ class _BatchIterator(Assembler):
         probe = self.probe
         take = None if probe is None else probe[0]  # (bound once: it runs per row)
         tokens = None if take is None else [take()]
-        structure = first
         single = not isinstance(first, (dict, tuple))
         leaves, columns = _columns_of(first, single)
+        # The structure alone: the element itself (a process map's output: a view of a
+        # shared-memory segment) must not outlive its booking, released once it is placed.
+        structure = None if single else pack_as(first, [None] * len(leaves))
+        del first
         keeps_objects = any(column.dtype.hasobject for column in columns)
         # The batch's one booking: its output, and the objects it keeps of its rows.
         try:
@@ -384,6 +387,7 @@ class _BatchIterator(Assembler):
                 count += 1
                 if count == self.batch_size:
                     break
+                leaves, element = [], None  # (placed, its booking gone: not kept while pulling)
                 try:
                     element, reservation = self.inner.pull()
                 except StopIteration:
