@@ -9,6 +9,9 @@ and the map's calls had that much less room.
 
 from __future__ import annotations
 
+import functools
+
+import process_fns
 import pytest
 from segments import own_segments
 
@@ -88,3 +91,56 @@ def test_chunks_that_became_much_smaller_get_a_segment_their_size(
     # the worker unmapped the dropped one with that task, and goes on with the new one
     outputs = pool.submit(_records(1, 110)).result(timeout=30)[0]
     assert outputs == [110 * KIB] and _pooled(pool) == [small]
+
+
+def _two_pooled(room: int) -> tuple[processes.ProcessPool, object, int]:
+    """A pool whose worker has two pooled input segments of 100 KiB chunks (two calls
+    in flight at once), on a share of ``room`` bytes; their capacity."""
+    budget = MemoryBudget(room)
+    account = budget.account("test", weight=1)
+    budget.allot()
+
+    def book_idle(nbytes: int) -> object:  # as the process map books: only within room
+        return account.admit(nbytes) if nbytes <= account.room() else None
+
+    pool = processes.ProcessPool(functools.partial(process_fns.len_after, 0.3), 1, "test",
+                                 book_idle=book_idle)
+    first = pool.submit(_records(1, 100))
+    second = pool.submit(_records(1, 100))  # the first one's segment is busy
+    assert first.result(timeout=30)[0] == second.result(timeout=30)[0] == [100 * KIB]
+    small = SegmentPool.capacity_for(125 * KIB)
+    assert _pooled(pool) == [small, small] and account.held == 2 * small
+    return pool, account, small
+
+
+def test_chunks_that_outgrew_the_segments_get_a_larger_one_booked_before_the_small_goes() -> None:
+    pool, account, small = _two_pooled(256 * MIB)
+    try:
+        outputs = pool.submit(_records(3, 200)).result(timeout=30)[0]
+        assert outputs == [200 * KIB] * 3
+        large = SegmentPool.capacity_for(750 * KIB)
+        assert _pooled(pool) == [small, large]
+        assert account.held == small + large
+        assert pool.traffic.segments == 3
+    finally:
+        pool.shutdown()
+    assert account.held == 0
+    assert own_segments() == []
+
+
+def test_without_room_for_a_larger_segment_the_chunk_goes_one_shot_and_the_pool_stays() -> None:
+    """The difference does not fit the share: the small segments stay pooled and booked,
+    the large chunk travels in a one-shot segment (unlinked with its call)."""
+    pool, account, small = _two_pooled(1 * MIB)
+    try:
+        outputs = pool.submit(_records(5, 200)).result(timeout=30)[0]
+        assert outputs == [200 * KIB] * 5
+        assert _pooled(pool) == [small, small] and account.held == 2 * small
+        assert pool.traffic.segments == 3
+        # the small chunks still reuse the pooled segments
+        assert pool.submit(_records(1, 90)).result(timeout=30)[0] == [90 * KIB]
+        assert pool.traffic.segments == 3
+    finally:
+        pool.shutdown()
+    assert account.held == 0
+    assert own_segments() == []

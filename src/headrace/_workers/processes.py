@@ -1295,6 +1295,7 @@ class ProcessPool:
         worker.recent_inputs.append(nbytes)
         wanted = _input_capacity(max(worker.recent_inputs))
         booking = None
+        outgrown = None
         with self.lock:
             fitting = pooled.smallest_idle(nbytes)
             if fitting is not None and fitting[0] <= _INPUT_SHRINK * wanted:
@@ -1304,10 +1305,11 @@ class ProcessPool:
                 # often taken by a call first, and the chunk went into a one-shot segment)
                 booking = self._drop_input(worker, fitting[1], keep=wanted)
             elif len(pooled.segments) >= INPUT_SEGMENTS and pooled.idle:
-                # inputs outgrew the idle segment: make room for a larger one
-                self._drop_input(worker, min(pooled.idle, key=lambda k: pooled.segments[k][1]))
+                outgrown = min(pooled.idle, key=lambda k: pooled.segments[k][1])
             room = len(pooled.segments) < INPUT_SEGMENTS
-        if booking is None and room and self.book_idle is not None:
+        if outgrown is not None:
+            booking = self._grow_input(worker, outgrown, wanted)
+        elif booking is None and room and self.book_idle is not None:
             booking = self.book_idle(wanted)
         if booking is None:
             return self._one_shot(names, nbytes)
@@ -1319,6 +1321,27 @@ class ProcessPool:
             worker.input_bookings[key] = booking
         names.append(name)  # it lives until the worker maps it, or the call ends
         return key, name, capacity, mapping
+
+    def _grow_input(self, worker: _Worker, key: int, wanted: int) -> Reservation | None:
+        """The booking for a segment of ``wanted`` bytes that replaces the idle input
+        segment ``key``, which the chunks outgrew: its own booking and the difference
+        (None, the segment kept, where the share has no room for the difference: the
+        chunk goes into a one-shot segment). Booked before the small one is let go,
+        so the room it frees cannot go to a call meanwhile."""
+        held = worker.input_bookings.get(key)
+        if self.book_idle is None or held is None or type(held) is not Reservation:
+            with self.lock:
+                self._drop_input(worker, key)
+            return self.book_idle(wanted) if self.book_idle is not None else None
+        extra = self.book_idle(max(wanted - held.nbytes, 0))
+        if extra is None:
+            return None
+        with self.lock:
+            booking = self._drop_input(worker, key, keep=held.nbytes)
+        if booking is None or type(extra) is not Reservation:
+            extra.release()
+            return booking
+        return booking.absorb(extra)
 
     def _drop_input(self, worker: _Worker, key: int, keep: int = 0) -> Reservation | None:
         """Unpool an idle input segment here and, with the next task, in the worker: its
