@@ -144,3 +144,21 @@ def test_without_room_for_a_larger_segment_the_chunk_goes_one_shot_and_the_pool_
         pool.shutdown()
     assert account.held == 0
     assert own_segments() == []
+
+
+def test_a_larger_segment_booked_past_the_share_is_booked_whole() -> None:
+    """A caller whose bookings may pass its share (an overdraft, which cannot be joined
+    to a plain booking): the larger segment is booked whole, the small one's booking
+    released, and no byte is booked twice or not at all."""
+    pool, account, small = _two_pooled(1 * MIB)
+    pool.book_idle = account.overdraw
+    try:
+        outputs = pool.submit(_records(5, 200)).result(timeout=30)[0]
+        assert outputs == [200 * KIB] * 5
+        large = SegmentPool.capacity_for(1250 * KIB)
+        assert _pooled(pool) == [small, large]
+        assert account.held == small + large
+    finally:
+        pool.shutdown()
+    assert account.held == 0
+    assert own_segments() == []

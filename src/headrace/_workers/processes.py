@@ -1338,9 +1338,13 @@ class ProcessPool:
             return None
         with self.lock:
             booking = self._drop_input(worker, key, keep=held.nbytes)
-        if booking is None or type(extra) is not Reservation:
+        if booking is None or type(extra) is not Reservation:  # not to be joined (the
+            # worker's segments were forgotten meanwhile, or an overdraft): booked whole
             extra.release()
-            return booking
+            if booking is not None:
+                booking.release()
+            whole: Reservation | None = self.book_idle(wanted)
+            return whole
         return booking.absorb(extra)
 
     def _drop_input(self, worker: _Worker, key: int, keep: int = 0) -> Reservation | None:
