@@ -476,3 +476,9 @@ def slow_filled(kib: int, seconds: float, x: Any) -> Any:
         time.sleep(seconds)
         x = -x
     return np.full(kib * 256, float(x), np.float32)
+
+
+def len_after(seconds: float, x: Any) -> int:
+    """``len(x)``, after ``seconds``: a call still running when the next one is sent."""
+    time.sleep(seconds)
+    return len(x)

@@ -65,7 +65,6 @@ import contextlib
 import errno
 import functools
 import gc
-import mmap
 import multiprocessing
 import os
 import pickle
@@ -91,6 +90,7 @@ from headrace._errors import (
     WorkerPoolError,
     add_note,
 )
+from headrace._memory.buffer import Reservation
 from headrace._memory.sizeof import FLAT_TYPES, admit, sizeof
 from headrace._memory.units import format_bytes
 from headrace._warn import warn_user
@@ -761,9 +761,26 @@ def _receive_inputs(packet: Packet, inputs: SegmentMaps) -> Any:
 
 
 def _input_capacity(nbytes: int) -> int:
-    """A new input segment's size: the next power of two (chunks vary in length, and a
-    segment that fits only this one would be replaced at the next larger chunk)."""
-    return max(1 << (max(nbytes, 1) - 1).bit_length(), mmap.PAGESIZE)
+    """A new input segment's size: the chunk's bytes and a quarter more, in whole pages.
+
+    Chunks vary in length, so a segment that fits only this one would be replaced at
+    the next larger chunk; the quarter lets the next few reuse it. The next power of
+    two (as before) booked up to twice what the chunks carried, for as long as the
+    segment was pooled: an image map's two workers held 4.5-7 MB of input segments
+    on a 33 MB share, for chunks of about 0.5 MB.
+    """
+    nbytes = max(nbytes, 1)
+    return SegmentPool.capacity_for(nbytes + nbytes // 4)
+
+
+#: An idle input segment more than this many times a new one's size (:func:`_input_capacity`
+#: of the largest of a worker's last :data:`_INPUT_HISTORY` chunks) is replaced by one that
+#: size: chunks that shrank (the room for calls did) no longer keep the booking of the
+#: largest chunk ever sent. Sized by the last few chunks, not the one at hand, because
+#: a map's chunks vary 2-4x from call to call with the room left: sized by each one,
+#: half the calls made a fresh segment.
+_INPUT_SHRINK = 2
+_INPUT_HISTORY = 8
 
 
 class _Rejoin:
@@ -861,8 +878,8 @@ class _Task:
 class _Worker:
     __slots__ = (
         "backlog", "dropped", "dropped_inputs", "freed", "idle", "index", "input_bookings",
-        "inputs", "owner", "pending", "process", "progress", "ready", "results", "send_lock",
-        "spread", "tasks", "watched",
+        "inputs", "owner", "pending", "process", "progress", "ready", "recent_inputs",
+        "results", "send_lock", "spread", "tasks", "watched",
     )
 
     def __init__(self, index: int, owner: int) -> None:
@@ -889,6 +906,8 @@ class _Worker:
         self.inputs = SegmentPool(owner, tag=f"in{index}-")  # this worker's input segments
         self.input_bookings: dict[int, Any] = {}  # key -> its reservation (while pooled)
         self.dropped_inputs: list[int] = []  # input keys the worker should unmap
+        #: Bytes of its last chunks' inputs in segments (see ``_INPUT_HISTORY``).
+        self.recent_inputs: deque[int] = deque(maxlen=_INPUT_HISTORY)
         #: Result segments its last call's outputs took (a chunk of large outputs spans
         #: several: see ``IDLE_SEGMENTS``).
         self.spread = 1
@@ -1273,20 +1292,29 @@ class ProcessPool:
         """An input segment for ``worker``: a pooled one (booked while pooled) when one is
         free or may be made, else one-shot (key 0; its name is unlinked with the call)."""
         pooled = worker.inputs
-        with self.lock:
-            if pooled.has_idle(nbytes):
-                return pooled.allocate(nbytes)
-            if len(pooled.segments) >= INPUT_SEGMENTS and pooled.idle:
-                # inputs outgrew the idle segment: make room for a larger one
-                self._drop_input(worker, min(pooled.idle, key=lambda k: pooled.segments[k][1]))
-            room = len(pooled.segments) < INPUT_SEGMENTS
+        worker.recent_inputs.append(nbytes)
+        wanted = _input_capacity(max(worker.recent_inputs))
         booking = None
-        if room and self.book_idle is not None:
-            booking = self.book_idle(_input_capacity(nbytes))
+        outgrown = None
+        with self.lock:
+            fitting = pooled.smallest_idle(nbytes)
+            if fitting is not None and fitting[0] <= _INPUT_SHRINK * wanted:
+                return pooled.allocate(nbytes)
+            if fitting is not None:  # far larger than the chunks now: one their size,
+                # booked by part of its booking (booked anew, the room it freed was
+                # often taken by a call first, and the chunk went into a one-shot segment)
+                booking = self._drop_input(worker, fitting[1], keep=wanted)
+            elif len(pooled.segments) >= INPUT_SEGMENTS and pooled.idle:
+                outgrown = min(pooled.idle, key=lambda k: pooled.segments[k][1])
+            room = len(pooled.segments) < INPUT_SEGMENTS
+        if outgrown is not None:
+            booking = self._grow_input(worker, outgrown, wanted)
+        elif booking is None and room and self.book_idle is not None:
+            booking = self.book_idle(wanted)
         if booking is None:
             return self._one_shot(names, nbytes)
         with self.lock:
-            key, name, capacity, mapping = pooled.allocate(nbytes, _input_capacity(nbytes))
+            key, name, capacity, mapping = pooled.allocate(nbytes, wanted)
             if not name:  # one was freed meanwhile and is reused: booked already
                 booking.release()
                 return key, name, capacity, mapping
@@ -1294,13 +1322,47 @@ class ProcessPool:
         names.append(name)  # it lives until the worker maps it, or the call ends
         return key, name, capacity, mapping
 
-    def _drop_input(self, worker: _Worker, key: int) -> None:
-        """Unpool an idle input segment here and, with the next task, in the worker."""
-        worker.inputs.drop(key)
-        booking = worker.input_bookings.pop(key, None)
-        if booking is not None:
-            booking.release()
+    def _grow_input(self, worker: _Worker, key: int, wanted: int) -> Reservation | None:
+        """The booking for a segment of ``wanted`` bytes that replaces the idle input
+        segment ``key``, which the chunks outgrew: its own booking and the difference
+        (None, the segment kept, where the share has no room for the difference: the
+        chunk goes into a one-shot segment). Booked before the small one is let go,
+        so the room it frees cannot go to a call meanwhile."""
+        held = worker.input_bookings.get(key)
+        if self.book_idle is None or held is None or type(held) is not Reservation:
+            with self.lock:
+                self._drop_input(worker, key)
+            return self.book_idle(wanted) if self.book_idle is not None else None
+        extra = self.book_idle(max(wanted - held.nbytes, 0))
+        if extra is None:
+            return None
+        with self.lock:
+            booking = self._drop_input(worker, key, keep=held.nbytes)
+        if booking is None or type(extra) is not Reservation:  # not to be joined (the
+            # worker's segments were forgotten meanwhile, or an overdraft): booked whole
+            extra.release()
+            if booking is not None:
+                booking.release()
+            whole: Reservation | None = self.book_idle(wanted)
+            return whole
+        return booking.absorb(extra)
+
+    def _drop_input(self, worker: _Worker, key: int, keep: int = 0) -> Reservation | None:
+        """Unpool an idle input segment here and, with the next task, in the worker: its
+        pages are freed now, as its booking is released (the worker's mapping would
+        keep them until it hears of it). ``keep``: bytes of its booking to keep, for
+        the smaller segment that replaces it (returned; None where it cannot be split)."""
+        worker.inputs.discard(key)
         worker.dropped_inputs.append(key)
+        booking = worker.input_bookings.pop(key, None)
+        if booking is None:
+            return None
+        if keep and type(booking) is Reservation and booking.nbytes >= keep:
+            Reservation(booking.account, booking.nbytes - keep).release()
+            booking.nbytes = keep
+            return booking
+        booking.release()
+        return None
 
     def _one_shot(self, names: list[str], nbytes: int) -> tuple[int, str, int, Any]:
         name = segment_name(self.owner, "in-")

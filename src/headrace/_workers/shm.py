@@ -872,9 +872,25 @@ class SegmentPool:
             self.drop(key)
         return evicted
 
+    def smallest_idle(self, nbytes: int) -> tuple[int, int] | None:
+        """``(capacity, key)`` of the smallest idle segment of at least ``nbytes``, or None."""
+        segments = self.segments
+        return min(((segments[key][1], key) for key in self.idle
+                    if segments[key][1] >= nbytes), default=None)
+
     def free(self, key: int) -> None:
         if key in self.segments:
             self.idle.add(key)
+
+    def discard(self, key: int) -> None:
+        """Drop an idle segment and free its pages now: the receiver keeps its mapping
+        until it is told, and a mapping keeps the pages (unbooked once the sender
+        has let go of the segment's booking)."""
+        entry = self.segments.get(key)
+        if entry is not None and _MADV_REMOVE is not None:
+            with contextlib.suppress(OSError, ValueError):
+                entry[0].madvise(_MADV_REMOVE)
+        self.drop(key)
 
     def drop(self, key: int) -> None:
         entry = self.segments.pop(key, None)
