@@ -164,9 +164,9 @@ class MapThreads:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> ThreadCall:
         """Run ``fn(*args)`` on a worker; the call is its future."""
-        call = ThreadCall(fn, args, self.guard)
-        self.calls.put(call)
         if self.started < self.most:
+            # (started before the call is queued: a thread that cannot start raises
+            # here, and no call is left queued that nothing runs)
             thread = threading.Thread(target=_work, args=(self.calls,), daemon=True,
                                       name=f"{self.name}_{self.started}")
             thread.start()
@@ -174,6 +174,8 @@ class MapThreads:
             if self._stopper is not None:
                 self._stopper.detach()
             self._stopper = weakref.finalize(self, _stop, self.calls, self.started)
+        call = ThreadCall(fn, args, self.guard)
+        self.calls.put(call)
         return call
 
     def shutdown(self) -> None:

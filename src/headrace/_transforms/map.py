@@ -398,7 +398,9 @@ class ParallelMapIterator(Iterator):
     - the delivery order (:mod:`headrace._transforms._map_order`): which call is
       collected next, and where a checkpoint restores;
     - a finished call settled (:class:`~headrace._transforms._map_outputs.CallOutputs`):
-      its outputs booked as they are, errors in their element's place.
+      its outputs booked as they are, errors in their element's place;
+    - the worker threads (:class:`~headrace._transforms._map_threads.MapThreads`): a
+      call handed to them and back with as few wake-ups as can be.
 
     Hooks for subclasses (``ProcessMapIterator`` runs the calls on processes):
 
