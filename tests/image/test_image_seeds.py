@@ -10,6 +10,8 @@ checkpoint taken at a random element, it must give the very same outputs.
 
 from __future__ import annotations
 
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import image_fns
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 
 import headrace as hr
 import headrace.image as hi
+from headrace.image._random import seed_generator
 
 SETTINGS = settings(max_examples=12, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -137,3 +140,73 @@ def test_an_int_seed_outside_a_pipeline_is_a_repeatable_sequence() -> None:
     image = np.arange(2 * 64 * 3).reshape(2, 64, 3)
     flips = [hi.random_flip_left_right(image, seed=123456)[0, 0, 0] for _ in range(32)]
     assert len(set(flips)) == 2
+
+
+def _philox(seed: tuple[int, int], salt: int) -> np.random.Generator:
+    """The stream an op with a seed pair draws from: Philox keyed by the pair, the op's
+    salt in the counter's top word (3: crop, 1: flip left-right)."""
+    a, b = (v & (2**64 - 1) for v in seed)
+    return np.random.Generator(np.random.Philox(key=a << 64 | b, counter=salt << 192))
+
+
+def _expected_crop(image: np.ndarray, size: tuple[int, ...],
+                   seed: tuple[int, int]) -> np.ndarray:
+    rng = _philox(seed, 3)
+    offsets = [int(rng.integers(0, d - s + 1)) for s, d in zip(size, image.shape, strict=True)]
+    return image[tuple(slice(o, o + s) for o, s in zip(offsets, size, strict=True))]
+
+
+SEED_PAIRS = [(0, 0), (7, 1), (123456, 2**63 + 5), (-3, 2**64 - 1), (2**40, 99)]
+
+
+def test_a_seed_generator_starts_its_stream_afresh_whatever_was_drawn_before() -> None:
+    """The generator an op gets is reused per thread: its state is reset to the stream's
+    start, bit for bit a fresh Philox's (no 32-bit half word or block left over)."""
+    for _ in range(2):
+        for seed in SEED_PAIRS:
+            for op, salt in (("crop", 3), ("flip_left_right", 1)):
+                want = _philox(seed, salt)
+                wanted = (want.random(), want.integers(0, 2**32 - 1, 3).tolist(),
+                          want.random(5).tolist())
+                got = seed_generator(seed, op)
+                assert (got.random(), got.integers(0, 2**32 - 1, 3).tolist(),
+                        got.random(5).tolist()) == wanted
+                # left mid-block, with half a 32-bit word: the next request starts afresh
+                assert seed_generator(seed, op).random() == wanted[0]
+
+
+def test_a_seed_pair_draws_its_philox_stream_from_the_start_every_time() -> None:
+    """Each thread reuses one generator per op, its state reset per call: the draws must
+    be those of a fresh Philox stream whatever was drawn before (a crop leaves half a
+    32-bit word buffered, a flip a used block), and the same pair gives the same crop."""
+    image = np.arange(40 * 30 * 3).reshape(40, 30, 3)
+    size = (11, 9, 3)
+    for _ in range(2):  # the second round after the first's draws
+        for seed in SEED_PAIRS:
+            got = hi.random_crop(image, size, seed=seed)
+            assert np.array_equal(got, _expected_crop(image, size, seed)), seed
+            flipped = hi.random_flip_left_right(got, seed=seed)
+            wanted = got[:, ::-1] if _philox(seed, 1).random() < 0.5 else got
+            assert np.array_equal(flipped, wanted), seed
+
+
+def test_threads_drawing_at_once_each_get_their_own_seeds_stream() -> None:
+    """Generators are per thread: threads cropping with different seeds at the same time
+    get what a sequential run gets."""
+    image = np.arange(64 * 64).reshape(64, 64, 1)
+    seeds = [(s, i) for s in range(4) for i in range(200)]
+    expected = [_expected_crop(image, (8, 8, 1), seed) for seed in seeds]
+
+    def crops(part: list[tuple[int, int]]) -> list[np.ndarray]:
+        return [hi.random_crop(image, (8, 8, 1), seed=seed) for seed in part]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between a state's reset and its draws
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            parts = list(pool.map(crops, [seeds[i::4] for i in range(4)]))
+    finally:
+        sys.setswitchinterval(interval)
+    for i in range(4):
+        for got, wanted in zip(parts[i], expected[i::4], strict=True):
+            assert np.array_equal(got, wanted)

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from collections.abc import Iterator as PyIterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from headrace._memory.inflight import InFlight, Ticket
 from headrace.core.handoff import unpin
@@ -33,15 +33,33 @@ if TYPE_CHECKING:
     from headrace._transforms._map_order import InOrder
 
 __all__ = [
-    "Call", "Calls", "MapResult", "Progress", "StartCall", "apply_chunk", "call_at",
+    "Call", "CallFuture", "Calls", "MapResult", "Progress", "StartCall", "apply_chunk",
+    "call_at",
 ]
 
 #: What a call returns: its outputs (as a buffer keeps them), their costs, the errors
 #: by position in the outputs, and the seconds it ran.
 MapResult = tuple[list[Any], list[int], dict[int, Exception] | None, float]
+
+
+class CallFuture(Protocol):
+    """What the map needs of a running call: a ``concurrent.futures.Future`` of its
+    :data:`MapResult` (worker processes), or a
+    :class:`~headrace._transforms._map_threads.ThreadCall` (threads)."""
+
+    def result(self, timeout: None = None) -> Any:
+        """The call's :data:`MapResult`, once done; raises what the call raised."""
+
+    def cancel(self) -> bool:
+        """Cancel the call if it has not started; whether it is cancelled."""
+
+    def add_done_callback(self, fn: Callable[[Any], object]) -> None:
+        """Call ``fn(future)`` once the call is done or cancelled."""
+
+
 #: The map's hook that runs a call: ``(elements, progress, first, allowance=,
 #: forced=)`` to a future of its :data:`MapResult` (threads, or worker processes).
-StartCall = Callable[..., "Future[MapResult]"]  # (a bound method: held weakly)
+StartCall = Callable[..., CallFuture]  # (a bound method: held weakly)
 
 
 def call_at(fn: Callable[..., Any], element: Any, position: tuple[int, ...]) -> Any:
@@ -195,7 +213,7 @@ class Call:
         self.ticket, self.elements = ticket, elements
         self.state_before, self.first_index, self.error = state_before, first_index, error
         self.origins, self.start = origins, start
-        self.future: Future[MapResult] | None = None
+        self.future: CallFuture | None = None
         self.progress: Progress | None = None
 
 
@@ -264,8 +282,9 @@ class Calls:
             # The stage cannot run calls (its worker pool is broken): the chunk stays
             # pending with its elements' place and input state, and raises when its turn
             # comes, so a state taken now starts at it and nothing pulled is lost.
-            future = Future()
-            future.set_exception(refused)
+            refusal: Future[MapResult] = Future()
+            refusal.set_exception(refused)
+            future = refusal
         call.future, call.progress = future, progress
         self.order.watch(call, future)
 

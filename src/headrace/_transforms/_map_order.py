@@ -16,11 +16,10 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future
 from queue import Empty, SimpleQueue
 from typing import Any
 
-from headrace._transforms._map_calls import Call, Calls, MapResult, Progress
+from headrace._transforms._map_calls import Call, CallFuture, Calls, Progress
 from headrace._transforms._map_chunks import TARGET_CALL_SECONDS
 from headrace.core.state import mark_out_of_order
 
@@ -45,7 +44,7 @@ class InOrder:
         """What a call on ``elements`` reports its progress to (None: it is never split)."""
         return None
 
-    def watch(self, call: Call, future: Future[MapResult]) -> None:
+    def watch(self, call: Call, future: CallFuture) -> None:
         """Follow a call just started (in order: nothing to do)."""
 
     def most_calls(self, threads: int, settled: bool) -> int:
@@ -78,7 +77,7 @@ class InOrder:
         return state
 
 
-def _announce(finished: SimpleQueue[Call], call: Call, _: Future[Any]) -> None:
+def _announce(finished: SimpleQueue[Call], call: Call, _: object) -> None:
     finished.put(call)
 
 
@@ -105,7 +104,7 @@ class OutOfOrder(InOrder):
     def progress(self, elements: list[Any]) -> Progress | None:
         return Progress(len(elements)) if elements else None
 
-    def watch(self, call: Call, future: Future[MapResult]) -> None:
+    def watch(self, call: Call, future: CallFuture) -> None:
         # (the queue, not self: threads must not hold the stage)
         future.add_done_callback(functools.partial(_announce, self.finished, call))
 

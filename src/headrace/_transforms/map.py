@@ -62,7 +62,6 @@ import itertools
 import os
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from headrace._errors import InvalidArgumentError, Origin, note_element_error
@@ -70,12 +69,13 @@ from headrace._memory.buffer import Buffer, Reservation
 from headrace._memory.inflight import InFlight
 from headrace._options import AUTOTUNE
 from headrace._structure import TensorSpec, flatten, map_structure, returned, spec_of
-from headrace._transforms._map_calls import Call, Calls, MapResult, Progress, apply_chunk, call_at
+from headrace._transforms._map_calls import Call, CallFuture, Calls, Progress, apply_chunk, call_at
 from headrace._transforms._map_chunks import MAX_CHUNK as _MAX_CHUNK
 from headrace._transforms._map_chunks import TARGET_CALL_SECONDS as TARGET_CALL_SECONDS
 from headrace._transforms._map_chunks import ChunkSize, InputFeed
 from headrace._transforms._map_order import InOrder, OutOfOrder
 from headrace._transforms._map_outputs import CallOutputs
+from headrace._transforms._map_threads import MapThreads
 from headrace._transforms.batch import batch_iterator
 from headrace._transforms.parse_fusion import FusedParse, FusedParseIterator, fused_parse
 from headrace.core.fingerprint import function_fingerprint, function_name
@@ -398,7 +398,9 @@ class ParallelMapIterator(Iterator):
     - the delivery order (:mod:`headrace._transforms._map_order`): which call is
       collected next, and where a checkpoint restores;
     - a finished call settled (:class:`~headrace._transforms._map_outputs.CallOutputs`):
-      its outputs booked as they are, errors in their element's place.
+      its outputs booked as they are, errors in their element's place;
+    - the worker threads (:class:`~headrace._transforms._map_threads.MapThreads`): a
+      call handed to them and back with as few wake-ups as can be.
 
     Hooks for subclasses (``ProcessMapIterator`` runs the calls on processes):
 
@@ -433,7 +435,7 @@ class ParallelMapIterator(Iterator):
         self.output_nbytes = output_nbytes
         self.ledger = InFlight(account, output_nbytes)
         self.threads, self.stage = threads, stage
-        self.pool: ThreadPoolExecutor | None = None
+        self.pool: MapThreads | None = None
         self.order = InOrder() if deterministic else OutOfOrder()
         if not deterministic:
             ctx.run.out_of_order.add(self)
@@ -455,10 +457,10 @@ class ParallelMapIterator(Iterator):
     def _start_call(
         self, elements: list[Any], progress: Progress | None = None, first: int = 0,
         allowance: int | None = None, forced: bool = False,
-    ) -> Future[MapResult]:
+    ) -> CallFuture:
         """Run ``fn`` over a chunk in the background (see the class doc)."""
         if self.pool is None:
-            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="headrace-map")
+            self.pool = MapThreads(self.threads)
         return self.pool.submit(apply_chunk, self.fn, elements, self.ctx.admit, progress,
                                 first, self.ctx.epochs, allowance, self.ledger, forced)
 
@@ -595,6 +597,6 @@ class ParallelMapIterator(Iterator):
     def close(self) -> None:
         self._drop_calls()
         if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool.shutdown()  # (the calls were cancelled: the threads go at once)
             self.pool = None
         super().close()

@@ -73,7 +73,7 @@ from headrace._memory.units import format_bytes
 from headrace._options import AUTOTUNE
 from headrace._sources.files import file_limiter
 from headrace._transforms import map as map_module
-from headrace._transforms._map_calls import MapResult, apply_chunk
+from headrace._transforms._map_calls import CallFuture, MapResult, apply_chunk
 from headrace._transforms._map_chunks import TARGET_CALL_SECONDS
 from headrace._transforms.map import MapNode, ParallelMapIterator, PositionedCall
 from headrace._warn import warn_user
@@ -210,7 +210,7 @@ class ProcessMapIterator(ParallelMapIterator):
 
     def _start_call(self, elements: list[Any], progress: Any = None,
                     first: int = 0, allowance: int | None = None,
-                    forced: bool = False) -> Future[MapResult]:
+                    forced: bool = False) -> CallFuture:
         outer: Future[MapResult] = Future()
         if not elements:  # a chunk that is only an upstream error: nothing to compute
             outer.set_result(([], [], None, 0.0))
@@ -363,7 +363,7 @@ class _AutoMapIterator(ProcessMapIterator):
 
     def _start_call(self, elements: list[Any], progress: Any = None,
                     first: int = 0, allowance: int | None = None,
-                    forced: bool = False) -> Future[MapResult]:
+                    forced: bool = False) -> CallFuture:
         if self.kind == "processes":
             return super()._start_call(elements, None, first, allowance)
         if self.kind == "threads":

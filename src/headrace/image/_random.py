@@ -28,6 +28,7 @@ the algorithms (``sample_distorted_bounding_box``'s rejection sampling) are.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -84,7 +85,8 @@ def seed_generator(seed: Any, op: str) -> np.random.Generator:
     if isinstance(seed, int | np.integer) and not isinstance(seed, bool):
         position = element_position()
         if position is not None:  # in a pipeline: the element's own draw (G3)
-            return seed_generator((int(seed), _position_word(position)), op)
+            # (the pair (seed, word), as a pair seed gives it: the checks skipped)
+            return _stream(int(seed) & _MASK64, _position_word(position) & _MASK64, _SALT[op])
         key = int(seed) * 16 + _SALT[op]
         if key not in _STATEFUL:
             _STATEFUL[key] = np.random.default_rng([int(seed), _SALT[op]])
@@ -97,8 +99,42 @@ def seed_generator(seed: Any, op: str) -> np.random.Generator:
             f"{op}: seed must be None, an int or a pair of ints (a stateless seed such as "
             f"(pipeline_seed, element_index)), got {seed!r}"
         )
-    a, b = (int(v) & 0xFFFFFFFFFFFFFFFF for v in pair)
-    return np.random.Generator(np.random.Philox(key=a << 64 | b, counter=_SALT[op] << 192))
+    a, b = (int(v) & _MASK64 for v in pair)
+    return _stream(a, b, _SALT[op])
+
+
+class _Streams(threading.local):
+    """This thread's generator per op (internal to :func:`_stream`)."""
+
+    def __init__(self) -> None:
+        self.generators: dict[int, np.random.Generator] = {}
+
+
+_STREAMS = _Streams()
+
+
+def _stream(a: int, b: int, salt: int) -> np.random.Generator:
+    """The Philox stream of key ``(a, b)`` and counter ``salt << 192``, from its start.
+
+    Equal to ``Generator(Philox(key=a << 64 | b, counter=salt << 192))``, but a new
+    Philox draws 128 bits of OS entropy for a seed sequence a key makes useless
+    (~4 us, twice an image in a crop-and-flip map, with the GIL held): each thread
+    keeps one generator per op and resets its state instead. A generator returned
+    here is valid until this thread asks for the same op's again: callers draw what
+    they need before calling anything that may ask (no caller keeps one).
+    """
+    generators = _STREAMS.generators
+    generator = generators.get(salt)
+    if generator is None:
+        generator = generators[salt] = np.random.Generator(np.random.Philox(key=0))
+    # (the state a new Philox starts in: counter and key as words, low first, and
+    # an empty buffer, so that the draws are the same bit for bit)
+    generator.bit_generator.state = {
+        "bit_generator": "Philox",
+        "state": {"counter": (0, 0, 0, salt), "key": (b, a)},
+        "buffer": (0, 0, 0, 0), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0,
+    }
+    return generator
 
 
 def _position_word(position: tuple[int, ...]) -> int:
