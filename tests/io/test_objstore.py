@@ -1021,7 +1021,9 @@ def test_batches_of_a_cache_on_s3_are_read_in_runs(
         assert len(remote) == len(local) == 10
         for got, want in zip(remote, local, strict=True):
             assert np.array_equal(got["x"], want["x"]) and np.array_equal(got["i"], want["i"])
-    assert len(gets) <= 2 * (10 + 4), gets  # a run (or a few) per batch, and small objects
+    # a run (or a few) per batch, small objects, and the first record's head, once a pass
+    # (its layout: the batch's rows are booked before any run is read)
+    assert len(gets) <= 2 * (10 + 4 + 1), gets
 
 
 _OTHER_PROCESS = """

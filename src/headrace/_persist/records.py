@@ -71,6 +71,8 @@ _IN_PLACE_BYTES = 32 << 10
 #: into the batch's rows (one piece per leaf); smaller ones are read in runs into one
 #: buffer and copied out column by column (pieces of a few bytes would cost more).
 _SCAN_BELOW = 4 << 10
+#: Bytes of skeleton read with a record's frame when a batch's layout is learnt.
+_SKELETON_GUESS = 240
 
 
 def book(account: Buffer, nbytes: int, what: str) -> Reservation:
@@ -923,15 +925,23 @@ class RecordReader:
         checked: only to size the batch, which every record of it is then checked
         against (framing, both CRCs, the skeleton), so a damaged head is still refused
         by name; read first, so no read buffer is held when the batch books its rows."""
-        (prefix,) = self.stream.pread_many([begin], [16])
-        if len(prefix) < 16:
-            return None  # a truncated file: the record reader names where
-        (skeleton,) = struct.unpack_from("<I", prefix, 12)
-        if 16 + skeleton + 4 > size:
-            return None  # (the element decoder names what is wrong)
-        scratch = book(self.account, skeleton + BYTES_OVERHEAD, "a cached record's skeleton")
+        # One read for the frame and a skeleton of usual size (an object's read is a
+        # round trip); a longer skeleton is read after it.
+        guess = min(size, 16 + _SKELETON_GUESS)
+        scratch = book(self.account, guess + BYTES_OVERHEAD, "a cached record's skeleton")
         try:
-            (tree,) = self.stream.pread_many([begin + 16], [skeleton])
+            (prefix,) = self.stream.pread_many([begin], [guess])
+            if len(prefix) < 16:
+                return None  # a truncated file: the record reader names where
+            (skeleton,) = struct.unpack_from("<I", prefix, 12)
+            if 16 + skeleton + 4 > size:
+                return None  # (the element decoder names what is wrong)
+            if 16 + skeleton <= len(prefix):
+                tree = prefix[16 : 16 + skeleton]
+            else:
+                scratch = scratch.absorb(book(self.account, skeleton + BYTES_OVERHEAD,
+                                              "a cached record's skeleton"))
+                (tree,) = self.stream.pread_many([begin + 16], [skeleton])
         finally:
             scratch.release()
         head = prefix[12:16] + tree
