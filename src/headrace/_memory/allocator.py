@@ -60,6 +60,7 @@ __all__ = [
     "CHECK_EVERY",
     "POOLED_BYTES",
     "ArrayPool",
+    "heap_info",
     "note_released",
     "owns_pooled",
     "pooled_storage",
@@ -169,15 +170,22 @@ def _free_heap() -> int:
     """Bytes in the heap's free blocks, all arenas (glibc's ``mallinfo2``); where that
     is unknown, as if every unbooked byte were free. Blocks whose pages a trim already
     gave back count too: an upper bound."""
-    info = _mallinfo2()
-    if info is None:
-        return sys.maxsize
-    return int(info().fordblks)
+    info = heap_info()
+    return sys.maxsize if info is None else int(info.fordblks)
+
+
+def heap_info() -> Any:
+    """glibc's ``mallinfo2()`` now (``uordblks``: bytes in use, ``fordblks``: free,
+    ``hblkhd``: mapped blocks; every arena), in microseconds; None where there is no
+    such call (musl, macOS, glibc before 2.33). Internal: the trimming here and the
+    doctor's allocation counter read it."""
+    function = _mallinfo2()
+    return None if function is None else function()
 
 
 @functools.cache
 def _mallinfo2() -> Any:
-    """glibc's ``mallinfo2`` (2.33 and later), or None."""
+    """glibc's ``mallinfo2``, or None."""
     import ctypes
 
     class MallInfo2(ctypes.Structure):

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import functools
 import gc
 import itertools
@@ -57,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from headrace._errors import InvalidArgumentError
-from headrace._memory.allocator import release_free_heap
+from headrace._memory.allocator import heap_info, release_free_heap
 from headrace._memory.units import format_bytes
 from headrace.profiling.lint import Finding
 from headrace.profiling.probe import recipe_nodes
@@ -422,26 +421,6 @@ ATTRIBUTION_EPOCHS = 3
 SMALL_OBJECT_BYTES = 64
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-
-@functools.cache
-def _mallinfo2() -> Any:
-    """glibc's ``mallinfo2`` (2.33 and later), or None (musl, macOS, older glibc)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = []
-    function.restype = _MallInfo2
-    return function
-
-
 def allocated_bytes() -> int | None:
     """Bytes live in the process's allocators, read in microseconds: malloc's blocks in
     use (every arena, NumPy's data and C extensions' buffers included) plus Python's
@@ -450,10 +429,9 @@ def allocated_bytes() -> int | None:
     This is what lets the doctor run at nearly the speed of a plain epoch:
     ``tracemalloc`` sees the same growth but costs every allocation a traceback.
     """
-    info = _mallinfo2()
-    if info is None:
+    heap = heap_info()
+    if heap is None:
         return None
-    heap = info()
     return int(heap.uordblks + heap.hblkhd) + sys.getallocatedblocks() * SMALL_OBJECT_BYTES
 
 
