@@ -112,3 +112,27 @@ def test_a_parallel_map_abandoned_mid_epoch_leaves_no_thread() -> None:
         del iterator
     with iter(ds) as iterator:
         assert int(next(iterator)[0]) == 0
+
+
+_LEFT_OPEN = """
+import sys, time
+import headrace as hr
+
+def slow(i):
+    time.sleep(0.5)
+    return i
+
+iterator = iter(hr.Dataset.range(100).map(slow, num_parallel_calls=4))
+print(next(iterator), flush=True)  # calls still running as the interpreter exits
+"""
+
+
+def test_an_iterator_left_open_mid_call_lets_the_interpreter_exit() -> None:
+    # The map's threads are daemons: exit neither waits for the queued calls nor hangs.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _LEFT_OPEN], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
