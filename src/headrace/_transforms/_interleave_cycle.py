@@ -13,10 +13,23 @@ inner dataset costs a visit.
 Each slot's budget is one part of the stage's share (see
 :mod:`headrace._memory.nested`). So a cycle of many inner pipelines cannot hold
 more than the stage's share, and nothing of an inner pipeline outlives its slot.
+
+Slots opened ahead. A run mode that reads slots on other threads or processes
+opens the next input element's slot *before its turn* once a slot has read its
+last element (:meth:`CycleIterator.open_ahead`), as tf.data's parallel
+interleave prefetches input elements. Otherwise every file boundary stalls the
+cycle while the new file's first records are read, and with same-sized shards
+all ``cycle_length`` boundaries come at once. At most ``cycle_length`` slots
+wait ahead. They enter the cycle in input order, exactly where the sequential
+interleave opens them, so the order does not change. Until then the state names
+the input from before them (a restore reopens them), an error opening one is
+raised in its turn, and their parts of the share come out of the stage's share
+like any slot's: reading ahead never holds more than the stage's share.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,13 +37,14 @@ from headrace._errors import CheckpointError, Origin, note_element_error
 from headrace._memory.buffer import Buffer, Reservation
 from headrace._memory.nested import NestedPart, NestedParts
 from headrace.core.fingerprint import function_name
+from headrace.core.handoff import unpin
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.state import INNER, StateReader
 
 if TYPE_CHECKING:
     from headrace._transforms.interleave import InterleaveNode
 
-__all__ = ["CycleIterator", "Slot", "SlotNotBuilt"]
+__all__ = ["Ahead", "CycleIterator", "Slot", "SlotNotBuilt"]
 
 
 class SlotNotBuilt(Exception):
@@ -58,7 +72,7 @@ class Slot:
     chunks), or None. Closing the slot returns all of it.
     """
 
-    __slots__ = ("ctx", "input_before", "iterator", "part", "probe", "queue")
+    __slots__ = ("ahead_asked", "ctx", "input_before", "iterator", "part", "probe", "queue")
 
     def __init__(
         self,
@@ -73,9 +87,29 @@ class Slot:
         #: ``origin_probe`` of the inner pipeline (of its read-ahead, where a thread reads
         #: it: that one hands out each element's token), once a stage above asks for origins.
         self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
+        self.ahead_asked = False  # the slot has read its last element: the next one was opened
 
     def close(self) -> None:
         self.part.close(then=self.iterator.close)
+
+
+class Ahead:
+    """An input element's slot opened before its turn, or the error opening it raised
+    (raised in its turn, as the sequential interleave would)."""
+
+    __slots__ = ("before", "error", "index", "pulled", "slot")
+
+    def __init__(
+        self,
+        slot: Slot | None,
+        before: dict[str, Any],
+        index: int,
+        error: BaseException | None,
+        *,
+        pulled: bool = True,
+    ) -> None:
+        self.slot, self.before, self.index, self.error = slot, before, index, error
+        self.pulled = pulled  # False: the input itself raised (no element was taken)
 
 
 class CycleIterator(Iterator):
@@ -113,6 +147,8 @@ class CycleIterator(Iterator):
         self.end_of_input = False
         self.num_open = 0
         self.input_index = 0  # of the next input element (named in error notes)
+        self.ahead: deque[Ahead] = deque()  # slots opened before their turn, in input order
+        self.input_done = False  # the input ended while opening ahead (not yet in turn)
 
     # -- slots -------------------------------------------------------------------------
     def _open_slot(self, element: Any, input_before: dict[str, Any], *, start: bool) -> Slot:
@@ -120,6 +156,17 @@ class CycleIterator(Iterator):
         raise NotImplementedError
 
     def _pull_input(self, *, start: bool = True) -> Slot | None:
+        """The next input element's slot (opened ahead, or now); None: the input ended."""
+        if self.ahead:
+            entry = self.ahead.popleft()
+            if entry.pulled:  # the input element was taken (its slot, or its open failed)
+                self.input_index += 1
+            if entry.error is not None:
+                raise entry.error
+            return entry.slot
+        if self.input_done:
+            self.end_of_input = True
+            return None
         before = self.input.get_state()
         try:
             element = next(self.input)
@@ -132,6 +179,37 @@ class CycleIterator(Iterator):
             return self._open_slot(element, before, start=start)
         except Exception as error:  # the input element is dropped; the next call goes on
             raise note_element_error(error, self._stage_name(), index)  # noqa: B904
+
+    def open_ahead(self) -> None:
+        """Open the next input element's slot now, before its turn (a slot has read its
+        last element; see the module text). Runs on the cycle's thread."""
+        if (
+            self.input_done or self.end_of_input
+            or len(self.ahead) >= self.node.cycle_length
+            or any(entry.error is not None for entry in self.ahead)
+        ):
+            return
+        before = self.input.get_state()
+        index = self.input_index + len(self.ahead)
+        try:
+            element = next(self.input)
+        except StopIteration:
+            self.input_done = True
+            return
+        except Exception as error:  # the input's own error: raised in its turn
+            self.ahead.append(Ahead(None, before, index, unpin(error), pulled=False))
+            return
+        try:
+            slot = self._open_ahead_slot(element, before, index)
+        except Exception as error:
+            error = unpin(note_element_error(error, self._stage_name(), index))
+            self.ahead.append(Ahead(None, before, index, error))
+            return
+        self.ahead.append(Ahead(slot, before, index, None))
+
+    def _open_ahead_slot(self, element: Any, before: dict[str, Any], index: int) -> Slot:
+        """The slot of an input element opened ahead of its turn, reading already."""
+        return self._open_slot(element, before, start=True)
 
     def _stage_name(self) -> str:
         return f"interleave({function_name(self.node.map_func)})"
@@ -150,8 +228,14 @@ class CycleIterator(Iterator):
                 self.last_slot = None  # kept, the pair would wait for the cyclic collector)
 
     def _close_all(self) -> None:
-        for index in range(len(self.slots)):
-            self._close_slot(index)
+        try:
+            for index in range(len(self.slots)):
+                self._close_slot(index)
+        finally:
+            while self.ahead:
+                slot = self.ahead.popleft().slot
+                if slot is not None:
+                    slot.close()
 
     # -- the order -----------------------------------------------------------------------
     def pull(self) -> tuple[Any, Reservation]:
@@ -211,13 +295,16 @@ class CycleIterator(Iterator):
 
     # -- state -----------------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
+        ahead = self.ahead[0] if self.ahead else None
         return {
             "threaded": self.threaded,  # slots' states are read-ahead states then
-            "input": self.input.get_state(),
+            # slots opened ahead are not in the cycle yet: a restore reads the input
+            # from before them and opens them again
+            "input": self.input.get_state() if ahead is None else ahead.before,
             "cycle_index": self.cycle_index,
             "block_index": self.block_index,
             "end_of_input": self.end_of_input,
-            "input_index": self.input_index,
+            "input_index": self.input_index if ahead is None else ahead.index,
             "slots": [
                 None
                 if slot is None

@@ -17,6 +17,10 @@ their time waiting (not on this thread's CPU, not for the GIL), every slot
 starts reading ahead, up to ``cycle_length`` at once: waiting costs no core.
 The switch is one-way and kept in checkpoints. It changes timing, not order.
 
+With threads, a slot whose reader has read its last element opens the next input
+element's slot ahead of its turn (:meth:`CycleIterator.open_ahead`), so a new
+file's first records are read while the ending slot hands out what it has left.
+
 Read-ahead is bounded by design. A slot's thread books each element on the
 slot's queue before it reads the next. An element that does not fit waits
 outside the queue until the consumer makes room. So each reader holds at most
@@ -116,6 +120,34 @@ class InterleaveIterator(CycleIterator):
         if start:
             ahead.start()
         return ahead
+
+    def pull(self) -> tuple[Any, Reservation]:
+        pair = super().pull()
+        self._maybe_open_ahead()
+        return pair
+
+    def _maybe_open_ahead(self) -> None:
+        """Keep a slot opened ahead for each slot in the cycle that has read its whole
+        inner pipeline (at most one opened per pull). Counted, not asked once per slot:
+        while the cycle first fills, slots take the slots opened ahead at once."""
+        slot = self.last_slot
+        if slot is not None and not slot.ahead_asked:
+            iterator = slot.iterator
+            if isinstance(iterator, PrefetchIterator) and iterator.source_ended():
+                slot.ahead_asked = True
+                self.slots_ended += 1
+        if self.slots_ended > len(self.ahead):
+            self.open_ahead()
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.slots_ended = 0  # slots in the cycle whose reader has read its last element
+
+    def _close_slot(self, index: int) -> None:
+        slot = self.slots[index]
+        if slot is not None and slot.ahead_asked:
+            self.slots_ended -= 1
+        super()._close_slot(index)
 
     # -- AUTOTUNE --------------------------------------------------------------------------
     def _watched_pull(self, slot: Slot) -> tuple[Any, Reservation]:
@@ -217,6 +249,7 @@ class FirstReadyInterleaveIterator(InterleaveIterator):
             self.last_slot = slot  # (whose element this is: its origin)
             self.cycle_index = (chosen + 1) % self.node.cycle_length
             self.handed += 1
+            self._maybe_open_ahead()
             return pair
 
     def _first_ready_slot(self) -> int | None:

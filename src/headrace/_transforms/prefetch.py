@@ -395,6 +395,12 @@ class PrefetchIterator(Iterator):
             or (producer is not None and bool(producer.queue or producer.finished))
         )
 
+    def source_ended(self) -> bool:
+        """Whether the producer has read its input to the end (what it read may still be
+        queued). Read without the lock: a stale answer only delays the caller's step."""
+        producer = self.producer
+        return producer is not None and producer.finished
+
     def pull(self) -> tuple[Any, Reservation]:
         chunk = self.current
         if chunk is None or chunk.taken == len(chunk):

@@ -85,7 +85,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, cast
 
-from headrace._errors import MemoryBudgetError, add_note, note_element_error
+from headrace._errors import MemoryBudgetError, add_note
 from headrace._memory.allocator import tune_allocator
 from headrace._memory.budget import MemoryBudget
 from headrace._memory.buffer import NO_RESERVATION, Buffer, Reservation
@@ -95,7 +95,7 @@ from headrace._options import AUTOTUNE, Options
 from headrace._sources.files import file_limiter
 from headrace._transforms._interleave_cycle import CycleIterator, Slot, SlotNotBuilt
 from headrace._workers.processes import ProcessPool, portable, unsendable
-from headrace.core.handoff import drop_frames, unpin
+from headrace.core.handoff import drop_frames
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node
 from headrace.core.state import StateReader
@@ -647,25 +647,6 @@ class RemoteSlotIterator(Iterator):
         super().close()
 
 
-class _Ahead:
-    """An input element's slot opened before its turn, or the error opening it raised
-    (raised in its turn, as the sequential interleave would)."""
-
-    __slots__ = ("before", "error", "index", "pulled", "slot")
-
-    def __init__(
-        self,
-        slot: Slot | None,
-        before: dict[str, Any],
-        index: int,
-        error: BaseException | None,
-        *,
-        pulled: bool = True,
-    ) -> None:
-        self.slot, self.before, self.index, self.error = slot, before, index, error
-        self.pulled = pulled  # False: the input itself raised (no element was taken)
-
-
 class ProcessInterleaveIterator(CycleIterator):
     """workers="processes": the same order and state, slots in worker processes.
 
@@ -692,8 +673,6 @@ class ProcessInterleaveIterator(CycleIterator):
 
     def _reset(self) -> None:
         super()._reset()
-        self.ahead: deque[_Ahead] = deque()
-        self.input_done = False  # the input ended while opening ahead (not yet in turn)
         self.worker_hint: int | None = None
         self.opening_index: int | None = None  # of the element open_ahead opens
 
@@ -728,63 +707,26 @@ class ProcessInterleaveIterator(CycleIterator):
         return Slot(iterator, part, input_before, inner_ctx, account)
 
     def open_ahead(self, worker: int | None = None) -> None:
-        """Open the next input element's slot now (a slot's last chunk is in)."""
-        if (
-            self.input_done or self.end_of_input
-            or len(self.ahead) >= self.node.cycle_length
-            or any(entry.error is not None for entry in self.ahead)
-        ):
-            return
-        before = self.input.get_state()
-        index = self.input_index + len(self.ahead)
+        """Open the next input element's slot now, on ``worker`` if it can (a slot's last
+        chunk is in: that worker is about to be free)."""
+        self.worker_hint = worker
         try:
-            element = next(self.input)
-        except StopIteration:
-            self.input_done = True
-            return
-        except Exception as error:  # the input's own error: raised in its turn
-            self.ahead.append(_Ahead(None, before, index, unpin(error), pulled=False))
-            return
-        self.worker_hint, self.opening_index = worker, index
+            super().open_ahead()
+        finally:
+            self.worker_hint = None
+
+    def _open_ahead_slot(self, element: Any, before: dict[str, Any], index: int) -> Slot:
+        self.opening_index = index
         try:
             slot = self._open_slot(element, before, start=True)
-        except Exception as error:
-            error = unpin(note_element_error(error, self._stage_name(), index))
-            self.ahead.append(_Ahead(None, before, index, error))
-            return
         finally:
-            self.worker_hint = self.opening_index = None
-        slot.iterator.start()  # type: ignore[attr-defined]
-        self.ahead.append(_Ahead(slot, before, index, None))
-
-    def _pull_input(self, *, start: bool = True) -> Slot | None:
-        if self.ahead:
-            entry = self.ahead.popleft()
-            if entry.pulled:  # the input element was taken (its slot, or its open failed)
-                self.input_index += 1
-            if entry.error is not None:
-                raise entry.error
-            return entry.slot
-        if self.input_done:
-            self.end_of_input = True
-            return None
-        return super()._pull_input(start=start)
-
-    def get_state(self) -> dict[str, Any]:
-        state = super().get_state()
-        if self.ahead:  # not in the cycle yet: a restore reads the input from before them
-            state["input"] = self.ahead[0].before
-            state["input_index"] = self.ahead[0].index
-        return state
-
-    def _close_all(self) -> None:
+            self.opening_index = None
         try:
-            super()._close_all()
-        finally:
-            while self.ahead:
-                slot = self.ahead.popleft().slot
-                if slot is not None:
-                    slot.close()
+            slot.iterator.start()  # type: ignore[attr-defined]
+        except BaseException:
+            slot.close()
+            raise
+        return slot
 
     def close(self) -> None:
         try:
