@@ -24,7 +24,9 @@ one after the other, for ``--epochs`` epochs:
 Reported: images/s (the first batch, i.e. start-up, outside the clock), the
 CPU-seconds per image of the whole process tree (the machine is shared: CPU
 time is what load does not inflate), and the peak of the tree's Pss_Anon +
-Pss_Shmem (worker processes included, shared pages once).
+Pss_Shmem (worker processes included, shared pages once). The peak comes from a
+second run of the side, sampled from another process: sampling smaps stalls the
+sampled process's page faults, so the timed run is not sampled.
 
     PYTHONPATH=src python benchmarks/bench_images.py [--images 2000] [--full] [--epochs 2]
 
@@ -357,25 +359,30 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg["side"].startswith("headrace"):  # one BLAS thread per worker: two workers fill two cores
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sampler = PeakSampler()
+    # Speed and memory come from two runs of the side: the peak sampler reads every
+    # process's smaps, which takes the kernel's lock on its memory map and stalls its
+    # page faults (tf.data's large heap loses ~30% of its rate to it, headrace's
+    # workers 10-20%), so a timed run has no sampler.
+    sampler = PeakSampler() if cfg.get("measure") == "memory" else None
     iterator, count_of = SIDES[cfg["side"]](cfg["files"], cfg["epochs"])
     first = next(iterator)  # start-up (imports, workers, first fill) outside the clock
     images = count_of(first)
-    started, cpu0, sampler_cpu0 = time.perf_counter(), tree_cpu(), sampler.cpu
+    started, cpu0 = time.perf_counter(), tree_cpu()
     timed = 0
     for batch in iterator:
         timed += count_of(batch)
     seconds = time.perf_counter() - started
     cpu = tree_cpu() - cpu0
-    peak = sampler.stop() + sampler.start  # the tree's peak itself, not its growth
-    cpu -= sampler.cpu - sampler_cpu0  # the memory sampler's own CPU is not the side's
     shape = tuple(first[0].shape)
+    if sampler is not None:
+        peak = sampler.stop() + sampler.start  # the tree's peak itself, not its growth
+        return {"images": images + timed, "peak_pss_mib": peak / MIB}
     return {"images": images + timed, "timed_images": timed, "seconds": seconds,
             "images_per_s": timed / seconds,
             # None where the tree's CPU is unknown: DataLoader workers exit with the last
             # epoch, before the tree is read, taking their CPU time with them
             "cpu_s_per_image": cpu / max(timed, 1) if cpu > 0 else None,
-            "peak_pss_mib": peak / MIB, "batch_shape": list(shape)}
+            "batch_shape": list(shape)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,12 +419,18 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, Any]]] = {side: [] for side in chosen}
     for _ in range(args.repeats):
         for side in chosen:
-            cfg = {"side": side, "files": files, "epochs": args.epochs, "budget": args.budget}
-            argv_child = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(cfg)]
-            print(f"  running {side} ...", file=sys.stderr, flush=True)
-            result = run_child(argv_child, timeout=3600, env=child_env())
-            if result.get("error"):
-                print(result["error"], result.get("stderr_tail", ""), file=sys.stderr)
+            result: dict[str, Any] = {}
+            for measure in ("speed", "memory"):
+                cfg = {"side": side, "files": files, "epochs": args.epochs,
+                       "budget": args.budget, "measure": measure}
+                argv_child = [sys.executable, str(Path(__file__).resolve()), "--child",
+                              json.dumps(cfg)]
+                print(f"  running {side} ({measure}) ...", file=sys.stderr, flush=True)
+                part = run_child(argv_child, timeout=3600, env=child_env())
+                if part.get("error"):
+                    print(part["error"], part.get("stderr_tail", ""), file=sys.stderr)
+                result.update(part if measure == "speed" else
+                              {key: part[key] for key in ("peak_pss_mib", "error") if key in part})
             results[side].append(result)
 
     def best(side: str, key: str) -> float | None:

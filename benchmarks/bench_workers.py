@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,11 +59,19 @@ def path_length(path: Any) -> int:
 # -- process tree measurements ----------------------------------------------------------
 
 
-def tree_pids() -> list[int]:
+# The peak sampler runs in a process of its own: a sampling thread in the measured
+# process would hold its GIL (reading every process's smaps costs up to 0.5 CPU-ms per
+# image of a GIL-bound pipeline) and slow a Python-heavy side but not one whose work runs
+# without the GIL (tf.data). It is left out of the tree it measures.
+_NOT_MEASURED: set[int] = set()
+
+
+def tree_pids(root: int | None = None) -> list[int]:
     import psutil
 
-    me = psutil.Process()
-    return [me.pid] + [child.pid for child in me.children(recursive=True)]
+    me = psutil.Process(root)
+    pids = [me.pid] + [child.pid for child in me.children(recursive=True)]
+    return [pid for pid in pids if pid not in _NOT_MEASURED]
 
 
 def tree_cpu() -> float:
@@ -80,9 +87,9 @@ def tree_cpu() -> float:
     return total
 
 
-def tree_charged() -> int:
+def tree_charged(root: int | None = None) -> int:
     total = 0
-    for pid in tree_pids():
+    for pid in tree_pids(root):
         try:
             with open(f"/proc/{pid}/smaps_rollup") as rollup:
                 for line in rollup:
@@ -93,28 +100,35 @@ def tree_charged() -> int:
     return total
 
 
+def _sample_tree(root: int) -> None:
+    """The sampler process: the tree's peak every 10 ms until a line on stdin."""
+    import select
+
+    _NOT_MEASURED.add(os.getpid())
+    peak = tree_charged(root)
+    print("ready", flush=True)
+    while not select.select([sys.stdin], [], [], 0.01)[0]:
+        peak = max(peak, tree_charged(root))
+    print(max(peak, tree_charged(root)), flush=True)
+
+
 class PeakSampler:
+    """The measured tree's peak Pss (anon + shmem), sampled from another process."""
+
     def __init__(self) -> None:
         self.start = tree_charged()
-        self.peak = self.start
-        self.cpu = 0.0  # seconds of CPU the sampling thread itself used
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        # its own CPU (reading the tree's smaps costs up to 0.5 CPU-ms per image of a
-        # GIL-bound pipeline) is kept apart, so that the side's CPU can leave it out
-        started = time.thread_time()
-        while not self.done.is_set():
-            self.peak = max(self.peak, tree_charged())
-            self.cpu = time.thread_time() - started
-            time.sleep(0.01)
+        self.cpu = 0.0  # the sampler's CPU is not the tree's: it runs outside it
+        self.process = subprocess.Popen(
+            [sys.executable, "-c",
+             f"import sys; sys.path.insert(0, {str(HERE)!r}); import bench_workers; "
+             f"bench_workers._sample_tree({os.getpid()})"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        _NOT_MEASURED.add(self.process.pid)
+        assert self.process.stdout is not None and self.process.stdout.readline() == "ready\n"
 
     def stop(self) -> int:
-        self.done.set()
-        self.thread.join()
-        return self.peak - self.start
+        out, _ = self.process.communicate("stop\n")
+        return int(out.strip()) - self.start
 
 
 # -- sides (run in a fresh child) -------------------------------------------------------
