@@ -101,6 +101,32 @@ def test_scan_records(
     )
 
 
+@st.composite
+def damaged_large_framing(draw: st.DrawFn) -> bytes:
+    """Runs past the size where the C scan checks and copies without the GIL (64 KB a
+    call), and past its 64 frames kept on the stack."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    sizes = draw(st.one_of(
+        st.lists(st.integers(8_000, 40_000), min_size=2, max_size=8),
+        st.lists(st.integers(0, 1_500), min_size=60, max_size=200),
+    ))
+    framed = bytearray(b"".join(frame_record(rng.bytes(size)) for size in sizes))
+    for _ in range(draw(st.integers(0, 2))):
+        framed[draw(st.integers(0, len(framed) - 1))] ^= 1 << draw(st.integers(0, 7))
+    return bytes(framed[: len(framed) - draw(st.integers(0, 50_000))])
+
+
+@settings(max_examples=60, deadline=None)
+@given(damaged_large_framing(), st.integers(1, 300), st.sampled_from([0, 100_000, 2**40]),
+       st.booleans())
+def test_scan_records_of_large_runs(
+    data: bytes, max_records: int, max_bytes: int, verify: bool
+) -> None:
+    assert native is not None
+    expected = scan_records_py(data, 0, max_records, max_bytes, verify, 2**62)
+    assert native.scan_records(data, 0, max_records, max_bytes, verify, 2**62) == expected
+
+
 @given(st.lists(st.binary(max_size=50), max_size=10))
 def testframe_records(records: list[bytes]) -> None:
     assert native is not None

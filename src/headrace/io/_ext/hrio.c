@@ -367,11 +367,12 @@ enum { SCAN_LIMIT = 0, SCAN_NEED_MORE = 1, SCAN_BAD_LENGTH_CRC = 2, SCAN_BAD_DAT
        SCAN_TOO_LARGE = 4 };
 #define MAX_RECORD_BYTES_CAP (1ULL << 62)
 
-/* Records cut out at once hold the GIL only while their bytes objects are made: the
- * CRC checks and the copies run without it once a call has this many bytes to go
- * through (an image reader's 100 KB records: ~30 us a record that a thread decoding
- * JPEGs beside it no longer waits for). Small records keep it: releasing it costs more
- * than their scan. */
+/* A call that cuts out many bytes checks and copies them without the GIL (an image
+ * reader's 100 KB records: ~30 us a record that a thread decoding JPEGs beside it no
+ * longer waits for). The frames are read and the bytes objects made first, with the GIL;
+ * then the payloads' CRCs are checked and copied without it, one release per call (a
+ * thread that gives the GIL up may wait a switch interval to have it back). Smaller
+ * calls keep it: releasing costs more than their scan. */
 #define SCAN_GIL_FREE_BYTES (64 * 1024)
 
 typedef struct {
@@ -397,12 +398,13 @@ static PyObject *py_scan_records(PyObject *self, PyObject *args)
         PyBuffer_Release(&view);
         return NULL;
     }
+    /* the frames: lengths and their CRCs, up to the limits (payloads are checked below) */
     cut_t local[64], *cuts = local;
     Py_ssize_t count = 0, capacity = 64;
-    int status = SCAN_LIMIT, no_memory = 0;
+    int status = SCAN_LIMIT;
     unsigned long long detail = 0;
     Py_ssize_t total = 0;
-    PyThreadState *released = NULL; /* the view stays exported, so its bytes stay put */
+    PyObject *records = NULL;
     while (count < max_records) {
         const Py_ssize_t available = end - pos;
         if (available < 12) {
@@ -428,23 +430,15 @@ static PyObject *py_scan_records(PyObject *self, PyObject *args)
         }
         if (count > 0 && (uint64_t)total + length > (uint64_t)max_bytes)
             break;
-        if (released == NULL && (uint64_t)total + length >= SCAN_GIL_FREE_BYTES)
-            released = PyEval_SaveThread();
-        const uint8_t *data = buf + pos + 12;
-        if (verify_crc && masked_crc(data, (size_t)length) != load_u32(data + length)) {
-            status = SCAN_BAD_DATA_CRC;
-            detail = length;
-            break;
-        }
         if (count == capacity) {
-            cut_t *grown = malloc(2 * (size_t)capacity * sizeof(cut_t));
+            cut_t *grown = PyMem_Malloc(2 * (size_t)capacity * sizeof(cut_t));
             if (grown == NULL) {
-                no_memory = 1;
-                break;
+                PyErr_NoMemory();
+                goto done;
             }
             memcpy(grown, cuts, (size_t)count * sizeof(cut_t));
             if (cuts != local)
-                free(cuts);
+                PyMem_Free(cuts);
             cuts = grown;
             capacity *= 2;
         }
@@ -454,27 +448,43 @@ static PyObject *py_scan_records(PyObject *self, PyObject *args)
         total += (Py_ssize_t)length;
         pos += 16 + (Py_ssize_t)length;
     }
-    if (released != NULL)
-        PyEval_RestoreThread(released);
-    PyObject *records = no_memory ? PyErr_NoMemory() : PyList_New(count);
+    records = PyList_New(count);
     for (Py_ssize_t i = 0; records != NULL && i < count; i++) {
         PyObject *record = PyBytes_FromStringAndSize(NULL, cuts[i].length);
-        if (record == NULL)
+        if (record == NULL) {
             Py_CLEAR(records);
-        else {
-            cuts[i].to = PyBytes_AS_STRING(record);
-            PyList_SET_ITEM(records, i, record);
+            goto done;
         }
+        cuts[i].to = PyBytes_AS_STRING(record);
+        PyList_SET_ITEM(records, i, record);
     }
-    if (records != NULL) {
-        released = total >= SCAN_GIL_FREE_BYTES ? PyEval_SaveThread() : NULL;
-        for (Py_ssize_t i = 0; i < count; i++)
-            memcpy(cuts[i].to, buf + cuts[i].offset, (size_t)cuts[i].length);
-        if (released != NULL)
-            PyEval_RestoreThread(released);
+    if (records == NULL)
+        goto done;
+    /* the payloads: checked and copied, without the GIL for a large call (the view stays
+     * exported and the bytes objects are this call's alone, so nothing moves meanwhile) */
+    Py_ssize_t bad = -1;
+    PyThreadState *released = total >= SCAN_GIL_FREE_BYTES ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const uint8_t *data = buf + cuts[i].offset;
+        const size_t length = (size_t)cuts[i].length;
+        if (verify_crc && masked_crc(data, length) != load_u32(data + length)) {
+            bad = i;
+            break;
+        }
+        memcpy(cuts[i].to, data, length);
     }
+    if (released != NULL)
+        PyEval_RestoreThread(released);
+    if (bad >= 0) { /* the scan ends before the first bad payload, as if it had stopped there */
+        status = SCAN_BAD_DATA_CRC;
+        detail = (unsigned long long)cuts[bad].length;
+        pos = cuts[bad].offset - 12;
+        if (PyList_SetSlice(records, bad, count, NULL) < 0)
+            Py_CLEAR(records);
+    }
+done:
     if (cuts != local)
-        free(cuts);
+        PyMem_Free(cuts);
     PyBuffer_Release(&view);
     if (records == NULL)
         return NULL;
