@@ -115,6 +115,33 @@ def test_interleaved_streams_give_exact_bytes_under_the_cap(
     assert pool.stats().open_files == 0
 
 
+def test_a_sample_of_headraces_own_counts_against_every_pipelines_share(
+    sample_files: list[tuple[Path, str]],
+) -> None:
+    """The heap watcher's /proc read (``transient(wait=False)``, no share) beside a
+    pipeline capped at 2: skipped while the pipeline holds its 2, and while it reads, the
+    pipeline's next open waits for it or suspends one of its own, never a third beside it
+    (the benchmark's cap-8 interleave showed 9 open at once before)."""
+    pool = FilePool(10)
+    share = pool.limiter(2)
+    handles = [pool.open(path, kind, limiter=share) for path, kind in sample_files[:3]]
+    for handle in handles[:2]:
+        handle.read(10)
+    assert share.open_files == 2
+    with pool.transient(wait=False) as got:
+        assert not got  # the pipeline is at its cap: the sample waits for the next look
+    handles[1].close()
+    with pool.transient(wait=False) as got:
+        assert got and share.open_files == 2  # its one file and the sample
+        handles[2].read(10)  # suspends the pipeline's idle reader to open
+        assert share.open_files == 2 and pool.stats().open_files == 2
+    assert share.open_files == 1 and pool.stats().peak_open_files == 2
+    with pool.transient(wait=False, limiter=pool.limiter(1)) as got:
+        assert got  # a read on a pipeline's own share counts against that one only
+    for handle in handles:
+        handle.close()
+
+
 def test_cap_of_two_with_eight_streams(sample_files: list[tuple[Path, str]]) -> None:
     pool = FilePool(2)
     handles = [pool.open(path, kind) for path, kind in sample_files[:8]]

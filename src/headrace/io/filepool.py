@@ -230,6 +230,8 @@ class FilePool:
         self._open_files = 0
         self._held = 0  # of which held by writers (:meth:`hold`), never suspendable
         self._peak_open_files = 0
+        #: The pipelines' shares: a sample of headrace's own counts against each of them.
+        self._limiters: weakref.WeakSet[FileLimiter] = weakref.WeakSet()
         self._streams = 0
         self._suspensions = 0
         self._resumptions = 0
@@ -263,7 +265,10 @@ class FilePool:
 
     def limiter(self, max_open_files: int) -> FileLimiter:
         """A share of this pool capped at ``max_open_files`` (for one pipeline)."""
-        return FileLimiter(self, max_open_files)
+        limiter = FileLimiter(self, max_open_files)
+        with self._locked:
+            self._limiters.add(limiter)
+        return limiter
 
     def hold(
         self, count: int, *, limiter: FileLimiter | None = None, stage: str, what: str
@@ -339,20 +344,34 @@ class FilePool:
         pool is full. ``wait=False``: yields False at once instead, and the caller skips
         its read (a sample on a hot path must not close a reader's file). ``limiter``: a
         pipeline's share, which the slot counts against too.
+
+        ``wait=False`` without a limiter is a sample of headrace's own taken beside the
+        pipelines (the heap watcher's ``/proc/self/status`` on a budget's release): its
+        slot counts against every pipeline's share as well, and it is skipped while any
+        share is full. So a pipeline capped at N never has more than N descriptors open
+        beside it, headrace's own reads included (a reader of its that opens meanwhile
+        waits for the slot or suspends an idle one).
         """
         if limiter is not None and limiter.pool is not self:
             raise InvalidArgumentError("the limiter belongs to a different FilePool")
+        shares: list[FileLimiter] = []
         with self._locked:
-            if not wait and self._is_full(limiter):
+            if not wait and limiter is None:
+                shares = list(self._limiters)
+            if not wait and (self._is_full(limiter) or any(s._is_full() for s in shares)):
                 got = False
             else:
                 self._reserve_slot(limiter)
+                for share in shares:
+                    share._open_files += 1
                 got = True
         try:
             yield got
         finally:
             if got:
                 with self._locked:
+                    for share in shares:
+                        share._open_files -= 1
                     self._release_slot(limiter)
 
     def _unhold(self, limiter: FileLimiter | None, count: int) -> None:
