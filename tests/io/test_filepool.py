@@ -142,6 +142,32 @@ def test_a_sample_of_headraces_own_counts_against_every_pipelines_share(
         handle.close()
 
 
+def test_compressed_readers_suspended_under_the_cap_while_the_heap_is_watched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GZIP shards, more in the cycle than the cap: closing or resuming a suspended reader
+    gives back its saved state's booking while the pool's lock is held, and that release
+    looked at the heap, whose /proc read waited for the same lock. It hung for good on the
+    14th pass (once 16 MiB had been released); here the heap is looked at on every release."""
+    import headrace as hr
+    from headrace._memory import allocator
+    from headrace.io.tfrecord import write_tfrecord
+
+    monkeypatch.setattr(allocator, "CHECK_EVERY", 1)
+    paths = [str(tmp_path / f"{i:02d}.tfrecord") for i in range(20)]
+    for i, path in enumerate(paths):
+        write_tfrecord(path, [bytes([i]) * 2_000] * 30, compression_type="GZIP")
+    ds = (hr.Dataset.from_tensor_slices(paths)
+          .interleave(lambda p: hr.TFRecordDataset(p, compression_type="GZIP"), cycle_length=16)
+          .with_options(hr.Options(max_open_files=9)))
+    counts: list[int] = []
+    reader = threading.Thread(
+        target=lambda: counts.extend(sum(1 for _ in ds) for _ in range(3)), daemon=True)
+    reader.start()
+    reader.join(60)
+    assert counts == [600, 600, 600]
+
+
 def test_cap_of_two_with_eight_streams(sample_files: list[tuple[Path, str]]) -> None:
     pool = FilePool(2)
     handles = [pool.open(path, kind) for path, kind in sample_files[:8]]

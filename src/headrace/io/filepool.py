@@ -355,16 +355,12 @@ class FilePool:
         if limiter is not None and limiter.pool is not self:
             raise InvalidArgumentError("the limiter belongs to a different FilePool")
         shares: list[FileLimiter] = []
-        with self._locked:
-            if not wait and limiter is None:
-                shares = list(self._limiters)
-            if not wait and (self._is_full(limiter) or any(s._is_full() for s in shares)):
-                got = False
-            else:
+        if wait:
+            with self._locked:
                 self._reserve_slot(limiter)
-                for share in shares:
-                    share._open_files += 1
-                got = True
+            got = True
+        else:
+            got = self._try_reserve(limiter, shares)
         try:
             yield got
         finally:
@@ -373,6 +369,28 @@ class FilePool:
                     for share in shares:
                         share._open_files -= 1
                     self._release_slot(limiter)
+
+    def _try_reserve(self, limiter: FileLimiter | None, shares: list[FileLimiter]) -> bool:
+        """A slot for a sample on a hot path, if one is free now, without waiting: not
+        for the lock either. The sample may come from a release made while this thread
+        holds the lock (a reader closed or resumed gives back its suspended state's
+        booking, and the release looks at the heap): waiting there never ended. With no
+        ``limiter``, ``shares`` gets every pipeline's share, which the slot counts against."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if limiter is None:
+                shares.extend(self._limiters)
+            if self._is_full(limiter) or any(share._is_full() for share in shares):
+                shares.clear()
+                return False
+            self._reserve_slot(limiter)
+            for share in shares:
+                share._open_files += 1
+            return True
+        finally:
+            self._lock.release()
+            self._close_abandoned_entries()
 
     def _unhold(self, limiter: FileLimiter | None, count: int) -> None:
         for _ in range(count):
