@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace._errors import HeadraceWarning, Origin
+from headrace._errors import CheckpointError, HeadraceWarning, Origin
 from headrace._memory.buffer import Buffer, Reservation, release_all
 from headrace._memory.units import format_bytes
 from headrace._warn import warn_user
@@ -41,7 +41,7 @@ from headrace.core.indexing import (
 )
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, ShardRole, Traits, UnaryNode, check_positive
-from headrace.core.state import EPOCH, INT64_MAX, StateReader, past_end, replay
+from headrace.core.state import EPOCH, INT64_MAX, StateReader, past_end
 from headrace.io._native import native_module
 
 __all__ = ["ShuffleNode"]
@@ -396,6 +396,9 @@ class _ShuffleIterator(Iterator):
         #: the ring then keeps the token of its element (else slots are pairs).
         self.probe: tuple[Callable[[], Any], Callable[[Any], Origin | None]] | None = None
         self.last_token: Any = None
+        #: Errors the input raised while the ring filled (each raised in its place, the
+        #: input going on after it): a restore's replay meets them again and passes them.
+        self.errors = 0
 
     def _fill(self) -> None:
         """Fill the ring up to its capacity, as long as each next element fits the share.
@@ -415,6 +418,9 @@ class _ShuffleIterator(Iterator):
                 except StopIteration:
                     self.exhausted = True
                     return
+                except Exception:
+                    self.errors += 1
+                    raise
                 element, cost = self.ctx.admit(element)
                 self.aside = (element, reservation, cost, None if probe is None else probe())
             element, reservation, cost, token = self.aside
@@ -465,20 +471,46 @@ class _ShuffleIterator(Iterator):
         return self.probe is not None
 
     def get_state(self) -> dict[str, Any]:
-        return self.shared.as_dict(shrunk_to=self.shrunk_to)
+        errors = {"errors": self.errors} if self.errors else {}
+        return self.shared.as_dict(shrunk_to=self.shrunk_to, **errors)
 
     def set_state(self, state: dict[str, Any]) -> None:
         reader, drawn = self.shared.restore(state)
         shrunk_to = reader.optional_integer(
             "shrunk_to", 1, self.node.buffer_size, why="the buffer_size"
         )
+        errors = reader.optional_integer("errors", 1, INT64_MAX) or 0
         self._clear()
         self.inner.set_state(self.shared.inner_start)
         self.shrunk_to = shrunk_to
         if shrunk_to is not None:
             self.ring.capacity = shrunk_to
         self.exhausted = False
-        replay(lambda: self.pull()[1].release(), drawn, "shuffle", "drawn")
+        self.errors = 0
+        self._replay(drawn, errors)
+
+    def _replay(self, drawn: int, errors: int) -> None:
+        """Draw ``drawn`` elements again, passing the ``errors`` the input raised meanwhile
+        (also those raised after the last draw, while the ring refilled: a state taken
+        right after an error resumes after it, not with it)."""
+        done = 0
+        while done < drawn or self.errors < errors:
+            try:
+                if done < drawn:
+                    self.pull()[1].release()
+                    done += 1
+                    continue
+                self._fill()
+            except StopIteration:
+                raise past_end("shuffle", "drawn", drawn, done) from None
+            except Exception:
+                if self.errors > errors:
+                    raise
+                continue
+            raise CheckpointError(  # the refill raised none of the errors left to pass
+                f"shuffle: state field 'errors' = {errors}, but the input raised "
+                f"{self.errors} before this point; the state belongs to other data"
+            )
 
     def _clear(self) -> None:
         release_all(item[1] for item in self.ring.items())
