@@ -362,13 +362,10 @@ class _BatchIterator(Assembler):
         del first
         keeps_objects = any(column.dtype.hasobject for column in columns)
         # The batch's one booking: its output, and the objects it keeps of its rows.
-        try:
-            assembly = self._allocate(columns)
-        except BaseException:
-            reservation.release()
-            raise
+        assembly = self._allocate_whole(columns, reservation)
         objects_cost = self._objects_cost
         count = 0
+        pulled = 1  # rows of this batch taken from the input (-1: the input raised)
         failure: ElementSpecError | None = None  # an element that does not fit the batch
         try:
             while True:
@@ -392,20 +389,59 @@ class _BatchIterator(Assembler):
                     element, reservation = self.inner.pull()
                 except StopIteration:
                     break
+                except BaseException:
+                    pulled = -1  # an input's error: the rows after it start the next batch
+                    raise
+                pulled += 1
                 self.position += 1
                 if tokens is not None:
                     tokens.append(take())  # type: ignore[misc]
                 leaves = [element] if single else flatten(element)
             booking = self._finish(assembly, count, failure)
-        except BaseException:
-            self._settle()
-            reservation.release()
-            assembly.abandon()
+        except BaseException as error:
+            self._abandon(assembly, reservation, error, pulled)
             raise
         batch = _packed(columns, count, structure, single)
         if tokens is not None:
             self.last_token = BatchToken(probe[1], tokens)  # type: ignore[index]
         return batch, booking
+
+    def _allocate_whole(self, columns: list[_Column], reservation: Reservation) -> Assembly:
+        """The batch's output, booked; refused, the batch is refused whole."""
+        try:
+            return self._allocate(columns)
+        except BaseException as error:
+            reservation.release()
+            if isinstance(error, MemoryBudgetError):
+                self._drop_rest_of_batch(1)
+            raise
+
+    def _abandon(self, assembly: Assembly, reservation: Reservation, error: BaseException,
+                 pulled: int) -> None:
+        """A batch that failed while its rows were placed: its bookings go back, and one
+        the budget refused is refused whole (``pulled`` rows taken so far)."""
+        self._settle()
+        reservation.release()
+        assembly.abandon()
+        if isinstance(error, MemoryBudgetError) and pulled > 0:
+            self._drop_rest_of_batch(pulled)
+
+    def _drop_rest_of_batch(self, pulled: int) -> None:
+        """A batch the budget refuses (its output, or the objects its rows keep) is
+        refused whole: the rows after the ``pulled`` ones are pulled and dropped, so its
+        error stands in its place and the batches after it are the ones an unrefused run
+        makes (the next batch used to start with its unpulled rows, and the last refused
+        one could end the stream without its error)."""
+        for _ in range(self.batch_size - pulled):
+            try:
+                _, reservation = self.inner.pull()
+            except StopIteration:
+                return
+            except Exception:  # (a row's own error: the batch's refusal stands for it)
+                self.position += 1
+                continue
+            self.position += 1
+            reservation.release()
 
     def _finish(self, assembly: Assembly, count: int,
                 failure: ElementSpecError | None) -> Reservation:
