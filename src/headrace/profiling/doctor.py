@@ -60,7 +60,7 @@ from headrace._memory.allocator import heap_info, release_free_heap
 from headrace._memory.units import format_bytes
 from headrace.profiling.lint import Finding
 from headrace.profiling.probe import recipe_nodes
-from headrace.profiling.process import snapshot
+from headrace.profiling.process import headrace_threads, snapshot
 from headrace.profiling.trend import Trend, fit_trend
 
 if TYPE_CHECKING:
@@ -438,6 +438,19 @@ def allocated_bytes() -> int | None:
 # -- the epochs --------------------------------------------------------------------------------
 
 
+#: How long a dropped iterator's threads get to end before they are counted. They are
+#: told to stop when the iterator is collected and end on their own thread: counted at
+#: once, a loaded machine showed the last epoch's map threads as still running.
+THREADS_END_SECONDS = 0.5
+
+
+def _let_threads_end() -> None:
+    """Wait (bounded) for headrace's threads to end; a thread a leak keeps stays counted."""
+    deadline = time.perf_counter() + THREADS_END_SECONDS
+    while headrace_threads() and time.perf_counter() < deadline:
+        time.sleep(0.005)
+
+
 class _Runner:
     """Internal: runs one epoch at a time the doctor's way (a new iterator, dropped without
     ``close()``, as Keras does) and measures what it left behind."""
@@ -467,6 +480,7 @@ class _Runner:
         started = time.perf_counter()
         count, held = self._drain()
         gc.collect()
+        _let_threads_end()
         release_free_heap()  # resident memory then counts live blocks, not free ones
         seconds = time.perf_counter() - started
         memory = snapshot(detailed=True)
