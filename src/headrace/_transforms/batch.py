@@ -5,7 +5,9 @@ Batching a random-access input is one slice (consecutive rows) or one gather
 every element on the stage's share of the budget while the batch is being
 assembled, plus the output: that pair is the stage's minimum working set, and
 a batch that cannot fit raises :class:`MemoryBudgetError` instead of
-over-running the budget.
+over-running the budget. Such a batch is refused whole: its rows are taken from
+the input and dropped, and its error stands in their place, so the batches after
+it are the ones a larger budget makes.
 
 Bytes and strings batch into NumPy ``object`` arrays of the exact Python
 objects (fixed-width ``S``/``U`` would drop trailing NULs).
