@@ -456,11 +456,11 @@ def test_consumer_killed_leaves_segments_that_the_next_start_sweeps(tmp_path: Pa
 
 
 def test_auto_picks_processes_for_python_and_threads_for_gil_free_work() -> None:
-    gil_bound = hr.Dataset.range(120).map(
+    gil_bound = hr.Dataset.range(300).map(
         process_fns.python_work, num_parallel_calls=hr.AUTOTUNE, workers="auto"
     )
     with iter(gil_bound) as iterator:
-        assert list(iterator) == list(range(120))
+        assert list(iterator) == list(range(300))
         (choice,) = iterator.stats().workers
     assert choice.kind == "processes", choice.reason
     assert "GIL" in choice.reason and choice.count == 2
@@ -469,10 +469,12 @@ def test_auto_picks_processes_for_python_and_threads_for_gil_free_work() -> None
         assert list(iterator) == list(range(60))
         (choice,) = iterator.stats().workers
     assert choice.kind == "threads" and "releases the GIL" in choice.reason
-    lambdas = hr.Dataset.range(80).map(lambda x: process_fns.python_work(x),
-                                       num_parallel_calls=2, workers="auto")
+    # (300 calls: past 4 x the sample's 64 the choice is made whatever the GIL probe saw;
+    # at 80, a loaded machine's probe had not run enough and it was still sampling)
+    lambdas = hr.Dataset.range(300).map(lambda x: process_fns.python_work(x),
+                                        num_parallel_calls=2, workers="auto")
     with iter(lambdas) as iterator:
-        assert list(iterator) == list(range(80))
+        assert list(iterator) == list(range(300))
         (choice,) = iterator.stats().workers
     assert choice.kind == "threads"
 
