@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from transform_cases import positions
 
 import headrace as hr
 from headrace._transforms._interleave_cycle import CycleIterator
@@ -62,17 +63,7 @@ def build(case: dict[str, Any], parallel: int | None, deterministic: bool | None
 
 def outputs(iterator: Any, limit: int | None = None, pause: float = 0.0) -> list[Any]:
     """Every position up to ``limit``: the element, or the planted error's message."""
-    got: list[Any] = []
-    while limit is None or len(got) < limit:
-        if pause:
-            time.sleep(pause)  # the slots' threads read to their ends meanwhile
-        try:
-            got.append(int(next(iterator)))
-        except StopIteration:
-            break
-        except Planted as error:
-            got.append(("error", str(error)))
-    return got
+    return positions(iterator, Planted, limit, pause)
 
 
 def draw_case(seed: int) -> dict[str, Any]:

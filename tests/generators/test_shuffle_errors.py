@@ -16,6 +16,7 @@ import random
 from typing import Any
 
 import pytest
+from transform_cases import positions
 
 import headrace as hr
 
@@ -42,15 +43,8 @@ def build(case: dict[str, Any]) -> hr.Dataset:
     return ds.shuffle(case["buffer"], seed=case["seed"], reshuffle_each_iteration=False)
 
 
-def outputs(iterator: Any) -> list[Any]:
-    got: list[Any] = []
-    while True:
-        try:
-            got.append(int(next(iterator)))
-        except StopIteration:
-            return got
-        except Planted as error:
-            got.append(("error", str(error)))
+def outputs(iterator: Any, limit: int | None = None) -> list[Any]:
+    return positions(iterator, Planted, limit)
 
 
 def draw_case(seed: int) -> dict[str, Any]:
@@ -72,12 +66,7 @@ def test_a_state_taken_anywhere_resumes_to_the_same_rest(seeds: range) -> None:
             expected = outputs(iterator)
         for cut in range(len(expected) + 1):
             with iter(build(case)) as iterator:
-                head = []
-                for _ in range(cut):
-                    try:
-                        head.append(int(next(iterator)))
-                    except Planted as error:
-                        head.append(("error", str(error)))
+                head = outputs(iterator, cut)
                 state = json.loads(json.dumps(iterator.get_state()))
             assert head == expected[:cut], (seed, case)
             with iter(build(case)) as resumed:

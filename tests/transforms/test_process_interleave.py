@@ -25,6 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from segments import own_segments
+from transform_cases import positions
 
 import headrace as hr
 from headrace._workers.memory import worker_memory
@@ -36,15 +37,7 @@ MiB = 1 << 20
 
 def outputs(iterator: Any, limit: int = 10_000) -> list[Any]:
     """Every position: the element, or the error's message, in order."""
-    got: list[Any] = []
-    while len(got) < limit:
-        try:
-            got.append(int(next(iterator)))
-        except StopIteration:
-            return got
-        except process_fns.Failing as error:
-            got.append(("error", str(error)))
-    return got
+    return positions(iterator, process_fns.Failing, limit)
 
 
 def interleaved(

@@ -9,7 +9,9 @@ and the map's calls had that much less room.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import process_fns
 import pytest
@@ -93,9 +95,11 @@ def test_chunks_that_became_much_smaller_get_a_segment_their_size(
     assert outputs == [110 * KIB] and _pooled(pool) == [small]
 
 
-def _two_pooled(room: int) -> tuple[processes.ProcessPool, object, int]:
+@contextlib.contextmanager
+def _two_pooled(room: int) -> Iterator[tuple[processes.ProcessPool, object, int]]:
     """A pool whose worker has two pooled input segments of 100 KiB chunks (two calls
-    in flight at once), on a share of ``room`` bytes; their capacity."""
+    in flight at once), on a share of ``room`` bytes; their capacity. Shut down after,
+    with every segment's booking returned and no segment left."""
     budget = MemoryBudget(room)
     account = budget.account("test", weight=1)
     budget.allot()
@@ -110,29 +114,28 @@ def _two_pooled(room: int) -> tuple[processes.ProcessPool, object, int]:
     assert first.result(timeout=30)[0] == second.result(timeout=30)[0] == [100 * KIB]
     small = SegmentPool.capacity_for(125 * KIB)
     assert _pooled(pool) == [small, small] and account.held == 2 * small
-    return pool, account, small
-
-
-def test_chunks_that_outgrew_the_segments_get_a_larger_one_booked_before_the_small_goes() -> None:
-    pool, account, small = _two_pooled(256 * MIB)
     try:
-        outputs = pool.submit(_records(3, 200)).result(timeout=30)[0]
-        assert outputs == [200 * KIB] * 3
-        large = SegmentPool.capacity_for(750 * KIB)
-        assert _pooled(pool) == [small, large]
-        assert account.held == small + large
-        assert pool.traffic.segments == 3
+        yield pool, account, small
     finally:
         pool.shutdown()
     assert account.held == 0
     assert own_segments() == []
 
 
+def test_chunks_that_outgrew_the_segments_get_a_larger_one_booked_before_the_small_goes() -> None:
+    with _two_pooled(256 * MIB) as (pool, account, small):
+        outputs = pool.submit(_records(3, 200)).result(timeout=30)[0]
+        assert outputs == [200 * KIB] * 3
+        large = SegmentPool.capacity_for(750 * KIB)
+        assert _pooled(pool) == [small, large]
+        assert account.held == small + large
+        assert pool.traffic.segments == 3
+
+
 def test_without_room_for_a_larger_segment_the_chunk_goes_one_shot_and_the_pool_stays() -> None:
     """The difference does not fit the share: the small segments stay pooled and booked,
     the large chunk travels in a one-shot segment (unlinked with its call)."""
-    pool, account, small = _two_pooled(1 * MIB)
-    try:
+    with _two_pooled(1 * MIB) as (pool, account, small):
         outputs = pool.submit(_records(5, 200)).result(timeout=30)[0]
         assert outputs == [200 * KIB] * 5
         assert _pooled(pool) == [small, small] and account.held == 2 * small
@@ -140,25 +143,16 @@ def test_without_room_for_a_larger_segment_the_chunk_goes_one_shot_and_the_pool_
         # the small chunks still reuse the pooled segments
         assert pool.submit(_records(1, 90)).result(timeout=30)[0] == [90 * KIB]
         assert pool.traffic.segments == 3
-    finally:
-        pool.shutdown()
-    assert account.held == 0
-    assert own_segments() == []
 
 
 def test_a_larger_segment_booked_past_the_share_is_booked_whole() -> None:
     """A caller whose bookings may pass its share (an overdraft, which cannot be joined
     to a plain booking): the larger segment is booked whole, the small one's booking
     released, and no byte is booked twice or not at all."""
-    pool, account, small = _two_pooled(1 * MIB)
-    pool.book_idle = account.overdraw
-    try:
+    with _two_pooled(1 * MIB) as (pool, account, small):
+        pool.book_idle = account.overdraw
         outputs = pool.submit(_records(5, 200)).result(timeout=30)[0]
         assert outputs == [200 * KIB] * 5
         large = SegmentPool.capacity_for(1250 * KIB)
         assert _pooled(pool) == [small, large]
         assert account.held == small + large
-    finally:
-        pool.shutdown()
-    assert account.held == 0
-    assert own_segments() == []
