@@ -755,3 +755,91 @@ def test_sizes_that_round_alike_are_told_apart() -> None:
     with pytest.raises(hr.MemoryBudgetError, match=r"\d[\d,]* B at once, more than the "
                                                    r"memory budget of 67,108,864 B"):
         list(ds.with_options(hr.Options(memory_budget="64MiB")))
+
+
+def _outcomes_until_the_end(iterator: Any, limit: int = 50) -> list[str]:
+    """What a loop that catches every error and goes on sees, call by call."""
+    seen: list[str] = []
+    for _ in range(limit):
+        try:
+            seen.append(bytes(next(iterator))[:1].decode() or "-")
+        except StopIteration:
+            seen.append("end")
+            if seen[-2:] == ["end", "end"]:
+                return seen[:-1]
+        except Exception as error:  # (the loop under test catches everything)
+            seen.append(type(error).__name__)
+    return seen
+
+
+def _stuck_pipelines(tmp_path: Any) -> list[hr.Dataset]:
+    """Pipelines that cannot read past a record: the minimum working set of the stage
+    that must hold it is over the budget, whatever comes after."""
+    mib = 1 << 20
+    paths = []
+    for shard in range(3):
+        path = str(tmp_path / f"{shard}.tfrecord")
+        big = 2 * mib if shard else 64
+        write_tfrecord(path, [b"%d" % shard + b"x" * (big if row else 64) for row in range(4)])
+        paths.append(path)
+    files = hr.Dataset.from_tensor_slices(paths)
+    return [
+        hr.TFRecordDataset(paths[1]).with_options(hr.Options(memory_budget=mib)),
+        files.interleave(hr.TFRecordDataset, cycle_length=4, block_length=2)
+        .with_options(hr.Options(memory_budget=8 * mib)),
+        files.interleave(hr.TFRecordDataset, cycle_length=4, num_parallel_calls=2)
+        .with_options(hr.Options(memory_budget=8 * mib)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_an_error_raised_again_without_moving_ends_the_stream(tmp_path, case) -> None:
+    # A loop that catches errors and calls next() again used to spin forever on a
+    # refusal the pipeline can never get past.
+    ds = _stuck_pipelines(tmp_path)[case]
+    read = [["1"], ["0", "0", "1"], ["0", "1", "2", "0"]][case]  # up to the stuck record
+    with iter(ds) as iterator:
+        assert _outcomes_until_the_end(iterator) == read + ["MemoryBudgetError"] * 3 + ["end"]
+    with iter(ds) as iterator:
+        errors = []
+        for _ in range(len(read) + 3):
+            try:
+                next(iterator)
+            except hr.MemoryBudgetError as error:
+                errors.append(notes(error))
+        assert "cannot go on" in " ".join(errors[-1]) and not any(
+            "cannot go on" in note for earlier in errors[:-1] for note in earlier)
+        with pytest.raises(StopIteration):
+            next(iterator)
+
+
+def test_a_restore_goes_on_after_a_stream_ended_by_an_error(tmp_path) -> None:
+    ds = _stuck_pipelines(tmp_path)[1]
+    with iter(ds) as iterator:
+        first = bytes(next(iterator))
+        state = iterator.get_state()
+        after = _outcomes_until_the_end(iterator)
+        iterator.set_state(state)  # the same state again: the same outcomes, then the end
+        assert _outcomes_until_the_end(iterator) == after
+    with iter(ds) as fresh:
+        assert bytes(next(fresh)) == first
+
+
+@pytest.mark.parametrize("num_parallel_calls", [None, 2])
+def test_the_same_error_for_every_element_does_not_end_the_stream(num_parallel_calls) -> None:
+    # Errors in elements' places move the stream: every element's comes out.
+    def always(x: Any) -> Any:
+        raise ValueError("this element is bad")  # the same message every time
+
+    ds = hr.Dataset.range(12).map(always, num_parallel_calls=num_parallel_calls)
+    with iter(ds) as iterator:
+        seen = []
+        for _ in range(20):
+            try:
+                next(iterator)
+            except StopIteration:
+                break
+            except ValueError as error:
+                assert not any("cannot go on" in note for note in notes(error))
+                seen.append("error")
+        assert seen == ["error"] * 12

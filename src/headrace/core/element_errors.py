@@ -48,19 +48,26 @@ class RepeatCheck:
         """Raise ``error`` (a stream error, or one repeated in place), else return."""
         if isinstance(error, STREAM_ERRORS):
             raise error
-        key = (type(error), str(error))
-        last = self.last
-        if last is None or key != last[:2]:
-            self.last = (*key, None)
-            return
-        try:
-            state = self.inner.get_state()
-        except Exception:  # a stage that cannot checkpoint: nothing to compare
-            self.last = (*key, None)
-            return
-        if last[2] is not None and state == last[2]:
+        if self.repeated(error):
             add_note(error, f"headrace: {self.who} raised this error, not an element's: "
                             "the input raised it again without moving (a failure of the "
                             "stage)")
             raise error
+
+    def repeated(self, error: Exception) -> bool:
+        """Whether ``error`` repeats the error before it with the input's state unchanged
+        (that input cannot move past it)."""
+        key = (type(error), str(error))
+        last = self.last
+        if last is None or key != last[:2]:
+            self.last = (*key, None)
+            return False
+        try:
+            state = self.inner.get_state()
+        except Exception:  # a stage that cannot checkpoint: nothing to compare
+            self.last = (*key, None)
+            return False
+        if last[2] is not None and state == last[2]:
+            return True
         self.last = (*key, state)
+        return False

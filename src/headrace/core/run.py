@@ -22,7 +22,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from headrace._closing import ClosesOnExit
-from headrace._errors import CheckpointError, IteratorClosedError
+from headrace._errors import CheckpointError, IteratorClosedError, add_note
 from headrace._memory.allocator import tune_allocator
 from headrace._memory.budget import MemoryBudget
 from headrace._memory.buffer import NO_RESERVATION
@@ -30,6 +30,7 @@ from headrace._memory.sizeof import register_sizer
 from headrace._memory.system import available_memory, live_runs
 from headrace._options import Options
 from headrace._stateful import StateDict
+from headrace.core.element_errors import RepeatCheck
 from headrace.core.iterator import Context, Iterator
 from headrace.core.state import (
     OUT_OF_ORDER,
@@ -291,6 +292,8 @@ class DatasetIterator(ClosesOnExit, StateDict, _PyIterator[Any]):
         if not probe:
             live_runs.start(budget)
         self._closed = False
+        # Made at the first error: whether the pipeline raises it again without moving.
+        self._repeats: RepeatCheck | None = None
         self._close = weakref.finalize(self, _close_abandoned, self._tree, budget)
         self._elements = 0
         self._waited = 0.0
@@ -322,11 +325,34 @@ class DatasetIterator(ClosesOnExit, StateDict, _PyIterator[Any]):
                 reservation.release()
             self._elements += 1
             self._waited += _perf_counter() - started
+            if self._repeats is not None:
+                self._repeats.moved()
+        except Exception as error:
+            self._end_if_stuck(error)
+            raise
         finally:
             self._give_turn(None)
             if self._turn.waiting:
                 self._turn.wake()
         return element
+
+    def _end_if_stuck(self, error: Exception) -> None:
+        """End the stream after an error the pipeline raises again without moving.
+
+        Most errors stand in an element's place and iteration goes on past them (as
+        in tf.data). One that comes back at every ``next()`` with the pipeline's state
+        unchanged (a minimum working set over the budget, a query that cannot run)
+        would make a loop that catches errors and goes on spin forever: after its
+        third time in place, the stream ends, and later calls raise StopIteration as
+        a Python generator does after it raised. A restore (:meth:`set_state`) goes
+        on from the state it is given."""
+        if self._repeats is None:
+            self._repeats = RepeatCheck(self._tree, "the pipeline")
+        if self._repeats.repeated(error):
+            add_note(error, "headrace: the pipeline raised this error again without "
+                            "moving, so it cannot go on: the stream ends here (next() "
+                            "raises StopIteration)")
+            self._pull = _ended
 
     def stats(self) -> RunStats:
         """A snapshot of this run: budget and per-stage bookings, throughput, process memory."""
@@ -436,6 +462,7 @@ class DatasetIterator(ClosesOnExit, StateDict, _PyIterator[Any]):
         self._context.run.seeds.clear()
         # Every stage checks its own fields (naming itself); errors of the data or of
         # user functions met while replaying are raised as they are, not as the state's.
+        self._pull, self._repeats = self._tree.pull, None  # (a stream that had ended)
         try:
             with self._turn:
                 self._tree.set_state(tree_state)
@@ -458,6 +485,11 @@ class DatasetIterator(ClosesOnExit, StateDict, _PyIterator[Any]):
     def stages(self) -> list[Iterator]:
         """Every iterator of the run, root first (for the profiler)."""
         return self._tree.walk()
+
+
+def _ended() -> tuple[Any, Any]:
+    """The pull of a stream that cannot go on (:meth:`DatasetIterator._end_if_stuck`)."""
+    raise StopIteration
 
 
 def _iterator_size(iterator: DatasetIterator) -> int:
