@@ -591,3 +591,21 @@ def test_an_element_that_cannot_be_sent_is_its_error_in_place(bad: int) -> None:
     expected = drain(local)
     assert "Failing" in expected and len(expected) == 21
     assert drain(remote) == ["WorkerError" if x == "Failing" else x for x in expected]
+
+
+def test_a_refusal_in_a_worker_says_whose_budget_it_names(tmp_path: Path) -> None:
+    # The inner pipeline's refusal names its own budget (half a slot's part), not the
+    # user's 16 MiB: the note says so and what to change.
+    paths = [str(tmp_path / f"{shard}.tfrecord") for shard in range(4)]
+    for path in paths:
+        write_tfrecord(path, [b"x" * ((3 << 20) if row == 2 else 100) for row in range(4)])
+    files = hr.Dataset.from_tensor_slices(paths)
+    ds = files.interleave(hr.TFRecordDataset, cycle_length=4, num_parallel_calls=2,
+                          workers="processes").with_options(hr.Options(memory_budget="16MiB"))
+    with iter(ds) as iterator:
+        assert [len(next(iterator)) for _ in range(8)] == [100] * 8
+        with pytest.raises(hr.MemoryBudgetError, match=r"memory budget of 2\.0 MiB") as info:
+            next(iterator)
+    note = info.value.__notes__[-1]
+    assert "the budget above is a worker's" in note and "under 2.0 MiB" in note
+    assert "lower cycle_length" in note

@@ -417,6 +417,7 @@ class RemoteSlotIterator(Iterator):
         # chunks in flight get the rest of its part. Its account is the whole part, so
         # that half is kept free on it when chunks are asked for ahead (see _room_for).
         self.inner_reserve = min(worker_share, share // 2)
+        self.worker_share = worker_share
         share -= self.inner_reserve
         #: Called with this slot's worker when its last chunk has come in (the interleave
         #: opens the next input's slot ahead then).
@@ -558,10 +559,20 @@ class RemoteSlotIterator(Iterator):
                 # the user's chain is kept (as on threads); the worker's traceback is a note
                 add_note(raised, f"headrace: raised in {self.stage}'s inner pipeline, in a "
                                  f"worker process; its traceback there:\n{text}")
+                if isinstance(raised, MemoryBudgetError):  # (it names the worker's budget)
+                    add_note(raised, self._worker_budget_note())
                 self.error = raised
         self._top_up()  # the worker reads the next chunks while this one is handed out
         if ended and self.on_ended is not None:
             self.on_ended(self.worker)
+
+    def _worker_budget_note(self) -> str:
+        return (
+            "headrace: the budget above is a worker's: a process interleave reads each inner "
+            f"dataset in a worker process under {format_bytes(self.worker_share)}, half of "
+            "one slot's part of the interleave's share of the pipeline's budget. Raise "
+            "Options(memory_budget=...) or lower cycle_length."
+        )
 
     def _refusal(self, nbytes: int) -> MemoryBudgetError:
         """The error this slot's buffer gives an element of ``nbytes`` (one that no
