@@ -843,3 +843,22 @@ def test_the_same_error_for_every_element_does_not_end_the_stream(num_parallel_c
                 assert not any("cannot go on" in note for note in notes(error))
                 seen.append("error")
         assert seen == ["error"] * 12
+
+
+class _Unreachable:
+    """A source that fails in the same place every time it is asked (a network read
+    that may succeed later): the caller decides how often to ask again."""
+
+    def __iter__(self) -> _Unreachable:
+        return self
+
+    def __next__(self) -> int:
+        raise ConnectionResetError("connection reset by peer")
+
+
+def test_a_user_error_raised_again_in_place_is_left_to_the_caller() -> None:
+    ds = hr.Dataset.from_generator(_Unreachable, output_signature=hr.TensorSpec((), "int64"))
+    with iter(ds) as iterator:
+        for _ in range(10):
+            with pytest.raises(ConnectionResetError):
+                next(iterator)

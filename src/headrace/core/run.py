@@ -30,7 +30,7 @@ from headrace._memory.sizeof import register_sizer
 from headrace._memory.system import available_memory, live_runs
 from headrace._options import Options
 from headrace._stateful import StateDict
-from headrace.core.element_errors import RepeatCheck
+from headrace.core.element_errors import STREAM_ERRORS, RepeatCheck
 from headrace.core.iterator import Context, Iterator
 from headrace.core.state import (
     OUT_OF_ORDER,
@@ -340,12 +340,15 @@ class DatasetIterator(ClosesOnExit, StateDict, _PyIterator[Any]):
         """End the stream after an error the pipeline raises again without moving.
 
         Most errors stand in an element's place and iteration goes on past them (as
-        in tf.data). One that comes back at every ``next()`` with the pipeline's state
-        unchanged (a minimum working set over the budget, a query that cannot run)
-        would make a loop that catches errors and goes on spin forever: after its
-        third time in place, the stream ends, and later calls raise StopIteration as
-        a Python generator does after it raised. A restore (:meth:`set_state`) goes
-        on from the state it is given."""
+        in tf.data). One of headrace's own (a minimum working set over the budget)
+        that comes back at every ``next()`` with the pipeline's state unchanged would
+        make a loop that catches errors and goes on spin forever: after its third
+        time in place, the stream ends, and later calls raise StopIteration as a
+        Python generator does after it raised. Errors of the data or of user code
+        (a reader that may succeed when asked again) are left to the caller. A
+        restore (:meth:`set_state`) goes on from the state it is given."""
+        if not isinstance(error, STREAM_ERRORS):
+            return
         if self._repeats is None:
             self._repeats = RepeatCheck(self._tree, "the pipeline")
         if self._repeats.repeated(error):
