@@ -99,6 +99,11 @@ class MemoryBudgetError(HeadraceError, MemoryError):
     they shrink, with a warning.
     """
 
+    #: The stage whose share refused (its name in profiles), where one did: the
+    #: iterator uses it to tell a refusal that stands for elements from one that
+    #: leaves that stage where it was.
+    stage: str | None = None
+
 
 class FileLimitError(HeadraceError, OSError):
     """The process ran out of file descriptors for a reason outside headrace's cap."""

@@ -183,6 +183,11 @@ class Buffer:
         if nbytes > self.limit:
             self.require(nbytes, what=what)
 
+    def _refusal(self, message: str) -> MemoryBudgetError:
+        error = MemoryBudgetError(message)
+        error.stage = self.name
+        return error
+
     def require(self, nbytes: int, *, what: str, whole: int = 0) -> None:
         """Declare that this stage must be able to hold ``nbytes`` at once (its minimum).
 
@@ -204,7 +209,7 @@ class Buffer:
                 self.budget.allot()
             except RefusedAbove as error:
                 self.minimum, self.minimum_what = previous
-                raise MemoryBudgetError(str(error)) from None
+                raise self._refusal(str(error)) from None
             except MemoryBudgetError:
                 stated = max(nbytes, whole)
                 self.minimum = stated  # the listing of the minima states it too
@@ -216,7 +221,7 @@ class Buffer:
                     f"{so_far}; with the other stages, the pipeline"
                 )
                 self.minimum, self.minimum_what = previous
-                raise MemoryBudgetError(message) from None
+                raise self._refusal(message) from None
         if self._pool is not None:
             with self.lock:
                 self._count_on_pool()

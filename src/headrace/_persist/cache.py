@@ -96,7 +96,7 @@ from headrace.core.element_errors import STREAM_ERRORS, RepeatCheck
 from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, ShardRole, Traits, UnaryNode
-from headrace.core.state import POSITION, StateReader, past_end
+from headrace.core.state import ERRORS_MET, POSITION, StateReader, past_end
 from headrace.io import objstore
 
 __all__ = ["PARTIAL_CACHE_ADVICE", "CacheNode"]
@@ -119,7 +119,7 @@ EPOCHS = "epochs"
 WRITER_ITERATION = "writer_iteration"
 #: Errors the input raised in elements' places while the cache was written: they are
 #: not cached, but a restore must pass them as the writing iterator did.
-ERRORS = "errors"
+ERRORS = ERRORS_MET
 
 
 class CacheNode(UnaryNode):
@@ -209,6 +209,7 @@ class _CacheIterator(Iterator):
         self.writing = False
         self.position = 0
         self.errors = 0  # raised by the input in elements' places while writing
+        self.store_failed = False  # the last pull's error was the store's own (replays)
         #: Which iterator wrote (or writes) the cache read here: its epochs and number.
         self.writer: tuple[tuple[int, ...], int] = (ctx.epochs, ctx.run.iteration)
         self.cardinality = node.inputs[0].cardinality()
@@ -295,11 +296,24 @@ class _CacheIterator(Iterator):
         except Exception:  # an element's error, handed out in its place (never cached)
             self.errors += 1
             raise
-        pair = store.append(element, reservation)
+        try:
+            pair = store.append(element, reservation)
+        except Exception:
+            self._store_failed(store)
+            raise
         self.position += 1
         if store.count == self.cardinality and not self.errors:  # as tf.data: complete
             store.finish()  # without reading the end
         return pair
+
+    def _store_failed(self, store: Store) -> None:
+        """The store could not keep an element (a full disk, write buffers the budget
+        refuses): it discarded what it wrote, its error stands in the element's place,
+        and the rest of this pass goes on uncached (every later append would have failed
+        on the closed store); the next pass reads the input again."""
+        self.store = PassThrough(store.epochs)
+        self.position += 1  # (a restore's replay goes on past it, whether or not it fails)
+        self.store_failed = True
 
     def pull_batch(
         self, count: int, account: Buffer, *, whole: bool = False
@@ -399,6 +413,7 @@ class _CacheIterator(Iterator):
         repeats = RepeatCheck(self.upstream, self.stage)
         passed = 0
         while position is None or self.position < position or passed < (errors or 0):
+            self.store_failed = False
             try:
                 _, reservation = self.pull()
             except StopIteration:
@@ -406,6 +421,8 @@ class _CacheIterator(Iterator):
                     return
                 raise past_end(self.stage, POSITION, position, self.position) from None
             except Exception as error:
+                if self.store_failed:  # (the store's own failure, not the input's error)
+                    continue
                 if errors is not None and passed == errors:  # more than the writer met
                     raise
                 repeats.check(error)

@@ -86,10 +86,12 @@ def refused_record(
     ``kind`` names the record ("line"), ``size`` what is known of its size ("has at
     least 5000000 bytes"). Readers raise this before they read the record whole."""
     counted = f" (counting decompressed bytes of the {compression} stream)" if compression else ""
-    return MemoryBudgetError(
+    refused = MemoryBudgetError(
         f"{kind} at offset {offset}{counted} in file {path} {size}: it cannot fit the "
         f"memory budget, so it was not read further. {error}"
     )
+    refused.stage = error.stage
+    return refused
 
 
 class RecordReader(Protocol):

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace._errors import CheckpointError, HeadraceWarning, Origin
+from headrace._errors import CheckpointError, HeadraceWarning, MemoryBudgetError, Origin
 from headrace._memory.buffer import Buffer, Reservation, release_all
 from headrace._memory.units import format_bytes
 from headrace._warn import warn_user
@@ -41,7 +41,7 @@ from headrace.core.indexing import (
 )
 from headrace.core.iterator import Context, Iterator, origin_probe
 from headrace.core.node import Node, ShardRole, Traits, UnaryNode, check_positive
-from headrace.core.state import EPOCH, INT64_MAX, StateReader, past_end
+from headrace.core.state import EPOCH, ERRORS_MET, INT64_MAX, StateReader, past_end
 from headrace.io._native import native_module
 
 __all__ = ["ShuffleNode"]
@@ -424,7 +424,14 @@ class _ShuffleIterator(Iterator):
                 element, cost = self.ctx.admit(element)
                 self.aside = (element, reservation, cost, None if probe is None else probe())
             element, reservation, cost, token = self.aside
-            if not account.fits(cost):
+            try:
+                fits = account.fits(cost)
+            except MemoryBudgetError:  # it can never fit: its error stands in its place,
+                self.aside = None  # counted as the input's are, and the fill goes on
+                reservation.release()  # after it (it stayed aside, refused at every pull)
+                self.errors += 1
+                raise
+            if not fits:
                 self._note_shrink(len(ring))
                 return
             self.aside = None
@@ -471,7 +478,7 @@ class _ShuffleIterator(Iterator):
         return self.probe is not None
 
     def get_state(self) -> dict[str, Any]:
-        errors = {"errors": self.errors} if self.errors else {}
+        errors = {ERRORS_MET: self.errors} if self.errors else {}
         return self.shared.as_dict(shrunk_to=self.shrunk_to, **errors)
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -479,7 +486,7 @@ class _ShuffleIterator(Iterator):
         shrunk_to = reader.optional_integer(
             "shrunk_to", 1, self.node.buffer_size, why="the buffer_size"
         )
-        errors = reader.optional_integer("errors", 1, INT64_MAX) or 0
+        errors = reader.optional_integer(ERRORS_MET, 1, INT64_MAX) or 0
         self._clear()
         self.inner.set_state(self.shared.inner_start)
         self.shrunk_to = shrunk_to

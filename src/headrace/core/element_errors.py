@@ -8,6 +8,7 @@ without moving: passing those would spin forever, or lose elements silently.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from headrace._errors import (
@@ -18,6 +19,7 @@ from headrace._errors import (
     add_note,
 )
 from headrace.core.iterator import Iterator
+from headrace.core.state import without_errors_met
 
 __all__ = ["STREAM_ERRORS", "RepeatCheck"]
 
@@ -35,10 +37,15 @@ class RepeatCheck:
     Call :meth:`moved` after an element came out.
     """
 
-    __slots__ = ("inner", "last", "who")
+    __slots__ = ("inner", "last", "progress", "who")
 
-    def __init__(self, inner: Iterator, who: str) -> None:
+    def __init__(self, inner: Iterator, who: str,
+                 progress: Callable[[Exception], Any] | None = None) -> None:
         self.inner, self.who = inner, who
+        #: The state that says whether the stream moved between two raises of ``error``
+        #: (by default the whole input's: a stage above the one that raised it that
+        #: counts errors as positions moves with every repeat).
+        self.progress = progress
         self.last: tuple[type, str, Any] | None = None
 
     def moved(self) -> None:
@@ -56,14 +63,15 @@ class RepeatCheck:
 
     def repeated(self, error: Exception) -> bool:
         """Whether ``error`` repeats the error before it with the input's state unchanged
-        (that input cannot move past it)."""
+        but for counts of errors met (that input cannot move past it)."""
         key = (type(error), str(error))
         last = self.last
         if last is None or key != last[:2]:
             self.last = (*key, None)
             return False
         try:
-            state = self.inner.get_state()
+            progress = self.inner.get_state() if self.progress is None else self.progress(error)
+            state = without_errors_met(progress)
         except Exception:  # a stage that cannot checkpoint: nothing to compare
             self.last = (*key, None)
             return False

@@ -350,12 +350,30 @@ class DatasetIterator(ClosesOnExit, StateDict, _PyIterator[Any]):
         if not isinstance(error, STREAM_ERRORS):
             return
         if self._repeats is None:
-            self._repeats = RepeatCheck(self._tree, "the pipeline")
+            self._repeats = RepeatCheck(self._tree, "the pipeline", self._progress)
         if self._repeats.repeated(error):
             add_note(error, "headrace: the pipeline raised this error again without "
                             "moving, so it cannot go on: the stream ends here (next() "
                             "raises StopIteration)")
             self._pull = _ended
+
+    def _progress(self, error: Exception) -> Any:
+        """Where the stage is that refused ``error`` (the lowest of the run's stages named
+        as its ``stage``, in each branch; where none is, the whole tree): a stage above
+        it that counts errors as positions moves with every raise, it does not. (Of two
+        stages of one name, one above the other, the lower one stands still whichever
+        refused; it moves when the upper one's refusals take its elements.)"""
+        stage = getattr(error, "stage", None)
+        named = [] if stage is None else [
+            iterator for iterator in self._tree.walk() if getattr(iterator, "stage", None) == stage]
+        lowest = []
+        for iterator in named:
+            below = {id(other) for other in iterator.walk()[1:]}
+            if not any(id(other) in below for other in named):
+                lowest.append(iterator)
+        if not lowest:
+            return self._tree.get_state()
+        return [iterator.get_state() for iterator in lowest]
 
     def stats(self) -> RunStats:
         """A snapshot of this run: budget and per-stage bookings, throughput, process memory."""

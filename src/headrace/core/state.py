@@ -32,6 +32,7 @@ from headrace._errors import CheckpointError
 __all__ = [
     "CHECKSUM",
     "EPOCH",
+    "ERRORS_MET",
     "INNER",
     "INPUTS",
     "INT64_MAX",
@@ -43,6 +44,7 @@ __all__ = [
     "past_end",
     "replay",
     "seal",
+    "without_errors_met",
 ]
 
 #: Counters are int64 wherever NumPy touches them; anything larger is corrupt.
@@ -65,6 +67,10 @@ POSITION = "position"
 PRODUCED = "produced"
 #: Which repetition of its input a stage is in.
 EPOCH = "epoch"
+#: Errors the input raised in elements' places that a stage passed on (a shuffle
+#: filling, a cache writing): replayed on restore. A count of errors met is not
+#: progress through the input (:func:`without_errors_met`).
+ERRORS_MET = "errors"
 
 _MISSING = object()
 
@@ -263,3 +269,15 @@ def out_of_order_marked(state: Any) -> list[dict[str, Any]]:
         elif isinstance(value, list):
             pending.extend(value)
     return found
+
+
+def without_errors_met(state: Any) -> Any:
+    """``state`` without its stages' counts of errors met (:data:`ERRORS_MET`): what
+    says whether a stream moved. A stage above one that raises the same error again and
+    again counts each, so its state changes while the stream stands still."""
+    if isinstance(state, dict):
+        return {key: without_errors_met(value) for key, value in state.items()
+                if key != ERRORS_MET}
+    if isinstance(state, list):
+        return [without_errors_met(value) for value in state]
+    return state
