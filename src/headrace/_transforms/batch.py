@@ -197,13 +197,35 @@ class Assembler(Iterator):
             for _ in range(count):
                 element, reservation = self.inner.pull()
                 elements.append(element)
-                assembly.take(sizeof(element), reservation)
+                try:
+                    assembly.take(sizeof(element), reservation)
+                except MemoryBudgetError:  # refused whole (see drop_rest_of_batch)
+                    self.position += len(elements)
+                    self.drop_rest_of_batch(count - len(elements))
+                    raise
         except StopIteration:
             pass
         except BaseException:
             assembly.abandon()
             raise
         return elements, assembly
+
+    def drop_rest_of_batch(self, rows: int) -> None:
+        """A batch the budget refuses (its output, or the rows it keeps) is refused
+        whole: its other ``rows`` rows are pulled and dropped, so its error stands in
+        its place and the batches after it are the ones an unrefused run makes (the
+        next batch used to start with its unpulled rows, and the last refused one could
+        end the stream without its error)."""
+        for _ in range(rows):
+            try:
+                _, reservation = self.inner.pull()
+            except StopIteration:
+                return
+            except Exception:  # (a row's own error: the batch's refusal stands for it)
+                self.position += 1
+                continue
+            self.position += 1
+            reservation.release()
 
     def get_state(self) -> dict[str, Any]:
         return {INNER: self.inner.get_state(), POSITION: self.position}
@@ -415,7 +437,7 @@ class _BatchIterator(Assembler):
         except BaseException as error:
             reservation.release()
             if isinstance(error, MemoryBudgetError):
-                self._drop_rest_of_batch(1)
+                self.drop_rest_of_batch(self.batch_size - 1)
             raise
 
     def _abandon(self, assembly: Assembly, reservation: Reservation, error: BaseException,
@@ -426,24 +448,7 @@ class _BatchIterator(Assembler):
         reservation.release()
         assembly.abandon()
         if isinstance(error, MemoryBudgetError) and pulled > 0:
-            self._drop_rest_of_batch(pulled)
-
-    def _drop_rest_of_batch(self, pulled: int) -> None:
-        """A batch the budget refuses (its output, or the objects its rows keep) is
-        refused whole: the rows after the ``pulled`` ones are pulled and dropped, so its
-        error stands in its place and the batches after it are the ones an unrefused run
-        makes (the next batch used to start with its unpulled rows, and the last refused
-        one could end the stream without its error)."""
-        for _ in range(self.batch_size - pulled):
-            try:
-                _, reservation = self.inner.pull()
-            except StopIteration:
-                return
-            except Exception:  # (a row's own error: the batch's refusal stands for it)
-                self.position += 1
-                continue
-            self.position += 1
-            reservation.release()
+            self.drop_rest_of_batch(self.batch_size - pulled)
 
     def _finish(self, assembly: Assembly, count: int,
                 failure: ElementSpecError | None) -> Reservation:

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from headrace._errors import Origin
+from headrace._errors import MemoryBudgetError, Origin
 from headrace._memory.buffer import BudgetClosed, Buffer, Reservation
 from headrace._options import AUTOTUNE
 from headrace.core.handoff import Handoff, book_error, holds_a_place, skip_positions, unpin
@@ -229,9 +229,16 @@ class _Producer:
                 element, cost = self.ctx.admit(element)
                 try:
                     fits = account.fits(cost, pending=pending)
-                except BaseException:  # refused (MemoryBudgetError): the element goes no
-                    reservation.release()  # further, and its booking upstream is returned
-                    raise  # (else it would stay booked after the run closed)
+                except MemoryBudgetError as error:  # refused: the element goes no further,
+                    reservation.release()  # its booking upstream is returned, and its
+                    # error stands in its place; the thread goes on with the next (it
+                    # used to end here, and every later pull raised the error again)
+                    errors = {len(elements): unpin(error)}
+                    elements.append(None)
+                    bookings.append(book_error(account, self.ctx.sizeof, error))
+                    if tokens is not None:
+                        tokens.append(token)
+                    break
                 if not fits:
                     # Starving means nothing of this stage's is on its way to the consumer:
                     # the element taken from aside above (in chunks, not yet queued) is.
