@@ -445,6 +445,35 @@ def test_full_disk_while_spilling_is_a_clear_error_and_leaves_nothing(
     assert not [w for w in caught if "take(k)" in str(w.message)]
 
 
+@pytest.mark.parametrize("where", ["spill", "file"])
+def test_after_a_full_disk_the_pass_goes_on_uncached_and_the_next_pass_reads_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # Every later element of the pass used to fail on the closed store (AssertionError).
+    FullDisk(monkeypatch, allowed=2)
+    source = Counted(300, nbytes=64 << 10)
+    ds = source.dataset().cache(str(tmp_path / "c") if where == "file" else "")
+    seen: list[Any] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with iter(ds.with_options(hr.Options(memory_budget="4MiB"))) as iterator:
+            for _ in range(400):
+                try:
+                    seen.append(int(next(iterator)["i"]))
+                except StopIteration:
+                    break
+                except OSError:
+                    seen.append("full")
+    assert seen.count("full") == 1
+    failed = seen.index("full")
+    assert seen[:failed] + seen[failed + 1:] == [i for i in range(300) if i != failed]
+    assert source.produced == 300
+    monkeypatch.undo()  # room on the disk again: the next pass caches it
+    with iter(ds.with_options(hr.Options(memory_budget="4MiB"))) as iterator:
+        assert [int(e["i"]) for e in iterator] == list(range(300))
+    assert source.produced == 600
+
+
 def test_full_disk_writing_a_file_cache_leaves_no_complete_looking_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -864,7 +864,7 @@ def build(spec: dict[str, Any], custom: dict[str, Any] | None = None) -> Any:
             ds = _WIDER[name](ds, op, spec)
         elif custom is not None and name in custom:
             ds = custom[name](ds, op, spec)
-    return ds.with_options(hr.Options(memory_budget=spec["budget_mib"] * MiB))
+    return ds.with_options(hr.Options(memory_budget=int(spec["budget_mib"] * MiB)))
 
 
 def _fingerprint(element: Any) -> Any:
