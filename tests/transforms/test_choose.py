@@ -102,3 +102,16 @@ def test_sample_from_datasets_semantics_against_tf() -> None:
     assert_checkpoint_roundtrip(ds)
     with pytest.raises(hr.InvalidArgumentError, match="weights"):
         hr.Dataset.sample_from_datasets([hr.Dataset.range(2)], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_an_input_of_weight_zero_is_never_drawn_and_ends_with_the_others(stop: bool) -> None:
+    # It used to be waited for: drawing went on forever once the others ran out.
+    def both(api: Any) -> Any:
+        return api.Dataset.sample_from_datasets(
+            [api.Dataset.range(3), api.Dataset.range(100, 103)], weights=[1.0, 0.0], seed=1,
+            stop_on_empty_dataset=stop)
+
+    assert hr_list(both(hr)) == tf_list(both(tf.data))
+    assert [int(x) for x in both(hr)] == [0, 1, 2]
+    assert_checkpoint_roundtrip(both(hr))

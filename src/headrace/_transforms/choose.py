@@ -218,7 +218,11 @@ class _PickIterator(Iterator):
         super().__init__(*inputs)
         self.stage = node.stage
         self.node, self.datasets, self.choices = node, inputs, choices
-        self.exhausted = [False] * len(inputs)
+        # An input of weight 0 is never drawn: it counts as exhausted from the start, so
+        # the stream ends with the others (tf.data leaves such inputs out; waiting for
+        # them drew forever).
+        weights = getattr(node, "weights", None) or [1.0] * len(inputs)
+        self.exhausted = [weight == 0 for weight in weights]
         self.done = False
 
     def pull(self) -> tuple[Any, Reservation]:
