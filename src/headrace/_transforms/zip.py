@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from headrace._errors import ElementSpecError
+from headrace._errors import ElementSpecError, EmptyInputError
 from headrace._memory.buffer import NO_RESERVATION, Reservation
 from headrace._structure import flatten, map_structure, pack_as
 from headrace.core.indexing import RandomAccess, Reach, Refusal, reached
@@ -162,9 +162,26 @@ class ConcatenateNode(Node):
         return _ConcatAccess(first, second)
 
     def make_iterator(self, ctx: Context) -> Iterator:
+        if self.spec is None:
+            self._check_learnt_specs()
         if self.index_plan() is not None:
             return super().make_iterator(ctx)
         return _ConcatenateIterator([node.make_iterator(ctx) for node in self.inputs])
+
+    def _check_learnt_specs(self) -> None:
+        """Before the first run, check specs that had to be learnt from elements (a map
+        without ``output_signature``): tf.data refuses such a pipeline when it is built,
+        and a run that did not look yielded one structure, then another. A spec that
+        cannot be learnt (an empty input, a first element that fails) is left to the run."""
+        try:
+            specs = [node.element_spec for node in self.inputs]
+        except ElementSpecError as error:
+            if isinstance(error, EmptyInputError):
+                return
+            raise
+        except Exception:  # (the element's own error: raised in its place by the run)
+            return
+        self.spec = _check_compatible(*specs)
 
 
 class _ConcatAccess(RandomAccess):
