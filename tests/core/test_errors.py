@@ -862,3 +862,28 @@ def test_a_user_error_raised_again_in_place_is_left_to_the_caller() -> None:
         for _ in range(10):
             with pytest.raises(ConnectionResetError):
                 next(iterator)
+
+
+def _ranges_failing_at_zero(x: Any) -> Any:
+    if int(x) == 0:
+        raise Bad(0)
+    return np.arange(int(x))
+
+
+def test_a_failing_first_element_is_raised_by_the_run_not_by_iter() -> None:
+    # Learning a spec from the first element made iter() itself raise its error, which
+    # ignore_errors could not drop (tf.data traces instead: [[0, 0], [0, 1]], [[0, 1, 2]]).
+    batched = hr.Dataset.range(4).map(_ranges_failing_at_zero).padded_batch(2)
+    assert [b.tolist() for b in batched.ignore_errors()] == [[[0, 0], [0, 1]], [[0, 1, 2]]]
+    with iter(batched) as iterator:
+        with pytest.raises(Bad):
+            next(iterator)
+        assert [b.tolist() for b in iterator] == [[[0, 0], [0, 1]], [[0, 1, 2]]]
+    scanned = hr.Dataset.range(4).map(failing({0})).scan(
+        np.int64(0), lambda state, x: (state + x, state + x))
+    assert [int(x) for x in scanned.ignore_errors()] == [1, 3, 6]
+    grouped = hr.Dataset.range(6).map(failing({0})).group_by_window(
+        lambda x: x % 2, lambda key, window: window.batch(3), window_size=3)
+    assert sorted(b.tolist() for b in grouped.ignore_errors()) == [[1, 3, 5], [2, 4]]
+    with pytest.raises(Bad):  # (no element at all comes out: the first error is raised)
+        iter(hr.Dataset.range(3).map(failing({0, 1, 2})).padded_batch(2))

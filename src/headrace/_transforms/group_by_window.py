@@ -30,7 +30,7 @@ from headrace._transforms.map import apply_fn
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, check_positive, first_element
+from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, check_positive, first_output
 from headrace.core.state import StateReader
 
 __all__ = ["GroupByWindowNode"]
@@ -96,9 +96,10 @@ class GroupByWindowNode(Node):
     @property
     def element_spec(self) -> Any:
         if self._spec is None:  # the reduced dataset's spec, from the first element's group
-            element = first_element(self.inputs[0], self.stage)
-            key = self.key_of(element, 0)
-            result = self.reduce_func(key, self.make_dataset([element]))
+            def reduced(element: Any, index: int) -> Any:
+                return self.reduce_func(self.key_of(element, index), self.make_dataset([element]))
+
+            result = first_output(self.inputs[0], self.stage, reduced)
             self._spec = _node_of(result, "group_by_window: reduce_func").element_spec
         return self._spec
 

@@ -82,7 +82,7 @@ from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.handoff import Handoff
 from headrace.core.indexing import IndexPlan, RandomAccess, Reach, Refusal, SequentialIndices
 from headrace.core.iterator import Context, Iterator, origin_probe
-from headrace.core.node import Node, ShardRole, Traits, check_signature, first_element
+from headrace.core.node import Node, ShardRole, Traits, check_signature, first_output
 from headrace.core.state import INNER, SKIP, StateReader
 
 __all__ = [
@@ -250,12 +250,12 @@ class MapNode(Node):
         if self.signature is not None:
             return self.signature
         if self._spec is None:
-            element = first_element(
-                self.inputs[0], self.stage, "; pass map(..., output_signature=...) to state it"
+            output = first_output(  # (at its element's position: a seeded random op draws
+                self.inputs[0], self.stage,  # as it will in the run)
+                lambda element, index: call_at(self.fn, element, (index,)),
+                "; pass map(..., output_signature=...) to state it",
             )
-            self._spec = _relaxed(  # (as element 0: a seeded random op draws as it will)
-                spec_of(call_at(self.fn, element, (0,))), self.inputs[0].element_spec
-            )
+            self._spec = _relaxed(spec_of(output), self.inputs[0].element_spec)
         return self._spec
 
     def cardinality(self) -> int:

@@ -26,7 +26,7 @@ from headrace._transforms._replay import ReplayedInput
 from headrace.core.fingerprint import function_fingerprint, function_name
 from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
-from headrace.core.node import Node, ShardRole, Traits, UnaryNode, first_element
+from headrace.core.node import Node, ShardRole, Traits, UnaryNode, first_output
 from headrace.core.state import StateReader
 
 __all__ = ["ScanNode", "scan_step"]
@@ -83,8 +83,8 @@ class ScanNode(UnaryNode):
     @property
     def element_spec(self) -> Any:
         if self._spec is None:
-            element = first_element(self.inputs[0], self.stage)
-            _, output = scan_step(self.scan_func, self.initial_state, element, self.stage)
+            _, output = first_output(self.inputs[0], self.stage, lambda element, _: scan_step(
+                self.scan_func, self.initial_state, element, self.stage))
             self._spec = spec_of(output)
         return self._spec
 

@@ -31,6 +31,7 @@ import numpy as np
 from headrace._errors import EmptyInputError, InvalidArgumentError
 from headrace._options import Options
 from headrace._structure import TensorSpec, flatten
+from headrace.core.element_errors import STREAM_ERRORS
 from headrace.core.indexing import (
     GatherIterator,
     IndexPlan,
@@ -169,21 +170,51 @@ def probe_elements(source: Node, stage: str) -> PyIterator[DatasetIterator]:
         yield iterator
 
 
+#: Elements' errors a spec probe passes before it gives up and raises the first.
+PROBE_ERRORS = 64
+
+
 def first_element(source: Node, stage: str, hint: str = "") -> Any:
-    """The first element of ``source``, read to learn a spec (a probe: no iteration counted).
+    """The first element of ``source`` that comes out, read to learn a spec (a probe: no
+    iteration counted); see :func:`first_output`."""
+    return first_output(source, stage, None, hint)
+
+
+def first_output(
+    source: Node, stage: str, apply: Callable[[Any, int], Any] | None, hint: str = ""
+) -> Any:
+    """``apply(element, index)`` of the first element of ``source`` for which it does not
+    raise (the element itself without ``apply``), read to learn a spec (a probe: no
+    iteration counted).
+
+    Elements whose production (or ``apply``) raised are passed, up to
+    :data:`PROBE_ERRORS`: their errors are the run's to raise in their places, where
+    ``ignore_errors`` may drop them (a first element that failed made ``iter()`` itself
+    raise). Where no output comes, the first error is raised; headrace's own stream
+    errors at once.
 
     Raises :class:`SpecNeedsData` where sampling is off, and an
     :class:`~headrace._errors.EmptyInputError` naming ``stage`` (plus ``hint``, how to
     avoid the read) if the input is empty — never a bare ``StopIteration``.
     """
+    first_error: Exception | None = None
     with probe_elements(source, stage) as iterator:
-        try:
-            return next(iterator)
-        except StopIteration:
-            raise EmptyInputError(
-                f"{stage}: its element_spec is found by applying the function to the first "
-                f"input element, but the input is empty{hint}"
-            ) from None
+        for index in range(PROBE_ERRORS):
+            try:
+                element = next(iterator)
+                return element if apply is None else apply(element, index)
+            except StopIteration:
+                break
+            except STREAM_ERRORS:
+                raise
+            except Exception as error:
+                first_error = first_error or error
+    if first_error is not None:
+        raise first_error
+    raise EmptyInputError(
+        f"{stage}: its element_spec is found by applying the function to the first "
+        f"input element, but the input is empty{hint}"
+    )
 
 
 class ShardRole(enum.Enum):
