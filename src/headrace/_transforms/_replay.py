@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from headrace._memory.buffer import Reservation
+from headrace.core.handoff import holds_a_place
 from headrace.core.iterator import Iterator
-from headrace.core.state import StateReader, past_end
+from headrace.core.state import ERRORS_MET, INT64_MAX, StateReader, past_end
 
 __all__ = ["ReplayedInput"]
 
@@ -25,31 +26,50 @@ CONSUMED = "consumed"
 
 
 class ReplayedInput:
-    """An input iterator that counts what it gave, and can be replayed to a count."""
+    """An input iterator that counts what it gave, and can be replayed to a count.
+
+    It counts the errors the input raised in elements' places too (:data:`ERRORS_MET`):
+    a replay passes them, also those raised after the last element, so a state taken
+    right after an error resumes after it (it raised the error again, and a state taken
+    later made ``set_state`` raise it)."""
 
     def __init__(self, inner: Iterator) -> None:
         self.inner = inner
         self.start = inner.get_state()
         self.consumed = 0
+        self.errors = 0
 
     def pull(self) -> tuple[Any, Reservation]:
-        pair = self.inner.pull()
+        try:
+            pair = self.inner.pull()
+        except StopIteration:
+            raise
+        except Exception as error:
+            if holds_a_place(error):
+                self.errors += 1
+            raise
         self.consumed += 1
         return pair
 
     def as_dict(self) -> dict[str, Any]:
-        return {START: self.start, CONSUMED: self.consumed}
+        errors = {ERRORS_MET: self.errors} if self.errors else {}
+        return {START: self.start, CONSUMED: self.consumed, **errors}
 
     def restore(self, reader: StateReader, feed: Callable[[Any, Reservation], None]) -> None:
-        """Set the input to its saved start and hand ``feed`` each consumed element again."""
+        """Set the input to its saved start and hand ``feed`` each consumed element again,
+        passing the errors met among them."""
         consumed = reader.integer(CONSUMED)
+        errors = reader.optional_integer(ERRORS_MET, 1, INT64_MAX) or 0
         self.start = reader.child(START)
         self.inner.set_state(self.start)
-        self.consumed = 0
-        for done in range(consumed):
+        self.consumed = self.errors = 0
+        while self.consumed < consumed or self.errors < errors:
             try:
-                element, reservation = self.inner.pull()
+                element, reservation = self.pull()
             except StopIteration:
-                raise past_end(reader.stage, CONSUMED, consumed, done) from None
-            self.consumed += 1
+                raise past_end(reader.stage, CONSUMED, consumed, self.consumed) from None
+            except Exception:
+                if self.errors > errors:  # more than the run it was taken from met
+                    raise
+                continue
             feed(element, reservation)

@@ -9,6 +9,7 @@ import numpy as np
 from headrace._errors import InvalidArgumentError
 from headrace._memory.buffer import Reservation
 from headrace._structure import TensorSpec
+from headrace.core.handoff import holds_a_place
 from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import Node, ShardRole, Traits
@@ -85,7 +86,14 @@ class _EnumerateIterator(Iterator):
         self.inner, self.next_value, self.start = inner, start, start
 
     def pull(self) -> tuple[Any, Reservation]:
-        element, reservation = self.inner.pull()
+        try:
+            element, reservation = self.inner.pull()
+        except StopIteration:
+            raise
+        except Exception as error:  # its error takes a number, as in tf.data (a zip with
+            if holds_a_place(error):  # a range): the later elements keep their own
+                self.next_value += 1
+            raise
         value = np.int64(self.next_value)
         self.next_value += 1
         return (value, element), reservation

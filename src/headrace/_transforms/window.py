@@ -21,6 +21,7 @@ from typing import Any
 
 from headrace._memory.buffer import NO_RESERVATION, Reservation
 from headrace._structure import flatten, map_structure, pack_as
+from headrace.core.handoff import holds_a_place
 from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, check_positive
@@ -85,6 +86,13 @@ class WindowNode(Node):
         return _WindowIterator(self, self.inputs[0].make_iterator(ctx), ctx)
 
 
+@dataclass(frozen=True)
+class _Failed:
+    """An element's error held in its place in the window buffer."""
+
+    error: Exception
+
+
 class _WindowIterator(Iterator):
     stage = "window"
 
@@ -108,6 +116,16 @@ class _WindowIterator(Iterator):
         except StopIteration:
             self.exhausted = True
             return False
+        except Exception as error:
+            if not holds_a_place(error):
+                raise
+            # As tf.data: the error keeps its element's index, and each window that holds
+            # it raises it (one outside every window is dropped with its element). An
+            # error passed on at once shifted every later window by one.
+            index, self.next_index = self.next_index, self.next_index + 1
+            if index >= self.start:
+                self.held.append((index, before, _Failed(error), NO_RESERVATION))
+            return True
         index, self.next_index = self.next_index, self.next_index + 1
         if index < self.start:  # between windows (shift > size * stride): not kept
             upstream.release()
@@ -119,8 +137,6 @@ class _WindowIterator(Iterator):
 
     def pull(self) -> tuple[Any, Reservation]:
         node = self.node
-        while self.next_index < self.start and self._read():
-            pass
         last = self.start + (node.size - 1) * node.stride
         while self.next_index <= last and self._read():
             pass
@@ -133,6 +149,11 @@ class _WindowIterator(Iterator):
             self._drop_before(self.next_index + 1)
             self.start = self.next_index  # ended: every later pull ends too
             raise StopIteration
+        failed = next((member for member in members if isinstance(member, _Failed)), None)
+        if failed is not None:  # every window that holds it raises its error, in its place
+            self.start += node.shift
+            self._drop_before(self.start)
+            raise failed.error.with_traceback(None)
         leaves = [flatten(element) for element in members]
         window = pack_as(
             members[0],

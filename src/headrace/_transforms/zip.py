@@ -12,6 +12,7 @@ from typing import Any
 from headrace._errors import ElementSpecError, EmptyInputError
 from headrace._memory.buffer import NO_RESERVATION, Reservation
 from headrace._structure import flatten, map_structure, pack_as
+from headrace.core.handoff import holds_a_place
 from headrace.core.indexing import RandomAccess, Reach, Refusal, reached
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, known_spec
@@ -98,7 +99,26 @@ class _ZipIterator(Iterator):
         self.structure = structure
 
     def pull(self) -> tuple[Any, Reservation]:
-        return pack_as(self.structure, [next(inner) for inner in self.inputs]), NO_RESERVATION
+        """One element of every input; an input's error is raised in the pair's place
+        after the others moved past it too, as tf.data does (else they fell one behind
+        for each error, and every later pair was mismatched)."""
+        elements: list[Any] = []
+        failure: Exception | None = None
+        ended = False
+        for inner in self.inputs:
+            try:
+                elements.append(next(inner))
+            except StopIteration:
+                ended = True
+            except Exception as error:
+                if not holds_a_place(error):
+                    raise
+                failure = failure or error
+        if failure is not None:
+            raise failure
+        if ended:
+            raise StopIteration
+        return pack_as(self.structure, elements), NO_RESERVATION
 
 
 def _check_compatible(first: Any, second: Any) -> Any:
