@@ -66,7 +66,7 @@ def test_the_ceiling_is_what_a_slot_can_widen_to_and_no_more(seed: int) -> None:
 def test_arrays_a_part_owns_are_booked_while_it_lives_and_refused_past_it() -> None:
     rng = random.Random(7)
     for _ in range(50):
-        _, stage = _stage(rng)
+        nested, stage = _stage(rng)
         parts = NestedParts(stage, rng.randint(1, 8), "make")
         size = parts.part_size()
         part = parts.open()
@@ -78,6 +78,16 @@ def test_arrays_a_part_owns_are_booked_while_it_lives_and_refused_past_it() -> N
         assert stage.room() == room
         part = parts.open()
         with pytest.raises(MemoryBudgetError, match=r"'interleave'.*make"):
-            part.own(size)
+            part.own(parts.ceiling() + 1)  # more than any split of the budget gives a part
         part.close()
         assert stage.room() == room
+        if nested:
+            continue
+        # More than a part, where the budget can be split again: the stage widens (its
+        # part was refused before, while another stage's share stood unused).
+        part = parts.open()
+        wanted = min(size + 1, parts.ceiling() - 64)
+        if wanted > size:
+            part.own(wanted)
+            assert part.size() >= 1 and stage.share() >= parts.count * (wanted + 1)
+        part.close()

@@ -99,3 +99,26 @@ def test_bucket_by_sequence_length_matches_tf(
 def test_bucket_arguments_are_checked() -> None:
     with pytest.raises(hr.InvalidArgumentError, match="len\\(bucket_boundaries\\) \\+ 1"):
         hr.Dataset.range(3).bucket_by_sequence_length(lambda x: x, [1, 2], [1, 2])
+
+
+def _rows_after_a_shuffle() -> hr.Dataset:
+    """12 rows of 1.5 MiB through shuffle(2): the shuffle's weight gives it most of the
+    budget, which its buffer of two rows does not use."""
+    def rows() -> Any:
+        for i in range(12):
+            yield np.full(3 * (1 << 20) // 8, i, np.int32)
+
+    source = hr.Dataset.from_generator(rows, output_signature=hr.TensorSpec((None,), np.int32))
+    return source.shuffle(2, seed=1)
+
+
+def test_minima_that_fit_are_not_refused_inside_a_reduced_or_flat_mapped_dataset() -> None:
+    # The reduced dataset ran in half the stage's share and a flat_map's inner dataset in
+    # its slot's part, neither split again: a batch of 2 rows (3 MiB) was refused at
+    # "the memory budget of 2.7 MiB" of a 16 MiB pipeline whose minima fit it.
+    budget = hr.Options(memory_budget="16MiB")
+    bucketed = _rows_after_a_shuffle().bucket_by_sequence_length(
+        lambda x: x.shape[0], [10], [2, 2])
+    assert sorted(int(v) for b in bucketed.with_options(budget) for v in b[:, 0]) == list(range(12))
+    windows = _rows_after_a_shuffle().window(3).flat_map(lambda w: w.batch(3))
+    assert [b.shape[0] for b in windows.with_options(budget)] == [3, 3, 3, 3]

@@ -7,8 +7,9 @@ This module owns that split, so the interleave asks for a part and never reads
 the buffer's counters.
 
 Two rules live here. Arrays the interleave function made for an inner dataset
-(an inner ``from_tensor_slices`` over a new array) are booked on the stage for as
-long as the part lives; the part's budget is what is left. And a part whose
+(an inner ``from_tensor_slices`` over a new array, a window's values) are booked on
+the stage for as long as the part lives; the part's budget is what is left (the
+stage widens as below where they take the whole part). And a part whose
 stages must hold more than the part at once (one large element) *widens*: every
 part may need as much, so the stage's minimum becomes that many such parts, and
 the pipeline's budget is split again to fit them, or refuses naming the stage.
@@ -38,7 +39,7 @@ class NestedPart:
     def __init__(self, parts: NestedParts, budget: MemoryBudget) -> None:
         self.parts, self.budget = parts, budget
         self.owned: Reservation = NO_RESERVATION
-        budget.widen = functools.partial(_widen, parts.buffer, parts.count, 0)
+        budget.widen = functools.partial(_widen, parts.buffer, parts.count, parts.unit, 0)
 
     def size(self) -> int:
         """The part's bytes now (a widen may have raised it)."""
@@ -49,13 +50,21 @@ class NestedPart:
 
         They are made by the interleave function while the nested pipeline is
         built, so they are known only then. The part's budget is what is left;
-        they must leave room for the pipeline, or :class:`MemoryBudgetError`
-        says so. Call it before the budget's ``allot``.
+        where they take the whole part, the stage widens (every part may hold as
+        much), or :class:`MemoryBudgetError` says so. Call it before the budget's
+        ``allot``.
         """
         if not owned_bytes:
             return
         parts = self.parts
         share = self.budget.total
+        if owned_bytes >= share:  # the stage's share split again to hold them, if it can
+            try:
+                _widen(parts.buffer, parts.count, parts.unit, owned_bytes, 1,
+                       f"{format_bytes(owned_bytes)} of arrays the dataset holds")
+                share = max(parts.part_size(), owned_bytes + 1)
+            except MemoryBudgetError:
+                pass
         if owned_bytes >= share:
             raise MemoryBudgetError(
                 f"stage {parts.buffer.name!r}: the dataset {parts.what} made holds "
@@ -67,7 +76,8 @@ class NestedPart:
             )
         self.owned = parts.buffer.admit(owned_bytes)
         self.budget.total = share - owned_bytes
-        self.budget.widen = functools.partial(_widen, parts.buffer, parts.count, owned_bytes)
+        self.budget.widen = functools.partial(_widen, parts.buffer, parts.count, parts.unit,
+                                              owned_bytes)
 
     def close(self, then: Callable[[], None] | None = None) -> None:
         """Wake the nested pipeline's waiting producers, run ``then`` (its close), and
@@ -86,8 +96,9 @@ class NestedParts:
     ``what`` names the function that makes the nested pipelines (in errors).
     """
 
-    def __init__(self, buffer: Buffer, count: int, what: str) -> None:
-        self.buffer, self.count, self.what = buffer, count, what
+    def __init__(self, buffer: Buffer, count: int, what: str,
+                 unit: str = "interleave slots") -> None:
+        self.buffer, self.count, self.what, self.unit = buffer, count, what, unit
 
     def part_size(self) -> int:
         """One part of the stage's share now (at least one byte)."""
@@ -117,7 +128,8 @@ class NestedParts:
         return NestedPart(self, MemoryBudget(self.part_size(), parent=self.buffer))
 
 
-def _widen(buffer: Buffer, count: int, owned_bytes: int, needed: int, what: str = "") -> int:
+def _widen(buffer: Buffer, count: int, unit: str, owned_bytes: int, needed: int,
+           what: str = "") -> int:
     """A part's stages must hold ``needed`` bytes at once, more than the part.
 
     Any part may, so the stage's minimum becomes ``count`` such parts, and the
@@ -128,7 +140,7 @@ def _widen(buffer: Buffer, count: int, owned_bytes: int, needed: int, what: str 
     wanted = needed + owned_bytes
     buffer.require(
         wanted * count,
-        what=f"{count} interleave slots of {format_bytes(wanted)}"
-        + (f" (in a slot, {what})" if what else ""),
+        what=f"{count} {unit} of {format_bytes(wanted)}"
+        + (f" (in one, {what})" if what else ""),
     )
     return max(needed, buffer.share() // count - owned_bytes)

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from headrace._errors import InvalidArgumentError, note_element_error
-from headrace._memory.budget import MemoryBudget
 from headrace._memory.buffer import NO_RESERVATION, Reservation
+from headrace._memory.nested import NestedParts
 from headrace._structure import integer_scalar
 from headrace._transforms._replay import ReplayedInput
 from headrace._transforms.map import apply_fn
@@ -177,7 +177,10 @@ class _GroupIterator(Iterator):
         window = self.node.make_dataset(group.elements)
         result = self.node.reduce_func(np.int64(key), window)
         node = _node_of(result, f"group_by_window: {function_name(self.node.reduce_func)}")
-        budget = MemoryBudget(max(self.account.share() // 2, 1), parent=self.account)
+        # Half the share, widened (the share split again) where the reduced pipeline
+        # must hold more at once: refused at the half, it was refused far below the
+        # budget while another stage's share stood unused.
+        budget = NestedParts(self.account, 2, "reduce_func", "halves of the share").open().budget
         output = node.make_iterator(self.ctx.with_budget(budget))
         budget.allot()
         self.output, self.output_booking, self.emitted = output, group.booking, 0
