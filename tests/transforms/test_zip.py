@@ -27,6 +27,10 @@ def test_concatenate_checks_specs_learnt_from_elements_before_it_runs() -> None:
     floats = hr.Dataset.range(2).map(lambda x: x * 0.5)
     with pytest.raises(hr.ElementSpecError, match="dtypes differ"):
         iter(hr.Dataset.range(3).concatenate(floats))
+    with pytest.raises(hr.ElementSpecError, match="dtypes differ"):  # (read by index)
+        iter(hr.Dataset.range(3).concatenate(floats).take(4))
+    with pytest.raises(hr.ElementSpecError, match="dtypes differ"):
+        iter(hr.Dataset.range(3).concatenate(floats).take(50))
     same = hr.Dataset.range(2).map(lambda x: x + 10)
     assert ints(hr.Dataset.range(3).concatenate(same)) == [0, 1, 2, 10, 11]
     assert ints(hr.Dataset.range(0).concatenate(same)) == [10, 11]  # (nothing to learn from)

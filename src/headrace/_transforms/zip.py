@@ -143,6 +143,8 @@ class ConcatenateNode(Node):
     stage = "concatenate"
 
     def element_access(self, reach: Reach) -> RandomAccess | Refusal:
+        if self.spec is None:  # (read by index: make_iterator is not run)
+            self._check_learnt_specs()
         parts = reached(reach, self.inputs)
         return parts if isinstance(parts, Refusal) else _ConcatAccess(*parts)
 
@@ -176,6 +178,8 @@ class ConcatenateNode(Node):
         return a + b
 
     def random_access(self) -> RandomAccess | None:
+        if self.spec is None:  # (read by index: make_iterator is not run)
+            self._check_learnt_specs()
         first, second = (node.random_access() for node in self.inputs)
         if first is None or second is None:
             return None
