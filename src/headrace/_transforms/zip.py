@@ -101,23 +101,22 @@ class _ZipIterator(Iterator):
     def pull(self) -> tuple[Any, Reservation]:
         """One element of every input; an input's error is raised in the pair's place
         after the others moved past it too, as tf.data does (else they fell one behind
-        for each error, and every later pair was mismatched)."""
+        for each error, and every later pair was mismatched). The first input that
+        ends ends the zip, before the inputs after it are asked (one raising at every
+        pull, such as a refusal over an endless input, kept it from ending)."""
         elements: list[Any] = []
         failure: Exception | None = None
-        ended = False
         for inner in self.inputs:
             try:
                 elements.append(next(inner))
             except StopIteration:
-                ended = True
+                raise
             except Exception as error:
                 if not holds_a_place(error):
                     raise
                 failure = failure or error
         if failure is not None:
             raise failure
-        if ended:
-            raise StopIteration
         return pack_as(self.structure, elements), NO_RESERVATION
 
 

@@ -22,7 +22,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from headrace._closing import ClosesOnExit
-from headrace._errors import CheckpointError, IteratorClosedError, add_note
+from headrace._errors import CheckpointError, IteratorClosedError, MemoryBudgetError, add_note
 from headrace._memory.allocator import tune_allocator
 from headrace._memory.budget import MemoryBudget
 from headrace._memory.buffer import NO_RESERVATION
@@ -30,7 +30,7 @@ from headrace._memory.sizeof import register_sizer
 from headrace._memory.system import available_memory, live_runs
 from headrace._options import Options
 from headrace._stateful import StateDict
-from headrace.core.element_errors import STREAM_ERRORS, RepeatCheck
+from headrace.core.element_errors import RepeatCheck
 from headrace.core.iterator import Context, Iterator
 from headrace.core.state import (
     OUT_OF_ORDER,
@@ -347,8 +347,8 @@ class DatasetIterator(ClosesOnExit, StateDict, _PyIterator[Any]):
         Python generator does after it raised. Errors of the data or of user code
         (a reader that may succeed when asked again) are left to the caller. A
         restore (:meth:`set_state`) goes on from the state it is given."""
-        if not isinstance(error, STREAM_ERRORS):
-            return
+        if not isinstance(error, MemoryBudgetError):  # (a broken worker pool raises for
+            return  # good, until the iterator is closed: documented, and resumable)
         if self._repeats is None:
             self._repeats = RepeatCheck(self._tree, "the pipeline", self._progress)
         if self._repeats.repeated(error):
