@@ -21,7 +21,7 @@ from typing import Any
 
 from headrace._memory.buffer import NO_RESERVATION, Reservation
 from headrace._structure import flatten, map_structure, pack_as
-from headrace.core.handoff import holds_a_place
+from headrace.core.handoff import holds_a_place, unpin
 from headrace.core.indexing import RandomAccess, Reach, Refusal
 from headrace.core.iterator import Context, Iterator
 from headrace.core.node import INFINITE, UNKNOWN, Node, ShardRole, Traits, check_positive
@@ -124,7 +124,7 @@ class _WindowIterator(Iterator):
             # error passed on at once shifted every later window by one.
             index, self.next_index = self.next_index, self.next_index + 1
             if index >= self.start:
-                self.held.append((index, before, _Failed(error), NO_RESERVATION))
+                self.held.append((index, before, _Failed(unpin(error)), NO_RESERVATION))
             return True
         index, self.next_index = self.next_index, self.next_index + 1
         if index < self.start:  # between windows (shift > size * stride): not kept
@@ -153,7 +153,7 @@ class _WindowIterator(Iterator):
         if failed is not None:  # every window that holds it raises its error, in its place
             self.start += node.shift
             self._drop_before(self.start)
-            raise failed.error.with_traceback(None)
+            raise failed.error.with_traceback(None)  # (each window that holds it raises it)
         leaves = [flatten(element) for element in members]
         window = pack_as(
             members[0],
