@@ -206,6 +206,17 @@ class _Producer:
         probe = self.probe
         tokens: list[Any] | None = None if probe is None else []
         token = None
+
+        def held_in_place(error: Exception, token: Any) -> dict[int, Exception]:
+            """An error in its element's place in the chunk, handed out in its turn."""
+            position = len(elements)
+            unpin(error)  # (its frames dropped before it is sized and booked)
+            elements.append(None)
+            bookings.append(book_error(account, self.ctx.sizeof, error))
+            if tokens is not None:
+                tokens.append(token)
+            return {position: error}
+
         try:
             for _ in range(max(1, min(room, _CHUNK))):
                 try:
@@ -217,11 +228,7 @@ class _Producer:
                     if not holds_a_place(error):  # the input's own failure: no position;
                         raise  # it ends this thread, after the elements pulled before it
                     pulled = True
-                    errors = {len(elements): unpin(error)}  # handed out later
-                    elements.append(None)
-                    bookings.append(book_error(account, self.ctx.sizeof, error))
-                    if tokens is not None:
-                        tokens.append(None)
+                    errors = held_in_place(error, None)
                     break
                 pulled = True
                 if probe is not None:  # the input is still on this element: ask it now
@@ -233,11 +240,7 @@ class _Producer:
                     reservation.release()  # its booking upstream is returned, and its
                     # error stands in its place; the thread goes on with the next (it
                     # used to end here, and every later pull raised the error again)
-                    errors = {len(elements): unpin(error)}
-                    elements.append(None)
-                    bookings.append(book_error(account, self.ctx.sizeof, error))
-                    if tokens is not None:
-                        tokens.append(token)
+                    errors = held_in_place(error, token)
                     break
                 if not fits:
                     # Starving means nothing of this stage's is on its way to the consumer:
