@@ -26,8 +26,8 @@ from headrace.core.state import mark_out_of_order
 __all__ = ["SPLIT_AFTER_SECONDS", "InOrder", "OutOfOrder", "Where"]
 
 #: With ``deterministic=False``, an element running this long gives up the rest of its
-#: chunk (a few target calls: quick elements never pay for it).
-SPLIT_AFTER_SECONDS = 4 * TARGET_CALL_SECONDS
+#: chunk (a target call: quick elements never pay for it).
+SPLIT_AFTER_SECONDS = TARGET_CALL_SECONDS
 
 #: Where an input not handed out yet is: its index, the input's state before its chunk,
 #: its position in the chunk.
