@@ -16,13 +16,14 @@ Capped arenas still fragment: with the raised threshold, large blocks freed
 between live ones stay in the heap, and a shuffle of heavy-tailed 256 KiB-16 MiB
 elements under 64 MiB grew the process 178 MiB (bound 141) with 60 MiB booked.
 So budgets report what they release (:func:`note_released`); every
-:data:`CHECK_EVERY` bytes the process's memory is compared with what live runs
-book, and when what nobody booked has grown by a quarter of the largest live
-budget since the last look, and the heap has that much in free blocks, the heap's
-free pages go back (``malloc_trim``).
+:data:`CHECK_EVERY` bytes (an eighth of the largest live budget, if more) the
+process's memory is compared with what live runs book, and when what nobody
+booked has grown by a quarter of that budget since the last look, and the heap
+has that much in free blocks, the heap's free pages go back (``malloc_trim``).
 Memory the program itself keeps (a model, a dataset it holds) raises the floor
 once and is not trimmed for again; in a run whose books match its memory the
-check is one read of /proc/self/status per 16 MiB released.
+check is one read of /proc/self/status per 16 MiB released, or per eighth of
+the budget.
 
 This is process-wide, so it happens once, when the first iterator starts,
 and only if ``Options(tune_allocator=False)`` was not asked for. Elsewhere
@@ -72,8 +73,13 @@ __all__ = [
 ARENA_MAX = 2
 _M_ARENA_MAX = -8
 
-#: Bytes released on budgets between two looks at the heap (see the module's text).
+#: Bytes released on budgets between two looks at the heap (see the module's text),
+#: times one more for every :data:`_SCALE_UNIT` of the largest live budget (an eighth
+#: of it, twice per allowance): a look (/proc and mallinfo2) costs 0.2-0.3 ms of CPU
+#: in a busy process, and a 256 MiB image pipeline releasing 700 KB an image looked
+#: every 23 images (2.5% of its CPU).
 CHECK_EVERY = 16 << 20
+_SCALE_UNIT = 128 << 20
 #: Retention below this is never trimmed for (a small budget's quarter is noise).
 _MIN_GROWTH = 8 << 20
 
@@ -82,6 +88,7 @@ _tuned: bool | None = None
 _watching = False  # on glibc, with the allocator's tuning asked for
 _released = 0  # since the last look (racy adds: a look a little early or late)
 _floor = 0  # unbooked memory after the last trim (the program's own, not the heap's)
+_scale = 1  # CHECK_EVERY's multiple between looks (from the largest budget at the last)
 
 
 def tune_allocator() -> bool:
@@ -101,7 +108,7 @@ def note_released(nbytes: int) -> None:
     milliseconds); costs an add and a compare between looks."""
     global _released
     _released += nbytes
-    if _released >= CHECK_EVERY and _watching:
+    if _released >= CHECK_EVERY * _scale and _watching:
         _released = 0
         _trim_if_retaining()
 
@@ -115,7 +122,7 @@ def _trim_if_retaining() -> None:
     training loop is on, 77 MB of images, mapped outside the heap) read as growth: an
     image pipeline trimmed once a batch, and faulted the heap's pages back in (8-12%
     of its CPU)."""
-    global _floor
+    global _floor, _scale
     from headrace._memory.system import live_runs, sample_process_memory  # (system imports io)
 
     if not _lock.acquire(blocking=False):
@@ -125,7 +132,9 @@ def _trim_if_retaining() -> None:
         if memory is None:
             return
         unbooked = live_runs.unaccounted(memory)
-        allowance = max(_MIN_GROWTH, live_runs.largest_total() // 4)
+        largest = live_runs.largest_total()
+        _scale = max(1, largest // _SCALE_UNIT)
+        allowance = max(_MIN_GROWTH, largest // 4)
         if unbooked > _floor + allowance and _free_heap() > allowance:
             release_free_heap()
             after = sample_process_memory()
