@@ -163,3 +163,23 @@ def test_parse_example_columns(batch: list[bytes], wanted: list[tuple[str, str]]
     expected = outcome(wire.scan_columns, batch, keys, kinds)
     got = outcome(native.parse_example_columns, batch, keys, kinds)
     assert got == expected
+
+
+@settings(max_examples=400, deadline=None)
+@given(damaged_examples(), damaged_examples())
+def test_decode_features(first: bytes, second: bytes) -> None:
+    """decode_example's C walk: the same features in the same order, the same byte in a
+    malformed record's error; two records concatenated are one merged Example whose
+    later entry of a key replaces the earlier one at the end of the order."""
+    from headrace.io.example.parsing import _decode_features
+
+    assert native is not None
+
+    def decoded(decode: Any, data: bytes) -> Any:
+        try:
+            return [(key, kind, values) for key, (kind, values) in decode(data, 1).items()]
+        except wire.Malformed as malformed:
+            return ("malformed at", malformed.position)
+
+    for data in (first, first + second):
+        assert decoded(_decode_features, data) == decoded(wire.decode_features, data)

@@ -22,6 +22,9 @@ def frame_records(records: list[bytes], /) -> bytes: ...
 def parse_example_columns(
     serialized: Sequence[bytes], keys: Sequence[bytes], kinds: Sequence[int], /
 ) -> list[tuple[bytearray | list[bytes], bytearray]]: ...
+def decode_features(
+    serialized: bytes, map_field: int, /
+) -> dict[bytes, tuple[int, bytearray | list[bytes]]]: ...
 def shuffle_draw(
     ring: Any,
     capacity: int,

@@ -769,15 +769,16 @@ typedef struct {
     Py_ssize_t key_len, value_start, value_end;
 } entry_t;
 
-/* Collect the map entries of every Example.features occurrence into `entries`. */
-static int collect_entries(wire_t *w, Py_ssize_t len, growbuf_t *entries)
+/* Collect the map entries of every occurrence of message field `map_field` (an
+ * Example's features, a SequenceExample's context: 1) into `entries`. */
+static int collect_entries(wire_t *w, Py_ssize_t len, growbuf_t *entries, uint64_t map_field)
 {
     Py_ssize_t pos = 0;
     field_t top;
     int more;
     entries->len = 0;
     while ((more = next_field(w, &pos, len, &top)) == 1) {
-        if (top.number != 1 || top.wire_type != WIRE_LEN)
+        if (top.number != map_field || top.wire_type != WIRE_LEN)
             continue;
         Py_ssize_t map_pos = top.start;
         field_t entry_field;
@@ -916,7 +917,7 @@ static int scan_record(const uint8_t *data, Py_ssize_t len, Py_ssize_t record_in
                        column_t *cols, Py_ssize_t ncols, growbuf_t *entries, int64_t *found)
 {
     wire_t w = {data, 0};
-    int status = collect_entries(&w, len, entries);
+    int status = collect_entries(&w, len, entries, 1);
     if (status == -1) {
         raise_failure(FAILURE_MALFORMED, record_index, -1, w.error_position, KIND_NONE);
         return -1;
@@ -1077,6 +1078,85 @@ done:
     Py_XDECREF(records);
     Py_XDECREF(keys);
     Py_XDECREF(kinds);
+    return result;
+}
+
+/* decode_features(buf, map_field): every feature of one Example (or a SequenceExample's
+ * context), as _example_wire.decode_features returns it: {key: (kind, values)}, values a
+ * list of bytes (bytes_list) or the raw little-endian float32 / int64 (a bytearray).
+ * Every entry is decoded in order, and a later entry of a key replaces an earlier one
+ * at the end of the order. A malformed record raises ParseFailure with its byte. */
+static PyObject *py_decode_features(PyObject *self, PyObject *args)
+{
+    Py_buffer data;
+    unsigned long long map_field;
+    if (!PyArg_ParseTuple(args, "y*K:decode_features", &data, &map_field))
+        return NULL;
+    wire_t w = {(const uint8_t *)data.buf, 0};
+    growbuf_t entries = {NULL, 0, 0};
+    PyObject *decoded = NULL, *result = NULL;
+    int status = collect_entries(&w, data.len, &entries, (uint64_t)map_field);
+    if (status == -1)
+        raise_failure(FAILURE_MALFORMED, 0, -1, w.error_position, KIND_NONE);
+    if (status < 0 || (decoded = PyDict_New()) == NULL)
+        goto done;
+    const entry_t *list = (const entry_t *)entries.data;
+    const Py_ssize_t count = (Py_ssize_t)(entries.len / sizeof(entry_t));
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const entry_t *entry = &list[i];
+        int kind;
+        Py_ssize_t list_start, list_end;
+        if (feature_kind(&w, entry->value_start, entry->value_end, &kind, &list_start,
+                         &list_end) < 0) {
+            raise_failure(FAILURE_MALFORMED, 0, -1, w.error_position, KIND_NONE);
+            goto done;
+        }
+        column_t col = {NULL, 0, kind, {NULL, 0, 0}, NULL, {NULL, 0, 0}};
+        PyObject *values = NULL;
+        if (kind == KIND_BYTES && (col.strings = PyList_New(0)) == NULL)
+            goto done;
+        Py_ssize_t appended = 0;
+        if (kind != KIND_NONE) {
+            appended = append_list_values(&w, &col, list_start, list_end);
+            if (appended == -1)
+                raise_failure(FAILURE_MALFORMED, 0, -1, w.error_position, KIND_NONE);
+        }
+        if (appended >= 0) {
+            if (kind == KIND_BYTES) {
+                values = col.strings;
+                col.strings = NULL;
+            } else {
+                values = PyByteArray_FromStringAndSize(col.values.data,
+                                                       (Py_ssize_t)col.values.len);
+            }
+        }
+        PyMem_Free(col.values.data);
+        Py_XDECREF(col.strings);
+        PyObject *key = values == NULL ? NULL
+            : PyBytes_FromStringAndSize((const char *)entry->key, entry->key_len);
+        PyObject *pair = key == NULL ? NULL : Py_BuildValue("(iN)", kind, values);
+        if (pair == NULL) {
+            if (key == NULL)
+                Py_XDECREF(values);
+            Py_XDECREF(key);
+            goto done;
+        }
+        /* the last entry of a key wins and takes its place at the end of the order */
+        if ((PyDict_Contains(decoded, key) == 1 && PyDict_DelItem(decoded, key) < 0) ||
+            PyDict_SetItem(decoded, key, pair) < 0) {
+            Py_DECREF(key);
+            Py_DECREF(pair);
+            goto done;
+        }
+        Py_DECREF(key);
+        Py_DECREF(pair);
+    }
+    result = decoded;
+    decoded = NULL;
+done:
+    Py_XDECREF(decoded);
+    PyMem_Free(entries.data);
+    PyBuffer_Release(&data);
     return result;
 }
 
@@ -1293,6 +1373,8 @@ static PyMethodDef methods[] = {
     {"frame_records", py_frame_records, METH_O, "frame_records(records) -> bytes (TFRecord)."},
     {"parse_example_columns", py_parse_example_columns, METH_VARARGS,
      "parse_example_columns(records, keys, kinds) -> [(values, counts)]"},
+    {"decode_features", py_decode_features, METH_VARARGS,
+     "decode_features(buf, map_field) -> {key: (kind, values)} (every feature of a record)"},
     {"shuffle_draw", py_shuffle_draw, METH_VARARGS,
      "shuffle_draw(ring, capacity, start, end, incoming, draws, out)"
      " -> (produced, start, end, used_incoming)"},
