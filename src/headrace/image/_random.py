@@ -183,15 +183,23 @@ def random_flip_up_down(image: Any, seed: Any = None) -> Array:
 
 def random_crop(value: Any, size: Any, seed: Any = None, name: str | None = None) -> Array:
     """``tf.image.random_crop``: a slice of shape ``size`` at a uniform offset."""
-    array = np.asarray(value)
-    shape = [int(v) for v in np.asarray(size).reshape(-1)]
-    if len(shape) != array.ndim or any(s < 0 or s > d for s, d in zip(shape, array.shape, strict=True)):
+    array = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if isinstance(size, tuple | list) and all(type(v) is int for v in size):
+        shape = list(size)  # (the usual case, without an array made of it)
+    else:
+        shape = [int(v) for v in np.asarray(size).reshape(-1)]
+    dims = array.shape
+    if len(shape) != len(dims) or any(s < 0 or s > d for s, d in zip(shape, dims, strict=True)):
         raise InvalidArgumentError(
-            f"random_crop: need value.shape >= size, got shape {array.shape} and size {shape}"
+            f"random_crop: need value.shape >= size, got shape {dims} and size {shape}"
         )
     rng = seed_generator(seed, "crop")
-    offsets = [int(rng.integers(0, d - s + 1)) for s, d in zip(shape, array.shape, strict=True)]
-    return array[tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))]
+    # A whole dimension (the channels) is not drawn for: integers(0, 1) is 0 and takes
+    # nothing from the stream, so the offsets are the same either way.
+    return array[tuple(
+        slice(None) if s == d else slice(o := int(rng.integers(0, d - s + 1)), o + s)
+        for s, d in zip(shape, dims, strict=True)
+    )]
 
 
 def random_brightness(image: Any, max_delta: float, seed: Any = None) -> Array:
