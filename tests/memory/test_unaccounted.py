@@ -114,6 +114,7 @@ def test_the_heap_is_trimmed_when_unbooked_memory_grows_and_not_again_for_the_pr
     monkeypatch.setattr(allocator, "_watching", True)
     monkeypatch.setattr(allocator, "_released", 0)
     monkeypatch.setattr(allocator, "_floor", 0)
+    monkeypatch.setattr(allocator, "_scale", 1)  # (not what an earlier run left)
 
     def release(total: int) -> None:
         for _ in range(total // MiB):
@@ -210,6 +211,7 @@ def test_memory_the_program_holds_for_a_moment_is_not_trimmed_for(monkeypatch: A
     monkeypatch.setattr(allocator, "_watching", True)
     monkeypatch.setattr(allocator, "_released", 0)
     monkeypatch.setattr(allocator, "_floor", 0)
+    monkeypatch.setattr(allocator, "_scale", 1)  # (not what an earlier run left)
     for step in range(20):
         resident[0] = 40 * MiB if step % 2 else 0  # a 40 MiB batch held, then let go
         allocator.note_released(allocator.CHECK_EVERY)
