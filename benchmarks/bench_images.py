@@ -30,7 +30,8 @@ sampled process's page faults, so the timed run is not sampled.
 
     PYTHONPATH=src python benchmarks/bench_images.py [--images 2000] [--full] [--epochs 2]
 
-writes benchmarks/results/images.md and images.json.
+writes benchmarks/results/images.md and images.json (``--out NAME``: NAME.md and
+NAME.json, so that a run of a few sides, or a longer one, keeps the full run's).
 """
 
 from __future__ import annotations
@@ -398,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset of the sides (default: all)")
     parser.add_argument("--budget", default=BUDGET,
                         help="the headrace sides' memory budget (default %(default)s)")
+    parser.add_argument("--out", default="images",
+                        help="results file name under benchmarks/results (default %(default)s)")
     parser.add_argument("--child", default=None)
     args = parser.parse_args(argv)
     if args.child:
@@ -412,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     shard_bytes = sum(os.path.getsize(p) for p in files)
     run_line = (f"`PYTHONPATH=src python benchmarks/bench_images.py --images {images} "
                 f"--epochs {args.epochs} --repeats {args.repeats} --budget {args.budget}"
-                + (f" --sides '{args.sides}'" if args.sides else "") + "`")
+                + (f" --sides '{args.sides}'" if args.sides else "")
+                + (f" --out {args.out}" if args.out != "images" else "") + "`")
     info, sections = report_head("Image pipeline: headrace vs tf.data vs PyTorch", sys.executable,
                                  run_line)
     chosen = [side for side in SIDES if args.sides is None or side in args.sides.split(",")]
@@ -473,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     report = {"machine": info, "images": images, "epochs": args.epochs, "results": results}
-    write_report("images", sections, report, started)
+    write_report(args.out, sections, report, started)
     return 0
 
 
