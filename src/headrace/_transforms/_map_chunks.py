@@ -31,7 +31,8 @@ __all__ = ["MAX_CHUNK", "TARGET_CALL_SECONDS", "Aside", "ChunkSize", "InputFeed"
 #: consumer some 50-100 us with the GIL held (its inputs pulled, its outputs booked,
 #: its hand-offs), so a map of 1 ms images on 2 threads gave 8% of the GIL to that
 #: at 2 ms calls, and its threads waited on an empty queue 8% of the time: at 8 ms,
-#: 5% more images a second for 3% less CPU (benchmarks/bench_images.py, plain tf.image).
+#: 6-20% more images a second for 3-10% less CPU (plain tf.image on threads, A/B in
+#: alternation; benchmarks/bench_images.py), cheap and 0.1-0.3 ms maps unchanged.
 TARGET_CALL_SECONDS = 8e-3
 #: The most inputs in one call (a checkpoint's skip inside a chunk is at most this).
 MAX_CHUNK = 256

@@ -86,7 +86,7 @@ __all__ = ["MIN_PROCESS_CALL_SECONDS", "WORKER_BASELINE_BYTES", "book_workers", 
 #: ``auto`` sends a function to processes only if one call takes at least this long: a
 #: chunk's trip to a worker and back costs some 100 us, which quicker calls cannot repay.
 MIN_PROCESS_CALL_SECONDS = 50e-6
-#: How long a call to a worker process should run (a thread's call: 2 ms). A trip to a
+#: How long a call to a worker process should run (a thread's call: 8 ms). A trip to a
 #: process costs more than a hand-off to a thread (pickling the chunk, two pipe
 #: messages, the collector's wake-up, some 100-300 us of CPU on the two sides
 #: together): with 2 ms calls two workers ran a ~0.8 ms pure-Python map at 1.6-1.7x
