@@ -83,22 +83,42 @@ def test_memory_freed_below_the_baseline_moves_it_down() -> None:
     assert runs.unaccounted(ProcessMemory(136 * MiB, 0, 0)) == 96 * MiB
 
 
+class _Budget:
+    """What the registry reads of a run's budget."""
+
+    used = 0
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+
+def _watched_heap(monkeypatch: Any, total: int, memory: Any) -> tuple[LiveRuns, _Budget]:
+    """A registry with one live run of ``total`` bytes, /proc answered by ``memory()``,
+    and the allocator's watch on, from a clean state (no look yet, no floor, one look
+    per CHECK_EVERY: not what an earlier pipeline in this process left)."""
+    from headrace._memory import allocator, system
+
+    runs = LiveRuns()
+    budget = _Budget(total)  # (the registry holds runs weakly: the caller keeps it)
+    runs.start(budget)
+    runs._baseline = 0
+    monkeypatch.setattr(system, "live_runs", runs)
+    monkeypatch.setattr(system, "sample_process_memory", memory)
+    monkeypatch.setattr(allocator, "_watching", True)
+    monkeypatch.setattr(allocator, "_released", 0)
+    monkeypatch.setattr(allocator, "_floor", 0)
+    monkeypatch.setattr(allocator, "_scale", 1)
+    return runs, budget
+
+
 def test_the_heap_is_trimmed_when_unbooked_memory_grows_and_not_again_for_the_programs_own(
     monkeypatch: Any,
 ) -> None:
     """Budgets' releases look at the heap every CHECK_EVERY bytes: a growth of unbooked
     memory past a quarter of the largest live budget trims it once; memory that stays
     after the trim (the program's own) raises the floor, and is not trimmed for again."""
-    from headrace._memory import allocator, system
+    from headrace._memory import allocator
 
-    class Budget:
-        used = 0
-        total = 64 * MiB
-
-    runs = LiveRuns()
-    budget = Budget()  # (the registry holds runs weakly)
-    runs.start(budget)
-    runs._baseline = 0
     resident = [0]  # anonymous memory the fake /proc reports
     trims: list[int] = []
 
@@ -106,15 +126,10 @@ def test_the_heap_is_trimmed_when_unbooked_memory_grows_and_not_again_for_the_pr
         trims.append(resident[0])
         resident[0] -= 20 * MiB  # the heap's free pages went back; the rest is live
 
-    monkeypatch.setattr(system, "live_runs", runs)
-    monkeypatch.setattr(system, "sample_process_memory",
-                        lambda: ProcessMemory(resident[0], 0, 0))
+    _runs, _budget = _watched_heap(monkeypatch, 64 * MiB,
+                                   lambda: ProcessMemory(resident[0], 0, 0))
     monkeypatch.setattr(allocator, "release_free_heap", trim)
     monkeypatch.setattr(allocator, "_free_heap", lambda: 20 * MiB)
-    monkeypatch.setattr(allocator, "_watching", True)
-    monkeypatch.setattr(allocator, "_released", 0)
-    monkeypatch.setattr(allocator, "_floor", 0)
-    monkeypatch.setattr(allocator, "_scale", 1)  # (not what an earlier run left)
 
     def release(total: int) -> None:
         for _ in range(total // MiB):
@@ -142,23 +157,11 @@ def test_looks_at_the_heap_are_spaced_by_an_eighth_of_the_largest_budget(
     """A look costs a /proc read and a walk of the heap (0.2-0.3 ms in a busy process):
     under a 1 GiB budget they come every 128 MiB released, not every 16 MiB, which is
     still twice per allowance (a quarter of the budget); a small budget keeps 16 MiB."""
-    from headrace._memory import allocator, system
+    from headrace._memory import allocator
 
-    class Budget:
-        used = 0
-        total = 1024 * MiB
-
-    runs = LiveRuns()
-    budget = Budget()
-    runs.start(budget)
-    runs._baseline = 0
     looks: list[int] = []
-    monkeypatch.setattr(system, "live_runs", runs)
-    monkeypatch.setattr(system, "sample_process_memory",
-                        lambda: looks.append(1) or ProcessMemory(0, 0, 0))
-    monkeypatch.setattr(allocator, "_watching", True)
-    monkeypatch.setattr(allocator, "_released", 0)
-    monkeypatch.setattr(allocator, "_scale", 1)
+    _runs, budget = _watched_heap(monkeypatch, 1024 * MiB,
+                                  lambda: looks.append(1) or ProcessMemory(0, 0, 0))
     for _ in range(1024 // 4):  # 1 GiB released, 4 MiB at a time
         allocator.note_released(4 * MiB)
     # the first look (at 16 MiB) learns the budget; then one every 128 MiB
@@ -188,30 +191,17 @@ def test_memory_the_program_holds_for_a_moment_is_not_trimmed_for(monkeypatch: A
     batch; with little free in the heap that is not retention, and trimming (then
     faulting the pages back in) once a batch cost an image pipeline 8-12% of its CPU.
     Once the heap does hold the allowance in free blocks, it is trimmed."""
-    from headrace._memory import allocator, system
+    from headrace._memory import allocator
 
-    class Budget:
-        used = 0
-        total = 64 * MiB
-
-    runs = LiveRuns()
-    budget = Budget()
-    runs.start(budget)
-    runs._baseline = 0
     resident, free, trims = [0], [4 * MiB], [0]
 
     def trim() -> None:
         trims[0] += 1
 
-    monkeypatch.setattr(system, "live_runs", runs)
-    monkeypatch.setattr(system, "sample_process_memory",
-                        lambda: ProcessMemory(resident[0], 0, 0))
+    _runs, _budget = _watched_heap(monkeypatch, 64 * MiB,
+                                   lambda: ProcessMemory(resident[0], 0, 0))
     monkeypatch.setattr(allocator, "release_free_heap", trim)
     monkeypatch.setattr(allocator, "_free_heap", lambda: free[0])
-    monkeypatch.setattr(allocator, "_watching", True)
-    monkeypatch.setattr(allocator, "_released", 0)
-    monkeypatch.setattr(allocator, "_floor", 0)
-    monkeypatch.setattr(allocator, "_scale", 1)  # (not what an earlier run left)
     for step in range(20):
         resident[0] = 40 * MiB if step % 2 else 0  # a 40 MiB batch held, then let go
         allocator.note_released(allocator.CHECK_EVERY)
