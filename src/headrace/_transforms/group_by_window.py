@@ -11,7 +11,9 @@ Memory: the open groups are the stage's buffer, every element booked on its
 share of the budget until its group's output is used up (a group that cannot
 fit raises :class:`~headrace._errors.MemoryBudgetError` naming the stage); the
 reduced dataset runs inside that share. State: the input's start plus counts,
-replayed on restore (groups are data, and states never hold data).
+replayed on restore (groups are data, and states never hold data); the replay
+runs each reduced dataset it passes too, so that a tight budget is split as it
+was in the run.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from headrace.core.node import UNKNOWN, Node, ShardRole, Traits, check_positive,
 from headrace.core.state import StateReader
 
 __all__ = ["GroupByWindowNode"]
+
+#: A restore replays a group's reduced pipeline past its errors, but not past this many
+#: in a row (one that raises at every pull would never end).
+_REPLAY_FAILURES = 64
 
 
 def _node_of(dataset: Any, where: str) -> Node:
@@ -189,6 +195,34 @@ class _GroupIterator(Iterator):
             reservation.release()
             self.emitted += 1
 
+    def _replay_output(self, key: int) -> None:
+        """Run a group's reduced pipeline to its end and drop what it gives, as the run
+        that took the state ran it: under a tight budget that pipeline widens its part of
+        the share (:class:`~headrace._memory.nested.NestedParts`) and the stages beside
+        it fill to what is left, so a shuffle upstream draws from as many elements in
+        the replay as it did in the run (discarded unread, it drew from more, and the
+        restored stream went another way). Its errors were raised in the run: passed."""
+        try:
+            self._start_output(key)
+        except Exception:  # reduce_func raised: the run raised it in the group's place
+            return
+        output = self.output
+        assert output is not None
+        failed = 0  # in a row: a pipeline that raises at every pull is left after 64
+        try:
+            while failed < _REPLAY_FAILURES:
+                try:
+                    _, reservation = output.pull()
+                except StopIteration:
+                    break
+                except Exception:
+                    failed += 1
+                    continue
+                failed = 0
+                reservation.release()
+        finally:
+            self._end_output()
+
     def _discard(self, key: int) -> None:
         self.groups.pop(key).booking.release()
 
@@ -251,7 +285,7 @@ class _GroupIterator(Iterator):
             if self.input.consumed == consumed and current and not input_done:
                 last_completed.append(key)  # its output was being read at the checkpoint
             else:
-                self._discard(key)  # its output was used up before the checkpoint
+                self._replay_output(key)  # its output was used up before the checkpoint
 
         self.input.restore(reader, feed)
         if last_completed:
