@@ -191,3 +191,24 @@ def test_a_restore_passes_a_group_whose_reduce_func_raised() -> None:
         with iter(ds) as resumed:
             resumed.set_state(state)
             assert rest(resumed) == seen[position:], position
+
+
+def test_a_group_whose_reduce_func_raised_gives_its_booking_back() -> None:
+    # Its elements stayed booked on the stage's share, one group more at every error
+    # (5.3 MB after 133 such groups here), until the iterator closed.
+    ds = hr.Dataset.from_tensor_slices(np.arange(400)).map(
+        lambda x: np.zeros((x % 3 + 1) * 1000)).bucket_by_sequence_length(
+        lambda x: x.shape[0], [2000], [2, 2], pad_to_bucket_boundary=True)
+    outputs = errors = 0
+    with iter(ds) as iterator:
+        while True:
+            try:
+                next(iterator)
+                outputs += 1
+            except StopIteration:
+                break
+            except hr.InvalidArgumentError:
+                errors += 1
+                assert iterator.stats().budget_used < 100_000
+        assert (outputs, errors) == (67, 133)
+        assert iterator.stats().budget_used == 0

@@ -180,9 +180,13 @@ class _GroupIterator(Iterator):
 
     def _start_output(self, key: int, skip: int = 0) -> None:
         group = self.groups.pop(key)
-        window = self.node.make_dataset(group.elements)
-        result = self.node.reduce_func(np.int64(key), window)
-        node = _node_of(result, f"group_by_window: {function_name(self.node.reduce_func)}")
+        try:
+            window = self.node.make_dataset(group.elements)
+            result = self.node.reduce_func(np.int64(key), window)
+            node = _node_of(result, f"group_by_window: {function_name(self.node.reduce_func)}")
+        except BaseException:  # its error stands for the group: its elements go (they
+            group.booking.release()  # stayed booked, and every such group added to it)
+            raise
         # Half the share, widened (the share split again) where the reduced pipeline
         # must hold more at once: refused at the half, it was refused far below the
         # budget while another stage's share stood unused.
