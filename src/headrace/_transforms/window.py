@@ -153,7 +153,7 @@ class _WindowIterator(Iterator):
         if failed is not None:  # every window that holds it raises its error, in its place
             self.start += node.shift
             self._drop_before(self.start)
-            raise failed.error.with_traceback(None)  # (each window that holds it raises it)
+            raise failed.error.with_traceback(None)
         leaves = [flatten(element) for element in members]
         window = pack_as(
             members[0],
