@@ -365,7 +365,11 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     # page faults (tf.data's large heap loses ~30% of its rate to it, headrace's
     # workers 10-20%), so a timed run has no sampler.
     sampler = PeakSampler() if cfg.get("measure") == "memory" else None
-    iterator, count_of = SIDES[cfg["side"]](cfg["files"], cfg["epochs"])
+    if "calls" in cfg:  # a --scaling side: n processes or threads
+        side = side_headrace if cfg["pipeline"] == "inception" else side_headrace_plain
+        iterator, count_of = side(cfg["files"], cfg["epochs"], cfg["workers"], cfg["calls"])
+    else:
+        iterator, count_of = SIDES[cfg["side"]](cfg["files"], cfg["epochs"])
     first = next(iterator)  # start-up (imports, workers, first fill) outside the clock
     images = count_of(first)
     started, cpu0 = time.perf_counter(), tree_cpu()
@@ -401,12 +405,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="the headrace sides' memory budget (default %(default)s)")
     parser.add_argument("--out", default="images",
                         help="results file name under benchmarks/results (default %(default)s)")
+    parser.add_argument("--scaling", default=None, metavar="N,N,...",
+                        help="instead of the sides: headrace's two pipelines on N worker "
+                             "processes and N threads, each N over N times the epochs")
+    parser.add_argument("--no-peak", action="store_true",
+                        help="time each side only (no second run for its peak memory)")
     parser.add_argument("--child", default=None)
     args = parser.parse_args(argv)
     if args.child:
         cfg = json.loads(args.child)
         print("@@RESULT@@ " + json.dumps(child(cfg)), flush=True)
         return 0
+    if args.scaling:
+        return scaling(args)
     images = 20_000 if args.full else args.images
     started = time.perf_counter()
     directory = Path(args.dir or Path(tempfile.gettempdir()) / f"headrace-bench-images-{images}")
@@ -424,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for side in chosen:
             result: dict[str, Any] = {}
-            for measure in ("speed", "memory"):
+            for measure in ("speed",) if args.no_peak else ("speed", "memory"):
                 cfg = {"side": side, "files": files, "epochs": args.epochs,
                        "budget": args.budget, "measure": measure}
                 argv_child = [sys.executable, str(Path(__file__).resolve()), "--child",
@@ -478,6 +489,63 @@ def main(argv: list[str] | None = None) -> int:
     ]
     report = {"machine": info, "images": images, "epochs": args.epochs, "results": results}
     write_report(args.out, sections, report, started)
+    return 0
+
+
+def scaling(args: argparse.Namespace) -> int:
+    """How the rate grows with cores: headrace's Inception-crop pipeline and the plain
+    tf.image one, on N worker processes and on N threads, for each N of ``--scaling``.
+    N=1 is the one-core reference (the many-core target: >= 10x one core)."""
+    from _harness import child_env, md_table, report_head, run_child, write_report
+
+    counts = [int(n) for n in args.scaling.split(",")]
+    started = time.perf_counter()
+    directory = Path(args.dir or Path(tempfile.gettempdir()) / f"headrace-bench-images-{args.images}")
+    print(f"making {args.images} JPEGs in {SHARDS} shards under {directory} ...", file=sys.stderr)
+    files = make_shards(directory, args.images)
+    info, sections = report_head(
+        "Image pipeline: scaling with cores", sys.executable,
+        f"`PYTHONPATH=src python benchmarks/bench_images.py --images {args.images} "
+        f"--epochs {args.epochs} --scaling {args.scaling} --budget {args.budget}"
+        + (" --no-peak" if args.no_peak else "") + f" --out {args.out}`")
+    rows, results = [], []
+    for pipeline in ("inception", "plain"):
+        for workers in ("processes", "threads"):
+            one = None
+            for n in counts:
+                part: dict[str, Any] = {}
+                for measure in ("speed",) if args.no_peak else ("speed", "memory"):
+                    cfg = {"side": f"headrace {pipeline} ({n} {workers})", "pipeline": pipeline,
+                           "workers": workers, "calls": n, "files": files,
+                           "epochs": args.epochs * n, "budget": args.budget, "measure": measure}
+                    print(f"  running {cfg['side']} ({measure}) ...", file=sys.stderr, flush=True)
+                    got = run_child([sys.executable, str(Path(__file__).resolve()), "--child",
+                                     json.dumps(cfg)], timeout=900, env=child_env())
+                    if got.get("error"):
+                        print(got["error"], got.get("stderr_tail", ""), file=sys.stderr)
+                    part.update(got if measure == "speed" else
+                                {k: got[k] for k in ("peak_pss_mib", "error") if k in got})
+                part.update(pipeline=pipeline, workers=workers, calls=n)
+                results.append(part)
+                rate = part.get("images_per_s")
+                if n == counts[0]:
+                    one = rate
+                cpu, peak = part.get("cpu_s_per_image"), part.get("peak_pss_mib")
+                rows.append([pipeline, workers, n, f"{rate:.0f}" if rate else "error",
+                             f"{rate / one:.2f}x" if rate and one else "",
+                             f"{cpu * 1e3:.2f}" if cpu else "", f"{peak:.0f}" if peak else ""])
+    sections += [
+        "## Results", "",
+        f"{args.images} JPEGs in {SHARDS} shards; N workers run {args.epochs} x N epochs; "
+        f"batches of {BATCH} x {SIZE}x{SIZE}x3 float32; budget {args.budget}. "
+        "`inception`: parse + `InceptionCrop` (the fused crop, windowed decode); `plain`: "
+        "decode_jpeg -> random_crop -> random_flip_left_right -> convert_image_dtype. "
+        f"The speed-up is against N={counts[0]} of the same row group.", "",
+        md_table(["pipeline", "workers", "N", "images/s", f"vs N={counts[0]}",
+                  "CPU ms / image (tree)", "peak Pss anon+shmem MiB (tree)"], rows), "",
+    ]
+    write_report(args.out, sections, {"machine": info, "images": args.images,
+                                      "results": results}, started)
     return 0
 
 

@@ -6,6 +6,9 @@ Scenarios, each side in a fresh interpreter, one after the other:
    elements: headrace on 1 thread (sequential map), headrace with 2 worker
    processes, tf.data's ``map(py_function, num_parallel_calls=2)``, and PyTorch's
    DataLoader with 2 workers. Target: 2 processes >= 1.8x one thread.
+   ``--workers N`` runs the parallel sides with N workers over N/2 times the
+   elements (the many-core target: 16 processes >= 12x one thread); a side whose
+   framework is not installed (tf.data on the GPU machine) is left out.
 2. ``move_arrays``: a worker makes three 1 GiB arrays and hands them to the
    consumer: headrace (shared memory) vs ``multiprocessing.Queue`` (pickling).
    Time and peak of the process tree's RssAnon + RssShmem.
@@ -23,6 +26,7 @@ and it writes benchmarks/results/workers.md and workers.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -134,7 +138,7 @@ class PeakSampler:
 # -- sides (run in a fresh child) -------------------------------------------------------
 
 
-def side_python_map(name: str, count: int) -> dict[str, Any]:
+def side_python_map(name: str, count: int, workers: int = 2) -> dict[str, Any]:
     cpu0 = time.process_time()
     if name.startswith("headrace"):
         import headrace as hr
@@ -143,22 +147,22 @@ def side_python_map(name: str, count: int) -> dict[str, Any]:
         if name == "headrace 1 thread":
             ds = ds.map(python_work)
         else:
-            ds = ds.map(python_work, num_parallel_calls=2, workers="processes")
+            ds = ds.map(python_work, num_parallel_calls=workers, workers="processes")
         iterator = iter(ds)
         next(iterator)  # workers started: start-up is outside the clock for every side
         started, cpu0 = time.perf_counter(), tree_cpu()
         n = 1 + sum(1 for _ in iterator)
-    elif name == "tf.data py_function x2":
+    elif name.startswith("tf.data py_function"):
         import tensorflow as tf
 
         ds = tf.data.Dataset.range(count).map(
-            lambda x: tf.py_function(python_work, [x], tf.int64), num_parallel_calls=2
+            lambda x: tf.py_function(python_work, [x], tf.int64), num_parallel_calls=workers
         )
         iterator = iter(ds)
         next(iterator)
         started, cpu0 = time.perf_counter(), tree_cpu()
         n = 1 + sum(1 for _ in iterator)
-    else:  # torch DataLoader, 2 workers
+    else:  # torch DataLoader
         import torch.utils.data as tud
 
         class Items(tud.Dataset[int]):
@@ -169,7 +173,7 @@ def side_python_map(name: str, count: int) -> dict[str, Any]:
                 return int(python_work(index))
 
         loader = tud.DataLoader(
-            Items(), batch_size=None, num_workers=2, multiprocessing_context="fork"
+            Items(), batch_size=None, num_workers=workers, multiprocessing_context="fork"
         )
         iterator = iter(loader)
         next(iterator)
@@ -294,6 +298,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--strings", type=int, default=None,
                         help="path strings in scenario 3's source (default 3 M; 21 M is ~2 GiB)")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="workers of scenario 1's parallel sides (default 2)")
+    parser.add_argument("--out", default=None, help="results stem (default workers[-SCENARIO])")
     parser.add_argument("--only", choices=("python_map", "move_arrays", "unique_memory"),
                         help="one scenario; the report goes to workers-<scenario>.md/.json")
     args = parser.parse_args()
@@ -302,9 +309,15 @@ def main() -> None:
         return
     results: list[dict[str, Any]] = []
     count = 400 if args.quick else 2000  # ~2 s on one thread: start-up noise amortised
-    configs = [{"scenario": "python_map", "name": name, "count": count}
-               for name in ("headrace 1 thread", "headrace 2 processes",
-                            "tf.data py_function x2", "torch DataLoader 2 workers")]
+    n = args.workers
+    sides = ["headrace 1 thread", f"headrace {n} processes", f"tf.data py_function x{n}",
+             f"torch DataLoader {n} workers"]
+    installed = {"tf.data": importlib.util.find_spec("tensorflow") is not None,
+                 "torch": importlib.util.find_spec("torch") is not None}
+    configs = [{"scenario": "python_map", "name": name, "workers": n,
+                # the parallel sides get n/2 times the elements: the same ~1-2 s of wall
+                "count": count if name.endswith("1 thread") else count * max(1, n // 2)}
+               for name in sides if installed.get(name.split()[0], True)]
     arrays = 2 if args.quick else 3
     configs += [{"scenario": "move_arrays", "name": name, "count": arrays}
                 for name in ("headrace shared memory", "multiprocessing.Queue pickling")]
@@ -317,7 +330,7 @@ def main() -> None:
             results.append(run(config))
             print(results[-1], flush=True)
     out = HERE / "results"
-    stem = f"workers-{args.only}" if args.only else "workers"
+    stem = args.out or (f"workers-{args.only}" if args.only else "workers")
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     lines = [
         "# Process workers (benchmarks/bench_workers.py)", "",
