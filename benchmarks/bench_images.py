@@ -365,17 +365,19 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     # page faults (tf.data's large heap loses ~30% of its rate to it, headrace's
     # workers 10-20%), so a timed run has no sampler.
     sampler = PeakSampler() if cfg.get("measure") == "memory" else None
-    if "calls" in cfg:  # a --scaling side: n processes or threads
+    if "calls" in cfg:  # a --scaling side: n processes or threads, for a fixed time
         side = side_headrace if cfg["pipeline"] == "inception" else side_headrace_plain
-        iterator, count_of = side(cfg["files"], cfg["epochs"], cfg["workers"], cfg["calls"])
+        iterator, count_of = side(cfg["files"], 1000, cfg["workers"], cfg["calls"])
     else:
         iterator, count_of = SIDES[cfg["side"]](cfg["files"], cfg["epochs"])
     first = next(iterator)  # start-up (imports, workers, first fill) outside the clock
     images = count_of(first)
     started, cpu0 = time.perf_counter(), tree_cpu()
-    timed = 0
+    timed, limit = 0, cfg.get("seconds")
     for batch in iterator:
         timed += count_of(batch)
+        if limit and time.perf_counter() - started >= limit:
+            break
     seconds = time.perf_counter() - started
     cpu = tree_cpu() - cpu0
     shape = tuple(first[0].shape)
@@ -407,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="results file name under benchmarks/results (default %(default)s)")
     parser.add_argument("--scaling", default=None, metavar="N,N,...",
                         help="instead of the sides: headrace's two pipelines on N worker "
-                             "processes and N threads, each N over N times the epochs")
+                             "processes and N threads, each timed for --seconds")
+    parser.add_argument("--seconds", type=float, default=8.0,
+                        help="--scaling: seconds each side is timed for (default %(default)s)")
     parser.add_argument("--no-peak", action="store_true",
                         help="time each side only (no second run for its peak memory)")
     parser.add_argument("--child", default=None)
@@ -506,7 +510,7 @@ def scaling(args: argparse.Namespace) -> int:
     info, sections = report_head(
         "Image pipeline: scaling with cores", sys.executable,
         f"`PYTHONPATH=src python benchmarks/bench_images.py --images {args.images} "
-        f"--epochs {args.epochs} --scaling {args.scaling} --budget {args.budget}"
+        f"--seconds {args.seconds:g} --scaling {args.scaling} --budget {args.budget}"
         + (" --no-peak" if args.no_peak else "") + f" --out {args.out}`")
     rows, results = [], []
     for pipeline in ("inception", "plain"):
@@ -517,7 +521,7 @@ def scaling(args: argparse.Namespace) -> int:
                 for measure in ("speed",) if args.no_peak else ("speed", "memory"):
                     cfg = {"side": f"headrace {pipeline} ({n} {workers})", "pipeline": pipeline,
                            "workers": workers, "calls": n, "files": files,
-                           "epochs": args.epochs * n, "budget": args.budget, "measure": measure}
+                           "seconds": args.seconds, "budget": args.budget, "measure": measure}
                     print(f"  running {cfg['side']} ({measure}) ...", file=sys.stderr, flush=True)
                     got = run_child([sys.executable, str(Path(__file__).resolve()), "--child",
                                      json.dumps(cfg)], timeout=900, env=child_env())
@@ -527,6 +531,9 @@ def scaling(args: argparse.Namespace) -> int:
                                 {k: got[k] for k in ("peak_pss_mib", "error") if k in got})
                 part.update(pipeline=pipeline, workers=workers, calls=n)
                 results.append(part)
+                print(f"    {part.get('images_per_s', 0):.0f} images/s, "
+                      f"{(part.get('cpu_s_per_image') or 0) * 1e3:.2f} CPU ms/image",
+                      file=sys.stderr, flush=True)
                 rate = part.get("images_per_s")
                 if n == counts[0]:
                     one = rate
@@ -536,7 +543,8 @@ def scaling(args: argparse.Namespace) -> int:
                              f"{cpu * 1e3:.2f}" if cpu else "", f"{peak:.0f}" if peak else ""])
     sections += [
         "## Results", "",
-        f"{args.images} JPEGs in {SHARDS} shards; N workers run {args.epochs} x N epochs; "
+        f"{args.images} JPEGs in {SHARDS} shards, repeated; each side timed for "
+        f"{args.seconds:g} s after its first batch; "
         f"batches of {BATCH} x {SIZE}x{SIZE}x3 float32; budget {args.budget}. "
         "`inception`: parse + `InceptionCrop` (the fused crop, windowed decode); `plain`: "
         "decode_jpeg -> random_crop -> random_flip_left_right -> convert_image_dtype. "

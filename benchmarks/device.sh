@@ -56,20 +56,28 @@ step() {  # step SECONDS NAME COMMAND...
     local started=$SECONDS
     timeout --kill-after=10 "$limit" "$@"
     echo "== $name: exit $? after $((SECONDS - started)) s"
+    # the results so far, so that a run cut short still returns them
+    find benchmarks/results -newer "$OUT/.start" -type f | tar czf "$OUT/device-results.tgz" -T -
 }
 
 Q=${QUICK:+--quick}
-if [ -n "${QUICK:-}" ]; then IMAGES="--images 300 --epochs 1 --scaling 1,2"
-else IMAGES="--images 1000 --epochs 2 --scaling 1,4,8,16"; fi
-# host -> GPU: GB/s of shuffled 224x224x3 uint8 batches reaching the device (~2 min)
-step 150 host-to-gpu $PY benchmarks/bench_host_to_gpu.py --device "${DEVICE:-cuda}" $Q
-# a 1 ms pure-Python map: 1 thread vs 16 worker processes vs DataLoader(16 workers)
-step 90 workers $PY benchmarks/bench_workers.py --only python_map --workers 16 \
-    --out workers-device $Q
-# the image pipelines on 1..16 processes and threads
-step 200 images $PY benchmarks/bench_images.py $IMAGES --no-peak --out images-scaling-device
-# per-element and per-batch overhead against plain NumPy/Python loops
-step 120 overhead $PY benchmarks/bench_overhead.py --out overhead-device $Q
+if [ -n "${QUICK:-}" ]; then IMAGES="--images 300 --seconds 1 --scaling 1,2"
+else IMAGES="--images 500 --seconds 5 --scaling 1,4,16"; fi
+STEPS=${STEPS:-host-to-gpu workers images overhead}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+# host -> GPU: GB/s of shuffled 224x224x3 uint8 batches reaching the device (~75 s)
+want host-to-gpu && step 150 host-to-gpu $PY benchmarks/bench_host_to_gpu.py \
+    --device "${DEVICE:-cuda}" $Q
+# a 1 ms pure-Python map: 1 thread vs N worker processes vs DataLoader(N workers) (~15 s)
+for n in ${WORKERS:-16}; do
+    want workers && step 60 "workers $n" $PY benchmarks/bench_workers.py --only python_map \
+        --workers "$n" --out "workers-device-$n" $Q
+done
+# the image pipelines on 1..16 processes and threads, each timed for 5 s (~2 min)
+want images && step 170 images $PY benchmarks/bench_images.py $IMAGES ${IMAGE_ARGS:-} \
+    --no-peak --out images-scaling-device
+# per-batch overhead against plain NumPy loops (the whole page: OVERHEAD_ARGS='')
+want overhead && step 120 overhead $PY benchmarks/bench_overhead.py \
+    ${OVERHEAD_ARGS---only batch(1024) --passes 3} --out overhead-device $Q
 
-find benchmarks/results -newer "$OUT/.start" -type f | tar czf "$OUT/device-results.tgz" -T -
 echo "== done $(date -u +%T): $(tar tzf "$OUT/device-results.tgz" | tr '\n' ' ')"
