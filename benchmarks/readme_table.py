@@ -151,6 +151,45 @@ def _workers_rows(rounds: dict[str, list[dict[str, Any]]] | None) -> list[str]:
     ]
 
 
+def _device_table() -> list[str]:
+    """The many-core and GPU rows (``benchmarks/device.sh`` on a lent 16-core machine with
+    one GPU), as a table of their own: another machine, and no tf.data there."""
+    gpu, workers = _load("host-to-gpu"), _load("workers-device-16")
+    if gpu is None or gpu.get("config", {}).get("device") != "cuda":
+        return []
+    machine, rows = gpu["machine"], gpu["rows"]
+    lines = [
+        "",
+        f"On a lent machine with {machine['cores']} cores ({machine['cpu']}), one NVIDIA "
+        f"H200 and {machine['ram_gib']} GiB, Python {machine['python']}, NumPy "
+        f"{machine['numpy']}, PyTorch {machine['torch']} (no TensorFlow there): "
+        "`bash benchmarks/device.sh`.",
+        "",
+        "| scenario | headrace | vs the best PyTorch way |",
+        "|---|---|---|",
+    ]
+    others = [r for r in rows[1:] if r.get("gb_per_s")]
+    if rows[0].get("gb_per_s") and others:
+        best = max(others, key=lambda r: r["gb_per_s"])
+        lines.append(
+            f"| shuffled 224x224x3 uint8 batches of 256 to the GPU, `to_torch(device, "
+            f"pin_memory=True)` | {rows[0]['gb_per_s']:.1f} GB/s | "
+            f"{rows[0]['gb_per_s'] / best['gb_per_s']:.1f}x ({best['side']}, "
+            f"{best['workers']} workers) |")
+    if workers:
+        by_name = {r["name"]: r for r in workers if "per_s" in r}
+        one = by_name.get("headrace 1 thread")
+        ours = next((r for n, r in by_name.items() if n.endswith(" processes")), None)
+        theirs = next((r for n, r in by_name.items() if n.startswith("torch")), None)
+        if one and ours and theirs:
+            lines.append(
+                f"| 1 ms pure-Python map, {ours['workers']} worker processes | "
+                f"{ours['per_s'] / one['per_s']:.1f}x one thread | "
+                f"{ours['per_s'] / theirs['per_s']:.2f}x (DataLoader, {theirs['workers']} "
+                "workers) |")
+    return lines
+
+
 def build_table() -> str:
     core, tfrecord = _load("core"), _load("tfrecord")
     if core is None:
@@ -179,6 +218,7 @@ def build_table() -> str:
             f"{theirs['import_s'] / ours['import_s']:.0f}x faster | "
             f"{ours['VmRSS'] / MiB:.0f} MiB RSS | {theirs['VmRSS'] / MiB:.0f} MiB RSS |"
         )
+    lines += _device_table()
     lines.append("")
     lines.append(
         "Regenerate with `python benchmarks/bench_core.py && python benchmarks/bench_tfrecord.py "
