@@ -40,7 +40,7 @@ def test_unique_strings_and_bad_types() -> None:
     assert hr_list(hr_ds) == tf_list(tf_ds)
     with pytest.raises(TypeError):
         tf.data.Dataset.range(3).map(lambda x: tf.cast(x, tf.float32)).unique()
-    with pytest.raises(hr.ElementSpecError, match="integer or string scalars"):
+    with pytest.raises(hr.ElementSpecError, match="single integer or string tensors"):
         hr.Dataset.from_tensor_slices(np.arange(3.0)).unique()
 
 
@@ -54,3 +54,48 @@ def test_unique_books_the_values_it_has_seen() -> None:
     tight = hr.Dataset.range(200_000).unique().with_options(hr.Options(memory_budget="1MiB"))
     with pytest.raises(hr.MemoryBudgetError, match="unique"):
         list(tight)
+
+
+def _gen_ds(rows: list[list[Any]], dtype: Any, ndim: int) -> tuple[Any, Any]:
+    """The same stream of arrays (shapes varying) under tf.data and headrace."""
+    arrays = [np.array(row, dtype=dtype).reshape((-1,) + (1,) * (ndim - 1)) if ndim > 1
+              else np.array(row, dtype=dtype) for row in rows]
+    tf_dtype = tf.string if dtype is object else tf.as_dtype(dtype)
+    tf_ds = tf.data.Dataset.from_generator(
+        lambda: iter(arrays), output_signature=tf.TensorSpec((None,) * ndim, tf_dtype))
+    hr_ds = hr.Dataset.from_generator(lambda: iter(arrays), output_signature=hr.TensorSpec(
+        (None,) * ndim, bytes if dtype is object else dtype))
+    return tf_ds, hr_ds
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, object])
+@pytest.mark.parametrize("seed", range(6))
+def test_unique_of_arrays_of_any_shape_matches_tf(dtype: Any, seed: int) -> None:
+    """tf.data compares whole tensors, shape included, and a stream may mix shapes."""
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(0, 3, rng.integers(0, 4)).tolist() for _ in range(40)]
+    if dtype is object:
+        rows = [[str(v).encode() for v in row] for row in rows]
+    for ndim in (1, 2):
+        tf_ds, hr_ds = _gen_ds(rows, dtype, ndim)
+        assert hr_list(hr_ds.unique()) == tf_list(tf_ds.unique())
+        assert_checkpoint_roundtrip(hr_ds.unique())
+
+
+def test_unique_tells_shapes_apart_as_tf_does() -> None:
+    values = [np.array([[1, 2]]), np.array([[1], [2]]), np.array([[1, 2]])]
+    tf_ds = tf.data.Dataset.from_generator(
+        lambda: iter(values), output_signature=tf.TensorSpec((None, None), tf.int64))
+    hr_ds = hr.Dataset.from_generator(
+        lambda: iter(values), output_signature=hr.TensorSpec((None, None), np.int64))
+    assert hr_list(hr_ds.unique()) == tf_list(tf_ds.unique())
+    assert len(hr_list(hr_ds.unique())) == 2
+
+
+def test_unique_refuses_structures_and_floats_as_tf_does() -> None:
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        list(tf.data.Dataset.from_tensor_slices(([1, 1], [2, 2])).unique())
+    with pytest.raises(hr.ElementSpecError, match="single integer or string tensors"):
+        hr.Dataset.from_tensor_slices(([1, 1], [2, 2])).unique()
+    with pytest.raises(hr.ElementSpecError, match="single integer or string tensors"):
+        hr.Dataset.from_tensor_slices(np.ones((2, 2), np.float32)).unique()

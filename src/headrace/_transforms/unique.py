@@ -1,7 +1,10 @@
 """``unique()``: each distinct element once, in order of first appearance (tf.data's).
 
-Elements must be scalars (or 1-element-free vectors are refused) of an integer
-or string type, as tf.data requires. The set of values seen so far is the
+Elements are single tensors of an integer or string type, of any shape, as in
+tf.data: two elements are the same when their shapes and values are (``[[1, 2]]``
+and ``[[1], [2]]`` are not), and a stream may mix shapes. Floats and structures
+(tuples, dicts) are refused, as tf.data refuses them; integer types beyond int32
+and int64 are accepted. The set of values seen so far is the
 stage's buffer: every new value is booked on the stage's share of the budget
 (its Python object and its slot in the set) and held until the iterator
 closes — it cannot shrink, so a stream with more distinct values than the
@@ -31,13 +34,14 @@ __all__ = ["UniqueNode"]
 _SET_SLOT_BYTES = 27
 
 
+_REFUSED = "unique: elements must be single integer or string tensors (as in tf.data), got"
+
+
 def _check_spec(spec: Any) -> None:
-    if not isinstance(spec, TensorSpec) or spec.shape != () or not (
+    if not isinstance(spec, TensorSpec) or not (
         spec.kind in ("bytes", "str") or spec.dtype.kind in "iu"
     ):
-        raise ElementSpecError(
-            f"unique: elements must be integer or string scalars (as in tf.data), got {spec!r}"
-        )
+        raise ElementSpecError(f"{_REFUSED} {spec!r}")
 
 
 class UniqueNode(UnaryNode):
@@ -67,16 +71,25 @@ class UniqueNode(UnaryNode):
 
 
 def _key(element: Any) -> Any:
+    """What an element is compared by: the value of a scalar; the shape and the values
+    of an array (integers as int64 bytes, so the key is compact and exact)."""
     if isinstance(element, (bytes, str)):
         return element
     if isinstance(element, (np.integer, int)) and not isinstance(element, bool):
         return int(element)
-    if isinstance(element, np.ndarray) and element.shape == () and element.dtype.kind in "iuO":
-        return element.item()
-    raise ElementSpecError(
-        f"unique: elements must be integer or string scalars (as in tf.data), got "
-        f"{type(element).__name__} {element!r:.60}"
-    )
+    if isinstance(element, np.ndarray):
+        kind = element.dtype.kind
+        if element.shape == () and kind in "iuSUO":
+            return _key(element.item())
+        if kind == "u" and element.dtype.itemsize == 8:  # past int64: its own bytes
+            return ("u8", element.shape, element.tobytes())
+        if kind in "iu":
+            return ("i", element.shape, element.astype(np.int64, copy=False).tobytes())
+        if kind in "SUO":
+            values = tuple(element.ravel().tolist())
+            if all(isinstance(v, (bytes, str)) for v in values):
+                return ("s", element.shape, values)
+    raise ElementSpecError(f"{_REFUSED} {type(element).__name__} {element!r:.60}")
 
 
 class _UniqueIterator(Iterator):
