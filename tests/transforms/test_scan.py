@@ -47,3 +47,13 @@ def test_scan_must_return_a_pair_and_keep_its_state_structure() -> None:
         list(hr.Dataset.range(3).scan(np.int64(0), lambda s, x: s + x))
     with pytest.raises(hr.ElementSpecError, match="changed the structure of the state"):
         list(hr.Dataset.range(3).scan(np.int64(0), lambda s, x: ((s, s), x)))
+
+
+def test_the_state_may_change_its_dtype_where_tf_refuses() -> None:
+    """docs/differences.md: the state is what scan_func returns (tf.data fixes its dtypes
+    when it traces the function); the structure must stay, the dtype may go."""
+    with pytest.raises(TypeError, match="must match the initial state"):
+        tf.data.Dataset.range(3).scan(np.int64(0), lambda s, x: (tf.cast(s, tf.float32) + 0.5, s))
+    ds = hr.Dataset.range(3).scan(np.int64(0), lambda s, x: (s + 0.5, s))
+    assert [(float(v), np.asarray(v).dtype.kind) for v in ds] == [(0, "i"), (0.5, "f"), (1, "f")]
+    assert_checkpoint_roundtrip(ds)
