@@ -392,8 +392,32 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             "batch_shape": list(shape)}
 
 
+def shards_for(directory: str | None, images: int) -> list[str]:
+    """The benchmark's shards of ``images`` JPEGs (made once, kept between runs)."""
+    where = Path(directory or Path(tempfile.gettempdir()) / f"headrace-bench-images-{images}")
+    print(f"making {images} JPEGs in {SHARDS} shards under {where} ...", file=sys.stderr)
+    return make_shards(where, images)
+
+
+def measure_side(cfg: dict[str, Any], *, peak: bool, timeout: float = 3600) -> dict[str, Any]:
+    """One side in fresh processes: a timed run, then (``peak``) a run for its peak memory."""
+    from _harness import child_env, run_child
+
+    result: dict[str, Any] = {}
+    for measure in ("speed", "memory") if peak else ("speed",):
+        print(f"  running {cfg['side']} ({measure}) ...", file=sys.stderr, flush=True)
+        part = run_child([sys.executable, str(Path(__file__).resolve()), "--child",
+                          json.dumps({**cfg, "measure": measure})], timeout=timeout,
+                         env=child_env())
+        if part.get("error"):
+            print(part["error"], part.get("stderr_tail", ""), file=sys.stderr)
+        result.update(part if measure == "speed" else
+                      {key: part[key] for key in ("peak_pss_mib", "error") if key in part})
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
-    from _harness import child_env, fmt_ratio, md_table, report_head, run_child, write_report
+    from _harness import fmt_ratio, md_table, report_head, write_report
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--images", type=int, default=2000)
@@ -424,9 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         return scaling(args)
     images = 20_000 if args.full else args.images
     started = time.perf_counter()
-    directory = Path(args.dir or Path(tempfile.gettempdir()) / f"headrace-bench-images-{images}")
-    print(f"making {images} JPEGs in {SHARDS} shards under {directory} ...", file=sys.stderr)
-    files = make_shards(directory, images)
+    files = shards_for(args.dir, images)
     shard_bytes = sum(os.path.getsize(p) for p in files)
     run_line = (f"`PYTHONPATH=src python benchmarks/bench_images.py --images {images} "
                 f"--epochs {args.epochs} --repeats {args.repeats} --budget {args.budget}"
@@ -438,19 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, Any]]] = {side: [] for side in chosen}
     for _ in range(args.repeats):
         for side in chosen:
-            result: dict[str, Any] = {}
-            for measure in ("speed",) if args.no_peak else ("speed", "memory"):
-                cfg = {"side": side, "files": files, "epochs": args.epochs,
-                       "budget": args.budget, "measure": measure}
-                argv_child = [sys.executable, str(Path(__file__).resolve()), "--child",
-                              json.dumps(cfg)]
-                print(f"  running {side} ({measure}) ...", file=sys.stderr, flush=True)
-                part = run_child(argv_child, timeout=3600, env=child_env())
-                if part.get("error"):
-                    print(part["error"], part.get("stderr_tail", ""), file=sys.stderr)
-                result.update(part if measure == "speed" else
-                              {key: part[key] for key in ("peak_pss_mib", "error") if key in part})
-            results[side].append(result)
+            results[side].append(measure_side(
+                {"side": side, "files": files, "epochs": args.epochs, "budget": args.budget},
+                peak=not args.no_peak))
 
     def best(side: str, key: str) -> float | None:
         values = [r[key] for r in results.get(side, []) if r.get(key) is not None]
@@ -500,13 +512,11 @@ def scaling(args: argparse.Namespace) -> int:
     """How the rate grows with cores: headrace's Inception-crop pipeline and the plain
     tf.image one, on N worker processes and on N threads, for each N of ``--scaling``.
     N=1 is the one-core reference (the many-core target: >= 10x one core)."""
-    from _harness import child_env, md_table, report_head, run_child, write_report
+    from _harness import md_table, report_head, write_report
 
     counts = [int(n) for n in args.scaling.split(",")]
     started = time.perf_counter()
-    directory = Path(args.dir or Path(tempfile.gettempdir()) / f"headrace-bench-images-{args.images}")
-    print(f"making {args.images} JPEGs in {SHARDS} shards under {directory} ...", file=sys.stderr)
-    files = make_shards(directory, args.images)
+    files = shards_for(args.dir, args.images)
     info, sections = report_head(
         "Image pipeline: scaling with cores", sys.executable,
         f"`PYTHONPATH=src python benchmarks/bench_images.py --images {args.images} "
@@ -517,18 +527,10 @@ def scaling(args: argparse.Namespace) -> int:
         for workers in ("processes", "threads"):
             one = None
             for n in counts:
-                part: dict[str, Any] = {}
-                for measure in ("speed",) if args.no_peak else ("speed", "memory"):
-                    cfg = {"side": f"headrace {pipeline} ({n} {workers})", "pipeline": pipeline,
-                           "workers": workers, "calls": n, "files": files,
-                           "seconds": args.seconds, "budget": args.budget, "measure": measure}
-                    print(f"  running {cfg['side']} ({measure}) ...", file=sys.stderr, flush=True)
-                    got = run_child([sys.executable, str(Path(__file__).resolve()), "--child",
-                                     json.dumps(cfg)], timeout=900, env=child_env())
-                    if got.get("error"):
-                        print(got["error"], got.get("stderr_tail", ""), file=sys.stderr)
-                    part.update(got if measure == "speed" else
-                                {k: got[k] for k in ("peak_pss_mib", "error") if k in got})
+                part = measure_side(
+                    {"side": f"headrace {pipeline} ({n} {workers})", "pipeline": pipeline,
+                     "workers": workers, "calls": n, "files": files, "seconds": args.seconds,
+                     "budget": args.budget}, peak=not args.no_peak, timeout=900)
                 part.update(pipeline=pipeline, workers=workers, calls=n)
                 results.append(part)
                 print(f"    {part.get('images_per_s', 0):.0f} images/s, "
