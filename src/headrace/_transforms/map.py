@@ -289,8 +289,10 @@ class MapNode(Node):
             self._fused, self._traced = fused_parse(self.fn), True
         if self._fused is None:
             return None
-        records = batch_iterator(self.inputs[0], ctx, account, batch_size, drop_remainder)
-        return FusedParseIterator(records, self._fused, self.fn, self.stage, ctx, account)
+        # (a short last batch is parsed, then dropped: its error is raised, as tf.data's)
+        records = batch_iterator(self.inputs[0], ctx, account, batch_size, False)
+        return FusedParseIterator(records, self._fused, self.fn, self.stage, ctx, account,
+                                  batch_size if drop_remainder else 0)
 
     def make_iterator(self, ctx: Context) -> Iterator:
         if self.index_plan() is not None:

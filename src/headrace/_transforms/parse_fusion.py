@@ -174,7 +174,9 @@ class FusedParseIterator(Iterator):
     """Batches of records from ``inner`` (a batch iterator), parsed in one call each.
 
     The columns are booked on the batch stage's ``account`` as they are (they exist
-    once the parse returns), and the records' booking is released.
+    once the parse returns), and the records' booking is released. Under
+    ``drop_remainder`` (``whole``: the batch size) a short last batch is parsed before
+    it is dropped, so a bad record in it raises, as in tf.data's fused map and batch.
     """
 
     stage = "batch"
@@ -187,10 +189,11 @@ class FusedParseIterator(Iterator):
         map_stage: str,
         ctx: Context,
         account: Buffer,
+        whole: int = 0,
     ) -> None:
         super().__init__(inner)
         self.inner, self.parse, self.fn, self.map_stage = inner, parse, fn, map_stage
-        self.ctx, self.account = ctx, account
+        self.ctx, self.account, self.whole = ctx, account, whole
         self.index = 0  # records consumed: the element index an error names
         origin_probe(inner, tokens=False)  # an error names its record's file and offset
 
@@ -204,6 +207,8 @@ class FusedParseIterator(Iterator):
                 columns = self.parse(records)
             except HeadraceError as error:
                 raise self._per_record_error(records, first, error) from None
+            if len(records) < self.whole:  # a short last batch, checked: dropped
+                raise StopIteration
             (booking,) = self.account.admit_existing([self.ctx.sizeof(columns)])
         finally:
             reservation.release()
