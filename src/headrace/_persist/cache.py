@@ -325,11 +325,7 @@ class _CacheIterator(Iterator):
         source = self.source
         if self.writing or not isinstance(source, FileReader):
             return None
-        try:
-            found = source.records.read_batch(count, account, whole=whole)
-        except DataLossError:
-            self._past_damage()
-            raise
+        found = source.records.read_batch(count, account, whole=whole)
         if found is not None:
             self.position += found[2]
         return found

@@ -859,15 +859,15 @@ class RecordReader:
     def read_batch(
         self, count: int, out_account: Buffer, *, whole: bool = False
     ) -> tuple[Any, Reservation, int] | None:
-        """:meth:`_read_batch`; a bad record among the batch's raises its error in the
-        batch's place, the records gathered before it dropped (as a batch stage does
-        with an element's error), and the next batch starts after it."""
-        first = self.next
+        """:meth:`_read_batch`, or None (nothing consumed) where a record among the
+        batch's is bad: the caller then batches these elements one by one, so the bad
+        one raises in its place with the semantics of every other element error (the
+        rows before it dropped with their batch, the next batch after it, and a ``take``
+        or ``skip`` above counting only the elements that came)."""
         try:
             return self._read_batch(count, out_account, whole=whole)
-        except DataLossError as error:
-            self._skip_bad(self._record_at(error, first))
-            raise
+        except DataLossError:
+            return None  # (the batch's reads raise before ``next`` moves)
 
     def _read_batch(
         self, count: int, out_account: Buffer, *, whole: bool = False

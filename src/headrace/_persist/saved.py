@@ -1109,7 +1109,8 @@ class _LoadedAccess(RandomAccess):
     ) -> tuple[Any, Reservation, int] | None:
         """The next ``count`` elements of ``stream`` (fewer at its end) batched column by
         column from their records (read and checked as :meth:`get` reads them), or None
-        — the stream put back where it was — where they are not all alike. The records
+        — the stream put back where it was — where they are not all alike or one is
+        damaged. The records
         read (and their joined copy) are booked on ``account`` while they are used, the
         batch's columns before they are allocated."""
         if not self.columnar:
@@ -1122,6 +1123,11 @@ class _LoadedAccess(RandomAccess):
         numbers = self._record_numbers(indices)
         try:
             found = self._columns(numbers, account)
+        except DataLossError:
+            # A bad record among them: batched one by one instead, so it raises in its
+            # place as every element error does (the rows before it dropped with their
+            # batch, the next batch after it), never again at every call.
+            found = None
         except BaseException:  # (refused: the next call meets the same batch, as batch's)
             stream.set_state(saved)
             raise
