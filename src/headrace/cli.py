@@ -163,9 +163,32 @@ def _output_file(text: str) -> str:
                 f"{text!r} is {describe_file_type(mode)}, not a regular file")
         if mode is None:
             _check_writable_folder(text)  # refused now, not after the run
-        elif not os.access(text, os.W_OK):
-            raise argparse.ArgumentTypeError(f"{text!r} cannot be written (permission denied)")
+        _try_writing(text, new=mode is None)
     return text
+
+
+def _try_writing(text: str, *, new: bool) -> None:
+    """Refuse a file the report could not be written to, by trying: a new one is made
+    and removed again (a name too long, a read-only file system), an existing one is
+    opened for appending and written nothing (no permission, a /proc file that takes no
+    writes); the file's content and times are left as they were."""
+    try:
+        if new:
+            fd = os.open(text, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.close(fd)
+            os.unlink(text)
+        else:
+            fd = os.open(text, os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(fd, b"")
+            finally:
+                os.close(fd)
+    except FileExistsError:
+        pass  # (made meanwhile: written over at the end, as any existing file)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(
+            f"{text[:80]!r}{'...' if len(text) > 80 else ''} cannot be written "
+            f"({error.strerror or error})") from None
 
 
 def _check_writable_folder(text: str) -> None:

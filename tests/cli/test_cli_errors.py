@@ -338,6 +338,37 @@ def test_an_html_report_to_a_non_regular_file_is_refused_before_running(
     assert not os.listdir(temp) and not os.listdir(cwd)
 
 
+@pytest.mark.parametrize("kind", ["name too long", "/proc/version"])
+@pytest.mark.parametrize("command", ["profile", "doctor"])
+def test_an_html_report_that_cannot_be_written_is_refused_before_running(
+    tmp_path: Path, command: str, kind: str
+) -> None:
+    # both ran every epoch, then failed at the write with status 1 (attacks8)
+    temp, cwd = tmp_path / "tmp", tmp_path / "cwd"
+    temp.mkdir()
+    cwd.mkdir()
+    (tmp_path / "ok.py").write_text("import headrace as hr\n\ndef make():\n"
+                                    "    raise AssertionError('ran the pipeline')\n")
+    html = kind if kind.startswith("/") else str(tmp_path / ("x" * 300 + ".html"))
+    argv = [command, f"{tmp_path / 'ok.py'}:make", "--html", html, "--epochs", "5"]
+    ran = run_cli(argv, cwd=cwd, temp=temp, capture=tmp_path / "capture")
+    line = one_error_line(ran, argv)
+    assert ran.code == 2 and html[:60] in line and "cannot be written" in line, line
+    assert not os.listdir(temp) and not os.listdir(cwd) and sorted(os.listdir(tmp_path)) == [
+        "capture", "cwd", "ok.py", "tmp"]
+
+
+def test_an_existing_report_file_is_left_as_it_was_until_the_report(tmp_path: Path) -> None:
+    from headrace.cli import _output_file
+
+    report = tmp_path / "report.html"
+    report.write_text("old")
+    os.utime(report, (1_000_000, 1_000_000))
+    assert _output_file(str(report)) == str(report)
+    assert report.read_text() == "old" and report.stat().st_mtime == 1_000_000
+    assert _output_file(str(tmp_path / "new.html")) and not (tmp_path / "new.html").exists()
+
+
 def failing_convert(case: str, root: Path, rng: np.random.Generator) -> list[str]:
     """A ``convert`` that fails after its arguments parse (argv without the destination)."""
     import sqlite3
