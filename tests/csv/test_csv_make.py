@@ -62,3 +62,18 @@ def test_shuffled_reads_every_row_once_per_epoch(tmp_path: Path) -> None:
         for i in features["b_int"]]
     expected = [part * 100 + i for part in range(2) for i in range(23 + part * 9)]
     assert sorted(ids) == sorted(expected * 2) and ids != expected * 2
+
+
+def test_a_blank_line_of_a_one_column_file_is_its_default_where_tf_refuses(
+    tmp_path: Path,
+) -> None:
+    """docs/differences.md: read as both libraries' CsvDataset read it; tf.data's
+    make_csv_dataset refuses to build."""
+    path = tmp_path / "blank.csv"
+    path.write_text("a\n1\n\n3\n")
+    with pytest.raises(ValueError, match="Problem inferring types"):
+        tf.data.experimental.make_csv_dataset(str(path), 4, num_epochs=1, shuffle=False)
+    (batch,) = list(hr.make_csv_dataset(str(path), 4, num_epochs=1, shuffle=False))
+    assert batch["a"].tolist() == [1, 0, 3]
+    theirs = tf.data.experimental.CsvDataset(str(path), [[0]], header=True)
+    assert [int(row[0]) for row in theirs] == [1, 0, 3]
