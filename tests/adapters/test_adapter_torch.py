@@ -175,3 +175,36 @@ def test_loader_workers_keep_every_pair_and_every_row(tmp_path: Any, seed: int) 
                             multiprocessing_context=CONTEXT)
         got = sc.multiset(sc.rows(map(_as_tuples, loader), case.batched))
         assert got == expected, f"{sc.describe(case.dataset.node)}, {workers} workers"
+
+
+def _epochs(loader: Any, epochs: int) -> list[list[int]]:
+    return [[int(row) for row in loader] for _ in range(epochs)]
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_reshuffle_each_epoch_and_not_in_lockstep(persistent: bool) -> None:
+    """A shuffle in DataLoader workers drew the same order every epoch (a forked worker
+    starts at iteration 0; a persistent one re-derived its part afresh), and under source
+    sharding every worker applied the same permutation to its own rows, so worker 1's
+    stream was worker 0's plus one (attacks9). Reproducible when torch is seeded, as
+    torch's own shuffling is."""
+    ds = hr.Dataset.from_tensor_slices(np.arange(64)).shuffle(64, seed=0)
+
+    def run() -> list[list[int]]:
+        torch.manual_seed(5)
+        return _epochs(DataLoader(ds.to_torch(), batch_size=None, num_workers=2,
+                                  persistent_workers=persistent,
+                                  multiprocessing_context=CONTEXT), 2)
+
+    first, second = run()
+    assert sorted(first) == sorted(second) == list(range(64))  # each epoch: every row once
+    assert first != second
+    steps = {b - a for a, b in zip(first[0::2], first[1::2], strict=True)}
+    assert len(steps) > 1  # the workers' orders are not one permutation, shifted
+    assert run() == [first, second]
+    fixed = hr.Dataset.from_tensor_slices(np.arange(64)).shuffle(
+        64, seed=0, reshuffle_each_iteration=False)
+    again = _epochs(DataLoader(fixed.to_torch(), batch_size=None, num_workers=2,
+                               persistent_workers=persistent, multiprocessing_context=CONTEXT), 2)
+    assert again[0] == again[1]

@@ -44,6 +44,7 @@ from headrace._warn import warn_user
 from headrace.adapters._elements import ConvertedElements
 from headrace.adapters._sharding import WorkerSharding, resolve_sharding, shard_for_worker
 from headrace.core.node import INFINITE, UNKNOWN, Node
+from headrace.core.run import set_next_iteration
 
 if TYPE_CHECKING:
     from headrace._dataset import Dataset
@@ -100,11 +101,33 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
         self.num_threads, self.buffers = num_threads, buffers
 
     def part(self) -> Dataset:
-        """What this process reads: the whole dataset, or this DataLoader worker's part."""
+        """What this process reads: the whole dataset, or this DataLoader worker's part,
+        made the worker's iteration of its epoch (see :meth:`_worker_iteration`)."""
         info = torch.utils.data.get_worker_info()
         if info is None:
             return self.dataset
-        return shard_for_worker(self.dataset, self.worker_sharding, info.num_workers, info.id)
+        part = shard_for_worker(self.dataset, self.worker_sharding, info.num_workers, info.id)
+        set_next_iteration(part.node, self._worker_iteration(info))
+        return part
+
+    def _worker_iteration(self, info: Any) -> int:
+        """Which iteration a DataLoader worker runs, for the stages that reshuffle (or
+        redraw) each iteration. A worker process cannot count epochs in the main
+        process, and non-persistent workers start afresh each epoch, so the epoch comes
+        from torch's worker seed: ``base_seed + worker id``, the base drawn once per
+        DataLoader iterator from its ``generator`` (else torch's RNG), as torch's own
+        shuffling draws, so orders are reproducible when torch is seeded. Persistent
+        workers keep their seed: their own count of iterators tells the epochs apart.
+        Under source sharding each worker shuffles only its own rows, so its id keys
+        its stream too (the same permutation in every worker moved them in lockstep);
+        under output sharding every worker must run the very same pipeline."""
+        count = self.__dict__.get("_worker_iterators", 0)
+        self.__dict__["_worker_iterators"] = count + 1
+        words = [info.seed - info.id, count]
+        if self.worker_sharding == "source":
+            words.append(info.id)
+        (key,) = np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)
+        return int(key) >> 1  # (an int64: a checkpoint's iteration)
 
     def __iter__(self) -> PyIterator[Any]:
         device = self.device
