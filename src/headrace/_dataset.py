@@ -222,8 +222,11 @@ class Dataset:
         wrong query fails at once with the database's message, never retried.
         NULLs take ``null_defaults[column]`` or raise naming the column, row and
         key. ``dtypes`` fixes a column's NumPy type; otherwise SQLite's come from
-        the first page, and a later value that type would change (1.5 or '1' in
-        int64) raises :class:`SqlError` rather than being converted. See :mod:`headrace._sources.sql`.
+        the first page (a page holds at least ``batch_size`` rows: ``page_rows`` is
+        raised to it), a page whose values mix kinds (ints and text) making the
+        column ``object``, each value kept as it is; a later value that type would
+        change (1.5 or '1' in int64) raises :class:`SqlError` rather than being
+        converted. See :mod:`headrace._sources.sql`.
         """
         from headrace._sources.sql import SqlNode
 

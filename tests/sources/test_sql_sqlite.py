@@ -373,3 +373,27 @@ def test_a_key_mixing_storage_classes_delivers_each_row_once_or_says_so(
     else:
         assert len({type(k) for k in keys}) > 1, f"one type, refused: {refused}"
     assert "key column 'k'" in str(refused)
+
+
+def test_a_first_page_mixing_kinds_is_object_and_a_later_one_raises(tmp_path: Any) -> None:
+    """The documented rule, at both page sizes: types come from the first page (at least
+    batch_size rows); a first page of ints then text and a real keeps every value as it
+    is in an object column, and the same rows with the text past a first page of ints
+    raise, naming the column, row and value (never a silent conversion)."""
+    import sqlite3
+
+    path = tmp_path / "mixed.db"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v)")
+    con.executemany("INSERT INTO t VALUES (?, ?)",
+                    [(i, i) for i in range(10)] + [(10, "1"), (11, 1.5)])
+    con.commit()
+    con.close()
+    url = f"sqlite:///{path}"
+    (whole,) = list(hr.Dataset.from_sql("SELECT k, v FROM t", connection=url, key="k",
+                                        batch_size=1024, page_rows=3))
+    assert whole["v"].dtype == object and whole["v"].tolist() == [*range(10), "1", 1.5]
+    paged = hr.Dataset.from_sql("SELECT k, v FROM t", connection=url, key="k",
+                                batch_size=4, page_rows=3)
+    with pytest.raises(hr.SqlError, match=r"column 'v' row 10 \(key 10\): '1' \(a str\)"):
+        list(paged)

@@ -51,9 +51,12 @@ no such table or column, a syntax error, a refused permission, a bad value. A
 database there).
 
 Types come from the result's column types (PostgreSQL), or from the first page's
-values (SQLite, whose columns have no fixed type). Integers become int64, reals
+values (SQLite, whose columns have no fixed type; a page holds at least
+``batch_size`` rows, ``page_rows`` being raised to it). Integers become int64, reals
 float64, booleans bool; text becomes ``str`` and blobs ``bytes``, in ``object``
-arrays. A SQLite column may mix storage classes. A later value that its type
+arrays. A SQLite column may mix storage classes: a first page that mixes kinds
+(ints and text, say) makes the column ``object``, each value kept as it is. A
+later value that its type
 would change raises :class:`SqlError` naming the column (the key column as
 such), the row and the value; it is never converted in silence. Examples: 1.5 or
 '1' in an int64 column, text in a float64 one, an integer beyond 2**53 in
