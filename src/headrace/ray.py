@@ -499,6 +499,17 @@ class _Coordinator:
         for split, st, seq, offset in active:
             state["resume"][split] = (st, seq, offset)
 
+    def first_open_epoch(self, consumer: int, count: int) -> int:
+        """The epoch a new consumer of index ``consumer`` starts in (static sharding):
+        the first epoch begun whose splits of that index are not all done (those a
+        consumer left wait there for it), else the one after the last begun."""
+        mine = set(range(consumer, self.num_splits, count))
+        for epoch in sorted(self.epochs):
+            state = self.epochs[epoch]
+            if state["started"] and not mine <= state["done"]:
+                return epoch
+        return max(self.epochs, default=-1) + 1
+
     def stats(self) -> dict[str, Any]:
         return {"failures": list(self.failures), "load": list(self.load),
                 "done": {e: sorted(s["done"]) for e, s in self.epochs.items()},
@@ -613,8 +624,13 @@ class DataService:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
             raise InvalidArgumentError(
                 f"DataService.consumer: index must be in 0..{count - 1}, got {index!r}")
-        return ServiceConsumer(self.coordinator, self.workers, index, count, self.prefetch,
-                               self.sharding, self.num_splits, self.lease_timeout_s)
+        consumer = ServiceConsumer(self.coordinator, self.workers, index, count, self.prefetch,
+                                   self.sharding, self.num_splits, self.lease_timeout_s)
+        if self.sharding == "static":
+            # a replacement reads on where its index stands: the splits its predecessor
+            # left are in that epoch (an earlier one is done: its first pass would be empty)
+            consumer.epoch = ray.get(self.coordinator.first_open_epoch.remote(index, count))
+        return consumer
 
     def stats(self) -> dict[str, Any]:
         """The coordinator's view: worker failures seen, splits leased per worker, the

@@ -124,6 +124,29 @@ def test_a_consumer_that_leaves_gives_its_splits_back(cluster: Cluster) -> None:
         service.shutdown()
 
 
+def test_a_static_replacement_after_an_epoch_reads_on_in_the_epoch_left(
+        cluster: Cluster) -> None:
+    """A replacement consumer started at epoch 0 whatever epoch its index was in: when
+    its predecessor left in the second epoch, the replacement's first pass read nothing
+    (that epoch 0 was done) and the trainer beside it ended short (attacks9)."""
+    service = _service("static")
+    try:
+        bounds = _bounds()
+        mine = [v for s in (0, 2, 4) for v in range(bounds[s], bounds[s + 1])]
+        theirs = [v for s in (1, 3, 5) for v in range(bounds[s], bounds[s + 1])]
+        leaver, stays = service.consumer(0, 2), service.consumer(1, 2)
+        assert [int(v) for v in leaver] == mine and [int(v) for v in stays] == theirs
+        left = iter(leaver)  # the second epoch
+        first = [int(next(left)) for _ in range(37)]
+        leaver.close()
+        replacement = service.consumer(0, 2)
+        assert first + [int(v) for v in replacement] == mine
+        assert [int(v) for v in stays] == theirs
+        assert [int(v) for v in replacement] == mine  # then the third epoch, whole
+    finally:
+        service.shutdown()
+
+
 @ray.remote(num_cpus=0)
 class _Trainer:
     """A trainer process reading one consumer."""
