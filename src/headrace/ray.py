@@ -154,7 +154,7 @@ def _plan(source: Dataset | Callable[[int, int], Dataset], num_splits: int | Non
                 "DataService: a dataset_fn needs num_splits= (how many splits it makes)")
         return _Plan("fn", num_splits, fn=source)
     files = _file_count(source._node)
-    if files >= 2:
+    if files >= 1:  # one split per file (one file: one split)
         with contextlib.suppress(InvalidArgumentError):  # not cut by file: by position
             shard_files(source._node, ShardInfo(files, 0, "service"))
             return _Plan("files", files, dataset=source)

@@ -233,3 +233,16 @@ def test_a_node_lost_mid_epoch_loses_and_duplicates_nothing(cluster: Cluster,
         assert got == oracle and service.stats()["failures"][victim] >= 1
     finally:
         service.shutdown()
+
+
+def test_a_pipeline_of_one_file_is_one_split(cluster: Cluster, tmp_path: Path) -> None:
+    """Splits are a file pipeline's files, one per file: one file is one split, not a
+    refusal that the pipeline 'reads no list of files' (attacks9)."""
+    dataset = _lines(tmp_path, files=1, rows=30)
+    service = DataService(dataset, num_workers=2, memory_budget="16MiB", chunk_size=4)
+    try:
+        assert service.num_splits == 1
+        got = _round_robin([service.consumer(i, 2) for i in range(2)])
+        assert got == Counter(bytes(v) for v in dataset)
+    finally:
+        service.shutdown()
