@@ -39,6 +39,13 @@ def test_fit_interrupted_and_resumed_sees_the_uninterrupted_batches(backend: str
     assert (at_epoch["epoch"], at_epoch["step"]) == (2, 0)
     assert at_epoch["before"] == whole[: 24 + 4]
     assert at_epoch["resumed"] == whole[24:]
+    # saved at an epoch's last step (12 of 12), crashed before its end: resumes at the
+    # next epoch's first batch (an epoch resumed with no step left crashed Keras's JAX
+    # trainer, attacks9)
+    last = out["last"]
+    assert (last["epoch"], last["step"]) == (2, 0)
+    assert last["before"] == whole[:24]
+    assert last["resumed"] == whole[24:]
 
 
 def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:

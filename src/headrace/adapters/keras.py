@@ -378,7 +378,8 @@ class IteratorCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
     epoch's iterator keeps its last states, and the callback writes to ``path``
     (a JSON file, replaced atomically) at every epoch's end and, with an int
     ``save_freq``, every ``save_freq`` steps: the epoch, the step, and the
-    iterator state (at an epoch's end: none, the next epoch starts afresh). While
+    iterator state (at an epoch's end: none, the next epoch starts afresh; a save
+    at an epoch's last step, where Keras knows its steps, is that epoch's end). While
     it is attached, epoch *e*'s iterator is the dataset's iteration *e* (what
     ``reshuffle_each_iteration`` draws its order from), whatever other iterators
     Keras makes, so a resumed fit reshuffles as the uninterrupted one did.
@@ -470,7 +471,13 @@ class IteratorCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
             self._base = int(saved["step"])
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        if self.save_freq == "epoch" or (self._base + batch + 1) % int(self.save_freq):
+        step = self._base + batch + 1
+        if self.save_freq == "epoch" or step % int(self.save_freq):
+            return
+        if step == (self.params or {}).get("steps"):
+            # the epoch's last step: saved as its end, so that a resume starts the next
+            # epoch (an epoch resumed with no step left crashed Keras's JAX trainer)
+            self._write(self._epoch + 1, 0, None)
             return
         current = self.adapter.current
         if current is None:

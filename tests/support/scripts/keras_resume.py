@@ -73,7 +73,8 @@ def main() -> None:
     fit([IteratorCheckpoint(pipeline().to_keras(), os.path.join(folder, "whole.json"))],
         uninterrupted)
     result: dict[str, Any] = {"backend": keras.backend.backend(), "whole": uninterrupted}
-    for name, save_freq, crash in (("steps", 4, (1, 5)), ("epoch", "epoch", (2, 3))):
+    for name, save_freq, crash in (("steps", 4, (1, 5)), ("epoch", "epoch", (2, 3)),
+                                   ("last", 4, (1, 11))):
         path = os.path.join(folder, f"{name}.json")
         before: list[list[float]] = []
         fit([IteratorCheckpoint(pipeline().to_keras(), path, save_freq=save_freq),
