@@ -187,24 +187,46 @@ def test_workers_reshuffle_each_epoch_and_not_in_lockstep(persistent: bool) -> N
     """A shuffle in DataLoader workers drew the same order every epoch (a forked worker
     starts at iteration 0; a persistent one re-derived its part afresh), and under source
     sharding every worker applied the same permutation to its own rows, so worker 1's
-    stream was worker 0's plus one (attacks9). Reproducible when torch is seeded, as
-    torch's own shuffling is."""
+    stream was worker 0's plus one (attacks9). Now epoch e is the pipeline's iteration e
+    in every worker (under output sharding: the single-process stream of iteration e),
+    the same run after run whatever torch's RNG does (G3)."""
     ds = hr.Dataset.from_tensor_slices(np.arange(64)).shuffle(64, seed=0)
 
-    def run() -> list[list[int]]:
-        torch.manual_seed(5)
-        return _epochs(DataLoader(ds.to_torch(), batch_size=None, num_workers=2,
-                                  persistent_workers=persistent,
+    def run(policy: str, seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)  # (another torch seed changes nothing: G3 is headrace's)
+        return _epochs(DataLoader(ds.to_torch(worker_sharding=policy), batch_size=None,
+                                  num_workers=2, persistent_workers=persistent,
                                   multiprocessing_context=CONTEXT), 2)
 
-    first, second = run()
+    first, second = run("auto", 5)
     assert sorted(first) == sorted(second) == list(range(64))  # each epoch: every row once
     assert first != second
     steps = {b - a for a, b in zip(first[0::2], first[1::2], strict=True)}
     assert len(steps) > 1  # the workers' orders are not one permutation, shifted
-    assert run() == [first, second]
+    assert run("auto", 6) == [first, second]
+    plain = [[int(v) for v in ds] for _ in range(2)]
+    assert run("output", 7) == plain
     fixed = hr.Dataset.from_tensor_slices(np.arange(64)).shuffle(
         64, seed=0, reshuffle_each_iteration=False)
     again = _epochs(DataLoader(fixed.to_torch(), batch_size=None, num_workers=2,
                                persistent_workers=persistent, multiprocessing_context=CONTEXT), 2)
     assert again[0] == again[1]
+
+
+def _every(_: Any) -> bool:
+    return True
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_a_zip_split_as_one_stream_draws_alike_in_every_worker() -> None:
+    """A zip of unlike branches (a shuffle beside a filter) is split by position: every
+    worker runs it whole and keeps its n-th pairs, so all must draw the epoch's shuffle
+    alike, or their parts overlap (a per-worker stream lost and doubled pairs, attacks9).
+    Each epoch is then the pipeline's iteration of that number, pair for pair."""
+    ds = hr.Dataset.zip(hr.Dataset.from_tensor_slices(np.arange(60)).shuffle(60, seed=2),
+                        hr.Dataset.range(60).filter(_every))
+    loader = DataLoader(ds.to_torch(), batch_size=None, num_workers=2,
+                        multiprocessing_context=CONTEXT)
+    for epoch in range(2):
+        got = collections.Counter((int(a), int(b)) for a, b in loader)
+        assert got == collections.Counter((int(a), int(b)) for a, b in ds), epoch

@@ -31,6 +31,12 @@ written for a GPU still runs on a laptop. ``DataLoader(pin_memory=True)`` over
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import struct
+import tempfile
+import weakref
 from collections.abc import Iterator as PyIterator
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +105,7 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
         self.worker_sharding = resolve_sharding(dataset, worker_sharding)
         self.device, self.pin_memory = device, pin_memory
         self.num_threads, self.buffers = num_threads, buffers
+        self._clock = _EpochClock()  # made here: workers inherit it (fork) or get it sent
 
     def part(self) -> Dataset:
         """What this process reads: the whole dataset, or this DataLoader worker's part,
@@ -107,27 +114,33 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
         if info is None:
             return self.dataset
         part = shard_for_worker(self.dataset, self.worker_sharding, info.num_workers, info.id)
-        set_next_iteration(part.node, self._worker_iteration(info))
+        set_next_iteration(part.node, self._worker_iteration(info, part))
         return part
 
-    def _worker_iteration(self, info: Any) -> int:
+    def _worker_iteration(self, info: Any, part: Dataset) -> int:
         """Which iteration a DataLoader worker runs, for the stages that reshuffle (or
-        redraw) each iteration. A worker process cannot count epochs in the main
-        process, and non-persistent workers start afresh each epoch, so the epoch comes
-        from torch's worker seed: ``base_seed + worker id``, the base drawn once per
-        DataLoader iterator from its ``generator`` (else torch's RNG), as torch's own
-        shuffling draws, so orders are reproducible when torch is seeded. Persistent
-        workers keep their seed: their own count of iterators tells the epochs apart.
-        Under source sharding each worker shuffles only its own rows, so its id keys
-        its stream too (the same permutation in every worker moved them in lockstep);
-        under output sharding every worker must run the very same pipeline."""
+        redraw) each iteration: the DataLoader's epoch number, as iterating in the main
+        process counts them (G3: the same seed, the same orders, run after run).
+
+        A worker cannot count epochs alone: non-persistent workers start afresh every
+        epoch, from the main process's copy. So every worker of one epoch shows the
+        :class:`_EpochClock` one key, torch's ``base_seed`` (drawn once per DataLoader
+        iterator; ``info.seed`` is it plus the worker id) with the worker's own count of
+        iterators (persistent workers keep their seed), and the clock numbers keys in
+        the order they come. Under output sharding every worker must run the very same
+        pipeline, the single-process iteration of that number; under source sharding
+        each shuffles only its own rows, so its id keys its stream too (one permutation
+        in every worker moved them in lockstep) — unless a stream above the sources is
+        split by position (a ``zip`` of unlike branches): then every worker must draw
+        that stream alike, or the parts would overlap."""
         count = self.__dict__.get("_worker_iterators", 0)
         self.__dict__["_worker_iterators"] = count + 1
-        words = [info.seed - info.id, count]
-        if self.worker_sharding == "source":
-            words.append(info.id)
-        (key,) = np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)
-        return int(key) >> 1  # (an int64: a checkpoint's iteration)
+        (key,) = np.random.SeedSequence([info.seed - info.id, count]).generate_state(
+            1, dtype=np.uint64)
+        epoch = self._clock.epoch(int(key) >> 1 | 1)  # (an int64, never 0: a free slot)
+        if self.worker_sharding == "source" and not _shards_a_stream(part.node):
+            return int(epoch * info.num_workers + info.id)
+        return epoch
 
     def __iter__(self) -> PyIterator[Any]:
         device = self.device
@@ -172,6 +185,72 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
                 "(each batches its own part); use worker_sharding='output' for a length"
             )
         return size
+
+
+class _EpochClock:
+    """Epoch numbers for a DataLoader's worker processes: a counter and the last few
+    keys it numbered, in a small file the workers lock while they read and update it
+    (a path: it reaches forked and spawned workers alike; a multiprocessing lock made
+    here would be refused by a forkserver's or spawn's workers).
+
+    ``epoch(key)`` gives the number it gave ``key`` before, or the next one: the
+    workers of one epoch share a key, so they get one number, and a late worker of an
+    earlier epoch still finds its own among the last ``SLOTS``. Where the file is not
+    there (the pipeline sent to another machine) each process numbers keys by itself,
+    from 0. The file goes with the object in the process that made it."""
+
+    SLOTS = 8
+    _LAYOUT = struct.Struct(f"<{1 + 2 * SLOTS}q")  # next epoch, then (key, epoch) a slot
+
+    def __init__(self) -> None:
+        fd, self.path = tempfile.mkstemp(prefix="headrace-epochs-")
+        try:
+            os.write(fd, bytes(self._LAYOUT.size))
+        finally:
+            os.close(fd)
+        self.alone: dict[int, int] = {}
+        weakref.finalize(self, _remove_owned, self.path, os.getpid())
+
+    def epoch(self, key: int) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError:
+            return self.alone.setdefault(key, len(self.alone))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            counts = list(self._LAYOUT.unpack(os.pread(fd, self._LAYOUT.size, 0)))
+            for slot in range(self.SLOTS):
+                if counts[1 + 2 * slot] == key:
+                    return int(counts[2 + 2 * slot])
+            epoch = counts[0]
+            counts[0] = epoch + 1
+            slot = epoch % self.SLOTS
+            counts[1 + 2 * slot], counts[2 + 2 * slot] = key, epoch
+            os.pwrite(fd, self._LAYOUT.pack(*counts), 0)
+            return int(epoch)
+        finally:
+            os.close(fd)  # (the lock goes with it)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "alone": {}}
+
+
+def _shards_a_stream(node: Node) -> bool:
+    """Whether a worker's part splits a stream above its sources by position (each
+    worker runs it whole and keeps every n-th element)."""
+    from headrace._transforms.shard import ShardNode
+
+    if isinstance(node, ShardNode) and node.inputs[0].inputs:
+        return True
+    return any(_shards_a_stream(child) for child in node.inputs)
+
+
+def _remove_owned(path: str, owner: int) -> None:
+    """Remove the clock's file, in the process that made it only (forked workers inherit
+    the finalizer, and one that ends with its epoch must not take the file along)."""
+    if os.getpid() == owner:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _batches(node: Node) -> bool:
