@@ -202,7 +202,9 @@ def test_retries_give_up_naming_the_url(s3: str, tmp_path: Path) -> None:
             _read(hr.TFRecordDataset(urls))
     finally:
         proxy.close()
-    assert caught.value.filename == urls[0] and faults.done_503 == 3
+    # the read that gave up tried 3 times (its message says so); a read ahead of the same
+    # object started beside it may have met 503s too before the stream closed
+    assert caught.value.filename == urls[0] and faults.done_503 >= 3
 
 
 def test_denied_access_is_named_and_not_retried(s3: str, tmp_path: Path) -> None:
