@@ -8,7 +8,13 @@
 #   ext/  headrace's two C extensions built for that Python (_hrio, _jpeg);
 #   lib/  libjpeg.so.62 (libjpeg-turbo), which _jpeg links.
 # Without ext/ it builds them there, and without a compiler headrace runs its pure-Python
-# fallbacks (the log says which).
+# fallbacks (the log says which). Made here (x86-64, a Python 3.12 with its headers):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .devpack/whl simplejpeg google-crc32c pypng
+#   gcc -shared -fPIC -O3 -std=c11 -I$PY312_INCLUDE src/headrace/io/_ext/hrio.c \
+#       -o .devpack/ext/_hrio.cpython-312-x86_64-linux-gnu.so   (and image/_ext/jpeg.c -ljpeg)
+#   cp -L /lib/x86_64-linux-gnu/libjpeg.so.62 .devpack/lib/
+# and kept out of git (.git/info/exclude: /.devpack/).
 #
 #     OUT=/tmp/out bash benchmarks/device.sh
 #
