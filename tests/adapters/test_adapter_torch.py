@@ -230,3 +230,33 @@ def test_a_zip_split_as_one_stream_draws_alike_in_every_worker() -> None:
     for epoch in range(2):
         got = collections.Counter((int(a), int(b)) for a, b in loader)
         assert got == collections.Counter((int(a), int(b)) for a, b in ds), epoch
+
+
+def test_the_epoch_clock_numbers_keys_in_order_and_falls_back_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers of one epoch share a key and get one number; a late worker of an earlier
+    epoch gets its own back; without a temporary folder to_torch() still works, each
+    process numbering keys by itself (an unpickled copy shares the file, not the dict)."""
+    import os
+    import pickle
+    import tempfile
+
+    from headrace.adapters.torch import _EpochClock
+
+    clock = _EpochClock()
+    assert [clock.epoch(k) for k in (7, 7, 9, 7, 11, 9)] == [0, 0, 1, 0, 2, 1]
+    copy = pickle.loads(pickle.dumps(clock))
+    assert copy.epoch(13) == 3 and clock.epoch(13) == 3  # one file: one count
+    path = clock.path
+    del clock, copy
+    assert not os.path.exists(path)  # removed with the object that made it
+
+    def no_folder(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "mkstemp", no_folder)
+    alone = _EpochClock()
+    assert [alone.epoch(k) for k in (5, 5, 6)] == [0, 0, 1]
+    ds = hr.Dataset.from_tensor_slices(np.arange(6)).shuffle(6, seed=0)
+    assert sorted(int(v) for v in ds.to_torch()) == list(range(6))

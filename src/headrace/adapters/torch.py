@@ -203,13 +203,20 @@ class _EpochClock:
     _LAYOUT = struct.Struct(f"<{1 + 2 * SLOTS}q")  # next epoch, then (key, epoch) a slot
 
     def __init__(self) -> None:
-        fd, self.path = tempfile.mkstemp(prefix="headrace-epochs-")
+        self.alone: dict[int, int] = {}
+        self.path = ""  # (none: no temporary folder to write in; each process alone)
+        try:
+            fd, path = tempfile.mkstemp(prefix="headrace-epochs-")
+        except OSError:
+            return  # to_torch() must not fail for a clock only DataLoader workers read
+        weakref.finalize(self, _remove_owned, path, os.getpid())
         try:
             os.write(fd, bytes(self._LAYOUT.size))
+        except OSError:
+            return  # (a full disk: the file stays short, and a worker reading it is alone)
         finally:
             os.close(fd)
-        self.alone: dict[int, int] = {}
-        weakref.finalize(self, _remove_owned, self.path, os.getpid())
+        self.path = path
 
     def epoch(self, key: int) -> int:
         try:
