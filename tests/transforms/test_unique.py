@@ -99,3 +99,20 @@ def test_unique_refuses_structures_and_floats_as_tf_does() -> None:
         hr.Dataset.from_tensor_slices(([1, 1], [2, 2])).unique()
     with pytest.raises(hr.ElementSpecError, match="single integer or string tensors"):
         hr.Dataset.from_tensor_slices(np.ones((2, 2), np.float32)).unique()
+
+
+def test_unique_books_the_arrays_it_has_seen() -> None:
+    """Vectors are keyed by their shape and bytes, and booked as such: a stream of more
+    distinct vectors than the budget holds is refused, naming the stage."""
+    vectors = np.arange(40_000).reshape(-1, 4)
+    ds = hr.Dataset.from_tensor_slices(vectors).unique().with_options(
+        hr.Options(memory_budget="16MiB"))
+    with iter(ds) as iterator:
+        for _ in range(5_000):
+            next(iterator)
+        stage = next(s for s in iterator.stats().stages if s.name == "unique")
+        assert stage.held >= 5_000 * (32 + 27)  # at least the bytes and a set slot each
+    tight = hr.Dataset.from_tensor_slices(vectors).unique().with_options(
+        hr.Options(memory_budget="1MiB"))
+    with pytest.raises(hr.MemoryBudgetError, match="unique"):
+        list(tight)

@@ -321,7 +321,8 @@ class _CacheIterator(Iterator):
         """The next ``count`` elements (fewer at the end) as one batch decoded column by
         column from the cache file, booked on ``account``; None where that cannot be
         done (writing, a compressed or in-memory cache, elements that need objects, fewer
-        than ``count`` left when ``whole``): then nothing was consumed."""
+        than ``count`` left when ``whole``, a damaged record among them): then nothing was
+        consumed, and the batch stage takes the elements one by one."""
         source = self.source
         if self.writing or not isinstance(source, FileReader):
             return None
